@@ -1,0 +1,1 @@
+"""The kvlayout code generator: layouts.yaml -> Python specs, C++ headers, docs."""

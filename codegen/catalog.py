@@ -1,0 +1,234 @@
+"""Load ``layouts.yaml`` into a checked :class:`Catalog`, every error with its line.
+
+Mappings reject unknown and duplicate keys; every format name is parsed with the YAML's
+own vocabulary; cross-entry checks (unique values, names and layouts) run last.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+import yaml
+
+from kvlayout.errors import CatalogError, KVLayoutError
+from kvlayout.layout import Layout
+from kvlayout.parser import parse
+from kvlayout.vocabulary import Region, Role, Token, Vocabulary
+
+__all__ = ["Catalog", "Deprecation", "DescriptorField", "FormatEntry", "load_catalog"]
+
+
+@dataclass(frozen=True)
+class Deprecation:
+    replaced_by: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class FormatEntry:
+    value: int
+    layout: Layout
+    backends: tuple[str, ...]
+    engines: tuple[str, ...]
+    deprecated: Deprecation | None
+    line: int
+
+    @property
+    def name(self) -> str:
+        return str(self.layout)
+
+
+@dataclass(frozen=True)
+class DescriptorField:
+    name: str
+    meaning: str
+
+
+@dataclass(frozen=True)
+class Catalog:
+    path: str
+    vocabulary: Vocabulary
+    formats: tuple[FormatEntry, ...]
+    descriptor: tuple[DescriptorField, ...]
+
+
+class _Reader:
+    """Walks a composed YAML node tree, turning nodes into values with line numbers."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def error(self, node: yaml.Node, problem: str) -> CatalogError:
+        return CatalogError(self.path, node.start_mark.line + 1, problem)
+
+    def mapping(
+        self, node: yaml.Node, what: str, required: tuple[str, ...], optional: tuple[str, ...] = ()
+    ) -> dict[str, yaml.Node]:
+        if not isinstance(node, yaml.MappingNode):
+            raise self.error(node, f"{what} must be a mapping")
+        out: dict[str, yaml.Node] = {}
+        allowed = required + optional
+        for key_node, value_node in node.value:
+            key = key_node.value
+            if key in out:
+                raise self.error(key_node, f"{what} has the key {key!r} twice")
+            if key not in allowed:
+                raise self.error(key_node, f"{what} has an unknown key {key!r} (allowed: {', '.join(allowed)})")
+            out[key] = value_node
+        for key in required:
+            if key not in out:
+                raise self.error(node, f"{what} is missing the key {key!r}")
+        return out
+
+    def sequence(self, node: yaml.Node, what: str) -> list[yaml.Node]:
+        if not isinstance(node, yaml.SequenceNode):
+            raise self.error(node, f"{what} must be a list")
+        return list(node.value)
+
+    def string(self, node: yaml.Node, what: str) -> str:
+        if not isinstance(node, yaml.ScalarNode):
+            raise self.error(node, f"{what} must be a string")
+        return str(node.value)
+
+    def integer(self, node: yaml.Node, what: str) -> int:
+        if not isinstance(node, yaml.ScalarNode) or node.tag != "tag:yaml.org,2002:int":
+            raise self.error(node, f"{what} must be an integer, got {getattr(node, 'value', node)!r}")
+        return int(node.value)
+
+    def boolean(self, node: yaml.Node, what: str) -> bool:
+        if not isinstance(node, yaml.ScalarNode) or node.tag != "tag:yaml.org,2002:bool":
+            raise self.error(node, f"{what} must be true or false")
+        return node.value.lower() in ("true", "yes", "on")
+
+    def strings(self, node: yaml.Node, what: str) -> tuple[str, ...]:
+        return tuple(self.string(n, what) for n in self.sequence(node, what))
+
+
+def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
+    if not isinstance(node, yaml.MappingNode):
+        raise r.error(node, "tokens must be a mapping of token name to its meaning")
+    defined: dict[str, Token] = {}
+    seen: set[str] = set()
+    for key_node, value_node in node.value:
+        name = key_node.value
+        if name in seen:
+            raise r.error(key_node, f"token {name} is defined twice")
+        seen.add(name)
+        if not name.isupper() or name == "X" or not name.isalnum():
+            raise r.error(key_node, f"token name {name!r} must be upper-case letters and digits, not X")
+        what = f"token {name}"
+        m = r.mapping(value_node, what, ("meaning",), ("role", "literal", "fuses", "region", "label", "keep_label"))
+        role = None
+        if "role" in m:
+            role_name = r.string(m["role"], f"{what} role")
+            try:
+                role = Role(role_name)
+            except ValueError:
+                allowed = ", ".join(x.value for x in Role)
+                raise r.error(m["role"], f"{what} has an unknown role {role_name!r} (allowed: {allowed})") from None
+        fuses: list[Token] = []
+        for part_node in r.sequence(m["fuses"], f"{what} fuses") if "fuses" in m else []:
+            part = r.string(part_node, f"{what} fuses")
+            if part not in defined:
+                raise r.error(part_node, f"{what} fuses {part}, which is not defined above it")
+            fuses.append(defined[part])
+        region = None
+        if "region" in m:
+            rm = r.mapping(m["region"], f"{what} region", ("rows", "width"))
+            rows = r.string(rm["rows"], f"{what} region rows")
+            if rows not in defined or defined[rows].role is not Role.TOKEN:
+                raise r.error(rm["rows"], f"{what} region rows must be a token axis defined above it, not {rows}")
+            width = r.integer(rm["width"], f"{what} region width")
+            if width <= 0:
+                raise r.error(rm["width"], f"{what} region width must be positive")
+            region = Region(defined[rows], width)
+        literal = r.integer(m["literal"], f"{what} literal") if "literal" in m else None
+        kinds = [k for k, present in (("role", role), ("fuses", fuses), ("region", region)) if present]
+        if len(kinds) > 1:
+            raise r.error(value_node, f"{what} has {' and '.join(kinds)}; a token is one of them")
+        if not kinds and literal is None:
+            raise r.error(value_node, f"{what} needs a role, a literal, fuses or a region")
+        defined[name] = Token(
+            name=name,
+            meaning=" ".join(r.string(m["meaning"], f"{what} meaning").split()),
+            role=role,
+            literal=literal,
+            fuses=tuple(fuses),
+            region=region,
+            label=r.string(m["label"], f"{what} label") if "label" in m else None,
+            keep_label=r.boolean(m["keep_label"], f"{what} keep_label") if "keep_label" in m else False,
+        )
+    return Vocabulary(tuple(defined.values()))
+
+
+def _formats(r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path) -> tuple[FormatEntry, ...]:
+    entries: list[FormatEntry] = []
+    by_value: dict[int, FormatEntry] = {}
+    by_name: dict[str, FormatEntry] = {}
+    for item in r.sequence(node, "formats"):
+        m = r.mapping(item, "a format", ("value", "name", "backends", "engines"), ("deprecated",))
+        name = r.string(m["name"], "a format name")
+        what = f"format {name}"
+        value = r.integer(m["value"], f"{what} value")
+        if value < 0:
+            raise r.error(m["value"], f"{what} value must be non-negative")
+        try:
+            layout = parse(name, vocabulary, grammar=grammar)
+        except KVLayoutError as e:
+            raise r.error(m["name"], str(e)) from None
+        deprecated = None
+        if "deprecated" in m:
+            dm = r.mapping(m["deprecated"], f"{what} deprecated", ("replaced_by", "reason"))
+            deprecated = Deprecation(
+                r.string(dm["replaced_by"], f"{what} replaced_by"), r.string(dm["reason"], f"{what} reason")
+            )
+        entry = FormatEntry(
+            value=value,
+            layout=layout,
+            backends=r.strings(m["backends"], f"{what} backends"),
+            engines=r.strings(m["engines"], f"{what} engines"),
+            deprecated=deprecated,
+            line=item.start_mark.line + 1,
+        )
+        if value in by_value:
+            prior = by_value[value]
+            raise r.error(m["value"], f"{what} has value {value}, which {prior.name} at line {prior.line} already has")
+        if name in by_name:
+            raise r.error(m["name"], f"{what} is listed twice (first at line {by_name[name].line})")
+        for prior in entries:
+            if prior.layout == layout:
+                raise r.error(m["name"], f"{what} has the same layout as {prior.name} at line {prior.line}")
+        by_value[value] = by_name[name] = entry
+        entries.append(entry)
+    for entry in entries:
+        if entry.deprecated is not None and entry.deprecated.replaced_by not in by_name:
+            raise CatalogError(
+                r.path, entry.line, f"format {entry.name} is replaced by {entry.deprecated.replaced_by}, which is not a format"
+            )
+    if not entries:
+        raise r.error(node, "formats must list at least one format")
+    return tuple(sorted(entries, key=lambda e: e.value))
+
+
+def load_catalog(path: Path, grammar: Path, display_path: str | None = None) -> Catalog:
+    """Read and check a layouts YAML, parsing names with ``grammar``; errors name
+    ``display_path`` (default: the file name)."""
+    shown = display_path or path.name
+    r = _Reader(shown)
+    try:
+        root = yaml.compose(path.read_text())
+    except yaml.MarkedYAMLError as e:
+        line = e.problem_mark.line + 1 if e.problem_mark else 1
+        raise CatalogError(shown, line, f"not valid YAML: {e.problem}") from None
+    if root is None:
+        raise CatalogError(shown, 1, "the file is empty")
+    top = r.mapping(root, "the file", ("tokens", "formats", "descriptor"))
+    vocabulary = _tokens(r, top["tokens"])
+    formats = _formats(r, top["formats"], vocabulary, grammar)
+    descriptor = []
+    for item in r.sequence(top["descriptor"], "descriptor"):
+        fm = r.mapping(item, "a descriptor field", ("name", "meaning"))
+        descriptor.append(
+            DescriptorField(r.string(fm["name"], "a field name"), " ".join(r.string(fm["meaning"], "meaning").split()))
+        )
+    return Catalog(shown, vocabulary, formats, tuple(descriptor))

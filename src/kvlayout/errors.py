@@ -1,0 +1,93 @@
+"""The kvlayout error family.
+
+Every error derives from :class:`KVLayoutError`, itself a ``ValueError``, so callers that
+catch ``ValueError`` (as LMCache's do) keep working.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "CatalogError",
+    "KVLayoutError",
+    "LayoutSemanticError",
+    "LayoutSyntaxError",
+    "SizeError",
+]
+
+
+class KVLayoutError(ValueError):
+    """Base of every error kvlayout raises about a layout, a format or a KV cache."""
+
+
+def caret_under(text: str, start: int, end: int | None = None) -> str:
+    """Render ``text`` with a caret line under ``text[start:end]`` (one caret if no end)."""
+    width = max(1, (end if end is not None else start + 1) - start)
+    return f"  {text}\n  {' ' * start}{'^' * width}"
+
+
+class LayoutSyntaxError(KVLayoutError):
+    """A format name that does not follow the grammar (tokens joined by ``_``).
+
+    Example::
+
+        kvlayout.parse("NL_X_nb")
+        LayoutSyntaxError: invalid format name 'NL_X_nb': unexpected character 'n' at column 6
+          NL_X_nb
+               ^
+        a name is upper-case tokens joined by '_', with X between list levels
+    """
+
+    def __init__(self, name: str, position: int, problem: str) -> None:
+        self.name = name
+        self.position = position
+        self.problem = problem
+        super().__init__(
+            f"invalid format name {name!r}: {problem} at column {position + 1}\n"
+            f"{caret_under(name, position)}\n"
+            "a name is upper-case tokens joined by '_', with X between list levels"
+        )
+
+
+class LayoutSemanticError(KVLayoutError):
+    """A well-formed name whose tokens do not describe a layout.
+
+    Example::
+
+        kvlayout.parse("NL_X_NB_NBBS_HS")
+        LayoutSemanticError: format name 'NL_X_NB_NBBS_HS': NBBS fuses NB, which the name
+        already has
+          NL_X_NB_NBBS_HS
+                  ^^^^
+    """
+
+    def __init__(self, name: str, start: int, end: int, problem: str) -> None:
+        self.name = name
+        self.start = start
+        self.end = end
+        self.problem = problem
+        super().__init__(f"format name {name!r}: {problem}\n{caret_under(name, start, end)}")
+
+
+class CatalogError(KVLayoutError):
+    """A problem in ``layouts.yaml`` (or a YAML given to the generator), with its line.
+
+    Example::
+
+        CatalogError: layouts.yaml line 97: format NL_X_NB_BS_HS has value 3, which
+        NL_X_NB_BS_HS at line 80 already has
+    """
+
+    def __init__(self, path: str, line: int, problem: str) -> None:
+        self.path = path
+        self.line = line
+        self.problem = problem
+        super().__init__(f"{path} line {line}: {problem}")
+
+
+class SizeError(KVLayoutError):
+    """Sizes or a coordinate that do not fit a layout (a missing size, an index out of range).
+
+    Example::
+
+        SizeError: NL_X_TWO_NB_BS_NH_HS: token 5 is out of range for BS=3
+    """

@@ -1,0 +1,133 @@
+"""The base of the generated spec classes: one format's geometry over one registration.
+
+A spec borrows a normalized registration (as detection returns it) and answers size
+questions by reading the list level or tensor axis the layout puts each size on. The
+per-format accessors are generated (``kvlayout/_generated/specs.py``); this class holds
+what is the same for every format.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from kvlayout.errors import KVLayoutError
+from kvlayout.layout import Layout
+
+if TYPE_CHECKING:
+    from kvlayout._generated.formats import EngineKVFormat
+
+__all__ = ["KVFormatSpec", "UndefinedSizeError"]
+
+
+class UndefinedSizeError(KVLayoutError):
+    """A size the format does not have on its own axis (NB or BS of an NB*BS format)."""
+
+
+class KVFormatSpec(ABC):
+    """Geometry of one registration in one format (one generated subclass per format)."""
+
+    __slots__ = ("kv",)
+
+    engine_kv_format: ClassVar[EngineKVFormat]
+    layout: ClassVar[Layout]
+    attention_backends: ClassVar[tuple[str, ...]]
+    deprecated_by: ClassVar[EngineKVFormat | None] = None
+    is_cross_layer: ClassVar[bool]
+    is_kv_list: ClassVar[bool]
+    is_layer_list: ClassVar[bool]
+    is_mla: ClassVar[bool]
+    is_hnd: ClassVar[bool]
+    is_fused_packed: ClassVar[bool]
+    is_two_major: ClassVar[bool]
+    is_pbs_fused: ClassVar[bool]
+    is_kv_second_tuple: ClassVar[bool]
+    is_single_kv: ClassVar[bool]
+    has_leading_block_axis: ClassVar[bool]
+    row_symbol: ClassVar[str | None]
+    row_divisor: ClassVar[int]
+    _warned: ClassVar[bool] = False
+
+    def __init__(self, kv: Any) -> None:
+        self.kv = kv
+        if self.deprecated_by is not None and not type(self)._warned:
+            type(self)._warned = True
+            warnings.warn(
+                f"{self.engine_kv_format.name} is deprecated: use {self.deprecated_by.name}",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+
+    # -- generated per format ---------------------------------------------------
+
+    @abstractmethod
+    def num_layers(self) -> int: ...
+    @abstractmethod
+    def num_blocks(self, layer_idx: int = 0) -> int: ...
+    @abstractmethod
+    def block_size(self, layer_idx: int = 0) -> int: ...
+    @abstractmethod
+    def page_buffer_size(self, layer_idx: int = 0) -> int: ...
+    @abstractmethod
+    def kv_size(self) -> int: ...
+    @abstractmethod
+    def num_heads(self, layer_idx: int = 0) -> int: ...
+    @abstractmethod
+    def head_size(self, layer_idx: int = 0) -> int: ...
+    @abstractmethod
+    def dtype(self, layer_idx: int = 0) -> object: ...
+    @abstractmethod
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        """The layout's sizes as read from the tensors (the algebra's input)."""
+    @abstractmethod
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        """The pointer table in the order kernels index it."""
+
+    # -- the same for every format ----------------------------------------------
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        """Elements of one token row of one plane (``num_heads * head_size``)."""
+        return self.num_heads(layer_idx) * self.head_size(layer_idx)
+
+    def tokens_per_layer(self, layer_idx: int = 0) -> int:
+        return self.page_buffer_size(layer_idx)
+
+    def elements_per_layer(self, layer_idx: int = 0) -> int:
+        """Content elements of one layer (K and V both), padding excluded."""
+        return self.kv_size() * self.tokens_per_layer(layer_idx) * self.hidden_dim(layer_idx)
+
+    @classmethod
+    def describe_shape(cls) -> str:
+        return cls.layout.describe_shape()
+
+    def concrete_shape_str(self) -> str:
+        """The shape with this registration's numbers; the row token shows a head's row
+        width (planes folded in, packed K/V factors divided out)."""
+        sizes = self.sizes()
+        if self.row_symbol is not None:
+            sizes[self.row_symbol] = self.head_size() // self.row_divisor
+        return self.layout.concrete_shape(sizes)
+
+    def undefined(self, accessor: str, why: str) -> UndefinedSizeError:
+        return UndefinedSizeError(
+            f"{accessor} is undefined for the fused format {self.engine_kv_format.name}: {why}"
+        )
+
+    @staticmethod
+    def summed_plane_width(planes: Sequence[Any], axes: tuple[int, ...]) -> int:
+        """A layer's row width over its planes, in elements of the first plane's dtype."""
+        total = 0
+        for plane in planes:
+            width = 1
+            for a in axes:
+                width *= plane.shape[a]
+            total += width * plane.element_size()
+        itemsize = planes[0].element_size()
+        if total % itemsize:
+            raise KVLayoutError(
+                f"plane rows total {total} bytes, which is not a multiple of the first "
+                f"plane's element size {itemsize}"
+            )
+        return total // itemsize

@@ -1,0 +1,107 @@
+"""The token vocabulary of format names: what each token means.
+
+The vocabulary is data (the ``tokens`` section of ``layouts.yaml``); this module only
+defines its shape. The grammar knows identifiers, ``_`` and ``X``; everything a token
+means (the logical coordinate it addresses, a literal size, a fusion of other tokens, a
+region of a blocked page) comes from here.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["Region", "Role", "Token", "Vocabulary"]
+
+
+class Role(enum.Enum):
+    """The logical coordinate an axis addresses."""
+
+    LAYER = "layer"
+    KV = "kv"
+    BLOCK = "block"
+    TOKEN = "token"
+    HEAD = "head"
+    ELEMENT = "element"
+
+
+@dataclass(frozen=True, slots=True)
+class Region:
+    """One region of a blocked page: ``rows`` rows (a token axis) of ``width`` elements.
+
+    Consecutive region tokens are stored one after the other inside a block (all rows of
+    the first region, then all rows of the next); a token's row is the concatenation of
+    its row in each region, in name order.
+    """
+
+    rows: Token
+    width: int
+
+
+@dataclass(frozen=True, slots=True)
+class Token:
+    """One token of the vocabulary.
+
+    Exactly one of ``role``, ``literal``-only, ``fuses`` or ``region`` describes what the
+    token is; ``validate`` (in the loader) enforces it.
+    """
+
+    name: str
+    meaning: str
+    role: Role | None = None
+    literal: int | None = None
+    fuses: tuple[Token, ...] = ()
+    region: Region | None = None
+    label: str | None = None
+    keep_label: bool = False
+
+    @property
+    def parts(self) -> tuple[Token, ...]:
+        """The token with its fusions expanded (``NBBS`` -> ``NB, BS``)."""
+        if not self.fuses:
+            return (self,)
+        return tuple(p for f in self.fuses for p in f.parts)
+
+    @property
+    def roles(self) -> tuple[Role, ...]:
+        """The roles the token addresses once fusions are expanded; a region addresses
+        its rows' role and the element."""
+        if self.region is not None:
+            return (*self.region.rows.roles, Role.ELEMENT)
+        return tuple(p.role for p in self.parts if p.role is not None)
+
+    def __str__(self) -> str:
+        return self.name
+
+    @property
+    def shape_label(self) -> str:
+        """How ``describe_shape`` renders the token."""
+        if self.label is not None:
+            return self.label
+        if self.literal is not None:
+            return str(self.literal)
+        return self.name
+
+
+@dataclass(frozen=True)
+class Vocabulary(Mapping[str, Token]):
+    """The tokens by name, in declaration order."""
+
+    tokens: tuple[Token, ...]
+    _by_name: dict[str, Token] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_by_name", {t.name: t for t in self.tokens})
+
+    def __getitem__(self, name: str) -> Token:
+        return self._by_name[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._by_name)
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def __hash__(self) -> int:
+        return hash(self.tokens)
