@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+
 import yaml
 
 from kvlayout.errors import CatalogError, KVLayoutError
@@ -73,7 +74,9 @@ class _Reader:
             if key in out:
                 raise self.error(key_node, f"{what} has the key {key!r} twice")
             if key not in allowed:
-                raise self.error(key_node, f"{what} has an unknown key {key!r} (allowed: {', '.join(allowed)})")
+                raise self.error(
+                    key_node, f"{what} has an unknown key {key!r} (allowed: {', '.join(allowed)})"
+                )
             out[key] = value_node
         for key in required:
             if key not in out:
@@ -117,7 +120,9 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
         if not name.isupper() or name == "X" or not name.isalnum():
             raise r.error(key_node, f"token name {name!r} must be upper-case letters and digits, not X")
         what = f"token {name}"
-        m = r.mapping(value_node, what, ("meaning",), ("role", "literal", "fuses", "region", "label", "keep_label"))
+        m = r.mapping(
+            value_node, what, ("meaning",), ("role", "literal", "fuses", "region", "label", "keep_label")
+        )
         role = None
         if "role" in m:
             role_name = r.string(m["role"], f"{what} role")
@@ -125,7 +130,9 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
                 role = Role(role_name)
             except ValueError:
                 allowed = ", ".join(x.value for x in Role)
-                raise r.error(m["role"], f"{what} has an unknown role {role_name!r} (allowed: {allowed})") from None
+                raise r.error(
+                    m["role"], f"{what} has an unknown role {role_name!r} (allowed: {allowed})"
+                ) from None
         fuses: list[Token] = []
         for part_node in r.sequence(m["fuses"], f"{what} fuses") if "fuses" in m else []:
             part = r.string(part_node, f"{what} fuses")
@@ -137,7 +144,9 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
             rm = r.mapping(m["region"], f"{what} region", ("rows", "width"))
             rows = r.string(rm["rows"], f"{what} region rows")
             if rows not in defined or defined[rows].role is not Role.TOKEN:
-                raise r.error(rm["rows"], f"{what} region rows must be a token axis defined above it, not {rows}")
+                raise r.error(
+                    rm["rows"], f"{what} region rows must be a token axis defined above it, not {rows}"
+                )
             width = r.integer(rm["width"], f"{what} region width")
             if width <= 0:
                 raise r.error(rm["width"], f"{what} region width must be positive")
@@ -192,7 +201,9 @@ def _formats(r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path)
         )
         if value in by_value:
             prior = by_value[value]
-            raise r.error(m["value"], f"{what} has value {value}, which {prior.name} at line {prior.line} already has")
+            raise r.error(
+                m["value"], f"{what} has value {value}, which {prior.name} at line {prior.line} already has"
+            )
         if name in by_name:
             raise r.error(m["name"], f"{what} is listed twice (first at line {by_name[name].line})")
         for prior in entries:
@@ -203,7 +214,9 @@ def _formats(r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path)
     for entry in entries:
         if entry.deprecated is not None and entry.deprecated.replaced_by not in by_name:
             raise CatalogError(
-                r.path, entry.line, f"format {entry.name} is replaced by {entry.deprecated.replaced_by}, which is not a format"
+                r.path,
+                entry.line,
+                f"format {entry.name} is replaced by {entry.deprecated.replaced_by}, which is not a format",
             )
     if not entries:
         raise r.error(node, "formats must list at least one format")
@@ -229,6 +242,8 @@ def load_catalog(path: Path, grammar: Path, display_path: str | None = None) -> 
     for item in r.sequence(top["descriptor"], "descriptor"):
         fm = r.mapping(item, "a descriptor field", ("name", "meaning"))
         descriptor.append(
-            DescriptorField(r.string(fm["name"], "a field name"), " ".join(r.string(fm["meaning"], "meaning").split()))
+            DescriptorField(
+                r.string(fm["name"], "a field name"), " ".join(r.string(fm["meaning"], "meaning").split())
+            )
         )
     return Catalog(shown, vocabulary, formats, tuple(descriptor))

@@ -89,7 +89,9 @@ def _cpp_format(entry: FormatEntry) -> CppFormat:
             addends.append(f"{_term(term, outermost)} * stride{m}")
     pointer = "0"
     for level in st.levels:
-        outermost = first_element is not None and level.term.coord == "elem" and level.term.div == first_element.div
+        outermost = (
+            first_element is not None and level.term.coord == "elem" and level.term.div == first_element.div
+        )
         digit = _term(level.term, outermost)
         pointer = digit if pointer == "0" else f"({pointer}) * {_product(level.extent)} + {digit}"
     return CppFormat(

@@ -77,8 +77,14 @@ def render_outputs(catalog: Catalog, grammar_text: str, sources: str) -> dict[st
         spec_table[f.entry.value] = f.class_name
     context: dict[str, Any] = {
         "tokens": [
-            {"name": t.name, "source": token_literal(t), "shape_label": t.shape_label,
-             "meaning": t.meaning, "fuses": t.fuses, "region": t.region}
+            {
+                "name": t.name,
+                "source": token_literal(t),
+                "shape_label": t.shape_label,
+                "meaning": t.meaning,
+                "fuses": t.fuses,
+                "region": t.region,
+            }
             for t in catalog.vocabulary.tokens
         ],
         "token_names": [t.name for t in catalog.vocabulary.tokens],

@@ -164,7 +164,12 @@ def _python_format(entry: FormatEntry) -> PythonFormat:
         read = _size(layout, symbol, t, layer)
         add(accessor, f"return {read}" if read is not None else _undefined(layout, accessor, symbol))
     pbs = _size(layout, "NBBS", t, layer)
-    add("page_buffer_size", f"return {pbs}" if pbs else f"return {_size(layout, 'NB', t, layer)} * {_size(layout, 'BS', t, layer)}")
+    add(
+        "page_buffer_size",
+        f"return {pbs}"
+        if pbs
+        else f"return {_size(layout, 'NB', t, layer)} * {_size(layout, 'BS', t, layer)}",
+    )
     add("kv_size", f"return {layout.kv_size}", per_layer=False)
     heads = next((p for p in layout.tensor_parts if p.role is Role.HEAD), None)
     add("num_heads", f"return {_size(layout, heads.name, t, layer)}" if heads else "return 1")

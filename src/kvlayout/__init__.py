@@ -35,7 +35,27 @@ _EXPORTS: dict[str, str] = {
     "SizeError": "kvlayout.errors",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CatalogError",
+    "Coord",
+    "CopyPlan",
+    "EngineKVFormat",
+    "KVFormatSpec",
+    "KVLayoutError",
+    "Layout",
+    "LayoutSemanticError",
+    "LayoutSyntaxError",
+    "PageBufferShapeDesc",
+    "SizeError",
+    "UndefinedSizeError",
+    "as_format",
+    "concrete_shape",
+    "describe_shape",
+    "get_spec",
+    "get_spec_class",
+    "layout_of",
+    "parse",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,6 @@ import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-
 from typing import TYPE_CHECKING
 
 from kvlayout.errors import SizeError
@@ -197,9 +196,9 @@ def structure(layout: Layout) -> Structure:
         elif _is_element(layout, tokens[0]):
             element_tokens.append((tokens[0], _symbol(tokens[0]), None, m))
     elements: list[ElementFactor] = []
-    for i, (tok, extent, level, mode) in enumerate(element_tokens):
+    for i, (tok, extent, level_index, mode_index) in enumerate(element_tokens):
         inner = tuple(f for _, e, _, _ in element_tokens[i + 1 :] for f in e)
-        elements.append(ElementFactor(tok, extent, inner, level, mode))
+        elements.append(ElementFactor(tok, extent, inner, level_index, mode_index))
 
     def element_term(*, level: int | None = None, mode: int | None = None) -> Term:
         f = next(e for e in elements if e.level == level and e.mode == mode)
@@ -220,7 +219,9 @@ def structure(layout: Layout) -> Structure:
                 spans.append(RegionSpan(t, start, t.region.width))
                 start += t.region.width
             modes.append(
-                Mode(tokens, (rows.name, start), ((rows.name,), (start,)), regions=tuple(spans), rows=rows.name)
+                Mode(
+                    tokens, (rows.name, start), ((rows.name,), (start,)), regions=tuple(spans), rows=rows.name
+                )
             )
         elif _is_element(layout, token):
             modes.append(Mode(tokens, _symbol(token), (_symbol(token),), (element_term(mode=m),)))

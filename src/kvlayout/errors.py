@@ -41,8 +41,9 @@ class LayoutSyntaxError(KVLayoutError):
         self.name = name
         self.position = position
         self.problem = problem
+        where = f" at column {position + 1}" if name else ""
         super().__init__(
-            f"invalid format name {name!r}: {problem} at column {position + 1}\n"
+            f"invalid format name {name!r}: {problem}{where}\n"
             f"{caret_under(name, position)}\n"
             "a name is upper-case tokens joined by '_', with X between list levels"
         )

@@ -23,10 +23,10 @@ __all__ = ["Layout"]
 _LIST_ROLES = (Role.LAYER, Role.KV, Role.ELEMENT)
 _SINGLE_ROLES = (Role.LAYER, Role.KV, Role.BLOCK, Role.TOKEN, Role.HEAD)
 _REQUIRED = {
-    Role.LAYER: "a layer axis (NL)",
-    Role.BLOCK: "a block axis (NB or NBBS)",
-    Role.TOKEN: "a token axis (BS, NBBS or a region)",
-    Role.ELEMENT: "an element axis (HS, CS or a region)",
+    Role.LAYER: "layer axis (NL)",
+    Role.BLOCK: "block axis (NB or NBBS)",
+    Role.TOKEN: "token axis (BS, NBBS or a region)",
+    Role.ELEMENT: "element axis (HS, CS or a region)",
 }
 
 
@@ -117,8 +117,10 @@ class Layout:
 
     @property
     def is_fused_packed(self) -> bool:
-        """K and V of one head sit side by side in one row (the K/V axis is inner to the
-        block, token and head axes)."""
+        """K and V of one head sit side by side in one row: a token that fuses the K/V
+        pair into its content (CS), or a K/V axis inner to the block, token and head axes."""
+        if any(Role.KV in t.roles and t.fuses for t in self.tensor):
+            return True
         kv = self._part_position(Role.KV)
         if kv is None:
             return False
@@ -152,17 +154,12 @@ class Layout:
         """An unpacked K/V axis outer to the block axis (K/V-first tensors)."""
         kv = self._part_position(Role.KV)
         block = self._part_position(Role.BLOCK)
-        return (
-            kv is not None and not self.is_fused_packed and block is not None and kv < block
-        )
+        return kv is not None and not self.is_fused_packed and block is not None and kv < block
 
     @property
     def is_pbs_fused(self) -> bool:
         """Blocks and tokens are folded into one axis (NB*BS)."""
-        return any(
-            Role.BLOCK in t.roles and Role.TOKEN in t.roles and t.region is None
-            for t in self.tensor
-        )
+        return any(Role.BLOCK in t.roles and Role.TOKEN in t.roles and t.region is None for t in self.tensor)
 
     @property
     def has_leading_block_axis(self) -> bool:
@@ -229,17 +226,19 @@ def _check(layout: Layout) -> None:
         raise LayoutSemanticError(name, len(name) - 1, len(name), "a name must end with tensor axes")
     for level in layout.lists:
         if level.role not in _LIST_ROLES or level.fuses or level.region is not None:
-            raise _fail(layout, level, f"{level.name} cannot be a list level (only layer, K/V or plane tokens can)")
+            raise _fail(
+                layout, level, f"{level.name} cannot be a list level (only layer, K/V or plane tokens can)"
+            )
     seen_tokens: set[str] = set()
     owner: dict[Role, Token] = {}
     region_rows: Token | None = None
-    for token, _, _ in layout.spans():
+    for token, start, end in layout.spans():
         if token.name in seen_tokens:
-            raise _fail(layout, token, f"{token.name} appears twice")
+            raise LayoutSemanticError(name, start, end, f"{token.name} appears twice")
         seen_tokens.add(token.name)
         if token.region is not None:
             if region_rows is not None and token.region.rows != region_rows:
-                raise _fail(layout, token, "regions of one page must share their rows")
+                raise LayoutSemanticError(name, start, end, "regions of one page must share their rows")
             if region_rows is not None:
                 continue  # a run of regions addresses its rows once
             region_rows = token.region.rows
@@ -252,9 +251,13 @@ def _check(layout: Layout) -> None:
                 part = next((p for p in parts if p.role is role), token)
                 if part is not token and part.name == prior.name:
                     problem = f"{token.name} fuses {part.name}, which the name already has"
+                elif prior.fuses and part in prior.parts:
+                    problem = f"{part.name} is already folded into {prior.name}"
                 else:
-                    problem = f"{token.name} addresses the {role.value} axis, which {prior.name} already addresses"
-                raise _fail(layout, token, problem)
+                    problem = (
+                        f"{token.name} addresses the {role.value} axis, which {prior.name} already addresses"
+                    )
+                raise LayoutSemanticError(name, start, end, problem)
             owner[role] = token
     regions = [i for i, t in enumerate(layout.tensor) if t.region is not None]
     if regions and regions != list(range(len(layout.tensor) - len(regions), len(layout.tensor))):

@@ -52,7 +52,9 @@ def _parse(name: str, vocabulary: Vocabulary, grammar: Path) -> Layout:
     if words[0][0] == "X":
         raise LayoutSemanticError(name, 0, 1, "X separates list levels; it cannot start a name")
     if words[-1][0] == "X":
-        raise LayoutSemanticError(name, len(name) - 1, len(name), "X separates list levels; it cannot end a name")
+        raise LayoutSemanticError(
+            name, len(name) - 1, len(name), "X separates list levels; it cannot end a name"
+        )
     levels: list[list[tuple[str, int]]] = [[]]
     for word, start in words:
         if word == "X":

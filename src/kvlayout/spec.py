@@ -81,6 +81,7 @@ class KVFormatSpec(ABC):
     @abstractmethod
     def sizes(self, layer_idx: int = 0) -> dict[str, int]:
         """The layout's sizes as read from the tensors (the algebra's input)."""
+
     @abstractmethod
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
         """The pointer table in the order kernels index it."""
@@ -122,9 +123,9 @@ class KVFormatSpec(ABC):
         for plane in planes:
             width = 1
             for a in axes:
-                width *= plane.shape[a]
-            total += width * plane.element_size()
-        itemsize = planes[0].element_size()
+                width *= int(plane.shape[a])
+            total += width * int(plane.element_size())
+        itemsize = int(planes[0].element_size())
         if total % itemsize:
             raise KVLayoutError(
                 f"plane rows total {total} bytes, which is not a multiple of the first "

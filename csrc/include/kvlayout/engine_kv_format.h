@@ -153,6 +153,50 @@ KVLAYOUT_HOST_DEVICE constexpr bool is_pbs_fused(EngineKVFormat format) { return
 KVLAYOUT_HOST_DEVICE constexpr bool is_kv_second_tuple(EngineKVFormat format) { return format_facts(format).is_kv_second_tuple; }
 KVLAYOUT_HOST_DEVICE constexpr bool is_single_kv(EngineKVFormat format) { return format_facts(format).is_single_kv; }
 KVLAYOUT_HOST_DEVICE constexpr bool has_leading_block_axis(EngineKVFormat format) { return format_facts(format).has_leading_block_axis; }
+
+// The boolean facts by index, for code that walks them all (bindings, tests).
+inline constexpr int kNumFacts = 11;
+inline constexpr const char* kFactNames[kNumFacts] = {
+    "is_cross_layer",
+    "is_kv_list",
+    "is_layer_list",
+    "is_mla",
+    "is_hnd",
+    "is_fused_packed",
+    "is_two_major",
+    "is_pbs_fused",
+    "is_kv_second_tuple",
+    "is_single_kv",
+    "has_leading_block_axis",
+};
+
+KVLAYOUT_HOST_DEVICE constexpr bool fact_value(const FormatFacts& facts, int index) {
+  switch (index) {
+    case 0:
+      return facts.is_cross_layer;
+    case 1:
+      return facts.is_kv_list;
+    case 2:
+      return facts.is_layer_list;
+    case 3:
+      return facts.is_mla;
+    case 4:
+      return facts.is_hnd;
+    case 5:
+      return facts.is_fused_packed;
+    case 6:
+      return facts.is_two_major;
+    case 7:
+      return facts.is_pbs_fused;
+    case 8:
+      return facts.is_kv_second_tuple;
+    case 9:
+      return facts.is_single_kv;
+    case 10:
+      return facts.has_leading_block_axis;
+  }
+  return false;
+}
 KVLAYOUT_HOST_DEVICE constexpr std::int32_t kv_size(EngineKVFormat format) { return format_facts(format).kv_size; }
 
 // The geometry of one group of layers, as transfer kernels read it

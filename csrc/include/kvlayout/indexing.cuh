@@ -25,6 +25,21 @@ struct Sizes {
 };
 
 inline constexpr int kNumSizeFields = 8;
+inline constexpr const char* kSizeFieldNames[kNumSizeFields] = {
+    "NL",
+    "NB",
+    "BS",
+    "NBBS",
+    "NH",
+    "HS",
+    "CS",
+    "NP",
+};
+
+// Sizes from values in kSizeFieldNames order.
+KVLAYOUT_HOST_DEVICE inline Sizes sizes_from(const std::int64_t* values) {
+  return Sizes{values[0], values[1], values[2], values[3], values[4], values[5], values[6], values[7]};
+}
 
 struct Coord {
   std::int64_t layer;

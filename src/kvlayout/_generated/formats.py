@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvlayout.layout import Layout
 
-from .vocabulary import NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS
+from .vocabulary import BS, BSS, BSV, CS, HS, NB, NBBS, NH, NL, NP, ONE, TWO
 
 __all__ = ["FORMAT_INFO", "LAYOUTS", "LAYOUTS_BY_NAME", "SIZE_SYMBOLS", "EngineKVFormat", "FormatInfo"]
 

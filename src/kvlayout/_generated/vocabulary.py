@@ -3,7 +3,7 @@
 
 from kvlayout.vocabulary import Region, Role, Token, Vocabulary
 
-__all__ = ["VOCABULARY", "NL", "TWO", "NB", "BS", "NBBS", "NH", "HS", "CS", "ONE", "NP", "BSV", "BSS", ]
+__all__ = ["BS", "BSS", "BSV", "CS", "HS", "NB", "NBBS", "NH", "NL", "NP", "ONE", "TWO", "VOCABULARY"]
 
 NL = Token(name='NL', meaning='number of layers; for a component list (one K or V tensor per entry) the number of registered tensors', role=Role.LAYER)
 TWO = Token(name='TWO', meaning="the K/V pair: an axis of a tensor or a two-entry list level; when it sits inside a head's content (after the token and head axes) K and V are packed in one row", role=Role.KV, literal=2)

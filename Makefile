@@ -1,0 +1,60 @@
+# kvlayout: `make test` sets everything up on a fresh machine and runs every check;
+# `make demo` runs the walkthrough. Both create .venv on first use.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+TOOLS := $(VENV)/.tools-installed
+BUILT := $(VENV)/.kvlayout-built
+NATIVE_SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
+NVCC ?= $(shell command -v nvcc 2>/dev/null)
+
+.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench clean
+
+test: build lint typecheck codegen-check pytest nvcc-check
+
+demo: build
+	$(PY) -m kvlayout demo
+
+setup: $(TOOLS)
+
+$(TOOLS): requirements-dev.txt
+	$(PYTHON) -m venv $(VENV)
+	# torch==2.13.0 is the CPU wheel on this machine's disk; any other spec pulls CUDA builds.
+	$(PIP) install torch==2.13.0
+	$(PIP) install -r requirements-dev.txt
+	touch $@
+
+build: $(BUILT)
+
+$(BUILT): $(TOOLS) $(NATIVE_SOURCES)
+	$(PIP) install --no-build-isolation --no-deps -e .
+	touch $@
+
+lint: $(TOOLS)
+	$(PY) -m ruff check src codegen tests
+
+typecheck: $(TOOLS)
+	$(PY) -m mypy
+
+codegen: $(TOOLS)
+	PYTHONPATH=src:. $(PY) -m codegen
+
+codegen-check: $(TOOLS)
+	PYTHONPATH=src:. $(PY) -m codegen --check
+
+pytest: build
+	$(PY) -m pytest -q
+
+# Compile-only: the generated indexers must be valid CUDA (no GPU needed).
+nvcc-check:
+ifneq ($(NVCC),)
+	$(NVCC) -std=c++17 -Icsrc/include -x cu -c tests/cuda/compile_indexers.cu -o /dev/null
+	@echo "nvcc: generated indexers compile as CUDA"
+else
+	@echo "nvcc not found: skipping the CUDA compile check"
+endif
+
+clean:
+	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

@@ -1,0 +1,109 @@
+// kvlayout._native: the C++ format table and the host indexers, for Python.
+//
+// Formats cross this boundary as plain ints (the canonical enum is the generated Python
+// IntEnum); tests pin this table against it.
+
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "kvlayout/engine_kv_format.h"
+#include "kvlayout/indexing.cuh"
+
+namespace nb = nanobind;
+using namespace nb::literals;
+
+namespace {
+
+kvlayout::EngineKVFormat checked_format(std::int32_t value) {
+  bool known = false;
+  kvlayout::format_facts(static_cast<kvlayout::EngineKVFormat>(value), &known);
+  if (!known) throw nb::value_error(("unknown engine KV format value " + std::to_string(value)).c_str());
+  return static_cast<kvlayout::EngineKVFormat>(value);
+}
+
+kvlayout::Sizes checked_sizes(const std::vector<std::int64_t>& values) {
+  if (values.size() != static_cast<std::size_t>(kvlayout::kNumSizeFields))
+    throw nb::value_error(("expected " + std::to_string(kvlayout::kNumSizeFields) + " sizes (size_fields() order), got " +
+                           std::to_string(values.size()))
+                              .c_str());
+  return kvlayout::sizes_from(values.data());
+}
+
+nb::dict facts_dict(const kvlayout::FormatFacts& f) {
+  nb::dict d;
+  d["value"] = static_cast<std::int32_t>(f.format);
+  d["name"] = std::string(f.name);
+  d["shape"] = std::string(f.shape);
+  d["kv_size"] = f.kv_size;
+  d["list_depth"] = f.list_depth;
+  d["deprecated"] = f.deprecated;
+  for (int i = 0; i < kvlayout::kNumFacts; ++i) d[kvlayout::kFactNames[i]] = kvlayout::fact_value(f, i);
+  return d;
+}
+
+using CoordArray = nb::ndarray<const std::int64_t, nb::shape<-1, 6>, nb::c_contig, nb::device::cpu>;
+using LocationArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 2>>;
+
+}  // namespace
+
+NB_MODULE(_native, m) {
+  m.doc() = "The C++ side of kvlayout: the generated format table and host indexers.";
+
+  m.def(
+      "format_table",
+      [] {
+        std::vector<nb::dict> rows;
+        for (auto f : kvlayout::kAllFormats) rows.push_back(facts_dict(kvlayout::format_facts(f)));
+        return rows;
+      },
+      "One dict per format: value, name, shape, kv_size, list_depth, deprecated and every fact.");
+
+  m.def(
+      "size_fields",
+      [] {
+        std::vector<std::string> names;
+        for (auto n : kvlayout::kSizeFieldNames) names.emplace_back(n);
+        return names;
+      },
+      "The order of the sizes the indexers take.");
+
+  m.def(
+      "locate",
+      [](std::int32_t format, const std::vector<std::int64_t>& sizes, std::int64_t block_stride,
+         const std::tuple<std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t>& coord) {
+        const auto [layer, kv, block, token, head, elem] = coord;
+        const auto loc = kvlayout::locate(checked_format(format), checked_sizes(sizes), block_stride,
+                                          kvlayout::Coord{layer, kv, block, token, head, elem});
+        return std::make_tuple(loc.pointer, loc.offset);
+      },
+      "format"_a, "sizes"_a, "block_stride"_a, "coord"_a,
+      "(pointer index, element offset) of a (layer, kv, block, token, head, elem) coordinate.");
+
+  m.def(
+      "locate_many",
+      [](std::int32_t format, const std::vector<std::int64_t>& sizes, std::int64_t block_stride, CoordArray coords) {
+        const auto fmt = checked_format(format);
+        const auto s = checked_sizes(sizes);
+        const std::size_t n = coords.shape(0);
+        auto* out = new std::int64_t[n * 2];
+        nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::int64_t*>(p); });
+        const std::int64_t* c = coords.data();
+        for (std::size_t i = 0; i < n; ++i) {
+          const std::int64_t* r = c + 6 * i;
+          const auto loc = kvlayout::locate(fmt, s, block_stride, kvlayout::Coord{r[0], r[1], r[2], r[3], r[4], r[5]});
+          out[2 * i] = loc.pointer;
+          out[2 * i + 1] = loc.offset;
+        }
+        return LocationArray(out, {n, 2}, owner);
+      },
+      "format"_a, "sizes"_a, "block_stride"_a, "coords"_a, "locate() over an (n, 6) int64 array of coordinates.");
+}
