@@ -204,9 +204,7 @@ def _formats(r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path)
             raise r.error(
                 m["value"], f"{what} has value {value}, which {prior.name} at line {prior.line} already has"
             )
-        if name in by_name:
-            raise r.error(m["name"], f"{what} is listed twice (first at line {by_name[name].line})")
-        for prior in entries:
+        for prior in entries:  # a name is its layout, so this also catches a repeated name
             if prior.layout == layout:
                 raise r.error(m["name"], f"{what} has the same layout as {prior.name} at line {prior.line}")
         by_value[value] = by_name[name] = entry

@@ -7,6 +7,7 @@ tensor axis of ``self.kv`` directly.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, fields
 
 from codegen.catalog import Catalog, FormatEntry
@@ -42,9 +43,11 @@ def token_literal(token: Token) -> str:
         if f.name == "role":
             args.append(f"role=Role.{value.name}")
         elif f.name == "fuses":
-            args.append(f"fuses=({', '.join(t.name for t in value)},)")
+            args.append(f"fuses=({', '.join(t.name for t in value)})")
         elif f.name == "region":
             args.append(f"region=Region({value.rows.name}, {value.width})")
+        elif isinstance(value, str):
+            args.append(f"{f.name}={json.dumps(value, ensure_ascii=False)}")
         else:
             args.append(f"{f.name}={value!r}")
     return f"Token({', '.join(args)})"
@@ -52,7 +55,8 @@ def token_literal(token: Token) -> str:
 
 def layout_literal(layout: Layout) -> str:
     def seq(tokens: tuple[Token, ...]) -> str:
-        return "(" + "".join(f"{t.name}, " for t in tokens).rstrip(" ") + ")"
+        names = [t.name for t in tokens]
+        return "(" + ", ".join(names) + ("," if len(names) == 1 else "") + ")"
 
     return f"Layout(lists={seq(layout.lists)}, tensor={seq(layout.tensor)})"
 

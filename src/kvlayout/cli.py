@@ -1,7 +1,110 @@
-"""The kvlayout command line (grows with issue 6)."""
+"""The kvlayout command line: ``kvlayout formats``, ``kvlayout explain``, ``kvlayout demo``."""
 
 from __future__ import annotations
 
+import argparse
+import sys
+from collections.abc import Sequence
 
-def main(argv: list[str] | None = None) -> int:
+from kvlayout.errors import KVLayoutError
+
+__all__ = ["main", "parse_sizes"]
+
+
+def parse_sizes(text: str) -> dict[str, int]:
+    """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items."""
+    sizes: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip() or not value.strip().isdigit():
+            raise KVLayoutError(f"--sizes item {item!r} is not NAME=INT (for example NB=2048)")
+        sizes[key.strip()] = int(value)
+    return sizes
+
+
+def _format_arg(text: str) -> object:
+    """A format value, a catalog name or any layout name."""
+    import kvlayout
+
+    if text.isdigit():
+        return kvlayout.layout_of(int(text))
+    return kvlayout.parse(text)
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    from kvlayout import EngineKVFormat
+    from kvlayout.registry import format_info, layout_of
+
+    facts = (
+        "is_mla",
+        "is_hnd",
+        "is_fused_packed",
+        "is_two_major",
+        "is_pbs_fused",
+        "is_kv_second_tuple",
+        "is_single_kv",
+    )
+    rows = []
+    for fmt in EngineKVFormat:
+        layout, info = layout_of(fmt), format_info(fmt)
+        structure = (
+            "cross-layer" if layout.is_cross_layer else "K/V lists" if layout.is_kv_list else "per layer"
+        )
+        flags = [f.removeprefix("is_") for f in facts if getattr(layout, f)]
+        note = f"deprecated, use {info.replaced_by.name}" if info.replaced_by else ", ".join(info.engines)
+        rows.append((str(int(fmt)), fmt.name, layout.describe_shape(), structure, f"kv={layout.kv_size}",
+                     " ".join(flags) or "-", note))  # fmt: skip
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    for r in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
     return 0
+
+
+def cmd_explain(args: argparse.Namespace) -> int:
+    from kvlayout.explain import LLAMA_3_8B, explain
+
+    layout = _format_arg(args.format)
+    sizes = {**LLAMA_3_8B, **parse_sizes(args.sizes)} if args.sizes else LLAMA_3_8B
+    print(explain(layout, sizes, args.dtype))  # type: ignore[arg-type]
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvlayout.explain import LLAMA_3_8B, explain
+
+    print("kvlayout: the engine KV formats (every fact derived from the name)\n")
+    cmd_formats(args)
+    print("\nOne layout explained, for a Llama-3-8B cache (32 layers, 8 KV heads of 128, 16-token blocks):\n")
+    import kvlayout
+
+    print(explain(kvlayout.parse("NL_X_TWO_NB_BS_NH_HS"), LLAMA_3_8B, "bf16"))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kvlayout",
+        description="Describe, detect and address the paged KV caches of LLM serving engines.",
+    )
+    sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = sub.add_parser("formats", help="the table of every engine KV format")
+    p.set_defaults(run=cmd_formats)
+    p = sub.add_parser("explain", help="a layout in words and numbers")
+    p.add_argument("format", help="a format value (1), name (NL_X_TWO_NB_BS_NH_HS) or any layout name")
+    p.add_argument("--sizes", default="", help="sizes to use, e.g. NL=32,NB=2048,BS=16,NH=8,HS=128")
+    p.add_argument(
+        "--dtype", default="bf16", help="element type for byte counts (bf16, fp16, fp32, fp8, uint8)"
+    )
+    p.set_defaults(run=cmd_explain)
+    p = sub.add_parser("demo", help="the format table and one layout explained")
+    p.set_defaults(run=cmd_demo)
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args))
+    except KVLayoutError as e:
+        print(f"kvlayout: {e}", file=sys.stderr)
+        return 2

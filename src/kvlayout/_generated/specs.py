@@ -8,7 +8,7 @@ from kvlayout.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["SPEC_CLASSES", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec"]
+__all__ = ["NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):

@@ -1,0 +1,145 @@
+"""A layout explained in words and numbers (what ``kvlayout explain`` prints).
+
+Everything here is read off the algebra: the symbolic offset formula is the one the
+generated indexers compute, the numbers are the algebra's for the given sizes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from kvlayout import algebra
+from kvlayout.algebra import Mode, Product, Term
+from kvlayout.layout import Layout
+
+__all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "explain", "symbolic_offset"]
+
+# Llama-3-8B on one GPU: 32 layers, 8 KV heads of 128, 16-token blocks, a 2048-block pool.
+LLAMA_3_8B: dict[str, int] = {"NL": 32, "NB": 2048, "BS": 16, "NH": 8, "HS": 128, "NP": 2}
+
+DTYPE_BYTES: dict[str, int] = {
+    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
+    "fp8": 1, "float8_e4m3fn": 1, "uint8": 1, "int8": 1,
+}  # fmt: skip
+
+_FACT_WORDS = {
+    "is_cross_layer": "all layers share one tensor",
+    "is_kv_list": "the outer list is [K layers, V layers]",
+    "is_layer_list": "one entry per layer",
+    "is_kv_second_tuple": "each layer is a tuple of tensors",
+    "is_mla": "one latent row per token (MLA: no K/V pair, no heads)",
+    "is_single_kv": "each tensor holds K or V alone",
+    "is_hnd": "heads are outer to tokens inside a block (HND)",
+    "is_fused_packed": "K and V of a head are packed side by side in one row",
+    "is_two_major": "K and V are split at the outermost tensor axis",
+    "is_pbs_fused": "blocks and tokens share one axis (NB*BS)",
+    "has_leading_block_axis": "dim 0 is the block axis (it may carry padding)",
+}
+
+
+def _product(p: Product) -> str:
+    factors = [str(f) for f in p if f != 1]
+    return "·".join(factors) if factors else "1"
+
+
+def _term(term: Term, outermost: bool) -> str:
+    expr = term.coord
+    if term.div:
+        expr = f"({expr} / {_product(term.div)})"
+    if term.mod is not None and not outermost:
+        expr = f"({expr} mod {_product(term.mod)})"
+    weight = _product(term.weight)
+    return expr if weight == "1" else f"{expr}·{weight}"
+
+
+def _mode_index(mode: Mode, outer_div: Product | None) -> str:
+    if mode.regions:
+        spans = "; ".join(
+            f"{r.token.name}: {mode.rows}·{r.start} + token·{r.width} + elem - {r.start}"
+            for r in mode.regions
+        )
+        return f"[by region of elem: {spans}]"
+    return " + ".join(_term(t, t.coord == "elem" and t.div == outer_div) for t in mode.terms)
+
+
+def symbolic_offset(layout: Layout) -> tuple[str, str]:
+    """The pointer index and element offset as formulas over sizes and coordinates."""
+    st = algebra.structure(layout)
+    outer_div = st.elements[0].div if st.elements else None
+    pointer = "0"
+    for level in st.levels:
+        digit = _term(level.term, level.term.coord == "elem" and level.term.div == outer_div)
+        pointer = digit if pointer == "0" else f"{pointer}·{_product(level.extent)} + {digit}"
+    addends = []
+    for i, mode in enumerate(st.modes):
+        index = _mode_index(mode, outer_div)
+        if not index:
+            continue  # a singleton axis addresses nothing
+        stride = _product(tuple(f for m in st.modes[i + 1 :] for f in m.extent))
+        if i == 0 and layout.has_leading_block_axis:
+            stride = f"block_stride (default {stride})"
+        if " + " in index and stride != "1":
+            index = f"({index})"
+        addends.append(index if stride == "1" else f"{index}·{stride}")
+    return pointer, " + ".join(addends)
+
+
+@dataclass(frozen=True)
+class Explanation:
+    layout: Layout
+    sizes: Mapping[str, int]
+    dtype: str
+
+    def lines(self) -> list[str]:
+        layout, sizes = self.layout, self.sizes
+        elsize = DTYPE_BYTES[self.dtype]
+        s = algebra.resolve_sizes(layout, sizes)
+        shape = layout.tensor_shape(s)
+        strides = layout.tensor_strides(s)
+        pointers = layout.pointer_order(s)
+        heads, head = layout.num_heads(s), layout.head_size(s)
+        row = heads * head
+        per_block = layout.kv_size * s.get("BS", 0) * row * elsize
+        pointer, off = symbolic_offset(layout)
+        facts = [words for name, words in _FACT_WORDS.items() if getattr(layout, name)]
+        out = [
+            f"{layout}",
+            f"  shape          {layout.describe_shape()}",
+            f"  with sizes     {layout.concrete_shape(s)}   ({', '.join(f'{k}={v}' for k, v in s.items())})",
+            f"  leaf tensor    shape {list(shape)}, strides {list(strides)} (elements)",
+            f"  pointer table  {len(pointers)} pointer(s): {_pointer_words(layout, pointers)}",
+            f"  kv_size        {layout.kv_size}   heads per row {heads}   head_size {head}",
+            "  facts",
+            *(f"    - {f}" for f in facts),
+            "  addressing (layer, kv, block, token, head, elem)",
+            f"    pointer = {pointer}",
+            f"    offset  = {off}",
+            f"  chunk row      {row} elements per token ({row * elsize} bytes of {self.dtype})",
+        ]
+        if "BS" in s and "NB" in s:
+            out += [
+                f"  per block      {per_block} bytes per layer "
+                f"({layout.kv_size} x {s['BS']} tokens x {row * elsize} B)",
+                f"  per layer      {per_block * s['NB']} bytes over {s['NB']} blocks",
+            ]
+            plan = layout.copy_plan(s)
+            runs = ", ".join(f"{p.run * elsize} B" for p in plan.pieces)
+            loops = max(len(p.loops) for p in plan.pieces)
+            out.append(f"  block copy     contiguous runs of {runs}; {loops} strided loop(s) per piece")
+        return out
+
+
+def _pointer_words(layout: Layout, pointers: list[tuple[int, ...]]) -> str:
+    if not layout.lists:
+        return "one base pointer (layers are walked inside the tensor)"
+    names = [lv.name for lv in layout.lists]
+    shown = ", ".join(
+        "(" + ", ".join(f"{n}={i}" for n, i in zip(names, p, strict=True)) + ")" for p in pointers[:4]
+    )
+    more = f", ... ({len(pointers) - 4} more)" if len(pointers) > 4 else ""
+    return shown + more
+
+
+def explain(layout: Layout, sizes: Mapping[str, int] | None = None, dtype: str = "bf16") -> str:
+    return "\n".join(Explanation(layout, sizes or LLAMA_3_8B, dtype).lines())
