@@ -10,7 +10,7 @@ BUILT := $(VENV)/.kvlayout-built
 NATIVE_SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench clean
+.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-transfer clean
 
 test: build lint typecheck codegen-check pytest nvcc-check
 
@@ -33,7 +33,8 @@ $(BUILT): $(TOOLS) $(NATIVE_SOURCES)
 	touch $@
 
 lint: $(TOOLS)
-	$(PY) -m ruff check src codegen tests
+	$(PY) -m ruff check src codegen tests benchmarks
+	$(PY) -m ruff format --check src codegen tests benchmarks
 
 typecheck: $(TOOLS)
 	$(PY) -m mypy
@@ -47,14 +48,25 @@ codegen-check: $(TOOLS)
 pytest: build
 	$(PY) -m pytest -q
 
-# Compile-only: the generated indexers must be valid CUDA (no GPU needed).
+# Compile-only: the generated indexers and the transfer kernels must be valid CUDA (no GPU
+# needed; `make build` also links kvlayout._cuda when CMake finds the toolkit).
 nvcc-check:
 ifneq ($(NVCC),)
 	$(NVCC) -std=c++17 -Icsrc/include -x cu -c tests/cuda/compile_indexers.cu -o /dev/null
-	@echo "nvcc: generated indexers compile as CUDA"
+	$(NVCC) -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc -c csrc/cuda/transfer_kernels.cu -o /dev/null
+	@echo "nvcc: generated indexers and transfer kernels compile as CUDA"
 else
 	@echo "nvcc not found: skipping the CUDA compile check"
 endif
+
+# Benchmarks (not part of the tests): each prints ours beside its baseline, with ratios.
+bench: bench-core bench-transfer
+
+bench-core: build
+	$(PY) benchmarks/bench_core.py
+
+bench-transfer: build
+	$(PY) benchmarks/bench_transfer.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

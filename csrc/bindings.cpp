@@ -17,6 +17,7 @@
 
 #include "kvlayout/engine_kv_format.h"
 #include "kvlayout/indexing.cuh"
+#include "transfer.h"
 
 namespace nb = nanobind;
 using namespace nb::literals;
@@ -52,6 +53,29 @@ nb::dict facts_dict(const kvlayout::FormatFacts& f) {
 
 using CoordArray = nb::ndarray<const std::int64_t, nb::shape<-1, 6>, nb::c_contig, nb::device::cpu>;
 using LocationArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 2>>;
+using IntArray = nb::ndarray<const std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+using PtrArray = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
+constexpr int kPieceFields = 5 + 3 * kvlayout::transfer::kMaxLoops;
+using PieceArray = nb::ndarray<const std::int64_t, nb::shape<-1, kPieceFields>, nb::c_contig, nb::device::cpu>;
+
+// (format, sizes, block_stride, element_size, cache_ptrs, pieces, kv_size, num_layers, block_size, chunk_row_bytes)
+using JobArgs = std::tuple<std::int32_t, std::vector<std::int64_t>, std::int64_t, std::int64_t, PtrArray, PieceArray,
+                           std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+
+kvlayout::transfer::Job make_job(const JobArgs& a) {
+  const auto& [format, sizes, block_stride, element_size, ptrs, pieces, kv_size, num_layers, block_size, row_bytes] = a;
+  kvlayout::transfer::Job job{checked_format(format), checked_sizes(sizes), block_stride, element_size,
+                              reinterpret_cast<const std::uintptr_t*>(ptrs.data()), {}, kv_size, num_layers,
+                              block_size, row_bytes};
+  for (std::size_t i = 0; i < pieces.shape(0); ++i) {
+    const std::int64_t* r = pieces.data() + i * kPieceFields;
+    kvlayout::transfer::Piece p{r[0], r[1], r[2], r[3], static_cast<int>(r[4]), {}};
+    if (p.num_loops < 0 || p.num_loops > kvlayout::transfer::kMaxLoops) throw nb::value_error("a piece has too many loops");
+    for (int l = 0; l < p.num_loops; ++l) p.loops[l] = {r[5 + 3 * l], r[6 + 3 * l], r[7 + 3 * l]};
+    job.pieces.push_back(p);
+  }
+  return job;
+}
 
 }  // namespace
 
@@ -106,4 +130,25 @@ NB_MODULE(_native, m) {
         return LocationArray(out, {n, 2}, owner);
       },
       "format"_a, "sizes"_a, "block_stride"_a, "coords"_a, "locate() over an (n, 6) int64 array of coordinates.");
+
+  m.def(
+      "transfer_blocks",
+      [](int direction, const std::vector<JobArgs>& job_args, IntArray block_ids, PtrArray chunk_ptrs,
+         IntArray chunk_tokens, std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
+        if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
+        if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
+        if (chunk_ptrs.shape(0) != chunk_tokens.shape(0)) throw nb::value_error("one token count per chunk");
+        const auto needed = (static_cast<std::int64_t>(block_ids.shape(0)) + blocks_per_chunk - 1) / blocks_per_chunk;
+        if (static_cast<std::int64_t>(chunk_ptrs.shape(0)) < needed) throw nb::value_error("too few chunks for the blocks");
+        std::vector<kvlayout::transfer::Job> jobs;
+        for (const auto& a : job_args) jobs.push_back(make_job(a));
+        const kvlayout::transfer::Batch batch{block_ids.data(), static_cast<std::int64_t>(block_ids.shape(0)),
+                                              reinterpret_cast<const std::uintptr_t*>(chunk_ptrs.data()),
+                                              chunk_tokens.data(), blocks_per_chunk, skip_prefix_blocks};
+        nb::gil_scoped_release release;
+        kvlayout::transfer::run(jobs, batch, static_cast<kvlayout::transfer::Direction>(direction), num_threads);
+      },
+      "direction"_a, "jobs"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a, "blocks_per_chunk"_a,
+      "skip_prefix_blocks"_a, "num_threads"_a,
+      "Copy blocks between a cache and chunk buffers (raw pointers; kvlayout.transfer validates).");
 }

@@ -563,12 +563,14 @@ def _coalesce(loops: list[Loop]) -> list[Loop]:
     return out
 
 
-def _pieces(layout: Layout, s: Mapping[str, int], *, tokens: int) -> list[Piece]:
+def _pieces(
+    layout: Layout, s: Mapping[str, int], *, tokens: int, chunk_row: int | None = None
+) -> list[Piece]:
     st = structure(layout)
     strides = _mode_strides(layout, s, None)
     hs = head_size(layout, s)
     nh = num_heads(layout, s)
-    row = nh * hs
+    row = chunk_row if chunk_row is not None else nh * hs
 
     def cache_stride(coord: str, mode: Mode | None = None) -> int:
         for m, stride in zip(st.modes, strides, strict=True):
@@ -618,13 +620,20 @@ def _pieces(layout: Layout, s: Mapping[str, int], *, tokens: int) -> list[Piece]
     return pieces
 
 
-def copy_plan(layout: Layout, sizes: Mapping[str, int]) -> CopyPlan:
-    """The plan that copies one (kv, layer, block) between the cache and a chunk."""
+def copy_plan(layout: Layout, sizes: Mapping[str, int], chunk_row: int | None = None) -> CopyPlan:
+    """The plan that copies one (kv, layer, block) between the cache and a chunk.
+
+    ``chunk_row`` is the chunk's token stride in elements when a token's row holds more
+    than this layout's ``num_heads * head_size`` (several plane tensors share one row).
+    """
     s = resolve_sizes(layout, sizes)
-    block = _evaluate(layout, ("BS",), s) if "BS" in s else None
-    if block is None:
+    if "BS" not in s:
         raise SizeError(f"{layout}: a copy plan needs a size for BS")
-    return CopyPlan(num_heads(layout, s) * head_size(layout, s), tuple(_pieces(layout, s, tokens=block)))
+    row = num_heads(layout, s) * head_size(layout, s)
+    if chunk_row is not None and chunk_row < row:
+        raise SizeError(f"{layout}: a chunk row of {chunk_row} elements cannot hold a {row}-element row")
+    pieces = _pieces(layout, s, tokens=s["BS"], chunk_row=chunk_row)
+    return CopyPlan(row if chunk_row is None else chunk_row, tuple(pieces))
 
 
 def row_run(layout: Layout, sizes: Mapping[str, int]) -> int:

@@ -172,6 +172,11 @@ class Layout:
     def list_depth(self) -> int:
         return len(self.lists)
 
+    @property
+    def tensor_rank(self) -> int:
+        """The rank of each leaf tensor (a run of regions is stored as two axes)."""
+        return sum(len(m.storage) for m in algebra.structure(self).modes)
+
     # -- the algebra with sizes (see kvlayout.algebra) -------------------------------
 
     def concrete_shape(self, sizes: Mapping[str, int]) -> str:
@@ -205,8 +210,8 @@ class Layout:
     ) -> list[tuple[int, ...]]:
         return algebra.pointer_order(self, sizes, layer_indices)
 
-    def copy_plan(self, sizes: Mapping[str, int]) -> algebra.CopyPlan:
-        return algebra.copy_plan(self, sizes)
+    def copy_plan(self, sizes: Mapping[str, int], chunk_row: int | None = None) -> algebra.CopyPlan:
+        return algebra.copy_plan(self, sizes, chunk_row)
 
     def row_run(self, sizes: Mapping[str, int]) -> int:
         return algebra.row_run(self, sizes)

@@ -1,0 +1,129 @@
+#pragma once
+// The native CPU block transfer: paged KV cache <-> token-major chunk buffers.
+//
+// Python (kvlayout/transfer.py) validates everything and hands over jobs: one per group
+// of pointers that share a geometry (a whole registration, or one plane of a per-layer
+// tuple). For each (chunk block, kv, layer) a job asks the generated indexer where each
+// piece of the block starts, then walks the piece's loop nest (from the layout algebra's
+// copy plan) copying contiguous runs. Everything below is in bytes.
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "kvlayout/indexing.cuh"
+
+namespace kvlayout::transfer {
+
+inline constexpr int kMaxLoops = 4;
+
+struct Loop {
+  std::int64_t extent;
+  std::int64_t chunk_stride;  // bytes
+  std::int64_t cache_stride;  // bytes
+};
+
+// A part of a block's copy that stays on one pointer (see kvlayout.algebra.Piece).
+struct Piece {
+  std::int64_t head;          // coordinate where the piece starts (token 0)
+  std::int64_t elem;
+  std::int64_t chunk_offset;  // bytes from the token row's start in the chunk
+  std::int64_t run;           // contiguous bytes per innermost copy
+  int num_loops;
+  Loop loops[kMaxLoops];      // outermost first
+};
+
+struct Job {
+  EngineKVFormat format;
+  Sizes sizes;
+  std::int64_t block_stride;  // elements; 0 = tight
+  std::int64_t element_size;  // bytes
+  const std::uintptr_t* cache_ptrs;
+  std::vector<Piece> pieces;
+  std::int64_t kv_size;
+  std::int64_t num_layers;
+  std::int64_t block_size;
+  std::int64_t chunk_row_bytes;  // the chunk's whole token row (all jobs' rows together)
+};
+
+struct Batch {
+  const std::int64_t* block_ids;
+  std::int64_t num_blocks;
+  const std::uintptr_t* chunk_ptrs;  // one per chunk
+  const std::int64_t* chunk_tokens;  // T of each chunk
+  std::int64_t blocks_per_chunk;
+  std::int64_t skip_prefix_blocks;
+};
+
+enum class Direction { kStore = 0, kLoad = 1 };  // store: cache -> chunk; load: chunk -> cache
+
+namespace detail {
+
+template <Direction D>
+inline void walk(char* chunk, char* cache, const Loop* loops, int n, std::int64_t run) {
+  if (n == 0) {
+    if constexpr (D == Direction::kStore) {
+      std::memcpy(chunk, cache, static_cast<std::size_t>(run));
+    } else {
+      std::memcpy(cache, chunk, static_cast<std::size_t>(run));
+    }
+    return;
+  }
+  const Loop& l = loops[0];
+  for (std::int64_t i = 0; i < l.extent; ++i) walk<D>(chunk + i * l.chunk_stride, cache + i * l.cache_stride, loops + 1, n - 1, run);
+}
+
+template <Direction D>
+void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t begin, std::int64_t end) {
+  for (std::int64_t i = begin; i < end; ++i) {
+    const std::int64_t chunk = i / b.blocks_per_chunk;
+    const std::int64_t block = b.block_ids[i];
+    const std::int64_t tokens = b.chunk_tokens[chunk];
+    char* chunk_base = reinterpret_cast<char*>(b.chunk_ptrs[chunk]);
+    for (const Job& job : jobs) {
+      const std::int64_t first_token = (i - chunk * b.blocks_per_chunk) * job.block_size;
+      for (std::int64_t kv = 0; kv < job.kv_size; ++kv) {
+        for (std::int64_t layer = 0; layer < job.num_layers; ++layer) {
+          char* row = chunk_base + ((kv * job.num_layers + layer) * tokens + first_token) * job.chunk_row_bytes;
+          for (const Piece& p : job.pieces) {
+            const Location at = locate(job.format, job.sizes, job.block_stride, Coord{layer, kv, block, 0, p.head, p.elem});
+            char* cache = reinterpret_cast<char*>(job.cache_ptrs[at.pointer]) + at.offset * job.element_size;
+            walk<D>(row + p.chunk_offset, cache, p.loops, p.num_loops, p.run);
+          }
+        }
+      }
+    }
+  }
+}
+
+}  // namespace detail
+
+// Moves blocks [skip_prefix_blocks, num_blocks) of the batch, split over `threads` threads.
+inline void run(const std::vector<Job>& jobs, const Batch& b, Direction d, int threads) {
+  const std::int64_t begin = b.skip_prefix_blocks, end = b.num_blocks;
+  if (end <= begin) return;
+  auto work = [&](std::int64_t lo, std::int64_t hi) {
+    if (d == Direction::kStore) {
+      detail::run_range<Direction::kStore>(jobs, b, lo, hi);
+    } else {
+      detail::run_range<Direction::kLoad>(jobs, b, lo, hi);
+    }
+  };
+  const std::int64_t n = std::max<std::int64_t>(1, std::min<std::int64_t>(threads, end - begin));
+  if (n == 1) {
+    work(begin, end);
+    return;
+  }
+  std::vector<std::thread> pool;
+  const std::int64_t per = (end - begin + n - 1) / n;
+  for (std::int64_t t = 1; t < n; ++t) {
+    const std::int64_t lo = begin + t * per, hi = std::min(end, lo + per);
+    if (lo < hi) pool.emplace_back(work, lo, hi);
+  }
+  work(begin, std::min(end, begin + per));
+  for (auto& th : pool) th.join();
+}
+
+}  // namespace kvlayout::transfer

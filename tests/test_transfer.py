@@ -1,0 +1,272 @@
+"""Block transfer: the native engine against a reference built from the offset oracle,
+round trips for every format, and bad input refused before any byte moves."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvlayout
+from kvlayout import EngineKVFormat
+from kvlayout.algebra import Coord, offset
+from kvlayout.transfer import TransferError, chunk_shape, load_blocks, store_blocks
+from tests.registrations import DTYPES, Registration, make_registration
+
+FORMATS = list(EngineKVFormat)
+NBBS = {EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS, EngineKVFormat.NL_X_NBBS_ONE_HS}
+
+
+def element_bytes(reg: Registration, ptr: int, off: int, itemsize: int) -> bytes:
+    leaf = reg.leaves[ptr]
+    start = (leaf.storage_offset() + off) * itemsize
+    return bytes(reg.bases[ptr][start : start + itemsize].tolist())
+
+
+def reference_store(
+    fmt: EngineKVFormat, reg: Registration, sizes: dict[str, int], ids: list[int], tokens: list[int],
+    per_chunk: int, skip: int, block_stride: int | None,
+) -> list[bytearray]:  # fmt: skip
+    """Chunks as bytes, element by element from the oracle (no plan, no indexer)."""
+    layout = kvlayout.layout_of(fmt)
+    itemsize = reg.leaves[0].element_size()
+    nh, hs = layout.num_heads(sizes), layout.head_size(sizes)
+    row = nh * hs
+    out = [bytearray(layout.kv_size * sizes["NL"] * t * row * itemsize) for t in tokens]
+    for i, block in enumerate(ids):
+        if i < skip:
+            continue
+        c, first = divmod(i, per_chunk)
+        for kv, layer, j, h, e in itertools.product(
+            range(layout.kv_size), range(sizes["NL"]), range(sizes["BS"]), range(nh), range(hs)
+        ):
+            ptr, off = offset(layout, Coord(layer, kv, block, j, h, e), sizes, block_stride)
+            pos = (
+                ((kv * sizes["NL"] + layer) * tokens[c] + first * sizes["BS"] + j) * row + h * hs + e
+            ) * itemsize
+            out[c][pos : pos + itemsize] = element_bytes(reg, ptr, off, itemsize)
+    return out
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> tuple[EngineKVFormat, dict[str, int], torch.dtype, int]:
+    fmt = draw(st.sampled_from(FORMATS))
+    side = st.integers(1, 3)
+    sizes = {
+        "NL": draw(side),
+        "NB": draw(st.integers(2, 6)),
+        "BS": draw(side),
+        "NH": draw(side),
+        "HS": draw(side),
+        "NP": draw(st.integers(1, 3)),
+    }
+    dtype = torch.uint8 if fmt == EngineKVFormat.NL_X_NB_BSV_BSS else draw(st.sampled_from(DTYPES))
+    pad = draw(st.integers(0, 3)) if kvlayout.layout_of(fmt).has_leading_block_axis else 0
+    return fmt, sizes, dtype, pad
+
+
+def chunks_for(
+    shape: tuple[int, ...], dtype: torch.dtype, n_blocks: int, per_chunk: int, bs: int, partial: bool
+) -> list[torch.Tensor]:
+    n = -(-n_blocks // per_chunk)
+    tokens = [per_chunk * bs] * n
+    if partial:
+        tokens[-1] = (n_blocks - (n - 1) * per_chunk) * bs
+    return [torch.zeros((shape[0], shape[1], t, shape[3]), dtype=dtype) for t in tokens]
+
+
+@settings(max_examples=40)
+@given(cases(), st.data())
+def test_store_matches_the_oracle_byte_for_byte(
+    case: tuple[EngineKVFormat, dict[str, int], torch.dtype, int], data: st.DataObject
+) -> None:
+    fmt, sizes, dtype, pad = case
+    layout = kvlayout.layout_of(fmt)
+    reg = make_registration(layout, sizes, dtype, pad=pad)
+    ids = data.draw(st.lists(st.integers(0, sizes["NB"] - 1), min_size=1, max_size=7))  # repeats allowed
+    per_chunk = data.draw(st.integers(1, 3))
+    skip = data.draw(st.integers(0, len(ids)))
+    threads = data.draw(st.integers(1, 2))
+    bs = {"block_size": sizes["BS"]} if fmt in NBBS else {}
+    shape, chunk_dtype = chunk_shape(reg.kv, fmt, per_chunk * sizes["BS"], **bs)
+    assert chunk_dtype == dtype
+    chunks = chunks_for(shape, dtype, len(ids), per_chunk, sizes["BS"], data.draw(st.booleans()))
+    store_blocks(reg.kv, fmt, ids, chunks, skip_prefix_n_blocks=skip, num_threads=threads, **bs)
+    block_stride = reg.leaves[0].stride(0) if pad else None
+    expected = reference_store(
+        fmt, reg, sizes, ids, [c.shape[2] for c in chunks], per_chunk, skip, block_stride
+    )
+    for got, want in zip(chunks, expected, strict=True):
+        assert bytes(got.view(torch.uint8).flatten().tolist()) == bytes(want)
+
+
+@settings(max_examples=40)
+@given(cases(), st.data())
+def test_round_trip_restores_exactly_the_selected_blocks(
+    case: tuple[EngineKVFormat, dict[str, int], torch.dtype, int], data: st.DataObject
+) -> None:
+    fmt, sizes, dtype, pad = case
+    layout = kvlayout.layout_of(fmt)
+    reg = make_registration(layout, sizes, dtype, pad=pad)
+    original = [b.clone() for b in reg.bases]
+    ids = data.draw(st.lists(st.integers(0, sizes["NB"] - 1), min_size=1, max_size=sizes["NB"], unique=True))
+    per_chunk = data.draw(st.integers(1, 3))
+    skip = data.draw(st.integers(0, len(ids)))
+    bs = {"block_size": sizes["BS"]} if fmt in NBBS else {}
+    shape, _ = chunk_shape(reg.kv, fmt, per_chunk * sizes["BS"], **bs)
+    chunks = chunks_for(shape, dtype, len(ids), per_chunk, sizes["BS"], data.draw(st.booleans()))
+    store_blocks(reg.kv, fmt, ids, chunks, skip_prefix_n_blocks=skip, **bs)
+    for b in reg.bases:
+        b.zero_()
+    load_blocks(
+        reg.kv, fmt, ids, chunks, skip_prefix_n_blocks=skip, num_threads=data.draw(st.integers(1, 2)), **bs
+    )
+    # The bytes the selected blocks own, per the oracle; everything else (padding too) stays zero.
+    itemsize = dtype.itemsize
+    block_stride = reg.leaves[0].stride(0) if pad else None
+    expected = [torch.zeros_like(b) for b in reg.bases]
+    for block in ids[skip:]:
+        for kv, layer, j, h, e in itertools.product(
+            range(layout.kv_size),
+            range(sizes["NL"]),
+            range(sizes["BS"]),
+            range(layout.num_heads(sizes)),
+            range(layout.head_size(sizes)),
+        ):
+            ptr, off = offset(layout, Coord(layer, kv, block, j, h, e), sizes, block_stride)
+            start = (reg.leaves[ptr].storage_offset() + off) * itemsize
+            expected[ptr][start : start + itemsize] = original[ptr][start : start + itemsize]
+    for got, want in zip(reg.bases, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_planes_of_different_widths_and_dtypes_share_a_row() -> None:
+    """NL_X_NP_X_NB_BS_ONE_HS: a token's chunk row is its planes' bytes back to back."""
+    gen = torch.Generator().manual_seed(1)
+    nb, bs = 5, 4
+    layers = [
+        (torch.randint(0, 100, (nb, bs, 1, 6), generator=gen).to(torch.uint8),
+         torch.randn(nb, bs, 1, 3, generator=gen).to(torch.float16))
+        for _ in range(2)
+    ]  # fmt: skip
+    fmt = EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS
+    shape, dtype = chunk_shape(layers, fmt, 2 * bs)
+    assert (shape, dtype) == ((1, 2, 2 * bs, 6 + 3 * 2), torch.uint8)
+    chunk = torch.zeros(shape, dtype=dtype)
+    store_blocks(layers, fmt, [3, 1], [chunk])
+    for layer, (latent, scale) in enumerate(layers):
+        for n, block in enumerate([3, 1]):
+            rows = chunk[0, layer, n * bs : (n + 1) * bs]
+            assert torch.equal(rows[:, :6], latent[block, :, 0])
+            assert torch.equal(rows[:, 6:].contiguous().view(torch.float16), scale[block, :, 0])
+    restored = [(torch.zeros_like(a), torch.zeros_like(b)) for a, b in layers]
+    load_blocks(restored, fmt, [3, 1], [chunk])
+    for (a, b), (ra, rb) in zip(layers, restored, strict=True):
+        assert torch.equal(ra[[3, 1]], a[[3, 1]]) and torch.equal(rb[[3, 1]], b[[3, 1]])
+        assert not ra[[0, 2, 4]].any() and not rb[[0, 2, 4]].any()
+
+
+def test_dsa_indexer_rows_are_values_then_scale() -> None:
+    """The blocked page [BS x 128 values | BS x 4 scales] becomes rows [128 values | 4 scales]."""
+    nb, bs = 3, 4
+    page = torch.arange(nb * bs * 132, dtype=torch.int32).remainder(251).to(torch.uint8).view(nb, bs, 132)
+    fmt = EngineKVFormat.NL_X_NB_BSV_BSS
+    chunk = torch.zeros(chunk_shape([page], fmt, bs)[0], dtype=torch.uint8)
+    store_blocks([page], fmt, [2], [chunk])
+    flat = page[2].reshape(-1)
+    for j in range(bs):
+        assert torch.equal(chunk[0, 0, j, :128], flat[j * 128 : (j + 1) * 128])
+        assert torch.equal(chunk[0, 0, j, 128:], flat[bs * 128 + j * 4 : bs * 128 + (j + 1) * 4])
+
+
+@pytest.fixture
+def flash_attn() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(3)]
+    shape, dtype = chunk_shape(kv, 1, 8)
+    return kv, [torch.full(shape, 7.0, dtype=dtype) for _ in range(2)]
+
+
+BAD_INPUT = [
+    (dict(block_ids=[0, 8, 1]), "block_ids[1] = 8 is out of range for 8 blocks"),
+    (dict(block_ids=[0, -1]), "block_ids[1] = -1 is out of range for 8 blocks"),
+    (dict(block_ids=[[0, 1]]), "block_ids must be a 1-D sequence of ints"),
+    (dict(chunks="small"), "chunks[1] holds 4 tokens; it needs 8 or more, a multiple of the block size"),
+    (dict(chunks="dtype"), "chunks[0] is torch.float16; the cache is torch.float32"),
+    (dict(chunks="layout"), "chunks[0] has shape [3, 2, 8, 32]; this registration needs [2, 3, T, 32] (kv_size, layers, tokens, row)"),
+    (dict(chunks="transposed"), "chunks[0] is not contiguous"),
+    (dict(chunks="odd"), "chunk size 6 is not a positive multiple of the block size 4"),
+    (dict(chunks="count"), "3 blocks at 2 blocks per chunk need 2 chunks, got 1"),
+    (dict(fmt=6), "has strides"),
+    (dict(fmt=3), "kv[0] has rank 5 (shape [2, 8, 4, 2, 16]); NL_X_NB_BS_HS needs rank 3"),
+    (dict(fmt=4), "kv has 3 entries; TWO_X_NL_X_NBBS_NH_HS needs 2 here"),
+    (dict(fmt=16), "kv[0] is a Tensor, but NL_X_TWO_X_NB_BS_NH_HS has a list level here"),
+    (dict(skip=5), "skip_prefix_n_blocks=5 is outside [0, 3]"),
+    (dict(threads=0), "num_threads must be a positive int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "message"), BAD_INPUT, ids=[m[:40] for _, m in BAD_INPUT])
+@pytest.mark.parametrize("move", [store_blocks, load_blocks])
+def test_bad_input_is_refused_before_any_byte_moves(
+    flash_attn: tuple[list[torch.Tensor], list[torch.Tensor]],
+    change: dict[str, object],
+    message: str,
+    move: object,
+) -> None:
+    kv, chunks = flash_attn
+    block_ids = change.get("block_ids", [5, 2, 7])
+    kind = change.get("chunks")
+    if kind == "small":
+        block_ids = [5, 2, 7, 1]
+        chunks[1] = chunks[1][:, :, :4].clone()
+    elif kind == "dtype":
+        chunks = [c.half() for c in chunks]
+    elif kind == "layout":
+        chunks = [c.transpose(0, 1).contiguous() for c in chunks]
+    elif kind == "transposed":
+        chunks = [c.transpose(2, 3).contiguous().transpose(2, 3) for c in chunks]
+    elif kind == "odd":
+        chunks = [c[:, :, :6].clone() for c in chunks]
+    elif kind == "count":
+        chunks = chunks[:1]
+    if change.get("fmt") == 6:  # an NHD cache called HND: other strides (views of the same storage)
+        kv = [t.transpose(2, 3) for t in kv]
+    cache_before = [t.clone() for t in kv]
+    chunks_before = [c.clone() for c in chunks]
+    with pytest.raises(TransferError) as info:
+        move(kv, change.get("fmt", 1), block_ids, chunks,  # type: ignore[operator]
+             skip_prefix_n_blocks=change.get("skip", 0), num_threads=change.get("threads", 1))  # fmt: skip
+    assert message in str(info.value)
+    assert all(torch.equal(a, b) for a, b in zip(cache_before, kv, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(chunks_before, chunks, strict=True))
+
+
+def test_nbbs_formats_need_the_block_size() -> None:
+    kv = [[torch.randn(12, 2, 4) for _ in range(2)] for _ in range(2)]
+    fmt = EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS
+    with pytest.raises(TransferError, match=r"folds NB and BS into one axis: pass block_size="):
+        chunk_shape(kv, fmt, 8)
+    with pytest.raises(TransferError, match=r"PBS=12 is not a multiple of block_size=5"):
+        chunk_shape(kv, fmt, 10, block_size=5)
+    shape, _ = chunk_shape(kv, fmt, 8, block_size=4)
+    chunk = torch.zeros(shape)
+    store_blocks(kv, fmt, [2, 0], [chunk], block_size=4)
+    assert torch.equal(chunk[1, 1, :4], kv[1][1][8:12].reshape(4, 8))
+
+
+def test_mixed_leaves_are_refused() -> None:
+    kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(3)]
+    kv[2] = kv[2].double()
+    with pytest.raises(
+        TransferError, match=r"kv\[2\] is torch.float64 on cpu, but kv\[0\] is torch.float32 on cpu"
+    ):
+        chunk_shape(kv, 1, 8)
+    kv[2] = torch.randn(2, 9, 4, 2, 16)
+    with pytest.raises(
+        TransferError,
+        match=r"kv\[2\] has shape \[2, 9, 4, 2, 16\], but kv\[0\] makes NL_X_TWO_NB_BS_NH_HS \[2, 8, 4, 2, 16\]",
+    ):
+        chunk_shape(kv, 1, 8)
