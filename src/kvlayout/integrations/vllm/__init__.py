@@ -1,0 +1,88 @@
+"""vLLM integration: start-up validation and KV cache group edits for hybrid models.
+
+Call :func:`validate_kv_cache_groups` when the connector starts, and
+:func:`apply_kv_cache_group_edits` on the dict vLLM hands to ``register_kv_caches``,
+before detection; give detection and transfer the edited dict. vLLM itself is not
+imported: spec objects are read structurally, so any vLLM release (or a duck-typed
+stand-in) works, and kvlayout does not depend on vLLM.
+
+Why edits: kvlayout reads a group's block size from the registered tensors, while
+vLLM's scheduler hands out block ids in units of the spec's ``block_size``. Hybrid
+(Mamba + attention) models break that on two fronts: a Mamba layer registers state that
+is not a paged KV (a ``[conv, ssm]`` list before vLLM 0.26, one int8 state row per
+block since), and attention backends with fixed kernel sizes page the inflated hybrid
+block finer (Qwen3.5-0.8B: block 544 = 17 FlashInfer pages of 32), which would read as
+17x slot compression. Each edit re-views such a layer as
+``[num_blocks, block_size, page_bytes // block_size]`` int8 over the same storage,
+which detection reads as ``NL_X_NB_BS_HS`` with the spec's block size under any
+``kv_layout`` hint.
+
+The opaque-page contract. An edited view's dims are addressing only: block ``b`` of
+the view is exactly the bytes of block id ``b``'s page (padding included), and its rows
+are the page cut into ``block_size`` equal byte runs. They are not tokens, heads or K/V:
+a Mamba page is conv | ssm | padding, and a sub-paged attention block interleaves K and
+V per kernel page. So:
+
+- valid: storing and retrieving blocks through kvlayout's transfer on the same engine
+  configuration (store and load use the same block-id -> bytes mapping, so every byte
+  round-trips);
+- not valid on edited groups: anything that reads the content (compression or other
+  serde, blending, per-head resharding, layout conversion, K-only reads), and sharing
+  stored blocks with an engine whose backend, kernel block size, page size, dtypes or
+  TP differ (the byte order inside a page depends on them).
+
+Invariants, enforced when the edits run: edits are views of the registered storage
+(no copy); k kernel pages become one block only when they are one contiguous run of
+exactly the spec's ``page_size_bytes``, otherwise :class:`KVCacheGroupEditError`
+names the layer, the group and the byte counts; every edited view's block size is its
+group's ``block_size``; specs that declare slot compression (``tokens_per_state > 1``,
+``compress_ratio > 1``, ``tq_slot_size > 0``) are never edited. See
+``docs/vllm-group-edits.md``.
+"""
+
+from __future__ import annotations
+
+from kvlayout.integrations.vllm.edits import (
+    KV_CACHE_GROUP_EDITS,
+    apply_kv_cache_group_edits,
+    find_kv_cache_group_edit,
+)
+from kvlayout.integrations.vllm.errors import (
+    GroupProblem,
+    KVCacheGroupEditError,
+    UnsupportedKVCacheGroupsError,
+)
+from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_DTYPE, OPAQUE_PAGE_FORMAT
+from kvlayout.integrations.vllm.rules import (
+    KVCacheGroupEdit,
+    MambaStateListEdit,
+    MambaStateRowsEdit,
+    SubpagedAttentionEdit,
+    SubpagedMLAEdit,
+)
+from kvlayout.integrations.vllm.specs import SpecKind, declares_slot_compression, spec_kind
+from kvlayout.integrations.vllm.validation import (
+    find_unsupported_kv_cache_groups,
+    validate_kv_cache_groups,
+)
+
+__all__ = [
+    "KV_CACHE_GROUP_EDITS",
+    "OPAQUE_PAGE_DTYPE",
+    "OPAQUE_PAGE_FORMAT",
+    "GroupProblem",
+    "KVCacheGroupEdit",
+    "KVCacheGroupEditError",
+    "MambaStateListEdit",
+    "MambaStateRowsEdit",
+    "SpecKind",
+    "SubpagedAttentionEdit",
+    "SubpagedMLAEdit",
+    "UnsupportedKVCacheGroupsError",
+    "apply_kv_cache_group_edits",
+    "declares_slot_compression",
+    "find_kv_cache_group_edit",
+    "find_unsupported_kv_cache_groups",
+    "spec_kind",
+    "validate_kv_cache_groups",
+]

@@ -1,0 +1,108 @@
+"""Applying the group edits: one pass over every layer of a Mamba-hybrid model."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+from kvlayout.integrations.vllm.rules import (
+    KVCacheGroupEdit,
+    MambaStateListEdit,
+    MambaStateRowsEdit,
+    SubpagedAttentionEdit,
+    SubpagedMLAEdit,
+)
+from kvlayout.integrations.vllm.specs import (
+    declares_slot_compression,
+    has_mamba_layers,
+    iter_group_layer_specs,
+    iter_groups,
+)
+from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
+from kvlayout.registry import get_spec
+
+__all__ = ["KV_CACHE_GROUP_EDITS", "apply_kv_cache_group_edits", "find_kv_cache_group_edit"]
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE_GROUP_EDITS: tuple[KVCacheGroupEdit, ...] = (
+    MambaStateRowsEdit(),
+    MambaStateListEdit(),
+    SubpagedMLAEdit(),
+    SubpagedAttentionEdit(),
+)
+"""The rules, in priority order: the first that matches a layer edits it."""
+
+
+def find_kv_cache_group_edit(
+    spec: Any, value: Any, edits: Sequence[KVCacheGroupEdit] = KV_CACHE_GROUP_EDITS
+) -> KVCacheGroupEdit | None:
+    """The rule that would edit this (leaf spec, registered value), or ``None``.
+
+    A spec that declares slot compression is never edited: its tensors already say how
+    many slots a block has, and the compression path reads that.
+    """
+    if declares_slot_compression(spec):
+        return None
+    return next((edit for edit in edits if edit.matches(spec, value)), None)
+
+
+def _storage_ptr(value: Any) -> int:
+    first = value if isinstance(value, torch.Tensor) else value[0]
+    return int(first.untyped_storage().data_ptr())
+
+
+def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tensor) -> None:
+    """The invariants every edit keeps, whichever rule made it (user rules included)."""
+    if not isinstance(view, torch.Tensor) or view.untyped_storage().data_ptr() != _storage_ptr(value):
+        raise KVCacheGroupEditError(f"edit {edit.name!r} did not return a view of the registered storage")
+    block_size = get_spec([view], edit.output_format).block_size()
+    if block_size != spec.block_size:
+        raise KVCacheGroupEditError(
+            f"edit {edit.name!r} produced a view whose block size reads as {block_size} under "
+            f"{edit.output_format.name}, not the spec's block_size {spec.block_size}"
+        )
+
+
+def apply_kv_cache_group_edits(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, Any],
+    layout_hints: Mapping[str, Any] | None = None,
+    *,
+    edits: Sequence[KVCacheGroupEdit] = KV_CACHE_GROUP_EDITS,
+) -> dict[str, Any]:
+    """Re-present a vLLM model's registered KV caches so every block dim is a block id.
+
+    Validates the groups first (:func:`validate_kv_cache_groups`). Models without Mamba
+    layers come back untouched, as do layers no rule matches (the same objects). Each
+    edited layer becomes a view over its own storage, never a copy.
+    """
+    del layout_hints  # the edited views read the same under every kv_layout hint
+    validate_kv_cache_groups(kv_cache_config)
+    edited = dict(kv_caches)
+    if kv_cache_config is None or not has_mamba_layers(kv_cache_config):
+        return edited
+    applied: Counter[str] = Counter()
+    for group_idx, group in iter_groups(kv_cache_config):
+        for layer_name, spec in iter_group_layer_specs(group):
+            if layer_name not in edited:
+                continue  # not registered by this worker (e.g. another pipeline stage)
+            value = edited[layer_name]
+            edit = find_kv_cache_group_edit(spec, value, edits)
+            if edit is None:
+                continue
+            try:
+                view = edit.apply(spec, value)
+                _check_view(edit, spec, value, view)
+            except KVCacheGroupEditError as e:
+                raise e.for_layer(layer_name, group_idx) from e
+            edited[layer_name] = view
+            applied[edit.name] += 1
+    if applied:
+        logger.info("KV cache group edits applied: %s", dict(applied))
+    return edited

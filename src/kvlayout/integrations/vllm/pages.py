@@ -1,0 +1,113 @@
+"""Byte geometry of registered pages, and the opaque page view the edits produce.
+
+Everything here works on bytes of the tensor's storage: a page is a contiguous byte
+run, pages sit a fixed byte stride apart, and an edited layer is re-viewed as
+``[num_blocks, block_size, page_bytes // block_size]`` int8 over the same storage.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvlayout._generated.formats import EngineKVFormat
+from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+
+__all__ = ["OPAQUE_PAGE_DTYPE", "OPAQUE_PAGE_FORMAT", "PageRuns", "opaque_page_view", "page_runs"]
+
+OPAQUE_PAGE_FORMAT = EngineKVFormat.NL_X_NB_BS_HS
+"""What every edited view reads as: one plane of ``block_size`` rows per block, no
+head axis. Detection reads a rank-3 vLLM tensor as this format under every
+``kv_layout`` hint, so the edited views do not depend on the NHD/HND hint (a rank-4 or
+rank-5 view with a synthetic head axis would swap its head and token axes under the
+other hint)."""
+
+OPAQUE_PAGE_DTYPE = torch.int8
+"""Bytes: a page mixes dtypes (bf16 conv, fp32 ssm, padding; K and V of kernel pages),
+so no element type describes it. int8, not uint8, so a 132-byte row is never taken for
+the DSA indexer's uint8 ``[NB, BS, 132]`` format."""
+
+
+@dataclass(frozen=True)
+class PageRuns:
+    """A tensor read as pages: ``num_pages`` contiguous runs of ``page_bytes`` each,
+    ``stride_bytes`` apart, the first ``offset_bytes`` into the storage."""
+
+    num_pages: int
+    page_bytes: int
+    stride_bytes: int
+    offset_bytes: int
+
+
+def _memory_order(t: torch.Tensor) -> list[int]:
+    # Outermost first; a size-1 axis goes inside a sized axis of equal stride, as
+    # contiguity recovery orders them.
+    return sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d] != 1), reverse=True)
+
+
+def page_runs(t: torch.Tensor) -> PageRuns:
+    """Read ``t`` as pages along its outermost axis in memory.
+
+    Every axis inside that one must be tightly packed, so one index of the page axis is
+    one contiguous byte run; anything else (interior padding, a K/V axis outside the
+    pages) raises :class:`KVCacheGroupEditError` with the shape and strides.
+    """
+    if t.dim() == 0 or t.numel() == 0:
+        raise KVCacheGroupEditError(f"expected a non-empty paged tensor, got shape {tuple(t.shape)}")
+    order = _memory_order(t)
+    page_axis, inner = order[0], order[1:]
+    tight = 1
+    for axis in reversed(inner):
+        if t.shape[axis] != 1 and t.stride(axis) != tight:
+            raise KVCacheGroupEditError(
+                f"tensor of shape {tuple(t.shape)} and strides {t.stride()} is not one contiguous run "
+                f"per page along axis {page_axis}: axis {axis} has stride {t.stride(axis)}, "
+                f"tightly packed would be {tight}"
+            )
+        tight *= t.shape[axis]
+    item = t.element_size()
+    num_pages = t.shape[page_axis]
+    page_stride = t.stride(page_axis) if num_pages > 1 else tight
+    if page_stride < tight:
+        raise KVCacheGroupEditError(
+            f"pages of tensor {tuple(t.shape)} overlap: stride {page_stride * item} bytes "
+            f"< page {tight * item} bytes"
+        )
+    return PageRuns(int(num_pages), tight * item, page_stride * item, int(t.storage_offset()) * item)
+
+
+def opaque_page_view(
+    t: torch.Tensor,
+    *,
+    num_blocks: int,
+    block_size: int,
+    page_bytes: int,
+    block_stride_bytes: int,
+    offset_bytes: int,
+) -> torch.Tensor:
+    """``[num_blocks, block_size, page_bytes // block_size]`` int8 over ``t``'s storage.
+
+    Block ``b`` is bytes ``[offset + b * stride, offset + b * stride + page_bytes)``:
+    the whole page, padding included, and nothing outside it.
+    """
+    if page_bytes % block_size:
+        raise KVCacheGroupEditError(
+            f"the {page_bytes}-byte page does not split into block_size={block_size} equal rows "
+            f"({page_bytes} % {block_size} = {page_bytes % block_size} bytes left over)"
+        )
+    if block_stride_bytes < page_bytes:
+        raise KVCacheGroupEditError(
+            f"blocks are {block_stride_bytes} bytes apart, less than the {page_bytes}-byte page"
+        )
+    storage = t.untyped_storage()
+    end = offset_bytes + (num_blocks - 1) * block_stride_bytes + page_bytes
+    if end > storage.nbytes():
+        raise KVCacheGroupEditError(
+            f"{num_blocks} pages of {page_bytes} bytes, {block_stride_bytes} bytes apart from byte "
+            f"{offset_bytes}, end at byte {end}, past the {storage.nbytes()}-byte storage"
+        )
+    row = page_bytes // block_size
+    flat = torch.empty(0, dtype=OPAQUE_PAGE_DTYPE, device=t.device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))  # the storage as bytes, no copy
+    return flat.as_strided((num_blocks, block_size, row), (block_stride_bytes, row, 1), offset_bytes)

@@ -1,0 +1,242 @@
+"""The group edit rules: each re-views one kind of vLLM registration as opaque pages.
+
+A rule matches structurally, from the leaf spec's kind and the registered value, never
+from a model name: the same architecture registers differently depending on the vLLM
+release, ``mamba_cache_mode``, the attention backend's kernel block size and TP, and
+the spec and the tensors already say all of that.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+
+from kvlayout._generated.formats import EngineKVFormat
+from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_runs
+from kvlayout.integrations.vllm.specs import SpecKind, spec_field, spec_kind
+
+__all__ = [
+    "KVCacheGroupEdit",
+    "MambaStateListEdit",
+    "MambaStateRowsEdit",
+    "SubpagedAttentionEdit",
+    "SubpagedMLAEdit",
+]
+
+
+class KVCacheGroupEdit(ABC):
+    """One re-presentation of a registered KV cache value as a view over its storage.
+
+    ``matches`` must not raise; ``apply`` raises :class:`KVCacheGroupEditError` for a
+    value it recognises but cannot re-view faithfully. The result must be a view of the
+    value's storage whose layout reads as ``output_format`` with the spec's block size.
+    """
+
+    name: ClassVar[str]
+    output_format: ClassVar[EngineKVFormat] = OPAQUE_PAGE_FORMAT
+
+    @abstractmethod
+    def matches(self, spec: Any, value: Any) -> bool: ...
+
+    @abstractmethod
+    def apply(self, spec: Any, value: Any) -> torch.Tensor: ...
+
+    def __repr__(self) -> str:
+        return f"<KVCacheGroupEdit {self.name}>"
+
+
+class MambaStateRowsEdit(KVCacheGroupEdit):
+    """vLLM 0.33+: a Mamba layer registers one int8 ``[NB, 1, 1, state_bytes]`` view.
+
+    The row holds conv | ssm unpadded; the page (and the block stride) is padded up to
+    the attention page. Re-viewed as the whole padded page, so padding round-trips too.
+    """
+
+    name = "mamba-state-rows"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        return spec_kind(spec) is SpecKind.MAMBA and isinstance(value, torch.Tensor)
+
+    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+        runs = page_runs(value)
+        page = int(spec.page_size_bytes)
+        if runs.page_bytes > page:
+            raise KVCacheGroupEditError(
+                f"the registered state row is {runs.page_bytes} bytes, more than the spec's {page}-byte page"
+            )
+        return opaque_page_view(
+            value,
+            num_blocks=runs.num_pages,
+            block_size=int(spec.block_size),
+            page_bytes=page,
+            block_stride_bytes=runs.stride_bytes,
+            offset_bytes=runs.offset_bytes,
+        )
+
+
+class MambaStateListEdit(KVCacheGroupEdit):
+    """vLLM before 0.26: a Mamba layer registers ``[conv_state, ssm_state]``.
+
+    Each state is an ``as_strided`` view with its own dtype and shape, laid back to
+    back from the page base (conv | ssm | padding) and strided by the page. A list of
+    two dtypes is not one paged KV, so the page they share is re-viewed instead.
+    """
+
+    name = "mamba-state-list"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        return (
+            spec_kind(spec) is SpecKind.MAMBA
+            and isinstance(value, (list, tuple))
+            and len(value) > 0
+            and all(isinstance(state, torch.Tensor) for state in value)
+        )
+
+    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+        states: Sequence[torch.Tensor] = value
+        runs = [page_runs(state) for state in states]
+        base = runs[0]
+        end = base.offset_bytes
+        for i, (state, r) in enumerate(zip(states, runs, strict=True)):
+            if (r.num_pages, r.stride_bytes) != (base.num_pages, base.stride_bytes):
+                raise KVCacheGroupEditError(
+                    f"state {i} {tuple(state.shape)} has {r.num_pages} blocks {r.stride_bytes} bytes apart, "
+                    f"state 0 has {base.num_pages} blocks {base.stride_bytes} bytes apart"
+                )
+            if r.offset_bytes != end:
+                raise KVCacheGroupEditError(
+                    f"state {i} {tuple(state.shape)} starts at byte {r.offset_bytes}, not at byte {end} "
+                    "right after the previous state: the states are not laid back to back in one page"
+                )
+            if state.untyped_storage().data_ptr() != states[0].untyped_storage().data_ptr():
+                raise KVCacheGroupEditError(f"state {i} lives in another allocation than state 0")
+            end += r.page_bytes
+        page, used = int(spec.page_size_bytes), end - base.offset_bytes
+        if used > page:
+            raise KVCacheGroupEditError(
+                f"the states take {used} bytes per block, more than the spec's {page}-byte page"
+            )
+        return opaque_page_view(
+            states[0],
+            num_blocks=base.num_pages,
+            block_size=int(spec.block_size),
+            page_bytes=page,
+            block_stride_bytes=base.stride_bytes,
+            offset_bytes=base.offset_bytes,
+        )
+
+
+def _one_state_per_token(spec: Any) -> bool:
+    return bool(spec_field(spec, "tokens_per_state", 1) == 1)
+
+
+def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_tokens: int) -> torch.Tensor:
+    """View ``k = block_size / kernel_tokens`` consecutive kernel pages as one block.
+
+    vLLM maps logical block ``n`` to kernel blocks ``n*k .. n*k+k-1``, so this is only
+    faithful when those k pages are one contiguous run of exactly the spec's page:
+    anything else (a packed or padded page the spec does not declare) raises.
+    """
+    block_size = int(spec.block_size)
+    if kernel_tokens <= 0 or block_size % kernel_tokens:
+        raise KVCacheGroupEditError(
+            f"kernel pages of {kernel_tokens} tokens do not divide the {block_size}-token block"
+        )
+    k = block_size // kernel_tokens
+    runs = page_runs(value)
+    page = int(spec.page_size_bytes)
+    if runs.page_bytes * k != page:
+        raise KVCacheGroupEditError(
+            f"{k} kernel pages of {kernel_tokens} tokens ({k} x {runs.page_bytes} = {k * runs.page_bytes} "
+            f"bytes) do not tile the logical page ({page} bytes); a packed or padded page needs its "
+            "compression declared on the spec"
+        )
+    if runs.num_pages % k:
+        raise KVCacheGroupEditError(f"{runs.num_pages} kernel pages do not make whole blocks of {k} pages")
+    if runs.stride_bytes != runs.page_bytes:
+        raise KVCacheGroupEditError(
+            f"kernel pages are {runs.stride_bytes} bytes apart but {runs.page_bytes} bytes long, "
+            f"so {k} of them are not one contiguous {page}-byte block"
+        )
+    return opaque_page_view(
+        value,
+        num_blocks=runs.num_pages // k,
+        block_size=block_size,
+        page_bytes=page,
+        block_stride_bytes=k * runs.stride_bytes,
+        offset_bytes=runs.offset_bytes,
+    )
+
+
+# Axis 2 holds the kernel block's tokens in every attention registration vLLM makes:
+# 0.33 ``[pages, H, N, C]`` (a permute view of the memory order), FlashInfer before 0.26
+# ``[pages, 2, N, H, D]`` (NHD, or a permute of HND memory), FlashAttention before 0.26
+# ``[2, pages, N, H, D]`` (re-strided block-major in hybrids).
+_TOKEN_AXIS = 2
+_ATTENTION_KINDS = frozenset(
+    {
+        SpecKind.FULL_ATTENTION,
+        SpecKind.SLIDING_WINDOW,
+        SpecKind.CHUNKED_LOCAL_ATTENTION,
+        SpecKind.SINK_FULL_ATTENTION,
+    }
+)
+
+
+class SubpagedAttentionEdit(KVCacheGroupEdit):
+    """Attention re-paged at the backend's kernel block size (k kernel pages per block).
+
+    Hybrids inflate the attention block so its page matches the Mamba page (Qwen3.5:
+    hundreds of tokens), and backends with fixed kernel sizes (FlashInfer 16/32/64)
+    page the tensor finer. Registered raw, the tensor's block size would read as the
+    kernel's and the group would look slot-compressed. Declared compression never
+    reaches this rule.
+    """
+
+    name = "subpaged-attention"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        return (
+            spec_kind(spec) in _ATTENTION_KINDS
+            and _one_state_per_token(spec)
+            and isinstance(value, torch.Tensor)
+            and value.dim() in (4, 5)
+            and value.shape[_TOKEN_AXIS] != spec.block_size
+        )
+
+    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+        return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
+
+
+def _mla_kernel_states(value: torch.Tensor) -> int | None:
+    # MLA keeps one latent row per token: ``[pages, N, C]`` before 0.26, ``[pages, 1, N, C]``
+    # in 0.33 (one head slot; some releases put it after N). Anything else is not an MLA
+    # registration this rule knows.
+    if value.dim() == 3:
+        return int(value.shape[1])
+    if value.dim() == 4 and 1 in (value.shape[1], value.shape[2]):
+        return int(value.shape[1] * value.shape[2])
+    return None
+
+
+class SubpagedMLAEdit(KVCacheGroupEdit):
+    """MLA re-paged at a kernel block size (e.g. a 768-token block in 64-token pages)."""
+
+    name = "subpaged-mla-attention"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        if spec_kind(spec) not in (SpecKind.MLA_ATTENTION, SpecKind.SLIDING_WINDOW_MLA):
+            return False
+        if not (_one_state_per_token(spec) and isinstance(value, torch.Tensor)):
+            return False
+        states = _mla_kernel_states(value)
+        return states is not None and states != spec.block_size
+
+    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+        states = _mla_kernel_states(value)
+        assert states is not None  # matches() said so
+        return _group_kernel_pages(spec, value, states)

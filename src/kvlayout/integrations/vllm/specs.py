@@ -1,0 +1,121 @@
+"""Reading vLLM KV cache spec objects structurally, without importing vLLM.
+
+vLLM is optional for kvlayout users, and its spec classes move between releases
+(0.33 renamed ``MLAAttentionSpec.compress_ratio`` to ``tokens_per_state`` and dropped
+``TQFullAttentionSpec``). So a spec's kind is read from the class names in its MRO,
+the way ``vllm.v1.kv_cache_interface.get_kv_cache_spec_kind`` orders them, and every
+optional field through ``getattr`` with the default older releases imply.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = [
+    "SpecKind",
+    "declares_slot_compression",
+    "has_mamba_layers",
+    "iter_group_layer_specs",
+    "iter_groups",
+    "spec_field",
+    "spec_kind",
+]
+
+
+class SpecKind(str, enum.Enum):
+    """The kind of a leaf spec; values are those of vLLM's ``KVCacheSpecKind``."""
+
+    FULL_ATTENTION = "full_attention"
+    MLA_ATTENTION = "mla_attention"
+    SLIDING_WINDOW = "sliding_window"
+    SLIDING_WINDOW_MLA = "sliding_window_mla"
+    MAMBA = "mamba"
+    CHUNKED_LOCAL_ATTENTION = "chunked_local_attention"
+    SINK_FULL_ATTENTION = "sink_full_attention"
+    ENCODER_ONLY_ATTENTION = "encoder_only_attention"
+    CROSS_ATTENTION = "cross_attention"
+    UNKNOWN = "unknown"
+
+
+# Subclasses before their bases (SlidingWindowMLASpec is a SlidingWindowSpec, MLA and
+# sink specs are FullAttentionSpecs), as vLLM's get_kv_cache_spec_kind checks them.
+_KIND_BY_CLASS_NAME: tuple[tuple[str, SpecKind], ...] = (
+    ("SlidingWindowMLASpec", SpecKind.SLIDING_WINDOW_MLA),
+    ("MLAAttentionSpec", SpecKind.MLA_ATTENTION),
+    ("SinkFullAttentionSpec", SpecKind.SINK_FULL_ATTENTION),
+    ("FullAttentionSpec", SpecKind.FULL_ATTENTION),
+    ("ChunkedLocalAttentionSpec", SpecKind.CHUNKED_LOCAL_ATTENTION),
+    ("SlidingWindowSpec", SpecKind.SLIDING_WINDOW),
+    ("MambaSpec", SpecKind.MAMBA),
+    ("EncoderOnlyAttentionSpec", SpecKind.ENCODER_ONLY_ATTENTION),
+    ("CrossAttentionSpec", SpecKind.CROSS_ATTENTION),
+)
+
+
+def spec_kind(spec: Any) -> SpecKind:
+    """The kind of one leaf spec (never a ``UniformTypeKVCacheSpecs`` wrapper)."""
+    names = {cls.__name__ for cls in type(spec).__mro__}
+    for class_name, kind in _KIND_BY_CLASS_NAME:
+        if class_name in names:
+            return kind
+    return SpecKind.UNKNOWN
+
+
+def declares_slot_compression(spec: Any) -> bool:
+    """Whether a spec declares that it stores fewer slots than tokens.
+
+    0.33 says so with ``tokens_per_state > 1`` (DeepSeek-V4 slot packing); older
+    releases with ``MLAAttentionSpec.compress_ratio > 1`` or
+    ``TQFullAttentionSpec.tq_slot_size > 0``. ``> 1``, not ``!= 1``: ``MambaSpec``
+    defaults ``tokens_per_state`` to -1 and Whisper's pooling uses fractions below 1.
+    """
+    return bool(
+        spec_field(spec, "tokens_per_state", 1) > 1
+        or spec_field(spec, "compress_ratio", 1) > 1
+        or spec_field(spec, "tq_slot_size", 0) > 0
+    )
+
+
+def spec_field(spec: Any, name: str, default: Any) -> Any:
+    """An optional spec field, or ``default`` where this vLLM release lacks it.
+
+    ``KVCacheSpec`` declares some fields as properties that raise
+    ``NotImplementedError`` in the base class (``tokens_per_state``), so absence is more
+    than ``AttributeError``; ``None`` also means "not set".
+    """
+    try:
+        value = getattr(spec, name)
+    except (AttributeError, NotImplementedError):
+        return default
+    return default if value is None else value
+
+
+def iter_groups(kv_cache_config: Any) -> Iterator[tuple[int, Any]]:
+    """``(position, group)`` for every KV cache group; the position is the group id."""
+    yield from enumerate(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+
+
+def iter_group_layer_specs(group: Any) -> Iterator[tuple[str, Any]]:
+    """``(layer_name, leaf_spec)`` for a group, unwrapping ``UniformTypeKVCacheSpecs``.
+
+    The wrapper keeps one spec per layer in ``kv_cache_specs``; any other group spec
+    describes all of the group's layers.
+    """
+    spec = group.kv_cache_spec
+    per_layer = getattr(spec, "kv_cache_specs", None)
+    if isinstance(per_layer, Mapping):
+        yield from per_layer.items()
+        return
+    for layer_name in group.layer_names:
+        yield layer_name, spec
+
+
+def has_mamba_layers(kv_cache_config: Any) -> bool:
+    """Whether any leaf spec is a Mamba spec (vLLM's ``KVCacheConfig.has_mamba_layers``)."""
+    return any(
+        spec_kind(spec) is SpecKind.MAMBA
+        for _, group in iter_groups(kv_cache_config)
+        for _, spec in iter_group_layer_specs(group)
+    )

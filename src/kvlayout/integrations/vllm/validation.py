@@ -1,0 +1,74 @@
+"""Start-up validation: the KV cache groups kvlayout cannot serve, reported together.
+
+Two group kinds cannot be stored and retrieved by block id:
+
+- cross-attention: its KV is computed from the encoder input, not from the prompt
+  tokens a block id stands for, so a prefix match says nothing about its content;
+- Mamba without ``mamba_cache_mode='align'``: only align mode keeps one state snapshot
+  per block boundary ('none' keeps just the running state; 'all', removed in vLLM 0.33,
+  snapshots differently), so there is no per-block state to reuse.
+
+Declared slot compression is not rejected: those groups are served as they are
+registered (the group edits never touch them).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvlayout.integrations.vllm.errors import GroupProblem, UnsupportedKVCacheGroupsError
+from kvlayout.integrations.vllm.specs import (
+    SpecKind,
+    iter_group_layer_specs,
+    iter_groups,
+    spec_field,
+    spec_kind,
+)
+
+__all__ = ["find_unsupported_kv_cache_groups", "validate_kv_cache_groups"]
+
+SUPPORTED_MAMBA_CACHE_MODE = "align"
+
+
+def _problem(spec: Any) -> str | None:
+    kind = spec_kind(spec)
+    if kind is SpecKind.CROSS_ATTENTION:
+        return "CrossAttentionSpec: cross-attention KV depends on the encoder input, not on the prompt blocks"
+    if kind is SpecKind.MAMBA:
+        mode = spec_field(spec, "mamba_cache_mode", None)
+        if mode != SUPPORTED_MAMBA_CACHE_MODE:
+            return (
+                f"MambaSpec with mamba_cache_mode={mode!r}: only 'align' keeps one reusable "
+                "state snapshot per block"
+            )
+    return None
+
+
+def find_unsupported_kv_cache_groups(kv_cache_config: Any) -> list[GroupProblem]:
+    """Every (group, reason) kvlayout cannot serve, groups indexed by position.
+
+    Leaf specs are checked one by one (``UniformTypeKVCacheSpecs`` unwrapped), and the
+    layers sharing a reason within a group are reported as one problem.
+    """
+    if kv_cache_config is None:
+        return []
+    problems: list[GroupProblem] = []
+    for group_idx, group in iter_groups(kv_cache_config):
+        layers_by_reason: dict[str, list[str]] = {}
+        for layer_name, spec in iter_group_layer_specs(group):
+            reason = _problem(spec)
+            if reason is not None:
+                layers_by_reason.setdefault(reason, []).append(layer_name)
+        problems.extend(GroupProblem(group_idx, r, tuple(ls)) for r, ls in layers_by_reason.items())
+    return problems
+
+
+def validate_kv_cache_groups(kv_cache_config: Any) -> None:
+    """Raise one :class:`UnsupportedKVCacheGroupsError` listing every unservable group.
+
+    ``None`` (no config yet) passes. Call it at connector start-up; the group edits call
+    it again before touching any tensor.
+    """
+    problems = find_unsupported_kv_cache_groups(kv_cache_config)
+    if problems:
+        raise UnsupportedKVCacheGroupsError(problems)

@@ -1,0 +1,397 @@
+"""Group edits on vLLM models, with vLLM 0.33's spec classes and allocation, and the pre-0.26
+registrations; every expected number is read from the spec objects."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+from typing import Any
+
+import pytest
+import torch
+
+from kvlayout.integrations.vllm import (
+    KVCacheGroupEditError,
+    apply_kv_cache_group_edits,
+    find_kv_cache_group_edit,
+)
+from tests.vllm_models import (
+    FLASH_ATTN,
+    FLASHINFER,
+    FLASHMLA,
+    LLAMA_3_2_1B,
+    QWEN3_5_0_8B,
+    QWEN3_NEXT_80B_A3B,
+    Backend,
+    Engine,
+    HybridModel,
+    KVCacheLayout,
+    allocate_legacy,
+    allocate_v033,
+    attention_engine,
+    group_layers,
+    hybrid_block_size,
+    hybrid_engine,
+    kvi,
+    make_engine,
+    storage_ptr,
+)
+
+# (allocation, hnd): vLLM 0.33 with its default LBNHC (NHD) or LBHNC (HND) layout, and
+# the pre-0.26 registrations with NHD or HND attention.
+ALLOCATIONS = [("v033", False), ("v033", True), ("legacy", False), ("legacy", True)]
+
+
+def _allocate(
+    engine: Engine, backend: Backend, allocation: str, hnd: bool
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    if allocation == "v033":
+        buf, kv_caches = allocate_v033(engine)
+        return [buf], kv_caches
+    return allocate_legacy(engine, backend, hnd=hnd)
+
+
+def _engine(model: HybridModel, backend: Backend, allocation: str, hnd: bool, **kw: Any) -> Engine:
+    layout = KVCacheLayout.LBHNC if hnd else KVCacheLayout.LBNHC
+    return hybrid_engine(model, backend, layout=layout if allocation == "v033" else None, **kw)
+
+
+def _region(engine: Engine, bufs: list[torch.Tensor], allocation: str, layer: str) -> tuple[int, int]:
+    """(address of the layer's block 0, bytes between blocks), from the config's records."""
+    if allocation == "v033":
+        tensor = next(t for t in engine.config.kv_cache_tensors if layer in t.layers)
+        base = tensor.offset + tensor.layers.index(layer) * tensor.layer_stride
+        return bufs[0].data_ptr() + base, tensor.block_stride
+    group = engine.config.kv_cache_groups[engine.group_of(layer)]
+    return bufs[group.layer_names.index(layer)].data_ptr(), engine.spec_of(layer).page_size_bytes
+
+
+def _check_opaque_view(
+    engine: Engine, bufs: list[torch.Tensor], allocation: str, layer: str, view: Any, value: Any
+) -> None:
+    """One block of the view = one page of the layer's region, a view of the same storage."""
+    spec = engine.spec_of(layer)
+    row = spec.page_size_bytes // spec.block_size
+    base, block_stride = _region(engine, bufs, allocation, layer)
+    assert isinstance(view, torch.Tensor)
+    assert view.dtype == torch.int8
+    assert tuple(view.shape) == (engine.config.num_blocks, spec.block_size, row)
+    assert view.stride() == (block_stride, row, 1)
+    assert view.data_ptr() == base
+    assert view is not value and storage_ptr(view) == storage_ptr(value)
+
+
+def _rules(engine: Engine, kv_caches: dict[str, Any]) -> Counter[str]:
+    rules: Counter[str] = Counter()
+    for layer, value in kv_caches.items():
+        edit = find_kv_cache_group_edit(engine.spec_of(layer), value)
+        rules[edit.name if edit else "none"] += 1
+    return rules
+
+
+def _kernel_ratio(engine: Engine) -> dict[int, int]:
+    return {
+        g: engine.config.kv_cache_groups[g].kv_cache_spec.block_size // kernel
+        for g, kernel in enumerate(engine.kernel_block_sizes)
+    }
+
+
+# -- the scenarios --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("allocation", "hnd"), ALLOCATIONS)
+@pytest.mark.parametrize("checkpoint_alignment", [1, 64])
+def test_qwen3_5_flashinfer_both_edits_fire(allocation: str, hnd: bool, checkpoint_alignment: int) -> None:
+    engine = _engine(QWEN3_5_0_8B, FLASHINFER, allocation, hnd, checkpoint_alignment=checkpoint_alignment)
+    bufs, kv_caches = _allocate(engine, FLASHINFER, allocation, hnd)
+    groups = engine.config.kv_cache_groups
+    attn_group = next(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, kvi.FullAttentionSpec))
+    assert _kernel_ratio(engine)[attn_group] > 1  # FlashInfer pages the hybrid block finer
+
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+
+    mamba_rule = "mamba-state-rows" if allocation == "v033" else "mamba-state-list"
+    num_mamba = sum(len(g.layer_names) for g in groups if isinstance(g.kv_cache_spec, kvi.MambaSpec))
+    assert _rules(engine, kv_caches) == {
+        mamba_rule: num_mamba,
+        "subpaged-attention": len(groups[attn_group].layer_names),
+    }
+    assert out.keys() == kv_caches.keys()
+    for layer, view in out.items():
+        _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
+
+
+@pytest.mark.parametrize(("allocation", "hnd"), ALLOCATIONS)
+def test_qwen3_5_flash_attention_has_no_subpaging(allocation: str, hnd: bool) -> None:
+    engine = _engine(QWEN3_5_0_8B, FLASH_ATTN, allocation, hnd)
+    assert set(_kernel_ratio(engine).values()) == {1}
+    bufs, kv_caches = _allocate(engine, FLASH_ATTN, allocation, hnd)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    for layer, value in kv_caches.items():
+        if isinstance(engine.spec_of(layer), kvi.MambaSpec):
+            _check_opaque_view(engine, bufs, allocation, layer, out[layer], value)
+        else:
+            assert out[layer] is value  # already paged at the logical block: untouched
+
+
+@pytest.mark.parametrize(("allocation", "hnd"), ALLOCATIONS)
+@pytest.mark.parametrize("checkpoint_alignment", [1, 64])
+def test_qwen3_next_tp2(allocation: str, hnd: bool, checkpoint_alignment: int) -> None:
+    engine = _engine(
+        QWEN3_NEXT_80B_A3B, FLASHINFER, allocation, hnd, tp=2, checkpoint_alignment=checkpoint_alignment
+    )
+    attn = next(
+        g.kv_cache_spec
+        for g in engine.config.kv_cache_groups
+        if isinstance(g.kv_cache_spec, kvi.FullAttentionSpec)
+    )
+    assert attn.num_kv_heads == QWEN3_NEXT_80B_A3B.num_key_value_heads // 2
+    bufs, kv_caches = _allocate(engine, FLASHINFER, allocation, hnd)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    assert _rules(engine, kv_caches)["none"] == 0
+    for layer, view in out.items():
+        _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
+
+
+def test_pure_attention_model_is_untouched() -> None:
+    engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=64)
+    _, kv_caches = allocate_v033(engine)
+    assert not engine.config.has_mamba_layers
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    assert out is not kv_caches and out.keys() == kv_caches.keys()
+    assert all(out[k] is v for k, v in kv_caches.items())
+
+
+def test_pure_attention_model_kernel_paged_is_still_untouched() -> None:
+    # No Mamba layers: even a tensor paged finer than the spec is left to detection.
+    engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=128)
+    assert engine.kernel_block_sizes == [64]
+    _, kv_caches = allocate_v033(engine)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    assert all(out[k] is v for k, v in kv_caches.items())
+
+
+def test_layers_missing_from_the_dict_are_skipped() -> None:
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER)
+    _, kv_caches = allocate_v033(engine)
+    some = dict(list(kv_caches.items())[:5])
+    assert apply_kv_cache_group_edits(engine.config, some).keys() == some.keys()
+
+
+# -- MLA sub-paging (an MLA + KDA hybrid) ---------------------------------------------
+
+
+def _mla_hybrid(num_blocks: int = 2) -> Engine:
+    """An MLA + Kimi-Delta-Attention hybrid (Kimi-Linear's shapes: MLA latent 512 + rope
+    64, KDA 32 heads of 128, conv 4; 8 MLA and 16 KDA layers to keep it small)."""
+    mla_1 = kvi.MLAAttentionSpec(block_size=1, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
+    conv_dim = 32 * 128 + 2 * 32 * 128  # kda_state_shape: proj + 2 * proj_k
+    shapes, dtypes = ((3, conv_dim), (32, 128, 128)), (torch.bfloat16, torch.float32)
+    mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
+    block = hybrid_block_size(mla_1.page_size_bytes, mamba_page, FLASHMLA, min_alignment=128)
+    mla = dataclasses.replace(mla_1, block_size=block)
+    kda = kvi.MambaSpec(
+        block_size=block,
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=mla.page_size_bytes,
+        mamba_cache_mode="align",
+    )
+    specs = {
+        f"model.layers.{i}.{'self_attn' if i % 3 == 2 else 'linear_attn'}": mla if i % 3 == 2 else kda
+        for i in range(24)
+    }
+
+    def kernel(spec: Any) -> int:
+        return (
+            int(spec.block_size)
+            if isinstance(spec, kvi.MambaSpec)
+            else FLASHMLA.kernel_block_size(spec.block_size)
+        )
+
+    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("allocation", ["v033", "legacy"])
+def test_mla_hybrid_subpaged(allocation: str) -> None:
+    engine = _mla_hybrid()
+    mla_group = next(
+        i
+        for i, g in enumerate(engine.config.kv_cache_groups)
+        if isinstance(g.kv_cache_spec, kvi.MLAAttentionSpec)
+    )
+    assert _kernel_ratio(engine)[mla_group] > 1
+    bufs, kv_caches = _allocate(engine, FLASHMLA, allocation, False)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    rules = _rules(engine, kv_caches)
+    assert rules["subpaged-mla-attention"] == len(engine.config.kv_cache_groups[mla_group].layer_names)
+    assert rules["none"] == 0
+    for layer, view in out.items():
+        _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
+
+
+# -- declared compression: never edited ------------------------------------------------
+
+
+def _dsv4_hybrid() -> Engine:
+    """A Mamba group beside a DeepSeek-V4-style MLA group that declares 4 tokens per state
+    (its tensors have block_size / 4 states per block, on purpose). The MLA page is
+    aligned to 4 KiB so the page both groups share splits into block_size rows."""
+    mla = kvi.MLAAttentionSpec(
+        block_size=256,
+        num_kv_heads=1,
+        head_size=512,
+        dtype=torch.uint8,
+        tokens_per_state=4,
+        state_content_bytes=584,
+        alignment=4096,
+    )
+    mamba = kvi.MambaSpec(
+        block_size=256,
+        shapes=((3, 1024), (4, 32, 32)),
+        dtypes=(torch.bfloat16, torch.float32),
+        page_size_padded=mla.page_size_bytes,
+        mamba_cache_mode="align",
+    )
+    specs = {"layers.0.attn": mla, "layers.1.attn": mla, "layers.0.mamba": mamba, "layers.1.mamba": mamba}
+    groups = [["layers.0.attn", "layers.1.attn"], ["layers.0.mamba", "layers.1.mamba"]]
+    return make_engine(specs, groups, lambda s: int(s.block_size))
+
+
+def test_declared_compression_group_is_untouched() -> None:
+    engine = _dsv4_hybrid()
+    _, kv_caches = allocate_v033(engine)
+    attn = kv_caches["layers.0.attn"]
+    spec = engine.spec_of("layers.0.attn")
+    assert attn.shape[2] == spec.block_size // spec.tokens_per_state != spec.block_size
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    assert out["layers.0.attn"] is attn and out["layers.1.attn"] is kv_caches["layers.1.attn"]
+    assert out["layers.0.mamba"] is not kv_caches["layers.0.mamba"]  # the Mamba group is still edited
+
+
+@pytest.mark.parametrize("field", ["compress_ratio", "tq_slot_size"])
+def test_legacy_declared_compression_is_untouched(field: str) -> None:
+    from tests.test_vllm_validation import LegacyMLASpec, TQFullAttentionSpec
+
+    if field == "compress_ratio":
+        spec = LegacyMLASpec(
+            block_size=256, num_kv_heads=1, head_size=576, dtype=torch.uint8, compress_ratio=4
+        )
+        value = torch.zeros(4, 64, 576, dtype=torch.uint8)  # [NB, block_size / 4, C]
+    else:
+        spec = TQFullAttentionSpec(
+            block_size=64, num_kv_heads=2, head_size=128, dtype=torch.uint8, tq_slot_size=80
+        )
+        value = torch.zeros(4 * 4, 2, 16, 2, 80, dtype=torch.uint8)  # packed slots, kernel-paged
+    mamba = kvi.MambaSpec(
+        block_size=spec.block_size, shapes=((8,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    config = kvi.KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            kvi.KVCacheGroupSpec(layer_names=["attn"], kv_cache_spec=spec),
+            kvi.KVCacheGroupSpec(layer_names=["mamba"], kv_cache_spec=mamba),
+        ],
+    )
+    assert find_kv_cache_group_edit(spec, value) is None
+    assert apply_kv_cache_group_edits(config, {"attn": value})["attn"] is value
+
+
+# -- undeclared packing: loud -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("how", ["scales", "dtype", "gapped"])
+def test_undeclared_packed_layout_raises(how: str) -> None:
+    """A kernel-paged attention tensor whose pages are not what the group's spec says."""
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER)
+    groups = engine.config.kv_cache_groups
+    g = next(i for i, grp in enumerate(groups) if isinstance(grp.kv_cache_spec, kvi.FullAttentionSpec))
+    spec, kernel = groups[g].kv_cache_spec, engine.kernel_block_sizes[g]
+    layer = groups[g].layer_names[0]
+    k = spec.block_size // kernel
+    # What the backend really allocated, laid out as vLLM 0.33 does ([pages, H, N, C], NHD memory):
+    if how == "scales":  # per-token-head scales carved into each kernel page
+        backend_spec = dataclasses.replace(spec, state_content_bytes=spec.state_content_size_bytes + 8)
+    elif how == "dtype":  # fp8 pages under a bf16 spec
+        backend_spec = dataclasses.replace(spec, dtype=torch.float8_e4m3fn)
+    else:  # dense kernel pages, each padded to an alignment
+        backend_spec = spec
+    pad = 256 if how == "gapped" else 0
+    pages = engine.config.num_blocks * k
+    page_bytes = kernel * backend_spec.num_heads * backend_spec.state_content_size_bytes
+    raw = torch.zeros(pages * (page_bytes + pad), dtype=torch.int8)
+    dense = raw.view(pages, page_bytes + pad)[:, :page_bytes].view(backend_spec.dtype)
+    value = dense.view(pages, kernel, backend_spec.num_heads, -1).transpose(1, 2)
+    _, kv_caches = allocate_v033(engine)
+    kv_caches[layer] = value
+    with pytest.raises(KVCacheGroupEditError) as info:
+        apply_kv_cache_group_edits(engine.config, kv_caches)
+    message = str(info.value)
+    assert message.startswith(f"layer {layer!r} (KV cache group {g}): ")
+    assert info.value.layer == layer and info.value.group == g
+    assert isinstance(info.value, ValueError)
+    if how == "gapped":
+        assert f"kernel pages are {page_bytes + pad} bytes apart but {page_bytes} bytes long" in message
+    else:
+        assert f"{k} kernel pages of {kernel} tokens ({k} x {page_bytes} = {k * page_bytes} bytes)" in message
+        assert f"the logical page ({spec.page_size_bytes} bytes)" in message
+
+
+# -- views, not copies: writes go through, nothing else moves ---------------------------
+
+
+@pytest.mark.parametrize(("allocation", "hnd"), ALLOCATIONS)
+def test_writes_go_through_to_the_registered_tensors(allocation: str, hnd: bool) -> None:
+    engine = _engine(QWEN3_5_0_8B, FLASHINFER, allocation, hnd)
+    bufs, kv_caches = _allocate(engine, FLASHINFER, allocation, hnd)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    block = engine.config.num_blocks - 1
+    for layer, view in out.items():
+        spec = engine.spec_of(layer)
+        for buf in bufs:
+            buf.zero_()
+        view[block] = 7
+        assert sum(int(buf.count_nonzero()) for buf in bufs) == spec.page_size_bytes  # the page, no more
+        value = kv_caches[layer]
+        if isinstance(spec, kvi.MambaSpec):
+            states = [value] if isinstance(value, torch.Tensor) else value
+            for state in states:  # conv and ssm (or the 0.33 row) of that block, as the engine reads them
+                expected = torch.full((state[block].numel() * state.element_size(),), 7, dtype=torch.int8)
+                assert torch.equal(state[block].contiguous().view(torch.int8).flatten(), expected)
+                assert not state[:block].view(torch.int8).any()
+        else:
+            k = spec.block_size // engine.kernel_block_sizes[engine.group_of(layer)]
+            pages = value.unflatten(0, (-1, k))  # FlashInfer: kernel pages on dim 0
+            mine = pages[block].contiguous().view(torch.int8)
+            assert bool((mine == 7).all())
+            assert not pages[:block].contiguous().view(torch.int8).any()
+
+
+def test_kernel_pages_of_a_block_are_its_bytes_in_order() -> None:
+    # Logical block n is kernel pages n*k .. n*k+k-1 (vLLM's block table expansion):
+    # mark each kernel page with its index and read the pages back through the view.
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER)
+    _, kv_caches = allocate_v033(engine)
+    g = engine.kernel_block_sizes.index(min(engine.kernel_block_sizes))
+    layer = engine.config.kv_cache_groups[g].layer_names[0]
+    value = kv_caches[layer]
+    for page in range(value.shape[0]):
+        value[page] = page + 1
+    view = apply_kv_cache_group_edits(engine.config, kv_caches)[layer]
+    k = value.shape[0] // engine.config.num_blocks
+    for n in range(engine.config.num_blocks):
+        per_page = view[n].flatten().view(value.dtype).view(k, -1)
+        assert per_page.float().mean(dim=1).tolist() == [float(n * k + j + 1) for j in range(k)]
+
+
+# -- the rules one by one, on tensors vLLM could hand over -----------------------------
+
+
+def test_unmatched_layers_pass_through_as_the_same_objects() -> None:
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASH_ATTN)
+    _, kv_caches = allocate_v033(engine)
+    marker = object()
+    extra = {"not.in.any.group": marker}
+    out = apply_kv_cache_group_edits(engine.config, {**kv_caches, **extra})
+    assert out["not.in.any.group"] is marker

@@ -1,0 +1,174 @@
+"""Start-up validation on vLLM 0.33's real spec classes: one error for every unservable group."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from kvlayout.errors import KVLayoutError
+from kvlayout.integrations.vllm import (
+    SpecKind,
+    UnsupportedKVCacheGroupsError,
+    apply_kv_cache_group_edits,
+    declares_slot_compression,
+    find_unsupported_kv_cache_groups,
+    spec_kind,
+    validate_kv_cache_groups,
+)
+from tests.vllm_models import FLASHINFER, QWEN3_5_0_8B, allocate_v033, attention_spec, hybrid_engine, kvi
+
+
+def _config(*group_specs: Any) -> Any:
+    groups = [
+        kvi.KVCacheGroupSpec(layer_names=[f"layers.{i}.{j}" for j in range(2)], kv_cache_spec=spec)
+        for i, spec in enumerate(group_specs)
+    ]
+    return kvi.KVCacheConfig(num_blocks=4, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def _mamba(mode: str, block_size: int = 16) -> Any:
+    return kvi.MambaSpec(
+        block_size=block_size,
+        shapes=((3, 64), (2, 8, 8)),
+        dtypes=(torch.bfloat16, torch.float32),
+        mamba_cache_mode=mode,
+    )
+
+
+def _cross(block_size: int = 16) -> Any:
+    return kvi.CrossAttentionSpec(block_size=block_size, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+
+
+def test_servable_hybrid_passes() -> None:
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER)
+    validate_kv_cache_groups(engine.config)
+    assert find_unsupported_kv_cache_groups(engine.config) == []
+
+
+def test_none_config_passes() -> None:
+    validate_kv_cache_groups(None)
+    assert apply_kv_cache_group_edits(None, {}) == {}
+
+
+def test_every_unservable_group_in_one_error() -> None:
+    attn = attention_spec(QWEN3_5_0_8B, 1, 16)
+    config = _config(attn, _cross(), _mamba("none"), _mamba("all"), _mamba("align"))
+    with pytest.raises(UnsupportedKVCacheGroupsError) as info:
+        validate_kv_cache_groups(config)
+    message = str(info.value)
+    assert "group 1: CrossAttentionSpec" in message
+    assert "group 2: MambaSpec with mamba_cache_mode='none'" in message
+    assert "group 3: MambaSpec with mamba_cache_mode='all'" in message
+    assert "group 0" not in message and "group 4" not in message
+    assert "layers.1.0, layers.1.1" in message  # the layers are named
+    assert [(p.group, p.layers) for p in info.value.problems] == [
+        (1, ("layers.1.0", "layers.1.1")),
+        (2, ("layers.2.0", "layers.2.1")),
+        (3, ("layers.3.0", "layers.3.1")),
+    ]
+    assert isinstance(info.value, KVLayoutError) and isinstance(info.value, ValueError)
+
+
+def test_uniform_type_wrapper_is_unwrapped_per_layer() -> None:
+    # One group whose UniformTypeKVCacheSpecs holds two Mamba layers in different modes:
+    # only the leaf in 'none' mode is reported, under its own layer name.
+    specs = {"lin.0": _mamba("align"), "lin.1": _mamba("none")}
+    wrapper = kvi.UniformTypeKVCacheSpecs(block_size=16, kv_cache_specs=specs)
+    attn = attention_spec(QWEN3_5_0_8B, 1, 16)
+    config = kvi.KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[],
+        kv_cache_groups=[
+            kvi.KVCacheGroupSpec(layer_names=["attn.0"], kv_cache_spec=attn),
+            kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=wrapper),
+        ],
+    )
+    problems = find_unsupported_kv_cache_groups(config)
+    assert [(p.group, p.layers) for p in problems] == [(1, ("lin.1",))]
+    assert "mamba_cache_mode='none'" in problems[0].what
+
+
+def test_edits_validate_before_touching_tensors() -> None:
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER, mamba_cache_mode="none")
+    _, kv_caches = allocate_v033(engine)
+    with pytest.raises(
+        UnsupportedKVCacheGroupsError, match="group 0: MambaSpec with mamba_cache_mode='none'"
+    ):
+        apply_kv_cache_group_edits(engine.config, kv_caches)
+
+
+def test_declared_compression_is_not_rejected() -> None:
+    dsv4 = kvi.MLAAttentionSpec(
+        block_size=256,
+        num_kv_heads=1,
+        head_size=512,
+        dtype=torch.uint8,
+        tokens_per_state=4,
+        state_content_bytes=584,
+        alignment=576,
+    )
+    assert declares_slot_compression(dsv4)
+    validate_kv_cache_groups(_config(dsv4, _mamba("align")))
+
+
+@dataclass(frozen=True, kw_only=True)
+class LegacyMLASpec(kvi.MLAAttentionSpec):  # type: ignore[misc]
+    """Pre-0.26 field: MLAAttentionSpec.compress_ratio."""
+
+    compress_ratio: int = 1
+
+
+@dataclass(frozen=True, kw_only=True)
+class TQFullAttentionSpec(kvi.FullAttentionSpec):  # type: ignore[misc]
+    """Pre-0.26 class: TurboQuant slots."""
+
+    tq_slot_size: int = 0
+
+
+@pytest.mark.parametrize(
+    ("spec", "declared"),
+    [
+        (kvi.MambaSpec(block_size=16, shapes=((4,),), dtypes=(torch.float32,)), False),  # tokens_per_state=-1
+        (attention_spec(QWEN3_5_0_8B, 1, 16), False),
+        (
+            LegacyMLASpec(block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8, compress_ratio=4),
+            True,
+        ),
+        (LegacyMLASpec(block_size=256, num_kv_heads=1, head_size=512, dtype=torch.uint8), False),
+        (
+            TQFullAttentionSpec(
+                block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8, tq_slot_size=80
+            ),
+            True,
+        ),
+        (TQFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8), False),
+    ],
+)
+def test_declares_slot_compression(spec: Any, declared: bool) -> None:
+    assert declares_slot_compression(spec) is declared
+
+
+def test_spec_kind_agrees_with_vllm() -> None:
+    specs = [
+        attention_spec(QWEN3_5_0_8B, 1, 16),
+        _cross(),
+        _mamba("align"),
+        kvi.SlidingWindowSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sliding_window=8
+        ),
+        kvi.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16),
+        kvi.ChunkedLocalAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, attention_chunk_size=32
+        ),
+        kvi.SinkFullAttentionSpec(
+            block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16, sink_len=4
+        ),
+        kvi.EncoderOnlyAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16),
+        TQFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8),
+    ]
+    for spec in specs:
+        assert spec_kind(spec).value == kvi.get_kv_cache_spec_kind(spec).value, spec
+    assert spec_kind(object()) is SpecKind.UNKNOWN
