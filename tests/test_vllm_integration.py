@@ -26,14 +26,15 @@ from tests.vllm_models import (
     Engine,
     HybridModel,
     KVCacheLayout,
-    allocate_legacy,
+    allocate,
     allocate_v033,
     attention_engine,
-    group_layers,
-    hybrid_block_size,
+    hints,
     hybrid_engine,
     kvi,
     make_engine,
+    mla_hybrid_engine,
+    page_region,
     storage_ptr,
 )
 
@@ -42,28 +43,9 @@ from tests.vllm_models import (
 ALLOCATIONS = [("v033", False), ("v033", True), ("legacy", False), ("legacy", True)]
 
 
-def _allocate(
-    engine: Engine, backend: Backend, allocation: str, hnd: bool
-) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    if allocation == "v033":
-        buf, kv_caches = allocate_v033(engine)
-        return [buf], kv_caches
-    return allocate_legacy(engine, backend, hnd=hnd)
-
-
 def _engine(model: HybridModel, backend: Backend, allocation: str, hnd: bool, **kw: Any) -> Engine:
     layout = KVCacheLayout.LBHNC if hnd else KVCacheLayout.LBNHC
     return hybrid_engine(model, backend, layout=layout if allocation == "v033" else None, **kw)
-
-
-def _region(engine: Engine, bufs: list[torch.Tensor], allocation: str, layer: str) -> tuple[int, int]:
-    """(address of the layer's block 0, bytes between blocks), from the config's records."""
-    if allocation == "v033":
-        tensor = next(t for t in engine.config.kv_cache_tensors if layer in t.layers)
-        base = tensor.offset + tensor.layers.index(layer) * tensor.layer_stride
-        return bufs[0].data_ptr() + base, tensor.block_stride
-    group = engine.config.kv_cache_groups[engine.group_of(layer)]
-    return bufs[group.layer_names.index(layer)].data_ptr(), engine.spec_of(layer).page_size_bytes
 
 
 def _check_opaque_view(
@@ -72,7 +54,8 @@ def _check_opaque_view(
     """One block of the view = one page of the layer's region, a view of the same storage."""
     spec = engine.spec_of(layer)
     row = spec.page_size_bytes // spec.block_size
-    base, block_stride = _region(engine, bufs, allocation, layer)
+    buf, offset, block_stride = page_region(engine, bufs, allocation, layer)
+    base = bufs[buf].data_ptr() + offset
     assert isinstance(view, torch.Tensor)
     assert view.dtype == torch.int8
     assert tuple(view.shape) == (engine.config.num_blocks, spec.block_size, row)
@@ -103,7 +86,7 @@ def _kernel_ratio(engine: Engine) -> dict[int, int]:
 @pytest.mark.parametrize("checkpoint_alignment", [1, 64])
 def test_qwen3_5_flashinfer_both_edits_fire(allocation: str, hnd: bool, checkpoint_alignment: int) -> None:
     engine = _engine(QWEN3_5_0_8B, FLASHINFER, allocation, hnd, checkpoint_alignment=checkpoint_alignment)
-    bufs, kv_caches = _allocate(engine, FLASHINFER, allocation, hnd)
+    bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
     groups = engine.config.kv_cache_groups
     attn_group = next(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, kvi.FullAttentionSpec))
     assert _kernel_ratio(engine)[attn_group] > 1  # FlashInfer pages the hybrid block finer
@@ -125,8 +108,8 @@ def test_qwen3_5_flashinfer_both_edits_fire(allocation: str, hnd: bool, checkpoi
 def test_qwen3_5_flash_attention_has_no_subpaging(allocation: str, hnd: bool) -> None:
     engine = _engine(QWEN3_5_0_8B, FLASH_ATTN, allocation, hnd)
     assert set(_kernel_ratio(engine).values()) == {1}
-    bufs, kv_caches = _allocate(engine, FLASH_ATTN, allocation, hnd)
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    bufs, kv_caches = allocate(engine, FLASH_ATTN, allocation, hnd)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
     for layer, value in kv_caches.items():
         if isinstance(engine.spec_of(layer), kvi.MambaSpec):
             _check_opaque_view(engine, bufs, allocation, layer, out[layer], value)
@@ -146,7 +129,7 @@ def test_qwen3_next_tp2(allocation: str, hnd: bool, checkpoint_alignment: int) -
         if isinstance(g.kv_cache_spec, kvi.FullAttentionSpec)
     )
     assert attn.num_kv_heads == QWEN3_NEXT_80B_A3B.num_key_value_heads // 2
-    bufs, kv_caches = _allocate(engine, FLASHINFER, allocation, hnd)
+    bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
     out = apply_kv_cache_group_edits(engine.config, kv_caches)
     assert _rules(engine, kv_caches)["none"] == 0
     for layer, view in out.items():
@@ -181,47 +164,16 @@ def test_layers_missing_from_the_dict_are_skipped() -> None:
 # -- MLA sub-paging (an MLA + KDA hybrid) ---------------------------------------------
 
 
-def _mla_hybrid(num_blocks: int = 2) -> Engine:
-    """An MLA + Kimi-Delta-Attention hybrid (Kimi-Linear's shapes: MLA latent 512 + rope
-    64, KDA 32 heads of 128, conv 4; 8 MLA and 16 KDA layers to keep it small)."""
-    mla_1 = kvi.MLAAttentionSpec(block_size=1, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
-    conv_dim = 32 * 128 + 2 * 32 * 128  # kda_state_shape: proj + 2 * proj_k
-    shapes, dtypes = ((3, conv_dim), (32, 128, 128)), (torch.bfloat16, torch.float32)
-    mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
-    block = hybrid_block_size(mla_1.page_size_bytes, mamba_page, FLASHMLA, min_alignment=128)
-    mla = dataclasses.replace(mla_1, block_size=block)
-    kda = kvi.MambaSpec(
-        block_size=block,
-        shapes=shapes,
-        dtypes=dtypes,
-        page_size_padded=mla.page_size_bytes,
-        mamba_cache_mode="align",
-    )
-    specs = {
-        f"model.layers.{i}.{'self_attn' if i % 3 == 2 else 'linear_attn'}": mla if i % 3 == 2 else kda
-        for i in range(24)
-    }
-
-    def kernel(spec: Any) -> int:
-        return (
-            int(spec.block_size)
-            if isinstance(spec, kvi.MambaSpec)
-            else FLASHMLA.kernel_block_size(spec.block_size)
-        )
-
-    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
-
-
 @pytest.mark.parametrize("allocation", ["v033", "legacy"])
 def test_mla_hybrid_subpaged(allocation: str) -> None:
-    engine = _mla_hybrid()
+    engine = mla_hybrid_engine(num_blocks=2)
     mla_group = next(
         i
         for i, g in enumerate(engine.config.kv_cache_groups)
         if isinstance(g.kv_cache_spec, kvi.MLAAttentionSpec)
     )
     assert _kernel_ratio(engine)[mla_group] > 1
-    bufs, kv_caches = _allocate(engine, FLASHMLA, allocation, False)
+    bufs, kv_caches = allocate(engine, FLASHMLA, allocation, False)
     out = apply_kv_cache_group_edits(engine.config, kv_caches)
     rules = _rules(engine, kv_caches)
     assert rules["subpaged-mla-attention"] == len(engine.config.kv_cache_groups[mla_group].layer_names)
@@ -344,7 +296,7 @@ def test_undeclared_packed_layout_raises(how: str) -> None:
 @pytest.mark.parametrize(("allocation", "hnd"), ALLOCATIONS)
 def test_writes_go_through_to_the_registered_tensors(allocation: str, hnd: bool) -> None:
     engine = _engine(QWEN3_5_0_8B, FLASHINFER, allocation, hnd)
-    bufs, kv_caches = _allocate(engine, FLASHINFER, allocation, hnd)
+    bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
     out = apply_kv_cache_group_edits(engine.config, kv_caches)
     block = engine.config.num_blocks - 1
     for layer, view in out.items():
@@ -393,5 +345,5 @@ def test_unmatched_layers_pass_through_as_the_same_objects() -> None:
     _, kv_caches = allocate_v033(engine)
     marker = object()
     extra = {"not.in.any.group": marker}
-    out = apply_kv_cache_group_edits(engine.config, {**kv_caches, **extra})
+    out = apply_kv_cache_group_edits(engine.config, {**kv_caches, **extra}, hints(False))
     assert out["not.in.any.group"] is marker

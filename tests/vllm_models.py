@@ -15,6 +15,7 @@ Importing this module skips the importing test module when vLLM is not installed
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -196,8 +197,8 @@ def make_engine(
     layout: Any = None,
     group_spec: Callable[[list[str]], Any] | None = None,
 ) -> Engine:
-    """``get_kv_cache_config_from_groups`` for layer-outer layouts: each group's layers
-    get their own regions, and every group's tensor starts at byte 0 (groups overlay)."""
+    """``get_kv_cache_config_from_groups`` for one spec per group (no alignment padding):
+    every group's tensor starts at byte 0, so groups overlay each other."""
     layout = layout or KVCacheLayout.LBNHC
     kv_groups = []
     for names in groups:
@@ -205,10 +206,14 @@ def make_engine(
         kv_groups.append(kvi.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec))
     bytes_per_block = max(sum(layer_specs[n].page_size_bytes for n in names) for names in groups)
     size = bytes_per_block * num_blocks
+    # Block-outermost layouts pack every layer's page of a block together.
+    interleaved = bytes_per_block if layout.is_block_outermost else None
     tensors = []
     for names in groups:
         spec = layer_specs[names[0]]
-        layer_stride, block_stride, *_ = kvi.compute_layout_strides(spec, num_blocks, len(names), layout)
+        layer_stride, block_stride, *_ = kvi.compute_layout_strides(
+            spec, num_blocks, len(names), layout, fixed_strides=(None, interleaved, None, None, None)
+        )
         tensors.append(
             kvi.KVCacheTensor(
                 size=size, layers=list(names), layer_stride=layer_stride, block_stride=block_stride
@@ -248,11 +253,46 @@ def hybrid_engine(
         for i in range(model.num_hidden_layers)
     }
 
+    layout = layout or KVCacheLayout.LBNHC
+
     def kernel(spec: Any) -> int:
-        is_mamba = isinstance(spec, kvi.MambaSpec)
-        return int(spec.block_size) if is_mamba else backend.kernel_block_size(spec.block_size)
+        # prepare_kernel_block_sizes: Mamba, and every group of a block-outermost layout,
+        # keep the manager block; attention takes the backend's size.
+        if isinstance(spec, kvi.MambaSpec) or layout.is_block_outermost:
+            return int(spec.block_size)
+        return backend.kernel_block_size(spec.block_size)
 
     return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks, layout=layout)
+
+
+def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
+    """An MLA + Kimi-Delta-Attention hybrid (Kimi-Linear's shapes: MLA latent 512 + rope
+    64, KDA 32 heads of 128, conv 4; 8 MLA and 16 KDA layers to keep it small), on a
+    FlashMLA-style backend with 64-token kernel pages."""
+    mla_1 = kvi.MLAAttentionSpec(block_size=1, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
+    conv_dim = 32 * 128 + 2 * 32 * 128  # kda_state_shape: proj + 2 * proj_k
+    shapes, dtypes = ((3, conv_dim), (32, 128, 128)), (torch.bfloat16, torch.float32)
+    mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
+    block = hybrid_block_size(mla_1.page_size_bytes, mamba_page, FLASHMLA, min_alignment=128)
+    mla = dataclasses.replace(mla_1, block_size=block)
+    kda = kvi.MambaSpec(
+        block_size=block,
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=mla.page_size_bytes,
+        mamba_cache_mode="align",
+    )
+    specs = {
+        f"model.layers.{i}.{'self_attn' if i % 3 == 2 else 'linear_attn'}": mla if i % 3 == 2 else kda
+        for i in range(24)
+    }
+
+    def kernel(spec: Any) -> int:
+        if isinstance(spec, kvi.MambaSpec):
+            return int(spec.block_size)
+        return FLASHMLA.kernel_block_size(spec.block_size)
+
+    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
 
 
 def attention_engine(model: AttentionModel, backend: Backend, *, block_size: int = 16) -> Engine:
@@ -314,14 +354,18 @@ def legacy_attention(
     raw: torch.Tensor, spec: Any, num_blocks: int, kernel: int, backend: Backend, *, hnd: bool = False
 ) -> torch.Tensor:
     """Pre-0.26 attention: FlashInfer ``(N*k, 2, kb, H, D)`` (HND: a permute of
-    ``(N*k, 2, H, kb, D)``); FlashAttention ``(2, N, B, H, D)`` re-strided block-major
-    for hybrids (``_update_hybrid_attention_mamba_layout``)."""
+    ``(N*k, 2, H, kb, D)``); FlashAttention ``(2, N, B, H, D)`` (HND: a permute of
+    ``(2, N, H, B, D)``) re-strided block-major for hybrids
+    (``_update_hybrid_attention_mamba_layout``)."""
     pages = num_blocks * (spec.block_size // kernel)
     heads, head = spec.num_kv_heads, spec.head_size
     t = raw.view(spec.dtype)
     if backend is FLASH_ATTN:
         hidden = kernel * heads * head
-        kv = t.view(2, pages, kernel, heads, head)
+        if hnd:
+            kv = t.view(2, pages, heads, kernel, head).permute(0, 1, 3, 2, 4)
+        else:
+            kv = t.view(2, pages, kernel, heads, head)
         return kv.as_strided(kv.shape, (hidden, 2 * hidden, *kv.stride()[2:]))
     if hnd:
         return t.view(pages, 2, heads, kernel, head).permute(0, 1, 3, 2, 4)
@@ -352,6 +396,33 @@ def allocate_legacy(
                 kernel = engine.kernel_block_sizes[group_id]
                 kv_caches[name] = legacy_attention(raws[i], spec, config.num_blocks, kernel, backend, hnd=hnd)
     return raws, kv_caches
+
+
+def allocate(
+    engine: Engine, backend: Backend, allocation: str, hnd: bool = False
+) -> tuple[list[torch.Tensor], dict[str, Any]]:
+    """("v033" | "legacy") registrations and the buffers behind them."""
+    if allocation == "v033":
+        buf, kv_caches = allocate_v033(engine)
+        return [buf], kv_caches
+    return allocate_legacy(engine, backend, hnd=hnd)
+
+
+def page_region(
+    engine: Engine, bufs: list[torch.Tensor], allocation: str, layer: str
+) -> tuple[int, int, int]:
+    """(buffer index, byte offset of the layer's block 0 in it, bytes between blocks),
+    from the config's records, not from the tensors."""
+    if allocation == "v033":
+        tensor = next(t for t in engine.config.kv_cache_tensors if layer in t.layers)
+        return 0, tensor.offset + tensor.layers.index(layer) * tensor.layer_stride, tensor.block_stride
+    group = engine.config.kv_cache_groups[engine.group_of(layer)]
+    return group.layer_names.index(layer), 0, engine.spec_of(layer).page_size_bytes
+
+
+def hints(hnd: bool) -> dict[str, str]:
+    """The kv_layout hint matching an allocation (vLLM's LBNHC is NHD, LBHNC is HND)."""
+    return {"kv_layout": "HND" if hnd else "NHD"}
 
 
 def first_tensor(value: Any) -> torch.Tensor:
