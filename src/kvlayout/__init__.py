@@ -33,22 +33,34 @@ _EXPORTS: dict[str, str] = {
     "LayoutSemanticError": "kvlayout.errors",
     "LayoutSyntaxError": "kvlayout.errors",
     "SizeError": "kvlayout.errors",
+    "attempt_permute_to_contiguous_view": "kvlayout.contiguity",
+    "StridedViewError": "kvlayout.contiguity",
+    "DiscoverableKVCache": "kvlayout.types",
+    "EngineType": "kvlayout.types",
+    "LayoutHints": "kvlayout.types",
+    "LayoutHintError": "kvlayout.types",
 }
 
 __all__ = [
     "CatalogError",
     "Coord",
     "CopyPlan",
+    "DiscoverableKVCache",
     "EngineKVFormat",
+    "EngineType",
     "KVFormatSpec",
     "KVLayoutError",
     "Layout",
+    "LayoutHintError",
+    "LayoutHints",
     "LayoutSemanticError",
     "LayoutSyntaxError",
     "PageBufferShapeDesc",
     "SizeError",
+    "StridedViewError",
     "UndefinedSizeError",
     "as_format",
+    "attempt_permute_to_contiguous_view",
     "concrete_shape",
     "describe_shape",
     "get_spec",
@@ -75,6 +87,7 @@ if TYPE_CHECKING:
     from kvlayout._generated.descriptors import PageBufferShapeDesc
     from kvlayout._generated.formats import EngineKVFormat
     from kvlayout.algebra import Coord, CopyPlan
+    from kvlayout.contiguity import StridedViewError, attempt_permute_to_contiguous_view
     from kvlayout.errors import (
         CatalogError,
         KVLayoutError,
@@ -93,3 +106,4 @@ if TYPE_CHECKING:
         layout_of,
     )
     from kvlayout.spec import KVFormatSpec, UndefinedSizeError
+    from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
