@@ -1,0 +1,15 @@
+"""Detection: the only engine-aware layer.
+
+One module per engine (``vllm``, ``sglang``, ``trtllm``, ``atom``), each a single
+``discover(kv, hints)``, found by :mod:`kvlayout.detection.registry`; the shared checks
+and the algebra-driven format picker are in :mod:`kvlayout.detection.base`; the public
+entry points are in :mod:`kvlayout.detection.discovery`.
+"""
+
+from kvlayout.detection.base import DetectionError
+from kvlayout.detection.discovery import (
+    normalize_and_discover_per_layer_formats,
+    normalize_kv_and_discover_format,
+)
+
+__all__ = ["DetectionError", "normalize_and_discover_per_layer_formats", "normalize_kv_and_discover_format"]

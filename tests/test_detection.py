@@ -1,0 +1,373 @@
+"""Detection: the facts sheet's golden cases (section 8.5), engine quirks, hints, and
+every family of bad input with the error it gets."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+import kvlayout
+from kvlayout import DetectionError, EngineType, KVLayoutError, LayoutHintError, LayoutHints, StridedViewError
+from kvlayout import EngineKVFormat as F
+from kvlayout._generated.formats import FORMAT_INFO
+
+detect = kvlayout.normalize_kv_and_discover_format
+
+
+def t(*shape: int, dtype: torch.dtype = torch.float16, device: str = "cpu") -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
+def layers(shape: tuple[int, ...], n: int = 5, dtype: torch.dtype = torch.float16) -> list[torch.Tensor]:
+    return [t(*shape, dtype=dtype) for _ in range(n)]
+
+
+# -- golden cases (facts sheet 8.5; NB=7, NL=5, BS=3, NH=2, HS=4) ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("engine", "kv", "hints", "expected"),
+    [
+        ("vllm", t(7, 5, 2, 3, 2, 4), {"kv_layout": "NHD"}, F.NB_NL_TWO_BS_NH_HS),
+        ("vllm", layers((2, 7, 3, 2, 4)), {"kv_layout": "NHD"}, F.NL_X_TWO_NB_BS_NH_HS),
+        ("vllm", layers((2, 7, 2, 3, 4)), {"kv_layout": "HND"}, F.NL_X_TWO_NB_NH_BS_HS),
+        ("vllm", layers((7, 2, 3, 2, 4)), {"kv_layout": "NHD"}, F.NL_X_NB_TWO_BS_NH_HS),
+        ("vllm", layers((7, 3, 4)), {}, F.NL_X_NB_BS_HS),
+        ("vllm", layers((7, 2, 3, 8)), {"kv_layout": "HND"}, F.NL_X_NB_NH_BS_CS),
+        ("sglang", layers((21, 1, 4)), {}, F.NL_X_NBBS_ONE_HS),
+        ("sglang", [layers((21, 2, 4)), layers((21, 2, 4))], {}, F.TWO_X_NL_X_NBBS_NH_HS),
+        ("trtllm", t(7, 5, 2, 2, 3, 4), {}, F.NB_NL_TWO_NH_BS_HS),
+    ],
+)
+def test_golden_detection(engine: str, kv: Any, hints: dict[str, Any], expected: F) -> None:
+    fmt, _out = detect(kv, engine, hints)
+    assert fmt == expected
+
+
+def test_vllm_rank4_fused_cache_is_kept_as_registered() -> None:
+    kv = layers((7, 2, 3, 8))
+    fmt, out = detect(kv, "vllm", {"kv_layout": "HND"})
+    assert fmt == F.NL_X_NB_NH_BS_CS  # 0.5.6 (older LMCache split it into 10)
+    assert all(o is i for o, i in zip(out, kv, strict=True))
+    assert kvlayout.get_head_size(out, fmt) == 8 and kvlayout.get_num_heads(out, fmt) == 2
+
+
+def test_sglang_flat_k_v_list_with_tokens_per_block() -> None:
+    kv = layers((21, 2, 4), 10)
+    fmt, out = detect(kv, "sglang", {"tokens_per_block": 3, "kv_list_layout": "k_v"})
+    assert fmt == F.TWO_X_NL_X_NB_BS_NH_HS
+    assert out[0][0].shape == (7, 3, 2, 4)  # type: ignore[union-attr]
+    assert out[1][0].data_ptr() == kv[5].data_ptr()  # type: ignore[union-attr]
+
+
+def test_blocks_first_views_detect_and_keep_their_strides() -> None:
+    """NB 6, NL 3, NH 2, BS 4, CS 8: views buf[:, l] of one [NB, NL, ...] pool."""
+    hnd = torch.zeros(6, 3, 2, 4, 8)
+    nhd = torch.zeros(6, 3, 4, 2, 8)
+    for hint, buf, expected in (("BLHNC", hnd, F.NL_X_NB_NH_BS_CS), ("BLNHC", nhd, F.NL_X_NB_BS_NH_CS)):
+        kv = [buf[:, i] for i in range(3)]
+        fmt, out = detect(kv, "vllm", {"kv_layout": hint})
+        assert fmt == expected
+        for o, i in zip(out, kv, strict=True):
+            assert (o.data_ptr(), o.shape, o.stride()) == (i.data_ptr(), i.shape, i.stride())
+        assert kvlayout.resolve_block_stride_and_log_layout(out, fmt, 0, 0) == 192
+    fmt, out = detect(layers((6, 2, 4, 8), 3), "vllm", {"kv_layout": "BLHNC"})
+    assert (fmt, kvlayout.resolve_block_stride_and_log_layout(out, fmt, 0, 0)) == (F.NL_X_NB_NH_BS_CS, 64)
+    two_groups = torch.zeros(6, 2 * 3, 2, 4, 8)  # two interleaved groups share the pool
+    fmt, out = detect([two_groups[:, i] for i in range(0, 6, 2)], "vllm", {"kv_layout": "BLHNC"})
+    assert kvlayout.resolve_block_stride_and_log_layout(out, fmt, 0, 0) == 2 * 3 * 2 * 4 * 8
+    gaps = torch.zeros(6 * 2 * 4 * 16).as_strided((6, 2, 4, 8), (2 * 4 * 16, 4 * 16, 16, 1))
+    with pytest.raises(StridedViewError, match=re.escape("dim-0 padding only")):
+        detect([gaps] * 3, "vllm", {"kv_layout": "BLHNC"})
+
+
+def test_a_2d_vllm_list_is_an_error_naming_the_shape() -> None:
+    with pytest.raises(
+        DetectionError, match=re.escape("vLLM: no vLLM format has list depth 1 and tensor rank 2")
+    ):
+        detect(layers((7, 4)), "vllm")
+
+
+# -- vLLM quirks ------------------------------------------------------------------------------------
+
+
+def test_vllm_without_a_hint_is_hnd_on_the_cpu_and_nhd_elsewhere() -> None:
+    assert detect(layers((2, 7, 3, 2, 4)), "vllm")[0] == F.NL_X_TWO_NB_NH_BS_HS
+    meta = [t(2, 7, 3, 2, 4, device="meta") for _ in range(3)]
+    assert detect(meta, "vllm")[0] == F.NL_X_TWO_NB_BS_NH_HS
+    assert detect(meta, "vllm", {"kv_layout": "HND"})[0] == F.NL_X_TWO_NB_NH_BS_HS  # a hint always wins
+    assert detect(layers((2, 7, 3, 2, 4)), "vllm", {"kv_layout": "NHD"})[0] == F.NL_X_TWO_NB_BS_NH_HS
+
+
+def test_two_blocks_default_to_kv_first_and_kv_pair_axis_settles_it() -> None:
+    kv = layers((2, 2, 3, 2, 4))
+    assert detect(kv, "vllm", {"kv_layout": "NHD"})[0] == F.NL_X_TWO_NB_BS_NH_HS
+    fmt, out = detect(kv, "vllm", {"kv_layout": "NHD", "kv_pair_axis": 1})
+    assert fmt == F.NL_X_NB_TWO_BS_NH_HS and kvlayout.get_num_blocks(out, fmt) == 2
+    assert detect(kv, "vllm", {"kv_layout": "HND", "kv_pair_axis": 1})[0] == F.NL_X_NB_TWO_NH_BS_HS
+    with pytest.raises(DetectionError, match=re.escape("NL_X_NB_TWO_BS_NH_HS needs dim 1 == 2 (got 7)")):
+        detect(layers((2, 7, 3, 2, 4)), "vllm", {"kv_layout": "NHD", "kv_pair_axis": 1})
+
+
+def test_bare_tensors_are_cross_layer_only_with_the_cross_layer_rank() -> None:
+    with pytest.raises(DetectionError, match=re.escape("no vLLM format has list depth 0 and tensor rank 5")):
+        detect(t(2, 7, 3, 2, 4), "vllm", {"kv_layout": "NHD"})
+    with pytest.raises(DetectionError, match=re.escape("NB_NL_TWO_BS_NH_HS needs dim 2 == 2 (got 3)")):
+        detect(t(7, 5, 3, 3, 2, 4), "vllm", {"kv_layout": "NHD"})
+    physical = t(7, 5, 2, 2, 3, 4)  # vLLM's HND cross-layer allocation, exposed as NHD
+    fmt, out = detect(physical.transpose(3, 4), "vllm", {"kv_layout": "HND"})
+    assert fmt == F.NB_NL_TWO_NH_BS_HS
+    assert out.stride() == physical.stride()  # type: ignore[union-attr]
+
+
+def test_dsa_indexer_caches() -> None:
+    kv = [t(7, 3, 132, dtype=torch.uint8) for _ in range(4)]
+    assert detect(kv, "vllm")[0] == F.NL_X_NB_BSV_BSS
+    assert detect(layers((7, 3, 132)), "vllm")[0] == F.NL_X_NB_BS_HS  # not bytes: plain MLA
+    single_head = [t(7, 3, 1, 132, dtype=torch.uint8) for _ in range(4)]
+    fmt, out = detect(single_head, "vllm", {"kv_layout": "NHD"})
+    assert fmt == F.NL_X_NB_BSV_BSS and out[0].shape == (7, 3, 132)  # type: ignore[union-attr]
+    assert out[0].data_ptr() == single_head[0].data_ptr()  # type: ignore[union-attr]
+    hnd = [t(7, 1, 3, 132, dtype=torch.uint8) for _ in range(4)]
+    assert detect(hnd, "vllm", {"kv_layout": "HND"})[0] == F.NL_X_NB_BSV_BSS
+    # Whole-registration detection of layers plus indexer caches (LMCache #5002) names the mix.
+    with pytest.raises(
+        DetectionError, match=re.escape("kv_caches[5]: rank 3 differs from kv_caches[0] (rank 5)")
+    ):
+        detect([*layers((2, 7, 3, 2, 4)), *kv], "vllm", {"kv_layout": "NHD"})
+
+
+def test_per_layer_tuples() -> None:
+    fmt, out = detect([[t(8, 4, 2, 8), t(8, 4, 2, 8)] for _ in range(3)], "vllm")
+    assert fmt == F.NL_X_TWO_X_NB_BS_NH_HS and all(type(x) is tuple for x in out)
+    assert detect([(t(7, 3, 1, 4), t(7, 3, 1, 4))], "vllm")[0] == F.NL_X_TWO_X_NB_BS_NH_HS  # equal: K, V
+    assert detect([(t(7, 3, 1, 4),)], "vllm")[0] == F.NL_X_NP_X_NB_BS_ONE_HS
+    mixed = [(t(7, 3, 1, 4, dtype=torch.int8), t(7, 3, 1, 2, dtype=torch.float16)) for _ in range(2)]
+    fmt, out = detect(mixed, "vllm")
+    assert fmt == F.NL_X_NP_X_NB_BS_ONE_HS and kvlayout.get_head_size(out, fmt) == 8
+    with pytest.raises(
+        DetectionError, match=re.escape("NL_X_TWO_X_NB_BS_NH_HS needs K and V of equal shape")
+    ):
+        detect([(t(7, 3, 2, 4), t(7, 3, 2, 8))], "vllm")
+
+
+def test_rbln_six_dim_tensors() -> None:
+    fmt, _ = detect(layers((2, 7, 2, 1, 3, 4)), "vllm", {"kv_layout": "NHD"})
+    assert fmt == F.NL_X_TWO_NB_NH_ONE_BS_HS  # no NHD twin: the hint does not apply
+    with pytest.raises(DetectionError, match=re.escape("NL_X_TWO_NB_NH_ONE_BS_HS needs dim 3 == 1 (got 2)")):
+        detect(layers((2, 7, 2, 2, 3, 4)), "vllm")
+
+
+# -- SGLang, TRT-LLM, ATOM ------------------------------------------------------------------------
+
+
+def test_sglang_structures() -> None:
+    fmt, out = detect(layers((21, 1, 4)), "sglang", {"tokens_per_block": 3})
+    assert fmt == F.NL_X_NB_BS_HS and out[0].shape == (7, 3, 4)  # type: ignore[union-attr]
+    fmt, out = detect([layers((21, 2, 4)), layers((21, 2, 4))], "sglang", {"tokens_per_block": 3})
+    assert fmt == F.TWO_X_NL_X_NB_BS_NH_HS and out[0][0].shape == (7, 3, 2, 4)  # type: ignore[union-attr]
+    assert detect(layers((21, 2, 4), 10), "sglang", {"kv_list_layout": "k_v"})[0] == F.TWO_X_NL_X_NBBS_NH_HS
+    assert detect(layers((7, 3, 2, 4)), "sglang", {"kv_list_layout": "unified"})[0] == F.NL_X_NB_BS_NH_HS
+    assert detect(layers((7, 3, 4)), "sglang", {"kv_list_layout": "unified"})[0] == F.NL_X_NB_BS_HS
+
+
+@pytest.mark.parametrize(
+    ("kv", "hints", "error", "message"),
+    [
+        (layers((21, 2, 4), 10), {"tokens_per_block": 3}, DetectionError,
+         "is not MLA (an MLA page buffer is [NB*BS, 1, HS]); for K layers then V layers pass layout hint "
+         "kv_list_layout='k_v'"),
+        (layers((21, 2, 4), 5), {"kv_list_layout": "k_v"}, DetectionError,
+         "expects K layers then V layers (an even count), got 5 tensors"),
+        ([layers((21, 2, 4), 5), layers((21, 2, 4), 4)], {}, DetectionError,
+         "kv_caches[1] has 4 entries, but kv_caches[0] has 5"),
+        ([layers((21, 2, 4)), layers((21, 2, 4)), layers((21, 2, 4))], {}, DetectionError,
+         "TWO_X_NL_X_NBBS_NH_HS needs 2 entries at list level 0 (got 3)"),
+        ([layers((21, 2, 4)), layers((21, 2, 8))], {}, DetectionError,
+         "kv_caches[1][0]: shape (21, 2, 8) differs from kv_caches[0][0] (21, 2, 4)"),
+        ([[t(21, 2, 4), t(21, 2, 8)], [t(21, 2, 4), t(21, 2, 8)]], {}, DetectionError,
+         "kv_caches[0][1]: shape (21, 2, 8) differs from kv_caches[0][0] (21, 2, 4)"),
+        (layers((22, 1, 4)), {"tokens_per_block": 3}, DetectionError,
+         "PBS (NB*BS) 22 is not a multiple of tokens_per_block 3"),
+        (layers((7, 3, 4)), {"kv_list_layout": "unified", "tokens_per_block": 4}, LayoutHintError,
+         "tokens_per_block=4 contradicts NL_X_NB_BS_HS, whose BS is 3"),
+        (layers((7, 3, 2, 4)), {}, DetectionError, "unless layout hint kv_list_layout says 'k_v'"),
+        (t(21, 2, 4), {}, DetectionError, "SGLang registers lists of per-layer tensors, not one tensor"),
+        ([[layers((7, 3, 4))]], {}, DetectionError, "no SGLang format has list depth 3"),
+    ],
+)  # fmt: skip
+def test_sglang_errors(kv: Any, hints: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        detect(kv, "sglang", hints)
+
+
+def test_trtllm_pools() -> None:
+    pool = t(7, 5, 2, 2 * 3 * 4)
+    hints = {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4}
+    for kv in (pool, [pool]):
+        fmt, out = detect(kv, "trtllm", hints)
+        assert fmt == F.NB_NL_TWO_NH_BS_HS and out.shape == (7, 5, 2, 2, 3, 4)  # type: ignore[union-attr]
+        assert out.data_ptr() == pool.data_ptr()  # type: ignore[union-attr]
+    padded = torch.zeros(7, 5 * 2 * 24 + 6)[:, : 5 * 2 * 24].view(7, 5, 2, 24)
+    fmt, out = detect(padded, "trtllm", hints)
+    assert kvlayout.resolve_block_stride_and_log_layout(out, fmt, 0, 0) == 5 * 2 * 24 + 6
+
+
+@pytest.mark.parametrize(
+    ("kv", "hints", "error", "message"),
+    [
+        (t(7, 5, 2, 24), {"num_kv_heads": 2}, LayoutHintError, "missing: tokens_per_block, head_dim"),
+        (t(7, 5, 2, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 5}, LayoutHintError,
+         "flat dim 24 != num_kv_heads (2) * tokens_per_block (3) * head_dim (5) = 30"),
+        (t(7, 5, 3, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4}, DetectionError,
+         "the K/V axis (dim 2) is 3, not 2"),
+        ([t(7, 5, 2, 2, 3, 4)] * 2, {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 2"),
+        (t(7, 5, 2, 2, 3, 4), {"kv_layout": "NHD"}, LayoutHintError, "TRT-LLM's KV pool is HND"),
+        (t(7, 5, 2, 2, 3, 4), {"tokens_per_block": 4}, LayoutHintError,
+         "layout hint tokens_per_block=4 contradicts the pool's BS = 3"),
+        (t(7, 5, 3, 2, 3, 4), {}, DetectionError, "NB_NL_TWO_NH_BS_HS needs dim 2 == 2 (got 3)"),
+        (layers((7, 3, 4)), {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 5"),
+    ],
+)  # fmt: skip
+def test_trtllm_errors(kv: Any, hints: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        detect(kv, "trtllm", hints)
+
+
+def test_atom() -> None:
+    assert detect(layers((7, 3, 4)), "atom")[0] == F.NL_X_NB_BS_HS
+    with pytest.raises(DetectionError, match=re.escape("no ATOM format has list depth 1 and tensor rank 5")):
+        detect(layers((2, 7, 3, 2, 4)), "atom")
+
+
+# -- engines and hints ------------------------------------------------------------------------------
+
+
+def test_engines_are_enums_or_strings() -> None:
+    kv = layers((7, 3, 4))
+    for engine in (EngineType.VLLM, "vllm", "VLLM", " vLLM "):
+        assert detect(kv, engine)[0] == F.NL_X_NB_BS_HS
+    assert {str(e) for e in EngineType} == {"vllm", "sglang", "trtllm", "atom"}
+    with pytest.raises(KVLayoutError, match=re.escape("unknown serving engine 'mock'; known engines: vllm")):
+        detect(kv, "mock")
+    with pytest.raises(TypeError, match=re.escape("a serving engine is an EngineType or a str, not int")):
+        detect(kv, 3)  # type: ignore[arg-type]
+
+
+def test_every_engine_has_a_detector_found_by_module_discovery() -> None:
+    from kvlayout.detection.registry import detectors
+
+    assert set(detectors()) == set(EngineType)
+
+
+@pytest.mark.parametrize(
+    ("hints", "error", "message"),
+    [
+        ({"kv_layuot": "NHD"}, LayoutHintError, "unknown layout hint 'kv_layuot'; known hints: head_dim"),
+        ({"kv_layout": "nhd"}, LayoutHintError, "layout hint kv_layout='nhd' is not one of NHD, HND, BLHNC, BLNHC"),
+        ({"kv_layout": 1}, TypeError, "layout hint kv_layout must be a str, not int"),
+        ({"tokens_per_block": 0}, LayoutHintError, "layout hint tokens_per_block must be a positive int, got 0"),
+        ({"tokens_per_block": -1}, LayoutHintError, "layout hint tokens_per_block must be a positive int, got -1"),
+        ({"tokens_per_block": True}, TypeError, "layout hint tokens_per_block must be an int, not bool"),
+        ({"num_kv_heads": 2.0}, TypeError, "layout hint num_kv_heads must be an int, not float"),
+        ({"head_dim": "128"}, TypeError, "layout hint head_dim must be an int, not str"),
+        ({"kv_list_layout": "kv"}, LayoutHintError, "layout hint kv_list_layout='kv' is not one of k_v, unified"),
+        ({"kv_pair_axis": 2}, LayoutHintError, "layout hint kv_pair_axis must be 0 (K/V first"),
+        ({"kv_pair_axis": False}, TypeError, "layout hint kv_pair_axis must be an int, not bool"),
+        (["kv_layout"], TypeError, "layout_hints must be a LayoutHints or a dict, not list"),
+    ],
+)  # fmt: skip
+def test_bad_hints(hints: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        detect(layers((7, 3, 4)), "vllm", hints)
+
+
+def test_hints_as_an_object_or_a_dict() -> None:
+    hints = LayoutHints(kv_layout="NHD", tokens_per_block=16)
+    assert LayoutHints.coerce(hints) is hints
+    assert LayoutHints.coerce({"kv_layout": "NHD", "tokens_per_block": 16, "head_dim": None}) == hints
+    assert LayoutHints.coerce(None) == LayoutHints()
+    assert detect(layers((2, 7, 3, 2, 4)), "vllm", LayoutHints(kv_layout="NHD"))[0] == F.NL_X_TWO_NB_BS_NH_HS
+    with pytest.raises(LayoutHintError, match="positive int"):
+        LayoutHints(tokens_per_block=0)
+
+
+# -- bad structures ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kv", "error", "message"),
+    [
+        ([], DetectionError, "kv_caches is empty"),
+        ([[], []], DetectionError, "kv_caches[0] is an empty list"),
+        ([[t(7, 3, 4)], []], DetectionError, "kv_caches[1] has 0 entries, but kv_caches[0] has 1"),
+        ({"model.layers.0": t(7, 3, 4)}, TypeError, "kv_caches: is a dict; pass the tensors as a list"),
+        ("kv_caches", TypeError, "kv_caches: is a str, not a tensor"),
+        (None, TypeError, "kv_caches: is None"),
+        ([t(7, 3, 4), None], TypeError, "kv_caches[1]: is None"),
+        ([t(7, 3, 4), [t(7, 3, 4)]], DetectionError, "kv_caches[1] is a list, but kv_caches[0] is a tensor"),
+        ([[t(7, 3, 4)], t(7, 3, 4)], DetectionError, "kv_caches[1] is a tensor, but kv_caches[0] is a list"),
+        ([[t(7, 3, 4), [t(7, 3, 4)]]], DetectionError, "kv_caches[0][1] is a list, but kv_caches[0][0] is a tensor"),
+        ([[[t(7, 3, 4)], t(7, 3, 4)]], DetectionError, "kv_caches[0][1] is a tensor, but kv_caches[0][0] is a list"),
+        ([[t(7, 3, 2, 4), t(7, 3, 4)]], DetectionError, "kv_caches[0][1]: rank 3 differs from kv_caches[0][0] (rank 4)"),
+        ([[[[t(2)]]]], DetectionError, "no vLLM format has list depth 4"),
+        ([*layers((7, 3, 4)), t(7, 3, 4, dtype=torch.bfloat16)], DetectionError,
+         "kv_caches[5]: dtype torch.bfloat16 differs from kv_caches[0] (torch.float16)"),
+        ([*layers((7, 3, 4)), t(7, 3, 8)], DetectionError,
+         "kv_caches[5]: shape (7, 3, 8) differs from kv_caches[0] (7, 3, 4); one detection reads one structure"),
+        ([*layers((7, 3, 4)), t(7, 3, 4, device="meta")], DetectionError,
+         "kv_caches[5]: device meta differs from kv_caches[0] (cpu)"),
+        ([t(4, 3, 5)[..., :2]], StridedViewError, "kv_caches[0]: tensor is non-contiguous"),
+        ([torch.zeros(64).as_strided((4, 3, 2), (5, 2, 1))], StridedViewError, "(overlapping blocks)"),
+    ],
+)  # fmt: skip
+def test_bad_structures(kv: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        detect(kv, "vllm", {"kv_layout": "NHD"})
+
+
+def test_the_dtype_mismatch_message_is_exact() -> None:
+    kv = [t(2, 7, 3, 2, 4, dtype=torch.bfloat16) for _ in range(3)] + [t(2, 7, 3, 2, 4)]
+    with pytest.raises(DetectionError) as info:
+        detect(kv, "vllm", {"kv_layout": "NHD"})
+    assert str(info.value) == "kv_caches[3]: dtype torch.float16 differs from kv_caches[0] (torch.bfloat16)"
+
+
+junk = st.recursive(
+    st.one_of(
+        st.none(),
+        st.integers(),
+        st.text(max_size=3),
+        st.builds(torch.zeros, st.lists(st.integers(0, 3), max_size=6)),
+        st.dictionaries(st.text(max_size=2), st.none(), max_size=2),
+    ),
+    lambda children: st.one_of(st.lists(children, max_size=3), st.tuples(children, children)),
+    max_leaves=8,
+)
+
+
+@given(junk, st.sampled_from(["vllm", "sglang", "trtllm", "atom"]))
+def test_anything_is_detected_or_rejected_with_a_clear_error(kv: Any, engine: str) -> None:
+    try:
+        fmt, _ = detect(kv, engine, {"kv_layout": "NHD"} if engine == "vllm" else {})
+    except (KVLayoutError, TypeError) as exc:
+        assert str(exc)
+    else:  # one of the engine's formats (vLLM also reads the HND cross-layer layout)
+        assert engine in FORMAT_INFO[fmt].engines or kvlayout.layout_of(fmt).is_cross_layer
+
+
+def test_pick_reports_formats_its_decisions_do_not_separate() -> None:
+    """A detector that forgets a decision gets an error, never an arbitrary answer."""
+    from kvlayout.detection.base import pick, probe
+
+    p = probe([t(2, 7, 3, 2, 4)])
+    with pytest.raises(
+        DetectionError, match=re.escape("fits several formats (NL_X_TWO_NB_BS_NH_HS, NL_X_TWO_NB_NH_BS_HS)")
+    ):
+        pick(EngineType.VLLM, p, formats=(F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS))
+    assert pick(EngineType.VLLM, p, decide=[("kv_layout", "is_hnd", True)]) == F.NL_X_TWO_NB_NH_BS_HS
