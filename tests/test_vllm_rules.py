@@ -59,7 +59,9 @@ def test_page_runs_reads_pages_in_memory_order() -> None:
 
 def test_page_runs_rejects_interior_padding() -> None:
     t = torch.zeros(4, 2, 8, dtype=torch.bfloat16)[:, :, :6]
-    with pytest.raises(KVCacheGroupEditError, match="axis 1 has stride 8, tightly packed would be 6"):
+    with pytest.raises(
+        KVCacheGroupEditError, match=r"pages are not one contiguous run each: .*dim 1 stride 8 != tight 6"
+    ):
         page_runs(t)
 
 

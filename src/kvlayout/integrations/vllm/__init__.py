@@ -52,6 +52,7 @@ from kvlayout.integrations.vllm.errors import (
     KVCacheGroupEditError,
     UnsupportedKVCacheGroupsError,
 )
+from kvlayout.integrations.vllm.granularity import BlockGranularityError, check_block_granularity
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_DTYPE, OPAQUE_PAGE_FORMAT
 from kvlayout.integrations.vllm.rules import (
     KVCacheGroupEdit,
@@ -70,6 +71,7 @@ __all__ = [
     "KV_CACHE_GROUP_EDITS",
     "OPAQUE_PAGE_DTYPE",
     "OPAQUE_PAGE_FORMAT",
+    "BlockGranularityError",
     "GroupProblem",
     "KVCacheGroupEdit",
     "KVCacheGroupEditError",
@@ -80,6 +82,7 @@ __all__ = [
     "SubpagedMLAEdit",
     "UnsupportedKVCacheGroupsError",
     "apply_kv_cache_group_edits",
+    "check_block_granularity",
     "declares_slot_compression",
     "find_kv_cache_group_edit",
     "find_unsupported_kv_cache_groups",

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+from kvlayout.integrations.vllm.granularity import check_block_granularity
 from kvlayout.integrations.vllm.rules import (
     KVCacheGroupEdit,
     MambaStateListEdit,
@@ -25,6 +26,7 @@ from kvlayout.integrations.vllm.specs import (
 )
 from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
 from kvlayout.registry import get_spec
+from kvlayout.types import HintsLike
 
 __all__ = ["KV_CACHE_GROUP_EDITS", "apply_kv_cache_group_edits", "find_kv_cache_group_edit"]
 
@@ -72,7 +74,7 @@ def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tenso
 def apply_kv_cache_group_edits(
     kv_cache_config: Any,
     kv_caches: Mapping[str, Any],
-    layout_hints: Mapping[str, Any] | None = None,
+    layout_hints: HintsLike = None,
     *,
     edits: Sequence[KVCacheGroupEdit] = KV_CACHE_GROUP_EDITS,
 ) -> dict[str, Any]:
@@ -81,8 +83,13 @@ def apply_kv_cache_group_edits(
     Validates the groups first (:func:`validate_kv_cache_groups`). Models without Mamba
     layers come back untouched, as do layers no rule matches (the same objects). Each
     edited layer becomes a view over its own storage, never a copy.
+
+    ``layout_hints`` are the hints detection will get. The edited views read the same
+    under any of them, but the layers left as registered do not, so the result is
+    checked under them (:func:`check_block_granularity`): every paged layer's detected
+    block size must be its group's ``block_size``, or this raises before anything is
+    registered.
     """
-    del layout_hints  # the edited views read the same under every kv_layout hint
     validate_kv_cache_groups(kv_cache_config)
     edited = dict(kv_caches)
     if kv_cache_config is None or not has_mamba_layers(kv_cache_config):
@@ -105,4 +112,5 @@ def apply_kv_cache_group_edits(
             applied[edit.name] += 1
     if applied:
         logger.info("KV cache group edits applied: %s", dict(applied))
+    check_block_granularity(kv_cache_config, edited, layout_hints)
     return edited

@@ -7,11 +7,13 @@ run, pages sit a fixed byte stride apart, and an edited layer is re-viewed as
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from kvlayout._generated.formats import EngineKVFormat
+from kvlayout.contiguity import StridedViewError, attempt_permute_to_contiguous_view
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 
 __all__ = ["OPAQUE_PAGE_DTYPE", "OPAQUE_PAGE_FORMAT", "PageRuns", "opaque_page_view", "page_runs"]
@@ -40,41 +42,26 @@ class PageRuns:
     offset_bytes: int
 
 
-def _memory_order(t: torch.Tensor) -> list[int]:
-    # Outermost first; a size-1 axis goes inside a sized axis of equal stride, as
-    # contiguity recovery orders them.
-    return sorted(range(t.dim()), key=lambda d: (t.stride(d), t.shape[d] != 1), reverse=True)
-
-
 def page_runs(t: torch.Tensor) -> PageRuns:
     """Read ``t`` as pages along its outermost axis in memory.
 
     Every axis inside that one must be tightly packed, so one index of the page axis is
-    one contiguous byte run; anything else (interior padding, a K/V axis outside the
-    pages) raises :class:`KVCacheGroupEditError` with the shape and strides.
+    one contiguous byte run: contiguity recovery's rule (dim-0 padding only). Anything
+    else (interior padding, a K/V axis outside the pages) raises
+    :class:`KVCacheGroupEditError` with the shape and strides.
     """
     if t.dim() == 0 or t.numel() == 0:
         raise KVCacheGroupEditError(f"expected a non-empty paged tensor, got shape {tuple(t.shape)}")
-    order = _memory_order(t)
-    page_axis, inner = order[0], order[1:]
-    tight = 1
-    for axis in reversed(inner):
-        if t.shape[axis] != 1 and t.stride(axis) != tight:
-            raise KVCacheGroupEditError(
-                f"tensor of shape {tuple(t.shape)} and strides {t.stride()} is not one contiguous run "
-                f"per page along axis {page_axis}: axis {axis} has stride {t.stride(axis)}, "
-                f"tightly packed would be {tight}"
-            )
-        tight *= t.shape[axis]
+    try:
+        physical = attempt_permute_to_contiguous_view(t)
+    except StridedViewError as e:
+        raise KVCacheGroupEditError(f"its pages are not one contiguous run each: {e}") from e
+    assert isinstance(physical, torch.Tensor)
     item = t.element_size()
-    num_pages = t.shape[page_axis]
-    page_stride = t.stride(page_axis) if num_pages > 1 else tight
-    if page_stride < tight:
-        raise KVCacheGroupEditError(
-            f"pages of tensor {tuple(t.shape)} overlap: stride {page_stride * item} bytes "
-            f"< page {tight * item} bytes"
-        )
-    return PageRuns(int(num_pages), tight * item, page_stride * item, int(t.storage_offset()) * item)
+    num_pages = int(physical.shape[0])
+    page = math.prod(physical.shape[1:])
+    stride = int(physical.stride(0)) if num_pages > 1 else page
+    return PageRuns(num_pages, page * item, stride * item, int(t.storage_offset()) * item)
 
 
 def opaque_page_view(
