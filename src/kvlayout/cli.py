@@ -10,6 +10,9 @@ from kvlayout.errors import KVLayoutError
 
 __all__ = ["main", "parse_sizes"]
 
+# Small enough to draw one block cell by cell.
+SVG_SIZES = {"NL": 2, "NB": 4, "BS": 4, "NH": 2, "HS": 8, "NP": 2}
+
 
 def parse_sizes(text: str) -> dict[str, int]:
     """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items."""
@@ -61,12 +64,43 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvlayout.explain import LLAMA_3_8B, explain
+    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, explain
+    from kvlayout.picture import block_svg
 
     layout = _format_arg(args.format)
+    if args.dtype not in DTYPE_BYTES:
+        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     sizes = {**LLAMA_3_8B, **parse_sizes(args.sizes)} if args.sizes else LLAMA_3_8B
     print(explain(layout, sizes, args.dtype))  # type: ignore[arg-type]
+    if args.svg:
+        small = {**SVG_SIZES, **parse_sizes(args.sizes)} if args.sizes else SVG_SIZES
+        with open(args.svg, "w") as f:
+            f.write(block_svg(layout, small))  # type: ignore[arg-type]
+        print(f"  picture        {args.svg} (one block, sizes {small})")
     return 0
+
+
+def cmd_codegen(args: argparse.Namespace) -> int:
+    """Run the generator of the kvlayout checkout around the current directory."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    here = Path.cwd().resolve()
+    root = next(
+        (p for p in (here, *here.parents) if (p / "layouts.yaml").is_file() and (p / "codegen").is_dir()),
+        None,
+    )
+    if root is None:
+        raise KVLayoutError(
+            f"kvlayout codegen runs inside a kvlayout checkout; no layouts.yaml and codegen/ above {here}"
+        )
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(root), str(root / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    command = [sys.executable, "-m", "codegen", *(["--check"] if args.check else [])]
+    return subprocess.run(command, cwd=root, env=env, check=False).returncode
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -93,9 +127,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("format", help="a format value (1), name (NL_X_TWO_NB_BS_NH_HS) or any layout name")
     p.add_argument("--sizes", default="", help="sizes to use, e.g. NL=32,NB=2048,BS=16,NH=8,HS=128")
     p.add_argument(
-        "--dtype", default="bf16", help="element type for byte counts (bf16, fp16, fp32, fp8, uint8)"
+        "--dtype", default="bf16", help="element type for byte counts: bf16, fp16, fp32, fp8, uint8"
+    )
+    p.add_argument(
+        "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"
     )
     p.set_defaults(run=cmd_explain)
+    p = sub.add_parser("codegen", help="regenerate the files made from layouts.yaml (in a checkout)")
+    p.add_argument("--check", action="store_true", help="fail with a diff if a generated file is stale")
+    p.set_defaults(run=cmd_codegen)
     p = sub.add_parser("demo", help="the format table and one layout explained")
     p.set_defaults(run=cmd_demo)
     return ap

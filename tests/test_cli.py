@@ -1,0 +1,99 @@
+"""The command line: what each command prints, and the errors users see."""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from kvlayout import EngineKVFormat
+from kvlayout.cli import main
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_formats_lists_every_format(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "formats")
+    assert code == 0
+    lines = out.splitlines()
+    assert len(lines) == len(EngineKVFormat)
+    assert lines[1].split()[:3] == ["1", "NL_X_TWO_NB_BS_NH_HS", "NL"]
+    assert "deprecated, use NL_X_NB_NH_BS_CS" in lines[10]
+    assert "NL x [NB, BSxVALS, BSxSCALES]" in lines[14]
+
+
+def test_explain_in_words_and_numbers(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "explain", "NL_X_TWO_NB_BS_NH_HS", "--sizes", "NB=512")
+    assert code == 0
+    assert "  with sizes     32 x [2, 512, 16, 8, 128]" in out
+    assert "    pointer = layer" in out
+    assert "    offset  = kv·NB·BS·NH·HS + block·BS·NH·HS + token·NH·HS + head·HS + elem" in out
+    assert "  per block      65536 bytes per layer (2 x 16 tokens x 2048 B)" in out
+    assert "  per layer      33554432 bytes over 512 blocks" in out
+    assert "contiguous runs of 32768 B" in out
+
+
+def test_explain_by_value_and_any_layout_name(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run(capsys, "explain", "6")[1].startswith("NL_X_TWO_NB_NH_BS_HS\n")
+    code, out, _ = run(capsys, "explain", "NL_X_NB_NH_BS_HS", "--dtype", "fp8")
+    assert code == 0 and "heads are outer to tokens inside a block (HND)" in out
+
+
+def test_explain_svg_has_a_cell_per_row(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    svg = tmp_path / "block.svg"
+    code, out, _ = run(capsys, "explain", "NL_X_TWO_NB_NH_BS_HS", "--svg", str(svg), "--sizes", "BS=3,NH=2")
+    assert code == 0 and str(svg) in out
+    root = ET.parse(svg).getroot()
+    cells = [e for e in root.iter("{http://www.w3.org/2000/svg}rect") if e.get("class") == "cell"]
+    assert len(cells) == 2 * 3 * 2  # (kv, token, head)
+    assert {(c.get("data-kv"), c.get("data-token"), c.get("data-head")) for c in cells} == {
+        (str(k), str(t), str(h)) for k in range(2) for t in range(3) for h in range(2)
+    }
+    offsets = [int(c.get("data-offset", "-1")) for c in cells]
+    assert offsets == sorted(offsets)  # drawn in memory order
+    # HND: one head's tokens are adjacent, so head 0's K rows come first.
+    assert [(c.get("data-head"), c.get("data-token")) for c in cells[:3]] == [
+        ("0", "0"),
+        ("0", "1"),
+        ("0", "2"),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "NL_X_FOO"], "kvlayout: format name 'NL_X_FOO': unknown token 'FOO'"),
+        (["explain", "99"], "kvlayout: unknown engine KV format value 99"),
+        (
+            ["explain", "1", "--sizes", "NB"],
+            "kvlayout: --sizes item 'NB' is not NAME=INT (for example NB=2048)",
+        ),
+        (["explain", "1", "--dtype", "int4"], "kvlayout: --dtype 'int4' is not one of"),
+    ],
+)
+def test_errors_are_one_clear_line(capsys: pytest.CaptureFixture[str], argv: list[str], message: str) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2
+    assert err.startswith(message)
+
+
+def test_codegen_outside_a_checkout(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    code, _, err = run(capsys, "codegen", "--check")
+    assert code == 2 and "kvlayout codegen runs inside a kvlayout checkout" in err
+
+
+def test_help_reads_well(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    for command in ("formats", "explain", "codegen", "demo"):
+        assert command in out
