@@ -69,7 +69,8 @@ def block_svg(layout: Layout, sizes: Mapping[str, int]) -> str:
                 f'<rect class="cell" x="{x}" y="{cy}" width="{_CELL_W}" height="{_CELL_H}" '
                 f'fill="{_colour(head, heads, kv, layout.kv_size)}" data-kv="{kv}" data-token="{token}" '
                 f'data-head="{head}" data-offset="{offset}"/>'
-                f'<text x="{x + _CELL_W / 2}" y="{cy + _CELL_H / 2 + 4}" class="label">{which}t{token}</text></g>'
+                f'<text x="{x + _CELL_W / 2}" y="{cy + _CELL_H / 2 + 4}" class="label">'
+                f"{which}t{token}</text></g>"
             )
         lines = -(-slot // _PER_LINE)
         y += lines * (_CELL_H + _GAP) + 30
@@ -81,7 +82,8 @@ def block_svg(layout: Layout, sizes: Mapping[str, int]) -> str:
             f'viewBox="0 0 {width} {height}" font-family="monospace">',
             "<style>.label{font-size:11px;text-anchor:middle}.strip{font-size:12px}"
             ".title{font-size:14px;font-weight:bold}</style>",
-            f'<text x="{_MARGIN}" y="{_MARGIN + 12}" class="title">{escape(str(layout))}  {escape(shown)}</text>',
+            f'<text x="{_MARGIN}" y="{_MARGIN + 12}" class="title">'
+            f"{escape(str(layout))}  {escape(shown)}</text>",
             f'<text x="{_MARGIN}" y="{_MARGIN + 28}" class="strip">block 0 of layer 0 in memory order; '
             "colour = head, K light, V dark; … = a jump</text>",
             *parts,
