@@ -154,6 +154,28 @@ def test_pure_attention_model_kernel_paged_is_still_untouched() -> None:
     assert all(out[k] is v for k, v in kv_caches.items())
 
 
+def test_uniform_type_groups_are_unwrapped() -> None:
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER, uniform_type=True)
+    groups = engine.config.kv_cache_groups
+    assert all(isinstance(g.kv_cache_spec, kvi.UniformTypeKVCacheSpecs) for g in groups)
+    bufs, kv_caches = allocate_v033(engine)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    assert _rules(engine, kv_caches)["none"] == 0
+    for layer, view in out.items():
+        _check_opaque_view(engine, [bufs], "v033", layer, view, kv_caches[layer])
+
+
+@pytest.mark.parametrize(("allocation", "hnd"), ALLOCATIONS)
+def test_edits_are_idempotent(allocation: str, hnd: bool) -> None:
+    engine = _engine(QWEN3_5_0_8B, FLASHINFER, allocation, hnd)
+    _, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
+    once = apply_kv_cache_group_edits(engine.config, kv_caches)
+    twice = apply_kv_cache_group_edits(engine.config, once)
+    for layer, view in once.items():
+        again = twice[layer]
+        assert (again.data_ptr(), again.shape, again.stride()) == (view.data_ptr(), view.shape, view.stride())
+
+
 def test_layers_missing_from_the_dict_are_skipped() -> None:
     engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER)
     _, kv_caches = allocate_v033(engine)

@@ -195,14 +195,18 @@ def make_engine(
     *,
     num_blocks: int = NUM_BLOCKS,
     layout: Any = None,
-    group_spec: Callable[[list[str]], Any] | None = None,
+    uniform_type: bool = False,
 ) -> Engine:
     """``get_kv_cache_config_from_groups`` for one spec per group (no alignment padding):
     every group's tensor starts at byte 0, so groups overlay each other."""
     layout = layout or KVCacheLayout.LBNHC
     kv_groups = []
     for names in groups:
-        spec = group_spec(list(names)) if group_spec else layer_specs[names[0]]
+        spec = layer_specs[names[0]]
+        if uniform_type:  # the per-layer wrapper vLLM uses when a group's specs differ
+            spec = kvi.UniformTypeKVCacheSpecs(
+                block_size=spec.block_size, kv_cache_specs={n: layer_specs[n] for n in names}
+            )
         kv_groups.append(kvi.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec))
     bytes_per_block = max(sum(layer_specs[n].page_size_bytes for n in names) for names in groups)
     size = bytes_per_block * num_blocks
@@ -233,6 +237,7 @@ def hybrid_engine(
     mamba_cache_mode: str = "align",
     num_blocks: int = NUM_BLOCKS,
     layout: Any = None,
+    uniform_type: bool = False,
 ) -> Engine:
     """A GDN hybrid as vLLM 0.33 plans it: block size unified, Mamba page padded."""
     attn_page_1 = attention_spec(model, tp, 1).page_size_bytes
@@ -262,7 +267,9 @@ def hybrid_engine(
             return int(spec.block_size)
         return backend.kernel_block_size(spec.block_size)
 
-    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks, layout=layout)
+    return make_engine(
+        specs, group_layers(specs), kernel, num_blocks=num_blocks, layout=layout, uniform_type=uniform_type
+    )
 
 
 def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
