@@ -47,9 +47,12 @@ def normalize_kv_and_discover_format(
     return _detect(kv, as_engine(engine), LayoutHints.coerce(layout_hints))
 
 
-def _detect(kv: Any, engine: EngineType, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+def _detect(
+    kv: Any, engine: EngineType, hints: LayoutHints, uniform: list[Any] | None = None
+) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    """``uniform``: ``kv`` already through :func:`_uniform_contiguous_list`."""
     detector = get_detector(engine)
-    normalized: Any = _uniform_contiguous_list(kv)
+    normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)
     if normalized is None:
         normalized = attempt_permute_to_contiguous_view(kv)
         validate(normalized)
@@ -122,6 +125,12 @@ def normalize_and_discover_per_layer_formats(
         raise DetectionError("kv_caches is empty")
     groups = _groups(layer_index_groups, len(entries), "entries")
     members = sorted({i for group in groups for i in group})
+    uniform = _uniform_contiguous_list(entries) if len(members) == len(entries) else None
+    if uniform is not None:  # the common case: one detection answers for every layer
+        fmt, out = _detect(entries, eng, hints, uniform)
+        if LAYOUTS[fmt].is_layer_list:
+            return list(out), [fmt] * len(entries)
+        return out, [fmt] * get_spec(out, fmt).num_layers()
     views = physical_entries(entries, members)
     _check_one_device(views)
     keys = {i: _key(views[i]) for i in members}
