@@ -252,6 +252,7 @@ def test_engines_are_enums_or_strings() -> None:
     kv = layers((7, 3, 4))
     for engine in (EngineType.VLLM, "vllm", "VLLM", " vLLM "):
         assert detect(kv, engine)[0] == F.NL_X_NB_BS_HS
+    assert detect(t(7, 5, 2, 2, 3, 4), "TRT-LLM")[0] == detect(t(7, 5, 2, 2, 3, 4), "trt_llm")[0]
     assert {str(e) for e in EngineType} == {"vllm", "sglang", "trtllm", "atom"}
     with pytest.raises(KVLayoutError, match=re.escape("unknown serving engine 'mock'; known engines: vllm")):
         detect(kv, "mock")
@@ -371,3 +372,17 @@ def test_pick_reports_formats_its_decisions_do_not_separate() -> None:
     ):
         pick(EngineType.VLLM, p, formats=(F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS))
     assert pick(EngineType.VLLM, p, decide=[("kv_layout", "is_hnd", True)]) == F.NL_X_TWO_NB_NH_BS_HS
+
+
+def test_zero_and_one_sized_registrations_detect() -> None:
+    fmt, out = detect([t(0, 3, 4), t(0, 3, 4)], "vllm")
+    assert fmt == F.NL_X_NB_BS_HS and kvlayout.get_num_blocks(out, fmt) == 0
+    assert kvlayout.make_page_buffer_shape_desc(out, fmt, 0, 2, 0, 3).nb == 0
+    fmt, out = detect([t(1, 1, 1)], "vllm")
+    assert (fmt, kvlayout.get_block_size(out, fmt), kvlayout.get_head_size(out, fmt)) == (
+        F.NL_X_NB_BS_HS,
+        1,
+        1,
+    )
+    fmt, out = detect([t(2, 1, 1, 1, 1)], "vllm", {"kv_layout": "NHD"})
+    assert fmt == F.NL_X_TWO_NB_BS_NH_HS and out[0].shape == (2, 1, 1, 1, 1)  # type: ignore[union-attr]

@@ -59,14 +59,14 @@ EngineLike = EngineType | str
 
 
 def as_engine(engine: object) -> EngineType:
-    """The engine for an ``EngineType`` or a string (its value or name, any case)."""
+    """The engine for an ``EngineType`` or a string (its value, any case, ``-``/``_`` ignored)."""
     if isinstance(engine, EngineType):
         return engine
     if not isinstance(engine, str):
         raise TypeError(f"a serving engine is an EngineType or a str, not {type(engine).__name__}")
-    key = engine.strip().lower()
+    key = engine.strip().lower().replace("-", "").replace("_", "")  # "TRT-LLM", "trt_llm"
     for member in EngineType:
-        if key in (member.value, member.name.lower()):
+        if key == member.value:
             return member
     known = ", ".join(m.value for m in EngineType)
     raise KVLayoutError(f"unknown serving engine {engine!r}; known engines: {known}")
