@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
 
 from kvlayout.errors import KVLayoutError
+
+if TYPE_CHECKING:
+    from kvlayout._generated.formats import EngineKVFormat
 
 __all__ = ["main", "parse_sizes"]
 
@@ -103,16 +108,109 @@ def cmd_codegen(args: argparse.Namespace) -> int:
     return subprocess.run(command, cwd=root, env=env, check=False).returncode
 
 
-def cmd_demo(args: argparse.Namespace) -> int:
-    from kvlayout.explain import LLAMA_3_8B, explain
+_DTYPES = {
+    "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn",
+    "uint8": "uint8", "int8": "int8",
+}  # fmt: skip
 
-    print("kvlayout: the engine KV formats (every fact derived from the name)\n")
-    cmd_formats(args)
-    print("\nOne layout explained, for a Llama-3-8B cache (32 layers, 8 KV heads of 128, 16-token blocks):\n")
+
+def _hints(items: Sequence[str]) -> dict[str, object]:
+    hints: dict[str, object] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise KVLayoutError(f"--hint {item!r} is not KEY=VALUE (for example kv_layout=HND)")
+        hints[key] = int(value) if value.lstrip("-").isdigit() else value
+    return hints
+
+
+def cmd_detect(args: argparse.Namespace) -> int:
+    import torch
+
+    import kvlayout
+    from kvlayout.shapespec import parse_shape_spec
+
+    spec = parse_shape_spec(args.shape)
+    if args.dtype not in _DTYPES:
+        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
+    dtype = getattr(torch, _DTYPES[args.dtype])
+    hints = _hints(args.hint)
+
+    def build(node: object) -> object:
+        if isinstance(node, tuple) and all(isinstance(x, int) for x in node):
+            return torch.empty(node, dtype=dtype, device=args.device)
+        children = [build(c) for c in node]  # type: ignore[attr-defined]
+        return tuple(children) if isinstance(node, tuple) else children
+
+    kv: Any = build(spec.root)
+    shapes = ", ".join(sorted({str(list(s)) for s in spec.leaves()}))
+    memory = "meta tensors, no memory" if args.device == "meta" else f"allocated on {args.device}"
+    count = len(spec.leaves())
+    print(f"{args.engine} registration {spec.text}: {count} tensor(s) {shapes} {args.dtype} ({memory})")
+    if hints:
+        print(f"  hints        {hints}")
+    try:
+        if len(spec.parts) > 1:  # a hybrid: one detection group per `+` item
+            bounds = [sum(spec.parts[:i]) for i in range(len(spec.parts) + 1)]
+            groups = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+            normalized, formats = kvlayout.normalize_and_discover_per_layer_formats(
+                kv, groups, args.engine, hints
+            )
+        else:
+            fmt, normalized = kvlayout.normalize_kv_and_discover_format(kv, args.engine, hints)
+            formats = [fmt] * kvlayout.get_num_layers(normalized, fmt)
+        grouped = kvlayout.group_layers_by_identity(normalized, formats)
+    except (KVLayoutError, TypeError) as e:
+        print(f"  detection failed, as a user would see it:\n    {type(e).__name__}: {e}")
+        return 1
+    print(f"  kernel groups {len(grouped)}")
+    for n, (identity, layers) in enumerate(grouped):
+        fmt = identity.engine_kv_format
+        stride = identity.block_stride_elems
+        block_size = identity.block_size or "n/a (NB*BS folded; hint tokens_per_block to split it)"
+        print(f"  group {n}: layers {_ranges(layers)}")
+        print(f"    format     {int(fmt)} {fmt.name}   {kvlayout.describe_shape(fmt)}")
+        print(f"    backend    {kvlayout.get_attention_backend(fmt)}")
+        print(f"    shape      {_group_shape(normalized, fmt, layers)}")
+        print(
+            f"    geometry   block_size {block_size}, heads {identity.num_heads}, "
+            f"head_size {identity.head_size}, kv_size {identity.kv_size}, {identity.dtype}"
+            + (f", block stride {stride} elements" if stride is not None else "")
+        )
+    return 0
+
+
+def _group_shape(kv: Any, fmt: EngineKVFormat, layers: Sequence[int]) -> str:
+    """The group's concrete shape, from its kernel descriptor where the format has NB and BS."""
     import kvlayout
 
-    print(explain(kvlayout.parse("NL_X_TWO_NB_BS_NH_HS"), LLAMA_3_8B, "bf16"))
-    return 0
+    first = layers[0]
+    try:
+        nb, bs = kvlayout.get_num_blocks(kv, fmt, first), kvlayout.get_block_size(kv, fmt, first)
+    except KVLayoutError:  # NB*BS folded: the registration's own shape says all there is
+        return kvlayout.get_concrete_engine_kv_shape(kv, fmt)
+    stride = kvlayout.resolve_block_stride_and_log_layout(kv, fmt, first, 0)
+    desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, first, len(layers), nb, bs, stride)
+    return kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt)
+
+
+def _ranges(indices: Sequence[int]) -> str:
+    out: list[str] = []
+    start = prev = indices[0]
+    for i in [*indices[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from kvlayout.demo import run_demo
+
+    return run_demo()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -133,10 +231,35 @@ def build_parser() -> argparse.ArgumentParser:
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"
     )
     p.set_defaults(run=cmd_explain)
+    p = sub.add_parser(
+        "detect",
+        help="detect a registration described by its shapes (meta tensors, no memory)",
+        description="Build the registration as meta tensors and run detection: the format and geometry, "
+        "or the error a user would get.",
+    )
+    p.add_argument("--engine", required=True, choices=["vllm", "sglang", "trtllm", "atom"])
+    p.add_argument(
+        "--shape",
+        required=True,
+        help="e.g. '32x[2,2048,16,8,128]', '2x32x[8192,8,128]', '[2048,32,2,16,8,128]', "
+        "'61x([64,64,1,512],[64,64,1,64])', '3x[...]+2x[...]'",
+    )
+    p.add_argument("--dtype", default="bf16", help=f"one of {', '.join(_DTYPES)}")
+    p.add_argument(
+        "--hint",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a layout hint, repeatable: kv_layout=HND, tokens_per_block=16, kv_list_layout=k_v, ...",
+    )
+    p.add_argument(
+        "--device", default="meta", help="meta (default, no memory) or cpu (vLLM's CPU defaults apply)"
+    )
+    p.set_defaults(run=cmd_detect)
     p = sub.add_parser("codegen", help="regenerate the files made from layouts.yaml (in a checkout)")
     p.add_argument("--check", action="store_true", help="fail with a diff if a generated file is stale")
     p.set_defaults(run=cmd_codegen)
-    p = sub.add_parser("demo", help="the format table and one layout explained")
+    p = sub.add_parser("demo", help="detection, geometry and a verified round trip on engine-shaped examples")
     p.set_defaults(run=cmd_demo)
     return ap
 
