@@ -7,10 +7,11 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TOOLS := $(VENV)/.tools-installed
 BUILT := $(VENV)/.kvlayout-built
-NATIVE_SOURCES := $(shell find csrc -type f) CMakeLists.txt pyproject.toml
+# The editable install maps the modules it saw, so a new module under src/ reinstalls too.
+PACKAGE_SOURCES := $(shell find csrc src -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
 
-.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-transfer clean
+.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer clean
 
 test: build lint typecheck codegen-check pytest nvcc-check
 
@@ -24,11 +25,15 @@ $(TOOLS): requirements-dev.txt
 	# torch==2.13.0 is the CPU wheel on this machine's disk; any other spec pulls CUDA builds.
 	$(PIP) install torch==2.13.0
 	$(PIP) install -r requirements-dev.txt
+	# vLLM's real KV cache spec classes, for the integration tests: never without --no-deps
+	# (it would pull a CUDA torch); these three are all the spec classes import.
+	$(PIP) install --no-deps vllm==0.33.0
+	$(PIP) install numpy packaging regex
 	touch $@
 
 build: $(BUILT)
 
-$(BUILT): $(TOOLS) $(NATIVE_SOURCES)
+$(BUILT): $(TOOLS) $(PACKAGE_SOURCES)
 	$(PIP) install --no-build-isolation --no-deps -e .
 	touch $@
 
@@ -60,10 +65,13 @@ else
 endif
 
 # Benchmarks (not part of the tests): each prints ours beside its baseline, with ratios.
-bench: bench-core bench-transfer
+bench: bench-core bench-detection bench-transfer
 
 bench-core: build
 	$(PY) benchmarks/bench_core.py
+
+bench-detection: build
+	$(PY) benchmarks/bench_detection.py
 
 bench-transfer: build
 	$(PY) benchmarks/bench_transfer.py

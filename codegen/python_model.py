@@ -135,10 +135,11 @@ def _head_size(layout: Layout, t: str, layer: str) -> str:
 
 
 def _pointer_table(layout: Layout) -> str:
+    """The pointer-table comprehension over a local ``kv`` (bound by the template)."""
     if not layout.lists:
-        return "[self.kv.data_ptr()]"
-    names = {Role.LAYER: "layer", Role.KV: "kv", Role.ELEMENT: "plane"}
-    path = "self.kv"
+        return "[kv.data_ptr()]"
+    names = {Role.LAYER: "layer", Role.KV: "k", Role.ELEMENT: "plane"}
+    path = "kv"
     loops = []
     for lv in layout.lists:
         var = names[lv.role]  # type: ignore[index]
@@ -176,8 +177,12 @@ def _python_format(entry: FormatEntry) -> PythonFormat:
     )
     add("kv_size", f"return {layout.kv_size}", per_layer=False)
     heads = next((p for p in layout.tensor_parts if p.role is Role.HEAD), None)
-    add("num_heads", f"return {_size(layout, heads.name, t, layer)}" if heads else "return 1")
-    add("head_size", f"return {_head_size(layout, t, layer)}")
+    num_heads = _size(layout, heads.name, t, layer) if heads else "1"
+    head_size = _head_size(layout, t, layer)
+    add("num_heads", f"return {num_heads}")
+    add("head_size", f"return {head_size}")
+    # hidden_dim is hot (kernel groups read it per layer): one expression, no calls.
+    add("hidden_dim", f"return {head_size}" if num_heads == "1" else f"return {num_heads} * {head_size}")
     add("dtype", f"return {t}.dtype")
 
     sizes: list[tuple[str, str]] = []

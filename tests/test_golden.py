@@ -98,8 +98,28 @@ def registration(value: int) -> Any:
     raise AssertionError(f"no golden registration for {value}")
 
 
+# The first attention-backend label of each format (LMCache's get_attention_backend).
+BACKENDS = {
+    0: "vLLM CROSS_LAYER", 1: "vLLM non-MLA flash attention", 2: "vLLM non-MLA flash infer", 3: "vLLM MLA",
+    4: "SGLang MHA (flash attention and flash infer)", 5: "SGLang MLA",
+    6: "vLLM non-MLA flash attention (HND layout)", 7: "vLLM non-MLA flash infer (HND layout)",
+    8: "TRT-LLM cross-layer (HND layout)", 9: "SGLang MHA via MP daemon (4-D inner)",
+    10: "vLLM non-MLA blocks-first, fused K/V", 11: "vLLM non-MLA blocks-first, fused K/V (NHD)",
+    12: "vLLM non-MLA blocks-first, fused K/V (HND)", 13: "vLLM non-MLA blocks-first, fused K/V (NHD)",
+    14: "vLLM MLA (DSA indexer k-cache)", 15: "vLLM-RBLN attention (HND layout)",
+    16: "vLLM-Ascend: per-layer (K, V) tuples", 17: "vLLM-Ascend MLA (latent, rope) tuples",
+    18: "SGLang unified MP independent components",
+}  # fmt: skip
+
+
 def test_every_format_is_pinned() -> None:
-    assert sorted(STATIC) == sorted(GEOMETRY) == sorted(int(f) for f in F)
+    assert sorted(STATIC) == sorted(GEOMETRY) == sorted(BACKENDS) == sorted(int(f) for f in F)
+
+
+@pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
+def test_backend_labels(fmt: F) -> None:
+    assert kvlayout.get_spec_class(fmt).attention_backends[0] == BACKENDS[int(fmt)]
+    assert kvlayout.get_attention_backend(fmt) == BACKENDS[int(fmt)]
 
 
 @pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)

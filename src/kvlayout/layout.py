@@ -11,6 +11,7 @@ from the tokens' roles; nothing is declared per format.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -30,15 +31,26 @@ _REQUIRED = {
 }
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True)
 class Layout:
-    """A KV-cache layout: list levels (outermost first) around a leaf tensor's axes."""
+    """A KV-cache layout: list levels (outermost first) around a leaf tensor's axes.
+
+    Immutable; every derived fact is computed once per layout (detection and the
+    accessors ask them on hot paths) and the hash is cached for the algebra's caches.
+    """
 
     lists: tuple[Token, ...]
     tensor: tuple[Token, ...]
 
     def __post_init__(self) -> None:
         _check(self)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    @functools.cached_property
+    def _hash(self) -> int:
+        return hash((self.lists, self.tensor))
 
     # -- the name ---------------------------------------------------------------
 
@@ -66,7 +78,7 @@ class Layout:
 
     # -- where each role sits ------------------------------------------------------
 
-    @property
+    @functools.cached_property
     def tensor_parts(self) -> tuple[Token, ...]:
         """The tensor's tokens with fusions expanded (``NBBS`` -> ``NB, BS``); a region
         stands for its rows token."""
@@ -89,33 +101,33 @@ class Layout:
 
     # -- static facts, all derived ----------------------------------------------
 
-    @property
+    @functools.cached_property
     def is_cross_layer(self) -> bool:
         """All layers live in one tensor (NL is a tensor axis)."""
         return self._part_position(Role.LAYER) is not None
 
-    @property
+    @functools.cached_property
     def is_kv_list(self) -> bool:
         """The outermost list level is the K/V pair (``[K layers, V layers]``)."""
         return bool(self.lists) and self.lists[0].role is Role.KV
 
-    @property
+    @functools.cached_property
     def is_layer_list(self) -> bool:
         """The outermost list level is the layers."""
         return bool(self.lists) and self.lists[0].role is Role.LAYER
 
-    @property
+    @functools.cached_property
     def is_kv_second_tuple(self) -> bool:
         """Each layer is a tuple of tensors (a list level inside the layer list)."""
         layer = self._list_position(Role.LAYER)
         return layer is not None and layer + 1 < len(self.lists)
 
-    @property
+    @functools.cached_property
     def has_kv(self) -> bool:
         """The layout stores a K/V pair somewhere (a list level, an axis or packed)."""
         return self._list_position(Role.KV) is not None or self._part_position(Role.KV) is not None
 
-    @property
+    @functools.cached_property
     def is_fused_packed(self) -> bool:
         """K and V of one head sit side by side in one row: a token that fuses the K/V
         pair into its content (CS), or a K/V axis inner to the block, token and head axes."""
@@ -127,52 +139,52 @@ class Layout:
         outer = [self._part_position(r) for r in (Role.BLOCK, Role.TOKEN, Role.HEAD)]
         return all(p is None or p < kv for p in outer)
 
-    @property
+    @functools.cached_property
     def kv_size(self) -> int:
         """Planes per token row in a chunk: 2 for split K/V, else 1."""
         return 2 if self.has_kv and not self.is_fused_packed else 1
 
-    @property
+    @functools.cached_property
     def is_mla(self) -> bool:
         """One latent row per token: no K/V pair and no head axis."""
         return not self.has_kv and self._part_position(Role.HEAD) is None
 
-    @property
+    @functools.cached_property
     def is_single_kv(self) -> bool:
         """Heads but no K/V pair: each tensor holds K or V alone."""
         return not self.has_kv and self._part_position(Role.HEAD) is not None
 
-    @property
+    @functools.cached_property
     def is_hnd(self) -> bool:
         """Heads are outer to tokens inside a block."""
         head = self._part_position(Role.HEAD)
         token = self._part_position(Role.TOKEN)
         return head is not None and token is not None and head < token
 
-    @property
+    @functools.cached_property
     def is_two_major(self) -> bool:
         """An unpacked K/V axis outer to the block axis (K/V-first tensors)."""
         kv = self._part_position(Role.KV)
         block = self._part_position(Role.BLOCK)
         return kv is not None and not self.is_fused_packed and block is not None and kv < block
 
-    @property
+    @functools.cached_property
     def is_pbs_fused(self) -> bool:
         """Blocks and tokens are folded into one axis (NB*BS)."""
         return any(Role.BLOCK in t.roles and Role.TOKEN in t.roles and t.region is None for t in self.tensor)
 
-    @property
+    @functools.cached_property
     def has_leading_block_axis(self) -> bool:
         """Dim 0 of each tensor is the block axis alone, so a tensor may carry dim-0
         padding (a block stride wider than the block's content)."""
         first = self.tensor[0]
         return first.role is Role.BLOCK and not first.fuses
 
-    @property
+    @functools.cached_property
     def list_depth(self) -> int:
         return len(self.lists)
 
-    @property
+    @functools.cached_property
     def tensor_rank(self) -> int:
         """The rank of each leaf tensor (a run of regions is stored as two axes)."""
         return sum(len(m.storage) for m in algebra.structure(self).modes)

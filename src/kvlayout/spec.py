@@ -77,6 +77,10 @@ class KVFormatSpec(ABC):
     @abstractmethod
     def head_size(self, layer_idx: int = 0) -> int: ...
     @abstractmethod
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        """Elements of one token row of one plane (``num_heads * head_size``)."""
+
+    @abstractmethod
     def dtype(self, layer_idx: int = 0) -> object: ...
     @abstractmethod
     def sizes(self, layer_idx: int = 0) -> dict[str, int]:
@@ -87,10 +91,6 @@ class KVFormatSpec(ABC):
         """The pointer table in the order kernels index it."""
 
     # -- the same for every format ----------------------------------------------
-
-    def hidden_dim(self, layer_idx: int = 0) -> int:
-        """Elements of one token row of one plane (``num_heads * head_size``)."""
-        return self.num_heads(layer_idx) * self.head_size(layer_idx)
 
     def tokens_per_layer(self, layer_idx: int = 0) -> int:
         return self.page_buffer_size(layer_idx)

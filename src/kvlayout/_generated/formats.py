@@ -122,31 +122,31 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         engines=("vllm",),
     ),
     EngineKVFormat.NB_NL_TWO_NH_BS_HS: FormatInfo(
-        backends=("TRT-LLM cross-layer (HND layout)",),
-        engines=("trtllm",),
+        backends=("TRT-LLM cross-layer (HND layout)", "vLLM CROSS_LAYER (HND layout)"),
+        engines=("trtllm", "vllm"),
     ),
     EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS: FormatInfo(
         backends=("SGLang MHA via MP daemon (4-D inner)",),
         engines=("sglang",),
     ),
     EngineKVFormat.NL_X_NB_NH_BS_TWO_HS: FormatInfo(
-        backends=("vLLM non-MLA blocks-first", "fused K/V"),
+        backends=("vLLM non-MLA blocks-first, fused K/V",),
         engines=(),
         replaced_by=EngineKVFormat.NL_X_NB_NH_BS_CS,
         deprecation_reason="detection keeps vLLM's rank-4 fused cache as it is registered",
     ),
     EngineKVFormat.NL_X_NB_BS_NH_TWO_HS: FormatInfo(
-        backends=("vLLM non-MLA blocks-first", "fused K/V (NHD)"),
+        backends=("vLLM non-MLA blocks-first, fused K/V (NHD)",),
         engines=(),
         replaced_by=EngineKVFormat.NL_X_NB_BS_NH_CS,
         deprecation_reason="detection keeps vLLM's rank-4 fused cache as it is registered",
     ),
     EngineKVFormat.NL_X_NB_NH_BS_CS: FormatInfo(
-        backends=("vLLM non-MLA blocks-first", "fused K/V (HND)"),
+        backends=("vLLM non-MLA blocks-first, fused K/V (HND)",),
         engines=("vllm",),
     ),
     EngineKVFormat.NL_X_NB_BS_NH_CS: FormatInfo(
-        backends=("vLLM non-MLA blocks-first", "fused K/V (NHD)"),
+        backends=("vLLM non-MLA blocks-first, fused K/V (NHD)",),
         engines=("vllm",),
     ),
     EngineKVFormat.NL_X_NB_BSV_BSS: FormatInfo(

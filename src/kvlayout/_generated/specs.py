@@ -53,6 +53,9 @@ class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv.shape[5]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4] * self.kv.shape[5]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv.dtype
 
@@ -66,7 +69,8 @@ class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
-        return [self.kv.data_ptr()]
+        kv = self.kv
+        return [kv.data_ptr()]
 
 
 class NL_X_TWO_NB_BS_NH_HS_Spec(KVFormatSpec):
@@ -111,6 +115,9 @@ class NL_X_TWO_NB_BS_NH_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[4]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[3] * self.kv[layer_idx].shape[4]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -124,8 +131,9 @@ class NL_X_TWO_NB_BS_NH_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_NB_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -170,6 +178,9 @@ class NL_X_NB_TWO_BS_NH_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[4]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[3] * self.kv[layer_idx].shape[4]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -183,8 +194,9 @@ class NL_X_NB_TWO_BS_NH_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_NB_BS_HS_Spec(KVFormatSpec):
@@ -229,6 +241,9 @@ class NL_X_NB_BS_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[2]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -241,8 +256,9 @@ class NL_X_NB_BS_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class TWO_X_NL_X_NBBS_NH_HS_Spec(KVFormatSpec):
@@ -287,6 +303,9 @@ class TWO_X_NL_X_NBBS_NH_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[0][layer_idx].shape[2]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[0][layer_idx].shape[1] * self.kv[0][layer_idx].shape[2]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[0][layer_idx].dtype
 
@@ -299,8 +318,9 @@ class TWO_X_NL_X_NBBS_NH_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[kv][layer].data_ptr() for kv in range(2) for layer in layers]
+        return [kv[k][layer].data_ptr() for k in range(2) for layer in layers]
 
 
 class NL_X_NBBS_ONE_HS_Spec(KVFormatSpec):
@@ -345,6 +365,9 @@ class NL_X_NBBS_ONE_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[2]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -356,8 +379,9 @@ class NL_X_NBBS_ONE_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_TWO_NB_NH_BS_HS_Spec(KVFormatSpec):
@@ -402,6 +426,9 @@ class NL_X_TWO_NB_NH_BS_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[4]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[4]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -415,8 +442,9 @@ class NL_X_TWO_NB_NH_BS_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
@@ -461,6 +489,9 @@ class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[4]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[4]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -474,12 +505,13 @@ class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
-    """``[NB, NL, 2, NH, BS, HS]``: TRT-LLM cross-layer (HND layout)."""
+    """``[NB, NL, 2, NH, BS, HS]``: TRT-LLM cross-layer (HND layout); vLLM CROSS_LAYER (HND layout)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NB_NL_TWO_NH_BS_HS
@@ -520,6 +552,9 @@ class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv.shape[5]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3] * self.kv.shape[5]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv.dtype
 
@@ -533,7 +568,8 @@ class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
-        return [self.kv.data_ptr()]
+        kv = self.kv
+        return [kv.data_ptr()]
 
 
 class TWO_X_NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
@@ -578,6 +614,9 @@ class TWO_X_NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[0][layer_idx].shape[3]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[0][layer_idx].shape[2] * self.kv[0][layer_idx].shape[3]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[0][layer_idx].dtype
 
@@ -591,12 +630,13 @@ class TWO_X_NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[kv][layer].data_ptr() for kv in range(2) for layer in layers]
+        return [kv[k][layer].data_ptr() for k in range(2) for layer in layers]
 
 
 class NL_X_NB_NH_BS_TWO_HS_Spec(KVFormatSpec):
-    """``NL x [NB, NH, BS, 2, HS]``: vLLM non-MLA blocks-first; fused K/V."""
+    """``NL x [NB, NH, BS, 2, HS]``: vLLM non-MLA blocks-first, fused K/V."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NL_X_NB_NH_BS_TWO_HS
@@ -638,6 +678,9 @@ class NL_X_NB_NH_BS_TWO_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return 2 * self.kv[layer_idx].shape[4]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[1] * 2 * self.kv[layer_idx].shape[4]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -651,12 +694,13 @@ class NL_X_NB_NH_BS_TWO_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_NB_BS_NH_TWO_HS_Spec(KVFormatSpec):
-    """``NL x [NB, BS, NH, 2, HS]``: vLLM non-MLA blocks-first; fused K/V (NHD)."""
+    """``NL x [NB, BS, NH, 2, HS]``: vLLM non-MLA blocks-first, fused K/V (NHD)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NL_X_NB_BS_NH_TWO_HS
@@ -698,6 +742,9 @@ class NL_X_NB_BS_NH_TWO_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return 2 * self.kv[layer_idx].shape[4]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2] * 2 * self.kv[layer_idx].shape[4]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -711,12 +758,13 @@ class NL_X_NB_BS_NH_TWO_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_NB_NH_BS_CS_Spec(KVFormatSpec):
-    """``NL x [NB, NH, BS, CS]``: vLLM non-MLA blocks-first; fused K/V (HND)."""
+    """``NL x [NB, NH, BS, CS]``: vLLM non-MLA blocks-first, fused K/V (HND)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NL_X_NB_NH_BS_CS
@@ -757,6 +805,9 @@ class NL_X_NB_NH_BS_CS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[3]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[1] * self.kv[layer_idx].shape[3]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -770,12 +821,13 @@ class NL_X_NB_NH_BS_CS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
-    """``NL x [NB, BS, NH, CS]``: vLLM non-MLA blocks-first; fused K/V (NHD)."""
+    """``NL x [NB, BS, NH, CS]``: vLLM non-MLA blocks-first, fused K/V (NHD)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NL_X_NB_BS_NH_CS
@@ -816,6 +868,9 @@ class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[3]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[3]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -829,8 +884,9 @@ class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_NB_BSV_BSS_Spec(KVFormatSpec):
@@ -875,6 +931,9 @@ class NL_X_NB_BSV_BSS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[2]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -886,8 +945,9 @@ class NL_X_NB_BSV_BSS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_TWO_NB_NH_ONE_BS_HS_Spec(KVFormatSpec):
@@ -932,6 +992,9 @@ class NL_X_TWO_NB_NH_ONE_BS_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[5]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[5]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -945,8 +1008,9 @@ class NL_X_TWO_NB_NH_ONE_BS_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 class NL_X_TWO_X_NB_BS_NH_HS_Spec(KVFormatSpec):
@@ -991,6 +1055,9 @@ class NL_X_TWO_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx][0].shape[3]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx][0].shape[2] * self.kv[layer_idx][0].shape[3]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx][0].dtype
 
@@ -1004,8 +1071,9 @@ class NL_X_TWO_X_NB_BS_NH_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer][kv].data_ptr() for layer in layers for kv in range(2)]
+        return [kv[layer][k].data_ptr() for layer in layers for k in range(2)]
 
 
 class NL_X_NP_X_NB_BS_ONE_HS_Spec(KVFormatSpec):
@@ -1050,6 +1118,9 @@ class NL_X_NP_X_NB_BS_ONE_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.summed_plane_width(self.kv[layer_idx], (3,))
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.summed_plane_width(self.kv[layer_idx], (3,))
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx][0].dtype
 
@@ -1063,8 +1134,9 @@ class NL_X_NP_X_NB_BS_ONE_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer][plane].data_ptr() for layer in layers for plane in range(len(self.kv[layer]))]
+        return [kv[layer][plane].data_ptr() for layer in layers for plane in range(len(kv[layer]))]
 
 
 class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
@@ -1109,6 +1181,9 @@ class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     def head_size(self, layer_idx: int = 0) -> int:
         return self.kv[layer_idx].shape[3]
 
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[3]
+
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
 
@@ -1122,8 +1197,9 @@ class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
         }
 
     def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
         layers = range(self.num_layers()) if layer_indices is None else layer_indices
-        return [self.kv[layer].data_ptr() for layer in layers]
+        return [kv[layer].data_ptr() for layer in layers]
 
 
 # Indexed by format value (None where a value is unused).

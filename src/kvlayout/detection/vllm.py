@@ -23,15 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.base import Probe, match, pick, probe
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 
 ENGINE = EngineType.VLLM
-
-_CROSS_LAYER = tuple(
-    f for f in EngineKVFormat if LAYOUTS[f].is_cross_layer and FORMAT_INFO[f].replaced_by is None
-)
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
@@ -41,7 +37,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         hnd = p.device.type == "cpu"
     layout_decision = ("kv_layout", "is_hnd", hnd)
     if p.depth == 0:
-        return pick(ENGINE, p, decide=[layout_decision], formats=_CROSS_LAYER), kv
+        return pick(ENGINE, p, decide=[layout_decision]), kv
     if p.depth == 1 and p.rank == 4:
         return _rank4(kv, p, hnd)
     fmt = pick(
