@@ -8,6 +8,7 @@ kvlayout._cuda (see scripts/gpu_check.sh).
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import torch
 
@@ -25,38 +26,40 @@ SHAPES = {
 }
 
 
-def timed_ms(fn: object, repeats: int = 20) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    fn()  # type: ignore[operator]
+def timed_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+    fn()
     torch.cuda.synchronize()
     start.record()
     for _ in range(repeats):
-        fn()  # type: ignore[operator]
+        fn()
     end.record()
     torch.cuda.synchronize()
     return float(start.elapsed_time(end)) / repeats
 
 
+def run_format(fmt: F, shape: tuple[int, ...], block_ids: list[int]) -> str:
+    kv = [torch.ones(shape, dtype=torch.bfloat16, device="cuda") for _ in range(NL)]
+    cshape, dtype = chunk_shape(kv, fmt, CHUNK_TOKENS)
+    chunks = [torch.empty(cshape, dtype=dtype, device="cuda") for _ in range(BLOCKS * BS // CHUNK_TOKENS)]
+    nbytes = sum(c.numel() * c.element_size() for c in chunks)
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    store = timed_ms(lambda: store_blocks(kv, fmt, block_ids, chunks))
+    load = timed_ms(lambda: load_blocks(kv, fmt, block_ids, chunks))
+    copy = timed_ms(lambda: dst.copy_(src))
+    gbs = [nbytes / ms / 1e6 for ms in (store, load, copy)]
+    ratios = f"{copy / store:>11.2f}x{copy / load:>10.2f}x"
+    return f"{fmt.name:<26}{gbs[0]:>12.1f}{gbs[1]:>12.1f}{gbs[2]:>15.1f}{ratios}"
+
+
 def main() -> None:
     block_ids = random.Random(0).sample(range(NB), BLOCKS)
-    print(
-        f"{'format':<26}{'store GB/s':>12}{'load GB/s':>12}{'d2d copy GB/s':>15}{'store/copy':>12}{'load/copy':>11}"
-    )
+    head = f"{'format':<26}{'store GB/s':>12}{'load GB/s':>12}{'d2d GB/s':>15}"
+    print(f"{head}{'store/copy':>12}{'load/copy':>11}")
     for fmt, shape in SHAPES.items():
-        kv = [torch.ones(shape, dtype=torch.bfloat16, device="cuda") for _ in range(NL)]
-        cshape, dtype = chunk_shape(kv, fmt, CHUNK_TOKENS)
-        chunks = [torch.empty(cshape, dtype=dtype, device="cuda") for _ in range(BLOCKS * BS // CHUNK_TOKENS)]
-        nbytes = sum(c.numel() * c.element_size() for c in chunks)
-        src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
-        dst = torch.empty_like(src)
-        store = timed_ms(lambda: store_blocks(kv, fmt, block_ids, chunks))  # noqa: B023
-        load = timed_ms(lambda: load_blocks(kv, fmt, block_ids, chunks))  # noqa: B023
-        copy = timed_ms(lambda: dst.copy_(src))  # noqa: B023
-        gbs = [nbytes / ms / 1e6 for ms in (store, load, copy)]
-        print(
-            f"{fmt.name:<26}{gbs[0]:>12.1f}{gbs[1]:>12.1f}{gbs[2]:>15.1f}{copy / store:>11.2f}x{copy / load:>10.2f}x"
-        )
-        del kv, chunks, src, dst
+        print(run_format(fmt, shape, block_ids), flush=True)
         torch.cuda.empty_cache()
 
 

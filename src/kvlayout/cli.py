@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvlayout.errors import KVLayoutError
+from kvlayout.explain import index_ranges
 
 if TYPE_CHECKING:
     from kvlayout._generated.formats import EngineKVFormat
@@ -168,7 +169,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
         fmt = identity.engine_kv_format
         stride = identity.block_stride_elems
         block_size = identity.block_size or "n/a (NB*BS folded; hint tokens_per_block to split it)"
-        print(f"  group {n}: layers {_ranges(layers)}")
+        print(f"  group {n}: layers {index_ranges(layers)}")
         print(f"    format     {int(fmt)} {fmt.name}   {kvlayout.describe_shape(fmt)}")
         print(f"    backend    {kvlayout.get_attention_backend(fmt)}")
         print(f"    shape      {_group_shape(normalized, fmt, layers)}")
@@ -192,19 +193,6 @@ def _group_shape(kv: Any, fmt: EngineKVFormat, layers: Sequence[int]) -> str:
     stride = kvlayout.resolve_block_stride_and_log_layout(kv, fmt, first, 0)
     desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, first, len(layers), nb, bs, stride)
     return kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt)
-
-
-def _ranges(indices: Sequence[int]) -> str:
-    out: list[str] = []
-    start = prev = indices[0]
-    for i in [*indices[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ",".join(out)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -1,0 +1,54 @@
+"""The docs run: README's Python session is a doctest, and every `$ ` command in the docs
+exits 0."""
+
+from __future__ import annotations
+
+import doctest
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_readme_session_runs() -> None:
+    result = doctest.testfile(str(ROOT / "README.md"), module_relative=False, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0
+    assert result.failed == 0
+
+
+def _commands() -> list[tuple[str, str]]:
+    found = []
+    for doc in DOCS:
+        for line in doc.read_text().splitlines():
+            match = re.match(r"\s*\$ (.+)$", line)
+            if match:
+                found.append((doc.name, match.group(1)))
+    return found
+
+
+COMMANDS = _commands()
+
+
+def test_docs_show_commands() -> None:
+    assert any(cmd.startswith("kvlayout ") for _, cmd in COMMANDS)
+
+
+@pytest.mark.parametrize(("doc", "command"), COMMANDS, ids=[f"{d}: {c}" for d, c in COMMANDS])
+def test_documented_command_runs(doc: str, command: str, tmp_path: Path) -> None:
+    argv = shlex.split(command)
+    if argv[0] == "kvlayout":
+        argv = [sys.executable, "-m", "kvlayout", *argv[1:]]
+    elif argv[0] == "python":
+        argv[0] = sys.executable
+    else:
+        pytest.fail(f"{doc} shows a command this test cannot run: {command}")
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'src'}"}
+    done = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, check=False, timeout=120)
+    assert done.returncode == 0, f"{command}\n{done.stdout}\n{done.stderr}"
