@@ -97,3 +97,57 @@ def test_help_reads_well(capsys: pytest.CaptureFixture[str]) -> None:
     out = capsys.readouterr().out
     for command in ("formats", "explain", "codegen", "demo"):
         assert command in out
+
+
+def test_detect_prints_format_geometry_and_groups(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "detect", "--engine", "vllm", "--shape", "32x[2,2048,16,8,128]")
+    assert code == 0
+    assert "32 tensor(s) [2, 2048, 16, 8, 128] bf16 (meta tensors, no memory)" in out
+    assert "    format     1 NL_X_TWO_NB_BS_NH_HS   NL x [2, NB, BS, NH, HS]" in out
+    assert "    shape      32 x [2, 2048, 16, 8, 128]" in out
+    assert "    geometry   block_size 16, heads 8, head_size 128, kv_size 2, torch.bfloat16" in out
+
+
+def test_detect_follows_hints_and_hybrids(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "detect", "--engine", "sglang", "--shape", "64x[4096,8,128]",
+                       "--hint", "tokens_per_block=16", "--hint", "kv_list_layout=k_v")  # fmt: skip
+    assert code == 0 and "9 TWO_X_NL_X_NB_BS_NH_HS" in out and "2 x 32 x [256, 16, 8, 128]" in out
+    code, out, _ = run(capsys, "detect", "--engine", "vllm", "--shape", "6x[2,64,544,2,256]+18x[64,544,2000]")
+    assert code == 0
+    assert "  kernel groups 2" in out
+    assert "  group 0: layers 0-5" in out and "    shape      6 x [2, 64, 544, 2, 256]" in out
+    assert "  group 1: layers 6-23" in out and "    shape      18 x [64, 544, 2000]" in out
+
+
+def test_detect_shows_the_error_a_user_would_get(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "detect", "--engine", "sglang", "--shape", "64x[4096,8,128]")
+    assert code == 1
+    assert "  detection failed, as a user would see it:\n    DetectionError: SGLang:" in out
+    assert "pass layout hint kv_list_layout='k_v'" in out
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ("32x[7,4", "kvlayout: --shape '32x[7,4': expected ']', found 'the end'"),
+        ("32[7]", "kvlayout: --shape '32[7]': a count must be followed by 'x'"),
+        ("[2,3]+[4]", "kvlayout: --shape '[2,3]+[4]': '+' joins lists (NxSHAPE), not bare tensors"),
+        ("0x[1]", "kvlayout: --shape '0x[1]': a list of 0 entries"),
+    ],
+)
+def test_detect_shape_errors(capsys: pytest.CaptureFixture[str], shape: str, message: str) -> None:
+    code, _, err = run(capsys, "detect", "--engine", "vllm", "--shape", shape)
+    assert code == 2 and err.startswith(message)
+
+
+def test_detect_bad_hint_and_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(
+        capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--hint", "kv_layout"
+    )
+    assert code == 2 and "--hint 'kv_layout' is not KEY=VALUE" in err
+    code, _, err = run(capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--dtype", "int4")
+    assert code == 2 and "--dtype 'int4' is not one of" in err
+    code, out, _ = run(
+        capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--hint", "kv_layout=XYZ"
+    )
+    assert code == 1 and "kv_layout" in out
