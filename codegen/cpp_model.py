@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from codegen.catalog import Catalog, FormatEntry
-from codegen.python_model import FACTS
 from kvlayout.algebra import COORD_FIELDS, Mode, Product, Structure, Term, structure
+from kvlayout.layout import FACTS
 from kvlayout.vocabulary import Vocabulary
 
 __all__ = ["CppFormat", "cpp_formats", "size_fields"]

@@ -15,9 +15,9 @@ import jinja2
 
 from codegen.catalog import Catalog
 from codegen.cpp_model import COORDS, cpp_formats, size_fields
-from codegen.python_model import FACTS, python_formats, token_literal
+from codegen.python_model import python_formats, token_literal
 from codegen.writer import stamp
-from kvlayout.layout import Layout
+from kvlayout.layout import FACTS, fact_doc
 
 __all__ = ["GENERATED_PACKAGE", "OUTPUTS", "render_outputs"]
 
@@ -62,11 +62,7 @@ def _environment() -> jinja2.Environment:
 
 
 def _fact_docs() -> list[tuple[str, str]]:
-    docs = []
-    for name in FACTS:
-        doc = getattr(Layout, name).__doc__ or ""
-        docs.append((name, " ".join(doc.split())))
-    return docs
+    return [(name, fact_doc(name)) for name in FACTS]
 
 
 def render_outputs(catalog: Catalog, grammar_text: str, sources: str) -> dict[str, str]:

@@ -12,25 +12,10 @@ from dataclasses import dataclass, fields
 
 from codegen.catalog import Catalog, FormatEntry
 from kvlayout.algebra import axis_of, level_of, row_width_axis, structure
-from kvlayout.layout import Layout
+from kvlayout.layout import FACTS, Layout
 from kvlayout.vocabulary import Role, Token
 
 __all__ = ["FACTS", "PythonFormat", "python_formats", "token_literal"]
-
-# The static facts every spec class carries, in the order they are printed.
-FACTS = (
-    "is_cross_layer",
-    "is_kv_list",
-    "is_layer_list",
-    "is_mla",
-    "is_hnd",
-    "is_fused_packed",
-    "is_two_major",
-    "is_pbs_fused",
-    "is_kv_second_tuple",
-    "is_single_kv",
-    "has_leading_block_axis",
-)
 
 
 def token_literal(token: Token) -> str:

@@ -41,7 +41,7 @@ def test_explain_in_words_and_numbers(capsys: pytest.CaptureFixture[str]) -> Non
 def test_explain_by_value_and_any_layout_name(capsys: pytest.CaptureFixture[str]) -> None:
     assert run(capsys, "explain", "6")[1].startswith("NL_X_TWO_NB_NH_BS_HS\n")
     code, out, _ = run(capsys, "explain", "NL_X_NB_NH_BS_HS", "--dtype", "fp8")
-    assert code == 0 and "heads are outer to tokens inside a block (HND)" in out
+    assert code == 0 and "    - Heads are outer to tokens inside a block." in out
 
 
 def test_explain_svg_has_a_cell_per_row(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -11,11 +11,9 @@ import kvlayout
 from kvlayout import EngineKVFormat, _native
 from kvlayout._generated.formats import SIZE_SYMBOLS
 from kvlayout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes, tensor_index
+from kvlayout.layout import FACTS
 from tests.strategies import coords_for, sizes_for
 from tests.test_algebra import all_coords, leaf
-
-FACTS = ("is_cross_layer", "is_kv_list", "is_layer_list", "is_mla", "is_hnd", "is_fused_packed",
-         "is_two_major", "is_pbs_fused", "is_kv_second_tuple", "is_single_kv", "has_leading_block_axis")  # fmt: skip
 
 
 def native_sizes(layout: kvlayout.Layout, sizes: dict[str, int]) -> list[int]:

@@ -42,24 +42,17 @@ def _format_arg(text: str) -> object:
 
 def cmd_formats(args: argparse.Namespace) -> int:
     from kvlayout import EngineKVFormat
+    from kvlayout.layout import FACTS, STRUCTURE_FACTS
     from kvlayout.registry import format_info, layout_of
 
-    facts = (
-        "is_mla",
-        "is_hnd",
-        "is_fused_packed",
-        "is_two_major",
-        "is_pbs_fused",
-        "is_kv_second_tuple",
-        "is_single_kv",
-    )
+    shown = [f for f in FACTS if f not in STRUCTURE_FACTS and f != "has_leading_block_axis"]
     rows = []
     for fmt in EngineKVFormat:
         layout, info = layout_of(fmt), format_info(fmt)
         structure = (
             "cross-layer" if layout.is_cross_layer else "K/V lists" if layout.is_kv_list else "per layer"
         )
-        flags = [f.removeprefix("is_") for f in facts if getattr(layout, f)]
+        flags = [f.removeprefix("is_") for f in shown if getattr(layout, f)]
         note = f"deprecated, use {info.replaced_by.name}" if info.replaced_by else ", ".join(info.engines)
         rows.append((str(int(fmt)), fmt.name, layout.describe_shape(), structure, f"kv={layout.kv_size}",
                      " ".join(flags) or "-", note))  # fmt: skip

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from kvlayout import algebra
 from kvlayout.algebra import Mode, Product, Term
-from kvlayout.layout import Layout
+from kvlayout.layout import FACTS, Layout, fact_doc
 
 __all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "explain", "index_ranges", "symbolic_offset"]
 
@@ -22,20 +22,6 @@ DTYPE_BYTES: dict[str, int] = {
     "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
     "fp8": 1, "float8_e4m3fn": 1, "uint8": 1, "int8": 1,
 }  # fmt: skip
-
-_FACT_WORDS = {
-    "is_cross_layer": "all layers share one tensor",
-    "is_kv_list": "the outer list is [K layers, V layers]",
-    "is_layer_list": "one entry per layer",
-    "is_kv_second_tuple": "each layer is a tuple of tensors",
-    "is_mla": "one latent row per token (MLA: no K/V pair, no heads)",
-    "is_single_kv": "each tensor holds K or V alone",
-    "is_hnd": "heads are outer to tokens inside a block (HND)",
-    "is_fused_packed": "K and V of a head are packed side by side in one row",
-    "is_two_major": "K and V are split at the outermost tensor axis",
-    "is_pbs_fused": "blocks and tokens share one axis (NB*BS)",
-    "has_leading_block_axis": "dim 0 is the block axis (it may carry padding)",
-}
 
 
 def _product(p: Product) -> str:
@@ -102,7 +88,7 @@ class Explanation:
         row = heads * head
         per_block = layout.kv_size * s.get("BS", 0) * row * elsize
         pointer, off = symbolic_offset(layout)
-        facts = [words for name, words in _FACT_WORDS.items() if getattr(layout, name)]
+        facts = [fact_doc(name) for name in FACTS if getattr(layout, name)]
         out = [
             f"{layout}",
             f"  shape          {layout.describe_shape()}",

@@ -19,7 +19,24 @@ from kvlayout import algebra
 from kvlayout.errors import LayoutSemanticError
 from kvlayout.vocabulary import Role, Token
 
-__all__ = ["Layout"]
+__all__ = ["FACTS", "STRUCTURE_FACTS", "Layout", "fact_doc"]
+
+# The boolean facts every format carries (Python class attributes, C++ constexpr), in order.
+FACTS = (
+    "is_cross_layer",
+    "is_kv_list",
+    "is_layer_list",
+    "is_mla",
+    "is_hnd",
+    "is_fused_packed",
+    "is_two_major",
+    "is_pbs_fused",
+    "is_kv_second_tuple",
+    "is_single_kv",
+    "has_leading_block_axis",
+)
+# Exactly one of these holds for every layout.
+STRUCTURE_FACTS = ("is_cross_layer", "is_kv_list", "is_layer_list")
 
 _LIST_ROLES = (Role.LAYER, Role.KV, Role.ELEMENT)
 _SINGLE_ROLES = (Role.LAYER, Role.KV, Role.BLOCK, Role.TOKEN, Role.HEAD)
@@ -283,3 +300,8 @@ def _check(layout: Layout) -> None:
     for role, what in _REQUIRED.items():
         if role not in roles:
             raise LayoutSemanticError(name, 0, len(name), f"the name has no {what}")
+
+
+def fact_doc(name: str) -> str:
+    """A fact's meaning in one line (its docstring, whitespace folded)."""
+    return " ".join((getattr(Layout, name).__doc__ or "").split())
