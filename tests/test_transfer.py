@@ -78,6 +78,7 @@ def chunks_for(
     return [torch.zeros((shape[0], shape[1], t, shape[3]), dtype=dtype) for t in tokens]
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # formats 10 and 11 are deprecated
 @settings(max_examples=40)
 @given(cases(), st.data())
 def test_store_matches_the_oracle_byte_for_byte(
@@ -103,6 +104,7 @@ def test_store_matches_the_oracle_byte_for_byte(
         assert bytes(got.view(torch.uint8).flatten().tolist()) == bytes(want)
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @settings(max_examples=40)
 @given(cases(), st.data())
 def test_round_trip_restores_exactly_the_selected_blocks(

@@ -57,6 +57,7 @@ def test_copy_unit_respects_odd_widths_and_pointers() -> None:
 
 
 @needs_gpu
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @settings(max_examples=60, deadline=None)
 @given(cases(), st.data())
 def test_cuda_store_and_load_equal_the_cpu_engine(

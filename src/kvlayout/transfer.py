@@ -23,8 +23,10 @@ import numpy as np
 import torch
 
 from kvlayout import algebra
+from kvlayout._generated.descriptors import PageBufferShapeDesc
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
+from kvlayout.facade import make_page_buffer_shape_desc
 from kvlayout.layout import Layout
 from kvlayout.registry import FormatLike, as_format, layout_of
 from kvlayout.vocabulary import Role
@@ -55,17 +57,34 @@ class _Registration:
     format: EngineKVFormat
     layout: Layout
     jobs: tuple[_Job, ...]
-    kv_size: int
-    num_layers: int
-    num_blocks: int
-    block_size: int
-    row_bytes: int
+    descriptor: PageBufferShapeDesc  # the whole registration as one kernel group
     dtype: torch.dtype
     device: torch.device
 
     @property
+    def kv_size(self) -> int:
+        return self.descriptor.kv_size
+
+    @property
+    def num_layers(self) -> int:
+        return self.descriptor.nl
+
+    @property
+    def num_blocks(self) -> int:
+        return self.descriptor.nb
+
+    @property
+    def block_size(self) -> int:
+        return self.descriptor.bs
+
+    @property
     def row(self) -> int:
-        return self.row_bytes // self.dtype.itemsize
+        """Elements of a chunk's token row (a plane tuple's planes in the first plane's type)."""
+        return self.descriptor.nh * self.descriptor.hs
+
+    @property
+    def row_bytes(self) -> int:
+        return self.row * self.descriptor.element_size
 
 
 # -- the registration ---------------------------------------------------------------
@@ -180,23 +199,20 @@ def _describe(kv: Any, fmt: FormatLike, block_size: int | None) -> _Registration
         row_offset += layout.num_heads(sizes) * layout.head_size(sizes) * element_size
     assert reference is not None
     first = jobs[0].sizes
-    if row_offset % reference.element_size():
+    for job in jobs[1:]:
+        if any(job.sizes[k] != first[k] for k in ("NL", "NB", "BS")):
+            raise TransferError(
+                f"{layout}: the planes of a layer must share NL, NB and BS ({first} vs {job.sizes})"
+            )
+    descriptor = make_page_buffer_shape_desc(
+        kv, fmt, 0, first["NL"], first["NB"], first["BS"], jobs[0].block_stride or None
+    )
+    if descriptor.nh * descriptor.hs * descriptor.element_size != row_offset:
         raise TransferError(
             f"{layout}: a token row of {row_offset} bytes is not a whole number of "
             f"{reference.dtype} elements (the first plane's type, which chunks use)"
         )
-    return _Registration(
-        format=fmt,
-        layout=layout,
-        jobs=tuple(jobs),
-        kv_size=layout.kv_size,
-        num_layers=first["NL"],
-        num_blocks=first["NB"],
-        block_size=first["BS"],
-        row_bytes=row_offset,
-        dtype=reference.dtype,
-        device=reference.device,
-    )
+    return _Registration(fmt, layout, tuple(jobs), descriptor, reference.dtype, reference.device)
 
 
 def _resolve_block_size(layout: Layout, sizes: dict[str, int], block_size: int | None) -> dict[str, int]:
@@ -263,7 +279,8 @@ def _native_sizes(layout: Layout, sizes: Mapping[str, int]) -> list[int]:
 def chunk_shape(
     kv: Any, fmt: FormatLike, num_tokens: int, *, block_size: int | None = None
 ) -> tuple[tuple[int, ...], torch.dtype]:
-    """The shape and dtype a chunk of ``num_tokens`` tokens needs for this registration."""
+    """The shape and dtype a chunk of ``num_tokens`` tokens needs for this registration:
+    ``[kv_size, nl, num_tokens, nh * hs]`` of its ``PageBufferShapeDesc``."""
     reg = _describe(kv, fmt, block_size)
     if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
         raise TransferError(f"num_tokens must be a positive int, got {num_tokens!r}")
