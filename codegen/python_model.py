@@ -166,8 +166,13 @@ def _python_format(entry: FormatEntry) -> PythonFormat:
     head_size = _head_size(layout, t, layer)
     add("num_heads", f"return {num_heads}")
     add("head_size", f"return {head_size}")
-    # hidden_dim is hot (kernel groups read it per layer): one expression, no calls.
-    add("hidden_dim", f"return {head_size}" if num_heads == "1" else f"return {num_heads} * {head_size}")
+    # hidden_dim is hot (kernel groups read it per layer): one expression, one shape read.
+    hidden = head_size if num_heads == "1" else f"{num_heads} * {head_size}"
+    if hidden.count(f"{t}.shape") > 1:
+        hidden = f"shape = {t}.shape\n        return " + hidden.replace(f"{t}.shape", "shape")
+    else:
+        hidden = f"return {hidden}"
+    add("hidden_dim", hidden)
     add("dtype", f"return {t}.dtype")
 
     sizes: list[tuple[str, str]] = []

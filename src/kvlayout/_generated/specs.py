@@ -54,7 +54,8 @@ class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
         return self.kv.shape[5]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv.shape[4] * self.kv.shape[5]
+        shape = self.kv.shape
+        return shape[4] * shape[5]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv.dtype
@@ -116,7 +117,8 @@ class NL_X_TWO_NB_BS_NH_HS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[4]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[3] * self.kv[layer_idx].shape[4]
+        shape = self.kv[layer_idx].shape
+        return shape[3] * shape[4]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -179,7 +181,8 @@ class NL_X_NB_TWO_BS_NH_HS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[4]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[3] * self.kv[layer_idx].shape[4]
+        shape = self.kv[layer_idx].shape
+        return shape[3] * shape[4]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -304,7 +307,8 @@ class TWO_X_NL_X_NBBS_NH_HS_Spec(KVFormatSpec):
         return self.kv[0][layer_idx].shape[2]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[0][layer_idx].shape[1] * self.kv[0][layer_idx].shape[2]
+        shape = self.kv[0][layer_idx].shape
+        return shape[1] * shape[2]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[0][layer_idx].dtype
@@ -427,7 +431,8 @@ class NL_X_TWO_NB_NH_BS_HS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[4]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[4]
+        shape = self.kv[layer_idx].shape
+        return shape[2] * shape[4]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -490,7 +495,8 @@ class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[4]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[4]
+        shape = self.kv[layer_idx].shape
+        return shape[2] * shape[4]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -553,7 +559,8 @@ class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
         return self.kv.shape[5]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv.shape[3] * self.kv.shape[5]
+        shape = self.kv.shape
+        return shape[3] * shape[5]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv.dtype
@@ -615,7 +622,8 @@ class TWO_X_NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
         return self.kv[0][layer_idx].shape[3]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[0][layer_idx].shape[2] * self.kv[0][layer_idx].shape[3]
+        shape = self.kv[0][layer_idx].shape
+        return shape[2] * shape[3]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[0][layer_idx].dtype
@@ -679,7 +687,8 @@ class NL_X_NB_NH_BS_TWO_HS_Spec(KVFormatSpec):
         return 2 * self.kv[layer_idx].shape[4]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[1] * 2 * self.kv[layer_idx].shape[4]
+        shape = self.kv[layer_idx].shape
+        return shape[1] * 2 * shape[4]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -743,7 +752,8 @@ class NL_X_NB_BS_NH_TWO_HS_Spec(KVFormatSpec):
         return 2 * self.kv[layer_idx].shape[4]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[2] * 2 * self.kv[layer_idx].shape[4]
+        shape = self.kv[layer_idx].shape
+        return shape[2] * 2 * shape[4]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -806,7 +816,8 @@ class NL_X_NB_NH_BS_CS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[3]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[1] * self.kv[layer_idx].shape[3]
+        shape = self.kv[layer_idx].shape
+        return shape[1] * shape[3]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -869,7 +880,8 @@ class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[3]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[3]
+        shape = self.kv[layer_idx].shape
+        return shape[2] * shape[3]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -993,7 +1005,8 @@ class NL_X_TWO_NB_NH_ONE_BS_HS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[5]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[5]
+        shape = self.kv[layer_idx].shape
+        return shape[2] * shape[5]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
@@ -1056,7 +1069,8 @@ class NL_X_TWO_X_NB_BS_NH_HS_Spec(KVFormatSpec):
         return self.kv[layer_idx][0].shape[3]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx][0].shape[2] * self.kv[layer_idx][0].shape[3]
+        shape = self.kv[layer_idx][0].shape
+        return shape[2] * shape[3]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx][0].dtype
@@ -1182,7 +1196,8 @@ class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
         return self.kv[layer_idx].shape[3]
 
     def hidden_dim(self, layer_idx: int = 0) -> int:
-        return self.kv[layer_idx].shape[2] * self.kv[layer_idx].shape[3]
+        shape = self.kv[layer_idx].shape
+        return shape[2] * shape[3]
 
     def dtype(self, layer_idx: int = 0) -> object:
         return self.kv[layer_idx].dtype
