@@ -1,435 +1,85 @@
-"""vLLM models and their KV cache registrations, built the way vLLM builds them, on CPU.
-
-Specs, configs and the 0.33 per-layer views come from vLLM's own classes and functions
-(``vllm.v1.kv_cache_interface``: the spec classes, ``compute_layout_strides``,
-``create_kv_cache_views``). The parts of vLLM that need its full dependency set (model
-classes, platform, worker) are mirrored here in a few lines each, with the source they
-follow: hybrid block sizing (``Platform._align_hybrid_block_size``), kernel block
-selection (``select_common_block_size``), grouping
-(``_get_kv_cache_groups_uniform_page_size``), the config's tensors
-(``get_kv_cache_config_from_groups``), allocation (``allocate_kv_cache``), and the
-pre-0.26 registrations (``_reshape_kv_cache_tensors``, the Mamba ``as_strided`` lists).
+"""The vLLM models and registrations the tests use: re-exported from
+:mod:`kvlayout.integrations.vllm.examples` (one copy, shared with ``kvlayout demo``), plus
+test-only helpers.
 
 Importing this module skips the importing test module when vLLM is not installed.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 
-kvi: Any = pytest.importorskip("vllm.v1.kv_cache_interface", reason="vllm is not installed")
-KVCacheLayout: Any = pytest.importorskip("vllm.v1.kv_cache_layout").KVCacheLayout
+# Before the import below: without vLLM the importing test module is skipped, not errored.
+pytest.importorskip("vllm.v1.kv_cache_interface", reason="vllm is not installed")
 
-NUM_BLOCKS = 4
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-# -- model configs (the public HF configs' numbers) -----------------------------------
-
-
-@dataclass(frozen=True)
-class HybridModel:
-    """A Gated-DeltaNet + full-attention model (Qwen3.5 / Qwen3-Next text config)."""
-
-    name: str
-    num_hidden_layers: int
-    full_attention_interval: int  # layer i is full attention when (i + 1) % interval == 0
-    num_key_value_heads: int
-    head_dim: int
-    linear_num_key_heads: int
-    linear_num_value_heads: int
-    linear_key_head_dim: int
-    linear_value_head_dim: int
-    linear_conv_kernel_dim: int
-    dtype: torch.dtype
-    mamba_ssm_dtype: torch.dtype
-
-    def is_full_attention(self, layer: int) -> bool:
-        return (layer + 1) % self.full_attention_interval == 0
-
-    def layer_name(self, layer: int) -> str:
-        kind = "self_attn.attn" if self.is_full_attention(layer) else "linear_attn"
-        return f"model.layers.{layer}.{kind}"
-
-
-QWEN3_5_0_8B = HybridModel("Qwen3.5-0.8B", 24, 4, 2, 256, 16, 16, 128, 128, 4, torch.bfloat16, torch.float32)
-# Qwen3-Next has no mamba_ssm_dtype, so vLLM keeps the ssm state in the model dtype.
-QWEN3_NEXT_80B_A3B = HybridModel(
-    "Qwen3-Next-80B-A3B", 48, 4, 2, 256, 16, 32, 128, 128, 4, torch.bfloat16, torch.bfloat16
+from kvlayout.integrations.vllm.examples import (
+    FLASH_ATTN,
+    FLASHINFER,
+    FLASHMLA,
+    LLAMA_3_2_1B,
+    NUM_BLOCKS,
+    QWEN3_5_0_8B,
+    QWEN3_NEXT_80B_A3B,
+    AttentionModel,
+    Backend,
+    Engine,
+    HybridModel,
+    KVCacheLayout,
+    allocate,
+    allocate_legacy,
+    allocate_v033,
+    attention_engine,
+    attention_spec,
+    cdiv,
+    gdn_states,
+    group_layers,
+    hints,
+    hybrid_block_size,
+    hybrid_engine,
+    kvi,
+    legacy_attention,
+    legacy_mamba_states,
+    make_engine,
+    mla_hybrid_engine,
+    page_region,
 )
 
-
-@dataclass(frozen=True)
-class AttentionModel:
-    name: str
-    num_hidden_layers: int
-    num_key_value_heads: int
-    head_dim: int
-    dtype: torch.dtype
-
-
-LLAMA_3_2_1B = AttentionModel("Llama-3.2-1B", 16, 8, 64, torch.bfloat16)
-
-
-# -- attention backends (0.33 ``get_supported_kernel_block_sizes``) -------------------
-
-
-@dataclass(frozen=True)
-class Backend:
-    name: str
-    fixed_sizes: tuple[int, ...] = ()  # plain ints: exact kernel block sizes
-    multiple_of: int | None = None  # MultipleOf(n)
-
-    @property
-    def smallest_base(self) -> int:
-        return min([*self.fixed_sizes, *([self.multiple_of] if self.multiple_of else [])])
-
-    def accepts(self, block_size: int) -> bool:
-        return block_size in self.fixed_sizes or bool(self.multiple_of and block_size % self.multiple_of == 0)
-
-    def kernel_block_size(self, block_size: int) -> int:
-        """``select_common_block_size`` for one backend: the block itself if accepted,
-        else the largest fixed size dividing it."""
-        if self.accepts(block_size):
-            return block_size
-        return max(s for s in self.fixed_sizes if block_size % s == 0)
-
-
-FLASHINFER = Backend("FLASHINFER", fixed_sizes=(16, 32, 64))
-FLASH_ATTN = Backend("FLASH_ATTN", multiple_of=16)
-FLASHMLA = Backend("FLASHMLA", fixed_sizes=(64,))
-
-
-# -- specs ---------------------------------------------------------------------------
-
-
-def attention_spec(model: HybridModel | AttentionModel, tp: int, block_size: int) -> Any:
-    return kvi.FullAttentionSpec(
-        block_size=block_size,
-        num_kv_heads=model.num_key_value_heads // tp,
-        head_size=model.head_dim,
-        dtype=model.dtype,
-    )
-
-
-def gdn_states(model: HybridModel, tp: int) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
-    """``MambaStateShapeCalculator.gated_delta_net_state_shape`` (conv "SD" layout)."""
-    conv_dim = (
-        model.linear_key_head_dim * model.linear_num_key_heads * 2
-        + model.linear_value_head_dim * model.linear_num_value_heads
-    )
-    conv = (model.linear_conv_kernel_dim - 1, conv_dim // tp)
-    ssm = (model.linear_num_value_heads // tp, model.linear_value_head_dim, model.linear_key_head_dim)
-    return (conv, ssm), (model.dtype, model.mamba_ssm_dtype)
-
-
-def hybrid_block_size(
-    attn_page_1_token: int,
-    mamba_page: int,
-    backend: Backend,
-    *,
-    checkpoint_alignment: int = 1,
-    min_alignment: int = 1,
-    cache_block_size: int = 16,
-) -> int:
-    """``Platform._align_hybrid_block_size`` for one backend in ``align`` mode.
-
-    ``checkpoint_alignment`` is ``get_mamba_prefill_checkpoint_alignment()`` (64 with the
-    FlashInfer GDN prefill kernel, else 1); ``min_alignment`` is 128 for MLA models.
-    """
-    align = max(backend.smallest_base, cache_block_size, min_alignment)
-    align = math.lcm(align, checkpoint_alignment)
-    block = align * cdiv(mamba_page, align * attn_page_1_token)
-    block = backend.smallest_base * cdiv(block, backend.smallest_base)
-    return max(cache_block_size, block)
-
-
-# -- configs -------------------------------------------------------------------------
-
-
-@dataclass
-class Engine:
-    """One worker's KV cache: the config and what allocation needs besides it."""
-
-    config: Any  # KVCacheConfig
-    layout: Any  # KVCacheLayout
-    kernel_block_sizes: list[int]
-    layer_specs: dict[str, Any] = field(default_factory=dict)
-
-    def group_of(self, layer: str) -> int:
-        return next(i for i, g in enumerate(self.config.kv_cache_groups) if layer in g.layer_names)
-
-    def spec_of(self, layer: str) -> Any:
-        return self.layer_specs[layer]
-
-
-def group_layers(layer_specs: dict[str, Any]) -> list[list[str]]:
-    """``_get_kv_cache_groups_uniform_page_size``: bucket equal specs, split each bucket
-    into groups of the smallest bucket's size, layers ``i::num_groups``."""
-    buckets: dict[Any, list[str]] = {}
-    for name, spec in layer_specs.items():
-        buckets.setdefault(spec, []).append(name)
-    sizes = [len(b) for b in buckets.values()]
-    group_size = max(sizes) if max(sizes) < min(sizes) * 1.5 else min(sizes)
-    groups: list[list[str]] = []
-    for layers in buckets.values():
-        num_groups = cdiv(len(layers), group_size)
-        groups.extend(layers[i::num_groups] for i in range(num_groups))
-    return groups
-
-
-def make_engine(
-    layer_specs: dict[str, Any],
-    groups: Sequence[Sequence[str]],
-    kernel_block_size: Callable[[Any], int],
-    *,
-    num_blocks: int = NUM_BLOCKS,
-    layout: Any = None,
-    uniform_type: bool = False,
-) -> Engine:
-    """``get_kv_cache_config_from_groups`` for one spec per group (no alignment padding):
-    every group's tensor starts at byte 0, so groups overlay each other."""
-    layout = layout or KVCacheLayout.LBNHC
-    kv_groups = []
-    for names in groups:
-        spec = layer_specs[names[0]]
-        if uniform_type:  # the per-layer wrapper vLLM uses when a group's specs differ
-            spec = kvi.UniformTypeKVCacheSpecs(
-                block_size=spec.block_size, kv_cache_specs={n: layer_specs[n] for n in names}
-            )
-        kv_groups.append(kvi.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec))
-    bytes_per_block = max(sum(layer_specs[n].page_size_bytes for n in names) for names in groups)
-    size = bytes_per_block * num_blocks
-    # Block-outermost layouts pack every layer's page of a block together.
-    interleaved = bytes_per_block if layout.is_block_outermost else None
-    tensors = []
-    for names in groups:
-        spec = layer_specs[names[0]]
-        layer_stride, block_stride, *_ = kvi.compute_layout_strides(
-            spec, num_blocks, len(names), layout, fixed_strides=(None, interleaved, None, None, None)
-        )
-        tensors.append(
-            kvi.KVCacheTensor(
-                size=size, layers=list(names), layer_stride=layer_stride, block_stride=block_stride
-            )
-        )
-    config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_groups)
-    kernels = [kernel_block_size(layer_specs[names[0]]) for names in groups]
-    return Engine(config, layout, kernels, dict(layer_specs))
-
-
-def hybrid_engine(
-    model: HybridModel,
-    backend: Backend,
-    *,
-    tp: int = 1,
-    checkpoint_alignment: int = 1,
-    mamba_cache_mode: str = "align",
-    num_blocks: int = NUM_BLOCKS,
-    layout: Any = None,
-    uniform_type: bool = False,
-) -> Engine:
-    """A GDN hybrid as vLLM 0.33 plans it: block size unified, Mamba page padded."""
-    attn_page_1 = attention_spec(model, tp, 1).page_size_bytes
-    shapes, dtypes = gdn_states(model, tp)
-    mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
-    block = hybrid_block_size(attn_page_1, mamba_page, backend, checkpoint_alignment=checkpoint_alignment)
-    padded = block * attn_page_1
-    attn = attention_spec(model, tp, block)
-    mamba = kvi.MambaSpec(
-        block_size=block,
-        shapes=shapes,
-        dtypes=dtypes,
-        page_size_padded=padded if padded != mamba_page else None,
-        mamba_cache_mode=mamba_cache_mode,
-    )
-    specs = {
-        model.layer_name(i): attn if model.is_full_attention(i) else mamba
-        for i in range(model.num_hidden_layers)
-    }
-
-    layout = layout or KVCacheLayout.LBNHC
-
-    def kernel(spec: Any) -> int:
-        # prepare_kernel_block_sizes: Mamba, and every group of a block-outermost layout,
-        # keep the manager block; attention takes the backend's size.
-        if isinstance(spec, kvi.MambaSpec) or layout.is_block_outermost:
-            return int(spec.block_size)
-        return backend.kernel_block_size(spec.block_size)
-
-    return make_engine(
-        specs, group_layers(specs), kernel, num_blocks=num_blocks, layout=layout, uniform_type=uniform_type
-    )
-
-
-def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
-    """An MLA + Kimi-Delta-Attention hybrid (Kimi-Linear's shapes: MLA latent 512 + rope
-    64, KDA 32 heads of 128, conv 4; 8 MLA and 16 KDA layers to keep it small), on a
-    FlashMLA-style backend with 64-token kernel pages."""
-    mla_1 = kvi.MLAAttentionSpec(block_size=1, num_kv_heads=1, head_size=512 + 64, dtype=torch.bfloat16)
-    conv_dim = 32 * 128 + 2 * 32 * 128  # kda_state_shape: proj + 2 * proj_k
-    shapes, dtypes = ((3, conv_dim), (32, 128, 128)), (torch.bfloat16, torch.float32)
-    mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
-    block = hybrid_block_size(mla_1.page_size_bytes, mamba_page, FLASHMLA, min_alignment=128)
-    mla = dataclasses.replace(mla_1, block_size=block)
-    kda = kvi.MambaSpec(
-        block_size=block,
-        shapes=shapes,
-        dtypes=dtypes,
-        page_size_padded=mla.page_size_bytes,
-        mamba_cache_mode="align",
-    )
-    specs = {
-        f"model.layers.{i}.{'self_attn' if i % 3 == 2 else 'linear_attn'}": mla if i % 3 == 2 else kda
-        for i in range(24)
-    }
-
-    def kernel(spec: Any) -> int:
-        if isinstance(spec, kvi.MambaSpec):
-            return int(spec.block_size)
-        return FLASHMLA.kernel_block_size(spec.block_size)
-
-    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
-
-
-def attention_engine(model: AttentionModel, backend: Backend, *, block_size: int = 16) -> Engine:
-    spec = attention_spec(model, 1, block_size)
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(model.num_hidden_layers)}
-    return make_engine(specs, [list(specs)], lambda s: backend.kernel_block_size(s.block_size))
-
-
-# -- registrations -------------------------------------------------------------------
-
-
-def allocate_v033(engine: Engine) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """``allocate_kv_cache``: one int8 buffer, per-layer ``[B, H, N, C]`` views of it."""
-    config = engine.config
-    buf = torch.zeros(config.kv_cache_tensors[0].size, dtype=torch.int8)
-    kv_caches: dict[str, torch.Tensor] = {}
-    for tensor in config.kv_cache_tensors:
-        group_id = engine.group_of(tensor.layers[0])
-        spec = engine.spec_of(tensor.layers[0])
-        views = kvi.create_kv_cache_views(
-            buf,
-            spec,
-            config.num_blocks,
-            engine.layout,
-            tensor,
-            kernel_block_size=engine.kernel_block_sizes[group_id],
-        )
-        kv_caches.update(zip(tensor.layers, views, strict=True))
-    return buf, kv_caches
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= n
-    return tuple(reversed(strides))
-
-
-def legacy_mamba_states(raw: torch.Tensor, spec: Any, num_blocks: int) -> list[torch.Tensor]:
-    """Pre-0.26 ``_reshape_kv_cache_tensors`` for a Mamba layer: states back to back
-    from the page base, each strided by the (padded) page."""
-    states, offset = [], 0
-    for shape, dtype in zip(spec.shapes, spec.dtypes, strict=True):
-        item = dtype.itemsize
-        states.append(
-            torch.as_strided(
-                raw.view(dtype),
-                size=(num_blocks, *shape),
-                stride=(spec.page_size_bytes // item, *_contiguous_strides(shape)),
-                storage_offset=offset // item,
-            )
-        )
-        offset += math.prod(shape) * item
-    return states
-
-
-def legacy_attention(
-    raw: torch.Tensor, spec: Any, num_blocks: int, kernel: int, backend: Backend, *, hnd: bool = False
-) -> torch.Tensor:
-    """Pre-0.26 attention: FlashInfer ``(N*k, 2, kb, H, D)`` (HND: a permute of
-    ``(N*k, 2, H, kb, D)``); FlashAttention ``(2, N, B, H, D)`` (HND: a permute of
-    ``(2, N, H, B, D)``) re-strided block-major for hybrids
-    (``_update_hybrid_attention_mamba_layout``)."""
-    pages = num_blocks * (spec.block_size // kernel)
-    heads, head = spec.num_kv_heads, spec.head_size
-    t = raw.view(spec.dtype)
-    if backend is FLASH_ATTN:
-        hidden = kernel * heads * head
-        if hnd:
-            kv = t.view(2, pages, heads, kernel, head).permute(0, 1, 3, 2, 4)
-        else:
-            kv = t.view(2, pages, kernel, heads, head)
-        return kv.as_strided(kv.shape, (hidden, 2 * hidden, *kv.stride()[2:]))
-    if hnd:
-        return t.view(pages, 2, heads, kernel, head).permute(0, 1, 3, 2, 4)
-    return t.view(pages, 2, kernel, heads, head)
-
-
-def allocate_legacy(
-    engine: Engine, backend: Backend, *, hnd: bool = False
-) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """Pre-0.26: one raw int8 tensor per ``KVCacheTensor(shared_by=...)``, shared by
-    layer ``i`` of every group, each layer reshaped from it."""
-    config = engine.config
-    groups = config.kv_cache_groups
-    width = len(groups[0].layer_names)
-    page = engine.spec_of(groups[0].layer_names[0]).page_size_bytes
-    raws = [torch.zeros(page * config.num_blocks, dtype=torch.int8) for _ in range(width)]
-    kv_caches: dict[str, Any] = {}
-    for group_id, group in enumerate(groups):
-        for i, name in enumerate(group.layer_names):
-            spec = engine.spec_of(name)
-            if isinstance(spec, kvi.MambaSpec):
-                kv_caches[name] = legacy_mamba_states(raws[i], spec, config.num_blocks)
-            elif isinstance(spec, kvi.MLAAttentionSpec):
-                kernel = engine.kernel_block_sizes[group_id]
-                pages = config.num_blocks * (spec.block_size // kernel)
-                kv_caches[name] = raws[i].view(spec.dtype).view(pages, kernel, spec.head_size)
-            else:
-                kernel = engine.kernel_block_sizes[group_id]
-                kv_caches[name] = legacy_attention(raws[i], spec, config.num_blocks, kernel, backend, hnd=hnd)
-    return raws, kv_caches
-
-
-def allocate(
-    engine: Engine, backend: Backend, allocation: str, hnd: bool = False
-) -> tuple[list[torch.Tensor], dict[str, Any]]:
-    """("v033" | "legacy") registrations and the buffers behind them."""
-    if allocation == "v033":
-        buf, kv_caches = allocate_v033(engine)
-        return [buf], kv_caches
-    return allocate_legacy(engine, backend, hnd=hnd)
-
-
-def page_region(
-    engine: Engine, bufs: list[torch.Tensor], allocation: str, layer: str
-) -> tuple[int, int, int]:
-    """(buffer index, byte offset of the layer's block 0 in it, bytes between blocks),
-    from the config's records, not from the tensors."""
-    if allocation == "v033":
-        tensor = next(t for t in engine.config.kv_cache_tensors if layer in t.layers)
-        return 0, tensor.offset + tensor.layers.index(layer) * tensor.layer_stride, tensor.block_stride
-    group = engine.config.kv_cache_groups[engine.group_of(layer)]
-    return group.layer_names.index(layer), 0, engine.spec_of(layer).page_size_bytes
-
-
-def hints(hnd: bool) -> dict[str, str]:
-    """The kv_layout hint matching an allocation (vLLM's LBNHC is NHD, LBHNC is HND)."""
-    return {"kv_layout": "HND" if hnd else "NHD"}
+__all__ = [
+    "FLASHINFER",
+    "FLASHMLA",
+    "FLASH_ATTN",
+    "LLAMA_3_2_1B",
+    "NUM_BLOCKS",
+    "QWEN3_5_0_8B",
+    "QWEN3_NEXT_80B_A3B",
+    "AttentionModel",
+    "Backend",
+    "Engine",
+    "HybridModel",
+    "KVCacheLayout",
+    "allocate",
+    "allocate_legacy",
+    "allocate_v033",
+    "attention_engine",
+    "attention_spec",
+    "cdiv",
+    "first_tensor",
+    "gdn_states",
+    "group_layers",
+    "hints",
+    "hybrid_block_size",
+    "hybrid_engine",
+    "kvi",
+    "legacy_attention",
+    "legacy_mamba_states",
+    "make_engine",
+    "mla_hybrid_engine",
+    "page_region",
+    "storage_ptr",
+]
 
 
 def first_tensor(value: Any) -> torch.Tensor:

@@ -1,0 +1,145 @@
+"""``kvlayout demo``: every example's round trips verify their bytes, the vLLM hybrid runs
+through the group edits (or is skipped in one line without vLLM), and the verification
+catches a wrong transfer, on vLLM's overlaid groups too."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import demo
+from kvlayout.algebra import Coord
+from kvlayout.demo import EXAMPLES, HYBRID_TITLE, Example, run_demo, run_example
+from kvlayout.transfer import load_blocks
+
+NEEDS_VLLM = "kvlayout.integrations.vllm.examples needs vllm (pip install --no-deps vllm==0.33.0 numpy packaging regex)"
+
+
+def _run(ex: Example) -> list[str]:
+    lines: list[str] = []
+    run_example(ex, lines.append)
+    return lines
+
+
+def _check_verified(lines: list[str]) -> int:
+    """Every kernel group got a round trip and every round trip verified; the group count."""
+    detected = next(m for line in lines if (m := re.search(r"detected in .*: (\d+) kernel group", line)))
+    trips = [line for line in lines if line.startswith("     round trip ")]
+    assert len(trips) == int(detected.group(1)) > 0
+    assert all(line.endswith("bytes verified") for line in trips), trips
+    return len(trips)
+
+
+def _hybrid() -> Example:
+    pytest.importorskip("vllm.v1.kv_cache_interface", reason="vllm is not installed")
+    return demo.qwen3_5_hybrid()
+
+
+@pytest.mark.parametrize("ex", EXAMPLES, ids=[ex.title for ex in EXAMPLES])
+def test_example_round_trips_verify(ex: Example) -> None:
+    _check_verified(_run(ex))
+
+
+def test_vllm_hybrid_goes_through_the_group_edits() -> None:
+    ex = _hybrid()
+    assert ex.groups is not None and sorted(i for g in ex.groups for i in g) == list(range(24))
+    lines = _run(ex)
+    assert lines[0] == f"== {HYBRID_TITLE} =="
+    assert "   group edits    mamba-state-rows x18, subpaged-attention x6" in lines
+    assert "   registration   24 tensor(s) [8, 544, 2048] torch.int8, hints {'kv_layout': 'NHD'}" in lines
+    assert _check_verified(lines) == 4  # one kernel group per vLLM KV cache group
+    for group in ex.groups:
+        assert f"   group          layers {','.join(map(str, group))}: 3 NL_X_NB_BS_HS" in lines
+
+
+def test_run_demo_ends_with_the_vllm_hybrid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(demo, "EXAMPLES", [])
+    lines: list[str] = []
+    assert run_demo(lines.append) == 0
+    try:
+        importlib.import_module("vllm.v1.kv_cache_interface")
+    except ImportError:
+        assert f"== {HYBRID_TITLE} == skipped: {NEEDS_VLLM}" in lines
+    else:
+        assert f"== {HYBRID_TITLE} ==" in lines
+        assert _check_verified(lines) == 4
+    assert lines[-1].startswith("done in ")
+
+
+def test_without_vllm_the_hybrid_is_skipped_in_one_line() -> None:
+    # A fresh interpreter where vllm cannot be imported, installed or not.
+    code = (
+        "import sys; sys.modules['vllm'] = None\n"
+        "from kvlayout.demo import OPTIONAL_EXAMPLES, run_optional_example\n"
+        "for title, make in OPTIONAL_EXAMPLES: run_optional_example(title, make, print)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout == f"== {HYBRID_TITLE} == skipped: {NEEDS_VLLM}\n\n"
+
+
+# -- the verification catches wrong transfers ------------------------------------------------
+
+
+def _tiny() -> Example:
+    def build() -> list[torch.Tensor]:
+        return [torch.randint(1, 100, (2, 32, 16, 2, 64)).to(torch.bfloat16) for _ in range(4)]
+
+    return Example("tiny NHD", "vllm", build, {"kv_layout": "NHD"}, blocks=8)
+
+
+def _poke(kv: Any, fmt: kvlayout.EngineKVFormat, block: int) -> None:
+    """Write one nonzero element into ``block`` (layer 0, token 0), through the offset oracle."""
+    spec = kvlayout.get_spec(kv, fmt)
+    layout, sizes = spec.layout, spec.sizes()
+    leaves = []
+    for path in layout.pointer_order(sizes):
+        node = kv
+        for i in path:
+            node = node[i]
+        leaves.append(node)
+    c = Coord(layer=0, kv=0, block=block, token=0, head=0, elem=0)
+    pointer, offset = layout.offset(
+        c, sizes, int(leaves[0].stride(0)) if layout.has_leading_block_axis else None
+    )
+    leaf = leaves[pointer]
+    leaf.as_strided((1,), (1,), leaf.storage_offset() + offset).fill_(1)
+
+
+def _shifted(load: Callable[..., None]) -> Callable[..., None]:
+    def wrong(kv: Any, fmt: Any, ids: list[int], chunks: list[torch.Tensor], **kw: Any) -> None:
+        load(kv, fmt, ids[1:] + ids[:1], chunks, **kw)  # every chunk into another chosen block
+
+    return wrong
+
+
+def _stray(load: Callable[..., None]) -> Callable[..., None]:
+    def wrong(kv: Any, fmt: Any, ids: list[int], chunks: list[torch.Tensor], **kw: Any) -> None:
+        load(kv, fmt, ids, chunks, **kw)
+        spare = min(set(range(kvlayout.get_spec(kv, fmt).num_blocks())) - set(ids))
+        _poke(kv, fmt, spare)  # and one element outside them
+
+    return wrong
+
+
+@pytest.mark.parametrize("fault", [_shifted, _stray], ids=["shifted", "stray"])
+@pytest.mark.parametrize("make", [_tiny, _hybrid], ids=["tiny", "vllm-hybrid"])
+def test_a_wrong_load_is_caught(
+    make: Callable[[], Example],
+    fault: Callable[[Callable[..., None]], Callable[..., None]],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    ex = make()
+    _check_verified(_run(ex))  # right as it is
+    monkeypatch.setattr("kvlayout.demo.load_blocks", fault(load_blocks))
+    lines: list[str] = []
+    with pytest.raises(AssertionError, match="the round trip did not restore the blocks"):
+        run_example(ex, lines.append)
+    assert lines[-1].endswith("MISMATCH")
