@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
+from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat, FormatInfo
 from kvlayout._generated.specs import SPEC_CLASSES
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
@@ -77,5 +77,6 @@ def concrete_shape(fmt: FormatLike, sizes: Mapping[str, int]) -> str:
     return layout_of(fmt).concrete_shape(sizes)
 
 
-def format_info(fmt: FormatLike) -> Any:
+def format_info(fmt: FormatLike) -> FormatInfo:
+    """What a name cannot say about a format: backends, engines, deprecation."""
     return FORMAT_INFO[as_format(fmt)]

@@ -90,16 +90,23 @@ class _Registration:
 # -- the registration ---------------------------------------------------------------
 
 
-def _walk(kv: Any, layout: Layout, path: tuple[int, ...]) -> Any:
+def _entries(node: Any, where: str, layout: Layout) -> Sequence[Any]:
+    """A list level of the registration, or an error saying what stands there instead."""
+    if isinstance(node, torch.Tensor) or not isinstance(node, Sequence) or isinstance(node, str):
+        raise TransferError(f"{where} is a {type(node).__name__}, but {layout} has a list level here")
+    return node
+
+
+def _walk(kv: Any, layout: Layout, path: tuple[int, ...]) -> torch.Tensor:
     node = kv
     for depth, index in enumerate(path):
-        if isinstance(node, torch.Tensor) or not isinstance(node, Sequence) or isinstance(node, str):
-            where = "kv" + "".join(f"[{i}]" for i in path[:depth])
-            raise TransferError(f"{where} is a {type(node).__name__}, but {layout} has a list level here")
-        if index >= len(node):
-            where = "kv" + "".join(f"[{i}]" for i in path[:depth])
-            raise TransferError(f"{where} has {len(node)} entries, but {layout} needs at least {index + 1}")
-        node = node[index]
+        where = "kv" + "".join(f"[{i}]" for i in path[:depth])
+        entries = _entries(node, where, layout)
+        if index >= len(entries):
+            raise TransferError(
+                f"{where} has {len(entries)} entries, but {layout} needs at least {index + 1}"
+            )
+        node = entries[index]
     if not isinstance(node, torch.Tensor):
         where = "kv" + "".join(f"[{i}]" for i in path)
         raise TransferError(f"{where} is a {type(node).__name__}, not a tensor ({layout})")
@@ -107,23 +114,19 @@ def _walk(kv: Any, layout: Layout, path: tuple[int, ...]) -> Any:
 
 
 def _list_sizes(kv: Any, layout: Layout) -> dict[str, int]:
-    """Sizes of the list levels, read from the registration (literal levels checked)."""
+    """Sizes of the list levels, read along entry 0 (literal levels checked)."""
     sizes: dict[str, int] = {}
     node = kv
     for depth, level in enumerate(layout.lists):
-        if isinstance(node, torch.Tensor) or not isinstance(node, Sequence) or isinstance(node, str):
-            raise TransferError(
-                f"kv{'[0]' * depth} is a {type(node).__name__}, but {layout} has a list level here"
-            )
-        if level.literal is not None and len(node) != level.literal:
-            raise TransferError(
-                f"kv{'[0]' * depth} has {len(node)} entries; {layout} needs {level.literal} here"
-            )
-        if len(node) == 0:
-            raise TransferError(f"kv{'[0]' * depth} is empty")
+        where = f"kv{'[0]' * depth}"
+        entries = _entries(node, where, layout)
+        if level.literal is not None and len(entries) != level.literal:
+            raise TransferError(f"{where} has {len(entries)} entries; {layout} needs {level.literal} here")
+        if not entries:
+            raise TransferError(f"{where} is empty")
         if level.literal is None:
-            sizes[level.name] = len(node)
-        node = node[0]
+            sizes[level.name] = len(entries)
+        node = entries[0]
     return sizes
 
 

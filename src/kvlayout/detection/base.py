@@ -11,6 +11,7 @@ literal axis (``TWO``, ``ONE``) and literal list level the right size, a region 
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -241,21 +242,23 @@ class FormatShape:
 
     fmt: EngineKVFormat
     layout: Layout
-    rank: int
     fixed_axes: tuple[tuple[int, int], ...]  # (axis, size): literal axes and region widths
     fixed_levels: tuple[tuple[int, int], ...]  # (level, length): literal list levels
     kv_level: int | None  # a list level holding a K/V pair
     byte_rows: bool  # region widths count bytes: a raw uint8 page (the blocked-scale page)
-    # The layout facts detectors decide on, read once (Layout derives them per call).
-    is_hnd: bool
-    is_pbs_fused: bool
-    is_two_major: bool
-    has_kv: bool
-    kv_axis: int | None
+    kv_axis: int | None  # the leaf axis of the K/V pair, if any
+
+    @property
+    def rank(self) -> int:
+        return self.layout.tensor_rank
 
     @property
     def specificity(self) -> int:
         return len(self.fixed_axes) + len(self.fixed_levels)
+
+    def fact(self, name: str) -> object:
+        """A fact detectors decide on: the layout's own, or ``kv_axis``."""
+        return self.kv_axis if name == "kv_axis" else getattr(self.layout, name)
 
 
 @functools.cache
@@ -266,39 +269,19 @@ def format_shape(fmt: EngineKVFormat) -> FormatShape:
     for mode in st.modes:
         for extent in mode.storage:
             if all(isinstance(f, int) for f in extent):
-                fixed.append((axis, _product(extent)))
+                fixed.append((axis, math.prod(int(f) for f in extent)))
             axis += 1
     levels = tuple(
-        (i, _product(level.extent))
+        (i, math.prod(int(f) for f in level.extent))
         for i, level in enumerate(st.levels)
         if all(isinstance(f, int) for f in level.extent)
     )
     kv_level = next((i for i, t in enumerate(layout.lists) if t.role is Role.KV), None)
     return FormatShape(
-        fmt,
-        layout,
-        axis,
-        tuple(fixed),
-        levels,
-        kv_level,
-        st.region_mode is not None,
-        layout.is_hnd,
-        layout.is_pbs_fused,
-        layout.is_two_major,
-        layout.has_kv,
-        layout.axis_of("TWO"),
+        fmt, layout, tuple(fixed), levels, kv_level, st.region_mode is not None, layout.axis_of("TWO")
     )
 
 
-def _product(extent: Sequence[object]) -> int:
-    out = 1
-    for f in extent:
-        assert isinstance(f, int)
-        out *= f
-    return out
-
-
-@functools.cache
 def engine_formats(engine: EngineType) -> tuple[EngineKVFormat, ...]:
     """The formats layouts.yaml says the engine's detector returns (never deprecated ones)."""
     return tuple(f for f in EngineKVFormat if engine.value in FORMAT_INFO[f].engines)
@@ -404,9 +387,9 @@ def _choose(
         )
     applied = []
     for hint, fact, wanted in decide:
-        if wanted is None or len({getattr(s, fact) for s in family}) < 2:
+        if wanted is None or len({s.fact(fact) for s in family}) < 2:
             continue
-        family = [s for s in family if getattr(s, fact) == wanted]
+        family = [s for s in family if s.fact(fact) == wanted]
         applied.append(f"{hint}={wanted}")
     leaves = [(shape if shape is not None else tuple(t.shape), t.dtype) for t in p.leaves]
     fits, reasons = [], []
@@ -425,7 +408,7 @@ def _choose(
     top = max(s.specificity for s in fits)
     fits = [s for s in fits if s.specificity == top]
     for fact in prefer:
-        preferred = [s for s in fits if getattr(s, fact)]
+        preferred = [s for s in fits if s.fact(fact)]
         if preferred:
             fits = preferred
     if len(fits) > 1:  # a detector bug: its decisions do not separate its formats
