@@ -64,8 +64,9 @@ using JobArgs = std::tuple<std::int32_t, std::vector<std::int64_t>, std::int64_t
 
 kvlayout::transfer::Job make_job(const JobArgs& a) {
   const auto& [format, sizes, block_stride, element_size, ptrs, pieces, kv_size, num_layers, block_size, row_bytes] = a;
+  const auto* first = reinterpret_cast<const std::uintptr_t*>(ptrs.data());
   kvlayout::transfer::Job job{checked_format(format), checked_sizes(sizes), block_stride, element_size,
-                              reinterpret_cast<const std::uintptr_t*>(ptrs.data()), {}, kv_size, num_layers,
+                              std::vector<std::uintptr_t>(first, first + ptrs.shape(0)), {}, kv_size, num_layers,
                               block_size, row_bytes};
   for (std::size_t i = 0; i < pieces.shape(0); ++i) {
     const std::int64_t* r = pieces.data() + i * kPieceFields;
@@ -76,6 +77,42 @@ kvlayout::transfer::Job make_job(const JobArgs& a) {
   }
   return job;
 }
+
+class TransferPlan {
+ public:
+  TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks) : num_blocks_(num_blocks) {
+    for (const auto& a : job_args) jobs_.push_back(make_job(a));
+  }
+
+  std::int64_t first_bad_block_id(IntArray block_ids) const {
+    const kvlayout::transfer::Batch batch{block_ids.data(), static_cast<std::int64_t>(block_ids.shape(0)), nullptr,
+                                          nullptr, 1, 0};
+    return kvlayout::transfer::first_bad_block_id(batch, num_blocks_);
+  }
+
+  std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
+                                    std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
+    if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
+    if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
+    if (chunk_ptrs.shape(0) != chunk_tokens.shape(0)) throw nb::value_error("one token count per chunk");
+    const auto count = static_cast<std::int64_t>(block_ids.shape(0));
+    if (static_cast<std::int64_t>(chunk_ptrs.shape(0)) < (count + blocks_per_chunk - 1) / blocks_per_chunk)
+      throw nb::value_error("too few chunks for the blocks");
+    const kvlayout::transfer::Batch batch{block_ids.data(), count,
+                                          reinterpret_cast<const std::uintptr_t*>(chunk_ptrs.data()),
+                                          chunk_tokens.data(), blocks_per_chunk, skip_prefix_blocks};
+    nb::gil_scoped_release release;
+    const std::int64_t bad = kvlayout::transfer::first_bad_block_id(batch, num_blocks_);
+    if (bad >= 0) return {bad, 0};
+    const int used = kvlayout::transfer::run(jobs_, batch, static_cast<kvlayout::transfer::Direction>(direction),
+                                             num_threads);
+    return {-1, used};
+  }
+
+ private:
+  std::vector<kvlayout::transfer::Job> jobs_;
+  std::int64_t num_blocks_;
+};
 
 }  // namespace
 
@@ -131,24 +168,19 @@ NB_MODULE(_native, m) {
       },
       "format"_a, "sizes"_a, "block_stride"_a, "coords"_a, "locate() over an (n, 6) int64 array of coordinates.");
 
-  m.def(
-      "transfer_blocks",
-      [](int direction, const std::vector<JobArgs>& job_args, IntArray block_ids, PtrArray chunk_ptrs,
-         IntArray chunk_tokens, std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
-        if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
-        if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
-        if (chunk_ptrs.shape(0) != chunk_tokens.shape(0)) throw nb::value_error("one token count per chunk");
-        const auto needed = (static_cast<std::int64_t>(block_ids.shape(0)) + blocks_per_chunk - 1) / blocks_per_chunk;
-        if (static_cast<std::int64_t>(chunk_ptrs.shape(0)) < needed) throw nb::value_error("too few chunks for the blocks");
-        std::vector<kvlayout::transfer::Job> jobs;
-        for (const auto& a : job_args) jobs.push_back(make_job(a));
-        const kvlayout::transfer::Batch batch{block_ids.data(), static_cast<std::int64_t>(block_ids.shape(0)),
-                                              reinterpret_cast<const std::uintptr_t*>(chunk_ptrs.data()),
-                                              chunk_tokens.data(), blocks_per_chunk, skip_prefix_blocks};
-        nb::gil_scoped_release release;
-        kvlayout::transfer::run(jobs, batch, static_cast<kvlayout::transfer::Direction>(direction), num_threads);
-      },
-      "direction"_a, "jobs"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a, "blocks_per_chunk"_a,
-      "skip_prefix_blocks"_a, "num_threads"_a,
-      "Copy blocks between a cache and chunk buffers (raw pointers; kvlayout.transfer validates).");
+  nb::class_<TransferPlan>(m, "TransferPlan",
+                           "A registration's copy jobs, built once; run() moves blocks with raw pointers "
+                           "(kvlayout.transfer validates, and keeps the tensors alive).")
+      .def(nb::init<const std::vector<JobArgs>&, std::int64_t>(), "jobs"_a, "num_blocks"_a)
+      .def("first_bad_block_id", &TransferPlan::first_bad_block_id, "block_ids"_a,
+           "The index of the first block id outside [0, num_blocks), or -1.")
+      .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
+           "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
+           "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "
+           "(index of the first block id out of range or -1, threads used); nothing moves when an id is bad.");
+
+  m.def("pool_workers", [] { return kvlayout::transfer::WorkerPool::instance().num_workers(); },
+        "Worker threads the transfer pool has created so far (they persist across calls).");
+  m.def("max_threads", &kvlayout::transfer::WorkerPool::max_threads,
+        "The most threads one transfer uses: the hardware's thread count (at most 256).");
 }

@@ -10,10 +10,10 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <thread>
 #include <vector>
 
 #include "kvlayout/indexing.cuh"
+#include "worker_pool.h"
 
 namespace kvlayout::transfer {
 
@@ -40,7 +40,7 @@ struct Job {
   Sizes sizes;
   std::int64_t block_stride;  // elements; 0 = tight
   std::int64_t element_size;  // bytes
-  const std::uintptr_t* cache_ptrs;
+  std::vector<std::uintptr_t> cache_ptrs;  // the job's pointer table
   std::vector<Piece> pieces;
   std::int64_t kv_size;
   std::int64_t num_layers;
@@ -89,7 +89,8 @@ void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t begin,
           char* row = chunk_base + ((kv * job.num_layers + layer) * tokens + first_token) * job.chunk_row_bytes;
           for (const Piece& p : job.pieces) {
             const Location at = locate(job.format, job.sizes, job.block_stride, Coord{layer, kv, block, 0, p.head, p.elem});
-            char* cache = reinterpret_cast<char*>(job.cache_ptrs[at.pointer]) + at.offset * job.element_size;
+            char* cache = reinterpret_cast<char*>(job.cache_ptrs[static_cast<std::size_t>(at.pointer)]) +
+                          at.offset * job.element_size;
             walk<D>(row + p.chunk_offset, cache, p.loops, p.num_loops, p.run);
           }
         }
@@ -100,30 +101,30 @@ void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t begin,
 
 }  // namespace detail
 
-// Moves blocks [skip_prefix_blocks, num_blocks) of the batch, split over `threads` threads.
-inline void run(const std::vector<Job>& jobs, const Batch& b, Direction d, int threads) {
+// The index of the first block id outside [0, num_blocks), or -1 when all are inside.
+inline std::int64_t first_bad_block_id(const Batch& b, std::int64_t num_blocks) {
+  for (std::int64_t i = 0; i < b.num_blocks; ++i) {
+    if (b.block_ids[i] < 0 || b.block_ids[i] >= num_blocks) return i;
+  }
+  return -1;
+}
+
+// Moves blocks [skip_prefix_blocks, num_blocks) of the batch, split over up to `threads`
+// threads of the shared pool (fewer when there is less work); returns the threads used.
+inline int run(const std::vector<Job>& jobs, const Batch& b, Direction d, int threads) {
   const std::int64_t begin = b.skip_prefix_blocks, end = b.num_blocks;
-  if (end <= begin) return;
-  auto work = [&](std::int64_t lo, std::int64_t hi) {
+  if (end <= begin) return 0;
+  const int wanted = static_cast<int>(std::min<std::int64_t>(std::max(threads, 1), end - begin));
+  return WorkerPool::instance().run(wanted, [&](int part, int parts) {
+    const std::int64_t per = (end - begin + parts - 1) / parts;
+    const std::int64_t lo = begin + part * per, hi = std::min(end, lo + per);
+    if (lo >= hi) return;
     if (d == Direction::kStore) {
       detail::run_range<Direction::kStore>(jobs, b, lo, hi);
     } else {
       detail::run_range<Direction::kLoad>(jobs, b, lo, hi);
     }
-  };
-  const std::int64_t n = std::max<std::int64_t>(1, std::min<std::int64_t>(threads, end - begin));
-  if (n == 1) {
-    work(begin, end);
-    return;
-  }
-  std::vector<std::thread> pool;
-  const std::int64_t per = (end - begin + n - 1) / n;
-  for (std::int64_t t = 1; t < n; ++t) {
-    const std::int64_t lo = begin + t * per, hi = std::min(end, lo + per);
-    if (lo < hi) pool.emplace_back(work, lo, hi);
-  }
-  work(begin, std::min(end, begin + per));
-  for (auto& th : pool) th.join();
+  });
 }
 
 }  // namespace kvlayout::transfer

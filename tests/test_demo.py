@@ -9,16 +9,14 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
-from typing import Any
 
 import pytest
 import torch
 
-import kvlayout
 from kvlayout import demo
 from kvlayout.algebra import Coord
 from kvlayout.demo import EXAMPLES, HYBRID_TITLE, Example, run_demo, run_example
-from kvlayout.transfer import load_blocks
+from kvlayout.transfer import TransferPlan
 
 NEEDS_VLLM = "kvlayout.integrations.vllm.examples needs vllm (pip install --no-deps vllm==0.33.0 numpy packaging regex)"
 
@@ -95,36 +93,29 @@ def _tiny() -> Example:
     return Example("tiny NHD", "vllm", build, {"kv_layout": "NHD"}, blocks=8)
 
 
-def _poke(kv: Any, fmt: kvlayout.EngineKVFormat, block: int) -> None:
+def _poke(plan: TransferPlan, block: int) -> None:
     """Write one nonzero element into ``block`` (layer 0, token 0), through the offset oracle."""
-    spec = kvlayout.get_spec(kv, fmt)
-    layout, sizes = spec.layout, spec.sizes()
-    leaves = []
-    for path in layout.pointer_order(sizes):
-        node = kv
-        for i in path:
-            node = node[i]
-        leaves.append(node)
+    plane = plan.jobs[0].plane
     c = Coord(layer=0, kv=0, block=block, token=0, head=0, elem=0)
-    pointer, offset = layout.offset(
-        c, sizes, int(leaves[0].stride(0)) if layout.has_leading_block_axis else None
-    )
-    leaf = leaves[pointer]
+    pointer, offset = plan.layout.offset(c, plane.sizes, plane.block_stride)
+    leaf = plane.leaves[pointer]
     leaf.as_strided((1,), (1,), leaf.storage_offset() + offset).fill_(1)
 
 
-def _shifted(load: Callable[..., None]) -> Callable[..., None]:
-    def wrong(kv: Any, fmt: Any, ids: list[int], chunks: list[torch.Tensor], **kw: Any) -> None:
-        load(kv, fmt, ids[1:] + ids[:1], chunks, **kw)  # every chunk into another chosen block
+Load = Callable[[TransferPlan, list[int], list[torch.Tensor]], None]
+
+
+def _shifted(load: Load) -> Load:
+    def wrong(plan: TransferPlan, ids: list[int], chunks: list[torch.Tensor]) -> None:
+        load(plan, ids[1:] + ids[:1], chunks)  # every chunk into another chosen block
 
     return wrong
 
 
-def _stray(load: Callable[..., None]) -> Callable[..., None]:
-    def wrong(kv: Any, fmt: Any, ids: list[int], chunks: list[torch.Tensor], **kw: Any) -> None:
-        load(kv, fmt, ids, chunks, **kw)
-        spare = min(set(range(kvlayout.get_spec(kv, fmt).num_blocks())) - set(ids))
-        _poke(kv, fmt, spare)  # and one element outside them
+def _stray(load: Load) -> Load:
+    def wrong(plan: TransferPlan, ids: list[int], chunks: list[torch.Tensor]) -> None:
+        load(plan, ids, chunks)
+        _poke(plan, min(set(range(plan.num_blocks)) - set(ids)))  # and one element outside them
 
     return wrong
 
@@ -133,12 +124,12 @@ def _stray(load: Callable[..., None]) -> Callable[..., None]:
 @pytest.mark.parametrize("make", [_tiny, _hybrid], ids=["tiny", "vllm-hybrid"])
 def test_a_wrong_load_is_caught(
     make: Callable[[], Example],
-    fault: Callable[[Callable[..., None]], Callable[..., None]],
+    fault: Callable[[Load], Load],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     ex = make()
     _check_verified(_run(ex))  # right as it is
-    monkeypatch.setattr("kvlayout.demo.load_blocks", fault(load_blocks))
+    monkeypatch.setattr("kvlayout.demo._load", fault(demo._load))
     lines: list[str] = []
     with pytest.raises(AssertionError, match="the round trip did not restore the blocks"):
         run_example(ex, lines.append)

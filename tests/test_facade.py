@@ -32,10 +32,10 @@ def desc_fields(d: PageBufferShapeDesc) -> tuple[int, ...]:
     ("kv", "fmt", "nl", "nb", "bs", "expected"),
     [
         ([t(2, 32, 16, 8, 64) for _ in range(4)], F.NL_X_TWO_NB_BS_NH_HS, 4, 32, 16, (2, 4, 32, 16, 8, 64, 2, 0)),
-        ([t(32, 2, 16, 8, 64, dtype=torch.float16)] * 2, F.NL_X_NB_TWO_BS_NH_HS, 2, 32, 16, (2, 2, 32, 16, 8, 64, 2, 0)),
+        ([t(32, 2, 16, 8, 64, dtype=torch.float16) for _ in range(2)], F.NL_X_NB_TWO_BS_NH_HS, 2, 32, 16, (2, 2, 32, 16, 8, 64, 2, 0)),
         ([t(32, 16, 512) for _ in range(3)], F.NL_X_NB_BS_HS, 3, 32, 16, (1, 3, 32, 16, 1, 512, 2, 0)),
         ([t(512, 1, 128) for _ in range(2)], F.NL_X_NBBS_ONE_HS, 2, 32, 16, (1, 2, 32, 16, 1, 128, 2, 0)),
-        ([[t(512, 8, 64)] * 4, [t(512, 8, 64)] * 4], F.TWO_X_NL_X_NBBS_NH_HS, 4, 32, 16, (2, 4, 32, 16, 8, 64, 2, 0)),
+        ([[t(512, 8, 64) for _ in range(4)] for _ in range(2)], F.TWO_X_NL_X_NBBS_NH_HS, 4, 32, 16, (2, 4, 32, 16, 8, 64, 2, 0)),
     ],
 )  # fmt: skip
 def test_golden_page_buffer_shape_desc(
@@ -138,11 +138,12 @@ def test_accessors_accept_values_and_names_and_misfits_are_clear() -> None:
     assert kvlayout.get_block_size(kv, 1) == kvlayout.get_block_size(kv, "NL_X_TWO_NB_BS_NH_HS") == 3
     assert kvlayout.get_dtype(kv, 1, 2) == torch.bfloat16
     assert kvlayout.get_device(kv) == torch.device("cpu")
-    with pytest.raises(
-        KVLayoutError, match=re.escape("does not fit NL_X_TWO_NB_BS_NH_HS (or the layer index")
-    ):
+    with pytest.raises(KVLayoutError, match=re.escape("layer 7 is out of range for 3 layers")):
         kvlayout.get_num_heads(kv, 1, 7)
-    with pytest.raises(KVLayoutError, match=re.escape("does not fit NL_X_TWO_NB_BS_NH_HS")):
+    with pytest.raises(
+        KVLayoutError,
+        match=re.escape("kv[0] has rank 3 (shape [7, 3, 4]); NL_X_TWO_NB_BS_NH_HS needs rank 5"),
+    ):
         kvlayout.get_head_size([t(7, 3, 4)], F.NL_X_TWO_NB_BS_NH_HS)
     with pytest.raises(KVLayoutError, match=re.escape("unknown engine KV format value 42")):
         kvlayout.get_num_layers(kv, 42)
@@ -182,7 +183,11 @@ def test_block_strides_where_dim0_is_the_block_axis() -> None:
     # K/V-first: dim 0 is the K/V pair, so padding there has no block stride to go to
     kv_first = [torch.zeros(2, 7 * 24 + 8)[:, : 7 * 24].view(2, 7, 3, 2, 4)]
     with pytest.raises(
-        KVLayoutError, match=re.escape("group 3: layer 0 has dim-0 padding (8 elements per dim-0 row")
+        KVLayoutError,
+        match=re.escape(
+            "kv[0] has dim-0 padding (8 elements per dim-0 row; shape [2, 7, 3, 2, 4], strides [176, 24, 8, "
+            "4, 1]), but dim 0 of NL_X_TWO_NB_BS_NH_HS is not its block axis"
+        ),
     ):
         kvlayout.resolve_block_stride_and_log_layout(kv_first, F.NL_X_TWO_NB_BS_NH_HS, 0, 3)
     assert kvlayout.resolve_block_stride_and_log_layout([t(2, 7, 3, 2, 4)], 1, 0, 0) is None
@@ -190,9 +195,10 @@ def test_block_strides_where_dim0_is_the_block_axis() -> None:
 
 def test_k_and_v_must_share_a_block_stride() -> None:
     k = torch.zeros(7, 3 * 2 * 4 + 2)[:, :24].view(7, 3, 2, 4)
-    v = t(7, 3, 2, 4)
+    v = t(7, 3, 2, 4, dtype=torch.float32)
     with pytest.raises(
-        KVLayoutError, match=re.escape("have dim-0 strides 26 and 24; one group has one block stride")
+        KVLayoutError,
+        match=re.escape("kv[0][1] and kv[0][0] have dim-0 strides 24 and 26; the tensors of one plane share"),
     ):
         kvlayout.resolve_block_stride_and_log_layout([(k, v)], F.NL_X_TWO_X_NB_BS_NH_HS, 0, 0)
 

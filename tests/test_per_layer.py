@@ -77,7 +77,7 @@ def test_layers_in_no_group_are_returned_as_given_with_no_format() -> None:
     assert formats == [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_BS_NH_HS, None, F.NL_X_TWO_NB_BS_NH_HS, None]
     assert out[2] is kv[2] and out[4] is odd
     groups = kvlayout.group_layers_by_identity(out, formats)
-    assert [layers for _, layers in groups] == [[0, 1, 3]]
+    assert [layers for _, layers in groups] == [[0, 1], [3]]  # layer groups are engine groups
 
 
 @pytest.mark.parametrize(

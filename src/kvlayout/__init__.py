@@ -57,6 +57,12 @@ _EXPORTS: dict[str, str] = {
     "make_page_buffer_shape_desc": "kvlayout.facade",
     "resolve_block_stride_and_log_layout": "kvlayout.facade",
     "normalize_kv_and_discover_format": "kvlayout.detection.discovery",
+    "detect": "kvlayout.detection.discovery",
+    "bind": "kvlayout.registration",
+    "Registration": "kvlayout.registration",
+    "RegisteredKV": "kvlayout.registration",
+    "KernelGroup": "kvlayout.registration",
+    "RegistrationError": "kvlayout.registration",
     "normalize_and_discover_per_layer_formats": "kvlayout.detection.discovery",
     "DetectionError": "kvlayout.detection.base",
     "attempt_permute_to_contiguous_view": "kvlayout.contiguity",
@@ -78,6 +84,7 @@ __all__ = [
     "EngineType",
     "KVFormatSpec",
     "KVLayoutError",
+    "KernelGroup",
     "LayerGroupIdentity",
     "Layout",
     "LayoutHintError",
@@ -85,13 +92,18 @@ __all__ = [
     "LayoutSemanticError",
     "LayoutSyntaxError",
     "PageBufferShapeDesc",
+    "RegisteredKV",
+    "Registration",
+    "RegistrationError",
     "SizeError",
     "StridedViewError",
     "UndefinedSizeError",
     "as_format",
     "attempt_permute_to_contiguous_view",
+    "bind",
     "concrete_shape",
     "describe_shape",
+    "detect",
     "get_attention_backend",
     "get_block_size",
     "get_concrete_engine_kv_shape",
@@ -142,6 +154,7 @@ if TYPE_CHECKING:
     from kvlayout.contiguity import StridedViewError, attempt_permute_to_contiguous_view
     from kvlayout.detection.base import DetectionError
     from kvlayout.detection.discovery import (
+        detect,
         normalize_and_discover_per_layer_formats,
         normalize_kv_and_discover_format,
     )
@@ -179,6 +192,7 @@ if TYPE_CHECKING:
     )
     from kvlayout.layout import Layout
     from kvlayout.parser import parse
+    from kvlayout.registration import KernelGroup, RegisteredKV, Registration, RegistrationError, bind
     from kvlayout.registry import (
         as_format,
         concrete_shape,

@@ -238,7 +238,8 @@ def structure(layout: Layout) -> Structure:
 # -- sizes --------------------------------------------------------------------------
 
 
-def _symbols_of(layout: Layout) -> list[Token]:
+@functools.lru_cache(maxsize=256)
+def _symbols_of(layout: Layout) -> tuple[Token, ...]:
     """Every sized token the layout names (fused tokens and their parts, region rows)."""
     out: list[Token] = []
 
@@ -255,7 +256,7 @@ def _symbols_of(layout: Layout) -> list[Token]:
             add(t)
         else:
             add(t.region.rows)
-    return out
+    return tuple(out)
 
 
 def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:

@@ -8,8 +8,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvlayout.errors import KVLayoutError
-from kvlayout.explain import index_ranges
+from kvlayout.errors import KVLayoutError, index_ranges
 
 if TYPE_CHECKING:
     from kvlayout._generated.formats import EngineKVFormat

@@ -13,45 +13,26 @@ Knows strides and permutations only; nothing about formats or engines.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
 
 import torch
 
 from kvlayout.errors import KVLayoutError
+from kvlayout.nesting import LocatedError, map_leaves
 from kvlayout.types import DiscoverableKVCache
 
 __all__ = [
-    "MAX_NESTING",
     "StridedViewError",
     "attempt_permute_to_contiguous_view",
-    "describe_path",
     "dim0_padding",
-    "not_a_kv_cache",
     "physical_entries",
     "physical_order",
 ]
 
-MAX_NESTING = 8
-"""List levels deeper than any format; a deeper (or self-referencing) structure is an error."""
-
 
 class StridedViewError(KVLayoutError):
     """A tensor whose strides no permutation and no dim-0 padding can explain."""
-
-
-class _LocatedError(Exception):
-    """A problem found below the top; the list indices are prepended on the way up."""
-
-    def __init__(self, kind: type[Exception], problem: str) -> None:
-        super().__init__(problem)
-        self.kind = kind
-        self.problem = problem
-        self.path: list[int] = []
-
-
-def describe_path(path: Sequence[int], root: str = "kv_caches") -> str:
-    return root + "".join(f"[{i}]" for i in path)
 
 
 def attempt_permute_to_contiguous_view(kv: DiscoverableKVCache) -> DiscoverableKVCache:
@@ -71,57 +52,14 @@ def attempt_permute_to_contiguous_view(kv: DiscoverableKVCache) -> DiscoverableK
     ``TypeError`` for anything that is not a tensor, list or tuple (dicts, strings,
     ``None``), never ``RecursionError``.
     """
-    try:
-        return _recover(kv, 0)
-    except _LocatedError as located:
-        raise located.kind(f"{describe_path(located.path)}: {located.problem}") from None
+    views: DiscoverableKVCache = map_leaves(kv, _physical_view)
+    return views
 
 
 def physical_entries(entries: Sequence[object], indices: Iterable[int]) -> dict[int, DiscoverableKVCache]:
     """:func:`attempt_permute_to_contiguous_view` of some entries of a list (errors name
     ``kv_caches[i]``); the other entries are not looked at."""
-    out: dict[int, DiscoverableKVCache] = {}
-    for i in indices:
-        try:
-            out[i] = _recover(entries[i], 1)
-        except _LocatedError as located:
-            located.path.insert(0, i)
-            raise located.kind(f"{describe_path(located.path)}: {located.problem}") from None
-    return out
-
-
-def _recover(node: object, depth: int) -> DiscoverableKVCache:
-    if isinstance(node, torch.Tensor):
-        return _physical_view(node)
-    if isinstance(node, (list, tuple)):
-        if depth >= MAX_NESTING:
-            raise _LocatedError(KVLayoutError, f"is nested more than {MAX_NESTING} list levels deep")
-        out: list[DiscoverableKVCache] = []
-        for i, child in enumerate(node):
-            try:
-                if not isinstance(child, torch.Tensor):
-                    out.append(_recover(child, depth + 1))
-                elif child.is_contiguous() and 1 not in child.shape:
-                    out.append(child)  # the common leaf, without a call
-                else:
-                    out.append(_physical_view(child))
-            except _LocatedError as located:
-                located.path.insert(0, i)
-                raise
-        return out
-    raise _LocatedError(TypeError, not_a_kv_cache(node))
-
-
-def not_a_kv_cache(node: object) -> str:
-    """Why ``node`` cannot be part of a registration."""
-    if node is None:
-        return "is None; a KV cache is a tensor or a list/tuple of tensors"
-    if isinstance(node, Mapping):
-        return (
-            f"is a {type(node).__name__}; pass the tensors as a list "
-            "(for example list(kv_caches.values()) in registration order)"
-        )
-    return f"is a {type(node).__name__}, not a tensor or a list/tuple of tensors"
+    return {i: map_leaves(entries[i], _physical_view, start=(i,)) for i in indices}
 
 
 def physical_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
@@ -140,6 +78,7 @@ def _in_physical_order(shape: Sequence[int], stride: Sequence[int]) -> bool:
 
 
 def _physical_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in physical order (the same object when it already is)."""
     shape = t.shape
     contiguous = t.is_contiguous()
     if contiguous and 1 not in shape:
@@ -189,7 +128,7 @@ def _padding_problem(shape: Sequence[int], stride: Sequence[int], perm: Sequence
 
 def _reject(t: torch.Tensor, view: torch.Tensor, problem: str) -> NoReturn:
     physical = "" if view is t else f" (in physical order: shape={tuple(view.shape)}, stride={view.stride()})"
-    raise _LocatedError(
+    raise LocatedError(
         StridedViewError,
         f"tensor is non-contiguous and not a supported (dim-0 padding only) layout -- {problem}. "
         f"shape={tuple(t.shape)}, stride={t.stride()}{physical}, storage_offset={t.storage_offset()}, "

@@ -19,7 +19,7 @@ from __future__ import annotations
 import random
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,13 +27,15 @@ import torch
 
 import kvlayout
 from kvlayout.algebra import Coord
-from kvlayout.explain import index_ranges
+from kvlayout.errors import index_ranges
 from kvlayout.integrations.vllm import (
     apply_kv_cache_group_edits,
     find_kv_cache_group_edit,
     validate_kv_cache_groups,
 )
-from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
+from kvlayout.nesting import leaves
+from kvlayout.registration import KernelGroup
+from kvlayout.transfer import TransferPlan, prepare
 
 __all__ = [
     "EXAMPLES",
@@ -183,53 +185,32 @@ def qwen3_5_hybrid() -> Example:
 OPTIONAL_EXAMPLES: list[tuple[str, Callable[[], Example]]] = [(HYBRID_TITLE, qwen3_5_hybrid)]
 
 
-def _leaves(kv: Any) -> Iterator[torch.Tensor]:
-    if isinstance(kv, torch.Tensor):
-        yield kv
-    else:
-        for item in kv:
-            yield from _leaves(item)
-
-
-def _sample_check(
-    kv: Any, fmt: kvlayout.EngineKVFormat, ids: list[int], chunks: list[torch.Tensor], per_chunk: int
-) -> int:
+def _sample_check(group: KernelGroup, ids: list[int], chunks: list[torch.Tensor], per_chunk: int) -> int:
     """Chunk elements against the cache at random coordinates, through the offset oracle."""
-    spec = kvlayout.get_spec(kv, fmt)
-    layout, sizes = spec.layout, spec.sizes()
-    leaves = [_path(kv, path) for path in layout.pointer_order(sizes)]  # the pointer table
+    plane = group.planes[0]
+    layout, sizes, g = group.layout, plane.sizes, group.geometry
     rng = random.Random(1)
     checks = 0
     for _ in range(200):
         i = rng.randrange(len(ids))
         c = Coord(
-            layer=rng.randrange(spec.num_layers()),
-            kv=rng.randrange(spec.kv_size()),
+            layer=rng.randrange(len(group.layers)),
+            kv=rng.randrange(g.kv_size),
             block=ids[i],
             token=rng.randrange(sizes["BS"]),
-            head=rng.randrange(spec.num_heads()),
-            elem=rng.randrange(spec.head_size()),
+            head=rng.randrange(g.num_heads),
+            elem=rng.randrange(g.head_size),
         )
-        pointer, offset = layout.offset(
-            c, sizes, int(leaves[0].stride(0)) if layout.has_leading_block_axis else None
-        )
-        leaf = leaves[pointer]
+        pointer, offset = layout.offset(c, sizes, plane.block_stride)
+        leaf = plane.leaves[pointer]  # the plane's pointer table
         cache_bytes = leaf.as_strided((1,), (1,), leaf.storage_offset() + offset).view(torch.uint8)
         t = (i % per_chunk) * sizes["BS"] + c.token
-        at = c.head * spec.head_size() + c.elem
+        at = c.head * g.head_size + c.elem
         chunk_bytes = chunks[i // per_chunk][c.kv, c.layer, t, at : at + 1].view(torch.uint8)
         if not torch.equal(cache_bytes, chunk_bytes):
             raise AssertionError(f"chunk and cache differ at {c}")
         checks += 1
     return checks
-
-
-def _path(kv: Any, path: tuple[int, ...]) -> torch.Tensor:
-    node = kv
-    for i in path:
-        node = node[i]
-    assert isinstance(node, torch.Tensor)
-    return node
 
 
 def _gbs(nbytes: int, seconds: float) -> str:
@@ -238,101 +219,78 @@ def _gbs(nbytes: int, seconds: float) -> str:
 
 def run_example(ex: Example, say: Callable[[str], None]) -> None:
     raw = ex.build()
-    shapes = sorted({str(list(t.shape)) for t in _leaves(raw)})
-    count = sum(1 for _ in _leaves(raw))
+    tensors = [t for _, t in leaves(raw)]
+    shapes = sorted({str(list(t.shape)) for t in tensors})
+    dtypes = sorted({str(t.dtype) for t in tensors})
     say(f"== {ex.title} ==")
     if ex.note:
         say(f"   {ex.note}")
     for line in ex.details:
         say(f"   {line}")
-    dtypes = sorted({str(t.dtype) for t in _leaves(raw)})
-    say(f"   registration   {count} tensor(s) {', '.join(shapes)} {', '.join(dtypes)}, hints {ex.hints}")
-    detect = _detect(ex)
-    detect(raw)  # the first call imports the detectors
+    listed = f"{len(tensors)} tensor(s) {', '.join(shapes)} {', '.join(dtypes)}"
+    say(f"   registration   {listed}, hints {ex.hints}")
+    kvlayout.detect(raw, ex.engine, ex.hints, layer_groups=ex.groups)  # the first imports the detectors
     t0 = time.perf_counter()
-    kv, formats = detect(raw)
+    registration = kvlayout.detect(raw, ex.engine, ex.hints, layer_groups=ex.groups)
     detect_us = (time.perf_counter() - t0) * 1e6
-    grouped = kvlayout.group_layers_by_identity(kv, formats, _engine_groups(ex, len(formats)))
-    say(f"   detected in    {detect_us:.0f} us: {len(grouped)} kernel group(s)")
+    say(f"   detected in    {detect_us:.0f} us: {len(registration.kernel_groups)} kernel group(s)")
     moved: set[int] = set()  # storages an earlier group's round trip zeroed
-    for identity, layers in grouped:
-        fmt = identity.engine_kv_format
-        part = _part(kv, fmt, layers)
-        if _storages(part) & moved:
+    for n, detected in enumerate(registration.kernel_groups):
+        group = detected
+        if _storages(group) & moved:
             # The groups share bytes (vLLM 0.33 overlays them), which an earlier round trip
             # left zero outside its blocks: this group moves a fresh build's random bytes.
-            kv, _ = detect(ex.build())
-            part, moved = _part(kv, fmt, layers), set()
-        moved |= _storages(part)
-        spec = kvlayout.get_spec(part, fmt)
-        say(f"   group          layers {index_ranges(layers)}: {int(fmt)} {fmt.name}")
+            fresh = kvlayout.detect(ex.build(), ex.engine, ex.hints, layer_groups=ex.groups)
+            group, moved = fresh.kernel_groups[n], set()
+        moved |= _storages(group)
+        fmt, g = group.format, group.geometry
+        say(f"   group          layers {index_ranges(group.layers)}: {int(fmt)} {fmt.name}")
         say(f"     shape        {kvlayout.describe_shape(fmt)}")
         say(f"     backend      {kvlayout.get_attention_backend(fmt)}")
-        say(f"     concrete     {kvlayout.get_concrete_engine_kv_shape(part, fmt)}")
+        say(f"     concrete     {group.concrete_shape()}")
         say(
-            f"     geometry     {spec.num_layers()} layers, {spec.num_blocks()} blocks of "
-            f"{spec.block_size()} tokens, {spec.num_heads()} head(s) x {spec.head_size()}, "
-            f"kv_size {spec.kv_size()}, {spec.dtype()}"
+            f"     geometry     {len(group.layers)} layers, {group.num_blocks} blocks of {group.block_size} "
+            f"tokens, {g.num_heads} head(s) x {g.head_size}, kv_size {g.kv_size}, {g.dtype}"
         )
-        _round_trip(part, fmt, ex, say)
+        _round_trip(group, ex, say)
     say("")
 
 
-def _engine_groups(ex: Example, num_layers: int) -> list[int] | None:
-    """Each layer's engine group (index into ``ex.groups``; excluded when in none)."""
-    if ex.groups is None:
-        return None
-    owner = {i: g for g, layers in enumerate(ex.groups) for i in layers}
-    return [owner.get(i, kvlayout.EXCLUDED_ENGINE_GROUP) for i in range(num_layers)]
+def _storages(group: KernelGroup) -> set[int]:
+    return {int(leaf.untyped_storage().data_ptr()) for plane in group.planes for leaf in plane.leaves}
 
 
-def _part(kv: Any, fmt: kvlayout.EngineKVFormat, layers: list[int]) -> Any:
-    return [kv[i] for i in layers] if kvlayout.get_spec_class(fmt).is_layer_list else kv
+def _load(plan: TransferPlan, ids: list[int], chunks: list[torch.Tensor]) -> None:
+    plan.load_blocks(ids, chunks, num_threads=THREADS)
 
 
-def _storages(kv: Any) -> set[int]:
-    return {int(leaf.untyped_storage().data_ptr()) for leaf in _leaves(kv)}
-
-
-def _detect(ex: Example) -> Callable[[Any], tuple[Any, list[Any]]]:
-    def whole(raw: Any) -> tuple[Any, list[Any]]:
-        fmt, kv = kvlayout.normalize_kv_and_discover_format(raw, ex.engine, ex.hints)
-        return kv, [fmt] * kvlayout.get_num_layers(kv, fmt)
-
-    def per_layer(raw: Any) -> tuple[Any, list[Any]]:
-        kv, formats = kvlayout.normalize_and_discover_per_layer_formats(raw, ex.groups, ex.engine, ex.hints)
-        return kv, list(formats)
-
-    return whole if ex.groups is None else per_layer
-
-
-def _round_trip(kv: Any, fmt: kvlayout.EngineKVFormat, ex: Example, say: Callable[[str], None]) -> None:
-    spec = kvlayout.get_spec(kv, fmt)
-    block_size = spec.block_size()
-    per_chunk = max(1, CHUNK_TOKENS // block_size)
-    tokens = per_chunk * block_size
-    ids = random.Random(0).sample(range(spec.num_blocks()), min(ex.blocks, spec.num_blocks()))
-    shape, dtype = chunk_shape(kv, fmt, tokens)
+def _round_trip(group: KernelGroup, ex: Example, say: Callable[[str], None]) -> None:
+    plan = prepare(group, group.format)
+    per_chunk = max(1, CHUNK_TOKENS // plan.block_size)
+    tokens = per_chunk * plan.block_size
+    ids = random.Random(0).sample(range(plan.num_blocks), min(ex.blocks, plan.num_blocks))
+    shape, dtype = plan.chunk_shape(tokens)
     # zeros, not empty: the pages are touched before the clock starts
     chunks = [torch.zeros(shape, dtype=dtype) for _ in range(-(-len(ids) // per_chunk))]
-    nbytes = len(ids) * block_size * shape[0] * shape[1] * shape[3] * dtype.itemsize
+    nbytes = len(ids) * plan.block_size * shape[0] * shape[1] * shape[3] * dtype.itemsize
     t0 = time.perf_counter()
-    store_blocks(kv, fmt, ids, chunks, num_threads=THREADS)
+    plan.store_blocks(ids, chunks, num_threads=THREADS)
     store_s = time.perf_counter() - t0
-    checks = _sample_check(kv, fmt, ids, chunks, per_chunk)
-    for leaf in _leaves(kv):
+    checks = _sample_check(group, ids, chunks, per_chunk)
+    cache = [leaf for p in group.planes for leaf in p.leaves]
+    for leaf in cache:
         leaf.zero_()
     t0 = time.perf_counter()
-    load_blocks(kv, fmt, ids, chunks, num_threads=THREADS)
+    _load(plan, ids, chunks)
     load_s = time.perf_counter() - t0
     again = [torch.zeros_like(c) for c in chunks]
-    store_blocks(kv, fmt, ids, again, num_threads=THREADS)
+    plan.store_blocks(ids, again, num_threads=THREADS)
     restored = all(
         torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(chunks, again, strict=True)
     )
     # Every value back in the group's tensors came from a chunk: outside the chosen blocks
     # all is zero. Only this group's tensors are counted, as only they were zeroed.
-    in_cache = sum(int(torch.count_nonzero(leaf)) for leaf in _leaves(kv))
+    in_cache = sum(int(torch.count_nonzero(leaf)) for leaf in cache)
     in_chunks = sum(int(torch.count_nonzero(c)) for c in chunks)
     verdict = "bytes verified" if restored and in_cache == in_chunks else "MISMATCH"
     say(

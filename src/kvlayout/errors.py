@@ -6,17 +6,34 @@ catch ``ValueError`` (as LMCache's do) keep working.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 __all__ = [
     "CatalogError",
     "KVLayoutError",
     "LayoutSemanticError",
     "LayoutSyntaxError",
     "SizeError",
+    "index_ranges",
 ]
 
 
 class KVLayoutError(ValueError):
     """Base of every error kvlayout raises about a layout, a format or a KV cache."""
+
+
+def index_ranges(indices: Sequence[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8`` (for messages naming layers)."""
+    out: list[str] = []
+    start = prev = indices[0]
+    for i in [*indices[1:], None]:
+        if i is not None and i == prev + 1:
+            prev = i
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if i is not None:
+            start = prev = i
+    return ",".join(out)
 
 
 def caret_under(text: str, start: int, end: int | None = None) -> str:

@@ -6,14 +6,14 @@ generated indexers compute, the numbers are the algebra's for the given sizes.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvlayout import algebra
 from kvlayout.algebra import Mode, Product, Term
 from kvlayout.layout import FACTS, Layout, fact_doc
 
-__all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "explain", "index_ranges", "symbolic_offset"]
+__all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "explain", "symbolic_offset"]
 
 # Llama-3-8B on one GPU: 32 layers, 8 KV heads of 128, 16-token blocks, a 2048-block pool.
 LLAMA_3_8B: dict[str, int] = {"NL": 32, "NB": 2048, "BS": 16, "NH": 8, "HS": 128, "NP": 2}
@@ -129,17 +129,3 @@ def _pointer_words(layout: Layout, pointers: list[tuple[int, ...]]) -> str:
 
 def explain(layout: Layout, sizes: Mapping[str, int] | None = None, dtype: str = "bf16") -> str:
     return "\n".join(Explanation(layout, sizes or LLAMA_3_8B, dtype).lines())
-
-
-def index_ranges(indices: Sequence[int]) -> str:
-    """``[0, 1, 2, 5, 7, 8]`` -> ``0-2,5,7-8``."""
-    out: list[str] = []
-    start = prev = indices[0]
-    for i in [*indices[1:], None]:
-        if i is not None and i == prev + 1:
-            prev = i
-            continue
-        out.append(f"{start}" if start == prev else f"{start}-{prev}")
-        if i is not None:
-            start = prev = i
-    return ",".join(out)

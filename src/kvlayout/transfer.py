@@ -14,8 +14,11 @@ knows a format by name: jobs, pieces and strides all come from the layout.
 
 from __future__ import annotations
 
+import bisect
 import functools
-from collections.abc import Mapping, Sequence
+import itertools
+import operator
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,18 +26,18 @@ import numpy as np
 import torch
 
 from kvlayout import algebra
-from kvlayout._generated.descriptors import PageBufferShapeDesc
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
-from kvlayout.facade import make_page_buffer_shape_desc
 from kvlayout.layout import Layout
-from kvlayout.registry import FormatLike, as_format, layout_of
+from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
+from kvlayout.registry import FormatLike
 from kvlayout.vocabulary import Role
 
-__all__ = ["TransferError", "chunk_shape", "load_blocks", "store_blocks"]
+__all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
 
 _MAX_LOOPS = 4
 _PIECE_FIELDS = 5 + 3 * _MAX_LOOPS
+_STORE, _LOAD = 0, 1
 
 
 class TransferError(KVLayoutError):
@@ -43,179 +46,246 @@ class TransferError(KVLayoutError):
 
 @dataclass(frozen=True)
 class _Job:
-    """Pointers that share one geometry: the whole registration, or one plane."""
+    """Pointers that share one geometry: the whole kernel group, or one plane of it."""
 
-    leaves: tuple[torch.Tensor, ...]  # in the job's pointer-table order
-    sizes: dict[str, int]
+    plane: Plane
+    sizes: dict[str, int]  # NB and BS resolved
     block_stride: int  # elements, 0 = tight
-    element_size: int
     row_offset: int  # bytes from the start of a chunk row
 
-
-@dataclass(frozen=True)
-class _Registration:
-    format: EngineKVFormat
-    layout: Layout
-    jobs: tuple[_Job, ...]
-    descriptor: PageBufferShapeDesc  # the whole registration as one kernel group
-    dtype: torch.dtype
-    device: torch.device
-
     @property
-    def kv_size(self) -> int:
-        return self.descriptor.kv_size
-
-    @property
-    def num_layers(self) -> int:
-        return self.descriptor.nl
-
-    @property
-    def num_blocks(self) -> int:
-        return self.descriptor.nb
-
-    @property
-    def block_size(self) -> int:
-        return self.descriptor.bs
-
-    @property
-    def row(self) -> int:
-        """Elements of a chunk's token row (a plane tuple's planes in the first plane's type)."""
-        return self.descriptor.nh * self.descriptor.hs
-
-    @property
-    def row_bytes(self) -> int:
-        return self.row * self.descriptor.element_size
+    def element_size(self) -> int:
+        return self.plane.element_size
 
 
-# -- the registration ---------------------------------------------------------------
+# -- preparing ------------------------------------------------------------------------
 
 
-def _entries(node: Any, where: str, layout: Layout) -> Sequence[Any]:
-    """A list level of the registration, or an error saying what stands there instead."""
-    if isinstance(node, torch.Tensor) or not isinstance(node, Sequence) or isinstance(node, str):
-        raise TransferError(f"{where} is a {type(node).__name__}, but {layout} has a list level here")
-    return node
+def prepare(kv: Any, fmt: FormatLike, *, block_size: int | None = None) -> TransferPlan:
+    """The transfer plan of a registration in ``fmt``: checked, split into jobs and
+    handed to the native engine once, so each call checks only its block ids and chunks.
+
+    ``kv`` is what detection returned (its bound registration is reused, and so is the
+    plan: preparing twice is free), a :class:`~kvlayout.registration.Registration` or
+    :class:`~kvlayout.registration.KernelGroup`, or any registration in ``fmt`` (checked
+    now). ``block_size`` is needed only for formats that fold NB and BS into one axis.
+    A registration whose layers differ (a hybrid) has one plan per kernel group.
+    """
+    if isinstance(kv, KernelGroup):
+        return _plan_of(kv, block_size)
+    try:
+        group = bound(kv, fmt).only_group()
+    except RegistrationError as exc:
+        raise TransferError(str(exc)) from None
+    return _plan_of(group, block_size)
 
 
-def _walk(kv: Any, layout: Layout, path: tuple[int, ...]) -> torch.Tensor:
-    node = kv
-    for depth, index in enumerate(path):
-        where = "kv" + "".join(f"[{i}]" for i in path[:depth])
-        entries = _entries(node, where, layout)
-        if index >= len(entries):
+def _plan_of(group: KernelGroup, block_size: int | None) -> TransferPlan:
+    key = ("transfer plan", block_size)
+    plan = group.memo.get(key)
+    if plan is None:
+        plan = TransferPlan(group, block_size)
+        group.memo[key] = plan
+    assert isinstance(plan, TransferPlan)
+    return plan
+
+
+class TransferPlan:
+    """One kernel group's block copies, prepared: geometry, copy plans, pointer tables
+    (on the device, for CUDA caches) and the cache's memory extents, all made once.
+
+    ``store_blocks`` and ``load_blocks`` check only what changes per call: the block ids
+    (a 1-D int sequence or tensor, each in range) and the chunks (shape
+    ``chunk_shape(T)``, the cache's dtype and device, contiguous, disjoint from each other
+    and from the cache). The plan holds the cache's tensors, so it stays valid while it
+    lives; detect again if the engine re-allocates its cache.
+    """
+
+    def __init__(self, group: KernelGroup, block_size: int | None) -> None:
+        self.format: EngineKVFormat = group.format
+        self.layout: Layout = group.layout
+        self.layers = group.layers
+        if group.layout.is_cross_layer and len(group.layers) != group.registration_layers:
             raise TransferError(
-                f"{where} has {len(entries)} entries, but {layout} needs at least {index + 1}"
+                f"{self.format.name} holds every layer in one tensor, so its plan moves all "
+                f"{group.registration_layers} layers; this kernel group has {len(group.layers)}"
             )
-        node = entries[index]
-    if not isinstance(node, torch.Tensor):
-        where = "kv" + "".join(f"[{i}]" for i in path)
-        raise TransferError(f"{where} is a {type(node).__name__}, not a tensor ({layout})")
-    return node
+        self.jobs = _jobs(group, block_size)
+        first = self.jobs[0].sizes
+        self.kv_size = group.geometry.kv_size
+        self.num_layers = int(first["NL"]) if "NL" in first else 1
+        self.num_blocks = int(first["NB"])
+        self.block_size = int(first["BS"])
+        self.row_bytes = sum(_row_bytes(self.layout, job) for job in self.jobs)
+        self.dtype = group.dtype
+        self.device = group.device
+        itemsize = self.dtype.itemsize
+        if self.row_bytes % itemsize:
+            raise TransferError(
+                f"{self.layout}: a token row of {self.row_bytes} bytes is not a whole number of "
+                f"{self.dtype} elements (the first plane's type, which chunks use)"
+            )
+        self.row = self.row_bytes // itemsize
+        self._extents = _cache_extents(group)
+        if self.device.type == "cpu":
+            from kvlayout import _native
 
+            self._engine: Any = _native.TransferPlan(
+                [self._native_job(job) for job in self.jobs], self.num_blocks
+            )
+        else:
+            from kvlayout import cuda_transfer
 
-def _list_sizes(kv: Any, layout: Layout) -> dict[str, int]:
-    """Sizes of the list levels, read along entry 0 (literal levels checked)."""
-    sizes: dict[str, int] = {}
-    node = kv
-    for depth, level in enumerate(layout.lists):
-        where = f"kv{'[0]' * depth}"
-        entries = _entries(node, where, layout)
-        if level.literal is not None and len(entries) != level.literal:
-            raise TransferError(f"{where} has {len(entries)} entries; {layout} needs {level.literal} here")
-        if not entries:
-            raise TransferError(f"{where} is empty")
-        if level.literal is None:
-            sizes[level.name] = len(entries)
-        node = entries[0]
-    return sizes
+            self._engine = cuda_transfer.CudaPlan(self)
 
-
-def _tensor_sizes(layout: Layout, leaf: torch.Tensor, where: str) -> dict[str, int]:
-    """Every tensor size of the layout, read off one leaf's axes."""
-    rank = layout.tensor_rank
-    if leaf.dim() != rank:
-        raise TransferError(
-            f"{where} has rank {leaf.dim()} (shape {list(leaf.shape)}); {layout} needs rank {rank}"
+    def __repr__(self) -> str:
+        return (
+            f"TransferPlan({self.format.name}, layers {self.num_layers}, {self.num_blocks} blocks of "
+            f"{self.block_size}, chunk rows of {self.row} {self.dtype}, {self.device})"
         )
-    sizes: dict[str, int] = {}
-    for symbol in SIZE_SYMBOLS:
-        axis = layout.axis_of(symbol)
-        if axis is not None:
-            sizes[symbol] = int(leaf.shape[axis])
-    return sizes
+
+    def _native_job(self, job: _Job) -> tuple[Any, ...]:
+        pieces = _pieces(
+            self.layout, tuple(sorted(job.sizes.items())), job.element_size, self.row_bytes
+        ).copy()
+        pieces[:, 2] += job.row_offset
+        return (
+            int(self.format), native_sizes(self.layout, job.sizes), job.block_stride, job.element_size,
+            np.array(job.plane.data_ptrs, dtype=np.uint64), pieces,
+            self.kv_size, self.num_layers, self.block_size, self.row_bytes,
+        )  # fmt: skip
+
+    # -- what a call needs -------------------------------------------------------------
+
+    def chunk_shape(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of a chunk of ``num_tokens`` tokens:
+        ``[kv_size, num_layers, num_tokens, row]`` in the cache's dtype."""
+        tokens = _int("num_tokens", num_tokens)
+        if tokens <= 0:
+            raise TransferError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        return (self.kv_size, self.num_layers, tokens, self.row), self.dtype
+
+    def store_blocks(
+        self, block_ids: Any, chunks: Any, *, skip_prefix_n_blocks: int = 0, num_threads: int = 1
+    ) -> None:
+        """Copy blocks from the cache into chunks; chunk ``c`` holds blocks
+        ``[c*bpc, (c+1)*bpc)`` of ``block_ids`` (``bpc`` = chunk tokens / block size)."""
+        self._run(_STORE, block_ids, chunks, skip_prefix_n_blocks, num_threads)
+
+    def load_blocks(
+        self, block_ids: Any, chunks: Any, *, skip_prefix_n_blocks: int = 0, num_threads: int = 1
+    ) -> None:
+        """Copy chunks back into the cache's blocks (the inverse of ``store_blocks``)."""
+        self._run(_LOAD, block_ids, chunks, skip_prefix_n_blocks, num_threads)
+
+    def _run(self, direction: int, block_ids: Any, chunks: Any, skip: int, threads: int) -> None:
+        ids = _block_ids(block_ids)
+        self._check_ids(ids)
+        ptrs, tokens, per_chunk = self._chunks(chunks, len(ids))
+        skip = _int("skip_prefix_n_blocks", skip)
+        if not 0 <= skip <= len(ids):
+            raise TransferError(f"skip_prefix_n_blocks={skip} is outside [0, {len(ids)}]")
+        threads = _int("num_threads", threads)
+        if threads < 1:
+            raise TransferError(f"num_threads must be a positive int, got {threads!r}")
+        self._engine.run(direction, ids, ptrs, tokens, per_chunk, skip, threads)
+
+    def _check_ids(self, ids: np.ndarray) -> None:
+        bad = self._engine.first_bad_block_id(ids)
+        if bad >= 0:
+            raise TransferError(
+                f"block_ids[{bad}] = {int(ids[bad])} is out of range for {self.num_blocks} blocks"
+            )
+
+    def _chunks(self, chunks: Any, num_blocks: int) -> tuple[np.ndarray, np.ndarray, int]:
+        """The chunks' addresses and token counts, every chunk checked; and blocks per chunk."""
+        if isinstance(chunks, torch.Tensor):
+            chunks = [chunks]
+        elif not isinstance(chunks, (list, tuple)):
+            raise TransferError(f"chunks is a {type(chunks).__name__}, not a tensor or a list of tensors")
+        if not chunks:
+            raise TransferError("no chunks given")
+        kv_size, layers, row, dtype, device = self.kv_size, self.num_layers, self.row, self.dtype, self.device
+        spans: list[tuple[int, int, int]] = []
+        tokens: list[int] = []
+        for i, c in enumerate(chunks):
+            if not isinstance(c, torch.Tensor):
+                raise TransferError(f"chunks[{i}] is a {type(c).__name__}, not a tensor")
+            shape = c.shape
+            if len(shape) != 4 or shape[0] != kv_size or shape[1] != layers or shape[3] != row:
+                raise TransferError(
+                    f"chunks[{i}] has shape {list(shape)}; this registration needs "
+                    f"[{kv_size}, {layers}, T, {row}] (kv_size, layers, tokens, row)"
+                )
+            if c.dtype != dtype:
+                raise TransferError(f"chunks[{i}] is {c.dtype}; the cache is {dtype}")
+            if c.device != device:
+                raise TransferError(f"chunks[{i}] is on {c.device}; the cache is on {device}")
+            if not c.is_contiguous():
+                raise TransferError(f"chunks[{i}] is not contiguous (strides {list(c.stride())})")
+            start = c.data_ptr()
+            spans.append((start, start + c.numel() * c.element_size(), i))
+            tokens.append(int(shape[2]))
+        per_chunk = _blocks_per_chunk(tokens, self.block_size, num_blocks)
+        self._check_disjoint(spans)
+        return (
+            np.array([s[0] for s in spans], dtype=np.uint64),
+            np.array(tokens, dtype=np.int64),
+            per_chunk,
+        )
+
+    def _check_disjoint(self, spans: list[tuple[int, int, int]]) -> None:
+        """Chunks share no byte with each other or with the cache's tensors."""
+        ordered = sorted(spans)
+        for (_, a1, i), (b0, _, j) in itertools.pairwise(ordered):
+            if b0 < a1:
+                first, second = sorted((i, j))
+                raise TransferError(f"chunks[{first}] and chunks[{second}] overlap in memory")
+        starts, ends = self._extents
+        for lo, hi, i in spans:
+            k = bisect.bisect_right(starts, lo)
+            if (k and ends[k - 1] > lo) or (k < len(starts) and starts[k] < hi):
+                raise TransferError(f"chunks[{i}] overlaps the cache's memory; a chunk is a separate buffer")
 
 
-def _plane_level(layout: Layout) -> int | None:
-    return next((i for i, lv in enumerate(layout.lists) if lv.role is Role.ELEMENT), None)
-
-
-def _describe(kv: Any, fmt: FormatLike, block_size: int | None) -> _Registration:
-    """Check a registration against its format's layout, every leaf, and split it into jobs."""
-    fmt = as_format(fmt)
-    layout = layout_of(fmt)
-    list_sizes = _list_sizes(kv, layout)
-    plane = _plane_level(layout)
-    planes = list_sizes.get(layout.lists[plane].name, 1) if plane is not None else 1
-    job_list_sizes = dict(list_sizes)
-    if plane is not None:
-        job_list_sizes[layout.lists[plane].name] = 1  # one job per plane, each its own table
-    all_paths = layout.pointer_order(list_sizes)
-    jobs: list[_Job] = []
+def _jobs(group: KernelGroup, block_size: int | None) -> tuple[_Job, ...]:
+    layout = group.layout
+    jobs = []
     row_offset = 0
-    reference: torch.Tensor | None = None
-    for p in range(planes):
-        paths = [path for path in all_paths if plane is None or path[plane] == p]
-        leaves = tuple(_walk(kv, layout, path) for path in paths)
-        first_where = "kv" + "".join(f"[{i}]" for i in paths[0])
-        sizes = {**job_list_sizes, **_tensor_sizes(layout, leaves[0], first_where)}
-        sizes = _resolve_block_size(layout, sizes, block_size)
-        expected_shape = layout.tensor_shape(sizes)
-        block_stride = int(leaves[0].stride(0)) if layout.has_leading_block_axis else 0
-        tight = layout.tensor_strides(sizes)
-        if block_stride == tight[0]:
-            block_stride = 0
-        expected_strides = layout.tensor_strides(sizes, block_stride or None)
-        for path, leaf in zip(paths, leaves, strict=True):
-            where = "kv" + "".join(f"[{i}]" for i in path)
-            if tuple(leaf.shape) != expected_shape:
-                raise TransferError(
-                    f"{where} has shape {list(leaf.shape)}, but {first_where} makes {layout} "
-                    f"{list(expected_shape)}; is this cache in another format?"
-                )
-            if leaf.stride() != expected_strides:
-                raise TransferError(
-                    f"{where} has strides {list(leaf.stride())}; {layout} with these sizes needs "
-                    f"{list(expected_strides)} (only dim-0 padding is allowed, and the same for every tensor)"
-                )
-            if leaf.dtype != leaves[0].dtype or leaf.device != leaves[0].device:
-                raise TransferError(
-                    f"{where} is {leaf.dtype} on {leaf.device}, but {first_where} is "
-                    f"{leaves[0].dtype} on {leaves[0].device}"
-                )
-        if reference is not None and leaves[0].device != reference.device:
-            raise TransferError(
-                f"{first_where} is on {leaves[0].device}, the first plane on {reference.device}"
-            )
-        reference = reference if reference is not None else leaves[0]
-        element_size = leaves[0].element_size()
-        jobs.append(_Job(leaves, sizes, block_stride, element_size, row_offset))
-        row_offset += layout.num_heads(sizes) * layout.head_size(sizes) * element_size
-    assert reference is not None
-    first = jobs[0].sizes
-    for job in jobs[1:]:
-        if any(job.sizes[k] != first[k] for k in ("NL", "NB", "BS")):
-            raise TransferError(
-                f"{layout}: the planes of a layer must share NL, NB and BS ({first} vs {job.sizes})"
-            )
-    descriptor = make_page_buffer_shape_desc(
-        kv, fmt, 0, first["NL"], first["NB"], first["BS"], jobs[0].block_stride or None
+    for plane in group.planes:
+        sizes = _resolve_block_size(layout, dict(plane.sizes), block_size)
+        jobs.append(_Job(plane, sizes, plane.padded_block_stride, row_offset))
+        row_offset += layout.num_heads(sizes) * layout.head_size(sizes) * plane.element_size
+    return tuple(jobs)
+
+
+def _row_bytes(layout: Layout, job: _Job) -> int:
+    return layout.num_heads(job.sizes) * layout.head_size(job.sizes) * job.element_size
+
+
+def _cache_extents(group: KernelGroup) -> tuple[list[int], list[int]]:
+    """The cache's memory as sorted, merged [start, end) spans (for chunk checks)."""
+    spans = sorted(
+        (leaf.data_ptr(), leaf.data_ptr() + _span_bytes(leaf))
+        for plane in group.planes
+        for leaf in plane.leaves
+        if leaf.numel() and leaf.device.type != "meta"
     )
-    if descriptor.nh * descriptor.hs * descriptor.element_size != row_offset:
-        raise TransferError(
-            f"{layout}: a token row of {row_offset} bytes is not a whole number of "
-            f"{reference.dtype} elements (the first plane's type, which chunks use)"
-        )
-    return _Registration(fmt, layout, tuple(jobs), descriptor, reference.dtype, reference.device)
+    starts: list[int] = []
+    ends: list[int] = []
+    for lo, hi in spans:
+        if ends and lo <= ends[-1]:
+            ends[-1] = max(ends[-1], hi)
+        else:
+            starts.append(lo)
+            ends.append(hi)
+    return starts, ends
+
+
+def _span_bytes(leaf: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to past its last (padding inside included)."""
+    last = sum((n - 1) * st for n, st in zip(leaf.shape, leaf.stride(), strict=True))
+    return (last + 1) * leaf.element_size()
 
 
 def _resolve_block_size(layout: Layout, sizes: dict[str, int], block_size: int | None) -> dict[str, int]:
@@ -271,12 +341,67 @@ def _pieces(
     return np.array(rows, dtype=np.int64).reshape(-1, _PIECE_FIELDS)
 
 
-def _native_sizes(layout: Layout, sizes: Mapping[str, int]) -> list[int]:
+def native_sizes(layout: Layout, sizes: Mapping[str, int]) -> list[int]:
+    """Sizes in the order the generated indexers take them (0 where the layout has none)."""
     resolved = algebra.resolve_sizes(layout, sizes)
     return [resolved.get(symbol, 0) for symbol in SIZE_SYMBOLS]
 
 
-# -- chunks and block ids -------------------------------------------------------------
+# -- per call -------------------------------------------------------------------------
+
+
+def _int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise TransferError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TransferError(f"{name} must be an int, got {value!r}") from None
+
+
+def _block_ids(block_ids: Any) -> np.ndarray:
+    """Block ids as a contiguous int64 array (ranges are checked natively)."""
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
+            raise TransferError(f"block_ids must be integers, got {block_ids.dtype}")
+        ids = block_ids.detach().to("cpu", torch.int64).numpy()
+    else:
+        ids = np.asarray(block_ids)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise TransferError(
+                f"block_ids must be a 1-D sequence of ints, got {ids.dtype} with shape {list(ids.shape)}"
+            )
+    if ids.ndim != 1:
+        raise TransferError(f"block_ids must be a 1-D sequence of ints, got shape {list(ids.shape)}")
+    if ids.dtype != np.int64:
+        if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
+            raise TransferError(f"block_ids holds {int(ids.max())}, out of range for any cache")
+        ids = ids.astype(np.int64)
+    return np.ascontiguousarray(ids)
+
+
+def _blocks_per_chunk(tokens: list[int], block_size: int, num_blocks: int) -> int:
+    first = tokens[0]
+    if first % block_size or first == 0:
+        raise TransferError(f"chunk size {first} is not a positive multiple of the block size {block_size}")
+    per_chunk = first // block_size
+    needed = -(-num_blocks // per_chunk)
+    if len(tokens) != needed:
+        raise TransferError(
+            f"{num_blocks} blocks at {per_chunk} blocks per chunk need {needed} chunks, got {len(tokens)}"
+        )
+    for i, t in enumerate(tokens):
+        last = i == len(tokens) - 1
+        holds = min(per_chunk, num_blocks - i * per_chunk)
+        if (not last and t != first) or (last and (t % block_size or t < holds * block_size)):
+            raise TransferError(
+                f"chunks[{i}] holds {t} tokens; it needs {first if not last else holds * block_size}"
+                + (" or more, a multiple of the block size" if last else " like chunks[0]")
+            )
+    return per_chunk
+
+
+# -- the functions, over a plan -------------------------------------------------------
 
 
 def chunk_shape(
@@ -284,117 +409,7 @@ def chunk_shape(
 ) -> tuple[tuple[int, ...], torch.dtype]:
     """The shape and dtype a chunk of ``num_tokens`` tokens needs for this registration:
     ``[kv_size, nl, num_tokens, nh * hs]`` of its ``PageBufferShapeDesc``."""
-    reg = _describe(kv, fmt, block_size)
-    if isinstance(num_tokens, bool) or not isinstance(num_tokens, int) or num_tokens <= 0:
-        raise TransferError(f"num_tokens must be a positive int, got {num_tokens!r}")
-    return (reg.kv_size, reg.num_layers, num_tokens, reg.row), reg.dtype
-
-
-def _block_ids(block_ids: Any, reg: _Registration) -> np.ndarray:
-    ids = block_ids.detach().cpu().numpy() if isinstance(block_ids, torch.Tensor) else np.asarray(block_ids)
-    if ids.ndim != 1 or (ids.size and ids.dtype.kind not in "iu"):
-        raise TransferError(
-            f"block_ids must be a 1-D sequence of ints, got {ids.dtype} with shape {list(ids.shape)}"
-        )
-    ids = ids.astype(np.int64, copy=False)
-    bad = np.flatnonzero((ids < 0) | (ids >= reg.num_blocks))
-    if bad.size:
-        i = int(bad[0])
-        raise TransferError(f"block_ids[{i}] = {int(ids[i])} is out of range for {reg.num_blocks} blocks")
-    return np.ascontiguousarray(ids)
-
-
-def _chunks(chunks: Any, reg: _Registration, num_blocks: int) -> tuple[list[torch.Tensor], int]:
-    if isinstance(chunks, torch.Tensor):
-        chunks = [chunks]
-    chunks = list(chunks)
-    if not chunks:
-        raise TransferError("no chunks given")
-    for i, c in enumerate(chunks):
-        if not isinstance(c, torch.Tensor):
-            raise TransferError(f"chunks[{i}] is a {type(c).__name__}, not a tensor")
-        want = (reg.kv_size, reg.num_layers, reg.row)
-        if c.dim() != 4 or (c.shape[0], c.shape[1], c.shape[3]) != want:
-            raise TransferError(
-                f"chunks[{i}] has shape {list(c.shape)}; this registration needs "
-                f"[{want[0]}, {want[1]}, T, {want[2]}] (kv_size, layers, tokens, row)"
-            )
-        if c.dtype != reg.dtype:
-            raise TransferError(f"chunks[{i}] is {c.dtype}; the cache is {reg.dtype}")
-        if c.device != reg.device:
-            raise TransferError(f"chunks[{i}] is on {c.device}; the cache is on {reg.device}")
-        if not c.is_contiguous():
-            raise TransferError(f"chunks[{i}] is not contiguous (strides {list(c.stride())})")
-    tokens = int(chunks[0].shape[2])
-    if tokens % reg.block_size or tokens == 0:
-        raise TransferError(
-            f"chunk size {tokens} is not a positive multiple of the block size {reg.block_size}"
-        )
-    per_chunk = tokens // reg.block_size
-    needed = -(-num_blocks // per_chunk)
-    if len(chunks) != needed:
-        raise TransferError(
-            f"{num_blocks} blocks at {per_chunk} blocks per chunk need {needed} chunks, got {len(chunks)}"
-        )
-    for i, c in enumerate(chunks):
-        last = i == len(chunks) - 1
-        holds = min(per_chunk, num_blocks - i * per_chunk)
-        t = int(c.shape[2])
-        if (not last and t != tokens) or (last and (t % reg.block_size or t < holds * reg.block_size)):
-            raise TransferError(
-                f"chunks[{i}] holds {t} tokens; it needs {tokens if not last else holds * reg.block_size}"
-                + (" or more, a multiple of the block size" if last else " like chunks[0]")
-            )
-    return chunks, per_chunk
-
-
-# -- the transfer ---------------------------------------------------------------------
-
-
-def _transfer(
-    direction: int,
-    kv: Any,
-    fmt: FormatLike,
-    block_ids: Any,
-    chunks: Any,
-    skip_prefix_n_blocks: int,
-    num_threads: int,
-    block_size: int | None,
-) -> None:
-    reg = _describe(kv, fmt, block_size)
-    layout = reg.layout
-    ids = _block_ids(block_ids, reg)
-    chunk_list, per_chunk = _chunks(chunks, reg, len(ids))
-    if isinstance(skip_prefix_n_blocks, bool) or not isinstance(skip_prefix_n_blocks, int):
-        raise TransferError(f"skip_prefix_n_blocks must be an int, got {skip_prefix_n_blocks!r}")
-    if not 0 <= skip_prefix_n_blocks <= len(ids):
-        raise TransferError(f"skip_prefix_n_blocks={skip_prefix_n_blocks} is outside [0, {len(ids)}]")
-    if isinstance(num_threads, bool) or not isinstance(num_threads, int) or num_threads < 1:
-        raise TransferError(f"num_threads must be a positive int, got {num_threads!r}")
-    if reg.device.type != "cpu":
-        from kvlayout import cuda_transfer
-
-        cuda_transfer.transfer(direction, reg, ids, chunk_list, per_chunk, skip_prefix_n_blocks)
-        return
-    from kvlayout import _native
-
-    jobs = []
-    for job in reg.jobs:
-        sizes_key = tuple(sorted(job.sizes.items()))
-        ptrs = np.array([leaf.data_ptr() for leaf in job.leaves], dtype=np.uint64)
-        pieces = _pieces(layout, sizes_key, job.element_size, reg.row_bytes)
-        pieces = pieces.copy()
-        pieces[:, 2] += job.row_offset
-        native_sizes = _native_sizes(layout, job.sizes)
-        geometry = (reg.kv_size, reg.num_layers, reg.block_size, reg.row_bytes)
-        jobs.append(
-            (int(reg.format), native_sizes, job.block_stride, job.element_size, ptrs, pieces, *geometry)
-        )
-    chunk_ptrs = np.array([c.data_ptr() for c in chunk_list], dtype=np.uint64)
-    chunk_tokens = np.array([c.shape[2] for c in chunk_list], dtype=np.int64)
-    _native.transfer_blocks(
-        direction, jobs, ids, chunk_ptrs, chunk_tokens, per_chunk, skip_prefix_n_blocks, num_threads
-    )
+    return prepare(kv, fmt, block_size=block_size).chunk_shape(num_tokens)
 
 
 def store_blocks(
@@ -409,10 +424,13 @@ def store_blocks(
 ) -> None:
     """Copy blocks from the engine cache into chunks (``[kv_size, NL, T, row]`` each).
 
-    ``kv`` and ``fmt`` are as detection returns them. ``block_size`` is needed only for
-    formats that fold NB and BS into one axis.
+    ``kv`` and ``fmt`` are as detection returns them (the prepared plan is then reused);
+    ``block_size`` is needed only for formats that fold NB and BS into one axis.
+    Connectors that move many chunks call :func:`prepare` once instead.
     """
-    _transfer(0, kv, fmt, block_ids, chunks, skip_prefix_n_blocks, num_threads, block_size)
+    prepare(kv, fmt, block_size=block_size).store_blocks(
+        block_ids, chunks, skip_prefix_n_blocks=skip_prefix_n_blocks, num_threads=num_threads
+    )
 
 
 def load_blocks(
@@ -426,4 +444,6 @@ def load_blocks(
     block_size: int | None = None,
 ) -> None:
     """Copy chunks back into the engine cache's blocks (the inverse of ``store_blocks``)."""
-    _transfer(1, kv, fmt, block_ids, chunks, skip_prefix_n_blocks, num_threads, block_size)
+    prepare(kv, fmt, block_size=block_size).load_blocks(
+        block_ids, chunks, skip_prefix_n_blocks=skip_prefix_n_blocks, num_threads=num_threads
+    )

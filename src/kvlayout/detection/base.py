@@ -20,9 +20,9 @@ import torch
 
 from kvlayout import algebra
 from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
-from kvlayout.contiguity import describe_path, not_a_kv_cache
-from kvlayout.errors import KVLayoutError
+from kvlayout.binding import RegistrationError
 from kvlayout.layout import Layout
+from kvlayout.nesting import describe_path
 from kvlayout.types import EngineType
 from kvlayout.vocabulary import Role
 
@@ -30,9 +30,7 @@ __all__ = [
     "DetectionError",
     "FormatShape",
     "Probe",
-    "check_levels",
     "engine_formats",
-    "first_leaf",
     "format_shape",
     "match",
     "pick",
@@ -50,8 +48,9 @@ ENGINE_NAMES = {
 }
 
 
-class DetectionError(KVLayoutError):
-    """A registration whose structure is inconsistent or fits none of its engine's formats."""
+class DetectionError(RegistrationError):
+    """A registration whose structure is inconsistent or fits none of its engine's formats
+    (binding's errors, raised while detecting, come as this class)."""
 
 
 # -- the registration's structure ------------------------------------------------------
@@ -106,26 +105,13 @@ def probe(kv: Any) -> Probe:
     return Probe(len(lengths), tuple(lengths), siblings if len(lengths) > 1 else (node,))
 
 
-def first_leaf(kv: Any) -> torch.Tensor:
-    """The first tensor of a registration (entry 0 at every level)."""
-    node, path = kv, list[int]()
-    while isinstance(node, (list, tuple)):
-        if not node:
-            raise DetectionError(f"{describe_path(path)} is an empty list")
-        node = node[0]
-        path.append(0)
-    if not isinstance(node, torch.Tensor):
-        raise TypeError(f"{describe_path(path)} {not_a_kv_cache(node)}")
-    return node
-
-
 def validate(kv: Any) -> Probe:
     """Check a physically ordered registration (containers are lists) and measure it.
 
     Every path has the same list depth, lists are non-empty, every leaf has the same
     rank and device; every top-level entry has the same structure, shapes and dtypes as
-    entry 0. Tensors inside one entry may differ (the planes of an MLA tuple); detectors
-    and :func:`check_levels` check what their format needs there.
+    entry 0. Tensors inside one entry may differ (the planes of an MLA tuple); detectors,
+    and binding the result to its format, check what the format needs there.
     """
     node, lengths, path = kv, list[int](), list[int]()
     while isinstance(node, list):
@@ -218,19 +204,6 @@ def _explain(t: torch.Tensor, ref: torch.Tensor, path: list[int], ref_path: list
         f"{where}: shape {tuple(t.shape)} differs from {other} {tuple(ref.shape)}; one detection reads "
         "one structure (for layers that differ use normalize_and_discover_per_layer_formats)"
     )
-
-
-def check_levels(kv: Any, layout: Layout) -> None:
-    """Inner list levels that are layers or K/V pairs hold equal tensors; plane levels
-    (``NP``) may differ. Entry 0 stands for all (``validate`` made them equal)."""
-    node, path = kv, []
-    for level in range(1, layout.list_depth):
-        node = node[0]
-        path.append(0)
-        if layout.lists[level].role is Role.ELEMENT:
-            continue
-        for j in range(1, len(node)):
-            _check_same(node[j], node[0], [*path, j], [*path, 0])
 
 
 # -- the formats, as the algebra sees them -------------------------------------------------

@@ -17,16 +17,38 @@ from typing import Any
 import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.contiguity import attempt_permute_to_contiguous_view, not_a_kv_cache, physical_entries
-from kvlayout.detection.base import DetectionError, check_levels, first_leaf, validate
+from kvlayout.contiguity import attempt_permute_to_contiguous_view, physical_entries
+from kvlayout.detection.base import DetectionError, validate
 from kvlayout.detection.registry import get_detector
 from kvlayout.errors import KVLayoutError
+from kvlayout.nesting import first_leaf, leaves, not_a_kv_cache
+from kvlayout.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
 from kvlayout.registry import get_spec
 from kvlayout.types import DiscoverableKVCache, EngineLike, EngineType, HintsLike, LayoutHints, as_engine
 
-__all__ = ["normalize_and_discover_per_layer_formats", "normalize_kv_and_discover_format"]
+__all__ = ["detect", "normalize_and_discover_per_layer_formats", "normalize_kv_and_discover_format"]
 
 _log = logging.getLogger("kvlayout")
+
+
+def detect(
+    kv: DiscoverableKVCache,
+    engine: EngineLike,
+    layout_hints: HintsLike = None,
+    *,
+    layer_groups: Sequence[Sequence[int]] | None = None,
+) -> Registration:
+    """Detect a registration and bind it: its format per layer, its kernel groups, its
+    pointer tables, everything checked once. What a connector calls at registration.
+
+    Layers that differ (hybrid models) are detected apart, as
+    :func:`normalize_and_discover_per_layer_formats` does; ``layer_groups`` are the
+    engine's KV cache groups (lists of indices into ``kv``), and layers of different
+    groups never share a kernel group. Raises what the two LMCache-named functions raise,
+    and :class:`~kvlayout.registration.RegistrationError` for tensors of one group that
+    overlap in memory.
+    """
+    return _per_layer(kv, layer_groups, as_engine(engine), LayoutHints.coerce(layout_hints))
 
 
 def normalize_kv_and_discover_format(
@@ -37,30 +59,59 @@ def normalize_kv_and_discover_format(
     The returned structure shares storage with ``kv`` (views only, never copies): dims in
     physical order, engine reshapes applied (TRT-LLM's flat pool row split, SGLang page
     buffers un-folded by ``tokens_per_block``, vLLM's DSA indexer squeezed), lists
-    rebuilt (per-layer tuples of the tuple formats stay tuples).
+    rebuilt (per-layer tuples of the tuple formats stay tuples). A list comes back as a
+    read-only :class:`~kvlayout.registration.RegisteredKV` carrying its bound
+    registration, which the facade and transfer functions read instead of the tensors.
 
     Every leaf is checked: one rank, dtype, device and shape for the whole registration
-    (the planes of an MLA tuple may differ from each other); a mismatch names the index.
+    (the planes of an MLA tuple may differ from each other), strides the format can
+    address, no two tensors overlapping in memory; a mismatch names the index.
     Raises ``KVLayoutError`` subclasses (``DetectionError``, ``LayoutHintError``,
-    ``StridedViewError``) or ``TypeError`` for values that are not tensors and lists.
+    ``StridedViewError``, ``RegistrationError``) or ``TypeError`` for values that are not
+    tensors and lists.
     """
-    return _detect(kv, as_engine(engine), LayoutHints.coerce(layout_hints))
+    reg = _detect(kv, as_engine(engine), LayoutHints.coerce(layout_hints))
+    return reg.format, reg.registered_kv
 
 
 def _detect(
     kv: Any, engine: EngineType, hints: LayoutHints, uniform: list[Any] | None = None
-) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+) -> Registration:
     """``uniform``: ``kv`` already through :func:`_uniform_contiguous_list`."""
+    fmt, out, trusted = _discover(kv, engine, hints, uniform)
+    return _bind(out, fmt, engine=engine, root="kv_caches", trusted=trusted)
+
+
+def _bind(kv: Any, formats: Any, **kwargs: Any) -> Registration:
+    """:func:`~kvlayout.registration.bind`, its errors raised as detection's."""
+    try:
+        return bind(kv, formats, **kwargs)
+    except RegistrationError as exc:
+        if isinstance(exc, DetectionError):
+            raise
+        raise DetectionError(str(exc)) from None
+
+
+def _discover(
+    kv: Any, engine: EngineType, hints: LayoutHints, uniform: list[Any] | None = None
+) -> tuple[EngineKVFormat, Any, bool]:
+    """The engine's detector on the physically ordered registration: (format, normalized
+    registration, whether every tensor is known alike and contiguous)."""
     detector = get_detector(engine)
     normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)
+    trusted = normalized is not None
     if normalized is None:
         normalized = attempt_permute_to_contiguous_view(kv)
         validate(normalized)
     fmt, out = detector(normalized, hints)
-    check_levels(out, LAYOUTS[fmt])
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("Engine KV Format: %s %s", fmt.name, LAYOUTS[fmt].describe_shape())
-    return fmt, out
+    # the detector's re-views (un-folding, squeezing) keep tensors alike, not always contiguous
+    return fmt, out, trusted and (out is normalized or _all_contiguous(out))
+
+
+def _all_contiguous(kv: Any) -> bool:
+    return all(t.is_contiguous() for _, t in leaves(kv))
 
 
 def _uniform_contiguous_list(kv: Any) -> list[Any] | None:
@@ -111,31 +162,38 @@ def normalize_and_discover_per_layer_formats(
     Returns the registration (a list of length ``len(kv)`` for layer lists; the whole
     normalized structure otherwise) and one format (or None) per layer.
     """
-    eng, hints = as_engine(engine), LayoutHints.coerce(layout_hints)
+    reg = _per_layer(kv, layer_index_groups, as_engine(engine), LayoutHints.coerce(layout_hints))
+    return reg.registered_kv, list(reg.formats)
+
+
+def _per_layer(
+    kv: Any, layer_index_groups: Sequence[Sequence[int]] | None, eng: EngineType, hints: LayoutHints
+) -> Registration:
     if isinstance(kv, torch.Tensor):
-        fmt, out = _detect(kv, eng, hints)
+        fmt, out, _ = _discover(kv, eng, hints)
         n = get_spec(out, fmt).num_layers()
         groups = _groups(layer_index_groups, n, "layers")
-        grouped = {i for group in groups for i in group}
-        return out, [fmt if i in grouped else None for i in range(n)]
+        owner = {i: g for g, group in enumerate(groups) for i in group}
+        per_layer = [fmt if i in owner else None for i in range(n)]
+        engine_groups = [owner.get(i, EXCLUDED_ENGINE_GROUP) for i in range(n)]
+        return _bind(out, per_layer, engine_groups=engine_groups, engine=eng, root="kv_caches")
     if not isinstance(kv, (list, tuple)):
         raise TypeError(f"kv_caches {not_a_kv_cache(kv)}")
     entries = list(kv)
     if not entries:
         raise DetectionError("kv_caches is empty")
     groups = _groups(layer_index_groups, len(entries), "entries")
-    members = sorted({i for group in groups for i in group})
+    owner = {i: g for g, group in enumerate(groups) for i in group}
+    members = sorted(owner)
     uniform = _uniform_contiguous_list(entries) if len(members) == len(entries) else None
     if uniform is not None:  # the common case: one detection answers for every layer
-        fmt, out = _detect(entries, eng, hints, uniform)
-        if LAYOUTS[fmt].is_layer_list:
-            return list(out), [fmt] * len(entries)
-        return out, [fmt] * get_spec(out, fmt).num_layers()
+        fmt, out, trusted = _discover(entries, eng, hints, uniform)
+        return _bind_whole(out, fmt, eng, [owner[i] for i in range(len(entries))], trusted)
     views = physical_entries(entries, members)
     _check_one_device(views)
     keys = {i: _key(views[i]) for i in members}
     if len(set(keys.values())) == 1:
-        fmt, out = _detect_subset(views, members, eng, hints, len(entries))
+        fmt, out, _ = _detect_subset(views, members, eng, hints, len(entries))
         if not LAYOUTS[fmt].is_layer_list:
             if len(members) != len(entries):
                 missing = next(i for i in range(len(entries)) if i not in views)
@@ -143,19 +201,19 @@ def normalize_and_discover_per_layer_formats(
                     f"{fmt.name} holds every layer in one structure, so its entries cannot be left out "
                     f"of the layer groups (kv_caches[{missing}] is in none); pass layer_index_groups=None"
                 )
-            return out, [fmt] * get_spec(out, fmt).num_layers()
+            return _bind_whole(out, fmt, eng, [owner[i] for i in range(len(entries))], False)
         result: list[Any] = list(entries)
         formats: list[EngineKVFormat | None] = [None] * len(entries)
         for j, i in enumerate(members):
             result[i], formats[i] = out[j], fmt
-        return result, formats
-    result, formats = list(entries), [None] * len(entries)
+        return _bind_layers(result, formats, owner, eng)
+    result, formats = list(entries), [None for _ in entries]
     for g, group in enumerate(groups):
         buckets: dict[Hashable, list[int]] = {}
         for i in group:
             buckets.setdefault(keys[i], []).append(i)
         for idxs in buckets.values():
-            fmt, out = _detect_subset(views, idxs, eng, hints, len(entries), group=g)
+            fmt, out, _ = _detect_subset(views, idxs, eng, hints, len(entries), group=g)
             if not LAYOUTS[fmt].is_layer_list:
                 raise DetectionError(
                     f"layers {idxs} (layer group {g}) are {fmt.name}, which is not one entry per layer, "
@@ -163,7 +221,24 @@ def normalize_and_discover_per_layer_formats(
                 )
             for j, i in enumerate(idxs):
                 result[i], formats[i] = out[j], fmt
-    return result, formats
+    return _bind_layers(result, formats, owner, eng)
+
+
+def _bind_whole(
+    out: Any, fmt: EngineKVFormat, eng: EngineType, entry_groups: list[int], trusted: bool
+) -> Registration:
+    """A detection of every entry: a layer list keeps each entry's group; a structure
+    that holds every layer (K/V lists) is one group."""
+    if LAYOUTS[fmt].is_layer_list:
+        return _bind(out, fmt, engine_groups=entry_groups, engine=eng, root="kv_caches", trusted=trusted)
+    return _bind(out, fmt, engine=eng, root="kv_caches", trusted=trusted)
+
+
+def _bind_layers(
+    result: list[Any], formats: list[EngineKVFormat | None], owner: dict[int, int], eng: EngineType
+) -> Registration:
+    groups = [owner.get(i, EXCLUDED_ENGINE_GROUP) for i in range(len(result))]
+    return _bind(result, formats, engine_groups=groups, engine=eng, root="kv_caches")
 
 
 def _detect_subset(
@@ -173,9 +248,9 @@ def _detect_subset(
     hints: LayoutHints,
     total: int,
     group: int | None = None,
-) -> tuple[EngineKVFormat, Any]:
+) -> tuple[EngineKVFormat, Any, bool]:
     try:
-        return _detect([views[i] for i in idxs], engine, hints)
+        return _discover([views[i] for i in idxs], engine, hints)
     except (KVLayoutError, TypeError) as exc:
         if idxs == list(range(total)):
             raise
@@ -220,7 +295,7 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
 def _check_one_device(views: dict[int, Any]) -> None:
     first: tuple[int, torch.device] | None = None
     for i, view in views.items():
-        device = first_leaf(view).device
+        device = first_leaf(view, root=f"kv_caches[{i}]").device
         if first is None:
             first = (i, device)
         elif device != first[1]:
@@ -230,7 +305,6 @@ def _check_one_device(views: dict[int, Any]) -> None:
 
 
 def _key(node: Any) -> Hashable:
-    """A layer's physical structure: each tensor's shape (in memory order) and dtype."""
-    if isinstance(node, torch.Tensor):
-        return (tuple(node.shape), node.dtype)
-    return tuple(_key(child) for child in node)
+    """A layer's physical structure: where each tensor sits, its shape (in memory order)
+    and dtype."""
+    return tuple((path, tuple(t.shape), t.dtype) for path, t in leaves(node))

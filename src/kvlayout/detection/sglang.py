@@ -17,10 +17,7 @@ Quirks that live here and nowhere else:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
-
-import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.base import (
@@ -31,6 +28,7 @@ from kvlayout.detection.base import (
     unfold_shape,
     unfolded_twin,
 )
+from kvlayout.nesting import leaves, map_leaves
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.SGLANG
@@ -68,7 +66,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         _check_block_size(fmt, p, tpb)
         return fmt, kv
     twin = unfolded_twin(ENGINE, fmt)
-    if not all(t.is_contiguous() for t in _leaves(kv)):
+    if not all(t.is_contiguous() for _, t in leaves(kv)):
         raise DetectionError(
             f"SGLang: {p.describe()}: a page buffer with padded rows cannot be split into blocks "
             "by tokens_per_block (the token rows would keep the padding)"
@@ -77,7 +75,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         shape = unfold_shape(LAYOUTS[fmt], LAYOUTS[twin], p.shape, tpb)
     except DetectionError as exc:
         raise DetectionError(f"SGLang: {p.describe()}: {exc}") from None
-    return twin, _map_leaves(kv, lambda t: t.view(shape))
+    return twin, map_leaves(kv, lambda t: t.view(shape))
 
 
 def _unified(kv: Any, p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
@@ -97,15 +95,3 @@ def _check_block_size(fmt: EngineKVFormat, p: Probe, tpb: int | None) -> None:
             f"SGLang: layout hint tokens_per_block={tpb} contradicts {fmt.name}, whose BS is "
             f"{p.shape[axis]} ({p.describe()})"
         )
-
-
-def _leaves(kv: Any) -> list[torch.Tensor]:
-    if isinstance(kv, torch.Tensor):
-        return [kv]
-    return [t for child in kv for t in _leaves(child)]
-
-
-def _map_leaves(kv: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    if isinstance(kv, torch.Tensor):
-        return fn(kv)
-    return [_map_leaves(child, fn) for child in kv]

@@ -1,0 +1,151 @@
+"""Which bytes a registration's tensors occupy, and whether any two share one.
+
+A tensor is ``blocks`` blocks of ``block`` bytes, ``period`` bytes apart: one block when
+it is contiguous, its dim-0 rows when they are padded (the padding between them belongs
+to nobody and may hold another tensor: vLLM's blocks-first layers interleave in one
+pool). Tensors of one shape and strides form a :class:`Run` that differs only in start
+addresses, so the common registration (one tensor per layer, all alike) is checked by
+sorting those addresses.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple, NoReturn
+
+import numpy as np
+import torch
+
+from kvlayout.errors import KVLayoutError
+from kvlayout.nesting import Path, describe_path
+
+__all__ = ["Run", "check_disjoint", "run_of"]
+
+
+class Run(NamedTuple):
+    """Tensors of one shape and strides: ``blocks`` blocks of ``block`` bytes, ``period``
+    bytes apart, from each of ``starts``; ``paths`` say where each sits (for messages)."""
+
+    period: int
+    block: int
+    blocks: int
+    starts: Sequence[int]
+    paths: Sequence[Path]
+    root: str
+
+
+class _Extent(NamedTuple):
+    start: int
+    period: int
+    block: int
+    blocks: int
+    position: int  # into the flattened runs, for the message
+
+    @property
+    def end(self) -> int:
+        return self.start + (self.blocks - 1) * self.period + self.block
+
+
+def run_of(t: torch.Tensor, starts: Sequence[int], paths: Sequence[Path], root: str) -> Run | None:
+    """The run of tensors shaped and strided like ``t`` at ``starts``, or None when they
+    occupy no memory (empty, or on the meta device). Tensors are in physical order,
+    contiguous but for dim-0 padding."""
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    es = t.element_size()
+    size = t.numel() * es
+    period, block, count = size, size, 1
+    if t.dim() >= 2 and t.shape[0] > 1 and t.stride(0) * t.shape[0] > t.numel():
+        period, block, count = t.stride(0) * es, size // t.shape[0], int(t.shape[0])
+    return Run(period, block, count, starts, paths, root)
+
+
+def check_disjoint(runs: Iterable[Run | None], error: type[KVLayoutError], why: str) -> None:
+    """Raise ``error`` naming two tensors that share a byte."""
+    present = [r for r in runs if r is not None]
+    if not present:
+        return
+    shape = present[0][:3]
+    if all(r[:3] == shape for r in present):
+        period, block, count = shape
+        span = (count - 1) * period + block
+        ordered = sorted(s for r in present for s in r.starts)
+        if all(b - a >= span for a, b in itertools.pairwise(ordered)):
+            return  # the common case: spans apart (separate allocations, slices of one buffer)
+        if count > 1:
+            _check_pool(present, error, why)
+            return
+    _check_pairs(present, error, why)
+
+
+def _name(runs: Sequence[Run], k: int, j: int) -> str:
+    return describe_path(runs[k].paths[j], runs[k].root)
+
+
+def _check_pairs(runs: Sequence[Run], error: type[KVLayoutError], why: str) -> None:
+    """A sweep over start addresses, testing every two tensors whose spans overlap."""
+    index: list[tuple[int, int]] = []
+    items: list[_Extent] = []
+    for k, r in enumerate(runs):
+        for j, start in enumerate(r.starts):
+            items.append(_Extent(start, r.period, r.block, r.blocks, len(index)))
+            index.append((k, j))
+    items.sort(key=lambda e: e.start)
+    active: list[_Extent] = []
+    for item in items:
+        active = [a for a in active if a.end > item.start]
+        for a in active:
+            if _meet(a, item):
+                _overlap(runs, index[a.position], index[item.position], a, item, error, why)
+        active.append(item)
+
+
+def _meet(a: _Extent, b: _Extent) -> bool:
+    """Do two extents whose spans overlap (``a`` starting first) share a byte?"""
+    if a.blocks == 1 and b.blocks == 1:
+        return True
+    if a.period == b.period and a.block == b.block:
+        # block k of a meets block j of b only for k = j + q or k = j + q + 1
+        q, d = divmod(b.start - a.start, a.period)
+        return (d < a.block and q < a.blocks) or (a.period - d < a.block and q + 1 < a.blocks)
+    x, y = (a, b) if a.blocks <= b.blocks else (b, a)
+    for k in range(x.blocks):
+        lo = x.start + k * x.period
+        hi = lo + x.block
+        j_min = max(0, (lo - y.block - y.start) // y.period + 1)
+        j_max = min(y.blocks - 1, -((y.start - hi) // y.period) - 1)
+        if j_min <= j_max:
+            return True
+    return False
+
+
+def _check_pool(runs: Sequence[Run], error: type[KVLayoutError], why: str) -> None:
+    """Every pair of same-shaped padded tensors at once (``_meet``'s rule, vectorized)."""
+    period, block, count = runs[0][:3]
+    starts = sorted((s, k, j) for k, r in enumerate(runs) for j, s in enumerate(r.starts))
+    addr = np.array([s for s, _, _ in starts], dtype=np.int64)
+    diff = addr[None, :] - addr[:, None]
+    q, d = np.divmod(diff, period)
+    hit = (diff >= 0) & (((d < block) & (q < count)) | ((period - d < block) & (q + 1 < count)))
+    np.fill_diagonal(hit, False)
+    if hit.any():
+        i, j = (int(x) for x in np.argwhere(hit)[0])
+        a = _Extent(starts[i][0], period, block, count, i)
+        b = _Extent(starts[j][0], period, block, count, j)
+        _overlap(runs, starts[i][1:], starts[j][1:], a, b, error, why)
+
+
+def _overlap(
+    runs: Sequence[Run],
+    first: tuple[int, int],
+    second: tuple[int, int],
+    a: _Extent,
+    b: _Extent,
+    error: type[KVLayoutError],
+    why: str,
+) -> NoReturn:
+    raise error(
+        f"{_name(runs, *second)} and {_name(runs, *first)} overlap in memory (bytes {a.start:#x}-{a.end:#x} "
+        f"and {b.start:#x}-{b.end:#x}); {why}"
+    )

@@ -1,0 +1,152 @@
+"""The one walker of a registration's nesting: lists and tuples around tensors.
+
+Every module that looks inside a registration (contiguity recovery, the detectors'
+re-views, per-layer bucketing, binding a registration to its format, the demo) goes
+through these functions, so they agree at the edges: a structure deeper than
+:data:`MAX_NESTING` (or one that contains itself) is an error, not a ``RecursionError``
+or a hang; anything that is not a tensor, list or tuple is a ``TypeError`` naming where
+it stands; paths are written ``kv_caches[i][j]`` everywhere.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvlayout.errors import KVLayoutError
+
+__all__ = [
+    "MAX_NESTING",
+    "LocatedError",
+    "Path",
+    "at",
+    "describe_path",
+    "first_leaf",
+    "leaves",
+    "map_leaves",
+    "not_a_kv_cache",
+]
+
+MAX_NESTING = 8
+"""List levels deeper than any format; a deeper (or self-referencing) structure is an error."""
+
+Path = tuple[int, ...]
+
+
+class LocatedError(Exception):
+    """A problem found inside a structure; raised as ``kind`` with the path prepended.
+
+    Callees raise it with the problem alone; :func:`map_leaves` and :func:`leaves` add
+    the list indices on the way out, so messages name the tensor wherever it sits.
+    """
+
+    def __init__(self, kind: type[Exception], problem: str) -> None:
+        super().__init__(problem)
+        self.kind = kind
+        self.problem = problem
+
+
+def describe_path(path: Sequence[int], root: str = "kv_caches") -> str:
+    return root + "".join(f"[{i}]" for i in path)
+
+
+def not_a_kv_cache(node: object) -> str:
+    """Why ``node`` cannot be part of a registration."""
+    if node is None:
+        return "is None; a KV cache is a tensor or a list/tuple of tensors"
+    if isinstance(node, Mapping):
+        return (
+            f"is a {type(node).__name__}; pass the tensors as a list "
+            "(for example list(kv_caches.values()) in registration order)"
+        )
+    return f"is a {type(node).__name__}, not a tensor or a list/tuple of tensors"
+
+
+def _too_deep() -> LocatedError:
+    return LocatedError(
+        KVLayoutError, f"is nested more than {MAX_NESTING} list levels deep (or contains itself)"
+    )
+
+
+def map_leaves(
+    kv: Any,
+    fn: Callable[[torch.Tensor], torch.Tensor],
+    *,
+    root: str = "kv_caches",
+    keep_tuples: bool = False,
+    start: Path = (),
+) -> Any:
+    """The structure rebuilt with ``fn`` applied to every tensor (a bare tensor: ``fn(kv)``).
+
+    Lists become new lists; tuples become lists too unless ``keep_tuples``. ``fn`` may
+    raise :class:`LocatedError`; it surfaces as its ``kind`` with the tensor's path.
+    ``start`` is the path of ``kv`` itself inside a larger registration (for messages).
+    """
+    path = list(start)
+
+    def visit(node: object) -> Any:
+        if isinstance(node, torch.Tensor):
+            return fn(node)
+        if isinstance(node, (list, tuple)):
+            if len(path) - len(start) >= MAX_NESTING:
+                raise _too_deep()
+            out = []
+            path.append(0)
+            for i, child in enumerate(node):
+                path[-1] = i
+                out.append(visit(child))
+            path.pop()
+            return tuple(out) if keep_tuples and isinstance(node, tuple) else out
+        raise LocatedError(TypeError, not_a_kv_cache(node))
+
+    try:
+        return visit(kv)
+    except LocatedError as located:
+        raise located.kind(f"{describe_path(path, root)}: {located.problem}") from None
+
+
+def leaves(kv: Any, *, root: str = "kv_caches") -> Iterator[tuple[Path, torch.Tensor]]:
+    """Every tensor with its path, depth first, in list order."""
+    stack: list[tuple[Path, object]] = [((), kv)]
+    while stack:
+        path, node = stack.pop()
+        if isinstance(node, torch.Tensor):
+            yield path, node
+        elif isinstance(node, (list, tuple)):
+            if len(path) >= MAX_NESTING:
+                raise KVLayoutError(f"{describe_path(path, root)}: {_too_deep().problem}")
+            stack.extend(((*path, i), child) for i, child in reversed(list(enumerate(node))))
+        else:
+            raise TypeError(f"{describe_path(path, root)}: {not_a_kv_cache(node)}")
+
+
+def at(kv: Any, path: Path, *, root: str = "kv_caches") -> object:
+    """The entry at ``path``; a :class:`KVLayoutError` names the level that cannot hold it."""
+    node: object = kv
+    for depth, index in enumerate(path):
+        if not isinstance(node, (list, tuple)):
+            kind = type(node).__name__
+            raise KVLayoutError(f"{describe_path(path[:depth], root)} is a {kind}, not a list of entries")
+        if index >= len(node):
+            raise KVLayoutError(
+                f"{describe_path(path[:depth], root)} has {len(node)} entries, so it has no entry {index}"
+            )
+        node = node[index]
+    return node
+
+
+def first_leaf(kv: Any, *, root: str = "kv_caches") -> torch.Tensor:
+    """The first tensor of a registration (entry 0 at every level)."""
+    node, depth = kv, 0
+    while isinstance(node, (list, tuple)):
+        if not node:
+            where = describe_path([0] * depth, root)
+            raise KVLayoutError(f"{where} is an empty list" if depth else f"{root} is an empty list")
+        if depth >= MAX_NESTING:
+            raise KVLayoutError(f"{describe_path([0] * depth, root)}: {_too_deep().problem}")
+        node, depth = node[0], depth + 1
+    if not isinstance(node, torch.Tensor):
+        raise TypeError(f"{describe_path([0] * depth, root)}: {not_a_kv_cache(node)}")
+    return node

@@ -1,0 +1,669 @@
+"""A registration bound to its format: walked once, checked once, grouped into kernel groups.
+
+Detection builds one: :func:`kvlayout.detect` returns it, and the LMCache-named
+``normalize_*`` functions return a :class:`RegisteredKV` (a read-only list) that carries
+it. :func:`bind` builds one for a registration whose format is already known. Everything
+after detection reads it instead of the tensors: the facade's accessors, pointer tables,
+descriptors and grouping, and the transfer plans made from its kernel groups.
+
+Binding (:mod:`kvlayout.binding`) reads every tensor as the format's layout says; a
+layer list is read layer by layer, and layers are grouped by what one kernel must share
+(format, shapes, block stride, dtype) within their engine (KV cache) group, so layers of
+different engine groups never share a kernel group. No two tensors of one engine group
+may overlap in memory (:mod:`kvlayout.memory`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, NamedTuple, NoReturn
+
+import torch
+
+from kvlayout._generated.descriptors import PageBufferShapeDesc
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
+from kvlayout.binding import (
+    Bound,
+    LayerTable,
+    PlaneShape,
+    RegistrationError,
+    bind_layers,
+    bind_structure,
+    check_block_stride,
+    tight_block,
+)
+from kvlayout.errors import KVLayoutError, index_ranges
+from kvlayout.layout import Layout
+from kvlayout.memory import check_disjoint, run_of
+from kvlayout.nesting import Path, first_leaf
+from kvlayout.registry import FormatLike, as_format, get_spec
+from kvlayout.spec import UndefinedSizeError
+from kvlayout.types import EngineType
+from kvlayout.vocabulary import Role
+
+__all__ = [
+    "EXCLUDED_ENGINE_GROUP",
+    "Geometry",
+    "KernelGroup",
+    "LayerGroupIdentity",
+    "Plane",
+    "RegisteredKV",
+    "Registration",
+    "RegistrationError",
+    "bind",
+    "bound",
+]
+
+EXCLUDED_ENGINE_GROUP = -1
+"""An engine group index that keeps a layer out of every kernel group."""
+
+
+class LayerGroupIdentity(NamedTuple):
+    """What layers must share to be moved by one kernel group.
+
+    The first seven fields are LMCache's ``KernelGroupIdentity`` in its order.
+    ``block_size`` is None for formats that fold NB*BS (they have no block size of their
+    own; LMCache raises there). ``block_stride_elems`` (dim 0's stride where dim 0 is the
+    block axis, else None) and ``num_blocks`` (None for NB*BS formats) are kvlayout's
+    additions: a kernel group has one descriptor, so layers from pools with different
+    padding or block counts never share one.
+    """
+
+    kv_size: int
+    num_heads: int
+    head_size: int
+    block_size: int | None
+    engine_group_idx: int
+    dtype: torch.dtype
+    engine_kv_format: EngineKVFormat
+    block_stride_elems: int | None
+    num_blocks: int | None = None
+
+
+class Plane(NamedTuple):
+    """Tensors of one kernel group that share one geometry: all of its tensors, or one
+    plane of per-layer plane tuples (each plane has its own pointer table)."""
+
+    leaves: tuple[torch.Tensor, ...]  # in pointer-table order
+    paths: Sequence[Path]  # where each tensor sits in the registration
+    shape: tuple[int, ...]
+    sizes: dict[str, int]  # the layout's sizes as the tensors give them (NB*BS stays folded)
+    block_stride: int | None  # dim 0's stride where dim 0 is the block axis, else None
+    dtype: torch.dtype
+    device: torch.device
+    data_ptrs: tuple[int, ...]
+
+    @property
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def padded_block_stride(self) -> int:
+        """The block stride when blocks are padded apart, 0 when they are tight."""
+        if self.block_stride is None or self.block_stride == tight_block(self.shape):
+            return 0
+        return self.block_stride
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """A kernel group's answers to the accessors (the generated spec's, read once)."""
+
+    num_blocks: int | None  # None where the format folds NB*BS
+    block_size: int | None
+    page_buffer_size: int
+    kv_size: int
+    num_heads: int
+    head_size: int
+    hidden_dim: int
+    dtype: torch.dtype
+
+
+class KernelGroup:
+    """Layers one kernel moves together: one format, one geometry, one engine group.
+
+    ``kv`` is the group's own registration: its layers' entries for a layer list, the
+    whole structure otherwise. ``data_ptrs`` is the kernel's pointer table (planes
+    interleaved as the layout orders them). ``memo`` is where code built on a group
+    (transfer plans) keeps what it derives from it.
+    """
+
+    __slots__ = (
+        "_positions",
+        "data_ptrs",
+        "engine_group",
+        "format",
+        "geometry",
+        "kv",
+        "layers",
+        "memo",
+        "planes",
+        "registration_layers",
+    )
+
+    def __init__(
+        self,
+        format: EngineKVFormat,
+        engine_group: int,
+        layers: tuple[int, ...],
+        kv: Any,
+        planes: tuple[Plane, ...],
+        data_ptrs: tuple[int, ...],
+        geometry: Geometry,
+        registration_layers: int,
+    ) -> None:
+        self.format = format
+        self.engine_group = engine_group
+        self.layers = layers
+        self.kv = kv
+        self.planes = planes
+        self.data_ptrs = data_ptrs
+        self.geometry = geometry
+        self.registration_layers = registration_layers  # layers of the whole registration
+        self.memo: dict[object, object] = {}
+        self._positions: dict[int, int] | None = None
+
+    def __repr__(self) -> str:
+        return f"KernelGroup({self.describe()}, engine group {self.engine_group})"
+
+    @property
+    def layout(self) -> Layout:
+        return LAYOUTS[self.format]
+
+    @property
+    def device(self) -> torch.device:
+        return self.planes[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.geometry.dtype
+
+    @property
+    def num_blocks(self) -> int:
+        if self.geometry.num_blocks is None:
+            raise _undefined(self.format, "num_blocks")
+        return self.geometry.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        if self.geometry.block_size is None:
+            raise _undefined(self.format, "block_size")
+        return self.geometry.block_size
+
+    @property
+    def block_stride_elems(self) -> int | None:
+        """``stride(0)`` of the group's tensors where dim 0 is the block axis, else None."""
+        return self.planes[0].block_stride
+
+    @property
+    def identity(self) -> LayerGroupIdentity:
+        g = self.geometry
+        return LayerGroupIdentity(
+            g.kv_size, g.num_heads, g.head_size, g.block_size, self.engine_group, g.dtype, self.format,
+            self.block_stride_elems, g.num_blocks,
+        )  # fmt: skip
+
+    def layer_tensors(self, layer: int) -> list[torch.Tensor]:
+        """The tensors holding one of the group's layers, in pointer-table order."""
+        level = next((i for i, t in enumerate(self.layout.lists) if t.role is Role.LAYER), None)
+        return [
+            leaf
+            for plane in self.planes
+            for leaf, path in zip(plane.leaves, plane.paths, strict=True)
+            if level is None or path[level] == layer
+        ]
+
+    def layer_ptrs(self, layer: int) -> list[int]:
+        """One layer's part of the pointer table (a layer list's entry, in kernel order)."""
+        if self._positions is None:
+            self._positions = {layer: i for i, layer in enumerate(self.layers)}
+        position = self._positions[layer]
+        per = len(self.data_ptrs) // len(self.layers)
+        return list(self.data_ptrs[position * per : (position + 1) * per])
+
+    def concrete_shape(self) -> str:
+        """``32 x [2, 2048, 16, 8, 128]``: the group's shape with its numbers."""
+        return get_spec(self.kv, self.format).concrete_shape_str()
+
+    def describe(self) -> str:
+        """``layers 0-31: NL_X_TWO_NB_BS_NH_HS [2, 2048, 16, 8, 128] torch.bfloat16``."""
+        shapes = " + ".join(str(list(p.shape)) for p in self.planes)
+        return f"layers {index_ranges(self.layers)}: {self.format.name} {shapes} {self.dtype}"
+
+    def descriptor(
+        self,
+        num_layers: int | None = None,
+        num_blocks: int | None = None,
+        block_size: int | None = None,
+        block_stride_elems: int | None = None,
+    ) -> PageBufferShapeDesc:
+        """The group's kernel descriptor. Every argument given is checked against the
+        tensors (defaults: the group's own); ``block_size`` is needed for NB*BS formats."""
+        g = self.geometry
+        total = self.registration_layers
+        nl = len(self.layers) if num_layers is None else _count("num_layers_in_group", num_layers, 1)
+        if self.layout.is_cross_layer and nl != total:
+            raise RegistrationError(
+                f"num_layers_in_group={nl}, but {self.format.name} holds {total} layers in one tensor "
+                "and its descriptor addresses all of them"
+            )
+        if nl > total:
+            raise RegistrationError(f"num_layers_in_group={nl}, but the registration has {total} layers")
+        nb = None if num_blocks is None else _count("num_blocks", num_blocks, 0)
+        bs = None if block_size is None else _count("block_size", block_size, 1)
+        if g.num_blocks is not None and g.block_size is not None:
+            for name, given, real in (("num_blocks", nb, g.num_blocks), ("block_size", bs, g.block_size)):
+                if given is not None and given != real:
+                    raise RegistrationError(
+                        f"{name}={given}, but layer {self.layers[0]}'s tensors ({self.format.name}) "
+                        f"have {real}"
+                    )
+            nb, bs = g.num_blocks, g.block_size
+        else:  # NB*BS folded: the caller says how the page buffer splits
+            if bs is None:
+                raise RegistrationError(
+                    f"{self.format.name} folds NB and BS into one axis of {g.page_buffer_size} token slots: "
+                    "pass block_size"
+                )
+            if g.page_buffer_size % bs or (nb is not None and nb * bs != g.page_buffer_size):
+                split = f"num_blocks={nb} x block_size={bs}" if nb is not None else f"block_size={bs}"
+                raise RegistrationError(
+                    f"{split} does not tile the {g.page_buffer_size} token slots of {self.format.name}"
+                )
+            nb = g.page_buffer_size // bs
+        stride = 0
+        if block_stride_elems:
+            stride = _count("block_stride_elems", block_stride_elems, 0)
+            check_block_stride(self.layout, self.planes[0].sizes, stride)
+            if stride != self.block_stride_elems:
+                raise RegistrationError(
+                    f"block_stride_elems={stride}, but layer {self.layers[0]}'s blocks are "
+                    f"{self.block_stride_elems} elements apart"
+                )
+        elif self.planes[0].padded_block_stride:
+            raise RegistrationError(
+                f"layer {self.layers[0]}'s blocks are padded ({self.block_stride_elems} elements apart); "
+                f"pass block_stride_elems={self.block_stride_elems}"
+            )
+        return PageBufferShapeDesc(g.kv_size, nl, nb, bs, g.num_heads, g.head_size, g.dtype.itemsize, stride)
+
+
+def _undefined(fmt: EngineKVFormat, accessor: str) -> UndefinedSizeError:
+    return UndefinedSizeError(
+        f"{accessor} is undefined for the fused format {fmt.name}: NB and BS share one axis (NB*BS)"
+    )
+
+
+def _count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
+    if value < minimum:
+        raise KVLayoutError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+# -- the registration -------------------------------------------------------------------------
+
+
+class Registration:
+    """A registration bound to its format(s): the structure, per-layer formats and engine
+    groups, and the kernel groups every consumer reads (see the module docstring).
+
+    Build one with :func:`kvlayout.detect` or :func:`bind`; it never copies a tensor.
+    """
+
+    __slots__ = (
+        "_by_engine_groups",
+        "_group_of",
+        "_layers",
+        "_registered",
+        "_shared",
+        "engine",
+        "engine_groups",
+        "formats",
+        "kernel_groups",
+        "kv",
+        "num_layers",
+        "root",
+    )
+
+    def __init__(
+        self,
+        kv: Any,
+        formats: Sequence[EngineKVFormat | None],
+        engine_groups: Sequence[int],
+        layers: LayerTable | None,
+        shared: Bound | None,
+        engine: EngineType | None,
+        root: str,
+    ) -> None:
+        self.kv = kv
+        self.formats = tuple(formats)
+        self.engine_groups = tuple(engine_groups)
+        self.num_layers = len(self.formats)
+        self.engine = engine
+        self.root = root
+        self._layers = layers  # a layer list, read layer by layer
+        self._shared = shared  # a structure that is not one entry per layer, read whole
+        self._by_engine_groups: dict[tuple[int, ...], tuple[KernelGroup, ...]] = {}
+        self._registered: weakref.ref[RegisteredKV] | None = None
+        self.kernel_groups = self.group_by(self.engine_groups)
+        if len(self.kernel_groups) == 1 and len(self.kernel_groups[0].layers) == self.num_layers:
+            self._group_of: tuple[KernelGroup | None, ...] = self.kernel_groups * self.num_layers
+        else:
+            group_of: list[KernelGroup | None] = [None] * self.num_layers
+            for g in self.kernel_groups:
+                for i in g.layers:
+                    group_of[i] = g
+            self._group_of = tuple(group_of)
+
+    def __repr__(self) -> str:
+        groups = "; ".join(g.describe() for g in self.kernel_groups)
+        engine = f"{self.engine.value}, " if self.engine is not None else ""
+        return f"Registration({engine}{self.num_layers} layers: {groups})"
+
+    @property
+    def format(self) -> EngineKVFormat:
+        """The registration's one format (an error for hybrids: read ``formats``)."""
+        found = {f for f in self.formats if f is not None}
+        if len(found) != 1:
+            names = ", ".join(sorted(f.name for f in found)) or "none"
+            raise RegistrationError(f"the registration has {len(found)} formats ({names}); read .formats")
+        return next(iter(found))
+
+    @property
+    def device(self) -> torch.device:
+        return self.kernel_groups[0].device if self.kernel_groups else first_leaf(self.kv).device
+
+    @property
+    def registered_kv(self) -> Any:
+        """The normalized structure as the LMCache-named functions return it: a
+        :class:`RegisteredKV` carrying this registration (a bare tensor stays a tensor)."""
+        if isinstance(self.kv, torch.Tensor):
+            return self.kv
+        registered = self._registered() if self._registered is not None else None
+        if registered is None:  # held weakly: the list holds the registration, not back
+            registered = RegisteredKV(self.kv, self)
+            self._registered = weakref.ref(registered)
+        return registered
+
+    # -- kernel groups --------------------------------------------------------------------
+
+    def group(self, layer_idx: int = 0, fmt: FormatLike | None = None) -> KernelGroup:
+        """The kernel group holding a layer; ``fmt``, if given, must be the layer's format."""
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
+            raise TypeError(f"layer_idx must be an int, not {type(layer_idx).__name__}")
+        if not 0 <= layer_idx < self.num_layers:
+            raise RegistrationError(f"layer {layer_idx} is out of range for {self.num_layers} layers")
+        group = self._group_of[layer_idx]
+        if group is None:
+            raise RegistrationError(f"layer {layer_idx} has no format (it was in no layer group)")
+        if fmt is not None and group.format is not fmt and group.format is not as_format(fmt):
+            raise RegistrationError(
+                f"layer {layer_idx} is {group.format.name}, not {as_format(fmt).name} (as detected)"
+            )
+        return group
+
+    def only_group(self) -> KernelGroup:
+        """The registration's one kernel group (an error naming them when there are several)."""
+        if len(self.kernel_groups) != 1:
+            listed = "; ".join(g.describe() for g in self.kernel_groups) or "none"
+            raise RegistrationError(
+                f"the registration has {len(self.kernel_groups)} kernel groups ({listed}); "
+                "a transfer plan moves one: prepare each of registration.kernel_groups"
+            )
+        return self.kernel_groups[0]
+
+    def group_by(self, engine_groups: Sequence[int]) -> tuple[KernelGroup, ...]:
+        """Kernel groups for an assignment of layers to engine groups (-1: in none), in
+        order of first layer. Layers of different engine groups are never merged."""
+        key = tuple(engine_groups)
+        cached = self._by_engine_groups.get(key)
+        if cached is None:
+            cached = self._build_groups(key)
+            self._by_engine_groups[key] = cached
+        return cached
+
+    def _build_groups(self, engine_groups: tuple[int, ...]) -> tuple[KernelGroup, ...]:
+        # Layers read alike share one key object (binding makes them canonical), so
+        # buckets are keyed by its identity: hashing shapes and devices per layer is slow.
+        buckets: dict[tuple[int, int], list[int]] = {}
+        keys = self._layers.keys if self._layers is not None else [()] * self.num_layers
+        if (
+            len(set(engine_groups)) == 1
+            and engine_groups[0] != EXCLUDED_ENGINE_GROUP
+            and len(set(map(id, keys))) == 1
+            and None not in self.formats
+        ):
+            buckets[(engine_groups[0], 0)] = list(range(self.num_layers))  # one group: every layer alike
+        else:
+            for i, (fmt, eg, key) in enumerate(zip(self.formats, engine_groups, keys, strict=True)):
+                if eg == EXCLUDED_ENGINE_GROUP:
+                    continue
+                if fmt is None:
+                    raise RegistrationError(
+                        f"layer {i} has no format (it was in no detection group) but "
+                        f"per_layer_engine_group_idx puts it in engine group {eg}"
+                    )
+                buckets.setdefault((eg, id(key)), []).append(i)
+        groups = tuple(self._kernel_group(eg, layers) for (eg, _), layers in buckets.items())
+        for eg in dict.fromkeys(g.engine_group for g in groups):
+            check_disjoint(
+                (
+                    run_of(p.leaves[0], p.data_ptrs, p.paths, self.root)
+                    for g in groups
+                    if g.engine_group == eg
+                    for p in g.planes
+                ),
+                RegistrationError,
+                f"the tensors of engine group {eg} must be disjoint (one tensor registered for two layers "
+                "loses data on transfer; KV cache groups that vLLM overlays need layer_index_groups)",
+            )
+        return groups
+
+    def _kernel_group(self, engine_group: int, layers: list[int]) -> KernelGroup:
+        planes = []
+        if self._shared is not None:
+            b, kv = self._shared, self.kv
+            for p, shape in enumerate(b.shapes):
+                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes)))
+            ptrs = self._shared_ptrs(layers)
+        else:
+            table = self._layers
+            assert table is not None
+            b = table.templates[table.keys[layers[0]]]  # type: ignore[index]
+            kv = list(self.kv) if len(layers) == len(self.kv) else [self.kv[i] for i in layers]
+            for p, shape in enumerate(b.shapes):
+                sizes = {**shape.sizes, "NL": len(layers)}
+                planes.append(_plane(shape, table.leaves(self.kv, layers, p), table.paths(layers, p), sizes))
+            ptrs = _interleave([p.data_ptrs for p in planes], len(layers))
+        geometry = _geometry(kv, b)
+        return KernelGroup(
+            b.format, engine_group, tuple(layers), kv, tuple(planes), tuple(ptrs), geometry, self.num_layers
+        )
+
+    def _shared_ptrs(self, layers: Sequence[int]) -> list[int]:
+        b = self._shared
+        assert b is not None
+        by_path = {
+            path: leaf
+            for ps, ls in zip(b.paths, b.leaves, strict=True)
+            for path, leaf in zip(ps, ls, strict=True)
+        }
+        return [by_path[path].data_ptr() for path in LAYOUTS[b.format].pointer_order(b.list_sizes, layers)]
+
+    # -- pointer tables ---------------------------------------------------------------------
+
+    def data_ptrs(self, layer_indices: Iterable[int], fmt: FormatLike | None = None) -> list[int]:
+        """The pointer table of some layers in kernel order: one per layer; ``[K...,
+        V...]`` for K/V lists; each layer's tuple in turn; one base for cross-layer."""
+        want = None if fmt is None else as_format(fmt)
+        layers = tuple(layer_indices)
+        if layers and type(layers[0]) is int and 0 <= layers[0] < self.num_layers:
+            g = self._group_of[layers[0]]
+            if g is not None and g.layers == layers and (want is None or g.format is want):
+                return list(g.data_ptrs)  # a whole kernel group: its table as built
+        for i in layers:
+            self.group(i, want)
+        if self._shared is not None:
+            return self._shared_ptrs(layers)
+        out: list[int] = []
+        for i in layers:
+            out.extend(self.group(i).layer_ptrs(i))
+        return out
+
+
+def _interleave(plane_ptrs: Sequence[Sequence[int]], num_layers: int) -> list[int]:
+    """Per-plane pointer tables of some layers as one table in pointer order: layer 0's
+    entries (planes interleaved), then layer 1's, ..."""
+    if len(plane_ptrs) == 1:
+        return list(plane_ptrs[0])
+    per = [len(ptrs) // num_layers for ptrs in plane_ptrs]
+    out: list[int] = []
+    for layer in range(num_layers):
+        for ptrs, n in zip(plane_ptrs, per, strict=True):
+            out.extend(ptrs[layer * n : (layer + 1) * n])
+    return out
+
+
+_GEOMETRIES: dict[tuple[object, ...], Geometry] = {}
+
+
+def _plane(
+    shape: PlaneShape, leaves: tuple[torch.Tensor, ...], paths: Sequence[Path], sizes: dict[str, int]
+) -> Plane:
+    pointers = tuple(t.data_ptr() for t in leaves)
+    return Plane(leaves, paths, shape.shape, sizes, shape.block_stride, shape.dtype, shape.device, pointers)
+
+
+def _geometry(kv: Any, b: Bound) -> Geometry:
+    """The accessors' answers for a group read like ``b`` (remembered by ``b.key``:
+    registrations repeat their shapes)."""
+    known = _GEOMETRIES.get(b.key)
+    if known is not None:
+        return known
+    spec = get_spec(kv, b.format)
+    try:
+        nb: int | None = spec.num_blocks()
+        bs: int | None = spec.block_size()
+    except UndefinedSizeError:
+        nb = bs = None
+    dtype = spec.dtype()
+    assert isinstance(dtype, torch.dtype)
+    geometry = Geometry(
+        num_blocks=nb,
+        block_size=bs,
+        page_buffer_size=spec.page_buffer_size(),
+        kv_size=spec.kv_size(),
+        num_heads=spec.num_heads(),
+        head_size=spec.head_size(),
+        hidden_dim=spec.hidden_dim(),
+        dtype=dtype,
+    )
+    if len(_GEOMETRIES) < 4096:
+        _GEOMETRIES[b.key] = geometry
+    return geometry
+
+
+# -- building -------------------------------------------------------------------------------
+
+
+def bind(
+    kv: Any,
+    formats: FormatLike | Sequence[FormatLike | None],
+    *,
+    engine_groups: Sequence[int] | None = None,
+    engine: EngineType | None = None,
+    root: str = "kv",
+    trusted: bool = False,
+) -> Registration:
+    """A normalized registration (as detection returns it) bound to a known format.
+
+    ``formats`` is one format for the whole registration or one per layer (None: the
+    layer is in no group and is not read). ``engine_groups`` gives each layer's engine
+    (KV cache) group, -1 for none; by default every layer with a format is in group 0.
+    Raises :class:`RegistrationError` naming the tensor for anything the format cannot
+    describe, and when two tensors of one engine group overlap in memory.
+    """
+    if isinstance(formats, (EngineKVFormat, int, str)):
+        per_layer: list[EngineKVFormat | None] | None = None
+        present = {as_format(formats)}
+    else:
+        per_layer = [None if f is None else as_format(f) for f in formats]
+        present = {f for f in per_layer if f is not None}
+        if not present:
+            raise RegistrationError("no layer has a format")
+    whole = [f for f in present if not LAYOUTS[f].is_layer_list]
+    if whole and len(present) > 1:
+        names = ", ".join(sorted(f.name for f in present))
+        raise RegistrationError(
+            f"{whole[0].name} holds every layer in one structure; it cannot mix with {names}"
+        )
+    shared: Bound | None = None
+    if whole:
+        shared = bind_structure(kv, whole[0], root, trusted=trusted)
+        n = int(get_spec(kv, whole[0]).num_layers())
+        fmts: list[EngineKVFormat | None] = [whole[0]] * n if per_layer is None else per_layer
+        table: LayerTable | None = None
+        if len(fmts) != n:
+            raise RegistrationError(
+                f"engine_kv_formats has {len(fmts)} layers but the registration has {n} ({whole[0].name})"
+            )
+    else:
+        if isinstance(kv, torch.Tensor) or not isinstance(kv, (list, tuple)):
+            name = next(iter(present)).name
+            raise RegistrationError(f"{root} is a {type(kv).__name__}, but {name} is a list of layers")
+        n = len(kv)
+        if n == 0:
+            raise RegistrationError(f"{root} is empty")
+        fmts = [next(iter(present))] * n if per_layer is None else per_layer
+        if len(fmts) != n:
+            raise RegistrationError(f"engine_kv_formats has {len(fmts)} layers but the registration has {n}")
+        table = bind_layers(kv, fmts, root, trusted)
+    if engine_groups is None:
+        groups = [0 if f is not None else EXCLUDED_ENGINE_GROUP for f in fmts]
+    else:
+        groups = list(engine_groups)
+        if len(groups) != n:
+            raise RegistrationError(f"engine_groups has {len(groups)} entries for {n} layers")
+    return Registration(kv, fmts, groups, table, shared, engine, root)
+
+
+class RegisteredKV(list):  # type: ignore[type-arg]
+    """The normalized registration the LMCache-named detection functions return: a
+    read-only list of its entries that carries its :class:`Registration`, so the facade
+    and transfer functions answer from it without walking or checking again."""
+
+    __slots__ = ("__weakref__", "registration")
+
+    def __init__(self, entries: Iterable[Any], registration: Registration) -> None:
+        super().__init__(entries)
+        self.registration = registration
+
+    def _read_only(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError(
+            "this registration is read-only (detection bound it to its tensors); "
+            "copy it with list(kv) and detect again to change it"
+        )
+
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = _read_only
+    append = extend = insert = pop = remove = clear = sort = reverse = _read_only
+
+    def __reduce_ex__(self, protocol: object) -> tuple[type, tuple[list[Any]]]:
+        return (list, (list(self),))
+
+
+def bound(kv: Any, fmt: FormatLike, *, root: str = "kv") -> Registration:
+    """The registration of ``kv`` read in ``fmt``: the one detection attached to it when
+    ``fmt`` is one of its formats, else ``kv`` bound now (checked in full)."""
+    if type(kv) is RegisteredKV:
+        reg: Registration = kv.registration
+        if (fmt if type(fmt) is EngineKVFormat else as_format(fmt)) in reg.formats:
+            return reg
+    elif type(kv) is Registration:
+        if as_format(fmt) in kv.formats:
+            return kv
+        kv = kv.kv
+    return bind(kv, fmt, root=root)
