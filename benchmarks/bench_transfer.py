@@ -8,6 +8,13 @@ chunks of 16 blocks, and back. In the same run, for the same bytes:
     per K/V half where torch can take one, a gather plus transposing copy where it cannot),
     on the row's thread count or fewer, whichever was faster.
 Each figure is the median of several runs, in GB/s; ratios are ours over each baseline.
+Ours is a prepared plan (``kvlayout.transfer.prepare`` once, then one call per move).
+
+Then the fixed cost of one prepared call (16 block ids, one chunk, every block skipped:
+the per-call checks and the native call, no bytes) beside one detection of the same
+registration, for a 32-layer Llama-3-8B and a 61-layer DeepSeek-V3 MLA cache; the target
+is at most 0.5x a detection. The unprepared row is ``store_blocks`` on a plain list (not
+detection's registration), which checks the whole registration on every call.
 Run with ``make bench-transfer``.
 """
 
@@ -23,14 +30,16 @@ import argparse
 import random
 import statistics
 import time
+import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+import kvlayout
 from kvlayout import EngineKVFormat as F
-from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
+from kvlayout.transfer import prepare, store_blocks
 
 NL, NB, BS, NH, HS, MLA_HS = 32, 2048, 16, 8, 128, 576
 BLOCKS, CHUNK_TOKENS = 256, 256
@@ -136,7 +145,8 @@ def run_format(
 ) -> list[str]:
     """One format's table rows: store and load, for each thread count."""
     case = make_case(fmt)
-    shape, dtype = chunk_shape(case.kv, fmt, CHUNK_TOKENS)
+    plan = prepare(case.kv, fmt)
+    shape, dtype = plan.chunk_shape(CHUNK_TOKENS)
     chunks = [torch.ones(shape, dtype=dtype) for _ in ids]
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
     src = torch.ones(nbytes // 2, dtype=DTYPE)
@@ -146,11 +156,11 @@ def run_format(
     for threads in thread_counts:
         torch.set_num_threads(threads)
         plain = timed(lambda: dst.copy_(src), repeats)
-        moves = (("store", store_blocks, case.gather), ("load", load_blocks, case.scatter))
+        moves = (("store", plan.store_blocks, case.gather), ("load", plan.load_blocks, case.scatter))
         for direction, ours_move, torch_move in moves:
 
             def ours_run(move: Callable[..., None] = ours_move, n: int = threads) -> None:
-                move(case.kv, fmt, block_ids, chunks, num_threads=n)
+                move(block_ids, chunks, num_threads=n)
 
             def torch_run(move: Callable[..., None] = torch_move) -> None:
                 move(ids, chunks)
@@ -164,6 +174,50 @@ def run_format(
                 f"{plain / ours:>8.2f}x{best_torch / ours:>9.2f}x"
             )
     return rows
+
+
+def fixed_cost(repeats: int) -> list[str]:
+    """Rows: one prepared call with no bytes to move, against one detection."""
+
+    def llama() -> list[torch.Tensor]:
+        return [torch.zeros(2, 256, BS, NH, HS, dtype=DTYPE) for _ in range(NL)]
+
+    def deepseek() -> list[torch.Tensor]:
+        return [torch.zeros(64, 64, MLA_HS, dtype=DTYPE) for _ in range(61)]
+
+    cases = (
+        ("Llama-3-8B, 32 layers", llama, {"kv_layout": "NHD"}),
+        ("DeepSeek-V3 MLA, 61 layers", deepseek, {}),
+    )
+    rows = []
+    for label, build, hints in cases:
+        raw = build()
+        fmt, kv = kvlayout.normalize_kv_and_discover_format(raw, "vllm", hints)
+        plan = prepare(kv, fmt)
+        ids = list(range(CHUNK_TOKENS // plan.block_size))
+        chunk = torch.empty(plan.chunk_shape(CHUNK_TOKENS)[0], dtype=DTYPE)
+        plain = list(kv)
+
+        def detect(raw: Any = raw, hints: dict[str, str] = hints) -> None:
+            kvlayout.normalize_kv_and_discover_format(raw, "vllm", hints)
+
+        def prepared(plan: Any = plan, ids: list[int] = ids, chunk: torch.Tensor = chunk) -> None:
+            plan.store_blocks(ids, [chunk], skip_prefix_n_blocks=len(ids))
+
+        def unprepared(
+            plain: list[Any] = plain, fmt: F = fmt, ids: list[int] = ids, chunk: Any = chunk
+        ) -> None:
+            store_blocks(plain, fmt, ids, [chunk], skip_prefix_n_blocks=len(ids))
+
+        us = [best_us(fn, 200, repeats) for fn in (detect, prepared, unprepared)]
+        ratios = f"{us[1] / us[0]:>12.2f}x{us[2] / us[0]:>14.2f}x"
+        rows.append(f"{label:<28}{us[0]:>10.1f}{us[1]:>12.1f}{us[2]:>13.1f}{ratios}")
+    return rows
+
+
+def best_us(fn: Callable[[], object], number: int, repeats: int) -> float:
+    fn()
+    return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
 
 
 def main() -> None:
@@ -190,6 +244,15 @@ def main() -> None:
     print(
         "\nvs copy = ours / plain copy bandwidth; vs torch = ours / best torch bandwidth (higher is better)"
     )
+    print("\nfixed cost of one call, microseconds (best of several runs; target: prepared <= 0.5x detection)")
+    header = (
+        f"{'registration':<28}{'detection':>10}{'prepared':>12}{'unprepared':>13}"
+        f"{'prepared/det':>13}{'unprepared/det':>15}"
+    )
+    print(header)
+    print("-" * len(header))
+    for line in fixed_cost(max(args.repeats, 5)):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":
