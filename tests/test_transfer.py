@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import itertools
 import re
+import subprocess
+import sys
+import textwrap
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,7 +18,7 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat
 from kvlayout.algebra import Coord, offset
-from kvlayout.transfer import TransferError, chunk_shape, load_blocks, store_blocks
+from kvlayout.transfer import TransferError, chunk_shape, load_blocks, prepare, store_blocks
 from tests.registrations import DTYPES, Registration, make_registration
 
 FORMATS = list(EngineKVFormat)
@@ -275,3 +279,118 @@ def test_mixed_leaves_are_refused() -> None:
     kv[2] = torch.randn(2, 9, 4, 2, 16)
     with pytest.raises(TransferError, match=re.escape("layers 2: NL_X_TWO_NB_BS_NH_HS [2, 9, 4, 2, 16]")):
         chunk_shape(kv, 1, 8)
+
+
+# -- prepared plans: per-call checks, the worker pool ------------------------------------------
+
+
+def test_chunks_must_not_overlap_each_other_or_the_cache() -> None:
+    kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(3)]
+    plan = prepare(kv, 1)
+    shape, _ = plan.chunk_shape(4)
+    buf = torch.zeros(2 * shape[0] * shape[1] * shape[2] * shape[3])
+    first = buf[: buf.numel() // 2].view(shape)
+    overlapping = buf[8 : 8 + buf.numel() // 2].view(shape)
+    before = [t.clone() for t in kv]
+    with pytest.raises(TransferError, match=re.escape("chunks[0] and chunks[1] overlap in memory")):
+        plan.load_blocks([1, 2], [first, overlapping])
+    inside = kv[1].view(-1)[: first.numel()].view(shape)
+    with pytest.raises(TransferError, match=re.escape("chunks[1] overlaps the cache's memory")):
+        plan.store_blocks([1, 2], [first, inside])
+    assert all(torch.equal(a, b) for a, b in zip(before, kv, strict=True))
+
+
+def test_a_plan_is_prepared_once_per_registration() -> None:
+    fmt, kv = kvlayout.normalize_kv_and_discover_format(
+        [torch.randn(2, 8, 4, 2, 16) for _ in range(3)], "vllm", {"kv_layout": "NHD"}
+    )
+    plan = prepare(kv, fmt)
+    assert prepare(kv, fmt) is plan and prepare(kv.registration, fmt) is plan  # type: ignore[union-attr]
+    assert (
+        repr(plan)
+        == "TransferPlan(NL_X_TWO_NB_BS_NH_HS, layers 3, 8 blocks of 4, chunk rows of 32 torch.float32, cpu)"
+    )
+    cross = torch.randn(8, 3, 2, 4, 2, 16)
+    fmt, view = kvlayout.normalize_kv_and_discover_format(cross, "vllm", {"kv_layout": "NHD"})
+    assert view is not cross and view.data_ptr() == cross.data_ptr()  # type: ignore[union-attr]
+    assert prepare(view, fmt) is prepare(view, fmt)
+
+
+def test_block_ids_come_as_lists_arrays_or_tensors() -> None:
+    kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(2)]
+    plan = prepare(kv, 1)
+    shape, dtype = plan.chunk_shape(8)
+    expected = torch.zeros(shape, dtype=dtype)
+    plan.store_blocks([3, 5], [expected])
+    for ids in (np.array([3, 5], dtype=np.uint32), torch.tensor([3, 5], dtype=torch.int32), (3, 5)):
+        got = torch.zeros(shape, dtype=dtype)
+        plan.store_blocks(ids, [got])
+        assert torch.equal(got, expected)
+    with pytest.raises(TransferError, match=re.escape("block_ids must be integers, got torch.float32")):
+        plan.store_blocks(torch.tensor([3.0, 5.0]), [got])
+
+
+def test_the_worker_pool_persists_and_is_capped() -> None:
+    from kvlayout import _native
+
+    kv = [torch.randn(2, 64, 4, 2, 16) for _ in range(2)]
+    plan = prepare(kv, 1)
+    shape, dtype = plan.chunk_shape(4 * 64)
+    chunk = torch.zeros(shape, dtype=dtype)
+    ids = np.arange(64, dtype=np.int64)
+    ptrs = np.array([chunk.data_ptr()], dtype=np.uint64)
+    tokens = np.array([shape[2]], dtype=np.int64)
+    engine = plan._engine
+    bad, used = engine.run(0, ids, ptrs, tokens, 64, 0, 10_000)
+    assert bad == -1 and 1 <= used <= _native.max_threads()
+    workers = _native.pool_workers()
+    for _ in range(5):
+        engine.run(0, ids, ptrs, tokens, 64, 0, 10_000)
+    assert _native.pool_workers() == workers  # no thread per call
+    assert engine.run(0, ids[:1], ptrs, tokens, 64, 0, 10_000)[1] == 1  # one block: one thread
+
+
+def test_a_refused_thread_means_fewer_threads_not_an_abort() -> None:
+    """Thread stacks need address space: with almost none left, the copy runs on the
+    threads it has (the caller's), and the bytes are right. In a subprocess, so an abort
+    fails this test instead of killing the run."""
+    code = textwrap.dedent(
+        """
+        import resource, torch
+        from kvlayout import _native
+        from kvlayout.transfer import prepare
+        kv = [torch.randn(2, 64, 4, 2, 16) for _ in range(2)]
+        plan = prepare(kv, 1)
+        shape, dtype = plan.chunk_shape(4 * 64)
+        chunk, ids = torch.zeros(shape, dtype=dtype), list(range(64))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+        used = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        resource.setrlimit(resource.RLIMIT_AS, (used + (4 << 20), hard))  # no room for an 8 MiB stack
+        plan.store_blocks(ids, [chunk], num_threads=64)
+        workers = _native.pool_workers()
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        ok = all(torch.equal(chunk[k, l].view(64, 4, 32)[b], kv[l][k, b].view(4, 32))
+                 for k in range(2) for l in range(2) for b in range(64))
+        print(f"ok, {workers} workers" if ok else "wrong bytes")
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok, 0 workers"  # no thread could start: the caller copied alone
+
+
+def test_the_cuda_staging_buffer_is_ids_then_chunk_addresses_then_token_counts() -> None:
+    from kvlayout.cuda_transfer import narrow_unit, staging
+
+    out = np.zeros(7, dtype=np.int64)
+    staging(
+        np.array([4, 9, 2], dtype=np.int64),
+        np.array([2**63 + 16, 4096], dtype=np.uint64),
+        np.array([32, 16], dtype=np.int64),
+        out,
+    )
+    assert out.tolist() == [4, 9, 2, -(2**63) + 16, 4096, 32, 16]
+    assert narrow_unit(16, [4096, 2**20 + 8], 2) == 8
+    assert narrow_unit(16, [4096, 3], 1) == 1

@@ -135,6 +135,8 @@ def _block_stride(layout: Layout, sizes: Mapping[str, int], leaf: torch.Tensor, 
     shape, stride = leaf.shape, leaf.stride()
     expected = tight = _tight(layout, tuple(sizes.items()))[1]
     block: int | None = None
+    if leaf.numel() == 0:  # no element to address: its strides say nothing
+        return int(tight[0]) if layout.has_leading_block_axis else None
     if layout.has_leading_block_axis:
         block = int(stride[0]) if shape[0] > 1 else int(tight[0])
         if block != tight[0]:

@@ -348,7 +348,7 @@ class Registration:
         self._layers = layers  # a layer list, read layer by layer
         self._shared = shared  # a structure that is not one entry per layer, read whole
         self._by_engine_groups: dict[tuple[int, ...], tuple[KernelGroup, ...]] = {}
-        self._registered: weakref.ref[RegisteredKV] | None = None
+        self._registered: weakref.ref[Any] | None = None
         self.kernel_groups = self.group_by(self.engine_groups)
         if len(self.kernel_groups) == 1 and len(self.kernel_groups[0].layers) == self.num_layers:
             self._group_of: tuple[KernelGroup | None, ...] = self.kernel_groups * self.num_layers
@@ -379,13 +379,12 @@ class Registration:
 
     @property
     def registered_kv(self) -> Any:
-        """The normalized structure as the LMCache-named functions return it: a
-        :class:`RegisteredKV` carrying this registration (a bare tensor stays a tensor)."""
-        if isinstance(self.kv, torch.Tensor):
-            return self.kv
+        """The normalized structure as the LMCache-named functions return it, carrying
+        this registration: a :class:`RegisteredKV` for a list, a view of the tensor (not
+        the caller's object) for a bare tensor."""
         registered = self._registered() if self._registered is not None else None
-        if registered is None:  # held weakly: the list holds the registration, not back
-            registered = RegisteredKV(self.kv, self)
+        if registered is None:  # held weakly: what was handed out holds the registration
+            registered = RegisteredKV(self.kv, self) if isinstance(self.kv, list) else _tensor_view(self)
             self._registered = weakref.ref(registered)
         return registered
 
@@ -655,15 +654,36 @@ class RegisteredKV(list):  # type: ignore[type-arg]
         return (list, (list(self),))
 
 
+_TENSOR_VIEWS: dict[int, tuple[weakref.ref[torch.Tensor], Registration]] = {}
+"""Registrations of the bare tensors detection handed out (views it made for them), by
+the view's id; an entry goes when its view does. Tensors cannot carry the registration
+the way :class:`RegisteredKV` does without putting it in their pickled state."""
+
+
+def _tensor_view(reg: Registration) -> torch.Tensor:
+    view: torch.Tensor = reg.kv[...]  # a new tensor object over the same memory
+    key = id(view)
+
+    def forget(ref: weakref.ref[torch.Tensor]) -> None:
+        if _TENSOR_VIEWS.get(key, (None,))[0] is ref:
+            del _TENSOR_VIEWS[key]
+
+    _TENSOR_VIEWS[key] = (weakref.ref(view, forget), reg)
+    return view
+
+
 def bound(kv: Any, fmt: FormatLike, *, root: str = "kv") -> Registration:
     """The registration of ``kv`` read in ``fmt``: the one detection attached to it when
     ``fmt`` is one of its formats, else ``kv`` bound now (checked in full)."""
+    reg: Registration | None = None
     if type(kv) is RegisteredKV:
-        reg: Registration = kv.registration
-        if (fmt if type(fmt) is EngineKVFormat else as_format(fmt)) in reg.formats:
-            return reg
+        reg = kv.registration
     elif type(kv) is Registration:
-        if as_format(fmt) in kv.formats:
-            return kv
-        kv = kv.kv
+        reg, kv = kv, kv.kv
+    elif isinstance(kv, torch.Tensor):
+        entry = _TENSOR_VIEWS.get(id(kv))
+        if entry is not None and entry[0]() is kv:
+            reg = entry[1]
+    if reg is not None and (fmt if type(fmt) is EngineKVFormat else as_format(fmt)) in reg.formats:
+        return reg
     return bind(kv, fmt, root=root)

@@ -59,9 +59,10 @@ def normalize_kv_and_discover_format(
     The returned structure shares storage with ``kv`` (views only, never copies): dims in
     physical order, engine reshapes applied (TRT-LLM's flat pool row split, SGLang page
     buffers un-folded by ``tokens_per_block``, vLLM's DSA indexer squeezed), lists
-    rebuilt (per-layer tuples of the tuple formats stay tuples). A list comes back as a
-    read-only :class:`~kvlayout.registration.RegisteredKV` carrying its bound
-    registration, which the facade and transfer functions read instead of the tensors.
+    rebuilt (per-layer tuples of the tuple formats stay tuples). It carries its bound
+    registration, which the facade and transfer functions read instead of the tensors:
+    a list comes back as a read-only :class:`~kvlayout.registration.RegisteredKV`, a bare
+    tensor as a new view of the caller's tensor.
 
     Every leaf is checked: one rank, dtype, device and shape for the whole registration
     (the planes of an MLA tuple may differ from each other), strides the format can
