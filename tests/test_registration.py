@@ -182,7 +182,9 @@ def test_overlaid_engine_groups_need_layer_groups() -> None:
     group_b = [buf[0].view(7, 3, 16), buf[1].view(7, 3, 16)]  # the same bytes, another group
     reg = kvlayout.detect([*group_a, *group_b], "vllm", layer_groups=[[0, 1], [2, 3]])
     assert [g.layers for g in reg.kernel_groups] == [(0, 1), (2, 3)]
-    with pytest.raises(RegistrationError, match="KV cache groups that vLLM overlays need layer_index_groups"):
+    with pytest.raises(
+        RegistrationError, match="KV cache groups that vLLM overlays must be passed as layer groups"
+    ):
         kvlayout.detect([*group_a, *group_b], "vllm")
 
 

@@ -458,7 +458,7 @@ class Registration:
                 ),
                 RegistrationError,
                 f"the tensors of engine group {eg} must be disjoint (one tensor registered for two layers "
-                "loses data on transfer; KV cache groups that vLLM overlays need layer_index_groups)",
+                "loses data on transfer; KV cache groups that vLLM overlays must be passed as layer groups)",
             )
         return groups
 
