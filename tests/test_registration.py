@@ -106,14 +106,13 @@ def test_a_prepared_plan_moves_what_the_functions_move(case: Case) -> None:
     from kvlayout.transfer import prepare, store_blocks
 
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
-    block_size = case.bs if case.bs is not None else 1
     folded = None if case.nb is not None else 1
     plan = prepare(kv, fmt, block_size=folded)
     assert prepare(kv, fmt, block_size=folded) is plan  # prepared once
     for leaf in flatten(kv):
         leaf.view(torch.uint8).copy_(torch.randint(0, 256, leaf.view(torch.uint8).shape, dtype=torch.uint8))
     ids = list(range(plan.num_blocks))[::-1]
-    shape, dtype = plan.chunk_shape(block_size)
+    shape, dtype = plan.chunk_shape(plan.block_size)  # one block per chunk
     via_plan = [torch.zeros(shape, dtype=dtype) for _ in ids]
     via_function = [torch.zeros(shape, dtype=dtype) for _ in ids]
     plan.store_blocks(ids, via_plan)

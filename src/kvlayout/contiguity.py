@@ -12,6 +12,7 @@ Knows strides and permutations only; nothing about formats or engines.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any, NoReturn
@@ -43,9 +44,9 @@ def attempt_permute_to_contiguous_view(kv: DiscoverableKVCache) -> DiscoverableK
     is rebuilt, the tensors are not). A tensor already in physical order is returned as
     the same object (LMCache 0.5.6 always makes a new view). Physical order sorts dims by
     stride, outermost first; a size-1 dim goes inside a dim of equal stride, because its
-    stride is arbitrary (vLLM's HND cache with one head, exposed as NHD, recovers HND).
-    Size-1 dims of a tensor already in that order, and tensors with no elements, are
-    never moved.
+    stride is arbitrary (vLLM's HND cache with one head, exposed as NHD, recovers HND),
+    and otherwise stays where the caller put it (see :func:`physical_order`). Tensors with
+    no elements are never moved.
 
     Raises :class:`StridedViewError` (a ``KVLayoutError``) for views that are neither
     contiguous nor dim-0 padded, naming the tensor, the reason, its shape and strides;
@@ -63,18 +64,43 @@ def physical_entries(entries: Sequence[object], indices: Iterable[int]) -> dict[
 
 
 def physical_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
-    """Dims sorted by stride, outermost first; a size-1 dim after a dim of equal stride;
-    full ties keep their order."""
-    return sorted(range(len(shape)), key=lambda i: (stride[i], shape[i] != 1), reverse=True)
+    """The caller's dims in memory order, outermost first.
 
-
-def _in_physical_order(shape: Sequence[int], stride: Sequence[int]) -> bool:
-    # Adjacent keys non-increasing <=> the stable sort above is the identity.
-    for i in range(len(shape) - 1):
-        a, b = stride[i], stride[i + 1]
-        if a < b or (a == b and shape[i] == 1 and shape[i + 1] != 1):
-            return False
-    return True
+    Dims longer than 1 sort by stride (ties keep their order). A size-1 dim addresses
+    nothing, so its stride only hints where it belongs (torch calls any stride on it
+    contiguous, and DLPack producers emit 0): it goes right inside a longer dim whose
+    stride it equals, or between two longer dims where its stride is the tight one, or
+    beside a size-1 dim before it of the same stride (vLLM's one-head HND cache, exposed
+    as NHD, recovers HND); never outermost by its stride, never last unless the caller
+    has a size-1 dim last; otherwise it stays after the dim the caller put it after. One the caller put in front of padded
+    block rows goes inside them if its stride says so, since only dim 0 may be padded.
+    """
+    n = len(shape)
+    big = sorted((i for i in range(n) if shape[i] != 1), key=lambda i: stride[i], reverse=True)
+    order = list(big)
+    padded = bool(big) and stride[big[0]] > math.prod(shape[d] for d in big[1:])
+    ones = [i for i in range(n) if shape[i] == 1]
+    for j in ones:
+        # inside the innermost dim only where the caller has another size-1 dim behind it
+        behind = big and any(k > big[-1] and k != j for k in ones)
+        twins = [d for d in big if d != big[-1] or behind]
+        pin = next((d for d in twins if stride[d] == stride[j]), None)
+        if pin is None:  # between two longer dims, where its stride is the tight one
+            pin = next((d for d, e in itertools.pairwise(big) if stride[e] * shape[e] == stride[j]), None)
+        if pin is None:
+            pin = next((d for d in ones if d < j and stride[d] == stride[j]), None)
+        if pin is None and all(shape[k] == 1 for k in range(j + 1, n)):
+            order.append(j)  # the caller put it among the last dims: it stays last
+            continue
+        if pin is None:
+            pin = next((d for d in range(j - 1, -1, -1) if shape[d] != 1), None)
+        if pin is None and padded and stride[j] < stride[big[0]]:
+            pin = big[0]  # not in front of padded rows its stride puts it inside
+        pos = 0 if pin is None else order.index(pin) + 1
+        while pos < len(order) and shape[order[pos]] == 1:
+            pos += 1  # after the size-1 dims already placed there: they keep the caller's order
+        order.insert(pos, j)
+    return order
 
 
 def _physical_view(t: torch.Tensor) -> torch.Tensor:
@@ -86,9 +112,8 @@ def _physical_view(t: torch.Tensor) -> torch.Tensor:
     if t.numel() == 0:
         return t  # no memory to misread, and its strides say nothing
     stride = t.stride()
-    view, perm = t, list(range(t.dim()))
-    if not _in_physical_order(shape, stride):
-        perm = physical_order(shape, stride)
+    view, perm = t, physical_order(shape, stride)
+    if perm != list(range(t.dim())):
         view = t.permute(perm)
         contiguous = view.is_contiguous()
     if contiguous:
