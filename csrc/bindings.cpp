@@ -90,6 +90,13 @@ class TransferPlan {
     return kvlayout::transfer::first_bad_block_id(batch, num_blocks_);
   }
 
+  // Ids must be in range (first_bad_block_id) before this is asked.
+  std::int64_t first_repeated_block_id(IntArray block_ids, std::int64_t skip) const {
+    const auto n = static_cast<std::int64_t>(block_ids.shape(0));
+    if (skip < 0 || skip > n) throw nb::value_error("skip is outside [0, len(block_ids)]");
+    return kvlayout::transfer::first_repeated_block_id(block_ids.data(), n, skip, num_blocks_);
+  }
+
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
     if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
@@ -174,6 +181,8 @@ NB_MODULE(_native, m) {
       .def(nb::init<const std::vector<JobArgs>&, std::int64_t>(), "jobs"_a, "num_blocks"_a)
       .def("first_bad_block_id", &TransferPlan::first_bad_block_id, "block_ids"_a,
            "The index of the first block id outside [0, num_blocks), or -1.")
+      .def("first_repeated_block_id", &TransferPlan::first_repeated_block_id, "block_ids"_a, "skip"_a,
+           "The index of the first block id after the skipped ones that repeats an earlier one there, or -1.")
       .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
            "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "

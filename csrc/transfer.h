@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kvlayout/indexing.cuh"
@@ -107,6 +108,34 @@ inline std::int64_t first_bad_block_id(const Batch& b, std::int64_t num_blocks) 
     if (b.block_ids[i] < 0 || b.block_ids[i] >= num_blocks) return i;
   }
   return -1;
+}
+
+// The index of the first block id in [skip, num_ids) that repeats an earlier one there,
+// or -1: a load writes each block once (with two chunks for one block, which wins would
+// depend on the thread schedule).
+inline std::int64_t first_repeated_block_id(const std::int64_t* ids, std::int64_t num_ids, std::int64_t skip,
+                                            std::int64_t num_blocks) {
+  const std::int64_t n = num_ids - skip;
+  if (n <= 1) return -1;
+  if (num_blocks <= 4096 * n) {  // a bitmap of the pool is cheap next to the copy
+    std::vector<std::uint64_t> seen(static_cast<std::size_t>((num_blocks + 63) / 64));
+    for (std::int64_t i = skip; i < num_ids; ++i) {
+      const auto b = static_cast<std::uint64_t>(ids[i]);
+      std::uint64_t& word = seen[b / 64];
+      if (word & (std::uint64_t{1} << (b % 64))) return i;
+      word |= std::uint64_t{1} << (b % 64);
+    }
+    return -1;
+  }
+  std::vector<std::pair<std::int64_t, std::int64_t>> order;  // (id, index)
+  order.reserve(static_cast<std::size_t>(n));
+  for (std::int64_t i = skip; i < num_ids; ++i) order.emplace_back(ids[i], i);
+  std::sort(order.begin(), order.end());
+  std::int64_t first = -1;
+  for (std::size_t k = 1; k < order.size(); ++k) {
+    if (order[k].first == order[k - 1].first && (first < 0 || order[k].second < first)) first = order[k].second;
+  }
+  return first;
 }
 
 // Moves blocks [skip_prefix_blocks, num_blocks) of the batch, split over up to `threads`

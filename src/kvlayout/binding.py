@@ -21,7 +21,7 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError, SizeError
 from kvlayout.layout import Layout
-from kvlayout.nesting import Path, at, describe_path, leaves
+from kvlayout.nesting import Path, at, describe_path, leaves, not_strided
 from kvlayout.vocabulary import Role
 
 __all__ = [
@@ -175,6 +175,9 @@ def bind_structure(
         leaf = at(kv, path, root=root)
         if not isinstance(leaf, torch.Tensor):
             _fail(f"{describe_path(path, root)} is a {type(leaf).__name__}, not a tensor ({layout})")
+        problem = not_strided(leaf)
+        if problem is not None:
+            raise TypeError(f"{describe_path(path, root)} {problem}")
         entries.append((path, leaf))
     under = kv if layer is None else kv[layer]
     if not trusted and not isinstance(under, torch.Tensor):
@@ -342,11 +345,13 @@ def bind_layers(
 
 def _signature(entry: object, fmt: EngineKVFormat) -> tuple[object, ...] | None:
     """What makes two layer entries read alike (None: read this one in full)."""
-    if isinstance(entry, torch.Tensor):
-        return (fmt, entry.shape, entry.stride(), entry.dtype, entry.device)
-    if isinstance(entry, (list, tuple)) and all(isinstance(t, torch.Tensor) for t in entry):
-        return (fmt, type(entry), tuple((t.shape, t.stride(), t.dtype, t.device) for t in entry))
-    return None
+    tensors = (
+        [entry] if isinstance(entry, torch.Tensor) else entry if isinstance(entry, (list, tuple)) else ()
+    )
+    if not tensors or not all(isinstance(t, torch.Tensor) and not_strided(t) is None for t in tensors):
+        return None
+    parts = tuple((t.shape, t.stride(), t.dtype, t.device) for t in tensors if isinstance(t, torch.Tensor))
+    return (fmt, type(entry), parts)
 
 
 def check_block_stride(layout: Layout, sizes: Mapping[str, int], stride: int) -> None:

@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from kvlayout.errors import KVLayoutError
-from kvlayout.nesting import LocatedError, map_leaves
+from kvlayout.nesting import LocatedError, map_leaves, not_strided
 from kvlayout.types import DiscoverableKVCache
 
 __all__ = [
@@ -106,6 +106,9 @@ def physical_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
 
 def _physical_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` in physical order (the same object when it already is)."""
+    problem = not_strided(t)
+    if problem is not None:
+        raise LocatedError(TypeError, problem)
     shape = t.shape
     contiguous = t.is_contiguous()
     if contiguous and 1 not in shape:

@@ -93,6 +93,12 @@ class CudaPlan:
         bad = np.flatnonzero((ids < 0) | (ids >= self.plan.num_blocks))
         return int(bad[0]) if bad.size else -1
 
+    def first_repeated_block_id(self, ids: np.ndarray, skip: int) -> int:
+        rest = ids[skip:]
+        _, first = np.unique(rest, return_index=True)
+        repeated = np.setdiff1d(np.arange(len(rest)), first)
+        return int(repeated[0]) + skip if repeated.size else -1
+
     def run(
         self,
         direction: int,

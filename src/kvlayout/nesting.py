@@ -27,6 +27,7 @@ __all__ = [
     "leaves",
     "map_leaves",
     "not_a_kv_cache",
+    "not_strided",
 ]
 
 MAX_NESTING = 8
@@ -62,6 +63,16 @@ def not_a_kv_cache(node: object) -> str:
             "(for example list(kv_caches.values()) in registration order)"
         )
     return f"is a {type(node).__name__}, not a tensor or a list/tuple of tensors"
+
+
+def not_strided(t: torch.Tensor) -> str | None:
+    """Why a tensor cannot be a KV cache's memory (None when it can): kvlayout addresses
+    strided tensors only."""
+    if t.is_nested:
+        return "is a nested tensor; a KV cache is a strided tensor"
+    if t.layout is not torch.strided:
+        return f"is a tensor of layout {t.layout}; a KV cache is a strided (dense) tensor"
+    return None
 
 
 def _too_deep() -> LocatedError:

@@ -15,6 +15,7 @@ may overlap in memory (:mod:`kvlayout.memory`).
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -392,8 +393,13 @@ class Registration:
 
     def group(self, layer_idx: int = 0, fmt: FormatLike | None = None) -> KernelGroup:
         """The kernel group holding a layer; ``fmt``, if given, must be the layer's format."""
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int):
-            raise TypeError(f"layer_idx must be an int, not {type(layer_idx).__name__}")
+        if type(layer_idx) is not int:
+            if isinstance(layer_idx, bool):
+                raise TypeError("layer_idx must be an int, not bool")
+            try:
+                layer_idx = operator.index(layer_idx)
+            except TypeError:
+                raise TypeError(f"layer_idx must be an int, not {type(layer_idx).__name__}") from None
         if not 0 <= layer_idx < self.num_layers:
             raise RegistrationError(f"layer {layer_idx} is out of range for {self.num_layers} layers")
         group = self._group_of[layer_idx]

@@ -29,6 +29,7 @@ from kvlayout import algebra
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
+from kvlayout.nesting import not_strided
 from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
 from kvlayout.registry import FormatLike
 from kvlayout.vocabulary import Role
@@ -126,6 +127,10 @@ class TransferPlan:
                 f"{self.dtype} elements (the first plane's type, which chunks use)"
             )
         self.row = self.row_bytes // itemsize
+        empty = [f"{name}={n}" for name, n in (("NB", self.num_blocks), ("BS", self.block_size)) if n == 0]
+        if empty or self.row == 0:
+            what = ", ".join(empty) if empty else "a token row of 0 elements"
+            raise TransferError(f"{self.format.name}: the cache holds no blocks to move ({what})")
         self._extents = _cache_extents(group)
         if self.device.type == "cpu":
             from kvlayout import _native
@@ -158,11 +163,15 @@ class TransferPlan:
     # -- what a call needs -------------------------------------------------------------
 
     def chunk_shape(self, num_tokens: int) -> tuple[tuple[int, ...], torch.dtype]:
-        """The shape and dtype of a chunk of ``num_tokens`` tokens:
-        ``[kv_size, num_layers, num_tokens, row]`` in the cache's dtype."""
+        """The shape and dtype of a chunk of ``num_tokens`` tokens (a whole number of
+        blocks): ``[kv_size, num_layers, num_tokens, row]`` in the cache's dtype."""
         tokens = _int("num_tokens", num_tokens)
         if tokens <= 0:
             raise TransferError(f"num_tokens must be a positive int, got {num_tokens!r}")
+        if tokens % self.block_size:
+            raise TransferError(
+                f"num_tokens={tokens} is not a whole number of blocks of {self.block_size} tokens"
+            )
         return (self.kv_size, self.num_layers, tokens, self.row), self.dtype
 
     def store_blocks(
@@ -188,6 +197,14 @@ class TransferPlan:
         threads = _int("num_threads", threads)
         if threads < 1:
             raise TransferError(f"num_threads must be a positive int, got {threads!r}")
+        if direction == _LOAD:
+            again = self._engine.first_repeated_block_id(ids, skip)
+            if again >= 0:
+                earlier = skip + int(np.flatnonzero(ids[skip:again] == ids[again])[0])
+                raise TransferError(
+                    f"block_ids[{again}] = {int(ids[again])} repeats block_ids[{earlier}]: a load writes "
+                    "each block once (which chunk's copy would land is undefined)"
+                )
         self._engine.run(direction, ids, ptrs, tokens, per_chunk, skip, threads)
 
     def _check_ids(self, ids: np.ndarray) -> None:
@@ -362,6 +379,10 @@ def _int(name: str, value: object) -> int:
 def _block_ids(block_ids: Any) -> np.ndarray:
     """Block ids as a contiguous int64 array (ranges are checked natively)."""
     if isinstance(block_ids, torch.Tensor):
+        if block_ids.device.type == "meta" or not_strided(block_ids) is not None:
+            raise TransferError(
+                f"block_ids must hold values (a list, array or dense tensor), not {block_ids!r}"
+            )
         if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
             raise TransferError(f"block_ids must be integers, got {block_ids.dtype}")
         ids = block_ids.detach().to("cpu", torch.int64).numpy()

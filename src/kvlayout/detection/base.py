@@ -27,6 +27,7 @@ from kvlayout.types import EngineType
 from kvlayout.vocabulary import Role
 
 __all__ = [
+    "SIZE_HINTS",
     "DetectionError",
     "FormatShape",
     "Probe",
@@ -35,6 +36,7 @@ __all__ = [
     "match",
     "pick",
     "probe",
+    "size_hint_conflict",
     "unfold_shape",
     "unfolded_twin",
     "validate",
@@ -388,6 +390,25 @@ def _choose(
         several = ", ".join(s.fmt.name for s in fits)
         raise DetectionError(f"{name}: the registration ({p.describe()}) fits several formats ({several})")
     return fits[0].fmt, ""
+
+
+# -- size hints -----------------------------------------------------------------------------
+
+SIZE_HINTS = (("num_kv_heads", "NH"), ("tokens_per_block", "BS"), ("head_dim", "HS"))
+"""Hints that give a size, and the token whose axis holds it."""
+
+
+def size_hint_conflict(
+    fmt: EngineKVFormat, shape: Sequence[int], hints: Any
+) -> tuple[str, int, str, int] | None:
+    """The first size hint that ``fmt``'s reading of a leaf ``shape`` contradicts:
+    ``(hint, wanted, token, read)``; None when every hint given agrees."""
+    layout = LAYOUTS[fmt]
+    for hint, symbol in SIZE_HINTS:
+        wanted, axis = getattr(hints, hint), layout.axis_of(symbol)
+        if wanted is not None and axis is not None and shape[axis] != wanted:
+            return hint, wanted, symbol, int(shape[axis])
+    return None
 
 
 # -- folded page buffers (NB*BS on one axis) -------------------------------------------------

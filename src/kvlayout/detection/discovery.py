@@ -105,10 +105,30 @@ def _discover(
         normalized = attempt_permute_to_contiguous_view(kv)
         validate(normalized)
     fmt, out = detector(normalized, hints)
+    if LAYOUTS[fmt].is_cross_layer:
+        _check_blocks_outermost(kv, fmt)
     if _log.isEnabledFor(logging.DEBUG):
         _log.debug("Engine KV Format: %s %s", fmt.name, LAYOUTS[fmt].describe_shape())
     # the detector's re-views (un-folding, squeezing) keep tensors alike, not always contiguous
     return fmt, out, trusted and (out is normalized or _all_contiguous(out))
+
+
+def _check_blocks_outermost(kv: Any, fmt: EngineKVFormat) -> None:
+    """A pool holding every layer is read blocks-first (its dim 0 is the block axis), so
+    the caller's dim 0 must be outermost in memory: recovering the physical order of a
+    layer-major pool handed over as a blocks-first view would read layers as blocks."""
+    pool = kv[0] if isinstance(kv, (list, tuple)) and len(kv) == 1 else kv
+    if not isinstance(pool, torch.Tensor) or pool.dim() < 2 or pool.shape[0] <= 1:
+        return
+    stride = pool.stride()
+    outer = max((d for d in range(pool.dim()) if pool.shape[d] > 1), key=lambda d: stride[d])
+    if stride[outer] > stride[0]:
+        raise DetectionError(
+            f"kv_caches: dim {outer} (size {pool.shape[outer]}, stride {stride[outer]}) is outer to dim 0 "
+            f"(size {pool.shape[0]}, stride {stride[0]}) in memory: {fmt.name} and every other format that "
+            "holds all layers in one tensor keep their blocks outermost, so a layer-major pool (layers "
+            "outer to blocks) matches none; register a blocks-first pool"
+        )
 
 
 def _all_contiguous(kv: Any) -> bool:
@@ -121,19 +141,22 @@ def _uniform_contiguous_list(kv: Any) -> list[Any] | None:
     the errors). Contiguous without size-1 dims means already in physical order."""
     if not isinstance(kv, (list, tuple)) or not kv or not isinstance(kv[0], torch.Tensor):
         return None
-    first = kv[0]
-    shape, dtype, device = first.shape, first.dtype, first.device
-    if 1 in shape:
-        return None
-    for t in kv:
-        if (
-            not isinstance(t, torch.Tensor)
-            or not t.is_contiguous()
-            or t.shape != shape
-            or t.dtype is not dtype
-            or t.device != device
-        ):
+    try:
+        first = kv[0]
+        shape, dtype, device = first.shape, first.dtype, first.device
+        if 1 in shape or first.layout is not torch.strided:
             return None
+        for t in kv:
+            if (
+                not isinstance(t, torch.Tensor)
+                or not t.is_contiguous()
+                or t.shape != shape
+                or t.dtype is not dtype
+                or t.device != device
+            ):
+                return None
+    except RuntimeError:  # a tensor that has no sizes or strides (nested, sparse CSR)
+        return None
     return list(kv)
 
 
@@ -194,7 +217,11 @@ def _per_layer(
     _check_one_device(views)
     keys = {i: _key(views[i]) for i in members}
     if len(set(keys.values())) == 1:
-        fmt, out, _ = _detect_subset(views, members, eng, hints, len(entries))
+        try:
+            fmt, out, _ = _detect_subset(views, members, eng, hints, len(entries))
+        except (KVLayoutError, TypeError):
+            _refuse_left_out(entries, members, eng, hints)
+            raise
         if not LAYOUTS[fmt].is_layer_list:
             if len(members) != len(entries):
                 missing = next(i for i in range(len(entries)) if i not in views)
@@ -223,6 +250,23 @@ def _per_layer(
             for j, i in enumerate(idxs):
                 result[i], formats[i] = out[j], fmt
     return _bind_layers(result, formats, owner, eng)
+
+
+def _refuse_left_out(entries: list[Any], members: list[int], eng: EngineType, hints: LayoutHints) -> None:
+    """When some entries are in no group and the rest do not detect, say the real reason
+    if the whole list is one structure (SGLang's K/V list): its entries cannot be left out."""
+    if len(members) == len(entries):
+        return
+    try:
+        fmt, _, _ = _discover(entries, eng, hints)
+    except (KVLayoutError, TypeError):
+        return
+    if not LAYOUTS[fmt].is_layer_list:
+        missing = next(i for i in range(len(entries)) if i not in members)
+        raise DetectionError(
+            f"{fmt.name} holds every layer in one structure, so its entries cannot be left out "
+            f"of the layer groups (kv_caches[{missing}] is in none); pass layer_index_groups=None"
+        )
 
 
 def _bind_whole(

@@ -12,12 +12,17 @@ from __future__ import annotations
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.detection.base import DetectionError, engine_formats, pick, probe
+from kvlayout.detection.base import (
+    SIZE_HINTS,
+    DetectionError,
+    engine_formats,
+    pick,
+    probe,
+    size_hint_conflict,
+)
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.TRTLLM
-
-_HINT_SIZES = (("num_kv_heads", "NH"), ("tokens_per_block", "BS"), ("head_dim", "HS"))
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
@@ -37,19 +42,18 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         kv = _unflatten(kv, hints)
         p = probe(kv)
     fmt = pick(ENGINE, p)
-    layout = LAYOUTS[fmt]
-    for hint, symbol in _HINT_SIZES:
-        wanted, axis = getattr(hints, hint), layout.axis_of(symbol)
-        if wanted is not None and axis is not None and p.shape[axis] != wanted:
-            raise LayoutHintError(
-                f"TRT-LLM: layout hint {hint}={wanted} contradicts the pool's {symbol} = {p.shape[axis]} "
-                f"(pool shape {p.shape}, {fmt.name})"
-            )
+    conflict = size_hint_conflict(fmt, p.shape, hints)
+    if conflict is not None:
+        hint, wanted, symbol, read = conflict
+        raise LayoutHintError(
+            f"TRT-LLM: layout hint {hint}={wanted} contradicts the pool's {symbol} = {read} "
+            f"(pool shape {p.shape}, {fmt.name})"
+        )
     return fmt, kv
 
 
 def _unflatten(pool: Any, hints: LayoutHints) -> Any:
-    missing = [hint for hint, _ in _HINT_SIZES if getattr(hints, hint) is None]
+    missing = [hint for hint, _ in SIZE_HINTS if getattr(hints, hint) is None]
     if missing:
         raise LayoutHintError(
             "TRT-LLM's 4-D pool [NB, NL, 2, NH*BS*HS] needs layout hints num_kv_heads, tokens_per_block "

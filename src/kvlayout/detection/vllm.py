@@ -3,11 +3,15 @@ tuples (Ascend), or one cross-layer tensor.
 
 Quirks that live here and nowhere else:
 
-* Without a ``kv_layout`` hint, tensors on the CPU are HND (vLLM's CPU backend allocates
-  HND) and tensors elsewhere NHD. An explicit hint always wins.
+* Without a ``kv_layout`` hint, the size hints (``num_kv_heads``, ``tokens_per_block``,
+  ``head_dim``) decide between NHD and HND where only one reading agrees with them;
+  otherwise tensors on the CPU are HND (vLLM's CPU backend allocates HND) and tensors
+  elsewhere NHD. An explicit hint always wins, and size hints the result contradicts
+  are an error.
 * A 5-D ``[2, 2, ...]`` tensor (two blocks) fits flash-attn and flash-infer alike;
-  K/V-first is assumed unless the ``kv_pair_axis`` hint says 1. LMCache 0.5.6 always
-  reads it as K/V-first, with no way to say otherwise.
+  K/V-first is assumed unless the ``kv_pair_axis`` hint says 1, or dim 0 is padded
+  (padding is only ever on the block axis). LMCache 0.5.6 always reads it as
+  K/V-first, with no way to say otherwise.
 * Rank-4 tensors are the unified fused cache ``[NB, NH, BS, CS]`` / ``[NB, BS, NH, CS]``,
   kept as registered; a single-head uint8 one whose row is the 132-byte blocked-scale
   page is the DSA indexer cache, squeezed to ``[NB, BS, 132]``.
@@ -24,8 +28,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.detection.base import Probe, match, pick, probe
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
+from kvlayout.contiguity import dim0_padding
+from kvlayout.detection.base import SIZE_HINTS, DetectionError, Probe, match, pick, probe, size_hint_conflict
+from kvlayout.nesting import first_leaf
+from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.VLLM
 
@@ -34,16 +40,48 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     p = probe(kv)
     hnd = hints.is_hnd
     if hnd is None:
+        hnd = _layout_from_sizes(kv, p, hints)
+    if hnd is None:
         hnd = p.device.type == "cpu"
+    fmt, out = _discover(kv, p, hints, hnd)
+    conflict = size_hint_conflict(fmt, first_leaf(out).shape, hints)
+    if conflict is not None:
+        hint, wanted, symbol, read = conflict
+        raise LayoutHintError(
+            f"vLLM: layout hint {hint}={wanted} contradicts {fmt.name}, whose {symbol} is {read} "
+            f"({p.describe()})"
+        )
+    return fmt, out
+
+
+def _layout_from_sizes(kv: Any, p: Probe, hints: LayoutHints) -> bool | None:
+    """HND or NHD as the size hints say, where exactly one of the two readings agrees
+    with them (None without size hints, or when they do not tell the twins apart)."""
+    if all(getattr(hints, hint) is None for hint, _ in SIZE_HINTS):
+        return None
+    agree = []
+    for hnd in (False, True):
+        try:
+            fmt, out = _discover(kv, p, hints, hnd)
+        except DetectionError:
+            continue
+        if size_hint_conflict(fmt, first_leaf(out).shape, hints) is None:
+            agree.append(hnd)
+    return agree[0] if len(agree) == 1 else None
+
+
+def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     layout_decision = ("kv_layout", "is_hnd", hnd)
     if p.depth == 0:
         return pick(ENGINE, p, decide=[layout_decision]), kv
     if p.depth == 1 and p.rank == 4:
         return _rank4(kv, p, hnd)
+    # Padded block rows say dim 0 is the block axis (flash-infer), whatever the sizes.
+    padded = ("dim-0 padding", "has_leading_block_axis", True if dim0_padding(p.first) else None)
     fmt = pick(
         ENGINE,
         p,
-        decide=[layout_decision, ("kv_pair_axis", "kv_axis", hints.kv_pair_axis)],
+        decide=[layout_decision, padded, ("kv_pair_axis", "kv_axis", hints.kv_pair_axis)],
         prefer=["is_two_major", "has_kv"],
     )
     if LAYOUTS[fmt].is_kv_second_tuple:

@@ -23,6 +23,7 @@ from kvlayout.integrations.vllm.specs import (
     has_mamba_layers,
     iter_group_layer_specs,
     iter_groups,
+    require_size,
 )
 from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
 from kvlayout.registry import get_spec
@@ -63,11 +64,11 @@ def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tenso
     """The invariants every edit keeps, whichever rule made it (user rules included)."""
     if not isinstance(view, torch.Tensor) or view.untyped_storage().data_ptr() != _storage_ptr(value):
         raise KVCacheGroupEditError(f"edit {edit.name!r} did not return a view of the registered storage")
-    block_size = get_spec([view], edit.output_format).block_size()
-    if block_size != spec.block_size:
+    block_size, wanted = get_spec([view], edit.output_format).block_size(), require_size(spec, "block_size")
+    if block_size != wanted:
         raise KVCacheGroupEditError(
             f"edit {edit.name!r} produced a view whose block size reads as {block_size} under "
-            f"{edit.output_format.name}, not the spec's block_size {spec.block_size}"
+            f"{edit.output_format.name}, not the spec's block_size {wanted}"
         )
 
 
@@ -97,7 +98,7 @@ def apply_kv_cache_group_edits(
     applied: Counter[str] = Counter()
     for group_idx, group in iter_groups(kv_cache_config):
         for layer_name, spec in iter_group_layer_specs(group):
-            if layer_name not in edited:
+            if layer_name is None or layer_name not in edited:
                 continue  # not registered by this worker (e.g. another pipeline stage)
             value = edited[layer_name]
             edit = find_kv_cache_group_edit(spec, value, edits)

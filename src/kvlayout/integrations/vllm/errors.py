@@ -21,7 +21,8 @@ class GroupProblem:
     layers: tuple[str, ...]
 
     def __str__(self) -> str:
-        return f"group {self.group}: {self.what} (layers: {', '.join(self.layers)})"
+        layers = f" (layers: {', '.join(self.layers)})" if self.layers else ""
+        return f"group {self.group}: {self.what}{layers}"
 
 
 class UnsupportedKVCacheGroupsError(KVLayoutError):

@@ -15,16 +15,17 @@ from typing import Any
 
 from kvlayout.detection import normalize_and_discover_per_layer_formats
 from kvlayout.errors import KVLayoutError
+from kvlayout.facade import get_block_size
 from kvlayout.integrations.vllm.errors import DOCS
 from kvlayout.integrations.vllm.specs import (
     SpecKind,
     declares_slot_compression,
     iter_group_layer_specs,
     iter_groups,
+    require_size,
     spec_field,
     spec_kind,
 )
-from kvlayout.registry import get_spec
 from kvlayout.types import EngineType, HintsLike, LayoutHints
 
 __all__ = ["BlockGranularityError", "check_block_granularity"]
@@ -75,7 +76,7 @@ def check_block_granularity(
         for layer, spec in iter_group_layer_specs(group):
             if layer in position and _one_block_per_block_id(spec):
                 members.append(position[layer])
-                owner[position[layer]] = (group_idx, layer, int(spec.block_size))
+                owner[position[layer]] = (group_idx, layer, require_size(spec, "block_size"))
         if members:
             groups.append(members)
     if not groups:
@@ -89,7 +90,7 @@ def check_block_granularity(
         fmt = formats[i]
         assert fmt is not None  # every checked layer is in a group
         try:
-            got: int | str = get_spec(normalized, fmt).block_size(i)
+            got: int | str = get_block_size(normalized, fmt, i)
         except KVLayoutError:
             got = "undefined"
         if got != block_size:

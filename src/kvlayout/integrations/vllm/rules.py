@@ -17,7 +17,7 @@ import torch
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_runs
-from kvlayout.integrations.vllm.specs import SpecKind, spec_field, spec_kind
+from kvlayout.integrations.vllm.specs import SpecKind, require_size, spec_field, spec_kind, spec_size
 
 __all__ = [
     "KVCacheGroupEdit",
@@ -63,7 +63,7 @@ class MambaStateRowsEdit(KVCacheGroupEdit):
 
     def apply(self, spec: Any, value: Any) -> torch.Tensor:
         runs = page_runs(value)
-        page = int(spec.page_size_bytes)
+        page = require_size(spec, "page_size_bytes")
         if runs.page_bytes > page:
             raise KVCacheGroupEditError(
                 f"the registered state row is {runs.page_bytes} bytes, more than the spec's {page}-byte page"
@@ -71,7 +71,7 @@ class MambaStateRowsEdit(KVCacheGroupEdit):
         return opaque_page_view(
             value,
             num_blocks=runs.num_pages,
-            block_size=int(spec.block_size),
+            block_size=require_size(spec, "block_size"),
             page_bytes=page,
             block_stride_bytes=runs.stride_bytes,
             offset_bytes=runs.offset_bytes,
@@ -115,7 +115,7 @@ class MambaStateListEdit(KVCacheGroupEdit):
             if state.untyped_storage().data_ptr() != states[0].untyped_storage().data_ptr():
                 raise KVCacheGroupEditError(f"state {i} lives in another allocation than state 0")
             end += r.page_bytes
-        page, used = int(spec.page_size_bytes), end - base.offset_bytes
+        page, used = require_size(spec, "page_size_bytes"), end - base.offset_bytes
         if used > page:
             raise KVCacheGroupEditError(
                 f"the states take {used} bytes per block, more than the spec's {page}-byte page"
@@ -123,7 +123,7 @@ class MambaStateListEdit(KVCacheGroupEdit):
         return opaque_page_view(
             states[0],
             num_blocks=base.num_pages,
-            block_size=int(spec.block_size),
+            block_size=require_size(spec, "block_size"),
             page_bytes=page,
             block_stride_bytes=base.stride_bytes,
             offset_bytes=base.offset_bytes,
@@ -141,14 +141,14 @@ def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_tokens: int) -> t
     faithful when those k pages are one contiguous run of exactly the spec's page:
     anything else (a packed or padded page the spec does not declare) raises.
     """
-    block_size = int(spec.block_size)
+    block_size = require_size(spec, "block_size")
     if kernel_tokens <= 0 or block_size % kernel_tokens:
         raise KVCacheGroupEditError(
             f"kernel pages of {kernel_tokens} tokens do not divide the {block_size}-token block"
         )
     k = block_size // kernel_tokens
     runs = page_runs(value)
-    page = int(spec.page_size_bytes)
+    page = require_size(spec, "page_size_bytes")
     if runs.page_bytes * k != page:
         raise KVCacheGroupEditError(
             f"{k} kernel pages of {kernel_tokens} tokens ({k} x {runs.page_bytes} = {k * runs.page_bytes} "
@@ -205,7 +205,7 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
             and _one_state_per_token(spec)
             and isinstance(value, torch.Tensor)
             and value.dim() in (4, 5)
-            and value.shape[_TOKEN_AXIS] != spec.block_size
+            and value.shape[_TOKEN_AXIS] != spec_size(spec, "block_size")
         )
 
     def apply(self, spec: Any, value: Any) -> torch.Tensor:
@@ -234,7 +234,7 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
         if not (_one_state_per_token(spec) and isinstance(value, torch.Tensor)):
             return False
         states = _mla_kernel_states(value)
-        return states is not None and states != spec.block_size
+        return states is not None and states != spec_size(spec, "block_size")
 
     def apply(self, spec: Any, value: Any) -> torch.Tensor:
         states = _mla_kernel_states(value)

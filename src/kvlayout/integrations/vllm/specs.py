@@ -10,8 +10,11 @@ optional field through ``getattr`` with the default older releases imply.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Mapping
+import operator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
+
+from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 
 __all__ = [
     "SpecKind",
@@ -19,8 +22,10 @@ __all__ = [
     "has_mamba_layers",
     "iter_group_layer_specs",
     "iter_groups",
+    "require_size",
     "spec_field",
     "spec_kind",
+    "spec_size",
 ]
 
 
@@ -94,22 +99,57 @@ def spec_field(spec: Any, name: str, default: Any) -> Any:
 
 def iter_groups(kv_cache_config: Any) -> Iterator[tuple[int, Any]]:
     """``(position, group)`` for every KV cache group; the position is the group id."""
-    yield from enumerate(getattr(kv_cache_config, "kv_cache_groups", ()) or ())
+    groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
+        raise TypeError(f"kv_cache_config.kv_cache_groups is a {type(groups).__name__}, not a list of groups")
+    yield from enumerate(groups)
 
 
-def iter_group_layer_specs(group: Any) -> Iterator[tuple[str, Any]]:
+def iter_group_layer_specs(group: Any) -> Iterator[tuple[str | None, Any]]:
     """``(layer_name, leaf_spec)`` for a group, unwrapping ``UniformTypeKVCacheSpecs``.
 
     The wrapper keeps one spec per layer in ``kv_cache_specs``; any other group spec
-    describes all of the group's layers.
+    describes all of the group's layers. A group without ``layer_names`` (a duck-typed
+    config) yields its spec once, with the name None, so it is still checked; a group
+    without a spec yields nothing (validation reports it).
     """
-    spec = group.kv_cache_spec
+    spec = getattr(group, "kv_cache_spec", None)
+    if spec is None:
+        return
     per_layer = getattr(spec, "kv_cache_specs", None)
     if isinstance(per_layer, Mapping):
         yield from per_layer.items()
         return
-    for layer_name in group.layer_names:
+    names = getattr(group, "layer_names", None)
+    if names is None or isinstance(names, (str, bytes)):
+        yield None, spec
+        return
+    for layer_name in names:
         yield layer_name, spec
+
+
+def spec_size(spec: Any, name: str) -> int | None:
+    """A spec's positive int field (``block_size``, ``page_size_bytes``), or None where
+    the spec lacks it or it is not a positive int."""
+    value = spec_field(spec, name, None)
+    if isinstance(value, bool):
+        return None
+    try:
+        size = operator.index(value)
+    except TypeError:
+        return None
+    return size if size > 0 else None
+
+
+def require_size(spec: Any, name: str) -> int:
+    """:func:`spec_size`, or a :class:`KVCacheGroupEditError` naming the field."""
+    size = spec_size(spec, name)
+    if size is None:
+        raise KVCacheGroupEditError(
+            f"{type(spec).__name__} has {name}={spec_field(spec, name, None)!r}; a KV cache spec needs "
+            f"a positive int {name}"
+        )
+    return size
 
 
 def has_mamba_layers(kv_cache_config: Any) -> bool:

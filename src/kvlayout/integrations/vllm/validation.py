@@ -23,6 +23,7 @@ from kvlayout.integrations.vllm.specs import (
     iter_groups,
     spec_field,
     spec_kind,
+    spec_size,
 )
 
 __all__ = ["find_unsupported_kv_cache_groups", "validate_kv_cache_groups"]
@@ -31,6 +32,11 @@ SUPPORTED_MAMBA_CACHE_MODE = "align"
 
 
 def _problem(spec: Any) -> str | None:
+    if spec_size(spec, "block_size") is None:
+        return (
+            f"{type(spec).__name__} with block_size={spec_field(spec, 'block_size', None)!r}: block ids "
+            "need a positive int block_size"
+        )
     kind = spec_kind(spec)
     if kind is SpecKind.CROSS_ATTENTION:
         return "CrossAttentionSpec: cross-attention KV depends on the encoder input, not on the prompt blocks"
@@ -55,10 +61,12 @@ def find_unsupported_kv_cache_groups(kv_cache_config: Any) -> list[GroupProblem]
     problems: list[GroupProblem] = []
     for group_idx, group in iter_groups(kv_cache_config):
         layers_by_reason: dict[str, list[str]] = {}
+        if getattr(group, "kv_cache_spec", None) is None:
+            layers_by_reason["the group has no kv_cache_spec"] = []
         for layer_name, spec in iter_group_layer_specs(group):
             reason = _problem(spec)
             if reason is not None:
-                layers_by_reason.setdefault(reason, []).append(layer_name)
+                layers_by_reason.setdefault(reason, []).append(layer_name or "(the group names none)")
         problems.extend(GroupProblem(group_idx, r, tuple(ls)) for r, ls in layers_by_reason.items())
     return problems
 
