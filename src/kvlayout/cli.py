@@ -20,12 +20,26 @@ SVG_SIZES = {"NL": 2, "NB": 4, "BS": 4, "NH": 2, "HS": 8, "NP": 2}
 
 
 def parse_sizes(text: str) -> dict[str, int]:
-    """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items."""
+    """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items
+    and for names that are not sized tokens of the vocabulary."""
+    from kvlayout._generated.vocabulary import VOCABULARY
+
+    known = {
+        n
+        for t in VOCABULARY.values()
+        if t.literal is None and t.region is None
+        for n in (t.name, t.label)
+        if n
+    }
     sizes: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
         if not sep or not key.strip() or not value.strip().isdigit():
             raise KVLayoutError(f"--sizes item {item!r} is not NAME=INT (for example NB=2048)")
+        if key.strip() not in known:
+            raise KVLayoutError(
+                f"--sizes {key.strip()!r} is not a size token; sizes are {', '.join(sorted(known))}"
+            )
         sizes[key.strip()] = int(value)
     return sizes
 

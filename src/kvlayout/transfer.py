@@ -221,6 +221,8 @@ class TransferPlan:
         elif not isinstance(chunks, (list, tuple)):
             raise TransferError(f"chunks is a {type(chunks).__name__}, not a tensor or a list of tensors")
         if not chunks:
+            if num_blocks == 0:
+                return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64), 1  # nothing to move
             raise TransferError("no chunks given")
         kv_size, layers, row, dtype, device = self.kv_size, self.num_layers, self.row, self.dtype, self.device
         spans: list[tuple[int, int, int]] = []
@@ -407,7 +409,7 @@ def _blocks_per_chunk(tokens: list[int], block_size: int, num_blocks: int) -> in
         raise TransferError(f"chunk size {first} is not a positive multiple of the block size {block_size}")
     per_chunk = first // block_size
     needed = -(-num_blocks // per_chunk)
-    if len(tokens) != needed:
+    if len(tokens) != needed and num_blocks:
         raise TransferError(
             f"{num_blocks} blocks at {per_chunk} blocks per chunk need {needed} chunks, got {len(tokens)}"
         )

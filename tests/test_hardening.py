@@ -1,0 +1,250 @@
+"""One regression test per hardening finding: every bad input gets a clear error, nothing
+is silently misread or lost (the fuzz suite, tests/test_fuzz.py, covers the rest)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import DetectionError, KVLayoutError, LayoutHintError
+from kvlayout import EngineKVFormat as F
+from kvlayout.integrations.vllm import KVCacheGroupEditError, validate_kv_cache_groups
+from kvlayout.integrations.vllm.errors import UnsupportedKVCacheGroupsError
+from kvlayout.transfer import TransferError, prepare
+
+
+def t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype)
+
+
+# -- wrong answers ------------------------------------------------------------------------------
+
+
+def test_1_size_1_dims_stay_where_the_caller_put_them() -> None:
+    hnd = torch.zeros(2 * 8 * 3 * 8).as_strided((2, 8, 3, 1, 8), (192, 24, 8, 0, 1))
+    fmt, kv = kvlayout.normalize_kv_and_discover_format([hnd], "vllm", {"kv_layout": "HND"})
+    assert fmt == F.NL_X_TWO_NB_NH_BS_HS
+    assert (kvlayout.get_block_size(kv, fmt), kvlayout.get_head_size(kv, fmt)) == (1, 8)
+    rows = torch.zeros(9 * 132, dtype=torch.uint8).as_strided((9, 1, 132), (132, 1188, 1))
+    fmt, kv = kvlayout.normalize_kv_and_discover_format([rows], "vllm")
+    assert fmt == F.NL_X_NB_BSV_BSS
+    assert (kvlayout.get_num_blocks(kv, fmt), kvlayout.get_block_size(kv, fmt)) == (9, 1)
+
+
+def test_1_identical_layers_with_other_size_1_strides_are_one_format() -> None:
+    canonical = t(2, 8, 3, 1, 8)
+    zero = torch.zeros(2 * 8 * 3 * 8, dtype=torch.bfloat16).as_strided((2, 8, 3, 1, 8), (192, 24, 8, 0, 1))
+    odd = torch.zeros(2 * 8 * 3 * 8, dtype=torch.bfloat16).as_strided((2, 8, 3, 1, 8), (192, 24, 8, 5, 1))
+    _, formats = kvlayout.normalize_and_discover_per_layer_formats([canonical, zero, odd], None, "vllm")
+    assert formats == [F.NL_X_TWO_NB_NH_BS_HS] * 3
+
+
+def test_1_one_head_hnd_exposed_as_nhd_still_reads_hnd() -> None:
+    physical = t(2, 7, 1, 3, 4)  # [2, NB, NH=1, BS, HS], handed over as [2, NB, BS, NH, HS]
+    fmt, kv = kvlayout.normalize_kv_and_discover_format(
+        [physical.transpose(2, 3)], "vllm", {"kv_layout": "HND"}
+    )
+    assert fmt == F.NL_X_TWO_NB_NH_BS_HS and kvlayout.get_block_size(kv, fmt) == 3
+
+
+def test_2_layer_major_pools_are_refused_naming_the_axes() -> None:
+    pool = t(32, 64, 2, 8 * 16 * 128).permute(
+        1, 0, 2, 3
+    )  # allocated [NL, NB, ...], handed over [NB, NL, ...]
+    hints = {"num_kv_heads": 8, "tokens_per_block": 16, "head_dim": 128}
+    with pytest.raises(
+        DetectionError, match=re.escape("kv_caches: dim 1 (size 32, stride 2097152) is outer to dim 0")
+    ):
+        kvlayout.normalize_kv_and_discover_format(pool, "trtllm", hints)
+    cross = t(5, 7, 2, 3, 2, 4).transpose(0, 1)  # a vLLM cross-layer tensor, layer-major in memory
+    with pytest.raises(DetectionError, match="a layer-major pool"):
+        kvlayout.normalize_kv_and_discover_format(cross, "vllm", {"kv_layout": "NHD"})
+    square = t(4, 4, 2, 3, 2, 4).transpose(0, 1)  # NL == NB: only the addressing would be wrong
+    with pytest.raises(DetectionError, match="a layer-major pool"):
+        kvlayout.normalize_kv_and_discover_format(square, "vllm", {"kv_layout": "NHD"})
+
+
+def test_3_vllm_size_hints_decide_and_are_checked() -> None:
+    kv = [t(2, 7, 16, 8, 128) for _ in range(2)]  # NHD on the CPU, where no hint means HND
+    fmt, out = kvlayout.normalize_kv_and_discover_format(
+        kv, "vllm", {"num_kv_heads": 8, "tokens_per_block": 16}
+    )
+    assert fmt == F.NL_X_TWO_NB_BS_NH_HS and kvlayout.get_num_heads(out, fmt) == 8
+    with pytest.raises(
+        LayoutHintError,
+        match=re.escape("vLLM: layout hint num_kv_heads=4 contradicts NL_X_TWO_NB_BS_NH_HS, whose NH is 8"),
+    ):
+        kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD", "num_kv_heads": 4})
+    with pytest.raises(LayoutHintError, match=re.escape("layout hint head_dim=64 contradicts")):
+        kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"head_dim": 64})
+
+
+def test_4_padded_dim_0_says_flash_infer() -> None:
+    padded = [torch.zeros(2, 2 * 3 * 2 * 4 + 4)[:, :48].view(2, 2, 3, 2, 4) for _ in range(2)]
+    fmt, _ = kvlayout.normalize_kv_and_discover_format(padded, "vllm", {"kv_layout": "HND"})
+    assert fmt == F.NL_X_NB_TWO_NH_BS_HS
+
+
+def test_5_a_left_out_k_v_entry_says_why() -> None:
+    kv = [t(21, 2, 4) for _ in range(10)]
+    with pytest.raises(DetectionError, match=re.escape("its entries cannot be left out of the layer groups")):
+        kvlayout.normalize_and_discover_per_layer_formats(
+            kv, [list(range(9))], "sglang", {"tokens_per_block": 3, "kv_list_layout": "k_v"}
+        )
+
+
+# -- crashes, hangs and other exceptions ------------------------------------------------------------
+
+
+def test_6_thousands_of_threads_are_capped_and_never_abort() -> None:
+    code = textwrap.dedent(
+        """
+        import torch
+        from kvlayout import _native
+        from kvlayout.transfer import prepare
+        plan = prepare([torch.randn(2, 64, 4, 2, 16) for _ in range(2)], 1)
+        shape, dtype = plan.chunk_shape(4 * 64)
+        plan.store_blocks(list(range(64)), [torch.zeros(shape, dtype=dtype)], num_threads=20_000)
+        print(_native.pool_workers() < _native.max_threads())
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "True", done.stderr
+
+
+def test_7_a_list_that_contains_itself_is_an_error() -> None:
+    loop: list[Any] = []
+    loop.append(loop)
+    with pytest.raises(KVLayoutError, match="nested more than 8 list levels deep"):
+        kvlayout.get_device(loop)
+
+
+@pytest.mark.parametrize(
+    ("call", "error", "message"),
+    [
+        (lambda: kvlayout.get_num_blocks({"layer.0": t(7, 3, 16)}, F.NL_X_NB_BS_HS), KVLayoutError, "kv is a dict"),  # type: ignore[arg-type]
+        (lambda: kvlayout.get_num_blocks([np.zeros((7, 3, 16))], F.NL_X_NB_BS_HS), KVLayoutError, "kv[0] is a ndarray, not a tensor"),  # type: ignore[list-item]
+        (lambda: kvlayout.normalize_kv_and_discover_format([np.zeros((7, 3, 16))], "vllm"), TypeError, "kv_caches[0]: is a ndarray"),  # type: ignore[list-item]
+        (lambda: kvlayout.normalize_kv_and_discover_format([t(7, 3, 16).to_sparse()], "vllm"), TypeError, "layout torch.sparse_coo"),
+        (lambda: kvlayout.get_num_blocks([torch.zeros(7, 48).to_sparse_csr()], F.NL_X_NB_BS_HS), TypeError, "layout torch.sparse_csr"),
+        (lambda: kvlayout.normalize_kv_and_discover_format(torch.nested.nested_tensor([t(7, 3, 16)]), "vllm"), TypeError, "is a nested tensor"),
+        (lambda: kvlayout.normalize_kv_and_discover_format([torch.zeros(7, 3, 16).to_mkldnn()], "vllm"), TypeError, "layout torch._mkldnn"),
+        (lambda: kvlayout.get_num_heads([t(7, 3, 16)], F.NL_X_NB_BS_HS, True), TypeError, "layer_idx must be an int, not bool"),
+    ],
+)  # fmt: skip
+def test_8_foreign_values_are_errors_of_the_family(call: Any, error: type[Exception], message: str) -> None:
+    with pytest.raises(error) as info:
+        call()
+    assert message in str(info.value)
+
+
+def test_8_numpy_integers_are_integers() -> None:
+    kv = [t(7, 3, 16) for _ in range(3)]
+    assert kvlayout.get_num_heads(kv, F.NL_X_NB_BS_HS, np.int64(2)) == 1  # type: ignore[arg-type]
+    plan = prepare(kv, F.NL_X_NB_BS_HS)
+    shape, dtype = plan.chunk_shape(np.int32(6))  # type: ignore[arg-type]
+    chunks = [torch.zeros(shape, dtype=dtype)]
+    skip: Any = np.int64(1)
+    threads: Any = np.int8(2)
+    plan.store_blocks(
+        np.array([1, 2], dtype=np.uint64), chunks, skip_prefix_n_blocks=skip, num_threads=threads
+    )
+
+
+def test_8_block_ids_without_values_or_beyond_int64() -> None:
+    plan = prepare([t(7, 3, 16)], F.NL_X_NB_BS_HS)
+    chunk = torch.zeros(plan.chunk_shape(3)[0], dtype=torch.bfloat16)
+    with pytest.raises(TransferError, match="block_ids must hold values"):
+        plan.store_blocks(torch.empty(1, dtype=torch.int64, device="meta"), [chunk])
+    with pytest.raises(TransferError, match="18446744073709551615"):
+        plan.store_blocks(np.array([2**64 - 1], dtype=np.uint64), [chunk])
+
+
+def test_9_a_load_of_a_repeated_block_is_refused() -> None:
+    kv = [torch.randn(7, 3, 16)]
+    plan = prepare(kv, F.NL_X_NB_BS_HS)
+    chunk = torch.randn(plan.chunk_shape(9)[0])
+    before = kv[0].clone()
+    with pytest.raises(
+        TransferError, match=re.escape("block_ids[2] = 4 repeats block_ids[0]: a load writes each block once")
+    ):
+        plan.load_blocks([4, 1, 4], [chunk])
+    assert torch.equal(kv[0], before)
+    plan.store_blocks([4, 1, 4], [chunk])  # a store may copy one block twice
+    plan.load_blocks([4, 1, 4], [chunk], skip_prefix_n_blocks=1)  # the skipped one is not written
+
+
+def test_9_a_chunk_of_a_partial_block_is_refused() -> None:
+    plan = prepare([t(7, 4, 16)], F.NL_X_NB_BS_HS)
+    with pytest.raises(TransferError, match="num_tokens=7 is not a whole number of blocks of 4 tokens"):
+        plan.chunk_shape(7)
+
+
+@pytest.mark.parametrize(
+    ("kv", "what"),
+    [([t(0, 3, 16)], "NB=0"), ([t(7, 0, 16)], "BS=0"), ([t(2, 7, 3, 0, 4)], "a token row of 0 elements")],
+)
+def test_9_an_empty_cache_says_what_is_empty(kv: list[torch.Tensor], what: str) -> None:
+    fmt, normalized = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})  # accepted
+    with pytest.raises(TransferError, match=re.escape(f"the cache holds no blocks to move ({what})")):
+        prepare(normalized, fmt)
+
+
+def test_9_explain_refuses_an_unknown_size() -> None:
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlayout", "explain", "NL_X_NB_BS_HS", "--sizes", "FOO=3"],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    assert done.returncode != 0 and "'FOO' is not a size token" in done.stderr
+
+
+def test_10_groups_without_layer_names_are_still_checked() -> None:
+    cross = type("CrossAttentionSpec", (), {"block_size": 16})()
+    config = SimpleNamespace(kv_cache_groups=[SimpleNamespace(kv_cache_spec=cross)])
+    with pytest.raises(UnsupportedKVCacheGroupsError, match=re.escape("group 0: CrossAttentionSpec")):
+        validate_kv_cache_groups(config)
+
+
+@pytest.mark.parametrize(
+    ("group", "message"),
+    [
+        (SimpleNamespace(layer_names=["a"]), "group 0: the group has no kv_cache_spec"),
+        (
+            SimpleNamespace(layer_names=["a"], kv_cache_spec=SimpleNamespace()),
+            "block_size=None: block ids need",
+        ),
+        (SimpleNamespace(layer_names=["a"], kv_cache_spec=SimpleNamespace(block_size=0)), "block_size=0"),
+        (
+            SimpleNamespace(layer_names=["a"], kv_cache_spec=SimpleNamespace(block_size="16")),
+            "block_size='16'",
+        ),
+    ],
+)
+def test_8_duck_typed_specs_missing_fields_are_reported(group: Any, message: str) -> None:
+    with pytest.raises(UnsupportedKVCacheGroupsError, match=re.escape(message)):
+        validate_kv_cache_groups(SimpleNamespace(kv_cache_groups=[group]))
+
+
+def test_8_rule_matching_never_raises_on_a_spec_missing_fields() -> None:
+    from kvlayout.integrations.vllm import KV_CACHE_GROUP_EDITS
+
+    mamba = type("MambaSpec", (), {})()
+    attention = type("FullAttentionSpec", (), {})()
+    for edit in KV_CACHE_GROUP_EDITS:
+        for spec in (mamba, attention):
+            edit.matches(spec, t(4, 2, 8, 2, 16))
+    with pytest.raises(KVCacheGroupEditError, match="MambaSpec has page_size_bytes=None"):
+        KV_CACHE_GROUP_EDITS[0].apply(
+            type("MambaSpec", (), {"block_size": 4})(), t(4, 1, 1, 64, dtype=torch.int8)
+        )
