@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -20,7 +21,8 @@ def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
 def test_formats_lists_every_format(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "formats")
     assert code == 0
-    lines = out.splitlines()
+    header, *lines = out.splitlines()
+    assert header.split() == ["value", "name", "shape", "structure", "kv", "facts", "engines"]
     assert len(lines) == len(EngineKVFormat)
     assert lines[1].split()[:3] == ["1", "NL_X_TWO_NB_BS_NH_HS", "NL"]
     assert "deprecated, use NL_X_NB_NH_BS_CS" in lines[10]
@@ -147,7 +149,85 @@ def test_detect_bad_hint_and_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     assert code == 2 and "--hint 'kv_layout' is not KEY=VALUE" in err
     code, _, err = run(capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--dtype", "int4")
     assert code == 2 and "--dtype 'int4' is not one of" in err
-    code, out, _ = run(
+    code, _, err = run(
         capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--hint", "kv_layout=XYZ"
     )
-    assert code == 1 and "kv_layout" in out
+    assert code == 2 and "layout hint kv_layout='XYZ' is not one of" in err  # the command line's mistake
+
+
+# -- the usual conveniences -----------------------------------------------------------------------
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import kvlayout
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out == f"kvlayout {kvlayout.__version__}\n"
+
+
+def test_json_for_scripts(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "formats", "--json")
+    table = json.loads(out)
+    assert code == 0 and len(table) == len(EngineKVFormat)
+    assert table[14]["name"] == "NL_X_NB_BSV_BSS" and table[14]["engines"] == ["vllm"]
+    code, out, _ = run(capsys, "explain", "NL_X_NB_BSV_BSS", "--json")
+    explained = json.loads(out)
+    assert explained["concrete"] == [32, [2048, 16, 132]] and explained["leaf_strides"] == [2112, 132, 1]
+    code, out, _ = run(
+        capsys, "detect", "--engine", "vllm", "--shape", "4x[2,7,3,2,4]", "--hint", "kv_layout=NHD", "--json"
+    )
+    detected = json.loads(out)
+    assert code == 0 and detected["kernel_groups"][0]["format"] == "NL_X_TWO_NB_BS_NH_HS"
+    assert detected["kernel_groups"][0]["layers"] == [0, 1, 2, 3]
+    code, out, _ = run(capsys, "detect", "--engine", "vllm", "--shape", "4x[3,3]", "--json")
+    assert code == 1 and json.loads(out)["error"]["type"] == "DetectionError"
+
+
+def test_hnd_caches_are_described_in_their_memory_order(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM hands its HND cache over as an NHD-shaped view: say so with @order."""
+    code, out, _ = run(capsys, "detect", "--engine", "vllm", "--shape", "32x[2,2048,16,8,128]@0,1,3,2,4",
+                       "--hint", "kv_layout=HND")  # fmt: skip
+    assert code == 0
+    assert "format     6 NL_X_TWO_NB_NH_BS_HS" in out
+    assert "geometry   block_size 16, heads 8, head_size 128, kv_size 2" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["detect", "--engine", "vllm", "--shape", "4x[2,7"], "--shape is NxSHAPE (a list), [d0,d1,...]"),
+        (["detect", "--engine", "vllm", "--shape", "4x[2,7]@0,0"], "@0,0 is not an order of the 2 dims 0..1"),
+        (["detect", "--engine", "vllm", "--shape", "4x[2,7]", "--device", "foo"], "--device 'foo' is not a torch device"),
+        (["detect", "--engine", "vllm", "--shape", "4x[2,7]", "--device", "cuda:7"], "no CUDA device"),
+        (["detect", "--engine", "nope", "--shape", "4x[2,7]"], "unknown serving engine 'nope'"),
+        (["explain", "1", "--sizes", "FOO=3"], "'FOO' is not a size token"),
+    ],
+)  # fmt: skip
+def test_usage_errors_are_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_engine_and_hint_spellings_ignore_case(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "detect", "--engine", "TRT-LLM", "--shape", "[7,5,2,2,3,4]", "--hint", "kv_layout=hnd"
+    )
+    assert code == 0 and "8 NB_NL_TWO_NH_BS_HS" in out
+
+
+def test_zero_sizes_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "explain", "NL_X_NB_BS_HS", "--sizes", "NB=0")
+    assert code == 0 and "  empty          NB=0: a cache of these sizes holds no data" in out
+
+
+def test_labels_name_the_engine_that_detected(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "detect", "--engine", "atom", "--shape", "2x[7,3,16]")
+    assert code == 0 and "backend    ATOM MLA" in out
+    code, out, _ = run(
+        capsys, "detect", "--engine", "sglang", "--shape", "2x[7,3,16]", "--hint", "kv_list_layout=unified"
+    )
+    assert code == 0 and "backend    SGLang MLA (MP)" in out

@@ -1,9 +1,14 @@
-"""The kvlayout command line: ``kvlayout formats``, ``kvlayout explain``, ``kvlayout demo``."""
+"""The kvlayout command line: ``formats``, ``explain``, ``detect``, ``codegen``, ``demo``.
+
+Exit codes: 0 done; 1 ``detect`` ran and the registration is one kvlayout refuses (the
+error is printed as a user would see it); 2 the command line or its values are wrong.
+"""
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -11,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from kvlayout.errors import KVLayoutError, index_ranges
 
 if TYPE_CHECKING:
-    from kvlayout._generated.formats import EngineKVFormat
+    pass
 
 __all__ = ["main", "parse_sizes"]
 
@@ -59,30 +64,43 @@ def cmd_formats(args: argparse.Namespace) -> int:
     from kvlayout.registry import format_info, layout_of
 
     shown = [f for f in FACTS if f not in STRUCTURE_FACTS and f != "has_leading_block_axis"]
-    rows = []
+    records: list[dict[str, Any]] = []
     for fmt in EngineKVFormat:
         layout, info = layout_of(fmt), format_info(fmt)
         structure = (
             "cross-layer" if layout.is_cross_layer else "K/V lists" if layout.is_kv_list else "per layer"
         )
-        flags = [f.removeprefix("is_") for f in shown if getattr(layout, f)]
-        note = f"deprecated, use {info.replaced_by.name}" if info.replaced_by else ", ".join(info.engines)
-        rows.append((str(int(fmt)), fmt.name, layout.describe_shape(), structure, f"kv={layout.kv_size}",
-                     " ".join(flags) or "-", note))  # fmt: skip
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())
+        records.append({
+            "value": int(fmt), "name": fmt.name, "shape": layout.describe_shape(), "structure": structure,
+            "kv_size": layout.kv_size, "facts": [f.removeprefix("is_") for f in shown if getattr(layout, f)],
+            "engines": list(info.engines), "backends": list(info.backends),
+            "deprecated_by": info.replaced_by.name if info.replaced_by else None,
+        })  # fmt: skip
+    if args.json:
+        print(json.dumps(records, indent=2))
+        return 0
+    rows = [("value", "name", "shape", "structure", "kv", "facts", "engines")]
+    for r in records:
+        note = f"deprecated, use {r['deprecated_by']}" if r["deprecated_by"] else ", ".join(r["engines"])
+        rows.append((str(r["value"]), str(r["name"]), str(r["shape"]), str(r["structure"]),
+                     f"kv={r['kv_size']}", " ".join(r["facts"]) or "-", note))  # fmt: skip
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return 0
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, explain
+    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, Explanation, explain
     from kvlayout.picture import block_svg
 
     layout = _format_arg(args.format)
     if args.dtype not in DTYPE_BYTES:
         raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     sizes = {**LLAMA_3_8B, **parse_sizes(args.sizes)} if args.sizes else LLAMA_3_8B
+    if args.json:
+        print(json.dumps(Explanation(layout, sizes, args.dtype).data(), indent=2))  # type: ignore[arg-type]
+        return 0
     print(explain(layout, sizes, args.dtype))  # type: ignore[arg-type]
     if args.svg:
         small = {**SVG_SIZES, **parse_sizes(args.sizes)} if args.sizes else SVG_SIZES
@@ -131,12 +149,36 @@ def _hints(items: Sequence[str]) -> dict[str, object]:
     return hints
 
 
+def _device(text: str) -> Any:
+    """The torch device ``--device`` names, or a one-line error."""
+    import torch
+
+    try:
+        device = torch.device(text)
+    except RuntimeError:
+        raise KVLayoutError(
+            f"--device {text!r} is not a torch device (meta, cpu, cuda, cuda:1, ...)"
+        ) from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KVLayoutError(
+            f"--device {text}: this machine has no CUDA device (torch.cuda.is_available() is False)"
+        )
+    if device.type not in ("meta", "cpu", "cuda"):
+        raise KVLayoutError(f"--device {text}: kvlayout serves meta, cpu and cuda tensors")
+    return device
+
+
 def cmd_detect(args: argparse.Namespace) -> int:
     import torch
 
     import kvlayout
-    from kvlayout.shapespec import parse_shape_spec
+    from kvlayout.registration import bound
+    from kvlayout.shapespec import Shape, parse_shape_spec
+    from kvlayout.types import LayoutHints, as_engine
 
+    device = _device(args.device)
+    engine = as_engine(args.engine)  # a wrong engine or hint is the command line's, not the registration's
+    LayoutHints.coerce(_hints(args.hint))
     spec = parse_shape_spec(args.shape)
     if args.dtype not in _DTYPES:
         raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
@@ -144,61 +186,94 @@ def cmd_detect(args: argparse.Namespace) -> int:
     hints = _hints(args.hint)
 
     def build(node: object) -> object:
-        if isinstance(node, tuple) and all(isinstance(x, int) for x in node):
-            return torch.empty(node, dtype=dtype, device=args.device)
+        if isinstance(node, Shape):
+            if node.order is None:
+                return torch.empty(node, dtype=dtype, device=device)
+            inverse = sorted(range(len(node)), key=node.order.index)
+            return torch.empty([node[i] for i in node.order], dtype=dtype, device=device).permute(inverse)
         children = [build(c) for c in node]  # type: ignore[attr-defined]
         return tuple(children) if isinstance(node, tuple) else children
 
     kv: Any = build(spec.root)
-    shapes = ", ".join(sorted({str(list(s)) for s in spec.leaves()}))
-    memory = "meta tensors, no memory" if args.device == "meta" else f"allocated on {args.device}"
-    count = len(spec.leaves())
-    print(f"{args.engine} registration {spec.text}: {count} tensor(s) {shapes} {args.dtype} ({memory})")
-    if hints:
-        print(f"  hints        {hints}")
+    shapes = sorted(
+        {str(list(s)) + (f"@{','.join(map(str, s.order))}" if s.order else "") for s in spec.leaves()}
+    )
+    report: dict[str, Any] = {
+        "engine": args.engine, "registration": spec.text, "tensors": len(spec.leaves()), "shapes": shapes,
+        "dtype": args.dtype, "device": str(device), "hints": hints,
+    }  # fmt: skip
     try:
         if len(spec.parts) > 1:  # a hybrid: one detection group per `+` item
             bounds = [sum(spec.parts[:i]) for i in range(len(spec.parts) + 1)]
             groups = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
-            normalized, formats = kvlayout.normalize_and_discover_per_layer_formats(
-                kv, groups, args.engine, hints
-            )
+            registration = kvlayout.detect(kv, engine, hints, layer_groups=groups)
         else:
-            fmt, normalized = kvlayout.normalize_kv_and_discover_format(kv, args.engine, hints)
-            formats = [fmt] * kvlayout.get_num_layers(normalized, fmt)
-        grouped = kvlayout.group_layers_by_identity(normalized, formats)
+            fmt, normalized = kvlayout.normalize_kv_and_discover_format(kv, engine, hints)
+            registration = bound(normalized, fmt)
     except (KVLayoutError, TypeError) as e:
-        print(f"  detection failed, as a user would see it:\n    {type(e).__name__}: {e}")
+        report["error"] = {"type": type(e).__name__, "message": str(e)}
+        _print_detection(report, args.json)
         return 1
-    print(f"  kernel groups {len(grouped)}")
-    for n, (identity, layers) in enumerate(grouped):
-        fmt = identity.engine_kv_format
-        stride = identity.block_stride_elems
-        block_size = identity.block_size or "n/a (NB*BS folded; hint tokens_per_block to split it)"
-        print(f"  group {n}: layers {index_ranges(layers)}")
-        print(f"    format     {int(fmt)} {fmt.name}   {kvlayout.describe_shape(fmt)}")
-        print(f"    backend    {kvlayout.get_attention_backend(fmt)}")
-        print(f"    shape      {_group_shape(normalized, fmt, layers)}")
-        print(
-            f"    geometry   block_size {block_size}, heads {identity.num_heads}, "
-            f"head_size {identity.head_size}, kv_size {identity.kv_size}, {identity.dtype}"
-            + (f", block stride {stride} elements" if stride is not None else "")
-        )
+    report["kernel_groups"] = [_group_record(g) for g in registration.kernel_groups]
+    _print_detection(report, args.json)
     return 0
 
 
-def _group_shape(kv: Any, fmt: EngineKVFormat, layers: Sequence[int]) -> str:
-    """The group's concrete shape, from its kernel descriptor where the format has NB and BS."""
+def _shape_text(shape: Any) -> str:
+    order = f"@{','.join(map(str, shape.order))}" if shape.order else ""
+    return f"{list(shape)}{order}"
+
+
+def _group_record(group: Any) -> dict[str, Any]:
+    g = group.geometry
+    try:
+        desc = group.descriptor()
+        shape = kvlayout_shape_from_desc(desc, group.format)
+    except KVLayoutError:  # NB*BS folded: the registration's own shape says all there is
+        shape = group.concrete_shape()
+    return {
+        "layers": list(group.layers), "engine_group": group.engine_group, "value": int(group.format),
+        "format": group.format.name, "shape": group.layout.describe_shape(), "backend": group.backend,
+        "concrete": shape, "num_blocks": g.num_blocks, "block_size": g.block_size, "num_heads": g.num_heads,
+        "head_size": g.head_size, "kv_size": g.kv_size, "dtype": str(g.dtype),
+        "block_stride_elems": group.block_stride_elems,
+    }  # fmt: skip
+
+
+def kvlayout_shape_from_desc(desc: Any, fmt: Any) -> str:
     import kvlayout
 
-    first = layers[0]
-    try:
-        nb, bs = kvlayout.get_num_blocks(kv, fmt, first), kvlayout.get_block_size(kv, fmt, first)
-    except KVLayoutError:  # NB*BS folded: the registration's own shape says all there is
-        return kvlayout.get_concrete_engine_kv_shape(kv, fmt)
-    stride = kvlayout.resolve_block_stride_and_log_layout(kv, fmt, first, 0)
-    desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, first, len(layers), nb, bs, stride)
     return kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt)
+
+
+def _print_detection(report: dict[str, Any], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report, indent=2))
+        return
+    memory = "meta tensors, no memory" if report["device"] == "meta" else f"allocated on {report['device']}"
+    print(
+        f"{report['engine']} registration {report['registration']}: {report['tensors']} tensor(s) "
+        f"{', '.join(report['shapes'])} {report['dtype']} ({memory})"
+    )
+    if report["hints"]:
+        print(f"  hints        {report['hints']}")
+    if "error" in report:
+        error = report["error"]
+        print(f"  detection failed, as a user would see it:\n    {error['type']}: {error['message']}")
+        return
+    print(f"  kernel groups {len(report['kernel_groups'])}")
+    for n, g in enumerate(report["kernel_groups"]):
+        block_size = g["block_size"] or "n/a (NB*BS folded; hint tokens_per_block to split it)"
+        stride = g["block_stride_elems"]
+        print(f"  group {n}: layers {index_ranges(g['layers'])}")
+        print(f"    format     {g['value']} {g['format']}   {g['shape']}")
+        print(f"    backend    {g['backend']}")
+        print(f"    shape      {g['concrete']}")
+        print(
+            f"    geometry   block_size {block_size}, heads {g['num_heads']}, head_size {g['head_size']}, "
+            f"kv_size {g['kv_size']}, {g['dtype']}"
+            + (f", block stride {stride} elements" if stride is not None else "")
+        )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -208,12 +283,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvlayout import __version__
+
     ap = argparse.ArgumentParser(
         prog="kvlayout",
         description="Describe, detect and address the paged KV caches of LLM serving engines.",
+        epilog="exit codes: 0 done; 1 detect ran and kvlayout refuses the registration (the error is "
+        "printed as a user would see it); 2 a wrong command line or value",
     )
+    ap.add_argument("--version", action="version", version=f"kvlayout {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p = sub.add_parser("formats", help="the table of every engine KV format")
+    p.add_argument("--json", action="store_true", help="print the table as JSON")
     p.set_defaults(run=cmd_formats)
     p = sub.add_parser("explain", help="a layout in words and numbers")
     p.add_argument("format", help="a format value (1), name (NL_X_TWO_NB_BS_NH_HS) or any layout name")
@@ -224,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"
     )
+    p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.set_defaults(run=cmd_explain)
     p = sub.add_parser(
         "detect",
@@ -231,12 +313,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build the registration as meta tensors and run detection: the format and geometry, "
         "or the error a user would get.",
     )
-    p.add_argument("--engine", required=True, choices=["vllm", "sglang", "trtllm", "atom"])
+    p.add_argument("--engine", required=True, help="vllm, sglang, trtllm or atom (any case; TRT-LLM too)")
     p.add_argument(
         "--shape",
         required=True,
         help="e.g. '32x[2,2048,16,8,128]', '2x32x[8192,8,128]', '[2048,32,2,16,8,128]', "
-        "'61x([64,64,1,512],[64,64,1,64])', '3x[...]+2x[...]'",
+        "'61x([64,64,1,512],[64,64,1,64])', '3x[...]+2x[...]', and '32x[2,2048,16,8,128]@0,1,3,2,4' for a "
+        "tensor whose dims lie in memory in that order (vLLM's HND cache)",
     )
     p.add_argument("--dtype", default="bf16", help=f"one of {', '.join(_DTYPES)}")
     p.add_argument(
@@ -247,8 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="a layout hint, repeatable: kv_layout=HND, tokens_per_block=16, kv_list_layout=k_v, ...",
     )
     p.add_argument(
-        "--device", default="meta", help="meta (default, no memory) or cpu (vLLM's CPU defaults apply)"
+        "--device", default="meta", help="meta (default, no memory), cpu (vLLM's CPU defaults apply) or cuda"
     )
+    p.add_argument("--json", action="store_true", help="print the result (or the error) as JSON")
     p.set_defaults(run=cmd_detect)
     p = sub.add_parser("codegen", help="regenerate the files made from layouts.yaml (in a checkout)")
     p.add_argument("--check", action="store_true", help="fail with a diff if a generated file is stale")
@@ -262,6 +346,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return int(args.run(args))
-    except KVLayoutError as e:
+    except (KVLayoutError, TypeError) as e:  # a value on the command line kvlayout cannot take
         print(f"kvlayout: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvlayout formats | head`: the reader left, nothing is wrong
+        sys.stderr.close()
+        return 0

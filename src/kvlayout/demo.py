@@ -1,5 +1,5 @@
-"""``kvlayout demo``: detection, geometry, kernel groups and a verified block round trip on
-registrations shaped like real engines', on the CPU.
+"""``kvlayout demo``: detection, geometry, kernel groups and a verified block round trip,
+on the CPU, for registrations shaped as real engines make them.
 
 Each example is allocated the way its engine allocates it (real memory, random bytes),
 detected, grouped, then 64 scattered blocks (fewer in a small pool) go to 256-token chunks
@@ -33,6 +33,7 @@ from kvlayout.integrations.vllm import (
     find_kv_cache_group_edit,
     validate_kv_cache_groups,
 )
+from kvlayout.integrations.vllm.specs import SpecKind, spec_kind
 from kvlayout.nesting import leaves
 from kvlayout.registration import KernelGroup
 from kvlayout.transfer import TransferPlan, prepare
@@ -62,6 +63,7 @@ class Example:
     # layer, and each its own kernel group, since each has its own block table.
     groups: list[list[int]] | None = None
     details: tuple[str, ...] = ()  # printed under the note
+    labels: dict[int, str] = field(default_factory=dict)  # what a layer is, where its format's label is not
     blocks: int = BLOCKS  # blocks per round trip; fewer than the pool leaves blocks that must stay zero
 
 
@@ -154,10 +156,14 @@ def qwen3_5_hybrid() -> Example:
     buf, registered = vx.allocate_v033(engine)
     edited = apply_kv_cache_group_edits(engine.config, registered, hints)
     fired: Counter[str] = Counter()
+    labels: dict[int, str] = {}
     for name, value in registered.items():
-        edit = find_kv_cache_group_edit(engine.spec_of(name), value)
+        spec = engine.spec_of(name)
+        edit = find_kv_cache_group_edit(spec, value)
         if edit is not None and edited[name] is not value:
             fired[edit.name] += 1
+            what = "Gated DeltaNet state" if spec_kind(spec) is SpecKind.MAMBA else "FlashInfer attention"
+            labels[names.index(name)] = f"{what} pages, opaque (vLLM group edit {edit.name})"
     shapes = Counter(f"{list(registered[name].shape)}" for name in names)
     block, kernel = groups[0].kv_cache_spec.block_size, min(engine.kernel_block_sizes)
     return Example(
@@ -177,6 +183,7 @@ def qwen3_5_hybrid() -> Example:
             "int8: the block dim is vLLM's block id, rows are byte runs (the 'tokens' and 'head' below)",
         ),
         blocks=num_blocks - 3,  # 3 blocks of each group must stay zero through the round trip
+        labels=labels,
     )
 
 
@@ -246,7 +253,7 @@ def run_example(ex: Example, say: Callable[[str], None]) -> None:
         fmt, g = group.format, group.geometry
         say(f"   group          layers {index_ranges(group.layers)}: {int(fmt)} {fmt.name}")
         say(f"     shape        {kvlayout.describe_shape(fmt)}")
-        say(f"     backend      {kvlayout.get_attention_backend(fmt)}")
+        say(f"     backend      {ex.labels.get(group.layers[0], group.backend)}")
         say(f"     concrete     {group.concrete_shape()}")
         say(
             f"     geometry     {len(group.layers)} layers, {group.num_blocks} blocks of {group.block_size} "

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from kvlayout import algebra
 from kvlayout.algebra import Mode, Product, Term
@@ -77,42 +78,80 @@ class Explanation:
     sizes: Mapping[str, int]
     dtype: str
 
-    def lines(self) -> list[str]:
-        layout, sizes = self.layout, self.sizes
+    def data(self) -> dict[str, Any]:
+        """Everything ``kvlayout explain`` says, as plain data (``--json``)."""
+        layout = self.layout
         elsize = DTYPE_BYTES[self.dtype]
-        s = algebra.resolve_sizes(layout, sizes)
+        s = algebra.resolve_sizes(layout, self.sizes)
         shape = layout.tensor_shape(s)
-        strides = layout.tensor_strides(s)
         pointers = layout.pointer_order(s)
         heads, head = layout.num_heads(s), layout.head_size(s)
         row = heads * head
-        per_block = layout.kv_size * s.get("BS", 0) * row * elsize
         pointer, off = symbolic_offset(layout)
-        facts = [fact_doc(name) for name in FACTS if getattr(layout, name)]
+        out: dict[str, Any] = {
+            "name": str(layout),
+            "shape": layout.describe_shape(),
+            "sizes": dict(s),
+            # The numbers of each list level and of the leaf tensor as stored (a run of
+            # regions shows its rows and its row width).
+            "concrete": [*layout.list_shape(s), list(shape)],
+            "leaf_shape": list(shape),
+            "leaf_strides": list(layout.tensor_strides(s)),
+            "pointers": len(pointers),
+            "pointer_order": [list(p) for p in pointers[:4]],
+            "kv_size": layout.kv_size,
+            "num_heads": heads,
+            "head_size": head,
+            "facts": {name: bool(getattr(layout, name)) for name in FACTS},
+            "pointer_formula": pointer,
+            "offset_formula": off,
+            "dtype": self.dtype,
+            "row_elements": row,
+            "row_bytes": row * elsize,
+            "empty": [f"{k}={v}" for k, v in s.items() if v == 0],
+        }
+        if "BS" in s and "NB" in s:
+            plan = layout.copy_plan(s)
+            out["block_bytes"] = layout.kv_size * s["BS"] * row * elsize
+            out["layer_bytes"] = out["block_bytes"] * s["NB"]
+            out["copy_runs_bytes"] = [p.run * elsize for p in plan.pieces]
+            out["strided_loops"] = max(len(p.loops) for p in plan.pieces)
+        return out
+
+    def lines(self) -> list[str]:
+        d = self.data()
+        layout = self.layout
+        concrete = " x ".join(str(part) for part in d["concrete"])
+        words = _pointer_words(layout, layout.pointer_order(d["sizes"]))
+        sizes = ", ".join(f"{k}={v}" for k, v in d["sizes"].items())
         out = [
             f"{layout}",
-            f"  shape          {layout.describe_shape()}",
-            f"  with sizes     {layout.concrete_shape(s)}   ({', '.join(f'{k}={v}' for k, v in s.items())})",
-            f"  leaf tensor    shape {list(shape)}, strides {list(strides)} (elements)",
-            f"  pointer table  {len(pointers)} pointer(s): {_pointer_words(layout, pointers)}",
-            f"  kv_size        {layout.kv_size}   heads per row {heads}   head_size {head}",
-            "  facts",
-            *(f"    - {f}" for f in facts),
-            "  addressing (layer, kv, block, token, head, elem)",
-            f"    pointer = {pointer}",
-            f"    offset  = {off}",
-            f"  chunk row      {row} elements per token ({row * elsize} bytes of {self.dtype})",
+            f"  shape          {d['shape']}",
+            f"  with sizes     {concrete}   ({sizes})",
         ]
-        if "BS" in s and "NB" in s:
+        if d["empty"]:
+            out.append(f"  empty          {', '.join(d['empty'])}: a cache of these sizes holds no data")
+        out += [
+            f"  leaf tensor    shape {d['leaf_shape']}, strides {d['leaf_strides']} (elements)",
+            f"  pointer table  {d['pointers']} pointer(s): {words}",
+            f"  kv_size        {d['kv_size']}   heads per row {d['num_heads']}   head_size {d['head_size']}",
+            "  facts",
+            *(f"    - {fact_doc(name)}" for name, on in d["facts"].items() if on),
+            "  addressing (layer, kv, block, token, head, elem)",
+            f"    pointer = {d['pointer_formula']}",
+            f"    offset  = {d['offset_formula']}",
+            f"  chunk row      {d['row_elements']} elements per token ({d['row_bytes']} bytes of "
+            f"{self.dtype})",
+        ]
+        if "block_bytes" in d:
+            s = d["sizes"]
+            runs = ", ".join(f"{n} B" for n in d["copy_runs_bytes"])
             out += [
-                f"  per block      {per_block} bytes per layer "
-                f"({layout.kv_size} x {s['BS']} tokens x {row * elsize} B)",
-                f"  per layer      {per_block * s['NB']} bytes over {s['NB']} blocks",
+                f"  per block      {d['block_bytes']} bytes per layer "
+                f"({layout.kv_size} x {s['BS']} tokens x {d['row_bytes']} B)",
+                f"  per layer      {d['layer_bytes']} bytes over {s['NB']} blocks",
+                f"  block copy     contiguous runs of {runs}; {d['strided_loops']} strided loop(s) per piece",
             ]
-            plan = layout.copy_plan(s)
-            runs = ", ".join(f"{p.run * elsize} B" for p in plan.pieces)
-            loops = max(len(p.loops) for p in plan.pieces)
-            out.append(f"  block copy     contiguous runs of {runs}; {loops} strided loop(s) per piece")
         return out
 
 

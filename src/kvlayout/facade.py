@@ -32,8 +32,8 @@ from kvlayout.registration import (
     bind,
     bound,
 )
-from kvlayout.registry import FormatLike, as_format, get_spec_class
-from kvlayout.types import DiscoverableKVCache
+from kvlayout.registry import FormatLike, as_format, backend_label, get_spec_class
+from kvlayout.types import DiscoverableKVCache, EngineLike, as_engine
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",
@@ -148,13 +148,14 @@ def _unknown(fmt: object) -> str:
     return f"Unknown ({fmt.name if isinstance(fmt, EngineKVFormat) else fmt})"
 
 
-def get_attention_backend(fmt: FormatLike) -> str:
-    """The first attention backend known to produce the format (a log label only)."""
+def get_attention_backend(fmt: FormatLike, engine: EngineLike | None = None) -> str:
+    """An attention backend known to produce the format (a log label only): the
+    engine's own when ``engine`` is given (detection's registrations know theirs), else
+    the first one layouts.yaml lists."""
     try:
-        backends = get_spec_class(fmt).attention_backends
-    except KVLayoutError:
+        return backend_label(fmt, None if engine is None else as_engine(engine))
+    except (KVLayoutError, TypeError):
         return _unknown(fmt)
-    return backends[0] if backends else _unknown(fmt)
 
 
 def get_engine_kv_shape_description(fmt: FormatLike) -> str:

@@ -39,7 +39,7 @@ from kvlayout.errors import KVLayoutError, index_ranges
 from kvlayout.layout import Layout
 from kvlayout.memory import check_disjoint, run_of
 from kvlayout.nesting import Path, first_leaf
-from kvlayout.registry import FormatLike, as_format, get_spec
+from kvlayout.registry import FormatLike, as_format, backend_label, get_spec
 from kvlayout.spec import UndefinedSizeError
 from kvlayout.types import EngineType
 from kvlayout.vocabulary import Role
@@ -134,6 +134,7 @@ class KernelGroup:
     __slots__ = (
         "_positions",
         "data_ptrs",
+        "engine",
         "engine_group",
         "format",
         "geometry",
@@ -154,8 +155,10 @@ class KernelGroup:
         data_ptrs: tuple[int, ...],
         geometry: Geometry,
         registration_layers: int,
+        engine: EngineType | None = None,
     ) -> None:
         self.format = format
+        self.engine = engine  # the engine that registered it, for labels
         self.engine_group = engine_group
         self.layers = layers
         self.kv = kv
@@ -205,6 +208,11 @@ class KernelGroup:
             g.kv_size, g.num_heads, g.head_size, g.block_size, self.engine_group, g.dtype, self.format,
             self.block_stride_elems, g.num_blocks,
         )  # fmt: skip
+
+    @property
+    def backend(self) -> str:
+        """The attention backend to name in logs: the registering engine's own label."""
+        return backend_label(self.format, self.engine)
 
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         """The tensors holding one of the group's layers, in pointer-table order."""
@@ -486,8 +494,9 @@ class Registration:
             ptrs = _interleave([p.data_ptrs for p in planes], len(layers))
         geometry = _geometry(kv, b)
         return KernelGroup(
-            b.format, engine_group, tuple(layers), kv, tuple(planes), tuple(ptrs), geometry, self.num_layers
-        )
+            b.format, engine_group, tuple(layers), kv, tuple(planes), tuple(ptrs), geometry, self.num_layers,
+            self.engine,
+        )  # fmt: skip
 
     def _shared_ptrs(self, layers: Sequence[int]) -> list[int]:
         b = self._shared

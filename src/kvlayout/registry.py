@@ -10,10 +10,12 @@ from kvlayout._generated.specs import SPEC_CLASSES
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
 from kvlayout.spec import KVFormatSpec
+from kvlayout.types import EngineType
 
 __all__ = [
     "FormatLike",
     "as_format",
+    "backend_label",
     "concrete_shape",
     "describe_shape",
     "get_spec",
@@ -75,6 +77,20 @@ def describe_shape(fmt: FormatLike) -> str:
 def concrete_shape(fmt: FormatLike, sizes: Mapping[str, int]) -> str:
     """The shape with numbers for the given sizes (keys are token names, e.g. ``NB``)."""
     return layout_of(fmt).concrete_shape(sizes)
+
+
+def backend_label(fmt: FormatLike, engine: EngineType | None = None) -> str:
+    """The attention backend to name in a log line: the first of the format's backends
+    that is ``engine``'s (labels start with the engine's name), else the first one."""
+    backends = FORMAT_INFO[as_format(fmt)].backends
+    if engine is not None:
+        name = engine.display_name
+        mine = next(
+            (b for b in backends if b == name or b.startswith((f"{name} ", f"{name}-", f"{name}:"))), None
+        )
+        if mine is not None:
+            return mine
+    return backends[0] if backends else f"Unknown ({as_format(fmt).name})"
 
 
 def format_info(fmt: FormatLike) -> FormatInfo:

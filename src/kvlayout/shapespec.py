@@ -4,6 +4,8 @@
 nests lists (outermost first); ``[2048,32,2,16,8,128]`` is one bare tensor;
 ``61x([1024,64,1,512],[1024,64,1,64])`` is a list of 61 tuples of two tensors; ``+``
 joins top-level lists (``3x[2,7,3,2,4]+2x[7,3,4]``, a hybrid registration).
+``[2,2048,16,8,128]@0,1,3,2,4`` is a tensor of that shape whose dims lie in memory in
+the order given, outermost first (vLLM's HND cache is such an NHD-shaped view).
 """
 
 from __future__ import annotations
@@ -13,16 +15,34 @@ from dataclasses import dataclass
 
 from kvlayout.errors import KVLayoutError, caret_under
 
-__all__ = ["ShapeSpec", "ShapeSpecError", "parse_shape_spec"]
+__all__ = ["USAGE", "Shape", "ShapeSpec", "ShapeSpecError", "parse_shape_spec"]
 
-Node = tuple[int, ...] | list["Node"] | tuple["Node", ...]
+USAGE = (
+    "--shape is NxSHAPE (a list), [d0,d1,...] (a tensor), [dims]@order (its dims' memory order), "
+    "(SHAPE,SHAPE) (a tuple), A+B (lists joined); e.g. '32x[2,2048,16,8,128]'"
+)
+
+
+class Shape(tuple[int, ...]):
+    """A tensor's shape; ``order`` lists its dims in memory order, outermost first, when
+    that is not the shape's own order (a permuted view)."""
+
+    order: tuple[int, ...] | None
+
+    def __new__(cls, dims: tuple[int, ...], order: tuple[int, ...] | None = None) -> Shape:
+        shape = super().__new__(cls, dims)
+        shape.order = order
+        return shape
+
+
+Node = Shape | list["Node"] | tuple["Node", ...]
 
 
 class ShapeSpecError(KVLayoutError):
     """A ``--shape`` text that does not follow the notation."""
 
     def __init__(self, text: str, position: int, problem: str) -> None:
-        super().__init__(f"--shape {text!r}: {problem}\n{caret_under(text, position)}\n{__doc__.strip()}")
+        super().__init__(f"--shape {text!r}: {problem}\n{caret_under(text, position)}\n{USAGE}")
 
 
 @dataclass(frozen=True)
@@ -30,25 +50,21 @@ class ShapeSpec:
     """A parsed registration: nested lists/tuples whose leaves are tensor shapes."""
 
     text: str
-    root: Node  # a tuple of ints is a tensor shape; a list or tuple of nodes is a level
+    root: Node  # a Shape is a tensor; a list or tuple of nodes is a level
     parts: tuple[int, ...]  # top-level entries contributed by each `+` item
 
-    def leaves(self) -> list[tuple[int, ...]]:
-        out: list[tuple[int, ...]] = []
+    def leaves(self) -> list[Shape]:
+        out: list[Shape] = []
 
         def walk(node: Node) -> None:
-            if _is_shape(node):
-                out.append(node)  # type: ignore[arg-type]
+            if isinstance(node, Shape):
+                out.append(node)
             else:
                 for child in node:
-                    walk(child)  # type: ignore[arg-type]
+                    walk(child)
 
         walk(self.root)
         return out
-
-
-def _is_shape(node: object) -> bool:
-    return isinstance(node, tuple) and all(isinstance(x, int) for x in node) and len(node) > 0
 
 
 class _Reader:
@@ -74,14 +90,28 @@ class _Reader:
         self.pos = match.end()
         return int(match.group())
 
-    def tensor(self) -> tuple[int, ...]:
-        self.expect("[")
-        dims = [self.number()]
+    def numbers(self) -> list[int]:
+        out = [self.number()]
         while self.peek() == ",":
             self.pos += 1
-            dims.append(self.number())
+            out.append(self.number())
+        return out
+
+    def tensor(self) -> Shape:
+        self.expect("[")
+        dims = tuple(self.numbers())
         self.expect("]")
-        return tuple(dims)
+        if self.peek() != "@":
+            return Shape(dims)
+        self.pos += 1
+        start = self.pos
+        order = tuple(self.numbers())
+        if sorted(order) != list(range(len(dims))):
+            self.pos = start
+            raise self.fail(
+                f"@{','.join(map(str, order))} is not an order of the {len(dims)} dims 0..{len(dims) - 1}"
+            )
+        return Shape(dims, order)
 
     def entry(self) -> Node:
         """``[dims]`` or ``(entry, entry, ...)``."""

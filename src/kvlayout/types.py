@@ -54,6 +54,13 @@ class EngineType(str, enum.Enum):
     def __str__(self) -> str:
         return self.value
 
+    @property
+    def display_name(self) -> str:
+        """How the engine spells itself (``TRT-LLM``), as backend labels and messages do."""
+        return _DISPLAY_NAMES.get(self.value, self.value)
+
+
+_DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TRT-LLM", "atom": "ATOM"}
 
 EngineLike = EngineType | str
 
@@ -92,16 +99,20 @@ def _positive_int(name: str, value: object) -> int:
 
 
 def _choice(name: str, value: object, choices: tuple[str, ...]) -> str:
+    """The choice spelled ``value`` in any case (as engine names are)."""
     if not isinstance(value, str):
         raise TypeError(f"layout hint {name} must be a str, not {type(value).__name__} ({value!r})")
-    if value not in choices:
+    canonical = next((c for c in choices if c.lower() == value.strip().lower()), None)
+    if canonical is None:
         raise LayoutHintError(f"layout hint {name}={value!r} is not one of {', '.join(choices)}")
-    return value
+    return canonical
 
 
 @dataclass(frozen=True, slots=True)
 class LayoutHints:
     """What an engine says about its registration; every field is optional.
+
+    Choices are read in any case (``hnd`` is ``HND``), as engine names are.
 
     ``kv_layout``: physical order inside a block: ``NHD`` (tokens before heads), ``HND``
     (heads before tokens), or vLLM's blocks-first ``BLNHC``/``BLHNC`` (same per-layer
@@ -129,9 +140,11 @@ class LayoutHints:
 
     def __post_init__(self) -> None:
         if self.kv_layout is not None:
-            _choice("kv_layout", self.kv_layout, _KV_LAYOUTS)
+            object.__setattr__(self, "kv_layout", _choice("kv_layout", self.kv_layout, _KV_LAYOUTS))
         if self.kv_list_layout is not None:
-            _choice("kv_list_layout", self.kv_list_layout, _KV_LIST_LAYOUTS)
+            object.__setattr__(
+                self, "kv_list_layout", _choice("kv_list_layout", self.kv_list_layout, _KV_LIST_LAYOUTS)
+            )
         for name in ("num_kv_heads", "tokens_per_block", "head_dim"):
             value = getattr(self, name)
             if value is not None:

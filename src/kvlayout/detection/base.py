@@ -42,13 +42,6 @@ __all__ = [
     "validate",
 ]
 
-ENGINE_NAMES = {
-    EngineType.VLLM: "vLLM",
-    EngineType.SGLANG: "SGLang",
-    EngineType.TRTLLM: "TRT-LLM",
-    EngineType.ATOM: "ATOM",
-}
-
 
 class DetectionError(RegistrationError):
     """A registration whose structure is inconsistent or fits none of its engine's formats
@@ -349,7 +342,7 @@ def _choose(
     shape: tuple[int, ...] | None,
     only: Callable[[FormatShape], bool] | None,
 ) -> tuple[EngineKVFormat | None, str]:
-    name = ENGINE_NAMES[engine]
+    name = engine.display_name
     rank = len(shape) if shape is not None else p.rank
     pool = engine_formats(engine) if formats is None else formats
     family = [s for s in map(format_shape, pool) if s.layout.list_depth == p.depth and s.rank == rank]
@@ -426,7 +419,7 @@ def unfolded_twin(engine: EngineType, fmt: EngineKVFormat) -> EngineKVFormat:
         f for f in engine_formats(engine) if not LAYOUTS[f].is_pbs_fused and key(LAYOUTS[f]) == key(layout)
     ]
     if len(twins) != 1:
-        raise DetectionError(f"{ENGINE_NAMES[engine]}: {fmt.name} has no unfolded twin among its formats")
+        raise DetectionError(f"{engine.display_name}: {fmt.name} has no unfolded twin among its formats")
     return twins[0]
 
 
