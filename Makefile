@@ -1,6 +1,9 @@
 # kvlayout: `make test` sets everything up on a fresh machine and runs every check;
 # `make demo` runs the walkthrough. Both create .venv on first use.
 
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -10,6 +13,10 @@ BUILT := $(VENV)/.kvlayout-built
 # The editable install maps the modules it saw, so a new module under src/ reinstalls too.
 PACKAGE_SOURCES := $(shell find csrc src -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
+# pip's expected noise on a fresh machine: find-links folders this machine does not have,
+# and the resolver listing the dependencies vLLM is installed without on purpose. Real
+# errors still print, and pipefail keeps pip's exit status.
+QUIET_PIP := 2>&1 | { grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm 0.33.0 requires " -e "^ERROR: pip's dependency resolver does not currently take into account" || true; }
 
 .PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer clean
 
@@ -23,18 +30,18 @@ setup: $(TOOLS)
 $(TOOLS): requirements-dev.txt
 	$(PYTHON) -m venv $(VENV)
 	# torch==2.13.0 is the CPU wheel on this machine's disk; any other spec pulls CUDA builds.
-	$(PIP) install torch==2.13.0
-	$(PIP) install -r requirements-dev.txt
+	$(PIP) install torch==2.13.0 $(QUIET_PIP)
+	$(PIP) install -r requirements-dev.txt $(QUIET_PIP)
 	# vLLM's real KV cache spec classes, for the integration tests: never without --no-deps
 	# (it would pull a CUDA torch); these three are all the spec classes import.
-	$(PIP) install --no-deps vllm==0.33.0
-	$(PIP) install numpy packaging regex
+	$(PIP) install numpy packaging regex $(QUIET_PIP)
+	$(PIP) install --no-deps vllm==0.33.0 $(QUIET_PIP)
 	touch $@
 
 build: $(BUILT)
 
 $(BUILT): $(TOOLS) $(PACKAGE_SOURCES)
-	$(PIP) install --no-build-isolation --no-deps -e .
+	$(PIP) install --no-build-isolation --no-deps -e . $(QUIET_PIP)
 	touch $@
 
 lint: $(TOOLS)

@@ -17,10 +17,18 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 
 
-def test_readme_session_runs() -> None:
-    result = doctest.testfile(str(ROOT / "README.md"), module_relative=False, optionflags=doctest.ELLIPSIS)
-    assert result.attempted > 0
+@pytest.mark.parametrize("doc", DOCS, ids=[d.name for d in DOCS])
+def test_python_snippets_run(doc: Path) -> None:
+    """Every Python snippet of the docs is a session that runs as written."""
+    blocks = re.findall(r"```python\n(.*?)```", doc.read_text(), flags=re.S)
+    assert all(">>> " in block for block in blocks), f"{doc.name} has a Python snippet no test runs"
+    result = doctest.testfile(str(doc), module_relative=False, optionflags=doctest.ELLIPSIS)
     assert result.failed == 0
+    assert result.attempted > 0 or not blocks
+
+
+def test_the_readme_has_sessions() -> None:
+    assert "```python\n>>> " in (ROOT / "README.md").read_text()
 
 
 def _commands() -> list[tuple[str, str]]:

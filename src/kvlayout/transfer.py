@@ -174,6 +174,24 @@ class TransferPlan:
             )
         return (self.kv_size, self.num_layers, tokens, self.row), self.dtype
 
+    def chunks_for(
+        self, num_blocks: int, chunk_tokens: int, *, pin_memory: bool = False
+    ) -> list[torch.Tensor]:
+        """Empty chunks for a call moving ``num_blocks`` blocks in chunks of
+        ``chunk_tokens`` tokens: ``ceil(num_blocks / (chunk_tokens / block_size))`` of
+        them, the last one only as long as its blocks need, on the cache's device."""
+        count = _int("num_blocks", num_blocks)
+        if count < 0:
+            raise TransferError(f"num_blocks must be >= 0, got {count}")
+        shape, dtype = self.chunk_shape(chunk_tokens)
+        per_chunk = shape[2] // self.block_size
+        chunks = []
+        for first in range(0, count, per_chunk):
+            tokens = min(per_chunk, count - first) * self.block_size
+            size = (*shape[:2], tokens, shape[3])
+            chunks.append(torch.empty(size, dtype=dtype, device=self.device, pin_memory=pin_memory))
+        return chunks
+
     def store_blocks(
         self, block_ids: Any, chunks: Any, *, skip_prefix_n_blocks: int = 0, num_threads: int = 1
     ) -> None:
