@@ -393,7 +393,8 @@ class Registration:
         the caller's object) for a bare tensor."""
         registered = self._registered() if self._registered is not None else None
         if registered is None:  # held weakly: what was handed out holds the registration
-            registered = RegisteredKV(self.kv, self) if isinstance(self.kv, list) else _tensor_view(self)
+            tensor = isinstance(self.kv, torch.Tensor)
+            registered = _tensor_view(self) if tensor else RegisteredKV(self.kv, self)
             self._registered = weakref.ref(registered)
         return registered
 
