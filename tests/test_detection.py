@@ -229,7 +229,7 @@ def test_trtllm_pools() -> None:
         ([t(7, 5, 2, 2, 3, 4)] * 2, {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 2"),
         (t(7, 5, 2, 2, 3, 4), {"kv_layout": "NHD"}, LayoutHintError, "TRT-LLM's KV pool is HND"),
         (t(7, 5, 2, 2, 3, 4), {"tokens_per_block": 4}, LayoutHintError,
-         "layout hint tokens_per_block=4 contradicts the pool's BS = 3"),
+         "TRT-LLM: layout hint tokens_per_block=4 contradicts NB_NL_TWO_NH_BS_HS, whose BS is 3"),
         (t(7, 5, 3, 2, 3, 4), {}, DetectionError, "NB_NL_TWO_NH_BS_HS needs dim 2 == 2 (got 3)"),
         (layers((7, 3, 4)), {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 5"),
     ],

@@ -23,7 +23,7 @@ from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 from kvlayout.binding import RegistrationError
 from kvlayout.layout import Layout
 from kvlayout.nesting import describe_path
-from kvlayout.types import EngineType
+from kvlayout.types import EngineType, LayoutHintError
 from kvlayout.vocabulary import Role
 
 __all__ = [
@@ -31,6 +31,7 @@ __all__ = [
     "DetectionError",
     "FormatShape",
     "Probe",
+    "check_size_hints",
     "engine_formats",
     "format_shape",
     "match",
@@ -389,6 +390,20 @@ def _choose(
 
 SIZE_HINTS = (("num_kv_heads", "NH"), ("tokens_per_block", "BS"), ("head_dim", "HS"))
 """Hints that give a size, and the token whose axis holds it."""
+
+
+def check_size_hints(
+    engine: EngineType, fmt: EngineKVFormat, shape: Sequence[int], hints: Any, where: str
+) -> None:
+    """Raise :class:`LayoutHintError` for the first size hint that ``fmt``'s reading of
+    a leaf ``shape`` contradicts."""
+    conflict = size_hint_conflict(fmt, shape, hints)
+    if conflict is not None:
+        hint, wanted, symbol, read = conflict
+        raise LayoutHintError(
+            f"{engine.display_name}: layout hint {hint}={wanted} contradicts {fmt.name}, whose {symbol} "
+            f"is {read} ({where})"
+        )
 
 
 def size_hint_conflict(

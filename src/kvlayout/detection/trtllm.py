@@ -12,14 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.detection.base import (
-    SIZE_HINTS,
-    DetectionError,
-    engine_formats,
-    pick,
-    probe,
-    size_hint_conflict,
-)
+from kvlayout.detection.base import SIZE_HINTS, DetectionError, check_size_hints, engine_formats, pick, probe
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.TRTLLM
@@ -42,13 +35,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         kv = _unflatten(kv, hints)
         p = probe(kv)
     fmt = pick(ENGINE, p)
-    conflict = size_hint_conflict(fmt, p.shape, hints)
-    if conflict is not None:
-        hint, wanted, symbol, read = conflict
-        raise LayoutHintError(
-            f"TRT-LLM: layout hint {hint}={wanted} contradicts the pool's {symbol} = {read} "
-            f"(pool shape {p.shape}, {fmt.name})"
-        )
+    check_size_hints(ENGINE, fmt, p.shape, hints, f"pool shape {p.shape}")
     return fmt, kv
 
 

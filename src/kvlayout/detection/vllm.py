@@ -29,9 +29,18 @@ from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.contiguity import dim0_padding
-from kvlayout.detection.base import SIZE_HINTS, DetectionError, Probe, match, pick, probe, size_hint_conflict
+from kvlayout.detection.base import (
+    SIZE_HINTS,
+    DetectionError,
+    Probe,
+    check_size_hints,
+    match,
+    pick,
+    probe,
+    size_hint_conflict,
+)
 from kvlayout.nesting import first_leaf
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
+from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 
 ENGINE = EngineType.VLLM
 
@@ -44,13 +53,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     if hnd is None:
         hnd = p.device.type == "cpu"
     fmt, out = _discover(kv, p, hints, hnd)
-    conflict = size_hint_conflict(fmt, first_leaf(out).shape, hints)
-    if conflict is not None:
-        hint, wanted, symbol, read = conflict
-        raise LayoutHintError(
-            f"vLLM: layout hint {hint}={wanted} contradicts {fmt.name}, whose {symbol} is {read} "
-            f"({p.describe()})"
-        )
+    check_size_hints(ENGINE, fmt, first_leaf(out).shape, hints, p.describe())
     return fmt, out
 
 
