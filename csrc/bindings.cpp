@@ -139,11 +139,12 @@ class TransferPlan {
   kvlayout::transfer::Options options_;
 };
 
-using ByteArray = nb::ndarray<nb::numpy, std::uint8_t, nb::ndim<1>>;
+using SegmentArray = nb::ndarray<nb::numpy, std::uint8_t, nb::shape<-1, sizeof(kvlayout::plan::Segment)>>;
 using UnitArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 4>>;
 
-// (segment table as bytes, widest unit, largest segment's bytes): what the CUDA plan uploads.
-std::tuple<ByteArray, std::uint32_t, std::uint32_t> plan_segments(const JobArgs& a) {
+// (segment table, one row of bytes per segment; widest unit; largest segment's bytes;
+// kernel depth): what the CUDA plan uploads and launches with.
+std::tuple<SegmentArray, std::uint32_t, std::uint32_t, int> plan_segments(const JobArgs& a) {
   const auto segments = segments_of(a);
   const std::size_t n = segments.size() * sizeof(kvlayout::plan::Segment);
   auto* out = new std::uint8_t[n];
@@ -151,7 +152,8 @@ std::tuple<ByteArray, std::uint32_t, std::uint32_t> plan_segments(const JobArgs&
   std::memcpy(out, segments.data(), n);
   std::uint32_t largest = 0;
   for (const auto& s : segments) largest = std::max(largest, s.bytes);
-  return {ByteArray(out, {n}, owner), kvlayout::plan::widest_unit(segments, std::get<9>(a)), largest};
+  return {SegmentArray(out, {segments.size(), sizeof(kvlayout::plan::Segment)}, owner), kvlayout::plan::widest_unit(segments, std::get<9>(a)), largest,
+          kvlayout::plan::depth_for(segments.data(), segments.size())};
 }
 
 // Every unit the CUDA grid would copy for one job, through the kernels' own mapping
@@ -164,7 +166,9 @@ UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_toke
   const std::int64_t block_size = std::get<8>(a), row_bytes = std::get<9>(a);
   std::uint32_t largest = 0;
   for (const auto& s : segments) largest = std::max(largest, s.bytes);
+  if (unit != 1 && unit != 2 && unit != 4 && unit != 8 && unit != 16) throw nb::value_error("unit is 1, 2, 4, 8 or 16");
   const std::uint32_t threads = kp::threads_for(largest, unit);
+  const int depth = kp::depth_for(segments.data(), segments.size());
   const auto count = static_cast<std::int64_t>(block_ids.shape(0));
   if (blocks_per_chunk <= 0 || skip < 0 || skip > count || count >= (std::int64_t{1} << 31))
     throw nb::value_error("bad batch");
@@ -176,15 +180,17 @@ UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_toke
     for (const kp::Segment& s : segments) {
       const std::uint64_t cache = kp::cache_start(s, 0, t.block);
       const std::uint64_t chunk = kp::chunk_start(s, 0, chunk_tokens.data()[t.chunk], t.first_token, row_bytes);
-      for (std::uint32_t thread = 0; thread < threads; ++thread) {
-        kp::for_each_unit(s, unit, thread, threads, [&](const kp::Offsets* o, const bool* live) {
-          for (int k = 0; k < kp::kUnroll; ++k) {
-            if (!live[k]) continue;
-            rows.insert(rows.end(), {static_cast<std::int64_t>(s.pointer), static_cast<std::int64_t>(cache + o[k].cache),
-                                     static_cast<std::int64_t>(t.chunk), static_cast<std::int64_t>(chunk + o[k].chunk)});
-          }
-        });
-      }
+      const auto record = [&](const kp::Offsets* o, const bool* live) {
+        for (int k = 0; k < kp::kUnroll; ++k) {
+          if (!live[k]) continue;
+          rows.insert(rows.end(), {static_cast<std::int64_t>(s.pointer), static_cast<std::int64_t>(cache + o[k].cache),
+                                   static_cast<std::int64_t>(t.chunk), static_cast<std::int64_t>(chunk + o[k].chunk)});
+        }
+      };
+      kp::with_depth(depth, [&](auto d) {
+        for (std::uint32_t thread = 0; thread < threads; ++thread)
+          kp::for_each_unit<decltype(d)::value>(s, unit, thread, threads, record);
+      });
     }
   }
   auto* out = new std::int64_t[rows.size()];
@@ -262,7 +268,8 @@ NB_MODULE(_native, m) {
            "(index of the first block id out of range or -1, threads used); nothing moves when an id is bad.");
 
   m.def("plan_segments", &plan_segments, "job"_a,
-        "(segment table bytes, widest copy unit, largest segment bytes) of a job, for the CUDA plan.");
+        "(segment table (a row of bytes per segment), widest copy unit, largest segment bytes, kernel depth) of a "
+        "job, for the CUDA plan.");
   m.def("device_units", &device_units, "job"_a, "block_ids"_a, "chunk_tokens"_a, "blocks_per_chunk"_a, "skip"_a,
         "unit"_a, "The units the CUDA grid copies for a job, by the kernels' mapping run on the host (for tests).");
 

@@ -87,7 +87,9 @@ struct Offsets {
 };
 
 // Where byte `pos` (< s.bytes) of a segment lies, from its two starts: the run it is in,
-// split into loop digits innermost first, plus its place in the run.
+// split into loop digits innermost first, plus its place in the run. Compiled for at most
+// Depth loops (s.num_loops <= Depth), so shallow plans carry no deeper loop's state.
+template <int Depth>
 KVLAYOUT_HOST_DEVICE inline Offsets offsets_at(const Segment& s, std::uint32_t pos) {
   std::uint32_t r = s.run.div(pos);
   const std::uint32_t within = pos - r * s.run.divisor;
@@ -95,7 +97,7 @@ KVLAYOUT_HOST_DEVICE inline Offsets offsets_at(const Segment& s, std::uint32_t p
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
-  for (int l = kMaxLoops - 1; l >= 0; --l) {
+  for (int l = Depth - 1; l >= 0; --l) {
     if (l < static_cast<int>(s.num_loops)) {
       const Loop& loop = s.loops[l];
       const std::uint32_t q = loop.extent.div(r);
@@ -110,10 +112,36 @@ KVLAYOUT_HOST_DEVICE inline Offsets offsets_at(const Segment& s, std::uint32_t p
 
 // -- the CUDA grid ------------------------------------------------------------------------
 // Thread block (x, y) moves segment y of the (skip + x)-th block of the call; its threads
-// stride over the segment in `unit`-byte steps, `kUnroll` units in flight each.
+// stride over the segment in `unit`-byte steps, `kUnroll` units in flight each. Kernels
+// are compiled for loop nests of depth 0 (whole-block runs), 2 (head-major blocks) and
+// kMaxLoops (anything).
 
 inline constexpr int kUnroll = 4;
 inline constexpr std::uint32_t kMaxThreads = 256;
+
+// The depth a job's kernels are compiled for: the shallowest that holds every segment.
+inline int depth_for(const Segment* segments, std::size_t n) {
+  std::uint32_t deepest = 0;
+  for (std::size_t i = 0; i < n; ++i) deepest = deepest > segments[i].num_loops ? deepest : segments[i].num_loops;
+  return deepest == 0 ? 0 : deepest <= 2 ? 2 : kMaxLoops;
+}
+
+template <int D>
+struct Depth {
+  static constexpr int value = D;
+};
+
+// Calls f(Depth<D>{}) with the compiled depth D that serves `depth` (see depth_for).
+template <class F>
+inline void with_depth(int depth, F&& f) {
+  if (depth == 0) {
+    f(Depth<0>{});
+  } else if (depth <= 2) {
+    f(Depth<2>{});
+  } else {
+    f(Depth<kMaxLoops>{});
+  }
+}
 
 struct Task {
   std::int64_t block;         // the block id
@@ -130,7 +158,10 @@ KVLAYOUT_HOST_DEVICE inline Task task_of(const std::int64_t* block_ids, std::uin
 
 // Calls copy(offsets, live) with kUnroll offsets per step, `live[k]` false past the end:
 // thread `thread` of `threads` takes units thread, thread + threads, ... of the segment.
-template <class Copy>
+#if defined(__CUDACC__)
+#pragma nv_exec_check_disable
+#endif
+template <int Depth, class Copy>
 KVLAYOUT_HOST_DEVICE inline void for_each_unit(const Segment& s, std::uint32_t unit, std::uint32_t thread,
                                                std::uint32_t threads, Copy&& copy) {
   const std::uint32_t stride = threads * unit;
@@ -143,7 +174,7 @@ KVLAYOUT_HOST_DEVICE inline void for_each_unit(const Segment& s, std::uint32_t u
     for (int k = 0; k < kUnroll; ++k) {
       const std::uint32_t p = pos + static_cast<std::uint32_t>(k) * stride;
       live[k] = p < s.bytes;
-      o[k] = offsets_at(s, live[k] ? p : 0);
+      o[k] = offsets_at<Depth>(s, live[k] ? p : 0);
     }
     copy(o, live);
   }
