@@ -243,8 +243,9 @@ struct Options {
 
 // kAuto: the order whose read side streams the longer stretch, and on a tie the one whose
 // write side does. Reads decide first: streaming stores make the write order cheap, while
-// a read stream is what the prefetchers keep ahead of (measured on the benchmark's cases:
-// cross-layer stores read block-major, its loads and everything per-layer layer-major).
+// a read stream is what the prefetchers keep ahead of. On the benchmark's cases this
+// stores cross-layer and flash-infer blocks (slabs adjacent in the cache) block-major and
+// moves everything else layer-major, the faster order of each in same-run measurements.
 inline bool layer_major(const Plan& p, Direction d, std::int64_t blocks_per_chunk, const Options& o) {
   if (o.order != Order::kAuto || p.jobs.empty()) return o.order == Order::kLayerMajor;
   const std::int64_t rows = p.jobs.front().block_size * p.jobs.front().row_bytes;  // a block in a chunk slab
