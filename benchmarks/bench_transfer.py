@@ -1,9 +1,8 @@
-"""Block transfer bandwidth: kvlayout's native path against a plain copy and plain torch.
+"""Block transfer bandwidth: kvlayout's native path against a C gather, a plain copy and torch.
 
 A Llama-3-8B-like cache (32 layers, 8 KV heads of 128, 16-token blocks, bf16, a pool of
 2048 blocks per layer, so the source is cold) moves 256 scattered blocks into 256-token
 chunks of 16 blocks, and back. In the same run, for the same bytes:
-  - plain copy: ``dst.copy_(src)`` of one contiguous buffer of that many bytes;
   - C gather: plain C that copies exactly the runs our plan copies, one ``memcpy`` per
     contiguous run, on the row's thread count (compiled here with the system C compiler;
     its block-major and layer-major orders both run, the faster counts; its output is
