@@ -150,9 +150,8 @@ std::tuple<SegmentArray, std::uint32_t, std::uint32_t, int> plan_segments(const 
   auto* out = new std::uint8_t[n];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint8_t*>(p); });
   std::memcpy(out, segments.data(), n);
-  std::uint32_t largest = 0;
-  for (const auto& s : segments) largest = std::max(largest, s.bytes);
-  return {SegmentArray(out, {segments.size(), sizeof(kvlayout::plan::Segment)}, owner), kvlayout::plan::widest_unit(segments, std::get<9>(a)), largest,
+  return {SegmentArray(out, {segments.size(), sizeof(kvlayout::plan::Segment)}, owner),
+          kvlayout::plan::widest_unit(segments, std::get<9>(a)), kvlayout::plan::largest_bytes(segments),
           kvlayout::plan::depth_for(segments.data(), segments.size())};
 }
 
@@ -164,10 +163,8 @@ UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_toke
   namespace kp = kvlayout::plan;
   const auto segments = segments_of(a);
   const std::int64_t block_size = std::get<8>(a), row_bytes = std::get<9>(a);
-  std::uint32_t largest = 0;
-  for (const auto& s : segments) largest = std::max(largest, s.bytes);
   if (unit != 1 && unit != 2 && unit != 4 && unit != 8 && unit != 16) throw nb::value_error("unit is 1, 2, 4, 8 or 16");
-  const std::uint32_t threads = kp::threads_for(largest, unit);
+  const std::uint32_t threads = kp::threads_for(kp::largest_bytes(segments), unit);
   const int depth = kp::depth_for(segments.data(), segments.size());
   const auto count = static_cast<std::int64_t>(block_ids.shape(0));
   if (blocks_per_chunk <= 0 || skip < 0 || skip > count || count >= (std::int64_t{1} << 31))

@@ -285,6 +285,13 @@ inline std::vector<Segment> build_segments(const JobSpec& job) {
   return out;
 }
 
+// The bytes of the largest segment (what sizes a job's thread blocks).
+inline std::uint32_t largest_bytes(const std::vector<Segment>& segments) {
+  std::uint32_t largest = 0;
+  for (const Segment& s : segments) largest = s.bytes > largest ? s.bytes : largest;
+  return largest;
+}
+
 // The widest power of two up to 16 bytes that divides every run, stride and offset of the
 // segments and the chunk row: the device's copy unit before pointer alignment narrows it.
 inline std::uint32_t widest_unit(const std::vector<Segment>& segments, std::int64_t row_bytes) {
