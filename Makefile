@@ -45,8 +45,8 @@ $(BUILT): $(TOOLS) $(PACKAGE_SOURCES)
 	touch $@
 
 lint: $(TOOLS)
-	$(PY) -m ruff check src codegen tests benchmarks
-	$(PY) -m ruff format --check src codegen tests benchmarks
+	$(PY) -m ruff check src codegen tests benchmarks scripts
+	$(PY) -m ruff format --check src codegen tests benchmarks scripts
 
 typecheck: $(TOOLS)
 	$(PY) -m mypy
@@ -61,12 +61,14 @@ pytest: build
 	$(PY) -m pytest -q
 
 # Compile-only: the generated indexers and the transfer kernels must be valid CUDA (no GPU
-# needed; `make build` also links kvlayout._cuda when CMake finds the toolkit).
-nvcc-check:
+# needed; `make build` also links kvlayout._cuda when CMake finds the toolkit), and every
+# transfer kernel must fit 64 registers without spilling, on Ampere and Hopper.
+nvcc-check: $(TOOLS)
 ifneq ($(NVCC),)
 	$(NVCC) -std=c++17 -Icsrc/include -x cu -c tests/cuda/compile_indexers.cu -o /dev/null
-	$(NVCC) -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc -c csrc/cuda/transfer_kernels.cu -o /dev/null
-	@echo "nvcc: generated indexers and transfer kernels compile as CUDA"
+	$(PY) scripts/ptxas_budget.py 64 -- $(NVCC) -std=c++17 -gencode arch=compute_80,code=sm_80 \
+		-gencode arch=compute_90,code=sm_90 -Icsrc/include -Icsrc -c csrc/cuda/transfer_kernels.cu -o /dev/null
+	@echo "nvcc: generated indexers and transfer kernels compile as CUDA, kernels within 64 registers"
 else
 	@echo "nvcc not found: skipping the CUDA compile check"
 endif

@@ -1,14 +1,20 @@
-"""Block transfer bandwidth: kvlayout's native path against a plain copy and plain torch.
+"""Block transfer bandwidth: kvlayout's native path against a C gather, a plain copy and torch.
 
 A Llama-3-8B-like cache (32 layers, 8 KV heads of 128, 16-token blocks, bf16, a pool of
 2048 blocks per layer, so the source is cold) moves 256 scattered blocks into 256-token
 chunks of 16 blocks, and back. In the same run, for the same bytes:
+  - C gather: plain C that copies exactly the runs our plan copies, one ``memcpy`` per
+    contiguous run, on the row's thread count (compiled here with the system C compiler;
+    its block-major and layer-major orders both run, the faster counts; its output is
+    checked equal to ours first);
   - plain copy: ``dst.copy_(src)`` of one contiguous buffer of that many bytes;
   - best torch: ``index_select``/``index_copy_`` into preallocated buffers (a strided view
     per K/V half where torch can take one, a gather plus transposing copy where it cannot),
     on the row's thread count or fewer, whichever was faster.
 Each figure is the median of several runs, in GB/s; ratios are ours over each baseline.
 Ours is a prepared plan (``kvlayout.transfer.prepare`` once, then one call per move).
+SGLang MP is registered as SGLang does it (32 K pools then 32 V pools ``[NB*BS, NH, HS]``,
+``tokens_per_block=16``, ``kv_list_layout='k_v'``) and detected.
 
 Then the fixed cost of one prepared call (16 block ids, one chunk, every block skipped:
 the per-call checks and the native call, no bytes) beside one detection of the same
@@ -27,14 +33,20 @@ import os
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import argparse
+import ctypes
 import random
+import shutil
 import statistics
+import subprocess
+import tempfile
 import time
 import timeit
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import kvlayout
@@ -47,11 +59,113 @@ PER_CHUNK = CHUNK_TOKENS // BS
 DTYPE = torch.bfloat16
 
 
+# The reference: for each block (or each chunk slab), for each (kv, layer) slab, an
+# outer x inner loop of contiguous runs, one memcpy each. Blocks are split over threads
+# in contiguous parts, as ours does.
+C_GATHER = r"""
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+  int store, layer_major;
+  int64_t lo, hi, per_chunk, block_tokens, tokens, row, slabs, block_stride;
+  const int64_t* ids;
+  char* const* chunks;
+  char* const* slab_base;
+  int64_t n_outer, cache_outer, chunk_outer, n_inner, cache_inner, chunk_inner, run;
+} Gather;
+
+static void move(const Gather* g, int64_t i, int64_t s) {
+  char* chunk = g->chunks[i / g->per_chunk] + (s * g->tokens + i % g->per_chunk * g->block_tokens) * g->row;
+  char* cache = g->slab_base[s] + g->ids[i] * g->block_stride;
+  for (int64_t o = 0; o < g->n_outer; ++o)
+    for (int64_t n = 0; n < g->n_inner; ++n) {
+      char* c = chunk + o * g->chunk_outer + n * g->chunk_inner;
+      char* k = cache + o * g->cache_outer + n * g->cache_inner;
+      if (g->store) memcpy(c, k, g->run); else memcpy(k, c, g->run);
+    }
+}
+
+static void* part(void* arg) {
+  const Gather* g = arg;
+  if (!g->layer_major) {
+    for (int64_t i = g->lo; i < g->hi; ++i)
+      for (int64_t s = 0; s < g->slabs; ++s) move(g, i, s);
+    return 0;
+  }
+  for (int64_t c0 = g->lo - g->lo % g->per_chunk; c0 < g->hi; c0 += g->per_chunk) {
+    int64_t i0 = c0 > g->lo ? c0 : g->lo, i1 = c0 + g->per_chunk < g->hi ? c0 + g->per_chunk : g->hi;
+    for (int64_t s = 0; s < g->slabs; ++s)
+      for (int64_t i = i0; i < i1; ++i) move(g, i, s);
+  }
+  return 0;
+}
+
+void gather(const Gather* g, int64_t n_blocks, int threads) {
+  Gather parts[64];
+  pthread_t tids[64];
+  if (threads > 64) threads = 64;
+  int64_t per = (n_blocks + threads - 1) / threads;
+  for (int t = 0; t < threads; ++t) {
+    parts[t] = *g;
+    parts[t].lo = t * per;
+    parts[t].hi = (t + 1) * per < n_blocks ? (t + 1) * per : n_blocks;
+  }
+  for (int t = 1; t < threads; ++t) pthread_create(&tids[t], 0, part, &parts[t]);
+  part(&parts[0]);
+  for (int t = 1; t < threads; ++t) pthread_join(tids[t], 0);
+}
+"""
+
+
+class Gather(ctypes.Structure):
+    _fields_ = [
+        *((name, ctypes.c_int) for name in ("store", "layer_major")),
+        *((name, ctypes.c_int64) for name in ("lo", "hi", "per_chunk", "block_tokens", "tokens", "row",
+                                              "slabs", "block_stride")),
+        ("ids", ctypes.c_void_p),
+        ("chunks", ctypes.c_void_p),
+        ("slab_base", ctypes.c_void_p),
+        *((name, ctypes.c_int64) for name in ("n_outer", "cache_outer", "chunk_outer",
+                                              "n_inner", "cache_inner", "chunk_inner", "run")),
+    ]  # fmt: skip
+
+
+def c_gather_library(workdir: Path) -> ctypes.CDLL:
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("g++")
+    if cc is None:
+        raise SystemExit("bench_transfer needs a C compiler (cc, gcc or g++) for its C gather baseline")
+    src, lib = workdir / "gather.c", workdir / "gather.so"
+    src.write_text(C_GATHER)
+    language = ["-x", "c"] if not cc.endswith("++") else ["-x", "c++", "-fpermissive", "-w"]
+    subprocess.run(
+        [cc, "-O2", "-shared", "-fPIC", *language, str(src), "-o", str(lib), "-lpthread"], check=True
+    )
+    library = ctypes.CDLL(str(lib))
+    library.gather.argtypes = [ctypes.POINTER(Gather), ctypes.c_int64, ctypes.c_int]
+    library.gather.restype = None
+    return library
+
+
+@dataclass(frozen=True)
+class Runs:
+    """A format's contiguous runs: per (layer, K/V) slab a [NB, ...] view of the cache, and
+    within a block ``outer x inner`` runs of ``run`` bytes (strides in bytes)."""
+
+    view: Callable[[int, int], torch.Tensor]
+    outer: tuple[int, int, int] = (1, 0, 0)  # count, cache stride, chunk stride
+    inner: tuple[int, int, int] = (1, 0, 0)
+    run: int = 0  # 0: the whole block
+
+
 @dataclass
 class Case:
     fmt: F
     label: str
     kv: Any
+    kv_size: int
+    runs: Runs
     gather: Callable[[list[torch.Tensor], list[torch.Tensor]], None]  # torch store
     scatter: Callable[[list[torch.Tensor], list[torch.Tensor]], None]  # torch load
 
@@ -103,31 +217,70 @@ def make_case(fmt: F) -> Case:
     def zeros(*shape: int) -> torch.Tensor:
         return torch.ones(shape, dtype=DTYPE)  # touched, so pages are resident
 
+    def per_half(label: str, kv: Any, views: Callable[[int, int], torch.Tensor], kv_size: int,
+                 block_shape: tuple[int, ...]) -> Case:  # fmt: skip
+        return Case(fmt, label, kv, kv_size, Runs(views), *_per_half(views, kv_size, block_shape))
+
     if fmt == F.NL_X_TWO_NB_BS_NH_HS:
         kv = [zeros(2, NB, BS, NH, HS) for _ in range(NL)]
-        g, s = _per_half(lambda layer, k: kv[layer][k], 2, (BS, NH, HS))
-        return Case(fmt, "1 flash-attn NHD", kv, g, s)
+        return per_half("1 flash-attn NHD", kv, lambda layer, k: kv[layer][k], 2, (BS, NH, HS))
     if fmt == F.NL_X_NB_TWO_BS_NH_HS:
         kv = [zeros(NB, 2, BS, NH, HS) for _ in range(NL)]
-        g, s = _per_half(lambda layer, k: kv[layer][:, k], 2, (BS, NH, HS))
-        return Case(fmt, "2 flash-infer NHD", kv, g, s)
+        return per_half("2 flash-infer NHD", kv, lambda layer, k: kv[layer][:, k], 2, (BS, NH, HS))
     if fmt == F.NL_X_TWO_NB_NH_BS_HS:
         kv = [zeros(2, NB, NH, BS, HS) for _ in range(NL)]
-        g, s = _hnd_halves(kv)
-        return Case(fmt, "6 flash-attn HND", kv, g, s)
+        e = DTYPE.itemsize
+        st = kv[0][0].stride()
+        runs = Runs(
+            lambda layer, k: kv[layer][k], (NH, st[1] * e, HS * e), (BS, st[2] * e, NH * HS * e), HS * e
+        )
+        return Case(fmt, "6 flash-attn HND", kv, 2, runs, *_hnd_halves(kv))
     if fmt == F.NB_NL_TWO_BS_NH_HS:
         t = zeros(NB, NL, 2, BS, NH, HS)
-        g, s = _per_half(lambda layer, k: t[:, layer, k], 2, (BS, NH, HS))
-        return Case(fmt, "0 cross-layer", t, g, s)
+        return per_half("0 cross-layer", t, lambda layer, k: t[:, layer, k], 2, (BS, NH, HS))
     if fmt == F.NL_X_NB_BS_HS:
         kv = [zeros(NB, BS, MLA_HS) for _ in range(NL)]
-        g, s = _per_half(lambda layer, k: kv[layer], 1, (BS, MLA_HS))
-        return Case(fmt, f"3 MLA (HS={MLA_HS})", kv, g, s)
+        return per_half(f"3 MLA (HS={MLA_HS})", kv, lambda layer, k: kv[layer], 1, (BS, MLA_HS))
+    if fmt == F.TWO_X_NL_X_NB_BS_NH_HS:
+        pools = [zeros(NB * BS, NH, HS) for _ in range(2 * NL)]  # 32 K pools, then 32 V pools
+        hints = {"tokens_per_block": BS, "kv_list_layout": "k_v"}
+        found, kv = kvlayout.normalize_kv_and_discover_format(pools, "sglang", hints)
+        assert found == fmt, found
+        blocks = [p.view(NB, BS, NH, HS) for p in pools]
+        return per_half("9 SGLang MP", kv, lambda layer, k: blocks[k * NL + layer], 2, (BS, NH, HS))
     if fmt == F.NL_X_NB_BS_NH_CS:
         kv = [zeros(NB, BS, NH, 2 * HS) for _ in range(NL)]
-        g, s = _per_half(lambda layer, k: kv[layer], 1, (BS, NH, 2 * HS))
-        return Case(fmt, "13 fused K/V NHD", kv, g, s)
+        return per_half("13 fused K/V NHD", kv, lambda layer, k: kv[layer], 1, (BS, NH, 2 * HS))
     raise ValueError(fmt)
+
+
+class CGather:
+    """The C gather of one case's runs into (or out of) a list of chunks."""
+
+    def __init__(
+        self, library: ctypes.CDLL, case: Case, block_ids: list[int], chunks: list[torch.Tensor]
+    ) -> None:
+        self.library = library
+        e = DTYPE.itemsize
+        first = case.runs.view(0, 0)
+        run = case.runs.run or first[0].numel() * e
+        slabs = [case.runs.view(layer, k) for k in range(case.kv_size) for layer in range(NL)]
+        self.keep = [
+            np.array(block_ids, dtype=np.int64),
+            np.array([c.data_ptr() for c in chunks], dtype=np.uint64),
+            np.array([v.data_ptr() for v in slabs], dtype=np.uint64),
+        ]
+        ids, chunk_ptrs, bases = (a.ctypes.data for a in self.keep)
+        row = chunks[0].shape[-1] * e
+        self.args = Gather(
+            0, 0, 0, 0, PER_CHUNK, BS, CHUNK_TOKENS, row, case.kv_size * NL, first.stride(0) * e,
+            ids, chunk_ptrs, bases, *case.runs.outer, *case.runs.inner, run,
+        )  # fmt: skip
+        self.blocks = len(block_ids)
+
+    def __call__(self, store: bool, layer_major: bool, threads: int) -> None:
+        self.args.store, self.args.layer_major = int(store), int(layer_major)
+        self.library.gather(ctypes.byref(self.args), self.blocks, threads)
 
 
 def timed(fn: Callable[[], object], repeats: int) -> float:
@@ -141,13 +294,19 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
 
 
 def run_format(
-    fmt: F, block_ids: list[int], ids: list[torch.Tensor], thread_counts: list[int], repeats: int
+    case: Case,
+    library: ctypes.CDLL,
+    block_ids: list[int],
+    ids: list[torch.Tensor],
+    thread_counts: list[int],
+    repeats: int,
 ) -> list[str]:
     """One format's table rows: store and load, for each thread count."""
-    case = make_case(fmt)
-    plan = prepare(case.kv, fmt)
+    plan = prepare(case.kv, case.fmt)
     shape, dtype = plan.chunk_shape(CHUNK_TOKENS)
     chunks = [torch.ones(shape, dtype=dtype) for _ in ids]
+    gather = CGather(library, case, block_ids, chunks)
+    check_same_runs(plan, gather, block_ids, chunks)
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
     src = torch.ones(nbytes // 2, dtype=DTYPE)
     dst = torch.empty_like(src)
@@ -165,15 +324,32 @@ def run_format(
             def torch_run(move: Callable[..., None] = torch_move) -> None:
                 move(ids, chunks)
 
+            def c_run(layer_major: bool, store: bool = direction == "store", n: int = threads) -> None:
+                gather(store, layer_major, n)
+
             ours = timed(ours_run, repeats)
+            c_best = min(timed(lambda: c_run(False), repeats), timed(lambda: c_run(True), repeats))
             best_torch = min(timed(torch_run, repeats), torch_best.get(direction, float("inf")))
             torch_best[direction] = best_torch
-            gbs = [nbytes / t / 1e9 for t in (ours, plain, best_torch)]
+            gbs = [nbytes / t / 1e9 for t in (ours, c_best, plain, best_torch)]
             rows.append(
-                f"{case.label:<22}{direction:<7}{threads:>4}{gbs[0]:>11.2f}{gbs[1]:>11.2f}{gbs[2]:>12.2f}"
-                f"{plain / ours:>8.2f}x{best_torch / ours:>9.2f}x"
+                f"{case.label:<20}{direction:<6}{threads:>4}{gbs[0]:>10.2f}{gbs[1]:>8.2f}{gbs[2]:>10.2f}"
+                f"{gbs[3]:>11.2f}{c_best / ours:>8.2f}x{plain / ours:>8.2f}x{best_torch / ours:>9.2f}x"
             )
     return rows
+
+
+def check_same_runs(plan: Any, gather: CGather, block_ids: list[int], chunks: list[torch.Tensor]) -> None:
+    """The C gather and ours write the same bytes (so they copy the same runs)."""
+    for c in chunks:
+        c.zero_()
+    gather(True, False, 1)
+    theirs = [c.clone() for c in chunks]
+    for c in chunks:
+        c.zero_()
+    plan.store_blocks(block_ids, chunks)
+    if not all(torch.equal(a, b) for a, b in zip(theirs, chunks, strict=True)):
+        raise SystemExit(f"{plan}: the C gather and ours disagree; the benchmark's runs are wrong")
 
 
 def fixed_cost(repeats: int) -> list[str]:
@@ -231,18 +407,22 @@ def main() -> None:
     print(__doc__.split("\n\n")[1].replace("\n", " "))
     print()
     header = (
-        f"{'format':<22}{'dir':<7}{'thr':>4}{'ours GB/s':>11}{'copy GB/s':>11}{'torch GB/s':>12}"
-        f"{'vs copy':>9}{'vs torch':>10}"
+        f"{'format':<20}{'dir':<6}{'thr':>4}{'ours GB/s':>10}{'C GB/s':>8}{'copy GB/s':>10}{'torch GB/s':>11}"
+        f"{'vs C':>9}{'vs copy':>9}{'vs torch':>10}"
     )
     print(header)
     print("-" * len(header))
     threads = [int(t) for t in args.threads.split(",")]
-    for fmt in (F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS,
-                F.NB_NL_TWO_BS_NH_HS, F.NL_X_NB_BS_HS, F.NL_X_NB_BS_NH_CS):  # fmt: skip
-        for line in run_format(fmt, block_ids, ids, threads, args.repeats):
-            print(line, flush=True)
+    with tempfile.TemporaryDirectory() as workdir:
+        library = c_gather_library(Path(workdir))
+        for fmt in (F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS,
+                    F.NB_NL_TWO_BS_NH_HS, F.NL_X_NB_BS_HS, F.TWO_X_NL_X_NB_BS_NH_HS,
+                    F.NL_X_NB_BS_NH_CS):  # fmt: skip
+            for line in run_format(make_case(fmt), library, block_ids, ids, threads, args.repeats):
+                print(line, flush=True)
     print(
-        "\nvs copy = ours / plain copy bandwidth; vs torch = ours / best torch bandwidth (higher is better)"
+        "\nvs C / vs copy / vs torch = ours over the C gather / plain copy / best torch bandwidth "
+        "(higher is better)"
     )
     print("\nfixed cost of one call, microseconds (best of several runs; target: prepared <= 0.5x detection)")
     header = (

@@ -1,7 +1,7 @@
 """CUDA block transfer bandwidth against a device-to-device copy of the same bytes.
 
 The Llama-3-8B-like case of bench_transfer.py, on the GPU: 256 scattered blocks of a
-2048-block pool into sixteen 256-token chunks, and back. Needs a CUDA device and
+2048-block pool into sixteen 256-token chunks, and back, through a prepared plan. Needs a CUDA device and
 kvlayout._cuda (see scripts/gpu_check.sh).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 
 from kvlayout import EngineKVFormat as F
-from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
+from kvlayout.transfer import prepare
 
 NL, NB, BS, NH, HS = 32, 2048, 16, 8, 128
 BLOCKS, CHUNK_TOKENS = 256, 256
@@ -41,13 +41,14 @@ def timed_ms(fn: Callable[[], object], repeats: int = 20) -> float:
 
 def run_format(fmt: F, shape: tuple[int, ...], block_ids: list[int]) -> str:
     kv = [torch.ones(shape, dtype=torch.bfloat16, device="cuda") for _ in range(NL)]
-    cshape, dtype = chunk_shape(kv, fmt, CHUNK_TOKENS)
+    plan = prepare(kv, fmt)  # once; each call then only checks its ids and chunks
+    cshape, dtype = plan.chunk_shape(CHUNK_TOKENS)
     chunks = [torch.empty(cshape, dtype=dtype, device="cuda") for _ in range(BLOCKS * BS // CHUNK_TOKENS)]
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    store = timed_ms(lambda: store_blocks(kv, fmt, block_ids, chunks))
-    load = timed_ms(lambda: load_blocks(kv, fmt, block_ids, chunks))
+    store = timed_ms(lambda: plan.store_blocks(block_ids, chunks))
+    load = timed_ms(lambda: plan.load_blocks(block_ids, chunks))
     copy = timed_ms(lambda: dst.copy_(src))
     gbs = [nbytes / ms / 1e6 for ms in (store, load, copy)]
     ratios = f"{copy / store:>11.2f}x{copy / load:>10.2f}x"

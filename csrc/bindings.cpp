@@ -9,7 +9,9 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -55,34 +57,45 @@ using CoordArray = nb::ndarray<const std::int64_t, nb::shape<-1, 6>, nb::c_conti
 using LocationArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 2>>;
 using IntArray = nb::ndarray<const std::int64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
 using PtrArray = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::c_contig, nb::device::cpu>;
-constexpr int kPieceFields = 5 + 3 * kvlayout::transfer::kMaxLoops;
+constexpr int kPieceFields = 5 + 3 * kvlayout::plan::kMaxLoops;
 using PieceArray = nb::ndarray<const std::int64_t, nb::shape<-1, kPieceFields>, nb::c_contig, nb::device::cpu>;
 
 // (format, sizes, block_stride, element_size, cache_ptrs, pieces, kv_size, num_layers, block_size, chunk_row_bytes)
 using JobArgs = std::tuple<std::int32_t, std::vector<std::int64_t>, std::int64_t, std::int64_t, PtrArray, PieceArray,
                            std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
 
-kvlayout::transfer::Job make_job(const JobArgs& a) {
+// The job's segments; std::invalid_argument (a ValueError) for a plan the engines cannot walk.
+std::vector<kvlayout::plan::Segment> segments_of(const JobArgs& a) {
   const auto& [format, sizes, block_stride, element_size, ptrs, pieces, kv_size, num_layers, block_size, row_bytes] = a;
-  const auto* first = reinterpret_cast<const std::uintptr_t*>(ptrs.data());
-  kvlayout::transfer::Job job{checked_format(format), checked_sizes(sizes), block_stride, element_size,
-                              std::vector<std::uintptr_t>(first, first + ptrs.shape(0)), {}, kv_size, num_layers,
-                              block_size, row_bytes};
+  kvlayout::plan::JobSpec spec{checked_format(format), checked_sizes(sizes), block_stride, element_size, kv_size,
+                               num_layers, block_size, row_bytes, {}};
   for (std::size_t i = 0; i < pieces.shape(0); ++i) {
     const std::int64_t* r = pieces.data() + i * kPieceFields;
-    kvlayout::transfer::Piece p{r[0], r[1], r[2], r[3], static_cast<int>(r[4]), {}};
-    if (p.num_loops < 0 || p.num_loops > kvlayout::transfer::kMaxLoops) throw nb::value_error("a piece has too many loops");
-    for (int l = 0; l < p.num_loops; ++l) p.loops[l] = {r[5 + 3 * l], r[6 + 3 * l], r[7 + 3 * l]};
-    job.pieces.push_back(p);
+    kvlayout::plan::PieceSpec p{r[0], r[1], r[2], r[3], static_cast<int>(r[4]), {}, {}, {}};
+    for (int l = 0; l < kvlayout::plan::kMaxLoops; ++l) {
+      p.extent[l] = r[5 + 3 * l];
+      p.chunk_stride[l] = r[6 + 3 * l];
+      p.cache_stride[l] = r[7 + 3 * l];
+    }
+    spec.pieces.push_back(p);
   }
-  return job;
+  auto segments = kvlayout::plan::build_segments(spec);
+  for (const auto& s : segments)
+    if (s.pointer >= ptrs.shape(0)) throw nb::value_error("a segment points past the job's pointer table");
+  return segments;
+}
+
+kvlayout::transfer::Job make_job(const JobArgs& a) {
+  const PtrArray& ptrs = std::get<4>(a);
+  const auto* first = reinterpret_cast<const std::uintptr_t*>(ptrs.data());
+  return kvlayout::transfer::make_job(std::vector<std::uintptr_t>(first, first + ptrs.shape(0)), segments_of(a),
+                                     std::get<8>(a), std::get<9>(a));
 }
 
 class TransferPlan {
  public:
-  TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks) : num_blocks_(num_blocks) {
-    for (const auto& a : job_args) jobs_.push_back(make_job(a));
-  }
+  TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes)
+      : plan_(make_jobs(job_args)), num_blocks_(num_blocks), options_{checked_order(order), stream_min_bytes} {}
 
   std::int64_t first_bad_block_id(IntArray block_ids) const {
     const kvlayout::transfer::Batch batch{block_ids.data(), static_cast<std::int64_t>(block_ids.shape(0)), nullptr,
@@ -111,15 +124,84 @@ class TransferPlan {
     nb::gil_scoped_release release;
     const std::int64_t bad = kvlayout::transfer::first_bad_block_id(batch, num_blocks_);
     if (bad >= 0) return {bad, 0};
-    const int used = kvlayout::transfer::run(jobs_, batch, static_cast<kvlayout::transfer::Direction>(direction),
-                                             num_threads);
+    const int used = kvlayout::transfer::run(plan_, batch, static_cast<kvlayout::transfer::Direction>(direction),
+                                             num_threads, options_);
     return {-1, used};
   }
 
  private:
-  std::vector<kvlayout::transfer::Job> jobs_;
+  static std::vector<kvlayout::transfer::Job> make_jobs(const std::vector<JobArgs>& job_args) {
+    std::vector<kvlayout::transfer::Job> jobs;
+    for (const auto& a : job_args) jobs.push_back(make_job(a));
+    return jobs;
+  }
+
+  static kvlayout::transfer::Order checked_order(int order) {
+    if (order < -1 || order > 1) throw nb::value_error("order is -1 (auto), 0 (block-major) or 1 (layer-major)");
+    return static_cast<kvlayout::transfer::Order>(order);
+  }
+
+  kvlayout::transfer::Plan plan_;
   std::int64_t num_blocks_;
+  kvlayout::transfer::Options options_;
 };
+
+using SegmentArray = nb::ndarray<nb::numpy, std::uint8_t, nb::shape<-1, sizeof(kvlayout::plan::Segment)>>;
+using UnitArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 4>>;
+
+// (segment table, one row of bytes per segment; widest unit; largest segment's bytes;
+// kernel depth): what the CUDA plan uploads and launches with.
+std::tuple<SegmentArray, std::uint32_t, std::uint32_t, int> plan_segments(const JobArgs& a) {
+  const auto segments = segments_of(a);
+  const std::size_t n = segments.size() * sizeof(kvlayout::plan::Segment);
+  auto* out = new std::uint8_t[n];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint8_t*>(p); });
+  std::memcpy(out, segments.data(), n);
+  return {SegmentArray(out, {segments.size(), sizeof(kvlayout::plan::Segment)}, owner),
+          kvlayout::plan::widest_unit(segments, std::get<9>(a)), kvlayout::plan::largest_bytes(segments),
+          kvlayout::plan::depth_for(segments.data(), segments.size())};
+}
+
+// Every unit the CUDA grid would copy for one job, through the kernels' own mapping
+// (kvlayout/transfer_plan.h) compiled for the host: rows (pointer index, cache byte offset
+// from that pointer, chunk index, chunk byte offset), in grid order.
+UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_tokens, std::int64_t blocks_per_chunk,
+                       std::int64_t skip, std::uint32_t unit) {
+  namespace kp = kvlayout::plan;
+  const auto segments = segments_of(a);
+  const std::int64_t block_size = std::get<8>(a), row_bytes = std::get<9>(a);
+  if (unit != 1 && unit != 2 && unit != 4 && unit != 8 && unit != 16) throw nb::value_error("unit is 1, 2, 4, 8 or 16");
+  const std::uint32_t threads = kp::threads_for(kp::largest_bytes(segments), unit);
+  const int depth = kp::depth_for(segments.data(), segments.size());
+  const auto count = static_cast<std::int64_t>(block_ids.shape(0));
+  if (blocks_per_chunk <= 0 || skip < 0 || skip > count || count >= (std::int64_t{1} << 31))
+    throw nb::value_error("bad batch");
+  std::vector<std::int64_t> rows;
+  for (std::uint32_t x = 0; x < static_cast<std::uint32_t>(count - skip); ++x) {
+    const kp::Task t = kp::task_of(block_ids.data(), static_cast<std::uint32_t>(skip), x,
+                                   static_cast<std::uint32_t>(blocks_per_chunk), static_cast<std::uint32_t>(block_size));
+    if (t.chunk >= chunk_tokens.shape(0)) throw nb::value_error("too few chunks for the blocks");
+    for (const kp::Segment& s : segments) {
+      const std::uint64_t cache = kp::cache_start(s, 0, t.block);
+      const std::uint64_t chunk = kp::chunk_start(s, 0, chunk_tokens.data()[t.chunk], t.first_token, row_bytes);
+      const auto record = [&](const kp::Offsets* o, const bool* live) {
+        for (int k = 0; k < kp::kUnroll; ++k) {
+          if (!live[k]) continue;
+          rows.insert(rows.end(), {static_cast<std::int64_t>(s.pointer), static_cast<std::int64_t>(cache + o[k].cache),
+                                   static_cast<std::int64_t>(t.chunk), static_cast<std::int64_t>(chunk + o[k].chunk)});
+        }
+      };
+      kp::with_depth(depth, [&](auto d) {
+        for (std::uint32_t thread = 0; thread < threads; ++thread)
+          kp::for_each_unit<decltype(d)::value>(s, unit, thread, threads, record);
+      });
+    }
+  }
+  auto* out = new std::int64_t[rows.size()];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::int64_t*>(p); });
+  std::copy(rows.begin(), rows.end(), out);
+  return UnitArray(out, {rows.size() / 4, 4}, owner);
+}
 
 }  // namespace
 
@@ -178,7 +260,10 @@ NB_MODULE(_native, m) {
   nb::class_<TransferPlan>(m, "TransferPlan",
                            "A registration's copy jobs, built once; run() moves blocks with raw pointers "
                            "(kvlayout.transfer validates, and keeps the tensors alive).")
-      .def(nb::init<const std::vector<JobArgs>&, std::int64_t>(), "jobs"_a, "num_blocks"_a)
+      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t>(), "jobs"_a, "num_blocks"_a,
+           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes,
+           "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
+           "stream_min_bytes write with streaming stores (both knobs exist for tests and benchmarks).")
       .def("first_bad_block_id", &TransferPlan::first_bad_block_id, "block_ids"_a,
            "The index of the first block id outside [0, num_blocks), or -1.")
       .def("first_repeated_block_id", &TransferPlan::first_repeated_block_id, "block_ids"_a, "skip"_a,
@@ -187,6 +272,12 @@ NB_MODULE(_native, m) {
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
            "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "
            "(index of the first block id out of range or -1, threads used); nothing moves when an id is bad.");
+
+  m.def("plan_segments", &plan_segments, "job"_a,
+        "(segment table (a row of bytes per segment), widest copy unit, largest segment bytes, kernel depth) of a "
+        "job, for the CUDA plan.");
+  m.def("device_units", &device_units, "job"_a, "block_ids"_a, "chunk_tokens"_a, "blocks_per_chunk"_a, "skip"_a,
+        "unit"_a, "The units the CUDA grid copies for a job, by the kernels' mapping run on the host (for tests).");
 
   m.def("pool_workers", [] { return kvlayout::transfer::WorkerPool::instance().num_workers(); },
         "Worker threads the transfer pool has created so far (they persist across calls).");

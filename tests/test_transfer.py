@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlayout
-from kvlayout import EngineKVFormat
+from kvlayout import EngineKVFormat, _native
 from kvlayout.algebra import Coord, offset
 from kvlayout.transfer import TransferError, chunk_shape, load_blocks, prepare, store_blocks
 from tests.registrations import DTYPES, Registration, make_registration
@@ -394,3 +394,85 @@ def test_the_cuda_staging_buffer_is_ids_then_chunk_addresses_then_token_counts()
     assert out.tolist() == [4, 9, 2, -(2**63) + 16, 4096, 32, 16]
     assert narrow_unit(16, [4096, 2**20 + 8], 2) == 8
     assert narrow_unit(16, [4096, 3], 1) == 1
+
+
+def check_engine_choices(
+    fmt: EngineKVFormat, sizes: dict[str, int], dtype: torch.dtype, pad: int,
+    ids: list[int], per_chunk: int, skip: int, partial: bool,
+) -> None:  # fmt: skip
+    """Every engine choice (block- or layer-major, streaming stores or not, any split over
+    threads) stores the same chunks and loads the same cache bytes as the default plan,
+    which the tests above hold to the oracle."""
+    reg = make_registration(kvlayout.layout_of(fmt), sizes, dtype, pad=pad)
+    plan = prepare(reg.kv, fmt, **({"block_size": sizes["BS"]} if fmt in NBBS else {}))
+    shape, _ = plan.chunk_shape(per_chunk * sizes["BS"])
+    chunks = chunks_for(shape, dtype, len(ids), per_chunk, sizes["BS"], partial)
+    plan.store_blocks(ids, chunks, skip_prefix_n_blocks=skip)
+    stored = [c.view(torch.uint8).clone() for c in chunks]  # bytes: random floats hold NaNs
+    for b in reg.bases:
+        b.zero_()
+    plan.load_blocks(ids, chunks, skip_prefix_n_blocks=skip)
+    loaded = [b.clone() for b in reg.bases]
+    jobs = [plan._native_job(job) for job in plan.jobs]
+    args = (
+        np.array(ids, dtype=np.int64),
+        np.array([c.data_ptr() for c in chunks], dtype=np.uint64),
+        np.array([c.shape[2] for c in chunks], dtype=np.int64),
+        per_chunk,
+        skip,
+    )
+    for order, stream_min_bytes, threads in itertools.product((0, 1), (0, 1 << 62), (1, 3)):
+        engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes)
+        choice = f"order {order}, streaming from {stream_min_bytes} bytes, {threads} threads"
+        for c in chunks:
+            c.zero_()
+        assert engine.run(0, *args, threads)[0] == -1
+        assert all(torch.equal(a.view(torch.uint8), b) for a, b in zip(chunks, stored, strict=True)), choice
+        for b in reg.bases:
+            b.zero_()
+        assert engine.run(1, *args, threads)[0] == -1
+        assert all(torch.equal(a, b) for a, b in zip(reg.bases, loaded, strict=True)), choice
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@settings(max_examples=40)
+@given(cases(), st.data())
+def test_walk_orders_streaming_stores_and_threads_move_the_same_bytes(
+    case: tuple[EngineKVFormat, dict[str, int], torch.dtype, int], data: st.DataObject
+) -> None:
+    fmt, sizes, dtype, pad = case
+    ids = data.draw(st.lists(st.integers(0, sizes["NB"] - 1), min_size=1, max_size=sizes["NB"], unique=True))
+    per_chunk = data.draw(st.integers(1, 3))
+    skip = data.draw(st.integers(0, len(ids)))
+    check_engine_choices(fmt, sizes, dtype, pad, ids, per_chunk, skip, data.draw(st.booleans()))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "sizes", "dtype", "pad"),
+    [  # runs long enough for the streaming loops, at unaligned chunk offsets too
+        (
+            EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+            {"NL": 2, "NB": 7, "BS": 5, "NH": 3, "HS": 37},
+            torch.bfloat16,
+            0,
+        ),
+        (
+            EngineKVFormat.NL_X_TWO_NB_NH_BS_HS,
+            {"NL": 2, "NB": 7, "BS": 3, "NH": 2, "HS": 40},
+            torch.float32,
+            0,
+        ),
+        (EngineKVFormat.NB_NL_TWO_BS_NH_HS, {"NL": 3, "NB": 7, "BS": 2, "NH": 2, "HS": 24}, torch.float16, 3),
+        (EngineKVFormat.NL_X_NB_BSV_BSS, {"NL": 2, "NB": 7, "BS": 5}, torch.uint8, 1),
+        (
+            EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS,
+            {"NL": 2, "NB": 7, "BS": 4, "HS": 33, "NP": 2},
+            torch.uint8,
+            5,
+        ),
+    ],
+)
+def test_engine_choices_agree_on_long_runs(
+    fmt: EngineKVFormat, sizes: dict[str, int], dtype: torch.dtype, pad: int
+) -> None:
+    check_engine_choices(fmt, sizes, dtype, pad, [5, 0, 6, 2, 3], per_chunk=2, skip=1, partial=True)

@@ -1,7 +1,8 @@
 """The CUDA transfer: byte-equal to the CPU engine, for every format (needs a GPU).
 
 Without a CUDA device these tests skip; `scripts/gpu_check.sh` runs them on a GPU
-machine. The unit choice is plain Python and is tested everywhere.
+machine. The kernels' decomposition and unit choice are tested on the host everywhere
+(tests/test_transfer_plan.py).
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat
-from kvlayout.cuda_transfer import copy_unit
 from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
 from tests.registrations import make_registration
 from tests.test_transfer import NBBS, cases, chunks_for
@@ -30,30 +30,6 @@ def _cuda_ready() -> bool:
 
 
 needs_gpu = pytest.mark.skipif(not _cuda_ready(), reason="needs a CUDA device and kvlayout._cuda")
-
-SIZES = {"NL": 32, "NB": 64, "BS": 16, "NH": 8, "HS": 128}
-
-
-@pytest.mark.parametrize(
-    ("fmt", "element_size", "unit"),
-    [
-        (EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, 2, 16),  # 2 KiB rows
-        (EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, 2, 16),  # 256-byte head rows
-        (EngineKVFormat.NL_X_NB_BSV_BSS, 1, 4),  # 4-byte scales
-    ],
-)
-def test_copy_unit_is_the_widest_that_tiles_every_run(
-    fmt: EngineKVFormat, element_size: int, unit: int
-) -> None:
-    layout = kvlayout.layout_of(fmt)
-    assert copy_unit(layout, SIZES, element_size, 0, [0x1000]) == unit
-
-
-def test_copy_unit_respects_odd_widths_and_pointers() -> None:
-    layout = kvlayout.layout_of(EngineKVFormat.NL_X_NB_BS_HS)
-    assert copy_unit(layout, {**SIZES, "HS": 3}, 2, 0, [0x1000]) == 2  # 6-byte rows
-    assert copy_unit(layout, SIZES, 2, 0, [0x1008]) == 8  # a pointer 8-byte aligned only
-    assert copy_unit(layout, SIZES, 4, 0, [0x1002]) == 4  # never below the element
 
 
 @needs_gpu

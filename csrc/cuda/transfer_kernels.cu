@@ -11,59 +11,63 @@ namespace {
 template <int Bytes>
 struct UnitOf;
 template <>
-struct UnitOf<1> { using type = std::uint8_t; };
+struct UnitOf<1> { using type = unsigned char; };
 template <>
-struct UnitOf<2> { using type = std::uint16_t; };
+struct UnitOf<2> { using type = unsigned short; };
 template <>
-struct UnitOf<4> { using type = std::uint32_t; };
+struct UnitOf<4> { using type = unsigned int; };
 template <>
 struct UnitOf<8> { using type = uint2; };
 template <>
 struct UnitOf<16> { using type = uint4; };
 
-// grid.x: block position (after the skipped prefix); grid.y: kv * num_layers + layer.
-template <int Direction, int Bytes>
-__global__ void transfer_kernel(DeviceJob job, DeviceBatch batch) {
+// 4 resident thread blocks of kMaxThreads caps a thread at 64 registers (of 64K per SM):
+// half the SM's threads, each with kUnroll 16-byte loads in flight, covers the latency.
+constexpr int kMinBlocks = 4;
+
+// grid.x: the moved block (after the skipped prefix); grid.y: the segment.
+template <int Direction, int Bytes, int Depth>
+__global__ void __launch_bounds__(plan::kMaxThreads, kMinBlocks) transfer_kernel(DeviceJob job, DeviceBatch batch) {
   using Unit = typename UnitOf<Bytes>::type;
-  const std::int64_t i = batch.skip_prefix_blocks + blockIdx.x;
-  const std::int64_t kv = blockIdx.y / job.num_layers;
-  const std::int64_t layer = blockIdx.y % job.num_layers;
-  const std::int64_t chunk = i / batch.blocks_per_chunk;
-  const std::int64_t tokens = batch.chunk_tokens[chunk];
-  const std::int64_t first_token = (i - chunk * batch.blocks_per_chunk) * job.block_size;
-  const std::int64_t block = batch.block_ids[i];
-  const std::int64_t elems_per_unit = Bytes / job.element_size;  // >= 1: unit is a multiple of the element
-  const std::int64_t units_per_row = job.num_heads * job.head_size / elems_per_unit;
-  const std::int64_t units = job.block_size * units_per_row;
-  char* chunk_base = reinterpret_cast<char*>(batch.chunk_ptrs[chunk]) +
-                     ((kv * job.num_layers + layer) * tokens + first_token) * job.row_bytes + job.row_offset;
-  for (std::int64_t u = threadIdx.x; u < units; u += blockDim.x) {
-    const std::int64_t token = u / units_per_row;
-    const std::int64_t r = (u % units_per_row) * elems_per_unit;
-    const Location at = locate(job.format, job.sizes, job.block_stride,
-                               Coord{layer, kv, block, token, r / job.head_size, r % job.head_size});
-    Unit* cache = reinterpret_cast<Unit*>(reinterpret_cast<char*>(job.cache_ptrs[at.pointer]) + at.offset * job.element_size);
-    Unit* row = reinterpret_cast<Unit*>(chunk_base + token * job.row_bytes + r * job.element_size);
-    if constexpr (Direction == 0) {
-      *row = *cache;
-    } else {
-      *cache = *row;
+  const plan::Segment s = job.segments[blockIdx.y];  // a copy: the stores below cannot alias it
+  const plan::Task t =
+      plan::task_of(batch.block_ids, batch.skip_prefix_blocks, blockIdx.x, batch.blocks_per_chunk, job.block_size);
+  char* const cache = reinterpret_cast<char*>(plan::cache_start(s, job.cache_ptrs[s.pointer], t.block));
+  char* const chunk = reinterpret_cast<char*>(
+      plan::chunk_start(s, batch.chunk_ptrs[t.chunk], batch.chunk_tokens[t.chunk], t.first_token, job.row_bytes));
+  const char* __restrict__ const src = Direction == 0 ? cache : chunk;
+  char* __restrict__ const dst = Direction == 0 ? chunk : cache;
+  plan::for_each_unit<Depth>(s, Bytes, threadIdx.x, blockDim.x, [&](const plan::Offsets* o, const bool* live) {
+    Unit v[plan::kUnroll];
+#pragma unroll
+    for (int k = 0; k < plan::kUnroll; ++k) {
+      if (live[k]) v[k] = __ldg(reinterpret_cast<const Unit*>(src + (Direction == 0 ? o[k].cache : o[k].chunk)));
     }
-  }
+#pragma unroll
+    for (int k = 0; k < plan::kUnroll; ++k) {
+      if (live[k]) *reinterpret_cast<Unit*>(dst + (Direction == 0 ? o[k].chunk : o[k].cache)) = v[k];
+    }
+  });
+}
+
+template <int Direction, int Bytes>
+void launch_unit(const DeviceJob& job, const DeviceBatch& batch, dim3 grid, cudaStream_t stream) {
+  plan::with_depth(job.depth, [&](auto depth) {
+    transfer_kernel<Direction, Bytes, decltype(depth)::value><<<grid, dim3(job.threads), 0, stream>>>(job, batch);
+  });
 }
 
 template <int Direction>
 cudaError_t launch(const DeviceJob& job, const DeviceBatch& batch, int unit, cudaStream_t stream) {
-  const std::int64_t blocks = batch.num_blocks - batch.skip_prefix_blocks;
-  if (blocks <= 0) return cudaSuccess;
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(job.kv_size * job.num_layers));
-  const dim3 threads(256);
+  if (batch.num_blocks <= batch.skip_prefix_blocks || job.num_segments == 0) return cudaSuccess;
+  if (job.depth < 0 || job.depth > plan::kMaxLoops) return cudaErrorInvalidValue;
+  const dim3 grid(batch.num_blocks - batch.skip_prefix_blocks, job.num_segments);
   switch (unit) {
-    case 16: transfer_kernel<Direction, 16><<<grid, threads, 0, stream>>>(job, batch); break;
-    case 8: transfer_kernel<Direction, 8><<<grid, threads, 0, stream>>>(job, batch); break;
-    case 4: transfer_kernel<Direction, 4><<<grid, threads, 0, stream>>>(job, batch); break;
-    case 2: transfer_kernel<Direction, 2><<<grid, threads, 0, stream>>>(job, batch); break;
-    case 1: transfer_kernel<Direction, 1><<<grid, threads, 0, stream>>>(job, batch); break;
+    case 16: launch_unit<Direction, 16>(job, batch, grid, stream); break;
+    case 8: launch_unit<Direction, 8>(job, batch, grid, stream); break;
+    case 4: launch_unit<Direction, 4>(job, batch, grid, stream); break;
+    case 2: launch_unit<Direction, 2>(job, batch, grid, stream); break;
+    case 1: launch_unit<Direction, 1>(job, batch, grid, stream); break;
     default: return cudaErrorInvalidValue;
   }
   return cudaGetLastError();

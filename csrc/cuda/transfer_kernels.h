@@ -1,41 +1,38 @@
 #pragma once
-// The CUDA block transfer: the same job as the CPU engine (csrc/transfer.h), one CUDA
-// block per (chunk block, kv, layer), threads striding over the block's rows in `unit`
-// byte vectors; every address comes from the generated indexer (kvlayout::locate).
+// The CUDA block transfer: the CPU engine's segments (kvlayout/transfer_plan.h), walked by
+// one thread block per (moved block, segment). The thread block resolves its segment's two
+// starts once; its threads then stride over the segment in `unit`-byte vectors with 32-bit
+// offsets, kUnroll loads in flight each (the mapping is plan::task_of / for_each_unit,
+// which the host tests run against the layout oracle).
 
 #include <cstdint>
 
-#include "kvlayout/indexing.cuh"
+#include "kvlayout/transfer_plan.h"
 
 namespace kvlayout::cuda {
 
 struct DeviceJob {
-  EngineKVFormat format;
-  Sizes sizes;
-  std::int64_t block_stride;      // elements; 0 = tight
-  std::int64_t element_size;      // bytes
-  const std::uint64_t* cache_ptrs;  // device array, the job's pointer table
-  std::int64_t kv_size;
-  std::int64_t num_layers;
-  std::int64_t block_size;
-  std::int64_t num_heads;
-  std::int64_t head_size;         // elements of one head's row for this job
-  std::int64_t row_bytes;         // the chunk's whole token row
-  std::int64_t row_offset;        // where this job's row starts in it (bytes)
+  const plan::Segment* segments;     // device, the job's segment table
+  std::uint32_t num_segments;        // at most 65535 (grid.y)
+  std::uint32_t threads;             // per thread block (plan::threads_for)
+  int depth;                         // plan::depth_for the segments
+  const std::uint64_t* cache_ptrs;   // device, the job's pointer table
+  std::uint32_t block_size;          // tokens per block
+  std::int64_t row_bytes;            // the chunk's whole token row
 };
 
 struct DeviceBatch {
-  const std::int64_t* block_ids;    // device
-  std::int64_t num_blocks;
-  const std::uint64_t* chunk_ptrs;  // device, one per chunk
-  const std::int64_t* chunk_tokens; // device
-  std::int64_t blocks_per_chunk;
-  std::int64_t skip_prefix_blocks;
+  const std::int64_t* block_ids;     // device
+  std::uint32_t num_blocks;          // below 2^31
+  const std::uint64_t* chunk_ptrs;   // device, one per chunk
+  const std::int64_t* chunk_tokens;  // device
+  std::uint32_t blocks_per_chunk;
+  std::uint32_t skip_prefix_blocks;
 };
 
 // direction 0 = store (cache -> chunks), 1 = load. `unit` (1, 2, 4, 8 or 16 bytes) must
-// divide every contiguous run, row offset and pointer alignment; the caller checks it.
-// Returns the cudaError_t of the launch as an int (0 = success).
+// divide every run, stride and offset of the segments and every pointer; the caller
+// checks it. Returns the cudaError_t of the launch as an int (0 = success).
 int launch_transfer(const DeviceJob& job, const DeviceBatch& batch, int direction, int unit, void* stream);
 
 // The number of CUDA devices (0 when there is no device or no driver).

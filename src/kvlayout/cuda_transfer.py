@@ -1,18 +1,20 @@
 """The CUDA side of ``kvlayout.transfer``: a prepared plan's kernels on the current stream.
 
-At prepare time each job's pointer table is uploaded to the device once, and the widest
-copy unit (up to 16 bytes) that the cache side allows is fixed. Per call, the block ids,
-chunk addresses and chunk token counts go up in one pinned host buffer with one
-non-blocking copy on the current stream, and each job is one kernel launch on that
-stream: nothing synchronizes the stream, so a call returns before the bytes move, as
-any CUDA copy does.
+At prepare time each job's pointer table and segment table (the CPU engine's plan, built
+by ``kvlayout._native.plan_segments``) are uploaded to the device once, and the widest
+copy unit (up to 16 bytes) that the segments and the cache's pointers allow is fixed. Per
+call, the block ids, chunk addresses and chunk token counts go up in one pinned host
+buffer with one non-blocking copy on the current stream, and each job is one kernel
+launch on that stream: nothing synchronizes the stream, so a call returns before the
+bytes move, as any CUDA copy does.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -20,21 +22,30 @@ import torch
 from kvlayout.errors import KVLayoutError
 
 if TYPE_CHECKING:
-    from kvlayout.layout import Layout
-    from kvlayout.transfer import TransferPlan
+    from kvlayout.transfer import TransferPlan, _Job
 
-__all__ = ["CudaPlan", "copy_unit", "narrow_unit", "staging"]
+__all__ = ["CudaPlan", "SegmentTable", "narrow_unit", "segment_table", "staging"]
+
+_MAX_SEGMENTS = 65535  # one grid row each
 
 
-def copy_unit(
-    layout: Layout, sizes: dict[str, int], element_size: int, block_stride: int, addresses: Sequence[int]
-) -> int:
-    """The widest power-of-two unit (bytes, at most 16) that tiles every copy of a job."""
-    g = layout.row_run(sizes) * element_size
-    for stride in layout.tensor_strides(sizes, block_stride or None):
-        if stride != 1:  # the innermost axis lies inside the runs
-            g = math.gcd(g, stride * element_size)
-    return narrow_unit(16, [g, *addresses], element_size)
+@dataclass(frozen=True)
+class SegmentTable:
+    """One job's segments as the kernels read them, and how to launch them."""
+
+    rows: np.ndarray  # uint8, one row of bytes per segment
+    unit: int  # the widest copy unit the segments and the pointer table allow
+    largest: int  # bytes of the largest segment (sizes the thread blocks)
+    depth: int  # the loop depth the kernels are compiled for
+
+
+def segment_table(plan: TransferPlan, job: _Job) -> SegmentTable:
+    """A job's segment table, unit narrowed by its pointers (no device needed)."""
+    from kvlayout import _native
+
+    rows, widest, largest, depth = _native.plan_segments(plan._native_job(job))
+    unit = narrow_unit(int(widest), job.plane.data_ptrs, job.element_size)
+    return SegmentTable(rows, unit, int(largest), int(depth))
 
 
 def narrow_unit(unit: int, values: Sequence[int], element_size: int) -> int:
@@ -55,11 +66,22 @@ def staging(ids: np.ndarray, chunk_ptrs: np.ndarray, chunk_tokens: np.ndarray, o
     out[n + c : n + 2 * c] = chunk_tokens
 
 
+@dataclass(frozen=True)
+class _Launch:
+    segments: int  # device address of the segment table
+    count: int
+    largest: int
+    depth: int
+    table: int  # device address of the pointer table
+    unit: int
+    element_size: int
+
+
 class CudaPlan:
-    """A transfer plan's device half: pointer tables on the device, units fixed."""
+    """A transfer plan's device half: pointer and segment tables on the device, units fixed."""
 
     def __init__(self, plan: TransferPlan) -> None:
-        from kvlayout.transfer import TransferError, native_sizes
+        from kvlayout.transfer import TransferError
 
         if plan.device.type != "cuda":
             raise TransferError(f"no transfer for tensors on {plan.device} (CPU and CUDA are served)")
@@ -74,20 +96,24 @@ class CudaPlan:
             raise KVLayoutError("kvlayout._cuda sees no CUDA device")
         self._cuda = _cuda
         self.plan = plan
-        layout = plan.layout
-        self._launches: list[tuple[Any, ...]] = []
-        self._tables: list[torch.Tensor] = []  # the device pointer tables, kept alive with the plan
+        self._launches: list[_Launch] = []
+        self._tables: list[torch.Tensor] = []  # the device tables, kept alive with the plan
         for job in plan.jobs:
-            table = torch.tensor(job.plane.data_ptrs, dtype=torch.int64).to(plan.device)
-            self._tables.append(table)
-            aligned = [*job.plane.data_ptrs, plan.row_bytes, job.row_offset]
-            unit = copy_unit(layout, job.sizes, job.element_size, job.block_stride, aligned)
-            heads, head = layout.num_heads(job.sizes), layout.head_size(job.sizes)
-            self._launches.append((
-                int(plan.format), native_sizes(layout, job.sizes), job.block_stride, job.element_size,
-                table.data_ptr(), plan.kv_size, plan.num_layers, plan.block_size, heads, head,
-                plan.row_bytes, job.row_offset, unit,
-            ))  # fmt: skip
+            segments = segment_table(plan, job)
+            count = len(segments.rows)
+            if count > _MAX_SEGMENTS:
+                raise TransferError(
+                    f"{plan.layout}: {count} segments per block; the CUDA grid holds {_MAX_SEGMENTS}"
+                )
+            pointers = torch.tensor(job.plane.data_ptrs, dtype=torch.int64).to(plan.device)
+            rows = torch.from_numpy(segments.rows).to(plan.device)
+            self._tables += [pointers, rows]
+            self._launches.append(
+                _Launch(
+                    rows.data_ptr(), count, segments.largest, segments.depth, pointers.data_ptr(),
+                    segments.unit, job.element_size,
+                )
+            )  # fmt: skip
 
     def first_bad_block_id(self, ids: np.ndarray) -> int:
         bad = np.flatnonzero((ids < 0) | (ids >= self.plan.num_blocks))
@@ -116,18 +142,18 @@ class CudaPlan:
             return bad, 0
         if skip >= n:
             return -1, 0
-        device = self.plan.device
+        plan = self.plan
         host = torch.empty(n + 2 * c, dtype=torch.int64, pin_memory=True)
         staging(ids, chunk_ptrs, chunk_tokens, host.numpy())
         # The caching allocators keep both buffers until the stream has used them.
-        uploaded = host.to(device, non_blocking=True)
+        uploaded = host.to(plan.device, non_blocking=True)
         base = uploaded.data_ptr()
-        stream = torch.cuda.current_stream(device).cuda_stream
+        stream = torch.cuda.current_stream(plan.device).cuda_stream
         for launch in self._launches:
-            *head, unit = launch
-            element_size = head[3]
-            unit = narrow_unit(unit, [int(p) for p in chunk_ptrs], element_size)
+            unit = narrow_unit(launch.unit, [int(p) for p in chunk_ptrs], launch.element_size)
             self._cuda.transfer_blocks(
-                direction, *head, unit, base, n, base + 8 * n, base + 8 * (n + c), per_chunk, skip, stream
-            )
+                direction, launch.segments, launch.count, launch.largest, launch.depth, launch.table,
+                plan.block_size, plan.row_bytes, unit, base, n, base + 8 * n, base + 8 * (n + c),
+                per_chunk, skip, stream,
+            )  # fmt: skip
         return -1, 1

@@ -1,0 +1,63 @@
+"""The register budget check of `make nvcc-check` (scripts/ptxas_budget.py) reads ptxas right."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+
+def _script() -> ModuleType:
+    path = Path(__file__).resolve().parents[1] / "scripts" / "ptxas_budget.py"
+    spec = importlib.util.spec_from_file_location("ptxas_budget", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module
+
+
+budget = _script()
+
+REPORT = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function '_Z3fatv' for 'sm_90'
+ptxas info    : Function properties for _Z3fatv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 72 registers, used 0 barriers, 384 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z4leanv' for 'sm_90'
+ptxas info    : Function properties for _Z4leanv
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 0 barriers, 384 bytes cmem[0]
+ptxas info    : Compiling entry function '_Z5spillv' for 'sm_80'
+ptxas info    : Function properties for _Z5spillv
+    8 bytes stack frame, 8 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 64 registers, used 0 barriers, 384 bytes cmem[0]
+"""
+
+
+def test_the_report_is_parsed_per_kernel() -> None:
+    assert budget.parse(REPORT) == [
+        budget.Kernel("_Z3fatv", "sm_90", 72, 0, 0),
+        budget.Kernel("_Z4leanv", "sm_90", 40, 0, 0),
+        budget.Kernel("_Z5spillv", "sm_80", 64, 8, 4),
+    ]
+
+
+def test_kernels_over_the_budget_or_spilling_fail() -> None:
+    problems = budget.violations(budget.parse(REPORT), 64)
+    assert problems == [
+        "_Z3fatv (sm_90) uses 72 registers, over 64",
+        "_Z5spillv (sm_80) spills (8 bytes stored, 4 loaded)",
+    ]
+    assert budget.violations(budget.parse(REPORT)[1:2], 64) == []
+    assert budget.violations([], 64) == ["ptxas reported no kernel"]
+
+
+@pytest.mark.parametrize("argv", [[], ["64"], ["x", "--", "nvcc"], ["64", "nvcc"]])
+def test_bad_usage_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    assert budget.main(argv) == 2
+    assert "Usage" in capsys.readouterr().err
