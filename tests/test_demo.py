@@ -18,7 +18,7 @@ from kvlayout.algebra import Coord
 from kvlayout.demo import EXAMPLES, HYBRID_TITLE, Example, run_demo, run_example
 from kvlayout.transfer import TransferPlan
 
-NEEDS_VLLM = "kvlayout.integrations.vllm.examples needs vllm (pip install --no-deps vllm==0.33.0 numpy packaging regex)"
+NEEDS_VLLM = "kvlayout.testing.vllm needs vllm (pip install --no-deps vllm==0.33.0 numpy packaging regex)"
 
 
 def _run(ex: Example) -> list[str]:

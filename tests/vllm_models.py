@@ -1,5 +1,5 @@
 """The vLLM models and registrations the tests use: re-exported from
-:mod:`kvlayout.integrations.vllm.examples` (one copy, shared with ``kvlayout demo``), plus
+:mod:`kvlayout.testing.vllm` (one copy, shared with ``kvlayout demo``), plus
 test-only helpers.
 
 Importing this module skips the importing test module when vLLM is not installed.
@@ -15,7 +15,7 @@ import torch
 # Before the import below: without vLLM the importing test module is skipped, not errored.
 pytest.importorskip("vllm.v1.kv_cache_interface", reason="vllm is not installed")
 
-from kvlayout.integrations.vllm.examples import *  # noqa: F403  (one copy: the package's)
+from kvlayout.testing.vllm import *  # noqa: F403  (one copy: the package's)
 
 
 def first_tensor(value: Any) -> torch.Tensor:

@@ -135,7 +135,7 @@ HYBRID_TITLE = (
 def qwen3_5_hybrid() -> Example:
     """Qwen3.5-0.8B as vLLM 0.33 allocates it, validated and edited the way a connector
     does before detection. Raises ImportError, saying what to install, without vLLM."""
-    from kvlayout.integrations.vllm import examples as vx
+    from kvlayout.testing import vllm as vx
 
     num_blocks = 8  # 6.4 MiB per block: 6 layers' pages of 1.06 MiB
     engine = vx.hybrid_engine(

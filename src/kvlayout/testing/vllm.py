@@ -11,7 +11,7 @@ selection (``select_common_block_size``), grouping
 pre-0.26 registrations (``_reshape_kv_cache_tensors``, the Mamba ``as_strided`` lists).
 
 This module needs vLLM (0.33; installed without its dependencies is enough) and raises
-``ImportError`` saying so without it. ``kvlayout.integrations.vllm`` does not import it.
+``ImportError`` saying so without it; only ``kvlayout demo`` imports it (for its hybrid).
 """
 
 from __future__ import annotations
@@ -63,8 +63,7 @@ try:
     KVCacheLayout: Any = importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout
 except ImportError as e:
     raise ImportError(
-        "kvlayout.integrations.vllm.examples needs vllm "
-        "(pip install --no-deps vllm==0.33.0 numpy packaging regex)"
+        "kvlayout.testing.vllm needs vllm (pip install --no-deps vllm==0.33.0 numpy packaging regex)"
     ) from e
 
 NUM_BLOCKS = 4

@@ -1,0 +1,322 @@
+"""Registrations as engines hand them over, for every (engine, format) detection returns.
+
+``registrations()`` draws a :class:`RegistrationCase`: real CPU tensors shaped, strided
+and nested the way the engine registers them, its hints, and the format and geometry
+detection must find. Cases are built from explicit per-engine shapes (not from the
+detectors) with random sizes, dtypes and allocations: separate tensors, layers sliced
+from one shared buffer, vLLM blocks-first views (``buf[:, layer]``, dim-0 padded),
+padded block rows, and HND allocations exposed through an NHD permuted view, as vLLM
+exposes them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+from kvlayout import EngineKVFormat as F
+from kvlayout import layout_of
+
+__all__ = ["CASES", "FLOATS", "RegistrationCase", "flatten", "registrations", "sizes"]
+
+FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
+
+# (engine, format value) for every answer detection can give: all formats but 10 and 11.
+CASES: tuple[tuple[str, int], ...] = (
+    *(("vllm", v) for v in (0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 15, 16, 17)),
+    *(("sglang", v) for v in (3, 4, 5, 9, 18)),
+    ("trtllm", 8),
+    ("atom", 3),
+)
+
+
+@dataclass
+class RegistrationCase:
+    """One registration and what detection must say about it (``nb``/``bs`` None where
+    the format folds NB*BS; ``hs`` as the head-size accessor reports it; ``leaves`` the
+    tensors in pointer-table order)."""
+
+    engine: str
+    fmt: F
+    kv: Any
+    hints: dict[str, Any]
+    nl: int
+    nb: int | None  # None: NB*BS folded, undefined
+    bs: int | None
+    pbs: int
+    nh: int
+    hs: int  # head_size as the accessor reports it
+    dtype: torch.dtype
+    leaves: list[torch.Tensor] = field(default_factory=list)  # input tensors, pointer-table order
+    how: str = ""
+
+    def __repr__(self) -> str:
+        shapes = sorted({tuple(t.shape) for t in self.leaves})
+        name = type(self).__name__
+        return f"{name}({self.engine}, {self.fmt.name}, {self.how}, hints={self.hints}, leaf shapes={shapes})"
+
+
+def _alloc(shape: tuple[int, ...], dtype: torch.dtype, n: int, mode: str) -> list[torch.Tensor]:
+    """``n`` tensors of ``shape``: separate, one shared buffer, blocks-first or padded."""
+    if mode == "shared":
+        return list(torch.zeros((n, *shape), dtype=dtype).unbind(0))
+    if mode == "blocks_first":  # vLLM blocks-first pool: [NB, NL, ...], a layer is buf[:, l]
+        buf = torch.zeros((shape[0], n, *shape[1:]), dtype=dtype)
+        return [buf[:, i] for i in range(n)]
+    if mode.startswith("padded"):  # block rows wider than their content
+        pad = int(mode[len("padded") :])
+        row = math.prod(shape[1:])
+        return [torch.zeros(shape[0], row + pad, dtype=dtype)[:, :row].view(shape) for _ in range(n)]
+    return [torch.zeros(shape, dtype=dtype) for _ in range(n)]
+
+
+def _expose(t: torch.Tensor, a: int | None, b: int | None, flip: bool) -> torch.Tensor:
+    """An HND allocation as vLLM exposes it: the head and token axes swapped (a view)."""
+    return t.transpose(a, b) if flip and a is not None and b is not None else t
+
+
+@st.composite
+def sizes(draw: st.DrawFn) -> dict[str, int]:
+    return {
+        "NL": draw(st.integers(1, 4)),
+        "NB": draw(st.sampled_from([1, 2, 2, 3, 5])),
+        "BS": draw(st.sampled_from([1, 2, 3, 4])),
+        "NH": draw(st.sampled_from([1, 1, 2, 3])),
+        "HS": draw(st.sampled_from([1, 2, 4, 8])),
+    }
+
+
+@st.composite
+def registrations(draw: st.DrawFn, engine: str | None = None, value: int | None = None) -> RegistrationCase:
+    """A registration of any (engine, format) in :data:`CASES`, or of the one given."""
+    if engine is None or value is None:
+        engine, value = draw(st.sampled_from(CASES))
+    s = draw(sizes())
+    nl, nb, bs, nh, hs = s["NL"], s["NB"], s["BS"], s["NH"], s["HS"]
+    dtype = draw(st.sampled_from(FLOATS))
+    fmt = F(value)
+    case: RegistrationCase = _BUILDERS[(engine, value)](draw, engine, fmt, nl, nb, bs, nh, hs, dtype)
+    return case
+
+
+Builder = Any
+
+
+def _modes(draw: st.DrawFn, leading_block: bool) -> str:
+    options = ["separate", "shared"]
+    if leading_block:
+        options += ["blocks_first", "padded1", "padded5"]
+    return str(draw(st.sampled_from(options)))
+
+
+def _vllm_per_layer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                    dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    phys = {
+        F.NL_X_TWO_NB_BS_NH_HS: (2, nb, bs, nh, hs),
+        F.NL_X_NB_TWO_BS_NH_HS: (nb, 2, bs, nh, hs),
+        F.NL_X_TWO_NB_NH_BS_HS: (2, nb, nh, bs, hs),
+        F.NL_X_NB_TWO_NH_BS_HS: (nb, 2, nh, bs, hs),
+        F.NL_X_TWO_NB_NH_ONE_BS_HS: (2, nb, nh, 1, bs, hs),
+    }[fmt]
+    hnd_axes = {
+        F.NL_X_TWO_NB_NH_BS_HS: (2, 3),
+        F.NL_X_NB_TWO_NH_BS_HS: (2, 3),
+        F.NL_X_TWO_NB_NH_ONE_BS_HS: (2, 4),
+    }
+    mode = _modes(draw, layout_of(fmt).has_leading_block_axis)
+    leaves = _alloc(phys, dtype, nl, mode)
+    a, b = hnd_axes.get(fmt, (None, None))
+    flip = draw(st.booleans())
+    kv = [_expose(t, a, b, flip) for t in leaves]
+    hnd = fmt in hnd_axes
+    # On the CPU, vLLM without a kv_layout hint is HND.
+    hints: dict[str, Any] = (
+        dict(draw(st.sampled_from([{}, {"kv_layout": "HND"}]))) if hnd else {"kv_layout": "NHD"}
+    )
+    if nb == 2 and fmt in (F.NL_X_NB_TWO_BS_NH_HS, F.NL_X_NB_TWO_NH_BS_HS):
+        hints["kv_pair_axis"] = 1  # [2, 2, ...] is K/V-first unless told
+    return RegistrationCase(
+        engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, hs, dtype, leaves, f"{mode} flip={flip}"
+    )
+
+
+def _vllm_cross_layer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                      dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    hnd = fmt == F.NB_NL_TWO_NH_BS_HS
+    phys = (nb, nl, 2, nh, bs, hs) if hnd else (nb, nl, 2, bs, nh, hs)
+    mode = draw(st.sampled_from(["separate", "padded3"]))
+    (t,) = _alloc(phys, dtype, 1, mode)
+    flip = hnd and draw(st.booleans())
+    kv = _expose(t, 3, 4, flip)
+    hints: dict[str, Any] = draw(st.sampled_from([{}, {"kv_layout": "HND"}])) if hnd else {"kv_layout": "NHD"}
+    return RegistrationCase(
+        engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, hs, dtype, [t], f"{mode} flip={flip}"
+    )
+
+
+def _vllm_mla(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+              dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    width = hs * draw(st.sampled_from([1, 3, 16]))
+    leaves = _alloc((nb, bs, width), dtype, nl, _modes(draw, True))
+    hints = draw(st.sampled_from([{}, {"kv_layout": "NHD"}, {"kv_layout": "HND"}]))
+    return RegistrationCase(engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, width, dtype, leaves, "mla")
+
+
+def _vllm_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                  dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    form = draw(st.sampled_from(["rank3", "NHD", "HND", "BLNHC", "BLHNC"]))
+    mode = _modes(draw, True)
+    if form == "rank3":
+        leaves = _alloc((nb, bs, 132), torch.uint8, nl, mode)
+        hints: dict[str, Any] = draw(st.sampled_from([{}, {"kv_layout": "NHD"}]))
+    else:
+        shape = (nb, 1, bs, 132) if form in ("HND", "BLHNC") else (nb, bs, 1, 132)
+        leaves = _alloc(shape, torch.uint8, nl, mode)
+        hints = {"kv_layout": form}
+    return RegistrationCase(
+        engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, leaves, f"{form} {mode}"
+    )
+
+
+def _vllm_fused(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    cs = draw(st.sampled_from([2 * hs, 2 * hs + 1, 6]))  # packed K/V, or an opaque state row
+    hnd = fmt == F.NL_X_NB_NH_BS_CS
+    mode = _modes(draw, True)
+    leaves = _alloc((nb, nh, bs, cs) if hnd else (nb, bs, nh, cs), dtype, nl, mode)
+    flip = hnd and draw(st.booleans())
+    kv = [_expose(t, 1, 2, flip) for t in leaves]
+    if hnd:
+        hints = draw(st.sampled_from([{}, {"kv_layout": "HND"}, {"kv_layout": "BLHNC"}]))
+    else:
+        hints = draw(st.sampled_from([{"kv_layout": "NHD"}, {"kv_layout": "BLNHC"}]))
+    return RegistrationCase(
+        engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, cs, dtype, leaves, f"{mode} flip={flip}"
+    )
+
+
+def _vllm_kv_tuples(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                    dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    mode = _modes(draw, True)
+    pairs = [_alloc((nb, bs, nh, hs), dtype, 2, mode) for _ in range(nl)]
+    kv = [tuple(p) if draw(st.booleans()) else list(p) for p in pairs]
+    leaves = [t for p in pairs for t in p]
+    return RegistrationCase(engine, fmt, kv, {}, nl, nb, bs, nb * bs, nh, hs, dtype, leaves, mode)
+
+
+def _vllm_planes(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                 dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    n_planes = draw(st.integers(1, 3))
+    if n_planes == 2:  # two planes of one width would be a (K, V) pair
+        widths = draw(st.lists(st.integers(1, 9), min_size=2, max_size=2, unique=True))
+    else:
+        widths = draw(st.lists(st.integers(1, 9), min_size=n_planes, max_size=n_planes))
+    mode = _modes(draw, True)
+    layers = [[_alloc((nb, bs, 1, w), dtype, 1, mode)[0] for w in widths] for _ in range(nl)]
+    kv = [tuple(layer) for layer in layers]
+    leaves = [t for layer in layers for t in layer]
+    return RegistrationCase(
+        engine, fmt, kv, {}, nl, nb, bs, nb * bs, 1, sum(widths), dtype, leaves, f"{widths} {mode}"
+    )
+
+
+def _sglang(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+            dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    pbs = nb * bs
+    mode = draw(st.sampled_from(["separate", "shared"]))
+    if fmt == F.NL_X_NB_BS_HS:
+        if draw(st.booleans()):
+            leaves = _alloc((nb, bs, hs), dtype, nl, mode)
+            hints: dict[str, Any] = {"kv_list_layout": "unified"}
+            if draw(st.booleans()):
+                hints["tokens_per_block"] = bs
+            return RegistrationCase(
+                engine, fmt, leaves, hints, nl, nb, bs, pbs, 1, hs, dtype, leaves, "unified"
+            )
+        leaves = _alloc((pbs, 1, hs), dtype, nl, mode)
+        return RegistrationCase(
+            engine, fmt, leaves, {"tokens_per_block": bs}, nl, nb, bs, pbs, 1, hs, dtype, leaves, "mla+tpb"
+        )
+    if fmt == F.NL_X_NBBS_ONE_HS:
+        leaves = _alloc((pbs, 1, hs), dtype, nl, mode)
+        return RegistrationCase(engine, fmt, leaves, {}, nl, None, None, pbs, 1, hs, dtype, leaves, "mla")
+    if fmt == F.NL_X_NB_BS_NH_HS:
+        leaves = _alloc((nb, bs, nh, hs), dtype, nl, mode)
+        return RegistrationCase(
+            engine,
+            fmt,
+            leaves,
+            {"kv_list_layout": "unified"},
+            nl,
+            nb,
+            bs,
+            pbs,
+            nh,
+            hs,
+            dtype,
+            leaves,
+            "unified",
+        )
+    folded = fmt == F.TWO_X_NL_X_NBBS_NH_HS
+    flat = draw(st.booleans())
+    if folded or flat:
+        k, v = _alloc((pbs, nh, hs), dtype, nl, mode), _alloc((pbs, nh, hs), dtype, nl, mode)
+    else:
+        k, v = _alloc((nb, bs, nh, hs), dtype, nl, mode), _alloc((nb, bs, nh, hs), dtype, nl, mode)
+    hints = {"kv_list_layout": "k_v"} if flat or draw(st.booleans()) else {}
+    if not folded and (flat or draw(st.booleans())):
+        hints["tokens_per_block"] = bs
+    kv = [*k, *v] if flat else [k, v]
+    nbv, bsv = (None, None) if folded else (nb, bs)
+    return RegistrationCase(
+        engine, fmt, kv, hints, nl, nbv, bsv, pbs, nh, hs, dtype, [*k, *v], f"flat={flat}"
+    )
+
+
+def _trtllm(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+            dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    form = draw(st.sampled_from(["6d", "4d", "[4d]"]))
+    mode = draw(st.sampled_from(["separate", "padded2"]))
+    sizes_hints = {"num_kv_heads": nh, "tokens_per_block": bs, "head_dim": hs}
+    if form == "6d":
+        (t,) = _alloc((nb, nl, 2, nh, bs, hs), dtype, 1, mode)
+        hints: dict[str, Any] = draw(st.sampled_from([{}, sizes_hints, {"kv_layout": "HND"}]))
+        kv: Any = t
+    else:
+        (t,) = _alloc((nb, nl, 2, nh * bs * hs), dtype, 1, mode)
+        hints = {**sizes_hints, **draw(st.sampled_from([{}, {"kv_layout": "HND"}]))}
+        kv = t if form == "4d" else [t]
+    return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, hs, dtype, [t], f"{form} {mode}")
+
+
+def _atom(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+          dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    leaves = _alloc((nb, bs, hs), dtype, nl, _modes(draw, True))
+    return RegistrationCase(engine, fmt, leaves, {}, nl, nb, bs, nb * bs, 1, hs, dtype, leaves, "mla")
+
+
+_BUILDERS: dict[tuple[str, int], Builder] = {
+    **{("vllm", v): _vllm_per_layer for v in (1, 2, 6, 7, 15)},
+    ("vllm", 0): _vllm_cross_layer,
+    ("vllm", 8): _vllm_cross_layer,
+    ("vllm", 3): _vllm_mla,
+    ("vllm", 14): _vllm_indexer,
+    ("vllm", 12): _vllm_fused,
+    ("vllm", 13): _vllm_fused,
+    ("vllm", 16): _vllm_kv_tuples,
+    ("vllm", 17): _vllm_planes,
+    **{("sglang", v): _sglang for v in (3, 4, 5, 9, 18)},
+    ("trtllm", 8): _trtllm,
+    ("atom", 3): _atom,
+}
+
+
+def flatten(kv: Any) -> list[torch.Tensor]:
+    """Leaves depth-first (the order of the pointer table for every format)."""
+    if isinstance(kv, torch.Tensor):
+        return [kv]
+    return [t for child in kv for t in flatten(child)]
