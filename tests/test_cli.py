@@ -151,3 +151,12 @@ def test_detect_bad_hint_and_dtype(capsys: pytest.CaptureFixture[str]) -> None:
         capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--hint", "kv_layout=XYZ"
     )
     assert code == 1 and "kv_layout" in out
+
+
+def test_max_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "detect", "--engine", "max", "--shape", "[2048,2,32,16,8,128]")
+    assert code == 0
+    assert "    format     19 NB_KV_NL_BS_NH_HS   [NB, KV, NL, BS, NH, HS]" in out
+    assert "    geometry   block_size 16, heads 8, head_size 128, kv_size 2, torch.bfloat16" in out
+    code, out, _ = run(capsys, "formats")
+    assert "kv=KV" in out.splitlines()[19]

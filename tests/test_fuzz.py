@@ -76,7 +76,9 @@ HINT_VALUES = st.one_of(
     st.none(),
     st.integers(-2, 20),
     st.booleans(),
-    st.sampled_from(["NHD", "HND", "BLHNC", "BLNHC", "nhd", "k_v", "unified", "x"]),
+    st.sampled_from(
+        ["NHD", "HND", "BLHNC", "BLNHC", "LBNHC", "LHBNC", "nhd", "k_v", "unified", "x", "NB_KV_NL_BS_NH_HS"]
+    ),
 )
 HINTS = st.one_of(
     st.none(),
@@ -89,6 +91,11 @@ HINTS = st.one_of(
                 "tokens_per_block",
                 "head_dim",
                 "kv_pair_axis",
+                "num_layers",
+                "kv_dim",
+                "page_size",
+                "total_num_blocks",
+                "layout_format",
                 "bogus",
             ]
         ),

@@ -15,9 +15,6 @@ if TYPE_CHECKING:
 
 __all__ = ["main", "parse_sizes"]
 
-# Small enough to draw one block cell by cell.
-SVG_SIZES = {"NL": 2, "NB": 4, "BS": 4, "NH": 2, "HS": 8, "NP": 2}
-
 
 def parse_sizes(text: str) -> dict[str, int]:
     """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items
@@ -57,6 +54,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
     from kvlayout import EngineKVFormat
     from kvlayout.layout import FACTS, STRUCTURE_FACTS
     from kvlayout.registry import format_info, layout_of
+    from kvlayout.vocabulary import Role
 
     shown = [f for f in FACTS if f not in STRUCTURE_FACTS and f != "has_leading_block_axis"]
     rows = []
@@ -67,7 +65,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
         )
         flags = [f.removeprefix("is_") for f in shown if getattr(layout, f)]
         note = f"deprecated, use {info.replaced_by.name}" if info.replaced_by else ", ".join(info.engines)
-        rows.append((str(int(fmt)), fmt.name, layout.describe_shape(), structure, f"kv={layout.kv_size}",
+        kv_size = layout.kv_size if layout.kv_size is not None else layout.symbol_of(Role.KV)
+        rows.append((str(int(fmt)), fmt.name, layout.describe_shape(), structure, f"kv={kv_size}",
                      " ".join(flags) or "-", note))  # fmt: skip
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for r in rows:
@@ -76,7 +75,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, explain
+    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, example_sizes, explain
     from kvlayout.picture import block_svg
 
     layout = _format_arg(args.format)
@@ -85,7 +84,7 @@ def cmd_explain(args: argparse.Namespace) -> int:
     sizes = {**LLAMA_3_8B, **parse_sizes(args.sizes)} if args.sizes else LLAMA_3_8B
     print(explain(layout, sizes, args.dtype))  # type: ignore[arg-type]
     if args.svg:
-        small = {**SVG_SIZES, **parse_sizes(args.sizes)} if args.sizes else SVG_SIZES
+        small = {**example_sizes(small=True), **parse_sizes(args.sizes)}  # one block, cell by cell
         with open(args.svg, "w") as f:
             f.write(block_svg(layout, small))  # type: ignore[arg-type]
         print(f"  picture        {args.svg} (one block, sizes {small})")
@@ -208,6 +207,8 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from kvlayout.types import EngineType
+
     ap = argparse.ArgumentParser(
         prog="kvlayout",
         description="Describe, detect and address the paged KV caches of LLM serving engines.",
@@ -231,7 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Build the registration as meta tensors and run detection: the format and geometry, "
         "or the error a user would get.",
     )
-    p.add_argument("--engine", required=True, choices=["vllm", "sglang", "trtllm", "atom"])
+    p.add_argument("--engine", required=True, choices=[e.value for e in EngineType])
     p.add_argument(
         "--shape",
         required=True,

@@ -12,11 +12,28 @@ from dataclasses import dataclass
 from kvlayout import algebra
 from kvlayout.algebra import Mode, Product, Term
 from kvlayout.layout import FACTS, Layout, fact_doc
+from kvlayout.vocabulary import Role, Vocabulary
 
-__all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "explain", "symbolic_offset"]
+__all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "example_sizes", "explain", "symbolic_offset"]
 
-# Llama-3-8B on one GPU: 32 layers, 8 KV heads of 128, 16-token blocks, a 2048-block pool.
-LLAMA_3_8B: dict[str, int] = {"NL": 32, "NB": 2048, "BS": 16, "NH": 8, "HS": 128, "NP": 2}
+
+def example_sizes(vocabulary: Vocabulary | None = None, *, small: bool = False) -> dict[str, int]:
+    """The vocabulary's example sizes (each token's ``example`` in layouts.yaml: Llama-3-8B
+    on one GPU, 32 layers, 8 KV heads of 128, 16-token blocks, a 2048-block pool), or the
+    ``small`` ones pictures use."""
+    if vocabulary is None:
+        from kvlayout._generated.vocabulary import VOCABULARY
+
+        vocabulary = VOCABULARY
+    out: dict[str, int] = {}
+    for t in vocabulary.tokens:
+        n = t.small if small else t.example
+        if n is not None:
+            out[t.name] = n
+    return out
+
+
+LLAMA_3_8B: dict[str, int] = example_sizes()
 
 DTYPE_BYTES: dict[str, int] = {
     "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
@@ -86,7 +103,9 @@ class Explanation:
         pointers = layout.pointer_order(s)
         heads, head = layout.num_heads(s), layout.head_size(s)
         row = heads * head
-        per_block = layout.kv_size * s.get("BS", 0) * row * elsize
+        kv_size = algebra.kv_size(layout, s)
+        block_tokens = layout.size_of(s, Role.TOKEN)
+        per_block = kv_size * (block_tokens or 0) * row * elsize
         pointer, off = symbolic_offset(layout)
         facts = [fact_doc(name) for name in FACTS if getattr(layout, name)]
         out = [
@@ -95,7 +114,7 @@ class Explanation:
             f"  with sizes     {layout.concrete_shape(s)}   ({', '.join(f'{k}={v}' for k, v in s.items())})",
             f"  leaf tensor    shape {list(shape)}, strides {list(strides)} (elements)",
             f"  pointer table  {len(pointers)} pointer(s): {_pointer_words(layout, pointers)}",
-            f"  kv_size        {layout.kv_size}   heads per row {heads}   head_size {head}",
+            f"  kv_size        {kv_size}   heads per row {heads}   head_size {head}",
             "  facts",
             *(f"    - {f}" for f in facts),
             "  addressing (layer, kv, block, token, head, elem)",
@@ -103,11 +122,12 @@ class Explanation:
             f"    offset  = {off}",
             f"  chunk row      {row} elements per token ({row * elsize} bytes of {self.dtype})",
         ]
-        if "BS" in s and "NB" in s:
+        blocks = layout.size_of(s, Role.BLOCK)
+        if block_tokens is not None and blocks is not None:
             out += [
                 f"  per block      {per_block} bytes per layer "
-                f"({layout.kv_size} x {s['BS']} tokens x {row * elsize} B)",
-                f"  per layer      {per_block * s['NB']} bytes over {s['NB']} blocks",
+                f"({kv_size} x {block_tokens} tokens x {row * elsize} B)",
+                f"  per layer      {per_block * blocks} bytes over {blocks} blocks",
             ]
             plan = layout.copy_plan(s)
             runs = ", ".join(f"{p.run * elsize} B" for p in plan.pieces)

@@ -32,6 +32,7 @@ from kvlayout.contiguity import dim0_padding
 from kvlayout.detection.base import SIZE_HINTS, DetectionError, Probe, match, pick, probe, size_hint_conflict
 from kvlayout.nesting import first_leaf
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
+from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.VLLM
 
@@ -91,7 +92,7 @@ def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineK
 
 def _rank4(kv: list[Any], p: Probe, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     fused = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", hnd)])
-    head = LAYOUTS[fused].axis_of("NH")
+    head = LAYOUTS[fused].axis_of(Role.HEAD)
     assert head is not None
     if p.shape[head] == 1:  # one head: is the row a blocked-scale page (the DSA indexer)?
         squeezed = p.shape[:head] + p.shape[head + 1 :]
