@@ -79,6 +79,8 @@ _EXPORTS: dict[str, str] = {
     "describe": "kvlayout.description",
     "kv_layout_axes": "kvlayout.description",
     "to_engine_kv_format": "kvlayout.description",
+    "is_indexer_cache": "kvlayout.indexers",
+    "drop_indexer_caches": "kvlayout.indexers",
     **{
         name: "kvlayout._generated.predicates"
         for name in (
@@ -134,6 +136,7 @@ __all__ = [
     "describe",
     "describe_shape",
     "detect",
+    "drop_indexer_caches",
     "get_attention_backend",
     "get_block_size",
     "get_concrete_engine_kv_shape",
@@ -159,6 +162,7 @@ __all__ = [
     "is_fused_packed",
     "is_hnd",
     "is_indexer",
+    "is_indexer_cache",
     "is_kv_list",
     "is_kv_second_tuple",
     "is_layer_list",
@@ -254,6 +258,7 @@ if TYPE_CHECKING:
         make_page_buffer_shape_desc,
         resolve_block_stride_and_log_layout,
     )
+    from kvlayout.indexers import drop_indexer_caches, is_indexer_cache
     from kvlayout.layout import Layout
     from kvlayout.parser import parse
     from kvlayout.registration import KernelGroup, RegisteredKV, Registration, RegistrationError, bind
