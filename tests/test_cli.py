@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -151,6 +152,20 @@ def test_detect_bad_hint_and_dtype(capsys: pytest.CaptureFixture[str]) -> None:
         capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--hint", "kv_layout=XYZ"
     )
     assert code == 1 and "kv_layout" in out
+
+
+def test_describe_prints_the_layout_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "describe", "12", "--sizes", "NL=3,NB=6,BS=4,NH=2,CS=8", "--block-stride", "192"
+    )
+    assert code == 0
+    desc = json.loads(out)
+    assert desc["name"] == "NL_X_NB_NH_BS_CS" and desc["grouping"] == "per_layer"
+    assert desc["dims"] == [["B"], ["H"], ["N"], ["KV", "C"]] and desc["kv_placement"] == "inside dim 3"
+    assert desc["strides"] == [192, 32, 8, 1] and desc["dim_strides"] == {"0": 192}
+    assert desc["facts"]["is_hnd"] and desc["facts"]["is_fused_packed"]
+    code, out, _ = run(capsys, "describe", "NB_KV_NL_BS_NH_HS")
+    assert code == 0 and json.loads(out)["strides"] is None  # no sizes, no strides
 
 
 def test_max_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""The kvlayout command line: ``kvlayout formats``, ``kvlayout explain``, ``kvlayout demo``."""
+"""The kvlayout command line: ``kvlayout formats``, ``explain``, ``describe``, ``detect``,
+``codegen``, ``demo``."""
 
 from __future__ import annotations
 
@@ -88,6 +89,19 @@ def cmd_explain(args: argparse.Namespace) -> int:
         with open(args.svg, "w") as f:
             f.write(block_svg(layout, small))  # type: ignore[arg-type]
         print(f"  picture        {args.svg} (one block, sizes {small})")
+    return 0
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    """A layout as JSON, for tools (kvlayout.describe)."""
+    import json
+
+    from kvlayout.description import describe
+
+    layout = _format_arg(args.format)
+    sizes = parse_sizes(args.sizes) if args.sizes else None
+    desc = describe(layout, sizes, block_stride=args.block_stride)  # type: ignore[arg-type]
+    print(json.dumps(desc.to_dict(), indent=2))
     return 0
 
 
@@ -226,6 +240,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"
     )
     p.set_defaults(run=cmd_explain)
+    p = sub.add_parser(
+        "describe", help="a layout as JSON for tools: axes, list levels, K/V placement, strides"
+    )
+    p.add_argument("format", help="a format value (19), name (NB_KV_NL_BS_NH_HS) or any layout name")
+    p.add_argument("--sizes", default="", help="sizes for the extents and strides, e.g. NB=2048,BS=16")
+    p.add_argument(
+        "--block-stride", type=int, default=None, help="elements between blocks when they are padded apart"
+    )
+    p.set_defaults(run=cmd_describe)
     p = sub.add_parser(
         "detect",
         help="detect a registration described by its shapes (meta tensors, no memory)",
