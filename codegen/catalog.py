@@ -11,12 +11,13 @@ from pathlib import Path
 
 import yaml
 
+from kvlayout import algebra
 from kvlayout.errors import CatalogError, KVLayoutError
 from kvlayout.layout import Layout
 from kvlayout.parser import parse
 from kvlayout.vocabulary import Region, Role, Token, Vocabulary
 
-__all__ = ["Catalog", "Deprecation", "DescriptorField", "FormatEntry", "load_catalog"]
+__all__ = ["Catalog", "Deprecation", "DescriptorField", "Engine", "FormatEntry", "load_catalog"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,7 @@ class FormatEntry:
     engines: tuple[str, ...]
     deprecated: Deprecation | None
     line: int
+    path: str = "layouts.yaml"
 
     @property
     def name(self) -> str:
@@ -43,6 +45,19 @@ class FormatEntry:
 class DescriptorField:
     name: str
     meaning: str
+    role: Role | None = None
+
+
+@dataclass(frozen=True)
+class Engine:
+    """A serving engine: its ``EngineType`` value and the name messages use."""
+
+    value: str
+    label: str
+
+    @property
+    def member(self) -> str:
+        return self.value.upper()
 
 
 @dataclass(frozen=True)
@@ -51,6 +66,7 @@ class Catalog:
     vocabulary: Vocabulary
     formats: tuple[FormatEntry, ...]
     descriptor: tuple[DescriptorField, ...]
+    engines: tuple[Engine, ...] = ()
 
 
 class _Reader:
@@ -107,6 +123,22 @@ class _Reader:
         return tuple(self.string(n, what) for n in self.sequence(node, what))
 
 
+def _role(r: _Reader, node: yaml.Node, what: str) -> Role:
+    name = r.string(node, f"{what} role")
+    allowed = [x.value for x in Role if x.declared]
+    if name not in allowed:
+        derived = " (derived by the algebra, never declared)" if name in (x.value for x in Role) else ""
+        raise r.error(node, f"{what} has an unknown role {name!r}{derived} (allowed: {', '.join(allowed)})")
+    return Role(name)
+
+
+def _positive(r: _Reader, node: yaml.Node, what: str) -> int:
+    value = r.integer(node, what)
+    if value <= 0:
+        raise r.error(node, f"{what} must be positive, got {value}")
+    return value
+
+
 def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
     if not isinstance(node, yaml.MappingNode):
         raise r.error(node, "tokens must be a mapping of token name to its meaning")
@@ -121,18 +153,12 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
             raise r.error(key_node, f"token name {name!r} must be upper-case letters and digits, not X")
         what = f"token {name}"
         m = r.mapping(
-            value_node, what, ("meaning",), ("role", "literal", "fuses", "region", "label", "keep_label")
+            value_node,
+            what,
+            ("meaning",),
+            ("role", "literal", "fuses", "region", "label", "keep_label", "choices", "example", "small"),
         )
-        role = None
-        if "role" in m:
-            role_name = r.string(m["role"], f"{what} role")
-            try:
-                role = Role(role_name)
-            except ValueError:
-                allowed = ", ".join(x.value for x in Role)
-                raise r.error(
-                    m["role"], f"{what} has an unknown role {role_name!r} (allowed: {allowed})"
-                ) from None
+        role = _role(r, m["role"], what) if "role" in m else None
         fuses: list[Token] = []
         for part_node in r.sequence(m["fuses"], f"{what} fuses") if "fuses" in m else []:
             part = r.string(part_node, f"{what} fuses")
@@ -157,6 +183,26 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
             raise r.error(value_node, f"{what} has {' and '.join(kinds)}; a token is one of them")
         if not kinds and literal is None:
             raise r.error(value_node, f"{what} needs a role, a literal, fuses or a region")
+        sized = literal is None and region is None and not fuses
+        choices: tuple[int, ...] = ()
+        if "choices" in m:
+            if not sized:
+                raise r.error(
+                    m["choices"], f"{what} has choices, but only a sized token (a role, no literal) can"
+                )
+            choices = tuple(
+                _positive(r, n, f"{what} choice") for n in r.sequence(m["choices"], f"{what} choices")
+            )
+            if not choices or len(set(choices)) != len(choices):
+                raise r.error(m["choices"], f"{what} choices must be distinct sizes, at least one")
+        examples: dict[str, int] = {}
+        for key in ("example", "small"):
+            if key in m:
+                if literal is not None or region is not None:
+                    raise r.error(m[key], f"{what} has a literal size or is a region, so it takes no {key}")
+                examples[key] = _positive(r, m[key], f"{what} {key}")
+                if choices and examples[key] not in choices:
+                    raise r.error(m[key], f"{what} {key} {examples[key]} is not one of its choices")
         defined[name] = Token(
             name=name,
             meaning=" ".join(r.string(m["meaning"], f"{what} meaning").split()),
@@ -166,11 +212,39 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
             region=region,
             label=r.string(m["label"], f"{what} label") if "label" in m else None,
             keep_label=r.boolean(m["keep_label"], f"{what} keep_label") if "keep_label" in m else False,
+            choices=choices,
+            example=examples.get("example"),
+            small=examples.get("small"),
         )
     return Vocabulary(tuple(defined.values()))
 
 
-def _formats(r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path) -> tuple[FormatEntry, ...]:
+def _engines(r: _Reader, node: yaml.Node) -> tuple[Engine, ...]:
+    if not isinstance(node, yaml.MappingNode) or not node.value:
+        raise r.error(node, "engines must be a mapping of engine value to its label")
+    out: list[Engine] = []
+    for key_node, value_node in node.value:
+        value = key_node.value
+        if not isinstance(value, str) or not value.isidentifier() or value != value.lower():
+            raise r.error(key_node, f"engine {value!r} must be a lower-case identifier")
+        if any(e.value == value for e in out):
+            raise r.error(key_node, f"engine {value} is defined twice")
+        m = r.mapping(value_node, f"engine {value}", ("label",))
+        out.append(Engine(value, r.string(m["label"], f"engine {value} label")))
+    return tuple(out)
+
+
+def _check_roles(r: _Reader, node: yaml.Node, name: str, layout: Layout) -> None:
+    """Every role a spec accessor reads must resolve on the layout's structure."""
+    for role in Role:
+        problem = algebra.role_problem(layout, role)
+        if problem is not None:
+            raise r.error(node, f"format {name}: the {role.value} role does not resolve: {problem}")
+
+
+def _formats(
+    r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path, engines: tuple[Engine, ...]
+) -> tuple[FormatEntry, ...]:
     entries: list[FormatEntry] = []
     by_value: dict[int, FormatEntry] = {}
     by_name: dict[str, FormatEntry] = {}
@@ -185,6 +259,15 @@ def _formats(r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path)
             layout = parse(name, vocabulary, grammar=grammar)
         except KVLayoutError as e:
             raise r.error(m["name"], str(e)) from None
+        _check_roles(r, m["name"], name, layout)
+        known = [e.value for e in engines]
+        for engine_node in r.sequence(m["engines"], f"{what} engines"):
+            engine = r.string(engine_node, f"{what} engines")
+            if engine not in known:
+                raise r.error(
+                    engine_node,
+                    f"{what} names engine {engine!r}, which is not an engine ({', '.join(known)})",
+                )
         deprecated = None
         if "deprecated" in m:
             dm = r.mapping(m["deprecated"], f"{what} deprecated", ("replaced_by", "reason"))
@@ -198,6 +281,7 @@ def _formats(r: _Reader, node: yaml.Node, vocabulary: Vocabulary, grammar: Path)
             engines=r.strings(m["engines"], f"{what} engines"),
             deprecated=deprecated,
             line=item.start_mark.line + 1,
+            path=r.path,
         )
         if value in by_value:
             prior = by_value[value]
@@ -233,15 +317,21 @@ def load_catalog(path: Path, grammar: Path, display_path: str | None = None) -> 
         raise CatalogError(shown, line, f"not valid YAML: {e.problem}") from None
     if root is None:
         raise CatalogError(shown, 1, "the file is empty")
-    top = r.mapping(root, "the file", ("tokens", "formats", "descriptor"))
+    top = r.mapping(root, "the file", ("tokens", "engines", "formats", "descriptor"))
     vocabulary = _tokens(r, top["tokens"])
-    formats = _formats(r, top["formats"], vocabulary, grammar)
-    descriptor = []
+    engines = _engines(r, top["engines"])
+    formats = _formats(r, top["formats"], vocabulary, grammar, engines)
+    descriptor: list[DescriptorField] = []
     for item in r.sequence(top["descriptor"], "descriptor"):
-        fm = r.mapping(item, "a descriptor field", ("name", "meaning"))
-        descriptor.append(
-            DescriptorField(
-                r.string(fm["name"], "a field name"), " ".join(r.string(fm["meaning"], "meaning").split())
+        fm = r.mapping(item, "a descriptor field", ("name", "meaning"), ("role",))
+        field_name = r.string(fm["name"], "a field name")
+        role = _role(r, fm["role"], f"descriptor field {field_name}") if "role" in fm else None
+        prior = next((f for f in descriptor if role is not None and f.role is role), None)
+        if prior is not None and role is not None:
+            raise r.error(
+                fm["role"], f"descriptor fields {prior.name} and {field_name} both have role {role.value}"
             )
+        descriptor.append(
+            DescriptorField(field_name, " ".join(r.string(fm["meaning"], "meaning").split()), role)
         )
-    return Catalog(shown, vocabulary, formats, tuple(descriptor))
+    return Catalog(shown, vocabulary, formats, tuple(descriptor), engines)

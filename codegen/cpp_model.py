@@ -13,14 +13,23 @@ from dataclasses import dataclass
 from codegen.catalog import Catalog, FormatEntry
 from kvlayout.algebra import COORD_FIELDS, Mode, Product, Structure, Term, structure
 from kvlayout.layout import FACTS
-from kvlayout.vocabulary import Vocabulary
+from kvlayout.vocabulary import Role, Vocabulary
 
-__all__ = ["CppFormat", "cpp_formats", "size_fields"]
+__all__ = ["CppFormat", "cpp_formats", "role_field", "size_fields"]
 
 
 def size_fields(vocabulary: Vocabulary) -> list[tuple[str, str]]:
     """``(token, field)`` for every token with a size of its own (not a literal or a region)."""
     return [(t.name, t.name.lower()) for t in vocabulary.tokens if t.literal is None and t.region is None]
+
+
+def role_field(vocabulary: Vocabulary, role: Role) -> str:
+    """The ``Sizes`` field of the one sized token with ``role`` (hand C++ asks for a role's
+    size through the accessor this names, never by the token's spelling)."""
+    fields = [f for (name, f) in size_fields(vocabulary) if vocabulary[name].role is role]
+    if len(fields) != 1:
+        raise ValueError(f"the vocabulary needs exactly one sized {role.value} token, has {len(fields)}")
+    return fields[0]
 
 
 def _product(p: Product) -> str:

@@ -14,10 +14,11 @@ from typing import Any
 import jinja2
 
 from codegen.catalog import Catalog
-from codegen.cpp_model import COORDS, cpp_formats, size_fields
+from codegen.cpp_model import COORDS, cpp_formats, role_field, size_fields
 from codegen.python_model import python_formats, token_literal
 from codegen.writer import stamp
 from kvlayout.layout import FACTS, fact_doc
+from kvlayout.vocabulary import Role
 
 __all__ = ["GENERATED_PACKAGE", "OUTPUTS", "render_outputs"]
 
@@ -25,8 +26,10 @@ GENERATED_PACKAGE = "src/kvlayout/_generated"
 OUTPUTS: tuple[tuple[str, str], ...] = (
     ("__init__.py.j2", f"{GENERATED_PACKAGE}/__init__.py"),
     ("vocabulary.py.j2", f"{GENERATED_PACKAGE}/vocabulary.py"),
+    ("engines.py.j2", f"{GENERATED_PACKAGE}/engines.py"),
     ("formats.py.j2", f"{GENERATED_PACKAGE}/formats.py"),
     ("specs.py.j2", f"{GENERATED_PACKAGE}/specs.py"),
+    ("predicates.py.j2", f"{GENERATED_PACKAGE}/predicates.py"),
     ("descriptors.py.j2", f"{GENERATED_PACKAGE}/descriptors.py"),
     ("engine_kv_format.h.j2", "csrc/include/kvlayout/engine_kv_format.h"),
     ("indexing.cuh.j2", "csrc/include/kvlayout/indexing.cuh"),
@@ -65,6 +68,13 @@ def _fact_docs() -> list[tuple[str, str]]:
     return [(name, fact_doc(name)) for name in FACTS]
 
 
+def _predicates(catalog: Catalog) -> list[tuple[str, str, list[str]]]:
+    """Each fact with its meaning and the formats (by name) for which it holds."""
+    return [
+        (name, fact_doc(name), [e.name for e in catalog.formats if getattr(e.layout, name)]) for name in FACTS
+    ]
+
+
 def render_outputs(catalog: Catalog, grammar_text: str, sources: str) -> dict[str, str]:
     """Every generated file's content, keyed by repository-relative path."""
     py = python_formats(catalog)
@@ -89,12 +99,16 @@ def render_outputs(catalog: Catalog, grammar_text: str, sources: str) -> dict[st
         "descriptor": catalog.descriptor,
         "size_symbols": [token for token, _ in size_fields(catalog.vocabulary)],
         "fact_docs": _fact_docs(),
+        "engines": catalog.engines,
+        "predicates": _predicates(catalog),
+        "predicate_exports": sorted([*FACTS, "FACT_FORMATS"]),
     }
     cpp_context: dict[str, Any] = {
         **context,
         "formats": cpp_formats(catalog),
         "fact_names": FACTS,
         "size_fields": size_fields(catalog.vocabulary),
+        "block_field": role_field(catalog.vocabulary, Role.BLOCK),
         "coords": COORDS,
     }
     env = _environment()

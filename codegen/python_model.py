@@ -11,11 +11,12 @@ import json
 from dataclasses import dataclass, fields
 
 from codegen.catalog import Catalog, FormatEntry
-from kvlayout.algebra import axis_of, level_of, row_width_axis, structure
+from kvlayout.algebra import axis_of, level_of, role_problem, structure, symbol_of, tensor_size_axes
+from kvlayout.errors import CatalogError
 from kvlayout.layout import FACTS, Layout
 from kvlayout.vocabulary import Role, Token
 
-__all__ = ["FACTS", "PythonFormat", "python_formats", "token_literal"]
+__all__ = ["FACTS", "ROLE_ACCESSORS", "PythonFormat", "python_formats", "token_literal"]
 
 
 def token_literal(token: Token) -> str:
@@ -31,6 +32,8 @@ def token_literal(token: Token) -> str:
             args.append(f"fuses=({', '.join(t.name for t in value)})")
         elif f.name == "region":
             args.append(f"region=Region({value.rows.name}, {value.width})")
+        elif f.name == "choices":
+            args.append(f"choices={value!r}")
         elif isinstance(value, str):
             args.append(f"{f.name}={json.dumps(value, ensure_ascii=False)}")
         else:
@@ -62,37 +65,88 @@ class PythonFormat:
     display_divisor: int
 
     @property
+    def kv_size(self) -> str:
+        """kv_size as the format table shows it (a K/V axis of its own size says so)."""
+        static = self.entry.layout.kv_size
+        if static is not None:
+            return str(static)
+        pair = next(t for t in (*self.entry.layout.lists, *self.entry.layout.tensor) if t.role is Role.KV)
+        return f"{pair.name} ({' or '.join(map(str, pair.choices))})" if pair.choices else pair.name
+
+    @property
     def true_facts(self) -> list[str]:
         return [name for name, value in self.facts if value]
 
 
-def _path(layout: Layout, layer: str) -> str:
-    """``self.kv[...]`` down to the probe tensor of layer ``layer``."""
-    return "self.kv" + "".join(f"[{layer}]" if lv.role is Role.LAYER else "[0]" for lv in layout.lists)
+def _path(layout: Layout, layer: str, levels: int | None = None) -> str:
+    """``self.kv[...]`` down the first ``levels`` list levels (all: the probe tensor of
+    layer ``layer``)."""
+    chosen = layout.lists if levels is None else layout.lists[:levels]
+    return "self.kv" + "".join(f"[{layer}]" if lv.role is Role.LAYER else "[0]" for lv in chosen)
 
 
-def _level_len(layout: Layout, level: int, layer: str) -> str:
-    prefix = "self.kv" + "".join(
-        f"[{layer}]" if lv.role is Role.LAYER else "[0]" for lv in layout.lists[:level]
-    )
-    return f"len({prefix})"
+class UnresolvedError(Exception):
+    """A role the accessors cannot read (the catalog reports it first, with its line)."""
 
 
-def _undefined(layout: Layout, accessor: str, symbol: str) -> str:
-    fused = next(t for t in layout.tensor if any(p.name == symbol for p in t.parts))
-    others = " and ".join(p.name for p in fused.parts if p.name != symbol)
-    why = f"{fused.name} folds {symbol} and {others} into one axis"
-    return f"raise self.undefined({accessor!r}, {why!r})"
+# The accessors every spec class has and the role each reads: the one place where roles
+# meet accessors (so a renamed or new token changes nothing here). ``per_layer``: the
+# accessor takes ``layer_idx``.
+ROLE_ACCESSORS: tuple[tuple[str, Role, bool], ...] = (
+    ("num_layers", Role.LAYER, False),
+    ("num_blocks", Role.BLOCK, True),
+    ("block_size", Role.TOKEN, True),
+    ("page_buffer_size", Role.PAGE, True),
+    ("kv_size", Role.KV, False),
+    ("num_heads", Role.HEAD, True),
+    ("head_size", Role.ELEMENT, True),
+)
 
 
-def _size(layout: Layout, symbol: str, t: str, layer: str) -> str | None:
-    axis = axis_of(layout, symbol)
+def _read(layout: Layout, role: Role, t: str, layer: str) -> str | None:
+    """An expression for ``role``'s size, read off a tensor axis or a list length; None
+    when the layout has no axis or level of its own for it."""
+    axis = axis_of(layout, role)
     if axis is not None:
         return f"{t}.shape[{axis}]"
-    level = level_of(layout, symbol)
+    level = level_of(layout, role)
     if level is not None:
-        return _level_len(layout, level, layer)
+        return f"len({_path(layout, layer, level)})"
     return None
+
+
+def _role_body(layout: Layout, accessor: str, role: Role, t: str, layer: str) -> str:
+    """The accessor's body (a ``return`` or a ``raise``); :class:`UnresolvedError` if the role
+    cannot be read."""
+    problem = role_problem(layout, role)
+    if problem is not None:
+        raise UnresolvedError(f"{accessor}: {problem}")
+    if role is Role.ELEMENT:
+        return f"return {_head_size(layout, t, layer)}"
+    if role is Role.KV:
+        static = layout.kv_size
+        if static is not None:
+            return f"return {static}"
+        read = _read(layout, role, t, "0")
+        if read is None:
+            raise UnresolvedError(f"{accessor}: the K/V pair has no size of its own")
+        return f"return {read}"
+    if role is Role.HEAD:
+        return f"return {_read(layout, role, t, layer) or 1}"
+    read = _read(layout, role, t, "0" if role is Role.LAYER else layer)
+    if read is not None:
+        return f"return {read}"
+    if role is Role.PAGE:
+        block, token = _read(layout, Role.BLOCK, t, layer), _read(layout, Role.TOKEN, t, layer)
+        if block is None or token is None:
+            raise UnresolvedError(f"{accessor}: neither a page axis nor block and token axes")
+        return f"return {block} * {token}"
+    page = next((tok for tok in layout.tensor if tok.fuses and role in tok.roles), None)
+    if page is None:
+        raise UnresolvedError(f"{accessor}: no axis or list level holds the {role.value} role")
+    others = " and ".join(p.name for p in page.parts if p.role is not role and p.literal is None)
+    why = f"{page.name} folds {symbol_of(layout, role)} and {others} into one axis"
+    return f"raise self.undefined({accessor!r}, {why!r})"
 
 
 def _head_size(layout: Layout, t: str, layer: str) -> str:
@@ -104,19 +158,27 @@ def _head_size(layout: Layout, t: str, layer: str) -> str:
         if e.level is not None:
             continue
         if e.token is None:
-            axes.append(row_width_axis(layout) or 0)
+            region = axis_of(layout, Role.REGION)
+            assert region is not None
+            axes.append(region)
         elif e.token.literal is not None:
             factors.append(str(e.token.literal))
         else:
-            axis = axis_of(layout, e.token.name)
-            assert axis is not None
+            axis = _token_axis(layout, e.token)
+            if axis is None:
+                raise UnresolvedError(
+                    f"head_size: {e.token} is a factor of a head's row but no axis of its own"
+                )
             axes.append(axis)
     if planes:
-        plane_path = "self.kv" + "".join(
-            f"[{layer}]" if lv.role is Role.LAYER else "[0]" for lv in layout.lists[: planes[0].level]
-        )
+        plane_path = _path(layout, layer, planes[0].level)
         return " * ".join([*factors, f"self.summed_plane_width({plane_path}, {tuple(axes)!r})"])
     return " * ".join([*factors, *(f"{t}.shape[{a}]" for a in axes)])
+
+
+def _token_axis(layout: Layout, token: Token) -> int | None:
+    """The axis of a sized token (an element factor: HS, or CS that fuses K/V into a row)."""
+    return next((a for symbol, a in tensor_size_axes(layout) if symbol == token.name), None)
 
 
 def _pointer_table(layout: Layout) -> str:
@@ -143,50 +205,35 @@ def _python_format(entry: FormatEntry) -> PythonFormat:
     layer = "layer_idx"
     t = _path(layout, layer)
     accessors: list[tuple[str, str, str]] = []
-
-    def add(name: str, body: str, per_layer: bool = True) -> None:
+    bodies: dict[str, str] = {}
+    for name, role, per_layer in ROLE_ACCESSORS:
+        try:  # an accessor without layer_idx reads layer 0
+            body = _role_body(
+                layout, name, role, t if per_layer else _path(layout, "0"), layer if per_layer else "0"
+            )
+        except UnresolvedError as exc:
+            raise CatalogError(entry.path, entry.line, f"format {entry.name}: {exc}") from None
+        bodies[name] = body
         accessors.append((name, ", layer_idx: int = 0" if per_layer else "", body))
-
-    nl = _size(layout, "NL", t, "0")
-    assert nl is not None
-    add("num_layers", f"return {nl}", per_layer=False)
-    for accessor, symbol in (("num_blocks", "NB"), ("block_size", "BS")):
-        read = _size(layout, symbol, t, layer)
-        add(accessor, f"return {read}" if read is not None else _undefined(layout, accessor, symbol))
-    pbs = _size(layout, "NBBS", t, layer)
-    add(
-        "page_buffer_size",
-        f"return {pbs}"
-        if pbs
-        else f"return {_size(layout, 'NB', t, layer)} * {_size(layout, 'BS', t, layer)}",
-    )
-    add("kv_size", f"return {layout.kv_size}", per_layer=False)
-    heads = next((p for p in layout.tensor_parts if p.role is Role.HEAD), None)
-    num_heads = _size(layout, heads.name, t, layer) if heads else "1"
-    head_size = _head_size(layout, t, layer)
-    add("num_heads", f"return {num_heads}")
-    add("head_size", f"return {head_size}")
     # hidden_dim is hot (kernel groups read it per layer): one expression, one shape read.
+    num_heads, head_size = (
+        bodies["num_heads"].removeprefix("return "),
+        bodies["head_size"].removeprefix("return "),
+    )
     hidden = head_size if num_heads == "1" else f"{num_heads} * {head_size}"
     if hidden.count(f"{t}.shape") > 1:
         hidden = f"shape = {t}.shape\n        return " + hidden.replace(f"{t}.shape", "shape")
     else:
         hidden = f"return {hidden}"
-    add("hidden_dim", hidden)
-    add("dtype", f"return {t}.dtype")
+    accessors.append(("hidden_dim", ", layer_idx: int = 0", hidden))
+    accessors.append(("dtype", ", layer_idx: int = 0", f"return {t}.dtype"))
 
+    # Every size the tensors give: sized list levels, then each axis that is one token.
     sizes: list[tuple[str, str]] = []
-    symbols = [lv.name for lv in layout.lists if lv.literal is None]
-    for tok in layout.tensor:
-        if tok.region is not None:
-            if tok.region.rows.name not in symbols:
-                symbols.append(tok.region.rows.name)
-        elif tok.literal is None:
-            symbols.append(tok.name)
-    for symbol in symbols:
-        read = _size(layout, symbol, t, layer)
-        assert read is not None, (layout, symbol)
-        sizes.append((symbol, read))
+    for i, lv in enumerate(layout.lists):
+        if lv.literal is None:
+            sizes.append((lv.name, f"len({_path(layout, '0' if lv.role is Role.LAYER else layer, i)})"))
+    sizes.extend((symbol, f"{t}.shape[{axis}]") for symbol, axis in tensor_size_axes(layout))
     # The element token a concrete shape shows as a head's row width, divided by the
     # literal factors beside it (a packed K/V axis); planes fold into it.
     element_tokens = [e.token for e in structure(layout).elements if e.token is not None and e.level is None]

@@ -13,13 +13,12 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat, Layout, SizeError, parse
 from kvlayout.algebra import Coord, offset, pointer_index, tensor_index
-from tests.strategies import coords_for, layouts, sizes_for
+from kvlayout.testing.strategies import coord_ranges, coords_for, layouts, sizes_for
+from kvlayout.vocabulary import Role
 
 
 def all_coords(layout: Layout, sizes: dict[str, int]) -> list[Coord]:
-    ranges = [range(sizes["NL"]), range(layout.kv_size), range(sizes["NB"]), range(sizes["BS"]),
-              range(layout.num_heads(sizes)), range(layout.head_size(sizes))]  # fmt: skip
-    return [Coord(*c) for c in itertools.product(*ranges)]
+    return [Coord(*c) for c in itertools.product(*coord_ranges(layout, sizes))]
 
 
 def leaf(layout: Layout, sizes: dict[str, int], pad: int) -> torch.Tensor:
@@ -48,7 +47,7 @@ def test_offsets_follow_torch_strides(data: st.DataObject) -> None:
     assert offset(layout, coord, sizes, block_stride) == (ptr, torch_offset)
     path = layout.pointer_order(sizes)[ptr]
     for level, level_index in zip(layout.lists, path, strict=True):
-        if level.name == "NL":
+        if level.role is Role.LAYER:
             assert level_index == coord.layer
 
 
@@ -116,11 +115,10 @@ def test_copy_plans_cover_every_element_once(data: st.DataObject) -> None:
     plan = layout.copy_plan(sizes)
     row = plan.row
     assert row == layout.num_heads(sizes) * layout.head_size(sizes)
-    kv, layer, block = layout.kv_size - 1, sizes["NL"] - 1, sizes["NB"] - 1
+    layers, kvs, blocks, tokens, heads, elems = coord_ranges(layout, sizes)
+    kv, layer, block = kvs[-1], layers[-1], blocks[-1]
     expected = {}
-    for token, head, elem in itertools.product(
-        range(sizes["BS"]), range(layout.num_heads(sizes)), range(layout.head_size(sizes))
-    ):
+    for token, head, elem in itertools.product(tokens, heads, elems):
         ptr, off = offset(layout, Coord(layer, kv, block, token, head, elem), sizes)
         expected[token * row + head * layout.head_size(sizes) + elem] = (ptr, off)
     walked = {}

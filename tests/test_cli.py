@@ -171,7 +171,7 @@ def test_json_for_scripts(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "formats", "--json")
     table = json.loads(out)
     assert code == 0 and len(table) == len(EngineKVFormat)
-    assert table[14]["name"] == "NL_X_NB_BSV_BSS" and table[14]["engines"] == ["vllm"]
+    assert table[14]["name"] == "NL_X_NB_BSV_BSS" and table[14]["engines"] == ["vllm", "sglang"]
     code, out, _ = run(capsys, "explain", "NL_X_NB_BSV_BSS", "--json")
     explained = json.loads(out)
     assert explained["concrete"] == [32, [2048, 16, 132]] and explained["leaf_strides"] == [2112, 132, 1]
@@ -231,3 +231,26 @@ def test_labels_name_the_engine_that_detected(capsys: pytest.CaptureFixture[str]
         capsys, "detect", "--engine", "sglang", "--shape", "2x[7,3,16]", "--hint", "kv_list_layout=unified"
     )
     assert code == 0 and "backend    SGLang MLA (MP)" in out
+
+
+def test_describe_prints_the_layout_as_json(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "describe", "12", "--sizes", "NL=3,NB=6,BS=4,NH=2,CS=8", "--block-stride", "192"
+    )
+    assert code == 0
+    desc = json.loads(out)
+    assert desc["name"] == "NL_X_NB_NH_BS_CS" and desc["grouping"] == "per_layer"
+    assert desc["dims"] == [["B"], ["H"], ["N"], ["KV", "C"]] and desc["kv_placement"] == "inside dim 3"
+    assert desc["strides"] == [192, 32, 8, 1] and desc["dim_strides"] == {"0": 192}
+    assert desc["facts"]["is_hnd"] and desc["facts"]["is_fused_packed"]
+    code, out, _ = run(capsys, "describe", "NB_KV_NL_BS_NH_HS")
+    assert code == 0 and json.loads(out)["strides"] is None  # no sizes, no strides
+
+
+def test_max_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "detect", "--engine", "max", "--shape", "[2048,2,32,16,8,128]")
+    assert code == 0
+    assert "    format     19 NB_KV_NL_BS_NH_HS   [NB, KV, NL, BS, NH, HS]" in out
+    assert "    geometry   block_size 16, heads 8, head_size 128, kv_size 2, torch.bfloat16" in out
+    code, out, _ = run(capsys, "formats")
+    assert "kv=KV" in out.splitlines()[20]  # after the header row

@@ -4,6 +4,7 @@ format is one YAML entry, and every catalog mistake names its line."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import shutil
 import subprocess
 import sys
@@ -13,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from codegen.__main__ import generate
 from codegen.catalog import load_catalog
 from codegen.outputs import GRAMMAR_COPY, OUTPUTS
 from kvlayout import CatalogError
-from kvlayout.algebra import Coord, offset
+from kvlayout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes
+from tests.scratch import build_native, checkout, regenerate
 
 ROOT = Path(__file__).resolve().parent.parent
 YAML = ROOT / "layouts.yaml"
@@ -82,12 +85,18 @@ def test_generator_runs_without_generated_files(tmp_path: Path) -> None:
         assert (tmp_path / rel).read_text() == (ROOT / rel).read_text(), rel
 
 
-EXTRA = """
-  - value: 19
-    name: NL_X_NB_NH_BS_HS
-    backends: [a synthetic HND single-component cache]
-    engines: []
-"""
+def _append_format(text: str, entry: str) -> str:
+    """layouts.yaml with one more entry at the end of ``formats``."""
+    head, sep, tail = text.partition("\n# The kernel-facing geometry")
+    assert sep
+    return head.rstrip("\n") + "\n" + entry + sep + tail
+
+
+def _unused_layout(text: str) -> str:
+    """A single-component HND name no format of ``text`` has (the doc's example may be
+    in the catalog already)."""
+    names = {f["name"] for f in yaml.safe_load(text)["formats"]}
+    return next(n for n in ("NL_X_NB_NH_BS_HS", "NL_X_NH_NB_BS_HS", "NL_X_NB_NH_HS_BS") if n not in names)
 
 
 def _load_package(name: str, directory: Path) -> types.ModuleType:
@@ -101,55 +110,168 @@ def _load_package(name: str, directory: Path) -> types.ModuleType:
     return module
 
 
+def _probe(
+    tmp_path: Path, include: Path, fmt: str, sizes: list[int], coord: tuple[int, ...]
+) -> tuple[int, int]:
+    """Compile and run a C++ program that locates ``coord`` with the generated indexer."""
+    program = tmp_path / "probe.cpp"
+    program.write_text(
+        textwrap.dedent(f"""
+        #include <cstdio>
+        #include "kvlayout/indexing.cuh"
+        int main() {{
+          const std::int64_t values[] = {{{", ".join(map(str, sizes))}}};
+          auto loc = kvlayout::Indexer<kvlayout::EngineKVFormat::{fmt}>::locate(
+              kvlayout::sizes_from(values), 0, kvlayout::Coord{{{", ".join(map(str, coord))}}});
+          std::printf("%lld %lld", (long long)loc.pointer, (long long)loc.offset);
+        }}
+        """)
+    )
+    flags = [f"-I{include}", f"-I{ROOT / 'csrc/include'}"]
+    subprocess.run(
+        ["g++", "-std=c++17", "-Wall", "-Werror", *flags, str(program), "-o", str(tmp_path / "probe")],
+        check=True,
+    )
+    out = subprocess.run([str(tmp_path / "probe")], capture_output=True, text=True, check=True).stdout
+    pointer, off = (int(x) for x in out.split())
+    return pointer, off
+
+
 def test_a_new_format_is_one_yaml_entry(tmp_path: Path) -> None:
     text = YAML.read_text()
+    value = max(f["value"] for f in yaml.safe_load(text)["formats"]) + 1
+    name = _unused_layout(text)
+    entry = f"  - value: {value}\n    name: {name}\n    backends: [a synthetic cache]\n    engines: []\n"
     yaml_path = tmp_path / "layouts.yaml"
-    yaml_path.write_text(
-        text.replace("\n# The kernel-facing geometry", EXTRA + "\n# The kernel-facing geometry", 1)
-    )
+    yaml_path.write_text(_append_format(text, entry))
     assert generate(yaml_path, GRAMMAR, tmp_path, check=False) == 0
 
     # The Python class works on a real tensor.
     _load_package("synth_generated", tmp_path / "src/kvlayout/_generated")
     formats = importlib.import_module("synth_generated.formats")
     specs = importlib.import_module("synth_generated.specs")
-    fmt = formats.EngineKVFormat.NL_X_NB_NH_BS_HS
-    assert int(fmt) == 19
-    spec = specs.SPEC_CLASSES[19]([torch.zeros(7, 2, 3, 4) for _ in range(5)])
-    assert (spec.num_layers(), spec.num_blocks(), spec.num_heads(), spec.block_size(), spec.head_size()) == (
-        5,
-        7,
-        2,
-        3,
-        4,
-    )
-    assert spec.is_hnd and spec.is_single_kv and spec.kv_size() == 1
-    assert spec.concrete_shape_str() == "5 x [7, 2, 3, 4]"
+    fmt = formats.EngineKVFormat[name]
+    assert int(fmt) == value
+    cls = specs.SPEC_CLASSES[value]
+    layout = cls.layout
+    sizes = {"NL": 5, "NB": 7, "BS": 3, "NH": 2, "HS": 4}
+    spec = cls([torch.zeros(layout.tensor_shape(sizes)) for _ in range(5)])
+    got = (spec.num_layers(), spec.num_blocks(), spec.num_heads(), spec.block_size(), spec.head_size())
+    assert got == (5, 7, 2, 3, 4)
+    assert spec.is_single_kv and spec.kv_size() == 1
+    assert spec.concrete_shape_str() == layout.concrete_shape(sizes)
 
     # The header lists it and its indexer compiles and agrees with the oracle.
     header = (tmp_path / "csrc/include/kvlayout/engine_kv_format.h").read_text()
-    assert "NL_X_NB_NH_BS_HS = 19,  // NL x [NB, NH, BS, HS]" in header
-    program = tmp_path / "probe.cpp"
-    program.write_text(
-        textwrap.dedent("""
-        #include <cstdio>
-        #include "kvlayout/indexing.cuh"
-        int main() {
-          kvlayout::Sizes s{5, 7, 3, 21, 2, 4, 8, 1};
-          auto loc = kvlayout::Indexer<kvlayout::EngineKVFormat::NL_X_NB_NH_BS_HS>::locate(s, 0, kvlayout::Coord{4, 0, 6, 2, 1, 3});
-          std::printf("%lld %lld", (long long)loc.pointer, (long long)loc.offset);
-        }
-        """)
+    assert f"{name} = {value},  // {layout.describe_shape()}" in header
+    values = [resolve_sizes(layout, sizes).get(symbol, 0) for symbol in formats.SIZE_SYMBOLS]
+    coord = Coord(4, 0, 6, 2, 1, 3)
+    where = tuple(coord.get(f) for f in COORD_FIELDS)
+    assert _probe(tmp_path, tmp_path / "csrc/include", name, values, where) == offset(layout, coord, sizes)
+
+
+def _rename(text: str, renames: dict[str, str]) -> str:
+    """Rename tokens everywhere they stand as words (keys, fuses, rows, format names)."""
+    for old, new in renames.items():
+        text = re.sub(rf"(?<![A-Za-z0-9]){old}(?![A-Za-z0-9])", new, text)
+    return text
+
+
+def test_renamed_tokens_work_end_to_end(tmp_path: Path) -> None:
+    """Hand code asks for roles, so renaming the fused page token and the block and token
+    axes changes names, not behaviour: generated accessors, detection, explain and a
+    store/load round trip run in a checkout built from the renamed catalog."""
+    renames = {"NBBS": "PAGES", "NB": "BLK", "BS": "SLOTS"}
+    scratch = checkout(tmp_path, _rename(YAML.read_text(), renames))
+    assert regenerate(scratch) == 0
+    build_native(scratch)
+    done = scratch.python("""
+        import torch
+        import kvlayout
+        from kvlayout.explain import explain
+        from kvlayout.transfer import prepare
+
+        F = kvlayout.EngineKVFormat
+        folded = [[torch.randn(24, 2, 4) for _ in range(3)] for _ in range(2)]
+        fmt, kv = kvlayout.normalize_kv_and_discover_format(folded, "sglang", {})
+        assert fmt is F.TWO_X_NL_X_PAGES_NH_HS, fmt
+        assert kvlayout.get_page_buffer_size(kv, fmt) == 24
+        try:
+            kvlayout.get_num_blocks(kv, fmt)
+            raise AssertionError("a folded page has no block count")
+        except kvlayout.UndefinedSizeError as e:
+            assert "BLK and SLOTS share one axis (PAGES)" in str(e), e
+        split, kv2 = kvlayout.normalize_kv_and_discover_format(folded, "sglang", {"tokens_per_block": 4})
+        assert split is F.TWO_X_NL_X_BLK_SLOTS_NH_HS and kvlayout.get_num_blocks(kv2, split) == 6, split
+        assert kvlayout.describe_shape(F.NL_X_BLK_BSV_BSS) == "NL x [BLK, BSxVALS, BSxSCALES]"
+        assert "PAGES" in explain(kvlayout.layout_of(F.NL_X_PAGES_ONE_HS))
+
+        plan = prepare(kv, fmt, block_size=4)
+        shape, dtype = plan.chunk_shape(8)
+        assert shape == (2, 3, 8, 8), shape
+        chunks = [torch.zeros(shape, dtype=dtype) for _ in range(3)]
+        original = [[t.clone() for t in half] for half in folded]
+        ids = [5, 0, 2, 3, 1]
+        plan.store_blocks(ids, chunks)
+        for half in folded:
+            for t in half:
+                t.zero_()
+        plan.load_blocks(ids, chunks)
+        moved = torch.cat([torch.arange(b * 4, b * 4 + 4) for b in ids])  # block 4 is not moved
+        for half, orig in zip(folded, original):
+            for t, o in zip(half, orig):
+                assert torch.equal(t[moved], o[moved]) and not t[16:20].any()
+        print("ok")
+    """)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "ok"
+
+
+NEW_TOKENS = """
+  KVD:
+    role: kv
+    choices: [1, 2]
+    meaning: a K/V axis of 1 or 2 planes
+  NBH:
+    fuses: [NB, NH]
+    meaning: blocks and heads folded into one axis
+"""
+
+
+def test_a_new_token_works_or_fails_at_codegen_naming_the_line(tmp_path: Path) -> None:
+    """A new sized K/V token makes a working format; a token folding blocks with heads
+    makes a format no accessor can read, and codegen says so with its line."""
+    text = YAML.read_text().replace("\nengines:", NEW_TOKENS + "\nengines:", 1)
+    value = max(f["value"] for f in yaml.safe_load(text)["formats"]) + 1
+    good = f"  - value: {value}\n    name: NL_X_NB_KVD_BS_NH_HS\n    backends: [synthetic]\n    engines: []\n"
+    yaml_path = tmp_path / "layouts.yaml"
+    yaml_path.write_text(_append_format(text, good))
+    assert generate(yaml_path, GRAMMAR, tmp_path, check=False) == 0
+    _load_package("synth_tokens", tmp_path / "src/kvlayout/_generated")
+    specs = importlib.import_module("synth_tokens.specs")
+    formats = importlib.import_module("synth_tokens.formats")
+    cls = specs.SPEC_CLASSES[value]
+    for kvd in (1, 2):
+        spec = cls([torch.zeros(7, kvd, 3, 2, 4) for _ in range(5)])
+        assert (spec.kv_size(), spec.num_blocks(), spec.block_size(), spec.num_heads()) == (kvd, 7, 3, 2)
+    assert "KVD" in formats.SIZE_SYMBOLS
+    sizes = {"NL": 5, "NB": 7, "KVD": 2, "BS": 3, "NH": 2, "HS": 4}
+    values = [resolve_sizes(cls.layout, sizes).get(symbol, 0) for symbol in formats.SIZE_SYMBOLS]
+    coord = Coord(4, 1, 6, 2, 1, 3)
+    where = tuple(coord.get(f) for f in COORD_FIELDS)
+    located = _probe(tmp_path, tmp_path / "csrc/include", "NL_X_NB_KVD_BS_NH_HS", values, where)
+    assert located == offset(cls.layout, coord, sizes)
+
+    bad = f"  - value: {value + 1}\n    name: NL_X_NBH_BS_HS\n    backends: [synthetic]\n    engines: []\n"
+    broken = _append_format(yaml_path.read_text(), bad)
+    yaml_path.write_text(broken)
+    line = broken.splitlines().index("    name: NL_X_NBH_BS_HS") + 1
+    with pytest.raises(CatalogError) as info:
+        load_catalog(yaml_path, GRAMMAR)
+    assert str(info.value) == (
+        f"layouts.yaml line {line}: format NL_X_NBH_BS_HS: the block role does not resolve: the block and "
+        "token roles are neither apart nor one page axis (NBH folds block and head)"
     )
-    include = [f"-I{tmp_path / 'csrc/include'}", f"-I{ROOT / 'csrc/include'}"]
-    subprocess.run(
-        ["g++", "-std=c++17", "-Wall", "-Werror", *include, str(program), "-o", str(tmp_path / "probe")],
-        check=True,
-    )
-    out = subprocess.run([str(tmp_path / "probe")], capture_output=True, text=True, check=True).stdout
-    layout = specs.SPEC_CLASSES[19].layout
-    sizes = {"NL": 5, "NB": 7, "BS": 3, "NH": 2, "HS": 4}
-    assert tuple(int(x) for x in out.split()) == offset(layout, Coord(4, 0, 6, 2, 1, 3), sizes)
 
 
 BASE_TOKENS = """
@@ -165,6 +287,8 @@ descriptor:
   - {name: nb, meaning: blocks}
 formats:
 """
+# After the formats, so the entries' lines do not move.
+ENGINES = "engines: {vllm: {label: vLLM}, sglang: {label: SGLang}}\n"
 
 CATALOG_ERRORS = [
     ("  - {value: 0, name: NL_X_NB_BS_FOO, backends: [], engines: []}\n",
@@ -185,16 +309,61 @@ CATALOG_ERRORS = [
      "line 12: format NL_X_NB_BS_HS value must be an integer, got 'zero'"),
     ("  - {value: 0, name: NL_X_NB_BS_HS, backends: [], engines: [], deprecated: {replaced_by: NL_X_FOO, reason: old}}\n",
      "line 12: format NL_X_NB_BS_HS is replaced by NL_X_FOO, which is not a format"),
+    ("  - {value: 0, name: NL_X_NB_BS_HS, backends: [], engines: [vllm, max]}\n",
+     "line 12: format NL_X_NB_BS_HS names engine 'max', which is not an engine (vllm, sglang)"),
 ]  # fmt: skip
 
 
 @pytest.mark.parametrize(("entries", "message"), CATALOG_ERRORS)
 def test_catalog_errors_name_the_line(tmp_path: Path, entries: str, message: str) -> None:
     path = tmp_path / "bad.yaml"
-    path.write_text(BASE_TOKENS.lstrip("\n") + entries)
+    path.write_text(BASE_TOKENS.lstrip("\n") + entries + ENGINES)
     with pytest.raises(CatalogError) as info:
         load_catalog(path, GRAMMAR)
     assert str(info.value).startswith(f"bad.yaml {message}")
+
+
+TOKEN_ERRORS = [
+    ("  NBH: {fuses: [NB, NH], meaning: blocks and heads}\n", "NL_X_NBH_BS_HS",
+     "line 13: format NL_X_NBH_BS_HS: the block role does not resolve: the block and token roles are neither "
+     "apart nor one page axis (NBH folds block and head)"),
+    ("  NHS: {fuses: [NH, HS], meaning: heads and their rows}\n", "NL_X_NB_BS_NHS",
+     "line 13: format NL_X_NB_BS_NHS: the head role does not resolve: the head role is folded into NHS with "
+     "head, element"),
+    ("  PG: {role: page, meaning: a page}\n", "NL_X_NB_BS_HS",
+     "line 9: token PG has an unknown role 'page' (derived by the algebra, never declared) (allowed: layer, "
+     "kv, block, token, head, element)"),
+    ("  KV: {fuses: [NB, BS], choices: [1, 2], meaning: k/v}\n", "NL_X_NB_BS_HS",
+     "line 9: token KV has choices, but only a sized token (a role, no literal) can"),
+    ("  KV: {role: kv, choices: [1, 2], example: 3, meaning: k/v}\n", "NL_X_NB_BS_HS",
+     "line 9: token KV example 3 is not one of its choices"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("token", "name", "message"), TOKEN_ERRORS)
+def test_a_token_no_format_can_use_fails_naming_the_line(
+    tmp_path: Path, token: str, name: str, message: str
+) -> None:
+    """Roles a format needs must resolve; derived roles are never declared; sizes are checked."""
+    path = tmp_path / "bad.yaml"
+    base = BASE_TOKENS.lstrip("\n").replace("descriptor:", token + "descriptor:", 1)
+    path.write_text(base + f"  - {{value: 0, name: {name}, backends: [], engines: []}}\n" + ENGINES)
+    with pytest.raises(CatalogError) as info:
+        load_catalog(path, GRAMMAR)
+    assert str(info.value) == f"bad.yaml {message}"
+
+
+def test_descriptor_roles_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    base = BASE_TOKENS.lstrip("\n").replace(
+        "  - {name: nb, meaning: blocks}",
+        "  - {name: nb, role: block, meaning: blocks}\n  - {name: n, role: block, meaning: again}",
+    )
+    path.write_text(base + "  - {value: 0, name: NL_X_NB_BS_HS, backends: [], engines: []}\n" + ENGINES)
+    with pytest.raises(
+        CatalogError, match=r"^bad.yaml line 11: descriptor fields nb and n both have role block$"
+    ):
+        load_catalog(path, GRAMMAR)
 
 
 def test_token_errors_name_the_line(tmp_path: Path) -> None:
@@ -202,16 +371,18 @@ def test_token_errors_name_the_line(tmp_path: Path) -> None:
     path.write_text(
         BASE_TOKENS.lstrip("\n").replace("  NBBS: {fuses: [NB, BS]", "  NBBS: {fuses: [NB, BQ]")
         + "  - {value: 0, name: NL_X_NB_BS_HS, backends: [], engines: []}\n"
+        + ENGINES
     )
     with pytest.raises(
         CatalogError, match=r"^bad.yaml line 6: token NBBS fuses BQ, which is not defined above it$"
     ):
         load_catalog(path, GRAMMAR)
-    path.write_text(BASE_TOKENS.lstrip("\n") + "  NL: {role: layer, meaning: again}\n")
+    path.write_text(BASE_TOKENS.lstrip("\n") + "  NL: {role: layer, meaning: again}\n" + ENGINES)
     with pytest.raises(CatalogError, match=r"^bad.yaml line 12: formats must be a list$"):
         load_catalog(path, GRAMMAR)
     path.write_text(
         "tokens:\n  NL: {role: layer, meaning: a}\n  NL: {role: layer, meaning: b}\nformats: []\ndescriptor: []\n"
+        + ENGINES
     )
     with pytest.raises(CatalogError, match=r"^bad.yaml line 3: token NL is defined twice$"):
         load_catalog(path, GRAMMAR)
@@ -220,7 +391,9 @@ def test_token_errors_name_the_line(tmp_path: Path) -> None:
 def test_codegen_cli_reports_catalog_errors(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(
-        BASE_TOKENS.lstrip("\n") + "  - {value: 0, name: NL_X_NB_BS_FOO, backends: [], engines: []}\n"
+        BASE_TOKENS.lstrip("\n")
+        + "  - {value: 0, name: NL_X_NB_BS_FOO, backends: [], engines: []}\n"
+        + ENGINES
     )
     done = subprocess.run(
         [sys.executable, "-m", "codegen", "--yaml", str(path), "--root", str(tmp_path)],

@@ -1,5 +1,5 @@
 """Properties over every (engine, format) detection can return, with random sizes,
-dtypes and allocations (see tests/kv_cases.py)."""
+dtypes and allocations (see kvlayout.testing.registrations)."""
 
 from __future__ import annotations
 
@@ -13,15 +13,18 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import UndefinedSizeError
-from tests.kv_cases import CASES, Case, cases, flatten
+from kvlayout.testing.registrations import CASES, RegistrationCase, flatten, registrations
 
 
 def test_every_detectable_format_has_a_case() -> None:
-    """17 formats: every one but the deprecated 10 and 11."""
-    assert {v for _, v in CASES} == {int(f) for f in F} - {10, 11}
+    """Every format but the deprecated ones (10 and 11), for each engine it lists."""
+    deprecated = {int(f) for f in F if kvlayout.registry.format_info(f).replaced_by is not None}
+    assert deprecated == {10, 11}
+    assert {v for _, v in CASES} == {int(f) for f in F} - deprecated
+    assert ("sglang", 14) in CASES and ("max", 19) in CASES
 
 
-def _check_accessors(case: Case, kv: Any, fmt: F) -> None:
+def _check_accessors(case: RegistrationCase, kv: Any, fmt: F) -> None:
     assert kvlayout.get_num_layers(kv, fmt) == case.nl
     if case.nb is None:
         with pytest.raises(UndefinedSizeError, match="num_blocks is undefined"):
@@ -37,7 +40,8 @@ def _check_accessors(case: Case, kv: Any, fmt: F) -> None:
     assert kvlayout.get_num_heads(kv, fmt, last) == case.nh
     assert kvlayout.get_head_size(kv, fmt, last) == case.hs
     assert kvlayout.get_hidden_dim_size(kv, fmt) == case.nh * case.hs
-    kv_size = kvlayout.layout_of(fmt).kv_size
+    kv_size = case.kv_size
+    assert kv_size is not None
     assert kvlayout.get_kv_size(kv, fmt) == kv_size
     assert kvlayout.get_elements_per_layer(kv, fmt) == kv_size * case.pbs * case.nh * case.hs
     assert kvlayout.get_dtype(kv, fmt, last) == case.dtype
@@ -46,8 +50,8 @@ def _check_accessors(case: Case, kv: Any, fmt: F) -> None:
 
 
 @settings(max_examples=400)
-@given(cases())
-def test_detection_returns_the_format_and_its_sizes(case: Case) -> None:
+@given(registrations())
+def test_detection_returns_the_format_and_its_sizes(case: RegistrationCase) -> None:
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     assert fmt == case.fmt, case
     _check_accessors(case, kv, fmt)
@@ -69,8 +73,8 @@ def test_detection_returns_the_format_and_its_sizes(case: Case) -> None:
 
 
 @settings(max_examples=300)
-@given(cases())
-def test_per_layer_discovery_agrees_with_whole_detection(case: Case) -> None:
+@given(registrations())
+def test_per_layer_discovery_agrees_with_whole_detection(case: RegistrationCase) -> None:
     fmt, whole = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     per_layer, formats = kvlayout.normalize_and_discover_per_layer_formats(
         case.kv, None, case.engine, case.hints
@@ -82,8 +86,8 @@ def test_per_layer_discovery_agrees_with_whole_detection(case: Case) -> None:
 
 
 @settings(max_examples=150)
-@given(cases(), st.integers(0, 3))
-def test_writes_through_the_result_reach_the_engine_tensors(case: Case, which: int) -> None:
+@given(registrations(), st.integers(0, 3))
+def test_writes_through_the_result_reach_the_engine_tensors(case: RegistrationCase, which: int) -> None:
     _, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     out = flatten(kv)[which % len(flatten(kv))]
     index = tuple(n - 1 for n in out.shape)  # the last element: every stride counts
@@ -92,15 +96,15 @@ def test_writes_through_the_result_reach_the_engine_tensors(case: Case, which: i
 
 
 @settings(max_examples=150)
-@given(cases())
-def test_descriptors_and_grouping_for_every_format(case: Case) -> None:
+@given(registrations())
+def test_descriptors_and_grouping_for_every_format(case: RegistrationCase) -> None:
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     formats = [fmt] * case.nl
     groups = kvlayout.group_layers_by_identity(kv, formats)
     assert [layers for _, layers in groups] == [list(range(case.nl))]
     identity = groups[0][0]
     assert (identity.kv_size, identity.num_heads, identity.head_size, identity.block_size, identity.dtype) == (
-        kvlayout.layout_of(fmt).kv_size, case.nh, case.hs, case.bs, case.dtype,
+        case.kv_size, case.nh, case.hs, case.bs, case.dtype,
     )  # fmt: skip
     stride = kvlayout.resolve_block_stride_and_log_layout(kv, fmt, 0, 0)
     assert (stride is not None) == kvlayout.layout_of(fmt).has_leading_block_axis
@@ -108,7 +112,7 @@ def test_descriptors_and_grouping_for_every_format(case: Case) -> None:
         kv, fmt, 0, case.nl, case.nb or 1, case.bs or case.pbs, stride
     )
     assert (desc.kv_size, desc.nl, desc.nh, desc.hs, desc.element_size) == (
-        kvlayout.layout_of(fmt).kv_size, case.nl, case.nh, case.hs, case.dtype.itemsize,
+        case.kv_size, case.nl, case.nh, case.hs, case.dtype.itemsize,
     )  # fmt: skip
     rendered = kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt)
     if case.nb is not None:

@@ -14,7 +14,7 @@ import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import KVLayoutError, PageBufferShapeDesc
 from kvlayout import facade as facade_module
-from tests.test_golden import registration
+from tests.test_golden import any_registration, registration
 
 
 def t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -107,11 +107,12 @@ def test_shape_from_shape_desc(fmt: F, fields: tuple[int, int, int, int, int, in
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
 def test_every_format_renders_from_its_registration_and_its_descriptor(fmt: F) -> None:
-    kv = registration(int(fmt))
+    kv = any_registration(fmt)
     spec = kvlayout.get_spec(kv, fmt)
     concrete = kvlayout.get_concrete_engine_kv_shape(kv, fmt)
     assert concrete == spec.concrete_shape_str()
-    desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, 0, 5, 7, 3)
+    nb, bs = (7, 3) if spec.is_pbs_fused else (spec.num_blocks(), spec.block_size())
+    desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, 0, spec.num_layers(), nb, bs)
     assert kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt) == concrete
     assert kvlayout.get_engine_kv_shape_description(fmt) == kvlayout.describe_shape(fmt)
     assert kvlayout.get_attention_backend(fmt) == spec.attention_backends[0]

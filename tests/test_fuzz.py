@@ -23,8 +23,8 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat, KVLayoutError
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits, validate_kv_cache_groups
+from kvlayout.testing.registrations import RegistrationCase, flatten, registrations
 from kvlayout.transfer import load_blocks, prepare, store_blocks
-from tests.kv_cases import Case, cases, flatten
 
 DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -76,7 +76,9 @@ HINT_VALUES = st.one_of(
     st.none(),
     st.integers(-2, 20),
     st.booleans(),
-    st.sampled_from(["NHD", "HND", "BLHNC", "BLNHC", "nhd", "k_v", "unified", "x"]),
+    st.sampled_from(
+        ["NHD", "HND", "BLHNC", "BLNHC", "LBNHC", "LHBNC", "nhd", "k_v", "unified", "x", "NB_KV_NL_BS_NH_HS"]
+    ),
 )
 HINTS = st.one_of(
     st.none(),
@@ -89,6 +91,11 @@ HINTS = st.one_of(
                 "tokens_per_block",
                 "head_dim",
                 "kv_pair_axis",
+                "num_layers",
+                "kv_dim",
+                "page_size",
+                "total_num_blocks",
+                "layout_format",
                 "bogus",
             ]
         ),
@@ -173,9 +180,9 @@ BAD_IDS = (
 
 
 @st.composite
-def transfer_calls(draw: st.DrawFn) -> tuple[Case, Any, list[torch.Tensor], Any, Any, int]:
+def transfer_calls(draw: st.DrawFn) -> tuple[RegistrationCase, Any, list[torch.Tensor], Any, Any, int]:
     """A right call on a random registration, then (mostly) one thing made wrong."""
-    case = draw(cases())
+    case = draw(registrations())
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     block_size = 1 if case.nb is None else None
     plan = prepare(kv, fmt, block_size=block_size)
@@ -221,7 +228,7 @@ def transfer_calls(draw: st.DrawFn) -> tuple[Case, Any, list[torch.Tensor], Any,
 @FUZZ
 @given(transfer_calls(), st.booleans())
 def test_a_transfer_that_raises_writes_nothing(
-    call: tuple[Case, Any, list[torch.Tensor], Any, Any, int], load: bool
+    call: tuple[RegistrationCase, Any, list[torch.Tensor], Any, Any, int], load: bool
 ) -> None:
     case, ids, chunks, skip, threads, folded = call
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
@@ -243,8 +250,8 @@ def test_a_transfer_that_raises_writes_nothing(
 
 
 @settings(max_examples=60, deadline=None)
-@given(cases(), st.data())
-def test_store_then_load_restores_the_blocks(case: Case, data: st.DataObject) -> None:
+@given(registrations(), st.data())
+def test_store_then_load_restores_the_blocks(case: RegistrationCase, data: st.DataObject) -> None:
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     plan = prepare(kv, fmt, block_size=1 if case.nb is None else None)
     for leaf in flatten(kv):

@@ -1,8 +1,11 @@
-"""The golden table: every format's shape strings, facts and accessors, pinned.
+"""The golden table: LMCache's formats (values 0..18) pinned, shape strings, facts and
+accessors; every later format checked against what its layout says.
 
 Sizes NB=7, NL=5, BS=3, NH=2, HS=4 (PBS=21), as in LMCache's own spec tests, so a wrong
 axis shows up as a wrong number. Values come from the LMCache 0.5.6 facts sheet
-(sections 1, 8.1 and 8.2); where kvlayout deliberately differs, the row says so.
+(sections 1, 8.1 and 8.2); where kvlayout deliberately differs, the row says so. Formats
+added after LMCache's 19 need no row here: the tests below build their registrations
+from the layout and compare the generated accessors with the algebra.
 """
 
 from __future__ import annotations
@@ -15,6 +18,10 @@ import torch
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import UndefinedSizeError
+from kvlayout.algebra import kv_size, size_of
+from kvlayout.testing.strategies import fixed_sizes
+from kvlayout.vocabulary import Role
+from tests.registrations import make_registration
 
 SIZES = {"NB": 7, "NL": 5, "BS": 3, "NH": 2, "HS": 4}
 W1, W2 = 4, 6  # the two plane widths of format 17
@@ -112,17 +119,22 @@ BACKENDS = {
 }  # fmt: skip
 
 
-def test_every_format_is_pinned() -> None:
-    assert sorted(STATIC) == sorted(GEOMETRY) == sorted(BACKENDS) == sorted(int(f) for f in F)
+LMCACHE = 19  # LMCache 0.5.6's values are 0..18; later values are kvlayout's own
+PINNED = [f for f in F if int(f) < LMCACHE]
 
 
-@pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
+def test_lmcache_formats_are_pinned() -> None:
+    assert sorted(STATIC) == sorted(GEOMETRY) == sorted(BACKENDS) == list(range(LMCACHE))
+    assert [int(f) for f in PINNED] == list(range(LMCACHE))
+
+
+@pytest.mark.parametrize("fmt", PINNED, ids=lambda f: f.name)
 def test_backend_labels(fmt: F) -> None:
     assert kvlayout.get_spec_class(fmt).attention_backends[0] == BACKENDS[int(fmt)]
     assert kvlayout.get_attention_backend(fmt) == BACKENDS[int(fmt)]
 
 
-@pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PINNED, ids=lambda f: f.name)
 def test_static_facts(fmt: F) -> None:
     shape, concrete, ckmlt, hf2p, single, kv_size = STATIC[int(fmt)]
     layout = kvlayout.layout_of(fmt)
@@ -151,7 +163,7 @@ def test_structure_flags_partition_the_formats() -> None:
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
-@pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", PINNED, ids=lambda f: f.name)
 def test_spec_geometry(fmt: F) -> None:
     nl, nb, bs, pbs, nh, hidden, hs, tokens, elements = GEOMETRY[int(fmt)]
     spec = kvlayout.get_spec(registration(int(fmt)), fmt)
@@ -172,10 +184,56 @@ def test_spec_geometry(fmt: F) -> None:
     assert spec.concrete_shape_str() == STATIC[int(fmt)][1]
 
 
+def layout_registration(fmt: F) -> Any:
+    """A registration built from the format's layout (distinct sizes; uint8 for byte pages)."""
+    layout = kvlayout.layout_of(fmt)
+    dtype = torch.uint8 if layout.is_indexer else torch.float16
+    return make_registration(layout, fixed_sizes(layout, (5, 7, 3)), dtype).kv
+
+
+def any_registration(fmt: F) -> Any:
+    """The golden registration of an LMCache format, else one built from the layout."""
+    return registration(int(fmt)) if int(fmt) < LMCACHE else layout_registration(fmt)
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
+def test_every_spec_answers_as_its_layout_says(fmt: F) -> None:
+    """The generated accessors read what the algebra says each role's size is."""
+    layout = kvlayout.layout_of(fmt)
+    kv = layout_registration(fmt)
+    spec = kvlayout.get_spec(kv, fmt)
+    sizes = spec.sizes()
+    assert layout.tensor_shape(sizes) == tuple(_first(kv).shape)
+    assert spec.num_layers() == size_of(layout, sizes, Role.LAYER)
+    assert spec.page_buffer_size() == size_of(layout, sizes, Role.PAGE)
+    for accessor, role in (("num_blocks", Role.BLOCK), ("block_size", Role.TOKEN)):
+        if layout.axis_of(role) is None:
+            with pytest.raises(UndefinedSizeError, match=f"{accessor} is undefined for the fused format"):
+                getattr(spec, accessor)()
+        else:
+            assert getattr(spec, accessor)() == size_of(layout, sizes, role)
+    assert spec.kv_size() == kv_size(layout, sizes)
+    assert spec.num_heads() == layout.num_heads(sizes)
+    assert spec.head_size() == layout.head_size(sizes)
+    assert spec.hidden_dim() == spec.num_heads() * spec.head_size()
+    for name in kvlayout.layout.FACTS:
+        assert getattr(type(spec), name) == getattr(layout, name), name
+        assert getattr(kvlayout, name)(fmt) == getattr(layout, name), name
+    assert kvlayout.get_attention_backend(fmt) == kvlayout.registry.format_info(fmt).backends[0]
+
+
+def _first(kv: Any) -> torch.Tensor:
+    while isinstance(kv, (list, tuple)):
+        kv = kv[0]
+    assert isinstance(kv, torch.Tensor)
+    return kv
+
+
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 @pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
 def test_pointer_table_lengths_and_order(fmt: F) -> None:
-    kv = registration(int(fmt))
+    kv = any_registration(fmt)
     spec = kvlayout.get_spec(kv, fmt)
     ptrs = spec.data_ptrs([0, 2, 3])
     if spec.is_cross_layer:

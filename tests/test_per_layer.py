@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import DetectionError, KVLayoutError
 from kvlayout import EngineKVFormat as F
-from tests.kv_cases import Case, cases, flatten
+from kvlayout.testing.registrations import RegistrationCase, flatten, registrations
 
 per_layer = kvlayout.normalize_and_discover_per_layer_formats
 
@@ -137,11 +137,16 @@ def test_bad_registrations(kv: Any, error: type[Exception], message: str) -> Non
 @settings(max_examples=200)
 @given(
     st.lists(
-        cases("vllm", 1) | cases("vllm", 3) | cases("vllm", 13) | cases("vllm", 16), min_size=1, max_size=3
+        registrations("vllm", 1)
+        | registrations("vllm", 3)
+        | registrations("vllm", 13)
+        | registrations("vllm", 16),
+        min_size=1,
+        max_size=3,
     ),
     st.randoms(use_true_random=False),
 )
-def test_hybrid_registrations_agree_with_detecting_each_part(parts: list[Case], rnd: Any) -> None:
+def test_hybrid_registrations_agree_with_detecting_each_part(parts: list[RegistrationCase], rnd: Any) -> None:
     """Layers of several formats, shuffled: each layer gets the format (and the normalized
     tensors) that detecting its own part alone gives."""
     hints = {"kv_layout": "NHD"}

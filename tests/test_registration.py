@@ -18,7 +18,7 @@ import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import KVLayoutError, RegisteredKV, RegistrationError, UndefinedSizeError
 from kvlayout.memory import Run, check_disjoint
-from tests.kv_cases import Case, cases, flatten
+from kvlayout.testing.registrations import RegistrationCase, flatten, registrations
 
 
 def t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -67,8 +67,10 @@ def _facade_answers(kv: Any, fmt: F, layer: int) -> dict[str, object]:
 
 
 @settings(max_examples=200)
-@given(cases(), st.data())
-def test_the_registration_answers_as_the_specs_read_the_tensors(case: Case, data: st.DataObject) -> None:
+@given(registrations(), st.data())
+def test_the_registration_answers_as_the_specs_read_the_tensors(
+    case: RegistrationCase, data: st.DataObject
+) -> None:
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     assert type(kv) is RegisteredKV or isinstance(kv, torch.Tensor)
     plain = list(kv) if isinstance(kv, RegisteredKV) else kv
@@ -88,8 +90,8 @@ def test_the_registration_answers_as_the_specs_read_the_tensors(case: Case, data
 
 
 @settings(max_examples=150)
-@given(cases())
-def test_per_layer_and_whole_detection_bind_the_same_kernel_group(case: Case) -> None:
+@given(registrations())
+def test_per_layer_and_whole_detection_bind_the_same_kernel_group(case: RegistrationCase) -> None:
     whole = kvlayout.detect(case.kv, case.engine, case.hints)
     fmt, normalized = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
     per_layer, _ = kvlayout.normalize_and_discover_per_layer_formats(case.kv, None, case.engine, case.hints)
@@ -101,8 +103,8 @@ def test_per_layer_and_whole_detection_bind_the_same_kernel_group(case: Case) ->
 
 
 @settings(max_examples=100)
-@given(cases())
-def test_a_prepared_plan_moves_what_the_functions_move(case: Case) -> None:
+@given(registrations())
+def test_a_prepared_plan_moves_what_the_functions_move(case: RegistrationCase) -> None:
     from kvlayout.transfer import prepare, store_blocks
 
     fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)

@@ -17,12 +17,25 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat, _native
-from kvlayout.algebra import Coord, offset
+from kvlayout.algebra import Coord, kv_size, offset, with_size
+from kvlayout.testing.strategies import role_size, sizes_for
 from kvlayout.transfer import TransferError, chunk_shape, load_blocks, prepare, store_blocks
+from kvlayout.vocabulary import Role
 from tests.registrations import DTYPES, Registration, make_registration
 
 FORMATS = list(EngineKVFormat)
-NBBS = {EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS, EngineKVFormat.NL_X_NBBS_ONE_HS}
+NBBS = {f for f in FORMATS if kvlayout.layout_of(f).is_pbs_fused}
+
+
+def geometry(fmt: EngineKVFormat, sizes: dict[str, int]) -> tuple[int, int, int, int]:
+    """(kv_size, layers, blocks, tokens per block) of a registration of these sizes."""
+    layout = kvlayout.layout_of(fmt)
+    return (
+        kv_size(layout, sizes),
+        role_size(layout, sizes, Role.LAYER),
+        role_size(layout, sizes, Role.BLOCK),
+        role_size(layout, sizes, Role.TOKEN),
+    )
 
 
 def element_bytes(reg: Registration, ptr: int, off: int, itemsize: int) -> bytes:
@@ -40,18 +53,15 @@ def reference_store(
     itemsize = reg.leaves[0].element_size()
     nh, hs = layout.num_heads(sizes), layout.head_size(sizes)
     row = nh * hs
-    out = [bytearray(layout.kv_size * sizes["NL"] * t * row * itemsize) for t in tokens]
+    kvs, nl, _, bs = geometry(fmt, sizes)
+    out = [bytearray(kvs * nl * t * row * itemsize) for t in tokens]
     for i, block in enumerate(ids):
         if i < skip:
             continue
         c, first = divmod(i, per_chunk)
-        for kv, layer, j, h, e in itertools.product(
-            range(layout.kv_size), range(sizes["NL"]), range(sizes["BS"]), range(nh), range(hs)
-        ):
+        for kv, layer, j, h, e in itertools.product(range(kvs), range(nl), range(bs), range(nh), range(hs)):
             ptr, off = offset(layout, Coord(layer, kv, block, j, h, e), sizes, block_stride)
-            pos = (
-                ((kv * sizes["NL"] + layer) * tokens[c] + first * sizes["BS"] + j) * row + h * hs + e
-            ) * itemsize
+            pos = (((kv * nl + layer) * tokens[c] + first * bs + j) * row + h * hs + e) * itemsize
             out[c][pos : pos + itemsize] = element_bytes(reg, ptr, off, itemsize)
     return out
 
@@ -59,16 +69,10 @@ def reference_store(
 @st.composite
 def cases(draw: st.DrawFn) -> tuple[EngineKVFormat, dict[str, int], torch.dtype, int]:
     fmt = draw(st.sampled_from(FORMATS))
-    side = st.integers(1, 3)
-    sizes = {
-        "NL": draw(side),
-        "NB": draw(st.integers(2, 6)),
-        "BS": draw(side),
-        "NH": draw(side),
-        "HS": draw(side),
-        "NP": draw(st.integers(1, 3)),
-    }
-    dtype = torch.uint8 if fmt == EngineKVFormat.NL_X_NB_BSV_BSS else draw(st.sampled_from(DTYPES))
+    layout = kvlayout.layout_of(fmt)
+    sizes = draw(sizes_for(layout, max_side=3))
+    sizes = with_size(layout, sizes, Role.BLOCK, draw(st.integers(2, 6)))
+    dtype = torch.uint8 if layout.is_indexer else draw(st.sampled_from(DTYPES))
     pad = draw(st.integers(0, 3)) if kvlayout.layout_of(fmt).has_leading_block_axis else 0
     return fmt, sizes, dtype, pad
 
@@ -92,14 +96,15 @@ def test_store_matches_the_oracle_byte_for_byte(
     fmt, sizes, dtype, pad = case
     layout = kvlayout.layout_of(fmt)
     reg = make_registration(layout, sizes, dtype, pad=pad)
-    ids = data.draw(st.lists(st.integers(0, sizes["NB"] - 1), min_size=1, max_size=7))  # repeats allowed
+    _, _, nb, block_size = geometry(fmt, sizes)
+    ids = data.draw(st.lists(st.integers(0, nb - 1), min_size=1, max_size=7))  # repeats allowed
     per_chunk = data.draw(st.integers(1, 3))
     skip = data.draw(st.integers(0, len(ids)))
     threads = data.draw(st.integers(1, 2))
-    bs = {"block_size": sizes["BS"]} if fmt in NBBS else {}
-    shape, chunk_dtype = chunk_shape(reg.kv, fmt, per_chunk * sizes["BS"], **bs)
+    bs = {"block_size": block_size} if fmt in NBBS else {}
+    shape, chunk_dtype = chunk_shape(reg.kv, fmt, per_chunk * block_size, **bs)
     assert chunk_dtype == dtype
-    chunks = chunks_for(shape, dtype, len(ids), per_chunk, sizes["BS"], data.draw(st.booleans()))
+    chunks = chunks_for(shape, dtype, len(ids), per_chunk, block_size, data.draw(st.booleans()))
     store_blocks(reg.kv, fmt, ids, chunks, skip_prefix_n_blocks=skip, num_threads=threads, **bs)
     block_stride = reg.leaves[0].stride(0) if pad else None
     expected = reference_store(
@@ -119,12 +124,13 @@ def test_round_trip_restores_exactly_the_selected_blocks(
     layout = kvlayout.layout_of(fmt)
     reg = make_registration(layout, sizes, dtype, pad=pad)
     original = [b.clone() for b in reg.bases]
-    ids = data.draw(st.lists(st.integers(0, sizes["NB"] - 1), min_size=1, max_size=sizes["NB"], unique=True))
+    kvs, nl, nb, block_size = geometry(fmt, sizes)
+    ids = data.draw(st.lists(st.integers(0, nb - 1), min_size=1, max_size=nb, unique=True))
     per_chunk = data.draw(st.integers(1, 3))
     skip = data.draw(st.integers(0, len(ids)))
-    bs = {"block_size": sizes["BS"]} if fmt in NBBS else {}
-    shape, _ = chunk_shape(reg.kv, fmt, per_chunk * sizes["BS"], **bs)
-    chunks = chunks_for(shape, dtype, len(ids), per_chunk, sizes["BS"], data.draw(st.booleans()))
+    bs = {"block_size": block_size} if fmt in NBBS else {}
+    shape, _ = chunk_shape(reg.kv, fmt, per_chunk * block_size, **bs)
+    chunks = chunks_for(shape, dtype, len(ids), per_chunk, block_size, data.draw(st.booleans()))
     store_blocks(reg.kv, fmt, ids, chunks, skip_prefix_n_blocks=skip, **bs)
     for b in reg.bases:
         b.zero_()
@@ -137,9 +143,9 @@ def test_round_trip_restores_exactly_the_selected_blocks(
     expected = [torch.zeros_like(b) for b in reg.bases]
     for block in ids[skip:]:
         for kv, layer, j, h, e in itertools.product(
-            range(layout.kv_size),
-            range(sizes["NL"]),
-            range(sizes["BS"]),
+            range(kvs),
+            range(nl),
+            range(block_size),
             range(layout.num_heads(sizes)),
             range(layout.head_size(sizes)),
         ):
@@ -254,7 +260,9 @@ def test_bad_input_is_refused_before_any_byte_moves(
 def test_nbbs_formats_need_the_block_size() -> None:
     kv = [[torch.randn(12, 2, 4) for _ in range(2)] for _ in range(2)]
     fmt = EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS
-    with pytest.raises(TransferError, match=r"folds NB and BS into one axis: pass block_size="):
+    with pytest.raises(
+        TransferError, match=r"folds its blocks and their tokens into one axis \(NBBS\): pass block_size="
+    ):
         chunk_shape(kv, fmt, 8)
     with pytest.raises(TransferError, match=r"PBS=12 is not a multiple of block_size=5"):
         chunk_shape(kv, fmt, 10, block_size=5)

@@ -16,7 +16,7 @@ import kvlayout
 from kvlayout import EngineKVFormat
 from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
 from tests.registrations import make_registration
-from tests.test_transfer import NBBS, cases, chunks_for
+from tests.test_transfer import NBBS, cases, chunks_for, geometry
 
 
 def _cuda_ready() -> bool:
@@ -43,13 +43,14 @@ def test_cuda_store_and_load_equal_the_cpu_engine(
     layout = kvlayout.layout_of(fmt)
     cpu = make_registration(layout, sizes, dtype, pad=pad)
     gpu = make_registration(layout, sizes, dtype, pad=pad, device=torch.device("cuda"))
-    ids = data.draw(st.lists(st.integers(0, sizes["NB"] - 1), min_size=1, max_size=sizes["NB"], unique=True))
+    _, _, nb, block_size = geometry(fmt, sizes)
+    ids = data.draw(st.lists(st.integers(0, nb - 1), min_size=1, max_size=nb, unique=True))
     per_chunk = data.draw(st.integers(1, 3))
     skip = data.draw(st.integers(0, len(ids)))
-    bs = {"block_size": sizes["BS"]} if fmt in NBBS else {}
-    shape, _ = chunk_shape(cpu.kv, fmt, per_chunk * sizes["BS"], **bs)
+    bs = {"block_size": block_size} if fmt in NBBS else {}
+    shape, _ = chunk_shape(cpu.kv, fmt, per_chunk * block_size, **bs)
     partial = data.draw(st.booleans())
-    cpu_chunks = chunks_for(shape, dtype, len(ids), per_chunk, sizes["BS"], partial)
+    cpu_chunks = chunks_for(shape, dtype, len(ids), per_chunk, block_size, partial)
     gpu_chunks = [c.cuda() for c in cpu_chunks]
     store_blocks(cpu.kv, fmt, ids, cpu_chunks, skip_prefix_n_blocks=skip, **bs)
     store_blocks(gpu.kv, fmt, ids, gpu_chunks, skip_prefix_n_blocks=skip, **bs)

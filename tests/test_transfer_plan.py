@@ -96,6 +96,7 @@ def sizes(draw: st.DrawFn) -> dict[str, int]:
         "NH": draw(side),
         "HS": draw(st.integers(1, 4)),
         "NP": draw(st.integers(1, 3)),
+        "KV": draw(st.sampled_from((1, 2))),  # a K/V axis the tensors size (MAX)
     }
 
 

@@ -71,10 +71,40 @@ _EXPORTS: dict[str, str] = {
     "EngineType": "kvlayout.types",
     "LayoutHints": "kvlayout.types",
     "LayoutHintError": "kvlayout.types",
+    "KV_LAYOUT_NAMES": "kvlayout.types",
+    "KV_LIST_LAYOUT_NAMES": "kvlayout.types",
+    "HND_KV_LAYOUTS": "kvlayout.description",
+    "BLOCKS_FIRST_KV_LAYOUTS": "kvlayout.description",
+    "LayoutDescription": "kvlayout.description",
+    "describe": "kvlayout.description",
+    "kv_layout_axes": "kvlayout.description",
+    "to_engine_kv_format": "kvlayout.description",
+    "is_indexer_cache": "kvlayout.indexers",
+    "drop_indexer_caches": "kvlayout.indexers",
+    **{
+        name: "kvlayout._generated.predicates"
+        for name in (
+            "has_leading_block_axis",
+            "is_cross_layer",
+            "is_fused_packed",
+            "is_hnd",
+            "is_indexer",
+            "is_kv_list",
+            "is_kv_second_tuple",
+            "is_layer_list",
+            "is_pbs_fused",
+            "is_single_kv",
+            "is_two_major",
+        )
+    },
 }
 
 __all__ = [
+    "BLOCKS_FIRST_KV_LAYOUTS",
     "EXCLUDED_ENGINE_GROUP",
+    "HND_KV_LAYOUTS",
+    "KV_LAYOUT_NAMES",
+    "KV_LIST_LAYOUT_NAMES",
     "CatalogError",
     "Coord",
     "CopyPlan",
@@ -87,6 +117,7 @@ __all__ = [
     "KernelGroup",
     "LayerGroupIdentity",
     "Layout",
+    "LayoutDescription",
     "LayoutHintError",
     "LayoutHints",
     "LayoutSemanticError",
@@ -102,8 +133,10 @@ __all__ = [
     "attempt_permute_to_contiguous_view",
     "bind",
     "concrete_shape",
+    "describe",
     "describe_shape",
     "detect",
+    "drop_indexer_caches",
     "get_attention_backend",
     "get_block_size",
     "get_concrete_engine_kv_shape",
@@ -124,13 +157,27 @@ __all__ = [
     "get_spec_class",
     "get_tokens_per_layer",
     "group_layers_by_identity",
+    "has_leading_block_axis",
+    "is_cross_layer",
+    "is_fused_packed",
+    "is_hnd",
+    "is_indexer",
+    "is_indexer_cache",
+    "is_kv_list",
+    "is_kv_second_tuple",
+    "is_layer_list",
     "is_mla",
+    "is_pbs_fused",
+    "is_single_kv",
+    "is_two_major",
+    "kv_layout_axes",
     "layout_of",
     "make_page_buffer_shape_desc",
     "normalize_and_discover_per_layer_formats",
     "normalize_kv_and_discover_format",
     "parse",
     "resolve_block_stride_and_log_layout",
+    "to_engine_kv_format",
 ]
 
 
@@ -150,8 +197,29 @@ def __dir__() -> list[str]:
 if TYPE_CHECKING:
     from kvlayout._generated.descriptors import PageBufferShapeDesc
     from kvlayout._generated.formats import EngineKVFormat
+    from kvlayout._generated.predicates import (
+        has_leading_block_axis,
+        is_cross_layer,
+        is_fused_packed,
+        is_hnd,
+        is_indexer,
+        is_kv_list,
+        is_kv_second_tuple,
+        is_layer_list,
+        is_pbs_fused,
+        is_single_kv,
+        is_two_major,
+    )
     from kvlayout.algebra import Coord, CopyPlan
     from kvlayout.contiguity import StridedViewError, attempt_permute_to_contiguous_view
+    from kvlayout.description import (
+        BLOCKS_FIRST_KV_LAYOUTS,
+        HND_KV_LAYOUTS,
+        LayoutDescription,
+        describe,
+        kv_layout_axes,
+        to_engine_kv_format,
+    )
     from kvlayout.detection.base import DetectionError
     from kvlayout.detection.discovery import (
         detect,
@@ -190,6 +258,7 @@ if TYPE_CHECKING:
         make_page_buffer_shape_desc,
         resolve_block_stride_and_log_layout,
     )
+    from kvlayout.indexers import drop_indexer_caches, is_indexer_cache
     from kvlayout.layout import Layout
     from kvlayout.parser import parse
     from kvlayout.registration import KernelGroup, RegisteredKV, Registration, RegistrationError, bind
@@ -202,4 +271,11 @@ if TYPE_CHECKING:
         layout_of,
     )
     from kvlayout.spec import KVFormatSpec, UndefinedSizeError
-    from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
+    from kvlayout.types import (
+        KV_LAYOUT_NAMES,
+        KV_LIST_LAYOUT_NAMES,
+        DiscoverableKVCache,
+        EngineType,
+        LayoutHintError,
+        LayoutHints,
+    )

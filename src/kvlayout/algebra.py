@@ -42,20 +42,29 @@ __all__ = [
     "Structure",
     "Term",
     "axis_of",
+    "check_choices",
     "concrete_shape",
     "copy_plan",
     "head_size",
+    "kv_size",
     "level_of",
     "list_shape",
     "num_heads",
     "offset",
     "pointer_order",
     "resolve_sizes",
+    "role_problem",
     "row_run",
+    "size_of",
+    "size_symbols",
+    "sizes_by_role",
     "structure",
+    "symbol_of",
     "tensor_index",
     "tensor_shape",
+    "tensor_size_axes",
     "tensor_strides",
+    "with_size",
 ]
 
 Factor = int | str
@@ -239,7 +248,7 @@ def structure(layout: Layout) -> Structure:
 
 
 @functools.lru_cache(maxsize=256)
-def _symbols_of(layout: Layout) -> tuple[Token, ...]:
+def size_symbols(layout: Layout) -> tuple[Token, ...]:
     """Every sized token the layout names (fused tokens and their parts, region rows)."""
     out: list[Token] = []
 
@@ -276,6 +285,8 @@ def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
                 value = sizes[key]
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise SizeError(f"{layout}: size {key}={value!r} is not a non-negative int")
+                if t.choices and value not in t.choices:
+                    raise SizeError(f"{layout}: size {key}={value} is not one of {_or(t.choices)}")
                 return value
         if t.fuses:
             parts = [lookup(f) for f in t.fuses]
@@ -283,11 +294,22 @@ def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
                 return math.prod(p for p in parts if p is not None)
         return None
 
-    for t in _symbols_of(layout):
+    for t in size_symbols(layout):
         value = lookup(t)
         if value is not None:
             out[t.name] = value
     return out
+
+
+def _or(values: Sequence[int]) -> str:
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
+
+
+def check_choices(layout: Layout, sizes: Mapping[str, int]) -> None:
+    """Raise :class:`SizeError` for a size outside its token's ``choices`` (a K/V axis of
+    3 planes)."""
+    resolve_sizes(layout, sizes)
 
 
 def _evaluate(layout: Layout, product: Iterable[Factor], sizes: Mapping[str, int]) -> int:
@@ -305,8 +327,20 @@ def _evaluate(layout: Layout, product: Iterable[Factor], sizes: Mapping[str, int
 def num_heads(layout: Layout, sizes: Mapping[str, int]) -> int:
     """Heads per token row: NH, or 1 when the layout has no head axis."""
     s = resolve_sizes(layout, sizes)
-    head = next((t for t in layout.tensor_parts if t.role is Role.HEAD), None)
-    return 1 if head is None else _evaluate(layout, (head.name,), s)
+    head = symbol_of(layout, Role.HEAD)
+    return 1 if head is None else _evaluate(layout, (head,), s)
+
+
+def kv_size(layout: Layout, sizes: Mapping[str, int]) -> int:
+    """Planes per token row in a chunk: the K/V pair's size where K and V are apart (a
+    literal 2, or a K/V axis the tensors size, 1 or 2), else 1 (packed, MLA or single)."""
+    static = layout.kv_size
+    if static is not None:
+        return static
+    s = resolve_sizes(layout, sizes)
+    symbol = symbol_of(layout, Role.KV)
+    assert symbol is not None  # only a sized K/V pair leaves kv_size to the tensors
+    return _evaluate(layout, (symbol,), s)
 
 
 def head_size(layout: Layout, sizes: Mapping[str, int]) -> int:
@@ -381,45 +415,155 @@ def tensor_strides(
     return tuple(out)
 
 
-def axis_of(layout: Layout, symbol: str) -> int | None:
-    """The leaf tensor axis whose length is ``symbol`` (a region run's rows count as its
-    first storage axis), or None when no single axis holds it."""
+# -- roles: where each coordinate lives (what hand code asks instead of token names) ------
+
+
+def _single(mode: Mode) -> Token | None:
+    """The mode's one token when it is a plain axis (not a region run)."""
+    return mode.tokens[0] if len(mode.tokens) == 1 and not mode.regions else None
+
+
+def _is_page(token: Token) -> bool:
+    return token.region is None and Role.BLOCK in token.roles and Role.TOKEN in token.roles
+
+
+def axis_of(layout: Layout, role: Role) -> int | None:
+    """The leaf tensor axis that holds ``role`` alone, or None.
+
+    A token that fuses the role with others holds no axis of its own (``NB`` of ``NBBS``),
+    except for the derived roles: ``PAGE`` is the axis of a token fusing the block and
+    token roles, ``REGION`` the concatenated width of a region run, whose rows are the
+    ``TOKEN`` axis.
+    """
     axis = 0
     for mode in structure(layout).modes:
+        token = _single(mode)
         if mode.regions:
-            if mode.rows == symbol:
+            if role is Role.TOKEN:
                 return axis
-        elif len(mode.tokens) == 1 and mode.tokens[0].name == symbol:
+            if role is Role.REGION:
+                return axis + 1
+        elif token is not None and (token.role is role or (role is Role.PAGE and _is_page(token))):
             return axis
         axis += len(mode.storage)
     return None
 
 
-def row_width_axis(layout: Layout) -> int | None:
-    """The storage axis of a region run's concatenated width (None without regions)."""
-    axis = 0
-    for mode in structure(layout).modes:
-        if mode.regions:
-            return axis + 1
-        axis += len(mode.storage)
+def level_of(layout: Layout, role: Role) -> int | None:
+    """The list level whose entries are ``role`` (layers, the K/V pair, planes), or None."""
+    return next((i for i, t in enumerate(layout.lists) if t.role is role), None)
+
+
+def symbol_of(layout: Layout, role: Role) -> str | None:
+    """The key of ``role``'s size in a sizes mapping: the sized token addressing it (the
+    part of a fused token), the fused page token for ``PAGE``; None where no sized token
+    addresses it (a literal K/V pair, no heads, a region)."""
+    if role is Role.PAGE:
+        return next((t.name for t in layout.tensor if _is_page(t)), None)
+    for t in (*layout.tensor_parts, *layout.lists):  # a row's own element before planes
+        if t.role is role and t.literal is None:
+            return t.name
     return None
 
 
-def level_of(layout: Layout, symbol: str) -> int | None:
-    """The list level whose length is ``symbol``, or None."""
-    return next((i for i, t in enumerate(layout.lists) if t.name == symbol), None)
+def size_of(layout: Layout, sizes: Mapping[str, int], role: Role) -> int | None:
+    """``role``'s size under ``sizes`` (None when it has none or it is not given); the
+    page is ``NB*BS`` when not given folded."""
+    s = resolve_sizes(layout, sizes)
+    symbol = symbol_of(layout, role)
+    if symbol is not None:
+        return s.get(symbol)
+    if role is Role.PAGE:
+        block, token = size_of(layout, s, Role.BLOCK), size_of(layout, s, Role.TOKEN)
+        return None if block is None or token is None else block * token
+    return None
+
+
+def with_size(layout: Layout, sizes: Mapping[str, int], role: Role, value: int) -> dict[str, int]:
+    """``sizes`` with ``role``'s size set to ``value``."""
+    symbol = symbol_of(layout, role)
+    if symbol is None:
+        raise SizeError(f"{layout}: no sized token addresses the {role.value} role")
+    return {**sizes, symbol: value}
+
+
+def sizes_by_role(layout: Layout, values: Mapping[Role, int]) -> dict[str, int]:
+    """A sizes mapping from sizes by role (roles the layout has no token for are skipped)."""
+    out: dict[str, int] = {}
+    for role, value in values.items():
+        symbol = symbol_of(layout, role)
+        if symbol is not None:
+            out[symbol] = value
+    return out
+
+
+@functools.lru_cache(maxsize=256)
+def tensor_size_axes(layout: Layout) -> tuple[tuple[str, int], ...]:
+    """The sizes a leaf tensor's shape gives: ``(symbol, axis)`` for every axis that is
+    one sized token (a region run's rows included)."""
+    out: list[tuple[str, int]] = []
+    axis = 0
+    for mode in structure(layout).modes:
+        token = _single(mode)
+        if mode.regions and mode.rows is not None:
+            out.append((mode.rows, axis))
+        elif token is not None and token.literal is None:
+            out.append((token.name, axis))
+        axis += len(mode.storage)
+    return tuple(out)
+
+
+def row_width_axis(layout: Layout) -> int | None:
+    """The storage axis of a region run's concatenated width (None without regions)."""
+    return axis_of(layout, Role.REGION)
+
+
+def role_problem(layout: Layout, role: Role) -> str | None:
+    """Why a spec accessor cannot read ``role`` off this layout's structure, or None.
+
+    A fused token may fold blocks with tokens (the page axis) or K/V with a row's elements
+    (a packed row), nothing else. Then: the layer role must be a list level or an axis;
+    block and token each an axis, or folded together into the page axis; the head role an
+    axis, or absent (one head).
+    """
+    folds = [
+        t
+        for t in (*layout.lists, *layout.tensor)
+        if t.fuses and set(t.roles) not in ({Role.BLOCK, Role.TOKEN}, {Role.KV, Role.ELEMENT}, {Role.ELEMENT})
+    ]
+    for t in folds:
+        roles = set(t.roles)
+        if role in (Role.BLOCK, Role.TOKEN) and role in roles:
+            return (
+                f"the block and token roles are neither apart nor one page axis "
+                f"({t} folds {' and '.join(r.value for r in t.roles)})"
+            )
+        if role in roles:
+            return f"the {role.value} role is folded into {t} with {', '.join(r.value for r in t.roles)}"
+    if folds:  # the structure cannot be resolved; the roles folded above say why
+        return None
+    if role is Role.LAYER and axis_of(layout, role) is None and level_of(layout, role) is None:
+        return "no axis or list level holds the layer role"
+    if role in (Role.BLOCK, Role.TOKEN, Role.PAGE):
+        apart = all(axis_of(layout, r) is not None for r in (Role.BLOCK, Role.TOKEN))
+        if not apart and axis_of(layout, Role.PAGE) is None:
+            return "the block and token roles are neither apart nor one page axis"
+    return None
 
 
 # -- addressing -----------------------------------------------------------------------
 
 
 def _check_coord(layout: Layout, coord: Coord, s: Mapping[str, int]) -> None:
+    def by_role(role: Role) -> tuple[str, int | None]:
+        return symbol_of(layout, role) or role.value, size_of(layout, s, role)
+
     limits = {
-        "layer": ("NL", s.get("NL")),
-        "kv": ("kv_size", layout.kv_size),
-        "block": ("NB", s.get("NB")),
-        "token": ("BS", s.get("BS")),
-        "head": ("NH", num_heads(layout, s)),
+        "layer": by_role(Role.LAYER),
+        "kv": ("kv_size", kv_size(layout, s)),
+        "block": by_role(Role.BLOCK),
+        "token": by_role(Role.TOKEN),
+        "head": (symbol_of(layout, Role.HEAD) or "heads", num_heads(layout, s)),
         "elem": ("head_size", head_size(layout, s)),
     }
     for name in COORD_FIELDS:
@@ -628,12 +772,13 @@ def copy_plan(layout: Layout, sizes: Mapping[str, int], chunk_row: int | None = 
     than this layout's ``num_heads * head_size`` (several plane tensors share one row).
     """
     s = resolve_sizes(layout, sizes)
-    if "BS" not in s:
-        raise SizeError(f"{layout}: a copy plan needs a size for BS")
+    tokens = size_of(layout, s, Role.TOKEN)
+    if tokens is None:
+        raise SizeError(f"{layout}: a copy plan needs a size for {symbol_of(layout, Role.TOKEN)}")
     row = num_heads(layout, s) * head_size(layout, s)
     if chunk_row is not None and chunk_row < row:
         raise SizeError(f"{layout}: a chunk row of {chunk_row} elements cannot hold a {row}-element row")
-    pieces = _pieces(layout, s, tokens=s["BS"], chunk_row=chunk_row)
+    pieces = _pieces(layout, s, tokens=tokens, chunk_row=chunk_row)
     return CopyPlan(row if chunk_row is None else chunk_row, tuple(pieces))
 
 

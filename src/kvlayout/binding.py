@@ -18,7 +18,8 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from kvlayout._generated.formats import LAYOUTS, SIZE_SYMBOLS, EngineKVFormat
+from kvlayout import algebra
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.errors import KVLayoutError, SizeError
 from kvlayout.layout import Layout
 from kvlayout.nesting import Path, at, describe_path, leaves, not_strided
@@ -52,7 +53,7 @@ class PlaneShape(NamedTuple):
     """What one plane's tensors share (the same object for every layer bound alike)."""
 
     shape: tuple[int, ...]
-    sizes: Mapping[str, int]  # the layout's sizes read off the tensors (NB*BS stays folded)
+    sizes: Mapping[str, int]  # the layout's sizes read off the tensors (a page axis stays folded)
     block_stride: int | None  # dim 0's stride where dim 0 is the block axis, else None
     dtype: torch.dtype
     device: torch.device
@@ -113,19 +114,22 @@ def _tight(layout: Layout, sizes: tuple[tuple[str, int], ...]) -> tuple[tuple[in
     return layout.tensor_shape(s), layout.tensor_strides(s)
 
 
-@functools.cache
-def _size_axes(layout: Layout) -> tuple[tuple[str, int], ...]:
-    """The sizes a layout reads off its tensors' axes, with their axes."""
-    return tuple((s, a) for s in SIZE_SYMBOLS if (a := layout.axis_of(s)) is not None)
-
-
 def _tensor_sizes(layout: Layout, leaf: torch.Tensor, where: str) -> dict[str, int]:
     """Every size the layout reads off one tensor's axes."""
     rank = layout.tensor_rank
     shape = leaf.shape
     if len(shape) != rank:
         _fail(f"{where} has rank {len(shape)} (shape {list(shape)}); {layout} needs rank {rank}")
-    return {symbol: int(shape[axis]) for symbol, axis in _size_axes(layout)}
+    sizes = {symbol: int(shape[axis]) for symbol, axis in algebra.tensor_size_axes(layout)}
+    try:
+        algebra.check_choices(layout, sizes)
+    except SizeError as exc:
+        _fail(f"{where} (shape {list(shape)}): {exc}")
+    return sizes
+
+
+_SHARED_ROLES = (Role.LAYER, Role.BLOCK, Role.TOKEN, Role.PAGE)
+"""What the planes of one layer must agree on (their rows are concatenated)."""
 
 
 def _block_stride(layout: Layout, sizes: Mapping[str, int], leaf: torch.Tensor, where: str) -> int | None:
@@ -202,9 +206,10 @@ def bind_structure(
                 f"{describe_path(mine[0][0], root)} is on {shape.device}, but the first plane is on "
                 f"{first.device}"
             )
-        if any(shape.sizes.get(k) != first.sizes.get(k) for k in ("NL", "NB", "BS", "NBBS")):
+        if any(layout.size_of(shape.sizes, r) != layout.size_of(first.sizes, r) for r in _SHARED_ROLES):
+            shared = ", ".join(s for r in _SHARED_ROLES if (s := layout.symbol_of(r)) is not None)
             _fail(
-                f"{layout}: the planes of a layer must share NL, NB and BS "
+                f"{layout}: the planes of a layer must share {shared} "
                 f"({dict(first.sizes)} vs {dict(shape.sizes)})"
             )
     shapes = tuple(shape for shape, _ in planes)
@@ -231,7 +236,7 @@ def _bind_plane(
     first = describe_path(path0, root)
     sizes = dict(list_sizes)
     if level is not None:
-        sizes[layout.lists[level].name] = 1  # each plane is its own pointer table
+        sizes[layout.lists[level].name] = 1  # each plane is its own pointer table (the level's own size)
     sizes.update(_tensor_sizes(layout, leaf0, first))
     try:
         expected = _tight(layout, tuple(sizes.items()))[0]

@@ -1,4 +1,5 @@
-"""The kvlayout command line: ``formats``, ``explain``, ``detect``, ``codegen``, ``demo``.
+"""The kvlayout command line: ``formats``, ``explain``, ``describe``, ``detect``, ``codegen``,
+``demo``.
 
 Exit codes: 0 done; 1 ``detect`` ran and the registration is one kvlayout refuses (the
 error is printed as a user would see it); 2 the command line or its values are wrong.
@@ -19,9 +20,6 @@ if TYPE_CHECKING:
     pass
 
 __all__ = ["main", "parse_sizes"]
-
-# Small enough to draw one block cell by cell.
-SVG_SIZES = {"NL": 2, "NB": 4, "BS": 4, "NH": 2, "HS": 8, "NP": 2}
 
 
 def parse_sizes(text: str) -> dict[str, int]:
@@ -62,6 +60,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
     from kvlayout import EngineKVFormat
     from kvlayout.layout import FACTS, STRUCTURE_FACTS
     from kvlayout.registry import format_info, layout_of
+    from kvlayout.vocabulary import Role
 
     shown = [f for f in FACTS if f not in STRUCTURE_FACTS and f != "has_leading_block_axis"]
     records: list[dict[str, Any]] = []
@@ -70,9 +69,10 @@ def cmd_formats(args: argparse.Namespace) -> int:
         structure = (
             "cross-layer" if layout.is_cross_layer else "K/V lists" if layout.is_kv_list else "per layer"
         )
+        kv_size = layout.kv_size if layout.kv_size is not None else layout.symbol_of(Role.KV)
         records.append({
             "value": int(fmt), "name": fmt.name, "shape": layout.describe_shape(), "structure": structure,
-            "kv_size": layout.kv_size, "facts": [f.removeprefix("is_") for f in shown if getattr(layout, f)],
+            "kv_size": kv_size, "facts": [f.removeprefix("is_") for f in shown if getattr(layout, f)],
             "engines": list(info.engines), "backends": list(info.backends),
             "deprecated_by": info.replaced_by.name if info.replaced_by else None,
         })  # fmt: skip
@@ -91,7 +91,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, Explanation, explain
+    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, Explanation, example_sizes, explain
     from kvlayout.picture import block_svg
 
     layout = _format_arg(args.format)
@@ -103,10 +103,23 @@ def cmd_explain(args: argparse.Namespace) -> int:
         return 0
     print(explain(layout, sizes, args.dtype))  # type: ignore[arg-type]
     if args.svg:
-        small = {**SVG_SIZES, **parse_sizes(args.sizes)} if args.sizes else SVG_SIZES
+        small = {**example_sizes(small=True), **parse_sizes(args.sizes)}  # one block, cell by cell
         with open(args.svg, "w") as f:
             f.write(block_svg(layout, small))  # type: ignore[arg-type]
         print(f"  picture        {args.svg} (one block, sizes {small})")
+    return 0
+
+
+def cmd_describe(args: argparse.Namespace) -> int:
+    """A layout as JSON, for tools (kvlayout.describe)."""
+    import json
+
+    from kvlayout.description import describe
+
+    layout = _format_arg(args.format)
+    sizes = parse_sizes(args.sizes) if args.sizes else None
+    desc = describe(layout, sizes, block_stride=args.block_stride)  # type: ignore[arg-type]
+    print(json.dumps(desc.to_dict(), indent=2))
     return 0
 
 
@@ -284,6 +297,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from kvlayout import __version__
+    from kvlayout.types import EngineType
 
     ap = argparse.ArgumentParser(
         prog="kvlayout",
@@ -308,12 +322,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print the explanation as JSON")
     p.set_defaults(run=cmd_explain)
     p = sub.add_parser(
+        "describe", help="a layout as JSON for tools: axes, list levels, K/V placement, strides"
+    )
+    p.add_argument("format", help="a format value (19), name (NB_KV_NL_BS_NH_HS) or any layout name")
+    p.add_argument("--sizes", default="", help="sizes for the extents and strides, e.g. NB=2048,BS=16")
+    p.add_argument(
+        "--block-stride", type=int, default=None, help="elements between blocks when they are padded apart"
+    )
+    p.set_defaults(run=cmd_describe)
+    p = sub.add_parser(
         "detect",
         help="detect a registration described by its shapes (meta tensors, no memory)",
         description="Build the registration as meta tensors and run detection: the format and geometry, "
         "or the error a user would get.",
     )
-    p.add_argument("--engine", required=True, help="vllm, sglang, trtllm or atom (any case; TRT-LLM too)")
+    engines = ", ".join(e.value for e in EngineType)
+    p.add_argument("--engine", required=True, help=f"{engines} (any case; TRT-LLM too)")
     p.add_argument(
         "--shape",
         required=True,

@@ -196,6 +196,7 @@ def _sample_check(group: KernelGroup, ids: list[int], chunks: list[torch.Tensor]
     """Chunk elements against the cache at random coordinates, through the offset oracle."""
     plane = group.planes[0]
     layout, sizes, g = group.layout, plane.sizes, group.geometry
+    block_size = group.block_size
     rng = random.Random(1)
     checks = 0
     for _ in range(200):
@@ -204,14 +205,14 @@ def _sample_check(group: KernelGroup, ids: list[int], chunks: list[torch.Tensor]
             layer=rng.randrange(len(group.layers)),
             kv=rng.randrange(g.kv_size),
             block=ids[i],
-            token=rng.randrange(sizes["BS"]),
+            token=rng.randrange(block_size),
             head=rng.randrange(g.num_heads),
             elem=rng.randrange(g.head_size),
         )
         pointer, offset = layout.offset(c, sizes, plane.block_stride)
         leaf = plane.leaves[pointer]  # the plane's pointer table
         cache_bytes = leaf.as_strided((1,), (1,), leaf.storage_offset() + offset).view(torch.uint8)
-        t = (i % per_chunk) * sizes["BS"] + c.token
+        t = (i % per_chunk) * block_size + c.token
         at = c.head * g.head_size + c.elem
         chunk_bytes = chunks[i // per_chunk][c.kv, c.layer, t, at : at + 1].view(torch.uint8)
         if not torch.equal(cache_bytes, chunk_bytes):

@@ -13,11 +13,28 @@ from typing import Any
 from kvlayout import algebra
 from kvlayout.algebra import Mode, Product, Term
 from kvlayout.layout import FACTS, Layout, fact_doc
+from kvlayout.vocabulary import Role, Vocabulary
 
-__all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "explain", "symbolic_offset"]
+__all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "example_sizes", "explain", "symbolic_offset"]
 
-# Llama-3-8B on one GPU: 32 layers, 8 KV heads of 128, 16-token blocks, a 2048-block pool.
-LLAMA_3_8B: dict[str, int] = {"NL": 32, "NB": 2048, "BS": 16, "NH": 8, "HS": 128, "NP": 2}
+
+def example_sizes(vocabulary: Vocabulary | None = None, *, small: bool = False) -> dict[str, int]:
+    """The vocabulary's example sizes (each token's ``example`` in layouts.yaml: Llama-3-8B
+    on one GPU, 32 layers, 8 KV heads of 128, 16-token blocks, a 2048-block pool), or the
+    ``small`` ones pictures use."""
+    if vocabulary is None:
+        from kvlayout._generated.vocabulary import VOCABULARY
+
+        vocabulary = VOCABULARY
+    out: dict[str, int] = {}
+    for t in vocabulary.tokens:
+        n = t.small if small else t.example
+        if n is not None:
+            out[t.name] = n
+    return out
+
+
+LLAMA_3_8B: dict[str, int] = example_sizes()
 
 DTYPE_BYTES: dict[str, int] = {
     "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
@@ -87,6 +104,8 @@ class Explanation:
         pointers = layout.pointer_order(s)
         heads, head = layout.num_heads(s), layout.head_size(s)
         row = heads * head
+        kv_size = algebra.kv_size(layout, s)
+        block_tokens, blocks = layout.size_of(s, Role.TOKEN), layout.size_of(s, Role.BLOCK)
         pointer, off = symbolic_offset(layout)
         out: dict[str, Any] = {
             "name": str(layout),
@@ -99,7 +118,7 @@ class Explanation:
             "leaf_strides": list(layout.tensor_strides(s)),
             "pointers": len(pointers),
             "pointer_order": [list(p) for p in pointers[:4]],
-            "kv_size": layout.kv_size,
+            "kv_size": kv_size,
             "num_heads": heads,
             "head_size": head,
             "facts": {name: bool(getattr(layout, name)) for name in FACTS},
@@ -110,10 +129,11 @@ class Explanation:
             "row_bytes": row * elsize,
             "empty": [f"{k}={v}" for k, v in s.items() if v == 0],
         }
-        if "BS" in s and "NB" in s:
+        if block_tokens is not None and blocks is not None:
             plan = layout.copy_plan(s)
-            out["block_bytes"] = layout.kv_size * s["BS"] * row * elsize
-            out["layer_bytes"] = out["block_bytes"] * s["NB"]
+            out["block_tokens"], out["blocks"] = block_tokens, blocks
+            out["block_bytes"] = kv_size * block_tokens * row * elsize
+            out["layer_bytes"] = out["block_bytes"] * blocks
             out["copy_runs_bytes"] = [p.run * elsize for p in plan.pieces]
             out["strided_loops"] = max(len(p.loops) for p in plan.pieces)
         return out
@@ -144,12 +164,11 @@ class Explanation:
             f"{self.dtype})",
         ]
         if "block_bytes" in d:
-            s = d["sizes"]
             runs = ", ".join(f"{n} B" for n in d["copy_runs_bytes"])
             out += [
                 f"  per block      {d['block_bytes']} bytes per layer "
-                f"({layout.kv_size} x {s['BS']} tokens x {d['row_bytes']} B)",
-                f"  per layer      {d['layer_bytes']} bytes over {s['NB']} blocks",
+                f"({d['kv_size']} x {d['block_tokens']} tokens x {d['row_bytes']} B)",
+                f"  per layer      {d['layer_bytes']} bytes over {d['blocks']} blocks",
                 f"  block copy     contiguous runs of {runs}; {d['strided_loops']} strided loop(s) per piece",
             ]
         return out

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from kvlayout._generated.descriptors import PageBufferShapeDesc
+from kvlayout import algebra
+from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.contiguity import attempt_permute_to_contiguous_view, dim0_padding
 from kvlayout.detection.discovery import (
@@ -34,6 +35,7 @@ from kvlayout.registration import (
 )
 from kvlayout.registry import FormatLike, as_format, backend_label, get_spec_class
 from kvlayout.types import DiscoverableKVCache, EngineLike, as_engine
+from kvlayout.vocabulary import Role
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",
@@ -183,9 +185,15 @@ def get_concrete_engine_kv_shape_from_shape_desc(shape_desc: PageBufferShapeDesc
     prints ``Unknown``."""
     try:
         cls = get_spec_class(fmt)
-        sizes = {"NL": shape_desc.nl, "NB": shape_desc.nb, "BS": shape_desc.bs, "NH": shape_desc.nh}
+        by_role: dict[Role, int] = {
+            role: getattr(shape_desc, name)
+            for name, role in DESCRIPTOR_ROLES.items()
+            if role is not Role.ELEMENT  # a head's row: the row token below
+        }
+        sizes = algebra.sizes_by_role(cls.layout, by_role)
         if cls.row_symbol is not None:
-            sizes[cls.row_symbol] = shape_desc.hs // cls.row_divisor
+            row = next(getattr(shape_desc, n) for n, r in DESCRIPTOR_ROLES.items() if r is Role.ELEMENT)
+            sizes[cls.row_symbol] = row // cls.row_divisor
         return cls.layout.concrete_shape(sizes)
     except KVLayoutError:
         return _unknown(fmt)

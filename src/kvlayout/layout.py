@@ -19,7 +19,7 @@ from kvlayout import algebra
 from kvlayout.errors import LayoutSemanticError
 from kvlayout.vocabulary import Role, Token
 
-__all__ = ["FACTS", "STRUCTURE_FACTS", "Layout", "fact_doc"]
+__all__ = ["FACTS", "REQUIRED_ROLES", "STRUCTURE_FACTS", "Layout", "fact_doc"]
 
 # The boolean facts every format carries (Python class attributes, C++ constexpr), in order.
 FACTS = (
@@ -34,18 +34,15 @@ FACTS = (
     "is_kv_second_tuple",
     "is_single_kv",
     "has_leading_block_axis",
+    "is_indexer",
 )
 # Exactly one of these holds for every layout.
 STRUCTURE_FACTS = ("is_cross_layer", "is_kv_list", "is_layer_list")
 
 _LIST_ROLES = (Role.LAYER, Role.KV, Role.ELEMENT)
 _SINGLE_ROLES = (Role.LAYER, Role.KV, Role.BLOCK, Role.TOKEN, Role.HEAD)
-_REQUIRED = {
-    Role.LAYER: "layer axis (NL)",
-    Role.BLOCK: "block axis (NB or NBBS)",
-    Role.TOKEN: "token axis (BS, NBBS or a region)",
-    Role.ELEMENT: "element axis (HS, CS or a region)",
-}
+REQUIRED_ROLES = (Role.LAYER, Role.BLOCK, Role.TOKEN, Role.ELEMENT)
+"""The roles every layout has (the parser names the vocabulary's tokens for a missing one)."""
 
 
 @dataclass(frozen=True)
@@ -157,9 +154,14 @@ class Layout:
         return all(p is None or p < kv for p in outer)
 
     @functools.cached_property
-    def kv_size(self) -> int:
-        """Planes per token row in a chunk: 2 for split K/V, else 1."""
-        return 2 if self.has_kv and not self.is_fused_packed else 1
+    def kv_size(self) -> int | None:
+        """Planes per token row in a chunk: 2 for split K/V, else 1; None where a K/V axis
+        of its own size (``KV``, 1 or 2 planes) leaves it to the tensors
+        (:func:`kvlayout.algebra.kv_size` answers for given sizes)."""
+        if not self.has_kv or self.is_fused_packed:
+            return 1
+        pair = next(t for t in (*self.lists, *self.tensor_parts) if t.role is Role.KV)
+        return pair.literal
 
     @functools.cached_property
     def is_mla(self) -> bool:
@@ -198,6 +200,12 @@ class Layout:
         return first.role is Role.BLOCK and not first.fuses
 
     @functools.cached_property
+    def is_indexer(self) -> bool:
+        """Each token's row is a blocked-scale record, the block's value region before its
+        scale region: the DSA indexer's key cache."""
+        return any(t.region is not None for t in self.tensor)
+
+    @functools.cached_property
     def list_depth(self) -> int:
         return len(self.lists)
 
@@ -220,8 +228,14 @@ class Layout:
     def tensor_strides(self, sizes: Mapping[str, int], block_stride: int | None = None) -> tuple[int, ...]:
         return algebra.tensor_strides(self, sizes, block_stride)
 
-    def axis_of(self, symbol: str) -> int | None:
-        return algebra.axis_of(self, symbol)
+    def axis_of(self, role: Role) -> int | None:
+        return algebra.axis_of(self, role)
+
+    def symbol_of(self, role: Role) -> str | None:
+        return algebra.symbol_of(self, role)
+
+    def size_of(self, sizes: Mapping[str, int], role: Role) -> int | None:
+        return algebra.size_of(self, sizes, role)
 
     def num_heads(self, sizes: Mapping[str, int]) -> int:
         return algebra.num_heads(self, sizes)
@@ -297,9 +311,9 @@ def _check(layout: Layout) -> None:
     if regions and regions != list(range(len(layout.tensor) - len(regions), len(layout.tensor))):
         raise _fail(layout, layout.tensor[regions[0]], "regions must be the last axes of the tensor")
     roles = {r for t in (*layout.lists, *layout.tensor) for r in t.roles}
-    for role, what in _REQUIRED.items():
+    for role in REQUIRED_ROLES:
         if role not in roles:
-            raise LayoutSemanticError(name, 0, len(name), f"the name has no {what}")
+            raise LayoutSemanticError(name, 0, len(name), f"the name has no {role.value} role")
 
 
 def fact_doc(name: str) -> str:

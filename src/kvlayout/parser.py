@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvlayout.errors import LayoutSemanticError, LayoutSyntaxError
-from kvlayout.layout import Layout
+from kvlayout.layout import REQUIRED_ROLES, Layout
 from kvlayout.vocabulary import Token, Vocabulary
 
 if TYPE_CHECKING:
@@ -71,10 +71,26 @@ def _parse(name: str, vocabulary: Vocabulary, grammar: Path) -> Layout:
             raise LayoutSemanticError(
                 name, start, end, f"a list level is one token, this one has {len(level)}"
             )
+    _check_required(name, vocabulary, [t for level in resolved for t in level])
     layout = Layout(lists=tuple(level[0] for level in resolved[:-1]), tensor=tuple(resolved[-1]))
     if str(layout) != name:  # the AST must give the name back exactly
         raise AssertionError(f"{layout} != {name}")
     return layout
+
+
+def _check_required(name: str, vocabulary: Vocabulary, tokens: list[Token]) -> None:
+    """Every layout needs the layer, block, token and element roles; say which tokens of
+    the vocabulary would give a missing one."""
+    have = {r for t in tokens for r in t.roles}
+    for role in REQUIRED_ROLES:
+        if role not in have:
+            names = [t.name for t in vocabulary.tokens if role in t.roles]
+            raise LayoutSemanticError(
+                name,
+                0,
+                len(name),
+                f"the name has no {role.value} role (tokens of that role: {', '.join(names)})",
+            )
 
 
 def _lookup(name: str, vocabulary: Vocabulary, word: str, start: int) -> Token:

@@ -13,7 +13,9 @@ from xml.sax.saxutils import escape
 
 from kvlayout import algebra
 from kvlayout.algebra import Coord
+from kvlayout.errors import SizeError
 from kvlayout.layout import Layout
+from kvlayout.vocabulary import Role
 
 __all__ = ["block_svg"]
 
@@ -34,9 +36,13 @@ def block_svg(layout: Layout, sizes: Mapping[str, int]) -> str:
     """The SVG document (a string) for block 0 of layer 0 under ``sizes``."""
     s = algebra.resolve_sizes(layout, sizes)
     heads, hs = layout.num_heads(s), layout.head_size(s)
+    kv_size = algebra.kv_size(layout, s)
+    tokens = layout.size_of(s, Role.TOKEN)
+    if tokens is None:
+        raise SizeError(f"{layout}: a picture of a block needs a size for {layout.symbol_of(Role.TOKEN)}")
     cells: dict[int, list[tuple[int, int, int, int]]] = {}
-    for kv in range(layout.kv_size):
-        for token in range(s["BS"]):
+    for kv in range(kv_size):
+        for token in range(tokens):
             for head in range(heads):
                 pointer, offset = layout.offset(Coord(0, kv, 0, token, head, 0), s)
                 cells.setdefault(pointer, []).append((offset, kv, token, head))
@@ -62,12 +68,12 @@ def block_svg(layout: Layout, sizes: Mapping[str, int]) -> str:
             end = offset + hs
             x, cy = _slot(slot, y)
             slot += 1
-            which = "KV"[kv] if layout.kv_size == 2 else ""
+            which = "KV"[kv] if kv_size == 2 else ""
             title = f"{which} token {token} head {head} at element {offset}".strip()
             parts.append(
                 f"<g><title>{escape(title)}</title>"
                 f'<rect class="cell" x="{x}" y="{cy}" width="{_CELL_W}" height="{_CELL_H}" '
-                f'fill="{_colour(head, heads, kv, layout.kv_size)}" data-kv="{kv}" data-token="{token}" '
+                f'fill="{_colour(head, heads, kv, kv_size)}" data-kv="{kv}" data-token="{token}" '
                 f'data-head="{head}" data-offset="{offset}"/>'
                 f'<text x="{x + _CELL_W / 2}" y="{cy + _CELL_H / 2 + 4}" class="label">'
                 f"{which}t{token}</text></g>"

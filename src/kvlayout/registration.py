@@ -23,8 +23,9 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from kvlayout._generated.descriptors import PageBufferShapeDesc
+from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
+from kvlayout.algebra import with_size
 from kvlayout.binding import (
     Bound,
     LayerTable,
@@ -273,8 +274,8 @@ class KernelGroup:
         else:  # NB*BS folded: the caller says how the page buffer splits
             if bs is None:
                 raise RegistrationError(
-                    f"{self.format.name} folds NB and BS into one axis of {g.page_buffer_size} token slots: "
-                    "pass block_size"
+                    f"{self.format.name} folds its blocks and their tokens into one axis of "
+                    f"{g.page_buffer_size} token slots: pass block_size"
                 )
             if g.page_buffer_size % bs or (nb is not None and nb * bs != g.page_buffer_size):
                 split = f"num_blocks={nb} x block_size={bs}" if nb is not None else f"block_size={bs}"
@@ -296,12 +297,20 @@ class KernelGroup:
                 f"layer {self.layers[0]}'s blocks are padded ({self.block_stride_elems} elements apart); "
                 f"pass block_stride_elems={self.block_stride_elems}"
             )
-        return PageBufferShapeDesc(g.kv_size, nl, nb, bs, g.num_heads, g.head_size, g.dtype.itemsize, stride)
+        by_role = {
+            Role.KV: g.kv_size, Role.LAYER: nl, Role.BLOCK: nb, Role.TOKEN: bs, Role.HEAD: g.num_heads,
+            Role.ELEMENT: g.head_size,
+        }  # fmt: skip
+        fields = {name: by_role[role] for name, role in DESCRIPTOR_ROLES.items()}
+        return PageBufferShapeDesc(**fields, element_size=g.dtype.itemsize, block_stride_elems=stride)
 
 
 def _undefined(fmt: EngineKVFormat, accessor: str) -> UndefinedSizeError:
+    layout = LAYOUTS[fmt]
+    block, token, page = (layout.symbol_of(r) for r in (Role.BLOCK, Role.TOKEN, Role.PAGE))
     return UndefinedSizeError(
-        f"{accessor} is undefined for the fused format {fmt.name}: NB and BS share one axis (NB*BS)"
+        f"{accessor} is undefined for the fused format {fmt.name}: "
+        f"{block} and {token} share one axis ({page})"
     )
 
 
@@ -490,7 +499,7 @@ class Registration:
             b = table.templates[table.keys[layers[0]]]  # type: ignore[index]
             kv = list(self.kv) if len(layers) == len(self.kv) else [self.kv[i] for i in layers]
             for p, shape in enumerate(b.shapes):
-                sizes = {**shape.sizes, "NL": len(layers)}
+                sizes = with_size(LAYOUTS[b.format], shape.sizes, Role.LAYER, len(layers))
                 planes.append(_plane(shape, table.leaves(self.kv, layers, p), table.paths(layers, p), sizes))
             ptrs = _interleave([p.data_ptrs for p in planes], len(layers))
         geometry = _geometry(kv, b)

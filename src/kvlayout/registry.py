@@ -10,7 +10,7 @@ from kvlayout._generated.specs import SPEC_CLASSES
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
 from kvlayout.spec import KVFormatSpec
-from kvlayout.types import EngineType
+from kvlayout.types import ENGINE_LABELS, EngineType
 
 __all__ = [
     "FormatLike",
@@ -84,7 +84,7 @@ def backend_label(fmt: FormatLike, engine: EngineType | None = None) -> str:
     that is ``engine``'s (labels start with the engine's name), else the first one."""
     backends = FORMAT_INFO[as_format(fmt)].backends
     if engine is not None:
-        name = engine.display_name
+        name = ENGINE_LABELS[engine]
         mine = next(
             (b for b in backends if b == name or b.startswith((f"{name} ", f"{name}-", f"{name}:"))), None
         )

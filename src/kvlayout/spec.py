@@ -23,7 +23,8 @@ __all__ = ["KVFormatSpec", "UndefinedSizeError"]
 
 
 class UndefinedSizeError(KVLayoutError):
-    """A size the format does not have on its own axis (NB or BS of an NB*BS format)."""
+    """A size the format does not have on its own axis (the block count or block size of
+    a format that folds them into one page axis)."""
 
 
 class KVFormatSpec(ABC):
@@ -46,6 +47,7 @@ class KVFormatSpec(ABC):
     is_kv_second_tuple: ClassVar[bool]
     is_single_kv: ClassVar[bool]
     has_leading_block_axis: ClassVar[bool]
+    is_indexer: ClassVar[bool]
     row_symbol: ClassVar[str | None]
     row_divisor: ClassVar[int]
     _warned: ClassVar[bool] = False
@@ -71,7 +73,9 @@ class KVFormatSpec(ABC):
     @abstractmethod
     def page_buffer_size(self, layer_idx: int = 0) -> int: ...
     @abstractmethod
-    def kv_size(self) -> int: ...
+    def kv_size(self) -> int:
+        """Planes per token row in a chunk (a K/V axis of its own size: read off it)."""
+
     @abstractmethod
     def num_heads(self, layer_idx: int = 0) -> int: ...
     @abstractmethod

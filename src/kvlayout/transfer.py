@@ -50,7 +50,7 @@ class _Job:
     """Pointers that share one geometry: the whole kernel group, or one plane of it."""
 
     plane: Plane
-    sizes: dict[str, int]  # NB and BS resolved
+    sizes: dict[str, int]  # the block count and block size resolved (a page axis split)
     block_stride: int  # elements, 0 = tight
     row_offset: int  # bytes from the start of a chunk row
 
@@ -114,9 +114,9 @@ class TransferPlan:
         self.jobs = _jobs(group, block_size)
         first = self.jobs[0].sizes
         self.kv_size = group.geometry.kv_size
-        self.num_layers = int(first["NL"]) if "NL" in first else 1
-        self.num_blocks = int(first["NB"])
-        self.block_size = int(first["BS"])
+        self.num_layers = self.layout.size_of(first, Role.LAYER) or 1
+        self.num_blocks = _required(self.layout, first, Role.BLOCK)
+        self.block_size = _required(self.layout, first, Role.TOKEN)
         self.row_bytes = sum(_row_bytes(self.layout, job) for job in self.jobs)
         self.dtype = group.dtype
         self.device = group.device
@@ -127,7 +127,11 @@ class TransferPlan:
                 f"{self.dtype} elements (the first plane's type, which chunks use)"
             )
         self.row = self.row_bytes // itemsize
-        empty = [f"{name}={n}" for name, n in (("NB", self.num_blocks), ("BS", self.block_size)) if n == 0]
+        empty = [
+            f"{self.layout.symbol_of(role)}={n}"
+            for role, n in ((Role.BLOCK, self.num_blocks), (Role.TOKEN, self.block_size))
+            if n == 0
+        ]
         if empty or self.row == 0:
             what = ", ".join(empty) if empty else "a token row of 0 elements"
             raise TransferError(f"{self.format.name}: the cache holds no blocks to move ({what})")
@@ -325,25 +329,36 @@ def _span_bytes(leaf: torch.Tensor) -> int:
     return (last + 1) * leaf.element_size()
 
 
+def _required(layout: Layout, sizes: dict[str, int], role: Role) -> int:
+    value = layout.size_of(sizes, role)
+    assert value is not None, (layout, role)  # _resolve_block_size made sure
+    return value
+
+
 def _resolve_block_size(layout: Layout, sizes: dict[str, int], block_size: int | None) -> dict[str, int]:
-    """NB*BS formats need the block size from the caller (the tensors cannot say it)."""
-    if "NB" in sizes and "BS" in sizes:
-        if block_size is not None and block_size != sizes["BS"]:
-            raise TransferError(
-                f"block_size={block_size}, but the {layout} tensors have blocks of {sizes['BS']}"
-            )
+    """Formats that fold their blocks and tokens into one page axis need the block size
+    from the caller (the tensors cannot say it)."""
+    blocks = layout.axis_of(Role.BLOCK)
+    tokens = layout.size_of(sizes, Role.TOKEN)
+    if blocks is not None and tokens is not None:
+        if block_size is not None and block_size != tokens:
+            raise TransferError(f"block_size={block_size}, but the {layout} tensors have blocks of {tokens}")
         return sizes
+    page = layout.symbol_of(Role.PAGE)
     if block_size is None:
-        raise TransferError(f"{layout} folds NB and BS into one axis: pass block_size= (tokens per block)")
+        raise TransferError(
+            f"{layout} folds its blocks and their tokens into one axis ({page}): pass block_size= "
+            "(tokens per block)"
+        )
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
         raise TransferError(f"block_size must be a positive int, got {block_size!r}")
-    fused = next(t for t in layout.tensor if t.fuses and Role.BLOCK in t.roles)
-    total = sizes[fused.name]
+    total = layout.size_of(sizes, Role.PAGE)
+    assert total is not None and page is not None
     if total % block_size:
-        raise TransferError(
-            f"{layout}: {fused.shape_label}={total} is not a multiple of block_size={block_size}"
-        )
-    return {**sizes, "NB": total // block_size, "BS": block_size}
+        label = layout.tensor[layout.axis_of(Role.PAGE) or 0].shape_label
+        raise TransferError(f"{layout}: {label}={total} is not a multiple of block_size={block_size}")
+    by_role = {Role.BLOCK: total // block_size, Role.TOKEN: block_size}
+    return {**sizes, **algebra.sizes_by_role(layout, by_role)}
 
 
 # -- plans ----------------------------------------------------------------------------

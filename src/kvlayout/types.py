@@ -9,18 +9,28 @@ layout later.
 
 from __future__ import annotations
 
-import enum
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal, Union
 
+from kvlayout._generated.engines import ENGINE_LABELS, EngineType
+from kvlayout.description import (
+    HND_KV_LAYOUTS,
+    KV_LAYOUT_NAMES,
+    DescriptionError,
+    kv_layout_axes,
+    transferable,
+)
 from kvlayout.errors import KVLayoutError
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = [
+    "ENGINE_LABELS",
+    "KV_LAYOUT_NAMES",
+    "KV_LIST_LAYOUT_NAMES",
     "DiscoverableKVCache",
     "EngineLike",
     "EngineType",
@@ -35,45 +45,29 @@ __all__ = [
 DiscoverableKVCache = Union["torch.Tensor", Sequence["DiscoverableKVCache"]]
 """A KV registration: one tensor, or (nested) lists/tuples of tensors."""
 
-KVLayoutName = Literal["NHD", "HND", "BLHNC", "BLNHC"]
+KVLayoutName = Literal["NHD", "HND", "BLHNC", "BLNHC", "LBHNC", "LBNHC"]
+"""The ``kv_layout`` spellings (:data:`KV_LAYOUT_NAMES`, derived from the axis orders)."""
 KVListLayout = Literal["k_v", "unified"]
 
-_KV_LAYOUTS: tuple[str, ...] = ("NHD", "HND", "BLHNC", "BLNHC")
-_HND_LAYOUTS = frozenset({"HND", "BLHNC"})
-_KV_LIST_LAYOUTS: tuple[str, ...] = ("k_v", "unified")
-
-
-class EngineType(str, enum.Enum):
-    """A serving engine; detection is the only layer that knows engines."""
-
-    VLLM = "vllm"
-    SGLANG = "sglang"
-    TRTLLM = "trtllm"
-    ATOM = "atom"
-
-    def __str__(self) -> str:
-        return self.value
-
-    @property
-    def display_name(self) -> str:
-        """How the engine spells itself (``TRT-LLM``), as backend labels and messages do."""
-        return _DISPLAY_NAMES.get(self.value, self.value)
-
-
-_DISPLAY_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "trtllm": "TRT-LLM", "atom": "ATOM"}
+KV_LIST_LAYOUT_NAMES: tuple[str, ...] = ("k_v", "unified")
+"""Every ``kv_list_layout`` hint SGLang sends."""
 
 EngineLike = EngineType | str
 
 
 def as_engine(engine: object) -> EngineType:
-    """The engine for an ``EngineType`` or a string (its value, any case, ``-``/``_`` ignored)."""
+    """The engine for an ``EngineType`` or a string (its value or label, any case,
+    ``-``/``_``/spaces ignored)."""
     if isinstance(engine, EngineType):
         return engine
     if not isinstance(engine, str):
         raise TypeError(f"a serving engine is an EngineType or a str, not {type(engine).__name__}")
-    key = engine.strip().lower().replace("-", "").replace("_", "")  # "TRT-LLM", "trt_llm"
+
+    def key(text: str) -> str:  # "TRT-LLM", "trt_llm"
+        return text.strip().lower().replace("-", "").replace("_", "").replace(" ", "")
+
     for member in EngineType:
-        if key == member.value:
+        if key(engine) in (member.value, key(ENGINE_LABELS[member])):
             return member
     known = ", ".join(m.value for m in EngineType)
     raise KVLayoutError(f"unknown serving engine {engine!r}; known engines: {known}")
@@ -114,13 +108,21 @@ class LayoutHints:
 
     Choices are read in any case (``hnd`` is ``HND``), as engine names are.
 
-    ``kv_layout``: physical order inside a block: ``NHD`` (tokens before heads), ``HND``
-    (heads before tokens), or vLLM's blocks-first ``BLNHC``/``BLHNC`` (same per-layer
-    order as NHD/HND; only the block stride differs). vLLM without it: HND on the CPU
-    (vLLM's CPU backend allocates HND), NHD elsewhere.
+    ``kv_layout``: physical order, in vLLM's spellings (one letter per axis, outermost
+    first: L layers, B blocks, N tokens, H heads, C content): ``LBNHC`` (alias ``NHD``,
+    tokens before heads), ``LBHNC`` (alias ``HND``, heads before tokens), or vLLM's
+    blocks-first ``BLNHC``/``BLHNC`` (same per-layer order; only the block stride
+    differs). Heads outside a block's token run (``LHBNC``, ``BHLNC``) cannot be
+    transferred and are refused. Detectors choose NHD/HND twins by it; vLLM without it:
+    HND on the CPU (vLLM's CPU backend allocates HND), NHD elsewhere.
 
-    ``num_kv_heads``, ``tokens_per_block``, ``head_dim``: sizes an engine folds away
-    (TRT-LLM's flat pool row; SGLang's NB*BS page buffer).
+    ``num_kv_heads``, ``tokens_per_block`` (alias ``page_size``), ``head_dim``,
+    ``num_layers``, ``total_num_blocks``, ``kv_dim`` (K/V planes: 2, or 1 for MLA): sizes
+    an engine states or folds away (TRT-LLM's flat pool row, SGLang's NB*BS page buffer,
+    MAX's registration); every detector checks the ones its format has an axis for.
+
+    ``layout_format``: the format the engine says it registers (MAX sends
+    ``NB_KV_NL_BS_NH_HS``); detection must agree with it.
 
     ``kv_list_layout``: SGLang's list: ``k_v`` (K layers then V layers, flat or as two
     lists) or ``unified`` (one tensor per component, NB and BS on their own axes).
@@ -137,18 +139,32 @@ class LayoutHints:
     kv_list_layout: KVListLayout | None = None
     head_dim: int | None = None
     kv_pair_axis: int | None = None
+    num_layers: int | None = None
+    total_num_blocks: int | None = None
+    kv_dim: int | None = None
+    page_size: int | None = None
+    layout_format: str | None = None
 
     def __post_init__(self) -> None:
         if self.kv_layout is not None:
-            object.__setattr__(self, "kv_layout", _choice("kv_layout", self.kv_layout, _KV_LAYOUTS))
+            object.__setattr__(self, "kv_layout", _kv_layout(self.kv_layout))
         if self.kv_list_layout is not None:
             object.__setattr__(
-                self, "kv_list_layout", _choice("kv_list_layout", self.kv_list_layout, _KV_LIST_LAYOUTS)
+                self, "kv_list_layout", _choice("kv_list_layout", self.kv_list_layout, KV_LIST_LAYOUT_NAMES)
             )
-        for name in ("num_kv_heads", "tokens_per_block", "head_dim"):
+        for name in _SIZE_FIELDS:
             value = getattr(self, name)
             if value is not None:
                 object.__setattr__(self, name, _positive_int(name, value))
+        if self.page_size is not None:  # MAX sends both; they are one size
+            if self.tokens_per_block is not None and self.tokens_per_block != self.page_size:
+                raise LayoutHintError(
+                    f"layout hints tokens_per_block={self.tokens_per_block} and page_size={self.page_size} "
+                    "disagree (page_size is another name for tokens_per_block)"
+                )
+            object.__setattr__(self, "tokens_per_block", self.page_size)
+        if self.layout_format is not None:
+            _layout_format(self.layout_format)
         if self.kv_pair_axis is not None:
             if isinstance(self.kv_pair_axis, bool) or not isinstance(self.kv_pair_axis, int):
                 raise TypeError(
@@ -179,10 +195,48 @@ class LayoutHints:
     @property
     def is_hnd(self) -> bool | None:
         """Heads before tokens per the ``kv_layout`` hint; None without one."""
-        return None if self.kv_layout is None else self.kv_layout in _HND_LAYOUTS
+        return None if self.kv_layout is None else self.kv_layout in HND_KV_LAYOUTS
+
+
+def _kv_layout(value: object) -> str:
+    """The ``kv_layout`` spelling, in any case; heads outside a block's tokens refused."""
+    if not isinstance(value, str):
+        raise TypeError(f"layout hint kv_layout must be a str, not {type(value).__name__} ({value!r})")
+    if value.strip().upper() in KV_LAYOUT_NAMES:
+        return value.strip().upper()
+    try:
+        axes = kv_layout_axes(value.strip().upper())
+    except DescriptionError:
+        raise LayoutHintError(
+            f"layout hint kv_layout={value!r} is not one of {', '.join(KV_LAYOUT_NAMES)}"
+        ) from None
+    assert not transferable(axes)
+    raise LayoutHintError(
+        f"layout hint kv_layout={value!r}: heads outside a block's token run fragment every block per head, "
+        f"which no transfer can address; use one of {', '.join(KV_LAYOUT_NAMES)}"
+    )
+
+
+def _layout_format(value: object) -> None:
+    from kvlayout._generated.formats import EngineKVFormat
+
+    if not isinstance(value, str):
+        raise TypeError(f"layout hint layout_format must be a str, not {type(value).__name__} ({value!r})")
+    if value not in EngineKVFormat.__members__:
+        raise LayoutHintError(f"layout hint layout_format={value!r} is not an engine KV format name")
 
 
 HintsLike = LayoutHints | Mapping[str, object] | None
+
+_SIZE_FIELDS = (
+    "num_kv_heads",
+    "tokens_per_block",
+    "head_dim",
+    "num_layers",
+    "total_num_blocks",
+    "kv_dim",
+    "page_size",
+)
 
 _FIELDS = frozenset(f.name for f in fields(LayoutHints))
 _NO_HINTS = LayoutHints()

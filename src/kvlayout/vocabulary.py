@@ -16,7 +16,13 @@ __all__ = ["Region", "Role", "Token", "Vocabulary"]
 
 
 class Role(enum.Enum):
-    """The logical coordinate an axis addresses."""
+    """The logical coordinate an axis addresses.
+
+    Tokens declare the first six in ``layouts.yaml``. ``PAGE`` and ``REGION`` are never
+    declared: the algebra derives them (a token fusing the block and token roles is the
+    page axis, ``NB*BS``; a run of region tokens is a blocked page's region axis), so code
+    can ask for them by role like the others.
+    """
 
     LAYER = "layer"
     KV = "kv"
@@ -24,6 +30,13 @@ class Role(enum.Enum):
     TOKEN = "token"
     HEAD = "head"
     ELEMENT = "element"
+    PAGE = "page"
+    REGION = "region"
+
+    @property
+    def declared(self) -> bool:
+        """Whether a token may declare this role (PAGE and REGION are derived)."""
+        return self not in (Role.PAGE, Role.REGION)
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +57,9 @@ class Token:
     """One token of the vocabulary.
 
     Exactly one of ``role``, ``literal``-only, ``fuses`` or ``region`` describes what the
-    token is; ``validate`` (in the loader) enforces it.
+    token is; the catalog loader enforces it. ``choices`` are the only sizes a sized token
+    may take (a K/V axis of 1 or 2 planes); ``example`` and ``small`` are the sizes
+    ``kvlayout explain`` and its pictures use when none are given.
     """
 
     name: str
@@ -55,6 +70,9 @@ class Token:
     region: Region | None = None
     label: str | None = None
     keep_label: bool = False
+    choices: tuple[int, ...] = ()
+    example: int | None = None
+    small: int | None = None
 
     @property
     def parts(self) -> tuple[Token, ...]:

@@ -22,9 +22,10 @@ struct Sizes {
   std::int64_t hs;  // HS
   std::int64_t cs;  // CS
   std::int64_t np;  // NP
+  std::int64_t kv;  // KV
 };
 
-inline constexpr int kNumSizeFields = 8;
+inline constexpr int kNumSizeFields = 9;
 inline constexpr const char* kSizeFieldNames[kNumSizeFields] = {
     "NL",
     "NB",
@@ -34,12 +35,16 @@ inline constexpr const char* kSizeFieldNames[kNumSizeFields] = {
     "HS",
     "CS",
     "NP",
+    "KV",
 };
 
 // Sizes from values in kSizeFieldNames order.
 KVLAYOUT_HOST_DEVICE inline Sizes sizes_from(const std::int64_t* values) {
-  return Sizes{values[0], values[1], values[2], values[3], values[4], values[5], values[6], values[7]};
+  return Sizes{values[0], values[1], values[2], values[3], values[4], values[5], values[6], values[7], values[8]};
 }
+
+// The number of paged blocks (the block role's size): hand code asks for it by role.
+KVLAYOUT_HOST_DEVICE inline std::int64_t num_blocks(const Sizes& s) { return s.nb; }
 
 struct Coord {
   std::int64_t layer;
@@ -241,6 +246,17 @@ KVLAYOUT_HOST_DEVICE inline Location nl_x_nb_bs_nh_hs(const Sizes& s, std::int64
   return Location{c.layer, c.block * stride0 + c.token * stride1 + c.head * stride2 + c.elem * stride3};
 }
 
+// 19: NB_KV_NL_BS_NH_HS = [NB, KV, NL, BS, NH, HS]
+KVLAYOUT_HOST_DEVICE inline Location nb_kv_nl_bs_nh_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.nh;
+  const std::int64_t stride2 = stride3 * s.bs;
+  const std::int64_t stride1 = stride2 * s.nl;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.kv;
+  return Location{0, c.block * stride0 + c.kv * stride1 + c.layer * stride2 + c.token * stride3 + c.head * stride4 + c.elem * stride5};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -284,6 +300,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nl_x_np_x_nb_bs_one_hs(s, block_stride, c);
     case EngineKVFormat::NL_X_NB_BS_NH_HS:
       return indexing::nl_x_nb_bs_nh_hs(s, block_stride, c);
+    case EngineKVFormat::NB_KV_NL_BS_NH_HS:
+      return indexing::nb_kv_nl_bs_nh_hs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -422,6 +440,13 @@ template <>
 struct Indexer<EngineKVFormat::NL_X_NB_BS_NH_HS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nl_x_nb_bs_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_KV_NL_BS_NH_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_kv_nl_bs_nh_hs(s, block_stride, c);
   }
 };
 

@@ -214,7 +214,7 @@ struct PieceSpec {
 
 struct JobSpec {
   EngineKVFormat format;
-  Sizes sizes;                // sizes.nb block ids exist
+  Sizes sizes;                // num_blocks(sizes) block ids exist
   std::int64_t block_stride;  // elements; 0 = tight
   std::int64_t element_size;  // bytes
   std::int64_t kv_size;
@@ -241,7 +241,7 @@ inline std::uint32_t checked_u31(std::int64_t v, const char* what) {
 inline std::vector<Segment> build_segments(const JobSpec& job) {
   using detail::checked_u31;
   std::vector<Segment> out;
-  const std::int64_t blocks = job.sizes.nb;
+  const std::int64_t blocks = num_blocks(job.sizes);
   if (blocks < 1 || job.kv_size < 1 || job.num_layers < 1 || job.block_size < 1 || job.element_size < 1)
     detail::refuse("sizes must be positive");
   checked_u31(job.block_size * job.row_bytes, "a block's rows in a chunk");

@@ -3,7 +3,9 @@
 
 from dataclasses import dataclass
 
-__all__ = ["PageBufferShapeDesc"]
+from kvlayout.vocabulary import Role
+
+__all__ = ["DESCRIPTOR_ROLES", "PageBufferShapeDesc"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,3 +30,14 @@ class PageBufferShapeDesc:
     hs: int
     element_size: int
     block_stride_elems: int
+
+
+# The fields that hold a role's size, by field name.
+DESCRIPTOR_ROLES: dict[str, Role] = {
+    "kv_size": Role.KV,
+    "nl": Role.LAYER,
+    "nb": Role.BLOCK,
+    "bs": Role.TOKEN,
+    "nh": Role.HEAD,
+    "hs": Role.ELEMENT,
+}

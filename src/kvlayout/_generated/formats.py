@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvlayout.layout import Layout
 
-from .vocabulary import BS, BSS, BSV, CS, HS, NB, NBBS, NH, NL, NP, ONE, TWO
+from .vocabulary import BS, BSS, BSV, CS, HS, KV, NB, NBBS, NH, NL, NP, ONE, TWO
 
 __all__ = ["FORMAT_INFO", "LAYOUTS", "LAYOUTS_BY_NAME", "SIZE_SYMBOLS", "EngineKVFormat", "FormatInfo"]
 
@@ -52,6 +52,8 @@ class EngineKVFormat(enum.IntEnum):
     """``NL x NP x [NB, BS, 1, HS]``"""
     NL_X_NB_BS_NH_HS = 18
     """``NL x [NB, BS, NH, HS]``"""
+    NB_KV_NL_BS_NH_HS = 19
+    """``[NB, KV, NL, BS, NH, HS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +86,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NL_X_TWO_X_NB_BS_NH_HS: Layout(lists=(NL, TWO), tensor=(NB, BS, NH, HS)),
     EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS: Layout(lists=(NL, NP), tensor=(NB, BS, ONE, HS)),
     EngineKVFormat.NL_X_NB_BS_NH_HS: Layout(lists=(NL,), tensor=(NB, BS, NH, HS)),
+    EngineKVFormat.NB_KV_NL_BS_NH_HS: Layout(lists=(), tensor=(NB, KV, NL, BS, NH, HS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -150,8 +153,8 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         engines=("vllm",),
     ),
     EngineKVFormat.NL_X_NB_BSV_BSS: FormatInfo(
-        backends=("vLLM MLA (DSA indexer k-cache)",),
-        engines=("vllm",),
+        backends=("vLLM MLA (DSA indexer k-cache)", "SGLang DSA indexer k-cache"),
+        engines=("vllm", "sglang"),
     ),
     EngineKVFormat.NL_X_TWO_NB_NH_ONE_BS_HS: FormatInfo(
         backends=("vLLM-RBLN attention (HND layout)",),
@@ -169,7 +172,11 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         backends=("SGLang unified MP independent components",),
         engines=("sglang",),
     ),
+    EngineKVFormat.NB_KV_NL_BS_NH_HS: FormatInfo(
+        backends=("Modular MAX cross-layer",),
+        engines=("max",),
+    ),
 }
 
 # The sizes an indexer takes, in the order of the C++ ``Sizes`` struct.
-SIZE_SYMBOLS: tuple[str, ...] = ("NL", "NB", "BS", "NBBS", "NH", "HS", "CS", "NP")
+SIZE_SYMBOLS: tuple[str, ...] = ("NL", "NB", "BS", "NBBS", "NH", "HS", "CS", "NP", "KV")

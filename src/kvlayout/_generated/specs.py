@@ -8,7 +8,7 @@ from kvlayout.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -29,6 +29,7 @@ class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -92,6 +93,7 @@ class NL_X_TWO_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = False
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -156,6 +158,7 @@ class NL_X_NB_TWO_BS_NH_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -220,6 +223,7 @@ class NL_X_NB_BS_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -282,6 +286,7 @@ class TWO_X_NL_X_NBBS_NH_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = False
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -345,6 +350,7 @@ class NL_X_NBBS_ONE_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = False
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -406,6 +412,7 @@ class NL_X_TWO_NB_NH_BS_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = False
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -470,6 +477,7 @@ class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -534,6 +542,7 @@ class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -597,6 +606,7 @@ class TWO_X_NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -662,6 +672,7 @@ class NL_X_NB_NH_BS_TWO_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 2
 
@@ -727,6 +738,7 @@ class NL_X_NB_BS_NH_TWO_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 2
 
@@ -791,6 +803,7 @@ class NL_X_NB_NH_BS_CS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "CS"
     row_divisor = 1
 
@@ -855,6 +868,7 @@ class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "CS"
     row_divisor = 1
 
@@ -902,7 +916,7 @@ class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
 
 
 class NL_X_NB_BSV_BSS_Spec(KVFormatSpec):
-    """``NL x [NB, BSxVALS, BSxSCALES]``: vLLM MLA (DSA indexer k-cache)."""
+    """``NL x [NB, BSxVALS, BSxSCALES]``: vLLM MLA (DSA indexer k-cache); SGLang DSA indexer k-cache."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NL_X_NB_BSV_BSS
@@ -919,6 +933,7 @@ class NL_X_NB_BSV_BSS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = True
     row_symbol = None
     row_divisor = 1
 
@@ -980,6 +995,7 @@ class NL_X_TWO_NB_NH_ONE_BS_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = False
     has_leading_block_axis = False
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1044,6 +1060,7 @@ class NL_X_TWO_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = True
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1108,6 +1125,7 @@ class NL_X_NP_X_NB_BS_ONE_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = True
     is_single_kv = False
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1171,6 +1189,7 @@ class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_kv_second_tuple = False
     is_single_kv = True
     has_leading_block_axis = True
+    is_indexer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1217,6 +1236,71 @@ class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
         return [kv[layer].data_ptr() for layer in layers]
 
 
+class NB_KV_NL_BS_NH_HS_Spec(KVFormatSpec):
+    """``[NB, KV, NL, BS, NH, HS]``: Modular MAX cross-layer."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_KV_NL_BS_NH_HS
+    layout = LAYOUTS[EngineKVFormat.NB_KV_NL_BS_NH_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_KV_NL_BS_NH_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[2]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[3]
+
+    def kv_size(self) -> int:
+        return self.kv.shape[1]
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[5]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[4] * shape[5]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "KV": self.kv.shape[1],
+            "NL": self.kv.shape[2],
+            "BS": self.kv.shape[3],
+            "NH": self.kv.shape[4],
+            "HS": self.kv.shape[5],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -1238,4 +1322,5 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NL_X_TWO_X_NB_BS_NH_HS_Spec,
     NL_X_NP_X_NB_BS_ONE_HS_Spec,
     NL_X_NB_BS_NH_HS_Spec,
+    NB_KV_NL_BS_NH_HS_Spec,
 )

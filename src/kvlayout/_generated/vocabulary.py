@@ -3,19 +3,20 @@
 
 from kvlayout.vocabulary import Region, Role, Token, Vocabulary
 
-__all__ = ["BS", "BSS", "BSV", "CS", "HS", "NB", "NBBS", "NH", "NL", "NP", "ONE", "TWO", "VOCABULARY"]
+__all__ = ["BS", "BSS", "BSV", "CS", "HS", "KV", "NB", "NBBS", "NH", "NL", "NP", "ONE", "TWO", "VOCABULARY"]
 
-NL = Token(name="NL", meaning="number of layers; for a component list (one K or V tensor per entry) the number of registered tensors", role=Role.LAYER)
+NL = Token(name="NL", meaning="number of layers; for a component list (one K or V tensor per entry) the number of registered tensors", role=Role.LAYER, example=32, small=2)
 TWO = Token(name="TWO", meaning="the K/V pair: an axis of a tensor or a two-entry list level; when it sits inside a head's content (after the token and head axes) K and V are packed in one row", role=Role.KV, literal=2)
-NB = Token(name="NB", meaning="number of paged blocks", role=Role.BLOCK)
-BS = Token(name="BS", meaning="token slots per block (block size)", role=Role.TOKEN)
+NB = Token(name="NB", meaning="number of paged blocks", role=Role.BLOCK, example=2048, small=4)
+BS = Token(name="BS", meaning="token slots per block (block size)", role=Role.TOKEN, example=16, small=4)
 NBBS = Token(name="NBBS", meaning="NB and BS folded into one axis of NB*BS token slots (page buffer size)", fuses=(NB, BS), label="PBS")
-NH = Token(name="NH", meaning="number of KV heads", role=Role.HEAD)
-HS = Token(name="HS", meaning="head size, the elements of one head's K or V row", role=Role.ELEMENT)
+NH = Token(name="NH", meaning="number of KV heads", role=Role.HEAD, example=8, small=2)
+HS = Token(name="HS", meaning="head size, the elements of one head's K or V row", role=Role.ELEMENT, example=128, small=8)
 CS = Token(name="CS", meaning="content size: one head's row with K and V packed side by side (2*HS), or an opaque state row when an engine views other state through the same layout", fuses=(TWO, HS))
 ONE = Token(name="ONE", meaning="a singleton axis that addresses nothing (always index 0)", literal=1)
-NP = Token(name="NP", meaning="planes per layer, a tuple of tensors whose rows are concatenated into one token row (for example the latent and rope planes of an MLA layer)", role=Role.ELEMENT, keep_label=True)
+NP = Token(name="NP", meaning="planes per layer, a tuple of tensors whose rows are concatenated into one token row (for example the latent and rope planes of an MLA layer)", role=Role.ELEMENT, keep_label=True, example=2, small=2)
 BSV = Token(name="BSV", meaning="the value region of a blocked-scale page: the block's BS tokens, 128 value bytes each, stored before the scale region", region=Region(BS, 128), label="BSxVALS")
 BSS = Token(name="BSS", meaning="the scale region of a blocked-scale page: the block's BS tokens, one 4-byte scale each, stored after the value region", region=Region(BS, 4), label="BSxSCALES")
+KV = Token(name="KV", meaning="a K/V axis whose size the tensors give: 2 (K and V planes) or 1 (one latent plane, MLA)", role=Role.KV, choices=(1, 2), example=2, small=2)
 
-VOCABULARY = Vocabulary((NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS))
+VOCABULARY = Vocabulary((NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, KV))

@@ -1,4 +1,5 @@
-"""ATOM: one MLA tensor ``[NB, BS, HS]`` per layer; hints are not needed."""
+"""ATOM: one MLA tensor ``[NB, BS, HS]`` per layer; hints are not needed (a
+``kv_layout`` hint, default NHD, would choose between NHD and HND twins)."""
 
 from __future__ import annotations
 
@@ -12,4 +13,4 @@ ENGINE = EngineType.ATOM
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    return pick(ENGINE, probe(kv)), kv
+    return pick(ENGINE, probe(kv), decide=[("kv_layout", "is_hnd", bool(hints.is_hnd))]), kv

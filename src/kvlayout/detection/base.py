@@ -4,8 +4,9 @@ A detector never re-lists format facts. It measures the registration (list depth
 lengths, leaf shapes and dtype), states what its engine's hints decide (HND or NHD, a
 folded page buffer or not, where the K/V axis is), and :func:`pick` asks the layout
 algebra which of the engine's formats fits: same list depth, same tensor rank, every
-literal axis (``TWO``, ``ONE``) and literal list level the right size, a region width
-(``BSV_BSS``) matched in bytes, K/V pairs of equal shape.
+literal axis (a K/V pair of 2, a singleton) and literal list level the right size, an axis
+of bounded size (a K/V axis of 1 or 2) one of its sizes, a region width (a blocked-scale
+page) matched in bytes, K/V pairs of equal shape.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 from kvlayout.binding import RegistrationError
 from kvlayout.layout import Layout
 from kvlayout.nesting import describe_path
-from kvlayout.types import EngineType, LayoutHintError
+from kvlayout.types import ENGINE_LABELS, EngineType, LayoutHintError
 from kvlayout.vocabulary import Role
 
 __all__ = [
@@ -212,6 +213,7 @@ class FormatShape:
     fmt: EngineKVFormat
     layout: Layout
     fixed_axes: tuple[tuple[int, int], ...]  # (axis, size): literal axes and region widths
+    bounded_axes: tuple[tuple[int, tuple[int, ...]], ...]  # (axis, sizes it may take)
     fixed_levels: tuple[tuple[int, int], ...]  # (level, length): literal list levels
     kv_level: int | None  # a list level holding a K/V pair
     byte_rows: bool  # region widths count bytes: a raw uint8 page (the blocked-scale page)
@@ -245,9 +247,21 @@ def format_shape(fmt: EngineKVFormat) -> FormatShape:
         for i, level in enumerate(st.levels)
         if all(isinstance(f, int) for f in level.extent)
     )
-    kv_level = next((i for i, t in enumerate(layout.lists) if t.role is Role.KV), None)
+    bounded = tuple(
+        (axis, t.choices)
+        for symbol, axis in algebra.tensor_size_axes(layout)
+        for t in algebra.size_symbols(layout)
+        if t.name == symbol and t.choices
+    )
     return FormatShape(
-        fmt, layout, tuple(fixed), levels, kv_level, st.region_mode is not None, layout.axis_of("TWO")
+        fmt,
+        layout,
+        tuple(fixed),
+        bounded,
+        levels,
+        algebra.level_of(layout, Role.KV),
+        st.region_mode is not None,
+        layout.axis_of(Role.KV),
     )
 
 
@@ -284,6 +298,9 @@ def _fit(
         for axis, n in shape.fixed_axes:
             if leaf_shape[axis] != n:
                 return f"needs dim {axis} == {n} (got {leaf_shape[axis]})"
+        for axis, choices in shape.bounded_axes:
+            if leaf_shape[axis] not in choices:
+                return f"needs dim {axis} in {_or(choices)} (got {leaf_shape[axis]})"
     if shape.byte_rows and any(dtype != torch.uint8 for _, dtype in leaves):
         return f"is a page of raw bytes (regions counted in bytes), so needs torch.uint8 (got {leaves[0][1]})"
     if shape.kv_level is not None and shape.kv_level == len(lengths) - 1 and len(set(leaves)) > 1:
@@ -343,7 +360,7 @@ def _choose(
     shape: tuple[int, ...] | None,
     only: Callable[[FormatShape], bool] | None,
 ) -> tuple[EngineKVFormat | None, str]:
-    name = engine.display_name
+    name = ENGINE_LABELS[engine]
     rank = len(shape) if shape is not None else p.rank
     pool = engine_formats(engine) if formats is None else formats
     family = [s for s in map(format_shape, pool) if s.layout.list_depth == p.depth and s.rank == rank]
@@ -388,8 +405,16 @@ def _choose(
 
 # -- size hints -----------------------------------------------------------------------------
 
-SIZE_HINTS = (("num_kv_heads", "NH"), ("tokens_per_block", "BS"), ("head_dim", "HS"))
-"""Hints that give a size, and the token whose axis holds it."""
+SIZE_HINTS: tuple[tuple[str, Role], ...] = (
+    ("num_kv_heads", Role.HEAD),
+    ("tokens_per_block", Role.TOKEN),
+    ("head_dim", Role.ELEMENT),
+    ("num_layers", Role.LAYER),
+    ("total_num_blocks", Role.BLOCK),
+    ("kv_dim", Role.KV),
+)
+"""Hints that give a size, and the role whose axis holds it (``page_size`` is folded into
+``tokens_per_block`` when hints are read)."""
 
 
 def check_size_hints(
@@ -401,7 +426,7 @@ def check_size_hints(
     if conflict is not None:
         hint, wanted, symbol, read = conflict
         raise LayoutHintError(
-            f"{engine.display_name}: layout hint {hint}={wanted} contradicts {fmt.name}, whose {symbol} "
+            f"{ENGINE_LABELS[engine]}: layout hint {hint}={wanted} contradicts {fmt.name}, whose {symbol} "
             f"is {read} ({where})"
         )
 
@@ -410,12 +435,13 @@ def size_hint_conflict(
     fmt: EngineKVFormat, shape: Sequence[int], hints: Any
 ) -> tuple[str, int, str, int] | None:
     """The first size hint that ``fmt``'s reading of a leaf ``shape`` contradicts:
-    ``(hint, wanted, token, read)``; None when every hint given agrees."""
+    ``(hint, wanted, token, read)``; None when every hint given agrees (a hint whose
+    role has no axis of its own in the format is not read)."""
     layout = LAYOUTS[fmt]
-    for hint, symbol in SIZE_HINTS:
-        wanted, axis = getattr(hints, hint), layout.axis_of(symbol)
+    for hint, role in SIZE_HINTS:
+        wanted, axis = getattr(hints, hint), layout.axis_of(role)
         if wanted is not None and axis is not None and shape[axis] != wanted:
-            return hint, wanted, symbol, int(shape[axis])
+            return hint, wanted, layout.symbol_of(role) or role.value, int(shape[axis])
     return None
 
 
@@ -434,25 +460,22 @@ def unfolded_twin(engine: EngineType, fmt: EngineKVFormat) -> EngineKVFormat:
         f for f in engine_formats(engine) if not LAYOUTS[f].is_pbs_fused and key(LAYOUTS[f]) == key(layout)
     ]
     if len(twins) != 1:
-        raise DetectionError(f"{engine.display_name}: {fmt.name} has no unfolded twin among its formats")
+        raise DetectionError(f"{ENGINE_LABELS[engine]}: {fmt.name} has no unfolded twin among its formats")
     return twins[0]
 
 
 def unfold_shape(
     folded: Layout, twin: Layout, shape: Sequence[int], tokens_per_block: int
 ) -> tuple[int, ...]:
-    """The twin's leaf shape for a folded leaf, splitting NB*BS by ``tokens_per_block``."""
-    sizes: dict[str, int] = {}
-    for token, n in zip(folded.tensor, shape, strict=True):
-        if token.literal is not None:
-            continue
-        if not token.fuses:
-            sizes[token.name] = n
-            continue
-        if n % tokens_per_block:
-            raise DetectionError(
-                f"{token.shape_label} (NB*BS) {n} is not a multiple of tokens_per_block {tokens_per_block}"
-            )
-        for part in token.parts:
-            sizes[part.name] = tokens_per_block if part.role is Role.TOKEN else n // tokens_per_block
-    return twin.tensor_shape(sizes)
+    """The twin's leaf shape for a folded leaf, splitting its page axis (NB*BS) by
+    ``tokens_per_block``."""
+    sizes = {symbol: shape[axis] for symbol, axis in algebra.tensor_size_axes(folded)}
+    page = folded.size_of(sizes, Role.PAGE)
+    assert page is not None
+    if page % tokens_per_block:
+        label = folded.tensor[folded.axis_of(Role.PAGE) or 0].shape_label
+        raise DetectionError(
+            f"{label} (NB*BS) {page} is not a multiple of tokens_per_block {tokens_per_block}"
+        )
+    by_role = {Role.BLOCK: page // tokens_per_block, Role.TOKEN: tokens_per_block}
+    return twin.tensor_shape({**sizes, **algebra.sizes_by_role(twin, by_role)})

@@ -24,7 +24,15 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.nesting import first_leaf, leaves, not_a_kv_cache
 from kvlayout.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
 from kvlayout.registry import get_spec
-from kvlayout.types import DiscoverableKVCache, EngineLike, EngineType, HintsLike, LayoutHints, as_engine
+from kvlayout.types import (
+    DiscoverableKVCache,
+    EngineLike,
+    EngineType,
+    HintsLike,
+    LayoutHintError,
+    LayoutHints,
+    as_engine,
+)
 
 __all__ = ["detect", "normalize_and_discover_per_layer_formats", "normalize_kv_and_discover_format"]
 
@@ -105,6 +113,11 @@ def _discover(
         normalized = attempt_permute_to_contiguous_view(kv)
         validate(normalized)
     fmt, out = detector(normalized, hints)
+    if hints.layout_format is not None and hints.layout_format != fmt.name:
+        raise LayoutHintError(
+            f"layout hint layout_format={hints.layout_format!r} contradicts the registration, which "
+            f"{engine.value} registers as {fmt.name} ({LAYOUTS[fmt].describe_shape()})"
+        )
     if LAYOUTS[fmt].is_cross_layer:
         _check_blocks_outermost(kv, fmt)
     if _log.isEnabledFor(logging.DEBUG):

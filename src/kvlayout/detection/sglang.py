@@ -13,31 +13,53 @@ Quirks that live here and nowhere else:
   to MLA, which is why SGLang sends ``k_v``.)
 * ``tokens_per_block`` un-folds a page buffer into ``[NB, BS, ...]`` (the MP daemon's
   layouts), for MHA and MLA alike; LMCache ignores it for two-list registrations.
+* A DSA indexer key cache is a flat list of 2-D uint8 pages ``[pages, BS * W]``: SGLang
+  folds each page's tokens into the row. W is the width of the blocked-scale format's
+  record (the algebra's region width, 132 bytes), so BS is the row's width over W; each
+  page is re-viewed as the format's ``[NB, BS, W]`` (no hint needed; a
+  ``tokens_per_block`` given must agree). Mixed latent + indexer lists are detected per
+  layer group (``normalize_and_discover_per_layer_formats``).
+* ``kv_layout`` chooses between NHD and HND twins (a unified component cache of either
+  order); without it SGLang's caches are NHD.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
+from kvlayout.algebra import sizes_by_role
 from kvlayout.detection.base import (
+    Decision,
     DetectionError,
     Probe,
+    engine_formats,
+    match,
     pick,
     probe,
     unfold_shape,
     unfolded_twin,
 )
+from kvlayout.layout import Layout
 from kvlayout.nesting import leaves, map_leaves
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
+from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.SGLANG
+
+
+def _order(hints: LayoutHints) -> Decision:
+    return ("kv_layout", "is_hnd", bool(hints.is_hnd))
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     p = probe(kv)
     if p.depth == 0:
         raise DetectionError(f"SGLang registers lists of per-layer tensors, not one tensor ({p.describe()})")
+    if p.depth == 1 and p.rank == 2 and p.first.dtype == torch.uint8:
+        return _indexer(kv, p, hints)
     if hints.kv_list_layout == "unified":
         return _unified(kv, p, hints)
     if p.depth == 1 and hints.kv_list_layout == "k_v":
@@ -60,10 +82,10 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             "layout hint kv_list_layout says 'k_v' (K layers then V layers) or 'unified' (components)"
         )
     # A rank-3 leaf here is a folded page buffer; a rank-4 one (two lists) already has NB, BS.
-    fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3)])
+    fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])
     tpb = hints.tokens_per_block
     if tpb is None or not LAYOUTS[fmt].is_pbs_fused:
-        _check_block_size(fmt, p, tpb)
+        _check_block_size(fmt, p.shape, p, tpb)
         return fmt, kv
     twin = unfolded_twin(ENGINE, fmt)
     if not all(t.is_contiguous() for _, t in leaves(kv)):
@@ -83,15 +105,54 @@ def _unified(kv: Any, p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, Dis
         raise DetectionError(
             f"SGLang kv_list_layout='unified' expects a flat list of component tensors ({p.describe()})"
         )
-    fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", False)])
-    _check_block_size(fmt, p, hints.tokens_per_block)
+    fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", False), _order(hints)])
+    _check_block_size(fmt, p.shape, p, hints.tokens_per_block)
     return fmt, kv
 
 
-def _check_block_size(fmt: EngineKVFormat, p: Probe, tpb: int | None) -> None:
-    axis = LAYOUTS[fmt].axis_of("BS")
-    if tpb is not None and axis is not None and p.shape[axis] != tpb:
+def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    """DSA indexer pages ``[pages, BS * W]`` re-viewed as a blocked-scale format's leaves."""
+    widths, found = [], []
+    for fmt in engine_formats(ENGINE):
+        layout = LAYOUTS[fmt]
+        if not layout.is_indexer:
+            continue
+        width = _record_width(layout)
+        widths.append(width)
+        pages, row = p.shape
+        if row == 0 or row % width:
+            continue
+        shape = layout.tensor_shape(sizes_by_role(layout, {Role.BLOCK: pages, Role.TOKEN: row // width}))
+        if match(ENGINE, p, shape=shape, only=lambda s, f=fmt: s.fmt is f) is not None:  # type: ignore[misc]
+            found.append((fmt, shape))
+    if len(found) != 1:
+        what = "fits several formats" if found else "is not a positive multiple of any record width"
+        raise DetectionError(
+            f"SGLang: {p.describe()}: a flat list of 2-D uint8 tensors is a DSA indexer cache "
+            f"[pages, page_size * W] (W = {' or '.join(map(str, widths)) or 'none'}), but its row {what}"
+        )
+    fmt, shape = found[0]
+    _check_block_size(fmt, shape, p, hints.tokens_per_block)
+    if not all(t.is_contiguous() for t in kv):
+        raise DetectionError(
+            f"SGLang: {p.describe()}: an indexer page with padded rows cannot be split into its "
+            "tokens' records"
+        )
+    return fmt, [t.view(shape) for t in kv]
+
+
+def _record_width(layout: Layout) -> int:
+    """Elements of one token's record in a blocked-scale page (the region run's width)."""
+    axis = layout.axis_of(Role.REGION)
+    assert axis is not None
+    return layout.tensor_shape(sizes_by_role(layout, {Role.BLOCK: 1, Role.TOKEN: 1}))[axis]
+
+
+def _check_block_size(fmt: EngineKVFormat, shape: tuple[int, ...], p: Probe, tpb: int | None) -> None:
+    layout = LAYOUTS[fmt]
+    axis = layout.axis_of(Role.TOKEN)
+    if tpb is not None and axis is not None and shape[axis] != tpb:
         raise LayoutHintError(
-            f"SGLang: layout hint tokens_per_block={tpb} contradicts {fmt.name}, whose BS is "
-            f"{p.shape[axis]} ({p.describe()})"
+            f"SGLang: layout hint tokens_per_block={tpb} contradicts {fmt.name}, whose "
+            f"{layout.symbol_of(Role.TOKEN)} is {shape[axis]} ({p.describe()})"
         )

@@ -12,10 +12,13 @@ from __future__ import annotations
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.detection.base import SIZE_HINTS, DetectionError, check_size_hints, engine_formats, pick, probe
+from kvlayout.algebra import sizes_by_role
+from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, pick, probe
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
+from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.TRTLLM
+_ROW_HINTS = ("num_kv_heads", "tokens_per_block", "head_dim")  # what the flat pool row folds
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
@@ -34,13 +37,13 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     if p.rank == 4:
         kv = _unflatten(kv, hints)
         p = probe(kv)
-    fmt = pick(ENGINE, p)
+    fmt = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", True)])
     check_size_hints(ENGINE, fmt, p.shape, hints, f"pool shape {p.shape}")
     return fmt, kv
 
 
 def _unflatten(pool: Any, hints: LayoutHints) -> Any:
-    missing = [hint for hint, _ in SIZE_HINTS if getattr(hints, hint) is None]
+    missing = [hint for hint in _ROW_HINTS if getattr(hints, hint) is None]
     if missing:
         raise LayoutHintError(
             "TRT-LLM's 4-D pool [NB, NL, 2, NH*BS*HS] needs layout hints num_kv_heads, tokens_per_block "
@@ -57,5 +60,8 @@ def _unflatten(pool: Any, hints: LayoutHints) -> Any:
             f"tokens_per_block ({bs}) * head_dim ({hs}) = {nh * bs * hs}"
         )
     # The pool row folds the heads, tokens and head elements of TRT-LLM's cross-layer HND layout.
-    target = next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_cross_layer and LAYOUTS[f].is_hnd)
-    return pool.view(LAYOUTS[target].tensor_shape({"NB": nb, "NL": nl, "NH": nh, "BS": bs, "HS": hs}))
+    target = LAYOUTS[
+        next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_cross_layer and LAYOUTS[f].is_hnd)
+    ]
+    by_role = {Role.BLOCK: nb, Role.LAYER: nl, Role.HEAD: nh, Role.TOKEN: bs, Role.ELEMENT: hs}
+    return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))

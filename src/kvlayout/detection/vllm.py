@@ -41,6 +41,7 @@ from kvlayout.detection.base import (
 )
 from kvlayout.nesting import first_leaf
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
+from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.VLLM
 
@@ -94,7 +95,7 @@ def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineK
 
 def _rank4(kv: list[Any], p: Probe, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     fused = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", hnd)])
-    head = LAYOUTS[fused].axis_of("NH")
+    head = LAYOUTS[fused].axis_of(Role.HEAD)
     assert head is not None
     if p.shape[head] == 1:  # one head: is the row a blocked-scale page (the DSA indexer)?
         squeezed = p.shape[:head] + p.shape[head + 1 :]

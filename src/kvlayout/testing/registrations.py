@@ -2,11 +2,13 @@
 
 ``registrations()`` draws a :class:`RegistrationCase`: real CPU tensors shaped, strided
 and nested the way the engine registers them, its hints, and the format and geometry
-detection must find. Cases are built from explicit per-engine shapes (not from the
+detection must find. The cases are read from layouts.yaml: every engine a format lists, deprecated formats
+left out. Each known case is built from explicit per-engine shapes (not from the
 detectors) with random sizes, dtypes and allocations: separate tensors, layers sliced
 from one shared buffer, vLLM blocks-first views (``buf[:, layer]``, dim-0 padded),
 padded block rows, and HND allocations exposed through an NHD permuted view, as vLLM
-exposes them.
+exposes them. A format added later gets a case built from its layout, with the hints its
+engine sends for such a layout (:data:`ENGINE_HINTS`).
 """
 
 from __future__ import annotations
@@ -19,26 +21,44 @@ import torch
 from hypothesis import strategies as st
 
 from kvlayout import EngineKVFormat as F
-from kvlayout import layout_of
+from kvlayout import Layout, layout_of
+from kvlayout.algebra import kv_size, size_of, sizes_by_role
+from kvlayout.registry import format_info
+from kvlayout.vocabulary import Role
 
-__all__ = ["CASES", "FLOATS", "RegistrationCase", "flatten", "registrations", "sizes"]
+__all__ = ["CASES", "ENGINE_HINTS", "FLOATS", "RegistrationCase", "flatten", "registrations"]
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn)
 
-# (engine, format value) for every answer detection can give: all formats but 10 and 11.
-CASES: tuple[tuple[str, int], ...] = (
-    *(("vllm", v) for v in (0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 15, 16, 17)),
-    *(("sglang", v) for v in (3, 4, 5, 9, 18)),
-    ("trtllm", 8),
-    ("atom", 3),
+# (engine, format value) for every answer detection can give: each engine a format lists
+# in layouts.yaml, deprecated formats left out.
+CASES: tuple[tuple[str, int], ...] = tuple(
+    (engine, int(f)) for f in F if format_info(f).replaced_by is None for engine in format_info(f).engines
 )
+
+
+def _order(layout: Layout) -> dict[str, Any]:
+    return {"kv_layout": "HND" if layout.is_hnd else "NHD"}
+
+
+# The hints each engine sends with a registration of a layout (for cases built from it).
+ENGINE_HINTS: dict[str, Any] = {
+    "vllm": _order,
+    "sglang": lambda lay: {
+        **_order(lay),
+        **({"kv_list_layout": "unified"} if lay.is_layer_list and not lay.is_pbs_fused else {}),
+    },
+    "trtllm": _order,
+    "atom": _order,
+    "max": lambda lay: {},
+}
 
 
 @dataclass
 class RegistrationCase:
     """One registration and what detection must say about it (``nb``/``bs`` None where
     the format folds NB*BS; ``hs`` as the head-size accessor reports it; ``leaves`` the
-    tensors in pointer-table order)."""
+    tensors in pointer-table order; ``kv_size`` the chunk planes)."""
 
     engine: str
     fmt: F
@@ -53,11 +73,20 @@ class RegistrationCase:
     dtype: torch.dtype
     leaves: list[torch.Tensor] = field(default_factory=list)  # input tensors, pointer-table order
     how: str = ""
+    kv_size: int | None = None  # chunk planes (default: the layout's)
+
+    def __post_init__(self) -> None:
+        if self.kv_size is None:
+            static = layout_of(self.fmt).kv_size
+            assert static is not None, "a K/V axis of its own size: the builder says kv_size"
+            self.kv_size = static
 
     def __repr__(self) -> str:
         shapes = sorted({tuple(t.shape) for t in self.leaves})
-        name = type(self).__name__
-        return f"{name}({self.engine}, {self.fmt.name}, {self.how}, hints={self.hints}, leaf shapes={shapes})"
+        return (
+            f"{type(self).__name__}({self.engine}, {self.fmt.name}, {self.how}, "
+            f"hints={self.hints}, leaf shapes={shapes})"
+        )
 
 
 def _alloc(shape: tuple[int, ...], dtype: torch.dtype, n: int, mode: str) -> list[torch.Tensor]:
@@ -99,7 +128,8 @@ def registrations(draw: st.DrawFn, engine: str | None = None, value: int | None 
     nl, nb, bs, nh, hs = s["NL"], s["NB"], s["BS"], s["NH"], s["HS"]
     dtype = draw(st.sampled_from(FLOATS))
     fmt = F(value)
-    case: RegistrationCase = _BUILDERS[(engine, value)](draw, engine, fmt, nl, nb, bs, nh, hs, dtype)
+    builder = _BUILDERS.get((engine, value), _from_layout)
+    case: RegistrationCase = builder(draw, engine, fmt, nl, nb, bs, nh, hs, dtype)
     return case
 
 
@@ -299,6 +329,63 @@ def _atom(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: i
     return RegistrationCase(engine, fmt, leaves, {}, nl, nb, bs, nb * bs, 1, hs, dtype, leaves, "mla")
 
 
+def _sglang_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                    dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """SGLang's DSA indexer pages: 2-D uint8 ``[pages, page_size * 132]``."""
+    leaves = _alloc((nb, bs * 132), torch.uint8, nl, draw(st.sampled_from(["separate", "shared"])))
+    hints: dict[str, Any] = draw(st.sampled_from([{}, {"tokens_per_block": bs}]))
+    return RegistrationCase(
+        engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, leaves, "indexer pages"
+    )
+
+
+def _max(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+         dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """MAX's one buffer ``[NB, KV, NL, BS, NH, HS]``, KV 2 (or 1 and one head: MLA)."""
+    kvd = draw(st.sampled_from([1, 2]))
+    heads = nh if kvd == 2 else 1
+    (t,) = _alloc((nb, kvd, nl, bs, heads, hs), dtype, 1, draw(st.sampled_from(["separate", "padded3"])))
+    kv: Any = [t] if draw(st.booleans()) else t
+    sent = {"layout_format": fmt.name, "num_layers": nl, "kv_dim": kvd, "tokens_per_block": bs,
+            "page_size": bs, "num_kv_heads": heads, "head_dim": hs, "total_num_blocks": nb}  # fmt: skip
+    hints = draw(st.sampled_from([{}, sent]))
+    return RegistrationCase(
+        engine, fmt, kv, hints, nl, nb, bs, nb * bs, heads, hs, dtype, [t], f"kv_dim={kvd}", kv_size=kvd
+    )
+
+
+def _from_layout(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                 dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """A format with no builder of its own: tensors of the layout's shape, nested as its
+    list levels say, with the hints the engine sends for such a layout."""
+    layout = layout_of(fmt)
+    roles = {Role.LAYER: nl, Role.BLOCK: nb, Role.TOKEN: bs, Role.HEAD: nh, Role.ELEMENT: hs, Role.KV: 2}
+    sizes = sizes_by_role(layout, roles)
+    if layout.is_indexer:
+        dtype = torch.uint8
+    shape = layout.tensor_shape(sizes)
+    lengths = layout.list_shape(sizes)
+    mode = _modes(draw, layout.has_leading_block_axis and bool(lengths))
+    leaves = _alloc(shape, dtype, max(1, len(layout.pointer_order(sizes))), mode)
+
+    def nest(level: int, items: list[torch.Tensor]) -> Any:
+        if level == len(lengths):
+            return items[0]
+        step = len(items) // lengths[level]
+        return [nest(level + 1, items[i * step : (i + 1) * step]) for i in range(lengths[level])]
+
+    kv = nest(0, leaves)
+    heads = layout.num_heads(sizes)
+    page = size_of(layout, sizes, Role.PAGE)
+    assert page is not None
+    unfolded = layout.axis_of(Role.BLOCK) is not None
+    return RegistrationCase(
+        engine, fmt, kv, ENGINE_HINTS[engine](layout), size_of(layout, sizes, Role.LAYER) or 1,
+        nb if unfolded else None, bs if unfolded else None, page, heads, layout.head_size(sizes), dtype,
+        leaves, f"from the layout, {mode}", kv_size=kv_size(layout, sizes),
+    )  # fmt: skip
+
+
 _BUILDERS: dict[tuple[str, int], Builder] = {
     **{("vllm", v): _vllm_per_layer for v in (1, 2, 6, 7, 15)},
     ("vllm", 0): _vllm_cross_layer,
@@ -310,8 +397,10 @@ _BUILDERS: dict[tuple[str, int], Builder] = {
     ("vllm", 16): _vllm_kv_tuples,
     ("vllm", 17): _vllm_planes,
     **{("sglang", v): _sglang for v in (3, 4, 5, 9, 18)},
+    ("sglang", 14): _sglang_indexer,
     ("trtllm", 8): _trtllm,
     ("atom", 3): _atom,
+    ("max", 19): _max,
 }
 
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kvlayout import EngineKVFormat, Layout, layout_of, parse
-from kvlayout.algebra import Coord
+from kvlayout.algebra import Coord, kv_size, size_of, size_symbols
 from kvlayout.errors import KVLayoutError
+from kvlayout.vocabulary import Role
 
 __all__ = ["coords_for", "layout_names", "layouts", "sizes_for"]
 
@@ -32,9 +33,13 @@ def layout_names(draw: st.DrawFn) -> str:
     if draw(st.booleans()):
         axes.append("ONE")
     lists: list[str] = []
-    kv_place = draw(st.sampled_from(["none", "tensor", "outer", "inner"])) if element == "HS" else "none"
+    kv_place = (
+        draw(st.sampled_from(["none", "tensor", "sized", "outer", "inner"])) if element == "HS" else "none"
+    )
     if kv_place == "tensor":
         axes.append("TWO")
+    if kv_place == "sized":  # a K/V axis of 1 or 2 planes (MAX)
+        axes.append("KV")
     layer_in_tensor = draw(st.booleans())
     if layer_in_tensor:
         axes.append("NL")
@@ -52,8 +57,6 @@ def layout_names(draw: st.DrawFn) -> str:
 
 @st.composite
 def layouts(draw: st.DrawFn, *, catalog_only: bool = False) -> Layout:
-    """A catalog format's layout, or (unless ``catalog_only``) one parsed from
-    :func:`layout_names`."""
     if catalog_only or draw(st.booleans()):
         return layout_of(draw(st.sampled_from(FORMATS)))
     name = draw(layout_names())
@@ -68,29 +71,55 @@ def layouts(draw: st.DrawFn, *, catalog_only: bool = False) -> Layout:
 
 @st.composite
 def sizes_for(draw: st.DrawFn, layout: Layout, *, max_side: int = 5) -> dict[str, int]:
-    """Positive sizes for every token a layout needs (fused sizes derived)."""
+    """Positive sizes for every sized token the layout names, by what the token is: its
+    choices (a K/V axis), 1..3 planes for a list level of row planes, a side otherwise.
+    A page axis (NB*BS) is left to its parts; a row that packs K/V beside a literal (CS)
+    is sometimes given on its own (an opaque state row, not 2*HS)."""
     side = st.integers(1, max_side)
-    sizes = {
-        "NL": draw(side),
-        "NB": draw(side),
-        "BS": draw(side),
-        "NH": draw(side),
-        "HS": draw(side),
-        "NP": draw(st.integers(1, 3)),
-    }
-    if draw(st.booleans()):
-        sizes["CS"] = draw(side)  # an opaque state row, not 2*HS
+    planes = {t.name for t in layout.lists if t.role is Role.ELEMENT}
+    sizes: dict[str, int] = {}
+    for t in size_symbols(layout):
+        if t.fuses:
+            if any(p.literal is not None for p in t.fuses) and draw(st.booleans()):
+                sizes[t.name] = draw(side)
+        elif t.choices:
+            sizes[t.name] = draw(st.sampled_from(t.choices))
+        elif t.name in planes:
+            sizes[t.name] = draw(st.integers(1, 3))
+        else:
+            sizes[t.name] = draw(side)
     return sizes
+
+
+def fixed_sizes(layout: Layout, sides: tuple[int, ...] = (2, 3)) -> dict[str, int]:
+    """Deterministic sizes for every sized token a layout needs: the largest choice, 2
+    planes, else ``sides`` in turn (distinct neighbours show a wrong axis)."""
+    planes = {t.name for t in layout.lists if t.role is Role.ELEMENT}
+    sizes: dict[str, int] = {}
+    for i, t in enumerate(u for u in size_symbols(layout) if not u.fuses):
+        sizes[t.name] = max(t.choices) if t.choices else 2 if t.name in planes else sides[i % len(sides)]
+    return sizes
+
+
+def role_size(layout: Layout, sizes: dict[str, int], role: Role) -> int:
+    """A role's size under sizes that give it (1 where the layout has no such role)."""
+    n = size_of(layout, sizes, role)
+    return 1 if n is None else n
+
+
+def coord_ranges(layout: Layout, sizes: dict[str, int]) -> list[range]:
+    """The range of each coordinate field (layer, kv, block, token, head, elem)."""
+    return [
+        range(role_size(layout, sizes, Role.LAYER)),
+        range(kv_size(layout, sizes)),
+        range(role_size(layout, sizes, Role.BLOCK)),
+        range(role_size(layout, sizes, Role.TOKEN)),
+        range(layout.num_heads(sizes)),
+        range(layout.head_size(sizes)),
+    ]
 
 
 @st.composite
 def coords_for(draw: st.DrawFn, layout: Layout, sizes: dict[str, int]) -> Coord:
     """A coordinate inside the layout's logical space."""
-    return Coord(
-        layer=draw(st.integers(0, sizes["NL"] - 1)),
-        kv=draw(st.integers(0, layout.kv_size - 1)),
-        block=draw(st.integers(0, sizes["NB"] - 1)),
-        token=draw(st.integers(0, sizes["BS"] - 1)),
-        head=draw(st.integers(0, layout.num_heads(sizes) - 1)),
-        elem=draw(st.integers(0, layout.head_size(sizes) - 1)),
-    )
+    return Coord(*(draw(st.sampled_from(r)) for r in coord_ranges(layout, sizes)))

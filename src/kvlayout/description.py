@@ -1,0 +1,480 @@
+"""A layout as plain data for tools: axes, list levels, K/V placement, stride overrides.
+
+:func:`describe` turns any layout (a format or a parsed name) into a
+:class:`LayoutDescription`: its physical dims outermost first, each a fold of logical
+axes (``(B, N)`` is a page axis of NB*BS slots, ``(KV, C)`` a row holding K and V side by
+side, ``()`` a size-1 dim that addresses nothing), the list levels around them, how the
+K/V pair is stored, and per-dim stride overrides (a padded block stride). Every fact is
+derived from that structure, and :func:`to_engine_kv_format` maps a description back to
+its format, so a tool can build one by hand and ask which format it is.
+
+This is LMCache's ``KVLayoutDescriptor`` (its branch ``kv_format/descriptor.py``) read off
+kvlayout's layouts; :meth:`LayoutDescription.to_dict` is the JSON form ``kvlayout
+describe`` prints. ``kv_layout_axes`` reads vLLM's layout spellings (``LBNHC``...) as an
+order of these axes; the hint names kvlayout accepts are derived from it.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from kvlayout import algebra
+from kvlayout.errors import KVLayoutError
+from kvlayout.layout import FACTS, Layout
+from kvlayout.vocabulary import Role, Token
+
+if TYPE_CHECKING:
+    from kvlayout._generated.formats import EngineKVFormat
+
+__all__ = [
+    "BLOCKS_FIRST_KV_LAYOUTS",
+    "HND_KV_LAYOUTS",
+    "KV_LAYOUT_ALIASES",
+    "KV_LAYOUT_NAMES",
+    "Axis",
+    "DescriptionError",
+    "Grouping",
+    "KVPacking",
+    "LayoutDescription",
+    "RegionPart",
+    "describe",
+    "kv_layout_axes",
+    "to_engine_kv_format",
+]
+
+
+class DescriptionError(KVLayoutError):
+    """A description that is not a layout, or a layout spelling that is not an order of axes."""
+
+
+class Axis(enum.Enum):
+    """A logical axis (the value is its letter in vLLM's layout spellings)."""
+
+    KV = "KV"  # the K/V pair
+    L = "L"  # layers
+    B = "B"  # blocks
+    N = "N"  # token slots of a block
+    H = "H"  # KV heads
+    C = "C"  # a head's row content (HS, or 2*HS with K and V packed in it)
+
+
+class Grouping(enum.Enum):
+    """How the tensors of a registration are nested (list levels, outermost first)."""
+
+    SINGLE_TENSOR = "single_tensor"  # one tensor holds every layer
+    PER_LAYER = "per_layer"  # one tensor per layer
+    KV_LISTS = "kv_lists"  # [K layers, V layers]
+    PER_LAYER_KV_PAIRS = "per_layer_kv_pairs"  # one (K, V) tuple per layer
+    PER_LAYER_PLANE_TUPLES = "per_layer_plane_tuples"  # one tuple of row planes per layer
+
+
+class KVPacking(enum.Enum):
+    """Where K and V are."""
+
+    SPLIT = "split"  # a K/V axis or list level of its own: chunks hold K and V apart
+    FUSED = "fused"  # inside a head's row, after the token and head axes
+    SHARED = "shared"  # one latent plane, no K/V and no heads (MLA)
+    SINGLE = "single"  # one of K or V per tensor (heads, no pair)
+
+
+@dataclass(frozen=True, slots=True)
+class RegionPart:
+    """One region of a blocked page's row (values, then scales), ``width`` elements per token."""
+
+    name: str
+    width: int
+
+
+_ROLE_AXIS = {
+    Role.LAYER: Axis.L,
+    Role.KV: Axis.KV,
+    Role.BLOCK: Axis.B,
+    Role.TOKEN: Axis.N,
+    Role.HEAD: Axis.H,
+    Role.ELEMENT: Axis.C,
+}
+_GROUPING_LISTS = {
+    (): Grouping.SINGLE_TENSOR,
+    (Axis.L,): Grouping.PER_LAYER,
+    (Axis.KV, Axis.L): Grouping.KV_LISTS,
+    (Axis.L, Axis.KV): Grouping.PER_LAYER_KV_PAIRS,
+    (Axis.L, Axis.C): Grouping.PER_LAYER_PLANE_TUPLES,
+}
+
+
+def _frozen(mapping: Mapping[Any, int]) -> Mapping[Any, int]:
+    return MappingProxyType(dict(mapping))
+
+
+@dataclass(frozen=True)
+class LayoutDescription:
+    """A physical KV-cache layout as data (see the module docstring).
+
+    ``dims`` are the leaf tensor's dims, outermost first, each a fold of axes (row-major);
+    ``lists`` the axis each list level carries (``C`` for a level of row planes);
+    ``extents`` the sizes known (literal axes always; the rest when sizes were given);
+    ``dim_strides`` sparse stride overrides in elements (missing = tight); ``regions``
+    the parts of a blocked page's row. Checked on construction (:class:`DescriptionError`).
+    """
+
+    grouping: Grouping
+    kv_packing: KVPacking
+    lists: tuple[Axis, ...]
+    dims: tuple[tuple[Axis, ...], ...]
+    extents: Mapping[Axis, int] = field(default_factory=dict)
+    dim_strides: Mapping[int, int] = field(default_factory=dict)
+    regions: tuple[RegionPart, ...] = ()
+    storage_dtype: str = ""
+    name: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "extents", _frozen(self.extents))
+        object.__setattr__(self, "dim_strides", _frozen(self.dim_strides))
+        _validate(self)
+
+    # -- where things are ---------------------------------------------------------
+
+    def axis_dim(self, axis: Axis) -> int | None:
+        """The dim holding ``axis`` (alone or folded), or None."""
+        return next((i for i, fold in enumerate(self.dims) if axis in fold), None)
+
+    def dim_extent(self, index: int) -> int:
+        """The size of dim ``index`` (the product of its fold; ``()`` is 1)."""
+        fold = self.dims[index]
+        missing = [a.value for a in fold if a not in self.extents]
+        if missing:
+            raise DescriptionError(f"dim {index} {_fold(fold)} needs an extent for {', '.join(missing)}")
+        return math.prod(self.extents[a] for a in fold)
+
+    def resolved_strides(self) -> tuple[int, ...]:
+        """Each dim's stride in elements: tight, inner to outer, except where overridden
+        (an override shifts every outer dim, as a padded block does)."""
+        strides = [0] * len(self.dims)
+        running = 1
+        for i in range(len(self.dims) - 1, -1, -1):
+            running = self.dim_strides.get(i, running)
+            strides[i] = running
+            running *= self.dim_extent(i)
+        return tuple(strides)
+
+    def with_block_stride(self, block_stride: int) -> LayoutDescription:
+        """The description with its block dim's stride overridden (0 drops the override)."""
+        b = self.axis_dim(Axis.B)
+        if b is None or self.dims[b] != (Axis.B,):
+            where = "no dim" if b is None else f"dim {b} {_fold(self.dims[b])}"
+            raise DescriptionError(
+                f"a block stride needs the blocks on a plain dim of their own, not {where}"
+            )
+        if isinstance(block_stride, bool) or not isinstance(block_stride, int) or block_stride < 0:
+            raise DescriptionError(f"a block stride is a non-negative int, got {block_stride!r}")
+        strides = {k: v for k, v in self.dim_strides.items() if k != b}
+        if block_stride:
+            strides[b] = block_stride
+        return replace(self, dim_strides=strides)
+
+    @property
+    def kv_placement(self) -> str:
+        """``list level i``, ``dim i``, ``inside dim i`` (packed in the row) or ``none``."""
+        if Axis.KV in self.lists:
+            return f"list level {self.lists.index(Axis.KV)}"
+        d = self.axis_dim(Axis.KV)
+        if d is None:
+            return "none"
+        return (
+            f"inside dim {d}" if self.kv_packing is KVPacking.FUSED and len(self.dims[d]) > 1 else f"dim {d}"
+        )
+
+    # -- facts, from the structure alone ------------------------------------------------
+
+    @property
+    def is_cross_layer(self) -> bool:
+        return self.grouping is Grouping.SINGLE_TENSOR
+
+    @property
+    def is_kv_list(self) -> bool:
+        return self.grouping is Grouping.KV_LISTS
+
+    @property
+    def is_layer_list(self) -> bool:
+        return self.grouping in (
+            Grouping.PER_LAYER,
+            Grouping.PER_LAYER_KV_PAIRS,
+            Grouping.PER_LAYER_PLANE_TUPLES,
+        )
+
+    @property
+    def is_kv_second_tuple(self) -> bool:
+        return self.grouping in (Grouping.PER_LAYER_KV_PAIRS, Grouping.PER_LAYER_PLANE_TUPLES)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.kv_packing is KVPacking.SHARED
+
+    @property
+    def is_single_kv(self) -> bool:
+        return self.kv_packing is KVPacking.SINGLE
+
+    @property
+    def is_fused_packed(self) -> bool:
+        return self.kv_packing is KVPacking.FUSED
+
+    @property
+    def is_hnd(self) -> bool:
+        h, n = self.axis_dim(Axis.H), self.axis_dim(Axis.N)
+        return h is not None and n is not None and h < n and self.dims[h] == (Axis.H,)
+
+    @property
+    def is_two_major(self) -> bool:
+        kv, b = self.axis_dim(Axis.KV), self.axis_dim(Axis.B)
+        return self.kv_packing is KVPacking.SPLIT and kv is not None and b is not None and kv < b
+
+    @property
+    def is_pbs_fused(self) -> bool:
+        return any(Axis.B in fold and Axis.N in fold for fold in self.dims)
+
+    @property
+    def has_leading_block_axis(self) -> bool:
+        return bool(self.dims) and self.dims[0] == (Axis.B,)
+
+    @property
+    def is_indexer(self) -> bool:
+        return bool(self.regions)
+
+    @property
+    def kv_size(self) -> int | None:
+        """Planes per chunk row: the K/V pair's extent when split (None if unknown), else 1."""
+        return self.extents.get(Axis.KV) if self.kv_packing is KVPacking.SPLIT else 1
+
+    def key(self) -> tuple[object, ...]:
+        """What identifies the format: the structure, not extents, dtypes or strides."""
+        return (self.grouping, self.kv_packing, self.lists, self.dims, tuple(r.width for r in self.regions))
+
+    def to_dict(self) -> dict[str, object]:
+        """The JSON form (what ``kvlayout describe`` prints)."""
+        try:
+            strides: list[int] | None = list(self.resolved_strides())
+        except DescriptionError:
+            strides = None
+        return {
+            "name": self.name,
+            "grouping": self.grouping.value,
+            "kv_packing": self.kv_packing.value,
+            "kv_placement": self.kv_placement,
+            "lists": [a.value for a in self.lists],
+            "dims": [[a.value for a in fold] for fold in self.dims],
+            "extents": {a.value: n for a, n in self.extents.items()},
+            "strides": strides,
+            "dim_strides": {str(k): v for k, v in sorted(self.dim_strides.items())},
+            "regions": [{"name": r.name, "width": r.width} for r in self.regions],
+            "storage_dtype": self.storage_dtype,
+            "facts": {name: bool(getattr(self, name)) for name in FACTS},
+        }
+
+
+def _fold(fold: tuple[Axis, ...]) -> str:
+    return "(" + ", ".join(a.value for a in fold) + ")"
+
+
+def _validate(d: LayoutDescription) -> None:
+    """The checks of LMCache's descriptor, in its order."""
+    seen: dict[Axis, int] = {}
+    for i, fold in enumerate(d.dims):
+        if not isinstance(fold, tuple):
+            raise DescriptionError(f"dim {i} is a {type(fold).__name__}, not a tuple of axes (a fold)")
+        for a in fold:
+            if not isinstance(a, Axis):
+                raise DescriptionError(f"dim {i} holds {a!r}, not an Axis")
+            if a in seen:
+                raise DescriptionError(f"axis {a.value} is in more than one dim ({seen[a]} and {i})")
+            seen[a] = i
+    if Axis.C not in seen and Axis.C not in d.lists:
+        raise DescriptionError("a layout needs the content axis C in its dims")
+    both = [a.value for a in d.lists if a in seen and a is not Axis.C]
+    if both:
+        raise DescriptionError(f"axis {both[0]} is both a dim and a list level")
+    kv_anywhere = Axis.KV in seen or Axis.KV in d.lists
+    if d.kv_packing in (KVPacking.SHARED, KVPacking.SINGLE) and kv_anywhere:
+        raise DescriptionError(f"{d.kv_packing.name} has no K/V pair, but KV is in its dims or lists")
+    if d.kv_packing is KVPacking.SPLIT and not kv_anywhere:
+        raise DescriptionError("SPLIT needs KV as a dim, or a KV_LISTS or PER_LAYER_KV_PAIRS grouping")
+    if d.kv_packing is KVPacking.FUSED:
+        kv = seen.get(Axis.KV)
+        if kv is None or any(seen.get(a, -1) > kv for a in (Axis.N, Axis.H)):
+            raise DescriptionError("FUSED needs KV in the dims, inner to the token and head axes")
+    if _GROUPING_LISTS.get(d.lists) is not d.grouping:
+        lists = "".join(f"[{a.value}]" for a in d.lists) or "none"
+        raise DescriptionError(f"list levels {lists} are not the {d.grouping.name} grouping")
+    for k in d.dim_strides:
+        if not 0 <= k < len(d.dims):
+            raise DescriptionError(f"a stride override for dim {k} is out of range for {len(d.dims)} dims")
+    for a, n in d.extents.items():
+        if not isinstance(a, Axis):
+            raise DescriptionError(f"extents key {a!r} is not an Axis")
+        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+            raise DescriptionError(f"extent of {a.value} must be a positive int, got {n!r}")
+
+
+# -- from a layout ---------------------------------------------------------------------
+
+
+def _axis(token: Token) -> Axis:
+    assert token.role is not None
+    return _ROLE_AXIS[token.role]
+
+
+def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int], tuple[RegionPart, ...]]:
+    """The dims, the extents literals fix, and the region parts."""
+    heads = algebra.symbol_of(layout, Role.HEAD) is not None
+    dims: list[tuple[Axis, ...]] = []
+    extents: dict[Axis, int] = {}
+    regions: list[RegionPart] = []
+    for token in layout.tensor:
+        if token.region is not None:
+            if not regions:
+                dims.extend([(Axis.N,), (Axis.C,)])
+            regions.append(RegionPart(token.name, token.region.width))
+            continue
+        fold: list[Axis] = []
+        for part in token.parts:
+            if part.role is not None:
+                fold.append(_axis(part))
+                if part.literal is not None:
+                    extents[_axis(part)] = part.literal
+            elif not heads:  # a singleton where a head axis would be: the one head
+                fold.append(Axis.H)
+                extents[Axis.H] = 1
+        dims.append(tuple(fold))
+    if regions:
+        extents[Axis.C] = sum(r.width for r in regions)
+    return tuple(dims), extents, tuple(regions)
+
+
+def _packing(layout: Layout) -> KVPacking:
+    if layout.is_fused_packed:
+        return KVPacking.FUSED
+    if layout.has_kv:
+        return KVPacking.SPLIT
+    return KVPacking.SINGLE if layout.is_single_kv else KVPacking.SHARED
+
+
+def describe(
+    layout: Layout | EngineKVFormat | int | str,
+    sizes: Mapping[str, int] | None = None,
+    *,
+    storage_dtype: str = "",
+    block_stride: int | None = None,
+) -> LayoutDescription:
+    """The description of a format (enum, value or name) or a parsed layout.
+
+    ``sizes`` (token names, as everywhere) fill in the extents; ``block_stride`` (elements
+    between blocks of dim 0) overrides the block dim's stride when it is not tight.
+    """
+    if isinstance(layout, str) and not _known(layout):
+        from kvlayout.parser import parse
+
+        layout = parse(layout)
+    elif not isinstance(layout, Layout):
+        from kvlayout.registry import layout_of
+
+        layout = layout_of(layout)
+    dims, extents, regions = _dims(layout)
+    for level in layout.lists:  # a literal list level (the [K, V] pair) fixes its extent
+        if level.literal is not None:
+            extents[_axis(level)] = level.literal
+    if sizes:
+        s = algebra.resolve_sizes(layout, sizes)
+        for role, axis in _ROLE_AXIS.items():
+            n = algebra.size_of(layout, s, role)
+            if n is not None and axis not in extents:
+                extents[axis] = n
+        packed = next((t for t in layout.tensor if t.fuses and set(t.roles) == {Role.KV, Role.ELEMENT}), None)
+        if Axis.C not in extents and packed is not None and s.get(packed.name, 1) % 2 == 0:
+            extents[Axis.C] = s[packed.name] // 2  # K and V side by side in the row
+    lists = tuple(_axis(t) for t in layout.lists)
+    desc = LayoutDescription(
+        grouping=_GROUPING_LISTS.get(lists, Grouping.PER_LAYER),
+        kv_packing=_packing(layout),
+        lists=lists,
+        dims=dims,
+        extents=extents,
+        regions=regions,
+        storage_dtype=storage_dtype,
+        name=str(layout),
+    )
+    return desc.with_block_stride(block_stride) if block_stride else desc
+
+
+def _known(name: str) -> bool:
+    from kvlayout._generated.formats import EngineKVFormat
+
+    return name in EngineKVFormat.__members__
+
+
+def to_engine_kv_format(desc: LayoutDescription) -> EngineKVFormat:
+    """The format whose structure the description has (extents, dtypes and stride
+    overrides do not matter); :class:`DescriptionError` when no format has it."""
+    from kvlayout._generated.formats import LAYOUTS
+
+    for fmt, layout in LAYOUTS.items():
+        if describe(layout).key() == desc.key():
+            return fmt
+    dims = " ".join(_fold(f) for f in desc.dims)
+    raise DescriptionError(
+        "no EngineKVFormat member has this structure "
+        f"({desc.grouping.name}, {desc.kv_packing.name}, dims {dims})"
+    )
+
+
+# -- vLLM's layout spellings -------------------------------------------------------------
+
+KV_LAYOUT_ALIASES: Mapping[str, str] = MappingProxyType({"NHD": "LBNHC", "HND": "LBHNC"})
+"""LMCache's short names for vLLM's per-layer spellings."""
+
+_ORDER_AXES = (Axis.L, Axis.B, Axis.N, Axis.H, Axis.C)
+
+
+def kv_layout_axes(name: str) -> tuple[Axis, ...]:
+    """vLLM's layout spelling (``LBNHC``, ``BLHNC``, or LMCache's ``NHD``/``HND``) as
+    axes, outermost first; :class:`DescriptionError` unless it orders L, B, N, H, C."""
+    if not isinstance(name, str):
+        raise TypeError(f"a kv_layout is a str, not {type(name).__name__}")
+    letters = KV_LAYOUT_ALIASES.get(name, name)
+    by_letter = {a.value: a for a in _ORDER_AXES}
+    axes = tuple(by_letter.get(ch) for ch in letters)
+    if len(axes) != len(_ORDER_AXES) or None in axes or len(set(axes)) != len(axes):
+        raise DescriptionError(f"kv_layout {name!r} is not an ordering of L, B, H, N, C")
+    return axes  # type: ignore[return-value]
+
+
+def transferable(axes: tuple[Axis, ...]) -> bool:
+    """A block's token run holds every head's row: the tokens and heads are inner to the
+    layers and blocks, and the content innermost."""
+    pos = {a: i for i, a in enumerate(axes)}
+    return pos[Axis.C] == len(axes) - 1 and min(pos[Axis.N], pos[Axis.H]) > max(pos[Axis.L], pos[Axis.B])
+
+
+def _spelling(axes: tuple[Axis, ...]) -> str:
+    return "".join(a.value for a in axes)
+
+
+KV_LAYOUT_NAMES: tuple[str, ...] = (
+    *KV_LAYOUT_ALIASES,
+    *sorted(_spelling(p) for p in itertools.permutations(_ORDER_AXES) if transferable(p)),
+)
+"""Every ``kv_layout`` hint kvlayout accepts: the aliases, then vLLM's transferable spellings."""
+
+HND_KV_LAYOUTS: frozenset[str] = frozenset(
+    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.H) < kv_layout_axes(n).index(Axis.N)
+)
+"""The spellings with heads before tokens inside a block."""
+
+BLOCKS_FIRST_KV_LAYOUTS: frozenset[str] = frozenset(
+    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.B) < kv_layout_axes(n).index(Axis.L)
+)
+"""The spellings whose blocks are outer to layers (a layer's block step spans every layer)."""

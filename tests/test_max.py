@@ -1,0 +1,164 @@
+"""Modular MAX: one cross-layer buffer [NB, KV, NL, BS, NH, HS], KV 2 or 1 (MLA).
+
+Worked examples from LMCache's MAX branch (test_max_layout_utils @b4ac09c2, facts sheet
+`lmcache-branch-facts.md` section 1), then kvlayout's own: the hints MAX sends are
+checked, the description, and a store/load round trip for both K/V sizes.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import EngineKVFormat as F
+from kvlayout import EngineType
+from kvlayout.description import Axis, Grouping, KVPacking
+from kvlayout.transfer import prepare
+
+MAX = F.NB_KV_NL_BS_NH_HS
+
+
+def detect(kv: Any, engine: str | EngineType, hints: Any = None) -> tuple[F, Any]:
+    """Detection, its normalized registration typed loosely (tests index into it)."""
+    return kvlayout.normalize_kv_and_discover_format(kv, engine, hints)
+
+
+def test_the_format_and_the_engine() -> None:
+    assert int(MAX) == 19  # LMCache's branch says 9, which 0.5.6 already uses
+    assert EngineType.MAX.value == "max" and EngineType("max") is EngineType.MAX
+    assert kvlayout.describe_shape(MAX) == "[NB, KV, NL, BS, NH, HS]"
+    assert kvlayout.get_attention_backend(MAX) == "Modular MAX cross-layer"
+    assert kvlayout.is_cross_layer(MAX) and not kvlayout.is_hnd(MAX) and not kvlayout.is_mla(MAX)
+    assert kvlayout.has_leading_block_axis(MAX)
+    assert kvlayout.layout_of(MAX).kv_size is None  # the buffer says: 2, or 1 for MLA
+
+
+def test_example_1_detection_and_geometry() -> None:
+    t = torch.zeros(32, 2, 4, 16, 8, 64, dtype=torch.bfloat16)
+    fmt, kv = detect(t, EngineType.MAX)
+    assert fmt is MAX
+    assert kv.data_ptr() == t.data_ptr() and kv.shape == t.shape  # a view of the caller's tensor
+    got = (
+        kvlayout.get_num_blocks(kv, fmt), kvlayout.get_num_layers(kv, fmt), kvlayout.get_block_size(kv, fmt),
+        kvlayout.get_num_heads(kv, fmt), kvlayout.get_head_size(kv, fmt), kvlayout.get_dtype(kv, fmt),
+    )  # fmt: skip
+    assert got == (32, 4, 16, 8, 64, torch.bfloat16)
+    assert kvlayout.get_concrete_engine_kv_shape(kv, fmt) == "[32, 2, 4, 16, 8, 64]"
+    # example 5: tokens, hidden and elements per layer
+    assert kvlayout.get_tokens_per_layer(kv, fmt) == kvlayout.get_page_buffer_size(kv, fmt) == 512
+    assert kvlayout.get_hidden_dim_size(kv, fmt) == 512
+    assert kvlayout.get_elements_per_layer(kv, fmt) == 524_288
+    # example 4: one base pointer whatever the layers
+    assert kvlayout.get_group_data_ptrs(kv, fmt, [0, 1, 2, 3]) == [t.data_ptr()]
+    # a one-element list is the same buffer
+    assert detect([t], "max")[0] is MAX
+
+
+def test_examples_2_and_3_descriptors_carry_the_kv_size() -> None:
+    t = torch.zeros(32, 2, 4, 16, 8, 64, dtype=torch.float16)
+    fmt, kv = detect(t, "max")
+    desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, 0, 4, 32, 16)
+    got = (desc.kv_size, desc.nl, desc.nb, desc.bs, desc.nh, desc.hs, desc.element_size)
+    assert got == (2, 4, 32, 16, 8, 64, 2)
+    assert kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt) == "[32, 2, 4, 16, 8, 64]"
+    mla = torch.zeros(32, 1, 4, 16, 1, 512, dtype=torch.bfloat16)
+    fmt, kv = detect(mla, "max")
+    desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, 0, 4, 32, 16)
+    assert (desc.kv_size, desc.nh, desc.hs) == (1, 1, 512)
+    assert kvlayout.get_kv_size(kv, fmt) == 1
+    assert kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt) == "[32, 1, 4, 16, 1, 512]"
+
+
+def test_example_6_what_max_does_not_register() -> None:
+    with pytest.raises(
+        kvlayout.DetectionError, match=re.escape("NB_KV_NL_BS_NH_HS needs dim 1 in 1 or 2 (got 3)")
+    ):
+        detect(torch.zeros(32, 3, 4, 16, 8, 64), "max")
+    t = torch.zeros(2, 2, 2, 2, 2, 2)
+    with pytest.raises(
+        kvlayout.DetectionError,
+        match=re.escape(
+            "MAX registers one KV buffer tensor [NB, KV, NL, BS, NH, HS], got a list of 2 entries"
+        ),
+    ):
+        detect([t, t.clone()], "max")
+    with pytest.raises(
+        kvlayout.DetectionError, match=r"MAX: no MAX format has list depth 0 and tensor rank 5"
+    ):
+        detect(torch.zeros(2, 2, 2, 2, 2), "max")
+    with pytest.raises(kvlayout.RegistrationError, match=r"size KV=3 is not one of 1 or 2"):
+        kvlayout.bind(torch.zeros(4, 3, 2, 2, 2, 2), MAX)
+
+
+SENT = {  # what MAX's connector sends with example 1
+    "layout_format": "NB_KV_NL_BS_NH_HS", "num_layers": 4, "kv_dim": 2, "tokens_per_block": 16,
+    "page_size": 16, "num_kv_heads": 8, "head_dim": 64, "total_num_blocks": 32,
+}  # fmt: skip
+
+
+def test_the_hints_max_sends_are_checked() -> None:
+    t = torch.zeros(32, 2, 4, 16, 8, 64, dtype=torch.bfloat16)
+    assert detect(t, "max", SENT)[0] is MAX
+    for hint, wrong, token in (("num_layers", 5, "NL"), ("kv_dim", 1, "KV"), ("total_num_blocks", 31, "NB"),
+                               ("num_kv_heads", 4, "NH"), ("head_dim", 128, "HS")):  # fmt: skip
+        with pytest.raises(
+            kvlayout.LayoutHintError,
+            match=re.escape(f"MAX: layout hint {hint}={wrong} contradicts the buffer's {token}"),
+        ):
+            detect(t, "max", {**SENT, hint: wrong})
+    with pytest.raises(
+        kvlayout.LayoutHintError,
+        match=re.escape("layout hints tokens_per_block=16 and page_size=8 disagree"),
+    ):
+        detect(t, "max", {**SENT, "page_size": 8})
+    with pytest.raises(
+        kvlayout.LayoutHintError,
+        match=re.escape("layout hint tokens_per_block=8 contradicts the buffer's BS = 16"),
+    ):
+        detect(t, "max", {"page_size": 8})
+    with pytest.raises(
+        kvlayout.LayoutHintError,
+        match=re.escape(
+            "layout hint layout_format='NB_NL_TWO_BS_NH_HS' contradicts the registration, which max registers "
+            "as NB_KV_NL_BS_NH_HS"
+        ),
+    ):
+        detect(t, "max", {**SENT, "layout_format": "NB_NL_TWO_BS_NH_HS"})
+    with pytest.raises(
+        kvlayout.LayoutHintError, match="layout hint layout_format='MAX' is not an engine KV format"
+    ):
+        detect(t, "max", {"layout_format": "MAX"})
+
+
+def test_the_description() -> None:
+    desc = kvlayout.describe(MAX)
+    assert desc.grouping is Grouping.SINGLE_TENSOR and desc.kv_packing is KVPacking.SPLIT
+    assert desc.dims == ((Axis.B,), (Axis.KV,), (Axis.L,), (Axis.N,), (Axis.H,), (Axis.C,))
+    assert desc.kv_placement == "dim 1" and desc.lists == ()
+    assert kvlayout.to_engine_kv_format(desc) is MAX
+    sized = kvlayout.describe(MAX, {"NB": 32, "KV": 1, "NL": 4, "BS": 16, "NH": 1, "HS": 512})
+    assert sized.extents[Axis.KV] == 1 and sized.kv_size == 1
+    assert sized.resolved_strides() == (4 * 16 * 512, 4 * 16 * 512, 16 * 512, 512, 512, 1)
+
+
+@pytest.mark.parametrize(("kv_dim", "heads"), [(2, 8), (1, 1)])
+def test_a_round_trip_restores_the_blocks(kv_dim: int, heads: int) -> None:
+    t = torch.randn(6, kv_dim, 3, 4, heads, 8)
+    fmt, kv = detect(t, "max")
+    plan = prepare(kv, fmt)
+    shape, dtype = plan.chunk_shape(8)
+    assert shape == (kv_dim, 3, 8, heads * 8)
+    chunks = [torch.zeros(shape, dtype=dtype) for _ in range(2)]
+    ids = [5, 1, 2, 0]
+    original = t.clone()
+    plan.store_blocks(ids, chunks)
+    # LMCache's chunk layout: [kv, layer, token, head * HS + element]
+    assert torch.equal(chunks[0][:, :, :4].reshape(kv_dim, 3, 4, heads, 8), original[5])
+    assert torch.equal(chunks[1][:, :, 4:].reshape(kv_dim, 3, 4, heads, 8), original[0])
+    t.zero_()
+    plan.load_blocks(ids, chunks)
+    assert torch.equal(t[ids], original[ids]) and not t[[3, 4]].any()
