@@ -56,6 +56,14 @@ def test_1_one_head_hnd_exposed_as_nhd_still_reads_hnd() -> None:
     assert fmt == F.NL_X_TWO_NB_NH_BS_HS and kvlayout.get_block_size(kv, fmt) == 3
 
 
+def test_1_one_block_one_head_hnd_layer_of_a_blocks_first_pool_reads_hnd() -> None:
+    pool = t(1, 2, 1, 2, 2)  # [NB=1, NL, NH=1, BS, CS]: the layer's NB stride spans the pool
+    layers = [pool[:, i].transpose(1, 2) for i in range(2)]  # handed over as [NB, BS, NH, CS]
+    fmt, kv = kvlayout.normalize_kv_and_discover_format(layers, "vllm", {"kv_layout": "HND"})
+    assert fmt == F.NL_X_NB_NH_BS_CS
+    assert (kvlayout.get_block_size(kv, fmt), kvlayout.get_num_heads(kv, fmt)) == (2, 1)
+
+
 def test_2_layer_major_pools_are_refused_naming_the_axes() -> None:
     pool = t(32, 64, 2, 8 * 16 * 128).permute(
         1, 0, 2, 3

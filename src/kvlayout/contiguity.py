@@ -71,7 +71,8 @@ def physical_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
     contiguous, and DLPack producers emit 0): it goes right inside a longer dim whose
     stride it equals, or between two longer dims where its stride is the tight one, or
     beside a size-1 dim before it of the same stride (vLLM's one-head HND cache, exposed
-    as NHD, recovers HND); never outermost by its stride, never last unless the caller
+    as NHD, recovers HND), or right outside the outermost longer dim when its stride is
+    that dim's extent and a size-1 dim is already in front; never outermost by its stride, never last unless the caller
     has it last; otherwise it stays after the dim the caller put it after. One the
     caller put in front of padded block rows goes inside them if its stride says so,
     since only dim 0 may be padded.
@@ -92,6 +93,11 @@ def physical_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
             pin = next((d for d in ones if d < j and stride[d] == stride[j]), None)
         if pin is None and all(shape[k] == 1 for k in range(j + 1, n)):
             order.append(j)  # the caller put it among the last dims: it stays last
+            continue
+        if pin is None and big and stride[j] == stride[big[0]] * shape[big[0]] and order.index(big[0]) > 0:
+            # right outside the outermost longer dim, behind a size-1 dim the caller put
+            # first (a one-block, one-head HND layer of a blocks-first pool)
+            order.insert(order.index(big[0]), j)
             continue
         if pin is None:
             pin = next((d for d in range(j - 1, -1, -1) if shape[d] != 1), None)
