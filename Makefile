@@ -65,7 +65,7 @@ pytest: build
 # transfer kernel must fit 64 registers without spilling, on Ampere and Hopper.
 nvcc-check: $(TOOLS)
 ifneq ($(NVCC),)
-	$(NVCC) -std=c++17 -Icsrc/include -x cu -c tests/cuda/compile_indexers.cu -o /dev/null
+	$(NVCC) -std=c++17 -Icsrc/include -x cu -c tests/transfer/cuda/compile_indexers.cu -o /dev/null
 	$(PY) scripts/ptxas_budget.py 64 -- $(NVCC) -std=c++17 -gencode arch=compute_80,code=sm_80 \
 		-gencode arch=compute_90,code=sm_90 -Icsrc/include -Icsrc -c csrc/cuda/transfer_kernels.cu -o /dev/null
 	@echo "nvcc: generated indexers and transfer kernels compile as CUDA, kernels within 64 registers"

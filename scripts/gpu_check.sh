@@ -10,5 +10,5 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
   -Ccmake.define.KVLAYOUT_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=native
 "$PY" -c "import kvlayout._cuda as c; print('kvlayout._cuda sees', c.device_count(), 'device(s)')"
-"$PY" -m pytest -q -p no:cacheprovider tests/test_transfer_cuda.py tests/test_transfer.py tests/test_transfer_plan.py
+"$PY" -m pytest -q -p no:cacheprovider tests/transfer
 "$PY" benchmarks/bench_transfer_cuda.py

@@ -14,7 +14,7 @@ import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import KVLayoutError, PageBufferShapeDesc
 from kvlayout import facade as facade_module
-from tests.test_golden import any_registration, registration
+from tests.layout.test_golden import any_registration, registration
 
 
 def t(*shape: int, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:

@@ -19,7 +19,7 @@ from kvlayout.integrations.vllm import (
     find_kv_cache_group_edit,
 )
 from kvlayout.integrations.vllm.pages import opaque_page_view, page_runs
-from tests.vllm_models import kvi, legacy_mamba_states
+from tests.integrations.vllm.models import kvi, legacy_mamba_states
 
 NB = 3
 

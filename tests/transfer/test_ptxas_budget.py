@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+from tests import ROOT
+
 
 def _script() -> ModuleType:
-    path = Path(__file__).resolve().parents[1] / "scripts" / "ptxas_budget.py"
+    path = ROOT / "scripts" / "ptxas_budget.py"
     spec = importlib.util.spec_from_file_location("ptxas_budget", path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

@@ -13,7 +13,7 @@ from kvlayout._generated.formats import SIZE_SYMBOLS
 from kvlayout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes, tensor_index
 from kvlayout.layout import FACTS
 from kvlayout.testing.strategies import coords_for, fixed_sizes, sizes_for
-from tests.test_algebra import all_coords, leaf
+from tests.layout.test_algebra import all_coords, leaf
 
 
 def native_sizes(layout: kvlayout.Layout, sizes: dict[str, int]) -> list[int]:

@@ -15,7 +15,7 @@ from kvlayout.integrations.vllm import (
     apply_kv_cache_group_edits,
     find_kv_cache_group_edit,
 )
-from tests.vllm_models import (
+from tests.integrations.vllm.models import (
     FLASH_ATTN,
     FLASHINFER,
     FLASHMLA,
@@ -245,7 +245,7 @@ def test_declared_compression_group_is_untouched() -> None:
 
 @pytest.mark.parametrize("field", ["compress_ratio", "tq_slot_size"])
 def test_legacy_declared_compression_is_untouched(field: str) -> None:
-    from tests.test_vllm_validation import LegacyMLASpec, TQFullAttentionSpec
+    from tests.integrations.vllm.test_vllm_validation import LegacyMLASpec, TQFullAttentionSpec
 
     if field == "compress_ratio":
         spec = LegacyMLASpec(

@@ -16,8 +16,8 @@ from pathlib import Path
 import nanobind  # type: ignore[import-untyped]
 
 from codegen.__main__ import generate
+from tests import ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
 YAML = ROOT / "layouts.yaml"
 
 

@@ -21,7 +21,7 @@ from kvlayout.algebra import Coord, kv_size, offset, with_size
 from kvlayout.testing.strategies import role_size, sizes_for
 from kvlayout.transfer import TransferError, chunk_shape, load_blocks, prepare, store_blocks
 from kvlayout.vocabulary import Role
-from tests.registrations import DTYPES, Registration, make_registration
+from tests.transfer.registrations import DTYPES, Registration, make_registration
 
 FORMATS = list(EngineKVFormat)
 NBBS = {f for f in FORMATS if kvlayout.layout_of(f).is_pbs_fused}

@@ -17,7 +17,7 @@ from kvlayout.integrations.vllm import (
     check_block_granularity,
 )
 from kvlayout.registry import get_spec
-from tests.vllm_models import (
+from tests.integrations.vllm.models import (
     FLASH_ATTN,
     FLASHINFER,
     QWEN3_5_0_8B,

@@ -2,7 +2,7 @@
 
 Without a CUDA device these tests skip; `scripts/gpu_check.sh` runs them on a GPU
 machine. The kernels' decomposition and unit choice are tested on the host everywhere
-(tests/test_transfer_plan.py).
+(tests/transfer/test_transfer_plan.py).
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat
 from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
-from tests.registrations import make_registration
-from tests.test_transfer import NBBS, cases, chunks_for, geometry
+from tests.transfer.registrations import make_registration
+from tests.transfer.test_transfer import NBBS, cases, chunks_for, geometry
 
 
 def _cuda_ready() -> bool:

@@ -21,9 +21,9 @@ from codegen.catalog import load_catalog
 from codegen.outputs import GRAMMAR_COPY, OUTPUTS
 from kvlayout import CatalogError
 from kvlayout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes
-from tests.scratch import build_native, checkout, regenerate
+from tests import ROOT
+from tests.catalog.scratch import build_native, checkout, regenerate
 
-ROOT = Path(__file__).resolve().parent.parent
 YAML = ROOT / "layouts.yaml"
 GRAMMAR = ROOT / "grammar" / "kvlayout.lark"
 GENERATED = [path for _, path in OUTPUTS] + [GRAMMAR_COPY]

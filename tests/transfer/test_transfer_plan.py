@@ -21,8 +21,8 @@ from kvlayout import EngineKVFormat, _native
 from kvlayout.algebra import Coord, offset
 from kvlayout.cuda_transfer import narrow_unit, segment_table
 from kvlayout.transfer import TransferPlan, prepare
-from tests.registrations import DTYPES, make_registration
-from tests.test_transfer import NBBS
+from tests.transfer.registrations import DTYPES, make_registration
+from tests.transfer.test_transfer import NBBS
 
 FORMATS = list(EngineKVFormat)
 

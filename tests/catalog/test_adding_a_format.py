@@ -11,7 +11,8 @@ from pathlib import Path
 
 import yaml
 
-from tests.scratch import ROOT, YAML, build_native, checkout, regenerate
+from tests import ROOT
+from tests.catalog.scratch import YAML, build_native, checkout, regenerate
 
 DOC = ROOT / "docs" / "adding-a-format.md"
 

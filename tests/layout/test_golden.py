@@ -21,7 +21,7 @@ from kvlayout import UndefinedSizeError
 from kvlayout.algebra import kv_size, size_of
 from kvlayout.testing.strategies import fixed_sizes
 from kvlayout.vocabulary import Role
-from tests.registrations import make_registration
+from tests.transfer.registrations import make_registration
 
 SIZES = {"NB": 7, "NL": 5, "BS": 3, "NH": 2, "HS": 4}
 W1, W2 = 4, 6  # the two plane widths of format 17

@@ -18,7 +18,14 @@ from kvlayout.integrations.vllm import (
     spec_kind,
     validate_kv_cache_groups,
 )
-from tests.vllm_models import FLASHINFER, QWEN3_5_0_8B, allocate_v033, attention_spec, hybrid_engine, kvi
+from tests.integrations.vllm.models import (
+    FLASHINFER,
+    QWEN3_5_0_8B,
+    allocate_v033,
+    attention_spec,
+    hybrid_engine,
+    kvi,
+)
 
 
 def _config(*group_specs: Any) -> Any:
