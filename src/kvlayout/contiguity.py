@@ -72,10 +72,10 @@ def physical_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
     stride it equals, or between two longer dims where its stride is the tight one, or
     beside a size-1 dim before it of the same stride (vLLM's one-head HND cache, exposed
     as NHD, recovers HND), or right outside the outermost longer dim when its stride is
-    that dim's extent and a size-1 dim is already in front; never outermost by its stride, never last unless the caller
-    has it last; otherwise it stays after the dim the caller put it after. One the
-    caller put in front of padded block rows goes inside them if its stride says so,
-    since only dim 0 may be padded.
+    that dim's extent and a size-1 dim is already in front; never outermost by its
+    stride, never last unless the caller has it last; otherwise it stays after the dim
+    the caller put it after. One the caller put in front of padded block rows goes
+    inside them if its stride says so, since only dim 0 may be padded.
     """
     n = len(shape)
     big = sorted((i for i in range(n) if shape[i] != 1), key=lambda i: stride[i], reverse=True)
