@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvlayout.errors import KVLayoutError, index_ranges
 
 if TYPE_CHECKING:
-    pass
+    from kvlayout.layout import Layout
 
 __all__ = ["main", "parse_sizes"]
 
@@ -47,7 +47,7 @@ def parse_sizes(text: str) -> dict[str, int]:
     return sizes
 
 
-def _format_arg(text: str) -> object:
+def _format_arg(text: str) -> Layout:
     """A format value, a catalog name or any layout name."""
     import kvlayout
 
@@ -99,13 +99,13 @@ def cmd_explain(args: argparse.Namespace) -> int:
         raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
     sizes = {**LLAMA_3_8B, **parse_sizes(args.sizes)} if args.sizes else LLAMA_3_8B
     if args.json:
-        print(json.dumps(Explanation(layout, sizes, args.dtype).data(), indent=2))  # type: ignore[arg-type]
+        print(json.dumps(Explanation(layout, sizes, args.dtype).data(), indent=2))
         return 0
-    print(explain(layout, sizes, args.dtype))  # type: ignore[arg-type]
+    print(explain(layout, sizes, args.dtype))
     if args.svg:
         small = {**example_sizes(small=True), **parse_sizes(args.sizes)}  # one block, cell by cell
         with open(args.svg, "w") as f:
-            f.write(block_svg(layout, small))  # type: ignore[arg-type]
+            f.write(block_svg(layout, small))
         print(f"  picture        {args.svg} (one block, sizes {small})")
     return 0
 
@@ -118,7 +118,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
 
     layout = _format_arg(args.format)
     sizes = parse_sizes(args.sizes) if args.sizes else None
-    desc = describe(layout, sizes, block_stride=args.block_stride)  # type: ignore[arg-type]
+    desc = describe(layout, sizes, block_stride=args.block_stride)
     print(json.dumps(desc.to_dict(), indent=2))
     return 0
 

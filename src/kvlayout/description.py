@@ -446,10 +446,10 @@ def kv_layout_axes(name: str) -> tuple[Axis, ...]:
         raise TypeError(f"a kv_layout is a str, not {type(name).__name__}")
     letters = KV_LAYOUT_ALIASES.get(name, name)
     by_letter = {a.value: a for a in _ORDER_AXES}
-    axes = tuple(by_letter.get(ch) for ch in letters)
-    if len(axes) != len(_ORDER_AXES) or None in axes or len(set(axes)) != len(axes):
+    axes = tuple(by_letter[ch] for ch in letters if ch in by_letter)
+    if len(axes) != len(letters) or len(axes) != len(_ORDER_AXES) or len(set(axes)) != len(axes):
         raise DescriptionError(f"kv_layout {name!r} is not an ordering of L, B, H, N, C")
-    return axes  # type: ignore[return-value]
+    return axes
 
 
 def transferable(axes: tuple[Axis, ...]) -> bool:
