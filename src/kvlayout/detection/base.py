@@ -265,6 +265,7 @@ def format_shape(fmt: EngineKVFormat) -> FormatShape:
     )
 
 
+@functools.cache
 def engine_formats(engine: EngineType) -> tuple[EngineKVFormat, ...]:
     """The formats layouts.yaml says the engine's detector returns (never deprecated ones)."""
     return tuple(f for f in EngineKVFormat if engine.value in FORMAT_INFO[f].engines)
@@ -439,8 +440,11 @@ def size_hint_conflict(
     role has no axis of its own in the format is not read)."""
     layout = LAYOUTS[fmt]
     for hint, role in SIZE_HINTS:
-        wanted, axis = getattr(hints, hint), layout.axis_of(role)
-        if wanted is not None and axis is not None and shape[axis] != wanted:
+        wanted = getattr(hints, hint)
+        if wanted is None:
+            continue
+        axis = layout.axis_of(role)
+        if axis is not None and shape[axis] != wanted:
             return hint, wanted, layout.symbol_of(role) or role.value, int(shape[axis])
     return None
 
