@@ -151,6 +151,7 @@ def test_7_a_list_that_contains_itself_is_an_error() -> None:
         (lambda: kvlayout.get_num_heads([t(7, 3, 16)], F.NL_X_NB_BS_HS, True), TypeError, "layer_idx must be an int, not bool"),
     ],
 )  # fmt: skip
+@pytest.mark.filterwarnings("ignore:.*(Sparse CSR|nested tensors).*:UserWarning")  # torch's beta notices
 def test_8_foreign_values_are_errors_of_the_family(call: Any, error: type[Exception], message: str) -> None:
     with pytest.raises(error) as info:
         call()
