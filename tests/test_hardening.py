@@ -89,7 +89,9 @@ def test_3_vllm_size_hints_decide_and_are_checked() -> None:
     assert fmt == F.NL_X_TWO_NB_BS_NH_HS and kvlayout.get_num_heads(out, fmt) == 8
     with pytest.raises(
         LayoutHintError,
-        match=re.escape("vLLM: layout hint num_kv_heads=4 contradicts NL_X_TWO_NB_BS_NH_HS, whose NH is 8"),
+        match=re.escape(
+            "vLLM: layout hint num_kv_heads=4 contradicts NL_X_TWO_NB_BS_NH_HS, whose NH is 8 (kv_caches[0]: shape"
+        ),
     ):
         kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD", "num_kv_heads": 4})
     with pytest.raises(LayoutHintError, match=re.escape("layout hint head_dim=64 contradicts")):

@@ -55,11 +55,17 @@ KV_LIST_LAYOUT_NAMES: tuple[str, ...] = ("k_v", "unified")
 EngineLike = EngineType | str
 
 
+_ENGINE_VALUES: dict[str, EngineType] = {m.value: m for m in EngineType}
+
+
 def as_engine(engine: object) -> EngineType:
     """The engine for an ``EngineType`` or a string (its value or label, any case,
     ``-``/``_``/spaces ignored)."""
     if isinstance(engine, EngineType):
         return engine
+    exact = _ENGINE_VALUES.get(engine) if isinstance(engine, str) else None
+    if exact is not None:  # the common spelling, without normalizing
+        return exact
     if not isinstance(engine, str):
         raise TypeError(f"a serving engine is an EngineType or a str, not {type(engine).__name__}")
 

@@ -419,16 +419,16 @@ SIZE_HINTS: tuple[tuple[str, Role], ...] = (
 
 
 def check_size_hints(
-    engine: EngineType, fmt: EngineKVFormat, shape: Sequence[int], hints: Any, where: str
+    engine: EngineType, fmt: EngineKVFormat, shape: Sequence[int], hints: Any, where: Callable[[], str]
 ) -> None:
     """Raise :class:`LayoutHintError` for the first size hint that ``fmt``'s reading of
-    a leaf ``shape`` contradicts."""
+    a leaf ``shape`` contradicts; ``where()`` words the registration (only then)."""
     conflict = size_hint_conflict(fmt, shape, hints)
     if conflict is not None:
         hint, wanted, symbol, read = conflict
         raise LayoutHintError(
             f"{ENGINE_LABELS[engine]}: layout hint {hint}={wanted} contradicts {fmt.name}, whose {symbol} "
-            f"is {read} ({where})"
+            f"is {read} ({where()})"
         )
 
 

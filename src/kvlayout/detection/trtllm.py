@@ -38,7 +38,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         kv = _unflatten(kv, hints)
         p = probe(kv)
     fmt = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", True)])
-    check_size_hints(ENGINE, fmt, p.shape, hints, f"pool shape {p.shape}")
+    check_size_hints(ENGINE, fmt, p.shape, hints, lambda: f"pool shape {p.shape}")
     return fmt, kv
 
 

@@ -54,7 +54,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     if hnd is None:
         hnd = p.device.type == "cpu"
     fmt, out = _discover(kv, p, hints, hnd)
-    check_size_hints(ENGINE, fmt, first_leaf(out).shape, hints, p.describe())
+    check_size_hints(ENGINE, fmt, first_leaf(out).shape, hints, p.describe)
     return fmt, out
 
 
