@@ -154,6 +154,19 @@ def test_accessors_accept_values_and_names_and_misfits_are_clear() -> None:
         kvlayout.get_device([])
 
 
+def test_hybrid_accessors_answer_for_the_format_asked() -> None:
+    kv = [torch.zeros(2, 4, 3, 8, 16) for _ in range(2)] + [torch.zeros(4, 3, 576) for _ in range(2)]
+    out, formats = kvlayout.normalize_and_discover_per_layer_formats(
+        kv, [[0, 1], [2, 3]], "vllm", {"kv_layout": "NHD"}
+    )
+    assert formats == [F.NL_X_TWO_NB_BS_NH_HS] * 2 + [F.NL_X_NB_BS_HS] * 2
+    assert (
+        kvlayout.get_kv_size(out, F.NL_X_NB_BS_HS) == 1
+        and kvlayout.get_kv_size(out, F.NL_X_TWO_NB_BS_NH_HS) == 2
+    )
+    assert kvlayout.get_concrete_engine_kv_shape(out, F.NL_X_NB_BS_HS) == "2 x [4, 3, 576]"
+
+
 def test_pointer_tables_follow_the_layout_pointer_order() -> None:
     for value in (1, 4, 9, 16, 17, 0):
         fmt = F(value)

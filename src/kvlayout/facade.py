@@ -100,7 +100,7 @@ def get_page_buffer_size(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: in
 
 def get_kv_size(kv: DiscoverableKVCache, fmt: FormatLike) -> int:
     """Planes per token row in a chunk: 2 for split K/V, 1 for packed, MLA or single."""
-    return bound(kv, fmt).kernel_groups[0].geometry.kv_size
+    return bound(kv, fmt).first_group(fmt).geometry.kv_size
 
 
 def get_num_heads(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
@@ -172,9 +172,8 @@ def get_concrete_engine_kv_shape(kv: DiscoverableKVCache, fmt: FormatLike) -> st
     """``32 x [2, 2048, 16, 8, 128]``; ``Unknown (<fmt>)`` for an unknown format or a
     registration that does not fit it."""
     try:
-        reg = bound(kv, fmt)
-        return next(g for g in reg.kernel_groups if g.format is as_format(fmt)).concrete_shape()
-    except (KVLayoutError, TypeError, StopIteration):
+        return bound(kv, fmt).first_group(fmt).concrete_shape()
+    except (KVLayoutError, TypeError):
         return _unknown(fmt)
 
 

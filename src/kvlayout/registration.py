@@ -429,6 +429,15 @@ class Registration:
             )
         return group
 
+    def first_group(self, fmt: FormatLike) -> KernelGroup:
+        """The first kernel group in ``fmt`` (a hybrid registration has several formats)."""
+        wanted = as_format(fmt)
+        for g in self.kernel_groups:
+            if g.format is wanted:
+                return g
+        held = ", ".join(sorted({g.format.name for g in self.kernel_groups})) or "none"
+        raise RegistrationError(f"no layer of the registration is {wanted.name} (it holds {held})")
+
     def only_group(self) -> KernelGroup:
         """The registration's one kernel group (an error naming them when there are several)."""
         if len(self.kernel_groups) != 1:
