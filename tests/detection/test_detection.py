@@ -289,6 +289,21 @@ def test_bad_hints(hints: Any, error: type[Exception], message: str) -> None:
         detect(layers((7, 3, 4)), "vllm", hints)
 
 
+@pytest.mark.parametrize(
+    ("engine", "kv", "hints", "message"),
+    [
+        ("sglang", [t(64, 8, 16) for _ in range(4)], {"kv_list_layout": "k_v", "tokens_per_block": 16, "num_kv_heads": 4},
+         "SGLang: layout hint num_kv_heads=4 contradicts TWO_X_NL_X_NB_BS_NH_HS, whose NH is 8"),
+        ("atom", [t(7, 3, 576)], {"head_dim": 7}, "ATOM: layout hint head_dim=7 contradicts NL_X_NB_BS_HS, whose HS is 576"),
+    ],
+)  # fmt: skip
+def test_every_engine_checks_its_size_hints(
+    engine: str, kv: Any, hints: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(LayoutHintError, match=re.escape(message)):
+        detect(kv, engine, hints)
+
+
 def test_hints_as_an_object_or_a_dict() -> None:
     hints = LayoutHints(kv_layout="NHD", tokens_per_block=16)
     assert LayoutHints.coerce(hints) is hints

@@ -18,7 +18,7 @@ import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.contiguity import attempt_permute_to_contiguous_view, physical_entries
-from kvlayout.detection.base import DetectionError, validate
+from kvlayout.detection.base import DetectionError, check_size_hints, probe, validate
 from kvlayout.detection.registry import get_detector
 from kvlayout.errors import KVLayoutError
 from kvlayout.nesting import first_leaf, leaves, not_a_kv_cache
@@ -113,6 +113,8 @@ def _discover(
         normalized = attempt_permute_to_contiguous_view(kv)
         validate(normalized)
     fmt, out = detector(normalized, hints)
+    # every engine's size hints, checked against the leaves as the format reads them
+    check_size_hints(engine, fmt, first_leaf(out).shape, hints, lambda: probe(normalized).describe())
     if hints.layout_format is not None and hints.layout_format != fmt.name:
         raise LayoutHintError(
             f"layout hint layout_format={hints.layout_format!r} contradicts the registration, which "

@@ -44,7 +44,7 @@ from kvlayout.detection.base import (
 )
 from kvlayout.layout import Layout
 from kvlayout.nesting import leaves, map_leaves
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
+from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.SGLANG
@@ -85,7 +85,6 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])
     tpb = hints.tokens_per_block
     if tpb is None or not LAYOUTS[fmt].is_pbs_fused:
-        _check_block_size(fmt, p.shape, p, tpb)
         return fmt, kv
     twin = unfolded_twin(ENGINE, fmt)
     if not all(t.is_contiguous() for _, t in leaves(kv)):
@@ -105,9 +104,7 @@ def _unified(kv: Any, p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, Dis
         raise DetectionError(
             f"SGLang kv_list_layout='unified' expects a flat list of component tensors ({p.describe()})"
         )
-    fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", False), _order(hints)])
-    _check_block_size(fmt, p.shape, p, hints.tokens_per_block)
-    return fmt, kv
+    return pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", False), _order(hints)]), kv
 
 
 def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
@@ -132,7 +129,6 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             f"[pages, page_size * W] (W = {' or '.join(map(str, widths)) or 'none'}), but its row {what}"
         )
     fmt, shape = found[0]
-    _check_block_size(fmt, shape, p, hints.tokens_per_block)
     if not all(t.is_contiguous() for t in kv):
         raise DetectionError(
             f"SGLang: {p.describe()}: an indexer page with padded rows cannot be split into its "
@@ -146,13 +142,3 @@ def _record_width(layout: Layout) -> int:
     axis = layout.axis_of(Role.REGION)
     assert axis is not None
     return layout.tensor_shape(sizes_by_role(layout, {Role.BLOCK: 1, Role.TOKEN: 1}))[axis]
-
-
-def _check_block_size(fmt: EngineKVFormat, shape: tuple[int, ...], p: Probe, tpb: int | None) -> None:
-    layout = LAYOUTS[fmt]
-    axis = layout.axis_of(Role.TOKEN)
-    if tpb is not None and axis is not None and shape[axis] != tpb:
-        raise LayoutHintError(
-            f"SGLang: layout hint tokens_per_block={tpb} contradicts {fmt.name}, whose "
-            f"{layout.symbol_of(Role.TOKEN)} is {shape[axis]} ({p.describe()})"
-        )

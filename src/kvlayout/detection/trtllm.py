@@ -13,7 +13,7 @@ from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.algebra import sizes_by_role
-from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, pick, probe
+from kvlayout.detection.base import DetectionError, engine_formats, pick, probe
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 from kvlayout.vocabulary import Role
 
@@ -37,9 +37,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     if p.rank == 4:
         kv = _unflatten(kv, hints)
         p = probe(kv)
-    fmt = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", True)])
-    check_size_hints(ENGINE, fmt, p.shape, hints, lambda: f"pool shape {p.shape}")
-    return fmt, kv
+    return pick(ENGINE, p, decide=[("kv_layout", "is_hnd", True)]), kv
 
 
 def _unflatten(pool: Any, hints: LayoutHints) -> Any:

@@ -33,7 +33,6 @@ from kvlayout.detection.base import (
     SIZE_HINTS,
     DetectionError,
     Probe,
-    check_size_hints,
     match,
     pick,
     probe,
@@ -50,17 +49,18 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     p = probe(kv)
     hnd = hints.is_hnd
     if hnd is None:
-        hnd = _layout_from_sizes(kv, p, hints)
-    if hnd is None:
+        read = _read_by_sizes(kv, p, hints)
+        if read is not None:
+            return read
         hnd = p.device.type == "cpu"
-    fmt, out = _discover(kv, p, hints, hnd)
-    check_size_hints(ENGINE, fmt, first_leaf(out).shape, hints, p.describe)
-    return fmt, out
+    return _discover(kv, p, hints, hnd)
 
 
-def _layout_from_sizes(kv: Any, p: Probe, hints: LayoutHints) -> bool | None:
-    """HND or NHD as the size hints say, where exactly one of the two readings agrees
-    with them (None without size hints, or when they do not tell the twins apart)."""
+def _read_by_sizes(
+    kv: Any, p: Probe, hints: LayoutHints
+) -> tuple[EngineKVFormat, DiscoverableKVCache] | None:
+    """The NHD or HND reading the size hints agree with, where exactly one does (None
+    without size hints, or when they do not tell the twins apart)."""
     if all(getattr(hints, hint) is None for hint, _ in SIZE_HINTS):
         return None
     agree = []
@@ -70,7 +70,7 @@ def _layout_from_sizes(kv: Any, p: Probe, hints: LayoutHints) -> bool | None:
         except DetectionError:
             continue
         if size_hint_conflict(fmt, first_leaf(out).shape, hints) is None:
-            agree.append(hnd)
+            agree.append((fmt, out))
     return agree[0] if len(agree) == 1 else None
 
 
