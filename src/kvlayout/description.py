@@ -331,10 +331,13 @@ def _axis(token: Token) -> Axis:
 def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int], tuple[RegionPart, ...]]:
     """The dims, the extents literals fix, and the region parts."""
     heads = algebra.symbol_of(layout, Role.HEAD) is not None
+    # a singleton outer to the tokens stays a bare size-1 dim: as the one head it would
+    # make the layout read HND, which a layout without heads is not
+    token_at = next((i for i, t in enumerate(layout.tensor) if Role.TOKEN in t.roles), len(layout.tensor))
     dims: list[tuple[Axis, ...]] = []
     extents: dict[Axis, int] = {}
     regions: list[RegionPart] = []
-    for token in layout.tensor:
+    for at, token in enumerate(layout.tensor):
         if token.region is not None:
             if not regions:
                 dims.extend([(Axis.N,), (Axis.C,)])
@@ -346,7 +349,7 @@ def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int]
                 fold.append(_axis(part))
                 if part.literal is not None:
                     extents[_axis(part)] = part.literal
-            elif not heads:  # a singleton where a head axis would be: the one head
+            elif not heads and at > token_at:  # a singleton where a head axis would be: the one head
                 fold.append(Axis.H)
                 extents[Axis.H] = 1
         dims.append(tuple(fold))

@@ -13,6 +13,7 @@ from typing import get_args
 
 import pytest
 import torch
+from hypothesis import given
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
@@ -27,6 +28,7 @@ from kvlayout.description import (
     to_engine_kv_format,
 )
 from kvlayout.layout import FACTS
+from kvlayout.testing import layout_names
 from kvlayout.types import KVLayoutName
 
 B, C, H, KV, L, N = Axis.B, Axis.C, Axis.H, Axis.KV, Axis.L, Axis.N
@@ -41,6 +43,16 @@ def test_example_1_every_format_round_trips_with_its_facts(fmt: F) -> None:
     assert desc.kv_size == layout.kv_size
     assert len(desc.dims) == layout.tensor_rank
     json.dumps(desc.to_dict())  # plain data for tools
+
+
+@given(layout_names())
+def test_any_layout_describes_with_the_layouts_own_facts(name: str) -> None:
+    layout = kvlayout.parse(name)
+    try:
+        desc = describe(layout)
+    except DescriptionError:
+        return  # some names are layouts LMCache's descriptor cannot express
+    assert {f: getattr(desc, f) for f in FACTS} == {f: getattr(layout, f) for f in FACTS}
 
 
 def test_example_1_structures_are_unique() -> None:
