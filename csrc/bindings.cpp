@@ -97,19 +97,6 @@ class TransferPlan {
   TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes)
       : plan_(make_jobs(job_args)), num_blocks_(num_blocks), options_{checked_order(order), stream_min_bytes} {}
 
-  std::int64_t first_bad_block_id(IntArray block_ids) const {
-    const kvlayout::transfer::Batch batch{block_ids.data(), static_cast<std::int64_t>(block_ids.shape(0)), nullptr,
-                                          nullptr, 1, 0};
-    return kvlayout::transfer::first_bad_block_id(batch, num_blocks_);
-  }
-
-  // Ids must be in range (first_bad_block_id) before this is asked.
-  std::int64_t first_repeated_block_id(IntArray block_ids, std::int64_t skip) const {
-    const auto n = static_cast<std::int64_t>(block_ids.shape(0));
-    if (skip < 0 || skip > n) throw nb::value_error("skip is outside [0, len(block_ids)]");
-    return kvlayout::transfer::first_repeated_block_id(block_ids.data(), n, skip, num_blocks_);
-  }
-
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
     if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
@@ -122,7 +109,7 @@ class TransferPlan {
                                           reinterpret_cast<const std::uintptr_t*>(chunk_ptrs.data()),
                                           chunk_tokens.data(), blocks_per_chunk, skip_prefix_blocks};
     nb::gil_scoped_release release;
-    const std::int64_t bad = kvlayout::transfer::first_bad_block_id(batch, num_blocks_);
+    const std::int64_t bad = kvlayout::transfer::first_bad_block_id(block_ids.data(), count, num_blocks_);
     if (bad >= 0) return {bad, 0};
     const int used = kvlayout::transfer::run(plan_, batch, static_cast<kvlayout::transfer::Direction>(direction),
                                              num_threads, options_);
@@ -264,15 +251,29 @@ NB_MODULE(_native, m) {
            "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes,
            "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
            "stream_min_bytes write with streaming stores (both knobs exist for tests and benchmarks).")
-      .def("first_bad_block_id", &TransferPlan::first_bad_block_id, "block_ids"_a,
-           "The index of the first block id outside [0, num_blocks), or -1.")
-      .def("first_repeated_block_id", &TransferPlan::first_repeated_block_id, "block_ids"_a, "skip"_a,
-           "The index of the first block id after the skipped ones that repeats an earlier one there, or -1.")
       .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
            "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "
            "(index of the first block id out of range or -1, threads used); nothing moves when an id is bad.");
 
+  // Block id checks, shared by the CPU and CUDA plans (kvlayout.transfer asks before running).
+  m.def(
+      "first_bad_block_id",
+      [](IntArray block_ids, std::int64_t num_blocks) {
+        return kvlayout::transfer::first_bad_block_id(block_ids.data(), static_cast<std::int64_t>(block_ids.shape(0)),
+                                                      num_blocks);
+      },
+      "block_ids"_a, "num_blocks"_a, "The index of the first block id outside [0, num_blocks), or -1.");
+  m.def(
+      "first_repeated_block_id",
+      [](IntArray block_ids, std::int64_t skip, std::int64_t num_blocks) {
+        const auto n = static_cast<std::int64_t>(block_ids.shape(0));
+        if (skip < 0 || skip > n) throw nb::value_error("skip is outside [0, len(block_ids)]");
+        return kvlayout::transfer::first_repeated_block_id(block_ids.data(), n, skip, num_blocks);
+      },
+      "block_ids"_a, "skip"_a, "num_blocks"_a,
+      "The index of the first block id after the skipped ones that repeats an earlier one there, or -1 (ids "
+      "must be in range).");
   m.def("plan_segments", &plan_segments, "job"_a,
         "(segment table (a row of bytes per segment), widest copy unit, largest segment bytes, kernel depth) of a "
         "job, for the CUDA plan.");

@@ -223,9 +223,9 @@ void run_part(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo, std
 }  // namespace detail
 
 // The index of the first block id outside [0, num_blocks), or -1 when all are inside.
-inline std::int64_t first_bad_block_id(const Batch& b, std::int64_t num_blocks) {
-  for (std::int64_t i = 0; i < b.num_blocks; ++i) {
-    if (b.block_ids[i] < 0 || b.block_ids[i] >= num_blocks) return i;
+inline std::int64_t first_bad_block_id(const std::int64_t* ids, std::int64_t num_ids, std::int64_t num_blocks) {
+  for (std::int64_t i = 0; i < num_ids; ++i) {
+    if (ids[i] < 0 || ids[i] >= num_blocks) return i;
   }
   return -1;
 }

@@ -33,7 +33,6 @@ __all__ = [
     "RegistrationError",
     "bind_layers",
     "bind_structure",
-    "plane_level",
 ]
 
 
@@ -72,11 +71,6 @@ class Bound(NamedTuple):
 
 def _fail(problem: str) -> NoReturn:
     raise RegistrationError(problem)
-
-
-def plane_level(layout: Layout) -> int | None:
-    """The list level whose entries are planes of one row (``NP``), if any."""
-    return next((i for i, lv in enumerate(layout.lists) if lv.role is Role.ELEMENT), None)
 
 
 def _read_lists(kv: Any, layout: Layout, root: str, layer: int | None) -> tuple[dict[str, int], list[Path]]:
@@ -193,7 +187,7 @@ def bind_structure(
                 f"{describe_path(top, root)} holds {found} tensors, but {layout} with list levels {lengths} "
                 f"(read along entry 0) has {len(paths)}: its lists are of unequal lengths"
             )
-    level = plane_level(layout)
+    level = algebra.level_of(layout, Role.ELEMENT)  # a list level of row planes (NP), if any
     count = list_sizes.get(layout.lists[level].name, 1) if level is not None else 1
     planes = []
     for plane in range(count):
@@ -318,8 +312,9 @@ def _template(kv: Sequence[Any], fmt: EngineKVFormat, root: str, i: int) -> Boun
     b = bind_structure(kv, fmt, root, i)
     b = b._replace(leaves=(), key=_KEYS.setdefault(b.key, b.key))
     if sig is not None:
-        if len(_TEMPLATES) >= 4096:
+        if len(_TEMPLATES) >= 4096:  # both caches grow with the shapes seen: start over together
             _TEMPLATES.clear()
+            _KEYS.clear()
         _TEMPLATES[sig] = b
     return b
 

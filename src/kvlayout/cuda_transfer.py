@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from kvlayout import _native
 from kvlayout.errors import KVLayoutError
 
 if TYPE_CHECKING:
@@ -41,8 +42,6 @@ class SegmentTable:
 
 def segment_table(plan: TransferPlan, job: _Job) -> SegmentTable:
     """A job's segment table, unit narrowed by its pointers (no device needed)."""
-    from kvlayout import _native
-
     rows, widest, largest, depth = _native.plan_segments(plan._native_job(job))
     unit = narrow_unit(int(widest), job.plane.data_ptrs, job.element_size)
     return SegmentTable(rows, unit, int(largest), int(depth))
@@ -115,16 +114,6 @@ class CudaPlan:
                 )
             )  # fmt: skip
 
-    def first_bad_block_id(self, ids: np.ndarray) -> int:
-        bad = np.flatnonzero((ids < 0) | (ids >= self.plan.num_blocks))
-        return int(bad[0]) if bad.size else -1
-
-    def first_repeated_block_id(self, ids: np.ndarray, skip: int) -> int:
-        rest = ids[skip:]
-        _, first = np.unique(rest, return_index=True)
-        repeated = np.setdiff1d(np.arange(len(rest)), first)
-        return int(repeated[0]) + skip if repeated.size else -1
-
     def run(
         self,
         direction: int,
@@ -137,8 +126,8 @@ class CudaPlan:
     ) -> tuple[int, int]:
         """Launch every job; ``(first bad block id index or -1, 1)`` like the CPU plan."""
         n, c = len(ids), len(chunk_ptrs)
-        bad = self.first_bad_block_id(ids)
-        if bad >= 0:
+        bad = _native.first_bad_block_id(ids, self.plan.num_blocks)
+        if bad >= 0:  # kvlayout.transfer asked first; a kernel must never see one
             return bad, 0
         if skip >= n:
             return -1, 0

@@ -17,6 +17,7 @@ import torch
 from kvlayout import algebra
 from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import EngineKVFormat
+from kvlayout._generated.predicates import is_mla  # LMCache names it here too
 from kvlayout.contiguity import attempt_permute_to_contiguous_view, dim0_padding
 from kvlayout.detection.discovery import (
     normalize_and_discover_per_layer_formats,
@@ -139,10 +140,6 @@ def get_device(kv: DiscoverableKVCache) -> torch.device:
     return first_leaf(kv).device
 
 
-def is_mla(fmt: FormatLike) -> bool:
-    return get_spec_class(fmt).is_mla
-
-
 # -- diagnostics: strings, never raising for an unknown format -------------------------------
 
 
@@ -244,19 +241,20 @@ def resolve_block_stride_and_log_layout(
     for any such layout. Logs one INFO audit line; logging never raises.
     """
     group = _group(kv, fmt, layer_idx)
-    _audit(group_idx, layer_idx, group.layer_tensors(layer_idx)[0])
+    if _log.isEnabledFor(logging.INFO):  # the layer's tensor is looked up only to be logged
+        _audit(group_idx, layer_idx, group)
     return group.block_stride_elems
 
 
-def _audit(group_idx: int, layer_idx: int, t: torch.Tensor) -> None:
+def _audit(group_idx: int, layer_idx: int, group: KernelGroup) -> None:
     try:
-        if _log.isEnabledFor(logging.INFO):
-            _log.info(
-                "Group %d first-layer tensor: layer_idx=%d shape=%s stride=%s is_contiguous=%s dtype=%s "
-                "device=%s storage_offset=%d numel=%d padding_per_block=%d",
-                group_idx, layer_idx, tuple(t.shape), t.stride(), t.is_contiguous(), t.dtype,
-                t.device, t.storage_offset(), t.numel(), dim0_padding(t),
-            )  # fmt: skip
+        t = group.layer_tensors(layer_idx)[0]
+        _log.info(
+            "Group %d first-layer tensor: layer_idx=%d shape=%s stride=%s is_contiguous=%s dtype=%s "
+            "device=%s storage_offset=%d numel=%d padding_per_block=%d",
+            group_idx, layer_idx, tuple(t.shape), t.stride(), t.is_contiguous(), t.dtype,
+            t.device, t.storage_offset(), t.numel(), dim0_padding(t),
+        )  # fmt: skip
     except Exception:  # an audit line must never break registration
         pass
 

@@ -34,6 +34,11 @@ class Run(NamedTuple):
     paths: Sequence[Path]
     root: str
 
+    @property
+    def span(self) -> int:
+        """Bytes from a tensor's first byte to past its last (padding between blocks included)."""
+        return (self.blocks - 1) * self.period + self.block
+
 
 class _Extent(NamedTuple):
     start: int
@@ -68,8 +73,7 @@ def check_disjoint(runs: Iterable[Run | None], error: type[KVLayoutError], why: 
         return
     shape = present[0][:3]
     if all(r[:3] == shape for r in present):
-        period, block, count = shape
-        span = (count - 1) * period + block
+        count, span = shape[2], present[0].span
         ordered = sorted(s for r in present for s in r.starts)
         if all(b - a >= span for a, b in itertools.pairwise(ordered)):
             return  # the common case: spans apart (separate allocations, slices of one buffer)

@@ -86,12 +86,11 @@ def map_leaves(
     fn: Callable[[torch.Tensor], torch.Tensor],
     *,
     root: str = "kv_caches",
-    keep_tuples: bool = False,
     start: Path = (),
 ) -> Any:
     """The structure rebuilt with ``fn`` applied to every tensor (a bare tensor: ``fn(kv)``).
 
-    Lists become new lists; tuples become lists too unless ``keep_tuples``. ``fn`` may
+    Lists and tuples become new lists. ``fn`` may
     raise :class:`LocatedError`; it surfaces as its ``kind`` with the tensor's path.
     ``start`` is the path of ``kv`` itself inside a larger registration (for messages).
     """
@@ -109,7 +108,7 @@ def map_leaves(
                 path[-1] = i
                 out.append(visit(child))
             path.pop()
-            return tuple(out) if keep_tuples and isinstance(node, tuple) else out
+            return out
         raise LocatedError(TypeError, not_a_kv_cache(node))
 
     try:

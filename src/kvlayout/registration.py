@@ -25,7 +25,7 @@ import torch
 
 from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.algebra import with_size
+from kvlayout.algebra import level_of, with_size
 from kvlayout.binding import (
     Bound,
     LayerTable,
@@ -217,7 +217,7 @@ class KernelGroup:
 
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         """The tensors holding one of the group's layers, in pointer-table order."""
-        level = next((i for i, t in enumerate(self.layout.lists) if t.role is Role.LAYER), None)
+        level = level_of(self.layout, Role.LAYER)
         return [
             leaf
             for plane in self.planes

@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlayout import algebra
+from kvlayout import _native, algebra
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
+from kvlayout.memory import run_of
 from kvlayout.nesting import not_strided
 from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
 from kvlayout.registry import FormatLike
@@ -105,7 +106,6 @@ class TransferPlan:
     def __init__(self, group: KernelGroup, block_size: int | None) -> None:
         self.format: EngineKVFormat = group.format
         self.layout: Layout = group.layout
-        self.layers = group.layers
         if group.layout.is_cross_layer and len(group.layers) != group.registration_layers:
             raise TransferError(
                 f"{self.format.name} holds every layer in one tensor, so its plan moves all "
@@ -137,8 +137,6 @@ class TransferPlan:
             raise TransferError(f"{self.format.name}: the cache holds no blocks to move ({what})")
         self._extents = _cache_extents(group)
         if self.device.type == "cpu":
-            from kvlayout import _native
-
             self._engine: Any = _native.TransferPlan(
                 [self._native_job(job) for job in self.jobs], self.num_blocks
             )
@@ -220,7 +218,7 @@ class TransferPlan:
         if threads < 1:
             raise TransferError(f"num_threads must be a positive int, got {threads!r}")
         if direction == _LOAD:
-            again = self._engine.first_repeated_block_id(ids, skip)
+            again = _native.first_repeated_block_id(ids, skip, self.num_blocks)
             if again >= 0:
                 earlier = skip + int(np.flatnonzero(ids[skip:again] == ids[again])[0])
                 raise TransferError(
@@ -230,7 +228,7 @@ class TransferPlan:
         self._engine.run(direction, ids, ptrs, tokens, per_chunk, skip, threads)
 
     def _check_ids(self, ids: np.ndarray) -> None:
-        bad = self._engine.first_bad_block_id(ids)
+        bad = _native.first_bad_block_id(ids, self.num_blocks)
         if bad >= 0:
             raise TransferError(
                 f"block_ids[{bad}] = {int(ids[bad])} is out of range for {self.num_blocks} blocks"
@@ -296,7 +294,7 @@ def _jobs(group: KernelGroup, block_size: int | None) -> tuple[_Job, ...]:
     for plane in group.planes:
         sizes = _resolve_block_size(layout, dict(plane.sizes), block_size)
         jobs.append(_Job(plane, sizes, plane.padded_block_stride, row_offset))
-        row_offset += layout.num_heads(sizes) * layout.head_size(sizes) * plane.element_size
+        row_offset += _row_bytes(layout, jobs[-1])
     return tuple(jobs)
 
 
@@ -306,12 +304,8 @@ def _row_bytes(layout: Layout, job: _Job) -> int:
 
 def _cache_extents(group: KernelGroup) -> tuple[list[int], list[int]]:
     """The cache's memory as sorted, merged [start, end) spans (for chunk checks)."""
-    spans = sorted(
-        (leaf.data_ptr(), leaf.data_ptr() + _span_bytes(leaf))
-        for plane in group.planes
-        for leaf in plane.leaves
-        if leaf.numel() and leaf.device.type != "meta"
-    )
+    runs = (run_of(p.leaves[0], p.data_ptrs, p.paths, "kv") for p in group.planes)
+    spans = sorted((start, start + r.span) for r in runs if r is not None for start in r.starts)
     starts: list[int] = []
     ends: list[int] = []
     for lo, hi in spans:
@@ -321,12 +315,6 @@ def _cache_extents(group: KernelGroup) -> tuple[list[int], list[int]]:
             starts.append(lo)
             ends.append(hi)
     return starts, ends
-
-
-def _span_bytes(leaf: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to past its last (padding inside included)."""
-    last = sum((n - 1) * st for n, st in zip(leaf.shape, leaf.stride(), strict=True))
-    return (last + 1) * leaf.element_size()
 
 
 def _required(layout: Layout, sizes: dict[str, int], role: Role) -> int:

@@ -239,11 +239,7 @@ def _per_layer(
             raise
         if not LAYOUTS[fmt].is_layer_list:
             if len(members) != len(entries):
-                missing = next(i for i in range(len(entries)) if i not in views)
-                raise DetectionError(
-                    f"{fmt.name} holds every layer in one structure, so its entries cannot be left out "
-                    f"of the layer groups (kv_caches[{missing}] is in none); pass layer_index_groups=None"
-                )
+                raise _left_out(fmt, entries, members)
             return _bind_whole(out, fmt, eng, [owner[i] for i in range(len(entries))], False)
         result: list[Any] = list(entries)
         formats: list[EngineKVFormat | None] = [None] * len(entries)
@@ -277,11 +273,16 @@ def _refuse_left_out(entries: list[Any], members: list[int], eng: EngineType, hi
     except (KVLayoutError, TypeError):
         return
     if not LAYOUTS[fmt].is_layer_list:
-        missing = next(i for i in range(len(entries)) if i not in members)
-        raise DetectionError(
-            f"{fmt.name} holds every layer in one structure, so its entries cannot be left out "
-            f"of the layer groups (kv_caches[{missing}] is in none); pass layer_index_groups=None"
-        )
+        raise _left_out(fmt, entries, members)
+
+
+def _left_out(fmt: EngineKVFormat, entries: list[Any], members: list[int]) -> DetectionError:
+    """The error for a structure holding every layer with entries left out of the groups."""
+    missing = next(i for i in range(len(entries)) if i not in members)
+    return DetectionError(
+        f"{fmt.name} holds every layer in one structure, so its entries cannot be left out "
+        f"of the layer groups (kv_caches[{missing}] is in none); pass layer_index_groups=None"
+    )
 
 
 def _bind_whole(
