@@ -21,9 +21,9 @@ import functools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
-from kvlayout.errors import SizeError
+from kvlayout.errors import SizeError, or_list
 from kvlayout.vocabulary import Role, Token
 
 if TYPE_CHECKING:
@@ -268,14 +268,37 @@ def size_symbols(layout: Layout) -> tuple[Token, ...]:
     return tuple(out)
 
 
+class _Resolved(dict[str, int]):
+    """Sizes :func:`resolve_sizes` made for ``layout``: passing them on is free, so they
+    are read-only (a changed size would skip its checks and leave fused sizes stale)."""
+
+    __slots__ = ("layout",)
+
+    def __init__(self, layout: Layout) -> None:
+        super().__init__()
+        self.layout = layout
+
+    def _read_only(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("resolved sizes are read-only; copy them with dict(...)")
+
+    __setitem__ = __delitem__ = update = setdefault = pop = popitem = clear = __ior__ = _read_only
+
+    def __reduce__(self) -> tuple[type, tuple[dict[str, int]]]:
+        return dict, (dict(self),)  # copies and pickles are plain dicts
+
+
 def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
     """The sizes a layout needs, keyed by token name.
 
     A fused token's size defaults to the product of its parts (``NBBS = NB*BS``,
     ``CS = 2*HS``) and may be given by its label too (``PBS``). A size that cannot be
     found is simply absent: the functions that need it raise :class:`SizeError`.
+    Sizes this returned for the same layout come back as they are (the algebra's
+    functions call each other with resolved sizes). Treat the result as read-only.
     """
-    out: dict[str, int] = {}
+    if type(sizes) is _Resolved and sizes.layout is layout:
+        return sizes
+    out = _Resolved(layout)
 
     def lookup(t: Token) -> int | None:
         if t.literal is not None:
@@ -286,7 +309,7 @@ def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
                 if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                     raise SizeError(f"{layout}: size {key}={value!r} is not a non-negative int")
                 if t.choices and value not in t.choices:
-                    raise SizeError(f"{layout}: size {key}={value} is not one of {_or(t.choices)}")
+                    raise SizeError(f"{layout}: size {key}={value} is not one of {or_list(t.choices)}")
                 return value
         if t.fuses:
             parts = [lookup(f) for f in t.fuses]
@@ -297,13 +320,8 @@ def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
     for t in size_symbols(layout):
         value = lookup(t)
         if value is not None:
-            out[t.name] = value
+            dict.__setitem__(out, t.name, value)
     return out
-
-
-def _or(values: Sequence[int]) -> str:
-    words = [str(v) for v in values]
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def check_choices(layout: Layout, sizes: Mapping[str, int]) -> None:
@@ -511,11 +529,6 @@ def tensor_size_axes(layout: Layout) -> tuple[tuple[str, int], ...]:
             out.append((token.name, axis))
         axis += len(mode.storage)
     return tuple(out)
-
-
-def row_width_axis(layout: Layout) -> int | None:
-    """The storage axis of a region run's concatenated width (None without regions)."""
-    return axis_of(layout, Role.REGION)
 
 
 def role_problem(layout: Layout, role: Role) -> str | None:

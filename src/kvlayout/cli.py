@@ -25,15 +25,10 @@ __all__ = ["main", "parse_sizes"]
 def parse_sizes(text: str) -> dict[str, int]:
     """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items
     and for names that are not sized tokens of the vocabulary."""
+    from kvlayout._generated.formats import SIZE_SYMBOLS
     from kvlayout._generated.vocabulary import VOCABULARY
 
-    known = {
-        n
-        for t in VOCABULARY.values()
-        if t.literal is None and t.region is None
-        for n in (t.name, t.label)
-        if n
-    }
+    known = {n for name in SIZE_SYMBOLS for n in (name, VOCABULARY[name].label) if n}
     sizes: dict[str, int] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, sep, value = item.partition("=")
@@ -208,9 +203,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
         return tuple(children) if isinstance(node, tuple) else children
 
     kv: Any = build(spec.root)
-    shapes = sorted(
-        {str(list(s)) + (f"@{','.join(map(str, s.order))}" if s.order else "") for s in spec.leaves()}
-    )
+    shapes = sorted({_shape_text(s) for s in spec.leaves()})
     report: dict[str, Any] = {
         "engine": args.engine, "registration": spec.text, "tensors": len(spec.leaves()), "shapes": shapes,
         "dtype": args.dtype, "device": str(device), "hints": hints,
@@ -238,10 +231,12 @@ def _shape_text(shape: Any) -> str:
 
 
 def _group_record(group: Any) -> dict[str, Any]:
+    from kvlayout.facade import get_concrete_engine_kv_shape_from_shape_desc
+
     g = group.geometry
     try:
         desc = group.descriptor()
-        shape = kvlayout_shape_from_desc(desc, group.format)
+        shape = get_concrete_engine_kv_shape_from_shape_desc(desc, group.format)
     except KVLayoutError:  # NB*BS folded: the registration's own shape says all there is
         shape = group.concrete_shape()
     return {
@@ -251,12 +246,6 @@ def _group_record(group: Any) -> dict[str, Any]:
         "head_size": g.head_size, "kv_size": g.kv_size, "dtype": str(g.dtype),
         "block_stride_elems": group.block_stride_elems,
     }  # fmt: skip
-
-
-def kvlayout_shape_from_desc(desc: Any, fmt: Any) -> str:
-    import kvlayout
-
-    return kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt)
 
 
 def _print_detection(report: dict[str, Any], as_json: bool) -> None:

@@ -397,8 +397,10 @@ def describe(
             if n is not None and axis not in extents:
                 extents[axis] = n
         packed = next((t for t in layout.tensor if t.fuses and set(t.roles) == {Role.KV, Role.ELEMENT}), None)
-        if Axis.C not in extents and packed is not None and s.get(packed.name, 1) % 2 == 0:
-            extents[Axis.C] = s[packed.name] // 2  # K and V side by side in the row
+        if Axis.C not in extents and packed is not None:
+            pair = math.prod(p.literal for p in packed.parts if p.literal is not None)  # K and V side by side
+            if s.get(packed.name, 1) % pair == 0:
+                extents[Axis.C] = s[packed.name] // pair
     lists = tuple(_axis(t) for t in layout.lists)
     desc = LayoutDescription(
         grouping=_GROUPING_LISTS.get(lists, Grouping.PER_LAYER),

@@ -15,11 +15,18 @@ __all__ = [
     "LayoutSyntaxError",
     "SizeError",
     "index_ranges",
+    "or_list",
 ]
 
 
 class KVLayoutError(ValueError):
     """Base of every error kvlayout raises about a layout, a format or a KV cache."""
+
+
+def or_list(values: Sequence[object]) -> str:
+    """``[1, 2, 4]`` -> ``1, 2 or 4`` (for messages listing what would fit)."""
+    words = [str(v) for v in values]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def index_ranges(indices: Sequence[int]) -> str:

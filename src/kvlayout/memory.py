@@ -17,6 +17,7 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 
+from kvlayout.contiguity import dim0_padding
 from kvlayout.errors import KVLayoutError
 from kvlayout.nesting import Path, describe_path
 
@@ -61,7 +62,7 @@ def run_of(t: torch.Tensor, starts: Sequence[int], paths: Sequence[Path], root: 
     es = t.element_size()
     size = t.numel() * es
     period, block, count = size, size, 1
-    if t.dim() >= 2 and t.shape[0] > 1 and t.stride(0) * t.shape[0] > t.numel():
+    if t.dim() >= 2 and dim0_padding(t):
         period, block, count = t.stride(0) * es, size // t.shape[0], int(t.shape[0])
     return Run(period, block, count, starts, paths, root)
 

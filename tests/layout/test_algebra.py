@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat, Layout, SizeError, parse
-from kvlayout.algebra import Coord, offset, pointer_index, tensor_index
+from kvlayout.algebra import Coord, offset, pointer_index, resolve_sizes, tensor_index
 from kvlayout.testing.strategies import coord_ranges, coords_for, layouts, sizes_for
 from kvlayout.vocabulary import Role
 
@@ -67,6 +67,16 @@ def test_every_element_has_its_own_place(data: st.DataObject) -> None:
         seen.add((ptr, off))
     # injective (one place per coordinate) and onto (no place left unaddressed)
     assert len(seen) == len(all_coords(layout, sizes)) == n_pointers * numel
+
+
+def test_resolved_sizes_are_reused_and_read_only() -> None:
+    layout = parse("NL_X_NBBS_NH_HS")
+    s = resolve_sizes(layout, {"NB": 4, "BS": 2, "NH": 1, "HS": 8})
+    assert s == {"NB": 4, "BS": 2, "NBBS": 8, "NH": 1, "HS": 8}
+    assert resolve_sizes(layout, s) is s and resolve_sizes(parse("NL_X_NB_BS_HS"), s) is not s
+    with pytest.raises(TypeError, match="resolved sizes are read-only"):
+        s["NB"] = 5
+    assert {**s, "NB": 5}["NBBS"] == 8 and resolve_sizes(layout, {**s, "NB": 5})["NB"] == 5
 
 
 def test_fused_axis_indexes_like_its_parts() -> None:

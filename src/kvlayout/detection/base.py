@@ -22,6 +22,7 @@ import torch
 from kvlayout import algebra
 from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 from kvlayout.binding import RegistrationError
+from kvlayout.errors import or_list
 from kvlayout.layout import Layout
 from kvlayout.nesting import describe_path
 from kvlayout.types import ENGINE_LABELS, EngineType, LayoutHintError
@@ -278,14 +279,9 @@ def _registrations(pool: Sequence[EngineKVFormat]) -> str:
         ranks.setdefault(LAYOUTS[f].list_depth, set()).add(format_shape(f).rank)
     what = {0: "a tensor", 1: "a list of tensors", 2: "a list of lists (or tuples) of tensors"}
     return "; ".join(
-        f"{what.get(depth, f'{depth} nested lists of tensors')} of rank {_or(sorted(rs))}"
+        f"{what.get(depth, f'{depth} nested lists of tensors')} of rank {or_list(sorted(rs))}"
         for depth, rs in sorted(ranks.items())
     )
-
-
-def _or(items: Sequence[int]) -> str:
-    words = [str(i) for i in items]
-    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
 def _fit(
@@ -301,7 +297,7 @@ def _fit(
                 return f"needs dim {axis} == {n} (got {leaf_shape[axis]})"
         for axis, choices in shape.bounded_axes:
             if leaf_shape[axis] not in choices:
-                return f"needs dim {axis} in {_or(choices)} (got {leaf_shape[axis]})"
+                return f"needs dim {axis} in {or_list(choices)} (got {leaf_shape[axis]})"
     if shape.byte_rows and any(dtype != torch.uint8 for _, dtype in leaves):
         return f"is a page of raw bytes (regions counted in bytes), so needs torch.uint8 (got {leaves[0][1]})"
     if shape.kv_level is not None and shape.kv_level == len(lengths) - 1 and len(set(leaves)) > 1:
