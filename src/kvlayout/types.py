@@ -23,6 +23,7 @@ from kvlayout.description import (
     transferable,
 )
 from kvlayout.errors import KVLayoutError
+from kvlayout.vocabulary import Role
 
 if TYPE_CHECKING:
     import torch
@@ -234,15 +235,18 @@ def _layout_format(value: object) -> None:
 
 HintsLike = LayoutHints | Mapping[str, object] | None
 
-_SIZE_FIELDS = (
-    "num_kv_heads",
-    "tokens_per_block",
-    "head_dim",
-    "num_layers",
-    "total_num_blocks",
-    "kv_dim",
-    "page_size",
+SIZE_HINTS: tuple[tuple[str, Role], ...] = (
+    ("num_kv_heads", Role.HEAD),
+    ("tokens_per_block", Role.TOKEN),
+    ("head_dim", Role.ELEMENT),
+    ("num_layers", Role.LAYER),
+    ("total_num_blocks", Role.BLOCK),
+    ("kv_dim", Role.KV),
 )
+"""Hints that give a size, and the role whose axis holds it (``page_size`` is folded into
+``tokens_per_block`` when hints are read)."""
+
+_SIZE_FIELDS = (*(hint for hint, _ in SIZE_HINTS), "page_size")
 
 _FIELDS = frozenset(f.name for f in fields(LayoutHints))
 _NO_HINTS = LayoutHints()

@@ -25,7 +25,7 @@ from kvlayout.binding import RegistrationError
 from kvlayout.errors import or_list
 from kvlayout.layout import Layout
 from kvlayout.nesting import describe_path
-from kvlayout.types import ENGINE_LABELS, EngineType, LayoutHintError
+from kvlayout.types import ENGINE_LABELS, SIZE_HINTS, EngineType, LayoutHintError
 from kvlayout.vocabulary import Role
 
 __all__ = [
@@ -401,17 +401,6 @@ def _choose(
 
 
 # -- size hints -----------------------------------------------------------------------------
-
-SIZE_HINTS: tuple[tuple[str, Role], ...] = (
-    ("num_kv_heads", Role.HEAD),
-    ("tokens_per_block", Role.TOKEN),
-    ("head_dim", Role.ELEMENT),
-    ("num_layers", Role.LAYER),
-    ("total_num_blocks", Role.BLOCK),
-    ("kv_dim", Role.KV),
-)
-"""Hints that give a size, and the role whose axis holds it (``page_size`` is folded into
-``tokens_per_block`` when hints are read)."""
 
 
 def check_size_hints(
