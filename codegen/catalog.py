@@ -11,11 +11,11 @@ from pathlib import Path
 
 import yaml
 
-from kvlayout import algebra
 from kvlayout.errors import CatalogError, KVLayoutError
-from kvlayout.layout import Layout
-from kvlayout.parser import parse
-from kvlayout.vocabulary import Region, Role, Token, Vocabulary
+from kvlayout.layout import algebra
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.parser import parse
+from kvlayout.layout.vocabulary import Region, Role, Token, Vocabulary
 
 __all__ = ["Catalog", "Deprecation", "DescriptorField", "Engine", "FormatEntry", "load_catalog"]
 

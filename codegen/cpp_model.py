@@ -1,6 +1,6 @@
 """What the C++ templates print: the enum, the facts, and one indexer per format.
 
-Each indexer is rendered from :func:`kvlayout.algebra.structure`, the same model the
+Each indexer is rendered from :func:`kvlayout.layout.algebra.structure`, the same model the
 Python oracle evaluates: a pointer index (mixed radix over the list levels) and an
 element offset (the sum over modes of index times a row-major stride, dim 0 widened to
 the runtime block stride where the layout allows it).
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from codegen.catalog import Catalog, FormatEntry
-from kvlayout.algebra import COORD_FIELDS, Mode, Product, Structure, Term, structure
-from kvlayout.layout import FACTS
-from kvlayout.vocabulary import Role, Vocabulary
+from kvlayout.layout.algebra import COORD_FIELDS, Mode, Product, Structure, Term, structure
+from kvlayout.layout.ast import FACTS
+from kvlayout.layout.vocabulary import Role, Vocabulary
 
 __all__ = ["CppFormat", "cpp_formats", "role_field", "size_fields"]
 

@@ -17,8 +17,8 @@ from codegen.catalog import Catalog
 from codegen.cpp_model import COORDS, cpp_formats, role_field, size_fields
 from codegen.python_model import python_formats, token_literal
 from codegen.writer import stamp
-from kvlayout.layout import FACTS, fact_doc
-from kvlayout.vocabulary import Role
+from kvlayout.layout.ast import FACTS, fact_doc
+from kvlayout.layout.vocabulary import Role
 
 __all__ = ["GENERATED_PACKAGE", "OUTPUTS", "render_outputs"]
 

@@ -11,10 +11,10 @@ import json
 from dataclasses import dataclass, fields
 
 from codegen.catalog import Catalog, FormatEntry
-from kvlayout.algebra import axis_of, level_of, role_problem, structure, symbol_of, tensor_size_axes
 from kvlayout.errors import CatalogError
-from kvlayout.layout import FACTS, Layout
-from kvlayout.vocabulary import Role, Token
+from kvlayout.layout.algebra import axis_of, level_of, role_problem, structure, symbol_of, tensor_size_axes
+from kvlayout.layout.ast import FACTS, Layout
+from kvlayout.layout.vocabulary import Role, Token
 
 __all__ = ["FACTS", "ROLE_ACCESSORS", "PythonFormat", "python_formats", "token_literal"]
 

@@ -1,7 +1,7 @@
 #pragma once
 // The native CPU block transfer: paged KV cache <-> token-major chunk buffers.
 //
-// Python (kvlayout/transfer.py) validates everything and hands over jobs: one per group
+// Python (kvlayout/transfer/plan.py) validates everything and hands over jobs: one per group
 // of pointers that share a geometry (a whole registration, or one plane of a per-layer
 // tuple). Each job is resolved once into segments (kvlayout/transfer_plan.h, the plan the
 // CUDA kernels walk too); a call then only adds block ids and chunk addresses to them and

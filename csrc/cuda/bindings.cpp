@@ -1,5 +1,5 @@
 // kvlayout._cuda: the CUDA block transfer (built when CMake finds a CUDA toolkit).
-// Device addresses cross as ints; kvlayout/cuda_transfer.py validates everything, and
+// Device addresses cross as ints; kvlayout/transfer/cuda.py validates everything, and
 // kvlayout._native.plan_segments builds the segment table it uploads.
 
 #include <nanobind/nanobind.h>

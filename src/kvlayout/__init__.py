@@ -16,18 +16,18 @@ __version__ = "0.1.0"
 _EXPORTS: dict[str, str] = {
     "EngineKVFormat": "kvlayout._generated.formats",
     "PageBufferShapeDesc": "kvlayout._generated.descriptors",
-    "Layout": "kvlayout.layout",
-    "parse": "kvlayout.parser",
-    "Coord": "kvlayout.algebra",
-    "CopyPlan": "kvlayout.algebra",
-    "KVFormatSpec": "kvlayout.spec",
-    "UndefinedSizeError": "kvlayout.spec",
-    "as_format": "kvlayout.registry",
-    "concrete_shape": "kvlayout.registry",
-    "describe_shape": "kvlayout.registry",
-    "get_spec": "kvlayout.registry",
-    "get_spec_class": "kvlayout.registry",
-    "layout_of": "kvlayout.registry",
+    "Layout": "kvlayout.layout.ast",
+    "parse": "kvlayout.layout.parser",
+    "Coord": "kvlayout.layout.algebra",
+    "CopyPlan": "kvlayout.layout.algebra",
+    "KVFormatSpec": "kvlayout.catalog.spec",
+    "UndefinedSizeError": "kvlayout.catalog.spec",
+    "as_format": "kvlayout.catalog.registry",
+    "concrete_shape": "kvlayout.catalog.registry",
+    "describe_shape": "kvlayout.catalog.registry",
+    "get_spec": "kvlayout.catalog.registry",
+    "get_spec_class": "kvlayout.catalog.registry",
+    "layout_of": "kvlayout.catalog.registry",
     "CatalogError": "kvlayout.errors",
     "KVLayoutError": "kvlayout.errors",
     "LayoutSemanticError": "kvlayout.errors",
@@ -58,29 +58,29 @@ _EXPORTS: dict[str, str] = {
     "resolve_block_stride_and_log_layout": "kvlayout.facade",
     "normalize_kv_and_discover_format": "kvlayout.detection.discovery",
     "detect": "kvlayout.detection.discovery",
-    "bind": "kvlayout.registration",
-    "Registration": "kvlayout.registration",
-    "RegisteredKV": "kvlayout.registration",
-    "KernelGroup": "kvlayout.registration",
-    "RegistrationError": "kvlayout.registration",
+    "bind": "kvlayout.registration.registration",
+    "Registration": "kvlayout.registration.registration",
+    "RegisteredKV": "kvlayout.registration.registration",
+    "KernelGroup": "kvlayout.registration.registration",
+    "RegistrationError": "kvlayout.registration.registration",
     "normalize_and_discover_per_layer_formats": "kvlayout.detection.discovery",
     "DetectionError": "kvlayout.detection.base",
-    "attempt_permute_to_contiguous_view": "kvlayout.contiguity",
-    "StridedViewError": "kvlayout.contiguity",
+    "attempt_permute_to_contiguous_view": "kvlayout.registration.contiguity",
+    "StridedViewError": "kvlayout.registration.contiguity",
     "DiscoverableKVCache": "kvlayout.types",
     "EngineType": "kvlayout.types",
     "LayoutHints": "kvlayout.types",
     "LayoutHintError": "kvlayout.types",
     "KV_LAYOUT_NAMES": "kvlayout.types",
     "KV_LIST_LAYOUT_NAMES": "kvlayout.types",
-    "HND_KV_LAYOUTS": "kvlayout.description",
-    "BLOCKS_FIRST_KV_LAYOUTS": "kvlayout.description",
-    "LayoutDescription": "kvlayout.description",
-    "describe": "kvlayout.description",
-    "kv_layout_axes": "kvlayout.description",
-    "to_engine_kv_format": "kvlayout.description",
-    "is_indexer_cache": "kvlayout.indexers",
-    "drop_indexer_caches": "kvlayout.indexers",
+    "HND_KV_LAYOUTS": "kvlayout.layout.description",
+    "BLOCKS_FIRST_KV_LAYOUTS": "kvlayout.layout.description",
+    "LayoutDescription": "kvlayout.layout.description",
+    "describe": "kvlayout.layout.description",
+    "kv_layout_axes": "kvlayout.layout.description",
+    "to_engine_kv_format": "kvlayout.layout.description",
+    "is_indexer_cache": "kvlayout.detection.indexers",
+    "drop_indexer_caches": "kvlayout.detection.indexers",
     **{
         name: "kvlayout._generated.predicates"
         for name in (
@@ -210,22 +210,22 @@ if TYPE_CHECKING:
         is_single_kv,
         is_two_major,
     )
-    from kvlayout.algebra import Coord, CopyPlan
-    from kvlayout.contiguity import StridedViewError, attempt_permute_to_contiguous_view
-    from kvlayout.description import (
-        BLOCKS_FIRST_KV_LAYOUTS,
-        HND_KV_LAYOUTS,
-        LayoutDescription,
-        describe,
-        kv_layout_axes,
-        to_engine_kv_format,
+    from kvlayout.catalog.registry import (
+        as_format,
+        concrete_shape,
+        describe_shape,
+        get_spec,
+        get_spec_class,
+        layout_of,
     )
+    from kvlayout.catalog.spec import KVFormatSpec, UndefinedSizeError
     from kvlayout.detection.base import DetectionError
     from kvlayout.detection.discovery import (
         detect,
         normalize_and_discover_per_layer_formats,
         normalize_kv_and_discover_format,
     )
+    from kvlayout.detection.indexers import drop_indexer_caches, is_indexer_cache
     from kvlayout.errors import (
         CatalogError,
         KVLayoutError,
@@ -258,19 +258,25 @@ if TYPE_CHECKING:
         make_page_buffer_shape_desc,
         resolve_block_stride_and_log_layout,
     )
-    from kvlayout.indexers import drop_indexer_caches, is_indexer_cache
-    from kvlayout.layout import Layout
-    from kvlayout.parser import parse
-    from kvlayout.registration import KernelGroup, RegisteredKV, Registration, RegistrationError, bind
-    from kvlayout.registry import (
-        as_format,
-        concrete_shape,
-        describe_shape,
-        get_spec,
-        get_spec_class,
-        layout_of,
+    from kvlayout.layout.algebra import Coord, CopyPlan
+    from kvlayout.layout.ast import Layout
+    from kvlayout.layout.description import (
+        BLOCKS_FIRST_KV_LAYOUTS,
+        HND_KV_LAYOUTS,
+        LayoutDescription,
+        describe,
+        kv_layout_axes,
+        to_engine_kv_format,
     )
-    from kvlayout.spec import KVFormatSpec, UndefinedSizeError
+    from kvlayout.layout.parser import parse
+    from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
+    from kvlayout.registration.registration import (
+        KernelGroup,
+        RegisteredKV,
+        Registration,
+        RegistrationError,
+        bind,
+    )
     from kvlayout.types import (
         KV_LAYOUT_NAMES,
         KV_LIST_LAYOUT_NAMES,

@@ -1,6 +1,6 @@
-"""``python -m kvlayout``: the command line (see kvlayout.cli)."""
+"""``python -m kvlayout``: the command line (see kvlayout.tools.cli)."""
 
-from kvlayout.cli import main
+from kvlayout.tools.cli import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

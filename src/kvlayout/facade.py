@@ -1,6 +1,6 @@
 """The helper facade: everything a consumer asks about a normalized registration.
 
-Every answer comes from the bound registration (:func:`kvlayout.registration.bound`),
+Every answer comes from the bound registration (:func:`kvlayout.registration.registration.bound`),
 its layout or the algebra; nothing here reads a raw shape axis, sniffs list nesting,
 lists formats, or assembles pointers by hand. Pass what detection
 (``normalize_kv_and_discover_format``) returned: it carries its registration, so an
@@ -16,18 +16,20 @@ from typing import Any
 
 import torch
 
-from kvlayout import algebra
 from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout._generated.predicates import is_mla  # LMCache names it here too
-from kvlayout.contiguity import attempt_permute_to_contiguous_view, dim0_padding
+from kvlayout.catalog.registry import FormatLike, as_format, backend_label, get_spec_class
 from kvlayout.detection.discovery import (
     normalize_and_discover_per_layer_formats,
     normalize_kv_and_discover_format,
 )
 from kvlayout.errors import KVLayoutError
-from kvlayout.nesting import first_leaf
-from kvlayout.registration import (
+from kvlayout.layout import algebra
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view, dim0_padding
+from kvlayout.registration.nesting import first_leaf
+from kvlayout.registration.registration import (
     EXCLUDED_ENGINE_GROUP,
     KernelGroup,
     LayerGroupIdentity,
@@ -36,9 +38,7 @@ from kvlayout.registration import (
     bind,
     bound,
 )
-from kvlayout.registry import FormatLike, as_format, backend_label, get_spec_class
 from kvlayout.types import DiscoverableKVCache, EngineLike, as_engine
-from kvlayout.vocabulary import Role
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",

@@ -15,15 +15,15 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal, Union
 
 from kvlayout._generated.engines import ENGINE_LABELS, EngineType
-from kvlayout.description import (
+from kvlayout.errors import KVLayoutError
+from kvlayout.layout.description import (
     HND_KV_LAYOUTS,
     KV_LAYOUT_NAMES,
     DescriptionError,
     kv_layout_axes,
     transferable,
 )
-from kvlayout.errors import KVLayoutError
-from kvlayout.vocabulary import Role
+from kvlayout.layout.vocabulary import Role
 
 if TYPE_CHECKING:
     import torch

@@ -60,7 +60,7 @@ def test_a_format_added_as_the_doc_says_just_works(tmp_path: Path) -> None:
         import contextlib, io
         import torch
         import kvlayout
-        from kvlayout.cli import main
+        from kvlayout.tools.cli import main
         from kvlayout.transfer import prepare
 
         fmt = kvlayout.EngineKVFormat.{name}

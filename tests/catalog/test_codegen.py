@@ -20,7 +20,7 @@ from codegen.__main__ import generate
 from codegen.catalog import load_catalog
 from codegen.outputs import GRAMMAR_COPY, OUTPUTS
 from kvlayout import CatalogError
-from kvlayout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes
+from kvlayout.layout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes
 from tests import ROOT
 from tests.catalog.scratch import build_native, checkout, regenerate
 
@@ -188,7 +188,7 @@ def test_renamed_tokens_work_end_to_end(tmp_path: Path) -> None:
     done = scratch.python("""
         import torch
         import kvlayout
-        from kvlayout.explain import explain
+        from kvlayout.tools.explain import explain
         from kvlayout.transfer import prepare
 
         F = kvlayout.EngineKVFormat

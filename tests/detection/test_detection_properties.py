@@ -18,7 +18,7 @@ from kvlayout.testing.registrations import CASES, RegistrationCase, flatten, reg
 
 def test_every_detectable_format_has_a_case() -> None:
     """Every format but the deprecated ones (10 and 11), for each engine it lists."""
-    deprecated = {int(f) for f in F if kvlayout.registry.format_info(f).replaced_by is not None}
+    deprecated = {int(f) for f in F if kvlayout.catalog.registry.format_info(f).replaced_by is not None}
     assert deprecated == {10, 11}
     assert {v for _, v in CASES} == {int(f) for f in F} - deprecated
     assert ("sglang", 14) in CASES and ("max", 19) in CASES

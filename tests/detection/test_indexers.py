@@ -18,7 +18,7 @@ import torch
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import EngineType
-from kvlayout.description import Axis, RegionPart
+from kvlayout.layout.description import Axis, RegionPart
 from kvlayout.transfer import prepare
 
 INDEXER = F.NL_X_NB_BSV_BSS
@@ -40,7 +40,7 @@ def f16(*shape: int) -> torch.Tensor:
 def test_is_indexer_is_a_layout_fact_of_exactly_the_blocked_scale_page() -> None:
     assert {f for f in F if kvlayout.is_indexer(f)} == {INDEXER}
     assert kvlayout.layout_of(INDEXER).is_indexer and kvlayout.get_spec_class(INDEXER).is_indexer
-    assert kvlayout.registry.format_info(INDEXER).engines == ("vllm", "sglang")
+    assert kvlayout.catalog.registry.format_info(INDEXER).engines == ("vllm", "sglang")
 
 
 # -- SGLang's DSA indexer pages (section 3) ------------------------------------------------

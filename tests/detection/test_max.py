@@ -16,7 +16,7 @@ import torch
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import EngineType
-from kvlayout.description import Axis, Grouping, KVPacking
+from kvlayout.layout.description import Axis, Grouping, KVPacking
 from kvlayout.transfer import prepare
 
 MAX = F.NB_KV_NL_BS_NH_HS

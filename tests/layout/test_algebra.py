@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat, Layout, SizeError, parse
-from kvlayout.algebra import Coord, offset, pointer_index, resolve_sizes, tensor_index
+from kvlayout.layout.algebra import Coord, offset, pointer_index, resolve_sizes, tensor_index
+from kvlayout.layout.vocabulary import Role
 from kvlayout.testing.strategies import coord_ranges, coords_for, layouts, sizes_for
-from kvlayout.vocabulary import Role
 
 
 def all_coords(layout: Layout, sizes: dict[str, int]) -> list[Coord]:

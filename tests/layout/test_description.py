@@ -17,7 +17,8 @@ from hypothesis import given
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
-from kvlayout.description import (
+from kvlayout.layout.ast import FACTS
+from kvlayout.layout.description import (
     Axis,
     DescriptionError,
     Grouping,
@@ -27,7 +28,6 @@ from kvlayout.description import (
     kv_layout_axes,
     to_engine_kv_format,
 )
-from kvlayout.layout import FACTS
 from kvlayout.testing import layout_names
 from kvlayout.types import KVLayoutName
 

@@ -18,9 +18,9 @@ import torch
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import UndefinedSizeError
-from kvlayout.algebra import kv_size, size_of
+from kvlayout.layout.algebra import kv_size, size_of
+from kvlayout.layout.vocabulary import Role
 from kvlayout.testing.strategies import fixed_sizes
-from kvlayout.vocabulary import Role
 from tests.transfer.registrations import make_registration
 
 SIZES = {"NB": 7, "NL": 5, "BS": 3, "NH": 2, "HS": 4}
@@ -217,10 +217,10 @@ def test_every_spec_answers_as_its_layout_says(fmt: F) -> None:
     assert spec.num_heads() == layout.num_heads(sizes)
     assert spec.head_size() == layout.head_size(sizes)
     assert spec.hidden_dim() == spec.num_heads() * spec.head_size()
-    for name in kvlayout.layout.FACTS:
+    for name in kvlayout.layout.ast.FACTS:
         assert getattr(type(spec), name) == getattr(layout, name), name
         assert getattr(kvlayout, name)(fmt) == getattr(layout, name), name
-    assert kvlayout.get_attention_backend(fmt) == kvlayout.registry.format_info(fmt).backends[0]
+    assert kvlayout.get_attention_backend(fmt) == kvlayout.catalog.registry.format_info(fmt).backends[0]
 
 
 def _first(kv: Any) -> torch.Tensor:

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat, _native
 from kvlayout._generated.formats import SIZE_SYMBOLS
-from kvlayout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes, tensor_index
-from kvlayout.layout import FACTS
+from kvlayout.layout.algebra import COORD_FIELDS, Coord, offset, resolve_sizes, tensor_index
+from kvlayout.layout.ast import FACTS
 from kvlayout.testing.strategies import coords_for, fixed_sizes, sizes_for
 from tests.layout.test_algebra import all_coords, leaf
 
@@ -31,7 +31,7 @@ def test_format_table_matches_python() -> None:
         assert row["shape"] == layout.describe_shape()
         assert row["kv_size"] == (layout.kv_size or 0)  # 0: read from the registration
         assert row["list_depth"] == layout.list_depth
-        assert row["deprecated"] == (kvlayout.registry.format_info(fmt).replaced_by is not None)
+        assert row["deprecated"] == (kvlayout.catalog.registry.format_info(fmt).replaced_by is not None)
         assert {k: row[k] for k in FACTS} == {k: getattr(layout, k) for k in FACTS}
         assert set(row) == {"value", "name", "shape", "kv_size", "list_depth", "deprecated", *FACTS}
 

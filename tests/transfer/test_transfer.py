@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat, _native
-from kvlayout.algebra import Coord, kv_size, offset, with_size
+from kvlayout.layout.algebra import Coord, kv_size, offset, with_size
+from kvlayout.layout.vocabulary import Role
 from kvlayout.testing.strategies import role_size, sizes_for
 from kvlayout.transfer import TransferError, chunk_shape, load_blocks, prepare, store_blocks
-from kvlayout.vocabulary import Role
 from tests.transfer.registrations import DTYPES, Registration, make_registration
 
 FORMATS = list(EngineKVFormat)
@@ -390,7 +390,7 @@ def test_a_refused_thread_means_fewer_threads_not_an_abort() -> None:
 
 
 def test_the_cuda_staging_buffer_is_ids_then_chunk_addresses_then_token_counts() -> None:
-    from kvlayout.cuda_transfer import narrow_unit, staging
+    from kvlayout.transfer.cuda import narrow_unit, staging
 
     out = np.zeros(7, dtype=np.int64)
     staging(

@@ -18,9 +18,9 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat, _native
-from kvlayout.algebra import Coord, offset
-from kvlayout.cuda_transfer import narrow_unit, segment_table
+from kvlayout.layout.algebra import Coord, offset
 from kvlayout.transfer import TransferPlan, prepare
+from kvlayout.transfer.cuda import narrow_unit, segment_table
 from tests.transfer.registrations import DTYPES, make_registration
 from tests.transfer.test_transfer import NBBS
 

@@ -3,7 +3,7 @@
 // One indexer per engine KV format: a logical coordinate (layer, kv, block, token, head,
 // elem) -> (pointer-table index, element offset from that pointer), from runtime sizes
 // and the block stride of dim 0 (0 = tightly packed). Host C++ and CUDA device code.
-// Coordinates must be in range: the Python oracle (kvlayout.algebra.offset) checks them.
+// Coordinates must be in range: the Python oracle (kvlayout.layout.algebra.offset) checks them.
 
 #include <cstdint>
 

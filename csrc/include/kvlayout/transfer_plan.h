@@ -2,7 +2,7 @@
 // The block transfer's plan, shared by the CPU engine (csrc/transfer.h) and the CUDA
 // kernels (csrc/cuda/transfer_kernels.cu), so both move exactly the same bytes.
 //
-// A job's copy (the layout algebra's copy plan, from kvlayout/transfer.py) is resolved
+// A job's copy (the layout algebra's copy plan, from kvlayout/transfer/plan.py) is resolved
 // once, on the host, into segments: one per (kv, layer, piece). A segment knows where it
 // starts in the cache (a pointer-table entry, a byte offset at block 0 and a byte step
 // per block id, all from the generated indexer) and in the chunk (its slab kv*NL + layer
@@ -200,7 +200,7 @@ inline FastDiv fast_div(std::uint64_t divisor) {
   return FastDiv{static_cast<std::uint32_t>(divisor), static_cast<std::uint32_t>(multiplier), shift};
 }
 
-// One piece of a job's copy plan, in bytes (kvlayout.algebra.Piece; loops outermost first).
+// One piece of a job's copy plan, in bytes (kvlayout.layout.algebra.Piece; loops outermost first).
 struct PieceSpec {
   std::int64_t head;
   std::int64_t elem;

@@ -3,7 +3,7 @@
 
 from dataclasses import dataclass
 
-from kvlayout.vocabulary import Role
+from kvlayout.layout.vocabulary import Role
 
 __all__ = ["DESCRIPTOR_ROLES", "PageBufferShapeDesc"]
 

@@ -4,7 +4,7 @@
 import enum
 from dataclasses import dataclass
 
-from kvlayout.layout import Layout
+from kvlayout.layout.ast import Layout
 
 from .vocabulary import BS, BSS, BSV, CS, HS, KV, NB, NBBS, NH, NL, NP, ONE, TWO
 

@@ -2,7 +2,7 @@
 """Each layout fact as a function of a format (LMCache's predicate names), and the
 formats for which it holds."""
 
-from kvlayout.registry import FormatLike, as_format
+from kvlayout.catalog.registry import FormatLike, as_format
 
 from .formats import EngineKVFormat
 

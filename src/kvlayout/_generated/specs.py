@@ -4,7 +4,7 @@
 
 from collections.abc import Sequence
 
-from kvlayout.spec import KVFormatSpec
+from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 

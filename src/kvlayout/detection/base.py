@@ -19,14 +19,14 @@ from typing import Any
 
 import torch
 
-from kvlayout import algebra
 from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
-from kvlayout.binding import RegistrationError
 from kvlayout.errors import or_list
-from kvlayout.layout import Layout
-from kvlayout.nesting import describe_path
+from kvlayout.layout import algebra
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.binding import RegistrationError
+from kvlayout.registration.nesting import describe_path
 from kvlayout.types import ENGINE_LABELS, SIZE_HINTS, EngineType, LayoutHintError
-from kvlayout.vocabulary import Role
 
 __all__ = [
     "SIZE_HINTS",

@@ -17,13 +17,13 @@ from typing import Any
 import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.contiguity import attempt_permute_to_contiguous_view, physical_entries
+from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, probe, validate
 from kvlayout.detection.registry import get_detector
 from kvlayout.errors import KVLayoutError
-from kvlayout.nesting import first_leaf, leaves, not_a_kv_cache
-from kvlayout.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
-from kvlayout.registry import get_spec
+from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view, physical_entries
+from kvlayout.registration.nesting import first_leaf, leaves, not_a_kv_cache
+from kvlayout.registration.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
 from kvlayout.types import (
     DiscoverableKVCache,
     EngineLike,
@@ -53,7 +53,7 @@ def detect(
     :func:`normalize_and_discover_per_layer_formats` does; ``layer_groups`` are the
     engine's KV cache groups (lists of indices into ``kv``), and layers of different
     groups never share a kernel group. Raises what the two LMCache-named functions raise,
-    and :class:`~kvlayout.registration.RegistrationError` for tensors of one group that
+    and :class:`~kvlayout.registration.registration.RegistrationError` for tensors of one group that
     overlap in memory.
     """
     return _per_layer(kv, layer_groups, as_engine(engine), LayoutHints.coerce(layout_hints))
@@ -69,7 +69,7 @@ def normalize_kv_and_discover_format(
     buffers un-folded by ``tokens_per_block``, vLLM's DSA indexer squeezed), lists
     rebuilt (per-layer tuples of the tuple formats stay tuples). It carries its bound
     registration, which the facade and transfer functions read instead of the tensors:
-    a list comes back as a read-only :class:`~kvlayout.registration.RegisteredKV`, a bare
+    a list comes back as a read-only :class:`~kvlayout.registration.registration.RegisteredKV`, a bare
     tensor as a new view of the caller's tensor.
 
     Every leaf is checked: one rank, dtype, device and shape for the whole registration
@@ -92,7 +92,7 @@ def _detect(
 
 
 def _bind(kv: Any, formats: Any, **kwargs: Any) -> Registration:
-    """:func:`~kvlayout.registration.bind`, its errors raised as detection's."""
+    """:func:`~kvlayout.registration.registration.bind`, its errors raised as detection's."""
     try:
         return bind(kv, formats, **kwargs)
     except RegistrationError as exc:

@@ -30,7 +30,6 @@ from typing import Any
 import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.algebra import sizes_by_role
 from kvlayout.detection.base import (
     Decision,
     DetectionError,
@@ -42,10 +41,11 @@ from kvlayout.detection.base import (
     unfold_shape,
     unfolded_twin,
 )
-from kvlayout.layout import Layout
-from kvlayout.nesting import leaves, map_leaves
+from kvlayout.layout.algebra import sizes_by_role
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.nesting import leaves, map_leaves
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
-from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.SGLANG
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.algebra import sizes_by_role
 from kvlayout.detection.base import DetectionError, engine_formats, pick, probe
+from kvlayout.layout.algebra import sizes_by_role
+from kvlayout.layout.vocabulary import Role
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
-from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.TRTLLM
 _ROW_HINTS = ("num_kv_heads", "tokens_per_block", "head_dim")  # what the flat pool row folds

@@ -28,7 +28,6 @@ from __future__ import annotations
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.contiguity import dim0_padding
 from kvlayout.detection.base import (
     SIZE_HINTS,
     DetectionError,
@@ -38,9 +37,10 @@ from kvlayout.detection.base import (
     probe,
     size_hint_conflict,
 )
-from kvlayout.nesting import first_leaf
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.contiguity import dim0_padding
+from kvlayout.registration.nesting import first_leaf
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
-from kvlayout.vocabulary import Role
 
 ENGINE = EngineType.VLLM
 

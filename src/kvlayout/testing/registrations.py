@@ -22,9 +22,9 @@ from hypothesis import strategies as st
 
 from kvlayout import EngineKVFormat as F
 from kvlayout import Layout, layout_of
-from kvlayout.algebra import kv_size, size_of, sizes_by_role
-from kvlayout.registry import format_info
-from kvlayout.vocabulary import Role
+from kvlayout.catalog.registry import format_info
+from kvlayout.layout.algebra import kv_size, size_of, sizes_by_role
+from kvlayout.layout.vocabulary import Role
 
 __all__ = ["CASES", "ENGINE_HINTS", "FLOATS", "RegistrationCase", "flatten", "registrations"]
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from hypothesis import strategies as st
 
 from kvlayout import EngineKVFormat, Layout, layout_of, parse
-from kvlayout.algebra import Coord, kv_size, size_of, size_symbols
 from kvlayout.errors import KVLayoutError
-from kvlayout.vocabulary import Role
+from kvlayout.layout.algebra import Coord, kv_size, size_of, size_symbols
+from kvlayout.layout.vocabulary import Role
 
 __all__ = ["coords_for", "layout_names", "layouts", "sizes_for"]
 

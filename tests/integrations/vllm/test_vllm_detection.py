@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvlayout.catalog.registry import get_spec
 from kvlayout.detection import normalize_and_discover_per_layer_formats, normalize_kv_and_discover_format
 from kvlayout.integrations.vllm import (
     OPAQUE_PAGE_FORMAT,
@@ -16,7 +17,6 @@ from kvlayout.integrations.vllm import (
     apply_kv_cache_group_edits,
     check_block_granularity,
 )
-from kvlayout.registry import get_spec
 from tests.integrations.vllm.models import (
     FLASH_ATTN,
     FLASHINFER,

@@ -11,13 +11,13 @@ from typing import Any
 import pytest
 import torch
 
+from kvlayout.catalog.registry import get_spec
 from kvlayout.integrations.vllm import (
     OPAQUE_PAGE_FORMAT,
     UnsupportedKVCacheGroupsError,
     apply_kv_cache_group_edits,
     validate_kv_cache_groups,
 )
-from kvlayout.registry import get_spec
 
 
 def test_importing_the_integration_does_not_import_vllm() -> None:

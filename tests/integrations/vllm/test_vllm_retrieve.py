@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from kvlayout.catalog.registry import get_spec
 from kvlayout.detection import normalize_and_discover_per_layer_formats
 from kvlayout.integrations.vllm import OPAQUE_PAGE_FORMAT, apply_kv_cache_group_edits
-from kvlayout.registry import get_spec
 from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
 from tests.integrations.vllm.models import (
     FLASH_ATTN,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from kvlayout.catalog.registry import get_spec
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.granularity import check_block_granularity
 from kvlayout.integrations.vllm.rules import (
@@ -26,7 +27,6 @@ from kvlayout.integrations.vllm.specs import (
     require_size,
 )
 from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
-from kvlayout.registry import get_spec
 from kvlayout.types import HintsLike
 
 __all__ = ["KV_CACHE_GROUP_EDITS", "apply_kv_cache_group_edits", "find_kv_cache_group_edit"]

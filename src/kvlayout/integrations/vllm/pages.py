@@ -13,8 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from kvlayout._generated.formats import EngineKVFormat
-from kvlayout.contiguity import StridedViewError, attempt_permute_to_contiguous_view
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
 
 __all__ = ["OPAQUE_PAGE_DTYPE", "OPAQUE_PAGE_FORMAT", "PageRuns", "opaque_page_view", "page_runs"]
 

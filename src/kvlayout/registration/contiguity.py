@@ -20,7 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from kvlayout.errors import KVLayoutError
-from kvlayout.nesting import LocatedError, map_leaves, not_strided
+from kvlayout.registration.nesting import LocatedError, map_leaves, not_strided
 from kvlayout.types import DiscoverableKVCache
 
 __all__ = [

@@ -17,9 +17,9 @@ from typing import NamedTuple, NoReturn
 import numpy as np
 import torch
 
-from kvlayout.contiguity import dim0_padding
 from kvlayout.errors import KVLayoutError
-from kvlayout.nesting import Path, describe_path
+from kvlayout.registration.contiguity import dim0_padding
+from kvlayout.registration.nesting import Path, describe_path
 
 __all__ = ["Run", "check_disjoint", "run_of"]
 

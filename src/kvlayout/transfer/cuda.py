@@ -23,7 +23,7 @@ from kvlayout import _native
 from kvlayout.errors import KVLayoutError
 
 if TYPE_CHECKING:
-    from kvlayout.transfer import TransferPlan, _Job
+    from kvlayout.transfer.plan import TransferPlan, _Job
 
 __all__ = ["CudaPlan", "SegmentTable", "narrow_unit", "segment_table", "staging"]
 
@@ -80,7 +80,7 @@ class CudaPlan:
     """A transfer plan's device half: pointer and segment tables on the device, units fixed."""
 
     def __init__(self, plan: TransferPlan) -> None:
-        from kvlayout.transfer import TransferError
+        from kvlayout.transfer.plan import TransferError
 
         if plan.device.type != "cuda":
             raise TransferError(f"no transfer for tensors on {plan.device} (CPU and CUDA are served)")

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import KVLayoutError, StridedViewError
-from kvlayout.contiguity import dim0_padding, physical_order
+from kvlayout.registration.contiguity import dim0_padding, physical_order
 
 recover = kvlayout.attempt_permute_to_contiguous_view
 

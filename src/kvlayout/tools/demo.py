@@ -26,7 +26,6 @@ from typing import Any
 import torch
 
 import kvlayout
-from kvlayout.algebra import Coord
 from kvlayout.errors import index_ranges
 from kvlayout.integrations.vllm import (
     apply_kv_cache_group_edits,
@@ -34,8 +33,9 @@ from kvlayout.integrations.vllm import (
     validate_kv_cache_groups,
 )
 from kvlayout.integrations.vllm.specs import SpecKind, spec_kind
-from kvlayout.nesting import leaves
-from kvlayout.registration import KernelGroup
+from kvlayout.layout.algebra import Coord
+from kvlayout.registration.nesting import leaves
+from kvlayout.registration.registration import KernelGroup
 from kvlayout.transfer import TransferPlan, prepare
 
 __all__ = [

@@ -15,9 +15,9 @@ import functools
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-from kvlayout import algebra
 from kvlayout.errors import LayoutSemanticError
-from kvlayout.vocabulary import Role, Token
+from kvlayout.layout import algebra
+from kvlayout.layout.vocabulary import Role, Token
 
 __all__ = ["FACTS", "REQUIRED_ROLES", "STRUCTURE_FACTS", "Layout", "fact_doc"]
 
@@ -157,7 +157,7 @@ class Layout:
     def kv_size(self) -> int | None:
         """Planes per token row in a chunk: 2 for split K/V, else 1; None where a K/V axis
         of its own size (``KV``, 1 or 2 planes) leaves it to the tensors
-        (:func:`kvlayout.algebra.kv_size` answers for given sizes)."""
+        (:func:`kvlayout.layout.algebra.kv_size` answers for given sizes)."""
         if not self.has_kv or self.is_fused_packed:
             return 1
         pair = next(t for t in (*self.lists, *self.tensor_parts) if t.role is Role.KV)
@@ -214,7 +214,7 @@ class Layout:
         """The rank of each leaf tensor (a run of regions is stored as two axes)."""
         return sum(len(m.storage) for m in algebra.structure(self).modes)
 
-    # -- the algebra with sizes (see kvlayout.algebra) -------------------------------
+    # -- the algebra with sizes (see kvlayout.layout.algebra) -------------------------------
 
     def concrete_shape(self, sizes: Mapping[str, int]) -> str:
         return algebra.concrete_shape(self, sizes)

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from xml.sax.saxutils import escape
 
-from kvlayout import algebra
-from kvlayout.algebra import Coord
 from kvlayout.errors import SizeError
-from kvlayout.layout import Layout
-from kvlayout.vocabulary import Role
+from kvlayout.layout import algebra
+from kvlayout.layout.algebra import Coord
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
 
 __all__ = ["block_svg"]
 

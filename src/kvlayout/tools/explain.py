@@ -10,10 +10,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvlayout import algebra
-from kvlayout.algebra import Mode, Product, Term
-from kvlayout.layout import FACTS, Layout, fact_doc
-from kvlayout.vocabulary import Role, Vocabulary
+from kvlayout.layout import algebra
+from kvlayout.layout.algebra import Mode, Product, Term
+from kvlayout.layout.ast import FACTS, Layout, fact_doc
+from kvlayout.layout.vocabulary import Role, Vocabulary
 
 __all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "example_sizes", "explain", "symbolic_offset"]
 

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from kvlayout import algebra
 from kvlayout.errors import KVLayoutError
-from kvlayout.layout import FACTS, Layout
-from kvlayout.vocabulary import Role, Token
+from kvlayout.layout import algebra
+from kvlayout.layout.ast import FACTS, Layout
+from kvlayout.layout.vocabulary import Role, Token
 
 if TYPE_CHECKING:
     from kvlayout._generated.formats import EngineKVFormat
@@ -379,11 +379,11 @@ def describe(
     between blocks of dim 0) overrides the block dim's stride when it is not tight.
     """
     if isinstance(layout, str) and not _known(layout):
-        from kvlayout.parser import parse
+        from kvlayout.layout.parser import parse
 
         layout = parse(layout)
     elif not isinstance(layout, Layout):
-        from kvlayout.registry import layout_of
+        from kvlayout.catalog.registry import layout_of
 
         layout = layout_of(layout)
     dims, extents, regions = _dims(layout)

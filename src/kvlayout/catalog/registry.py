@@ -7,9 +7,9 @@ from typing import Any
 
 from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat, FormatInfo
 from kvlayout._generated.specs import SPEC_CLASSES
+from kvlayout.catalog.spec import KVFormatSpec
 from kvlayout.errors import KVLayoutError
-from kvlayout.layout import Layout
-from kvlayout.spec import KVFormatSpec
+from kvlayout.layout.ast import Layout
 from kvlayout.types import ENGINE_LABELS, EngineType
 
 __all__ = [

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
 from kvlayout.errors import SizeError, or_list
-from kvlayout.vocabulary import Role, Token
+from kvlayout.layout.vocabulary import Role, Token
 
 if TYPE_CHECKING:
-    from kvlayout.layout import Layout
+    from kvlayout.layout.ast import Layout
 
 __all__ = [
     "COORD_FIELDS",

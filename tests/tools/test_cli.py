@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvlayout import EngineKVFormat
-from kvlayout.cli import main
+from kvlayout.tools.cli import main
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from kvlayout.errors import KVLayoutError, index_ranges
 
 if TYPE_CHECKING:
-    from kvlayout.layout import Layout
+    from kvlayout.layout.ast import Layout
 
 __all__ = ["main", "parse_sizes"]
 
@@ -53,9 +53,9 @@ def _format_arg(text: str) -> Layout:
 
 def cmd_formats(args: argparse.Namespace) -> int:
     from kvlayout import EngineKVFormat
-    from kvlayout.layout import FACTS, STRUCTURE_FACTS
-    from kvlayout.registry import format_info, layout_of
-    from kvlayout.vocabulary import Role
+    from kvlayout.catalog.registry import format_info, layout_of
+    from kvlayout.layout.ast import FACTS, STRUCTURE_FACTS
+    from kvlayout.layout.vocabulary import Role
 
     shown = [f for f in FACTS if f not in STRUCTURE_FACTS and f != "has_leading_block_axis"]
     records: list[dict[str, Any]] = []
@@ -86,8 +86,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
 
 def cmd_explain(args: argparse.Namespace) -> int:
-    from kvlayout.explain import DTYPE_BYTES, LLAMA_3_8B, Explanation, example_sizes, explain
-    from kvlayout.picture import block_svg
+    from kvlayout.tools.explain import DTYPE_BYTES, LLAMA_3_8B, Explanation, example_sizes, explain
+    from kvlayout.tools.picture import block_svg
 
     layout = _format_arg(args.format)
     if args.dtype not in DTYPE_BYTES:
@@ -109,7 +109,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
     """A layout as JSON, for tools (kvlayout.describe)."""
     import json
 
-    from kvlayout.description import describe
+    from kvlayout.layout.description import describe
 
     layout = _format_arg(args.format)
     sizes = parse_sizes(args.sizes) if args.sizes else None
@@ -180,8 +180,8 @@ def cmd_detect(args: argparse.Namespace) -> int:
     import torch
 
     import kvlayout
-    from kvlayout.registration import bound
-    from kvlayout.shapespec import Shape, parse_shape_spec
+    from kvlayout.registration.registration import bound
+    from kvlayout.tools.shapes import Shape, parse_shape_spec
     from kvlayout.types import LayoutHints, as_engine
 
     device = _device(args.device)
@@ -279,7 +279,7 @@ def _print_detection(report: dict[str, Any], as_json: bool) -> None:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from kvlayout.demo import run_demo
+    from kvlayout.tools.demo import run_demo
 
     return run_demo()
 

@@ -13,9 +13,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from kvlayout import demo
-from kvlayout.algebra import Coord
-from kvlayout.demo import EXAMPLES, HYBRID_TITLE, Example, run_demo, run_example
+from kvlayout.layout.algebra import Coord
+from kvlayout.tools import demo
+from kvlayout.tools.demo import EXAMPLES, HYBRID_TITLE, Example, run_demo, run_example
 from kvlayout.transfer import TransferPlan
 
 NEEDS_VLLM = "kvlayout.testing.vllm needs vllm (pip install --no-deps vllm==0.33.0 numpy packaging regex)"
@@ -76,7 +76,7 @@ def test_without_vllm_the_hybrid_is_skipped_in_one_line() -> None:
     # A fresh interpreter where vllm cannot be imported, installed or not.
     code = (
         "import sys; sys.modules['vllm'] = None\n"
-        "from kvlayout.demo import OPTIONAL_EXAMPLES, run_optional_example\n"
+        "from kvlayout.tools.demo import OPTIONAL_EXAMPLES, run_optional_example\n"
         "for title, make in OPTIONAL_EXAMPLES: run_optional_example(title, make, print)\n"
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -129,7 +129,7 @@ def test_a_wrong_load_is_caught(
 ) -> None:
     ex = make()
     _check_verified(_run(ex))  # right as it is
-    monkeypatch.setattr("kvlayout.demo._load", fault(demo._load))
+    monkeypatch.setattr("kvlayout.tools.demo._load", fault(demo._load))
     lines: list[str] = []
     with pytest.raises(AssertionError, match="the round trip did not restore the blocks"):
         run_example(ex, lines.append)

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import KVLayoutError, RegisteredKV, RegistrationError, UndefinedSizeError
-from kvlayout.memory import Run, check_disjoint
+from kvlayout.registration.memory import Run, check_disjoint
 from kvlayout.testing.registrations import RegistrationCase, flatten, registrations
 
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvlayout.errors import KVLayoutError
-from kvlayout.layout import Layout
+from kvlayout.layout.ast import Layout
 
 if TYPE_CHECKING:
     from kvlayout._generated.formats import EngineKVFormat

@@ -6,11 +6,11 @@ it. :func:`bind` builds one for a registration whose format is already known. Ev
 after detection reads it instead of the tensors: the facade's accessors, pointer tables,
 descriptors and grouping, and the transfer plans made from its kernel groups.
 
-Binding (:mod:`kvlayout.binding`) reads every tensor as the format's layout says; a
+Binding (:mod:`kvlayout.registration.binding`) reads every tensor as the format's layout says; a
 layer list is read layer by layer, and layers are grouped by what one kernel must share
 (format, shapes, block stride, dtype) within their engine (KV cache) group, so layers of
 different engine groups never share a kernel group. No two tensors of one engine group
-may overlap in memory (:mod:`kvlayout.memory`).
+may overlap in memory (:mod:`kvlayout.registration.memory`).
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ import torch
 
 from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.algebra import level_of, with_size
-from kvlayout.binding import (
+from kvlayout.catalog.registry import FormatLike, as_format, backend_label, get_spec
+from kvlayout.catalog.spec import UndefinedSizeError
+from kvlayout.errors import KVLayoutError, index_ranges
+from kvlayout.layout.algebra import level_of, with_size
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.binding import (
     Bound,
     LayerTable,
     PlaneShape,
@@ -36,14 +41,9 @@ from kvlayout.binding import (
     check_block_stride,
     tight_block,
 )
-from kvlayout.errors import KVLayoutError, index_ranges
-from kvlayout.layout import Layout
-from kvlayout.memory import check_disjoint, run_of
-from kvlayout.nesting import Path, first_leaf
-from kvlayout.registry import FormatLike, as_format, backend_label, get_spec
-from kvlayout.spec import UndefinedSizeError
+from kvlayout.registration.memory import check_disjoint, run_of
+from kvlayout.registration.nesting import Path, first_leaf
 from kvlayout.types import EngineType
-from kvlayout.vocabulary import Role
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",

@@ -18,12 +18,12 @@ from typing import Any, NamedTuple, NoReturn
 
 import torch
 
-from kvlayout import algebra
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.errors import KVLayoutError, SizeError
-from kvlayout.layout import Layout
-from kvlayout.nesting import Path, at, describe_path, leaves, not_strided
-from kvlayout.vocabulary import Role
+from kvlayout.layout import algebra
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.nesting import Path, at, describe_path, leaves, not_strided
 
 __all__ = [
     "Bound",

@@ -25,15 +25,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlayout import _native, algebra
+from kvlayout import _native
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
+from kvlayout.catalog.registry import FormatLike
 from kvlayout.errors import KVLayoutError
-from kvlayout.layout import Layout
-from kvlayout.memory import run_of
-from kvlayout.nesting import not_strided
-from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
-from kvlayout.registry import FormatLike
-from kvlayout.vocabulary import Role
+from kvlayout.layout import algebra
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.memory import run_of
+from kvlayout.registration.nesting import not_strided
+from kvlayout.registration.registration import KernelGroup, Plane, RegistrationError, bound
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
 
@@ -68,8 +69,8 @@ def prepare(kv: Any, fmt: FormatLike, *, block_size: int | None = None) -> Trans
     handed to the native engine once, so each call checks only its block ids and chunks.
 
     ``kv`` is what detection returned (its bound registration is reused, and so is the
-    plan: preparing twice is free), a :class:`~kvlayout.registration.Registration` or
-    :class:`~kvlayout.registration.KernelGroup`, or any registration in ``fmt`` (checked
+    plan: preparing twice is free), a :class:`~kvlayout.registration.registration.Registration` or
+    :class:`~kvlayout.registration.registration.KernelGroup`, or any registration in ``fmt`` (checked
     now). ``block_size`` is needed only for formats that fold NB and BS into one axis.
     A registration whose layers differ (a hybrid) has one plan per kernel group.
     """
@@ -141,7 +142,7 @@ class TransferPlan:
                 [self._native_job(job) for job in self.jobs], self.num_blocks
             )
         else:
-            from kvlayout import cuda_transfer
+            from kvlayout.transfer import cuda as cuda_transfer
 
             self._engine = cuda_transfer.CudaPlan(self)
 

@@ -1,4 +1,4 @@
-"""Format names -> :class:`~kvlayout.layout.Layout`.
+"""Format names -> :class:`~kvlayout.layout.ast.Layout`.
 
 Two passes: the Lark grammar (``grammar/kvlayout.lark``, shipped as
 ``kvlayout/_generated/kvlayout.lark``) checks the syntax; then each word is looked up in
@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvlayout.errors import LayoutSemanticError, LayoutSyntaxError
-from kvlayout.layout import REQUIRED_ROLES, Layout
-from kvlayout.vocabulary import Token, Vocabulary
+from kvlayout.layout.ast import REQUIRED_ROLES, Layout
+from kvlayout.layout.vocabulary import Token, Vocabulary
 
 if TYPE_CHECKING:
     import lark
 
 __all__ = ["GRAMMAR_PATH", "parse"]
 
-GRAMMAR_PATH = Path(__file__).parent / "_generated" / "kvlayout.lark"
+GRAMMAR_PATH = Path(__file__).parent.parent / "_generated" / "kvlayout.lark"
 
 
 def parse(name: str, vocabulary: Vocabulary | None = None, *, grammar: Path | None = None) -> Layout:
