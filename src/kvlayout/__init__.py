@@ -73,11 +73,11 @@ _EXPORTS: dict[str, str] = {
     "LayoutHintError": "kvlayout.types",
     "KV_LAYOUT_NAMES": "kvlayout.types",
     "KV_LIST_LAYOUT_NAMES": "kvlayout.types",
-    "HND_KV_LAYOUTS": "kvlayout.layout.description",
-    "BLOCKS_FIRST_KV_LAYOUTS": "kvlayout.layout.description",
+    "HND_KV_LAYOUTS": "kvlayout.layout.vocabulary",
+    "BLOCKS_FIRST_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "LayoutDescription": "kvlayout.layout.description",
     "describe": "kvlayout.layout.description",
-    "kv_layout_axes": "kvlayout.layout.description",
+    "kv_layout_axes": "kvlayout.layout.vocabulary",
     "to_engine_kv_format": "kvlayout.layout.description",
     "is_indexer_cache": "kvlayout.detection.indexers",
     "drop_indexer_caches": "kvlayout.detection.indexers",
@@ -260,15 +260,9 @@ if TYPE_CHECKING:
     )
     from kvlayout.layout.algebra import Coord, CopyPlan
     from kvlayout.layout.ast import Layout
-    from kvlayout.layout.description import (
-        BLOCKS_FIRST_KV_LAYOUTS,
-        HND_KV_LAYOUTS,
-        LayoutDescription,
-        describe,
-        kv_layout_axes,
-        to_engine_kv_format,
-    )
+    from kvlayout.layout.description import LayoutDescription, describe, to_engine_kv_format
     from kvlayout.layout.parser import parse
+    from kvlayout.layout.vocabulary import BLOCKS_FIRST_KV_LAYOUTS, HND_KV_LAYOUTS, kv_layout_axes
     from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
     from kvlayout.registration.registration import (
         KernelGroup,

@@ -10,10 +10,12 @@ from collections.abc import Sequence
 
 __all__ = [
     "CatalogError",
+    "DescriptionError",
     "KVLayoutError",
     "LayoutSemanticError",
     "LayoutSyntaxError",
     "SizeError",
+    "TransferError",
     "index_ranges",
     "or_list",
 ]
@@ -116,3 +118,11 @@ class SizeError(KVLayoutError):
 
         SizeError: NL_X_TWO_NB_BS_NH_HS: token 5 is out of range for BS=3
     """
+
+
+class DescriptionError(KVLayoutError):
+    """A description that is not a layout, or a layout spelling that is not an order of axes."""
+
+
+class TransferError(KVLayoutError):
+    """Input a transfer cannot serve (raised before any byte is written)."""

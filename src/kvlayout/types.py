@@ -15,15 +15,8 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal, Union
 
 from kvlayout._generated.engines import ENGINE_LABELS, EngineType
-from kvlayout.errors import KVLayoutError
-from kvlayout.layout.description import (
-    HND_KV_LAYOUTS,
-    KV_LAYOUT_NAMES,
-    DescriptionError,
-    kv_layout_axes,
-    transferable,
-)
-from kvlayout.layout.vocabulary import Role
+from kvlayout.errors import DescriptionError, KVLayoutError
+from kvlayout.layout.vocabulary import HND_KV_LAYOUTS, KV_LAYOUT_NAMES, Role, kv_layout_axes, transferable
 
 if TYPE_CHECKING:
     import torch

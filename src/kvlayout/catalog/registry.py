@@ -1,15 +1,17 @@
-"""Format -> spec class, layout and shape strings (the generated tables, looked up)."""
+"""Format -> spec class, layout and shape strings (the generated tables, looked up).
+
+``as_format`` and ``layout_of`` live with the layouts (:mod:`kvlayout.layout.formats`,
+so descriptions can name a format without the catalog); they are re-exported here."""
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from typing import Any
 
-from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat, FormatInfo
+from kvlayout._generated.formats import FORMAT_INFO, EngineKVFormat, FormatInfo
 from kvlayout._generated.specs import SPEC_CLASSES
 from kvlayout.catalog.spec import KVFormatSpec
-from kvlayout.errors import KVLayoutError
-from kvlayout.layout.ast import Layout
+from kvlayout.layout.formats import FormatLike, as_format, layout_of
 from kvlayout.types import ENGINE_LABELS, EngineType
 
 __all__ = [
@@ -22,32 +24,6 @@ __all__ = [
     "get_spec_class",
     "layout_of",
 ]
-
-FormatLike = EngineKVFormat | int | str
-"""A format as the enum, its integer value, or its name."""
-
-
-def as_format(fmt: FormatLike) -> EngineKVFormat:
-    """The enum member for an enum, an integer value or a name; a clear error otherwise."""
-    if type(fmt) is EngineKVFormat:
-        return fmt
-    if isinstance(fmt, bool):
-        raise KVLayoutError(f"{fmt!r} is not an engine KV format")
-    if isinstance(fmt, int):
-        try:
-            return EngineKVFormat(fmt)
-        except ValueError:
-            values = ", ".join(str(int(f)) for f in EngineKVFormat)
-            raise KVLayoutError(f"unknown engine KV format value {fmt} (known values: {values})") from None
-    if isinstance(fmt, str):
-        member = EngineKVFormat.__members__.get(fmt)
-        if member is None:
-            raise KVLayoutError(
-                f"unknown engine KV format {fmt!r}; kvlayout.parse() reads any layout name, "
-                "but only the formats of layouts.yaml have a value"
-            )
-        return member
-    raise KVLayoutError(f"an engine KV format is an EngineKVFormat, int or str, not {type(fmt).__name__}")
 
 
 def get_spec_class(fmt: FormatLike) -> type[KVFormatSpec]:
@@ -62,11 +38,6 @@ def get_spec(kv: Any, fmt: FormatLike) -> KVFormatSpec:
     cls = SPEC_CLASSES[fmt if type(fmt) is EngineKVFormat else as_format(fmt)]
     assert cls is not None
     return cls(kv)
-
-
-def layout_of(fmt: FormatLike) -> Layout:
-    """The parsed layout of a format."""
-    return LAYOUTS[as_format(fmt)]
 
 
 def describe_shape(fmt: FormatLike) -> str:

@@ -6,28 +6,37 @@ axes (``(B, N)`` is a page axis of NB*BS slots, ``(KV, C)`` a row holding K and 
 side, ``()`` a size-1 dim that addresses nothing), the list levels around them, how the
 K/V pair is stored, and per-dim stride overrides (a padded block stride). Every fact is
 derived from that structure, and :func:`to_engine_kv_format` maps a description back to
-its format, so a tool can build one by hand and ask which format it is.
+its format, so a tool can build one by hand and ask which format it is. The axes and
+vLLM's layout spellings (``LBNHC``...) are vocabulary (:mod:`kvlayout.layout.vocabulary`);
+this module re-exports them.
 
 This is LMCache's ``KVLayoutDescriptor`` (its branch ``kv_format/descriptor.py``) read off
 kvlayout's layouts; :meth:`LayoutDescription.to_dict` is the JSON form ``kvlayout
-describe`` prints. ``kv_layout_axes`` reads vLLM's layout spellings (``LBNHC``...) as an
-order of these axes; the hint names kvlayout accepts are derived from it.
+describe`` prints.
 """
 
 from __future__ import annotations
 
 import enum
-import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import DescriptionError
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import FACTS, Layout
-from kvlayout.layout.vocabulary import Role, Token
+from kvlayout.layout.vocabulary import (
+    BLOCKS_FIRST_KV_LAYOUTS,
+    HND_KV_LAYOUTS,
+    KV_LAYOUT_ALIASES,
+    KV_LAYOUT_NAMES,
+    Axis,
+    Role,
+    Token,
+    kv_layout_axes,
+)
 
 if TYPE_CHECKING:
     from kvlayout._generated.formats import EngineKVFormat
@@ -47,21 +56,6 @@ __all__ = [
     "kv_layout_axes",
     "to_engine_kv_format",
 ]
-
-
-class DescriptionError(KVLayoutError):
-    """A description that is not a layout, or a layout spelling that is not an order of axes."""
-
-
-class Axis(enum.Enum):
-    """A logical axis (the value is its letter in vLLM's layout spellings)."""
-
-    KV = "KV"  # the K/V pair
-    L = "L"  # layers
-    B = "B"  # blocks
-    N = "N"  # token slots of a block
-    H = "H"  # KV heads
-    C = "C"  # a head's row content (HS, or 2*HS with K and V packed in it)
 
 
 class Grouping(enum.Enum):
@@ -383,7 +377,7 @@ def describe(
 
         layout = parse(layout)
     elif not isinstance(layout, Layout):
-        from kvlayout.catalog.registry import layout_of
+        from kvlayout.layout.formats import layout_of
 
         layout = layout_of(layout)
     dims, extents, regions = _dims(layout)
@@ -434,52 +428,3 @@ def to_engine_kv_format(desc: LayoutDescription) -> EngineKVFormat:
         "no EngineKVFormat member has this structure "
         f"({desc.grouping.name}, {desc.kv_packing.name}, dims {dims})"
     )
-
-
-# -- vLLM's layout spellings -------------------------------------------------------------
-
-KV_LAYOUT_ALIASES: Mapping[str, str] = MappingProxyType({"NHD": "LBNHC", "HND": "LBHNC"})
-"""LMCache's short names for vLLM's per-layer spellings."""
-
-_ORDER_AXES = (Axis.L, Axis.B, Axis.N, Axis.H, Axis.C)
-
-
-def kv_layout_axes(name: str) -> tuple[Axis, ...]:
-    """vLLM's layout spelling (``LBNHC``, ``BLHNC``, or LMCache's ``NHD``/``HND``) as
-    axes, outermost first; :class:`DescriptionError` unless it orders L, B, N, H, C."""
-    if not isinstance(name, str):
-        raise TypeError(f"a kv_layout is a str, not {type(name).__name__}")
-    letters = KV_LAYOUT_ALIASES.get(name, name)
-    by_letter = {a.value: a for a in _ORDER_AXES}
-    axes = tuple(by_letter[ch] for ch in letters if ch in by_letter)
-    if len(axes) != len(letters) or len(axes) != len(_ORDER_AXES) or len(set(axes)) != len(axes):
-        raise DescriptionError(f"kv_layout {name!r} is not an ordering of L, B, H, N, C")
-    return axes
-
-
-def transferable(axes: tuple[Axis, ...]) -> bool:
-    """A block's token run holds every head's row: the tokens and heads are inner to the
-    layers and blocks, and the content innermost."""
-    pos = {a: i for i, a in enumerate(axes)}
-    return pos[Axis.C] == len(axes) - 1 and min(pos[Axis.N], pos[Axis.H]) > max(pos[Axis.L], pos[Axis.B])
-
-
-def _spelling(axes: tuple[Axis, ...]) -> str:
-    return "".join(a.value for a in axes)
-
-
-KV_LAYOUT_NAMES: tuple[str, ...] = (
-    *KV_LAYOUT_ALIASES,
-    *sorted(_spelling(p) for p in itertools.permutations(_ORDER_AXES) if transferable(p)),
-)
-"""Every ``kv_layout`` hint kvlayout accepts: the aliases, then vLLM's transferable spellings."""
-
-HND_KV_LAYOUTS: frozenset[str] = frozenset(
-    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.H) < kv_layout_axes(n).index(Axis.N)
-)
-"""The spellings with heads before tokens inside a block."""
-
-BLOCKS_FIRST_KV_LAYOUTS: frozenset[str] = frozenset(
-    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.B) < kv_layout_axes(n).index(Axis.L)
-)
-"""The spellings whose blocks are outer to layers (a layer's block step spans every layer)."""

@@ -4,15 +4,35 @@ The vocabulary is data (the ``tokens`` section of ``layouts.yaml``); this module
 defines its shape. The grammar knows identifiers, ``_`` and ``X``; everything a token
 means (the logical coordinate it addresses, a literal size, a fusion of other tokens, a
 region of a blocked page) comes from here.
+
+vLLM's layout spellings are vocabulary too: the ``kv_layout`` hint spells a physical
+order with one letter per :class:`Axis` (``LBNHC``, LMCache's ``NHD``), so the hints and
+the descriptions read the same names from here.
 """
 
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
+from types import MappingProxyType
 
-__all__ = ["Region", "Role", "Token", "Vocabulary"]
+from kvlayout.errors import DescriptionError
+
+__all__ = [
+    "BLOCKS_FIRST_KV_LAYOUTS",
+    "HND_KV_LAYOUTS",
+    "KV_LAYOUT_ALIASES",
+    "KV_LAYOUT_NAMES",
+    "Axis",
+    "Region",
+    "Role",
+    "Token",
+    "Vocabulary",
+    "kv_layout_axes",
+    "transferable",
+]
 
 
 class Role(enum.Enum):
@@ -123,3 +143,63 @@ class Vocabulary(Mapping[str, Token]):
 
     def __hash__(self) -> int:
         return hash(self.tokens)
+
+
+class Axis(enum.Enum):
+    """A logical axis (the value is its letter in vLLM's layout spellings)."""
+
+    KV = "KV"  # the K/V pair
+    L = "L"  # layers
+    B = "B"  # blocks
+    N = "N"  # token slots of a block
+    H = "H"  # KV heads
+    C = "C"  # a head's row content (HS, or 2*HS with K and V packed in it)
+
+
+# -- vLLM's layout spellings -------------------------------------------------------------
+
+KV_LAYOUT_ALIASES: Mapping[str, str] = MappingProxyType({"NHD": "LBNHC", "HND": "LBHNC"})
+"""LMCache's short names for vLLM's per-layer spellings."""
+
+_ORDER_AXES = (Axis.L, Axis.B, Axis.N, Axis.H, Axis.C)
+
+
+def kv_layout_axes(name: str) -> tuple[Axis, ...]:
+    """vLLM's layout spelling (``LBNHC``, ``BLHNC``, or LMCache's ``NHD``/``HND``) as
+    axes, outermost first; :class:`DescriptionError` unless it orders L, B, N, H, C."""
+    if not isinstance(name, str):
+        raise TypeError(f"a kv_layout is a str, not {type(name).__name__}")
+    letters = KV_LAYOUT_ALIASES.get(name, name)
+    by_letter = {a.value: a for a in _ORDER_AXES}
+    axes = tuple(by_letter[ch] for ch in letters if ch in by_letter)
+    if len(axes) != len(letters) or len(axes) != len(_ORDER_AXES) or len(set(axes)) != len(axes):
+        raise DescriptionError(f"kv_layout {name!r} is not an ordering of L, B, H, N, C")
+    return axes
+
+
+def transferable(axes: tuple[Axis, ...]) -> bool:
+    """A block's token run holds every head's row: the tokens and heads are inner to the
+    layers and blocks, and the content innermost."""
+    pos = {a: i for i, a in enumerate(axes)}
+    return pos[Axis.C] == len(axes) - 1 and min(pos[Axis.N], pos[Axis.H]) > max(pos[Axis.L], pos[Axis.B])
+
+
+def _spelling(axes: tuple[Axis, ...]) -> str:
+    return "".join(a.value for a in axes)
+
+
+KV_LAYOUT_NAMES: tuple[str, ...] = (
+    *KV_LAYOUT_ALIASES,
+    *sorted(_spelling(p) for p in itertools.permutations(_ORDER_AXES) if transferable(p)),
+)
+"""Every ``kv_layout`` hint kvlayout accepts: the aliases, then vLLM's transferable spellings."""
+
+HND_KV_LAYOUTS: frozenset[str] = frozenset(
+    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.H) < kv_layout_axes(n).index(Axis.N)
+)
+"""The spellings with heads before tokens inside a block."""
+
+BLOCKS_FIRST_KV_LAYOUTS: frozenset[str] = frozenset(
+    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.B) < kv_layout_axes(n).index(Axis.L)
+)
+"""The spellings whose blocks are outer to layers (a layer's block step spans every layer)."""

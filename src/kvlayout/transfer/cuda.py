@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from kvlayout import _native
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import KVLayoutError, TransferError
 
 if TYPE_CHECKING:
     from kvlayout.transfer.plan import TransferPlan, _Job
@@ -80,8 +80,6 @@ class CudaPlan:
     """A transfer plan's device half: pointer and segment tables on the device, units fixed."""
 
     def __init__(self, plan: TransferPlan) -> None:
-        from kvlayout.transfer.plan import TransferError
-
         if plan.device.type != "cuda":
             raise TransferError(f"no transfer for tensors on {plan.device} (CPU and CUDA are served)")
         try:

@@ -28,7 +28,7 @@ import torch
 from kvlayout import _native
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.catalog.registry import FormatLike
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import TransferError
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
@@ -41,10 +41,6 @@ __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepa
 _MAX_LOOPS = 4
 _PIECE_FIELDS = 5 + 3 * _MAX_LOOPS
 _STORE, _LOAD = 0, 1
-
-
-class TransferError(KVLayoutError):
-    """Input a transfer cannot serve (raised before any byte is written)."""
 
 
 @dataclass(frozen=True)
@@ -93,6 +89,16 @@ def _plan_of(group: KernelGroup, block_size: int | None) -> TransferPlan:
     return plan
 
 
+def _engine(plan: TransferPlan) -> Any:
+    """What runs a plan's copies: the native engine for a CPU cache, the CUDA kernels for
+    a GPU one (``kvlayout.transfer.cuda`` is handed the plan and never imports this module)."""
+    if plan.device.type == "cpu":
+        return _native.TransferPlan([plan._native_job(job) for job in plan.jobs], plan.num_blocks)
+    from kvlayout.transfer.cuda import CudaPlan
+
+    return CudaPlan(plan)
+
+
 class TransferPlan:
     """One kernel group's block copies, prepared: geometry, copy plans, pointer tables
     (on the device, for CUDA caches) and the cache's memory extents, all made once.
@@ -137,14 +143,7 @@ class TransferPlan:
             what = ", ".join(empty) if empty else "a token row of 0 elements"
             raise TransferError(f"{self.format.name}: the cache holds no blocks to move ({what})")
         self._extents = _cache_extents(group)
-        if self.device.type == "cpu":
-            self._engine: Any = _native.TransferPlan(
-                [self._native_job(job) for job in self.jobs], self.num_blocks
-            )
-        else:
-            from kvlayout.transfer import cuda as cuda_transfer
-
-            self._engine = cuda_transfer.CudaPlan(self)
+        self._engine: Any = _engine(self)
 
     def __repr__(self) -> str:
         return (
