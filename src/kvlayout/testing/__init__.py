@@ -19,7 +19,9 @@ For people who test their own kernels and connectors (and for kvlayout's own tes
 - :mod:`kvlayout.testing.vllm` (needs vLLM): vLLM 0.33's own spec objects and
   registrations for hybrid models, allocated as vLLM allocates them.
 
-Needs ``hypothesis`` (not a dependency of kvlayout itself).
+Needs ``hypothesis`` (not a dependency of kvlayout itself). It uses the package's public
+names and the layout algebra; the layers below it must not import it (only the demo,
+a tool, and the tests do).
 """
 
 from __future__ import annotations

@@ -1,3 +1,15 @@
+"""The transfer layer: moving blocks between a paged KV cache and token-major chunks.
+
+``plan`` prepares a kernel group's copies once (``prepare``, ``TransferPlan``) and runs
+them on the native engine (``kvlayout._native``); ``cuda`` is the CUDA engine the plan
+picks for a GPU cache (it is handed the plan and never imports ``plan``). This package
+exports the plan's public names, so ``from kvlayout.transfer import prepare`` works.
+
+It knows the bound registration's kernel groups, the algebra's copy plans and the
+generated indexers. It must not know engines or format names (jobs, pieces and strides
+all come from the layout), nor the facade.
+"""
+
 from kvlayout.transfer.plan import (
     TransferError,
     TransferPlan,
