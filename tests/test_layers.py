@@ -225,6 +225,19 @@ def test_a_lower_layer_never_imports_a_higher_one() -> None:
     assert not wrong, "imports against the layer order of docs/architecture.md:\n" + "\n".join(wrong)
 
 
+def test_codegen_imports_only_the_layout_layer() -> None:
+    """codegen runs when the generated modules are missing: it imports kvlayout's layout
+    layer and errors only, and the layout package's __init__ imports nothing."""
+    known = set(source_modules())
+    wrong = []
+    for path in sorted((ROOT / "codegen").glob("*.py")):
+        for target in sorted(imports_of(f"codegen.{path.stem}", path, known)):
+            if target.startswith("kvlayout._generated") or layer_of(target) not in ("layout", "errors"):
+                wrong.append(f"codegen/{path.name} imports {target}")
+    assert not wrong, "\n".join(wrong)
+    assert not import_graph()["kvlayout.layout"]
+
+
 def test_every_sub_package_says_what_it_knows() -> None:
     for init in sorted(PACKAGE.rglob("__init__.py")):
         if init.parent == PACKAGE:
