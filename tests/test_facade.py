@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import inspect
 import re
+from collections import Counter
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import KVLayoutError, PageBufferShapeDesc
 from kvlayout import facade as facade_module
+from kvlayout.registration import bound
 from tests.layout.test_golden import any_registration, registration
 
 
@@ -165,6 +169,50 @@ def test_hybrid_accessors_answer_for_the_format_asked() -> None:
         and kvlayout.get_kv_size(out, F.NL_X_TWO_NB_BS_NH_HS) == 2
     )
     assert kvlayout.get_concrete_engine_kv_shape(out, F.NL_X_NB_BS_HS) == "2 x [4, 3, 576]"
+
+
+def test_concrete_shape_is_the_whole_registration_not_its_first_kernel_group() -> None:
+    # 7 layers split into kernel groups: by engine group (one shape), or by shape.
+    fmt = F.NL_X_TWO_NB_BS_NH_HS
+    one_shape = [t(2, 10, 16, 8, 128) for _ in range(7)]
+    out, formats = kvlayout.normalize_and_discover_per_layer_formats(
+        one_shape, [[0, 1, 2, 3], [4, 5, 6]], "vllm", {"kv_layout": "NHD"}
+    )
+    assert formats == [fmt] * 7
+    assert len(bound(out, fmt).kernel_groups) == 2
+    assert kvlayout.get_concrete_engine_kv_shape(out, fmt) == "7 x [2, 10, 16, 8, 128]"
+    two_shapes = [t(2, 10, 16, 8, 128) for _ in range(4)] + [t(2, 5, 16, 8, 128) for _ in range(3)]
+    out, formats = kvlayout.normalize_and_discover_per_layer_formats(
+        two_shapes, [list(range(7))], "vllm", {"kv_layout": "NHD"}
+    )
+    expected = "4 x [2, 10, 16, 8, 128] + 3 x [2, 5, 16, 8, 128]"
+    assert kvlayout.get_concrete_engine_kv_shape(out, fmt) == expected
+    # the engine's own list, bound on the call, reads the same
+    assert kvlayout.get_concrete_engine_kv_shape(two_shapes, fmt) == expected
+    reg = kvlayout.detect(two_shapes, "vllm", {"kv_layout": "NHD"})
+    assert reg.concrete_shape(fmt) == expected
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([3, 5, 6]), st.integers(0, 2)), min_size=1, max_size=9))
+def test_concrete_shape_counts_each_shape_once_in_order_of_its_first_layer(
+    layers: list[tuple[int, int]],
+) -> None:
+    """Layers of random block counts in random engine groups: each shape appears once,
+    with all its layers, however the kernel groups split them."""
+    kv = [t(2, nb, 4, 2, 8) for nb, _ in layers]
+    groups: dict[int, list[int]] = {}
+    for i, (_, engine_group) in enumerate(layers):
+        groups.setdefault(engine_group, []).append(i)
+    out, formats = kvlayout.normalize_and_discover_per_layer_formats(
+        kv, list(groups.values()), "vllm", {"kv_layout": "NHD"}
+    )
+    assert formats == [F.NL_X_TWO_NB_BS_NH_HS] * len(layers)
+    counts = Counter(nb for nb, _ in layers)
+    expected = " + ".join(
+        f"{counts[nb]} x [2, {nb}, 4, 2, 8]" for nb in dict.fromkeys(nb for nb, _ in layers)
+    )
+    assert kvlayout.get_concrete_engine_kv_shape(out, F.NL_X_TWO_NB_BS_NH_HS) == expected
 
 
 def test_pointer_tables_follow_the_layout_pointer_order() -> None:

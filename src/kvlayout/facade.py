@@ -168,10 +168,13 @@ def get_engine_kv_shape_description(fmt: FormatLike) -> str:
 
 
 def get_concrete_engine_kv_shape(kv: DiscoverableKVCache, fmt: FormatLike) -> str:
-    """``32 x [2, 2048, 16, 8, 128]``; ``Unknown (<fmt>)`` for an unknown format or a
-    registration that does not fit it."""
+    """``32 x [2, 2048, 16, 8, 128]``: every layer of the registration read in ``fmt``,
+    whatever kernel groups it is split into. Groups that differ only in their layer
+    count count together; different shapes are joined by `` + `` in order of their
+    first layer (``4 x [2, 2048, 16, 8, 128] + 3 x [2, 1024, 16, 8, 128]``).
+    ``Unknown (<fmt>)`` for an unknown format or a registration that does not fit it."""
     try:
-        return bound(kv, fmt).first_group(fmt).concrete_shape()
+        return bound(kv, fmt).concrete_shape(fmt)
     except (KVLayoutError, TypeError):
         return _unknown(fmt)
 

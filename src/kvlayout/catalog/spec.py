@@ -107,13 +107,17 @@ class KVFormatSpec(ABC):
     def describe_shape(cls) -> str:
         return cls.layout.describe_shape()
 
-    def concrete_shape_str(self) -> str:
-        """The shape with this registration's numbers; the row token shows a head's row
-        width (planes folded in, packed K/V factors divided out)."""
+    def display_sizes(self) -> dict[str, int]:
+        """The sizes :meth:`concrete_shape_str` renders: :meth:`sizes`, with the row token
+        set to a head's row width (planes folded in, packed K/V factors divided out)."""
         sizes = self.sizes()
         if self.row_symbol is not None:
             sizes[self.row_symbol] = self.head_size() // self.row_divisor
-        return self.layout.concrete_shape(sizes)
+        return sizes
+
+    def concrete_shape_str(self) -> str:
+        """The shape with this registration's numbers (:meth:`display_sizes`)."""
+        return self.layout.concrete_shape(self.display_sizes())
 
     def undefined(self, accessor: str, why: str) -> UndefinedSizeError:
         return UndefinedSizeError(

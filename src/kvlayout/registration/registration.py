@@ -237,6 +237,10 @@ class KernelGroup:
         """``32 x [2, 2048, 16, 8, 128]``: the group's shape with its numbers."""
         return get_spec(self.kv, self.format).concrete_shape_str()
 
+    def display_sizes(self) -> dict[str, int]:
+        """The sizes :meth:`concrete_shape` renders (the layout's token names as keys)."""
+        return get_spec(self.kv, self.format).display_sizes()
+
     def describe(self) -> str:
         """``layers 0-31: NL_X_TWO_NB_BS_NH_HS [2, 2048, 16, 8, 128] torch.bfloat16``."""
         shapes = " + ".join(str(list(p.shape)) for p in self.planes)
@@ -437,6 +441,33 @@ class Registration:
                 return g
         held = ", ".join(sorted({g.format.name for g in self.kernel_groups})) or "none"
         raise RegistrationError(f"no layer of the registration is {wanted.name} (it holds {held})")
+
+    def concrete_shape(self, fmt: FormatLike) -> str:
+        """Every layer read in ``fmt``, with its numbers: ``7 x [2, 2048, 16, 8, 128]``.
+
+        Kernel groups whose layers differ only in how many there are (one shape split
+        by engine group) count as one shape; shapes that differ otherwise are listed in
+        order of their first layer, joined by `` + ``: ``4 x [2, 2048, 16, 8, 128] + 3 x
+        [2, 1024, 16, 8, 128]``. A structure that holds every layer in one tensor
+        renders once.
+        """
+        wanted = as_format(fmt)
+        groups = [g for g in self.kernel_groups if g.format is wanted]
+        if not groups:
+            return self.first_group(wanted).concrete_shape()  # raises, naming what it holds
+        layout = LAYOUTS[wanted]
+        layer = layout.symbol_of(Role.LAYER)
+        if self._shared is not None or layer is None:
+            return " + ".join(dict.fromkeys(g.concrete_shape() for g in groups))
+        shapes: dict[tuple[tuple[str, int], ...], tuple[dict[str, int], list[int]]] = {}
+        for g in groups:
+            sizes = g.display_sizes()
+            key = tuple(sorted((name, n) for name, n in sizes.items() if name != layer))
+            shapes.setdefault(key, (sizes, []))[1].extend(g.layers)
+        return " + ".join(
+            layout.concrete_shape(with_size(layout, sizes, Role.LAYER, len(layers)))
+            for sizes, layers in shapes.values()
+        )
 
     def only_group(self) -> KernelGroup:
         """The registration's one kernel group (an error naming them when there are several)."""

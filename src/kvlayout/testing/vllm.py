@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "DSV4_INDEXER",
     "FLASHINFER",
     "FLASHMLA",
     "FLASH_ATTN",
@@ -44,6 +45,7 @@ __all__ = [
     "attention_engine",
     "attention_spec",
     "cdiv",
+    "dsv4_indexer_spec",
     "gdn_states",
     "group_layers",
     "hints",
@@ -55,6 +57,7 @@ __all__ = [
     "make_engine",
     "mla_hybrid_engine",
     "page_region",
+    "uniform_engine",
 ]
 
 try:
@@ -147,6 +150,8 @@ class Backend:
 FLASHINFER = Backend("FLASHINFER", fixed_sizes=(16, 32, 64))
 FLASH_ATTN = Backend("FLASH_ATTN", multiple_of=16)
 FLASHMLA = Backend("FLASHMLA", fixed_sizes=(64,))
+# DeepseekV4IndexerBackend: sizes count uncompressed tokens (a C4 page of 256 holds 64 slots).
+DSV4_INDEXER = Backend("DEEPSEEK_V4_INDEXER", fixed_sizes=(256,))
 
 
 # -- specs ---------------------------------------------------------------------------
@@ -158,6 +163,21 @@ def attention_spec(model: HybridModel | AttentionModel, tp: int, block_size: int
         num_kv_heads=model.num_key_value_heads // tp,
         head_size=model.head_dim,
         dtype=model.dtype,
+    )
+
+
+def dsv4_indexer_spec(block_size: int, compress_ratio: int = 4) -> Any:
+    """``DeepseekV4IndexerCache.get_kv_cache_spec``: one fp8 index key per slot with its
+    scales (132 bytes), ``compress_ratio`` tokens per slot, the page aligned to 512 bytes
+    (FlashInfer sparse; 576 with FlashMLA's fp8_ds_mla)."""
+    return kvi.MLAAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=132,
+        dtype=torch.uint8,
+        tokens_per_state=compress_ratio,
+        alignment=512,
     )
 
 
@@ -341,10 +361,46 @@ def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
     return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
 
 
-def attention_engine(model: AttentionModel, backend: Backend, *, block_size: int = 16) -> Engine:
-    spec = attention_spec(model, 1, block_size)
-    specs = {f"model.layers.{i}.self_attn.attn": spec for i in range(model.num_hidden_layers)}
-    return make_engine(specs, [list(specs)], lambda s: backend.kernel_block_size(s.block_size))
+def uniform_engine(
+    spec: Any,
+    backend: Backend,
+    *,
+    num_layers: int,
+    layer_name: str = "model.layers.{}.self_attn.attn",
+    num_blocks: int = NUM_BLOCKS,
+    layout: Any = None,
+) -> Engine:
+    """A model whose layers all have one spec (one KV cache group), as vLLM 0.33 pages it:
+    ``prepare_kernel_block_sizes`` keeps the manager block for a block-outermost layout
+    and otherwise takes ``select_common_block_size``, which splits the block into kernel
+    pages whenever the backend does not take it whole (FlashInfer: ``--block-size 128``
+    becomes 64-token pages)."""
+    layout = layout or KVCacheLayout.LBNHC
+    specs = {layer_name.format(i): spec for i in range(num_layers)}
+
+    def kernel(s: Any) -> int:
+        if layout.is_block_outermost and num_layers > 1:  # block_stride > layer_stride
+            return int(s.block_size)
+        return backend.kernel_block_size(s.block_size)
+
+    return make_engine(specs, [list(specs)], kernel, num_blocks=num_blocks, layout=layout)
+
+
+def attention_engine(
+    model: AttentionModel,
+    backend: Backend,
+    *,
+    block_size: int = 16,
+    num_blocks: int = NUM_BLOCKS,
+    layout: Any = None,
+) -> Engine:
+    return uniform_engine(
+        attention_spec(model, 1, block_size),
+        backend,
+        num_layers=model.num_hidden_layers,
+        num_blocks=num_blocks,
+        layout=layout,
+    )
 
 
 # -- registrations -------------------------------------------------------------------

@@ -20,12 +20,14 @@ from kvlayout.integrations.vllm import (
 from tests.integrations.vllm.models import (
     FLASH_ATTN,
     FLASHINFER,
+    LLAMA_3_2_1B,
     QWEN3_5_0_8B,
     QWEN3_NEXT_80B_A3B,
     Engine,
     KVCacheLayout,
     allocate_legacy,
     allocate_v033,
+    attention_engine,
     hints,
     hybrid_engine,
 )
@@ -135,6 +137,29 @@ def test_a_hint_that_does_not_match_the_allocation_is_caught(allocation: str, hn
     )
     with pytest.raises(BlockGranularityError, match=f"group {attn[0]}: layer {attn[1].layer_names[0]!r}"):
         apply_kv_cache_group_edits(engine.config, kv_caches, hints(not hnd))
+
+
+@pytest.mark.parametrize("allocation", ["v033", "legacy"])
+@pytest.mark.parametrize("hnd", [False, True])
+def test_pure_attention_hint_that_does_not_match_the_allocation_is_caught(allocation: str, hnd: bool) -> None:
+    # The check runs for models without Mamba layers too: Llama's 8 heads and 16-token
+    # blocks swap under the other layout's hint, which would read 8-token blocks.
+    layout = KVCacheLayout.LBHNC if hnd else KVCacheLayout.LBNHC
+    engine = attention_engine(LLAMA_3_2_1B, FLASH_ATTN, layout=layout)
+    if allocation == "v033":
+        _, kv_caches = allocate_v033(engine)
+    else:
+        _, kv_caches = allocate_legacy(engine, FLASH_ATTN, hnd=hnd)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
+    assert all(out[k] is v for k, v in kv_caches.items())
+    heads, block = LLAMA_3_2_1B.num_key_value_heads, engine.config.kv_cache_groups[0].kv_cache_spec.block_size
+    with pytest.raises(BlockGranularityError) as info:
+        apply_kv_cache_group_edits(engine.config, kv_caches, hints(not hnd))
+    assert str(info.value).startswith(
+        f"registered blocks are not block ids under kv_layout={hints(not hnd)['kv_layout']!r}: group 0: layer "
+        f"'model.layers.0.self_attn.attn' (and {LLAMA_3_2_1B.num_hidden_layers - 1} more) reads as "
+    )
+    assert f"with block size {heads}, not {block}. A wrong kv_layout hint" in str(info.value)
 
 
 def test_no_hint_on_cpu_reads_hnd() -> None:

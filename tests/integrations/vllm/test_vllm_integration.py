@@ -11,11 +11,14 @@ import pytest
 import torch
 
 from kvlayout.integrations.vllm import (
+    BlockGranularityError,
     KVCacheGroupEditError,
+    SubpagedMLAEdit,
     apply_kv_cache_group_edits,
     find_kv_cache_group_edit,
 )
 from tests.integrations.vllm.models import (
+    DSV4_INDEXER,
     FLASH_ATTN,
     FLASHINFER,
     FLASHMLA,
@@ -29,6 +32,7 @@ from tests.integrations.vllm.models import (
     allocate,
     allocate_v033,
     attention_engine,
+    dsv4_indexer_spec,
     hints,
     hybrid_engine,
     kvi,
@@ -36,6 +40,7 @@ from tests.integrations.vllm.models import (
     mla_hybrid_engine,
     page_region,
     storage_ptr,
+    uniform_engine,
 )
 
 # (allocation, hnd): vLLM 0.33 with its default LBNHC (NHD) or LBHNC (HND) layout, and
@@ -51,14 +56,17 @@ def _engine(model: HybridModel, backend: Backend, allocation: str, hnd: bool, **
 def _check_opaque_view(
     engine: Engine, bufs: list[torch.Tensor], allocation: str, layer: str, view: Any, value: Any
 ) -> None:
-    """One block of the view = one page of the layer's region, a view of the same storage."""
+    """One block of the view = one page of the layer's region, a view of the same storage,
+    in as many rows as the block has slots (tokens, or tokens / ratio where compressed;
+    Mamba's tokens_per_state of -1 cuts its page into block_size rows)."""
     spec = engine.spec_of(layer)
-    row = spec.page_size_bytes // spec.block_size
+    slots = spec.block_size // max(spec.tokens_per_state, 1)
+    row = spec.page_size_bytes // slots
     buf, offset, block_stride = page_region(engine, bufs, allocation, layer)
     base = bufs[buf].data_ptr() + offset
     assert isinstance(view, torch.Tensor)
     assert view.dtype == torch.int8
-    assert tuple(view.shape) == (engine.config.num_blocks, spec.block_size, row)
+    assert tuple(view.shape) == (engine.config.num_blocks, slots, row)
     assert view.stride() == (block_stride, row, 1)
     assert view.data_ptr() == base
     assert view is not value and storage_ptr(view) == storage_ptr(value)
@@ -136,21 +144,42 @@ def test_qwen3_next_tp2(allocation: str, hnd: bool, checkpoint_alignment: int) -
         _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
 
 
-def test_pure_attention_model_is_untouched() -> None:
-    engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=64)
+@pytest.mark.parametrize("hnd", [False, True])
+def test_pure_attention_model_paged_at_its_block_is_untouched(hnd: bool) -> None:
+    # FlashInfer takes a 64-token block whole: nothing to group, and the check passes
+    # under the hint that matches the allocation.
+    layout = KVCacheLayout.LBHNC if hnd else KVCacheLayout.LBNHC
+    engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=64, layout=layout)
+    assert engine.kernel_block_sizes == [64]
     _, kv_caches = allocate_v033(engine)
     assert not engine.config.has_mamba_layers
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
     assert out is not kv_caches and out.keys() == kv_caches.keys()
     assert all(out[k] is v for k, v in kv_caches.items())
 
 
-def test_pure_attention_model_kernel_paged_is_still_untouched() -> None:
-    # No Mamba layers: even a tensor paged finer than the spec is left to detection.
-    engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=128)
-    assert engine.kernel_block_sizes == [64]
+@pytest.mark.parametrize(("allocation", "hnd"), ALLOCATIONS)
+def test_pure_attention_model_kernel_paged_is_edited(allocation: str, hnd: bool) -> None:
+    # No Mamba layers, but vLLM 0.33 still splits the block for the backend
+    # (prepare_kernel_block_sizes runs for every attention group): --block-size 128 on
+    # FlashInfer is 64-token kernel pages, two per block id. The edits group them.
+    layout = KVCacheLayout.LBHNC if hnd else KVCacheLayout.LBNHC
+    engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=128, layout=layout)
+    assert engine.kernel_block_sizes == [64] and _kernel_ratio(engine) == {0: 2}
+    bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
+    assert _rules(engine, kv_caches) == {"subpaged-attention": LLAMA_3_2_1B.num_hidden_layers}
+    for layer, view in out.items():
+        _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
+
+
+def test_pure_attention_model_block_outermost_is_not_split() -> None:
+    # BLNHC puts the other layers' pages between a layer's blocks, so vLLM keeps the
+    # manager block (prepare_kernel_block_sizes) and there is nothing to group.
+    engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=128, layout=KVCacheLayout.BLNHC)
+    assert engine.kernel_block_sizes == [128]
     _, kv_caches = allocate_v033(engine)
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))
     assert all(out[k] is v for k, v in kv_caches.items())
 
 
@@ -238,7 +267,7 @@ def test_declared_compression_group_is_untouched() -> None:
     attn = kv_caches["layers.0.attn"]
     spec = engine.spec_of("layers.0.attn")
     assert attn.shape[2] == spec.block_size // spec.tokens_per_state != spec.block_size
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))  # checked in slots, too
     assert out["layers.0.attn"] is attn and out["layers.1.attn"] is kv_caches["layers.1.attn"]
     assert out["layers.0.mamba"] is not kv_caches["layers.0.mamba"]  # the Mamba group is still edited
 
@@ -270,6 +299,82 @@ def test_legacy_declared_compression_is_untouched(field: str) -> None:
     )
     assert find_kv_cache_group_edit(spec, value) is None
     assert apply_kv_cache_group_edits(config, {"attn": value})["attn"] is value
+
+
+# -- declared compression, kernel-paged: grouped, the compression kept ------------------
+
+
+def _indexer_with_mamba(block_size: int = 512) -> tuple[Engine, Any]:
+    """DeepSeek-V4's C4 indexer (4 tokens a slot) at --block-size 512, which its backend
+    pages in 256-token kernel blocks of 64 slots, beside a Mamba group (so even a
+    hybrid-only code path runs the rules)."""
+    indexer = dsv4_indexer_spec(block_size)
+    engine = uniform_engine(indexer, DSV4_INDEXER, num_layers=2, layer_name="layers.{}.indexer")
+    mamba = kvi.MambaSpec(
+        block_size=block_size, shapes=((8,),), dtypes=(torch.float32,), mamba_cache_mode="align"
+    )
+    config = dataclasses.replace(
+        engine.config,
+        kv_cache_groups=[
+            *engine.config.kv_cache_groups,
+            kvi.KVCacheGroupSpec(layer_names=["layers.0.mamba"], kv_cache_spec=mamba),
+        ],
+    )
+    return engine, config
+
+
+def test_kernel_paged_compressed_indexer_is_grouped_keeping_its_slots() -> None:
+    engine, config = _indexer_with_mamba()
+    spec = engine.spec_of("layers.0.indexer")
+    assert (spec.tokens_per_state, spec.num_states, engine.kernel_block_sizes) == (4, 128, [256])
+    buf, kv_caches = allocate_v033(engine)
+    value = kv_caches["layers.0.indexer"]
+    k = spec.block_size // engine.kernel_block_sizes[0]
+    assert tuple(value.shape) == (engine.config.num_blocks * k, 1, 256 // 4, 132)  # kernel pages of slots
+    assert isinstance(find_kv_cache_group_edit(spec, value), SubpagedMLAEdit)
+    for page in range(value.shape[0]):
+        value[page] = page + 1
+    out = apply_kv_cache_group_edits(config, kv_caches)
+    for layer in ("layers.0.indexer", "layers.1.indexer"):
+        _check_opaque_view(engine, [buf], "v033", layer, out[layer], kv_caches[layer])
+    view = out["layers.0.indexer"]
+    assert tuple(view.shape) == (engine.config.num_blocks, spec.num_states, 132)  # slots, not tokens
+    for n in range(engine.config.num_blocks):  # block id n = kernel pages n*k .. n*k+k-1
+        assert view[n].view(torch.uint8).view(k, -1).float().mean(dim=1).tolist() == [
+            float(n * k + j + 1) for j in range(k)
+        ]
+
+
+def test_legacy_compress_ratio_kernel_paged_is_grouped() -> None:
+    from tests.integrations.vllm.test_vllm_validation import LegacyMLASpec
+
+    # Before 0.26 the ratio was MLAAttentionSpec.compress_ratio, the MLA cache
+    # [pages, slots, C]: a 256-token block of 64 slots in four 64-token pages of 16.
+    spec = LegacyMLASpec(block_size=256, num_kv_heads=1, head_size=132, dtype=torch.uint8, compress_ratio=4)
+    raw = torch.arange(4 * spec.page_size_bytes, dtype=torch.int32).to(torch.uint8)
+    value = raw.view(4 * 4, 16, 132)
+    edit = find_kv_cache_group_edit(spec, value)
+    assert isinstance(edit, SubpagedMLAEdit)
+    view = edit.apply(spec, value)
+    assert tuple(view.shape) == (4, 64, 132) and view.stride() == (spec.page_size_bytes, 132, 1)
+    assert torch.equal(view.view(torch.uint8).flatten(), raw)
+
+
+@pytest.mark.parametrize("hybrid", [False, True])
+def test_kernel_paged_compressed_group_no_rule_groups_is_refused(hybrid: bool) -> None:
+    # The check counts a compressed group's block in slots too: left as registered, the
+    # indexer reads 64-slot blocks where a block id has 128.
+    engine, config = _indexer_with_mamba()
+    _, kv_caches = allocate_v033(engine)
+    with pytest.raises(BlockGranularityError) as info:
+        apply_kv_cache_group_edits(config if hybrid else engine.config, kv_caches, edits=[])
+    # (what the raw pages read as is detection's business; the block is never 128 slots)
+    message = str(info.value)
+    assert message.startswith(
+        "registered blocks are not block ids under kv_layout=None: group 0: layer 'layers.0.indexer' (and 1 more) "
+        "reads as "
+    )
+    assert ", not 128 (512 tokens at 4 per slot). A wrong kv_layout hint" in message
 
 
 # -- undeclared packing: loud -----------------------------------------------------------

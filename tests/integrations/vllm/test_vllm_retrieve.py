@@ -1,6 +1,7 @@
 """Faithful retrieve, end to end: vLLM registration -> group edits -> per-layer detection ->
 store a set of blocks -> zero the cache -> load them back. Every byte of the selected
-pages (conv, ssm, padding, K and V of every kernel page) comes back; nothing else moves."""
+pages (conv, ssm, padding, K and V of every kernel page) comes back; nothing else moves.
+Hybrids, and models without Mamba layers whose blocks vLLM pages for the kernel."""
 
 from __future__ import annotations
 
@@ -15,19 +16,25 @@ from kvlayout.detection import normalize_and_discover_per_layer_formats
 from kvlayout.integrations.vllm import OPAQUE_PAGE_FORMAT, apply_kv_cache_group_edits
 from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
 from tests.integrations.vllm.models import (
+    DSV4_INDEXER,
     FLASH_ATTN,
     FLASHINFER,
     FLASHMLA,
+    LLAMA_3_2_1B,
     QWEN3_5_0_8B,
     QWEN3_NEXT_80B_A3B,
+    AttentionModel,
     Backend,
     Engine,
     KVCacheLayout,
     allocate,
+    attention_engine,
+    dsv4_indexer_spec,
     hints,
     hybrid_engine,
     mla_hybrid_engine,
     page_region,
+    uniform_engine,
 )
 
 
@@ -46,6 +53,13 @@ class Case:
         if self.model is None:
             return mla_hybrid_engine(num_blocks=num_blocks)
         layout = self.layout or (KVCacheLayout.LBHNC if self.hnd else KVCacheLayout.LBNHC)
+        if isinstance(self.model, AttentionModel):  # --block-size 128: 64-token FlashInfer pages
+            return attention_engine(
+                self.model, self.backend, block_size=128, num_blocks=num_blocks, layout=layout
+            )
+        if self.model == "dsv4-indexer":  # 512-token blocks of 128 slots, 256-token kernel pages
+            spec = dsv4_indexer_spec(512)
+            return uniform_engine(spec, self.backend, num_layers=3, num_blocks=num_blocks, layout=layout)
         return hybrid_engine(
             self.model,
             self.backend,
@@ -70,6 +84,10 @@ CASES = [
     ),
     Case("mla-kda-0.33", FLASHMLA, "v033", model=None),
     Case("mla-kda-legacy", FLASHMLA, "legacy", model=None),
+    Case("llama-flashinfer-bs128-0.33-nhd", FLASHINFER, "v033", model=LLAMA_3_2_1B),
+    Case("llama-flashinfer-bs128-0.33-hnd", FLASHINFER, "v033", hnd=True, model=LLAMA_3_2_1B),
+    Case("llama-flashinfer-bs128-legacy-hnd", FLASHINFER, "legacy", hnd=True, model=LLAMA_3_2_1B),
+    Case("dsv4-indexer-c4-bs512-0.33", DSV4_INDEXER, "v033", model="dsv4-indexer"),
 ]
 
 
@@ -104,7 +122,10 @@ def test_store_zero_load_restores_exactly_the_selected_pages(case: Case) -> None
         fmt = formats[idxs[0]]
         assert fmt is not None and {formats[i] for i in idxs} == {fmt}
         block_size = get_spec(kv, fmt).block_size()
-        assert block_size == engine.config.kv_cache_groups[g].kv_cache_spec.block_size  # no compression
+        # a block id's slots: block_size, or block_size / ratio where compression is
+        # declared (Mamba's tokens_per_state is -1: its page is cut into block_size rows)
+        spec = engine.config.kv_cache_groups[g].kv_cache_spec
+        assert block_size == spec.block_size // max(spec.tokens_per_state, 1)
         shape, dtype = chunk_shape(kv, fmt, len(block_ids) * block_size)
         chunk = torch.empty(shape, dtype=dtype)
         store_blocks(kv, fmt, block_ids, [chunk])

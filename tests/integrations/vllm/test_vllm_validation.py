@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import pytest
@@ -18,11 +19,13 @@ from kvlayout.integrations.vllm import (
     spec_kind,
     validate_kv_cache_groups,
 )
+from kvlayout.integrations.vllm.specs import slots_per_block, tokens_per_slot
 from tests.integrations.vllm.models import (
     FLASHINFER,
     QWEN3_5_0_8B,
     allocate_v033,
     attention_spec,
+    dsv4_indexer_spec,
     hybrid_engine,
     kvi,
 )
@@ -123,9 +126,15 @@ def test_declared_compression_is_not_rejected() -> None:
 
 @dataclass(frozen=True, kw_only=True)
 class LegacyMLASpec(kvi.MLAAttentionSpec):  # type: ignore[misc]
-    """Pre-0.26 field: MLAAttentionSpec.compress_ratio."""
+    """Pre-0.26 field: MLAAttentionSpec.compress_ratio, and the page it sized
+    (``storage_block_size = block_size // compress_ratio`` slots)."""
 
     compress_ratio: int = 1
+
+    @property
+    def page_size_bytes(self) -> int:
+        slots = self.block_size // self.compress_ratio
+        return int(slots * self.num_kv_heads * self.head_size * self.dtype.itemsize)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -156,6 +165,35 @@ class TQFullAttentionSpec(kvi.FullAttentionSpec):  # type: ignore[misc]
 )
 def test_declares_slot_compression(spec: Any, declared: bool) -> None:
     assert declares_slot_compression(spec) is declared
+
+
+def _full(block_size: int = 256, **kw: Any) -> Any:
+    return kvi.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, **kw
+    )
+
+
+@pytest.mark.parametrize(
+    ("spec", "ratio", "slots"),
+    [
+        (_mamba("align", block_size=544), 1, 544),  # tokens_per_state=-1: one page, block_size rows
+        (attention_spec(QWEN3_5_0_8B, 1, 16), 1, 16),
+        (dsv4_indexer_spec(512), 4, 128),
+        (dsv4_indexer_spec(256, compress_ratio=128), 128, 2),
+        (_full(tokens_per_state=Fraction(4, 1)), 4, 64),
+        (_full(tokens_per_state=Fraction(1, 4)), None, None),  # Whisper's pooling: left alone
+        (_full(block_size=2, tokens_per_state=4), 4, None),  # vLLM's num_states would be 0
+        (LegacyMLASpec(block_size=256, num_kv_heads=1, head_size=132, dtype=torch.uint8, compress_ratio=4), 4, 64),
+        (TQFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8, tq_slot_size=80), None, None),
+    ],
+    ids=["mamba", "attention", "dsv4-indexer-c4", "c128", "fraction-4", "pooling", "too-small", "legacy-ratio", "tq"],
+)  # fmt: skip
+def test_slots_per_block_golden(spec: Any, ratio: int | None, slots: int | None) -> None:
+    """A block id's slots: what the edits group kernel pages into and the check reads."""
+    assert tokens_per_slot(spec) == ratio
+    assert slots_per_block(spec) == slots
+    if slots is not None and spec_kind(spec) is not SpecKind.MAMBA and not hasattr(spec, "compress_ratio"):
+        assert slots == spec.num_states  # vLLM 0.33's own count, where it has one
 
 
 def test_spec_kind_agrees_with_vllm() -> None:

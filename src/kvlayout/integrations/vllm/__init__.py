@@ -1,4 +1,4 @@
-"""vLLM integration: start-up validation and KV cache group edits for hybrid models.
+"""vLLM integration: start-up validation and KV cache group edits, for every vLLM model.
 
 Call :func:`validate_kv_cache_groups` when the connector starts, and
 :func:`apply_kv_cache_group_edits` on the dict vLLM hands to ``register_kv_caches``,
@@ -7,15 +7,16 @@ imported: spec objects are read structurally, so any vLLM release (or a duck-typ
 stand-in) works, and kvlayout does not depend on vLLM.
 
 Why edits: kvlayout reads a group's block size from the registered tensors, while
-vLLM's scheduler hands out block ids in units of the spec's ``block_size``. Hybrid
-(Mamba + attention) models break that on two fronts: a Mamba layer registers state that
-is not a paged KV (a ``[conv, ssm]`` list before vLLM 0.26, one int8 state row per
-block since), and attention backends with fixed kernel sizes page the inflated hybrid
-block finer (Qwen3.5-0.8B: block 544 = 17 FlashInfer pages of 32), which would read as
-17x slot compression. Each edit re-views such a layer as
-``[num_blocks, block_size, page_bytes // block_size]`` int8 over the same storage,
-which detection reads as ``NL_X_NB_BS_HS`` with the spec's block size under any
-``kv_layout`` hint.
+vLLM's scheduler hands out block ids in units of the spec's ``block_size``. Two things
+break that: a Mamba layer registers state that is not a paged KV (a ``[conv, ssm]``
+list before vLLM 0.26, one int8 state row per block since), and attention backends
+with fixed kernel sizes page a block finer, in any model (Qwen3.5-0.8B's hybrid block
+544 = 17 FlashInfer pages of 32; Llama's ``--block-size 128`` = 2 pages of 64), which
+would read as slot compression. Unlike LMCache, which edits only hybrids, every model
+goes through the rules and the check. Each edit re-views such a layer as
+``[num_blocks, slots, page_bytes // slots]`` int8 over the same storage (``slots`` is
+``block_size``, or ``block_size / ratio`` for declared compression), which detection
+reads as ``NL_X_NB_BS_HS`` with that block size under any ``kv_layout`` hint.
 
 The opaque-page contract. An edited view's dims are addressing only: block ``b`` of
 the view is exactly the bytes of block id ``b``'s page (padding included), and its rows
@@ -35,9 +36,9 @@ Invariants, enforced when the edits run: edits are views of the registered stora
 (no copy); k kernel pages become one block only when they are one contiguous run of
 exactly the spec's ``page_size_bytes``, otherwise :class:`KVCacheGroupEditError`
 names the layer, the group and the byte counts; every edited view's block size is its
-group's ``block_size``; specs that declare slot compression (``tokens_per_state > 1``,
-``compress_ratio > 1``, ``tq_slot_size > 0``) are never edited. See
-``docs/vllm-group-edits.md``.
+group's slots per block; specs that declare slot compression (``tokens_per_state > 1``,
+``compress_ratio > 1``) keep it, their kernel pages grouped into ``block_size / ratio``
+slots; ``tq_slot_size > 0`` packing is never edited. See ``docs/vllm-group-edits.md``.
 """
 
 from __future__ import annotations

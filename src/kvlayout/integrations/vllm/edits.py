@@ -1,4 +1,4 @@
-"""Applying the group edits: one pass over every layer of a Mamba-hybrid model."""
+"""Applying the group edits: one pass over every layer of every model, then the check."""
 
 from __future__ import annotations
 
@@ -20,11 +20,10 @@ from kvlayout.integrations.vllm.rules import (
     SubpagedMLAEdit,
 )
 from kvlayout.integrations.vllm.specs import (
-    declares_slot_compression,
-    has_mamba_layers,
     iter_group_layer_specs,
     iter_groups,
-    require_size,
+    slots_per_block,
+    tokens_per_slot,
 )
 from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
 from kvlayout.types import HintsLike
@@ -47,11 +46,9 @@ def find_kv_cache_group_edit(
 ) -> KVCacheGroupEdit | None:
     """The rule that would edit this (leaf spec, registered value), or ``None``.
 
-    A spec that declares slot compression is never edited: its tensors already say how
-    many slots a block has, and the compression path reads that.
+    A spec that declares slot compression is edited only for its kernel paging, and
+    keeps its compression: the edited block has the spec's ``block_size / ratio`` slots.
     """
-    if declares_slot_compression(spec):
-        return None
     return next((edit for edit in edits if edit.matches(spec, value)), None)
 
 
@@ -64,11 +61,18 @@ def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tenso
     """The invariants every edit keeps, whichever rule made it (user rules included)."""
     if not isinstance(view, torch.Tensor) or view.untyped_storage().data_ptr() != _storage_ptr(value):
         raise KVCacheGroupEditError(f"edit {edit.name!r} did not return a view of the registered storage")
-    block_size, wanted = get_spec([view], edit.output_format).block_size(), require_size(spec, "block_size")
+    block_size, wanted = get_spec([view], edit.output_format).block_size(), slots_per_block(spec)
+    if wanted is None:
+        raise KVCacheGroupEditError(
+            f"edit {edit.name!r} edited a {type(spec).__name__}, which declares no whole number of slots "
+            "per block to check its view against"
+        )
     if block_size != wanted:
+        ratio = tokens_per_slot(spec)
+        expected = f"block_size {wanted}" if ratio == 1 else f"{wanted} slots per block ({ratio} tokens each)"
         raise KVCacheGroupEditError(
             f"edit {edit.name!r} produced a view whose block size reads as {block_size} under "
-            f"{edit.output_format.name}, not the spec's block_size {wanted}"
+            f"{edit.output_format.name}, not the spec's {expected}"
         )
 
 
@@ -81,19 +85,23 @@ def apply_kv_cache_group_edits(
 ) -> dict[str, Any]:
     """Re-present a vLLM model's registered KV caches so every block dim is a block id.
 
-    Validates the groups first (:func:`validate_kv_cache_groups`). Models without Mamba
-    layers come back untouched, as do layers no rule matches (the same objects). Each
-    edited layer becomes a view over its own storage, never a copy.
+    Validates the groups first (:func:`validate_kv_cache_groups`). Every model goes
+    through the rules, not only hybrids: vLLM pages any attention group finer than its
+    block when the backend needs it (FlashInfer's 16/32/64 under ``--block-size 128``).
+    Layers no rule matches come back as the same objects; each edited layer becomes a
+    view over its own storage, never a copy.
 
     ``layout_hints`` are the hints detection will get. The edited views read the same
     under any of them, but the layers left as registered do not, so the result is
     checked under them (:func:`check_block_granularity`): every paged layer's detected
-    block size must be its group's ``block_size``, or this raises before anything is
-    registered.
+    block size must be its group's slots per block (``block_size``, or ``block_size /
+    ratio`` where compression is declared), or this raises before anything is
+    registered. That is how a ``kv_layout`` hint that contradicts vLLM's allocation is
+    caught.
     """
     validate_kv_cache_groups(kv_cache_config)
     edited = dict(kv_caches)
-    if kv_cache_config is None or not has_mamba_layers(kv_cache_config):
+    if kv_cache_config is None:
         return edited
     applied: Counter[str] = Counter()
     for group_idx, group in iter_groups(kv_cache_config):

@@ -1,8 +1,10 @@
 """The check the edits exist for: every layer's block, as detection reads it, is a block id.
 
 LMCache and kvlayout's consumers take a group's block size from the detected tensors and
-the block ids from vLLM's scheduler (``spec.block_size`` tokens each). Where the two
-differ, the group looks slot-compressed and transfers move the wrong bytes, silently.
+the block ids from vLLM's scheduler (``spec.block_size`` tokens each, ``block_size /
+ratio`` slots where the spec declares compression). Where the two differ, the group
+looks slot-compressed (or compressed by the wrong ratio) and transfers move the wrong
+bytes, silently.
 The edits make them agree for the registrations they know; this check proves it for
 every layer under the hints detection will use, which also catches a ``kv_layout`` hint
 that does not match vLLM's allocation (an NHD page read as HND swaps heads and tokens).
@@ -19,12 +21,11 @@ from kvlayout.facade import get_block_size
 from kvlayout.integrations.vllm.errors import DOCS
 from kvlayout.integrations.vllm.specs import (
     SpecKind,
-    declares_slot_compression,
     iter_group_layer_specs,
     iter_groups,
-    require_size,
-    spec_field,
+    slots_per_block,
     spec_kind,
+    tokens_per_slot,
 )
 from kvlayout.types import EngineType, HintsLike, LayoutHints
 
@@ -44,39 +45,45 @@ _PAGED_KINDS = frozenset(
 
 
 class BlockGranularityError(KVLayoutError):
-    """Layers whose detected block size is not their group's ``block_size``."""
+    """Layers whose detected block size is not their group's slots per block (``block_size``,
+    or ``block_size / ratio`` where the spec declares compression)."""
 
 
-def _one_block_per_block_id(spec: Any) -> bool:
-    """Specs whose registered block must hold ``block_size`` token slots: the paged kinds,
-    without declared compression or a non-unit state geometry (Mamba's -1 is one state
-    per block)."""
-    kind = spec_kind(spec)
-    if kind not in _PAGED_KINDS or declares_slot_compression(spec):
-        return False
-    return kind is SpecKind.MAMBA or spec_field(spec, "tokens_per_state", 1) == 1
+def _slots_of_a_block_id(spec: Any) -> int | None:
+    """The slots a paged spec's registered block must hold (:func:`slots_per_block`:
+    ``block_size``, or ``block_size / ratio`` for declared compression); None for kinds
+    that are not paged and for slot geometries that are no whole number (Whisper's
+    pooled fractions, the pre-0.26 ``tq_slot_size`` packing), which are not checked."""
+    return slots_per_block(spec) if spec_kind(spec) in _PAGED_KINDS else None
+
+
+def _wanted(slots: int, spec: Any) -> str:
+    ratio = tokens_per_slot(spec) or 1  # a checked spec has one
+    return f"{slots}" if ratio == 1 else f"{slots} ({slots * ratio} tokens at {ratio} per slot)"
 
 
 def check_block_granularity(
     kv_cache_config: Any, kv_caches: Mapping[str, Any], layout_hints: HintsLike = None
 ) -> None:
     """Raise :class:`BlockGranularityError` unless detection, under ``layout_hints``, reads
-    every paged layer's block size as its group's ``block_size``.
+    every paged layer's block size as its group's slots per block: ``block_size``, or
+    ``block_size / ratio`` where the spec declares compression.
 
     Run it on what will be registered (after :func:`apply_kv_cache_group_edits`, which
-    calls it for hybrid models). Layers in no group, and groups that declare slot
-    compression, are not checked.
+    calls it for every model). Layers in no group, and specs whose slots per block are
+    no whole number, are not checked.
     """
     names = list(kv_caches)
     position = {name: i for i, name in enumerate(names)}
     groups: list[list[int]] = []
-    owner: dict[int, tuple[int, str, int]] = {}
+    owner: dict[int, tuple[int, str, int, Any]] = {}
     for group_idx, group in iter_groups(kv_cache_config):
         members = []
         for layer, spec in iter_group_layer_specs(group):
-            if layer in position and _one_block_per_block_id(spec):
+            slots = _slots_of_a_block_id(spec)
+            if layer in position and slots is not None:
                 members.append(position[layer])
-                owner[position[layer]] = (group_idx, layer, require_size(spec, "block_size"))
+                owner[position[layer]] = (group_idx, layer, slots, spec)
         if members:
             groups.append(members)
     if not groups:
@@ -86,16 +93,18 @@ def check_block_granularity(
     )
     wrong: dict[int, list[str]] = {}
     first: dict[int, str] = {}
-    for i, (group_idx, layer, block_size) in owner.items():
+    for i, (group_idx, layer, slots, spec) in owner.items():
         fmt = formats[i]
         assert fmt is not None  # every checked layer is in a group
         try:
             got: int | str = get_block_size(normalized, fmt, i)
         except KVLayoutError:
             got = "undefined"
-        if got != block_size:
+        if got != slots:
             wrong.setdefault(group_idx, []).append(layer)
-            first.setdefault(group_idx, f"reads as {fmt.name} with block size {got}, not {block_size}")
+            first.setdefault(
+                group_idx, f"reads as {fmt.name} with block size {got}, not {_wanted(slots, spec)}"
+            )
     if wrong:
         hint = LayoutHints.coerce(layout_hints).kv_layout
         items = "; ".join(

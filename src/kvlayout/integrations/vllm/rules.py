@@ -17,7 +17,14 @@ import torch
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_runs
-from kvlayout.integrations.vllm.specs import SpecKind, require_size, spec_field, spec_kind, spec_size
+from kvlayout.integrations.vllm.specs import (
+    SpecKind,
+    require_size,
+    slots_per_block,
+    spec_field,
+    spec_kind,
+    tokens_per_slot,
+)
 
 __all__ = [
     "KVCacheGroupEdit",
@@ -130,30 +137,43 @@ class MambaStateListEdit(KVCacheGroupEdit):
         )
 
 
-def _one_state_per_token(spec: Any) -> bool:
-    return bool(spec_field(spec, "tokens_per_state", 1) == 1)
+def _slots(count: int, ratio: int) -> str:
+    return f"{count} tokens" if ratio == 1 else f"{count} slots ({count * ratio} tokens)"
 
 
-def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_tokens: int) -> torch.Tensor:
-    """View ``k = block_size / kernel_tokens`` consecutive kernel pages as one block.
+def _block(slots: int, ratio: int) -> str:
+    return f"{slots}-token block" if ratio == 1 else f"{slots}-slot block ({slots * ratio} tokens)"
+
+
+def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_slots: int) -> torch.Tensor:
+    """View ``k = slots_per_block / kernel_slots`` consecutive kernel pages as one block.
 
     vLLM maps logical block ``n`` to kernel blocks ``n*k .. n*k+k-1``, so this is only
     faithful when those k pages are one contiguous run of exactly the spec's page:
-    anything else (a packed or padded page the spec does not declare) raises.
+    anything else (a packed or padded page the spec does not declare) raises. A spec
+    that declares compression keeps it: its block has ``block_size / ratio`` slots, and
+    the kernel pages split those slots exactly as they split an uncompressed block's
+    tokens (vLLM's kernel block of ``kbs`` tokens holds ``kbs / ratio`` slots).
     """
-    block_size = require_size(spec, "block_size")
-    if kernel_tokens <= 0 or block_size % kernel_tokens:
+    slots, ratio = slots_per_block(spec), tokens_per_slot(spec)
+    if slots is None or ratio is None:
+        block_size, per_state = spec_field(spec, "block_size", None), spec_field(spec, "tokens_per_state", 1)
         raise KVCacheGroupEditError(
-            f"kernel pages of {kernel_tokens} tokens do not divide the {block_size}-token block"
+            f"{type(spec).__name__} declares no whole number of slots per block (block_size={block_size!r}, "
+            f"tokens_per_state={per_state!r}), so its kernel pages cannot be counted into blocks"
         )
-    k = block_size // kernel_tokens
+    if kernel_slots <= 0 or slots % kernel_slots:
+        raise KVCacheGroupEditError(
+            f"kernel pages of {_slots(kernel_slots, ratio)} do not divide the {_block(slots, ratio)}"
+        )
+    k = slots // kernel_slots
     runs = page_runs(value)
     page = require_size(spec, "page_size_bytes")
     if runs.page_bytes * k != page:
         raise KVCacheGroupEditError(
-            f"{k} kernel pages of {kernel_tokens} tokens ({k} x {runs.page_bytes} = {k * runs.page_bytes} "
-            f"bytes) do not tile the logical page ({page} bytes); a packed or padded page needs its "
-            "compression declared on the spec"
+            f"{k} kernel pages of {_slots(kernel_slots, ratio)} ({k} x {runs.page_bytes} = "
+            f"{k * runs.page_bytes} bytes) do not tile the logical page ({page} bytes); a packed or padded "
+            "page needs its compression declared on the spec"
         )
     if runs.num_pages % k:
         raise KVCacheGroupEditError(f"{runs.num_pages} kernel pages do not make whole blocks of {k} pages")
@@ -165,14 +185,15 @@ def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_tokens: int) -> t
     return opaque_page_view(
         value,
         num_blocks=runs.num_pages // k,
-        block_size=block_size,
+        block_size=slots,
         page_bytes=page,
         block_stride_bytes=k * runs.stride_bytes,
         offset_bytes=runs.offset_bytes,
     )
 
 
-# Axis 2 holds the kernel block's tokens in every attention registration vLLM makes:
+# Axis 2 holds the kernel block's tokens (slots, when compressed) in every attention
+# registration vLLM makes:
 # 0.33 ``[pages, H, N, C]`` (a permute view of the memory order), FlashInfer before 0.26
 # ``[pages, 2, N, H, D]`` (NHD, or a permute of HND memory), FlashAttention before 0.26
 # ``[2, pages, N, H, D]`` (re-strided block-major in hybrids).
@@ -190,11 +211,11 @@ _ATTENTION_KINDS = frozenset(
 class SubpagedAttentionEdit(KVCacheGroupEdit):
     """Attention re-paged at the backend's kernel block size (k kernel pages per block).
 
-    Hybrids inflate the attention block so its page matches the Mamba page (Qwen3.5:
-    hundreds of tokens), and backends with fixed kernel sizes (FlashInfer 16/32/64)
-    page the tensor finer. Registered raw, the tensor's block size would read as the
-    kernel's and the group would look slot-compressed. Declared compression never
-    reaches this rule.
+    Backends with fixed kernel sizes (FlashInfer 16/32/64) page a larger block finer:
+    a hybrid's inflated block (Qwen3.5: hundreds of tokens), or any model's
+    ``--block-size 128``. Registered raw, the tensor's block size would read as the
+    kernel's and the group would look slot-compressed. A declared compression is kept:
+    the block is ``block_size / ratio`` slots, in the same k pages.
     """
 
     name = "subpaged-attention"
@@ -202,10 +223,10 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
     def matches(self, spec: Any, value: Any) -> bool:
         return (
             spec_kind(spec) in _ATTENTION_KINDS
-            and _one_state_per_token(spec)
+            and slots_per_block(spec) is not None
             and isinstance(value, torch.Tensor)
             and value.dim() in (4, 5)
-            and value.shape[_TOKEN_AXIS] != spec_size(spec, "block_size")
+            and value.shape[_TOKEN_AXIS] != slots_per_block(spec)
         )
 
     def apply(self, spec: Any, value: Any) -> torch.Tensor:
@@ -213,9 +234,9 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
 
 
 def _mla_kernel_states(value: torch.Tensor) -> int | None:
-    # MLA keeps one latent row per token: ``[pages, N, C]`` before 0.26, ``[pages, 1, N, C]``
-    # in 0.33 (one head slot; some releases put it after N). Anything else is not an MLA
-    # registration this rule knows.
+    # MLA keeps one latent row per slot (per token, uncompressed): ``[pages, N, C]`` before
+    # 0.26, ``[pages, 1, N, C]`` in 0.33 (one head slot; some releases put it after N).
+    # Anything else is not an MLA registration this rule knows.
     if value.dim() == 3:
         return int(value.shape[1])
     if value.dim() == 4 and 1 in (value.shape[1], value.shape[2]):
@@ -224,17 +245,22 @@ def _mla_kernel_states(value: torch.Tensor) -> int | None:
 
 
 class SubpagedMLAEdit(KVCacheGroupEdit):
-    """MLA re-paged at a kernel block size (e.g. a 768-token block in 64-token pages)."""
+    """MLA re-paged at a kernel block size (e.g. a 768-token block in 64-token pages).
+
+    Compressed MLA caches (DeepSeek-V4's indexer: ``tokens_per_state=4``) are paged the
+    same way: a 512-token block of 128 slots in two 256-token kernel pages of 64 slots.
+    """
 
     name = "subpaged-mla-attention"
 
     def matches(self, spec: Any, value: Any) -> bool:
         if spec_kind(spec) not in (SpecKind.MLA_ATTENTION, SpecKind.SLIDING_WINDOW_MLA):
             return False
-        if not (_one_state_per_token(spec) and isinstance(value, torch.Tensor)):
+        slots = slots_per_block(spec)
+        if slots is None or not isinstance(value, torch.Tensor):
             return False
         states = _mla_kernel_states(value)
-        return states is not None and states != spec_size(spec, "block_size")
+        return states is not None and states != slots
 
     def apply(self, spec: Any, value: Any) -> torch.Tensor:
         states = _mla_kernel_states(value)

@@ -19,13 +19,14 @@ from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 __all__ = [
     "SpecKind",
     "declares_slot_compression",
-    "has_mamba_layers",
     "iter_group_layer_specs",
     "iter_groups",
     "require_size",
+    "slots_per_block",
     "spec_field",
     "spec_kind",
     "spec_size",
+    "tokens_per_slot",
 ]
 
 
@@ -81,6 +82,54 @@ def declares_slot_compression(spec: Any) -> bool:
         or spec_field(spec, "compress_ratio", 1) > 1
         or spec_field(spec, "tq_slot_size", 0) > 0
     )
+
+
+def _whole(value: Any) -> int | None:
+    """``value`` as an int when it is a whole number (an int, or a Fraction like 4/1)."""
+    if isinstance(value, bool):
+        return None
+    try:
+        whole = int(value)
+    except (TypeError, ValueError, OverflowError):
+        return None
+    return whole if whole == value else None
+
+
+def tokens_per_slot(spec: Any) -> int | None:
+    """How many tokens one registered slot holds: the declared compression ratio
+    (``tokens_per_state`` in 0.33, ``compress_ratio`` before 0.26), 1 without one.
+
+    ``None`` where the spec's slots are no whole number of tokens, so a block has no
+    slot count to check: Whisper's pooled fractions, a ratio that is not an int, and the
+    pre-0.26 ``tq_slot_size`` packing (bytes per slot, in a registration kvlayout does
+    not re-view). A Mamba page counts as ``block_size`` rows (its ``-1`` means one state
+    per block, and the edits cut the page into that many rows).
+    """
+    if spec_kind(spec) is SpecKind.MAMBA:
+        return 1
+    if spec_field(spec, "tq_slot_size", 0) != 0:
+        return None  # pre-0.26 TurboQuant packs bytes per slot in a registration not re-viewed
+    per_state = _whole(spec_field(spec, "tokens_per_state", 1))
+    ratio = _whole(spec_field(spec, "compress_ratio", 1))
+    if per_state is None or ratio is None or per_state < 1 or ratio < 1:
+        return None
+    if per_state > 1 and ratio > 1 and per_state != ratio:
+        return None  # two ratios that disagree: no slot count to trust
+    return max(per_state, ratio)
+
+
+def slots_per_block(spec: Any) -> int | None:
+    """Slots one block id's page holds: ``block_size // tokens_per_slot`` (vLLM's
+    ``num_states``); ``None`` where :func:`tokens_per_slot` is, or where that is not a
+    positive count.
+
+    This, not ``block_size``, is the registered block's size: kernel paging splits the
+    slots of a block into pages, compression only makes them fewer.
+    """
+    block_size, ratio = spec_size(spec, "block_size"), tokens_per_slot(spec)
+    if block_size is None or ratio is None or block_size < ratio:
+        return None
+    return block_size // ratio
 
 
 def spec_field(spec: Any, name: str, default: Any) -> Any:
@@ -150,12 +199,3 @@ def require_size(spec: Any, name: str) -> int:
             f"a positive int {name}"
         )
     return size
-
-
-def has_mamba_layers(kv_cache_config: Any) -> bool:
-    """Whether any leaf spec is a Mamba spec (vLLM's ``KVCacheConfig.has_mamba_layers``)."""
-    return any(
-        spec_kind(spec) is SpecKind.MAMBA
-        for _, group in iter_groups(kv_cache_config)
-        for _, spec in iter_group_layer_specs(group)
-    )

@@ -8,8 +8,8 @@ Two group kinds cannot be stored and retrieved by block id:
   per block boundary ('none' keeps just the running state; 'all', removed in vLLM 0.33,
   snapshots differently), so there is no per-block state to reuse.
 
-Declared slot compression is not rejected: those groups are served as they are
-registered (the group edits never touch them).
+Declared slot compression is not rejected: those groups are served in their declared
+slots (the group edits only group their kernel pages, as for any group).
 """
 
 from __future__ import annotations
