@@ -17,7 +17,7 @@ import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import KVLayoutError, PageBufferShapeDesc
 from kvlayout import facade as facade_module
-from kvlayout.registration import bound
+from kvlayout.registration.registration import bound
 from tests.layout.test_golden import any_registration, registration
 
 
