@@ -392,5 +392,12 @@ def test_kv_layer_groups_manager_reads_the_registrations_kernel_groups() -> None
         )
     with pytest.raises(ValueError, match="kernel group 2 is out of range for 2 groups"):
         split.get_shape_desc(2)
+    folded, pages = kvlayout.normalize_kv_and_discover_format([t(NB * BS, 1, HS) for _ in range(2)], "sglang")
+    with pytest.raises(ValueError, match=r"NL_X_NBBS_ONE_HS folds its blocks .* the tokens_per_block hint"):
+        kvlayout.KVLayerGroupsManager(pages, folded)
+    with pytest.raises(
+        TypeError, match="engine_kv_formats is needed unless kv_caches is what detection returned"
+    ):
+        kvlayout.KVLayerGroupsManager(list(kv))
     registration = kvlayout.detect(kv, "vllm", nhd, layer_groups=[[0, 1, 2], [3, 4]])
     assert kvlayout.KVLayerGroupsManager(registration).get_shape_desc(1) == manager.get_shape_desc(1)
