@@ -6,6 +6,7 @@ own vocabulary; cross-entry checks (unique values, names and layouts) run last.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class DescriptorField:
     name: str
     meaning: str
     role: Role | None = None
+    minimum: int = 0  # the smallest value a usable descriptor may hold
 
 
 @dataclass(frozen=True)
@@ -167,7 +169,7 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
             fuses.append(defined[part])
         region = None
         if "region" in m:
-            rm = r.mapping(m["region"], f"{what} region", ("rows", "width"))
+            rm = r.mapping(m["region"], f"{what} region", ("rows", "width"), ("dtype",))
             rows = r.string(rm["rows"], f"{what} region rows")
             if rows not in defined or defined[rows].role is not Role.TOKEN:
                 raise r.error(
@@ -176,7 +178,13 @@ def _tokens(r: _Reader, node: yaml.Node) -> Vocabulary:
             width = r.integer(rm["width"], f"{what} region width")
             if width <= 0:
                 raise r.error(rm["width"], f"{what} region width must be positive")
-            region = Region(defined[rows], width)
+            dtype = r.string(rm["dtype"], f"{what} region dtype") if "dtype" in rm else None
+            bits = re.search(r"\d+", dtype) if dtype is not None else None
+            if dtype is not None and (not dtype.isidentifier() or bits is None or int(bits.group()) % 8):
+                raise r.error(
+                    rm["dtype"], f"{what} region dtype must name a dtype of whole bytes, not {dtype!r}"
+                )
+            region = Region(defined[rows], width, dtype)
         literal = r.integer(m["literal"], f"{what} literal") if "literal" in m else None
         kinds = [k for k, present in (("role", role), ("fuses", fuses), ("region", region)) if present]
         if len(kinds) > 1:
@@ -323,8 +331,11 @@ def load_catalog(path: Path, grammar: Path, display_path: str | None = None) -> 
     formats = _formats(r, top["formats"], vocabulary, grammar, engines)
     descriptor: list[DescriptorField] = []
     for item in r.sequence(top["descriptor"], "descriptor"):
-        fm = r.mapping(item, "a descriptor field", ("name", "meaning"), ("role",))
+        fm = r.mapping(item, "a descriptor field", ("name", "meaning"), ("role", "minimum"))
         field_name = r.string(fm["name"], "a field name")
+        minimum = r.integer(fm["minimum"], f"descriptor field {field_name} minimum") if "minimum" in fm else 0
+        if minimum < 0:
+            raise r.error(fm["minimum"], f"descriptor field {field_name} minimum must be >= 0")
         role = _role(r, fm["role"], f"descriptor field {field_name}") if "role" in fm else None
         prior = next((f for f in descriptor if role is not None and f.role is role), None)
         if prior is not None and role is not None:
@@ -332,6 +343,6 @@ def load_catalog(path: Path, grammar: Path, display_path: str | None = None) -> 
                 fm["role"], f"descriptor fields {prior.name} and {field_name} both have role {role.value}"
             )
         descriptor.append(
-            DescriptorField(field_name, " ".join(r.string(fm["meaning"], "meaning").split()), role)
+            DescriptorField(field_name, " ".join(r.string(fm["meaning"], "meaning").split()), role, minimum)
         )
     return Catalog(shown, vocabulary, formats, tuple(descriptor), engines)

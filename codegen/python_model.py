@@ -31,7 +31,8 @@ def token_literal(token: Token) -> str:
         elif f.name == "fuses":
             args.append(f"fuses=({', '.join(t.name for t in value)})")
         elif f.name == "region":
-            args.append(f"region=Region({value.rows.name}, {value.width})")
+            dtype = "" if value.dtype is None else f", {json.dumps(value.dtype)}"
+            args.append(f"region=Region({value.rows.name}, {value.width}{dtype})")
         elif f.name == "choices":
             args.append(f"choices={value!r}")
         elif isinstance(value, str):

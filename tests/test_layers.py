@@ -42,6 +42,7 @@ LAYER_OF_PREFIX = {
     "kvlayout.registration": "registration",
     "kvlayout.detection": "detection",
     "kvlayout.facade": "facade",
+    "kvlayout.layer_groups": "facade",  # LMCache's layer-group manager, beside its API
     "kvlayout.transfer": "transfer",
     "kvlayout._native": "transfer",
     "kvlayout._cuda": "transfer",

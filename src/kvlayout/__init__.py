@@ -35,6 +35,19 @@ _EXPORTS: dict[str, str] = {
     "SizeError": "kvlayout.errors",
     "EXCLUDED_ENGINE_GROUP": "kvlayout.facade",
     "LayerGroupIdentity": "kvlayout.facade",
+    "KernelGroupIdentity": "kvlayout.registration.registration",
+    "extract_kv_cache_shapes": "kvlayout.detection.discovery",
+    "get_shape_and_dtype": "kvlayout.facade",
+    "resolve_vllm_kv_layout": "kvlayout.detection.vllm",
+    "KVLayerGroupInfo": "kvlayout.layer_groups",
+    "KVLayerGroupsManager": "kvlayout.layer_groups",
+    "KernelGroupInfo": "kvlayout.layer_groups",
+    "ENGINE_KV_FORMAT_DESCRIPTORS": "kvlayout.layout.description",
+    "KVLayoutDescriptor": "kvlayout.layout.description",
+    "QuantSpec": "kvlayout.layout.description",
+    "ScalePlacement": "kvlayout.layout.description",
+    "from_engine_kv_format": "kvlayout.layout.description",
+    "to_engine_kv_format_name": "kvlayout.layout.description",
     "get_attention_backend": "kvlayout.facade",
     "get_block_size": "kvlayout.facade",
     "get_concrete_engine_kv_shape": "kvlayout.facade",
@@ -101,6 +114,7 @@ _EXPORTS: dict[str, str] = {
 
 __all__ = [
     "BLOCKS_FIRST_KV_LAYOUTS",
+    "ENGINE_KV_FORMAT_DESCRIPTORS",
     "EXCLUDED_ENGINE_GROUP",
     "HND_KV_LAYOUTS",
     "KV_LAYOUT_NAMES",
@@ -113,8 +127,13 @@ __all__ = [
     "EngineKVFormat",
     "EngineType",
     "KVFormatSpec",
+    "KVLayerGroupInfo",
+    "KVLayerGroupsManager",
+    "KVLayoutDescriptor",
     "KVLayoutError",
     "KernelGroup",
+    "KernelGroupIdentity",
+    "KernelGroupInfo",
     "LayerGroupIdentity",
     "Layout",
     "LayoutDescription",
@@ -123,9 +142,11 @@ __all__ = [
     "LayoutSemanticError",
     "LayoutSyntaxError",
     "PageBufferShapeDesc",
+    "QuantSpec",
     "RegisteredKV",
     "Registration",
     "RegistrationError",
+    "ScalePlacement",
     "SizeError",
     "StridedViewError",
     "UndefinedSizeError",
@@ -137,6 +158,8 @@ __all__ = [
     "describe_shape",
     "detect",
     "drop_indexer_caches",
+    "extract_kv_cache_shapes",
+    "from_engine_kv_format",
     "get_attention_backend",
     "get_block_size",
     "get_concrete_engine_kv_shape",
@@ -153,6 +176,7 @@ __all__ = [
     "get_num_heads",
     "get_num_layers",
     "get_page_buffer_size",
+    "get_shape_and_dtype",
     "get_spec",
     "get_spec_class",
     "get_tokens_per_layer",
@@ -177,7 +201,9 @@ __all__ = [
     "normalize_kv_and_discover_format",
     "parse",
     "resolve_block_stride_and_log_layout",
+    "resolve_vllm_kv_layout",
     "to_engine_kv_format",
+    "to_engine_kv_format_name",
 ]
 
 
@@ -222,10 +248,12 @@ if TYPE_CHECKING:
     from kvlayout.detection.base import DetectionError
     from kvlayout.detection.discovery import (
         detect,
+        extract_kv_cache_shapes,
         normalize_and_discover_per_layer_formats,
         normalize_kv_and_discover_format,
     )
     from kvlayout.detection.indexers import drop_indexer_caches, is_indexer_cache
+    from kvlayout.detection.vllm import resolve_vllm_kv_layout
     from kvlayout.errors import (
         CatalogError,
         KVLayoutError,
@@ -252,20 +280,35 @@ if TYPE_CHECKING:
         get_num_heads,
         get_num_layers,
         get_page_buffer_size,
+        get_shape_and_dtype,
         get_tokens_per_layer,
         group_layers_by_identity,
         is_mla,
         make_page_buffer_shape_desc,
         resolve_block_stride_and_log_layout,
     )
+    from kvlayout.layer_groups import KernelGroupInfo, KVLayerGroupInfo, KVLayerGroupsManager
     from kvlayout.layout.algebra import Coord, CopyPlan
     from kvlayout.layout.ast import Layout
-    from kvlayout.layout.description import LayoutDescription, describe, to_engine_kv_format
+    from kvlayout.layout.description import (
+        BLOCKS_FIRST_KV_LAYOUTS,
+        ENGINE_KV_FORMAT_DESCRIPTORS,
+        HND_KV_LAYOUTS,
+        KVLayoutDescriptor,
+        LayoutDescription,
+        QuantSpec,
+        ScalePlacement,
+        describe,
+        from_engine_kv_format,
+        kv_layout_axes,
+        to_engine_kv_format,
+        to_engine_kv_format_name,
+    )
     from kvlayout.layout.parser import parse
-    from kvlayout.layout.vocabulary import BLOCKS_FIRST_KV_LAYOUTS, HND_KV_LAYOUTS, kv_layout_axes
     from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
     from kvlayout.registration.registration import (
         KernelGroup,
+        KernelGroupIdentity,
         RegisteredKV,
         Registration,
         RegistrationError,

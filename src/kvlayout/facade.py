@@ -11,7 +11,7 @@ and checked in full on every call, which costs about as much as a detection.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
@@ -19,8 +19,9 @@ import torch
 from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout._generated.predicates import is_mla  # LMCache names it here too
-from kvlayout.catalog.registry import FormatLike, as_format, backend_label, get_spec_class
+from kvlayout.catalog.registry import FormatLike, backend_label, get_spec_class
 from kvlayout.detection.discovery import (
+    extract_kv_cache_shapes,
     normalize_and_discover_per_layer_formats,
     normalize_kv_and_discover_format,
 )
@@ -28,15 +29,14 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.layout import algebra
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view, dim0_padding
-from kvlayout.registration.nesting import first_leaf
+from kvlayout.registration.nesting import entry_keys, first_leaf
 from kvlayout.registration.registration import (
     EXCLUDED_ENGINE_GROUP,
     KernelGroup,
     LayerGroupIdentity,
     RegisteredKV,
-    Registration,
-    bind,
     bound,
+    bound_per_layer,
 )
 from kvlayout.types import DiscoverableKVCache, EngineLike, as_engine
 
@@ -44,6 +44,7 @@ __all__ = [
     "EXCLUDED_ENGINE_GROUP",
     "LayerGroupIdentity",
     "attempt_permute_to_contiguous_view",
+    "extract_kv_cache_shapes",
     "get_attention_backend",
     "get_block_size",
     "get_concrete_engine_kv_shape",
@@ -60,6 +61,7 @@ __all__ = [
     "get_num_heads",
     "get_num_layers",
     "get_page_buffer_size",
+    "get_shape_and_dtype",
     "get_tokens_per_layer",
     "group_layers_by_identity",
     "is_mla",
@@ -183,7 +185,11 @@ def get_concrete_engine_kv_shape_from_shape_desc(shape_desc: PageBufferShapeDesc
     """The group's shape from its descriptor, for every format: the row token (HS, CS or
     a blocked-scale page) shows the descriptor's row width with packed factors divided
     out, so fused (CS) and blocked-scale formats render with numbers where LMCache 0.5.6
-    prints ``Unknown``."""
+    prints ``Unknown``. A descriptor with a field unset or out of range is an error (it
+    would render, and address, a wrong shape), not ``Unknown``."""
+    if not isinstance(shape_desc, PageBufferShapeDesc):
+        raise TypeError(f"shape_desc must be a PageBufferShapeDesc, not {type(shape_desc).__name__}")
+    shape_desc.validate()
     try:
         cls = get_spec_class(fmt)
         by_role: dict[Role, int] = {
@@ -267,6 +273,24 @@ def _audit(group_idx: int, layer_idx: int, group: KernelGroup) -> None:
 # -- grouping ----------------------------------------------------------------------------------
 
 
+def get_shape_and_dtype(
+    kv: DiscoverableKVCache, layer_indices: Sequence[int] | None = None
+) -> list[Hashable]:
+    """Each entry's structure key, the one LMCache buckets layers by: ``(shape, dtype)``
+    for a tensor, a tuple of its children's keys for a tuple or list (nested as the
+    registration is). Every entry, or those at ``layer_indices``, in that order.
+
+    Shapes are as registered, not in memory order. Unlike LMCache (``None`` for anything
+    without a shape) a leaf that is not a tensor is a ``TypeError`` naming where it is, and
+    a bare tensor (one entry for every layer) is one too.
+    """
+    return entry_keys(kv, _shape_and_dtype, layer_indices)
+
+
+def _shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    return tuple(t.shape), t.dtype
+
+
 def group_layers_by_identity(
     kv: DiscoverableKVCache,
     formats: Sequence[FormatLike | None],
@@ -288,7 +312,7 @@ def group_layers_by_identity(
             f"per_layer_engine_group_idx has {len(per_layer_engine_group_idx)} entries but "
             f"engine_kv_formats has {n} layers"
         )
-    reg = _registration_of(kv, formats)
+    reg = bound_per_layer(kv, formats)
     if per_layer_engine_group_idx is None:
         engine_groups = reg.engine_groups
     else:
@@ -297,11 +321,3 @@ def group_layers_by_identity(
                 raise TypeError(f"per_layer_engine_group_idx[{i}] is {group!r}, not an int")
         engine_groups = tuple(per_layer_engine_group_idx)
     return [(g.identity, list(g.layers)) for g in reg.group_by(engine_groups)]
-
-
-def _registration_of(kv: Any, formats: Sequence[FormatLike | None]) -> Registration:
-    wanted = tuple(None if f is None else as_format(f) for f in formats)
-    if type(kv) is RegisteredKV and kv.registration.formats == wanted:
-        registration: Registration = kv.registration
-        return registration
-    return bind(kv, wanted)

@@ -337,6 +337,10 @@ TOKEN_ERRORS = [
      "line 9: token KV has choices, but only a sized token (a role, no literal) can"),
     ("  KV: {role: kv, choices: [1, 2], example: 3, meaning: k/v}\n", "NL_X_NB_BS_HS",
      "line 9: token KV example 3 is not one of its choices"),
+    ("  RG: {region: {rows: BS, width: 4, dtype: float}, meaning: scales}\n", "NL_X_NB_BS_HS",
+     "line 9: token RG region dtype must name a dtype of whole bytes, not 'float'"),
+    ("  RG: {region: {rows: BS, width: 4, dtype: float4_e2m1}, meaning: scales}\n", "NL_X_NB_BS_HS",
+     "line 9: token RG region dtype must name a dtype of whole bytes, not 'float4_e2m1'"),
 ]  # fmt: skip
 
 
@@ -363,6 +367,16 @@ def test_descriptor_roles_are_checked(tmp_path: Path) -> None:
     with pytest.raises(
         CatalogError, match=r"^bad.yaml line 11: descriptor fields nb and n both have role block$"
     ):
+        load_catalog(path, GRAMMAR)
+
+
+def test_descriptor_minimums_are_checked(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    base = BASE_TOKENS.lstrip("\n").replace(
+        "  - {name: nb, meaning: blocks}", "  - {name: nb, minimum: -1, meaning: blocks}"
+    )
+    path.write_text(base + "  - {value: 0, name: NL_X_NB_BS_HS, backends: [], engines: []}\n" + ENGINES)
+    with pytest.raises(CatalogError, match=r"^bad.yaml line 10: descriptor field nb minimum must be >= 0$"):
         load_catalog(path, GRAMMAR)
 
 

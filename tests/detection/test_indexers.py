@@ -134,7 +134,8 @@ def test_an_indexer_group_moves_values_then_scales() -> None:
 def test_the_description_has_the_regions() -> None:
     desc = kvlayout.describe(INDEXER)
     assert desc.dims == ((Axis.B,), (Axis.N,), (Axis.C,))
-    assert desc.regions == (RegionPart("BSV", 128), RegionPart("BSS", 4)) and desc.is_indexer
+    assert desc.regions == (RegionPart("BSV", 128, "float8_e4m3fn"), RegionPart("BSS", 4, "float32"))
+    assert desc.is_indexer
     assert desc.extents[Axis.C] == 132 and desc.is_mla
 
 

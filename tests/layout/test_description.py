@@ -99,7 +99,6 @@ def test_example_2_a_kvcached_view() -> None:
     view = LayoutDescription(
         Grouping.PER_LAYER,
         KVPacking.SPLIT,
-        (L,),
         ((B,), (KV,), (N,), (H,), (C,)),
         extents,
         {0: 4 * 2 * 16 * 2 * 64},
@@ -146,7 +145,7 @@ def test_example_4_block_stride_errors() -> None:
 
 
 def test_example_5_lmcache_s_chunk_layout_is_no_format() -> None:
-    chunk = LayoutDescription(Grouping.SINGLE_TENSOR, KVPacking.SPLIT, (), ((KV,), (L,), (B, N), (H, C)))
+    chunk = LayoutDescription(Grouping.SINGLE_TENSOR, KVPacking.SPLIT, ((KV,), (L,), (B, N), (H, C)))
     with pytest.raises(DescriptionError, match="no EngineKVFormat member has this structure"):
         to_engine_kv_format(chunk)
 
@@ -161,15 +160,15 @@ def test_example_5_lmcache_s_chunk_layout_is_no_format() -> None:
 )
 def test_descriptions_are_checked(args: tuple[tuple[Axis, ...], ...], message: str) -> None:
     with pytest.raises(DescriptionError, match=re.escape(message)):
-        LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, (L,), args)
+        LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, args)
     with pytest.raises(DescriptionError, match="SHARED has no K/V pair"):
-        LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, (L,), ((B,), (KV,), (N,), (C,)))
+        LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, ((B,), (KV,), (N,), (C,)))
     with pytest.raises(
         DescriptionError, match="FUSED needs KV in the dims, inner to the token and head axes"
     ):
-        LayoutDescription(Grouping.PER_LAYER, KVPacking.FUSED, (L,), ((B,), (KV,), (N,), (C,)))
+        LayoutDescription(Grouping.PER_LAYER, KVPacking.FUSED, ((B,), (KV,), (N,), (C,)))
     with pytest.raises(DescriptionError, match="extent of N must be a positive int, got 0"):
-        LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, (L,), ((B,), (N,), (C,)), {N: 0})
+        LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, ((B,), (N,), (C,)), {N: 0})
 
 
 # -- vLLM's layout spellings (example 6) -------------------------------------------------

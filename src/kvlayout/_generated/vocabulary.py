@@ -15,8 +15,8 @@ HS = Token(name="HS", meaning="head size, the elements of one head's K or V row"
 CS = Token(name="CS", meaning="content size: one head's row with K and V packed side by side (2*HS), or an opaque state row when an engine views other state through the same layout", fuses=(TWO, HS))
 ONE = Token(name="ONE", meaning="a singleton axis that addresses nothing (always index 0)", literal=1)
 NP = Token(name="NP", meaning="planes per layer, a tuple of tensors whose rows are concatenated into one token row (for example the latent and rope planes of an MLA layer)", role=Role.ELEMENT, keep_label=True, example=2, small=2)
-BSV = Token(name="BSV", meaning="the value region of a blocked-scale page: the block's BS tokens, 128 value bytes each, stored before the scale region", region=Region(BS, 128), label="BSxVALS")
-BSS = Token(name="BSS", meaning="the scale region of a blocked-scale page: the block's BS tokens, one 4-byte scale each, stored after the value region", region=Region(BS, 4), label="BSxSCALES")
+BSV = Token(name="BSV", meaning="the value region of a blocked-scale page: the block's BS tokens, 128 value bytes each, stored before the scale region", region=Region(BS, 128, "float8_e4m3fn"), label="BSxVALS")
+BSS = Token(name="BSS", meaning="the scale region of a blocked-scale page: the block's BS tokens, one 4-byte scale each, stored after the value region", region=Region(BS, 4, "float32"), label="BSxSCALES")
 KV = Token(name="KV", meaning="a K/V axis whose size the tensors give: 2 (K and V planes) or 1 (one latent plane, MLA)", role=Role.KV, choices=(1, 2), example=2, small=2)
 
 VOCABULARY = Vocabulary((NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, KV))

@@ -8,13 +8,16 @@ what is the same for every format.
 
 from __future__ import annotations
 
+import operator
 import warnings
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from kvlayout.errors import KVLayoutError
+from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
 
 if TYPE_CHECKING:
     from kvlayout._generated.formats import EngineKVFormat
@@ -106,6 +109,61 @@ class KVFormatSpec(ABC):
     @classmethod
     def describe_shape(cls) -> str:
         return cls.layout.describe_shape()
+
+    @classmethod
+    def paged_layer_shape(
+        cls, num_blocks: int, block_size: int, num_heads: int, head_size: int
+    ) -> tuple[int, ...]:
+        """The shape of one layer's paged tensor with these sizes (to rebuild a layer
+        from its pointer); ``head_size`` is the accessor's (the packed width for fused
+        and blocked formats). Every axis the layout has is kept: size-1 axes, and the
+        packed K/V axis of 10 and 11 (LMCache folds those away).
+
+        Raises :class:`KVLayoutError` (a ``ValueError``) for formats that do not have one
+        paged tensor per layer, and for sizes the layout cannot have (several heads for
+        a format without a head axis, a blocked-scale row of another width).
+        """
+        layout, name = cls.layout, cls.engine_kv_format.name
+        if not layout.is_layer_list or layout.is_kv_second_tuple:
+            holds = (
+                "a tuple of tensors per layer"
+                if layout.is_kv_second_tuple
+                else "one tensor for every layer"
+                if layout.is_cross_layer
+                else "a list of K layers and a list of V layers"
+            )
+            raise KVLayoutError(f"{name} does not have one paged tensor per layer (it holds {holds})")
+        given = {
+            "num_blocks": num_blocks,
+            "block_size": block_size,
+            "num_heads": num_heads,
+            "head_size": head_size,
+        }
+        for arg, value in given.items():
+            if isinstance(value, bool):
+                raise TypeError(f"{arg} must be an int, not bool")
+            try:
+                given[arg] = operator.index(value)
+            except TypeError:
+                raise TypeError(f"{arg} must be an int, not {type(value).__name__}") from None
+            if given[arg] < (0 if arg == "num_blocks" else 1):
+                raise KVLayoutError(f"{arg} must be >= {0 if arg == 'num_blocks' else 1}, got {given[arg]}")
+        sizes = algebra.sizes_by_role(
+            layout,
+            {Role.BLOCK: given["num_blocks"], Role.TOKEN: given["block_size"], Role.HEAD: given["num_heads"]},
+        )
+        if cls.row_symbol is not None:  # a row whose width is a size (else the layout fixes it)
+            if given["head_size"] % cls.row_divisor:
+                raise KVLayoutError(
+                    f"{name} packs {cls.row_divisor} rows into each head's row, so head_size must be a "
+                    f"multiple of {cls.row_divisor}, got {given['head_size']}"
+                )
+            sizes[cls.row_symbol] = given["head_size"] // cls.row_divisor
+        has = {"num_heads": algebra.num_heads(layout, sizes), "head_size": algebra.head_size(layout, sizes)}
+        for arg, value in has.items():
+            if value != given[arg]:
+                raise KVLayoutError(f"{name} cannot have {arg}={given[arg]} (its layout has {arg}={value})")
+        return layout.tensor_shape(sizes)
 
     def display_sizes(self) -> dict[str, int]:
         """The sizes :meth:`concrete_shape_str` renders: :meth:`sizes`, with the row token

@@ -464,7 +464,8 @@ def unfold_shape(
     if page % tokens_per_block:
         label = folded.tensor[folded.axis_of(Role.PAGE) or 0].shape_label
         raise DetectionError(
-            f"{label} (NB*BS) {page} is not a multiple of tokens_per_block {tokens_per_block}"
+            f"{label} (NB*BS) {page} is not divisible by tokens_per_block {tokens_per_block}, "
+            "so it is not a whole number of blocks"
         )
     by_role = {Role.BLOCK: page // tokens_per_block, Role.TOKEN: tokens_per_block}
     return twin.tensor_shape({**sizes, **algebra.sizes_by_role(twin, by_role)})

@@ -34,9 +34,20 @@ from kvlayout.types import (
     as_engine,
 )
 
-__all__ = ["detect", "normalize_and_discover_per_layer_formats", "normalize_kv_and_discover_format"]
+__all__ = [
+    "detect",
+    "extract_kv_cache_shapes",
+    "normalize_and_discover_per_layer_formats",
+    "normalize_kv_and_discover_format",
+]
 
 _log = logging.getLogger("kvlayout")
+
+
+def extract_kv_cache_shapes(kv: DiscoverableKVCache) -> set[torch.Size]:
+    """Every distinct tensor shape of a registration, as given (before any recovery of
+    the memory order); dtypes do not count. One shape means the layers are uniform."""
+    return {t.shape for _, t in leaves(kv)}
 
 
 def detect(

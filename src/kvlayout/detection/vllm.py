@@ -6,8 +6,8 @@ Quirks that live here and nowhere else:
 * Without a ``kv_layout`` hint, the size hints (``num_kv_heads``, ``tokens_per_block``,
   ``head_dim``) decide between NHD and HND where only one reading agrees with them;
   otherwise tensors on the CPU are HND (vLLM's CPU backend allocates HND) and tensors
-  elsewhere NHD. An explicit hint always wins, and size hints the result contradicts
-  are an error.
+  elsewhere NHD (:func:`resolve_vllm_kv_layout`). An explicit hint always wins, and size
+  hints the result contradicts are an error.
 * A 5-D ``[2, 2, ...]`` tensor (two blocks) fits flash-attn and flash-infer alike;
   K/V-first is assumed unless the ``kv_pair_axis`` hint says 1, or dim 0 is padded
   (padding is only ever on the block axis). LMCache 0.5.6 always reads it as
@@ -37,23 +37,41 @@ from kvlayout.detection.base import (
     probe,
     size_hint_conflict,
 )
-from kvlayout.layout.vocabulary import Role
+from kvlayout.layout.vocabulary import HND_KV_LAYOUTS, Role
 from kvlayout.registration.contiguity import dim0_padding
 from kvlayout.registration.nesting import first_leaf
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
+from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHints
+
+__all__ = ["ENGINE", "discover", "resolve_vllm_kv_layout"]
 
 ENGINE = EngineType.VLLM
 
 
+def resolve_vllm_kv_layout(layout_hints: HintsLike, cpu_attention_backend: bool = False) -> str:
+    """The ``kv_layout`` a vLLM registration is read in: the hint when there is one
+    (checked: a spelling with heads outside a block's tokens, such as ``LHBNC``, or an
+    unknown one is a :class:`~kvlayout.types.LayoutHintError`); without one ``HND`` on a
+    CPU attention backend (vLLM's CPU backend allocates HND) and ``NHD`` elsewhere.
+
+    Detection asks this for the default only after the size hints had their say: without
+    a ``kv_layout`` hint, size hints that agree with exactly one reading settle it.
+    """
+    if not isinstance(cpu_attention_backend, bool):
+        raise TypeError(f"cpu_attention_backend must be a bool, not {type(cpu_attention_backend).__name__}")
+    hinted = LayoutHints.coerce(layout_hints).kv_layout
+    if hinted is not None:
+        return hinted
+    return "HND" if cpu_attention_backend else "NHD"
+
+
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     p = probe(kv)
-    hnd = hints.is_hnd
-    if hnd is None:
+    if hints.kv_layout is None:
         read = _read_by_sizes(kv, p, hints)
         if read is not None:
             return read
-        hnd = p.device.type == "cpu"
-    return _discover(kv, p, hints, hnd)
+    layout = resolve_vllm_kv_layout(hints, cpu_attention_backend=p.device.type == "cpu")
+    return _discover(kv, p, hints, layout in HND_KV_LAYOUTS)
 
 
 def _read_by_sizes(

@@ -11,15 +11,22 @@ vLLM's layout spellings (``LBNHC``...) are vocabulary (:mod:`kvlayout.layout.voc
 this module re-exports them.
 
 This is LMCache's ``KVLayoutDescriptor`` (its branch ``kv_format/descriptor.py``) read off
-kvlayout's layouts; :meth:`LayoutDescription.to_dict` is the JSON form ``kvlayout
-describe`` prints.
+kvlayout's layouts, under LMCache's names too: ``KVLayoutDescriptor`` (the same class;
+its fields by keyword, with ``quant`` and ``logical_dtype``), ``QuantSpec``,
+``ScalePlacement``, ``ENGINE_KV_FORMAT_DESCRIPTORS`` (each format's canonical
+description, by name), ``from_engine_kv_format``, ``to_engine_kv_format_name`` and
+``with_block_stride``. The list levels follow from the grouping, so a description is
+built without them. :meth:`LayoutDescription.to_dict` is the JSON form ``kvlayout
+describe`` prints. ``kv_layout_axes`` reads vLLM's layout spellings (``LBNHC``...) as an
+order of these axes; the hint names kvlayout accepts are derived from it.
 """
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -43,18 +50,25 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BLOCKS_FIRST_KV_LAYOUTS",
+    "ENGINE_KV_FORMAT_DESCRIPTORS",
     "HND_KV_LAYOUTS",
     "KV_LAYOUT_ALIASES",
     "KV_LAYOUT_NAMES",
     "Axis",
     "DescriptionError",
     "Grouping",
+    "KVLayoutDescriptor",
     "KVPacking",
     "LayoutDescription",
+    "QuantSpec",
     "RegionPart",
+    "ScalePlacement",
     "describe",
+    "from_engine_kv_format",
     "kv_layout_axes",
     "to_engine_kv_format",
+    "to_engine_kv_format_name",
+    "with_block_stride",
 ]
 
 
@@ -77,12 +91,31 @@ class KVPacking(enum.Enum):
     SINGLE = "single"  # one of K or V per tensor (heads, no pair)
 
 
+class ScalePlacement(enum.Enum):
+    """Where a quantized layout keeps its scales."""
+
+    BLOCK_REGION = "block_region"  # per block, every token's values, then every token's scales
+    INLINE_PER_HEAD = "inline_per_head"  # inside each head's widened row (no format has it yet)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSpec:
+    """How quantized values are scaled (LMCache's ``QuantSpec``): ``values_per_scale``
+    values share one ``scale_dtype`` scale, placed as ``placement`` says."""
+
+    scale_dtype: str
+    values_per_scale: int
+    placement: ScalePlacement
+
+
 @dataclass(frozen=True, slots=True)
 class RegionPart:
-    """One region of a blocked page's row (values, then scales), ``width`` elements per token."""
+    """One region of a blocked page's row (values, then scales): ``width`` bytes per
+    token, holding ``dtype`` values (a torch dtype name) where the layout says."""
 
     name: str
     width: int
+    dtype: str | None = None
 
 
 _ROLE_AXIS = {
@@ -111,26 +144,53 @@ class LayoutDescription:
     """A physical KV-cache layout as data (see the module docstring).
 
     ``dims`` are the leaf tensor's dims, outermost first, each a fold of axes (row-major);
-    ``lists`` the axis each list level carries (``C`` for a level of row planes);
-    ``extents`` the sizes known (literal axes always; the rest when sizes were given);
-    ``dim_strides`` sparse stride overrides in elements (missing = tight); ``regions``
-    the parts of a blocked page's row. Checked on construction (:class:`DescriptionError`).
+    the list levels (:attr:`lists`) follow from the ``grouping``; ``extents`` the sizes
+    known (literal axes always; the rest when sizes were given); ``dim_strides`` sparse
+    stride overrides in elements (missing = tight); ``regions`` the parts of a blocked
+    page's row, and ``quant`` (LMCache's spelling of the same fact) how its values are
+    scaled: each is derived from the other where it can be. ``storage_dtype`` is what the
+    tensor holds, ``logical_dtype`` what its quantized bytes mean. Checked on
+    construction (:class:`DescriptionError`).
     """
 
     grouping: Grouping
     kv_packing: KVPacking
-    lists: tuple[Axis, ...]
     dims: tuple[tuple[Axis, ...], ...]
     extents: Mapping[Axis, int] = field(default_factory=dict)
     dim_strides: Mapping[int, int] = field(default_factory=dict)
     regions: tuple[RegionPart, ...] = ()
+    quant: QuantSpec | None = None
     storage_dtype: str = ""
+    logical_dtype: str | None = None
     name: str | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "extents", _frozen(self.extents))
         object.__setattr__(self, "dim_strides", _frozen(self.dim_strides))
+        if isinstance(self.dims, list):  # LMCache's callers pass lists as often as tuples
+            object.__setattr__(self, "dims", tuple(self.dims))
+        derived = _region_quant(self.regions) if self.regions else None
+        if derived is not None:
+            quant, logical = derived
+            if self.quant is None:
+                object.__setattr__(self, "quant", quant)
+            elif self.quant != quant:
+                raise DescriptionError(f"quant {self.quant} contradicts the regions, which say {quant}")
+            if self.logical_dtype is None:
+                object.__setattr__(self, "logical_dtype", logical)
         _validate(self)
+
+    @property
+    def lists(self) -> tuple[Axis, ...]:
+        """The axis each list level carries, outermost first (``C`` for row planes)."""
+        return _LISTS[self.grouping]
+
+    @property
+    def scale_placement(self) -> ScalePlacement | None:
+        """Where the scales are: ``quant``'s placement; a blocked page's regions are one."""
+        if self.quant is not None:
+            return self.quant.placement
+        return ScalePlacement.BLOCK_REGION if self.regions else None
 
     # -- where things are ---------------------------------------------------------
 
@@ -238,7 +298,7 @@ class LayoutDescription:
 
     @property
     def is_indexer(self) -> bool:
-        return bool(self.regions)
+        return self.scale_placement is ScalePlacement.BLOCK_REGION
 
     @property
     def kv_size(self) -> int | None:
@@ -246,8 +306,9 @@ class LayoutDescription:
         return self.extents.get(Axis.KV) if self.kv_packing is KVPacking.SPLIT else 1
 
     def key(self) -> tuple[object, ...]:
-        """What identifies the format: the structure, not extents, dtypes or strides."""
-        return (self.grouping, self.kv_packing, self.lists, self.dims, tuple(r.width for r in self.regions))
+        """What identifies the format: the structure and where scales are, not extents,
+        dtypes or strides (LMCache's matching key)."""
+        return (self.grouping, self.kv_packing, self.dims, self.scale_placement)
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form (what ``kvlayout describe`` prints)."""
@@ -265,18 +326,68 @@ class LayoutDescription:
             "extents": {a.value: n for a, n in self.extents.items()},
             "strides": strides,
             "dim_strides": {str(k): v for k, v in sorted(self.dim_strides.items())},
-            "regions": [{"name": r.name, "width": r.width} for r in self.regions],
+            "regions": [{"name": r.name, "width": r.width, "dtype": r.dtype} for r in self.regions],
+            "quant": None
+            if self.quant is None
+            else {
+                "scale_dtype": self.quant.scale_dtype,
+                "values_per_scale": self.quant.values_per_scale,
+                "placement": self.quant.placement.value,
+            },
             "storage_dtype": self.storage_dtype,
+            "logical_dtype": self.logical_dtype,
             "facts": {name: bool(getattr(self, name)) for name in FACTS},
         }
+
+
+KVLayoutDescriptor = LayoutDescription
+"""LMCache's name for :class:`LayoutDescription` (the canonical one)."""
+
+_LISTS: dict[Grouping, tuple[Axis, ...]] = {g: lists for lists, g in _GROUPING_LISTS.items()}
 
 
 def _fold(fold: tuple[Axis, ...]) -> str:
     return "(" + ", ".join(a.value for a in fold) + ")"
 
 
+def _itemsize(dtype: str) -> int:
+    """Bytes per element of a dtype name, from the bit width it spells (``float32``,
+    ``float8_e4m3fn``): this layer does not know torch."""
+    bits = re.search(r"\d+", dtype)
+    if bits is None or int(bits.group()) % 8 or int(bits.group()) == 0:
+        raise DescriptionError(f"dtype {dtype!r} does not spell a whole number of bytes")
+    return int(bits.group()) // 8
+
+
+def _region_quant(regions: tuple[RegionPart, ...]) -> tuple[QuantSpec, str] | None:
+    """The quantization a blocked page's regions say (values first, the scales last),
+    with the values' dtype; None where a region does not say what it holds."""
+    if len(regions) < 2 or any(r.dtype is None for r in regions):
+        return None
+    *values, scales = regions
+    value_dtypes = {r.dtype for r in values}
+    if len(value_dtypes) != 1:
+        raise DescriptionError(
+            f"the value regions hold different dtypes ({', '.join(sorted(map(str, value_dtypes)))})"
+        )
+    (value_dtype,) = value_dtypes
+    assert value_dtype is not None and scales.dtype is not None
+    count = sum(r.width for r in values) // _itemsize(value_dtype)
+    per_token = scales.width // _itemsize(scales.dtype)
+    if per_token == 0 or count % per_token:
+        raise DescriptionError(
+            f"{count} {value_dtype} values and {per_token} {scales.dtype} scales per token do not "
+            "share scales evenly"
+        )
+    return QuantSpec(scales.dtype, count // per_token, ScalePlacement.BLOCK_REGION), value_dtype
+
+
 def _validate(d: LayoutDescription) -> None:
     """The checks of LMCache's descriptor, in its order."""
+    if not isinstance(d.grouping, Grouping) or not isinstance(d.kv_packing, KVPacking):
+        raise DescriptionError(
+            f"grouping and kv_packing are a Grouping and a KVPacking, not {d.grouping!r} and {d.kv_packing!r}"
+        )
     seen: dict[Axis, int] = {}
     for i, fold in enumerate(d.dims):
         if not isinstance(fold, tuple):
@@ -301,9 +412,22 @@ def _validate(d: LayoutDescription) -> None:
         kv = seen.get(Axis.KV)
         if kv is None or any(seen.get(a, -1) > kv for a in (Axis.N, Axis.H)):
             raise DescriptionError("FUSED needs KV in the dims, inner to the token and head axes")
-    if _GROUPING_LISTS.get(d.lists) is not d.grouping:
-        lists = "".join(f"[{a.value}]" for a in d.lists) or "none"
-        raise DescriptionError(f"list levels {lists} are not the {d.grouping.name} grouping")
+    q = d.quant
+    if q is not None:
+        if not isinstance(q, QuantSpec) or not isinstance(q.placement, ScalePlacement):
+            raise DescriptionError(f"quant is a QuantSpec with a ScalePlacement, not {q!r}")
+        if (
+            isinstance(q.values_per_scale, bool)
+            or not isinstance(q.values_per_scale, int)
+            or q.values_per_scale <= 0
+        ):
+            raise DescriptionError(
+                f"quant.values_per_scale must be a positive int, got {q.values_per_scale!r}"
+            )
+        if d.regions and q.placement is not ScalePlacement.BLOCK_REGION:
+            raise DescriptionError(
+                f"regions are a blocked page (BLOCK_REGION), but quant says {q.placement.name}"
+            )
     for k in d.dim_strides:
         if not 0 <= k < len(d.dims):
             raise DescriptionError(f"a stride override for dim {k} is out of range for {len(d.dims)} dims")
@@ -335,7 +459,7 @@ def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int]
         if token.region is not None:
             if not regions:
                 dims.extend([(Axis.N,), (Axis.C,)])
-            regions.append(RegionPart(token.name, token.region.width))
+            regions.append(RegionPart(token.name, token.region.width, token.region.dtype))
             continue
         fold: list[Axis] = []
         for part in token.parts:
@@ -396,14 +520,18 @@ def describe(
             if s.get(packed.name, 1) % pair == 0:
                 extents[Axis.C] = s[packed.name] // pair
     lists = tuple(_axis(t) for t in layout.lists)
+    grouping = _GROUPING_LISTS.get(lists)
+    if grouping is None:
+        levels = "".join(f"[{a.value}]" for a in lists)
+        raise DescriptionError(f"{layout}: list levels {levels} are none of the groupings")
     desc = LayoutDescription(
-        grouping=_GROUPING_LISTS.get(lists, Grouping.PER_LAYER),
+        grouping=grouping,
         kv_packing=_packing(layout),
-        lists=lists,
         dims=dims,
         extents=extents,
         regions=regions,
-        storage_dtype=storage_dtype,
+        # region widths count bytes: a blocked page is stored as raw bytes
+        storage_dtype=storage_dtype or ("uint8" if regions else ""),
         name=str(layout),
     )
     return desc.with_block_stride(block_stride) if block_stride else desc
@@ -415,16 +543,75 @@ def _known(name: str) -> bool:
     return name in EngineKVFormat.__members__
 
 
-def to_engine_kv_format(desc: LayoutDescription) -> EngineKVFormat:
-    """The format whose structure the description has (extents, dtypes and stride
-    overrides do not matter); :class:`DescriptionError` when no format has it."""
-    from kvlayout._generated.formats import LAYOUTS
+class _CanonicalDescriptions(Mapping[str, LayoutDescription]):
+    """Each format's canonical description by name, built on first use (the formats are
+    generated, and this module is imported by the code generator)."""
 
-    for fmt, layout in LAYOUTS.items():
-        if describe(layout).key() == desc.key():
-            return fmt
-    dims = " ".join(_fold(f) for f in desc.dims)
-    raise DescriptionError(
-        "no EngineKVFormat member has this structure "
-        f"({desc.grouping.name}, {desc.kv_packing.name}, dims {dims})"
-    )
+    def __init__(self) -> None:
+        self._table: dict[str, LayoutDescription] | None = None
+        self._by_key: dict[tuple[object, ...], str] = {}
+
+    def _built(self) -> dict[str, LayoutDescription]:
+        if self._table is None:
+            from kvlayout._generated.formats import LAYOUTS
+
+            table = {fmt.name: describe(layout) for fmt, layout in LAYOUTS.items()}
+            self._by_key = {d.key(): name for name, d in table.items()}
+            self._table = table
+        return self._table
+
+    def __getitem__(self, name: str) -> LayoutDescription:
+        return self._built()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._built())
+
+    def __repr__(self) -> str:
+        return f"ENGINE_KV_FORMAT_DESCRIPTORS({', '.join(self)})"
+
+    def name_of(self, desc: LayoutDescription) -> str | None:
+        self._built()
+        return self._by_key.get(desc.key())
+
+
+ENGINE_KV_FORMAT_DESCRIPTORS: Mapping[str, LayoutDescription] = _CanonicalDescriptions()
+"""Every format's canonical description (its structure and literal extents), by name."""
+
+
+def from_engine_kv_format(fmt: EngineKVFormat | int | str) -> LayoutDescription:
+    """A format's canonical description: the entry of :data:`ENGINE_KV_FORMAT_DESCRIPTORS`
+    (``describe(fmt)`` builds a fresh one, with sizes if given)."""
+    from kvlayout.layout.formats import as_format
+
+    return ENGINE_KV_FORMAT_DESCRIPTORS[as_format(fmt).name]
+
+
+def to_engine_kv_format_name(desc: LayoutDescription) -> str:
+    """The name of the format whose structure the description has (extents, dtypes and
+    stride overrides do not matter); :class:`DescriptionError` when no format has it."""
+    if not isinstance(desc, LayoutDescription):
+        raise TypeError(f"expected a LayoutDescription, not {type(desc).__name__}")
+    assert isinstance(ENGINE_KV_FORMAT_DESCRIPTORS, _CanonicalDescriptions)
+    name = ENGINE_KV_FORMAT_DESCRIPTORS.name_of(desc)
+    if name is None:
+        dims = " ".join(_fold(f) for f in desc.dims)
+        raise DescriptionError(
+            "no EngineKVFormat member has this structure "
+            f"({desc.grouping.name}, {desc.kv_packing.name}, dims {dims})"
+        )
+    return name
+
+
+def to_engine_kv_format(desc: LayoutDescription) -> EngineKVFormat:
+    """The format whose structure the description has (see :func:`to_engine_kv_format_name`)."""
+    from kvlayout._generated.formats import EngineKVFormat
+
+    return EngineKVFormat[to_engine_kv_format_name(desc)]
+
+
+def with_block_stride(desc: LayoutDescription, block_stride_elems: int) -> LayoutDescription:
+    """LMCache's function form of :meth:`LayoutDescription.with_block_stride`."""
+    return desc.with_block_stride(block_stride_elems)

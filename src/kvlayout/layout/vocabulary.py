@@ -70,6 +70,7 @@ class Region:
 
     rows: Token
     width: int
+    dtype: str | None = None  # what the region's bytes hold (a torch dtype name), if it says
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,8 @@ it stands; paths are written ``kv_caches[i][j]`` everywhere.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+import operator
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "Path",
     "at",
     "describe_path",
+    "entry_keys",
     "first_leaf",
     "leaves",
     "map_leaves",
@@ -83,14 +85,15 @@ def _too_deep() -> LocatedError:
 
 def map_leaves(
     kv: Any,
-    fn: Callable[[torch.Tensor], torch.Tensor],
+    fn: Callable[[torch.Tensor], Any],
     *,
     root: str = "kv_caches",
     start: Path = (),
+    container: Callable[[list[Any]], Any] = list,
 ) -> Any:
     """The structure rebuilt with ``fn`` applied to every tensor (a bare tensor: ``fn(kv)``).
 
-    Lists and tuples become new lists. ``fn`` may
+    Lists and tuples become new lists (or whatever ``container`` builds). ``fn`` may
     raise :class:`LocatedError`; it surfaces as its ``kind`` with the tensor's path.
     ``start`` is the path of ``kv`` itself inside a larger registration (for messages).
     """
@@ -108,7 +111,7 @@ def map_leaves(
                 path[-1] = i
                 out.append(visit(child))
             path.pop()
-            return out
+            return container(out)
         raise LocatedError(TypeError, not_a_kv_cache(node))
 
     try:
@@ -145,6 +148,37 @@ def at(kv: Any, path: Path, *, root: str = "kv_caches") -> object:
             )
         node = node[index]
     return node
+
+
+def entry_keys(
+    kv: Any,
+    leaf_key: Callable[[torch.Tensor], Hashable],
+    indices: Iterable[int] | None = None,
+    *,
+    root: str = "kv_caches",
+) -> list[Hashable]:
+    """For each top-level entry of a list registration (every entry, or those at
+    ``indices``), its nesting as tuples with ``leaf_key`` applied to each tensor: a key
+    that is hashable when the leaf keys are. A bare tensor has no entries (an error)."""
+    if isinstance(kv, torch.Tensor):
+        raise TypeError(
+            f"{root} is one tensor (every layer in one registration), not a list of per-layer entries"
+        )
+    if not isinstance(kv, (list, tuple)):
+        raise TypeError(f"{root} {not_a_kv_cache(kv)}")
+    wanted = range(len(kv)) if indices is None else indices
+    keys: list[Hashable] = []
+    for raw in wanted:
+        if isinstance(raw, bool):
+            raise TypeError(f"a layer index is an int, not bool ({raw!r})")
+        try:
+            i = operator.index(raw)
+        except TypeError:
+            raise TypeError(f"a layer index is an int, not {type(raw).__name__} ({raw!r})") from None
+        if not 0 <= i < len(kv):
+            raise KVLayoutError(f"layer index {i} is out of range for {root} of {len(kv)} entries")
+        keys.append(map_leaves(kv[i], leaf_key, root=root, start=(i,), container=tuple))
+    return keys
 
 
 def first_leaf(kv: Any, *, root: str = "kv_caches") -> torch.Tensor:

@@ -49,6 +49,7 @@ __all__ = [
     "EXCLUDED_ENGINE_GROUP",
     "Geometry",
     "KernelGroup",
+    "KernelGroupIdentity",
     "LayerGroupIdentity",
     "Plane",
     "RegisteredKV",
@@ -56,6 +57,7 @@ __all__ = [
     "RegistrationError",
     "bind",
     "bound",
+    "bound_per_layer",
 ]
 
 EXCLUDED_ENGINE_GROUP = -1
@@ -65,12 +67,15 @@ EXCLUDED_ENGINE_GROUP = -1
 class LayerGroupIdentity(NamedTuple):
     """What layers must share to be moved by one kernel group.
 
-    The first seven fields are LMCache's ``KernelGroupIdentity`` in its order.
-    ``block_size`` is None for formats that fold NB*BS (they have no block size of their
-    own; LMCache raises there). ``block_stride_elems`` (dim 0's stride where dim 0 is the
-    block axis, else None) and ``num_blocks`` (None for NB*BS formats) are kvlayout's
-    additions: a kernel group has one descriptor, so layers from pools with different
-    padding or block counts never share one.
+    The first seven fields are LMCache's ``KernelGroupIdentity`` in its order, so it is
+    constructible from those seven (``KernelGroupIdentity`` is the same class under
+    LMCache's newer name; this one is canonical). ``block_size`` is None for formats that
+    fold NB*BS (they have no block size of their own; LMCache raises there).
+    ``block_stride_elems`` (dim 0's stride where dim 0 is the block axis, else None) and
+    ``num_blocks`` (None for NB*BS formats) are kvlayout's additions: a kernel group has
+    one descriptor, so layers from pools with different padding or block counts never
+    share one. Kernel groups fill them in, so compare LMCache's seven fields
+    (``identity[:7]`` on both sides) with an identity built from those seven.
     """
 
     kv_size: int
@@ -80,8 +85,12 @@ class LayerGroupIdentity(NamedTuple):
     engine_group_idx: int
     dtype: torch.dtype
     engine_kv_format: EngineKVFormat
-    block_stride_elems: int | None
+    block_stride_elems: int | None = None
     num_blocks: int | None = None
+
+
+KernelGroupIdentity = LayerGroupIdentity
+"""LMCache's newer name for :class:`LayerGroupIdentity` (the canonical one)."""
 
 
 class Plane(NamedTuple):
@@ -306,7 +315,9 @@ class KernelGroup:
             Role.ELEMENT: g.head_size,
         }  # fmt: skip
         fields = {name: by_role[role] for name, role in DESCRIPTOR_ROLES.items()}
-        return PageBufferShapeDesc(**fields, element_size=g.dtype.itemsize, block_stride_elems=stride)
+        return PageBufferShapeDesc.checked(
+            **fields, element_size=g.dtype.itemsize, block_stride_elems=stride, dtype=g.dtype
+        )
 
 
 def _undefined(fmt: EngineKVFormat, accessor: str) -> UndefinedSizeError:
@@ -752,3 +763,13 @@ def bound(kv: Any, fmt: FormatLike, *, root: str = "kv") -> Registration:
     if reg is not None and (fmt if type(fmt) is EngineKVFormat else as_format(fmt)) in reg.formats:
         return reg
     return bind(kv, fmt, root=root)
+
+
+def bound_per_layer(kv: Any, formats: Sequence[FormatLike | None]) -> Registration:
+    """The registration of ``kv`` with one format (or None) per layer: the one detection
+    attached to it when its formats are exactly these, else ``kv`` bound now."""
+    wanted = tuple(None if f is None else as_format(f) for f in formats)
+    reg = kv.registration if type(kv) is RegisteredKV else kv if type(kv) is Registration else None
+    if reg is not None and reg.formats == wanted:
+        return reg
+    return bind(kv.kv if type(kv) is Registration else kv, wanted)

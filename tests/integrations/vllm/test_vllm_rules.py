@@ -225,7 +225,7 @@ class _CopyingEdit(KVCacheGroupEdit):
     def matches(self, spec: Any, value: Any) -> bool:
         return isinstance(value, torch.Tensor)
 
-    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+    def apply(self, spec: Any, value: Any, layout_hints: object = None) -> torch.Tensor:
         tensor: torch.Tensor = value
         return tensor.reshape(tensor.shape[0], spec.block_size, -1).clone()
 
@@ -236,7 +236,7 @@ class _WrongBlockEdit(KVCacheGroupEdit):
     def matches(self, spec: Any, value: Any) -> bool:
         return isinstance(value, torch.Tensor)
 
-    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+    def apply(self, spec: Any, value: Any, layout_hints: object = None) -> torch.Tensor:
         tensor: torch.Tensor = value
         return tensor.view(torch.int8).view(tensor.shape[0], 1, -1)
 

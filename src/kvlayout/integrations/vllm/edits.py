@@ -1,7 +1,15 @@
-"""Applying the group edits: one pass over every layer of every model, then the check."""
+"""Applying the group edits: one pass over every layer of every model, then the check.
+
+This is the module LMCache's ``kv_cache_group_edits`` maps to. LMCache imports vLLM's
+``KVCacheSpecKind`` and ``get_kv_cache_spec_kind`` there, so code written against it
+finds them here too when vLLM is importable (looked up on first use: kvlayout reads
+spec kinds structurally, :func:`~kvlayout.integrations.vllm.specs.spec_kind`, and never
+needs vLLM to import).
+"""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -103,7 +111,7 @@ def apply_kv_cache_group_edits(
     edited = dict(kv_caches)
     if kv_cache_config is None:
         return edited
-    applied: Counter[str] = Counter()
+    applied: Counter[KVCacheGroupEdit] = Counter()
     for group_idx, group in iter_groups(kv_cache_config):
         for layer_name, spec in iter_group_layer_specs(group):
             if layer_name is None or layer_name not in edited:
@@ -113,13 +121,35 @@ def apply_kv_cache_group_edits(
             if edit is None:
                 continue
             try:
-                view = edit.apply(spec, value)
+                view = edit.apply(spec, value, layout_hints)
                 _check_view(edit, spec, value, view)
             except KVCacheGroupEditError as e:
                 raise e.for_layer(layer_name, group_idx) from e
             edited[layer_name] = view
-            applied[edit.name] += 1
+            applied[edit] += 1
     if applied:
-        logger.info("KV cache group edits applied: %s", dict(applied))
+        logger.info(
+            "KV cache group edits applied: %s (LMCache's names: %s)",
+            {edit.name: n for edit, n in applied.items()},
+            {edit.lmcache_name or edit.name: n for edit, n in applied.items()},
+        )
     check_block_granularity(kv_cache_config, edited, layout_hints)
     return edited
+
+
+_FROM_VLLM = ("KVCacheSpecKind", "get_kv_cache_spec_kind")
+
+
+def __getattr__(name: str) -> Any:
+    """vLLM's ``KVCacheSpecKind`` and ``get_kv_cache_spec_kind``, where LMCache's module
+    has them; an ``AttributeError`` (so ``from ... import`` fails cleanly) without vLLM."""
+    if name not in _FROM_VLLM:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    try:
+        interface = importlib.import_module("vllm.v1.kv_cache_interface")
+    except ImportError as e:
+        raise AttributeError(
+            f"{name} is vLLM's (vllm.v1.kv_cache_interface), which cannot be imported here ({e}); "
+            "kvlayout.integrations.vllm.spec_kind classifies specs without vLLM"
+        ) from None
+    return getattr(interface, name)

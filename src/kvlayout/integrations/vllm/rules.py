@@ -25,6 +25,7 @@ from kvlayout.integrations.vllm.specs import (
     spec_kind,
     tokens_per_slot,
 )
+from kvlayout.types import HintsLike
 
 __all__ = [
     "KVCacheGroupEdit",
@@ -41,16 +42,22 @@ class KVCacheGroupEdit(ABC):
     ``matches`` must not raise; ``apply`` raises :class:`KVCacheGroupEditError` for a
     value it recognises but cannot re-view faithfully. The result must be a view of the
     value's storage whose layout reads as ``output_format`` with the spec's block size.
+    ``apply`` gets the layout hints detection will get (LMCache's signature); kvlayout's
+    own rules do not need them, since their views read the same under every hint.
+
+    ``name`` is what the "edits applied" log counts; ``lmcache_name`` is LMCache's name
+    for the same rule (None for a rule LMCache does not have), counted beside it.
     """
 
     name: ClassVar[str]
+    lmcache_name: ClassVar[str | None] = None
     output_format: ClassVar[EngineKVFormat] = OPAQUE_PAGE_FORMAT
 
     @abstractmethod
     def matches(self, spec: Any, value: Any) -> bool: ...
 
     @abstractmethod
-    def apply(self, spec: Any, value: Any) -> torch.Tensor: ...
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor: ...
 
     def __repr__(self) -> str:
         return f"<KVCacheGroupEdit {self.name}>"
@@ -64,11 +71,12 @@ class MambaStateRowsEdit(KVCacheGroupEdit):
     """
 
     name = "mamba-state-rows"
+    lmcache_name = "mamba-unified-view"
 
     def matches(self, spec: Any, value: Any) -> bool:
         return spec_kind(spec) is SpecKind.MAMBA and isinstance(value, torch.Tensor)
 
-    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         runs = page_runs(value)
         page = require_size(spec, "page_size_bytes")
         if runs.page_bytes > page:
@@ -94,6 +102,7 @@ class MambaStateListEdit(KVCacheGroupEdit):
     """
 
     name = "mamba-state-list"
+    lmcache_name = "mamba-page-view"
 
     def matches(self, spec: Any, value: Any) -> bool:
         return (
@@ -103,7 +112,7 @@ class MambaStateListEdit(KVCacheGroupEdit):
             and all(isinstance(state, torch.Tensor) for state in value)
         )
 
-    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         states: Sequence[torch.Tensor] = value
         runs = [page_runs(state) for state in states]
         base = runs[0]
@@ -219,6 +228,7 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
     """
 
     name = "subpaged-attention"
+    lmcache_name = "subpaged-attention-view"
 
     def matches(self, spec: Any, value: Any) -> bool:
         return (
@@ -229,7 +239,7 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
             and value.shape[_TOKEN_AXIS] != slots_per_block(spec)
         )
 
-    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
 
 
@@ -252,6 +262,7 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
     """
 
     name = "subpaged-mla-attention"
+    lmcache_name = "subpaged-mla-attention-view"
 
     def matches(self, spec: Any, value: Any) -> bool:
         if spec_kind(spec) not in (SpecKind.MLA_ATTENTION, SpecKind.SLIDING_WINDOW_MLA):
@@ -262,7 +273,7 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
         states = _mla_kernel_states(value)
         return states is not None and states != slots
 
-    def apply(self, spec: Any, value: Any) -> torch.Tensor:
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         states = _mla_kernel_states(value)
         assert states is not None  # matches() said so
         return _group_kernel_pages(spec, value, states)
