@@ -873,11 +873,14 @@ def transfer(
     registered on ``agent`` (the staging buffer's included), the remote ones inside the
     tensors the peer described and, in the list form, inside what it registered with
     NIXL (NIXL's own check). ``prepped`` sends index arrays into lists prepared by
-    :func:`prep_lists` instead of descriptor lists.
+    :func:`prep_lists` instead of descriptor lists. A ``staging`` buffer still in use by
+    an earlier transfer leaves ``"auto"`` direct, and is an error for ``"staged"``.
     """
     peer = _peer_name(peer)
     if staging is not None and staging.busy:
-        raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
+        if strategy == "staged":
+            raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
+        staging = None
     p = plan(block_map, strategy=strategy, staging=staging, cost=cost)
     s = _sides(block_map)
     local_dev = s.local.device_index

@@ -22,6 +22,7 @@ import torch
 import kvlayout
 from kvlayout import nixl_transfer as nx
 from kvlayout.nixl_peer import NixlPeer, contents
+from kvlayout.transfer import TransferError
 
 U64 = np.uint64
 BUF = 256 << 10  # bytes in each buffer of either side
@@ -166,6 +167,21 @@ def test_auto_chooses_staged_for_many_small_runs(pair: Pair) -> None:
     for _, i, _, j, n in runs:
         np.testing.assert_array_equal(pair.local[0][i : i + n].numpy(), want[j : j + n])
     assert pair.peer.notifs() == [b"auto"]
+
+
+def test_a_staging_buffer_in_use_leaves_auto_direct(pair: Pair) -> None:
+    runs = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
+    m = make_map(pair, "READ", runs)
+    first = nx.transfer(pair.agent, pair.name, m, staging=pair.staging, notif=b"first")
+    assert first.plan.strategy == "staged" and pair.staging.busy
+    with pytest.raises(TransferError, match=r"Staging\(262144 bytes at 0x[0-9a-f]+, busy\) is in use"):
+        nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging)
+    second = nx.transfer(pair.agent, pair.name, m, staging=pair.staging, notif=b"second")
+    assert second.plan.strategy == "direct"
+    first.wait(timeout=30)
+    second.wait(timeout=30)
+    assert not pair.staging.busy
+    assert sorted(pair.peer.notifs(expect=2)) == [b"first", b"second"]
 
 
 def nothing_arrived(p: Pair) -> None:
