@@ -9,6 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 TOOLS := $(VENV)/.tools-installed
+NIXL := $(VENV)/.nixl-installed
 BUILT := $(VENV)/.kvlayout-built
 # The editable install maps the modules it saw, so a new module under src/ reinstalls too.
 PACKAGE_SOURCES := $(shell find csrc src -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
@@ -18,7 +19,7 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null)
 # errors still print, and pipefail keeps pip's exit status.
 QUIET_PIP := 2>&1 | { grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm 0.33.0 requires " -e "^ERROR: pip's dependency resolver does not currently take into account" || true; }
 
-.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer clean
+.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer bench-pd clean
 
 test: build lint typecheck codegen-check pytest nvcc-check
 
@@ -38,7 +39,15 @@ $(TOOLS): requirements-dev.txt
 	$(PIP) install --no-deps vllm==0.33.0 $(QUIET_PIP)
 	touch $@
 
-build: $(BUILT)
+# kvlayout[nixl] (pyproject.toml says why CUDA 12), so the NIXL tests run for real: torch is
+# already installed (nixl-cu12 requires some torch and must not pull one), and the `nixl`
+# meta package goes in without its dependencies (it would pull the CUDA 13 build as well).
+$(NIXL): $(TOOLS)
+	$(PIP) install nixl-cu12==1.5.1 $(QUIET_PIP)
+	$(PIP) install --no-deps nixl==1.5.1 $(QUIET_PIP)
+	touch $@
+
+build: $(BUILT) $(NIXL)
 
 $(BUILT): $(TOOLS) $(PACKAGE_SOURCES)
 	$(PIP) install --no-build-isolation --no-deps -e . $(QUIET_PIP)
@@ -84,6 +93,10 @@ bench-detection: build
 
 bench-transfer: build
 	$(PY) benchmarks/bench_transfer.py
+
+# Two processes over loopback NIXL: a few seconds of transfers per scenario.
+bench-pd: build
+	$(PY) benchmarks/bench_pd.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

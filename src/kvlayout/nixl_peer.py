@@ -1,0 +1,298 @@
+"""A NIXL peer in another process, for tests, benchmarks and demos of the NIXL path.
+
+``NixlPeer(name, [nbytes, ...])`` starts ``python -m kvlayout.nixl_peer``: a child
+process with its own NIXL agent (UCX; between processes here that is TCP on loopback)
+holding host buffers filled with seeded random bytes (:func:`contents`), all registered
+or only the stretches given. The parent drives it over its pipes, one JSON line per
+command, each answer awaited with a deadline (the child is killed on overrun):
+``read`` a buffer back, ``fill`` it again, collect ``notifs``, ``stop``. ``pause`` and
+``resume`` stop and continue it (a transfer to a stopped peer does not finish).
+
+:meth:`NixlPeer.side` is the peer's buffers as a :class:`~kvlayout.nixl_transfer.MapSide`
+(what a real peer's registration description provides).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import selectors
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BufferSide", "NixlPeer", "contents"]
+
+
+def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
+    """The bytes a peer fills buffer ``buffer`` with for ``seed``."""
+    return np.random.default_rng((seed, buffer)).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+@dataclass(frozen=True)
+class BufferSide:
+    """Host buffers of a peer process, as a map side: its described tensors."""
+
+    spans: np.ndarray  # (K, 2) uint64: address, bytes
+    device_type: str = "cpu"
+    device_index: int = 0
+    is_local: bool = False
+
+
+class NixlPeer:
+    """A NIXL agent in a child process holding ``buffers`` (bytes each) of seeded bytes.
+
+    ``registered`` lists ``(buffer, offset, nbytes)`` stretches to register with NIXL
+    instead of every buffer whole (a peer whose description claims more than it
+    registered). Every answer is awaited at most ``timeout`` seconds. ``env`` adds to
+    the child's environment (``UCX_TLS``, say). Without ``progress_thread`` the child
+    drives NIXL itself every millisecond it waits for a command (cheap, enough for
+    tests); with it, NIXL's own thread does, as in an engine (faster, but it polls
+    without pause and takes a core).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        buffers: Sequence[int],
+        *,
+        seed: int = 0,
+        registered: Sequence[tuple[int, int, int]] | None = None,
+        timeout: float = 120.0,
+        env: dict[str, str] | None = None,
+        progress_thread: bool = False,
+    ) -> None:
+        self.name = name
+        self.timeout = timeout
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the child writes it while it lives
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvlayout.nixl_peer"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env={**os.environ, **(env or {})},
+        )
+        self._pending = b""
+        try:
+            answer = self.call(
+                "init",
+                name=name,
+                buffers=list(buffers),
+                seed=seed,
+                registered=None if registered is None else [list(r) for r in registered],
+                progress_thread=progress_thread,
+            )
+        except BaseException:
+            self.kill()
+            raise
+        self.metadata = base64.b64decode(answer["metadata"])
+        self.buffers: list[tuple[int, int]] = [(int(a), int(n)) for a, n in answer["buffers"]]
+        self.seed = seed
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def __repr__(self) -> str:
+        return f"NixlPeer({self.name!r}, pid {self.pid}, {len(self.buffers)} buffers)"
+
+    def side(self, buffers: Sequence[int] | None = None) -> BufferSide:
+        """The peer's buffers (all, or those listed) as a map side."""
+        chosen = range(len(self.buffers)) if buffers is None else buffers
+        return BufferSide(np.array([self.buffers[i] for i in chosen], dtype=np.uint64).reshape(-1, 2))
+
+    def address(self, buffer: int, offset: int = 0) -> int:
+        return self.buffers[buffer][0] + offset
+
+    # -- commands ---------------------------------------------------------------------
+
+    def call(self, cmd: str, **args: Any) -> dict[str, Any]:
+        """Send one command and wait for its answer (killing the child on overrun)."""
+        if self._proc.poll() is not None:
+            raise RuntimeError(f"peer {self.name!r} has exited ({self._proc.returncode}){self._stderr()}")
+        assert self._proc.stdin is not None
+        self._proc.stdin.write(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
+        self._proc.stdin.flush()
+        answer: dict[str, Any] = json.loads(self._line(self.timeout))
+        if "error" in answer:
+            raise RuntimeError(f"peer {self.name!r} failed {cmd}: {answer['error']}")
+        return answer
+
+    def read(self, buffer: int, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
+        """Bytes of one of the peer's buffers, as it holds them now."""
+        n = self.buffers[buffer][1] - offset if nbytes is None else nbytes
+        answer = self.call("read", buffer=buffer, offset=offset, nbytes=n)
+        return np.frombuffer(base64.b64decode(answer["data"]), dtype=np.uint8)
+
+    def fill(self, seed: int) -> None:
+        """Refill every buffer with :func:`contents` of ``seed``."""
+        self.call("fill", seed=seed)
+        self.seed = seed
+
+    def notifs(self, expect: int = 1, wait: float = 10.0) -> list[bytes]:
+        """Notifications received so far, waiting up to ``wait`` seconds for ``expect``."""
+        answer = self.call("notifs", expect=expect, wait=wait)
+        return [base64.b64decode(m) for m in answer["notifs"]]
+
+    def pause(self) -> None:
+        """Stop the child, returning once it is stopped (a signal lands asynchronously)."""
+        os.kill(self.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + self.timeout
+        while _state(self.pid) not in ("T", "t"):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"peer {self.name!r} did not stop within {self.timeout:g} s")
+            time.sleep(1e-3)
+
+    def resume(self) -> None:
+        os.kill(self.pid, signal.SIGCONT)
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait(10)
+        self._log.close()
+
+    def close(self) -> None:
+        """Stop the child (politely, then by force)."""
+        if self._proc.poll() is None:
+            try:
+                self.resume()
+                self.call("stop")
+                self._proc.wait(10)
+            except (RuntimeError, TimeoutError, OSError, subprocess.TimeoutExpired):
+                pass
+        self.kill()
+
+    def __enter__(self) -> NixlPeer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- the pipe ---------------------------------------------------------------------
+
+    def _stderr(self) -> str:
+        try:
+            self._log.seek(0)
+            tail = self._log.read()[-2000:].decode(errors="replace")
+        except (OSError, ValueError):
+            return ""
+        return f"; its stderr ends:\n{tail}" if tail else ""
+
+    def _line(self, timeout: float) -> bytes:
+        assert self._proc.stdout is not None
+        fd = self._proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in self._pending:
+                left = deadline - time.monotonic()
+                if left <= 0 or not sel.select(left):
+                    log = self._stderr()
+                    self.kill()
+                    raise TimeoutError(
+                        f"peer {self.name!r} did not answer within {timeout:g} s (killed){log}"
+                    )
+                chunk = os.read(fd, 1 << 20)
+                if not chunk:
+                    self._proc.wait(10)
+                    raise RuntimeError(f"peer {self.name!r} exited ({self._proc.returncode}){self._stderr()}")
+                self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return line
+
+
+def _state(pid: int) -> str:
+    """A process's state letter from /proc (``T``: stopped)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+# -- the child --------------------------------------------------------------------------------
+
+
+def _serve() -> None:
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything else printed (NIXL's logs) goes to stderr, not into the protocol
+    from kvlayout.nixl_transfer import make_agent
+
+    agent: Any = None
+    buffers: list[np.ndarray] = []
+    notifs: list[bytes] = []
+
+    def progress() -> None:  # drives NIXL (the agent has no progress thread) and keeps notifications
+        if agent is not None:
+            for msgs in agent.get_new_notifs().values():
+                notifs.extend(msgs)
+
+    commands = _lines(sys.stdin.buffer.fileno(), progress)
+    for msg in commands:
+        cmd = msg["cmd"]
+        try:
+            if cmd == "init":
+                agent = make_agent(msg["name"], progress_thread=msg["progress_thread"])
+                buffers = [np.empty(n, dtype=np.uint8) for n in msg["buffers"]]
+                for i, b in enumerate(buffers):
+                    b[:] = contents(msg["seed"], i, len(b))
+                stretches = msg["registered"] or [[i, 0, len(b)] for i, b in enumerate(buffers)]
+                regions = [(buffers[i].ctypes.data + off, n, 0, "") for i, off, n in stretches]
+                agent.register_memory(regions, "DRAM")
+                answer: dict[str, Any] = {
+                    "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
+                    "buffers": [[b.ctypes.data, len(b)] for b in buffers],
+                }
+            elif cmd == "read":
+                data = buffers[msg["buffer"]][msg["offset"] : msg["offset"] + msg["nbytes"]]
+                answer = {"data": base64.b64encode(data.tobytes()).decode()}
+            elif cmd == "fill":
+                for i, b in enumerate(buffers):
+                    b[:] = contents(msg["seed"], i, len(b))
+                answer = {}
+            elif cmd == "notifs":
+                deadline = time.monotonic() + msg["wait"]
+                progress()
+                while len(notifs) < msg["expect"] and time.monotonic() < deadline:
+                    time.sleep(1e-3)
+                    progress()
+                answer = {"notifs": [base64.b64encode(m).decode() for m in notifs]}
+                notifs.clear()
+            elif cmd == "stop":
+                out.write("{}\n")
+                out.flush()
+                return
+            else:
+                answer = {"error": f"unknown command {cmd!r}"}
+        except Exception as exc:  # report it to the parent, which raises
+            answer = {"error": f"{type(exc).__name__}: {exc}"}
+        out.write(json.dumps(answer) + "\n")
+        out.flush()
+
+
+def _lines(fd: int, idle: Any) -> Any:
+    """JSON commands from ``fd``, calling ``idle`` every millisecond while none comes."""
+    pending = b""
+    with selectors.DefaultSelector() as sel:
+        sel.register(fd, selectors.EVENT_READ)
+        while True:
+            while b"\n" in pending:
+                line, _, pending = pending.partition(b"\n")
+                yield json.loads(line)
+            if sel.select(1e-3):
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    return  # the parent has gone
+                pending += chunk
+            else:
+                idle()
+
+
+if __name__ == "__main__":
+    _serve()

@@ -1,0 +1,1048 @@
+"""Send a request's block map between processes through NIXL: kvlayout computes and
+registers, NIXL moves the bytes (nothing of NIXL is re-implemented here).
+
+A map is read through :class:`NixlMap` (its byte runs and its two sides, each a
+:class:`MapSide`): exactly one side lives in this process (a registration), the other is
+a peer's description. From it come, for ``nixl_agent.get_xfer_descs``, the local and
+remote ``(N, 3)`` descriptor arrays (address, length, device id) and the op: ``"WRITE"``
+when the local side is the source, ``"READ"`` when it is the destination.
+
+- :func:`register` registers each distinct storage of a registration once (layers that
+  share memory, or slices of one pool, are one region), as DRAM or VRAM by its device.
+- :func:`descriptors` is the direct form; :func:`prep_lists` the prepped one (both sides
+  prepared once, at the handshake, as NIXL lists of fixed-size units; each request then
+  passes index arrays, and NIXL merges consecutive dense indices back into long
+  descriptors).
+- Two strategies: ``"direct"`` posts the map's runs; ``"staged"`` gathers the request
+  into a registered :class:`Staging` buffer laid out as the remote side's runs (one
+  stretch per run of remote-consecutive runs) and posts one descriptor per stretch (for a
+  READ, the mirror: receive into staging, then scatter). :class:`CostModel` (defaults
+  from this machine's measurements, or :func:`calibrate` on the live pair) picks one per
+  request; the caller can force either.
+- :func:`transfer` validates every descriptor before anything is posted (local ones
+  inside regions registered on this agent, remote ones inside the peer's described
+  tensors and, for the list form, inside what the peer registered with NIXL), then posts;
+  :meth:`Transfer.wait` (or :func:`wait`) raises on NIXL's ``"ERR"`` or a timeout.
+
+Nothing here imports NIXL: the caller's agent is the only NIXL object used, so code that
+does not move KV through NIXL never loads it (:func:`make_agent` imports it on call).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import time
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, Protocol
+
+import numpy as np
+import torch
+
+from kvlayout.registration import KernelGroup, Registration
+from kvlayout.transfer import TransferError
+
+__all__ = [
+    "DEFAULT_COST",
+    "CostModel",
+    "Descriptors",
+    "LocalSide",
+    "MapSide",
+    "NixlError",
+    "NixlMap",
+    "NixlTimeoutError",
+    "Plan",
+    "Prepped",
+    "PreppedList",
+    "RefusedDescriptorError",
+    "Registered",
+    "Staging",
+    "Transfer",
+    "TransferResult",
+    "calibrate",
+    "copy_byte_runs",
+    "descriptors",
+    "local_side",
+    "make_agent",
+    "plan",
+    "prep_lists",
+    "register",
+    "transfer",
+    "wait",
+]
+
+Agent = Any
+"""A ``nixl._api.nixl_agent`` (typed loosely: this module never imports NIXL)."""
+
+Op = Literal["READ", "WRITE"]
+Strategy = Literal["auto", "direct", "staged"]
+
+_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+_U64 = np.uint64
+
+
+class NixlError(TransferError):
+    """A NIXL transfer that cannot be posted, failed or did not finish."""
+
+
+class RefusedDescriptorError(NixlError):
+    """A descriptor refused before anything is posted: outside the regions registered on
+    this agent, outside the tensors the peer described, or outside what the peer
+    registered with NIXL (its description lies), or off a prepared list's units."""
+
+
+class NixlTimeoutError(NixlError):
+    """A posted transfer that did not finish in time."""
+
+
+# -- what this module reads from a map -----------------------------------------------------
+
+
+class MapSide(Protocol):
+    """One side of a map, as this module reads it.
+
+    A live registration in this process (``is_local``) or a peer's description (format,
+    sizes, addresses received at the handshake). ``spans`` is an ``(K, 2)`` uint64 array:
+    each tensor's start address and byte span (first byte to past the last); runs must
+    fall inside them. ``device_type`` is ``"cpu"`` or ``"cuda"`` (DRAM or VRAM for
+    NIXL); ``device_index`` is the device id NIXL is given (0 for the CPU).
+    """
+
+    @property
+    def is_local(self) -> bool: ...
+
+    @property
+    def device_type(self) -> str: ...
+
+    @property
+    def device_index(self) -> int: ...
+
+    @property
+    def spans(self) -> np.ndarray: ...
+
+
+class NixlMap(Protocol):
+    """A block map as this module reads it: ``runs`` is an ``(N, 3)`` uint64 array
+    (source address, destination address, length in bytes), each run inside one tensor
+    of each side; ``src`` and ``dst`` are its sides, exactly one of them local."""
+
+    @property
+    def runs(self) -> np.ndarray: ...
+
+    @property
+    def src(self) -> MapSide: ...
+
+    @property
+    def dst(self) -> MapSide: ...
+
+
+@dataclass(frozen=True)
+class LocalSide:
+    """A :class:`MapSide` for tensors of this process (see :func:`local_side`)."""
+
+    device_type: str
+    device_index: int
+    spans: np.ndarray
+    is_local: bool = True
+
+
+Holder = Registration | KernelGroup | torch.Tensor | Sequence[torch.Tensor]
+
+
+def _tensors(obj: Holder) -> list[torch.Tensor]:
+    """Every tensor a registration, kernel group, tensor or list of tensors holds."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Registration):
+        return [t for g in obj.kernel_groups for p in g.planes for t in p.leaves]
+    if isinstance(obj, KernelGroup):
+        return [t for p in obj.planes for t in p.leaves]
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)
+    raise TypeError(
+        "expected a kvlayout Registration or KernelGroup (what detection returns), a tensor or a "
+        f"list of tensors, not {type(obj).__name__}"
+    )
+
+
+def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise TransferError(
+            f"the tensors are on {len(devices)} devices ({', '.join(sorted(map(str, devices)))}); "
+            "one side of a NIXL transfer is on one"
+        )
+    (device,) = devices
+    if device.type not in _MEM_TYPES:
+        raise TransferError(f"NIXL moves DRAM (cpu) or VRAM (cuda) memory, not {device.type} tensors")
+    return device
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """A tensor's first byte and its byte span (padding between its rows included)."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0) + 1
+    return t.data_ptr(), extent * t.element_size() if t.numel() else 0
+
+
+def local_side(obj: Holder) -> LocalSide:
+    """The :class:`MapSide` of a registration (or kernel group, tensor, list of tensors)
+    held in this process: its device and each tensor's byte span."""
+    tensors = _tensors(obj)
+    device = _device(tensors)
+    spans = np.array([_span(t) for t in tensors if t.numel()], dtype=_U64).reshape(-1, 2)
+    return LocalSide(device.type, device.index or 0, spans)
+
+
+# -- registering ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered stretch of memory: a whole storage."""
+
+    address: int
+    nbytes: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device: int
+
+
+class _AgentRegions:
+    """What :func:`register` registered on one agent: each region with its count of
+    holders (a storage registered by two registrations is registered once)."""
+
+    def __init__(self) -> None:
+        self.count: dict[Region, int] = {}
+        self.reg_lists: dict[Region, Any] = {}
+
+    def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
+        held = sorted(
+            (r.address, r.address + r.nbytes)
+            for r in self.count
+            if (r.mem_type, r.device) == (mem_type, device)
+        )
+        arr = np.array(held, dtype=_U64).reshape(-1, 2)
+        return arr[:, 0], arr[:, 1]
+
+
+_REGIONS: weakref.WeakKeyDictionary[Any, _AgentRegions] = weakref.WeakKeyDictionary()
+
+
+class Registered:
+    """The NIXL registration of one registration's storages; :meth:`deregister` (or
+    leaving a ``with`` block) undoes it. It keeps the tensors alive while registered."""
+
+    def __init__(self, agent: Agent, regions: tuple[Region, ...], tensors: list[torch.Tensor]) -> None:
+        self.agent = agent
+        self.regions = regions
+        self._tensors: list[torch.Tensor] | None = tensors
+
+    def __repr__(self) -> str:
+        total = sum(r.nbytes for r in self.regions)
+        state = "live" if self._tensors is not None else "deregistered"
+        return f"Registered({len(self.regions)} regions, {total} bytes, {state})"
+
+    def deregister(self) -> None:
+        if self._tensors is None:
+            return
+        held = _REGIONS[self.agent]
+        for region in self.regions:
+            held.count[region] -= 1
+            if held.count[region] == 0:
+                self.agent.deregister_memory(held.reg_lists.pop(region))
+                del held.count[region]
+        self._tensors = None
+
+    def __enter__(self) -> Registered:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.deregister()
+
+
+def register(agent: Agent, registration: Holder) -> Registered:
+    """Register every distinct storage of ``registration`` with ``agent``, once each.
+
+    Layers that are slices of one pool, or views of one tensor, share a storage and so
+    one region; the region is the whole storage (as vLLM registers it), DRAM for CPU
+    tensors and VRAM for CUDA ones (device id = the CUDA index). A storage this agent
+    already holds through another :func:`register` is counted, not registered again.
+    """
+    tensors = [t for t in _tensors(registration) if t.numel()]
+    if not tensors:
+        raise TransferError("the registration holds no memory to register (every tensor is empty)")
+    device = _device(tensors)
+    if any(t.device.type == "meta" for t in tensors):  # pragma: no cover - _device refuses meta
+        raise TransferError("meta tensors have no memory")
+    mem_type, dev = _MEM_TYPES[device.type], device.index or 0
+    regions = tuple(
+        dict.fromkeys(
+            Region(s.data_ptr(), s.nbytes(), mem_type, dev) for s in (t.untyped_storage() for t in tensors)
+        )
+    )
+    held = _REGIONS.setdefault(agent, _AgentRegions())
+    for region in regions:
+        if region not in held.count:
+            reg = agent.register_memory([(region.address, region.nbytes, region.device, "")], region.mem_type)
+            held.reg_lists[region] = reg
+            held.count[region] = 0
+        held.count[region] += 1
+    return Registered(agent, regions, tensors)
+
+
+# -- descriptors (the direct form) ---------------------------------------------------------
+
+
+class Descriptors(NamedTuple):
+    """The direct form of a map: ``(N, 3)`` uint64 rows (address, length, device id) for
+    ``get_xfer_descs`` on each side, the op, and each side's NIXL memory type."""
+
+    local: np.ndarray
+    remote: np.ndarray
+    op: Op
+    local_mem: str
+    remote_mem: str
+
+
+class _Sides(NamedTuple):
+    op: Op
+    local: MapSide
+    remote: MapSide
+    local_addr: np.ndarray
+    remote_addr: np.ndarray
+    lengths: np.ndarray
+
+
+def _mem_type(side: MapSide, which: str) -> str:
+    mem = _MEM_TYPES.get(side.device_type)
+    if mem is None:
+        raise TransferError(
+            f"the {which} side is on a {side.device_type!r} device; NIXL moves cpu or cuda memory"
+        )
+    return mem
+
+
+def _sides(block_map: NixlMap) -> _Sides:
+    runs = block_map.runs
+    if not isinstance(runs, np.ndarray) or runs.ndim != 2 or runs.shape[1] != 3 or runs.dtype != _U64:
+        what = (
+            f"{runs.dtype} array of shape {runs.shape}"
+            if isinstance(runs, np.ndarray)
+            else type(runs).__name__
+        )
+        raise TypeError(
+            f"a map's runs must be an (N, 3) uint64 array (source, destination, length), not a {what}"
+        )
+    src, dst = block_map.src, block_map.dst
+    if src.is_local == dst.is_local:
+        where = "this process" if src.is_local else "peers"
+        raise TransferError(
+            f"both sides of the map are in {where}; NIXL moves a map with one side local, the other a peer's"
+            + (" (copy a local map with its copy())" if src.is_local else "")
+        )
+    lengths = runs[:, 2]
+    if np.any(lengths == 0):
+        raise TransferError(f"run {int(np.argmax(lengths == 0))} of the map has length 0")
+    for col, name in ((0, "source"), (1, "destination")):
+        wrapped = runs[:, col] + lengths < runs[:, col]
+        if np.any(wrapped):
+            raise TransferError(
+                f"run {int(np.argmax(wrapped))} of the map runs past the end of the {name} address space"
+            )
+    if src.is_local:
+        return _Sides("WRITE", src, dst, runs[:, 0], runs[:, 1], lengths)
+    return _Sides("READ", dst, src, runs[:, 1], runs[:, 0], lengths)
+
+
+def _rows(addr: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
+    out = np.empty((len(addr), 3), dtype=_U64)
+    out[:, 0], out[:, 1], out[:, 2] = addr, lengths, device
+    return out
+
+
+def descriptors(block_map: NixlMap) -> Descriptors:
+    """The map's runs as NIXL descriptors (one per run), its op and memory types."""
+    s = _sides(block_map)
+    local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
+    return Descriptors(
+        _rows(s.local_addr, s.lengths, s.local.device_index),
+        _rows(s.remote_addr, s.lengths, s.remote.device_index),
+        s.op,
+        local_mem,
+        remote_mem,
+    )
+
+
+# -- memory intervals and checks -------------------------------------------------------------
+
+
+def _intervals(spans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted disjoint (start, end) intervals covering ``spans`` (overlapping spans, such
+    as the interleaved layers of one pool, merge; merely touching ones do not)."""
+    spans = np.asarray(spans, dtype=_U64).reshape(-1, 2)
+    spans = spans[spans[:, 1] > 0]
+    if len(spans) == 0:
+        return np.empty(0, _U64), np.empty(0, _U64)
+    order = np.argsort(spans[:, 0], kind="stable")
+    starts, ends = spans[order, 0], spans[order, 0] + spans[order, 1]
+    reach = np.maximum.accumulate(ends)
+    new = np.ones(len(starts), dtype=bool)
+    new[1:] = starts[1:] >= reach[:-1]
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:], len(starts)] - 1
+    return starts[first], reach[last]
+
+
+def _first_outside(addr: np.ndarray, lengths: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int:
+    """The index of the first ``[addr, addr + length)`` inside no interval, or -1."""
+    if len(addr) == 0:
+        return -1
+    k = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
+    inside = (
+        (k >= 0) & (addr + lengths <= ends[np.maximum(k, 0)]) if len(starts) else np.zeros(len(addr), bool)
+    )
+    return -1 if inside.all() else int(np.argmin(inside))
+
+
+def _check_local(
+    agent: Agent, addr: np.ndarray, lengths: np.ndarray, mem: str, device: int, what: str
+) -> None:
+    held = _REGIONS.get(agent)
+    starts, ends = held.intervals(mem, device) if held is not None else (np.empty(0, _U64),) * 2
+    bad = _first_outside(addr, lengths, starts, ends)
+    if bad >= 0:
+        a, n = int(addr[bad]), int(lengths[bad])
+        raise RefusedDescriptorError(
+            f"{what} {bad} ({a:#x}, {n} bytes) is outside every region registered on agent {agent.name!r} "
+            f"({len(starts)} {mem} regions on device {device}): register the registration (and staging) first"
+        )
+
+
+def _check_described(addr: np.ndarray, lengths: np.ndarray, remote: MapSide, peer: str, what: str) -> None:
+    starts, ends = _intervals(remote.spans)
+    bad = _first_outside(addr, lengths, starts, ends)
+    if bad >= 0:
+        a, n = int(addr[bad]), int(lengths[bad])
+        raise RefusedDescriptorError(
+            f"{what} {bad} ({a:#x}, {n} bytes) is outside the {len(remote.spans)} tensors peer {peer!r} "
+            "described; refused before posting"
+        )
+
+
+def _first_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str) -> int:
+    """The first row the peer did not register with NIXL (by NIXL's own check,
+    ``check_remote_metadata``, bisected), or -1 when NIXL accepts every row."""
+
+    def accepted(lo: int, hi: int) -> bool:
+        return bool(agent.check_remote_metadata(peer, agent.get_xfer_descs(rows[lo:hi], mem)))
+
+    if len(rows) == 0 or accepted(0, len(rows)):
+        return -1
+    lo, hi = 0, len(rows)  # rows[lo:hi] holds a refused row
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if not accepted(lo, mid) else (mid, hi)
+    return lo
+
+
+def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, what: str) -> None:
+    present = np.flatnonzero(rows[:, 1] > 0)  # an empty span holds no memory to check
+    bad = _first_unregistered(agent, peer, rows[present], mem)
+    if bad >= 0:
+        a, n = int(rows[present[bad], 0]), int(rows[present[bad], 1])
+        raise RefusedDescriptorError(
+            f"{what} {int(present[bad])} ({a:#x}, {n} bytes) is inside what peer {peer!r} described but not "
+            "inside memory it registered with NIXL: its description does not match its registration; "
+            "refused before posting"
+        )
+
+
+# -- the local copy of the staged strategy ----------------------------------------------------
+
+
+def copy_byte_runs(runs: np.ndarray) -> None:
+    """Copy each ``(from, to, length)`` row of an ``(N, 3)`` uint64 array, host memory
+    to host memory, one ``memmove`` each.
+
+    The staged strategy's gather (and a READ's scatter). It stands in for the block-map
+    executor (native, GIL released) until that lands, which then replaces this loop; the
+    addresses were validated against registered memory before it runs.
+    """
+    memmove = ctypes.memmove
+    for src, dst, n in runs.tolist():
+        memmove(dst, src, n)
+
+
+class Staging:
+    """A registered host buffer the staged strategy gathers a request into (or, for a
+    READ, receives it into). One transfer uses it at a time."""
+
+    def __init__(self, agent: Agent, nbytes: int, *, device: str | torch.device = "cpu") -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise TypeError(f"nbytes must be a positive int, got {nbytes!r}")
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            raise TransferError(
+                f"staging on {dev} needs a device copy of byte runs (the block-map executor's); "
+                "this module stages in host memory only"
+            )
+        self.agent = agent
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        self.address = self.tensor.data_ptr()
+        self.nbytes = nbytes
+        self.registered = register(agent, self.tensor)
+        self.busy = False
+
+    def __repr__(self) -> str:
+        return f"Staging({self.nbytes} bytes at {self.address:#x}{', busy' if self.busy else ''})"
+
+    @property
+    def span(self) -> np.ndarray:
+        return np.array([[self.address, self.nbytes]], dtype=_U64)
+
+    def close(self) -> None:
+        self.registered.deregister()
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- cost model ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of a request: ``per_transfer_s + descriptors * per_descriptor_s +
+    bytes / bandwidth``, plus, staged, the local copy ``runs * copy_per_run_s + bytes /
+    copy_bandwidth``.
+
+    The defaults are this project's measurement of NIXL over UCX's TCP transport on
+    loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
+    of 256 B (about 18 us a descriptor); the copy figures are the ``memmove`` loop of
+    :func:`copy_byte_runs` on that machine. :func:`calibrate` measures the live pair.
+    """
+
+    per_descriptor_s: float = 18e-6
+    bandwidth: float = 0.65e9  # bytes/s
+    per_transfer_s: float = 2e-4
+    copy_per_run_s: float = 1.5e-6
+    copy_bandwidth: float = 4e9  # bytes/s
+    source: str = "defaults"
+
+    def direct_s(self, descriptors: int, nbytes: int) -> float:
+        return self.per_transfer_s + descriptors * self.per_descriptor_s + nbytes / self.bandwidth
+
+    def staged_s(self, descriptors: int, runs: int, nbytes: int) -> float:
+        copy = runs * self.copy_per_run_s + nbytes / self.copy_bandwidth
+        return self.direct_s(descriptors, nbytes) + copy
+
+
+DEFAULT_COST = CostModel()
+
+
+# -- plans -----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one request posts: the strategy, op, descriptors on each side (``(N, 3)``
+    uint64), the local copy (gather before a WRITE, scatter after a READ; None for
+    direct), and the predicted seconds of each strategy considered."""
+
+    strategy: Literal["direct", "staged"]
+    op: Op
+    local: np.ndarray
+    remote: np.ndarray
+    local_mem: str
+    remote_mem: str
+    copies: np.ndarray | None
+    num_runs: int
+    num_bytes: int
+    predicted_s: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.local)
+
+
+def _stretches(
+    remote_addr: np.ndarray, lengths: np.ndarray, remote: MapSide
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs sorted by remote address (``order``), their offsets in a staging buffer
+    (each stretch of remote-consecutive runs contiguous), and the first run of each
+    stretch. A stretch stays inside one described tensor (else its runs go alone)."""
+    order = np.argsort(remote_addr, kind="stable")
+    r, n = remote_addr[order], lengths[order]
+    offsets = np.zeros(len(r), dtype=_U64)
+    np.cumsum(n[:-1], out=offsets[1:])
+    new = np.ones(len(r), dtype=bool)
+    new[1:] = r[1:] != r[:-1] + n[:-1]
+    first = np.flatnonzero(new)
+    if len(first) < len(r):
+        ends = np.r_[first[1:], len(r)] - 1
+        starts, stops = _intervals(remote.spans)
+        k = np.searchsorted(starts, r[first], side="right").astype(np.int64) - 1
+        ok = (k >= 0) & (r[ends] + n[ends] <= stops[np.maximum(k, 0)])
+        if not ok.all():  # a stretch crossing from one tensor into the next: split it into its runs
+            split = np.repeat(~ok, ends - first + 1)
+            new |= split
+            first = np.flatnonzero(new)
+    return order, offsets, first
+
+
+def plan(
+    block_map: NixlMap,
+    *,
+    strategy: Strategy = "auto",
+    staging: Staging | None = None,
+    cost: CostModel | None = None,
+) -> Plan:
+    """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheaper by
+    ``cost``; staged is considered only with a ``staging`` buffer large enough)."""
+    if strategy not in ("auto", "direct", "staged"):
+        raise TransferError(f"strategy must be 'auto', 'direct' or 'staged', not {strategy!r}")
+    s = _sides(block_map)
+    local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
+    num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
+    model = cost or DEFAULT_COST
+    predicted = {"direct": model.direct_s(num_runs, num_bytes)}
+    fits = staging is not None and staging.nbytes >= num_bytes
+    if strategy == "staged" and not fits:
+        have = "no staging buffer" if staging is None else f"a staging buffer of {staging.nbytes} bytes"
+        raise TransferError(f"the staged strategy needs a staging buffer of {num_bytes} bytes; got {have}")
+    direct = Plan(
+        "direct", s.op, _rows(s.local_addr, s.lengths, s.local.device_index),
+        _rows(s.remote_addr, s.lengths, s.remote.device_index), local_mem, remote_mem, None,
+        num_runs, num_bytes, predicted,
+    )  # fmt: skip
+    if strategy == "direct" or not fits:
+        return direct
+    assert staging is not None
+    if local_mem != "DRAM":
+        raise TransferError("the staged strategy stages host memory; the local side is VRAM")
+    order, offsets, first = _stretches(s.remote_addr, s.lengths, s.remote)
+    predicted["staged"] = model.staged_s(len(first), num_runs, num_bytes)
+    if strategy == "auto" and predicted["staged"] >= predicted["direct"]:
+        return direct
+    base = np.uint64(staging.address)
+    stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
+    copies = np.empty((num_runs, 3), dtype=_U64)
+    at = base + offsets
+    local = s.local_addr[order]
+    copies[:, 0], copies[:, 1] = (local, at) if s.op == "WRITE" else (at, local)
+    copies[:, 2] = s.lengths[order]
+    return Plan(
+        "staged", s.op, _rows(base + offsets[first], stretch_bytes, s.local.device_index),
+        _rows(s.remote_addr[order][first], stretch_bytes, s.remote.device_index), local_mem, remote_mem,
+        copies, num_runs, num_bytes, predicted,
+    )  # fmt: skip
+
+
+# -- the prepped form --------------------------------------------------------------------------
+
+
+class PreppedList:
+    """One side prepared as a NIXL list of ``unit``-byte descriptors (one Nx5 dense row
+    per memory interval), indexed by unit: unit ``j`` of interval ``k`` is index
+    ``first[k] + j``."""
+
+    def __init__(self, handle: Any, unit: int, starts: np.ndarray, counts: np.ndarray, mem: str) -> None:
+        self.handle = handle
+        self.unit = unit
+        self.starts = starts
+        self.counts = counts
+        self.first = np.r_[0, np.cumsum(counts)[:-1]].astype(np.int64)
+        self.mem = mem
+
+    @property
+    def size(self) -> int:
+        return int(self.counts.sum())
+
+    def indices(self, rows: np.ndarray, what: str) -> np.ndarray:
+        """The int32 unit indices covering each ``(address, length, device)`` row in turn."""
+        addr, lengths = rows[:, 0], rows[:, 1]
+        u = np.uint64(self.unit)
+        k = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
+        kk = np.maximum(k, 0)
+        offset = addr - self.starts[kk]
+        inside = (k >= 0) & (addr + lengths <= self.starts[kk] + self.counts[kk].astype(_U64) * u)
+        whole = (offset % u == 0) & (lengths % u == 0)
+        outside = f"is outside the {len(self.starts)} stretches of memory prepared at the handshake"
+        split = (
+            f"is not whole {self.unit}-byte units of the list prepared at the handshake (prepare with a unit "
+            "every run is a multiple of, or send in the list form)"
+        )
+        for ok, problem in ((inside, outside), (whole, split)):
+            if not ok.all():
+                bad = int(np.argmin(ok))
+                raise RefusedDescriptorError(
+                    f"{what} {bad} ({int(addr[bad]):#x}, {int(lengths[bad])} bytes) {problem}"
+                )
+        counts = (lengths // u).astype(np.int64)
+        starts = self.first[kk] + (offset // u).astype(np.int64)
+        before = np.cumsum(counts) - counts
+        idx = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - before, counts)
+        out: np.ndarray = idx.astype(np.int32)
+        return out
+
+
+@dataclass(frozen=True)
+class Prepped:
+    """Both sides of a pair prepared once (at the handshake) for index-array requests."""
+
+    peer: str
+    local: PreppedList
+    remote: PreppedList
+
+
+def _prep_list(agent: Agent, name: str, spans: np.ndarray, unit: int, device: int, mem: str) -> PreppedList:
+    starts, ends = _intervals(spans)
+    counts = ((ends - starts) // np.uint64(unit)).astype(np.int64)
+    starts, counts = starts[counts > 0], counts[counts > 0]  # shorter than a unit: no unit to send
+    if int(counts.sum()) >= 2**31:
+        raise TransferError(
+            f"{int(counts.sum())} units of {unit} bytes do not fit NIXL's int32 indices; use a larger unit"
+        )
+    rows = np.empty((len(starts), 5), dtype=_U64)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = starts, unit, device, unit, counts
+    handle = agent.prep_xfer_dlist(name, rows, mem)
+    return PreppedList(handle, unit, starts, counts, mem)
+
+
+def prep_lists(
+    agent: Agent,
+    peer: str | bytes,
+    local: MapSide,
+    remote: MapSide,
+    unit: int,
+    *,
+    staging: Staging | None = None,
+) -> Prepped:
+    """Prepare both sides once, as lists of ``unit``-byte descriptors over each side's
+    tensors (and the staging buffer, on the local side), for :func:`transfer`'s
+    ``prepped=``. ``unit`` is the block unit every request's runs are whole multiples
+    of, at unit-aligned offsets (vLLM's: one layer's K or V of a block). NIXL checks the
+    remote list against what the peer registered; a description that lies is refused
+    here, naming the tensor."""
+    if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0:
+        raise TypeError(f"unit must be a positive int, got {unit!r}")
+    peer = _peer_name(peer)
+    if not local.is_local or remote.is_local:
+        raise TransferError("prep_lists takes the local side first, then the peer's")
+    local_mem, remote_mem = _mem_type(local, "local"), _mem_type(remote, "remote")
+    held = local.spans if staging is None else np.concatenate([local.spans, staging.span])
+    starts, ends = _intervals(held)
+    _check_local(agent, starts, ends - starts, local_mem, local.device_index, "local stretch")
+    spans = np.asarray(remote.spans, dtype=_U64).reshape(-1, 2)
+    _refuse_unregistered(
+        agent, peer, _rows(spans[:, 0], spans[:, 1], remote.device_index), remote_mem, "described tensor"
+    )
+    return Prepped(
+        peer,
+        _prep_list(agent, "NIXL_INIT_AGENT", held, unit, local.device_index, local_mem),
+        _prep_list(agent, peer, remote.spans, unit, remote.device_index, remote_mem),
+    )
+
+
+# -- posting and waiting ----------------------------------------------------------------------
+
+
+class TransferResult(NamedTuple):
+    """A finished transfer: its strategy, descriptors posted (NIXL's count after its
+    merge when the agent captures telemetry, else the count posted), bytes, seconds from
+    post to done (including a READ's scatter)."""
+
+    strategy: str
+    descriptors: int
+    num_bytes: int
+    seconds: float
+
+
+def _peer_name(peer: str | bytes) -> str:
+    """An agent name as ``add_remote_agent`` returns it (bytes) or as given (str)."""
+    return peer.decode() if isinstance(peer, bytes) else peer
+
+
+def _is_nixl_error(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0].startswith("nixl")
+
+
+class Transfer:
+    """A posted request: poll with :meth:`done`, finish with :meth:`wait`."""
+
+    def __init__(self, agent: Agent, peer: str, plan: Plan, handle: Any, staging: Staging | None) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.plan = plan
+        self.handle = handle
+        self.staging = staging
+        self.posted_at = time.perf_counter()
+        self._result: TransferResult | None = None
+
+    def __repr__(self) -> str:
+        return f"Transfer({self._what()})"
+
+    def _what(self) -> str:
+        p = self.plan
+        counts = f"{p.num_descriptors} descriptors, {p.num_bytes} bytes"
+        return f"the {p.op} to peer {self.peer!r} ({p.strategy}, {counts})"
+
+    def _fail(self, why: str) -> NixlError:
+        self._release()
+        return NixlError(f"NIXL failed {self._what()}: {why}")
+
+    def done(self) -> bool:
+        """True once the transfer is complete (a READ's scatter done); raises
+        :class:`NixlError` when NIXL reports ``"ERR"`` or an error."""
+        if self._result is not None:
+            return True
+        try:
+            state = self.agent.check_xfer_state(self.handle)
+        except Exception as exc:
+            if not _is_nixl_error(exc):
+                raise
+            raise self._fail(f"{type(exc).__name__}: {exc}") from exc
+        if state == "ERR":
+            raise self._fail('check_xfer_state returned "ERR"')
+        if state != "DONE":
+            return False
+        if self.plan.copies is not None and self.plan.op == "READ":
+            copy_byte_runs(self.plan.copies)
+        seconds = time.perf_counter() - self.posted_at
+        count = self.plan.num_descriptors
+        try:
+            count = int(self.agent.get_xfer_telemetry(self.handle).descCount)
+        except Exception as exc:
+            if not _is_nixl_error(exc):
+                raise
+        self._release()
+        self._result = TransferResult(self.plan.strategy, count, self.plan.num_bytes, seconds)
+        return True
+
+    def wait(self, timeout: float = 30.0) -> TransferResult:
+        """Poll until done; :class:`NixlTimeoutError` after ``timeout`` seconds (the
+        request is released, which asks NIXL to cancel it)."""
+        deadline = time.perf_counter() + timeout
+        while not self.done():
+            if time.perf_counter() > deadline:
+                cancelled = self._release()
+                raise NixlTimeoutError(
+                    f"{self._what()} was not done after {timeout:g} s; "
+                    + ("it was cancelled" if cancelled else "NIXL could not cancel it (the handle is kept)")
+                )
+            time.sleep(1e-4)  # leave the cores to NIXL's progress thread
+        assert self._result is not None
+        return self._result
+
+    def _release(self) -> bool:
+        """Release the NIXL request (cancelling it if active); False if NIXL refused."""
+        try:
+            self.agent.release_xfer_handle(self.handle)
+        except Exception as exc:
+            if not _is_nixl_error(exc):
+                raise
+            return False
+        if self.staging is not None:
+            self.staging.busy = False
+        return True
+
+
+def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:
+    """:meth:`Transfer.wait`, as a function."""
+    return xfer.wait(timeout)
+
+
+def transfer(
+    agent: Agent,
+    peer: str | bytes,
+    block_map: NixlMap,
+    *,
+    notif: bytes = b"",
+    strategy: Strategy = "auto",
+    staging: Staging | None = None,
+    prepped: Prepped | None = None,
+    cost: CostModel | None = None,
+) -> Transfer:
+    """Post one request's map to ``peer`` (an agent name loaded with
+    ``add_remote_agent``); ``notif`` reaches the peer when the bytes have landed.
+
+    Every descriptor is checked before anything is posted: the local ones inside regions
+    registered on ``agent`` (the staging buffer's included), the remote ones inside the
+    tensors the peer described and, in the list form, inside what it registered with
+    NIXL (NIXL's own check). ``prepped`` sends index arrays into lists prepared by
+    :func:`prep_lists` instead of descriptor lists. A ``staging`` buffer still in use by
+    an earlier transfer leaves ``"auto"`` direct, and is an error for ``"staged"``.
+    """
+    peer = _peer_name(peer)
+    if staging is not None and staging.busy:
+        if strategy == "staged":
+            raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
+        staging = None
+    p = plan(block_map, strategy=strategy, staging=staging, cost=cost)
+    s = _sides(block_map)
+    local_dev = s.local.device_index
+    _check_local(agent, s.local_addr, s.lengths, p.local_mem, local_dev, "local run")
+    if p.copies is not None:
+        _check_local(agent, p.local[:, 0], p.local[:, 1], p.local_mem, local_dev, "staged descriptor")
+    _check_described(s.remote_addr, s.lengths, s.remote, peer, "remote run")
+    try:
+        if prepped is not None:
+            if prepped.peer != peer:
+                raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
+            local_idx = prepped.local.indices(p.local, "local descriptor")
+            remote_idx = prepped.remote.indices(p.remote, "remote descriptor")
+            handle = agent.make_prepped_xfer(
+                p.op, prepped.local.handle, local_idx, prepped.remote.handle, remote_idx, notif
+            )
+        else:
+            local = agent.get_xfer_descs(p.local, p.local_mem)
+            remote = agent.get_xfer_descs(p.remote, p.remote_mem)
+            handle = agent.initialize_xfer(p.op, local, remote, peer, notif)
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        if prepped is None:  # name the descriptor NIXL found outside the peer's registration
+            _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")
+        raise NixlError(f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}") from exc
+    if p.copies is not None and p.op == "WRITE":
+        copy_byte_runs(p.copies)  # gather into staging: validated above, nothing posted yet
+    xfer = Transfer(agent, peer, p, handle, staging)
+    if staging is not None and p.copies is not None:
+        staging.busy = True
+    try:
+        state = agent.transfer(handle)
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        raise xfer._fail(f"{type(exc).__name__}: {exc}") from exc
+    if state == "ERR":
+        raise xfer._fail('transfer returned "ERR"')
+    return xfer
+
+
+# -- calibration -------------------------------------------------------------------------------
+
+
+def _timed_xfer(
+    agent: Agent, op: Op, peer: str, local: np.ndarray, remote: np.ndarray, rmem: str, timeout: float
+) -> float:
+    handle = agent.initialize_xfer(
+        op, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, rmem), peer
+    )
+    start = time.perf_counter()
+    state = agent.transfer(handle)
+    while state == "PROC":
+        if time.perf_counter() - start > timeout:
+            agent.release_xfer_handle(handle)
+            raise NixlTimeoutError(f"a calibration {op} with peer {peer!r} was not done after {timeout:g} s")
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise NixlError(f"a calibration {op} with peer {peer!r} ended in {state}")
+    return time.perf_counter() - start
+
+
+def calibrate(
+    agent: Agent,
+    peer: str | bytes,
+    remote: MapSide,
+    *,
+    op: Op = "READ",
+    nbytes: int = 4 << 20,
+    small: int = 1024,
+    count: int = 2048,
+    repeats: int = 3,
+    timeout: float = 30.0,
+) -> CostModel:
+    """A :class:`CostModel` measured on the live pair with ``op`` transfers between a
+    scratch buffer registered for the call and the peer's largest described tensor: one
+    small descriptor, ``count`` small ones and one of ``nbytes``; then the local copy of
+    the same; the fastest of ``repeats`` each.
+
+    ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
+    posts) overwrites its first bytes: only for a tensor that is scratch to the peer.
+    """
+    if op not in ("READ", "WRITE"):
+        raise TransferError(f"op must be 'READ' or 'WRITE', not {op!r}")
+    peer = _peer_name(peer)
+    starts, ends = _intervals(remote.spans)
+    if len(starts) == 0:
+        raise TransferError(f"peer {peer!r} described no memory to calibrate against")
+    k = int(np.argmax(ends - starts))
+    base, span = int(starts[k]), int(ends[k] - starts[k])
+    nbytes = min(nbytes, span)
+    count = max(2, min(count, span // (2 * small)))
+    rmem, dev = _mem_type(remote, "remote"), remote.device_index
+    spaced = np.arange(count, dtype=_U64) * np.uint64(2 * small)  # gaps: nothing merges
+    theirs = {
+        "one": np.array([[base, small, dev]], _U64),
+        "many": _rows(base + spaced, np.full(count, small, _U64), dev),
+        "big": np.array([[base, nbytes, dev]], _U64),
+    }
+    _refuse_unregistered(agent, peer, np.concatenate(list(theirs.values())), rmem, "calibration descriptor")
+    scratch = torch.empty(max(nbytes, 2 * small * count), dtype=torch.uint8)
+    addr = scratch.data_ptr()
+    ours = {
+        name: rows - np.array([base, 0, dev], _U64) + np.array([addr, 0, 0], _U64)
+        for name, rows in theirs.items()
+    }
+    with register(agent, scratch):
+        t = {
+            name: min(
+                _timed_xfer(agent, op, peer, ours[name], theirs[name], rmem, timeout) for _ in range(repeats)
+            )
+            for name in ("one", "many", "big")
+        }
+    half = scratch.numel() // 2
+    runs = _rows(addr + spaced[: count // 2], np.full(count // 2, small, _U64), 0)
+    runs[:, 1] = addr + half + spaced[: count // 2]  # (from, to, length) within the scratch
+    c_runs = min(_timed(lambda: copy_byte_runs(runs)) for _ in range(repeats))
+    whole = np.array([[addr, addr + half, half]], _U64)
+    c_big = min(_timed(lambda: copy_byte_runs(whole)) for _ in range(repeats))
+    return CostModel(
+        per_descriptor_s=max((t["many"] - t["one"]) / (count - 1), 1e-9),
+        bandwidth=nbytes / max(t["big"] - t["one"], 1e-9),
+        per_transfer_s=t["one"],
+        copy_per_run_s=max(c_runs / len(runs), 1e-9),
+        copy_bandwidth=half / max(c_big, 1e-9),
+        source=f"calibrated against peer {peer!r}",
+    )
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# -- agents ---------------------------------------------------------------------------------
+
+
+def make_agent(
+    name: str, *, telemetry: bool = True, progress_thread: bool = True, backends: Iterable[str] = ("UCX",)
+) -> Agent:
+    """A NIXL agent (``nixl._api.nixl_agent``; the only place this module imports NIXL)
+    with telemetry on, so :class:`TransferResult` reports NIXL's merged descriptor count.
+
+    ``progress_thread=False`` suits a process that only initiates and waits: polling a
+    transfer's state drives NIXL's progress (and NIXL's thread, which polls without
+    pause, is not there to compete for the cores). A target that does not poll needs the
+    thread, or must call ``get_new_notifs`` regularly (as :mod:`kvlayout.nixl_peer` does).
+    """
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:  # kvlayout[nixl] alone: the CUDA 12 build, without the `nixl` meta package
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise ImportError(
+                "NIXL is not installed: pip install 'kvlayout[nixl]' (and pip install --no-deps nixl==1.5.1 "
+                "for `import nixl`)"
+            ) from exc
+    config = nixl_agent_config(
+        enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
+    )
+    return nixl_agent(name, config)

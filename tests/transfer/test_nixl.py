@@ -1,0 +1,394 @@
+"""Real NIXL between two processes: this one and a peer (``kvlayout.nixl_peer``), each
+with its own agent, over UCX's TCP transport on loopback (shared-memory transports do
+not reach across this sandbox's processes).
+
+One peer serves most of the module (starting one costs seconds); a second, over TCP
+alone, is stopped (a timeout) and then killed (a failed transfer). Bounded: a few MiB in all, every answer from a peer
+awaited with a deadline (the peer is killed on overrun), every wait with a timeout, and
+the whole module under a hard limit that ends the process (faulthandler).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import nixl_transfer as nx
+from kvlayout.nixl_peer import NixlPeer, contents
+from kvlayout.transfer import TransferError
+
+U64 = np.uint64
+BUF = 256 << 10  # bytes in each buffer of either side
+SLOT = 2048  # runs start at slots of this many bytes
+UNIT = 256  # the prepped lists' unit: every run is whole units
+MODULE_LIMIT_S = 240  # hard: the process ends (with tracebacks) past this
+
+
+@dataclass(frozen=True)
+class Map:
+    """A test-only block map: runs built by hand between this process and the peer."""
+
+    runs: np.ndarray
+    src: nx.MapSide
+    dst: nx.MapSide
+
+
+@dataclass
+class Pair:
+    agent: nx.Agent
+    peer: NixlPeer
+    name: str  # the peer's agent name, as add_remote_agent returned it
+    local: list[torch.Tensor]
+    staging: nx.Staging
+    prepped: nx.Prepped
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
+    # buffers 0 and 1 registered whole; buffer 2 only its first half (a peer that lies)
+    peer = NixlPeer(
+        "kvl-peer", [BUF, BUF, 64 << 10], seed=1, registered=[(0, 0, BUF), (1, 0, BUF), (2, 0, 32 << 10)]
+    )
+    try:
+        agent = nx.make_agent("kvl-local", progress_thread=False)
+        name = agent.add_remote_agent(peer.metadata)
+        local = [torch.zeros(BUF, dtype=torch.uint8), torch.zeros(BUF, dtype=torch.uint8)]
+        held = nx.register(agent, local)
+        staging = nx.Staging(agent, BUF)
+        prepped = nx.prep_lists(agent, name, nx.local_side(local), peer.side([0, 1]), UNIT, staging=staging)
+        yield Pair(agent, peer, name, local, staging, prepped)
+        staging.close()
+        held.deregister()
+    finally:
+        peer.close()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def pieces(pattern: str, n: int, rng: np.random.Generator) -> list[tuple[int, int, int, int, int]]:
+    """(local buffer, offset, peer buffer, offset, length) of ``n`` runs of whole units.
+
+    scattered: random slots on both sides; remote-consecutive: random local slots, one
+    after another on the peer (staged sends them as one descriptor); consecutive: one
+    after another on both sides (NIXL merges the prepped form's indices into one)."""
+    lengths = rng.integers(1, SLOT // UNIT + 1, n) * UNIT
+    if pattern == "consecutive":
+        at = np.r_[0, np.cumsum(lengths)[:-1]]
+        return [(0, int(a) + SLOT, 1, int(a) + 3 * SLOT, int(k)) for a, k in zip(at, lengths, strict=True)]
+    slots = BUF // SLOT
+    ls = rng.permutation(2 * slots)[:n]
+    if pattern == "scattered":
+        rs = rng.permutation(2 * slots)[:n]
+        return [
+            (int(a) // slots, int(a) % slots * SLOT, int(b) // slots, int(b) % slots * SLOT, int(k))
+            for a, b, k in zip(ls, rs, lengths, strict=True)
+        ]
+    at = np.r_[0, np.cumsum(lengths)[:-1]] + 5 * SLOT
+    return [
+        (int(a) // slots, int(a) % slots * SLOT, 0, int(r), int(k))
+        for a, r, k in zip(ls, at, lengths, strict=True)
+    ]
+
+
+def make_map(p: Pair, op: str, runs: list[tuple[int, int, int, int, int]]) -> Map:
+    local = [(p.local[a].data_ptr() + i, n) for a, i, _, _, n in runs]
+    remote = [p.peer.address(b, j) for _, _, b, j, _ in runs]
+    rows = np.array(
+        [(lo, r, n) if op == "WRITE" else (r, lo, n) for (lo, n), r in zip(local, remote, strict=True)],
+        dtype=U64,
+    )
+    here, there = nx.local_side(p.local), p.peer.side([0, 1])
+    return Map(rows, here, there) if op == "WRITE" else Map(rows, there, here)
+
+
+def merged_count(rows: np.ndarray) -> int:
+    """Descriptors left when consecutive runs (following on both sides) merge, in order."""
+    follows = (rows[1:, 0] == rows[:-1, 0] + rows[:-1, 2]) & (rows[1:, 1] == rows[:-1, 1] + rows[:-1, 2])
+    return len(rows) - int(follows.sum())
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+@pytest.mark.parametrize("form", ["list", "prepped"])
+@pytest.mark.parametrize("strategy", ["direct", "staged"])
+@pytest.mark.parametrize("pattern", ["scattered", "remote-consecutive", "consecutive"])
+def test_requests_move_byte_exactly(pair: Pair, op: str, form: str, strategy: str, pattern: str) -> None:
+    rng = np.random.default_rng(zlib.crc32(f"{op} {form} {strategy} {pattern}".encode()))
+    runs = pieces(pattern, 48, rng)
+    m = make_map(pair, op, runs)
+    for t in pair.local:
+        t.copy_(torch.from_numpy(rng.integers(0, 256, BUF, dtype=np.uint8)))
+    before = [t.clone() for t in pair.local]
+    xfer = nx.transfer(
+        pair.agent, pair.name, m, strategy=strategy, staging=pair.staging,  # type: ignore[arg-type]
+        prepped=pair.prepped if form == "prepped" else None, notif=f"{op}-{pattern}".encode(),
+    )  # fmt: skip
+    result = xfer.wait(timeout=30)
+    assert result.strategy == strategy and result.num_bytes == sum(r[4] for r in runs)
+    if strategy == "staged":
+        stretches = xfer.plan.num_descriptors
+        assert stretches == {"scattered": len(runs), "remote-consecutive": 1, "consecutive": 1}[pattern] or (
+            pattern == "scattered" and stretches < len(runs)  # random slots may happen to follow one another
+        )
+        assert result.descriptors == stretches
+    elif form == "prepped":  # NIXL merged consecutive dense indices back into whole runs, and more
+        assert result.descriptors == merged_count(m.runs)
+        assert pattern != "consecutive" or result.descriptors == 1
+    else:
+        assert result.descriptors == len(runs)
+    assert pair.peer.notifs() == [f"{op}-{pattern}".encode()]
+    if op == "READ":
+        want, held = [t.numpy().copy() for t in before], [contents(pair.peer.seed, b, BUF) for b in (0, 1)]
+        for a, i, b, j, n in runs:
+            want[a][i : i + n] = held[b][j : j + n]
+        for got, w in zip(pair.local, want, strict=True):
+            np.testing.assert_array_equal(got.numpy(), w)
+    else:
+        want = [contents(pair.peer.seed, b, BUF) for b in (0, 1)]
+        for a, i, b, j, n in runs:
+            want[b][j : j + n] = before[a].numpy()[i : i + n]
+        for b in (0, 1):
+            np.testing.assert_array_equal(pair.peer.read(b), want[b])
+        pair.peer.fill(pair.peer.seed)
+
+
+def test_auto_chooses_staged_for_many_small_runs(pair: Pair) -> None:
+    runs = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]  # 128 runs, one stretch remotely
+    m = make_map(pair, "READ", runs)
+    result = nx.transfer(pair.agent, pair.name, m, staging=pair.staging, notif=b"auto").wait(timeout=30)
+    assert (result.strategy, result.descriptors) == ("staged", 1)
+    want = contents(pair.peer.seed, 0, BUF)
+    for _, i, _, j, n in runs:
+        np.testing.assert_array_equal(pair.local[0][i : i + n].numpy(), want[j : j + n])
+    assert pair.peer.notifs() == [b"auto"]
+
+
+def test_a_staging_buffer_in_use_leaves_auto_direct(pair: Pair) -> None:
+    runs = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
+    m = make_map(pair, "READ", runs)
+    first = nx.transfer(pair.agent, pair.name, m, staging=pair.staging, notif=b"first")
+    assert first.plan.strategy == "staged" and pair.staging.busy
+    with pytest.raises(TransferError, match=r"Staging\(262144 bytes at 0x[0-9a-f]+, busy\) is in use"):
+        nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging)
+    second = nx.transfer(pair.agent, pair.name, m, staging=pair.staging, notif=b"second")
+    assert second.plan.strategy == "direct"
+    first.wait(timeout=30)
+    second.wait(timeout=30)
+    assert not pair.staging.busy
+    assert sorted(pair.peer.notifs(expect=2)) == [b"first", b"second"]
+
+
+def nothing_arrived(p: Pair) -> None:
+    """The peer's memory as it was and no notification: nothing was posted."""
+    for b in (0, 1):
+        np.testing.assert_array_equal(p.peer.read(b), contents(p.peer.seed, b, BUF))
+    assert p.peer.notifs(expect=1, wait=0.3) == []
+
+
+def test_a_peer_description_that_lies_is_refused_before_posting(pair: Pair) -> None:
+    # The peer describes buffer 2 whole but registered only its first half with NIXL.
+    liar = pair.peer.side([0, 1, 2])
+    here = nx.local_side(pair.local)
+    inside = pair.peer.address(2, 0)
+    lie = pair.peer.address(2, 40 << 10)
+    runs = np.array(
+        [
+            (pair.local[0].data_ptr(), pair.peer.address(0, 0), 4096),
+            (pair.local[0].data_ptr() + 4096, inside, 4096),
+            (pair.local[0].data_ptr(), lie, 4096),
+        ],
+        dtype=U64,
+    )
+    with pytest.raises(
+        nx.RefusedDescriptorError,
+        match=r"remote descriptor 2 \(0x[0-9a-f]+, 4096 bytes\) is inside what peer 'kvl-peer' described but not inside memory it registered with NIXL.*refused before posting",
+    ):
+        nx.transfer(pair.agent, pair.name, Map(runs, here, liar), notif=b"lie", strategy="direct")
+    with pytest.raises(
+        nx.RefusedDescriptorError,
+        match=r"described tensor 2 \(0x[0-9a-f]+, 65536 bytes\) is inside what peer 'kvl-peer' described but not inside memory it registered",
+    ):
+        nx.prep_lists(pair.agent, pair.name, here, liar, UNIT)
+    # A map reaching past the tensors the peer described (buffer 1 is not in this description).
+    narrow = pair.peer.side([0])
+    runs = np.array(
+        [
+            (pair.local[0].data_ptr(), pair.peer.address(0, 0), 4096),
+            (pair.local[0].data_ptr(), pair.peer.address(1, 0), 64),
+        ],
+        dtype=U64,
+    )
+    for strategy in ("direct", "staged"):
+        with pytest.raises(
+            nx.RefusedDescriptorError,
+            match=r"remote run 1 \(0x[0-9a-f]+, 64 bytes\) is outside the 1 tensors peer 'kvl-peer' described",
+        ):
+            nx.transfer(
+                pair.agent,
+                pair.name,
+                Map(runs, here, narrow),
+                notif=b"lie",
+                strategy=strategy,
+                staging=pair.staging,
+            )
+    # Local memory this agent never registered.
+    stray = torch.zeros(4096, dtype=torch.uint8)
+    runs = np.array([(stray.data_ptr(), pair.peer.address(0, 0), 4096)], dtype=U64)
+    with pytest.raises(
+        nx.RefusedDescriptorError,
+        match=r"local run 0 \(0x[0-9a-f]+, 4096 bytes\) is outside every region registered on agent 'kvl-local'",
+    ):
+        nx.transfer(pair.agent, pair.name, Map(runs, nx.local_side(stray), narrow), notif=b"lie")
+    # The prepped lists cover only what was prepared: a run outside them is refused too.
+    runs = np.array([(pair.local[0].data_ptr() + 100, pair.peer.address(0, 0), UNIT)], dtype=U64)
+    with pytest.raises(
+        nx.RefusedDescriptorError,
+        match=r"local descriptor 0 \(0x[0-9a-f]+, 256 bytes\) is not whole 256-byte units",
+    ):
+        nx.transfer(pair.agent, pair.name, Map(runs, here, narrow), prepped=pair.prepped, notif=b"lie")
+    nothing_arrived(pair)
+
+
+def test_register_makes_one_region_per_storage(pair: Pair) -> None:
+    """vLLM layers cut from one pool are one region; separate tensors one each; a storage
+    registered twice is counted; deregistering puts its memory out of reach."""
+    nl, shape = 4, (2, 8, 4, 2, 16)  # NL x [2, NB, BS, NH, HS]
+    per = int(np.prod(shape))
+    pool = torch.zeros(nl * per, dtype=torch.bfloat16)
+    reg = kvlayout.detect([pool[i * per : (i + 1) * per].view(shape) for i in range(nl)], "vllm")
+    with nx.register(pair.agent, reg) as held:
+        assert [(r.address, r.nbytes, r.mem_type, r.device) for r in held.regions] == [
+            (pool.data_ptr(), pool.nbytes, "DRAM", 0)
+        ]
+        again = nx.register(pair.agent, reg.kernel_groups[0])
+        assert again.regions == held.regions
+        again.deregister()
+        # still registered (held): a READ into it passes the local check and lands
+        runs = np.array([(pair.peer.address(0, 0), pool.data_ptr(), 4096)], dtype=U64)
+        m = Map(runs, pair.peer.side([0]), nx.local_side(reg))
+        nx.transfer(pair.agent, pair.name, m, notif=b"pool").wait(timeout=30)
+        np.testing.assert_array_equal(
+            pool.view(torch.uint8)[:4096].numpy(), contents(pair.peer.seed, 0, 4096)
+        )
+    with pytest.raises(
+        nx.RefusedDescriptorError, match="outside every region registered on agent 'kvl-local'"
+    ):
+        nx.transfer(pair.agent, pair.name, m)
+    apart = [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(nl)]
+    with nx.register(pair.agent, kvlayout.detect(apart, "vllm")) as held:
+        assert sorted(r.address for r in held.regions) == sorted(t.data_ptr() for t in apart)
+    assert pair.peer.notifs() == [b"pool"]
+
+
+def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
+    model = nx.calibrate(pair.agent, pair.name, pair.peer.side([0]), nbytes=512 << 10, count=128, repeats=1)
+    assert model.source == "calibrated against peer 'kvl-peer'"
+    assert 0 < model.per_descriptor_s < 0.01 and model.bandwidth > 1e6
+    assert 0 < model.copy_per_run_s < 1e-3 and model.copy_bandwidth > 1e7
+    # a cost model picks between strategies on its own figures
+    m = make_map(pair, "READ", [(0, k * SLOT, 0, k * UNIT, UNIT) for k in range(64)])
+    assert nx.plan(m, staging=pair.staging, cost=model).strategy in ("direct", "staged")
+
+
+@dataclass
+class TcpPair:
+    agent: nx.Agent
+    peer: NixlPeer
+    name: str
+    local: torch.Tensor
+
+
+@pytest.fixture(scope="module")
+def tcp_pair() -> Iterator[TcpPair]:
+    """A second peer, over TCP alone: between processes of one machine UCX otherwise
+    reads and writes the peer's memory by CMA (process_vm_readv), which needs nothing
+    from the peer, so a stopped peer would not hold a transfer up."""
+    with NixlPeer("kvl-tcp", [256 << 10], seed=2, env={"UCX_TLS": "tcp"}) as peer:
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("UCX_TLS", "tcp")  # read when the agent's UCX context starts
+            agent = nx.make_agent("kvl-tcp-local", progress_thread=False)
+        local = torch.zeros(256 << 10, dtype=torch.uint8)
+        with nx.register(agent, local):
+            yield TcpPair(agent, peer, agent.add_remote_agent(peer.metadata), local)
+
+
+def tcp_read(p: TcpPair, offset: int = 0) -> Map:
+    runs = np.array(
+        [(p.peer.address(0, offset + k * SLOT), p.local.data_ptr() + k * SLOT, SLOT) for k in range(64)],
+        dtype=U64,
+    )
+    return Map(runs, p.peer.side(), nx.local_side(p.local))
+
+
+def test_a_stopped_peer_times_out_and_the_pair_recovers(tcp_pair: TcpPair) -> None:
+    tcp_pair.peer.pause()
+    try:
+        xfer = nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair), notif=b"late")
+        with pytest.raises(
+            nx.NixlTimeoutError,
+            match=r"the READ to peer 'kvl-tcp' \(direct, 64 descriptors, 131072 bytes\) was not done after 0.5 s; it was cancelled",
+        ):
+            nx.wait(xfer, timeout=0.5)
+    finally:
+        tcp_pair.peer.resume()
+    tcp_pair.peer.notifs(expect=1, wait=1)  # the cancelled request's notification, if it went out
+    result = nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair, 1024), notif=b"again").wait(
+        timeout=30
+    )
+    assert result.descriptors == 64
+    np.testing.assert_array_equal(
+        tcp_pair.local[: 64 * SLOT].numpy(), contents(2, 0, 256 << 10)[1024 : 1024 + 64 * SLOT]
+    )
+    assert tcp_pair.peer.notifs() == [b"again"]
+
+
+def test_a_peer_that_dies_mid_transfer_fails_the_transfer(tcp_pair: TcpPair) -> None:
+    tcp_pair.peer.pause()
+    xfer = nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair))
+    tcp_pair.peer.kill()
+    with pytest.raises(
+        nx.NixlError,
+        match=r"NIXL failed the READ to peer 'kvl-tcp' \(direct, 64 descriptors, 131072 bytes\): nixl\w*Error",
+    ):
+        xfer.wait(timeout=30)
+    with pytest.raises(nx.NixlError, match=r"NIXL (failed|refused) the READ to peer 'kvl-tcp'"):
+        nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair)).wait(timeout=30)
+
+
+class _ErrAgent:
+    """NIXL's documented states, one of them "ERR", from a stand-in agent (a real one
+    reports failures here as exceptions: see the test above)."""
+
+    name = "stand-in"
+
+    def __init__(self, states: list[str]) -> None:
+        self.states = states
+        self.released = 0
+
+    def check_xfer_state(self, handle: object) -> str:
+        return self.states.pop(0)
+
+    def release_xfer_handle(self, handle: object) -> None:
+        self.released += 1
+
+
+def test_an_err_state_raises_and_releases() -> None:
+    buf = torch.zeros(64, dtype=torch.uint8)
+    side = nx.local_side(buf)
+    there = nx.LocalSide("cpu", 0, side.spans, is_local=False)
+    p = nx.plan(Map(np.array([(buf.data_ptr(), buf.data_ptr() + 32, 8)], dtype=U64), side, there))
+    agent = _ErrAgent(["PROC", "ERR"])
+    xfer = nx.Transfer(agent, "peer-x", p, handle=object(), staging=None)
+    assert not xfer.done()
+    with pytest.raises(
+        nx.NixlError,
+        match=r'NIXL failed the WRITE to peer \'peer-x\' \(direct, 1 descriptors, 8 bytes\): check_xfer_state returned "ERR"',
+    ):
+        xfer.wait(timeout=5)
+    assert agent.released == 1

@@ -1,0 +1,310 @@
+"""The NIXL layer's planning, without NIXL: descriptors and op of a map, the staged
+strategy's gather and stretches, the prepped form's index arrays and the cost model's
+choice. Byte moves are simulated in this process (each descriptor pair as one memmove
+between real buffers standing for both sides) and checked against the runs themselves.
+The real transfers between two processes are in ``test_nixl.py``."""
+
+from __future__ import annotations
+
+import ctypes
+import re
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from typing import Literal, cast
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvlayout import nixl_transfer as nx
+from kvlayout.transfer import TransferError
+
+U64 = np.uint64
+Pieces = list[tuple[int, int, int, int, int]]  # (src buffer, offset, dst buffer, offset, length)
+Case = tuple[list[np.ndarray], list[np.ndarray], Pieces, Literal["WRITE", "READ"]]
+
+
+@dataclass(frozen=True)
+class Side:
+    """A map side for tests: buffers standing for a registration or a peer's description."""
+
+    spans: np.ndarray
+    is_local: bool
+    device_type: str = "cpu"
+    device_index: int = 0
+
+
+@dataclass(frozen=True)
+class Map:
+    """A test-only block map: hand-built runs between two sides."""
+
+    runs: np.ndarray
+    src: Side
+    dst: Side
+
+
+def side_of(buffers: list[np.ndarray], *, local: bool) -> Side:
+    return Side(np.array([[b.ctypes.data, b.nbytes] for b in buffers], dtype=U64), local)
+
+
+def runs_between(src: list[np.ndarray], dst: list[np.ndarray], pieces: Pieces) -> np.ndarray:
+    """Rows (source address, destination address, length) from (src buffer, src offset,
+    dst buffer, dst offset, length) pieces."""
+    rows = [(src[a].ctypes.data + i, dst[b].ctypes.data + j, n) for a, i, b, j, n in pieces]
+    return np.array(rows, dtype=U64).reshape(-1, 3)
+
+
+def apply(rows_from: np.ndarray, rows_to: np.ndarray) -> None:
+    """Post descriptor pairs in this process: one memmove per pair."""
+    for (a, n, _), (b, m, _) in zip(rows_from.tolist(), rows_to.tolist(), strict=True):
+        assert n == m
+        ctypes.memmove(b, a, n)
+
+
+def post(p: nx.Plan) -> None:
+    """What NIXL does with a plan, simulated: gather, move each descriptor, scatter."""
+    if p.copies is not None and p.op == "WRITE":
+        nx.copy_byte_runs(p.copies)
+    if p.op == "WRITE":
+        apply(p.local, p.remote)
+    else:
+        apply(p.remote, p.local)
+    if p.copies is not None and p.op == "READ":
+        nx.copy_byte_runs(p.copies)
+
+
+@st.composite
+def maps(draw: st.DrawFn) -> Case:
+    """Two buffers a side, runs of 1-64 bytes at distinct 64-byte slots of each (so they
+    never overlap), some laid consecutively on the remote side, and an op."""
+    slots = 32
+    local = [np.random.default_rng(i).integers(0, 256, slots * 64, dtype=np.uint8) for i in range(2)]
+    remote = [np.random.default_rng(9 + i).integers(0, 256, slots * 64, dtype=np.uint8) for i in range(2)]
+    n = draw(st.integers(1, 24))
+    lslots = draw(st.permutations(range(2 * slots)))[:n]
+    rslots = draw(st.permutations(range(2 * slots)))[:n]
+    whole = draw(st.booleans())  # whole slots: remote-consecutive slots make one stretch
+    pieces = []
+    for ls, rs in zip(lslots, rslots, strict=True):
+        length = 64 if whole else draw(st.integers(1, 64))
+        pieces.append((ls // slots, (ls % slots) * 64, rs // slots, (rs % slots) * 64, length))
+    op: Literal["WRITE", "READ"] = draw(st.sampled_from(["WRITE", "READ"]))
+    return local, remote, pieces, op
+
+
+@given(maps(), st.sampled_from(["direct", "staged"]))
+def test_a_plan_moves_what_the_runs_say(case: Case, strategy: Literal["direct", "staged"]) -> None:
+    """Any runs, either strategy, either op: after the plan's copies and descriptors,
+    the destination holds the source's bytes where the runs say, and nothing else moved."""
+    local, remote, pieces, op = case
+    staging = np.zeros(sum(p[4] for p in pieces), dtype=np.uint8)
+    if op == "WRITE":
+        src, dst = local, remote
+        m = Map(runs_between(local, remote, pieces), side_of(local, local=True), side_of(remote, local=False))
+    else:
+        src, dst = remote, local
+        flipped = [(b, j, a, i, n) for a, i, b, j, n in pieces]
+        m = Map(
+            runs_between(remote, local, flipped), side_of(remote, local=False), side_of(local, local=True)
+        )
+    expected = [d.copy() for d in dst]
+    for row in m.runs.tolist():
+        s = next(b for b in src if b.ctypes.data <= row[0] < b.ctypes.data + b.nbytes)
+        d = next(k for k, b in enumerate(dst) if b.ctypes.data <= row[1] < b.ctypes.data + b.nbytes)
+        i, j = row[0] - s.ctypes.data, row[1] - dst[d].ctypes.data
+        expected[d][j : j + row[2]] = s[i : i + row[2]]
+    p = nx.plan(m, strategy=strategy, staging=staging_at(staging))
+    assert p.strategy == strategy and p.op == op
+    post(p)
+    for got, want in zip(dst, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+    if strategy == "staged":
+        remote_rows = m.runs[:, 1] if op == "WRITE" else m.runs[:, 0]
+        assert p.num_descriptors == brute_force_stretches(remote_rows, m.runs[:, 2], remote)
+
+
+class _FakeStaging:
+    """The two attributes plan() reads from a Staging (no NIXL in this file)."""
+
+    def __init__(self, buf: np.ndarray) -> None:
+        self.address = buf.ctypes.data
+        self.nbytes = buf.nbytes
+
+
+def staging_at(buf: np.ndarray) -> nx.Staging:
+    return cast(nx.Staging, _FakeStaging(buf))
+
+
+def brute_force_stretches(remote: np.ndarray, lengths: np.ndarray, buffers: list[np.ndarray]) -> int:
+    """Maximal sets of runs that follow one another on the remote side, within one buffer."""
+    ends = {int(a) + int(n) for a, n in zip(remote, lengths, strict=True)}
+    firsts = {b.ctypes.data for b in buffers}
+    return sum(1 for a in remote.tolist() if a not in ends or a in firsts)
+
+
+def test_descriptors_write_when_local_is_the_source_read_when_it_is_the_destination() -> None:
+    local, remote = [np.zeros(256, np.uint8)], [np.zeros(256, np.uint8)]
+    pieces = [(0, 0, 0, 128, 16), (0, 64, 0, 0, 32)]
+    lo, ro = local[0].ctypes.data, remote[0].ctypes.data
+    rside = Side(side_of(remote, local=False).spans, False, "cuda", 3)
+    m = Map(runs_between(local, remote, pieces), side_of(local, local=True), rside)
+    d = nx.descriptors(m)
+    assert d.op == "WRITE" and (d.local_mem, d.remote_mem) == ("DRAM", "VRAM")
+    assert d.local.tolist() == [[lo, 16, 0], [lo + 64, 32, 0]]
+    assert d.remote.tolist() == [[ro + 128, 16, 3], [ro, 32, 3]]
+    back = Map(runs_between(remote, local, [(0, 128, 0, 0, 16)]), rside, side_of(local, local=True))
+    d = nx.descriptors(back)
+    assert d.op == "READ" and d.local.tolist() == [[lo, 16, 0]] and d.remote.tolist() == [[ro + 128, 16, 3]]
+
+
+def test_bad_maps_are_refused_with_the_reason() -> None:
+    buf = [np.zeros(64, np.uint8)]
+    runs = runs_between(buf, buf, [(0, 0, 0, 32, 8)])
+    here, there = side_of(buf, local=True), side_of(buf, local=False)
+    with pytest.raises(TransferError, match=r"both sides of the map are in this process.*copy\(\)"):
+        nx.descriptors(Map(runs, here, here))
+    with pytest.raises(TransferError, match="both sides of the map are in peers"):
+        nx.descriptors(Map(runs, there, there))
+    with pytest.raises(TypeError, match=r"\(N, 3\) uint64 array .* not a int64 array of shape \(1, 3\)"):
+        nx.descriptors(Map(runs.astype(np.int64), here, there))
+    zero = runs.copy()
+    zero[0, 2] = 0
+    with pytest.raises(TransferError, match="run 0 of the map has length 0"):
+        nx.descriptors(Map(zero, here, there))
+    wrap = runs.copy()
+    wrap[0, 1] = 2**64 - 4
+    with pytest.raises(
+        TransferError, match="run 0 of the map runs past the end of the destination address space"
+    ):
+        nx.descriptors(Map(wrap, here, there))
+    xpu = Side(there.spans, False, "xpu", 0)
+    with pytest.raises(
+        TransferError, match="the remote side is on a 'xpu' device; NIXL moves cpu or cuda memory"
+    ):
+        nx.descriptors(Map(runs, here, xpu))
+
+
+def scattered_map(n: int, length: int) -> tuple[Map, np.ndarray]:
+    local, remote = [np.zeros(4 * n * length, np.uint8)], [np.zeros(4 * n * length, np.uint8)]
+    pieces = [(0, 2 * i * length, 0, (n - 1 - i) * length, length) for i in range(n)]  # remote-consecutive
+    m = Map(runs_between(local, remote, pieces), side_of(local, local=True), side_of(remote, local=False))
+    return m, np.zeros(n * length, np.uint8)
+
+
+def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long_ones() -> None:
+    many, buf = scattered_map(512, 256)  # 512 runs of 256 B, one stretch on the remote side
+    p = nx.plan(many, staging=staging_at(buf))
+    assert p.strategy == "staged" and p.num_descriptors == 1
+    assert p.predicted_s["staged"] < p.predicted_s["direct"]
+    few, buf = scattered_map(2, 1 << 16)  # 2 long runs: the gather costs more than a descriptor
+    p = nx.plan(few, staging=staging_at(buf))
+    assert p.strategy == "direct" and p.num_descriptors == 2
+    # forced, either way; and auto without a staging buffer is direct
+    assert nx.plan(few, strategy="staged", staging=staging_at(buf)).strategy == "staged"
+    assert nx.plan(many, strategy="direct", staging=staging_at(buf)).strategy == "direct"
+    assert nx.plan(many).strategy == "direct"
+    slow_copy = nx.CostModel(copy_per_run_s=1.0)
+    assert nx.plan(many, staging=staging_at(buf), cost=slow_copy).strategy == "direct"
+
+
+def test_staged_needs_a_staging_buffer_that_fits() -> None:
+    m, buf = scattered_map(4, 64)
+    with pytest.raises(
+        TransferError, match="the staged strategy needs a staging buffer of 256 bytes; got no staging"
+    ):
+        nx.plan(m, strategy="staged")
+    with pytest.raises(
+        TransferError, match="needs a staging buffer of 256 bytes; got a staging buffer of 255 bytes"
+    ):
+        nx.plan(m, strategy="staged", staging=staging_at(buf[:255]))
+    with pytest.raises(TransferError, match="strategy must be 'auto', 'direct' or 'staged', not 'fast'"):
+        nx.plan(m, strategy="fast")  # type: ignore[arg-type]
+
+
+def test_a_stretch_never_crosses_from_one_described_tensor_into_the_next() -> None:
+    """Two remote tensors that touch in memory: runs at the end of one and the start of
+    the other go as two descriptors (each descriptor must lie in one registration)."""
+    pool = np.zeros(256, np.uint8)
+    a, b = pool[:128], pool[128:]
+    local = [np.zeros(256, np.uint8)]
+    rside = side_of([a, b], local=False)
+    runs = runs_between(local, [a, b], [(0, 0, 0, 64, 64), (0, 128, 1, 0, 64)])
+    p = nx.plan(Map(runs, side_of(local, local=True), rside), strategy="staged", staging=staging_at(local[0]))
+    assert p.num_descriptors == 2
+    joined = Side(np.array([[pool.ctypes.data, 256]], dtype=U64), False)
+    p = nx.plan(
+        Map(runs, side_of(local, local=True), joined), strategy="staged", staging=staging_at(local[0])
+    )
+    assert p.num_descriptors == 1
+
+
+@given(maps())
+def test_prepped_indices_cover_the_same_bytes(case: Case) -> None:
+    """The prepped form's index arrays, expanded back into units, are the runs' bytes."""
+    local, remote, pieces, _ = case
+    pieces = [(a, i - i % 8, b, j - j % 8, max(8, n - n % 8)) for a, i, b, j, n in pieces]  # 8-byte units
+    runs = runs_between(local, remote, pieces)
+    lspans, rspans = side_of(local, local=True).spans, side_of(remote, local=False).spans
+    ll = nx.PreppedList(None, 8, *unit_rows(lspans, 8), "DRAM")
+    rl = nx.PreppedList(None, 8, *unit_rows(rspans, 8), "DRAM")
+    li = ll.indices(nx._rows(runs[:, 0], runs[:, 2], 0), "local")
+    ri = rl.indices(nx._rows(runs[:, 1], runs[:, 2], 0), "remote")
+    assert li.dtype == np.int32 and len(li) == len(ri) == int(runs[:, 2].sum()) // 8
+    want = [(s + k, d + k) for s, d, n in runs.tolist() for k in range(0, n, 8)]
+    assert list(zip(unit_addresses(ll, li), unit_addresses(rl, ri), strict=True)) == want
+
+
+def unit_rows(spans: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
+    starts, ends = nx._intervals(spans)
+    return starts, ((ends - starts) // U64(unit)).astype(np.int64)
+
+
+def unit_addresses(pl: nx.PreppedList, idx: np.ndarray) -> list[int]:
+    """Where each index of a prepped list points, the way NIXL reads its Nx5 rows."""
+    row = np.searchsorted(pl.first, idx, side="right") - 1
+    return [int(pl.starts[r]) + (int(i) - int(pl.first[r])) * pl.unit for r, i in zip(row, idx, strict=True)]
+
+
+def test_prepped_indices_refuse_runs_off_the_unit_grid() -> None:
+    buf = [np.zeros(256, np.uint8)]
+    pl = nx.PreppedList(None, 64, *unit_rows(side_of(buf, local=True).spans, 64), "DRAM")
+    base = buf[0].ctypes.data
+    assert pl.indices(np.array([[base + 64, 128, 0]], U64), "run").tolist() == [1, 2]
+    for addr, n in ((base + 32, 64), (base, 96)):
+        with pytest.raises(
+            nx.RefusedDescriptorError, match=r"run 0 \(0x[0-9a-f]+, \d+ bytes\) is not whole 64-byte units"
+        ):
+            pl.indices(np.array([[addr, n, 0]], U64), "run")
+    for addr, n in ((base + 192, 128), (base - 64, 64)):
+        with pytest.raises(nx.RefusedDescriptorError, match=r"is outside the 1 stretches of memory prepared"):
+            pl.indices(np.array([[addr, n, 0]], U64), "run")
+
+
+def test_overlapping_spans_merge_touching_ones_do_not() -> None:
+    starts, ends = nx._intervals(np.array([[100, 50], [0, 10], [120, 100], [10, 5], [300, 0]], U64))
+    assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(0, 10), (10, 15), (100, 220)]
+
+
+def test_importing_kvlayout_and_planning_never_loads_nixl() -> None:
+    """NIXL is optional: kvlayout, kvlayout.transfer and this module's planning import
+    and run without loading it (a session without the extra never pays for it)."""
+    code = textwrap.dedent(
+        """
+        import sys
+        import numpy as np
+        import kvlayout, kvlayout.transfer
+        from kvlayout import nixl_transfer as nx
+        kvlayout.detect  # the lazy exports resolve
+        side = nx.local_side(__import__("torch").zeros(64, dtype=__import__("torch").uint8))
+        loaded = sorted(m for m in sys.modules if m.split(".")[0].startswith("nixl"))
+        print(loaded)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert done.stdout.strip() == "[]", done.stdout
+    assert re.fullmatch(r"\[\]\n?", done.stdout)
