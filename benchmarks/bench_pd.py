@@ -4,7 +4,7 @@ sends it beside the descriptor lists vLLM and SGLang post for the same bytes.
 A Llama-3-8B-like cache (32 layers, 8 KV heads of 128, bf16, 16-token blocks, vLLM's
 flash-attn layout: per layer ``[2, NB, BS, NH, HS]`` in NHD, ``[2, NB, NH, BS, HS]`` in
 HND) in this process; the decode side's cache lives in a peer process
-(:mod:`kvlayout.nixl_peer`) holding the heads of its TP rank. One 1024-token request
+(:mod:`kvlayout.testing.nixl_peer`) holding the heads of its TP rank. One 1024-token request
 moves over UCX on loopback (TCP alone by default, as the facts sheet measured it; ``--tls
 ''`` lets UCX pick, which moves the data by CMA between processes of one machine). In the
 same run, for the same bytes, each row a WRITE from this process:
@@ -40,8 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlayout import nixl_transfer as nx
-from kvlayout.nixl_peer import NixlPeer, contents
+from kvlayout.testing.nixl_peer import NixlPeer, contents
+from kvlayout.transfer import nixl as nx
 
 NL, NH, HS, BS, ES = 32, 8, 128, 16, 2  # bf16
 U64 = np.uint64

@@ -1,4 +1,4 @@
-"""Real NIXL between two processes: this one and a peer (``kvlayout.nixl_peer``), each
+"""Real NIXL between two processes: this one and a peer (``kvlayout.testing.nixl_peer``), each
 with its own agent, over UCX's TCP transport on loopback (shared-memory transports do
 not reach across this sandbox's processes).
 
@@ -20,9 +20,9 @@ import pytest
 import torch
 
 import kvlayout
-from kvlayout import nixl_transfer as nx
-from kvlayout.nixl_peer import NixlPeer, contents
+from kvlayout.testing.nixl_peer import NixlPeer, contents
 from kvlayout.transfer import TransferError
+from kvlayout.transfer import nixl as nx
 
 U64 = np.uint64
 BUF = 256 << 10  # bytes in each buffer of either side

@@ -19,8 +19,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvlayout import nixl_transfer as nx
 from kvlayout.transfer import TransferError
+from kvlayout.transfer import nixl as nx
 
 U64 = np.uint64
 Pieces = list[tuple[int, int, int, int, int]]  # (src buffer, offset, dst buffer, offset, length)
@@ -296,7 +296,7 @@ def test_importing_kvlayout_and_planning_never_loads_nixl() -> None:
         import sys
         import numpy as np
         import kvlayout, kvlayout.transfer
-        from kvlayout import nixl_transfer as nx
+        from kvlayout.transfer import nixl as nx
         kvlayout.detect  # the lazy exports resolve
         side = nx.local_side(__import__("torch").zeros(64, dtype=__import__("torch").uint8))
         loaded = sorted(m for m in sys.modules if m.split(".")[0].startswith("nixl"))

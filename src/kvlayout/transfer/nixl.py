@@ -40,7 +40,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import numpy as np
 import torch
 
-from kvlayout.registration import KernelGroup, Registration
+from kvlayout.registration.registration import KernelGroup, Registration
 from kvlayout.transfer import TransferError
 
 __all__ = [
@@ -1030,7 +1030,7 @@ def make_agent(
     ``progress_thread=False`` suits a process that only initiates and waits: polling a
     transfer's state drives NIXL's progress (and NIXL's thread, which polls without
     pause, is not there to compete for the cores). A target that does not poll needs the
-    thread, or must call ``get_new_notifs`` regularly (as :mod:`kvlayout.nixl_peer` does).
+    thread, or must call ``get_new_notifs`` regularly (as :mod:`kvlayout.testing.nixl_peer` does).
     """
     try:
         from nixl._api import nixl_agent, nixl_agent_config

@@ -1,6 +1,6 @@
 """A NIXL peer in another process, for tests, benchmarks and demos of the NIXL path.
 
-``NixlPeer(name, [nbytes, ...])`` starts ``python -m kvlayout.nixl_peer``: a child
+``NixlPeer(name, [nbytes, ...])`` starts ``python -m kvlayout.testing.nixl_peer``: a child
 process with its own NIXL agent (UCX; between processes here that is TCP on loopback)
 holding host buffers filled with seeded random bytes (:func:`contents`), all registered
 or only the stretches given. The parent drives it over its pipes, one JSON line per
@@ -8,7 +8,7 @@ command, each answer awaited with a deadline (the child is killed on overrun):
 ``read`` a buffer back, ``fill`` it again, collect ``notifs``, ``stop``. ``pause`` and
 ``resume`` stop and continue it (a transfer to a stopped peer does not finish).
 
-:meth:`NixlPeer.side` is the peer's buffers as a :class:`~kvlayout.nixl_transfer.MapSide`
+:meth:`NixlPeer.side` is the peer's buffers as a :class:`~kvlayout.transfer.nixl.MapSide`
 (what a real peer's registration description provides).
 """
 
@@ -74,7 +74,7 @@ class NixlPeer:
         self.timeout = timeout
         self._log = tempfile.TemporaryFile()  # noqa: SIM115 - the child writes it while it lives
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvlayout.nixl_peer"],
+            [sys.executable, "-m", "kvlayout.testing.nixl_peer"],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -222,7 +222,7 @@ def _state(pid: int) -> str:
 def _serve() -> None:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything else printed (NIXL's logs) goes to stderr, not into the protocol
-    from kvlayout.nixl_transfer import make_agent
+    from kvlayout.transfer.nixl import make_agent
 
     agent: Any = None
     buffers: list[np.ndarray] = []
