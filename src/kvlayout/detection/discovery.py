@@ -141,8 +141,11 @@ def _check_blocks_outermost(kv: Any, fmt: EngineKVFormat) -> None:
         raise DetectionError(
             f"kv_caches: dim {outer} (size {pool.shape[outer]}, stride {stride[outer]}) is outer to dim 0 "
             f"(size {pool.shape[0]}, stride {stride[0]}) in memory: {fmt.name} and every other format that "
-            "holds all layers in one tensor keep their blocks outermost, so a layer-major pool (layers "
-            "outer to blocks) matches none; register a blocks-first pool"
+            "holds all layers in one tensor read dim 0 as the blocks, outermost, so the tensor must be "
+            "handed over with its outermost dim first. Whether dim "
+            f"{outer} is the blocks (a blocks-first pool with its dims reordered: hand it over in memory "
+            "order) or the layers (a layer-major pool, layers outer to blocks, which no format matches), "
+            "its dims cannot be read as given"
         )
 
 
@@ -344,6 +347,8 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
             if not 0 <= i < n:
                 raise KVLayoutError(f"layer_index_groups[{g}]: layer {i} is out of range for {n} {what}")
             if i in owner:
+                if owner[i] == g:
+                    raise KVLayoutError(f"layer_index_groups[{g}] lists layer {i} twice; list a layer once")
                 raise KVLayoutError(
                     f"layer {i} is in layer groups {owner[i]} and {g}; a layer belongs to one group"
                 )

@@ -74,12 +74,17 @@ def _read_by_sizes(
     return agree[0] if len(agree) == 1 else None
 
 
+def _layout_label(p: Probe, hints: LayoutHints) -> str:
+    """How messages name the NHD/HND decision: the hint, or the device's default."""
+    return "kv_layout" if hints.is_hnd is not None else f"no kv_layout hint, so {{}} on {p.device.type}"
+
+
 def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    layout_decision = ("kv_layout", "is_hnd", hnd)
+    layout_decision = (_layout_label(p, hints), "is_hnd", hnd)
     if p.depth == 0:
         return pick(ENGINE, p, decide=[layout_decision]), kv
     if p.depth == 1 and p.rank == 4:
-        return _rank4(kv, p, hnd)
+        return _rank4(kv, p, hnd, hints)
     # Padded block rows say dim 0 is the block axis (flash-infer), whatever the sizes.
     padded = ("dim-0 padding", "has_leading_block_axis", True if dim0_padding(p.first) else None)
     fmt = pick(
@@ -93,8 +98,10 @@ def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineK
     return fmt, kv
 
 
-def _rank4(kv: list[Any], p: Probe, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    fused = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", hnd)])
+def _rank4(
+    kv: list[Any], p: Probe, hnd: bool, hints: LayoutHints
+) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    fused = pick(ENGINE, p, decide=[(_layout_label(p, hints), "is_hnd", hnd)])
     head = LAYOUTS[fused].axis_of(Role.HEAD)
     assert head is not None
     if p.shape[head] == 1:  # one head: is the row a blocked-scale page (the DSA indexer)?
