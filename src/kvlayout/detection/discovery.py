@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.contiguity import attempt_permute_to_contiguous_view, physical_entries
+from kvlayout.contiguity import align_unit_dims, attempt_permute_to_contiguous_view, physical_entries
 from kvlayout.detection.base import DetectionError, check_size_hints, probe, validate
 from kvlayout.detection.registry import get_detector
 from kvlayout.errors import KVLayoutError
@@ -109,10 +109,23 @@ def _discover(
     detector = get_detector(engine)
     normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)
     trusted = normalized is not None
-    if normalized is None:
-        normalized = attempt_permute_to_contiguous_view(kv)
-        validate(normalized)
-    fmt, out = detector(normalized, hints)
+    try:
+        if normalized is None:
+            normalized = _physical(kv)
+            validate(normalized)
+        fmt, out = detector(normalized, hints)
+    except DetectionError as refused:
+        if trusted:  # no size-1 dims to place otherwise
+            raise
+        try:  # the caller's placement of size-1 dims fits nothing: try where their strides put them
+            retry = _physical(kv, by_stride=True)
+            if _same_views(retry, normalized):
+                raise refused
+            validate(retry)
+            fmt, out = detector(retry, hints)
+        except (KVLayoutError, TypeError):
+            raise refused from None
+        normalized = retry
     # every engine's size hints, checked against the leaves as the format reads them
     check_size_hints(engine, fmt, first_leaf(out).shape, hints, lambda: probe(normalized).describe())
     if hints.layout_format is not None and hints.layout_format != fmt.name:
@@ -126,6 +139,18 @@ def _discover(
         _log.debug("Engine KV Format: %s %s", fmt.name, LAYOUTS[fmt].describe_shape())
     # the detector's re-views (un-folding, squeezing) keep tensors alike, not always contiguous
     return fmt, out, trusted and (out is normalized or _all_contiguous(out))
+
+
+def _physical(kv: Any, *, by_stride: bool = False) -> Any:
+    """The registration in physical order, a list's layers laid out alike shaped alike
+    (as the first of them reads: :func:`~kvlayout.contiguity.align_unit_dims`)."""
+    views = attempt_permute_to_contiguous_view(kv, by_stride=by_stride)
+    return align_unit_dims(views) if isinstance(views, list) else views
+
+
+def _same_views(a: Any, b: Any) -> bool:
+    shapes = [(tuple(t.shape), t.stride()) for _, t in leaves(a)]
+    return shapes == [(tuple(t.shape), t.stride()) for _, t in leaves(b)]
 
 
 def _check_blocks_outermost(kv: Any, fmt: EngineKVFormat) -> None:
@@ -232,6 +257,7 @@ def _per_layer(
         fmt, out, trusted = _discover(entries, eng, hints, uniform)
         return _bind_whole(out, fmt, eng, [owner[i] for i in range(len(entries))], trusted)
     views = physical_entries(entries, members)
+    views = dict(zip(members, align_unit_dims([views[i] for i in members]), strict=True))
     _check_one_device(views)
     keys = {i: _key(views[i]) for i in members}
     if len(set(keys.values())) == 1:

@@ -14,7 +14,11 @@ Quirks that live here and nowhere else:
   K/V-first, with no way to say otherwise.
 * Rank-4 tensors are the unified fused cache ``[NB, NH, BS, CS]`` / ``[NB, BS, NH, CS]``,
   kept as registered; a single-head uint8 one whose row is the 132-byte blocked-scale
-  page is the DSA indexer cache, squeezed to ``[NB, BS, 132]``.
+  page is the DSA indexer cache, squeezed to ``[NB, BS, 132]``. vLLM 0.33 views every
+  layer as ``[B, H, N, C]`` and registers MLA and indexer layers with one head
+  (``[NB, 1, BS, C]``), whose NHD and HND orders are the same bytes: a size-1 dim beside
+  the tokens is that one head under either ``kv_layout`` (the tensor is viewed with it on
+  the hinted layout's head axis), unless the size hints say otherwise.
 * A bare tensor is cross-layer only with the cross-layer rank (LMCache takes any bare
   tensor as format 0). An HND one is ``NB_NL_TWO_NH_BS_HS`` (8): layouts.yaml lists it
   under TRT-LLM, but vLLM's HND cross-layer allocation is that same layout, so every
@@ -102,8 +106,13 @@ def _rank4(
     kv: list[Any], p: Probe, hnd: bool, hints: LayoutHints
 ) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     fused = pick(ENGINE, p, decide=[(_layout_label(p, hints), "is_hnd", hnd)])
-    head = LAYOUTS[fused].axis_of(Role.HEAD)
-    assert head is not None
+    head, token = (LAYOUTS[fused].axis_of(r) for r in (Role.HEAD, Role.TOKEN))
+    assert head is not None and token is not None
+    one_head = hints.num_kv_heads in (None, 1) and hints.tokens_per_block != 1
+    if one_head and p.shape[token] == 1 and p.shape[head] != 1:
+        # one head read as one token a block: the same bytes, the 1 on the head axis
+        kv = [t.transpose(head, token) for t in kv]
+        p = probe(kv)
     if p.shape[head] == 1:  # one head: is the row a blocked-scale page (the DSA indexer)?
         squeezed = p.shape[:head] + p.shape[head + 1 :]
         indexer = match(ENGINE, p, shape=squeezed, only=lambda s: s.byte_rows)

@@ -1,5 +1,6 @@
 """vLLM 0.33 registrations kvlayout must read as vLLM made them: cross-layer KV sharing
-(Gemma-3n, YOCO: the sharer registers its target's tensor)."""
+(Gemma-3n, YOCO: the sharer registers its target's tensor) and the single-head views of
+MLA and DSA-indexer layers (``[NB, 1, BS, C]``), under every ``kv_layout`` hint."""
 
 from __future__ import annotations
 
@@ -9,17 +10,22 @@ import pytest
 import torch
 
 import kvlayout
+from kvlayout.indexers import drop_indexer_caches, is_indexer_cache
 from kvlayout.transfer import prepare
 from tests.integrations.vllm.models import (
     FLASH_ATTN,
     AttentionModel,
     Engine,
+    KVCacheLayout,
     allocate_v033,
     attention_engine,
+    kvi,
+    make_engine,
     share_kv_caches,
 )
 
 GEMMA_3N_LIKE = AttentionModel("Gemma-3n-like", 6, 2, 64, torch.bfloat16)
+HINTS: list[dict[str, str] | None] = [None, {"kv_layout": "NHD"}, {"kv_layout": "HND"}]
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -80,3 +86,46 @@ def test_vllm_shared_layers_store_every_slot_and_load_each_memory_once(threads: 
     plan.store_blocks(ids, [again])
     assert _same(again[:, 2], edited[:, 2]) and _same(again[:, 6], edited[:, 2])
     assert _same(again[:, 3], chunk[:, 3])
+
+
+# -- single-head views: MLA and the DSA indexer ---------------------------------------------
+
+
+def _one_head_engine(dtype: torch.dtype, head_size: int, layout: Any) -> dict[str, Any]:
+    spec = kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=head_size, dtype=dtype)
+    specs = {f"model.layers.{i}.self_attn": spec for i in range(3)}
+    _, kv_caches = allocate_v033(make_engine(specs, [list(specs)], lambda s: 64, layout=layout))
+    return kv_caches
+
+
+@pytest.mark.parametrize("layout_hints", HINTS, ids=lambda h: (h or {}).get("kv_layout", "no-hint"))
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC], ids=lambda x: x.name)
+def test_vllm_single_head_mla_views_read_one_head_under_every_hint(
+    layout: Any, layout_hints: dict[str, str] | None
+) -> None:
+    kv = list(_one_head_engine(torch.bfloat16, 576, layout).values())
+    assert tuple(kv[0].shape) == (4, 1, 64, 576)  # vLLM 0.33's [B, H, N, C] view
+    (group,) = kvlayout.detect(kv, "vllm", layout_hints).kernel_groups
+    assert (group.num_blocks, group.block_size, group.geometry.num_heads, group.geometry.head_size) == (
+        4, 64, 1, 576,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("layout_hints", HINTS, ids=lambda h: (h or {}).get("kv_layout", "no-hint"))
+@pytest.mark.parametrize("layout", [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC], ids=lambda x: x.name)
+def test_vllm_indexer_caches_are_found_under_every_hint(
+    layout: Any, layout_hints: dict[str, str] | None
+) -> None:
+    indexers = _one_head_engine(torch.uint8, 132, layout)
+    attention = _one_head_engine(torch.bfloat16, 576, layout)
+    kv_caches = {
+        **{f"{n}.attn": t for n, t in attention.items()},
+        **{f"{n}.indexer": t for n, t in indexers.items()},
+    }
+    first = next(iter(indexers.values()))
+    assert is_indexer_cache(first, "vllm", layout_hints)
+    assert not is_indexer_cache(next(iter(attention.values())), "vllm", layout_hints)
+    kept = drop_indexer_caches(kv_caches, "vllm", layout_hints)
+    assert list(kept) == [f"{n}.attn" for n in attention]
+    (group,) = kvlayout.detect(list(indexers.values()), "vllm", layout_hints).kernel_groups
+    assert group.layout.is_indexer and (group.num_blocks, group.block_size) == (4, 64)
