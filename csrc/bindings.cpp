@@ -60,13 +60,15 @@ using PtrArray = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::c_contig, nb:
 constexpr int kPieceFields = 5 + 3 * kvlayout::plan::kMaxLoops;
 using PieceArray = nb::ndarray<const std::int64_t, nb::shape<-1, kPieceFields>, nb::c_contig, nb::device::cpu>;
 
-// (format, sizes, block_stride, element_size, cache_ptrs, pieces, kv_size, num_layers, block_size, chunk_row_bytes)
+// (format, sizes, block_stride, element_size, cache_ptrs, pieces, kv_size, num_layers, block_size, chunk_row_bytes,
+//  repeats: pointer-table entries whose memory an earlier entry holds, which a load skips)
 using JobArgs = std::tuple<std::int32_t, std::vector<std::int64_t>, std::int64_t, std::int64_t, PtrArray, PieceArray,
-                           std::int64_t, std::int64_t, std::int64_t, std::int64_t>;
+                           std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::vector<std::int64_t>>;
 
 // The job's segments; std::invalid_argument (a ValueError) for a plan the engines cannot walk.
 std::vector<kvlayout::plan::Segment> segments_of(const JobArgs& a) {
-  const auto& [format, sizes, block_stride, element_size, ptrs, pieces, kv_size, num_layers, block_size, row_bytes] = a;
+  const auto& [format, sizes, block_stride, element_size, ptrs, pieces, kv_size, num_layers, block_size, row_bytes,
+               repeats] = a;
   kvlayout::plan::JobSpec spec{checked_format(format), checked_sizes(sizes), block_stride, element_size, kv_size,
                                num_layers, block_size, row_bytes, {}};
   for (std::size_t i = 0; i < pieces.shape(0); ++i) {
@@ -82,14 +84,24 @@ std::vector<kvlayout::plan::Segment> segments_of(const JobArgs& a) {
   auto segments = kvlayout::plan::build_segments(spec);
   for (const auto& s : segments)
     if (s.pointer >= ptrs.shape(0)) throw nb::value_error("a segment points past the job's pointer table");
+  for (const std::int64_t r : repeats)
+    if (r <= 0 || r >= static_cast<std::int64_t>(ptrs.shape(0)))
+      throw nb::value_error("a repeated pointer is not a later entry of the job's pointer table");
   return segments;
+}
+
+// The segments one direction moves: a load leaves out the repeated pointers' segments.
+std::vector<kvlayout::plan::Segment> direction_segments(const JobArgs& a, int direction) {
+  if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
+  auto segments = segments_of(a);
+  return direction == 1 ? kvlayout::transfer::without_pointers(segments, std::get<10>(a)) : segments;
 }
 
 kvlayout::transfer::Job make_job(const JobArgs& a) {
   const PtrArray& ptrs = std::get<4>(a);
   const auto* first = reinterpret_cast<const std::uintptr_t*>(ptrs.data());
   return kvlayout::transfer::make_job(std::vector<std::uintptr_t>(first, first + ptrs.shape(0)), segments_of(a),
-                                     std::get<8>(a), std::get<9>(a));
+                                     std::get<8>(a), std::get<9>(a), std::get<10>(a));
 }
 
 class TransferPlan {
@@ -138,8 +150,8 @@ using UnitArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 4>>;
 
 // (segment table, one row of bytes per segment; widest unit; largest segment's bytes;
 // kernel depth): what the CUDA plan uploads and launches with.
-std::tuple<SegmentArray, std::uint32_t, std::uint32_t, int> plan_segments(const JobArgs& a) {
-  const auto segments = segments_of(a);
+std::tuple<SegmentArray, std::uint32_t, std::uint32_t, int> plan_segments(const JobArgs& a, int direction) {
+  const auto segments = direction_segments(a, direction);
   const std::size_t n = segments.size() * sizeof(kvlayout::plan::Segment);
   auto* out = new std::uint8_t[n];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint8_t*>(p); });
@@ -153,9 +165,9 @@ std::tuple<SegmentArray, std::uint32_t, std::uint32_t, int> plan_segments(const 
 // (kvlayout/transfer_plan.h) compiled for the host: rows (pointer index, cache byte offset
 // from that pointer, chunk index, chunk byte offset), in grid order.
 UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_tokens, std::int64_t blocks_per_chunk,
-                       std::int64_t skip, std::uint32_t unit) {
+                       std::int64_t skip, std::uint32_t unit, int direction) {
   namespace kp = kvlayout::plan;
-  const auto segments = segments_of(a);
+  const auto segments = direction_segments(a, direction);
   const std::int64_t block_size = std::get<8>(a), row_bytes = std::get<9>(a);
   if (unit != 1 && unit != 2 && unit != 4 && unit != 8 && unit != 16) throw nb::value_error("unit is 1, 2, 4, 8 or 16");
   const std::uint32_t threads = kp::threads_for(kp::largest_bytes(segments), unit);
@@ -274,11 +286,13 @@ NB_MODULE(_native, m) {
       "block_ids"_a, "skip"_a, "num_blocks"_a,
       "The index of the first block id after the skipped ones that repeats an earlier one there, or -1 (ids "
       "must be in range).");
-  m.def("plan_segments", &plan_segments, "job"_a,
+  m.def("plan_segments", &plan_segments, "job"_a, "direction"_a = 0,
         "(segment table (a row of bytes per segment), widest copy unit, largest segment bytes, kernel depth) of a "
-        "job, for the CUDA plan.");
+        "job in one direction (a load leaves out repeated pointers), for the CUDA plan.");
   m.def("device_units", &device_units, "job"_a, "block_ids"_a, "chunk_tokens"_a, "blocks_per_chunk"_a, "skip"_a,
-        "unit"_a, "The units the CUDA grid copies for a job, by the kernels' mapping run on the host (for tests).");
+        "unit"_a, "direction"_a = 0,
+        "The units the CUDA grid copies for a job in one direction, by the kernels' mapping run on the host (for "
+        "tests).");
 
   m.def("pool_workers", [] { return kvlayout::transfer::WorkerPool::instance().num_workers(); },
         "Worker threads the transfer pool has created so far (they persist across calls).");

@@ -50,9 +50,24 @@ inline Walk make_walk(std::vector<plan::Segment> segments, bool read_chunk) {
   return Walk{std::move(segments), std::move(by_cache)};
 }
 
+// The segments of pointers other than `repeats`: layers sharing one KV cache list its
+// memory once per layer, and a load writes it once, from the first layer's chunk slot.
+inline std::vector<plan::Segment> without_pointers(const std::vector<plan::Segment>& segments,
+                                                   const std::vector<std::int64_t>& repeats) {
+  std::vector<plan::Segment> kept;
+  for (const plan::Segment& s : segments)
+    if (std::find(repeats.begin(), repeats.end(), static_cast<std::int64_t>(s.pointer)) == repeats.end())
+      kept.push_back(s);
+  return kept;
+}
+
+// `repeats`: pointer-table entries whose memory an earlier entry holds (shared layers):
+// a store fills their chunk slots too, a load skips them.
 inline Job make_job(std::vector<std::uintptr_t> cache_ptrs, const std::vector<plan::Segment>& segments,
-                    std::int64_t block_size, std::int64_t row_bytes) {
-  return Job{std::move(cache_ptrs), make_walk(segments, false), make_walk(segments, true), block_size, row_bytes};
+                    std::int64_t block_size, std::int64_t row_bytes, const std::vector<std::int64_t>& repeats = {}) {
+  auto load = repeats.empty() ? segments : without_pointers(segments, repeats);
+  return Job{std::move(cache_ptrs), make_walk(segments, false), make_walk(std::move(load), true), block_size,
+             row_bytes};
 }
 
 // The most bytes of one block that lie back to back in the cache: one segment's when it

@@ -1,8 +1,9 @@
 """Fuzzing: random structures, every dtype, odd shapes and strides, foreign values, bad
 block ids, chunks, threads and hints, and duck-typed vLLM configs, thrown at detection,
-the facade, transfer and the vLLM integration. Only the ``KVLayoutError`` family (or
-``TypeError``) may escape; a call that raises changes no byte of the cache or of a
-chunk; a call that succeeds moves the right bytes. Calls that start threads run in a
+the facade, transfer and the vLLM integration, and registrations whose layers share
+memory (exactly: one KV cache shared by layers; or partly: refused). Only the
+``KVLayoutError`` family (or ``TypeError``) may escape; a call that raises changes no
+byte of the cache or of a chunk; a call that succeeds moves the right bytes. Calls that start threads run in a
 subprocess too, so an abort fails a test instead of killing the run."""
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvlayout
-from kvlayout import EngineKVFormat, KVLayoutError
+from kvlayout import EngineKVFormat, KVLayoutError, layout_of
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits, validate_kv_cache_groups
 from kvlayout.testing.registrations import RegistrationCase, flatten, registrations
 from kvlayout.transfer import load_blocks, prepare, store_blocks
@@ -275,6 +276,107 @@ def test_store_then_load_restores_the_blocks(case: RegistrationCase, data: st.Da
     for leaf, old in zip(flatten(kv), saved, strict=True):
         changed = leaf.view(torch.uint8) != 0
         assert torch.equal(leaf.view(torch.uint8)[changed], old.view(torch.uint8)[changed])
+
+
+# -- layers sharing memory: exact aliases are one KV cache, anything else is refused ---------------
+
+
+@st.composite
+def aliased(draw: st.DrawFn) -> tuple[RegistrationCase, list[Any], int, int, int]:
+    """A layer list with layer ``s`` registered as layer ``t``'s memory: exactly (the same
+    entry, or a new view of exactly its bytes; ``shift`` 0) or partly (its view ``shift``
+    elements further on)."""
+    case = draw(registrations().filter(lambda c: isinstance(c.kv, list) and layout_of(c.fmt).is_layer_list))
+    kv = list(case.kv)
+    kv.append(kv[-1])  # one more layer, so there is always a pair
+    t, s = sorted(draw(st.lists(st.integers(0, len(kv) - 1), min_size=2, max_size=2, unique=True)))
+    shift = draw(st.sampled_from([0, 0, 1, 2, 3]))
+    if shift == 0:
+        again = draw(st.booleans())
+        kv[s] = (
+            kv[t] if again else _map(kv[t], lambda x: x.as_strided(x.shape, x.stride(), x.storage_offset()))
+        )
+    else:  # layer t moved to a buffer with room after it, layer s a few elements further on
+        kv[t] = _map(kv[t], lambda x: _rehomed(x, shift))
+        kv[s] = _map(kv[t], lambda x: x.as_strided(x.shape, x.stride(), shift))
+    return case, kv, t, s, shift
+
+
+def _map(entry: Any, fn: Any) -> Any:
+    return fn(entry) if isinstance(entry, torch.Tensor) else type(entry)(fn(x) for x in entry)
+
+
+def _span(x: torch.Tensor) -> int:
+    """Elements from a tensor's first to past its last."""
+    return 1 + sum((n - 1) * st for n, st in zip(x.shape, x.stride(), strict=True)) if x.numel() else 0
+
+
+def _share_elements(a: Any, b: Any) -> bool:
+    """Whether two entries (over the same buffers, one dtype each) address a common element."""
+
+    def addressed(x: torch.Tensor) -> set[int]:
+        index = torch.arange(int(x.storage_offset()) + _span(x)).as_strided(
+            x.shape, x.stride(), x.storage_offset()
+        )
+        return set(index.flatten().tolist())
+
+    return any(addressed(x) & addressed(y) for x, y in zip(flatten(a), flatten(b), strict=True))
+
+
+def _rehomed(x: torch.Tensor, room: int) -> torch.Tensor:
+    """``x``'s view (shape and strides) over a new buffer with ``room`` elements to spare."""
+    return torch.zeros(_span(x) + room, dtype=x.dtype).as_strided(x.shape, x.stride(), 0)
+
+
+@settings(
+    max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]
+)
+@given(aliased(), st.data())
+def test_layers_sharing_memory_are_one_kv_cache_or_refused(
+    call: tuple[RegistrationCase, list[Any], int, int, int], data: st.DataObject
+) -> None:
+    case, kv, t, s, shift = call
+    leaves = flatten(kv)
+    try:
+        reg = kvlayout.detect(kv, case.engine, case.hints)
+    except ALLOWED:
+        assert shift, "an exact alias is a shared KV cache, never refused"
+        return
+    if shift:  # a view shifted into its target's bytes is refused (unless it misses them)
+        assert not _share_elements(kv[t], kv[s]), f"a partial overlap was accepted: {reg}"
+        return
+    assert any(t in shared and s in shared for shared in reg.shared_layers), reg
+    group = reg.only_group()
+    plan = prepare(group, group.format, block_size=1 if case.nb is None else None)
+    for x in leaves:
+        x.view(torch.uint8).copy_(torch.randint(0, 256, x.view(torch.uint8).shape, dtype=torch.uint8))
+    ids = data.draw(
+        st.lists(st.integers(0, plan.num_blocks - 1), min_size=1, max_size=plan.num_blocks, unique=True)
+    )
+    shape, dtype = plan.chunk_shape(plan.block_size)
+    chunks = [torch.zeros(shape, dtype=dtype) for _ in ids]
+    threads = data.draw(st.integers(1, 4))
+    plan.store_blocks(ids, chunks, num_threads=threads)
+    for c in chunks:  # every layer's slot filled, the sharer's with its target's bytes
+        assert torch.equal(c[:, s].view(torch.uint8), c[:, t].view(torch.uint8))
+    saved = [x.clone() for x in leaves]
+    before = [c.clone() for c in chunks]
+    with contextlib.suppress(*ALLOWED):  # a bad call (a repeated id) changes no byte
+        plan.load_blocks([*ids, ids[0]], [*chunks, chunks[0]], num_threads=threads)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(saved, leaves, strict=True)
+    )
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(before, chunks, strict=True)
+    )
+    for x in leaves:
+        x.view(torch.uint8).zero_()
+    plan.load_blocks(ids, chunks, num_threads=threads)  # store then load restores
+    again = [torch.zeros_like(c) for c in chunks]
+    plan.store_blocks(ids, again)
+    assert all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(chunks, again, strict=True)
+    )
 
 
 def test_threaded_fuzzing_never_aborts_the_process() -> None:

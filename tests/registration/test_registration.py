@@ -132,16 +132,20 @@ def test_a_prepared_plan_moves_what_the_functions_move(case: RegistrationCase) -
 OVERLAP = "overlap in memory"
 
 
-def test_one_tensor_registered_for_two_layers_is_refused() -> None:
-    a, b = t(2, 7, 3, 2, 4), t(2, 7, 3, 2, 4)
+def test_a_view_overlapping_another_layer_is_refused() -> None:
+    """(One tensor registered for two layers is a shared KV cache: tests/detection/test_kv_sharing.py.)"""
+    n = 2 * 7 * 3 * 2 * 4
+    buf = torch.zeros(3 * n, dtype=torch.bfloat16)
+    a, b = buf[:n].view(2, 7, 3, 2, 4), buf[n : 2 * n].view(2, 7, 3, 2, 4)
+    shifted = buf[8 : 8 + n].view(2, 7, 3, 2, 4)  # a's bytes from its second token row on
     with pytest.raises(kvlayout.DetectionError, match=r"kv_caches\[2\] and kv_caches\[0\] overlap in memory"):
-        kvlayout.normalize_kv_and_discover_format([a, b, a], "vllm", {"kv_layout": "NHD"})
+        kvlayout.normalize_kv_and_discover_format([a, b, shifted], "vllm", {"kv_layout": "NHD"})
     with pytest.raises(RegistrationError, match=r"kv\[2\] and kv\[0\] overlap in memory"):
-        kvlayout.get_num_blocks([a, b, a], F.NL_X_TWO_NB_BS_NH_HS)
+        kvlayout.get_num_blocks([a, b, shifted], F.NL_X_TWO_NB_BS_NH_HS)
     from kvlayout.transfer import TransferError, store_blocks
 
     with pytest.raises(TransferError, match=OVERLAP):
-        store_blocks([a, b, a], F.NL_X_TWO_NB_BS_NH_HS, [0], [torch.zeros(2, 3, 3, 8)])
+        store_blocks([a, b, shifted], F.NL_X_TWO_NB_BS_NH_HS, [0], [torch.zeros(2, 3, 3, 8)])
 
 
 def test_overlapping_slices_of_one_buffer_are_refused_and_adjacent_ones_are_not() -> None:
@@ -159,8 +163,10 @@ def test_blocks_first_layers_interleave_without_overlapping() -> None:
     layers = [pool[:, i] for i in range(12)]
     reg = kvlayout.detect(layers, "vllm")
     assert reg.kernel_groups[0].block_stride_elems == 12 * 3 * 16
+    assert kvlayout.detect([*layers[:11], layers[3]], "vllm").shared_layers == ((3, 11),)  # one column twice
+    half_row = torch.as_strided(pool, layers[3].shape, layers[3].stride(), layers[3].storage_offset() + 8)
     with pytest.raises(RegistrationError, match=r"kv_caches\[11\] and kv_caches\[3\] overlap in memory"):
-        kvlayout.detect([*layers[:11], layers[3]], "vllm")  # a column registered twice
+        kvlayout.detect([*layers[:11], half_row], "vllm")  # column 3 from half a row on
 
 
 def test_plane_tuples_and_k_v_pairs_must_not_share_memory() -> None:
@@ -182,11 +188,14 @@ def test_overlaid_engine_groups_need_layer_groups() -> None:
     group_a = [buf[0].view(7, 3, 16), buf[1].view(7, 3, 16)]
     group_b = [buf[0].view(7, 3, 16), buf[1].view(7, 3, 16)]  # the same bytes, another group
     reg = kvlayout.detect([*group_a, *group_b], "vllm", layer_groups=[[0, 1], [2, 3]])
-    assert [g.layers for g in reg.kernel_groups] == [(0, 1), (2, 3)]
+    assert [g.layers for g in reg.kernel_groups] == [(0, 1), (2, 3)] and reg.shared_layers == ()
+    # without the groups, the same views in one group are layers sharing a KV cache
+    assert kvlayout.detect([*group_a, *group_b], "vllm").shared_layers == ((0, 2), (1, 3))
+    shifted = [buf.view(-1)[16:].as_strided((7, 3, 16), (48, 16, 1)), buf[1].view(7, 3, 16)]
     with pytest.raises(
         RegistrationError, match="KV cache groups that vLLM overlays must be passed as layer groups"
     ):
-        kvlayout.detect([*group_a, *group_b], "vllm")
+        kvlayout.detect([*group_a, *shifted], "vllm")
 
 
 def test_meta_and_empty_tensors_occupy_no_memory() -> None:
@@ -352,8 +361,8 @@ def test_what_detection_returns_is_a_read_only_list_carrying_its_registration() 
         out[0] = t(2, 7, 3, 2, 4)
     assert type(pickle.loads(pickle.dumps(out))) is list
     copied = list(out)
-    copied.append(kv[0])  # a copy is an ordinary list, checked when used
-    with pytest.raises(RegistrationError, match=OVERLAP):
+    copied.append(kv[0][:, :6])  # a copy is an ordinary list, checked when used
+    with pytest.raises(RegistrationError, match=re.escape("kv[3] has dim-0 padding")):
         kvlayout.get_num_layers(copied, fmt)
 
 

@@ -306,7 +306,14 @@ def _fit(
 
 
 Decision = tuple[str, str, object]
-"""(hint name, the ``FormatShape`` fact it decides, the wanted value or None)."""
+"""(hint name, the ``FormatShape`` fact it decides, the wanted value or None). A name
+with ``{}`` is a sentence the value goes in (a decision no hint made: the default)."""
+
+
+def _decided(hint: str, fact: str, wanted: object) -> str:
+    """A decision as messages show it: ``kv_layout=HND``, not the fact's value."""
+    value = ("HND" if wanted else "NHD") if fact == "is_hnd" else str(wanted)
+    return hint.format(value) if "{}" in hint else f"{hint}={value}"
 
 
 def pick(
@@ -373,7 +380,7 @@ def _choose(
         if wanted is None or len({s.fact(fact) for s in family}) < 2:
             continue
         family = [s for s in family if s.fact(fact) == wanted]
-        applied.append(f"{hint}={wanted}")
+        applied.append(_decided(hint, fact, wanted))
     leaves = [(shape if shape is not None else tuple(t.shape), t.dtype) for t in p.leaves]
     fits, reasons = [], []
     for s in family:
@@ -381,7 +388,7 @@ def _choose(
         if reason is None:
             fits.append(s)
         else:
-            reasons.append(f"{s.fmt.name} {reason}")
+            reasons.append(f"{s.fmt.name} {reason}: {s.layout.describe_shape()}")
     if not fits:
         after = f" (with {', '.join(applied)})" if applied else ""
         return (

@@ -21,7 +21,11 @@ from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, probe, validate
 from kvlayout.detection.registry import get_detector
 from kvlayout.errors import KVLayoutError
-from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view, physical_entries
+from kvlayout.registration.contiguity import (
+    align_unit_dims,
+    attempt_permute_to_contiguous_view,
+    physical_entries,
+)
 from kvlayout.registration.nesting import first_leaf, leaves, not_a_kv_cache
 from kvlayout.registration.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
 from kvlayout.types import (
@@ -120,10 +124,23 @@ def _discover(
     detector = get_detector(engine)
     normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)
     trusted = normalized is not None
-    if normalized is None:
-        normalized = attempt_permute_to_contiguous_view(kv)
-        validate(normalized)
-    fmt, out = detector(normalized, hints)
+    try:
+        if normalized is None:
+            normalized = _physical(kv)
+            validate(normalized)
+        fmt, out = detector(normalized, hints)
+    except DetectionError as refused:
+        if trusted:  # no size-1 dims to place otherwise
+            raise
+        try:  # the caller's placement of size-1 dims fits nothing: try where their strides put them
+            retry = _physical(kv, by_stride=True)
+            if _same_views(retry, normalized):
+                raise refused
+            validate(retry)
+            fmt, out = detector(retry, hints)
+        except (KVLayoutError, TypeError):
+            raise refused from None
+        normalized = retry
     # every engine's size hints, checked against the leaves as the format reads them
     check_size_hints(engine, fmt, first_leaf(out).shape, hints, lambda: probe(normalized).describe())
     if hints.layout_format is not None and hints.layout_format != fmt.name:
@@ -139,6 +156,18 @@ def _discover(
     return fmt, out, trusted and (out is normalized or _all_contiguous(out))
 
 
+def _physical(kv: Any, *, by_stride: bool = False) -> Any:
+    """The registration in physical order, a list's layers laid out alike shaped alike
+    (as the first of them reads: :func:`~kvlayout.registration.contiguity.align_unit_dims`)."""
+    views = attempt_permute_to_contiguous_view(kv, by_stride=by_stride)
+    return align_unit_dims(views) if isinstance(views, list) else views
+
+
+def _same_views(a: Any, b: Any) -> bool:
+    shapes = [(tuple(t.shape), t.stride()) for _, t in leaves(a)]
+    return shapes == [(tuple(t.shape), t.stride()) for _, t in leaves(b)]
+
+
 def _check_blocks_outermost(kv: Any, fmt: EngineKVFormat) -> None:
     """A pool holding every layer is read blocks-first (its dim 0 is the block axis), so
     the caller's dim 0 must be outermost in memory: recovering the physical order of a
@@ -152,8 +181,11 @@ def _check_blocks_outermost(kv: Any, fmt: EngineKVFormat) -> None:
         raise DetectionError(
             f"kv_caches: dim {outer} (size {pool.shape[outer]}, stride {stride[outer]}) is outer to dim 0 "
             f"(size {pool.shape[0]}, stride {stride[0]}) in memory: {fmt.name} and every other format that "
-            "holds all layers in one tensor keep their blocks outermost, so a layer-major pool (layers "
-            "outer to blocks) matches none; register a blocks-first pool"
+            "holds all layers in one tensor read dim 0 as the blocks, outermost, so the tensor must be "
+            "handed over with its outermost dim first. Whether dim "
+            f"{outer} is the blocks (a blocks-first pool with its dims reordered: hand it over in memory "
+            "order) or the layers (a layer-major pool, layers outer to blocks, which no format matches), "
+            "its dims cannot be read as given"
         )
 
 
@@ -240,6 +272,7 @@ def _per_layer(
         fmt, out, trusted = _discover(entries, eng, hints, uniform)
         return _bind_whole(out, fmt, eng, [owner[i] for i in range(len(entries))], trusted)
     views = physical_entries(entries, members)
+    views = dict(zip(members, align_unit_dims([views[i] for i in members]), strict=True))
     _check_one_device(views)
     keys = {i: _key(views[i]) for i in members}
     if len(set(keys.values())) == 1:
@@ -355,6 +388,8 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
             if not 0 <= i < n:
                 raise KVLayoutError(f"layer_index_groups[{g}]: layer {i} is out of range for {n} {what}")
             if i in owner:
+                if owner[i] == g:
+                    raise KVLayoutError(f"layer_index_groups[{g}] lists layer {i} twice; list a layer once")
                 raise KVLayoutError(
                     f"layer {i} is in layer groups {owner[i]} and {g}; a layer belongs to one group"
                 )

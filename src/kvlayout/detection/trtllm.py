@@ -34,6 +34,11 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         if isinstance(kv, list):
             raise DetectionError("TRT-LLM registers one KV pool tensor, got a nested list")
     p = probe(kv)
+    if p.rank in (4, 6) and p.shape[2] == 1:
+        raise DetectionError(
+            f"TRT-LLM pool {p.shape}: the K/V axis (dim 2) is 1, a K-only pool (kv factor 1, TRT-LLM's MLA "
+            "cache); TRT-LLM MLA pools are not supported: kvlayout's TRT-LLM formats hold K and V (2)"
+        )
     if p.rank == 4:
         kv = _unflatten(kv, hints)
         p = probe(kv)

@@ -14,7 +14,11 @@ Quirks that live here and nowhere else:
   K/V-first, with no way to say otherwise.
 * Rank-4 tensors are the unified fused cache ``[NB, NH, BS, CS]`` / ``[NB, BS, NH, CS]``,
   kept as registered; a single-head uint8 one whose row is the 132-byte blocked-scale
-  page is the DSA indexer cache, squeezed to ``[NB, BS, 132]``.
+  page is the DSA indexer cache, squeezed to ``[NB, BS, 132]``. vLLM 0.33 views every
+  layer as ``[B, H, N, C]`` and registers MLA and indexer layers with one head
+  (``[NB, 1, BS, C]``), whose NHD and HND orders are the same bytes: a size-1 dim beside
+  the tokens is that one head under either ``kv_layout`` (the tensor is viewed with it on
+  the hinted layout's head axis), unless the size hints say otherwise.
 * A bare tensor is cross-layer only with the cross-layer rank (LMCache takes any bare
   tensor as format 0). An HND one is ``NB_NL_TWO_NH_BS_HS`` (8): layouts.yaml lists it
   under TRT-LLM, but vLLM's HND cross-layer allocation is that same layout, so every
@@ -92,12 +96,17 @@ def _read_by_sizes(
     return agree[0] if len(agree) == 1 else None
 
 
+def _layout_label(p: Probe, hints: LayoutHints) -> str:
+    """How messages name the NHD/HND decision: the hint, or the device's default."""
+    return "kv_layout" if hints.is_hnd is not None else f"no kv_layout hint, so {{}} on {p.device.type}"
+
+
 def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    layout_decision = ("kv_layout", "is_hnd", hnd)
+    layout_decision = (_layout_label(p, hints), "is_hnd", hnd)
     if p.depth == 0:
         return pick(ENGINE, p, decide=[layout_decision]), kv
     if p.depth == 1 and p.rank == 4:
-        return _rank4(kv, p, hnd)
+        return _rank4(kv, p, hnd, hints)
     # Padded block rows say dim 0 is the block axis (flash-infer), whatever the sizes.
     padded = ("dim-0 padding", "has_leading_block_axis", True if dim0_padding(p.first) else None)
     fmt = pick(
@@ -111,10 +120,17 @@ def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineK
     return fmt, kv
 
 
-def _rank4(kv: list[Any], p: Probe, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    fused = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", hnd)])
-    head = LAYOUTS[fused].axis_of(Role.HEAD)
-    assert head is not None
+def _rank4(
+    kv: list[Any], p: Probe, hnd: bool, hints: LayoutHints
+) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    fused = pick(ENGINE, p, decide=[(_layout_label(p, hints), "is_hnd", hnd)])
+    head, token = (LAYOUTS[fused].axis_of(r) for r in (Role.HEAD, Role.TOKEN))
+    assert head is not None and token is not None
+    one_head = hints.num_kv_heads in (None, 1) and hints.tokens_per_block != 1
+    if one_head and p.shape[token] == 1 and p.shape[head] != 1:
+        # one head read as one token a block: the same bytes, the 1 on the head axis
+        kv = [t.transpose(head, token) for t in kv]
+        p = probe(kv)
     if p.shape[head] == 1:  # one head: is the row a blocked-scale page (the DSA indexer)?
         squeezed = p.shape[:head] + p.shape[head + 1 :]
         indexer = match(ENGINE, p, shape=squeezed, only=lambda s: s.byte_rows)

@@ -142,19 +142,27 @@ def _block_stride(layout: Layout, sizes: Mapping[str, int], leaf: torch.Tensor, 
                 expected = layout.tensor_strides(sizes, block)
             except SizeError as exc:
                 _fail(f"{where} (shape {list(shape)}, strides {list(stride)}): {exc}")
-    for axis, (n, got, want) in enumerate(zip(shape, stride, expected, strict=True)):
-        if n > 1 and got != want:
-            if axis == 0 and tuple(stride[1:]) == tuple(expected[1:]) and got > want:
-                _fail(
-                    f"{where} has dim-0 padding ({got - want} elements per dim-0 row; shape {list(shape)}, "
-                    f"strides {list(stride)}), but dim 0 of {layout} is not its block axis, so no block "
-                    "stride can describe it; transfers would misread it"
-                )
-            _fail(
-                f"{where} has strides {list(stride)}; {layout} with these sizes needs {list(expected)} "
-                "(only dim-0 padding is allowed, and the same for every tensor)"
-            )
-    return block
+    pairs = zip(shape, stride, expected, strict=True)
+    wrong = [a for a, (n, got, want) in enumerate(pairs) if n > 1 and got != want]
+    if not wrong:
+        return block
+    if wrong == [0] and stride[0] > expected[0]:
+        _fail(
+            f"{where} has dim-0 padding ({stride[0] - expected[0]} elements per dim-0 row; shape "
+            f"{list(shape)}, strides {list(stride)}), but dim 0 of {layout} is not its block axis, so "
+            "no block stride can describe it; transfers would misread it"
+        )
+    axis = wrong[-1]  # the innermost wrong stride: the outer ones follow from it
+    allowed = (
+        "only its blocks, dim 0, may be padded apart, alike in every tensor"
+        if layout.has_leading_block_axis
+        else "its dim 0 is not the block axis, so no dim may be padded"
+    )
+    _fail(
+        f"{where} has strides {list(stride)}; {layout} with these sizes needs {list(expected)}: dim {axis} "
+        f"({layout.tensor[axis].name}, size {shape[axis]}) has stride {stride[axis]}, not {expected[axis]} "
+        f"({allowed})"
+    )
 
 
 def bind_structure(

@@ -20,15 +20,17 @@ from typing import Any, NoReturn
 import torch
 
 from kvlayout.errors import KVLayoutError
-from kvlayout.registration.nesting import LocatedError, map_leaves, not_strided
+from kvlayout.registration.nesting import LocatedError, Path, map_leaves, not_strided
 from kvlayout.types import DiscoverableKVCache
 
 __all__ = [
     "StridedViewError",
+    "align_unit_dims",
     "attempt_permute_to_contiguous_view",
     "dim0_padding",
     "physical_entries",
     "physical_order",
+    "stride_order",
 ]
 
 
@@ -36,7 +38,9 @@ class StridedViewError(KVLayoutError):
     """A tensor whose strides no permutation and no dim-0 padding can explain."""
 
 
-def attempt_permute_to_contiguous_view(kv: DiscoverableKVCache) -> DiscoverableKVCache:
+def attempt_permute_to_contiguous_view(
+    kv: DiscoverableKVCache, *, by_stride: bool = False
+) -> DiscoverableKVCache:
     """Each tensor of ``kv`` as a view with its dims in physical (memory) order.
 
     Metadata only, never a copy: results share storage with the input, and a write
@@ -48,13 +52,46 @@ def attempt_permute_to_contiguous_view(kv: DiscoverableKVCache) -> DiscoverableK
     and otherwise stays where the caller put it (see :func:`physical_order`). Tensors with
     no elements are never moved.
 
+    ``by_stride`` places every size-1 dim whose stride says where it belongs there instead
+    (:func:`stride_order`): detection tries it when the caller's placement fits no format.
+
     Raises :class:`StridedViewError` (a ``KVLayoutError``) for views that are neither
     contiguous nor dim-0 padded, naming the tensor, the reason, its shape and strides;
     ``TypeError`` for anything that is not a tensor, list or tuple (dicts, strings,
     ``None``), never ``RecursionError``.
     """
-    views: DiscoverableKVCache = map_leaves(kv, _physical_view)
+    views: DiscoverableKVCache = map_leaves(kv, _stride_view if by_stride else _physical_view)
     return views
+
+
+def align_unit_dims(entries: Sequence[Any]) -> list[Any]:
+    """A list's entries, physically ordered, each tensor re-viewed with the shape of the
+    first tensor in the same place of an earlier entry that has the same memory layout
+    (dtype, and size and stride of every dim longer than 1): its size-1 dims then sit
+    where that one's do, so layers laid out alike read alike, as the first reads. A
+    size-1 dim addresses nothing, so the view addresses exactly the same elements."""
+    seen: dict[Path, list[torch.Tensor]] = {}
+
+    def align(path: Path, t: torch.Tensor) -> torch.Tensor:
+        earlier = seen.setdefault(path[1:], [])
+        shape = t.shape
+        for ref in earlier:
+            if ref.shape == shape:
+                return t  # the common case: laid out and shaped alike
+        if t.numel() != 0:
+            layout = _long_dims(t)
+            for ref in earlier:
+                if ref.dtype == t.dtype and _long_dims(ref) == layout:
+                    return t.as_strided(ref.shape, ref.stride(), t.storage_offset())
+        earlier.append(t)
+        return t
+
+    aligned: list[Any] = map_leaves(list(entries), lambda t: t, at_path=align)
+    return aligned
+
+
+def _long_dims(t: torch.Tensor) -> tuple[tuple[int, int], ...]:
+    return tuple((n, s) for n, s in zip(t.shape, t.stride(), strict=True) if n != 1)
 
 
 def physical_entries(entries: Sequence[object], indices: Iterable[int]) -> dict[int, DiscoverableKVCache]:
@@ -110,6 +147,40 @@ def physical_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
     return order
 
 
+def stride_order(shape: Sequence[int], stride: Sequence[int]) -> list[int]:
+    """The caller's dims in memory order with each size-1 dim placed by its stride: right
+    outside the outermost longer dim whose extent (stride times size) its stride is,
+    innermost for stride 1, as :func:`physical_order` places it when its stride says
+    nothing (0, or a stride no longer dim spans)."""
+    caller = physical_order(shape, stride)
+    big = [d for d in caller if shape[d] != 1]
+    placed: dict[int, int] = {}  # size-1 dim -> the position in `big` it goes before
+    for j in (d for d in caller if shape[d] == 1):
+        extents = [stride[d] * shape[d] for d in big]
+        if stride[j] in extents:
+            placed[j] = extents.index(stride[j])
+        elif stride[j] == 1 and big and stride[big[-1]] == 1:
+            placed[j] = len(big)
+    if not placed:
+        return caller
+    order: list[int] = []
+    for d in caller:
+        if d in placed:
+            continue
+        if shape[d] != 1:
+            order.extend(j for j in caller if placed.get(j) == big.index(d))
+        order.append(d)
+    order.extend(j for j in caller if placed.get(j) == len(big))
+    return order
+
+
+def _stride_view(t: torch.Tensor) -> torch.Tensor:
+    """``t`` in physical order with its size-1 dims placed by stride (:func:`stride_order`)."""
+    if t.numel() == 0 or 1 not in t.shape or not_strided(t) is not None:
+        return _physical_view(t)
+    return _view_in(t, stride_order(t.shape, t.stride()))
+
+
 def _physical_view(t: torch.Tensor) -> torch.Tensor:
     """``t`` in physical order (the same object when it already is)."""
     problem = not_strided(t)
@@ -121,12 +192,16 @@ def _physical_view(t: torch.Tensor) -> torch.Tensor:
         return t  # row-major with no size-1 dims: already in physical order
     if t.numel() == 0:
         return t  # no memory to misread, and its strides say nothing
-    stride = t.stride()
-    view, perm = t, physical_order(shape, stride)
+    return _view_in(t, physical_order(shape, t.stride()), contiguous)
+
+
+def _view_in(t: torch.Tensor, perm: list[int], contiguous: bool | None = None) -> torch.Tensor:
+    """``t`` permuted to ``perm``; contiguous or dim-0 padded, else rejected."""
+    view = t
     if perm != list(range(t.dim())):
         view = t.permute(perm)
-        contiguous = view.is_contiguous()
-    if contiguous:
+        contiguous = None
+    if contiguous or (contiguous is None and view.is_contiguous()):
         return view
     problem = _padding_problem(view.shape, view.stride(), perm)
     if problem is not None:

@@ -6,12 +6,17 @@ to nobody and may hold another tensor: vLLM's blocks-first layers interleave in 
 pool). Tensors of one shape and strides form a :class:`Run` that differs only in start
 addresses, so the common registration (one tensor per layer, all alike) is checked by
 sorting those addresses.
+
+Two layers may share one KV cache (vLLM's cross-layer KV sharing registers the target's
+tensor for the sharer too): such exact aliases are found by :func:`memory_keys` and left
+out of the check by the caller; any other shared byte is an error that says how the two
+views differ.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from typing import NamedTuple, NoReturn
 
 import numpy as np
@@ -21,7 +26,7 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.registration.contiguity import dim0_padding
 from kvlayout.registration.nesting import Path, describe_path
 
-__all__ = ["Run", "check_disjoint", "run_of"]
+__all__ = ["Run", "apart", "check_disjoint", "memory_keys", "run_of"]
 
 
 class Run(NamedTuple):
@@ -34,6 +39,7 @@ class Run(NamedTuple):
     starts: Sequence[int]
     paths: Sequence[Path]
     root: str
+    sample: torch.Tensor | None = None  # one of the tensors, for messages (its shape, strides, dtype)
 
     @property
     def span(self) -> int:
@@ -64,23 +70,45 @@ def run_of(t: torch.Tensor, starts: Sequence[int], paths: Sequence[Path], root: 
     period, block, count = size, size, 1
     if t.dim() >= 2 and dim0_padding(t):
         period, block, count = t.stride(0) * es, size // t.shape[0], int(t.shape[0])
-    return Run(period, block, count, starts, paths, root)
+    return Run(period, block, count, starts, paths, root, t)
+
+
+def memory_keys(leaves: Sequence[torch.Tensor], data_ptrs: Sequence[int]) -> list[Hashable] | None:
+    """What each of a plane's tensors (one shape and strides) addresses, equal exactly for
+    aliases; None when every tensor has its own. The address is the key; a tensor without
+    memory has its own key (it aliases nothing), except on the meta device, where a view
+    of the same base at the same storage offset is the same tensor."""
+    if len(set(data_ptrs)) == len(data_ptrs):
+        return None
+    if not leaves or leaves[0].device.type != "meta":
+        keys: list[Hashable] = [p if p else ("no memory", k) for k, p in enumerate(data_ptrs)]
+    else:
+        keys = [(id(b if (b := t._base) is not None else t), t.storage_offset()) for t in leaves]
+    return keys if len(set(keys)) < len(keys) else None
+
+
+def apart(runs: Sequence[Run]) -> bool:
+    """Whether the runs plainly share no byte: one shape and strides, start addresses a
+    span apart (the common registration: separate allocations, slices of one buffer)."""
+    if not runs:
+        return True
+    shape = runs[0][:3]
+    if not all(r[:3] == shape for r in runs):
+        return False
+    span = runs[0].span
+    ordered = sorted(s for r in runs for s in r.starts)
+    return all(b - a >= span for a, b in itertools.pairwise(ordered))
 
 
 def check_disjoint(runs: Iterable[Run | None], error: type[KVLayoutError], why: str) -> None:
     """Raise ``error`` naming two tensors that share a byte."""
     present = [r for r in runs if r is not None]
-    if not present:
+    if apart(present):
         return
     shape = present[0][:3]
-    if all(r[:3] == shape for r in present):
-        count, span = shape[2], present[0].span
-        ordered = sorted(s for r in present for s in r.starts)
-        if all(b - a >= span for a, b in itertools.pairwise(ordered)):
-            return  # the common case: spans apart (separate allocations, slices of one buffer)
-        if count > 1:
-            _check_pool(present, error, why)
-            return
+    if shape[2] > 1 and all(r[:3] == shape for r in present):
+        _check_pool(present, error, why)
+        return
     _check_pairs(present, error, why)
 
 
@@ -150,7 +178,31 @@ def _overlap(
     error: type[KVLayoutError],
     why: str,
 ) -> NoReturn:
+    later, earlier = _name(runs, *second), _name(runs, *first)
+    views = _how_views_differ(runs[second[0]], runs[first[0]], b.start - a.start, later, earlier)
     raise error(
-        f"{_name(runs, *second)} and {_name(runs, *first)} overlap in memory (bytes {a.start:#x}-{a.end:#x} "
-        f"and {b.start:#x}-{b.end:#x}); {why}"
+        f"{later} and {earlier} overlap in memory (bytes {b.start:#x}-{b.end:#x} and "
+        f"{a.start:#x}-{a.end:#x}): {views}; {why}"
+    )
+
+
+def _how_views_differ(x: Run, y: Run, offset: int, x_name: str, y_name: str) -> str:
+    """Why two tensors sharing bytes are not one KV cache shared by two layers."""
+    if x.sample is None or y.sample is None:
+        return "they share bytes"
+
+    def view(t: torch.Tensor) -> str:
+        return f"shape {list(t.shape)}, strides {list(t.stride())}, {t.dtype}"
+
+    a, b = view(x.sample), view(y.sample)
+    if offset == 0 and a == b:
+        return (
+            "they are the same memory and view, but are read apart (another kernel group, or another "
+            "part of one layer); layers that share a KV cache are registered alike, a layer's own "
+            "tensors are disjoint"
+        )
+    where = f"{x_name} starts {offset} bytes after {y_name}" if offset else "they start at the same byte"
+    return (
+        f"they share bytes but their views differ ({where}; {x_name}: {a}; {y_name}: {b}): layers may share "
+        "a KV cache only as exact aliases (the same storage offset, shape, strides and dtype)"
     )

@@ -90,18 +90,20 @@ def map_leaves(
     root: str = "kv_caches",
     start: Path = (),
     container: Callable[[list[Any]], Any] = list,
+    at_path: Callable[[Path, torch.Tensor], torch.Tensor] | None = None,
 ) -> Any:
     """The structure rebuilt with ``fn`` applied to every tensor (a bare tensor: ``fn(kv)``).
 
     Lists and tuples become new lists (or whatever ``container`` builds). ``fn`` may
     raise :class:`LocatedError`; it surfaces as its ``kind`` with the tensor's path.
     ``start`` is the path of ``kv`` itself inside a larger registration (for messages).
+    ``at_path``, if given, is called instead of ``fn`` with the tensor's path too.
     """
     path = list(start)
 
     def visit(node: object) -> Any:
         if isinstance(node, torch.Tensor):
-            return fn(node)
+            return fn(node) if at_path is None else at_path(tuple(path), node)
         if isinstance(node, (list, tuple)):
             if len(path) - len(start) >= MAX_NESTING:
                 raise _too_deep()

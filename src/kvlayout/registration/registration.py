@@ -10,14 +10,18 @@ Binding (:mod:`kvlayout.registration.binding`) reads every tensor as the format'
 layer list is read layer by layer, and layers are grouped by what one kernel must share
 (format, shapes, block stride, dtype) within their engine (KV cache) group, so layers of
 different engine groups never share a kernel group. No two tensors of one engine group
-may overlap in memory (:mod:`kvlayout.registration.memory`).
+may overlap in memory (:mod:`kvlayout.registration.memory`), except layers that share one KV cache
+(vLLM's cross-layer KV sharing registers the target layer's tensors for the sharer):
+exact aliases of a whole layer, listed in ``shared_layers``. Their pointer tables still
+list every layer; a store fills each layer's slot of a chunk, and a load writes a shared
+memory once, from the first layer's slot.
 """
 
 from __future__ import annotations
 
 import operator
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple, NoReturn
 
@@ -41,8 +45,8 @@ from kvlayout.registration.binding import (
     check_block_stride,
     tight_block,
 )
-from kvlayout.registration.memory import check_disjoint, run_of
-from kvlayout.registration.nesting import Path, first_leaf
+from kvlayout.registration.memory import Run, apart, check_disjoint, memory_keys, run_of
+from kvlayout.registration.nesting import Path, describe_path, first_leaf
 from kvlayout.types import EngineType
 
 __all__ = [
@@ -105,6 +109,7 @@ class Plane(NamedTuple):
     dtype: torch.dtype
     device: torch.device
     data_ptrs: tuple[int, ...]
+    repeats: tuple[int, ...] = ()  # pointer positions whose memory an earlier one holds (shared layers)
 
     @property
     def element_size(self) -> int:
@@ -143,6 +148,7 @@ class KernelGroup:
 
     __slots__ = (
         "_positions",
+        "_shared",
         "data_ptrs",
         "engine",
         "engine_group",
@@ -178,9 +184,18 @@ class KernelGroup:
         self.registration_layers = registration_layers  # layers of the whole registration
         self.memo: dict[object, object] = {}
         self._positions: dict[int, int] | None = None
+        self._shared: tuple[tuple[int, ...], ...] | None = None  # None: not looked for yet
 
     def __repr__(self) -> str:
         return f"KernelGroup({self.describe()}, engine group {self.engine_group})"
+
+    @property
+    def shared_layers(self) -> tuple[tuple[int, ...], ...]:
+        """Layers that share one KV cache, each tuple in layer order: every tensor of the
+        others is the first one's (the same memory and view). Empty without sharing."""
+        if self._shared is None:  # meta tensors, looked for when asked (they move no bytes)
+            self._shared = _find_sharing(self, "kv", strict=False)
+        return self._shared
 
     @property
     def layout(self) -> Layout:
@@ -251,9 +266,11 @@ class KernelGroup:
         return get_spec(self.kv, self.format).display_sizes()
 
     def describe(self) -> str:
-        """``layers 0-31: NL_X_TWO_NB_BS_NH_HS [2, 2048, 16, 8, 128] torch.bfloat16``."""
+        """``layers 0-31: NL_X_TWO_NB_BS_NH_HS [2, 2048, 16, 8, 128] torch.bfloat16``, and
+        ``, KV shared by layers (2, 4)`` where layers share one KV cache."""
         shapes = " + ".join(str(list(p.shape)) for p in self.planes)
-        return f"layers {index_ranges(self.layers)}: {self.format.name} {shapes} {self.dtype}"
+        shared = f", KV shared by layers {describe_sharing(self.shared_layers)}" if self.shared_layers else ""
+        return f"layers {index_ranges(self.layers)}: {self.format.name} {shapes} {self.dtype}{shared}"
 
     def descriptor(
         self,
@@ -318,6 +335,96 @@ class KernelGroup:
         return PageBufferShapeDesc.checked(
             **fields, element_size=g.dtype.itemsize, block_stride_elems=stride, dtype=g.dtype
         )
+
+
+def describe_sharing(shared: Sequence[Sequence[int]]) -> str:
+    """``(2, 4), (3, 5)``: layers sharing one KV cache, each tuple in layer order."""
+    return ", ".join(f"({', '.join(map(str, layers))})" for layers in shared)
+
+
+def _find_sharing(group: KernelGroup, root: str, strict: bool) -> tuple[tuple[int, ...], ...]:
+    """The group's layers that share one KV cache, each ``(first, *others)`` in layer
+    order; records each plane's repeated pointer positions (a load skips them).
+
+    A layer shares whole: each of its tensors is the first layer's in the same place. With
+    ``strict``, anything else that repeats memory (a tensor twice within one layer, a
+    layer sharing part of its tensors or with two layers) is a
+    :class:`RegistrationError`; without it (meta tensors, which move no bytes) it is
+    simply not sharing.
+    """
+    level = level_of(group.layout, Role.LAYER)
+    planes = list(group.planes)
+    target: dict[int, int] = {}
+    counts: dict[int, int] = {}
+    try:
+        for p, plane in enumerate(planes):
+            keys = memory_keys(plane.leaves, plane.data_ptrs)
+            if keys is None:
+                continue
+            seen: dict[Hashable, int] = {}
+            repeats = []
+            for k, key in enumerate(keys):
+                j = seen.setdefault(key, k)
+                if j == k:
+                    continue
+                here, there = plane.paths[k], plane.paths[j]
+                _check_alias(here, there, level, target, root)
+                assert level is not None  # _check_alias made sure
+                counts[here[level]] = counts.get(here[level], 0) + 1
+                repeats.append(k)
+            planes[p] = plane._replace(repeats=tuple(repeats))
+        if not counts:
+            return ()
+        assert level is not None
+        per_layer = sum(len(p.paths) for p in planes) // len(group.layers)
+        for layer, count in counts.items():
+            if count != per_layer:
+                _fail_partial(planes, level, layer, target[layer], root)
+    except RegistrationError:
+        if strict:
+            raise
+        return ()
+    group.planes = tuple(planes)
+    sharers: dict[int, list[int]] = {}
+    for layer, first in sorted(target.items()):
+        sharers.setdefault(first, []).append(layer)
+    return tuple((first, *layers) for first, layers in sorted(sharers.items()))
+
+
+def _check_alias(here: Path, there: Path, level: int | None, target: dict[int, int], root: str) -> None:
+    """``here`` is the memory and view of ``there``, earlier in the pointer table: fine
+    only as the same place of another layer, and one target layer per sharer."""
+    x, y = describe_path(here, root), describe_path(there, root)
+    if level is None or here[level] == there[level]:
+        raise RegistrationError(
+            f"{x} and {y} overlap in memory: they are one tensor registered twice within one layer; a "
+            "layer's own tensors must be disjoint"
+        )
+    if here[:level] + here[level + 1 :] != there[:level] + there[level + 1 :]:
+        raise RegistrationError(
+            f"{x} is the memory of {y}, which holds another part of its layer: layers may share a KV "
+            "cache only whole, each tensor the same as the target layer's tensor in the same place"
+        )
+    first = target.setdefault(here[level], there[level])
+    if first != there[level]:
+        raise RegistrationError(
+            f"{x} is the memory of {y}, but layer {here[level]} shares other tensors with layer {first}: "
+            "a layer shares its KV cache with one layer, whole"
+        )
+
+
+def _fail_partial(planes: Sequence[Plane], level: int, layer: int, first: int, root: str) -> NoReturn:
+    for plane in planes:
+        for k, path in enumerate(plane.paths):
+            if path[level] == layer and k not in plane.repeats:
+                theirs = (*path[:level], first, *path[level + 1 :])
+                raise RegistrationError(
+                    f"layer {layer} shares only part of its KV cache with layer {first}: "
+                    f"{describe_path(path, root)} is not {describe_path(theirs, root)} (its memory or view "
+                    "differs); layers may share a KV cache only whole, each tensor the same as the "
+                    "target layer's"
+                )
+    raise AssertionError("a partial sharer has a tensor of its own")
 
 
 def _undefined(fmt: EngineKVFormat, accessor: str) -> UndefinedSizeError:
@@ -396,6 +503,16 @@ class Registration:
         groups = "; ".join(g.describe() for g in self.kernel_groups)
         engine = f"{self.engine.value}, " if self.engine is not None else ""
         return f"Registration({engine}{self.num_layers} layers: {groups})"
+
+    @property
+    def shared_layers(self) -> tuple[tuple[int, ...], ...]:
+        """Layers that share one KV cache (vLLM's cross-layer KV sharing), each tuple in
+        layer order (vLLM's target first, as it registers its sharers after every layer
+        it allocates): every tensor of the others is the first one's, the same memory
+        and view. Pointer tables list every layer; a store fills each layer's slot of a
+        chunk, a load writes the memory once, from the first one's slot. Empty when no
+        layers share."""
+        return tuple(sorted(s for g in self.kernel_groups for s in g.shared_layers))
 
     @property
     def format(self) -> EngineKVFormat:
@@ -524,18 +641,31 @@ class Registration:
                 buckets.setdefault((eg, id(key)), []).append(i)
         groups = tuple(self._kernel_group(eg, layers) for (eg, _), layers in buckets.items())
         for eg in dict.fromkeys(g.engine_group for g in groups):
+            members = [g for g in groups if g.engine_group == eg]
+            if members[0].device.type != "meta":  # meta tensors: looked for only when asked
+                for g in members:
+                    g._shared = ()  # real memory: looked for below where bytes repeat, else none
+            runs = [r for g in members for p in g.planes if (r := self._run(p)) is not None]
+            if apart(runs):
+                continue  # the common registration: no byte shared
+            for g in members:
+                g._shared = _find_sharing(g, self.root, strict=True)
             check_disjoint(
-                (
-                    run_of(p.leaves[0], p.data_ptrs, p.paths, self.root)
-                    for g in groups
-                    if g.engine_group == eg
-                    for p in g.planes
-                ),
+                (self._run(p) for g in members for p in g.planes),
                 RegistrationError,
-                f"the tensors of engine group {eg} must be disjoint (one tensor registered for two layers "
-                "loses data on transfer; KV cache groups that vLLM overlays must be passed as layer groups)",
+                f"the tensors of engine group {eg} must be disjoint, but for layers sharing one KV cache "
+                "(KV cache groups that vLLM overlays must be passed as layer groups)",
             )
         return groups
+
+    def _run(self, plane: Plane) -> Run | None:
+        """The plane's tensors as one run of memory, shared layers' repeats left out."""
+        if not plane.repeats:
+            return run_of(plane.leaves[0], plane.data_ptrs, plane.paths, self.root)
+        repeats = set(plane.repeats)
+        keep = [k for k in range(len(plane.data_ptrs)) if k not in repeats]
+        ptrs, paths = [plane.data_ptrs[k] for k in keep], [plane.paths[k] for k in keep]
+        return run_of(plane.leaves[0], ptrs, paths, self.root)
 
     def _kernel_group(self, engine_group: int, layers: list[int]) -> KernelGroup:
         planes = []

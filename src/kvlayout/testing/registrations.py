@@ -215,6 +215,8 @@ def _vllm_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: in
 def _vllm_fused(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                 dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     cs = draw(st.sampled_from([2 * hs, 2 * hs + 1, 6]))  # packed K/V, or an opaque state row
+    if bs == 1 and nh != 1:
+        bs = 2  # vLLM's attention blocks are never one token: a size-1 dim beside the tokens is one head
     hnd = fmt == F.NL_X_NB_NH_BS_CS
     mode = _modes(draw, True)
     leaves = _alloc((nb, nh, bs, cs) if hnd else (nb, bs, nh, cs), dtype, nl, mode)

@@ -7,8 +7,10 @@ classes, platform, worker) are mirrored here in a few lines each, with the sourc
 follow: hybrid block sizing (``Platform._align_hybrid_block_size``), kernel block
 selection (``select_common_block_size``), grouping
 (``_get_kv_cache_groups_uniform_page_size``), the config's tensors
-(``get_kv_cache_config_from_groups``), allocation (``allocate_kv_cache``), and the
-pre-0.26 registrations (``_reshape_kv_cache_tensors``, the Mamba ``as_strided`` lists).
+(``get_kv_cache_config_from_groups``), allocation (``allocate_kv_cache``), cross-layer KV
+sharing (``add_kv_sharing_layers_to_kv_cache_groups`` and ``initialize_kv_cache_tensors``),
+and the pre-0.26 registrations (``_reshape_kv_cache_tensors``, the Mamba ``as_strided``
+lists).
 
 This module needs vLLM (0.33; installed without its dependencies is enough) and raises
 ``ImportError`` saying so without it; only ``kvlayout demo`` imports it (for its hybrid).
@@ -57,6 +59,7 @@ __all__ = [
     "make_engine",
     "mla_hybrid_engine",
     "page_region",
+    "share_kv_caches",
     "uniform_engine",
 ]
 
@@ -424,6 +427,20 @@ def allocate_v033(engine: Engine) -> tuple[torch.Tensor, dict[str, torch.Tensor]
         )
         kv_caches.update(zip(tensor.layers, views, strict=True))
     return buf, kv_caches
+
+
+def share_kv_caches(engine: Engine, kv_caches: dict[str, Any], shared: dict[str, str]) -> dict[str, Any]:
+    """Cross-layer KV sharing (Gemma-3n, YOCO) as vLLM 0.33 sets it up: each sharer joins
+    its target's KV cache group (``add_kv_sharing_layers_to_kv_cache_groups``), and the
+    registration maps it to the target's own tensor (``initialize_kv_cache_tensors``:
+    ``kv_caches[layer_name] = kv_caches[target_layer_name]``, after every allocated layer)."""
+    for sharer, target in shared.items():
+        engine.config.kv_cache_groups[engine.group_of(target)].layer_names.append(sharer)
+        engine.layer_specs[sharer] = engine.spec_of(target)
+    out = dict(kv_caches)
+    for sharer, target in shared.items():
+        out[sharer] = out[target]
+    return out
 
 
 def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:

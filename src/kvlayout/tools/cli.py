@@ -203,6 +203,8 @@ def cmd_detect(args: argparse.Namespace) -> int:
         return tuple(children) if isinstance(node, tuple) else children
 
     kv: Any = build(spec.root)
+    for sharer, target in _shares(args.share, kv):
+        kv[sharer] = kv[target]  # vLLM's cross-layer KV sharing: the target's tensor, registered again
     shapes = sorted({_shape_text(s) for s in spec.leaves()})
     report: dict[str, Any] = {
         "engine": args.engine, "registration": spec.text, "tensors": len(spec.leaves()), "shapes": shapes,
@@ -225,6 +227,25 @@ def cmd_detect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shares(items: Sequence[str], kv: Any) -> list[tuple[int, int]]:
+    """``--share 4=2``: entry 4 of the registration is entry 2's tensor."""
+    pairs = []
+    for item in items:
+        sharer, sep, target = item.partition("=")
+        if not sep or not sharer.strip().isdigit() or not target.strip().isdigit():
+            raise KVLayoutError(f"--share {item!r} is not SHARER=TARGET (for example 4=2)")
+        if not isinstance(kv, list):
+            raise KVLayoutError("--share needs a list of layers (--shape NxSHAPE), not one tensor")
+        a, b = int(sharer), int(target)
+        for i in (a, b):
+            if i >= len(kv):
+                raise KVLayoutError(f"--share {item}: the registration has {len(kv)} entries, not {i + 1}")
+        if a == b:
+            raise KVLayoutError(f"--share {item}: a layer shares another layer's KV cache, not its own")
+        pairs.append((a, b))
+    return pairs
+
+
 def _shape_text(shape: Any) -> str:
     order = f"@{','.join(map(str, shape.order))}" if shape.order else ""
     return f"{list(shape)}{order}"
@@ -245,6 +266,7 @@ def _group_record(group: Any) -> dict[str, Any]:
         "concrete": shape, "num_blocks": g.num_blocks, "block_size": g.block_size, "num_heads": g.num_heads,
         "head_size": g.head_size, "kv_size": g.kv_size, "dtype": str(g.dtype),
         "block_stride_elems": group.block_stride_elems,
+        "shared_layers": [list(layers) for layers in group.shared_layers],
     }  # fmt: skip
 
 
@@ -276,6 +298,9 @@ def _print_detection(report: dict[str, Any], as_json: bool) -> None:
             f"kv_size {g['kv_size']}, {g['dtype']}"
             + (f", block stride {stride} elements" if stride is not None else "")
         )
+        if g["shared_layers"]:
+            shared = ", ".join(f"({', '.join(map(str, layers))})" for layers in g["shared_layers"])
+            print(f"    shared     layers {shared} share one KV cache (the first holds it)")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -341,6 +366,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="a layout hint, repeatable: kv_layout=HND, tokens_per_block=16, kv_list_layout=k_v, ...",
+    )
+    p.add_argument(
+        "--share",
+        action="append",
+        default=[],
+        metavar="SHARER=TARGET",
+        help="register entry TARGET's tensor for entry SHARER too, repeatable (vLLM's cross-layer KV "
+        "sharing: kv_caches[sharer] = kv_caches[target]), e.g. --share 4=2",
     )
     p.add_argument(
         "--device", default="meta", help="meta (default, no memory), cpu (vLLM's CPU defaults apply) or cuda"

@@ -40,9 +40,11 @@ class SegmentTable:
     depth: int  # the loop depth the kernels are compiled for
 
 
-def segment_table(plan: TransferPlan, job: _Job) -> SegmentTable:
-    """A job's segment table, unit narrowed by its pointers (no device needed)."""
-    rows, widest, largest, depth = _native.plan_segments(plan._native_job(job))
+def segment_table(plan: TransferPlan, job: _Job, direction: int = 0) -> SegmentTable:
+    """A job's segment table for one direction (0 store, 1 load: a load leaves out the
+    pointers of layers sharing an earlier layer's KV cache), unit narrowed by its pointers
+    (no device needed)."""
+    rows, widest, largest, depth = _native.plan_segments(plan._native_job(job), direction)
     unit = narrow_unit(int(widest), job.plane.data_ptrs, job.element_size)
     return SegmentTable(rows, unit, int(largest), int(depth))
 
@@ -93,24 +95,27 @@ class CudaPlan:
             raise KVLayoutError("kvlayout._cuda sees no CUDA device")
         self._cuda = _cuda
         self.plan = plan
-        self._launches: list[_Launch] = []
+        self._launches: tuple[list[_Launch], list[_Launch]] = ([], [])  # store, load
         self._tables: list[torch.Tensor] = []  # the device tables, kept alive with the plan
         for job in plan.jobs:
-            segments = segment_table(plan, job)
-            count = len(segments.rows)
-            if count > _MAX_SEGMENTS:
-                raise TransferError(
-                    f"{plan.layout}: {count} segments per block; the CUDA grid holds {_MAX_SEGMENTS}"
-                )
             pointers = torch.tensor(job.plane.data_ptrs, dtype=torch.int64).to(plan.device)
-            rows = torch.from_numpy(segments.rows).to(plan.device)
-            self._tables += [pointers, rows]
-            self._launches.append(
-                _Launch(
+            self._tables.append(pointers)
+            for direction in (0, 1) if job.plane.repeats else (0,):
+                segments = segment_table(plan, job, direction)
+                count = len(segments.rows)
+                if count > _MAX_SEGMENTS:
+                    raise TransferError(
+                        f"{plan.layout}: {count} segments per block; the CUDA grid holds {_MAX_SEGMENTS}"
+                    )
+                rows = torch.from_numpy(segments.rows).to(plan.device)
+                self._tables.append(rows)
+                launch = _Launch(
                     rows.data_ptr(), count, segments.largest, segments.depth, pointers.data_ptr(),
                     segments.unit, job.element_size,
-                )
-            )  # fmt: skip
+                )  # fmt: skip
+                self._launches[direction].append(launch)
+                if not job.plane.repeats:
+                    self._launches[1].append(launch)  # both directions move the same segments
 
     def run(
         self,
@@ -136,7 +141,7 @@ class CudaPlan:
         uploaded = host.to(plan.device, non_blocking=True)
         base = uploaded.data_ptr()
         stream = torch.cuda.current_stream(plan.device).cuda_stream
-        for launch in self._launches:
+        for launch in self._launches[direction]:
             unit = narrow_unit(launch.unit, [int(p) for p in chunk_ptrs], launch.element_size)
             self._cuda.transfer_blocks(
                 direction, launch.segments, launch.count, launch.largest, launch.depth, launch.table,

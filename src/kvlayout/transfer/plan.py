@@ -2,7 +2,9 @@
 
 A chunk is a tensor ``[kv_size, NL, T, row]`` (``row = num_heads * head_size``, the
 packed width for fused and MLA formats; a plane tuple's row is its planes' bytes back to
-back), byte-compatible with LMCache's CUDA path. ``block_ids`` is a flat list of engine
+back), byte-compatible with LMCache's CUDA path. Layers that share one KV cache keep their
+own chunk slots: a store fills each, a load writes the shared memory once, from the first
+layer's slot. ``block_ids`` is a flat list of engine
 blocks: chunk ``c`` holds blocks ``[c*bpc, (c+1)*bpc)`` with ``bpc = T / BS`` of the
 first chunk; the last chunk may be shorter (a trailing partial chunk); the first
 ``skip_prefix_n_blocks`` blocks are left alone in both directions.
@@ -159,7 +161,7 @@ class TransferPlan:
         return (
             int(self.format), native_sizes(self.layout, job.sizes), job.block_stride, job.element_size,
             np.array(job.plane.data_ptrs, dtype=np.uint64), pieces,
-            self.kv_size, self.num_layers, self.block_size, self.row_bytes,
+            self.kv_size, self.num_layers, self.block_size, self.row_bytes, list(job.plane.repeats),
         )  # fmt: skip
 
     # -- what a call needs -------------------------------------------------------------
@@ -250,6 +252,9 @@ class TransferPlan:
         for i, c in enumerate(chunks):
             if not isinstance(c, torch.Tensor):
                 raise TransferError(f"chunks[{i}] is a {type(c).__name__}, not a tensor")
+            if c.is_nested or c.layout is not torch.strided:
+                kind = "nested" if c.is_nested else str(c.layout)
+                raise TransferError(f"chunks[{i}] is a {kind} tensor; a chunk is a dense (strided) tensor")
             shape = c.shape
             if len(shape) != 4 or shape[0] != kv_size or shape[1] != layers or shape[3] != row:
                 raise TransferError(
