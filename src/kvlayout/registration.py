@@ -19,7 +19,7 @@ import operator
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 
@@ -44,6 +44,10 @@ from kvlayout.registry import FormatLike, as_format, backend_label, get_spec
 from kvlayout.spec import UndefinedSizeError
 from kvlayout.types import EngineType
 from kvlayout.vocabulary import Role
+
+if TYPE_CHECKING:
+    from kvlayout.peers import RegistrationDescription
+    from kvlayout.shards import Shard
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",
@@ -394,6 +398,16 @@ class Registration:
     @property
     def device(self) -> torch.device:
         return self.kernel_groups[0].device if self.kernel_groups else first_leaf(self.kv).device
+
+    def describe(
+        self, *, shard: Shard | None = None, block_size: int | None = None
+    ) -> RegistrationDescription:
+        """The registration as data for a peer: a :class:`kvlayout.peers.RegistrationDescription`
+        (``to_json()`` for the wire). ``shard`` is the :class:`kvlayout.transfer.Shard` this
+        rank holds; ``block_size`` splits a folded NB*BS page axis."""
+        from kvlayout.peers import describe
+
+        return describe(self, shard=shard, block_size=block_size)
 
     @property
     def registered_kv(self) -> Any:
