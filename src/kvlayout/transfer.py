@@ -35,7 +35,21 @@ from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
 from kvlayout.registry import FormatLike
 from kvlayout.vocabulary import Role
 
-__all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
+__all__ = [
+    "BlockMap",
+    "BlockMapError",
+    "DescriptionError",
+    "RegistrationDescription",
+    "Shard",
+    "ShardError",
+    "TransferError",
+    "TransferPlan",
+    "block_map",
+    "chunk_shape",
+    "load_blocks",
+    "prepare",
+    "store_blocks",
+]
 
 _MAX_LOOPS = 4
 _PIECE_FIELDS = 5 + 3 * _MAX_LOOPS
@@ -491,3 +505,10 @@ def load_blocks(
     prepare(kv, fmt, block_size=block_size).load_blocks(
         block_ids, chunks, skip_prefix_n_blocks=skip_prefix_n_blocks, num_threads=num_threads
     )
+
+
+# Block maps between two registrations (kvlayout.block_maps), re-exported here: the
+# public names are kvlayout.transfer.Shard, block_map, BlockMap and RegistrationDescription.
+from kvlayout.block_maps import BlockMap, BlockMapError, block_map  # noqa: E402
+from kvlayout.peers import DescriptionError, RegistrationDescription  # noqa: E402
+from kvlayout.shards import Shard, ShardError  # noqa: E402
