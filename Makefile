@@ -18,7 +18,7 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null)
 # errors still print, and pipefail keeps pip's exit status.
 QUIET_PIP := 2>&1 | { grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm 0.33.0 requires " -e "^ERROR: pip's dependency resolver does not currently take into account" || true; }
 
-.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer clean
+.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer bench-maps clean
 
 test: build lint typecheck codegen-check pytest nvcc-check
 
@@ -74,7 +74,7 @@ else
 endif
 
 # Benchmarks (not part of the tests): each prints ours beside its baseline, with ratios.
-bench: bench-core bench-detection bench-transfer
+bench: bench-core bench-detection bench-transfer bench-maps
 
 bench-core: build
 	$(PY) benchmarks/bench_core.py
@@ -84,6 +84,9 @@ bench-detection: build
 
 bench-transfer: build
 	$(PY) benchmarks/bench_transfer.py
+
+bench-maps: build
+	$(PY) benchmarks/bench_maps.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
