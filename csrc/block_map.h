@@ -124,7 +124,15 @@ class Walker {
  public:
   Walker(const Request& q, const std::vector<std::int64_t>& positions, const std::vector<std::uint64_t>& src_tok,
          const std::vector<std::uint64_t>& dst_tok, Sink<kTrackTensors>& sink)
-      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), sink_(sink) {}
+      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), sink_(sink) {
+    // The first source block boundary after each destination block's first token: a
+    // division per block here, none per emission.
+    boundary_.resize(positions.size());
+    for (std::size_t pos = 0; pos < positions.size(); ++pos) {
+      const std::int64_t first = static_cast<std::int64_t>(pos) * q.dst_block_size;
+      boundary_[pos] = (first / q.src_block_size + 1) * q.src_block_size;
+    }
+  }
 
   void run() {
     for (std::int64_t g = 0; g < q_.num_groups; ++g) {
@@ -144,12 +152,18 @@ class Walker {
   std::int64_t slots() const { return std::min(q_.dst_block_size, q_.tokens - position_ * q_.dst_block_size); }
 
   // Levels d..3 fold into emissions: the slot level (if folded) by segments of tokens that
-  // stay in one source block, the head level (if folded) whole.
+  // stay in one source block, the head level (if folded) whole. A head level folded over
+  // an innermost slot level (tail 2, heads outside tokens on both sides) folds only for a
+  // full destination block, whose one segment is a whole block on both sides.
   void folded(int d) {
     bool slot = false, head = false;
     for (int k = d; k < 4; ++k) {
       slot |= q_.order[k] == kSlot;
       head |= q_.order[k] == kHead;
+    }
+    if (slot && head && q_.order[3] == kSlot && slots() != q_.dst_block_size) {
+      for (std::int64_t h = 0; h < q_.heads; ++h) segments(h, slab_->width);
+      return;
     }
     const std::int64_t h = head ? 0 : head_;
     const std::uint64_t unit = slab_->width * (head ? q_.heads : 1);
@@ -157,10 +171,14 @@ class Walker {
       sink_.emit(src_at(token_, h), dst_at(token_, h), unit, *slab_, group_);
       return;
     }
+    segments(h, unit);
+  }
+
+  void segments(std::int64_t h, std::uint64_t unit) {
     const std::int64_t first = position_ * q_.dst_block_size, end = first + slots();
-    for (std::int64_t p = first; p < end;) {
-      const std::int64_t stop = std::min(end, (p / q_.src_block_size + 1) * q_.src_block_size);
-      sink_.emit(src_at(p, h), dst_at(p, h), unit * (stop - p), *slab_, group_);
+    std::int64_t stop = std::min(end, boundary_[position_]);
+    for (std::int64_t p = first; p < end; stop = std::min(end, stop + q_.src_block_size)) {
+      sink_.emit(src_at(p, h), dst_at(p, h), unit * static_cast<std::uint64_t>(stop - p), *slab_, group_);
       p = stop;
     }
   }
@@ -223,6 +241,7 @@ class Walker {
   const std::vector<std::uint64_t>& src_tok_;
   const std::vector<std::uint64_t>& dst_tok_;
   Sink<kTrackTensors>& sink_;
+  std::vector<std::int64_t> boundary_;  // by destination block position
   const Slab* slab_ = nullptr;
   bool slab_set_ = false;
   std::int64_t group_ = 0, position_ = 0, token_ = 0, head_ = 0;
@@ -261,6 +280,8 @@ inline std::size_t emissions_bound(const Request& q) {
 
 }  // namespace detail
 
+inline constexpr std::size_t kScratchBytes = std::size_t{1} << 20;  // walks up to this size use the scratch
+
 // The runs of one request. `force_sort` takes the sorting path even when the walk is in
 // destination order (tests hold both paths to the same answer).
 inline Built build_runs(const Request& q, bool force_sort = false) {
@@ -276,15 +297,28 @@ inline Built build_runs(const Request& q, bool force_sort = false) {
   const auto dst_tok =
       detail::token_offsets(q.dst_blocks, q.dst_block_size, q.dst_classes, q.num_dst_classes, q.tokens);
   if (!force_sort) {
+    // A small map's walk writes into a buffer this thread keeps between calls (a fresh
+    // allocation of a few hundred KiB is a fresh mapping whose page faults cost more than
+    // the walk) and the map gets an exact copy; a large one is written in place (copying
+    // it would double the memory traffic, which is what bounds a large walk).
+    thread_local std::vector<ByteRun> scratch;
+    const std::size_t bound = detail::emissions_bound(q);
+    const bool small = bound * sizeof(ByteRun) <= kScratchBytes;
     detail::Sink<false> sink;
-    sink.runs.reserve(detail::emissions_bound(q));
+    if (small) sink.runs.swap(scratch);
+    sink.runs.clear();
+    sink.runs.reserve(bound);
     detail::Walker<false>(q, positions, src_tok, dst_tok, sink).run();
     sink.finish();
-    if (sink.in_order) {
+    const bool in_order = sink.in_order;
+    if (small) {
+      if (in_order) out.runs.assign(sink.runs.begin(), sink.runs.end());
+      scratch.swap(sink.runs);
+    } else if (in_order) {
       if (sink.runs.capacity() > 2 * sink.runs.size() + 4096) sink.runs.shrink_to_fit();  // merges left it sparse
       out.runs = std::move(sink.runs);
-      return out;
     }
+    if (in_order) return out;
   }
   // The sorting path: the same walk, its runs sorted by destination and merged again.
   detail::Sink<true> sink;

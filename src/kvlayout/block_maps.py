@@ -514,6 +514,10 @@ def _pair(src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None
         elif lvl == SLOT:
             ok &= (s_sj == run) & (d_sj == run)
             tail += ok
+            if order[-1] == SLOT and order[-2] == HEAD and src.block_size == dst.block_size:
+                # heads outside tokens on both sides: a full block's heads are one stretch
+                block = run * dst.block_size
+                tail += ok & (s_sh == block) & (d_sh == block) & (len(heads) > 1)
             break
         else:
             break
