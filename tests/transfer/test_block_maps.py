@@ -499,7 +499,11 @@ def test_from_json_refuses_what_is_not_a_description(text: str | bytes, message:
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(1, 300), min_size=1, max_size=40), st.integers(1, 4), st.randoms(use_true_random=False))
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    st.integers(1, 4),
+    st.randoms(use_true_random=False),
+)
 def test_copy_splits_runs_by_bytes_over_threads(lengths: list[int], threads: int, rnd: random.Random) -> None:
     """Each thread copies a contiguous share of the bytes, cutting runs at its edges."""
     src = np.frombuffer(rnd.randbytes(sum(lengths) + 64), dtype=np.uint8).copy()
@@ -513,7 +517,9 @@ def test_copy_splits_runs_by_bytes_over_threads(lengths: list[int], threads: int
         runs.append((src.ctypes.data + at, dst.ctypes.data + place[i], n))
         at += n
     spans = lambda a: np.array([[a.ctypes.data, a.nbytes, a.nbytes, 1]], dtype=np.uint64)  # noqa: E731
-    problem, _, _, used = _native.copy_runs(np.array(runs, dtype=np.uint64), spans(src), spans(dst), threads, 1)
+    problem, _, _, used = _native.copy_runs(
+        np.array(runs, dtype=np.uint64), spans(src), spans(dst), threads, 1
+    )
     assert problem == 0 and 1 <= used <= threads
     want = np.zeros_like(dst)
     at = 0
