@@ -516,7 +516,10 @@ def test_copy_splits_runs_by_bytes_over_threads(lengths: list[int], threads: int
     for i, n in enumerate(lengths):
         runs.append((src.ctypes.data + at, dst.ctypes.data + place[i], n))
         at += n
-    spans = lambda a: np.array([[a.ctypes.data, a.nbytes, a.nbytes, 1]], dtype=np.uint64)  # noqa: E731
+
+    def spans(a: np.ndarray) -> np.ndarray:
+        return np.array([[a.ctypes.data, a.nbytes, a.nbytes, 1]], dtype=np.uint64)
+
     problem, _, _, used = _native.copy_runs(
         np.array(runs, dtype=np.uint64), spans(src), spans(dst), threads, 1
     )
