@@ -11,7 +11,8 @@ same run list and thread count:
     bytes as ours is (compiled here with the system C compiler);
   - flat stream: ``kvlayout._native.stream_copy`` of the same number of bytes from one
     flat buffer into another (streaming stores where the CPU has them): the machine's bound.
-Figures are medians of several runs; ratios are ours over each baseline (higher is better).
+Figures are medians of several runs, ours and its baselines taking turns; ratios are ours
+over each baseline (higher is better).
 Targets: build <= 200 us; copy >= 1.0x the C copy everywhere; >= 0.85x the flat stream
 where the mean run is 4 KiB or more.
 Run with ``make bench-maps``.
@@ -142,14 +143,18 @@ SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
 ]
 
 
-def timed(fn: Callable[[], object], repeats: int) -> float:
-    fn()
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+def race(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Each function's median time, the functions taking turns (so a busy spell on a
+    shared machine slows them alike)."""
+    for fn in fns:
         fn()
-        runs.append(time.perf_counter() - t0)
-    return statistics.median(runs)
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
 
 
 def best_us(fn: Callable[[], object], number: int, repeats: int) -> float:
@@ -200,10 +205,13 @@ def measure(
     flat_dst = torch.empty_like(flat_src)
     cells = []
     for n in threads:
-        ours = timed(lambda n=n: m.copy(num_threads=n), repeats)
-        c = timed(lambda n=n: library.copy_runs(runs.ctypes.data, len(runs), ends.ctypes.data, n), repeats)
-        flat = timed(
-            lambda n=n: _native.stream_copy(flat_dst.data_ptr(), flat_src.data_ptr(), m.num_bytes, n), repeats
+        ours, c, flat = race(
+            [
+                lambda n=n: m.copy(num_threads=n),
+                lambda n=n: library.copy_runs(runs.ctypes.data, len(runs), ends.ctypes.data, n),
+                lambda n=n: _native.stream_copy(flat_dst.data_ptr(), flat_src.data_ptr(), m.num_bytes, n),
+            ],
+            repeats,
         )
         cells.append(f"{m.num_bytes / ours / 1e9:>7.2f}{c / ours:>6.2f}x{flat / ours:>6.2f}x")
     mean_kib = m.num_bytes / max(m.num_runs, 1) / 1024
@@ -218,7 +226,8 @@ def measure(
 MECH_NB, MECH_BLOCKS, MECH_CHUNK = 1024, 256, 256  # bench-transfer's move on a smaller pool
 
 
-def mechanism_cases() -> list[tuple[str, Any, Any]]:
+def mechanism_cases() -> list[tuple[str, Any, Callable[[], Any]]]:
+    """(label, format, a function that allocates the cache): one cache at a time fits."""
     from kvlayout import EngineKVFormat as F
 
     b, bs = MECH_NB, 16
@@ -227,13 +236,17 @@ def mechanism_cases() -> list[tuple[str, Any, Any]]:
         return torch.ones(shape, dtype=DTYPE)
 
     return [
-        ("1 flash-attn NHD", F.NL_X_TWO_NB_BS_NH_HS, [t(2, b, bs, NH, HS) for _ in range(NL)]),
-        ("2 flash-infer NHD", F.NL_X_NB_TWO_BS_NH_HS, [t(b, 2, bs, NH, HS) for _ in range(NL)]),
-        ("6 flash-attn HND", F.NL_X_TWO_NB_NH_BS_HS, [t(2, b, NH, bs, HS) for _ in range(NL)]),
-        ("0 cross-layer", F.NB_NL_TWO_BS_NH_HS, t(b, NL, 2, bs, NH, HS)),
-        ("3 MLA (HS=576)", F.NL_X_NB_BS_HS, [t(b, bs, MLA_HS) for _ in range(NL)]),
-        ("9 SGLang MP", F.TWO_X_NL_X_NB_BS_NH_HS, [[t(b, bs, NH, HS) for _ in range(NL)] for _ in range(2)]),
-        ("13 fused K/V NHD", F.NL_X_NB_BS_NH_CS, [t(b, bs, NH, 2 * HS) for _ in range(NL)]),
+        ("1 flash-attn NHD", F.NL_X_TWO_NB_BS_NH_HS, lambda: [t(2, b, bs, NH, HS) for _ in range(NL)]),
+        ("2 flash-infer NHD", F.NL_X_NB_TWO_BS_NH_HS, lambda: [t(b, 2, bs, NH, HS) for _ in range(NL)]),
+        ("6 flash-attn HND", F.NL_X_TWO_NB_NH_BS_HS, lambda: [t(2, b, NH, bs, HS) for _ in range(NL)]),
+        ("0 cross-layer", F.NB_NL_TWO_BS_NH_HS, lambda: t(b, NL, 2, bs, NH, HS)),
+        ("3 MLA (HS=576)", F.NL_X_NB_BS_HS, lambda: [t(b, bs, MLA_HS) for _ in range(NL)]),
+        (
+            "9 SGLang MP",
+            F.TWO_X_NL_X_NB_BS_NH_HS,
+            lambda: [[t(b, bs, NH, HS) for _ in range(NL)] for _ in range(2)],
+        ),
+        ("13 fused K/V NHD", F.NL_X_NB_BS_NH_CS, lambda: [t(b, bs, NH, 2 * HS) for _ in range(NL)]),
     ]
 
 
@@ -280,7 +293,7 @@ def mechanism_rows(label: str, fmt: Any, kv: Any, repeats: int, rng: random.Rand
         ("store", lambda: plan.store_blocks(ids, chunks), map_store),
         ("load", lambda: plan.load_blocks(ids, chunks), map_load),
     ):
-        ours, mapped = timed(plan_move, repeats), timed(map_move, repeats)
+        ours, mapped = race([plan_move, map_move], repeats)
         rows.append(
             f"{label:<20}{direction:<7}{runs:>9}{build:>11.0f}{nbytes / ours / 1e9:>11.2f}"
             f"{nbytes / mapped / 1e9:>11.2f}{ours / mapped:>9.2f}x"
