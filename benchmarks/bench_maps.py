@@ -254,7 +254,9 @@ def one_mechanism(repeats: int, rng: random.Random) -> list[str]:
     """Rows: the prepared plan's store and load beside the same moves as block maps (built
     per call, one map per chunk, then copied), one thread, in GB/s."""
     return [
-        row for label, fmt, kv in mechanism_cases() for row in mechanism_rows(label, fmt, kv, repeats, rng)
+        row
+        for label, fmt, make in mechanism_cases()
+        for row in mechanism_rows(label, fmt, make(), repeats, rng)
     ]
 
 
