@@ -126,8 +126,7 @@ def _split_pages(layout: Layout, sizes: dict[str, int], block_size: int | None, 
     if block_size is None:
         raise BlockMapError(
             f"{where}: {layout} folds its blocks and their tokens into one axis ({page}): pass its "
-            "block size "
-            "(block_map's src_block_size= / dst_block_size=, or describe(block_size=))"
+            "block size (block_map's src_block_size= / dst_block_size=, or describe(block_size=))"
         )
     total = layout.size_of(sizes, Role.PAGE)
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
@@ -261,8 +260,7 @@ def _side_of_description(desc: RegistrationDescription, block_size: int | None, 
         listed = "; ".join(g.label() for g in desc.groups)
         raise BlockMapError(
             f"{where}: the description has {len(desc.groups)} kernel groups ({listed}); a block "
-            "map moves one: "
-            "pass description.group(i)"
+            "map moves one: pass description.group(i)"
         )
     group = desc.groups[0]
     if block_size is not None and group.block_size is None:
@@ -324,23 +322,20 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
         or chunk.shape[2] == 0
     ):
         raise BlockMapError(
-            f"the chunk has shape {list(chunk.shape)} (contiguous: {chunk.is_contiguous()}); this "
-            "cache needs a "
-            f"contiguous [{kv_size}, {nl}, T, {row_bytes // itemsize}] (kv_size, layers, tokens, row)"
+            f"the chunk has shape {list(chunk.shape)} (contiguous: {chunk.is_contiguous()}); this cache "
+            f"needs a contiguous [{kv_size}, {nl}, T, {row_bytes // itemsize}] (kv_size, layers, tokens, row)"
         )
     if str(chunk.dtype).removeprefix("torch.") != cache.piece_dtypes[0]:
         raise BlockMapError(f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}")
     tokens = int(chunk.shape[2])
-    # The chunk row of a head: the planes of the cache, each a head's row in turn (one head
-    # when there are planes), packed K/V side by side.
-    plane_starts = [int(c0) for c0, _ in cache.pieces]
-    row_offsets = np.array(plane_starts, dtype=np.int64)
+    # A token's chunk row: each head's row in turn (K and V side by side where the cache
+    # packs them), a head's row its pieces back to back (the planes, one head, for MLA).
+    piece_starts = cache.pieces[:, 0]
     k = np.arange(cache.kv)
     layer = np.arange(nl)
     slab = ((k // pair)[None, :] * nl + layer[:, None]) * tokens * row_bytes  # (NL, KV)
-    offset = slab[:, :, None] + ((k % pair) * cache.row_bytes)[None, :, None] + row_offsets[None, None, :]
-    head_stride = cache.row_bytes * pair
-    strides = np.array([[0, row_bytes, head_stride]] * len(plane_starts), dtype=np.int64)
+    offset = slab[:, :, None] + ((k % pair) * cache.row_bytes)[None, :, None] + piece_starts[None, None, :]
+    strides = np.array([[0, row_bytes, cache.row_bytes * pair]] * len(piece_starts), dtype=np.int64)
     size = chunk.numel() * itemsize
     return Side(
         label=f"chunk {list(chunk.shape)} {chunk.dtype}",
@@ -414,8 +409,7 @@ def _check_same_data(src: Side, dst: Side) -> None:
     if src.layers != dst.layers:
         raise BlockMapError(
             f"src holds layers {index_ranges(src.layers)} and dst layers "
-            f"{index_ranges(dst.layers)}; a map moves "
-            "layer i to layer i"
+            f"{index_ranges(dst.layers)}; a map moves layer i to layer i"
         )
     if src.row_bytes != dst.row_bytes:
         raise BlockMapError(
@@ -773,8 +767,7 @@ def block_map(
         earlier = int(np.flatnonzero(dst_ids[:again] == dst_ids[again])[0])
         raise BlockMapError(
             f"dst_blocks[{again}] = {int(dst_ids[again])} repeats dst_blocks[{earlier}]: each "
-            "destination slot "
-            "is written once"
+            "destination slot is written once"
         )
     result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens)
     if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
