@@ -19,7 +19,7 @@ NVCC ?= $(shell command -v nvcc 2>/dev/null)
 # errors still print, and pipefail keeps pip's exit status.
 QUIET_PIP := 2>&1 | { grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm 0.33.0 requires " -e "^ERROR: pip's dependency resolver does not currently take into account" || true; }
 
-.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer bench-pd clean
+.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer bench-maps bench-pd clean
 
 test: build lint typecheck codegen-check pytest nvcc-check
 
@@ -83,7 +83,7 @@ else
 endif
 
 # Benchmarks (not part of the tests): each prints ours beside its baseline, with ratios.
-bench: bench-core bench-detection bench-transfer
+bench: bench-core bench-detection bench-transfer bench-maps
 
 bench-core: build
 	$(PY) benchmarks/bench_core.py
@@ -97,6 +97,8 @@ bench-transfer: build
 # Two processes over loopback NIXL: a few seconds of transfers per scenario.
 bench-pd: build
 	$(PY) benchmarks/bench_pd.py
+bench-maps: build
+	$(PY) benchmarks/bench_maps.py
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis

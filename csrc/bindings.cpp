@@ -17,6 +17,7 @@
 #include <tuple>
 #include <vector>
 
+#include "block_map.h"
 #include "kvlayout/engine_kv_format.h"
 #include "kvlayout/indexing.cuh"
 #include "transfer.h"
@@ -202,6 +203,121 @@ UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_toke
   return UnitArray(out, {rows.size() / 4, 4}, owner);
 }
 
+// -- block maps (csrc/block_map.h) -------------------------------------------------------
+
+using U64Rows = nb::ndarray<const std::uint64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using RunArray = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 3>>;
+
+const std::uint64_t* rows_of(const U64Rows& a, std::size_t width, const char* name) {
+  if (a.shape(1) != width)
+    throw nb::value_error((std::string(name) + " must have " + std::to_string(width) + " columns").c_str());
+  return a.data();
+}
+
+std::tuple<RunArray, bool> build_runs(U64Rows slabs, IntArray group_starts, std::tuple<int, int, int, int> order,
+                                      std::int64_t heads, std::int64_t tokens, IntArray src_blocks,
+                                      std::int64_t src_block_size, IntArray dst_blocks, std::int64_t dst_block_size,
+                                      U64Rows src_classes, U64Rows dst_classes, bool force_sort) {
+  namespace bm = kvlayout::block_map;
+  const auto* slab_rows = reinterpret_cast<const bm::Slab*>(rows_of(slabs, 10, "slabs"));
+  const auto* src_cls = reinterpret_cast<const bm::Strides*>(rows_of(src_classes, 2, "src_classes"));
+  const auto* dst_cls = reinterpret_cast<const bm::Strides*>(rows_of(dst_classes, 2, "dst_classes"));
+  const auto num_slabs = static_cast<std::int64_t>(slabs.shape(0));
+  if (src_block_size <= 0 || dst_block_size <= 0 || tokens < 0 || heads < 0)
+    throw nb::value_error("block sizes must be positive, tokens and heads non-negative");
+  if (static_cast<std::int64_t>(src_blocks.shape(0)) * src_block_size < tokens ||
+      static_cast<std::int64_t>(dst_blocks.shape(0)) * dst_block_size < tokens)
+    throw nb::value_error("too few block ids for the tokens");
+  const auto groups = static_cast<std::int64_t>(group_starts.shape(0)) - 1;
+  if (groups < 0 || group_starts.data()[0] != 0 || group_starts.data()[groups] != num_slabs)
+    throw nb::value_error("group_starts must run from 0 to the number of slabs");
+  for (std::int64_t g = 0; g < groups; ++g)
+    if (group_starts.data()[g + 1] <= group_starts.data()[g]) throw nb::value_error("groups must be non-empty");
+  for (std::int64_t s = 0; s < num_slabs; ++s) {
+    const bm::Slab& r = slab_rows[s];
+    if (r.src_class >= src_classes.shape(0) || r.dst_class >= dst_classes.shape(0) || r.tail > 2 || r.width == 0)
+      throw nb::value_error("a slab names a stride class that does not exist, or has no bytes");
+  }
+  const auto [o0, o1, o2, o3] = order;
+  int seen = 0;
+  for (int o : {o0, o1, o2, o3}) {
+    if (o < 0 || o > 3) throw nb::value_error("order holds the levels 0-3");
+    seen |= 1 << o;
+  }
+  if (seen != 15) throw nb::value_error("order must name each level once");
+  const bm::Request q{slab_rows, group_starts.data(), groups, {o0, o1, o2, o3}, heads, tokens,
+                      src_blocks.data(), src_block_size, dst_blocks.data(), dst_block_size,
+                      src_cls, static_cast<std::int64_t>(src_classes.shape(0)),
+                      dst_cls, static_cast<std::int64_t>(dst_classes.shape(0))};
+  auto* built = new bm::Built();
+  {
+    nb::gil_scoped_release release;
+    *built = bm::build_runs(q, force_sort);
+  }
+  nb::capsule owner(built, [](void* p) noexcept { delete static_cast<bm::Built*>(p); });
+  auto* data = reinterpret_cast<std::uint64_t*>(built->runs.data());
+  const bool in_order = built->walked_in_order;
+  return {RunArray(data, {built->runs.size(), 3}, owner), in_order};
+}
+
+std::vector<kvlayout::block_map::Span> spans_of(const U64Rows& a, const char* name) {
+  const std::uint64_t* d = rows_of(a, 4, name);
+  std::vector<kvlayout::block_map::Span> out;
+  for (std::size_t i = 0; i < a.shape(0); ++i) {
+    const kvlayout::block_map::Span s{d[4 * i], d[4 * i + 1], d[4 * i + 2], d[4 * i + 3]};
+    if (s.blocks == 0 || s.period == 0 || s.block == 0 || s.block > s.period)
+      throw nb::value_error((std::string(name) + ": a span needs blocks, a period and a block that fits it").c_str());
+    out.push_back(s);
+  }
+  std::sort(out.begin(), out.end(), [](const auto& x, const auto& y) { return x.start < y.start; });
+  return out;
+}
+
+using ConstRunArray = nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_contig, nb::device::cpu>;
+
+std::tuple<int, std::int64_t, std::int64_t> validate_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans) {
+  const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  nb::gil_scoped_release release;
+  const auto v = kvlayout::block_map::validate_runs(r, runs.shape(0), src, dst);
+  return {static_cast<int>(v.problem), v.run, v.other};
+}
+
+std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans,
+                                                          int num_threads, std::uint64_t min_bytes_per_thread) {
+  const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  const std::size_t n = runs.shape(0);
+  nb::gil_scoped_release release;
+  const auto v = kvlayout::block_map::validate_runs(r, n, src, dst);
+  if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
+  const int used = kvlayout::block_map::copy_runs(r, n, num_threads, min_bytes_per_thread,
+                                                  [](const kvlayout::ByteRun* p, std::size_t k) { kvlayout::copy_byte_runs(p, k); });
+  return {0, -1, -1, used};
+}
+
+// A flat copy of n bytes with streaming stores where the CPU has them (the benchmarks'
+// bound for copying the same bytes), split over the pool like copy_runs.
+int stream_copy(std::uint64_t dst, std::uint64_t src, std::uint64_t n, int num_threads) {
+  nb::gil_scoped_release release;
+  const kvlayout::ByteRun whole{src, dst, n};
+  return kvlayout::block_map::copy_runs(&whole, n ? 1 : 0, num_threads, 1 << 20,
+                                        [](const kvlayout::ByteRun* p, std::size_t k) {
+                                          for (std::size_t i = 0; i < k; ++i) {
+                                            auto* d = reinterpret_cast<char*>(p[i].dst);
+                                            const auto* s = reinterpret_cast<const char*>(p[i].src);
+#if defined(KVLAYOUT_STREAM_STORES)
+                                            if (kvlayout::transfer::detail::can_stream()) {
+                                              kvlayout::transfer::detail::StreamCopy::copy(d, s, p[i].len);
+                                              kvlayout::transfer::detail::StreamCopy::finish();
+                                              continue;
+                                            }
+#endif
+                                            std::memcpy(d, s, p[i].len);
+                                          }
+                                        });
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -293,6 +409,23 @@ NB_MODULE(_native, m) {
         "unit"_a, "direction"_a = 0,
         "The units the CUDA grid copies for a job in one direction, by the kernels' mapping run on the host (for "
         "tests).");
+
+  m.def("build_runs", &build_runs, "slabs"_a, "group_starts"_a, "order"_a, "heads"_a, "tokens"_a, "src_blocks"_a,
+        "src_block_size"_a, "dst_blocks"_a, "dst_block_size"_a, "src_classes"_a, "dst_classes"_a,
+        "force_sort"_a = false,
+        "A block map's runs ((N, 3) uint64: source, destination, length) from its slabs, and whether the walk "
+        "was in destination order (else the runs were sorted and merged again).");
+  m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a,
+        "(problem, run, other run): 0 when every run lies in one source and one destination tensor's blocks "
+        "(spans: start, period, block, blocks), destination runs are disjoint and none reads what another "
+        "writes; else 1 source outside, 2 destination outside, 3 destinations overlap, 4 a run reads what "
+        "another writes, 5 an empty run.");
+  m.def("copy_runs", &copy_runs, "runs"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
+        "min_bytes_per_thread"_a = 256 << 10,
+        "validate_runs, then (if valid) copy the runs on up to num_threads pool threads, split by bytes, GIL "
+        "released; returns validate_runs' answer and the threads used.");
+  m.def("stream_copy", &stream_copy, "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a,
+        "A flat copy of nbytes with streaming stores where the CPU has them (a benchmark bound; no checks).");
 
   m.def("pool_workers", [] { return kvlayout::transfer::WorkerPool::instance().num_workers(); },
         "Worker threads the transfer pool has created so far (they persist across calls).");

@@ -23,7 +23,7 @@ import operator
 import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import torch
 
@@ -48,6 +48,10 @@ from kvlayout.registration.binding import (
 from kvlayout.registration.memory import Run, apart, check_disjoint, memory_keys, run_of
 from kvlayout.registration.nesting import Path, describe_path, first_leaf
 from kvlayout.types import EngineType
+
+if TYPE_CHECKING:
+    from kvlayout.registration.peers import RegistrationDescription
+    from kvlayout.registration.shards import Shard
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",
@@ -526,6 +530,16 @@ class Registration:
     @property
     def device(self) -> torch.device:
         return self.kernel_groups[0].device if self.kernel_groups else first_leaf(self.kv).device
+
+    def describe(
+        self, *, shard: Shard | None = None, block_size: int | None = None
+    ) -> RegistrationDescription:
+        """The registration as data for a peer: a :class:`kvlayout.registration.peers.RegistrationDescription`
+        (``to_json()`` for the wire). ``shard`` is the :class:`kvlayout.transfer.Shard` this
+        rank holds; ``block_size`` splits a folded NB*BS page axis."""
+        from kvlayout.registration.peers import describe
+
+        return describe(self, shard=shard, block_size=block_size)
 
     @property
     def registered_kv(self) -> Any:

@@ -10,6 +10,9 @@ generated indexers. It must not know engines or format names (jobs, pieces and s
 all come from the layout), nor the facade.
 """
 
+from kvlayout.registration.peers import PeerDescriptionError, RegistrationDescription
+from kvlayout.registration.shards import Shard, ShardError
+from kvlayout.transfer.block_maps import BlockMap, BlockMapError, block_map
 from kvlayout.transfer.plan import (
     TransferError,
     TransferPlan,
@@ -19,4 +22,18 @@ from kvlayout.transfer.plan import (
     store_blocks,
 )
 
-__all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
+__all__ = [
+    "BlockMap",
+    "BlockMapError",
+    "PeerDescriptionError",
+    "RegistrationDescription",
+    "Shard",
+    "ShardError",
+    "TransferError",
+    "TransferPlan",
+    "block_map",
+    "chunk_shape",
+    "load_blocks",
+    "prepare",
+    "store_blocks",
+]

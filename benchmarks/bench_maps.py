@@ -1,0 +1,351 @@
+"""Block maps: runs, build time and copy bandwidth of one request between two caches.
+
+A Llama-3-8B-like model (32 layers, 8 KV heads of 128, bf16), one 1024-token request,
+its block ids scattered over a pool twice its size or consecutive, between two CPU
+caches for each scenario below; an MLA model (61 layers, a 576-wide latent) for the last.
+Each row prints the map's runs, bytes and mean run, the time to build the map (the
+request's part: the sides and the pair are prepared once, like a transfer plan) beside
+one detection of the destination registration, and ``copy()`` bandwidth beside, on the
+same run list and thread count:
+  - C copy: plain C that copies the same runs, one ``memcpy`` each, split over threads by
+    bytes as ours is (compiled here with the system C compiler);
+  - flat stream: ``kvlayout._native.stream_copy`` of the same number of bytes from one
+    flat buffer into another (streaming stores where the CPU has them): the machine's bound.
+Figures are medians of several runs, ours and its baselines taking turns; ratios are ours
+over each baseline (higher is better).
+Targets: build <= 200 us; copy >= 1.0x the C copy everywhere; >= 0.85x the flat stream
+where the mean run is 4 KiB or more.
+Run with ``make bench-maps``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import random
+import shutil
+import statistics
+import subprocess
+import tempfile
+import time
+import timeit
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+import kvlayout
+from kvlayout import _native
+from kvlayout.transfer import Shard, block_map
+
+NL, NH, HS, MLA_NL, MLA_HS = 32, 8, 128, 61, 576
+TOKENS = 1024
+DTYPE = torch.bfloat16
+
+C_COPY = r"""
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct { const uint64_t* runs; int64_t n; uint64_t lo, hi; const uint64_t* ends; } Part;
+
+static void* part(void* arg) {
+  const Part* p = arg;
+  for (int64_t i = 0; i < p->n; ++i) {
+    uint64_t end = p->ends[i], start = end - p->runs[3 * i + 2];
+    if (end <= p->lo || start >= p->hi) continue;
+    uint64_t from = start > p->lo ? start : p->lo, to = end < p->hi ? end : p->hi;
+    uint64_t skip = from - start;
+    memcpy((char*)p->runs[3 * i + 1] + skip, (const char*)p->runs[3 * i] + skip, to - from);
+  }
+  return 0;
+}
+
+void copy_runs(const uint64_t* runs, int64_t n, const uint64_t* ends, int threads) {
+  Part parts[64];
+  pthread_t tids[64];
+  uint64_t total = n ? ends[n - 1] : 0;
+  if (threads > 64) threads = 64;
+  for (int t = 0; t < threads; ++t) {
+    uint64_t hi = t == threads - 1 ? total : total / threads * (t + 1);
+    parts[t] = (Part){runs, n, total / threads * t, hi, ends};
+  }
+  for (int t = 1; t < threads; ++t) pthread_create(&tids[t], 0, part, &parts[t]);
+  part(&parts[0]);
+  for (int t = 1; t < threads; ++t) pthread_join(tids[t], 0);
+}
+"""
+
+
+def c_library(workdir: Path) -> ctypes.CDLL:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise SystemExit("bench_maps needs a C compiler (cc or gcc) for its C copy baseline")
+    src, lib = workdir / "copy.c", workdir / "copy.so"
+    src.write_text(C_COPY)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", str(src), "-o", str(lib), "-lpthread"], check=True)
+    library = ctypes.CDLL(str(lib))
+    library.copy_runs.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    library.copy_runs.restype = None
+    return library
+
+
+@dataclass
+class Cache:
+    kv: Any  # what detection returned
+    raw: Any  # the tensors as the engine hands them over
+    engine: str
+    hints: dict[str, Any]
+    block_size: int
+    num_blocks: int
+    shard: Shard | None = None
+    page_block_size: int | None = None  # for NB*BS formats
+
+
+def vllm(hnd: bool, block_size: int, heads: int = NH, shard: Shard | None = None) -> Cache:
+    blocks = 2 * TOKENS // block_size  # a pool twice the request, so scattered ids are scattered
+    shape = (2, blocks, heads, block_size, HS) if hnd else (2, blocks, block_size, heads, HS)
+    raw = [torch.ones(shape, dtype=DTYPE) for _ in range(NL)]
+    if hnd:  # vLLM exposes its HND cache as an NHD-shaped view
+        raw = [t.transpose(2, 3) for t in raw]
+    hints = {"kv_layout": "HND" if hnd else "NHD"}
+    return Cache(kvlayout.detect(raw, "vllm", hints), raw, "vllm", hints, block_size, blocks, shard)
+
+
+def sglang(block_size: int) -> Cache:
+    slots = 2 * TOKENS
+    raw = [[torch.ones(slots, NH, HS, dtype=DTYPE) for _ in range(NL)] for _ in range(2)]
+    hints: dict[str, Any] = {}
+    kv = kvlayout.detect(raw, "sglang", hints)
+    return Cache(kv, raw, "sglang", hints, block_size, slots // block_size, page_block_size=block_size)
+
+
+def mla(shard: Shard | None = None) -> Cache:
+    blocks = 2 * TOKENS // 64
+    raw = [torch.ones(blocks, 64, MLA_HS, dtype=DTYPE) for _ in range(MLA_NL)]
+    return Cache(kvlayout.detect(raw, "vllm", {}), raw, "vllm", {}, 64, blocks, shard)
+
+
+SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
+    ("same layout NHD", lambda: (vllm(False, 16), vllm(False, 16))),
+    ("TP 1->2 NHD", lambda: (vllm(False, 16), vllm(False, 16, NH // 2, Shard(1, 2, NH)))),
+    ("TP 2->1 NHD", lambda: (vllm(False, 16, NH // 2, Shard(1, 2, NH)), vllm(False, 16))),
+    ("TP 1->2 HND", lambda: (vllm(True, 16), vllm(True, 16, NH // 2, Shard(1, 2, NH)))),
+    ("TP 2->1 HND", lambda: (vllm(True, 16, NH // 2, Shard(1, 2, NH)), vllm(True, 16))),
+    ("NHD -> HND", lambda: (vllm(False, 16), vllm(True, 16))),
+    ("block 16 -> 64", lambda: (vllm(False, 16), vllm(False, 64))),
+    ("block 64 -> 16", lambda: (vllm(False, 64), vllm(False, 16))),
+    ("vLLM -> SGLang", lambda: (vllm(False, 16), sglang(16))),
+    ("MLA TP 1->4", lambda: (mla(), mla(Shard(2, 4, 1)))),
+]
+
+
+def race(fns: list[Callable[[], object]], repeats: int) -> list[float]:
+    """Each function's median time, the functions taking turns (so a busy spell on a
+    shared machine slows them alike)."""
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, out in zip(fns, times, strict=True):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
+def best_us(fn: Callable[[], object], number: int, repeats: int) -> float:
+    fn()
+    return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
+
+
+def request_ids(cache: Cache, scattered: bool, rng: random.Random) -> list[int]:
+    n = -(-TOKENS // cache.block_size)
+    return rng.sample(range(cache.num_blocks), n) if scattered else list(range(n))
+
+
+def run_scenario(
+    label: str,
+    src: Cache,
+    dst: Cache,
+    library: ctypes.CDLL,
+    threads: list[int],
+    repeats: int,
+    rng: random.Random,
+) -> list[str]:
+    rows = []
+    for scattered in (True, False):
+        src_ids, dst_ids = request_ids(src, scattered, rng), request_ids(dst, scattered, rng)
+        ids = "scattered" if scattered else "consecutive"
+        rows.append(f"{label:<17}{ids:<12}" + measure(src, dst, src_ids, dst_ids, library, threads, repeats))
+    return rows
+
+
+def measure(
+    src: Cache, dst: Cache, src_ids: list[int], dst_ids: list[int], library: ctypes.CDLL, threads: list[int],
+    repeats: int,
+) -> str:  # fmt: skip
+    """One row's figures: the map, its build time beside a detection, copy bandwidths."""
+
+    def build() -> Any:
+        return block_map(
+            src.kv, dst.kv, src_ids, dst_ids, src_shard=src.shard, dst_shard=dst.shard,
+            src_block_size=src.page_block_size, dst_block_size=dst.page_block_size,
+        )  # fmt: skip
+
+    m = build()
+    build_us = best_us(build, 20, repeats)
+    detect_us = best_us(lambda: kvlayout.detect(dst.raw, dst.engine, dst.hints), 20, repeats)
+    runs = np.ascontiguousarray(m.runs)
+    ends = np.cumsum(runs[:, 2]).astype(np.uint64)
+    flat_src = torch.ones(m.num_bytes, dtype=torch.uint8)
+    flat_dst = torch.empty_like(flat_src)
+    cells = []
+    for n in threads:
+        ours, c, flat = race(
+            [
+                lambda n=n: m.copy(num_threads=n),
+                lambda n=n: library.copy_runs(runs.ctypes.data, len(runs), ends.ctypes.data, n),
+                lambda n=n: _native.stream_copy(flat_dst.data_ptr(), flat_src.data_ptr(), m.num_bytes, n),
+            ],
+            repeats,
+        )
+        cells.append(f"{m.num_bytes / ours / 1e9:>7.2f}{c / ours:>6.2f}x{flat / ours:>6.2f}x")
+    mean_kib = m.num_bytes / max(m.num_runs, 1) / 1024
+    return (
+        f"{m.num_runs:>8}{m.num_bytes / 2**20:>8.1f}{mean_kib:>9.2f}{build_us:>9.1f}{detect_us:>9.1f}"
+        f"{build_us / detect_us:>7.2f}x" + "".join(cells)
+    )
+
+
+# -- one mechanism: store/load as maps between a cache and a chunk (issue item 4) -------------
+
+MECH_NB, MECH_BLOCKS, MECH_CHUNK = 1024, 256, 256  # bench-transfer's move on a smaller pool
+
+
+def mechanism_cases() -> list[tuple[str, Any, Callable[[], Any]]]:
+    """(label, format, a function that allocates the cache): one cache at a time fits."""
+    from kvlayout import EngineKVFormat as F
+
+    b, bs = MECH_NB, 16
+
+    def t(*shape: int) -> torch.Tensor:
+        return torch.ones(shape, dtype=DTYPE)
+
+    return [
+        ("1 flash-attn NHD", F.NL_X_TWO_NB_BS_NH_HS, lambda: [t(2, b, bs, NH, HS) for _ in range(NL)]),
+        ("2 flash-infer NHD", F.NL_X_NB_TWO_BS_NH_HS, lambda: [t(b, 2, bs, NH, HS) for _ in range(NL)]),
+        ("6 flash-attn HND", F.NL_X_TWO_NB_NH_BS_HS, lambda: [t(2, b, NH, bs, HS) for _ in range(NL)]),
+        ("0 cross-layer", F.NB_NL_TWO_BS_NH_HS, lambda: t(b, NL, 2, bs, NH, HS)),
+        ("3 MLA (HS=576)", F.NL_X_NB_BS_HS, lambda: [t(b, bs, MLA_HS) for _ in range(NL)]),
+        (
+            "9 SGLang MP",
+            F.TWO_X_NL_X_NB_BS_NH_HS,
+            lambda: [[t(b, bs, NH, HS) for _ in range(NL)] for _ in range(2)],
+        ),
+        ("13 fused K/V NHD", F.NL_X_NB_BS_NH_CS, lambda: [t(b, bs, NH, 2 * HS) for _ in range(NL)]),
+    ]
+
+
+def one_mechanism(repeats: int, rng: random.Random) -> list[str]:
+    """Rows: the prepared plan's store and load beside the same moves as block maps (built
+    per call, one map per chunk, then copied), one thread, in GB/s."""
+    return [
+        row
+        for label, fmt, make in mechanism_cases()
+        for row in mechanism_rows(label, fmt, make(), repeats, rng)
+    ]
+
+
+def mechanism_rows(label: str, fmt: Any, kv: Any, repeats: int, rng: random.Random) -> list[str]:
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import prepare
+    from kvlayout.transfer.block_maps import chunk_side
+
+    group = bind(kv, fmt).only_group()
+    plan = prepare(group, fmt)
+    ids = rng.sample(range(MECH_NB), MECH_BLOCKS)
+    chunks = plan.chunks_for(len(ids), MECH_CHUNK)
+    per = MECH_CHUNK // plan.block_size
+    sides = [chunk_side(group, c) for c in chunks]
+    parts = [ids[c * per : (c + 1) * per] for c in range(len(chunks))]
+    nbytes = sum(c.numel() * c.element_size() for c in chunks)
+
+    def maps(store: bool) -> list[Any]:
+        return [
+            block_map(group, side, part, [0]) if store else block_map(side, group, [0], part)
+            for side, part in zip(sides, parts, strict=True)
+        ]
+
+    def map_store() -> None:
+        for m in maps(True):
+            m.copy()
+
+    def map_load() -> None:
+        for m in maps(False):
+            m.copy()
+
+    runs = sum(m.num_runs for m in maps(True))
+    build = best_us(lambda: maps(True), 3, repeats)
+    rows = []
+    for direction, plan_move, map_move in (
+        ("store", lambda: plan.store_blocks(ids, chunks), map_store),
+        ("load", lambda: plan.load_blocks(ids, chunks), map_load),
+    ):
+        ours, mapped = race([plan_move, map_move], repeats)
+        rows.append(
+            f"{label:<20}{direction:<7}{runs:>9}{build:>11.0f}{nbytes / ours / 1e9:>11.2f}"
+            f"{nbytes / mapped / 1e9:>11.2f}{ours / mapped:>9.2f}x"
+        )
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--only", default="", help="run the scenarios whose label contains this")
+    ap.add_argument("--no-mechanism", action="store_true", help="skip the store/load comparison")
+    args = ap.parse_args()
+    threads = [int(t) for t in args.threads.split(",")]
+    print(__doc__.split("\n\n")[1].replace("\n", " "))
+    print()
+    head = "".join(f"{f'copy {n}thr GB/s':>13}{'vs C':>7}{'vs flat':>7}" for n in threads)
+    header = (
+        f"{'scenario':<17}{'block ids':<12}{'runs':>8}{'MiB':>8}{'mean KiB':>9}{'build us':>9}{'detect':>9}"
+        f"{'b/det':>8}{head}"
+    )
+    print(header)
+    print("-" * len(header))
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as workdir:
+        library = c_library(Path(workdir))
+        for label, make in SCENARIOS:
+            if args.only not in label:
+                continue
+            for line in run_scenario(label, *make(), library, threads, args.repeats, rng):
+                print(line, flush=True)
+    print(
+        "\nbuild us: one block_map call (the request's part); detect: one detection of the destination; "
+        "vs C / vs flat: ours over the C copy of the same runs / a flat streaming copy of the same bytes"
+    )
+    if args.no_mechanism:
+        return
+    print(
+        f"\none mechanism: {MECH_BLOCKS} scattered blocks of 16 into chunks of {MECH_CHUNK} tokens and back, "
+        "1 thread: the prepared plan (store_blocks/load_blocks) beside block maps to and from each chunk "
+        "(built per call, then copied)"
+    )
+    columns = ("runs", 9), ("build us", 11), ("plan GB/s", 11), ("maps GB/s", 11), ("maps/plan", 10)
+    header = f"{'format':<20}{'dir':<7}" + "".join(f"{name:>{width}}" for name, width in columns)
+    print(header)
+    print("-" * len(header))
+    for line in one_mechanism(args.repeats, rng):
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

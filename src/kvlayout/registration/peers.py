@@ -1,0 +1,462 @@
+"""A registration as plain data: what a peer needs to plan block maps against it.
+
+:func:`describe` reads a bound registration (``registration.describe(shard=...)``) into a
+:class:`RegistrationDescription`: per kernel group its format, layer indices, engine
+group and block size, and per plane its sizes, shape, strides, block stride, dtype and
+every tensor's address; the device and the tensor-parallel shard. ``to_json`` and
+``RegistrationDescription.from_json`` carry it between processes (the handshake of a
+P/D transfer). ``from_json`` treats its input as untrusted: every field is typed and
+bounded, the shapes and strides must be what the format's layout gives for the sizes,
+and no two described tensors may share a byte, so every run a block map plans against a
+description lies inside tensors the peer said it has.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
+from kvlayout.errors import KVLayoutError
+from kvlayout.layout.algebra import num_heads, resolve_sizes, size_of, size_symbols, symbol_of
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.memory import Run, check_disjoint
+from kvlayout.registration.shards import Shard, ShardError
+
+__all__ = [
+    "DTYPE_SIZES",
+    "GroupDescription",
+    "PeerDescriptionError",
+    "PlaneDescription",
+    "RegistrationDescription",
+    "describe",
+    "describe_group",
+]
+
+VERSION = 1
+DTYPE_SIZES = {
+    "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "int16": 2,
+    "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+}  # fmt: skip
+"""The dtypes a description may name (torch's names without ``torch.``), with their sizes."""
+DEVICE_TYPES = ("cpu", "cuda")
+MAX_SIZE = 1 << 32  # any one size (blocks, tokens, heads, ...)
+MAX_SPAN = 1 << 48  # bytes one tensor may span
+MAX_ADDRESS = 1 << 64
+MAX_TENSORS = 1 << 20
+MAX_LAYERS = 1 << 16
+MAX_TEXT = 64 << 20
+
+
+class PeerDescriptionError(KVLayoutError):
+    """A registration description that is malformed, out of bounds or inconsistent."""
+
+
+@dataclass(frozen=True)
+class PlaneDescription:
+    """Tensors of one geometry: ``addresses`` in the layout's pointer order."""
+
+    dtype: str
+    sizes: tuple[tuple[str, int], ...]  # the layout's sizes as the tensors give them
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # elements
+    block_stride: int | None  # dim 0's stride where dim 0 is the block axis, else None
+    addresses: tuple[int, ...]
+
+    @property
+    def element_size(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    def sizes_dict(self) -> dict[str, int]:
+        return dict(self.sizes)
+
+    def extent(self) -> tuple[int, int, int]:
+        """(period, block, blocks) in bytes: one block when tight, dim-0 rows when padded."""
+        es = self.element_size
+        size = math.prod(self.shape) * es
+        if len(self.shape) >= 2 and self.shape[0] > 1 and self.strides[0] > math.prod(self.shape[1:]):
+            return self.strides[0] * es, size // self.shape[0], self.shape[0]
+        return size, size, 1
+
+
+@dataclass(frozen=True)
+class GroupDescription:
+    """One kernel group: layers that share a format and a geometry."""
+
+    format: EngineKVFormat
+    layers: tuple[int, ...]
+    engine_group: int
+    block_size: int | None  # tokens per block; None for a folded page axis not split yet
+    planes: tuple[PlaneDescription, ...]
+
+    @property
+    def layout(self) -> Layout:
+        return LAYOUTS[self.format]
+
+    def label(self) -> str:
+        shapes = " + ".join(str(list(p.shape)) for p in self.planes)
+        return f"{self.format.name} {shapes} {self.planes[0].dtype}"
+
+
+@dataclass(frozen=True)
+class RegistrationDescription:
+    """A registration as data (see the module docstring); build one with
+    ``registration.describe(shard=...)`` or :meth:`from_json`."""
+
+    groups: tuple[GroupDescription, ...]
+    device_type: str
+    device_index: int | None
+    shard: Shard | None
+    engine: str | None = None
+
+    def group(self, index: int) -> RegistrationDescription:
+        """The description of kernel group ``index`` alone (what a block map takes)."""
+        if not 0 <= index < len(self.groups):
+            raise PeerDescriptionError(f"group {index} is out of range for {len(self.groups)} kernel groups")
+        return RegistrationDescription(
+            (self.groups[index],), self.device_type, self.device_index, self.shard, self.engine
+        )
+
+    def to_json(self) -> str:
+        return json.dumps(_to_data(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> RegistrationDescription:
+        """Parse and check a description from an untrusted peer (see the module docstring)."""
+        if isinstance(text, bytes):
+            if len(text) > MAX_TEXT:
+                raise PeerDescriptionError(f"the description is {len(text)} bytes, more than {MAX_TEXT}")
+            try:
+                text = text.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise PeerDescriptionError(f"the description is not UTF-8 text: {exc}") from None
+        if not isinstance(text, str):
+            raise TypeError(f"from_json takes str or bytes, not {type(text).__name__}")
+        if len(text) > MAX_TEXT:
+            raise PeerDescriptionError(f"the description is {len(text)} characters, more than {MAX_TEXT}")
+        try:
+            data = json.loads(text, parse_constant=_no_constant)
+        except (ValueError, RecursionError) as exc:
+            raise PeerDescriptionError(f"the description is not valid JSON: {exc}") from None
+        return _from_data(data)
+
+
+# -- from a registration -----------------------------------------------------------------
+
+
+def describe(
+    registration: Any, *, shard: Shard | None = None, block_size: int | None = None
+) -> RegistrationDescription:
+    """The description of a bound registration (every kernel group). ``block_size`` splits
+    the page axis of formats that fold blocks and tokens (NB*BS); it is ignored elsewhere."""
+    # Registration is read by its fields (registration.registration imports this module).
+    if type(registration).__name__ != "Registration" or not hasattr(registration, "kernel_groups"):
+        raise TypeError(f"describe takes a Registration, not {type(registration).__name__}")
+    groups = tuple(_group(g, block_size) for g in registration.kernel_groups)
+    if not groups:
+        raise PeerDescriptionError("the registration has no kernel group to describe")
+    return _checked(groups, registration.kernel_groups[0].device, shard, registration.engine)
+
+
+def describe_group(
+    group: Any, *, shard: Shard | None = None, block_size: int | None = None
+) -> RegistrationDescription:
+    """The description of one kernel group."""
+    return _checked((_group(group, block_size),), group.device, shard, group.engine)
+
+
+def _checked(
+    groups: tuple[GroupDescription, ...], device: Any, shard: Shard | None, engine: Any
+) -> RegistrationDescription:
+    if shard is not None and not isinstance(shard, Shard):
+        raise TypeError(f"shard must be a kvlayout.transfer.Shard, not {type(shard).__name__}")
+    desc = RegistrationDescription(
+        groups, device.type, device.index, shard, None if engine is None else str(engine.value)
+    )
+    return _from_data(_to_data(desc))  # one check for what we make and what peers send
+
+
+def _group(group: Any, block_size: int | None) -> GroupDescription:
+    layout = group.layout
+    planes = []
+    for p in group.planes:
+        leaf = p.leaves[0]
+        planes.append(
+            PlaneDescription(
+                str(p.dtype).removeprefix("torch."),
+                tuple(p.sizes.items()),
+                tuple(p.shape),
+                tuple(int(s) for s in leaf.stride()),
+                p.block_stride,
+                tuple(p.data_ptrs),
+            )
+        )
+    bs = size_of(layout, planes[0].sizes_dict(), Role.TOKEN)
+    if bs is None or layout.axis_of(Role.BLOCK) is None:
+        bs = block_size
+    return GroupDescription(group.format, tuple(group.layers), group.engine_group, bs, tuple(planes))
+
+
+# -- JSON ------------------------------------------------------------------------------
+
+
+def _to_data(d: RegistrationDescription) -> dict[str, Any]:
+    return {
+        "kvlayout": "registration-description",
+        "version": VERSION,
+        "device": {"type": d.device_type, "index": d.device_index},
+        "engine": d.engine,
+        "shard": None
+        if d.shard is None
+        else {"tp_rank": d.shard.tp_rank, "tp_size": d.shard.tp_size, "num_kv_heads": d.shard.num_kv_heads},
+        "groups": [
+            {
+                "format": g.format.name,
+                "layers": list(g.layers),
+                "engine_group": g.engine_group,
+                "block_size": g.block_size,
+                "planes": [
+                    {
+                        "dtype": p.dtype,
+                        "sizes": dict(p.sizes),
+                        "shape": list(p.shape),
+                        "strides": list(p.strides),
+                        "block_stride": p.block_stride,
+                        "addresses": list(p.addresses),
+                    }
+                    for p in g.planes
+                ],
+            }
+            for g in d.groups
+        ],
+    }
+
+
+def _no_constant(name: str) -> None:
+    raise PeerDescriptionError(f"the description holds {name}, which is not JSON")
+
+
+def _fields(where: str, value: object, keys: Sequence[str]) -> Mapping[str, Any]:
+    if not isinstance(value, dict):
+        raise PeerDescriptionError(f"{where} must be an object, not {_kind(value)}")
+    missing = [k for k in keys if k not in value]
+    if missing:
+        raise PeerDescriptionError(f"{where} has no {', '.join(missing)}")
+    extra = sorted(str(k) for k in value if k not in keys)
+    if extra:
+        raise PeerDescriptionError(f"{where} has unknown field(s) {', '.join(extra)}")
+    return value
+
+
+def _kind(value: object) -> str:
+    return {dict: "an object", list: "a list", str: "a string", bool: "a boolean", type(None): "null"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _int(where: str, value: object, lo: int, hi: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise PeerDescriptionError(f"{where} must be an integer, not {_kind(value)}")
+    if not lo <= value < hi:
+        raise PeerDescriptionError(f"{where}={value} is outside [{lo}, {hi})")
+    return value
+
+
+def _list(where: str, value: object, max_len: int) -> list[Any]:
+    if not isinstance(value, list):
+        raise PeerDescriptionError(f"{where} must be a list, not {_kind(value)}")
+    if len(value) > max_len:
+        raise PeerDescriptionError(f"{where} has {len(value)} entries, more than {max_len}")
+    return value
+
+
+def _from_data(data: object) -> RegistrationDescription:
+    top = _fields("description", data, ("kvlayout", "version", "device", "engine", "shard", "groups"))
+    if top["kvlayout"] != "registration-description":
+        raise PeerDescriptionError(
+            f"description.kvlayout is {top['kvlayout']!r}, not 'registration-description'"
+        )
+    _int("description.version", top["version"], VERSION, VERSION + 1)
+    device = _fields("description.device", top["device"], ("type", "index"))
+    if device["type"] not in DEVICE_TYPES:
+        raise PeerDescriptionError(
+            f"description.device.type is {device['type']!r}, not one of {', '.join(DEVICE_TYPES)}"
+        )
+    index = None if device["index"] is None else _int("description.device.index", device["index"], 0, 1 << 16)
+    engine = top["engine"]
+    if engine is not None and (not isinstance(engine, str) or len(engine) > 64):
+        raise PeerDescriptionError("description.engine must be null or a short string")
+    shard = None
+    if top["shard"] is not None:
+        s = _fields("description.shard", top["shard"], ("tp_rank", "tp_size", "num_kv_heads"))
+        values = {k: _int(f"description.shard.{k}", s[k], 0, 1 << 16) for k in s}
+        try:
+            shard = Shard(**values)
+        except ShardError as exc:
+            raise PeerDescriptionError(f"description.shard: {exc}") from None
+    groups_data = _list("description.groups", top["groups"], 1 << 10)
+    if not groups_data:
+        raise PeerDescriptionError("description.groups is empty")
+    groups = tuple(_group_from(f"description.groups[{i}]", g) for i, g in enumerate(groups_data))
+    total = sum(len(p.addresses) for g in groups for p in g.planes)
+    if total > MAX_TENSORS:
+        raise PeerDescriptionError(f"the description names {total} tensors, more than {MAX_TENSORS}")
+    for i, g in enumerate(groups):
+        heads = num_heads(g.layout, g.planes[0].sizes_dict())
+        if shard is not None and g.layout.symbol_of(Role.HEAD) is not None and len(shard.heads) != heads:
+            raise PeerDescriptionError(
+                f"description.shard {shard} holds {len(shard.heads)} KV heads, but "
+                f"description.groups[{i}] has "
+                f"{heads}"
+            )
+    layers = [i for g in groups for i in g.layers]
+    if len(set(layers)) != len(layers):
+        raise PeerDescriptionError("description.groups: a layer index appears in two kernel groups")
+    _check_memory(groups)
+    return RegistrationDescription(groups, device["type"], index, shard, engine)
+
+
+def _group_from(where: str, data: object) -> GroupDescription:
+    g = _fields(where, data, ("format", "layers", "engine_group", "block_size", "planes"))
+    name = g["format"]
+    if not isinstance(name, str) or name not in EngineKVFormat.__members__:
+        raise PeerDescriptionError(f"{where}.format {name!r} is not a kvlayout format name")
+    fmt = EngineKVFormat[name]
+    layout = LAYOUTS[fmt]
+    layers = tuple(
+        _int(f"{where}.layers[{i}]", v, 0, MAX_LAYERS)
+        for i, v in enumerate(_list(f"{where}.layers", g["layers"], MAX_LAYERS))
+    )
+    if not layers or len(set(layers)) != len(layers):
+        raise PeerDescriptionError(f"{where}.layers must be distinct layer indices, at least one")
+    engine_group = _int(f"{where}.engine_group", g["engine_group"], -1, 1 << 16)
+    planes_data = _list(f"{where}.planes", g["planes"], 16)
+    if not planes_data:
+        raise PeerDescriptionError(f"{where}.planes is empty")
+    planes = tuple(_plane_from(f"{where}.planes[{i}]", layout, p) for i, p in enumerate(planes_data))
+    first = planes[0].sizes_dict()
+    for i, p in enumerate(planes[1:], start=1):
+        for role in (Role.LAYER, Role.BLOCK, Role.TOKEN, Role.PAGE):
+            a, b = size_of(layout, first, role), size_of(layout, p.sizes_dict(), role)
+            if a != b:
+                raise PeerDescriptionError(
+                    f"{where}.planes[{i}] has {symbol_of(layout, role)}={b}; planes[0] has {a} (planes share "
+                    "their layers and blocks)"
+                )
+    nl = size_of(layout, first, Role.LAYER) or 1
+    if len(layers) != nl:
+        raise PeerDescriptionError(f"{where}.layers has {len(layers)} entries; the tensors hold {nl} layers")
+    block_size = g["block_size"]
+    tokens = size_of(layout, first, Role.TOKEN)
+    if layout.axis_of(Role.BLOCK) is not None and tokens is not None:
+        if block_size != tokens:
+            raise PeerDescriptionError(
+                f"{where}.block_size is {block_size!r}; the tensors have blocks of {tokens}"
+            )
+    elif block_size is not None:
+        block_size = _int(f"{where}.block_size", block_size, 1, MAX_SIZE)
+        page = size_of(layout, first, Role.PAGE)
+        if page is None or page % block_size:
+            raise PeerDescriptionError(
+                f"{where}.block_size={block_size} does not divide the {page} token slots of {fmt.name}"
+            )
+    return GroupDescription(fmt, layers, engine_group, block_size, planes)
+
+
+def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
+    p = _fields(where, data, ("dtype", "sizes", "shape", "strides", "block_stride", "addresses"))
+    dtype = p["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise PeerDescriptionError(f"{where}.dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+    sizes_data = p["sizes"]
+    if not isinstance(sizes_data, dict):
+        raise PeerDescriptionError(f"{where}.sizes must be an object, not {_kind(sizes_data)}")
+    known = {t.name for t in size_symbols(layout)}
+    sizes: dict[str, int] = {}
+    for key, value in sizes_data.items():
+        if key not in known:
+            raise PeerDescriptionError(
+                f"{where}.sizes.{key}: {layout} has no size {key} (it has {', '.join(sorted(known))})"
+            )
+        sizes[key] = _int(f"{where}.sizes.{key}", value, 1, MAX_SIZE)
+    try:
+        resolved = resolve_sizes(layout, sizes)
+        want_shape = layout.tensor_shape(resolved)
+    except KVLayoutError as exc:
+        raise PeerDescriptionError(f"{where}.sizes: {exc}") from None
+    shape = tuple(
+        _int(f"{where}.shape[{i}]", v, 1, MAX_SIZE)
+        for i, v in enumerate(_list(f"{where}.shape", p["shape"], 16))
+    )
+    if shape != want_shape:
+        raise PeerDescriptionError(
+            f"{where}.shape is {list(shape)}; {layout} with these sizes is {list(want_shape)}"
+        )
+    block_stride = p["block_stride"]
+    if block_stride is not None:
+        block_stride = _int(f"{where}.block_stride", block_stride, 1, MAX_SPAN)
+    try:
+        want_strides = layout.tensor_strides(resolved, block_stride)
+    except KVLayoutError as exc:
+        raise PeerDescriptionError(f"{where}.block_stride: {exc}") from None
+    if block_stride is not None and want_strides[0] != block_stride:
+        raise PeerDescriptionError(
+            f"{where}.block_stride={block_stride}, but dim 0 is not {layout}'s block axis"
+        )
+    strides = tuple(
+        _int(f"{where}.strides[{i}]", v, 0, MAX_SPAN)
+        for i, v in enumerate(_list(f"{where}.strides", p["strides"], 16))
+    )
+    if strides != want_strides:
+        raise PeerDescriptionError(
+            f"{where}.strides are {list(strides)}; {layout} stores these sizes with strides "
+            f"{list(want_strides)} "
+            "(contiguous but for dim-0 padding)"
+        )
+    pointers = len(layout.pointer_order(resolved))
+    addresses_data = _list(f"{where}.addresses", p["addresses"], MAX_TENSORS)
+    if len(addresses_data) != pointers:
+        raise PeerDescriptionError(
+            f"{where}.addresses has {len(addresses_data)} entries; {layout} has {pointers} tensors here"
+        )
+    plane = PlaneDescription(dtype, tuple(sizes.items()), shape, strides, block_stride, ())
+    period, block, blocks = plane.extent()
+    span = (blocks - 1) * period + block
+    if span > MAX_SPAN:
+        raise PeerDescriptionError(f"{where}: each tensor spans {span} bytes, more than {MAX_SPAN}")
+    addresses = tuple(
+        _int(f"{where}.addresses[{i}]", v, 1, MAX_ADDRESS - span) for i, v in enumerate(addresses_data)
+    )
+    return PlaneDescription(dtype, tuple(sizes.items()), shape, strides, block_stride, addresses)
+
+
+def _check_memory(groups: Sequence[GroupDescription]) -> None:
+    """No two described tensors of one engine group share a byte (the registration's own
+    rule: padding between blocks may hold others, and engine groups may overlay)."""
+    by_engine_group: dict[int, list[Run]] = {}
+    for gi, g in enumerate(groups):
+        for pi, p in enumerate(g.planes):
+            period, block, blocks = p.extent()
+            paths = [(gi, pi, j) for j in range(len(p.addresses))]
+            run = Run(period, block, blocks, p.addresses, paths, "description")
+            by_engine_group.setdefault(g.engine_group, []).append(run)
+    for runs in by_engine_group.values():
+        try:
+            check_disjoint(runs, PeerDescriptionError, "the tensors a peer describes must be disjoint")
+        except (
+            PeerDescriptionError
+        ) as exc:  # description[g][p][j] -> description.groups[g].planes[p].addresses[j]
+            raise PeerDescriptionError(_ADDRESS_PATH.sub(_address_field, str(exc))) from None
+
+
+_ADDRESS_PATH = re.compile(r"description\[(\d+)\]\[(\d+)\]\[(\d+)\]")
+
+
+def _address_field(m: re.Match[str]) -> str:
+    return f"description.groups[{m[1]}].planes[{m[2]}].addresses[{m[3]}]"

@@ -1,0 +1,70 @@
+"""Which of a model's KV heads a tensor-parallel rank holds, by vLLM's rule.
+
+With ``tp_size <= num_kv_heads`` rank ``r`` holds the contiguous range of
+``num_kv_heads / tp_size`` heads starting at ``r * num_kv_heads / tp_size``; with more
+ranks than heads each rank holds one head, ``r * num_kv_heads // tp_size``, and
+``tp_size / num_kv_heads`` ranks hold each head (replication). vLLM requires the larger
+of the two to be a multiple of the smaller; so does this. MLA latents have no heads:
+every rank holds them whole (the block map asks :attr:`Shard.heads` only of caches that
+have a head axis).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvlayout.errors import KVLayoutError
+
+__all__ = ["Shard", "ShardError"]
+
+
+class ShardError(KVLayoutError):
+    """A shard that no tensor-parallel split makes, or one that does not fit its cache."""
+
+
+def _count(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ShardError(f"Shard.{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ShardError(f"Shard.{name} must be >= {minimum}, got {value}")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Rank ``tp_rank`` of ``tp_size`` tensor-parallel ranks of a model with
+    ``num_kv_heads`` KV heads (the whole model's, not this rank's)."""
+
+    tp_rank: int
+    tp_size: int
+    num_kv_heads: int
+
+    def __post_init__(self) -> None:
+        size = _count("tp_size", self.tp_size, 1)
+        heads = _count("num_kv_heads", self.num_kv_heads, 1)
+        rank = _count("tp_rank", self.tp_rank, 0)
+        if rank >= size:
+            raise ShardError(f"Shard.tp_rank={rank} is out of range for tp_size={size}")
+        if max(size, heads) % min(size, heads):
+            raise ShardError(
+                f"tp_size={size} and num_kv_heads={heads}: the larger must be a multiple of the smaller "
+                "(vLLM splits KV heads evenly over ranks or replicates each head over the same "
+                "number of ranks)"
+            )
+
+    @property
+    def replicated(self) -> bool:
+        """More ranks than heads: this rank's one head is held by other ranks too."""
+        return self.tp_size > self.num_kv_heads
+
+    @property
+    def heads(self) -> range:
+        """The model heads this rank holds, in the order its cache stores them."""
+        if self.replicated:
+            head = self.tp_rank * self.num_kv_heads // self.tp_size
+            return range(head, head + 1)
+        per = self.num_kv_heads // self.tp_size
+        return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+
+    def __str__(self) -> str:
+        return f"Shard(tp_rank={self.tp_rank}, tp_size={self.tp_size}, num_kv_heads={self.num_kv_heads})"

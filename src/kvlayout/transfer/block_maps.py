@@ -1,0 +1,776 @@
+"""Block maps: move one request's KV between any two registrations as byte runs.
+
+A side of a map is a kernel group (or a peer's description of one, or a chunk): its
+layout says, through the algebra's offsets, where every (layer, K/V, token, head, byte)
+lives. Token ``p`` of the request is slot ``p % BS`` of block ``blocks[p // BS]`` on each
+side, each side with its own block size; head ``h`` of the model is held by the ranks
+:class:`~kvlayout.registration.shards.Shard` says. A map pairs every byte both sides hold, layer ``i``
+to layer ``i``, K to K and V to V, and cuts the pairs into runs that are contiguous on
+both sides: the fewest such runs (see docs/block-maps.md).
+
+The work is split by what changes when. Per side, once (cached on the kernel group):
+the algebra's offsets of each (layer, K/V, piece of a head's row) and its per-block,
+per-slot and per-head strides. Per pair of sides, once: the *slabs* (layer, K/V and
+piece both sides hold, with both sides' bases and strides), slabs that are contiguous
+on both sides joined, and the destination's nest (slab, block, slot, head ordered by its
+strides). Per request: block ids, and the native builder walks the destination in memory
+order, emitting and merging runs (``csrc/block_map.h``).
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlayout import _native
+from kvlayout.errors import KVLayoutError, index_ranges
+from kvlayout.layout import algebra
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
+from kvlayout.registration.shards import Shard, ShardError
+
+__all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
+
+SLAB, BLOCK, SLOT, HEAD = 0, 1, 2, 3
+_LEVEL_NAMES = ("slab", "block", "slot", "head")
+_PROBLEMS = {
+    1: "its source bytes are outside every source tensor's blocks",
+    2: "its destination bytes are outside every destination tensor's blocks",
+    3: "its destination bytes overlap those of run {other}",
+    4: "it writes bytes run {other} reads (source and destination share memory)",
+    5: "it has no bytes",
+}
+
+
+class BlockMapError(KVLayoutError):
+    """A map that cannot be made or run (raised before any byte moves)."""
+
+
+# -- one job's geometry, from the algebra ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _JobGeometry:
+    """Where one plane's bytes live, per canonical (layer, K/V, piece of a head's row)."""
+
+    kv: int  # K/V planes of the data (2 for a packed K/V row too)
+    heads: int
+    row_bytes: int  # one head's row of one K/V plane
+    pieces: tuple[tuple[int, int], ...]  # (first byte, bytes) of the row's contiguous pieces
+    pointer: np.ndarray  # (NL, KV, P) pointer index
+    offset: np.ndarray  # (NL, KV, P) bytes from that pointer
+    strides: np.ndarray  # (P, 3) bytes per block, slot and head
+    num_blocks: int
+    block_size: int
+
+
+@functools.lru_cache(maxsize=256)
+def _job_geometry(
+    layout: Layout, sizes_items: tuple[tuple[str, int], ...], block_stride: int | None, element_size: int
+) -> _JobGeometry:
+    s = algebra.resolve_sizes(layout, dict(sizes_items))
+    pair = 2 if layout.is_fused_packed else 1  # K and V side by side in one row
+    kvs = algebra.kv_size(layout, s)
+    hs = algebra.head_size(layout, s)
+    if hs % pair:
+        raise BlockMapError(f"{layout}: a packed K/V row of {hs} elements does not split into K and V")
+    row = hs // pair
+    heads = algebra.num_heads(layout, s)
+    nl = algebra.size_of(layout, s, Role.LAYER) or 1
+    nb = algebra.size_of(layout, s, Role.BLOCK)
+    bs = algebra.size_of(layout, s, Role.TOKEN)
+    assert nb is not None and bs is not None  # pages were split before
+
+    def at(
+        layer: int = 0, kv: int = 0, block: int = 0, token: int = 0, head: int = 0, e: int = 0
+    ) -> tuple[int, int]:
+        coord = algebra.Coord(layer, kv // pair, block, token, head, (kv % pair) * row + e)
+        return algebra.offset(layout, coord, s, block_stride)
+
+    # A row's pieces: the stretches of elements contiguous in one tensor (regions split it).
+    probes = [at(e=e) for e in range(row)]
+    starts = [0] + [e for e in range(1, row) if probes[e] != (probes[e - 1][0], probes[e - 1][1] + 1)]
+    pieces = tuple((e0, e1 - e0) for e0, e1 in zip(starts, [*starts[1:], row], strict=True))
+    pointer = np.zeros((nl, kvs * pair, len(pieces)), dtype=np.int64)
+    offset = np.zeros_like(pointer)
+    strides = np.zeros((len(pieces), 3), dtype=np.int64)
+    for q, (e0, _) in enumerate(pieces):
+        p0, o0 = probes[e0]
+        for i, (n, step) in enumerate(((nb, {"block": 1}), (bs, {"token": 1}), (heads, {"head": 1}))):
+            if n > 1:
+                p1, o1 = at(e=e0, **step)
+                if p1 != p0:
+                    raise BlockMapError(f"{layout}: moving one {_LEVEL_NAMES[i + 1]} changes tensors")
+                strides[q, i] = (o1 - o0) * element_size
+        for layer in range(nl):
+            for kv in range(kvs * pair):
+                p, o = at(layer, kv, e=e0)
+                pointer[layer, kv, q], offset[layer, kv, q] = p, o * element_size
+    for a in (pointer, offset, strides):
+        a.setflags(write=False)
+    byte_pieces = tuple((e0 * element_size, n * element_size) for e0, n in pieces)
+    return _JobGeometry(kvs * pair, heads, row * element_size, byte_pieces, pointer, offset, strides, nb, bs)
+
+
+def _split_pages(layout: Layout, sizes: dict[str, int], block_size: int | None, where: str) -> dict[str, int]:
+    """Sizes with the block count and block size apart (a folded page axis split)."""
+    if layout.axis_of(Role.BLOCK) is not None and layout.size_of(sizes, Role.TOKEN) is not None:
+        return sizes
+    page = layout.symbol_of(Role.PAGE)
+    if block_size is None:
+        raise BlockMapError(
+            f"{where}: {layout} folds its blocks and their tokens into one axis ({page}): pass its "
+            "block size (block_map's src_block_size= / dst_block_size=, or describe(block_size=))"
+        )
+    total = layout.size_of(sizes, Role.PAGE)
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise BlockMapError(f"{where}: the block size must be a positive int, got {block_size!r}")
+    if total is None or total % block_size:
+        raise BlockMapError(
+            f"{where}: {layout}'s {total} token slots are not a multiple of blocks of {block_size}"
+        )
+    return {
+        **sizes,
+        **algebra.sizes_by_role(layout, {Role.BLOCK: total // block_size, Role.TOKEN: block_size}),
+    }
+
+
+# -- sides --------------------------------------------------------------------------------
+
+
+class Side:
+    """One side of a map: where each (layer, K/V, piece) lives, the tensors and the shard.
+
+    Built from a kernel group (live: ``copy()`` may run), a peer's description (addresses
+    only) or a chunk (:func:`chunk_side`). Arrays are over (layer, K/V, piece).
+    """
+
+    def __init__(
+        self,
+        *,
+        label: str,
+        layout: Layout | None,
+        data: str,
+        layers: tuple[int, ...],
+        kv: int,
+        heads: int,
+        has_heads: bool,
+        pieces: np.ndarray,
+        piece_dtypes: tuple[str, ...],
+        tensor: np.ndarray,
+        offset: np.ndarray,
+        strides: np.ndarray,
+        addresses: np.ndarray,
+        spans: np.ndarray,
+        num_blocks: int,
+        block_size: int,
+        device: tuple[str, int | None],
+        shard: Shard | None,
+        owner: Any,
+    ) -> None:
+        self.label, self.layout, self.data, self.layers = label, layout, data, layers
+        self.kv, self.heads, self.has_heads = kv, heads, has_heads
+        self.pieces, self.piece_dtypes = pieces, piece_dtypes
+        self.tensor, self.offset, self.strides = tensor, offset, strides
+        self.addresses, self.spans = addresses, spans
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.device, self.shard, self.owner = device, shard, owner
+        self.row_bytes = int(pieces[-1, 0] + pieces[-1, 1])
+        self._pairs: weakref.WeakKeyDictionary[Side, dict[object, _Pair]] = weakref.WeakKeyDictionary()
+
+    def __repr__(self) -> str:
+        return f"Side({self.label}, {self.num_blocks} blocks of {self.block_size}, {self.device[0]})"
+
+    @property
+    def live(self) -> bool:
+        """The side holds its tensors (a registration or a chunk), so ``copy()`` may run."""
+        return self.owner is not None
+
+
+def _data_kind(layout: Layout, kv: int, has_heads: bool) -> str:
+    if layout.is_indexer:
+        return "a DSA indexer key row per token"
+    if not has_heads:
+        return "one latent row per token (MLA)"
+    return "K and V rows per head (MHA)" if kv == 2 else "one K or V row per head"
+
+
+def side_of_group(
+    group: GroupDescription, device: tuple[str, int | None], shard: Shard | None, owner: Any, where: str
+) -> Side:
+    layout = group.layout
+    jobs = []
+    for plane in group.planes:
+        sizes = _split_pages(layout, plane.sizes_dict(), group.block_size, where)
+        jobs.append(
+            _job_geometry(layout, tuple(sorted(sizes.items())), plane.block_stride, plane.element_size)
+        )
+    first = jobs[0]
+    has_heads = layout.symbol_of(Role.HEAD) is not None
+    if len(jobs) > 1 and first.heads != 1:
+        raise BlockMapError(
+            f"{where}: {layout} has planes and {first.heads} heads; a row of planes has one head"
+        )
+    pieces, dtypes, tensors, offsets, strides = [], [], [], [], []
+    row, base = 0, 0
+    for plane, job in zip(group.planes, jobs, strict=True):
+        pieces += [(row + c0, w) for c0, w in job.pieces]
+        dtypes += [plane.dtype] * len(job.pieces)
+        tensors.append(job.pointer + base)
+        offsets.append(job.offset)
+        strides.append(job.strides)
+        row += job.row_bytes
+        base += len(plane.addresses)
+    spans = []
+    for plane in group.planes:
+        period, block, blocks = plane.extent()
+        spans += [(a, period, block, blocks) for a in plane.addresses]
+    return Side(
+        label=f"layers {index_ranges(group.layers)}: {group.label()}",
+        layout=layout,
+        data=_data_kind(layout, first.kv, has_heads),
+        layers=group.layers,
+        kv=first.kv,
+        heads=first.heads,
+        has_heads=has_heads,
+        pieces=np.array(pieces, dtype=np.int64),
+        piece_dtypes=tuple(dtypes),
+        tensor=np.concatenate(tensors, axis=2),
+        offset=np.concatenate(offsets, axis=2),
+        strides=np.concatenate(strides, axis=0),
+        addresses=np.array([a for p in group.planes for a in p.addresses], dtype=np.uint64),
+        spans=np.array(spans, dtype=np.uint64).reshape(-1, 4),
+        num_blocks=first.num_blocks,
+        block_size=first.block_size,
+        device=device,
+        shard=shard,
+        owner=owner,
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _side_of_description(desc: RegistrationDescription, block_size: int | None, where: str) -> Side:
+    if len(desc.groups) != 1:
+        listed = "; ".join(g.label() for g in desc.groups)
+        raise BlockMapError(
+            f"{where}: the description has {len(desc.groups)} kernel groups ({listed}); a block "
+            "map moves one: pass description.group(i)"
+        )
+    group = desc.groups[0]
+    if block_size is not None and group.block_size is None:
+        group = GroupDescription(group.format, group.layers, group.engine_group, block_size, group.planes)
+    return side_of_group(group, (desc.device_type, desc.device_index), desc.shard, None, where)
+
+
+def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Side:
+    key = ("block map side", block_size)
+    side = group.memo.get(key)
+    if side is None:
+        desc = describe_group(group, block_size=block_size)
+        side = side_of_group(desc.groups[0], (desc.device_type, desc.device_index), None, group, where)
+        group.memo[key] = side
+    assert isinstance(side, Side)
+    return side
+
+
+def _as_side(obj: Any, block_size: int | None, where: str) -> Side:
+    from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
+
+    if isinstance(obj, Side):
+        return obj
+    if isinstance(obj, RegistrationDescription):
+        return _side_of_description(obj, block_size, where)
+    if isinstance(obj, RegisteredKV):
+        obj = obj.registration
+    if isinstance(obj, Registration):
+        try:
+            obj = obj.only_group()
+        except RegistrationError as exc:
+            raise BlockMapError(f"{where}: {exc}") from None
+    if isinstance(obj, KernelGroup):
+        return _side_of_kernel_group(obj, block_size, where)
+    raise TypeError(
+        f"{where} is a {type(obj).__name__}; block_map takes what detection returns (a Registration with one "
+        "kernel group, or a KernelGroup) or a RegistrationDescription"
+    )
+
+
+def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None) -> Side:
+    """A chunk ``[kv_size, NL, T, row]`` (``kvlayout.transfer``'s token-major buffer) as a
+    side: one block of ``T`` tokens whose (layer, K/V) slabs hold token rows of the
+    group's planes back to back. ``block_map(group, chunk_side(group, chunk), ids, [0])``
+    is ``store_blocks`` of those ids into the chunk."""
+    cache = _as_side(group, block_size, "the cache")
+    if not isinstance(chunk, torch.Tensor):
+        raise TypeError(f"chunk must be a tensor, not {type(chunk).__name__}")
+    kv_size = cache.kv if cache.layout is None or not cache.layout.is_fused_packed else 1
+    pair = cache.kv // kv_size  # K/V planes one chunk row holds side by side
+    nl = len(cache.layers)
+    itemsize = chunk.element_size()
+    row_bytes = cache.heads * cache.row_bytes * pair
+    if (
+        chunk.dim() != 4
+        or tuple(chunk.shape[:2]) != (kv_size, nl)
+        or chunk.shape[3] * itemsize != row_bytes
+        or not chunk.is_contiguous()
+        or chunk.shape[2] == 0
+    ):
+        raise BlockMapError(
+            f"the chunk has shape {list(chunk.shape)} (contiguous: {chunk.is_contiguous()}); this cache "
+            f"needs a contiguous [{kv_size}, {nl}, T, {row_bytes // itemsize}] (kv_size, layers, tokens, row)"
+        )
+    if str(chunk.dtype).removeprefix("torch.") != cache.piece_dtypes[0]:
+        raise BlockMapError(f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}")
+    tokens = int(chunk.shape[2])
+    # A token's chunk row: each head's row in turn (K and V side by side where the cache
+    # packs them), a head's row its pieces back to back (the planes, one head, for MLA).
+    piece_starts = cache.pieces[:, 0]
+    k = np.arange(cache.kv)
+    layer = np.arange(nl)
+    slab = ((k // pair)[None, :] * nl + layer[:, None]) * tokens * row_bytes  # (NL, KV)
+    offset = slab[:, :, None] + ((k % pair) * cache.row_bytes)[None, :, None] + piece_starts[None, None, :]
+    strides = np.array([[0, row_bytes, cache.row_bytes * pair]] * len(piece_starts), dtype=np.int64)
+    size = chunk.numel() * itemsize
+    return Side(
+        label=f"chunk {list(chunk.shape)} {chunk.dtype}",
+        layout=None,
+        data=cache.data,
+        layers=cache.layers,
+        kv=cache.kv,
+        heads=cache.heads,
+        has_heads=cache.has_heads,
+        pieces=cache.pieces,
+        piece_dtypes=cache.piece_dtypes,
+        tensor=np.zeros(offset.shape, dtype=np.int64),
+        offset=offset,
+        strides=strides,
+        addresses=np.array([chunk.data_ptr()], dtype=np.uint64),
+        spans=np.array([[chunk.data_ptr(), size, size, 1]], dtype=np.uint64),
+        num_blocks=1,
+        block_size=tokens,
+        device=(chunk.device.type, chunk.device.index),
+        shard=cache.shard,
+        owner=chunk,
+    )
+
+
+# -- a pair of sides ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Pair:
+    """Everything a map between two sides needs but the block ids."""
+
+    slabs: np.ndarray  # (S, 10) uint64, csrc/block_map.h's Slab rows
+    group_starts: np.ndarray
+    order: tuple[int, int, int, int]
+    heads: range  # model heads mapped
+    src_classes: np.ndarray
+    dst_classes: np.ndarray
+    src_shard: Shard | None
+    dst_shard: Shard | None
+
+
+def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
+    if shard is not None and not isinstance(shard, Shard):
+        raise TypeError(f"{where}_shard must be a kvlayout.transfer.Shard, not {type(shard).__name__}")
+    if side.shard is not None:
+        if shard is not None and shard != side.shard:
+            raise ShardError(f"{where}_shard is {shard}, but the {where} description says {side.shard}")
+        shard = side.shard
+    if not side.has_heads:
+        return shard  # latents: every rank holds them whole
+    if shard is None:
+        return Shard(0, 1, side.heads)
+    if len(shard.heads) != side.heads:
+        raise ShardError(
+            f"{where}_shard {shard} holds {len(shard.heads)} KV heads, but the {where} cache has "
+            f"{side.heads} "
+            f"({side.label})"
+        )
+    return shard
+
+
+def _check_same_data(src: Side, dst: Side) -> None:
+    a, b = set(src.piece_dtypes), set(dst.piece_dtypes)
+    if a != b and len(a) == len(b) == 1:
+        raise BlockMapError(
+            f"src is {src.piece_dtypes[0]} and dst is {dst.piece_dtypes[0]}: a map copies bytes, "
+            "dtypes must agree"
+        )
+    if src.data != dst.data:
+        raise BlockMapError(f"src holds {src.data} and dst {dst.data}: they do not hold the same data")
+    if src.layers != dst.layers:
+        raise BlockMapError(
+            f"src holds layers {index_ranges(src.layers)} and dst layers "
+            f"{index_ranges(dst.layers)}; a map moves layer i to layer i"
+        )
+    if src.row_bytes != dst.row_bytes:
+        raise BlockMapError(
+            f"src rows are {src.row_bytes} bytes a head and dst rows {dst.row_bytes} ({src.label}; "
+            f"{dst.label})"
+        )
+
+
+def _pair(src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None) -> _Pair:
+    _check_same_data(src, dst)
+    if src.has_heads:
+        assert src_shard is not None and dst_shard is not None
+        if src_shard.num_kv_heads != dst_shard.num_kv_heads:
+            raise ShardError(
+                f"src_shard {src_shard} and dst_shard {dst_shard} disagree on the model's KV heads (a shard "
+                "not given is TP 1 over the cache's own heads)"
+            )
+        a, b = src_shard.heads, dst_shard.heads
+        lo = max(a.start, b.start)
+        heads = range(lo, max(lo, min(a.stop, b.stop)))
+        src_head0, dst_head0 = heads.start - a.start, heads.start - b.start
+    else:
+        heads, src_head0, dst_head0 = range(1), 0, 0
+    # Common pieces of a head's row: cut where either side's pieces are.
+    cuts = np.union1d(src.pieces[:, 0], dst.pieces[:, 0])
+    widths = np.diff(np.append(cuts, src.row_bytes))
+    sp = np.searchsorted(src.pieces[:, 0], cuts, side="right") - 1
+    dp = np.searchsorted(dst.pieces[:, 0], cuts, side="right") - 1
+    for q in range(len(cuts)):
+        a_dtype, b_dtype = src.piece_dtypes[sp[q]], dst.piece_dtypes[dp[q]]
+        if a_dtype != b_dtype:
+            raise BlockMapError(
+                f"src is {a_dtype} and dst is {b_dtype}: a map copies bytes, dtypes must agree"
+            )
+
+    def side_arrays(side: Side, p: np.ndarray, head0: int) -> list[np.ndarray]:
+        st = side.strides[p]  # (Q, 3)
+        tensor = side.tensor[:, :, p]
+        offset = side.offset[:, :, p] + (cuts - side.pieces[p, 0]) + head0 * st[:, 2]
+        base = side.addresses[tensor] + offset.astype(np.uint64)
+        shape = tensor.shape
+        return [
+            base.ravel(),
+            tensor.ravel(),
+            *(np.broadcast_to(st[:, i], shape).ravel() for i in range(3)),
+        ]
+
+    s_base, s_tensor, s_sb, s_sj, s_sh = side_arrays(src, sp, src_head0)
+    d_base, d_tensor, d_sb, d_sj, d_sh = side_arrays(dst, dp, dst_head0)
+    width = np.broadcast_to(widths, src.tensor[:, :, sp].shape).ravel()
+    by_dst = np.lexsort((d_base, dst.addresses[d_tensor]))
+    cols = [
+        col[by_dst] for col in (s_base, d_base, s_tensor, d_tensor, width, s_sb, s_sj, s_sh, d_sb, d_sj, d_sh)
+    ]
+    s_base, d_base, s_tensor, d_tensor, width, s_sb, s_sj, s_sh, d_sb, d_sj, d_sh = cols
+    # Join slabs contiguous on both sides (a packed K/V row, consecutive pieces).
+    same = np.ones(len(width) - 1, dtype=bool)
+    for col in (s_tensor, d_tensor, s_sb, s_sj, s_sh, d_sb, d_sj, d_sh):
+        same &= col[1:] == col[:-1]
+    joins = same & (d_base[1:] == d_base[:-1] + width[:-1].astype(np.uint64))
+    joins &= s_base[1:] == s_base[:-1] + width[:-1].astype(np.uint64)
+    first = np.flatnonzero(np.concatenate(([True], ~joins)))
+    width = np.add.reduceat(width, first)
+    s_base, d_base, s_tensor, d_tensor, s_sb, s_sj, s_sh, d_sb, d_sj, d_sh = (
+        col[first] for col in (s_base, d_base, s_tensor, d_tensor, s_sb, s_sj, s_sh, d_sb, d_sj, d_sh)
+    )
+    n = len(width)
+    group_starts = np.flatnonzero(np.concatenate(([True], d_tensor[1:] != d_tensor[:-1])))
+    group_starts = np.append(group_starts, n).astype(np.int64)
+    # The destination's nest: levels by their strides, outermost first; a level with one
+    # entry goes outside (it orders nothing).
+    steps = np.diff(d_base.astype(np.int64))[d_tensor[1:] == d_tensor[:-1]]
+    level_steps = {
+        SLAB: int(steps.min()) if steps.size else None,
+        BLOCK: int(d_sb.min()) if dst.num_blocks > 1 else None,
+        SLOT: int(d_sj[0]) if dst.block_size > 1 else None,
+        HEAD: int(d_sh[0]) if len(heads) > 1 else None,
+    }
+    flat = [lvl for lvl, step in level_steps.items() if step is None and lvl != SLOT]
+    nested = sorted(
+        (lvl for lvl, step in level_steps.items() if step is not None), key=lambda lv: -(level_steps[lv] or 0)
+    )
+    levels = [*flat, *nested]
+    if level_steps[SLOT] is None:  # one slot a block: right inside the block level, which it needs
+        levels.insert(levels.index(BLOCK) + 1, SLOT)
+    order = tuple(levels)
+    # Each slab's tail: the innermost levels (inside the slab level) contiguous on both sides.
+    tail = np.zeros(n, dtype=np.int64)
+    run = width.astype(np.int64)
+    ok = np.ones(n, dtype=bool)
+    for lvl in reversed(order[order.index(SLAB) + 1 :]):
+        if lvl == HEAD:
+            ok &= (s_sh == run) & (d_sh == run)
+            tail += ok
+            run = np.where(ok, run * len(heads), run)
+        elif lvl == SLOT:
+            ok &= (s_sj == run) & (d_sj == run)
+            tail += ok
+            if order[-1] == SLOT and order[-2] == HEAD and src.block_size == dst.block_size:
+                # heads outside tokens on both sides: a full block's heads are one stretch
+                block = run * dst.block_size
+                tail += ok & (s_sh == block) & (d_sh == block) & (len(heads) > 1)
+            break
+        else:
+            break
+    src_classes, s_class = np.unique(np.stack([s_sb, s_sj], axis=1), axis=0, return_inverse=True)
+    dst_classes, d_class = np.unique(np.stack([d_sb, d_sj], axis=1), axis=0, return_inverse=True)
+    slabs = np.stack(
+        [s_base, d_base, s_tensor, d_tensor, width, s_sh, d_sh, s_class.ravel(), d_class.ravel(), tail],
+        axis=1,
+    ).astype(np.uint64)
+    return _Pair(
+        np.ascontiguousarray(slabs),
+        group_starts,
+        order,  # type: ignore[arg-type]
+        heads,
+        np.ascontiguousarray(src_classes.astype(np.uint64)),
+        np.ascontiguousarray(dst_classes.astype(np.uint64)),
+        src_shard,
+        dst_shard,
+    )
+
+
+# -- the map ----------------------------------------------------------------------------------
+
+
+class BlockMap:
+    """One request's KV as byte runs from ``src`` to ``dst`` (see :func:`block_map`).
+
+    ``runs`` is an ``(N, 3)`` uint64 array (source address, destination address, length),
+    in destination order; ``kind`` says what differs between the sides and ``reason`` how.
+    """
+
+    def __init__(
+        self, src: Side, dst: Side, pair: _Pair, ids: tuple[np.ndarray, np.ndarray], num_tokens: int
+    ) -> None:
+        self.src, self.dst = src, dst
+        self.heads = pair.heads
+        self.num_tokens = num_tokens
+        self._pair, self._ids = pair, ids
+        self.runs = self._build(force_sort=False)
+
+    @functools.cached_property
+    def _kind_and_reason(self) -> tuple[str, str]:
+        p = self._pair
+        return _kind(self.src, self.dst, p.heads, p.src_shard, p.dst_shard)
+
+    @property
+    def kind(self) -> str:
+        """What differs between the sides: ``same layout``, or some of ``head slice``,
+        ``re-blocked``, ``permuted``, ``re-laid`` and ``chunk``; ``empty`` when no head is
+        in common."""
+        return self._kind_and_reason[0]
+
+    @property
+    def reason(self) -> str:
+        """The kind, with the numbers: which heads, which block sizes, which orders."""
+        return self._kind_and_reason[1]
+
+    def _build(self, force_sort: bool) -> np.ndarray:
+        """The runs from the native builder; ``force_sort`` takes its sorting path (tests
+        hold both paths to one answer)."""
+        p, (src_ids, dst_ids) = self._pair, self._ids
+        runs, _ = _native.build_runs(
+            p.slabs, p.group_starts, p.order, len(p.heads), self.num_tokens,
+            src_ids, self.src.block_size, dst_ids, self.dst.block_size, p.src_classes, p.dst_classes,
+            force_sort,
+        )  # fmt: skip
+        runs.setflags(write=False)
+        return np.asarray(runs)
+
+    @property
+    def num_runs(self) -> int:
+        return int(self.runs.shape[0])
+
+    @functools.cached_property
+    def num_bytes(self) -> int:
+        return int(self.runs[:, 2].sum()) if self.num_runs else 0
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockMap({self.kind}: {self.num_tokens} tokens, {self.num_runs} runs, {self.num_bytes} bytes; "
+            f"{self.src.label} -> {self.dst.label})"
+        )
+
+    def copy(self, num_threads: int = 1) -> int:
+        """Copy the runs (validated first: every run inside one tensor's blocks on each
+        side, destination runs disjoint); GIL released. Returns the threads used."""
+        threads = _int("num_threads", num_threads)
+        if threads < 1:
+            raise BlockMapError(f"num_threads must be a positive int, got {num_threads!r}")
+        for where, side in (("src", self.src), ("dst", self.dst)):
+            if not side.live:
+                raise BlockMapError(
+                    f"the {where} side is a RegistrationDescription: its addresses are a peer's, so copy() "
+                    "cannot run this map; send its runs through a transfer engine (NIXL) instead"
+                )
+        if self.src.device != self.dst.device:
+            raise BlockMapError(
+                f"src is on {_device_name(self.src.device)} and dst on "
+                f"{_device_name(self.dst.device)}; copy() "
+                "moves bytes within one device"
+            )
+        if self.src.device[0] == "cpu":
+            problem, run, other, used = _native.copy_runs(self.runs, self.src.spans, self.dst.spans, threads)
+            self._raise(problem, run, other)
+            return int(used)
+        self._raise(*_native.validate_runs(self.runs, self.src.spans, self.dst.spans))
+        from kvlayout.transfer import cuda as cuda_transfer  # CUDA installs only
+
+        copy_runs = cuda_transfer.copy_runs  # type: ignore[attr-defined,unused-ignore]
+        copy_runs(self.runs, torch.device(_device_name(self.src.device)))
+        return 1
+
+    def _raise(self, problem: int, run: int, other: int) -> None:
+        if problem:
+            src, dst, length = (int(x) for x in self.runs[run])
+            why = (
+                _PROBLEMS[problem].format(other=other)
+                if other != run
+                else "its source and destination overlap"
+            )
+            raise BlockMapError(
+                f"run {run} (source {src:#x}, destination {dst:#x}, {length} bytes) is refused: "
+                f"{why}; nothing "
+                "was copied"
+            )
+
+
+def _device_name(device: tuple[str, int | None]) -> str:
+    return device[0] if device[1] is None else f"{device[0]}:{device[1]}"
+
+
+def _int(name: str, value: object) -> int:
+    if isinstance(value, bool):
+        raise BlockMapError(f"{name} must be an int, got {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise BlockMapError(f"{name} must be an int, got {value!r}") from None
+
+
+def _ids(name: str, blocks: Any, side: Side, needed: int) -> np.ndarray:
+    if isinstance(blocks, torch.Tensor):
+        if blocks.is_floating_point() or blocks.is_complex() or blocks.dtype == torch.bool:
+            raise BlockMapError(f"{name} must be integers, got {blocks.dtype}")
+        ids = blocks.detach().to("cpu", torch.int64).numpy()
+    else:
+        ids = np.asarray(blocks)
+        if ids.size == 0:
+            ids = ids.astype(np.int64)
+        if ids.dtype.kind not in "iu":
+            raise BlockMapError(f"{name} must be a 1-D sequence of ints, got {ids.dtype}")
+    if ids.ndim != 1:
+        raise BlockMapError(f"{name} must be a 1-D sequence of ints, got shape {list(ids.shape)}")
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) >= side.num_blocks:
+        raise BlockMapError(f"{name} holds {int(ids.max())}, out of range for {side.num_blocks} blocks")
+    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    if len(ids) != needed:
+        raise BlockMapError(
+            f"{name} has {len(ids)} block ids; the request's tokens fill {needed} "
+            f"block{'s' * (needed != 1)} of "
+            f"{side.block_size}"
+        )
+    bad = _native.first_bad_block_id(ids, side.num_blocks)
+    if bad >= 0:
+        raise BlockMapError(f"{name}[{bad}] = {int(ids[bad])} is out of range for {side.num_blocks} blocks")
+    return ids
+
+
+def _kind(
+    src: Side, dst: Side, heads: range, src_shard: Shard | None, dst_shard: Shard | None
+) -> tuple[str, str]:
+    if not heads:
+        assert src_shard is not None and dst_shard is not None
+        return "empty", (
+            f"src holds model heads {_range(src_shard.heads)} and dst {_range(dst_shard.heads)}: "
+            "none in common"
+        )
+    kinds, why = [], []
+    if src.has_heads and (len(heads) < src.heads or len(heads) < dst.heads):
+        kinds.append("head slice")
+        assert src_shard is not None and dst_shard is not None
+        why.append(
+            f"src holds heads {_range(src_shard.heads)} and dst {_range(dst_shard.heads)}, so the map moves "
+            f"heads {_range(heads)}"
+        )
+    if src.layout is None or dst.layout is None:
+        kinds.append("chunk")
+        why.append("between a cache and a token-major chunk [kv_size, NL, T, row]")
+        return ", ".join(kinds), "; ".join(why)
+    if src.block_size != dst.block_size:
+        kinds.append("re-blocked")
+        why.append(f"blocks of {src.block_size} tokens into blocks of {dst.block_size}")
+    if src.has_heads and src.layout.is_hnd != dst.layout.is_hnd:
+        kinds.append("permuted")
+        order = {True: "HND (heads outside tokens)", False: "NHD (tokens outside heads)"}
+        why.append(f"{order[src.layout.is_hnd]} into {order[dst.layout.is_hnd]} within a block")
+    elif src.layout != dst.layout:
+        kinds.append("re-laid")
+        why.append(f"{src.layout} into {dst.layout}: the same order in a block, other tensors and axes")
+    if not kinds:
+        return "same layout", "both sides store the request alike; runs are as long as the block ids allow"
+    return ", ".join(kinds), "; ".join(why)
+
+
+def _range(r: range) -> str:
+    return f"{r.start}-{r.stop - 1}" if len(r) > 1 else str(r.start)
+
+
+def block_map(
+    src: Any,
+    dst: Any,
+    src_blocks: Any,
+    dst_blocks: Any,
+    *,
+    num_tokens: int | None = None,
+    src_shard: Shard | None = None,
+    dst_shard: Shard | None = None,
+    src_block_size: int | None = None,
+    dst_block_size: int | None = None,
+) -> BlockMap:
+    """The byte runs that move tokens ``[0, num_tokens)`` of one request from ``src`` to
+    ``dst``: token ``p`` is slot ``p % BS`` of block ``blocks[p // BS]`` on each side.
+
+    ``src`` and ``dst`` are what detection returns (a registration with one kernel group,
+    or a kernel group) or a peer's :class:`~kvlayout.registration.peers.RegistrationDescription`
+    (then ``copy()`` refuses). Every head both shards hold moves, layer ``i`` to layer
+    ``i``, K to K and V to V. ``num_tokens`` defaults to what the shorter block list
+    holds; each list must hold exactly the blocks the tokens fill. Destination blocks
+    must be distinct. ``*_block_size`` split a folded page axis (NB*BS formats).
+    """
+    a = _as_side(src, src_block_size, "src")
+    b = _as_side(dst, dst_block_size, "dst")
+    shards = (_heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
+    per_dst = a._pairs.setdefault(b, {})
+    pair = per_dst.get(shards)
+    if pair is None:
+        pair = _pair(a, b, *shards)
+        per_dst[shards] = pair
+    a_len = len(src_blocks) if hasattr(src_blocks, "__len__") else None
+    b_len = len(dst_blocks) if hasattr(dst_blocks, "__len__") else None
+    if num_tokens is None:
+        if a_len is None or b_len is None:
+            raise TypeError("src_blocks and dst_blocks must be sequences of block ids")
+        tokens = min(a_len * a.block_size, b_len * b.block_size)
+    else:
+        tokens = _int("num_tokens", num_tokens)
+        if tokens < 0:
+            raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
+    src_ids = _ids("src_blocks", src_blocks, a, -(-tokens // a.block_size))
+    dst_ids = _ids("dst_blocks", dst_blocks, b, -(-tokens // b.block_size))
+    again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks)
+    if again >= 0:
+        earlier = int(np.flatnonzero(dst_ids[:again] == dst_ids[again])[0])
+        raise BlockMapError(
+            f"dst_blocks[{again}] = {int(dst_ids[again])} repeats dst_blocks[{earlier}]: each "
+            "destination slot is written once"
+        )
+    result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens)
+    if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
+        result._raise(*_native.validate_runs(result.runs, a.spans, b.spans))
+    return result

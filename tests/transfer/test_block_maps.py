@@ -1,0 +1,554 @@
+"""Block maps against the offset oracle: every pair of formats that hold the same data, any
+TP split on either side, any two block sizes, random block ids and token counts.
+
+The oracle places every element of the request on both sides from the layouts alone:
+``algebra.offset`` on a sample of coordinates per example, and the generated C++ indexer
+(``_native.locate_many``, which ``tests/transfer/test_native.py`` holds to ``algebra.offset``
+on every coordinate of every format) for all of them. From those byte pairs it predicts
+the destination after ``copy()`` (the request's slots hold the source's bytes, every other
+byte is as it was) and counts the maximal runs by brute force.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvlayout
+from kvlayout import EngineKVFormat as F
+from kvlayout import _native
+from kvlayout.layout.algebra import Coord, kv_size, num_heads, offset, sizes_by_role, with_size
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.registration import bind
+from kvlayout.registration.shards import Shard
+from kvlayout.transfer import (
+    BlockMapError,
+    PeerDescriptionError,
+    RegistrationDescription,
+    ShardError,
+    block_map,
+)
+from tests.transfer.registrations import Registration, make_registration
+from tests.transfer.test_native import native_sizes
+
+
+def layout(fmt: F) -> Layout:
+    return kvlayout.layout_of(fmt)
+
+
+MHA = [f for f in F if layout(f).has_kv]  # format 19 (a sized K/V axis) with two planes
+SINGLE = [F.NL_X_NB_BS_NH_HS, F.NB_KV_NL_BS_NH_HS]  # one K or V plane per tensor; 19 with one plane
+MLA = [f for f in F if layout(f).is_mla and not layout(f).is_indexer]
+TP = (1, 2, 4, 8)
+
+
+@dataclass
+class Side:
+    fmt: F
+    sizes: dict[str, int]
+    reg: Registration
+    kv: object  # the bound registration
+    shard: Shard
+    block_size: int
+    pad: int
+
+    @property
+    def layout(self) -> Layout:
+        return layout(self.fmt)
+
+    @property
+    def block_stride(self) -> int | None:
+        return self.reg.leaves[0].stride(0) if self.pad else None
+
+
+def make_side(
+    fmt: F, *, layers: int, blocks: int, bs: int, heads: int, row: int, planes: int, kv: int, dtype: torch.dtype,
+    pad: int, shard: Shard, seed: int,
+) -> Side:  # fmt: skip
+    lay = layout(fmt)
+    by_role = {Role.LAYER: layers, Role.BLOCK: blocks, Role.TOKEN: bs, Role.HEAD: heads, Role.KV: kv}
+    sizes = sizes_by_role(lay, by_role)
+    if not lay.is_indexer:
+        sizes.update(sizes_by_role(lay, {Role.ELEMENT: row // planes}))
+    if planes > 1 or any(t.role is Role.ELEMENT for t in lay.lists):
+        sizes["NP"] = planes
+    pad = pad if lay.has_leading_block_axis else 0
+    reg = make_registration(lay, sizes, dtype, pad=pad, seed=seed)
+    return Side(fmt, sizes, reg, bind(reg.kv, fmt), shard, bs, pad)
+
+
+def canonical(side: Side, tokens: int, ids: list[int], heads: range) -> tuple[np.ndarray, np.ndarray]:
+    """(tensor index, byte address) of every byte of the request on one side, in the order
+    (layer, K/V, token, model head, byte of the head's row)."""
+    lay, s = side.layout, side.sizes
+    kvs = kv_size(lay, s)
+    pair = 2 if lay.is_fused_packed else 1
+    hs = lay.head_size(s) // pair
+    first = side.shard.heads.start if lay.symbol_of(Role.HEAD) else 0
+    nl = lay.size_of(s, Role.LAYER) or 1
+    grid = np.array(
+        np.meshgrid(np.arange(nl), np.arange(kvs * pair), np.arange(tokens), np.array(heads, dtype=np.int64), np.arange(hs),
+                    indexing="ij"),
+    ).reshape(5, -1)  # fmt: skip
+    layer, k, p, h, e = grid
+    block = np.array(ids, dtype=np.int64)[p // side.block_size] if len(p) else p
+    coords = np.stack([layer, k // pair, block, p % side.block_size, h - first, (k % pair) * hs + e], axis=1)
+    coords = np.ascontiguousarray(coords, dtype=np.int64)
+    loc = _native.locate_many(int(side.fmt), native_sizes(lay, s), side.block_stride or 0, coords)
+    for i in random.Random(len(coords)).sample(range(len(coords)), min(len(coords), 6)):  # the Python oracle
+        c = Coord(*(int(x) for x in coords[i]))
+        assert tuple(loc[i]) == offset(lay, c, s, side.block_stride), (side.fmt, c)
+    itemsize = side.reg.leaves[0].element_size()
+    ptr = loc[:, 0]
+    starts = np.array([t.storage_offset() * itemsize for t in side.reg.leaves], dtype=np.int64)
+    byte = starts[ptr] + loc[:, 1] * itemsize
+    n = itemsize
+    return np.repeat(ptr, n), (byte[:, None] + np.arange(n)[None, :]).ravel()
+
+
+def check_map(
+    src: Side, dst: Side, src_ids: list[int], dst_ids: list[int], tokens: int, threads: int
+) -> None:
+    m = block_map(
+        src.kv, dst.kv, src_ids, dst_ids, num_tokens=tokens, src_shard=src.shard, dst_shard=dst.shard,
+        src_block_size=src.block_size, dst_block_size=dst.block_size,
+    )  # fmt: skip
+    if src.layout.symbol_of(Role.HEAD):
+        a, b = src.shard.heads, dst.shard.heads
+        heads = range(max(a.start, b.start), max(a.start, b.start, min(a.stop, b.stop)))
+    else:
+        heads = range(1)
+    assert m.heads == heads
+    s_ptr, s_byte = canonical(src, tokens, src_ids, heads)
+    d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads)
+    assert len(s_byte) == len(d_byte) == m.num_bytes
+    before = [b.clone() for b in dst.reg.bases]
+    m.copy(num_threads=threads)
+    expected = [b.numpy().copy() for b in before]
+    src_bytes = [b.numpy() for b in src.reg.bases]
+    values = np.empty(len(s_byte), dtype=np.uint8)
+    for t in np.unique(s_ptr):
+        sel = s_ptr == t
+        values[sel] = src_bytes[t][s_byte[sel]]
+    for t in np.unique(d_ptr):
+        sel = d_ptr == t
+        expected[t][d_byte[sel]] = values[sel]
+    for got, want in zip(dst.reg.bases, expected, strict=True):
+        assert np.array_equal(got.numpy(), want)
+    # The fewest runs: byte pairs in destination order, a run starting wherever the
+    # previous destination byte is not the previous source byte's successor (or in another tensor).
+    s_addr = np.array([b.data_ptr() for b in src.reg.bases], dtype=np.int64)[s_ptr] + s_byte
+    d_addr = np.array([b.data_ptr() for b in dst.reg.bases], dtype=np.int64)[d_ptr] + d_byte
+    order = np.argsort(d_addr, kind="stable")
+    sa, da, st_, dt = s_addr[order], d_addr[order], s_ptr[order], d_ptr[order]
+    cont = (da[1:] == da[:-1] + 1) & (sa[1:] == sa[:-1] + 1) & (st_[1:] == st_[:-1]) & (dt[1:] == dt[:-1])
+    assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
+    sorted_path = m._build(force_sort=True)
+    key = np.lexsort((m.runs[:, 1],))
+    assert np.array_equal(m.runs[key], sorted_path[np.lexsort((sorted_path[:, 1],))])
+
+
+@st.composite
+def shards(draw: st.DrawFn) -> tuple[int, Shard, Shard]:
+    tp_src, tp_dst = draw(st.sampled_from(TP)), draw(st.sampled_from(TP))
+    fits = [h for h in range(1, 17) if all(max(t, h) % min(t, h) == 0 for t in (tp_src, tp_dst))]
+    heads = draw(st.sampled_from(fits))
+    return (
+        heads,
+        Shard(draw(st.integers(0, tp_src - 1)), tp_src, heads),
+        Shard(draw(st.integers(0, tp_dst - 1)), tp_dst, heads),
+    )
+
+
+@st.composite
+def requests(draw: st.DrawFn, bs_src: int, bs_dst: int) -> tuple[int, int, int, list[int], list[int]]:
+    tokens = draw(st.integers(0, 80))
+    n_src, n_dst = -(-tokens // bs_src), -(-tokens // bs_dst)
+    nb_src = max(n_src, 1) + draw(st.integers(0, 3))
+    nb_dst = max(n_dst, 1) + draw(st.integers(0, 3))
+    src_ids = draw(st.lists(st.integers(0, nb_src - 1), min_size=n_src, max_size=n_src))  # repeats allowed
+    consecutive = draw(st.booleans())
+    if consecutive:  # runs may merge across blocks
+        start = draw(st.integers(0, nb_dst - n_dst))
+        dst_ids = list(range(start, start + n_dst))
+        src_ids = list(range(nb_src - n_src, nb_src)) if draw(st.booleans()) else src_ids
+    else:
+        dst_ids = draw(st.permutations(range(nb_dst)))[:n_dst]
+    return tokens, nb_src, nb_dst, src_ids, list(dst_ids)
+
+
+block_sizes = st.one_of(st.integers(1, 8), st.sampled_from([16, 24, 32, 48, 64]))
+
+
+MHA_PAIRS = [(a, b, kv) for pool, kv in ((MHA, 2), (SINGLE, 1)) for a in pool for b in pool]
+MLA_PAIRS = [(a, b) for a in MLA for b in MLA] + [(F.NL_X_NB_BSV_BSS, F.NL_X_NB_BSV_BSS)]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # formats 10 and 11
+@pytest.mark.parametrize(
+    ("fmt_src", "fmt_dst", "kv"), MHA_PAIRS, ids=[f"{a}-{b}-kv{k}" for a, b, k in MHA_PAIRS]
+)
+@settings(max_examples=3, deadline=None)
+@given(st.data())
+def test_mha_maps_move_every_request_byte_once_in_the_fewest_runs(
+    fmt_src: F, fmt_dst: F, kv: int, data: st.DataObject
+) -> None:
+    _, src_shard, dst_shard = data.draw(shards())
+    bs_src, bs_dst = data.draw(block_sizes), data.draw(block_sizes)
+    tokens, nb_src, nb_dst, src_ids, dst_ids = data.draw(requests(bs_src, bs_dst))
+    common: dict[str, Any] = dict(
+        layers=data.draw(st.integers(1, 2)), row=data.draw(st.integers(1, 3)), planes=1,
+        kv=kv, dtype=data.draw(st.sampled_from([torch.uint8, torch.bfloat16, torch.float32])),
+    )  # fmt: skip
+    src = make_side(fmt_src, blocks=nb_src, bs=bs_src, heads=len(src_shard.heads), pad=data.draw(st.integers(0, 2)),
+                    shard=src_shard, seed=1, **common)  # fmt: skip
+    dst = make_side(fmt_dst, blocks=nb_dst, bs=bs_dst, heads=len(dst_shard.heads), pad=data.draw(st.integers(0, 2)),
+                    shard=dst_shard, seed=2, **common)  # fmt: skip
+    assert num_heads(src.layout, src.sizes) == len(src_shard.heads)
+    check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)))
+
+
+@pytest.mark.parametrize(("fmt_src", "fmt_dst"), MLA_PAIRS, ids=[f"{a}-{b}" for a, b in MLA_PAIRS])
+@settings(max_examples=8, deadline=None)
+@given(st.data())
+def test_mla_maps_move_every_request_byte_once_in_the_fewest_runs(
+    fmt_src: F, fmt_dst: F, data: st.DataObject
+) -> None:
+    indexer = layout(fmt_src).is_indexer
+    _, src_shard, dst_shard = data.draw(shards())  # latents: every rank holds them whole
+    bs_src, bs_dst = data.draw(block_sizes), data.draw(block_sizes)
+    tokens, nb_src, nb_dst, src_ids, dst_ids = data.draw(requests(bs_src, bs_dst))
+    planes_src = data.draw(st.integers(1, 3)) if fmt_src == F.NL_X_NP_X_NB_BS_ONE_HS else 1
+    planes_dst = data.draw(st.integers(1, 3)) if fmt_dst == F.NL_X_NP_X_NB_BS_ONE_HS else 1
+    row = planes_src * planes_dst * data.draw(st.integers(1, 2))
+    dtype = torch.uint8 if indexer else data.draw(st.sampled_from([torch.uint8, torch.float16]))
+    layers = data.draw(st.integers(1, 2))
+    src = make_side(fmt_src, layers=layers, blocks=nb_src, bs=bs_src, heads=1, row=row, planes=planes_src, kv=1,
+                    dtype=dtype, pad=data.draw(st.integers(0, 2)), shard=src_shard, seed=3)  # fmt: skip
+    dst = make_side(fmt_dst, layers=layers, blocks=nb_dst, bs=bs_dst, heads=1, row=row, planes=planes_dst, kv=1,
+                    dtype=dtype, pad=data.draw(st.integers(0, 2)), shard=dst_shard, seed=4)  # fmt: skip
+    check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)))
+
+
+# -- chunks: store_blocks and load_blocks are maps too -----------------------------------------
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
+def test_a_chunk_is_a_side_and_its_maps_are_store_and_load(fmt: F) -> None:
+    from kvlayout.testing.strategies import fixed_sizes
+    from kvlayout.transfer import prepare
+    from kvlayout.transfer.block_maps import chunk_side
+
+    lay = layout(fmt)
+    sizes = with_size(lay, fixed_sizes(lay), Role.BLOCK, 6)
+    reg = make_registration(
+        lay, sizes, torch.uint8 if lay.is_indexer else torch.float16, pad=int(lay.has_leading_block_axis)
+    )
+    group = bind(reg.kv, fmt).only_group()
+    bs = 2 if lay.is_pbs_fused else None
+    plan = prepare(group, fmt, block_size=bs)
+    ids = [4, 1, 2]
+    shape, dtype = plan.chunk_shape(3 * plan.block_size)
+    by_plan, by_map = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    plan.store_blocks(ids, [by_plan])
+    m = block_map(group, chunk_side(group, by_map, block_size=bs), ids, [0], src_block_size=bs)
+    assert m.kind == "chunk"
+    m.copy()
+    assert torch.equal(by_plan.view(torch.uint8), by_map.view(torch.uint8))
+    for b in reg.bases:
+        b.zero_()
+    plan.load_blocks(ids, [by_plan])
+    loaded = [b.clone() for b in reg.bases]
+    for b in reg.bases:
+        b.zero_()
+    block_map(chunk_side(group, by_map, block_size=bs), group, [0], ids, dst_block_size=bs).copy()
+    assert all(torch.equal(a, b) for a, b in zip(loaded, reg.bases, strict=True))
+
+
+# -- kinds, and what is refused ------------------------------------------------------------------
+
+
+def vllm(
+    *shape: int, dtype: torch.dtype = torch.float32, layers: int = 2, fmt: F = F.NL_X_TWO_NB_BS_NH_HS
+) -> Any:
+    return bind([torch.zeros(shape, dtype=dtype) for _ in range(layers)], fmt)
+
+
+def test_kinds_say_what_differs() -> None:
+    nhd, hnd = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8, fmt=F.NL_X_TWO_NB_NH_BS_HS)
+    assert block_map(nhd, vllm(2, 8, 4, 4, 8), [0], [1]).kind == "same layout"
+    m = block_map(nhd, vllm(2, 8, 8, 2, 8), [0, 1], [3], dst_shard=Shard(1, 2, 4))
+    assert m.kind == "head slice, re-blocked"
+    assert (
+        m.reason
+        == "src holds heads 0-3 and dst 2-3, so the map moves heads 2-3; blocks of 4 tokens into blocks of 8"
+    )
+    m = block_map(nhd, hnd, [0], [1])
+    assert (m.kind, m.reason) == (
+        "permuted",
+        "NHD (tokens outside heads) into HND (heads outside tokens) within a block",
+    )
+    m = block_map(nhd, vllm(2, 8, 4, 4, 8), [0], [1], src_shard=Shard(1, 2, 8), dst_shard=Shard(0, 2, 8))
+    assert (m.kind, m.num_runs, m.num_bytes, m.heads) == ("empty", 0, 0, range(4, 4))
+    assert m.reason == "src holds model heads 4-7 and dst 0-3: none in common"
+    assert m.copy() == 0
+
+
+def test_replicated_heads_map_the_one_head_both_hold() -> None:
+    """8 ranks over 2 heads: ranks 0-3 hold head 0, ranks 4-7 head 1."""
+    src = bind([torch.arange(2 * 4 * 2 * 2 * 4, dtype=torch.float32).view(2, 4, 2, 2, 4)], 1)
+    dst = vllm(2, 4, 2, 1, 4, layers=1)
+    m = block_map(src, dst, [1], [3], dst_shard=Shard(5, 8, 2))
+    assert m.heads == range(1, 2) and m.kind == "head slice"
+    m.copy()
+    assert torch.equal(dst.kv[0][:, 3, :, 0], src.kv[0][:, 1, :, 1])
+
+
+def test_moving_blocks_within_one_cache() -> None:
+    reg = bind([torch.randn(2, 8, 4, 4, 8) for _ in range(2)], 1)
+    want = [t[:, [0, 1]].clone() for t in reg.kv]
+    block_map(reg, reg, [0, 1], [4, 5]).copy()
+    assert all(torch.equal(t[:, [4, 5]], w) for t, w in zip(reg.kv, want, strict=True))
+    before = [t.clone() for t in reg.kv]
+    with pytest.raises(BlockMapError, match=r"run 0 \(source 0x[0-9a-f]+, destination 0x[0-9a-f]+, 1024 bytes\) "
+                       r"is refused: its source and destination overlap; nothing was copied"):  # fmt: skip
+        block_map(reg, reg, [0, 1], [1, 2]).copy()
+    with pytest.raises(
+        BlockMapError, match=r"it writes bytes run \d+ reads \(source and destination share memory\)"
+    ):
+        block_map(reg, reg, [0, 2], [3, 0]).copy()
+    assert all(torch.equal(a, b) for a, b in zip(before, reg.kv, strict=True))
+
+
+BAD_MAPS = [
+    (lambda a: block_map(a, vllm(2, 8, 4, 4, 8, dtype=torch.float16), [0], [0]),
+     BlockMapError, "src is float32 and dst is float16: a map copies bytes, dtypes must agree"),
+    (lambda a: block_map(a, bind([torch.zeros(8, 4, 32) for _ in range(2)], 3), [0], [0]),
+     BlockMapError, "src holds K and V rows per head (MHA) and dst one latent row per token (MLA): they do not hold "
+     "the same data"),
+    (lambda a: block_map(a, vllm(2, 8, 4, 4, 8, layers=3), [0], [0]),
+     BlockMapError, "src holds layers 0-1 and dst layers 0-2; a map moves layer i to layer i"),
+    (lambda a: block_map(a, vllm(2, 8, 4, 4, 4), [0], [0]),
+     BlockMapError, "src rows are 32 bytes a head and dst rows 16"),
+    (lambda a: block_map(a, vllm(2, 8, 4, 4, 8), [0], [0], src_shard=Shard(0, 4, 8)),
+     ShardError, "src_shard Shard(tp_rank=0, tp_size=4, num_kv_heads=8) holds 2 KV heads, but the src cache has 4"),
+    (lambda a: block_map(a, vllm(2, 8, 4, 4, 8), [0], [0], dst_shard=Shard(0, 2, 8)),
+     ShardError, "src_shard Shard(tp_rank=0, tp_size=1, num_kv_heads=4) and dst_shard Shard(tp_rank=0, tp_size=2, "
+     "num_kv_heads=8) disagree on the model's KV heads"),
+    (lambda a: block_map(a, a, [0], [0], src_shard=(0, 1, 4)),  # type: ignore[arg-type]
+     TypeError, "src_shard must be a kvlayout.transfer.Shard, not tuple"),
+    (lambda a: Shard(2, 2, 8), ShardError, "Shard.tp_rank=2 is out of range for tp_size=2"),
+    (lambda a: Shard(0, 3, 8), ShardError, "tp_size=3 and num_kv_heads=8: the larger must be a multiple of the smaller"),
+    (lambda a: Shard(0, 2, True), ShardError, "Shard.num_kv_heads must be an int, got True"),
+    (lambda a: block_map(a, a, [0, 8], [2, 3]), BlockMapError, "src_blocks[1] = 8 is out of range for 8 blocks"),
+    (lambda a: block_map(a, a, [0, 1], [3, 3]), BlockMapError, "dst_blocks[1] = 3 repeats dst_blocks[0]"),
+    (lambda a: block_map(a, a, [0, 1], [2]), BlockMapError,
+     "src_blocks has 2 block ids; the request's tokens fill 1 block of 4"),
+    (lambda a: block_map(a, a, [0, 1], [2, 3], num_tokens=9), BlockMapError,
+     "src_blocks has 2 block ids; the request's tokens fill 3 blocks of 4"),
+    (lambda a: block_map(a, a, [0.0], [1.0]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got float64"),
+    (lambda a: block_map(a, a, [[0]], [[1]]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got shape [1, 1]"),
+    (lambda a: block_map(a, [torch.zeros(3)], [0], [1]), TypeError, "dst is a list; block_map takes what detection returns"),
+    (lambda a: block_map(a, bind([[torch.zeros(32, 4, 8) for _ in range(2)] for _ in range(2)], 4), [0], [0]),
+     BlockMapError, "dst: TWO_X_NL_X_NBBS_NH_HS folds its blocks and their tokens into one axis (NBBS): pass its "
+     "block size"),
+    (lambda a: block_map(a, a, [0], [1]).copy(num_threads=0), BlockMapError, "num_threads must be a positive int"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("make", "error", "message"), BAD_MAPS, ids=[m[:48] for _, _, m in BAD_MAPS])
+def test_what_a_map_refuses(make: Any, error: type[Exception], message: str) -> None:
+    src = vllm(2, 8, 4, 4, 8)
+    with pytest.raises(error) as info:
+        make(src)
+    assert message in str(info.value)
+
+
+def test_a_tampered_map_is_refused_before_a_byte_moves() -> None:
+    """copy() checks the runs themselves, not how they were made."""
+    src, dst = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8)
+    torch.nn.init.normal_(src.kv[0])
+    m = block_map(src, dst, [0, 1], [2, 3])
+    good = m.runs.copy()
+    end = dst.kv[0].data_ptr() + dst.kv[0].numel() * 4  # one past layer 0's tensor
+    cases = {
+        "run 1 .* its source bytes are outside every source tensor's blocks": [8, good[1, 1], 512],
+        "run 1 .* its destination bytes are outside every destination tensor's blocks": [
+            good[1, 0],
+            end - 4,
+            8,
+        ],
+        "run 0 .* its destination bytes overlap those of run 1": [good[1, 0], good[0, 1] + 4, 4],
+        "run 1 .* it has no bytes": [good[1, 0], good[1, 1], 0],
+    }
+    for message, row in cases.items():
+        runs = good.copy()
+        runs[1] = row
+        m.runs = runs
+        with pytest.raises(BlockMapError, match=message):
+            m.copy()
+    assert all(not t.any() for t in dst.kv)
+
+
+# -- descriptions ------------------------------------------------------------------------------
+
+
+def test_a_description_round_trips_and_maps_like_the_registration() -> None:
+    src, dst = vllm(2, 8, 4, 8, 8), vllm(2, 8, 4, 4, 8, fmt=F.NL_X_TWO_NB_NH_BS_HS)
+    torch.nn.init.normal_(src.kv[1])
+    desc = dst.describe(shard=Shard(1, 2, 8))
+    peer = RegistrationDescription.from_json(desc.to_json())
+    assert peer == desc and peer.shard == Shard(1, 2, 8) and peer.groups[0].layers == (0, 1)
+    live = block_map(src, dst, [3, 5], [1, 6], dst_shard=Shard(1, 2, 8))
+    planned = block_map(src, peer, [3, 5], [1, 6])  # the shard comes with the description
+    assert np.array_equal(live.runs, planned.runs) and planned.kind == live.kind == "head slice, permuted"
+    with pytest.raises(
+        BlockMapError, match="the dst side is a RegistrationDescription: its addresses are a peer's"
+    ):
+        planned.copy()
+    back = block_map(peer, src, [1, 6], [3, 5], dst_shard=Shard(0, 1, 8))
+    assert back.num_bytes == live.num_bytes
+    with pytest.raises(ShardError, match="src_shard is Shard"):
+        block_map(peer, src, [1, 6], [3, 5], src_shard=Shard(0, 2, 8))
+
+
+def test_a_description_needs_one_kernel_group_to_map() -> None:
+    kv = [torch.zeros(2, 8, 4, 4, 8), torch.zeros(2, 8, 4, 4, 8, dtype=torch.float64)]
+    desc = bind(kv, 1).describe()
+    assert len(desc.groups) == 2
+    with pytest.raises(BlockMapError, match="the description has 2 kernel groups"):
+        block_map(desc, desc, [0], [1])
+    block_map(desc.group(1), desc.group(1), [0], [1])
+
+
+def lie(path: str, value: Any) -> str:
+    """A real description's JSON with one field changed (``a.b[0].c``; value ... deletes it)."""
+    data = json.loads(vllm(2, 8, 4, 4, 8).describe(shard=Shard(0, 2, 8)).to_json())
+    *parents, last = path.replace("[", ".").replace("]", "").split(".")
+    node = data
+    for key in parents:
+        node = node[int(key)] if key.isdigit() else node[key]
+    if value is ...:
+        del node[last]
+    else:
+        node[int(last) if last.isdigit() else last] = value
+    return json.dumps(data)
+
+
+LIES = [
+    ("version", 2, "description.version=2 is outside [1, 2)"),
+    ("groups", [], "description.groups is empty"),
+    ("groups[0].format", "NL_X_MADE_UP", "description.groups[0].format 'NL_X_MADE_UP' is not a kvlayout format name"),
+    ("groups[0].planes[0].dtype", "complex64", "description.groups[0].planes[0].dtype 'complex64' is not one of"),
+    ("groups[0].planes[0].sizes.NB", -1, "description.groups[0].planes[0].sizes.NB=-1 is outside [1, 4294967296)"),
+    ("groups[0].planes[0].sizes.NB", True, "description.groups[0].planes[0].sizes.NB must be an integer, not a boolean"),
+    ("groups[0].planes[0].sizes.XX", 3, "description.groups[0].planes[0].sizes.XX: NL_X_TWO_NB_BS_NH_HS has no size XX"),
+    ("groups[0].planes[0].sizes.NB", 9, "description.groups[0].planes[0].shape is [2, 8, 4, 4, 8]; "
+     "NL_X_TWO_NB_BS_NH_HS with these sizes is [2, 9, 4, 4, 8]"),
+    ("groups[0].planes[0].strides[0]", 2048, "description.groups[0].planes[0].strides are [2048, 128, 32, 8, 1]; "
+     "NL_X_TWO_NB_BS_NH_HS stores these sizes with strides [1024, 128, 32, 8, 1]"),
+    ("groups[0].planes[0].block_stride", 256, "description.groups[0].planes[0].block_stride: NL_X_TWO_NB_BS_NH_HS: "
+     "dim 0 is not the block axis"),
+    ("groups[0].planes[0].addresses[1]", 1 << 64, "description.groups[0].planes[0].addresses[1]=18446744073709551616 "
+     "is outside [1, 18446744073709543424)"),
+    ("groups[0].planes[0].addresses[1]", "0x1000", "description.groups[0].planes[0].addresses[1] must be an integer, "
+     "not a string"),
+    ("groups[0].planes[0].addresses", [4096], "description.groups[0].planes[0].addresses has 1 entries; "
+     "NL_X_TWO_NB_BS_NH_HS has 2 tensors here"),
+    ("groups[0].planes[0].addresses", [4096, 8192], "description.groups[0].planes[0].addresses[1] and "
+     "description.groups[0].planes[0].addresses[0] overlap in memory"),
+    ("groups[0].layers", [0, 0], "description.groups[0].layers must be distinct layer indices"),
+    ("groups[0].layers", [0], "description.groups[0].layers has 1 entries; the tensors hold 2 layers"),
+    ("groups[0].block_size", 8, "description.groups[0].block_size is 8; the tensors have blocks of 4"),
+    ("groups[0].planes[0].shape", ..., "description.groups[0].planes[0] has no shape"),
+    ("groups[0].extra", 1, "description.groups[0] has unknown field(s) extra"),
+    ("device.type", "tpu", "description.device.type is 'tpu', not one of cpu, cuda"),
+    ("shard.tp_rank", 2, "description.shard: Shard.tp_rank=2 is out of range for tp_size=2"),
+    ("shard.num_kv_heads", 16, "description.shard Shard(tp_rank=0, tp_size=2, num_kv_heads=16) holds 8 KV heads, "
+     "but description.groups[0] has 4"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "value", "message"), LIES, ids=[f"{p}={v!r}"[:40] for p, v, _ in LIES])
+def test_from_json_refuses_a_lying_description(path: str, value: Any, message: str) -> None:
+    with pytest.raises(PeerDescriptionError) as info:
+        RegistrationDescription.from_json(lie(path, value))
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "the description is not valid JSON"),
+        ('{"version": NaN}', "the description holds NaN, which is not JSON"),
+        ("[]", "description must be an object, not a list"),
+        (b"\xff", "the description is not UTF-8 text"),
+        ("[" * 100_000 + "]" * 100_000, "the description is not valid JSON"),
+    ],
+)
+def test_from_json_refuses_what_is_not_a_description(text: str | bytes, message: str) -> None:
+    with pytest.raises(PeerDescriptionError, match=message):
+        RegistrationDescription.from_json(text)
+
+
+# -- the native executor ----------------------------------------------------------------------
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    st.lists(st.integers(1, 300), min_size=1, max_size=40),
+    st.integers(1, 4),
+    st.randoms(use_true_random=False),
+)
+def test_copy_splits_runs_by_bytes_over_threads(lengths: list[int], threads: int, rnd: random.Random) -> None:
+    """Each thread copies a contiguous share of the bytes, cutting runs at its edges."""
+    src = np.frombuffer(rnd.randbytes(sum(lengths) + 64), dtype=np.uint8).copy()
+    dst = np.zeros(2 * sum(lengths) + 64, dtype=np.uint8)
+    order = list(range(len(lengths)))
+    rnd.shuffle(order)
+    starts = np.cumsum([0, *[2 * lengths[i] for i in order]])  # destination runs apart, shuffled
+    place = {i: int(starts[k]) for k, i in enumerate(order)}
+    runs, at = [], 0
+    for i, n in enumerate(lengths):
+        runs.append((src.ctypes.data + at, dst.ctypes.data + place[i], n))
+        at += n
+
+    def spans(a: np.ndarray) -> np.ndarray:
+        return np.array([[a.ctypes.data, a.nbytes, a.nbytes, 1]], dtype=np.uint64)
+
+    problem, _, _, used = _native.copy_runs(
+        np.array(runs, dtype=np.uint64), spans(src), spans(dst), threads, 1
+    )
+    assert problem == 0 and 1 <= used <= threads
+    want = np.zeros_like(dst)
+    at = 0
+    for i, n in enumerate(lengths):
+        want[place[i] : place[i] + n] = src[at : at + n]
+        at += n
+    assert np.array_equal(dst, want)
+
+
+def test_validation_knows_padded_blocks_of_interleaved_tensors() -> None:
+    """Two tensors whose blocks interleave in one pool (vLLM's blocks-first layers): a run
+    in one tensor's block is inside, a run over the padding (the other's block) is not."""
+    pool = np.zeros(4 * 64, dtype=np.uint8)
+    base = pool.ctypes.data
+    a = [base, 128, 64, 2]  # blocks at 0 and 128
+    b = [base + 64, 128, 64, 2]  # blocks at 64 and 192
+    spans = np.array([a, b], dtype=np.uint64)
+    source = np.array([[base + 128, base + 128, 64]], dtype=np.uint64)
+    ok = np.array([[base, base + 64, 64], [base + 128, base + 192, 64]], dtype=np.uint64)
+    assert _native.validate_runs(ok, spans, spans)[0] == 0
+    across = np.array([[base + 32, base + 192, 64]], dtype=np.uint64)  # a's block 0 into b's block 0
+    assert _native.validate_runs(across, spans, spans)[:2] == (1, 0)
+    assert _native.validate_runs(source, spans, spans)[:2] == (4, 0)  # writes what it reads
