@@ -1,4 +1,5 @@
-"""Which bytes a registration's tensors occupy, and whether any two share one.
+"""Which bytes a registration's tensors occupy, whether each has them, and whether any
+two share one.
 
 A tensor is ``blocks`` blocks of ``block`` bytes, ``period`` bytes apart: one block when
 it is contiguous, its dim-0 rows when they are padded (the padding between them belongs
@@ -6,13 +7,20 @@ to nobody and may hold another tensor: vLLM's blocks-first layers interleave in 
 pool). Tensors of one shape and strides form a :class:`Run` that differs only in start
 addresses, so the common registration (one tensor per layer, all alike) is checked by
 sorting those addresses.
+
+A tensor with elements must have memory behind its view: not a fake tensor
+(``torch._subclasses.fake_tensor``, as torch.compile traces with), a data pointer other
+than 0 and a storage that holds every byte the view reaches (a storage resized after the
+view was made does not). Meta tensors have no memory by design: detection and the facade
+read them (``kvlayout detect`` builds them), transfers refuse them.
 """
 
 from __future__ import annotations
 
 import itertools
+import operator
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -21,7 +29,83 @@ from kvlayout.contiguity import dim0_padding
 from kvlayout.errors import KVLayoutError
 from kvlayout.nesting import Path, describe_path
 
-__all__ = ["Run", "check_disjoint", "run_of"]
+__all__ = ["Run", "backed_pointers", "check_disjoint", "is_fake", "memory_problem", "run_of", "view_bytes"]
+
+try:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    _FAKE: tuple[type, ...] = (FakeTensor,)
+except ImportError:  # pragma: no cover - a torch without fake tensors has none to refuse
+    _FAKE = ()
+
+_DATA_PTR = torch.Tensor.data_ptr
+_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
+_STORAGE_BYTES = torch.UntypedStorage.nbytes
+
+
+def is_fake(t: torch.Tensor) -> bool:
+    """A fake tensor: shapes only, as torch.compile traces with (``data_ptr()`` is 0)."""
+    return type(t) is not torch.Tensor and isinstance(t, _FAKE)
+
+
+def view_bytes(t: torch.Tensor) -> int:
+    """Bytes from the tensor's first element to past its last (0 without elements)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
+
+
+def memory_problem(t: torch.Tensor, pointer: int, span: int) -> str | None:
+    """Why the ``span`` bytes a tensor views from ``pointer`` (its data pointer) are not
+    all memory of its storage; None when they are."""
+    try:
+        storage = _STORAGE(t)
+        start, size = _STORAGE_PTR(storage), _STORAGE_BYTES(storage)
+    except RuntimeError:  # a tensor subclass without a storage
+        return "has no memory (no storage, data pointer 0)" if pointer == 0 else "has no storage"
+    if size == 0:
+        return "has no memory: its storage holds 0 bytes (freed, or resized to 0)"
+    if pointer == 0:
+        return "has no memory (its data pointer is 0)"
+    if pointer < start or pointer + span > start + size:
+        return (
+            f"views {span} bytes from {pointer:#x}, but its storage holds {size} bytes at {start:#x} "
+            "(resized after the view was made)"
+        )
+    return None
+
+
+def backed_pointers(
+    leaves: Sequence[torch.Tensor], paths: Sequence[Any], root: str, error: type[KVLayoutError]
+) -> tuple[int, ...]:
+    """The data pointers of tensors alike (one plane: one shape, the same strides on every
+    dim longer than 1), each checked to have memory behind its view; ``error`` names the
+    first that has none. Meta tensors pass: they have no memory by design."""
+    plain = set(map(type, leaves)) == {torch.Tensor}
+    if not plain:
+        for t, path in zip(leaves, paths, strict=False):
+            if is_fake(t):  # before its data pointer: reading a fake tensor's warns
+                raise error(
+                    f"{describe_path(path, root)} is a FakeTensor (torch._subclasses.fake_tensor): it has "
+                    "no memory to address; register the engine's real cache tensors"
+                )
+    pointers = tuple(map(_DATA_PTR, leaves))
+    first = leaves[0]
+    if first.device.type == "meta" or first.numel() == 0:
+        return pointers
+    span = view_bytes(first)
+    if plain and 0 not in pointers:  # the common case, in C loops: every view inside its storage
+        storages = list(map(_STORAGE, leaves))
+        starts = list(map(_STORAGE_PTR, storages))
+        ends = map(operator.add, starts, map(_STORAGE_BYTES, storages))
+        if min(map(operator.sub, pointers, starts)) >= 0 and min(map(operator.sub, ends, pointers)) >= span:
+            return pointers
+    for k, (t, pointer) in enumerate(zip(leaves, pointers, strict=True)):
+        problem = memory_problem(t, pointer, span)
+        if problem is not None:
+            raise error(f"{describe_path(paths[k], root)} {problem}; a KV cache tensor needs its memory")
+    return pointers
 
 
 class Run(NamedTuple):

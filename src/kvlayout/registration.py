@@ -15,11 +15,10 @@ may overlap in memory (:mod:`kvlayout.memory`).
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, cast
 
 import torch
 
@@ -36,11 +35,11 @@ from kvlayout.binding import (
     check_block_stride,
     tight_block,
 )
-from kvlayout.errors import KVLayoutError, index_ranges
+from kvlayout.errors import KVLayoutError, as_int, index_ranges
 from kvlayout.layout import Layout
-from kvlayout.memory import check_disjoint, run_of
+from kvlayout.memory import backed_pointers, check_disjoint, run_of
 from kvlayout.nesting import Path, first_leaf
-from kvlayout.registry import FormatLike, as_format, backend_label, get_spec
+from kvlayout.registry import FormatLike, as_format, backend_label, get_spec, is_one_format
 from kvlayout.spec import UndefinedSizeError
 from kvlayout.types import EngineType
 from kvlayout.vocabulary import Role
@@ -315,11 +314,10 @@ def _undefined(fmt: EngineKVFormat, accessor: str) -> UndefinedSizeError:
 
 
 def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if value < minimum:
-        raise KVLayoutError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    number = as_int(value, name)
+    if number < minimum:
+        raise KVLayoutError(f"{name} must be >= {minimum}, got {number}")
+    return number
 
 
 # -- the registration -------------------------------------------------------------------------
@@ -412,12 +410,7 @@ class Registration:
     def group(self, layer_idx: int = 0, fmt: FormatLike | None = None) -> KernelGroup:
         """The kernel group holding a layer; ``fmt``, if given, must be the layer's format."""
         if type(layer_idx) is not int:
-            if isinstance(layer_idx, bool):
-                raise TypeError("layer_idx must be an int, not bool")
-            try:
-                layer_idx = operator.index(layer_idx)
-            except TypeError:
-                raise TypeError(f"layer_idx must be an int, not {type(layer_idx).__name__}") from None
+            layer_idx = as_int(layer_idx, "layer_idx")
         if not 0 <= layer_idx < self.num_layers:
             raise RegistrationError(f"layer {layer_idx} is out of range for {self.num_layers} layers")
         group = self._group_of[layer_idx]
@@ -500,7 +493,7 @@ class Registration:
         if self._shared is not None:
             b, kv = self._shared, self.kv
             for p, shape in enumerate(b.shapes):
-                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes)))
+                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes), self.root))
             ptrs = self._shared_ptrs(layers)
         else:
             table = self._layers
@@ -509,7 +502,8 @@ class Registration:
             kv = list(self.kv) if len(layers) == len(self.kv) else [self.kv[i] for i in layers]
             for p, shape in enumerate(b.shapes):
                 sizes = with_size(LAYOUTS[b.format], shape.sizes, Role.LAYER, len(layers))
-                planes.append(_plane(shape, table.leaves(self.kv, layers, p), table.paths(layers, p), sizes))
+                leaves = table.leaves(self.kv, layers, p)
+                planes.append(_plane(shape, leaves, table.paths(layers, p), sizes, self.root))
             ptrs = _interleave([p.data_ptrs for p in planes], len(layers))
         geometry = _geometry(kv, b)
         return KernelGroup(
@@ -538,6 +532,7 @@ class Registration:
             g = self._group_of[layers[0]]
             if g is not None and g.layers == layers and (want is None or g.format is want):
                 return list(g.data_ptrs)  # a whole kernel group: its table as built
+        layers = tuple(as_int(i, f"layer_indices[{k}]") for k, i in enumerate(layers))  # torch ints too
         for i in layers:
             self.group(i, want)
         if self._shared is not None:
@@ -565,9 +560,13 @@ _GEOMETRIES: dict[tuple[object, ...], Geometry] = {}
 
 
 def _plane(
-    shape: PlaneShape, leaves: tuple[torch.Tensor, ...], paths: Sequence[Path], sizes: dict[str, int]
+    shape: PlaneShape,
+    leaves: tuple[torch.Tensor, ...],
+    paths: Sequence[Path],
+    sizes: dict[str, int],
+    root: str,
 ) -> Plane:
-    pointers = tuple(t.data_ptr() for t in leaves)
+    pointers = backed_pointers(leaves, paths, root, RegistrationError)  # memory behind every view
     return Plane(leaves, paths, shape.shape, sizes, shape.block_stride, shape.dtype, shape.device, pointers)
 
 
@@ -620,11 +619,11 @@ def bind(
     Raises :class:`RegistrationError` naming the tensor for anything the format cannot
     describe, and when two tensors of one engine group overlap in memory.
     """
-    if isinstance(formats, (EngineKVFormat, int, str)):
+    if is_one_format(formats):
         per_layer: list[EngineKVFormat | None] | None = None
-        present = {as_format(formats)}
+        present = {as_format(cast(FormatLike, formats))}
     else:
-        per_layer = [None if f is None else as_format(f) for f in formats]
+        per_layer = [None if f is None else as_format(f) for f in cast(Sequence[FormatLike | None], formats)]
         present = {f for f in per_layer if f is not None}
         if not present:
             raise RegistrationError("no layer has a format")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numbers
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,11 +22,20 @@ __all__ = [
     "describe_shape",
     "get_spec",
     "get_spec_class",
+    "is_one_format",
     "layout_of",
 ]
 
 FormatLike = EngineKVFormat | int | str
-"""A format as the enum, its integer value, or its name."""
+"""A format as the enum, its integer value (a NumPy integer too), or its name."""
+
+
+def is_one_format(value: object) -> bool:
+    """A single format (not a per-layer sequence of them): the enum, a name or an integer
+    (NumPy's and torch's 0-d ones too)."""
+    if isinstance(value, (EngineKVFormat, str, numbers.Integral)):
+        return True
+    return hasattr(type(value), "__index__") and getattr(value, "ndim", 0) == 0
 
 
 def as_format(fmt: FormatLike) -> EngineKVFormat:
@@ -33,12 +44,6 @@ def as_format(fmt: FormatLike) -> EngineKVFormat:
         return fmt
     if isinstance(fmt, bool):
         raise KVLayoutError(f"{fmt!r} is not an engine KV format")
-    if isinstance(fmt, int):
-        try:
-            return EngineKVFormat(fmt)
-        except ValueError:
-            values = ", ".join(str(int(f)) for f in EngineKVFormat)
-            raise KVLayoutError(f"unknown engine KV format value {fmt} (known values: {values})") from None
     if isinstance(fmt, str):
         member = EngineKVFormat.__members__.get(fmt)
         if member is None:
@@ -47,7 +52,17 @@ def as_format(fmt: FormatLike) -> EngineKVFormat:
                 "but only the formats of layouts.yaml have a value"
             )
         return member
-    raise KVLayoutError(f"an engine KV format is an EngineKVFormat, int or str, not {type(fmt).__name__}")
+    try:
+        value = operator.index(fmt)  # NumPy and torch integers too
+    except TypeError:
+        raise KVLayoutError(
+            f"an engine KV format is an EngineKVFormat, int or str, not {type(fmt).__name__}"
+        ) from None
+    try:
+        return EngineKVFormat(value)
+    except ValueError:
+        values = ", ".join(str(int(f)) for f in EngineKVFormat)
+        raise KVLayoutError(f"unknown engine KV format value {value} (known values: {values})") from None
 
 
 def get_spec_class(fmt: FormatLike) -> type[KVFormatSpec]:

@@ -29,8 +29,8 @@ from kvlayout import _native, algebra
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
-from kvlayout.memory import run_of
-from kvlayout.nesting import not_strided
+from kvlayout.memory import is_fake, memory_problem, run_of, view_bytes
+from kvlayout.nesting import describe_path, not_strided
 from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
 from kvlayout.registry import FormatLike
 from kvlayout.vocabulary import Role
@@ -40,6 +40,11 @@ __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepa
 _MAX_LOOPS = 4
 _PIECE_FIELDS = 5 + 3 * _MAX_LOOPS
 _STORE, _LOAD = 0, 1
+_MAX_THREADS = _native.max_threads()  # more are capped (the pool never has more)
+_DATA_PTR = torch.Tensor.data_ptr
+_STORAGE = torch.Tensor.untyped_storage
+_STORAGE_PTR = torch.UntypedStorage.data_ptr
+_STORAGE_BYTES = torch.UntypedStorage.nbytes
 
 
 class TransferError(KVLayoutError):
@@ -99,8 +104,12 @@ class TransferPlan:
     ``store_blocks`` and ``load_blocks`` check only what changes per call: the block ids
     (a 1-D int sequence or tensor, each in range) and the chunks (shape
     ``chunk_shape(T)``, the cache's dtype and device, contiguous, disjoint from each other
-    and from the cache). The plan holds the cache's tensors, so it stays valid while it
-    lives; detect again if the engine re-allocates its cache.
+    and from the cache). The plan holds the cache's tensors (they stay alive while it
+    lives) and copies through the addresses they had when it was made: every call first
+    checks that each tensor still has its data pointer and each storage its address and
+    size, and raises a :class:`TransferError` saying to detect again when the engine has
+    re-allocated its cache in place. A plan is read-only after it is made, so one plan
+    serves calls from many threads at once.
     """
 
     def __init__(self, group: KernelGroup, block_size: int | None) -> None:
@@ -120,6 +129,11 @@ class TransferPlan:
         self.row_bytes = sum(_row_bytes(self.layout, job) for job in self.jobs)
         self.dtype = group.dtype
         self.device = group.device
+        if self.device.type == "meta":
+            raise TransferError(
+                "the cache is meta tensors, which have no memory by design: detection and the facade "
+                "read them, a transfer needs the cache's bytes"
+            )
         itemsize = self.dtype.itemsize
         if self.row_bytes % itemsize:
             raise TransferError(
@@ -135,6 +149,7 @@ class TransferPlan:
         if empty or self.row == 0:
             what = ", ".join(empty) if empty else "a token row of 0 elements"
             raise TransferError(f"{self.format.name}: the cache holds no blocks to move ({what})")
+        self._memory = _CacheMemory(group)
         self._extents = _cache_extents(group)
         if self.device.type == "cpu":
             self._engine: Any = _native.TransferPlan(
@@ -208,6 +223,7 @@ class TransferPlan:
         self._run(_LOAD, block_ids, chunks, skip_prefix_n_blocks, num_threads)
 
     def _run(self, direction: int, block_ids: Any, chunks: Any, skip: int, threads: int) -> None:
+        self._memory.check()
         ids = _block_ids(block_ids)
         self._check_ids(ids)
         ptrs, tokens, per_chunk = self._chunks(chunks, len(ids))
@@ -217,6 +233,7 @@ class TransferPlan:
         threads = _int("num_threads", threads)
         if threads < 1:
             raise TransferError(f"num_threads must be a positive int, got {threads!r}")
+        threads = min(threads, _MAX_THREADS)
         if direction == _LOAD:
             again = _native.first_repeated_block_id(ids, skip, self.num_blocks)
             if again >= 0:
@@ -262,8 +279,17 @@ class TransferPlan:
                 raise TransferError(f"chunks[{i}] is on {c.device}; the cache is on {device}")
             if not c.is_contiguous():
                 raise TransferError(f"chunks[{i}] is not contiguous (strides {list(c.stride())})")
+            if type(c) is not torch.Tensor and is_fake(c):  # before its data pointer (that warns)
+                raise TransferError(
+                    f"chunks[{i}] is a FakeTensor (torch._subclasses.fake_tensor): it has no memory"
+                )
             start = c.data_ptr()
-            spans.append((start, start + c.numel() * c.element_size(), i))
+            size = c.numel() * c.element_size()
+            if size:
+                problem = memory_problem(c, start, size)
+                if problem is not None:
+                    raise TransferError(f"chunks[{i}] {problem}")
+            spans.append((start, start + size, i))
             tokens.append(int(shape[2]))
         per_chunk = _blocks_per_chunk(tokens, self.block_size, num_blocks)
         self._check_disjoint(spans)
@@ -285,6 +311,77 @@ class TransferPlan:
             k = bisect.bisect_right(starts, lo)
             if (k and ends[k - 1] > lo) or (k < len(starts) and starts[k] < hi):
                 raise TransferError(f"chunks[{i}] overlaps the cache's memory; a chunk is a separate buffer")
+
+
+class _CacheMemory:
+    """The memory a plan copies through, checked on every call: each cache tensor's data
+    pointer, and the address and size of each storage, as they were at prepare time.
+
+    An engine that re-allocates its cache in place (``t.untyped_storage().resize_(0)``,
+    ``t.data = new``, ``t.set_()``, ``t.resize_()``) leaves the plan's pointers dangling;
+    a call then raises instead of copying through them. The check costs three calls per
+    tensor, in C loops (a few microseconds for a hundred tensors).
+    """
+
+    def __init__(self, group: KernelGroup) -> None:
+        tensors: dict[int, torch.Tensor] = {}
+        names: list[str] = []
+        ptrs: list[int] = []
+        for plane in group.planes:
+            span = view_bytes(plane.leaves[0])
+            for t, ptr, path in zip(plane.leaves, plane.data_ptrs, plane.paths, strict=True):
+                if id(t) in tensors:
+                    continue  # one tensor registered for several layers
+                name = describe_path(path, "kv_caches")
+                problem = (
+                    f"was re-allocated after detection (data pointer {t.data_ptr():#x}, was {ptr:#x})"
+                    if t.data_ptr() != ptr
+                    else memory_problem(t, ptr, span)
+                )
+                if problem is not None:
+                    raise TransferError(f"{name} {problem}; detect the registration again")
+                tensors[id(t)] = t
+                names.append(name)
+                ptrs.append(ptr)
+        owners: dict[int, int] = {}  # storage (its StorageImpl's address) -> its first tensor
+        for i, t in enumerate(tensors.values()):
+            owners.setdefault(_STORAGE(t)._cdata, i)
+        self._tensors = tuple(tensors.values())
+        self._names = names
+        self._ptrs = ptrs
+        self._owners = tuple(owners.values())  # indices into _tensors, one per storage
+        storages = [_STORAGE(self._tensors[i]) for i in self._owners]
+        self._owner_tensors = tuple(self._tensors[i] for i in self._owners)
+        self._starts = list(map(_STORAGE_PTR, storages))
+        self._sizes = list(map(_STORAGE_BYTES, storages))
+
+    def check(self) -> None:
+        """Raise unless every tensor and storage is where the plan was prepared."""
+        storages = list(map(_STORAGE, self._owner_tensors))
+        if (
+            list(map(_DATA_PTR, self._tensors)) != self._ptrs
+            or list(map(_STORAGE_PTR, storages)) != self._starts
+            or list(map(_STORAGE_BYTES, storages)) != self._sizes
+        ):
+            raise TransferError(self._what_moved())
+
+    def _what_moved(self) -> str:
+        why = (
+            "after this plan was prepared; it would copy through the old addresses: detect the "
+            "registration again and prepare a new plan"
+        )
+        for name, t, ptr in zip(self._names, self._tensors, self._ptrs, strict=True):
+            if t.data_ptr() != ptr:
+                return f"{name} was re-allocated (data pointer {t.data_ptr():#x}, was {ptr:#x}) {why}"
+        for k, i in enumerate(self._owners):
+            storage = _STORAGE(self._tensors[i])
+            start, size = _STORAGE_PTR(storage), _STORAGE_BYTES(storage)
+            if (start, size) != (self._starts[k], self._sizes[k]):
+                return (
+                    f"the storage of {self._names[i]} was re-allocated or resized ({size} bytes at "
+                    f"{start:#x}, was {self._sizes[k]} bytes at {self._starts[k]:#x}) {why}"
+                )
+        return f"the cache's memory changed {why}"  # it changed back while this looked
 
 
 def _jobs(group: KernelGroup, block_size: int | None) -> tuple[_Job, ...]:
@@ -408,7 +505,9 @@ def _block_ids(block_ids: Any) -> np.ndarray:
             )
         if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
             raise TransferError(f"block_ids must be integers, got {block_ids.dtype}")
-        ids = block_ids.detach().to("cpu", torch.int64).numpy()
+        host = block_ids.detach().cpu()
+        # an int64 cast would wrap uint64 ids past 2**63 to negative ones: NumPy checks them below
+        ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
     else:
         ids = np.asarray(block_ids)
         if ids.size and ids.dtype.kind not in "iu":
@@ -419,7 +518,10 @@ def _block_ids(block_ids: Any) -> np.ndarray:
         raise TransferError(f"block_ids must be a 1-D sequence of ints, got shape {list(ids.shape)}")
     if ids.dtype != np.int64:
         if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
-            raise TransferError(f"block_ids holds {int(ids.max())}, out of range for any cache")
+            i = int(np.argmax(ids > np.iinfo(np.int64).max))
+            raise TransferError(
+                f"block_ids[{i}] = {int(ids[i])} is out of range for any cache (above 2**63 - 1)"
+            )
         ids = ids.astype(np.int64)
     return np.ascontiguousarray(ids)
 

@@ -14,6 +14,7 @@ import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
@@ -329,7 +330,7 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
     owner: dict[int, int] = {}
     out: list[list[int]] = []
     for g, group in enumerate(layer_index_groups):
-        if isinstance(group, (str, bytes)) or not isinstance(group, (Sequence, range)):
+        if not _is_index_list(group):
             raise TypeError(
                 f"layer_index_groups[{g}] is a {type(group).__name__}, not a sequence of layer indices"
             )
@@ -338,7 +339,7 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
             if isinstance(raw, bool):
                 raise TypeError(f"layer_index_groups[{g}] holds {raw!r}, not a layer index")
             try:
-                i = operator.index(raw)
+                i = operator.index(raw)  # NumPy and torch integers too
             except TypeError:
                 raise TypeError(f"layer_index_groups[{g}] holds {raw!r}, not a layer index") from None
             if not 0 <= i < n:
@@ -351,6 +352,13 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
             idxs.append(i)
         out.append(idxs)
     return out
+
+
+def _is_index_list(group: object) -> bool:
+    """A sequence of layer indices: a list, tuple or range, or a 1-D NumPy or torch array."""
+    if isinstance(group, (np.ndarray, torch.Tensor)):
+        return group.ndim == 1
+    return isinstance(group, (Sequence, range)) and not isinstance(group, (str, bytes))
 
 
 def _check_one_device(views: dict[int, Any]) -> None:
