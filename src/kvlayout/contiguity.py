@@ -124,7 +124,15 @@ def _physical_view(t: torch.Tensor) -> torch.Tensor:
     stride = t.stride()
     view, perm = t, physical_order(shape, stride)
     if perm != list(range(t.dim())):
-        view = t.permute(perm)
+        try:
+            view = t.permute(perm)
+        except RuntimeError:  # a view checks its storage: a tensor without memory fails here
+            from kvlayout.memory import no_memory  # (memory reads dim0_padding from here)
+
+            problem = no_memory(t)
+            if problem is None:
+                raise
+            raise LocatedError(KVLayoutError, f"{problem}; a KV cache tensor needs its memory") from None
         contiguous = view.is_contiguous()
     if contiguous:
         return view

@@ -27,9 +27,19 @@ import torch
 
 from kvlayout.contiguity import dim0_padding
 from kvlayout.errors import KVLayoutError
-from kvlayout.nesting import Path, describe_path
+from kvlayout.nesting import Path, describe_path, leaves
 
-__all__ = ["Run", "backed_pointers", "check_disjoint", "is_fake", "memory_problem", "run_of", "view_bytes"]
+__all__ = [
+    "Run",
+    "backed_pointers",
+    "check_disjoint",
+    "first_without_memory",
+    "is_fake",
+    "memory_problem",
+    "no_memory",
+    "run_of",
+    "view_bytes",
+]
 
 try:
     from torch._subclasses.fake_tensor import FakeTensor
@@ -73,6 +83,30 @@ def memory_problem(t: torch.Tensor, pointer: int, span: int) -> str | None:
             f"views {span} bytes from {pointer:#x}, but its storage holds {size} bytes at {start:#x} "
             "(resized after the view was made)"
         )
+    return None
+
+
+def no_memory(t: torch.Tensor) -> str | None:
+    """Why a tensor has no memory behind its view (fake, data pointer 0, a storage that does
+    not hold the view), or None (it has, it has no elements, or it is a meta tensor)."""
+    if is_fake(t):
+        return "is a FakeTensor (torch._subclasses.fake_tensor): it has no memory to address"
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    try:
+        pointer = _DATA_PTR(t)
+    except RuntimeError:  # a tensor subclass that refuses to say
+        return "has no data pointer"
+    return memory_problem(t, pointer, view_bytes(t))
+
+
+def first_without_memory(kv: Any, root: str) -> str | None:
+    """``path problem`` for the first tensor of a registration with no memory, or None.
+    For a torch ``RuntimeError`` raised while re-viewing (view ops check the storage)."""
+    for path, t in leaves(kv, root=root):
+        problem = no_memory(t)
+        if problem is not None:
+            return f"{describe_path(path, root)} {problem}; a KV cache tensor needs its memory"
     return None
 
 

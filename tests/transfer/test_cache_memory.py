@@ -163,6 +163,19 @@ def test_a_view_past_its_shrunk_storage_is_refused() -> None:
     assert message.startswith("kv_caches[2] views 8192 bytes from 0x") and "holds 16400 bytes at" in message
 
 
+def test_a_permuted_view_without_memory_is_an_error_of_the_family() -> None:
+    """vLLM's HND cache (a permuted view) with its storage freed: re-viewing it in memory
+    order raised torch's RuntimeError ("setStorage: ... out of bounds")."""
+    kv = [torch.zeros(2, 8, 2, 4, 16).transpose(2, 3) for _ in range(2)]
+    kv[1].untyped_storage().resize_(0)
+    with pytest.raises(kvlayout.KVLayoutError) as info:
+        kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})
+    assert str(info.value) == (
+        "kv_caches[1]: has no memory: its storage holds 0 bytes (freed, or resized to 0); "
+        "a KV cache tensor needs its memory"
+    )
+
+
 def test_a_tensor_subclass_without_storage_is_refused() -> None:
     class Wrapper(torch.Tensor):
         @staticmethod

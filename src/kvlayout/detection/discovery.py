@@ -22,6 +22,7 @@ from kvlayout.contiguity import attempt_permute_to_contiguous_view, physical_ent
 from kvlayout.detection.base import DetectionError, check_size_hints, probe, validate
 from kvlayout.detection.registry import get_detector
 from kvlayout.errors import KVLayoutError
+from kvlayout.memory import first_without_memory
 from kvlayout.nesting import first_leaf, leaves, not_a_kv_cache
 from kvlayout.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
 from kvlayout.registry import get_spec
@@ -113,7 +114,13 @@ def _discover(
     if normalized is None:
         normalized = attempt_permute_to_contiguous_view(kv)
         validate(normalized)
-    fmt, out = detector(normalized, hints)
+    try:
+        fmt, out = detector(normalized, hints)
+    except RuntimeError:  # a detector's re-view checks the storage: say which tensor has none
+        problem = first_without_memory(normalized, "kv_caches")
+        if problem is None:
+            raise
+        raise DetectionError(problem) from None
     # every engine's size hints, checked against the leaves as the format reads them
     check_size_hints(engine, fmt, first_leaf(out).shape, hints, lambda: probe(normalized).describe())
     if hints.layout_format is not None and hints.layout_format != fmt.name:
