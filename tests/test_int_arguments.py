@@ -146,3 +146,31 @@ def test_torch_uint64_block_ids_past_int64_are_named_not_read_as_negative() -> N
         == "block_ids[1] = 9223372036854775813 is out of range for any cache (above 2**63 - 1)"
     )
     plan.store_blocks(torch.tensor([1, 2], dtype=torch.uint64), [chunk])  # in range: moved
+
+
+def test_a_folded_format_s_block_size_may_be_a_numpy_integer() -> None:
+    kv = [torch.randn(12, 2, 8) for _ in range(2)]  # SGLang's [NB*BS, NH, HS] pools, K then V
+    plan = prepare([kv[:1], kv[1:]], F.TWO_X_NL_X_NBBS_NH_HS, block_size=np.int64(4))  # type: ignore[arg-type]
+    assert (plan.num_blocks, plan.block_size) == (3, 4)
+    with pytest.raises(TransferError, match="block_size must be an int, got True"):
+        prepare([kv[:1], kv[1:]], F.TWO_X_NL_X_NBBS_NH_HS, block_size=True)
+
+
+def test_the_kv_pair_axis_hint_may_be_a_numpy_integer() -> None:
+    kv = [torch.zeros(2, 7, 3, 2, 4)]
+    fmt, _ = kvlayout.normalize_kv_and_discover_format(
+        kv, "vllm", {"kv_layout": "NHD", "kv_pair_axis": np.int64(0)}
+    )
+    assert fmt is F.NL_X_TWO_NB_BS_NH_HS
+
+
+def test_description_extents_may_be_numpy_integers() -> None:
+    from kvlayout.description import Axis, describe
+
+    desc = describe(F.NL_X_NB_BS_HS, {"NL": 2, "NB": 7, "BS": 3, "HS": 16})
+    extents: dict[Any, Any] = {**desc.extents, Axis.B: np.int64(7)}
+    assert type(desc)(desc.grouping, desc.kv_packing, desc.lists, desc.dims, extents).resolved_strides() == (
+        48,
+        16,
+        1,
+    )

@@ -323,7 +323,7 @@ def _validate(d: LayoutDescription) -> None:
     for a, n in d.extents.items():
         if not isinstance(a, Axis):
             raise DescriptionError(f"extents key {a!r} is not an Axis")
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:  # NumPy integers too
             raise DescriptionError(f"extent of {a.value} must be a positive int, got {n!r}")
 
 

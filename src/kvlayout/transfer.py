@@ -435,7 +435,8 @@ def _resolve_block_size(layout: Layout, sizes: dict[str, int], block_size: int |
             f"{layout} folds its blocks and their tokens into one axis ({page}): pass block_size= "
             "(tokens per block)"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+    block_size = _int("block_size", block_size)
+    if block_size <= 0:
         raise TransferError(f"block_size must be a positive int, got {block_size!r}")
     total = layout.size_of(sizes, Role.PAGE)
     assert total is not None and page is not None
