@@ -29,7 +29,7 @@ from kvlayout import _native, algebra
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
-from kvlayout.memory import is_fake, memory_problem, run_of, view_bytes
+from kvlayout.memory import Placement, is_fake, memory_problem, run_of, view_bytes
 from kvlayout.nesting import describe_path, not_strided
 from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
 from kvlayout.registry import FormatLike
@@ -41,10 +41,6 @@ _MAX_LOOPS = 4
 _PIECE_FIELDS = 5 + 3 * _MAX_LOOPS
 _STORE, _LOAD = 0, 1
 _MAX_THREADS = _native.max_threads()  # more are capped (the pool never has more)
-_DATA_PTR = torch.Tensor.data_ptr
-_STORAGE = torch.Tensor.untyped_storage
-_STORAGE_PTR = torch.UntypedStorage.data_ptr
-_STORAGE_BYTES = torch.UntypedStorage.nbytes
 
 
 class TransferError(KVLayoutError):
@@ -149,7 +145,7 @@ class TransferPlan:
         if empty or self.row == 0:
             what = ", ".join(empty) if empty else "a token row of 0 elements"
             raise TransferError(f"{self.format.name}: the cache holds no blocks to move ({what})")
-        self._memory = _CacheMemory(group)
+        self._placement = _placement(group)
         self._extents = _cache_extents(group)
         if self.device.type == "cpu":
             self._engine: Any = _native.TransferPlan(
@@ -223,7 +219,12 @@ class TransferPlan:
         self._run(_LOAD, block_ids, chunks, skip_prefix_n_blocks, num_threads)
 
     def _run(self, direction: int, block_ids: Any, chunks: Any, skip: int, threads: int) -> None:
-        self._memory.check()
+        moved = self._placement.moved()
+        if moved is not None:
+            raise TransferError(
+                f"{moved} after this plan was prepared; it would copy through the old addresses: "
+                "detect the registration again and prepare a new plan"
+            )
         ids = _block_ids(block_ids)
         self._check_ids(ids)
         ptrs, tokens, per_chunk = self._chunks(chunks, len(ids))
@@ -313,75 +314,28 @@ class TransferPlan:
                 raise TransferError(f"chunks[{i}] overlaps the cache's memory; a chunk is a separate buffer")
 
 
-class _CacheMemory:
-    """The memory a plan copies through, checked on every call: each cache tensor's data
-    pointer, and the address and size of each storage, as they were at prepare time.
-
-    An engine that re-allocates its cache in place (``t.untyped_storage().resize_(0)``,
-    ``t.data = new``, ``t.set_()``, ``t.resize_()``) leaves the plan's pointers dangling;
-    a call then raises instead of copying through them. The check costs three calls per
-    tensor, in C loops (a few microseconds for a hundred tensors).
-    """
-
-    def __init__(self, group: KernelGroup) -> None:
-        tensors: dict[int, torch.Tensor] = {}
-        names: list[str] = []
-        ptrs: list[int] = []
-        for plane in group.planes:
-            span = view_bytes(plane.leaves[0])
-            for t, ptr, path in zip(plane.leaves, plane.data_ptrs, plane.paths, strict=True):
-                if id(t) in tensors:
-                    continue  # one tensor registered for several layers
-                name = describe_path(path, "kv_caches")
-                problem = (
-                    f"was re-allocated after detection (data pointer {t.data_ptr():#x}, was {ptr:#x})"
-                    if t.data_ptr() != ptr
-                    else memory_problem(t, ptr, span)
-                )
-                if problem is not None:
-                    raise TransferError(f"{name} {problem}; detect the registration again")
-                tensors[id(t)] = t
-                names.append(name)
-                ptrs.append(ptr)
-        owners: dict[int, int] = {}  # storage (its StorageImpl's address) -> its first tensor
-        for i, t in enumerate(tensors.values()):
-            owners.setdefault(_STORAGE(t)._cdata, i)
-        self._tensors = tuple(tensors.values())
-        self._names = names
-        self._ptrs = ptrs
-        self._owners = tuple(owners.values())  # indices into _tensors, one per storage
-        storages = [_STORAGE(self._tensors[i]) for i in self._owners]
-        self._owner_tensors = tuple(self._tensors[i] for i in self._owners)
-        self._starts = list(map(_STORAGE_PTR, storages))
-        self._sizes = list(map(_STORAGE_BYTES, storages))
-
-    def check(self) -> None:
-        """Raise unless every tensor and storage is where the plan was prepared."""
-        storages = list(map(_STORAGE, self._owner_tensors))
-        if (
-            list(map(_DATA_PTR, self._tensors)) != self._ptrs
-            or list(map(_STORAGE_PTR, storages)) != self._starts
-            or list(map(_STORAGE_BYTES, storages)) != self._sizes
-        ):
-            raise TransferError(self._what_moved())
-
-    def _what_moved(self) -> str:
-        why = (
-            "after this plan was prepared; it would copy through the old addresses: detect the "
-            "registration again and prepare a new plan"
-        )
-        for name, t, ptr in zip(self._names, self._tensors, self._ptrs, strict=True):
-            if t.data_ptr() != ptr:
-                return f"{name} was re-allocated (data pointer {t.data_ptr():#x}, was {ptr:#x}) {why}"
-        for k, i in enumerate(self._owners):
-            storage = _STORAGE(self._tensors[i])
-            start, size = _STORAGE_PTR(storage), _STORAGE_BYTES(storage)
-            if (start, size) != (self._starts[k], self._sizes[k]):
-                return (
-                    f"the storage of {self._names[i]} was re-allocated or resized ({size} bytes at "
-                    f"{start:#x}, was {self._sizes[k]} bytes at {self._starts[k]:#x}) {why}"
-                )
-        return f"the cache's memory changed {why}"  # it changed back while this looked
+def _placement(group: KernelGroup) -> Placement:
+    """The cache's tensors, checked to be where detection read them and to have their
+    memory, as a :class:`~kvlayout.memory.Placement` every call checks again."""
+    tensors: dict[int, torch.Tensor] = {}
+    names: list[str] = []
+    for plane in group.planes:
+        span = view_bytes(plane.leaves[0])
+        for t, ptr, path in zip(plane.leaves, plane.data_ptrs, plane.paths, strict=True):
+            if id(t) in tensors:
+                continue  # one tensor registered for several layers
+            name = describe_path(path, "kv_caches")
+            now = t.data_ptr()
+            problem = (
+                f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
+                if now != ptr
+                else memory_problem(t, ptr, span)
+            )
+            if problem is not None:
+                raise TransferError(f"{name} {problem}; detect the registration again")
+            tensors[id(t)] = t
+            names.append(name)
+    return Placement(list(tensors.values()), names)
 
 
 def _jobs(group: KernelGroup, block_size: int | None) -> tuple[_Job, ...]:
