@@ -91,7 +91,7 @@ def no_memory(t: torch.Tensor) -> str | None:
     """Why a tensor has no memory behind its view (fake, data pointer 0, a storage that does
     not hold the view), or None (it has, it has no elements, or it is a meta tensor)."""
     if is_fake(t):
-        return "is a FakeTensor (torch._subclasses.fake_tensor): it has no memory to address"
+        return "is a FakeTensor (torch._subclasses.fake_tensor), which has no memory"
     if t.device.type == "meta" or t.numel() == 0:
         return None
     try:
@@ -117,20 +117,18 @@ def backed_pointers(
     """The data pointers of tensors alike (one plane: one shape, the same strides on every
     dim longer than 1), each checked to have memory behind its view; ``error`` names the
     first that has none. Meta tensors pass: they have no memory by design."""
-    plain = set(map(type, leaves)) == {torch.Tensor}
-    if not plain:
+    if set(map(type, leaves)) != {torch.Tensor}:  # subclasses (fake tensors), one by one
         for t, path in zip(leaves, paths, strict=False):
-            if is_fake(t):  # before its data pointer: reading a fake tensor's warns
-                raise error(
-                    f"{describe_path(path, root)} is a FakeTensor (torch._subclasses.fake_tensor): it has "
-                    "no memory to address; register the engine's real cache tensors"
-                )
+            problem = no_memory(t)  # before any data pointer: reading a fake tensor's warns
+            if problem is not None:
+                raise error(f"{describe_path(path, root)} {problem}; a KV cache tensor needs its memory")
+        return tuple(map(_DATA_PTR, leaves))
     pointers = tuple(map(_DATA_PTR, leaves))
     first = leaves[0]
     if first.device.type == "meta" or first.numel() == 0:
         return pointers
     span = view_bytes(first)
-    if plain and 0 not in pointers:  # the common case, in C loops: every view inside its storage
+    if 0 not in pointers:  # the common case, in C loops: every view inside its storage
         storages = list(map(_STORAGE, leaves))
         starts = list(map(_STORAGE_PTR, storages))
         ends = map(operator.add, starts, map(_STORAGE_BYTES, storages))

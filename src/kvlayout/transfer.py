@@ -29,7 +29,7 @@ from kvlayout import _native, algebra
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout import Layout
-from kvlayout.memory import Placement, is_fake, memory_problem, run_of, view_bytes
+from kvlayout.memory import Placement, memory_problem, no_memory, run_of, view_bytes
 from kvlayout.nesting import describe_path, not_strided
 from kvlayout.registration import KernelGroup, Plane, RegistrationError, bound
 from kvlayout.registry import FormatLike
@@ -280,10 +280,10 @@ class TransferPlan:
                 raise TransferError(f"chunks[{i}] is on {c.device}; the cache is on {device}")
             if not c.is_contiguous():
                 raise TransferError(f"chunks[{i}] is not contiguous (strides {list(c.stride())})")
-            if type(c) is not torch.Tensor and is_fake(c):  # before its data pointer (that warns)
-                raise TransferError(
-                    f"chunks[{i}] is a FakeTensor (torch._subclasses.fake_tensor): it has no memory"
-                )
+            if type(c) is not torch.Tensor:  # a subclass (a fake tensor?): before its data pointer
+                problem = no_memory(c)
+                if problem is not None:
+                    raise TransferError(f"chunks[{i}] {problem}")
             start = c.data_ptr()
             size = c.numel() * c.element_size()
             if size:
