@@ -150,7 +150,7 @@ class Placement:
     storage is freed or re-made, possibly at the same address with another size. The
     check reads four values per tensor through torch (a tensor sharing a storage with an
     earlier one reads one), in C loops: torch's accessors are the whole cost (a C++ loop
-    calling them measured no faster), about 25 us for 100 tensors on a busy 2-core
+    calling them measured no faster), 20-30 us for 100 tensors on a busy 2-core
     machine. Holding the storages would save one read, but would keep an old cache's
     memory allocated after ``t.data = new``.
     """
