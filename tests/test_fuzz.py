@@ -1,14 +1,19 @@
-"""Fuzzing: random structures, every dtype, odd shapes and strides, foreign values, bad
-block ids, chunks, threads and hints, and duck-typed vLLM configs, thrown at detection,
-the facade, transfer and the vLLM integration, and registrations whose layers share
-memory (exactly: one KV cache shared by layers; or partly: refused). Only the
+"""Fuzzing: random structures, every dtype, odd shapes and strides, foreign values,
+tensors without memory (fake, freed or shrunk storages), bad block ids, chunks, threads
+and hints, caches re-allocated after a plan was prepared, duck-typed vLLM configs, and
+registrations whose layers share memory (exactly: one KV cache shared by layers; or
+partly: refused),
+thrown at detection, the facade, transfer and the vLLM integration. Only the
 ``KVLayoutError`` family (or ``TypeError``) may escape; a call that raises changes no
-byte of the cache or of a chunk; a call that succeeds moves the right bytes. Calls that start threads run in a
-subprocess too, so an abort fails a test instead of killing the run."""
+byte of the cache or of a chunk; a call that succeeds moves the right bytes. Calls that
+start threads, or that crashed the process before (memory-less chunks, re-allocated
+caches), run in a subprocess too, so a crash fails a test instead of killing the run."""
 
 from __future__ import annotations
 
 import contextlib
+import math
+import re
 import subprocess
 import sys
 import textwrap
@@ -17,9 +22,11 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 import kvlayout
 from kvlayout import EngineKVFormat, KVLayoutError, layout_of
@@ -38,12 +45,26 @@ FUZZ = settings(max_examples=150, suppress_health_check=[HealthCheck.too_slow, H
 @st.composite
 def tensors(draw: st.DrawFn) -> torch.Tensor:
     """A tensor of any dtype and rank 0-6, sizes 0-4, strided any way over one buffer
-    (permuted, padded, overlapping, broadcast), sometimes sparse or on the meta device."""
+    (permuted, padded, overlapping, broadcast), sometimes sparse, on the meta device, a
+    fake tensor, or without memory (its storage freed, or shrunk under an offset view)."""
     dtype = draw(st.sampled_from(DTYPES))
     shape = tuple(draw(st.lists(st.integers(0, 4), max_size=6)))
-    kind = draw(st.sampled_from(["contiguous", "strided", "strided", "permuted", "meta", "sparse"]))
+    kind = draw(
+        st.sampled_from(
+            ["contiguous", "strided", "strided", "permuted", "meta", "sparse", "fake", "freed", "shrunk"]
+        )
+    )
     if kind == "meta":
         return torch.empty(shape, dtype=dtype, device="meta")
+    if kind == "fake":
+        with FakeTensorMode():
+            return torch.zeros(shape, dtype=dtype)
+    if kind in ("freed", "shrunk"):
+        n = math.prod(shape)
+        pool = torch.zeros(2 * n + 1, dtype=dtype)
+        view = pool[n + 1 :].view(shape)  # an offset view: its data pointer stays non-zero
+        pool.untyped_storage().resize_(0 if kind == "freed" else (n + 1) * dtype.itemsize)
+        return view
     base = torch.zeros(shape, dtype=dtype)
     if kind == "sparse" and base.dim() and dtype.is_floating_point and dtype.itemsize > 1:
         return base.to_sparse()
@@ -164,6 +185,49 @@ def test_the_facade_raises_only_errors_of_the_family(
     for call in calls:
         with contextlib.suppress(*ALLOWED):
             _quietly(call)
+
+
+def _replace(node: Any, old: torch.Tensor, new: torch.Tensor) -> Any:
+    if node is old:
+        return new
+    if isinstance(node, (list, tuple)):
+        return type(node)(_replace(child, old, new) for child in node)
+    return node
+
+
+@settings(max_examples=80, deadline=None)
+@given(registrations(), st.data(), st.sampled_from(["fake", "freed", "shrunk"]))
+def test_a_registration_with_a_tensor_without_memory_is_refused(
+    case: RegistrationCase, data: st.DataObject, kind: str
+) -> None:
+    """Any tensor of a real registration without memory behind its view (a fake tensor,
+    its storage freed, or shrunk under it) is refused by detection, naming a tensor; never
+    a torch ``RuntimeError`` from a re-view (those check the storage) or an acceptance."""
+    leaf = data.draw(st.sampled_from(flatten(case.kv)))
+    kv = case.kv
+    if kind == "fake":
+        with FakeTensorMode() as mode:
+            kv = _replace(kv, leaf, mode.from_tensor(leaf))
+        expected = "is a FakeTensor (torch._subclasses.fake_tensor)"
+    else:
+        storage = leaf.untyped_storage()
+        end = leaf.data_ptr() - storage.data_ptr() + _view_bytes(leaf)
+        storage.resize_(0 if kind == "freed" else end - 1)  # the view's last byte is gone
+        expected = "has no memory" if kind == "freed" or end == 1 else "views "
+    try:  # (a failure is reported as text: printing a tensor without memory would crash)
+        _quietly(lambda: kvlayout.normalize_kv_and_discover_format(kv, case.engine, case.hints))
+        message = "accepted"
+    except KVLayoutError as e:
+        message = str(e)
+    except Exception as e:  # any other escape is the failure reported
+        message = f"{type(e).__name__}: {e}"
+    named = re.match(r"(kv_caches\S*|layers \[.*) ", message) is not None
+    if not (named and expected in message):
+        pytest.fail(f"{case!r}, {kind} tensor: {message}", pytrace=False)
+
+
+def _view_bytes(t: torch.Tensor) -> int:
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))) * t.element_size()
 
 
 # -- transfer: bad calls change nothing, good calls move the right bytes ---------------------------
@@ -406,6 +470,111 @@ def test_threaded_fuzzing_never_aborts_the_process() -> None:
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-2000:]
+
+
+MEMORY_FUZZ = """
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kvlayout
+from kvlayout import KVLayoutError
+from kvlayout.testing.registrations import flatten, registrations
+from kvlayout.transfer import TransferError, prepare
+
+# How an engine re-allocates a tensor in place (the plan's own, or the caller's that
+# detection re-viewed), and chunks without memory. "storage": the change moves the
+# tensor's storage, which the plan's tensors may share; "tensor": it moves the tensor
+# alone; None: the plan's memory stays intact (a call may succeed).
+CACHE = {
+    "storage freed": (lambda t: t.untyped_storage().resize_(0), "storage"),
+    "storage regrown": (lambda t: t.untyped_storage().resize_(t.untyped_storage().nbytes() + 64), "storage"),
+    "data swapped": (lambda t: setattr(t, "data", torch.zeros(t.shape, dtype=t.dtype)), "tensor"),
+    "set_ elsewhere": (lambda t: t.set_(torch.zeros(t.numel() + 1, dtype=t.dtype).untyped_storage()), "tensor"),
+    "resized bigger": (lambda t: t.resize_(t.numel() * 3 + 7), None),
+    "resized smaller": (lambda t: t.resize_(1), None),
+}
+
+
+def chunk_without_memory(kind, shape, dtype):
+    if kind == "fake":
+        with FakeTensorMode():
+            return torch.zeros(shape, dtype=dtype)
+    n = torch.Size(shape).numel()
+    pool = torch.zeros(2 * n, dtype=dtype)
+    chunk = pool[n:].view(shape)
+    pool.untyped_storage().resize_(0 if kind == "freed" else n * dtype.itemsize)
+    return chunk
+
+
+def readable(t):
+    # a copy of the bytes a tensor views, or None where they are not all memory of its storage
+    # (reading past a storage would crash the check itself)
+    if type(t) is not torch.Tensor or t.numel() == 0 or t.data_ptr() == 0:
+        return None
+    storage = t.untyped_storage()
+    end = t.data_ptr() + (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+    if t.data_ptr() < storage.data_ptr() or end > storage.data_ptr() + storage.nbytes():
+        return None
+    return t.clone()
+
+
+@settings(max_examples=EXAMPLES, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(registrations(), st.data())
+def fuzz(case, data):
+    fmt, kv = kvlayout.normalize_kv_and_discover_format(case.kv, case.engine, case.hints)
+    block_size = 1 if case.nb is None else None
+    plan = prepare(kv, fmt, block_size=block_size)
+    ids = data.draw(st.lists(st.integers(0, plan.num_blocks - 1), min_size=1, max_size=plan.num_blocks, unique=True))
+    shape, dtype = plan.chunk_shape(plan.block_size)
+    chunks = [torch.randn(shape).to(dtype) for _ in ids]
+    plan.store_blocks(ids, chunks)  # the plan works before the change
+    what = data.draw(st.sampled_from([*CACHE, "fake chunk", "freed chunk", "shrunk chunk"]))
+    moves = what.endswith("chunk")
+    if moves:
+        chunks[data.draw(st.integers(0, len(chunks) - 1))] = chunk_without_memory(what.split()[0], shape, dtype)
+    else:
+        change, scope = CACHE[what]
+        held = [t for job in plan.jobs for t in job.plane.leaves]  # the tensors the plan copies through
+        own = data.draw(st.booleans())  # one of them, or the caller's (detection may have re-viewed it)
+        target = data.draw(st.sampled_from(held if own else flatten(case.kv)))
+        storage = target.untyped_storage()._cdata
+        moves = (scope == "tensor" and any(target is t for t in held)) or (
+            scope == "storage" and any(t.untyped_storage()._cdata == storage for t in held)
+        )
+        change(target)
+    cache = [readable(t) for t in flatten(kv) + flatten(case.kv)]
+    before = [readable(c) for c in chunks]
+    load = data.draw(st.booleans())
+    try:
+        (plan.load_blocks if load else plan.store_blocks)(ids, chunks, num_threads=data.draw(st.sampled_from([1, 2])))
+    except (KVLayoutError, TypeError) as e:
+        assert isinstance(e, TransferError), e
+        for old, t in zip(cache + before, flatten(kv) + flatten(case.kv) + chunks):
+            now = readable(t)
+            assert old is None or now is None or torch.equal(old.view(torch.uint8), now.view(torch.uint8)), what
+        return
+    assert not moves, f"{what}: a call through memory the plan no longer holds did not raise"
+
+
+fuzz()
+print("done")
+"""
+
+
+def test_memoryless_chunks_and_caches_changed_after_prepare_never_crash() -> None:
+    """Random registrations whose cache is re-allocated in place after prepare (storage
+    freed or regrown, ``t.data`` swapped, ``set_``, ``resize_``; the plan's own tensor or
+    the caller's), or whose chunks have no memory (fake, freed, shrunk): every call that
+    would copy through memory the plan does not hold raises a ``TransferError`` and
+    changes no byte. In a subprocess: without the checks these calls crash the process."""
+    done = subprocess.run(
+        [sys.executable, "-c", MEMORY_FUZZ.replace("EXAMPLES", "120")],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "done", done.stderr[-3000:]
 
 
 # -- the vLLM integration with duck-typed configs ------------------------------------------------

@@ -6,6 +6,7 @@ catch ``ValueError`` (as LMCache's do) keep working.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Sequence
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "LayoutSyntaxError",
     "SizeError",
     "TransferError",
+    "as_int",
     "index_ranges",
     "or_list",
 ]
@@ -23,6 +25,20 @@ __all__ = [
 
 class KVLayoutError(ValueError):
     """Base of every error kvlayout raises about a layout, a format or a KV cache."""
+
+
+def as_int(value: object, what: str) -> int:
+    """``value`` as an int: anything ``operator.index`` takes (NumPy and torch integers
+    too), never a bool; a ``TypeError`` naming ``what`` otherwise. Every int kvlayout
+    takes from a caller goes through here."""
+    if type(value) is int:
+        return value
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            pass
+    raise TypeError(f"{what} must be an int, not {type(value).__name__} ({value!r})")
 
 
 def or_list(values: Sequence[object]) -> str:

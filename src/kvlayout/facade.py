@@ -25,7 +25,7 @@ from kvlayout.detection.discovery import (
     normalize_and_discover_per_layer_formats,
     normalize_kv_and_discover_format,
 )
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.layout import algebra
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view, dim0_padding
@@ -316,8 +316,8 @@ def group_layers_by_identity(
     if per_layer_engine_group_idx is None:
         engine_groups = reg.engine_groups
     else:
-        for i, group in enumerate(per_layer_engine_group_idx):
-            if isinstance(group, bool) or not isinstance(group, int):
-                raise TypeError(f"per_layer_engine_group_idx[{i}] is {group!r}, not an int")
-        engine_groups = tuple(per_layer_engine_group_idx)
+        engine_groups = tuple(
+            as_int(group, f"per_layer_engine_group_idx[{i}]")
+            for i, group in enumerate(per_layer_engine_group_idx)
+        )
     return [(g.identity, list(g.layers)) for g in reg.group_by(engine_groups)]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Literal, Union
 
 from kvlayout._generated.engines import ENGINE_LABELS, EngineType
-from kvlayout.errors import DescriptionError, KVLayoutError
+from kvlayout.errors import DescriptionError, KVLayoutError, as_int
 from kvlayout.layout.vocabulary import HND_KV_LAYOUTS, KV_LAYOUT_NAMES, Role, kv_layout_axes, transferable
 
 if TYPE_CHECKING:
@@ -166,10 +166,7 @@ class LayoutHints:
         if self.layout_format is not None:
             _layout_format(self.layout_format)
         if self.kv_pair_axis is not None:
-            if isinstance(self.kv_pair_axis, bool) or not isinstance(self.kv_pair_axis, int):
-                raise TypeError(
-                    f"layout hint kv_pair_axis must be an int, not {type(self.kv_pair_axis).__name__}"
-                )
+            object.__setattr__(self, "kv_pair_axis", as_int(self.kv_pair_axis, "layout hint kv_pair_axis"))
             if self.kv_pair_axis not in (0, 1):
                 raise LayoutHintError(
                     f"layout hint kv_pair_axis must be 0 (K/V first, [2, NB, ...]) or 1 "

@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import re
+import resource
+import subprocess
+import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+import torch
 
+import kvlayout
 from kvlayout import EngineKVFormat
 from kvlayout.tools.cli import main
 
@@ -254,3 +260,103 @@ def test_max_from_the_command_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "    geometry   block_size 16, heads 8, head_size 128, kv_size 2, torch.bfloat16" in out
     code, out, _ = run(capsys, "formats")
     assert "kv=KV" in out.splitlines()[20]  # after the header row
+
+
+def test_explain_svg_to_a_path_that_cannot_be_written_exits_2_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    code, out, err = run(capsys, "explain", "1", "--svg", str(tmp_path / "missing" / "block.svg"))
+    assert code == 2 and out == ""
+    assert (
+        err
+        == f"kvlayout: --svg {tmp_path / 'missing' / 'block.svg'}: cannot write it (No such file or directory)\n"
+    )
+    code, _, err = run(capsys, "explain", "1", "--svg", str(tmp_path))  # a directory
+    assert code == 2 and "cannot write it (Is a directory)" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["1", "--sizes", "NB=4,BS=2,NH=2,HS=4", "--block-stride", "200"],
+         "NL_X_TWO_NB_BS_NH_HS: dim 0 is not the block axis, so a block stride cannot apply"),
+        (["19", "--sizes", "KV=2,NL=2,NB=4,BS=2,NH=2,HS=4", "--block-stride", "5"],
+         "NB_KV_NL_BS_NH_HS: block stride 5 is smaller than a block's 64 elements (blocks would overlap)"),
+        (["19", "--block-stride", "500"],
+         "a block stride of 500 is checked against a block's elements, so it needs the block's sizes"),
+    ],
+)  # fmt: skip
+def test_describe_checks_the_block_stride_as_the_descriptor_does(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    code, _, err = run(capsys, "describe", *args)
+    assert code == 2 and message in err and err.count("\n") == 1
+    kv = [torch.zeros(2, 4, 2, 2, 4)]
+    fmt, normalized = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})
+    if args[0] == "1":  # the descriptor refuses the same stride with the same words
+        with pytest.raises(kvlayout.KVLayoutError, match=re.escape(message)):
+            kvlayout.make_page_buffer_shape_desc(normalized, fmt, 0, 1, 4, 2, 200)
+
+
+def test_describe_takes_a_block_stride_no_smaller_than_a_block(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "describe", "19", "--sizes", "KV=2,NL=2,NB=4,BS=2,NH=2,HS=4", "--block-stride", "64"
+    )
+    assert code == 0 and json.loads(out)["dim_strides"] == {"0": 64}
+
+
+def test_fp8_e5m2_is_a_dtype(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "explain", "1", "--dtype", "fp8_e5m2")
+    assert code == 0 and "1024 elements per token (1024 bytes of fp8_e5m2)" in out
+    code, out, _ = run(
+        capsys, "detect", "--engine", "vllm", "--shape", "2x[2,7,16,8,128]", "--dtype", "fp8_e5m2"
+    )
+    assert code == 0 and "torch.float8_e5m2" in out
+
+
+@pytest.mark.parametrize(
+    ("sizes", "message"),
+    [
+        ("NB=99999999999999999999999", "--sizes 'NB=99999999999999999999999': a size is at most 2**31 - 1 = 2147483647"),
+        ("NB=2147483648", "a size is at most 2**31 - 1"),
+        ("NB=2147483647,BS=2147483647,NH=2147483647,HS=128",
+         "--sizes make a NL_X_TWO_NB_BS_NH_HS tensor of 2535301196914683942490439941888 elements, more than "
+         "int64 offsets address (2**63 - 1)"),
+    ],
+)  # fmt: skip
+def test_absurd_sizes_are_refused(capsys: pytest.CaptureFixture[str], sizes: str, message: str) -> None:
+    for command in ("explain", "describe"):
+        code, _, err = run(capsys, command, "1", "--sizes", sizes)
+        assert code == 2 and message in err and "Traceback" not in err
+
+
+def test_a_table_of_two_billion_pointers_is_explained_without_building_it() -> None:
+    """NL=2147483647 used to build every pointer path (minutes, then the OOM killer). In a
+    subprocess with 4 GiB of address space, so code that builds them fails fast."""
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    done = subprocess.run(
+        [sys.executable, "-m", "kvlayout", "explain", "1", "--sizes", f"NL={2**31 - 1}"],
+        capture_output=True, text=True, timeout=120, check=False, preexec_fn=limit_memory,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "(NL=3), ... (2147483643 more)" in done.stdout
+    assert kvlayout.layout_of(1).pointer_order({"NL": 10**9}, limit=2) == [(0,), (1,)]
+
+
+def test_a_picture_of_too_many_rows_is_refused(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    code, _, err = run(capsys, "explain", "1", "--sizes", "BS=100000", "--svg", str(tmp_path / "b.svg"))
+    assert code == 2 and "these sizes make 400000 rows (at most 4096)" in err
+    assert not (tmp_path / "b.svg").exists()
+
+
+def test_detect_refuses_an_empty_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    """NB=0 used to detect (a cache with no blocks, which no engine registers)."""
+    code, out, err = run(capsys, "detect", "--engine", "vllm", "--shape", "32x[2,0,16,8,128]")
+    assert code == 2 and out == ""
+    assert err == (
+        "kvlayout: --shape 32x[2,0,16,8,128]: [2, 0, 16, 8, 128] has a dim of size 0 (dim 1); a KV cache "
+        "tensor is never empty (an engine never registers a cache without blocks, tokens or heads)\n"
+    )

@@ -7,6 +7,8 @@ machine. The kernels' decomposition and unit choice are tested on the host every
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat
-from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
+from kvlayout.transfer import TransferError, chunk_shape, load_blocks, prepare, store_blocks
 from tests.transfer.registrations import make_registration
 from tests.transfer.test_transfer import NBBS, cases, chunks_for, geometry
 
@@ -64,3 +66,36 @@ def test_cuda_store_and_load_equal_the_cpu_engine(
     torch.cuda.synchronize()
     for a, b in zip(cpu.bases, gpu.bases, strict=True):
         assert torch.equal(a, b.cpu())
+
+
+def _cuda_plan() -> tuple[list[torch.Tensor], Any, list[torch.Tensor]]:
+    kv = [torch.randn(2, 16, 4, 2, 16, device="cuda") for _ in range(2)]
+    fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})
+    plan = prepare(reg, fmt)
+    return kv, plan, plan.chunks_for(4, 16)
+
+
+@needs_gpu
+def test_a_cuda_call_runs_on_the_current_stream_and_returns_before_the_bytes_move() -> None:
+    """What the README says: the copy is queued on the current stream; num_threads is
+    ignored; block ids are read during the call."""
+    kv, plan, chunks = _cuda_plan()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # type: ignore[no-untyped-call]  # the stream is busy a while
+        plan.store_blocks([3, 1, 2, 0], chunks, num_threads=1000)
+        assert not side.query()  # returned with the copy still queued behind the sleep
+    side.synchronize()
+    assert torch.equal(chunks[0][1, 0, :4], kv[0][1, 3].reshape(4, 32))
+
+
+@needs_gpu
+def test_cuda_chunks_must_be_on_the_cache_s_device_and_the_cache_where_it_was() -> None:
+    kv, plan, chunks = _cuda_plan()
+    with pytest.raises(TransferError, match=r"chunks\[0\] is on cpu; the cache is on cuda"):
+        plan.store_blocks([0, 1, 2, 3], [c.cpu() for c in chunks])
+    kv[1].data = torch.randn(2, 16, 4, 2, 16, device="cuda")
+    with pytest.raises(
+        TransferError, match=r"kv_caches\[1\] was re-allocated .* detect the registration again"
+    ):
+        plan.store_blocks([0, 1, 2, 3], chunks)

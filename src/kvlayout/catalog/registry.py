@@ -11,7 +11,7 @@ from typing import Any
 from kvlayout._generated.formats import FORMAT_INFO, EngineKVFormat, FormatInfo
 from kvlayout._generated.specs import SPEC_CLASSES
 from kvlayout.catalog.spec import KVFormatSpec
-from kvlayout.layout.formats import FormatLike, as_format, layout_of
+from kvlayout.layout.formats import FormatLike, as_format, is_one_format, layout_of
 from kvlayout.types import ENGINE_LABELS, EngineType
 
 __all__ = [
@@ -22,6 +22,7 @@ __all__ = [
     "describe_shape",
     "get_spec",
     "get_spec_class",
+    "is_one_format",
     "layout_of",
 ]
 

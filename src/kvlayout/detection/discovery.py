@@ -14,6 +14,7 @@ import operator
 from collections.abc import Hashable, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
@@ -26,6 +27,7 @@ from kvlayout.registration.contiguity import (
     attempt_permute_to_contiguous_view,
     physical_entries,
 )
+from kvlayout.registration.memory import first_without_memory
 from kvlayout.registration.nesting import first_leaf, leaves, not_a_kv_cache
 from kvlayout.registration.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
 from kvlayout.types import (
@@ -124,11 +126,21 @@ def _discover(
     detector = get_detector(engine)
     normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)
     trusted = normalized is not None
+
+    def run(candidate: Any) -> tuple[EngineKVFormat, Any]:
+        try:
+            return detector(candidate, hints)
+        except RuntimeError:  # a detector's re-view checks the storage: say which tensor has none
+            problem = first_without_memory(candidate, "kv_caches")
+            if problem is None:
+                raise
+            raise DetectionError(problem) from None
+
     try:
         if normalized is None:
             normalized = _physical(kv)
             validate(normalized)
-        fmt, out = detector(normalized, hints)
+        fmt, out = run(normalized)
     except DetectionError as refused:
         if trusted:  # no size-1 dims to place otherwise
             raise
@@ -137,7 +149,7 @@ def _discover(
             if _same_views(retry, normalized):
                 raise refused
             validate(retry)
-            fmt, out = detector(retry, hints)
+            fmt, out = run(retry)
         except (KVLayoutError, TypeError):
             raise refused from None
         normalized = retry
@@ -373,7 +385,7 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
     owner: dict[int, int] = {}
     out: list[list[int]] = []
     for g, group in enumerate(layer_index_groups):
-        if isinstance(group, (str, bytes)) or not isinstance(group, (Sequence, range)):
+        if not _is_index_list(group):
             raise TypeError(
                 f"layer_index_groups[{g}] is a {type(group).__name__}, not a sequence of layer indices"
             )
@@ -382,7 +394,7 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
             if isinstance(raw, bool):
                 raise TypeError(f"layer_index_groups[{g}] holds {raw!r}, not a layer index")
             try:
-                i = operator.index(raw)
+                i = operator.index(raw)  # NumPy and torch integers too
             except TypeError:
                 raise TypeError(f"layer_index_groups[{g}] holds {raw!r}, not a layer index") from None
             if not 0 <= i < n:
@@ -397,6 +409,13 @@ def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: st
             idxs.append(i)
         out.append(idxs)
     return out
+
+
+def _is_index_list(group: object) -> bool:
+    """A sequence of layer indices: a list, tuple or range, or a 1-D NumPy or torch array."""
+    if isinstance(group, (np.ndarray, torch.Tensor)):
+        return group.ndim == 1
+    return isinstance(group, (Sequence, range)) and not isinstance(group, (str, bytes))
 
 
 def _check_one_device(views: dict[int, Any]) -> None:

@@ -18,12 +18,13 @@ A run of region tokens (``BSV_BSS``) is one mode that concatenates its regions: 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NoReturn
 
-from kvlayout.errors import SizeError, or_list
+from kvlayout.errors import SizeError, as_int, or_list
 from kvlayout.layout.vocabulary import Role, Token
 
 if TYPE_CHECKING:
@@ -306,7 +307,12 @@ def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
         for key in (t.name, t.label):
             if key is not None and key in sizes:
                 value = sizes[key]
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                if type(value) is not int:  # NumPy and torch integers too, never a bool
+                    try:
+                        value = as_int(value, key)
+                    except TypeError:
+                        raise SizeError(f"{layout}: size {key}={value!r} is not a non-negative int") from None
+                if value < 0:
                     raise SizeError(f"{layout}: size {key}={value!r} is not a non-negative int")
                 if t.choices and value not in t.choices:
                     raise SizeError(f"{layout}: size {key}={value} is not one of {or_list(t.choices)}")
@@ -644,9 +650,13 @@ def tensor_index(layout: Layout, coord: Coord, sizes: Mapping[str, int]) -> tupl
 
 
 def pointer_order(
-    layout: Layout, sizes: Mapping[str, int], layer_indices: Sequence[int] | None = None
+    layout: Layout,
+    sizes: Mapping[str, int],
+    layer_indices: Sequence[int] | None = None,
+    limit: int | None = None,
 ) -> list[tuple[int, ...]]:
-    """The pointer table: one list-level index path per pointer, in table order.
+    """The pointer table: one list-level index path per pointer, in table order (its first
+    ``limit`` entries if given: a table of any size costs only what is read).
 
     Levels vary row-major (outermost slowest), the layer level over ``layer_indices``:
     ``[K layers, V layers]`` gives all K then all V; per-layer tuples interleave.
@@ -658,7 +668,7 @@ def pointer_order(
             ranges.append(list(layer_indices))
         else:
             ranges.append(range(_evaluate(layout, level.extent, s)))
-    return [tuple(p) for p in _product(ranges)]
+    return [tuple(p) for p in itertools.islice(_product(ranges), limit)]
 
 
 def _product(ranges: Sequence[Sequence[int]]) -> Iterator[list[int]]:

@@ -249,9 +249,9 @@ class Layout:
         return algebra.offset(self, coord, sizes, block_stride)
 
     def pointer_order(
-        self, sizes: Mapping[str, int], layer_indices: Sequence[int] | None = None
+        self, sizes: Mapping[str, int], layer_indices: Sequence[int] | None = None, limit: int | None = None
     ) -> list[tuple[int, ...]]:
-        return algebra.pointer_order(self, sizes, layer_indices)
+        return algebra.pointer_order(self, sizes, layer_indices, limit)
 
     def copy_plan(self, sizes: Mapping[str, int], chunk_row: int | None = None) -> algebra.CopyPlan:
         return algebra.copy_plan(self, sizes, chunk_row)

@@ -25,13 +25,15 @@ from __future__ import annotations
 
 import enum
 import math
+import numbers
+import operator
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from kvlayout.errors import DescriptionError
+from kvlayout.errors import DescriptionError, SizeError, as_int
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import FACTS, Layout
 from kvlayout.layout.vocabulary import (
@@ -225,8 +227,13 @@ class LayoutDescription:
             raise DescriptionError(
                 f"a block stride needs the blocks on a plain dim of their own, not {where}"
             )
-        if isinstance(block_stride, bool) or not isinstance(block_stride, int) or block_stride < 0:
+        if (
+            isinstance(block_stride, bool)
+            or not isinstance(block_stride, numbers.Integral)
+            or block_stride < 0
+        ):
             raise DescriptionError(f"a block stride is a non-negative int, got {block_stride!r}")
+        block_stride = operator.index(block_stride)
         strides = {k: v for k, v in self.dim_strides.items() if k != b}
         if block_stride:
             strides[b] = block_stride
@@ -434,7 +441,7 @@ def _validate(d: LayoutDescription) -> None:
     for a, n in d.extents.items():
         if not isinstance(a, Axis):
             raise DescriptionError(f"extents key {a!r} is not an Axis")
-        if isinstance(n, bool) or not isinstance(n, int) or n <= 0:
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n <= 0:  # NumPy integers too
             raise DescriptionError(f"extent of {a.value} must be a positive int, got {n!r}")
 
 
@@ -494,7 +501,10 @@ def describe(
     """The description of a format (enum, value or name) or a parsed layout.
 
     ``sizes`` (token names, as everywhere) fill in the extents; ``block_stride`` (elements
-    between blocks of dim 0) overrides the block dim's stride when it is not tight.
+    between blocks of dim 0) overrides the block dim's stride when it is not tight. It is
+    checked as ``make_page_buffer_shape_desc`` checks one: only a layout whose dim 0 is
+    its block axis takes it, and never smaller than a block (so ``sizes`` must give every
+    size of a block).
     """
     if isinstance(layout, str) and not _known(layout):
         from kvlayout.layout.parser import parse
@@ -534,7 +544,30 @@ def describe(
         storage_dtype=storage_dtype or ("uint8" if regions else ""),
         name=str(layout),
     )
-    return desc.with_block_stride(block_stride) if block_stride else desc
+    return (
+        desc.with_block_stride(_checked_block_stride(layout, sizes, block_stride)) if block_stride else desc
+    )
+
+
+def _checked_block_stride(layout: Layout, sizes: Mapping[str, int] | None, block_stride: object) -> int:
+    """The algebra's checks of a caller's block stride (those the binder applies)."""
+    stride = as_int(block_stride, "block_stride")
+    if stride < 0:
+        raise DescriptionError(f"a block stride is a non-negative int, got {stride}")
+    if not layout.has_leading_block_axis:
+        raise DescriptionError(f"{layout}: dim 0 is not the block axis, so a block stride cannot apply")
+    try:
+        algebra.tensor_strides(layout, sizes or {})
+    except SizeError as exc:
+        raise DescriptionError(
+            f"a block stride of {stride} is checked against a block's elements, so it needs the block's "
+            f"sizes: {exc}"
+        ) from None
+    try:
+        algebra.tensor_strides(layout, sizes or {}, stride)
+    except SizeError as exc:
+        raise DescriptionError(str(exc)) from None
+    return stride
 
 
 def _known(name: str) -> bool:

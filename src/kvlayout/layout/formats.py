@@ -8,14 +8,25 @@ and the catalog alike.
 
 from __future__ import annotations
 
+import numbers
+import operator
+
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout.ast import Layout
 
-__all__ = ["FormatLike", "as_format", "layout_of"]
+__all__ = ["FormatLike", "as_format", "is_one_format", "layout_of"]
 
 FormatLike = EngineKVFormat | int | str
-"""A format as the enum, its integer value, or its name."""
+"""A format as the enum, its integer value (a NumPy integer too), or its name."""
+
+
+def is_one_format(value: object) -> bool:
+    """A single format (not a per-layer sequence of them): the enum, a name or an integer
+    (NumPy's and torch's 0-d ones too)."""
+    if isinstance(value, (EngineKVFormat, str, numbers.Integral)):
+        return True
+    return hasattr(type(value), "__index__") and getattr(value, "ndim", 0) == 0
 
 
 def as_format(fmt: FormatLike) -> EngineKVFormat:
@@ -24,12 +35,6 @@ def as_format(fmt: FormatLike) -> EngineKVFormat:
         return fmt
     if isinstance(fmt, bool):
         raise KVLayoutError(f"{fmt!r} is not an engine KV format")
-    if isinstance(fmt, int):
-        try:
-            return EngineKVFormat(fmt)
-        except ValueError:
-            values = ", ".join(str(int(f)) for f in EngineKVFormat)
-            raise KVLayoutError(f"unknown engine KV format value {fmt} (known values: {values})") from None
     if isinstance(fmt, str):
         member = EngineKVFormat.__members__.get(fmt)
         if member is None:
@@ -38,7 +43,17 @@ def as_format(fmt: FormatLike) -> EngineKVFormat:
                 "but only the formats of layouts.yaml have a value"
             )
         return member
-    raise KVLayoutError(f"an engine KV format is an EngineKVFormat, int or str, not {type(fmt).__name__}")
+    try:
+        value = operator.index(fmt)  # NumPy and torch integers too
+    except TypeError:
+        raise KVLayoutError(
+            f"an engine KV format is an EngineKVFormat, int or str, not {type(fmt).__name__}"
+        ) from None
+    try:
+        return EngineKVFormat(value)
+    except ValueError:
+        values = ", ".join(str(int(f)) for f in EngineKVFormat)
+        raise KVLayoutError(f"unknown engine KV format value {value} (known values: {values})") from None
 
 
 def layout_of(fmt: FormatLike) -> Layout:

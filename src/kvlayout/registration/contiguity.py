@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from kvlayout.errors import KVLayoutError
+from kvlayout.registration.backing import no_memory
 from kvlayout.registration.nesting import LocatedError, Path, map_leaves, not_strided
 from kvlayout.types import DiscoverableKVCache
 
@@ -199,7 +200,13 @@ def _view_in(t: torch.Tensor, perm: list[int], contiguous: bool | None = None) -
     """``t`` permuted to ``perm``; contiguous or dim-0 padded, else rejected."""
     view = t
     if perm != list(range(t.dim())):
-        view = t.permute(perm)
+        try:
+            view = t.permute(perm)
+        except RuntimeError:  # a view checks its storage: a tensor without memory fails here
+            problem = no_memory(t)
+            if problem is None:
+                raise
+            raise LocatedError(KVLayoutError, f"{problem}; a KV cache tensor needs its memory") from None
         contiguous = None
     if contiguous or (contiguous is None and view.is_contiguous()):
         return view

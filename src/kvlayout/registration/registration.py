@@ -19,19 +19,18 @@ memory once, from the first layer's slot.
 
 from __future__ import annotations
 
-import operator
 import weakref
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 import torch
 
 from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.catalog.registry import FormatLike, as_format, backend_label, get_spec
+from kvlayout.catalog.registry import FormatLike, as_format, backend_label, get_spec, is_one_format
 from kvlayout.catalog.spec import UndefinedSizeError
-from kvlayout.errors import KVLayoutError, index_ranges
+from kvlayout.errors import KVLayoutError, as_int, index_ranges
 from kvlayout.layout.algebra import level_of, with_size
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
@@ -45,7 +44,7 @@ from kvlayout.registration.binding import (
     check_block_stride,
     tight_block,
 )
-from kvlayout.registration.memory import Run, apart, check_disjoint, memory_keys, run_of
+from kvlayout.registration.memory import Run, apart, backed_pointers, check_disjoint, memory_keys, run_of
 from kvlayout.registration.nesting import Path, describe_path, first_leaf
 from kvlayout.types import EngineType
 
@@ -441,11 +440,10 @@ def _undefined(fmt: EngineKVFormat, accessor: str) -> UndefinedSizeError:
 
 
 def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, not {type(value).__name__}")
-    if value < minimum:
-        raise KVLayoutError(f"{name} must be >= {minimum}, got {value}")
-    return value
+    number = as_int(value, name)
+    if number < minimum:
+        raise KVLayoutError(f"{name} must be >= {minimum}, got {number}")
+    return number
 
 
 # -- the registration -------------------------------------------------------------------------
@@ -558,12 +556,7 @@ class Registration:
     def group(self, layer_idx: int = 0, fmt: FormatLike | None = None) -> KernelGroup:
         """The kernel group holding a layer; ``fmt``, if given, must be the layer's format."""
         if type(layer_idx) is not int:
-            if isinstance(layer_idx, bool):
-                raise TypeError("layer_idx must be an int, not bool")
-            try:
-                layer_idx = operator.index(layer_idx)
-            except TypeError:
-                raise TypeError(f"layer_idx must be an int, not {type(layer_idx).__name__}") from None
+            layer_idx = as_int(layer_idx, "layer_idx")
         if not 0 <= layer_idx < self.num_layers:
             raise RegistrationError(f"layer {layer_idx} is out of range for {self.num_layers} layers")
         group = self._group_of[layer_idx]
@@ -686,7 +679,7 @@ class Registration:
         if self._shared is not None:
             b, kv = self._shared, self.kv
             for p, shape in enumerate(b.shapes):
-                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes)))
+                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes), self.root))
             ptrs = self._shared_ptrs(layers)
         else:
             table = self._layers
@@ -695,7 +688,8 @@ class Registration:
             kv = list(self.kv) if len(layers) == len(self.kv) else [self.kv[i] for i in layers]
             for p, shape in enumerate(b.shapes):
                 sizes = with_size(LAYOUTS[b.format], shape.sizes, Role.LAYER, len(layers))
-                planes.append(_plane(shape, table.leaves(self.kv, layers, p), table.paths(layers, p), sizes))
+                leaves = table.leaves(self.kv, layers, p)
+                planes.append(_plane(shape, leaves, table.paths(layers, p), sizes, self.root))
             ptrs = _interleave([p.data_ptrs for p in planes], len(layers))
         geometry = _geometry(kv, b)
         return KernelGroup(
@@ -724,6 +718,7 @@ class Registration:
             g = self._group_of[layers[0]]
             if g is not None and g.layers == layers and (want is None or g.format is want):
                 return list(g.data_ptrs)  # a whole kernel group: its table as built
+        layers = tuple(as_int(i, f"layer_indices[{k}]") for k, i in enumerate(layers))  # torch ints too
         for i in layers:
             self.group(i, want)
         if self._shared is not None:
@@ -751,9 +746,13 @@ _GEOMETRIES: dict[tuple[object, ...], Geometry] = {}
 
 
 def _plane(
-    shape: PlaneShape, leaves: tuple[torch.Tensor, ...], paths: Sequence[Path], sizes: dict[str, int]
+    shape: PlaneShape,
+    leaves: tuple[torch.Tensor, ...],
+    paths: Sequence[Path],
+    sizes: dict[str, int],
+    root: str,
 ) -> Plane:
-    pointers = tuple(t.data_ptr() for t in leaves)
+    pointers = backed_pointers(leaves, paths, root, RegistrationError)  # memory behind every view
     return Plane(leaves, paths, shape.shape, sizes, shape.block_stride, shape.dtype, shape.device, pointers)
 
 
@@ -806,11 +805,11 @@ def bind(
     Raises :class:`RegistrationError` naming the tensor for anything the format cannot
     describe, and when two tensors of one engine group overlap in memory.
     """
-    if isinstance(formats, (EngineKVFormat, int, str)):
+    if is_one_format(formats):
         per_layer: list[EngineKVFormat | None] | None = None
-        present = {as_format(formats)}
+        present = {as_format(cast(FormatLike, formats))}
     else:
-        per_layer = [None if f is None else as_format(f) for f in formats]
+        per_layer = [None if f is None else as_format(f) for f in cast(Sequence[FormatLike | None], formats)]
         present = {f for f in per_layer if f is not None}
         if not present:
             raise RegistrationError("no layer has a format")

@@ -19,7 +19,14 @@ from kvlayout.errors import KVLayoutError, index_ranges
 if TYPE_CHECKING:
     from kvlayout.layout.ast import Layout
 
-__all__ = ["main", "parse_sizes"]
+__all__ = ["MAX_SIZE", "main", "parse_sizes"]
+
+MAX_SIZE = 2**31 - 1
+"""The largest size ``--sizes`` takes: far above any engine's axis (a pool holds at most
+tens of millions of blocks or token slots, a model a few hundred layers, a head row a few
+thousand elements), so anything larger is a mistake, not a cache. The tensor the sizes
+make must also have at most 2**63 - 1 elements: the generated indexers compute int64
+element offsets."""
 
 
 def parse_sizes(text: str) -> dict[str, int]:
@@ -38,7 +45,30 @@ def parse_sizes(text: str) -> dict[str, int]:
             raise KVLayoutError(
                 f"--sizes {key.strip()!r} is not a size token; sizes are {', '.join(sorted(known))}"
             )
+        if int(value) > MAX_SIZE:
+            raise KVLayoutError(
+                f"--sizes {item!r}: a size is at most 2**31 - 1 = {MAX_SIZE} (no KV cache axis comes near)"
+            )
         sizes[key.strip()] = int(value)
+    return sizes
+
+
+def _addressable(layout: Layout, sizes: dict[str, int]) -> dict[str, int]:
+    """``sizes``, unless the tensor they make has more elements than int64 offsets reach."""
+    import math
+
+    from kvlayout.errors import SizeError
+    from kvlayout.layout import algebra
+
+    try:
+        elements = math.prod(algebra.tensor_shape(layout, sizes))
+    except SizeError:  # sizes left out: nothing to count yet
+        return sizes
+    if elements > 2**63 - 1:
+        raise KVLayoutError(
+            f"--sizes make a {layout} tensor of {elements} elements, more than int64 offsets address "
+            "(2**63 - 1)"
+        )
     return sizes
 
 
@@ -92,15 +122,21 @@ def cmd_explain(args: argparse.Namespace) -> int:
     layout = _format_arg(args.format)
     if args.dtype not in DTYPE_BYTES:
         raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-    sizes = {**LLAMA_3_8B, **parse_sizes(args.sizes)} if args.sizes else LLAMA_3_8B
+    sizes = _addressable(layout, {**LLAMA_3_8B, **parse_sizes(args.sizes)})
     if args.json:
         print(json.dumps(Explanation(layout, sizes, args.dtype).data(), indent=2))
         return 0
-    print(explain(layout, sizes, args.dtype))
-    if args.svg:
+    picture = None
+    if args.svg:  # drawn and written first: a path that cannot be written prints nothing else
         small = {**example_sizes(small=True), **parse_sizes(args.sizes)}  # one block, cell by cell
-        with open(args.svg, "w") as f:
-            f.write(block_svg(layout, small))
+        picture = block_svg(layout, small)
+        try:
+            with open(args.svg, "w") as f:
+                f.write(picture)
+        except OSError as e:
+            raise KVLayoutError(f"--svg {args.svg}: cannot write it ({e.strerror or e})") from None
+    print(explain(layout, sizes, args.dtype))
+    if picture is not None:
         print(f"  picture        {args.svg} (one block, sizes {small})")
     return 0
 
@@ -112,7 +148,7 @@ def cmd_describe(args: argparse.Namespace) -> int:
     from kvlayout.layout.description import describe
 
     layout = _format_arg(args.format)
-    sizes = parse_sizes(args.sizes) if args.sizes else None
+    sizes = _addressable(layout, parse_sizes(args.sizes)) if args.sizes else None
     desc = describe(layout, sizes, block_stride=args.block_stride)
     print(json.dumps(desc.to_dict(), indent=2))
     return 0
@@ -143,7 +179,7 @@ def cmd_codegen(args: argparse.Namespace) -> int:
 
 _DTYPES = {
     "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn",
-    "uint8": "uint8", "int8": "int8",
+    "fp8_e5m2": "float8_e5m2", "uint8": "uint8", "int8": "int8",
 }  # fmt: skip
 
 
@@ -202,6 +238,13 @@ def cmd_detect(args: argparse.Namespace) -> int:
         children = [build(c) for c in node]  # type: ignore[attr-defined]
         return tuple(children) if isinstance(node, tuple) else children
 
+    for leaf in spec.leaves():
+        if 0 in leaf:
+            raise KVLayoutError(
+                f"--shape {spec.text}: {_shape_text(leaf)} has a dim of size 0 (dim {list(leaf).index(0)}); "
+                "a KV cache tensor is never empty (an engine never registers a cache without blocks, "
+                "tokens or heads)"
+            )
     kv: Any = build(spec.root)
     for sharer, target in _shares(args.share, kv):
         kv[sharer] = kv[target]  # vLLM's cross-layer KV sharing: the target's tensor, registered again
@@ -328,7 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("format", help="a format value (1), name (NL_X_TWO_NB_BS_NH_HS) or any layout name")
     p.add_argument("--sizes", default="", help="sizes to use, e.g. NL=32,NB=2048,BS=16,NH=8,HS=128")
     p.add_argument(
-        "--dtype", default="bf16", help="element type for byte counts: bf16, fp16, fp32, fp8, uint8"
+        "--dtype", default="bf16", help="element type for byte counts: bf16, fp16, fp32, fp8, fp8_e5m2, uint8"
     )
     p.add_argument(
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"

@@ -6,6 +6,7 @@ generated indexers compute, the numbers are the algebra's for the given sizes.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +39,7 @@ LLAMA_3_8B: dict[str, int] = example_sizes()
 
 DTYPE_BYTES: dict[str, int] = {
     "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
-    "fp8": 1, "float8_e4m3fn": 1, "uint8": 1, "int8": 1,
+    "fp8": 1, "float8_e4m3fn": 1, "fp8_e5m2": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1,
 }  # fmt: skip
 
 
@@ -101,7 +102,7 @@ class Explanation:
         elsize = DTYPE_BYTES[self.dtype]
         s = algebra.resolve_sizes(layout, self.sizes)
         shape = layout.tensor_shape(s)
-        pointers = layout.pointer_order(s)
+        first = layout.pointer_order(s, limit=4)  # a table of millions costs nothing to explain
         heads, head = layout.num_heads(s), layout.head_size(s)
         row = heads * head
         kv_size = algebra.kv_size(layout, s)
@@ -116,8 +117,8 @@ class Explanation:
             "concrete": [*layout.list_shape(s), list(shape)],
             "leaf_shape": list(shape),
             "leaf_strides": list(layout.tensor_strides(s)),
-            "pointers": len(pointers),
-            "pointer_order": [list(p) for p in pointers[:4]],
+            "pointers": math.prod(layout.list_shape(s)),
+            "pointer_order": [list(p) for p in first],
             "kv_size": kv_size,
             "num_heads": heads,
             "head_size": head,
@@ -142,7 +143,7 @@ class Explanation:
         d = self.data()
         layout = self.layout
         concrete = " x ".join(str(part) for part in d["concrete"])
-        words = _pointer_words(layout, layout.pointer_order(d["sizes"]))
+        words = _pointer_words(layout, d["pointer_order"], d["pointers"])
         sizes = ", ".join(f"{k}={v}" for k, v in d["sizes"].items())
         out = [
             f"{layout}",
@@ -174,14 +175,12 @@ class Explanation:
         return out
 
 
-def _pointer_words(layout: Layout, pointers: list[tuple[int, ...]]) -> str:
+def _pointer_words(layout: Layout, first: list[list[int]], count: int) -> str:
     if not layout.lists:
         return "one base pointer (layers are walked inside the tensor)"
     names = [lv.name for lv in layout.lists]
-    shown = ", ".join(
-        "(" + ", ".join(f"{n}={i}" for n, i in zip(names, p, strict=True)) + ")" for p in pointers[:4]
-    )
-    more = f", ... ({len(pointers) - 4} more)" if len(pointers) > 4 else ""
+    shown = ", ".join("(" + ", ".join(f"{n}={i}" for n, i in zip(names, p, strict=True)) + ")" for p in first)
+    more = f", ... ({count - len(first)} more)" if count > len(first) else ""
     return shown + more
 
 

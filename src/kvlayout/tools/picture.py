@@ -20,6 +20,7 @@ from kvlayout.layout.vocabulary import Role
 __all__ = ["block_svg"]
 
 _CELL_W, _CELL_H, _GAP, _PER_LINE, _MARGIN = 46, 30, 2, 16, 12
+_MAX_CELLS = 4096  # a picture to look at: at most 256 lines of 16 cells
 
 
 def _colour(head: int, heads: int, kv: int, kv_size: int) -> str:
@@ -40,6 +41,11 @@ def block_svg(layout: Layout, sizes: Mapping[str, int]) -> str:
     tokens = layout.size_of(s, Role.TOKEN)
     if tokens is None:
         raise SizeError(f"{layout}: a picture of a block needs a size for {layout.symbol_of(Role.TOKEN)}")
+    if kv_size * tokens * heads > _MAX_CELLS:
+        raise SizeError(
+            f"{layout}: a picture draws one cell per (K/V, token, head) row of a block, and these sizes make "
+            f"{kv_size * tokens * heads} rows (at most {_MAX_CELLS}); give smaller ones"
+        )
     cells: dict[int, list[tuple[int, int, int, int]]] = {}
     for kv in range(kv_size):
         for token in range(tokens):
@@ -50,7 +56,7 @@ def block_svg(layout: Layout, sizes: Mapping[str, int]) -> str:
     parts: list[str] = []
     y = _MARGIN + 52
     names = [lv.name for lv in layout.lists]
-    paths = layout.pointer_order(s)
+    paths = layout.pointer_order(s, limit=max(cells) + 1)  # the strips drawn, not the whole table
     for pointer in sorted(cells):
         path = ", ".join(f"{n}={i}" for n, i in zip(names, paths[pointer], strict=True)) or "one tensor"
         parts.append(

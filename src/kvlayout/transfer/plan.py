@@ -34,8 +34,8 @@ from kvlayout.errors import TransferError
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import run_of
-from kvlayout.registration.nesting import not_strided
+from kvlayout.registration.memory import Placement, memory_problem, no_memory, run_of, view_bytes
+from kvlayout.registration.nesting import describe_path, not_strided
 from kvlayout.registration.registration import KernelGroup, Plane, RegistrationError, bound
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
@@ -43,6 +43,7 @@ __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepa
 _MAX_LOOPS = 4
 _PIECE_FIELDS = 5 + 3 * _MAX_LOOPS
 _STORE, _LOAD = 0, 1
+_MAX_THREADS = _native.max_threads()  # more are capped (the pool never has more)
 
 
 @dataclass(frozen=True)
@@ -108,8 +109,12 @@ class TransferPlan:
     ``store_blocks`` and ``load_blocks`` check only what changes per call: the block ids
     (a 1-D int sequence or tensor, each in range) and the chunks (shape
     ``chunk_shape(T)``, the cache's dtype and device, contiguous, disjoint from each other
-    and from the cache). The plan holds the cache's tensors, so it stays valid while it
-    lives; detect again if the engine re-allocates its cache.
+    and from the cache). The plan holds the cache's tensors (they stay alive while it
+    lives) and copies through the addresses they had when it was made: every call first
+    checks that each tensor still has its data pointer and each storage its address and
+    size, and raises a :class:`TransferError` saying to detect again when the engine has
+    re-allocated its cache in place. A plan is read-only after it is made, so one plan
+    serves calls from many threads at once.
     """
 
     def __init__(self, group: KernelGroup, block_size: int | None) -> None:
@@ -129,6 +134,11 @@ class TransferPlan:
         self.row_bytes = sum(_row_bytes(self.layout, job) for job in self.jobs)
         self.dtype = group.dtype
         self.device = group.device
+        if self.device.type == "meta":
+            raise TransferError(
+                "the cache is meta tensors, which have no memory by design: detection and the facade "
+                "read them, a transfer needs the cache's bytes"
+            )
         itemsize = self.dtype.itemsize
         if self.row_bytes % itemsize:
             raise TransferError(
@@ -144,6 +154,7 @@ class TransferPlan:
         if empty or self.row == 0:
             what = ", ".join(empty) if empty else "a token row of 0 elements"
             raise TransferError(f"{self.format.name}: the cache holds no blocks to move ({what})")
+        self._placement = _placement(group)
         self._extents = _cache_extents(group)
         self._engine: Any = _engine(self)
 
@@ -210,6 +221,12 @@ class TransferPlan:
         self._run(_LOAD, block_ids, chunks, skip_prefix_n_blocks, num_threads)
 
     def _run(self, direction: int, block_ids: Any, chunks: Any, skip: int, threads: int) -> None:
+        moved = self._placement.moved()
+        if moved is not None:
+            raise TransferError(
+                f"{moved} after this plan was prepared; it would copy through the old addresses: "
+                "detect the registration again and prepare a new plan"
+            )
         ids = _block_ids(block_ids)
         self._check_ids(ids)
         ptrs, tokens, per_chunk = self._chunks(chunks, len(ids))
@@ -219,6 +236,7 @@ class TransferPlan:
         threads = _int("num_threads", threads)
         if threads < 1:
             raise TransferError(f"num_threads must be a positive int, got {threads!r}")
+        threads = min(threads, _MAX_THREADS)
         if direction == _LOAD:
             again = _native.first_repeated_block_id(ids, skip, self.num_blocks)
             if again >= 0:
@@ -267,8 +285,17 @@ class TransferPlan:
                 raise TransferError(f"chunks[{i}] is on {c.device}; the cache is on {device}")
             if not c.is_contiguous():
                 raise TransferError(f"chunks[{i}] is not contiguous (strides {list(c.stride())})")
+            if type(c) is not torch.Tensor:  # a subclass (a fake tensor?): before its data pointer
+                problem = no_memory(c)
+                if problem is not None:
+                    raise TransferError(f"chunks[{i}] {problem}")
             start = c.data_ptr()
-            spans.append((start, start + c.numel() * c.element_size(), i))
+            size = c.numel() * c.element_size()
+            if size:
+                problem = memory_problem(c, start, size)
+                if problem is not None:
+                    raise TransferError(f"chunks[{i}] {problem}")
+            spans.append((start, start + size, i))
             tokens.append(int(shape[2]))
         per_chunk = _blocks_per_chunk(tokens, self.block_size, num_blocks)
         self._check_disjoint(spans)
@@ -290,6 +317,30 @@ class TransferPlan:
             k = bisect.bisect_right(starts, lo)
             if (k and ends[k - 1] > lo) or (k < len(starts) and starts[k] < hi):
                 raise TransferError(f"chunks[{i}] overlaps the cache's memory; a chunk is a separate buffer")
+
+
+def _placement(group: KernelGroup) -> Placement:
+    """The cache's tensors, checked to be where detection read them and to have their
+    memory, as a :class:`~kvlayout.registration.memory.Placement` every call checks again."""
+    tensors: dict[int, torch.Tensor] = {}
+    names: list[str] = []
+    for plane in group.planes:
+        span = view_bytes(plane.leaves[0])
+        for t, ptr, path in zip(plane.leaves, plane.data_ptrs, plane.paths, strict=True):
+            if id(t) in tensors:
+                continue  # one tensor registered for several layers
+            name = describe_path(path, "kv_caches")
+            now = t.data_ptr()
+            problem = (
+                f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
+                if now != ptr
+                else memory_problem(t, ptr, span)
+            )
+            if problem is not None:
+                raise TransferError(f"{name} {problem}; detect the registration again")
+            tensors[id(t)] = t
+            names.append(name)
+    return Placement(list(tensors.values()), names)
 
 
 def _jobs(group: KernelGroup, block_size: int | None) -> tuple[_Job, ...]:
@@ -343,7 +394,8 @@ def _resolve_block_size(layout: Layout, sizes: dict[str, int], block_size: int |
             f"{layout} folds its blocks and their tokens into one axis ({page}): pass block_size= "
             "(tokens per block)"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+    block_size = _int("block_size", block_size)
+    if block_size <= 0:
         raise TransferError(f"block_size must be a positive int, got {block_size!r}")
     total = layout.size_of(sizes, Role.PAGE)
     assert total is not None and page is not None
@@ -413,7 +465,9 @@ def _block_ids(block_ids: Any) -> np.ndarray:
             )
         if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
             raise TransferError(f"block_ids must be integers, got {block_ids.dtype}")
-        ids = block_ids.detach().to("cpu", torch.int64).numpy()
+        host = block_ids.detach().cpu()
+        # an int64 cast would wrap uint64 ids past 2**63 to negative ones: NumPy checks them below
+        ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
     else:
         ids = np.asarray(block_ids)
         if ids.size and ids.dtype.kind not in "iu":
@@ -424,7 +478,10 @@ def _block_ids(block_ids: Any) -> np.ndarray:
         raise TransferError(f"block_ids must be a 1-D sequence of ints, got shape {list(ids.shape)}")
     if ids.dtype != np.int64:
         if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
-            raise TransferError(f"block_ids holds {int(ids.max())}, out of range for any cache")
+            i = int(np.argmax(ids > np.iinfo(np.int64).max))
+            raise TransferError(
+                f"block_ids[{i}] = {int(ids[i])} is out of range for any cache (above 2**63 - 1)"
+            )
         ids = ids.astype(np.int64)
     return np.ascontiguousarray(ids)
 

@@ -1,0 +1,242 @@
+"""The memory behind a cache and its chunks: a plan used after the engine re-allocated
+its cache in place raises instead of copying through stale pointers, and tensors with no
+memory (fake tensors, freed or shrunk storages, subclasses without storage) are refused
+by detection and transfer alike; meta tensors stay readable by detection, not movable.
+
+Calls that crashed the process (SIGSEGV) run in a subprocess, so on code without the
+checks these tests fail instead of killing the run."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kvlayout
+from kvlayout import DetectionError
+from kvlayout import EngineKVFormat as F
+from kvlayout.transfer import TransferError, prepare
+
+HINTS = {"kv_layout": "NHD"}
+
+
+def isolated(code: str) -> list[str]:
+    """Run ``code`` in a fresh interpreter; its stdout lines (a crash fails the test)."""
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-2000:]}"
+    return done.stdout.splitlines()
+
+
+def cache(n: int = 2) -> list[torch.Tensor]:
+    return [torch.randn(2, 8, 4, 2, 16) for _ in range(n)]
+
+
+def fake_cache(n: int = 2) -> list[torch.Tensor]:
+    with FakeTensorMode():
+        return [torch.zeros(2, 8, 4, 2, 16) for _ in range(n)]
+
+
+# -- a plan after the engine re-allocated its cache in place --------------------------------------
+
+
+REALLOCATIONS = {
+    "storage resized to 0": "t.untyped_storage().resize_(0)",
+    "t.data = new": "t.data = torch.randn(2, 8, 4, 2, 16)",
+    "t.set_(other)": "t.set_(torch.randn(2, 8, 4, 2, 16))",
+    "t.resize_(bigger)": "t.resize_(2, 80, 4, 2, 16)",
+    "storage resized": "t.untyped_storage().resize_(t.untyped_storage().nbytes() * 2)",
+}
+
+
+def test_a_plan_used_after_the_cache_was_reallocated_raises_instead_of_crashing() -> None:
+    """Each way an engine re-allocates a tensor in place, after prepare: every call
+    raises (the process used to die with SIGSEGV copying through the old pointers)."""
+    code = """
+        import gc, torch, kvlayout
+        from kvlayout.transfer import TransferError, prepare
+        for label, change in REALLOCATIONS.items():
+            kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(2)]
+            fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})
+            plan = prepare(reg, fmt)
+            chunk = torch.zeros(plan.chunk_shape(4 * 8)[0])
+            plan.store_blocks(list(range(8)), [chunk])
+            t = kv[1]
+            exec(change)
+            gc.collect()
+            for move in (plan.load_blocks, plan.store_blocks):
+                try:
+                    move(list(range(8)), [chunk])
+                    print(label, "| moved")
+                except TransferError as e:
+                    print(label, "|", e)
+    """
+    lines = isolated(f"REALLOCATIONS = {REALLOCATIONS!r}\n" + textwrap.dedent(code))
+    assert len(lines) == 2 * len(REALLOCATIONS), lines
+    for line in lines:
+        message = line.partition(" | ")[2]
+        assert re.search(r"^(the storage of )?kv_caches\[1\]('s storage)? was re-allocated", message), line
+        assert message.endswith("detect the registration again and prepare a new plan"), line
+
+
+def test_a_storage_swapped_at_the_same_address_is_caught_by_its_size() -> None:
+    """The data pointer alone misses a storage re-made at the same address: the check
+    reads the storage's address and size too."""
+    memory = np.zeros(2 * 2 * 8 * 4 * 2 * 16, dtype=np.float32)
+    kv = [torch.from_numpy(memory[i * 2048 : (i + 1) * 2048]).view(2, 8, 4, 2, 16) for i in range(2)]
+    fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", HINTS)
+    plan = prepare(reg, fmt)
+    chunk = torch.zeros(plan.chunk_shape(4)[0])
+    plan.store_blocks([3], [chunk])
+    smaller = torch.from_numpy(memory[2048 : 2048 + 16]).untyped_storage()  # kv[1]'s first 64 bytes
+    kv[1].set_(smaller, 0, (16,), (1,))
+    assert kv[1].data_ptr() == plan.jobs[0].plane.data_ptrs[1]  # same address, a 64-byte storage now
+    with pytest.raises(TransferError) as info:
+        plan.store_blocks([3], [chunk])
+    assert "kv_caches[1]" in str(info.value) and "64 bytes at" in str(info.value)
+    assert "detect the registration again" in str(info.value)
+
+
+def test_a_cache_reallocated_between_detection_and_prepare_is_refused() -> None:
+    kv = cache()
+    fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", HINTS)
+    kv[0].data = torch.randn(2, 8, 4, 2, 16)
+    with pytest.raises(TransferError, match=r"kv_caches\[0\] was re-allocated after detection .*detect the"):
+        prepare(reg, fmt)
+
+
+def test_a_cache_that_did_not_move_passes_the_check_on_every_call() -> None:
+    kv = cache(3)
+    fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", HINTS)
+    plan = prepare(reg, fmt)
+    chunk = torch.zeros(plan.chunk_shape(8)[0])
+    for ids in ([0, 1], [5, 7], [2, 3]):
+        plan.store_blocks(ids, [chunk])
+        plan.load_blocks(ids, [chunk])
+    kv[2].mul_(2)  # writes in place change no address
+    plan.store_blocks([4, 6], [chunk])
+    assert torch.equal(chunk[0, 2, :4], kv[2][0, 4].reshape(4, 32))
+
+
+# -- tensors with no memory -------------------------------------------------------------------------
+
+
+def test_detection_refuses_a_fake_tensor_cache_naming_the_layer() -> None:
+    with pytest.raises(DetectionError, match=re.escape("kv_caches[0] is a FakeTensor")):
+        kvlayout.normalize_kv_and_discover_format(fake_cache(), "vllm", HINTS)
+
+
+def test_layers_with_no_memory_are_refused_not_called_overlapping() -> None:
+    """Two freed layers used to read "overlap in memory (bytes 0x0-...)"."""
+    kv = cache()
+    for t in kv:
+        t.untyped_storage().resize_(0)
+    with pytest.raises(DetectionError) as info:
+        kvlayout.normalize_kv_and_discover_format(kv, "vllm", HINTS)
+    assert str(info.value) == (
+        "kv_caches[0] has no memory: its storage holds 0 bytes (freed, or resized to 0); "
+        "a KV cache tensor needs its memory"
+    )
+
+
+def test_a_view_past_its_shrunk_storage_is_refused() -> None:
+    """A view into a pool whose storage was resized: its data pointer is not 0, but its
+    storage no longer holds the bytes it views."""
+    pool = torch.zeros(3 * 2048)
+    kv = [pool[i * 2048 : (i + 1) * 2048].view(2, 8, 4, 2, 16) for i in range(3)]
+    pool.untyped_storage().resize_(2 * 8192 + 16)  # kv[1] still fits, kv[2] does not
+    with pytest.raises(DetectionError) as info:
+        kvlayout.normalize_kv_and_discover_format(kv, "vllm", HINTS)
+    message = str(info.value)
+    assert message.startswith("kv_caches[2] views 8192 bytes from 0x") and "holds 16400 bytes at" in message
+
+
+def test_a_permuted_view_without_memory_is_an_error_of_the_family() -> None:
+    """vLLM's HND cache (a permuted view) with its storage freed: re-viewing it in memory
+    order raised torch's RuntimeError ("setStorage: ... out of bounds")."""
+    kv = [torch.zeros(2, 8, 2, 4, 16).transpose(2, 3) for _ in range(2)]
+    kv[1].untyped_storage().resize_(0)
+    with pytest.raises(kvlayout.KVLayoutError) as info:
+        kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "HND"})
+    assert str(info.value) == (
+        "kv_caches[1]: has no memory: its storage holds 0 bytes (freed, or resized to 0); "
+        "a KV cache tensor needs its memory"
+    )
+
+
+def test_a_tensor_subclass_without_storage_is_refused() -> None:
+    class Wrapper(torch.Tensor):
+        @staticmethod
+        def __new__(cls, elem: torch.Tensor) -> Wrapper:
+            return torch.Tensor._make_wrapper_subclass(cls, elem.shape, dtype=elem.dtype)
+
+        @classmethod
+        def __torch_dispatch__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:  # type: ignore[override]  # torch types it as its disabled default
+            raise NotImplementedError(f"{func}: no data")
+
+    kv = [Wrapper(t) for t in cache()]
+    with pytest.raises(DetectionError, match=re.escape("kv_caches[0] has no memory")):
+        kvlayout.detect(kv, "vllm", HINTS)
+
+
+def test_a_plain_list_bound_for_a_transfer_is_refused_too() -> None:
+    kv = cache()
+    kv[1].untyped_storage().resize_(0)
+    with pytest.raises(TransferError, match=re.escape("kv[1] has no memory")):
+        prepare(kv, F.NL_X_TWO_NB_BS_NH_HS)
+
+
+def test_meta_caches_are_detected_but_never_prepared() -> None:
+    kv = [torch.empty(2, 8, 4, 2, 16, device="meta") for _ in range(2)]
+    fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", HINTS)
+    assert (fmt, kvlayout.get_num_blocks(reg, fmt)) == (F.NL_X_TWO_NB_BS_NH_HS, 8)
+    with pytest.raises(TransferError, match="the cache is meta tensors, which have no memory by design"):
+        prepare(reg, fmt)
+
+
+BAD_CHUNKS = {
+    "fake": ("from torch._subclasses.fake_tensor import FakeTensorMode\n"
+             "with FakeTensorMode():\n    bad = torch.zeros(shape)", "chunks[0] is a FakeTensor"),
+    "freed": ("bad = torch.zeros(shape)\nbad.untyped_storage().resize_(0)",
+              "chunks[0] has no memory: its storage holds 0 bytes"),
+    "shrunk": ("pool = torch.zeros(2 * numel)\nbad = pool[numel:].view(shape)\n"
+               "pool.untyped_storage().resize_(numel * 4)", "chunks[0] views"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(BAD_CHUNKS))
+def test_chunks_with_no_memory_are_refused_before_a_byte_moves(kind: str) -> None:
+    make, message = BAD_CHUNKS[kind]
+    code = f"""
+import torch, kvlayout
+from kvlayout.transfer import TransferError, prepare
+kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(2)]
+fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {{"kv_layout": "NHD"}})
+plan = prepare(reg, fmt)
+shape = plan.chunk_shape(8)[0]
+numel = torch.Size(shape).numel()
+{make}
+before = [t.clone() for t in kv]
+for move in (plan.store_blocks, plan.load_blocks):
+    try:
+        move([1, 2], [bad])
+        print("moved")
+    except TransferError as e:
+        print(e)
+print(all(torch.equal(a, b) for a, b in zip(before, kv)))
+"""
+    *errors, unchanged = isolated(code)
+    assert len(errors) == 2 and all(e.startswith(message) for e in errors), errors
+    assert unchanged == "True"

@@ -1,0 +1,75 @@
+"""One prepared plan serves calls from many threads at once (the README says so): each
+thread moves its own blocks through its own chunks, every byte lands where a serial run
+would put it, and the worker pool is shared without deadlock. In a subprocess, so an
+abort fails the test instead of killing the run."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+CODE = """
+import random, threading, torch, kvlayout
+from kvlayout.transfer import prepare
+
+NB, BS, THREADS, ROUNDS = 64, 4, 8, 40
+kv = [torch.randn(2, NB, BS, 2, 16) for _ in range(3)]
+fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})
+plan = prepare(reg, fmt)
+ref = [t.clone() for t in kv]  # what the cache must hold; each thread writes only its blocks
+errors = []
+
+
+def rows(cache, block):  # one block of one K/V half of one layer as chunk rows
+    return cache[block].reshape(BS, 32)
+
+
+def worker(k):
+    rng = random.Random(k)
+    mine = list(range(k * NB // THREADS, (k + 1) * NB // THREADS))
+    try:
+        for r in range(ROUNDS):
+            ids = rng.sample(mine, rng.randint(1, len(mine)))
+            per = rng.choice([1, 2, 8])
+            chunks = plan.chunks_for(len(ids), per * BS)
+            plan.store_blocks(ids, chunks, num_threads=rng.choice([1, 2, 4]))
+            for i, b in enumerate(ids):
+                c, j = divmod(i, per)
+                for kvi in range(2):
+                    for layer in range(3):
+                        got = chunks[c][kvi, layer, j * BS:(j + 1) * BS]
+                        assert torch.equal(got, rows(ref[layer][kvi], b)), (k, r, b)
+            for c in chunks:
+                c.copy_(torch.randn(c.shape))
+            plan.load_blocks(ids, chunks, num_threads=rng.choice([1, 2, 4]))
+            for i, b in enumerate(ids):
+                c, j = divmod(i, per)
+                for kvi in range(2):
+                    for layer in range(3):
+                        ref[layer][kvi, b] = chunks[c][kvi, layer, j * BS:(j + 1) * BS].reshape(BS, 2, 16)
+    except BaseException as e:
+        errors.append(f"thread {k}: {type(e).__name__}: {e}")
+
+
+threads = [threading.Thread(target=worker, args=(k,)) for k in range(THREADS)]
+for t in threads:
+    t.start()
+for t in threads:
+    t.join(timeout=240)
+assert not any(t.is_alive() for t in threads), "a thread hangs"
+assert not errors, errors
+assert all(torch.equal(a, b) for a, b in zip(kv, ref)), "the cache differs from a serial run"
+print("ok")
+"""
+
+
+def test_one_plan_serves_many_threads_at_once() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CODE)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
