@@ -41,7 +41,7 @@ def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
 class BufferSide:
     """Host buffers of a peer process, as a map side: its described tensors."""
 
-    spans: np.ndarray  # (K, 2) uint64: address, bytes
+    tensor_spans: np.ndarray  # (K, 2) uint64: address, bytes
     device_type: str = "cpu"
     device_index: int = 0
     is_local: bool = False
