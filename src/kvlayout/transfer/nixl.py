@@ -50,6 +50,7 @@ __all__ = [
     "DEFAULT_COST",
     "CostModel",
     "Descriptors",
+    "Estimate",
     "LocalSide",
     "MapSide",
     "NixlError",
@@ -66,6 +67,7 @@ __all__ = [
     "calibrate",
     "copy_byte_runs",
     "descriptors",
+    "estimate",
     "local_side",
     "make_agent",
     "plan",
@@ -692,6 +694,41 @@ def plan(
         _rows(s.remote_addr[order][first], stretch_bytes, s.remote.device_index), local_mem, remote_mem,
         copies, num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held),
     )  # fmt: skip
+
+
+class Estimate(NamedTuple):
+    """What a map would cost before anything exists to post it (:func:`estimate`)."""
+
+    op: Op
+    num_runs: int
+    num_bytes: int
+    descriptors: dict[str, int]  # per strategy
+    predicted_s: dict[str, float]  # per strategy
+    choice: Literal["direct", "staged"]
+
+
+def estimate(
+    block_map: NixlMap, *, poster: Literal["src", "dst"] = "dst", cost: CostModel | None = None
+) -> Estimate:
+    """Descriptors and predicted seconds of each strategy for a map whose sides need not
+    be live (two descriptions, at planning time), posted by ``poster`` (``"dst"``: a READ,
+    as vLLM's decode side posts; ``"src"``: a WRITE), and the strategy ``"auto"`` picks
+    given a staging buffer large enough: what :func:`plan` would choose."""
+    if poster not in ("src", "dst"):
+        raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
+    runs = block_map.runs
+    remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
+    lengths = runs[:, 2]
+    num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
+    _, _, first = _stretches(runs[:, col], lengths, remote)
+    model = cost or DEFAULT_COST
+    predicted = {
+        "direct": model.direct_s(num_runs, num_bytes),
+        "staged": model.staged_s(len(first), num_runs, num_bytes),
+    }
+    choice: Literal["direct", "staged"] = "staged" if predicted["staged"] < predicted["direct"] else "direct"
+    op: Op = "WRITE" if poster == "src" else "READ"
+    return Estimate(op, num_runs, num_bytes, {"direct": num_runs, "staged": len(first)}, predicted, choice)
 
 
 # -- the prepped form --------------------------------------------------------------------------
