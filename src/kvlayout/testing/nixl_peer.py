@@ -237,6 +237,11 @@ class NixlPeer:
         answer = self.call("cache_read")
         return [np.frombuffer(base64.b64decode(d), dtype=np.uint8) for d in answer["leaves"]]
 
+    def cache_read_at(self, address: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the peer's cache at ``address`` (inside one of its tensors)."""
+        answer = self.call("cache_read_at", address=address, nbytes=nbytes)
+        return np.frombuffer(base64.b64decode(answer["data"]), dtype=np.uint8)
+
     def refill_cache(self) -> None:
         """Write the peer's cache's seeded bytes again."""
         self.call("cache_fill")
@@ -388,6 +393,14 @@ def _serve() -> None:
                         base64.b64encode(t.view(-1).view(torch.uint8).numpy()).decode() for t in cache[1]
                     ]
                 }
+            elif cmd == "cache_read_at":
+                at, n = msg["address"], msg["nbytes"]
+                inside = [t for t in cache[1] if t.data_ptr() <= at and at + n <= t.data_ptr() + t.nbytes]
+                if not inside:
+                    raise ValueError(f"{at:#x} (+{n}) is outside every tensor of the cache")
+                raw = inside[0].view(-1).view(torch.uint8).numpy()
+                off = at - inside[0].data_ptr()
+                answer = {"data": base64.b64encode(raw[off : off + n].tobytes()).decode()}
             elif cmd == "cache_fill":
                 for i, t in enumerate(cache[1]):
                     t.view(-1).view(torch.uint8).numpy()[:] = contents(
