@@ -214,7 +214,8 @@ def scenario(label: str, src: End, dst: End, scattered: bool, c: Context) -> Non
     pattern = "scattered" if scattered else "consecutive"
     mean = m.num_bytes / m.num_runs / 1024
     print(
-        f"\n{label}, {pattern} blocks: {m.kind}; {m.num_bytes / 2**20:.0f} MiB, {m.num_runs} runs (mean {mean:.1f} KiB)"
+        f"\n{label}, {pattern} blocks: {m.kind}; {m.num_bytes / 2**20:.0f} MiB, {m.num_runs} runs "
+        f"(mean {mean:.1f} KiB)"
     )
 
     def send(mp: Any, **kw: Any) -> Callable[[], nx.TransferResult]:
@@ -237,8 +238,10 @@ def scenario(label: str, src: End, dst: End, scattered: bool, c: Context) -> Non
         ):
             assert rows_of is None or int(rows_of[:, 2].sum()) == m.num_bytes
             why[name] = reason
-            baselines[name] = None if rows_of is None else Row(f"{name}-style list",
-                                                                send(Map(rows_of, m.src, m.dst), strategy="direct"))  # fmt: skip
+            baselines[name] = (
+                None if rows_of is None
+                else Row(f"{name}-style list", send(Map(rows_of, m.src, m.dst), strategy="direct"))
+            )  # fmt: skip
         limit = Map(np.array([[c.staging.address, c.peer.address(0), m.num_bytes]], U64),
                     nx.local_side(c.staging.tensor), c.peer.side())  # fmt: skip
         baselines["limit"] = Row("one descriptor (limit)", send(limit, strategy="direct"))
@@ -297,7 +300,8 @@ def main() -> None:
     env = {"UCX_TLS": args.tls} if args.tls else {}
     most = max(MLA_NL * MLA_HS, NL * 2 * NH * HS) * 2 * args.tokens  # the largest request's bytes
     print(f"Llama-3-8B-like: {NL} layers, {NH} KV heads of {HS}, bf16 (MLA: {MLA_NL} layers of {MLA_HS}); "
-          f"{args.tokens}-token request; UCX_TLS={args.tls or '(UCX chooses)'}; best of {args.repeats}")  # fmt: skip
+          f"{args.tokens}-token request; UCX_TLS={args.tls or '(UCX chooses)'}; "
+          f"best of {args.repeats}")  # fmt: skip
     with NixlPeer("bench-decode", [most], env=env, timeout=600) as peer:
         with environment(env):  # UCX reads it when the agent's context starts
             agent = nx.make_agent("bench-prefill", progress_thread=False)
