@@ -561,15 +561,16 @@ class CostModel:
 
     The defaults are this project's measurement of NIXL over UCX's TCP transport on
     loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
-    of 256 B (about 18 us a descriptor); the copy figures are deliberately slow ones for
-    :func:`copy_byte_runs` (a loaded 2-core host). :func:`calibrate` measures the live pair.
+    of 256 B (about 18 us a descriptor); the copy figures are :func:`copy_byte_runs` (the
+    block-map engine) as ``calibrate`` measured it there (0.32 us a run, 6.3 GB/s, one
+    thread, loaded). :func:`calibrate` measures the live pair.
     """
 
     per_descriptor_s: float = 18e-6
     bandwidth: float = 0.65e9  # bytes/s
     per_transfer_s: float = 2e-4
-    copy_per_run_s: float = 1.5e-6
-    copy_bandwidth: float = 4e9  # bytes/s
+    copy_per_run_s: float = 0.35e-6
+    copy_bandwidth: float = 6e9  # bytes/s
     source: str = "defaults"
 
     def direct_s(self, descriptors: int, nbytes: int) -> float:
