@@ -360,3 +360,71 @@ def test_detect_refuses_an_empty_cache(capsys: pytest.CaptureFixture[str]) -> No
         "kvlayout: --shape 32x[2,0,16,8,128]: [2, 0, 16, 8, 128] has a dim of size 0 (dim 1); a KV cache "
         "tensor is never empty (an engine never registers a cache without blocks, tokens or heads)\n"
     )
+
+
+# -- plan --------------------------------------------------------------------------------------
+
+PLAN_NHD_TP2 = ["--src-engine", "vllm", "--src-shape", "2x[2,8,4,2,8]", "--src-tp", "2"]
+PLAN_HND_TP4 = ["--dst-engine", "vllm", "--dst-shape", "2x[2,8,4,1,8]@0,1,3,2,4", "--dst-hint", "kv_layout=HND",
+                "--dst-tp", "4"]  # fmt: skip
+
+
+def test_plan_prints_every_rank_pair(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(
+        capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--blocks", "consecutive"
+    )
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0] == (
+        "plan: 10 tokens, consecutive block ids; src NL_X_TWO_NB_BS_NH_HS TP 2 (blocks of 4), dst "
+        "NL_X_TWO_NB_NH_BS_HS TP 4 (blocks of 4); 4 KV heads; posted by dst; cost model: defaults"
+    )
+    # src rank 0 holds heads 0-1, dst rank 1 head 1: one head's 16-byte row a token, per layer and K/V
+    assert lines[3] == "  src rank 0 -> dst rank 1: head slice, permuted; 40 runs, 640 bytes, mean run 16 B"
+    assert lines[4].startswith("    READ: direct 40 descriptors, ") and lines[4].endswith("choice: direct")
+    assert (
+        lines[5]
+        == "  src rank 0 -> dst rank 2: nothing to send (src holds model heads 0-1 and dst 2: none in common)"
+    )
+    assert len(lines) == 1 + 4 * 2 + 4
+
+
+def test_plan_json_matches_a_map_of_real_tensors(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import Shard, block_map
+    from kvlayout.transfer.nixl import DEFAULT_COST
+
+    code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert [(p["src_rank"], p["dst_rank"]) for p in plan["pairs"]] == [
+        (r, d) for r in range(2) for d in range(4)
+    ]
+    src = bind([torch.zeros(2, 8, 4, 2, 8, dtype=torch.bfloat16) for _ in range(2)], EngineKVFormat(1))
+    dst = bind([torch.zeros(2, 8, 1, 4, 8, dtype=torch.bfloat16) for _ in range(2)], EngineKVFormat(6))
+    ids = [int(b) for b in __import__("numpy").random.default_rng(0).permutation(8)[:3]]
+    for p in plan["pairs"]:
+        m = block_map(src, dst, ids, ids, num_tokens=10, src_shard=Shard(p["src_rank"], 2, 4),
+                      dst_shard=Shard(p["dst_rank"], 4, 4))  # fmt: skip
+        assert (p["runs"], p["bytes"], p["kind"]) == (m.num_runs, m.num_bytes, m.kind)
+        if m.num_runs:
+            assert p["predicted_s"]["direct"] == pytest.approx(DEFAULT_COST.direct_s(m.num_runs, m.num_bytes))
+            assert p["descriptors"]["direct"] == m.num_runs and p["op"] == "READ"
+
+
+def test_plan_says_why_a_pair_cannot_be_served(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", "--src-engine", "vllm", "--src-shape", "2x[8,4,16]", "--dst-engine", "vllm",
+                       "--dst-shape", "2x[2,8,4,1,16]", "--tokens", "4", "--kv-heads", "1")  # fmt: skip
+    assert code == 0
+    assert out.splitlines()[1] == (
+        "  src rank 0 -> dst rank 0: cannot be served: src holds one latent row per token (MLA) and dst K and V "
+        "rows per head (MHA): they do not hold the same data"
+    )
+
+
+def test_plan_refuses_a_request_larger_than_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    code, _, err = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "40")
+    assert code == 2
+    assert err == "kvlayout: --tokens needs 10 blocks of the src cache, which has 8\n"

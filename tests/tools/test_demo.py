@@ -134,3 +134,28 @@ def test_a_wrong_load_is_caught(
     with pytest.raises(AssertionError, match="the round trip did not restore the blocks"):
         run_example(ex, lines.append)
     assert lines[-1].endswith("MISMATCH")
+
+
+def test_the_pd_section_moves_one_request_between_two_processes() -> None:
+    from kvlayout.tools.demo_pd import TITLE, run_pd_demo
+
+    lines: list[str] = []
+    run_pd_demo(lines.append)
+    assert lines[0] == f"== {TITLE} =="
+    assert (
+        "   map            100 tokens: head slice, re-blocked, permuted; 1600 runs, 204800 bytes" in lines[4]
+    )
+    assert lines[6].startswith("   plan           WRITE staged: 32 descriptors")
+    assert lines[8].startswith("   moved          204800 bytes in 32 descriptors") and "[b'demo']" in lines[8]
+    assert (
+        lines[9] == "   verified       all 524288 bytes of the decode cache equal the same map copied locally"
+    )
+
+
+def test_the_pd_section_catches_a_wrong_transfer(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlayout.tools.demo_pd import TITLE, run_pd_demo
+    from kvlayout.transfer import nixl as nx
+
+    monkeypatch.setattr(nx.Plan, "copy", lambda self, num_threads=1: None)  # staging sent ungathered
+    with pytest.raises(AssertionError, match=f"{TITLE}: the decode cache is not what the map copied locally"):
+        run_pd_demo(lambda line: None)

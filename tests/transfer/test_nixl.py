@@ -381,7 +381,7 @@ class _ErrAgent:
 def test_an_err_state_raises_and_releases() -> None:
     buf = torch.zeros(64, dtype=torch.uint8)
     side = nx.local_side(buf)
-    there = nx.LocalSide("cpu", 0, side.spans, is_local=False)
+    there = nx.LocalSide("cpu", 0, side.tensor_spans, is_local=False)
     p = nx.plan(Map(np.array([(buf.data_ptr(), buf.data_ptr() + 32, 8)], dtype=U64), side, there))
     agent = _ErrAgent(["PROC", "ERR"])
     xfer = nx.Transfer(agent, "peer-x", p, handle=object(), staging=None)

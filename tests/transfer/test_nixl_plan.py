@@ -31,7 +31,7 @@ Case = tuple[list[np.ndarray], list[np.ndarray], Pieces, Literal["WRITE", "READ"
 class Side:
     """A map side for tests: buffers standing for a registration or a peer's description."""
 
-    spans: np.ndarray
+    tensor_spans: np.ndarray
     is_local: bool
     device_type: str = "cpu"
     device_index: int = 0
@@ -66,14 +66,14 @@ def apply(rows_from: np.ndarray, rows_to: np.ndarray) -> None:
 
 def post(p: nx.Plan) -> None:
     """What NIXL does with a plan, simulated: gather, move each descriptor, scatter."""
-    if p.copies is not None and p.op == "WRITE":
-        nx.copy_byte_runs(p.copies)
+    if p.op == "WRITE":
+        p.copy()
     if p.op == "WRITE":
         apply(p.local, p.remote)
     else:
         apply(p.remote, p.local)
-    if p.copies is not None and p.op == "READ":
-        nx.copy_byte_runs(p.copies)
+    if p.op == "READ":
+        p.copy()
 
 
 @st.composite
@@ -149,7 +149,7 @@ def test_descriptors_write_when_local_is_the_source_read_when_it_is_the_destinat
     local, remote = [np.zeros(256, np.uint8)], [np.zeros(256, np.uint8)]
     pieces = [(0, 0, 0, 128, 16), (0, 64, 0, 0, 32)]
     lo, ro = local[0].ctypes.data, remote[0].ctypes.data
-    rside = Side(side_of(remote, local=False).spans, False, "cuda", 3)
+    rside = Side(side_of(remote, local=False).tensor_spans, False, "cuda", 3)
     m = Map(runs_between(local, remote, pieces), side_of(local, local=True), rside)
     d = nx.descriptors(m)
     assert d.op == "WRITE" and (d.local_mem, d.remote_mem) == ("DRAM", "VRAM")
@@ -180,7 +180,7 @@ def test_bad_maps_are_refused_with_the_reason() -> None:
         TransferError, match="run 0 of the map runs past the end of the destination address space"
     ):
         nx.descriptors(Map(wrap, here, there))
-    xpu = Side(there.spans, False, "xpu", 0)
+    xpu = Side(there.tensor_spans, False, "xpu", 0)
     with pytest.raises(
         TransferError, match="the remote side is on a 'xpu' device; NIXL moves cpu or cuda memory"
     ):
@@ -247,7 +247,7 @@ def test_prepped_indices_cover_the_same_bytes(case: Case) -> None:
     local, remote, pieces, _ = case
     pieces = [(a, i - i % 8, b, j - j % 8, max(8, n - n % 8)) for a, i, b, j, n in pieces]  # 8-byte units
     runs = runs_between(local, remote, pieces)
-    lspans, rspans = side_of(local, local=True).spans, side_of(remote, local=False).spans
+    lspans, rspans = side_of(local, local=True).tensor_spans, side_of(remote, local=False).tensor_spans
     ll = nx.PreppedList(None, 8, *unit_rows(lspans, 8), "DRAM")
     rl = nx.PreppedList(None, 8, *unit_rows(rspans, 8), "DRAM")
     li = ll.indices(nx._rows(runs[:, 0], runs[:, 2], 0), "local")
@@ -270,7 +270,7 @@ def unit_addresses(pl: nx.PreppedList, idx: np.ndarray) -> list[int]:
 
 def test_prepped_indices_refuse_runs_off_the_unit_grid() -> None:
     buf = [np.zeros(256, np.uint8)]
-    pl = nx.PreppedList(None, 64, *unit_rows(side_of(buf, local=True).spans, 64), "DRAM")
+    pl = nx.PreppedList(None, 64, *unit_rows(side_of(buf, local=True).tensor_spans, 64), "DRAM")
     base = buf[0].ctypes.data
     assert pl.indices(np.array([[base + 64, 128, 0]], U64), "run").tolist() == [1, 2]
     for addr, n in ((base + 32, 64), (base, 96)):
@@ -308,3 +308,45 @@ def test_importing_kvlayout_and_planning_never_loads_nixl() -> None:
     )
     assert done.stdout.strip() == "[]", done.stdout
     assert re.fullmatch(r"\[\]\n?", done.stdout)
+
+
+def test_the_local_copy_is_refused_outside_its_memory_before_a_byte_moves() -> None:
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    a, b = side_of([src], local=True).tensor_spans, side_of([dst], local=True).tensor_spans
+    runs = np.array(
+        [[src.ctypes.data, dst.ctypes.data, 16], [src.ctypes.data + 56, dst.ctypes.data + 16, 16]], U64
+    )
+    with pytest.raises(nx.RefusedDescriptorError, match=r"local copy 1 .* reads bytes outside the memory"):
+        nx.copy_byte_runs(runs, a, b)
+    assert not dst.any()
+    runs[1, 0] -= 8
+    nx.copy_byte_runs(runs, a, b, num_threads=2)
+    assert np.array_equal(dst[:32], np.r_[src[:16], src[48:64]]) and not dst[32:].any()
+
+
+def test_a_block_map_to_a_peer_description_is_a_nixl_map() -> None:
+    """A real BlockMap between a live registration and a peer's description is what the
+    NIXL layer reads: WRITE when the live side is the source, READ when it is the
+    destination, the map's runs as the descriptors, the sides' devices and spans."""
+    import torch
+
+    from kvlayout import EngineKVFormat as F
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import RegistrationDescription, Shard, block_map
+
+    here = bind([torch.zeros(2, 4, 16, 8, 8, dtype=torch.bfloat16) for _ in range(2)], F.NL_X_TWO_NB_BS_NH_HS)
+    peer = bind([torch.zeros(2, 4, 4, 16, 8, dtype=torch.bfloat16) for _ in range(2)], F.NL_X_TWO_NB_NH_BS_HS)
+    there = RegistrationDescription.from_json(peer.describe(shard=Shard(1, 2, 8)).to_json())
+    m: nx.NixlMap = block_map(here, there, [2, 0], [3, 1], num_tokens=20, src_shard=Shard(0, 1, 8))
+    d = nx.descriptors(m)
+    assert d.op == "WRITE" and (d.local_mem, d.remote_mem) == ("DRAM", "DRAM")
+    assert np.array_equal(d.local[:, :2], m.runs[:, [0, 2]]) and np.array_equal(
+        d.remote[:, :2], m.runs[:, 1:]
+    )
+    leaves = [t for t in peer.kv]
+    assert sorted(map(tuple, m.dst.tensor_spans.tolist())) == sorted((t.data_ptr(), t.nbytes) for t in leaves)
+    back = block_map(there, here, [3, 1], [2, 0], num_tokens=20, dst_shard=Shard(0, 1, 8))
+    assert nx.descriptors(back).op == "READ"
+    both_live = block_map(here, peer, [0], [1], dst_shard=Shard(1, 2, 8))
+    with pytest.raises(TransferError, match="both sides of the map are in this process"):
+        nx.descriptors(both_live)

@@ -151,17 +151,58 @@ class RegistrationDescription:
 
 
 def describe(
-    registration: Any, *, shard: Shard | None = None, block_size: int | None = None
+    registration: Any, *, shard: Shard | None = None, block_size: int | None = None, at: int | None = None
 ) -> RegistrationDescription:
     """The description of a bound registration (every kernel group). ``block_size`` splits
-    the page axis of formats that fold blocks and tokens (NB*BS); it is ignored elsewhere."""
+    the page axis of formats that fold blocks and tokens (NB*BS); it is ignored elsewhere.
+
+    ``at`` describes the tensors as if laid out one after another from that address
+    (page-aligned, a page apart) instead of where they are: for planning from a meta
+    registration, which has no memory (it is then described as host memory). Runs never
+    cross from one tensor into another, so a map's runs are the same wherever they lie."""
     # Registration is read by its fields (registration.registration imports this module).
     if type(registration).__name__ != "Registration" or not hasattr(registration, "kernel_groups"):
         raise TypeError(f"describe takes a Registration, not {type(registration).__name__}")
     groups = tuple(_group(g, block_size) for g in registration.kernel_groups)
     if not groups:
         raise PeerDescriptionError("the registration has no kernel group to describe")
-    return _checked(groups, registration.kernel_groups[0].device, shard, registration.engine)
+    device = registration.kernel_groups[0].device
+    if at is not None:
+        groups = _placed(groups, at)
+        if device.type == "meta":
+            device = _HOST
+    return _checked(groups, device, shard, registration.engine)
+
+
+@dataclass(frozen=True)
+class _Device:
+    type: str
+    index: int | None
+
+
+_HOST = _Device("cpu", None)
+_PAGE = 4096
+
+
+def _placed(groups: tuple[GroupDescription, ...], at: int) -> tuple[GroupDescription, ...]:
+    """``groups`` with every tensor at a made-up address, one after another from ``at``."""
+    if isinstance(at, bool) or not isinstance(at, int) or not 0 < at < MAX_ADDRESS:
+        raise PeerDescriptionError(f"at must be a positive address, got {at!r}")
+    out, next_at = [], -(-at // _PAGE) * _PAGE
+    for g in groups:
+        planes = []
+        for p in g.planes:
+            period, block, blocks = p.extent()
+            span = (blocks - 1) * period + block
+            addresses = []
+            for _ in p.addresses:
+                addresses.append(next_at)
+                next_at += -(-span // _PAGE) * _PAGE + _PAGE
+            planes.append(
+                PlaneDescription(p.dtype, p.sizes, p.shape, p.strides, p.block_stride, tuple(addresses))
+            )
+        out.append(GroupDescription(g.format, g.layers, g.engine_group, g.block_size, tuple(planes)))
+    return tuple(out)
 
 
 def describe_group(

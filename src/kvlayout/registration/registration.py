@@ -530,14 +530,15 @@ class Registration:
         return self.kernel_groups[0].device if self.kernel_groups else first_leaf(self.kv).device
 
     def describe(
-        self, *, shard: Shard | None = None, block_size: int | None = None
+        self, *, shard: Shard | None = None, block_size: int | None = None, at: int | None = None
     ) -> RegistrationDescription:
         """The registration as data for a peer: a :class:`kvlayout.registration.peers.RegistrationDescription`
         (``to_json()`` for the wire). ``shard`` is the :class:`kvlayout.transfer.Shard` this
-        rank holds; ``block_size`` splits a folded NB*BS page axis."""
+        rank holds; ``block_size`` splits a folded NB*BS page axis; ``at`` places the
+        tensors at made-up addresses from there (planning from meta tensors)."""
         from kvlayout.registration.peers import describe
 
-        return describe(self, shard=shard, block_size=block_size)
+        return describe(self, shard=shard, block_size=block_size, at=at)
 
     @property
     def registered_kv(self) -> Any:

@@ -10,6 +10,12 @@ command, each answer awaited with a deadline (the child is killed on overrun):
 
 :meth:`NixlPeer.side` is the peer's buffers as a :class:`~kvlayout.transfer.nixl.MapSide`
 (what a real peer's registration description provides).
+
+A peer can also hold a real kvlayout cache: :meth:`NixlPeer.cache` sends a small
+:class:`CacheSpec` (format, sizes, dtype, shard, seed), the child builds it with
+:func:`build_cache` (seeded bytes, so this process can build its twin), binds it,
+registers it with NIXL and answers its ``describe(shard=...).to_json()``: the handshake
+of a P/D connector. :meth:`NixlPeer.cache_bytes` reads its tensors back.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["BufferSide", "NixlPeer", "contents"]
+__all__ = ["BufferSide", "CacheSpec", "NixlPeer", "build_cache", "cache_sizes", "contents"]
 
 
 def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
@@ -38,10 +44,89 @@ def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
 
 
 @dataclass(frozen=True)
+class CacheSpec:
+    """A small cache of one format: ``heads`` KV heads this rank holds (ignored by MLA),
+    heads' rows of ``row`` elements, tensor-parallel ``shard`` as (rank, size, model
+    heads) or None, bytes seeded by ``seed``."""
+
+    format: str  # an EngineKVFormat name
+    layers: int
+    blocks: int
+    block_size: int
+    heads: int
+    row: int
+    dtype: str = "bfloat16"
+    shard: tuple[int, int, int] | None = None
+    seed: int = 0
+
+    def to_data(self) -> dict[str, Any]:
+        return {**self.__dict__, "shard": None if self.shard is None else list(self.shard)}
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> CacheSpec:
+        shard = data["shard"]
+        return cls(
+            **{**data, "shard": None if shard is None else (int(shard[0]), int(shard[1]), int(shard[2]))}
+        )
+
+    @property
+    def the_shard(self) -> Any:
+        from kvlayout.registration.shards import Shard
+
+        return None if self.shard is None else Shard(*self.shard)
+
+
+def cache_sizes(spec: CacheSpec) -> dict[str, int]:
+    """The layout's sizes of ``spec`` (block count and block size apart, even where the
+    tensors fold them into one page axis)."""
+    from kvlayout import EngineKVFormat, layout_of
+    from kvlayout.layout.algebra import sizes_by_role
+    from kvlayout.layout.vocabulary import Role
+
+    by_role = {Role.LAYER: spec.layers, Role.BLOCK: spec.blocks, Role.TOKEN: spec.block_size}
+    by_role |= {Role.HEAD: spec.heads, Role.KV: 2, Role.ELEMENT: spec.row}
+    return sizes_by_role(layout_of(EngineKVFormat[spec.format]), by_role)
+
+
+def build_cache(spec: CacheSpec) -> tuple[Any, list[Any]]:
+    """The bound registration of ``spec`` and its leaves (in pointer order), each leaf's
+    bytes :func:`contents` of ``(spec.seed, leaf index)``: two processes build twins."""
+    import torch
+
+    from kvlayout import EngineKVFormat, layout_of
+    from kvlayout.registration.registration import bind
+
+    fmt = EngineKVFormat[spec.format]
+    layout = layout_of(fmt)
+    sizes = cache_sizes(spec)
+    shape = layout.tensor_shape(sizes)
+    dtype = getattr(torch, spec.dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    leaves = [
+        torch.from_numpy(contents(spec.seed, i, nbytes)).view(dtype).view(shape)
+        for i in range(len(layout.pointer_order(sizes)))
+    ]
+    return bind(_nest(layout.list_shape(sizes), leaves), fmt), leaves
+
+
+def _nest(extents: Sequence[int], leaves: list[Any]) -> Any:
+    """Leaves in pointer order as the registration's nested lists (a list outside, tuples in)."""
+
+    def build(depth: int, items: list[Any]) -> Any:
+        if depth == len(extents):
+            return items[0]
+        step = len(items) // extents[depth]
+        parts = [build(depth + 1, items[i * step : (i + 1) * step]) for i in range(extents[depth])]
+        return tuple(parts) if depth > 0 else parts
+
+    return build(0, leaves) if extents else leaves[0]
+
+
+@dataclass(frozen=True)
 class BufferSide:
     """Host buffers of a peer process, as a map side: its described tensors."""
 
-    spans: np.ndarray  # (K, 2) uint64: address, bytes
+    tensor_spans: np.ndarray  # (K, 2) uint64: address, bytes
     device_type: str = "cpu"
     device_index: int = 0
     is_local: bool = False
@@ -137,6 +222,30 @@ class NixlPeer:
         self.call("fill", seed=seed)
         self.seed = seed
 
+    def cache(self, spec: CacheSpec) -> str:
+        """Build, register and describe ``spec`` in the peer (replacing its cache); the
+        description's JSON, as a connector's handshake carries it. The peer's NIXL
+        metadata changes with its registrations: :attr:`metadata` is the new one (load
+        it again with ``add_remote_agent``)."""
+        answer = self.call("cache", spec=spec.to_data())
+        self.metadata = base64.b64decode(answer["metadata"])
+        text: str = answer["description"]
+        return text
+
+    def cache_bytes(self) -> list[np.ndarray]:
+        """The bytes of each tensor of the peer's cache, in pointer order, as it holds them now."""
+        answer = self.call("cache_read")
+        return [np.frombuffer(base64.b64decode(d), dtype=np.uint8) for d in answer["leaves"]]
+
+    def cache_read_at(self, address: int, nbytes: int) -> np.ndarray:
+        """``nbytes`` of the peer's cache at ``address`` (inside one of its tensors)."""
+        answer = self.call("cache_read_at", address=address, nbytes=nbytes)
+        return np.frombuffer(base64.b64decode(answer["data"]), dtype=np.uint8)
+
+    def refill_cache(self) -> None:
+        """Write the peer's cache's seeded bytes again."""
+        self.call("cache_fill")
+
     def notifs(self, expect: int = 1, wait: float = 10.0) -> list[bytes]:
         """Notifications received so far, waiting up to ``wait`` seconds for ``expect``."""
         answer = self.call("notifs", expect=expect, wait=wait)
@@ -222,11 +331,14 @@ def _state(pid: int) -> str:
 def _serve() -> None:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything else printed (NIXL's logs) goes to stderr, not into the protocol
-    from kvlayout.transfer.nixl import make_agent
+    import torch
+
+    from kvlayout.transfer.nixl import make_agent, register
 
     agent: Any = None
     buffers: list[np.ndarray] = []
     notifs: list[bytes] = []
+    cache: Any = None  # (spec, leaves, Registered)
 
     def progress() -> None:  # drives NIXL (the agent has no progress thread) and keeps notifications
         if agent is not None:
@@ -264,6 +376,37 @@ def _serve() -> None:
                     progress()
                 answer = {"notifs": [base64.b64encode(m).decode() for m in notifs]}
                 notifs.clear()
+            elif cmd == "cache":
+                if cache is not None:
+                    cache[2].deregister()
+                spec = CacheSpec.from_data(msg["spec"])
+                reg, leaves = build_cache(spec)
+                cache = (spec, leaves, register(agent, reg))
+                desc = reg.describe(shard=spec.the_shard, block_size=spec.block_size)
+                answer = {
+                    "description": desc.to_json(),
+                    "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
+                }
+            elif cmd == "cache_read":
+                answer = {
+                    "leaves": [
+                        base64.b64encode(t.view(-1).view(torch.uint8).numpy()).decode() for t in cache[1]
+                    ]
+                }
+            elif cmd == "cache_read_at":
+                at, n = msg["address"], msg["nbytes"]
+                inside = [t for t in cache[1] if t.data_ptr() <= at and at + n <= t.data_ptr() + t.nbytes]
+                if not inside:
+                    raise ValueError(f"{at:#x} (+{n}) is outside every tensor of the cache")
+                raw = inside[0].view(-1).view(torch.uint8).numpy()
+                off = at - inside[0].data_ptr()
+                answer = {"data": base64.b64encode(raw[off : off + n].tobytes()).decode()}
+            elif cmd == "cache_fill":
+                for i, t in enumerate(cache[1]):
+                    t.view(-1).view(torch.uint8).numpy()[:] = contents(
+                        cache[0].seed, i, t.numel() * t.element_size()
+                    )
+                answer = {}
             elif cmd == "stop":
                 out.write("{}\n")
                 out.flush()

@@ -1,5 +1,5 @@
-"""The kvlayout command line: ``formats``, ``explain``, ``describe``, ``detect``, ``codegen``,
-``demo``.
+"""The kvlayout command line: ``formats``, ``explain``, ``describe``, ``detect``, ``plan``,
+``codegen``, ``demo``.
 
 Exit codes: 0 done; 1 ``detect`` ran and the registration is one kvlayout refuses (the
 error is printed as a user would see it); 2 the command line or its values are wrong.
@@ -217,7 +217,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
     import kvlayout
     from kvlayout.registration.registration import bound
-    from kvlayout.tools.shapes import Shape, parse_shape_spec
+    from kvlayout.tools.shapes import parse_shape_spec
     from kvlayout.types import LayoutHints, as_engine
 
     device = _device(args.device)
@@ -229,15 +229,6 @@ def cmd_detect(args: argparse.Namespace) -> int:
     dtype = getattr(torch, _DTYPES[args.dtype])
     hints = _hints(args.hint)
 
-    def build(node: object) -> object:
-        if isinstance(node, Shape):
-            if node.order is None:
-                return torch.empty(node, dtype=dtype, device=device)
-            inverse = sorted(range(len(node)), key=node.order.index)
-            return torch.empty([node[i] for i in node.order], dtype=dtype, device=device).permute(inverse)
-        children = [build(c) for c in node]  # type: ignore[attr-defined]
-        return tuple(children) if isinstance(node, tuple) else children
-
     for leaf in spec.leaves():
         if 0 in leaf:
             raise KVLayoutError(
@@ -245,7 +236,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
                 "a KV cache tensor is never empty (an engine never registers a cache without blocks, "
                 "tokens or heads)"
             )
-    kv: Any = build(spec.root)
+    kv: Any = _build_kv(spec.root, dtype, device)
     for sharer, target in _shares(args.share, kv):
         kv[sharer] = kv[target]  # vLLM's cross-layer KV sharing: the target's tensor, registered again
     shapes = sorted({_shape_text(s) for s in spec.leaves()})
@@ -268,6 +259,41 @@ def cmd_detect(args: argparse.Namespace) -> int:
     report["kernel_groups"] = [_group_record(g) for g in registration.kernel_groups]
     _print_detection(report, args.json)
     return 0
+
+
+def _build_kv(node: object, dtype: Any, device: Any) -> Any:
+    """The registration a parsed ``--shape`` describes, as empty tensors on ``device``."""
+    import torch
+
+    from kvlayout.tools.shapes import Shape
+
+    if isinstance(node, Shape):
+        if node.order is None:
+            return torch.empty(node, dtype=dtype, device=device)
+        inverse = sorted(range(len(node)), key=node.order.index)
+        return torch.empty([node[i] for i in node.order], dtype=dtype, device=device).permute(inverse)
+    children = [_build_kv(c, dtype, device) for c in node]  # type: ignore[attr-defined]
+    return tuple(children) if isinstance(node, tuple) else children
+
+
+def _detect(engine_name: str, shape: str, hint_items: Sequence[str], dtype: Any, device: Any) -> Any:
+    """Detection of a registration given as ``detect`` takes it (a hybrid: a group per ``+``)."""
+    import kvlayout
+    from kvlayout.registration.registration import bound
+    from kvlayout.tools.shapes import parse_shape_spec
+    from kvlayout.types import LayoutHints, as_engine
+
+    engine = as_engine(engine_name)
+    hints = _hints(hint_items)
+    LayoutHints.coerce(hints)
+    spec = parse_shape_spec(shape)
+    kv = _build_kv(spec.root, dtype, device)
+    if len(spec.parts) > 1:
+        bounds = [sum(spec.parts[:i]) for i in range(len(spec.parts) + 1)]
+        groups = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
+        return kvlayout.detect(kv, engine, hints, layer_groups=groups)
+    fmt, normalized = kvlayout.normalize_kv_and_discover_format(kv, engine, hints)
+    return bound(normalized, fmt)
 
 
 def _shares(items: Sequence[str], kv: Any) -> list[tuple[int, int]]:
@@ -346,6 +372,111 @@ def _print_detection(report: dict[str, Any], as_json: bool) -> None:
             print(f"    shared     layers {shared} share one KV cache (the first holds it)")
 
 
+def _side_heads(registration: Any) -> int | None:
+    g = registration.kernel_groups[0].geometry
+    return None if registration.kernel_groups[0].layout.is_mla else int(g.num_heads)
+
+
+def _block_ids(pattern: str, needed: int, num_blocks: int, where: str) -> list[int]:
+    if needed > num_blocks:
+        raise KVLayoutError(f"--tokens needs {needed} blocks of the {where} cache, which has {num_blocks}")
+    if pattern == "consecutive":
+        return list(range(needed))
+    import numpy as np
+
+    return [int(b) for b in np.random.default_rng(0).permutation(num_blocks)[:needed]]
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Every rank pair of a P/D transfer planned from shapes alone (meta tensors, tensors
+    described at made-up addresses): runs, bytes, descriptors and predicted time."""
+    import torch
+
+    from kvlayout.registration.shards import Shard
+    from kvlayout.transfer import block_map
+    from kvlayout.transfer.nixl import DEFAULT_COST, estimate
+
+    if args.dtype not in _DTYPES:
+        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
+    if args.tokens <= 0 or args.src_tp <= 0 or args.dst_tp <= 0:
+        raise KVLayoutError("--tokens, --src-tp and --dst-tp must be positive")
+    dtype, meta = getattr(torch, _DTYPES[args.dtype]), torch.device("meta")
+    sides = {}
+    for where in ("src", "dst"):
+        a = vars(args)
+        try:
+            reg = _detect(a[f"{where}_engine"], a[f"{where}_shape"], a[f"{where}_hint"], dtype, meta)
+        except (KVLayoutError, TypeError) as e:
+            raise KVLayoutError(f"--{where}-shape: detection refuses it: {e}") from None
+        group = reg.kernel_groups[0]
+        sides[where] = (reg, group)
+    heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
+    model_heads = args.kv_heads
+    if model_heads is None and heads["src"] is not None:
+        model_heads = heads["src"] * args.src_tp  # no replication unless --kv-heads says so
+    record: dict[str, Any] = {
+        "tokens": args.tokens, "blocks": args.blocks, "poster": args.poster,
+        "cost_model": DEFAULT_COST.source, "kv_heads": model_heads, "pairs": [],
+    }  # fmt: skip
+    for where, (_, group) in sides.items():
+        g = group.geometry
+        record[where] = {"format": group.format.name, "tp": vars(args)[f"{where}_tp"],
+                         "block_size": g.block_size, "num_blocks": g.num_blocks}  # fmt: skip
+    descs, ids = {}, {}
+    for where, (reg, group) in sides.items():
+        bs = group.geometry.block_size
+        descs[where] = reg.describe(block_size=bs, at=1 << 40 if where == "src" else 1 << 44)
+        needed = -(-args.tokens // bs) if bs else 0
+        ids[where] = _block_ids(args.blocks, needed, group.geometry.num_blocks, where)
+    for r in range(args.src_tp):
+        for d in range(args.dst_tp):
+            pair: dict[str, Any] = {"src_rank": r, "dst_rank": d}
+            try:
+                src_shard = None if model_heads is None else Shard(r, args.src_tp, model_heads)
+                dst_shard = None if model_heads is None else Shard(d, args.dst_tp, model_heads)
+                m = block_map(
+                    descs["src"], descs["dst"], ids["src"], ids["dst"], num_tokens=args.tokens,
+                    src_shard=src_shard, dst_shard=dst_shard,
+                )  # fmt: skip
+            except KVLayoutError as exc:
+                pair["refused"] = str(exc)
+                record["pairs"].append(pair)
+                continue
+            pair |= {"kind": m.kind, "reason": m.reason, "runs": m.num_runs, "bytes": m.num_bytes}
+            if m.num_runs:
+                est = estimate(m, poster=args.poster)
+                pair |= {"mean_run": m.num_bytes / m.num_runs, "op": est.op, "descriptors": est.descriptors,
+                         "predicted_s": est.predicted_s, "choice": est.choice}  # fmt: skip
+            record["pairs"].append(pair)
+    if args.json:
+        print(json.dumps(record, indent=2))
+        return 0
+    _print_plan(record)
+    return 0
+
+
+def _print_plan(r: dict[str, Any]) -> None:
+    s, d = r["src"], r["dst"]
+    print(
+        f"plan: {r['tokens']} tokens, {r['blocks']} block ids; src {s['format']} TP {s['tp']} "
+        f"(blocks of {s['block_size']}), dst {d['format']} TP {d['tp']} (blocks of {d['block_size']}); "
+        f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
+    )
+    for p in r["pairs"]:
+        head = f"  src rank {p['src_rank']} -> dst rank {p['dst_rank']}:"
+        if "refused" in p:
+            print(f"{head} cannot be served: {p['refused']}")
+        elif not p["runs"]:
+            print(f"{head} nothing to send ({p['reason']})")
+        else:
+            n, t = p["descriptors"], p["predicted_s"]
+            print(f"{head} {p['kind']}; {p['runs']} runs, {p['bytes']} bytes, mean run {p['mean_run']:.0f} B")
+            print(
+                f"    {p['op']}: direct {n['direct']} descriptors, {t['direct'] * 1e3:.2f} ms; staged "
+                f"{n['staged']} descriptors, {t['staged'] * 1e3:.2f} ms; choice: {p['choice']}"
+            )
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from kvlayout.tools.demo import run_demo
 
@@ -387,6 +518,33 @@ def build_parser() -> argparse.ArgumentParser:
         "--block-stride", type=int, default=None, help="elements between blocks when they are padded apart"
     )
     p.set_defaults(run=cmd_describe)
+    p = sub.add_parser(
+        "plan",
+        help="plan a prefill/decode transfer between two registrations (shapes only, no memory)",
+        description="Every rank pair of a transfer between two registrations given as detect takes them: "
+        "the block map's runs, bytes and mean run, the NIXL descriptors of each strategy, the predicted time "
+        "by the cost model's defaults and the choice, or why the pair cannot be served.",
+    )
+    for where in ("src", "dst"):
+        p.add_argument(f"--{where}-engine", required=True, help=f"the {where} engine, as detect's --engine")
+        p.add_argument(
+            f"--{where}-shape", required=True, help=f"the {where} registration, as detect's --shape"
+        )
+        p.add_argument(f"--{where}-hint", action="append", default=[], metavar="KEY=VALUE",
+                       help=f"a layout hint of the {where} side, repeatable")  # fmt: skip
+        p.add_argument(f"--{where}-tp", type=int, default=1, help=f"the {where} side's TP degree")
+    p.add_argument("--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(_DTYPES)}")
+    p.add_argument("--tokens", type=int, required=True, help="the request's tokens")
+    p.add_argument("--blocks", choices=("consecutive", "scattered"), default="scattered",
+                   help="the request's block ids on both sides")  # fmt: skip
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="the model's KV heads (default: src heads x src TP; "
+                   "needed where ranks replicate heads)")  # fmt: skip
+    p.add_argument("--poster", choices=("src", "dst"), default="dst",
+                   help="which side posts: dst READs (vLLM's decode side), src WRITEs")  # fmt: skip
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.set_defaults(run=cmd_plan)
+
     p = sub.add_parser(
         "detect",
         help="detect a registration described by its shapes (meta tensors, no memory)",

@@ -11,7 +11,8 @@ detected, grouped, then 64 scattered blocks (fewer in a small pool) go to 256-to
     stays zero.
 
 The vLLM hybrid example (Qwen3.5-0.8B through the group edits) needs vLLM; without it the
-demo says so and goes on.
+demo says so and goes on. The last section (:mod:`kvlayout.tools.demo_pd`) moves one
+request from a prefill cache here to a decode cache in another process through NIXL.
 """
 
 from __future__ import annotations
@@ -327,5 +328,8 @@ def run_demo(say: Callable[[str], None] = print) -> int:
         run_example(ex, say)
     for title, make in OPTIONAL_EXAMPLES:
         run_optional_example(title, make, say)
+    from kvlayout.tools.demo_pd import run_pd_demo
+
+    run_pd_demo(say)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return 0

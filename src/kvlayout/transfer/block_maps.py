@@ -193,6 +193,31 @@ class Side:
         """The side holds its tensors (a registration or a chunk), so ``copy()`` may run."""
         return self.owner is not None
 
+    # What a transfer engine reads of a side (kvlayout.transfer.nixl's MapSide).
+
+    @property
+    def is_local(self) -> bool:
+        """The side's tensors are in this process (a live side), not a peer's."""
+        return self.live
+
+    @property
+    def device_type(self) -> str:
+        return self.device[0]
+
+    @property
+    def device_index(self) -> int:
+        """The device id a transfer engine is given (0 for the CPU)."""
+        return self.device[1] or 0
+
+    @functools.cached_property
+    def tensor_spans(self) -> np.ndarray:
+        """``(K, 2)`` uint64: each tensor's first byte and its byte span (first byte to
+        past the last, padding between blocks included), from :attr:`spans`."""
+        start, period, block, blocks = (self.spans[:, i] for i in range(4))
+        out = np.stack([start, (blocks - np.uint64(1)) * period + block], axis=1).astype(np.uint64)
+        out.setflags(write=False)
+        return out
+
 
 def _data_kind(layout: Layout, kv: int, has_heads: bool) -> str:
     if layout.is_indexer:

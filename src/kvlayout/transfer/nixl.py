@@ -3,7 +3,10 @@ registers, NIXL moves the bytes (nothing of NIXL is re-implemented here).
 
 A map is read through :class:`NixlMap` (its byte runs and its two sides, each a
 :class:`MapSide`): exactly one side lives in this process (a registration), the other is
-a peer's description. From it come, for ``nixl_agent.get_xfer_descs``, the local and
+a peer's description. A :class:`~kvlayout.transfer.block_maps.BlockMap` between a live
+registration and a peer's :class:`~kvlayout.registration.peers.RegistrationDescription`
+is one as it is (its sides answer ``is_local``, ``device_type``, ``device_index`` and
+``tensor_spans``). From it come, for ``nixl_agent.get_xfer_descs``, the local and
 remote ``(N, 3)`` descriptor arrays (address, length, device id) and the op: ``"WRITE"``
 when the local side is the source, ``"READ"`` when it is the destination.
 
@@ -30,7 +33,6 @@ does not move KV through NIXL never loads it (:func:`make_agent` imports it on c
 
 from __future__ import annotations
 
-import ctypes
 import time
 import weakref
 from collections.abc import Iterable, Sequence
@@ -40,6 +42,7 @@ from typing import Any, Literal, NamedTuple, Protocol
 import numpy as np
 import torch
 
+from kvlayout import _native
 from kvlayout.registration.registration import KernelGroup, Registration
 from kvlayout.transfer import TransferError
 
@@ -47,6 +50,7 @@ __all__ = [
     "DEFAULT_COST",
     "CostModel",
     "Descriptors",
+    "Estimate",
     "LocalSide",
     "MapSide",
     "NixlError",
@@ -63,6 +67,7 @@ __all__ = [
     "calibrate",
     "copy_byte_runs",
     "descriptors",
+    "estimate",
     "local_side",
     "make_agent",
     "plan",
@@ -103,7 +108,7 @@ class MapSide(Protocol):
     """One side of a map, as this module reads it.
 
     A live registration in this process (``is_local``) or a peer's description (format,
-    sizes, addresses received at the handshake). ``spans`` is an ``(K, 2)`` uint64 array:
+    sizes, addresses received at the handshake). ``tensor_spans`` is a ``(K, 2)`` uint64 array:
     each tensor's start address and byte span (first byte to past the last); runs must
     fall inside them. ``device_type`` is ``"cpu"`` or ``"cuda"`` (DRAM or VRAM for
     NIXL); ``device_index`` is the device id NIXL is given (0 for the CPU).
@@ -119,7 +124,7 @@ class MapSide(Protocol):
     def device_index(self) -> int: ...
 
     @property
-    def spans(self) -> np.ndarray: ...
+    def tensor_spans(self) -> np.ndarray: ...
 
 
 class NixlMap(Protocol):
@@ -143,7 +148,7 @@ class LocalSide:
 
     device_type: str
     device_index: int
-    spans: np.ndarray
+    tensor_spans: np.ndarray
     is_local: bool = True
 
 
@@ -419,13 +424,13 @@ def _check_local(
 
 
 def _check_described(addr: np.ndarray, lengths: np.ndarray, remote: MapSide, peer: str, what: str) -> None:
-    starts, ends = _intervals(remote.spans)
+    starts, ends = _intervals(remote.tensor_spans)
     bad = _first_outside(addr, lengths, starts, ends)
     if bad >= 0:
         a, n = int(addr[bad]), int(lengths[bad])
         raise RefusedDescriptorError(
-            f"{what} {bad} ({a:#x}, {n} bytes) is outside the {len(remote.spans)} tensors peer {peer!r} "
-            "described; refused before posting"
+            f"{what} {bad} ({a:#x}, {n} bytes) is outside the {len(remote.tensor_spans)} tensors "
+            f"peer {peer!r} described; refused before posting"
         )
 
 
@@ -460,17 +465,52 @@ def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, wh
 # -- the local copy of the staged strategy ----------------------------------------------------
 
 
-def copy_byte_runs(runs: np.ndarray) -> None:
-    """Copy each ``(from, to, length)`` row of an ``(N, 3)`` uint64 array, host memory
-    to host memory, one ``memmove`` each.
+_COPY_PROBLEMS = {
+    1: "reads bytes outside the memory it copies from",
+    2: "writes bytes outside the memory it copies to",
+    3: "writes bytes another copy writes",
+    4: "writes bytes another copy reads",
+    5: "has no bytes",
+}
 
-    The staged strategy's gather (and a READ's scatter). It stands in for the block-map
-    executor (native, GIL released) until that lands, which then replaces this loop; the
-    addresses were validated against registered memory before it runs.
-    """
-    memmove = ctypes.memmove
-    for src, dst, n in runs.tolist():
-        memmove(dst, src, n)
+
+def _exact_spans(spans: np.ndarray) -> np.ndarray:
+    """``(start, bytes)`` stretches as the native engine's ``(start, period, block,
+    blocks)`` spans: one block each, overlapping stretches merged first."""
+    starts, ends = _intervals(spans)
+    n = ends - starts
+    return np.ascontiguousarray(np.stack([starts, n, n, np.ones_like(n)], axis=1), dtype=_U64)
+
+
+def _refuse_copy(runs: np.ndarray, problem: int, run: int) -> None:
+    if problem:
+        src, dst, n = (int(x) for x in runs[run])
+        raise RefusedDescriptorError(
+            f"local copy {run} ({src:#x} -> {dst:#x}, {n} bytes) {_COPY_PROBLEMS[problem]}; "
+            "nothing was copied"
+        )
+
+
+def _check_copies(runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray) -> None:
+    """Refuse (before any byte moves) copies that leave their memory or overlap."""
+    problem, run, _ = _native.validate_runs(runs, _exact_spans(from_spans), _exact_spans(to_spans))
+    _refuse_copy(runs, problem, run)
+
+
+def copy_byte_runs(
+    runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray, *, num_threads: int = 1
+) -> None:
+    """Copy each ``(from, to, length)`` row of an ``(N, 3)`` uint64 array, host memory to
+    host memory, on the block-map engine (``kvlayout._native.copy_runs``: native, GIL
+    released): the staged strategy's gather and a READ's scatter.
+
+    ``from_spans`` and ``to_spans`` (``(K, 2)``: start, bytes) are the memory the copies
+    may read and write; every run is checked against them before a byte moves
+    (:class:`RefusedDescriptorError` otherwise)."""
+    runs = np.ascontiguousarray(runs, dtype=_U64)
+    a, b = _exact_spans(from_spans), _exact_spans(to_spans)
+    problem, run, _, _ = _native.copy_runs(runs, a, b, num_threads)
+    _refuse_copy(runs, problem, run)
 
 
 class Staging:
@@ -521,15 +561,16 @@ class CostModel:
 
     The defaults are this project's measurement of NIXL over UCX's TCP transport on
     loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
-    of 256 B (about 18 us a descriptor); the copy figures are the ``memmove`` loop of
-    :func:`copy_byte_runs` on that machine. :func:`calibrate` measures the live pair.
+    of 256 B (about 18 us a descriptor); the copy figures are :func:`copy_byte_runs` (the
+    block-map engine) as ``calibrate`` measured it there (0.32 us a run, 6.3 GB/s, one
+    thread, loaded). :func:`calibrate` measures the live pair.
     """
 
     per_descriptor_s: float = 18e-6
     bandwidth: float = 0.65e9  # bytes/s
     per_transfer_s: float = 2e-4
-    copy_per_run_s: float = 1.5e-6
-    copy_bandwidth: float = 4e9  # bytes/s
+    copy_per_run_s: float = 0.35e-6
+    copy_bandwidth: float = 6e9  # bytes/s
     source: str = "defaults"
 
     def direct_s(self, descriptors: int, nbytes: int) -> float:
@@ -562,10 +603,24 @@ class Plan:
     num_runs: int
     num_bytes: int
     predicted_s: dict[str, float] = field(default_factory=dict)
+    copy_spans: tuple[np.ndarray, np.ndarray] | None = None  # (K, 2) memory copies read, write
 
     @property
     def num_descriptors(self) -> int:
         return len(self.local)
+
+    def check_copy(self) -> None:
+        """Refuse a staged plan whose local copy leaves its memory (before any byte moves)."""
+        if self.copies is not None:
+            assert self.copy_spans is not None
+            _check_copies(self.copies, *self.copy_spans)
+
+    def copy(self, num_threads: int = 1) -> None:
+        """Run the local copy of a staged plan (the gather before a WRITE, the scatter
+        after a READ) on the block-map engine; nothing for a direct plan."""
+        if self.copies is not None:
+            assert self.copy_spans is not None
+            copy_byte_runs(self.copies, *self.copy_spans, num_threads=num_threads)
 
 
 def _stretches(
@@ -583,7 +638,7 @@ def _stretches(
     first = np.flatnonzero(new)
     if len(first) < len(r):
         ends = np.r_[first[1:], len(r)] - 1
-        starts, stops = _intervals(remote.spans)
+        starts, stops = _intervals(remote.tensor_spans)
         k = np.searchsorted(starts, r[first], side="right").astype(np.int64) - 1
         ok = (k >= 0) & (r[ends] + n[ends] <= stops[np.maximum(k, 0)])
         if not ok.all():  # a stretch crossing from one tensor into the next: split it into its runs
@@ -634,11 +689,47 @@ def plan(
     local = s.local_addr[order]
     copies[:, 0], copies[:, 1] = (local, at) if s.op == "WRITE" else (at, local)
     copies[:, 2] = s.lengths[order]
+    held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
     return Plan(
         "staged", s.op, _rows(base + offsets[first], stretch_bytes, s.local.device_index),
         _rows(s.remote_addr[order][first], stretch_bytes, s.remote.device_index), local_mem, remote_mem,
-        copies, num_runs, num_bytes, predicted,
+        copies, num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held),
     )  # fmt: skip
+
+
+class Estimate(NamedTuple):
+    """What a map would cost before anything exists to post it (:func:`estimate`)."""
+
+    op: Op
+    num_runs: int
+    num_bytes: int
+    descriptors: dict[str, int]  # per strategy
+    predicted_s: dict[str, float]  # per strategy
+    choice: Literal["direct", "staged"]
+
+
+def estimate(
+    block_map: NixlMap, *, poster: Literal["src", "dst"] = "dst", cost: CostModel | None = None
+) -> Estimate:
+    """Descriptors and predicted seconds of each strategy for a map whose sides need not
+    be live (two descriptions, at planning time), posted by ``poster`` (``"dst"``: a READ,
+    as vLLM's decode side posts; ``"src"``: a WRITE), and the strategy ``"auto"`` picks
+    given a staging buffer large enough: what :func:`plan` would choose."""
+    if poster not in ("src", "dst"):
+        raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
+    runs = block_map.runs
+    remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
+    lengths = runs[:, 2]
+    num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
+    _, _, first = _stretches(runs[:, col], lengths, remote)
+    model = cost or DEFAULT_COST
+    predicted = {
+        "direct": model.direct_s(num_runs, num_bytes),
+        "staged": model.staged_s(len(first), num_runs, num_bytes),
+    }
+    choice: Literal["direct", "staged"] = "staged" if predicted["staged"] < predicted["direct"] else "direct"
+    op: Op = "WRITE" if poster == "src" else "READ"
+    return Estimate(op, num_runs, num_bytes, {"direct": num_runs, "staged": len(first)}, predicted, choice)
 
 
 # -- the prepped form --------------------------------------------------------------------------
@@ -733,17 +824,17 @@ def prep_lists(
     if not local.is_local or remote.is_local:
         raise TransferError("prep_lists takes the local side first, then the peer's")
     local_mem, remote_mem = _mem_type(local, "local"), _mem_type(remote, "remote")
-    held = local.spans if staging is None else np.concatenate([local.spans, staging.span])
+    held = local.tensor_spans if staging is None else np.concatenate([local.tensor_spans, staging.span])
     starts, ends = _intervals(held)
     _check_local(agent, starts, ends - starts, local_mem, local.device_index, "local stretch")
-    spans = np.asarray(remote.spans, dtype=_U64).reshape(-1, 2)
+    spans = np.asarray(remote.tensor_spans, dtype=_U64).reshape(-1, 2)
     _refuse_unregistered(
         agent, peer, _rows(spans[:, 0], spans[:, 1], remote.device_index), remote_mem, "described tensor"
     )
     return Prepped(
         peer,
         _prep_list(agent, "NIXL_INIT_AGENT", held, unit, local.device_index, local_mem),
-        _prep_list(agent, peer, remote.spans, unit, remote.device_index, remote_mem),
+        _prep_list(agent, peer, remote.tensor_spans, unit, remote.device_index, remote_mem),
     )
 
 
@@ -809,8 +900,8 @@ class Transfer:
             raise self._fail('check_xfer_state returned "ERR"')
         if state != "DONE":
             return False
-        if self.plan.copies is not None and self.plan.op == "READ":
-            copy_byte_runs(self.plan.copies)
+        if self.plan.op == "READ":
+            self.plan.copy()  # the scatter out of staging (checked before posting)
         seconds = time.perf_counter() - self.posted_at
         count = self.plan.num_descriptors
         try:
@@ -888,6 +979,7 @@ def transfer(
     if p.copies is not None:
         _check_local(agent, p.local[:, 0], p.local[:, 1], p.local_mem, local_dev, "staged descriptor")
     _check_described(s.remote_addr, s.lengths, s.remote, peer, "remote run")
+    p.check_copy()
     try:
         if prepped is not None:
             if prepped.peer != peer:
@@ -907,8 +999,8 @@ def transfer(
         if prepped is None:  # name the descriptor NIXL found outside the peer's registration
             _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")
         raise NixlError(f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}") from exc
-    if p.copies is not None and p.op == "WRITE":
-        copy_byte_runs(p.copies)  # gather into staging: validated above, nothing posted yet
+    if p.op == "WRITE":
+        p.copy()  # gather into staging: validated above, nothing posted yet
     xfer = Transfer(agent, peer, p, handle, staging)
     if staging is not None and p.copies is not None:
         staging.busy = True
@@ -968,7 +1060,7 @@ def calibrate(
     if op not in ("READ", "WRITE"):
         raise TransferError(f"op must be 'READ' or 'WRITE', not {op!r}")
     peer = _peer_name(peer)
-    starts, ends = _intervals(remote.spans)
+    starts, ends = _intervals(remote.tensor_spans)
     if len(starts) == 0:
         raise TransferError(f"peer {peer!r} described no memory to calibrate against")
     k = int(np.argmax(ends - starts))
@@ -997,11 +1089,13 @@ def calibrate(
             for name in ("one", "many", "big")
         }
     half = scratch.numel() // 2
-    runs = _rows(addr + spaced[: count // 2], np.full(count // 2, small, _U64), 0)
-    runs[:, 1] = addr + half + spaced[: count // 2]  # (from, to, length) within the scratch
-    c_runs = min(_timed(lambda: copy_byte_runs(runs)) for _ in range(repeats))
+    runs = np.empty((count // 2, 3), dtype=_U64)  # (from, to, length) within the scratch
+    lo_at = addr + spaced[: count // 2]
+    runs[:, 0], runs[:, 1], runs[:, 2] = lo_at, lo_at + np.uint64(half), small
+    lo, hi = np.array([[addr, half]], _U64), np.array([[addr + half, half]], _U64)
+    c_runs = min(_timed(lambda: copy_byte_runs(runs, lo, hi)) for _ in range(repeats))
     whole = np.array([[addr, addr + half, half]], _U64)
-    c_big = min(_timed(lambda: copy_byte_runs(whole)) for _ in range(repeats))
+    c_big = min(_timed(lambda: copy_byte_runs(whole, lo, hi)) for _ in range(repeats))
     return CostModel(
         per_descriptor_s=max((t["many"] - t["one"]) / (count - 1), 1e-9),
         bandwidth=nbytes / max(t["big"] - t["one"], 1e-9),

@@ -1,0 +1,248 @@
+"""Real block maps through real NIXL between two processes, byte-exact by the offset oracle.
+
+This process and a peer (``kvlayout.testing.nixl_peer``) each hold a real kvlayout cache;
+the peer's is built there from a small :class:`CacheSpec` sent over the pipe and comes
+back as its ``describe(shard=...).to_json()`` (the handshake). Each case plans the map
+with ``block_map(live registration, RegistrationDescription)``, moves it with both
+strategies in both descriptor forms (the peer's cache refilled between), and checks the
+destination against the offset oracle of ``test_block_maps`` (every request byte where
+the layouts put it, every other byte unchanged), computed on twins of both caches built
+here from the same seeds. A description that lies is refused before anything is posted.
+
+Bounded: caches of tens of KiB, one peer for the module, every answer and wait with a
+deadline, and a hard limit on the module (faulthandler).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from kvlayout import EngineKVFormat as F
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.shards import Shard
+from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, build_cache, cache_sizes, contents
+from kvlayout.transfer import BlockMap, PeerDescriptionError, RegistrationDescription, block_map
+from kvlayout.transfer import nixl as nx
+from tests.transfer.registrations import Registration
+from tests.transfer.test_block_maps import Side, canonical
+
+MODULE_LIMIT_S = 240
+HEADS = 4  # the model's KV heads
+ROW = 8  # elements of a head's row (bf16: 16 bytes)
+TOKENS = 40
+NHD, HND = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS  # vLLM flash-attn and its HND twin
+SGLANG = F.TWO_X_NL_X_NBBS_NH_HS  # SGLang's MHA pool: per-layer K and V, token-major pages
+MLA = F.NL_X_NB_BS_HS  # vLLM's MLA latents
+
+
+@dataclass
+class Pair:
+    agent: nx.Agent
+    peer: NixlPeer
+    name: str
+    staging: nx.Staging
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
+    peer = NixlPeer("kvl-maps-peer", [4096])
+    try:
+        agent = nx.make_agent("kvl-maps-local", progress_thread=False)
+        name = agent.add_remote_agent(peer.metadata).decode()
+        with nx.Staging(agent, 1 << 20) as staging:
+            yield Pair(agent, peer, name, staging)
+    finally:
+        peer.close()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def handshake(pair: Pair, s: CacheSpec) -> str:
+    """The peer builds and describes ``s``; its new NIXL metadata is loaded here."""
+    text = pair.peer.cache(s)
+    pair.agent.remove_remote_agent(pair.name)
+    assert pair.agent.add_remote_agent(pair.peer.metadata) == pair.name.encode()
+    return text
+
+
+def spec(fmt: F, tp: tuple[int, int], block_size: int, seed: int) -> CacheSpec:
+    rank, size = tp
+    heads = 1 if fmt is MLA else len(Shard(rank, size, HEADS).heads)
+    return CacheSpec(fmt.name, 2, 8, block_size, heads, 4 * ROW if fmt is MLA else ROW,
+                     shard=(rank, size, HEADS), seed=seed)  # fmt: skip
+
+
+def twin(s: CacheSpec) -> Side:
+    """The oracle's view of a spec's cache, built in this process."""
+    reg, leaves = build_cache(s)
+    fmt = F[s.format]
+    sizes = cache_sizes(s)
+    bases = [t.view(-1).view(torch.uint8) for t in leaves]
+    shard = Shard(*s.shard) if s.shard else Shard(0, 1, 1)
+    return Side(fmt, sizes, Registration(reg, leaves, bases), reg, shard, s.block_size, 0)
+
+
+def expected(src: Side, dst: Side, src_ids: list[int], dst_ids: list[int]) -> list[np.ndarray]:
+    """The destination's tensors after the request moved, by the offset oracle."""
+    if src.layout.symbol_of(Role.HEAD):
+        a, b = src.shard.heads, dst.shard.heads
+        heads = range(max(a.start, b.start), max(a.start, b.start, min(a.stop, b.stop)))
+    else:
+        heads = range(1)
+    s_ptr, s_byte = canonical(src, TOKENS, src_ids, heads)
+    d_ptr, d_byte = canonical(dst, TOKENS, dst_ids, heads)
+    out = [b.numpy().copy() for b in dst.reg.bases]
+    src_bytes = [b.numpy() for b in src.reg.bases]
+    values = np.empty(len(s_byte), dtype=np.uint8)
+    for t in np.unique(s_ptr):
+        values[s_ptr == t] = src_bytes[t][s_byte[s_ptr == t]]
+    for t in np.unique(d_ptr):
+        out[t][d_byte[d_ptr == t]] = values[d_ptr == t]
+    return out
+
+
+def unit_of(m: BlockMap, p: nx.Plan) -> int:
+    """The largest unit every descriptor of both strategies is whole units of, at
+    unit-aligned offsets in its tensor (or the staging buffer): the prepped lists' unit."""
+    values = [m.runs[:, 2]]
+    for side, col in ((m.src, 0), (m.dst, 1)):
+        spans = side.tensor_spans
+        k = np.searchsorted(spans[:, 0], m.runs[:, col], side="right") - 1
+        values.append(m.runs[:, col] - spans[k, 0])
+    values += [p.local[:, 1], p.local[:, 0] - np.uint64(p.local[0, 0])]  # staged stretches
+    return int(np.gcd.reduce(np.concatenate(values).astype(np.int64)))
+
+
+def ids(rng: np.random.Generator, s: CacheSpec) -> list[int]:
+    return [int(b) for b in rng.permutation(s.blocks)[: -(-TOKENS // s.block_size)]]
+
+
+def leaf_bytes(leaves: list[torch.Tensor]) -> list[np.ndarray]:
+    return [t.view(-1).view(torch.uint8).numpy() for t in leaves]
+
+
+def refill(leaves: list[torch.Tensor], seed: int) -> None:
+    for i, b in enumerate(leaf_bytes(leaves)):
+        b[:] = contents(seed, i, len(b))
+
+
+# (name, source format, TP rank/size, block size, destination format, rank/size, block size)
+CASES = [
+    ("same layout", NHD, (0, 1), 16, NHD, (0, 1), 16),
+    ("TP 1->2 NHD", NHD, (0, 1), 16, NHD, (1, 2), 16),
+    ("TP 2->1 NHD", NHD, (1, 2), 16, NHD, (0, 1), 16),
+    ("TP 2->4 NHD", NHD, (0, 2), 16, NHD, (1, 4), 16),
+    ("TP 1->2 HND", HND, (0, 1), 16, HND, (1, 2), 16),
+    ("TP 2->1 HND", HND, (1, 2), 16, HND, (0, 1), 16),
+    ("TP 2->4 HND", HND, (1, 2), 16, HND, (2, 4), 16),
+    ("NHD->HND", NHD, (0, 1), 16, HND, (0, 1), 16),
+    ("block 16->32", NHD, (0, 1), 16, NHD, (0, 1), 32),
+    ("block 64->16", HND, (0, 1), 64, NHD, (0, 1), 16),
+    ("MLA TP 1->2", MLA, (0, 1), 16, MLA, (1, 2), 16),
+    ("vLLM->SGLang TP 2->4", NHD, (1, 2), 16, SGLANG, (3, 4), 16),
+]
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+@pytest.mark.parametrize(("name", "sf", "stp", "sbs", "df", "dtp", "dbs"), CASES, ids=[c[0] for c in CASES])
+def test_real_block_maps_move_byte_exactly_through_nixl(
+    pair: Pair,
+    op: str,
+    name: str,
+    sf: F,
+    stp: tuple[int, int],
+    sbs: int,
+    df: F,
+    dtp: tuple[int, int],
+    dbs: int,
+) -> None:
+    """Both strategies in both forms; ``op`` says which side is here (WRITE: the source)."""
+    s_spec, d_spec = spec(sf, stp, sbs, seed=11), spec(df, dtp, dbs, seed=12)
+    local_spec, remote_spec = (s_spec, d_spec) if op == "WRITE" else (d_spec, s_spec)
+    desc = RegistrationDescription.from_json(handshake(pair, remote_spec))
+    local, local_leaves = build_cache(local_spec)
+    src_side, dst_side = twin(s_spec), twin(d_spec)
+    rng = np.random.default_rng(len(name))
+    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
+    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
+    if op == "WRITE":
+        m = block_map(local, desc, src_ids, dst_ids, src_shard=s_spec.the_shard, **kw)
+    else:
+        m = block_map(desc, local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw)
+    want = expected(src_side, dst_side, src_ids, dst_ids)
+    assert m.num_bytes > 0
+    here, there = (m.src, m.dst) if op == "WRITE" else (m.dst, m.src)
+    staged = nx.plan(m, strategy="staged", staging=pair.staging)
+    unit = unit_of(m, staged)
+    with nx.register(pair.agent, local):
+        prepped = nx.prep_lists(pair.agent, pair.name, here, there, unit, staging=pair.staging)
+        for strategy in ("direct", "staged"):
+            for form in ("list", "prepped"):
+                result = nx.transfer(
+                    pair.agent, pair.name, m, strategy=strategy, staging=pair.staging,
+                    prepped=prepped if form == "prepped" else None, notif=name.encode(),
+                ).wait(timeout=30)  # fmt: skip
+                assert (result.strategy, result.num_bytes) == (strategy, m.num_bytes)
+                got = pair.peer.cache_bytes() if op == "WRITE" else leaf_bytes(local_leaves)
+                for i, (g, w) in enumerate(zip(got, want, strict=True)):
+                    assert np.array_equal(g, w), f"{name} {op} {strategy} {form}: tensor {i} differs"
+                if op == "WRITE":
+                    pair.peer.refill_cache()
+                else:
+                    refill(local_leaves, local_spec.seed)
+    assert pair.peer.notifs(expect=4) == [name.encode()] * 4
+
+
+def lying(text: str, edit: Any) -> str:
+    data = json.loads(text)
+    edit(data["groups"][0]["planes"][0])
+    return json.dumps(data)
+
+
+def shift_addresses(plane: dict[str, Any]) -> None:
+    plane["addresses"] = [a + (1 << 40) for a in plane["addresses"]]  # memory it never registered
+
+
+def more_blocks(plane: dict[str, Any]) -> None:
+    plane["sizes"]["NB"] *= 2  # the shape and strides still say 8 blocks
+
+
+@pytest.mark.parametrize("form", ["list", "prepped"])
+def test_a_description_that_lies_is_refused_before_anything_is_posted(pair: Pair, form: str) -> None:
+    s_spec, d_spec = spec(NHD, (0, 1), 16, seed=21), spec(HND, (1, 2), 16, seed=22)
+    truth = handshake(pair, d_spec)
+    with pytest.raises(
+        PeerDescriptionError, match=r"planes\[0\]\.shape is \[2, 8, 2, 16, 8\]; .* is \[2, 16, 2, 16, 8\]"
+    ):
+        RegistrationDescription.from_json(lying(truth, more_blocks))
+    desc = RegistrationDescription.from_json(lying(truth, shift_addresses))  # self-consistent, but false
+    local, _ = build_cache(s_spec)
+    m = block_map(local, desc, [3, 1, 5], [0, 6, 2], num_tokens=TOKENS, src_shard=s_spec.the_shard)
+    before = pair.peer.cache_bytes()
+    pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
+    refused = pytest.raises(nx.RefusedDescriptorError, match="not inside memory it registered with NIXL")
+    with nx.register(pair.agent, local), refused:
+        if form == "prepped":
+            nx.prep_lists(pair.agent, pair.name, m.src, m.dst, 16)
+        else:
+            nx.transfer(pair.agent, pair.name, m, strategy="direct", notif=b"lie")
+    assert all(np.array_equal(a, b) for a, b in zip(pair.peer.cache_bytes(), before, strict=True))
+    assert pair.peer.notifs(expect=0, wait=0.2) == []
+
+
+def test_a_twin_is_the_peer_cache_byte_for_byte(pair: Pair) -> None:
+    """The oracle's premise: a spec builds the same bytes in both processes."""
+    s = replace(spec(SGLANG, (0, 2), 16, seed=5), blocks=2)
+    handshake(pair, s)
+    side = twin(s)
+    assert all(
+        np.array_equal(a, b.numpy()) for a, b in zip(pair.peer.cache_bytes(), side.reg.bases, strict=True)
+    )
