@@ -19,6 +19,7 @@
 
 #include "kvlayout/engine_kv_format.h"
 #include "kvlayout/indexing.cuh"
+#include "stream_copy.h"
 #include "transfer.h"
 
 namespace nb = nanobind;
@@ -94,8 +95,11 @@ kvlayout::transfer::Job make_job(const JobArgs& a) {
 
 class TransferPlan {
  public:
-  TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes)
-      : plan_(make_jobs(job_args)), num_blocks_(num_blocks), options_{checked_order(order), stream_min_bytes} {}
+  TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes,
+               bool prefetch)
+      : plan_(make_jobs(job_args)),
+        num_blocks_(num_blocks),
+        options_{checked_order(order), stream_min_bytes, prefetch} {}
 
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
@@ -132,6 +136,32 @@ class TransferPlan {
   std::int64_t num_blocks_;
   kvlayout::transfer::Options options_;
 };
+
+using RunArray = nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_contig, nb::device::cpu>;
+
+// copy_runs over an (N, 3) table of (source, destination, length), for its tests: with
+// streaming false the memcpy path runs even where the CPU has AVX2.
+void copy_byte_runs(RunArray runs, bool streaming) {
+  static_assert(sizeof(kvlayout::ByteRun) == 24, "a run is three uint64");
+  const auto* table = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  const std::size_t n = runs.shape(0);
+  nb::gil_scoped_release release;
+  if (streaming) return kvlayout::copy_byte_runs(table, n);
+  kvlayout::stream::copy_runs(false, table, n);
+}
+
+// The benchmarks' flat streaming copy of nbytes, split in contiguous parts over up to
+// num_threads pool threads; returns the threads used.
+int flat_stream(std::uintptr_t dst, std::uintptr_t src, std::uint64_t nbytes, int num_threads) {
+  nb::gil_scoped_release release;
+  if (nbytes == 0) return 0;
+  const std::uint64_t wanted = std::clamp<std::uint64_t>(num_threads, 1, nbytes);
+  return kvlayout::transfer::WorkerPool::instance().run(static_cast<int>(wanted), [&](int part, int parts) {
+    const std::uint64_t per = (nbytes + parts - 1) / parts;
+    const std::uint64_t lo = part * per, hi = std::min(nbytes, lo + per);
+    if (lo < hi) kvlayout::stream::flat_stream(reinterpret_cast<char*>(dst + lo), reinterpret_cast<const char*>(src + lo), hi - lo);
+  });
+}
 
 using SegmentArray = nb::ndarray<nb::numpy, std::uint8_t, nb::shape<-1, sizeof(kvlayout::plan::Segment)>>;
 using UnitArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 4>>;
@@ -247,10 +277,11 @@ NB_MODULE(_native, m) {
   nb::class_<TransferPlan>(m, "TransferPlan",
                            "A registration's copy jobs, built once; run() moves blocks with raw pointers "
                            "(kvlayout.transfer validates, and keeps the tensors alive).")
-      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t>(), "jobs"_a, "num_blocks"_a,
-           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes,
+      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, bool>(), "jobs"_a, "num_blocks"_a,
+           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes, "prefetch"_a = true,
            "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
-           "stream_min_bytes write with streaming stores (both knobs exist for tests and benchmarks).")
+           "stream_min_bytes write with streaming stores; prefetch false leaves the pages and lines of the "
+           "coming moves to the hardware (the knobs exist for tests and benchmarks).")
       .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
            "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "
@@ -279,6 +310,13 @@ NB_MODULE(_native, m) {
         "job, for the CUDA plan.");
   m.def("device_units", &device_units, "job"_a, "block_ids"_a, "chunk_tokens"_a, "blocks_per_chunk"_a, "skip"_a,
         "unit"_a, "The units the CUDA grid copies for a job, by the kernels' mapping run on the host (for tests).");
+
+  m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true,
+        "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "
+        "released (raw addresses: for tests; streaming=False takes the memcpy path).");
+  m.def("flat_stream", &flat_stream, "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a = 1,
+        "A flat streaming copy of nbytes from src to dst (32-byte loads, non-temporal stores; raw addresses, for "
+        "the benchmarks' baseline), on up to num_threads pool threads. Returns the threads used.");
 
   m.def("pool_workers", [] { return kvlayout::transfer::WorkerPool::instance().num_workers(); },
         "Worker threads the transfer pool has created so far (they persist across calls).");
