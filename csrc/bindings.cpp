@@ -19,6 +19,7 @@
 
 #include "kvlayout/engine_kv_format.h"
 #include "kvlayout/indexing.cuh"
+#include "kvlayout/run_plan.h"
 #include "stream_copy.h"
 #include "transfer.h"
 
@@ -161,6 +162,57 @@ int flat_stream(std::uintptr_t dst, std::uintptr_t src, std::uint64_t nbytes, in
     const std::uint64_t lo = part * per, hi = std::min(nbytes, lo + per);
     if (lo < hi) kvlayout::stream::flat_stream(reinterpret_cast<char*>(dst + lo), reinterpret_cast<const char*>(src + lo), hi - lo);
   });
+}
+
+using RunTable = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 3>>;
+
+const kvlayout::runs::Run* runs_of(const RunArray& runs) {
+  static_assert(sizeof(kvlayout::runs::Run) == 3 * sizeof(std::uint64_t), "a run is three uint64");
+  return reinterpret_cast<const kvlayout::runs::Run*>(runs.data());
+}
+
+// The CUDA run executor's work items (kvlayout/run_plan.h), each as three uint64 (offset,
+// bytes, run | count << 32: the device's bytes); ValueError for a run that wraps around.
+RunTable plan_run_items(RunArray runs) {
+  const auto items = kvlayout::runs::plan_items(runs_of(runs), runs.shape(0));
+  auto* out = new std::uint64_t[items.size() * 3];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  std::memcpy(out, items.data(), items.size() * sizeof(kvlayout::runs::Item));
+  return RunTable(out, {items.size(), 3}, owner);
+}
+
+using UnitRows = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 5>>;
+
+// Every unit the CUDA grid copies for the runs through the items, by the kernel's own
+// mapping compiled for the host: rows (run, offset in the run, width, source, destination),
+// thread by thread (for tests).
+UnitRows run_units(RunArray runs, RunArray items) {
+  namespace kr = kvlayout::runs;
+  const kr::Run* table = runs_of(runs);
+  const auto* plan = reinterpret_cast<const kr::Item*>(items.data());
+  const std::size_t n = runs.shape(0);
+  std::vector<std::uint64_t> rows;
+  for (std::size_t i = 0; i < items.shape(0); ++i) {
+    const kr::Item& item = plan[i];
+    if (item.run >= n || (item.count != 0 && item.run + std::uint64_t{item.count} > n) ||
+        (item.count == 0 && (item.offset > table[item.run].len || item.bytes > table[item.run].len - item.offset)))
+      throw nb::value_error("an item lies outside the runs");
+    for (std::uint32_t t = 0; t < kr::kThreads; ++t) {
+      const std::uint32_t run = item.count == 0 ? item.run : item.run + t / kr::kWarp;
+      const auto record = [&](std::uint64_t s, std::uint64_t d, std::uint64_t width) {
+        rows.insert(rows.end(), {run, s - table[run].src, width, s, d});
+      };
+      kr::for_each_unit_of(
+          item, table, t, [&](std::uint64_t s, std::uint64_t d) { record(s, d, 1); },
+          [&](std::uint32_t unit, std::uint64_t s, std::uint64_t d, std::uint64_t step, std::uint32_t count) {
+            for (std::uint32_t k = 0; k < count; ++k) record(s + k * step, d + k * step, unit);
+          });
+    }
+  }
+  auto* out = new std::uint64_t[rows.size()];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  std::copy(rows.begin(), rows.end(), out);
+  return UnitRows(out, {rows.size() / 5, 5}, owner);
 }
 
 using SegmentArray = nb::ndarray<nb::numpy, std::uint8_t, nb::shape<-1, sizeof(kvlayout::plan::Segment)>>;
@@ -317,6 +369,13 @@ NB_MODULE(_native, m) {
   m.def("flat_stream", &flat_stream, "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a = 1,
         "A flat streaming copy of nbytes from src to dst (32-byte loads, non-temporal stores; raw addresses, for "
         "the benchmarks' baseline), on up to num_threads pool threads. Returns the threads used.");
+
+  m.def("plan_run_items", &plan_run_items, "runs"_a.noconvert(),
+        "The CUDA run executor's thread-block work items of an (N, 3) uint64 run table, as an (M, 3) uint64 "
+        "array (offset, bytes, run | count << 32).");
+  m.def("run_units", &run_units, "runs"_a.noconvert(), "items"_a.noconvert(),
+        "Every unit the CUDA run kernel copies, by its mapping run on the host: rows (run, offset, width, "
+        "source, destination) (for tests).");
 
   m.def("pool_workers", [] { return kvlayout::transfer::WorkerPool::instance().num_workers(); },
         "Worker threads the transfer pool has created so far (they persist across calls).");
