@@ -14,6 +14,9 @@ BUILT := $(VENV)/.kvlayout-built
 # The editable install maps the modules it saw, so a new module under src/ reinstalls too.
 PACKAGE_SOURCES := $(shell find csrc src -type f -not -path '*/__pycache__/*') CMakeLists.txt pyproject.toml
 NVCC ?= $(shell command -v nvcc 2>/dev/null)
+# Every kernel source the register budget holds (tests/transfer/test_ptxas_budget.py checks
+# that this is all of csrc/cuda/*.cu).
+CUDA_KERNELS := csrc/cuda/transfer_kernels.cu csrc/cuda/run_kernels.cu
 # pip's expected noise on a fresh machine: find-links folders this machine does not have,
 # and the resolver listing the dependencies vLLM is installed without on purpose. Real
 # errors still print, and pipefail keeps pip's exit status.
@@ -69,15 +72,18 @@ codegen-check: $(TOOLS)
 pytest: build
 	$(PY) -m pytest -q
 
-# Compile-only: the generated indexers and the transfer kernels must be valid CUDA (no GPU
+# Compile-only: the generated indexers and the CUDA kernels must be valid CUDA (no GPU
 # needed; `make build` also links kvlayout._cuda when CMake finds the toolkit), and every
-# transfer kernel must fit 64 registers without spilling, on Ampere and Hopper.
+# kernel (block transfer, run copy) must fit 64 registers without spilling, on Ampere and
+# Hopper.
 nvcc-check: $(TOOLS)
 ifneq ($(NVCC),)
 	$(NVCC) -std=c++17 -Icsrc/include -x cu -c tests/transfer/cuda/compile_indexers.cu -o /dev/null
-	$(PY) scripts/ptxas_budget.py 64 -- $(NVCC) -std=c++17 -gencode arch=compute_80,code=sm_80 \
-		-gencode arch=compute_90,code=sm_90 -Icsrc/include -Icsrc -c csrc/cuda/transfer_kernels.cu -o /dev/null
-	@echo "nvcc: generated indexers and transfer kernels compile as CUDA, kernels within 64 registers"
+	for cu in $(CUDA_KERNELS); do \
+		$(PY) scripts/ptxas_budget.py 64 -- $(NVCC) -std=c++17 -gencode arch=compute_80,code=sm_80 \
+			-gencode arch=compute_90,code=sm_90 -Icsrc/include -Icsrc -c $$cu -o /dev/null || exit 1; \
+	done
+	@echo "nvcc: generated indexers, transfer and run-copy kernels compile as CUDA, kernels within 64 registers"
 else
 	@echo "nvcc not found: skipping the CUDA compile check"
 endif

@@ -7,6 +7,9 @@ chunks of 16 blocks, and back. In the same run, for the same bytes:
     contiguous run, on the row's thread count (compiled here with the system C compiler;
     its block-major and layer-major orders both run, the faster counts; its output is
     checked equal to ours first);
+  - flat stream: one contiguous buffer of that many bytes copied with 32-byte loads and
+    non-temporal stores (``kvlayout._native.flat_stream``, C++ in the extension), on the
+    row's thread count, timed alternately with ours: the machine's streaming limit;
   - plain copy: ``dst.copy_(src)`` of one contiguous buffer of that many bytes;
   - best torch: ``index_select``/``index_copy_`` into preallocated buffers (a strided view
     per K/V half where torch can take one, a gather plus transposing copy where it cannot),
@@ -51,6 +54,7 @@ import torch
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
+from kvlayout import _native
 from kvlayout.transfer import prepare, store_blocks
 
 NL, NB, BS, NH, HS, MLA_HS = 32, 2048, 16, 8, 128, 576
@@ -293,6 +297,18 @@ def timed(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(runs)
 
 
+def timed_pair(a: Callable[[], object], b: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Medians of ``a`` and ``b`` run alternately, so both see the same machine load."""
+    a(), b()
+    runs: tuple[list[float], list[float]] = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((a, runs[0]), (b, runs[1])):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return statistics.median(runs[0]), statistics.median(runs[1])
+
+
 def run_format(
     case: Case,
     library: ctypes.CDLL,
@@ -327,14 +343,18 @@ def run_format(
             def c_run(layer_major: bool, store: bool = direction == "store", n: int = threads) -> None:
                 gather(store, layer_major, n)
 
-            ours = timed(ours_run, repeats)
+            def flat_run(n: int = threads) -> None:
+                _native.flat_stream(dst.data_ptr(), src.data_ptr(), nbytes, n)
+
+            ours, flat = timed_pair(ours_run, flat_run, repeats)
             c_best = min(timed(lambda: c_run(False), repeats), timed(lambda: c_run(True), repeats))
             best_torch = min(timed(torch_run, repeats), torch_best.get(direction, float("inf")))
             torch_best[direction] = best_torch
-            gbs = [nbytes / t / 1e9 for t in (ours, c_best, plain, best_torch)]
+            gbs = [nbytes / t / 1e9 for t in (ours, c_best, flat, plain, best_torch)]
             rows.append(
                 f"{case.label:<20}{direction:<6}{threads:>4}{gbs[0]:>10.2f}{gbs[1]:>8.2f}{gbs[2]:>10.2f}"
-                f"{gbs[3]:>11.2f}{c_best / ours:>8.2f}x{plain / ours:>8.2f}x{best_torch / ours:>9.2f}x"
+                f"{gbs[3]:>10.2f}{gbs[4]:>11.2f}{c_best / ours:>8.2f}x{flat / ours:>8.2f}x"
+                f"{plain / ours:>8.2f}x{best_torch / ours:>9.2f}x"
             )
     return rows
 
@@ -407,8 +427,8 @@ def main() -> None:
     print(__doc__.split("\n\n")[1].replace("\n", " "))
     print()
     header = (
-        f"{'format':<20}{'dir':<6}{'thr':>4}{'ours GB/s':>10}{'C GB/s':>8}{'copy GB/s':>10}{'torch GB/s':>11}"
-        f"{'vs C':>9}{'vs copy':>9}{'vs torch':>10}"
+        f"{'format':<20}{'dir':<6}{'thr':>4}{'ours GB/s':>10}{'C GB/s':>8}{'flat GB/s':>10}{'copy GB/s':>10}"
+        f"{'torch GB/s':>11}{'vs C':>9}{'vs flat':>9}{'vs copy':>9}{'vs torch':>10}"
     )
     print(header)
     print("-" * len(header))
@@ -421,8 +441,8 @@ def main() -> None:
             for line in run_format(make_case(fmt), library, block_ids, ids, threads, args.repeats):
                 print(line, flush=True)
     print(
-        "\nvs C / vs copy / vs torch = ours over the C gather / plain copy / best torch bandwidth "
-        "(higher is better)"
+        "\nvs C / vs flat / vs copy / vs torch = ours over the C gather / flat stream / plain copy / "
+        "best torch bandwidth (higher is better; targets: one thread, vs flat >= 0.9x NHD-like, >= 0.8x HND)"
     )
     print("\nfixed cost of one call, microseconds (best of several runs; target: prepared <= 0.5x detection)")
     header = (

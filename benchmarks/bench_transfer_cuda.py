@@ -1,8 +1,10 @@
 """CUDA block transfer bandwidth against a device-to-device copy of the same bytes.
 
 The Llama-3-8B-like case of bench_transfer.py, on the GPU: 256 scattered blocks of a
-2048-block pool into sixteen 256-token chunks, and back, through a prepared plan. Needs a CUDA device and
-kvlayout._cuda (see scripts/gpu_check.sh).
+2048-block pool into sixteen 256-token chunks, and back, through a prepared plan. Then the
+run executor (``kvlayout.transfer.cuda.copy_runs``) on the same flash-attn store given as
+byte runs (one 32 KiB run per block and K/V layer slab), and on the head-major layout's
+256-byte runs. Needs a CUDA device and kvlayout._cuda (see scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from kvlayout import EngineKVFormat as F
 from kvlayout.transfer import prepare
+from kvlayout.transfer.cuda import copy_runs
 
 NL, NB, BS, NH, HS = 32, 2048, 16, 8, 128
 BLOCKS, CHUNK_TOKENS = 256, 256
@@ -55,6 +59,36 @@ def run_format(fmt: F, shape: tuple[int, ...], block_ids: list[int]) -> str:
     return f"{fmt.name:<26}{gbs[0]:>12.1f}{gbs[1]:>12.1f}{gbs[2]:>15.1f}{ratios}"
 
 
+def run_maps(block_ids: list[int]) -> list[str]:
+    """copy_runs of the flash-attn store as runs: whole 32 KiB blocks, and 256-byte head runs."""
+    layer = torch.ones(NL, 2, NB, BS * NH * HS, dtype=torch.bfloat16, device="cuda")
+    chunk = torch.empty(2, NL, BLOCKS, BS * NH * HS, dtype=torch.bfloat16, device="cuda")
+    block, head = BS * NH * HS * 2, HS * 2
+    nbytes = chunk.numel() * chunk.element_size()
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    copy = timed_ms(lambda: dst.copy_(src))
+    ids = np.array(block_ids, dtype=np.uint64)
+    kv, n, i = (a.astype(np.uint64) for a in np.meshgrid(range(2), range(NL), range(BLOCKS), indexing="ij"))
+    src_blocks = np.uint64(layer.data_ptr()) + ((n * 2 + kv) * NB + ids[i]) * np.uint64(block)
+    dst_blocks = np.uint64(chunk.data_ptr()) + ((kv * NL + n) * BLOCKS + i) * np.uint64(block)
+    rows = []
+    for label, piece in (("32 KiB block runs", block), ("256-byte head runs", head)):
+        at = np.arange(0, block, piece, dtype=np.uint64)
+        runs = np.stack(
+            [
+                (src_blocks.reshape(-1, 1) + at).reshape(-1),
+                (dst_blocks.reshape(-1, 1) + at).reshape(-1),
+                np.full(src_blocks.size * len(at), piece, dtype=np.uint64),
+            ],
+            axis=1,
+        )
+        ms = timed_ms(lambda runs=runs: copy_runs(runs, chunk.device))
+        gbs = (nbytes / ms / 1e6, nbytes / copy / 1e6)
+        rows.append(f"{label:<26}{len(runs):>12}{gbs[0]:>12.1f}{gbs[1]:>15.1f}{copy / ms:>11.2f}x")
+    return rows
+
+
 def main() -> None:
     block_ids = random.Random(0).sample(range(NB), BLOCKS)
     head = f"{'format':<26}{'store GB/s':>12}{'load GB/s':>12}{'d2d GB/s':>15}"
@@ -62,6 +96,9 @@ def main() -> None:
     for fmt, shape in SHAPES.items():
         print(run_format(fmt, shape, block_ids), flush=True)
         torch.cuda.empty_cache()
+    print(f"\n{'copy_runs':<26}{'runs':>12}{'GB/s':>12}{'d2d GB/s':>15}{'runs/copy':>12}")
+    for line in run_maps(block_ids):
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@
 #include "block_map.h"
 #include "kvlayout/engine_kv_format.h"
 #include "kvlayout/indexing.cuh"
+#include "kvlayout/run_plan.h"
+#include "stream_copy.h"
 #include "transfer.h"
 
 namespace nb = nanobind;
@@ -107,8 +109,11 @@ kvlayout::transfer::Job make_job(const JobArgs& a) {
 
 class TransferPlan {
  public:
-  TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes)
-      : plan_(make_jobs(job_args)), num_blocks_(num_blocks), options_{checked_order(order), stream_min_bytes} {}
+  TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes,
+               bool prefetch)
+      : plan_(make_jobs(job_args)),
+        num_blocks_(num_blocks),
+        options_{checked_order(order), stream_min_bytes, prefetch} {}
 
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
@@ -145,6 +150,83 @@ class TransferPlan {
   std::int64_t num_blocks_;
   kvlayout::transfer::Options options_;
 };
+
+using RunArray = nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_contig, nb::device::cpu>;
+
+// copy_runs over an (N, 3) table of (source, destination, length), for its tests: with
+// streaming false the memcpy path runs even where the CPU has AVX2.
+void copy_byte_runs(RunArray runs, bool streaming) {
+  static_assert(sizeof(kvlayout::ByteRun) == 24, "a run is three uint64");
+  const auto* table = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  const std::size_t n = runs.shape(0);
+  nb::gil_scoped_release release;
+  if (streaming) return kvlayout::copy_byte_runs(table, n);
+  kvlayout::stream::copy_runs(false, table, n);
+}
+
+// The benchmarks' flat streaming copy of nbytes, split in contiguous parts over up to
+// num_threads pool threads; returns the threads used.
+int flat_stream(std::uintptr_t dst, std::uintptr_t src, std::uint64_t nbytes, int num_threads) {
+  nb::gil_scoped_release release;
+  if (nbytes == 0) return 0;
+  const std::uint64_t wanted = std::clamp<std::uint64_t>(num_threads, 1, nbytes);
+  return kvlayout::transfer::WorkerPool::instance().run(static_cast<int>(wanted), [&](int part, int parts) {
+    const std::uint64_t per = (nbytes + parts - 1) / parts;
+    const std::uint64_t lo = part * per, hi = std::min(nbytes, lo + per);
+    if (lo < hi) kvlayout::stream::flat_stream(reinterpret_cast<char*>(dst + lo), reinterpret_cast<const char*>(src + lo), hi - lo);
+  });
+}
+
+using RunTable = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 3>>;
+
+const kvlayout::runs::Run* runs_of(const RunArray& runs) {
+  static_assert(sizeof(kvlayout::runs::Run) == 3 * sizeof(std::uint64_t), "a run is three uint64");
+  return reinterpret_cast<const kvlayout::runs::Run*>(runs.data());
+}
+
+// The CUDA run executor's work items (kvlayout/run_plan.h), each as three uint64 (offset,
+// bytes, run | count << 32: the device's bytes); ValueError for a run that wraps around.
+RunTable plan_run_items(RunArray runs) {
+  const auto items = kvlayout::runs::plan_items(runs_of(runs), runs.shape(0));
+  auto* out = new std::uint64_t[items.size() * 3];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  std::memcpy(out, items.data(), items.size() * sizeof(kvlayout::runs::Item));
+  return RunTable(out, {items.size(), 3}, owner);
+}
+
+using UnitRows = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 5>>;
+
+// Every unit the CUDA grid copies for the runs through the items, by the kernel's own
+// mapping compiled for the host: rows (run, offset in the run, width, source, destination),
+// thread by thread (for tests).
+UnitRows run_units(RunArray runs, RunArray items) {
+  namespace kr = kvlayout::runs;
+  const kr::Run* table = runs_of(runs);
+  const auto* plan = reinterpret_cast<const kr::Item*>(items.data());
+  const std::size_t n = runs.shape(0);
+  std::vector<std::uint64_t> rows;
+  for (std::size_t i = 0; i < items.shape(0); ++i) {
+    const kr::Item& item = plan[i];
+    if (item.run >= n || (item.count != 0 && item.run + std::uint64_t{item.count} > n) ||
+        (item.count == 0 && (item.offset > table[item.run].len || item.bytes > table[item.run].len - item.offset)))
+      throw nb::value_error("an item lies outside the runs");
+    for (std::uint32_t t = 0; t < kr::kThreads; ++t) {
+      const std::uint32_t run = item.count == 0 ? item.run : item.run + t / kr::kWarp;
+      const auto record = [&](std::uint64_t s, std::uint64_t d, std::uint64_t width) {
+        rows.insert(rows.end(), {run, s - table[run].src, width, s, d});
+      };
+      kr::for_each_unit_of(
+          item, table, t, [&](std::uint64_t s, std::uint64_t d) { record(s, d, 1); },
+          [&](std::uint32_t unit, std::uint64_t s, std::uint64_t d, std::uint64_t step, std::uint32_t count) {
+            for (std::uint32_t k = 0; k < count; ++k) record(s + k * step, d + k * step, unit);
+          });
+    }
+  }
+  auto* out = new std::uint64_t[rows.size()];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  std::copy(rows.begin(), rows.end(), out);
+  return UnitRows(out, {rows.size() / 5, 5}, owner);
+}
 
 using SegmentArray = nb::ndarray<nb::numpy, std::uint8_t, nb::shape<-1, sizeof(kvlayout::plan::Segment)>>;
 using UnitArray = nb::ndarray<nb::numpy, std::int64_t, nb::shape<-1, 4>>;
@@ -206,7 +288,7 @@ UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_toke
 // -- block maps (csrc/block_map.h) -------------------------------------------------------
 
 using U64Rows = nb::ndarray<const std::uint64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
-using RunArray = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 3>>;
+using MapRuns = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 3>>;
 
 const std::uint64_t* rows_of(const U64Rows& a, std::size_t width, const char* name) {
   if (a.shape(1) != width)
@@ -214,7 +296,7 @@ const std::uint64_t* rows_of(const U64Rows& a, std::size_t width, const char* na
   return a.data();
 }
 
-std::tuple<RunArray, bool> build_runs(U64Rows slabs, IntArray group_starts, std::tuple<int, int, int, int> order,
+std::tuple<MapRuns, bool> build_runs(U64Rows slabs, IntArray group_starts, std::tuple<int, int, int, int> order,
                                       std::int64_t heads, std::int64_t tokens, IntArray src_blocks,
                                       std::int64_t src_block_size, IntArray dst_blocks, std::int64_t dst_block_size,
                                       U64Rows src_classes, U64Rows dst_classes, bool force_sort) {
@@ -257,7 +339,7 @@ std::tuple<RunArray, bool> build_runs(U64Rows slabs, IntArray group_starts, std:
   nb::capsule owner(built, [](void* p) noexcept { delete static_cast<bm::Built*>(p); });
   auto* data = reinterpret_cast<std::uint64_t*>(built->runs.data());
   const bool in_order = built->walked_in_order;
-  return {RunArray(data, {built->runs.size(), 3}, owner), in_order};
+  return {MapRuns(data, {built->runs.size(), 3}, owner), in_order};
 }
 
 std::vector<kvlayout::block_map::Span> spans_of(const U64Rows& a, const char* name) {
@@ -299,23 +381,7 @@ std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U
 // A flat copy of n bytes with streaming stores where the CPU has them (the benchmarks'
 // bound for copying the same bytes), split over the pool like copy_runs.
 int stream_copy(std::uint64_t dst, std::uint64_t src, std::uint64_t n, int num_threads) {
-  nb::gil_scoped_release release;
-  const kvlayout::ByteRun whole{src, dst, n};
-  return kvlayout::block_map::copy_runs(&whole, n ? 1 : 0, num_threads, 1 << 20,
-                                        [](const kvlayout::ByteRun* p, std::size_t k) {
-                                          for (std::size_t i = 0; i < k; ++i) {
-                                            auto* d = reinterpret_cast<char*>(p[i].dst);
-                                            const auto* s = reinterpret_cast<const char*>(p[i].src);
-#if defined(KVLAYOUT_STREAM_STORES)
-                                            if (kvlayout::transfer::detail::can_stream()) {
-                                              kvlayout::transfer::detail::StreamCopy::copy(d, s, p[i].len);
-                                              kvlayout::transfer::detail::StreamCopy::finish();
-                                              continue;
-                                            }
-#endif
-                                            std::memcpy(d, s, p[i].len);
-                                          }
-                                        });
+  return flat_stream(dst, src, n, num_threads);  // one flat streaming copy, split over the pool
 }
 
 }  // namespace
@@ -375,10 +441,11 @@ NB_MODULE(_native, m) {
   nb::class_<TransferPlan>(m, "TransferPlan",
                            "A registration's copy jobs, built once; run() moves blocks with raw pointers "
                            "(kvlayout.transfer validates, and keeps the tensors alive).")
-      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t>(), "jobs"_a, "num_blocks"_a,
-           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes,
+      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, bool>(), "jobs"_a, "num_blocks"_a,
+           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes, "prefetch"_a = true,
            "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
-           "stream_min_bytes write with streaming stores (both knobs exist for tests and benchmarks).")
+           "stream_min_bytes write with streaming stores; prefetch false leaves the pages and lines of the "
+           "coming moves to the hardware (the knobs exist for tests and benchmarks).")
       .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
            "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "
@@ -426,6 +493,20 @@ NB_MODULE(_native, m) {
         "released; returns validate_runs' answer and the threads used.");
   m.def("stream_copy", &stream_copy, "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a,
         "A flat copy of nbytes with streaming stores where the CPU has them (a benchmark bound; no checks).");
+
+  m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true,
+        "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "
+        "released (raw addresses: for tests; streaming=False takes the memcpy path).");
+  m.def("flat_stream", &flat_stream, "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a = 1,
+        "A flat streaming copy of nbytes from src to dst (32-byte loads, non-temporal stores; raw addresses, for "
+        "the benchmarks' baseline), on up to num_threads pool threads. Returns the threads used.");
+
+  m.def("plan_run_items", &plan_run_items, "runs"_a.noconvert(),
+        "The CUDA run executor's thread-block work items of an (N, 3) uint64 run table, as an (M, 3) uint64 "
+        "array (offset, bytes, run | count << 32).");
+  m.def("run_units", &run_units, "runs"_a.noconvert(), "items"_a.noconvert(),
+        "Every unit the CUDA run kernel copies, by its mapping run on the host: rows (run, offset, width, "
+        "source, destination) (for tests).");
 
   m.def("pool_workers", [] { return kvlayout::transfer::WorkerPool::instance().num_workers(); },
         "Worker threads the transfer pool has created so far (they persist across calls).");

@@ -1,7 +1,7 @@
 #pragma once
 // Block maps: a request's KV moved between two registrations as byte runs.
 //
-// Python (kvlayout/block_maps.py) asks the layout algebra where every byte of both sides
+// Python (kvlayout/transfer/block_maps.py) asks the layout algebra where every byte of both sides
 // lives and hands over *slabs*: one per (layer, K/V, piece of a head's row) both sides
 // hold, each with its base address on either side, the tensors it lies in, its width
 // and its per-head and per-token strides. This file
@@ -21,24 +21,10 @@
 #include <numeric>
 #include <vector>
 
+#include "stream_copy.h"
 #include "worker_pool.h"
 
-namespace kvlayout {
-
-struct ByteRun {
-  std::uint64_t src;
-  std::uint64_t dst;
-  std::uint64_t len;
-};
-
-// STAND-IN, replaced at merge by the streaming/prefetch version from csrc/stream_copy.h
-// (same signature): one memcpy per run.
-inline void copy_byte_runs(const ByteRun* runs, std::size_t n) {
-  for (std::size_t i = 0; i < n; ++i)
-    std::memcpy(reinterpret_cast<void*>(runs[i].dst), reinterpret_cast<const void*>(runs[i].src), runs[i].len);
-}
-
-}  // namespace kvlayout
+// ByteRun and copy_byte_runs: the streaming, prefetching run copy of the CPU engine.
 
 namespace kvlayout::block_map {
 

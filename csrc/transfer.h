@@ -13,21 +13,31 @@
 #include <utility>
 #include <vector>
 
-#if defined(__x86_64__)
-#include <immintrin.h>
-#endif
-
 #include "kvlayout/transfer_plan.h"
+#include "stream_copy.h"
 #include "worker_pool.h"
 
 namespace kvlayout::transfer {
+
+// The bytes of a segment's extent on one side (first byte to past the last) whose pages
+// are touched ahead of its copy: a dense 32 KiB block is eight pages; a longer one reads
+// on at the streaming rate once started.
+inline constexpr std::int64_t kPrefetchReach = 64 << 10;
 
 // A job's segments as one direction walks them: each segment's loops ordered by the stride
 // of the side it reads (the cache's for a store, the chunk's for a load), so reads stream
 // within a block (a head-major HND block loads 1.35x faster in chunk order).
 struct Walk {
-  std::vector<plan::Segment> by_chunk;  // (kv, layer, piece): the chunk's order
-  std::vector<plan::Segment> by_cache;  // the cache's address order
+  // A segment, and how much of its extent on each side is touched ahead of its copy.
+  struct Step {
+    plan::Segment segment;
+    std::uint32_t cache_reach;
+    std::uint32_t chunk_reach;
+    bool cache_dense;  // its bytes fill its extent on that side
+    bool chunk_dense;
+  };
+  std::vector<Step> by_chunk;  // (kv, layer, piece): the chunk's order
+  std::vector<Step> by_cache;  // the cache's address order
 };
 
 struct Job {
@@ -43,11 +53,19 @@ inline Walk make_walk(std::vector<plan::Segment> segments, bool read_chunk) {
       return read_chunk ? a.chunk_stride > b.chunk_stride : a.cache_stride > b.cache_stride;
     });
   }
-  std::vector<plan::Segment> by_cache = segments;
-  std::stable_sort(by_cache.begin(), by_cache.end(), [](const plan::Segment& a, const plan::Segment& b) {
+  std::vector<Walk::Step> steps;
+  for (const plan::Segment& s : segments) {
+    const std::int64_t cache = plan::cache_extent(s), chunk = plan::chunk_extent(s);
+    steps.push_back(Walk::Step{s, static_cast<std::uint32_t>(std::min(cache, kPrefetchReach)),
+                               static_cast<std::uint32_t>(std::min(chunk, kPrefetchReach)), cache == s.bytes,
+                               chunk == s.bytes});
+  }
+  std::vector<Walk::Step> by_cache = steps;
+  std::stable_sort(by_cache.begin(), by_cache.end(), [](const Walk::Step& x, const Walk::Step& y) {
+    const plan::Segment &a = x.segment, &b = y.segment;
     return a.pointer != b.pointer ? a.pointer < b.pointer : a.cache_offset < b.cache_offset;
   });
-  return Walk{std::move(segments), std::move(by_cache)};
+  return Walk{std::move(steps), std::move(by_cache)};
 }
 
 // The segments of pointers other than `repeats`: layers sharing one KV cache list its
@@ -83,7 +101,8 @@ inline CacheSpans cache_spans(const std::vector<Job>& jobs) {
   for (const Job& job : jobs) {
     std::int64_t chain = 0, end = -1;
     std::uint32_t pointer = 0;
-    for (const plan::Segment& s : job.store.by_cache) {
+    for (const Walk::Step& step : job.store.by_cache) {
+      const plan::Segment& s = step.segment;
       const bool dense = plan::cache_extent(s) == s.bytes;
       chain = dense && s.pointer == pointer && s.cache_offset == end ? chain + s.bytes : (dense ? s.bytes : 0);
       pointer = s.pointer;
@@ -114,53 +133,11 @@ inline constexpr std::int64_t kStreamMinBytes = std::int64_t{8} << 20;
 
 namespace detail {
 
-struct PlainCopy {
-  static void copy(char* dst, const char* src, std::size_t n) { std::memcpy(dst, src, n); }
-  static void finish() {}
-};
-
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#define KVLAYOUT_STREAM_STORES 1
-// Streaming stores (AVX2, 32 bytes) from the first 32-byte-aligned destination byte; the
-// unaligned head and the tail under 32 bytes go through memcpy. AVX2 beat SSE2's 16-byte
-// streaming stores by 1.0-1.18x across the benchmark's formats; the extension is built
-// for baseline x86-64, so this function alone is compiled for AVX2 and chosen at run time.
-struct StreamCopy {
-  __attribute__((target("avx2"))) static void copy(char* dst, const char* src, std::size_t n) {
-    const std::size_t head = std::min(n, (32 - reinterpret_cast<std::uintptr_t>(dst) % 32) % 32);
-    if (head != 0) {
-      std::memcpy(dst, src, head);
-      dst += head, src += head, n -= head;
-    }
-    for (; n >= 128; dst += 128, src += 128, n -= 128) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
-    }
-    for (; n >= 32; dst += 32, src += 32, n -= 32)
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-    if (n != 0) std::memcpy(dst, src, n);
-  }
-  // Streaming stores are weakly ordered: fence them before the part reports done.
-  static void finish() { _mm_sfence(); }
-};
-
-inline bool can_stream() {
-  static const bool avx2 = __builtin_cpu_supports("avx2");
-  return avx2;
-}
-#else
-inline bool can_stream() { return false; }
-#endif
+inline bool can_stream() { return stream::can_stream(); }
 
 // The loop nest of a segment, N levels deep, as plain nested loops (outermost first).
 template <int N, class Run>
-inline void nest(const plan::Loop* loops, char* chunk, char* cache, const Run& run) {
+[[gnu::always_inline]] inline void nest(const plan::Loop* loops, char* chunk, char* cache, const Run& run) {
   if constexpr (N == 0) {
     run(chunk, cache);
   } else {
@@ -170,15 +147,23 @@ inline void nest(const plan::Loop* loops, char* chunk, char* cache, const Run& r
   }
 }
 
-template <Direction D, class Copy>
-inline void move_segment(const plan::Segment& s, char* chunk, char* cache) {
-  const std::size_t bytes = s.run.divisor;
-  const auto run = [bytes](char* c, char* k) {
-    if constexpr (D == Direction::kStore) {
-      Copy::copy(c, k, bytes);
-    } else {
-      Copy::copy(k, c, bytes);
+// Copies a segment's runs, calling step(bytes copied so far) before each run and every
+// stream::kCursorStep bytes inside a long one (pieces end on the destination's grid).
+template <Direction D, class Copy, class Step>
+[[gnu::always_inline]] inline void move_segment(const plan::Segment& s, char* chunk, char* cache, Step& step) {
+  const std::uint64_t bytes = s.run.divisor;
+  std::uint64_t done = 0;
+  const auto run = [bytes, &done, &step](char* c, char* k) {
+    char* dst = D == Direction::kStore ? c : k;
+    const char* src = D == Direction::kStore ? k : c;
+    for (std::uint64_t at = 0; at < bytes;) {
+      step(done + at);
+      const auto here = reinterpret_cast<std::uint64_t>(dst + at);
+      const std::uint64_t piece = std::min(bytes - at, ((here | (stream::kCursorStep - 1)) + 1) - here);
+      Copy::copy(dst + at, src + at, piece);
+      at += piece;
     }
+    done += bytes;
   };
   switch (s.num_loops) {
     case 0: return nest<0>(s.loops, chunk, cache, run);
@@ -199,40 +184,104 @@ const Walk& walk_of(const Job& job) {
 // block-major finishes a block before the next, its segments in cache order, so the cache
 // side streams where a block's slabs are adjacent (a cross-layer block). Either way each
 // byte's last writer is the same, so the order never changes the result.
-template <Direction D, class Copy>
-void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo, std::int64_t hi, bool layer_major) {
+//
+// The walk runs one (segment, block) behind itself, so each move is known before its copy
+// starts: the pages of the next move are touched on both sides (stream_copy.h) while this
+// one is copied, and where its source jumps (does not continue this one's) and is dense,
+// its lines are prefetched kLineLead bytes ahead of the copy (stream::LineCursor): a
+// scattered block then finds its translations and first lines in. The benchmark's
+// scattered 32 KiB blocks went from 0.55-0.75x to 0.8-1.0x a flat streaming copy.
+template <Direction D, class Copy, bool Prefetch>
+[[gnu::always_inline]] inline void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo,
+                                             std::int64_t hi, bool layer_major) {
+  struct Move {
+    const Walk::Step* step = nullptr;
+    char* chunk = nullptr;
+    char* cache = nullptr;
+  };
+  Move pending;
+  stream::LineCursor lines;
+  std::uint64_t source_end = 0;  // past the pending move's source extent
+  const auto copy_pending = [&]() {
+    const auto step = [&lines](std::uint64_t done) {
+      if constexpr (Prefetch) lines.up_to(done);
+    };
+    move_segment<D, Copy>(pending.step->segment, pending.chunk, pending.cache, step);
+  };
+  const auto visit = [&](const Walk::Step& step, char* chunk, char* cache) {
+    const auto k = reinterpret_cast<std::uint64_t>(cache), c = reinterpret_cast<std::uint64_t>(chunk);
+    if constexpr (Prefetch) {
+      stream::prefetch_pages(k, step.cache_reach);
+      stream::prefetch_pages(c, step.chunk_reach);
+    }
+    const std::uint64_t source = D == Direction::kStore ? k : c;
+    const bool dense = D == Direction::kStore ? step.cache_dense : step.chunk_dense;
+    const bool jumps = dense && source != source_end;
+    source_end = source + (D == Direction::kStore ? plan::cache_extent(step.segment) : plan::chunk_extent(step.segment));
+    if (pending.step != nullptr) {
+      lines.next(jumps ? source : 0, step.segment.bytes);
+      copy_pending();
+      lines.advance(pending.step->segment.bytes);
+    } else {
+      lines.next(jumps ? source : 0, step.segment.bytes);
+      lines.advance(0);
+    }
+    pending = Move{&step, chunk, cache};
+  };
   const std::int64_t per = b.blocks_per_chunk;
   for (std::int64_t c = lo / per; c * per < hi; ++c) {
     const std::int64_t i0 = std::max(lo, c * per), i1 = std::min(hi, (c + 1) * per);
     const std::uint64_t chunk = b.chunk_ptrs[c];
     const std::int64_t tokens = b.chunk_tokens[c];
-    const auto move = [&](const Job& job, const plan::Segment& s, std::int64_t i) {
+    const auto move = [&](const Job& job, const Walk::Step& step, std::int64_t i) {
+      const plan::Segment& s = step.segment;
       const std::int64_t first_token = (i - c * per) * job.block_size;
       auto* row = reinterpret_cast<char*>(plan::chunk_start(s, chunk, tokens, first_token, job.row_bytes));
       auto* cache = reinterpret_cast<char*>(plan::cache_start(s, job.cache_ptrs[s.pointer], b.block_ids[i]));
-      move_segment<D, Copy>(s, row, cache);
+      visit(step, row, cache);
     };
     if (layer_major) {
       for (const Job& job : jobs)
-        for (const plan::Segment& s : walk_of<D>(job).by_chunk)
-          for (std::int64_t i = i0; i < i1; ++i) move(job, s, i);
+        for (const Walk::Step& step : walk_of<D>(job).by_chunk)
+          for (std::int64_t i = i0; i < i1; ++i) move(job, step, i);
     } else {
       for (std::int64_t i = i0; i < i1; ++i)
         for (const Job& job : jobs)
-          for (const plan::Segment& s : walk_of<D>(job).by_cache) move(job, s, i);
+          for (const Walk::Step& step : walk_of<D>(job).by_cache) move(job, step, i);
     }
+  }
+  if (pending.step != nullptr) {
+    lines.next(0, 0);
+    copy_pending();
   }
   Copy::finish();
 }
 
+template <Direction D, bool Prefetch>
+void run_part_plain(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo, std::int64_t hi, bool layer_major) {
+  run_range<D, stream::PlainCopy, Prefetch>(jobs, b, lo, hi, layer_major);
+}
+
+#if defined(KVLAYOUT_STREAM_STORES)
+// Compiled for AVX2 as a whole, so the streaming copy of each run inlines into the walk.
+template <Direction D, bool Prefetch>
+__attribute__((target("avx2"), flatten)) void run_part_stream(const std::vector<Job>& jobs, const Batch& b,
+                                                              std::int64_t lo, std::int64_t hi, bool layer_major) {
+  run_range<D, stream::StreamCopy, Prefetch>(jobs, b, lo, hi, layer_major);
+}
+#endif
+
 template <Direction D>
 void run_part(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo, std::int64_t hi, bool layer_major,
-              bool stream) {
+              bool streaming, bool prefetch) {
 #if defined(KVLAYOUT_STREAM_STORES)
-  if (stream) return run_range<D, StreamCopy>(jobs, b, lo, hi, layer_major);
+  if (streaming)
+    return prefetch ? run_part_stream<D, true>(jobs, b, lo, hi, layer_major)
+                    : run_part_stream<D, false>(jobs, b, lo, hi, layer_major);
 #endif
-  (void)stream;
-  run_range<D, PlainCopy>(jobs, b, lo, hi, layer_major);
+  (void)streaming;
+  return prefetch ? run_part_plain<D, true>(jobs, b, lo, hi, layer_major)
+                  : run_part_plain<D, false>(jobs, b, lo, hi, layer_major);
 }
 
 }  // namespace detail
@@ -279,7 +328,7 @@ enum class Order { kAuto = -1, kBlockMajor = 0, kLayerMajor = 1 };
 struct Plan {
   explicit Plan(std::vector<Job> j) : jobs(std::move(j)), spans(cache_spans(jobs)) {
     for (const Job& job : jobs)
-      for (const plan::Segment& s : job.store.by_chunk) block_bytes += s.bytes;
+      for (const Walk::Step& step : job.store.by_chunk) block_bytes += step.segment.bytes;
   }
   std::vector<Job> jobs;
   CacheSpans spans;
@@ -289,22 +338,24 @@ struct Plan {
 struct Options {
   Order order = Order::kAuto;
   std::int64_t stream_min_bytes = kStreamMinBytes;
+  bool prefetch = true;  // touch the next move's pages and prefetch jumping sources (off: for benchmarks)
 };
 
-// kAuto: the order whose read side streams the longer stretch, and on a tie the one whose
-// write side does. Reads decide first: streaming stores make the write order cheap, while
-// a read stream is what the prefetchers keep ahead of. On the benchmark's cases this
-// stores cross-layer and flash-infer blocks (slabs adjacent in the cache) block-major and
-// moves everything else layer-major, the faster order of each in same-run measurements.
+// kAuto: the order with the longer stretch of back-to-back bytes on either side, and on a
+// tie the one whose read side streams longer. With the next move's pages and lines
+// prefetched (see run_range), a jump costs about the same on either side, so the longest
+// stream wins: this stores and loads cross-layer blocks (slabs adjacent in the cache)
+// block-major and moves everything else layer-major, flash-infer's K/V-adjacent blocks
+// included (their store was 0.8x block-major, 0.9-1.0x layer-major, in same-run A/B).
 inline bool layer_major(const Plan& p, Direction d, std::int64_t blocks_per_chunk, const Options& o) {
   if (o.order != Order::kAuto || p.jobs.empty()) return o.order == Order::kLayerMajor;
   const std::int64_t rows = p.jobs.front().block_size * p.jobs.front().row_bytes;  // a block in a chunk slab
   const std::int64_t chunk_layer = blocks_per_chunk * rows, chunk_block = rows;
   const std::int64_t cache_layer = p.spans.segment, cache_block = p.spans.block;
-  const bool store = d == Direction::kStore;
-  const std::int64_t read_layer = store ? cache_layer : chunk_layer, read_block = store ? cache_block : chunk_block;
-  if (read_layer != read_block) return read_layer > read_block;
-  return (store ? chunk_layer : cache_layer) >= (store ? chunk_block : cache_block);
+  const std::int64_t longest_layer = std::max(chunk_layer, cache_layer);
+  const std::int64_t longest_block = std::max(chunk_block, cache_block);
+  if (longest_layer != longest_block) return longest_layer > longest_block;
+  return d == Direction::kStore ? cache_layer >= cache_block : chunk_layer >= chunk_block;
 }
 
 // Moves blocks [skip_prefix_blocks, num_blocks) of the batch, split over up to `threads`
@@ -321,9 +372,9 @@ inline int run(const Plan& p, const Batch& b, Direction d, int threads, const Op
     const std::int64_t lo = begin + part * per, hi = std::min(end, lo + per);
     if (lo >= hi) return;
     if (d == Direction::kStore) {
-      detail::run_part<Direction::kStore>(p.jobs, b, lo, hi, by_layer, stream);
+      detail::run_part<Direction::kStore>(p.jobs, b, lo, hi, by_layer, stream, o.prefetch);
     } else {
-      detail::run_part<Direction::kLoad>(p.jobs, b, lo, hi, by_layer, stream);
+      detail::run_part<Direction::kLoad>(p.jobs, b, lo, hi, by_layer, stream, o.prefetch);
     }
   });
 }

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On a GPU machine (CUDA toolkit, CUDA torch, nanobind and scikit-build-core installed):
-# build kvlayout with its CUDA extension, run the transfer tests on the device, and print
-# device bandwidth against a plain device-to-device copy of the same bytes.
+# build kvlayout with its CUDA extension, run the transfer tests on the device (the block
+# transfer's kernels and the run executor, copy_runs, each against the CPU or numpy), and
+# print device bandwidth against a plain device-to-device copy of the same bytes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -10,5 +11,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
   -Ccmake.define.KVLAYOUT_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=native
 "$PY" -c "import kvlayout._cuda as c; print('kvlayout._cuda sees', c.device_count(), 'device(s)')"
+# The device tests must run here, not skip: a skip on a GPU machine is a failure.
+log=$(mktemp)
+"$PY" -m pytest -q -p no:cacheprovider -rs tests/transfer/test_transfer_cuda.py tests/transfer/test_copy_runs.py \
+  2>&1 | tee "$log"
+if grep -q "SKIPPED" "$log"; then
+  echo "gpu_check: a device test skipped on a GPU machine" >&2
+  exit 1
+fi
 "$PY" -m pytest -q -p no:cacheprovider tests/transfer
 "$PY" benchmarks/bench_transfer_cuda.py

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/run_kernels.h"
 #include "cuda/transfer_kernels.h"
 
 namespace nb = nanobind;
@@ -56,4 +57,17 @@ NB_MODULE(_cuda, m) {
       "skip_prefix_blocks"_a, "stream"_a,
       "Launch one job's transfer on `stream`: its segment table and pointer table, then the call's block ids, "
       "chunk addresses and chunk token counts (device addresses as ints).");
+  m.def(
+      "copy_runs",
+      [](std::uintptr_t runs, std::uintptr_t items, std::int64_t num_items, std::uintptr_t stream) {
+        if (num_items < 0 || num_items >= (std::int64_t{1} << 32)) throw nb::value_error("the number of items is out of range");
+        const int err = kvlayout::cuda::launch_copy_runs(reinterpret_cast<const kvlayout::runs::Run*>(runs),
+                                                         reinterpret_cast<const kvlayout::runs::Item*>(items),
+                                                         static_cast<std::uint32_t>(num_items),
+                                                         reinterpret_cast<void*>(stream));
+        if (err != 0) throw nb::value_error((std::string("CUDA run copy failed: ") + kvlayout::cuda::error_string(err)).c_str());
+      },
+      "runs"_a, "items"_a, "num_items"_a, "stream"_a,
+      "Launch the copy of a run table through its work items (kvlayout._native.plan_run_items) on `stream`, on "
+      "the current device (device addresses as ints).");
 }

@@ -62,3 +62,14 @@ def test_kernels_over_the_budget_or_spilling_fail() -> None:
 def test_bad_usage_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
     assert budget.main(argv) == 2
     assert "Usage" in capsys.readouterr().err
+
+
+def test_nvcc_check_holds_every_kernel_source_to_the_budget() -> None:
+    """`make nvcc-check` runs ptxas_budget.py over CUDA_KERNELS: all of csrc/cuda/*.cu."""
+    makefile = (ROOT / "Makefile").read_text()
+    listed = next(line for line in makefile.splitlines() if line.startswith("CUDA_KERNELS :="))
+    kernels = set(listed.split(":=", 1)[1].split())
+    assert kernels == {str(p.relative_to(ROOT)) for p in (ROOT / "csrc" / "cuda").glob("*.cu")}
+    assert "csrc/cuda/run_kernels.cu" in kernels
+    check = makefile.split("nvcc-check: $(TOOLS)", 1)[1].split("\nelse", 1)[0]
+    assert "for cu in $(CUDA_KERNELS)" in check and "scripts/ptxas_budget.py 64" in check

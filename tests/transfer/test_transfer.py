@@ -408,9 +408,10 @@ def check_engine_choices(
     fmt: EngineKVFormat, sizes: dict[str, int], dtype: torch.dtype, pad: int,
     ids: list[int], per_chunk: int, skip: int, partial: bool,
 ) -> None:  # fmt: skip
-    """Every engine choice (block- or layer-major, streaming stores or not, any split over
-    threads) stores the same chunks and loads the same cache bytes as the default plan,
-    which the tests above hold to the oracle."""
+    """Every engine choice (block- or layer-major, streaming stores or not, the coming
+    moves' pages and lines prefetched or not, any split over threads) stores the same
+    chunks and loads the same cache bytes as the default plan, which the tests above hold
+    to the oracle."""
     reg = make_registration(kvlayout.layout_of(fmt), sizes, dtype, pad=pad)
     plan = prepare(reg.kv, fmt, **({"block_size": sizes["BS"]} if fmt in NBBS else {}))
     shape, _ = plan.chunk_shape(per_chunk * sizes["BS"])
@@ -429,9 +430,12 @@ def check_engine_choices(
         per_chunk,
         skip,
     )
-    for order, stream_min_bytes, threads in itertools.product((0, 1), (0, 1 << 62), (1, 3)):
-        engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes)
-        choice = f"order {order}, streaming from {stream_min_bytes} bytes, {threads} threads"
+    choices = itertools.product((0, 1), (0, 1 << 62), (True, False), (1, 3))
+    for order, stream_min_bytes, prefetch, threads in choices:
+        engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes, prefetch)
+        choice = (
+            f"order {order}, streaming from {stream_min_bytes} bytes, prefetch {prefetch}, {threads} threads"
+        )
         for c in chunks:
             c.zero_()
         assert engine.run(0, *args, threads)[0] == -1
@@ -458,6 +462,18 @@ def test_walk_orders_streaming_stores_and_threads_move_the_same_bytes(
 @pytest.mark.parametrize(
     ("fmt", "sizes", "dtype", "pad"),
     [  # runs long enough for the streaming loops, at unaligned chunk offsets too
+        (  # 10800-byte runs: split into pieces at the destination's 4 KiB grid
+            EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+            {"NL": 2, "NB": 7, "BS": 9, "NH": 3, "HS": 100},
+            torch.float32,
+            0,
+        ),
+        (
+            EngineKVFormat.NL_X_NB_BS_HS,
+            {"NL": 2, "NB": 7, "BS": 7, "HS": 1001},
+            torch.float16,
+            3,
+        ),  # odd, padded
         (
             EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
             {"NL": 2, "NB": 7, "BS": 5, "NH": 3, "HS": 37},

@@ -81,6 +81,14 @@ KVLAYOUT_HOST_DEVICE inline std::int64_t cache_extent(const Segment& s) {
   return end;
 }
 
+// The bytes from a segment's first chunk byte to past its last.
+KVLAYOUT_HOST_DEVICE inline std::int64_t chunk_extent(const Segment& s) {
+  std::int64_t end = s.run.divisor;
+  for (std::uint32_t l = 0; l < s.num_loops; ++l)
+    end += static_cast<std::int64_t>(s.loops[l].extent.divisor - 1) * s.loops[l].chunk_stride;
+  return end;
+}
+
 struct Offsets {
   std::uint32_t chunk;
   std::uint32_t cache;

@@ -1,4 +1,5 @@
-"""The CUDA side of ``kvlayout.transfer``: a prepared plan's kernels on the current stream.
+"""The CUDA side of ``kvlayout.transfer``: a prepared plan's kernels on the current stream,
+and ``copy_runs``, the device executor of a table of byte runs (a block map's runs).
 
 At prepare time each job's pointer table and segment table (the CPU engine's plan, built
 by ``kvlayout._native.plan_segments``) are uploaded to the device once, and the widest
@@ -14,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from kvlayout.errors import KVLayoutError, TransferError
 if TYPE_CHECKING:
     from kvlayout.transfer.plan import TransferPlan, _Job
 
-__all__ = ["CudaPlan", "SegmentTable", "narrow_unit", "segment_table", "staging"]
+__all__ = ["CudaPlan", "SegmentTable", "copy_runs", "narrow_unit", "segment_table", "staging"]
 
 _MAX_SEGMENTS = 65535  # one grid row each
 
@@ -78,22 +79,65 @@ class _Launch:
     element_size: int
 
 
+def _cuda_module(device: torch.device) -> Any:
+    """kvlayout._cuda, checked: a CUDA device, an extension built with CUDA, a device it sees."""
+    if device.type != "cuda":
+        raise TransferError(f"no transfer for tensors on {device} (CPU and CUDA are served)")
+    try:
+        from kvlayout import _cuda
+    except ImportError:
+        raise TransferError(
+            "kvlayout was built without its CUDA extension (no CUDA toolkit at build time); "
+            "rebuild on a machine with nvcc (CMake option KVLAYOUT_CUDA=ON)"
+        ) from None
+    if _cuda.device_count() == 0:
+        raise KVLayoutError("kvlayout._cuda sees no CUDA device")
+    return _cuda
+
+
+def copy_runs(runs: np.ndarray, device: torch.device) -> None:
+    """Copy byte runs between device addresses on ``device``, in one kernel on its current
+    stream: ``runs`` is an ``(N, 3)`` uint64 array of (source address, destination address,
+    length), every address on that device (a block map's runs; nothing checks that the
+    addresses are allocated). The host splits the runs into thread-block work items
+    (``kvlayout._native.plan_run_items``), the table and the items go up in one pinned
+    buffer with one non-blocking copy, and the call returns before the bytes move, as any
+    CUDA copy does. Runs are copied in no particular order: destinations must not overlap
+    each other or any source.
+    """
+    if not isinstance(runs, np.ndarray):
+        raise TypeError(f"copy_runs: runs must be a numpy array, got {type(runs).__name__}")
+    if runs.dtype != np.uint64 or runs.ndim != 2 or runs.shape[1] != 3:
+        raise TypeError(
+            "copy_runs: runs must be an (N, 3) uint64 array of (source, destination, length), "
+            f"got {runs.dtype} of shape {runs.shape}"
+        )
+    table = np.ascontiguousarray(runs)  # the caller's own table, not a KV cache
+    try:
+        items = _native.plan_run_items(table)
+    except ValueError as exc:
+        raise TransferError(str(exc)) from None
+    device = torch.device(device)
+    cuda = _cuda_module(device)
+    if len(items) == 0:
+        return
+    host = torch.empty(3 * (len(table) + len(items)), dtype=torch.int64, pin_memory=True)
+    words = host.numpy()
+    words[: 3 * len(table)] = table.reshape(-1).view(np.int64)
+    words[3 * len(table) :] = items.reshape(-1).view(np.int64)
+    with torch.cuda.device(device):
+        # The caching allocators keep both buffers until the stream has used them.
+        uploaded = host.to(device, non_blocking=True)
+        base = uploaded.data_ptr()
+        stream = torch.cuda.current_stream(device).cuda_stream
+        cuda.copy_runs(base, base + 24 * len(table), len(items), stream)
+
+
 class CudaPlan:
     """A transfer plan's device half: pointer and segment tables on the device, units fixed."""
 
     def __init__(self, plan: TransferPlan) -> None:
-        if plan.device.type != "cuda":
-            raise TransferError(f"no transfer for tensors on {plan.device} (CPU and CUDA are served)")
-        try:
-            from kvlayout import _cuda
-        except ImportError:
-            raise TransferError(
-                "kvlayout was built without its CUDA extension (no CUDA toolkit at build time); "
-                "rebuild on a machine with nvcc (CMake option KVLAYOUT_CUDA=ON)"
-            ) from None
-        if _cuda.device_count() == 0:
-            raise KVLayoutError("kvlayout._cuda sees no CUDA device")
-        self._cuda = _cuda
+        self._cuda = _cuda_module(plan.device)
         self.plan = plan
         self._launches: tuple[list[_Launch], list[_Launch]] = ([], [])  # store, load
         self._tables: list[torch.Tensor] = []  # the device tables, kept alive with the plan
