@@ -644,9 +644,8 @@ class BlockMap:
             self._raise(problem, run, other)
             return int(used)
         self._raise(*_native.validate_runs(self.runs, self.src.spans, self.dst.spans))
-        from kvlayout.transfer import cuda as cuda_transfer  # CUDA installs only
+        from kvlayout.transfer.cuda import copy_runs  # imports kvlayout._cuda only when called
 
-        copy_runs = cuda_transfer.copy_runs  # type: ignore[attr-defined,unused-ignore]
         copy_runs(self.runs, torch.device(_device_name(self.src.device)))
         return 1
 
