@@ -151,27 +151,30 @@ class RegistrationDescription:
 
 
 def describe(
-    registration: Any, *, shard: Shard | None = None, block_size: int | None = None, at: int | None = None
+    kernel_groups: Sequence[Any],
+    engine: Any,
+    *,
+    shard: Shard | None = None,
+    block_size: int | None = None,
+    at: int | None = None,
 ) -> RegistrationDescription:
-    """The description of a bound registration (every kernel group). ``block_size`` splits
+    """The description of a bound registration (its kernel groups and engine, as
+    :meth:`Registration.describe` hands them over). ``block_size`` splits
     the page axis of formats that fold blocks and tokens (NB*BS); it is ignored elsewhere.
 
     ``at`` describes the tensors as if laid out one after another from that address
     (page-aligned, a page apart) instead of where they are: for planning from a meta
     registration, which has no memory (it is then described as host memory). Runs never
     cross from one tensor into another, so a map's runs are the same wherever they lie."""
-    # Registration is read by its fields (registration.registration imports this module).
-    if type(registration).__name__ != "Registration" or not hasattr(registration, "kernel_groups"):
-        raise TypeError(f"describe takes a Registration, not {type(registration).__name__}")
-    groups = tuple(_group(g, block_size) for g in registration.kernel_groups)
+    groups = tuple(_group(g, block_size) for g in kernel_groups)
     if not groups:
         raise PeerDescriptionError("the registration has no kernel group to describe")
-    device = registration.kernel_groups[0].device
+    device = kernel_groups[0].device
     if at is not None:
         groups = _placed(groups, at)
         if device.type == "meta":
             device = _HOST
-    return _checked(groups, device, shard, registration.engine)
+    return _checked(groups, device, shard, engine)
 
 
 @dataclass(frozen=True)

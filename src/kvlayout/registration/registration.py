@@ -46,10 +46,11 @@ from kvlayout.registration.binding import (
 )
 from kvlayout.registration.memory import Run, apart, backed_pointers, check_disjoint, memory_keys, run_of
 from kvlayout.registration.nesting import Path, describe_path, first_leaf
+from kvlayout.registration.peers import RegistrationDescription
+from kvlayout.registration.peers import describe as describe_registration
 from kvlayout.types import EngineType
 
 if TYPE_CHECKING:
-    from kvlayout.registration.peers import RegistrationDescription
     from kvlayout.registration.shards import Shard
 
 __all__ = [
@@ -536,9 +537,9 @@ class Registration:
         (``to_json()`` for the wire). ``shard`` is the :class:`kvlayout.transfer.Shard` this
         rank holds; ``block_size`` splits a folded NB*BS page axis; ``at`` places the
         tensors at made-up addresses from there (planning from meta tensors)."""
-        from kvlayout.registration.peers import describe
-
-        return describe(self, shard=shard, block_size=block_size, at=at)
+        return describe_registration(
+            self.kernel_groups, self.engine, shard=shard, block_size=block_size, at=at
+        )
 
     @property
     def registered_kv(self) -> Any:
