@@ -9,7 +9,7 @@ one detection of the destination registration, and ``copy()`` bandwidth beside, 
 same run list and thread count:
   - C copy: plain C that copies the same runs, one ``memcpy`` each, split over threads by
     bytes as ours is (compiled here with the system C compiler);
-  - flat stream: ``kvlayout._native.stream_copy`` of the same number of bytes from one
+  - flat stream: ``kvlayout._native.flat_stream`` of the same number of bytes from one
     flat buffer into another (streaming stores where the CPU has them): the machine's bound.
 Figures are medians of several runs, ours and its baselines taking turns; ratios are ours
 over each baseline (higher is better).
@@ -209,7 +209,7 @@ def measure(
             [
                 lambda n=n: m.copy(num_threads=n),
                 lambda n=n: library.copy_runs(runs.ctypes.data, len(runs), ends.ctypes.data, n),
-                lambda n=n: _native.stream_copy(flat_dst.data_ptr(), flat_src.data_ptr(), m.num_bytes, n),
+                lambda n=n: _native.flat_stream(flat_dst.data_ptr(), flat_src.data_ptr(), m.num_bytes, n),
             ],
             repeats,
         )

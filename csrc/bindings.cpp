@@ -378,12 +378,6 @@ std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U
   return {0, -1, -1, used};
 }
 
-// A flat copy of n bytes with streaming stores where the CPU has them (the benchmarks'
-// bound for copying the same bytes), split over the pool like copy_runs.
-int stream_copy(std::uint64_t dst, std::uint64_t src, std::uint64_t n, int num_threads) {
-  return flat_stream(dst, src, n, num_threads);  // one flat streaming copy, split over the pool
-}
-
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -491,8 +485,6 @@ NB_MODULE(_native, m) {
         "min_bytes_per_thread"_a = 256 << 10,
         "validate_runs, then (if valid) copy the runs on up to num_threads pool threads, split by bytes, GIL "
         "released; returns validate_runs' answer and the threads used.");
-  m.def("stream_copy", &stream_copy, "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a,
-        "A flat copy of nbytes with streaming stores where the CPU has them (a benchmark bound; no checks).");
 
   m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true,
         "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "
