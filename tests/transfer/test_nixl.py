@@ -371,6 +371,9 @@ class _ErrAgent:
         self.states = states
         self.released = 0
 
+    def transfer(self, handle: object) -> str:
+        return "PROC"
+
     def check_xfer_state(self, handle: object) -> str:
         return self.states.pop(0)
 
@@ -384,7 +387,8 @@ def test_an_err_state_raises_and_releases() -> None:
     there = nx.LocalSide("cpu", 0, side.tensor_spans, is_local=False)
     p = nx.plan(Map(np.array([(buf.data_ptr(), buf.data_ptr() + 32, 8)], dtype=U64), side, there))
     agent = _ErrAgent(["PROC", "ERR"])
-    xfer = nx.Transfer(agent, "peer-x", p, handle=object(), staging=None)
+    xfer = nx.Transfer(agent, "peer-x", p, [object()], staging=None)
+    xfer.start()
     assert not xfer.done()
     with pytest.raises(
         nx.NixlError,

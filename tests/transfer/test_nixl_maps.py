@@ -4,7 +4,8 @@ This process and a peer (``kvlayout.testing.nixl_peer``) each hold a real kvlayo
 the peer's is built there from a small :class:`CacheSpec` sent over the pipe and comes
 back as its ``describe(shard=...).to_json()`` (the handshake). Each case plans the map
 with ``block_map(live registration, RegistrationDescription)``, moves it with both
-strategies in both descriptor forms (the peer's cache refilled between), and checks the
+strategies (staged also as a pipeline of stages) in both descriptor forms (the peer's
+cache refilled between), and checks the
 destination against the offset oracle of ``test_block_maps`` (every request byte where
 the layouts put it, every other byte unchanged), computed on twins of both caches built
 here from the same seeds. A description that lies is refused before anything is posted.
@@ -184,21 +185,23 @@ def test_real_block_maps_move_byte_exactly_through_nixl(
     unit = unit_of(m, staged)
     with nx.register(pair.agent, local):
         prepped = nx.prep_lists(pair.agent, pair.name, here, there, unit, staging=pair.staging)
-        for strategy in ("direct", "staged"):
+        for strategy, stages in (("direct", None), ("staged", None), ("staged", 3)):  # 3: a pipeline
             for form in ("list", "prepped"):
-                result = nx.transfer(
+                xfer = nx.transfer(
                     pair.agent, pair.name, m, strategy=strategy, staging=pair.staging,
-                    prepped=prepped if form == "prepped" else None, notif=name.encode(),
-                ).wait(timeout=30)  # fmt: skip
+                    prepped=prepped if form == "prepped" else None, notif=name.encode(), stages=stages,
+                )  # fmt: skip
+                assert len(xfer.handles) == (min(3, staged.num_descriptors) if stages else 1)
+                result = xfer.wait(timeout=30)
                 assert (result.strategy, result.num_bytes) == (strategy, m.num_bytes)
                 got = pair.peer.cache_bytes() if op == "WRITE" else leaf_bytes(local_leaves)
                 for i, (g, w) in enumerate(zip(got, want, strict=True)):
-                    assert np.array_equal(g, w), f"{name} {op} {strategy} {form}: tensor {i} differs"
+                    assert np.array_equal(g, w), f"{name} {op} {strategy}/{stages} {form}: tensor {i} differs"
                 if op == "WRITE":
                     pair.peer.refill_cache()
                 else:
                     refill(local_leaves, local_spec.seed)
-    assert pair.peer.notifs(expect=4) == [name.encode()] * 4
+    assert pair.peer.notifs(expect=6) == [name.encode()] * 6  # one per request, pipelines too
 
 
 def lying(text: str, edit: Any) -> str:

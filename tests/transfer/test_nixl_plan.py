@@ -126,6 +126,49 @@ def test_a_plan_moves_what_the_runs_say(case: Case, strategy: Literal["direct", 
         assert p.num_descriptors == brute_force_stretches(remote_rows, m.runs[:, 2], remote)
 
 
+@given(maps(), st.integers(1, 30))
+def test_a_pipeline_cuts_the_plan_into_stages_that_move_it_all(case: Case, stages: int) -> None:
+    """Stages in order cover every descriptor and every local copy once, each stage's
+    copies fill (or empty) exactly its descriptors, there are ``min(stages,
+    descriptors)`` of them at most, and running them stage by stage moves the runs."""
+    local, remote, pieces, _ = case
+    m = Map(runs_between(local, remote, pieces), side_of(local, local=True), side_of(remote, local=False))
+    staging = np.zeros(sum(p[4] for p in pieces), dtype=np.uint8)
+    p = nx.plan(m, strategy="staged", staging=staging_at(staging), stages=stages)
+    assert p.copies is not None and 1 <= len(p.stages) <= min(stages, p.num_descriptors)
+    d_at, r_at = 0, 0
+    for stage in p.stages:
+        (dlo, dhi), (rlo, rhi) = stage.descriptors, stage.runs
+        assert (dlo, rlo) == (d_at, r_at) and dhi > dlo and rhi > rlo
+        assert p.copies[rlo:rhi, 2].sum() == p.local[dlo:dhi, 1].sum()
+        d_at, r_at = dhi, rhi
+    assert (d_at, r_at) == (p.num_descriptors, p.num_runs)
+    expected = [d.copy() for d in remote]
+    for a, i, b, j, n in pieces:
+        expected[b][j : j + n] = local[a][i : i + n]
+    for k, stage in enumerate(p.stages):
+        p.copy_stage(k)
+        lo, hi = stage.descriptors
+        apply(p.local[lo:hi], p.remote[lo:hi])
+    for got, want in zip(remote, expected, strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_large_request_is_pipelined_by_stage_bytes_and_the_model_counts_the_overlap() -> None:
+    m, buf = scattered_map(64, 1 << 18)  # 16 MiB as 64 remote-consecutive runs: one stretch
+    p = nx.plan(m, strategy="staged", staging=staging_at(buf))
+    assert len(p.stages) == 1  # one descriptor cannot be cut
+    split = Map(m.runs[::2], m.src, m.dst)  # every other run: 32 stretches of 256 KiB, 8 MiB
+    p = nx.plan(split, strategy="staged", staging=staging_at(buf))
+    assert len(p.stages) == (8 << 20) // nx.STAGE_BYTES == 2
+    assert len(nx.plan(split, strategy="staged", staging=staging_at(buf), stages=1).stages) == 1
+    model = nx.CostModel()
+    wire, copy = model.direct_s(32, 8 << 20), 32 * model.copy_per_run_s + (8 << 20) / model.copy_bandwidth
+    assert p.predicted_s["staged"] == pytest.approx(max(wire, copy) + min(wire, copy) / 2)
+    with pytest.raises(TypeError, match="stages must be a positive int or None, got 0"):
+        nx.plan(split, strategy="staged", staging=staging_at(buf), stages=0)
+
+
 class _FakeStaging:
     """The two attributes plan() reads from a Staging (no NIXL in this file)."""
 

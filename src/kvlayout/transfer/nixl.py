@@ -33,9 +33,12 @@ does not move KV through NIXL never loads it (:func:`make_agent` imports it on c
 
 from __future__ import annotations
 
+import threading
 import time
 import weakref
 from collections.abc import Iterable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple, Protocol
 
@@ -61,6 +64,7 @@ __all__ = [
     "PreppedList",
     "RefusedDescriptorError",
     "Registered",
+    "Stage",
     "Staging",
     "Transfer",
     "TransferResult",
@@ -576,15 +580,52 @@ class CostModel:
     def direct_s(self, descriptors: int, nbytes: int) -> float:
         return self.per_transfer_s + descriptors * self.per_descriptor_s + nbytes / self.bandwidth
 
-    def staged_s(self, descriptors: int, runs: int, nbytes: int) -> float:
+    def staged_s(self, descriptors: int, runs: int, nbytes: int, stages: int = 1) -> float:
+        """In ``stages`` the local copy of one stage overlaps the wire time of another:
+        the slower of the two, plus one stage of the faster (the first gather before a
+        WRITE posts, the last scatter after a READ lands)."""
         copy = runs * self.copy_per_run_s + nbytes / self.copy_bandwidth
-        return self.direct_s(descriptors, nbytes) + copy
+        wire = self.direct_s(descriptors, nbytes)
+        return max(wire, copy) + min(wire, copy) / stages
 
 
 DEFAULT_COST = CostModel()
 
 
 # -- plans -----------------------------------------------------------------------------------
+
+
+class Stage(NamedTuple):
+    """One step of a staged plan's pipeline: descriptors ``[lo, hi)`` of the plan, and
+    the local copies ``[lo, hi)`` that fill (WRITE) or empty (READ) them."""
+
+    descriptors: tuple[int, int]
+    runs: tuple[int, int]
+
+
+STAGE_BYTES = 4 << 20
+"""A staged request is cut into stages of about this many bytes (at most :data:`MAX_STAGES`)."""
+MAX_STAGES = 8
+
+
+def _stages(
+    first: np.ndarray, stretch_bytes: np.ndarray, num_runs: int, stages: int | None
+) -> tuple[Stage, ...]:
+    """Cut the stretches (descriptors) into ``stages`` (None: by :data:`STAGE_BYTES`) of
+    about equal bytes; each stage's copies are its stretches' runs (``first`` is the
+    first run of each stretch, in the copies' order)."""
+    n, total = len(first), int(stretch_bytes.sum(dtype=_U64))
+    want = min(MAX_STAGES, max(1, total // STAGE_BYTES)) if stages is None else stages
+    want = max(1, min(want, n))
+    ends = np.cumsum(stretch_bytes, dtype=_U64)
+    cuts = np.searchsorted(ends, np.arange(1, want, dtype=_U64) * np.uint64(total // want), side="right")
+    bounds = np.unique(np.r_[0, cuts, n].astype(np.int64))
+    runs = np.r_[first, num_runs].astype(np.int64)[bounds]
+    return tuple(
+        Stage((int(bounds[i]), int(bounds[i + 1])), (int(runs[i]), int(runs[i + 1])))
+        for i in range(len(bounds) - 1)
+        if bounds[i + 1] > bounds[i]
+    )
 
 
 @dataclass(frozen=True)
@@ -604,10 +645,17 @@ class Plan:
     num_bytes: int
     predicted_s: dict[str, float] = field(default_factory=dict)
     copy_spans: tuple[np.ndarray, np.ndarray] | None = None  # (K, 2) memory copies read, write
+    stages: tuple[Stage, ...] = ()  # a staged plan's pipeline, in order; () for direct
 
     @property
     def num_descriptors(self) -> int:
         return len(self.local)
+
+    def copy_stage(self, stage: int) -> None:
+        """The local copy of one stage (its gather or scatter), on the block-map engine."""
+        assert self.copies is not None and self.copy_spans is not None
+        lo, hi = self.stages[stage].runs
+        copy_byte_runs(self.copies[lo:hi], *self.copy_spans)
 
     def check_copy(self) -> None:
         """Refuse a staged plan whose local copy leaves its memory (before any byte moves)."""
@@ -654,11 +702,19 @@ def plan(
     strategy: Strategy = "auto",
     staging: Staging | None = None,
     cost: CostModel | None = None,
+    stages: int | None = None,
 ) -> Plan:
     """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheaper by
-    ``cost``; staged is considered only with a ``staging`` buffer large enough)."""
+    ``cost``; staged is considered only with a ``staging`` buffer large enough).
+
+    A staged plan is a pipeline of ``stages`` (None: one per :data:`STAGE_BYTES`, at
+    most :data:`MAX_STAGES`; never more than its descriptors): :func:`transfer` posts
+    each stage as soon as its gather is done (a READ: scatters each as soon as it lands),
+    so the local copy overlaps the wire."""
     if strategy not in ("auto", "direct", "staged"):
         raise TransferError(f"strategy must be 'auto', 'direct' or 'staged', not {strategy!r}")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise TypeError(f"stages must be a positive int or None, got {stages!r}")
     s = _sides(block_map)
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
@@ -679,11 +735,12 @@ def plan(
     if local_mem != "DRAM":
         raise TransferError("the staged strategy stages host memory; the local side is VRAM")
     order, offsets, first = _stretches(s.remote_addr, s.lengths, s.remote)
-    predicted["staged"] = model.staged_s(len(first), num_runs, num_bytes)
+    stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
+    pipeline = _stages(first, stretch_bytes, num_runs, stages)
+    predicted["staged"] = model.staged_s(len(first), num_runs, num_bytes, len(pipeline))
     if strategy == "auto" and predicted["staged"] >= predicted["direct"]:
         return direct
     base = np.uint64(staging.address)
-    stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
     copies = np.empty((num_runs, 3), dtype=_U64)
     at = base + offsets
     local = s.local_addr[order]
@@ -694,6 +751,7 @@ def plan(
         "staged", s.op, _rows(base + offsets[first], stretch_bytes, s.local.device_index),
         _rows(s.remote_addr[order][first], stretch_bytes, s.remote.device_index), local_mem, remote_mem,
         copies, num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held),
+        pipeline,
     )  # fmt: skip
 
 
@@ -721,11 +779,14 @@ def estimate(
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
     lengths = runs[:, 2]
     num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
-    _, _, first = _stretches(runs[:, col], lengths, remote)
+    order, _, first = _stretches(runs[:, col], lengths, remote)
+    stretch_bytes = np.add.reduceat(lengths[order], first) if len(first) else np.empty(0, _U64)
     model = cost or DEFAULT_COST
     predicted = {
         "direct": model.direct_s(num_runs, num_bytes),
-        "staged": model.staged_s(len(first), num_runs, num_bytes),
+        "staged": model.staged_s(
+            len(first), num_runs, num_bytes, len(_stages(first, stretch_bytes, num_runs, None))
+        ),
     }
     choice: Literal["direct", "staged"] = "staged" if predicted["staged"] < predicted["direct"] else "direct"
     op: Op = "WRITE" if poster == "src" else "READ"
@@ -861,56 +922,153 @@ def _is_nixl_error(exc: BaseException) -> bool:
     return type(exc).__module__.split(".")[0].startswith("nixl")
 
 
-class Transfer:
-    """A posted request: poll with :meth:`done`, finish with :meth:`wait`."""
+_copier_lock = threading.Lock()
+_copier_pool: list[ThreadPoolExecutor] = []  # made on first use
 
-    def __init__(self, agent: Agent, peer: str, plan: Plan, handle: Any, staging: Staging | None) -> None:
+
+def _copier() -> ThreadPoolExecutor:
+    """The thread that runs staged pipelines' local copies (native, GIL released), so a
+    stage's gather or scatter overlaps another's wire time while the polling thread
+    drives NIXL (every NIXL call stays on the caller's thread)."""
+    with _copier_lock:
+        if not _copier_pool:
+            _copier_pool.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlayout-nixl-copy"))
+        return _copier_pool[0]
+
+
+class Transfer:
+    """A posted request: poll with :meth:`done`, finish with :meth:`wait`.
+
+    A staged plan of several stages runs as a pipeline: a WRITE's gathers run on a
+    background thread and each stage is posted (by :meth:`done`, on the polling thread)
+    once its gather is done; a READ posts every stage at once and scatters each as it
+    lands. ``notif`` then goes to the peer (``send_notif``) once every stage has landed,
+    so it still means "the whole request is there"."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        peer: str,
+        plan: Plan,
+        handles: list[Any],
+        staging: Staging | None = None,
+        notif: bytes = b"",
+    ) -> None:
         self.agent = agent
         self.peer = peer
         self.plan = plan
-        self.handle = handle
+        self.handles = handles  # one per stage, in order
         self.staging = staging
+        self.notif = notif  # sent after the last stage (a pipeline); b"" when NIXL sends it
         self.posted_at = time.perf_counter()
+        self._posted = 0
+        self._landed = [False] * len(handles)
+        self._copies: list[Future[None]] = []  # a WRITE's gathers, a READ's scatters (a pipeline)
+        self._count = 0
         self._result: TransferResult | None = None
 
     def __repr__(self) -> str:
         return f"Transfer({self._what()})"
 
+    @property
+    def _pipelined(self) -> bool:
+        return len(self.handles) > 1
+
     def _what(self) -> str:
         p = self.plan
         counts = f"{p.num_descriptors} descriptors, {p.num_bytes} bytes"
-        return f"the {p.op} to peer {self.peer!r} ({p.strategy}, {counts})"
+        stages = f", {len(self.handles)} stages" if self._pipelined else ""
+        return f"the {p.op} to peer {self.peer!r} ({p.strategy}, {counts}{stages})"
 
     def _fail(self, why: str) -> NixlError:
         self._release()
         return NixlError(f"NIXL failed {self._what()}: {why}")
+
+    def _nixl(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as exc:
+            if not _is_nixl_error(exc):
+                raise
+            raise self._fail(f"{type(exc).__name__}: {exc}") from exc
+
+    def _post(self) -> None:
+        if self._nixl(self.agent.transfer, self.handles[self._posted]) == "ERR":
+            raise self._fail('transfer returned "ERR"')
+        self._posted += 1
+
+    def start(self) -> None:
+        """Post the plan (:func:`transfer` calls it once; the handles are made)."""
+        p = self.plan
+        if not self._pipelined:
+            if p.op == "WRITE":
+                p.copy()  # gather into staging: validated, nothing posted yet
+            self._post()
+        elif p.op == "WRITE":
+            pool = _copier()
+            self._copies = [pool.submit(p.copy_stage, i) for i in range(len(self.handles))]
+            self._copied(0, wait=True)
+            self._post()
+        else:
+            while self._posted < len(self.handles):
+                self._post()
+
+    def _copied(self, stage: int, *, wait: bool = False) -> bool:
+        """Whether the local copy of ``stage`` is done (raising what it raised)."""
+        f = self._copies[stage]
+        if not wait and not f.done():
+            return False
+        try:
+            f.result()
+        except TransferError as exc:
+            raise self._fail(f"the local copy of stage {stage}: {exc}") from exc
+        return True
+
+    def _poll(self) -> None:
+        """Post the stages whose gathers are done; note the posted ones that landed."""
+        while self.plan.op == "WRITE" and self._pipelined and self._posted < len(self.handles):
+            if not self._copied(self._posted):
+                break
+            self._post()
+        for i in range(self._posted):
+            if self._landed[i]:
+                continue
+            state = self._nixl(self.agent.check_xfer_state, self.handles[i])
+            if state == "ERR":
+                raise self._fail(
+                    'check_xfer_state returned "ERR"' + (f" for stage {i}" if self._pipelined else "")
+                )
+            if state != "DONE":
+                continue
+            self._landed[i] = True
+            lo, hi = self.plan.stages[i].descriptors if self._pipelined else (0, self.plan.num_descriptors)
+            try:
+                self._count += int(self.agent.get_xfer_telemetry(self.handles[i]).descCount)
+            except Exception as exc:
+                if not _is_nixl_error(exc):
+                    raise
+                self._count += hi - lo
+            if self.plan.op == "READ":
+                if self._pipelined:
+                    self._copies.append(_copier().submit(self.plan.copy_stage, i))
+                else:
+                    self.plan.copy()  # the scatter out of staging (checked before posting)
 
     def done(self) -> bool:
         """True once the transfer is complete (a READ's scatter done); raises
         :class:`NixlError` when NIXL reports ``"ERR"`` or an error."""
         if self._result is not None:
             return True
-        try:
-            state = self.agent.check_xfer_state(self.handle)
-        except Exception as exc:
-            if not _is_nixl_error(exc):
-                raise
-            raise self._fail(f"{type(exc).__name__}: {exc}") from exc
-        if state == "ERR":
-            raise self._fail('check_xfer_state returned "ERR"')
-        if state != "DONE":
+        self._poll()
+        if not all(self._landed):
             return False
-        if self.plan.op == "READ":
-            self.plan.copy()  # the scatter out of staging (checked before posting)
+        if not all(self._copied(i) for i in range(len(self._copies))):
+            return False
+        if self.notif:
+            self._nixl(self.agent.send_notif, self.peer, self.notif)
         seconds = time.perf_counter() - self.posted_at
-        count = self.plan.num_descriptors
-        try:
-            count = int(self.agent.get_xfer_telemetry(self.handle).descCount)
-        except Exception as exc:
-            if not _is_nixl_error(exc):
-                raise
         self._release()
-        self._result = TransferResult(self.plan.strategy, count, self.plan.num_bytes, seconds)
+        self._result = TransferResult(self.plan.strategy, self._count, self.plan.num_bytes, seconds)
         return True
 
     def wait(self, timeout: float = 30.0) -> TransferResult:
@@ -929,16 +1087,22 @@ class Transfer:
         return self._result
 
     def _release(self) -> bool:
-        """Release the NIXL request (cancelling it if active); False if NIXL refused."""
-        try:
-            self.agent.release_xfer_handle(self.handle)
-        except Exception as exc:
-            if not _is_nixl_error(exc):
-                raise
-            return False
-        if self.staging is not None:
+        """Release the NIXL requests (cancelling the active ones) once no local copy is
+        running; False if NIXL refused one."""
+        for f in self._copies:
+            f.cancel()
+        wait_for(self._copies)  # a copy under way finishes before its memory is let go
+        released = True
+        for h in self.handles:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception as exc:
+                if not _is_nixl_error(exc):
+                    raise
+                released = False
+        if released and self.staging is not None:
             self.staging.busy = False
-        return True
+        return released
 
 
 def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:
@@ -956,6 +1120,7 @@ def transfer(
     staging: Staging | None = None,
     prepped: Prepped | None = None,
     cost: CostModel | None = None,
+    stages: int | None = None,
 ) -> Transfer:
     """Post one request's map to ``peer`` (an agent name loaded with
     ``add_remote_agent``); ``notif`` reaches the peer when the bytes have landed.
@@ -966,13 +1131,15 @@ def transfer(
     NIXL (NIXL's own check). ``prepped`` sends index arrays into lists prepared by
     :func:`prep_lists` instead of descriptor lists. A ``staging`` buffer still in use by
     an earlier transfer leaves ``"auto"`` direct, and is an error for ``"staged"``.
+    ``stages`` cuts a staged plan into a pipeline (:func:`plan`); each stage is one NIXL
+    request, all made (and so checked by NIXL) before the first byte moves.
     """
     peer = _peer_name(peer)
     if staging is not None and staging.busy:
         if strategy == "staged":
             raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
         staging = None
-    p = plan(block_map, strategy=strategy, staging=staging, cost=cost)
+    p = plan(block_map, strategy=strategy, staging=staging, cost=cost, stages=stages)
     s = _sides(block_map)
     local_dev = s.local.device_index
     _check_local(agent, s.local_addr, s.lengths, p.local_mem, local_dev, "local run")
@@ -980,38 +1147,37 @@ def transfer(
         _check_local(agent, p.local[:, 0], p.local[:, 1], p.local_mem, local_dev, "staged descriptor")
     _check_described(s.remote_addr, s.lengths, s.remote, peer, "remote run")
     p.check_copy()
+    if prepped is not None and prepped.peer != peer:
+        raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
+    parts = [st.descriptors for st in p.stages] if len(p.stages) > 1 else [(0, p.num_descriptors)]
+    one_notif = notif if len(parts) == 1 else b""  # a pipeline sends it after its last stage
+    handles: list[Any] = []
     try:
-        if prepped is not None:
-            if prepped.peer != peer:
-                raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
-            local_idx = prepped.local.indices(p.local, "local descriptor")
-            remote_idx = prepped.remote.indices(p.remote, "remote descriptor")
-            handle = agent.make_prepped_xfer(
-                p.op, prepped.local.handle, local_idx, prepped.remote.handle, remote_idx, notif
-            )
-        else:
-            local = agent.get_xfer_descs(p.local, p.local_mem)
-            remote = agent.get_xfer_descs(p.remote, p.remote_mem)
-            handle = agent.initialize_xfer(p.op, local, remote, peer, notif)
+        for lo, hi in parts:
+            if prepped is not None:
+                local_idx = prepped.local.indices(p.local[lo:hi], "local descriptor")
+                remote_idx = prepped.remote.indices(p.remote[lo:hi], "remote descriptor")
+                handles.append(agent.make_prepped_xfer(
+                    p.op, prepped.local.handle, local_idx, prepped.remote.handle, remote_idx, one_notif
+                ))  # fmt: skip
+            else:
+                local = agent.get_xfer_descs(p.local[lo:hi], p.local_mem)
+                remote = agent.get_xfer_descs(p.remote[lo:hi], p.remote_mem)
+                handles.append(agent.initialize_xfer(p.op, local, remote, peer, one_notif))
     except Exception as exc:
+        for h in handles:
+            agent.release_xfer_handle(h)
         if not _is_nixl_error(exc):
             raise
         if prepped is None:  # name the descriptor NIXL found outside the peer's registration
             _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")
         raise NixlError(f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}") from exc
-    if p.op == "WRITE":
-        p.copy()  # gather into staging: validated above, nothing posted yet
-    xfer = Transfer(agent, peer, p, handle, staging)
-    if staging is not None and p.copies is not None:
-        staging.busy = True
-    try:
-        state = agent.transfer(handle)
-    except Exception as exc:
-        if not _is_nixl_error(exc):
-            raise
-        raise xfer._fail(f"{type(exc).__name__}: {exc}") from exc
-    if state == "ERR":
-        raise xfer._fail('transfer returned "ERR"')
+    xfer = Transfer(
+        agent, peer, p, handles, staging if p.copies is not None else None, notif if len(parts) > 1 else b""
+    )
+    if xfer.staging is not None:
+        xfer.staging.busy = True
+    xfer.start()
     return xfer
 
 
