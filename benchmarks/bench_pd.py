@@ -1,21 +1,24 @@
-"""Prefill -> decode over NIXL: one request's real block map written into a peer process,
+"""Prefill -> decode over NIXL: one request's real block map moved between two processes,
 as kvlayout sends it beside the descriptor lists vLLM and SGLang post for the same bytes.
 
 Llama-3-8B-like caches (32 layers, 8 KV heads of 128, bf16; MLA: 61 layers, a 576-wide
-latent, blocks of 64), one 1024-token request, each scenario of ``make bench-maps``. The
-prefill cache is a real kvlayout registration in this process; the decode cache is one
-in a peer process (:mod:`kvlayout.testing.nixl_peer`, built there from a spec), described
-to this one by its ``RegistrationDescription`` (the handshake). The map is
-``block_map(prefill registration, decode description, ...)``. It moves over UCX on
-loopback (TCP alone by default; ``--tls ''`` lets UCX pick). In the same run, for the same
-bytes, each row a WRITE from this process:
+latent, blocks of 64), one 1024-token request, each scenario of ``make bench-maps``, each
+posted by either side in turn: the prefill side WRITEs (this process holds the prefill
+cache, a peer process the decode cache) and the decode side READs (this process holds
+the decode cache, the peer the prefill cache: vLLM's NixlConnector's way). The peer's
+cache is built there from a spec (:mod:`kvlayout.testing.nixl_peer`) and described to
+this process by its ``RegistrationDescription`` (the handshake); the map is
+``block_map(...)`` between the live registration and that description. It moves over UCX
+on loopback (TCP alone by default; ``--tls ''`` lets UCX pick). In the same run, for the
+same bytes, each row posted by this process:
   - kvlayout direct: the map's runs, one descriptor each, in the list form and in the
     prepped form (both sides prepared at the handshake in units every run is whole
     multiples of; NIXL merges the request's consecutive indices back into runs);
-  - kvlayout staged: the runs gathered here (the block-map engine) into a registered
-    staging buffer laid out as the peer's runs, one descriptor per stretch of
-    peer-consecutive runs;
-  - kvlayout chosen: what the cost model picks, calibrated on this pair first;
+  - kvlayout staged, one stage: the runs gathered here (the block-map engine) into a
+    registered staging buffer laid out as the peer's runs, one descriptor per stretch of
+    peer-consecutive runs, then posted (a READ: received into staging, then scattered);
+  - kvlayout chosen: what the cost model picks, calibrated on this pair first (staged
+    requests run as a pipeline of stages, each stage's copy overlapping another's wire);
   - vLLM-style: one descriptor per layer, K/V and block (the map's runs cut at both
     sides' block boundaries: per head slice under TP resharding); n/a where vLLM refuses
     the pair (TP resharding outside HND, a layout change, decode blocks not a multiple of
@@ -25,8 +28,8 @@ bytes, each row a WRITE from this process:
     one block size only;
   - the limit: one contiguous descriptor of the same bytes (plain buffers on both sides).
 Each row is the best of ``--repeats`` (and the spread), from ``transfer()`` to done (the
-gather included); ratios are the baseline's time over ours (>1: ours is faster). Sampled
-runs of the last kvlayout transfer are checked byte-exactly on the peer. ``make bench-pd``.
+gather or scatter included); ratios are the baseline's time over ours (>1: ours is
+faster). Sampled runs of the chosen transfer are checked byte-exactly. ``make bench-pd``.
 """
 
 from __future__ import annotations
@@ -174,7 +177,7 @@ class Context:
     peer: NixlPeer
     name: str
     staging: nx.Staging
-    cost: nx.CostModel
+    cost: dict[str, nx.CostModel]  # calibrated per op
     args: argparse.Namespace
 
 
@@ -195,40 +198,53 @@ def unit_of(m: BlockMap) -> int:
     return int(np.gcd.reduce(np.concatenate(values).astype(np.int64)))
 
 
-def scenario(label: str, src: End, dst: End, scattered: bool, c: Context) -> None:
+def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Context) -> None:
+    """One scenario posted by one side: ``"WRITE"`` from the prefill side (this process
+    holds the prefill cache, the peer the decode cache) or ``"READ"`` from the decode
+    side (this process holds the decode cache, the peer the prefill cache)."""
     args = c.args
     s_spec, d_spec = src.spec(args.tokens, args.spare_blocks, 3), dst.spec(args.tokens, args.spare_blocks, 4)
-    text = c.peer.cache(d_spec)  # the handshake: the peer's description (and its NIXL metadata)
+    local_spec, remote_spec = (s_spec, d_spec) if op == "WRITE" else (d_spec, s_spec)
+    text = c.peer.cache(remote_spec)  # the handshake: the peer's description (and its NIXL metadata)
     c.agent.remove_remote_agent(c.name)
     c.agent.add_remote_agent(c.peer.metadata)
     desc = RegistrationDescription.from_json(text)
-    prefill, _ = build_cache(s_spec)
+    local, _ = build_cache(local_spec)
     rng = np.random.default_rng(7)
 
     def ids(s: CacheSpec) -> list[int]:
         n = -(-args.tokens // s.block_size)
         return [int(b) for b in (rng.permutation(s.blocks)[:n] if scattered else np.arange(2, 2 + n))]
 
-    m = block_map(prefill, desc, ids(s_spec), ids(d_spec), num_tokens=args.tokens, src_shard=s_spec.the_shard,
-                  src_block_size=src.block_size, dst_block_size=dst.block_size)  # fmt: skip
+    src_ids, dst_ids = ids(s_spec), ids(d_spec)
+    kw: dict[str, Any] = {"num_tokens": args.tokens, "src_block_size": src.block_size,
+                          "dst_block_size": dst.block_size}  # fmt: skip
+    if op == "WRITE":
+        m = block_map(local, desc, src_ids, dst_ids, src_shard=s_spec.the_shard, **kw)
+    else:
+        m = block_map(desc, local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw)
     pattern = "scattered" if scattered else "consecutive"
     mean = m.num_bytes / m.num_runs / 1024
+    poster = "prefill posts WRITEs" if op == "WRITE" else "decode posts READs"
     print(
-        f"\n{label}, {pattern} blocks: {m.kind}; {m.num_bytes / 2**20:.0f} MiB, {m.num_runs} runs "
+        f"\n{label}, {pattern} blocks, {poster}: {m.kind}; {m.num_bytes / 2**20:.0f} MiB, {m.num_runs} runs "
         f"(mean {mean:.1f} KiB)"
     )
+    cost = c.cost[op]
 
     def send(mp: Any, **kw: Any) -> Callable[[], nx.TransferResult]:
         return lambda: nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600)
 
-    with nx.register(c.agent, prefill):
-        prepped = nx.prep_lists(c.agent, c.name, m.src, m.dst, unit_of(m))
-        chosen = nx.plan(m, staging=c.staging, cost=c.cost).strategy
+    here, there = (m.src, m.dst) if op == "WRITE" else (m.dst, m.src)
+    with nx.register(c.agent, local):
+        prepped = nx.prep_lists(c.agent, c.name, here, there, unit_of(m))
+        chosen = nx.plan(m, staging=c.staging, cost=cost)
+        stages = f", {len(chosen.stages)} stages" if len(chosen.stages) > 1 else ""
         ours = [
             Row("kvlayout direct (list)", send(m, strategy="direct")),
             Row("kvlayout direct (prepped)", send(m, strategy="direct", prepped=prepped)),
-            Row("kvlayout staged (list)", send(m, strategy="staged", staging=c.staging)),
-            Row(f"kvlayout chosen: {chosen}", send(m, staging=c.staging, cost=c.cost)),
+            Row("kvlayout staged, one stage", send(m, strategy="staged", staging=c.staging, stages=1)),
+            Row(f"kvlayout chosen: {chosen.strategy}{stages}", send(m, staging=c.staging, cost=cost)),
         ]
         baselines: dict[str, Row | None] = {}
         why: dict[str, str] = {}
@@ -242,32 +258,35 @@ def scenario(label: str, src: End, dst: End, scattered: bool, c: Context) -> Non
                 None if rows_of is None
                 else Row(f"{name}-style list", send(Map(rows_of, m.src, m.dst), strategy="direct"))
             )  # fmt: skip
-        limit = Map(np.array([[c.staging.address, c.peer.address(0), m.num_bytes]], U64),
-                    nx.local_side(c.staging.tensor), c.peer.side())  # fmt: skip
+        mine, theirs = (nx.local_side(c.staging.tensor), c.peer.side())
+        one = np.array([[c.staging.address, c.peer.address(0), m.num_bytes]], U64)
+        limit = Map(one, mine, theirs) if op == "WRITE" else Map(one[:, [1, 0, 2]], theirs, mine)
         baselines["limit"] = Row("one descriptor (limit)", send(limit, strategy="direct"))
         rows = [*ours, *(b for b in baselines.values() if b is not None)]
         measure(rows, args.repeats)
-        ours[0].run()
-        check(c.peer, m)
+        ours[-1].run()
+        check(c.peer, m, op)
     print(
-        f"  {'':28} {'descriptors':>11} {'best s':>8} {'spread':>13}"
+        f"  {'':32} {'descriptors':>11} {'best s':>8} {'spread':>13}"
         + "".join(f" {'vs ' + k:>10}" for k in baselines)
     )
     for row in rows:
         spread = f"{min(row.times):.3f}-{max(row.times):.3f}"
         ratios = "".join(f" {b.best / row.best:9.2f}x" if b else f" {'n/a':>10}" for b in baselines.values())
-        print(f"  {row.label:28} {row.descriptors:11d} {row.best:8.3f} {spread:>13}{ratios}")
+        print(f"  {row.label:32} {row.descriptors:11d} {row.best:8.3f} {spread:>13}{ratios}")
     for name, b in baselines.items():
         if b is None:
             print(f"  {name}-style list: n/a ({why[name]})")
 
 
-def check(peer: NixlPeer, m: BlockMap) -> None:
-    """Sampled runs of the last kvlayout transfer landed byte-exactly on the peer."""
+def check(peer: NixlPeer, m: BlockMap, op: str) -> None:
+    """Sampled runs of the last kvlayout transfer landed byte-exactly (on the peer for a
+    WRITE, here for a READ)."""
     rng = np.random.default_rng(0)
     for i in rng.choice(m.num_runs, size=min(16, m.num_runs), replace=False):
         s, d, n = (int(x) for x in m.runs[i])
-        if peer.cache_read_at(d, n).tobytes() != ctypes.string_at(s, n):
+        there, here = (d, s) if op == "WRITE" else (s, d)
+        if peer.cache_read_at(there, n).tobytes() != ctypes.string_at(here, n):
             sys.exit(f"run {i} did not arrive byte-exactly")
 
 
@@ -292,6 +311,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--only", default="", help="run the scenarios whose label contains this")
     parser.add_argument("--blocks", choices=("scattered", "consecutive", "both"), default="both")
+    who = "who posts: the prefill side (WRITE), the decode side (READ), or each in turn"
+    parser.add_argument("--op", choices=("WRITE", "READ", "both"), default="both", help=who)
     parser.add_argument("--tls", default="tcp", help="UCX_TLS for both processes ('' lets UCX choose)")
     args = parser.parse_args()
     import nixl._api  # configures NIXL's logger, which says INFO on stdout otherwise
@@ -307,16 +328,22 @@ def main() -> None:
             agent = nx.make_agent("bench-prefill", progress_thread=False)
         name = agent.add_remote_agent(peer.metadata).decode()
         with nx.Staging(agent, most) as staging:
-            cost = nx.calibrate(agent, name, peer.side(), op="WRITE", nbytes=16 << 20)
-            nixl = f"{cost.per_descriptor_s * 1e6:.1f} us a descriptor, {cost.bandwidth / 1e9:.2f} GB/s"
-            gather = f"{cost.copy_per_run_s * 1e6:.3f} us a run, {cost.copy_bandwidth / 1e9:.1f} GB/s"
-            print(f"calibrated: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; gather {gather}")
-            c = Context(agent, peer, name, staging, cost, args)
+            costs = {}
+            for op in ("WRITE", "READ"):
+                cost = costs[op] = nx.calibrate(agent, name, peer.side(), op=op, nbytes=16 << 20)
+                nixl = f"{cost.per_descriptor_s * 1e6:.1f} us a descriptor, {cost.bandwidth / 1e9:.2f} GB/s"
+                gather = f"{cost.copy_per_run_s * 1e6:.3f} us a run, {cost.copy_bandwidth / 1e9:.1f} GB/s"
+                print(
+                    f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; copy {gather}"
+                )
+            c = Context(agent, peer, name, staging, costs, args)
             patterns = {"scattered": [True], "consecutive": [False], "both": [True, False]}[args.blocks]
+            ops = ["WRITE", "READ"] if args.op == "both" else [args.op]
             for label, src, dst in SCENARIOS:
                 if args.only in label:
                     for scattered in patterns:
-                        scenario(label, src, dst, scattered, c)
+                        for op in ops:
+                            scenario(label, src, dst, scattered, op, c)
 
 
 if __name__ == "__main__":

@@ -249,3 +249,46 @@ def test_a_twin_is_the_peer_cache_byte_for_byte(pair: Pair) -> None:
     assert all(
         np.array_equal(a, b.numpy()) for a, b in zip(pair.peer.cache_bytes(), side.reg.bases, strict=True)
     )
+
+
+@pytest.mark.parametrize(("name", "sf", "stp", "sbs", "df", "dtp", "dbs"), CASES, ids=[c[0] for c in CASES])
+def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
+    pair: Pair,
+    name: str,
+    sf: F,
+    stp: tuple[int, int],
+    sbs: int,
+    df: F,
+    dtp: tuple[int, int],
+    dbs: int,
+) -> None:
+    """The WRITE lands in the peer's staging buffer as the runs lie here (one descriptor
+    per local stretch), the peer's cache is untouched until the peer unstages, and then
+    it holds what the offset oracle says."""
+    s_spec, d_spec = spec(sf, stp, sbs, seed=31), spec(df, dtp, dbs, seed=32)
+    text = pair.peer.cache(d_spec)
+    staging = pair.peer.staging(1 << 16)
+    pair.agent.remove_remote_agent(pair.name)
+    pair.agent.add_remote_agent(pair.peer.metadata)
+    desc = RegistrationDescription.from_json(text)
+    local, _ = build_cache(s_spec)
+    rng = np.random.default_rng(len(name))
+    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
+    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
+    m = block_map(local, desc, src_ids, dst_ids, src_shard=s_spec.the_shard, **kw)
+    src_side, dst_side = twin(s_spec), twin(d_spec)
+    want = expected(src_side, dst_side, src_ids, dst_ids)
+    pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
+    with nx.register(pair.agent, local):
+        xfer = nx.transfer(
+            pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging, notif=b"in"
+        )
+        result = xfer.wait(timeout=30)
+    assert result.strategy == "peer-staged" and xfer.plan.num_descriptors <= m.num_runs
+    assert pair.peer.notifs(expect=1) == [b"in"]
+    untouched = [b.numpy() for b in dst_side.reg.bases]
+    assert all(np.array_equal(a, b) for a, b in zip(pair.peer.cache_bytes(), untouched, strict=True))
+    source = local.describe(shard=s_spec.the_shard, block_size=sbs).to_json()  # the handshake's other half
+    pair.peer.unstage(source, src_ids, dst_ids, **kw)
+    for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), want, strict=True)):
+        assert np.array_equal(g, w), f"{name} peer-staged: tensor {i} differs"

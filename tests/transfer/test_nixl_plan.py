@@ -169,6 +169,34 @@ def test_a_large_request_is_pipelined_by_stage_bytes_and_the_model_counts_the_ov
         nx.plan(split, strategy="staged", staging=staging_at(buf), stages=0)
 
 
+def test_peer_staged_writes_the_local_stretches_and_is_a_write_only() -> None:
+    n, length = 256, 256  # consecutive here, scattered on the peer: TP 2 -> 1 in NHD, in miniature
+    local, remote = [np.zeros(n * length, np.uint8)], [np.zeros(2 * n * length, np.uint8)]
+    pieces = [(0, i * length, 0, 2 * i * length, length) for i in range(n)]
+    m = Map(runs_between(local, remote, pieces), side_of(local, local=True), side_of(remote, local=False))
+    buf = np.zeros(n * length, np.uint8)
+    there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)  # stands for the peer's buffer
+    p = nx.plan(m, staging=staging_at(buf), peer_staging=there)
+    assert (p.strategy, p.op, p.num_descriptors) == ("peer-staged", "WRITE", 1)
+    assert p.predicted_s["peer-staged"] < min(p.predicted_s["direct"], p.predicted_s["staged"])
+    assert (p.local[0, 0], p.local[0, 1], p.remote[0, 0]) == (local[0].ctypes.data, n * length, there.address)
+    assert nx.plan(m, staging=staging_at(buf)).strategy == "direct"  # staging here cannot help this pair
+    # the peer's unstage of the same map (its READ-side plan) reads its staging where this wrote
+    flipped = Map(m.runs, side_of(local, local=False), side_of(remote, local=True))
+    theirs = nx.plan(flipped, strategy="staged", staging=staging_at(buf), stages=1)
+    assert theirs.copies is not None and theirs.copies[0, 0] == there.address
+    with pytest.raises(
+        TransferError, match="needs a peer staging buffer of 65536 bytes; got one of 65535 bytes"
+    ):
+        nx.plan(m, strategy="peer-staged", peer_staging=nx.PeerStaging(there.address, buf.nbytes - 1))
+    with pytest.raises(
+        TransferError, match=r"the peer-staged strategy is a WRITE .* this side is the destination"
+    ):
+        nx.plan(flipped, strategy="peer-staged", peer_staging=there)
+    with pytest.raises(TransferError, match="unstage runs on the destination side of the map"):
+        nx.unstage(m, staging_at(buf))
+
+
 class _FakeStaging:
     """The two attributes plan() reads from a Staging (no NIXL in this file)."""
 
@@ -263,7 +291,9 @@ def test_staged_needs_a_staging_buffer_that_fits() -> None:
         TransferError, match="needs a staging buffer of 256 bytes; got a staging buffer of 255 bytes"
     ):
         nx.plan(m, strategy="staged", staging=staging_at(buf[:255]))
-    with pytest.raises(TransferError, match="strategy must be 'auto', 'direct' or 'staged', not 'fast'"):
+    with pytest.raises(
+        TransferError, match="strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not 'fast'"
+    ):
         nx.plan(m, strategy="fast")  # type: ignore[arg-type]
 
 

@@ -16,6 +16,8 @@ A peer can also hold a real kvlayout cache: :meth:`NixlPeer.cache` sends a small
 :func:`build_cache` (seeded bytes, so this process can build its twin), binds it,
 registers it with NIXL and answers its ``describe(shard=...).to_json()``: the handshake
 of a P/D connector. :meth:`NixlPeer.cache_bytes` reads its tensors back.
+:meth:`NixlPeer.staging` gives it a registered staging buffer and :meth:`NixlPeer.unstage`
+scatters a peer-staged WRITE from it (the decode half of that strategy).
 """
 
 from __future__ import annotations
@@ -242,6 +244,21 @@ class NixlPeer:
         answer = self.call("cache_read_at", address=address, nbytes=nbytes)
         return np.frombuffer(base64.b64decode(answer["data"]), dtype=np.uint8)
 
+    def staging(self, nbytes: int) -> Any:
+        """Give the peer a registered staging buffer of ``nbytes`` (replacing any); its
+        :class:`~kvlayout.transfer.nixl.PeerStaging` (load :attr:`metadata` again)."""
+        from kvlayout.transfer.nixl import PeerStaging
+
+        answer = self.call("staging", nbytes=nbytes)
+        self.metadata = base64.b64decode(answer["metadata"])
+        return PeerStaging(int(answer["address"]), int(answer["nbytes"]))
+
+    def unstage(self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], **kw: Any) -> None:
+        """The peer's half of a peer-staged WRITE: it builds the request's map from the
+        source's ``description`` (JSON) into its cache (``block_map`` keywords in ``kw``)
+        and scatters its staging buffer with ``unstage``."""
+        self.call("unstage", description=description, src_ids=list(src_ids), dst_ids=list(dst_ids), kw=kw)
+
     def refill_cache(self) -> None:
         """Write the peer's cache's seeded bytes again."""
         self.call("cache_fill")
@@ -333,12 +350,14 @@ def _serve() -> None:
     os.dup2(2, 1)  # anything else printed (NIXL's logs) goes to stderr, not into the protocol
     import torch
 
-    from kvlayout.transfer.nixl import make_agent, register
+    from kvlayout.transfer import RegistrationDescription, block_map
+    from kvlayout.transfer.nixl import Staging, make_agent, register, unstage
 
     agent: Any = None
     buffers: list[np.ndarray] = []
     notifs: list[bytes] = []
-    cache: Any = None  # (spec, leaves, Registered)
+    cache: Any = None  # (spec, leaves, Registered, registration)
+    staging: Any = None  # a Staging, for peer-staged WRITEs
 
     def progress() -> None:  # drives NIXL (the agent has no progress thread) and keeps notifications
         if agent is not None:
@@ -381,12 +400,26 @@ def _serve() -> None:
                     cache[2].deregister()
                 spec = CacheSpec.from_data(msg["spec"])
                 reg, leaves = build_cache(spec)
-                cache = (spec, leaves, register(agent, reg))
+                cache = (spec, leaves, register(agent, reg), reg)
                 desc = reg.describe(shard=spec.the_shard, block_size=spec.block_size)
                 answer = {
                     "description": desc.to_json(),
                     "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
                 }
+            elif cmd == "staging":
+                if staging is not None:
+                    staging.close()
+                staging = Staging(agent, msg["nbytes"])
+                answer = {
+                    "address": staging.address,
+                    "nbytes": staging.nbytes,
+                    "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
+                }
+            elif cmd == "unstage":
+                kw = {**msg["kw"], "dst_shard": cache[0].the_shard}
+                desc = RegistrationDescription.from_json(msg["description"])
+                unstage(block_map(desc, cache[3], msg["src_ids"], msg["dst_ids"], **kw), staging)
+                answer = {}
             elif cmd == "cache_read":
                 answer = {
                     "leaves": [

@@ -59,6 +59,7 @@ __all__ = [
     "NixlError",
     "NixlMap",
     "NixlTimeoutError",
+    "PeerStaging",
     "Plan",
     "Prepped",
     "PreppedList",
@@ -78,6 +79,7 @@ __all__ = [
     "prep_lists",
     "register",
     "transfer",
+    "unstage",
     "wait",
 ]
 
@@ -85,7 +87,7 @@ Agent = Any
 """A ``nixl._api.nixl_agent`` (typed loosely: this module never imports NIXL)."""
 
 Op = Literal["READ", "WRITE"]
-Strategy = Literal["auto", "direct", "staged"]
+Strategy = Literal["auto", "direct", "staged", "peer-staged"]
 
 _MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
 _U64 = np.uint64
@@ -634,7 +636,7 @@ class Plan:
     uint64), the local copy (gather before a WRITE, scatter after a READ; None for
     direct), and the predicted seconds of each strategy considered."""
 
-    strategy: Literal["direct", "staged"]
+    strategy: Literal["direct", "staged", "peer-staged"]
     op: Op
     local: np.ndarray
     remote: np.ndarray
@@ -696,6 +698,15 @@ def _stretches(
     return order, offsets, first
 
 
+class PeerStaging(NamedTuple):
+    """A staging buffer the peer registered with NIXL and told this side of at the
+    handshake (its address and bytes): where a peer-staged WRITE lands, for the peer to
+    scatter with :func:`unstage`."""
+
+    address: int
+    nbytes: int
+
+
 def plan(
     block_map: NixlMap,
     *,
@@ -703,16 +714,25 @@ def plan(
     staging: Staging | None = None,
     cost: CostModel | None = None,
     stages: int | None = None,
+    peer_staging: PeerStaging | None = None,
 ) -> Plan:
-    """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheaper by
-    ``cost``; staged is considered only with a ``staging`` buffer large enough).
+    """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheapest by
+    ``cost``; staged is considered only with a ``staging`` buffer large enough,
+    peer-staged only for a WRITE with a ``peer_staging`` buffer large enough).
 
     A staged plan is a pipeline of ``stages`` (None: one per :data:`STAGE_BYTES`, at
     most :data:`MAX_STAGES`; never more than its descriptors): :func:`transfer` posts
     each stage as soon as its gather is done (a READ: scatters each as soon as it lands),
-    so the local copy overlaps the wire."""
-    if strategy not in ("auto", "direct", "staged"):
-        raise TransferError(f"strategy must be 'auto', 'direct' or 'staged', not {strategy!r}")
+    so the local copy overlaps the wire.
+
+    A peer-staged plan WRITEs the runs, as they lie here, into the peer's staging buffer
+    (local runs that follow one another back to back: one descriptor per local stretch),
+    and the peer scatters them into its cache with :func:`unstage` once told the request
+    landed: for a pair whose destination is what scatters (TP 2 -> 1 in NHD, each decode
+    row half written by each prefill rank), where neither direct nor staged can cut the
+    descriptors."""
+    if strategy not in ("auto", "direct", "staged", "peer-staged"):
+        raise TransferError(f"strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not {strategy!r}")
     if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
         raise TypeError(f"stages must be a positive int or None, got {stages!r}")
     s = _sides(block_map)
@@ -724,22 +744,45 @@ def plan(
     if strategy == "staged" and not fits:
         have = "no staging buffer" if staging is None else f"a staging buffer of {staging.nbytes} bytes"
         raise TransferError(f"the staged strategy needs a staging buffer of {num_bytes} bytes; got {have}")
+    peer_fits = peer_staging is not None and peer_staging.nbytes >= num_bytes and s.op == "WRITE"
+    if strategy == "peer-staged" and not peer_fits:
+        if s.op == "READ":
+            raise TransferError(
+                "the peer-staged strategy is a WRITE (the peer scatters what lands); this side is the "
+                "destination: post the request from the source, or stage here ('staged')"
+            )
+        have = "no peer staging buffer" if peer_staging is None else f"one of {peer_staging.nbytes} bytes"
+        raise TransferError(
+            f"the peer-staged strategy needs a peer staging buffer of {num_bytes} bytes; got {have}"
+        )
     direct = Plan(
         "direct", s.op, _rows(s.local_addr, s.lengths, s.local.device_index),
         _rows(s.remote_addr, s.lengths, s.remote.device_index), local_mem, remote_mem, None,
         num_runs, num_bytes, predicted,
     )  # fmt: skip
-    if strategy == "direct" or not fits:
-        return direct
-    assert staging is not None
-    if local_mem != "DRAM":
-        raise TransferError("the staged strategy stages host memory; the local side is VRAM")
+    plans = {"direct": direct}
+    if strategy in ("auto", "staged") and fits:
+        assert staging is not None
+        if local_mem != "DRAM":
+            raise TransferError("the staged strategy stages host memory; the local side is VRAM")
+        plans["staged"] = _staged(s, staging, model, stages, predicted)
+    if strategy in ("auto", "peer-staged") and peer_fits:
+        assert peer_staging is not None
+        plans["peer-staged"] = _peer_staged(s, peer_staging, model, predicted)
+    if strategy != "auto":
+        return plans[strategy]
+    return plans[min(plans, key=lambda k: predicted[k])]
+
+
+def _staged(
+    s: _Sides, staging: Staging, model: CostModel, stages: int | None, predicted: dict[str, float]
+) -> Plan:
+    local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
+    num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
     order, offsets, first = _stretches(s.remote_addr, s.lengths, s.remote)
     stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
     pipeline = _stages(first, stretch_bytes, num_runs, stages)
     predicted["staged"] = model.staged_s(len(first), num_runs, num_bytes, len(pipeline))
-    if strategy == "auto" and predicted["staged"] >= predicted["direct"]:
-        return direct
     base = np.uint64(staging.address)
     copies = np.empty((num_runs, 3), dtype=_U64)
     at = base + offsets
@@ -753,6 +796,37 @@ def plan(
         copies, num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held),
         pipeline,
     )  # fmt: skip
+
+
+def _peer_staged(s: _Sides, peer_staging: PeerStaging, model: CostModel, predicted: dict[str, float]) -> Plan:
+    """The runs in the order and at the offsets the peer's own staged READ plan of the
+    same map lays its staging out in (both sort the source's runs by address and stretch
+    them alike), so :func:`unstage` there scatters what this WRITE put."""
+    num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
+    order, offsets, first = _stretches(s.local_addr, s.lengths, s.local)
+    stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
+    predicted["peer-staged"] = model.staged_s(len(first), num_runs, num_bytes)  # the scatter follows the wire
+    base = np.uint64(peer_staging.address)
+    return Plan(
+        "peer-staged", "WRITE", _rows(s.local_addr[order][first], stretch_bytes, s.local.device_index),
+        _rows(base + offsets[first], stretch_bytes, s.remote.device_index), _mem_type(s.local, "local"),
+        "DRAM", None, num_runs, num_bytes, predicted,
+    )  # fmt: skip
+
+
+def unstage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None:
+    """The receiving half of a peer-staged WRITE: scatter what landed in ``staging``
+    (this side's staging buffer, the :class:`PeerStaging` the source was given) into the
+    request's slots here. ``block_map`` is the request's map with this side as its
+    destination (``block_map(source description, this registration, ...)``: the same
+    runs the source planned); every copy is checked before a byte moves."""
+    p = plan(block_map, strategy="staged", staging=staging, stages=1)
+    if p.op != "READ":
+        raise TransferError(
+            "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
+        )
+    p.check_copy()
+    p.copy(num_threads)
 
 
 class Estimate(NamedTuple):
@@ -1121,6 +1195,7 @@ def transfer(
     prepped: Prepped | None = None,
     cost: CostModel | None = None,
     stages: int | None = None,
+    peer_staging: PeerStaging | None = None,
 ) -> Transfer:
     """Post one request's map to ``peer`` (an agent name loaded with
     ``add_remote_agent``); ``notif`` reaches the peer when the bytes have landed.
@@ -1133,13 +1208,24 @@ def transfer(
     an earlier transfer leaves ``"auto"`` direct, and is an error for ``"staged"``.
     ``stages`` cuts a staged plan into a pipeline (:func:`plan`); each stage is one NIXL
     request, all made (and so checked by NIXL) before the first byte moves.
+    ``peer_staging`` (the peer's staging buffer, from the handshake) lets a WRITE go
+    peer-staged: the peer must then :func:`unstage` the request once ``notif`` arrives
+    (``Transfer.plan.strategy`` says which strategy went).
     """
     peer = _peer_name(peer)
     if staging is not None and staging.busy:
         if strategy == "staged":
             raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
         staging = None
-    p = plan(block_map, strategy=strategy, staging=staging, cost=cost, stages=stages)
+    if prepped is not None and strategy != "peer-staged":
+        peer_staging = None  # the prepped lists do not reach the peer's staging buffer
+    p = plan(
+        block_map, strategy=strategy, staging=staging, cost=cost, stages=stages, peer_staging=peer_staging
+    )
+    if p.strategy == "peer-staged" and prepped is not None:
+        raise TransferError(
+            "the prepped lists cover the peer's cache, not its staging buffer: post peer-staged as lists"
+        )
     s = _sides(block_map)
     local_dev = s.local.device_index
     _check_local(agent, s.local_addr, s.lengths, p.local_mem, local_dev, "local run")
