@@ -17,6 +17,9 @@ same bytes, each row posted by this process:
   - kvlayout staged, one stage: the runs gathered here (the block-map engine) into a
     registered staging buffer laid out as the peer's runs, one descriptor per stretch of
     peer-consecutive runs, then posted (a READ: received into staging, then scattered);
+  - kvlayout peer-staged (WRITEs): the runs as they lie here into the peer's staging
+    buffer, one descriptor per local stretch, then the peer's scatter (``unstage``,
+    asked for over the pipe: its time is in the row);
   - kvlayout chosen: what the cost model picks, calibrated on this pair first (staged
     requests run as a pipeline of stages, each stage's copy overlapping another's wire);
   - vLLM-style: one descriptor per layer, K/V and block (the map's runs cut at both
@@ -177,6 +180,7 @@ class Context:
     peer: NixlPeer
     name: str
     staging: nx.Staging
+    peer_staging: nx.PeerStaging  # the peer's staging buffer, for peer-staged WRITEs
     cost: dict[str, nx.CostModel]  # calibrated per op
     args: argparse.Namespace
 
@@ -206,6 +210,7 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
     s_spec, d_spec = src.spec(args.tokens, args.spare_blocks, 3), dst.spec(args.tokens, args.spare_blocks, 4)
     local_spec, remote_spec = (s_spec, d_spec) if op == "WRITE" else (d_spec, s_spec)
     text = c.peer.cache(remote_spec)  # the handshake: the peer's description (and its NIXL metadata)
+    c.peer_staging = c.peer.staging(c.staging.nbytes)
     c.agent.remove_remote_agent(c.name)
     c.agent.add_remote_agent(c.peer.metadata)
     desc = RegistrationDescription.from_json(text)
@@ -217,12 +222,12 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
         return [int(b) for b in (rng.permutation(s.blocks)[:n] if scattered else np.arange(2, 2 + n))]
 
     src_ids, dst_ids = ids(s_spec), ids(d_spec)
-    kw: dict[str, Any] = {"num_tokens": args.tokens, "src_block_size": src.block_size,
+    map_kw: dict[str, Any] = {"num_tokens": args.tokens, "src_block_size": src.block_size,
                           "dst_block_size": dst.block_size}  # fmt: skip
     if op == "WRITE":
-        m = block_map(local, desc, src_ids, dst_ids, src_shard=s_spec.the_shard, **kw)
+        m = block_map(local, desc, src_ids, dst_ids, src_shard=s_spec.the_shard, **map_kw)
     else:
-        m = block_map(desc, local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw)
+        m = block_map(desc, local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **map_kw)
     pattern = "scattered" if scattered else "consecutive"
     mean = m.num_bytes / m.num_runs / 1024
     poster = "prefill posts WRITEs" if op == "WRITE" else "decode posts READs"
@@ -232,20 +237,39 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
     )
     cost = c.cost[op]
 
+    source = (
+        local.describe(shard=s_spec.the_shard, block_size=src.block_size).to_json() if op == "WRITE" else ""
+    )
+
     def send(mp: Any, **kw: Any) -> Callable[[], nx.TransferResult]:
-        return lambda: nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600)
+        def run() -> nx.TransferResult:
+            xfer = nx.transfer(c.agent, c.name, mp, **kw)
+            result = xfer.wait(timeout=600)
+            if xfer.plan.strategy == "peer-staged":  # the peer's scatter is part of the request
+                c.peer.unstage(source, src_ids, dst_ids, **map_kw)
+            return result
+
+        return run
 
     here, there = (m.src, m.dst) if op == "WRITE" else (m.dst, m.src)
+    peer_staging = c.peer_staging if op == "WRITE" else None
     with nx.register(c.agent, local):
         prepped = nx.prep_lists(c.agent, c.name, here, there, unit_of(m))
-        chosen = nx.plan(m, staging=c.staging, cost=cost)
+        chosen = nx.plan(m, staging=c.staging, cost=cost, peer_staging=peer_staging)
         stages = f", {len(chosen.stages)} stages" if len(chosen.stages) > 1 else ""
         ours = [
             Row("kvlayout direct (list)", send(m, strategy="direct")),
             Row("kvlayout direct (prepped)", send(m, strategy="direct", prepped=prepped)),
             Row("kvlayout staged, one stage", send(m, strategy="staged", staging=c.staging, stages=1)),
-            Row(f"kvlayout chosen: {chosen.strategy}{stages}", send(m, staging=c.staging, cost=cost)),
         ]
+        if peer_staging is not None:
+            ours.append(
+                Row("kvlayout peer-staged", send(m, strategy="peer-staged", peer_staging=peer_staging))
+            )
+        ours.append(
+            Row(f"kvlayout chosen: {chosen.strategy}{stages}",
+                send(m, staging=c.staging, cost=cost, peer_staging=peer_staging))
+        )  # fmt: skip
         baselines: dict[str, Row | None] = {}
         why: dict[str, str] = {}
         for name, (rows_of, reason) in (
@@ -336,7 +360,7 @@ def main() -> None:
                 print(
                     f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; copy {gather}"
                 )
-            c = Context(agent, peer, name, staging, costs, args)
+            c = Context(agent, peer, name, staging, nx.PeerStaging(0, 0), costs, args)
             patterns = {"scattered": [True], "consecutive": [False], "both": [True, False]}[args.blocks]
             ops = ["WRITE", "READ"] if args.op == "both" else [args.op]
             for label, src, dst in SCENARIOS:

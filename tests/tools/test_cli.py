@@ -389,6 +389,22 @@ def test_plan_prints_every_rank_pair(capsys: pytest.CaptureFixture[str]) -> None
     assert len(lines) == 1 + 4 * 2 + 4
 
 
+def test_plan_posted_by_the_source_weighs_the_peer_staged_write(capsys: pytest.CaptureFixture[str]) -> None:
+    """TP 2 -> 1 in NHD: every decode row is half written by each prefill rank, so only the
+    peer-staged WRITE (the prefill's own stretches into decode's staging) cuts the
+    descriptors: one per layer and K/V of the consecutive blocks, not one per token."""
+    dst_nhd = ["--dst-engine", "vllm", "--dst-shape", "2x[2,8,4,4,8]"]
+    code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *dst_nhd, "--tokens", "16", "--blocks", "consecutive",
+                       "--poster", "src", "--json")  # fmt: skip
+    assert code == 0
+    pairs = json.loads(out)["pairs"]
+    assert [p["descriptors"] for p in pairs] == [{"direct": 64, "staged": 64, "peer-staged": 4}] * 2
+    assert [(p["op"], p["choice"]) for p in pairs] == [("WRITE", "peer-staged")] * 2
+    code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *dst_nhd, "--tokens", "16", "--blocks", "consecutive",
+                       "--poster", "src")  # fmt: skip
+    assert "WRITE: direct 64 descriptors, " in out and "; peer-staged 4 descriptors, " in out
+
+
 def test_plan_json_matches_a_map_of_real_tensors(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

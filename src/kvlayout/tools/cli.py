@@ -471,10 +471,8 @@ def _print_plan(r: dict[str, Any]) -> None:
         else:
             n, t = p["descriptors"], p["predicted_s"]
             print(f"{head} {p['kind']}; {p['runs']} runs, {p['bytes']} bytes, mean run {p['mean_run']:.0f} B")
-            print(
-                f"    {p['op']}: direct {n['direct']} descriptors, {t['direct'] * 1e3:.2f} ms; staged "
-                f"{n['staged']} descriptors, {t['staged'] * 1e3:.2f} ms; choice: {p['choice']}"
-            )
+            each = "; ".join(f"{k} {n[k]} descriptors, {t[k] * 1e3:.2f} ms" for k in n)
+            print(f"    {p['op']}: {each}; choice: {p['choice']}")
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

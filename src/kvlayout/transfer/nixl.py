@@ -40,7 +40,7 @@ from collections.abc import Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, NamedTuple, Protocol, cast
 
 import numpy as np
 import torch
@@ -837,7 +837,7 @@ class Estimate(NamedTuple):
     num_bytes: int
     descriptors: dict[str, int]  # per strategy
     predicted_s: dict[str, float]  # per strategy
-    choice: Literal["direct", "staged"]
+    choice: Strategy
 
 
 def estimate(
@@ -845,26 +845,32 @@ def estimate(
 ) -> Estimate:
     """Descriptors and predicted seconds of each strategy for a map whose sides need not
     be live (two descriptions, at planning time), posted by ``poster`` (``"dst"``: a READ,
-    as vLLM's decode side posts; ``"src"``: a WRITE), and the strategy ``"auto"`` picks
-    given a staging buffer large enough: what :func:`plan` would choose."""
+    as vLLM's decode side posts; ``"src"``: a WRITE, which may also go peer-staged), and
+    the strategy ``"auto"`` picks given staging buffers large enough: what :func:`plan`
+    would choose."""
     if poster not in ("src", "dst"):
         raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
     runs = block_map.runs
-    remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
     lengths = runs[:, 2]
     num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
+    model = cost or DEFAULT_COST
+    descriptors = {"direct": num_runs}
+    predicted = {"direct": model.direct_s(num_runs, num_bytes)}
+    remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
     order, _, first = _stretches(runs[:, col], lengths, remote)
     stretch_bytes = np.add.reduceat(lengths[order], first) if len(first) else np.empty(0, _U64)
-    model = cost or DEFAULT_COST
-    predicted = {
-        "direct": model.direct_s(num_runs, num_bytes),
-        "staged": model.staged_s(
-            len(first), num_runs, num_bytes, len(_stages(first, stretch_bytes, num_runs, None))
-        ),
-    }
-    choice: Literal["direct", "staged"] = "staged" if predicted["staged"] < predicted["direct"] else "direct"
+    stages = len(_stages(first, stretch_bytes, num_runs, None))
+    descriptors["staged"], predicted["staged"] = (
+        len(first),
+        model.staged_s(len(first), num_runs, num_bytes, stages),
+    )
+    if poster == "src":  # the source's stretches, into the peer's staging
+        _, _, own = _stretches(runs[:, 0], lengths, block_map.src)
+        descriptors["peer-staged"] = len(own)
+        predicted["peer-staged"] = model.staged_s(len(own), num_runs, num_bytes)
+    choice = min(predicted, key=lambda k: predicted[k])
     op: Op = "WRITE" if poster == "src" else "READ"
-    return Estimate(op, num_runs, num_bytes, {"direct": num_runs, "staged": len(first)}, predicted, choice)
+    return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice))
 
 
 # -- the prepped form --------------------------------------------------------------------------
