@@ -348,6 +348,47 @@ def test_a_stopped_peer_times_out_and_the_pair_recovers(tcp_pair: TcpPair) -> No
     assert tcp_pair.peer.notifs() == [b"again"]
 
 
+def test_a_pipeline_to_a_stopped_peer_times_out_releases_its_stages_and_staging(tcp_pair: TcpPair) -> None:
+    """A staged READ of 4 stages: every stage cancelled on timeout, the staging buffer
+    free again, and the next pipeline (scattering each stage as it lands) byte-exact."""
+    spaced = Map(
+        np.array(
+            [
+                (tcp_pair.peer.address(0, 2 * k * SLOT), tcp_pair.local.data_ptr() + k * SLOT, SLOT)
+                for k in range(32)
+            ],
+            dtype=U64,
+        ),
+        tcp_pair.peer.side(),
+        nx.local_side(tcp_pair.local),
+    )
+    with nx.Staging(tcp_pair.agent, 32 * SLOT) as staging:
+        tcp_pair.peer.pause()
+        try:
+            xfer = nx.transfer(
+                tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=staging, stages=4
+            )
+            assert len(xfer.handles) == 4 and staging.busy
+            with pytest.raises(
+                nx.NixlTimeoutError,
+                match=r"the READ to peer 'kvl-tcp' \(staged, 32 descriptors, 65536 bytes, 4 stages\) was not done "
+                r"after 0.5 s; it was cancelled",
+            ):
+                xfer.wait(timeout=0.5)
+            assert not staging.busy
+        finally:
+            tcp_pair.peer.resume()
+        tcp_pair.local.zero_()
+        result = nx.transfer(
+            tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=staging, stages=4, notif=b"all"
+        ).wait(timeout=30)
+        assert (result.strategy, result.num_bytes) == ("staged", 32 * SLOT)
+    peer_bytes = contents(2, 0, 256 << 10)
+    want = np.concatenate([peer_bytes[2 * k * SLOT : (2 * k + 1) * SLOT] for k in range(32)])
+    np.testing.assert_array_equal(tcp_pair.local[: 32 * SLOT].numpy(), want)
+    assert tcp_pair.peer.notifs(expect=1) == [b"all"]  # once, after the last stage
+
+
 def test_a_peer_that_dies_mid_transfer_fails_the_transfer(tcp_pair: TcpPair) -> None:
     tcp_pair.peer.pause()
     xfer = nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair))
