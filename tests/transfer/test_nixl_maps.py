@@ -185,7 +185,8 @@ def test_real_block_maps_move_byte_exactly_through_nixl(
     unit = unit_of(m, staged)
     with nx.register(pair.agent, local):
         prepped = nx.prep_lists(pair.agent, pair.name, here, there, unit, staging=pair.staging)
-        for strategy, stages in (("direct", None), ("staged", None), ("staged", 3)):  # 3: a pipeline
+        runs: list[tuple[nx.Strategy, int | None]] = [("direct", None), ("staged", None), ("staged", 3)]
+        for strategy, stages in runs:  # 3: a pipeline
             for form in ("list", "prepped"):
                 xfer = nx.transfer(
                     pair.agent, pair.name, m, strategy=strategy, staging=pair.staging,
@@ -251,20 +252,14 @@ def test_a_twin_is_the_peer_cache_byte_for_byte(pair: Pair) -> None:
     )
 
 
-@pytest.mark.parametrize(("name", "sf", "stp", "sbs", "df", "dtp", "dbs"), CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
-    pair: Pair,
-    name: str,
-    sf: F,
-    stp: tuple[int, int],
-    sbs: int,
-    df: F,
-    dtp: tuple[int, int],
-    dbs: int,
+    pair: Pair, case: tuple[Any, ...]
 ) -> None:
     """The WRITE lands in the peer's staging buffer as the runs lie here (one descriptor
     per local stretch), the peer's cache is untouched until the peer unstages, and then
     it holds what the offset oracle says."""
+    name, sf, stp, sbs, df, dtp, dbs = case
     s_spec, d_spec = spec(sf, stp, sbs, seed=31), spec(df, dtp, dbs, seed=32)
     text = pair.peer.cache(d_spec)
     staging = pair.peer.staging(1 << 16)
