@@ -17,8 +17,11 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <new>
 #include <numeric>
+#include <utility>
 #include <vector>
 
 #include "stream_copy.h"
@@ -62,55 +65,131 @@ struct Request {
   std::int64_t num_dst_classes;
 };
 
+// The runs of one request, in a malloc'd table (so a large one can shrink in place).
 struct Built {
-  std::vector<ByteRun> runs;
+  ByteRun* runs = nullptr;
+  std::size_t size = 0;
   bool walked_in_order = true;  // false: the walk was not in destination order, so runs were sorted
+
+  Built() = default;
+  Built(const Built&) = delete;
+  Built& operator=(const Built&) = delete;
+  Built(Built&& o) noexcept : runs(o.runs), size(o.size), walked_in_order(o.walked_in_order) { o.runs = nullptr; }
+  Built& operator=(Built&& o) noexcept {
+    std::swap(runs, o.runs);
+    size = o.size;
+    walked_in_order = o.walked_in_order;
+    return *this;
+  }
+  ~Built() { std::free(runs); }
 };
 
 namespace detail {
 
-// Merges each emission into the current run where both sides continue it in the same
-// tensors; the current run is kept apart from the output so the hot path stays in registers.
-template <bool kTrackTensors>
-struct Sink {
-  std::vector<ByteRun> runs;
-  std::vector<std::uint64_t> src_tensor, dst_tensor;  // kept only for the sorting pass
-  std::uint64_t src = 0, dst = 0, len = 0;              // the current run (len 0: none yet)
-  std::uint64_t cur_src_tensor = 0, cur_dst_tensor = 0;
-  std::int64_t cur_group = -1;
-  bool in_order = true;
+// A malloc'd table of rows of T, uninitialised (every row is written before it is read;
+// zeroing them would double the walk's memory traffic); grows in place where it can.
+template <class T>
+struct Table {
+  T* rows = nullptr;
+  std::size_t size = 0;  // rows allocated
 
-  void emit(std::uint64_t s, std::uint64_t d, std::uint64_t n, const Slab& slab, std::int64_t group) {
-    if (len != 0) {
-      if (d == dst + len && s == src + len && slab.dst_tensor == cur_dst_tensor && slab.src_tensor == cur_src_tensor) {
-        len += n;
-        return;
-      }
-      if (group == cur_group && d < dst + len) in_order = false;
-      flush();
+  Table() = default;
+  Table(const Table&) = delete;
+  Table& operator=(const Table&) = delete;
+  ~Table() { std::free(rows); }
+  void resize(std::size_t n) {
+    void* p = std::realloc(rows, std::max<std::size_t>(n, 1) * sizeof(T));
+    if (p == nullptr) throw std::bad_alloc();
+    rows = static_cast<T*>(p), size = n;
+  }
+  T* release() { return std::exchange(rows, nullptr); }
+};
+
+template <class T>
+T* allocate(std::size_t n) {
+  void* p = std::malloc(std::max<std::size_t>(n, 1) * sizeof(T));
+  if (p == nullptr) throw std::bad_alloc();
+  return static_cast<T*>(p);
+}
+
+// Where finished runs go and the run being grown. Each emission merges into the current
+// run where both sides continue it; a run never crosses from one tensor into another on
+// either side (enter() ends the run where a leaf's tensors differ). A plain value: the
+// walker's loops copy it into a local so the hot path stays in registers (kept in
+// memory, it was reloaded after every store to the output, which may alias it), and
+// the per-emission state is only the run and the output.
+template <bool kTrackTensors>
+struct Cursor {
+  Table<ByteRun>* table;
+  Table<std::uint64_t>* src_table;  // the sorting pass's tensors per run (kTrackTensors only)
+  Table<std::uint64_t>* dst_table;
+  ByteRun* out = table->rows;
+  ByteRun* limit = table->rows + table->size;
+  // The current run. Empty (len 0), it sits where an emission would have to start to
+  // continue it, so that absorbing one gives exactly that emission's run: at (0, 0)
+  // after a change of destination tensor (another group, whose order is its own), at
+  // (0, end of the last run) after a change of source tensor alone (the order check
+  // still sees the last run's end).
+  std::uint64_t src = 0, dst = 0, len = 0;
+  std::uint64_t src_tensor = ~std::uint64_t{0}, dst_tensor = ~std::uint64_t{0};
+  bool in_order = true;  // each group's runs came in destination order
+
+  std::size_t used() const { return static_cast<std::size_t>(out - table->rows); }
+  void enter(std::uint64_t st, std::uint64_t dt) {
+    if (st == src_tensor && dt == dst_tensor) return;
+    if (len != 0) flush();
+    dst = dt == dst_tensor ? dst + len : 0;
+    src = 0, len = 0;
+    src_tensor = st, dst_tensor = dt;
+  }
+  void emit(std::uint64_t s, std::uint64_t d, std::uint64_t n) {
+    if (d == dst + len && s == src + len) {
+      len += n;
+      return;
     }
+    in_order &= d >= dst + len;
+    if (len != 0) flush();
     src = s, dst = d, len = n;
-    cur_src_tensor = slab.src_tensor, cur_dst_tensor = slab.dst_tensor, cur_group = group;
   }
   void flush() {
-    runs.push_back(ByteRun{src, dst, len});
+    if (out == limit) out = grow(table, src_table, dst_table, used()), limit = table->rows + table->size;
     if constexpr (kTrackTensors) {
-      src_tensor.push_back(cur_src_tensor);
-      dst_tensor.push_back(cur_dst_tensor);
+      src_table->rows[used()] = src_tensor;
+      dst_table->rows[used()] = dst_tensor;
     }
+    *out++ = ByteRun{src, dst, len};
   }
   void finish() {
     if (len != 0) flush();
     len = 0;
   }
+  // Static, so the cursor's address never escapes (which would keep it in memory).
+  [[gnu::noinline]] static ByteRun* grow(Table<ByteRun>* runs, Table<std::uint64_t>* src_tensors,
+                                         Table<std::uint64_t>* dst_tensors, std::size_t n) {
+    const std::size_t size = 2 * runs->size + 4096;
+    runs->resize(size);
+    if constexpr (kTrackTensors) {
+      src_tensors->resize(size);
+      dst_tensors->resize(size);
+    }
+    return runs->rows + n;
+  }
+};
+
+// One slab at one head, with everything an emission reads in locals: the inner loops
+// read no member of the walker (a store to the output may alias any uint64 in memory).
+struct At {
+  std::uint64_t src, dst;  // the slab's bases at this head
+  const std::uint64_t* src_tok;  // (block, slot) offset of each token on each side
+  const std::uint64_t* dst_tok;
 };
 
 template <bool kTrackTensors>
 class Walker {
  public:
   Walker(const Request& q, const std::vector<std::int64_t>& positions, const std::vector<std::uint64_t>& src_tok,
-         const std::vector<std::uint64_t>& dst_tok, Sink<kTrackTensors>& sink)
-      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), sink_(sink) {
+         const std::vector<std::uint64_t>& dst_tok, Cursor<kTrackTensors> cursor)
+      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), cursor_(cursor) {
     // The first source block boundary after each destination block's first token: a
     // division per block here, none per emission.
     boundary_.resize(positions.size());
@@ -120,65 +199,122 @@ class Walker {
     }
   }
 
-  void run() {
+  Cursor<kTrackTensors> run() {
     for (std::int64_t g = 0; g < q_.num_groups; ++g) {
       group_ = g;
       slab_ = &q_.slabs[q_.group_starts[g]];  // a nest whose slab level is inner sets it again
       level(0);
     }
+    cursor_.finish();
+    return cursor_;
   }
 
  private:
-  std::uint64_t src_at(std::int64_t p, std::int64_t h) const {
-    return slab_->src_base + src_tok_[slab_->src_class * q_.tokens + p] + h * slab_->src_head_stride;
+  // The slab at head h, the cursor entering its tensors.
+  At at(Cursor<kTrackTensors>& c, std::int64_t h) const {
+    const Slab& s = *slab_;
+    c.enter(s.src_tensor, s.dst_tensor);
+    return At{s.src_base + static_cast<std::uint64_t>(h) * s.src_head_stride,
+              s.dst_base + static_cast<std::uint64_t>(h) * s.dst_head_stride,
+              src_tok_.data() + s.src_class * q_.tokens, dst_tok_.data() + s.dst_class * q_.tokens};
   }
-  std::uint64_t dst_at(std::int64_t p, std::int64_t h) const {
-    return slab_->dst_base + dst_tok_[slab_->dst_class * q_.tokens + p] + h * slab_->dst_head_stride;
+  static void emit(Cursor<kTrackTensors>& c, const At& a, std::int64_t p, std::uint64_t n) {
+    c.emit(a.src + a.src_tok[p], a.dst + a.dst_tok[p], n);
   }
   std::int64_t slots() const { return std::min(q_.dst_block_size, q_.tokens - position_ * q_.dst_block_size); }
+
+  // Level d and those inside it make their emissions without another call to level():
+  // the innermost level, levels folded into one emission, or a slot level with only a
+  // folded head level inside.
+  bool leaf(int d) const {
+    if (d == 4 || (slab_set_ && d >= 4 - static_cast<int>(slab_->tail))) return true;
+    if (d == 3) return q_.order[3] != kSlab;  // an innermost slot or head level
+    return d == 2 && q_.order[2] == kSlot && q_.order[3] == kHead && slab_set_ && slab_->tail >= 1;
+  }
+
+  // The emissions of a leaf level into the caller's cursor (inlined, so that a loop over
+  // leaves keeps one cursor in registers throughout).
+  [[gnu::always_inline]] void emit_leaf(int d, Cursor<kTrackTensors>& c) const {
+    if (d == 4) return emit(c, at(c, head_), token_, slab_->width);
+    if (slab_set_ && d >= 4 - static_cast<int>(slab_->tail)) return folded(d, c);
+    const std::uint64_t width = slab_->width;
+    if (q_.order[d] == kSlot) {  // innermost, or only a folded head inside: no call per slot
+      const bool head_folded = d == 2;
+      const At a = at(c, head_folded ? 0 : head_);
+      const std::uint64_t unit = width * static_cast<std::uint64_t>(head_folded ? q_.heads : 1);
+      const std::int64_t first = position_ * q_.dst_block_size, end = first + slots();
+      for (std::int64_t p = first; p < end; ++p) emit(c, a, p, unit);
+      return;
+    }
+    const At a = at(c, 0);  // an innermost head level
+    const std::uint64_t src_step = slab_->src_head_stride, dst_step = slab_->dst_head_stride;
+    const std::uint64_t s0 = a.src + a.src_tok[token_], d0 = a.dst + a.dst_tok[token_];
+    for (std::int64_t h = 0; h < q_.heads; ++h) {
+      const auto k = static_cast<std::uint64_t>(h);
+      c.emit(s0 + k * src_step, d0 + k * dst_step, width);
+    }
+  }
 
   // Levels d..3 fold into emissions: the slot level (if folded) by segments of tokens that
   // stay in one source block, the head level (if folded) whole. A head level folded over
   // an innermost slot level (tail 2, heads outside tokens on both sides) folds only for a
   // full destination block, whose one segment is a whole block on both sides.
-  void folded(int d) {
+  [[gnu::always_inline]] void folded(int d, Cursor<kTrackTensors>& c) const {
     bool slot = false, head = false;
     for (int k = d; k < 4; ++k) {
       slot |= q_.order[k] == kSlot;
       head |= q_.order[k] == kHead;
     }
     if (slot && head && q_.order[3] == kSlot && slots() != q_.dst_block_size) {
-      for (std::int64_t h = 0; h < q_.heads; ++h) segments(h, slab_->width);
+      for (std::int64_t h = 0; h < q_.heads; ++h) segments(h, slab_->width, c);
       return;
     }
     const std::int64_t h = head ? 0 : head_;
-    const std::uint64_t unit = slab_->width * (head ? q_.heads : 1);
-    if (!slot) {
-      sink_.emit(src_at(token_, h), dst_at(token_, h), unit, *slab_, group_);
-      return;
-    }
-    segments(h, unit);
+    const std::uint64_t unit = slab_->width * static_cast<std::uint64_t>(head ? q_.heads : 1);
+    if (!slot) return emit(c, at(c, h), token_, unit);
+    segments(h, unit, c);
   }
 
-  void segments(std::int64_t h, std::uint64_t unit) {
-    const std::int64_t first = position_ * q_.dst_block_size, end = first + slots();
+  [[gnu::always_inline]] void segments(std::int64_t h, std::uint64_t unit, Cursor<kTrackTensors>& c) const {
+    const At a = at(c, h);
+    const std::int64_t first = position_ * q_.dst_block_size, end = first + slots(), step = q_.src_block_size;
     std::int64_t stop = std::min(end, boundary_[position_]);
-    for (std::int64_t p = first; p < end; stop = std::min(end, stop + q_.src_block_size)) {
-      sink_.emit(src_at(p, h), dst_at(p, h), unit * static_cast<std::uint64_t>(stop - p), *slab_, group_);
+    for (std::int64_t p = first; p < end; stop = std::min(end, stop + step)) {
+      emit(c, a, p, unit * static_cast<std::uint64_t>(stop - p));
       p = stop;
     }
   }
 
-  void level(int d) {
-    if (d == 4) {
-      sink_.emit(src_at(token_, head_), dst_at(token_, head_), slab_->width, *slab_, group_);
+  // Runs `body(index)` over a loop level; where the level inside is a leaf, the loop's
+  // emissions go through one local cursor (copied in and out once, not per iteration).
+  template <class Set>
+  void loop(int d, std::int64_t n, const std::int64_t* values, Set set) {
+    if (leaf(d + 1)) {
+      Cursor<kTrackTensors> c = cursor_;
+      for (std::int64_t i = 0; i < n; ++i) {
+        set(values ? values[i] : i);
+        emit_leaf(d + 1, c);
+      }
+      cursor_ = c;
       return;
     }
-    if (slab_set_ && d >= 4 - static_cast<int>(slab_->tail)) return folded(d);
+    for (std::int64_t i = 0; i < n; ++i) {
+      set(values ? values[i] : i);
+      level(d + 1);
+    }
+  }
+
+  void level(int d) {
+    if (leaf(d)) {
+      Cursor<kTrackTensors> c = cursor_;
+      emit_leaf(d, c);
+      cursor_ = c;
+      return;
+    }
     switch (q_.order[d]) {
       case kSlab: {
         const std::int64_t lo = q_.group_starts[group_], hi = q_.group_starts[group_ + 1];
-        for (std::int64_t s = lo; s < hi; ++s) {
+        for (std::int64_t s = lo; s < hi; ++s) {  // a slab's tail decides what is a leaf: no loop()
           slab_ = &q_.slabs[s];
           slab_set_ = true;
           level(d + 1);
@@ -187,38 +323,14 @@ class Walker {
         return;
       }
       case kBlock:
-        for (const std::int64_t pos : positions_) {
-          position_ = pos;
-          level(d + 1);
-        }
-        return;
+        return loop(d, static_cast<std::int64_t>(positions_.size()), positions_.data(),
+                    [this](std::int64_t pos) { position_ = pos; });
       case kSlot: {
-        const std::int64_t first = position_ * q_.dst_block_size, n = slots();
-        const bool head_folded = d == 2 && q_.order[3] == kHead && slab_set_ && slab_->tail >= 1;
-        if (d == 3 || head_folded) {  // innermost (or only a folded head inside): no call per slot
-          const std::int64_t h = head_folded ? 0 : head_;
-          const std::uint64_t unit = slab_->width * (head_folded ? q_.heads : 1);
-          for (std::int64_t p = first; p < first + n; ++p) sink_.emit(src_at(p, h), dst_at(p, h), unit, *slab_, group_);
-          return;
-        }
-        for (std::int64_t p = first; p < first + n; ++p) {
-          token_ = p;
-          level(d + 1);
-        }
-        return;
+        const std::int64_t first = position_ * q_.dst_block_size;
+        return loop(d, slots(), nullptr, [this, first](std::int64_t j) { token_ = first + j; });
       }
-      default: {  // kHead
-        if (d == 3) {
-          for (std::int64_t h = 0; h < q_.heads; ++h)
-            sink_.emit(src_at(token_, h), dst_at(token_, h), slab_->width, *slab_, group_);
-          return;
-        }
-        for (std::int64_t h = 0; h < q_.heads; ++h) {
-          head_ = h;
-          level(d + 1);
-        }
-        return;
-      }
+      default:  // kHead
+        return loop(d, q_.heads, nullptr, [this](std::int64_t h) { head_ = h; });
     }
   }
 
@@ -226,7 +338,7 @@ class Walker {
   const std::vector<std::int64_t>& positions_;
   const std::vector<std::uint64_t>& src_tok_;
   const std::vector<std::uint64_t>& dst_tok_;
-  Sink<kTrackTensors>& sink_;
+  Cursor<kTrackTensors> cursor_;
   std::vector<std::int64_t> boundary_;  // by destination block position
   const Slab* slab_ = nullptr;
   bool slab_set_ = false;
@@ -248,11 +360,14 @@ inline std::vector<std::uint64_t> token_offsets(const std::int64_t* blocks, std:
   return out;
 }
 
-// At most how many emissions a walk makes (what the output reserves: a run per emission
-// at worst, and growing a large vector costs a copy of it).
+// At most how many emissions a walk makes: the rows the output is given (a run per
+// emission at worst), so that no walk grows them.
 inline std::size_t emissions_bound(const Request& q) {
   const std::int64_t segments = (q.tokens + q.src_block_size - 1) / q.src_block_size +
                                 (q.tokens + q.dst_block_size - 1) / q.dst_block_size;
+  // A partial last destination block whose heads fold over its slots emits per head.
+  const std::int64_t rest = q.tokens % q.dst_block_size;
+  const std::int64_t partial = rest ? std::min(rest, rest / q.src_block_size + 2) : 0;
   std::int64_t total = 0;
   const std::int64_t slabs = q.group_starts[q.num_groups];
   for (std::int64_t s = 0; s < slabs; ++s) {
@@ -260,6 +375,7 @@ inline std::size_t emissions_bound(const Request& q) {
     const bool slot_folded = (tail >= 1 && q.order[3] == kSlot) || (tail >= 2 && q.order[2] == kSlot);
     const bool head_folded = (tail >= 1 && q.order[3] == kHead) || (tail >= 2 && q.order[2] == kHead);
     total += (slot_folded ? std::min(segments, q.tokens) : q.tokens) * (head_folded ? 1 : q.heads);
+    if (slot_folded && head_folded && q.order[3] == kSlot) total += (q.heads - 1) * partial;  // see folded()
   }
   return static_cast<std::size_t>(total);
 }
@@ -282,53 +398,60 @@ inline Built build_runs(const Request& q, bool force_sort = false) {
       detail::token_offsets(q.src_blocks, q.src_block_size, q.src_classes, q.num_src_classes, q.tokens);
   const auto dst_tok =
       detail::token_offsets(q.dst_blocks, q.dst_block_size, q.dst_classes, q.num_dst_classes, q.tokens);
+  const std::size_t bound = detail::emissions_bound(q);
   if (!force_sort) {
-    // A small map's walk writes into a buffer this thread keeps between calls (a fresh
+    // A small map's walk writes into a table this thread keeps between calls (a fresh
     // allocation of a few hundred KiB is a fresh mapping whose page faults cost more than
-    // the walk) and the map gets an exact copy; a large one is written in place (copying
-    // it would double the memory traffic, which is what bounds a large walk).
-    thread_local std::vector<ByteRun> scratch;
-    const std::size_t bound = detail::emissions_bound(q);
+    // the walk) and the map gets an exact copy; a large one is written in place and
+    // shrunk to its size (copying it would double the memory traffic, which is what
+    // bounds a large walk).
+    thread_local detail::Table<ByteRun> scratch;
+    detail::Table<ByteRun> fresh;
     const bool small = bound * sizeof(ByteRun) <= kScratchBytes;
-    detail::Sink<false> sink;
-    if (small) sink.runs.swap(scratch);
-    sink.runs.clear();
-    sink.runs.reserve(bound);
-    detail::Walker<false>(q, positions, src_tok, dst_tok, sink).run();
-    sink.finish();
-    const bool in_order = sink.in_order;
-    if (small) {
-      if (in_order) out.runs.assign(sink.runs.begin(), sink.runs.end());
-      scratch.swap(sink.runs);
-    } else if (in_order) {
-      if (sink.runs.capacity() > 2 * sink.runs.size() + 4096) sink.runs.shrink_to_fit();  // merges left it sparse
-      out.runs = std::move(sink.runs);
+    detail::Table<ByteRun>& table = small ? scratch : fresh;
+    if (table.size < bound) table.resize(bound);
+    const auto end = detail::Walker<false>(q, positions, src_tok, dst_tok, {&table, nullptr, nullptr}).run();
+    const std::size_t n = end.used();
+    if (end.in_order) {
+      if (small) {
+        out.runs = detail::allocate<ByteRun>(n);
+        std::copy(table.rows, table.rows + n, out.runs);
+      } else {
+        if (table.size > 2 * n + 4096) table.resize(n);  // merges left it sparse: give the rest back
+        out.runs = table.release();
+      }
+      out.size = n;
+      return out;
     }
-    if (in_order) return out;
   }
   // The sorting path: the same walk, its runs sorted by destination and merged again.
-  detail::Sink<true> sink;
-  detail::Walker<true>(q, positions, src_tok, dst_tok, sink).run();
-  sink.finish();
-  std::vector<std::size_t> idx(sink.runs.size());
+  detail::Table<ByteRun> runs;
+  detail::Table<std::uint64_t> src_tensor, dst_tensor;
+  for (auto* t : {&src_tensor, &dst_tensor}) t->resize(bound);
+  runs.resize(bound);
+  const auto end = detail::Walker<true>(q, positions, src_tok, dst_tok, {&runs, &src_tensor, &dst_tensor}).run();
+  const std::size_t walked = end.used();
+  std::vector<std::size_t> idx(walked);
   std::iota(idx.begin(), idx.end(), 0);
-  std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return sink.runs[a].dst < sink.runs[b].dst; });
+  const ByteRun* r0 = runs.rows;
+  std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return r0[a].dst < r0[b].dst; });
   out.walked_in_order = false;
-  out.runs.reserve(idx.size());
-  std::size_t last = 0;
+  out.runs = detail::allocate<ByteRun>(walked);
+  std::size_t last = 0, n = 0;
   for (std::size_t k = 0; k < idx.size(); ++k) {
-    const ByteRun& r = sink.runs[idx[k]];
+    const ByteRun& r = r0[idx[k]];
     if (k > 0) {
-      ByteRun& prev = out.runs.back();
-      if (sink.dst_tensor[idx[k]] == sink.dst_tensor[last] && sink.src_tensor[idx[k]] == sink.src_tensor[last] &&
+      ByteRun& prev = out.runs[n - 1];
+      if (dst_tensor.rows[idx[k]] == dst_tensor.rows[last] && src_tensor.rows[idx[k]] == src_tensor.rows[last] &&
           prev.dst + prev.len == r.dst && prev.src + prev.len == r.src) {
         prev.len += r.len;
         continue;
       }
     }
-    out.runs.push_back(r);
+    out.runs[n++] = r;
     last = idx[k];
   }
+  out.size = n;
   return out;
 }
 

@@ -217,6 +217,19 @@ def test_mha_maps_move_every_request_byte_once_in_the_fewest_runs(
     check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)))
 
 
+@pytest.mark.parametrize("tokens", [1, 17, 33])
+def test_a_partial_last_block_of_hnd_maps_each_head_apart(tokens: int) -> None:
+    """HND on both sides, same block size: a full block's heads are one stretch, a partial
+    last block's are one run a head (the walk's most emissions for the fewest tokens; the
+    native builder sizes its table for them)."""
+    shard = Shard(0, 1, 8)
+    common: dict[str, Any] = dict(layers=2, row=2, planes=1, kv=2, dtype=torch.uint8, pad=0, shard=shard)
+    src = make_side(F.NL_X_TWO_NB_NH_BS_HS, blocks=4, bs=16, heads=8, seed=1, **common)
+    dst = make_side(F.NL_X_TWO_NB_NH_BS_HS, blocks=4, bs=16, heads=8, seed=2, **common)
+    n = -(-tokens // 16)
+    check_map(src, dst, [3, 1, 0][:n], [0, 2, 1][:n], tokens, 1)
+
+
 @pytest.mark.parametrize(("fmt_src", "fmt_dst"), MLA_PAIRS, ids=[f"{a}-{b}" for a, b in MLA_PAIRS])
 @settings(max_examples=8, deadline=None)
 @given(st.data())
