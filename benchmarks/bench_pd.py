@@ -17,9 +17,10 @@ same bytes, each row posted by this process:
   - kvlayout staged, one stage: the runs gathered here (the block-map engine) into a
     registered staging buffer laid out as the peer's runs, one descriptor per stretch of
     peer-consecutive runs, then posted (a READ: received into staging, then scattered);
-  - kvlayout peer-staged (WRITEs): the runs as they lie here into the peer's staging
-    buffer, one descriptor per local stretch, then the peer's scatter (``unstage``,
-    asked for over the pipe: its time is in the row);
+  - kvlayout peer-staged: the runs as they lie here to or from the peer's staging
+    buffer, one descriptor per local stretch, the peer doing the copy (a WRITE: its
+    ``unstage`` after; a READ: its ``stage`` before; asked for over the pipe, and in the
+    row's time);
   - kvlayout chosen: what the cost model picks, calibrated on this pair first (staged
     requests run as a pipeline of stages, each stage's copy overlapping another's wire);
   - vLLM-style: one descriptor per layer, K/V and block (the map's runs cut at both
@@ -180,7 +181,7 @@ class Context:
     peer: NixlPeer
     name: str
     staging: nx.Staging
-    peer_staging: nx.PeerStaging  # the peer's staging buffer, for peer-staged WRITEs
+    peer_staging: nx.PeerStaging  # the peer's staging buffer, for peer-staged requests
     cost: dict[str, nx.CostModel]  # calibrated per op
     args: argparse.Namespace
 
@@ -237,39 +238,37 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
     )
     cost = c.cost[op]
 
-    source = (
-        local.describe(shard=s_spec.the_shard, block_size=src.block_size).to_json() if op == "WRITE" else ""
-    )
+    here_text = local.describe(shard=local_spec.the_shard, block_size=local_spec.block_size).to_json()
 
     def send(mp: Any, **kw: Any) -> Callable[[], nx.TransferResult]:
+        """A row: the transfer, and the peer's copy where it is peer-staged (asked for over
+        the pipe: its gather before a READ, its scatter after a WRITE, both in the time)."""
+        planned = nx.plan(mp, **{k: v for k, v in kw.items() if k not in ("prepped", "notif")})
+
         def run() -> nx.TransferResult:
-            xfer = nx.transfer(c.agent, c.name, mp, **kw)
-            result = xfer.wait(timeout=600)
-            if xfer.plan.strategy == "peer-staged":  # the peer's scatter is part of the request
-                c.peer.unstage(source, src_ids, dst_ids, **map_kw)
+            peer_copy = planned.strategy == "peer-staged"
+            if peer_copy and op == "READ":
+                c.peer.stage(here_text, src_ids, dst_ids, **map_kw)
+            result = nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600)
+            if peer_copy and op == "WRITE":
+                c.peer.unstage(here_text, src_ids, dst_ids, **map_kw)
             return result
 
         return run
 
     here, there = (m.src, m.dst) if op == "WRITE" else (m.dst, m.src)
-    peer_staging = c.peer_staging if op == "WRITE" else None
     with nx.register(c.agent, local):
         prepped = nx.prep_lists(c.agent, c.name, here, there, unit_of(m))
-        chosen = nx.plan(m, staging=c.staging, cost=cost, peer_staging=peer_staging)
+        chosen = nx.plan(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)
         stages = f", {len(chosen.stages)} stages" if len(chosen.stages) > 1 else ""
         ours = [
             Row("kvlayout direct (list)", send(m, strategy="direct")),
             Row("kvlayout direct (prepped)", send(m, strategy="direct", prepped=prepped)),
             Row("kvlayout staged, one stage", send(m, strategy="staged", staging=c.staging, stages=1)),
-        ]
-        if peer_staging is not None:
-            ours.append(
-                Row("kvlayout peer-staged", send(m, strategy="peer-staged", peer_staging=peer_staging))
-            )
-        ours.append(
+            Row("kvlayout peer-staged", send(m, strategy="peer-staged", peer_staging=c.peer_staging)),
             Row(f"kvlayout chosen: {chosen.strategy}{stages}",
-                send(m, staging=c.staging, cost=cost, peer_staging=peer_staging))
-        )  # fmt: skip
+                send(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)),
+        ]  # fmt: skip
         baselines: dict[str, Row | None] = {}
         why: dict[str, str] = {}
         for name, (rows_of, reason) in (

@@ -253,6 +253,37 @@ def test_a_twin_is_the_peer_cache_byte_for_byte(pair: Pair) -> None:
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
+def test_a_peer_staged_read_finds_what_the_peer_staged(pair: Pair, case: tuple[Any, ...]) -> None:
+    """The peer gathers the request into its staging buffer laid out as the runs lie
+    here; one descriptor per local stretch reads it, and the cache here then holds what
+    the offset oracle says."""
+    name, sf, stp, sbs, df, dtp, dbs = case
+    s_spec, d_spec = spec(sf, stp, sbs, seed=41), spec(df, dtp, dbs, seed=42)
+    text = pair.peer.cache(s_spec)
+    staging = pair.peer.staging(1 << 16)
+    pair.agent.remove_remote_agent(pair.name)
+    pair.agent.add_remote_agent(pair.peer.metadata)
+    local, leaves = build_cache(d_spec)
+    rng = np.random.default_rng(len(name))
+    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
+    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
+    m = block_map(
+        RegistrationDescription.from_json(text), local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw
+    )
+    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
+    pair.peer.stage(local.describe(shard=d_spec.the_shard, block_size=dbs).to_json(), src_ids, dst_ids, **kw)
+    with nx.register(pair.agent, local):
+        xfer = nx.transfer(pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging)
+        result = xfer.wait(timeout=30)
+    assert (result.strategy, xfer.plan.op) == (
+        "peer-staged",
+        "READ",
+    ) and xfer.plan.num_descriptors <= m.num_runs
+    for i, (g, w) in enumerate(zip(leaf_bytes(leaves), want, strict=True)):
+        assert np.array_equal(g, w), f"{name} peer-staged READ: tensor {i} differs"
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
     pair: Pair, case: tuple[Any, ...]
 ) -> None:

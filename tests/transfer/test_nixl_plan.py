@@ -169,7 +169,7 @@ def test_a_large_request_is_pipelined_by_stage_bytes_and_the_model_counts_the_ov
         nx.plan(split, strategy="staged", staging=staging_at(buf), stages=0)
 
 
-def test_peer_staged_writes_the_local_stretches_and_is_a_write_only() -> None:
+def test_peer_staged_moves_the_local_stretches_and_the_peer_copies() -> None:
     n, length = 256, 256  # consecutive here, scattered on the peer: TP 2 -> 1 in NHD, in miniature
     local, remote = [np.zeros(n * length, np.uint8)], [np.zeros(2 * n * length, np.uint8)]
     pieces = [(0, i * length, 0, 2 * i * length, length) for i in range(n)]
@@ -189,12 +189,15 @@ def test_peer_staged_writes_the_local_stretches_and_is_a_write_only() -> None:
         TransferError, match="needs a peer staging buffer of 65536 bytes; got one of 65535 bytes"
     ):
         nx.plan(m, strategy="peer-staged", peer_staging=nx.PeerStaging(there.address, buf.nbytes - 1))
-    with pytest.raises(
-        TransferError, match=r"the peer-staged strategy is a WRITE .* this side is the destination"
-    ):
-        nx.plan(flipped, strategy="peer-staged", peer_staging=there)
     with pytest.raises(TransferError, match="unstage runs on the destination side of the map"):
         nx.unstage(m, staging_at(buf))
+    with pytest.raises(TransferError, match="stage runs on the source side of the map"):
+        nx.stage(flipped, staging_at(buf))
+    # the mirror, a READ into the consecutive side from the scattered one the peer staged
+    read = Map(m.runs[:, [1, 0, 2]], side_of(remote, local=False), side_of(local, local=True))
+    r = nx.plan(read, strategy="peer-staged", peer_staging=there)
+    assert (r.op, r.num_descriptors, int(r.remote[0, 0])) == ("READ", 1, there.address)
+    assert nx.plan(read, staging=staging_at(buf), peer_staging=there).strategy == "peer-staged"
 
 
 class _FakeStaging:

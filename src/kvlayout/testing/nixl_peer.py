@@ -16,8 +16,9 @@ A peer can also hold a real kvlayout cache: :meth:`NixlPeer.cache` sends a small
 :func:`build_cache` (seeded bytes, so this process can build its twin), binds it,
 registers it with NIXL and answers its ``describe(shard=...).to_json()``: the handshake
 of a P/D connector. :meth:`NixlPeer.cache_bytes` reads its tensors back.
-:meth:`NixlPeer.staging` gives it a registered staging buffer and :meth:`NixlPeer.unstage`
-scatters a peer-staged WRITE from it (the decode half of that strategy).
+:meth:`NixlPeer.staging` gives it a registered staging buffer; :meth:`NixlPeer.unstage`
+scatters a peer-staged WRITE from it, :meth:`NixlPeer.stage` gathers a request into it
+for a peer-staged READ (the peer's halves of that strategy).
 """
 
 from __future__ import annotations
@@ -259,6 +260,12 @@ class NixlPeer:
         and scatters its staging buffer with ``unstage``."""
         self.call("unstage", description=description, src_ids=list(src_ids), dst_ids=list(dst_ids), kw=kw)
 
+    def stage(self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], **kw: Any) -> None:
+        """The peer's half of a peer-staged READ: it builds the request's map from its
+        cache into the destination's ``description`` (JSON) and gathers it into its
+        staging buffer with ``stage``."""
+        self.call("stage", description=description, src_ids=list(src_ids), dst_ids=list(dst_ids), kw=kw)
+
     def refill_cache(self) -> None:
         """Write the peer's cache's seeded bytes again."""
         self.call("cache_fill")
@@ -351,7 +358,7 @@ def _serve() -> None:
     import torch
 
     from kvlayout.transfer import RegistrationDescription, block_map
-    from kvlayout.transfer.nixl import Staging, make_agent, register, unstage
+    from kvlayout.transfer.nixl import Staging, make_agent, register, stage, unstage
 
     agent: Any = None
     buffers: list[np.ndarray] = []
@@ -419,6 +426,11 @@ def _serve() -> None:
                 kw = {**msg["kw"], "dst_shard": cache[0].the_shard}
                 desc = RegistrationDescription.from_json(msg["description"])
                 unstage(block_map(desc, cache[3], msg["src_ids"], msg["dst_ids"], **kw), staging)
+                answer = {}
+            elif cmd == "stage":
+                kw = {**msg["kw"], "src_shard": cache[0].the_shard}
+                desc = RegistrationDescription.from_json(msg["description"])
+                stage(block_map(cache[3], desc, msg["src_ids"], msg["dst_ids"], **kw), staging)
                 answer = {}
             elif cmd == "cache_read":
                 answer = {

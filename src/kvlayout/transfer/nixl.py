@@ -78,6 +78,7 @@ __all__ = [
     "plan",
     "prep_lists",
     "register",
+    "stage",
     "transfer",
     "unstage",
     "wait",
@@ -701,7 +702,9 @@ def _stretches(
 class PeerStaging(NamedTuple):
     """A staging buffer the peer registered with NIXL and told this side of at the
     handshake (its address and bytes): where a peer-staged WRITE lands, for the peer to
-    scatter with :func:`unstage`."""
+    scatter with :func:`unstage`, or where a peer-staged READ reads what the peer
+    gathered with :func:`stage`. Passing it for a READ says the peer has staged this
+    request there (``"auto"`` may then read it)."""
 
     address: int
     nbytes: int
@@ -718,18 +721,20 @@ def plan(
 ) -> Plan:
     """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheapest by
     ``cost``; staged is considered only with a ``staging`` buffer large enough,
-    peer-staged only for a WRITE with a ``peer_staging`` buffer large enough).
+    peer-staged only with a ``peer_staging`` buffer large enough).
 
     A staged plan is a pipeline of ``stages`` (None: one per :data:`STAGE_BYTES`, at
     most :data:`MAX_STAGES`; never more than its descriptors): :func:`transfer` posts
     each stage as soon as its gather is done (a READ: scatters each as soon as it lands),
     so the local copy overlaps the wire.
 
-    A peer-staged plan WRITEs the runs, as they lie here, into the peer's staging buffer
-    (local runs that follow one another back to back: one descriptor per local stretch),
-    and the peer scatters them into its cache with :func:`unstage` once told the request
-    landed: for a pair whose destination is what scatters (TP 2 -> 1 in NHD, each decode
-    row half written by each prefill rank), where neither direct nor staged can cut the
+    A peer-staged plan moves the runs, as they lie here, between this side and the peer's
+    staging buffer (local runs that follow one another back to back: one descriptor per
+    local stretch), the peer doing the copy: a WRITE lands there and the peer scatters it
+    into its cache with :func:`unstage` once told; a READ reads what the peer gathered
+    there with :func:`stage` before. It is for a pair whose other side is what scatters
+    (TP 2 -> 1 in NHD posted by prefill, each decode row half written by each prefill
+    rank; TP 1 -> 2 posted by decode), where neither direct nor staged can cut the
     descriptors."""
     if strategy not in ("auto", "direct", "staged", "peer-staged"):
         raise TransferError(f"strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not {strategy!r}")
@@ -744,13 +749,8 @@ def plan(
     if strategy == "staged" and not fits:
         have = "no staging buffer" if staging is None else f"a staging buffer of {staging.nbytes} bytes"
         raise TransferError(f"the staged strategy needs a staging buffer of {num_bytes} bytes; got {have}")
-    peer_fits = peer_staging is not None and peer_staging.nbytes >= num_bytes and s.op == "WRITE"
+    peer_fits = peer_staging is not None and peer_staging.nbytes >= num_bytes
     if strategy == "peer-staged" and not peer_fits:
-        if s.op == "READ":
-            raise TransferError(
-                "the peer-staged strategy is a WRITE (the peer scatters what lands); this side is the "
-                "destination: post the request from the source, or stage here ('staged')"
-            )
         have = "no peer staging buffer" if peer_staging is None else f"one of {peer_staging.nbytes} bytes"
         raise TransferError(
             f"the peer-staged strategy needs a peer staging buffer of {num_bytes} bytes; got {have}"
@@ -799,19 +799,36 @@ def _staged(
 
 
 def _peer_staged(s: _Sides, peer_staging: PeerStaging, model: CostModel, predicted: dict[str, float]) -> Plan:
-    """The runs in the order and at the offsets the peer's own staged READ plan of the
-    same map lays its staging out in (both sort the source's runs by address and stretch
-    them alike), so :func:`unstage` there scatters what this WRITE put."""
+    """The runs in the order and at the offsets the peer's own staged plan of the same
+    map lays its staging out in (both sort this side's runs by address and stretch them
+    alike), so :func:`unstage` there scatters what this WRITE put, and this READ finds
+    what :func:`stage` there gathered."""
     num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
     order, offsets, first = _stretches(s.local_addr, s.lengths, s.local)
     stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
-    predicted["peer-staged"] = model.staged_s(len(first), num_runs, num_bytes)  # the scatter follows the wire
+    predicted["peer-staged"] = model.staged_s(
+        len(first), num_runs, num_bytes
+    )  # the peer's copy: before or after
     base = np.uint64(peer_staging.address)
     return Plan(
-        "peer-staged", "WRITE", _rows(s.local_addr[order][first], stretch_bytes, s.local.device_index),
+        "peer-staged", s.op, _rows(s.local_addr[order][first], stretch_bytes, s.local.device_index),
         _rows(base + offsets[first], stretch_bytes, s.remote.device_index), _mem_type(s.local, "local"),
         "DRAM", None, num_runs, num_bytes, predicted,
     )  # fmt: skip
+
+
+def stage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None:
+    """The source half of a peer-staged READ: gather the request from the cache here into
+    ``staging`` (this side's staging buffer, the :class:`PeerStaging` the destination was
+    given), laid out as the destination's runs, before telling the destination to READ
+    it. ``block_map`` is the request's map with this side as its source
+    (``block_map(this registration, destination description, ...)``); every copy is
+    checked before a byte moves."""
+    p = plan(block_map, strategy="staged", staging=staging, stages=1)
+    if p.op != "WRITE":
+        raise TransferError("stage runs on the source side of the map (the side a peer-staged READ reads)")
+    p.check_copy()
+    p.copy(num_threads)
 
 
 def unstage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None:
@@ -845,7 +862,7 @@ def estimate(
 ) -> Estimate:
     """Descriptors and predicted seconds of each strategy for a map whose sides need not
     be live (two descriptions, at planning time), posted by ``poster`` (``"dst"``: a READ,
-    as vLLM's decode side posts; ``"src"``: a WRITE, which may also go peer-staged), and
+    as vLLM's decode side posts; ``"src"``: a WRITE), peer-staged included, and
     the strategy ``"auto"`` picks given staging buffers large enough: what :func:`plan`
     would choose."""
     if poster not in ("src", "dst"):
@@ -864,10 +881,12 @@ def estimate(
         len(first),
         model.staged_s(len(first), num_runs, num_bytes, stages),
     )
-    if poster == "src":  # the source's stretches, into the peer's staging
-        _, _, own = _stretches(runs[:, 0], lengths, block_map.src)
-        descriptors["peer-staged"] = len(own)
-        predicted["peer-staged"] = model.staged_s(len(own), num_runs, num_bytes)
+    own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
+    _, _, own = _stretches(
+        runs[:, own_col], lengths, own_side
+    )  # the poster's stretches, to or from the peer's staging
+    descriptors["peer-staged"] = len(own)
+    predicted["peer-staged"] = model.staged_s(len(own), num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])
     op: Op = "WRITE" if poster == "src" else "READ"
     return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice))
@@ -1214,9 +1233,10 @@ def transfer(
     an earlier transfer leaves ``"auto"`` direct, and is an error for ``"staged"``.
     ``stages`` cuts a staged plan into a pipeline (:func:`plan`); each stage is one NIXL
     request, all made (and so checked by NIXL) before the first byte moves.
-    ``peer_staging`` (the peer's staging buffer, from the handshake) lets a WRITE go
-    peer-staged: the peer must then :func:`unstage` the request once ``notif`` arrives
-    (``Transfer.plan.strategy`` says which strategy went).
+    ``peer_staging`` (the peer's staging buffer, from the handshake) lets the request go
+    peer-staged: for a WRITE the peer must then :func:`unstage` it once ``notif`` arrives;
+    a READ needs the peer to have run :func:`stage` first (``Transfer.plan.strategy``
+    says which strategy went).
     """
     peer = _peer_name(peer)
     if staging is not None and staging.busy:
