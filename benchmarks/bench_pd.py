@@ -14,15 +14,15 @@ same bytes, each row posted by this process:
   - kvlayout direct: the map's runs, one descriptor each, in the list form and in the
     prepped form (both sides prepared at the handshake in units every run is whole
     multiples of; NIXL merges the request's consecutive indices back into runs);
-  - kvlayout staged, one stage: the runs gathered here (the block-map engine) into a
-    registered staging buffer laid out as the peer's runs, one descriptor per stretch of
+  - kvlayout staged: the runs gathered here (the block-map engine) into a registered
+    staging buffer laid out as the peer's runs, one descriptor per stretch of
     peer-consecutive runs, then posted (a READ: received into staging, then scattered);
+    and as a pipeline of 8 stages (each stage's copy overlapping another's wire);
   - kvlayout peer-staged: the runs as they lie here to or from the peer's staging
     buffer, one descriptor per local stretch, the peer doing the copy (a WRITE: its
     ``unstage`` after; a READ: its ``stage`` before; asked for over the pipe, and in the
     row's time);
-  - kvlayout chosen: what the cost model picks, calibrated on this pair first (staged
-    requests run as a pipeline of stages, each stage's copy overlapping another's wire);
+  - kvlayout chosen: what the cost model picks, calibrated on this pair first;
   - vLLM-style: one descriptor per layer, K/V and block (the map's runs cut at both
     sides' block boundaries: per head slice under TP resharding); n/a where vLLM refuses
     the pair (TP resharding outside HND, a layout change, decode blocks not a multiple of
@@ -264,7 +264,8 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
         ours = [
             Row("kvlayout direct (list)", send(m, strategy="direct")),
             Row("kvlayout direct (prepped)", send(m, strategy="direct", prepped=prepped)),
-            Row("kvlayout staged, one stage", send(m, strategy="staged", staging=c.staging, stages=1)),
+            Row("kvlayout staged", send(m, strategy="staged", staging=c.staging)),
+            Row("kvlayout staged, 8 stages", send(m, strategy="staged", staging=c.staging, stages=8)),
             Row("kvlayout peer-staged", send(m, strategy="peer-staged", peer_staging=c.peer_staging)),
             Row(f"kvlayout chosen: {chosen.strategy}{stages}",
                 send(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)),

@@ -381,7 +381,9 @@ def test_plan_prints_every_rank_pair(capsys: pytest.CaptureFixture[str]) -> None
     )
     # src rank 0 holds heads 0-1, dst rank 1 head 1: one head's 16-byte row a token, per layer and K/V
     assert lines[3] == "  src rank 0 -> dst rank 1: head slice, permuted; 40 runs, 640 bytes, mean run 16 B"
-    assert lines[4].startswith("    READ: direct 40 descriptors, ") and lines[4].endswith("choice: peer-staged")
+    assert lines[4].startswith("    READ: direct 40 descriptors, ") and lines[4].endswith(
+        "choice: peer-staged"
+    )
     assert (
         lines[5]
         == "  src rank 0 -> dst rank 2: nothing to send (src holds model heads 0-1 and dst 2: none in common)"

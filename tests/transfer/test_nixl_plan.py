@@ -154,18 +154,17 @@ def test_a_pipeline_cuts_the_plan_into_stages_that_move_it_all(case: Case, stage
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_large_request_is_pipelined_by_stage_bytes_and_the_model_counts_the_overlap() -> None:
+def test_a_plan_is_one_stage_unless_asked_and_the_model_counts_the_overlap() -> None:
     m, buf = scattered_map(64, 1 << 18)  # 16 MiB as 64 remote-consecutive runs: one stretch
-    p = nx.plan(m, strategy="staged", staging=staging_at(buf))
-    assert len(p.stages) == 1  # one descriptor cannot be cut
+    assert len(nx.plan(m, strategy="staged", staging=staging_at(buf), stages=4).stages) == 1  # cannot be cut
     split = Map(m.runs[::2], m.src, m.dst)  # every other run: 32 stretches of 256 KiB, 8 MiB
-    p = nx.plan(split, strategy="staged", staging=staging_at(buf))
-    assert len(p.stages) == (8 << 20) // nx.STAGE_BYTES == 2
-    assert len(nx.plan(split, strategy="staged", staging=staging_at(buf), stages=1).stages) == 1
+    assert len(nx.plan(split, strategy="staged", staging=staging_at(buf)).stages) == 1
+    p = nx.plan(split, strategy="staged", staging=staging_at(buf), stages=2)
+    assert [st.descriptors for st in p.stages] == [(0, 16), (16, 32)]
     model = nx.CostModel()
     wire, copy = model.direct_s(32, 8 << 20), 32 * model.copy_per_run_s + (8 << 20) / model.copy_bandwidth
     assert p.predicted_s["staged"] == pytest.approx(max(wire, copy) + min(wire, copy) / 2)
-    with pytest.raises(TypeError, match="stages must be a positive int or None, got 0"):
+    with pytest.raises(TypeError, match="stages must be a positive int, got 0"):
         nx.plan(split, strategy="staged", staging=staging_at(buf), stages=0)
 
 

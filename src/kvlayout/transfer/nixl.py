@@ -606,20 +606,12 @@ class Stage(NamedTuple):
     runs: tuple[int, int]
 
 
-STAGE_BYTES = 4 << 20
-"""A staged request is cut into stages of about this many bytes (at most :data:`MAX_STAGES`)."""
-MAX_STAGES = 8
-
-
-def _stages(
-    first: np.ndarray, stretch_bytes: np.ndarray, num_runs: int, stages: int | None
-) -> tuple[Stage, ...]:
-    """Cut the stretches (descriptors) into ``stages`` (None: by :data:`STAGE_BYTES`) of
-    about equal bytes; each stage's copies are its stretches' runs (``first`` is the
+def _stages(first: np.ndarray, stretch_bytes: np.ndarray, num_runs: int, stages: int) -> tuple[Stage, ...]:
+    """Cut the stretches (descriptors) into ``stages`` of about equal bytes (never more
+    than the stretches); each stage's copies are its stretches' runs (``first`` is the
     first run of each stretch, in the copies' order)."""
     n, total = len(first), int(stretch_bytes.sum(dtype=_U64))
-    want = min(MAX_STAGES, max(1, total // STAGE_BYTES)) if stages is None else stages
-    want = max(1, min(want, n))
+    want = max(1, min(stages, n))
     ends = np.cumsum(stretch_bytes, dtype=_U64)
     cuts = np.searchsorted(ends, np.arange(1, want, dtype=_U64) * np.uint64(total // want), side="right")
     bounds = np.unique(np.r_[0, cuts, n].astype(np.int64))
@@ -716,17 +708,19 @@ def plan(
     strategy: Strategy = "auto",
     staging: Staging | None = None,
     cost: CostModel | None = None,
-    stages: int | None = None,
+    stages: int = 1,
     peer_staging: PeerStaging | None = None,
 ) -> Plan:
     """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheapest by
     ``cost``; staged is considered only with a ``staging`` buffer large enough,
     peer-staged only with a ``peer_staging`` buffer large enough).
 
-    A staged plan is a pipeline of ``stages`` (None: one per :data:`STAGE_BYTES`, at
-    most :data:`MAX_STAGES`; never more than its descriptors): :func:`transfer` posts
-    each stage as soon as its gather is done (a READ: scatters each as soon as it lands),
-    so the local copy overlaps the wire.
+    A staged plan of ``stages`` > 1 (never more than its descriptors) is a pipeline:
+    :func:`transfer` posts each stage as soon as its gather is done (a READ: scatters
+    each as soon as it lands), so the local copy overlaps the wire. The default is one
+    stage: on this project's 2-core loopback, where UCX's TCP send and the peer's receive
+    take both cores, 8 stages measured 0.8-1.0x one stage (``make bench-pd``); a pipeline
+    is for a host whose wire is a NIC's DMA and whose copy has a core to itself.
 
     A peer-staged plan moves the runs, as they lie here, between this side and the peer's
     staging buffer (local runs that follow one another back to back: one descriptor per
@@ -738,8 +732,8 @@ def plan(
     descriptors."""
     if strategy not in ("auto", "direct", "staged", "peer-staged"):
         raise TransferError(f"strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not {strategy!r}")
-    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
-        raise TypeError(f"stages must be a positive int or None, got {stages!r}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise TypeError(f"stages must be a positive int, got {stages!r}")
     s = _sides(block_map)
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
@@ -774,9 +768,7 @@ def plan(
     return plans[min(plans, key=lambda k: predicted[k])]
 
 
-def _staged(
-    s: _Sides, staging: Staging, model: CostModel, stages: int | None, predicted: dict[str, float]
-) -> Plan:
+def _staged(s: _Sides, staging: Staging, model: CostModel, stages: int, predicted: dict[str, float]) -> Plan:
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
     order, offsets, first = _stretches(s.remote_addr, s.lengths, s.remote)
@@ -874,17 +866,10 @@ def estimate(
     descriptors = {"direct": num_runs}
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
-    order, _, first = _stretches(runs[:, col], lengths, remote)
-    stretch_bytes = np.add.reduceat(lengths[order], first) if len(first) else np.empty(0, _U64)
-    stages = len(_stages(first, stretch_bytes, num_runs, None))
-    descriptors["staged"], predicted["staged"] = (
-        len(first),
-        model.staged_s(len(first), num_runs, num_bytes, stages),
-    )
+    _, _, first = _stretches(runs[:, col], lengths, remote)
+    descriptors["staged"], predicted["staged"] = len(first), model.staged_s(len(first), num_runs, num_bytes)
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
-    _, _, own = _stretches(
-        runs[:, own_col], lengths, own_side
-    )  # the poster's stretches, to or from the peer's staging
+    _, _, own = _stretches(runs[:, own_col], lengths, own_side)  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = len(own)
     predicted["peer-staged"] = model.staged_s(len(own), num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])
@@ -1219,7 +1204,7 @@ def transfer(
     staging: Staging | None = None,
     prepped: Prepped | None = None,
     cost: CostModel | None = None,
-    stages: int | None = None,
+    stages: int = 1,
     peer_staging: PeerStaging | None = None,
 ) -> Transfer:
     """Post one request's map to ``peer`` (an agent name loaded with
