@@ -719,8 +719,9 @@ def plan(
     :func:`transfer` posts each stage as soon as its gather is done (a READ: scatters
     each as soon as it lands), so the local copy overlaps the wire. The default is one
     stage: on this project's 2-core loopback, where UCX's TCP send and the peer's receive
-    take both cores, 8 stages measured 0.8-1.0x one stage (``make bench-pd``); a pipeline
-    is for a host whose wire is a NIC's DMA and whose copy has a core to itself.
+    take both cores, 8 stages measured 0.77-1.22x one stage, no consistent gain
+    (``make bench-pd``); a pipeline is for a host whose wire is a NIC's DMA and whose
+    copy has a core to itself.
 
     A peer-staged plan moves the runs, as they lie here, between this side and the peer's
     staging buffer (local runs that follow one another back to back: one descriptor per
