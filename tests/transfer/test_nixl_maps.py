@@ -252,6 +252,16 @@ def test_a_twin_is_the_peer_cache_byte_for_byte(pair: Pair) -> None:
     )
 
 
+def staged_peer(pair: Pair, s: CacheSpec) -> tuple[str, nx.PeerStaging]:
+    """The peer builds and describes ``s`` and registers a staging buffer; its new NIXL
+    metadata is loaded here."""
+    text = pair.peer.cache(s)
+    staging = pair.peer.staging(1 << 16)
+    pair.agent.remove_remote_agent(pair.name)
+    pair.agent.add_remote_agent(pair.peer.metadata)
+    return text, staging
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_peer_staged_read_finds_what_the_peer_staged(pair: Pair, case: tuple[Any, ...]) -> None:
     """The peer gathers the request into its staging buffer laid out as the runs lie
@@ -259,10 +269,7 @@ def test_a_peer_staged_read_finds_what_the_peer_staged(pair: Pair, case: tuple[A
     the offset oracle says."""
     name, sf, stp, sbs, df, dtp, dbs = case
     s_spec, d_spec = spec(sf, stp, sbs, seed=41), spec(df, dtp, dbs, seed=42)
-    text = pair.peer.cache(s_spec)
-    staging = pair.peer.staging(1 << 16)
-    pair.agent.remove_remote_agent(pair.name)
-    pair.agent.add_remote_agent(pair.peer.metadata)
+    text, staging = staged_peer(pair, s_spec)
     local, leaves = build_cache(d_spec)
     rng = np.random.default_rng(len(name))
     src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
@@ -275,10 +282,8 @@ def test_a_peer_staged_read_finds_what_the_peer_staged(pair: Pair, case: tuple[A
     with nx.register(pair.agent, local):
         xfer = nx.transfer(pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging)
         result = xfer.wait(timeout=30)
-    assert (result.strategy, xfer.plan.op) == (
-        "peer-staged",
-        "READ",
-    ) and xfer.plan.num_descriptors <= m.num_runs
+    assert (result.strategy, xfer.plan.op) == ("peer-staged", "READ")
+    assert xfer.plan.num_descriptors <= m.num_runs
     for i, (g, w) in enumerate(zip(leaf_bytes(leaves), want, strict=True)):
         assert np.array_equal(g, w), f"{name} peer-staged READ: tensor {i} differs"
 
@@ -292,10 +297,7 @@ def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
     it holds what the offset oracle says."""
     name, sf, stp, sbs, df, dtp, dbs = case
     s_spec, d_spec = spec(sf, stp, sbs, seed=31), spec(df, dtp, dbs, seed=32)
-    text = pair.peer.cache(d_spec)
-    staging = pair.peer.staging(1 << 16)
-    pair.agent.remove_remote_agent(pair.name)
-    pair.agent.add_remote_agent(pair.peer.metadata)
+    text, staging = staged_peer(pair, d_spec)
     desc = RegistrationDescription.from_json(text)
     local, _ = build_cache(s_spec)
     rng = np.random.default_rng(len(name))
