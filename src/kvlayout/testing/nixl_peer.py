@@ -34,9 +34,12 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from kvlayout.transfer.nixl import PeerStaging
 
 __all__ = ["BufferSide", "CacheSpec", "NixlPeer", "build_cache", "cache_sizes", "contents"]
 
@@ -245,7 +248,7 @@ class NixlPeer:
         answer = self.call("cache_read_at", address=address, nbytes=nbytes)
         return np.frombuffer(base64.b64decode(answer["data"]), dtype=np.uint8)
 
-    def staging(self, nbytes: int) -> Any:
+    def staging(self, nbytes: int) -> PeerStaging:
         """Give the peer a registered staging buffer of ``nbytes`` (replacing any); its
         :class:`~kvlayout.transfer.nixl.PeerStaging` (load :attr:`metadata` again)."""
         from kvlayout.transfer.nixl import PeerStaging
@@ -364,7 +367,7 @@ def _serve() -> None:
     buffers: list[np.ndarray] = []
     notifs: list[bytes] = []
     cache: Any = None  # (spec, leaves, Registered, registration)
-    staging: Any = None  # a Staging, for peer-staged WRITEs
+    staging: Any = None  # a Staging, for peer-staged requests
 
     def progress() -> None:  # drives NIXL (the agent has no progress thread) and keeps notifications
         if agent is not None:
