@@ -320,6 +320,11 @@ def _list(where: str, value: object, max_len: int) -> list[Any]:
     return value
 
 
+def _ints(where: str, value: object, max_len: int, lo: int, hi: int) -> tuple[int, ...]:
+    """A list of at most ``max_len`` integers in ``[lo, hi)``, each named by its index."""
+    return tuple(_int(f"{where}[{i}]", v, lo, hi) for i, v in enumerate(_list(where, value, max_len)))
+
+
 def _from_data(data: object) -> RegistrationDescription:
     top = _fields("description", data, ("kvlayout", "version", "device", "engine", "shard", "groups"))
     if top["kvlayout"] != "registration-description":
@@ -373,10 +378,7 @@ def _group_from(where: str, data: object) -> GroupDescription:
         raise PeerDescriptionError(f"{where}.format {name!r} is not a kvlayout format name")
     fmt = EngineKVFormat[name]
     layout = LAYOUTS[fmt]
-    layers = tuple(
-        _int(f"{where}.layers[{i}]", v, 0, MAX_LAYERS)
-        for i, v in enumerate(_list(f"{where}.layers", g["layers"], MAX_LAYERS))
-    )
+    layers = _ints(f"{where}.layers", g["layers"], MAX_LAYERS, 0, MAX_LAYERS)
     if not layers or len(set(layers)) != len(layers):
         raise PeerDescriptionError(f"{where}.layers must be distinct layer indices, at least one")
     engine_group = _int(f"{where}.engine_group", g["engine_group"], -1, 1 << 16)
@@ -434,10 +436,7 @@ def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
         want_shape = layout.tensor_shape(resolved)
     except KVLayoutError as exc:
         raise PeerDescriptionError(f"{where}.sizes: {exc}") from None
-    shape = tuple(
-        _int(f"{where}.shape[{i}]", v, 1, MAX_SIZE)
-        for i, v in enumerate(_list(f"{where}.shape", p["shape"], 16))
-    )
+    shape = _ints(f"{where}.shape", p["shape"], 16, 1, MAX_SIZE)
     if shape != want_shape:
         raise PeerDescriptionError(
             f"{where}.shape is {list(shape)}; {layout} with these sizes is {list(want_shape)}"
@@ -453,10 +452,7 @@ def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
         raise PeerDescriptionError(
             f"{where}.block_stride={block_stride}, but dim 0 is not {layout}'s block axis"
         )
-    strides = tuple(
-        _int(f"{where}.strides[{i}]", v, 0, MAX_SPAN)
-        for i, v in enumerate(_list(f"{where}.strides", p["strides"], 16))
-    )
+    strides = _ints(f"{where}.strides", p["strides"], 16, 0, MAX_SPAN)
     if strides != want_strides:
         raise PeerDescriptionError(
             f"{where}.strides are {list(strides)}; {layout} stores these sizes with strides "

@@ -324,6 +324,10 @@ class _Sides(NamedTuple):
     remote_addr: np.ndarray
     lengths: np.ndarray
 
+    @property
+    def num_bytes(self) -> int:
+        return int(self.lengths.sum(dtype=_U64))
+
 
 def _mem_type(side: MapSide, which: str) -> str:
     mem = _MEM_TYPES.get(side.device_type)
@@ -416,29 +420,30 @@ def _first_outside(addr: np.ndarray, lengths: np.ndarray, starts: np.ndarray, en
     return -1 if inside.all() else int(np.argmin(inside))
 
 
+def _refuse_outside(
+    what: str, addr: np.ndarray, lengths: np.ndarray, spans: tuple[np.ndarray, np.ndarray], where: str
+) -> None:
+    """Refuse the first ``(addr, length)`` row outside every ``[start, end)`` of ``spans``."""
+    bad = _first_outside(addr, lengths, *spans)
+    if bad >= 0:
+        a, n = int(addr[bad]), int(lengths[bad])
+        raise RefusedDescriptorError(f"{what} {bad} ({a:#x}, {n} bytes) is outside {where}")
+
+
 def _check_local(
     agent: Agent, addr: np.ndarray, lengths: np.ndarray, mem: str, device: int, what: str
 ) -> None:
     held = _REGIONS.get(agent)
-    starts, ends = held.intervals(mem, device) if held is not None else (np.empty(0, _U64),) * 2
-    bad = _first_outside(addr, lengths, starts, ends)
-    if bad >= 0:
-        a, n = int(addr[bad]), int(lengths[bad])
-        raise RefusedDescriptorError(
-            f"{what} {bad} ({a:#x}, {n} bytes) is outside every region registered on agent {agent.name!r} "
-            f"({len(starts)} {mem} regions on device {device}): register the registration (and staging) first"
-        )
+    spans = held.intervals(mem, device) if held is not None else (np.empty(0, _U64),) * 2
+    where = (
+        f"every region registered on agent {agent.name!r} ({len(spans[0])} {mem} regions on device {device})"
+    )
+    _refuse_outside(what, addr, lengths, spans, f"{where}: register the registration (and staging) first")
 
 
 def _check_described(addr: np.ndarray, lengths: np.ndarray, remote: MapSide, peer: str, what: str) -> None:
-    starts, ends = _intervals(remote.tensor_spans)
-    bad = _first_outside(addr, lengths, starts, ends)
-    if bad >= 0:
-        a, n = int(addr[bad]), int(lengths[bad])
-        raise RefusedDescriptorError(
-            f"{what} {bad} ({a:#x}, {n} bytes) is outside the {len(remote.tensor_spans)} tensors "
-            f"peer {peer!r} described; refused before posting"
-        )
+    where = f"the {len(remote.tensor_spans)} tensors peer {peer!r} described"
+    _refuse_outside(what, addr, lengths, _intervals(remote.tensor_spans), f"{where}; refused before posting")
 
 
 def _first_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str) -> int:
@@ -666,12 +671,17 @@ class Plan:
             copy_byte_runs(self.copies, *self.copy_spans, num_threads=num_threads)
 
 
-def _stretches(
-    remote_addr: np.ndarray, lengths: np.ndarray, remote: MapSide
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The runs sorted by remote address (``order``), their offsets in a staging buffer
-    (each stretch of remote-consecutive runs contiguous), and the first run of each
-    stretch. A stretch stays inside one described tensor (else its runs go alone)."""
+class _Stretches(NamedTuple):
+    order: np.ndarray  # the runs, sorted by the side's address
+    offsets: np.ndarray  # each sorted run's offset in a staging buffer laid out so
+    first: np.ndarray  # the first sorted run of each stretch
+    nbytes: np.ndarray  # each stretch's bytes
+
+
+def _stretches(remote_addr: np.ndarray, lengths: np.ndarray, remote: MapSide) -> _Stretches:
+    """The runs sorted by one side's address, their offsets in a staging buffer (each
+    stretch of consecutive runs on that side contiguous), and each stretch's first run
+    and bytes. A stretch stays inside one tensor of the side (else its runs go alone)."""
     order = np.argsort(remote_addr, kind="stable")
     r, n = remote_addr[order], lengths[order]
     offsets = np.zeros(len(r), dtype=_U64)
@@ -688,7 +698,8 @@ def _stretches(
             split = np.repeat(~ok, ends - first + 1)
             new |= split
             first = np.flatnonzero(new)
-    return order, offsets, first
+    nbytes = np.add.reduceat(n, first) if len(first) else np.empty(0, _U64)
+    return _Stretches(order, offsets, first, nbytes)
 
 
 class PeerStaging(NamedTuple):
@@ -737,7 +748,7 @@ def plan(
         raise TypeError(f"stages must be a positive int, got {stages!r}")
     s = _sides(block_map)
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
-    num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
+    num_runs, num_bytes = len(s.lengths), s.num_bytes
     model = cost or DEFAULT_COST
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     fits = staging is not None and staging.nbytes >= num_bytes
@@ -771,9 +782,8 @@ def plan(
 
 def _staged(s: _Sides, staging: Staging, model: CostModel, stages: int, predicted: dict[str, float]) -> Plan:
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
-    num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
-    order, offsets, first = _stretches(s.remote_addr, s.lengths, s.remote)
-    stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
+    num_runs, num_bytes = len(s.lengths), s.num_bytes
+    order, offsets, first, stretch_bytes = _stretches(s.remote_addr, s.lengths, s.remote)
     pipeline = _stages(first, stretch_bytes, num_runs, stages)
     predicted["staged"] = model.staged_s(len(first), num_runs, num_bytes, len(pipeline))
     base = np.uint64(staging.address)
@@ -796,18 +806,27 @@ def _peer_staged(s: _Sides, peer_staging: PeerStaging, model: CostModel, predict
     map lays its staging out in (both sort this side's runs by address and stretch them
     alike), so :func:`unstage` there scatters what this WRITE put, and this READ finds
     what :func:`stage` there gathered."""
-    num_runs, num_bytes = len(s.lengths), int(s.lengths.sum(dtype=_U64))
-    order, offsets, first = _stretches(s.local_addr, s.lengths, s.local)
-    stretch_bytes = np.add.reduceat(s.lengths[order], first) if len(first) else np.empty(0, _U64)
+    num_runs, num_bytes = len(s.lengths), s.num_bytes
+    order, offsets, first, stretch_bytes = _stretches(s.local_addr, s.lengths, s.local)
     predicted["peer-staged"] = model.staged_s(
         len(first), num_runs, num_bytes
-    )  # the peer's copy: before or after
+    )  # the peer's copy, before or after
     base = np.uint64(peer_staging.address)
     return Plan(
         "peer-staged", s.op, _rows(s.local_addr[order][first], stretch_bytes, s.local.device_index),
         _rows(base + offsets[first], stretch_bytes, s.remote.device_index), _mem_type(s.local, "local"),
         "DRAM", None, num_runs, num_bytes, predicted,
     )  # fmt: skip
+
+
+def _peer_copy(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, num_threads: int) -> None:
+    """This side's staged plan of ``block_map`` (laid out as the poster's runs), which
+    must be ``op``; its copy checked, then run."""
+    p = plan(block_map, strategy="staged", staging=staging)
+    if p.op != op:
+        raise TransferError(wrong_side)
+    p.check_copy()
+    p.copy(num_threads)
 
 
 def stage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None:
@@ -817,11 +836,8 @@ def stage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None
     it. ``block_map`` is the request's map with this side as its source
     (``block_map(this registration, destination description, ...)``); every copy is
     checked before a byte moves."""
-    p = plan(block_map, strategy="staged", staging=staging, stages=1)
-    if p.op != "WRITE":
-        raise TransferError("stage runs on the source side of the map (the side a peer-staged READ reads)")
-    p.check_copy()
-    p.copy(num_threads)
+    wrong = "stage runs on the source side of the map (the side a peer-staged READ reads)"
+    _peer_copy(block_map, staging, "WRITE", wrong, num_threads)
 
 
 def unstage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None:
@@ -830,13 +846,8 @@ def unstage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> No
     request's slots here. ``block_map`` is the request's map with this side as its
     destination (``block_map(source description, this registration, ...)``: the same
     runs the source planned); every copy is checked before a byte moves."""
-    p = plan(block_map, strategy="staged", staging=staging, stages=1)
-    if p.op != "READ":
-        raise TransferError(
-            "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
-        )
-    p.check_copy()
-    p.copy(num_threads)
+    wrong = "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
+    _peer_copy(block_map, staging, "READ", wrong, num_threads)
 
 
 class Estimate(NamedTuple):
@@ -867,10 +878,10 @@ def estimate(
     descriptors = {"direct": num_runs}
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
-    _, _, first = _stretches(runs[:, col], lengths, remote)
+    first = _stretches(runs[:, col], lengths, remote).first
     descriptors["staged"], predicted["staged"] = len(first), model.staged_s(len(first), num_runs, num_bytes)
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
-    _, _, own = _stretches(runs[:, own_col], lengths, own_side)  # the poster's, to or from the peer's staging
+    own = _stretches(runs[:, own_col], lengths, own_side).first  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = len(own)
     predicted["peer-staged"] = model.staged_s(len(own), num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])
