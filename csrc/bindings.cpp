@@ -164,6 +164,18 @@ void copy_byte_runs(RunArray runs, bool streaming) {
   kvlayout::stream::copy_runs(false, table, n);
 }
 
+// The tiles the run copy finds in an (N, 3) table, as (first run, rows, cols) rows: the
+// scan copy_runs makes, for its tests.
+std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> tiles_of(RunArray runs) {
+  const auto* table = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  const std::size_t n = runs.shape(0);
+  std::vector<std::tuple<std::size_t, std::size_t, std::size_t>> out;
+  kvlayout::stream::scan_tiles(
+      table, n, [&](const kvlayout::stream::Tile& t, std::size_t i) { out.emplace_back(i, t.rows, t.cols); },
+      [](const kvlayout::ByteRun&) {});
+  return out;
+}
+
 // The benchmarks' flat streaming copy of nbytes, split in contiguous parts over up to
 // num_threads pool threads; returns the threads used.
 int flat_stream(std::uintptr_t dst, std::uintptr_t src, std::uint64_t nbytes, int num_threads) {
@@ -489,6 +501,9 @@ NB_MODULE(_native, m) {
   m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true,
         "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "
         "released (raw addresses: for tests; streaming=False takes the memcpy path).");
+  m.def("tiles_of", &tiles_of, "runs"_a.noconvert(),
+        "The tiles copy_byte_runs copies column by column in an (N, 3) uint64 run table, as (first run, rows, "
+        "cols) tuples (for tests).");
   m.def("flat_stream", &flat_stream, "dst"_a, "src"_a, "nbytes"_a, "num_threads"_a = 1,
         "A flat streaming copy of nbytes from src to dst (32-byte loads, non-temporal stores; raw addresses, for "
         "the benchmarks' baseline), on up to num_threads pool threads. Returns the threads used.");

@@ -113,3 +113,108 @@ def test_flat_stream_copies_the_range(threads: int, offset: int, nbytes: int) ->
     used = _native.flat_stream(dst.ctypes.data + offset, src.ctypes.data + offset, nbytes, threads)
     assert np.array_equal(dst, want)
     assert (used == 0) if nbytes == 0 else (1 <= used <= min(threads, _native.max_threads()))
+
+
+def tile_runs(
+    src0: int, dst0: int, length: int, stride: int, rows: int, cols: int
+) -> list[tuple[int, int, int]]:
+    """A transposed tile in destination order: run (a, b) reads src0 + a*length + b*stride
+    and writes the next `length` bytes from dst0 (an NHD block's heads into HND)."""
+    return [
+        (src0 + a * length + b * stride, dst0 + (a * cols + b) * length, length)
+        for a in range(rows)
+        for b in range(cols)
+    ]
+
+
+def merged(runs: list[tuple[int, int, int]]) -> list[tuple[int, int, int]]:
+    """Runs that continue the last on both sides joined, as a block map lists them."""
+    out: list[tuple[int, int, int]] = []
+    for s, d, n in runs:
+        if out and out[-1][0] + out[-1][2] == s and out[-1][1] + out[-1][2] == d:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((s, d, n))
+    return out
+
+
+def test_tiles_of_consecutive_blocks_share_their_boundary_runs() -> None:
+    """Consecutive blocks on both sides: the last run of one block's tile and the first of
+    the next are one 512 B run, split between the two tiles."""
+    runs = merged([r for j in range(3) for r in tile_runs(j * 32_768, j * 32_768, 256, 2048, 8, 16)])
+    assert len(runs) == 3 * 128 - 2
+    assert _native.tiles_of(table(*buffers(0), runs)) == [(0, 8, 16), (127, 8, 16), (254, 8, 16)]
+
+
+def test_the_copy_finds_the_tiles_of_a_head_major_block_map() -> None:
+    """NHD into HND (8 heads of 256 B, 16 tokens): each block's 128 runs are one tile,
+    8 heads by 16 tokens; a run off the pattern ends it, and long runs are never tiles."""
+    block = tile_runs(0, 0, 256, 2048, 8, 16)
+    two_blocks = block + tile_runs(40_960, 32_768, 256, 2048, 8, 16)
+    assert _native.tiles_of(table(*buffers(0), two_blocks)) == [(0, 8, 16), (128, 8, 16)]
+    broken = [*block[:20], (block[20][0] + 64, *block[20][1:]), *block[21:]]
+    found = _native.tiles_of(table(*buffers(0), broken))
+    assert all(first + rows * cols <= 20 or first > 20 for first, rows, cols in found)
+    assert _native.tiles_of(table(*buffers(0), tile_runs(0, 0, 4096, 8192, 2, 4))) == []  # runs > 2 KiB
+    contiguous = [(i * 256, i * 256, 256) for i in range(16)]  # nothing to transpose
+    assert _native.tiles_of(table(*buffers(0), contiguous)) == []
+
+
+@st.composite
+def lists_with_tiles(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """Tiles of random shapes between random runs, some of which overlap the tiles'
+    destinations before and after them (where the later run must still win)."""
+    runs: list[tuple[int, int, int]] = []
+    for _ in range(draw(st.integers(1, 4))):
+        rows, cols = draw(st.integers(1, 9)), draw(st.integers(1, 17))
+        length = draw(st.integers(1, 600))
+        stride = draw(st.integers(1, 3 * length * rows))
+        span = (rows - 1) * length + (cols - 1) * stride + length
+        src0 = draw(st.integers(0, SRC_BYTES - span))
+        dst0 = draw(st.integers(0, DST_BYTES - rows * cols * length))
+        for _ in range(draw(st.integers(0, 2))):
+            n = draw(st.integers(1, 3000))
+            d = draw(
+                st.one_of(st.integers(0, DST_BYTES - n), st.integers(dst0, dst0 + rows * cols * length - 1))
+            )
+            runs.append((draw(st.integers(0, SRC_BYTES - n)), min(d, DST_BYTES - n), n))
+        runs += tile_runs(src0, dst0, length, stride, rows, cols)
+    n = draw(st.integers(1, 3000))
+    runs.append((draw(st.integers(0, SRC_BYTES - n)), draw(st.integers(0, DST_BYTES - n)), n))
+    return merged(runs) if draw(st.booleans()) else runs
+
+
+@settings(max_examples=80, deadline=None)
+@given(lists_with_tiles(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_tiles_copied_in_source_order_leave_what_list_order_leaves(
+    runs: list[tuple[int, int, int]], streaming: bool, seed: int
+) -> None:
+    src, dst = buffers(seed)
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(table(src, dst, runs), streaming)
+    assert np.array_equal(dst, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 9), st.integers(2, 17), st.integers(1, 400), st.integers(1, 5), st.booleans(),
+    st.integers(0, 2**32 - 1),
+)  # fmt: skip
+def test_chained_tiles_split_their_shared_runs_and_copy_exactly(
+    rows: int, cols: int, length: int, blocks: int, streaming: bool, seed: int
+) -> None:
+    """Blocks back to back on both sides (rows heads, cols tokens, head-major into
+    token-major): the boundary runs merge, each tile takes its part of them."""
+    block = rows * cols * length
+    runs = merged(
+        [
+            r
+            for j in range(blocks)
+            for r in tile_runs(7 + j * block, 3 + j * block, length, rows * length, rows, cols)
+        ]
+    )
+    src, dst = buffers(seed)
+    want = copy_reference(src, dst, runs)
+    assert len(_native.tiles_of(table(src, dst, runs))) == blocks
+    _native.copy_byte_runs(table(src, dst, runs), streaming)
+    assert np.array_equal(dst, want)
