@@ -450,7 +450,7 @@ NB_MODULE(_native, m) {
       .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, bool>(), "jobs"_a, "num_blocks"_a,
            "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes, "prefetch"_a = true,
            "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
-           "stream_min_bytes write with streaming stores; prefetch false leaves the pages and lines of the "
+           "stream_min_bytes write with streaming stores; prefetch false leaves the lines of the "
            "coming moves to the hardware (the knobs exist for tests and benchmarks).")
       .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,

@@ -1,21 +1,16 @@
 #pragma once
 // Copies of byte runs at the memory's streaming rate: the CPU engines' copy primitive.
 //
-// A run list (the block transfer's walk, or a block map) jumps from run to run, and each
-// jump is paid twice. The address translation misses: on the benchmark machine (a VM,
-// nested paging) scattered 32 KiB blocks of a 4 GiB pool read at 0.45x a sequential
-// stream, and at 0.9x once their pages had been touched. And the hardware prefetcher
-// starts over. So ahead of the copy two things are prefetched (into L2: into L1 did
-// worse): one line of each page the coming runs read and write, about 64 KiB ahead, which
-// makes the page walk early; and, for a source that jumps, its lines kLineLead ahead,
-// pages first so that the line prefetches find their translations. Each alone gained
-// little; together they took the transfer's scattered-block copies from 0.55-0.75x to
-// 0.85-1.0x a flat streaming copy of the same bytes (same-process A/B, one thread). A
-// line prefetch of a source that streams on from the last run costs more than it gains.
-// That is the block transfer's walk (transfer.h). A run list (copy_byte_runs: block maps,
-// the NIXL strategies' gathers and scatters) prefetches the lines alone: without touching
-// the pages the bench-maps scenarios copied 0.90-1.16x as fast, 18 of 20 faster, 1.06x
-// typical (same process, the two taking turns, in both orders).
+// A run list (the block transfer's walk, or a block map) jumps from run to run, and at
+// each jump the hardware prefetcher starts over (and, in a VM with nested paging, the
+// address translation misses). So, for a source that jumps, its lines are prefetched
+// kLineLead ahead of the copy (into L2: into L1 did worse). A line prefetch of a source
+// that streams on from the last run costs more than it gains. An earlier round also
+// touched one line of each page the coming runs read and write, for an early page walk;
+// measured on this round's machine it cost more than it gained (without it the bench-maps
+// scenarios copied 0.90-1.16x and bench-transfer's moves 0.97-1.23x as fast, nearly all
+// faster; same process, the two taking turns, one thread), so only the lines are
+// prefetched.
 //
 // Where the CPU has AVX2 (asked at run time; the extension is built for baseline x86-64)
 // runs are copied with 32-byte loads and non-temporal stores, which skip the
@@ -57,11 +52,6 @@ inline void prefetch_line(std::uint64_t address) {
 #else
   (void)address;
 #endif
-}
-
-// One line of each page of [start, start + bytes), from start on.
-inline void prefetch_pages(std::uint64_t start, std::uint64_t bytes) {
-  for (std::uint64_t at = start, end = start + bytes; at < end; at = (at | (kPage - 1)) + 1) prefetch_line(at);
 }
 
 // How far ahead of the copy a LineCursor prefetches (8-32 KiB measured alike, 2-4 KiB

@@ -19,20 +19,13 @@
 
 namespace kvlayout::transfer {
 
-// The bytes of a segment's extent on one side (first byte to past the last) whose pages
-// are touched ahead of its copy: a dense 32 KiB block is eight pages; a longer one reads
-// on at the streaming rate once started.
-inline constexpr std::int64_t kPrefetchReach = 64 << 10;
-
 // A job's segments as one direction walks them: each segment's loops ordered by the stride
 // of the side it reads (the cache's for a store, the chunk's for a load), so reads stream
 // within a block (a head-major HND block loads 1.35x faster in chunk order).
 struct Walk {
-  // A segment, and how much of its extent on each side is touched ahead of its copy.
+  // A segment, and whether it is dense on each side.
   struct Step {
     plan::Segment segment;
-    std::uint32_t cache_reach;
-    std::uint32_t chunk_reach;
     bool cache_dense;  // its bytes fill its extent on that side
     bool chunk_dense;
   };
@@ -56,9 +49,7 @@ inline Walk make_walk(std::vector<plan::Segment> segments, bool read_chunk) {
   std::vector<Walk::Step> steps;
   for (const plan::Segment& s : segments) {
     const std::int64_t cache = plan::cache_extent(s), chunk = plan::chunk_extent(s);
-    steps.push_back(Walk::Step{s, static_cast<std::uint32_t>(std::min(cache, kPrefetchReach)),
-                               static_cast<std::uint32_t>(std::min(chunk, kPrefetchReach)), cache == s.bytes,
-                               chunk == s.bytes});
+    steps.push_back(Walk::Step{s, cache == s.bytes, chunk == s.bytes});
   }
   std::vector<Walk::Step> by_cache = steps;
   std::stable_sort(by_cache.begin(), by_cache.end(), [](const Walk::Step& x, const Walk::Step& y) {
@@ -186,11 +177,12 @@ const Walk& walk_of(const Job& job) {
 // byte's last writer is the same, so the order never changes the result.
 //
 // The walk runs one (segment, block) behind itself, so each move is known before its copy
-// starts: the pages of the next move are touched on both sides (stream_copy.h) while this
-// one is copied, and where its source jumps (does not continue this one's) and is dense,
-// its lines are prefetched kLineLead bytes ahead of the copy (stream::LineCursor): a
-// scattered block then finds its translations and first lines in. The benchmark's
-// scattered 32 KiB blocks went from 0.55-0.75x to 0.8-1.0x a flat streaming copy.
+// starts: where the next move's source jumps (does not continue this one's) and is dense,
+// its lines are prefetched kLineLead bytes ahead of the copy (stream::LineCursor), so a
+// scattered block finds its first lines in. Touching the next move's pages as well (one
+// line a page, for an early page walk) once helped; on this round's machine it cost:
+// without it bench-transfer's moves ran 0.97-1.23x as fast, 13 of 14 faster (same
+// process, taking turns with it, one thread).
 template <Direction D, class Copy, bool Prefetch>
 [[gnu::always_inline]] inline void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo,
                                              std::int64_t hi, bool layer_major) {
@@ -210,10 +202,6 @@ template <Direction D, class Copy, bool Prefetch>
   };
   const auto visit = [&](const Walk::Step& step, char* chunk, char* cache) {
     const auto k = reinterpret_cast<std::uint64_t>(cache), c = reinterpret_cast<std::uint64_t>(chunk);
-    if constexpr (Prefetch) {
-      stream::prefetch_pages(k, step.cache_reach);
-      stream::prefetch_pages(c, step.chunk_reach);
-    }
     const std::uint64_t source = D == Direction::kStore ? k : c;
     const bool dense = D == Direction::kStore ? step.cache_dense : step.chunk_dense;
     const bool jumps = dense && source != source_end;
@@ -338,12 +326,12 @@ struct Plan {
 struct Options {
   Order order = Order::kAuto;
   std::int64_t stream_min_bytes = kStreamMinBytes;
-  bool prefetch = true;  // touch the next move's pages and prefetch jumping sources (off: for benchmarks)
+  bool prefetch = true;  // prefetch the lines of jumping sources (off: for benchmarks)
 };
 
 // kAuto: the order with the longer stretch of back-to-back bytes on either side, and on a
-// tie the one whose read side streams longer. With the next move's pages and lines
-// prefetched (see run_range), a jump costs about the same on either side, so the longest
+// tie the one whose read side streams longer. With the next move's lines prefetched (see
+// run_range), a jump costs about the same on either side, so the longest
 // stream wins: this stores and loads cross-layer blocks (slabs adjacent in the cache)
 // block-major and moves everything else layer-major, flash-infer's K/V-adjacent blocks
 // included (their store was 0.8x block-major, 0.9-1.0x layer-major, in same-run A/B).

@@ -409,7 +409,7 @@ def check_engine_choices(
     ids: list[int], per_chunk: int, skip: int, partial: bool,
 ) -> None:  # fmt: skip
     """Every engine choice (block- or layer-major, streaming stores or not, the coming
-    moves' pages and lines prefetched or not, any split over threads) stores the same
+    moves' lines prefetched or not, any split over threads) stores the same
     chunks and loads the same cache bytes as the default plan, which the tests above hold
     to the oracle."""
     reg = make_registration(kvlayout.layout_of(fmt), sizes, dtype, pad=pad)
