@@ -1327,8 +1327,8 @@ def calibrate(
 ) -> CostModel:
     """A :class:`CostModel` measured on the live pair with ``op`` transfers between a
     scratch buffer registered for the call and the peer's largest described tensor: one
-    small descriptor, ``count`` small ones and one of ``nbytes``; then the local copy of
-    the same; the fastest of ``repeats`` each.
+    small descriptor, ``count`` small ones and one of ``nbytes``, the fastest of
+    ``repeats`` each; then the local copy (:func:`_calibrate_copy`).
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
     posts) overwrites its first bytes: only for a tensor that is scratch to the peer.
@@ -1383,8 +1383,8 @@ def _calibrate_copy(small: int, count: int, repeats: int) -> tuple[float, float]
     """Seconds a run and bytes a second of :func:`copy_byte_runs`: one run, ``count`` runs
     of ``small`` bytes and one of ``_COPY_CALIBRATION_BYTES``, host to host, the fastest of
     ``repeats`` each. The one-run copy's time is the call's own (checks, dispatch), taken
-    out of both; the runs' bytes are the bandwidth's (counted per run they priced a 256 B
-    run at 0.3-0.6 us on the 2-core loopback, where 520,000 of them copy in about 35 ms)."""
+    out of both; the runs' bytes are the bandwidth's (counted per run, they priced a run at
+    0.3-0.6 us on the 2-core loopback, where 520,000 runs of 256 B copy in about 35 ms)."""
     half = max(_COPY_CALIBRATION_BYTES, 2 * small * count)
     scratch = torch.zeros(2 * half, dtype=torch.uint8)  # zeros: its pages are touched
     addr = scratch.data_ptr()
