@@ -349,7 +349,7 @@ std::tuple<MapRuns, bool> build_runs(U64Rows slabs, IntArray group_starts, std::
     *built = bm::build_runs(q, force_sort);
   }
   nb::capsule owner(built, [](void* p) noexcept { delete static_cast<bm::Built*>(p); });
-  auto* data = reinterpret_cast<std::uint64_t*>(built->runs);
+  auto* data = reinterpret_cast<std::uint64_t*>(built->runs.rows);
   const bool in_order = built->walked_in_order;
   return {MapRuns(data, {built->size, 3}, owner), in_order};
 }

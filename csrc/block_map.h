@@ -65,29 +65,11 @@ struct Request {
   std::int64_t num_dst_classes;
 };
 
-// The runs of one request, in a malloc'd table (so a large one can shrink in place).
-struct Built {
-  ByteRun* runs = nullptr;
-  std::size_t size = 0;
-  bool walked_in_order = true;  // false: the walk was not in destination order, so runs were sorted
-
-  Built() = default;
-  Built(const Built&) = delete;
-  Built& operator=(const Built&) = delete;
-  Built(Built&& o) noexcept : runs(o.runs), size(o.size), walked_in_order(o.walked_in_order) { o.runs = nullptr; }
-  Built& operator=(Built&& o) noexcept {
-    std::swap(runs, o.runs);
-    size = o.size;
-    walked_in_order = o.walked_in_order;
-    return *this;
-  }
-  ~Built() { std::free(runs); }
-};
-
 namespace detail {
 
 // A malloc'd table of rows of T, uninitialised (every row is written before it is read;
-// zeroing them would double the walk's memory traffic); grows in place where it can.
+// zeroing them would double the walk's memory traffic); grows and shrinks in place where
+// it can.
 template <class T>
 struct Table {
   T* rows = nullptr;
@@ -96,21 +78,31 @@ struct Table {
   Table() = default;
   Table(const Table&) = delete;
   Table& operator=(const Table&) = delete;
+  Table(Table&& o) noexcept : rows(std::exchange(o.rows, nullptr)), size(std::exchange(o.size, 0)) {}
+  Table& operator=(Table&& o) noexcept {
+    std::swap(rows, o.rows);
+    std::swap(size, o.size);
+    return *this;
+  }
   ~Table() { std::free(rows); }
   void resize(std::size_t n) {
     void* p = std::realloc(rows, std::max<std::size_t>(n, 1) * sizeof(T));
     if (p == nullptr) throw std::bad_alloc();
     rows = static_cast<T*>(p), size = n;
   }
-  T* release() { return std::exchange(rows, nullptr); }
 };
 
-template <class T>
-T* allocate(std::size_t n) {
-  void* p = std::malloc(std::max<std::size_t>(n, 1) * sizeof(T));
-  if (p == nullptr) throw std::bad_alloc();
-  return static_cast<T*>(p);
-}
+}  // namespace detail
+
+// The runs of one request: rows [0, size) of a malloc'd table (so a large one can shrink
+// in place).
+struct Built {
+  detail::Table<ByteRun> runs;
+  std::size_t size = 0;
+  bool walked_in_order = true;  // false: the walk was not in destination order, so runs were sorted
+};
+
+namespace detail {
 
 // Where finished runs go and the run being grown. Each emission merges into the current
 // run where both sides continue it; a run never crosses from one tensor into another on
@@ -414,11 +406,11 @@ inline Built build_runs(const Request& q, bool force_sort = false) {
     const std::size_t n = end.used();
     if (end.in_order) {
       if (small) {
-        out.runs = detail::allocate<ByteRun>(n);
-        std::copy(table.rows, table.rows + n, out.runs);
+        out.runs.resize(n);
+        std::copy(table.rows, table.rows + n, out.runs.rows);
       } else {
         if (table.size > 2 * n + 4096) table.resize(n);  // merges left it sparse: give the rest back
-        out.runs = table.release();
+        out.runs = std::move(table);
       }
       out.size = n;
       return out;
@@ -436,19 +428,19 @@ inline Built build_runs(const Request& q, bool force_sort = false) {
   const ByteRun* r0 = runs.rows;
   std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return r0[a].dst < r0[b].dst; });
   out.walked_in_order = false;
-  out.runs = detail::allocate<ByteRun>(walked);
+  out.runs.resize(walked);
   std::size_t last = 0, n = 0;
   for (std::size_t k = 0; k < idx.size(); ++k) {
     const ByteRun& r = r0[idx[k]];
     if (k > 0) {
-      ByteRun& prev = out.runs[n - 1];
+      ByteRun& prev = out.runs.rows[n - 1];
       if (dst_tensor.rows[idx[k]] == dst_tensor.rows[last] && src_tensor.rows[idx[k]] == src_tensor.rows[last] &&
           prev.dst + prev.len == r.dst && prev.src + prev.len == r.src) {
         prev.len += r.len;
         continue;
       }
     }
-    out.runs[n++] = r;
+    out.runs.rows[n++] = r;
     last = idx[k];
   }
   out.size = n;
