@@ -261,13 +261,18 @@ class NixlPeer:
         """The peer's half of a peer-staged WRITE: it builds the request's map from the
         source's ``description`` (JSON) into its cache (``block_map`` keywords in ``kw``)
         and scatters its staging buffer with ``unstage``."""
-        self.call("unstage", description=description, src_ids=list(src_ids), dst_ids=list(dst_ids), kw=kw)
+        self._staging_copy("unstage", description, src_ids, dst_ids, kw)
 
     def stage(self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], **kw: Any) -> None:
         """The peer's half of a peer-staged READ: it builds the request's map from its
         cache into the destination's ``description`` (JSON) and gathers it into its
         staging buffer with ``stage``."""
-        self.call("stage", description=description, src_ids=list(src_ids), dst_ids=list(dst_ids), kw=kw)
+        self._staging_copy("stage", description, src_ids, dst_ids, kw)
+
+    def _staging_copy(
+        self, cmd: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], kw: dict[str, Any]
+    ) -> None:
+        self.call(cmd, description=description, src_ids=list(src_ids), dst_ids=list(dst_ids), kw=kw)
 
     def refill_cache(self) -> None:
         """Write the peer's cache's seeded bytes again."""
@@ -425,15 +430,13 @@ def _serve() -> None:
                     "nbytes": staging.nbytes,
                     "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
                 }
-            elif cmd == "unstage":
-                kw = {**msg["kw"], "dst_shard": cache[0].the_shard}
+            elif cmd in ("stage", "unstage"):  # this cache: a stage's source, an unstage's destination
                 desc = RegistrationDescription.from_json(msg["description"])
-                unstage(block_map(desc, cache[3], msg["src_ids"], msg["dst_ids"], **kw), staging)
-                answer = {}
-            elif cmd == "stage":
-                kw = {**msg["kw"], "src_shard": cache[0].the_shard}
-                desc = RegistrationDescription.from_json(msg["description"])
-                stage(block_map(cache[3], desc, msg["src_ids"], msg["dst_ids"], **kw), staging)
+                here = "src" if cmd == "stage" else "dst"
+                src, dst = (cache[3], desc) if here == "src" else (desc, cache[3])
+                kw = {**msg["kw"], f"{here}_shard": cache[0].the_shard}
+                request = block_map(src, dst, msg["src_ids"], msg["dst_ids"], **kw)
+                (stage if here == "src" else unstage)(request, staging)
                 answer = {}
             elif cmd == "cache_read":
                 answer = {

@@ -809,9 +809,8 @@ def _peer_staged(s: _Sides, peer_staging: PeerStaging, model: CostModel, predict
     what :func:`stage` there gathered."""
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     order, offsets, first, stretch_bytes = _stretches(s.local_addr, s.lengths, s.local)
-    predicted["peer-staged"] = model.staged_s(
-        len(first), num_runs, num_bytes
-    )  # the peer's copy, before or after
+    # The copy is the peer's: its gather before a READ, its scatter after a WRITE.
+    predicted["peer-staged"] = model.staged_s(len(first), num_runs, num_bytes)
     base = np.uint64(peer_staging.address)
     return Plan(
         "peer-staged", s.op, _rows(s.local_addr[order][first], stretch_bytes, s.local.device_index),
