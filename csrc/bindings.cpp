@@ -301,6 +301,8 @@ UnitArray device_units(const JobArgs& a, IntArray block_ids, IntArray chunk_toke
 
 using U64Rows = nb::ndarray<const std::uint64_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
 using MapRuns = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 3>>;
+using MapGroups = nb::ndarray<nb::numpy, std::uint64_t, nb::shape<-1, 9>>;
+using ConstGroups = nb::ndarray<const std::uint64_t, nb::shape<-1, 9>, nb::c_contig, nb::device::cpu>;
 
 const std::uint64_t* rows_of(const U64Rows& a, std::size_t width, const char* name) {
   if (a.shape(1) != width)
@@ -308,7 +310,7 @@ const std::uint64_t* rows_of(const U64Rows& a, std::size_t width, const char* na
   return a.data();
 }
 
-std::tuple<MapRuns, bool> build_runs(U64Rows slabs, IntArray group_starts, std::tuple<int, int, int, int> order,
+std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray group_starts, std::tuple<int, int, int, int> order,
                                       std::int64_t heads, std::int64_t tokens, IntArray src_blocks,
                                       std::int64_t src_block_size, IntArray dst_blocks, std::int64_t dst_block_size,
                                       U64Rows src_classes, U64Rows dst_classes, bool force_sort) {
@@ -346,12 +348,54 @@ std::tuple<MapRuns, bool> build_runs(U64Rows slabs, IntArray group_starts, std::
   auto* built = new bm::Built();
   {
     nb::gil_scoped_release release;
-    *built = bm::build_runs(q, force_sort);
+    *built = bm::build_groups(q, force_sort);
   }
   nb::capsule owner(built, [](void* p) noexcept { delete static_cast<bm::Built*>(p); });
-  auto* data = reinterpret_cast<std::uint64_t*>(built->runs.rows);
+  auto* data = reinterpret_cast<std::uint64_t*>(built->groups.rows);
   const bool in_order = built->walked_in_order;
-  return {MapRuns(data, {built->size, 3}, owner), in_order};
+  const std::uint64_t runs = built->runs;
+  return {MapGroups(data, {built->size, 9}, owner), runs, in_order};
+}
+
+// A table of groups from Python, checked so that reading it back cannot run away: every
+// group holds at least one run, and all of them at most 2^40.
+const kvlayout::block_map::RunGroup* groups_of(const ConstGroups& groups, std::uint64_t* runs = nullptr) {
+  const auto* g = reinterpret_cast<const kvlayout::block_map::RunGroup*>(groups.data());
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < groups.shape(0); ++i) {
+    if (g[i].rows == 0 || g[i].count == 0 || g[i].rows > (std::uint64_t{1} << 40) / g[i].count ||
+        (total += g[i].runs()) > (std::uint64_t{1} << 40))
+      throw nb::value_error("groups: each group needs rows and runs, at most 2^40 runs in all");
+  }
+  if (runs) *runs = total;
+  return g;
+}
+
+// The runs of a table of groups, in order ((N, 3) uint64).
+MapRuns expand_groups(ConstGroups groups) {
+  std::uint64_t n = 0;
+  const auto* g = groups_of(groups, &n);
+  auto* out = new std::uint64_t[std::max<std::uint64_t>(3 * n, 1)];
+  {
+    nb::gil_scoped_release release;
+    kvlayout::block_map::GroupReader(g, groups.shape(0)).read(reinterpret_cast<kvlayout::ByteRun*>(out), n);
+  }
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  return MapRuns(out, {static_cast<std::size_t>(n), 3}, owner);
+}
+
+// Consecutive runs given one at a time, as the builder's Grouper keeps them (for tests).
+MapGroups group_runs(nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_contig, nb::device::cpu> runs) {
+  auto* table = new kvlayout::block_map::detail::Table<kvlayout::block_map::RunGroup>();
+  kvlayout::block_map::Grouper grouper(table);
+  const std::uint64_t* r = runs.data();
+  for (std::size_t i = 0; i < runs.shape(0); ++i) grouper.add(r[3 * i], r[3 * i + 1], r[3 * i + 2], 1, 0, 0);
+  grouper.finish();
+  const std::size_t n = grouper.used();
+  nb::capsule owner(table, [](void* p) noexcept {
+    delete static_cast<kvlayout::block_map::detail::Table<kvlayout::block_map::RunGroup>*>(p);
+  });
+  return MapGroups(reinterpret_cast<std::uint64_t*>(table->rows), {n, 9}, owner);
 }
 
 std::vector<kvlayout::block_map::Span> spans_of(const U64Rows& a, const char* name) {
@@ -387,6 +431,28 @@ std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U
   if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
   const int used = kvlayout::block_map::copy_runs(r, n, num_threads, min_bytes_per_thread,
                                                   [](const kvlayout::ByteRun* p, std::size_t k) { kvlayout::copy_byte_runs(p, k); });
+  return {0, -1, -1, used};
+}
+
+std::tuple<int, std::int64_t, std::int64_t> validate_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans) {
+  const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
+  const auto* g = groups_of(groups);
+  nb::gil_scoped_release release;
+  const auto v = kvlayout::block_map::validate_groups(g, groups.shape(0), src, dst);
+  return {static_cast<int>(v.problem), v.run, v.other};
+}
+
+std::tuple<int, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans,
+                                                            int num_threads, std::uint64_t min_bytes_per_thread) {
+  const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
+  const auto* g = groups_of(groups);
+  const std::size_t n = groups.shape(0);
+  nb::gil_scoped_release release;
+  const auto v = kvlayout::block_map::validate_groups(g, n, src, dst);
+  if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
+  const int used = kvlayout::block_map::copy_groups(
+      g, n, num_threads, min_bytes_per_thread,
+      [](const kvlayout::ByteRun* p, std::size_t k) { kvlayout::copy_byte_runs(p, k); });
   return {0, -1, -1, used};
 }
 
@@ -483,11 +549,20 @@ NB_MODULE(_native, m) {
         "The units the CUDA grid copies for a job in one direction, by the kernels' mapping run on the host (for "
         "tests).");
 
-  m.def("build_runs", &build_runs, "slabs"_a, "group_starts"_a, "order"_a, "heads"_a, "tokens"_a, "src_blocks"_a,
+  m.def("build_groups", &build_groups, "slabs"_a, "group_starts"_a, "order"_a, "heads"_a, "tokens"_a, "src_blocks"_a,
         "src_block_size"_a, "dst_blocks"_a, "dst_block_size"_a, "src_classes"_a, "dst_classes"_a,
         "force_sort"_a = false,
-        "A block map's runs ((N, 3) uint64: source, destination, length) from its slabs, and whether the walk "
-        "was in destination order (else the runs were sorted and merged again).");
+        "A block map's runs as groups ((G, 9) uint64: src, dst, len, count, src_step, dst_step, rows, src_row, "
+        "dst_row; see csrc/run_groups.h) from its slabs, how many runs they hold, and whether the walk was in "
+        "destination order (else the runs were sorted and merged again).");
+  m.def("expand_groups", &expand_groups, "groups"_a, "The runs of a table of groups, in order ((N, 3) uint64).");
+  m.def("group_runs", &group_runs, "runs"_a,
+        "A table of runs as the map builder's Grouper keeps them, given one by one (for tests).");
+  m.def("validate_groups", &validate_groups, "groups"_a, "src_spans"_a, "dst_spans"_a,
+        "validate_runs over the runs a table of groups holds.");
+  m.def("copy_groups", &copy_groups, "groups"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
+        "min_bytes_per_thread"_a = 256 << 10,
+        "copy_runs over the runs a table of groups holds, read back a buffer at a time.");
   m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a,
         "(problem, run, other run): 0 when every run lies in one source and one destination tensor's blocks "
         "(spans: start, period, block, blocks), destination runs are disjoint and none reads what another "

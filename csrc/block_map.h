@@ -5,15 +5,20 @@
 // lives and hands over *slabs*: one per (layer, K/V, piece of a head's row) both sides
 // hold, each with its base address on either side, the tensors it lies in, its width
 // and its per-head and per-token strides. This file
-//   - builds the runs (build_runs): walks the destination in memory order (the nest of
+//   - builds the runs (build_groups): walks the destination in memory order (the nest of
 //     slab, block, slot and head levels that Python orders by the destination's strides,
 //     blocks in id order), folds the innermost levels that are contiguous on both sides
 //     into one emission, and merges each emission into the previous run when both sides
 //     continue it, within one tensor on each side. Emitted in destination order, that
 //     merge leaves the fewest runs; when the walk turns out not to be in destination
-//     order (a layout whose levels interleave), the runs are sorted and merged again;
-//   - validates runs against the tensors' byte spans before a byte moves (validate_runs);
-//   - copies them on the worker pool, split by bytes, with the GIL released (copy_runs).
+//     order (a layout whose levels interleave), the runs are sorted and merged again.
+//     Finished runs are kept as groups (run_groups.h): the inner levels that do not fold
+//     are emitted as rows and tiles of runs, not one run at a time, so a map of half a
+//     million runs is a few thousand groups;
+//   - validates runs against the tensors' byte spans before a byte moves (validate_runs,
+//     validate_groups);
+//   - copies them on the worker pool, split by bytes, with the GIL released (copy_runs,
+//     copy_groups).
 
 #include <algorithm>
 #include <cstdint>
@@ -24,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "run_groups.h"
 #include "stream_copy.h"
 #include "worker_pool.h"
 
@@ -65,41 +71,18 @@ struct Request {
   std::int64_t num_dst_classes;
 };
 
-namespace detail {
-
-// A malloc'd table of rows of T, uninitialised (every row is written before it is read;
-// zeroing them would double the walk's memory traffic); grows and shrinks in place where
-// it can.
-template <class T>
-struct Table {
-  T* rows = nullptr;
-  std::size_t size = 0;  // rows allocated
-
-  Table() = default;
-  Table(const Table&) = delete;
-  Table& operator=(const Table&) = delete;
-  Table(Table&& o) noexcept : rows(std::exchange(o.rows, nullptr)), size(std::exchange(o.size, 0)) {}
-  Table& operator=(Table&& o) noexcept {
-    std::swap(rows, o.rows);
-    std::swap(size, o.size);
-    return *this;
-  }
-  ~Table() { std::free(rows); }
-  void resize(std::size_t n) {
-    void* p = std::realloc(rows, std::max<std::size_t>(n, 1) * sizeof(T));
-    if (p == nullptr) throw std::bad_alloc();
-    rows = static_cast<T*>(p), size = n;
-  }
-};
-
-}  // namespace detail
-
-// The runs of one request: rows [0, size) of a malloc'd table (so a large one can shrink
-// in place).
+// The runs of one request, as groups (run_groups.h): rows [0, size) of a malloc'd table,
+// which goes back to the TablePool when the map is dropped.
 struct Built {
-  detail::Table<ByteRun> runs;
+  detail::Table<RunGroup> groups;
   std::size_t size = 0;
+  std::uint64_t runs = 0;  // the runs the groups hold
   bool walked_in_order = true;  // false: the walk was not in destination order, so runs were sorted
+
+  Built() = default;
+  Built(Built&&) = default;
+  Built& operator=(Built&&) = default;
+  ~Built() { detail::TablePool::instance().put(std::move(groups)); }
 };
 
 namespace detail {
@@ -109,14 +92,16 @@ namespace detail {
 // either side (enter() ends the run where a leaf's tensors differ). A plain value: the
 // walker's loops copy it into a local so the hot path stays in registers (kept in
 // memory, it was reloaded after every store to the output, which may alias it), and
-// the per-emission state is only the run and the output.
+// the per-emission state is only the run and the output. Finished runs go to a Grouper;
+// on the sorting pass (kTrackTensors) to a table of runs with their tensors, to be sorted.
 template <bool kTrackTensors>
 struct Cursor {
-  Table<ByteRun>* table;
-  Table<std::uint64_t>* src_table;  // the sorting pass's tensors per run (kTrackTensors only)
+  Grouper* groups;  // !kTrackTensors only
+  Table<ByteRun>* table;  // kTrackTensors only, with the tensors of each run
+  Table<std::uint64_t>* src_table;
   Table<std::uint64_t>* dst_table;
-  ByteRun* out = table->rows;
-  ByteRun* limit = table->rows + table->size;
+  ByteRun* out = table ? table->rows : nullptr;
+  ByteRun* limit = table ? table->rows + table->size : nullptr;
   // The current run. Empty (len 0), it sits where an emission would have to start to
   // continue it, so that absorbing one gives exactly that emission's run: at (0, 0)
   // after a change of destination tensor (another group, whose order is its own), at
@@ -125,17 +110,23 @@ struct Cursor {
   std::uint64_t src = 0, dst = 0, len = 0;
   std::uint64_t src_tensor = ~std::uint64_t{0}, dst_tensor = ~std::uint64_t{0};
   bool in_order = true;  // each group's runs came in destination order
+  // Finished runs of the current run's length that the current run continues as a row
+  // (row_count of them from (row_src, row_dst) at (row_ss, row_ds)), held back so that
+  // the row goes to the Grouper in one piece with the current run when that finishes
+  // (!kTrackTensors only; 0: none).
+  std::uint64_t row_src = 0, row_dst = 0, row_count = 0, row_ss = 0, row_ds = 0;
 
   std::size_t used() const { return static_cast<std::size_t>(out - table->rows); }
-  void enter(std::uint64_t st, std::uint64_t dt) {
+  [[gnu::always_inline]] void enter(std::uint64_t st, std::uint64_t dt) {
     if (st == src_tensor && dt == dst_tensor) return;
     if (len != 0) flush();
     dst = dt == dst_tensor ? dst + len : 0;
     src = 0, len = 0;
     src_tensor = st, dst_tensor = dt;
   }
-  void emit(std::uint64_t s, std::uint64_t d, std::uint64_t n) {
+  [[gnu::always_inline]] void emit(std::uint64_t s, std::uint64_t d, std::uint64_t n) {
     if (d == dst + len && s == src + len) {
+      if (row_count != 0) spill();  // the current run grows: the row before it is done
       len += n;
       return;
     }
@@ -143,13 +134,68 @@ struct Cursor {
     if (len != 0) flush();
     src = s, dst = d, len = n;
   }
+  // `count` emissions of n bytes, the i-th at (s + i * ss, d + i * ds): exactly what
+  // emitting them one by one gives. Where they neither merge with each other nor come
+  // out of destination order (ds >= n), only the first may merge into the current run
+  // and only the last into the next emission: the runs before the last are held back
+  // as a row.
+  void emit_row(std::uint64_t s, std::uint64_t d, std::uint64_t n, std::uint64_t count, std::uint64_t ss,
+                std::uint64_t ds) {
+    if (ss == n && ds == n) return emit(s, d, n * count);
+    if (kTrackTensors || count < 2 || ds < n) {
+      for (std::uint64_t i = 0; i < count; ++i) emit(s + i * ss, d + i * ds, n);
+      return;
+    }
+    emit(s, d, n);
+    if (src == s && len == n) {  // the first run stands alone: the row starts with it
+      row_src = s, row_dst = d, row_count = count - 1;
+    } else {
+      flush();
+      row_src = s + ss, row_dst = d + ds, row_count = count - 2;
+    }
+    row_ss = ss, row_ds = ds;
+    src = s + (count - 1) * ss, dst = d + (count - 1) * ds, len = n;
+  }
+  // `rows` rows of emit_row(s + r * sr, d + r * dr, ...). Where no row's last run merges
+  // with the next row's first or comes after it in the destination, the rows before the
+  // last go to the Grouper whole and the last is held back as a row.
+  void emit_tile(std::uint64_t s, std::uint64_t d, std::uint64_t n, std::uint64_t count, std::uint64_t ss,
+                 std::uint64_t ds, std::uint64_t rows, std::uint64_t sr, std::uint64_t dr) {
+    const std::uint64_t row_dst_span = (count - 1) * ds + n, row_src_span = (count - 1) * ss + n;
+    if (kTrackTensors || rows < 2 || count < 2 || ds < n || (ss == n && ds == n) || dr < row_dst_span ||
+        (dr == row_dst_span && sr == row_src_span)) {
+      for (std::uint64_t r = 0; r < rows; ++r) emit_row(s + r * sr, d + r * dr, n, count, ss, ds);
+      return;
+    }
+    const std::uint64_t last = rows - 1;
+    emit(s, d, n);
+    if (src == s && len == n) {  // the first run stands alone: rows 0 .. last - 1 are done
+      groups->add_group(RunGroup{s, d, n, count, ss, ds, last, last > 1 ? sr : 0, last > 1 ? dr : 0});
+    } else {
+      flush();
+      groups->add(s + ss, d + ds, n, count - 1, ss, ds);
+      if (last > 1) groups->add_group(RunGroup{s + sr, d + dr, n, count, ss, ds, last - 1, last > 2 ? sr : 0, last > 2 ? dr : 0});
+    }
+    row_src = s + last * sr, row_dst = d + last * dr, row_count = count - 1, row_ss = ss, row_ds = ds;
+    src = row_src + (count - 1) * ss, dst = row_dst + (count - 1) * ds, len = n;
+  }
   void flush() {
-    if (out == limit) out = grow(table, src_table, dst_table, used()), limit = table->rows + table->size;
     if constexpr (kTrackTensors) {
+      if (out == limit) out = grow(table, src_table, dst_table, used()), limit = table->rows + table->size;
       src_table->rows[used()] = src_tensor;
       dst_table->rows[used()] = dst_tensor;
+      *out++ = ByteRun{src, dst, len};
+    } else if (row_count != 0) {
+      groups->add(row_src, row_dst, len, row_count + 1, row_ss, row_ds);
+      row_count = 0;
+    } else {
+      groups->add(src, dst, len, 1, 0, 0);
     }
-    *out++ = ByteRun{src, dst, len};
+  }
+  // The held-back row, without the current run.
+  [[gnu::noinline]] void spill() {
+    if constexpr (!kTrackTensors) groups->add(row_src, row_dst, len, row_count, row_ss, row_ds);
+    row_count = 0;
   }
   void finish() {
     if (len != 0) flush();
@@ -160,10 +206,8 @@ struct Cursor {
                                          Table<std::uint64_t>* dst_tensors, std::size_t n) {
     const std::size_t size = 2 * runs->size + 4096;
     runs->resize(size);
-    if constexpr (kTrackTensors) {
-      src_tensors->resize(size);
-      dst_tensors->resize(size);
-    }
+    src_tensors->resize(size);
+    dst_tensors->resize(size);
     return runs->rows + n;
   }
 };
@@ -174,6 +218,7 @@ struct At {
   std::uint64_t src, dst;  // the slab's bases at this head
   const std::uint64_t* src_tok;  // (block, slot) offset of each token on each side
   const std::uint64_t* dst_tok;
+  std::uint64_t src_slot, dst_slot;  // bytes from one slot to the next within a block
 };
 
 template <bool kTrackTensors>
@@ -203,23 +248,36 @@ class Walker {
 
  private:
   // The slab at head h, the cursor entering its tensors.
-  At at(Cursor<kTrackTensors>& c, std::int64_t h) const {
+  [[gnu::always_inline]] At at(Cursor<kTrackTensors>& c, std::int64_t h) const {
     const Slab& s = *slab_;
     c.enter(s.src_tensor, s.dst_tensor);
     return At{s.src_base + static_cast<std::uint64_t>(h) * s.src_head_stride,
               s.dst_base + static_cast<std::uint64_t>(h) * s.dst_head_stride,
-              src_tok_.data() + s.src_class * q_.tokens, dst_tok_.data() + s.dst_class * q_.tokens};
+              src_tok_.data() + s.src_class * q_.tokens, dst_tok_.data() + s.dst_class * q_.tokens,
+              q_.src_classes[s.src_class].slot, q_.dst_classes[s.dst_class].slot};
   }
-  static void emit(Cursor<kTrackTensors>& c, const At& a, std::int64_t p, std::uint64_t n) {
+  // The tokens [p, stop) of this destination block that lie in one source block, for
+  // each such segment in order (the first source block boundary after the block's first
+  // token is boundary_, then one every source block).
+  template <class Body>
+  [[gnu::always_inline]] void for_segments(Body body) const {
+    const std::int64_t first = position_ * q_.dst_block_size, end = first + slots(), step = q_.src_block_size;
+    std::int64_t stop = std::min(end, boundary_[position_]);
+    for (std::int64_t p = first; p < end; stop = std::min(end, stop + step)) {
+      body(p, stop);
+      p = stop;
+    }
+  }
+  [[gnu::always_inline]] static void emit(Cursor<kTrackTensors>& c, const At& a, std::int64_t p, std::uint64_t n) {
     c.emit(a.src + a.src_tok[p], a.dst + a.dst_tok[p], n);
   }
   std::int64_t slots() const { return std::min(q_.dst_block_size, q_.tokens - position_ * q_.dst_block_size); }
 
   // Level d and those inside it make their emissions without another call to level():
-  // the innermost level, levels folded into one emission, or a slot level with only a
-  // folded head level inside.
+  // the innermost level, levels folded into one emission, a slot level with only a
+  // folded head level inside, or tiled slot and head levels.
   bool leaf(int d) const {
-    if (d == 4 || (slab_set_ && d >= 4 - static_cast<int>(slab_->tail))) return true;
+    if (d == 4 || (slab_set_ && d >= 4 - static_cast<int>(slab_->tail)) || tiled(d)) return true;
     if (d == 3) return q_.order[3] != kSlab;  // an innermost slot or head level
     return d == 2 && q_.order[2] == kSlot && q_.order[3] == kHead && slab_set_ && slab_->tail >= 1;
   }
@@ -228,23 +286,43 @@ class Walker {
   // leaves keeps one cursor in registers throughout).
   [[gnu::always_inline]] void emit_leaf(int d, Cursor<kTrackTensors>& c) const {
     if (d == 4) return emit(c, at(c, head_), token_, slab_->width);
+    if (tiled(d)) return emit_tiles(c);
     if (slab_set_ && d >= 4 - static_cast<int>(slab_->tail)) return folded(d, c);
     const std::uint64_t width = slab_->width;
     if (q_.order[d] == kSlot) {  // innermost, or only a folded head inside: no call per slot
       const bool head_folded = d == 2;
       const At a = at(c, head_folded ? 0 : head_);
       const std::uint64_t unit = width * static_cast<std::uint64_t>(head_folded ? q_.heads : 1);
-      const std::int64_t first = position_ * q_.dst_block_size, end = first + slots();
-      for (std::int64_t p = first; p < end; ++p) emit(c, a, p, unit);
+      for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
+        c.emit_row(a.src + a.src_tok[p], a.dst + a.dst_tok[p], unit, static_cast<std::uint64_t>(stop - p), a.src_slot,
+                   a.dst_slot);
+      });
       return;
     }
     const At a = at(c, 0);  // an innermost head level
-    const std::uint64_t src_step = slab_->src_head_stride, dst_step = slab_->dst_head_stride;
-    const std::uint64_t s0 = a.src + a.src_tok[token_], d0 = a.dst + a.dst_tok[token_];
-    for (std::int64_t h = 0; h < q_.heads; ++h) {
-      const auto k = static_cast<std::uint64_t>(h);
-      c.emit(s0 + k * src_step, d0 + k * dst_step, width);
-    }
+    c.emit_row(a.src + a.src_tok[token_], a.dst + a.dst_tok[token_], width, static_cast<std::uint64_t>(q_.heads),
+               slab_->src_head_stride, slab_->dst_head_stride);
+  }
+
+  // Levels 2 and 3 (slot and head, either way round, neither folded) as tiles: per
+  // segment of the block's tokens in one source block, the inner level's emissions are
+  // a row, the outer level's steps its rows.
+  bool tiled(int d) const {
+    const int inner = q_.order[2] | q_.order[3] << 2;
+    return d == 2 && slab_set_ && (inner == (kSlot | kHead << 2) || inner == (kHead | kSlot << 2)) &&
+           slab_->tail == 0;
+  }
+  [[gnu::always_inline]] void emit_tiles(Cursor<kTrackTensors>& c) const {
+    const At a = at(c, 0);
+    const std::uint64_t width = slab_->width, heads = static_cast<std::uint64_t>(q_.heads);
+    const std::uint64_t sh = slab_->src_head_stride, dh = slab_->dst_head_stride;
+    for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
+      const std::uint64_t s = a.src + a.src_tok[p], d = a.dst + a.dst_tok[p], n = static_cast<std::uint64_t>(stop - p);
+      if (q_.order[2] == kHead)  // heads outside slots: the segment's slots are a row, one per head
+        c.emit_tile(s, d, width, n, a.src_slot, a.dst_slot, heads, sh, dh);
+      else
+        c.emit_tile(s, d, width, heads, sh, dh, n, a.src_slot, a.dst_slot);
+    });
   }
 
   // Levels d..3 fold into emissions: the slot level (if folded) by segments of tokens that
@@ -269,12 +347,7 @@ class Walker {
 
   [[gnu::always_inline]] void segments(std::int64_t h, std::uint64_t unit, Cursor<kTrackTensors>& c) const {
     const At a = at(c, h);
-    const std::int64_t first = position_ * q_.dst_block_size, end = first + slots(), step = q_.src_block_size;
-    std::int64_t stop = std::min(end, boundary_[position_]);
-    for (std::int64_t p = first; p < end; stop = std::min(end, stop + step)) {
-      emit(c, a, p, unit * static_cast<std::uint64_t>(stop - p));
-      p = stop;
-    }
+    for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) { emit(c, a, p, unit * static_cast<std::uint64_t>(stop - p)); });
   }
 
   // Runs `body(index)` over a loop level; where the level inside is a leaf, the loop's
@@ -374,13 +447,26 @@ inline std::size_t emissions_bound(const Request& q) {
 
 }  // namespace detail
 
-inline constexpr std::size_t kScratchBytes = std::size_t{1} << 20;  // walks up to this size use the scratch
+namespace detail {
 
-// The runs of one request. `force_sort` takes the sorting path even when the walk is in
-// destination order (tests hold both paths to the same answer).
-inline Built build_runs(const Request& q, bool force_sort = false) {
+// The map of the groups in `table`: its table, shrunk to fit unless nearly full (a map
+// held for long keeps no more than it needs).
+inline Built take(Table<RunGroup>&& table, std::size_t n, bool walked_in_order) {
+  if (table.size > n + n / 4 + 64) table.resize(n);
   Built out;
-  if (q.tokens <= 0 || q.heads <= 0 || q.num_groups <= 0) return out;
+  out.groups = std::move(table);
+  out.walked_in_order = walked_in_order;
+  out.size = n;
+  for (std::size_t i = 0; i < n; ++i) out.runs += out.groups.rows[i].runs();
+  return out;
+}
+
+}  // namespace detail
+
+// The runs of one request, as groups. `force_sort` takes the sorting path even when the
+// walk is in destination order (tests hold both paths to the same answer).
+inline Built build_groups(const Request& q, bool force_sort = false) {
+  if (q.tokens <= 0 || q.heads <= 0 || q.num_groups <= 0) return Built{};
   const std::int64_t dst_positions = (q.tokens + q.dst_block_size - 1) / q.dst_block_size;
   std::vector<std::int64_t> positions(static_cast<std::size_t>(dst_positions));
   std::iota(positions.begin(), positions.end(), 0);
@@ -390,61 +476,46 @@ inline Built build_runs(const Request& q, bool force_sort = false) {
       detail::token_offsets(q.src_blocks, q.src_block_size, q.src_classes, q.num_src_classes, q.tokens);
   const auto dst_tok =
       detail::token_offsets(q.dst_blocks, q.dst_block_size, q.dst_classes, q.num_dst_classes, q.tokens);
-  const std::size_t bound = detail::emissions_bound(q);
+  detail::Table<RunGroup> table = detail::TablePool::instance().take();
   if (!force_sort) {
-    // A small map's walk writes into a table this thread keeps between calls (a fresh
-    // allocation of a few hundred KiB is a fresh mapping whose page faults cost more than
-    // the walk) and the map gets an exact copy; a large one is written in place and
-    // shrunk to its size (copying it would double the memory traffic, which is what
-    // bounds a large walk).
-    thread_local detail::Table<ByteRun> scratch;
-    detail::Table<ByteRun> fresh;
-    const bool small = bound * sizeof(ByteRun) <= kScratchBytes;
-    detail::Table<ByteRun>& table = small ? scratch : fresh;
-    if (table.size < bound) table.resize(bound);
-    const auto end = detail::Walker<false>(q, positions, src_tok, dst_tok, {&table, nullptr, nullptr}).run();
-    const std::size_t n = end.used();
+    Grouper groups(&table);
+    const auto end =
+        detail::Walker<false>(q, positions, src_tok, dst_tok, {&groups, nullptr, nullptr, nullptr}).run();
     if (end.in_order) {
-      if (small) {
-        out.runs.resize(n);
-        std::copy(table.rows, table.rows + n, out.runs.rows);
-      } else {
-        if (table.size > 2 * n + 4096) table.resize(n);  // merges left it sparse: give the rest back
-        out.runs = std::move(table);
-      }
-      out.size = n;
-      return out;
+      groups.finish();
+      return detail::take(std::move(table), groups.used(), true);
     }
   }
-  // The sorting path: the same walk, its runs sorted by destination and merged again.
+  // The sorting path: the same walk as runs with their tensors, sorted by destination
+  // and merged again.
+  const std::size_t bound = detail::emissions_bound(q);
   detail::Table<ByteRun> runs;
   detail::Table<std::uint64_t> src_tensor, dst_tensor;
   for (auto* t : {&src_tensor, &dst_tensor}) t->resize(bound);
   runs.resize(bound);
-  const auto end = detail::Walker<true>(q, positions, src_tok, dst_tok, {&runs, &src_tensor, &dst_tensor}).run();
-  const std::size_t walked = end.used();
-  std::vector<std::size_t> idx(walked);
+  const auto end =
+      detail::Walker<true>(q, positions, src_tok, dst_tok, {nullptr, &runs, &src_tensor, &dst_tensor}).run();
+  std::vector<std::size_t> idx(end.used());
   std::iota(idx.begin(), idx.end(), 0);
   const ByteRun* r0 = runs.rows;
   std::sort(idx.begin(), idx.end(), [&](std::size_t a, std::size_t b) { return r0[a].dst < r0[b].dst; });
-  out.walked_in_order = false;
-  out.runs.resize(walked);
-  std::size_t last = 0, n = 0;
+  Grouper groups(&table);
+  ByteRun run{};
+  std::size_t last = 0;
   for (std::size_t k = 0; k < idx.size(); ++k) {
     const ByteRun& r = r0[idx[k]];
-    if (k > 0) {
-      ByteRun& prev = out.runs.rows[n - 1];
-      if (dst_tensor.rows[idx[k]] == dst_tensor.rows[last] && src_tensor.rows[idx[k]] == src_tensor.rows[last] &&
-          prev.dst + prev.len == r.dst && prev.src + prev.len == r.src) {
-        prev.len += r.len;
-        continue;
-      }
+    if (k > 0 && dst_tensor.rows[idx[k]] == dst_tensor.rows[last] && src_tensor.rows[idx[k]] == src_tensor.rows[last] &&
+        run.dst + run.len == r.dst && run.src + run.len == r.src) {
+      run.len += r.len;
+      continue;
     }
-    out.runs.rows[n++] = r;
+    if (k > 0) groups.add(run.src, run.dst, run.len, 1, 0, 0);
+    run = r;
     last = idx[k];
   }
-  out.size = n;
-  return out;
+  if (!idx.empty()) groups.add(run.src, run.dst, run.len, 1, 0, 0);
+  groups.finish();
+  return detail::take(std::move(table), groups.used(), false);
 }
 
 // -- validation ------------------------------------------------------------------------
@@ -555,6 +626,34 @@ inline Verdict validate_runs(const ByteRun* runs, std::size_t n, const std::vect
   return v;
 }
 
+// validate_runs over a map's groups: every run inside one tensor's blocks on each side,
+// read back a buffer at a time. A map whose runs do not come in destination order, or
+// whose sides share memory, is read back whole and checked by validate_runs.
+inline Verdict validate_groups(const RunGroup* groups, std::size_t n, const std::vector<Span>& src,
+                               const std::vector<Span>& dst) {
+  constexpr std::size_t kChunk = 1024;
+  ByteRun buf[kChunk];
+  GroupReader reader(groups, n);
+  std::size_t src_hint = 0, dst_hint = 0, at = 0, total = 0;
+  bool dst_sorted = true;
+  ByteRun prev{0, 0, 0};
+  for (std::size_t k; (k = reader.read(buf, kChunk)) != 0; total += k) {
+    for (std::size_t i = 0; i < k; ++i, ++at) {
+      const ByteRun& r = buf[i];
+      const auto run = static_cast<std::int64_t>(at);
+      if (r.len == 0) return {Problem::kEmpty, run, -1};
+      if (!detail::inside(src, r.src, r.len, src_hint)) return {Problem::kSrcOutside, run, -1};
+      if (!detail::inside(dst, r.dst, r.len, dst_hint)) return {Problem::kDstOutside, run, -1};
+      if (at > 0 && r.dst < prev.dst + prev.len) dst_sorted = false;
+      prev = r;
+    }
+  }
+  if (dst_sorted && !detail::spans_meet(src, dst)) return {};
+  std::vector<ByteRun> all(total);
+  GroupReader(groups, n).read(all.data(), total);
+  return validate_runs(all.data(), total, src, dst);
+}
+
 // -- copying ---------------------------------------------------------------------------
 
 // Copies runs on up to `threads` threads of the pool, each a contiguous share of the bytes
@@ -586,6 +685,42 @@ int copy_runs(const ByteRun* runs, std::size_t n, int threads, std::uint64_t min
     if (b > a) copy(runs + a, b - a);
     const ByteRun tail = piece(b);
     copy(&tail, 1);
+  });
+}
+
+// copy_runs over a map's groups: each thread reads its share of the runs back a buffer at
+// a time (the first and last cut to the share) and copies them.
+template <class CopyRuns>
+int copy_groups(const RunGroup* groups, std::size_t n, int threads, std::uint64_t min_bytes_per_thread,
+                CopyRuns copy) {
+  if (n == 0) return 0;
+  std::vector<std::uint64_t> ends(n);
+  std::uint64_t total = 0;
+  for (std::size_t i = 0; i < n; ++i) ends[i] = total += groups[i].bytes();
+  if (total == 0) return 0;
+  const std::uint64_t by_bytes = std::max<std::uint64_t>(1, total / std::max<std::uint64_t>(min_bytes_per_thread, 1));
+  const int wanted = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(threads, 1)), by_bytes));
+  return transfer::WorkerPool::instance().run(wanted, [&](int part, int parts) {
+    const std::uint64_t lo = total / parts * part + std::min<std::uint64_t>(part, total % parts);
+    const std::uint64_t hi = lo + total / parts + (static_cast<std::uint64_t>(part) < total % parts ? 1 : 0);
+    if (lo >= hi) return;
+    const auto a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+    const std::uint64_t into = lo - (ends[a] - groups[a].bytes());
+    GroupReader reader(groups, n);
+    reader.seek(a, into / groups[a].len);
+    std::uint64_t cut = into % groups[a].len, left = hi - lo;
+    constexpr std::size_t kChunk = 1024;
+    ByteRun buf[kChunk];
+    while (left != 0) {
+      std::size_t k = reader.read(buf, kChunk), i = 0;
+      if (k == 0) return;
+      buf[0].src += cut, buf[0].dst += cut, buf[0].len -= cut, cut = 0;
+      for (; i < k && left != 0; ++i) {
+        buf[i].len = std::min(buf[i].len, left);
+        left -= buf[i].len;
+      }
+      copy(buf, i);
+    }
   });
 }
 

@@ -567,6 +567,9 @@ class BlockMap:
 
     ``runs`` is an ``(N, 3)`` uint64 array (source address, destination address, length),
     in destination order; ``kind`` says what differs between the sides and ``reason`` how.
+    The map holds its runs as groups (rows of runs at one step, rows at one step:
+    ``csrc/run_groups.h``), so building it writes little; ``copy()`` reads them back a
+    buffer at a time, and ``runs`` expands them on first use.
     """
 
     def __init__(
@@ -576,7 +579,7 @@ class BlockMap:
         self.heads = pair.heads
         self.num_tokens = num_tokens
         self._pair, self._ids = pair, ids
-        self.runs = self._build(force_sort=False)
+        self._groups, self._num_runs = self._build_groups(force_sort=False)
 
     @functools.cached_property
     def _kind_and_reason(self) -> tuple[str, str]:
@@ -595,25 +598,34 @@ class BlockMap:
         """The kind, with the numbers: which heads, which block sizes, which orders."""
         return self._kind_and_reason[1]
 
-    def _build(self, force_sort: bool) -> np.ndarray:
-        """The runs from the native builder; ``force_sort`` takes its sorting path (tests
-        hold both paths to one answer)."""
+    def _build_groups(self, force_sort: bool) -> tuple[np.ndarray, int]:
+        """The groups from the native builder and the runs they hold; ``force_sort`` takes
+        its sorting path (tests hold both paths to one answer)."""
         p, (src_ids, dst_ids) = self._pair, self._ids
-        runs, _ = _native.build_runs(
+        groups, num_runs, _ = _native.build_groups(
             p.slabs, p.group_starts, p.order, len(p.heads), self.num_tokens,
             src_ids, self.src.block_size, dst_ids, self.dst.block_size, p.src_classes, p.dst_classes,
             force_sort,
         )  # fmt: skip
-        runs.setflags(write=False)
-        return np.asarray(runs)
+        groups.setflags(write=False)
+        return groups, int(num_runs)
+
+    def _build(self, force_sort: bool) -> np.ndarray:
+        """The runs of one of the builder's paths, expanded."""
+        return _expand(self._build_groups(force_sort)[0])
+
+    @functools.cached_property
+    def runs(self) -> np.ndarray:
+        return _expand(self._groups)
 
     @property
     def num_runs(self) -> int:
-        return int(self.runs.shape[0])
+        return self._num_runs
 
     @functools.cached_property
     def num_bytes(self) -> int:
-        return int(self.runs[:, 2].sum()) if self.num_runs else 0
+        g = self._groups
+        return int((g[:, 2] * g[:, 3] * g[:, 6]).sum()) if len(g) else 0
 
     def __repr__(self) -> str:
         return (
@@ -640,10 +652,12 @@ class BlockMap:
                 "moves bytes within one device"
             )
         if self.src.device[0] == "cpu":
-            problem, run, other, used = _native.copy_runs(self.runs, self.src.spans, self.dst.spans, threads)
+            problem, run, other, used = _native.copy_groups(
+                self._groups, self.src.spans, self.dst.spans, threads
+            )
             self._raise(problem, run, other)
             return int(used)
-        self._raise(*_native.validate_runs(self.runs, self.src.spans, self.dst.spans))
+        self._raise(*_native.validate_groups(self._groups, self.src.spans, self.dst.spans))
         from kvlayout.transfer.cuda import copy_runs  # imports kvlayout._cuda only when called
 
         copy_runs(self.runs, torch.device(_device_name(self.src.device)))
@@ -662,6 +676,12 @@ class BlockMap:
                 f"{why}; nothing "
                 "was copied"
             )
+
+
+def _expand(groups: np.ndarray) -> np.ndarray:
+    runs = _native.expand_groups(groups)
+    runs.setflags(write=False)
+    return np.asarray(runs)
 
 
 def _device_name(device: tuple[str, int | None]) -> str:
@@ -796,5 +816,5 @@ def block_map(
         )
     result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens)
     if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
-        result._raise(*_native.validate_runs(result.runs, a.spans, b.spans))
+        result._raise(*_native.validate_groups(result._groups, a.spans, b.spans))
     return result

@@ -1,0 +1,139 @@
+"""Run groups (``csrc/run_groups.h``): how a block map holds its runs.
+
+The builder hands finished runs to a Grouper as single runs, rows and tiles; the map
+keeps the groups, and every consumer reads the runs back. What a user relies on: the
+runs read back are exactly the runs given, in order, however they were grouped; the
+regular maps (permuted, re-sharded) are a few groups per block, not one row per run;
+and the copy and the validation over groups give what they give over the runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlayout import EngineKVFormat as F
+from kvlayout import _native
+from kvlayout.transfer import block_map
+from tests.transfer.test_block_maps import vllm
+
+
+@st.composite
+def run_lists(draw: st.DrawFn) -> np.ndarray:
+    """Runs as a builder makes them: stretches of rows at one step, tiles of rows at one
+    step, single runs, one after another (steps may be negative; addresses wrap)."""
+    out: list[tuple[int, int, int]] = []
+    for _ in range(draw(st.integers(1, 6))):
+        s, d = draw(st.integers(0, 2**40)), draw(st.integers(0, 2**40))
+        n = draw(st.sampled_from([1, 8, 256, 1000]))
+        count, rows = draw(st.integers(1, 7)), draw(st.integers(1, 5))
+        ss, ds = draw(st.sampled_from([n, 2 * n, -3 * n, 4096])), draw(st.sampled_from([n, 3 * n, 4096]))
+        sr, dr = draw(st.sampled_from([0, 64, 65536])), draw(st.sampled_from([0, 7 * n, 65536]))
+        for r in range(rows):
+            for i in range(count):
+                out.append(((s + r * sr + i * ss) % 2**64, (d + r * dr + i * ds) % 2**64, n))
+    return np.array(out, dtype=np.uint64).reshape(-1, 3)
+
+
+@settings(max_examples=300, deadline=None)
+@given(run_lists())
+def test_groups_read_back_as_the_runs_given(runs: np.ndarray) -> None:
+    groups = _native.group_runs(runs)
+    assert np.array_equal(_native.expand_groups(groups), runs)
+    assert 1 <= len(groups) <= len(runs)
+
+
+def test_a_tile_given_run_by_run_is_one_group() -> None:
+    """8 rows (heads) of 16 runs (slots): one group, its steps from the runs."""
+    runs = [(1000 + h * 256 + t * 2048, 50000 + h * 4096 + t * 256, 256) for h in range(8) for t in range(16)]
+    groups = _native.group_runs(np.array(runs, dtype=np.uint64))
+    assert groups.tolist() == [[1000, 50000, 256, 16, 2048, 256, 8, 256, 4096]]
+
+
+def test_a_table_of_groups_from_python_is_checked() -> None:
+    """A group with no runs (or runs beyond 2^40) is a ValueError, not a runaway read."""
+    for bad in (
+        [0, 0, 8, 0, 0, 0, 1, 0, 0],
+        [0, 0, 8, 1, 0, 0, 0, 0, 0],
+        [0, 0, 8, 2**30, 0, 0, 2**30, 0, 0],
+    ):
+        with pytest.raises(ValueError, match="each group needs rows and runs"):
+            _native.expand_groups(np.array([bad], dtype=np.uint64))
+
+
+NHD, HND = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS
+SHAPES = {NHD: (2, 12, 16, 4, 8), HND: (2, 12, 4, 16, 8)}  # 12 blocks of 16 tokens, 4 heads of 8
+
+
+def _one_tile_per_block(src_fmt: F, dst_fmt: F) -> None:
+    src = vllm(*SHAPES[src_fmt], fmt=src_fmt)
+    dst = vllm(*SHAPES[dst_fmt], fmt=dst_fmt)
+    torch.nn.init.normal_(src.kv[0])
+    torch.nn.init.normal_(src.kv[1])
+    m = block_map(src, dst, [9, 1, 5, 3], [7, 2, 11, 4])  # no two blocks consecutive on either side
+    slabs = 2 * 2  # layers x K/V
+    assert m.num_runs == slabs * 4 * 4 * 16  # a run per (slab, block, head, slot)
+    assert len(m._groups) == slabs * 4  # a tile per (slab, block)
+    m.copy()
+    assert np.array_equal(m.runs, m._build(force_sort=True))  # the sorting path reads back alike
+    for s, d, n in m.runs.tolist():
+        assert ctypes.string_at(s, n) == ctypes.string_at(d, n)
+
+
+def test_a_permuted_map_is_a_tile_per_block() -> None:
+    _one_tile_per_block(NHD, HND)
+    _one_tile_per_block(HND, NHD)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 300), st.integers(1, 6), st.integers(1, 4)), min_size=1, max_size=12),
+    st.integers(1, 4),
+    st.randoms(use_true_random=False),
+)
+def test_copy_over_groups_splits_by_bytes_over_threads(
+    pieces: list[tuple[int, int, int]], threads: int, rnd: random.Random
+) -> None:
+    """Rows of runs gathered from a strided source into shuffled destination places: each
+    thread copies its share of the bytes read back from the groups, cutting runs (and
+    groups) at its edges; the result is the runs' copy."""
+    total = sum(n * c * r for n, c, r in pieces)
+    src = np.frombuffer(rnd.randbytes(4 * total + 64), dtype=np.uint8).copy()
+    dst = np.zeros(2 * total + 64, dtype=np.uint8)
+    order = list(range(len(pieces)))
+    rnd.shuffle(order)
+    sizes = [pieces[i][0] * pieces[i][1] * pieces[i][2] for i in order]
+    place = dict(zip(order, np.cumsum([0, *[2 * z for z in sizes]]).tolist(), strict=False))
+    runs, at = [], 0
+    for i, (n, count, rows) in enumerate(pieces):
+        for r in range(rows):  # rows 3 runs apart in the source, runs 2 apart: strided, never merging
+            for k in range(count):
+                runs.append(
+                    (
+                        src.ctypes.data + at + (r * count + k) * 2 * n,
+                        dst.ctypes.data + place[i] + (r * count + k) * n,
+                        n,
+                    )
+                )
+        at += 2 * n * count * rows
+    table = np.array(runs, dtype=np.uint64)
+    groups = _native.group_runs(table)
+
+    def spans(a: np.ndarray) -> np.ndarray:
+        return np.array([[a.ctypes.data, a.nbytes, a.nbytes, 1]], dtype=np.uint64)
+
+    assert _native.validate_groups(groups, spans(src), spans(dst)) == (0, -1, -1)
+    problem, _, _, used = _native.copy_groups(groups, spans(src), spans(dst), threads, 1)
+    assert problem == 0 and 1 <= used <= threads
+    want = np.zeros_like(dst)
+    for s, d, n in table.tolist():
+        want[d - dst.ctypes.data : d - dst.ctypes.data + n] = src[
+            s - src.ctypes.data : s - src.ctypes.data + n
+        ]
+    assert np.array_equal(dst, want)
