@@ -3,10 +3,10 @@
 A Llama-3-8B-like model (32 layers, 8 KV heads of 128, bf16), one 1024-token request,
 its block ids scattered over a pool twice its size or consecutive, between two CPU
 caches for each scenario below; an MLA model (61 layers, a 576-wide latent) for the last.
-Each row prints the map's runs, bytes and mean run, the time to build the map (the
-request's part: the sides and the pair are prepared once, like a transfer plan) beside
-one detection of the destination registration, and ``copy()`` bandwidth beside, on the
-same run list and thread count:
+Each row prints the map's runs (and the groups it holds them in), bytes and mean run,
+the time to build the map (the request's part: the sides and the pair are prepared once,
+like a transfer plan) beside one detection of the destination registration, and
+``copy()`` bandwidth beside, on the same run list and thread count:
   - C copy: plain C that copies the same runs, one ``memcpy`` each, split over threads by
     bytes as ours is (compiled here with the system C compiler);
   - flat stream: ``kvlayout._native.flat_stream`` of the same number of bytes from one
@@ -216,8 +216,8 @@ def measure(
         cells.append(f"{m.num_bytes / ours / 1e9:>7.2f}{c / ours:>6.2f}x{flat / ours:>6.2f}x")
     mean_kib = m.num_bytes / max(m.num_runs, 1) / 1024
     return (
-        f"{m.num_runs:>8}{m.num_bytes / 2**20:>8.1f}{mean_kib:>9.2f}{build_us:>9.1f}{detect_us:>9.1f}"
-        f"{build_us / detect_us:>7.2f}x" + "".join(cells)
+        f"{m.num_runs:>8}{m.num_groups:>8}{m.num_bytes / 2**20:>8.1f}{mean_kib:>9.2f}"
+        f"{build_us:>9.1f}{detect_us:>9.1f}{build_us / detect_us:>7.2f}x" + "".join(cells)
     )
 
 
@@ -289,6 +289,7 @@ def mechanism_rows(label: str, fmt: Any, kv: Any, repeats: int, rng: random.Rand
             m.copy()
 
     runs = sum(m.num_runs for m in maps(True))
+    groups = sum(m.num_groups for m in maps(True))
     build = best_us(lambda: maps(True), 3, repeats)
     rows = []
     for direction, plan_move, map_move in (
@@ -297,7 +298,7 @@ def mechanism_rows(label: str, fmt: Any, kv: Any, repeats: int, rng: random.Rand
     ):
         ours, mapped = race([plan_move, map_move], repeats)
         rows.append(
-            f"{label:<20}{direction:<7}{runs:>9}{build:>11.0f}{nbytes / ours / 1e9:>11.2f}"
+            f"{label:<20}{direction:<7}{runs:>9}{groups:>8}{build:>11.0f}{nbytes / ours / 1e9:>11.2f}"
             f"{nbytes / mapped / 1e9:>11.2f}{ours / mapped:>9.2f}x"
         )
     return rows
@@ -315,8 +316,8 @@ def main() -> None:
     print()
     head = "".join(f"{f'copy {n}thr GB/s':>13}{'vs C':>7}{'vs flat':>7}" for n in threads)
     header = (
-        f"{'scenario':<17}{'block ids':<12}{'runs':>8}{'MiB':>8}{'mean KiB':>9}{'build us':>9}{'detect':>9}"
-        f"{'b/det':>8}{head}"
+        f"{'scenario':<17}{'block ids':<12}{'runs':>8}{'groups':>8}{'MiB':>8}{'mean KiB':>9}{'build us':>9}"
+        f"{'detect':>9}{'b/det':>8}{head}"
     )
     print(header)
     print("-" * len(header))
@@ -339,7 +340,14 @@ def main() -> None:
         "1 thread: the prepared plan (store_blocks/load_blocks) beside block maps to and from each chunk "
         "(built per call, then copied)"
     )
-    columns = ("runs", 9), ("build us", 11), ("plan GB/s", 11), ("maps GB/s", 11), ("maps/plan", 10)
+    columns = (
+        ("runs", 9),
+        ("groups", 8),
+        ("build us", 11),
+        ("plan GB/s", 11),
+        ("maps GB/s", 11),
+        ("maps/plan", 10),
+    )
     header = f"{'format':<20}{'dir':<7}" + "".join(f"{name:>{width}}" for name, width in columns)
     print(header)
     print("-" * len(header))

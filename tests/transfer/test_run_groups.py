@@ -79,7 +79,7 @@ def _one_tile_per_block(src_fmt: F, dst_fmt: F) -> None:
     m = block_map(src, dst, [9, 1, 5, 3], [7, 2, 11, 4])  # no two blocks consecutive on either side
     slabs = 2 * 2  # layers x K/V
     assert m.num_runs == slabs * 4 * 4 * 16  # a run per (slab, block, head, slot)
-    assert len(m._groups) == slabs * 4  # a tile per (slab, block)
+    assert m.num_groups == slabs * 4  # a tile per (slab, block)
     m.copy()
     assert np.array_equal(m.runs, m._build(force_sort=True))  # the sorting path reads back alike
     for s, d, n in m.runs.tolist():

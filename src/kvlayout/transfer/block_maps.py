@@ -622,6 +622,12 @@ class BlockMap:
     def num_runs(self) -> int:
         return self._num_runs
 
+    @property
+    def num_groups(self) -> int:
+        """How many groups the map holds its runs in (at most ``num_runs``): how compact
+        it is."""
+        return len(self._groups)
+
     @functools.cached_property
     def num_bytes(self) -> int:
         g = self._groups
