@@ -36,6 +36,14 @@ def test_golden_groups_with_two_formats() -> None:
     assert formats == [F.NL_X_TWO_NB_NH_BS_HS] * 3 + [F.NL_X_NB_BS_HS] * 2
 
 
+def test_layers_of_another_rank_are_not_read_as_the_first() -> None:
+    """An MHA layer and an MLA layer of the same bytes in memory (every dim but one of
+    size 1): each keeps its own rank's format (the first was applied to both)."""
+    kv = [t(2, 1, 1, 1, 1), t(1, 1, 2)]
+    _, formats = per_layer(kv, [[0, 1]], "vllm", {"kv_layout": "NHD"})
+    assert formats == [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_BS_HS]
+
+
 def test_golden_rank4_fused_groups_of_different_widths() -> None:
     """LMCache #4263: whole detection applied the first tensor's width to every layer."""
     kv = [t(7, 3, 2, 8) for _ in range(3)] + [t(7, 3, 2, 16) for _ in range(2)]

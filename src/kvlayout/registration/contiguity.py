@@ -67,8 +67,8 @@ def attempt_permute_to_contiguous_view(
 
 def align_unit_dims(entries: Sequence[Any]) -> list[Any]:
     """A list's entries, physically ordered, each tensor re-viewed with the shape of the
-    first tensor in the same place of an earlier entry that has the same memory layout
-    (dtype, and size and stride of every dim longer than 1): its size-1 dims then sit
+    first tensor in the same place of an earlier entry that has the same rank and memory
+    layout (dtype, and size and stride of every dim longer than 1): its size-1 dims then sit
     where that one's do, so layers laid out alike read alike, as the first reads. A
     size-1 dim addresses nothing, so the view addresses exactly the same elements."""
     seen: dict[Path, list[torch.Tensor]] = {}
@@ -81,8 +81,8 @@ def align_unit_dims(entries: Sequence[Any]) -> list[Any]:
                 return t  # the common case: laid out and shaped alike
         if t.numel() != 0:
             layout = _long_dims(t)
-            for ref in earlier:
-                if ref.dtype == t.dtype and _long_dims(ref) == layout:
+            for ref in earlier:  # of the same rank: another rank is another format (MHA, MLA)
+                if ref.dtype == t.dtype and ref.dim() == t.dim() and _long_dims(ref) == layout:
                     return t.as_strided(ref.shape, ref.stride(), t.storage_offset())
         earlier.append(t)
         return t
