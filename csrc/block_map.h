@@ -626,32 +626,65 @@ inline Verdict validate_runs(const ByteRun* runs, std::size_t n, const std::vect
   return v;
 }
 
-// validate_runs over a map's groups: every run inside one tensor's blocks on each side,
-// read back a buffer at a time. A map whose runs do not come in destination order, or
-// whose sides share memory, is read back whole and checked by validate_runs.
+namespace detail {
+
+// Whether every run of a group lies in one block of one span, on a side where the group's
+// steps never go back (so its runs lie between its first run and its last): the first
+// and the last in the same block.
+inline bool group_inside(const std::vector<Span>& spans, std::uint64_t first, std::uint64_t last, std::uint64_t len,
+                         std::size_t& hint) {
+  if (!inside(spans, first, len, hint)) return false;
+  const Span& s = spans[hint];
+  return s.holds(last, len) && (first - s.start) / s.period == (last - s.start) / s.period;
+}
+
+inline bool forward(std::uint64_t step) { return static_cast<std::int64_t>(step) >= 0; }
+
+}  // namespace detail
+
+// validate_runs over a map's groups: every run inside one tensor's blocks on each side. A
+// group whose steps go forward on both sides and whose runs come in destination order is
+// checked whole (its first and last runs in one block on each side); any other is read
+// back a buffer at a time and checked run by run. A map whose runs do not come in
+// destination order, or whose sides share memory, is read back whole and checked by
+// validate_runs.
 inline Verdict validate_groups(const RunGroup* groups, std::size_t n, const std::vector<Span>& src,
                                const std::vector<Span>& dst) {
   constexpr std::size_t kChunk = 1024;
   ByteRun buf[kChunk];
-  GroupReader reader(groups, n);
-  std::size_t src_hint = 0, dst_hint = 0, at = 0, total = 0;
+  std::size_t src_hint = 0, dst_hint = 0;
+  std::uint64_t at = 0, prev_end = 0;
   bool dst_sorted = true;
-  ByteRun prev{0, 0, 0};
-  for (std::size_t k; (k = reader.read(buf, kChunk)) != 0; total += k) {
-    for (std::size_t i = 0; i < k; ++i, ++at) {
-      const ByteRun& r = buf[i];
-      const auto run = static_cast<std::int64_t>(at);
-      if (r.len == 0) return {Problem::kEmpty, run, -1};
-      if (!detail::inside(src, r.src, r.len, src_hint)) return {Problem::kSrcOutside, run, -1};
-      if (!detail::inside(dst, r.dst, r.len, dst_hint)) return {Problem::kDstOutside, run, -1};
-      if (at > 0 && r.dst < prev.dst + prev.len) dst_sorted = false;
-      prev = r;
+  for (std::size_t g = 0; g < n; ++g) {
+    const RunGroup& G = groups[g];
+    const ByteRun first = G.run(0, 0), last = G.run(G.rows - 1, G.count - 1);
+    const bool ordered = G.len != 0 && detail::forward(G.src_step) && detail::forward(G.src_row) &&
+                         (G.count == 1 || G.dst_step >= G.len) &&
+                         (G.rows == 1 || G.dst_row >= (G.count - 1) * G.dst_step + G.len);
+    if (ordered && detail::group_inside(src, first.src, last.src, G.len, src_hint) &&
+        detail::group_inside(dst, first.dst, last.dst, G.len, dst_hint)) {
+      if (at > 0 && first.dst < prev_end) dst_sorted = false;
+      prev_end = last.dst + G.len;
+      at += G.runs();
+      continue;
+    }
+    GroupReader reader(&G, 1);
+    for (std::size_t k; (k = reader.read(buf, kChunk)) != 0;) {
+      for (std::size_t i = 0; i < k; ++i, ++at) {
+        const ByteRun& r = buf[i];
+        const auto run = static_cast<std::int64_t>(at);
+        if (r.len == 0) return {Problem::kEmpty, run, -1};
+        if (!detail::inside(src, r.src, r.len, src_hint)) return {Problem::kSrcOutside, run, -1};
+        if (!detail::inside(dst, r.dst, r.len, dst_hint)) return {Problem::kDstOutside, run, -1};
+        if (at > 0 && r.dst < prev_end) dst_sorted = false;
+        prev_end = r.dst + r.len;
+      }
     }
   }
   if (dst_sorted && !detail::spans_meet(src, dst)) return {};
-  std::vector<ByteRun> all(total);
-  GroupReader(groups, n).read(all.data(), total);
-  return validate_runs(all.data(), total, src, dst);
+  std::vector<ByteRun> all(at);
+  GroupReader(groups, n).read(all.data(), at);
+  return validate_runs(all.data(), at, src, dst);
 }
 
 // -- copying ---------------------------------------------------------------------------

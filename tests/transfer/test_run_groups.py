@@ -137,3 +137,27 @@ def test_copy_over_groups_splits_by_bytes_over_threads(
             s - src.ctypes.data : s - src.ctypes.data + n
         ]
     assert np.array_equal(dst, want)
+
+
+def test_validation_reads_back_every_group_that_could_leave_a_block() -> None:
+    """A group is checked whole only where its runs lie between its first and its last
+    and those share a block; a group stepping over padding, or back, is checked run by
+    run, and the run outside is named."""
+    src = np.zeros(256, dtype=np.uint8)
+    dst = np.zeros(256, dtype=np.uint8)
+    s, d = src.ctypes.data, dst.ctypes.data
+    spans = np.array([[s, 128, 64, 2]], dtype=np.uint64)  # blocks at 0 and 128, padding between
+    dst_spans = np.array([[d, 256, 256, 1]], dtype=np.uint64)
+
+    def check(*rows: tuple[int, ...]) -> tuple[int, int, int]:
+        table = np.array([[x % 2**64 for x in row] for row in rows], dtype=np.uint64)
+        return _native.validate_groups(table, spans, dst_spans)
+
+    assert check((s, d, 16, 3, 16, 16, 1, 0, 0)) == (0, -1, -1)  # 0, 16, 32: in block 0
+    assert check((s, d, 16, 3, 64, 16, 1, 0, 0)) == (1, 1, -1)  # 0, 64 (padding), 128
+    back = (s + 16, d, 16, 2, 64, 16, 2, -32, 32)  # 16, 80 (padding), -16, 48: ends in block 0
+    assert check(back) == (1, 1, -1)
+    assert check((s, d, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0)) == (0, -1, -1)
+    assert (
+        check((s, d + 32, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0))[0] == 3
+    )  # overlap
