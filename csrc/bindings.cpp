@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "block_map.h"
+#include "staging.h"
 #include "kvlayout/engine_kv_format.h"
 #include "kvlayout/indexing.cuh"
 #include "kvlayout/run_plan.h"
@@ -456,6 +457,84 @@ std::tuple<int, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups,
   return {0, -1, -1, used};
 }
 
+// -- NIXL plans' per-run passes (csrc/staging.h) -----------------------------------------
+
+template <class T>
+nb::ndarray<nb::numpy, T, nb::ndim<1>> vector_array(std::vector<T>&& v) {
+  auto* held = new std::vector<T>(std::move(v));
+  nb::capsule owner(held, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<1>>(held->data(), {held->size()}, owner);
+}
+
+std::tuple<int, std::int64_t> check_runs(ConstRunArray runs) {
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  nb::gil_scoped_release release;
+  const auto c = kvlayout::staging::check_runs(r, runs.shape(0));
+  return {static_cast<int>(c.problem), c.run};
+}
+
+bool runs_sorted_on(ConstRunArray runs, int col) {
+  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  nb::gil_scoped_release release;
+  return kvlayout::staging::sorted_on(r, runs.shape(0), col);
+}
+
+// One side's (address, length, device) descriptor rows of a table of runs.
+MapRuns descriptor_rows(ConstRunArray runs, int col, std::uint64_t device) {
+  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  const std::size_t n = runs.shape(0);
+  auto* out = new std::uint64_t[std::max<std::size_t>(3 * n, 1)];
+  {
+    nb::gil_scoped_release release;
+    for (std::size_t i = 0; i < n; ++i)
+      out[3 * i] = kvlayout::staging::on(r[i], col), out[3 * i + 1] = r[i].len, out[3 * i + 2] = device;
+  }
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  return MapRuns(out, {n, 3}, owner);
+}
+
+using StridedU64 = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::device::cpu>;
+
+std::int64_t first_outside(StridedU64 addr, StridedU64 lengths, PtrArray starts, PtrArray ends) {
+  if (addr.shape(0) != lengths.shape(0) || starts.shape(0) != ends.shape(0))
+    throw nb::value_error("addr and lengths, and starts and ends, must be as long");
+  nb::gil_scoped_release release;
+  return kvlayout::staging::first_outside(addr.data(), addr.stride(0), lengths.data(), lengths.stride(0),
+                                          addr.shape(0), starts.data(), ends.data(), starts.shape(0));
+}
+
+using U64Out = nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>;
+using I64Out = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
+
+std::tuple<MapRuns, I64Out, U64Out, U64Out, U64Out> stretches(ConstRunArray runs, IntArray order, int col,
+                                                             PtrArray starts, PtrArray ends, std::uint64_t base,
+                                                             int copies) {
+  namespace sg = kvlayout::staging;
+  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  if (copies < 0 || copies > 2) throw nb::value_error("copies is 0 (none), 1 (to staging) or 2 (from staging)");
+  if (starts.shape(0) != ends.shape(0)) throw nb::value_error("starts and ends must be as long");
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  const std::size_t n = runs.shape(0);
+  if (order.shape(0) != 0 && order.shape(0) != n) throw nb::value_error("order lists every run, or none");
+  for (std::size_t k = 0; k < order.shape(0); ++k)
+    if (order.data()[k] < 0 || static_cast<std::size_t>(order.data()[k]) >= n)
+      throw nb::value_error("order holds a position outside the runs");
+  const std::size_t rows = copies ? n : 0;
+  auto* out = new std::uint64_t[std::max<std::size_t>(3 * rows, 1)];
+  nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  sg::Stretches st;
+  {
+    nb::gil_scoped_release release;
+    st = sg::stretches(r, n, order.shape(0) ? order.data() : nullptr, col, starts.data(), ends.data(),
+                       starts.shape(0), base, static_cast<sg::Copies>(copies),
+                       copies ? reinterpret_cast<kvlayout::ByteRun*>(out) : nullptr);
+  }
+  return {MapRuns(out, {rows, 3}, owner), vector_array(std::move(st.first)), vector_array(std::move(st.at)),
+          vector_array(std::move(st.staged_at)), vector_array(std::move(st.bytes))};
+}
+
 }  // namespace
 
 NB_MODULE(_native, m) {
@@ -560,6 +639,21 @@ NB_MODULE(_native, m) {
         "A table of runs as the map builder's Grouper keeps them, given one by one (for tests).");
   m.def("validate_groups", &validate_groups, "groups"_a, "src_spans"_a, "dst_spans"_a,
         "validate_runs over the runs a table of groups holds.");
+  m.def("first_outside", &first_outside, "addr"_a, "lengths"_a, "starts"_a, "ends"_a,
+        "The first row [addr, addr + length) inside none of the sorted disjoint intervals [starts, ends), "
+        "or -1.");
+  m.def("check_runs", &check_runs, "runs"_a,
+        "(problem, run): 0 when every run has bytes and ends inside the address space on both sides; else "
+        "1 an empty run, 2 its source or 3 its destination runs past the end.");
+  m.def("runs_sorted_on", &runs_sorted_on, "runs"_a, "col"_a,
+        "Whether the runs' addresses on side col (0 source, 1 destination) never decrease.");
+  m.def("descriptor_rows", &descriptor_rows, "runs"_a, "col"_a, "device"_a,
+        "Side col's (address, length, device) rows of a table of runs, for NIXL.");
+  m.def("stretches", &stretches, "runs"_a, "order"_a, "col"_a, "starts"_a, "ends"_a, "base"_a, "copies"_a,
+        "The staged layout of runs in order (empty: their own) by address on side col, cut into stretches back "
+        "to back there within one of its intervals (starts, ends): the copies ((N, 3); copies 1 (other side, "
+        "staging), 2 (staging, other side), 0 none), and per stretch its first position, address, staging "
+        "address (base + offset) and bytes.");
   m.def("copy_groups", &copy_groups, "groups"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
         "min_bytes_per_thread"_a = 256 << 10,
         "copy_runs over the runs a table of groups holds, read back a buffer at a time.");

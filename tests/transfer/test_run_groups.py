@@ -151,7 +151,8 @@ def test_validation_reads_back_every_group_that_could_leave_a_block() -> None:
 
     def check(*rows: tuple[int, ...]) -> tuple[int, int, int]:
         table = np.array([[x % 2**64 for x in row] for row in rows], dtype=np.uint64)
-        return _native.validate_groups(table, spans, dst_spans)
+        problem, run, other = _native.validate_groups(table, spans, dst_spans)
+        return int(problem), int(run), int(other)
 
     assert check((s, d, 16, 3, 16, 16, 1, 0, 0)) == (0, -1, -1)  # 0, 16, 32: in block 0
     assert check((s, d, 16, 3, 64, 16, 1, 0, 0)) == (1, 1, -1)  # 0, 64 (padding), 128

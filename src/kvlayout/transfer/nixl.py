@@ -36,7 +36,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
@@ -320,9 +320,24 @@ class _Sides(NamedTuple):
     op: Op
     local: MapSide
     remote: MapSide
-    local_addr: np.ndarray
-    remote_addr: np.ndarray
-    lengths: np.ndarray
+    runs: np.ndarray  # (N, 3) uint64, C-contiguous
+    local_col: int  # the runs' column of this side's addresses (0 source, 1 destination)
+
+    @property
+    def remote_col(self) -> int:
+        return 1 - self.local_col
+
+    @property
+    def local_addr(self) -> np.ndarray:
+        return self.runs[:, self.local_col]
+
+    @property
+    def remote_addr(self) -> np.ndarray:
+        return self.runs[:, self.remote_col]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return self.runs[:, 2]
 
     @property
     def num_bytes(self) -> int:
@@ -356,18 +371,16 @@ def _sides(block_map: NixlMap) -> _Sides:
             f"both sides of the map are in {where}; NIXL moves a map with one side local, the other a peer's"
             + (" (copy a local map with its copy())" if src.is_local else "")
         )
-    lengths = runs[:, 2]
-    if np.any(lengths == 0):
-        raise TransferError(f"run {int(np.argmax(lengths == 0))} of the map has length 0")
-    for col, name in ((0, "source"), (1, "destination")):
-        wrapped = runs[:, col] + lengths < runs[:, col]
-        if np.any(wrapped):
-            raise TransferError(
-                f"run {int(np.argmax(wrapped))} of the map runs past the end of the {name} address space"
-            )
+    runs = np.ascontiguousarray(runs)
+    problem, run = _native.check_runs(runs)
+    if problem == 1:
+        raise TransferError(f"run {run} of the map has length 0")
+    if problem:
+        name = "source" if problem == 2 else "destination"
+        raise TransferError(f"run {run} of the map runs past the end of the {name} address space")
     if src.is_local:
-        return _Sides("WRITE", src, dst, runs[:, 0], runs[:, 1], lengths)
-    return _Sides("READ", dst, src, runs[:, 1], runs[:, 0], lengths)
+        return _Sides("WRITE", src, dst, runs, 0)
+    return _Sides("READ", dst, src, runs, 1)
 
 
 def _rows(addr: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
@@ -376,17 +389,19 @@ def _rows(addr: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:
     return out
 
 
+def _direct_rows(s: _Sides) -> tuple[np.ndarray, np.ndarray]:
+    """The local and remote descriptor rows of the direct form: one per run."""
+    return (
+        _native.descriptor_rows(s.runs, s.local_col, s.local.device_index),
+        _native.descriptor_rows(s.runs, s.remote_col, s.remote.device_index),
+    )
+
+
 def descriptors(block_map: NixlMap) -> Descriptors:
     """The map's runs as NIXL descriptors (one per run), its op and memory types."""
     s = _sides(block_map)
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
-    return Descriptors(
-        _rows(s.local_addr, s.lengths, s.local.device_index),
-        _rows(s.remote_addr, s.lengths, s.remote.device_index),
-        s.op,
-        local_mem,
-        remote_mem,
-    )
+    return Descriptors(*_direct_rows(s), s.op, local_mem, remote_mem)
 
 
 # -- memory intervals and checks -------------------------------------------------------------
@@ -413,11 +428,9 @@ def _first_outside(addr: np.ndarray, lengths: np.ndarray, starts: np.ndarray, en
     """The index of the first ``[addr, addr + length)`` inside no interval, or -1."""
     if len(addr) == 0:
         return -1
-    k = np.searchsorted(starts, addr, side="right").astype(np.int64) - 1
-    inside = (
-        (k >= 0) & (addr + lengths <= ends[np.maximum(k, 0)]) if len(starts) else np.zeros(len(addr), bool)
-    )
-    return -1 if inside.all() else int(np.argmin(inside))
+    starts, ends = (np.ascontiguousarray(a, dtype=_U64) for a in (starts, ends))
+    addr, lengths = addr.astype(_U64, copy=False), lengths.astype(_U64, copy=False)
+    return int(_native.first_outside(addr, lengths, starts, ends))
 
 
 def _refuse_outside(
@@ -673,34 +686,31 @@ class Plan:
 
 
 class _Stretches(NamedTuple):
-    order: np.ndarray  # the runs, sorted by the side's address
-    offsets: np.ndarray  # each sorted run's offset in a staging buffer laid out so
-    first: np.ndarray  # the first sorted run of each stretch
+    order: np.ndarray  # the runs by the side's address (empty: in their own order)
+    first: np.ndarray  # each stretch's first run, as a position in the side's address order
+    addr: np.ndarray  # each stretch's address on the side
+    staged: np.ndarray  # each stretch's address in the staging buffer (its offset from base)
     nbytes: np.ndarray  # each stretch's bytes
+    copies: np.ndarray  # (N, 3): the runs' copies to or from staging, in address order ((0, 3): none)
 
 
-def _stretches(remote_addr: np.ndarray, lengths: np.ndarray, remote: MapSide) -> _Stretches:
-    """The runs sorted by one side's address, their offsets in a staging buffer (each
-    stretch of consecutive runs on that side contiguous), and each stretch's first run
-    and bytes. A stretch stays inside one tensor of the side (else its runs go alone)."""
-    order = np.argsort(remote_addr, kind="stable")
-    r, n = remote_addr[order], lengths[order]
-    offsets = np.zeros(len(r), dtype=_U64)
-    np.cumsum(n[:-1], out=offsets[1:])
-    new = np.ones(len(r), dtype=bool)
-    new[1:] = r[1:] != r[:-1] + n[:-1]
-    first = np.flatnonzero(new)
-    if len(first) < len(r):
-        ends = np.r_[first[1:], len(r)] - 1
-        starts, stops = _intervals(remote.tensor_spans)
-        k = np.searchsorted(starts, r[first], side="right").astype(np.int64) - 1
-        ok = (k >= 0) & (r[ends] + n[ends] <= stops[np.maximum(k, 0)])
-        if not ok.all():  # a stretch crossing from one tensor into the next: split it into its runs
-            split = np.repeat(~ok, ends - first + 1)
-            new |= split
-            first = np.flatnonzero(new)
-    nbytes = np.add.reduceat(n, first) if len(first) else np.empty(0, _U64)
-    return _Stretches(order, offsets, first, nbytes)
+_NO_ORDER = np.empty(0, np.int64)
+
+
+def _stretches(
+    runs: np.ndarray, col: int, side: MapSide, base: int = 0, copies: int = 0, order: np.ndarray | None = None
+) -> _Stretches:
+    """The runs by their address on side ``col`` (0 source, 1 destination) cut into
+    stretches (consecutive there, inside one tensor of ``side``; a stretch that would
+    cross from one into the next goes as its runs), laid out stretch after stretch in a
+    staging buffer at ``base``; with ``copies`` 1 (2), each run's copy from the other
+    side into (out of) its staging bytes, in that order (``csrc/staging.h``). ``order``
+    is an earlier call's, to skip the sort."""
+    if order is None:
+        order = _NO_ORDER if _native.runs_sorted_on(runs, col) else np.argsort(runs[:, col], kind="stable")
+    starts, ends = _intervals(side.tensor_spans)
+    copy_rows, first, addr, staged, nbytes = _native.stretches(runs, order, col, starts, ends, base, copies)
+    return _Stretches(order, first, addr, staged, nbytes, copy_rows)
 
 
 class PeerStaging(NamedTuple):
@@ -762,59 +772,66 @@ def plan(
         raise TransferError(
             f"the peer-staged strategy needs a peer staging buffer of {num_bytes} bytes; got {have}"
         )
-    direct = Plan(
-        "direct", s.op, _rows(s.local_addr, s.lengths, s.local.device_index),
-        _rows(s.remote_addr, s.lengths, s.remote.device_index), local_mem, remote_mem, None,
-        num_runs, num_bytes, predicted,
-    )  # fmt: skip
-    plans = {"direct": direct}
+    # Every candidate's cost first (from its descriptor count), then only the chosen
+    # plan's descriptors and copies (a direct plan of half a million runs is 25 MB).
+    builders: dict[str, Callable[[], Plan]] = {
+        "direct": lambda: Plan(
+            "direct", s.op, *_direct_rows(s), local_mem, remote_mem, None, num_runs, num_bytes, predicted
+        )
+    }
     if strategy in ("auto", "staged") and fits:
         assert staging is not None
         if local_mem != "DRAM":
             raise TransferError("the staged strategy stages host memory; the local side is VRAM")
-        plans["staged"] = _staged(s, staging, model, stages, predicted)
+        builders["staged"] = _staged(s, staging, model, stages, predicted, final=strategy == "staged")
     if strategy in ("auto", "peer-staged") and peer_fits:
         assert peer_staging is not None
-        plans["peer-staged"] = _peer_staged(s, peer_staging, model, predicted)
-    if strategy != "auto":
-        return plans[strategy]
-    return plans[min(plans, key=lambda k: predicted[k])]
+        builders["peer-staged"] = _peer_staged(s, peer_staging, model, predicted)
+    choice = strategy if strategy != "auto" else min(builders, key=lambda k: predicted[k])
+    return builders[choice]()
 
 
-def _staged(s: _Sides, staging: Staging, model: CostModel, stages: int, predicted: dict[str, float]) -> Plan:
+def _staged(
+    s: _Sides, staging: Staging, model: CostModel, stages: int, predicted: dict[str, float], *, final: bool
+) -> Callable[[], Plan]:
+    """Records the staged plan's cost; returns what builds it. The staging buffer is laid
+    out as the remote side's stretches; the copy gathers into it before a WRITE and
+    scatters out of it after a READ (``final``: it will be built, so the copies are made
+    in the same pass)."""
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), s.num_bytes
-    order, offsets, first, stretch_bytes = _stretches(s.remote_addr, s.lengths, s.remote)
-    pipeline = _stages(first, stretch_bytes, num_runs, stages)
-    predicted["staged"] = model.staged_s(len(first), num_runs, num_bytes, len(pipeline))
-    base = np.uint64(staging.address)
-    copies = np.empty((num_runs, 3), dtype=_U64)
-    at = base + offsets
-    local = s.local_addr[order]
-    copies[:, 0], copies[:, 1] = (local, at) if s.op == "WRITE" else (at, local)
-    copies[:, 2] = s.lengths[order]
+    copies = 1 if s.op == "WRITE" else 2
+    st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies if final else 0)
+    pipeline = _stages(st.first, st.nbytes, num_runs, stages)
+    predicted["staged"] = model.staged_s(len(st.first), num_runs, num_bytes, len(pipeline))
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
-    return Plan(
-        "staged", s.op, _rows(base + offsets[first], stretch_bytes, s.local.device_index),
-        _rows(s.remote_addr[order][first], stretch_bytes, s.remote.device_index), local_mem, remote_mem,
-        copies, num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held),
-        pipeline,
-    )  # fmt: skip
+
+    def build() -> Plan:
+        done = st if final else _stretches(s.runs, s.remote_col, s.remote, staging.address, copies, st.order)
+        return Plan(
+            "staged", s.op, _rows(done.staged, done.nbytes, s.local.device_index),
+            _rows(done.addr, done.nbytes, s.remote.device_index), local_mem, remote_mem, done.copies,
+            num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held), pipeline,
+        )  # fmt: skip
+
+    return build
 
 
-def _peer_staged(s: _Sides, peer_staging: PeerStaging, model: CostModel, predicted: dict[str, float]) -> Plan:
-    """The runs in the order and at the offsets the peer's own staged plan of the same
-    map lays its staging out in (both sort this side's runs by address and stretch them
-    alike), so :func:`unstage` there scatters what this WRITE put, and this READ finds
-    what :func:`stage` there gathered."""
+def _peer_staged(
+    s: _Sides, peer_staging: PeerStaging, model: CostModel, predicted: dict[str, float]
+) -> Callable[[], Plan]:
+    """Records the peer-staged plan's cost; returns what builds it: the runs in the order
+    and at the offsets the peer's own staged plan of the same map lays its staging out in
+    (both sort this side's runs by address and stretch them alike), so :func:`unstage`
+    there scatters what this WRITE put, and this READ finds what :func:`stage` there
+    gathered."""
     num_runs, num_bytes = len(s.lengths), s.num_bytes
-    order, offsets, first, stretch_bytes = _stretches(s.local_addr, s.lengths, s.local)
+    st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
     # The copy is the peer's: its gather before a READ, its scatter after a WRITE.
-    predicted["peer-staged"] = model.staged_s(len(first), num_runs, num_bytes)
-    base = np.uint64(peer_staging.address)
-    return Plan(
-        "peer-staged", s.op, _rows(s.local_addr[order][first], stretch_bytes, s.local.device_index),
-        _rows(base + offsets[first], stretch_bytes, s.remote.device_index), _mem_type(s.local, "local"),
+    predicted["peer-staged"] = model.staged_s(len(st.first), num_runs, num_bytes)
+    return lambda: Plan(
+        "peer-staged", s.op, _rows(st.addr, st.nbytes, s.local.device_index),
+        _rows(st.staged, st.nbytes, s.remote.device_index), _mem_type(s.local, "local"),
         "DRAM", None, num_runs, num_bytes, predicted,
     )  # fmt: skip
 
@@ -871,17 +888,17 @@ def estimate(
     would choose."""
     if poster not in ("src", "dst"):
         raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
-    runs = block_map.runs
+    runs = np.ascontiguousarray(block_map.runs)
     lengths = runs[:, 2]
     num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
     model = cost or DEFAULT_COST
     descriptors = {"direct": num_runs}
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
-    first = _stretches(runs[:, col], lengths, remote).first
+    first = _stretches(runs, col, remote).first
     descriptors["staged"], predicted["staged"] = len(first), model.staged_s(len(first), num_runs, num_bytes)
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
-    own = _stretches(runs[:, own_col], lengths, own_side).first  # the poster's, to or from the peer's staging
+    own = _stretches(runs, own_col, own_side).first  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = len(own)
     predicted["peer-staged"] = model.staged_s(len(own), num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])

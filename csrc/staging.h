@@ -1,0 +1,130 @@
+#pragma once
+// The per-run passes of a NIXL plan (kvlayout/transfer/nixl.py), one pass each over a
+// map's (N, 3) runs where numpy took several over strided columns:
+//   - check_runs: the first run with no bytes, or running past the end of the address
+//     space on either side;
+//   - stretches: the runs in one side's address order cut into *stretches* (runs back to
+//     back on that side, within one of its memory intervals), each run given the next
+//     bytes of a staging buffer laid out stretch after stretch: the staged plan's
+//     descriptors (one per stretch) and its local copy (one per run).
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "stream_copy.h"
+
+namespace kvlayout::staging {
+
+enum class RunProblem : int { kNone = 0, kEmpty = 1, kSrcWraps = 2, kDstWraps = 3 };
+
+struct RunCheck {
+  RunProblem problem = RunProblem::kNone;
+  std::int64_t run = -1;
+};
+
+inline RunCheck check_runs(const ByteRun* runs, std::size_t n) {
+  for (std::size_t i = 0; i < n; ++i) {
+    const ByteRun& r = runs[i];
+    const auto at = static_cast<std::int64_t>(i);
+    if (r.len == 0) return {RunProblem::kEmpty, at};
+    if (r.src + r.len < r.src) return {RunProblem::kSrcWraps, at};
+    if (r.dst + r.len < r.dst) return {RunProblem::kDstWraps, at};
+  }
+  return {};
+}
+
+// The first of n rows [addr[i * as], + len[i * ls]) inside none of the sorted, disjoint
+// intervals [starts[k], ends[k]), or -1 (`hint`: rows that follow one another mostly
+// fall in the interval of the row before).
+inline std::int64_t first_outside(const std::uint64_t* addr, std::ptrdiff_t as, const std::uint64_t* len,
+                                  std::ptrdiff_t ls, std::size_t n, const std::uint64_t* starts,
+                                  const std::uint64_t* ends, std::size_t intervals) {
+  std::size_t hint = 0;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::uint64_t a = addr[static_cast<std::ptrdiff_t>(i) * as];
+    const std::uint64_t b = a + len[static_cast<std::ptrdiff_t>(i) * ls];
+    if (hint < intervals && starts[hint] <= a && b <= ends[hint] && a <= b) continue;
+    const std::uint64_t* it = std::upper_bound(starts, starts + intervals, a);
+    if (it == starts) return static_cast<std::int64_t>(i);
+    hint = static_cast<std::size_t>(it - starts) - 1;
+    if (b > ends[hint] || b < a) return static_cast<std::int64_t>(i);
+  }
+  return -1;
+}
+
+// The address of run i on side `col` (0 source, 1 destination), and on the other side.
+inline std::uint64_t on(const ByteRun& r, int col) { return col == 0 ? r.src : r.dst; }
+inline std::uint64_t off(const ByteRun& r, int col) { return col == 0 ? r.dst : r.src; }
+
+// Whether the runs' addresses on side `col` never decrease (then the address order is the
+// runs' own, and no sort is needed).
+inline bool sorted_on(const ByteRun* runs, std::size_t n, int col) {
+  for (std::size_t i = 1; i < n; ++i)
+    if (on(runs[i], col) < on(runs[i - 1], col)) return false;
+  return true;
+}
+
+// What the staged layout holds per stretch.
+struct Stretches {
+  std::vector<std::int64_t> first;       // its first run, as a position in the address order
+  std::vector<std::uint64_t> at;         // its address on side `col`
+  std::vector<std::uint64_t> staged_at;  // its address in the staging buffer
+  std::vector<std::uint64_t> bytes;
+};
+
+// Copies of the staged layout, per run in address order: none, (other side, staging)
+// (a gather before a WRITE) or (staging, other side) (a scatter after a READ).
+enum class Copies : int { kNone = 0, kToStaging = 1, kFromStaging = 2 };
+
+// `order` (n positions, or null for the runs' own order) lists the runs by address on
+// side `col`; `starts`/`ends` are that side's sorted, disjoint memory intervals. A stretch
+// that would cross from one interval into the next is cut into its runs. `copies_out`
+// (n rows, or null) gets the copies.
+inline Stretches stretches(const ByteRun* runs, std::size_t n, const std::int64_t* order, int col,
+                           const std::uint64_t* starts, const std::uint64_t* ends, std::size_t intervals,
+                           std::uint64_t base, Copies copies, ByteRun* copies_out) {
+  Stretches out;
+  const auto run = [&](std::size_t k) -> const ByteRun& { return runs[order ? order[k] : k]; };
+  // Whether [a, b) lies in one interval.
+  const auto within = [&](std::uint64_t a, std::uint64_t b) {
+    const std::uint64_t* it = std::upper_bound(starts, starts + intervals, a);
+    if (it == starts) return false;
+    return b <= ends[(it - starts) - 1];
+  };
+  const auto open = [&](std::size_t k, std::uint64_t offset) {
+    out.first.push_back(static_cast<std::int64_t>(k));
+    out.at.push_back(on(run(k), col));
+    out.staged_at.push_back(base + offset);
+    out.bytes.push_back(run(k).len);
+  };
+  std::uint64_t offset = 0;
+  std::size_t begin = 0;  // the current stretch's first position
+  // The stretch [begin, end) is done: where it crosses intervals, its runs go alone.
+  const auto close = [&](std::size_t end) {
+    if (end <= begin + 1 || within(out.at.back(), out.at.back() + out.bytes.back())) return;
+    const std::uint64_t staged = out.staged_at.back() - base;
+    out.first.pop_back(), out.at.pop_back(), out.staged_at.pop_back(), out.bytes.pop_back();
+    for (std::size_t j = begin, o = 0; j < end; o += run(j).len, ++j) open(j, staged + o);
+  };
+  for (std::size_t k = 0; k < n; ++k) {
+    const ByteRun& r = run(k);
+    if (copies_out != nullptr) {
+      copies_out[k] = copies == Copies::kToStaging ? ByteRun{off(r, col), base + offset, r.len}
+                                                   : ByteRun{base + offset, off(r, col), r.len};
+    }
+    if (k > 0 && on(r, col) == out.at.back() + out.bytes.back()) {
+      out.bytes.back() += r.len;
+    } else {
+      if (k > 0) close(k);
+      open(k, offset);
+      begin = k;
+    }
+    offset += r.len;
+  }
+  if (n > 0) close(n);
+  return out;
+}
+
+}  // namespace kvlayout::staging
