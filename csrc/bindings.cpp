@@ -423,12 +423,13 @@ std::tuple<int, std::int64_t, std::int64_t> validate_runs(ConstRunArray runs, U6
 }
 
 std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans,
-                                                          int num_threads, std::uint64_t min_bytes_per_thread) {
+                                                          int num_threads, std::uint64_t min_bytes_per_thread,
+                                                          bool validate) {
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   const std::size_t n = runs.shape(0);
   nb::gil_scoped_release release;
-  const auto v = kvlayout::block_map::validate_runs(r, n, src, dst);
+  const auto v = validate ? kvlayout::block_map::validate_runs(r, n, src, dst) : kvlayout::block_map::Verdict{};
   if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
   const int used = kvlayout::block_map::copy_runs(r, n, num_threads, min_bytes_per_thread,
                                                   [](const kvlayout::ByteRun* p, std::size_t k) { kvlayout::copy_byte_runs(p, k); });
@@ -663,9 +664,10 @@ NB_MODULE(_native, m) {
         "writes; else 1 source outside, 2 destination outside, 3 destinations overlap, 4 a run reads what "
         "another writes, 5 an empty run.");
   m.def("copy_runs", &copy_runs, "runs"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
-        "min_bytes_per_thread"_a = 256 << 10,
+        "min_bytes_per_thread"_a = 256 << 10, "validate"_a = true,
         "validate_runs, then (if valid) copy the runs on up to num_threads pool threads, split by bytes, GIL "
-        "released; returns validate_runs' answer and the threads used.");
+        "released; returns validate_runs' answer and the threads used. validate=False is for runs a caller "
+        "has validated itself (and kept read-only since).");
 
   m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true,
         "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "

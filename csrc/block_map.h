@@ -557,14 +557,18 @@ inline bool inside(const std::vector<Span>& spans, std::uint64_t addr, std::uint
 }
 
 // Two runs of `order` (sorted by `key`) that overlap, or (-1, -1).
+// (Sorted as (key, run) pairs: sorting run indices by a key read through them missed the
+// cache on every comparison, twice as slow on half a million runs.)
 template <class Key>
-std::pair<std::int64_t, std::int64_t> first_overlap(const ByteRun* runs, std::vector<std::size_t>& order, Key key) {
-  std::sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) { return key(runs[a]) < key(runs[b]); });
-  for (std::size_t k = 1; k < order.size(); ++k) {
-    const ByteRun& a = runs[order[k - 1]];
-    if (key(runs[order[k]]) < key(a) + a.len)
-      return {static_cast<std::int64_t>(std::min(order[k - 1], order[k])),
-              static_cast<std::int64_t>(std::max(order[k - 1], order[k]))};
+std::pair<std::int64_t, std::int64_t> first_overlap(const ByteRun* runs, std::size_t n, Key key) {
+  std::vector<std::pair<std::uint64_t, std::size_t>> order(n);
+  for (std::size_t i = 0; i < n; ++i) order[i] = {key(runs[i]), i};
+  std::sort(order.begin(), order.end());
+  for (std::size_t k = 1; k < n; ++k) {
+    const ByteRun& a = runs[order[k - 1].second];
+    if (order[k].first < order[k - 1].first + a.len)
+      return {static_cast<std::int64_t>(std::min(order[k - 1].second, order[k].second)),
+              static_cast<std::int64_t>(std::max(order[k - 1].second, order[k].second))};
   }
   return {-1, -1};
 }
@@ -594,9 +598,7 @@ inline Verdict validate_runs(const ByteRun* runs, std::size_t n, const std::vect
     if (i > 0 && r.dst < runs[i - 1].dst + runs[i - 1].len) dst_sorted = false;
   }
   if (!dst_sorted) {  // maps come in destination order; anything else is sorted to check
-    std::vector<std::size_t> order(n);
-    std::iota(order.begin(), order.end(), 0);
-    const auto [a, b] = detail::first_overlap(runs, order, [](const ByteRun& r) { return r.dst; });
+    const auto [a, b] = detail::first_overlap(runs, n, [](const ByteRun& r) { return r.dst; });
     if (a >= 0) return {Problem::kDstOverlap, a, b};
   }
   if (detail::spans_meet(src, dst)) {  // one memory on both sides: no run may read what another writes

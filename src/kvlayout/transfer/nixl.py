@@ -532,9 +532,15 @@ def copy_byte_runs(
     ``from_spans`` and ``to_spans`` (``(K, 2)``: start, bytes) are the memory the copies
     may read and write; every run is checked against them before a byte moves
     (:class:`RefusedDescriptorError` otherwise)."""
+    _copy(runs, from_spans, to_spans, num_threads, validate=True)
+
+
+def _copy(
+    runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray, num_threads: int, validate: bool
+) -> None:
     runs = np.ascontiguousarray(runs, dtype=_U64)
     a, b = _exact_spans(from_spans), _exact_spans(to_spans)
-    problem, run, _, _ = _native.copy_runs(runs, a, b, num_threads)
+    problem, run, _, _ = _native.copy_runs(runs, a, b, num_threads, validate=validate)
     _refuse_copy(runs, problem, run)
 
 
@@ -660,6 +666,12 @@ class Plan:
     predicted_s: dict[str, float] = field(default_factory=dict)
     copy_spans: tuple[np.ndarray, np.ndarray] | None = None  # (K, 2) memory copies read, write
     stages: tuple[Stage, ...] = ()  # a staged plan's pipeline, in order; () for direct
+    # check_copy passed: the copies (read-only) are not checked again when they run.
+    _copy_checked: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.copies is not None:
+            self.copies.setflags(write=False)
 
     @property
     def num_descriptors(self) -> int:
@@ -669,20 +681,21 @@ class Plan:
         """The local copy of one stage (its gather or scatter), on the block-map engine."""
         assert self.copies is not None and self.copy_spans is not None
         lo, hi = self.stages[stage].runs
-        copy_byte_runs(self.copies[lo:hi], *self.copy_spans)
+        _copy(self.copies[lo:hi], *self.copy_spans, 1, validate=not self._copy_checked)
 
     def check_copy(self) -> None:
         """Refuse a staged plan whose local copy leaves its memory (before any byte moves)."""
-        if self.copies is not None:
+        if self.copies is not None and not self._copy_checked:
             assert self.copy_spans is not None
             _check_copies(self.copies, *self.copy_spans)
+            object.__setattr__(self, "_copy_checked", True)
 
     def copy(self, num_threads: int = 1) -> None:
         """Run the local copy of a staged plan (the gather before a WRITE, the scatter
         after a READ) on the block-map engine; nothing for a direct plan."""
         if self.copies is not None:
             assert self.copy_spans is not None
-            copy_byte_runs(self.copies, *self.copy_spans, num_threads=num_threads)
+            _copy(self.copies, *self.copy_spans, num_threads, validate=not self._copy_checked)
 
 
 class _Stretches(NamedTuple):
