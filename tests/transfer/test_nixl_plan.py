@@ -200,6 +200,25 @@ def test_peer_staged_moves_the_local_stretches_and_the_peer_copies() -> None:
     assert nx.plan(read, staging=staging_at(buf), peer_staging=there).strategy == "peer-staged"
 
 
+def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() -> None:
+    """A tile, as NHD -> HND makes them: the runs back to back on each side, in another
+    order on each. Staged and peer-staged post one descriptor each and predict alike; a
+    WRITE stages here (a gather), a READ lets the peer stage (its gather) rather than
+    scatter here after landing."""
+    n, length = 64, 256
+    a, b = [np.zeros(n * length, np.uint8)], [np.zeros(n * length, np.uint8)]
+    pieces = [(0, ((i % 8) * 8 + i // 8) * length, 0, i * length, length) for i in range(n)]
+    buf = np.zeros(n * length, np.uint8)
+    there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
+    cost = nx.CostModel(per_descriptor_s=1.0)  # descriptors decide
+    write = Map(runs_between(a, b, pieces), side_of(a, local=True), side_of(b, local=False))
+    w = nx.plan(write, staging=staging_at(buf), peer_staging=there, cost=cost)
+    assert w.predicted_s["staged"] == w.predicted_s["peer-staged"] and w.strategy == "staged"
+    read = Map(write.runs, side_of(a, local=False), side_of(b, local=True))
+    r = nx.plan(read, staging=staging_at(buf), peer_staging=there, cost=cost)
+    assert r.predicted_s["staged"] == r.predicted_s["peer-staged"] and r.strategy == "peer-staged"
+
+
 class _FakeStaging:
     """The two attributes plan() reads from a Staging (no NIXL in this file)."""
 
