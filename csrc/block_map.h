@@ -691,6 +691,23 @@ inline Verdict validate_groups(const RunGroup* groups, std::size_t n, const std:
 
 // -- copying ---------------------------------------------------------------------------
 
+namespace detail {
+
+// Runs share(lo, hi) on up to `threads` pool threads, each a contiguous share of `total`
+// bytes (of min_bytes_per_thread at least, where there are fewer); returns the threads used.
+template <class Share>
+int split_by_bytes(std::uint64_t total, int threads, std::uint64_t min_bytes_per_thread, Share share) {
+  const std::uint64_t by_bytes = std::max<std::uint64_t>(1, total / std::max<std::uint64_t>(min_bytes_per_thread, 1));
+  const int wanted = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(threads, 1)), by_bytes));
+  return transfer::WorkerPool::instance().run(wanted, [&](int part, int parts) {
+    const std::uint64_t lo = total / parts * part + std::min<std::uint64_t>(part, total % parts);
+    const std::uint64_t hi = lo + total / parts + (static_cast<std::uint64_t>(part) < total % parts ? 1 : 0);
+    if (lo < hi) share(lo, hi);
+  });
+}
+
+}  // namespace detail
+
 // Copies runs on up to `threads` threads of the pool, each a contiguous share of the bytes
 // (a run may be split between two threads); returns the threads used.
 template <class CopyRuns>
@@ -699,12 +716,7 @@ int copy_runs(const ByteRun* runs, std::size_t n, int threads, std::uint64_t min
   std::vector<std::uint64_t> ends(n);
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < n; ++i) ends[i] = total += runs[i].len;
-  const std::uint64_t by_bytes = std::max<std::uint64_t>(1, total / std::max<std::uint64_t>(min_bytes_per_thread, 1));
-  const int wanted = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(threads, 1)), by_bytes));
-  return transfer::WorkerPool::instance().run(wanted, [&](int part, int parts) {
-    const std::uint64_t lo = total / parts * part + std::min<std::uint64_t>(part, total % parts);
-    const std::uint64_t hi = lo + total / parts + (static_cast<std::uint64_t>(part) < total % parts ? 1 : 0);
-    if (lo >= hi) return;
+  return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
     std::size_t a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
     const std::size_t b = static_cast<std::size_t>(std::lower_bound(ends.begin(), ends.end(), hi) - ends.begin());
     // runs a..b overlap [lo, hi); the first and last may be cut
@@ -733,12 +745,7 @@ int copy_groups(const RunGroup* groups, std::size_t n, int threads, std::uint64_
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < n; ++i) ends[i] = total += groups[i].bytes();
   if (total == 0) return 0;
-  const std::uint64_t by_bytes = std::max<std::uint64_t>(1, total / std::max<std::uint64_t>(min_bytes_per_thread, 1));
-  const int wanted = static_cast<int>(std::min<std::uint64_t>(static_cast<std::uint64_t>(std::max(threads, 1)), by_bytes));
-  return transfer::WorkerPool::instance().run(wanted, [&](int part, int parts) {
-    const std::uint64_t lo = total / parts * part + std::min<std::uint64_t>(part, total % parts);
-    const std::uint64_t hi = lo + total / parts + (static_cast<std::uint64_t>(part) < total % parts ? 1 : 0);
-    if (lo >= hi) return;
+  return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
     const auto a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
     const std::uint64_t into = lo - (ends[a] - groups[a].bytes());
     GroupReader reader(groups, n);
