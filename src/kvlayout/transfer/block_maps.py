@@ -616,6 +616,8 @@ class BlockMap:
 
     @functools.cached_property
     def runs(self) -> np.ndarray:
+        """The ``(N, 3)`` uint64 runs (source, destination, length), read-only, expanded
+        from the groups on first use (12 MiB for half a million runs)."""
         return _expand(self._groups)
 
     @property
