@@ -70,8 +70,8 @@ struct Table {
 class TablePool {
  public:
   static TablePool& instance() {
-    static TablePool pool;
-    return pool;
+    static TablePool* pool = new TablePool();  // never destroyed: maps freed at exit still put back
+    return *pool;
   }
   // The table put back last, or an empty one.
   Table<RunGroup> take() {
