@@ -912,7 +912,7 @@ def estimate(
     would choose."""
     if poster not in ("src", "dst"):
         raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
-    runs = np.ascontiguousarray(block_map.runs)
+    runs = np.ascontiguousarray(block_map.runs, dtype=_U64)
     lengths = runs[:, 2]
     num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
     model = cost or DEFAULT_COST
