@@ -4,9 +4,10 @@
 // A permuted or re-sharded map has hundreds of thousands of runs that repeat one shape:
 // a row of runs of one length at one step on each side (a head's slots, a token's heads),
 // rows at one step (a block's heads). A RunGroup is such a block of rows; the map keeps
-// its groups, not its runs, so building it writes kilobytes, not megabytes, and the runs
-// are read back (expanded) in order wherever a consumer needs them: a chunk at a time by
-// the copy, whole for Python's `runs`.
+// its groups, not its runs, so building it writes a tenth or less of what the runs take
+// (NHD -> HND: 0.3-1.2 MB of groups for 12.5 MB of runs), and the runs are read back
+// (expanded) in order wherever a consumer needs them: a chunk at a time by the copy,
+// whole for Python's `runs`.
 
 #include <algorithm>
 #include <cstddef>
