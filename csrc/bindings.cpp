@@ -501,9 +501,10 @@ using StridedU64 = nb::ndarray<const std::uint64_t, nb::ndim<1>, nb::device::cpu
 std::int64_t first_outside(StridedU64 addr, StridedU64 lengths, PtrArray starts, PtrArray ends) {
   if (addr.shape(0) != lengths.shape(0) || starts.shape(0) != ends.shape(0))
     throw nb::value_error("addr and lengths, and starts and ends, must be as long");
+  const auto intervals = kvlayout::staging::interval_spans(starts.data(), ends.data(), starts.shape(0));
   nb::gil_scoped_release release;
   return kvlayout::staging::first_outside(addr.data(), addr.stride(0), lengths.data(), lengths.stride(0),
-                                          addr.shape(0), starts.data(), ends.data(), starts.shape(0));
+                                          addr.shape(0), intervals);
 }
 
 using U64Out = nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>;
@@ -525,12 +526,12 @@ std::tuple<MapRuns, I64Out, U64Out, U64Out, U64Out> stretches(ConstRunArray runs
   const std::size_t rows = copies ? n : 0;
   auto* out = new std::uint64_t[std::max<std::size_t>(3 * rows, 1)];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
+  const auto intervals = sg::interval_spans(starts.data(), ends.data(), starts.shape(0));
   sg::Stretches st;
   {
     nb::gil_scoped_release release;
-    st = sg::stretches(r, n, order.shape(0) ? order.data() : nullptr, col, starts.data(), ends.data(),
-                       starts.shape(0), base, static_cast<sg::Copies>(copies),
-                       copies ? reinterpret_cast<kvlayout::ByteRun*>(out) : nullptr);
+    st = sg::stretches(r, n, order.shape(0) ? order.data() : nullptr, col, intervals, base,
+                       static_cast<sg::Copies>(copies), copies ? reinterpret_cast<kvlayout::ByteRun*>(out) : nullptr);
   }
   return {MapRuns(out, {rows, 3}, owner), vector_array(std::move(st.first)), vector_array(std::move(st.at)),
           vector_array(std::move(st.staged_at)), vector_array(std::move(st.bytes))};

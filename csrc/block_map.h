@@ -556,7 +556,31 @@ inline bool inside(const std::vector<Span>& spans, std::uint64_t addr, std::uint
   return false;
 }
 
-// Two runs of `order` (sorted by `key`) that overlap, or (-1, -1).
+// The per-run checks of a validation, run after run: each inside one tensor's blocks on
+// each side (the spans found last tried first), and whether the destinations so far come
+// in order.
+struct RunChecks {
+  const std::vector<Span>& src;
+  const std::vector<Span>& dst;
+  std::size_t src_hint = 0, dst_hint = 0;
+  std::uint64_t dst_end = 0;  // the last run's
+  bool any = false, dst_sorted = true;
+
+  Problem check(const ByteRun& r) {
+    if (r.len == 0) return Problem::kEmpty;
+    if (!inside(src, r.src, r.len, src_hint)) return Problem::kSrcOutside;
+    if (!inside(dst, r.dst, r.len, dst_hint)) return Problem::kDstOutside;
+    follow(r.dst, r.dst + r.len);
+    return Problem::kNone;
+  }
+  // Destinations [first, end) come next.
+  void follow(std::uint64_t first, std::uint64_t end) {
+    if (any && first < dst_end) dst_sorted = false;
+    dst_end = end, any = true;
+  }
+};
+
+// Two runs that overlap by `key` (their index order), or (-1, -1).
 // (Sorted as (key, run) pairs: sorting run indices by a key read through them missed the
 // cache on every comparison, twice as slow on half a million runs.)
 template <class Key>
@@ -587,17 +611,12 @@ inline bool spans_meet(const std::vector<Span>& a, const std::vector<Span>& b) {
 inline Verdict validate_runs(const ByteRun* runs, std::size_t n, const std::vector<Span>& src,
                              const std::vector<Span>& dst) {
   Verdict v;
-  std::size_t src_hint = 0, dst_hint = 0;
-  bool dst_sorted = true;
+  detail::RunChecks checks{src, dst};
   for (std::size_t i = 0; i < n; ++i) {
-    const ByteRun& r = runs[i];
-    const auto at = static_cast<std::int64_t>(i);
-    if (r.len == 0) return {Problem::kEmpty, at, -1};
-    if (!detail::inside(src, r.src, r.len, src_hint)) return {Problem::kSrcOutside, at, -1};
-    if (!detail::inside(dst, r.dst, r.len, dst_hint)) return {Problem::kDstOutside, at, -1};
-    if (i > 0 && r.dst < runs[i - 1].dst + runs[i - 1].len) dst_sorted = false;
+    const Problem p = checks.check(runs[i]);
+    if (p != Problem::kNone) return {p, static_cast<std::int64_t>(i), -1};
   }
-  if (!dst_sorted) {  // maps come in destination order; anything else is sorted to check
+  if (!checks.dst_sorted) {  // maps come in destination order; anything else is sorted to check
     const auto [a, b] = detail::first_overlap(runs, n, [](const ByteRun& r) { return r.dst; });
     if (a >= 0) return {Problem::kDstOverlap, a, b};
   }
@@ -654,36 +673,29 @@ inline Verdict validate_groups(const RunGroup* groups, std::size_t n, const std:
                                const std::vector<Span>& dst) {
   constexpr std::size_t kChunk = 1024;
   ByteRun buf[kChunk];
-  std::size_t src_hint = 0, dst_hint = 0;
-  std::uint64_t at = 0, prev_end = 0;
-  bool dst_sorted = true;
+  detail::RunChecks checks{src, dst};
+  std::uint64_t at = 0;
   for (std::size_t g = 0; g < n; ++g) {
     const RunGroup& G = groups[g];
     const ByteRun first = G.run(0, 0), last = G.run(G.rows - 1, G.count - 1);
-    const bool ordered = G.len != 0 && detail::forward(G.src_step) && detail::forward(G.src_row) &&
-                         (G.count == 1 || G.dst_step >= G.len) &&
+    const bool forward = detail::forward(G.src_step) && detail::forward(G.src_row);
+    const bool ordered = G.len != 0 && forward && (G.count == 1 || G.dst_step >= G.len) &&
                          (G.rows == 1 || G.dst_row >= (G.count - 1) * G.dst_step + G.len);
-    if (ordered && detail::group_inside(src, first.src, last.src, G.len, src_hint) &&
-        detail::group_inside(dst, first.dst, last.dst, G.len, dst_hint)) {
-      if (at > 0 && first.dst < prev_end) dst_sorted = false;
-      prev_end = last.dst + G.len;
+    if (ordered && detail::group_inside(src, first.src, last.src, G.len, checks.src_hint) &&
+        detail::group_inside(dst, first.dst, last.dst, G.len, checks.dst_hint)) {
+      checks.follow(first.dst, last.dst + G.len);
       at += G.runs();
       continue;
     }
     GroupReader reader(&G, 1);
     for (std::size_t k; (k = reader.read(buf, kChunk)) != 0;) {
       for (std::size_t i = 0; i < k; ++i, ++at) {
-        const ByteRun& r = buf[i];
-        const auto run = static_cast<std::int64_t>(at);
-        if (r.len == 0) return {Problem::kEmpty, run, -1};
-        if (!detail::inside(src, r.src, r.len, src_hint)) return {Problem::kSrcOutside, run, -1};
-        if (!detail::inside(dst, r.dst, r.len, dst_hint)) return {Problem::kDstOutside, run, -1};
-        if (at > 0 && r.dst < prev_end) dst_sorted = false;
-        prev_end = r.dst + r.len;
+        const Problem p = checks.check(buf[i]);
+        if (p != Problem::kNone) return {p, static_cast<std::int64_t>(at), -1};
       }
     }
   }
-  if (dst_sorted && !detail::spans_meet(src, dst)) return {};
+  if (checks.dst_sorted && !detail::spans_meet(src, dst)) return {};
   std::vector<ByteRun> all(at);
   GroupReader(groups, n).read(all.data(), at);
   return validate_runs(all.data(), at, src, dst);

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "block_map.h"
 #include "stream_copy.h"
 
 namespace kvlayout::staging {
@@ -35,21 +36,23 @@ inline RunCheck check_runs(const ByteRun* runs, std::size_t n) {
   return {};
 }
 
-// The first of n rows [addr[i * as], + len[i * ls]) inside none of the sorted, disjoint
-// intervals [starts[k], ends[k]), or -1 (`hint`: rows that follow one another mostly
-// fall in the interval of the row before).
+// A side's memory as spans of one block each (the native engine's form of the sorted,
+// disjoint intervals [starts[k], ends[k]); empty ones hold nothing and are left out).
+inline std::vector<block_map::Span> interval_spans(const std::uint64_t* starts, const std::uint64_t* ends,
+                                                   std::size_t n) {
+  std::vector<block_map::Span> out;
+  for (std::size_t k = 0; k < n; ++k)
+    if (ends[k] > starts[k]) out.push_back({starts[k], ends[k] - starts[k], ends[k] - starts[k], 1});
+  return out;
+}
+
+// The first of n rows [addr[i * as], + len[i * ls]) inside none of `intervals`, or -1.
 inline std::int64_t first_outside(const std::uint64_t* addr, std::ptrdiff_t as, const std::uint64_t* len,
-                                  std::ptrdiff_t ls, std::size_t n, const std::uint64_t* starts,
-                                  const std::uint64_t* ends, std::size_t intervals) {
+                                  std::ptrdiff_t ls, std::size_t n, const std::vector<block_map::Span>& intervals) {
   std::size_t hint = 0;
   for (std::size_t i = 0; i < n; ++i) {
-    const std::uint64_t a = addr[static_cast<std::ptrdiff_t>(i) * as];
-    const std::uint64_t b = a + len[static_cast<std::ptrdiff_t>(i) * ls];
-    if (hint < intervals && starts[hint] <= a && b <= ends[hint] && a <= b) continue;
-    const std::uint64_t* it = std::upper_bound(starts, starts + intervals, a);
-    if (it == starts) return static_cast<std::int64_t>(i);
-    hint = static_cast<std::size_t>(it - starts) - 1;
-    if (b > ends[hint] || b < a) return static_cast<std::int64_t>(i);
+    const auto k = static_cast<std::ptrdiff_t>(i);
+    if (!block_map::detail::inside(intervals, addr[k * as], len[k * ls], hint)) return k;
   }
   return -1;
 }
@@ -79,20 +82,15 @@ struct Stretches {
 enum class Copies : int { kNone = 0, kToStaging = 1, kFromStaging = 2 };
 
 // `order` (n positions, or null for the runs' own order) lists the runs by address on
-// side `col`; `starts`/`ends` are that side's sorted, disjoint memory intervals. A stretch
-// that would cross from one interval into the next is cut into its runs. `copies_out`
-// (n rows, or null) gets the copies.
+// side `col`; `intervals` are that side's memory. A stretch that would cross from one
+// interval into the next is cut into its runs. `copies_out` (n rows, or null) gets the
+// copies.
 inline Stretches stretches(const ByteRun* runs, std::size_t n, const std::int64_t* order, int col,
-                           const std::uint64_t* starts, const std::uint64_t* ends, std::size_t intervals,
-                           std::uint64_t base, Copies copies, ByteRun* copies_out) {
+                           const std::vector<block_map::Span>& intervals, std::uint64_t base, Copies copies,
+                           ByteRun* copies_out) {
   Stretches out;
   const auto run = [&](std::size_t k) -> const ByteRun& { return runs[order ? order[k] : k]; };
-  // Whether [a, b) lies in one interval.
-  const auto within = [&](std::uint64_t a, std::uint64_t b) {
-    const std::uint64_t* it = std::upper_bound(starts, starts + intervals, a);
-    if (it == starts) return false;
-    return b <= ends[(it - starts) - 1];
-  };
+  std::size_t hint = 0;
   const auto open = [&](std::size_t k, std::uint64_t offset) {
     out.first.push_back(static_cast<std::int64_t>(k));
     out.at.push_back(on(run(k), col));
@@ -103,7 +101,7 @@ inline Stretches stretches(const ByteRun* runs, std::size_t n, const std::int64_
   std::size_t begin = 0;  // the current stretch's first position
   // The stretch [begin, end) is done: where it crosses intervals, its runs go alone.
   const auto close = [&](std::size_t end) {
-    if (end <= begin + 1 || within(out.at.back(), out.at.back() + out.bytes.back())) return;
+    if (end <= begin + 1 || block_map::detail::inside(intervals, out.at.back(), out.bytes.back(), hint)) return;
     const std::uint64_t staged = out.staged_at.back() - base;
     out.first.pop_back(), out.at.pop_back(), out.staged_at.pop_back(), out.bytes.pop_back();
     for (std::size_t j = begin, o = 0; j < end; o += run(j).len, ++j) open(j, staged + o);
