@@ -678,7 +678,8 @@ inline Verdict validate_groups(const RunGroup* groups, std::size_t n, const std:
   for (std::size_t g = 0; g < n; ++g) {
     const RunGroup& G = groups[g];
     const ByteRun first = G.run(0, 0), last = G.run(G.rows - 1, G.count - 1);
-    const bool forward = detail::forward(G.src_step) && detail::forward(G.src_row);
+    const bool forward = detail::forward(G.src_step) && detail::forward(G.src_row) &&
+                         detail::forward(G.dst_step) && detail::forward(G.dst_row);
     const bool ordered = G.len != 0 && forward && (G.count == 1 || G.dst_step >= G.len) &&
                          (G.rows == 1 || G.dst_row >= (G.count - 1) * G.dst_step + G.len);
     if (ordered && detail::group_inside(src, first.src, last.src, G.len, checks.src_hint) &&

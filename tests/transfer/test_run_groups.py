@@ -162,3 +162,4 @@ def test_validation_reads_back_every_group_that_could_leave_a_block() -> None:
     assert (
         check((s, d + 32, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0))[0] == 3
     )  # overlap
+    assert check((s, d + 64, 16, 3, 16, -8, 1, 0, 0))[0] == 3  # destinations stepping back over each other
