@@ -106,81 +106,98 @@ class TablePool {
 // starts where the row's next run would; a finished row continues the current group where
 // it has the group's row shape and starts where its next row would. The expansion of the
 // groups is the sequence of runs given, always; how compact it is depends on the pieces.
+//
+// The open group and the open row are built in place, in the table's next two rows (the
+// row in the one after the group): a row that starts a group becomes it where it lies, and
+// a group is finished by counting it. Kept apart and copied in, each copy read a group
+// back in 16-byte loads from the 8-byte stores just made, which the CPU cannot forward:
+// building in place took bench-maps' NHD -> HND with consecutive blocks (16,192 groups)
+// from 264-284 us to 177-243 us of native build (the two builds taking turns).
 class Grouper {
  public:
-  explicit Grouper(detail::Table<RunGroup>* table) : table_(table) {}
+  explicit Grouper(detail::Table<RunGroup>* table) : table_(table) { reserve(); }
 
+  // The groups finished (all of them, after finish()).
   std::size_t used() const { return used_; }
 
   // `count` runs (src + i * src_step, dst + i * dst_step, len).
   void add(std::uint64_t src, std::uint64_t dst, std::uint64_t len, std::uint64_t count, std::uint64_t src_step,
            std::uint64_t dst_step) {
     if (count == 1) src_step = dst_step = 0;
-    if (row_.count != 0 && len == row_.len) {
-      const bool stepped = row_.count >= 2;
-      const std::uint64_t ss = stepped ? row_.src_step : count >= 2 ? src_step : src - row_.src;
-      const std::uint64_t ds = stepped ? row_.dst_step : count >= 2 ? dst_step : dst - row_.dst;
-      if ((count == 1 || (src_step == ss && dst_step == ds)) && src == row_.src + row_.count * ss &&
-          dst == row_.dst + row_.count * ds) {
-        row_.count += count, row_.src_step = ss, row_.dst_step = ds;
-        return;
+    if (has_row_) {
+      RunGroup& row = table_->rows[used_ + has_group_];
+      if (len == row.len) {
+        const bool stepped = row.count >= 2;
+        const std::uint64_t ss = stepped ? row.src_step : count >= 2 ? src_step : src - row.src;
+        const std::uint64_t ds = stepped ? row.dst_step : count >= 2 ? dst_step : dst - row.dst;
+        if ((count == 1 || (src_step == ss && dst_step == ds)) && src == row.src + row.count * ss &&
+            dst == row.dst + row.count * ds) {
+          row.count += count, row.src_step = ss, row.dst_step = ds;
+          return;
+        }
       }
+      end_row();
     }
-    end_row();
-    row_ = RunGroup{src, dst, len, count, src_step, dst_step, 1, 0, 0};
+    table_->rows[used_ + has_group_] = RunGroup{src, dst, len, count, src_step, dst_step, 1, 0, 0};
+    has_row_ = true;
   }
 
   // A whole group (its rows complete).
   void add_group(const RunGroup& g) {
     end_row();
-    if (!append_rows(g)) {
-      end_group();
-      group_ = g;
-      if (group_.rows == 1) group_.src_row = group_.dst_row = 0;
-    }
+    if (has_group_ && append_rows(table_->rows[used_], g)) return;
+    if (has_group_) next_group();
+    RunGroup& open = table_->rows[used_];
+    open = g;
+    if (g.rows == 1) open.src_row = open.dst_row = 0;
+    has_group_ = true;
   }
 
   void finish() {
     end_row();
-    end_group();
+    if (has_group_) ++used_, has_group_ = false;
   }
 
  private:
-  // The current row joins the group, or starts the next one.
+  // The open row joins the open group, or becomes the next one where it lies.
   void end_row() {
-    if (row_.count == 0) return;
-    if (!append_rows(row_)) {
-      end_group();
-      group_ = row_;
+    if (!has_row_) return;
+    has_row_ = false;
+    if (!has_group_) {
+      has_group_ = true;
+      return;
     }
-    row_.count = 0;
+    if (!append_rows(table_->rows[used_], table_->rows[used_ + 1])) next_group();
   }
 
-  // Appends g's rows to the group if they continue it.
-  bool append_rows(const RunGroup& g) {
-    if (group_.rows == 0 || g.len != group_.len || g.count != group_.count || g.src_step != group_.src_step ||
-        g.dst_step != group_.dst_step)
+  // Appends g's rows to `group` if they continue it.
+  static bool append_rows(RunGroup& group, const RunGroup& g) {
+    if (g.len != group.len || g.count != group.count || g.src_step != group.src_step || g.dst_step != group.dst_step)
       return false;
-    const bool stepped = group_.rows >= 2;
-    const std::uint64_t sr = stepped ? group_.src_row : g.rows >= 2 ? g.src_row : g.src - group_.src;
-    const std::uint64_t dr = stepped ? group_.dst_row : g.rows >= 2 ? g.dst_row : g.dst - group_.dst;
+    const bool stepped = group.rows >= 2;
+    const std::uint64_t sr = stepped ? group.src_row : g.rows >= 2 ? g.src_row : g.src - group.src;
+    const std::uint64_t dr = stepped ? group.dst_row : g.rows >= 2 ? g.dst_row : g.dst - group.dst;
     if (g.rows >= 2 && (g.src_row != sr || g.dst_row != dr)) return false;
-    if (g.src != group_.src + group_.rows * sr || g.dst != group_.dst + group_.rows * dr) return false;
-    group_.rows += g.rows, group_.src_row = sr, group_.dst_row = dr;
+    if (g.src != group.src + group.rows * sr || g.dst != group.dst + group.rows * dr) return false;
+    group.rows += g.rows, group.src_row = sr, group.dst_row = dr;
     return true;
   }
 
-  void end_group() {
-    if (group_.rows == 0) return;
-    if (used_ == table_->size) table_->resize(2 * table_->size + 256);
-    table_->rows[used_++] = group_;
-    group_.rows = 0;
+  // Finishes the open group: the row after it (if any) is the open group now.
+  void next_group() {
+    ++used_;
+    reserve();
+  }
+
+  // Room for the open group and the open row.
+  void reserve() {
+    if (used_ + 2 > table_->size) table_->resize(2 * table_->size + 256);
   }
 
   detail::Table<RunGroup>* table_;
-  std::size_t used_ = 0;
-  RunGroup row_{0, 0, 0, 0, 0, 0, 1, 0, 0};    // count 0: no row
-  RunGroup group_{0, 0, 0, 0, 0, 0, 0, 0, 0};  // rows 0: no group
+  std::size_t used_ = 0;     // groups finished: rows [0, used_) of the table
+  bool has_group_ = false;   // row used_ is the open group
+  bool has_row_ = false;     // row used_ + has_group_ is the open row
 };
 
 // Reads the runs of a table of groups back in order, a buffer at a time, from any run.
