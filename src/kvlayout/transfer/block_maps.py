@@ -403,6 +403,13 @@ class _Pair:
     dst_shard: Shard | None
 
 
+@functools.lru_cache(maxsize=64)
+def _whole(heads: int) -> Shard:
+    """TP 1 over ``heads`` heads (a Shard is immutable: one per head count serves every
+    map; validating a new one was a twentieth of a map's build)."""
+    return Shard(0, 1, heads)
+
+
 def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
     if shard is not None and not isinstance(shard, Shard):
         raise TypeError(f"{where}_shard must be a kvlayout.transfer.Shard, not {type(shard).__name__}")
@@ -413,7 +420,7 @@ def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
     if not side.has_heads:
         return shard  # latents: every rank holds them whole
     if shard is None:
-        return Shard(0, 1, side.heads)
+        return _whole(side.heads)
     if len(shard.heads) != side.heads:
         raise ShardError(
             f"{where}_shard {shard} holds {len(shard.heads)} KV heads, but the {where} cache has "
