@@ -49,6 +49,23 @@ def test_groups_read_back_as_the_runs_given(runs: np.ndarray) -> None:
     assert 1 <= len(groups) <= len(runs)
 
 
+def test_groups_read_back_past_the_tables_growth() -> None:
+    """Thousands of groups (the builder's table grows while its open group and row sit in
+    its last rows): stretches that join into rows and groups, and lone runs between."""
+    rng = random.Random(7)
+    out: list[tuple[int, int, int]] = []
+    for k in range(3000):
+        s, d, n = rng.randrange(2**40), rng.randrange(2**40), rng.choice([8, 256])
+        rows, count = (1, 1) if k % 3 else (rng.randint(1, 3), rng.randint(2, 4))
+        out += [
+            (s + r * 65536 + i * 2 * n, d + r * 4096 + i * n, n) for r in range(rows) for i in range(count)
+        ]
+    runs = np.array(out, dtype=np.uint64)
+    groups = _native.group_runs(runs)
+    assert len(groups) > 1000  # two lone runs of one length may make a row
+    assert np.array_equal(_native.expand_groups(groups), runs)
+
+
 def test_a_tile_given_run_by_run_is_one_group() -> None:
     """8 rows (heads) of 16 runs (slots): one group, its steps from the runs."""
     runs = [(1000 + h * 256 + t * 2048, 50000 + h * 4096 + t * 256, 256) for h in range(8) for t in range(16)]
