@@ -83,15 +83,16 @@ inline constexpr std::uint64_t kPageLead = 32 << 10;
 // was short).
 inline constexpr std::uint64_t kLineLead = 16 << 10;
 
-// Prefetches the source lines of the range being copied and of the next one, kLineLead
-// bytes ahead of the copy: for a source that jumps, where the hardware prefetcher would
-// start over. Positions count bytes of the current range, then on into the next; a range
-// given as source 0 is passed over without prefetching (a source that streams on from the
-// last, which the hardware prefetcher already follows).
-class LineCursor {
+// A cursor over the range being copied and the next one, kLead bytes ahead of the copy,
+// calling touch() once per kGrain-byte unit of memory it passes (at the range's first
+// byte, then at each unit's start). Positions count bytes of the current range, then on
+// into the next; a range given as address 0 is passed over (one that streams on from the
+// last, or whose bytes do not lie back to back, so positions do not map to addresses).
+template <std::uint64_t kGrain, std::uint64_t kLead, void (*touch)(std::uint64_t)>
+class RangeCursor {
  public:
   // The range after the current one.
-  void next(std::uint64_t source, std::uint64_t bytes) { next_ = {source, bytes}; }
+  void next(std::uint64_t address, std::uint64_t bytes) { next_ = {address, bytes}; }
 
   // The current range (of `bytes`) is copied: the next one becomes current.
   void advance(std::uint64_t bytes) {
@@ -102,70 +103,36 @@ class LineCursor {
 
   // The copy has done `done` bytes of the current range.
   void up_to(std::uint64_t done) {
-    const std::uint64_t limit = std::min(done + kLineLead, current_.bytes + next_.bytes);
+    const std::uint64_t limit = std::min(done + kLead, current_.bytes + next_.bytes);
     while (issued_ < limit) {
       const bool in_current = issued_ < current_.bytes;
       const Range& r = in_current ? current_ : next_;
       const std::uint64_t offset = in_current ? issued_ : issued_ - current_.bytes;
-      if (r.source == 0) {
+      if (r.address == 0) {
         issued_ += r.bytes - offset;
         continue;
       }
-      prefetch_line(r.source + offset);
-      issued_ += kLine;
-    }
-  }
-
- private:
-  static constexpr std::uint64_t kLine = 64;
-  struct Range {
-    std::uint64_t source = 0;
-    std::uint64_t bytes = 0;
-  };
-  Range current_, next_;
-  std::uint64_t issued_ = 0;  // bytes of the current range, then the next, prefetched
-};
-
-// Touches one line of each destination page of the range being copied and of the next
-// one, kPageLead bytes ahead of the copy (positions as in LineCursor): for the page walks.
-// A range given as destination 0 is passed over (one that streams on from the last, or
-// whose bytes do not lie back to back, so positions do not map to addresses).
-class PageCursor {
- public:
-  // The range after the current one.
-  void next(std::uint64_t destination, std::uint64_t bytes) { next_ = {destination, bytes}; }
-
-  // The current range (of `bytes`) is copied: the next one becomes current.
-  void advance(std::uint64_t bytes) {
-    issued_ = issued_ > bytes ? issued_ - bytes : 0;
-    current_ = next_;
-    next_ = {};
-  }
-
-  // The copy has done `done` bytes of the current range.
-  void up_to(std::uint64_t done) {
-    const std::uint64_t limit = std::min(done + kPageLead, current_.bytes + next_.bytes);
-    while (issued_ < limit) {
-      const bool in_current = issued_ < current_.bytes;
-      const Range& r = in_current ? current_ : next_;
-      const std::uint64_t offset = in_current ? issued_ : issued_ - current_.bytes;
-      if (r.destination == 0) {
-        issued_ += r.bytes - offset;
-        continue;
-      }
-      prefetch_destination(r.destination + offset);
-      issued_ += std::min(r.bytes - offset, kPage - (r.destination + offset) % kPage);
+      touch(r.address + offset);
+      issued_ += std::min(r.bytes - offset, kGrain - (r.address + offset) % kGrain);
     }
   }
 
  private:
   struct Range {
-    std::uint64_t destination = 0;
+    std::uint64_t address = 0;
     std::uint64_t bytes = 0;
   };
   Range current_, next_;
   std::uint64_t issued_ = 0;  // bytes of the current range, then the next, touched
 };
+
+// Prefetches every source line of a range that jumps, where the hardware prefetcher would
+// start over (given the source, or 0 for one that streams on from the last).
+using LineCursor = RangeCursor<64, kLineLead, prefetch_line>;
+
+// Touches one line of each destination page, for the page walks (given the destination,
+// or 0 for one that streams on or is not back to back).
+using PageCursor = RangeCursor<kPage, kPageLead, prefetch_destination>;
 
 struct PlainCopy {
   static void copy(char* dst, const char* src, std::size_t n) { std::memcpy(dst, src, n); }
