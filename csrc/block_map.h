@@ -87,6 +87,20 @@ struct Built {
 
 namespace detail {
 
+// A tile's shape: `rows` rows, (sr, dr) apart, of `count` runs of n bytes, (ss, ds) apart.
+struct Tile {
+  std::uint64_t n, count, ss, ds, rows, sr, dr;
+
+  // Whether Cursor::emit_tile() keeps tiles of this shape whole (no run of one merges with
+  // the next run of it, nor comes before it in the destination), with three rows of three
+  // runs at least: the tiles next_tile() follows on with.
+  bool regular() const {
+    const std::uint64_t row_dst_span = (count - 1) * ds + n, row_src_span = (count - 1) * ss + n;
+    return rows >= 3 && count >= 3 && ds >= n && !(ss == n && ds == n) && dr >= row_dst_span &&
+           !(dr == row_dst_span && sr == row_src_span);
+  }
+};
+
 // Where finished runs go and the run being grown. Each emission merges into the current
 // run where both sides continue it; a run never crosses from one tensor into another on
 // either side (enter() ends the run where a leaf's tensors differ). A plain value: the
@@ -179,6 +193,48 @@ struct Cursor {
     row_src = s + last * sr, row_dst = d + last * dr, row_count = count - 1, row_ss = ss, row_ds = ds;
     src = row_src + (count - 1) * ss, dst = row_dst + (count - 1) * ds, len = n;
   }
+  // Whether the last emission was a tile of regular shape t as emit_tile() (or
+  // next_tile()) leaves one: its last run current, its last row less that run held back,
+  // and the Grouper's open group one that this row continues.
+  bool after_tile(const Tile& t) const {
+    if constexpr (kTrackTensors) return false;
+    if (len != t.n || row_count != t.count - 1 || row_ss != t.ss || row_ds != t.ds || !groups->settled() ||
+        src != row_src + (t.count - 1) * t.ss || dst != row_dst + (t.count - 1) * t.ds)
+      return false;
+    const RunGroup& g = groups->open();
+    return g.len == t.n && g.count == t.count && g.src_step == t.ss && g.dst_step == t.ds &&
+           (g.rows == 1 || (g.src_row == t.sr && g.dst_row == t.dr)) && row_src == g.src + g.rows * t.sr &&
+           row_dst == g.dst + g.rows * t.dr;
+  }
+  // emit_tile(s, d, t...) right after a tile of the same shape (after_tile(t)): the same
+  // groups, written straight into the Grouper (emit_tile's bookkeeping cost twice the
+  // walk of a permuted map). Either the tile's first run continues the last one (blocks
+  // consecutive on both sides): the held row closes short of it, the two runs are one,
+  // then the rest of the tile's first row and its middle rows, the last row held back; or
+  // the held row completes the open group and the tile's rows but the last continue it
+  // or start the next.
+  void next_tile(const Tile& t, std::uint64_t s, std::uint64_t d) {
+    if constexpr (!kTrackTensors) {
+      if (s == src + len && d == dst + len) {
+        groups->push(RunGroup{row_src, row_dst, t.n, t.count - 1, t.ss, t.ds, 1, 0, 0});
+        groups->push(RunGroup{src, dst, 2 * t.n, 1, 0, 0, 1, 0, 0});
+        groups->push(RunGroup{s + t.ss, d + t.ds, t.n, t.count - 1, t.ss, t.ds, 1, 0, 0});
+        const bool stepped = t.rows > 3;
+        groups->push(RunGroup{s + t.sr, d + t.dr, t.n, t.count, t.ss, t.ds, t.rows - 2, stepped ? t.sr : 0,
+                              stepped ? t.dr : 0});
+      } else {
+        in_order &= d >= dst + len;
+        RunGroup& g = groups->open();
+        g.rows += 1, g.src_row = t.sr, g.dst_row = t.dr;
+        if (s == g.src + g.rows * t.sr && d == g.dst + g.rows * t.dr)
+          g.rows += t.rows - 1;
+        else
+          groups->push(RunGroup{s, d, t.n, t.count, t.ss, t.ds, t.rows - 1, t.sr, t.dr});
+      }
+      row_src = s + (t.rows - 1) * t.sr, row_dst = d + (t.rows - 1) * t.dr;
+      src = row_src + (t.count - 1) * t.ss, dst = row_dst + (t.count - 1) * t.ds;
+    }
+  }
   void flush() {
     if constexpr (kTrackTensors) {
       if (out == limit) out = grow(table, src_table, dst_table, used()), limit = table->rows + table->size;
@@ -224,9 +280,11 @@ struct At {
 template <bool kTrackTensors>
 class Walker {
  public:
+  // `one_by_one`: every tile through emit_tile(), none through next_tile() (tests hold
+  // both to one answer).
   Walker(const Request& q, const std::vector<std::int64_t>& positions, const std::vector<std::uint64_t>& src_tok,
-         const std::vector<std::uint64_t>& dst_tok, Cursor<kTrackTensors> cursor)
-      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), cursor_(cursor) {
+         const std::vector<std::uint64_t>& dst_tok, Cursor<kTrackTensors> cursor, bool one_by_one = false)
+      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), cursor_(cursor), one_by_one_(one_by_one) {
     // The first source block boundary after each destination block's first token: a
     // division per block here, none per emission.
     boundary_.resize(positions.size());
@@ -314,15 +372,41 @@ class Walker {
   }
   [[gnu::always_inline]] void emit_tiles(Cursor<kTrackTensors>& c) const {
     const At a = at(c, 0);
+    for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
+      const Tile t = tile(a, static_cast<std::uint64_t>(stop - p));
+      c.emit_tile(a.src + a.src_tok[p], a.dst + a.dst_tok[p], t.n, t.count, t.ss, t.ds, t.rows, t.sr, t.dr);
+    });
+  }
+  // The tile of `slots` slots of the slab at `a`.
+  Tile tile(const At& a, std::uint64_t slots) const {
     const std::uint64_t width = slab_->width, heads = static_cast<std::uint64_t>(q_.heads);
     const std::uint64_t sh = slab_->src_head_stride, dh = slab_->dst_head_stride;
-    for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
-      const std::uint64_t s = a.src + a.src_tok[p], d = a.dst + a.dst_tok[p], n = static_cast<std::uint64_t>(stop - p);
-      if (q_.order[2] == kHead)  // heads outside slots: the segment's slots are a row, one per head
-        c.emit_tile(s, d, width, n, a.src_slot, a.dst_slot, heads, sh, dh);
-      else
-        c.emit_tile(s, d, width, heads, sh, dh, n, a.src_slot, a.dst_slot);
-    });
+    if (q_.order[2] == kHead)  // heads outside slots: the slots are a row, one per head
+      return Tile{width, slots, a.src_slot, a.dst_slot, heads, sh, dh};
+    return Tile{width, heads, sh, dh, slots, a.src_slot, a.dst_slot};
+  }
+  // The block level over tiles: a full destination block within one source block is one
+  // tile of the slab's block shape, and one that follows such a tile goes to next_tile();
+  // the rest (and the first) go to emit_tiles().
+  void tiles_by_block() {
+    Cursor<kTrackTensors> c = cursor_;
+    const At a = at(c, 0);
+    const std::int64_t bs = q_.dst_block_size;
+    const Tile t = tile(a, static_cast<std::uint64_t>(bs));
+    const bool regular = !one_by_one_ && t.regular();
+    bool follows = false;
+    for (const std::int64_t pos : positions_) {
+      position_ = pos;
+      const std::int64_t first = pos * bs;
+      const bool whole = regular && first + bs <= q_.tokens && boundary_[pos] >= first + bs;
+      if (whole && follows) {
+        c.next_tile(t, a.src + a.src_tok[first], a.dst + a.dst_tok[first]);
+        continue;
+      }
+      emit_tiles(c);
+      follows = whole && c.after_tile(t);
+    }
+    cursor_ = c;
   }
 
   // Levels d..3 fold into emissions: the slot level (if folded) by segments of tokens that
@@ -388,6 +472,9 @@ class Walker {
         return;
       }
       case kBlock:
+        if constexpr (!kTrackTensors) {
+          if (tiled(d + 1)) return tiles_by_block();
+        }
         return loop(d, static_cast<std::int64_t>(positions_.size()), positions_.data(),
                     [this](std::int64_t pos) { position_ = pos; });
       case kSlot: {
@@ -405,6 +492,7 @@ class Walker {
   const std::vector<std::uint64_t>& dst_tok_;
   Cursor<kTrackTensors> cursor_;
   std::vector<std::int64_t> boundary_;  // by destination block position
+  const bool one_by_one_;
   const Slab* slab_ = nullptr;
   bool slab_set_ = false;
   std::int64_t group_ = 0, position_ = 0, token_ = 0, head_ = 0;
@@ -464,8 +552,9 @@ inline Built take(Table<RunGroup>&& table, std::size_t n, bool walked_in_order) 
 }  // namespace detail
 
 // The runs of one request, as groups. `force_sort` takes the sorting path even when the
-// walk is in destination order (tests hold both paths to the same answer).
-inline Built build_groups(const Request& q, bool force_sort = false) {
+// walk is in destination order, `tiles_one_by_one` the general path for every tile (tests
+// hold each path to the same answer).
+inline Built build_groups(const Request& q, bool force_sort = false, bool tiles_one_by_one = false) {
   if (q.tokens <= 0 || q.heads <= 0 || q.num_groups <= 0) return Built{};
   const std::int64_t dst_positions = (q.tokens + q.dst_block_size - 1) / q.dst_block_size;
   std::vector<std::int64_t> positions(static_cast<std::size_t>(dst_positions));
@@ -480,7 +569,8 @@ inline Built build_groups(const Request& q, bool force_sort = false) {
   if (!force_sort) {
     Grouper groups(&table);
     const auto end =
-        detail::Walker<false>(q, positions, src_tok, dst_tok, {&groups, nullptr, nullptr, nullptr}).run();
+        detail::Walker<false>(q, positions, src_tok, dst_tok, {&groups, nullptr, nullptr, nullptr}, tiles_one_by_one)
+            .run();
     if (end.in_order) {
       groups.finish();
       return detail::take(std::move(table), groups.used(), true);

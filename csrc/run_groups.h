@@ -158,6 +158,18 @@ class Grouper {
     if (has_group_) ++used_, has_group_ = false;
   }
 
+  // Whether a group is open and no row: then open() is the group the next rows would
+  // join, and push() closes it.
+  bool settled() const { return has_group_ && !has_row_; }
+  // The open group (settled() only).
+  RunGroup& open() { return table_->rows[used_]; }
+  // Closes the open group; `g` (its rows complete, as add_group() would keep it) is the
+  // open group now (settled() only).
+  void push(const RunGroup& g) {
+    next_group();
+    table_->rows[used_] = g;
+  }
+
  private:
   // The open row joins the open group, or becomes the next one where it lies.
   void end_row() {

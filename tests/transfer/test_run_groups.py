@@ -108,6 +108,41 @@ def test_a_permuted_map_is_a_tile_per_block() -> None:
     _one_tile_per_block(HND, NHD)
 
 
+@pytest.mark.parametrize(("src_fmt", "dst_fmt"), [(NHD, HND), (HND, NHD)])
+@pytest.mark.parametrize(
+    ("heads", "bs", "dst_bs"), [(3, 3, 3), (4, 16, 16), (8, 4, 4), (4, 16, 8), (3, 4, 8)]
+)
+@pytest.mark.parametrize("ids", ["consecutive", "scattered", "runs of two", "reversed"])
+def test_tiles_after_tiles_are_the_general_paths_groups(
+    src_fmt: F, dst_fmt: F, heads: int, bs: int, dst_bs: int, ids: str
+) -> None:
+    """A tile after a tile of its shape is written straight into the Grouper (its first
+    run continuing the last, or not; its rows continuing the open group, or not): the
+    groups are those of the general path run tile by tile, whatever the block ids, with a
+    partial last block and source blocks that are not the destination's."""
+    blocks, tokens = 12, 5 * 16 + 1
+
+    def side(fmt: F, block_size: int) -> object:
+        nb = blocks * 16 // block_size
+        shape = (2, nb, block_size, heads, 8) if fmt == NHD else (2, nb, heads, block_size, 8)
+        return vllm(*shape, fmt=fmt)
+
+    src, dst = side(src_fmt, bs), side(dst_fmt, dst_bs)
+    n_src, n_dst = -(-tokens // bs), -(-tokens // dst_bs)
+    orders = {
+        "consecutive": lambda n, pool: list(range(n)),
+        "scattered": lambda n, pool: random.Random(n).sample(range(pool), n),
+        "runs of two": lambda n, pool: [2 * (i // 2) * 2 + i % 2 for i in range(n)],
+        "reversed": lambda n, pool: list(range(pool - 1, pool - 1 - n, -1)),
+    }
+    src_ids = orders[ids](n_src, blocks * 16 // bs)
+    dst_ids = orders[ids](n_dst, blocks * 16 // dst_bs)
+    m = block_map(src, dst, src_ids, dst_ids, num_tokens=tokens)
+    general, _ = m._build_groups(force_sort=False, tiles_one_by_one=True)
+    assert np.array_equal(m._groups, general)
+    assert np.array_equal(m.runs, _native.expand_groups(general))
+
+
 @settings(max_examples=100, deadline=None)
 @given(
     st.lists(st.tuples(st.integers(1, 300), st.integers(1, 6), st.integers(1, 4)), min_size=1, max_size=12),
