@@ -280,8 +280,8 @@ struct At {
 template <bool kTrackTensors>
 class Walker {
  public:
-  // `one_by_one`: every tile through emit_tile(), none through next_tile() (tests hold
-  // both to one answer).
+  // `one_by_one`: every block through the general walk (emit_leaf()), none through the
+  // block loops that serve whole blocks (tests hold both to one answer).
   Walker(const Request& q, const std::vector<std::int64_t>& positions, const std::vector<std::uint64_t>& src_tok,
          const std::vector<std::uint64_t>& dst_tok, Cursor<kTrackTensors> cursor, bool one_by_one = false)
       : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), cursor_(cursor), one_by_one_(one_by_one) {
@@ -385,6 +385,23 @@ class Walker {
       return Tile{width, slots, a.src_slot, a.dst_slot, heads, sh, dh};
     return Tile{width, heads, sh, dh, slots, a.src_slot, a.dst_slot};
   }
+  // The block level over a slab whose slot and head levels fold: a full destination block
+  // within one source block is one emission of all its bytes; the rest go to folded().
+  void folded_by_block() {
+    Cursor<kTrackTensors> c = cursor_;
+    const At a = at(c, 0);
+    const std::int64_t bs = q_.dst_block_size;
+    const std::uint64_t bytes = slab_->width * static_cast<std::uint64_t>(q_.heads * bs);
+    for (const std::int64_t pos : positions_) {
+      position_ = pos;
+      const std::int64_t first = pos * bs;
+      if (first + bs <= q_.tokens && boundary_[pos] >= first + bs)
+        c.emit(a.src + a.src_tok[first], a.dst + a.dst_tok[first], bytes);
+      else
+        folded(2, c);
+    }
+    cursor_ = c;
+  }
   // The block level over tiles: a full destination block within one source block is one
   // tile of the slab's block shape, and one that follows such a tile goes to next_tile();
   // the rest (and the first) go to emit_tiles().
@@ -472,6 +489,7 @@ class Walker {
         return;
       }
       case kBlock:
+        if (d == 1 && slab_set_ && slab_->tail >= 2 && !one_by_one_) return folded_by_block();
         if constexpr (!kTrackTensors) {
           if (tiled(d + 1)) return tiles_by_block();
         }
@@ -552,9 +570,9 @@ inline Built take(Table<RunGroup>&& table, std::size_t n, bool walked_in_order) 
 }  // namespace detail
 
 // The runs of one request, as groups. `force_sort` takes the sorting path even when the
-// walk is in destination order, `tiles_one_by_one` the general path for every tile (tests
-// hold each path to the same answer).
-inline Built build_groups(const Request& q, bool force_sort = false, bool tiles_one_by_one = false) {
+// walk is in destination order, `blocks_one_by_one` the general walk for every block
+// (tests hold each path to the same answer).
+inline Built build_groups(const Request& q, bool force_sort = false, bool blocks_one_by_one = false) {
   if (q.tokens <= 0 || q.heads <= 0 || q.num_groups <= 0) return Built{};
   const std::int64_t dst_positions = (q.tokens + q.dst_block_size - 1) / q.dst_block_size;
   std::vector<std::int64_t> positions(static_cast<std::size_t>(dst_positions));
@@ -569,7 +587,7 @@ inline Built build_groups(const Request& q, bool force_sort = false, bool tiles_
   if (!force_sort) {
     Grouper groups(&table);
     const auto end =
-        detail::Walker<false>(q, positions, src_tok, dst_tok, {&groups, nullptr, nullptr, nullptr}, tiles_one_by_one)
+        detail::Walker<false>(q, positions, src_tok, dst_tok, {&groups, nullptr, nullptr, nullptr}, blocks_one_by_one)
             .run();
     if (end.in_order) {
       groups.finish();

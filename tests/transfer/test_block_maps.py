@@ -152,8 +152,8 @@ def check_map(
     sa, da, st_, dt = s_addr[order], d_addr[order], s_ptr[order], d_ptr[order]
     cont = (da[1:] == da[:-1] + 1) & (sa[1:] == sa[:-1] + 1) & (st_[1:] == st_[:-1]) & (dt[1:] == dt[:-1])
     assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
-    one_by_one, _ = m._build_groups(force_sort=False, tiles_one_by_one=True)
-    assert np.array_equal(m._groups, one_by_one)  # tiles after tiles: the groups of the general path
+    one_by_one, _ = m._build_groups(force_sort=False, blocks_one_by_one=True)
+    assert np.array_equal(m._groups, one_by_one)  # whole blocks: the groups of the general walk
     sorted_path = m._build(force_sort=True)
     key = np.lexsort((m.runs[:, 1],))
     assert np.array_equal(m.runs[key], sorted_path[np.lexsort((sorted_path[:, 1],))])

@@ -605,15 +605,15 @@ class BlockMap:
         """The kind, with the numbers: which heads, which block sizes, which orders."""
         return self._kind_and_reason[1]
 
-    def _build_groups(self, force_sort: bool, tiles_one_by_one: bool = False) -> tuple[np.ndarray, int]:
+    def _build_groups(self, force_sort: bool, blocks_one_by_one: bool = False) -> tuple[np.ndarray, int]:
         """The groups from the native builder and the runs they hold; ``force_sort`` takes
-        its sorting path, ``tiles_one_by_one`` its general path for every tile (tests hold
+        its sorting path, ``blocks_one_by_one`` its general walk for every block (tests hold
         each path to one answer)."""
         p, (src_ids, dst_ids) = self._pair, self._ids
         groups, num_runs, _ = _native.build_groups(
             p.slabs, p.group_starts, p.order, len(p.heads), self.num_tokens,
             src_ids, self.src.block_size, dst_ids, self.dst.block_size, p.src_classes, p.dst_classes,
-            force_sort, tiles_one_by_one,
+            force_sort, blocks_one_by_one,
         )  # fmt: skip
         groups.setflags(write=False)
         return groups, int(num_runs)
