@@ -385,45 +385,59 @@ class Walker {
       return Tile{width, slots, a.src_slot, a.dst_slot, heads, sh, dh};
     return Tile{width, heads, sh, dh, slots, a.src_slot, a.dst_slot};
   }
-  // The block level over a slab whose slot and head levels fold: a full destination block
-  // within one source block is one emission of all its bytes; the rest go to folded().
-  void folded_by_block() {
+  // The block level over a leaf at level 2 (the slab level outside it): a full
+  // destination block within one source block has the slab's block shape, so it goes to
+  // whole(c, first token) with nothing recomputed; the others to emit_leaf(2) and then
+  // other(). One cursor in registers throughout, as loop() keeps one.
+  template <class Whole, class Other>
+  [[gnu::always_inline]] void by_block(Whole whole, Other other) {
     Cursor<kTrackTensors> c = cursor_;
-    const At a = at(c, 0);
     const std::int64_t bs = q_.dst_block_size;
-    const std::uint64_t bytes = slab_->width * static_cast<std::uint64_t>(q_.heads * bs);
     for (const std::int64_t pos : positions_) {
       position_ = pos;
       const std::int64_t first = pos * bs;
-      if (first + bs <= q_.tokens && boundary_[pos] >= first + bs)
-        c.emit(a.src + a.src_tok[first], a.dst + a.dst_tok[first], bytes);
-      else
-        folded(2, c);
+      if (first + bs <= q_.tokens && boundary_[pos] >= first + bs) {
+        whole(c, first);
+      } else {
+        emit_leaf(2, c);
+        other();
+      }
     }
     cursor_ = c;
   }
-  // The block level over tiles: a full destination block within one source block is one
-  // tile of the slab's block shape, and one that follows such a tile goes to next_tile();
-  // the rest (and the first) go to emit_tiles().
+  // Blocks whose slot and head levels fold (tail 2): one emission of all the block's bytes.
+  void folded_by_block() {
+    const At a = at(cursor_, 0);
+    const std::uint64_t bytes = slab_->width * static_cast<std::uint64_t>(q_.heads * q_.dst_block_size);
+    by_block([&](Cursor<kTrackTensors>& c, std::int64_t first)
+                 __attribute__((always_inline)) { c.emit(a.src + a.src_tok[first], a.dst + a.dst_tok[first], bytes); },
+             [] {});
+  }
+  // Blocks whose slot level holds only a folded head level (tail 1): a row of a run per slot.
+  void rows_by_block() {
+    const At a = at(cursor_, 0);
+    const std::uint64_t unit = slab_->width * static_cast<std::uint64_t>(q_.heads);
+    const auto slots = static_cast<std::uint64_t>(q_.dst_block_size);
+    by_block(
+        [&](Cursor<kTrackTensors>& c, std::int64_t first) __attribute__((always_inline)) {
+          c.emit_row(a.src + a.src_tok[first], a.dst + a.dst_tok[first], unit, slots, a.src_slot, a.dst_slot);
+        },
+        [] {});
+  }
+  // Blocks as tiles (slot and head levels, neither folded): a tile that follows a tile of
+  // the block shape goes to next_tile(); the rest, and the first, to emit_tiles().
   void tiles_by_block() {
-    Cursor<kTrackTensors> c = cursor_;
-    const At a = at(c, 0);
-    const std::int64_t bs = q_.dst_block_size;
-    const Tile t = tile(a, static_cast<std::uint64_t>(bs));
-    const bool regular = !one_by_one_ && t.regular();
+    const At a = at(cursor_, 0);
+    const Tile t = tile(a, static_cast<std::uint64_t>(q_.dst_block_size));
+    const bool regular = t.regular();
     bool follows = false;
-    for (const std::int64_t pos : positions_) {
-      position_ = pos;
-      const std::int64_t first = pos * bs;
-      const bool whole = regular && first + bs <= q_.tokens && boundary_[pos] >= first + bs;
-      if (whole && follows) {
-        c.next_tile(t, a.src + a.src_tok[first], a.dst + a.dst_tok[first]);
-        continue;
-      }
-      emit_tiles(c);
-      follows = whole && c.after_tile(t);
-    }
-    cursor_ = c;
+    by_block(
+        [&](Cursor<kTrackTensors>& c, std::int64_t first) __attribute__((always_inline)) {
+          if (follows) return c.next_tile(t, a.src + a.src_tok[first], a.dst + a.dst_tok[first]);
+          emit_tiles(c);
+          follows = regular && c.after_tile(t);
+        },
+        [&] { follows = false; });
   }
 
   // Levels d..3 fold into emissions: the slot level (if folded) by segments of tokens that
@@ -489,9 +503,10 @@ class Walker {
         return;
       }
       case kBlock:
-        if (d == 1 && slab_set_ && slab_->tail >= 2 && !one_by_one_) return folded_by_block();
-        if constexpr (!kTrackTensors) {
-          if (tiled(d + 1)) return tiles_by_block();
+        if (d == 1 && slab_set_ && !one_by_one_) {  // the slab level outside: whole blocks by shape
+          if (slab_->tail >= 2) return folded_by_block();
+          if (tiled(2)) return tiles_by_block();
+          if (q_.order[2] == kSlot && q_.order[3] == kHead && slab_->tail == 1) return rows_by_block();
         }
         return loop(d, static_cast<std::int64_t>(positions_.size()), positions_.data(),
                     [this](std::int64_t pos) { position_ = pos; });

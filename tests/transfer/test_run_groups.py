@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from kvlayout import EngineKVFormat as F
 from kvlayout import _native
-from kvlayout.transfer import block_map
+from kvlayout.transfer import Shard, block_map
 from tests.transfer.test_block_maps import vllm
 
 
@@ -110,26 +110,29 @@ def test_a_permuted_map_is_a_tile_per_block() -> None:
 
 @pytest.mark.parametrize(("src_fmt", "dst_fmt"), [(NHD, HND), (HND, NHD), (NHD, NHD), (HND, HND)])
 @pytest.mark.parametrize(
-    ("heads", "bs", "dst_bs"), [(3, 3, 3), (4, 16, 16), (8, 4, 4), (4, 16, 8), (3, 4, 8)]
-)
+    ("heads", "bs", "dst_bs", "dst_tp"),
+    [(3, 3, 3, 1), (4, 16, 16, 1), (8, 4, 4, 1), (4, 16, 8, 1), (3, 4, 8, 1), (4, 16, 16, 2), (8, 4, 4, 2),
+     (6, 4, 8, 2)],
+)  # fmt: skip
 @pytest.mark.parametrize("ids", ["consecutive", "scattered", "runs of two", "reversed"])
 def test_whole_blocks_are_the_general_walks_groups(
-    src_fmt: F, dst_fmt: F, heads: int, bs: int, dst_bs: int, ids: str
+    src_fmt: F, dst_fmt: F, heads: int, bs: int, dst_bs: int, ids: str, dst_tp: int
 ) -> None:
     """The block loops that serve whole destination blocks (a tile after a tile of its
     shape written straight into the Grouper, its first run continuing the last or not,
     its rows continuing the open group or not; a folded block as one emission) give the
     groups of the general walk, block by block, whatever the block ids, with a partial
-    last block and destination blocks that span source blocks; and the copy moves the
-    bytes the runs say."""
+    last block, destination blocks that span source blocks and a destination holding
+    half the heads (a row of a run per slot); and the copy moves the bytes the runs say."""
     blocks, tokens = 12, 5 * 16 + 1
 
-    def side(fmt: F, block_size: int) -> object:
+    def side(fmt: F, block_size: int, held: int) -> object:
         nb = blocks * 16 // block_size
-        shape = (2, nb, block_size, heads, 8) if fmt == NHD else (2, nb, heads, block_size, 8)
+        shape = (2, nb, block_size, held, 8) if fmt == NHD else (2, nb, held, block_size, 8)
         return vllm(*shape, fmt=fmt)
 
-    src, dst = side(src_fmt, bs), side(dst_fmt, dst_bs)
+    src, dst = side(src_fmt, bs, heads), side(dst_fmt, dst_bs, heads // dst_tp)
+    shard = Shard(dst_tp - 1, dst_tp, heads)
     for t in src.kv:  # type: ignore[attr-defined]
         torch.nn.init.normal_(t)
     n_src, n_dst = -(-tokens // bs), -(-tokens // dst_bs)
@@ -141,7 +144,7 @@ def test_whole_blocks_are_the_general_walks_groups(
     }
     src_ids = orders[ids](n_src, blocks * 16 // bs)
     dst_ids = orders[ids](n_dst, blocks * 16 // dst_bs)
-    m = block_map(src, dst, src_ids, dst_ids, num_tokens=tokens)
+    m = block_map(src, dst, src_ids, dst_ids, num_tokens=tokens, dst_shard=shard)
     general, _ = m._build_groups(force_sort=False, blocks_one_by_one=True)
     assert np.array_equal(m._groups, general)
     m.copy()
