@@ -511,6 +511,17 @@ std::int64_t first_outside(StridedU64 addr, StridedU64 lengths, PtrArray starts,
 using U64Out = nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>;
 using I64Out = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
 
+I64Out address_order(ConstRunArray runs, int col) {
+  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  std::vector<std::int64_t> order;
+  {
+    nb::gil_scoped_release release;
+    order = kvlayout::staging::address_order(r, runs.shape(0), col);
+  }
+  return vector_array(std::move(order));
+}
+
 std::tuple<MapRuns, I64Out, U64Out, U64Out, U64Out> stretches(ConstRunArray runs, IntArray order, int col,
                                                              PtrArray starts, PtrArray ends, std::uint64_t base,
                                                              int copies) {
@@ -652,6 +663,9 @@ NB_MODULE(_native, m) {
         "Whether the runs' addresses on side col (0 source, 1 destination) never decrease.");
   m.def("descriptor_rows", &descriptor_rows, "runs"_a, "col"_a, "device"_a,
         "Side col's (address, length, device) rows of a table of runs, for NIXL.");
+  m.def("address_order", &address_order, "runs"_a, "col"_a,
+        "The positions of the runs ((N, 3) uint64) by address on side col (0 source, 1 destination), ties in run "
+        "order: numpy's stable argsort of that column, by a radix sort.");
   m.def("stretches", &stretches, "runs"_a, "order"_a, "col"_a, "starts"_a, "ends"_a, "base"_a, "copies"_a,
         "The staged layout of runs in order (empty: their own) by address on side col, cut into stretches back "
         "to back there within one of its intervals (starts, ends): the copies ((N, 3); copies 1 (other side, "

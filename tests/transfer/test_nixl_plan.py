@@ -20,6 +20,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from kvlayout import _native
 from kvlayout.transfer import TransferError
 from kvlayout.transfer import nixl as nx
 
@@ -376,6 +377,27 @@ def test_prepped_indices_refuse_runs_off_the_unit_grid() -> None:
     for addr, n in ((base + 192, 128), (base - 64, 64)):
         with pytest.raises(nx.RefusedDescriptorError, match=r"is outside the 1 stretches of memory prepared"):
             pl.indices(np.array([[addr, n, 0]], U64), "run")
+
+
+@given(
+    st.lists(st.integers(0, 2**16), min_size=0, max_size=300),
+    st.sampled_from([1, 64, 4096, 2**40, 2**47]),
+    st.integers(0, 2**20),
+    st.booleans(),
+)
+def test_address_order_is_a_stable_sort_of_the_sides_addresses(
+    offsets: list[int], align: int, base: int, on_dst: bool
+) -> None:
+    """The staged layout's order of the runs (a radix sort of packed words): numpy's
+    stable argsort of the side's column, repeated addresses in run order, aligned or not,
+    and past the packing's reach (spans beyond 2^40 bytes) alike."""
+    addr = np.array([base + o * align for o in offsets], dtype=U64)
+    runs = np.zeros((len(addr), 3), dtype=U64)
+    runs[:, int(on_dst)] = addr
+    runs[:, 1 - int(on_dst)] = np.arange(len(addr), dtype=U64) * np.uint64(8)
+    runs[:, 2] = 8
+    want = np.argsort(addr, kind="stable")
+    assert np.array_equal(_native.address_order(runs, int(on_dst)), want)
 
 
 def test_overlapping_spans_merge_touching_ones_do_not() -> None:

@@ -720,7 +720,7 @@ def _stretches(
     side into (out of) its staging bytes, in that order (``csrc/staging.h``). ``order``
     is an earlier call's, to skip the sort."""
     if order is None:
-        order = _NO_ORDER if _native.runs_sorted_on(runs, col) else np.argsort(runs[:, col], kind="stable")
+        order = _NO_ORDER if _native.runs_sorted_on(runs, col) else _native.address_order(runs, col)
     starts, ends = _intervals(side.tensor_spans)
     copy_rows, first, addr, staged, nbytes = _native.stretches(runs, order, col, starts, ends, base, copies)
     return _Stretches(order, first, addr, staged, nbytes, copy_rows)
