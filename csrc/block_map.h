@@ -207,8 +207,8 @@ struct Cursor {
            row_dst == g.dst + g.rows * t.dr;
   }
   // emit_tile(s, d, t...) right after a tile of the same shape (after_tile(t)): the same
-  // groups, written straight into the Grouper (emit_tile's bookkeeping cost twice the
-  // walk of a permuted map). Either the tile's first run continues the last one (blocks
+  // groups, written straight into the Grouper (emit_tile's general bookkeeping was half
+  // the build of a permuted map). Either the tile's first run continues the last one (blocks
   // consecutive on both sides): the held row closes short of it, the two runs are one,
   // then the rest of the tile's first row and its middle rows, the last row held back; or
   // the held row completes the open group and the tile's rows but the last continue it
