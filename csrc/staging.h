@@ -75,7 +75,9 @@ inline bool sorted_on(const ByteRun* runs, std::size_t n, int col) {
 // the top (one process's addresses lie close) packs with its run's position into one
 // word, so that an LSD radix sort of the words, 11 bits a pass over the address bits, is
 // stable by construction: a map's half a million runs are two passes. Where the two do
-// not fit one word (address spans beyond 2^40 bytes), a stable comparison sort.
+// not fit one word (spans past 2^(64 - position bits) alignment units: 2^44 for a million
+// runs), a stable comparison sort. Each calling thread keeps its two scratch buffers (16
+// bytes a run of its largest call).
 inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t n, int col) {
   std::vector<std::int64_t> order(n);
   if (n == 0) return order;

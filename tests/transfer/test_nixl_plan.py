@@ -384,14 +384,16 @@ def test_prepped_indices_refuse_runs_off_the_unit_grid() -> None:
     st.sampled_from([1, 64, 4096, 2**40, 2**47]),
     st.integers(0, 2**20),
     st.booleans(),
+    st.booleans(),
 )
 def test_address_order_is_a_stable_sort_of_the_sides_addresses(
-    offsets: list[int], align: int, base: int, on_dst: bool
+    offsets: list[int], align: int, base: int, on_dst: bool, far: bool
 ) -> None:
     """The staged layout's order of the runs (a radix sort of packed words): numpy's
     stable argsort of the side's column, repeated addresses in run order, aligned or not,
-    and past the packing's reach (spans beyond 2^40 bytes) alike."""
-    addr = np.array([base + o * align for o in offsets], dtype=U64)
+    and past the packing's reach (an address 2^63 bytes from the rest: the comparison
+    sort) alike."""
+    addr = np.array([base + o * align for o in offsets] + [base + 2**63 + 1] * far, dtype=U64)
     runs = np.zeros((len(addr), 3), dtype=U64)
     runs[:, int(on_dst)] = addr
     runs[:, 1 - int(on_dst)] = np.arange(len(addr), dtype=U64) * np.uint64(8)
