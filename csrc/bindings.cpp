@@ -522,6 +522,15 @@ I64Out address_order(ConstRunArray runs, int col) {
   return vector_array(std::move(order));
 }
 
+std::size_t stretch_count(ConstRunArray runs, int col, PtrArray starts, PtrArray ends) {
+  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  if (starts.shape(0) != ends.shape(0)) throw nb::value_error("starts and ends must be as long");
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  const auto intervals = kvlayout::staging::interval_spans(starts.data(), ends.data(), starts.shape(0));
+  nb::gil_scoped_release release;
+  return kvlayout::staging::stretch_count(r, runs.shape(0), col, intervals);
+}
+
 std::tuple<MapRuns, I64Out, U64Out, U64Out, U64Out> stretches(ConstRunArray runs, IntArray order, int col,
                                                              PtrArray starts, PtrArray ends, std::uint64_t base,
                                                              int copies) {
@@ -666,6 +675,9 @@ NB_MODULE(_native, m) {
   m.def("address_order", &address_order, "runs"_a, "col"_a,
         "The positions of the runs ((N, 3) uint64) by address on side col (0 source, 1 destination), ties in run "
         "order: numpy's stable argsort of that column, by a radix sort.");
+  m.def("stretch_count", &stretch_count, "runs"_a, "col"_a, "starts"_a, "ends"_a,
+        "How many stretches stretches() cuts the runs into by address on side col (the length of its first "
+        "array), without laying them out.");
   m.def("stretches", &stretches, "runs"_a, "order"_a, "col"_a, "starts"_a, "ends"_a, "base"_a, "copies"_a,
         "The staged layout of runs in order (empty: their own) by address on side col, cut into stretches back "
         "to back there within one of its intervals (starts, ends): the copies ((N, 3); copies 1 (other side, "

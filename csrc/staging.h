@@ -70,17 +70,20 @@ inline bool sorted_on(const ByteRun* runs, std::size_t n, int col) {
   return true;
 }
 
-// The positions of the runs by address on side `col`, ties in run order (what a stable
-// sort gives). Each address less the bits all runs share at the bottom (alignment) and
-// the top (one process's addresses lie close) packs with its run's position into one
+// Calls visit(i) for each run i by address on side `col`, ties in run order (what a
+// stable sort gives). Each address less the bits all runs share at the bottom (alignment)
+// and the top (one process's addresses lie close) packs with its run's position into one
 // word, so that an LSD radix sort of the words, 11 bits a pass over the address bits, is
 // stable by construction: a map's half a million runs are two passes. Where the two do
 // not fit one word (spans past 2^(64 - position bits) alignment units: 2^44 for a million
 // runs), a stable comparison sort. Each calling thread keeps its two scratch buffers (16
-// bytes a run of its largest call).
-inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t n, int col) {
-  std::vector<std::int64_t> order(n);
-  if (n == 0) return order;
+// bytes a run of its largest call): fresh 4 MB buffers cost more in page faults than a pass.
+template <class Visit>
+void in_address_order(const ByteRun* runs, std::size_t n, int col, Visit visit) {
+  if (sorted_on(runs, n, col)) {
+    for (std::size_t i = 0; i < n; ++i) visit(i);
+    return;
+  }
   std::uint64_t low = ~std::uint64_t{0}, high = 0, differ = 0;
   const std::uint64_t first = on(runs[0], col);
   for (std::size_t i = 0; i < n; ++i) {
@@ -90,15 +93,15 @@ inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t 
   const int shift = differ ? __builtin_ctzll(differ) : 0;
   const int bits = 64 - __builtin_clzll(((high - low) >> shift) | 1);
   const int index_bits = 64 - __builtin_clzll(static_cast<std::uint64_t>(n - 1) | 1);
-  if (bits + index_bits > 64) {
-    for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<std::int64_t>(i);
-    std::stable_sort(order.begin(), order.end(),
-                     [&](std::int64_t a, std::int64_t b) { return on(runs[a], col) < on(runs[b], col); });
-    return order;
-  }
-  // Kept from call to call (a fresh 4 MB buffer costs its page faults, more than a pass).
   thread_local std::vector<std::uint64_t> words, spare;
   words.resize(n), spare.resize(n);
+  if (bits + index_bits > 64) {
+    for (std::size_t i = 0; i < n; ++i) words[i] = i;
+    std::stable_sort(words.begin(), words.end(),
+                     [&](std::uint64_t a, std::uint64_t b) { return on(runs[a], col) < on(runs[b], col); });
+    for (std::size_t i = 0; i < n; ++i) visit(static_cast<std::size_t>(words[i]));
+    return;
+  }
   for (std::size_t i = 0; i < n; ++i) words[i] = ((on(runs[i], col) - low) >> shift) << index_bits | i;
   constexpr int kDigit = 11;
   constexpr std::uint64_t kMask = (std::uint64_t{1} << kDigit) - 1;
@@ -112,7 +115,14 @@ inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t 
     words.swap(spare);
   }
   const std::uint64_t index = (std::uint64_t{1} << index_bits) - 1;
-  for (std::size_t i = 0; i < n; ++i) order[i] = static_cast<std::int64_t>(words[i] & index);
+  for (std::size_t i = 0; i < n; ++i) visit(static_cast<std::size_t>(words[i] & index));
+}
+
+// The positions of the runs by address on side `col` (in_address_order).
+inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t n, int col) {
+  std::vector<std::int64_t> order;
+  order.reserve(n);
+  in_address_order(runs, n, col, [&](std::size_t i) { order.push_back(static_cast<std::int64_t>(i)); });
   return order;
 }
 
@@ -170,6 +180,28 @@ inline Stretches stretches(const ByteRun* runs, std::size_t n, const std::int64_
   }
   if (n > 0) close(n);
   return out;
+}
+
+// How many stretches stretches() cuts the runs into, in address order on side `col`,
+// without laying them out or listing the order: what pricing a staged layout needs.
+inline std::size_t stretch_count(const ByteRun* runs, std::size_t n, int col,
+                                 const std::vector<block_map::Span>& intervals) {
+  std::size_t count = 0, hint = 0, k = 0;  // k: the current stretch's runs
+  std::uint64_t at = 0, bytes = 0;
+  const auto close = [&] {
+    count += k > 1 && !block_map::detail::inside(intervals, at, bytes, hint) ? k : 1;
+  };
+  in_address_order(runs, n, col, [&](std::size_t i) {
+    const ByteRun& r = runs[i];
+    if (k != 0 && on(r, col) == at + bytes) {
+      bytes += r.len, ++k;
+      return;
+    }
+    if (k != 0) close();
+    at = on(r, col), bytes = r.len, k = 1;
+  });
+  if (k != 0) close();
+  return count;
 }
 
 }  // namespace kvlayout::staging

@@ -402,6 +402,27 @@ def test_address_order_is_a_stable_sort_of_the_sides_addresses(
     assert np.array_equal(_native.address_order(runs, int(on_dst)), want)
 
 
+@given(
+    st.lists(st.tuples(st.integers(0, 40), st.integers(1, 3)), min_size=0, max_size=60),
+    st.integers(1, 30),
+    st.booleans(),
+)
+def test_a_stretch_count_is_the_stretches_laid_out(
+    pieces: list[tuple[int, int]], cut: int, on_dst: bool
+) -> None:
+    """What prices a staged layout, counted without laying it out: as many stretches as
+    ``_stretches`` lays out, with runs back to back, repeated, overlapping, and stretches
+    that would cross from one tensor into the next (cut into their runs)."""
+    unit, base = 8, 1 << 20
+    spans = np.array([[base, cut * unit], [base + cut * unit, (50 - cut) * unit]], dtype=U64)
+    runs = np.zeros((len(pieces), 3), dtype=U64)
+    runs[:, int(on_dst)] = [base + o * unit for o, _ in pieces]
+    runs[:, 1 - int(on_dst)] = np.arange(len(pieces), dtype=U64) * np.uint64(64)
+    runs[:, 2] = [n * unit for _, n in pieces]
+    side = Side(spans, is_local=True)
+    assert nx._stretch_count(runs, int(on_dst), side) == len(nx._stretches(runs, int(on_dst), side).first)
+
+
 def test_overlapping_spans_merge_touching_ones_do_not() -> None:
     starts, ends = nx._intervals(np.array([[100, 50], [0, 10], [120, 100], [10, 5], [300, 0]], U64))
     assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(0, 10), (10, 15), (100, 220)]

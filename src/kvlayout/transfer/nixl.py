@@ -726,6 +726,12 @@ def _stretches(
     return _Stretches(order, first, addr, staged, nbytes, copy_rows)
 
 
+def _stretch_count(runs: np.ndarray, col: int, side: MapSide) -> int:
+    """``len(_stretches(runs, col, side).first)``, without laying the stretches out."""
+    starts, ends = _intervals(side.tensor_spans)
+    return int(_native.stretch_count(runs, col, starts, ends))
+
+
 class PeerStaging(NamedTuple):
     """A staging buffer the peer registered with NIXL and told this side of at the
     handshake (its address and bytes): where a peer-staged WRITE lands, for the peer to
@@ -850,14 +856,22 @@ def _peer_staged(
     there scatters what this WRITE put, and this READ finds what :func:`stage` there
     gathered."""
     num_runs, num_bytes = len(s.lengths), s.num_bytes
-    st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
-    # The copy is the peer's: its gather before a READ, its scatter after a WRITE.
-    predicted["peer-staged"] = model.staged_s(len(st.first), num_runs, num_bytes)
-    return lambda: Plan(
-        "peer-staged", s.op, _rows(st.addr, st.nbytes, s.local.device_index),
-        _rows(st.staged, st.nbytes, s.remote.device_index), _mem_type(s.local, "local"),
-        "DRAM", None, num_runs, num_bytes, predicted,
-    )  # fmt: skip
+    # Priced by its descriptor count alone (the runs' order by local address is laid out
+    # only if it is chosen). The copy is the peer's: its gather before a READ, its scatter
+    # after a WRITE.
+    predicted["peer-staged"] = model.staged_s(
+        _stretch_count(s.runs, s.local_col, s.local), num_runs, num_bytes
+    )
+
+    def build() -> Plan:
+        st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
+        return Plan(
+            "peer-staged", s.op, _rows(st.addr, st.nbytes, s.local.device_index),
+            _rows(st.staged, st.nbytes, s.remote.device_index), _mem_type(s.local, "local"),
+            "DRAM", None, num_runs, num_bytes, predicted,
+        )  # fmt: skip
+
+    return build
 
 
 def _peer_copy(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, num_threads: int) -> None:
@@ -919,12 +933,12 @@ def estimate(
     descriptors = {"direct": num_runs}
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
-    first = _stretches(runs, col, remote).first
-    descriptors["staged"], predicted["staged"] = len(first), model.staged_s(len(first), num_runs, num_bytes)
+    staged = _stretch_count(runs, col, remote)
+    descriptors["staged"], predicted["staged"] = staged, model.staged_s(staged, num_runs, num_bytes)
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
-    own = _stretches(runs, own_col, own_side).first  # the poster's, to or from the peer's staging
-    descriptors["peer-staged"] = len(own)
-    predicted["peer-staged"] = model.staged_s(len(own), num_runs, num_bytes)
+    own = _stretch_count(runs, own_col, own_side)  # the poster's, to or from the peer's staging
+    descriptors["peer-staged"] = own
+    predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])
     op: Op = "WRITE" if poster == "src" else "READ"
     return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice))
