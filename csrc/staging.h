@@ -78,6 +78,11 @@ inline bool sorted_on(const ByteRun* runs, std::size_t n, int col) {
 // not fit one word (spans past 2^(64 - position bits) alignment units: 2^44 for a million
 // runs), a stable comparison sort. Each calling thread keeps its two scratch buffers (16
 // bytes a run of its largest call): fresh 4 MB buffers cost more in page faults than a pass.
+inline std::vector<std::uint64_t>& sort_scratch(int which) {
+  thread_local std::vector<std::uint64_t> buffers[2];  // one pair per thread, whatever the visitor
+  return buffers[which];
+}
+
 template <class Visit>
 void in_address_order(const ByteRun* runs, std::size_t n, int col, Visit visit) {
   if (sorted_on(runs, n, col)) {
@@ -93,7 +98,8 @@ void in_address_order(const ByteRun* runs, std::size_t n, int col, Visit visit) 
   const int shift = differ ? __builtin_ctzll(differ) : 0;
   const int bits = 64 - __builtin_clzll(((high - low) >> shift) | 1);
   const int index_bits = 64 - __builtin_clzll(static_cast<std::uint64_t>(n - 1) | 1);
-  thread_local std::vector<std::uint64_t> words, spare;
+  std::vector<std::uint64_t>& words = sort_scratch(0);
+  std::vector<std::uint64_t>& spare = sort_scratch(1);
   words.resize(n), spare.resize(n);
   if (bits + index_bits > 64) {
     for (std::size_t i = 0; i < n; ++i) words[i] = i;
