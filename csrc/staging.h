@@ -126,9 +126,9 @@ void in_address_order(const ByteRun* runs, std::size_t n, int col, Visit visit) 
 
 // The positions of the runs by address on side `col` (in_address_order).
 inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t n, int col) {
-  std::vector<std::int64_t> order;
-  order.reserve(n);
-  in_address_order(runs, n, col, [&](std::size_t i) { order.push_back(static_cast<std::int64_t>(i)); });
+  std::vector<std::int64_t> order(n);
+  std::int64_t* out = order.data();
+  in_address_order(runs, n, col, [&](std::size_t i) { *out++ = static_cast<std::int64_t>(i); });
   return order;
 }
 
