@@ -831,13 +831,23 @@ def _staged(
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     copies = 1 if s.op == "WRITE" else 2
-    st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies if final else 0)
-    pipeline = _stages(st.first, st.nbytes, num_runs, stages)
-    predicted["staged"] = model.staged_s(len(st.first), num_runs, num_bytes, len(pipeline))
+    st: _Stretches | None = None
+    if final or stages > 1:
+        st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies if final else 0)
+        descriptors = len(st.first)
+        num_stages = len(_stages(st.first, st.nbytes, num_runs, stages))
+    else:  # a candidate of one stage is priced by its descriptor count, laid out only if chosen
+        descriptors = _stretch_count(s.runs, s.remote_col, s.remote)
+        num_stages = min(descriptors, 1)
+    predicted["staged"] = model.staged_s(descriptors, num_runs, num_bytes, num_stages)
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
     def build() -> Plan:
-        done = st if final else _stretches(s.runs, s.remote_col, s.remote, staging.address, copies, st.order)
+        done = (
+            st if final and st is not None
+            else _stretches(s.runs, s.remote_col, s.remote, staging.address, copies, st.order if st else None)
+        )  # fmt: skip
+        pipeline = _stages(done.first, done.nbytes, num_runs, stages)
         return Plan(
             "staged", s.op, _rows(done.staged, done.nbytes, s.local.device_index),
             _rows(done.addr, done.nbytes, s.remote.device_index), local_mem, remote_mem, done.copies,
