@@ -475,8 +475,18 @@ std::tuple<int, std::int64_t> check_runs(ConstRunArray runs) {
   return {static_cast<int>(c.problem), c.run};
 }
 
-bool runs_sorted_on(ConstRunArray runs, int col) {
+void check_col(int col) {
   if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+}
+
+// A side's memory intervals [starts[k], ends[k]) as the native engine's spans.
+std::vector<kvlayout::block_map::Span> intervals_of(const PtrArray& starts, const PtrArray& ends) {
+  if (starts.shape(0) != ends.shape(0)) throw nb::value_error("starts and ends must be as long");
+  return kvlayout::staging::interval_spans(starts.data(), ends.data(), starts.shape(0));
+}
+
+bool runs_sorted_on(ConstRunArray runs, int col) {
+  check_col(col);
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   nb::gil_scoped_release release;
   return kvlayout::staging::sorted_on(r, runs.shape(0), col);
@@ -484,7 +494,7 @@ bool runs_sorted_on(ConstRunArray runs, int col) {
 
 // One side's (address, length, device) descriptor rows of a table of runs.
 MapRuns descriptor_rows(ConstRunArray runs, int col, std::uint64_t device) {
-  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  check_col(col);
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   const std::size_t n = runs.shape(0);
   auto* out = new std::uint64_t[std::max<std::size_t>(3 * n, 1)];
@@ -512,7 +522,7 @@ using U64Out = nb::ndarray<nb::numpy, std::uint64_t, nb::ndim<1>>;
 using I64Out = nb::ndarray<nb::numpy, std::int64_t, nb::ndim<1>>;
 
 I64Out address_order(ConstRunArray runs, int col) {
-  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  check_col(col);
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   std::vector<std::int64_t> order;
   {
@@ -523,10 +533,9 @@ I64Out address_order(ConstRunArray runs, int col) {
 }
 
 std::size_t stretch_count(ConstRunArray runs, int col, PtrArray starts, PtrArray ends) {
-  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
-  if (starts.shape(0) != ends.shape(0)) throw nb::value_error("starts and ends must be as long");
+  check_col(col);
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
-  const auto intervals = kvlayout::staging::interval_spans(starts.data(), ends.data(), starts.shape(0));
+  const auto intervals = intervals_of(starts, ends);
   nb::gil_scoped_release release;
   return kvlayout::staging::stretch_count(r, runs.shape(0), col, intervals);
 }
@@ -535,9 +544,9 @@ std::tuple<MapRuns, I64Out, U64Out, U64Out, U64Out> stretches(ConstRunArray runs
                                                              PtrArray starts, PtrArray ends, std::uint64_t base,
                                                              int copies) {
   namespace sg = kvlayout::staging;
-  if (col != 0 && col != 1) throw nb::value_error("col is 0 (source) or 1 (destination)");
+  check_col(col);
   if (copies < 0 || copies > 2) throw nb::value_error("copies is 0 (none), 1 (to staging) or 2 (from staging)");
-  if (starts.shape(0) != ends.shape(0)) throw nb::value_error("starts and ends must be as long");
+  const auto intervals = intervals_of(starts, ends);
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   const std::size_t n = runs.shape(0);
   if (order.shape(0) != 0 && order.shape(0) != n) throw nb::value_error("order lists every run, or none");
@@ -547,7 +556,6 @@ std::tuple<MapRuns, I64Out, U64Out, U64Out, U64Out> stretches(ConstRunArray runs
   const std::size_t rows = copies ? n : 0;
   auto* out = new std::uint64_t[std::max<std::size_t>(3 * rows, 1)];
   nb::capsule owner(out, [](void* p) noexcept { delete[] static_cast<std::uint64_t*>(p); });
-  const auto intervals = sg::interval_spans(starts.data(), ends.data(), starts.shape(0));
   sg::Stretches st;
   {
     nb::gil_scoped_release release;

@@ -91,14 +91,16 @@ namespace detail {
 struct Tile {
   std::uint64_t n, count, ss, ds, rows, sr, dr;
 
-  // Whether Cursor::emit_tile() keeps tiles of this shape whole (no run of one merges with
-  // the next run of it, nor comes before it in the destination), with three rows of three
-  // runs at least: the tiles next_tile() follows on with.
-  bool regular() const {
+  // Whether Cursor::emit_tile() keeps tiles of this shape whole: two rows of two runs at
+  // least, no run of one merging with the next run of it nor coming before it in the
+  // destination.
+  bool whole() const {
     const std::uint64_t row_dst_span = (count - 1) * ds + n, row_src_span = (count - 1) * ss + n;
-    return rows >= 3 && count >= 3 && ds >= n && !(ss == n && ds == n) && dr >= row_dst_span &&
+    return rows >= 2 && count >= 2 && ds >= n && !(ss == n && ds == n) && dr >= row_dst_span &&
            !(dr == row_dst_span && sr == row_src_span);
   }
+  // A whole tile of three rows of three runs at least: the tiles next_tile() follows on with.
+  bool regular() const { return whole() && rows >= 3 && count >= 3; }
 };
 
 // Where finished runs go and the run being grown. Each emission merges into the current
@@ -170,14 +172,12 @@ struct Cursor {
     row_ss = ss, row_ds = ds;
     src = s + (count - 1) * ss, dst = d + (count - 1) * ds, len = n;
   }
-  // `rows` rows of emit_row(s + r * sr, d + r * dr, ...). Where no row's last run merges
+  // The t.rows rows of emit_row(s + r * t.sr, d + r * t.dr, ...). Where no row's last run merges
   // with the next row's first or comes after it in the destination, the rows before the
   // last go to the Grouper whole and the last is held back as a row.
-  void emit_tile(std::uint64_t s, std::uint64_t d, std::uint64_t n, std::uint64_t count, std::uint64_t ss,
-                 std::uint64_t ds, std::uint64_t rows, std::uint64_t sr, std::uint64_t dr) {
-    const std::uint64_t row_dst_span = (count - 1) * ds + n, row_src_span = (count - 1) * ss + n;
-    if (kTrackTensors || rows < 2 || count < 2 || ds < n || (ss == n && ds == n) || dr < row_dst_span ||
-        (dr == row_dst_span && sr == row_src_span)) {
+  void emit_tile(std::uint64_t s, std::uint64_t d, const Tile& t) {
+    const std::uint64_t n = t.n, count = t.count, ss = t.ss, ds = t.ds, rows = t.rows, sr = t.sr, dr = t.dr;
+    if (kTrackTensors || !t.whole()) {
       for (std::uint64_t r = 0; r < rows; ++r) emit_row(s + r * sr, d + r * dr, n, count, ss, ds);
       return;
     }
@@ -206,7 +206,7 @@ struct Cursor {
            (g.rows == 1 || (g.src_row == t.sr && g.dst_row == t.dr)) && row_src == g.src + g.rows * t.sr &&
            row_dst == g.dst + g.rows * t.dr;
   }
-  // emit_tile(s, d, t...) right after a tile of the same shape (after_tile(t)): the same
+  // emit_tile(s, d, t) right after a tile of the same shape (after_tile(t)): the same
   // groups, written straight into the Grouper (emit_tile's general bookkeeping was half
   // the build of a permuted map). Either the tile's first run continues the last one (blocks
   // consecutive on both sides): the held row closes short of it, the two runs are one,
@@ -373,8 +373,7 @@ class Walker {
   [[gnu::always_inline]] void emit_tiles(Cursor<kTrackTensors>& c) const {
     const At a = at(c, 0);
     for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
-      const Tile t = tile(a, static_cast<std::uint64_t>(stop - p));
-      c.emit_tile(a.src + a.src_tok[p], a.dst + a.dst_tok[p], t.n, t.count, t.ss, t.ds, t.rows, t.sr, t.dr);
+      c.emit_tile(a.src + a.src_tok[p], a.dst + a.dst_tok[p], tile(a, static_cast<std::uint64_t>(stop - p)));
     });
   }
   // The tile of `slots` slots of the slab at `a`.

@@ -132,6 +132,13 @@ inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t 
   return order;
 }
 
+// Whether a stretch of `runs` runs at [at, at + bytes) goes as one: where it would cross
+// from one interval into the next, it goes as its runs.
+inline bool stretch_holds(const std::vector<block_map::Span>& intervals, std::uint64_t at, std::uint64_t bytes,
+                          std::size_t runs, std::size_t& hint) {
+  return runs <= 1 || block_map::detail::inside(intervals, at, bytes, hint);
+}
+
 // What the staged layout holds per stretch.
 struct Stretches {
   std::vector<std::int64_t> first;       // its first run, as a position in the address order
@@ -164,7 +171,7 @@ inline Stretches stretches(const ByteRun* runs, std::size_t n, const std::int64_
   std::size_t begin = 0;  // the current stretch's first position
   // The stretch [begin, end) is done: where it crosses intervals, its runs go alone.
   const auto close = [&](std::size_t end) {
-    if (end <= begin + 1 || block_map::detail::inside(intervals, out.at.back(), out.bytes.back(), hint)) return;
+    if (stretch_holds(intervals, out.at.back(), out.bytes.back(), end - begin, hint)) return;
     const std::uint64_t staged = out.staged_at.back() - base;
     out.first.pop_back(), out.at.pop_back(), out.staged_at.pop_back(), out.bytes.pop_back();
     for (std::size_t j = begin, o = 0; j < end; o += run(j).len, ++j) open(j, staged + o);
@@ -195,7 +202,7 @@ inline std::size_t stretch_count(const ByteRun* runs, std::size_t n, int col,
   std::size_t count = 0, hint = 0, k = 0;  // k: the current stretch's runs
   std::uint64_t at = 0, bytes = 0;
   const auto close = [&] {
-    count += k > 1 && !block_map::detail::inside(intervals, at, bytes, hint) ? k : 1;
+    count += stretch_holds(intervals, at, bytes, k, hint) ? 1 : k;
   };
   in_address_order(runs, n, col, [&](std::size_t i) {
     const ByteRun& r = runs[i];

@@ -838,7 +838,7 @@ def _staged(
         num_stages = len(_stages(st.first, st.nbytes, num_runs, stages))
     else:  # a candidate of one stage is priced by its descriptor count, laid out only if chosen
         descriptors = _stretch_count(s.runs, s.remote_col, s.remote)
-        num_stages = min(descriptors, 1)
+        num_stages = min(descriptors, 1)  # what _stages gives for one stage: none without stretches
     predicted["staged"] = model.staged_s(descriptors, num_runs, num_bytes, num_stages)
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
