@@ -108,13 +108,20 @@ kvlayout::transfer::Job make_job(const JobArgs& a) {
                                      std::get<8>(a), std::get<9>(a), std::get<10>(a));
 }
 
+// A copy's prefetch argument: -1 measures which way is faster (prefetch_choice.h), 0 and 1
+// fix it (for tests and benchmarks).
+kvlayout::Prefetch prefetch_mode(int prefetch) {
+  if (prefetch < -1 || prefetch > 1) throw nb::value_error("prefetch is -1 (measured), 0 (off) or 1 (on)");
+  return static_cast<kvlayout::Prefetch>(prefetch);
+}
+
 class TransferPlan {
  public:
   TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes,
-               bool prefetch)
+               int prefetch)
       : plan_(make_jobs(job_args)),
         num_blocks_(num_blocks),
-        options_{checked_order(order), stream_min_bytes, prefetch} {}
+        options_{checked_order(order), stream_min_bytes, prefetch_mode(prefetch)} {}
 
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
@@ -133,6 +140,12 @@ class TransferPlan {
     const int used = kvlayout::transfer::run(plan_, batch, static_cast<kvlayout::transfer::Direction>(direction),
                                              num_threads, options_);
     return {-1, used};
+  }
+
+  std::tuple<std::uint64_t, double, double> prefetch_costs(int direction, bool many_threads) const {
+    if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
+    const auto& c = plan_.prefetch_choices[direction][many_threads ? 1 : 0];
+    return {c.calls(), c.cost(false), c.cost(true)};
   }
 
  private:
@@ -155,14 +168,14 @@ class TransferPlan {
 using RunArray = nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_contig, nb::device::cpu>;
 
 // copy_runs over an (N, 3) table of (source, destination, length), for its tests: with
-// streaming false the memcpy path runs even where the CPU has AVX2.
-void copy_byte_runs(RunArray runs, bool streaming) {
+// streaming false the memcpy path runs even where the CPU has AVX2; prefetch runs the
+// cursors or not.
+void copy_byte_runs(RunArray runs, bool streaming, bool prefetch) {
   static_assert(sizeof(kvlayout::ByteRun) == 24, "a run is three uint64");
   const auto* table = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   const std::size_t n = runs.shape(0);
   nb::gil_scoped_release release;
-  if (streaming) return kvlayout::copy_byte_runs(table, n);
-  kvlayout::stream::copy_runs(false, table, n);
+  kvlayout::stream::copy_runs(streaming, table, n, prefetch);
 }
 
 // The tiles the run copy finds in an (N, 3) table, as (first run, rows, cols) rows: the
@@ -425,15 +438,15 @@ std::tuple<int, std::int64_t, std::int64_t> validate_runs(ConstRunArray runs, U6
 
 std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans,
                                                           int num_threads, std::uint64_t min_bytes_per_thread,
-                                                          bool validate) {
+                                                          bool validate, int prefetch) {
+  const auto mode = prefetch_mode(prefetch);
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   const std::size_t n = runs.shape(0);
   nb::gil_scoped_release release;
   const auto v = validate ? kvlayout::block_map::validate_runs(r, n, src, dst) : kvlayout::block_map::Verdict{};
   if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
-  const int used = kvlayout::block_map::copy_runs(r, n, num_threads, min_bytes_per_thread,
-                                                  [](const kvlayout::ByteRun* p, std::size_t k) { kvlayout::copy_byte_runs(p, k); });
+  const int used = kvlayout::block_map::copy_runs(r, n, num_threads, min_bytes_per_thread, mode);
   return {0, -1, -1, used};
 }
 
@@ -446,16 +459,16 @@ std::tuple<int, std::int64_t, std::int64_t> validate_groups(ConstGroups groups, 
 }
 
 std::tuple<int, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans,
-                                                            int num_threads, std::uint64_t min_bytes_per_thread) {
+                                                            int num_threads, std::uint64_t min_bytes_per_thread,
+                                                            int prefetch, kvlayout::PrefetchChoice* choice) {
+  const auto mode = prefetch_mode(prefetch);
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* g = groups_of(groups);
   const std::size_t n = groups.shape(0);
   nb::gil_scoped_release release;
   const auto v = kvlayout::block_map::validate_groups(g, n, src, dst);
   if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
-  const int used = kvlayout::block_map::copy_groups(
-      g, n, num_threads, min_bytes_per_thread,
-      [](const kvlayout::ByteRun* p, std::size_t k) { kvlayout::copy_byte_runs(p, k); });
+  const int used = kvlayout::block_map::copy_groups(g, n, num_threads, min_bytes_per_thread, mode, choice);
   return {0, -1, -1, used};
 }
 
@@ -623,11 +636,15 @@ NB_MODULE(_native, m) {
   nb::class_<TransferPlan>(m, "TransferPlan",
                            "A registration's copy jobs, built once; run() moves blocks with raw pointers "
                            "(kvlayout.transfer validates, and keeps the tensors alive).")
-      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, bool>(), "jobs"_a, "num_blocks"_a,
-           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes, "prefetch"_a = true,
+      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, int>(), "jobs"_a, "num_blocks"_a,
+           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes, "prefetch"_a = -1,
            "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
-           "stream_min_bytes write with streaming stores; prefetch false leaves the lines of the "
-           "coming moves to the hardware (the knobs exist for tests and benchmarks).")
+           "stream_min_bytes write with streaming stores; prefetch -1 measures whether prefetching ahead of the "
+           "copy is faster, per direction, 0 leaves the coming moves to the hardware, 1 prefetches (the knobs "
+           "exist for tests and benchmarks).")
+      .def("prefetch_costs", &TransferPlan::prefetch_costs, "direction"_a, "many_threads"_a = false,
+           "(calls measured, ns per byte without prefetching, ns per byte with; 0 before a way ran) of one "
+           "direction's measured choice, for benchmarks.")
       .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
            "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "
@@ -692,22 +709,47 @@ NB_MODULE(_native, m) {
         "staging), 2 (staging, other side), 0 none), and per stretch its first position, address, staging "
         "address (base + offset) and bytes.");
   m.def("copy_groups", &copy_groups, "groups"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
-        "min_bytes_per_thread"_a = 256 << 10,
-        "copy_runs over the runs a table of groups holds, read back a buffer at a time.");
+        "min_bytes_per_thread"_a = 256 << 10, "prefetch"_a = -1, "choice"_a.none() = nb::none(),
+        "copy_runs over the runs a table of groups holds, read back a buffer at a time; prefetch -1 "
+        "measures in choice (a PrefetchChoice the caller keeps per kind of copy) or, given None, in the "
+        "choice copy_runs shares for this mean run.");
   m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a,
         "(problem, run, other run): 0 when every run lies in one source and one destination tensor's blocks "
         "(spans: start, period, block, blocks), destination runs are disjoint and none reads what another "
         "writes; else 1 source outside, 2 destination outside, 3 destinations overlap, 4 a run reads what "
         "another writes, 5 an empty run.");
   m.def("copy_runs", &copy_runs, "runs"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
-        "min_bytes_per_thread"_a = 256 << 10, "validate"_a = true,
+        "min_bytes_per_thread"_a = 256 << 10, "validate"_a = true, "prefetch"_a = -1,
         "validate_runs, then (if valid) copy the runs on up to num_threads pool threads, split by bytes, GIL "
         "released; returns validate_runs' answer and the threads used. validate=False is for runs a caller "
-        "has validated itself (and kept read-only since).");
+        "has validated itself (and kept read-only since). prefetch -1 measures whether prefetching ahead of "
+        "the copy is faster for copies of this mean run (shared with copy_groups), 0 and 1 fix it.");
+  nb::class_<kvlayout::PrefetchChoice>(m, "PrefetchChoice",
+                                       "A copy's measured choice of prefetching or not (csrc/prefetch_choice.h), "
+                                       "standalone, for its tests.")
+      .def(nb::init<>())
+      .def("pick", &kvlayout::PrefetchChoice::pick, "bytes"_a, "Whether a call moving bytes prefetches.")
+      .def("record", &kvlayout::PrefetchChoice::record, "prefetch"_a, "bytes"_a, "ns"_a,
+           "A call of bytes took ns the way it was picked.")
+      .def("cost", &kvlayout::PrefetchChoice::cost, "prefetch"_a, "The estimate, ns per byte (0: not measured).")
+      .def("calls", &kvlayout::PrefetchChoice::calls)
+      .def_prop_ro_static("min_bytes", [](nb::handle) { return kvlayout::PrefetchChoice::kMinBytes; })
+      .def_prop_ro_static("explore", [](nb::handle) { return kvlayout::PrefetchChoice::kExplore; })
+      .def_prop_ro_static("warm", [](nb::handle) { return kvlayout::PrefetchChoice::kWarm; });
+  m.def(
+      "map_prefetch_costs",
+      [](std::uint64_t bytes, std::uint64_t runs, int num_threads) {
+        const auto& c = kvlayout::block_map::prefetch_choice(bytes, runs, num_threads);
+        return std::make_tuple(c.calls(), c.cost(false), c.cost(true));
+      },
+      "bytes"_a, "runs"_a, "num_threads"_a = 1,
+      "(calls measured, ns per byte without prefetching, ns per byte with) of the measured choice block-map "
+      "copies of that many bytes and runs share, for benchmarks.");
 
-  m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true,
+  m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true, "prefetch"_a = true,
         "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "
-        "released (raw addresses: for tests; streaming=False takes the memcpy path).");
+        "released (raw addresses: for tests; streaming=False takes the memcpy path, prefetch=False runs no "
+        "cursors ahead of the copy).");
   m.def("tiles_of", &tiles_of, "runs"_a.noconvert(),
         "The tiles copy_byte_runs copies column by column in an (N, 3) uint64 run table, as (first run, rows, "
         "cols) tuples (for tests).");

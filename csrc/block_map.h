@@ -17,8 +17,8 @@
 //     million runs is a few thousand groups;
 //   - validates runs against the tensors' byte spans before a byte moves (validate_runs,
 //     validate_groups);
-//   - copies them on the worker pool, split by bytes, with the GIL released (copy_runs,
-//     copy_groups).
+//   - copies them on the worker pool, split by bytes, with the GIL released, prefetching
+//     or not as measured (copy_runs, copy_groups; prefetch_choice.h).
 
 #include <algorithm>
 #include <cstdint>
@@ -29,6 +29,7 @@
 #include <utility>
 #include <vector>
 
+#include "prefetch_choice.h"
 #include "run_groups.h"
 #include "stream_copy.h"
 #include "worker_pool.h"
@@ -843,61 +844,79 @@ int split_by_bytes(std::uint64_t total, int threads, std::uint64_t min_bytes_per
 
 }  // namespace detail
 
+// The prefetch choice (prefetch_choice.h) shared by the copies of one kind that have no
+// choice of their own (a map's pair of sides keeps one): of a mean run of that bit width (on
+// a busy machine the cursors gained on 1 KiB runs and lost on 32 KiB ones), on one thread
+// or more.
+inline PrefetchChoice& prefetch_choice(std::uint64_t bytes, std::uint64_t runs, int threads) {
+  static PrefetchChoice choices[65][2];
+  const std::uint64_t mean = bytes / std::max<std::uint64_t>(runs, 1);
+  const int width = mean == 0 ? 0 : 64 - __builtin_clzll(mean);
+  return choices[width][threads > 1 ? 1 : 0];
+}
+
 // Copies runs on up to `threads` threads of the pool, each a contiguous share of the bytes
-// (a run may be split between two threads); returns the threads used.
-template <class CopyRuns>
-int copy_runs(const ByteRun* runs, std::size_t n, int threads, std::uint64_t min_bytes_per_thread, CopyRuns copy) {
+// (a run may be split between two threads), prefetching as `mode` says (kAuto: as
+// `choice` measures, or the shared choice of its kind where there is none); returns the
+// threads used.
+inline int copy_runs(const ByteRun* runs, std::size_t n, int threads, std::uint64_t min_bytes_per_thread,
+                     Prefetch mode = Prefetch::kAuto, PrefetchChoice* choice = nullptr) {
   if (n == 0) return 0;
   std::vector<std::uint64_t> ends(n);
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < n; ++i) ends[i] = total += runs[i].len;
-  return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
-    std::size_t a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
-    const std::size_t b = static_cast<std::size_t>(std::lower_bound(ends.begin(), ends.end(), hi) - ends.begin());
-    // runs a..b overlap [lo, hi); the first and last may be cut
-    const auto piece = [&](std::size_t i) {
-      const std::uint64_t start = ends[i] - runs[i].len;
-      const std::uint64_t from = std::max(lo, start), to = std::min(hi, ends[i]);
-      return ByteRun{runs[i].src + (from - start), runs[i].dst + (from - start), to - from};
-    };
-    const ByteRun head = piece(a);
-    copy(&head, 1);
-    if (a == b) return;
-    ++a;
-    if (b > a) copy(runs + a, b - a);
-    const ByteRun tail = piece(b);
-    copy(&tail, 1);
+  if (choice == nullptr) choice = &prefetch_choice(total, n, threads);
+  return choice->run(mode, total, [&](bool prefetch) {
+    return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
+      std::size_t a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+      const std::size_t b = static_cast<std::size_t>(std::lower_bound(ends.begin(), ends.end(), hi) - ends.begin());
+      // runs a..b overlap [lo, hi); the first and last may be cut
+      const auto piece = [&](std::size_t i) {
+        const std::uint64_t start = ends[i] - runs[i].len;
+        const std::uint64_t from = std::max(lo, start), to = std::min(hi, ends[i]);
+        return ByteRun{runs[i].src + (from - start), runs[i].dst + (from - start), to - from};
+      };
+      const ByteRun head = piece(a);
+      copy_byte_runs(&head, 1, prefetch);
+      if (a == b) return;
+      ++a;
+      if (b > a) copy_byte_runs(runs + a, b - a, prefetch);
+      const ByteRun tail = piece(b);
+      copy_byte_runs(&tail, 1, prefetch);
+    });
   });
 }
 
 // copy_runs over a map's groups: each thread reads its share of the runs back a buffer at
 // a time (the first and last cut to the share) and copies them.
-template <class CopyRuns>
-int copy_groups(const RunGroup* groups, std::size_t n, int threads, std::uint64_t min_bytes_per_thread,
-                CopyRuns copy) {
+inline int copy_groups(const RunGroup* groups, std::size_t n, int threads, std::uint64_t min_bytes_per_thread,
+                       Prefetch mode = Prefetch::kAuto, PrefetchChoice* choice = nullptr) {
   if (n == 0) return 0;
   std::vector<std::uint64_t> ends(n);
-  std::uint64_t total = 0;
-  for (std::size_t i = 0; i < n; ++i) ends[i] = total += groups[i].bytes();
+  std::uint64_t total = 0, runs = 0;
+  for (std::size_t i = 0; i < n; ++i) ends[i] = total += groups[i].bytes(), runs += groups[i].runs();
   if (total == 0) return 0;
-  return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
-    const auto a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
-    const std::uint64_t into = lo - (ends[a] - groups[a].bytes());
-    GroupReader reader(groups, n);
-    reader.seek(a, into / groups[a].len);
-    std::uint64_t cut = into % groups[a].len, left = hi - lo;
-    constexpr std::size_t kChunk = 1024;
-    ByteRun buf[kChunk];
-    while (left != 0) {
-      std::size_t k = reader.read(buf, kChunk), i = 0;
-      if (k == 0) return;
-      buf[0].src += cut, buf[0].dst += cut, buf[0].len -= cut, cut = 0;
-      for (; i < k && left != 0; ++i) {
-        buf[i].len = std::min(buf[i].len, left);
-        left -= buf[i].len;
+  if (choice == nullptr) choice = &prefetch_choice(total, runs, threads);
+  return choice->run(mode, total, [&](bool prefetch) {
+    return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
+      const auto a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
+      const std::uint64_t into = lo - (ends[a] - groups[a].bytes());
+      GroupReader reader(groups, n);
+      reader.seek(a, into / groups[a].len);
+      std::uint64_t cut = into % groups[a].len, left = hi - lo;
+      constexpr std::size_t kChunk = 1024;
+      ByteRun buf[kChunk];
+      while (left != 0) {
+        std::size_t k = reader.read(buf, kChunk), i = 0;
+        if (k == 0) return;
+        buf[0].src += cut, buf[0].dst += cut, buf[0].len -= cut, cut = 0;
+        for (; i < k && left != 0; ++i) {
+          buf[i].len = std::min(buf[i].len, left);
+          left -= buf[i].len;
+        }
+        copy_byte_runs(buf, i, prefetch);
       }
-      copy(buf, i);
-    }
+    });
   });
 }
 

@@ -19,7 +19,9 @@
 // exactly kLineLead, not a page at a time, took a scattered source from 0.58-0.74x the
 // flat copy to 0.81-0.96x; the page cursor took a scattered destination from 0.76-0.79x
 // to 0.82-0.90x, both sides scattered from 0.53-0.65x to 0.81-0.87x, and runs that follow
-// each other from 0.94x to 1.05x.
+// each other from 0.94x to 1.05x. On a busy day of the same machine the cursors cost more
+// than they hid, so whether a copy runs them is measured per kind of copy
+// (prefetch_choice.h).
 
 // Where the CPU has AVX2 (asked at run time; the extension is built for baseline x86-64)
 // runs are copied with 32-byte loads and non-temporal stores, which skip the
@@ -381,18 +383,20 @@ template <class Copy>
 // run for them.
 inline constexpr std::uint64_t kLookaheadStep = 2048;
 
-// Copies runs[0..n) in order, the line and page cursors ahead, each tile column by column
-// without them; unfenced.
-template <class Copy>
+// Copies runs[0..n) in order, with Prefetch the line and page cursors ahead, each tile
+// column by column without them; unfenced.
+template <class Copy, bool Prefetch>
 [[gnu::always_inline]] inline void copy_runs_body(const ByteRun* runs, std::size_t n) {
   RunLookahead lines(runs, n);
   RunPages pages(runs, n);
   std::uint64_t done = 0, next_step = 0;  // bytes of the list copied; where the cursors move next
   const auto step = [&](std::uint64_t at) {
-    lines.skip_to(at);
-    lines.up_to(at + kLineLead);
-    pages.skip_to(at);
-    pages.up_to(at + kPageLead);
+    if constexpr (Prefetch) {
+      lines.skip_to(at);
+      lines.up_to(at + kLineLead);
+      pages.skip_to(at);
+      pages.up_to(at + kPageLead);
+    }
     next_step = at + kLookaheadStep;
   };
   const auto copy_run = [&](const ByteRun& run) {
@@ -424,26 +428,30 @@ template <class Copy>
   scan_tiles(runs, n, copy_tile_of_runs, copy_run);
 }
 
-inline void copy_runs_plain(const ByteRun* runs, std::size_t n) { copy_runs_body<PlainCopy>(runs, n); }
+template <bool Prefetch>
+void copy_runs_plain(const ByteRun* runs, std::size_t n) {
+  copy_runs_body<PlainCopy, Prefetch>(runs, n);
+}
 
 #if defined(KVLAYOUT_STREAM_STORES)
-__attribute__((target("avx2"), flatten)) inline void copy_runs_stream(const ByteRun* runs, std::size_t n) {
-  copy_runs_body<StreamCopy>(runs, n);
+template <bool Prefetch>
+__attribute__((target("avx2"), flatten)) void copy_runs_stream(const ByteRun* runs, std::size_t n) {
+  copy_runs_body<StreamCopy, Prefetch>(runs, n);
 }
 #endif
 
 // Copies runs[0..n) with streaming stores when `streaming` and the CPU has them, else
-// with memcpy, and fences what it streamed.
-inline void copy_runs(bool streaming, const ByteRun* runs, std::size_t n) {
+// with memcpy, with the cursors ahead when `prefetch`, and fences what it streamed.
+inline void copy_runs(bool streaming, const ByteRun* runs, std::size_t n, bool prefetch = true) {
 #if defined(KVLAYOUT_STREAM_STORES)
   if (streaming && can_stream()) {
-    copy_runs_stream(runs, n);
+    prefetch ? copy_runs_stream<true>(runs, n) : copy_runs_stream<false>(runs, n);
     StreamCopy::finish();
     return;
   }
 #endif
   (void)streaming;
-  copy_runs_plain(runs, n);
+  prefetch ? copy_runs_plain<true>(runs, n) : copy_runs_plain<false>(runs, n);
 }
 
 #if defined(KVLAYOUT_STREAM_STORES)
@@ -466,11 +474,13 @@ inline void flat_stream(char* dst, const char* src, std::size_t n) {
 }  // namespace stream
 
 // Copies runs[0..n) in order (a later run wins where two overlap; a tile's runs, which
-// never overlap each other, go in source order), with 32-byte loads and
-// non-temporal stores where the CPU has AVX2, memcpy otherwise, prefetching the lines of
-// a source that jumps ahead of the copy; fenced
-// before it returns. Runs may be unaligned or empty; sources and destinations must not
-// overlap each other.
-inline void copy_byte_runs(const ByteRun* runs, std::size_t n) { stream::copy_runs(true, runs, n); }
+// never overlap each other, go in source order), with 32-byte loads and non-temporal
+// stores where the CPU has AVX2, memcpy otherwise, with `prefetch` the cursors ahead of
+// the copy (which the callers choose by measuring: prefetch_choice.h); fenced before it
+// returns. Runs may be unaligned or empty; sources and destinations must not overlap
+// each other.
+inline void copy_byte_runs(const ByteRun* runs, std::size_t n, bool prefetch = true) {
+  stream::copy_runs(true, runs, n, prefetch);
+}
 
 }  // namespace kvlayout

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvlayout/transfer_plan.h"
+#include "prefetch_choice.h"
 #include "stream_copy.h"
 #include "worker_pool.h"
 
@@ -185,7 +186,10 @@ const Walk& walk_of(const Job& job) {
 // streaming stores reach it. Measured in one process, the variants taking turns, one
 // thread, on bench-transfer's moves: loads into scattered blocks went from 0.76x to 0.88x
 // a flat streaming copy (NHD) and 0.70x to 0.77x (HND); touching the pages of jumping
-// sources as well, or of every dense side, did no better, and stores were unchanged.
+// sources as well, or of every dense side, did no better, and stores were unchanged. On a
+// busy day of the same machine the cursors lost on some formats (cross-layer loads 0.80-0.88x
+// with them, 0.94-0.95x without) and won on others (HND stores 0.75-0.87x, 0.67-0.80x
+// without), so each plan measures which way is faster (Plan::prefetch_choices).
 template <Direction D, class Copy, bool Prefetch>
 [[gnu::always_inline]] inline void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo,
                                              std::int64_t hi, bool layer_major) {
@@ -333,12 +337,15 @@ struct Plan {
   std::vector<Job> jobs;
   CacheSpans spans;
   std::int64_t block_bytes = 0;  // bytes per block moved
+  // Whether the walk prefetches, measured (prefetch_choice.h) per direction (store, load)
+  // and for one thread or more; a plan is shared by the threads that call it.
+  mutable PrefetchChoice prefetch_choices[2][2];
 };
 
 struct Options {
   Order order = Order::kAuto;
   std::int64_t stream_min_bytes = kStreamMinBytes;
-  bool prefetch = true;  // prefetch the lines of jumping sources (off: for benchmarks)
+  Prefetch prefetch = Prefetch::kAuto;  // the cursors ahead of the copy, measured (or fixed: tests, benchmarks)
 };
 
 // kAuto: the order with the longer stretch of back-to-back bytes on either side, and on a
@@ -367,15 +374,19 @@ inline int run(const Plan& p, const Batch& b, Direction d, int threads, const Op
   const bool by_layer = layer_major(p, d, b.blocks_per_chunk, o);
   const bool stream = detail::can_stream() && (end - begin) * p.block_bytes >= o.stream_min_bytes;
   const int wanted = static_cast<int>(std::min<std::int64_t>(std::max(threads, 1), end - begin));
-  return WorkerPool::instance().run(wanted, [&](int part, int parts) {
-    const std::int64_t per = (end - begin + parts - 1) / parts;
-    const std::int64_t lo = begin + part * per, hi = std::min(end, lo + per);
-    if (lo >= hi) return;
-    if (d == Direction::kStore) {
-      detail::run_part<Direction::kStore>(p.jobs, b, lo, hi, by_layer, stream, o.prefetch);
-    } else {
-      detail::run_part<Direction::kLoad>(p.jobs, b, lo, hi, by_layer, stream, o.prefetch);
-    }
+  PrefetchChoice& choice = p.prefetch_choices[d == Direction::kStore ? 0 : 1][wanted > 1 ? 1 : 0];
+  const auto bytes = static_cast<std::uint64_t>((end - begin) * p.block_bytes);
+  return choice.run(o.prefetch, bytes, [&](bool prefetch) {
+    return WorkerPool::instance().run(wanted, [&](int part, int parts) {
+      const std::int64_t per = (end - begin + parts - 1) / parts;
+      const std::int64_t lo = begin + part * per, hi = std::min(end, lo + per);
+      if (lo >= hi) return;
+      if (d == Direction::kStore) {
+        detail::run_part<Direction::kStore>(p.jobs, b, lo, hi, by_layer, stream, prefetch);
+      } else {
+        detail::run_part<Direction::kLoad>(p.jobs, b, lo, hi, by_layer, stream, prefetch);
+      }
+    });
   });
 }
 

@@ -2,9 +2,10 @@
 stream, through their test bindings, against numpy.
 
 ``kvlayout._native.copy_byte_runs`` takes an ``(N, 3)`` uint64 table of (source address,
-destination address, length); both its paths run (streaming stores with the prefetch
-cursors where the CPU has AVX2, and memcpy), on runs of 0 to 100000 bytes at any
-alignment, long lists of short runs (the cursors walk many runs per step) included.
+destination address, length); both its paths run (streaming stores where the CPU has
+AVX2, and memcpy), each with the prefetch cursors ahead and without, on runs of 0 to
+100000 bytes at any alignment, long lists of short runs (the cursors walk many runs per
+step) included.
 """
 
 from __future__ import annotations
@@ -60,11 +61,13 @@ def run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(run_lists(), st.booleans(), st.integers(0, 2**32 - 1))
-def test_copy_byte_runs_equals_numpy(runs: list[tuple[int, int, int]], streaming: bool, seed: int) -> None:
+@given(run_lists(), st.booleans(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_copy_byte_runs_equals_numpy(
+    runs: list[tuple[int, int, int]], streaming: bool, prefetch: bool, seed: int
+) -> None:
     src, dst = buffers(seed)
     want = copy_reference(src, dst, runs)
-    _native.copy_byte_runs(table(src, dst, runs), streaming)
+    _native.copy_byte_runs(table(src, dst, runs), streaming, prefetch)
     assert np.array_equal(dst, want)
     assert np.array_equal(src, buffers(seed)[0])  # the sources are only read
 

@@ -430,7 +430,7 @@ def check_engine_choices(
         per_chunk,
         skip,
     )
-    choices = itertools.product((0, 1), (0, 1 << 62), (True, False), (1, 3))
+    choices = itertools.product((0, 1), (0, 1 << 62), (-1, 0, 1), (1, 3))
     for order, stream_min_bytes, prefetch, threads in choices:
         engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes, prefetch)
         choice = (

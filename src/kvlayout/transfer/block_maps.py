@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import operator
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -401,6 +401,16 @@ class _Pair:
     dst_classes: np.ndarray
     src_shard: Shard | None
     dst_shard: Shard | None
+    # Whether copies prefetch ahead of themselves, measured per kind of map between these
+    # sides (its mean run's bit width, one thread or more): csrc/prefetch_choice.h.
+    prefetch: dict[tuple[int, bool], Any] = field(default_factory=dict, compare=False)
+
+    def prefetch_choice(self, num_bytes: int, num_runs: int, threads: int) -> Any:
+        key = ((num_bytes // max(num_runs, 1)).bit_length(), threads > 1)
+        choice = self.prefetch.get(key)
+        if choice is None:
+            choice = self.prefetch.setdefault(key, _native.PrefetchChoice())
+        return choice
 
 
 @functools.lru_cache(maxsize=64)
@@ -668,8 +678,9 @@ class BlockMap:
                 "moves bytes within one device"
             )
         if self.src.device[0] == "cpu":
+            choice = self._pair.prefetch_choice(self.num_bytes, self.num_runs, threads)
             problem, run, other, used = _native.copy_groups(
-                self._groups, self.src.spans, self.dst.spans, threads
+                self._groups, self.src.spans, self.dst.spans, threads, choice=choice
             )
             self._raise(problem, run, other)
             return int(used)

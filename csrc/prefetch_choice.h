@@ -1,0 +1,93 @@
+#pragma once
+// Whether a CPU copy prefetches ahead of itself, chosen by measuring the copies.
+//
+// The copies' cursors (stream_copy.h) prefetch the lines of a source that jumps and touch
+// the pages either side will reach. Where one core's copy is bound by memory latency that
+// hides each jump: on a quiet day of this project's machine (a flat streaming copy at
+// 14-17 GB/s) they took scattered 32 KiB runs from 0.58-0.74x the flat copy to 0.81-0.96x.
+// Where the memory system is busy and one core is bound by bandwidth, the same prefetches
+// only add requests: on a busy day (the flat copy at 7.5-9 GB/s), measured in one process,
+// the two ways taking turns, they took bench-maps' scattered 32 KiB runs from 0.89-0.93x
+// to 0.76-0.80x and its 2 MiB runs from 0.97-1.00x to 0.87-0.90x, while 1 KiB runs still
+// gained (0.44-0.46x to 0.51-0.56x). Which way is faster depends on the machine, its load
+// and the kind of copy, and the load changes while a server runs; so each kind of copy
+// keeps the time per byte of both ways and runs the faster, giving the other one call in
+// kExplore so that a change is seen. A prefetch is a hint: either way the copy moves the
+// same bytes, so the choice never changes a result, and threads that race on the
+// estimates only ever change a choice.
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+
+namespace kvlayout {
+
+// What a caller asks of a copy: measure (kAuto), or a fixed way for tests and benchmarks.
+enum class Prefetch : int { kAuto = -1, kOff = 0, kOn = 1 };
+
+class PrefetchChoice {
+ public:
+  // Calls that move fewer bytes are neither timed nor counted: their time is mostly the
+  // call's own, and the clock would cost them.
+  static constexpr std::uint64_t kMinBytes = 1 << 20;
+  // After both ways ran kWarm times, taking turns, one call in kExplore tries the slower.
+  static constexpr std::uint64_t kWarm = 2, kExplore = 8;
+  // Each measurement moves a way's estimate this far towards it.
+  static constexpr double kWeight = 0.25;
+
+  PrefetchChoice() = default;
+  PrefetchChoice(const PrefetchChoice& o) { *this = o; }
+  PrefetchChoice& operator=(const PrefetchChoice& o) {
+    calls_.store(o.calls_.load(kRelaxed), kRelaxed);
+    for (int way = 0; way < 2; ++way) cost_[way].store(o.cost_[way].load(kRelaxed), kRelaxed);
+    return *this;
+  }
+
+  // Whether a call moving `bytes` prefetches: the cheaper way per byte, the other one call
+  // in kExplore; both in turns until each has run kWarm times.
+  bool pick(std::uint64_t bytes) {
+    if (bytes < kMinBytes) return faster();
+    const std::uint64_t call = calls_.fetch_add(1, kRelaxed);
+    if (call < 2 * kWarm) return call % 2 == 1;
+    return call % kExplore == 0 ? !faster() : faster();
+  }
+
+  // A call of `bytes` took `ns` the way it was picked.
+  void record(bool prefetch, std::uint64_t bytes, std::uint64_t ns) {
+    if (bytes < kMinBytes) return;
+    const double per_byte = static_cast<double>(ns) / static_cast<double>(bytes);
+    std::atomic<double>& cost = cost_[prefetch ? 1 : 0];
+    const double old = cost.load(kRelaxed);
+    cost.store(old == 0 ? per_byte : old + (per_byte - old) * kWeight, kRelaxed);
+  }
+
+  // The estimates (ns per byte, 0 before a way ran), for tests and benchmarks.
+  double cost(bool prefetch) const { return cost_[prefetch ? 1 : 0].load(kRelaxed); }
+  std::uint64_t calls() const { return calls_.load(kRelaxed); }
+
+  // Runs copy(prefetch) as `mode` says, timing it where the choice is measured.
+  template <class Copy>
+  auto run(Prefetch mode, std::uint64_t bytes, Copy copy) {
+    if (mode != Prefetch::kAuto) return copy(mode == Prefetch::kOn);
+    const bool prefetch = pick(bytes);
+    if (bytes < kMinBytes) return copy(prefetch);
+    const auto start = std::chrono::steady_clock::now();
+    auto result = copy(prefetch);
+    const auto ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    record(prefetch, bytes, static_cast<std::uint64_t>(ns.count()));
+    return result;
+  }
+
+ private:
+  static constexpr auto kRelaxed = std::memory_order_relaxed;
+  // Prefetching until the other way is measured cheaper (the way the cursors were tuned).
+  bool faster() const {
+    const double off = cost(false), on = cost(true);
+    return off == 0 || on == 0 || on <= off;
+  }
+
+  std::atomic<std::uint64_t> calls_{0};
+  std::atomic<double> cost_[2] = {0.0, 0.0};
+};
+
+}  // namespace kvlayout
