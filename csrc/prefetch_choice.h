@@ -16,6 +16,7 @@
 // same bytes, so the choice never changes a result, and threads that race on the
 // estimates only ever change a choice.
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -32,14 +33,18 @@ class PrefetchChoice {
   static constexpr std::uint64_t kMinBytes = 1 << 20;
   // After both ways ran kWarm times, taking turns, one call in kExplore tries the slower.
   static constexpr std::uint64_t kWarm = 2, kExplore = 8;
-  // Each measurement moves a way's estimate this far towards it.
+  // A way's estimate is the least of its first kWarm measurements (the first copies into
+  // fresh memory pay its page faults), then each measurement moves it this far towards it.
   static constexpr double kWeight = 0.25;
 
   PrefetchChoice() = default;
   PrefetchChoice(const PrefetchChoice& o) { *this = o; }
   PrefetchChoice& operator=(const PrefetchChoice& o) {
     calls_.store(o.calls_.load(kRelaxed), kRelaxed);
-    for (int way = 0; way < 2; ++way) cost_[way].store(o.cost_[way].load(kRelaxed), kRelaxed);
+    for (int way = 0; way < 2; ++way) {
+      cost_[way].store(o.cost_[way].load(kRelaxed), kRelaxed);
+      measured_[way].store(o.measured_[way].load(kRelaxed), kRelaxed);
+    }
     return *this;
   }
 
@@ -56,9 +61,11 @@ class PrefetchChoice {
   void record(bool prefetch, std::uint64_t bytes, std::uint64_t ns) {
     if (bytes < kMinBytes) return;
     const double per_byte = static_cast<double>(ns) / static_cast<double>(bytes);
-    std::atomic<double>& cost = cost_[prefetch ? 1 : 0];
-    const double old = cost.load(kRelaxed);
-    cost.store(old == 0 ? per_byte : old + (per_byte - old) * kWeight, kRelaxed);
+    const int way = prefetch ? 1 : 0;
+    const std::uint64_t seen = measured_[way].fetch_add(1, kRelaxed);
+    const double old = cost_[way].load(kRelaxed);
+    const double now = seen == 0 ? per_byte : seen < kWarm ? std::min(old, per_byte) : old + (per_byte - old) * kWeight;
+    cost_[way].store(now, kRelaxed);
   }
 
   // The estimates (ns per byte, 0 before a way ran), for tests and benchmarks.
@@ -88,6 +95,7 @@ class PrefetchChoice {
 
   std::atomic<std::uint64_t> calls_{0};
   std::atomic<double> cost_[2] = {0.0, 0.0};
+  std::atomic<std::uint64_t> measured_[2] = {0, 0};  // measurements of each way
 };
 
 }  // namespace kvlayout

@@ -46,6 +46,18 @@ def test_both_ways_run_in_turns_then_the_faster_with_one_call_in_explore_for_the
     assert choice.cost(not faster) == pytest.approx(0.15, rel=1e-4)
 
 
+def test_a_slow_first_call_does_not_decide() -> None:
+    """The first copies into fresh memory pay its page faults: a way's estimate is the
+    least of its warm-up measurements, not their average."""
+    choice = Choice()
+    assert choice.pick(BIG) is False
+    choice.record(False, BIG, 20 * BIG)  # the first call, faulting pages in
+    picked = drive(choice, 2 * Choice.warm - 1, {False: 0.1, True: 0.15})
+    assert picked.count(False) == Choice.warm - 1
+    assert choice.cost(False) == pytest.approx(0.1, rel=1e-4)
+    assert choice.pick(BIG - 1) is False
+
+
 def test_a_change_of_the_faster_way_is_followed() -> None:
     choice = Choice()
     drive(choice, 40, {True: 0.1, False: 0.2})
