@@ -124,14 +124,18 @@ struct Cursor {
   // after a change of destination tensor (another group, whose order is its own), at
   // (0, end of the last run) after a change of source tensor alone (the order check
   // still sees the last run's end).
-  std::uint64_t src = 0, dst = 0, len = 0;
+  // Neither src and dst nor row_src and row_dst lie side by side: a group built from a
+  // pair (next_tile's pushes) read it as one 16-byte word, which the pair's two 8-byte
+  // stores cannot forward, and the load waited for the store buffer to drain: that one
+  // load held a quarter of the samples of NHD -> HND's build with consecutive blocks.
+  std::uint64_t src = 0, len = 0, dst = 0;
   std::uint64_t src_tensor = ~std::uint64_t{0}, dst_tensor = ~std::uint64_t{0};
   bool in_order = true;  // each group's runs came in destination order
   // Finished runs of the current run's length that the current run continues as a row
   // (row_count of them from (row_src, row_dst) at (row_ss, row_ds)), held back so that
   // the row goes to the Grouper in one piece with the current run when that finishes
   // (!kTrackTensors only; 0: none).
-  std::uint64_t row_src = 0, row_dst = 0, row_count = 0, row_ss = 0, row_ds = 0;
+  std::uint64_t row_src = 0, row_count = 0, row_dst = 0, row_ss = 0, row_ds = 0;
 
   std::size_t used() const { return static_cast<std::size_t>(out - table->rows); }
   [[gnu::always_inline]] void enter(std::uint64_t st, std::uint64_t dt) {
