@@ -644,7 +644,7 @@ NB_MODULE(_native, m) {
            "exist for tests and benchmarks).")
       .def("prefetch_costs", &TransferPlan::prefetch_costs, "direction"_a, "many_threads"_a = false,
            "(calls measured, ns per byte without prefetching, ns per byte with; 0 before a way ran) of one "
-           "direction's measured choice, for benchmarks.")
+           "direction's measured choice, for tests.")
       .def("run", &TransferPlan::run, "direction"_a, "block_ids"_a, "chunk_ptrs"_a, "chunk_tokens"_a,
            "blocks_per_chunk"_a, "skip_prefix_blocks"_a, "num_threads"_a,
            "Copy blocks (0: cache -> chunks, 1: chunks -> cache) on up to num_threads pool threads. Returns "
@@ -736,15 +736,6 @@ NB_MODULE(_native, m) {
       .def_prop_ro_static("min_bytes", [](nb::handle) { return kvlayout::PrefetchChoice::kMinBytes; })
       .def_prop_ro_static("explore", [](nb::handle) { return kvlayout::PrefetchChoice::kExplore; })
       .def_prop_ro_static("warm", [](nb::handle) { return kvlayout::PrefetchChoice::kWarm; });
-  m.def(
-      "map_prefetch_costs",
-      [](std::uint64_t bytes, std::uint64_t runs, int num_threads) {
-        const auto& c = kvlayout::block_map::prefetch_choice(bytes, runs, num_threads);
-        return std::make_tuple(c.calls(), c.cost(false), c.cost(true));
-      },
-      "bytes"_a, "runs"_a, "num_threads"_a = 1,
-      "(calls measured, ns per byte without prefetching, ns per byte with) of the measured choice block-map "
-      "copies of that many bytes and runs share, for benchmarks.");
 
   m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true, "prefetch"_a = true,
         "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "

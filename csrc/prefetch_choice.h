@@ -7,9 +7,9 @@
 // 14-17 GB/s) they took scattered 32 KiB runs from 0.58-0.74x the flat copy to 0.81-0.96x.
 // Where the memory system is busy and one core is bound by bandwidth, the same prefetches
 // only add requests: on a busy day (the flat copy at 7.5-9 GB/s), measured in one process,
-// the two ways taking turns, they took bench-maps' scattered 32 KiB runs from 0.89-0.93x
-// to 0.76-0.80x and its 2 MiB runs from 0.97-1.00x to 0.87-0.90x, while 1 KiB runs still
-// gained (0.44-0.46x to 0.51-0.56x). Which way is faster depends on the machine, its load
+// the two ways taking turns, they took bench-maps' scattered 32 KiB runs from 0.87-0.95x
+// to 0.66-0.80x and its 2 MiB runs from 0.97-1.05x to 0.86-0.92x, while 1 KiB runs still
+// gained (0.43-0.51x to 0.50-0.60x; docs/block-maps.md has the rows). Which way is faster depends on the machine, its load
 // and the kind of copy, and the load changes while a server runs; so each kind of copy
 // keeps the time per byte of both ways and runs the faster, giving the other one call in
 // kExplore so that a change is seen. A prefetch is a hint: either way the copy moves the

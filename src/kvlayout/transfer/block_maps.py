@@ -406,6 +406,7 @@ class _Pair:
     prefetch: dict[tuple[int, bool], Any] = field(default_factory=dict, compare=False)
 
     def prefetch_choice(self, num_bytes: int, num_runs: int, threads: int) -> Any:
+        """The ``_native.PrefetchChoice`` that copies of this kind between the sides share."""
         key = ((num_bytes // max(num_runs, 1)).bit_length(), threads > 1)
         choice = self.prefetch.get(key)
         if choice is None:
