@@ -187,8 +187,8 @@ const Walk& walk_of(const Job& job) {
 // thread, on bench-transfer's moves: loads into scattered blocks went from 0.76x to 0.88x
 // a flat streaming copy (NHD) and 0.70x to 0.77x (HND); touching the pages of jumping
 // sources as well, or of every dense side, did no better, and stores were unchanged. On a
-// busy day of the same machine the cursors lost on some formats (cross-layer loads 0.80-0.88x
-// with them, 0.94-0.95x without) and won on others (HND stores 0.75-0.87x, 0.67-0.80x
+// busy day of the same machine the cursors lost on some formats (cross-layer loads 0.80-0.92x
+// with them, 0.94-0.95x without) and won on others (HND stores 0.75-0.87x, 0.69-0.80x
 // without), so each plan measures which way is faster (Plan::prefetch_choices).
 template <Direction D, class Copy, bool Prefetch>
 [[gnu::always_inline]] inline void run_range(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo,
