@@ -460,7 +460,7 @@ std::tuple<int, std::int64_t, std::int64_t> validate_groups(ConstGroups groups, 
 
 std::tuple<int, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans,
                                                             int num_threads, std::uint64_t min_bytes_per_thread,
-                                                            int prefetch, kvlayout::PrefetchChoice* choice) {
+                                                            int prefetch, kvlayout::PrefetchChoices* choices) {
   const auto mode = prefetch_mode(prefetch);
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* g = groups_of(groups);
@@ -468,7 +468,7 @@ std::tuple<int, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups,
   nb::gil_scoped_release release;
   const auto v = kvlayout::block_map::validate_groups(g, n, src, dst);
   if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
-  const int used = kvlayout::block_map::copy_groups(g, n, num_threads, min_bytes_per_thread, mode, choice);
+  const int used = kvlayout::block_map::copy_groups(g, n, num_threads, min_bytes_per_thread, mode, choices);
   return {0, -1, -1, used};
 }
 
@@ -709,10 +709,10 @@ NB_MODULE(_native, m) {
         "staging), 2 (staging, other side), 0 none), and per stretch its first position, address, staging "
         "address (base + offset) and bytes.");
   m.def("copy_groups", &copy_groups, "groups"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
-        "min_bytes_per_thread"_a = 256 << 10, "prefetch"_a = -1, "choice"_a.none() = nb::none(),
+        "min_bytes_per_thread"_a = 256 << 10, "prefetch"_a = -1, "choices"_a.none() = nb::none(),
         "copy_runs over the runs a table of groups holds, read back a buffer at a time; prefetch -1 "
-        "measures in choice (a PrefetchChoice the caller keeps per kind of copy) or, given None, in the "
-        "choice copy_runs shares for this mean run.");
+        "measures in choices (the PrefetchChoices the caller keeps for its copies) or, given None, in the "
+        "ones copy_runs shares.");
   m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a,
         "(problem, run, other run): 0 when every run lies in one source and one destination tensor's blocks "
         "(spans: start, period, block, blocks), destination runs are disjoint and none reads what another "
@@ -723,7 +723,8 @@ NB_MODULE(_native, m) {
         "validate_runs, then (if valid) copy the runs on up to num_threads pool threads, split by bytes, GIL "
         "released; returns validate_runs' answer and the threads used. validate=False is for runs a caller "
         "has validated itself (and kept read-only since). prefetch -1 measures whether prefetching ahead of "
-        "the copy is faster for copies of this mean run (shared with copy_groups), 0 and 1 fix it.");
+        "the copy is faster for copies of this kind (in choices shared with copy_groups given none), 0 and 1 "
+        "fix it.");
   nb::class_<kvlayout::PrefetchChoice>(m, "PrefetchChoice",
                                        "A copy's measured choice of prefetching or not (csrc/prefetch_choice.h), "
                                        "standalone, for its tests.")
@@ -736,6 +737,12 @@ NB_MODULE(_native, m) {
       .def_prop_ro_static("min_bytes", [](nb::handle) { return kvlayout::PrefetchChoice::kMinBytes; })
       .def_prop_ro_static("explore", [](nb::handle) { return kvlayout::PrefetchChoice::kExplore; })
       .def_prop_ro_static("warm", [](nb::handle) { return kvlayout::PrefetchChoice::kWarm; });
+  nb::class_<kvlayout::PrefetchChoices>(m, "PrefetchChoices",
+                                        "The measured prefetch choices of one owner's copies, one per kind of "
+                                        "copy (csrc/prefetch_choice.h).")
+      .def(nb::init<>())
+      .def("of", &kvlayout::PrefetchChoices::of, "bytes"_a, "runs"_a, "threads"_a, nb::rv_policy::reference_internal,
+           "The choice copies of bytes in runs on threads share.");
 
   m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true, "prefetch"_a = true,
         "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "

@@ -848,29 +848,25 @@ int split_by_bytes(std::uint64_t total, int threads, std::uint64_t min_bytes_per
 
 }  // namespace detail
 
-// The prefetch choice (prefetch_choice.h) shared by the copies of one kind that have no
-// choice of their own (a map's pair of sides keeps one): of a mean run of that bit width (on
-// a busy machine the cursors gained on 1 KiB runs and lost on 32 KiB ones), on one thread
-// or more.
-inline PrefetchChoice& prefetch_choice(std::uint64_t bytes, std::uint64_t runs, int threads) {
-  static PrefetchChoice choices[65][2];
-  const std::uint64_t mean = bytes / std::max<std::uint64_t>(runs, 1);
-  const int width = mean == 0 ? 0 : 64 - __builtin_clzll(mean);
-  return choices[width][threads > 1 ? 1 : 0];
+// The prefetch choices (prefetch_choice.h) of the copies that no owner keeps choices for
+// (a map's pair of sides keeps its own).
+inline PrefetchChoices& shared_prefetch_choices() {
+  static PrefetchChoices choices;
+  return choices;
 }
 
 // Copies runs on up to `threads` threads of the pool, each a contiguous share of the bytes
-// (a run may be split between two threads), prefetching as `mode` says (kAuto: as
-// `choice` measures, or the shared choice of its kind where there is none); returns the
-// threads used.
+// (a run may be split between two threads), prefetching as `mode` says (kAuto: as the
+// owner's `choices` measure for this kind of copy, or the shared ones where there is no
+// owner); returns the threads used.
 inline int copy_runs(const ByteRun* runs, std::size_t n, int threads, std::uint64_t min_bytes_per_thread,
-                     Prefetch mode = Prefetch::kAuto, PrefetchChoice* choice = nullptr) {
+                     Prefetch mode = Prefetch::kAuto, PrefetchChoices* choices = nullptr) {
   if (n == 0) return 0;
   std::vector<std::uint64_t> ends(n);
   std::uint64_t total = 0;
   for (std::size_t i = 0; i < n; ++i) ends[i] = total += runs[i].len;
-  if (choice == nullptr) choice = &prefetch_choice(total, n, threads);
-  return choice->run(mode, total, [&](bool prefetch) {
+  PrefetchChoice& choice = (choices ? *choices : shared_prefetch_choices()).of(total, n, threads);
+  return choice.run(mode, total, [&](bool prefetch) {
     return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
       std::size_t a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
       const std::size_t b = static_cast<std::size_t>(std::lower_bound(ends.begin(), ends.end(), hi) - ends.begin());
@@ -894,14 +890,14 @@ inline int copy_runs(const ByteRun* runs, std::size_t n, int threads, std::uint6
 // copy_runs over a map's groups: each thread reads its share of the runs back a buffer at
 // a time (the first and last cut to the share) and copies them.
 inline int copy_groups(const RunGroup* groups, std::size_t n, int threads, std::uint64_t min_bytes_per_thread,
-                       Prefetch mode = Prefetch::kAuto, PrefetchChoice* choice = nullptr) {
+                       Prefetch mode = Prefetch::kAuto, PrefetchChoices* choices = nullptr) {
   if (n == 0) return 0;
   std::vector<std::uint64_t> ends(n);
   std::uint64_t total = 0, runs = 0;
   for (std::size_t i = 0; i < n; ++i) ends[i] = total += groups[i].bytes(), runs += groups[i].runs();
   if (total == 0) return 0;
-  if (choice == nullptr) choice = &prefetch_choice(total, runs, threads);
-  return choice->run(mode, total, [&](bool prefetch) {
+  PrefetchChoice& choice = (choices ? *choices : shared_prefetch_choices()).of(total, runs, threads);
+  return choice.run(mode, total, [&](bool prefetch) {
     return detail::split_by_bytes(total, threads, min_bytes_per_thread, [&](std::uint64_t lo, std::uint64_t hi) {
       const auto a = static_cast<std::size_t>(std::upper_bound(ends.begin(), ends.end(), lo) - ends.begin());
       const std::uint64_t into = lo - (ends[a] - groups[a].bytes());

@@ -9,10 +9,10 @@
 // only add requests: on a busy day (the flat copy at 7.5-9 GB/s), measured in one process,
 // the two ways taking turns, they took bench-maps' scattered 32 KiB runs from 0.87-0.95x
 // to 0.66-0.80x and its 2 MiB runs from 0.97-1.05x to 0.86-0.92x, while 1 KiB runs still
-// gained (0.43-0.51x to 0.50-0.60x; docs/block-maps.md has the rows). Which way is faster depends on the machine, its load
-// and the kind of copy, and the load changes while a server runs; so each kind of copy
-// keeps the time per byte of both ways and runs the faster, giving the other one call in
-// kExplore so that a change is seen. A prefetch is a hint: either way the copy moves the
+// gained (0.43-0.51x to 0.50-0.60x; docs/block-maps.md has the rows). Which way is faster
+// depends on the machine, its load and the kind of copy, and the load changes while a
+// server runs; so each kind of copy keeps the time per byte of both ways and runs the
+// faster, giving the other one call in kExplore so that a change is seen. A prefetch is a hint: either way the copy moves the
 // same bytes, so the choice never changes a result, and threads that race on the
 // estimates only ever change a choice.
 
@@ -64,7 +64,9 @@ class PrefetchChoice {
     const int way = prefetch ? 1 : 0;
     const std::uint64_t seen = measured_[way].fetch_add(1, kRelaxed);
     const double old = cost_[way].load(kRelaxed);
-    const double now = seen == 0 ? per_byte : seen < kWarm ? std::min(old, per_byte) : old + (per_byte - old) * kWeight;
+    const double now = seen == 0       ? per_byte
+                       : seen < kWarm  ? std::min(old, per_byte)
+                                       : old + (per_byte - old) * kWeight;
     cost_[way].store(now, kRelaxed);
   }
 
@@ -96,6 +98,21 @@ class PrefetchChoice {
   std::atomic<std::uint64_t> calls_{0};
   std::atomic<double> cost_[2] = {0.0, 0.0};
   std::atomic<std::uint64_t> measured_[2] = {0, 0};  // measurements of each way
+};
+
+// The choices of the copies one owner makes (a pair of block-map sides; all the copies
+// that have no owner), one per kind of copy: its mean run's bit width (on a busy machine
+// the cursors gained on 1 KiB runs and lost on 32 KiB ones), on one thread or more.
+class PrefetchChoices {
+ public:
+  PrefetchChoice& of(std::uint64_t bytes, std::uint64_t runs, int threads) {
+    const std::uint64_t mean = bytes / std::max<std::uint64_t>(runs, 1);
+    const int width = mean == 0 ? 0 : 64 - __builtin_clzll(mean);
+    return choices_[width][threads > 1 ? 1 : 0];
+  }
+
+ private:
+  PrefetchChoice choices_[65][2];
 };
 
 }  // namespace kvlayout

@@ -131,7 +131,7 @@ def test_a_block_maps_copies_measure_in_their_pairs_choice() -> None:
     src, dst = big_pair()
     a, b = bind([src], NHD), bind([dst], NHD)  # registered once, as a connector does
     m = block_map(a, b, SRC_IDS, DST_IDS)
-    choice = m._pair.prefetch_choice(m.num_bytes, m.num_runs, 1)
+    choice = m._pair.prefetch.of(m.num_bytes, m.num_runs, 1)
     for calls in range(1, 2 * Choice.warm + 3):
         dst.zero_()
         block_map(a, b, SRC_IDS, DST_IDS).copy()  # each request's map is new; the pair is not
@@ -139,7 +139,7 @@ def test_a_block_maps_copies_measure_in_their_pairs_choice() -> None:
     assert choice.cost(True) > 0 and choice.cost(False) > 0
     # another kind of map between the same sides (consecutive blocks: 1 MiB runs) has its own
     other = block_map(a, b, list(range(32)), list(range(32, 64)))
-    assert m._pair.prefetch_choice(other.num_bytes, other.num_runs, 1) is not choice
+    assert m._pair.prefetch.of(other.num_bytes, other.num_runs, 1) is not choice
 
 
 def test_a_transfer_plan_measures_each_direction_and_moves_the_same_bytes() -> None:

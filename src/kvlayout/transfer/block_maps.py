@@ -401,17 +401,9 @@ class _Pair:
     dst_classes: np.ndarray
     src_shard: Shard | None
     dst_shard: Shard | None
-    # Whether copies prefetch ahead of themselves, measured per kind of map between these
-    # sides (its mean run's bit width, one thread or more): csrc/prefetch_choice.h.
-    prefetch: dict[tuple[int, bool], Any] = field(default_factory=dict, compare=False)
-
-    def prefetch_choice(self, num_bytes: int, num_runs: int, threads: int) -> Any:
-        """The ``_native.PrefetchChoice`` that copies of this kind between the sides share."""
-        key = ((num_bytes // max(num_runs, 1)).bit_length(), threads > 1)
-        choice = self.prefetch.get(key)
-        if choice is None:
-            choice = self.prefetch.setdefault(key, _native.PrefetchChoice())
-        return choice
+    # Whether copies between these sides prefetch ahead of themselves, measured per kind
+    # of map (csrc/prefetch_choice.h).
+    prefetch: Any = field(default_factory=_native.PrefetchChoices, compare=False)
 
 
 @functools.lru_cache(maxsize=64)
@@ -679,9 +671,8 @@ class BlockMap:
                 "moves bytes within one device"
             )
         if self.src.device[0] == "cpu":
-            choice = self._pair.prefetch_choice(self.num_bytes, self.num_runs, threads)
             problem, run, other, used = _native.copy_groups(
-                self._groups, self.src.spans, self.dst.spans, threads, choice=choice
+                self._groups, self.src.spans, self.dst.spans, threads, choices=self._pair.prefetch
             )
             self._raise(problem, run, other)
             return int(used)
