@@ -328,7 +328,7 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
                                       std::int64_t heads, std::int64_t tokens, IntArray src_blocks,
                                       std::int64_t src_block_size, IntArray dst_blocks, std::int64_t dst_block_size,
                                       U64Rows src_classes, U64Rows dst_classes, bool force_sort,
-                                      bool blocks_one_by_one) {
+                                      bool blocks_one_by_one, bool slabs_one_by_one) {
   namespace bm = kvlayout::block_map;
   const auto* slab_rows = reinterpret_cast<const bm::Slab*>(rows_of(slabs, 10, "slabs"));
   const auto* src_cls = reinterpret_cast<const bm::Strides*>(rows_of(src_classes, 2, "src_classes"));
@@ -363,7 +363,7 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
   auto* built = new bm::Built();
   {
     nb::gil_scoped_release release;
-    *built = bm::build_groups(q, force_sort, blocks_one_by_one);
+    *built = bm::build_groups(q, force_sort, blocks_one_by_one, slabs_one_by_one);
   }
   nb::capsule owner(built, [](void* p) noexcept { delete static_cast<bm::Built*>(p); });
   auto* data = reinterpret_cast<std::uint64_t*>(built->groups.rows);
@@ -678,7 +678,7 @@ NB_MODULE(_native, m) {
 
   m.def("build_groups", &build_groups, "slabs"_a, "group_starts"_a, "order"_a, "heads"_a, "tokens"_a, "src_blocks"_a,
         "src_block_size"_a, "dst_blocks"_a, "dst_block_size"_a, "src_classes"_a, "dst_classes"_a,
-        "force_sort"_a = false, "blocks_one_by_one"_a = false,
+        "force_sort"_a = false, "blocks_one_by_one"_a = false, "slabs_one_by_one"_a = false,
         "A block map's runs as groups ((G, 9) uint64: src, dst, len, count, src_step, dst_step, rows, src_row, "
         "dst_row; see csrc/run_groups.h) from its slabs, how many runs they hold, and whether the walk was in "
         "destination order (else the runs were sorted and merged again).");

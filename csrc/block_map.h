@@ -229,10 +229,10 @@ struct Cursor {
                               stepped ? t.dr : 0});
       } else {
         in_order &= d >= dst + len;
-        RunGroup& g = groups->open();
-        g.rows += 1, g.src_row = t.sr, g.dst_row = t.dr;
+        RunGroup& g = groups->grow_open(1);  // the held row and the current run
+        g.src_row = t.sr, g.dst_row = t.dr;
         if (s == g.src + g.rows * t.sr && d == g.dst + g.rows * t.dr)
-          g.rows += t.rows - 1;
+          groups->grow_open(t.rows - 1);
         else
           groups->push(RunGroup{s, d, t.n, t.count, t.ss, t.ds, t.rows - 1, t.sr, t.dr});
       }
@@ -251,6 +251,27 @@ struct Cursor {
       row_count = 0;
     } else {
       groups->add(src, dst, len, 1, 0, 0);
+    }
+  }
+  // The runs of groups p[0, n) (a slab's pattern, walked from a fresh cursor, in
+  // destination order if `ordered`), moved by (ds, dd) into the tensors (st, dt): what
+  // walking that slab gives. Runs merge across a slab's edge only: the first run goes
+  // through emit() (continuing the current run where both sides do), the last becomes the
+  // current run (which the next slab's first may continue), and the rest go to the
+  // Grouper as they are.
+  void paste(const RunGroup* p, std::size_t n, std::uint64_t ds, std::uint64_t dd, std::uint64_t st,
+             std::uint64_t dt, bool ordered) {
+    if constexpr (!kTrackTensors) {
+      if (n == 0) return;
+      enter(st, dt);
+      in_order &= ordered;
+      const RunGroup& last = p[n - 1];
+      const ByteRun a = p[0].run(0, 0), z = last.run(last.rows - 1, last.count - 1);
+      emit(a.src + ds, a.dst + dd, a.len);
+      if (n == 1 && p[0].runs() == 1) return;
+      flush();
+      groups->paste_inner(p, n, ds, dd);
+      src = z.src + ds, dst = z.dst + dd, len = z.len;
     }
   }
   // The held-back row, without the current run.
@@ -288,8 +309,10 @@ class Walker {
   // `one_by_one`: every block through the general walk (emit_leaf()), none through the
   // block loops that serve whole blocks (tests hold both to one answer).
   Walker(const Request& q, const std::vector<std::int64_t>& positions, const std::vector<std::uint64_t>& src_tok,
-         const std::vector<std::uint64_t>& dst_tok, Cursor<kTrackTensors> cursor, bool one_by_one = false)
-      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), cursor_(cursor), one_by_one_(one_by_one) {
+         const std::vector<std::uint64_t>& dst_tok, Cursor<kTrackTensors> cursor, bool one_by_one = false,
+         bool slabs_one_by_one = false)
+      : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), cursor_(cursor), one_by_one_(one_by_one),
+        replay_(!kTrackTensors && !slabs_one_by_one && q.order[0] == kSlab) {
     // The first source block boundary after each destination block's first token: a
     // division per block here, none per emission.
     boundary_.resize(positions.size());
@@ -501,7 +524,10 @@ class Walker {
         for (std::int64_t s = lo; s < hi; ++s) {  // a slab's tail decides what is a leaf: no loop()
           slab_ = &q_.slabs[s];
           slab_set_ = true;
-          level(d + 1);
+          if (d == 0 && replay_)
+            replay();
+          else
+            level(d + 1);
         }
         slab_set_ = false;
         return;
@@ -523,6 +549,37 @@ class Walker {
     }
   }
 
+  // The outermost slab level: a slab whose shape (all but its bases and tensors) is the
+  // last walked slab's makes the same emissions moved by the difference of bases, so its
+  // runs are that slab's pattern pasted (the walk of 64 slabs was 64 walks of one; slabs
+  // of one shape are every layer's K and V). The first slab of a shape is walked into the
+  // pattern from a fresh cursor, then pasted like the others.
+  void replay() {
+    if constexpr (!kTrackTensors) {
+      const Slab& s = *slab_;
+      const Slab& p = pattern_slab_;
+      if (!has_pattern_ || s.width != p.width || s.src_head_stride != p.src_head_stride ||
+          s.dst_head_stride != p.dst_head_stride || s.src_class != p.src_class || s.dst_class != p.dst_class ||
+          s.tail != p.tail)
+        record();
+      cursor_.paste(pattern_.rows, pattern_size_, s.src_base - p.src_base, s.dst_base - p.dst_base, s.src_tensor,
+                    s.dst_tensor, pattern_in_order_);
+    }
+  }
+  void record() {
+    if constexpr (!kTrackTensors) {
+      const Cursor<kTrackTensors> outer = cursor_;
+      Grouper groups(&pattern_);
+      cursor_ = Cursor<kTrackTensors>{&groups, nullptr, nullptr, nullptr};
+      level(1);
+      cursor_.finish();
+      groups.finish();
+      pattern_size_ = groups.used(), pattern_in_order_ = cursor_.in_order;
+      pattern_slab_ = *slab_, has_pattern_ = true;
+      cursor_ = outer;
+    }
+  }
+
   const Request& q_;
   const std::vector<std::int64_t>& positions_;
   const std::vector<std::uint64_t>& src_tok_;
@@ -530,6 +587,11 @@ class Walker {
   Cursor<kTrackTensors> cursor_;
   std::vector<std::int64_t> boundary_;  // by destination block position
   const bool one_by_one_;
+  const bool replay_;  // slabs of one shape pasted from a pattern (replay())
+  Table<RunGroup> pattern_;
+  std::size_t pattern_size_ = 0;
+  bool pattern_in_order_ = true, has_pattern_ = false;
+  Slab pattern_slab_{};
   const Slab* slab_ = nullptr;
   bool slab_set_ = false;
   std::int64_t group_ = 0, position_ = 0, token_ = 0, head_ = 0;
@@ -574,15 +636,17 @@ inline std::size_t emissions_bound(const Request& q) {
 
 namespace detail {
 
-// The map of the groups in `table`: its table, shrunk to fit unless nearly full (a map
-// held for long keeps no more than it needs).
-inline Built take(Table<RunGroup>&& table, std::size_t n, bool walked_in_order) {
-  if (table.size > n + n / 4 + 64) table.resize(n);
+// The map of the groups in `table`: its table, shrunk unless nearly full (a map held for
+// long keeps little more than it needs). Shrunk to fit, the table went back to the pool
+// too small for the next map of its size, whose build then grew it (a copy of all its
+// groups) two groups before the end.
+inline Built take(Table<RunGroup>&& table, std::size_t n, std::uint64_t runs, bool walked_in_order) {
+  if (table.size > n + n / 4 + 64) table.resize(n + n / 8 + 64);
   Built out;
   out.groups = std::move(table);
   out.walked_in_order = walked_in_order;
   out.size = n;
-  for (std::size_t i = 0; i < n; ++i) out.runs += out.groups.rows[i].runs();
+  out.runs = runs;
   return out;
 }
 
@@ -591,7 +655,8 @@ inline Built take(Table<RunGroup>&& table, std::size_t n, bool walked_in_order) 
 // The runs of one request, as groups. `force_sort` takes the sorting path even when the
 // walk is in destination order, `blocks_one_by_one` the general walk for every block
 // (tests hold each path to the same answer).
-inline Built build_groups(const Request& q, bool force_sort = false, bool blocks_one_by_one = false) {
+inline Built build_groups(const Request& q, bool force_sort = false, bool blocks_one_by_one = false,
+                          bool slabs_one_by_one = false) {
   if (q.tokens <= 0 || q.heads <= 0 || q.num_groups <= 0) return Built{};
   const std::int64_t dst_positions = (q.tokens + q.dst_block_size - 1) / q.dst_block_size;
   std::vector<std::int64_t> positions(static_cast<std::size_t>(dst_positions));
@@ -606,11 +671,12 @@ inline Built build_groups(const Request& q, bool force_sort = false, bool blocks
   if (!force_sort) {
     Grouper groups(&table);
     const auto end =
-        detail::Walker<false>(q, positions, src_tok, dst_tok, {&groups, nullptr, nullptr, nullptr}, blocks_one_by_one)
+        detail::Walker<false>(q, positions, src_tok, dst_tok, {&groups, nullptr, nullptr, nullptr}, blocks_one_by_one,
+                              slabs_one_by_one)
             .run();
     if (end.in_order) {
       groups.finish();
-      return detail::take(std::move(table), groups.used(), true);
+      return detail::take(std::move(table), groups.used(), groups.runs(), true);
     }
   }
   // The sorting path: the same walk as runs with their tensors, sorted by destination
@@ -642,7 +708,7 @@ inline Built build_groups(const Request& q, bool force_sort = false, bool blocks
   }
   if (!idx.empty()) groups.add(run.src, run.dst, run.len, 1, 0, 0);
   groups.finish();
-  return detail::take(std::move(table), groups.used(), false);
+  return detail::take(std::move(table), groups.used(), groups.runs(), false);
 }
 
 // -- validation ------------------------------------------------------------------------

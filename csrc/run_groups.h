@@ -119,10 +119,14 @@ class Grouper {
 
   // The groups finished (all of them, after finish()).
   std::size_t used() const { return used_; }
+  // The runs given so far (counted as they come: a pass over the groups after the build
+  // read back a table that may be a megabyte).
+  std::uint64_t runs() const { return runs_; }
 
   // `count` runs (src + i * src_step, dst + i * dst_step, len).
   void add(std::uint64_t src, std::uint64_t dst, std::uint64_t len, std::uint64_t count, std::uint64_t src_step,
            std::uint64_t dst_step) {
+    runs_ += count;
     if (count == 1) src_step = dst_step = 0;
     if (has_row_) {
       RunGroup& row = table_->rows[used_ + has_group_];
@@ -144,6 +148,7 @@ class Grouper {
 
   // A whole group (its rows complete).
   void add_group(const RunGroup& g) {
+    runs_ += g.runs();
     end_row();
     if (has_group_ && append_rows(table_->rows[used_], g)) return;
     if (has_group_) next_group();
@@ -158,19 +163,68 @@ class Grouper {
     if (has_group_) ++used_, has_group_ = false;
   }
 
+  // The runs of groups p[0, n), moved by (ds, dd), all but the very first and the very
+  // last run (which the caller's cursor takes, so that they merge with what comes before
+  // and after): a slab's pattern pasted at another slab (Walker::replay()). Only the
+  // first and the last group's pieces may join their neighbours; the groups between are
+  // written as the pattern has them (one loop of stores, no checks).
+  void paste_inner(const RunGroup* p, std::size_t n, std::uint64_t ds, std::uint64_t dd) {
+    if (n == 0) return;
+    piece(p[0], ds, dd, true, n == 1);
+    if (n == 1) return;
+    if (n > 2) {
+      end_row();
+      if (has_group_) next_group();
+      if (used_ + n + 2 > table_->size) table_->resize(used_ + n + table_->size + 256);
+      RunGroup* out = table_->rows + used_;
+      for (std::size_t k = 1; k + 1 < n; ++k, ++out) {
+        *out = p[k];
+        out->src += ds, out->dst += dd;
+        runs_ += p[k].runs();
+      }
+      used_ += n - 3, has_group_ = true;  // the last written is the open group
+    }
+    piece(p[n - 1], ds, dd, false, true);
+  }
+
   // Whether a group is open and no row: then open() is the group the next rows would
   // join, and push() closes it.
   bool settled() const { return has_group_ && !has_row_; }
   // The open group (settled() only).
-  RunGroup& open() { return table_->rows[used_]; }
+  const RunGroup& open() const { return table_->rows[used_]; }
+  // The open group, `rows` more rows of it given (settled() only).
+  RunGroup& grow_open(std::uint64_t rows) {
+    RunGroup& g = table_->rows[used_];
+    g.rows += rows;
+    runs_ += rows * g.count;
+    return g;
+  }
   // Closes the open group; `g` (its rows complete, as add_group() would keep it) is the
   // open group now (settled() only).
   void push(const RunGroup& g) {
+    runs_ += g.runs();
     next_group();
     table_->rows[used_] = g;
   }
 
  private:
+  // Group g moved by (ds, dd), less its first run (`first`) and its last (`last`).
+  void piece(const RunGroup& g, std::uint64_t ds, std::uint64_t dd, bool first, bool last) {
+    const std::uint64_t src = g.src + ds, dst = g.dst + dd, rows = g.rows, count = g.count;
+    std::uint64_t lo = 0, hi = rows;  // the rows added whole
+    if (first) {  // row 0 from its second run (to its last but one if it is the last row too)
+      const std::uint64_t end = rows == 1 && last ? count - 1 : count;
+      if (end > 1) add(src + g.src_step, dst + g.dst_step, g.len, end - 1, g.src_step, g.dst_step);
+      lo = 1;
+    }
+    if (last && hi > lo) --hi;
+    if (hi > lo)
+      add_group(RunGroup{src + lo * g.src_row, dst + lo * g.dst_row, g.len, count, g.src_step, g.dst_step, hi - lo,
+                         hi - lo > 1 ? g.src_row : 0, hi - lo > 1 ? g.dst_row : 0});
+    if (last && rows - 1 >= lo && count > 1)  // the last row but its last run
+      add(src + (rows - 1) * g.src_row, dst + (rows - 1) * g.dst_row, g.len, count - 1, g.src_step, g.dst_step);
+  }
+
   // The open row joins the open group, or becomes the next one where it lies.
   void end_row() {
     if (!has_row_) return;
@@ -208,6 +262,7 @@ class Grouper {
 
   detail::Table<RunGroup>* table_;
   std::size_t used_ = 0;     // groups finished: rows [0, used_) of the table
+  std::uint64_t runs_ = 0;   // the runs given
   bool has_group_ = false;   // row used_ is the open group
   bool has_row_ = false;     // row used_ + has_group_ is the open row
 };

@@ -154,6 +154,9 @@ def check_map(
     assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
     one_by_one, _ = m._build_groups(force_sort=False, blocks_one_by_one=True)
     assert np.array_equal(m._groups, one_by_one)  # whole blocks: the groups of the general walk
+    walked, walked_runs = m._build_groups(force_sort=False, slabs_one_by_one=True)
+    assert walked_runs == m.num_runs  # slabs pasted from a pattern: the runs of walking each
+    assert np.array_equal(_native.expand_groups(walked), m.runs)
     sorted_path = m._build(force_sort=True)
     key = np.lexsort((m.runs[:, 1],))
     assert np.array_equal(m.runs[key], sorted_path[np.lexsort((sorted_path[:, 1],))])

@@ -147,6 +147,8 @@ def test_whole_blocks_are_the_general_walks_groups(
     m = block_map(src, dst, src_ids, dst_ids, num_tokens=tokens, dst_shard=shard)
     general, _ = m._build_groups(force_sort=False, blocks_one_by_one=True)
     assert np.array_equal(m._groups, general)
+    walked, runs = m._build_groups(force_sort=False, slabs_one_by_one=True)
+    assert runs == m.num_runs and np.array_equal(_native.expand_groups(walked), m.runs)
     m.copy()
     for s, d, n in m.runs.tolist():
         assert ctypes.string_at(s, n) == ctypes.string_at(d, n)
@@ -224,3 +226,31 @@ def test_validation_reads_back_every_group_that_could_leave_a_block() -> None:
         check((s, d + 32, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0))[0] == 3
     )  # overlap
     assert check((s, d + 64, 16, 3, 16, -8, 1, 0, 0))[0] == 3  # destinations stepping back over each other
+
+
+@pytest.mark.parametrize("fmt", [NHD, HND])
+@pytest.mark.parametrize("ids", ["whole pool", "whole pool reversed", "scattered"])
+def test_slabs_of_one_shape_are_one_pattern_pasted(fmt: F, ids: str) -> None:
+    """Every layer's K and V slab has one shape, so the builder walks the first and pastes
+    its runs at the others: a request over a layer's whole pool in order is one run per
+    layer (K's last block runs on into V's first, across the slabs' edge), and whatever
+    the block ids the runs are those of walking every slab."""
+    blocks, layers = 6, 3
+    shape = (2, blocks, 4, 2, 8) if fmt == NHD else (2, blocks, 2, 4, 8)
+    src, dst = vllm(*shape, fmt=fmt, layers=layers), vllm(*shape, fmt=fmt, layers=layers)
+    for t in src.kv:
+        torch.nn.init.normal_(t)
+    order = {
+        "whole pool": list(range(blocks)),
+        "whole pool reversed": list(range(blocks))[::-1],
+        "scattered": random.Random(3).sample(range(blocks), 4),
+    }[ids]
+    m = block_map(src, dst, order, order)
+    walked, runs = m._build_groups(force_sort=False, slabs_one_by_one=True)
+    assert runs == m.num_runs and np.array_equal(_native.expand_groups(walked), m.runs)
+    if ids == "whole pool":
+        assert m.num_runs == layers and m.runs[:, 2].tolist() == [src.kv[0].numel() * 4] * layers
+    m.copy()
+    for s, d in zip(src.kv, dst.kv, strict=True):
+        held = torch.tensor(order)
+        assert torch.equal(s[:, held], d[:, held])

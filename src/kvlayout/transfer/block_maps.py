@@ -608,15 +608,18 @@ class BlockMap:
         """The kind, with the numbers: which heads, which block sizes, which orders."""
         return self._kind_and_reason[1]
 
-    def _build_groups(self, force_sort: bool, blocks_one_by_one: bool = False) -> tuple[np.ndarray, int]:
+    def _build_groups(
+        self, force_sort: bool, blocks_one_by_one: bool = False, slabs_one_by_one: bool = False
+    ) -> tuple[np.ndarray, int]:
         """The groups from the native builder and the runs they hold; ``force_sort`` takes
-        its sorting path, ``blocks_one_by_one`` its general walk for every block (tests hold
-        each path to one answer)."""
+        its sorting path, ``blocks_one_by_one`` its general walk for every block,
+        ``slabs_one_by_one`` a walk of every slab (none pasted from a slab of its shape)
+        (tests hold each path to one answer)."""
         p, (src_ids, dst_ids) = self._pair, self._ids
         groups, num_runs, _ = _native.build_groups(
             p.slabs, p.group_starts, p.order, len(p.heads), self.num_tokens,
             src_ids, self.src.block_size, dst_ids, self.dst.block_size, p.src_classes, p.dst_classes,
-            force_sort, blocks_one_by_one,
+            force_sort, blocks_one_by_one, slabs_one_by_one,
         )  # fmt: skip
         groups.setflags(write=False)
         return groups, int(num_runs)
