@@ -14,7 +14,8 @@
 //     order (a layout whose levels interleave), the runs are sorted and merged again.
 //     Finished runs are kept as groups (run_groups.h): the inner levels that do not fold
 //     are emitted as rows and tiles of runs, not one run at a time, so a map of half a
-//     million runs is a few thousand groups;
+//     million runs is a few thousand groups. Slabs of one shape (every layer's K and V)
+//     make one pattern of runs, walked once and pasted at each (Walker::replay());
 //   - validates runs against the tensors' byte spans before a byte moves (validate_runs,
 //     validate_groups);
 //   - copies them on the worker pool, split by bytes, with the GIL released, prefetching
@@ -549,33 +550,52 @@ class Walker {
     }
   }
 
-  // The outermost slab level: a slab whose shape (all but its bases and tensors) is the
-  // last walked slab's makes the same emissions moved by the difference of bases, so its
-  // runs are that slab's pattern pasted (the walk of 64 slabs was 64 walks of one; slabs
-  // of one shape are every layer's K and V). The first slab of a shape is walked into the
-  // pattern from a fresh cursor, then pasted like the others.
+  // The outermost slab level: a slab whose shape (all but its bases and tensors) is an
+  // earlier slab's makes the same emissions moved by the difference of bases, so its runs
+  // are that slab's pattern pasted (the walk of 64 slabs was 64 walks of one; slabs of one
+  // shape are every layer's K and V, and a row split in pieces alternates a few shapes).
+  // The first slab of a shape is walked into a pattern from a fresh cursor, then pasted
+  // like the others.
+  struct Pattern {
+    Slab slab{};  // the slab walked
+    Table<RunGroup> groups;
+    std::size_t size = 0;
+    bool in_order = true;
+    bool set = false;
+
+    bool fits(const Slab& s) const {
+      return set && s.width == slab.width && s.src_head_stride == slab.src_head_stride &&
+             s.dst_head_stride == slab.dst_head_stride && s.src_class == slab.src_class &&
+             s.dst_class == slab.dst_class && s.tail == slab.tail;
+    }
+  };
+  static constexpr std::size_t kPatterns = 4;
+
   void replay() {
     if constexpr (!kTrackTensors) {
       const Slab& s = *slab_;
-      const Slab& p = pattern_slab_;
-      if (!has_pattern_ || s.width != p.width || s.src_head_stride != p.src_head_stride ||
-          s.dst_head_stride != p.dst_head_stride || s.src_class != p.src_class || s.dst_class != p.dst_class ||
-          s.tail != p.tail)
-        record();
-      cursor_.paste(pattern_.rows, pattern_size_, s.src_base - p.src_base, s.dst_base - p.dst_base, s.src_tensor,
-                    s.dst_tensor, pattern_in_order_);
+      Pattern* p = nullptr;
+      for (Pattern& k : patterns_)
+        if (k.fits(s)) p = &k;
+      if (p == nullptr) {
+        p = &patterns_[next_pattern_];
+        next_pattern_ = (next_pattern_ + 1) % kPatterns;
+        record(*p);
+      }
+      cursor_.paste(p->groups.rows, p->size, s.src_base - p->slab.src_base, s.dst_base - p->slab.dst_base,
+                    s.src_tensor, s.dst_tensor, p->in_order);
     }
   }
-  void record() {
+  void record(Pattern& p) {
     if constexpr (!kTrackTensors) {
       const Cursor<kTrackTensors> outer = cursor_;
-      Grouper groups(&pattern_);
+      Grouper groups(&p.groups);
       cursor_ = Cursor<kTrackTensors>{&groups, nullptr, nullptr, nullptr};
       level(1);
       cursor_.finish();
       groups.finish();
-      pattern_size_ = groups.used(), pattern_in_order_ = cursor_.in_order;
-      pattern_slab_ = *slab_, has_pattern_ = true;
+      p.size = groups.used(), p.in_order = cursor_.in_order;
+      p.slab = *slab_, p.set = true;
       cursor_ = outer;
     }
   }
@@ -588,10 +608,8 @@ class Walker {
   std::vector<std::int64_t> boundary_;  // by destination block position
   const bool one_by_one_;
   const bool replay_;  // slabs of one shape pasted from a pattern (replay())
-  Table<RunGroup> pattern_;
-  std::size_t pattern_size_ = 0;
-  bool pattern_in_order_ = true, has_pattern_ = false;
-  Slab pattern_slab_{};
+  Pattern patterns_[kPatterns];
+  std::size_t next_pattern_ = 0;  // the one recorded next, round the patterns
   const Slab* slab_ = nullptr;
   bool slab_set_ = false;
   std::int64_t group_ = 0, position_ = 0, token_ = 0, head_ = 0;

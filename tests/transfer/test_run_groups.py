@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+from typing import Any
 
 import numpy as np
 import pytest
@@ -254,3 +255,26 @@ def test_slabs_of_one_shape_are_one_pattern_pasted(fmt: F, ids: str) -> None:
     for s, d in zip(src.kv, dst.kv, strict=True):
         held = torch.tensor(order)
         assert torch.equal(s[:, held], d[:, held])
+
+
+@pytest.mark.parametrize("shapes", [1, 3, 5])  # 5: more shapes than the builder keeps patterns of
+def test_slabs_of_alternating_shapes_paste_each_from_its_own_pattern(shapes: int) -> None:
+    """A row cut in pieces of several widths makes slabs whose shapes alternate; each
+    shape's pattern is kept and pasted, and where the shapes outnumber the patterns kept,
+    one is walked again: the runs are those of walking every slab either way."""
+    src, dst = vllm(2, 8, 4, 4, 16, layers=3), vllm(2, 8, 4, 4, 16, layers=3)
+    m = block_map(src, dst, [5, 1, 6], [2, 7, 3], num_tokens=10)
+    p = m._pair
+    slabs = p.slabs.copy()
+    assert p.order[0] == 0  # the slab level outermost: the builder pastes
+    slabs[:, 4] = [4 * (1 + i % shapes) for i in range(len(slabs))]  # widths within a head's 64 bytes
+    slabs[:, 9] = 0  # nothing folds: a run per (block, slot, head)
+    (src_ids, dst_ids), classes = m._ids, (p.src_classes, p.dst_classes)
+
+    def build(walked: bool) -> Any:
+        args = (slabs, p.group_starts, p.order, len(p.heads), 10, src_ids, 4, dst_ids, 4, *classes)
+        return _native.build_groups(*args, False, False, walked)
+
+    (pasted, runs, in_order), (walked, walked_runs, _) = build(False), build(True)
+    assert in_order and runs == walked_runs == len(slabs) * 10 * 4
+    assert np.array_equal(_native.expand_groups(pasted), _native.expand_groups(walked))

@@ -34,6 +34,7 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
+from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard, ShardError
 
 __all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
@@ -306,8 +307,6 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
 
 
 def _as_side(obj: Any, block_size: int | None, where: str) -> Side:
-    from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
-
     if isinstance(obj, Side):
         return obj
     if isinstance(obj, RegistrationDescription):
