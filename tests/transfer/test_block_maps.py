@@ -152,6 +152,16 @@ def check_map(
     sa, da, st_, dt = s_addr[order], d_addr[order], s_ptr[order], d_ptr[order]
     cont = (da[1:] == da[:-1] + 1) & (sa[1:] == sa[:-1] + 1) & (st_[1:] == st_[:-1]) & (dt[1:] == dt[:-1])
     assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
+    # Each side alone (what a staged transfer posts there): stretches of its memory, in one tensor.
+    for col, ptr, addr, ids in ((0, s_ptr, s_addr, src_ids), (1, d_ptr, d_addr, dst_ids)):
+        if len(set(ids)) < len(ids):
+            assert m._side_runs(col) is None
+            continue
+        key = np.lexsort((addr, ptr))
+        a, t = addr[key], ptr[key]
+        assert m._side_runs(col) == (
+            int(((a[1:] != a[:-1] + 1) | (t[1:] != t[:-1])).sum()) + 1 if len(a) else 0
+        )
     one_by_one, _ = m._build_groups(force_sort=False, blocks_one_by_one=True)
     assert np.array_equal(m._groups, one_by_one)  # whole blocks: the groups of the general walk
     walked, walked_runs = m._build_groups(force_sort=False, slabs_one_by_one=True)

@@ -420,7 +420,9 @@ def test_a_stretch_count_is_the_stretches_laid_out(
     runs[:, 1 - int(on_dst)] = np.arange(len(pieces), dtype=U64) * np.uint64(64)
     runs[:, 2] = [n * unit for _, n in pieces]
     side = Side(spans, is_local=True)
-    assert nx._stretch_count(runs, int(on_dst), side) == len(nx._stretches(runs, int(on_dst), side).first)
+    assert nx._stretch_count(None, runs, int(on_dst), side) == len(
+        nx._stretches(runs, int(on_dst), side).first
+    )
 
 
 def test_overlapping_spans_merge_touching_ones_do_not() -> None:
@@ -490,6 +492,57 @@ def test_a_block_map_to_a_peer_description_is_a_nixl_map() -> None:
     both_live = block_map(here, peer, [0], [1], dst_shard=Shard(1, 2, 8))
     with pytest.raises(TransferError, match="both sides of the map are in this process"):
         nx.descriptors(both_live)
+
+
+@pytest.mark.parametrize(
+    "pair",
+    ["same layout", "TP 1 -> 2 NHD", "TP 2 -> 1 HND", "NHD -> HND", "cross-layer", "layers of one pool"],
+)
+@pytest.mark.parametrize("ids", ["consecutive", "scattered", "whole pool"])
+def test_a_block_map_counts_its_stretches_without_sorting_its_runs(
+    pair: str, ids: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Pricing a staged or peer-staged candidate counts the stretches of one side's
+    memory; for a block map whose side's tensors lie apart they are the runs of the map
+    from that side to itself, counted without sorting this map's runs, and as many as the
+    sort counts. Where tensors touch (every layer a slice of one pool), a stretch may run
+    from one into the next, which the sort cuts into its runs: those are counted by the
+    sort."""
+    import random
+
+    import torch
+
+    from kvlayout import EngineKVFormat as F
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import Shard, block_map
+
+    nhd, hnd = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS
+
+    def cache(fmt: F, heads: int = 4) -> object:
+        if fmt == F.NB_NL_TWO_BS_NH_HS:
+            return bind(torch.zeros(12, 3, 2, 4, heads, 8, dtype=torch.bfloat16), fmt)
+        shape = (2, 12, 4, heads, 8) if fmt == nhd else (2, 12, heads, 4, 8)
+        return bind([torch.zeros(shape, dtype=torch.bfloat16) for _ in range(3)], fmt)
+
+    pool = torch.zeros(3, 2, 12, 4, 4, 8, dtype=torch.bfloat16)
+    src, dst, shards = {
+        "same layout": (cache(nhd), cache(nhd), {}),
+        "TP 1 -> 2 NHD": (cache(nhd), cache(nhd, 2), {"dst_shard": Shard(1, 2, 4)}),
+        "TP 2 -> 1 HND": (cache(hnd, 2), cache(hnd), {"src_shard": Shard(0, 2, 4)}),
+        "NHD -> HND": (cache(nhd), cache(hnd), {}),
+        "cross-layer": (cache(F.NB_NL_TWO_BS_NH_HS), cache(hnd), {}),
+        "layers of one pool": (bind(list(pool), nhd), cache(nhd), {}),
+    }[pair]
+    n = 12 if ids == "whole pool" else 5
+    order = random.Random(5).sample(range(12), n) if ids == "scattered" else list(range(n))
+    m = block_map(src, dst, order, order[::-1], num_tokens=4 * n - 2 * (n < 12), **shards)  # type: ignore[arg-type]
+    runs = np.ascontiguousarray(m.runs)
+    sorted_counts = [nx._stretch_count(None, runs, col, side) for col, side in ((0, m.src), (1, m.dst))]
+    if pair != "layers of one pool":  # no sort: the native count of sorted runs is not reached
+        monkeypatch.setattr(_native, "stretch_count", None)
+    elif ids == "whole pool":  # one stretch over three touching layers, which the sort counts as its runs
+        assert (m._side_runs(0), sorted_counts[0]) == (3, m.num_runs)
+    assert [nx._stretch_count(m, runs, col, side) for col, side in ((0, m.src), (1, m.dst))] == sorted_counts
 
 
 def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call(

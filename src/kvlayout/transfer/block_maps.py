@@ -453,7 +453,11 @@ def _check_same_data(src: Side, dst: Side) -> None:
         )
 
 
-def _pair(src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None) -> _Pair:
+def _pair(
+    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None, only: range | None = None
+) -> _Pair:
+    """The slabs both sides hold, of the model heads both shards hold (and ``only``
+    holds, where given: a side's map to itself, of another pair's heads)."""
     _check_same_data(src, dst)
     if src.has_heads:
         assert src_shard is not None and dst_shard is not None
@@ -463,8 +467,8 @@ def _pair(src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None
                 "not given is TP 1 over the cache's own heads)"
             )
         a, b = src_shard.heads, dst_shard.heads
-        lo = max(a.start, b.start)
-        heads = range(lo, max(lo, min(a.stop, b.stop)))
+        lo = max(a.start, b.start, only.start if only else 0)
+        heads = range(lo, max(lo, min(a.stop, b.stop, only.stop if only else b.stop)))
         src_head0, dst_head0 = heads.start - a.start, heads.start - b.start
     else:
         heads, src_head0, dst_head0 = range(1), 0, 0
@@ -647,6 +651,31 @@ class BlockMap:
     def num_bytes(self) -> int:
         g = self._groups
         return int((g[:, 2] * g[:, 3] * g[:, 6]).sum()) if len(g) else 0
+
+    def _side_runs(self, col: int) -> int | None:
+        """How many runs the map's bytes make on one side alone (``col`` 0: the source,
+        1: the destination): stretches of that side's memory, each inside one of its
+        tensors, as few as that side allows (the fewest descriptors a transfer engine can
+        move the request through there). They are the runs of the map from that side to
+        itself, built like any map, with no sort of this map's runs; None where the side's
+        block ids repeat (its bytes would be counted twice)."""
+        one, shard = (self.src, self._pair.src_shard) if col == 0 else (self.dst, self._pair.dst_shard)
+        ids = self._ids[col]
+        if _native.first_repeated_block_id(ids, 0, one.num_blocks) >= 0:
+            return None
+        if not self.heads or self.num_tokens == 0:
+            return 0
+        key = ("itself", shard, self.heads)
+        per_side = one._pairs.setdefault(one, {})
+        pair = per_side.get(key)
+        if pair is None:
+            pair = _pair(one, one, shard, shard, only=self.heads)
+            per_side[key] = pair
+        _, runs, _ = _native.build_groups(
+            pair.slabs, pair.group_starts, pair.order, len(pair.heads), self.num_tokens,
+            ids, one.block_size, ids, one.block_size, pair.src_classes, pair.dst_classes,
+        )  # fmt: skip
+        return int(runs)
 
     def __repr__(self) -> str:
         return (
