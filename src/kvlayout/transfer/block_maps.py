@@ -467,8 +467,8 @@ def _pair(
                 "not given is TP 1 over the cache's own heads)"
             )
         a, b = src_shard.heads, dst_shard.heads
-        lo = max(a.start, b.start, only.start if only else 0)
-        heads = range(lo, max(lo, min(a.stop, b.stop, only.stop if only else b.stop)))
+        lo = max(a.start, b.start, only.start if only is not None else 0)
+        heads = range(lo, max(lo, min(a.stop, b.stop, only.stop if only is not None else b.stop)))
         src_head0, dst_head0 = heads.start - a.start, heads.start - b.start
     else:
         heads, src_head0, dst_head0 = range(1), 0, 0
