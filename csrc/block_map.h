@@ -553,9 +553,10 @@ class Walker {
   // The outermost slab level: a slab whose shape (all but its bases and tensors) is an
   // earlier slab's makes the same emissions moved by the difference of bases, so its runs
   // are that slab's pattern pasted (the walk of 64 slabs was 64 walks of one; slabs of one
-  // shape are every layer's K and V, and a row split in pieces alternates a few shapes).
-  // The first slab of a shape is walked into a pattern from a fresh cursor, then pasted
-  // like the others.
+  // shape are every layer's K and V). Four patterns are kept, should a row cut in pieces
+  // alternate shapes (the catalogue's such pairs walk slabs inside blocks: no paste). The
+  // first slab of a shape is walked into a pattern from a fresh cursor, then pasted like
+  // the others.
   struct Pattern {
     Slab slab{};  // the slab walked
     Table<RunGroup> groups;
