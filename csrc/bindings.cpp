@@ -94,9 +94,15 @@ std::vector<kvlayout::plan::Segment> segments_of(const JobArgs& a) {
   return segments;
 }
 
+// A direction argument: 0 stores (cache -> chunks), 1 loads.
+int checked_direction(int direction) {
+  if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
+  return direction;
+}
+
 // The segments one direction moves: a load leaves out the repeated pointers' segments.
 std::vector<kvlayout::plan::Segment> direction_segments(const JobArgs& a, int direction) {
-  if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
+  checked_direction(direction);
   auto segments = segments_of(a);
   return direction == 1 ? kvlayout::transfer::without_pointers(segments, std::get<10>(a)) : segments;
 }
@@ -125,7 +131,7 @@ class TransferPlan {
 
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
-    if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
+    checked_direction(direction);
     if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
     if (chunk_ptrs.shape(0) != chunk_tokens.shape(0)) throw nb::value_error("one token count per chunk");
     const auto count = static_cast<std::int64_t>(block_ids.shape(0));
@@ -143,8 +149,7 @@ class TransferPlan {
   }
 
   std::tuple<std::uint64_t, double, double> prefetch_costs(int direction, bool many_threads) const {
-    if (direction != 0 && direction != 1) throw nb::value_error("direction is 0 (store) or 1 (load)");
-    const auto& c = plan_.prefetch_choices[direction][many_threads ? 1 : 0];
+    const auto& c = plan_.prefetch_choices[checked_direction(direction)][many_threads ? 1 : 0];
     return {c.calls(), c.cost(false), c.cost(true)};
   }
 

@@ -12,9 +12,9 @@
 // gained (0.43-0.51x to 0.50-0.60x; docs/block-maps.md has the rows). Which way is faster
 // depends on the machine, its load and the kind of copy, and the load changes while a
 // server runs; so each kind of copy keeps the time per byte of both ways and runs the
-// faster, giving the other one call in kExplore so that a change is seen. A prefetch is a hint: either way the copy moves the
-// same bytes, so the choice never changes a result, and threads that race on the
-// estimates only ever change a choice.
+// faster, giving the other one call in kExplore so that a change is seen. A prefetch is
+// a hint: either way the copy moves the same bytes, so the choice never changes a
+// result, and threads that race on the estimates only ever change a choice.
 
 #include <algorithm>
 #include <atomic>

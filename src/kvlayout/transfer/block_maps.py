@@ -453,6 +453,35 @@ def _check_same_data(src: Side, dst: Side) -> None:
         )
 
 
+def _cached_pair(
+    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None, only: range | None = None
+) -> _Pair:
+    """``_pair`` of these sides and shards, built once and kept with ``src``."""
+    per_dst = src._pairs.setdefault(dst, {})
+    key = (src_shard, dst_shard, only)
+    pair = per_dst.get(key)
+    if pair is None:
+        pair = _pair(src, dst, src_shard, dst_shard, only)
+        per_dst[key] = pair
+    return pair
+
+
+def _groups_of(
+    pair: _Pair, tokens: int,
+    src_ids: np.ndarray, src_block_size: int, dst_ids: np.ndarray, dst_block_size: int,
+    force_sort: bool = False, blocks_one_by_one: bool = False, slabs_one_by_one: bool = False,
+) -> tuple[np.ndarray, int]:  # fmt: skip
+    """The native builder's groups (read-only) and the runs they hold, for a request of
+    ``tokens`` over a pair."""
+    groups, num_runs, _ = _native.build_groups(
+        pair.slabs, pair.group_starts, pair.order, len(pair.heads), tokens,
+        src_ids, src_block_size, dst_ids, dst_block_size, pair.src_classes, pair.dst_classes,
+        force_sort, blocks_one_by_one, slabs_one_by_one,
+    )  # fmt: skip
+    groups.setflags(write=False)
+    return groups, int(num_runs)
+
+
 def _pair(
     src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None, only: range | None = None
 ) -> _Pair:
@@ -618,14 +647,11 @@ class BlockMap:
         its sorting path, ``blocks_one_by_one`` its general walk for every block,
         ``slabs_one_by_one`` a walk of every slab (none pasted from a slab of its shape)
         (tests hold each path to one answer)."""
-        p, (src_ids, dst_ids) = self._pair, self._ids
-        groups, num_runs, _ = _native.build_groups(
-            p.slabs, p.group_starts, p.order, len(p.heads), self.num_tokens,
-            src_ids, self.src.block_size, dst_ids, self.dst.block_size, p.src_classes, p.dst_classes,
+        (src_ids, dst_ids), sizes = self._ids, (self.src.block_size, self.dst.block_size)
+        return _groups_of(
+            self._pair, self.num_tokens, src_ids, sizes[0], dst_ids, sizes[1],
             force_sort, blocks_one_by_one, slabs_one_by_one,
         )  # fmt: skip
-        groups.setflags(write=False)
-        return groups, int(num_runs)
 
     def _build(self, force_sort: bool) -> np.ndarray:
         """The runs of one of the builder's paths, expanded."""
@@ -665,17 +691,8 @@ class BlockMap:
             return None
         if not self.heads or self.num_tokens == 0:
             return 0
-        key = ("itself", shard, self.heads)
-        per_side = one._pairs.setdefault(one, {})
-        pair = per_side.get(key)
-        if pair is None:
-            pair = _pair(one, one, shard, shard, only=self.heads)
-            per_side[key] = pair
-        _, runs, _ = _native.build_groups(
-            pair.slabs, pair.group_starts, pair.order, len(pair.heads), self.num_tokens,
-            ids, one.block_size, ids, one.block_size, pair.src_classes, pair.dst_classes,
-        )  # fmt: skip
-        return int(runs)
+        pair = _cached_pair(one, one, shard, shard, only=self.heads)
+        return _groups_of(pair, self.num_tokens, ids, one.block_size, ids, one.block_size)[1]
 
     def __repr__(self) -> str:
         return (
@@ -839,12 +856,7 @@ def block_map(
     """
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
-    shards = (_heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
-    per_dst = a._pairs.setdefault(b, {})
-    pair = per_dst.get(shards)
-    if pair is None:
-        pair = _pair(a, b, *shards)
-        per_dst[shards] = pair
+    pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
     a_len = len(src_blocks) if hasattr(src_blocks, "__len__") else None
     b_len = len(dst_blocks) if hasattr(dst_blocks, "__len__") else None
     if num_tokens is None:
