@@ -124,10 +124,18 @@ kvlayout::Prefetch prefetch_mode(int prefetch) {
 class TransferPlan {
  public:
   TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes,
-               int prefetch)
+               int prefetch, bool listed)
       : plan_(make_jobs(job_args)),
         num_blocks_(num_blocks),
-        options_{checked_order(order), stream_min_bytes, prefetch_mode(prefetch)} {}
+        options_{checked_order(order), stream_min_bytes, prefetch_mode(prefetch), listed} {}
+
+  // Whether a call's moves are listed and copied as runs (transfer::listed).
+  bool listed(int direction, std::int64_t blocks_per_chunk) const {
+    if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
+    const auto d = static_cast<kvlayout::transfer::Direction>(checked_direction(direction));
+    const bool layer_major = kvlayout::transfer::layer_major(plan_, d, blocks_per_chunk, options_);
+    return kvlayout::transfer::listed(plan_, d, layer_major, options_);
+  }
 
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
@@ -641,12 +649,16 @@ NB_MODULE(_native, m) {
   nb::class_<TransferPlan>(m, "TransferPlan",
                            "A registration's copy jobs, built once; run() moves blocks with raw pointers "
                            "(kvlayout.transfer validates, and keeps the tensors alive).")
-      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, int>(), "jobs"_a, "num_blocks"_a,
-           "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes, "prefetch"_a = -1,
+      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, int, bool>(), "jobs"_a,
+           "num_blocks"_a, "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes,
+           "prefetch"_a = -1, "listed"_a = true,
            "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
            "stream_min_bytes write with streaming stores; prefetch -1 measures whether prefetching ahead of the "
-           "copy is faster, per direction, 0 leaves the coming moves to the hardware, 1 prefetches (the knobs "
-           "exist for tests and benchmarks).")
+           "copy is faster, per direction, 0 leaves the coming moves to the hardware, 1 prefetches; listed "
+           "False copies one-run segments with the nested walk too (the knobs exist for tests and benchmarks).")
+      .def("listed", &TransferPlan::listed, "direction"_a, "blocks_per_chunk"_a,
+           "Whether a call's moves are listed as runs and copied by the run-list engine: every segment one run, "
+           "an order that makes the source jump from move to move, and listed not turned off.")
       .def("prefetch_costs", &TransferPlan::prefetch_costs, "direction"_a, "many_threads"_a = false,
            "(calls measured, ns per byte without prefetching, ns per byte with; 0 before a way ran) of one "
            "direction's measured choice, for tests.")

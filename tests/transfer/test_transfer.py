@@ -409,7 +409,8 @@ def check_engine_choices(
     ids: list[int], per_chunk: int, skip: int, partial: bool,
 ) -> None:  # fmt: skip
     """Every engine choice (block- or layer-major, streaming stores or not, the coming
-    moves' lines prefetched or not, any split over threads) stores the same
+    moves' lines prefetched or not, any split over threads, one-run segments listed and
+    copied as runs or walked as nests) stores the same
     chunks and loads the same cache bytes as the default plan, which the tests above hold
     to the oracle."""
     reg = make_registration(kvlayout.layout_of(fmt), sizes, dtype, pad=pad)
@@ -430,11 +431,12 @@ def check_engine_choices(
         per_chunk,
         skip,
     )
-    choices = itertools.product((0, 1), (0, 1 << 62), (-1, 0, 1), (1, 3))
-    for order, stream_min_bytes, prefetch, threads in choices:
-        engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes, prefetch)
+    choices = itertools.product((0, 1), (0, 1 << 62), (-1, 0, 1), (1, 3), (False, True))
+    for order, stream_min_bytes, prefetch, threads, listed in choices:
+        engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes, prefetch, listed)
         choice = (
-            f"order {order}, streaming from {stream_min_bytes} bytes, prefetch {prefetch}, {threads} threads"
+            f"order {order}, streaming from {stream_min_bytes} bytes, prefetch {prefetch}, {threads} threads, "
+            f"listed {listed}"
         )
         for c in chunks:
             c.zero_()
@@ -500,3 +502,67 @@ def test_engine_choices_agree_on_long_runs(
     fmt: EngineKVFormat, sizes: dict[str, int], dtype: torch.dtype, pad: int
 ) -> None:
     check_engine_choices(fmt, sizes, dtype, pad, [5, 0, 6, 2, 3], per_chunk=2, skip=1, partial=True)
+
+
+@pytest.mark.parametrize(
+    ("fmt", "listed"),
+    [  # (store, load): listed where each segment is one run and the source jumps
+        (EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, [True, False]),  # layer-major: the cache jumps in a store
+        (EngineKVFormat.NL_X_NB_BS_HS, [True, False]),  # an MLA block
+        (EngineKVFormat.NB_NL_TWO_BS_NH_HS, [False, True]),  # block-major: the chunk jumps in a load
+        (EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, [False, False]),  # HND: a run per head and token
+    ],
+)
+def test_plans_list_their_runs_where_each_segment_is_one_run_and_the_source_jumps(
+    fmt: EngineKVFormat, listed: list[bool]
+) -> None:
+    sizes = {"NL": 4, "NB": 8, "BS": 16, "NH": 2, "HS": 64}  # a cross-layer block outgrows 4 blocks' slab
+    reg = make_registration(kvlayout.layout_of(fmt), sizes, torch.float16)
+    plan = prepare(reg.kv, fmt)
+    assert [plan._engine.listed(d, 4) for d in (0, 1)] == listed
+    jobs = [plan._native_job(job) for job in plan.jobs]
+    off = _native.TransferPlan(jobs, plan.num_blocks, listed=False)
+    assert [off.listed(d, 4) for d in (0, 1)] == [False, False]
+    one_run_each = fmt != EngineKVFormat.NL_X_TWO_NB_NH_BS_HS
+    for order in (0, 1):  # block-major lists loads only, layer-major stores only
+        forced = _native.TransferPlan(jobs, plan.num_blocks, order=order)
+        assert [forced.listed(d, 4) for d in (0, 1)] == [
+            one_run_each and order == 1,
+            one_run_each and order == 0,
+        ]
+
+
+def test_a_listed_move_of_more_runs_than_one_table_joins_runs_and_moves_every_byte() -> None:
+    """3,000 blocks of 2 layers' K and V, scattered and in runs of consecutive ids (whose
+    slabs continue each other on both sides, so the listing joins them): several tables of
+    runs, each byte where the nested walk puts it; and loaded back block-major (listed too),
+    every moved block restored and no other touched."""
+    fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
+    sizes = {"NL": 2, "NB": 4000, "BS": 2, "NH": 2, "HS": 8}
+    reg = make_registration(kvlayout.layout_of(fmt), sizes, torch.float16)
+    plan = prepare(reg.kv, fmt)
+    assert plan._engine.listed(0, 32)
+    rng = np.random.default_rng(0)
+    ids = np.concatenate([np.arange(100, 1600), rng.permutation(np.arange(1600, 4000))[:1500]]).tolist()
+    jobs = [plan._native_job(job) for job in plan.jobs]
+    nested = _native.TransferPlan(jobs, plan.num_blocks, listed=False)
+    chunks = plan.chunks_for(len(ids), 64)
+    plan.store_blocks(ids, chunks)
+    listed_chunks = [c.view(torch.uint8).clone() for c in chunks]  # bytes: random floats hold NaNs
+    plan._engine = nested
+    for c in chunks:
+        c.zero_()
+    plan.store_blocks(ids, chunks)
+    assert all(torch.equal(a, b.view(torch.uint8)) for a, b in zip(listed_chunks, chunks, strict=True))
+    before = [b.clone() for b in reg.bases]
+    for b in reg.bases:
+        b.zero_()
+    plan._engine = _native.TransferPlan(jobs, plan.num_blocks, order=0)  # block-major: a load lists
+    assert plan._engine.listed(1, 32)
+    plan.load_blocks(ids, chunks)
+    moved = torch.zeros(sizes["NB"], dtype=torch.bool)
+    moved[ids] = True
+    for b, was in zip(reg.bases, before, strict=True):
+        blocks, old = b.view(2, sizes["NB"], -1), was.view(2, sizes["NB"], -1)
+        assert torch.equal(blocks[:, moved], old[:, moved])
+        assert not blocks[:, ~moved].any()
