@@ -97,8 +97,9 @@ bench-core: build
 bench-detection: build
 	$(PY) benchmarks/bench_detection.py
 
+# BENCH_ARGS=--huge-pages allocates every tensor on 2 MiB pages.
 bench-transfer: build
-	$(PY) benchmarks/bench_transfer.py
+	$(PY) benchmarks/bench_transfer.py $(BENCH_ARGS)
 
 # Two processes over loopback NIXL: a few seconds of transfers per scenario.
 bench-pd: build

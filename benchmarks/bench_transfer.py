@@ -32,10 +32,15 @@ Run with ``make bench-transfer``.
 from __future__ import annotations
 
 import os
+import sys
 
 # torch's OpenMP workers spin for a while after each parallel op; on a 2-core machine they
 # would steal the cores from whatever runs next (our threads, or torch's next baseline).
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# --huge-pages: torch backs every allocation of 2 MiB or more (the caches, chunks and flat
+# buffers alike) with 2 MiB pages; it reads THP_MEM_ALLOC_ENABLE at its first allocation.
+if "--huge-pages" in sys.argv:
+    os.environ["THP_MEM_ALLOC_ENABLE"] = "1"
 
 import argparse
 import ctypes
@@ -363,6 +368,8 @@ def run_format(
                 f"{gbs[3]:>10.2f}{gbs[4]:>11.2f}{c_best / ours:>8.2f}x{flat / ours:>8.2f}x"
                 f"{plain / ours:>8.2f}x{best_torch / ours:>9.2f}x"
             )
+    if os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":
+        rows.append(f"  (the process's memory on 2 MiB pages while it ran: {huge_pages_in_use()})")
     return rows
 
 
@@ -423,15 +430,36 @@ def best_us(fn: Callable[[], object], number: int, repeats: int) -> float:
     return min(timeit.repeat(fn, number=number, repeat=repeats)) / number * 1e6
 
 
+def pages(huge: bool) -> str:
+    """What the tensors were allocated on, as a line for the table's head."""
+    if not huge:
+        return "pages: 4 KiB (--huge-pages: 2 MiB pages for every tensor)"
+    mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    setting = mode.read_text().strip() if mode.exists() else "unknown"
+    return f"pages: 2 MiB where the kernel gives them (transparent huge pages: {setting})"
+
+
+def huge_pages_in_use() -> str:
+    """The process's anonymous memory on 2 MiB pages, from /proc/self/smaps_rollup."""
+    for line in Path("/proc/self/smaps_rollup").read_text().splitlines():
+        if line.startswith("AnonHugePages:"):
+            return f"{int(line.split()[1]) >> 10} MiB"
+    return "unknown"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument(
+        "--huge-pages", action="store_true", help="allocate every tensor on 2 MiB (transparent huge) pages"
+    )
     args = ap.parse_args()
     rng = random.Random(0)
     block_ids = rng.sample(range(NB), BLOCKS)
     ids = [torch.tensor(block_ids[i : i + PER_CHUNK]) for i in range(0, BLOCKS, PER_CHUNK)]
     print(__doc__.split("\n\n")[1].replace("\n", " "))
+    print(pages(args.huge_pages))
     print()
     header = (
         f"{'format':<20}{'dir':<6}{'thr':>4}{'ours GB/s':>10}{'C GB/s':>8}{'flat GB/s':>10}{'copy GB/s':>10}"
