@@ -286,12 +286,14 @@ inline constexpr std::size_t kListedRuns = 1024;
 // thread, prefetching, five runs: layer-major stores went from 0.59-0.80x a flat
 // streaming copy to 0.72-0.91x (flash-attn and flash-infer NHD, MLA, SGLang, fused K/V;
 // 0.1x more in the median), block-major cross-layer loads from 0.74-0.85x to 0.82-0.97x;
-// on two threads both walks measured 0.85-0.95x. Which of the engine's cursors makes the
-// difference is the page touch of the source: without page touches the listed stores
-// measured 0.74-0.75x, with the source's alone 0.86-0.87x; run_range given the same touches (a page cursor on jumping sources, one on
-// every dense destination) and 2 KiB steps measured no better (0.72-0.76x), for a reason
-// not found. Segments of several short runs (HND) stay with run_range: listed, their
-// 256-byte runs cost about 4 ns each to list and copy, a third of the copy.
+// on two threads both walks measured 0.85-0.95x. Of the engine's cursors, the page touch
+// of the source makes the difference: without page touches the listed stores measured
+// 0.74-0.75x, with the source's alone 0.86-0.87x. run_range given the same touches (a page
+// cursor on jumping sources, one on every dense destination) and 2 KiB steps measured no
+// better (0.72-0.76x), though a trace showed it issuing the same prefetches at the same
+// copy positions; the cause is not found. Segments of several short runs (HND) stay with
+// run_range: listed, their 256-byte runs cost about 4 ns each to list and copy, a third
+// of the copy.
 template <Direction D, class Copy, bool Prefetch>
 [[gnu::always_inline]] inline void run_range_listed(const std::vector<Job>& jobs, const Batch& b, std::int64_t lo,
                                                     std::int64_t hi, bool layer_major) {
