@@ -433,7 +433,7 @@ def best_us(fn: Callable[[], object], number: int, repeats: int) -> float:
 def pages(huge: bool) -> str:
     """What the tensors were allocated on, as a line for the table's head."""
     if not huge:
-        return "pages: 4 KiB (--huge-pages: 2 MiB pages for every tensor)"
+        return "pages: the allocator's (4 KiB unless transparent huge pages are 'always'; --huge-pages)"
     mode = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     setting = mode.read_text().strip() if mode.exists() else "unknown"
     return f"pages: 2 MiB where the kernel gives them (transparent huge pages: {setting})"
