@@ -100,6 +100,12 @@ int checked_direction(int direction) {
   return direction;
 }
 
+// A blocks_per_chunk argument: each chunk holds at least one block.
+std::int64_t checked_blocks_per_chunk(std::int64_t blocks_per_chunk) {
+  if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
+  return blocks_per_chunk;
+}
+
 // The segments one direction moves: a load leaves out the repeated pointers' segments.
 std::vector<kvlayout::plan::Segment> direction_segments(const JobArgs& a, int direction) {
   checked_direction(direction);
@@ -131,16 +137,16 @@ class TransferPlan {
 
   // Whether a call's moves are listed and copied as runs (transfer::listed).
   bool listed(int direction, std::int64_t blocks_per_chunk) const {
-    if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
     const auto d = static_cast<kvlayout::transfer::Direction>(checked_direction(direction));
-    const bool layer_major = kvlayout::transfer::layer_major(plan_, d, blocks_per_chunk, options_);
+    const bool layer_major =
+        kvlayout::transfer::layer_major(plan_, d, checked_blocks_per_chunk(blocks_per_chunk), options_);
     return kvlayout::transfer::listed(plan_, d, layer_major, options_);
   }
 
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
     checked_direction(direction);
-    if (blocks_per_chunk <= 0) throw nb::value_error("blocks_per_chunk must be positive");
+    checked_blocks_per_chunk(blocks_per_chunk);
     if (chunk_ptrs.shape(0) != chunk_tokens.shape(0)) throw nb::value_error("one token count per chunk");
     const auto count = static_cast<std::int64_t>(block_ids.shape(0));
     if (static_cast<std::int64_t>(chunk_ptrs.shape(0)) < (count + blocks_per_chunk - 1) / blocks_per_chunk)

@@ -403,12 +403,16 @@ enum class Order { kAuto = -1, kBlockMajor = 0, kLayerMajor = 1 };
 // A registration's jobs, with what every call's choices need.
 struct Plan {
   explicit Plan(std::vector<Job> j) : jobs(std::move(j)), spans(cache_spans(jobs)) {
-    for (const Job& job : jobs)
+    for (const Job& job : jobs) {
       for (const Walk::Step& step : job.store.by_chunk) block_bytes += step.segment.bytes;
+      one_run_each[0] = one_run_each[0] && job.store.one_run_each;
+      one_run_each[1] = one_run_each[1] && job.load.one_run_each;
+    }
   }
   std::vector<Job> jobs;
   CacheSpans spans;
-  std::int64_t block_bytes = 0;  // bytes per block moved
+  std::int64_t block_bytes = 0;            // bytes per block moved
+  bool one_run_each[2] = {true, true};  // every job's segments one run each, per direction (store, load)
   // Whether the walk prefetches, measured (prefetch_choice.h) per direction (store, load)
   // and for one thread or more; a plan is shared by the threads that call it.
   mutable PrefetchChoice prefetch_choices[2][2];
@@ -445,10 +449,7 @@ inline bool layer_major(const Plan& p, Direction d, std::int64_t blocks_per_chun
 // loads (layer-major) measured 0.60-0.78x listed against 0.66-0.88x, cross-layer stores
 // (block-major) 0.85-1.04x against 0.90-1.01x, the other loads alike.
 inline bool listed(const Plan& p, Direction d, bool layer_major, const Options& o) {
-  return o.listed && layer_major == (d == Direction::kStore) &&
-         std::all_of(p.jobs.begin(), p.jobs.end(), [d](const Job& job) {
-           return (d == Direction::kStore ? job.store : job.load).one_run_each;
-         });
+  return o.listed && layer_major == (d == Direction::kStore) && p.one_run_each[d == Direction::kStore ? 0 : 1];
 }
 
 // Moves blocks [skip_prefix_blocks, num_blocks) of the batch, split over up to `threads`
