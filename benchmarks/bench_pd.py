@@ -21,7 +21,8 @@ same bytes, each row posted by this process:
   - kvlayout peer-staged: the runs as they lie here to or from the peer's staging
     buffer, one descriptor per local stretch, the peer doing the copy (a WRITE: its
     ``unstage`` after; a READ: its ``stage`` before; asked for over the pipe, and in the
-    row's time);
+    row's time); and in 8 stages, the peer asked first and paced by NIXL notifications,
+    its scatter (gather) of one stage overlapping another's wire;
   - kvlayout chosen: what the cost model picks, calibrated on this pair first;
   - vLLM-style: one descriptor per layer, K/V and block (the map's runs cut at both
     sides' block boundaries: per head slice under TP resharding); n/a where vLLM refuses
@@ -52,7 +53,7 @@ from typing import Any
 import numpy as np
 
 from kvlayout import EngineKVFormat as F
-from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, build_cache
+from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, Paced, build_cache
 from kvlayout.transfer import BlockMap, RegistrationDescription, block_map
 from kvlayout.transfer import nixl as nx
 from kvlayout.transfer.block_maps import Side
@@ -184,6 +185,8 @@ class Context:
     peer_staging: nx.PeerStaging  # the peer's staging buffer, for peer-staged requests
     cost: dict[str, nx.CostModel]  # calibrated per op
     args: argparse.Namespace
+    poster: str  # this agent's name in the peer (which sends it notifications)
+    requests: int = 0  # paced requests so far (each tagged apart)
 
 
 @dataclass(frozen=True)
@@ -242,16 +245,29 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
 
     def send(mp: Any, **kw: Any) -> Callable[[], nx.TransferResult]:
         """A row: the transfer, and the peer's copy where it is peer-staged (asked for over
-        the pipe: its gather before a READ, its scatter after a WRITE, both in the time)."""
+        the pipe: its gather before a READ, its scatter after a WRITE, both in the time;
+        in stages, asked for first and paced by NIXL notifications, overlapping the wire)."""
         planned = nx.plan(mp, **{k: v for k, v in kw.items() if k not in ("prepped", "notif")})
+        peer_copy = planned.strategy == "peer-staged"
+        paced = peer_copy and len(planned.stages) > 1
 
         def run() -> nx.TransferResult:
-            peer_copy = planned.strategy == "peer-staged"
-            if peer_copy and op == "READ":
-                c.peer.stage(here_text, src_ids, dst_ids, **map_kw)
-            result = nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600)
-            if peer_copy and op == "WRITE":
-                c.peer.unstage(here_text, src_ids, dst_ids, **map_kw)
+            if not paced:
+                if peer_copy and op == "READ":
+                    c.peer.stage(here_text, src_ids, dst_ids, **map_kw)
+                result = nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600)
+                if peer_copy and op == "WRITE":
+                    c.peer.unstage(here_text, src_ids, dst_ids, **map_kw)
+                return result
+            c.requests += 1
+            tag = f"request {c.requests}"
+            pacing = Paced(len(planned.stages), c.poster, tag, wait=False)
+            (c.peer.stage if op == "READ" else c.peer.unstage)(
+                here_text, src_ids, dst_ids, paced=pacing, **map_kw
+            )
+            signal: dict[str, Any] = {"peer_ready" if op == "READ" else "notif": tag.encode()}
+            result = nx.transfer(c.agent, c.name, mp, **kw, **signal).wait(timeout=600)
+            c.peer.answer("stage" if op == "READ" else "unstage")
             return result
 
         return run
@@ -267,6 +283,8 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
             Row("kvlayout staged", send(m, strategy="staged", staging=c.staging)),
             Row("kvlayout staged, 8 stages", send(m, strategy="staged", staging=c.staging, stages=8)),
             Row("kvlayout peer-staged", send(m, strategy="peer-staged", peer_staging=c.peer_staging)),
+            Row("kvlayout peer-staged, 8 stages",
+                send(m, strategy="peer-staged", peer_staging=c.peer_staging, stages=8)),
             Row(f"kvlayout chosen: {chosen.strategy}{stages}",
                 send(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)),
         ]  # fmt: skip
@@ -360,7 +378,8 @@ def main() -> None:
                 print(
                     f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; copy {gather}"
                 )
-            c = Context(agent, peer, name, staging, nx.PeerStaging(0, 0), costs, args)
+            poster = peer.add_remote(agent.get_agent_metadata())
+            c = Context(agent, peer, name, staging, nx.PeerStaging(0, 0), costs, args, poster)
             patterns = {"scattered": [True], "consecutive": [False], "both": [True, False]}[args.blocks]
             ops = ["WRITE", "READ"] if args.op == "both" else [args.op]
             for label, src, dst in SCENARIOS:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,8 +30,14 @@ import torch
 from kvlayout import EngineKVFormat as F
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.shards import Shard
-from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, build_cache, cache_sizes, contents
-from kvlayout.transfer import BlockMap, PeerDescriptionError, RegistrationDescription, block_map
+from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, Paced, build_cache, cache_sizes, contents
+from kvlayout.transfer import (
+    BlockMap,
+    PeerDescriptionError,
+    RegistrationDescription,
+    TransferError,
+    block_map,
+)
 from kvlayout.transfer import nixl as nx
 from tests.transfer.registrations import Registration
 from tests.transfer.test_block_maps import Side, canonical
@@ -320,3 +327,120 @@ def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
     pair.peer.unstage(source, src_ids, dst_ids, **kw)
     for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), want, strict=True)):
         assert np.array_equal(g, w), f"{name} peer-staged: tensor {i} differs"
+
+
+PACED = [c for c in CASES if c[0] in ("TP 1->2 NHD", "TP 2->1 NHD", "NHD->HND", "TP 2->4 HND")]
+
+
+@pytest.fixture(scope="module")
+def poster_name(pair: Pair) -> str:
+    """This agent's name in the peer, which sends it stage notifications."""
+    return pair.peer.add_remote(pair.agent.get_agent_metadata())
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("case", PACED, ids=[c[0] for c in PACED])
+def test_a_paced_peer_staged_read_posts_each_stage_once_the_peer_announces_it(
+    pair: Pair, poster_name: str, case: tuple[Any, ...], stages: int
+) -> None:
+    """The peer gathers stage by stage, announcing each (``stage_notif``); the READ,
+    posted before the peer starts, posts stage ``i`` only once announced, and the cache
+    here ends as the offset oracle says."""
+    name, sf, stp, sbs, df, dtp, dbs = case
+    s_spec, d_spec = spec(sf, stp, sbs, seed=51), spec(df, dtp, dbs, seed=52)
+    text, staging = staged_peer(pair, s_spec)
+    local, leaves = build_cache(d_spec)
+    rng = np.random.default_rng(len(name))
+    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
+    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
+    m = block_map(
+        RegistrationDescription.from_json(text), local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw
+    )
+    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
+    tag = f"read {name} {stages}"
+    with nx.register(pair.agent, local):
+        xfer = nx.transfer(
+            pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging, stages=stages,
+            peer_ready=tag.encode(),
+        )  # fmt: skip
+        assert len(xfer.handles) == min(stages, xfer.plan.num_descriptors)
+        time.sleep(0.05)
+        assert not xfer.done() and xfer.posted == 0  # nothing announced, nothing posted
+        description = local.describe(shard=d_spec.the_shard, block_size=dbs).to_json()
+        pair.peer.stage(description, src_ids, dst_ids, paced=Paced(stages, poster_name, tag), **kw)
+        result = xfer.wait(timeout=30)
+    assert result.strategy == "peer-staged"
+    for i, (g, w) in enumerate(zip(leaf_bytes(leaves), want, strict=True)):
+        assert np.array_equal(g, w), f"{name} paced peer-staged READ: tensor {i} differs"
+
+
+@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("case", PACED, ids=[c[0] for c in PACED])
+def test_a_paced_peer_staged_write_is_scattered_stage_by_stage_as_it_lands(
+    pair: Pair, poster_name: str, case: tuple[Any, ...], stages: int
+) -> None:
+    """The peer waits for the WRITE's stages (told before it is posted) and scatters each
+    as its ``stage_notif`` lands; its cache then holds what the offset oracle says, and
+    no notification is left over."""
+    name, sf, stp, sbs, df, dtp, dbs = case
+    s_spec, d_spec = spec(sf, stp, sbs, seed=61), spec(df, dtp, dbs, seed=62)
+    text, staging = staged_peer(pair, d_spec)
+    local, _ = build_cache(s_spec)
+    rng = np.random.default_rng(len(name))
+    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
+    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
+    m = block_map(
+        local, RegistrationDescription.from_json(text), src_ids, dst_ids, src_shard=s_spec.the_shard, **kw
+    )
+    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
+    pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
+    tag = f"write {name} {stages}"
+    source = local.describe(shard=s_spec.the_shard, block_size=sbs).to_json()
+    pair.peer.unstage(source, src_ids, dst_ids, paced=Paced(stages, poster_name, tag, wait=False), **kw)
+    with nx.register(pair.agent, local):
+        xfer = nx.transfer(
+            pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging, stages=stages,
+            notif=tag.encode(),
+        )  # fmt: skip
+        n = len(xfer.handles)
+        assert n == min(stages, xfer.plan.num_descriptors)
+        xfer.wait(timeout=30)
+    pair.peer.answer("unstage")
+    for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), want, strict=True)):
+        assert np.array_equal(g, w), f"{name} paced peer-staged WRITE: tensor {i} differs"
+    assert pair.peer.notifs(expect=0, wait=0.05) == []  # each stage's notification was taken
+
+
+def test_stage_notifications_name_the_tag_the_stage_and_the_count() -> None:
+    assert nx.stage_notif(b"req-7", 0, 1) == b"req-7"  # one stage: the request's own notification
+    assert [nx.stage_notif(b"req-7", i, 3) for i in range(3)] == [b"req-7#0/3", b"req-7#1/3", b"req-7#2/3"]
+
+
+def test_pacing_a_request_that_is_not_a_peer_staged_read_is_refused(pair: Pair) -> None:
+    s_spec, d_spec = spec(NHD, (0, 1), 16, seed=71), spec(NHD, (1, 2), 16, seed=72)
+    text, staging = staged_peer(pair, d_spec)
+    local, _ = build_cache(s_spec)
+    m = block_map(local, RegistrationDescription.from_json(text), [0, 1, 2], [3, 4, 5], num_tokens=TOKENS)
+    with nx.register(pair.agent, local):
+        for strategy in ("direct", "peer-staged"):  # a WRITE either way: this side is the source
+            with pytest.raises(
+                TransferError, match=f"peer_ready paces a peer-staged READ .* a {strategy} WRITE"
+            ):
+                nx.transfer(
+                    pair.agent, pair.name, m, strategy=strategy, peer_staging=staging, peer_ready=b"r"
+                )
+
+
+def test_a_paced_unstage_whose_stages_never_land_times_out_and_scatters_nothing(pair: Pair) -> None:
+    s_spec, d_spec = spec(NHD, (1, 2), 16, seed=81), spec(NHD, (0, 1), 16, seed=82)
+    source = RegistrationDescription.from_json(handshake(pair, s_spec))
+    local, leaves = build_cache(d_spec)
+    before = [b.copy() for b in leaf_bytes(leaves)]
+    m = block_map(source, local, [0, 1, 2], [3, 4, 5], num_tokens=TOKENS, src_shard=s_spec.the_shard)
+    pair.staging.tensor.fill_(7)  # what would be scattered, were a stage taken as landed
+    notifs = nx.StageNotifs(pair.agent, pair.name, b"never sent")
+    with pytest.raises(
+        nx.NixlTimeoutError, match=r"stages \[0, 1\] of 2 of the peer-staged WRITE b'never sent' "
+    ):
+        nx.unstage(m, pair.staging, stages=2, notifs=notifs, timeout=0.2)
+    assert all(np.array_equal(a, b) for a, b in zip(leaf_bytes(leaves), before, strict=True))

@@ -34,14 +34,14 @@ import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
 if TYPE_CHECKING:
     from kvlayout.transfer.nixl import PeerStaging
 
-__all__ = ["BufferSide", "CacheSpec", "NixlPeer", "build_cache", "cache_sizes", "contents"]
+__all__ = ["BufferSide", "CacheSpec", "NixlPeer", "Paced", "build_cache", "cache_sizes", "contents"]
 
 
 def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
@@ -128,6 +128,18 @@ def _nest(extents: Sequence[int], leaves: list[Any]) -> Any:
     return build(0, leaves) if extents else leaves[0]
 
 
+class Paced(NamedTuple):
+    """A pipelined peer-staged request's pacing, for :meth:`NixlPeer.stage` and
+    :meth:`NixlPeer.unstage`: its ``stages``, the poster's agent name, the request's
+    tag; ``wait=False`` returns once the command is sent (:meth:`NixlPeer.answer` then
+    awaits it, named ``"stage"`` or ``"unstage"``)."""
+
+    stages: int
+    poster: str
+    tag: str
+    wait: bool = True
+
+
 @dataclass(frozen=True)
 class BufferSide:
     """Host buffers of a peer process, as a map side: its described tensors."""
@@ -207,15 +219,29 @@ class NixlPeer:
 
     def call(self, cmd: str, **args: Any) -> dict[str, Any]:
         """Send one command and wait for its answer (killing the child on overrun)."""
+        self.send(cmd, **args)
+        return self.answer(cmd)
+
+    def send(self, cmd: str, **args: Any) -> None:
+        """Send one command, its answer awaited later with :meth:`answer` (one at a time)."""
         if self._proc.poll() is not None:
             raise RuntimeError(f"peer {self.name!r} has exited ({self._proc.returncode}){self._stderr()}")
         assert self._proc.stdin is not None
         self._proc.stdin.write(json.dumps({"cmd": cmd, **args}).encode() + b"\n")
         self._proc.stdin.flush()
+
+    def answer(self, cmd: str) -> dict[str, Any]:
+        """The answer to the command sent last (``cmd`` names it in an error)."""
         answer: dict[str, Any] = json.loads(self._line(self.timeout))
         if "error" in answer:
             raise RuntimeError(f"peer {self.name!r} failed {cmd}: {answer['error']}")
         return answer
+
+    def add_remote(self, metadata: bytes) -> str:
+        """Load another agent's NIXL metadata in the peer (so it can send that agent
+        notifications); the agent's name."""
+        name: str = self.call("remote", metadata=base64.b64encode(metadata).decode())["name"]
+        return name
 
     def read(self, buffer: int, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         """Bytes of one of the peer's buffers, as it holds them now."""
@@ -257,22 +283,37 @@ class NixlPeer:
         self.metadata = base64.b64decode(answer["metadata"])
         return PeerStaging(int(answer["address"]), int(answer["nbytes"]))
 
-    def unstage(self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], **kw: Any) -> None:
+    def unstage(
+        self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
+        paced: Paced | None = None, **kw: Any,
+    ) -> None:  # fmt: skip
         """The peer's half of a peer-staged WRITE: it builds the request's map from the
         source's ``description`` (JSON) into its cache (``block_map`` keywords in ``kw``)
-        and scatters its staging buffer with ``unstage``."""
-        self._staging_copy("unstage", description, src_ids, dst_ids, kw)
+        and scatters its staging buffer with ``unstage``; with ``paced``, stage by stage
+        as the WRITE's stages land (send it with ``wait=False`` before posting)."""
+        self._staging_copy("unstage", description, src_ids, dst_ids, paced, kw)
 
-    def stage(self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], **kw: Any) -> None:
+    def stage(
+        self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
+        paced: Paced | None = None, **kw: Any,
+    ) -> None:  # fmt: skip
         """The peer's half of a peer-staged READ: it builds the request's map from its
         cache into the destination's ``description`` (JSON) and gathers it into its
-        staging buffer with ``stage``."""
-        self._staging_copy("stage", description, src_ids, dst_ids, kw)
+        staging buffer with ``stage``; with ``paced``, announcing each stage to the poster
+        as it is gathered (``wait=False``: post the READ with ``peer_ready`` meanwhile)."""
+        self._staging_copy("stage", description, src_ids, dst_ids, paced, kw)
 
     def _staging_copy(
-        self, cmd: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], kw: dict[str, Any]
-    ) -> None:
-        self.call(cmd, description=description, src_ids=list(src_ids), dst_ids=list(dst_ids), kw=kw)
+        self, cmd: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int],
+        paced: Paced | None, kw: dict[str, Any],
+    ) -> None:  # fmt: skip
+        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw}
+        if paced is None:
+            self.call(cmd, **args)
+            return
+        self.send(cmd, **args, paced=paced._asdict())
+        if paced.wait:
+            self.answer(cmd)
 
     def refill_cache(self) -> None:
         """Write the peer's cache's seeded bytes again."""
@@ -366,18 +407,19 @@ def _serve() -> None:
     import torch
 
     from kvlayout.transfer import RegistrationDescription, block_map
-    from kvlayout.transfer.nixl import Staging, make_agent, register, stage, unstage
+    from kvlayout.transfer.nixl import StageNotifs, Staging, make_agent, register, stage, unstage
 
     agent: Any = None
     buffers: list[np.ndarray] = []
-    notifs: list[bytes] = []
     cache: Any = None  # (spec, leaves, Registered, registration)
     staging: Any = None  # a Staging, for peer-staged requests
 
-    def progress() -> None:  # drives NIXL (the agent has no progress thread) and keeps notifications
-        if agent is not None:
-            for msgs in agent.get_new_notifs().values():
-                notifs.extend(msgs)
+    def progress() -> None:  # drives NIXL (the agent has no progress thread), keeping notifications
+        if agent is not None:  # in agent.notifs, where unstage's check_remote_xfer_done finds them too
+            agent.update_notifs()
+
+    def notifs() -> list[bytes]:
+        return [m for msgs in agent.notifs.values() for m in msgs]
 
     commands = _lines(sys.stdin.buffer.fileno(), progress)
     for msg in commands:
@@ -405,11 +447,13 @@ def _serve() -> None:
             elif cmd == "notifs":
                 deadline = time.monotonic() + msg["wait"]
                 progress()
-                while len(notifs) < msg["expect"] and time.monotonic() < deadline:
+                while len(notifs()) < msg["expect"] and time.monotonic() < deadline:
                     time.sleep(1e-3)
                     progress()
-                answer = {"notifs": [base64.b64encode(m).decode() for m in notifs]}
-                notifs.clear()
+                answer = {"notifs": [base64.b64encode(m).decode() for m in notifs()]}
+                agent.notifs = {}
+            elif cmd == "remote":
+                answer = {"name": _text(agent.add_remote_agent(base64.b64decode(msg["metadata"])))}
             elif cmd == "cache":
                 if cache is not None:
                     cache[2].deregister()
@@ -436,7 +480,12 @@ def _serve() -> None:
                 src, dst = (cache[3], desc) if here == "src" else (desc, cache[3])
                 kw = {**msg["kw"], f"{here}_shard": cache[0].the_shard}
                 request = block_map(src, dst, msg["src_ids"], msg["dst_ids"], **kw)
-                (stage if here == "src" else unstage)(request, staging)
+                paced = msg.get("paced")
+                pacing = {} if paced is None else {
+                    "stages": paced["stages"],
+                    "notifs": StageNotifs(agent, paced["poster"], paced["tag"].encode()),
+                }  # fmt: skip
+                (stage if here == "src" else unstage)(request, staging, **pacing)
                 answer = {}
             elif cmd == "cache_read":
                 answer = {
@@ -468,6 +517,10 @@ def _serve() -> None:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(answer) + "\n")
         out.flush()
+
+
+def _text(name: str | bytes) -> str:
+    return name.decode() if isinstance(name, bytes) else name
 
 
 def _lines(fd: int, idle: Any) -> Any:

@@ -67,6 +67,7 @@ __all__ = [
     "RefusedDescriptorError",
     "Registered",
     "Stage",
+    "StageNotifs",
     "Staging",
     "Transfer",
     "TransferResult",
@@ -80,6 +81,7 @@ __all__ = [
     "prep_lists",
     "register",
     "stage",
+    "stage_notif",
     "transfer",
     "unstage",
     "wait",
@@ -819,7 +821,7 @@ def plan(
         builders["staged"] = _staged(s, staging, model, stages, predicted, final=strategy == "staged")
     if strategy in ("auto", "peer-staged") and peer_fits:
         assert peer_staging is not None
-        builders["peer-staged"] = _peer_staged(s, peer_staging, model, predicted)
+        builders["peer-staged"] = _peer_staged(s, peer_staging, model, stages, predicted)
     rank = {k: (predicted[k], _scatters(k, s.op)) for k in builders}
     choice = strategy if strategy != "auto" else min(builders, key=rank.__getitem__)
     return builders[choice]()
@@ -872,61 +874,161 @@ def _staged(
 
 
 def _peer_staged(
-    s: _Sides, peer_staging: PeerStaging, model: CostModel, predicted: dict[str, float]
+    s: _Sides, peer_staging: PeerStaging, model: CostModel, stages: int, predicted: dict[str, float]
 ) -> Callable[[], Plan]:
     """Records the peer-staged plan's cost; returns what builds it: the runs in the order
     and at the offsets the peer's own staged plan of the same map lays its staging out in
     (both sort this side's runs by address and stretch them alike), so :func:`unstage`
     there scatters what this WRITE put, and this READ finds what :func:`stage` there
-    gathered."""
+    gathered. Its ``stages`` are the peer's plan's too (the same cut of the same
+    stretches): stage ``i`` here is what the peer gathers or scatters as its stage ``i``
+    (their ``runs`` are the peer's copies)."""
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     # Priced by its descriptor count alone (the runs' order by local address is laid out
     # only if it is chosen). The copy is the peer's: its gather before a READ, its scatter
     # after a WRITE.
-    predicted["peer-staged"] = model.staged_s(
-        _stretch_count(s.block_map, s.runs, s.local_col, s.local), num_runs, num_bytes
-    )
+    count = _stretch_count(s.block_map, s.runs, s.local_col, s.local)
+    predicted["peer-staged"] = model.staged_s(count, num_runs, num_bytes, max(1, min(stages, count)))
 
     def build() -> Plan:
         st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
         return Plan(
             "peer-staged", s.op, _rows(st.addr, st.nbytes, s.local.device_index),
             _rows(st.staged, st.nbytes, s.remote.device_index), _mem_type(s.local, "local"),
-            "DRAM", None, num_runs, num_bytes, predicted,
+            "DRAM", None, num_runs, num_bytes, predicted, None,
+            _stages(st.first, st.nbytes, num_runs, stages),
         )  # fmt: skip
 
     return build
 
 
-def _peer_copy(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, num_threads: int) -> None:
-    """This side's staged plan of ``block_map`` (laid out as the poster's runs), which
-    must be ``op``; its copy checked, then run."""
-    p = plan(block_map, strategy="staged", staging=staging)
+def stage_notif(tag: bytes, stage: int, stages: int) -> bytes:
+    """The NIXL notification that announces stage ``stage`` of a ``stages``-stage
+    peer-staged request tagged ``tag``: the tag itself for a request of one stage, else
+    ``tag + b"#stage/stages"``. A pipelined WRITE's stage lands with it (its poster
+    passes ``notif=tag``); a pipelined READ's stage is gathered when the peer sends it
+    (:func:`stage` with ``notifs``; its poster passes ``peer_ready=tag``)."""
+    return tag if stages == 1 else tag + b"#%d/%d" % (stage, stages)
+
+
+class StageNotifs(NamedTuple):
+    """What paces the peer's half of a pipelined peer-staged request: this side's
+    ``agent``, the poster's agent name ``peer`` (loaded with ``add_remote_agent`` where
+    notifications go to it) and the request's ``tag``. Notifications are found with
+    NIXL's ``check_remote_xfer_done``, which keeps the others in ``agent.notifs``."""
+
+    agent: Agent
+    peer: str
+    tag: bytes
+
+
+def _peer_plan(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> Plan:
+    """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
+    the poster's ``stages``), which must be ``op``; its copy checked."""
+    p = plan(block_map, strategy="staged", staging=staging, stages=stages)
     if p.op != op:
         raise TransferError(wrong_side)
     p.check_copy()
-    p.copy(num_threads)
+    return p
 
 
-def stage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None:
+def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str) -> None:
+    """Wait for a local copy, driving NIXL meanwhile (an agent without a progress thread
+    moves bytes only when called); :class:`NixlTimeoutError` past ``deadline``."""
+    while not fut.done():
+        if time.perf_counter() > deadline:
+            raise NixlTimeoutError(f"{what} was not done in time")
+        agent.update_notifs()
+        time.sleep(1e-4)
+    fut.result()
+
+
+def stage(
+    block_map: NixlMap,
+    staging: Staging,
+    *,
+    num_threads: int = 1,
+    stages: int = 1,
+    notifs: StageNotifs | None = None,
+    timeout: float = 30.0,
+) -> None:
     """The source half of a peer-staged READ: gather the request from the cache here into
     ``staging`` (this side's staging buffer, the :class:`PeerStaging` the destination was
     given), laid out as the destination's runs, before telling the destination to READ
     it. ``block_map`` is the request's map with this side as its source
     (``block_map(this registration, destination description, ...)``); every copy is
-    checked before a byte moves."""
+    checked before a byte moves.
+
+    With ``notifs`` each of ``stages`` (the poster's count) is announced to the poster
+    once gathered (:func:`stage_notif`), so its READ of one stage overlaps the gather of
+    the next (the poster passes ``peer_ready=notifs.tag``); the gathers then run on one
+    thread beside this one, which drives NIXL."""
     wrong = "stage runs on the source side of the map (the side a peer-staged READ reads)"
-    _peer_copy(block_map, staging, "WRITE", wrong, num_threads)
+    p = _peer_plan(block_map, staging, "WRITE", wrong, stages)
+    if notifs is None:
+        p.copy(num_threads)
+        return
+    n, deadline = len(p.stages), time.perf_counter() + timeout
+    gathers = [_copier().submit(p.copy_stage, i) for i in range(n)]
+    try:
+        for i, fut in enumerate(gathers):
+            _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
+            notifs.agent.send_notif(notifs.peer, stage_notif(notifs.tag, i, n))
+    finally:
+        for fut in gathers:
+            fut.cancel()
+        wait_for(gathers)  # a gather under way finishes before the caller may reuse staging
 
 
-def unstage(block_map: NixlMap, staging: Staging, *, num_threads: int = 1) -> None:
+def unstage(
+    block_map: NixlMap,
+    staging: Staging,
+    *,
+    num_threads: int = 1,
+    stages: int = 1,
+    notifs: StageNotifs | None = None,
+    timeout: float = 30.0,
+) -> None:
     """The receiving half of a peer-staged WRITE: scatter what landed in ``staging``
     (this side's staging buffer, the :class:`PeerStaging` the source was given) into the
     request's slots here. ``block_map`` is the request's map with this side as its
     destination (``block_map(source description, this registration, ...)``: the same
-    runs the source planned); every copy is checked before a byte moves."""
+    runs the source planned); every copy is checked before a byte moves.
+
+    Without ``notifs`` every byte has landed (the caller had the WRITE's notification).
+    With ``notifs``, call it before or while the WRITE of ``stages`` (the poster's count,
+    its ``notif=notifs.tag``) is under way: each stage is scattered as soon as its
+    notification (:func:`stage_notif`) arrives, on one thread beside this one, while this
+    one waits for the next; :class:`NixlTimeoutError` if the request has not landed and
+    been scattered within ``timeout`` seconds."""
     wrong = "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
-    _peer_copy(block_map, staging, "READ", wrong, num_threads)
+    p = _peer_plan(block_map, staging, "READ", wrong, stages)
+    if notifs is None:
+        p.copy(num_threads)
+        return
+    n, deadline = len(p.stages), time.perf_counter() + timeout
+    waiting, scatters = list(range(n)), []
+    try:
+        while waiting:
+            landed = [i for i in waiting if notifs.agent.check_remote_xfer_done(
+                notifs.peer, stage_notif(notifs.tag, i, n)
+            )]  # fmt: skip
+            for i in landed:
+                scatters.append(_copier().submit(p.copy_stage, i))
+                waiting.remove(i)
+            if waiting and time.perf_counter() > deadline:
+                raise NixlTimeoutError(
+                    f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "
+                    f"{notifs.peer!r} had not landed after {timeout:g} s"
+                )
+            if waiting and not landed:
+                time.sleep(1e-4)
+        for fut in scatters:
+            _progress_until(fut, notifs.agent, deadline, f"a scatter of the peer-staged WRITE {notifs.tag!r}")
+    finally:
+        for fut in scatters:
+            fut.cancel()
+        wait_for(scatters)
 
 
 class Estimate(NamedTuple):
@@ -1118,7 +1220,10 @@ class Transfer:
     background thread and each stage is posted (by :meth:`done`, on the polling thread)
     once its gather is done; a READ posts every stage at once and scatters each as it
     lands. ``notif`` then goes to the peer (``send_notif``) once every stage has landed,
-    so it still means "the whole request is there"."""
+    so it still means "the whole request is there". A peer-staged plan's stages are the
+    peer's: a WRITE posts them all at once, each landing with its own
+    :func:`stage_notif`; a READ with ``ready`` posts stage ``i`` once the peer has sent
+    ``stage_notif(ready, i, stages)``."""
 
     def __init__(
         self,
@@ -1128,6 +1233,7 @@ class Transfer:
         handles: list[Any],
         staging: Staging | None = None,
         notif: bytes = b"",
+        ready: bytes | None = None,
     ) -> None:
         self.agent = agent
         self.peer = peer
@@ -1135,6 +1241,7 @@ class Transfer:
         self.handles = handles  # one per stage, in order
         self.staging = staging
         self.notif = notif  # sent after the last stage (a pipeline); b"" when NIXL sends it
+        self.ready = ready  # a peer-staged READ's tag: stage i goes once the peer announced it
         self.posted_at = time.perf_counter()
         self._posted = 0
         self._landed = [False] * len(handles)
@@ -1172,21 +1279,40 @@ class Transfer:
             raise self._fail('transfer returned "ERR"')
         self._posted += 1
 
+    @property
+    def posted(self) -> int:
+        """How many of its stages (NIXL requests) have been posted so far."""
+        return self._posted
+
+    @property
+    def _gathers(self) -> bool:
+        """A staged WRITE's pipeline: each stage waits for its gather."""
+        return self._pipelined and self.plan.op == "WRITE" and self.plan.copies is not None
+
     def start(self) -> None:
         """Post the plan (:func:`transfer` calls it once; the handles are made)."""
         p = self.plan
-        if not self._pipelined:
-            if p.op == "WRITE":
-                p.copy()  # gather into staging: validated, nothing posted yet
-            self._post()
-        elif p.op == "WRITE":
+        if self._gathers:
             pool = _copier()
             self._copies = [pool.submit(p.copy_stage, i) for i in range(len(self.handles))]
             self._copied(0, wait=True)
+        elif p.op == "WRITE":
+            p.copy()  # gather into staging (none peer-staged): validated, nothing posted yet
+        self._post_ready()
+
+    def _post_ready(self) -> None:
+        """Post, in order, the stages that may go: gathered (a staged WRITE's pipeline),
+        announced by the peer (a READ with ``ready``), else all."""
+        n = len(self.handles)
+        while self._posted < n:
+            i = self._posted
+            if self._gathers and not self._copied(i):
+                return
+            if self.ready is not None and not self._nixl(
+                self.agent.check_remote_xfer_done, self.peer, stage_notif(self.ready, i, n)
+            ):
+                return
             self._post()
-        else:
-            while self._posted < len(self.handles):
-                self._post()
 
     def _copied(self, stage: int, *, wait: bool = False) -> bool:
         """Whether the local copy of ``stage`` is done (raising what it raised)."""
@@ -1200,11 +1326,8 @@ class Transfer:
         return True
 
     def _poll(self) -> None:
-        """Post the stages whose gathers are done; note the posted ones that landed."""
-        while self.plan.op == "WRITE" and self._pipelined and self._posted < len(self.handles):
-            if not self._copied(self._posted):
-                break
-            self._post()
+        """Post the stages that may go; note the posted ones that landed."""
+        self._post_ready()
         for i in range(self._posted):
             if self._landed[i]:
                 continue
@@ -1223,7 +1346,7 @@ class Transfer:
                 if not _is_nixl_error(exc):
                     raise
                 self._count += hi - lo
-            if self.plan.op == "READ":
+            if self.plan.op == "READ" and self.plan.copies is not None:
                 if self._pipelined:
                     self._copies.append(_copier().submit(self.plan.copy_stage, i))
                 else:
@@ -1297,6 +1420,7 @@ def transfer(
     cost: CostModel | None = None,
     stages: int = 1,
     peer_staging: PeerStaging | None = None,
+    peer_ready: bytes | None = None,
 ) -> Transfer:
     """Post one request's map to ``peer`` (an agent name loaded with
     ``add_remote_agent``); ``notif`` reaches the peer when the bytes have landed.
@@ -1313,6 +1437,14 @@ def transfer(
     peer-staged: for a WRITE the peer must then :func:`unstage` it once ``notif`` arrives;
     a READ needs the peer to have run :func:`stage` first (``Transfer.plan.strategy``
     says which strategy went).
+
+    A peer-staged request of ``stages`` > 1 is the peer's pipeline: a WRITE posts every
+    stage at once, stage ``i`` landing with ``stage_notif(notif, i, stages)`` so the
+    peer's :func:`unstage` (with :class:`StageNotifs`) scatters it while the next is on
+    the wire; a READ given ``peer_ready`` (a tag) posts stage ``i`` once the peer's
+    :func:`stage` announces it with ``stage_notif(peer_ready, i, stages)`` (with one
+    stage, once it announces the whole request), so the peer's gather of one stage
+    overlaps the wire of another. Both sides pass the same ``stages``.
     """
     peer = _peer_name(peer)
     if staging is not None and staging.busy:
@@ -1328,6 +1460,11 @@ def transfer(
         raise TransferError(
             "the prepped lists cover the peer's cache, not its staging buffer: post peer-staged as lists"
         )
+    if peer_ready is not None and (p.strategy, p.op) != ("peer-staged", "READ"):
+        raise TransferError(
+            f"peer_ready paces a peer-staged READ by the peer's notifications; this request is a "
+            f"{p.strategy} {p.op} (pass strategy='peer-staged' on the destination's side)"
+        )
     s = _sides(block_map)
     local_dev = s.local.device_index
     _check_local(agent, s.local_addr, s.lengths, p.local_mem, local_dev, "local run")
@@ -1338,10 +1475,16 @@ def transfer(
     if prepped is not None and prepped.peer != peer:
         raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
     parts = [st.descriptors for st in p.stages] if len(p.stages) > 1 else [(0, p.num_descriptors)]
-    one_notif = notif if len(parts) == 1 else b""  # a pipeline sends it after its last stage
+    # A pipeline sends notif once after its last stage; a peer-staged WRITE's stages each
+    # land with their own, which paces the peer's scatter.
+    by_stage = p.strategy == "peer-staged" and p.op == "WRITE" and bool(notif)
+    stage_notifs = [
+        stage_notif(notif, i, len(parts)) if by_stage else notif if len(parts) == 1 else b""
+        for i in range(len(parts))
+    ]
     handles: list[Any] = []
     try:
-        for lo, hi in parts:
+        for (lo, hi), one_notif in zip(parts, stage_notifs, strict=True):
             if prepped is not None:
                 local_idx = prepped.local.indices(p.local[lo:hi], "local descriptor")
                 remote_idx = prepped.remote.indices(p.remote[lo:hi], "remote descriptor")
@@ -1361,8 +1504,9 @@ def transfer(
             _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")
         raise NixlError(f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}") from exc
     xfer = Transfer(
-        agent, peer, p, handles, staging if p.copies is not None else None, notif if len(parts) > 1 else b""
-    )
+        agent, peer, p, handles, staging if p.copies is not None else None,
+        notif if len(parts) > 1 and not by_stage else b"", peer_ready,
+    )  # fmt: skip
     if xfer.staging is not None:
         xfer.staging.busy = True
     xfer.start()
