@@ -13,7 +13,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import pytest
@@ -564,3 +564,64 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
     per_run, bandwidth = nx._calibrate_copy(1024, 2048, 1)
     assert per_run == pytest.approx(5e-9, rel=1e-6)
     assert bandwidth == pytest.approx(5e9, rel=1e-6)
+
+
+@pytest.mark.parametrize("stages", [1, 3, 8])
+@pytest.mark.parametrize("pair", ["TP 2 -> 1 NHD", "TP 1 -> 2 HND", "NHD -> HND"])
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_paced_peer_staged_request_cuts_its_stages_as_the_peer_does(
+    op: str, pair: str, stages: int
+) -> None:
+    """Each side plans the request from its own registration and the other's description.
+    The poster's peer-staged stage ``i`` posts the same staging bytes the peer's staged
+    plan copies as its stage ``i``; that is what each stage's notification vouches for."""
+    import random
+
+    import torch
+
+    from kvlayout import EngineKVFormat as F
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import RegistrationDescription, Shard, block_map
+
+    nhd, hnd = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS
+    (sf, s_tp), (df, d_tp) = {
+        "TP 2 -> 1 NHD": ((nhd, (1, 2)), (nhd, (0, 1))),
+        "TP 1 -> 2 HND": ((hnd, (0, 1)), (hnd, (1, 2))),
+        "NHD -> HND": ((nhd, (0, 1)), (hnd, (0, 1))),
+    }[pair]
+
+    def cache(fmt: F, tp: tuple[int, int]) -> tuple[Any, Shard]:
+        shard = Shard(tp[0], tp[1], 4)
+        dims = (2, 12, 8, len(shard.heads), 16) if fmt is nhd else (2, 12, len(shard.heads), 8, 16)
+        return bind([torch.zeros(dims, dtype=torch.bfloat16) for _ in range(3)], fmt), shard
+
+    (src, s_shard), (dst, d_shard) = cache(sf, s_tp), cache(df, d_tp)
+    rng = random.Random(stages)
+    src_ids, dst_ids = rng.sample(range(12), 5), rng.sample(range(12), 5)
+    kw: dict[str, Any] = {"num_tokens": 37, "src_shard": s_shard, "dst_shard": d_shard}
+
+    def described(reg: Any, shard: Shard) -> RegistrationDescription:
+        return RegistrationDescription.from_json(reg.describe(shard=shard).to_json())
+
+    buf = np.zeros(1 << 20, np.uint8)  # the peer's staging buffer
+    if op == "WRITE":  # the poster holds the source; the peer unstages
+        poster_map = block_map(src, described(dst, d_shard), src_ids, dst_ids, **kw)
+        peer_map = block_map(described(src, s_shard), dst, src_ids, dst_ids, **kw)
+    else:  # the poster holds the destination; the peer stages
+        poster_map = block_map(described(src, s_shard), dst, src_ids, dst_ids, **kw)
+        peer_map = block_map(src, described(dst, d_shard), src_ids, dst_ids, **kw)
+    there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
+    ours = nx.plan(poster_map, strategy="peer-staged", peer_staging=there, stages=stages)
+    theirs = nx.plan(peer_map, strategy="staged", staging=staging_at(buf), stages=stages)
+    assert ours.op == op and theirs.op == ("READ" if op == "WRITE" else "WRITE")
+    assert len(ours.stages) == min(stages, ours.num_descriptors)
+    assert ours.stages == theirs.stages
+    assert np.array_equal(ours.remote[:, :2], theirs.local[:, :2])  # the same staging bytes, in order
+    assert theirs.copies is not None
+    staged_col = 1 if op == "READ" else 0  # the peer's copies: a gather writes staging, a scatter reads it
+    for stage in theirs.stages:
+        lo, hi = stage.descriptors
+        start, end = int(theirs.local[lo, 0]), int(theirs.local[hi - 1, 0] + theirs.local[hi - 1, 1])
+        copies = theirs.copies[stage.runs[0] : stage.runs[1]]
+        assert int(copies[:, 2].sum()) == end - start
+        assert copies[:, staged_col].min() >= start and (copies[:, staged_col] + copies[:, 2]).max() <= end
