@@ -269,30 +269,56 @@ def staged_peer(pair: Pair, s: CacheSpec) -> tuple[str, nx.PeerStaging]:
     return text, staging
 
 
+@dataclass
+class PeerStaged:
+    """One request of a case between a cache here and the peer's (which has a staging
+    buffer): the poster here holds the source (WRITE) or the destination (READ)."""
+
+    name: str
+    here: Any  # the bound registration here
+    leaves: list[torch.Tensor]
+    staging: nx.PeerStaging  # the peer's
+    src_ids: list[int]
+    dst_ids: list[int]
+    kw: dict[str, Any]  # block_map's keywords but the shards
+    m: BlockMap
+    want: list[np.ndarray]  # the destination's tensors after the request, by the oracle
+    description: str  # this cache's, as the peer builds its own map from it
+
+
+def peer_staged(pair: Pair, case: tuple[Any, ...], seed: int, op: str) -> PeerStaged:
+    name, sf, stp, sbs, df, dtp, dbs = case
+    s_spec, d_spec = spec(sf, stp, sbs, seed=seed), spec(df, dtp, dbs, seed=seed + 1)
+    here_spec, there_spec = (s_spec, d_spec) if op == "WRITE" else (d_spec, s_spec)
+    text, staging = staged_peer(pair, there_spec)
+    there = RegistrationDescription.from_json(text)
+    here, leaves = build_cache(here_spec)
+    rng = np.random.default_rng(len(name))
+    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
+    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
+    if op == "WRITE":
+        m = block_map(here, there, src_ids, dst_ids, src_shard=s_spec.the_shard, **kw)
+    else:
+        m = block_map(there, here, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw)
+    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
+    description = here.describe(shard=here_spec.the_shard, block_size=here_spec.block_size).to_json()
+    return PeerStaged(name, here, leaves, staging, src_ids, dst_ids, kw, m, want, description)
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 def test_a_peer_staged_read_finds_what_the_peer_staged(pair: Pair, case: tuple[Any, ...]) -> None:
     """The peer gathers the request into its staging buffer laid out as the runs lie
     here; one descriptor per local stretch reads it, and the cache here then holds what
     the offset oracle says."""
-    name, sf, stp, sbs, df, dtp, dbs = case
-    s_spec, d_spec = spec(sf, stp, sbs, seed=41), spec(df, dtp, dbs, seed=42)
-    text, staging = staged_peer(pair, s_spec)
-    local, leaves = build_cache(d_spec)
-    rng = np.random.default_rng(len(name))
-    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
-    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
-    m = block_map(
-        RegistrationDescription.from_json(text), local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw
-    )
-    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
-    pair.peer.stage(local.describe(shard=d_spec.the_shard, block_size=dbs).to_json(), src_ids, dst_ids, **kw)
-    with nx.register(pair.agent, local):
-        xfer = nx.transfer(pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging)
+    r = peer_staged(pair, case, 41, "READ")
+    pair.peer.stage(r.description, r.src_ids, r.dst_ids, **r.kw)
+    with nx.register(pair.agent, r.here):
+        xfer = nx.transfer(pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging)
         result = xfer.wait(timeout=30)
     assert (result.strategy, xfer.plan.op) == ("peer-staged", "READ")
-    assert xfer.plan.num_descriptors <= m.num_runs
-    for i, (g, w) in enumerate(zip(leaf_bytes(leaves), want, strict=True)):
-        assert np.array_equal(g, w), f"{name} peer-staged READ: tensor {i} differs"
+    assert xfer.plan.num_descriptors <= r.m.num_runs
+    for i, (g, w) in enumerate(zip(leaf_bytes(r.leaves), r.want, strict=True)):
+        assert np.array_equal(g, w), f"{r.name} peer-staged READ: tensor {i} differs"
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
@@ -302,31 +328,20 @@ def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
     """The WRITE lands in the peer's staging buffer as the runs lie here (one descriptor
     per local stretch), the peer's cache is untouched until the peer unstages, and then
     it holds what the offset oracle says."""
-    name, sf, stp, sbs, df, dtp, dbs = case
-    s_spec, d_spec = spec(sf, stp, sbs, seed=31), spec(df, dtp, dbs, seed=32)
-    text, staging = staged_peer(pair, d_spec)
-    desc = RegistrationDescription.from_json(text)
-    local, _ = build_cache(s_spec)
-    rng = np.random.default_rng(len(name))
-    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
-    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
-    m = block_map(local, desc, src_ids, dst_ids, src_shard=s_spec.the_shard, **kw)
-    src_side, dst_side = twin(s_spec), twin(d_spec)
-    want = expected(src_side, dst_side, src_ids, dst_ids)
+    r = peer_staged(pair, case, 31, "WRITE")
+    before = pair.peer.cache_bytes()
     pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
-    with nx.register(pair.agent, local):
+    with nx.register(pair.agent, r.here):
         xfer = nx.transfer(
-            pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging, notif=b"in"
+            pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging, notif=b"in"
         )
         result = xfer.wait(timeout=30)
-    assert result.strategy == "peer-staged" and xfer.plan.num_descriptors <= m.num_runs
+    assert result.strategy == "peer-staged" and xfer.plan.num_descriptors <= r.m.num_runs
     assert pair.peer.notifs(expect=1) == [b"in"]
-    untouched = [b.numpy() for b in dst_side.reg.bases]
-    assert all(np.array_equal(a, b) for a, b in zip(pair.peer.cache_bytes(), untouched, strict=True))
-    source = local.describe(shard=s_spec.the_shard, block_size=sbs).to_json()  # the handshake's other half
-    pair.peer.unstage(source, src_ids, dst_ids, **kw)
-    for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), want, strict=True)):
-        assert np.array_equal(g, w), f"{name} peer-staged: tensor {i} differs"
+    assert all(np.array_equal(a, b) for a, b in zip(pair.peer.cache_bytes(), before, strict=True))
+    pair.peer.unstage(r.description, r.src_ids, r.dst_ids, **r.kw)  # the handshake's other half
+    for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), r.want, strict=True)):
+        assert np.array_equal(g, w), f"{r.name} peer-staged: tensor {i} differs"
 
 
 PACED = [c for c in CASES if c[0] in ("TP 1->2 NHD", "TP 2->1 NHD", "NHD->HND", "TP 2->4 HND")]
@@ -346,32 +361,21 @@ def test_a_paced_peer_staged_read_posts_each_stage_once_the_peer_announces_it(
     """The peer gathers stage by stage, announcing each (``stage_notif``); the READ,
     posted before the peer starts, posts stage ``i`` only once announced, and the cache
     here ends as the offset oracle says."""
-    name, sf, stp, sbs, df, dtp, dbs = case
-    s_spec, d_spec = spec(sf, stp, sbs, seed=51), spec(df, dtp, dbs, seed=52)
-    text, staging = staged_peer(pair, s_spec)
-    local, leaves = build_cache(d_spec)
-    rng = np.random.default_rng(len(name))
-    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
-    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
-    m = block_map(
-        RegistrationDescription.from_json(text), local, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw
-    )
-    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
-    tag = f"read {name} {stages}"
-    with nx.register(pair.agent, local):
+    r = peer_staged(pair, case, 51, "READ")
+    tag = f"read {r.name} {stages}"
+    with nx.register(pair.agent, r.here):
         xfer = nx.transfer(
-            pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging, stages=stages,
+            pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging, stages=stages,
             peer_ready=tag.encode(),
         )  # fmt: skip
         assert len(xfer.handles) == min(stages, xfer.plan.num_descriptors)
         time.sleep(0.05)
         assert not xfer.done() and xfer.posted == 0  # nothing announced, nothing posted
-        description = local.describe(shard=d_spec.the_shard, block_size=dbs).to_json()
-        pair.peer.stage(description, src_ids, dst_ids, paced=Paced(stages, poster_name, tag), **kw)
+        pair.peer.stage(r.description, r.src_ids, r.dst_ids, paced=Paced(stages, poster_name, tag), **r.kw)
         result = xfer.wait(timeout=30)
     assert result.strategy == "peer-staged"
-    for i, (g, w) in enumerate(zip(leaf_bytes(leaves), want, strict=True)):
-        assert np.array_equal(g, w), f"{name} paced peer-staged READ: tensor {i} differs"
+    for i, (g, w) in enumerate(zip(leaf_bytes(r.leaves), r.want, strict=True)):
+        assert np.array_equal(g, w), f"{r.name} paced peer-staged READ: tensor {i} differs"
 
 
 @pytest.mark.parametrize("stages", [1, 3])
@@ -382,32 +386,21 @@ def test_a_paced_peer_staged_write_is_scattered_stage_by_stage_as_it_lands(
     """The peer waits for the WRITE's stages (told before it is posted) and scatters each
     as its ``stage_notif`` lands; its cache then holds what the offset oracle says, and
     no notification is left over."""
-    name, sf, stp, sbs, df, dtp, dbs = case
-    s_spec, d_spec = spec(sf, stp, sbs, seed=61), spec(df, dtp, dbs, seed=62)
-    text, staging = staged_peer(pair, d_spec)
-    local, _ = build_cache(s_spec)
-    rng = np.random.default_rng(len(name))
-    src_ids, dst_ids = ids(rng, s_spec), ids(rng, d_spec)
-    kw: dict[str, Any] = {"num_tokens": TOKENS, "src_block_size": sbs, "dst_block_size": dbs}
-    m = block_map(
-        local, RegistrationDescription.from_json(text), src_ids, dst_ids, src_shard=s_spec.the_shard, **kw
-    )
-    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
+    r = peer_staged(pair, case, 61, "WRITE")
     pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
-    tag = f"write {name} {stages}"
-    source = local.describe(shard=s_spec.the_shard, block_size=sbs).to_json()
-    pair.peer.unstage(source, src_ids, dst_ids, paced=Paced(stages, poster_name, tag, wait=False), **kw)
-    with nx.register(pair.agent, local):
+    tag = f"write {r.name} {stages}"
+    pacing = Paced(stages, poster_name, tag, wait=False)
+    pair.peer.unstage(r.description, r.src_ids, r.dst_ids, paced=pacing, **r.kw)
+    with nx.register(pair.agent, r.here):
         xfer = nx.transfer(
-            pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging, stages=stages,
+            pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging, stages=stages,
             notif=tag.encode(),
         )  # fmt: skip
-        n = len(xfer.handles)
-        assert n == min(stages, xfer.plan.num_descriptors)
+        assert len(xfer.handles) == min(stages, xfer.plan.num_descriptors)
         xfer.wait(timeout=30)
     pair.peer.answer("unstage")
-    for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), want, strict=True)):
-        assert np.array_equal(g, w), f"{name} paced peer-staged WRITE: tensor {i} differs"
+    for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), r.want, strict=True)):
+        assert np.array_equal(g, w), f"{r.name} paced peer-staged WRITE: tensor {i} differs"
     assert pair.peer.notifs(expect=0, wait=0.05) == []  # each stage's notification was taken
 
 

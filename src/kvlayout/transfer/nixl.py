@@ -932,6 +932,14 @@ def _peer_plan(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, st
     return p
 
 
+def _settle(copies: list[Future[None]]) -> None:
+    """Cancel the local copies not yet started and wait for the one under way: none
+    touches its memory once this returns (the caller may reuse or let go of it)."""
+    for fut in copies:
+        fut.cancel()
+    wait_for(copies)
+
+
 def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str) -> None:
     """Wait for a local copy, driving NIXL meanwhile (an agent without a progress thread
     moves bytes only when called); :class:`NixlTimeoutError` past ``deadline``."""
@@ -975,9 +983,7 @@ def stage(
             _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
             notifs.agent.send_notif(notifs.peer, stage_notif(notifs.tag, i, n))
     finally:
-        for fut in gathers:
-            fut.cancel()
-        wait_for(gathers)  # a gather under way finishes before the caller may reuse staging
+        _settle(gathers)
 
 
 def unstage(
@@ -1026,9 +1032,7 @@ def unstage(
         for fut in scatters:
             _progress_until(fut, notifs.agent, deadline, f"a scatter of the peer-staged WRITE {notifs.tag!r}")
     finally:
-        for fut in scatters:
-            fut.cancel()
-        wait_for(scatters)
+        _settle(scatters)
 
 
 class Estimate(NamedTuple):
@@ -1387,9 +1391,7 @@ class Transfer:
     def _release(self) -> bool:
         """Release the NIXL requests (cancelling the active ones) once no local copy is
         running; False if NIXL refused one."""
-        for f in self._copies:
-            f.cancel()
-        wait_for(self._copies)  # a copy under way finishes before its memory is let go
+        _settle(self._copies)
         released = True
         for h in self.handles:
             try:
