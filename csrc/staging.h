@@ -1,5 +1,5 @@
 #pragma once
-// The per-run passes of a NIXL plan (kvlayout/transfer/nixl.py), one pass each over a
+// The per-run passes of a NIXL plan (kvlayout/transfer/nixl/plans.py), one pass each over a
 // map's (N, 3) runs where numpy took several over strided columns:
 //   - check_runs: the first run with no bytes, or running past the end of the address
 //     space on either side;

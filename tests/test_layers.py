@@ -250,6 +250,31 @@ def test_every_sub_package_says_what_it_knows() -> None:
             assert "must not" in doc, f"{where} does not say what its layer must not know"
 
 
+# kvlayout.transfer.nixl's modules, in the order its docstring says they import downward.
+NIXL_MODULES = [
+    "sides",
+    "regions",
+    "direct",
+    "copies",
+    "plans",
+    "peer_staging",
+    "prepped",
+    "posting",
+    "calibration",
+]
+
+
+def test_the_nixl_modules_import_downward_in_the_documented_order() -> None:
+    graph = import_graph()
+    package = "kvlayout.transfer.nixl"
+    found = sorted(m.rpartition(".")[2] for m in graph if m.startswith(package + "."))
+    assert found == sorted(NIXL_MODULES), f"{package} holds {found}; its docstring lists {NIXL_MODULES}"
+    for i, name in enumerate(NIXL_MODULES):
+        upward = {m for m in graph[f"{package}.{name}"] if m.rpartition(".")[2] in NIXL_MODULES[i:]}
+        assert not upward, f"{package}.{name} imports {sorted(upward)}, which come after it"
+    assert all(f"``{m}``" in (importlib.import_module(package).__doc__ or "") for m in NIXL_MODULES)
+
+
 def test_the_top_level_holds_at_most_four_modules() -> None:
     top = sorted(p.name for p in PACKAGE.glob("*.py") if p.name not in ("__init__.py", "__main__.py"))
     assert len(top) <= 4, f"src/kvlayout/ holds {top}; a module belongs in its layer's folder"
@@ -283,6 +308,14 @@ PUBLIC_MODULES = {
         "SubpagedAttentionEdit", "SubpagedMLAEdit", "UnsupportedKVCacheGroupsError", "apply_kv_cache_group_edits",
         "check_block_granularity", "declares_slot_compression", "find_kv_cache_group_edit",
         "find_unsupported_kv_cache_groups", "spec_kind", "validate_kv_cache_groups",
+    ],
+    "kvlayout.transfer.nixl": [  # before it was split into modules
+        "DEFAULT_COST", "CostModel", "Descriptors", "Estimate", "LocalSide", "MapSide", "NixlError",
+        "NixlMap", "NixlTimeoutError", "PeerStaging", "Plan", "Prepped", "PreppedList",
+        "RefusedDescriptorError", "Registered", "Stage", "StageNotifs", "Staging", "Transfer",
+        "TransferResult", "calibrate", "copy_byte_runs", "descriptors", "estimate", "local_side",
+        "make_agent", "plan", "prep_lists", "register", "stage", "stage_notif", "transfer", "unstage",
+        "wait"
     ],
 }  # fmt: skip
 

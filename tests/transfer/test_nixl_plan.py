@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from kvlayout import _native
 from kvlayout.transfer import TransferError
 from kvlayout.transfer import nixl as nx
+from kvlayout.transfer.nixl import calibration, direct, plans, regions
 
 U64 = np.uint64
 Pieces = list[tuple[int, int, int, int, int]]  # (src buffer, offset, dst buffer, offset, length)
@@ -346,15 +347,15 @@ def test_prepped_indices_cover_the_same_bytes(case: Case) -> None:
     lspans, rspans = side_of(local, local=True).tensor_spans, side_of(remote, local=False).tensor_spans
     ll = nx.PreppedList(None, 8, *unit_rows(lspans, 8), "DRAM")
     rl = nx.PreppedList(None, 8, *unit_rows(rspans, 8), "DRAM")
-    li = ll.indices(nx._rows(runs[:, 0], runs[:, 2], 0), "local")
-    ri = rl.indices(nx._rows(runs[:, 1], runs[:, 2], 0), "remote")
+    li = ll.indices(direct._rows(runs[:, 0], runs[:, 2], 0), "local")
+    ri = rl.indices(direct._rows(runs[:, 1], runs[:, 2], 0), "remote")
     assert li.dtype == np.int32 and len(li) == len(ri) == int(runs[:, 2].sum()) // 8
     want = [(s + k, d + k) for s, d, n in runs.tolist() for k in range(0, n, 8)]
     assert list(zip(unit_addresses(ll, li), unit_addresses(rl, ri), strict=True)) == want
 
 
 def unit_rows(spans: np.ndarray, unit: int) -> tuple[np.ndarray, np.ndarray]:
-    starts, ends = nx._intervals(spans)
+    starts, ends = regions._intervals(spans)
     return starts, ((ends - starts) // U64(unit)).astype(np.int64)
 
 
@@ -420,13 +421,13 @@ def test_a_stretch_count_is_the_stretches_laid_out(
     runs[:, 1 - int(on_dst)] = np.arange(len(pieces), dtype=U64) * np.uint64(64)
     runs[:, 2] = [n * unit for _, n in pieces]
     side = Side(spans, is_local=True)
-    assert nx._stretch_count(None, runs, int(on_dst), side) == len(
-        nx._stretches(runs, int(on_dst), side).first
+    assert plans._stretch_count(None, runs, int(on_dst), side) == len(
+        plans._stretches(runs, int(on_dst), side).first
     )
 
 
 def test_overlapping_spans_merge_touching_ones_do_not() -> None:
-    starts, ends = nx._intervals(np.array([[100, 50], [0, 10], [120, 100], [10, 5], [300, 0]], U64))
+    starts, ends = regions._intervals(np.array([[100, 50], [0, 10], [120, 100], [10, 5], [300, 0]], U64))
     assert list(zip(starts.tolist(), ends.tolist(), strict=True)) == [(0, 10), (10, 15), (100, 220)]
 
 
@@ -537,12 +538,14 @@ def test_a_block_map_counts_its_stretches_without_sorting_its_runs(
     order = random.Random(5).sample(range(12), n) if ids == "scattered" else list(range(n))
     m = block_map(src, dst, order, order[::-1], num_tokens=4 * n - 2 * (n < 12), **shards)  # type: ignore[arg-type]
     runs = np.ascontiguousarray(m.runs)
-    sorted_counts = [nx._stretch_count(None, runs, col, side) for col, side in ((0, m.src), (1, m.dst))]
+    sorted_counts = [plans._stretch_count(None, runs, col, side) for col, side in ((0, m.src), (1, m.dst))]
     if pair != "layers of one pool":  # no sort: the native count of sorted runs is not reached
         monkeypatch.setattr(_native, "stretch_count", None)
     elif ids == "whole pool":  # one stretch over three touching layers, which the sort counts as its runs
         assert (m._side_runs(0), sorted_counts[0]) == (3, m.num_runs)
-    assert [nx._stretch_count(m, runs, col, side) for col, side in ((0, m.src), (1, m.dst))] == sorted_counts
+    assert [
+        plans._stretch_count(m, runs, col, side) for col, side in ((0, m.src), (1, m.dst))
+    ] == sorted_counts
 
 
 def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call(
@@ -559,9 +562,9 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
         fn()
         return cost["s"]
 
-    monkeypatch.setattr(nx, "copy_byte_runs", fake_copy)
-    monkeypatch.setattr(nx, "_timed", fake_timed)
-    per_run, bandwidth = nx._calibrate_copy(1024, 2048, 1)
+    monkeypatch.setattr(calibration, "copy_byte_runs", fake_copy)
+    monkeypatch.setattr(calibration, "_timed", fake_timed)
+    per_run, bandwidth = calibration._calibrate_copy(1024, 2048, 1)
     assert per_run == pytest.approx(5e-9, rel=1e-6)
     assert bandwidth == pytest.approx(5e9, rel=1e-6)
 

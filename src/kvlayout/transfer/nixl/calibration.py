@@ -1,0 +1,164 @@
+"""Measuring the live pair for the cost model (:func:`calibrate`), and making an agent
+(:func:`make_agent`, the only place NIXL is imported)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlayout.transfer import TransferError
+from kvlayout.transfer.nixl.copies import copy_byte_runs
+from kvlayout.transfer.nixl.direct import _mem_type, _rows
+from kvlayout.transfer.nixl.plans import CostModel
+from kvlayout.transfer.nixl.regions import _intervals, _refuse_unregistered, register
+from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, NixlTimeoutError, Op, _peer_name
+
+# -- calibration -------------------------------------------------------------------------------
+
+
+def _timed_xfer(
+    agent: Agent, op: Op, peer: str, local: np.ndarray, remote: np.ndarray, rmem: str, timeout: float
+) -> float:
+    handle = agent.initialize_xfer(
+        op, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, rmem), peer
+    )
+    start = time.perf_counter()
+    state = agent.transfer(handle)
+    while state == "PROC":
+        if time.perf_counter() - start > timeout:
+            agent.release_xfer_handle(handle)
+            raise NixlTimeoutError(f"a calibration {op} with peer {peer!r} was not done after {timeout:g} s")
+        state = agent.check_xfer_state(handle)
+    agent.release_xfer_handle(handle)
+    if state != "DONE":
+        raise NixlError(f"a calibration {op} with peer {peer!r} ended in {state}")
+    return time.perf_counter() - start
+
+
+def calibrate(
+    agent: Agent,
+    peer: str | bytes,
+    remote: MapSide,
+    *,
+    op: Op = "READ",
+    nbytes: int = 4 << 20,
+    small: int = 1024,
+    count: int = 2048,
+    repeats: int = 3,
+    timeout: float = 30.0,
+) -> CostModel:
+    """A :class:`CostModel` measured on the live pair with ``op`` transfers between a
+    scratch buffer registered for the call and the peer's largest described tensor: one
+    small descriptor, ``count`` small ones and one of ``nbytes``, the fastest of
+    ``repeats`` each; then the local copy (:func:`_calibrate_copy`).
+
+    ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
+    posts) overwrites its first bytes: only for a tensor that is scratch to the peer.
+    """
+    if op not in ("READ", "WRITE"):
+        raise TransferError(f"op must be 'READ' or 'WRITE', not {op!r}")
+    peer = _peer_name(peer)
+    starts, ends = _intervals(remote.tensor_spans)
+    if len(starts) == 0:
+        raise TransferError(f"peer {peer!r} described no memory to calibrate against")
+    k = int(np.argmax(ends - starts))
+    base, span = int(starts[k]), int(ends[k] - starts[k])
+    nbytes = min(nbytes, span)
+    count = max(2, min(count, span // (2 * small)))
+    rmem, dev = _mem_type(remote, "remote"), remote.device_index
+    spaced = np.arange(count, dtype=_U64) * np.uint64(2 * small)  # gaps: nothing merges
+    theirs = {
+        "one": np.array([[base, small, dev]], _U64),
+        "many": _rows(base + spaced, np.full(count, small, _U64), dev),
+        "big": np.array([[base, nbytes, dev]], _U64),
+    }
+    _refuse_unregistered(agent, peer, np.concatenate(list(theirs.values())), rmem, "calibration descriptor")
+    scratch = torch.empty(max(nbytes, 2 * small * count), dtype=torch.uint8)
+    addr = scratch.data_ptr()
+    ours = {
+        name: rows - np.array([base, 0, dev], _U64) + np.array([addr, 0, 0], _U64)
+        for name, rows in theirs.items()
+    }
+    with register(agent, scratch):
+        t = {
+            name: min(
+                _timed_xfer(agent, op, peer, ours[name], theirs[name], rmem, timeout) for _ in range(repeats)
+            )
+            for name in ("one", "many", "big")
+        }
+    per_run, copy_bandwidth = _calibrate_copy(small, count, repeats)
+    return CostModel(
+        per_descriptor_s=max((t["many"] - t["one"]) / (count - 1), 1e-9),
+        bandwidth=nbytes / max(t["big"] - t["one"], 1e-9),
+        per_transfer_s=t["one"],
+        copy_per_run_s=per_run,
+        copy_bandwidth=copy_bandwidth,
+        source=f"calibrated against peer {peer!r}",
+    )
+
+
+# The local copy is measured on buffers larger than a host's caches, as a request's are.
+_COPY_CALIBRATION_BYTES = 32 << 20
+
+
+def _calibrate_copy(small: int, count: int, repeats: int) -> tuple[float, float]:
+    """Seconds a run and bytes a second of :func:`copy_byte_runs`: one run, ``count`` runs
+    of ``small`` bytes and one of ``_COPY_CALIBRATION_BYTES``, host to host, the fastest of
+    ``repeats`` each. The one-run copy's time is the call's own (checks, dispatch), taken
+    out of both; the runs' bytes are the bandwidth's (counted per run, they priced a run at
+    0.3-0.6 us on the 2-core loopback, where 520,000 runs of 256 B copy in about 35 ms)."""
+    half = max(_COPY_CALIBRATION_BYTES, 2 * small * count)
+    scratch = torch.zeros(2 * half, dtype=torch.uint8)  # zeros: its pages are touched
+    addr = scratch.data_ptr()
+    spaced = addr + np.arange(count, dtype=_U64) * np.uint64(2 * small)  # gaps: nothing merges
+    runs = np.stack([spaced, spaced + np.uint64(half), np.full(count, small, _U64)], axis=1)
+    copies = {"one": runs[:1], "many": runs, "big": np.array([[addr, addr + half, half]], _U64)}
+    lo, hi = np.array([[addr, half]], _U64), np.array([[addr + half, half]], _U64)
+    c = {
+        name: min(_timed(lambda r=r: copy_byte_runs(r, lo, hi)) for _ in range(repeats))
+        for name, r in copies.items()
+    }
+    bandwidth = (half - small) / max(c["big"] - c["one"], 1e-9)
+    per_run = (c["many"] - c["one"] - (count - 1) * small / bandwidth) / (count - 1)
+    return max(per_run, 1e-9), bandwidth
+
+
+def _timed(fn: Any) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# -- agents ---------------------------------------------------------------------------------
+
+
+def make_agent(
+    name: str, *, telemetry: bool = True, progress_thread: bool = True, backends: Iterable[str] = ("UCX",)
+) -> Agent:
+    """A NIXL agent (``nixl._api.nixl_agent``; the only place this module imports NIXL)
+    with telemetry on, so :class:`TransferResult` reports NIXL's merged descriptor count.
+
+    ``progress_thread=False`` suits a process that only initiates and waits: polling a
+    transfer's state drives NIXL's progress (and NIXL's thread, which polls without
+    pause, is not there to compete for the cores). A target that does not poll needs the
+    thread, or must call into NIXL regularly (``update_notifs``, as
+    :mod:`kvlayout.testing.nixl_peer` does).
+    """
+    try:
+        from nixl._api import nixl_agent, nixl_agent_config
+    except ImportError:
+        try:  # kvlayout[nixl] alone: the CUDA 12 build, without the `nixl` meta package
+            from nixl_cu12._api import nixl_agent, nixl_agent_config
+        except ImportError as exc:
+            raise ImportError(
+                "NIXL is not installed: pip install 'kvlayout[nixl]' (and pip install --no-deps nixl==1.5.1 "
+                "for `import nixl`)"
+            ) from exc
+    config = nixl_agent_config(
+        enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
+    )
+    return nixl_agent(name, config)

@@ -1,0 +1,131 @@
+"""The staged strategies' local copy (gather or scatter on the block-map engine), the
+staging buffer it fills or empties, and the thread pipelines copy on."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
+
+import numpy as np
+import torch
+
+from kvlayout import _native
+from kvlayout.transfer import TransferError
+from kvlayout.transfer.nixl.regions import _intervals, register
+from kvlayout.transfer.nixl.sides import _U64, Agent, RefusedDescriptorError
+
+# -- the local copy of the staged strategy ----------------------------------------------------
+
+
+_COPY_PROBLEMS = {
+    1: "reads bytes outside the memory it copies from",
+    2: "writes bytes outside the memory it copies to",
+    3: "writes bytes another copy writes",
+    4: "writes bytes another copy reads",
+    5: "has no bytes",
+}
+
+
+def _exact_spans(spans: np.ndarray) -> np.ndarray:
+    """``(start, bytes)`` stretches as the native engine's ``(start, period, block,
+    blocks)`` spans: one block each, overlapping stretches merged first."""
+    starts, ends = _intervals(spans)
+    n = ends - starts
+    return np.ascontiguousarray(np.stack([starts, n, n, np.ones_like(n)], axis=1), dtype=_U64)
+
+
+def _refuse_copy(runs: np.ndarray, problem: int, run: int) -> None:
+    if problem:
+        src, dst, n = (int(x) for x in runs[run])
+        raise RefusedDescriptorError(
+            f"local copy {run} ({src:#x} -> {dst:#x}, {n} bytes) {_COPY_PROBLEMS[problem]}; "
+            "nothing was copied"
+        )
+
+
+def _check_copies(runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray) -> None:
+    """Refuse (before any byte moves) copies that leave their memory or overlap."""
+    problem, run, _ = _native.validate_runs(runs, _exact_spans(from_spans), _exact_spans(to_spans))
+    _refuse_copy(runs, problem, run)
+
+
+def copy_byte_runs(
+    runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray, *, num_threads: int = 1
+) -> None:
+    """Copy each ``(from, to, length)`` row of an ``(N, 3)`` uint64 array, host memory to
+    host memory, on the block-map engine (``kvlayout._native.copy_runs``: native, GIL
+    released): the staged strategy's gather and a READ's scatter.
+
+    ``from_spans`` and ``to_spans`` (``(K, 2)``: start, bytes) are the memory the copies
+    may read and write; every run is checked against them before a byte moves
+    (:class:`RefusedDescriptorError` otherwise)."""
+    _copy(runs, from_spans, to_spans, num_threads, validate=True)
+
+
+def _copy(
+    runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray, num_threads: int, validate: bool
+) -> None:
+    runs = np.ascontiguousarray(runs, dtype=_U64)
+    a, b = _exact_spans(from_spans), _exact_spans(to_spans)
+    problem, run, _, _ = _native.copy_runs(runs, a, b, num_threads, validate=validate)
+    _refuse_copy(runs, problem, run)
+
+
+class Staging:
+    """A registered host buffer the staged strategy gathers a request into (or, for a
+    READ, receives it into). One transfer uses it at a time."""
+
+    def __init__(self, agent: Agent, nbytes: int, *, device: str | torch.device = "cpu") -> None:
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise TypeError(f"nbytes must be a positive int, got {nbytes!r}")
+        dev = torch.device(device)
+        if dev.type != "cpu":
+            raise TransferError(
+                f"staging on {dev} needs a device copy of byte runs (the block-map executor's); "
+                "this module stages in host memory only"
+            )
+        self.agent = agent
+        self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+        self.address = self.tensor.data_ptr()
+        self.nbytes = nbytes
+        self.registered = register(agent, self.tensor)
+        self.busy = False
+
+    def __repr__(self) -> str:
+        return f"Staging({self.nbytes} bytes at {self.address:#x}{', busy' if self.busy else ''})"
+
+    @property
+    def span(self) -> np.ndarray:
+        return np.array([[self.address, self.nbytes]], dtype=_U64)
+
+    def close(self) -> None:
+        self.registered.deregister()
+
+    def __enter__(self) -> Staging:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_copier_lock = threading.Lock()
+_copier_pool: list[ThreadPoolExecutor] = []  # made on first use
+
+
+def _copier() -> ThreadPoolExecutor:
+    """The thread that runs staged pipelines' local copies (native, GIL released), so a
+    stage's gather or scatter overlaps another's wire time while the polling thread
+    drives NIXL (every NIXL call stays on the caller's thread)."""
+    with _copier_lock:
+        if not _copier_pool:
+            _copier_pool.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlayout-nixl-copy"))
+        return _copier_pool[0]
+
+
+def _settle(copies: list[Future[None]]) -> None:
+    """Cancel the local copies not yet started and wait for the one under way: none
+    touches its memory once this returns (the caller may reuse or let go of it)."""
+    for fut in copies:
+        fut.cancel()
+    wait_for(copies)

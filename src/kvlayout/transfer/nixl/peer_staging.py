@@ -1,0 +1,139 @@
+"""The peer's half of a peer-staged request: the gather before a READ (:func:`stage`),
+the scatter after a WRITE (:func:`unstage`), each optionally paced stage by stage by
+NIXL notifications (:func:`stage_notif`, :class:`StageNotifs`)."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import NamedTuple
+
+from kvlayout.transfer import TransferError
+from kvlayout.transfer.nixl.copies import Staging, _copier, _settle
+from kvlayout.transfer.nixl.plans import Plan, plan
+from kvlayout.transfer.nixl.sides import Agent, NixlMap, NixlTimeoutError, Op
+
+
+def stage_notif(tag: bytes, stage: int, stages: int) -> bytes:
+    """The NIXL notification that announces stage ``stage`` of a ``stages``-stage
+    peer-staged request tagged ``tag``: the tag itself for a request of one stage, else
+    ``tag + b"#stage/stages"``. A pipelined WRITE's stage lands with it (its poster
+    passes ``notif=tag``); a pipelined READ's stage is gathered when the peer sends it
+    (:func:`stage` with ``notifs``; its poster passes ``peer_ready=tag``)."""
+    return tag if stages == 1 else tag + b"#%d/%d" % (stage, stages)
+
+
+class StageNotifs(NamedTuple):
+    """What paces the peer's half of a pipelined peer-staged request: this side's
+    ``agent``, the poster's agent name ``peer`` (loaded with ``add_remote_agent`` where
+    notifications go to it) and the request's ``tag``. Notifications are found with
+    NIXL's ``check_remote_xfer_done``, which keeps the others in ``agent.notifs``."""
+
+    agent: Agent
+    peer: str
+    tag: bytes
+
+
+def _peer_plan(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> Plan:
+    """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
+    the poster's ``stages``), which must be ``op``; its copy checked."""
+    p = plan(block_map, strategy="staged", staging=staging, stages=stages)
+    if p.op != op:
+        raise TransferError(wrong_side)
+    p.check_copy()
+    return p
+
+
+def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str) -> None:
+    """Wait for a local copy, driving NIXL meanwhile (an agent without a progress thread
+    moves bytes only when called); :class:`NixlTimeoutError` past ``deadline``."""
+    while not fut.done():
+        if time.perf_counter() > deadline:
+            raise NixlTimeoutError(f"{what} was not done in time")
+        agent.update_notifs()
+        time.sleep(1e-4)
+    fut.result()
+
+
+def stage(
+    block_map: NixlMap,
+    staging: Staging,
+    *,
+    num_threads: int = 1,
+    stages: int = 1,
+    notifs: StageNotifs | None = None,
+    timeout: float = 30.0,
+) -> None:
+    """The source half of a peer-staged READ: gather the request from the cache here into
+    ``staging`` (this side's staging buffer, the :class:`PeerStaging` the destination was
+    given), laid out as the destination's runs, before telling the destination to READ
+    it. ``block_map`` is the request's map with this side as its source
+    (``block_map(this registration, destination description, ...)``); every copy is
+    checked before a byte moves.
+
+    With ``notifs`` each of ``stages`` (the poster's count) is announced to the poster
+    once gathered (:func:`stage_notif`), so its READ of one stage overlaps the gather of
+    the next (the poster passes ``peer_ready=notifs.tag``); the gathers then run on one
+    thread beside this one, which drives NIXL."""
+    wrong = "stage runs on the source side of the map (the side a peer-staged READ reads)"
+    p = _peer_plan(block_map, staging, "WRITE", wrong, stages)
+    if notifs is None:
+        p.copy(num_threads)
+        return
+    n, deadline = len(p.stages), time.perf_counter() + timeout
+    gathers = [_copier().submit(p.copy_stage, i) for i in range(n)]
+    try:
+        for i, fut in enumerate(gathers):
+            _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
+            notifs.agent.send_notif(notifs.peer, stage_notif(notifs.tag, i, n))
+    finally:
+        _settle(gathers)
+
+
+def unstage(
+    block_map: NixlMap,
+    staging: Staging,
+    *,
+    num_threads: int = 1,
+    stages: int = 1,
+    notifs: StageNotifs | None = None,
+    timeout: float = 30.0,
+) -> None:
+    """The receiving half of a peer-staged WRITE: scatter what landed in ``staging``
+    (this side's staging buffer, the :class:`PeerStaging` the source was given) into the
+    request's slots here. ``block_map`` is the request's map with this side as its
+    destination (``block_map(source description, this registration, ...)``: the same
+    runs the source planned); every copy is checked before a byte moves.
+
+    Without ``notifs`` every byte has landed (the caller had the WRITE's notification).
+    With ``notifs``, call it before or while the WRITE of ``stages`` (the poster's count,
+    its ``notif=notifs.tag``) is under way: each stage is scattered as soon as its
+    notification (:func:`stage_notif`) arrives, on one thread beside this one, while this
+    one waits for the next; :class:`NixlTimeoutError` if the request has not landed and
+    been scattered within ``timeout`` seconds."""
+    wrong = "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
+    p = _peer_plan(block_map, staging, "READ", wrong, stages)
+    if notifs is None:
+        p.copy(num_threads)
+        return
+    n, deadline = len(p.stages), time.perf_counter() + timeout
+    waiting, scatters = list(range(n)), []
+    try:
+        while waiting:
+            landed = [i for i in waiting if notifs.agent.check_remote_xfer_done(
+                notifs.peer, stage_notif(notifs.tag, i, n)
+            )]  # fmt: skip
+            for i in landed:
+                scatters.append(_copier().submit(p.copy_stage, i))
+                waiting.remove(i)
+            if waiting and time.perf_counter() > deadline:
+                raise NixlTimeoutError(
+                    f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "
+                    f"{notifs.peer!r} had not landed after {timeout:g} s"
+                )
+            if waiting and not landed:
+                time.sleep(1e-4)
+        for fut in scatters:
+            _progress_until(fut, notifs.agent, deadline, f"a scatter of the peer-staged WRITE {notifs.tag!r}")
+    finally:
+        _settle(scatters)

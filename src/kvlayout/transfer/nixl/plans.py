@@ -1,0 +1,373 @@
+"""What one request posts: the cost model, the strategies' plans (direct, staged,
+peer-staged; a pipeline's stages) and the estimate made from descriptions alone."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal, NamedTuple, cast
+
+import numpy as np
+
+from kvlayout import _native
+from kvlayout.transfer import TransferError
+from kvlayout.transfer.block_maps import BlockMap
+from kvlayout.transfer.nixl.copies import Staging, _check_copies, _copy
+from kvlayout.transfer.nixl.direct import _direct_rows, _mem_type, _rows, _Sides, _sides
+from kvlayout.transfer.nixl.regions import _intervals
+from kvlayout.transfer.nixl.sides import _U64, MapSide, NixlMap, Op, Strategy
+
+# -- cost model ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """Predicted seconds of a request: ``per_transfer_s + descriptors * per_descriptor_s +
+    bytes / bandwidth``, plus, staged, the local copy ``runs * copy_per_run_s + bytes /
+    copy_bandwidth``.
+
+    The defaults are this project's measurement of NIXL over UCX's TCP transport on
+    loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
+    of 256 B (about 18 us a descriptor); the copy figures are :func:`copy_byte_runs` (the
+    block-map engine) there, one thread: 6 GB/s, and 0.03 us a run (an NHD into HND
+    request, 520,000 runs of 256 B, copies 128 MiB in 30-37 ms). :func:`calibrate`
+    measures the live pair.
+    """
+
+    per_descriptor_s: float = 18e-6
+    bandwidth: float = 0.65e9  # bytes/s
+    per_transfer_s: float = 2e-4
+    copy_per_run_s: float = 0.03e-6
+    copy_bandwidth: float = 6e9  # bytes/s
+    source: str = "defaults"
+
+    def direct_s(self, descriptors: int, nbytes: int) -> float:
+        return self.per_transfer_s + descriptors * self.per_descriptor_s + nbytes / self.bandwidth
+
+    def staged_s(self, descriptors: int, runs: int, nbytes: int, stages: int = 1) -> float:
+        """In ``stages`` the local copy of one stage overlaps the wire time of another:
+        the slower of the two, plus one stage of the faster (the first gather before a
+        WRITE posts, the last scatter after a READ lands)."""
+        copy = runs * self.copy_per_run_s + nbytes / self.copy_bandwidth
+        wire = self.direct_s(descriptors, nbytes)
+        return max(wire, copy) + min(wire, copy) / stages
+
+
+DEFAULT_COST = CostModel()
+
+
+# -- plans -----------------------------------------------------------------------------------
+
+
+class Stage(NamedTuple):
+    """One step of a staged plan's pipeline: descriptors ``[lo, hi)`` of the plan, and
+    the local copies ``[lo, hi)`` that fill (WRITE) or empty (READ) them."""
+
+    descriptors: tuple[int, int]
+    runs: tuple[int, int]
+
+
+def _stages(first: np.ndarray, stretch_bytes: np.ndarray, num_runs: int, stages: int) -> tuple[Stage, ...]:
+    """Cut the stretches (descriptors) into ``stages`` of about equal bytes (never more
+    than the stretches); each stage's copies are its stretches' runs (``first`` is the
+    first run of each stretch, in the copies' order)."""
+    n, total = len(first), int(stretch_bytes.sum(dtype=_U64))
+    want = max(1, min(stages, n))
+    ends = np.cumsum(stretch_bytes, dtype=_U64)
+    cuts = np.searchsorted(ends, np.arange(1, want, dtype=_U64) * np.uint64(total // want), side="right")
+    bounds = np.unique(np.r_[0, cuts, n].astype(np.int64))
+    runs = np.r_[first, num_runs].astype(np.int64)[bounds]
+    return tuple(
+        Stage((int(bounds[i]), int(bounds[i + 1])), (int(runs[i]), int(runs[i + 1])))
+        for i in range(len(bounds) - 1)
+        if bounds[i + 1] > bounds[i]
+    )
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one request posts: the strategy, op, descriptors on each side (``(N, 3)``
+    uint64), the local copy (gather before a WRITE, scatter after a READ; None for
+    direct), and the predicted seconds of each strategy considered."""
+
+    strategy: Literal["direct", "staged", "peer-staged"]
+    op: Op
+    local: np.ndarray
+    remote: np.ndarray
+    local_mem: str
+    remote_mem: str
+    copies: np.ndarray | None
+    num_runs: int
+    num_bytes: int
+    predicted_s: dict[str, float] = field(default_factory=dict)
+    copy_spans: tuple[np.ndarray, np.ndarray] | None = None  # (K, 2) memory copies read, write
+    stages: tuple[Stage, ...] = ()  # a staged plan's pipeline, in order; () for direct
+    # check_copy passed: the copies (read-only) are not checked again when they run.
+    _copy_checked: bool = field(default=False, init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.copies is not None:
+            self.copies.setflags(write=False)
+
+    @property
+    def num_descriptors(self) -> int:
+        return len(self.local)
+
+    def copy_stage(self, stage: int) -> None:
+        """The local copy of one stage (its gather or scatter), on the block-map engine."""
+        assert self.copies is not None and self.copy_spans is not None
+        lo, hi = self.stages[stage].runs
+        _copy(self.copies[lo:hi], *self.copy_spans, 1, validate=not self._copy_checked)
+
+    def check_copy(self) -> None:
+        """Refuse a staged plan whose local copy leaves its memory (before any byte moves)."""
+        if self.copies is not None and not self._copy_checked:
+            assert self.copy_spans is not None
+            _check_copies(self.copies, *self.copy_spans)
+            object.__setattr__(self, "_copy_checked", True)
+
+    def copy(self, num_threads: int = 1) -> None:
+        """Run the local copy of a staged plan (the gather before a WRITE, the scatter
+        after a READ) on the block-map engine; nothing for a direct plan."""
+        if self.copies is not None:
+            assert self.copy_spans is not None
+            _copy(self.copies, *self.copy_spans, num_threads, validate=not self._copy_checked)
+
+
+class _Stretches(NamedTuple):
+    order: np.ndarray  # the runs by the side's address (empty: in their own order)
+    first: np.ndarray  # each stretch's first run, as a position in the side's address order
+    addr: np.ndarray  # each stretch's address on the side
+    staged: np.ndarray  # each stretch's address in the staging buffer (its offset from base)
+    nbytes: np.ndarray  # each stretch's bytes
+    copies: np.ndarray  # (N, 3): the runs' copies to or from staging, in address order ((0, 3): none)
+
+
+_NO_ORDER = np.empty(0, np.int64)
+
+
+def _stretches(
+    runs: np.ndarray, col: int, side: MapSide, base: int = 0, copies: int = 0, order: np.ndarray | None = None
+) -> _Stretches:
+    """The runs by their address on side ``col`` (0 source, 1 destination) cut into
+    stretches (consecutive there, inside one tensor of ``side``; a stretch that would
+    cross from one into the next goes as its runs), laid out stretch after stretch in a
+    staging buffer at ``base``; with ``copies`` 1 (2), each run's copy from the other
+    side into (out of) its staging bytes, in that order (``csrc/staging.h``). ``order``
+    is an earlier call's, to skip the sort."""
+    if order is None:
+        order = _NO_ORDER if _native.runs_sorted_on(runs, col) else _native.address_order(runs, col)
+    starts, ends = _intervals(side.tensor_spans)
+    copy_rows, first, addr, staged, nbytes = _native.stretches(runs, order, col, starts, ends, base, copies)
+    return _Stretches(order, first, addr, staged, nbytes, copy_rows)
+
+
+def _stretch_count(block_map: NixlMap | None, runs: np.ndarray, col: int, side: MapSide) -> int:
+    """``len(_stretches(runs, col, side).first)``, without laying the stretches out
+    (``block_map``: what the runs are of; None counts them by the sort).
+
+    Where the map is a block map and the side's tensors lie apart (no two overlap or
+    touch, so no stretch runs from one into another), the stretches are the runs of the
+    map from that side to itself, which its builder counts from the walk: pricing a
+    candidate no longer sorts the runs (520,000 for NHD -> HND)."""
+    starts, ends = _intervals(side.tensor_spans)
+    spans = np.asarray(side.tensor_spans).reshape(-1, 2)
+    apart = len(starts) == int((spans[:, 1] > 0).sum()) and bool(np.all(starts[1:] > ends[:-1]))
+    if apart and isinstance(block_map, BlockMap):
+        count = block_map._side_runs(col)
+        if count is not None:
+            return count
+    return int(_native.stretch_count(runs, col, starts, ends))
+
+
+class PeerStaging(NamedTuple):
+    """A staging buffer the peer registered with NIXL and told this side of at the
+    handshake (its address and bytes): where a peer-staged WRITE lands, for the peer to
+    scatter with :func:`unstage`, or where a peer-staged READ reads what the peer
+    gathered with :func:`stage`. Passing it for a READ says the peer has staged this
+    request there (``"auto"`` may then read it)."""
+
+    address: int
+    nbytes: int
+
+
+def plan(
+    block_map: NixlMap,
+    *,
+    strategy: Strategy = "auto",
+    staging: Staging | None = None,
+    cost: CostModel | None = None,
+    stages: int = 1,
+    peer_staging: PeerStaging | None = None,
+) -> Plan:
+    """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheapest by
+    ``cost``; staged is considered only with a ``staging`` buffer large enough,
+    peer-staged only with a ``peer_staging`` buffer large enough).
+
+    A staged plan of ``stages`` > 1 (never more than its descriptors) is a pipeline:
+    :func:`transfer` posts each stage as soon as its gather is done (a READ: scatters
+    each as soon as it lands), so the local copy overlaps the wire. The default is one
+    stage: on this project's 2-core loopback, where UCX's TCP send and the peer's receive
+    take both cores, 8 stages measured 0.77-1.22x one stage, no consistent gain
+    (``make bench-pd``); a pipeline is for a host whose wire is a NIC's DMA and whose
+    copy has a core to itself.
+
+    A peer-staged plan moves the runs, as they lie here, between this side and the peer's
+    staging buffer (local runs that follow one another back to back: one descriptor per
+    local stretch), the peer doing the copy: a WRITE lands there and the peer scatters it
+    into its cache with :func:`unstage` once told; a READ reads what the peer gathered
+    there with :func:`stage` before. It is for a pair whose other side is what scatters
+    (TP 2 -> 1 in NHD posted by prefill, each decode row half written by each prefill
+    rank; TP 1 -> 2 posted by decode), where neither direct nor staged can cut the
+    descriptors."""
+    if strategy not in ("auto", "direct", "staged", "peer-staged"):
+        raise TransferError(f"strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not {strategy!r}")
+    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
+        raise TypeError(f"stages must be a positive int, got {stages!r}")
+    s = _sides(block_map)
+    local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
+    num_runs, num_bytes = len(s.lengths), s.num_bytes
+    model = cost or DEFAULT_COST
+    predicted = {"direct": model.direct_s(num_runs, num_bytes)}
+    fits = staging is not None and staging.nbytes >= num_bytes
+    if strategy == "staged" and not fits:
+        have = "no staging buffer" if staging is None else f"a staging buffer of {staging.nbytes} bytes"
+        raise TransferError(f"the staged strategy needs a staging buffer of {num_bytes} bytes; got {have}")
+    peer_fits = peer_staging is not None and peer_staging.nbytes >= num_bytes
+    if strategy == "peer-staged" and not peer_fits:
+        have = "no peer staging buffer" if peer_staging is None else f"one of {peer_staging.nbytes} bytes"
+        raise TransferError(
+            f"the peer-staged strategy needs a peer staging buffer of {num_bytes} bytes; got {have}"
+        )
+    # Every candidate's cost first (from its descriptor count), then only the chosen
+    # plan's descriptors and copies (a direct plan of half a million runs is 25 MB).
+    builders: dict[str, Callable[[], Plan]] = {
+        "direct": lambda: Plan(
+            "direct", s.op, *_direct_rows(s), local_mem, remote_mem, None, num_runs, num_bytes, predicted
+        )
+    }
+    if strategy in ("auto", "staged") and fits:
+        assert staging is not None
+        if local_mem != "DRAM":
+            raise TransferError("the staged strategy stages host memory; the local side is VRAM")
+        builders["staged"] = _staged(s, staging, model, stages, predicted, final=strategy == "staged")
+    if strategy in ("auto", "peer-staged") and peer_fits:
+        assert peer_staging is not None
+        builders["peer-staged"] = _peer_staged(s, peer_staging, model, stages, predicted)
+    rank = {k: (predicted[k], _scatters(k, s.op)) for k in builders}
+    choice = strategy if strategy != "auto" else min(builders, key=rank.__getitem__)
+    return builders[choice]()
+
+
+def _scatters(strategy: str, op: Op) -> bool:
+    """Whether the strategy's copy is a scatter (reads the staging buffer in order, writes
+    the runs where they lie): a staged READ's, a peer-staged WRITE's (the peer's). Of two
+    strategies predicted alike, ``"auto"`` takes the one whose copy gathers: scattering
+    NHD -> HND's 520,000 runs of 256 B measured 48-68 ms standalone and 106-126 ms after a
+    READ landed, against 41-46 ms to gather them (``make bench-pd``: a peer-staged READ
+    0.21-0.24 s, a staged one 0.36-0.40 s, both 64 descriptors)."""
+    return (strategy == "staged" and op == "READ") or (strategy == "peer-staged" and op == "WRITE")
+
+
+def _staged(
+    s: _Sides, staging: Staging, model: CostModel, stages: int, predicted: dict[str, float], *, final: bool
+) -> Callable[[], Plan]:
+    """Records the staged plan's cost; returns what builds it. The staging buffer is laid
+    out as the remote side's stretches; the copy gathers into it before a WRITE and
+    scatters out of it after a READ (``final``: it will be built, so the copies are made
+    in the same pass)."""
+    local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
+    num_runs, num_bytes = len(s.lengths), s.num_bytes
+    copies = 1 if s.op == "WRITE" else 2
+    st: _Stretches | None = None
+    if final or stages > 1:
+        st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies if final else 0)
+        descriptors = len(st.first)
+        num_stages = len(_stages(st.first, st.nbytes, num_runs, stages))
+    else:  # a candidate of one stage is priced by its descriptor count, laid out only if chosen
+        descriptors = _stretch_count(s.block_map, s.runs, s.remote_col, s.remote)
+        num_stages = min(descriptors, 1)  # what _stages gives for one stage: none without stretches
+    predicted["staged"] = model.staged_s(descriptors, num_runs, num_bytes, num_stages)
+    held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
+
+    def build() -> Plan:
+        done = (
+            st if final and st is not None
+            else _stretches(s.runs, s.remote_col, s.remote, staging.address, copies, st.order if st else None)
+        )  # fmt: skip
+        pipeline = _stages(done.first, done.nbytes, num_runs, stages)
+        return Plan(
+            "staged", s.op, _rows(done.staged, done.nbytes, s.local.device_index),
+            _rows(done.addr, done.nbytes, s.remote.device_index), local_mem, remote_mem, done.copies,
+            num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held), pipeline,
+        )  # fmt: skip
+
+    return build
+
+
+def _peer_staged(
+    s: _Sides, peer_staging: PeerStaging, model: CostModel, stages: int, predicted: dict[str, float]
+) -> Callable[[], Plan]:
+    """Records the peer-staged plan's cost; returns what builds it: the runs in the order
+    and at the offsets the peer's own staged plan of the same map lays its staging out in
+    (both sort this side's runs by address and stretch them alike), so :func:`unstage`
+    there scatters what this WRITE put, and this READ finds what :func:`stage` there
+    gathered. Its ``stages`` are the peer's plan's too (the same cut of the same
+    stretches): stage ``i`` here is what the peer gathers or scatters as its stage ``i``
+    (their ``runs`` are the peer's copies)."""
+    num_runs, num_bytes = len(s.lengths), s.num_bytes
+    # Priced by its descriptor count alone (the runs' order by local address is laid out
+    # only if it is chosen). The copy is the peer's: its gather before a READ, its scatter
+    # after a WRITE.
+    count = _stretch_count(s.block_map, s.runs, s.local_col, s.local)
+    predicted["peer-staged"] = model.staged_s(count, num_runs, num_bytes, max(1, min(stages, count)))
+
+    def build() -> Plan:
+        st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
+        return Plan(
+            "peer-staged", s.op, _rows(st.addr, st.nbytes, s.local.device_index),
+            _rows(st.staged, st.nbytes, s.remote.device_index), _mem_type(s.local, "local"),
+            "DRAM", None, num_runs, num_bytes, predicted, None,
+            _stages(st.first, st.nbytes, num_runs, stages),
+        )  # fmt: skip
+
+    return build
+
+
+class Estimate(NamedTuple):
+    """What a map would cost before anything exists to post it (:func:`estimate`)."""
+
+    op: Op
+    num_runs: int
+    num_bytes: int
+    descriptors: dict[str, int]  # per strategy
+    predicted_s: dict[str, float]  # per strategy
+    choice: Strategy
+
+
+def estimate(
+    block_map: NixlMap, *, poster: Literal["src", "dst"] = "dst", cost: CostModel | None = None
+) -> Estimate:
+    """Descriptors and predicted seconds of each strategy for a map whose sides need not
+    be live (two descriptions, at planning time), posted by ``poster`` (``"dst"``: a READ,
+    as vLLM's decode side posts; ``"src"``: a WRITE), peer-staged included, and
+    the strategy ``"auto"`` picks given staging buffers large enough: what :func:`plan`
+    would choose."""
+    if poster not in ("src", "dst"):
+        raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
+    runs = np.ascontiguousarray(block_map.runs, dtype=_U64)
+    lengths = runs[:, 2]
+    num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
+    model = cost or DEFAULT_COST
+    descriptors = {"direct": num_runs}
+    predicted = {"direct": model.direct_s(num_runs, num_bytes)}
+    remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
+    staged = _stretch_count(block_map, runs, col, remote)
+    descriptors["staged"], predicted["staged"] = staged, model.staged_s(staged, num_runs, num_bytes)
+    own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
+    own = _stretch_count(block_map, runs, own_col, own_side)  # the poster's, to or from the peer's staging
+    descriptors["peer-staged"] = own
+    predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes)
+    choice = min(predicted, key=lambda k: predicted[k])
+    op: Op = "WRITE" if poster == "src" else "READ"
+    return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice))

@@ -1,0 +1,333 @@
+"""Posting a request and waiting for it: :func:`transfer`, :class:`Transfer`, :func:`wait`."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from typing import Any, NamedTuple
+
+from kvlayout.transfer import TransferError
+from kvlayout.transfer.nixl.copies import Staging, _copier, _settle
+from kvlayout.transfer.nixl.direct import _sides
+from kvlayout.transfer.nixl.peer_staging import stage_notif
+from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
+from kvlayout.transfer.nixl.prepped import Prepped
+from kvlayout.transfer.nixl.regions import _check_described, _check_local, _refuse_unregistered
+from kvlayout.transfer.nixl.sides import (
+    Agent,
+    NixlError,
+    NixlMap,
+    NixlTimeoutError,
+    Strategy,
+    _is_nixl_error,
+    _peer_name,
+)
+
+
+class TransferResult(NamedTuple):
+    """A finished transfer: its strategy, descriptors posted (NIXL's count after its
+    merge when the agent captures telemetry, else the count posted), bytes, seconds from
+    post to done (including a READ's scatter)."""
+
+    strategy: str
+    descriptors: int
+    num_bytes: int
+    seconds: float
+
+
+class Transfer:
+    """A posted request: poll with :meth:`done`, finish with :meth:`wait`.
+
+    A staged plan of several stages runs as a pipeline: a WRITE's gathers run on a
+    background thread and each stage is posted (by :meth:`done`, on the polling thread)
+    once its gather is done; a READ posts every stage at once and scatters each as it
+    lands. ``notif`` then goes to the peer (``send_notif``) once every stage has landed,
+    so it still means "the whole request is there". A peer-staged plan's stages are the
+    peer's: a WRITE posts them all at once, each landing with its own
+    :func:`stage_notif`; a READ with ``ready`` posts stage ``i`` once the peer has sent
+    ``stage_notif(ready, i, stages)``."""
+
+    def __init__(
+        self,
+        agent: Agent,
+        peer: str,
+        plan: Plan,
+        handles: list[Any],
+        staging: Staging | None = None,
+        notif: bytes = b"",
+        ready: bytes | None = None,
+    ) -> None:
+        self.agent = agent
+        self.peer = peer
+        self.plan = plan
+        self.handles = handles  # one per stage, in order
+        self.staging = staging
+        self.notif = notif  # sent after the last stage (a pipeline); b"" when NIXL sends it
+        self.ready = ready  # a peer-staged READ's tag: stage i goes once the peer announced it
+        self.posted_at = time.perf_counter()
+        self._posted = 0
+        self._landed = [False] * len(handles)
+        self._copies: list[Future[None]] = []  # a WRITE's gathers, a READ's scatters (a pipeline)
+        self._count = 0
+        self._result: TransferResult | None = None
+
+    def __repr__(self) -> str:
+        return f"Transfer({self._what()})"
+
+    @property
+    def _pipelined(self) -> bool:
+        return len(self.handles) > 1
+
+    def _what(self) -> str:
+        p = self.plan
+        counts = f"{p.num_descriptors} descriptors, {p.num_bytes} bytes"
+        stages = f", {len(self.handles)} stages" if self._pipelined else ""
+        return f"the {p.op} to peer {self.peer!r} ({p.strategy}, {counts}{stages})"
+
+    def _fail(self, why: str) -> NixlError:
+        self._release()
+        return NixlError(f"NIXL failed {self._what()}: {why}")
+
+    def _nixl(self, call: Any, *args: Any) -> Any:
+        try:
+            return call(*args)
+        except Exception as exc:
+            if not _is_nixl_error(exc):
+                raise
+            raise self._fail(f"{type(exc).__name__}: {exc}") from exc
+
+    def _post(self) -> None:
+        if self._nixl(self.agent.transfer, self.handles[self._posted]) == "ERR":
+            raise self._fail('transfer returned "ERR"')
+        self._posted += 1
+
+    @property
+    def posted(self) -> int:
+        """How many of its stages (NIXL requests) have been posted so far."""
+        return self._posted
+
+    @property
+    def _gathers(self) -> bool:
+        """A staged WRITE's pipeline: each stage waits for its gather."""
+        return self._pipelined and self.plan.op == "WRITE" and self.plan.copies is not None
+
+    def start(self) -> None:
+        """Post the plan (:func:`transfer` calls it once; the handles are made)."""
+        p = self.plan
+        if self._gathers:
+            pool = _copier()
+            self._copies = [pool.submit(p.copy_stage, i) for i in range(len(self.handles))]
+            self._copied(0, wait=True)
+        elif p.op == "WRITE":
+            p.copy()  # gather into staging (none peer-staged): validated, nothing posted yet
+        self._post_ready()
+
+    def _post_ready(self) -> None:
+        """Post, in order, the stages that may go: gathered (a staged WRITE's pipeline),
+        announced by the peer (a READ with ``ready``), else all."""
+        n = len(self.handles)
+        while self._posted < n:
+            i = self._posted
+            if self._gathers and not self._copied(i):
+                return
+            if self.ready is not None and not self._nixl(
+                self.agent.check_remote_xfer_done, self.peer, stage_notif(self.ready, i, n)
+            ):
+                return
+            self._post()
+
+    def _copied(self, stage: int, *, wait: bool = False) -> bool:
+        """Whether the local copy of ``stage`` is done (raising what it raised)."""
+        f = self._copies[stage]
+        if not wait and not f.done():
+            return False
+        try:
+            f.result()
+        except TransferError as exc:
+            raise self._fail(f"the local copy of stage {stage}: {exc}") from exc
+        return True
+
+    def _poll(self) -> None:
+        """Post the stages that may go; note the posted ones that landed."""
+        self._post_ready()
+        for i in range(self._posted):
+            if self._landed[i]:
+                continue
+            state = self._nixl(self.agent.check_xfer_state, self.handles[i])
+            if state == "ERR":
+                raise self._fail(
+                    'check_xfer_state returned "ERR"' + (f" for stage {i}" if self._pipelined else "")
+                )
+            if state != "DONE":
+                continue
+            self._landed[i] = True
+            lo, hi = self.plan.stages[i].descriptors if self._pipelined else (0, self.plan.num_descriptors)
+            try:
+                self._count += int(self.agent.get_xfer_telemetry(self.handles[i]).descCount)
+            except Exception as exc:
+                if not _is_nixl_error(exc):
+                    raise
+                self._count += hi - lo
+            if self.plan.op == "READ" and self.plan.copies is not None:
+                if self._pipelined:
+                    self._copies.append(_copier().submit(self.plan.copy_stage, i))
+                else:
+                    self.plan.copy()  # the scatter out of staging (checked before posting)
+
+    def done(self) -> bool:
+        """True once the transfer is complete (a READ's scatter done); raises
+        :class:`NixlError` when NIXL reports ``"ERR"`` or an error."""
+        if self._result is not None:
+            return True
+        self._poll()
+        if not all(self._landed):
+            return False
+        if not all(self._copied(i) for i in range(len(self._copies))):
+            return False
+        if self.notif:
+            self._nixl(self.agent.send_notif, self.peer, self.notif)
+        seconds = time.perf_counter() - self.posted_at
+        self._release()
+        self._result = TransferResult(self.plan.strategy, self._count, self.plan.num_bytes, seconds)
+        return True
+
+    def wait(self, timeout: float = 30.0) -> TransferResult:
+        """Poll until done; :class:`NixlTimeoutError` after ``timeout`` seconds (the
+        request is released, which asks NIXL to cancel it)."""
+        deadline = time.perf_counter() + timeout
+        while not self.done():
+            if time.perf_counter() > deadline:
+                cancelled = self._release()
+                raise NixlTimeoutError(
+                    f"{self._what()} was not done after {timeout:g} s; "
+                    + ("it was cancelled" if cancelled else "NIXL could not cancel it (the handle is kept)")
+                )
+            time.sleep(1e-4)  # leave the cores to NIXL's progress thread
+        assert self._result is not None
+        return self._result
+
+    def _release(self) -> bool:
+        """Release the NIXL requests (cancelling the active ones) once no local copy is
+        running; False if NIXL refused one."""
+        _settle(self._copies)
+        released = True
+        for h in self.handles:
+            try:
+                self.agent.release_xfer_handle(h)
+            except Exception as exc:
+                if not _is_nixl_error(exc):
+                    raise
+                released = False
+        if released and self.staging is not None:
+            self.staging.busy = False
+        return released
+
+
+def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:
+    """:meth:`Transfer.wait`, as a function."""
+    return xfer.wait(timeout)
+
+
+def transfer(
+    agent: Agent,
+    peer: str | bytes,
+    block_map: NixlMap,
+    *,
+    notif: bytes = b"",
+    strategy: Strategy = "auto",
+    staging: Staging | None = None,
+    prepped: Prepped | None = None,
+    cost: CostModel | None = None,
+    stages: int = 1,
+    peer_staging: PeerStaging | None = None,
+    peer_ready: bytes | None = None,
+) -> Transfer:
+    """Post one request's map to ``peer`` (an agent name loaded with
+    ``add_remote_agent``); ``notif`` reaches the peer when the bytes have landed.
+
+    Every descriptor is checked before anything is posted: the local ones inside regions
+    registered on ``agent`` (the staging buffer's included), the remote ones inside the
+    tensors the peer described and, in the list form, inside what it registered with
+    NIXL (NIXL's own check). ``prepped`` sends index arrays into lists prepared by
+    :func:`prep_lists` instead of descriptor lists. A ``staging`` buffer still in use by
+    an earlier transfer leaves ``"auto"`` direct, and is an error for ``"staged"``.
+    ``stages`` cuts a staged plan into a pipeline (:func:`plan`); each stage is one NIXL
+    request, all made (and so checked by NIXL) before the first byte moves.
+    ``peer_staging`` (the peer's staging buffer, from the handshake) lets the request go
+    peer-staged: for a WRITE the peer must then :func:`unstage` it once ``notif`` arrives;
+    a READ needs the peer to have run :func:`stage` first (``Transfer.plan.strategy``
+    says which strategy went).
+
+    A peer-staged request of ``stages`` > 1 is the peer's pipeline: a WRITE posts every
+    stage at once, stage ``i`` landing with ``stage_notif(notif, i, stages)`` so the
+    peer's :func:`unstage` (with :class:`StageNotifs`) scatters it while the next is on
+    the wire; a READ given ``peer_ready`` (a tag) posts stage ``i`` once the peer's
+    :func:`stage` announces it with ``stage_notif(peer_ready, i, stages)`` (with one
+    stage, once it announces the whole request), so the peer's gather of one stage
+    overlaps the wire of another. Both sides pass the same ``stages``.
+    """
+    peer = _peer_name(peer)
+    if staging is not None and staging.busy:
+        if strategy == "staged":
+            raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
+        staging = None
+    if prepped is not None and strategy != "peer-staged":
+        peer_staging = None  # the prepped lists do not reach the peer's staging buffer
+    p = plan(
+        block_map, strategy=strategy, staging=staging, cost=cost, stages=stages, peer_staging=peer_staging
+    )
+    if p.strategy == "peer-staged" and prepped is not None:
+        raise TransferError(
+            "the prepped lists cover the peer's cache, not its staging buffer: post peer-staged as lists"
+        )
+    if peer_ready is not None and (p.strategy, p.op) != ("peer-staged", "READ"):
+        raise TransferError(
+            f"peer_ready paces a peer-staged READ by the peer's notifications; this request is a "
+            f"{p.strategy} {p.op} (pass strategy='peer-staged' on the destination's side)"
+        )
+    s = _sides(block_map)
+    local_dev = s.local.device_index
+    _check_local(agent, s.local_addr, s.lengths, p.local_mem, local_dev, "local run")
+    if p.copies is not None:
+        _check_local(agent, p.local[:, 0], p.local[:, 1], p.local_mem, local_dev, "staged descriptor")
+    _check_described(s.remote_addr, s.lengths, s.remote, peer, "remote run")
+    p.check_copy()
+    if prepped is not None and prepped.peer != peer:
+        raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
+    parts = [st.descriptors for st in p.stages] if len(p.stages) > 1 else [(0, p.num_descriptors)]
+    # A pipeline sends notif once after its last stage; a peer-staged WRITE's stages each
+    # land with their own, which paces the peer's scatter.
+    by_stage = p.strategy == "peer-staged" and p.op == "WRITE" and bool(notif)
+    stage_notifs = [
+        stage_notif(notif, i, len(parts)) if by_stage else notif if len(parts) == 1 else b""
+        for i in range(len(parts))
+    ]
+    handles: list[Any] = []
+    try:
+        for (lo, hi), one_notif in zip(parts, stage_notifs, strict=True):
+            if prepped is not None:
+                local_idx = prepped.local.indices(p.local[lo:hi], "local descriptor")
+                remote_idx = prepped.remote.indices(p.remote[lo:hi], "remote descriptor")
+                handles.append(agent.make_prepped_xfer(
+                    p.op, prepped.local.handle, local_idx, prepped.remote.handle, remote_idx, one_notif
+                ))  # fmt: skip
+            else:
+                local = agent.get_xfer_descs(p.local[lo:hi], p.local_mem)
+                remote = agent.get_xfer_descs(p.remote[lo:hi], p.remote_mem)
+                handles.append(agent.initialize_xfer(p.op, local, remote, peer, one_notif))
+    except Exception as exc:
+        for h in handles:
+            agent.release_xfer_handle(h)
+        if not _is_nixl_error(exc):
+            raise
+        if prepped is None:  # name the descriptor NIXL found outside the peer's registration
+            _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")
+        raise NixlError(f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}") from exc
+    xfer = Transfer(
+        agent, peer, p, handles, staging if p.copies is not None else None,
+        notif if len(parts) > 1 and not by_stage else b"", peer_ready,
+    )  # fmt: skip
+    if xfer.staging is not None:
+        xfer.staging.busy = True
+    xfer.start()
+    return xfer

@@ -1,0 +1,118 @@
+"""The prepped form: both sides prepared once as NIXL lists of fixed-size units; each
+request then passes index arrays."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvlayout.transfer import TransferError
+from kvlayout.transfer.nixl.copies import Staging
+from kvlayout.transfer.nixl.direct import _mem_type, _rows
+from kvlayout.transfer.nixl.regions import _check_local, _intervals, _refuse_unregistered
+from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, RefusedDescriptorError, _peer_name
+
+
+class PreppedList:
+    """One side prepared as a NIXL list of ``unit``-byte descriptors (one Nx5 dense row
+    per memory interval), indexed by unit: unit ``j`` of interval ``k`` is index
+    ``first[k] + j``."""
+
+    def __init__(self, handle: Any, unit: int, starts: np.ndarray, counts: np.ndarray, mem: str) -> None:
+        self.handle = handle
+        self.unit = unit
+        self.starts = starts
+        self.counts = counts
+        self.first = np.r_[0, np.cumsum(counts)[:-1]].astype(np.int64)
+        self.mem = mem
+
+    @property
+    def size(self) -> int:
+        return int(self.counts.sum())
+
+    def indices(self, rows: np.ndarray, what: str) -> np.ndarray:
+        """The int32 unit indices covering each ``(address, length, device)`` row in turn."""
+        addr, lengths = rows[:, 0], rows[:, 1]
+        u = np.uint64(self.unit)
+        k = np.searchsorted(self.starts, addr, side="right").astype(np.int64) - 1
+        kk = np.maximum(k, 0)
+        offset = addr - self.starts[kk]
+        inside = (k >= 0) & (addr + lengths <= self.starts[kk] + self.counts[kk].astype(_U64) * u)
+        whole = (offset % u == 0) & (lengths % u == 0)
+        outside = f"is outside the {len(self.starts)} stretches of memory prepared at the handshake"
+        split = (
+            f"is not whole {self.unit}-byte units of the list prepared at the handshake (prepare with a unit "
+            "every run is a multiple of, or send in the list form)"
+        )
+        for ok, problem in ((inside, outside), (whole, split)):
+            if not ok.all():
+                bad = int(np.argmin(ok))
+                raise RefusedDescriptorError(
+                    f"{what} {bad} ({int(addr[bad]):#x}, {int(lengths[bad])} bytes) {problem}"
+                )
+        counts = (lengths // u).astype(np.int64)
+        starts = self.first[kk] + (offset // u).astype(np.int64)
+        before = np.cumsum(counts) - counts
+        idx = np.arange(int(counts.sum()), dtype=np.int64) + np.repeat(starts - before, counts)
+        out: np.ndarray = idx.astype(np.int32)
+        return out
+
+
+@dataclass(frozen=True)
+class Prepped:
+    """Both sides of a pair prepared once (at the handshake) for index-array requests."""
+
+    peer: str
+    local: PreppedList
+    remote: PreppedList
+
+
+def _prep_list(agent: Agent, name: str, spans: np.ndarray, unit: int, device: int, mem: str) -> PreppedList:
+    starts, ends = _intervals(spans)
+    counts = ((ends - starts) // np.uint64(unit)).astype(np.int64)
+    starts, counts = starts[counts > 0], counts[counts > 0]  # shorter than a unit: no unit to send
+    if int(counts.sum()) >= 2**31:
+        raise TransferError(
+            f"{int(counts.sum())} units of {unit} bytes do not fit NIXL's int32 indices; use a larger unit"
+        )
+    rows = np.empty((len(starts), 5), dtype=_U64)
+    rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = starts, unit, device, unit, counts
+    handle = agent.prep_xfer_dlist(name, rows, mem)
+    return PreppedList(handle, unit, starts, counts, mem)
+
+
+def prep_lists(
+    agent: Agent,
+    peer: str | bytes,
+    local: MapSide,
+    remote: MapSide,
+    unit: int,
+    *,
+    staging: Staging | None = None,
+) -> Prepped:
+    """Prepare both sides once, as lists of ``unit``-byte descriptors over each side's
+    tensors (and the staging buffer, on the local side), for :func:`transfer`'s
+    ``prepped=``. ``unit`` is the block unit every request's runs are whole multiples
+    of, at unit-aligned offsets (vLLM's: one layer's K or V of a block). NIXL checks the
+    remote list against what the peer registered; a description that lies is refused
+    here, naming the tensor."""
+    if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0:
+        raise TypeError(f"unit must be a positive int, got {unit!r}")
+    peer = _peer_name(peer)
+    if not local.is_local or remote.is_local:
+        raise TransferError("prep_lists takes the local side first, then the peer's")
+    local_mem, remote_mem = _mem_type(local, "local"), _mem_type(remote, "remote")
+    held = local.tensor_spans if staging is None else np.concatenate([local.tensor_spans, staging.span])
+    starts, ends = _intervals(held)
+    _check_local(agent, starts, ends - starts, local_mem, local.device_index, "local stretch")
+    spans = np.asarray(remote.tensor_spans, dtype=_U64).reshape(-1, 2)
+    _refuse_unregistered(
+        agent, peer, _rows(spans[:, 0], spans[:, 1], remote.device_index), remote_mem, "described tensor"
+    )
+    return Prepped(
+        peer,
+        _prep_list(agent, "NIXL_INIT_AGENT", held, unit, local.device_index, local_mem),
+        _prep_list(agent, peer, remote.tensor_spans, unit, remote.device_index, remote_mem),
+    )

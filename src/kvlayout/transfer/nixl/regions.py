@@ -1,0 +1,203 @@
+"""Memory registered with NIXL, once per distinct storage, and the checks that every
+descriptor lies inside what it may reach (registered here, described by the peer,
+registered there)."""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlayout import _native
+from kvlayout.transfer import TransferError
+from kvlayout.transfer.nixl.sides import (
+    _MEM_TYPES,
+    _U64,
+    Agent,
+    Holder,
+    MapSide,
+    RefusedDescriptorError,
+    _device,
+    _tensors,
+)
+
+# -- registering ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Region:
+    """One registered stretch of memory: a whole storage."""
+
+    address: int
+    nbytes: int
+    mem_type: str  # "DRAM" or "VRAM"
+    device: int
+
+
+class _AgentRegions:
+    """What :func:`register` registered on one agent: each region with its count of
+    holders (a storage registered by two registrations is registered once)."""
+
+    def __init__(self) -> None:
+        self.count: dict[Region, int] = {}
+        self.reg_lists: dict[Region, Any] = {}
+
+    def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
+        held = sorted(
+            (r.address, r.address + r.nbytes)
+            for r in self.count
+            if (r.mem_type, r.device) == (mem_type, device)
+        )
+        arr = np.array(held, dtype=_U64).reshape(-1, 2)
+        return arr[:, 0], arr[:, 1]
+
+
+_REGIONS: weakref.WeakKeyDictionary[Any, _AgentRegions] = weakref.WeakKeyDictionary()
+
+
+class Registered:
+    """The NIXL registration of one registration's storages; :meth:`deregister` (or
+    leaving a ``with`` block) undoes it. It keeps the tensors alive while registered."""
+
+    def __init__(self, agent: Agent, regions: tuple[Region, ...], tensors: list[torch.Tensor]) -> None:
+        self.agent = agent
+        self.regions = regions
+        self._tensors: list[torch.Tensor] | None = tensors
+
+    def __repr__(self) -> str:
+        total = sum(r.nbytes for r in self.regions)
+        state = "live" if self._tensors is not None else "deregistered"
+        return f"Registered({len(self.regions)} regions, {total} bytes, {state})"
+
+    def deregister(self) -> None:
+        if self._tensors is None:
+            return
+        held = _REGIONS[self.agent]
+        for region in self.regions:
+            held.count[region] -= 1
+            if held.count[region] == 0:
+                self.agent.deregister_memory(held.reg_lists.pop(region))
+                del held.count[region]
+        self._tensors = None
+
+    def __enter__(self) -> Registered:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.deregister()
+
+
+def register(agent: Agent, registration: Holder) -> Registered:
+    """Register every distinct storage of ``registration`` with ``agent``, once each.
+
+    Layers that are slices of one pool, or views of one tensor, share a storage and so
+    one region; the region is the whole storage (as vLLM registers it), DRAM for CPU
+    tensors and VRAM for CUDA ones (device id = the CUDA index). A storage this agent
+    already holds through another :func:`register` is counted, not registered again.
+    """
+    tensors = [t for t in _tensors(registration) if t.numel()]
+    if not tensors:
+        raise TransferError("the registration holds no memory to register (every tensor is empty)")
+    device = _device(tensors)
+    if any(t.device.type == "meta" for t in tensors):  # pragma: no cover - _device refuses meta
+        raise TransferError("meta tensors have no memory")
+    mem_type, dev = _MEM_TYPES[device.type], device.index or 0
+    regions = tuple(
+        dict.fromkeys(
+            Region(s.data_ptr(), s.nbytes(), mem_type, dev) for s in (t.untyped_storage() for t in tensors)
+        )
+    )
+    held = _REGIONS.setdefault(agent, _AgentRegions())
+    for region in regions:
+        if region not in held.count:
+            reg = agent.register_memory([(region.address, region.nbytes, region.device, "")], region.mem_type)
+            held.reg_lists[region] = reg
+            held.count[region] = 0
+        held.count[region] += 1
+    return Registered(agent, regions, tensors)
+
+
+# -- memory intervals and checks -------------------------------------------------------------
+
+
+def _intervals(spans: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted disjoint (start, end) intervals covering ``spans`` (overlapping spans, such
+    as the interleaved layers of one pool, merge; merely touching ones do not)."""
+    spans = np.asarray(spans, dtype=_U64).reshape(-1, 2)
+    spans = spans[spans[:, 1] > 0]
+    if len(spans) == 0:
+        return np.empty(0, _U64), np.empty(0, _U64)
+    order = np.argsort(spans[:, 0], kind="stable")
+    starts, ends = spans[order, 0], spans[order, 0] + spans[order, 1]
+    reach = np.maximum.accumulate(ends)
+    new = np.ones(len(starts), dtype=bool)
+    new[1:] = starts[1:] >= reach[:-1]
+    first = np.flatnonzero(new)
+    last = np.r_[first[1:], len(starts)] - 1
+    return starts[first], reach[last]
+
+
+def _first_outside(addr: np.ndarray, lengths: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> int:
+    """The index of the first ``[addr, addr + length)`` inside no interval, or -1."""
+    if len(addr) == 0:
+        return -1
+    starts, ends = (np.ascontiguousarray(a, dtype=_U64) for a in (starts, ends))
+    addr, lengths = addr.astype(_U64, copy=False), lengths.astype(_U64, copy=False)
+    return int(_native.first_outside(addr, lengths, starts, ends))
+
+
+def _refuse_outside(
+    what: str, addr: np.ndarray, lengths: np.ndarray, spans: tuple[np.ndarray, np.ndarray], where: str
+) -> None:
+    """Refuse the first ``(addr, length)`` row outside every ``[start, end)`` of ``spans``."""
+    bad = _first_outside(addr, lengths, *spans)
+    if bad >= 0:
+        a, n = int(addr[bad]), int(lengths[bad])
+        raise RefusedDescriptorError(f"{what} {bad} ({a:#x}, {n} bytes) is outside {where}")
+
+
+def _check_local(
+    agent: Agent, addr: np.ndarray, lengths: np.ndarray, mem: str, device: int, what: str
+) -> None:
+    held = _REGIONS.get(agent)
+    spans = held.intervals(mem, device) if held is not None else (np.empty(0, _U64),) * 2
+    where = (
+        f"every region registered on agent {agent.name!r} ({len(spans[0])} {mem} regions on device {device})"
+    )
+    _refuse_outside(what, addr, lengths, spans, f"{where}: register the registration (and staging) first")
+
+
+def _check_described(addr: np.ndarray, lengths: np.ndarray, remote: MapSide, peer: str, what: str) -> None:
+    where = f"the {len(remote.tensor_spans)} tensors peer {peer!r} described"
+    _refuse_outside(what, addr, lengths, _intervals(remote.tensor_spans), f"{where}; refused before posting")
+
+
+def _first_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str) -> int:
+    """The first row the peer did not register with NIXL (by NIXL's own check,
+    ``check_remote_metadata``, bisected), or -1 when NIXL accepts every row."""
+
+    def accepted(lo: int, hi: int) -> bool:
+        return bool(agent.check_remote_metadata(peer, agent.get_xfer_descs(rows[lo:hi], mem)))
+
+    if len(rows) == 0 or accepted(0, len(rows)):
+        return -1
+    lo, hi = 0, len(rows)  # rows[lo:hi] holds a refused row
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if not accepted(lo, mid) else (mid, hi)
+    return lo
+
+
+def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, what: str) -> None:
+    present = np.flatnonzero(rows[:, 1] > 0)  # an empty span holds no memory to check
+    bad = _first_unregistered(agent, peer, rows[present], mem)
+    if bad >= 0:
+        a, n = int(rows[present[bad], 0]), int(rows[present[bad], 1])
+        raise RefusedDescriptorError(
+            f"{what} {int(present[bad])} ({a:#x}, {n} bytes) is inside what peer {peer!r} described but not "
+            "inside memory it registered with NIXL: its description does not match its registration; "
+            "refused before posting"
+        )

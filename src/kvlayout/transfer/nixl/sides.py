@@ -1,0 +1,154 @@
+"""What the NIXL layer reads of a map (its runs and two sides, one of them in this
+process), the names it types loosely, and its errors."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
+
+import numpy as np
+import torch
+
+from kvlayout.registration.registration import KernelGroup, Registration
+from kvlayout.transfer import TransferError
+
+Agent = Any
+"""A ``nixl._api.nixl_agent`` (typed loosely: this module never imports NIXL)."""
+
+Op = Literal["READ", "WRITE"]
+Strategy = Literal["auto", "direct", "staged", "peer-staged"]
+
+_MEM_TYPES = {"cpu": "DRAM", "cuda": "VRAM"}
+_U64 = np.uint64
+
+
+# The errors name their public module in tracebacks (kvlayout.transfer.nixl re-exports them).
+_PUBLIC = "kvlayout.transfer.nixl"
+
+
+class NixlError(TransferError):
+    """A NIXL transfer that cannot be posted, failed or did not finish."""
+
+    __module__ = _PUBLIC
+
+
+class RefusedDescriptorError(NixlError):
+    """A descriptor refused before anything is posted: outside the regions registered on
+    this agent, outside the tensors the peer described, or outside what the peer
+    registered with NIXL (its description lies), or off a prepared list's units."""
+
+    __module__ = _PUBLIC
+
+
+class NixlTimeoutError(NixlError):
+    """A posted transfer that did not finish in time."""
+
+    __module__ = _PUBLIC
+
+
+# -- what this module reads from a map -----------------------------------------------------
+
+
+class MapSide(Protocol):
+    """One side of a map, as this module reads it.
+
+    A live registration in this process (``is_local``) or a peer's description (format,
+    sizes, addresses received at the handshake). ``tensor_spans`` is a ``(K, 2)`` uint64 array:
+    each tensor's start address and byte span (first byte to past the last); runs must
+    fall inside them. ``device_type`` is ``"cpu"`` or ``"cuda"`` (DRAM or VRAM for
+    NIXL); ``device_index`` is the device id NIXL is given (0 for the CPU).
+    """
+
+    @property
+    def is_local(self) -> bool: ...
+
+    @property
+    def device_type(self) -> str: ...
+
+    @property
+    def device_index(self) -> int: ...
+
+    @property
+    def tensor_spans(self) -> np.ndarray: ...
+
+
+class NixlMap(Protocol):
+    """A block map as this module reads it: ``runs`` is an ``(N, 3)`` uint64 array
+    (source address, destination address, length in bytes), each run inside one tensor
+    of each side; ``src`` and ``dst`` are its sides, exactly one of them local."""
+
+    @property
+    def runs(self) -> np.ndarray: ...
+
+    @property
+    def src(self) -> MapSide: ...
+
+    @property
+    def dst(self) -> MapSide: ...
+
+
+@dataclass(frozen=True)
+class LocalSide:
+    """A :class:`MapSide` for tensors of this process (see :func:`local_side`)."""
+
+    device_type: str
+    device_index: int
+    tensor_spans: np.ndarray
+    is_local: bool = True
+
+
+Holder = Registration | KernelGroup | torch.Tensor | Sequence[torch.Tensor]
+
+
+def _tensors(obj: Holder) -> list[torch.Tensor]:
+    """Every tensor a registration, kernel group, tensor or list of tensors holds."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, Registration):
+        return [t for g in obj.kernel_groups for p in g.planes for t in p.leaves]
+    if isinstance(obj, KernelGroup):
+        return [t for p in obj.planes for t in p.leaves]
+    if isinstance(obj, (list, tuple)) and obj and all(isinstance(t, torch.Tensor) for t in obj):
+        return list(obj)
+    raise TypeError(
+        "expected a kvlayout Registration or KernelGroup (what detection returns), a tensor or a "
+        f"list of tensors, not {type(obj).__name__}"
+    )
+
+
+def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    devices = {t.device for t in tensors}
+    if len(devices) != 1:
+        raise TransferError(
+            f"the tensors are on {len(devices)} devices ({', '.join(sorted(map(str, devices)))}); "
+            "one side of a NIXL transfer is on one"
+        )
+    (device,) = devices
+    if device.type not in _MEM_TYPES:
+        raise TransferError(f"NIXL moves DRAM (cpu) or VRAM (cuda) memory, not {device.type} tensors")
+    return device
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """A tensor's first byte and its byte span (padding between its rows included)."""
+    extent = sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True) if n > 0) + 1
+    return t.data_ptr(), extent * t.element_size() if t.numel() else 0
+
+
+def local_side(obj: Holder) -> LocalSide:
+    """The :class:`MapSide` of a registration (or kernel group, tensor, list of tensors)
+    held in this process: its device and each tensor's byte span."""
+    tensors = _tensors(obj)
+    device = _device(tensors)
+    spans = np.array([_span(t) for t in tensors if t.numel()], dtype=_U64).reshape(-1, 2)
+    return LocalSide(device.type, device.index or 0, spans)
+
+
+def _peer_name(peer: str | bytes) -> str:
+    """An agent name as ``add_remote_agent`` returns it (bytes) or as given (str)."""
+    return peer.decode() if isinstance(peer, bytes) else peer
+
+
+def _is_nixl_error(exc: BaseException) -> bool:
+    return type(exc).__module__.split(".")[0].startswith("nixl")
