@@ -20,9 +20,11 @@ same bytes, each row posted by this process:
     and as a pipeline of 8 stages (each stage's copy overlapping another's wire);
   - kvlayout peer-staged: the runs as they lie here to or from the peer's staging
     buffer, one descriptor per local stretch, the peer doing the copy (a WRITE: its
-    ``unstage`` after; a READ: its ``stage`` before; asked for over the pipe, and in the
-    row's time); and in 8 stages, the peer asked first and paced by NIXL notifications,
-    its scatter (gather) of one stage overlapping another's wire;
+    scatter after; a READ: its gather before; asked for over the pipe, in the row's
+    time). The peer is told of the request before the row's time and plans its half then
+    (``prepare_unstage``, ``prepare_stage``), as a connector's peer does when the
+    request's blocks are allocated; and in 8 stages, paced by NIXL notifications, its
+    scatter (gather) of one stage overlapping another's wire;
   - kvlayout chosen: what the cost model picks, calibrated on this pair first;
   - vLLM-style: one descriptor per layer, K/V and block (the map's runs cut at both
     sides' block boundaries: per head slice under TP resharding); n/a where vLLM refuses
@@ -156,6 +158,7 @@ def sglang_style(m: BlockMap, src: End, dst: End) -> tuple[np.ndarray | None, st
 class Row:
     label: str
     run: Callable[[], nx.TransferResult]
+    before: Callable[[], None] | None = None  # untimed, before each run: the peer told of the request
     descriptors: int = 0
     times: list[float] = field(default_factory=list)
 
@@ -163,14 +166,22 @@ class Row:
     def best(self) -> float:
         return min(self.times)
 
+    def go(self) -> nx.TransferResult:
+        """One run, untimed, with what comes before it."""
+        if self.before is not None:
+            self.before()
+        return self.run()
+
 
 def measure(rows: list[Row], repeats: int) -> None:
     """Each row once untimed (first-use costs), then ``repeats`` rounds of every row in
     turn, so the machine's load changes land on all rows alike."""
     for row in rows:
-        row.descriptors = row.run().descriptors
+        row.descriptors = row.go().descriptors
     for _ in range(repeats):
         for row in rows:
+            if row.before is not None:
+                row.before()
             start = time.perf_counter()
             row.run()
             row.times.append(time.perf_counter() - start)
@@ -243,34 +254,38 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
 
     here_text = local.describe(shard=local_spec.the_shard, block_size=local_spec.block_size).to_json()
 
-    def send(mp: Any, **kw: Any) -> Callable[[], nx.TransferResult]:
-        """A row: the transfer, and the peer's copy where it is peer-staged (asked for over
-        the pipe: its gather before a READ, its scatter after a WRITE, both in the time;
-        in stages, asked for first and paced by NIXL notifications, overlapping the wire)."""
+    def send(mp: Any, **kw: Any) -> tuple[Callable[[], nx.TransferResult], Callable[[], None] | None]:
+        """A row's run: the transfer, and the peer's copy where it is peer-staged, in the
+        time (its gather before a READ, its scatter after a WRITE; in stages, paced by
+        NIXL notifications, overlapping the wire); and what comes before it, untimed: the
+        peer told of the request, which it plans (as a connector's peer does when the
+        request's blocks are allocated, before its bytes exist)."""
         planned = nx.plan(mp, **{k: v for k, v in kw.items() if k not in ("prepped", "notif")})
-        peer_copy = planned.strategy == "peer-staged"
-        paced = peer_copy and len(planned.stages) > 1
+        if planned.strategy != "peer-staged":
+            return lambda: nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600), None
+        stages = len(planned.stages)
+        half = "stage" if op == "READ" else "unstage"
+
+        def before() -> None:
+            c.peer.prepare(half, here_text, src_ids, dst_ids, stages=stages, **map_kw)
 
         def run() -> nx.TransferResult:
-            if not paced:
-                if peer_copy and op == "READ":
-                    c.peer.stage(here_text, src_ids, dst_ids, **map_kw)
+            if stages == 1:
+                if op == "READ":
+                    c.peer.run_prepared()  # the gather, then the READ
                 result = nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600)
-                if peer_copy and op == "WRITE":
-                    c.peer.unstage(here_text, src_ids, dst_ids, **map_kw)
+                if op == "WRITE":
+                    c.peer.run_prepared()  # the scatter, once the WRITE landed
                 return result
             c.requests += 1
             tag = f"request {c.requests}"
-            pacing = Paced(len(planned.stages), c.poster, tag, wait=False)
-            (c.peer.stage if op == "READ" else c.peer.unstage)(
-                here_text, src_ids, dst_ids, paced=pacing, **map_kw
-            )
+            c.peer.run_prepared(paced=Paced(stages, c.poster, tag, wait=False))
             signal: dict[str, Any] = {"peer_ready" if op == "READ" else "notif": tag.encode()}
             result = nx.transfer(c.agent, c.name, mp, **kw, **signal).wait(timeout=600)
-            c.peer.answer("stage" if op == "READ" else "unstage")
+            c.peer.answer("run_prepared")
             return result
 
-        return run
+        return run, before
 
     here, there = (m.src, m.dst) if op == "WRITE" else (m.dst, m.src)
     with nx.register(c.agent, local):
@@ -278,15 +293,15 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
         chosen = nx.plan(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)
         stages = f", {len(chosen.stages)} stages" if len(chosen.stages) > 1 else ""
         ours = [
-            Row("kvlayout direct (list)", send(m, strategy="direct")),
-            Row("kvlayout direct (prepped)", send(m, strategy="direct", prepped=prepped)),
-            Row("kvlayout staged", send(m, strategy="staged", staging=c.staging)),
-            Row("kvlayout staged, 8 stages", send(m, strategy="staged", staging=c.staging, stages=8)),
-            Row("kvlayout peer-staged", send(m, strategy="peer-staged", peer_staging=c.peer_staging)),
+            Row("kvlayout direct (list)", *send(m, strategy="direct")),
+            Row("kvlayout direct (prepped)", *send(m, strategy="direct", prepped=prepped)),
+            Row("kvlayout staged", *send(m, strategy="staged", staging=c.staging)),
+            Row("kvlayout staged, 8 stages", *send(m, strategy="staged", staging=c.staging, stages=8)),
+            Row("kvlayout peer-staged", *send(m, strategy="peer-staged", peer_staging=c.peer_staging)),
             Row("kvlayout peer-staged, 8 stages",
-                send(m, strategy="peer-staged", peer_staging=c.peer_staging, stages=8)),
+                *send(m, strategy="peer-staged", peer_staging=c.peer_staging, stages=8)),
             Row(f"kvlayout chosen: {chosen.strategy}{stages}",
-                send(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)),
+                *send(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)),
         ]  # fmt: skip
         baselines: dict[str, Row | None] = {}
         why: dict[str, str] = {}
@@ -298,15 +313,15 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
             why[name] = reason
             baselines[name] = (
                 None if rows_of is None
-                else Row(f"{name}-style list", send(Map(rows_of, m.src, m.dst), strategy="direct"))
+                else Row(f"{name}-style list", *send(Map(rows_of, m.src, m.dst), strategy="direct"))
             )  # fmt: skip
         mine, theirs = (nx.local_side(c.staging.tensor), c.peer.side())
         one = np.array([[c.staging.address, c.peer.address(0), m.num_bytes]], U64)
         limit = Map(one, mine, theirs) if op == "WRITE" else Map(one[:, [1, 0, 2]], theirs, mine)
-        baselines["limit"] = Row("one descriptor (limit)", send(limit, strategy="direct"))
+        baselines["limit"] = Row("one descriptor (limit)", *send(limit, strategy="direct"))
         rows = [*ours, *(b for b in baselines.values() if b is not None)]
         measure(rows, args.repeats)
-        ours[-1].run()
+        ours[-1].go()
         check(c.peer, m, op)
     print(
         f"  {'':32} {'descriptors':>11} {'best s':>8} {'spread':>13}"

@@ -437,3 +437,49 @@ def test_a_paced_unstage_whose_stages_never_land_times_out_and_scatters_nothing(
     ):
         nx.unstage(m, pair.staging, stages=2, notifs=notifs, timeout=0.2)
     assert all(np.array_equal(a, b) for a, b in zip(leaf_bytes(leaves), before, strict=True))
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+@pytest.mark.parametrize("stages", [1, 3])
+def test_a_peer_told_of_the_request_ahead_copies_its_half_when_the_bytes_move(
+    pair: Pair, poster_name: str, op: str, stages: int
+) -> None:
+    """The peer plans its half when told of the request (``prepare_stage`` or
+    ``prepare_unstage``), before anything is posted; run later (paced in stages, or after
+    the WRITE landed, or before the READ), the request lands as the offset oracle says."""
+    case = next(c for c in PACED if c[0] == ("TP 2->1 NHD" if op == "WRITE" else "TP 1->2 NHD"))
+    r = peer_staged(pair, case, 91, op)
+    tag = f"prepared {op} {stages}"
+    pair.peer.prepare(
+        "unstage" if op == "WRITE" else "stage", r.description, r.src_ids, r.dst_ids, stages=stages, **r.kw
+    )
+    paced = Paced(stages, poster_name, tag, wait=False) if stages > 1 else None
+    if op == "READ":
+        pair.peer.run_prepared(paced=paced)  # gathers (paced: announcing each stage while the READ waits)
+    elif paced is not None:
+        pair.peer.run_prepared(paced=paced)  # waits for each stage of the WRITE
+    signal: dict[str, Any] = {"peer_ready" if op == "READ" and paced else "notif": tag.encode()}
+    with nx.register(pair.agent, r.here):
+        xfer = nx.transfer(
+            pair.agent,
+            pair.name,
+            r.m,
+            strategy="peer-staged",
+            peer_staging=r.staging,
+            stages=stages,
+            **signal,
+        )
+        assert xfer.wait(timeout=30).strategy == "peer-staged"
+    if paced is not None:
+        pair.peer.answer("run_prepared")
+    elif op == "WRITE":
+        pair.peer.run_prepared()  # scatters what landed
+    got = pair.peer.cache_bytes() if op == "WRITE" else leaf_bytes(r.leaves)
+    for i, (g, w) in enumerate(zip(got, r.want, strict=True)):
+        assert np.array_equal(g, w), f"prepared {op} in {stages}: tensor {i} differs"
+    pair.peer.notifs(expect=0, wait=0)  # the one-stage WRITE's notification, unpaced
+
+
+def test_running_a_request_the_peer_was_not_told_of_is_refused(pair: Pair) -> None:
+    with pytest.raises(RuntimeError, match="failed run_prepared: ValueError: no request was prepared"):
+        pair.peer.run_prepared()

@@ -315,6 +315,26 @@ class NixlPeer:
         if paced.wait:
             self.answer(cmd)
 
+    def prepare(
+        self, which: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
+        stages: int = 1, **kw: Any,
+    ) -> None:  # fmt: skip
+        """Tell the peer of a request before its bytes move: it plans its half (``which``:
+        ``"stage"`` or ``"unstage"``, in ``stages``) with ``prepare_stage`` or
+        ``prepare_unstage`` now, and :meth:`run_prepared` runs it."""
+        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw}
+        self.call("prepare", which=which, stages=stages, **args)
+
+    def run_prepared(self, *, paced: Paced | None = None) -> None:
+        """Run the prepared half (``paced``: by the poster's notifications, its
+        ``stages`` the prepared ones; ``wait=False`` returns once sent)."""
+        if paced is None:
+            self.call("run_prepared")
+            return
+        self.send("run_prepared", paced=paced._asdict())
+        if paced.wait:
+            self.answer("run_prepared")
+
     def refill_cache(self) -> None:
         """Write the peer's cache's seeded bytes again."""
         self.call("cache_fill")
@@ -407,12 +427,13 @@ def _serve() -> None:
     import torch
 
     from kvlayout.transfer import RegistrationDescription, block_map
-    from kvlayout.transfer.nixl import StageNotifs, Staging, make_agent, register, stage, unstage
+    from kvlayout.transfer.nixl import Staging, make_agent, prepare_stage, prepare_unstage, register
 
     agent: Any = None
     buffers: list[np.ndarray] = []
     cache: Any = None  # (spec, leaves, Registered, registration)
     staging: Any = None  # a Staging, for peer-staged requests
+    prepared: Any = None  # a PeerCopy: the request the parent said is coming
 
     def progress() -> None:  # drives NIXL (the agent has no progress thread), keeping notifications
         if agent is not None:  # in agent.notifs, where unstage's check_remote_xfer_done finds them too
@@ -474,18 +495,31 @@ def _serve() -> None:
                     "nbytes": staging.nbytes,
                     "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
                 }
-            elif cmd in ("stage", "unstage"):  # this cache: a stage's source, an unstage's destination
+            elif cmd in (
+                "stage",
+                "unstage",
+                "prepare",
+            ):  # this cache: a stage's source, an unstage's destination
+                which = msg.get("which", cmd)
                 desc = RegistrationDescription.from_json(msg["description"])
-                here = "src" if cmd == "stage" else "dst"
+                here = "src" if which == "stage" else "dst"
                 src, dst = (cache[3], desc) if here == "src" else (desc, cache[3])
                 kw = {**msg["kw"], f"{here}_shard": cache[0].the_shard}
                 request = block_map(src, dst, msg["src_ids"], msg["dst_ids"], **kw)
                 paced = msg.get("paced")
-                pacing = {} if paced is None else {
-                    "stages": paced["stages"],
-                    "notifs": StageNotifs(agent, paced["poster"], paced["tag"].encode()),
-                }  # fmt: skip
-                (stage if here == "src" else unstage)(request, staging, **pacing)
+                stages = paced["stages"] if paced else msg.get("stages", 1)
+                half = prepare_stage if here == "src" else prepare_unstage
+                copy = half(request, staging, stages=stages)
+                if cmd == "prepare":
+                    prepared = copy
+                else:
+                    copy.run(notifs=_notifs(agent, paced))
+                answer = {}
+            elif cmd == "run_prepared":
+                if prepared is None:
+                    raise ValueError("no request was prepared")
+                copy, prepared = prepared, None
+                copy.run(notifs=_notifs(agent, msg.get("paced")))
                 answer = {}
             elif cmd == "cache_read":
                 answer = {
@@ -517,6 +551,13 @@ def _serve() -> None:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(answer) + "\n")
         out.flush()
+
+
+def _notifs(agent: Any, paced: dict[str, Any] | None) -> Any:
+    """A paced command's StageNotifs (None unpaced)."""
+    from kvlayout.transfer.nixl import StageNotifs
+
+    return None if paced is None else StageNotifs(agent, paced["poster"], paced["tag"].encode())
 
 
 def _text(name: str | bytes) -> str:

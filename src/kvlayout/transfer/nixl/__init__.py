@@ -45,7 +45,15 @@ from __future__ import annotations
 from kvlayout.transfer.nixl.calibration import calibrate, make_agent
 from kvlayout.transfer.nixl.copies import Staging, copy_byte_runs
 from kvlayout.transfer.nixl.direct import Descriptors, descriptors
-from kvlayout.transfer.nixl.peer_staging import StageNotifs, stage, stage_notif, unstage
+from kvlayout.transfer.nixl.peer_staging import (
+    PeerCopy,
+    StageNotifs,
+    prepare_stage,
+    prepare_unstage,
+    stage,
+    stage_notif,
+    unstage,
+)
 from kvlayout.transfer.nixl.plans import (
     DEFAULT_COST,
     CostModel,
@@ -84,6 +92,7 @@ __all__ = [
     "NixlMap",
     "NixlTimeoutError",
     "Op",
+    "PeerCopy",
     "PeerStaging",
     "Plan",
     "Prepped",
@@ -104,6 +113,8 @@ __all__ = [
     "make_agent",
     "plan",
     "prep_lists",
+    "prepare_stage",
+    "prepare_unstage",
     "register",
     "stage",
     "stage_notif",

@@ -1,11 +1,13 @@
 """The peer's half of a peer-staged request: the gather before a READ (:func:`stage`),
-the scatter after a WRITE (:func:`unstage`), each optionally paced stage by stage by
-NIXL notifications (:func:`stage_notif`, :class:`StageNotifs`)."""
+the scatter after a WRITE (:func:`unstage`), either planned ahead of the request's bytes
+(:func:`prepare_stage`, :func:`prepare_unstage`: a :class:`PeerCopy`) and either paced
+stage by stage by NIXL notifications (:func:`stage_notif`, :class:`StageNotifs`)."""
 
 from __future__ import annotations
 
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from kvlayout.transfer import TransferError
@@ -34,16 +36,6 @@ class StageNotifs(NamedTuple):
     tag: bytes
 
 
-def _peer_plan(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> Plan:
-    """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
-    the poster's ``stages``), which must be ``op``; its copy checked."""
-    p = plan(block_map, strategy="staged", staging=staging, stages=stages)
-    if p.op != op:
-        raise TransferError(wrong_side)
-    p.check_copy()
-    return p
-
-
 def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str) -> None:
     """Wait for a local copy, driving NIXL meanwhile (an agent without a progress thread
     moves bytes only when called); :class:`NixlTimeoutError` past ``deadline``."""
@@ -53,6 +45,88 @@ def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str)
         agent.update_notifs()
         time.sleep(1e-4)
     fut.result()
+
+
+@dataclass(frozen=True)
+class PeerCopy:
+    """The peer's half of one peer-staged request, planned and checked ahead of its bytes
+    (:func:`prepare_stage`, :func:`prepare_unstage`): a connector makes it when it learns
+    of the request (decode when it allocates the blocks a WRITE will fill, prefill when it
+    is asked for a request a READ will take), so that only the copy is left for when the
+    bytes move. Its staging buffer is the request's until :meth:`run` returns."""
+
+    plan: Plan  # this side's staged plan: a gather (op WRITE) or a scatter (op READ)
+
+    @property
+    def stages(self) -> int:
+        return len(self.plan.stages)
+
+    def run(self, *, notifs: StageNotifs | None = None, num_threads: int = 1, timeout: float = 30.0) -> None:
+        """The gather (:func:`stage`) or the scatter (:func:`unstage`), paced by
+        ``notifs`` when given."""
+        if notifs is None:
+            self.plan.copy(num_threads)
+        elif self.plan.op == "WRITE":
+            self._gather(notifs, timeout)
+        else:
+            self._scatter(notifs, timeout)
+
+    def _gather(self, notifs: StageNotifs, timeout: float) -> None:
+        p, n, deadline = self.plan, self.stages, time.perf_counter() + timeout
+        gathers = [_copier().submit(p.copy_stage, i) for i in range(n)]
+        try:
+            for i, fut in enumerate(gathers):
+                _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
+                notifs.agent.send_notif(notifs.peer, stage_notif(notifs.tag, i, n))
+        finally:
+            _settle(gathers)
+
+    def _scatter(self, notifs: StageNotifs, timeout: float) -> None:
+        p, n, deadline = self.plan, self.stages, time.perf_counter() + timeout
+        waiting, scatters = list(range(n)), []
+        try:
+            while waiting:
+                landed = [i for i in waiting if notifs.agent.check_remote_xfer_done(
+                    notifs.peer, stage_notif(notifs.tag, i, n)
+                )]  # fmt: skip
+                for i in landed:
+                    scatters.append(_copier().submit(p.copy_stage, i))
+                    waiting.remove(i)
+                if waiting and time.perf_counter() > deadline:
+                    raise NixlTimeoutError(
+                        f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "
+                        f"{notifs.peer!r} had not landed after {timeout:g} s"
+                    )
+                if waiting and not landed:
+                    time.sleep(1e-4)
+            for fut in scatters:
+                _progress_until(
+                    fut, notifs.agent, deadline, f"a scatter of the peer-staged WRITE {notifs.tag!r}"
+                )
+        finally:
+            _settle(scatters)
+
+
+def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> PeerCopy:
+    """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
+    the poster's ``stages``), which must be ``op``; its copy checked."""
+    p = plan(block_map, strategy="staged", staging=staging, stages=stages)
+    if p.op != op:
+        raise TransferError(wrong_side)
+    p.check_copy()
+    return PeerCopy(p)
+
+
+def prepare_stage(block_map: NixlMap, staging: Staging, *, stages: int = 1) -> PeerCopy:
+    """:func:`stage`'s plan, made and checked now; :meth:`PeerCopy.run` gathers."""
+    wrong = "stage runs on the source side of the map (the side a peer-staged READ reads)"
+    return _prepare(block_map, staging, "WRITE", wrong, stages)
+
+
+def prepare_unstage(block_map: NixlMap, staging: Staging, *, stages: int = 1) -> PeerCopy:
+    """:func:`unstage`'s plan, made and checked now; :meth:`PeerCopy.run` scatters."""
+    wrong = "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
+    return _prepare(block_map, staging, "READ", wrong, stages)
 
 
 def stage(
@@ -74,20 +148,10 @@ def stage(
     With ``notifs`` each of ``stages`` (the poster's count) is announced to the poster
     once gathered (:func:`stage_notif`), so its READ of one stage overlaps the gather of
     the next (the poster passes ``peer_ready=notifs.tag``); the gathers then run on one
-    thread beside this one, which drives NIXL."""
-    wrong = "stage runs on the source side of the map (the side a peer-staged READ reads)"
-    p = _peer_plan(block_map, staging, "WRITE", wrong, stages)
-    if notifs is None:
-        p.copy(num_threads)
-        return
-    n, deadline = len(p.stages), time.perf_counter() + timeout
-    gathers = [_copier().submit(p.copy_stage, i) for i in range(n)]
-    try:
-        for i, fut in enumerate(gathers):
-            _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
-            notifs.agent.send_notif(notifs.peer, stage_notif(notifs.tag, i, n))
-    finally:
-        _settle(gathers)
+    thread beside this one, which drives NIXL. :func:`prepare_stage` plans it ahead."""
+    prepare_stage(block_map, staging, stages=stages).run(
+        notifs=notifs, num_threads=num_threads, timeout=timeout
+    )
 
 
 def unstage(
@@ -110,30 +174,8 @@ def unstage(
     its ``notif=notifs.tag``) is under way: each stage is scattered as soon as its
     notification (:func:`stage_notif`) arrives, on one thread beside this one, while this
     one waits for the next; :class:`NixlTimeoutError` if the request has not landed and
-    been scattered within ``timeout`` seconds."""
-    wrong = "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
-    p = _peer_plan(block_map, staging, "READ", wrong, stages)
-    if notifs is None:
-        p.copy(num_threads)
-        return
-    n, deadline = len(p.stages), time.perf_counter() + timeout
-    waiting, scatters = list(range(n)), []
-    try:
-        while waiting:
-            landed = [i for i in waiting if notifs.agent.check_remote_xfer_done(
-                notifs.peer, stage_notif(notifs.tag, i, n)
-            )]  # fmt: skip
-            for i in landed:
-                scatters.append(_copier().submit(p.copy_stage, i))
-                waiting.remove(i)
-            if waiting and time.perf_counter() > deadline:
-                raise NixlTimeoutError(
-                    f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "
-                    f"{notifs.peer!r} had not landed after {timeout:g} s"
-                )
-            if waiting and not landed:
-                time.sleep(1e-4)
-        for fut in scatters:
-            _progress_until(fut, notifs.agent, deadline, f"a scatter of the peer-staged WRITE {notifs.tag!r}")
-    finally:
-        _settle(scatters)
+    been scattered within ``timeout`` seconds. :func:`prepare_unstage` plans it ahead,
+    when the request is known (before its WRITE is posted)."""
+    prepare_unstage(block_map, staging, stages=stages).run(
+        notifs=notifs, num_threads=num_threads, timeout=timeout
+    )
