@@ -18,7 +18,10 @@ registers it with NIXL and answers its ``describe(shard=...).to_json()``: the ha
 of a P/D connector. :meth:`NixlPeer.cache_bytes` reads its tensors back.
 :meth:`NixlPeer.staging` gives it a registered staging buffer; :meth:`NixlPeer.unstage`
 scatters a peer-staged WRITE from it, :meth:`NixlPeer.stage` gathers a request into it
-for a peer-staged READ (the peer's halves of that strategy).
+for a peer-staged READ (the peer's halves of that strategy), either planned ahead with
+:meth:`NixlPeer.prepare` and run with :meth:`NixlPeer.run_prepared`, and either paced by
+NIXL notifications to the poster (:class:`Paced`; :meth:`NixlPeer.add_remote` loads the
+poster's metadata, so the peer can send them).
 """
 
 from __future__ import annotations
@@ -132,7 +135,7 @@ class Paced(NamedTuple):
     """A pipelined peer-staged request's pacing, for :meth:`NixlPeer.stage` and
     :meth:`NixlPeer.unstage`: its ``stages``, the poster's agent name, the request's
     tag; ``wait=False`` returns once the command is sent (:meth:`NixlPeer.answer` then
-    awaits it, named ``"stage"`` or ``"unstage"``)."""
+    awaits it, named ``"stage"``, ``"unstage"`` or ``"run_prepared"``)."""
 
     stages: int
     poster: str
@@ -495,11 +498,8 @@ def _serve() -> None:
                     "nbytes": staging.nbytes,
                     "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
                 }
-            elif cmd in (
-                "stage",
-                "unstage",
-                "prepare",
-            ):  # this cache: a stage's source, an unstage's destination
+            # This cache is a stage's source, an unstage's destination; prepare plans either.
+            elif cmd in ("stage", "unstage", "prepare"):
                 which = msg.get("which", cmd)
                 desc = RegistrationDescription.from_json(msg["description"])
                 here = "src" if which == "stage" else "dst"

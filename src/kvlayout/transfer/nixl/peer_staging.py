@@ -56,6 +56,10 @@ class PeerCopy:
     bytes move. Its staging buffer is the request's until :meth:`run` returns."""
 
     plan: Plan  # this side's staged plan: a gather (op WRITE) or a scatter (op READ)
+    # Held so that the memory the checked copies address outlives them: the staging
+    # buffer, and the map (which holds this side's registration).
+    staging: Staging
+    block_map: NixlMap
 
     @property
     def stages(self) -> int:
@@ -114,7 +118,7 @@ def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stag
     if p.op != op:
         raise TransferError(wrong_side)
     p.check_copy()
-    return PeerCopy(p)
+    return PeerCopy(p, staging, block_map)
 
 
 def prepare_stage(block_map: NixlMap, staging: Staging, *, stages: int = 1) -> PeerCopy:
