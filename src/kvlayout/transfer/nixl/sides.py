@@ -14,7 +14,7 @@ from kvlayout.registration.registration import KernelGroup, Registration
 from kvlayout.transfer import TransferError
 
 Agent = Any
-"""A ``nixl._api.nixl_agent`` (typed loosely: this module never imports NIXL)."""
+"""A ``nixl._api.nixl_agent`` (typed loosely: only :func:`make_agent` imports NIXL)."""
 
 Op = Literal["READ", "WRITE"]
 Strategy = Literal["auto", "direct", "staged", "peer-staged"]
@@ -47,7 +47,7 @@ class NixlTimeoutError(NixlError):
     __module__ = _PUBLIC
 
 
-# -- what this module reads from a map -----------------------------------------------------
+# -- what the NIXL layer reads of a map ----------------------------------------------------
 
 
 class MapSide(Protocol):
