@@ -580,10 +580,8 @@ def test_a_paced_peer_staged_request_cuts_its_stages_as_the_peer_does(
     plan copies as its stage ``i``; that is what each stage's notification vouches for."""
     import random
 
-    import torch
-
     from kvlayout import EngineKVFormat as F
-    from kvlayout.registration.registration import bind
+    from kvlayout.testing.nixl_peer import CacheSpec, build_cache
     from kvlayout.transfer import RegistrationDescription, Shard, block_map
 
     nhd, hnd = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS
@@ -593,10 +591,10 @@ def test_a_paced_peer_staged_request_cuts_its_stages_as_the_peer_does(
         "NHD -> HND": ((nhd, (0, 1)), (hnd, (0, 1))),
     }[pair]
 
-    def cache(fmt: F, tp: tuple[int, int]) -> tuple[Any, Shard]:
+    def cache(fmt: F, tp: tuple[int, int]) -> tuple[Any, Shard]:  # shapes from the layout algebra
         shard = Shard(tp[0], tp[1], 4)
-        dims = (2, 12, 8, len(shard.heads), 16) if fmt is nhd else (2, 12, len(shard.heads), 8, 16)
-        return bind([torch.zeros(dims, dtype=torch.bfloat16) for _ in range(3)], fmt), shard
+        spec = CacheSpec(fmt.name, 3, 12, 8, len(shard.heads), 16, shard=(tp[0], tp[1], 4))
+        return build_cache(spec)[0], shard
 
     (src, s_shard), (dst, d_shard) = cache(sf, s_tp), cache(df, d_tp)
     rng = random.Random(stages)

@@ -431,6 +431,7 @@ def _serve() -> None:
 
     from kvlayout.transfer import RegistrationDescription, block_map
     from kvlayout.transfer.nixl import Staging, make_agent, prepare_stage, prepare_unstage, register
+    from kvlayout.transfer.nixl.sides import _peer_name  # the agent name as a str
 
     agent: Any = None
     buffers: list[np.ndarray] = []
@@ -477,7 +478,7 @@ def _serve() -> None:
                 answer = {"notifs": [base64.b64encode(m).decode() for m in notifs()]}
                 agent.notifs = {}
             elif cmd == "remote":
-                answer = {"name": _text(agent.add_remote_agent(base64.b64decode(msg["metadata"])))}
+                answer = {"name": _peer_name(agent.add_remote_agent(base64.b64decode(msg["metadata"])))}
             elif cmd == "cache":
                 if cache is not None:
                     cache[2].deregister()
@@ -558,10 +559,6 @@ def _notifs(agent: Any, paced: dict[str, Any] | None) -> Any:
     from kvlayout.transfer.nixl import StageNotifs
 
     return None if paced is None else StageNotifs(agent, paced["poster"], paced["tag"].encode())
-
-
-def _text(name: str | bytes) -> str:
-    return name.decode() if isinstance(name, bytes) else name
 
 
 def _lines(fd: int, idle: Any) -> Any:
