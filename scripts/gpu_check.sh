@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# On a GPU machine (CUDA toolkit, CUDA torch, nanobind and scikit-build-core installed):
-# build kvlayout with its CUDA extension, run the transfer tests on the device (the block
-# transfer's kernels and the run executor, copy_runs, each against the CPU or numpy), and
-# print device bandwidth against a plain device-to-device copy of the same bytes.
+# On a GPU machine (CUDA toolkit, CUDA torch, nanobind, scikit-build-core and NIXL's
+# nixl-cu12 installed): build kvlayout with its CUDA extension, run the transfer tests on
+# the device (the block transfer's kernels and the run executor, copy_runs, each against
+# the CPU or numpy; NIXL requests staged in VRAM, against the offset oracle), and print
+# device bandwidth against a plain device-to-device copy of the same bytes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -14,6 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 # The device tests must run here, not skip: a skip on a GPU machine is a failure.
 log=$(mktemp)
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/transfer/test_transfer_cuda.py tests/transfer/test_copy_runs.py \
+  tests/transfer/test_nixl_device.py \
   2>&1 | tee "$log"
 if grep -q "SKIPPED" "$log"; then
   echo "gpu_check: a device test skipped on a GPU machine" >&2

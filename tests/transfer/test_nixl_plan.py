@@ -7,6 +7,7 @@ The real transfers between two processes are in ``test_nixl.py``."""
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import re
 import subprocess
 import sys
@@ -17,10 +18,12 @@ from typing import Any, Literal, cast
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
 from kvlayout import _native
+from kvlayout.errors import KVLayoutError
 from kvlayout.transfer import TransferError
 from kvlayout.transfer import nixl as nx
 from kvlayout.transfer.nixl import calibration, direct, plans, regions
@@ -222,15 +225,16 @@ def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() ->
 
 
 class _FakeStaging:
-    """The two attributes plan() reads from a Staging (no NIXL in this file)."""
+    """The attributes plan() reads from a Staging (no NIXL in this file)."""
 
-    def __init__(self, buf: np.ndarray) -> None:
+    def __init__(self, buf: np.ndarray, device: torch.device) -> None:
         self.address = buf.ctypes.data
         self.nbytes = buf.nbytes
+        self.device = device
 
 
-def staging_at(buf: np.ndarray) -> nx.Staging:
-    return cast(nx.Staging, _FakeStaging(buf))
+def staging_at(buf: np.ndarray, device: str = "cpu") -> nx.Staging:
+    return cast(nx.Staging, _FakeStaging(buf, torch.device(device)))
 
 
 def brute_force_stretches(remote: np.ndarray, lengths: np.ndarray, buffers: list[np.ndarray]) -> int:
@@ -287,6 +291,94 @@ def scattered_map(n: int, length: int) -> tuple[Map, np.ndarray]:
     pieces = [(0, 2 * i * length, 0, (n - 1 - i) * length, length) for i in range(n)]  # remote-consecutive
     m = Map(runs_between(local, remote, pieces), side_of(local, local=True), side_of(remote, local=False))
     return m, np.zeros(n * length, np.uint8)
+
+
+# What a device copy, or a staging buffer on a GPU, meets where there is none.
+NO_GPU = r"kvlayout\._cuda sees no CUDA device|kvlayout was built without its CUDA extension"
+
+
+def on_gpu(side: Side, index: int) -> Side:
+    """The same memory standing for a cache on cuda:``index`` (plans only read addresses)."""
+    return dataclasses.replace(side, device_type="cuda", device_index=index)
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_a_cache_on_a_gpu_stages_in_vram_on_that_gpu(op: str) -> None:
+    """A staged plan for a cache on cuda:1 copies on cuda:1 (the run executor), into or
+    out of a staging buffer there: its descriptors are VRAM of device 1 on both sides of
+    the copy. A staging buffer elsewhere (host memory, another GPU) is refused naming
+    both devices, whether staged is forced or only a candidate; so is a GPU buffer for a
+    host cache."""
+    m, buf = scattered_map(64, 256)  # 64 runs that are one stretch on the remote side
+    if op == "READ":
+        m = Map(m.runs[:, [1, 0, 2]], m.dst, m.src)
+    gpu = Map(m.runs, on_gpu(m.src, 1), m.dst) if op == "WRITE" else Map(m.runs, m.src, on_gpu(m.dst, 1))
+    p = nx.plan(gpu, strategy="staged", staging=staging_at(buf, "cuda:1"))
+    assert (p.op, p.strategy, p.num_descriptors) == (op, "staged", 1)
+    assert (p.copy_device, p.local_mem, p.remote_mem) == (torch.device("cuda", 1), "VRAM", "DRAM")
+    assert p.local.tolist() == [[buf.ctypes.data, buf.nbytes, 1]]
+    assert nx.plan(gpu, staging=staging_at(buf, "cuda:1")).strategy == "staged"  # auto, as on the host
+    for where in ("cpu", "cuda:0"):
+        for strategy in ("auto", "staged"):
+            with pytest.raises(
+                TransferError,
+                match=re.escape(
+                    f"the staged strategy copies within one device: the local side is on cuda:1 and the "
+                    f"staging buffer on {where}; give it a Staging(agent, nbytes, device='cuda:1')"
+                ),
+            ):
+                nx.plan(gpu, strategy=strategy, staging=staging_at(buf, where))
+    with pytest.raises(TransferError, match="the local side is on cpu and the staging buffer on cuda:0"):
+        nx.plan(m, staging=staging_at(buf, "cuda:0"))
+    assert nx.plan(gpu, strategy="direct", staging=staging_at(buf, "cpu")).strategy == "direct"  # unused
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without a GPU refuses the device copy")
+def test_a_gpu_copy_where_there_is_no_gpu_is_refused_and_copies_nothing() -> None:
+    m, buf = scattered_map(64, 256)
+    gpu = dataclasses.replace(m, src=on_gpu(m.src, 0))
+    p = nx.plan(gpu, strategy="staged", staging=staging_at(buf, "cuda:0"))
+    sentinel = np.arange(buf.nbytes, dtype=np.uint64).astype(np.uint8)
+    buf[:] = sentinel
+    with pytest.raises(KVLayoutError, match=NO_GPU):
+        p.copy()
+    with pytest.raises(KVLayoutError, match=NO_GPU):
+        p.copy_stage(0)
+    assert np.array_equal(buf, sentinel)
+
+
+def test_a_staging_buffer_goes_in_host_memory_or_on_a_gpu_the_extension_reaches() -> None:
+    with pytest.raises(
+        TransferError, match="a staging buffer goes in host memory \\(cpu\\) or on a CUDA device, not on meta"
+    ):
+        nx.Staging(cast(nx.Agent, None), 1 << 10, device="meta")
+    if not torch.cuda.is_available():
+        with pytest.raises(KVLayoutError, match=NO_GPU):
+            nx.Staging(cast(nx.Agent, None), 1 << 10, device="cuda")
+
+
+def test_a_peer_staging_buffer_on_a_gpu_is_posted_as_vram_of_its_device() -> None:
+    n, length = 64, 256  # consecutive here, scattered on the peer (as TP 2 -> 1 in NHD)
+    local, remote = [np.zeros(n * length, np.uint8)], [np.zeros(2 * n * length, np.uint8)]
+    pieces = [(0, i * length, 0, 2 * i * length, length) for i in range(n)]
+    m = Map(runs_between(local, remote, pieces), side_of(local, local=True), side_of(remote, local=False))
+    there = nx.PeerStaging(0x7F0000000000, n * length, "cuda", 3)
+    p = nx.plan(m, strategy="peer-staged", peer_staging=there)
+    assert (p.local_mem, p.remote_mem) == ("DRAM", "VRAM")
+    assert p.remote.tolist() == [[there.address, n * length, 3]]
+    address, nbytes, index = np.uint64(there.address), np.uint64(there.nbytes), np.int64(3)
+    as_numpy = nx.PeerStaging(address, nbytes, "cuda", index)  # type: ignore[arg-type]  # from a handshake
+    assert np.array_equal(nx.plan(m, strategy="peer-staged", peer_staging=as_numpy).remote, p.remote)
+    for bad, why in (
+        (
+            there._replace(device_type="xpu"),
+            "PeerStaging.device_type must be 'cpu' or 'cuda' (NIXL's DRAM or VRAM), got 'xpu'",
+        ),
+        (there._replace(device_index=-1), "PeerStaging.device_index must be an int in [0, 2**64), got -1"),
+        (there._replace(nbytes=True), "PeerStaging.nbytes must be an int in [0, 2**64), got True"),
+    ):
+        with pytest.raises(TransferError, match=re.escape(why)):
+            nx.plan(m, strategy="peer-staged", peer_staging=bad)
 
 
 def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long_ones() -> None:
@@ -555,16 +647,16 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
     each term, so a map of many short runs is not priced at its runs' bytes twice."""
     cost: dict[str, float] = {}
 
-    def fake_copy(runs: np.ndarray, lo: np.ndarray, hi: np.ndarray, **_: object) -> None:
+    def fake_copy(runs: np.ndarray, lo: np.ndarray, hi: np.ndarray, *_: object) -> None:
         cost["s"] = 200e-6 + len(runs) * 5e-9 + int(runs[:, 2].sum()) / 5e9
 
     def fake_timed(fn: Callable[[], None]) -> float:
         fn()
         return cost["s"]
 
-    monkeypatch.setattr(calibration, "copy_byte_runs", fake_copy)
+    monkeypatch.setattr(calibration, "_copy", fake_copy)
     monkeypatch.setattr(calibration, "_timed", fake_timed)
-    per_run, bandwidth = calibration._calibrate_copy(1024, 2048, 1)
+    per_run, bandwidth = calibration._calibrate_copy(1024, 2048, 1, torch.device("cpu"))
     assert per_run == pytest.approx(5e-9, rel=1e-6)
     assert bandwidth == pytest.approx(5e9, rel=1e-6)
 

@@ -97,9 +97,10 @@ def cache_sizes(spec: CacheSpec) -> dict[str, int]:
     return sizes_by_role(layout_of(EngineKVFormat[spec.format]), by_role)
 
 
-def build_cache(spec: CacheSpec) -> tuple[Any, list[Any]]:
-    """The bound registration of ``spec`` and its leaves (in pointer order), each leaf's
-    bytes :func:`contents` of ``(spec.seed, leaf index)``: two processes build twins."""
+def build_cache(spec: CacheSpec, device: str = "cpu") -> tuple[Any, list[Any]]:
+    """The bound registration of ``spec`` and its leaves (in pointer order) on ``device``,
+    each leaf's bytes :func:`contents` of ``(spec.seed, leaf index)``: two processes (or
+    the host and a GPU) build twins."""
     import torch
 
     from kvlayout import EngineKVFormat, layout_of
@@ -112,7 +113,7 @@ def build_cache(spec: CacheSpec) -> tuple[Any, list[Any]]:
     dtype = getattr(torch, spec.dtype)
     nbytes = int(np.prod(shape)) * dtype.itemsize
     leaves = [
-        torch.from_numpy(contents(spec.seed, i, nbytes)).view(dtype).view(shape)
+        torch.from_numpy(contents(spec.seed, i, nbytes)).view(dtype).view(shape).to(device)
         for i in range(len(layout.pointer_order(sizes)))
     ]
     return bind(_nest(layout.list_shape(sizes), leaves), fmt), leaves

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.copies import copy_byte_runs
+from kvlayout.transfer.nixl.copies import _copy, _staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
 from kvlayout.transfer.nixl.plans import CostModel
 from kvlayout.transfer.nixl.regions import _intervals, _refuse_unregistered, register
@@ -50,11 +50,13 @@ def calibrate(
     count: int = 2048,
     repeats: int = 3,
     timeout: float = 30.0,
+    copy_device: str | torch.device = "cpu",
 ) -> CostModel:
     """A :class:`CostModel` measured on the live pair with ``op`` transfers between a
     scratch buffer registered for the call and the peer's largest described tensor: one
     small descriptor, ``count`` small ones and one of ``nbytes``, the fastest of
-    ``repeats`` each; then the local copy (:func:`_calibrate_copy`).
+    ``repeats`` each; then the local copy (:func:`_calibrate_copy`) on ``copy_device``,
+    where this side's staging buffer is (a GPU's, for a cache there).
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
     posts) overwrites its first bytes: only for a tensor that is scratch to the peer.
@@ -70,6 +72,7 @@ def calibrate(
     nbytes = min(nbytes, span)
     count = max(2, min(count, span // (2 * small)))
     rmem, dev = _mem_type(remote, "remote"), remote.device_index
+    copy_on = _staging_device(copy_device)
     spaced = np.arange(count, dtype=_U64) * np.uint64(2 * small)  # gaps: nothing merges
     theirs = {
         "one": np.array([[base, small, dev]], _U64),
@@ -90,7 +93,7 @@ def calibrate(
             )
             for name in ("one", "many", "big")
         }
-    per_run, copy_bandwidth = _calibrate_copy(small, count, repeats)
+    per_run, copy_bandwidth = _calibrate_copy(small, count, repeats, copy_on)
     return CostModel(
         per_descriptor_s=max((t["many"] - t["one"]) / (count - 1), 1e-9),
         bandwidth=nbytes / max(t["big"] - t["one"], 1e-9),
@@ -105,21 +108,23 @@ def calibrate(
 _COPY_CALIBRATION_BYTES = 32 << 20
 
 
-def _calibrate_copy(small: int, count: int, repeats: int) -> tuple[float, float]:
-    """Seconds a run and bytes a second of :func:`copy_byte_runs`: one run, ``count`` runs
-    of ``small`` bytes and one of ``_COPY_CALIBRATION_BYTES``, host to host, the fastest of
-    ``repeats`` each. The one-run copy's time is the call's own (checks, dispatch), taken
-    out of both; the runs' bytes are the bandwidth's (counted per run, they priced a run at
-    0.3-0.6 us on the 2-core loopback, where 520,000 runs of 256 B copy in about 35 ms)."""
+def _calibrate_copy(small: int, count: int, repeats: int, device: torch.device) -> tuple[float, float]:
+    """Seconds a run and bytes a second of the staged strategy's copy on ``device`` (the
+    block-map engine on the host, the run executor on a GPU, each call until its bytes
+    are there): one run, ``count`` runs of ``small`` bytes and one of
+    ``_COPY_CALIBRATION_BYTES``, the fastest of ``repeats`` each. The one-run copy's time
+    is the call's own (checks, dispatch), taken out of both; the runs' bytes are the
+    bandwidth's (counted per run, they priced a run at 0.3-0.6 us on the 2-core loopback,
+    where 520,000 runs of 256 B copy in about 35 ms)."""
     half = max(_COPY_CALIBRATION_BYTES, 2 * small * count)
-    scratch = torch.zeros(2 * half, dtype=torch.uint8)  # zeros: its pages are touched
+    scratch = torch.zeros(2 * half, dtype=torch.uint8, device=device)  # zeros: its pages are touched
     addr = scratch.data_ptr()
     spaced = addr + np.arange(count, dtype=_U64) * np.uint64(2 * small)  # gaps: nothing merges
     runs = np.stack([spaced, spaced + np.uint64(half), np.full(count, small, _U64)], axis=1)
     copies = {"one": runs[:1], "many": runs, "big": np.array([[addr, addr + half, half]], _U64)}
     lo, hi = np.array([[addr, half]], _U64), np.array([[addr + half, half]], _U64)
     c = {
-        name: min(_timed(lambda r=r: copy_byte_runs(r, lo, hi)) for _ in range(repeats))
+        name: min(_timed(lambda r=r: _copy(r, lo, hi, 1, True, device)) for _ in range(repeats))
         for name, r in copies.items()
     }
     bandwidth = (half - small) / max(c["big"] - c["one"], 1e-9)

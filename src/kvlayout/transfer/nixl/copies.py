@@ -1,5 +1,6 @@
-"""The staged strategies' local copy (gather or scatter on the block-map engine), the
-staging buffer it fills or empties, and the thread pipelines copy on."""
+"""The staged strategies' local copy (gather or scatter: on the block-map engine in host
+memory, on the device's run executor in GPU memory), the staging buffer it fills or
+empties, and the thread pipelines copy on."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from kvlayout import _native
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.regions import _intervals, register
 from kvlayout.transfer.nixl.sides import _U64, Agent, RefusedDescriptorError
+
+_HOST = torch.device("cpu")
 
 # -- the local copy of the staged strategy ----------------------------------------------------
 
@@ -64,28 +67,61 @@ def copy_byte_runs(
 
 
 def _copy(
-    runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray, num_threads: int, validate: bool
+    runs: np.ndarray,
+    from_spans: np.ndarray,
+    to_spans: np.ndarray,
+    num_threads: int,
+    validate: bool,
+    device: torch.device = _HOST,
+    stream: torch.cuda.Stream | None = None,
 ) -> None:
+    """The copies, on ``device``: host memory on the block-map engine; GPU memory on the
+    device's run executor, on ``stream`` (the current one when None), returning once the
+    bytes are there (the staging buffer is then posted, or the request reported done)."""
     runs = np.ascontiguousarray(runs, dtype=_U64)
-    a, b = _exact_spans(from_spans), _exact_spans(to_spans)
-    problem, run, _, _ = _native.copy_runs(runs, a, b, num_threads, validate=validate)
-    _refuse_copy(runs, problem, run)
+    if device.type == "cpu":
+        a, b = _exact_spans(from_spans), _exact_spans(to_spans)
+        problem, run, _, _ = _native.copy_runs(runs, a, b, num_threads, validate=validate)
+        _refuse_copy(runs, problem, run)
+        return
+    if validate:  # the executor reads and writes where it is told: checked here first
+        _check_copies(runs, from_spans, to_spans)
+    from kvlayout.transfer.cuda import _cuda_module, copy_runs  # kvlayout._cuda, only for a device copy
+
+    _cuda_module(device)  # no CUDA extension or no device: an error before anything is copied
+    on = stream if stream is not None else torch.cuda.current_stream(device)
+    with torch.cuda.device(device), torch.cuda.stream(on):
+        copy_runs(runs, device)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        done.record()
+    done.synchronize()  # the GIL is released while it waits
+
+
+def _copy_stream(device: torch.device) -> torch.cuda.Stream | None:
+    """The stream a device copy runs on: the calling thread's current stream on
+    ``device``, taken when the request starts, so the gather follows the kernels the
+    caller queued before (those that wrote the KV). None for host copies."""
+    if device.type == "cpu":
+        return None
+    from kvlayout.transfer.cuda import _cuda_module
+
+    _cuda_module(device)
+    return torch.cuda.current_stream(device)
 
 
 class Staging:
-    """A registered host buffer the staged strategy gathers a request into (or, for a
-    READ, receives it into). One transfer uses it at a time."""
+    """A registered buffer the staged strategy gathers a request into (or, for a READ,
+    receives it into), on the device of the cache it serves: host memory (DRAM) for a
+    CPU cache, GPU memory (VRAM, ``device="cuda:N"``) for a cache on that GPU, where the
+    gather and scatter run on the device (:func:`kvlayout.transfer.cuda.copy_runs`). One
+    transfer uses it at a time."""
 
     def __init__(self, agent: Agent, nbytes: int, *, device: str | torch.device = "cpu") -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise TypeError(f"nbytes must be a positive int, got {nbytes!r}")
-        dev = torch.device(device)
-        if dev.type != "cpu":
-            raise TransferError(
-                f"staging on {dev} needs a device copy of byte runs (the block-map executor's); "
-                "this module stages in host memory only"
-            )
+        dev = _staging_device(device)
         self.agent = agent
+        self.device = dev
         self.tensor = torch.empty(nbytes, dtype=torch.uint8, device=dev)
         self.address = self.tensor.data_ptr()
         self.nbytes = nbytes
@@ -93,7 +129,8 @@ class Staging:
         self.busy = False
 
     def __repr__(self) -> str:
-        return f"Staging({self.nbytes} bytes at {self.address:#x}{', busy' if self.busy else ''})"
+        where = "" if self.device.type == "cpu" else f" on {self.device}"
+        return f"Staging({self.nbytes} bytes at {self.address:#x}{where}{', busy' if self.busy else ''})"
 
     @property
     def span(self) -> np.ndarray:
@@ -107,6 +144,20 @@ class Staging:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _staging_device(device: str | torch.device) -> torch.device:
+    """Where a staging buffer goes: the CPU, or a CUDA device the extension can copy on
+    (its index made explicit, as a cache's device is)."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return _HOST
+    if dev.type != "cuda":
+        raise TransferError(f"a staging buffer goes in host memory (cpu) or on a CUDA device, not on {dev}")
+    from kvlayout.transfer.cuda import _cuda_module  # refuses a build or machine without CUDA
+
+    _cuda_module(dev)
+    return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
 _copier_lock = threading.Lock()

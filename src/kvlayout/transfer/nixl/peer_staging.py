@@ -10,8 +10,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import NamedTuple
 
+import torch
+
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.copies import Staging, _copier, _settle
+from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.plans import Plan, plan
 from kvlayout.transfer.nixl.sides import Agent, NixlMap, NixlTimeoutError, Op
 
@@ -67,17 +69,18 @@ class PeerCopy:
 
     def run(self, *, notifs: StageNotifs | None = None, num_threads: int = 1, timeout: float = 30.0) -> None:
         """The gather (:func:`stage`) or the scatter (:func:`unstage`), paced by
-        ``notifs`` when given."""
+        ``notifs`` when given; on a GPU, on the calling thread's current stream."""
+        stream = _copy_stream(self.plan.copy_device)
         if notifs is None:
-            self.plan.copy(num_threads)
+            self.plan.copy(num_threads, stream)
         elif self.plan.op == "WRITE":
-            self._gather(notifs, timeout)
+            self._gather(notifs, timeout, stream)
         else:
-            self._scatter(notifs, timeout)
+            self._scatter(notifs, timeout, stream)
 
-    def _gather(self, notifs: StageNotifs, timeout: float) -> None:
+    def _gather(self, notifs: StageNotifs, timeout: float, stream: torch.cuda.Stream | None) -> None:
         p, n, deadline = self.plan, self.stages, time.perf_counter() + timeout
-        gathers = [_copier().submit(p.copy_stage, i) for i in range(n)]
+        gathers = [_copier().submit(p.copy_stage, i, stream) for i in range(n)]
         try:
             for i, fut in enumerate(gathers):
                 _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
@@ -85,7 +88,7 @@ class PeerCopy:
         finally:
             _settle(gathers)
 
-    def _scatter(self, notifs: StageNotifs, timeout: float) -> None:
+    def _scatter(self, notifs: StageNotifs, timeout: float, stream: torch.cuda.Stream | None) -> None:
         p, n, deadline = self.plan, self.stages, time.perf_counter() + timeout
         waiting, scatters = list(range(n)), []
         try:
@@ -94,7 +97,7 @@ class PeerCopy:
                     notifs.peer, stage_notif(notifs.tag, i, n)
                 )]  # fmt: skip
                 for i in landed:
-                    scatters.append(_copier().submit(p.copy_stage, i))
+                    scatters.append(_copier().submit(p.copy_stage, i, stream))
                     waiting.remove(i)
                 if waiting and time.perf_counter() > deadline:
                     raise NixlTimeoutError(

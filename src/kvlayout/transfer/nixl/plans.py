@@ -8,14 +8,15 @@ from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, cast
 
 import numpy as np
+import torch
 
 from kvlayout import _native
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.block_maps import BlockMap
-from kvlayout.transfer.nixl.copies import Staging, _check_copies, _copy
+from kvlayout.transfer.nixl.copies import _HOST, Staging, _check_copies, _copy
 from kvlayout.transfer.nixl.direct import _direct_rows, _mem_type, _rows, _Sides, _sides
 from kvlayout.transfer.nixl.regions import _intervals
-from kvlayout.transfer.nixl.sides import _U64, MapSide, NixlMap, Op, Strategy
+from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op, Strategy
 
 # -- cost model ----------------------------------------------------------------------------
 
@@ -88,7 +89,8 @@ def _stages(first: np.ndarray, stretch_bytes: np.ndarray, num_runs: int, stages:
 class Plan:
     """What one request posts: the strategy, op, descriptors on each side (``(N, 3)``
     uint64), the local copy (gather before a WRITE, scatter after a READ; None for
-    direct), and the predicted seconds of each strategy considered."""
+    direct) and the device it runs on, and the predicted seconds of each strategy
+    considered."""
 
     strategy: Literal["direct", "staged", "peer-staged"]
     op: Op
@@ -102,6 +104,7 @@ class Plan:
     predicted_s: dict[str, float] = field(default_factory=dict)
     copy_spans: tuple[np.ndarray, np.ndarray] | None = None  # (K, 2) memory copies read, write
     stages: tuple[Stage, ...] = ()  # a staged plan's pipeline, in order; () for direct
+    copy_device: torch.device = _HOST  # where the local copy runs: the staging buffer's device
     # check_copy passed: the copies (read-only) are not checked again when they run.
     _copy_checked: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -113,11 +116,13 @@ class Plan:
     def num_descriptors(self) -> int:
         return len(self.local)
 
-    def copy_stage(self, stage: int) -> None:
-        """The local copy of one stage (its gather or scatter), on the block-map engine."""
+    def copy_stage(self, stage: int, stream: torch.cuda.Stream | None = None) -> None:
+        """The local copy of one stage (its gather or scatter), on the block-map engine
+        (host memory) or the device's run executor (on ``stream``, the current one when
+        None), returning once its bytes are there."""
         assert self.copies is not None and self.copy_spans is not None
         lo, hi = self.stages[stage].runs
-        _copy(self.copies[lo:hi], *self.copy_spans, 1, validate=not self._copy_checked)
+        _copy(self.copies[lo:hi], *self.copy_spans, 1, not self._copy_checked, self.copy_device, stream)
 
     def check_copy(self) -> None:
         """Refuse a staged plan whose local copy leaves its memory (before any byte moves)."""
@@ -126,12 +131,15 @@ class Plan:
             _check_copies(self.copies, *self.copy_spans)
             object.__setattr__(self, "_copy_checked", True)
 
-    def copy(self, num_threads: int = 1) -> None:
+    def copy(self, num_threads: int = 1, stream: torch.cuda.Stream | None = None) -> None:
         """Run the local copy of a staged plan (the gather before a WRITE, the scatter
-        after a READ) on the block-map engine; nothing for a direct plan."""
+        after a READ) where its staging buffer is: on the block-map engine, or on the
+        device's run executor (on ``stream``, the current one when None); returns once
+        the bytes are there. Nothing for a direct plan."""
         if self.copies is not None:
             assert self.copy_spans is not None
-            _copy(self.copies, *self.copy_spans, num_threads, validate=not self._copy_checked)
+            checked = self._copy_checked
+            _copy(self.copies, *self.copy_spans, num_threads, not checked, self.copy_device, stream)
 
 
 class _Stretches(NamedTuple):
@@ -182,13 +190,16 @@ def _stretch_count(block_map: NixlMap | None, runs: np.ndarray, col: int, side: 
 
 class PeerStaging(NamedTuple):
     """A staging buffer the peer registered with NIXL and told this side of at the
-    handshake (its address and bytes): where a peer-staged WRITE lands, for the peer to
-    scatter with :func:`unstage`, or where a peer-staged READ reads what the peer
+    handshake (its address and bytes, and its device: ``"cpu"``, or ``"cuda"`` with the
+    device id the peer registered it under): where a peer-staged WRITE lands, for the
+    peer to scatter with :func:`unstage`, or where a peer-staged READ reads what the peer
     gathered with :func:`stage`. Passing it for a READ says the peer has staged this
     request there (``"auto"`` may then read it)."""
 
     address: int
     nbytes: int
+    device_type: str = "cpu"
+    device_index: int = 0
 
 
 def plan(
@@ -229,10 +240,14 @@ def plan(
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     model = cost or DEFAULT_COST
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
+    if staging is not None and strategy in ("auto", "staged"):
+        _check_staging_device(staging, s.local)
     fits = staging is not None and staging.nbytes >= num_bytes
     if strategy == "staged" and not fits:
         have = "no staging buffer" if staging is None else f"a staging buffer of {staging.nbytes} bytes"
         raise TransferError(f"the staged strategy needs a staging buffer of {num_bytes} bytes; got {have}")
+    if peer_staging is not None:
+        _check_peer_staging(peer_staging)
     peer_fits = peer_staging is not None and peer_staging.nbytes >= num_bytes
     if strategy == "peer-staged" and not peer_fits:
         have = "no peer staging buffer" if peer_staging is None else f"one of {peer_staging.nbytes} bytes"
@@ -248,8 +263,6 @@ def plan(
     }
     if strategy in ("auto", "staged") and fits:
         assert staging is not None
-        if local_mem != "DRAM":
-            raise TransferError("the staged strategy stages host memory; the local side is VRAM")
         builders["staged"] = _staged(s, staging, model, stages, predicted, final=strategy == "staged")
     if strategy in ("auto", "peer-staged") and peer_fits:
         assert peer_staging is not None
@@ -257,6 +270,29 @@ def plan(
     rank = {k: (predicted[k], _scatters(k, s.op)) for k in builders}
     choice = strategy if strategy != "auto" else min(builders, key=rank.__getitem__)
     return builders[choice]()
+
+
+def _check_staging_device(staging: Staging, local: MapSide) -> None:
+    """A staging buffer is on the local side's device: the staged copy moves bytes within
+    one device (the block-map engine in host memory, the run executor on a GPU)."""
+    want = _HOST if local.device_type == "cpu" else torch.device(local.device_type, local.device_index)
+    if staging.device != want:
+        raise TransferError(
+            f"the staged strategy copies within one device: the local side is on {want} and the staging "
+            f"buffer on {staging.device}; give it a Staging(agent, nbytes, device={str(want)!r})"
+        )
+
+
+def _check_peer_staging(peer: PeerStaging) -> None:
+    """A peer staging buffer is described in range: its device a NIXL memory type."""
+    for name in ("address", "nbytes", "device_index"):
+        value = getattr(peer, name)
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 1 << 64:
+            raise TransferError(f"PeerStaging.{name} must be an int in [0, 2**64), got {value!r}")
+    if peer.device_type not in _MEM_TYPES:
+        raise TransferError(
+            f"PeerStaging.device_type must be 'cpu' or 'cuda' (NIXL's DRAM or VRAM), got {peer.device_type!r}"
+        )
 
 
 def _scatters(strategy: str, op: Op) -> bool:
@@ -300,6 +336,7 @@ def _staged(
             "staged", s.op, _rows(done.staged, done.nbytes, s.local.device_index),
             _rows(done.addr, done.nbytes, s.remote.device_index), local_mem, remote_mem, done.copies,
             num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held), pipeline,
+            staging.device,
         )  # fmt: skip
 
     return build
@@ -326,8 +363,8 @@ def _peer_staged(
         st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
         return Plan(
             "peer-staged", s.op, _rows(st.addr, st.nbytes, s.local.device_index),
-            _rows(st.staged, st.nbytes, s.remote.device_index), _mem_type(s.local, "local"),
-            "DRAM", None, num_runs, num_bytes, predicted, None,
+            _rows(st.staged, st.nbytes, peer_staging.device_index), _mem_type(s.local, "local"),
+            _MEM_TYPES[peer_staging.device_type], None, num_runs, num_bytes, predicted, None,
             _stages(st.first, st.nbytes, num_runs, stages),
         )  # fmt: skip
 

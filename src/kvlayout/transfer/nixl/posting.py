@@ -7,7 +7,7 @@ from concurrent.futures import Future
 from typing import Any, NamedTuple
 
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.copies import Staging, _copier, _settle
+from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _sides
 from kvlayout.transfer.nixl.peer_staging import stage_notif
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
@@ -42,10 +42,11 @@ class Transfer:
     background thread and each stage is posted (by :meth:`done`, on the polling thread)
     once its gather is done; a READ posts every stage at once and scatters each as it
     lands. ``notif`` then goes to the peer (``send_notif``) once every stage has landed,
-    so it still means "the whole request is there". A peer-staged plan's stages are the
-    peer's: a WRITE posts them all at once, each landing with its own
-    :func:`stage_notif`; a READ with ``ready`` posts stage ``i`` once the peer has sent
-    ``stage_notif(ready, i, stages)``."""
+    so it still means "the whole request is there". A copy on a GPU runs on the stream
+    that was current where the request was posted, after what was queued on it before. A
+    peer-staged plan's stages are the peer's: a WRITE posts them all at once, each
+    landing with its own :func:`stage_notif`; a READ with ``ready`` posts stage ``i``
+    once the peer has sent ``stage_notif(ready, i, stages)``."""
 
     def __init__(
         self,
@@ -68,6 +69,7 @@ class Transfer:
         self._posted = 0
         self._landed = [False] * len(handles)
         self._copies: list[Future[None]] = []  # a WRITE's gathers, a READ's scatters (a pipeline)
+        self._stream = _copy_stream(plan.copy_device)  # the poster's, for a copy on a GPU
         self._count = 0
         self._result: TransferResult | None = None
 
@@ -116,10 +118,10 @@ class Transfer:
         p = self.plan
         if self._gathers:
             pool = _copier()
-            self._copies = [pool.submit(p.copy_stage, i) for i in range(len(self.handles))]
+            self._copies = [pool.submit(p.copy_stage, i, self._stream) for i in range(len(self.handles))]
             self._copied(0, wait=True)
         elif p.op == "WRITE":
-            p.copy()  # gather into staging (none peer-staged): validated, nothing posted yet
+            p.copy(stream=self._stream)  # the gather (none peer-staged): validated, nothing posted yet
         self._post_ready()
 
     def _post_ready(self) -> None:
@@ -170,9 +172,9 @@ class Transfer:
                 self._count += hi - lo
             if self.plan.op == "READ" and self.plan.copies is not None:
                 if self._pipelined:
-                    self._copies.append(_copier().submit(self.plan.copy_stage, i))
+                    self._copies.append(_copier().submit(self.plan.copy_stage, i, self._stream))
                 else:
-                    self.plan.copy()  # the scatter out of staging (checked before posting)
+                    self.plan.copy(stream=self._stream)  # the scatter out of staging (checked before posting)
 
     def done(self) -> bool:
         """True once the transfer is complete (a READ's scatter done); raises
