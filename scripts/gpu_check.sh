@@ -12,6 +12,13 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader ||
 "$PY" -m pip install -q --no-build-isolation --no-deps -e . \
   -Ccmake.define.KVLAYOUT_CUDA=ON -Ccmake.define.CMAKE_CUDA_ARCHITECTURES=native
 "$PY" -c "import kvlayout._cuda as c; print('kvlayout._cuda sees', c.device_count(), 'device(s)')"
+# NIXL, where the machine has none and cannot download it: wheels carried in .whl/ (made
+# where pip can reach PyPI: pip download --no-deps --only-binary=:all: --python-version 3.12
+# --platform manylinux_2_28_x86_64 nixl-cu13==1.5.1 -d .whl, cu12 for a CUDA 12 torch).
+has_nixl='import importlib.util as u, sys; sys.exit(not (u.find_spec("nixl_cu12") or u.find_spec("nixl_cu13")))'
+if ! "$PY" -c "$has_nixl" && compgen -G ".whl/nixl*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-deps .whl/nixl*.whl
+fi
 # The device tests must run here, not skip: a skip on a GPU machine is a failure.
 log=$(mktemp)
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/transfer/test_transfer_cuda.py tests/transfer/test_copy_runs.py \

@@ -718,3 +718,32 @@ def test_a_paced_peer_staged_request_cuts_its_stages_as_the_peer_does(
         copies = theirs.copies[stage.runs[0] : stage.runs[1]]
         assert int(copies[:, 2].sum()) == end - start
         assert copies[:, staged_col].min() >= start and (copies[:, staged_col] + copies[:, 2]).max() <= end
+
+
+def test_make_agent_takes_whichever_nixl_build_is_there(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``nixl`` (the meta package), else ``nixl_cu12``, else ``nixl_cu13`` (a CUDA 13 torch's);
+    none of them: an ImportError that says what to install."""
+    import types
+
+    made: list[tuple[str, object]] = []
+
+    def agent(name: str, config: object) -> str:
+        made.append((name, config))
+        return "agent"
+
+    cu13 = types.ModuleType("nixl_cu13._api")
+    cu13.nixl_agent_config = lambda **kw: kw  # type: ignore[attr-defined]
+    cu13.nixl_agent = agent  # type: ignore[attr-defined]
+    for name in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api"):
+        monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
+    monkeypatch.setitem(sys.modules, "nixl_cu13", types.ModuleType("nixl_cu13"))
+    monkeypatch.setitem(sys.modules, "nixl_cu13._api", cu13)
+    assert nx.make_agent("cu13-agent", progress_thread=False) == "agent"
+    assert made == [
+        ("cu13-agent", {"enable_prog_thread": False, "backends": ["UCX"], "capture_telemetry": True})
+    ]
+    monkeypatch.setitem(sys.modules, "nixl_cu13._api", None)
+    with pytest.raises(
+        ImportError, match=r"NIXL is not installed: pip install 'kvlayout\[nixl\]'.*nixl-cu13"
+    ):
+        nx.make_agent("none")

@@ -158,11 +158,14 @@ def make_agent(
     except ImportError:
         try:  # kvlayout[nixl] alone: the CUDA 12 build, without the `nixl` meta package
             from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError as exc:
-            raise ImportError(
-                "NIXL is not installed: pip install 'kvlayout[nixl]' (and pip install --no-deps nixl==1.5.1 "
-                "for `import nixl`)"
-            ) from exc
+        except ImportError:
+            try:  # the CUDA 13 build, for a CUDA 13 torch
+                from nixl_cu13._api import nixl_agent, nixl_agent_config
+            except ImportError as exc:
+                raise ImportError(
+                    "NIXL is not installed: pip install 'kvlayout[nixl]' (and pip install --no-deps "
+                    "nixl==1.5.1 for `import nixl`; nixl-cu13 instead for a CUDA 13 torch)"
+                ) from exc
     config = nixl_agent_config(
         enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
     )
