@@ -102,8 +102,9 @@ bench-transfer: build
 	$(PY) benchmarks/bench_transfer.py $(BENCH_ARGS)
 
 # Two processes over loopback NIXL: a few seconds of transfers per scenario.
+# BENCH_ARGS="--device cuda --tls ''" puts the caches and staging buffers on a GPU.
 bench-pd: build
-	$(PY) benchmarks/bench_pd.py
+	$(PY) benchmarks/bench_pd.py $(BENCH_ARGS)
 bench-maps: build
 	$(PY) benchmarks/bench_maps.py
 

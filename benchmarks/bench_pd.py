@@ -34,6 +34,9 @@ same bytes, each row posted by this process:
     token); else one per layer, K/V and run of consecutive pages (the runs); NHD pools of
     one block size only;
   - the limit: one contiguous descriptor of the same bytes (plain buffers on both sides).
+``--device cuda`` puts both caches and every staging buffer on the GPU (the gathers and
+scatters then run there; the limit is one descriptor between the two staging buffers),
+for a machine that has one (with ``--tls ''``, so UCX takes its GPU transports).
 Each row is the best of ``--repeats`` (and the spread), from ``transfer()`` to done (the
 gather or scatter included); ratios are the baseline's time over ours (>1: ours is
 faster). Sampled runs of the chosen transfer are checked byte-exactly. ``make bench-pd``.
@@ -43,7 +46,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import logging
 import os
 import sys
@@ -53,9 +55,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvlayout import EngineKVFormat as F
-from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, Paced, build_cache
+from kvlayout.testing.nixl_peer import BufferSide, CacheSpec, NixlPeer, Paced, build_cache
 from kvlayout.transfer import BlockMap, RegistrationDescription, block_map
 from kvlayout.transfer import nixl as nx
 from kvlayout.transfer.block_maps import Side
@@ -224,12 +227,13 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
     args = c.args
     s_spec, d_spec = src.spec(args.tokens, args.spare_blocks, 3), dst.spec(args.tokens, args.spare_blocks, 4)
     local_spec, remote_spec = (s_spec, d_spec) if op == "WRITE" else (d_spec, s_spec)
-    text = c.peer.cache(remote_spec)  # the handshake: the peer's description (and its NIXL metadata)
-    c.peer_staging = c.peer.staging(c.staging.nbytes)
+    device = c.args.device
+    text = c.peer.cache(remote_spec, device)  # the handshake: the peer's description (and its NIXL metadata)
+    c.peer_staging = c.peer.staging(c.staging.nbytes, device)
     c.agent.remove_remote_agent(c.name)
     c.agent.add_remote_agent(c.peer.metadata)
     desc = RegistrationDescription.from_json(text)
-    local, _ = build_cache(local_spec)
+    local, leaves = build_cache(local_spec, device)
     rng = np.random.default_rng(7)
 
     def ids(s: CacheSpec) -> list[int]:
@@ -315,14 +319,15 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
                 None if rows_of is None
                 else Row(f"{name}-style list", *send(Map(rows_of, m.src, m.dst), strategy="direct"))
             )  # fmt: skip
-        mine, theirs = (nx.local_side(c.staging.tensor), c.peer.side())
-        one = np.array([[c.staging.address, c.peer.address(0), m.num_bytes]], U64)
+        at, theirs = plain_buffer(c)
+        mine = nx.local_side(c.staging.tensor)
+        one = np.array([[c.staging.address, at, m.num_bytes]], U64)
         limit = Map(one, mine, theirs) if op == "WRITE" else Map(one[:, [1, 0, 2]], theirs, mine)
         baselines["limit"] = Row("one descriptor (limit)", *send(limit, strategy="direct"))
         rows = [*ours, *(b for b in baselines.values() if b is not None)]
         measure(rows, args.repeats)
         ours[-1].go()
-        check(c.peer, m, op)
+        check(c.peer, m, op, leaves)
     print(
         f"  {'':32} {'descriptors':>11} {'best s':>8} {'spread':>13}"
         + "".join(f" {'vs ' + k:>10}" for k in baselines)
@@ -336,15 +341,46 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
             print(f"  {name}-style list: n/a ({why[name]})")
 
 
-def check(peer: NixlPeer, m: BlockMap, op: str) -> None:
+def plain_buffer(c: Context) -> tuple[int, Any]:
+    """The peer's memory the limit row moves one descriptor to or from, and its side: its
+    first plain buffer (host memory), or on a GPU its staging buffer there."""
+    if c.args.device == "cpu":
+        return c.peer.address(0), c.peer.side()
+    ps = c.peer_staging
+    return ps.address, BufferSide(np.array([[ps.address, ps.nbytes]], U64), ps.device_type, ps.device_index)
+
+
+def bytes_at(leaves: list[torch.Tensor], address: int, n: int) -> bytes:
+    """``n`` bytes of this process's cache at ``address`` (a host copy where it is on a GPU)."""
+    for t in leaves:
+        raw = t.view(-1).view(torch.uint8)
+        if t.data_ptr() <= address and address + n <= t.data_ptr() + raw.numel():
+            off = address - t.data_ptr()
+            return bytes(raw[off : off + n].cpu().numpy())
+    sys.exit(f"{address:#x} (+{n}) is outside this process's cache")
+
+
+def check(peer: NixlPeer, m: BlockMap, op: str, leaves: list[torch.Tensor]) -> None:
     """Sampled runs of the last kvlayout transfer landed byte-exactly (on the peer for a
     WRITE, here for a READ)."""
     rng = np.random.default_rng(0)
     for i in rng.choice(m.num_runs, size=min(16, m.num_runs), replace=False):
         s, d, n = (int(x) for x in m.runs[i])
         there, here = (d, s) if op == "WRITE" else (s, d)
-        if peer.cache_read_at(there, n).tobytes() != ctypes.string_at(here, n):
+        if peer.cache_read_at(there, n).tobytes() != bytes_at(leaves, here, n):
             sys.exit(f"run {i} did not arrive byte-exactly")
+
+
+def calibrated(agent: nx.Agent, name: str, peer: NixlPeer, op: nx.Op, device: str) -> nx.CostModel:
+    """The cost model of ``op`` on this pair, measured against the peer's plain buffers, or
+    on a GPU against a staging buffer it makes there (the copy measured where it runs)."""
+    if device == "cpu":
+        return nx.calibrate(agent, name, peer.side(), op=op, nbytes=16 << 20)
+    ps = peer.staging(16 << 20, device)
+    agent.remove_remote_agent(name)
+    agent.add_remote_agent(peer.metadata)
+    side = BufferSide(np.array([[ps.address, ps.nbytes]], U64), ps.device_type, ps.device_index)
+    return nx.calibrate(agent, name, side, op=op, nbytes=16 << 20, copy_device=device)
 
 
 @contextlib.contextmanager
@@ -371,6 +407,8 @@ def main() -> None:
     who = "who posts: the prefill side (WRITE), the decode side (READ), or each in turn"
     parser.add_argument("--op", choices=("WRITE", "READ", "both"), default="both", help=who)
     parser.add_argument("--tls", default="tcp", help="UCX_TLS for both processes ('' lets UCX choose)")
+    where = "where the caches and staging buffers live: cpu, or cuda (with --tls '' for UCX's GPU transports)"
+    parser.add_argument("--device", default="cpu", help=where)
     args = parser.parse_args()
     import nixl._api  # configures NIXL's logger, which says INFO on stdout otherwise
 
@@ -384,10 +422,10 @@ def main() -> None:
         with environment(env):  # UCX reads it when the agent's context starts
             agent = nx.make_agent("bench-prefill", progress_thread=False)
         name = agent.add_remote_agent(peer.metadata).decode()
-        with nx.Staging(agent, most) as staging:
+        with nx.Staging(agent, most, device=args.device) as staging:
             costs = {}
             for op in ("WRITE", "READ"):
-                cost = costs[op] = nx.calibrate(agent, name, peer.side(), op=op, nbytes=16 << 20)
+                cost = costs[op] = calibrated(agent, name, peer, op, args.device)
                 nixl = f"{cost.per_descriptor_s * 1e6:.1f} us a descriptor, {cost.bandwidth / 1e9:.2f} GB/s"
                 gather = f"{cost.copy_per_run_s * 1e6:.3f} us a run, {cost.copy_bandwidth / 1e9:.1f} GB/s"
                 print(

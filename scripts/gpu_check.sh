@@ -30,3 +30,6 @@ if grep -q "SKIPPED" "$log"; then
 fi
 "$PY" -m pytest -q -p no:cacheprovider tests/transfer
 "$PY" benchmarks/bench_transfer_cuda.py
+# Prefill/decode with both caches on the GPU, staged in VRAM (the pairs that need a copy:
+# TP 2 -> 1), each row against one descriptor of the same bytes; UCX picks its transports.
+"$PY" benchmarks/bench_pd.py --device cuda --tls '' --only "TP 2->1" --repeats 3

@@ -258,12 +258,12 @@ class NixlPeer:
         self.call("fill", seed=seed)
         self.seed = seed
 
-    def cache(self, spec: CacheSpec) -> str:
-        """Build, register and describe ``spec`` in the peer (replacing its cache); the
-        description's JSON, as a connector's handshake carries it. The peer's NIXL
-        metadata changes with its registrations: :attr:`metadata` is the new one (load
-        it again with ``add_remote_agent``)."""
-        answer = self.call("cache", spec=spec.to_data())
+    def cache(self, spec: CacheSpec, device: str = "cpu") -> str:
+        """Build, register and describe ``spec`` in the peer on ``device`` (replacing its
+        cache); the description's JSON, as a connector's handshake carries it. The peer's
+        NIXL metadata changes with its registrations: :attr:`metadata` is the new one
+        (load it again with ``add_remote_agent``)."""
+        answer = self.call("cache", spec=spec.to_data(), device=device)
         self.metadata = base64.b64decode(answer["metadata"])
         text: str = answer["description"]
         return text
@@ -278,14 +278,16 @@ class NixlPeer:
         answer = self.call("cache_read_at", address=address, nbytes=nbytes)
         return np.frombuffer(base64.b64decode(answer["data"]), dtype=np.uint8)
 
-    def staging(self, nbytes: int) -> PeerStaging:
-        """Give the peer a registered staging buffer of ``nbytes`` (replacing any); its
-        :class:`~kvlayout.transfer.nixl.PeerStaging` (load :attr:`metadata` again)."""
+    def staging(self, nbytes: int, device: str = "cpu") -> PeerStaging:
+        """Give the peer a registered staging buffer of ``nbytes`` on ``device``
+        (replacing any); its :class:`~kvlayout.transfer.nixl.PeerStaging` (load
+        :attr:`metadata` again)."""
         from kvlayout.transfer.nixl import PeerStaging
 
-        answer = self.call("staging", nbytes=nbytes)
+        answer = self.call("staging", nbytes=nbytes, device=device)
         self.metadata = base64.b64decode(answer["metadata"])
-        return PeerStaging(int(answer["address"]), int(answer["nbytes"]))
+        where = answer["device"]
+        return PeerStaging(int(answer["address"]), int(answer["nbytes"]), where[0], int(where[1]))
 
     def unstage(
         self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
@@ -484,7 +486,7 @@ def _serve() -> None:
                 if cache is not None:
                     cache[2].deregister()
                 spec = CacheSpec.from_data(msg["spec"])
-                reg, leaves = build_cache(spec)
+                reg, leaves = build_cache(spec, msg.get("device", "cpu"))
                 cache = (spec, leaves, register(agent, reg), reg)
                 desc = reg.describe(shard=spec.the_shard, block_size=spec.block_size)
                 answer = {
@@ -494,10 +496,11 @@ def _serve() -> None:
             elif cmd == "staging":
                 if staging is not None:
                     staging.close()
-                staging = Staging(agent, msg["nbytes"])
+                staging = Staging(agent, msg["nbytes"], device=msg.get("device", "cpu"))
                 answer = {
                     "address": staging.address,
                     "nbytes": staging.nbytes,
+                    "device": [staging.device.type, staging.device.index or 0],
                     "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
                 }
             # This cache is a stage's source, an unstage's destination; prepare plans either.
@@ -524,24 +527,19 @@ def _serve() -> None:
                 copy.run(notifs=_notifs(agent, msg.get("paced")))
                 answer = {}
             elif cmd == "cache_read":
-                answer = {
-                    "leaves": [
-                        base64.b64encode(t.view(-1).view(torch.uint8).numpy()).decode() for t in cache[1]
-                    ]
-                }
+                answer = {"leaves": [base64.b64encode(_host_bytes(t).numpy()).decode() for t in cache[1]]}
             elif cmd == "cache_read_at":
                 at, n = msg["address"], msg["nbytes"]
                 inside = [t for t in cache[1] if t.data_ptr() <= at and at + n <= t.data_ptr() + t.nbytes]
                 if not inside:
                     raise ValueError(f"{at:#x} (+{n}) is outside every tensor of the cache")
-                raw = inside[0].view(-1).view(torch.uint8).numpy()
                 off = at - inside[0].data_ptr()
-                answer = {"data": base64.b64encode(raw[off : off + n].tobytes()).decode()}
+                raw = _host_bytes(inside[0].view(-1).view(torch.uint8)[off : off + n])
+                answer = {"data": base64.b64encode(raw.numpy().tobytes()).decode()}
             elif cmd == "cache_fill":
                 for i, t in enumerate(cache[1]):
-                    t.view(-1).view(torch.uint8).numpy()[:] = contents(
-                        cache[0].seed, i, t.numel() * t.element_size()
-                    )
+                    seeded = contents(cache[0].seed, i, t.numel() * t.element_size())
+                    t.view(-1).view(torch.uint8).copy_(torch.from_numpy(seeded))
                 answer = {}
             elif cmd == "stop":
                 out.write("{}\n")
@@ -553,6 +551,13 @@ def _serve() -> None:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(answer) + "\n")
         out.flush()
+
+
+def _host_bytes(t: Any) -> Any:
+    """A tensor's bytes as a flat uint8 tensor in host memory (copied from a GPU)."""
+    import torch
+
+    return t.view(-1).view(torch.uint8).cpu()
 
 
 def _notifs(agent: Any, paced: dict[str, Any] | None) -> Any:

@@ -15,16 +15,32 @@ from kvlayout.transfer.nixl.copies import _copy, _staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
 from kvlayout.transfer.nixl.plans import CostModel
 from kvlayout.transfer.nixl.regions import _intervals, _refuse_unregistered, register
-from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, NixlTimeoutError, Op, _peer_name
+from kvlayout.transfer.nixl.sides import (
+    _MEM_TYPES,
+    _U64,
+    Agent,
+    MapSide,
+    NixlError,
+    NixlTimeoutError,
+    Op,
+    _peer_name,
+)
 
 # -- calibration -------------------------------------------------------------------------------
 
 
 def _timed_xfer(
-    agent: Agent, op: Op, peer: str, local: np.ndarray, remote: np.ndarray, rmem: str, timeout: float
+    agent: Agent,
+    op: Op,
+    peer: str,
+    rows: tuple[np.ndarray, np.ndarray],
+    mems: tuple[str, str],
+    timeout: float,
 ) -> float:
+    """Seconds of one ``op`` of (local, remote) descriptor ``rows`` of memory types ``mems``."""
+    local, remote = rows
     handle = agent.initialize_xfer(
-        op, agent.get_xfer_descs(local, "DRAM"), agent.get_xfer_descs(remote, rmem), peer
+        op, agent.get_xfer_descs(local, mems[0]), agent.get_xfer_descs(remote, mems[1]), peer
     )
     start = time.perf_counter()
     state = agent.transfer(handle)
@@ -53,10 +69,10 @@ def calibrate(
     copy_device: str | torch.device = "cpu",
 ) -> CostModel:
     """A :class:`CostModel` measured on the live pair with ``op`` transfers between a
-    scratch buffer registered for the call and the peer's largest described tensor: one
-    small descriptor, ``count`` small ones and one of ``nbytes``, the fastest of
-    ``repeats`` each; then the local copy (:func:`_calibrate_copy`) on ``copy_device``,
-    where this side's staging buffer is (a GPU's, for a cache there).
+    scratch buffer registered for the call on ``copy_device`` and the peer's largest
+    described tensor: one small descriptor, ``count`` small ones and one of ``nbytes``,
+    the fastest of ``repeats`` each; then the local copy (:func:`_calibrate_copy`) there.
+    ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
     posts) overwrites its first bytes: only for a tensor that is scratch to the peer.
@@ -80,16 +96,18 @@ def calibrate(
         "big": np.array([[base, nbytes, dev]], _U64),
     }
     _refuse_unregistered(agent, peer, np.concatenate(list(theirs.values())), rmem, "calibration descriptor")
-    scratch = torch.empty(max(nbytes, 2 * small * count), dtype=torch.uint8)
-    addr = scratch.data_ptr()
+    scratch = torch.empty(max(nbytes, 2 * small * count), dtype=torch.uint8, device=copy_on)
+    addr, here = scratch.data_ptr(), copy_on.index or 0
     ours = {
-        name: rows - np.array([base, 0, dev], _U64) + np.array([addr, 0, 0], _U64)
+        name: rows - np.array([base, 0, dev], _U64) + np.array([addr, 0, here], _U64)
         for name, rows in theirs.items()
     }
+    mems = (_MEM_TYPES[copy_on.type], rmem)
     with register(agent, scratch):
         t = {
             name: min(
-                _timed_xfer(agent, op, peer, ours[name], theirs[name], rmem, timeout) for _ in range(repeats)
+                _timed_xfer(agent, op, peer, (ours[name], theirs[name]), mems, timeout)
+                for _ in range(repeats)
             )
             for name in ("one", "many", "big")
         }
