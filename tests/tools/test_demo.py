@@ -156,6 +156,6 @@ def test_the_pd_section_catches_a_wrong_transfer(monkeypatch: pytest.MonkeyPatch
     from kvlayout.tools.demo_pd import TITLE, run_pd_demo
     from kvlayout.transfer import nixl as nx
 
-    monkeypatch.setattr(nx.Plan, "copy", lambda self, num_threads=1: None)  # staging sent ungathered
+    monkeypatch.setattr(nx.Plan, "copy", lambda self, num_threads=1, stream=None: None)  # staging sent ungathered
     with pytest.raises(AssertionError, match=f"{TITLE}: the decode cache is not what the map copied locally"):
         run_pd_demo(lambda line: None)
