@@ -156,6 +156,9 @@ def test_the_pd_section_catches_a_wrong_transfer(monkeypatch: pytest.MonkeyPatch
     from kvlayout.tools.demo_pd import TITLE, run_pd_demo
     from kvlayout.transfer import nixl as nx
 
-    monkeypatch.setattr(nx.Plan, "copy", lambda self, num_threads=1, stream=None: None)  # staging sent ungathered
+    def ungathered(self: nx.Plan, num_threads: int = 1, stream: object = None) -> None:
+        """The staging buffer is sent as it is."""
+
+    monkeypatch.setattr(nx.Plan, "copy", ungathered)
     with pytest.raises(AssertionError, match=f"{TITLE}: the decode cache is not what the map copied locally"):
         run_pd_demo(lambda line: None)

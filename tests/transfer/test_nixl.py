@@ -184,6 +184,31 @@ def test_a_staging_buffer_in_use_leaves_auto_direct(pair: Pair) -> None:
     assert sorted(pair.peer.notifs(expect=2)) == [b"first", b"second"]
 
 
+def test_a_gather_that_fails_posts_nothing_and_frees_the_staging_buffer(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The local copy of a staged WRITE fails (a device error, say) after its NIXL request
+    was made: nothing is posted, the request is released and the staging buffer is free
+    for the next request."""
+    pair.peer.fill(pair.peer.seed)
+    runs = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
+    m = make_map(pair, "WRITE", runs)
+
+    def fails(self: nx.Plan, num_threads: int = 1, stream: object = None) -> None:
+        raise RuntimeError("the gather failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(nx.Plan, "copy", fails)
+        with pytest.raises(RuntimeError, match="the gather failed"):
+            nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging, notif=b"never")
+    assert not pair.staging.busy
+    nothing_arrived(pair)
+    done = nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging, notif=b"after")
+    assert done.wait(timeout=30).strategy == "staged" and not pair.staging.busy
+    assert pair.peer.notifs(expect=1) == [b"after"]
+    pair.peer.fill(pair.peer.seed)
+
+
 def nothing_arrived(p: Pair) -> None:
     """The peer's memory as it was and no notification: nothing was posted."""
     for b in (0, 1):

@@ -325,11 +325,20 @@ def transfer(
         if prepped is None:  # name the descriptor NIXL found outside the peer's registration
             _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")
         raise NixlError(f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}") from exc
-    xfer = Transfer(
-        agent, peer, p, handles, staging if p.copies is not None else None,
-        notif if len(parts) > 1 and not by_stage else b"", peer_ready,
-    )  # fmt: skip
+    try:
+        xfer = Transfer(
+            agent, peer, p, handles, staging if p.copies is not None else None,
+            notif if len(parts) > 1 and not by_stage else b"", peer_ready,
+        )  # fmt: skip
+    except BaseException:
+        for h in handles:
+            agent.release_xfer_handle(h)
+        raise
     if xfer.staging is not None:
         xfer.staging.busy = True
-    xfer.start()
+    try:
+        xfer.start()
+    except BaseException:  # a copy that failed before its stage was posted: nothing is left held
+        xfer._release()
+        raise
     return xfer
