@@ -209,6 +209,27 @@ def test_a_gather_that_fails_posts_nothing_and_frees_the_staging_buffer(
     pair.peer.fill(pair.peer.seed)
 
 
+def test_a_scatter_that_fails_raises_from_wait_and_frees_the_staging_buffer(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged READ landed but its scatter failed: ``wait`` raises it, the request is
+    released and the staging buffer is free; the same request then goes through."""
+    runs = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
+    m = make_map(pair, "READ", runs)
+
+    def fails(self: nx.Plan, num_threads: int = 1, stream: object = None) -> None:
+        raise RuntimeError("the scatter failed")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(nx.Plan, "copy", fails)
+        xfer = nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging)
+        with pytest.raises(RuntimeError, match="the scatter failed"):
+            xfer.wait(timeout=30)
+    assert not pair.staging.busy
+    again = nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging)
+    assert again.wait(timeout=30).strategy == "staged" and not pair.staging.busy
+
+
 def nothing_arrived(p: Pair) -> None:
     """The peer's memory as it was and no notification: nothing was posted."""
     for b in (0, 1):

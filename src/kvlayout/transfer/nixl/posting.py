@@ -72,6 +72,7 @@ class Transfer:
         self._stream = _copy_stream(plan.copy_device)  # the poster's, for a copy on a GPU
         self._count = 0
         self._result: TransferResult | None = None
+        self._released = False
 
     def __repr__(self) -> str:
         return f"Transfer({self._what()})"
@@ -181,7 +182,11 @@ class Transfer:
         :class:`NixlError` when NIXL reports ``"ERR"`` or an error."""
         if self._result is not None:
             return True
-        self._poll()
+        try:
+            self._poll()
+        except BaseException:  # NIXL's error, or a local copy's: nothing is left held
+            self._release()
+            raise
         if not all(self._landed):
             return False
         if not all(self._copied(i) for i in range(len(self._copies))):
@@ -210,7 +215,9 @@ class Transfer:
 
     def _release(self) -> bool:
         """Release the NIXL requests (cancelling the active ones) once no local copy is
-        running; False if NIXL refused one."""
+        running, once; False if NIXL refused one."""
+        if self._released:
+            return True
         _settle(self._copies)
         released = True
         for h in self.handles:
@@ -222,6 +229,7 @@ class Transfer:
                 released = False
         if released and self.staging is not None:
             self.staging.busy = False
+        self._released = released
         return released
 
 
