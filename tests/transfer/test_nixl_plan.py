@@ -330,6 +330,9 @@ def test_a_cache_on_a_gpu_stages_in_vram_on_that_gpu(op: str) -> None:
                 nx.plan(gpu, strategy=strategy, staging=staging_at(buf, where))
     with pytest.raises(TransferError, match="the local side is on cpu and the staging buffer on cuda:0"):
         nx.plan(m, staging=staging_at(buf, "cuda:0"))
+    with pytest.raises(TransferError, match="the local side is on cuda:1 and the staging buffer on cpu"):
+        here, there = (m.src, m.dst) if op == "WRITE" else (m.dst, m.src)
+        nx.prep_lists(cast(nx.Agent, None), "peer", on_gpu(here, 1), there, 256, staging=staging_at(buf))
     assert nx.plan(gpu, strategy="direct", staging=staging_at(buf, "cpu")).strategy == "direct"  # unused
 
 

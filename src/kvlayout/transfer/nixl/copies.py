@@ -14,7 +14,7 @@ import torch
 from kvlayout import _native
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.regions import _intervals, register
-from kvlayout.transfer.nixl.sides import _U64, Agent, RefusedDescriptorError
+from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, RefusedDescriptorError
 
 _HOST = torch.device("cpu")
 
@@ -158,6 +158,17 @@ def _staging_device(device: str | torch.device) -> torch.device:
 
     _cuda_module(dev)
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
+
+
+def _check_staging_device(staging: Staging, local: MapSide) -> None:
+    """A staging buffer is on the local side's device: the staged copy moves bytes within
+    one device (the block-map engine in host memory, the run executor on a GPU)."""
+    want = _HOST if local.device_type == "cpu" else torch.device(local.device_type, local.device_index)
+    if staging.device != want:
+        raise TransferError(
+            f"the staged strategy copies within one device: the local side is on {want} and the staging "
+            f"buffer on {staging.device}; give it a Staging(agent, nbytes, device={str(want)!r})"
+        )
 
 
 _copier_lock = threading.Lock()

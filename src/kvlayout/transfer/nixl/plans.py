@@ -13,7 +13,7 @@ import torch
 from kvlayout import _native
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.block_maps import BlockMap
-from kvlayout.transfer.nixl.copies import _HOST, Staging, _check_copies, _copy
+from kvlayout.transfer.nixl.copies import _HOST, Staging, _check_copies, _check_staging_device, _copy
 from kvlayout.transfer.nixl.direct import _direct_rows, _mem_type, _rows, _Sides, _sides
 from kvlayout.transfer.nixl.regions import _intervals
 from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op, Strategy
@@ -270,17 +270,6 @@ def plan(
     rank = {k: (predicted[k], _scatters(k, s.op)) for k in builders}
     choice = strategy if strategy != "auto" else min(builders, key=rank.__getitem__)
     return builders[choice]()
-
-
-def _check_staging_device(staging: Staging, local: MapSide) -> None:
-    """A staging buffer is on the local side's device: the staged copy moves bytes within
-    one device (the block-map engine in host memory, the run executor on a GPU)."""
-    want = _HOST if local.device_type == "cpu" else torch.device(local.device_type, local.device_index)
-    if staging.device != want:
-        raise TransferError(
-            f"the staged strategy copies within one device: the local side is on {want} and the staging "
-            f"buffer on {staging.device}; give it a Staging(agent, nbytes, device={str(want)!r})"
-        )
 
 
 def _check_peer_staging(peer: PeerStaging) -> None:

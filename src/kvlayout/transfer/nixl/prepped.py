@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.copies import Staging
+from kvlayout.transfer.nixl.copies import Staging, _check_staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
 from kvlayout.transfer.nixl.regions import _check_local, _intervals, _refuse_unregistered
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, RefusedDescriptorError, _peer_name
@@ -104,6 +104,8 @@ def prep_lists(
     if not local.is_local or remote.is_local:
         raise TransferError("prep_lists takes the local side first, then the peer's")
     local_mem, remote_mem = _mem_type(local, "local"), _mem_type(remote, "remote")
+    if staging is not None:
+        _check_staging_device(staging, local)
     held = local.tensor_spans if staging is None else np.concatenate([local.tensor_spans, staging.span])
     starts, ends = _intervals(held)
     _check_local(agent, starts, ends - starts, local_mem, local.device_index, "local stretch")
