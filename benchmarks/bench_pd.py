@@ -25,7 +25,10 @@ same bytes, each row posted by this process:
     (``prepare_unstage``, ``prepare_stage``), as a connector's peer does when the
     request's blocks are allocated; and in 8 stages, paced by NIXL notifications, its
     scatter (gather) of one stage overlapping another's wire;
-  - kvlayout chosen: what the cost model picks, calibrated on this pair first;
+  - kvlayout chosen: what the cost model picks, calibrated on this pair first; and the
+    same prepared ahead (``prepare_transfer`` before the row's time: the plan, the checks
+    and the NIXL requests made, as a poster that knows both sides' blocks before the KV is
+    written can), the row's time then ``start()`` and the wait;
   - vLLM-style: one descriptor per layer, K/V and block (the map's runs cut at both
     sides' block boundaries: per head slice under TP resharding); n/a where vLLM refuses
     the pair (TP resharding outside HND, a layout change, decode blocks not a multiple of
@@ -258,38 +261,60 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
 
     here_text = local.describe(shard=local_spec.the_shard, block_size=local_spec.block_size).to_json()
 
-    def send(mp: Any, **kw: Any) -> tuple[Callable[[], nx.TransferResult], Callable[[], None] | None]:
+    def send(
+        mp: Any, *, ahead: bool = False, **kw: Any
+    ) -> tuple[Callable[[], nx.TransferResult], Callable[[], None] | None]:
         """A row's run: the transfer, and the peer's copy where it is peer-staged, in the
         time (its gather before a READ, its scatter after a WRITE; in stages, paced by
         NIXL notifications, overlapping the wire); and what comes before it, untimed: the
         peer told of the request, which it plans (as a connector's peer does when the
-        request's blocks are allocated, before its bytes exist)."""
+        request's blocks are allocated, before its bytes exist), and with ``ahead`` this
+        side's request prepared (``prepare_transfer``: plan, checks, NIXL requests), as a
+        poster that knows both sides' blocks before the KV is written can; ``start()``
+        and the wait are then the row's time."""
         planned = nx.plan(mp, **{k: v for k, v in kw.items() if k not in ("prepped", "notif")})
-        if planned.strategy != "peer-staged":
-            return lambda: nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600), None
-        stages = len(planned.stages)
+        peer_staged = planned.strategy == "peer-staged"
+        stages = len(planned.stages) if peer_staged else 1
         half = "stage" if op == "READ" else "unstage"
+        state: dict[str, Any] = {}
+
+        def signal() -> dict[str, bytes]:  # a paced peer-staged request's tag
+            if "tag" not in state:
+                return {}
+            return {"peer_ready" if op == "READ" else "notif": state["tag"].encode()}
 
         def before() -> None:
-            c.peer.prepare(half, here_text, src_ids, dst_ids, stages=stages, **map_kw)
+            if peer_staged:
+                c.peer.prepare(half, here_text, src_ids, dst_ids, stages=stages, **map_kw)
+                if stages > 1:
+                    c.requests += 1
+                    state["tag"] = f"request {c.requests}"
+            if ahead:
+                state["xfer"] = nx.prepare_transfer(c.agent, c.name, mp, **kw, **signal())
+
+        def post() -> nx.Transfer:
+            if not ahead:
+                return nx.transfer(c.agent, c.name, mp, **kw, **signal())
+            xfer: nx.Transfer = state.pop("xfer")
+            xfer.start()
+            return xfer
 
         def run() -> nx.TransferResult:
+            if not peer_staged:
+                return post().wait(timeout=600)
             if stages == 1:
                 if op == "READ":
                     c.peer.run_prepared()  # the gather, then the READ
-                result = nx.transfer(c.agent, c.name, mp, **kw).wait(timeout=600)
+                result = post().wait(timeout=600)
                 if op == "WRITE":
                     c.peer.run_prepared()  # the scatter, once the WRITE landed
                 return result
-            c.requests += 1
-            tag = f"request {c.requests}"
-            c.peer.run_prepared(paced=Paced(stages, c.poster, tag, wait=False))
-            signal: dict[str, Any] = {"peer_ready" if op == "READ" else "notif": tag.encode()}
-            result = nx.transfer(c.agent, c.name, mp, **kw, **signal).wait(timeout=600)
+            c.peer.run_prepared(paced=Paced(stages, c.poster, state["tag"], wait=False))
+            result = post().wait(timeout=600)
             c.peer.answer("run_prepared")
             return result
 
-        return run, before
+        return run, (before if ahead or peer_staged else None)
 
     here, there = (m.src, m.dst) if op == "WRITE" else (m.dst, m.src)
     with nx.register(c.agent, local):
@@ -306,6 +331,8 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
                 *send(m, strategy="peer-staged", peer_staging=c.peer_staging, stages=8)),
             Row(f"kvlayout chosen: {chosen.strategy}{stages}",
                 *send(m, staging=c.staging, cost=cost, peer_staging=c.peer_staging)),
+            Row("kvlayout chosen, prepared ahead",
+                *send(m, ahead=True, staging=c.staging, cost=cost, peer_staging=c.peer_staging)),
         ]  # fmt: skip
         baselines: dict[str, Row | None] = {}
         why: dict[str, str] = {}

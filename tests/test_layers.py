@@ -314,8 +314,8 @@ PUBLIC_MODULES = {
         "NixlMap", "NixlTimeoutError", "PeerStaging", "Plan", "Prepped", "PreppedList",
         "RefusedDescriptorError", "Registered", "Stage", "StageNotifs", "Staging", "Transfer",
         "TransferResult", "calibrate", "copy_byte_runs", "descriptors", "estimate", "local_side",
-        "make_agent", "plan", "prep_lists", "register", "stage", "stage_notif", "transfer", "unstage",
-        "wait"
+        "make_agent", "plan", "prep_lists", "prepare_transfer", "register", "stage", "stage_notif", "transfer",
+        "unstage", "wait"
     ],
 }  # fmt: skip
 

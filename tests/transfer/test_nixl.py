@@ -230,6 +230,35 @@ def test_a_scatter_that_fails_raises_from_wait_and_frees_the_staging_buffer(
     assert again.wait(timeout=30).strategy == "staged" and not pair.staging.busy
 
 
+def test_a_request_prepared_ahead_posts_nothing_until_started(pair: Pair) -> None:
+    """prepare_transfer plans, checks and makes the NIXL requests; nothing moves and the
+    staging buffer is taken until start(), which posts exactly what transfer() would."""
+    pair.peer.fill(pair.peer.seed)
+    runs = [(0, k * SLOT, 0, 8 * SLOT + (k + k // 32) * UNIT, UNIT) for k in range(128)]  # 4 stretches there
+    m = make_map(pair, "WRITE", runs)
+    for t in pair.local:
+        t.copy_(torch.from_numpy(contents(7, 0, BUF)))
+    ahead = nx.prepare_transfer(pair.agent, pair.name, m, staging=pair.staging, notif=b"ahead", stages=2)
+    assert (ahead.plan.strategy, ahead.posted, len(ahead.handles)) == ("staged", 0, 2) and pair.staging.busy
+    with pytest.raises(TransferError, match=r"was prepared but not started: call start\(\) first"):
+        ahead.wait(timeout=1)
+    nothing_arrived(pair)
+    ahead.start()
+    assert ahead.wait(timeout=30).num_bytes == 128 * UNIT and not pair.staging.busy
+    assert pair.peer.notifs(expect=1) == [b"ahead"]
+    got = pair.peer.read(0)
+    for _, src_off, _, dst_off, n in runs:
+        assert np.array_equal(got[dst_off : dst_off + n], pair.local[0].numpy()[src_off : src_off + n])
+    with pytest.raises(TransferError, match="was started already"):
+        ahead.start()
+    never = nx.prepare_transfer(pair.agent, pair.name, m, staging=pair.staging, notif=b"never")
+    assert pair.staging.busy and never.release() and not pair.staging.busy
+    pair.peer.fill(pair.peer.seed)
+    nothing_arrived(pair)
+    for t in pair.local:
+        t.zero_()
+
+
 def nothing_arrived(p: Pair) -> None:
     """The peer's memory as it was and no notification: nothing was posted."""
     for b in (0, 1):

@@ -30,7 +30,8 @@ when the local side is the source, ``"READ"`` when it is the destination.
   (local ones inside regions registered on this agent, remote ones inside the peer's
   described tensors and, for the list form, inside what the peer registered with NIXL),
   then posts; :meth:`Transfer.wait` (or :func:`wait`) raises on NIXL's ``"ERR"`` or a
-  timeout.
+  timeout. :func:`prepare_transfer` does all but the posting ahead (the plan, the
+  checks, the NIXL requests), and :meth:`Transfer.start` posts.
 
 The modules import downward in that order: ``sides`` (what a map offers, the errors),
 ``regions``, ``direct``, ``copies``, ``plans``, ``peer_staging``, ``prepped``,
@@ -64,7 +65,7 @@ from kvlayout.transfer.nixl.plans import (
     estimate,
     plan,
 )
-from kvlayout.transfer.nixl.posting import Transfer, TransferResult, transfer, wait
+from kvlayout.transfer.nixl.posting import Transfer, TransferResult, prepare_transfer, transfer, wait
 from kvlayout.transfer.nixl.prepped import Prepped, PreppedList, prep_lists
 from kvlayout.transfer.nixl.regions import Registered, register
 from kvlayout.transfer.nixl.sides import (
@@ -114,6 +115,7 @@ __all__ = [
     "plan",
     "prep_lists",
     "prepare_stage",
+    "prepare_transfer",
     "prepare_unstage",
     "register",
     "stage",

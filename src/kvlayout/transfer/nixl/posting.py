@@ -1,4 +1,5 @@
-"""Posting a request and waiting for it: :func:`transfer`, :class:`Transfer`, :func:`wait`."""
+"""Posting a request and waiting for it: :func:`transfer` (or :func:`prepare_transfer`
+ahead, then :meth:`Transfer.start`), :class:`Transfer`, :func:`wait`."""
 
 from __future__ import annotations
 
@@ -65,11 +66,12 @@ class Transfer:
         self.staging = staging
         self.notif = notif  # sent after the last stage (a pipeline); b"" when NIXL sends it
         self.ready = ready  # a peer-staged READ's tag: stage i goes once the peer announced it
-        self.posted_at = time.perf_counter()
+        self.posted_at = 0.0  # when start() was called
+        self._started = False
         self._posted = 0
         self._landed = [False] * len(handles)
         self._copies: list[Future[None]] = []  # a WRITE's gathers, a READ's scatters (a pipeline)
-        self._stream = _copy_stream(plan.copy_device)  # the poster's, for a copy on a GPU
+        self._stream: Any = None  # the poster's current stream at start(), for a copy on a GPU
         self._count = 0
         self._result: TransferResult | None = None
         self._released = False
@@ -115,7 +117,14 @@ class Transfer:
         return self._pipelined and self.plan.op == "WRITE" and self.plan.copies is not None
 
     def start(self) -> None:
-        """Post the plan (:func:`transfer` calls it once; the handles are made)."""
+        """Post the request: gather it first where it is staged, then post what may go
+        (:func:`transfer` calls it; after :func:`prepare_transfer`, the caller does, once
+        the KV is written). Once only; a local copy on a GPU runs on the stream current
+        here."""
+        if self._started:
+            raise TransferError(f"{self._what()} was started already (a prepared request posts once)")
+        self._started, self.posted_at = True, time.perf_counter()
+        self._stream = _copy_stream(self.plan.copy_device)
         p = self.plan
         if self._gathers:
             pool = _copier()
@@ -182,6 +191,8 @@ class Transfer:
         :class:`NixlError` when NIXL reports ``"ERR"`` or an error."""
         if self._result is not None:
             return True
+        if not self._started:
+            raise TransferError(f"{self._what()} was prepared but not started: call start() first")
         try:
             self._poll()
         except BaseException:  # NIXL's error, or a local copy's: nothing is left held
@@ -212,6 +223,12 @@ class Transfer:
             time.sleep(1e-4)  # leave the cores to NIXL's progress thread
         assert self._result is not None
         return self._result
+
+    def release(self) -> bool:
+        """Let go of a request that will not be waited for: one prepared and never
+        started, or one given up on (NIXL is asked to cancel what is under way). Its NIXL
+        requests and staging buffer are freed; False if NIXL refused to release one."""
+        return self._release()
 
     def _release(self) -> bool:
         """Release the NIXL requests (cancelling the active ones) once no local copy is
@@ -254,6 +271,40 @@ def transfer(
 ) -> Transfer:
     """Post one request's map to ``peer`` (an agent name loaded with
     ``add_remote_agent``); ``notif`` reaches the peer when the bytes have landed.
+    :func:`prepare_transfer` followed by :meth:`Transfer.start`; see there."""
+    xfer = prepare_transfer(
+        agent, peer, block_map, notif=notif, strategy=strategy, staging=staging, prepped=prepped, cost=cost,
+        stages=stages, peer_staging=peer_staging, peer_ready=peer_ready,
+    )  # fmt: skip
+    try:
+        xfer.start()
+    except BaseException:  # a copy that failed before its stage was posted: nothing is left held
+        xfer._release()
+        raise
+    return xfer
+
+
+def prepare_transfer(
+    agent: Agent,
+    peer: str | bytes,
+    block_map: NixlMap,
+    *,
+    notif: bytes = b"",
+    strategy: Strategy = "auto",
+    staging: Staging | None = None,
+    prepped: Prepped | None = None,
+    cost: CostModel | None = None,
+    stages: int = 1,
+    peer_staging: PeerStaging | None = None,
+    peer_ready: bytes | None = None,
+) -> Transfer:
+    """Everything :func:`transfer` does before the first byte moves, done now: the plan,
+    every check, the NIXL requests made (``initialize_xfer``, ``make_prepped_xfer``) and
+    the staging buffer taken. A connector calls it when it knows both sides' blocks of a
+    request (before prefill's forward pass has written the KV, say), and
+    :meth:`Transfer.start` when the bytes are ready: the gather, if staged, and the posts
+    are then all that is left on the request's path. A prepared request that will not be
+    started is let go with :meth:`Transfer.release`.
 
     Every descriptor is checked before anything is posted: the local ones inside regions
     registered on ``agent`` (the staging buffer's included), the remote ones inside the
@@ -344,9 +395,4 @@ def transfer(
         raise
     if xfer.staging is not None:
         xfer.staging.busy = True
-    try:
-        xfer.start()
-    except BaseException:  # a copy that failed before its stage was posted: nothing is left held
-        xfer._release()
-        raise
     return xfer
