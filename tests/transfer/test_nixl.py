@@ -184,6 +184,19 @@ def test_a_staging_buffer_in_use_leaves_auto_direct(pair: Pair) -> None:
     assert sorted(pair.peer.notifs(expect=2)) == [b"first", b"second"]
 
 
+# 128 runs of one unit, one slot apart here and back to back there: a staged request.
+UNIT_RUNS = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
+
+
+def failing_copy(monkeypatch: pytest.MonkeyPatch, why: str) -> None:
+    """Every staged plan's local copy raises ``why`` (a device error, say)."""
+
+    def fails(self: nx.Plan, num_threads: int = 1, stream: object = None) -> None:
+        raise RuntimeError(why)
+
+    monkeypatch.setattr(nx.Plan, "copy", fails)
+
+
 def test_a_gather_that_fails_posts_nothing_and_frees_the_staging_buffer(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -191,14 +204,9 @@ def test_a_gather_that_fails_posts_nothing_and_frees_the_staging_buffer(
     was made: nothing is posted, the request is released and the staging buffer is free
     for the next request."""
     pair.peer.fill(pair.peer.seed)
-    runs = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
-    m = make_map(pair, "WRITE", runs)
-
-    def fails(self: nx.Plan, num_threads: int = 1, stream: object = None) -> None:
-        raise RuntimeError("the gather failed")
-
+    m = make_map(pair, "WRITE", UNIT_RUNS)
     with monkeypatch.context() as patched:
-        patched.setattr(nx.Plan, "copy", fails)
+        failing_copy(patched, "the gather failed")
         with pytest.raises(RuntimeError, match="the gather failed"):
             nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging, notif=b"never")
     assert not pair.staging.busy
@@ -214,14 +222,9 @@ def test_a_scatter_that_fails_raises_from_wait_and_frees_the_staging_buffer(
 ) -> None:
     """A staged READ landed but its scatter failed: ``wait`` raises it, the request is
     released and the staging buffer is free; the same request then goes through."""
-    runs = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
-    m = make_map(pair, "READ", runs)
-
-    def fails(self: nx.Plan, num_threads: int = 1, stream: object = None) -> None:
-        raise RuntimeError("the scatter failed")
-
+    m = make_map(pair, "READ", UNIT_RUNS)
     with monkeypatch.context() as patched:
-        patched.setattr(nx.Plan, "copy", fails)
+        failing_copy(patched, "the scatter failed")
         xfer = nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=pair.staging)
         with pytest.raises(RuntimeError, match="the scatter failed"):
             xfer.wait(timeout=30)
