@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kvlayout
 from kvlayout import DetectionError
 from kvlayout import EngineKVFormat as F
-from kvlayout.transfer import TransferError, prepare
+from kvlayout.transfer import BlockMapError, TransferError, block_map, prepare
+from kvlayout.transfer.block_maps import chunk_side
 
 HINTS = {"kv_layout": "NHD"}
 
@@ -240,3 +241,168 @@ print(all(torch.equal(a, b) for a, b in zip(before, kv)))
     *errors, unchanged = isolated(code)
     assert len(errors) == 2 and all(e.startswith(message) for e in errors), errors
     assert unchanged == "True"
+
+
+# -- block maps and NIXL requests after the engine re-allocated its cache ----------------------
+
+
+def test_a_block_map_copied_after_either_cache_was_reallocated_raises_instead_of_crashing() -> None:
+    """Each way an engine re-allocates a tensor in place, on either side, after the map was
+    built; and a chunk side's chunk freed: copy() raises and copies nothing (it used to
+    copy through the old addresses: SIGSEGV on memory the allocator had returned)."""
+    code = """
+        import gc, torch, kvlayout
+        from kvlayout.transfer import BlockMapError, block_map
+        from kvlayout.transfer.block_maps import chunk_side
+        def cache():  # 1 MiB layers: freed memory is unmapped, so a stale copy crashes
+            kv = [torch.randn(2, 64, 16, 2, 64) for _ in range(2)]
+            return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+        for side in ("src", "dst"):
+            for label, change in REALLOCATIONS.items():
+                (src_kv, src), (dst_kv, dst) = cache(), cache()
+                m = block_map(src, dst, [3, 9, 4], [7, 0, 60])
+                t = (src_kv if side == "src" else dst_kv)[1]
+                exec(change)
+                gc.collect()
+                try:
+                    m.copy()
+                    print(side, label, "| copied")
+                except BlockMapError as e:
+                    print(side, label, "|", e)
+        kv, reg = cache()
+        chunk = torch.zeros(2, 2, 64, 128)
+        m = block_map(reg, chunk_side(reg, chunk), list(range(4)), [0])
+        chunk.untyped_storage().resize_(0)
+        try:
+            m.copy()
+            print("chunk | copied")
+        except BlockMapError as e:
+            print("chunk |", e)
+    """
+    changes = {**REALLOCATIONS, "t.resize_(bigger)": "t.resize_(2, 80, 16, 2, 64)"}  # these layers' bigger
+    lines = isolated(f"REALLOCATIONS = {changes!r}\n" + textwrap.dedent(code))
+    assert len(lines) == 2 * len(REALLOCATIONS) + 1, lines
+    for line in lines[:-1]:
+        side, message = line.split(" ")[0], line.partition(" | ")[2]
+        assert re.search(rf"^the {side} side's (the storage of )?kv_caches\[1\] was re-allocated", message), (
+            line
+        )
+        assert "since the map's addresses were read" in message, line
+        assert message.endswith("detect the registration again and build a new map; nothing was copied"), line
+    assert lines[-1].startswith("chunk | the dst side's the chunk was re-allocated (data pointer 0x0"), lines[
+        -1
+    ]
+
+
+def test_a_block_map_of_a_cache_reallocated_after_detection_is_refused_when_built() -> None:
+    kv, other = cache(), cache()
+    reg, dst = (kvlayout.detect(c, "vllm", HINTS) for c in (kv, other))
+    kv[0].data = torch.randn(2, 8, 4, 2, 16)
+    with pytest.raises(
+        BlockMapError, match=r"^src: kv_caches\[0\] was re-allocated after detection .*detect the"
+    ):
+        block_map(reg, dst, [1], [2])
+
+
+def test_a_block_map_between_caches_that_did_not_move_copies_on_every_call() -> None:
+    kv, other = cache(3), [torch.zeros(2, 8, 4, 2, 16) for _ in range(3)]
+    reg, dst = (kvlayout.detect(c, "vllm", HINTS) for c in (kv, other))
+    for ids in ([0, 1], [5, 7]):
+        block_map(reg, dst, ids, ids).copy()
+    kv[2].mul_(2)  # writes in place change no address
+    block_map(reg, dst, [5], [6]).copy()
+    assert torch.equal(other[2][:, 6], kv[2][:, 5])
+
+
+@pytest.mark.parametrize("kind", list(BAD_CHUNKS))
+def test_a_chunk_side_with_no_memory_is_refused(kind: str) -> None:
+    make, message = BAD_CHUNKS[kind]
+    reg = kvlayout.detect(cache(), "vllm", HINTS)
+    shape = (2, 2, 8, 32)
+    numel = torch.Size(shape).numel()
+    scope: dict[str, Any] = {"torch": torch, "shape": shape, "numel": numel}
+    exec(make, scope)
+    with pytest.raises(BlockMapError, match="^" + re.escape(message.replace("chunks[0]", "the chunk"))):
+        chunk_side(reg, scope["bad"])
+
+
+def test_a_nixl_request_whose_local_cache_moved_is_refused_and_holds_nothing() -> None:
+    """The NIXL layer's own copies and posts, after the local cache was re-allocated
+    since its map was built: refused, nothing posted or copied, the staging buffer
+    free again (the staged copies used to crash on the freed memory, and a direct
+    request to read it). One process, its agent posting to itself."""
+    code = """
+        import torch, kvlayout
+        from kvlayout.transfer import RegistrationDescription, block_map
+        from kvlayout.transfer import nixl as nx
+        NAME = "kvl-moved"
+        agent = nx.make_agent(NAME, progress_thread=False)
+        def cache(fill):  # 4 MiB layers: freed memory is unmapped
+            kv = [torch.full((2, 64, 16, 8, 128), fill, dtype=torch.bfloat16) for _ in range(2)]
+            return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+        def described(reg):
+            return RegistrationDescription.from_json(reg.describe().to_json())
+        def free(kv):
+            kv[1].untyped_storage().resize_(0)
+        ids = list(range(16))
+        for case in ("transfer", "start", "copy", "peer copy", "descriptors"):
+            (src_kv, src), (dst_kv, dst) = cache(1.0), cache(0.0)
+            write = block_map(src, described(dst), ids, ids)  # posted where src is
+            read = block_map(described(src), dst, ids, ids)  # posted where dst is
+            with nx.register(agent, src), nx.register(agent, dst), nx.Staging(agent, 1 << 23) as here:
+                try:
+                    if case == "transfer":
+                        free(src_kv)
+                        nx.transfer(agent, NAME, write, strategy="direct").wait(10)
+                    elif case == "start":
+                        xfer = nx.prepare_transfer(agent, NAME, write, strategy="staged", staging=here)
+                        free(src_kv)
+                        xfer.start()
+                        xfer.wait(10)
+                    elif case == "copy":
+                        plan = nx.plan(read, strategy="staged", staging=here)
+                        free(dst_kv)
+                        plan.copy()
+                    elif case == "peer copy":
+                        copy = nx.prepare_unstage(read, here)
+                        free(dst_kv)
+                        copy.run()
+                    else:
+                        free(dst_kv)
+                        nx.descriptors(read)
+                    print(case, "| moved")
+                except nx.NixlError as e:
+                    print(case, "|", e, "| busy" if here.busy else "| free")
+    """
+    lines = [line for line in isolated(textwrap.dedent(code)) if " | " in line]
+    assert [line.partition(" | ")[0] for line in lines] == [
+        "transfer",
+        "start",
+        "copy",
+        "peer copy",
+        "descriptors",
+    ]
+    for line in lines:
+        case, message, staging = line.split(" | ")
+        assert message.startswith("the local side's kv_caches[1] was re-allocated (data pointer 0x0, was"), (
+            line
+        )
+        nothing = "copied" if case in ("copy", "peer copy") else "posted"
+        assert message.endswith(f"build a new map; nothing was {nothing}"), line
+        assert staging == "free", line
+
+
+def test_a_local_side_says_what_moved_since_it_read_the_addresses() -> None:
+    from kvlayout.transfer import nixl as nx
+
+    kv = cache(3)
+    reg = kvlayout.detect(kv, "vllm", HINTS)
+    of_registration, of_tensors = nx.local_side(reg), nx.local_side(list(kv))
+    assert of_registration.moved() is None and of_tensors.moved() is None
+    kv[2].data = torch.randn(2, 8, 4, 2, 16)
+    assert re.match(
+        r"kv_caches\[2\] was re-allocated \(data pointer 0x[0-9a-f]+, was", of_registration.moved() or ""
+    )
+    assert re.match(r"tensor 2 was re-allocated", of_tensors.moved() or "")
+    with pytest.raises(TransferError, match=r"^kv_caches\[2\] was re-allocated after detection .*detect the"):
+        nx.local_side(reg)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Hashable, Iterable, Sequence
-from typing import Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -44,6 +44,9 @@ from kvlayout.registration.backing import (
 from kvlayout.registration.contiguity import dim0_padding
 from kvlayout.registration.nesting import Path, describe_path
 
+if TYPE_CHECKING:
+    from kvlayout.registration.registration import KernelGroup
+
 __all__ = [
     "Placement",
     "Run",
@@ -51,6 +54,7 @@ __all__ = [
     "backed_pointers",
     "check_disjoint",
     "first_without_memory",
+    "group_placement",
     "is_fake",
     "memory_keys",
     "memory_problem",
@@ -316,3 +320,30 @@ def _how_views_differ(x: Run, y: Run, offset: int, x_name: str, y_name: str) -> 
         f"they share bytes but their views differ ({where}; {x_name}: {a}; {y_name}: {b}): layers may share "
         "a KV cache only as exact aliases (the same storage offset, shape, strides and dtype)"
     )
+
+
+def group_placement(group: KernelGroup) -> Placement | str:
+    """A kernel group's tensors (each once, where several layers share one) as a
+    :class:`Placement` that every later copy checks again; or, where a tensor is no longer
+    where detection read it or has lost its memory, what is wrong (``kv_caches[3] was
+    re-allocated after detection ...``). What reads the group's detected addresses (a
+    transfer plan, a block map's side) takes its Placement here."""
+    tensors: dict[int, torch.Tensor] = {}
+    names: list[str] = []
+    for plane in group.planes:
+        span = view_bytes(plane.leaves[0])
+        for t, ptr, path in zip(plane.leaves, plane.data_ptrs, plane.paths, strict=True):
+            if id(t) in tensors:
+                continue  # one tensor registered for several layers
+            name = describe_path(path, "kv_caches")
+            now = t.data_ptr()
+            problem = (
+                f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
+                if now != ptr
+                else memory_problem(t, ptr, span)
+            )
+            if problem is not None:
+                return f"{name} {problem}"
+            tensors[id(t)] = t
+            names.append(name)
+    return Placement(list(tensors.values()), names)

@@ -153,6 +153,9 @@ class BufferSide:
     device_index: int = 0
     is_local: bool = False
 
+    def moved(self) -> None:
+        return None  # a peer's memory: nothing here to move
+
 
 class NixlPeer:
     """A NIXL agent in a child process holding ``buffers`` (bytes each) of seeded bytes.

@@ -33,6 +33,7 @@ from kvlayout.errors import KVLayoutError, index_ranges
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.memory import Placement, group_placement, no_memory
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
 from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard, ShardError
@@ -175,6 +176,7 @@ class Side:
         device: tuple[str, int | None],
         shard: Shard | None,
         owner: Any,
+        placement: Placement | None = None,
     ) -> None:
         self.label, self.layout, self.data, self.layers = label, layout, data, layers
         self.kv, self.heads, self.has_heads = kv, heads, has_heads
@@ -183,6 +185,7 @@ class Side:
         self.addresses, self.spans = addresses, spans
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.shard, self.owner = device, shard, owner
+        self._placement = placement  # a live side's tensors, where its addresses were read
         self.row_bytes = int(pieces[-1, 0] + pieces[-1, 1])
         self._pairs: weakref.WeakKeyDictionary[Side, dict[object, _Pair]] = weakref.WeakKeyDictionary()
 
@@ -193,6 +196,13 @@ class Side:
     def live(self) -> bool:
         """The side holds its tensors (a registration or a chunk), so ``copy()`` may run."""
         return self.owner is not None
+
+    def moved(self) -> str | None:
+        """What of a live side's memory moved since its addresses were read (an engine
+        that re-allocated its cache in place: ``kv_caches[3] was re-allocated ...``), or
+        None; None for a description (a peer's addresses, nothing here to move). A copy
+        through the old addresses would write freed memory, so what copies asks first."""
+        return None if self._placement is None else self._placement.moved()
 
     # What a transfer engine reads of a side (kvlayout.transfer.nixl's MapSide).
 
@@ -229,7 +239,12 @@ def _data_kind(layout: Layout, kv: int, has_heads: bool) -> str:
 
 
 def side_of_group(
-    group: GroupDescription, device: tuple[str, int | None], shard: Shard | None, owner: Any, where: str
+    group: GroupDescription,
+    device: tuple[str, int | None],
+    shard: Shard | None,
+    owner: Any,
+    where: str,
+    placement: Placement | None = None,
 ) -> Side:
     layout = group.layout
     jobs = []
@@ -278,6 +293,7 @@ def side_of_group(
         device=device,
         shard=shard,
         owner=owner,
+        placement=placement,
     )
 
 
@@ -300,7 +316,12 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
     side = group.memo.get(key)
     if side is None:
         desc = describe_group(group, block_size=block_size)
-        side = side_of_group(desc.groups[0], (desc.device_type, desc.device_index), None, group, where)
+        # A meta registration has no memory to watch (copy() refuses its device).
+        placement = None if desc.device_type == "meta" else group_placement(group)
+        if isinstance(placement, str):
+            raise BlockMapError(f"{where}: {placement}; detect the registration again")
+        device = (desc.device_type, desc.device_index)
+        side = side_of_group(desc.groups[0], device, None, group, where, placement)
         group.memo[key] = side
     assert isinstance(side, Side)
     return side
@@ -352,6 +373,10 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
         )
     if str(chunk.dtype).removeprefix("torch.") != cache.piece_dtypes[0]:
         raise BlockMapError(f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}")
+    size = chunk.numel() * itemsize
+    problem = no_memory(chunk)  # fake, freed or shrunk: before anything reads its data pointer
+    if problem is not None:
+        raise BlockMapError(f"the chunk {problem}")
     tokens = int(chunk.shape[2])
     # A token's chunk row: each head's row in turn (K and V side by side where the cache
     # packs them), a head's row its pieces back to back (the planes, one head, for MLA).
@@ -361,7 +386,6 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
     slab = ((k // pair)[None, :] * nl + layer[:, None]) * tokens * row_bytes  # (NL, KV)
     offset = slab[:, :, None] + ((k % pair) * cache.row_bytes)[None, :, None] + piece_starts[None, None, :]
     strides = np.array([[0, row_bytes, cache.row_bytes * pair]] * len(piece_starts), dtype=np.int64)
-    size = chunk.numel() * itemsize
     return Side(
         label=f"chunk {list(chunk.shape)} {chunk.dtype}",
         layout=None,
@@ -382,6 +406,7 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
         device=(chunk.device.type, chunk.device.index),
         shard=cache.shard,
         owner=chunk,
+        placement=Placement([chunk], ["the chunk"]),
     )
 
 
@@ -711,6 +736,13 @@ class BlockMap:
                 raise BlockMapError(
                     f"the {where} side is a RegistrationDescription: its addresses are a peer's, so copy() "
                     "cannot run this map; send its runs through a transfer engine (NIXL) instead"
+                )
+            moved = side.moved()
+            if moved is not None:
+                raise BlockMapError(
+                    f"the {where} side's {moved} since the map's addresses were read; copy() would copy "
+                    "through the old ones: detect the registration again and build a new map; "
+                    "nothing was copied"
                 )
         if self.src.device != self.dst.device:
             raise BlockMapError(

@@ -34,8 +34,8 @@ from kvlayout.errors import TransferError
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import Placement, memory_problem, no_memory, run_of, view_bytes
-from kvlayout.registration.nesting import describe_path, not_strided
+from kvlayout.registration.memory import Placement, group_placement, memory_problem, no_memory, run_of
+from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.registration import KernelGroup, Plane, RegistrationError, bound
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
@@ -322,25 +322,10 @@ class TransferPlan:
 def _placement(group: KernelGroup) -> Placement:
     """The cache's tensors, checked to be where detection read them and to have their
     memory, as a :class:`~kvlayout.registration.memory.Placement` every call checks again."""
-    tensors: dict[int, torch.Tensor] = {}
-    names: list[str] = []
-    for plane in group.planes:
-        span = view_bytes(plane.leaves[0])
-        for t, ptr, path in zip(plane.leaves, plane.data_ptrs, plane.paths, strict=True):
-            if id(t) in tensors:
-                continue  # one tensor registered for several layers
-            name = describe_path(path, "kv_caches")
-            now = t.data_ptr()
-            problem = (
-                f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
-                if now != ptr
-                else memory_problem(t, ptr, span)
-            )
-            if problem is not None:
-                raise TransferError(f"{name} {problem}; detect the registration again")
-            tensors[id(t)] = t
-            names.append(name)
-    return Placement(list(tensors.values()), names)
+    placement = group_placement(group)
+    if isinstance(placement, str):
+        raise TransferError(f"{placement}; detect the registration again")
+    return placement
 
 
 def _jobs(group: KernelGroup, block_size: int | None) -> tuple[_Job, ...]:

@@ -8,7 +8,7 @@ import numpy as np
 
 from kvlayout import _native
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op
+from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op, _refuse_moved
 
 
 class Descriptors(NamedTuple):
@@ -85,6 +85,7 @@ def _sides(block_map: NixlMap) -> _Sides:
     if problem:
         name = "source" if problem == 2 else "destination"
         raise TransferError(f"run {run} of the map runs past the end of the {name} address space")
+    _refuse_moved(src if src.is_local else dst, "nothing was posted")
     if src.is_local:
         return _Sides("WRITE", src, dst, runs, 0, block_map)
     return _Sides("READ", dst, src, runs, 1, block_map)

@@ -16,7 +16,7 @@ from kvlayout.transfer.block_maps import BlockMap
 from kvlayout.transfer.nixl.copies import _HOST, Staging, _check_copies, _check_staging_device, _copy
 from kvlayout.transfer.nixl.direct import _direct_rows, _mem_type, _rows, _Sides, _sides
 from kvlayout.transfer.nixl.regions import _intervals
-from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op, Strategy
+from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op, Strategy, _refuse_moved
 
 # -- cost model ----------------------------------------------------------------------------
 
@@ -105,6 +105,8 @@ class Plan:
     copy_spans: tuple[np.ndarray, np.ndarray] | None = None  # (K, 2) memory copies read, write
     stages: tuple[Stage, ...] = ()  # a staged plan's pipeline, in order; () for direct
     copy_device: torch.device = _HOST  # where the local copy runs: the staging buffer's device
+    # The local side, asked before each copy whether its memory moved since the map was built.
+    local_side: MapSide | None = field(default=None, compare=False, repr=False)
     # check_copy passed: the copies (read-only) are not checked again when they run.
     _copy_checked: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -121,6 +123,7 @@ class Plan:
         (host memory) or the device's run executor (on ``stream``, the current one when
         None), returning once its bytes are there."""
         assert self.copies is not None and self.copy_spans is not None
+        _refuse_moved(self.local_side, "nothing was copied")
         lo, hi = self.stages[stage].runs
         _copy(self.copies[lo:hi], *self.copy_spans, 1, not self._copy_checked, self.copy_device, stream)
 
@@ -138,6 +141,7 @@ class Plan:
         the bytes are there. Nothing for a direct plan."""
         if self.copies is not None:
             assert self.copy_spans is not None
+            _refuse_moved(self.local_side, "nothing was copied")
             checked = self._copy_checked
             _copy(self.copies, *self.copy_spans, num_threads, not checked, self.copy_device, stream)
 
@@ -258,7 +262,16 @@ def plan(
     # plan's descriptors and copies (a direct plan of half a million runs is 25 MB).
     builders: dict[str, Callable[[], Plan]] = {
         "direct": lambda: Plan(
-            "direct", s.op, *_direct_rows(s), local_mem, remote_mem, None, num_runs, num_bytes, predicted
+            "direct",
+            s.op,
+            *_direct_rows(s),
+            local_mem,
+            remote_mem,
+            None,
+            num_runs,
+            num_bytes,
+            predicted,
+            local_side=s.local,
         )
     }
     if strategy in ("auto", "staged") and fits:
@@ -325,7 +338,7 @@ def _staged(
             "staged", s.op, _rows(done.staged, done.nbytes, s.local.device_index),
             _rows(done.addr, done.nbytes, s.remote.device_index), local_mem, remote_mem, done.copies,
             num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held), pipeline,
-            staging.device,
+            staging.device, s.local,
         )  # fmt: skip
 
     return build
@@ -354,7 +367,7 @@ def _peer_staged(
             "peer-staged", s.op, _rows(st.addr, st.nbytes, s.local.device_index),
             _rows(st.staged, st.nbytes, peer_staging.device_index), _mem_type(s.local, "local"),
             _MEM_TYPES[peer_staging.device_type], None, num_runs, num_bytes, predicted, None,
-            _stages(st.first, st.nbytes, num_runs, stages),
+            _stages(st.first, st.nbytes, num_runs, stages), local_side=s.local,
         )  # fmt: skip
 
     return build

@@ -22,6 +22,7 @@ from kvlayout.transfer.nixl.sides import (
     Strategy,
     _is_nixl_error,
     _peer_name,
+    _refuse_moved,
 )
 
 
@@ -124,15 +125,21 @@ class Transfer:
         if self._started:
             raise TransferError(f"{self._what()} was started already (a prepared request posts once)")
         self._started, self.posted_at = True, time.perf_counter()
-        self._stream = _copy_stream(self.plan.copy_device)
-        p = self.plan
-        if self._gathers:
-            pool = _copier()
-            self._copies = [pool.submit(p.copy_stage, i, self._stream) for i in range(len(self.handles))]
-            self._copied(0, wait=True)
-        elif p.op == "WRITE":
-            p.copy(stream=self._stream)  # the gather (none peer-staged): validated, nothing posted yet
-        self._post_ready()
+        try:
+            # Prepared a while ago, perhaps: the local memory must still be where the map read it.
+            _refuse_moved(self.plan.local_side, "nothing was posted")
+            self._stream = _copy_stream(self.plan.copy_device)
+            p = self.plan
+            if self._gathers:
+                pool = _copier()
+                self._copies = [pool.submit(p.copy_stage, i, self._stream) for i in range(len(self.handles))]
+                self._copied(0, wait=True)
+            elif p.op == "WRITE":
+                p.copy(stream=self._stream)  # the gather (none peer-staged): validated, nothing posted yet
+            self._post_ready()
+        except BaseException:  # a request that cannot go holds nothing (it cannot be started again)
+            self._release()
+            raise
 
     def _post_ready(self) -> None:
         """Post, in order, the stages that may go: gathered (a staged WRITE's pipeline),
@@ -276,11 +283,7 @@ def transfer(
         agent, peer, block_map, notif=notif, strategy=strategy, staging=staging, prepped=prepped, cost=cost,
         stages=stages, peer_staging=peer_staging, peer_ready=peer_ready,
     )  # fmt: skip
-    try:
-        xfer.start()
-    except BaseException:  # a copy that failed before its stage was posted: nothing is left held
-        xfer._release()
-        raise
+    xfer.start()  # which releases what it holds if it fails
     return xfer
 
 

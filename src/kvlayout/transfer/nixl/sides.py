@@ -4,12 +4,13 @@ process), the names it types loosely, and its errors."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
 import torch
 
+from kvlayout.registration.memory import Placement, group_placement
 from kvlayout.registration.registration import KernelGroup, Registration
 from kvlayout.transfer import TransferError
 
@@ -57,8 +58,13 @@ class MapSide(Protocol):
     sizes, addresses received at the handshake). ``tensor_spans`` is a ``(K, 2)`` uint64 array:
     each tensor's start address and byte span (first byte to past the last); runs must
     fall inside them. ``device_type`` is ``"cpu"`` or ``"cuda"`` (DRAM or VRAM for
-    NIXL); ``device_index`` is the device id NIXL is given (0 for the CPU).
+    NIXL); ``device_index`` is the device id NIXL is given (0 for the CPU). ``moved()``
+    says what of a local side's memory moved since its addresses were read (an engine
+    that re-allocated its cache), None while nothing did and for a peer's side: a
+    request is refused then, not sent through freed memory.
     """
+
+    def moved(self) -> str | None: ...
 
     @property
     def is_local(self) -> bool: ...
@@ -96,6 +102,10 @@ class LocalSide:
     device_index: int
     tensor_spans: np.ndarray
     is_local: bool = True
+    placements: tuple[Placement, ...] = field(default=(), compare=False, repr=False)  # its tensors, watched
+
+    def moved(self) -> str | None:
+        return next((m for m in (p.moved() for p in self.placements) if m is not None), None)
 
 
 Holder = Registration | KernelGroup | torch.Tensor | Sequence[torch.Tensor]
@@ -141,8 +151,28 @@ def local_side(obj: Holder) -> LocalSide:
     held in this process: its device and each tensor's byte span."""
     tensors = _tensors(obj)
     device = _device(tensors)
+    if isinstance(obj, (Registration, KernelGroup)):  # each tensor where detection read it
+        placements = []
+        for group in obj.kernel_groups if isinstance(obj, Registration) else [obj]:
+            placement = group_placement(group)
+            if isinstance(placement, str):
+                raise TransferError(f"{placement}; detect the registration again")
+            placements.append(placement)
+    else:
+        placements = [Placement(tensors, [f"tensor {i}" for i in range(len(tensors))])]
     spans = np.array([_span(t) for t in tensors if t.numel()], dtype=_U64).reshape(-1, 2)
-    return LocalSide(device.type, device.index or 0, spans)
+    return LocalSide(device.type, device.index or 0, spans, placements=tuple(placements))
+
+
+def _refuse_moved(side: MapSide | None, nothing: str) -> None:
+    """Refuse a request whose local side's memory moved since its map read the addresses:
+    NIXL, or the staged copy, would move bytes through freed memory."""
+    moved = None if side is None else side.moved()
+    if moved is not None:
+        raise NixlError(
+            f"the local side's {moved} since the map's addresses were read; the request would move bytes "
+            f"through the old ones: detect the registration again and build a new map; {nothing}"
+        )
 
 
 def _peer_name(peer: str | bytes) -> str:
