@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -115,6 +115,13 @@ def canonical(side: Side, tokens: int, ids: list[int], heads: range) -> tuple[np
     return np.repeat(ptr, n), (byte[:, None] + np.arange(n)[None, :]).ravel()
 
 
+def first_alias(bases: list[torch.Tensor]) -> np.ndarray:
+    """For each tensor, the index of the first that is the same tensor (itself, but for a
+    layer that shares an earlier layer's KV cache)."""
+    first: dict[int, int] = {}
+    return np.array([first.setdefault(b.data_ptr(), k) for k, b in enumerate(bases)], dtype=np.int64)
+
+
 def check_map(
     src: Side, dst: Side, src_ids: list[int], dst_ids: list[int], tokens: int, threads: int
 ) -> None:
@@ -130,6 +137,11 @@ def check_map(
     assert m.heads == heads
     s_ptr, s_byte = canonical(src, tokens, src_ids, heads)
     d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads)
+    # A layer sharing an earlier layer's KV cache (its tensor registered again) reads as
+    # that layer and is written as that layer: its destination bytes are not moved twice.
+    s_first, d_first = first_alias(src.reg.bases), first_alias(dst.reg.bases)
+    once = d_first[d_ptr] == d_ptr
+    s_ptr, s_byte, d_ptr, d_byte = s_ptr[once], s_byte[once], d_ptr[once], d_byte[once]
     assert len(s_byte) == len(d_byte) == m.num_bytes
     before = [b.clone() for b in dst.reg.bases]
     m.copy(num_threads=threads)
@@ -142,14 +154,14 @@ def check_map(
     for t in np.unique(d_ptr):
         sel = d_ptr == t
         expected[t][d_byte[sel]] = values[sel]
-    for got, want in zip(dst.reg.bases, expected, strict=True):
-        assert np.array_equal(got.numpy(), want)
+    for got, t in zip(dst.reg.bases, d_first, strict=True):
+        assert np.array_equal(got.numpy(), expected[t])
     # The fewest runs: byte pairs in destination order, a run starting wherever the
     # previous destination byte is not the previous source byte's successor (or in another tensor).
     s_addr = np.array([b.data_ptr() for b in src.reg.bases], dtype=np.int64)[s_ptr] + s_byte
     d_addr = np.array([b.data_ptr() for b in dst.reg.bases], dtype=np.int64)[d_ptr] + d_byte
     order = np.argsort(d_addr, kind="stable")
-    sa, da, st_, dt = s_addr[order], d_addr[order], s_ptr[order], d_ptr[order]
+    sa, da, st_, dt = s_addr[order], d_addr[order], s_first[s_ptr][order], d_ptr[order]
     cont = (da[1:] == da[:-1] + 1) & (sa[1:] == sa[:-1] + 1) & (st_[1:] == st_[:-1]) & (dt[1:] == dt[:-1])
     assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
     # Each side alone (what a staged transfer posts there): stretches of its memory, in one tensor.
@@ -157,6 +169,11 @@ def check_map(
         if len(set(ids)) < len(ids):
             assert m._side_runs(col) is None
             continue
+        if col == 0 and len(set(d_first)) < len(d_first):
+            assert m._side_runs(col) is None  # the destination's shared layers leave source layers unread
+            continue
+        if col == 0 and len(set(s_first)) < len(s_first):
+            continue  # shared layers read the same bytes again: a stretch count of that side's memory is not this
         key = np.lexsort((addr, ptr))
         a, t = addr[key], ptr[key]
         assert m._side_runs(col) == (
@@ -265,6 +282,79 @@ def test_mla_maps_move_every_request_byte_once_in_the_fewest_runs(
     dst = make_side(fmt_dst, layers=layers, blocks=nb_dst, bs=bs_dst, heads=1, row=row, planes=planes_dst, kv=1,
                     dtype=dtype, pad=data.draw(st.integers(0, 2)), shard=dst_shard, seed=4)  # fmt: skip
     check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)))
+
+
+# -- layers that share one KV cache (vLLM's cross-layer KV sharing) ----------------------------
+
+
+def shared(side: Side, shares: dict[int, int]) -> Side:
+    """``side`` as vLLM registers a model whose layer ``s`` reads layer ``t``'s KV cache:
+    ``t``'s tensor registered again in ``s``'s place (a format with one tensor a layer)."""
+    assert list(side.layout.list_shape(side.sizes)) == [len(side.reg.leaves)]
+    leaves, bases = list(side.reg.leaves), list(side.reg.bases)
+    for sharer, target in shares.items():
+        leaves[sharer], bases[sharer] = leaves[target], bases[target]
+    reg = Registration(list(leaves), leaves, bases)
+    return replace(side, reg=reg, kv=bind(reg.kv, side.fmt))
+
+
+SHARING = {  # (src format, TP), (dst format, TP), block sizes, the layers each side shares
+    "both share, NHD": ((F.NL_X_TWO_NB_BS_NH_HS, 1), (F.NL_X_TWO_NB_BS_NH_HS, 1), (4, 4), {3: 1}, {3: 1}),
+    "prefill shares, into HND TP 2 blocks of 8": (
+        (F.NL_X_TWO_NB_BS_NH_HS, 1), (F.NL_X_TWO_NB_NH_BS_HS, 2), (4, 8), {2: 0, 3: 1}, {},
+    ),
+    "decode shares, from HND TP 2 blocks of 8": (
+        (F.NL_X_TWO_NB_NH_BS_HS, 2), (F.NL_X_TWO_NB_BS_NH_HS, 1), (8, 4), {}, {2: 0, 3: 0},
+    ),
+    "MLA, both share": ((F.NL_X_NB_BS_HS, 1), (F.NL_X_NB_BS_HS, 1), (4, 16), {1: 0, 3: 2}, {1: 0, 3: 2}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(SHARING))
+def test_layers_that_share_one_kv_cache_are_moved_once(case: str) -> None:
+    """A layer registered with an earlier layer's tensor reads as that layer and is written
+    as it: the destination's shared bytes take the target layer's KV, once (twice would be
+    a run writing what another writes, which copy() refuses), and a description carries the
+    sharing to a peer (the same address again) and maps alike."""
+    (sf, s_tp), (df, d_tp), (s_bs, d_bs), s_shares, d_shares = SHARING[case]
+    mla = layout(sf).is_mla
+    shards = [Shard(0, tp, 4) for tp in (s_tp, d_tp)]
+    sides = []
+    for fmt, bs, shard, shares, seed in (
+        (sf, s_bs, shards[0], s_shares, 1),
+        (df, d_bs, shards[1], d_shares, 2),
+    ):
+        heads = 1 if mla else len(shard.heads)
+        side = make_side(fmt, layers=4, blocks=6, bs=bs, heads=heads, row=8 if mla else 2, planes=1,
+                         kv=1 if mla else 2, dtype=torch.bfloat16, pad=0, shard=shard, seed=seed)  # fmt: skip
+        sides.append(shared(side, shares))
+    src, dst = sides
+    src_reg, dst_reg = cast(Any, src.kv), cast(Any, dst.kv)
+    sharing = {layer: g[0] for g in dst_reg.kernel_groups[0].shared_layers for layer in g[1:]}
+    assert sharing == d_shares  # detection reads the sharing as vLLM registers it
+    tokens, src_ids, dst_ids = 16, [5, 0, 3, 1], [2, 4, 1, 0]
+    src_ids, dst_ids = src_ids[: -(-tokens // s_bs)], dst_ids[: -(-tokens // d_bs)]
+    kw: dict[str, Any] = dict(num_tokens=tokens, src_shard=src.shard, dst_shard=dst.shard)
+    live = block_map(src.kv, dst.kv, src_ids, dst_ids, **kw)
+    peers = [
+        RegistrationDescription.from_json(reg.describe(shard=side.shard).to_json())
+        for reg, side in ((src_reg, src), (dst_reg, dst))
+    ]
+    for a, b in ((peers[0], dst_reg), (src_reg, peers[1])):
+        described = block_map(a, b, src_ids, dst_ids, **kw)
+        assert np.array_equal(described.runs, live.runs)  # the same addresses: the same map
+    check_map(src, dst, src_ids, dst_ids, tokens, 1)
+
+
+def test_a_shared_layer_is_described_at_its_target_address_wherever_it_is_placed() -> None:
+    kv = [torch.empty(2, 8, 4, 2, 8, device="meta") for _ in range(4)]
+    kv[3] = kv[1]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    plane = reg.describe(at=1 << 40).groups[0].planes[0]
+    assert plane.addresses[3] == plane.addresses[1] and len(set(plane.addresses)) == 3
+    assert plane.repeats == (3,)
+    text = RegistrationDescription.from_json(reg.describe(at=1 << 40).to_json())
+    assert text.groups[0].planes[0].repeats == (3,)
 
 
 # -- chunks: store_blocks and load_blocks are maps too -----------------------------------------
@@ -495,6 +585,8 @@ LIES = [
     ("groups[0].planes[0].addresses", [4096], "description.groups[0].planes[0].addresses has 1 entries; "
      "NL_X_TWO_NB_BS_NH_HS has 2 tensors here"),
     ("groups[0].planes[0].addresses", [4096, 8192], "description.groups[0].planes[0].addresses[1] and "
+     "description.groups[0].planes[0].addresses[0] overlap in memory"),
+    ("groups[0].planes[0].addresses", [4096, 4097], "description.groups[0].planes[0].addresses[1] and "
      "description.groups[0].planes[0].addresses[0] overlap in memory"),
     ("groups[0].layers", [0, 0], "description.groups[0].layers must be distinct layer indices"),
     ("groups[0].layers", [0], "description.groups[0].layers has 1 entries; the tensors hold 2 layers"),

@@ -30,7 +30,7 @@ import torch
 from kvlayout import EngineKVFormat as F
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.shards import Shard
-from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, Paced, build_cache, cache_sizes, contents
+from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, Paced, build_cache, cache_sizes, refill
 from kvlayout.transfer import (
     BlockMap,
     PeerDescriptionError,
@@ -40,7 +40,7 @@ from kvlayout.transfer import (
 )
 from kvlayout.transfer import nixl as nx
 from tests.transfer.registrations import Registration
-from tests.transfer.test_block_maps import Side, canonical
+from tests.transfer.test_block_maps import Side, canonical, first_alias
 
 MODULE_LIMIT_S = 240
 HEADS = 4  # the model's KV heads
@@ -81,11 +81,13 @@ def handshake(pair: Pair, s: CacheSpec) -> str:
     return text
 
 
-def spec(fmt: F, tp: tuple[int, int], block_size: int, seed: int) -> CacheSpec:
+def spec(
+    fmt: F, tp: tuple[int, int], block_size: int, seed: int, shares: tuple[tuple[int, int], ...] = ()
+) -> CacheSpec:
     rank, size = tp
     heads = 1 if fmt is MLA else len(Shard(rank, size, HEADS).heads)
-    return CacheSpec(fmt.name, 2, 8, block_size, heads, 4 * ROW if fmt is MLA else ROW,
-                     shard=(rank, size, HEADS), seed=seed)  # fmt: skip
+    return CacheSpec(fmt.name, 3 if shares else 2, 8, block_size, heads, 4 * ROW if fmt is MLA else ROW,
+                     shard=(rank, size, HEADS), seed=seed, shares=shares)  # fmt: skip
 
 
 def twin(s: CacheSpec) -> Side:
@@ -107,6 +109,9 @@ def expected(src: Side, dst: Side, src_ids: list[int], dst_ids: list[int]) -> li
         heads = range(1)
     s_ptr, s_byte = canonical(src, TOKENS, src_ids, heads)
     d_ptr, d_byte = canonical(dst, TOKENS, dst_ids, heads)
+    d_first = first_alias(dst.reg.bases)  # a shared layer's bytes are its target's, written once
+    once = d_first[d_ptr] == d_ptr
+    s_ptr, s_byte, d_ptr, d_byte = s_ptr[once], s_byte[once], d_ptr[once], d_byte[once]
     out = [b.numpy().copy() for b in dst.reg.bases]
     src_bytes = [b.numpy() for b in src.reg.bases]
     values = np.empty(len(s_byte), dtype=np.uint8)
@@ -114,7 +119,7 @@ def expected(src: Side, dst: Side, src_ids: list[int], dst_ids: list[int]) -> li
         values[s_ptr == t] = src_bytes[t][s_byte[s_ptr == t]]
     for t in np.unique(d_ptr):
         out[t][d_byte[d_ptr == t]] = values[d_ptr == t]
-    return out
+    return [out[t] for t in d_first]
 
 
 def unit_of(m: BlockMap, p: nx.Plan) -> int:
@@ -137,11 +142,6 @@ def leaf_bytes(leaves: list[torch.Tensor]) -> list[np.ndarray]:
     return [t.view(-1).view(torch.uint8).numpy() for t in leaves]
 
 
-def refill(leaves: list[torch.Tensor], seed: int) -> None:
-    for i, b in enumerate(leaf_bytes(leaves)):
-        b[:] = contents(seed, i, len(b))
-
-
 # (name, source format, TP rank/size, block size, destination format, rank/size, block size)
 CASES = [
     ("same layout", NHD, (0, 1), 16, NHD, (0, 1), 16),
@@ -156,7 +156,10 @@ CASES = [
     ("block 64->16", HND, (0, 1), 64, NHD, (0, 1), 16),
     ("MLA TP 1->2", MLA, (0, 1), 16, MLA, (1, 2), 16),
     ("vLLM->SGLang TP 2->4", NHD, (1, 2), 16, SGLANG, (3, 4), 16),
+    ("KV sharing, NHD->HND TP 2->1", NHD, (1, 2), 16, HND, (0, 1), 16),
 ]
+# Cases whose caches have a layer registered with an earlier layer's tensor (both sides).
+SHARES = {"KV sharing, NHD->HND TP 2->1": ((2, 0),)}
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
@@ -173,7 +176,8 @@ def test_real_block_maps_move_byte_exactly_through_nixl(
     dbs: int,
 ) -> None:
     """Both strategies in both forms; ``op`` says which side is here (WRITE: the source)."""
-    s_spec, d_spec = spec(sf, stp, sbs, seed=11), spec(df, dtp, dbs, seed=12)
+    shares = SHARES.get(name, ())
+    s_spec, d_spec = spec(sf, stp, sbs, seed=11, shares=shares), spec(df, dtp, dbs, seed=12, shares=shares)
     local_spec, remote_spec = (s_spec, d_spec) if op == "WRITE" else (d_spec, s_spec)
     desc = RegistrationDescription.from_json(handshake(pair, remote_spec))
     local, local_leaves = build_cache(local_spec)
@@ -208,7 +212,7 @@ def test_real_block_maps_move_byte_exactly_through_nixl(
                 if op == "WRITE":
                     pair.peer.refill_cache()
                 else:
-                    refill(local_leaves, local_spec.seed)
+                    refill(local_spec, local_leaves)
     assert pair.peer.notifs(expect=6) == [name.encode()] * 6  # one per request, pipelines too
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.layout.algebra import num_heads, resolve_sizes, size_of, size_symbols, symbol_of
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import Run, check_disjoint
+from kvlayout.registration.memory import Run, check_disjoint, memory_keys
 from kvlayout.registration.shards import Shard, ShardError
 
 __all__ = [
@@ -60,7 +60,9 @@ class PeerDescriptionError(KVLayoutError):
 
 @dataclass(frozen=True)
 class PlaneDescription:
-    """Tensors of one geometry: ``addresses`` in the layout's pointer order."""
+    """Tensors of one geometry: ``addresses`` in the layout's pointer order. An address
+    that comes again is the same tensor again: a layer that shares an earlier layer's KV
+    cache (vLLM's cross-layer KV sharing registers the target's tensor for it)."""
 
     dtype: str
     sizes: tuple[tuple[str, int], ...]  # the layout's sizes as the tensors give them
@@ -75,6 +77,17 @@ class PlaneDescription:
 
     def sizes_dict(self) -> dict[str, int]:
         return dict(self.sizes)
+
+    @property
+    def repeats(self) -> tuple[int, ...]:
+        """Pointer positions whose tensor an earlier position holds (shared layers)."""
+        seen: set[int] = set()
+        out = []
+        for k, a in enumerate(self.addresses):
+            if a in seen:
+                out.append(k)
+            seen.add(a)
+        return tuple(out)
 
     def extent(self) -> tuple[int, int, int]:
         """(period, block, blocks) in bytes: one block when tight, dim-0 rows when padded."""
@@ -171,7 +184,9 @@ def describe(
         raise PeerDescriptionError("the registration has no kernel group to describe")
     device = kernel_groups[0].device
     if at is not None:
-        groups = _placed(groups, at)
+        groups = _placed(
+            groups, at, [[memory_keys(p.leaves, p.data_ptrs) for p in g.planes] for g in kernel_groups]
+        )
         if device.type == "meta":
             device = _HOST
     return _checked(groups, device, shard, engine)
@@ -187,18 +202,27 @@ _HOST = _Device("cpu", None)
 _PAGE = 4096
 
 
-def _placed(groups: tuple[GroupDescription, ...], at: int) -> tuple[GroupDescription, ...]:
-    """``groups`` with every tensor at a made-up address, one after another from ``at``."""
+def _placed(
+    groups: tuple[GroupDescription, ...], at: int, keys: Sequence[Sequence[list[Hashable] | None]]
+) -> tuple[GroupDescription, ...]:
+    """``groups`` with every tensor at a made-up address, one after another from ``at``; a
+    tensor registered again (``keys``: each plane's :func:`memory_keys`) at its first one's."""
     if isinstance(at, bool) or not isinstance(at, int) or not 0 < at < MAX_ADDRESS:
         raise PeerDescriptionError(f"at must be a positive address, got {at!r}")
     out, next_at = [], -(-at // _PAGE) * _PAGE
-    for g in groups:
+    for g, g_keys in zip(groups, keys, strict=True):
         planes = []
-        for p in g.planes:
+        for p, p_keys in zip(g.planes, g_keys, strict=True):
             period, block, blocks = p.extent()
             span = (blocks - 1) * period + block
-            addresses = []
-            for _ in p.addresses:
+            addresses: list[int] = []
+            first: dict[Hashable, int] = {}
+            for k in range(len(p.addresses)):
+                if p_keys is not None and p_keys[k] in first:
+                    addresses.append(addresses[first[p_keys[k]]])
+                    continue
+                if p_keys is not None:
+                    first[p_keys[k]] = k
                 addresses.append(next_at)
                 next_at += -(-span // _PAGE) * _PAGE + _PAGE
             planes.append(
@@ -478,13 +502,16 @@ def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
 
 def _check_memory(groups: Sequence[GroupDescription]) -> None:
     """No two described tensors of one engine group share a byte (the registration's own
-    rule: padding between blocks may hold others, and engine groups may overlay)."""
+    rule: padding between blocks may hold others, and engine groups may overlay), but for
+    a tensor described again at the same address in its plane (a shared layer's)."""
     by_engine_group: dict[int, list[Run]] = {}
     for gi, g in enumerate(groups):
         for pi, p in enumerate(g.planes):
             period, block, blocks = p.extent()
-            paths = [(gi, pi, j) for j in range(len(p.addresses))]
-            run = Run(period, block, blocks, p.addresses, paths, "description")
+            repeats = set(p.repeats)
+            own = [j for j in range(len(p.addresses)) if j not in repeats]
+            paths = [(gi, pi, j) for j in own]
+            run = Run(period, block, blocks, tuple(p.addresses[j] for j in own), paths, "description")
             by_engine_group.setdefault(g.engine_group, []).append(run)
     for runs in by_engine_group.values():
         try:

@@ -56,7 +56,9 @@ def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
 class CacheSpec:
     """A small cache of one format: ``heads`` KV heads this rank holds (ignored by MLA),
     heads' rows of ``row`` elements, tensor-parallel ``shard`` as (rank, size, model
-    heads) or None, bytes seeded by ``seed``."""
+    heads) or None, bytes seeded by ``seed``; ``shares`` lists ``(layer, target)`` pairs,
+    a layer registered with an earlier layer's tensor (vLLM's cross-layer KV sharing; a
+    format with one tensor a layer)."""
 
     format: str  # an EngineKVFormat name
     layers: int
@@ -67,16 +69,20 @@ class CacheSpec:
     dtype: str = "bfloat16"
     shard: tuple[int, int, int] | None = None
     seed: int = 0
+    shares: tuple[tuple[int, int], ...] = ()
 
     def to_data(self) -> dict[str, Any]:
-        return {**self.__dict__, "shard": None if self.shard is None else list(self.shard)}
+        shard = None if self.shard is None else list(self.shard)
+        return {**self.__dict__, "shard": shard, "shares": [list(p) for p in self.shares]}
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> CacheSpec:
         shard = data["shard"]
-        return cls(
-            **{**data, "shard": None if shard is None else (int(shard[0]), int(shard[1]), int(shard[2]))}
-        )
+        return cls(**{
+            **data,
+            "shard": None if shard is None else (int(shard[0]), int(shard[1]), int(shard[2])),
+            "shares": tuple((int(a), int(b)) for a, b in data.get("shares", ())),
+        })  # fmt: skip
 
     @property
     def the_shard(self) -> Any:
@@ -116,7 +122,23 @@ def build_cache(spec: CacheSpec, device: str = "cpu") -> tuple[Any, list[Any]]:
         torch.from_numpy(contents(spec.seed, i, nbytes)).view(dtype).view(shape).to(device)
         for i in range(len(layout.pointer_order(sizes)))
     ]
+    if spec.shares and tuple(layout.list_shape(sizes)) != (spec.layers,):
+        raise ValueError(f"{spec.format} has not one tensor a layer: its layers cannot share one")
+    for layer, target in spec.shares:
+        leaves[layer] = leaves[target]
     return bind(_nest(layout.list_shape(sizes), leaves), fmt), leaves
+
+
+def refill(spec: CacheSpec, leaves: list[Any]) -> None:
+    """Write the seeded bytes :func:`build_cache` gave ``spec``'s leaves again (a layer
+    sharing another's tensor holds that layer's)."""
+    import torch
+
+    sharers = {layer for layer, _ in spec.shares}
+    for i, t in enumerate(leaves):
+        if i not in sharers:
+            seeded = contents(spec.seed, i, t.numel() * t.element_size())
+            t.view(-1).view(torch.uint8).copy_(torch.from_numpy(seeded))
 
 
 def _nest(extents: Sequence[int], leaves: list[Any]) -> Any:
@@ -540,9 +562,7 @@ def _serve() -> None:
                 raw = _host_bytes(inside[0].view(-1).view(torch.uint8)[off : off + n])
                 answer = {"data": base64.b64encode(raw.numpy().tobytes()).decode()}
             elif cmd == "cache_fill":
-                for i, t in enumerate(cache[1]):
-                    seeded = contents(cache[0].seed, i, t.numel() * t.element_size())
-                    t.view(-1).view(torch.uint8).copy_(torch.from_numpy(seeded))
+                refill(cache[0], cache[1])
                 answer = {}
             elif cmd == "stop":
                 out.write("{}\n")

@@ -177,6 +177,7 @@ class Side:
         shard: Shard | None,
         owner: Any,
         placement: Placement | None = None,
+        repeats: np.ndarray | None = None,
     ) -> None:
         self.label, self.layout, self.data, self.layers = label, layout, data, layers
         self.kv, self.heads, self.has_heads = kv, heads, has_heads
@@ -186,6 +187,9 @@ class Side:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.shard, self.owner = device, shard, owner
         self._placement = placement  # a live side's tensors, where its addresses were read
+        # Per tensor (index into addresses): an earlier tensor's again, a layer sharing its
+        # KV cache. Such a layer's bytes are the earlier one's: a map writes them once.
+        self.repeats = np.zeros(len(addresses), dtype=bool) if repeats is None else repeats
         self.row_bytes = int(pieces[-1, 0] + pieces[-1, 1])
         self._pairs: weakref.WeakKeyDictionary[Side, dict[object, _Pair]] = weakref.WeakKeyDictionary()
 
@@ -287,6 +291,7 @@ def side_of_group(
         offset=np.concatenate(offsets, axis=2),
         strides=np.concatenate(strides, axis=0),
         addresses=np.array([a for p in group.planes for a in p.addresses], dtype=np.uint64),
+        repeats=np.concatenate([np.isin(np.arange(len(p.addresses)), p.repeats) for p in group.planes]),
         spans=np.array(spans, dtype=np.uint64).reshape(-1, 4),
         num_blocks=first.num_blocks,
         block_size=first.block_size,
@@ -553,7 +558,9 @@ def _pair(
     s_base, s_tensor, s_sb, s_sj, s_sh = side_arrays(src, sp, src_head0)
     d_base, d_tensor, d_sb, d_sj, d_sh = side_arrays(dst, dp, dst_head0)
     width = np.broadcast_to(widths, src.tensor[:, :, sp].shape).ravel()
+    # A destination layer that shares an earlier layer's KV cache is written as that layer.
     by_dst = np.lexsort((d_base, dst.addresses[d_tensor]))
+    by_dst = by_dst[~dst.repeats[d_tensor[by_dst]]]
     cols = [
         col[by_dst] for col in (s_base, d_base, s_tensor, d_tensor, width, s_sb, s_sj, s_sh, d_sb, d_sj, d_sh)
     ]
@@ -709,10 +716,14 @@ class BlockMap:
         tensors, as few as that side allows (the fewest descriptors a transfer engine can
         move the request through there). They are the runs of the map from that side to
         itself, built like any map, with no sort of this map's runs; None where the side's
-        block ids repeat (its bytes would be counted twice)."""
+        block ids repeat (its bytes would be counted twice) and, for the source, where the
+        destination has layers that share a KV cache (the source's layers they stand for
+        are not read)."""
         one, shard = (self.src, self._pair.src_shard) if col == 0 else (self.dst, self._pair.dst_shard)
         ids = self._ids[col]
         if _native.first_repeated_block_id(ids, 0, one.num_blocks) >= 0:
+            return None
+        if col == 0 and self.dst.repeats.any():
             return None
         if not self.heads or self.num_tokens == 0:
             return 0
