@@ -357,6 +357,60 @@ def test_a_shared_layer_is_described_at_its_target_address_wherever_it_is_placed
     assert text.groups[0].planes[0].repeats == (3,)
 
 
+# -- block ids of blocks k times the cache's (vLLM's scheduler over kernel pages) ---------------
+
+
+@pytest.mark.parametrize(("k_src", "k_dst", "tokens"), [(2, 1, 40), (1, 4, 40), (3, 2, 13), (2, 2, 64)])
+def test_block_ids_in_blocks_k_times_the_cache_s_are_its_k_pages_in_order(
+    k_src: int, k_dst: int, tokens: int
+) -> None:
+    """vLLM pages a hybrid model's cache for its attention kernel k times finer than its
+    scheduler's blocks (the tensors say the kernel's); a connector holds the scheduler's
+    block ids. Given the scheduler's block size, a map takes those ids: block ``b`` is the
+    cache's blocks ``b*k .. b*k + k-1``, the last one only as far as the tokens go."""
+    src, dst = vllm(2, 24, 4, 2, 8, layers=2), vllm(2, 24, 2, 8, 8, layers=2, fmt=F.NL_X_TWO_NB_NH_BS_HS)
+    rng = np.random.default_rng(k_src * 10 + k_dst)
+    src_ids = [int(b) for b in rng.permutation(24 // k_src)[: -(-tokens // (4 * k_src))]]
+    dst_ids = [int(b) for b in rng.permutation(24 // k_dst)[: -(-tokens // (8 * k_dst))]]
+    m = block_map(
+        src, dst, src_ids, dst_ids, num_tokens=tokens, src_block_size=4 * k_src, dst_block_size=8 * k_dst
+    )
+    pages_src = [b * k_src + j for b in src_ids for j in range(k_src)][: -(-tokens // 4)]
+    pages_dst = [b * k_dst + j for b in dst_ids for j in range(k_dst)][: -(-tokens // 8)]
+    want = block_map(src, dst, pages_src, pages_dst, num_tokens=tokens)
+    assert np.array_equal(m.runs, want.runs) and m.num_bytes == tokens * 2 * 2 * 2 * 8 * 4
+    default = block_map(src, dst, src_ids, dst_ids, src_block_size=4 * k_src, dst_block_size=8 * k_dst)
+    assert default.num_tokens == min(len(src_ids) * 4 * k_src, len(dst_ids) * 8 * k_dst)
+
+
+@pytest.mark.parametrize(
+    ("kw", "ids", "message"),
+    [
+        (
+            {"src_block_size": 6},
+            ([0, 1], [0]),
+            "src_block_size=6, but the src cache's blocks hold 4 tokens: give",
+        ),
+        ({"dst_block_size": 4}, ([0, 1], [0]), "dst_block_size=4, but the dst cache's blocks hold 8 tokens"),
+        ({"src_block_size": 8}, ([12], [0]), "src_blocks[0] = 12 is out of range for 12 blocks"),
+        ({"dst_block_size": 16}, (list(range(8)), [1, 1]), "dst_blocks[1] = 1 repeats dst_blocks[0]"),
+        (
+            {"src_block_size": 8},
+            ([0, 1, 2], [0]),
+            "src_blocks has 3 block ids; the request's tokens fill 1 block of 8",
+        ),
+    ],
+)
+def test_block_sizes_that_are_not_the_cache_s_or_a_multiple_are_refused(
+    kw: dict[str, int], ids: tuple[list[int], list[int]], message: str
+) -> None:
+    src, dst = vllm(2, 24, 4, 2, 8), vllm(2, 24, 8, 2, 8)
+    tokens = 8 if "src_block_size" in kw and kw["src_block_size"] == 8 else None
+    with pytest.raises(BlockMapError) as info:
+        block_map(src, dst, *ids, num_tokens=tokens, **kw)
+    assert message in str(info.value)
+
+
 # -- chunks: store_blocks and load_blocks are maps too -----------------------------------------
 
 

@@ -807,7 +807,27 @@ def _int(name: str, value: object) -> int:
         raise BlockMapError(f"{name} must be an int, got {value!r}") from None
 
 
-def _ids(name: str, blocks: Any, side: Side, needed: int) -> np.ndarray:
+def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
+    """How many of ``side``'s blocks one of the caller's blocks of ``block_size`` tokens is:
+    1 for its own size (or none given); k for a multiple, a block ``b`` of the caller's
+    being the side's blocks ``b*k .. b*k + k-1`` (vLLM pages a cache for its attention
+    kernel in blocks k times finer than its scheduler's, the k pages of a scheduler
+    block contiguous and in order)."""
+    if block_size is None or block_size == side.block_size:
+        return 1
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise BlockMapError(f"{where}_block_size must be a positive int, got {block_size!r}")
+    if block_size % side.block_size:
+        raise BlockMapError(
+            f"{where}_block_size={block_size}, but the {where} cache's blocks hold {side.block_size} tokens: "
+            f"give its block size or a multiple of it (a block of k of its blocks, in order)"
+        )
+    return block_size // side.block_size
+
+
+def _ids(name: str, blocks: Any, side: Side, needed: int, per: int = 1) -> np.ndarray:
+    """``needed`` block ids of the caller's blocks, each ``per`` of the side's, checked."""
+    count, size = side.num_blocks // per, side.block_size * per
     if isinstance(blocks, torch.Tensor):
         if blocks.is_floating_point() or blocks.is_complex() or blocks.dtype == torch.bool:
             raise BlockMapError(f"{name} must be integers, got {blocks.dtype}")
@@ -820,19 +840,27 @@ def _ids(name: str, blocks: Any, side: Side, needed: int) -> np.ndarray:
             raise BlockMapError(f"{name} must be a 1-D sequence of ints, got {ids.dtype}")
     if ids.ndim != 1:
         raise BlockMapError(f"{name} must be a 1-D sequence of ints, got shape {list(ids.shape)}")
-    if ids.dtype.kind == "u" and ids.size and int(ids.max()) >= side.num_blocks:
-        raise BlockMapError(f"{name} holds {int(ids.max())}, out of range for {side.num_blocks} blocks")
+    if ids.dtype.kind == "u" and ids.size and int(ids.max()) >= count:
+        raise BlockMapError(f"{name} holds {int(ids.max())}, out of range for {count} blocks")
     ids = np.ascontiguousarray(ids, dtype=np.int64)
     if len(ids) != needed:
         raise BlockMapError(
             f"{name} has {len(ids)} block ids; the request's tokens fill {needed} "
             f"block{'s' * (needed != 1)} of "
-            f"{side.block_size}"
+            f"{size}"
         )
-    bad = _native.first_bad_block_id(ids, side.num_blocks)
+    bad = _native.first_bad_block_id(ids, count)
     if bad >= 0:
-        raise BlockMapError(f"{name}[{bad}] = {int(ids[bad])} is out of range for {side.num_blocks} blocks")
+        raise BlockMapError(f"{name}[{bad}] = {int(ids[bad])} is out of range for {count} blocks")
     return ids
+
+
+def _pages(ids: np.ndarray, per: int, pages: int) -> np.ndarray:
+    """The first ``pages`` of the side's blocks that the caller's blocks ``ids`` are, each
+    ``per`` of the side's in order (the caller's last block may be partly filled)."""
+    if per == 1:
+        return ids
+    return np.ascontiguousarray((ids[:, None] * per + np.arange(per)).ravel()[:pages])
 
 
 def _kind(
@@ -895,30 +923,39 @@ def block_map(
     (then ``copy()`` refuses). Every head both shards hold moves, layer ``i`` to layer
     ``i``, K to K and V to V. ``num_tokens`` defaults to what the shorter block list
     holds; each list must hold exactly the blocks the tokens fill. Destination blocks
-    must be distinct. ``*_block_size`` split a folded page axis (NB*BS formats).
+    must be distinct.
+
+    ``*_block_size`` split a folded page axis (NB*BS formats). Elsewhere the block size
+    is the cache's own, or a multiple of it: the block ids are then in blocks of that
+    many tokens, block ``b`` being the cache's blocks ``b*k`` to ``b*k + k-1`` (vLLM's
+    scheduler blocks over a cache its attention kernel pages ``k`` times finer).
     """
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
+    a_per, b_per = _pages_per_block(a, src_block_size, "src"), _pages_per_block(b, dst_block_size, "dst")
     pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
     a_len = len(src_blocks) if hasattr(src_blocks, "__len__") else None
     b_len = len(dst_blocks) if hasattr(dst_blocks, "__len__") else None
+    a_size, b_size = a.block_size * a_per, b.block_size * b_per  # the caller's blocks
     if num_tokens is None:
         if a_len is None or b_len is None:
             raise TypeError("src_blocks and dst_blocks must be sequences of block ids")
-        tokens = min(a_len * a.block_size, b_len * b.block_size)
+        tokens = min(a_len * a_size, b_len * b_size)
     else:
         tokens = _int("num_tokens", num_tokens)
         if tokens < 0:
             raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
-    src_ids = _ids("src_blocks", src_blocks, a, -(-tokens // a.block_size))
-    dst_ids = _ids("dst_blocks", dst_blocks, b, -(-tokens // b.block_size))
-    again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks)
+    src_ids = _ids("src_blocks", src_blocks, a, -(-tokens // a_size), a_per)
+    dst_ids = _ids("dst_blocks", dst_blocks, b, -(-tokens // b_size), b_per)
+    again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks // b_per)
     if again >= 0:
         earlier = int(np.flatnonzero(dst_ids[:again] == dst_ids[again])[0])
         raise BlockMapError(
             f"dst_blocks[{again}] = {int(dst_ids[again])} repeats dst_blocks[{earlier}]: each "
             "destination slot is written once"
         )
+    src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
+    dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
     result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens)
     if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
         result._raise(*_native.validate_groups(result._groups, a.spans, b.spans))
