@@ -402,7 +402,7 @@ def test_block_ids_in_blocks_k_times_the_cache_s_are_its_k_pages_in_order(
     ],
 )
 def test_block_sizes_that_are_not_the_cache_s_or_a_multiple_are_refused(
-    kw: dict[str, int], ids: tuple[list[int], list[int]], message: str
+    kw: dict[str, Any], ids: tuple[list[int], list[int]], message: str
 ) -> None:
     src, dst = vllm(2, 24, 4, 2, 8), vllm(2, 24, 8, 2, 8)
     tokens = 8 if "src_block_size" in kw and kw["src_block_size"] == 8 else None

@@ -22,7 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kvlayout
 from kvlayout import DetectionError
 from kvlayout import EngineKVFormat as F
-from kvlayout.transfer import BlockMapError, TransferError, block_map, prepare
+from kvlayout.registration.peers import describe_group
+from kvlayout.transfer import BlockMapError, PeerDescriptionError, TransferError, block_map, prepare
 from kvlayout.transfer.block_maps import chunk_side
 
 HINTS = {"kv_layout": "NHD"}
@@ -406,3 +407,18 @@ def test_a_local_side_says_what_moved_since_it_read_the_addresses() -> None:
     assert re.match(r"tensor 2 was re-allocated", of_tensors.moved() or "")
     with pytest.raises(TransferError, match=r"^kv_caches\[2\] was re-allocated after detection .*detect the"):
         nx.local_side(reg)
+
+
+def test_a_registration_whose_cache_moved_is_not_described_to_a_peer() -> None:
+    """The peer would write into memory this process no longer holds."""
+    kv = cache()
+    reg = kvlayout.detect(kv, "vllm", HINTS)
+    reg.describe()
+    kv[1].untyped_storage().resize_(0)
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^kv_caches\[1\] was re-allocated after detection .*; detect the registration again",
+    ):
+        reg.describe()
+    with pytest.raises(PeerDescriptionError, match=r"^kv_caches\[1\] was re-allocated after detection"):
+        describe_group(reg.kernel_groups[0])

@@ -25,7 +25,7 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.layout.algebra import num_heads, resolve_sizes, size_of, size_symbols, symbol_of
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import Run, check_disjoint, memory_keys
+from kvlayout.registration.memory import Run, check_disjoint, group_placement, memory_keys
 from kvlayout.registration.shards import Shard, ShardError
 
 __all__ = [
@@ -183,6 +183,8 @@ def describe(
     if not groups:
         raise PeerDescriptionError("the registration has no kernel group to describe")
     device = kernel_groups[0].device
+    if at is None:
+        _check_unmoved(kernel_groups)
     if at is not None:
         groups = _placed(
             groups, at, [[memory_keys(p.leaves, p.data_ptrs) for p in g.planes] for g in kernel_groups]
@@ -236,7 +238,18 @@ def describe_group(
     group: Any, *, shard: Shard | None = None, block_size: int | None = None
 ) -> RegistrationDescription:
     """The description of one kernel group."""
+    _check_unmoved([group])
     return _checked((_group(group, block_size),), group.device, shard, group.engine)
+
+
+def _check_unmoved(kernel_groups: Sequence[Any]) -> None:
+    """A peer is told the addresses detection read: refuse where a tensor has moved since
+    (the peer would write into memory this process no longer holds)."""
+    for g in kernel_groups:
+        if g.device.type != "meta":
+            placement = group_placement(g)
+            if isinstance(placement, str):
+                raise PeerDescriptionError(f"{placement}; detect the registration again")
 
 
 def _checked(

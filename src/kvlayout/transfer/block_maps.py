@@ -320,11 +320,11 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
     key = ("block map side", block_size)
     side = group.memo.get(key)
     if side is None:
-        desc = describe_group(group, block_size=block_size)
         # A meta registration has no memory to watch (copy() refuses its device).
-        placement = None if desc.device_type == "meta" else group_placement(group)
+        placement = None if group.device.type == "meta" else group_placement(group)
         if isinstance(placement, str):
             raise BlockMapError(f"{where}: {placement}; detect the registration again")
+        desc = describe_group(group, block_size=block_size)
         device = (desc.device_type, desc.device_index)
         side = side_of_group(desc.groups[0], device, None, group, where, placement)
         group.memo[key] = side
