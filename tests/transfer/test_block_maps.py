@@ -411,6 +411,17 @@ def test_block_sizes_that_are_not_the_cache_s_or_a_multiple_are_refused(
     assert message in str(info.value)
 
 
+def test_a_description_in_other_blocks_than_the_cache_s_is_refused() -> None:
+    """describe(block_size=) splits a folded page axis; for a cache with a block axis a
+    different size was ignored, and a peer told it would read its block ids wrongly."""
+    reg = vllm(2, 24, 4, 2, 8)
+    assert reg.describe(block_size=4).groups[0].block_size == 4  # its own: accepted
+    with pytest.raises(
+        PeerDescriptionError, match=r"^block_size=8, but NL_X_TWO_NB_BS_NH_HS's blocks hold 4 tokens"
+    ):
+        reg.describe(block_size=8)
+
+
 # -- chunks: store_blocks and load_blocks are maps too -----------------------------------------
 
 

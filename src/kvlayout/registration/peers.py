@@ -173,7 +173,8 @@ def describe(
 ) -> RegistrationDescription:
     """The description of a bound registration (its kernel groups and engine, as
     :meth:`Registration.describe` hands them over). ``block_size`` splits
-    the page axis of formats that fold blocks and tokens (NB*BS); it is ignored elsewhere.
+    the page axis of formats that fold blocks and tokens (NB*BS); elsewhere it must be the
+    cache's own (a peer reads block ids in the blocks the description gives).
 
     ``at`` describes the tensors as if laid out one after another from that address
     (page-aligned, a page apart) instead of where they are: for planning from a meta
@@ -281,6 +282,12 @@ def _group(group: Any, block_size: int | None) -> GroupDescription:
     bs = size_of(layout, planes[0].sizes_dict(), Role.TOKEN)
     if bs is None or layout.axis_of(Role.BLOCK) is None:
         bs = block_size
+    elif block_size is not None and block_size != bs:  # ignored, a peer would read ids in the wrong blocks
+        raise PeerDescriptionError(
+            f"block_size={block_size}, but {layout}'s blocks hold {bs} tokens (its block axis says so): "
+            "block_size splits a folded page axis (NB*BS) only; describe this cache without it, and give "
+            f"block_map src_block_size=/dst_block_size={block_size} to address it in blocks of {block_size}"
+        )
     return GroupDescription(group.format, tuple(group.layers), group.engine_group, bs, tuple(planes))
 
 

@@ -535,7 +535,8 @@ class Registration:
     ) -> RegistrationDescription:
         """The registration as data for a peer: a :class:`kvlayout.registration.peers.RegistrationDescription`
         (``to_json()`` for the wire). ``shard`` is the :class:`kvlayout.transfer.Shard` this
-        rank holds; ``block_size`` splits a folded NB*BS page axis; ``at`` places the
+        rank holds; ``block_size`` splits a folded NB*BS page axis (elsewhere it must be
+        the cache's own); ``at`` places the
         tensors at made-up addresses from there (planning from meta tensors)."""
         return describe_registration(
             self.kernel_groups, self.engine, shard=shard, block_size=block_size, at=at
