@@ -432,6 +432,23 @@ def test_plan_json_matches_a_map_of_real_tensors(capsys: pytest.CaptureFixture[s
             assert p["descriptors"]["direct"] == m.num_runs and p["op"] == "READ"
 
 
+def test_plan_moves_the_kv_of_layers_that_share_it_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """Layers sharing one KV cache (--src-share / --dst-share, as detect's --share): a
+    destination layer that shares is written once, as its target, so its bytes drop out."""
+    base = ["plan", "--src-engine", "vllm", "--src-shape", "4x[2,8,4,2,8]", "--dst-engine", "vllm",
+            "--dst-shape", "4x[2,8,4,2,8]", "--tokens", "8", "--json"]  # fmt: skip
+    plain = json.loads(run(capsys, *base)[1])
+    code, out, _ = run(capsys, *base, "--src-share", "3=1", "--dst-share", "3=1")
+    shared = json.loads(out)
+    assert code == 0 and shared["dst"]["shared_layers"] == [[1, 3]] == shared["src"]["shared_layers"]
+    assert shared["pairs"][0]["bytes"] * 4 == plain["pairs"][0]["bytes"] * 3
+    code, _, err = run(capsys, *base, "--dst-share", "3=3")
+    assert (code, err) == (
+        2,
+        "kvlayout: --dst-share 3=3: a layer shares another layer's KV cache, not its own\n",
+    )
+
+
 def test_plan_says_why_a_pair_cannot_be_served(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "plan", "--src-engine", "vllm", "--src-shape", "2x[8,4,16]", "--dst-engine", "vllm",
                        "--dst-shape", "2x[2,8,4,1,16]", "--tokens", "4", "--kv-heads", "1")  # fmt: skip

@@ -276,8 +276,17 @@ def _build_kv(node: object, dtype: Any, device: Any) -> Any:
     return tuple(children) if isinstance(node, tuple) else children
 
 
-def _detect(engine_name: str, shape: str, hint_items: Sequence[str], dtype: Any, device: Any) -> Any:
-    """Detection of a registration given as ``detect`` takes it (a hybrid: a group per ``+``)."""
+def _detect(
+    engine_name: str,
+    shape: str,
+    hint_items: Sequence[str],
+    dtype: Any,
+    device: Any,
+    shares: Sequence[str] = (),
+    share_flag: str = "--share",
+) -> Any:
+    """Detection of a registration given as ``detect`` takes it (a hybrid: a group per ``+``;
+    ``shares``: ``share_flag`` items, layers registered with another's tensor)."""
     import kvlayout
     from kvlayout.registration.registration import bound
     from kvlayout.tools.shapes import parse_shape_spec
@@ -288,6 +297,8 @@ def _detect(engine_name: str, shape: str, hint_items: Sequence[str], dtype: Any,
     LayoutHints.coerce(hints)
     spec = parse_shape_spec(shape)
     kv = _build_kv(spec.root, dtype, device)
+    for sharer, target in _shares(shares, kv, share_flag):
+        kv[sharer] = kv[target]
     if len(spec.parts) > 1:
         bounds = [sum(spec.parts[:i]) for i in range(len(spec.parts) + 1)]
         groups = [list(range(a, b)) for a, b in itertools.pairwise(bounds)]
@@ -296,21 +307,25 @@ def _detect(engine_name: str, shape: str, hint_items: Sequence[str], dtype: Any,
     return bound(normalized, fmt)
 
 
-def _shares(items: Sequence[str], kv: Any) -> list[tuple[int, int]]:
+class _ShareError(KVLayoutError):
+    """A ``--share`` value that cannot be taken (said as it is, not as detection's refusal)."""
+
+
+def _shares(items: Sequence[str], kv: Any, flag: str = "--share") -> list[tuple[int, int]]:
     """``--share 4=2``: entry 4 of the registration is entry 2's tensor."""
     pairs = []
     for item in items:
         sharer, sep, target = item.partition("=")
         if not sep or not sharer.strip().isdigit() or not target.strip().isdigit():
-            raise KVLayoutError(f"--share {item!r} is not SHARER=TARGET (for example 4=2)")
+            raise _ShareError(f"{flag} {item!r} is not SHARER=TARGET (for example 4=2)")
         if not isinstance(kv, list):
-            raise KVLayoutError("--share needs a list of layers (--shape NxSHAPE), not one tensor")
+            raise _ShareError(f"{flag} needs a list of layers (--shape NxSHAPE), not one tensor")
         a, b = int(sharer), int(target)
         for i in (a, b):
             if i >= len(kv):
-                raise KVLayoutError(f"--share {item}: the registration has {len(kv)} entries, not {i + 1}")
+                raise _ShareError(f"{flag} {item}: the registration has {len(kv)} entries, not {i + 1}")
         if a == b:
-            raise KVLayoutError(f"--share {item}: a layer shares another layer's KV cache, not its own")
+            raise _ShareError(f"{flag} {item}: a layer shares another layer's KV cache, not its own")
         pairs.append((a, b))
     return pairs
 
@@ -405,7 +420,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for where in ("src", "dst"):
         a = vars(args)
         try:
-            reg = _detect(a[f"{where}_engine"], a[f"{where}_shape"], a[f"{where}_hint"], dtype, meta)
+            reg = _detect(
+                a[f"{where}_engine"], a[f"{where}_shape"], a[f"{where}_hint"], dtype, meta,
+                a[f"{where}_share"], f"--{where}-share",
+            )  # fmt: skip
+        except _ShareError:
+            raise
         except (KVLayoutError, TypeError) as e:
             raise KVLayoutError(f"--{where}-shape: detection refuses it: {e}") from None
         group = reg.kernel_groups[0]
@@ -421,7 +441,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     for where, (_, group) in sides.items():
         g = group.geometry
         record[where] = {"format": group.format.name, "tp": vars(args)[f"{where}_tp"],
-                         "block_size": g.block_size, "num_blocks": g.num_blocks}  # fmt: skip
+                         "block_size": g.block_size, "num_blocks": g.num_blocks,
+                         "shared_layers": [list(layers) for layers in group.shared_layers]}  # fmt: skip
     descs, ids = {}, {}
     for where, (reg, group) in sides.items():
         bs = group.geometry.block_size
@@ -531,6 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{where}-hint", action="append", default=[], metavar="KEY=VALUE",
                        help=f"a layout hint of the {where} side, repeatable")  # fmt: skip
         p.add_argument(f"--{where}-tp", type=int, default=1, help=f"the {where} side's TP degree")
+        p.add_argument(f"--{where}-share", action="append", default=[], metavar="SHARER=TARGET",
+                       help=f"a {where} layer sharing another's KV cache, as detect's --share")  # fmt: skip
     p.add_argument("--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(_DTYPES)}")
     p.add_argument("--tokens", type=int, required=True, help="the request's tokens")
     p.add_argument("--blocks", choices=("consecutive", "scattered"), default="scattered",
