@@ -186,7 +186,7 @@ def describe(
     device = kernel_groups[0].device
     if at is None:
         _check_unmoved(kernel_groups)
-    if at is not None:
+    else:
         groups = _placed(
             groups, at, [[memory_keys(p.leaves, p.data_ptrs) for p in g.planes] for g in kernel_groups]
         )

@@ -318,7 +318,10 @@ def _side_of_description(desc: RegistrationDescription, block_size: int | None, 
 
 def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Side:
     layout = group.layout
-    if layout.axis_of(Role.BLOCK) is not None and layout.size_of(group.planes[0].sizes, Role.TOKEN):
+    if (
+        layout.axis_of(Role.BLOCK) is not None
+        and layout.size_of(group.planes[0].sizes, Role.TOKEN) is not None
+    ):
         block_size = None  # blocks of its own: a size given names the caller's blocks (_pages_per_block)
     key = ("block map side", block_size)
     side = group.memo.get(key)
