@@ -422,3 +422,21 @@ def test_a_registration_whose_cache_moved_is_not_described_to_a_peer() -> None:
         reg.describe()
     with pytest.raises(PeerDescriptionError, match=r"^kv_caches\[1\] was re-allocated after detection"):
         describe_group(reg.kernel_groups[0])
+
+
+def test_a_registration_whose_cache_moved_is_not_registered_with_nixl() -> None:
+    """Its maps and descriptions use the addresses detection read: registering the new
+    memory instead would leave them pointing at memory no agent holds."""
+    from kvlayout.transfer import nixl as nx
+
+    class Agent:  # stands for nixl_agent: nothing may reach it
+        name = "never-called"
+
+        def register_memory(self, *args: Any) -> None:
+            raise AssertionError("registered memory of a moved cache")
+
+    kv = cache()
+    reg = kvlayout.detect(kv, "vllm", HINTS)
+    kv[0].data = torch.randn(2, 8, 4, 2, 16)
+    with pytest.raises(TransferError, match=r"^kv_caches\[0\] was re-allocated after detection .*detect the"):
+        nx.register(Agent(), reg)

@@ -20,6 +20,7 @@ from kvlayout.transfer.nixl.sides import (
     Holder,
     MapSide,
     RefusedDescriptorError,
+    _check_detected,
     _device,
     _tensors,
 )
@@ -98,6 +99,7 @@ def register(agent: Agent, registration: Holder) -> Registered:
     tensors and VRAM for CUDA ones (device id = the CUDA index). A storage this agent
     already holds through another :func:`register` is counted, not registered again.
     """
+    _check_detected(registration)
     tensors = [t for t in _tensors(registration) if t.numel()]
     if not tensors:
         raise TransferError("the registration holds no memory to register (every tensor is empty)")

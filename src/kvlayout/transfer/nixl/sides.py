@@ -151,17 +151,25 @@ def local_side(obj: Holder) -> LocalSide:
     held in this process: its device and each tensor's byte span."""
     tensors = _tensors(obj)
     device = _device(tensors)
-    if isinstance(obj, (Registration, KernelGroup)):  # each tensor where detection read it
-        placements = []
-        for group in obj.kernel_groups if isinstance(obj, Registration) else [obj]:
-            placement = group_placement(group)
-            if isinstance(placement, str):
-                raise TransferError(f"{placement}; detect the registration again")
-            placements.append(placement)
-    else:
-        placements = [Placement(tensors, [f"tensor {i}" for i in range(len(tensors))])]
+    placements = _check_detected(obj) or [Placement(tensors, [f"tensor {i}" for i in range(len(tensors))])]
     spans = np.array([_span(t) for t in tensors if t.numel()], dtype=_U64).reshape(-1, 2)
     return LocalSide(device.type, device.index or 0, spans, placements=tuple(placements))
+
+
+def _check_detected(obj: Holder) -> list[Placement]:
+    """A registration's (or kernel group's) tensors, each checked to be where detection
+    read it (its addresses are what maps and descriptions use); [] for other holders."""
+    if not isinstance(obj, (Registration, KernelGroup)):
+        return []
+    placements = []
+    for group in obj.kernel_groups if isinstance(obj, Registration) else [obj]:
+        if group.device.type == "meta":
+            continue  # no memory by design: refused as a device
+        placement = group_placement(group)
+        if isinstance(placement, str):
+            raise TransferError(f"{placement}; detect the registration again")
+        placements.append(placement)
+    return placements
 
 
 def _refuse_moved(side: MapSide | None, nothing: str) -> None:
