@@ -8,12 +8,14 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import DetectionError, KVLayoutError
 from kvlayout import EngineKVFormat as F
+from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view
+from kvlayout.registration.nesting import leaves
 from kvlayout.testing.registrations import RegistrationCase, flatten, registrations
 
 per_layer = kvlayout.normalize_and_discover_per_layer_formats
@@ -142,6 +144,19 @@ def test_bad_registrations(kv: Any, error: type[Exception], message: str) -> Non
         per_layer(kv, None, "vllm")
 
 
+def _alike_but_shaped_apart(parts: list[RegistrationCase]) -> bool:
+    """Whether tensors of two parts, in the same place of an entry and physically ordered,
+    have one dtype, rank and long dims (size and stride of each dim longer than 1) but
+    different shapes."""
+    shapes: dict[tuple[Any, ...], set[tuple[int, ...]]] = {}
+    for part in parts:
+        for entry in attempt_permute_to_contiguous_view(list(part.kv)):
+            for path, t in leaves(entry):
+                long_dims = tuple((n, st_) for n, st_ in zip(t.shape, t.stride(), strict=True) if n != 1)
+                shapes.setdefault((path, t.dtype, t.dim(), long_dims), set()).add(tuple(t.shape))
+    return any(len(v) > 1 for v in shapes.values())
+
+
 @settings(max_examples=200)
 @given(
     st.lists(
@@ -156,7 +171,10 @@ def test_bad_registrations(kv: Any, error: type[Exception], message: str) -> Non
 )
 def test_hybrid_registrations_agree_with_detecting_each_part(parts: list[RegistrationCase], rnd: Any) -> None:
     """Layers of several formats, shuffled: each layer gets the format (and the normalized
-    tensors) that detecting its own part alone gives."""
+    tensors) that detecting its own part alone gives. Parts whose tensors lie alike in
+    memory but are shaped apart (a size-1 dim elsewhere) are left out: one registration
+    reads such layers as the first of them reads (``test_size_1_axes``)."""
+    assume(not _alike_but_shaped_apart(parts))
     hints = {"kv_layout": "NHD"}
     entries: list[tuple[Any, F, Any]] = []
     for part in parts:
