@@ -753,3 +753,23 @@ def test_make_agent_takes_whichever_nixl_build_is_there(monkeypatch: pytest.Monk
         ImportError, match=r"NIXL is not installed: pip install 'kvlayout\[nixl\]'.*nixl-cu13"
     ):
         nx.make_agent("none")
+
+
+def test_a_local_side_without_moved_is_named() -> None:
+    """A connector's own MapSide written before moved() existed: a TypeError that says
+    what to add, not an AttributeError from inside."""
+
+    @dataclass(frozen=True)
+    class OldSide:
+        tensor_spans: np.ndarray
+        is_local: bool
+        device_type: str = "cpu"
+        device_index: int = 0
+
+    here = OldSide(np.array([[1 << 20, 4096]], dtype=U64), is_local=True)
+    there = Side(np.array([[1 << 30, 4096]], dtype=U64), is_local=False)
+    runs = np.array([[1 << 20, 1 << 30, 4096]], dtype=U64)
+    with pytest.raises(
+        TypeError, match=r"^OldSide has no moved\(\): a MapSide says what of its memory moved"
+    ):
+        nx.plan(Map(runs, here, there))  # type: ignore[arg-type]

@@ -175,7 +175,14 @@ def _check_detected(obj: Holder) -> list[Placement]:
 def _refuse_moved(side: MapSide | None, nothing: str) -> None:
     """Refuse a request whose local side's memory moved since its map read the addresses:
     NIXL, or the staged copy, would move bytes through freed memory."""
-    moved = None if side is None else side.moved()
+    if side is None:
+        return
+    if not callable(getattr(side, "moved", None)):  # a connector's own side, written to an older MapSide
+        raise TypeError(
+            f"{type(side).__name__} has no moved(): a MapSide says what of its memory moved since its "
+            "addresses were read (None where nothing can), so that a re-allocated cache is refused"
+        )
+    moved = side.moved()
     if moved is not None:
         raise NixlError(
             f"the local side's {moved} since the map's addresses were read; the request would move bytes "
