@@ -14,6 +14,7 @@ import sys
 import textwrap
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, Literal, cast
 
 import numpy as np
@@ -759,14 +760,12 @@ def test_a_local_side_without_moved_is_named() -> None:
     """A connector's own MapSide written before moved() existed: a TypeError that says
     what to add, not an AttributeError from inside."""
 
-    @dataclass(frozen=True)
-    class OldSide:
-        tensor_spans: np.ndarray
-        is_local: bool
-        device_type: str = "cpu"
-        device_index: int = 0
+    class OldSide(SimpleNamespace):
+        pass
 
-    here = OldSide(np.array([[1 << 20, 4096]], dtype=U64), is_local=True)
+    here = OldSide(
+        tensor_spans=np.array([[1 << 20, 4096]], dtype=U64), is_local=True, device_type="cpu", device_index=0
+    )
     there = Side(np.array([[1 << 30, 4096]], dtype=U64), is_local=False)
     runs = np.array([[1 << 20, 1 << 30, 4096]], dtype=U64)
     with pytest.raises(
