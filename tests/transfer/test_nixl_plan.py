@@ -771,4 +771,4 @@ def test_a_local_side_without_moved_is_named() -> None:
     with pytest.raises(
         TypeError, match=r"^OldSide has no moved\(\): a MapSide says what of its memory moved"
     ):
-        nx.plan(Map(runs, here, there))  # type: ignore[arg-type]
+        nx.descriptors(Map(runs, here, there))  # type: ignore[arg-type]

@@ -322,12 +322,15 @@ def _how_views_differ(x: Run, y: Run, offset: int, x_name: str, y_name: str) -> 
     )
 
 
-def group_placement(group: KernelGroup) -> Placement | str:
+def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str = "") -> Placement | None:
     """A kernel group's tensors (each once, where several layers share one) as a
-    :class:`Placement` that every later copy checks again; or, where a tensor is no longer
-    where detection read it or has lost its memory, what is wrong (``kv_caches[3] was
-    re-allocated after detection ...``). What reads the group's detected addresses (a
-    transfer plan, a block map's side) takes its Placement here."""
+    :class:`Placement` that every later copy checks again; None for a meta group (no
+    memory by design). Where a tensor is no longer where detection read it, or has lost
+    its memory, ``error`` says so (``{where}kv_caches[3] was re-allocated after detection
+    ...; detect the registration again``). What uses the group's detected addresses (a
+    transfer plan, a block map's side, a description, a NIXL registration) asks here."""
+    if group.device.type == "meta":
+        return None
     tensors: dict[int, torch.Tensor] = {}
     names: list[str] = []
     for plane in group.planes:
@@ -343,7 +346,7 @@ def group_placement(group: KernelGroup) -> Placement | str:
                 else memory_problem(t, ptr, span)
             )
             if problem is not None:
-                return f"{name} {problem}"
+                raise error(f"{where}{name} {problem}; detect the registration again")
             tensors[id(t)] = t
             names.append(name)
     return Placement(list(tensors.values()), names)

@@ -247,10 +247,7 @@ def _check_unmoved(kernel_groups: Sequence[Any]) -> None:
     """A peer is told the addresses detection read: refuse where a tensor has moved since
     (the peer would write into memory this process no longer holds)."""
     for g in kernel_groups:
-        if g.device.type != "meta":
-            placement = group_placement(g)
-            if isinstance(placement, str):
-                raise PeerDescriptionError(f"{placement}; detect the registration again")
+        group_placement(g, PeerDescriptionError)
 
 
 def _checked(

@@ -317,19 +317,12 @@ def _side_of_description(desc: RegistrationDescription, block_size: int | None, 
 
 
 def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Side:
-    layout = group.layout
-    if (
-        layout.axis_of(Role.BLOCK) is not None
-        and layout.size_of(group.planes[0].sizes, Role.TOKEN) is not None
-    ):
+    if not group.layout.is_pbs_fused:
         block_size = None  # blocks of its own: a size given names the caller's blocks (_pages_per_block)
     key = ("block map side", block_size)
     side = group.memo.get(key)
     if side is None:
-        # A meta registration has no memory to watch (copy() refuses its device).
-        placement = None if group.device.type == "meta" else group_placement(group)
-        if isinstance(placement, str):
-            raise BlockMapError(f"{where}: {placement}; detect the registration again")
+        placement = group_placement(group, BlockMapError, f"{where}: ")  # None for meta: copy() refuses it
         desc = describe_group(group, block_size=block_size)
         device = (desc.device_type, desc.device_index)
         side = side_of_group(desc.groups[0], device, None, group, where, placement)

@@ -322,9 +322,8 @@ class TransferPlan:
 def _placement(group: KernelGroup) -> Placement:
     """The cache's tensors, checked to be where detection read them and to have their
     memory, as a :class:`~kvlayout.registration.memory.Placement` every call checks again."""
-    placement = group_placement(group)
-    if isinstance(placement, str):
-        raise TransferError(f"{placement}; detect the registration again")
+    placement = group_placement(group, TransferError)
+    assert placement is not None  # prepare refused a meta cache first
     return placement
 
 

@@ -85,7 +85,6 @@ def _sides(block_map: NixlMap) -> _Sides:
     if problem:
         name = "source" if problem == 2 else "destination"
         raise TransferError(f"run {run} of the map runs past the end of the {name} address space")
-    _refuse_moved(src if src.is_local else dst, "nothing was posted")
     if src.is_local:
         return _Sides("WRITE", src, dst, runs, 0, block_map)
     return _Sides("READ", dst, src, runs, 1, block_map)
@@ -106,7 +105,9 @@ def _direct_rows(s: _Sides) -> tuple[np.ndarray, np.ndarray]:
 
 
 def descriptors(block_map: NixlMap) -> Descriptors:
-    """The map's runs as NIXL descriptors (one per run), its op and memory types."""
+    """The map's runs as NIXL descriptors (one per run), its op and memory types; refused
+    where the local side's memory moved since the map read it (the caller posts them)."""
     s = _sides(block_map)
+    _refuse_moved(s.local, "nothing was posted")
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     return Descriptors(*_direct_rows(s), s.op, local_mem, remote_mem)

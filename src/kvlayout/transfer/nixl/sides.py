@@ -161,15 +161,9 @@ def _check_detected(obj: Holder) -> list[Placement]:
     read it (its addresses are what maps and descriptions use); [] for other holders."""
     if not isinstance(obj, (Registration, KernelGroup)):
         return []
-    placements = []
-    for group in obj.kernel_groups if isinstance(obj, Registration) else [obj]:
-        if group.device.type == "meta":
-            continue  # no memory by design: refused as a device
-        placement = group_placement(group)
-        if isinstance(placement, str):
-            raise TransferError(f"{placement}; detect the registration again")
-        placements.append(placement)
-    return placements
+    groups = obj.kernel_groups if isinstance(obj, Registration) else [obj]
+    placed = (group_placement(group, TransferError) for group in groups)
+    return [p for p in placed if p is not None]  # a meta group has no memory: refused as a device
 
 
 def _refuse_moved(side: MapSide | None, nothing: str) -> None:
