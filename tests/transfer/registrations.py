@@ -42,7 +42,7 @@ def make_registration(
     for _ in layout.pointer_order(sizes):
         base = torch.randint(
             0, 256, (shape[0] * (row + pad) * dtype.itemsize,), dtype=torch.uint8, generator=gen
-        )
+        ).to(device or "cpu")  # the same bytes on any device
         wide = base.view(dtype).view(shape[0], row + pad)
         leaves.append(wide[:, :row].view(shape))
         bases.append(base)
