@@ -27,6 +27,15 @@ NB_MODULE(_cuda, m) {
   m.doc() = "The CUDA block transfer over the transfer plan's segments.";
   m.def("device_count", &kvlayout::cuda::device_count, "CUDA devices visible (0 without a device or driver).");
   m.def(
+      "load_kernels",
+      [] {
+        int err = kvlayout::cuda::load_transfer_kernels();
+        if (err == 0) err = kvlayout::cuda::load_run_kernel();
+        if (err != 0) throw nb::value_error((std::string("loading the CUDA kernels failed: ") + kvlayout::cuda::error_string(err)).c_str());
+      },
+      "Load every kernel into the current device's context now, not at its first launch: under CUDA's lazy "
+      "loading a first launch may wait for the work already queued on the device.");
+  m.def(
       "transfer_blocks",
       [](int direction, std::uintptr_t segments, std::int64_t num_segments, std::int64_t largest_segment, int depth,
          std::uintptr_t cache_ptrs, std::int64_t block_size, std::int64_t row_bytes, int unit, std::uintptr_t block_ids,

@@ -64,4 +64,9 @@ int launch_copy_runs(const runs::Run* runs, const runs::Item* items, std::uint32
   return static_cast<int>(cudaGetLastError());
 }
 
+int load_run_kernel() {
+  cudaFuncAttributes attributes;
+  return static_cast<int>(cudaFuncGetAttributes(&attributes, copy_runs_kernel));
+}
+
 }  // namespace kvlayout::cuda

@@ -13,4 +13,8 @@ namespace kvlayout::cuda {
 // launch as an int (0 = success).
 int launch_copy_runs(const runs::Run* runs, const runs::Item* items, std::uint32_t num_items, void* stream);
 
+// Loads the run kernel into the current device's context now (see load_transfer_kernels).
+// Returns a cudaError_t as an int.
+int load_run_kernel();
+
 }  // namespace kvlayout::cuda

@@ -73,7 +73,32 @@ cudaError_t launch(const DeviceJob& job, const DeviceBatch& batch, int unit, cud
   return cudaGetLastError();
 }
 
+// Looks up each depth's kernel of one direction and unit, which loads it (lazy loading).
+template <int Direction, int Bytes>
+cudaError_t load_unit() {
+  cudaFuncAttributes attributes;
+  cudaError_t err = cudaFuncGetAttributes(&attributes, transfer_kernel<Direction, Bytes, 0>);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, transfer_kernel<Direction, Bytes, 2>);
+  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, transfer_kernel<Direction, Bytes, plan::kMaxLoops>);
+  return err;
+}
+
+template <int Direction>
+cudaError_t load_direction() {
+  for (const cudaError_t err : {load_unit<Direction, 1>(), load_unit<Direction, 2>(), load_unit<Direction, 4>(),
+                                load_unit<Direction, 8>(), load_unit<Direction, 16>()}) {
+    if (err != cudaSuccess) return err;
+  }
+  return cudaSuccess;
+}
+
 }  // namespace
+
+int load_transfer_kernels() {
+  cudaError_t err = load_direction<0>();
+  if (err == cudaSuccess) err = load_direction<1>();
+  return static_cast<int>(err);
+}
 
 int launch_transfer(const DeviceJob& job, const DeviceBatch& batch, int direction, int unit, void* stream) {
   const auto s = static_cast<cudaStream_t>(stream);

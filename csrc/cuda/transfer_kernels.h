@@ -35,6 +35,12 @@ struct DeviceBatch {
 // checks it. Returns the cudaError_t of the launch as an int (0 = success).
 int launch_transfer(const DeviceJob& job, const DeviceBatch& batch, int direction, int unit, void* stream);
 
+// Loads every transfer kernel into the current device's context now. CUDA loads a kernel
+// at its first launch by default (lazy loading), and loading may wait for all the work
+// already queued on the device, so a first copy queued behind other work would block the
+// caller; a plan loads its kernels when it is prepared instead. Returns a cudaError_t.
+int load_transfer_kernels();
+
 // The number of CUDA devices (0 when there is no device or no driver).
 int device_count();
 

@@ -92,7 +92,20 @@ def _cuda_module(device: torch.device) -> Any:
         ) from None
     if _cuda.device_count() == 0:
         raise KVLayoutError("kvlayout._cuda sees no CUDA device")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index not in _loaded:
+        # CUDA loads a kernel at its first launch, and loading may wait for the work queued on
+        # the device: a plan's first copy would block behind a busy stream. Load them now.
+        with torch.cuda.device(index):
+            try:
+                _cuda.load_kernels()
+            except ValueError as exc:
+                raise TransferError(f"kvlayout._cuda cannot run on cuda:{index}: {exc}") from None
+        _loaded.add(index)
     return _cuda
+
+
+_loaded: set[int] = set()  # the devices whose contexts hold kvlayout's kernels
 
 
 def copy_runs(runs: np.ndarray, device: torch.device) -> None:
