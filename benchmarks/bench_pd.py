@@ -9,8 +9,8 @@ the decode cache, the peer the prefill cache: vLLM's NixlConnector's way). The p
 cache is built there from a spec (:mod:`kvlayout.testing.nixl_peer`) and described to
 this process by its ``RegistrationDescription`` (the handshake); the map is
 ``block_map(...)`` between the live registration and that description. It moves over UCX
-on loopback (TCP alone by default; ``--tls ''`` lets UCX pick). In the same run, for the
-same bytes, each row posted by this process:
+on loopback (TCP for host memory by default, ``tcp,cuda_copy``; ``--tls ''`` lets UCX
+pick). In the same run, for the same bytes, each row posted by this process:
   - kvlayout direct: the map's runs, one descriptor each, in the list form and in the
     prepped form (both sides prepared at the handshake in units every run is whole
     multiples of; NIXL merges the request's consecutive indices back into runs);
@@ -433,7 +433,9 @@ def main() -> None:
     parser.add_argument("--blocks", choices=("scattered", "consecutive", "both"), default="both")
     who = "who posts: the prefill side (WRITE), the decode side (READ), or each in turn"
     parser.add_argument("--op", choices=("WRITE", "READ", "both"), default="both", help=who)
-    parser.add_argument("--tls", default="tcp", help="UCX_TLS for both processes ('' lets UCX choose)")
+    # cuda_copy moves no host memory, but NIXL's UCX does not start without it on a GPU machine.
+    tls = "UCX_TLS for both processes ('' lets UCX choose)"
+    parser.add_argument("--tls", default="tcp,cuda_copy", help=tls)
     where = "where the caches and staging buffers live: cpu, or cuda (with --tls '' for UCX's GPU transports)"
     parser.add_argument("--device", default="cpu", help=where)
     args = parser.parse_args()

@@ -382,14 +382,19 @@ class TcpPair:
     local: torch.Tensor
 
 
+# TCP for host memory; cuda_copy, which NIXL's UCX cannot start without on a GPU machine
+# (seen on an H200: "tcp" alone fails the backend), touches no host memory.
+TCP = "tcp,cuda_copy"
+
+
 @pytest.fixture(scope="module")
 def tcp_pair() -> Iterator[TcpPair]:
     """A second peer, over TCP alone: between processes of one machine UCX otherwise
     reads and writes the peer's memory by CMA (process_vm_readv), which needs nothing
     from the peer, so a stopped peer would not hold a transfer up."""
-    with NixlPeer("kvl-tcp", [256 << 10], seed=2, env={"UCX_TLS": "tcp"}) as peer:
+    with NixlPeer("kvl-tcp", [256 << 10], seed=2, env={"UCX_TLS": TCP}) as peer:
         with pytest.MonkeyPatch.context() as env:
-            env.setenv("UCX_TLS", "tcp")  # read when the agent's UCX context starts
+            env.setenv("UCX_TLS", TCP)  # read when the agent's UCX context starts
             agent = nx.make_agent("kvl-tcp-local", progress_thread=False)
         local = torch.zeros(256 << 10, dtype=torch.uint8)
         with nx.register(agent, local):
@@ -402,6 +407,16 @@ def tcp_read(p: TcpPair, offset: int = 0) -> Map:
         dtype=U64,
     )
     return Map(runs, p.peer.side(), nx.local_side(p.local))
+
+
+def test_an_agent_whose_ucx_cannot_start_names_the_setting(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("UCX_TLS", "no_such_transport")
+    with pytest.raises(
+        nx.NixlError,
+        match=r"NIXL could not start the UCX backend of agent 'kvl-no-ucx' with UCX_TLS='no_such_transport': "
+        r"UCX could not start on those transports alone\. On a machine with a GPU it needs cuda_copy among them",
+    ):
+        nx.make_agent("kvl-no-ucx", progress_thread=False)
 
 
 def test_a_stopped_peer_times_out_and_the_pair_recovers(tcp_pair: TcpPair) -> None:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -187,4 +188,25 @@ def make_agent(
     config = nixl_agent_config(
         enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
     )
-    return nixl_agent(name, config)
+    try:
+        return nixl_agent(name, config)
+    except Exception as exc:
+        if type(exc).__name__ != "nixlBackendError":
+            raise
+        raise NixlError(_backend_failed(name, list(backends))) from exc
+
+
+def _backend_failed(name: str, backends: list[str]) -> str:
+    """Why NIXL could not start an agent's backends, and what to change."""
+    why = f"NIXL could not start the {', '.join(backends)} backend of agent {name!r}"
+    tls = os.environ.get("UCX_TLS")
+    if "UCX" not in backends or not tls:
+        return f"{why} (NIXL's log above says why)"
+    # NIXL's UCX backend serves CUDA memory too: a build with CUDA, on a machine with a GPU,
+    # needs a CUDA transport among those allowed (measured: "tcp" fails there, "tcp,cuda_copy"
+    # starts, and starts on a CPU-only machine as well).
+    return (
+        f"{why} with UCX_TLS={tls!r}: UCX could not start on those transports alone. On a "
+        "machine with a GPU it needs cuda_copy among them (UCX_TLS=tcp,cuda_copy for TCP); "
+        "unset UCX_TLS to let UCX choose"
+    )
