@@ -255,8 +255,12 @@ UnitRows run_units(RunArray runs, RunArray items) {
     if (item.run >= n || (item.count != 0 && item.run + std::uint64_t{item.count} > n) ||
         (item.count == 0 && (item.offset > table[item.run].len || item.bytes > table[item.run].len - item.offset)))
       throw nb::value_error("an item lies outside the runs");
+    if (item.count != 0 && (item.offset == 0 || item.offset > kr::kWarp || item.count * item.offset > kr::kThreads))
+      throw nb::value_error("a pack's lanes do not fit a thread block");
     for (std::uint32_t t = 0; t < kr::kThreads; ++t) {
-      const std::uint32_t run = item.count == 0 ? item.run : item.run + t / kr::kWarp;
+      const std::int64_t at = kr::run_of(item, t);
+      if (at < 0) continue;
+      const auto run = static_cast<std::uint64_t>(at);
       const auto record = [&](std::uint64_t s, std::uint64_t d, std::uint64_t width) {
         rows.insert(rows.end(), {run, s - table[run].src, width, s, d});
       };

@@ -22,11 +22,19 @@ from kvlayout.transfer import TransferError
 from kvlayout.transfer.cuda import copy_runs
 from tests.transfer.test_transfer_cuda import needs_gpu
 
-THREADS, WARP, PACK_RUNS, SHORT, SLICE = 256, 32, 8, 2048, 64 << 10
+THREADS, WARP, SHORT, SLICE = 256, 32, 2048, 64 << 10
+
+
+def lanes_for(n: int) -> int:
+    """A packed run's lanes: a power of two that moves its 16-byte units 4 at a time."""
+    lanes = 1
+    while lanes < WARP and lanes * 64 < n:
+        lanes *= 2
+    return lanes
 
 
 def items_of(runs: np.ndarray) -> list[tuple[int, int, int, int]]:
-    """(offset, bytes, run, count) of each work item."""
+    """(offset, bytes, run, count) of each work item (a pack's offset is its lanes per run)."""
     table = _native.plan_run_items(runs)
     return [(int(o), int(b), int(w) & 0xFFFFFFFF, int(w) >> 32) for o, b, w in table.tolist()]
 
@@ -59,7 +67,7 @@ def run_tables(draw: st.DrawFn) -> np.ndarray:
     lengths = st.one_of(
         st.just(0),
         st.integers(1, 40),
-        st.integers(41, SHORT),  # packed, a warp each
+        st.integers(41, SHORT),  # packed, a group of lanes each
         st.integers(SHORT + 1, 3 * SLICE + 100),  # sliced
     )
     rows = []
@@ -89,10 +97,10 @@ def test_runs_become_slices_and_packs_of_short_runs(runs: np.ndarray) -> None:
             assert n > SHORT and 0 < nbytes <= SLICE and offset + nbytes <= n
             assert offset == 0 or (src + offset) % 16 == 0  # only a run's first slice has a head
             seen.append((run, offset, nbytes))
-        else:  # a pack: a warp per short run
-            assert 1 <= count <= PACK_RUNS and offset == 0
+        else:  # a pack: a group of lanes per short run, as wide as its longest run needs
             members = runs[run : run + count, 2].tolist()
             assert all(n <= SHORT for n in members) and members[0] > 0 and nbytes == sum(members)
+            assert offset == max(lanes_for(n) for n in members if n) and count * offset <= THREADS
             seen += [(r, 0, int(n)) for r, n in zip(range(run, run + count), members, strict=True) if n]
     # In run order, each nonempty run exactly once, its slices back to back.
     expected: list[tuple[int, int, int]] = []
@@ -114,10 +122,18 @@ def test_a_long_run_is_sliced_on_the_source_grid() -> None:
     assert items_of(runs) == [(0, first, 0, 0), (first, SLICE, 0, 0), (first + SLICE, 3, 0, 0)]
 
 
-def test_short_runs_pack_eight_to_an_item_empty_ones_included() -> None:
-    runs = np.array([[16 * i, 4096 + 16 * i, 0 if i in (0, 3) else 100] for i in range(12)], dtype=np.uint64)
-    # run 0 is empty and starts nothing; runs 1..8 (3 empty: an idle warp) fill a pack.
-    assert items_of(runs) == [(0, 700, 1, 8), (0, 300, 9, 3)]
+def test_short_runs_share_a_thread_block_as_many_as_its_lanes_hold() -> None:
+    # 256-byte runs take 4 lanes each: 64 to a block of 256 threads, not one per warp.
+    heads = np.array([[512 * i, 1 << 30 | 512 * i, 256] for i in range(70)], dtype=np.uint64)
+    assert items_of(heads) == [(4, 64 * 256, 0, 64), (4, 6 * 256, 64, 6)]
+    # Run 0 is empty and starts nothing; run 3 is empty inside the pack (an idle group);
+    # the 2 KiB run 11 needs a warp, and 11 warps are more than a block: a pack of its own.
+    runs = np.array(
+        [[4096 * i, 1 << 30 | 4096 * i, {0: 0, 3: 0, 11: 2048}.get(i, 100)] for i in range(12)],
+        dtype=np.uint64,
+    )
+    assert items_of(runs) == [(2, 900, 1, 10), (32, 2048, 11, 1)]
+    assert items_of(runs[1:10]) == [(2, 800, 0, 9)]  # the empty run in it a group too
 
 
 def test_a_run_that_wraps_around_the_address_space_is_refused() -> None:

@@ -5,8 +5,9 @@
 // copies is compiled for the host too, so tests enumerate every unit a grid would copy.
 //
 // A work item is either a slice of one run, up to kSliceBytes, that all the block's
-// threads stride over, or a pack of up to kPackRuns short runs (at most kShortBytes
-// each), one warp per run. Inside a slice or run, where source and destination agree
+// threads stride over, or a pack of short runs (at most kShortBytes each), a group of
+// lanes per run: as few lanes as move the pack's longest run in one pass (kUnroll units
+// each), so a pack of 256-byte runs moves 64 of them at once, not one per warp. Inside a slice or run, where source and destination agree
 // modulo 16 the body moves in 16-byte units (8-byte where they agree modulo 8) from the
 // first aligned source byte, and the head and tail before and after it move in bytes.
 // Slices after a run's first start on the source's 16-byte grid, so only a run's first
@@ -28,7 +29,7 @@ struct Run {
 };
 
 struct Item {
-  std::uint64_t offset;  // a slice's first byte in its run (0 for a pack)
+  std::uint64_t offset;  // a slice's first byte in its run; a pack's lanes per run
   std::uint64_t bytes;   // a slice's bytes (a pack: its runs' bytes, for the record)
   std::uint32_t run;     // the slice's run, or the pack's first run
   std::uint32_t count;   // 0: a slice; else the pack's runs [run, run + count)
@@ -38,7 +39,6 @@ static_assert(sizeof(Run) == 24 && sizeof(Item) == 24, "tables cross to the devi
 
 inline constexpr std::uint32_t kThreads = 256;  // per thread block
 inline constexpr std::uint32_t kWarp = 32;
-inline constexpr std::uint32_t kPackRuns = kThreads / kWarp;
 inline constexpr int kUnroll = 4;  // body units in flight per thread
 // A slice is a few passes of the whole block (kThreads * 16 bytes * kUnroll = 16 KiB).
 inline constexpr std::uint64_t kSliceBytes = std::uint64_t{64} << 10;
@@ -77,8 +77,25 @@ KVLAYOUT_HOST_DEVICE inline void for_each_unit(std::uint64_t src, std::uint64_t 
   }
 }
 
+// The lanes a packed run of `len` bytes gets: enough for its 16-byte units at kUnroll
+// each (a power of two, at most a warp; runs with no common 16-byte alignment move in
+// smaller units, in more passes).
+KVLAYOUT_HOST_DEVICE inline std::uint32_t lanes_for(std::uint64_t len) {
+  const std::uint64_t wanted = (len + 16 * kUnroll - 1) / (16 * kUnroll);
+  std::uint32_t lanes = 1;
+  while (lanes < kWarp && lanes < wanted) lanes *= 2;
+  return lanes;
+}
+
+// The run thread `t` of a block works on in `item`, or -1 in a pack past its runs.
+KVLAYOUT_HOST_DEVICE inline std::int64_t run_of(const Item& item, std::uint32_t t) {
+  if (item.count == 0) return item.run;
+  const std::uint32_t group = t / static_cast<std::uint32_t>(item.offset);
+  return group < item.count ? std::int64_t{item.run} + group : -1;
+}
+
 // What thread `t` of a block copies of `item`: the slice with all threads, or in a pack
-// its warp's run.
+// its group's run.
 #if defined(__CUDACC__)
 #pragma nv_exec_check_disable
 #endif
@@ -90,10 +107,11 @@ KVLAYOUT_HOST_DEVICE inline void for_each_unit_of(const Item& item, const Run* r
     for_each_unit(r.src + item.offset, r.dst + item.offset, item.bytes, t, kThreads, copy_byte, copy_body);
     return;
   }
-  const std::uint32_t warp = t / kWarp;
-  if (warp >= item.count) return;
-  const Run r = runs[item.run + warp];
-  for_each_unit(r.src, r.dst, r.len, t % kWarp, kWarp, copy_byte, copy_body);
+  const std::int64_t run = run_of(item, t);
+  if (run < 0) return;
+  const Run r = runs[run];
+  const auto lanes = static_cast<std::uint32_t>(item.offset);
+  for_each_unit(r.src, r.dst, r.len, t % lanes, lanes, copy_byte, copy_body);
 }
 
 // The work items of runs[0..n), in run order. Refuses a run that wraps around the
@@ -111,15 +129,19 @@ inline std::vector<Item> plan_items(const Run* runs, std::size_t n) {
     if (r.src + r.len < r.src || r.dst + r.len < r.dst)
       throw std::invalid_argument("copy_runs: run " + std::to_string(i) + " wraps around the address space");
     if (r.len == 0) {
-      if (pack.count != 0) ++pack.count;  // an empty run in a pack is a warp with nothing to do
-      if (pack.count == kPackRuns) close_pack();
+      if (pack.count != 0) ++pack.count;  // an empty run in a pack is a group with nothing to do
+      if (pack.count != 0 && pack.count * pack.offset == kThreads) close_pack();
       continue;
     }
     if (r.len <= kShortBytes) {
-      if (pack.count == 0) pack = Item{0, 0, static_cast<std::uint32_t>(i), 0};
+      const std::uint64_t lanes = lanes_for(r.len);
+      const std::uint64_t wider = pack.offset > lanes ? pack.offset : lanes;
+      if (pack.count != 0 && (pack.count + 1) * wider > kThreads) close_pack();  // it does not fit
+      if (pack.count == 0) pack = Item{lanes, 0, static_cast<std::uint32_t>(i), 0};
+      pack.offset = pack.offset > lanes ? pack.offset : lanes;
       ++pack.count;
       pack.bytes += r.len;
-      if (pack.count == kPackRuns) close_pack();
+      if (pack.count * pack.offset == kThreads) close_pack();
       continue;
     }
     close_pack();
