@@ -9,7 +9,7 @@ the decode cache, the peer the prefill cache: vLLM's NixlConnector's way). The p
 cache is built there from a spec (:mod:`kvlayout.testing.nixl_peer`) and described to
 this process by its ``RegistrationDescription`` (the handshake); the map is
 ``block_map(...)`` between the live registration and that description. It moves over UCX
-on loopback (TCP for host memory by default, ``tcp,cuda_copy``; ``--tls ''`` lets UCX
+on loopback (TCP by default, with cuda_copy on a GPU machine; ``--tls ''`` lets UCX
 pick). In the same run, for the same bytes, each row posted by this process:
   - kvlayout direct: the map's runs, one descriptor each, in the list form and in the
     prepped form (both sides prepared at the handshake in units every run is whole
@@ -61,7 +61,7 @@ import numpy as np
 import torch
 
 from kvlayout import EngineKVFormat as F
-from kvlayout.testing.nixl_peer import BufferSide, CacheSpec, NixlPeer, Paced, build_cache
+from kvlayout.testing.nixl_peer import BufferSide, CacheSpec, NixlPeer, Paced, build_cache, tcp_tls
 from kvlayout.transfer import BlockMap, RegistrationDescription, block_map
 from kvlayout.transfer import nixl as nx
 from kvlayout.transfer.block_maps import Side
@@ -433,9 +433,8 @@ def main() -> None:
     parser.add_argument("--blocks", choices=("scattered", "consecutive", "both"), default="both")
     who = "who posts: the prefill side (WRITE), the decode side (READ), or each in turn"
     parser.add_argument("--op", choices=("WRITE", "READ", "both"), default="both", help=who)
-    # cuda_copy moves no host memory, but NIXL's UCX does not start without it on a GPU machine.
-    tls = "UCX_TLS for both processes ('' lets UCX choose)"
-    parser.add_argument("--tls", default="tcp,cuda_copy", help=tls)
+    tls = "UCX_TLS for both processes ('' lets UCX choose; by default TCP, with cuda_copy on a GPU machine)"
+    parser.add_argument("--tls", default=tcp_tls(), help=tls)
     where = "where the caches and staging buffers live: cpu, or cuda (with --tls '' for UCX's GPU transports)"
     parser.add_argument("--device", default="cpu", help=where)
     args = parser.parse_args()

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import kvlayout
-from kvlayout.testing.nixl_peer import NixlPeer, contents
+from kvlayout.testing.nixl_peer import NixlPeer, contents, tcp_tls
 from kvlayout.transfer import TransferError
 from kvlayout.transfer import nixl as nx
 
@@ -382,9 +382,7 @@ class TcpPair:
     local: torch.Tensor
 
 
-# TCP for host memory; cuda_copy, which NIXL's UCX cannot start without on a GPU machine
-# (seen on an H200: "tcp" alone fails the backend), touches no host memory.
-TCP = "tcp,cuda_copy"
+TCP = tcp_tls()  # with cuda_copy on a GPU machine, where NIXL's UCX needs it to start
 
 
 @pytest.fixture(scope="module")

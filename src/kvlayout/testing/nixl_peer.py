@@ -44,7 +44,16 @@ import numpy as np
 if TYPE_CHECKING:
     from kvlayout.transfer.nixl import PeerStaging
 
-__all__ = ["BufferSide", "CacheSpec", "NixlPeer", "Paced", "build_cache", "cache_sizes", "contents"]
+__all__ = [
+    "BufferSide",
+    "CacheSpec",
+    "NixlPeer",
+    "Paced",
+    "build_cache",
+    "cache_sizes",
+    "contents",
+    "tcp_tls",
+]
 
 
 def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
@@ -152,6 +161,17 @@ def _nest(extents: Sequence[int], leaves: list[Any]) -> Any:
         return tuple(parts) if depth > 0 else parts
 
     return build(0, leaves) if extents else leaves[0]
+
+
+def tcp_tls() -> str:
+    """``UCX_TLS`` for TCP alone between processes of one machine (so that a stopped peer
+    holds a transfer up, and loopback measures a network rather than UCX's shared-memory
+    copies): ``tcp``, with ``cuda_copy`` where torch sees a GPU, since NIXL's UCX backend
+    does not start there without a CUDA transport (seen on an H200 with nixl-cu13).
+    cuda_copy moves no host memory; on a CPU-only machine UCX would warn that it is absent."""
+    import torch
+
+    return "tcp,cuda_copy" if torch.cuda.is_available() else "tcp"
 
 
 class Paced(NamedTuple):
