@@ -24,7 +24,7 @@ fi
 # The device tests must run here, not skip: a skip on a GPU machine is a failure.
 log=$(mktemp)
 "$PY" -m pytest -q -p no:cacheprovider -rs tests/transfer/test_transfer_cuda.py tests/transfer/test_copy_runs.py \
-  tests/transfer/test_nixl_device.py \
+  tests/transfer/test_nixl_device.py tests/transfer/test_block_maps_device.py \
   2>&1 | tee "$log"
 if grep -q "SKIPPED" "$log"; then
   echo "gpu_check: a device test skipped on a GPU machine" >&2

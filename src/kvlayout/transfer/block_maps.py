@@ -737,7 +737,9 @@ class BlockMap:
 
     def copy(self, num_threads: int = 1) -> int:
         """Copy the runs (validated first: every run inside one tensor's blocks on each
-        side, destination runs disjoint); GIL released. Returns the threads used."""
+        side, destination runs disjoint); GIL released. Returns the threads used. On a GPU
+        the copy is queued on the current stream and this returns before the bytes move,
+        as any CUDA copy does (``num_threads`` does not apply; 1 is returned)."""
         threads = _int("num_threads", num_threads)
         if threads < 1:
             raise BlockMapError(f"num_threads must be a positive int, got {num_threads!r}")
