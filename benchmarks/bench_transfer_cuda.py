@@ -1,12 +1,14 @@
 """CUDA block transfer bandwidth against a device-to-device copy of the same bytes.
 
 The Llama-3-8B-like case of bench_transfer.py, on the GPU: 256 scattered blocks of a
-2048-block pool into sixteen 256-token chunks, and back, through a prepared plan. Then the
-run executor (``kvlayout.transfer.cuda.copy_runs``) on the same flash-attn store given as
-byte runs (one 32 KiB run per block and K/V layer slab), and on the head-major layout's
-256-byte runs: per call (the host splits the runs into work items and uploads them, then
-the kernel) and the kernel alone over a table already on the device. Needs a CUDA
-device and kvlayout._cuda (see scripts/gpu_check.sh).
+2048-block pool into sixteen 256-token chunks, and back, through a prepared plan, per call
+and queued (the device's time alone: a call moves 151-268 MB, about 0.1 ms of an H200's
+time, and its checks alone take 0.05 ms of this project's CPU, so per call the host can
+set the pace). Then the run executor (``kvlayout.transfer.cuda.copy_runs``) on the same
+flash-attn store given as byte runs (one 32 KiB run per block and K/V layer slab), and on
+the head-major layout's 256-byte runs: per call (the host splits the runs into work items
+and uploads them, then the kernel) and the kernel alone over a table already on the
+device. Needs a CUDA device and kvlayout._cuda (see scripts/gpu_check.sh).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from kvlayout.transfer import prepare
 from kvlayout.transfer.cuda import copy_runs
 
 NL, NB, BS, NH, HS = 32, 2048, 16, 8, 128
+SLEEP_CYCLES = 200_000_000  # about 0.1 s at the H200's clocks: longer than queuing 20 calls takes
 BLOCKS, CHUNK_TOKENS = 256, 256
 SHAPES = {
     F.NL_X_TWO_NB_BS_NH_HS: (2, NB, BS, NH, HS),
@@ -33,14 +36,21 @@ SHAPES = {
 }
 
 
-def timed_ms(fn: Callable[[], object], repeats: int = 20) -> float:
+def timed_ms(fn: Callable[[], object], repeats: int = 20, queued: bool = False) -> float:
+    """Device milliseconds per call, between events around ``repeats`` calls. ``queued``:
+    the calls are queued behind a sleeping kernel, so the device runs them back to back
+    and the host's per-call work (checks, staging, launches) is not in the time."""
     start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     fn()
     torch.cuda.synchronize()
+    if queued:
+        torch.cuda._sleep(SLEEP_CYCLES)  # type: ignore[no-untyped-call]
     start.record()
     for _ in range(repeats):
         fn()
+    if queued and start.query():
+        raise RuntimeError("the calls took longer to queue than the sleep lasted: raise SLEEP_CYCLES")
     end.record()
     torch.cuda.synchronize()
     return float(start.elapsed_time(end)) / repeats
@@ -54,12 +64,15 @@ def run_format(fmt: F, shape: tuple[int, ...], block_ids: list[int]) -> str:
     nbytes = sum(c.numel() * c.element_size() for c in chunks)
     src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
-    store = timed_ms(lambda: plan.store_blocks(block_ids, chunks))
-    load = timed_ms(lambda: plan.load_blocks(block_ids, chunks))
-    copy = timed_ms(lambda: dst.copy_(src))
-    gbs = [nbytes / ms / 1e6 for ms in (store, load, copy)]
-    ratios = f"{copy / store:>11.2f}x{copy / load:>10.2f}x"
-    return f"{fmt.name:<26}{gbs[0]:>12.1f}{gbs[1]:>12.1f}{gbs[2]:>15.1f}{ratios}"
+    times = [
+        timed_ms(lambda: plan.store_blocks(block_ids, chunks)),
+        timed_ms(lambda: plan.load_blocks(block_ids, chunks)),
+        timed_ms(lambda: plan.store_blocks(block_ids, chunks), queued=True),
+        timed_ms(lambda: plan.load_blocks(block_ids, chunks), queued=True),
+    ]
+    copy = timed_ms(lambda: dst.copy_(src), queued=True)
+    gbs = "".join(f"{nbytes / ms / 1e6:>10.1f}" for ms in (*times, copy))
+    return f"{fmt.name:<24}{gbs}" + "".join(f"{copy / ms:>10.2f}x" for ms in times)
 
 
 def run_maps(block_ids: list[int]) -> list[str]:
@@ -112,8 +125,10 @@ def _kernel_alone(runs: np.ndarray) -> Callable[[], object]:
 
 def main() -> None:
     block_ids = random.Random(0).sample(range(NB), BLOCKS)
-    head = f"{'format':<26}{'store GB/s':>12}{'load GB/s':>12}{'d2d GB/s':>15}"
-    print(f"{head}{'store/copy':>12}{'load/copy':>11}")
+    print("GB/s per call, and queued (the calls back to back on the device, the host's per-call")
+    print("work hidden behind a sleeping kernel); ratios: a device-to-device copy's time over ours")
+    names = ("store", "load", "store q", "load q", "d2d")
+    print(f"{'format':<24}" + "".join(f"{n:>10}" for n in names) + "".join(f"{n:>11}" for n in names[:4]))
     for fmt, shape in SHAPES.items():
         print(run_format(fmt, shape, block_ids), flush=True)
         torch.cuda.empty_cache()
