@@ -541,6 +541,10 @@ BAD_MAPS = [
      "src_blocks has 2 block ids; the request's tokens fill 3 blocks of 4"),
     (lambda a: block_map(a, a, [0.0], [1.0]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got float64"),
     (lambda a: block_map(a, a, [[0]], [[1]]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got shape [1, 1]"),
+    (lambda a: block_map(a, a, torch.tensor([0], device="meta"), [1]), BlockMapError,
+     "src_blocks must hold values (a list, array or dense tensor)"),
+    (lambda a: block_map(a, a, [0], torch.tensor([2**63 + 1], dtype=torch.uint64)), BlockMapError,
+     "dst_blocks[0] = 9223372036854775809 is out of range for any cache (above 2**63 - 1)"),
     (lambda a: block_map(a, [torch.zeros(3)], [0], [1]), TypeError, "dst is a list; block_map takes what detection returns"),
     (lambda a: block_map(a, bind([[torch.zeros(32, 4, 8) for _ in range(2)] for _ in range(2)], 4), [0], [0]),
      BlockMapError, "dst: TWO_X_NL_X_NBBS_NH_HS folds its blocks and their tokens into one axis (NBBS): pass its "

@@ -20,7 +20,6 @@ order, emitting and merging runs (``csrc/block_map.h``).
 from __future__ import annotations
 
 import functools
-import operator
 import weakref
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,6 +36,7 @@ from kvlayout.registration.memory import Placement, group_placement, no_memory
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
 from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard, ShardError
+from kvlayout.transfer.arguments import block_ids_arg, int_arg
 
 __all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
 
@@ -800,12 +800,7 @@ def _device_name(device: tuple[str, int | None]) -> str:
 
 
 def _int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise BlockMapError(f"{name} must be an int, got {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise BlockMapError(f"{name} must be an int, got {value!r}") from None
+    return int_arg(name, value, BlockMapError)
 
 
 def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
@@ -829,21 +824,7 @@ def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
 def _ids(name: str, blocks: Any, side: Side, needed: int, per: int = 1) -> np.ndarray:
     """``needed`` block ids of the caller's blocks, each ``per`` of the side's, checked."""
     count, size = side.num_blocks // per, side.block_size * per
-    if isinstance(blocks, torch.Tensor):
-        if blocks.is_floating_point() or blocks.is_complex() or blocks.dtype == torch.bool:
-            raise BlockMapError(f"{name} must be integers, got {blocks.dtype}")
-        ids = blocks.detach().to("cpu", torch.int64).numpy()
-    else:
-        ids = np.asarray(blocks)
-        if ids.size == 0:
-            ids = ids.astype(np.int64)
-        if ids.dtype.kind not in "iu":
-            raise BlockMapError(f"{name} must be a 1-D sequence of ints, got {ids.dtype}")
-    if ids.ndim != 1:
-        raise BlockMapError(f"{name} must be a 1-D sequence of ints, got shape {list(ids.shape)}")
-    if ids.dtype.kind == "u" and ids.size and int(ids.max()) >= count:
-        raise BlockMapError(f"{name} holds {int(ids.max())}, out of range for {count} blocks")
-    ids = np.ascontiguousarray(ids, dtype=np.int64)
+    ids = block_ids_arg(name, blocks, BlockMapError)
     if len(ids) != needed:
         raise BlockMapError(
             f"{name} has {len(ids)} block ids; the request's tokens fill {needed} "

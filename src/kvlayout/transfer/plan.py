@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import functools
 import itertools
-import operator
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +34,8 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.memory import Placement, group_placement, memory_problem, no_memory, run_of
-from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.registration import KernelGroup, Plane, RegistrationError, bound
+from kvlayout.transfer.arguments import block_ids_arg, int_arg
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
 
@@ -432,42 +431,12 @@ def native_sizes(layout: Layout, sizes: Mapping[str, int]) -> list[int]:
 
 
 def _int(name: str, value: object) -> int:
-    if isinstance(value, bool):
-        raise TransferError(f"{name} must be an int, got {value!r}")
-    try:
-        return operator.index(value)  # type: ignore[arg-type]
-    except TypeError:
-        raise TransferError(f"{name} must be an int, got {value!r}") from None
+    return int_arg(name, value, TransferError)
 
 
 def _block_ids(block_ids: Any) -> np.ndarray:
     """Block ids as a contiguous int64 array (ranges are checked natively)."""
-    if isinstance(block_ids, torch.Tensor):
-        if block_ids.device.type == "meta" or not_strided(block_ids) is not None:
-            raise TransferError(
-                f"block_ids must hold values (a list, array or dense tensor), not {block_ids!r}"
-            )
-        if block_ids.is_floating_point() or block_ids.is_complex() or block_ids.dtype == torch.bool:
-            raise TransferError(f"block_ids must be integers, got {block_ids.dtype}")
-        host = block_ids.detach().cpu()
-        # an int64 cast would wrap uint64 ids past 2**63 to negative ones: NumPy checks them below
-        ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
-    else:
-        ids = np.asarray(block_ids)
-        if ids.size and ids.dtype.kind not in "iu":
-            raise TransferError(
-                f"block_ids must be a 1-D sequence of ints, got {ids.dtype} with shape {list(ids.shape)}"
-            )
-    if ids.ndim != 1:
-        raise TransferError(f"block_ids must be a 1-D sequence of ints, got shape {list(ids.shape)}")
-    if ids.dtype != np.int64:
-        if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
-            i = int(np.argmax(ids > np.iinfo(np.int64).max))
-            raise TransferError(
-                f"block_ids[{i}] = {int(ids[i])} is out of range for any cache (above 2**63 - 1)"
-            )
-        ids = ids.astype(np.int64)
-    return np.ascontiguousarray(ids)
+    return block_ids_arg("block_ids", block_ids, TransferError)
 
 
 def _blocks_per_chunk(tokens: list[int], block_size: int, num_blocks: int) -> int:

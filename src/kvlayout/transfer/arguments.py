@@ -1,0 +1,48 @@
+"""The ints and block ids a caller hands the transfers (a plan's calls, block maps), read
+the same way everywhere, each entry point raising its own error class."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from kvlayout.errors import KVLayoutError, as_int
+from kvlayout.registration.nesting import not_strided
+
+
+def int_arg(name: str, value: object, error: type[KVLayoutError]) -> int:
+    """``value`` as an int (NumPy and torch integers too, never a bool)."""
+    try:
+        return as_int(value, name)
+    except TypeError:
+        raise error(f"{name} must be an int, got {value!r}") from None
+
+
+def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarray:
+    """Block ids as a contiguous 1-D int64 array: a list, a NumPy array or a dense tensor
+    of integers on any device (a CUDA tensor is copied to the host, which waits for its
+    stream). Ranges are the caller's to check; ids past int64 are refused here, since an
+    int64 cast would wrap them to negative ones."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type == "meta" or not_strided(value) is not None:
+            raise error(f"{name} must hold values (a list, array or dense tensor), not {value!r}")
+        if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
+            raise error(f"{name} must be integers, got {value.dtype}")
+        host = value.detach().cpu()
+        ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
+    else:
+        ids = np.asarray(value)
+        if ids.size and ids.dtype.kind not in "iu":
+            raise error(
+                f"{name} must be a 1-D sequence of ints, got {ids.dtype} with shape {list(ids.shape)}"
+            )
+    if ids.ndim != 1:
+        raise error(f"{name} must be a 1-D sequence of ints, got shape {list(ids.shape)}")
+    if ids.dtype != np.int64:
+        if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
+            i = int(np.argmax(ids > np.iinfo(np.int64).max))
+            raise error(f"{name}[{i}] = {int(ids[i])} is out of range for any cache (above 2**63 - 1)")
+        ids = ids.astype(np.int64)
+    return np.ascontiguousarray(ids)
