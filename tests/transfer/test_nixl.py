@@ -14,6 +14,7 @@ import faulthandler
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pytest
@@ -267,6 +268,34 @@ def nothing_arrived(p: Pair) -> None:
     for b in (0, 1):
         np.testing.assert_array_equal(p.peer.read(b), contents(p.peer.seed, b, BUF))
     assert p.peer.notifs(expect=1, wait=0.3) == []
+
+
+BAD_ARGUMENTS = [
+    ({"notif": 5}, TypeError, r"notif must be bytes \(or str\), not int \(5\)"),
+    ({"cost": "fast"}, TypeError, "cost must be a CostModel"),
+    ({"peer": 7}, TypeError, r"peer must be an agent name \(str, or bytes from add_remote_agent\), not 7"),
+    ({"peer": "kvl-nobody"}, nx.NixlError,
+     "agent 'kvl-local' holds no metadata of peer 'kvl-nobody': load it with add_remote_agent"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("change", "error", "message"), BAD_ARGUMENTS)
+def test_a_transfer_names_the_argument_it_cannot_use(
+    pair: Pair, change: dict[str, object], error: type[Exception], message: str
+) -> None:
+    kw: dict[str, Any] = {"peer": pair.name, "notif": b"refused", **change}
+    m = make_map(pair, "READ", [(0, 0, 0, 0, UNIT)])
+    with pytest.raises(error, match=message):
+        nx.transfer(pair.agent, kw.pop("peer"), m, **kw)
+    assert b"refused" not in pair.peer.notifs(wait=0.5)  # nothing was posted
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan"), "1", True, None])
+def test_wait_takes_a_number_of_seconds(pair: Pair, timeout: object) -> None:
+    xfer = nx.transfer(pair.agent, pair.name, make_map(pair, "READ", [(0, 0, 0, 0, UNIT)]))
+    with pytest.raises(TypeError, match=r"timeout must be a non-negative number of seconds, got"):
+        xfer.wait(timeout=timeout)  # type: ignore[arg-type]
+    assert xfer.wait(timeout=30).num_bytes == UNIT  # the request is still there to wait for
 
 
 def test_a_peer_description_that_lies_is_refused_before_posting(pair: Pair) -> None:

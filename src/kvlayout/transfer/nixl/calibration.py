@@ -25,6 +25,7 @@ from kvlayout.transfer.nixl.sides import (
     NixlTimeoutError,
     Op,
     _peer_name,
+    _seconds,
 )
 
 # -- calibration -------------------------------------------------------------------------------
@@ -81,6 +82,7 @@ def calibrate(
     if op not in ("READ", "WRITE"):
         raise TransferError(f"op must be 'READ' or 'WRITE', not {op!r}")
     peer = _peer_name(peer)
+    timeout = _seconds(timeout)
     starts, ends = _intervals(remote.tensor_spans)
     if len(starts) == 0:
         raise TransferError(f"peer {peer!r} described no memory to calibrate against")

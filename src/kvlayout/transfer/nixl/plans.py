@@ -239,6 +239,8 @@ def plan(
         raise TransferError(f"strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not {strategy!r}")
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise TypeError(f"stages must be a positive int, got {stages!r}")
+    if cost is not None and not isinstance(cost, CostModel):
+        raise TypeError(f"cost must be a CostModel (calibrate() makes one), not {type(cost).__name__}")
     s = _sides(block_map)
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), s.num_bytes

@@ -21,8 +21,10 @@ from kvlayout.transfer.nixl.sides import (
     NixlTimeoutError,
     Strategy,
     _is_nixl_error,
+    _message,
     _peer_name,
     _refuse_moved,
+    _seconds,
 )
 
 
@@ -219,7 +221,7 @@ class Transfer:
     def wait(self, timeout: float = 30.0) -> TransferResult:
         """Poll until done; :class:`NixlTimeoutError` after ``timeout`` seconds (the
         request is released, which asks NIXL to cancel it)."""
-        deadline = time.perf_counter() + timeout
+        deadline = time.perf_counter() + _seconds(timeout)
         while not self.done():
             if time.perf_counter() > deadline:
                 cancelled = self._release()
@@ -331,6 +333,9 @@ def prepare_transfer(
     overlaps the wire of another. Both sides pass the same ``stages``.
     """
     peer = _peer_name(peer)
+    notif = _message(notif, "notif")
+    if peer_ready is not None:
+        peer_ready = _message(peer_ready, "peer_ready")
     if staging is not None and staging.busy:
         if strategy == "staged":
             raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")

@@ -19,6 +19,7 @@ from kvlayout.transfer.nixl.sides import (
     Agent,
     Holder,
     MapSide,
+    NixlError,
     RefusedDescriptorError,
     _check_detected,
     _device,
@@ -194,6 +195,12 @@ def _first_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str) -> 
 
 
 def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, what: str) -> None:
+    if peer != getattr(agent, "name", peer) and not agent.check_remote_metadata(peer):
+        raise NixlError(
+            f"agent {agent.name!r} holds no metadata of peer {peer!r}: load it with add_remote_agent(the "
+            "peer's get_agent_metadata()) at the handshake and post to the name that returns; "
+            "refused before posting"
+        )
     present = np.flatnonzero(rows[:, 1] > 0)  # an empty span holds no memory to check
     bad = _first_unregistered(agent, peer, rows[present], mem)
     if bad >= 0:

@@ -186,7 +186,27 @@ def _refuse_moved(side: MapSide | None, nothing: str) -> None:
 
 def _peer_name(peer: str | bytes) -> str:
     """An agent name as ``add_remote_agent`` returns it (bytes) or as given (str)."""
-    return peer.decode() if isinstance(peer, bytes) else peer
+    if isinstance(peer, bytes):
+        return peer.decode()
+    if not isinstance(peer, str):
+        raise TypeError(f"peer must be an agent name (str, or bytes from add_remote_agent), not {peer!r}")
+    return peer
+
+
+def _seconds(timeout: object) -> float:
+    """A caller's timeout: a non-negative number of seconds (inf waits for good)."""
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
+        raise TypeError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+    return float(timeout)
+
+
+def _message(value: object, what: str) -> bytes:
+    """A NIXL notification message as bytes, what the peer receives (a str as UTF-8)."""
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    raise TypeError(f"{what} must be bytes (or str), not {type(value).__name__} ({value!r})")
 
 
 def _is_nixl_error(exc: BaseException) -> bool:
