@@ -22,7 +22,7 @@ import torch
 
 import kvlayout
 from kvlayout.testing.nixl_peer import NixlPeer, contents, tcp_tls
-from kvlayout.transfer import TransferError
+from kvlayout.transfer import RegistrationDescription, TransferError, block_map
 from kvlayout.transfer import nixl as nx
 
 U64 = np.uint64
@@ -360,6 +360,32 @@ def test_a_peer_description_that_lies_is_refused_before_posting(pair: Pair) -> N
     ):
         nx.transfer(pair.agent, pair.name, Map(runs, here, narrow), prepped=pair.prepped, notif=b"lie")
     nothing_arrived(pair)
+
+
+def test_an_agent_posting_to_itself_prepares_lists_too() -> None:
+    """NIXL's loopback: an agent holds no metadata of itself, so the peer's side is checked
+    against the regions registered on it (it was refused as a description that lies)."""
+    src = [torch.arange(2 * 16 * 32, dtype=torch.float32).view(2, 16, 4, 2, 4) for _ in range(2)]
+    dst = [torch.zeros(2, 16, 4, 2, 4) for _ in range(2)]
+    a, b = (kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}) for kv in (src, dst))
+    described = RegistrationDescription.from_json(b.describe().to_json())
+    m = block_map(a, described, [1, 2], [3, 4])
+    agent = nx.make_agent("kvl-self", progress_thread=False)
+    with nx.register(agent, a):
+        with pytest.raises(
+            nx.RefusedDescriptorError, match="outside every region registered on agent 'kvl-self'"
+        ):
+            nx.prep_lists(agent, "kvl-self", m.src, m.dst, 128)  # dst is not registered yet
+        with nx.register(agent, b):
+            lists = nx.prep_lists(agent, "kvl-self", m.src, m.dst, 128)
+            assert nx.transfer(agent, "kvl-self", m, prepped=lists).wait(timeout=30).num_bytes == m.num_bytes
+    for s, d in zip(src, dst, strict=True):
+        assert torch.equal(d[:, 3:5], s[:, 1:3]) and not d[:, :3].any() and not d[:, 5:].any()
+
+
+def test_a_transfer_takes_a_map() -> None:
+    with pytest.raises(TypeError, match=r"expected a block map \(kvlayout.transfer.block_map\) .* not str"):
+        nx.plan("runs")  # type: ignore[arg-type]
 
 
 def test_register_makes_one_region_per_storage(pair: Pair) -> None:

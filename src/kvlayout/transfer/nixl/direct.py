@@ -61,6 +61,11 @@ def _mem_type(side: MapSide, which: str) -> str:
 
 
 def _sides(block_map: NixlMap) -> _Sides:
+    if not all(hasattr(block_map, name) for name in ("runs", "src", "dst")):
+        raise TypeError(
+            "expected a block map (kvlayout.transfer.block_map) or another NixlMap (runs, src and dst), "
+            f"not {type(block_map).__name__}"
+        )
     runs = block_map.runs
     if not isinstance(runs, np.ndarray) or runs.ndim != 2 or runs.shape[1] != 3 or runs.dtype != _U64:
         what = (

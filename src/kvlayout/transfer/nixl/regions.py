@@ -195,7 +195,15 @@ def _first_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str) -> 
 
 
 def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, what: str) -> None:
-    if peer != getattr(agent, "name", peer) and not agent.check_remote_metadata(peer):
+    """Refuse the first of ``rows`` (address, length, device) outside what ``peer``
+    registered with NIXL; an agent posting to itself holds no metadata of itself, so
+    its rows are checked against the regions registered on it."""
+    if peer == getattr(agent, "name", None):
+        for device in np.unique(rows[:, 2]):
+            on = rows[:, 2] == device
+            _check_local(agent, rows[on, 0], rows[on, 1], mem, int(device), what)
+        return
+    if not agent.check_remote_metadata(peer):
         raise NixlError(
             f"agent {agent.name!r} holds no metadata of peer {peer!r}: load it with add_remote_agent(the "
             "peer's get_agent_metadata()) at the handshake and post to the name that returns; "
