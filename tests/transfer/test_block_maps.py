@@ -420,6 +420,8 @@ def test_a_description_in_other_blocks_than_the_cache_s_is_refused() -> None:
         PeerDescriptionError, match=r"^block_size=8, but NL_X_TWO_NB_BS_NH_HS's blocks hold 4 tokens"
     ):
         reg.describe(block_size=8)
+    with pytest.raises(TypeError, match=r"^block_size must be an int, not bool \(True\)$"):
+        vllm(2, 24, 1, 2, 8).describe(block_size=True)  # blocks of 1 token: True == 1 passed
 
 
 # -- chunks: store_blocks and load_blocks are maps too -----------------------------------------

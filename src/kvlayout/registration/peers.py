@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.layout.algebra import num_heads, resolve_sizes, size_of, size_symbols, symbol_of
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
@@ -263,6 +263,8 @@ def _checked(
 
 def _group(group: Any, block_size: int | None) -> GroupDescription:
     layout = group.layout
+    if block_size is not None:
+        block_size = as_int(block_size, "block_size")
     planes = []
     for p in group.planes:
         leaf = p.leaves[0]
