@@ -234,6 +234,32 @@ def test_a_scatter_that_fails_raises_from_wait_and_frees_the_staging_buffer(
     assert again.wait(timeout=30).strategy == "staged" and not pair.staging.busy
 
 
+def test_a_staging_buffer_closed_under_a_request_stays_registered_until_it_lets_go(pair: Pair) -> None:
+    """close() while a prepared request holds the buffer: NIXL keeps its region until the
+    request is waited for (it posted from a region already deregistered); closed and
+    idle, it is refused by name; run the other side's way (stage) too."""
+    m = make_map(pair, "READ", UNIT_RUNS)
+    for t in pair.local:
+        t.zero_()
+    staging = nx.Staging(pair.agent, BUF)
+    ahead = nx.prepare_transfer(pair.agent, pair.name, m, strategy="staged", staging=staging)
+    staging.close()
+    assert repr(staging).endswith(", busy, closed)") and "live" in repr(staging.registered)
+    ahead.start()
+    assert ahead.wait(timeout=30).strategy == "staged"
+    assert "deregistered" in repr(staging.registered)
+    want = contents(pair.peer.seed, 0, BUF)
+    for _, local, _, remote, n in UNIT_RUNS:
+        assert np.array_equal(pair.local[0][local : local + n].numpy(), want[remote : remote + n])
+    with pytest.raises(
+        TransferError, match=r"Staging\(262144 bytes at 0x[0-9a-f]+, closed\) is closed: NIXL"
+    ):
+        nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=staging)
+    with pytest.raises(TransferError, match="is closed: NIXL no longer holds its region"):
+        nx.prepare_stage(make_map(pair, "WRITE", UNIT_RUNS), staging)
+    staging.close()  # again: nothing left to do
+
+
 def test_a_request_prepared_ahead_posts_nothing_until_started(pair: Pair) -> None:
     """prepare_transfer plans, checks and makes the NIXL requests; nothing moves and the
     staging buffer is taken until start(), which posts exactly what transfer() would."""

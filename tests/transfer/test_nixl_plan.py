@@ -235,6 +235,7 @@ class _FakeStaging:
         self.address = buf.ctypes.data
         self.nbytes = buf.nbytes
         self.device = device
+        self.busy = self.closed = False
 
 
 def staging_at(buf: np.ndarray, device: str = "cpu") -> nx.Staging:

@@ -114,7 +114,8 @@ class Staging:
     receives it into), on the device of the cache it serves: host memory (DRAM) for a
     CPU cache, GPU memory (VRAM, ``device="cuda:N"``) for a cache on that GPU, where the
     gather and scatter run on the device (:func:`kvlayout.transfer.cuda.copy_runs`). One
-    transfer uses it at a time."""
+    transfer uses it at a time; closed while one does, it stays registered until that
+    transfer is waited for or released."""
 
     def __init__(self, agent: Agent, nbytes: int, *, device: str | torch.device = "cpu") -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
@@ -127,17 +128,31 @@ class Staging:
         self.nbytes = nbytes
         self.registered = register(agent, self.tensor)
         self.busy = False
+        self.closed = False
 
     def __repr__(self) -> str:
         where = "" if self.device.type == "cpu" else f" on {self.device}"
-        return f"Staging({self.nbytes} bytes at {self.address:#x}{where}{', busy' if self.busy else ''})"
+        state = ", busy" if self.busy else ""
+        state += ", closed" if self.closed else ""
+        return f"Staging({self.nbytes} bytes at {self.address:#x}{where}{state})"
 
     @property
     def span(self) -> np.ndarray:
         return np.array([[self.address, self.nbytes]], dtype=_U64)
 
     def close(self) -> None:
-        self.registered.deregister()
+        """Deregister the buffer, now or, while a transfer holds it, when that one lets go
+        (NIXL would otherwise move its bytes through a region it no longer holds)."""
+        if not self.closed:
+            self.closed = True
+            if not self.busy:
+                self.registered.deregister()
+
+    def _let_go(self) -> None:
+        """The transfer that held the buffer is done with it."""
+        self.busy = False
+        if self.closed:
+            self.registered.deregister()
 
     def __enter__(self) -> Staging:
         return self

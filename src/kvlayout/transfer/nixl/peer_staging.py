@@ -15,7 +15,7 @@ import torch
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.plans import Plan, plan
-from kvlayout.transfer.nixl.sides import Agent, NixlMap, NixlTimeoutError, Op, _seconds
+from kvlayout.transfer.nixl.sides import Agent, NixlError, NixlMap, NixlTimeoutError, Op, _seconds
 
 
 def stage_notif(tag: bytes, stage: int, stages: int) -> bytes:
@@ -71,6 +71,8 @@ class PeerCopy:
         """The gather (:func:`stage`) or the scatter (:func:`unstage`), paced by
         ``notifs`` when given; on a GPU, on the calling thread's current stream."""
         timeout = _seconds(timeout)
+        if self.staging.closed:
+            raise NixlError(f"{self.staging!r} was closed after this copy was prepared; nothing was copied")
         stream = _copy_stream(self.plan.copy_device)
         if notifs is None:
             self.plan.copy(num_threads, stream)

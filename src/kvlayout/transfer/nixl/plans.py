@@ -246,6 +246,8 @@ def plan(
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     model = cost or DEFAULT_COST
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
+    if staging is not None and staging.closed and not staging.busy:
+        raise TransferError(f"{staging!r} is closed: NIXL no longer holds its region")
     if staging is not None and strategy in ("auto", "staged"):
         _check_staging_device(staging, s.local)
     fits = staging is not None and staging.nbytes >= num_bytes

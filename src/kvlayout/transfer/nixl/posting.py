@@ -254,7 +254,7 @@ class Transfer:
                     raise
                 released = False
         if released and self.staging is not None:
-            self.staging.busy = False
+            self.staging._let_go()
         self._released = released
         return released
 
