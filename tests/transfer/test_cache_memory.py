@@ -440,3 +440,34 @@ def test_a_registration_whose_cache_moved_is_not_registered_with_nixl() -> None:
     kv[0].data = torch.randn(2, 8, 4, 2, 16)
     with pytest.raises(TransferError, match=r"^kv_caches\[0\] was re-allocated after detection .*detect the"):
         nx.register(Agent(), reg)
+
+
+def test_a_prepared_nixl_request_whose_memory_was_deregistered_since_is_refused_not_posted() -> None:
+    """NIXL posts a prepared request through the regions it was made with: deregistered
+    since, the local one was posted anyway, and an agent posting to itself crashed
+    (SIGSEGV) on the destination's. Each is refused at start(), nothing posted."""
+    code = """
+    import logging, torch, kvlayout
+    from kvlayout.transfer import RegistrationDescription, block_map
+    from kvlayout.transfer import nixl as nx
+    import nixl._api
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    for side in ("source", "destination"):
+        src = [torch.ones(2, 64, 16, 8, 64) for _ in range(2)]  # layers of 4 MiB
+        dst = [torch.zeros(2, 64, 16, 8, 64) for _ in range(2)]
+        a, b = (kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}) for kv in (src, dst))
+        m = block_map(a, RegistrationDescription.from_json(b.describe().to_json()), [1, 2], [3, 4])
+        agent = nx.make_agent(f"kvl-self-{side}", progress_thread=False)
+        held = {"source": nx.register(agent, a), "destination": nx.register(agent, b)}
+        ahead = nx.prepare_transfer(agent, f"kvl-self-{side}", m)
+        held[side].deregister()
+        try:
+            ahead.start()
+        except nx.RefusedDescriptorError as e:
+            print(type(e).__name__, str(e).split(": ")[-1], bool(dst[0].any()))
+    """
+    lines = isolated(code)
+    assert lines == [
+        "RefusedDescriptorError nothing was posted False",
+        "RefusedDescriptorError nothing was posted False",
+    ]

@@ -7,18 +7,21 @@ import time
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
+import numpy as np
+
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _sides
 from kvlayout.transfer.nixl.peer_staging import stage_notif
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
 from kvlayout.transfer.nixl.prepped import Prepped
-from kvlayout.transfer.nixl.regions import _check_described, _check_local, _refuse_unregistered
+from kvlayout.transfer.nixl.regions import _check_described, _check_local, _refuse_unregistered, _removals
 from kvlayout.transfer.nixl.sides import (
     Agent,
     NixlError,
     NixlMap,
     NixlTimeoutError,
+    RefusedDescriptorError,
     Strategy,
     _is_nixl_error,
     _message,
@@ -78,6 +81,7 @@ class Transfer:
         self._count = 0
         self._result: TransferResult | None = None
         self._released = False
+        self._removals = _removals(agent)  # the agent's deregistrations when the request was made
 
     def __repr__(self) -> str:
         return f"Transfer({self._what()})"
@@ -109,6 +113,21 @@ class Transfer:
             raise self._fail('transfer returned "ERR"')
         self._posted += 1
 
+    def _check_registered(self) -> None:
+        """Every local descriptor (and, posting to this agent itself, every remote one)
+        still inside a region registered on the agent."""
+        p, after = self.plan, "; it was deregistered after the request was prepared: nothing was posted"
+        rows = [("local descriptor", p.local, p.local_mem)]
+        if self.peer == getattr(self.agent, "name", None):
+            rows.append(("remote descriptor", p.remote, p.remote_mem))
+        for what, r, mem in rows:
+            for device in np.unique(r[:, 2]):
+                on = r[:, 2] == device
+                try:
+                    _check_local(self.agent, r[on, 0], r[on, 1], mem, int(device), what)
+                except RefusedDescriptorError as exc:
+                    raise RefusedDescriptorError(f"{exc}{after}") from None
+
     @property
     def posted(self) -> int:
         """How many of its stages (NIXL requests) have been posted so far."""
@@ -128,8 +147,11 @@ class Transfer:
             raise TransferError(f"{self._what()} was started already (a prepared request posts once)")
         self._started, self.posted_at = True, time.perf_counter()
         try:
-            # Prepared a while ago, perhaps: the local memory must still be where the map read it.
+            # Prepared a while ago, perhaps: the local memory must still be where the map read it,
+            # and still registered (NIXL would post through a region it let go of).
             _refuse_moved(self.plan.local_side, "nothing was posted")
+            if _removals(self.agent) != self._removals:
+                self._check_registered()
             self._stream = _copy_stream(self.plan.copy_device)
             p = self.plan
             if self._gathers:

@@ -46,6 +46,7 @@ class _AgentRegions:
     def __init__(self) -> None:
         self.count: dict[Region, int] = {}
         self.reg_lists: dict[Region, Any] = {}
+        self.removals = 0  # regions deregistered so far: a request prepared before one re-checks
 
     def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
         held = sorted(
@@ -83,6 +84,7 @@ class Registered:
             if held.count[region] == 0:
                 self.agent.deregister_memory(held.reg_lists.pop(region))
                 del held.count[region]
+                held.removals += 1
         self._tensors = None
 
     def __enter__(self) -> Registered:
@@ -171,6 +173,12 @@ def _check_local(
         f"every region registered on agent {agent.name!r} ({len(spans[0])} {mem} regions on device {device})"
     )
     _refuse_outside(what, addr, lengths, spans, f"{where}: register the registration (and staging) first")
+
+
+def _removals(agent: Agent) -> int:
+    """How many regions were deregistered on ``agent`` so far."""
+    held = _REGIONS.get(agent)
+    return held.removals if held is not None else 0
 
 
 def _check_described(addr: np.ndarray, lengths: np.ndarray, remote: MapSide, peer: str, what: str) -> None:
