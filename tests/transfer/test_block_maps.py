@@ -469,6 +469,30 @@ def vllm(
     return bind([torch.zeros(shape, dtype=dtype) for _ in range(layers)], fmt)
 
 
+def test_fp8_moves_to_and_from_the_uint8_it_is_stored_as() -> None:
+    """vLLM and SGLang register fp8 caches as uint8 (their kernels view the bytes as fp8);
+    another engine's fp8 cache holds the same bytes, so the pair maps: bytes as they are."""
+    stored = [torch.randint(0, 256, (2, 8, 4, 2, 16), dtype=torch.uint8) for _ in range(2)]
+    fp8 = [torch.zeros(2, 8, 2, 4, 16, dtype=torch.float8_e4m3fn) for _ in range(2)]
+    src, dst = bind(stored, F.NL_X_TWO_NB_BS_NH_HS), bind(fp8, F.NL_X_TWO_NB_NH_BS_HS)
+    m = block_map(src, dst, [1, 5], [6, 2])
+    assert m.kind == "permuted" and m.reason.endswith(
+        "; src stores uint8 and dst float8_e4m3fn: the bytes move as they are"
+    )
+    m.copy()
+    for s, d in zip(stored, fp8, strict=True):  # HND: [2, NB, NH, BS, HS]
+        got = d.view(torch.uint8)[:, [6, 2]].transpose(2, 3)
+        assert torch.equal(got, s[:, [1, 5]])
+    back = block_map(dst, src, [6, 2], [3, 0])
+    assert back.kind == "permuted" and "src stores float8_e4m3fn and dst uint8" in back.reason
+    with pytest.raises(
+        BlockMapError, match="src is float8_e4m3fn and dst is float8_e5m2: a map copies bytes"
+    ):
+        block_map(dst, vllm(2, 8, 4, 2, 16, dtype=torch.float8_e5m2), [1], [2])  # two encodings
+    with pytest.raises(BlockMapError, match="src is uint8 and dst is int8"):
+        block_map(src, vllm(2, 8, 4, 2, 16, dtype=torch.int8), [1], [2])
+
+
 def test_kinds_say_what_differs() -> None:
     nhd, hnd = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8, fmt=F.NL_X_TWO_NB_NH_BS_HS)
     assert block_map(nhd, vllm(2, 8, 4, 4, 8), [0], [1]).kind == "same layout"

@@ -461,12 +461,19 @@ def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
     return shard
 
 
+def _same_bytes(a: str, b: str) -> bool:
+    """Whether elements of dtypes ``a`` and ``b`` are the same bytes: the same dtype, or an
+    fp8 one and uint8, which vLLM and SGLang register fp8 caches as (their kernels view
+    the bytes as fp8; which fp8 is the engines' configuration, as on one engine)."""
+    return a == b or ({a, b} & {"uint8"} != set() and (a.startswith("float8") or b.startswith("float8")))
+
+
 def _check_same_data(src: Side, dst: Side) -> None:
     a, b = set(src.piece_dtypes), set(dst.piece_dtypes)
-    if a != b and len(a) == len(b) == 1:
+    if len(a) == len(b) == 1 and not _same_bytes(src.piece_dtypes[0], dst.piece_dtypes[0]):
         raise BlockMapError(
             f"src is {src.piece_dtypes[0]} and dst is {dst.piece_dtypes[0]}: a map copies bytes, "
-            "dtypes must agree"
+            "dtypes must agree (fp8 and uint8 do: the bytes of fp8 stored as uint8)"
         )
     if src.data != dst.data:
         raise BlockMapError(f"src holds {src.data} and dst {dst.data}: they do not hold the same data")
@@ -537,9 +544,10 @@ def _pair(
     dp = np.searchsorted(dst.pieces[:, 0], cuts, side="right") - 1
     for q in range(len(cuts)):
         a_dtype, b_dtype = src.piece_dtypes[sp[q]], dst.piece_dtypes[dp[q]]
-        if a_dtype != b_dtype:
+        if not _same_bytes(a_dtype, b_dtype):
             raise BlockMapError(
-                f"src is {a_dtype} and dst is {b_dtype}: a map copies bytes, dtypes must agree"
+                f"src is {a_dtype} and dst is {b_dtype}: a map copies bytes, dtypes must agree "
+                "(fp8 and uint8 do: the bytes of fp8 stored as uint8)"
             )
 
     def side_arrays(side: Side, p: np.ndarray, head0: int) -> list[np.ndarray]:
@@ -876,8 +884,12 @@ def _kind(
     elif src.layout != dst.layout:
         kinds.append("re-laid")
         why.append(f"{src.layout} into {dst.layout}: the same order in a block, other tensors and axes")
+    if set(src.piece_dtypes) != set(dst.piece_dtypes):  # fp8 and the uint8 it is stored as
+        a, b = src.piece_dtypes[0], dst.piece_dtypes[0]
+        why.append(f"src stores {a} and dst {b}: the bytes move as they are")
     if not kinds:
-        return "same layout", "both sides store the request alike; runs are as long as the block ids allow"
+        why.insert(0, "both sides store the request alike; runs are as long as the block ids allow")
+        return "same layout", "; ".join(why)
     return ", ".join(kinds), "; ".join(why)
 
 
