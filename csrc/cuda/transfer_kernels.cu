@@ -21,9 +21,9 @@ struct UnitOf<8> { using type = uint2; };
 template <>
 struct UnitOf<16> { using type = uint4; };
 
-// 2 resident thread blocks of kMaxThreads (512) caps a thread at 64 registers (of 64K per
-// SM): half the SM's threads, each with kUnroll 16-byte loads in flight, covers the latency.
-constexpr int kMinBlocks = 2;
+// 4 resident thread blocks of kMaxThreads caps a thread at 64 registers (of 64K per SM):
+// half the SM's threads, each with kUnroll 16-byte loads in flight, covers the latency.
+constexpr int kMinBlocks = 4;
 
 // grid.x: the moved block (after the skipped prefix); grid.y: the segment.
 template <int Direction, int Bytes, int Depth>

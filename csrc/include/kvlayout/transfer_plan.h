@@ -125,7 +125,7 @@ KVLAYOUT_HOST_DEVICE inline Offsets offsets_at(const Segment& s, std::uint32_t p
 // kMaxLoops (anything).
 
 inline constexpr int kUnroll = 4;
-inline constexpr std::uint32_t kMaxThreads = 512;
+inline constexpr std::uint32_t kMaxThreads = 256;
 
 // The depth a job's kernels are compiled for: the shallowest that holds every segment.
 inline int depth_for(const Segment* segments, std::size_t n) {
@@ -188,14 +188,13 @@ KVLAYOUT_HOST_DEVICE inline void for_each_unit(const Segment& s, std::uint32_t u
   }
 }
 
-// Threads per thread block: whole warps, enough for the largest segment's units at
-// kUnroll each (one pass), at most kMaxThreads. Not rounded to a power of two: an MLA
-// block of 16 576-wide bf16 rows (18 KiB) takes 288 threads in one pass, where 256 took
-// two, the second an eighth full, and 512 would hold registers for 224 idle threads.
+// Threads per thread block: enough for the largest segment's units at kUnroll each, a
+// power of two from a warp up to kMaxThreads.
 inline std::uint32_t threads_for(std::uint32_t max_segment_bytes, std::uint32_t unit) {
   const std::uint64_t wanted = (std::uint64_t{max_segment_bytes} / unit + kUnroll - 1) / kUnroll;
-  const std::uint64_t warps = (wanted + 31) / 32;
-  return warps == 0 ? 32 : warps * 32 < kMaxThreads ? static_cast<std::uint32_t>(warps * 32) : kMaxThreads;
+  std::uint32_t threads = 32;
+  while (threads < kMaxThreads && threads < wanted) threads *= 2;
+  return threads;
 }
 
 // -- building (host) ----------------------------------------------------------------------
