@@ -20,10 +20,10 @@ import torch
 
 from kvlayout import EngineKVFormat as F
 from kvlayout.registration.registration import Registration
-from kvlayout.testing.nixl_peer import CacheSpec, build_cache
+from kvlayout.testing.nixl_peer import CacheSpec
 from kvlayout.transfer import RegistrationDescription, block_map
 from kvlayout.transfer import nixl as nx
-from tests.transfer.test_nixl_maps import TOKENS, expected, spec, twin
+from tests.transfer.test_nixl_maps import device_request
 from tests.transfer.test_transfer_cuda import needs_gpu
 
 MODULE_LIMIT_S = 120
@@ -63,14 +63,8 @@ def described(reg: Registration, s: CacheSpec) -> RegistrationDescription:
 def test_a_request_stages_on_the_device_of_its_cache(
     agent: nx.Agent, device: str, pair: str, strategy: str, op: str, stages: int
 ) -> None:
-    (sf, s_tp, s_bs), (df, d_tp, d_bs) = PAIRS[pair]
-    s_spec, d_spec = spec(sf, s_tp, s_bs, seed=3), spec(df, d_tp, d_bs, seed=4)
-    (src, _), (dst, dst_leaves) = build_cache(s_spec, device), build_cache(d_spec, device)
-    rng = np.random.default_rng(stages)
-    src_ids = [int(b) for b in rng.permutation(s_spec.blocks)[: -(-TOKENS // s_bs)]]
-    dst_ids = [int(b) for b in rng.permutation(d_spec.blocks)[: -(-TOKENS // d_bs)]]
-    kw = {"num_tokens": TOKENS, "src_shard": s_spec.the_shard, "dst_shard": d_spec.the_shard,
-          "src_block_size": s_bs, "dst_block_size": d_bs}  # fmt: skip
+    r = device_request(PAIRS[pair], device, stages)
+    (s_spec, d_spec), src, dst, src_ids, dst_ids, kw = r.specs, r.src, r.dst, r.src_ids, r.dst_ids, r.kw
     # The poster's map (its own cache live, the other described) and the peer's half of it.
     if op == "WRITE":
         posted = block_map(src, described(dst, d_spec), src_ids, dst_ids, **kw)
@@ -99,8 +93,7 @@ def test_a_request_stages_on_the_device_of_its_cache(
             assert xfer.plan.remote_mem == ("VRAM" if on.type == "cuda" else "DRAM")
             if op == "WRITE":
                 nx.unstage(peers, there, stages=stages)  # every stage landed: the peer scatters
-    want = expected(twin(s_spec), twin(d_spec), src_ids, dst_ids)
-    got = [t.contiguous().view(-1).view(torch.uint8).cpu().numpy() for t in dst_leaves]
+    got, want = r.got(), r.want()
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert np.array_equal(g, w), f"destination tensor {i} differs from the oracle"

@@ -100,6 +100,43 @@ def twin(s: CacheSpec) -> Side:
     return Side(fmt, sizes, Registration(reg, leaves, bases), reg, shard, s.block_size, 0)
 
 
+End = tuple[F, tuple[int, int], int]  # a side: format, (TP rank, TP size), block size
+
+
+@dataclass
+class DeviceRequest:
+    """A request between two caches built from seeds on one device, and what the offset
+    oracle needs: the device tests' common start."""
+
+    specs: tuple[CacheSpec, CacheSpec]
+    src: Any  # the registrations
+    dst: Any
+    src_leaves: list[torch.Tensor]
+    dst_leaves: list[torch.Tensor]
+    src_ids: list[int]
+    dst_ids: list[int]
+    kw: dict[str, Any]  # block_map's num_tokens, shards and block sizes
+
+    def want(self) -> list[np.ndarray]:
+        """The destination's tensors after the request moved, by the offset oracle."""
+        return expected(twin(self.specs[0]), twin(self.specs[1]), self.src_ids, self.dst_ids)
+
+    def got(self) -> list[np.ndarray]:
+        return [t.contiguous().view(-1).view(torch.uint8).cpu().numpy() for t in self.dst_leaves]
+
+
+def device_request(ends: tuple[End, End], device: str, seed: int) -> DeviceRequest:
+    (sf, s_tp, s_bs), (df, d_tp, d_bs) = ends
+    s_spec, d_spec = spec(sf, s_tp, s_bs, seed=3), spec(df, d_tp, d_bs, seed=4)
+    (src, src_leaves), (dst, dst_leaves) = build_cache(s_spec, device), build_cache(d_spec, device)
+    rng = np.random.default_rng(seed)
+    src_ids = [int(b) for b in rng.permutation(s_spec.blocks)[: -(-TOKENS // s_bs)]]
+    dst_ids = [int(b) for b in rng.permutation(d_spec.blocks)[: -(-TOKENS // d_bs)]]
+    kw = {"num_tokens": TOKENS, "src_shard": s_spec.the_shard, "dst_shard": d_spec.the_shard,
+          "src_block_size": s_bs, "dst_block_size": d_bs}  # fmt: skip
+    return DeviceRequest((s_spec, d_spec), src, dst, src_leaves, dst_leaves, src_ids, dst_ids, kw)
+
+
 def expected(src: Side, dst: Side, src_ids: list[int], dst_ids: list[int]) -> list[np.ndarray]:
     """The destination's tensors after the request moved, by the offset oracle."""
     if src.layout.symbol_of(Role.HEAD):
