@@ -7,15 +7,19 @@ import time
 from concurrent.futures import Future
 from typing import Any, NamedTuple
 
-import numpy as np
-
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _sides
 from kvlayout.transfer.nixl.peer_staging import stage_notif
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
 from kvlayout.transfer.nixl.prepped import Prepped
-from kvlayout.transfer.nixl.regions import _check_described, _check_local, _refuse_unregistered, _removals
+from kvlayout.transfer.nixl.regions import (
+    _check_described,
+    _check_local,
+    _check_local_rows,
+    _refuse_unregistered,
+    _removals,
+)
 from kvlayout.transfer.nixl.sides import (
     Agent,
     NixlError,
@@ -121,12 +125,10 @@ class Transfer:
         if self.peer == getattr(self.agent, "name", None):
             rows.append(("remote descriptor", p.remote, p.remote_mem))
         for what, r, mem in rows:
-            for device in np.unique(r[:, 2]):
-                on = r[:, 2] == device
-                try:
-                    _check_local(self.agent, r[on, 0], r[on, 1], mem, int(device), what)
-                except RefusedDescriptorError as exc:
-                    raise RefusedDescriptorError(f"{exc}{after}") from None
+            try:
+                _check_local_rows(self.agent, r, mem, what)
+            except RefusedDescriptorError as exc:
+                raise RefusedDescriptorError(f"{exc}{after}") from None
 
     @property
     def posted(self) -> int:

@@ -175,6 +175,13 @@ def _check_local(
     _refuse_outside(what, addr, lengths, spans, f"{where}: register the registration (and staging) first")
 
 
+def _check_local_rows(agent: Agent, rows: np.ndarray, mem: str, what: str) -> None:
+    """:func:`_check_local` for descriptor rows (address, length, device id)."""
+    for device in np.unique(rows[:, 2]):
+        on = rows[:, 2] == device
+        _check_local(agent, rows[on, 0], rows[on, 1], mem, int(device), what)
+
+
 def _removals(agent: Agent) -> int:
     """How many regions were deregistered on ``agent`` so far."""
     held = _REGIONS.get(agent)
@@ -207,9 +214,7 @@ def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, wh
     registered with NIXL; an agent posting to itself holds no metadata of itself, so
     its rows are checked against the regions registered on it."""
     if peer == getattr(agent, "name", None):
-        for device in np.unique(rows[:, 2]):
-            on = rows[:, 2] == device
-            _check_local(agent, rows[on, 0], rows[on, 1], mem, int(device), what)
+        _check_local_rows(agent, rows, mem, what)
         return
     if not agent.check_remote_metadata(peer):
         raise NixlError(
