@@ -465,7 +465,8 @@ def _same_bytes(a: str, b: str) -> bool:
     """Whether elements of dtypes ``a`` and ``b`` are the same bytes: the same dtype, or an
     fp8 one and uint8, which vLLM and SGLang register fp8 caches as (their kernels view
     the bytes as fp8; which fp8 is the engines' configuration, as on one engine)."""
-    return a == b or ({a, b} & {"uint8"} != set() and (a.startswith("float8") or b.startswith("float8")))
+    pair = {a, b}
+    return a == b or ("uint8" in pair and any(d.startswith("float8") for d in pair))
 
 
 def _check_same_data(src: Side, dst: Side) -> None:
