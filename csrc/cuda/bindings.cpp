@@ -31,7 +31,9 @@ NB_MODULE(_cuda, m) {
       [] {
         int err = kvlayout::cuda::load_transfer_kernels();
         if (err == 0) err = kvlayout::cuda::load_run_kernel();
-        if (err != 0) throw nb::value_error((std::string("loading the CUDA kernels failed: ") + kvlayout::cuda::error_string(err)).c_str());
+        if (err != 0)
+          throw nb::value_error(
+              (std::string("loading the CUDA kernels failed: ") + kvlayout::cuda::error_string(err)).c_str());
       },
       "Load every kernel into the current device's context now, not at its first launch: under CUDA's lazy "
       "loading a first launch may wait for the work already queued on the device.");

@@ -7,9 +7,10 @@
 // A work item is either a slice of one run, up to kSliceBytes, that all the block's
 // threads stride over, or a pack of short runs (at most kShortBytes each), a group of
 // lanes per run: as few lanes as move the pack's longest run in one pass (kUnroll units
-// each), so a pack of 256-byte runs moves 64 of them at once, not one per warp. Inside a slice or run, where source and destination agree
-// modulo 16 the body moves in 16-byte units (8-byte where they agree modulo 8) from the
-// first aligned source byte, and the head and tail before and after it move in bytes.
+// each), so a pack of 256-byte runs moves 64 of them at once, not one per warp. Inside a
+// slice or run, where source and destination agree modulo 16 the body moves in 16-byte
+// units (8-byte where they agree modulo 8) from the first aligned source byte, and the
+// head and tail before and after it move in bytes.
 // Slices after a run's first start on the source's 16-byte grid, so only a run's first
 // slice has a head.
 
