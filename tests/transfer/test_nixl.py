@@ -11,6 +11,7 @@ the whole module under a hard limit that ends the process (faulthandler).
 from __future__ import annotations
 
 import faulthandler
+import gc
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -258,6 +259,26 @@ def test_a_staging_buffer_closed_under_a_request_stays_registered_until_it_lets_
     with pytest.raises(TransferError, match="is closed: NIXL no longer holds its region"):
         nx.prepare_stage(make_map(pair, "WRITE", UNIT_RUNS), staging)
     staging.close()  # again: nothing left to do
+
+
+def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: Pair) -> None:
+    """A connector that abandons a prepared request (its KV request aborted, say) and drops
+    it: the staging buffer was taken for good, every later staged request refused it."""
+    m = make_map(pair, "READ", UNIT_RUNS)
+    staging = nx.Staging(pair.agent, BUF)
+    ahead = nx.prepare_transfer(pair.agent, pair.name, m, strategy="staged", staging=staging)
+    assert staging.busy
+    with pytest.warns(
+        ResourceWarning, match=r"the READ to peer 'kvl-peer' \(staged, .*\) was dropped without release"
+    ):
+        del ahead
+        gc.collect()
+    assert not staging.busy
+    assert (
+        nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=staging).wait(timeout=30).strategy
+        == "staged"
+    )
+    staging.close()
 
 
 def test_a_request_prepared_ahead_posts_nothing_until_started(pair: Pair) -> None:

@@ -4,7 +4,10 @@ ahead, then :meth:`Transfer.start`), :class:`Transfer`, :func:`wait`."""
 from __future__ import annotations
 
 import time
+import warnings
+import weakref
 from concurrent.futures import Future
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from kvlayout.transfer import TransferError
@@ -80,12 +83,13 @@ class Transfer:
         self._started = False
         self._posted = 0
         self._landed = [False] * len(handles)
-        self._copies: list[Future[None]] = []  # a WRITE's gathers, a READ's scatters (a pipeline)
         self._stream: Any = None  # the poster's current stream at start(), for a copy on a GPU
         self._count = 0
         self._result: TransferResult | None = None
-        self._released = False
         self._removals = _removals(agent)  # the agent's deregistrations when the request was made
+        # What the request holds until released, also if it is dropped without release().
+        self._hold = _Hold(agent, handles, staging)
+        weakref.finalize(self, _abandon, self._hold, self._what()).atexit = False
 
     def __repr__(self) -> str:
         return f"Transfer({self._what()})"
@@ -158,7 +162,9 @@ class Transfer:
             p = self.plan
             if self._gathers:
                 pool = _copier()
-                self._copies = [pool.submit(p.copy_stage, i, self._stream) for i in range(len(self.handles))]
+                self._hold.copies = [
+                    pool.submit(p.copy_stage, i, self._stream) for i in range(len(self.handles))
+                ]
                 self._copied(0, wait=True)
             elif p.op == "WRITE":
                 p.copy(stream=self._stream)  # the gather (none peer-staged): validated, nothing posted yet
@@ -183,7 +189,7 @@ class Transfer:
 
     def _copied(self, stage: int, *, wait: bool = False) -> bool:
         """Whether the local copy of ``stage`` is done (raising what it raised)."""
-        f = self._copies[stage]
+        f = self._hold.copies[stage]
         if not wait and not f.done():
             return False
         try:
@@ -215,7 +221,7 @@ class Transfer:
                 self._count += hi - lo
             if self.plan.op == "READ" and self.plan.copies is not None:
                 if self._pipelined:
-                    self._copies.append(_copier().submit(self.plan.copy_stage, i, self._stream))
+                    self._hold.copies.append(_copier().submit(self.plan.copy_stage, i, self._stream))
                 else:
                     self.plan.copy(stream=self._stream)  # the scatter out of staging (checked before posting)
 
@@ -233,7 +239,7 @@ class Transfer:
             raise
         if not all(self._landed):
             return False
-        if not all(self._copied(i) for i in range(len(self._copies))):
+        if not all(self._copied(i) for i in range(len(self._hold.copies))):
             return False
         if self.notif:
             self._nixl(self.agent.send_notif, self.peer, self.notif)
@@ -266,9 +272,26 @@ class Transfer:
     def _release(self) -> bool:
         """Release the NIXL requests (cancelling the active ones) once no local copy is
         running, once; False if NIXL refused one."""
-        if self._released:
+        if self._hold.released:
             return True
-        _settle(self._copies)
+        _settle(self._hold.copies)
+        return self._hold.release()
+
+
+@dataclass
+class _Hold:
+    """What a request holds until it is released: its NIXL requests, its staging buffer,
+    and the local copies that write or read that buffer."""
+
+    agent: Agent
+    handles: list[Any]
+    staging: Staging | None
+    copies: list[Future[None]] = field(default_factory=list)
+    released: bool = False
+
+    def release(self) -> bool:
+        """Release the NIXL requests and let go of the staging buffer (the copies are
+        done); False if NIXL refused one."""
         released = True
         for h in self.handles:
             try:
@@ -279,8 +302,32 @@ class Transfer:
                 released = False
         if released and self.staging is not None:
             self.staging._let_go()
-        self._released = released
+        self.released = released
         return released
+
+
+def _abandon(hold: _Hold, what: str) -> None:
+    """A request dropped unreleased (prepared and never started, or never waited for):
+    release what it holds once its local copies are done, so its staging buffer is not
+    taken for good."""
+    if hold.released:
+        return
+    warnings.warn(
+        f"{what} was dropped without release() or wait(); releasing it", ResourceWarning, stacklevel=1
+    )
+    pending = [f for f in hold.copies if not f.done()]
+    if not pending:
+        hold.release()
+        return
+    left = [len(pending)]
+
+    def one_done(_: Future[None]) -> None:
+        left[0] -= 1
+        if left[0] == 0:
+            hold.release()
+
+    for f in pending:
+        f.add_done_callback(one_done)
 
 
 def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:
@@ -333,7 +380,8 @@ def prepare_transfer(
     request (before prefill's forward pass has written the KV, say), and
     :meth:`Transfer.start` when the bytes are ready: the gather, if staged, and the posts
     are then all that is left on the request's path. A prepared request that will not be
-    started is let go with :meth:`Transfer.release`.
+    started is let go with :meth:`Transfer.release` (dropped without it, it is released
+    when collected, with a ``ResourceWarning``).
 
     Every descriptor is checked before anything is posted: the local ones inside regions
     registered on ``agent`` (the staging buffer's included), the remote ones inside the
