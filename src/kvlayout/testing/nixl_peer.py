@@ -27,6 +27,7 @@ poster's metadata, so the peer can send them).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import selectors
@@ -411,6 +412,10 @@ class NixlPeer:
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait(10)
+        for pipe in (self._proc.stdin, self._proc.stdout):
+            if pipe is not None:
+                with contextlib.suppress(OSError):  # a broken pipe to a child already gone
+                    pipe.close()
         self._log.close()
 
     def close(self) -> None:
