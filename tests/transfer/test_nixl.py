@@ -263,13 +263,14 @@ def test_a_staging_buffer_closed_under_a_request_stays_registered_until_it_lets_
 
 def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: Pair) -> None:
     """A connector that abandons a prepared request (its KV request aborted, say) and drops
-    it: the staging buffer was taken for good, every later staged request refused it."""
+    it: the staging buffer was taken for good, every later staged request refused it. A
+    posted one dropped is left to finish, not cancelled."""
     m = make_map(pair, "READ", UNIT_RUNS)
     staging = nx.Staging(pair.agent, BUF)
     ahead = nx.prepare_transfer(pair.agent, pair.name, m, strategy="staged", staging=staging)
     assert staging.busy
     with pytest.warns(
-        ResourceWarning, match=r"the READ to peer 'kvl-peer' \(staged, .*\) was dropped without release"
+        ResourceWarning, match=r"the READ to peer 'kvl-peer' \(staged, .*\) was prepared and dropped"
     ):
         del ahead
         gc.collect()
@@ -278,6 +279,13 @@ def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: P
         nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=staging).wait(timeout=30).strategy
         == "staged"
     )
+    # Posted and dropped, the request is not cancelled: the bytes land and the notif arrives.
+    pair.peer.fill(pair.peer.seed)
+    with pytest.warns(ResourceWarning, match=r"was dropped before wait\(\): it is left to finish"):
+        nx.transfer(pair.agent, pair.name, make_map(pair, "WRITE", UNIT_RUNS), notif=b"fire and forget")
+        gc.collect()
+    assert pair.peer.notifs(expect=1) == [b"fire and forget"]
+    pair.peer.fill(pair.peer.seed)
     staging.close()
 
 

@@ -80,14 +80,13 @@ class Transfer:
         self.notif = notif  # sent after the last stage (a pipeline); b"" when NIXL sends it
         self.ready = ready  # a peer-staged READ's tag: stage i goes once the peer announced it
         self.posted_at = 0.0  # when start() was called
-        self._started = False
         self._posted = 0
         self._landed = [False] * len(handles)
         self._stream: Any = None  # the poster's current stream at start(), for a copy on a GPU
         self._count = 0
         self._result: TransferResult | None = None
         self._removals = _removals(agent)  # the agent's deregistrations when the request was made
-        # What the request holds until released, also if it is dropped without release().
+        # What the request holds until released; dropped unstarted, it is released then.
         self._hold = _Hold(agent, handles, staging)
         weakref.finalize(self, _abandon, self._hold, self._what()).atexit = False
 
@@ -149,9 +148,9 @@ class Transfer:
         (:func:`transfer` calls it; after :func:`prepare_transfer`, the caller does, once
         the KV is written). Once only; a local copy on a GPU runs on the stream current
         here."""
-        if self._started:
+        if self._hold.started:
             raise TransferError(f"{self._what()} was started already (a prepared request posts once)")
-        self._started, self.posted_at = True, time.perf_counter()
+        self._hold.started, self.posted_at = True, time.perf_counter()
         try:
             # Prepared a while ago, perhaps: the local memory must still be where the map read it,
             # and still registered (NIXL would post through a region it let go of).
@@ -230,7 +229,7 @@ class Transfer:
         :class:`NixlError` when NIXL reports ``"ERR"`` or an error."""
         if self._result is not None:
             return True
-        if not self._started:
+        if not self._hold.started:
             raise TransferError(f"{self._what()} was prepared but not started: call start() first")
         try:
             self._poll()
@@ -287,6 +286,7 @@ class _Hold:
     handles: list[Any]
     staging: Staging | None
     copies: list[Future[None]] = field(default_factory=list)
+    started: bool = False
     released: bool = False
 
     def release(self) -> bool:
@@ -307,27 +307,23 @@ class _Hold:
 
 
 def _abandon(hold: _Hold, what: str) -> None:
-    """A request dropped unreleased (prepared and never started, or never waited for):
-    release what it holds once its local copies are done, so its staging buffer is not
-    taken for good."""
+    """A request dropped unreleased. Prepared and never started: release it, so that its
+    staging buffer is not taken for good. Started: leave it to finish (a post must not be
+    cancelled behind the caller's back), holding what it holds."""
     if hold.released:
         return
-    warnings.warn(
-        f"{what} was dropped without release() or wait(); releasing it", ResourceWarning, stacklevel=1
-    )
-    pending = [f for f in hold.copies if not f.done()]
-    if not pending:
-        hold.release()
+    if hold.started:
+        warnings.warn(
+            f"{what} was dropped before wait(): it is left to finish, and its NIXL requests and "
+            "staging buffer stay held",
+            ResourceWarning,
+            stacklevel=1,
+        )
         return
-    left = [len(pending)]
-
-    def one_done(_: Future[None]) -> None:
-        left[0] -= 1
-        if left[0] == 0:
-            hold.release()
-
-    for f in pending:
-        f.add_done_callback(one_done)
+    warnings.warn(
+        f"{what} was prepared and dropped without release(); releasing it", ResourceWarning, stacklevel=1
+    )
+    hold.release()
 
 
 def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:
@@ -380,7 +376,7 @@ def prepare_transfer(
     request (before prefill's forward pass has written the KV, say), and
     :meth:`Transfer.start` when the bytes are ready: the gather, if staged, and the posts
     are then all that is left on the request's path. A prepared request that will not be
-    started is let go with :meth:`Transfer.release` (dropped without it, it is released
+    started is let go with :meth:`Transfer.release` (dropped unstarted, it is released
     when collected, with a ``ResourceWarning``).
 
     Every descriptor is checked before anything is posted: the local ones inside regions
