@@ -2,6 +2,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "transfer_kernels.h"
 
@@ -50,10 +51,26 @@ __global__ void __launch_bounds__(plan::kMaxThreads, kMinBlocks) transfer_kernel
   });
 }
 
-template <int Direction, int Bytes>
-void launch_unit(const DeviceJob& job, const DeviceBatch& batch, dim3 grid, cudaStream_t stream) {
-  plan::with_depth(job.depth, [&](auto depth) {
-    transfer_kernel<Direction, Bytes, decltype(depth)::value><<<grid, dim3(job.threads), 0, stream>>>(job, batch);
+// Calls f(std::integral_constant<int, U>{}) with the compiled unit U equal to `unit`
+// (1, 2, 4, 8 or 16 bytes); false for any other.
+template <class F>
+bool with_unit(int unit, F&& f) {
+  switch (unit) {
+    case 16: f(std::integral_constant<int, 16>{}); return true;
+    case 8: f(std::integral_constant<int, 8>{}); return true;
+    case 4: f(std::integral_constant<int, 4>{}); return true;
+    case 2: f(std::integral_constant<int, 2>{}); return true;
+    case 1: f(std::integral_constant<int, 1>{}); return true;
+    default: return false;
+  }
+}
+
+// The kernel a launch of `unit` and `depth` runs, as f(kernel) (the compiled instances:
+// with_unit's units by plan::with_depth's depths).
+template <int Direction, class F>
+bool with_kernel(int unit, int depth, F&& f) {
+  return with_unit(unit, [&](auto bytes) {
+    plan::with_depth(depth, [&](auto d) { f(transfer_kernel<Direction, decltype(bytes)::value, decltype(d)::value>); });
   });
 }
 
@@ -62,34 +79,25 @@ cudaError_t launch(const DeviceJob& job, const DeviceBatch& batch, int unit, cud
   if (batch.num_blocks <= batch.skip_prefix_blocks || job.num_segments == 0) return cudaSuccess;
   if (job.depth < 0 || job.depth > plan::kMaxLoops) return cudaErrorInvalidValue;
   const dim3 grid(batch.num_blocks - batch.skip_prefix_blocks, job.num_segments);
-  switch (unit) {
-    case 16: launch_unit<Direction, 16>(job, batch, grid, stream); break;
-    case 8: launch_unit<Direction, 8>(job, batch, grid, stream); break;
-    case 4: launch_unit<Direction, 4>(job, batch, grid, stream); break;
-    case 2: launch_unit<Direction, 2>(job, batch, grid, stream); break;
-    case 1: launch_unit<Direction, 1>(job, batch, grid, stream); break;
-    default: return cudaErrorInvalidValue;
-  }
-  return cudaGetLastError();
+  const bool known = with_kernel<Direction>(unit, job.depth, [&](auto kernel) {
+    kernel<<<grid, dim3(job.threads), 0, stream>>>(job, batch);
+  });
+  return known ? cudaGetLastError() : cudaErrorInvalidValue;
 }
 
-// Looks up each depth's kernel of one direction and unit, which loads it (lazy loading).
-template <int Direction, int Bytes>
-cudaError_t load_unit() {
-  cudaFuncAttributes attributes;
-  cudaError_t err = cudaFuncGetAttributes(&attributes, transfer_kernel<Direction, Bytes, 0>);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, transfer_kernel<Direction, Bytes, 2>);
-  if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, transfer_kernel<Direction, Bytes, plan::kMaxLoops>);
-  return err;
-}
-
+// Looks up every kernel of one direction (each unit, each depth), which loads it.
 template <int Direction>
 cudaError_t load_direction() {
-  for (const cudaError_t err : {load_unit<Direction, 1>(), load_unit<Direction, 2>(), load_unit<Direction, 4>(),
-                                load_unit<Direction, 8>(), load_unit<Direction, 16>()}) {
-    if (err != cudaSuccess) return err;
+  cudaError_t err = cudaSuccess;
+  for (int unit = 1; unit <= 16; unit *= 2) {
+    for (int depth = 0; depth <= plan::kMaxLoops; ++depth) {
+      with_kernel<Direction>(unit, depth, [&](auto kernel) {
+        cudaFuncAttributes attributes;
+        if (err == cudaSuccess) err = cudaFuncGetAttributes(&attributes, kernel);
+      });
+    }
   }
-  return cudaSuccess;
+  return err;
 }
 
 }  // namespace
