@@ -305,6 +305,30 @@ def test_a_block_map_of_a_cache_reallocated_after_detection_is_refused_when_buil
         block_map(reg, dst, [1], [2])
 
 
+def test_reallocating_a_tensor_detection_re_viewed_is_caught_too() -> None:
+    """vLLM 0.33 hands each layer as a ``[B, H, N, C]`` permute of NHD memory; detection
+    reads its own physically ordered view, which keeps the old memory alive after
+    ``t.data = new``: the check watches the caller's tensor, not that view."""
+
+    def layers() -> list[torch.Tensor]:
+        return [torch.randn(8, 4, 2, 32).transpose(1, 2) for _ in range(2)]  # [B, H, N, C], NHD memory
+
+    kv, other = layers(), layers()
+    reg, dst = (kvlayout.detect(c, "vllm", HINTS) for c in (kv, other))
+    assert reg.format is F.NL_X_NB_BS_NH_CS and reg.only_group().planes[0].leaves[0] is not kv[0]
+    m = block_map(reg, dst, [1, 2], [3, 4])
+    plan = prepare(dst.only_group(), dst.format)
+    chunks = plan.chunks_for(2, 8)
+    other[0].data = torch.zeros_like(other[0])  # the engine re-allocates layer 0 in place
+    with pytest.raises(BlockMapError, match=r"^the dst side's kv_caches\[0\] was re-allocated"):
+        m.copy()
+    with pytest.raises(TransferError, match=r"^kv_caches\[0\] was re-allocated .*after this plan was prepared"):
+        plan.load_blocks([3, 4], chunks)
+    assert not other[0].any()  # the tensor the engine now uses: nothing written, nothing lost
+    with pytest.raises(BlockMapError, match=r"kv_caches\[0\] was re-allocated"):
+        block_map(reg, dst, [1], [2]).copy()
+
+
 def test_a_block_map_between_caches_that_did_not_move_copies_on_every_call() -> None:
     kv, other = cache(3), [torch.zeros(2, 8, 4, 2, 16) for _ in range(3)]
     reg, dst = (kvlayout.detect(c, "vllm", HINTS) for c in (kv, other))

@@ -105,13 +105,15 @@ def _detect(
 ) -> Registration:
     """``uniform``: ``kv`` already through :func:`_uniform_contiguous_list`."""
     fmt, out, trusted = _discover(kv, engine, hints, uniform)
-    return _bind(out, fmt, engine=engine, root="kv_caches", trusted=trusted)
+    return _bind(out, fmt, kv, engine=engine, root="kv_caches", trusted=trusted)
 
 
-def _bind(kv: Any, formats: Any, **kwargs: Any) -> Registration:
-    """:func:`~kvlayout.registration.registration.bind`, its errors raised as detection's."""
+def _bind(kv: Any, formats: Any, registered: Any, **kwargs: Any) -> Registration:
+    """:func:`~kvlayout.registration.registration.bind` of the normalized ``kv``, the
+    caller's ``registered`` structure watched for re-allocation, its errors raised as
+    detection's."""
     try:
-        return bind(kv, formats, **kwargs)
+        return bind(kv, formats, sources=registered, **kwargs)
     except RegistrationError as exc:
         if isinstance(exc, DetectionError):
             raise
@@ -270,7 +272,7 @@ def _per_layer(
         owner = {i: g for g, group in enumerate(groups) for i in group}
         per_layer = [fmt if i in owner else None for i in range(n)]
         engine_groups = [owner.get(i, EXCLUDED_ENGINE_GROUP) for i in range(n)]
-        return _bind(out, per_layer, engine_groups=engine_groups, engine=eng, root="kv_caches")
+        return _bind(out, per_layer, kv, engine_groups=engine_groups, engine=eng, root="kv_caches")
     if not isinstance(kv, (list, tuple)):
         raise TypeError(f"kv_caches {not_a_kv_cache(kv)}")
     entries = list(kv)
@@ -282,7 +284,7 @@ def _per_layer(
     uniform = _uniform_contiguous_list(entries) if len(members) == len(entries) else None
     if uniform is not None:  # the common case: one detection answers for every layer
         fmt, out, trusted = _discover(entries, eng, hints, uniform)
-        return _bind_whole(out, fmt, eng, [owner[i] for i in range(len(entries))], trusted)
+        return _bind_whole(out, fmt, entries, eng, [owner[i] for i in range(len(entries))], trusted)
     views = physical_entries(entries, members)
     views = dict(zip(members, align_unit_dims([views[i] for i in members]), strict=True))
     _check_one_device(views)
@@ -296,12 +298,12 @@ def _per_layer(
         if not LAYOUTS[fmt].is_layer_list:
             if len(members) != len(entries):
                 raise _left_out(fmt, entries, members)
-            return _bind_whole(out, fmt, eng, [owner[i] for i in range(len(entries))], False)
+            return _bind_whole(out, fmt, entries, eng, [owner[i] for i in range(len(entries))], False)
         result: list[Any] = list(entries)
         formats: list[EngineKVFormat | None] = [None] * len(entries)
         for j, i in enumerate(members):
             result[i], formats[i] = out[j], fmt
-        return _bind_layers(result, formats, owner, eng)
+        return _bind_layers(result, formats, entries, owner, eng)
     result, formats = list(entries), [None for _ in entries]
     for g, group in enumerate(groups):
         buckets: dict[Hashable, list[int]] = {}
@@ -316,7 +318,7 @@ def _per_layer(
                 )
             for j, i in enumerate(idxs):
                 result[i], formats[i] = out[j], fmt
-    return _bind_layers(result, formats, owner, eng)
+    return _bind_layers(result, formats, entries, owner, eng)
 
 
 def _refuse_left_out(entries: list[Any], members: list[int], eng: EngineType, hints: LayoutHints) -> None:
@@ -342,20 +344,26 @@ def _left_out(fmt: EngineKVFormat, entries: list[Any], members: list[int]) -> De
 
 
 def _bind_whole(
-    out: Any, fmt: EngineKVFormat, eng: EngineType, entry_groups: list[int], trusted: bool
+    out: Any, fmt: EngineKVFormat, entries: list[Any], eng: EngineType, entry_groups: list[int], trusted: bool
 ) -> Registration:
     """A detection of every entry: a layer list keeps each entry's group; a structure
     that holds every layer (K/V lists) is one group."""
     if LAYOUTS[fmt].is_layer_list:
-        return _bind(out, fmt, engine_groups=entry_groups, engine=eng, root="kv_caches", trusted=trusted)
-    return _bind(out, fmt, engine=eng, root="kv_caches", trusted=trusted)
+        return _bind(
+            out, fmt, entries, engine_groups=entry_groups, engine=eng, root="kv_caches", trusted=trusted
+        )
+    return _bind(out, fmt, entries, engine=eng, root="kv_caches", trusted=trusted)
 
 
 def _bind_layers(
-    result: list[Any], formats: list[EngineKVFormat | None], owner: dict[int, int], eng: EngineType
+    result: list[Any],
+    formats: list[EngineKVFormat | None],
+    entries: list[Any],
+    owner: dict[int, int],
+    eng: EngineType,
 ) -> Registration:
     groups = [owner.get(i, EXCLUDED_ENGINE_GROUP) for i in range(len(result))]
-    return _bind(result, formats, engine_groups=groups, engine=eng, root="kv_caches")
+    return _bind(result, formats, entries, engine_groups=groups, engine=eng, root="kv_caches")
 
 
 def _detect_subset(

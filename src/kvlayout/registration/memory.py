@@ -335,11 +335,15 @@ def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str =
     names: list[str] = []
     for plane in group.planes:
         span = view_bytes(plane.leaves[0])
-        for t, ptr, path in zip(plane.leaves, plane.data_ptrs, plane.paths, strict=True):
-            if id(t) in tensors:
+        sources = plane.sources or (None,) * len(plane.leaves)
+        for t, source, ptr, path in zip(plane.leaves, sources, plane.data_ptrs, plane.paths, strict=True):
+            # the caller's tensor where detection re-viewed it: an engine re-allocates that
+            # one (``t.data = new``), and the view would keep the old memory
+            watched = t if source is None else source
+            if id(watched) in tensors:
                 continue  # one tensor registered for several layers
             name = describe_path(path, "kv_caches")
-            now = t.data_ptr()
+            now = watched.data_ptr()
             problem = (
                 f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
                 if now != ptr
@@ -347,6 +351,6 @@ def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str =
             )
             if problem is not None:
                 raise error(f"{where}{name} {problem}; detect the registration again")
-            tensors[id(t)] = t
+            tensors[id(watched)] = watched
             names.append(name)
     return Placement(list(tensors.values()), names)

@@ -20,7 +20,7 @@ memory once, from the first layer's slot.
 from __future__ import annotations
 
 import weakref
-from collections.abc import Hashable, Iterable, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
@@ -45,7 +45,7 @@ from kvlayout.registration.binding import (
     tight_block,
 )
 from kvlayout.registration.memory import Run, apart, backed_pointers, check_disjoint, memory_keys, run_of
-from kvlayout.registration.nesting import Path, describe_path, first_leaf
+from kvlayout.registration.nesting import Path, at, describe_path, first_leaf, leaves
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.registration.peers import describe as describe_registration
 from kvlayout.types import EngineType
@@ -114,6 +114,9 @@ class Plane(NamedTuple):
     device: torch.device
     data_ptrs: tuple[int, ...]
     repeats: tuple[int, ...] = ()  # pointer positions whose memory an earlier one holds (shared layers)
+    # the caller's tensor behind each leaf where detection re-viewed it (None: the leaf is
+    # the caller's own): what an engine re-allocates, so what later checks watch
+    sources: tuple[torch.Tensor | None, ...] = ()
 
     @property
     def element_size(self) -> int:
@@ -463,6 +466,7 @@ class Registration:
         "_layers",
         "_registered",
         "_shared",
+        "_sources",
         "engine",
         "engine_groups",
         "formats",
@@ -481,8 +485,10 @@ class Registration:
         shared: Bound | None,
         engine: EngineType | None,
         root: str,
+        sources: Mapping[Path, torch.Tensor] | None = None,
     ) -> None:
         self.kv = kv
+        self._sources = sources or {}  # the caller's tensors behind re-viewed leaves, by path
         self.formats = tuple(formats)
         self.engine_groups = tuple(engine_groups)
         self.num_layers = len(self.formats)
@@ -682,7 +688,7 @@ class Registration:
         if self._shared is not None:
             b, kv = self._shared, self.kv
             for p, shape in enumerate(b.shapes):
-                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes), self.root))
+                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes), self.root, self._sources))
             ptrs = self._shared_ptrs(layers)
         else:
             table = self._layers
@@ -692,7 +698,8 @@ class Registration:
             for p, shape in enumerate(b.shapes):
                 sizes = with_size(LAYOUTS[b.format], shape.sizes, Role.LAYER, len(layers))
                 leaves = table.leaves(self.kv, layers, p)
-                planes.append(_plane(shape, leaves, table.paths(layers, p), sizes, self.root))
+                paths = table.paths(layers, p)
+                planes.append(_plane(shape, leaves, paths, sizes, self.root, self._sources))
             ptrs = _interleave([p.data_ptrs for p in planes], len(layers))
         geometry = _geometry(kv, b)
         return KernelGroup(
@@ -754,9 +761,14 @@ def _plane(
     paths: Sequence[Path],
     sizes: dict[str, int],
     root: str,
+    sources: Mapping[Path, torch.Tensor],
 ) -> Plane:
     pointers = backed_pointers(leaves, paths, root, RegistrationError)  # memory behind every view
-    return Plane(leaves, paths, shape.shape, sizes, shape.block_stride, shape.dtype, shape.device, pointers)
+    behind = tuple(sources.get(tuple(path)) for path in paths) if sources else ()
+    return Plane(
+        leaves, paths, shape.shape, sizes, shape.block_stride, shape.dtype, shape.device, pointers,
+        sources=behind if any(t is not None for t in behind) else (),
+    )  # fmt: skip
 
 
 def _geometry(kv: Any, b: Bound) -> Geometry:
@@ -799,6 +811,7 @@ def bind(
     engine: EngineType | None = None,
     root: str = "kv",
     trusted: bool = False,
+    sources: Any = None,
 ) -> Registration:
     """A normalized registration (as detection returns it) bound to a known format.
 
@@ -806,7 +819,10 @@ def bind(
     layer is in no group and is not read). ``engine_groups`` gives each layer's engine
     (KV cache) group, -1 for none; by default every layer with a format is in group 0.
     Raises :class:`RegistrationError` naming the tensor for anything the format cannot
-    describe, and when two tensors of one engine group overlap in memory.
+    describe, and when two tensors of one engine group overlap in memory. ``sources`` is
+    the structure the caller registered, where ``kv`` re-views it (detection's physical
+    order): later checks for re-allocation watch the caller's tensors, which an engine
+    re-allocates, not the views, which keep the old memory.
     """
     if is_one_format(formats):
         per_layer: list[EngineKVFormat | None] | None = None
@@ -849,7 +865,23 @@ def bind(
         groups = list(engine_groups)
         if len(groups) != n:
             raise RegistrationError(f"engine_groups has {len(groups)} entries for {n} layers")
-    return Registration(kv, fmts, groups, table, shared, engine, root)
+    return Registration(kv, fmts, groups, table, shared, engine, root, _re_viewed(kv, sources))
+
+
+def _re_viewed(kv: Any, sources: Any) -> dict[Path, torch.Tensor]:
+    """The caller's tensors (in ``sources``) that ``kv`` holds as other views of the same
+    memory, by path; where the structures differ at a path, nothing is watched there."""
+    if sources is None or sources is kv:
+        return {}
+    out: dict[Path, torch.Tensor] = {}
+    try:
+        for path, source in leaves(sources):
+            view = at(kv, path)
+            if isinstance(view, torch.Tensor) and view is not source and view.data_ptr() == source.data_ptr():
+                out[path] = source
+    except (KVLayoutError, TypeError, RuntimeError):  # structures that differ, a tensor without memory
+        return out
+    return out
 
 
 class RegisteredKV(list):  # type: ignore[type-arg]
