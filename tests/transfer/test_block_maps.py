@@ -636,6 +636,23 @@ def test_a_description_round_trips_and_maps_like_the_registration() -> None:
         block_map(peer, src, [1, 6], [3, 5], src_shard=Shard(0, 2, 8))
 
 
+def test_runs_stay_exact_at_addresses_float64_cannot_hold() -> None:
+    """Above 2**53 a float64 rounds to a multiple of 2**(e-52): a map's addresses are
+    uint64 throughout, never stacked with signed columns into floats."""
+    src, dst = vllm(2, 8, 4, 8, 8), vllm(2, 8, 4, 8, 8)
+    text = dst.describe(at=1 << 40).to_json()
+
+    def placed(at: int) -> RegistrationDescription:  # the peer's tensors moved to ``at`` (not 16-aligned)
+        wire = json.loads(text)
+        for plane in wire["groups"][0]["planes"]:
+            plane["addresses"] = [a - (1 << 40) + at for a in plane["addresses"]]
+        return RegistrationDescription.from_json(json.dumps(wire))
+
+    near, far = placed((1 << 44) + 248), placed((1 << 56) + 248)
+    runs = [block_map(src, peer, [3, 5], [1, 6]).runs for peer in (near, far)]
+    assert np.array_equal(runs[1][:, 1] - np.uint64(1 << 56), runs[0][:, 1] - np.uint64(1 << 44))
+
+
 def test_a_description_needs_one_kernel_group_to_map() -> None:
     kv = [torch.zeros(2, 8, 4, 4, 8), torch.zeros(2, 8, 4, 4, 8, dtype=torch.float64)]
     desc = bind(kv, 1).describe()

@@ -625,10 +625,15 @@ def _pair(
             break
     src_classes, s_class = np.unique(np.stack([s_sb, s_sj], axis=1), axis=0, return_inverse=True)
     dst_classes, d_class = np.unique(np.stack([d_sb, d_sj], axis=1), axis=0, return_inverse=True)
+    # each column as uint64 before stacking: uint64 addresses stacked with int64 columns
+    # would go through float64, which rounds addresses past 2**53
     slabs = np.stack(
-        [s_base, d_base, s_tensor, d_tensor, width, s_sh, d_sh, s_class.ravel(), d_class.ravel(), tail],
+        [
+            np.asarray(col).astype(np.uint64, copy=False)
+            for col in (s_base, d_base, s_tensor, d_tensor, width, s_sh, d_sh, s_class.ravel(), d_class.ravel(), tail)
+        ],
         axis=1,
-    ).astype(np.uint64)
+    )
     return _Pair(
         np.ascontiguousarray(slabs),
         group_starts,
