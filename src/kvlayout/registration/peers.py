@@ -17,7 +17,7 @@ import json
 import math
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
@@ -26,6 +26,7 @@ from kvlayout.layout.algebra import num_heads, resolve_sizes, size_of, size_symb
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.memory import Run, check_disjoint, group_placement, memory_keys
+from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
 from kvlayout.registration.shards import Shard, ShardError
 
 __all__ = [
@@ -107,6 +108,7 @@ class GroupDescription:
     engine_group: int
     block_size: int | None  # tokens per block; None for a folded page axis not split yet
     planes: tuple[PlaneDescription, ...]
+    opaque_pages: OpaquePages | None = None  # rows that are a page's bytes (vLLM's group edits)
 
     @property
     def layout(self) -> Layout:
@@ -231,7 +233,7 @@ def _placed(
             planes.append(
                 PlaneDescription(p.dtype, p.sizes, p.shape, p.strides, p.block_stride, tuple(addresses))
             )
-        out.append(GroupDescription(g.format, g.layers, g.engine_group, g.block_size, tuple(planes)))
+        out.append(replace(g, planes=tuple(planes)))
     return tuple(out)
 
 
@@ -287,7 +289,9 @@ def _group(group: Any, block_size: int | None) -> GroupDescription:
             "block_size splits a folded page axis (NB*BS) only; describe this cache without it, and give "
             f"block_map src_block_size=/dst_block_size={block_size} to address it in blocks of {block_size}"
         )
-    return GroupDescription(group.format, tuple(group.layers), group.engine_group, bs, tuple(planes))
+    return GroupDescription(
+        group.format, tuple(group.layers), group.engine_group, bs, tuple(planes), group.opaque_pages
+    )
 
 
 # -- JSON ------------------------------------------------------------------------------
@@ -308,6 +312,9 @@ def _to_data(d: RegistrationDescription) -> dict[str, Any]:
                 "layers": list(g.layers),
                 "engine_group": g.engine_group,
                 "block_size": g.block_size,
+                "opaque_pages": None
+                if g.opaque_pages is None
+                else {"layout": g.opaque_pages.layout, "rows_are_tokens": g.opaque_pages.rows_are_tokens},
                 "planes": [
                     {
                         "dtype": p.dtype,
@@ -415,7 +422,7 @@ def _from_data(data: object) -> RegistrationDescription:
 
 
 def _group_from(where: str, data: object) -> GroupDescription:
-    g = _fields(where, data, ("format", "layers", "engine_group", "block_size", "planes"))
+    g = _fields(where, data, ("format", "layers", "engine_group", "block_size", "opaque_pages", "planes"))
     name = g["format"]
     if not isinstance(name, str) or name not in EngineKVFormat.__members__:
         raise PeerDescriptionError(f"{where}.format {name!r} is not a kvlayout format name")
@@ -455,7 +462,25 @@ def _group_from(where: str, data: object) -> GroupDescription:
             raise PeerDescriptionError(
                 f"{where}.block_size={block_size} does not divide the {page} token slots of {fmt.name}"
             )
-    return GroupDescription(fmt, layers, engine_group, block_size, planes)
+    return GroupDescription(
+        fmt, layers, engine_group, block_size, planes, _opaque_from(where, g["opaque_pages"])
+    )
+
+
+def _opaque_from(where: str, data: object) -> OpaquePages | None:
+    if data is None:
+        return None
+    o = _fields(f"{where}.opaque_pages", data, ("layout", "rows_are_tokens"))
+    layout, rows = o["layout"], o["rows_are_tokens"]
+    if not isinstance(layout, str) or not 0 < len(layout) <= MAX_PAGE_LAYOUT or not layout.isprintable():
+        raise PeerDescriptionError(
+            f"{where}.opaque_pages.layout must be printable text of 1 to {MAX_PAGE_LAYOUT} characters"
+        )
+    if not isinstance(rows, bool):
+        raise PeerDescriptionError(
+            f"{where}.opaque_pages.rows_are_tokens must be a boolean, not {_kind(rows)}"
+        )
+    return OpaquePages(layout, rows)
 
 
 def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:

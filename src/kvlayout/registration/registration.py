@@ -46,6 +46,7 @@ from kvlayout.registration.binding import (
 )
 from kvlayout.registration.memory import Run, apart, backed_pointers, check_disjoint, memory_keys, run_of
 from kvlayout.registration.nesting import Path, at, describe_path, first_leaf, leaves
+from kvlayout.registration.opaque import OpaquePages, pages_of_tensors
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.registration.peers import describe as describe_registration
 from kvlayout.types import EngineType
@@ -227,6 +228,19 @@ class KernelGroup:
         if self.geometry.block_size is None:
             raise _undefined(self.format, "block_size")
         return self.geometry.block_size
+
+    @property
+    def opaque_pages(self) -> OpaquePages | None:
+        """What the group's rows hold where its tensors are opaque pages (vLLM's group
+        edits mark the views they make: :mod:`kvlayout.registration.opaque`); None for
+        tensors as an engine registers them."""
+        tensors: list[torch.Tensor] = []
+        for plane in self.planes:
+            sources = plane.sources or (None,) * len(plane.leaves)
+            tensors += [
+                leaf if source is None else source for leaf, source in zip(plane.leaves, sources, strict=True)
+            ]
+        return pages_of_tensors(tensors)
 
     @property
     def block_stride_elems(self) -> int | None:
@@ -688,7 +702,9 @@ class Registration:
         if self._shared is not None:
             b, kv = self._shared, self.kv
             for p, shape in enumerate(b.shapes):
-                planes.append(_plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes), self.root, self._sources))
+                planes.append(
+                    _plane(shape, b.leaves[p], b.paths[p], dict(shape.sizes), self.root, self._sources)
+                )
             ptrs = self._shared_ptrs(layers)
         else:
             table = self._layers

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -33,6 +33,7 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.memory import Placement, group_placement, no_memory
+from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
 from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard, ShardError
@@ -178,6 +179,7 @@ class Side:
         owner: Any,
         placement: Placement | None = None,
         repeats: np.ndarray | None = None,
+        opaque_pages: OpaquePages | None = None,
     ) -> None:
         self.label, self.layout, self.data, self.layers = label, layout, data, layers
         self.kv, self.heads, self.has_heads = kv, heads, has_heads
@@ -186,6 +188,7 @@ class Side:
         self.addresses, self.spans = addresses, spans
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.shard, self.owner = device, shard, owner
+        self.opaque_pages = opaque_pages  # rows that are a page's bytes, not tokens' (vLLM's group edits)
         self._placement = placement  # a live side's tensors, where its addresses were read
         # Per tensor (index into addresses): an earlier tensor's again, a layer sharing its
         # KV cache. Such a layer's bytes are the earlier one's: a map writes them once.
@@ -299,6 +302,7 @@ def side_of_group(
         shard=shard,
         owner=owner,
         placement=placement,
+        opaque_pages=group.opaque_pages,
     )
 
 
@@ -312,7 +316,7 @@ def _side_of_description(desc: RegistrationDescription, block_size: int | None, 
         )
     group = desc.groups[0]
     if block_size is not None and group.block_size is None:
-        group = GroupDescription(group.format, group.layers, group.engine_group, block_size, group.planes)
+        group = replace(group, block_size=block_size)
     return side_of_group(group, (desc.device_type, desc.device_index), desc.shard, None, where)
 
 
@@ -630,7 +634,18 @@ def _pair(
     slabs = np.stack(
         [
             np.asarray(col).astype(np.uint64, copy=False)
-            for col in (s_base, d_base, s_tensor, d_tensor, width, s_sh, d_sh, s_class.ravel(), d_class.ravel(), tail)
+            for col in (
+                s_base,
+                d_base,
+                s_tensor,
+                d_tensor,
+                width,
+                s_sh,
+                d_sh,
+                s_class.ravel(),
+                d_class.ravel(),
+                tail,
+            )
         ],
         axis=1,
     )
@@ -893,10 +908,45 @@ def _kind(
     if set(src.piece_dtypes) != set(dst.piece_dtypes):  # fp8 and the uint8 it is stored as
         a, b = src.piece_dtypes[0], dst.piece_dtypes[0]
         why.append(f"src stores {a} and dst {b}: the bytes move as they are")
+    if src.opaque_pages is not None:
+        whole = "" if src.opaque_pages.rows_are_tokens else ", so a partly filled last block moves whole"
+        why.append(f"opaque pages ({src.opaque_pages.layout}): rows are the kernel's page bytes{whole}")
     if not kinds:
         why.insert(0, "both sides store the request alike; runs are as long as the block ids allow")
         return "same layout", "; ".join(why)
     return ", ".join(kinds), "; ".join(why)
+
+
+def _check_opaque_pages(src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None) -> None:
+    """Opaque pages (vLLM's group edits: rows that are bytes of a kernel's page) map only
+    to pages laid out alike, whole where a row is no token, rank to the same rank."""
+    a, b = src.opaque_pages, dst.opaque_pages
+    if (a is None and b is None) or src.layout is None or dst.layout is None:
+        return  # caches as engines register them, or a chunk of the cache's own rows
+    how = "see docs/vllm-group-edits.md, the opaque-page contract"
+    if a is None or b is None:
+        edited, other, pages = ("src", "dst", a) if a is not None else ("dst", "src", b)
+        assert pages is not None
+        raise BlockMapError(
+            f"{edited} is opaque pages ({pages.layout}) and {other} is not: an edited group's rows are bytes "
+            f"of the kernel's page, not tokens, so it maps only to a group edited alike ({how})"
+        )
+    if a != b:
+        raise BlockMapError(
+            f"src and dst are opaque pages laid out differently (src {a.layout}; dst {b.layout}): the same "
+            f"tokens are other bytes of the page ({how})"
+        )
+    if not a.rows_are_tokens and src.block_size != dst.block_size:
+        raise BlockMapError(
+            f"src and dst are opaque pages in blocks of {src.block_size} and {dst.block_size} rows: "
+            f"whole pages map only to pages of the same size ({how})"
+        )
+    ranks = src.shard or src_shard, dst.shard or dst_shard
+    if None not in ranks and ranks[0] != ranks[1]:
+        raise BlockMapError(
+            f"src and dst are opaque pages of {ranks[0]} and {ranks[1]}: a page holds its rank's heads in "
+            f"the kernel's order, so it maps only to the same rank's ({how})"
+        )
 
 
 def _range(r: range) -> str:
@@ -932,6 +982,7 @@ def block_map(
     """
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
+    _check_opaque_pages(a, b, src_shard, dst_shard)
     a_per, b_per = _pages_per_block(a, src_block_size, "src"), _pages_per_block(b, dst_block_size, "dst")
     pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
     a_len = len(src_blocks) if hasattr(src_blocks, "__len__") else None
@@ -945,6 +996,8 @@ def block_map(
         tokens = _int("num_tokens", num_tokens)
         if tokens < 0:
             raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
+    if a.opaque_pages is not None and not a.opaque_pages.rows_are_tokens:
+        tokens = -(-tokens // a_size) * a_size  # a row is no token: the last block moves whole
     src_ids = _ids("src_blocks", src_blocks, a, -(-tokens // a_size), a_per)
     dst_ids = _ids("dst_blocks", dst_blocks, b, -(-tokens // b_size), b_per)
     again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks // b_per)

@@ -20,6 +20,7 @@ import torch
 from kvlayout.catalog.registry import get_spec
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.granularity import check_block_granularity
+from kvlayout.integrations.vllm.pages import page_layout
 from kvlayout.integrations.vllm.rules import (
     KVCacheGroupEdit,
     MambaStateListEdit,
@@ -34,6 +35,7 @@ from kvlayout.integrations.vllm.specs import (
     tokens_per_slot,
 )
 from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
+from kvlayout.registration.opaque import mark_opaque_pages
 from kvlayout.types import HintsLike
 
 __all__ = ["KV_CACHE_GROUP_EDITS", "apply_kv_cache_group_edits", "find_kv_cache_group_edit"]
@@ -125,6 +127,8 @@ def apply_kv_cache_group_edits(
                 _check_view(edit, spec, value, view)
             except KVCacheGroupEditError as e:
                 raise e.for_layer(layer_name, group_idx) from e
+            # the view reads as a format, but its rows are the kernel's page bytes: say so
+            mark_opaque_pages(view, page_layout(edit.name, spec, value, edit.token_axis(value)))
             edited[layer_name] = view
             applied[edit] += 1
     if applied:

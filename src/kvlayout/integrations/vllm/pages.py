@@ -9,14 +9,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
-from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
+from kvlayout.integrations.vllm.specs import spec_field
+from kvlayout.registration.contiguity import (
+    StridedViewError,
+    attempt_permute_to_contiguous_view,
+    physical_order,
+)
+from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
 
-__all__ = ["OPAQUE_PAGE_DTYPE", "OPAQUE_PAGE_FORMAT", "PageRuns", "opaque_page_view", "page_runs"]
+__all__ = [
+    "OPAQUE_PAGE_DTYPE",
+    "OPAQUE_PAGE_FORMAT",
+    "PageRuns",
+    "opaque_page_view",
+    "page_layout",
+    "page_runs",
+]
 
 OPAQUE_PAGE_FORMAT = EngineKVFormat.NL_X_NB_BS_HS
 """What every edited view reads as: one plane of ``block_size`` rows per block, no
@@ -98,3 +112,24 @@ def opaque_page_view(
     flat = torch.empty(0, dtype=OPAQUE_PAGE_DTYPE, device=t.device)
     flat.set_(storage, 0, (storage.nbytes(),), (1,))  # the storage as bytes, no copy
     return flat.as_strided((num_blocks, block_size, row), (block_stride_bytes, row, 1), offset_bytes)
+
+
+def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> OpaquePages:
+    """What orders the bytes inside the pages an edit made of ``value`` (a tensor, or a
+    list of states): the rule, and each registered tensor's dtype, per-page shape and
+    memory order (the kernel's page: its block size, heads and NHD or HND order), plus
+    the spec's state shapes where it declares them (a Mamba page's conv | ssm split).
+    Rows are tokens where ``token_axis`` is the outermost axis inside a page in memory."""
+    tensors = [value] if isinstance(value, torch.Tensor) else list(value)
+    parts = []
+    for t in tensors:
+        order = [d for d in physical_order(t.shape, t.stride()) if t.shape[d] != 1]
+        parts.append(f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)[1:]} in memory order {order[1:]}")
+    for name in ("shapes", "dtypes"):
+        declared = spec_field(spec, name, None)
+        if declared is not None:
+            parts.append(f"{name} {declared}")
+    first = tensors[0]
+    inner = [d for d in physical_order(first.shape, first.stride()) if first.shape[d] != 1][1:]
+    rows_are_tokens = token_axis is not None and len(tensors) == 1 and (not inner or inner[0] == token_axis)
+    return OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens)

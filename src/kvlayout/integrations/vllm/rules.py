@@ -59,6 +59,12 @@ class KVCacheGroupEdit(ABC):
     @abstractmethod
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor: ...
 
+    def token_axis(self, value: Any) -> int | None:
+        """The registered value's axis holding a kernel page's tokens, None where a page
+        holds no tokens (state): whether the edited view's rows are tokens follows
+        from it (:func:`kvlayout.integrations.vllm.pages.page_layout`)."""
+        return None
+
     def __repr__(self) -> str:
         return f"<KVCacheGroupEdit {self.name}>"
 
@@ -242,6 +248,9 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
 
+    def token_axis(self, value: Any) -> int | None:
+        return _TOKEN_AXIS
+
 
 def _mla_kernel_states(value: torch.Tensor) -> int | None:
     # MLA keeps one latent row per slot (per token, uncompressed): ``[pages, N, C]`` before
@@ -277,3 +286,7 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
         states = _mla_kernel_states(value)
         assert states is not None  # matches() said so
         return _group_kernel_pages(spec, value, states)
+
+    def token_axis(self, value: Any) -> int | None:
+        # ``[pages, N, C]``, ``[pages, 1, N, C]`` or ``[pages, N, 1, C]``
+        return 2 if value.dim() == 4 and value.shape[1] == 1 else 1

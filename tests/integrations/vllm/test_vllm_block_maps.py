@@ -1,0 +1,149 @@
+"""Block maps between vLLM registrations after the group edits: opaque pages move only
+between caches paged alike, and whole where a row is not a token (HND kernel pages, Mamba
+state); NHD kernel pages keep token rows. Built with vLLM 0.33's own view functions."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout.integrations.vllm import apply_kv_cache_group_edits
+from kvlayout.registration.peers import PeerDescriptionError, RegistrationDescription
+from kvlayout.transfer import BlockMapError, Shard, block_map
+
+vx = pytest.importorskip("kvlayout.testing.vllm")  # vLLM's spec classes
+
+pytest.importorskip("vllm")
+
+
+def edited_cache(layout: Any, seed: int, block_size: int = 128) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+    """A 2-layer model on FlashInfer with ``--block-size 128``: 64-token kernel pages,
+    edited into 128-row opaque pages. Returns the raw views, the registration and the
+    edited views."""
+    spec = vx.kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=16, dtype=torch.bfloat16)
+    engine = vx.uniform_engine(spec, vx.FLASHINFER, num_layers=2, num_blocks=6, layout=layout)
+    buf, raw = vx.allocate_v033(engine)
+    buf.copy_(
+        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    )
+    hints = vx.hints(layout is vx.KVCacheLayout.LBHNC)
+    edited = apply_kv_cache_group_edits(engine.config, raw, hints)
+    return raw, kvlayout.detect(list(edited.values()), "vllm", hints), edited
+
+
+def test_hnd_kernel_pages_move_whole_pages_for_a_partly_filled_last_block() -> None:
+    """In HND memory row ``r`` of an edited block is not token ``r``: 200 tokens of
+    128-token blocks move both blocks whole (the request's own), never 72 rows of bytes
+    that hold some heads' tokens past 200 and miss others' before it."""
+    hnd = vx.KVCacheLayout.LBHNC
+    _, src, s = edited_cache(hnd, 1)
+    _, dst, d = edited_cache(hnd, 2)
+    before = {name: t.clone() for name, t in d.items()}
+    m = block_map(src, dst, [4, 1], [0, 5], num_tokens=200)
+    assert src.only_group().opaque_pages is not None and not src.only_group().opaque_pages.rows_are_tokens
+    assert m.num_tokens == 256 and "a partly filled last block moves whole" in m.reason
+    m.copy()
+    for name in d:
+        assert torch.equal(d[name][[0, 5]], s[name][[4, 1]])
+        untouched = [b for b in range(6) if b not in (0, 5)]
+        assert torch.equal(d[name][untouched], before[name][untouched])
+
+
+def test_nhd_kernel_pages_keep_token_rows() -> None:
+    """NHD kernel pages are token-major: row ``r`` is token ``r``, all heads, K and V, so
+    a partial block moves exactly its tokens, as the raw vLLM view addresses them."""
+    nhd = vx.KVCacheLayout.LBNHC
+    raw_src, src, s = edited_cache(nhd, 1)
+    _, dst, d = edited_cache(nhd, 2)
+    before = {name: t.clone() for name, t in d.items()}
+    m = block_map(src, dst, [4, 1], [0, 5], num_tokens=200)
+    assert m.num_tokens == 200
+    m.copy()
+    for name, view in raw_src.items():  # [B * 2, H, 64, C]: block b, token p = page 2b + p // 64, slot p % 64
+        token_rows = view[2 * 1 + 1, :, 200 - 128 - 64 - 1].contiguous().view(torch.int8).reshape(-1)
+        assert torch.equal(s[name][1, 200 - 128 - 1], token_rows)  # token 199 = row 71 of block 1
+        assert torch.equal(d[name][5, :72], s[name][1, :72])
+        assert torch.equal(d[name][5, 72:], before[name][5, 72:])
+
+
+def test_pages_edited_from_other_memory_orders_are_refused() -> None:
+    """NHD prefill and HND decode (Hopper and Blackwell) edit into the same shape and
+    dtype; their pages hold the same tokens in other bytes."""
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
+    assert src.only_group().describe() == dst.only_group().describe()
+    message = (
+        r"src and dst are opaque pages laid out differently \(src subpaged-attention: bfloat16 \[4, 64, 32\]"
+    )
+    with pytest.raises(BlockMapError, match=message):
+        block_map(src, dst, [1], [2])
+    wire = RegistrationDescription.from_json(dst.describe().to_json())
+    assert wire.groups[0].opaque_pages == dst.only_group().opaque_pages
+    with pytest.raises(BlockMapError, match=message):
+        block_map(src, wire, [1], [2])
+
+
+def test_opaque_pages_map_only_to_opaque_pages_of_the_same_rank() -> None:
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBNHC, 2)
+    plain = json.loads(dst.describe().to_json())
+    plain["groups"][0]["opaque_pages"] = None  # the same tensors, as if an engine registered them so
+    with pytest.raises(
+        BlockMapError, match=r"^src is opaque pages \(subpaged-attention: .*\) and dst is not"
+    ):
+        block_map(src, RegistrationDescription.from_json(json.dumps(plain)), [1], [2])
+    with pytest.raises(
+        BlockMapError,
+        match=r"opaque pages of Shard\(tp_rank=0, tp_size=2, num_kv_heads=8\) and Shard\(tp_rank=1,",
+    ):
+        block_map(src, dst, [1], [2], src_shard=Shard(0, 2, 8), dst_shard=Shard(1, 2, 8))
+    assert block_map(src, dst, [1], [2], src_shard=Shard(1, 2, 8), dst_shard=Shard(1, 2, 8)).num_runs == 2
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ({"layout": "", "rows_are_tokens": True}, "opaque_pages.layout must be printable text of 1 to 1024"),
+        ({"layout": "x" * 1025, "rows_are_tokens": True}, "opaque_pages.layout must be printable"),
+        ({"layout": "x", "rows_are_tokens": 1}, "opaque_pages.rows_are_tokens must be a boolean, not int"),
+        ({"layout": "x"}, r"opaque_pages has no rows_are_tokens"),
+        ("x", "opaque_pages must be an object, not a string"),
+    ],
+)
+def test_a_peer_s_opaque_pages_are_checked(value: object, message: str) -> None:
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBNHC, 2)
+    wire = json.loads(dst.describe().to_json())
+    wire["groups"][0]["opaque_pages"] = value
+    with pytest.raises(PeerDescriptionError, match=r"^description\.groups\[0\]\." + message):
+        RegistrationDescription.from_json(json.dumps(wire))
+
+
+def test_a_mamba_state_page_moves_whole() -> None:
+    """Qwen3.5: a 700-token request over 544-token blocks ends in a partly filled block;
+    its Mamba page is conv | ssm state, which a cut at row 156 would tear."""
+    engines = [vx.hybrid_engine(vx.QWEN3_5_0_8B, vx.FLASHINFER, num_blocks=4) for _ in range(2)]
+    hints = {"kv_layout": "NHD"}
+    regs, views = [], []
+    for seed, engine in enumerate(engines):
+        buf, raw = vx.allocate_v033(engine)
+        buf.copy_(
+            torch.randint(
+                -128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed)
+            )
+        )
+        edited = apply_kv_cache_group_edits(engine.config, raw, hints)
+        names = list(edited)
+        groups = [[names.index(n) for n in g.layer_names] for g in engine.config.kv_cache_groups]
+        regs.append(kvlayout.detect(list(edited.values()), "vllm", hints, layer_groups=groups))
+        views.append(edited)
+    mamba = next(i for i, g in enumerate(engines[0].config.kv_cache_groups) if "linear" in g.layer_names[0])
+    src, dst = (r.kernel_groups[mamba] for r in regs)
+    m = block_map(src, dst, [0, 2], [1, 3], num_tokens=700)
+    assert m.num_tokens == 1088 and m.num_bytes == 2 * 1114112 * len(src.layers)
+    m.copy()
+    for name in engines[0].config.kv_cache_groups[mamba].layer_names:
+        assert torch.equal(views[1][name][[1, 3]], views[0][name][[0, 2]])
