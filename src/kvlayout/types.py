@@ -120,6 +120,8 @@ class LayoutHints:
     ``num_layers``, ``total_num_blocks``, ``kv_dim`` (K/V planes: 2, or 1 for MLA): sizes
     an engine states or folds away (TRT-LLM's flat pool row, SGLang's NB*BS page buffer,
     MAX's registration); every detector checks the ones its format has an axis for.
+    ``kv_dim=1`` also tells vLLM 0.26+'s MLA ``[NB, 1, BS, C]`` layers (latents) from a
+    one-head fused K | V cache of the same shape.
 
     ``layout_format``: the format the engine says it registers (MAX sends
     ``NB_KV_NL_BS_NH_HS``); detection must agree with it.

@@ -18,7 +18,10 @@ Quirks that live here and nowhere else:
   layer as ``[B, H, N, C]`` and registers MLA and indexer layers with one head
   (``[NB, 1, BS, C]``), whose NHD and HND orders are the same bytes: a size-1 dim beside
   the tokens is that one head under either ``kv_layout`` (the tensor is viewed with it on
-  the hinted layout's head axis), unless the size hints say otherwise.
+  the hinted layout's head axis), unless the size hints say otherwise. An MLA layer's
+  ``[NB, 1, BS, 576]`` is also a one-head fused K | V cache (a GQA model at TP = KV
+  heads), so it reads as fused unless the hints say MLA (``kv_dim=1``, or an MLA
+  ``layout_format``): then it is latents, ``NL_X_NB_BS_HS``, squeezed.
 * A bare tensor is cross-layer only with the cross-layer rank (LMCache takes any bare
   tensor as format 0). An HND one is ``NB_NL_TWO_NH_BS_HS`` (8): layouts.yaml lists it
   under TRT-LLM, but vLLM's HND cross-layer allocation is that same layout, so every
@@ -44,7 +47,7 @@ from kvlayout.detection.base import (
 from kvlayout.layout.vocabulary import HND_KV_LAYOUTS, Role
 from kvlayout.registration.contiguity import dim0_padding
 from kvlayout.registration.nesting import first_leaf
-from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHints
+from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHintError, LayoutHints
 
 __all__ = ["ENGINE", "discover", "resolve_vllm_kv_layout"]
 
@@ -131,9 +134,24 @@ def _rank4(
         # one head read as one token a block: the same bytes, the 1 on the head axis
         kv = [t.transpose(head, token) for t in kv]
         p = probe(kv)
+    latent = _says_latent(hints)
     if p.shape[head] == 1:  # one head: is the row a blocked-scale page (the DSA indexer)?
         squeezed = p.shape[:head] + p.shape[head + 1 :]
         indexer = match(ENGINE, p, shape=squeezed, only=lambda s: s.byte_rows)
+        if indexer is None and latent:  # MLA: one latent row a token, not a head's K | V
+            indexer = match(ENGINE, p, shape=squeezed, only=lambda s: s.layout.is_mla and not s.byte_rows)
         if indexer is not None:
             return indexer, [t.squeeze(head) for t in kv]
+    elif latent:
+        raise LayoutHintError(
+            f"the layout hints say MLA (one latent row a token: kv_dim=1 or an MLA layout_format), but "
+            f"kv_caches[0] {p.describe()} has {p.shape[head]} heads on its head axis"
+        )
     return fused, kv
+
+
+def _says_latent(hints: LayoutHints) -> bool:
+    """The hints say MLA: vLLM 0.26+ registers an MLA layer as ``[NB, 1, BS, C]``, the shape
+    of a one-head fused K | V cache (any GQA model at TP = KV heads), so only they can."""
+    named = hints.layout_format
+    return hints.kv_dim == 1 or (named is not None and LAYOUTS[EngineKVFormat[named]].is_mla)

@@ -147,3 +147,44 @@ def test_a_mamba_state_page_moves_whole() -> None:
     m.copy()
     for name in engines[0].config.kv_cache_groups[mamba].layer_names:
         assert torch.equal(views[1][name][[1, 3]], views[0][name][[0, 2]])
+
+
+def mla_v033(seed: int, num_layers: int = 3) -> list[torch.Tensor]:
+    """vLLM 0.33's DeepSeek registration: one ``[NB, 1, BS, 576]`` view per layer."""
+    spec = vx.kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    engine = vx.uniform_engine(spec, vx.FLASHMLA, num_layers=num_layers, num_blocks=6)
+    buf, raw = vx.allocate_v033(engine)
+    buf.copy_(
+        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    )
+    return list(raw.values())
+
+
+def test_a_v033_mla_cache_reads_as_latents_when_the_hints_say_mla() -> None:
+    """``[NB, 1, BS, 576]`` is also a one-head fused K | V cache (Llama at TP 8), so the
+    shape cannot tell; ``kv_dim=1`` (or an MLA ``layout_format``) says latents, and the
+    cache then maps to SGLang's MLA pool byte for byte."""
+    kv = mla_v033(3)
+    assert kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}).format.name == "NL_X_NB_BS_NH_CS"
+    for hints in ({"kv_dim": 1}, {"kv_layout": "NHD", "layout_format": "NL_X_NB_BS_HS"}):
+        reg = kvlayout.detect(kv, "vllm", hints)
+        assert reg.format.name == "NL_X_NB_BS_HS" and kvlayout.is_mla(reg.format)
+    sglang = [torch.zeros(6 * 64, 1, 576, dtype=torch.bfloat16) for _ in range(3)]
+    pool = kvlayout.detect(sglang, "sglang", {"kv_layout": "NHD"})
+    m = block_map(reg, pool, [2, 0, 4], [5, 1, 3], num_tokens=150, dst_block_size=64)
+    assert m.kind == "re-laid"
+    m.copy()
+    for layer in range(3):
+        for p in (0, 63, 64, 149):
+            src_block, dst_block = [2, 0, 4][p // 64], [5, 1, 3][p // 64]
+            moved, sent = sglang[layer][dst_block * 64 + p % 64, 0], kv[layer][src_block, 0, p % 64]
+            assert torch.equal(moved.view(torch.int16), sent.view(torch.int16))  # random bytes hold NaNs
+        assert not sglang[layer][3 * 64 + 150 - 128 : 4 * 64].any()  # the last block past the request
+
+
+def test_an_mla_hint_on_a_multi_head_cache_is_an_error() -> None:
+    kv = [torch.zeros(6, 8, 64, 256, dtype=torch.bfloat16).transpose(1, 2).transpose(1, 2) for _ in range(2)]
+    with pytest.raises(
+        kvlayout.LayoutHintError, match=r"the layout hints say MLA .* has 8 heads on its head axis"
+    ):
+        kvlayout.detect(kv, "vllm", {"kv_layout": "HND", "kv_dim": 1})
