@@ -37,6 +37,7 @@ from kvlayout.transfer import (
     ShardError,
     block_map,
 )
+from kvlayout.transfer.block_maps import _piece_starts
 from tests.transfer.registrations import Registration, make_registration
 from tests.transfer.test_native import native_sizes
 
@@ -785,3 +786,18 @@ def test_validation_knows_padded_blocks_of_interleaved_tensors() -> None:
     across = np.array([[base + 32, base + 192, 64]], dtype=np.uint64)  # a's block 0 into b's block 0
     assert _native.validate_runs(across, spans, spans)[:2] == (1, 0)
     assert _native.validate_runs(source, spans, spans)[:2] == (4, 0)  # writes what it reads
+
+
+def test_a_row_s_pieces_are_found_without_probing_every_element() -> None:
+    """A peer may describe rows of millions of elements: the pieces of a row come from a
+    few probes (bisection), the same as probing each element would find."""
+    calls = []
+
+    def regions(e: int = 0, **_: int) -> tuple[int, int]:  # values [0, V) then scales far away
+        calls.append(e)
+        return (0, e) if e < 3 * 2**20 else (0, 2**40 + e)
+
+    assert _piece_starts(regions, 2**22) == [0, 3 * 2**20]
+    assert len(calls) < 100
+    calls.clear()
+    assert _piece_starts(lambda e=0, **_: (e % 3, 0), 7) == list(range(7))  # every element a tensor of its own

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -98,8 +99,8 @@ def _job_geometry(
         return algebra.offset(layout, coord, s, block_stride)
 
     # A row's pieces: the stretches of elements contiguous in one tensor (regions split it).
-    probes = [at(e=e) for e in range(row)]
-    starts = [0] + [e for e in range(1, row) if probes[e] != (probes[e - 1][0], probes[e - 1][1] + 1)]
+    probes = {e: at(e=e) for e in _piece_starts(at, row)}
+    starts = sorted(probes)
     pieces = tuple((e0, e1 - e0) for e0, e1 in zip(starts, [*starts[1:], row], strict=True))
     pointer = np.zeros((nl, kvs * pair, len(pieces)), dtype=np.int64)
     offset = np.zeros_like(pointer)
@@ -120,6 +121,26 @@ def _job_geometry(
         a.setflags(write=False)
     byte_pieces = tuple((e0 * element_size, n * element_size) for e0, n in pieces)
     return _JobGeometry(kvs * pair, heads, row * element_size, byte_pieces, pointer, offset, strides, nb, bs)
+
+
+def _piece_starts(at: Callable[..., tuple[int, int]], row: int) -> list[int]:
+    """The elements of a row where a contiguous piece starts, found by bisection: a row's
+    elements lie in order (regions one after another), so a stretch whose ends are as far
+    apart in memory as in the row is contiguous. O(pieces x log row) probes, not one per
+    element (a peer may describe rows of millions)."""
+    starts = [0]
+    stack = [(0, row - 1)]  # stretches [a, b] whose pieces are not known yet
+    while stack:
+        a, b = stack.pop()
+        (pa, oa), (pb, ob) = at(e=a), at(e=b)
+        if pa == pb and ob - oa == b - a:
+            continue  # one piece
+        if b == a + 1:
+            starts.append(b)
+            continue
+        mid = (a + b) // 2
+        stack += [(mid, b), (a, mid)]
+    return sorted(set(starts))
 
 
 def _split_pages(layout: Layout, sizes: dict[str, int], block_size: int | None, where: str) -> dict[str, int]:
