@@ -259,3 +259,69 @@ def test_8_rule_matching_never_raises_on_a_spec_missing_fields() -> None:
         KV_CACHE_GROUP_EDITS[0].apply(
             type("MambaSpec", (), {"block_size": 4})(), t(4, 1, 1, 64, dtype=torch.int8)
         )
+
+
+# -- round 4 probes: lazy views, ids NumPy promotes, sizes past the cache ----------------------
+
+
+def _flash(n: int = 2) -> list[torch.Tensor]:
+    return [torch.randn(2, 8, 4, 2, 16) for _ in range(n)]
+
+
+@pytest.mark.parametrize(("lazy", "dtype"), [(torch._neg_view, torch.float32), (torch.conj, torch.complex64)])
+def test_11_lazily_negated_or_conjugated_views_are_refused(lazy: Any, dtype: torch.dtype) -> None:
+    """A neg view (what ``-x`` of a conj view gives) and ``x.conj()`` of a complex tensor
+    are views whose bytes are not their values: moved as bytes, the sign or conjugation
+    would be lost."""
+    base = [torch.randn(2, 8, 4, 2, 16, dtype=dtype) for _ in range(2)]
+    views = [lazy(b) for b in base]
+    assert all(v.is_neg() or v.is_conj() for v in views)
+    with pytest.raises(TypeError, match=r"kv_caches\[0\] is a view with its (negative|conjugate) bit set"):
+        kvlayout.detect(views, "vllm", {"kv_layout": "NHD"})
+    plan = prepare(kvlayout.detect(base, "vllm", {"kv_layout": "NHD"}).only_group(), F.NL_X_TWO_NB_BS_NH_HS)
+    with pytest.raises(TransferError, match=r"chunks\[0\] is a view with its (negative|conjugate) bit set"):
+        plan.store_blocks([0], [lazy(plan.chunks_for(1, 4)[0])])
+
+
+def test_11_block_ids_numpy_promotes_to_float_are_read_exactly() -> None:
+    from kvlayout.transfer import BlockMapError, block_map
+
+    a, b = (kvlayout.detect(_flash(), "vllm", {"kv_layout": "NHD"}) for _ in range(2))
+    assert block_map(a, b, [np.int64(1), np.uint64(2)], [3, 4]).num_tokens == 8  # NumPy: float64
+    with pytest.raises(
+        BlockMapError, match=r"^src_blocks\[0\] = 9223372036854775808 is out of range for any"
+    ):
+        block_map(a, b, [2**63, 0], [3, 4])
+    with pytest.raises(BlockMapError, match=r"^src_blocks must be a 1-D sequence of ints, got shape \[\]"):
+        block_map(a, b, torch.tensor(1), [3], num_tokens=4)
+    ids = torch._neg_view(torch.tensor([-1, -2]))  # reads as [1, 2]
+    assert block_map(a, b, ids, [3, 4]).num_tokens == 8
+
+
+def test_11_block_sizes_are_ints_and_fit_the_cache() -> None:
+    from kvlayout.transfer import BlockMapError, block_map
+
+    a, b = (kvlayout.detect(_flash(), "vllm", {"kv_layout": "NHD"}) for _ in range(2))
+    assert block_map(a, b, [1], [3, 4], src_block_size=np.int64(8)).num_tokens == 8
+    with pytest.raises(BlockMapError, match=r"^src_block_size must be an int, got 4.0"):
+        block_map(a, b, [1], [3], src_block_size=4.0)
+    with pytest.raises(
+        BlockMapError, match=r"^src_block_size=64 is 16 of the src cache's blocks, but it has 8"
+    ):
+        block_map(a, b, [0], [0, 1], src_block_size=64, num_tokens=8)
+
+
+def test_11_thread_counts_past_any_pool_are_capped_for_block_maps_too() -> None:
+    from kvlayout.transfer import block_map
+
+    a, b = (kvlayout.detect(_flash(), "vllm", {"kv_layout": "NHD"}) for _ in range(2))
+    assert 1 <= block_map(a, b, [0], [1]).copy(num_threads=2**31) <= 2**31 - 1
+
+
+def test_11_chunks_for_more_blocks_than_the_cache_holds_is_refused_up_front() -> None:
+    plan = prepare(
+        kvlayout.detect(_flash(), "vllm", {"kv_layout": "NHD"}).only_group(), F.NL_X_TWO_NB_BS_NH_HS
+    )
+    assert len(plan.chunks_for(8, 4)) == 8
+    with pytest.raises(TransferError, match=r"^num_blocks=1099511627776 is outside \[0, 8\]"):
+        plan.chunks_for(2**40, 4)

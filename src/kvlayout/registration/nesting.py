@@ -74,6 +74,9 @@ def not_strided(t: torch.Tensor) -> str | None:
         return "is a nested tensor; a KV cache is a strided tensor"
     if t.layout is not torch.strided:
         return f"is a tensor of layout {t.layout}; a KV cache is a strided (dense) tensor"
+    if t.is_neg() or t.is_conj():  # torch's lazy views: bytes moved as they are would lose the sign
+        bit = "negative" if t.is_neg() else "conjugate"
+        return f"is a view with its {bit} bit set, whose bytes are not its values; pass the tensor it views"
     return None
 
 

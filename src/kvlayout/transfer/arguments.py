@@ -3,11 +3,13 @@ the same way everywhere, each entry point raising its own error class."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
+from kvlayout import _native
 from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.registration.nesting import not_strided
 
@@ -20,12 +22,25 @@ def int_arg(name: str, value: object, error: type[KVLayoutError]) -> int:
         raise error(f"{name} must be an int, got {value!r}") from None
 
 
+MAX_THREADS: int = _native.max_threads()  # more are capped: the worker pool never has more
+
+
+def threads_arg(value: object, error: type[KVLayoutError]) -> int:
+    """``num_threads``: a positive int, capped at the worker pool's size."""
+    threads = int_arg("num_threads", value, error)
+    if threads < 1:
+        raise error(f"num_threads must be a positive int, got {value!r}")
+    return min(threads, MAX_THREADS)
+
+
 def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarray:
     """Block ids as a contiguous 1-D int64 array: a list, a NumPy array or a dense tensor
     of integers on any device (a CUDA tensor is copied to the host, which waits for its
     stream). Ranges are the caller's to check; ids past int64 are refused here, since an
     int64 cast would wrap them to negative ones."""
     if isinstance(value, torch.Tensor):
+        if value.is_neg() and value.device.type != "meta":
+            value = value.resolve_neg()  # a few ids: their values, not a negated view's bytes
         if value.device.type == "meta" or not_strided(value) is not None:
             raise error(f"{name} must hold values (a list, array or dense tensor), not {value!r}")
         if value.is_floating_point() or value.is_complex() or value.dtype == torch.bool:
@@ -34,6 +49,8 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarr
         ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
     else:
         ids = np.asarray(value)
+        if ids.size and ids.dtype.kind not in "iu" and _all_ints(value):
+            ids = _exact_ints(name, value, error)  # ints NumPy promoted to float64 (int64 with uint64)
         if ids.size and ids.dtype.kind not in "iu":
             raise error(
                 f"{name} must be a 1-D sequence of ints, got {ids.dtype} with shape {list(ids.shape)}"
@@ -46,3 +63,19 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarr
             raise error(f"{name}[{i}] = {int(ids[i])} is out of range for any cache (above 2**63 - 1)")
         ids = ids.astype(np.int64)
     return np.ascontiguousarray(ids)
+
+
+def _all_ints(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(
+        isinstance(v, (int, np.integer)) and not isinstance(v, bool) for v in value
+    )
+
+
+def _exact_ints(name: str, value: Sequence[int], error: type[KVLayoutError]) -> np.ndarray:
+    """Python or NumPy ints as int64, each exactly (no float on the way)."""
+    ints = [int(v) for v in value]
+    for i, v in enumerate(ints):
+        if not 0 <= v <= np.iinfo(np.int64).max:
+            what = "negative" if v < 0 else "out of range for any cache (above 2**63 - 1)"
+            raise error(f"{name}[{i}] = {v} is {what}")
+    return np.array(ints, dtype=np.int64)

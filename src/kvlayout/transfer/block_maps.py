@@ -34,11 +34,12 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.memory import Placement, group_placement, no_memory
+from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
 from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard, ShardError
-from kvlayout.transfer.arguments import block_ids_arg, int_arg
+from kvlayout.transfer.arguments import block_ids_arg, int_arg, threads_arg
 
 __all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
 
@@ -403,7 +404,7 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
     if str(chunk.dtype).removeprefix("torch.") != cache.piece_dtypes[0]:
         raise BlockMapError(f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}")
     size = chunk.numel() * itemsize
-    problem = no_memory(chunk)  # fake, freed or shrunk: before anything reads its data pointer
+    problem = not_strided(chunk) or no_memory(chunk)  # fake, freed or shrunk: before its data pointer
     if problem is not None:
         raise BlockMapError(f"the chunk {problem}")
     tokens = int(chunk.shape[2])
@@ -790,9 +791,7 @@ class BlockMap:
         side, destination runs disjoint); GIL released. Returns the threads used. On a GPU
         the copy is queued on the current stream and this returns before the bytes move,
         as any CUDA copy does (``num_threads`` does not apply; 1 is returned)."""
-        threads = _int("num_threads", num_threads)
-        if threads < 1:
-            raise BlockMapError(f"num_threads must be a positive int, got {num_threads!r}")
+        threads = threads_arg(num_threads, BlockMapError)
         for where, side in (("src", self.src), ("dst", self.dst)):
             if not side.live:
                 raise BlockMapError(
@@ -853,6 +852,24 @@ def _int(name: str, value: object) -> int:
     return int_arg(name, value, BlockMapError)
 
 
+def _block_size(where: str, value: object) -> int | None:
+    """``src_block_size`` / ``dst_block_size``: None, or a positive int."""
+    if value is None:
+        return None
+    size = _int(f"{where}_block_size", value)
+    if size <= 0:
+        raise BlockMapError(f"{where}_block_size must be a positive int, got {value!r}")
+    return size
+
+
+def _length(blocks: Any) -> int | None:
+    """How many block ids a sequence holds; None for what has no length (a 0-d tensor)."""
+    try:
+        return len(blocks)
+    except TypeError:
+        return None
+
+
 def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
     """How many of ``side``'s blocks one of the caller's blocks of ``block_size`` tokens is:
     1 for its own size (or none given); k for a multiple, a block ``b`` of the caller's
@@ -861,14 +878,18 @@ def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
     block contiguous and in order)."""
     if block_size is None or block_size == side.block_size:
         return 1
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-        raise BlockMapError(f"{where}_block_size must be a positive int, got {block_size!r}")
     if block_size % side.block_size:
         raise BlockMapError(
             f"{where}_block_size={block_size}, but the {where} cache's blocks hold {side.block_size} tokens: "
             f"give its block size or a multiple of it (a block of k of its blocks, in order)"
         )
-    return block_size // side.block_size
+    per = block_size // side.block_size
+    if per > side.num_blocks:
+        raise BlockMapError(
+            f"{where}_block_size={block_size} is {per} of the {where} cache's blocks, but it has "
+            f"{side.num_blocks} ({side.block_size} tokens each)"
+        )
+    return per
 
 
 def _ids(name: str, blocks: Any, side: Side, needed: int, per: int = 1) -> np.ndarray:
@@ -1001,13 +1022,13 @@ def block_map(
     many tokens, block ``b`` being the cache's blocks ``b*k`` to ``b*k + k-1`` (vLLM's
     scheduler blocks over a cache its attention kernel pages ``k`` times finer).
     """
+    src_block_size, dst_block_size = _block_size("src", src_block_size), _block_size("dst", dst_block_size)
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
     _check_opaque_pages(a, b, src_shard, dst_shard)
     a_per, b_per = _pages_per_block(a, src_block_size, "src"), _pages_per_block(b, dst_block_size, "dst")
     pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
-    a_len = len(src_blocks) if hasattr(src_blocks, "__len__") else None
-    b_len = len(dst_blocks) if hasattr(dst_blocks, "__len__") else None
+    a_len, b_len = _length(src_blocks), _length(dst_blocks)
     a_size, b_size = a.block_size * a_per, b.block_size * b_per  # the caller's blocks
     if num_tokens is None:
         if a_len is None or b_len is None:

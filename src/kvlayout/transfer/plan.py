@@ -34,15 +34,15 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.memory import Placement, group_placement, memory_problem, no_memory, run_of
+from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.registration import KernelGroup, Plane, RegistrationError, bound
-from kvlayout.transfer.arguments import block_ids_arg, int_arg
+from kvlayout.transfer.arguments import block_ids_arg, int_arg, threads_arg
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
 
 _MAX_LOOPS = 4
 _PIECE_FIELDS = 5 + 3 * _MAX_LOOPS
 _STORE, _LOAD = 0, 1
-_MAX_THREADS = _native.max_threads()  # more are capped (the pool never has more)
 
 
 @dataclass(frozen=True)
@@ -195,8 +195,11 @@ class TransferPlan:
         ``chunk_tokens`` tokens: ``ceil(num_blocks / (chunk_tokens / block_size))`` of
         them, the last one only as long as its blocks need, on the cache's device."""
         count = _int("num_blocks", num_blocks)
-        if count < 0:
-            raise TransferError(f"num_blocks must be >= 0, got {count}")
+        if not 0 <= count <= self.num_blocks:
+            raise TransferError(
+                f"num_blocks={count} is outside [0, {self.num_blocks}]: a call moves at most the cache's "
+                f"{self.num_blocks} blocks (a load writes each once)"
+            )
         shape, dtype = self.chunk_shape(chunk_tokens)
         per_chunk = shape[2] // self.block_size
         chunks = []
@@ -232,10 +235,7 @@ class TransferPlan:
         skip = _int("skip_prefix_n_blocks", skip)
         if not 0 <= skip <= len(ids):
             raise TransferError(f"skip_prefix_n_blocks={skip} is outside [0, {len(ids)}]")
-        threads = _int("num_threads", threads)
-        if threads < 1:
-            raise TransferError(f"num_threads must be a positive int, got {threads!r}")
-        threads = min(threads, _MAX_THREADS)
+        threads = threads_arg(threads, TransferError)
         if direction == _LOAD:
             again = _native.first_repeated_block_id(ids, skip, self.num_blocks)
             if again >= 0:
@@ -269,9 +269,9 @@ class TransferPlan:
         for i, c in enumerate(chunks):
             if not isinstance(c, torch.Tensor):
                 raise TransferError(f"chunks[{i}] is a {type(c).__name__}, not a tensor")
-            if c.is_nested or c.layout is not torch.strided:
-                kind = "nested" if c.is_nested else str(c.layout)
-                raise TransferError(f"chunks[{i}] is a {kind} tensor; a chunk is a dense (strided) tensor")
+            problem = not_strided(c)
+            if problem is not None:
+                raise TransferError(f"chunks[{i}] {problem.replace('KV cache', 'chunk')}")
             shape = c.shape
             if len(shape) != 4 or shape[0] != kv_size or shape[1] != layers or shape[3] != row:
                 raise TransferError(
