@@ -325,3 +325,19 @@ def test_11_chunks_for_more_blocks_than_the_cache_holds_is_refused_up_front() ->
     assert len(plan.chunks_for(8, 4)) == 8
     with pytest.raises(TransferError, match=r"^num_blocks=1099511627776 is outside \[0, 8\]"):
         plan.chunks_for(2**40, 4)
+
+
+def test_11_a_block_map_of_meta_registrations_says_how_to_plan_one() -> None:
+    from kvlayout.transfer import BlockMapError, block_map
+
+    meta, real = (
+        kvlayout.detect(
+            [torch.empty(2, 8, 4, 2, 16, device=d) for _ in range(2)], "vllm", {"kv_layout": "NHD"}
+        )
+        for d in ("meta", "cpu")
+    )
+    with pytest.raises(
+        BlockMapError, match=r"^src is a meta registration, which has no addresses: plan from"
+    ):
+        block_map(meta, real, [0], [1])
+    assert block_map(meta.describe(at=1 << 40), real.describe(at=1 << 44), [0], [1]).num_runs == 4

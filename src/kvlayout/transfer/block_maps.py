@@ -347,6 +347,11 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
         block_size = None  # blocks of its own: a size given names the caller's blocks (_pages_per_block)
     key = ("block map side", block_size)
     side = group.memo.get(key)
+    if side is None and group.device.type == "meta":
+        raise BlockMapError(
+            f"{where} is a meta registration, which has no addresses: plan from registration.describe(at=...) "
+            "(its tensors laid out from a made-up address)"
+        )
     if side is None:
         placement = group_placement(group, BlockMapError, f"{where}: ")  # None for meta: copy() refuses it
         desc = describe_group(group, block_size=block_size)
