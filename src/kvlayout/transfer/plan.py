@@ -269,9 +269,11 @@ class TransferPlan:
         for i, c in enumerate(chunks):
             if not isinstance(c, torch.Tensor):
                 raise TransferError(f"chunks[{i}] is a {type(c).__name__}, not a tensor")
-            problem = not_strided(c)
-            if problem is not None:
-                raise TransferError(f"chunks[{i}] {problem.replace('KV cache', 'chunk')}")
+            if c.is_nested or c.layout is not torch.strided:
+                kind = "nested" if c.is_nested else str(c.layout)
+                raise TransferError(f"chunks[{i}] is a {kind} tensor; a chunk is a dense (strided) tensor")
+            if c.is_neg() or c.is_conj():
+                raise TransferError(f"chunks[{i}] {not_strided(c)}")
             shape = c.shape
             if len(shape) != 4 or shape[0] != kv_size or shape[1] != layers or shape[3] != row:
                 raise TransferError(
