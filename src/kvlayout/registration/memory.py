@@ -21,6 +21,8 @@ read them (``kvlayout detect`` builds them), transfers refuse them.
 
 from __future__ import annotations
 
+import bisect
+import heapq
 import itertools
 import operator
 from collections.abc import Hashable, Iterable, Sequence
@@ -214,73 +216,271 @@ def apart(runs: Sequence[Run]) -> bool:
     return all(b - a >= span for a, b in itertools.pairwise(ordered))
 
 
-def check_disjoint(runs: Iterable[Run | None], error: type[KVLayoutError], why: str) -> None:
-    """Raise ``error`` naming two tensors that share a byte."""
+def check_disjoint(
+    runs: Iterable[Run | None], error: type[KVLayoutError], why: str, budget: int | None = None
+) -> None:
+    """Raise ``error`` naming two tensors that share a byte.
+
+    Tensors of one geometry (period, block, blocks) are checked at once, in O(n log n)
+    (:func:`_check_pool`); tensors of different geometries pairwise where their spans
+    overlap (:func:`_check_pairs`), each pair in O(log) (:func:`_meet`). ``budget`` bounds
+    those pairs (an untrusted description could interleave millions): past it, ``error``
+    says so. A registration's own memory passes none."""
     present = [r for r in runs if r is not None]
     if apart(present):
         return
-    shape = present[0][:3]
-    if shape[2] > 1 and all(r[:3] == shape for r in present):
-        _check_pool(present, error, why)
-        return
-    _check_pairs(present, error, why)
+    geometries: dict[tuple[int, int, int], list[int]] = {}
+    for k, r in enumerate(present):
+        geometries.setdefault((r.period, r.block, r.blocks), []).append(k)
+    for members in geometries.values():
+        _check_pool(present, members, error, why)
+    if len(geometries) > 1:
+        _check_pairs(present, error, why, budget)
 
 
 def _name(runs: Sequence[Run], k: int, j: int) -> str:
     return describe_path(runs[k].paths[j], runs[k].root)
 
 
-def _check_pairs(runs: Sequence[Run], error: type[KVLayoutError], why: str) -> None:
-    """A sweep over start addresses, testing every two tensors whose spans overlap."""
+def _check_pairs(runs: Sequence[Run], error: type[KVLayoutError], why: str, budget: int | None) -> None:
+    """A sweep over start addresses, testing every two tensors of different geometries
+    whose spans overlap (those of one geometry are :func:`_check_pool`'s); where a tensor
+    meets several, the one starting first is named."""
     index: list[tuple[int, int]] = []
     items: list[_Extent] = []
     for k, r in enumerate(runs):
         for j, start in enumerate(r.starts):
             items.append(_Extent(start, r.period, r.block, r.blocks, len(index)))
             index.append((k, j))
+    items_at = [(e.period, e.block, e.blocks) for e in items]  # by position
     items.sort(key=lambda e: e.start)
-    active: list[_Extent] = []
-    for item in items:
-        active = [a for a in active if a.end > item.start]
-        for a in active:
-            if _meet(a, item):
-                _overlap(runs, index[a.position], index[item.position], a, item, error, why)
-        active.append(item)
+    active: dict[tuple[int, int, int], dict[int, tuple[int, _Extent]]] = {}  # geometry -> position -> rank
+    ends: list[tuple[int, int]] = []  # a heap of (end, position) of the active extents
+    checks = 0
+    for rank, item in enumerate(items):
+        while ends and ends[0][0] <= item.start:
+            position = heapq.heappop(ends)[1]
+            done = items_at[position]
+            members = active[done]
+            del members[position]
+            if not members:
+                del active[done]
+        geometry = (item.period, item.block, item.blocks)
+        met: tuple[int, _Extent] | None = None
+        for other, members in active.items():
+            if other == geometry:
+                continue
+            for entry in members.values():
+                checks += 1
+                if budget is not None and checks > budget:
+                    raise error(
+                        f"more than {budget} pairs of tensors of different shapes lie within each other's "
+                        f"spans, too many to check that they share no byte; {why}"
+                    )
+                if _meet(entry[1], item) and (met is None or entry[0] < met[0]):
+                    met = entry
+        if met is not None:
+            _overlap(runs, index[met[1].position], index[item.position], met[1], item, error, why)
+        active.setdefault(geometry, {})[item.position] = (rank, item)
+        heapq.heappush(ends, (item.end, item.position))
 
 
 def _meet(a: _Extent, b: _Extent) -> bool:
-    """Do two extents whose spans overlap (``a`` starting first) share a byte?"""
+    """Do two extents whose spans overlap (``a`` starting first) share a byte? In
+    O(log) steps, however many blocks they have."""
     if a.blocks == 1 and b.blocks == 1:
         return True
     if a.period == b.period and a.block == b.block:
         # block k of a meets block j of b only for k = j + q or k = j + q + 1
         q, d = divmod(b.start - a.start, a.period)
         return (d < a.block and q < a.blocks) or (a.period - d < a.block and q + 1 < a.blocks)
-    x, y = (a, b) if a.blocks <= b.blocks else (b, a)
-    for k in range(x.blocks):
-        lo = x.start + k * x.period
-        hi = lo + x.block
-        j_min = max(0, (lo - y.block - y.start) // y.period + 1)
-        j_max = min(y.blocks - 1, -((y.start - hi) // y.period) - 1)
-        if j_min <= j_max:
+    # a's blocks k_lo..k_hi reach into b's span; a block (no longer than a's period) of
+    # those but the first and last lies inside it, where it meets b's blocks exactly
+    # where it meets them repeated without end
+    k_lo = max(0, (b.start - a.block - a.start) // a.period + 1)
+    k_hi = min(a.blocks - 1, -((a.start - b.end) // a.period) - 1)
+    if k_lo > k_hi:
+        return False
+    if _block_meets(a, k_lo, b) or _block_meets(a, k_hi, b):
+        return True
+    n = k_hi - k_lo - 1  # blocks inside b's span
+    if n <= 0:
+        return False
+    if a.block + b.block > b.period:  # a block anywhere in b's span meets one of b's
+        return True
+    # block k starts t = (its start - b.start) mod b.period into a period of b: it meets a
+    # block of b for t < b.block or t > b.period - a.block, that is for
+    # u = (t + a.block - 1) mod b.period <= a.block + b.block - 2 (a linear congruence in k)
+    last = a.block + b.block - 2
+    first = (a.start + (k_lo + 1) * a.period - b.start + a.block - 1) % b.period
+    step = a.period % b.period
+    above = _floor_sum(n, b.period, step, first + b.period - 1 - last) - _floor_sum(n, b.period, step, first)
+    return above < n  # the blocks with u > last are ``above``
+
+
+def _block_meets(x: _Extent, k: int, y: _Extent) -> bool:
+    """Does block ``k`` of ``x`` share a byte with a block of ``y``?"""
+    lo = x.start + k * x.period
+    hi = lo + x.block
+    j_min = max(0, (lo - y.block - y.start) // y.period + 1)
+    j_max = min(y.blocks - 1, -((y.start - hi) // y.period) - 1)
+    return j_min <= j_max
+
+
+def _floor_sum(n: int, m: int, a: int, b: int) -> int:
+    """``sum((a * i + b) // m for i in range(n))`` for ``n, m > 0`` and ``a, b >= 0``, in
+    O(log m) steps (Euclid's recursion, as the AtCoder Library's ``floor_sum``)."""
+    total = 0
+    while True:
+        if a >= m:
+            total += n * (n - 1) // 2 * (a // m)
+            a %= m
+        if b >= m:
+            total += n * (b // m)
+            b %= m
+        y_max = a * n + b
+        if y_max < m:
+            return total
+        n, b = divmod(y_max, m)
+        m, a = a, m
+
+
+def _check_pool(runs: Sequence[Run], members: Sequence[int], error: type[KVLayoutError], why: str) -> None:
+    """Every two tensors of one geometry (``runs[k]`` for ``k`` in ``members``) at once,
+    in O(n log n) time and O(n) memory, addresses up to 2**64 exact; names the first
+    tensor in address order that meets another, and the first it meets.
+
+    By ``_meet``'s rule, tensors at ``s`` and ``s' >= s`` (``s' - s = q * period + d``)
+    meet iff ``d < block and q < blocks`` or ``period - d < block and q + 1 < blocks``.
+    Put each tensor at two points, ``(s % period, s // period + 1)`` and
+    ``(s % period + period, s // period)``: two tensors meet iff a point of one and a
+    point of the other are less than ``block`` apart in x and less than ``blocks`` in y.
+    On a grid of ``block`` x ``blocks`` cells, two points in one cell always meet and two
+    that meet are in neighbouring cells: where no two meet, each cell holds one point, and
+    each point is tested against the one in each of the cells beside it.
+    """
+    period, block, count = runs[members[0]][:3]
+    n = sum(len(runs[k].starts) for k in members)
+    if n < 2:
+        return
+    addr = np.fromiter(itertools.chain.from_iterable(runs[k].starts for k in members), np.uint64, n)
+    order = np.argsort(addr, kind="stable")  # by address, then run and position
+    addr = addr[order]
+    grid = _Grid(addr, period, block, count)
+    if not grid.any_meet():
+        return
+    i = grid.first_meeting()
+    # the first tensor after i that meets it, by _meet's rule
+    diff = addr[i + 1 :] - addr[i]
+    q, d = np.divmod(diff, np.uint64(period))
+    p, b, c = np.uint64(period), np.uint64(block), np.uint64(count)
+    hit = ((d < b) & (q < c)) | ((d > p - b) & (q + np.uint64(1) < c))
+    j = i + 1 + int(np.flatnonzero(hit)[0])
+    firsts = list(itertools.accumulate((len(runs[k].starts) for k in members), initial=0))
+
+    def run_and_position(t: int) -> tuple[int, int]:
+        flat = int(order[t])
+        m = bisect.bisect_right(firsts, flat) - 1
+        return members[m], flat - firsts[m]
+
+    a = _Extent(int(addr[i]), period, block, count, i)
+    later = _Extent(int(addr[j]), period, block, count, j)
+    _overlap(runs, run_and_position(i), run_and_position(j), a, later, error, why)
+
+
+class _Grid:
+    """The points of :func:`_check_pool`'s tensors (point ``t`` is tensor ``t % n``) in
+    their cells, the cells sorted."""
+
+    def __init__(self, addr: np.ndarray, period: int, block: int, count: int) -> None:
+        self.n = len(addr)
+        p, one = np.uint64(period), np.uint64(1)
+        q, r = np.divmod(addr, p)
+        self.x, self.y = np.concatenate([r, r + p]), np.concatenate([q + one, q])
+        self.block, self.count = np.uint64(block), np.uint64(count)
+        self.cx, self.cy = self.x // self.block, self.y // self.count
+        self.ux, self.uy = _unique(self.cx), _unique(self.cy)
+        keys = self._key(self.cx, self.cy)
+        self.order = np.argsort(keys, kind="stable")
+        self.keys = keys[self.order]
+        self.points = np.arange(2 * self.n)
+
+    def _key(self, cx: np.ndarray, cy: np.ndarray) -> np.ndarray:
+        """Each cell's rank in x and y as one int64, -1 for a cell no point has."""
+        ix, iy = np.searchsorted(self.ux, cx), np.searchsorted(self.uy, cy)
+        found = (ix < len(self.ux)) & (iy < len(self.uy))
+        ix, iy = np.minimum(ix, len(self.ux) - 1), np.minimum(iy, len(self.uy) - 1)
+        found &= (self.ux[ix] == cx) & (self.uy[iy] == cy)
+        key: np.ndarray = np.where(found, ix.astype(np.int64) * len(self.uy) + iy, -1)
+        return key
+
+    def _beside(self, dx: int, dy: int) -> np.ndarray:
+        """Each point's neighbouring cell's key (-1 where no point has it)."""
+        one = np.uint64(1)
+        cx = self.cx + one if dx > 0 else self.cx - one if dx < 0 else self.cx
+        cy = self.cy + one if dy > 0 else self.cy - one if dy < 0 else self.cy  # 0 - 1 wraps: no cell
+        return self._key(cx, cy)
+
+    def _meets(self, u: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """Whether points ``u`` and ``v`` (of different tensors) meet."""
+        meet: np.ndarray = (
+            (_apart(self.x[u], self.x[v]) < self.block)
+            & (_apart(self.y[u], self.y[v]) < self.count)
+            & (u % self.n != v % self.n)
+        )
+        return meet
+
+    def any_meet(self) -> bool:
+        if bool((self.keys[1:] == self.keys[:-1]).any()):  # two points in one cell
             return True
-    return False
+        for dx, dy in ((0, 1), (1, -1), (1, 0), (1, 1)):  # each two neighbouring cells once
+            key = self._beside(dx, dy)
+            at = np.minimum(np.searchsorted(self.keys, key), len(self.keys) - 1)
+            found = (key >= 0) & (self.keys[at] == key)
+            if self._meets(self.points[found], self.order[at[found]]).any():
+                return True
+        return False
+
+    def first_meeting(self) -> int:
+        """The first tensor that meets another: one with a point that shares its cell, or
+        a lone point that meets a point of a cell beside it (each of them tested: a cell is
+        beside eight, so at most 16n pairs are)."""
+        lo = np.searchsorted(self.keys, self.keys, "left")
+        hi = np.searchsorted(self.keys, self.keys, "right")
+        crowded = np.zeros(2 * self.n, dtype=bool)
+        crowded[self.order] = hi - lo > 1
+        meeting = crowded.copy()
+        alone = self.points[~crowded]
+        for dx in (-1, 0, 1):
+            for dy in (-1, 0, 1):
+                if dx == dy == 0:
+                    continue
+                key = self._beside(dx, dy)[alone]
+                first = np.searchsorted(self.keys, key, "left")
+                sizes = np.where(key >= 0, np.searchsorted(self.keys, key, "right") - first, 0)
+                total = int(sizes.sum())
+                if not total:
+                    continue
+                point = np.repeat(alone, sizes)
+                offsets = np.arange(total) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+                other = self.order[np.repeat(first, sizes) + offsets]
+                meeting[point[self._meets(point, other)]] = True
+        return int((np.flatnonzero(meeting) % self.n).min())
 
 
-def _check_pool(runs: Sequence[Run], error: type[KVLayoutError], why: str) -> None:
-    """Every pair of same-shaped padded tensors at once (``_meet``'s rule, vectorized)."""
-    period, block, count = runs[0][:3]
-    starts = sorted((s, k, j) for k, r in enumerate(runs) for j, s in enumerate(r.starts))
-    addr = np.array([s for s, _, _ in starts], dtype=np.int64)
-    diff = addr[None, :] - addr[:, None]
-    q, d = np.divmod(diff, period)
-    hit = (diff >= 0) & (((d < block) & (q < count)) | ((period - d < block) & (q + 1 < count)))
-    np.fill_diagonal(hit, False)
-    if hit.any():
-        i, j = (int(x) for x in np.argwhere(hit)[0])
-        a = _Extent(starts[i][0], period, block, count, i)
-        b = _Extent(starts[j][0], period, block, count, j)
-        _overlap(runs, starts[i][1:], starts[j][1:], a, b, error, why)
+def _unique(a: np.ndarray) -> np.ndarray:
+    """``a``'s values, sorted, each once (``np.unique`` hashes first: slower here)."""
+    s = np.sort(a)
+    keep = np.ones(len(s), dtype=bool)
+    keep[1:] = s[1:] != s[:-1]
+    out: np.ndarray = s[keep]
+    return out
+
+
+def _apart(u: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``|u - v|`` of two uint64 arrays, exactly."""
+    out: np.ndarray = np.where(u >= v, u - v, v - u)
+    return out
 
 
 def _overlap(
@@ -337,20 +537,21 @@ def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str =
         span = view_bytes(plane.leaves[0])
         sources = plane.sources or (None,) * len(plane.leaves)
         for t, source, ptr, path in zip(plane.leaves, sources, plane.data_ptrs, plane.paths, strict=True):
-            # the caller's tensor where detection re-viewed it: an engine re-allocates that
-            # one (``t.data = new``), and the view would keep the old memory
-            watched = t if source is None else source
-            if id(watched) in tensors:
-                continue  # one tensor registered for several layers
-            name = describe_path(path, "kv_caches")
-            now = watched.data_ptr()
-            problem = (
-                f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
-                if now != ptr
-                else memory_problem(t, ptr, span)
-            )
-            if problem is not None:
-                raise error(f"{where}{name} {problem}; detect the registration again")
-            tensors[id(watched)] = watched
-            names.append(name)
+            # the caller's tensor too where detection re-viewed it: an engine re-allocates
+            # that one (``t.data = new``), and the view alone would keep the old memory; the
+            # view is watched as well (the LMCache-named functions hand it out)
+            for watched in (t,) if source is None else (t, source):
+                if id(watched) in tensors:
+                    continue  # one tensor registered for several layers
+                name = describe_path(path, "kv_caches")
+                now = watched.data_ptr()
+                problem = (
+                    f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
+                    if now != ptr
+                    else memory_problem(t, ptr, span)
+                )
+                if problem is not None:
+                    raise error(f"{where}{name} {problem}; detect the registration again")
+                tensors[id(watched)] = watched
+                names.append(name)
     return Placement(list(tensors.values()), names)

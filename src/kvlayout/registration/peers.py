@@ -7,8 +7,12 @@ every tensor's address; the device and the tensor-parallel shard. ``to_json`` an
 ``RegistrationDescription.from_json`` carry it between processes (the handshake of a
 P/D transfer). ``from_json`` treats its input as untrusted: every field is typed and
 bounded, the shapes and strides must be what the format's layout gives for the sizes,
-and no two described tensors may share a byte, so every run a block map plans against a
-description lies inside tensors the peer said it has.
+and no two described tensors may share a byte (but a layer's that shares another layer's
+KV cache whole, its addresses repeated), so every run a block map plans against a
+description lies inside tensors the peer said it has. Counts are checked against each
+other before any list is built, and the overlap check is bounded (O(n log n) time and O(n)
+memory for tensors of one shape, at most MAX_INTERLEAVED pairs of different shapes), so
+no description costs much more than its size.
 """
 
 from __future__ import annotations
@@ -22,7 +26,15 @@ from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.errors import KVLayoutError, as_int
-from kvlayout.layout.algebra import num_heads, resolve_sizes, size_of, size_symbols, symbol_of
+from kvlayout.layout.algebra import (
+    level_of,
+    list_shape,
+    num_heads,
+    resolve_sizes,
+    size_of,
+    size_symbols,
+    symbol_of,
+)
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.memory import Run, check_disjoint, group_placement, memory_keys
@@ -50,9 +62,12 @@ DEVICE_TYPES = ("cpu", "cuda")
 MAX_SIZE = 1 << 32  # any one size (blocks, tokens, heads, ...)
 MAX_SPAN = 1 << 48  # bytes one tensor may span
 MAX_ADDRESS = 1 << 64
+MAX_END = 1 << 57  # no host (5-level paging) or device address reaches it
 MAX_TENSORS = 1 << 20
 MAX_LAYERS = 1 << 16
 MAX_TEXT = 64 << 20
+MAX_INTERLEAVED = 1 << 20  # pairs of tensors of different shapes within each other's spans
+_ENGINE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 
 
 class PeerDescriptionError(KVLayoutError):
@@ -156,7 +171,9 @@ class RegistrationDescription:
         if len(text) > MAX_TEXT:
             raise PeerDescriptionError(f"the description is {len(text)} characters, more than {MAX_TEXT}")
         try:
-            data = json.loads(text, parse_constant=_no_constant)
+            data = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_object)
+        except PeerDescriptionError:
+            raise
         except (ValueError, RecursionError) as exc:
             raise PeerDescriptionError(f"the description is not valid JSON: {exc}") from None
         return _from_data(data)
@@ -212,8 +229,8 @@ def _placed(
 ) -> tuple[GroupDescription, ...]:
     """``groups`` with every tensor at a made-up address, one after another from ``at``; a
     tensor registered again (``keys``: each plane's :func:`memory_keys`) at its first one's."""
-    if isinstance(at, bool) or not isinstance(at, int) or not 0 < at < MAX_ADDRESS:
-        raise PeerDescriptionError(f"at must be a positive address, got {at!r}")
+    if isinstance(at, bool) or not isinstance(at, int) or not 0 < at < MAX_END:
+        raise PeerDescriptionError(f"at must be a positive address below 2**57, got {at!r}")
     out, next_at = [], -(-at // _PAGE) * _PAGE
     for g, g_keys in zip(groups, keys, strict=True):
         planes = []
@@ -336,6 +353,18 @@ def _no_constant(name: str) -> None:
     raise PeerDescriptionError(f"the description holds {name}, which is not JSON")
 
 
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused where a key comes twice (readers differ on which one wins)."""
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise PeerDescriptionError(f"the description has the key {key[:100]!r} twice in one object")
+            seen.add(key)
+    return out
+
+
 def _fields(where: str, value: object, keys: Sequence[str]) -> Mapping[str, Any]:
     if not isinstance(value, dict):
         raise PeerDescriptionError(f"{where} must be an object, not {_kind(value)}")
@@ -388,9 +417,14 @@ def _from_data(data: object) -> RegistrationDescription:
             f"description.device.type is {device['type']!r}, not one of {', '.join(DEVICE_TYPES)}"
         )
     index = None if device["index"] is None else _int("description.device.index", device["index"], 0, 1 << 16)
+    if device["type"] == "cpu" and index is not None:
+        raise PeerDescriptionError(f"description.device.index is {index}; a cpu device has none (null)")
     engine = top["engine"]
-    if engine is not None and (not isinstance(engine, str) or len(engine) > 64):
-        raise PeerDescriptionError("description.engine must be null or a short string")
+    if engine is not None and (not isinstance(engine, str) or not _ENGINE.fullmatch(engine)):
+        raise PeerDescriptionError(
+            f"description.engine must be null or an engine name (1 to 64 letters, digits and _.+-), "
+            f"not {_kind(engine) if not isinstance(engine, str) else repr(engine[:80])}"
+        )
     shard = None
     if top["shard"] is not None:
         s = _fields("description.shard", top["shard"], ("tp_rank", "tp_size", "num_kv_heads"))
@@ -402,10 +436,12 @@ def _from_data(data: object) -> RegistrationDescription:
     groups_data = _list("description.groups", top["groups"], 1 << 10)
     if not groups_data:
         raise PeerDescriptionError("description.groups is empty")
-    groups = tuple(_group_from(f"description.groups[{i}]", g) for i, g in enumerate(groups_data))
-    total = sum(len(p.addresses) for g in groups for p in g.planes)
-    if total > MAX_TENSORS:
-        raise PeerDescriptionError(f"the description names {total} tensors, more than {MAX_TENSORS}")
+    groups_list: list[GroupDescription] = []
+    left = MAX_TENSORS  # tensors the rest of the description may name
+    for i, g in enumerate(groups_data):
+        groups_list.append(_group_from(f"description.groups[{i}]", g, left))
+        left -= sum(len(p.addresses) for p in groups_list[-1].planes)
+    groups = tuple(groups_list)
     for i, g in enumerate(groups):
         heads = num_heads(g.layout, g.planes[0].sizes_dict())
         if shard is not None and g.layout.symbol_of(Role.HEAD) is not None and len(shard.heads) != heads:
@@ -421,7 +457,8 @@ def _from_data(data: object) -> RegistrationDescription:
     return RegistrationDescription(groups, device["type"], index, shard, engine)
 
 
-def _group_from(where: str, data: object) -> GroupDescription:
+def _group_from(where: str, data: object, left: int) -> GroupDescription:
+    """Kernel group ``where``, which may name ``left`` tensors at most."""
     g = _fields(where, data, ("format", "layers", "engine_group", "block_size", "opaque_pages", "planes"))
     name = g["format"]
     if not isinstance(name, str) or name not in EngineKVFormat.__members__:
@@ -435,7 +472,11 @@ def _group_from(where: str, data: object) -> GroupDescription:
     planes_data = _list(f"{where}.planes", g["planes"], 16)
     if not planes_data:
         raise PeerDescriptionError(f"{where}.planes is empty")
-    planes = tuple(_plane_from(f"{where}.planes[{i}]", layout, p) for i, p in enumerate(planes_data))
+    planes_list: list[PlaneDescription] = []
+    for i, p in enumerate(planes_data):
+        planes_list.append(_plane_from(f"{where}.planes[{i}]", layout, p, left))
+        left -= len(planes_list[-1].addresses)
+    planes = tuple(planes_list)
     first = planes[0].sizes_dict()
     for i, p in enumerate(planes[1:], start=1):
         for role in (Role.LAYER, Role.BLOCK, Role.TOKEN, Role.PAGE):
@@ -448,9 +489,12 @@ def _group_from(where: str, data: object) -> GroupDescription:
     nl = size_of(layout, first, Role.LAYER) or 1
     if len(layers) != nl:
         raise PeerDescriptionError(f"{where}.layers has {len(layers)} entries; the tensors hold {nl} layers")
+    _check_sharing(where, layout, layers, planes)
     block_size = g["block_size"]
     tokens = size_of(layout, first, Role.TOKEN)
     if layout.axis_of(Role.BLOCK) is not None and tokens is not None:
+        if block_size is not None:
+            block_size = _int(f"{where}.block_size", block_size, 1, MAX_SIZE)
         if block_size != tokens:
             raise PeerDescriptionError(
                 f"{where}.block_size is {block_size!r}; the tensors have blocks of {tokens}"
@@ -483,7 +527,9 @@ def _opaque_from(where: str, data: object) -> OpaquePages | None:
     return OpaquePages(layout, rows)
 
 
-def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
+def _plane_from(where: str, layout: Layout, data: object, left: int) -> PlaneDescription:
+    """Plane ``where``, which may name ``left`` tensors at most. Its tensors are counted
+    (from the sizes) and bounded before any list of them is built."""
     p = _fields(where, data, ("dtype", "sizes", "shape", "strides", "block_stride", "addresses"))
     dtype = p["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
@@ -502,8 +548,16 @@ def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
     try:
         resolved = resolve_sizes(layout, sizes)
         want_shape = layout.tensor_shape(resolved)
+        pointers = math.prod(list_shape(layout, resolved))
     except KVLayoutError as exc:
         raise PeerDescriptionError(f"{where}.sizes: {exc}") from None
+    addresses_data = _list(f"{where}.addresses", p["addresses"], MAX_TENSORS)
+    if len(addresses_data) != pointers:
+        raise PeerDescriptionError(
+            f"{where}.addresses has {len(addresses_data)} entries; {layout} has {pointers} tensors here"
+        )
+    if pointers > left:
+        raise PeerDescriptionError(f"{where}: the description names more than {MAX_TENSORS} tensors")
     shape = _ints(f"{where}.shape", p["shape"], 16, 1, MAX_SIZE)
     if shape != want_shape:
         raise PeerDescriptionError(
@@ -521,18 +575,16 @@ def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
             f"{where}.block_stride={block_stride}, but dim 0 is not {layout}'s block axis"
         )
     strides = _ints(f"{where}.strides", p["strides"], 16, 0, MAX_SPAN)
-    if strides != want_strides:
+    # a size-1 dim's stride addresses nothing (torch leaves any there): the layout's is kept
+    if len(strides) != len(want_strides) or any(
+        s != w for s, w, n in zip(strides, want_strides, shape, strict=True) if n != 1
+    ):
         raise PeerDescriptionError(
             f"{where}.strides are {list(strides)}; {layout} stores these sizes with strides "
             f"{list(want_strides)} "
             "(contiguous but for dim-0 padding)"
         )
-    pointers = len(layout.pointer_order(resolved))
-    addresses_data = _list(f"{where}.addresses", p["addresses"], MAX_TENSORS)
-    if len(addresses_data) != pointers:
-        raise PeerDescriptionError(
-            f"{where}.addresses has {len(addresses_data)} entries; {layout} has {pointers} tensors here"
-        )
+    strides = want_strides
     plane = PlaneDescription(dtype, tuple(sizes.items()), shape, strides, block_stride, ())
     period, block, blocks = plane.extent()
     span = (blocks - 1) * period + block
@@ -541,7 +593,65 @@ def _plane_from(where: str, layout: Layout, data: object) -> PlaneDescription:
     addresses = tuple(
         _int(f"{where}.addresses[{i}]", v, 1, MAX_ADDRESS - span) for i, v in enumerate(addresses_data)
     )
+    if max(addresses) > MAX_END - span:
+        i = next(i for i, a in enumerate(addresses) if a > MAX_END - span)
+        raise PeerDescriptionError(
+            f"{where}.addresses[{i}]={addresses[i]:#x}: its tensor ends at {addresses[i] + span:#x}, past "
+            "2**57, which no host or device address reaches"
+        )
     return PlaneDescription(dtype, tuple(sizes.items()), shape, strides, block_stride, addresses)
+
+
+def _check_sharing(
+    where: str, layout: Layout, layers: Sequence[int], planes: Sequence[PlaneDescription]
+) -> None:
+    """An address that comes again in a plane is a layer sharing an earlier layer's KV
+    cache, whole: each of its tensors, in every plane, the target layer's tensor in the
+    same place (what detection accepts of a registration, see ``_find_sharing``)."""
+    if all(len(set(p.addresses)) == len(p.addresses) for p in planes):
+        return
+    level = level_of(layout, Role.LAYER)
+    paths = [layout.pointer_order(p.sizes_dict()) for p in planes]  # as many as addresses: bounded
+    target: dict[int, int] = {}  # sharer -> target, layer positions
+    shared: dict[int, int] = {}  # sharer -> its tensors that are the target's
+    own: list[tuple[int, int]] = []  # (plane, pointer) of each first occurrence
+    for pi, p in enumerate(planes):
+        first: dict[int, int] = {}
+        for k, address in enumerate(p.addresses):
+            j = first.setdefault(address, k)
+            if j == k:
+                own.append((pi, k))
+                continue
+            here, there = paths[pi][k], paths[pi][j]
+            x, y = f"{where}.planes[{pi}].addresses[{k}]", f"{where}.planes[{pi}].addresses[{j}]"
+            if level is None or here[level] == there[level]:
+                raise PeerDescriptionError(
+                    f"{x} and {y} are one tensor ({address:#x}) twice within one layer; a layer's own "
+                    "tensors must be disjoint"
+                )
+            if here[:level] + here[level + 1 :] != there[:level] + there[level + 1 :]:
+                raise PeerDescriptionError(
+                    f"{x} is the tensor ({address:#x}) of {y}, which holds another part of its layer: "
+                    "layers may share a KV cache only whole, each tensor the target layer's tensor in "
+                    "the same place"
+                )
+            sharer, to = here[level], there[level]
+            if target.setdefault(sharer, to) != to:
+                raise PeerDescriptionError(
+                    f"{x} is the tensor of {y}, but layer {layers[sharer]} shares other tensors with "
+                    f"layer {layers[target[sharer]]}: a layer shares its KV cache with one layer, whole"
+                )
+            shared[sharer] = shared.get(sharer, 0) + 1
+    assert level is not None  # a repeat within no layer level was refused above
+    per_layer = sum(len(p.addresses) for p in planes) // len(layers)
+    for sharer, count in shared.items():
+        if count != per_layer:
+            pi, k = next((pi, k) for pi, k in own if paths[pi][k][level] == sharer)
+            raise PeerDescriptionError(
+                f"{where}: layer {layers[sharer]} shares only part of its KV cache with layer "
+                f"{layers[target[sharer]]}: {where}.planes[{pi}].addresses[{k}] is its own tensor; layers "
+                "may share a KV cache only whole, each tensor the target layer's"
+            )
 
 
 def _check_memory(groups: Sequence[GroupDescription]) -> None:
@@ -559,7 +669,9 @@ def _check_memory(groups: Sequence[GroupDescription]) -> None:
             by_engine_group.setdefault(g.engine_group, []).append(run)
     for runs in by_engine_group.values():
         try:
-            check_disjoint(runs, PeerDescriptionError, "the tensors a peer describes must be disjoint")
+            check_disjoint(
+                runs, PeerDescriptionError, "the tensors a peer describes must be disjoint", MAX_INTERLEAVED
+            )
         except (
             PeerDescriptionError
         ) as exc:  # description[g][p][j] -> description.groups[g].planes[p].addresses[j]

@@ -1,0 +1,482 @@
+"""A peer's description is untrusted input: every field typed and bounded, refused with a
+PeerDescriptionError naming the field, in bounded memory and time whatever it claims.
+
+The checks that would exhaust memory or CPU before their fix run in a subprocess whose
+address space is capped a little above what it holds after importing kvlayout, each
+under an alarm (the ``capped`` fixture)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import kvlayout
+from kvlayout import EngineKVFormat as F
+from kvlayout import KVLayoutError, layout_of
+from kvlayout.registration.memory import Run, _Extent, _meet, check_disjoint
+from kvlayout.testing.registrations import CASES, registrations
+from kvlayout.transfer import PeerDescriptionError, RegistrationDescription, block_map
+from tests.transfer.registrations import make_registration
+
+A = 1 << 40  # where the payloads below put their tensors
+
+
+def _header(groups: list[dict[str, Any]], engine: str | None = "vllm") -> dict[str, Any]:
+    return {
+        "kvlayout": "registration-description",
+        "version": 1,
+        "device": {"type": "cpu", "index": None},
+        "engine": engine,
+        "shard": None,
+        "groups": groups,
+    }
+
+
+def _group(fmt: str, layers: list[int], block_size: int | None, **plane: Any) -> dict[str, Any]:
+    return {
+        "format": fmt,
+        "layers": layers,
+        "engine_group": 0,
+        "block_size": block_size,
+        "opaque_pages": None,
+        "planes": [{"block_stride": None, **plane}],
+    }
+
+
+def _pool(nl: int, nb: int = 2, at: int = A) -> dict[str, Any]:
+    """A vLLM blocks-first pool: ``nl`` layers ``[NB, 1, 1]`` uint8, their blocks interleaved."""
+    return _header(
+        [
+            _group(
+                "NL_X_NB_BS_HS",
+                list(range(nl)),
+                1,
+                dtype="uint8",
+                sizes={"NL": nl, "NB": nb, "BS": 1, "HS": 1},
+                shape=[nb, 1, 1],
+                strides=[nl, 1, 1],
+                block_stride=nl,
+                addresses=[at + layer for layer in range(nl)],
+            )
+        ]
+    )
+
+
+def _strided(layer: int, nb: int, stride: int, at: int) -> dict[str, Any]:
+    """One layer ``[NB, 1, 1]`` uint8 whose blocks are ``stride`` bytes apart."""
+    return _group(
+        "NL_X_NB_BS_HS",
+        [layer],
+        1,
+        dtype="uint8",
+        sizes={"NL": 1, "NB": nb, "BS": 1, "HS": 1},
+        shape=[nb, 1, 1],
+        strides=[stride, 1, 1],
+        block_stride=stride,
+        addresses=[at],
+    )
+
+
+def _nhd(nl: int = 2) -> dict[str, Any]:
+    """A real vLLM NHD registration's description."""
+    kv = [torch.zeros(2, 8, 4, 2, 16, dtype=torch.bfloat16) for _ in range(nl)]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    data: dict[str, Any] = json.loads(reg.describe(at=A).to_json())
+    return data
+
+
+def _sglang_split(addresses: list[int]) -> dict[str, Any]:
+    """SGLang's [K layers, V layers] (TWO_X_NL_X_NB_BS_NH_HS) over 2 layers at ``addresses``."""
+    return _header(
+        [
+            _group(
+                "TWO_X_NL_X_NB_BS_NH_HS",
+                [0, 1],
+                4,
+                dtype="bfloat16",
+                sizes={"NL": 2, "NB": 4, "BS": 4, "NH": 2, "HS": 16},
+                shape=[4, 4, 2, 16],
+                strides=[128, 32, 16, 1],
+                addresses=addresses,
+            )
+        ],
+        engine="sglang",
+    )
+
+
+def _parse(data: object) -> RegistrationDescription:
+    return RegistrationDescription.from_json(json.dumps(data))
+
+
+# -- memory and time: the capped subprocess ------------------------------------------------------------
+
+_CAPPED = textwrap.dedent(
+    """
+    import json, resource, signal, sys, time
+    from kvlayout.transfer import RegistrationDescription
+
+    def vm() -> int:
+        for line in open("/proc/self/status"):
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+        raise AssertionError("no VmSize")
+
+    cap = vm() + (768 << 20)  # what it holds now, and 768 MiB more
+    resource.setrlimit(resource.RLIMIT_AS, (cap, cap))
+
+    def alarm(*_):
+        raise TimeoutError("over the alarm")
+
+    signal.signal(signal.SIGALRM, alarm)
+    out = {}
+    for name, text in json.loads(sys.stdin.read()).items():
+        t = time.monotonic()
+        signal.alarm(30)
+        try:
+            RegistrationDescription.from_json(text)
+            result = ["accepted", ""]
+        except BaseException as exc:  # MemoryError and TimeoutError too
+            result = [type(exc).__name__, str(exc)[:400]]
+        signal.alarm(0)
+        out[name] = [*result, time.monotonic() - t]
+    print(json.dumps(out))
+    """
+)
+
+
+def _interleaved(nl: int) -> dict[str, Any]:
+    """Two blocks-first pools of ``nl`` layers and of two geometries in one engine group,
+    every layer of one within the span of every layer of the other, no byte shared."""
+    a, b = _pool(nl)["groups"][0], _pool(nl, nb=3)["groups"][0]
+    b["layers"] = list(range(nl, 2 * nl))
+    for group, first in ((a, A), (b, A + 1)):  # a's blocks at even bytes, b's at odd ones
+        plane = group["planes"][0]
+        plane["block_stride"], plane["strides"] = 2 * nl, [2 * nl, 1, 1]
+        plane["addresses"] = [first + 2 * layer for layer in range(nl)]
+    return _header([a, b])
+
+
+def _huge_nl() -> dict[str, Any]:
+    """4 billion layers claimed, one listed."""
+    data = _nhd(1)
+    data["groups"][0]["planes"][0]["sizes"]["NL"] = 2**32 - 1
+    return data
+
+
+CAPPED_PAYLOADS = {
+    "huge_nl": _huge_nl(),  # the pointer table was built before counting (4 billion entries)
+    "pool": _pool(65535),  # a 65535 x 65535 array per step of the pool check
+    "meet": _header([_strided(0, 2 * (2**31 - 1), 2, A), _strided(1, 2**31 - 1, 4, A + 1)]),  # 2**31 blocks
+    "interleaved": _interleaved(16384),  # 268 million pairs of tensors of two shapes
+}
+
+
+@pytest.fixture(scope="module")
+def capped() -> dict[str, tuple[str, str, float]]:
+    payloads = json.dumps({name: json.dumps(data) for name, data in CAPPED_PAYLOADS.items()})
+    done = subprocess.run(
+        [sys.executable, "-c", _CAPPED],
+        input=payloads,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    results: dict[str, tuple[str, str, float]] = json.loads(done.stdout)
+    return results
+
+
+def test_a_layer_count_no_address_list_holds_is_refused_before_any_table_is_built(
+    capped: dict[str, tuple[str, str, float]],
+) -> None:
+    kind, message, seconds = capped["huge_nl"]
+    assert kind == "PeerDescriptionError" and seconds < 5
+    assert message.startswith(
+        "description.groups[0].planes[0].addresses has 1 entries; NL_X_TWO_NB_BS_NH_HS has 4294967295 tensors here"
+    )
+
+
+def test_a_pool_of_65535_interleaved_layers_is_checked_in_bounded_memory(
+    capped: dict[str, tuple[str, str, float]],
+) -> None:
+    kind, message, seconds = capped["pool"]
+    assert (kind, message) == ("accepted", "") and seconds < 20
+
+
+def test_blocks_that_interleave_without_touching_are_checked_without_walking_them(
+    capped: dict[str, tuple[str, str, float]],
+) -> None:
+    kind, message, seconds = capped["meet"]
+    assert (kind, message) == ("accepted", "") and seconds < 5
+
+
+def test_too_many_interleaved_tensors_of_different_shapes_are_refused_in_bounded_time(
+    capped: dict[str, tuple[str, str, float]],
+) -> None:
+    kind, message, seconds = capped["interleaved"]
+    assert kind == "PeerDescriptionError" and seconds < 25
+    assert message.startswith(
+        "more than 1048576 pairs of tensors of different shapes lie within each other's spans, too many to "
+        "check that they share no byte; the tensors a peer describes must be disjoint"
+    )
+
+
+def test_fewer_interleaved_tensors_of_different_shapes_are_checked() -> None:
+    _parse(_interleaved(64))
+    data = _interleaved(64)
+    data["groups"][1]["planes"][0]["addresses"][5] -= 1  # onto a block of the other pool
+    with pytest.raises(
+        PeerDescriptionError, match=r"description\.groups\[1\]\.planes\[0\]\.addresses\[5\] and "
+    ):
+        _parse(data)
+
+
+# -- the overlap checks: exact, whatever the addresses -----------------------------------------------------
+
+
+def _bytes(start: int, period: int, block: int, count: int) -> set[int]:
+    return {start + k * period + i for k in range(count) for i in range(block)}
+
+
+@st.composite
+def extents(draw: st.DrawFn) -> _Extent:
+    count = draw(st.integers(1, 12))
+    block = draw(st.integers(1, 9))
+    period = block if count == 1 else block + draw(st.integers(1, 12))
+    return _Extent(draw(st.integers(0, 80)), period, block, count, 0)
+
+
+@settings(max_examples=300)
+@given(extents(), extents())
+def test_meet_is_the_byte_rule(a: _Extent, b: _Extent) -> None:
+    a, b = sorted((a, b))
+    if a.end > b.start:  # _meet's spans overlap
+        assert _meet(a, b) == bool(_bytes(*a[:4]) & _bytes(*b[:4]))
+
+
+@settings(max_examples=150)
+@given(
+    st.integers(1, 6),
+    st.integers(0, 8),
+    st.integers(1, 5),
+    st.lists(st.integers(0, 120), min_size=2, max_size=12),
+    st.sampled_from([0, 2**63 - 64, 2**64 - 2**12]),
+)
+def test_the_pool_check_names_the_pair_a_scan_in_address_order_meets_first(
+    block: int, pad: int, count: int, starts: list[int], base: int
+) -> None:
+    """Same answers as testing every two tensors, the same pair named, addresses up to
+    2**64 exact (they were int64: OverflowError from 2**63)."""
+    period = block + pad if count > 1 else block
+    starts = [base + s for s in starts]
+    ordered = sorted(range(len(starts)), key=lambda i: (starts[i], i))
+    pairs = [
+        (i, j)
+        for x, i in enumerate(ordered)
+        for j in ordered[x + 1 :]
+        if _bytes(starts[i], period, block, count) & _bytes(starts[j], period, block, count)
+    ]
+    run = Run(period, block, count, starts, [(i,) for i in range(len(starts))], "kv")
+    if not pairs:
+        check_disjoint([run], KVLayoutError, "")
+        return
+    i, j = pairs[0]
+    with pytest.raises(KVLayoutError, match=rf"^kv\[{j}\] and kv\[{i}\] overlap in memory"):
+        check_disjoint([run], KVLayoutError, "")
+
+
+def test_a_pool_above_2_63_is_checked_exactly() -> None:
+    starts = [2**63 + 8 * k for k in range(4)]
+    check_disjoint([Run(32, 8, 3, starts, [(k,) for k in range(4)], "kv")], KVLayoutError, "")
+    with pytest.raises(KVLayoutError, match=r"^kv\[1\] and kv\[0\] overlap in memory"):
+        check_disjoint([Run(32, 8, 3, [*starts[:1], starts[0] + 31], [(0,), (1,)], "kv")], KVLayoutError, "")
+
+
+def test_addresses_no_host_or_device_reaches_are_refused() -> None:
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]\.planes\[0\]\.addresses\[0\]=0x8000000000000000: its tensor ends at "
+        r"0x8000000000000003, past 2\*\*57",
+    ):
+        _parse(_pool(2, at=2**63))
+    _parse(_pool(2, at=2**57 - 4))
+    with pytest.raises(PeerDescriptionError, match=r"addresses\[1\]=0x1fffffffffffffe: its tensor ends at"):
+        _parse(_pool(2, at=2**57 - 3))
+
+
+# -- fields: typed, bounded, named ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("fmt", "sizes", "symbol"),
+    [
+        (F.NL_X_TWO_NB_BS_NH_HS, {"NL": 2, "NB": 3, "BS": 2, "NH": 2, "HS": 4}, "NL"),
+        (F.NL_X_NP_X_NB_BS_ONE_HS, {"NL": 2, "NP": 2, "NB": 3, "BS": 2, "HS": 4}, "NP"),
+    ],
+)
+def test_a_missing_list_size_names_the_sizes_field(fmt: F, sizes: dict[str, int], symbol: str) -> None:
+    """It raised SizeError ("this needs a size for NL"), no field named."""
+    kv = make_registration(layout_of(fmt), sizes, torch.float32).kv
+    data = json.loads(kvlayout.bind(kv, fmt).describe(at=A).to_json())
+    del data["groups"][0]["planes"][0]["sizes"][symbol]
+    with pytest.raises(
+        PeerDescriptionError,
+        match=rf"^description\.groups\[0\]\.planes\[0\]\.sizes: {fmt.name}: this needs a size for {symbol}$",
+    ):
+        _parse(data)
+
+
+@pytest.mark.parametrize(("engine", "value"), CASES, ids=[f"{e}-{F(v).name}" for e, v in CASES])
+def test_every_size_a_description_leaves_out_is_a_peer_description_error(engine: str, value: int) -> None:
+    @settings(max_examples=1, database=None)
+    @given(registrations(engine, value))
+    def check(case: Any) -> None:
+        reg = kvlayout.detect(case.kv, case.engine, case.hints)
+        data = json.loads(reg.describe(at=A).to_json())
+        for gi, group in enumerate(data["groups"]):
+            for pi, plane in enumerate(group["planes"]):
+                for key in list(plane["sizes"]):
+                    value = plane["sizes"].pop(key)
+                    try:
+                        _parse(data)
+                    except PeerDescriptionError as exc:
+                        assert str(exc).startswith(f"description.groups[{gi}].planes[{pi}]"), (key, exc)
+                    plane["sizes"][key] = value
+
+    check()
+
+
+@pytest.mark.parametrize(
+    ("tokens", "literal", "kind"),
+    [(1, "true", "a boolean"), (1, "1.0", "float"), (1, "1E0", "float"), (4, "4.0", "float")],
+)
+def test_block_size_is_a_json_integer(tokens: int, literal: str, kind: str) -> None:
+    """They compared equal to the blocks' tokens, were kept and sent back as given."""
+    good = json.dumps(_pool(2) if tokens == 1 else _nhd())
+    assert good.count(f'"block_size": {tokens}') == 1
+    with pytest.raises(
+        PeerDescriptionError, match=rf"^description\.groups\[0\]\.block_size must be an integer, not {kind}$"
+    ):
+        RegistrationDescription.from_json(good.replace(f'"block_size": {tokens}', f'"block_size": {literal}'))
+
+
+@pytest.mark.parametrize(
+    ("once", "twice", "key"),
+    [
+        ('"version": 1', '"version": 2, "version": 1', "version"),
+        ('"addresses": [', '"addresses": [4096], "addresses": [', "addresses"),
+        ('"NB": 8', '"NB": 8, "NB": 8', "NB"),
+    ],
+)
+def test_a_key_twice_in_one_object_is_refused(once: str, twice: str, key: str) -> None:
+    """The last one won: a proxy reading the first saw another description."""
+    good = json.dumps(_nhd())
+    assert good.count(once) == 1
+    with pytest.raises(
+        PeerDescriptionError, match=rf"^the description has the key '{key}' twice in one object$"
+    ):
+        RegistrationDescription.from_json(good.replace(once, twice))
+
+
+@pytest.mark.parametrize("engine", ["", "\ud800", "vllm\x00", "v" * 65, " vllm", "vllm\n"])
+def test_engine_is_a_name(engine: str) -> None:
+    data = _nhd()
+    data["engine"] = engine
+    with pytest.raises(PeerDescriptionError, match=r"^description\.engine must be null or an engine name"):
+        _parse(data)
+    data["engine"] = "some-engine_2.0"
+    assert _parse(data).engine == "some-engine_2.0"
+
+
+def test_a_cpu_device_has_no_index() -> None:
+    data = _nhd()
+    data["device"]["index"] = 0
+    with pytest.raises(
+        PeerDescriptionError, match=r"^description\.device\.index is 0; a cpu device has none"
+    ):
+        _parse(data)
+    data["device"]["type"] = "cuda"
+    assert _parse(data).device_index == 0
+
+
+# -- sharing: whole layers only, as detection accepts it ------------------------------------------------
+
+B, C = A + (1 << 20), A + (2 << 20)
+
+
+@pytest.mark.parametrize(
+    ("addresses", "message"),
+    [
+        (
+            [A, B, A, C],  # V0 is K0
+            r"description\.groups\[0\]\.planes\[0\]\.addresses\[2\] and description\.groups\[0\]\.planes\[0\]"
+            r"\.addresses\[0\] are one tensor \(0x10000000000\) twice within one layer",
+        ),
+        (
+            [A, A, B, C],  # K1 is K0, V1 is its own
+            r"description\.groups\[0\]: layer 1 shares only part of its KV cache with layer 0: "
+            r"description\.groups\[0\]\.planes\[0\]\.addresses\[3\] is its own tensor",
+        ),
+        (
+            [A, B, B, C],  # V0 is K1
+            r"description\.groups\[0\]\.planes\[0\]\.addresses\[2\] is the tensor \(0x10000100000\) of "
+            r"description\.groups\[0\]\.planes\[0\]\.addresses\[1\], which holds another part of its layer",
+        ),
+    ],
+)
+def test_layers_share_a_kv_cache_only_whole(addresses: list[int], message: str) -> None:
+    with pytest.raises(PeerDescriptionError, match=rf"^{message}"):
+        _parse(_sglang_split(addresses))
+
+
+def test_a_layer_sharing_another_s_whole_kv_cache_is_accepted_and_mapped() -> None:
+    peer = _parse(_sglang_split([A, A, B, B]))  # layer 1 is layer 0: K and V
+    assert peer.groups[0].planes[0].repeats == (1, 3)
+    local = kvlayout.detect(
+        [[torch.zeros(4, 4, 2, 16, dtype=torch.bfloat16) for _ in range(2)] for _ in range(2)], "sglang", {}
+    )
+    assert block_map(local, peer, [0], [1]).num_runs == 2  # K and V once: layer 1's are layer 0's bytes
+
+
+def test_a_layer_sharing_with_two_layers_is_refused() -> None:
+    """NL_X_TWO_X_...: [[K0, V0], [K1, V1], [K2, V2]]; K2 is K0's, V2 is V1's."""
+    kv = [(torch.zeros(4, 4, 2, 16), torch.zeros(4, 4, 2, 16)) for _ in range(3)]
+    data = json.loads(kvlayout.bind(kv, F.NL_X_TWO_X_NB_BS_NH_HS).describe(at=A).to_json())
+    addresses = data["groups"][0]["planes"][0]["addresses"]
+    addresses[4], addresses[5] = addresses[0], addresses[3]
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]\.planes\[0\]\.addresses\[5\] is the tensor of description\.groups\[0\]"
+        r"\.planes\[0\]\.addresses\[3\], but layer 2 shares other tensors with layer 0",
+    ):
+        _parse(data)
+
+
+# -- a size-1 dim's stride --------------------------------------------------------------------------------
+
+
+def test_a_blocks_first_pool_of_one_block_is_described_and_mapped() -> None:
+    buf = torch.zeros(1, 2, 2, 4, dtype=torch.bfloat16)  # vLLM blocks-first [NB=1, NL, BS, HS]
+    kv = [buf[:, i] for i in range(2)]
+    assert kv[0].stride() == (16, 4, 1)  # dim 0's stride addresses nothing
+    reg = kvlayout.detect(kv, "vllm", {})
+    desc = reg.describe()
+    assert desc.groups[0].planes[0].strides == (8, 4, 1)
+    assert RegistrationDescription.from_json(desc.to_json()) == desc
+    wire = json.loads(desc.to_json())
+    wire["groups"][0]["planes"][0]["strides"] = [16, 4, 1]  # as torch gives them
+    assert _parse(wire) == desc
+    wire["groups"][0]["planes"][0]["strides"] = [8, 8, 1]  # a stride that addresses something
+    with pytest.raises(PeerDescriptionError, match=r"strides are \[8, 8, 1\]; NL_X_NB_BS_HS stores"):
+        _parse(wire)
+    dst = kvlayout.detect([torch.zeros(1, 2, 4, dtype=torch.bfloat16) for _ in range(2)], "vllm", {})
+    assert block_map(reg, dst, [0], [0]).num_runs == 2
