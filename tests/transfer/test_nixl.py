@@ -12,6 +12,12 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -527,18 +533,28 @@ def test_an_agent_whose_ucx_cannot_start_names_the_setting(monkeypatch: pytest.M
         nx.make_agent("kvl-no-ucx", progress_thread=False)
 
 
-def test_a_stopped_peer_times_out_and_the_pair_recovers(tcp_pair: TcpPair) -> None:
+def test_a_request_that_times_out_stays_in_flight_and_is_waited_for_again(tcp_pair: TcpPair) -> None:
+    """A timeout says the request is still in flight (NIXL cannot guarantee a cancel: over
+    TCP its bytes land later); waited for again once the peer goes on, it is done, its
+    bytes there. It was reported cancelled, and a second wait returned a result for bytes
+    that had not landed."""
+    tcp_pair.local.zero_()
     tcp_pair.peer.pause()
     try:
         xfer = nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair), notif=b"late")
         with pytest.raises(
             nx.NixlTimeoutError,
-            match=r"the READ to peer 'kvl-tcp' \(direct, 64 descriptors, 131072 bytes\) was not done after 0.5 s; it was cancelled",
+            match=r"the READ to peer 'kvl-tcp' \(direct, 64 descriptors, 131072 bytes\) was not done after 0.5 s; "
+            r"it is still in flight: wait\(\) again, or release\(\) it\. NIXL cannot guarantee to cancel a request "
+            r"under way: its bytes may still land .* do not free or reuse the memory it reads or writes",
         ):
             nx.wait(xfer, timeout=0.5)
+        assert not tcp_pair.local.any()
     finally:
         tcp_pair.peer.resume()
-    tcp_pair.peer.notifs(expect=1, wait=1)  # the cancelled request's notification, if it went out
+    assert xfer.wait(timeout=30).num_bytes == 64 * SLOT
+    np.testing.assert_array_equal(tcp_pair.local[: 64 * SLOT].numpy(), contents(2, 0, 256 << 10)[: 64 * SLOT])
+    assert tcp_pair.peer.notifs() == [b"late"]
     result = nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair, 1024), notif=b"again").wait(
         timeout=30
     )
@@ -549,9 +565,12 @@ def test_a_stopped_peer_times_out_and_the_pair_recovers(tcp_pair: TcpPair) -> No
     assert tcp_pair.peer.notifs() == [b"again"]
 
 
-def test_a_pipeline_to_a_stopped_peer_times_out_releases_its_stages_and_staging(tcp_pair: TcpPair) -> None:
-    """A staged READ of 4 stages: every stage cancelled on timeout, the staging buffer
-    free again, and the next pipeline (scattering each stage as it lands) byte-exact."""
+def test_a_pipeline_released_in_flight_keeps_its_staging_buffer_for_good(tcp_pair: TcpPair) -> None:
+    """A staged READ of 4 stages to a stopped peer times out, still holding its staging
+    buffer; released, it keeps the buffer busy (and registered, allocated) for good: NIXL
+    may still land the bytes there, which a later request would scatter (the buffer was
+    handed out again, and freed by calibrate). The next pipeline, on another buffer, is
+    byte-exact."""
     spaced = Map(
         np.array(
             [
@@ -563,31 +582,74 @@ def test_a_pipeline_to_a_stopped_peer_times_out_releases_its_stages_and_staging(
         tcp_pair.peer.side(),
         nx.local_side(tcp_pair.local),
     )
-    with nx.Staging(tcp_pair.agent, 32 * SLOT) as staging:
-        tcp_pair.peer.pause()
-        try:
-            xfer = nx.transfer(
-                tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=staging, stages=4
-            )
-            assert len(xfer.handles) == 4 and staging.busy
-            with pytest.raises(
-                nx.NixlTimeoutError,
-                match=r"the READ to peer 'kvl-tcp' \(staged, 32 descriptors, 65536 bytes, 4 stages\) was not done "
-                r"after 0.5 s; it was cancelled",
-            ):
-                xfer.wait(timeout=0.5)
-            assert not staging.busy
-        finally:
-            tcp_pair.peer.resume()
-        tcp_pair.local.zero_()
+    staging = nx.Staging(tcp_pair.agent, 32 * SLOT)
+    tcp_pair.peer.pause()
+    try:
+        xfer = nx.transfer(
+            tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=staging, stages=4
+        )
+        assert len(xfer.handles) == 4 and staging.busy
+        with pytest.raises(
+            nx.NixlTimeoutError,
+            match=r"the READ to peer 'kvl-tcp' \(staged, 32 descriptors, 65536 bytes, 4 stages\) was not done "
+            r"after 0.5 s; it is still in flight",
+        ):
+            xfer.wait(timeout=0.5)
+        assert staging.busy
+        assert xfer.release()
+        assert staging.busy and staging.kept and "kept for a request released in flight" in repr(staging)
+        with pytest.raises(TransferError, match=r"Staging\(65536 bytes .*\) is in use"):
+            nx.prepare_transfer(tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=staging)
+        staging.close()  # deferred for good: NIXL may still write it
+        assert "live" in repr(staging.registered)
+    finally:
+        tcp_pair.peer.resume()
+    tcp_pair.local.zero_()
+    with nx.Staging(tcp_pair.agent, 32 * SLOT) as fresh:
         result = nx.transfer(
-            tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=staging, stages=4, notif=b"all"
+            tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=fresh, stages=4, notif=b"all"
         ).wait(timeout=30)
         assert (result.strategy, result.num_bytes) == ("staged", 32 * SLOT)
     peer_bytes = contents(2, 0, 256 << 10)
     want = np.concatenate([peer_bytes[2 * k * SLOT : (2 * k + 1) * SLOT] for k in range(32)])
     np.testing.assert_array_equal(tcp_pair.local[: 32 * SLOT].numpy(), want)
     assert tcp_pair.peer.notifs(expect=1) == [b"all"]  # once, after the last stage
+    assert staging.busy and "live" in repr(staging.registered)
+
+
+def test_memory_deregistered_under_a_request_in_flight_stays_registered_until_it_is_done(
+    tcp_pair: TcpPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Registered.deregister() while a started request posts through the memory: NIXL
+    keeps the region (and kvlayout its tensors) until the request is done, as
+    Staging.close() defers; a new request through it is refused at once. It was
+    deregistered with NIXL under the request."""
+    target = torch.zeros(64 * SLOT, dtype=torch.uint8)
+    held = nx.register(tcp_pair.agent, target)
+    dropped: list[object] = []
+    real = tcp_pair.agent.deregister_memory
+
+    def deregister_memory(reg: object) -> None:
+        dropped.append(reg)
+        real(reg)
+
+    monkeypatch.setattr(tcp_pair.agent, "deregister_memory", deregister_memory)
+    runs = np.array(
+        [(tcp_pair.peer.address(0, k * SLOT), target.data_ptr() + k * SLOT, SLOT) for k in range(64)],
+        dtype=U64,
+    )
+    m = Map(runs, tcp_pair.peer.side(), nx.local_side(target))
+    tcp_pair.peer.pause()
+    try:
+        xfer = nx.transfer(tcp_pair.agent, tcp_pair.name, m, strategy="direct")
+        held.deregister()
+        assert "deregistered" in repr(held) and dropped == []
+        with pytest.raises(nx.RefusedDescriptorError, match="outside every region registered on agent"):
+            nx.transfer(tcp_pair.agent, tcp_pair.name, m)
+    finally:
+        tcp_pair.peer.resume()
+    assert xfer.wait(timeout=30).num_bytes == 64 * SLOT and len(dropped) == 1
+    np.testing.assert_array_equal(target.numpy(), contents(2, 0, 64 * SLOT))
 
 
 def test_a_peer_that_dies_mid_transfer_fails_the_transfer(tcp_pair: TcpPair) -> None:
@@ -638,3 +700,299 @@ def test_an_err_state_raises_and_releases() -> None:
     ):
         xfer.wait(timeout=5)
     assert agent.released == 1
+
+
+def prepare_at_once(
+    agents: list[nx.Agent], names: list[bytes], m: Map, strategy: str, staging: nx.Staging
+) -> list[nx.Transfer | TransferError]:
+    """prepare_transfer of ``m`` on each agent at once, a thread each: what each got."""
+    barrier, got = threading.Barrier(len(agents)), list[nx.Transfer | TransferError]()
+
+    def prepare(k: int) -> None:
+        barrier.wait()
+        try:
+            got.append(nx.prepare_transfer(agents[k], names[k], m, strategy=strategy, staging=staging))  # type: ignore[arg-type]
+        except TransferError as exc:
+            got.append(exc)
+
+    threads = [threading.Thread(target=prepare, args=(k,)) for k in range(len(agents))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return got
+
+
+def test_two_threads_never_both_take_one_staging_buffer(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two threads, each with its own agent, prepare staged requests through one Staging
+    at once: one takes it, the other is refused ("staged") or goes direct ("auto"). The
+    buffer was checked free when a request began and taken when it ended (after the
+    plan), so both took it, and a staged WRITE went out with the other's bytes."""
+    from kvlayout.transfer.nixl import posting
+
+    agents = [nx.make_agent(f"kvl-race-{k}", progress_thread=False) for k in range(2)]
+    target = nx.make_agent("kvl-race-peer")
+    src, dst = torch.zeros(BUF, dtype=torch.uint8), torch.zeros(BUF, dtype=torch.uint8)
+    staging = nx.Staging(agents[0], BUF)
+    held = [nx.register(a, src) for a in agents] + [
+        nx.register(agents[1], staging.tensor),
+        nx.register(target, dst),
+    ]
+    names = [a.add_remote_agent(target.get_agent_metadata()) for a in agents]
+    there = nx.LocalSide("cpu", 0, nx.local_side(dst).tensor_spans, is_local=False)
+    runs = np.array([(src.data_ptr() + k * SLOT, dst.data_ptr() + k * UNIT, UNIT) for k in range(128)], U64)
+    m = Map(runs, nx.local_side(src), there)  # 128 runs here, one stretch there: "auto" stages it
+
+    def slow_plan(*args: Any, **kw: Any) -> nx.Plan:  # between checking the buffer free and taking it
+        time.sleep(0.3)
+        return nx.plan(*args, **kw)
+
+    monkeypatch.setattr(posting, "plan", slow_plan)
+    for strategy in ("staged", "auto"):
+        got = prepare_at_once(agents, names, m, strategy, staging)
+        took = [g for g in got if isinstance(g, nx.Transfer) and g.plan.strategy == "staged"]
+        assert len(got) == 2 and len(took) == 1, got
+        other = next(g for g in got if g is not took[0])
+        if strategy == "staged":
+            assert isinstance(other, TransferError) and "is in use by a transfer not yet waited for" in str(
+                other
+            )
+        else:
+            assert isinstance(other, nx.Transfer) and other.plan.strategy == "direct"
+        for g in got:
+            if isinstance(g, nx.Transfer):
+                g.release()
+        assert not staging.busy
+    staging.close()
+    for h in held:
+        h.deregister()
+
+
+def test_a_unit_larger_than_every_stretch_is_named(pair: Pair) -> None:
+    """NIXL refused the empty list with a bare nixlNotFoundError."""
+    with pytest.raises(
+        TransferError,
+        match=r"unit 1048576 is larger than every stretch of local memory \(the largest is 262144 bytes\)",
+    ):
+        nx.prep_lists(pair.agent, pair.name, nx.local_side(pair.local), pair.peer.side([0, 1]), 4 * BUF)
+
+
+def test_prep_lists_takes_what_the_handshake_holds(pair: Pair) -> None:
+    """A registration (or tensors) for this side; anything else is a TypeError that says
+    what to pass, not an AttributeError from inside."""
+    lists = nx.prep_lists(pair.agent, pair.name, pair.local, pair.peer.side([0, 1]), UNIT)
+    assert lists.local.size == pair.prepped.local.size - BUF // UNIT  # the same, without the staging buffer
+    with pytest.raises(
+        TypeError, match=r"prep_lists takes for the remote side the peer's RegistrationDescription"
+    ):
+        nx.prep_lists(pair.agent, pair.name, pair.local, {"tensors": []}, UNIT)  # type: ignore[arg-type]
+
+
+def test_stage_announcing_to_a_poster_never_loaded_is_refused_before_copying(pair: Pair) -> None:
+    """The peer's gather, paced by notifications to a poster whose metadata it never
+    loaded: a NixlError naming both agents, nothing copied (it was a bare
+    nixlNotFoundError from send_notif, after the first gather)."""
+    m = make_map(pair, "WRITE", UNIT_RUNS)
+    pair.staging.tensor.fill_(7)
+    notifs = nx.StageNotifs(pair.agent, "kvl-nobody", b"tag")
+    with pytest.raises(
+        nx.NixlError,
+        match=r"agent 'kvl-local' holds no metadata of peer 'kvl-nobody', the poster .* nothing was copied",
+    ):
+        nx.stage(m, pair.staging, stages=2, notifs=notifs)
+    assert bool((pair.staging.tensor == 7).all())
+
+
+def test_a_peer_staging_buffer_the_peer_never_registered_is_named_as_such(pair: Pair) -> None:
+    """It was refused as a remote descriptor "inside what peer described", which the
+    staging buffer is not part of."""
+    m = make_map(pair, "WRITE", [(0, 0, 0, 0, UNIT)])
+    unregistered = nx.PeerStaging(pair.peer.address(2, 40 << 10), 8 << 10)  # buffer 2's unregistered half
+    with pytest.raises(
+        nx.RefusedDescriptorError,
+        match=r"remote descriptor 0 \(0x[0-9a-f]+, 256 bytes\) is inside the staging buffer peer 'kvl-peer' named "
+        r"\(PeerStaging\) but not inside memory it registered with NIXL",
+    ):
+        nx.transfer(pair.agent, pair.name, m, strategy="peer-staged", peer_staging=unregistered)
+
+
+def test_make_agent_refuses_a_sync_mode_nixl_has_not() -> None:
+    with pytest.raises(
+        TypeError, match=r"sync_mode must be one of 'none', 'strict', 'rw', 'default' or None"
+    ):
+        nx.make_agent("kvl-bad-sync", sync_mode="locked")  # type: ignore[arg-type]
+
+
+# -- what would crash this process runs in a child -----------------------------------------
+
+CHILD = """
+import faulthandler, logging, os, re, time
+faulthandler.dump_traceback_later(CHILD_LIMIT_S, exit=True)
+import numpy as np, torch
+from dataclasses import dataclass
+from kvlayout.testing.nixl_peer import NixlPeer, contents
+from kvlayout.transfer import TransferError
+from kvlayout.transfer import nixl as nx
+logging.getLogger("nixl").setLevel(logging.WARNING)
+U64 = np.uint64
+
+@dataclass(frozen=True)
+class Map:
+    runs: np.ndarray
+    src: object
+    dst: object
+
+def expect(error, pattern, call, *args, **kw):
+    try:
+        call(*args, **kw)
+    except error as exc:
+        assert re.search(pattern, str(exc)), f"{type(exc).__name__}: {exc}"
+        return exc
+    raise AssertionError(f"{call.__name__} raised no {error.__name__}")
+
+def peer_read(peer, local, first, count, size=4096, spaced=1):
+    runs = [(peer.address(0, spaced * k * size), local.data_ptr() + (first + k) * size, size) for k in range(count)]
+    return Map(np.array(runs, U64), peer.side(), nx.local_side(local))
+"""
+CHILD_LIMIT_S = 100
+
+
+def run_child(code: str) -> str:
+    """Run ``code`` after :data:`CHILD` in a new interpreter over TCP alone (a crash there
+    fails the test, not pytest); its stdout, where it printed "ok" at its end (UCX may warn after)."""
+    script = CHILD.replace("CHILD_LIMIT_S", str(CHILD_LIMIT_S)) + textwrap.dedent(code) + '\nprint("ok")\n'
+    done = subprocess.run(
+        [sys.executable, "-X", "faulthandler", "-c", script],
+        env={**os.environ, "UCX_TLS": TCP},
+        capture_output=True,
+        text=True,
+        timeout=CHILD_LIMIT_S + 20,
+        check=False,
+    )
+    assert done.returncode == 0 and "ok" in done.stdout.splitlines(), (
+        f"the child ended with {done.returncode}\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    )
+    return done.stdout
+
+
+def test_a_request_released_or_failed_never_hands_nixl_its_freed_requests() -> None:
+    """Once released (prepared or in flight) or failed, start(), done() and wait() raise
+    why. They handed NIXL the freed requests: start() after release() crashed, wait()
+    after release() and a second wait() after a timeout reported bytes that had not
+    landed, and wait() after a start() that failed on a dead peer crashed."""
+    run_child(
+        """
+        peer = NixlPeer("kvl-child-peer", [1 << 20], seed=3, env={"UCX_TLS": os.environ["UCX_TLS"]}, timeout=30)
+        agent = nx.make_agent("kvl-child", progress_thread=False)
+        name = agent.add_remote_agent(peer.metadata)
+        local = torch.zeros(1 << 20, dtype=torch.uint8)
+        held = nx.register(agent, local)
+        ahead = nx.prepare_transfer(agent, name, peer_read(peer, local, 0, 64), strategy="direct")
+        assert ahead.release()
+        for call in (ahead.start, ahead.done, ahead.wait):
+            expect(TransferError, r"was released before it was started \\(nothing was posted\\): prepare it again", call)
+        peer.pause()
+        given_up = nx.transfer(agent, name, peer_read(peer, local, 0, 64), strategy="direct")
+        expect(nx.NixlTimeoutError, r"still in flight: wait\\(\\) again, or release\\(\\) it", given_up.wait, 0.3)
+        given_up.release()
+        for call in (given_up.wait, given_up.done, given_up.start):
+            expect(TransferError, r"was released in flight: NIXL was asked to cancel it\\. NIXL cannot guarantee", call)
+        later = nx.transfer(agent, name, peer_read(peer, local, 128, 64), strategy="direct")
+        expect(nx.NixlTimeoutError, "still in flight", later.wait, 0.3)
+        peer.resume()
+        assert later.wait(30).num_bytes == 64 * 4096
+        assert np.array_equal(local[128 * 4096 : 192 * 4096].numpy(), contents(3, 0, 64 * 4096))
+        doomed = nx.prepare_transfer(agent, name, peer_read(peer, local, 192, 64), strategy="direct")
+        peer.kill()
+        try:
+            doomed.start()
+            doomed.wait(30)
+            raise AssertionError("a request to a dead peer went through")
+        except nx.NixlError as exc:
+            assert "NIXL failed the READ" in str(exc), exc
+        for call in (doomed.wait, doomed.done, doomed.start):
+            expect(nx.NixlError, r"failed and was released \\(NIXL failed the READ .*\\); post the request again", call)
+        expect(nx.NixlError, r"NIXL (failed|refused) a calibration READ with peer 'kvl-child-peer': nixl\\w+Error",
+               nx.calibrate, agent, name, peer.side(), nbytes=64 << 10, count=8, repeats=1, timeout=10)
+        """
+    )
+
+
+def test_memory_a_timed_out_request_may_still_write_is_never_freed_or_handed_out() -> None:
+    """Over TCP a READ released in flight still lands. Its staging buffer stays busy,
+    registered and allocated for good (it was handed to the next staged request, and
+    the late bytes landed in it), and calibrate() keeps the scratch buffer of a
+    calibration that timed out (it freed it, and the bytes landing there crashed the
+    next transfer)."""
+    run_child(
+        """
+        import gc
+        peer = NixlPeer("kvl-late-peer", [4 << 20], seed=3, env={"UCX_TLS": os.environ["UCX_TLS"]}, timeout=30)
+        agent = nx.make_agent("kvl-late", progress_thread=False)
+        name = agent.add_remote_agent(peer.metadata)
+        local = torch.zeros(1 << 20, dtype=torch.uint8)
+        held = nx.register(agent, local)
+        staging = nx.Staging(agent, 1 << 20)
+        m = peer_read(peer, local, 0, 128, spaced=2)
+        peer.pause()
+        late = nx.transfer(agent, name, m, strategy="staged", staging=staging)
+        expect(nx.NixlTimeoutError, "still in flight", late.wait, 0.3)
+        assert staging.busy
+        late.release()
+        assert staging.busy and staging.kept
+        expect(TransferError, "is in use", nx.prepare_transfer, agent, name, m, strategy="staged", staging=staging)
+        auto = nx.prepare_transfer(agent, name, m, staging=staging)
+        assert auto.plan.strategy == "direct", auto.plan.strategy
+        auto.release()
+        staging.close()
+        del staging, late
+        gc.collect()
+        expect(nx.NixlTimeoutError, r"left to finish \\(NIXL cannot guarantee to cancel it\\), and the scratch buffer",
+               nx.calibrate, agent, name, peer.side(), nbytes=1 << 20, count=64, repeats=1, timeout=0.3)
+        gc.collect()
+        peer.resume()
+        for first in (0, 128):
+            got = nx.transfer(agent, name, peer_read(peer, local, first, 128), strategy="direct").wait(30)
+            assert got.num_bytes == 128 * 4096
+        assert np.array_equal(local[: 128 * 4096].numpy(), contents(3, 0, 128 * 4096))
+        assert nx.calibrate(agent, name, peer.side(), nbytes=1 << 20, count=64, repeats=1).bandwidth > 0
+        """
+    )
+
+
+def test_an_agent_made_thread_safe_serves_two_threads() -> None:
+    """NIXL's default sync mode takes no lock: two threads posting on one agent crashed
+    it. make_agent(sync_mode=...) asks for one that does."""
+    run_child(
+        """
+        import threading
+        for mode in ("strict", "rw"):
+            a = nx.make_agent(f"kvl-mt-{mode}", progress_thread=False, sync_mode=mode)
+            b = nx.make_agent(f"kvl-mt-{mode}-peer")
+            srcs = [torch.randint(0, 256, (1 << 20,), dtype=torch.uint8) for _ in range(2)]
+            dsts = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(2)]
+            held = [nx.register(a, s) for s in srcs] + [nx.register(b, d) for d in dsts]
+            name = a.add_remote_agent(b.get_agent_metadata())
+            n = 256
+            maps = [
+                Map(np.stack([srcs[k].data_ptr() + np.arange(n, dtype=U64) * U64(4096),
+                              dsts[k].data_ptr() + np.arange(n, dtype=U64)[::-1] * U64(4096),
+                              np.full(n, 4096, U64)], 1).astype(U64),
+                    nx.local_side(srcs[k]), nx.LocalSide("cpu", 0, nx.local_side(dsts[k]).tensor_spans, is_local=False))
+                for k in (0, 1)
+            ]
+            errors = []
+            def post(k):
+                try:
+                    for _ in range(20):
+                        nx.transfer(a, name, maps[k], strategy="direct").wait(30)
+                except Exception as exc:
+                    errors.append(exc)
+            threads = [threading.Thread(target=post, args=(k,)) for k in (0, 1)]
+            for t in threads: t.start()
+            for t in threads: t.join(60)
+            assert not errors, errors
+            for s, d in zip(srcs, dsts):
+                assert torch.equal(d.view(n, 4096).flip(0).reshape(-1), s)
+        """
+    )

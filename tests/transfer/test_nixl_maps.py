@@ -524,3 +524,68 @@ def test_a_peer_told_of_the_request_ahead_copies_its_half_when_the_bytes_move(
 def test_running_a_request_the_peer_was_not_told_of_is_refused(pair: Pair) -> None:
     with pytest.raises(RuntimeError, match="failed run_prepared: ValueError: no request was prepared"):
         pair.peer.run_prepared()
+
+
+def test_an_empty_map_posts_nothing_and_still_sends_its_notif(pair: Pair) -> None:
+    """A TP rank pair with no heads in common gets an empty map ("nothing to post"): in
+    every strategy and form it is a transfer of no bytes, done at once, whose notif still
+    reaches the peer. It raised ZeroDivisionError (auto, staged, plan), IndexError
+    (direct, peer-staged) or NIXL_ERR_INVALID_PARAM (prepped) from inside."""
+    s_spec, d_spec = spec(NHD, (0, 2), 16, seed=61), spec(NHD, (1, 2), 16, seed=62)
+    text, at_peer = staged_peer(pair, d_spec)
+    local, _ = build_cache(s_spec)
+    m = block_map(local, RegistrationDescription.from_json(text), [0, 1, 2], [3, 4, 5], num_tokens=TOKENS,
+                  src_shard=s_spec.the_shard)  # fmt: skip
+    assert (m.kind, m.num_runs) == ("empty", 0)
+    assert (nx.plan(m, staging=pair.staging).num_descriptors, nx.estimate(m).num_bytes) == (0, 0)
+    before = pair.peer.cache_bytes()
+    pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
+    with nx.register(pair.agent, local):
+        lists = nx.prep_lists(pair.agent, pair.name, m.src, m.dst, 16)
+        for strategy, prepped in [("auto", None), ("direct", None), ("staged", None), ("peer-staged", None),
+                                  ("direct", lists)]:  # fmt: skip
+            xfer = nx.transfer(
+                pair.agent, pair.name, m, strategy=strategy, staging=pair.staging, peer_staging=at_peer,  # type: ignore[arg-type]
+                prepped=prepped, notif=strategy.encode(),
+            )  # fmt: skip
+            assert (xfer.handles, pair.staging.busy) == ([], False)
+            result = xfer.wait(timeout=5)
+            assert (result.num_bytes, result.descriptors) == (0, 0)
+            assert result.strategy == ("direct" if strategy == "auto" else strategy)
+        with pytest.raises(nx.NixlError, match="holds no metadata of peer 'kvl-nobody'"):
+            nx.transfer(pair.agent, "kvl-nobody", m, notif=b"lost")
+    assert all(np.array_equal(a, b) for a, b in zip(pair.peer.cache_bytes(), before, strict=True))
+    # This agent has no progress thread: its notifs go out as it is next driven, by a transfer here.
+    ours, _ = build_cache(spec(NHD, (1, 2), 16, seed=65))
+    with nx.register(pair.agent, ours):
+        whole = block_map(ours, RegistrationDescription.from_json(text), [0], [6], num_tokens=16,
+                          src_shard=Shard(1, 2, HEADS))  # fmt: skip
+        nx.transfer(pair.agent, pair.name, whole, strategy="direct", notif=b"after").wait(timeout=30)
+    got = pair.peer.notifs(expect=6)
+    assert sorted(got) == sorted([b"auto", b"direct", b"staged", b"peer-staged", b"direct", b"after"])
+
+
+def test_prep_lists_takes_the_peer_description_the_handshake_brings(pair: Pair) -> None:
+    """At the handshake a connector holds its registration and the peer's
+    RegistrationDescription, not yet a request's map: prep_lists takes them (it raised
+    AttributeError: 'is_local') and prepares what it prepares from a map's sides. Lists
+    made before the peer's metadata was loaded again are refused, saying to make them
+    again (NIXL's not-found error alone said nothing of it)."""
+    s_spec, d_spec = spec(NHD, (0, 1), 16, seed=63), spec(HND, (1, 2), 16, seed=64)
+    desc = RegistrationDescription.from_json(handshake(pair, d_spec))
+    local, _ = build_cache(s_spec)
+    m = block_map(local, desc, [3, 1, 5], [0, 6, 2], num_tokens=TOKENS, src_shard=s_spec.the_shard)
+    unit = unit_of(m, nx.plan(m, strategy="staged", staging=pair.staging))
+    with nx.register(pair.agent, local):
+        by_map = nx.prep_lists(pair.agent, pair.name, m.src, m.dst, unit)
+        at_handshake = nx.prep_lists(pair.agent, pair.name, local, desc, unit)
+        for a, b in ((by_map.local, at_handshake.local), (by_map.remote, at_handshake.remote)):
+            assert np.array_equal(a.starts, b.starts) and np.array_equal(a.counts, b.counts)
+        done = nx.transfer(pair.agent, pair.name, m, prepped=at_handshake, strategy="direct").wait(timeout=30)
+        assert done.num_bytes == m.num_bytes
+        pair.agent.remove_remote_agent(pair.name)
+        pair.agent.add_remote_agent(pair.peer.metadata)
+        with pytest.raises(
+            nx.NixlError, match=r"after remove_remote_agent and add_remote_agent, make them again"
+        ):
+            nx.transfer(pair.agent, pair.name, m, prepped=at_handshake, strategy="direct")

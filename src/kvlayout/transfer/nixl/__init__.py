@@ -43,7 +43,7 @@ does not move KV through NIXL never loads it (:func:`make_agent` imports it on c
 
 from __future__ import annotations
 
-from kvlayout.transfer.nixl.calibration import calibrate, make_agent
+from kvlayout.transfer.nixl.calibration import SyncMode, calibrate, make_agent
 from kvlayout.transfer.nixl.copies import Staging, copy_byte_runs
 from kvlayout.transfer.nixl.direct import Descriptors, descriptors
 from kvlayout.transfer.nixl.peer_staging import (
@@ -104,6 +104,7 @@ __all__ = [
     "StageNotifs",
     "Staging",
     "Strategy",
+    "SyncMode",
     "Transfer",
     "TransferResult",
     "calibrate",

@@ -3,19 +3,28 @@
 
 from __future__ import annotations
 
+import importlib
 import os
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.copies import _copy, _staging_device
+from kvlayout.transfer.nixl.copies import _KEPT, _copy, _staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
 from kvlayout.transfer.nixl.plans import CostModel
-from kvlayout.transfer.nixl.regions import _intervals, _refuse_unregistered, register
+from kvlayout.transfer.nixl.regions import (
+    Region,
+    _intervals,
+    _pin,
+    _reach,
+    _refuse_unregistered,
+    _unpin,
+    register,
+)
 from kvlayout.transfer.nixl.sides import (
     _MEM_TYPES,
     _U64,
@@ -24,6 +33,7 @@ from kvlayout.transfer.nixl.sides import (
     NixlError,
     NixlTimeoutError,
     Op,
+    _is_nixl_error,
     _peer_name,
     _seconds,
 )
@@ -39,22 +49,57 @@ def _timed_xfer(
     mems: tuple[str, str],
     timeout: float,
 ) -> float:
-    """Seconds of one ``op`` of (local, remote) descriptor ``rows`` of memory types ``mems``."""
+    """Seconds of one ``op`` of (local, remote) descriptor ``rows`` of memory types ``mems``.
+
+    Timed out, the transfer is left to finish (NIXL cannot guarantee to cancel one under
+    way, and UCX over TCP lands its bytes later): its request is kept, never released, and
+    the scratch buffer's region stays pinned, so :func:`calibrate` leaving its ``with``
+    block keeps it registered and allocated for good."""
     local, remote = rows
-    handle = agent.initialize_xfer(
-        op, agent.get_xfer_descs(local, mems[0]), agent.get_xfer_descs(remote, mems[1]), peer
-    )
+    what = f"a calibration {op} with peer {peer!r}"
+    try:
+        handle = agent.initialize_xfer(
+            op, agent.get_xfer_descs(local, mems[0]), agent.get_xfer_descs(remote, mems[1]), peer
+        )
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        raise NixlError(f"NIXL refused {what}: {type(exc).__name__}: {exc}") from exc
+    pinned = _pin(agent, [_reach(local, mems[0])])
     start = time.perf_counter()
-    state = agent.transfer(handle)
-    while state == "PROC":
-        if time.perf_counter() - start > timeout:
-            agent.release_xfer_handle(handle)
-            raise NixlTimeoutError(f"a calibration {op} with peer {peer!r} was not done after {timeout:g} s")
-        state = agent.check_xfer_state(handle)
-    agent.release_xfer_handle(handle)
+    try:
+        state = agent.transfer(handle)
+        while state == "PROC":
+            if time.perf_counter() - start > timeout:
+                _KEPT.append(handle)  # released, NIXL would be asked to cancel what it cannot
+                raise NixlTimeoutError(
+                    f"{what} was not done after {timeout:g} s; it is left to finish (NIXL cannot guarantee "
+                    "to cancel it), and the scratch buffer it reads or writes stays registered and allocated "
+                    "for good"
+                )
+            state = agent.check_xfer_state(handle)
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        _release(agent, handle, pinned)  # NIXL's error ends the transfer
+        raise NixlError(f"NIXL failed {what}: {type(exc).__name__}: {exc}") from exc
+    _release(agent, handle, pinned)
     if state != "DONE":
-        raise NixlError(f"a calibration {op} with peer {peer!r} ended in {state}")
+        raise NixlError(f"{what} ended in {state}")
     return time.perf_counter() - start
+
+
+def _release(agent: Agent, handle: Any, pinned: tuple[Region, ...]) -> None:
+    """Release a calibration transfer that NIXL reported done or failed, and the scratch
+    region it pinned (kept for good if NIXL refused: it may still be under way)."""
+    try:
+        agent.release_xfer_handle(handle)
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        _KEPT.append(handle)
+        return
+    _unpin(agent, pinned)
 
 
 def calibrate(
@@ -78,6 +123,11 @@ def calibrate(
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
     posts) overwrites its first bytes: only for a tensor that is scratch to the peer.
+
+    A measurement not done within ``timeout`` seconds raises :class:`NixlTimeoutError`
+    and is left to finish (NIXL cannot guarantee to cancel it): the scratch buffer it
+    reads or writes stays registered and allocated for good. One that NIXL fails (a peer
+    gone) raises :class:`NixlError`.
     """
     if op not in ("READ", "WRITE"):
         raise TransferError(f"op must be 'READ' or 'WRITE', not {op!r}")
@@ -162,8 +212,17 @@ def _timed(fn: Any) -> float:
 # -- agents ---------------------------------------------------------------------------------
 
 
+SyncMode = Literal["none", "strict", "rw", "default"]
+_SYNC_MODES = ("none", "strict", "rw", "default")
+
+
 def make_agent(
-    name: str, *, telemetry: bool = True, progress_thread: bool = True, backends: Iterable[str] = ("UCX",)
+    name: str,
+    *,
+    telemetry: bool = True,
+    progress_thread: bool = True,
+    backends: Iterable[str] = ("UCX",),
+    sync_mode: SyncMode | None = None,
 ) -> Agent:
     """A NIXL agent (``nixl._api.nixl_agent``; the only place this module imports NIXL)
     with telemetry on, so :class:`TransferResult` reports NIXL's merged descriptor count.
@@ -173,29 +232,44 @@ def make_agent(
     pause, is not there to compete for the cores). A target that does not poll needs the
     thread, or must call into NIXL regularly (``update_notifs``, as
     :mod:`kvlayout.testing.nixl_peer` does).
+
+    ``sync_mode`` is NIXL's thread synchronization (``NIXL_THREAD_SYNC_<MODE>``): None
+    keeps NIXL's default, which takes no lock (an agent without a listener thread), so
+    such an agent is called from one thread at a time (two threads posting and polling
+    on it crash NIXL); ``"strict"`` (every call serialized) or ``"rw"`` (a reader-writer
+    lock) let several threads post and wait on one agent.
     """
-    try:
-        from nixl._api import nixl_agent, nixl_agent_config
-    except ImportError:
-        try:  # kvlayout[nixl] alone: the CUDA 12 build, without the `nixl` meta package
-            from nixl_cu12._api import nixl_agent, nixl_agent_config
-        except ImportError:
-            try:  # the CUDA 13 build, for a CUDA 13 torch
-                from nixl_cu13._api import nixl_agent, nixl_agent_config
-            except ImportError as exc:
-                raise ImportError(
-                    "NIXL is not installed: pip install 'kvlayout[nixl]' (and pip install --no-deps "
-                    "nixl==1.5.1 for `import nixl`; nixl-cu13 instead for a CUDA 13 torch)"
-                ) from exc
-    config = nixl_agent_config(
-        enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry
+    api = _nixl_api()
+    kw: dict[str, Any] = {}
+    if sync_mode is not None:
+        if sync_mode not in _SYNC_MODES:
+            raise TypeError(
+                f"sync_mode must be one of {', '.join(map(repr, _SYNC_MODES))} or None, not {sync_mode!r}"
+            )
+        kw["sync_mode"] = api.nixl_thread_sync_t[f"NIXL_THREAD_SYNC_{sync_mode.upper()}"]
+    config = api.nixl_agent_config(
+        enable_prog_thread=progress_thread, backends=list(backends), capture_telemetry=telemetry, **kw
     )
     try:
-        return nixl_agent(name, config)
+        return api.nixl_agent(name, config)
     except Exception as exc:
         if type(exc).__name__ != "nixlBackendError":
             raise
         raise NixlError(_backend_failed(name, list(backends))) from exc
+
+
+def _nixl_api() -> Any:
+    """NIXL's ``_api`` module: the ``nixl`` meta package's, else the CUDA 12 build's
+    (``kvlayout[nixl]`` alone), else the CUDA 13 build's (a CUDA 13 torch)."""
+    for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
+        try:
+            return importlib.import_module(module)
+        except ImportError:
+            continue
+    raise ImportError(
+        "NIXL is not installed: pip install 'kvlayout[nixl]' (and pip install --no-deps "
+        "nixl==1.5.1 for `import nixl`; nixl-cu13 instead for a CUDA 13 torch)"
+    )
 
 
 def _backend_failed(name: str, backends: list[str]) -> str:

@@ -114,8 +114,10 @@ class Staging:
     receives it into), on the device of the cache it serves: host memory (DRAM) for a
     CPU cache, GPU memory (VRAM, ``device="cuda:N"``) for a cache on that GPU, where the
     gather and scatter run on the device (:func:`kvlayout.transfer.cuda.copy_runs`). One
-    transfer uses it at a time; closed while one does, it stays registered until that
-    transfer is waited for or released."""
+    transfer uses it at a time (taken atomically: threads may share one); closed while
+    one does, it stays registered until that transfer is waited for or released. A
+    request released while in flight may still write it (NIXL cannot guarantee to cancel
+    one under way): the buffer then stays busy, registered and allocated for good."""
 
     def __init__(self, agent: Agent, nbytes: int, *, device: str | torch.device = "cpu") -> None:
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
@@ -129,10 +131,13 @@ class Staging:
         self.registered = register(agent, self.tensor)
         self.busy = False
         self.closed = False
+        self.kept = False  # a request released in flight may still write it: never handed out again
+        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         where = "" if self.device.type == "cpu" else f" on {self.device}"
         state = ", busy" if self.busy else ""
+        state += ", kept for a request released in flight" if self.kept else ""
         state += ", closed" if self.closed else ""
         return f"Staging({self.nbytes} bytes at {self.address:#x}{where}{state})"
 
@@ -143,22 +148,47 @@ class Staging:
     def close(self) -> None:
         """Deregister the buffer, now or, while a transfer holds it, when that one lets go
         (NIXL would otherwise move its bytes through a region it no longer holds)."""
-        if not self.closed:
-            self.closed = True
-            if not self.busy:
-                self.registered.deregister()
+        with self._lock:
+            if not self.closed:
+                self.closed = True
+                if not self.busy:
+                    self.registered.deregister()
+
+    def _take(self) -> bool:
+        """Take the buffer for one request, atomically (two threads posting through it
+        both saw it free, and both gathered into it); False while another holds it."""
+        with self._lock:
+            if self.closed and not self.busy:
+                raise TransferError(f"{self!r} is closed: NIXL no longer holds its region")
+            if self.busy:
+                return False
+            self.busy = True
+            return True
 
     def _let_go(self) -> None:
         """The transfer that held the buffer is done with it."""
-        self.busy = False
-        if self.closed:
-            self.registered.deregister()
+        with self._lock:
+            self.busy = False
+            if self.closed:
+                self.registered.deregister()
+
+    def _keep(self) -> None:
+        """The request that held the buffer was let go of while NIXL may still write it:
+        busy, registered and allocated for good (a later request would send or scatter
+        the late bytes, a freed buffer would take them)."""
+        with self._lock:
+            self.busy = self.kept = True
+            _KEPT.append(self)
 
     def __enter__(self) -> Staging:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# Memory a request released in flight may still be written into: never freed.
+_KEPT: list[object] = []
 
 
 def _staging_device(device: str | torch.device) -> torch.device:

@@ -15,7 +15,15 @@ import torch
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.plans import Plan, plan
-from kvlayout.transfer.nixl.sides import Agent, NixlError, NixlMap, NixlTimeoutError, Op, _seconds
+from kvlayout.transfer.nixl.sides import (
+    Agent,
+    NixlError,
+    NixlMap,
+    NixlTimeoutError,
+    Op,
+    _is_nixl_error,
+    _seconds,
+)
 
 
 def stage_notif(tag: bytes, stage: int, stages: int) -> bytes:
@@ -73,6 +81,8 @@ class PeerCopy:
         timeout = _seconds(timeout)
         if self.staging.closed:
             raise NixlError(f"{self.staging!r} was closed after this copy was prepared; nothing was copied")
+        if notifs is not None and self.plan.op == "WRITE":
+            _check_poster(notifs)
         stream = _copy_stream(self.plan.copy_device)
         if notifs is None:
             self.plan.copy(num_threads, stream)
@@ -87,7 +97,7 @@ class PeerCopy:
         try:
             for i, fut in enumerate(gathers):
                 _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
-                notifs.agent.send_notif(notifs.peer, stage_notif(notifs.tag, i, n))
+                _announce(notifs, i, n)
         finally:
             _settle(gathers)
 
@@ -115,6 +125,29 @@ class PeerCopy:
                 )
         finally:
             _settle(scatters)
+
+
+def _check_poster(notifs: StageNotifs) -> None:
+    """The poster's metadata is loaded: the stages are announced to it (``send_notif``)."""
+    if not notifs.agent.check_remote_metadata(notifs.peer):
+        raise NixlError(
+            f"agent {notifs.agent.name!r} holds no metadata of peer {notifs.peer!r}, the poster its "
+            "stages are announced to: load it with add_remote_agent(the poster's get_agent_metadata()) "
+            "and name it as that returns; nothing was copied"
+        )
+
+
+def _announce(notifs: StageNotifs, stage: int, stages: int) -> None:
+    """Tell the poster stage ``stage`` is gathered."""
+    try:
+        notifs.agent.send_notif(notifs.peer, stage_notif(notifs.tag, stage, stages))
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        raise NixlError(
+            f"NIXL could not announce stage {stage} of {stages} to peer {notifs.peer!r}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> PeerCopy:

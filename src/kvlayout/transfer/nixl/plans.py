@@ -246,6 +246,12 @@ def plan(
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     model = cost or DEFAULT_COST
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
+    if num_runs == 0:  # a rank pair with no heads in common: nothing to post, whatever the strategy
+        none = np.empty((0, 3), _U64)
+        chosen = "direct" if strategy == "auto" else strategy
+        return Plan(
+            chosen, s.op, none, none, local_mem, remote_mem, None, 0, 0, predicted, local_side=s.local
+        )
     if staging is not None and staging.closed and not staging.busy:
         raise TransferError(f"{staging!r} is closed: NIXL no longer holds its region")
     if staging is not None and strategy in ("auto", "staged"):

@@ -17,11 +17,15 @@ from kvlayout.transfer.nixl.peer_staging import stage_notif
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
 from kvlayout.transfer.nixl.prepped import Prepped
 from kvlayout.transfer.nixl.regions import (
+    Region,
     _check_described,
     _check_local,
     _check_local_rows,
+    _pin,
+    _reach,
     _refuse_unregistered,
     _removals,
+    _unpin,
 )
 from kvlayout.transfer.nixl.sides import (
     Agent,
@@ -60,7 +64,10 @@ class Transfer:
     that was current where the request was posted, after what was queued on it before. A
     peer-staged plan's stages are the peer's: a WRITE posts them all at once, each
     landing with its own :func:`stage_notif`; a READ with ``ready`` posts stage ``i``
-    once the peer has sent ``stage_notif(ready, i, stages)``."""
+    once the peer has sent ``stage_notif(ready, i, stages)``.
+
+    Once released or failed, a request holds no NIXL request: every later call raises why
+    (NIXL would be handed freed requests)."""
 
     def __init__(
         self,
@@ -82,10 +89,13 @@ class Transfer:
         self.posted_at = 0.0  # when start() was called
         self._posted = 0
         self._landed = [False] * len(handles)
+        self._settled = [False] * len(handles)  # landed or failed: NIXL moves no more of the stage
         self._stream: Any = None  # the poster's current stream at start(), for a copy on a GPU
         self._count = 0
         self._result: TransferResult | None = None
+        self._ended: tuple[type[TransferError], str] | None = None  # released or failed: why, for later calls
         self._removals = _removals(agent)  # the agent's deregistrations when the request was made
+        self._reach = [_reach(rows, mem) for _, rows, mem in self._own_rows()]  # what start() pins
         # What the request holds until released; dropped unstarted, it is released then.
         self._hold = _Hold(agent, handles, staging)
         weakref.finalize(self, _abandon, self._hold, self._what()).atexit = False
@@ -104,7 +114,6 @@ class Transfer:
         return f"the {p.op} to peer {self.peer!r} ({p.strategy}, {counts}{stages})"
 
     def _fail(self, why: str) -> NixlError:
-        self._release()
         return NixlError(f"NIXL failed {self._what()}: {why}")
 
     def _nixl(self, call: Any, *args: Any) -> Any:
@@ -123,15 +132,21 @@ class Transfer:
     def _check_registered(self) -> None:
         """Every local descriptor (and, posting to this agent itself, every remote one)
         still inside a region registered on the agent."""
-        p, after = self.plan, "; it was deregistered after the request was prepared: nothing was posted"
-        rows = [("local descriptor", p.local, p.local_mem)]
-        if self.peer == getattr(self.agent, "name", None):
-            rows.append(("remote descriptor", p.remote, p.remote_mem))
-        for what, r, mem in rows:
+        after = "; it was deregistered after the request was prepared: nothing was posted"
+        for what, r, mem in self._own_rows():
             try:
                 _check_local_rows(self.agent, r, mem, what)
             except RefusedDescriptorError as exc:
                 raise RefusedDescriptorError(f"{exc}{after}") from None
+
+    def _own_rows(self) -> list[tuple[str, Any, str]]:
+        """The descriptor rows in this agent's registered memory: the local ones and,
+        posting to itself, the remote ones."""
+        p = self.plan
+        rows = [("local descriptor", p.local, p.local_mem)]
+        if self.peer == getattr(self.agent, "name", None):
+            rows.append(("remote descriptor", p.remote, p.remote_mem))
+        return rows
 
     @property
     def posted(self) -> int:
@@ -143,11 +158,17 @@ class Transfer:
         """A staged WRITE's pipeline: each stage waits for its gather."""
         return self._pipelined and self.plan.op == "WRITE" and self.plan.copies is not None
 
+    def _refuse_ended(self) -> None:
+        if self._ended is not None:
+            kind, why = self._ended
+            raise kind(why)
+
     def start(self) -> None:
         """Post the request: gather it first where it is staged, then post what may go
         (:func:`transfer` calls it; after :func:`prepare_transfer`, the caller does, once
         the KV is written). Once only; a local copy on a GPU runs on the stream current
         here."""
+        self._refuse_ended()
         if self._hold.started:
             raise TransferError(f"{self._what()} was started already (a prepared request posts once)")
         self._hold.started, self.posted_at = True, time.perf_counter()
@@ -167,9 +188,13 @@ class Transfer:
                 self._copied(0, wait=True)
             elif p.op == "WRITE":
                 p.copy(stream=self._stream)  # the gather (none peer-staged): validated, nothing posted yet
+            self._hold.pinned = _pin(self.agent, self._reach)  # deregistering it now waits for NIXL
             self._post_ready()
-        except BaseException:  # a request that cannot go holds nothing (it cannot be started again)
-            self._release()
+            if not self.handles:  # nothing to post (an empty map): done now, its notif sent
+                self._complete()
+                self._let_go()
+        except BaseException as exc:  # a request that cannot go holds nothing (it cannot be started again)
+            self._end(exc)
             raise
 
     def _post_ready(self) -> None:
@@ -197,20 +222,28 @@ class Transfer:
             raise self._fail(f"the local copy of stage {stage}: {exc}") from exc
         return True
 
+    def _state(self, i: int) -> str:
+        """NIXL's state of posted stage ``i``; its error (or ``"ERR"``) settles the stage
+        (NIXL moves no more of it) and raises."""
+        try:
+            state = self._nixl(self.agent.check_xfer_state, self.handles[i])
+        except NixlError:
+            self._settled[i] = True
+            raise
+        if state == "ERR":
+            self._settled[i] = True
+            raise self._fail(
+                'check_xfer_state returned "ERR"' + (f" for stage {i}" if self._pipelined else "")
+            )
+        return str(state)
+
     def _poll(self) -> None:
         """Post the stages that may go; note the posted ones that landed."""
         self._post_ready()
         for i in range(self._posted):
-            if self._landed[i]:
+            if self._landed[i] or self._state(i) != "DONE":
                 continue
-            state = self._nixl(self.agent.check_xfer_state, self.handles[i])
-            if state == "ERR":
-                raise self._fail(
-                    'check_xfer_state returned "ERR"' + (f" for stage {i}" if self._pipelined else "")
-                )
-            if state != "DONE":
-                continue
-            self._landed[i] = True
+            self._landed[i] = self._settled[i] = True
             lo, hi = self.plan.stages[i].descriptors if self._pipelined else (0, self.plan.num_descriptors)
             try:
                 self._count += int(self.agent.get_xfer_telemetry(self.handles[i]).descCount)
@@ -226,16 +259,26 @@ class Transfer:
 
     def done(self) -> bool:
         """True once the transfer is complete (a READ's scatter done); raises
-        :class:`NixlError` when NIXL reports ``"ERR"`` or an error."""
+        :class:`NixlError` when NIXL reports ``"ERR"`` or an error (the request is then
+        released, and later calls raise that it failed)."""
         if self._result is not None:
             return True
+        self._refuse_ended()
         if not self._hold.started:
             raise TransferError(f"{self._what()} was prepared but not started: call start() first")
         try:
-            self._poll()
-        except BaseException:  # NIXL's error, or a local copy's: nothing is left held
-            self._release()
+            if not self._complete():
+                return False
+        except BaseException as exc:  # NIXL's error, or a local copy's: nothing is left held
+            self._end(exc)
             raise
+        self._let_go()
+        return True
+
+    def _complete(self) -> bool:
+        """Poll; once every stage landed and every copy is done, send ``notif`` (a
+        pipeline's, or a request with nothing to post) and note the result."""
+        self._poll()
         if not all(self._landed):
             return False
         if not all(self._copied(i) for i in range(len(self._hold.copies))):
@@ -243,20 +286,18 @@ class Transfer:
         if self.notif:
             self._nixl(self.agent.send_notif, self.peer, self.notif)
         seconds = time.perf_counter() - self.posted_at
-        self._release()
         self._result = TransferResult(self.plan.strategy, self._count, self.plan.num_bytes, seconds)
         return True
 
     def wait(self, timeout: float = 30.0) -> TransferResult:
-        """Poll until done; :class:`NixlTimeoutError` after ``timeout`` seconds (the
-        request is released, which asks NIXL to cancel it)."""
+        """Poll until done; :class:`NixlTimeoutError` after ``timeout`` seconds, the request
+        still in flight (wait again, or :meth:`release` it)."""
         deadline = time.perf_counter() + _seconds(timeout)
         while not self.done():
             if time.perf_counter() > deadline:
-                cancelled = self._release()
                 raise NixlTimeoutError(
-                    f"{self._what()} was not done after {timeout:g} s; "
-                    + ("it was cancelled" if cancelled else "NIXL could not cancel it (the handle is kept)")
+                    f"{self._what()} was not done after {timeout:g} s; it is still in flight: wait() again, "
+                    f"or release() it. {_NO_CANCEL}"
                 )
             time.sleep(1e-4)  # leave the cores to NIXL's progress thread
         assert self._result is not None
@@ -264,23 +305,69 @@ class Transfer:
 
     def release(self) -> bool:
         """Let go of a request that will not be waited for: one prepared and never
-        started, or one given up on (NIXL is asked to cancel what is under way). Its NIXL
-        requests and staging buffer are freed; False if NIXL refused to release one."""
-        return self._release()
+        started, or one given up on. Its NIXL requests are freed (NIXL is asked to cancel
+        what is under way, which it cannot guarantee: bytes of a request released in flight
+        may still land, so the caller must not free or reuse the memory it reads or writes,
+        and its staging buffer stays busy for good); later calls raise that it was
+        released. False if NIXL refused to release one."""
+        if self._result is None and self._ended is None:
+            self._ended = (TransferError, self._released_why())
+        return self._let_go()
 
-    def _release(self) -> bool:
-        """Release the NIXL requests (cancelling the active ones) once no local copy is
-        running, once; False if NIXL refused one."""
+    def _released_why(self) -> str:
+        what = f"{self._what()} was released"
+        if not self._hold.started:
+            return f"{what} before it was started (nothing was posted): prepare it again"
+        if self._in_flight():
+            return f"{what} in flight: NIXL was asked to cancel it. {_NO_CANCEL}"
+        return f"{what}: it cannot be waited for"
+
+    def _end(self, exc: BaseException) -> None:
+        """A call failed: release what the request holds; later calls raise why."""
+        if self._ended is None:
+            kind = NixlError if isinstance(exc, NixlError) else TransferError
+            why = str(exc) if isinstance(exc, TransferError) else f"{type(exc).__name__}: {exc}"
+            self._ended = (kind, f"{self._what()} failed and was released ({why}); post the request again")
+        self._let_go()
+
+    def _in_flight(self) -> bool:
+        """A posted stage NIXL does not report done or failed, asked once more (before its
+        request is released): it may still move bytes."""
+        for i in range(self._posted):
+            self._settled[i] = self._settled[i] or self._over(i)
+        return not all(self._settled[: self._posted])
+
+    def _over(self, stage: int) -> bool:
+        """NIXL reports ``stage`` done or failed (its error too ends it)."""
+        try:
+            return bool(self.agent.check_xfer_state(self.handles[stage]) != "PROC")
+        except Exception as exc:
+            if not _is_nixl_error(exc):
+                raise
+            return True
+
+    def _let_go(self) -> bool:
+        """Release the NIXL requests once no local copy is running, once; what a stage in
+        flight may still write is kept for good. False if NIXL refused one."""
         if self._hold.released:
             return True
         _settle(self._hold.copies)
-        return self._hold.release()
+        # Tried before (NIXL refused a handle): the others are freed, not to be asked again.
+        in_flight = self._hold.kept if self._hold.tried else self._in_flight()
+        return self._hold.release(in_flight=in_flight)
+
+
+_NO_CANCEL = (
+    "NIXL cannot guarantee to cancel a request under way: its bytes may still land (UCX over TCP "
+    "finishes it), so do not free or reuse the memory it reads or writes, on either side; a staging "
+    "buffer it holds stays busy, registered and allocated for good"
+)
 
 
 @dataclass
 class _Hold:
     """What a request holds until it is released: its NIXL requests, its staging buffer,
-    and the local copies that write or read that buffer."""
+    the local copies that write or read that buffer, and the regions it posts through."""
 
     agent: Agent
     handles: list[Any]
@@ -288,42 +375,58 @@ class _Hold:
     copies: list[Future[None]] = field(default_factory=list)
     started: bool = False
     released: bool = False
+    pinned: tuple[Region, ...] = ()  # regions its posts go through: deregistering them waits
+    kept: bool = False  # let go of in flight: the staging buffer and pinned regions are kept for good
+    tried: bool = False  # release() ran (NIXL may have refused some of the handles)
 
-    def release(self) -> bool:
-        """Release the NIXL requests and let go of the staging buffer (the copies are
-        done); False if NIXL refused one."""
-        released = True
+    def release(self, in_flight: bool) -> bool:
+        """Release the NIXL requests (the copies are done) and let go of the staging
+        buffer and regions, or, ``in_flight`` (NIXL may still move bytes), keep them for
+        good; False if NIXL refused one (kept, to try again)."""
+        refused, self.tried = [], True
         for h in self.handles:
             try:
                 self.agent.release_xfer_handle(h)
             except Exception as exc:
                 if not _is_nixl_error(exc):
                     raise
-                released = False
-        if released and self.staging is not None:
-            self.staging._let_go()
-        self.released = released
-        return released
+                refused.append(h)
+        self.handles, self.released = refused, not refused
+        if in_flight:
+            self.keep()
+        elif self.released and not self.kept:
+            if self.staging is not None:
+                self.staging._let_go()
+            _unpin(self.agent, self.pinned)
+        return self.released
+
+    def keep(self) -> None:
+        """NIXL may still move the request's bytes: its staging buffer stays busy, and its
+        staging buffer and pinned regions registered and allocated, for good."""
+        if not self.kept and self.staging is not None:
+            self.staging._keep()
+        self.kept = True
 
 
 def _abandon(hold: _Hold, what: str) -> None:
     """A request dropped unreleased. Prepared and never started: release it, so that its
     staging buffer is not taken for good. Started: leave it to finish (a post must not be
-    cancelled behind the caller's back), holding what it holds."""
+    cancelled behind the caller's back), keeping what it holds."""
     if hold.released:
         return
     if hold.started:
         warnings.warn(
-            f"{what} was dropped before wait(): it is left to finish, and its NIXL requests and "
-            "staging buffer stay held",
+            f"{what} was dropped before wait(): it is left to finish, and its staging buffer stays busy "
+            "and, with the memory it posts through, registered for good",
             ResourceWarning,
             stacklevel=1,
         )
+        hold.keep()
         return
     warnings.warn(
         f"{what} was prepared and dropped without release(); releasing it", ResourceWarning, stacklevel=1
     )
-    hold.release()
+    hold.release(in_flight=False)
 
 
 def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:
@@ -404,10 +507,49 @@ def prepare_transfer(
     notif = _message(notif, "notif")
     if peer_ready is not None:
         peer_ready = _message(peer_ready, "peer_ready")
-    if staging is not None and staging.busy:
-        if strategy == "staged":
-            raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
-        staging = None
+    taken = _take(staging, strategy)
+    try:
+        xfer = _prepare(
+            agent, peer, block_map, notif, strategy, taken if strategy in ("auto", "staged") else staging,
+            prepped, cost, stages, peer_staging, peer_ready,
+        )  # fmt: skip
+    except BaseException:
+        if taken is not None:
+            taken._let_go()
+        raise
+    if taken is not None and xfer.staging is None:  # planned without it: direct, or nothing to post
+        taken._let_go()
+    return xfer
+
+
+def _take(staging: Staging | None, strategy: Strategy) -> Staging | None:
+    """The staging buffer a request that may go staged takes now, atomically (another
+    thread may be taking it): None when another request holds it and ``strategy`` is
+    ``"auto"`` (which then goes direct); refused for ``"staged"``."""
+    if staging is None or strategy not in ("auto", "staged"):
+        return None
+    if staging._take():
+        return staging
+    if strategy == "staged":
+        raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
+    return None
+
+
+def _prepare(
+    agent: Agent,
+    peer: str,
+    block_map: NixlMap,
+    notif: bytes,
+    strategy: Strategy,
+    staging: Staging | None,
+    prepped: Prepped | None,
+    cost: CostModel | None,
+    stages: int,
+    peer_staging: PeerStaging | None,
+    peer_ready: bytes | None,
+) -> Transfer:
+    """:func:`prepare_transfer` once the staging buffer (if any) is this request's: the
+    plan, the checks, the NIXL requests."""
     if prepped is not None and strategy != "peer-staged":
         peer_staging = None  # the prepped lists do not reach the peer's staging buffer
     p = plan(
@@ -431,7 +573,11 @@ def prepare_transfer(
     p.check_copy()
     if prepped is not None and prepped.peer != peer:
         raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
+    # An empty map (a rank pair with no heads in common) makes no NIXL request: notif goes alone.
     parts = [st.descriptors for st in p.stages] if len(p.stages) > 1 else [(0, p.num_descriptors)]
+    if not p.num_descriptors:
+        parts = []
+        _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")  # a peer never loaded
     # A pipeline sends notif once after its last stage; a peer-staged WRITE's stages each
     # land with their own, which paces the peer's scatter.
     by_stage = p.strategy == "peer-staged" and p.op == "WRITE" and bool(notif)
@@ -439,6 +585,29 @@ def prepare_transfer(
         stage_notif(notif, i, len(parts)) if by_stage else notif if len(parts) == 1 else b""
         for i in range(len(parts))
     ]
+    handles = _requests(agent, peer, p, parts, stage_notifs, prepped)
+    try:
+        xfer = Transfer(
+            agent, peer, p, handles, staging if p.copies is not None else None,
+            notif if not parts or (len(parts) > 1 and not by_stage) else b"", peer_ready,
+        )  # fmt: skip
+    except BaseException:
+        for h in handles:
+            agent.release_xfer_handle(h)
+        raise
+    return xfer
+
+
+def _requests(
+    agent: Agent,
+    peer: str,
+    p: Plan,
+    parts: list[tuple[int, int]],
+    stage_notifs: list[bytes],
+    prepped: Prepped | None,
+) -> list[Any]:
+    """One NIXL request per stage (descriptors ``parts``), made and so checked by NIXL;
+    none is left made if one is refused."""
     handles: list[Any] = []
     try:
         for (lo, hi), one_notif in zip(parts, stage_notifs, strict=True):
@@ -458,17 +627,15 @@ def prepare_transfer(
         if not _is_nixl_error(exc):
             raise
         if prepped is None:  # name the descriptor NIXL found outside the peer's registration
-            _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor")
-        raise NixlError(f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}") from exc
-    try:
-        xfer = Transfer(
-            agent, peer, p, handles, staging if p.copies is not None else None,
-            notif if len(parts) > 1 and not by_stage else b"", peer_ready,
-        )  # fmt: skip
-    except BaseException:
-        for h in handles:
-            agent.release_xfer_handle(h)
-        raise
-    if xfer.staging is not None:
-        xfer.staging.busy = True
-    return xfer
+            peer_staged = p.strategy == "peer-staged"
+            _refuse_unregistered(agent, peer, p.remote, p.remote_mem, "remote descriptor", peer_staged)
+        hint = (
+            " (prepped lists hold the peer's metadata loaded when they were made: after "
+            "remove_remote_agent and add_remote_agent, make them again with prep_lists)"
+            if prepped is not None and "NotFound" in type(exc).__name__
+            else ""
+        )
+        raise NixlError(
+            f"NIXL refused the {p.op} to peer {peer!r}: {type(exc).__name__}: {exc}{hint}"
+        ) from exc
+    return handles

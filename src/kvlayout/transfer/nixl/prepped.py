@@ -4,15 +4,29 @@ request then passes index arrays."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
+import torch
 
+from kvlayout.registration.peers import RegistrationDescription
+from kvlayout.registration.registration import KernelGroup, Registration
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _check_staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
 from kvlayout.transfer.nixl.regions import _check_local, _intervals, _refuse_unregistered
-from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, RefusedDescriptorError, _peer_name
+from kvlayout.transfer.nixl.sides import (
+    _U64,
+    Agent,
+    Holder,
+    MapSide,
+    NixlError,
+    RefusedDescriptorError,
+    _described_side,
+    _is_nixl_error,
+    _peer_name,
+    local_side,
+)
 
 
 class PreppedList:
@@ -69,9 +83,16 @@ class Prepped:
     remote: PreppedList
 
 
-def _prep_list(agent: Agent, name: str, spans: np.ndarray, unit: int, device: int, mem: str) -> PreppedList:
+def _prep_list(
+    agent: Agent, name: str, spans: np.ndarray, unit: int, device: int, mem: str, side: str
+) -> PreppedList:
     starts, ends = _intervals(spans)
     counts = ((ends - starts) // np.uint64(unit)).astype(np.int64)
+    if len(starts) and not counts.any():  # NIXL would refuse an empty list as "not found"
+        raise TransferError(
+            f"unit {unit} is larger than every stretch of {side} memory (the largest is "
+            f"{int((ends - starts).max())} bytes): no unit to prepare; use a smaller unit"
+        )
     starts, counts = starts[counts > 0], counts[counts > 0]  # shorter than a unit: no unit to send
     if int(counts.sum()) >= 2**31:
         raise TransferError(
@@ -79,28 +100,37 @@ def _prep_list(agent: Agent, name: str, spans: np.ndarray, unit: int, device: in
         )
     rows = np.empty((len(starts), 5), dtype=_U64)
     rows[:, 0], rows[:, 1], rows[:, 2], rows[:, 3], rows[:, 4] = starts, unit, device, unit, counts
-    handle = agent.prep_xfer_dlist(name, rows, mem)
+    try:
+        handle = agent.prep_xfer_dlist(name, rows, mem)
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        raise NixlError(f"NIXL refused to prepare the {side} list: {type(exc).__name__}: {exc}") from exc
     return PreppedList(handle, unit, starts, counts, mem)
 
 
 def prep_lists(
     agent: Agent,
     peer: str | bytes,
-    local: MapSide,
-    remote: MapSide,
+    local: MapSide | Holder,
+    remote: MapSide | RegistrationDescription,
     unit: int,
     *,
     staging: Staging | None = None,
 ) -> Prepped:
     """Prepare both sides once, as lists of ``unit``-byte descriptors over each side's
     tensors (and the staging buffer, on the local side), for :func:`transfer`'s
-    ``prepped=``. ``unit`` is the block unit every request's runs are whole multiples
-    of, at unit-aligned offsets (vLLM's: one layer's K or V of a block). NIXL checks the
+    ``prepped=``. ``local`` is this side (a :class:`MapSide`, or a registration or
+    tensors as :func:`local_side` takes them), ``remote`` the peer's (a :class:`MapSide`,
+    or its :class:`~kvlayout.registration.peers.RegistrationDescription` from the
+    handshake). ``unit`` is the block unit every request's runs are whole multiples of,
+    at unit-aligned offsets (vLLM's: one layer's K or V of a block). NIXL checks the
     remote list against what the peer registered; a description that lies is refused
     here, naming the tensor."""
     if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0:
         raise TypeError(f"unit must be a positive int, got {unit!r}")
     peer = _peer_name(peer)
+    local, remote = _map_side(local, "local"), _map_side(remote, "remote")
     if not local.is_local or remote.is_local:
         raise TransferError("prep_lists takes the local side first, then the peer's")
     local_mem, remote_mem = _mem_type(local, "local"), _mem_type(remote, "remote")
@@ -115,6 +145,28 @@ def prep_lists(
     )
     return Prepped(
         peer,
-        _prep_list(agent, "NIXL_INIT_AGENT", held, unit, local.device_index, local_mem),
-        _prep_list(agent, peer, remote.tensor_spans, unit, remote.device_index, remote_mem),
+        _prep_list(agent, "NIXL_INIT_AGENT", held, unit, local.device_index, local_mem, "local"),
+        _prep_list(
+            agent, peer, remote.tensor_spans, unit, remote.device_index, remote_mem, f"peer {peer!r}'s"
+        ),
     )
+
+
+_SIDE = ("is_local", "device_type", "device_index", "tensor_spans")
+
+
+def _map_side(side: object, which: str) -> MapSide:
+    """A side as :func:`prep_lists` reads it: a :class:`MapSide` as it is, a peer's
+    description (``remote``) or this process's registration or tensors (``local``)."""
+    if which == "remote" and isinstance(side, RegistrationDescription):
+        return _described_side(side)
+    if which == "local" and isinstance(side, (Registration, KernelGroup, torch.Tensor, list, tuple)):
+        return local_side(side)
+    if not all(hasattr(side, name) for name in _SIDE):
+        takes = (
+            "a registration, a tensor or tensors (or nx.local_side of them)"
+            if which == "local"
+            else "the peer's RegistrationDescription (or a MapSide of it, such as a block map's side)"
+        )
+        raise TypeError(f"prep_lists takes for the {which} side {takes}, not {type(side).__name__}")
+    return cast(MapSide, side)

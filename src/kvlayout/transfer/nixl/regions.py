@@ -4,7 +4,9 @@ registered there)."""
 
 from __future__ import annotations
 
+import threading
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,19 +43,25 @@ class Region:
 
 class _AgentRegions:
     """What :func:`register` registered on one agent: each region with its count of
-    holders (a storage registered by two registrations is registered once)."""
+    holders (a storage registered by two registrations is registered once), and the
+    regions started requests post through (pinned): deregistered while pinned, NIXL keeps
+    one (and this keeps its tensors) until the last such request lets go."""
 
     def __init__(self) -> None:
         self.count: dict[Region, int] = {}
         self.reg_lists: dict[Region, Any] = {}
         self.removals = 0  # regions deregistered so far: a request prepared before one re-checks
+        self.pins: dict[Region, int] = {}  # requests in flight that post through each region
+        self.retired: dict[Region, list[torch.Tensor]] = {}  # deregistered while pinned: kept
+        self.lock = threading.Lock()  # register, deregister, pin and unpin from any thread
 
     def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
-        held = sorted(
-            (r.address, r.address + r.nbytes)
-            for r in self.count
-            if (r.mem_type, r.device) == (mem_type, device)
-        )
+        with self.lock:
+            held = sorted(
+                (r.address, r.address + r.nbytes)
+                for r in self.count
+                if (r.mem_type, r.device) == (mem_type, device)
+            )
         arr = np.array(held, dtype=_U64).reshape(-1, 2)
         return arr[:, 0], arr[:, 1]
 
@@ -63,7 +71,8 @@ _REGIONS: weakref.WeakKeyDictionary[Any, _AgentRegions] = weakref.WeakKeyDiction
 
 class Registered:
     """The NIXL registration of one registration's storages; :meth:`deregister` (or
-    leaving a ``with`` block) undoes it. It keeps the tensors alive while registered."""
+    leaving a ``with`` block) undoes it, once no started request posts through them. It
+    keeps the tensors alive while registered."""
 
     def __init__(self, agent: Agent, regions: tuple[Region, ...], tensors: list[torch.Tensor]) -> None:
         self.agent = agent
@@ -76,15 +85,24 @@ class Registered:
         return f"Registered({len(self.regions)} regions, {total} bytes, {state})"
 
     def deregister(self) -> None:
+        """Deregister the storages: now, or, for a region a started request posts
+        through (NIXL may still move its bytes), when that request is done or failed (as
+        :meth:`Staging.close` defers); until then the region and its tensors are kept, for
+        good if the request was released in flight (NIXL cannot guarantee its cancel).
+        New requests through it are refused at once."""
         if self._tensors is None:
             return
         held = _REGIONS[self.agent]
-        for region in self.regions:
-            held.count[region] -= 1
-            if held.count[region] == 0:
-                self.agent.deregister_memory(held.reg_lists.pop(region))
-                del held.count[region]
-                held.removals += 1
+        with held.lock:
+            for region in self.regions:
+                held.count[region] -= 1
+                if held.count[region] == 0:
+                    del held.count[region]
+                    held.removals += 1
+                    if held.pins.get(region):
+                        held.retired[region] = self._tensors
+                    else:
+                        self.agent.deregister_memory(held.reg_lists.pop(region))
         self._tensors = None
 
     def __enter__(self) -> Registered:
@@ -116,13 +134,68 @@ def register(agent: Agent, registration: Holder) -> Registered:
         )
     )
     held = _REGIONS.setdefault(agent, _AgentRegions())
-    for region in regions:
-        if region not in held.count:
-            reg = agent.register_memory([(region.address, region.nbytes, region.device, "")], region.mem_type)
-            held.reg_lists[region] = reg
-            held.count[region] = 0
-        held.count[region] += 1
+    with held.lock:
+        for region in regions:
+            if held.retired.pop(region, None) is not None:  # NIXL still holds it: counted again
+                held.count[region] = 0
+            if region not in held.count:
+                reg = agent.register_memory(
+                    [(region.address, region.nbytes, region.device, "")], region.mem_type
+                )
+                held.reg_lists[region] = reg
+                held.count[region] = 0
+            held.count[region] += 1
     return Registered(agent, regions, tensors)
+
+
+Reach = tuple[str, int, int, int]  # memory type, device, first address, past the last
+
+
+def _reach(rows: np.ndarray, mem: str) -> Reach | None:
+    """What descriptor ``rows`` (address, length, device; one device) of memory type
+    ``mem`` reach, for :func:`_pin`: worked out when a request is prepared (half a million
+    rows take milliseconds), off the path of its start."""
+    if len(rows) == 0:
+        return None
+    return mem, int(rows[0, 2]), int(rows[:, 0].min()), int((rows[:, 0] + rows[:, 1]).max())
+
+
+def _pin(agent: Agent, reaches: Sequence[Reach | None]) -> tuple[Region, ...]:
+    """Pin the regions registered on ``agent`` that a request in flight may post through
+    (those inside its descriptors' ``reaches``): deregistering one then waits for
+    :func:`_unpin`. By address range: a region inside it that no descriptor touches is
+    kept a little longer."""
+    held = _REGIONS.get(agent)
+    if held is None:
+        return ()
+    with held.lock:
+        pinned = tuple(
+            r
+            for r in held.count
+            for reach in reaches
+            if reach is not None
+            and (r.mem_type, r.device) == reach[:2]
+            and r.address < reach[3]
+            and r.address + r.nbytes > reach[2]
+        )
+        for r in pinned:
+            held.pins[r] = held.pins.get(r, 0) + 1
+    return pinned
+
+
+def _unpin(agent: Agent, pinned: tuple[Region, ...]) -> None:
+    """A request that posted through ``pinned`` moves no more bytes: a region
+    deregistered meanwhile is let go of now."""
+    held = _REGIONS.get(agent)
+    if held is None:
+        return
+    with held.lock:
+        for r in pinned:
+            held.pins[r] -= 1
+            if held.pins[r] == 0:
+                del held.pins[r]
+                if held.retired.pop(r, None) is not None:
+                    agent.deregister_memory(held.reg_lists.pop(r))
 
 
 # -- memory intervals and checks -------------------------------------------------------------
@@ -209,10 +282,13 @@ def _first_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str) -> 
     return lo
 
 
-def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, what: str) -> None:
+def _refuse_unregistered(
+    agent: Agent, peer: str, rows: np.ndarray, mem: str, what: str, staging: bool = False
+) -> None:
     """Refuse the first of ``rows`` (address, length, device) outside what ``peer``
-    registered with NIXL; an agent posting to itself holds no metadata of itself, so
-    its rows are checked against the regions registered on it."""
+    registered with NIXL (``staging``: the rows are the peer's staging buffer, not its
+    description); an agent posting to itself holds no metadata of itself, so its rows are
+    checked against the regions registered on it."""
     if peer == getattr(agent, "name", None):
         _check_local_rows(agent, rows, mem, what)
         return
@@ -226,8 +302,14 @@ def _refuse_unregistered(agent: Agent, peer: str, rows: np.ndarray, mem: str, wh
     bad = _first_unregistered(agent, peer, rows[present], mem)
     if bad >= 0:
         a, n = int(rows[present[bad], 0]), int(rows[present[bad], 1])
+        why = (
+            f"is inside the staging buffer peer {peer!r} named (PeerStaging) but not inside memory it "
+            "registered with NIXL, by the metadata loaded here: the peer registers its staging buffer before "
+            "it sends its metadata"
+            if staging
+            else f"is inside what peer {peer!r} described but not inside memory it registered with NIXL: its "
+            "description does not match its registration"
+        )
         raise RefusedDescriptorError(
-            f"{what} {int(present[bad])} ({a:#x}, {n} bytes) is inside what peer {peer!r} described but not "
-            "inside memory it registered with NIXL: its description does not match its registration; "
-            "refused before posting"
+            f"{what} {int(present[bad])} ({a:#x}, {n} bytes) {why}; refused before posting"
         )

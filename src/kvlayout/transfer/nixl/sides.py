@@ -11,6 +11,7 @@ import numpy as np
 import torch
 
 from kvlayout.registration.memory import Placement, group_placement
+from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.registration.registration import KernelGroup, Registration
 from kvlayout.transfer import TransferError
 
@@ -154,6 +155,25 @@ def local_side(obj: Holder) -> LocalSide:
     placements = _check_detected(obj) or [Placement(tensors, [f"tensor {i}" for i in range(len(tensors))])]
     spans = np.array([_span(t) for t in tensors if t.numel()], dtype=_U64).reshape(-1, 2)
     return LocalSide(device.type, device.index or 0, spans, placements=tuple(placements))
+
+
+def _described_side(description: RegistrationDescription) -> LocalSide:
+    """The :class:`MapSide` of a peer's description (every kernel group's tensors, each
+    its byte span from its shape and strides): what :func:`prep_lists` prepares at the
+    handshake, before any request's map exists."""
+    spans = [
+        (address, (blocks - 1) * period + block)
+        for group in description.groups
+        for plane in group.planes
+        for period, block, blocks in [plane.extent()]
+        for address in plane.addresses
+    ]
+    return LocalSide(
+        description.device_type,
+        description.device_index or 0,
+        np.array(spans, dtype=_U64).reshape(-1, 2),
+        is_local=False,
+    )
 
 
 def _check_detected(obj: Holder) -> list[Placement]:
