@@ -450,9 +450,11 @@ def test_plan_moves_the_kv_of_layers_that_share_it_once(capsys: pytest.CaptureFi
 
 
 def test_plan_says_why_a_pair_cannot_be_served(capsys: pytest.CaptureFixture[str]) -> None:
+    """The plan is printed in full, and exits 1 (as detect does for a registration it
+    refuses): a pair that cannot be served is a deployment that cannot run."""
     code, out, _ = run(capsys, "plan", "--src-engine", "vllm", "--src-shape", "2x[8,4,16]", "--dst-engine", "vllm",
                        "--dst-shape", "2x[2,8,4,1,16]", "--tokens", "4", "--kv-heads", "1")  # fmt: skip
-    assert code == 0
+    assert code == 1
     assert out.splitlines()[1] == (
         "  src rank 0 -> dst rank 0: cannot be served: src holds one latent row per token (MLA) and dst K and V "
         "rows per head (MHA): they do not hold the same data"
@@ -463,3 +465,259 @@ def test_plan_refuses_a_request_larger_than_the_cache(capsys: pytest.CaptureFixt
     code, _, err = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "40")
     assert code == 2
     assert err == "kvlayout: --tokens needs 10 blocks of the src cache, which has 8\n"
+
+
+# -- bounds: every bad value is one line and exit 2, never a traceback, a hang or runaway memory ------
+
+DEEP = "2x" + "(" * 3000 + "[2,4,16,8,128]" + ")" * 3000
+
+
+@pytest.mark.parametrize(
+    ("shape", "message"),
+    [
+        ("32x[2,9223372036854775807,16,8,128]",
+         "--shape 32x[2,9223372036854775807,16,8,128]: dim 1 of [2, 9223372036854775807, 16, 8, 128] is "
+         "9223372036854775807, more than 2**32 - 1 = 4294967295 (no KV cache axis comes near)"),
+        ("32x[2,99999999999999999999,16,8,128]", "dim 1 of [2, 99999999999999999999, 16, 8, 128] is 999"),
+        ("[" + ",".join(["2"] * 70) + "]", "a tensor of 70 dims; a KV cache tensor has at most 16"),
+        ("[" + ",".join(["1"] * 30000) + "]", "--shape is 60001 characters, more than 10000"),
+        (DEEP, "... (6016 characters): lists and tuples nest 3001 deep; a registration nests at most 8"),
+        ("100000000x[2,2048,16,8,128]",
+         "--shape 100000000x[2,2048,16,8,128]: its lists hold 100000000 entries in all; a registration has "
+         "at most 65536 tensors"),
+        ("1000x1000x1000x[2,4,16,8,128]",
+         "--shape 1000x1000x1000x[2,4,16,8,128]: 1000000000 tensors; a registration has at most 65536"),
+        ("[100000,100000,100000]",
+         "[100000, 100000, 100000] bf16 is 2000000000000000 bytes, more than 2**48 (256 TiB"),
+        ("[\u0663,4]", "--shape [\u0663,4]: '\u0663' (character 1) is not ASCII; the notation is the digits 0-9"),
+        ("[2," + "9" * 5000 + "]", "--shape: a number of 5000 digits (999999999999...) is no dim"),
+    ],
+)  # fmt: skip
+def test_detect_refuses_shapes_beyond_bounds(
+    capsys: pytest.CaptureFixture[str], shape: str, message: str
+) -> None:
+    """Torch used to fail on these (int64 overflow, a 12-line C++ stack), or the parser
+    recursed 3,000 deep, or a billion tensors were walked (minutes, then MemoryError)."""
+    code, out, err = run(capsys, "detect", "--engine", "vllm", "--shape", shape)
+    assert (code, out) == (2, "") and message in err and err.count("\n") == 1
+
+
+def test_detect_takes_the_bounds_themselves(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "detect", "--engine", "vllm", "--shape", "256x256x[2,4,16,8,128]", "--json")
+    assert code == 1 and json.loads(out)["tensors"] == 2**16  # detection refuses the depth, not the CLI
+    code, _, err = run(capsys, "detect", "--engine", "vllm", "--shape", "257x256x[2,4,16,8,128]")
+    assert (code, err) == (
+        2,
+        "kvlayout: --shape 257x256x[2,4,16,8,128]: 65792 tensors; a registration has at most 65536\n",
+    )
+    code, out, _ = run(capsys, "detect", "--engine", "vllm", "--shape", f"2x[2,{2**32 - 1},16,8,128]")
+    assert code == 0 and f"shape      2 x [2, {2**32 - 1}, 16, 8, 128]" in out
+
+
+@pytest.mark.parametrize(
+    ("device", "message"),
+    [
+        ("cpu:99", "kvlayout: --device cpu:99: there is one cpu device; write cpu\n"),
+        ("meta:3", "kvlayout: --device meta:3: there is one meta device; write meta\n"),
+    ],
+)
+def test_detect_devices_with_an_index_there_is_not(
+    capsys: pytest.CaptureFixture[str], device: str, message: str
+) -> None:
+    code, _, err = run(capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--device", device)
+    assert (code, err) == (2, message)
+    code, out, _ = run(capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--device", "cpu:0")
+    assert code == 0 and "allocated on cpu" in out
+
+
+def test_detect_says_when_the_device_cannot_hold_the_registration(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(
+            "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you "
+            "tried to allocate 1024 bytes.\nframe #0: c10::..."
+        )
+
+    monkeypatch.setattr(torch, "empty", refuse)
+    code, out, err = run(capsys, "detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--device", "cpu")
+    assert (code, out) == (2, "")
+    assert err == (
+        "kvlayout: --device cpu: cannot allocate --shape 2x[2,4,4,1,8] (2 tensor(s), 1024 bytes in all): "
+        "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't allocate memory: you tried "
+        "to allocate 1024 bytes.\n"
+    )
+
+
+PLAN_BASE = ["plan", "--src-engine", "vllm", "--src-shape", "2x[2,8,4,4,8]", "--dst-engine", "vllm",
+             "--dst-shape", "2x[2,8,4,4,8]"]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--tokens", "0"], "--tokens 0: a request holds 1 to 2**24 = 16777216 tokens"),
+        (["--tokens", "16777217"], "--tokens 16777217: a request holds 1 to 2**24"),
+        (["--tokens", "4", "--kv-heads", "99999999999999999999"],
+         "--kv-heads 99999999999999999999: a model has 1 to 65536 KV heads"),
+        (["--tokens", "4", "--kv-heads", "-4"], "--kv-heads -4: a model has 1 to 65536 KV heads"),
+        (["--tokens", "4", "--src-tp", "1000000000000000000000000"],
+         "--src-tp 1000000000000000000000000: a TP degree is 1 to 1024"),
+        (["--tokens", "4", "--dst-tp", "0"], "--dst-tp 0: a TP degree is 1 to 1024"),
+        (["--tokens", "4", "--src-tp", "1000", "--dst-tp", "1000"],
+         "--src-tp 1000 and --dst-tp 1000 make 1000000 rank pairs, one block map each; plan at most 4096"),
+        (["--tokens", "4", "--dst-tp", "3"],
+         "--dst-tp 3 does not split the model's 4 KV heads (src 4 x --src-tp 1): TP splits the heads evenly"),
+        (["--tokens", "4", "--src-tp", "2"],
+         "--dst-tp 1 gives each dst rank 8 of the model's 8 KV heads (src 4 x --src-tp 2), but --dst-shape "
+         "holds 4 a rank"),
+        (["--tokens", "4", "--kv-heads", "6"],
+         "--src-tp 1 gives each src rank 6 of --kv-heads 6, but --src-shape holds 4 a rank"),
+        (["--tokens", "3", "--src-shape", "3x[2,7,3,2,4]+2x[7,3,4]"],
+         "--src-shape 3x[2,7,3,2,4]+2x[7,3,4]: 2 kernel groups; plan maps one kernel group a side"),
+        (["--tokens", "4", "--dst-engine", "nope"], "--dst-engine: unknown serving engine 'nope'"),
+        (["--tokens", "4", "--dst-shape", "4097x[2,8,4,4,8]"], "--dst-shape: 4097 layers; plan maps at most 4096"),
+        (["--tokens", "4", "--src-shape", "512x[2,8,4,1,8]", "--dst-shape", "512x[2,8,4,1,8]", "--src-tp", "64",
+          "--dst-tp", "64"],
+         "--src-tp 64 and --dst-tp 64 over 512 layers make 2097152 layer maps (layers x rank pairs), more than "
+         "2**20 = 1048576; plan fewer ranks"),
+        (["--tokens", "1048576", "--src-shape", "32x[2,65536,16,1,8]", "--dst-shape", "32x[2,65536,16,1,8]",
+          "--src-tp", "16", "--dst-tp", "16", "--kv-heads", "16"],
+         "--tokens 1048576 of 32 layers over 16 rank pair(s) that exchange heads make 536870912 token rows to "
+         "map, more than 2**28 = 268435456; plan fewer tokens or ranks"),
+        (["--tokens", "4", "--dst-hint", "kv_layout=XYZ"], "--dst-hint: layout hint kv_layout='XYZ' is not one"),
+    ],
+)  # fmt: skip
+def test_plan_numbers_out_of_range(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    """Huge heads or TP degrees used to overflow (OverflowError traceback), 1000 x 1000 ranks
+    to build a million block maps, and TP degrees that cannot split the heads to print a
+    plan of pairs that cannot be served, exit 0."""
+    code, out, err = run(capsys, *PLAN_BASE, *args)
+    assert (code, out) == (2, "") and err.startswith(f"kvlayout: {message}") and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("dst_shape", "message"),
+    [
+        ("2x[2,0,4,4,8]", "--dst-shape 2x[2,0,4,4,8]: [2, 0, 4, 4, 8] has a dim of size 0 (dim 1)"),
+        ("2x[2,1000000000000,4,4,8]",
+         "--dst-shape 2x[2,1000000000000,4,4,8]: dim 1 of [2, 1000000000000, 4, 4, 8] is 1000000000000, more "
+         "than 2**32 - 1"),
+        ("2x[2,8", "--dst-shape '2x[2,8': expected ']', found 'the end'"),
+    ],
+)  # fmt: skip
+def test_plan_shape_errors_name_the_side(
+    capsys: pytest.CaptureFixture[str], dst_shape: str, message: str
+) -> None:
+    """These used to come out in a peer description's words (``description.groups[0].planes[0]
+    .sizes.NB=0 is outside [1, 4294967296)``)."""
+    argv = [*PLAN_BASE[:-1], dst_shape, "--tokens", "4"]
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and err.startswith(f"kvlayout: {message}")
+
+
+def test_plan_asks_for_the_block_size_of_a_folded_page_axis(capsys: pytest.CaptureFixture[str]) -> None:
+    """SGLang's [tokens, heads, head size] cache has no block axis: plan used to leak
+    "'>' not supported between instances of 'int' and 'NoneType'"."""
+    argv = ["plan", "--src-engine", "sglang", "--src-shape", "2x2x[64,4,8]", "--dst-engine", "vllm",
+            "--dst-shape", "2x[2,8,4,4,8]", "--tokens", "16"]  # fmt: skip
+    code, _, err = run(capsys, *argv)
+    assert (code, err) == (
+        2,
+        "kvlayout: --src-shape 2x2x[64,4,8]: the sglang cache folds blocks and tokens into one axis (NB*BS), "
+        "so plan cannot tell its blocks: give --src-hint tokens_per_block=N (the engine's page size)\n",
+    )
+    code, out, _ = run(capsys, *argv, "--src-hint", "tokens_per_block=4", "--json")
+    assert code == 0 and json.loads(out)["src"]["block_size"] == 4
+
+
+def test_plan_scattered_block_ids_do_not_build_the_pool() -> None:
+    """A pool of 2**31 - 1 blocks used to be permuted whole (16 GiB) to pick one block."""
+    import numpy as np
+
+    from kvlayout.tools.cli import _block_ids
+
+    ids = _block_ids("scattered", 5000, 2**31 - 1, "src")
+    assert len(set(ids.tolist())) == 5000 and ids.min() >= 0 and ids.max() < 2**31 - 1
+    assert ids.tolist() == _block_ids("scattered", 5000, 2**31 - 1, "src").tolist()  # repeatable
+    assert ids.tolist() != sorted(ids.tolist())  # scattered, not sorted
+    small = _block_ids("scattered", 3, 8, "src")  # a large share of a small pool: a permutation of it
+    assert small.tolist() == np.random.default_rng(0).permutation(8)[:3].tolist()
+    assert _block_ids("consecutive", 3, 8, "src").tolist() == [0, 1, 2]
+
+
+def test_plan_out_of_memory_is_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import kvlayout.transfer
+
+    def no_memory(*args: object, **kwargs: object) -> None:
+        raise MemoryError("std::bad_alloc")
+
+    monkeypatch.setattr(kvlayout.transfer, "block_map", no_memory)
+    code, out, err = run(capsys, *PLAN_BASE, "--tokens", "16")
+    assert (code, out) == (2, "")
+    assert err == (
+        "kvlayout: --tokens 16: the block maps of this plan need more memory than this machine gives; plan "
+        "fewer tokens\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["explain", "1", "--sizes", "NB=4,NB=8"], "kvlayout: --sizes gives NB twice ('NB=4' and 'NB=8')\n"),
+        (["explain", "1", "--sizes", "NBBS=4,PBS=8"], "kvlayout: --sizes gives NBBS twice ('NBBS=4' and 'PBS=8')\n"),
+        (["explain", "1", "--sizes", "NB=\u0663"],
+         "kvlayout: --sizes item 'NB=\u0663' is not NAME=INT (for example NB=2048)\n"),
+        (["explain", "1", "--sizes", "NB=" + "9" * 5000], "a size is at most 2**31 - 1 = 2147483647"),
+        (["explain", "9" * 5000], "kvlayout: unknown engine KV format value 9999"),
+        (["describe", "19", "--sizes", "KV=2,NL=2,NB=4,BS=2,NH=2,HS=4", "--block-stride", str(10**26)],
+         f"kvlayout: --block-stride {10**26}: more elements than int64 offsets address (2**63 - 1)\n"),
+        (["describe", "19", "--sizes", "KV=2,NL=2,NB=4,BS=2,NH=2,HS=4", "--block-stride", str(2**62)],
+         f"kvlayout: --block-stride {2**62}: 4 blocks that far apart span {3 * 2**62 + 64} elements, more than "
+         "int64 offsets address (2**63 - 1)\n"),
+        (["detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--hint", "tokens_per_block=" + "9" * 5000],
+         "kvlayout: --hint tokens_per_block: a value of 5000 digits is no layout hint\n"),
+        (["detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--share", "9" * 5000 + "=1"],
+         "the registration has 2 entries, not 9999"),
+    ],
+)  # fmt: skip
+def test_numbers_beyond_any_size_are_one_line(
+    capsys: pytest.CaptureFixture[str], argv: list[str], message: str
+) -> None:
+    """5000 digits used to end in Python's ValueError (more than 4300 digits to convert);
+    other scripts' digits were read as numbers; a size given twice, the last one won."""
+    code, _, err = run(capsys, *argv)
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_bad_values_stay_bounded_in_a_small_address_space() -> None:
+    """The values that used to hang or exhaust memory, in one subprocess of 8 GiB of
+    address space: each answers at once. A 32 GiB registration on the CPU is refused by the
+    allocator, in one line."""
+    script = """if True:
+        import json, sys
+        from kvlayout.tools.cli import main
+        cases = [
+            ["detect", "--engine", "vllm", "--shape", "100000000x[2,2048,16,8,128]"],
+            ["detect", "--engine", "vllm", "--shape", "1000x1000x1000x[2,4,16,8,128]"],
+            ["detect", "--engine", "vllm", "--shape", "64x[2,8192,16,8,128]", "--device", "cpu"],
+            ["plan", "--src-engine", "vllm", "--src-shape", "32x[2,2147483647,16,4,128]", "--dst-engine",
+             "vllm", "--dst-shape", "32x[2,2147483647,16,4,128]", "--tokens", "16", "--json"],
+        ]
+        print(json.dumps([main(argv) for argv in cases]), file=sys.stderr)
+    """
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (8 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=False,
+        preexec_fn=limit_memory,
+    )  # fmt: skip
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    lines = done.stderr.splitlines()
+    assert json.loads(lines[-1]) == [2, 2, 2, 0]
+    assert "cannot allocate --shape 64x[2,8192,16,8,128] (64 tensor(s), 34359738368 bytes in all)" in lines[2]
+    assert json.loads(done.stdout)["src"]["num_blocks"] == 2**31 - 1

@@ -2,7 +2,9 @@
 ``codegen``, ``demo``.
 
 Exit codes: 0 done; 1 ``detect`` ran and the registration is one kvlayout refuses (the
-error is printed as a user would see it); 2 the command line or its values are wrong.
+error is printed as a user would see it), or ``plan`` ran and a rank pair cannot be served
+(the plan says why); 2 the command line or its values are wrong, in one line (values are
+bounded where they are read: the MAX_* constants here).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import re
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -30,27 +33,43 @@ element offsets."""
 
 
 def parse_sizes(text: str) -> dict[str, int]:
-    """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items
-    and for names that are not sized tokens of the vocabulary."""
+    """``NL=32,NB=2048`` -> ``{"NL": 32, "NB": 2048}``, with a clear error for bad items,
+    for names that are not sized tokens of the vocabulary and for a size given twice."""
     from kvlayout._generated.formats import SIZE_SYMBOLS
     from kvlayout._generated.vocabulary import VOCABULARY
 
-    known = {n for name in SIZE_SYMBOLS for n in (name, VOCABULARY[name].label) if n}
+    canonical = {n: name for name in SIZE_SYMBOLS for n in (name, VOCABULARY[name].label) if n}
     sizes: dict[str, int] = {}
+    given: dict[str, str] = {}  # canonical name -> the item that gave it
     for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip() or not value.strip().isdigit():
+        key, sep, value = (part.strip() for part in item.partition("="))
+        number = _natural(value)
+        if not sep or not key or number is None:
             raise KVLayoutError(f"--sizes item {item!r} is not NAME=INT (for example NB=2048)")
-        if key.strip() not in known:
+        if key not in canonical:
             raise KVLayoutError(
-                f"--sizes {key.strip()!r} is not a size token; sizes are {', '.join(sorted(known))}"
+                f"--sizes {key!r} is not a size token; sizes are {', '.join(sorted(canonical))}"
             )
-        if int(value) > MAX_SIZE:
+        if number > MAX_SIZE:
             raise KVLayoutError(
                 f"--sizes {item!r}: a size is at most 2**31 - 1 = {MAX_SIZE} (no KV cache axis comes near)"
             )
-        sizes[key.strip()] = int(value)
+        if canonical[key] in given:
+            raise KVLayoutError(
+                f"--sizes gives {canonical[key]} twice ({given[canonical[key]]!r} and {item!r})"
+            )
+        given[canonical[key]] = item
+        sizes[key] = number
     return sizes
+
+
+def _natural(text: str) -> int | None:
+    """``text`` as an int when it is ASCII digits (0-9 only: no sign, no other script's
+    digits), else None. A number of more than 30 digits reads as 10**30, above every bound
+    the command line has (Python refuses to convert more than 4300 digits)."""
+    if not text.isascii() or not text.isdigit():
+        return None
+    return int(text) if len(text) <= 30 else 10**30
 
 
 def _addressable(layout: Layout, sizes: dict[str, int]) -> dict[str, int]:
@@ -76,8 +95,11 @@ def _format_arg(text: str) -> Layout:
     """A format value, a catalog name or any layout name."""
     import kvlayout
 
-    if text.isdigit():
-        return kvlayout.layout_of(int(text))
+    value = _natural(text)
+    if value is not None:
+        if value > 2**31:  # said as written, not as the int it reads as
+            raise KVLayoutError(f"unknown engine KV format value {text}")
+        return kvlayout.layout_of(value)
     return kvlayout.parse(text)
 
 
@@ -150,8 +172,33 @@ def cmd_describe(args: argparse.Namespace) -> int:
     layout = _format_arg(args.format)
     sizes = _addressable(layout, parse_sizes(args.sizes)) if args.sizes else None
     desc = describe(layout, sizes, block_stride=args.block_stride)
+    if args.block_stride:  # checked against the block by describe; here against int64 offsets
+        _padded_addressable(layout, sizes or {}, args.block_stride)
     print(json.dumps(desc.to_dict(), indent=2))
     return 0
+
+
+def _padded_addressable(layout: Layout, sizes: dict[str, int], block_stride: int) -> None:
+    """A tensor whose blocks lie ``block_stride`` elements apart must still have its last
+    element within int64 offsets (the generated indexers compute them)."""
+    from kvlayout.errors import SizeError
+    from kvlayout.layout import algebra
+
+    if block_stride > 2**63 - 1:
+        raise KVLayoutError(
+            f"--block-stride {block_stride}: more elements than int64 offsets address (2**63 - 1)"
+        )
+    try:
+        shape = algebra.tensor_shape(layout, sizes)
+        strides = algebra.tensor_strides(layout, sizes, block_stride)
+    except SizeError:  # NB left out: one block, checked by describe
+        return
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    if span > 2**63 - 1:
+        raise KVLayoutError(
+            f"--block-stride {block_stride}: {shape[0]} blocks that far apart span {span} elements, more "
+            "than int64 offsets address (2**63 - 1)"
+        )
 
 
 def cmd_codegen(args: argparse.Namespace) -> int:
@@ -183,13 +230,19 @@ _DTYPES = {
 }  # fmt: skip
 
 
-def _hints(items: Sequence[str]) -> dict[str, object]:
+def _hints(items: Sequence[str], flag: str = "--hint") -> dict[str, object]:
     hints: dict[str, object] = {}
     for item in items:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            raise KVLayoutError(f"--hint {item!r} is not KEY=VALUE (for example kv_layout=HND)")
-        hints[key] = int(value) if value.lstrip("-").isdigit() else value
+            raise KVLayoutError(f"{flag} {item!r} is not KEY=VALUE (for example kv_layout=HND)")
+        digits = value.removeprefix("-")
+        if _natural(digits) is None:
+            hints[key] = value
+        elif len(digits) > 30:
+            raise KVLayoutError(f"{flag} {key}: a value of {len(digits)} digits is no layout hint")
+        else:
+            hints[key] = int(value)
     return hints
 
 
@@ -209,7 +262,152 @@ def _device(text: str) -> Any:
         )
     if device.type not in ("meta", "cpu", "cuda"):
         raise KVLayoutError(f"--device {text}: kvlayout serves meta, cpu and cuda tensors")
+    if device.type != "cuda" and device.index not in (None, 0):
+        raise KVLayoutError(f"--device {text}: there is one {device.type} device; write {device.type}")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        count = torch.cuda.device_count()
+        raise KVLayoutError(
+            f"--device {text}: this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        )
     return device
+
+
+# -- the registrations --shape builds, within bounds -----------------------------------------
+
+MAX_SHAPE_TEXT = 10_000
+"""Characters of a ``--shape`` (an engine's registration is written in a few dozen)."""
+MAX_NESTING = 8
+"""List and tuple levels of a ``--shape`` (engines nest two: ``2x32x[...]``, ``61x([...],[...])``)."""
+MAX_TENSORS = 2**16
+"""Tensors of a ``--shape`` registration (a model has at most a few hundred layers)."""
+MAX_DIMS = 16
+"""Dims of one ``--shape`` tensor (a KV cache tensor has at most 7; a peer description 16)."""
+MAX_DIM = 2**32 - 1
+"""One dim of a ``--shape`` tensor (a peer description's sizes are below 2**32)."""
+MAX_TENSOR_BYTES = 2**48
+"""Bytes of one ``--shape`` tensor: 256 TiB, more than any machine holds (and the most a
+peer description's tensor spans)."""
+
+
+def _shown(text: str) -> str:
+    """A ``--shape`` as messages quote it (a long one abbreviated)."""
+    return text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"
+
+
+def _scan_shape(flag: str, text: str) -> None:
+    """Refuse, before the parser reads it, a ``--shape`` it would take without end: one
+    longer than MAX_SHAPE_TEXT, with digits other than 0-9 or numbers of more than 30,
+    with lists of more than MAX_TENSORS entries in all (the parser builds each) or
+    nesting deeper than MAX_NESTING (it recurses once a level)."""
+    if len(text) > MAX_SHAPE_TEXT:
+        raise KVLayoutError(
+            f"{flag} is {len(text)} characters, more than {MAX_SHAPE_TEXT} (a registration is written in a "
+            "few dozen)"
+        )
+    if not text.isascii():
+        at = next(i for i, c in enumerate(text) if not c.isascii())
+        raise KVLayoutError(
+            f"{flag} {_shown(text)}: {text[at]!r} (character {at}) is not ASCII; the notation is the "
+            "digits 0-9, x, [], (), ',', + and @"
+        )
+    entries = 0
+    for number in re.finditer("[0-9]+", text):
+        digits = number.group()
+        if len(digits) > 30:
+            raise KVLayoutError(
+                f"{flag}: a number of {len(digits)} digits ({digits[:12]}...) is no dim (at most 2**32 - 1 "
+                f"= {MAX_DIM}) and no count (at most {MAX_TENSORS})"
+            )
+        if text.startswith("x", number.end()):
+            entries += int(digits)
+    if entries > MAX_TENSORS:
+        raise KVLayoutError(
+            f"{flag} {_shown(text)}: its lists hold {entries} entries in all; a registration has at most "
+            f"{MAX_TENSORS} tensors"
+        )
+    depth, deepest, opened, in_dims = 0, 0, [], False
+    for c in text:  # the levels the parser would recurse into: one per count, one per '('
+        if c in "[]":
+            in_dims = c == "["
+        elif in_dims:
+            continue
+        elif c == "x":
+            depth += 1
+        elif c == "(":
+            opened.append(depth)
+            depth += 1
+        elif c == ",":  # the next item of the tuple open here (or of none)
+            depth = opened[-1] + 1 if opened else 0
+        elif c == ")":
+            depth = opened.pop() if opened else 0
+        elif c == "+":
+            depth = 0
+        deepest = max(deepest, depth)
+    if deepest > MAX_NESTING:
+        raise KVLayoutError(
+            f"{flag} {_shown(text)}: lists and tuples nest {deepest} deep; a registration nests at most "
+            f"{MAX_NESTING} (engines nest 2: '2x32x[...]', '61x([...],[...])')"
+        )
+
+
+def _registration_spec(flag: str, text: str, dtype: str) -> Any:
+    """``--shape`` text parsed, every tensor checked against the bounds above, or a
+    one-line error naming ``flag``. ``dtype``: a key of _DTYPES."""
+    import math
+
+    import torch
+
+    from kvlayout.tools.shapes import Shape, ShapeSpecError, parse_shape_spec
+
+    _scan_shape(flag, text.replace(" ", ""))
+    try:
+        spec = parse_shape_spec(text)
+    except ShapeSpecError as e:
+        if flag == "--shape":
+            raise
+        raise KVLayoutError(flag + str(e).removeprefix("--shape")) from None
+    itemsize = getattr(torch, _DTYPES[dtype]).itemsize
+    shown = _shown(spec.text)
+
+    def check(leaf: Shape) -> None:
+        if len(leaf) > MAX_DIMS:
+            raise KVLayoutError(
+                f"{flag} {shown}: a tensor of {len(leaf)} dims; a KV cache tensor has at most {MAX_DIMS}"
+            )
+        if 0 in leaf:
+            raise KVLayoutError(
+                f"{flag} {shown}: {_shape_text(leaf)} has a dim of size 0 (dim {list(leaf).index(0)}); "
+                "a KV cache tensor is never empty (an engine never registers a cache without blocks, "
+                "tokens or heads)"
+            )
+        for i, n in enumerate(leaf):
+            if n > MAX_DIM:
+                raise KVLayoutError(
+                    f"{flag} {shown}: dim {i} of {_shape_text(leaf)} is {n}, more than 2**32 - 1 = "
+                    f"{MAX_DIM} (no KV cache axis comes near)"
+                )
+        nbytes = math.prod(leaf) * itemsize
+        if nbytes > MAX_TENSOR_BYTES:
+            raise KVLayoutError(
+                f"{flag} {shown}: {_shape_text(leaf)} {dtype} is {nbytes} bytes, more than 2**48 (256 TiB, "
+                "more memory than any machine holds)"
+            )
+
+    counted: dict[int, int] = {}  # id of a node -> its tensors: a list repeats one node
+
+    def tensors(node: Any) -> int:
+        if id(node) not in counted:
+            if isinstance(node, Shape):
+                check(node)
+                counted[id(node)] = 1
+            else:
+                counted[id(node)] = sum(tensors(child) for child in node)
+        return counted[id(node)]
+
+    total = tensors(spec.root)
+    if total > MAX_TENSORS:
+        raise KVLayoutError(f"{flag} {shown}: {total} tensors; a registration has at most {MAX_TENSORS}")
+    return spec
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
@@ -217,26 +415,17 @@ def cmd_detect(args: argparse.Namespace) -> int:
 
     import kvlayout
     from kvlayout.registration.registration import bound
-    from kvlayout.tools.shapes import parse_shape_spec
     from kvlayout.types import LayoutHints, as_engine
 
     device = _device(args.device)
     engine = as_engine(args.engine)  # a wrong engine or hint is the command line's, not the registration's
-    LayoutHints.coerce(_hints(args.hint))
-    spec = parse_shape_spec(args.shape)
+    hints = _hints(args.hint)
+    LayoutHints.coerce(hints)
     if args.dtype not in _DTYPES:
         raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
     dtype = getattr(torch, _DTYPES[args.dtype])
-    hints = _hints(args.hint)
-
-    for leaf in spec.leaves():
-        if 0 in leaf:
-            raise KVLayoutError(
-                f"--shape {spec.text}: {_shape_text(leaf)} has a dim of size 0 (dim {list(leaf).index(0)}); "
-                "a KV cache tensor is never empty (an engine never registers a cache without blocks, "
-                "tokens or heads)"
-            )
-    kv: Any = _build_kv(spec.root, dtype, device)
+    spec = _registration_spec("--shape", args.shape, args.dtype)
+    kv: Any = _allocated_kv(spec, dtype, device)
     for sharer, target in _shares(args.share, kv):
         kv[sharer] = kv[target]  # vLLM's cross-layer KV sharing: the target's tensor, registered again
     shapes = sorted({_shape_text(s) for s in spec.leaves()})
@@ -261,6 +450,25 @@ def cmd_detect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _allocated_kv(spec: Any, dtype: Any, device: Any) -> Any:
+    """The registration ``spec`` describes, as empty tensors on ``device``; on a real
+    device, the allocator's refusal as a one-line error."""
+    import math
+
+    if device.type == "meta":
+        return _build_kv(spec.root, dtype, device)
+    try:
+        return _build_kv(spec.root, dtype, device)
+    except (RuntimeError, MemoryError) as e:  # torch's allocators (torch.OutOfMemoryError is a RuntimeError)
+        leaves = spec.leaves()
+        nbytes = sum(math.prod(leaf) for leaf in leaves) * dtype.itemsize
+        reason = next(iter(str(e).strip().splitlines()), "") or type(e).__name__
+        raise KVLayoutError(
+            f"--device {device}: cannot allocate --shape {_shown(spec.text)} ({len(leaves)} tensor(s), "
+            f"{nbytes} bytes in all): {reason}"
+        ) from None
+
+
 def _build_kv(node: object, dtype: Any, device: Any) -> Any:
     """The registration a parsed ``--shape`` describes, as empty tensors on ``device``."""
     import torch
@@ -277,26 +485,21 @@ def _build_kv(node: object, dtype: Any, device: Any) -> Any:
 
 
 def _detect(
-    engine_name: str,
-    shape: str,
-    hint_items: Sequence[str],
+    engine: Any,
+    spec: Any,
+    hints: dict[str, object],
     dtype: Any,
     device: Any,
     shares: Sequence[str] = (),
     share_flag: str = "--share",
 ) -> Any:
-    """Detection of a registration given as ``detect`` takes it (a hybrid: a group per ``+``;
-    ``shares``: ``share_flag`` items, layers registered with another's tensor)."""
+    """Detection of a registration given as ``detect`` takes it (``spec`` from
+    _registration_spec; a hybrid: a group per ``+``; ``shares``: ``share_flag`` items,
+    layers registered with another's tensor)."""
     import kvlayout
     from kvlayout.registration.registration import bound
-    from kvlayout.tools.shapes import parse_shape_spec
-    from kvlayout.types import LayoutHints, as_engine
 
-    engine = as_engine(engine_name)
-    hints = _hints(hint_items)
-    LayoutHints.coerce(hints)
-    spec = parse_shape_spec(shape)
-    kv = _build_kv(spec.root, dtype, device)
+    kv = _allocated_kv(spec, dtype, device)
     for sharer, target in _shares(shares, kv, share_flag):
         kv[sharer] = kv[target]
     if len(spec.parts) > 1:
@@ -315,15 +518,16 @@ def _shares(items: Sequence[str], kv: Any, flag: str = "--share") -> list[tuple[
     """``--share 4=2``: entry 4 of the registration is entry 2's tensor."""
     pairs = []
     for item in items:
-        sharer, sep, target = item.partition("=")
-        if not sep or not sharer.strip().isdigit() or not target.strip().isdigit():
+        sharer, sep, target = (part.strip() for part in item.partition("="))
+        a, b = _natural(sharer), _natural(target)
+        if not sep or a is None or b is None:
             raise _ShareError(f"{flag} {item!r} is not SHARER=TARGET (for example 4=2)")
         if not isinstance(kv, list):
             raise _ShareError(f"{flag} needs a list of layers (--shape NxSHAPE), not one tensor")
-        a, b = int(sharer), int(target)
-        for i in (a, b):
-            if i >= len(kv):
-                raise _ShareError(f"{flag} {item}: the registration has {len(kv)} entries, not {i + 1}")
+        for i, text in ((a, sharer), (b, target)):
+            if i >= len(kv):  # entry i needs i + 1 entries (said as written past 30 digits)
+                needs = i + 1 if len(text) <= 30 else f"{text} + 1"
+                raise _ShareError(f"{flag} {item}: the registration has {len(kv)} entries, not {needs}")
         if a == b:
             raise _ShareError(f"{flag} {item}: a layer shares another layer's KV cache, not its own")
         pairs.append((a, b))
@@ -392,63 +596,205 @@ def _side_heads(registration: Any) -> int | None:
     return None if registration.kernel_groups[0].layout.is_mla else int(g.num_heads)
 
 
-def _block_ids(pattern: str, needed: int, num_blocks: int, where: str) -> list[int]:
+MAX_TP = 1024
+"""A side's TP degree in ``plan`` (deployments use up to a few dozen ranks)."""
+MAX_RANK_PAIRS = 4096
+"""Rank pairs ``plan`` maps, one block map each (64 x 64 ranks)."""
+MAX_TOKENS = 2**24
+"""A request's tokens in ``plan`` (the longest contexts hold about 10 million)."""
+MAX_KV_HEADS = 2**16
+"""``plan --kv-heads`` (models have at most a few hundred KV heads)."""
+MAX_PLAN_LAYERS = 4096
+"""Layers of a side in ``plan`` (a model has at most a few hundred)."""
+MAX_PLAN_MAPS = 2**20
+"""Layer maps ``plan`` makes: layers x rank pairs, each pair mapping every layer (a few
+microseconds each up to a thousand layers, tens beyond: 1024 x 1024 take seconds)."""
+MAX_PLAN_ROWS = 2**28
+"""Token rows ``plan`` maps: tokens x layers x the rank pairs that exchange heads (a 1M
+token request of 32 layers over 8 pairs). A block map makes ten to fifty million a
+second, so this is under a minute."""
+
+
+def _block_ids(pattern: str, needed: int, num_blocks: int, where: str) -> Any:
+    """``needed`` distinct block ids of ``num_blocks``: the first ones, or scattered ones
+    (seeded: a plan is repeatable), in memory that grows with ``needed``, not the pool."""
+    import numpy as np
+
     if needed > num_blocks:
         raise KVLayoutError(f"--tokens needs {needed} blocks of the {where} cache, which has {num_blocks}")
     if pattern == "consecutive":
-        return list(range(needed))
-    import numpy as np
+        return np.arange(needed, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    if 4 * needed >= num_blocks:  # a large share of the pool: permute all of it
+        return rng.permutation(num_blocks)[:needed]
+    picked = np.empty(0, dtype=np.int64)
+    while len(picked) < needed:  # draws from a pool at least 4x larger: few repeats to draw again
+        drawn = np.concatenate([picked, rng.integers(0, num_blocks, size=2 * (needed - len(picked)))])
+        _, first = np.unique(drawn, return_index=True)
+        picked = drawn[np.sort(first)][:needed]  # each id once, in the order drawn
+    return picked
 
-    return [int(b) for b in np.random.default_rng(0).permutation(num_blocks)[:needed]]
+
+def _plan_bounds(args: argparse.Namespace) -> None:
+    """plan's numbers, in range before anything is built."""
+    if not 0 < args.tokens <= MAX_TOKENS:
+        raise KVLayoutError(
+            f"--tokens {args.tokens}: a request holds 1 to 2**24 = {MAX_TOKENS} tokens (the longest contexts "
+            "hold about 10 million)"
+        )
+    for where in ("src", "dst"):
+        tp = vars(args)[f"{where}_tp"]
+        if not 0 < tp <= MAX_TP:
+            raise KVLayoutError(f"--{where}-tp {tp}: a TP degree is 1 to {MAX_TP}")
+    if args.src_tp * args.dst_tp > MAX_RANK_PAIRS:
+        raise KVLayoutError(
+            f"--src-tp {args.src_tp} and --dst-tp {args.dst_tp} make {args.src_tp * args.dst_tp} rank pairs, "
+            f"one block map each; plan at most {MAX_RANK_PAIRS} (64 x 64)"
+        )
+    if args.kv_heads is not None and not 0 < args.kv_heads <= MAX_KV_HEADS:
+        raise KVLayoutError(f"--kv-heads {args.kv_heads}: a model has 1 to {MAX_KV_HEADS} KV heads")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
     """Every rank pair of a P/D transfer planned from shapes alone (meta tensors, tensors
-    described at made-up addresses): runs, bytes, descriptors and predicted time."""
+    described at made-up addresses): runs, bytes, descriptors and predicted time. Exits 1
+    when a pair cannot be served (the plan says why)."""
     import torch
 
-    from kvlayout.registration.shards import Shard
-    from kvlayout.transfer import block_map
-    from kvlayout.transfer.nixl import DEFAULT_COST, estimate
+    from kvlayout.registration.shards import Shard, ShardError
+    from kvlayout.transfer.nixl import DEFAULT_COST
+    from kvlayout.types import LayoutHints, as_engine
 
     if args.dtype not in _DTYPES:
         raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
-    if args.tokens <= 0 or args.src_tp <= 0 or args.dst_tp <= 0:
-        raise KVLayoutError("--tokens, --src-tp and --dst-tp must be positive")
+    _plan_bounds(args)
     dtype, meta = getattr(torch, _DTYPES[args.dtype]), torch.device("meta")
     sides = {}
+    a = vars(args)
     for where in ("src", "dst"):
-        a = vars(args)
+        hints = _hints(a[f"{where}_hint"], f"--{where}-hint")
         try:
-            reg = _detect(
-                a[f"{where}_engine"], a[f"{where}_shape"], a[f"{where}_hint"], dtype, meta,
-                a[f"{where}_share"], f"--{where}-share",
-            )  # fmt: skip
+            engine = as_engine(a[f"{where}_engine"])
+        except KVLayoutError as e:
+            raise KVLayoutError(f"--{where}-engine: {e}") from None
+        try:
+            LayoutHints.coerce(hints)
+        except (KVLayoutError, TypeError) as e:
+            raise KVLayoutError(f"--{where}-hint: {e}") from None
+        spec = _registration_spec(f"--{where}-shape", a[f"{where}_shape"], args.dtype)
+        try:
+            reg = _detect(engine, spec, hints, dtype, meta, a[f"{where}_share"], f"--{where}-share")
         except _ShareError:
             raise
         except (KVLayoutError, TypeError) as e:
             raise KVLayoutError(f"--{where}-shape: detection refuses it: {e}") from None
+        if len(reg.kernel_groups) > 1:  # the block map moves one group (a hybrid's would be refused)
+            raise KVLayoutError(
+                f"--{where}-shape {_shown(spec.text)}: {len(reg.kernel_groups)} kernel groups; plan maps one "
+                "kernel group a side: give each group's shape (one '+' item) to a plan of its own"
+            )
         group = reg.kernel_groups[0]
+        if group.geometry.block_size is None:
+            raise KVLayoutError(
+                f"--{where}-shape {_shown(spec.text)}: the {engine.value} cache folds blocks and tokens into "
+                f"one axis (NB*BS), so plan cannot tell its blocks: give --{where}-hint tokens_per_block=N "
+                "(the engine's page size)"
+            )
         sides[where] = (reg, group)
     heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
     model_heads = args.kv_heads
     if model_heads is None and heads["src"] is not None:
         model_heads = heads["src"] * args.src_tp  # no replication unless --kv-heads says so
+    if model_heads is not None:
+        origin = (
+            f"--kv-heads {model_heads}" if args.kv_heads is not None
+            else f"the model's {model_heads} KV heads (src {heads['src']} x --src-tp {args.src_tp})"
+        )  # fmt: skip
+        for where in ("src", "dst"):  # the command line's numbers agree, or no pair could be served
+            tp = a[f"{where}_tp"]
+            try:
+                held = len(Shard(0, tp, model_heads).heads)
+            except ShardError:
+                raise KVLayoutError(
+                    f"--{where}-tp {tp} does not split {origin}: TP splits the heads evenly over the ranks "
+                    "or holds each head on as many ranks (the larger must be a multiple of the smaller)"
+                ) from None
+            if heads[where] is not None and heads[where] != held:
+                raise KVLayoutError(
+                    f"--{where}-tp {tp} gives each {where} rank {held} of {origin}, but --{where}-shape "
+                    f"holds {heads[where]} a rank"
+                )
+    _plan_work(args, model_heads, {where: len(group.layers) for where, (_, group) in sides.items()})
     record: dict[str, Any] = {
         "tokens": args.tokens, "blocks": args.blocks, "poster": args.poster,
         "cost_model": DEFAULT_COST.source, "kv_heads": model_heads, "pairs": [],
     }  # fmt: skip
     for where, (_, group) in sides.items():
         g = group.geometry
-        record[where] = {"format": group.format.name, "tp": vars(args)[f"{where}_tp"],
+        record[where] = {"format": group.format.name, "tp": a[f"{where}_tp"],
                          "block_size": g.block_size, "num_blocks": g.num_blocks,
                          "shared_layers": [list(layers) for layers in group.shared_layers]}  # fmt: skip
     descs, ids = {}, {}
     for where, (reg, group) in sides.items():
         bs = group.geometry.block_size
-        descs[where] = reg.describe(block_size=bs, at=1 << 40 if where == "src" else 1 << 44)
-        needed = -(-args.tokens // bs) if bs else 0
-        ids[where] = _block_ids(args.blocks, needed, group.geometry.num_blocks, where)
+        try:
+            descs[where] = reg.describe(block_size=bs, at=1 << 40 if where == "src" else 1 << 44)
+        except KVLayoutError as e:
+            raise KVLayoutError(
+                f"--{where}-shape: plan describes it as a peer would, and cannot: {e}"
+            ) from None
+        ids[where] = _block_ids(args.blocks, -(-args.tokens // bs), group.geometry.num_blocks, where)
+    try:
+        _plan_pairs(args, record, descs, ids, model_heads)
+    except MemoryError:  # numpy's and the native maps' allocations: bounded above, not by the machine
+        raise KVLayoutError(
+            f"--tokens {args.tokens}: the block maps of this plan need more memory than this machine gives; "
+            "plan fewer tokens"
+        ) from None
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        _print_plan(record)
+    return 1 if any("refused" in p for p in record["pairs"]) else 0
+
+
+def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: dict[str, int]) -> None:
+    """Refuse a plan of more than MAX_PLAN_LAYERS layers a side, MAX_PLAN_MAPS layer maps
+    or MAX_PLAN_ROWS token rows (the pairs with no head in common move no rows: they
+    count for their maps, not their rows)."""
+    from kvlayout.registration.shards import Shard
+
+    for where, n in side_layers.items():
+        if n > MAX_PLAN_LAYERS:
+            raise KVLayoutError(f"--{where}-shape: {n} layers; plan maps at most {MAX_PLAN_LAYERS}")
+    layers = max(side_layers.values())
+    pairs = args.src_tp * args.dst_tp
+    if layers * pairs > MAX_PLAN_MAPS:
+        raise KVLayoutError(
+            f"--src-tp {args.src_tp} and --dst-tp {args.dst_tp} over {layers} layers make {layers * pairs} "
+            f"layer maps (layers x rank pairs), more than 2**20 = {MAX_PLAN_MAPS}; plan fewer ranks"
+        )
+    if model_heads is not None:
+        src = [Shard(r, args.src_tp, model_heads).heads for r in range(args.src_tp)]
+        dst = [Shard(d, args.dst_tp, model_heads).heads for d in range(args.dst_tp)]
+        pairs = sum(a.start < b.stop and b.start < a.stop for a in src for b in dst)
+    rows = args.tokens * layers * pairs
+    if rows > MAX_PLAN_ROWS:
+        raise KVLayoutError(
+            f"--tokens {args.tokens} of {layers} layers over {pairs} rank pair(s) that exchange heads make "
+            f"{rows} token rows to map, more than 2**28 = {MAX_PLAN_ROWS}; plan fewer tokens or ranks"
+        )
+
+
+def _plan_pairs(
+    args: argparse.Namespace, record: dict[str, Any], descs: dict[str, Any], ids: dict[str, Any],
+    model_heads: int | None,
+) -> None:  # fmt: skip
+    """Each rank pair's block map and cost, or why it cannot be served, into ``record``."""
+    from kvlayout.registration.shards import Shard
+    from kvlayout.transfer import block_map
+    from kvlayout.transfer.nixl import estimate
+
     for r in range(args.src_tp):
         for d in range(args.dst_tp):
             pair: dict[str, Any] = {"src_rank": r, "dst_rank": d}
@@ -469,11 +815,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 pair |= {"mean_run": m.num_bytes / m.num_runs, "op": est.op, "descriptors": est.descriptors,
                          "predicted_s": est.predicted_s, "choice": est.choice}  # fmt: skip
             record["pairs"].append(pair)
-    if args.json:
-        print(json.dumps(record, indent=2))
-        return 0
-    _print_plan(record)
-    return 0
 
 
 def _print_plan(r: dict[str, Any]) -> None:
@@ -510,7 +851,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvlayout",
         description="Describe, detect and address the paged KV caches of LLM serving engines.",
         epilog="exit codes: 0 done; 1 detect ran and kvlayout refuses the registration (the error is "
-        "printed as a user would see it); 2 a wrong command line or value",
+        "printed as a user would see it), or plan ran and a rank pair cannot be served (the plan says why); "
+        "2 a wrong command line or value",
     )
     ap.add_argument("--version", action="version", version=f"kvlayout {__version__}")
     sub = ap.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -542,7 +884,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="plan a prefill/decode transfer between two registrations (shapes only, no memory)",
         description="Every rank pair of a transfer between two registrations given as detect takes them: "
         "the block map's runs, bytes and mean run, the NIXL descriptors of each strategy, the predicted time "
-        "by the cost model's defaults and the choice, or why the pair cannot be served.",
+        "by the cost model's defaults and the choice, or why the pair cannot be served (then it exits 1).",
     )
     for where in ("src", "dst"):
         p.add_argument(f"--{where}-engine", required=True, help=f"the {where} engine, as detect's --engine")
@@ -551,11 +893,13 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(f"--{where}-hint", action="append", default=[], metavar="KEY=VALUE",
                        help=f"a layout hint of the {where} side, repeatable")  # fmt: skip
-        p.add_argument(f"--{where}-tp", type=int, default=1, help=f"the {where} side's TP degree")
+        p.add_argument(
+            f"--{where}-tp", type=int, default=1, help=f"the {where} side's TP degree (1 to {MAX_TP})"
+        )
         p.add_argument(f"--{where}-share", action="append", default=[], metavar="SHARER=TARGET",
                        help=f"a {where} layer sharing another's KV cache, as detect's --share")  # fmt: skip
     p.add_argument("--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(_DTYPES)}")
-    p.add_argument("--tokens", type=int, required=True, help="the request's tokens")
+    p.add_argument("--tokens", type=int, required=True, help="the request's tokens (1 to 2**24)")
     p.add_argument("--blocks", choices=("consecutive", "scattered"), default="scattered",
                    help="the request's block ids on both sides")  # fmt: skip
     p.add_argument("--kv-heads", type=int, default=None,
