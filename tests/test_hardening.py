@@ -302,9 +302,9 @@ def test_11_block_sizes_are_ints_and_fit_the_cache() -> None:
     from kvlayout.transfer import BlockMapError, block_map
 
     a, b = (kvlayout.detect(_flash(), "vllm", {"kv_layout": "NHD"}) for _ in range(2))
-    assert block_map(a, b, [1], [3, 4], src_block_size=np.int64(8)).num_tokens == 8
+    assert block_map(a, b, [1], [3, 4], src_block_size=np.int64(8)).num_tokens == 8  # type: ignore[arg-type]
     with pytest.raises(BlockMapError, match=r"^src_block_size must be an int, got 4.0"):
-        block_map(a, b, [1], [3], src_block_size=4.0)
+        block_map(a, b, [1], [3], src_block_size=4.0)  # type: ignore[arg-type]
     with pytest.raises(
         BlockMapError, match=r"^src_block_size=64 is 16 of the src cache's blocks, but it has 8"
     ):

@@ -322,7 +322,9 @@ def test_reallocating_a_tensor_detection_re_viewed_is_caught_too() -> None:
     other[0].data = torch.zeros_like(other[0])  # the engine re-allocates layer 0 in place
     with pytest.raises(BlockMapError, match=r"^the dst side's kv_caches\[0\] was re-allocated"):
         m.copy()
-    with pytest.raises(TransferError, match=r"^kv_caches\[0\] was re-allocated .*after this plan was prepared"):
+    with pytest.raises(
+        TransferError, match=r"^kv_caches\[0\] was re-allocated .*after this plan was prepared"
+    ):
         plan.load_blocks([3, 4], chunks)
     assert not other[0].any()  # the tensor the engine now uses: nothing written, nothing lost
     with pytest.raises(BlockMapError, match=r"kv_caches\[0\] was re-allocated"):

@@ -349,8 +349,8 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
     side = group.memo.get(key)
     if side is None and group.device.type == "meta":
         raise BlockMapError(
-            f"{where} is a meta registration, which has no addresses: plan from registration.describe(at=...) "
-            "(its tensors laid out from a made-up address)"
+            f"{where} is a meta registration, which has no addresses: plan from "
+            "registration.describe(at=...) (its tensors laid out from a made-up address)"
         )
     if side is None:
         placement = group_placement(group, BlockMapError, f"{where}: ")  # None for meta: copy() refuses it
