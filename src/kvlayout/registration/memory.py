@@ -26,7 +26,7 @@ import heapq
 import itertools
 import operator
 from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -94,6 +94,24 @@ def backed_pointers(
         if problem is not None:
             raise error(f"{describe_path(paths[k], root)} {problem}; a KV cache tensor needs its memory")
     return pointers
+
+
+def alias_problem(
+    here: Sequence[int], there: Sequence[int], level: int | None, target: dict[int, int]
+) -> Literal["within", "part", "target"] | None:
+    """Why the tensor at pointer path ``here`` may not be the memory of the one at
+    ``there`` (earlier in the table), or None: layers may share a KV cache only whole,
+    each tensor the target layer's tensor in the same place, one target per sharer
+    (``target`` collects sharer -> target layer). ``"within"``: the same layer twice;
+    ``"part"``: another place of a layer; ``"target"``: the sharer already shares with
+    another layer, ``target[sharer]``. Detection and peer descriptions hold registrations to
+    this one rule, each naming the tensors its own way."""
+    if level is None or here[level] == there[level]:
+        return "within"
+    if tuple(here[:level]) + tuple(here[level + 1 :]) != tuple(there[:level]) + tuple(there[level + 1 :]):
+        return "part"
+    first = target.setdefault(here[level], there[level])
+    return None if first == there[level] else "target"
 
 
 class Placement:

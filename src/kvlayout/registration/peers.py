@@ -37,7 +37,7 @@ from kvlayout.layout.algebra import (
 )
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import Run, check_disjoint, group_placement, memory_keys
+from kvlayout.registration.memory import Run, alias_problem, check_disjoint, group_placement, memory_keys
 from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
 from kvlayout.registration.shards import Shard, ShardError
 
@@ -624,19 +624,21 @@ def _check_sharing(
                 continue
             here, there = paths[pi][k], paths[pi][j]
             x, y = f"{where}.planes[{pi}].addresses[{k}]", f"{where}.planes[{pi}].addresses[{j}]"
-            if level is None or here[level] == there[level]:
+            problem = alias_problem(here, there, level, target)
+            if problem == "within":
                 raise PeerDescriptionError(
                     f"{x} and {y} are one tensor ({address:#x}) twice within one layer; a layer's own "
                     "tensors must be disjoint"
                 )
-            if here[:level] + here[level + 1 :] != there[:level] + there[level + 1 :]:
+            if problem == "part":
                 raise PeerDescriptionError(
                     f"{x} is the tensor ({address:#x}) of {y}, which holds another part of its layer: "
                     "layers may share a KV cache only whole, each tensor the target layer's tensor in "
                     "the same place"
                 )
-            sharer, to = here[level], there[level]
-            if target.setdefault(sharer, to) != to:
+            assert level is not None
+            sharer = here[level]
+            if problem is not None:
                 raise PeerDescriptionError(
                     f"{x} is the tensor of {y}, but layer {layers[sharer]} shares other tensors with "
                     f"layer {layers[target[sharer]]}: a layer shares its KV cache with one layer, whole"

@@ -44,7 +44,15 @@ from kvlayout.registration.binding import (
     check_block_stride,
     tight_block,
 )
-from kvlayout.registration.memory import Run, apart, backed_pointers, check_disjoint, memory_keys, run_of
+from kvlayout.registration.memory import (
+    Run,
+    alias_problem,
+    apart,
+    backed_pointers,
+    check_disjoint,
+    memory_keys,
+    run_of,
+)
 from kvlayout.registration.nesting import Path, at, describe_path, first_leaf, leaves
 from kvlayout.registration.opaque import OpaquePages, pages_of_tensors
 from kvlayout.registration.peers import RegistrationDescription
@@ -415,23 +423,25 @@ def _find_sharing(group: KernelGroup, root: str, strict: bool) -> tuple[tuple[in
 def _check_alias(here: Path, there: Path, level: int | None, target: dict[int, int], root: str) -> None:
     """``here`` is the memory and view of ``there``, earlier in the pointer table: fine
     only as the same place of another layer, and one target layer per sharer."""
+    problem = alias_problem(here, there, level, target)
+    if problem is None:
+        return
     x, y = describe_path(here, root), describe_path(there, root)
-    if level is None or here[level] == there[level]:
+    if problem == "within":
         raise RegistrationError(
             f"{x} and {y} overlap in memory: they are one tensor registered twice within one layer; a "
             "layer's own tensors must be disjoint"
         )
-    if here[:level] + here[level + 1 :] != there[:level] + there[level + 1 :]:
+    if problem == "part":
         raise RegistrationError(
             f"{x} is the memory of {y}, which holds another part of its layer: layers may share a KV "
             "cache only whole, each tensor the same as the target layer's tensor in the same place"
         )
-    first = target.setdefault(here[level], there[level])
-    if first != there[level]:
-        raise RegistrationError(
-            f"{x} is the memory of {y}, but layer {here[level]} shares other tensors with layer {first}: "
-            "a layer shares its KV cache with one layer, whole"
-        )
+    assert level is not None
+    raise RegistrationError(
+        f"{x} is the memory of {y}, but layer {here[level]} shares other tensors with layer "
+        f"{target[here[level]]}: a layer shares its KV cache with one layer, whole"
+    )
 
 
 def _fail_partial(planes: Sequence[Plane], level: int, layer: int, first: int, root: str) -> NoReturn:
