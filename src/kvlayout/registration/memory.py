@@ -45,6 +45,7 @@ from kvlayout.registration.backing import (
 )
 from kvlayout.registration.contiguity import dim0_padding
 from kvlayout.registration.nesting import Path, describe_path
+from kvlayout.registration.opaque import viewed_over
 
 if TYPE_CHECKING:
     from kvlayout.registration.registration import KernelGroup
@@ -558,15 +559,25 @@ def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str =
             # the caller's tensor too where detection re-viewed it: an engine re-allocates
             # that one (``t.data = new``), and the view alone would keep the old memory; the
             # view is watched as well (the LMCache-named functions hand it out)
-            for watched in (t,) if source is None else (t, source):
+            shown = (t,) if source is None else (t, source)
+            # and what a view kvlayout's vLLM edits made was made over (vLLM's own tensor)
+            under = viewed_over(source if source is not None else t)
+            for watched, expected, before_edits in [
+                *((x, ptr, False) for x in shown),
+                *((x, p, True) for x, p in under),
+            ]:
                 if id(watched) in tensors:
                     continue  # one tensor registered for several layers
                 name = describe_path(path, "kv_caches")
+                if before_edits:
+                    name += "'s tensor before the group edits"
                 now = watched.data_ptr()
                 problem = (
-                    f"was re-allocated after detection (data pointer {now:#x}, was {ptr:#x})"
-                    if now != ptr
+                    f"was re-allocated after detection (data pointer {now:#x}, was {expected:#x})"
+                    if now != expected
                     else memory_problem(t, ptr, span)
+                    if watched is t
+                    else None
                 )
                 if problem is not None:
                     raise error(f"{where}{name} {problem}; detect the registration again")

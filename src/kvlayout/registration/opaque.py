@@ -12,12 +12,21 @@ between caches paged alike, and whole pages where a row is not a token.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["MAX_PAGE_LAYOUT", "OpaquePages", "mark_opaque_pages", "opaque_pages_of", "pages_of_tensors"]
+__all__ = [
+    "MAX_PAGE_LAYOUT",
+    "OpaquePages",
+    "mark_opaque_pages",
+    "opaque_pages_of",
+    "pages_of_tensors",
+    "viewed_over",
+]
 
 MAX_PAGE_LAYOUT = 1024
 """The longest :attr:`OpaquePages.layout` a description may carry (characters)."""
@@ -46,15 +55,61 @@ class OpaquePages:
             raise TypeError(f"rows_are_tokens must be a bool, not {type(self.rows_are_tokens).__name__}")
 
 
-def mark_opaque_pages(t: torch.Tensor, pages: OpaquePages) -> None:
-    """Say that ``t``'s rows are ``pages``' bytes (the tensor object carries it)."""
-    setattr(t, _ATTRIBUTE, pages)
+class _Mark(NamedTuple):
+    pages: OpaquePages
+    over: tuple[tuple[weakref.ref[torch.Tensor], int], ...]  # the tensors viewed, their data pointers
+
+
+# Marks by view geometry as well as on the tensor object: ``view[:]``, ``.view(shape)`` or
+# ``.detach()`` of a marked view is a new object over the same bytes, read the same way.
+_BY_GEOMETRY: dict[tuple[object, ...], _Mark] = {}
+_MAX_MARKS = 1 << 16
+
+
+def _geometry(t: torch.Tensor) -> tuple[object, ...] | None:
+    if t.layout is not torch.strided or t.is_nested or t.device.type == "meta":
+        return None
+    storage = t.untyped_storage()
+    return (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
+
+
+def mark_opaque_pages(t: torch.Tensor, pages: OpaquePages, over: Iterable[torch.Tensor] = ()) -> None:
+    """Say that ``t``'s rows are ``pages``' bytes, ``t`` being a view made over the tensors
+    ``over`` (the registered value the edits re-viewed: an engine re-allocates those, so
+    re-allocation checks watch them too). The mark travels with the tensor object and
+    with any view of the same bytes, shape and strides."""
+    mark = _Mark(pages, tuple((weakref.ref(x), x.data_ptr()) for x in over))
+    setattr(t, _ATTRIBUTE, mark)
+    key = _geometry(t)
+    if key is not None:
+        if len(_BY_GEOMETRY) >= _MAX_MARKS:
+            del _BY_GEOMETRY[next(iter(_BY_GEOMETRY))]
+        _BY_GEOMETRY[key] = mark
+
+
+def _mark_of(t: torch.Tensor) -> _Mark | None:
+    mark = getattr(t, _ATTRIBUTE, None)
+    if isinstance(mark, _Mark):
+        return mark
+    key = _geometry(t)
+    return None if key is None else _BY_GEOMETRY.get(key)
 
 
 def opaque_pages_of(t: torch.Tensor) -> OpaquePages | None:
-    """What :func:`mark_opaque_pages` said of ``t``; None for a tensor as an engine registers it."""
-    pages = getattr(t, _ATTRIBUTE, None)
-    return pages if isinstance(pages, OpaquePages) else None
+    """What :func:`mark_opaque_pages` said of ``t`` (or of a view of the same bytes read
+    the same way); None for a tensor as an engine registers it."""
+    mark = _mark_of(t)
+    return None if mark is None else mark.pages
+
+
+def viewed_over(t: torch.Tensor) -> list[tuple[torch.Tensor, int]]:
+    """The tensors a marked view was made over that are still alive, each with its data
+    pointer when the view was made (empty for a tensor as an engine registers it)."""
+    mark = _mark_of(t)
+    if mark is None:
+        return []
+    alive = [(ref(), ptr) for ref, ptr in mark.over]
+    return [(x, ptr) for x, ptr in alive if x is not None]
 
 
 def pages_of_tensors(tensors: Iterable[torch.Tensor]) -> OpaquePages | None:

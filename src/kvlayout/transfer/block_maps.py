@@ -938,6 +938,10 @@ def _kind(
             f"src holds heads {_range(src_shard.heads)} and dst {_range(dst_shard.heads)}, so the map moves "
             f"heads {_range(heads)}"
         )
+    pages = src.opaque_pages or dst.opaque_pages
+    if pages is not None:
+        whole = "" if pages.rows_are_tokens else ", so a partly filled last block moves whole"
+        why.append(f"opaque pages ({pages.layout}): rows are the kernel's page bytes{whole}")
     if src.layout is None or dst.layout is None:
         kinds.append("chunk")
         why.append("between a cache and a token-major chunk [kv_size, NL, T, row]")
@@ -955,9 +959,6 @@ def _kind(
     if set(src.piece_dtypes) != set(dst.piece_dtypes):  # fp8 and the uint8 it is stored as
         a, b = src.piece_dtypes[0], dst.piece_dtypes[0]
         why.append(f"src stores {a} and dst {b}: the bytes move as they are")
-    if src.opaque_pages is not None:
-        whole = "" if src.opaque_pages.rows_are_tokens else ", so a partly filled last block moves whole"
-        why.append(f"opaque pages ({src.opaque_pages.layout}): rows are the kernel's page bytes{whole}")
     if not kinds:
         why.insert(0, "both sides store the request alike; runs are as long as the block ids allow")
         return "same layout", "; ".join(why)
@@ -1043,8 +1044,10 @@ def block_map(
         tokens = _int("num_tokens", num_tokens)
         if tokens < 0:
             raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
-    if a.opaque_pages is not None and not a.opaque_pages.rows_are_tokens:
-        tokens = -(-tokens // a_size) * a_size  # a row is no token: the last block moves whole
+    # a row of opaque pages is no token: the last block moves whole (to or from a chunk too)
+    pages, size = (a.opaque_pages, a_size) if a.opaque_pages is not None else (b.opaque_pages, b_size)
+    if pages is not None and not pages.rows_are_tokens:
+        tokens = -(-tokens // size) * size
     src_ids = _ids("src_blocks", src_blocks, a, -(-tokens // a_size), a_per)
     dst_ids = _ids("dst_blocks", dst_blocks, b, -(-tokens // b_size), b_per)
     again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks // b_per)

@@ -188,3 +188,44 @@ def test_an_mla_hint_on_a_multi_head_cache_is_an_error() -> None:
         kvlayout.LayoutHintError, match=r"the layout hints say MLA .* has 8 heads on its head axis"
     ):
         kvlayout.detect(kv, "vllm", {"kv_layout": "HND", "kv_dim": 1})
+
+
+def test_vllm_re_allocating_a_tensor_the_edits_re_viewed_is_caught() -> None:
+    """The edits make new tensors over vLLM's storage; an engine re-allocates its own
+    tensor, so the checks watch that one too, not only the edited view."""
+    from kvlayout.transfer import TransferError, prepare
+
+    raw, src, _ = edited_cache(vx.KVCacheLayout.LBHNC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
+    plan = prepare(src.only_group(), src.format)
+    chunks = plan.chunks_for(2, 256)
+    m = block_map(dst, src, [1, 2], [3, 4])
+    name = next(iter(raw))
+    raw[name].data = torch.zeros_like(raw[name])  # vLLM's tensor re-allocated in place
+    message = r"kv_caches\[0\]'s tensor before the group edits was re-allocated"
+    with pytest.raises(TransferError, match=message):
+        plan.load_blocks([3, 4], chunks)
+    with pytest.raises(BlockMapError, match=message):
+        m.copy()
+    assert not raw[name].any()
+
+
+def test_a_chunk_loaded_into_opaque_pages_moves_whole_pages_too() -> None:
+    from kvlayout.transfer.block_maps import chunk_side
+
+    _, cache, views = edited_cache(vx.KVCacheLayout.LBHNC, 1)
+    group = cache.only_group()
+    chunk = torch.randint(-128, 128, (1, 2, 256, 256), dtype=torch.int8)
+    m = block_map(chunk_side(group, chunk), group, [0], [0, 5], num_tokens=200)
+    assert m.num_tokens == 256 and "moves whole" in m.reason
+    m.copy()
+    for layer, view in enumerate(views.values()):
+        assert torch.equal(view[[0, 5]].reshape(256, 256), chunk[0, layer])
+
+
+def test_views_of_an_edited_view_keep_its_mark() -> None:
+    _, cache, views = edited_cache(vx.KVCacheLayout.LBHNC, 1)
+    mark = cache.only_group().opaque_pages
+    for again in (lambda v: v[:], lambda v: v.view(v.shape), torch.Tensor.detach):
+        other = kvlayout.detect([again(v) for v in views.values()], "vllm", {"kv_layout": "HND"})
+        assert other.only_group().opaque_pages == mark

@@ -128,7 +128,8 @@ def apply_kv_cache_group_edits(
             except KVCacheGroupEditError as e:
                 raise e.for_layer(layer_name, group_idx) from e
             # the view reads as a format, but its rows are the kernel's page bytes: say so
-            mark_opaque_pages(view, page_layout(edit.name, spec, value, edit.token_axis(value)))
+            over = [value] if isinstance(value, torch.Tensor) else list(value)
+            mark_opaque_pages(view, page_layout(edit.name, spec, value, edit.token_axis(value)), over)
             edited[layer_name] = view
             applied[edit] += 1
     if applied:
