@@ -19,7 +19,7 @@ from typing import Any, cast
 import numpy as np
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import kvlayout
@@ -236,6 +236,9 @@ def test_mha_maps_move_every_request_byte_once_in_the_fewest_runs(
     fmt_src: F, fmt_dst: F, kv: int, data: st.DataObject
 ) -> None:
     _, src_shard, dst_shard = data.draw(shards())
+    if kv == 1 and F.NB_KV_NL_BS_NH_HS in (fmt_src, fmt_dst):
+        # one plane of one head is MAX's MLA, latents (test_max_mla_maps_...); K or V rows need heads
+        assume(len(src_shard.heads) > 1 and len(dst_shard.heads) > 1)
     bs_src, bs_dst = data.draw(block_sizes), data.draw(block_sizes)
     tokens, nb_src, nb_dst, src_ids, dst_ids = data.draw(requests(bs_src, bs_dst))
     common: dict[str, Any] = dict(
@@ -801,3 +804,26 @@ def test_a_row_s_pieces_are_found_without_probing_every_element() -> None:
     assert len(calls) < 100
     every_element_apart = _piece_starts(lambda e=0, **_: (e % 3, 0), 7)  # each in another tensor
     assert every_element_apart == list(range(7))
+
+
+def test_max_mla_maps_to_the_other_engines_mla_caches() -> None:
+    """MAX registers MLA as its cross-layer buffer with one plane of one head
+    (``[NB, 1, NL, BS, 1, 576]``, ``kv_dim=1``): latents, as vLLM's and SGLang's MLA are,
+    and held whole by every TP rank."""
+    nl, nb, bs = 2, 4, 16
+    buf = torch.randn(nb, 1, nl, bs, 1, 576, dtype=torch.bfloat16)
+    hints = {"layout_format": "NB_KV_NL_BS_NH_HS", "num_layers": nl, "kv_dim": 1, "tokens_per_block": bs}
+    mx = kvlayout.detect(buf, "max", hints)
+    kv = [torch.zeros(nb, 1, bs, 576, dtype=torch.bfloat16) for _ in range(nl)]
+    vllm_mla = kvlayout.detect(kv, "vllm", {"kv_dim": 1})
+    m = block_map(mx, vllm_mla, [1, 2], [3, 0], num_tokens=20)
+    assert m.kind == "re-laid"
+    m.copy()
+    for layer in range(nl):
+        assert torch.equal(kv[layer][3, 0], buf[1, 0, layer, :, 0])
+        assert torch.equal(kv[layer][0, 0, :4], buf[2, 0, layer, :4, 0]) and not kv[layer][0, 0, 4:].any()
+    assert mx.describe(shard=Shard(1, 8, 128)).shard == Shard(1, 8, 128)  # DeepSeek-V3's 128 "heads"
+    sglang_mla = kvlayout.detect(
+        [torch.zeros(nb * bs, 1, 576, dtype=torch.bfloat16) for _ in range(nl)], "sglang"
+    )
+    assert block_map(sglang_mla, mx, [2, 0], [1, 3], src_block_size=bs).num_runs == 4

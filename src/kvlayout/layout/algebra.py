@@ -367,6 +367,16 @@ def kv_size(layout: Layout, sizes: Mapping[str, int]) -> int:
     return _evaluate(layout, (symbol,), s)
 
 
+def is_latent(layout: Layout, sizes: Mapping[str, int]) -> bool:
+    """One latent row per token (MLA) at these sizes: a layout with neither K/V pair nor
+    head axis, or one whose K/V axis the tensors size holds one plane of one head (the
+    ``KV`` token's 1: MAX registers MLA so). Latents have no heads to shard: every TP
+    rank holds them whole."""
+    if layout.is_mla:
+        return True
+    return layout.kv_size is None and kv_size(layout, sizes) == 1 and num_heads(layout, sizes) == 1
+
+
 def head_size(layout: Layout, sizes: Mapping[str, int]) -> int:
     """Elements of one head's row in the chunk (the product of the element factors)."""
     s = resolve_sizes(layout, sizes)

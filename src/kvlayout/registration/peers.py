@@ -27,6 +27,7 @@ from typing import Any
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.layout.algebra import (
+    is_latent,
     level_of,
     list_shape,
     num_heads,
@@ -444,7 +445,8 @@ def _from_data(data: object) -> RegistrationDescription:
     groups = tuple(groups_list)
     for i, g in enumerate(groups):
         heads = num_heads(g.layout, g.planes[0].sizes_dict())
-        if shard is not None and g.layout.symbol_of(Role.HEAD) is not None and len(shard.heads) != heads:
+        latent = is_latent(g.layout, g.planes[0].sizes_dict())
+        if shard is not None and not latent and len(shard.heads) != heads:
             raise PeerDescriptionError(
                 f"description.shard {shard} holds {len(shard.heads)} KV heads, but "
                 f"description.groups[{i}] has "

@@ -283,7 +283,7 @@ def side_of_group(
             _job_geometry(layout, tuple(sorted(sizes.items())), plane.block_stride, plane.element_size)
         )
     first = jobs[0]
-    has_heads = layout.symbol_of(Role.HEAD) is not None
+    has_heads = not algebra.is_latent(layout, group.planes[0].sizes_dict())
     if len(jobs) > 1 and first.heads != 1:
         raise BlockMapError(
             f"{where}: {layout} has planes and {first.heads} heads; a row of planes has one head"
@@ -508,7 +508,18 @@ def _check_same_data(src: Side, dst: Side) -> None:
             "dtypes must agree (fp8 and uint8 do: the bytes of fp8 stored as uint8)"
         )
     if src.data != dst.data:
-        raise BlockMapError(f"src holds {src.data} and dst {dst.data}: they do not hold the same data")
+        one_head = [  # one head of K | V packed: what vLLM 0.26+'s MLA [NB, 1, BS, C] reads as unhinted
+            w
+            for w, side in (("src", src), ("dst", dst))
+            if side.has_heads and side.heads == 1 and side.layout is not None and side.layout.is_fused_packed
+        ]
+        hint = ""
+        if one_head and not (src.has_heads and dst.has_heads):
+            hint = (
+                f" ({one_head[0]} has one head: a vLLM 0.26+ MLA cache, [NB, 1, BS, C], reads so unless "
+                "detected with the hint kv_dim=1)"
+            )
+        raise BlockMapError(f"src holds {src.data} and dst {dst.data}: they do not hold the same data{hint}")
     if src.layers != dst.layers:
         raise BlockMapError(
             f"src holds layers {index_ranges(src.layers)} and dst layers "
