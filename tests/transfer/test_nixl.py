@@ -598,7 +598,9 @@ def test_a_pipeline_released_in_flight_keeps_its_staging_buffer_for_good(tcp_pai
         assert staging.busy
         assert xfer.release()
         assert staging.busy and staging.kept and "kept for a request released in flight" in repr(staging)
-        with pytest.raises(TransferError, match=r"Staging\(65536 bytes .*\) is in use"):
+        with pytest.raises(
+            TransferError, match=r"Staging\(65536 bytes .*\) is kept for good .*: stage through a new"
+        ):
             nx.prepare_transfer(tcp_pair.agent, tcp_pair.name, spaced, strategy="staged", staging=staging)
         staging.close()  # deferred for good: NIXL may still write it
         assert "live" in repr(staging.registered)

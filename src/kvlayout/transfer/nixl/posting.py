@@ -530,6 +530,11 @@ def _take(staging: Staging | None, strategy: Strategy) -> Staging | None:
         return None
     if staging._take():
         return staging
+    if strategy == "staged" and staging.kept:
+        raise TransferError(
+            f"{staging!r} is kept for good by a request released in flight (its bytes may still land "
+            "there): stage through a new Staging"
+        )
     if strategy == "staged":
         raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
     return None
