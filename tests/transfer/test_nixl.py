@@ -942,7 +942,7 @@ def test_memory_a_timed_out_request_may_still_write_is_never_freed_or_handed_out
         assert staging.busy
         late.release()
         assert staging.busy and staging.kept
-        expect(TransferError, "is in use", nx.prepare_transfer, agent, name, m, strategy="staged", staging=staging)
+        expect(TransferError, "is kept for good", nx.prepare_transfer, agent, name, m, strategy="staged", staging=staging)
         auto = nx.prepare_transfer(agent, name, m, staging=staging)
         assert auto.plan.strategy == "direct", auto.plan.strategy
         auto.release()
