@@ -721,3 +721,14 @@ def test_bad_values_stay_bounded_in_a_small_address_space() -> None:
     assert json.loads(lines[-1]) == [2, 2, 2, 0]
     assert "cannot allocate --shape 64x[2,8192,16,8,128] (64 tensor(s), 34359738368 bytes in all)" in lines[2]
     assert json.loads(done.stdout)["src"]["num_blocks"] == 2**31 - 1
+
+
+def test_plan_holds_max_latents_whole_on_every_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """MAX registers MLA with one plane of one head (kv_dim=1): latents, which no TP
+    degree splits, as vLLM's MLA on the other side."""
+    code, out, err = run(capsys, "plan", "--src-engine", "max", "--src-shape", "[64,1,4,16,1,576]",
+                         "--src-hint", "kv_dim=1", "--src-hint", "layout_format=NB_KV_NL_BS_NH_HS", "--src-tp", "3",
+                         "--dst-engine", "vllm", "--dst-shape", "4x[64,16,576]", "--dst-tp", "2", "--tokens", "40",
+                         "--blocks", "consecutive")  # fmt: skip
+    assert (code, err) == (0, "")
+    assert "src rank 2 -> dst rank 1: re-laid; 12 runs" in out

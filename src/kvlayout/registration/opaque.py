@@ -12,6 +12,7 @@ between caches paged alike, and whole pages where a row is not a token.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -62,13 +63,16 @@ class _Mark(NamedTuple):
 
 # Marks by view geometry as well as on the tensor object: ``view[:]``, ``.view(shape)`` or
 # ``.detach()`` of a marked view is a new object over the same bytes, read the same way.
+# An entry holds while a tensor it was made over lives (so its storage, and the addresses
+# in the key, cannot be reused by another tensor); a lock keeps the bounded dict whole.
 _BY_GEOMETRY: dict[tuple[object, ...], _Mark] = {}
 _MAX_MARKS = 1 << 16
+_LOCK = threading.Lock()
 
 
 def _geometry(t: torch.Tensor) -> tuple[object, ...] | None:
-    if t.layout is not torch.strided or t.is_nested or t.device.type == "meta":
-        return None
+    if t.layout is not torch.strided or t.is_nested or t.device.type == "meta" or type(t) is not torch.Tensor:
+        return None  # a subclass (a fake tensor) may have no storage to read
     storage = t.untyped_storage()
     return (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
@@ -76,14 +80,16 @@ def _geometry(t: torch.Tensor) -> tuple[object, ...] | None:
 def mark_opaque_pages(t: torch.Tensor, pages: OpaquePages, over: Iterable[torch.Tensor] = ()) -> None:
     """Say that ``t``'s rows are ``pages``' bytes, ``t`` being a view made over the tensors
     ``over`` (the registered value the edits re-viewed: an engine re-allocates those, so
-    re-allocation checks watch them too). The mark travels with the tensor object and
-    with any view of the same bytes, shape and strides."""
+    re-allocation checks watch them too). The mark travels with the tensor object and,
+    while a tensor of ``over`` lives, with any view of the same bytes, shape and strides."""
     mark = _Mark(pages, tuple((weakref.ref(x), x.data_ptr()) for x in over))
     setattr(t, _ATTRIBUTE, mark)
     key = _geometry(t)
-    if key is not None:
+    if key is None or not mark.over:
+        return
+    with _LOCK:
         if len(_BY_GEOMETRY) >= _MAX_MARKS:
-            del _BY_GEOMETRY[next(iter(_BY_GEOMETRY))]
+            _BY_GEOMETRY.pop(next(iter(_BY_GEOMETRY)), None)
         _BY_GEOMETRY[key] = mark
 
 
@@ -92,7 +98,14 @@ def _mark_of(t: torch.Tensor) -> _Mark | None:
     if isinstance(mark, _Mark):
         return mark
     key = _geometry(t)
-    return None if key is None else _BY_GEOMETRY.get(key)
+    if key is None:
+        return None
+    with _LOCK:
+        mark = _BY_GEOMETRY.get(key)
+        if mark is not None and all(ref() is None for ref, _ in mark.over):
+            del _BY_GEOMETRY[key]  # its memory is gone: these addresses may be another tensor's now
+            return None
+    return mark
 
 
 def opaque_pages_of(t: torch.Tensor) -> OpaquePages | None:

@@ -901,12 +901,16 @@ def _re_viewed(kv: Any, sources: Any) -> dict[Path, torch.Tensor]:
         return {}
     out: dict[Path, torch.Tensor] = {}
     try:
-        for path, source in leaves(sources):
+        walked = list(leaves(sources))
+    except (KVLayoutError, TypeError):  # not a structure of tensors: nothing to watch
+        return out
+    for path, source in walked:
+        try:
             view = at(kv, path)
             if isinstance(view, torch.Tensor) and view is not source and view.data_ptr() == source.data_ptr():
                 out[path] = source
-    except (KVLayoutError, TypeError, RuntimeError):  # structures that differ, a tensor without memory
-        return out
+        except (KVLayoutError, RuntimeError):  # the structures differ here, a tensor without memory
+            continue
     return out
 
 

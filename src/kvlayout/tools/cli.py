@@ -592,8 +592,12 @@ def _print_detection(report: dict[str, Any], as_json: bool) -> None:
 
 
 def _side_heads(registration: Any) -> int | None:
-    g = registration.kernel_groups[0].geometry
-    return None if registration.kernel_groups[0].layout.is_mla else int(g.num_heads)
+    """A side's KV heads per rank; None for latents (MLA), which every rank holds whole."""
+    from kvlayout.layout import algebra
+
+    group = registration.kernel_groups[0]
+    latent = algebra.is_latent(group.layout, group.planes[0].sizes)
+    return None if latent else int(group.geometry.num_heads)
 
 
 MAX_TP = 1024

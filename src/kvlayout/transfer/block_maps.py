@@ -508,7 +508,7 @@ def _check_same_data(src: Side, dst: Side) -> None:
             "dtypes must agree (fp8 and uint8 do: the bytes of fp8 stored as uint8)"
         )
     if src.data != dst.data:
-        one_head = [  # one head of K | V packed: what vLLM 0.26+'s MLA [NB, 1, BS, C] reads as unhinted
+        one_head = [  # one head of K | V packed: what an MLA cache of that shape reads as unhinted
             w
             for w, side in (("src", src), ("dst", dst))
             if side.has_heads and side.heads == 1 and side.layout is not None and side.layout.is_fused_packed
@@ -516,8 +516,8 @@ def _check_same_data(src: Side, dst: Side) -> None:
         hint = ""
         if one_head and not (src.has_heads and dst.has_heads):
             hint = (
-                f" ({one_head[0]} has one head: a vLLM 0.26+ MLA cache, [NB, 1, BS, C], reads so unless "
-                "detected with the hint kv_dim=1)"
+                f" ({one_head[0]} is one head of K and V packed: an MLA cache of that shape reads so unless "
+                "detected with the MLA hint kv_dim=1)"
             )
         raise BlockMapError(f"src holds {src.data} and dst {dst.data}: they do not hold the same data{hint}")
     if src.layers != dst.layers:
@@ -1055,10 +1055,16 @@ def block_map(
         tokens = _int("num_tokens", num_tokens)
         if tokens < 0:
             raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
-    # a row of opaque pages is no token: the last block moves whole (to or from a chunk too)
-    pages, size = (a.opaque_pages, a_size) if a.opaque_pages is not None else (b.opaque_pages, b_size)
-    if pages is not None and not pages.rows_are_tokens:
-        tokens = -(-tokens // size) * size
+    # a row of opaque pages is no token: the last page moves whole (to or from a chunk too)
+    opaque = a if a.opaque_pages is not None else b
+    if opaque.opaque_pages is not None and not opaque.opaque_pages.rows_are_tokens:
+        tokens = -(-tokens // opaque.block_size) * opaque.block_size
+        chunk = b if opaque is a else a
+        if chunk.layout is None and tokens > chunk.block_size:
+            raise BlockMapError(
+                f"the chunk holds {chunk.block_size} token rows, but opaque pages move whole pages of "
+                f"{opaque.block_size} rows ({tokens} here): a chunk for them holds whole pages"
+            )
     src_ids = _ids("src_blocks", src_blocks, a, -(-tokens // a_size), a_per)
     dst_ids = _ids("dst_blocks", dst_blocks, b, -(-tokens // b_size), b_per)
     again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks // b_per)

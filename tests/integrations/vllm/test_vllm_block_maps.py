@@ -229,3 +229,33 @@ def test_views_of_an_edited_view_keep_its_mark() -> None:
     for again in (lambda v: v[:], lambda v: v.view(v.shape), torch.Tensor.detach):
         other = kvlayout.detect([again(v) for v in views.values()], "vllm", {"kv_layout": "HND"})
         assert other.only_group().opaque_pages == mark
+
+
+def test_opaque_rounding_is_to_one_page_whatever_the_caller_s_blocks() -> None:
+    from kvlayout.transfer.block_maps import chunk_side
+
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBHNC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
+    assert block_map(src, dst, [1], [3], num_tokens=10, src_block_size=256).num_tokens == 128
+    short = torch.zeros(1, 2, 10, 256, dtype=torch.int8)
+    with pytest.raises(
+        BlockMapError, match=r"^the chunk holds 10 token rows, but opaque pages move whole pages of 128"
+    ):
+        block_map(chunk_side(dst.only_group(), short), dst, [0], [3], num_tokens=10)
+
+
+def test_a_geometry_mark_dies_with_the_memory_it_was_made_over() -> None:
+    """Marks found by a view's geometry hold only while a tensor they were made over
+    lives: the allocator reuses freed addresses for unrelated tensors of the same shape."""
+    import gc
+
+    from kvlayout.registration.opaque import OpaquePages, mark_opaque_pages, opaque_pages_of
+
+    pages = OpaquePages("rule: demo", rows_are_tokens=False)
+    for _ in range(50):
+        base = torch.zeros(4, 64, 32, dtype=torch.int8)
+        mark_opaque_pages(base[:], pages, over=[base])
+        assert opaque_pages_of(base[:]) == pages
+        del base
+        gc.collect()
+        assert opaque_pages_of(torch.zeros(4, 64, 32, dtype=torch.int8)[:]) is None
