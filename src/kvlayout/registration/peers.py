@@ -114,6 +114,12 @@ class PlaneDescription:
             return self.strides[0] * es, size // self.shape[0], self.shape[0]
         return size, size, 1
 
+    @property
+    def span(self) -> int:
+        """Bytes from a tensor's first byte to past its last (padding between blocks included)."""
+        period, block, blocks = self.extent()
+        return (blocks - 1) * period + block
+
 
 @dataclass(frozen=True)
 class GroupDescription:
@@ -236,8 +242,7 @@ def _placed(
     for g, g_keys in zip(groups, keys, strict=True):
         planes = []
         for p, p_keys in zip(g.planes, g_keys, strict=True):
-            period, block, blocks = p.extent()
-            span = (blocks - 1) * period + block
+            span = p.span
             addresses: list[int] = []
             first: dict[Hashable, int] = {}
             for k in range(len(p.addresses)):
@@ -588,8 +593,7 @@ def _plane_from(where: str, layout: Layout, data: object, left: int) -> PlaneDes
         )
     strides = want_strides
     plane = PlaneDescription(dtype, tuple(sizes.items()), shape, strides, block_stride, ())
-    period, block, blocks = plane.extent()
-    span = (blocks - 1) * period + block
+    span = plane.span
     if span > MAX_SPAN:
         raise PeerDescriptionError(f"{where}: each tensor spans {span} bytes, more than {MAX_SPAN}")
     addresses = tuple(

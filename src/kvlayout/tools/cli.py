@@ -276,8 +276,6 @@ def _device(text: str) -> Any:
 
 MAX_SHAPE_TEXT = 10_000
 """Characters of a ``--shape`` (an engine's registration is written in a few dozen)."""
-MAX_NESTING = 8
-"""List and tuple levels of a ``--shape`` (engines nest two: ``2x32x[...]``, ``61x([...],[...])``)."""
 MAX_TENSORS = 2**16
 """Tensors of a ``--shape`` registration (a model has at most a few hundred layers)."""
 MAX_DIMS = 16
@@ -298,7 +296,9 @@ def _scan_shape(flag: str, text: str) -> None:
     """Refuse, before the parser reads it, a ``--shape`` it would take without end: one
     longer than MAX_SHAPE_TEXT, with digits other than 0-9 or numbers of more than 30,
     with lists of more than MAX_TENSORS entries in all (the parser builds each) or
-    nesting deeper than MAX_NESTING (it recurses once a level)."""
+    nesting deeper than a registration may (MAX_NESTING; the parser recurses once a level)."""
+    from kvlayout.registration.nesting import MAX_NESTING
+
     if len(text) > MAX_SHAPE_TEXT:
         raise KVLayoutError(
             f"{flag} is {len(text)} characters, more than {MAX_SHAPE_TEXT} (a registration is written in a "

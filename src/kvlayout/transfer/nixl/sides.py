@@ -162,10 +162,9 @@ def _described_side(description: RegistrationDescription) -> LocalSide:
     its byte span from its shape and strides): what :func:`prep_lists` prepares at the
     handshake, before any request's map exists."""
     spans = [
-        (address, (blocks - 1) * period + block)
+        (address, plane.span)
         for group in description.groups
         for plane in group.planes
-        for period, block, blocks in [plane.extent()]
         for address in plane.addresses
     ]
     return LocalSide(
