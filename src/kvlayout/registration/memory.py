@@ -115,6 +115,14 @@ def alias_problem(
     return None if first == there[level] else "target"
 
 
+def partly_shared(counts: dict[int, int], tensors: int, layers: int) -> int | None:
+    """The first sharer (layer -> how many of its tensors are its target's, in ``counts``)
+    that shares only part of its KV cache, of ``tensors`` over ``layers`` layers; None when
+    each shares whole (:func:`alias_problem`'s rule, counted)."""
+    per_layer = tensors // layers
+    return next((layer for layer, count in counts.items() if count != per_layer), None)
+
+
 class Placement:
     """Where some tensors' bytes are, to be checked again and again: each tensor's data
     pointer, and the address and size of each of their storages.

@@ -38,7 +38,14 @@ from kvlayout.layout.algebra import (
 )
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import Run, alias_problem, check_disjoint, group_placement, memory_keys
+from kvlayout.registration.memory import (
+    Run,
+    alias_problem,
+    check_disjoint,
+    group_placement,
+    memory_keys,
+    partly_shared,
+)
 from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
 from kvlayout.registration.shards import Shard, ShardError
 
@@ -651,15 +658,14 @@ def _check_sharing(
                 )
             shared[sharer] = shared.get(sharer, 0) + 1
     assert level is not None  # a repeat within no layer level was refused above
-    per_layer = sum(len(p.addresses) for p in planes) // len(layers)
-    for sharer, count in shared.items():
-        if count != per_layer:
-            pi, k = next((pi, k) for pi, k in own if paths[pi][k][level] == sharer)
-            raise PeerDescriptionError(
-                f"{where}: layer {layers[sharer]} shares only part of its KV cache with layer "
-                f"{layers[target[sharer]]}: {where}.planes[{pi}].addresses[{k}] is its own tensor; layers "
-                "may share a KV cache only whole, each tensor the target layer's"
-            )
+    partial = partly_shared(shared, sum(len(p.addresses) for p in planes), len(layers))
+    if partial is not None:
+        pi, k = next((pi, k) for pi, k in own if paths[pi][k][level] == partial)
+        raise PeerDescriptionError(
+            f"{where}: layer {layers[partial]} shares only part of its KV cache with layer "
+            f"{layers[target[partial]]}: {where}.planes[{pi}].addresses[{k}] is its own tensor; layers "
+            "may share a KV cache only whole, each tensor the target layer's"
+        )
 
 
 def _check_memory(groups: Sequence[GroupDescription]) -> None:

@@ -51,6 +51,7 @@ from kvlayout.registration.memory import (
     backed_pointers,
     check_disjoint,
     memory_keys,
+    partly_shared,
     run_of,
 )
 from kvlayout.registration.nesting import Path, at, describe_path, first_leaf, leaves
@@ -405,10 +406,9 @@ def _find_sharing(group: KernelGroup, root: str, strict: bool) -> tuple[tuple[in
         if not counts:
             return ()
         assert level is not None
-        per_layer = sum(len(p.paths) for p in planes) // len(group.layers)
-        for layer, count in counts.items():
-            if count != per_layer:
-                _fail_partial(planes, level, layer, target[layer], root)
+        partial = partly_shared(counts, sum(len(p.paths) for p in planes), len(group.layers))
+        if partial is not None:
+            _fail_partial(planes, level, partial, target[partial], root)
     except RegistrationError:
         if strict:
             raise
