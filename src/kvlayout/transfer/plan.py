@@ -264,6 +264,7 @@ class TransferPlan:
                 return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64), 1  # nothing to move
             raise TransferError("no chunks given")
         kv_size, layers, row, dtype, device = self.kv_size, self.num_layers, self.row, self.dtype, self.device
+        conjugable = dtype.is_complex  # only a complex chunk (of a complex cache) has a conjugate bit
         spans: list[tuple[int, int, int]] = []
         tokens: list[int] = []
         for i, c in enumerate(chunks):
@@ -272,7 +273,7 @@ class TransferPlan:
             if c.is_nested or c.layout is not torch.strided:
                 kind = "nested" if c.is_nested else str(c.layout)
                 raise TransferError(f"chunks[{i}] is a {kind} tensor; a chunk is a dense (strided) tensor")
-            if c.is_neg() or c.is_conj():
+            if c.is_neg() or (conjugable and c.is_conj()):
                 raise TransferError(f"chunks[{i}] {not_strided(c)}")
             shape = c.shape
             if len(shape) != 4 or shape[0] != kv_size or shape[1] != layers or shape[3] != row:
