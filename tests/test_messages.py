@@ -76,11 +76,3 @@ def test_a_layer_listed_twice_in_one_layer_group_is_named() -> None:
         kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0], [1, 2, 2]])
     with pytest.raises(KVLayoutError, match=re.escape("layer 1 is in layer groups 0 and 1")):
         kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 1], [1, 2]])
-
-
-def test_a_trtllm_mla_pool_says_mla_pools_are_not_supported() -> None:
-    hints = {"num_kv_heads": 1, "tokens_per_block": 16, "head_dim": 576}
-    for pool in (torch.zeros(4, 8, 1, 16 * 576), torch.zeros(4, 8, 1, 1, 16, 576)):
-        with pytest.raises(DetectionError, match=re.escape("TRT-LLM MLA pools are not supported")) as refused:
-            kvlayout.detect(pool, "trtllm", hints if pool.dim() == 4 else None)
-        assert "the K/V axis (dim 2) is 1, a K-only pool (kv factor 1" in str(refused.value)

@@ -218,6 +218,47 @@ def test_trtllm_pools() -> None:
     assert kvlayout.resolve_block_stride_and_log_layout(out, fmt, 0, 0) == 5 * 2 * 24 + 6
 
 
+def test_trtllm_mla_pools_are_read_as_latents() -> None:
+    """TRT-LLM's MLA cache (DeepSeek: CacheType.SELFKONLY) is a K-only pool, kv factor 1:
+    ``get_unique_primary_pool()`` is ``[NB, NL, 1, BS*HS]``, one latent head per token."""
+    pool = t(7, 5, 1, 3 * 576)
+    for kv, hints in (
+        (pool, {"tokens_per_block": 3, "head_dim": 576}),
+        ([pool], {"num_kv_heads": 1, "tokens_per_block": 3, "head_dim": 576}),
+        (pool.view(7, 5, 1, 1, 3, 576), {}),
+        (pool.view(7, 5, 1, 3, 1, 576), {"tokens_per_block": 3}),  # Dynamo KVBM's export
+    ):
+        fmt, out = detect(kv, "trtllm", hints)
+        assert fmt == F.NB_NL_ONE_BS_HS and out.shape == (7, 5, 1, 3, 576)  # type: ignore[union-attr]
+        assert out.data_ptr() == pool.data_ptr()  # type: ignore[union-attr]
+    reg = kvlayout.detect(pool, "trtllm", {"tokens_per_block": 3, "head_dim": 576})
+    (group,) = reg.kernel_groups
+    d = group.descriptor()
+    assert group.layout.is_mla and (d.kv_size, d.nl, d.nb, d.bs, d.nh, d.hs) == (1, 5, 7, 3, 1, 576)
+
+
+@pytest.mark.parametrize(
+    ("kv", "hints", "error", "message"),
+    [
+        (t(7, 5, 1, 24), {"tokens_per_block": 3}, LayoutHintError,
+         "K-only (MLA) pool [NB, NL, 1, BS*HS] (7, 5, 1, 24) needs layout hints tokens_per_block and head_dim "
+         "to split its rows; missing: head_dim"),
+        (t(7, 5, 1, 24), {"tokens_per_block": 3, "head_dim": 5}, LayoutHintError,
+         "flat dim 24 != tokens_per_block (3) * head_dim (5) = 15"),
+        (t(7, 5, 1, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 8}, LayoutHintError,
+         "a K-only (MLA) pool of one latent head; layout hint num_kv_heads=2 contradicts it"),
+        (t(7, 5, 1, 2, 3, 4), {}, DetectionError, "but neither dim 3 nor dim 4 is 1: an MLA pool holds one"),
+        (t(7, 5, 1, 1, 3, 4), {"head_dim": 8}, LayoutHintError,
+         "TRT-LLM: layout hint head_dim=8 contradicts NB_NL_ONE_BS_HS, whose HS is 4"),
+        (t(7, 5, 1, 24), {"tokens_per_block": 3, "head_dim": 8, "kv_layout": "NHD"}, LayoutHintError,
+         "TRT-LLM's KV pool is HND"),
+    ],
+)  # fmt: skip
+def test_trtllm_mla_errors(kv: Any, hints: dict[str, Any], error: type[Exception], message: str) -> None:
+    with pytest.raises(error, match=re.escape(message)):
+        detect(kv, "trtllm", hints)
+
+
 @pytest.mark.parametrize(
     ("kv", "hints", "error", "message"),
     [
@@ -225,7 +266,7 @@ def test_trtllm_pools() -> None:
         (t(7, 5, 2, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 5}, LayoutHintError,
          "flat dim 24 != num_kv_heads (2) * tokens_per_block (3) * head_dim (5) = 30"),
         (t(7, 5, 3, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4}, DetectionError,
-         "the K/V axis (dim 2) is 3, not 2"),
+         "the K/V axis (dim 2) is 3, not 2 or 1"),
         ([t(7, 5, 2, 2, 3, 4)] * 2, {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 2"),
         (t(7, 5, 2, 2, 3, 4), {"kv_layout": "NHD"}, LayoutHintError, "TRT-LLM's KV pool is HND"),
         (t(7, 5, 2, 2, 3, 4), {"tokens_per_block": 4}, LayoutHintError,

@@ -827,3 +827,29 @@ def test_max_mla_maps_to_the_other_engines_mla_caches() -> None:
         [torch.zeros(nb * bs, 1, 576, dtype=torch.bfloat16) for _ in range(nl)], "sglang"
     )
     assert block_map(sglang_mla, mx, [2, 0], [1, 3], src_block_size=bs).num_runs == 4
+
+
+def test_trtllm_mla_pools_map_to_the_other_engines_mla_caches() -> None:
+    """TRT-LLM registers MLA (DeepSeek) as its K-only pool, ``[NB, NL, 1, BS*576]`` from
+    ``get_unique_primary_pool()``: latents, mapped to vLLM's MLA cache of another block
+    size and moved byte for byte, every TP rank holding them whole."""
+    nl, nb, bs = 3, 5, 32
+    pool = torch.randn(nb, nl, 1, bs * 576, dtype=torch.bfloat16)
+    trt = kvlayout.detect(pool, "trtllm", {"tokens_per_block": bs, "head_dim": 576})
+    kv = [torch.zeros(2 * nb, 16, 576, dtype=torch.bfloat16) for _ in range(nl)]
+    vllm_mla = kvlayout.detect(kv, "vllm")
+    m = block_map(trt, vllm_mla, [4, 1], [7, 0, 3], num_tokens=40, src_shard=Shard(0, 1, 128),
+                  dst_shard=Shard(3, 4, 128))  # fmt: skip
+    m.copy()
+    rows = pool.view(nb, nl, bs, 576)
+    for layer in range(nl):
+        assert torch.equal(kv[layer][7], rows[4, layer, :16])
+        assert torch.equal(kv[layer][0], rows[4, layer, 16:])
+        assert torch.equal(kv[layer][3, :8], rows[1, layer, :8]) and not kv[layer][3, 8:].any()
+    back = torch.zeros_like(pool)
+    returned = kvlayout.detect(back, "trtllm", {"tokens_per_block": bs, "head_dim": 576})
+    block_map(vllm_mla, returned.describe(), [7, 0, 3], [2, 4], num_tokens=40)  # a peer's description
+    block_map(vllm_mla, returned, [7, 0, 3], [2, 4], num_tokens=40).copy()
+    got = back.view(nb, nl, bs, 576)
+    assert torch.equal(got[2], rows[4]) and torch.equal(got[4, :, :8], rows[1, :, :8])
+    assert not got[4, :, 8:].any()

@@ -30,9 +30,10 @@ enum class EngineKVFormat : std::int32_t {
   NL_X_NP_X_NB_BS_ONE_HS = 17,  // NL x NP x [NB, BS, 1, HS]
   NL_X_NB_BS_NH_HS = 18,  // NL x [NB, BS, NH, HS]
   NB_KV_NL_BS_NH_HS = 19,  // [NB, KV, NL, BS, NH, HS]
+  NB_NL_ONE_BS_HS = 20,  // [NB, NL, 1, BS, HS]
 };
 
-inline constexpr int kNumFormats = 20;
+inline constexpr int kNumFormats = 21;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -55,6 +56,7 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NL_X_NP_X_NB_BS_ONE_HS,
     EngineKVFormat::NL_X_NB_BS_NH_HS,
     EngineKVFormat::NB_KV_NL_BS_NH_HS,
+    EngineKVFormat::NB_NL_ONE_BS_HS,
 };
 
 // Everything derived about one format.
@@ -143,6 +145,9 @@ false, false, true, false, false, false, false, false, false, true, true, false}
     case EngineKVFormat::NB_KV_NL_BS_NH_HS:
       return FormatFacts{format, "NB_KV_NL_BS_NH_HS", "[NB, KV, NL, BS, NH, HS]", 0, 0, false,
 true, false, false, false, false, false, false, false, false, false, true, false};
+    case EngineKVFormat::NB_NL_ONE_BS_HS:
+      return FormatFacts{format, "NB_NL_ONE_BS_HS", "[NB, NL, 1, BS, HS]", 1, 0, false,
+true, false, false, true, false, false, false, false, false, false, true, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false};

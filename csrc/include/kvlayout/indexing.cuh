@@ -257,6 +257,16 @@ KVLAYOUT_HOST_DEVICE inline Location nb_kv_nl_bs_nh_hs(const Sizes& s, std::int6
   return Location{0, c.block * stride0 + c.kv * stride1 + c.layer * stride2 + c.token * stride3 + c.head * stride4 + c.elem * stride5};
 }
 
+// 20: NB_NL_ONE_BS_HS = [NB, NL, 1, BS, HS]
+KVLAYOUT_HOST_DEVICE inline Location nb_nl_one_bs_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride4 = 1;
+  const std::int64_t stride3 = stride4 * s.hs;
+  const std::int64_t stride2 = stride3 * s.bs;
+  const std::int64_t stride1 = stride2 * 1;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nl;
+  return Location{0, c.block * stride0 + c.layer * stride1 + c.token * stride3 + c.elem * stride4};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -302,6 +312,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nl_x_nb_bs_nh_hs(s, block_stride, c);
     case EngineKVFormat::NB_KV_NL_BS_NH_HS:
       return indexing::nb_kv_nl_bs_nh_hs(s, block_stride, c);
+    case EngineKVFormat::NB_NL_ONE_BS_HS:
+      return indexing::nb_nl_one_bs_hs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -447,6 +459,13 @@ template <>
 struct Indexer<EngineKVFormat::NB_KV_NL_BS_NH_HS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nb_kv_nl_bs_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_NL_ONE_BS_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_nl_one_bs_hs(s, block_stride, c);
   }
 };
 

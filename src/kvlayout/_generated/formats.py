@@ -54,6 +54,8 @@ class EngineKVFormat(enum.IntEnum):
     """``NL x [NB, BS, NH, HS]``"""
     NB_KV_NL_BS_NH_HS = 19
     """``[NB, KV, NL, BS, NH, HS]``"""
+    NB_NL_ONE_BS_HS = 20
+    """``[NB, NL, 1, BS, HS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,6 +89,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS: Layout(lists=(NL, NP), tensor=(NB, BS, ONE, HS)),
     EngineKVFormat.NL_X_NB_BS_NH_HS: Layout(lists=(NL,), tensor=(NB, BS, NH, HS)),
     EngineKVFormat.NB_KV_NL_BS_NH_HS: Layout(lists=(), tensor=(NB, KV, NL, BS, NH, HS)),
+    EngineKVFormat.NB_NL_ONE_BS_HS: Layout(lists=(), tensor=(NB, NL, ONE, BS, HS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -175,6 +178,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NB_KV_NL_BS_NH_HS: FormatInfo(
         backends=("Modular MAX cross-layer",),
         engines=("max",),
+    ),
+    EngineKVFormat.NB_NL_ONE_BS_HS: FormatInfo(
+        backends=("TRT-LLM MLA (K-only pool, kv factor 1)",),
+        engines=("trtllm",),
     ),
 }
 

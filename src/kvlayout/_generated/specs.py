@@ -8,7 +8,7 @@ from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -1301,6 +1301,68 @@ class NB_KV_NL_BS_NH_HS_Spec(KVFormatSpec):
         return [kv.data_ptr()]
 
 
+class NB_NL_ONE_BS_HS_Spec(KVFormatSpec):
+    """``[NB, NL, 1, BS, HS]``: TRT-LLM MLA (K-only pool, kv factor 1)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_NL_ONE_BS_HS
+    layout = LAYOUTS[EngineKVFormat.NB_NL_ONE_BS_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_NL_ONE_BS_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[3]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "NL": self.kv.shape[1],
+            "BS": self.kv.shape[3],
+            "HS": self.kv.shape[4],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -1323,4 +1385,5 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NL_X_NP_X_NB_BS_ONE_HS_Spec,
     NL_X_NB_BS_NH_HS_Spec,
     NB_KV_NL_BS_NH_HS_Spec,
+    NB_NL_ONE_BS_HS_Spec,
 )

@@ -1,10 +1,14 @@
 """TRT-LLM: one KV pool tensor for all layers, HND.
 
-TRT-LLM registers ``[NB, NL, 2, NH*BS*HS]`` (or a one-element list of it); the hints
-``num_kv_heads``, ``tokens_per_block`` and ``head_dim`` split the flat row into
-``[NB, NL, 2, NH, BS, HS]``. A 6-D pool needs no hints, but hints given are checked
-against it. Unlike LMCache 0.5.6, the K/V axis must be 2 and a ``kv_layout`` hint that
-says NHD is an error (the pool is HND) rather than ignored.
+TRT-LLM registers ``[NB, NL, kv_factor, NH*BS*HS]`` (``get_unique_primary_pool()``, or a
+one-element list of it); the hints ``num_kv_heads``, ``tokens_per_block`` and
+``head_dim`` split the flat row into ``[NB, NL, 2, NH, BS, HS]``. A 6-D pool needs no
+hints, but hints given are checked against it. Unlike LMCache 0.5.6, the K/V axis must be
+2 or 1 and a ``kv_layout`` hint that says NHD is an error (the pool is HND) rather than
+ignored. A kv factor of 1 is TRT-LLM's MLA cache (``CacheType.SELFKONLY``): one latent
+head, the row split into ``[NB, NL, 1, BS, HS]`` by ``tokens_per_block`` and ``head_dim``
+(``num_kv_heads``, if sent, must be 1); a 6-D K-only pool may put its head axis of 1
+before or after the tokens.
 """
 
 from __future__ import annotations
@@ -35,14 +39,49 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             raise DetectionError("TRT-LLM registers one KV pool tensor, got a nested list")
     p = probe(kv)
     if p.rank in (4, 6) and p.shape[2] == 1:
-        raise DetectionError(
-            f"TRT-LLM pool {p.shape}: the K/V axis (dim 2) is 1, a K-only pool (kv factor 1, TRT-LLM's MLA "
-            "cache); TRT-LLM MLA pools are not supported: kvlayout's TRT-LLM formats hold K and V (2)"
-        )
-    if p.rank == 4:
+        kv = _latent(kv, hints)
+        p = probe(kv)
+    elif p.rank == 4:
         kv = _unflatten(kv, hints)
         p = probe(kv)
     return pick(ENGINE, p, decide=[("kv_layout", "is_hnd", True)]), kv
+
+
+def _latent(pool: Any, hints: LayoutHints) -> Any:
+    """A K-only pool (kv factor 1: TRT-LLM's MLA cache) as ``[NB, NL, 1, BS, HS]``, a view."""
+    shape = tuple(pool.shape)
+    if hints.num_kv_heads not in (None, 1):
+        raise LayoutHintError(
+            f"TRT-LLM pool {shape}: the K/V axis (dim 2) is 1, a K-only (MLA) pool of one latent head; "
+            f"layout hint num_kv_heads={hints.num_kv_heads} contradicts it"
+        )
+    nb, nl = shape[0], shape[1]
+    if len(shape) == 6:
+        # [NB, NL, 1, 1, BS, HS], or [NB, NL, 1, BS, 1, HS] (Dynamo KVBM's export): with one
+        # head, heads-first and tokens-first hold the same bytes.
+        if 1 not in shape[3:5]:
+            raise DetectionError(
+                f"TRT-LLM pool {shape}: the K/V axis (dim 2) is 1, a K-only (MLA) pool, but neither dim 3 "
+                f"nor dim 4 is 1: an MLA pool holds one latent head"
+            )
+        bs, hs = shape[3] * shape[4], shape[5]  # hints given are checked against the view
+    else:
+        missing = [hint for hint in ("tokens_per_block", "head_dim") if getattr(hints, hint) is None]
+        if missing:
+            raise LayoutHintError(
+                f"TRT-LLM's 4-D K-only (MLA) pool [NB, NL, 1, BS*HS] {shape} needs layout hints "
+                f"tokens_per_block and head_dim to split its rows; missing: {', '.join(missing)}"
+            )
+        bs, hs = hints.tokens_per_block, hints.head_dim
+        assert bs is not None and hs is not None
+        if shape[3] != bs * hs:
+            raise LayoutHintError(
+                f"TRT-LLM K-only (MLA) pool {shape}: flat dim {shape[3]} != tokens_per_block ({bs}) * "
+                f"head_dim ({hs}) = {bs * hs}"
+            )
+    target = LAYOUTS[next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_mla)]
+    by_role = {Role.BLOCK: nb, Role.LAYER: nl, Role.TOKEN: bs, Role.ELEMENT: hs}
+    return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
 
 
 def _unflatten(pool: Any, hints: LayoutHints) -> Any:
@@ -56,7 +95,7 @@ def _unflatten(pool: Any, hints: LayoutHints) -> Any:
     nh, bs, hs = hints.num_kv_heads, hints.tokens_per_block, hints.head_dim
     assert nh is not None and bs is not None and hs is not None
     if kv != 2:
-        raise DetectionError(f"TRT-LLM pool {tuple(pool.shape)}: the K/V axis (dim 2) is {kv}, not 2")
+        raise DetectionError(f"TRT-LLM pool {tuple(pool.shape)}: the K/V axis (dim 2) is {kv}, not 2 or 1")
     if flat != nh * bs * hs:
         raise LayoutHintError(
             f"TRT-LLM pool {tuple(pool.shape)}: flat dim {flat} != num_kv_heads ({nh}) * "

@@ -325,6 +325,24 @@ def _trtllm(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh:
     return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, hs, dtype, [t], f"{form} {mode}")
 
 
+def _trtllm_mla(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """TRT-LLM's K-only (MLA) pool: kv factor 1, one latent head, ``[NB, NL, 1, BS*HS]``."""
+    form = draw(st.sampled_from(["6d", "6d tokens first", "4d", "[4d]"]))
+    mode = draw(st.sampled_from(["separate", "padded2"]))
+    rows = {"tokens_per_block": bs, "head_dim": hs}
+    if form.startswith("6d"):  # Dynamo KVBM exports [NB, NL, 1, BS, 1, HS]
+        (t,) = _alloc((nb, nl, 1, bs, 1, hs) if form != "6d" else (nb, nl, 1, 1, bs, hs), dtype, 1, mode)
+        hints: dict[str, Any] = draw(st.sampled_from([{}, rows, {"num_kv_heads": 1, **rows}]))
+        kv: Any = t
+    else:
+        (t,) = _alloc((nb, nl, 1, bs * hs), dtype, 1, mode)
+        hints = {**rows, **draw(st.sampled_from([{}, {"num_kv_heads": 1}, {"kv_layout": "HND"}]))}
+        kv = t if form == "4d" else [t]
+    label = f"mla {form} {mode}"
+    return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, 1, hs, dtype, [t], label)
+
+
 def _atom(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
           dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     leaves = _alloc((nb, bs, hs), dtype, nl, _modes(draw, True))
@@ -401,6 +419,7 @@ _BUILDERS: dict[tuple[str, int], Builder] = {
     **{("sglang", v): _sglang for v in (3, 4, 5, 9, 18)},
     ("sglang", 14): _sglang_indexer,
     ("trtllm", 8): _trtllm,
+    ("trtllm", 20): _trtllm_mla,
     ("atom", 3): _atom,
     ("max", 19): _max,
 }
