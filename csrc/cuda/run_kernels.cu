@@ -25,12 +25,28 @@ __device__ inline void copy_units(std::uint64_t s, std::uint64_t d, std::uint64_
   }
 }
 
+// The same for units of 4, 2 or 1 bytes, one at a time: wider paths in flight would cost
+// the kernel registers it does not have (64: see kMinBlocks), and such runs are rare.
+__device__ inline void copy_narrow(std::uint32_t unit, std::uint64_t s, std::uint64_t d, std::uint64_t step,
+                                   std::uint32_t count) {
+  for (std::uint32_t k = 0; k < count; ++k, s += step, d += step) {
+    if (unit == 4) {
+      *reinterpret_cast<unsigned int*>(d) = __ldg(reinterpret_cast<const unsigned int*>(s));
+    } else if (unit == 2) {
+      *reinterpret_cast<unsigned short*>(d) = __ldg(reinterpret_cast<const unsigned short*>(s));
+    } else {
+      *reinterpret_cast<unsigned char*>(d) = __ldg(reinterpret_cast<const unsigned char*>(s));
+    }
+  }
+}
+
 // Thread block x takes items x, x + gridDim.x, ...; its threads (or, in a pack, its
 // warps) stride over the units plan_items and for_each_unit_of give them.
 __global__ void __launch_bounds__(runs::kThreads, kMinBlocks)
     copy_runs_kernel(const runs::Run* __restrict__ table, const runs::Item* __restrict__ items,
                      std::uint32_t num_items) {
-  for (std::uint32_t i = blockIdx.x; i < num_items; i += gridDim.x) {
+  // 64-bit: a 32-bit index stepping past the last item could wrap below num_items.
+  for (std::uint64_t i = blockIdx.x; i < num_items; i += gridDim.x) {
     const runs::Item item = items[i];
     runs::for_each_unit_of(
         item, table, threadIdx.x,
@@ -43,7 +59,7 @@ __global__ void __launch_bounds__(runs::kThreads, kMinBlocks)
           } else if (unit == 8) {
             copy_units<uint2>(s, d, step, count);
           } else {
-            copy_units<unsigned char>(s, d, step, count);
+            copy_narrow(unit, s, d, step, count);
           }
         });
   }

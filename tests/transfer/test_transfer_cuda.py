@@ -99,3 +99,32 @@ def test_cuda_chunks_must_be_on_the_cache_s_device_and_the_cache_where_it_was() 
         TransferError, match=r"kv_caches\[1\] was re-allocated .* detect the registration again"
     ):
         plan.store_blocks([0, 1, 2, 3], chunks)
+
+
+@needs_gpu
+def test_a_plan_prepared_on_one_stream_runs_on_another_and_holds_its_tables_for_it() -> None:
+    """A connector prepares once (default stream) and moves on a load stream: the device
+    tables are recorded on that stream, so dropping the plan while its copies are queued
+    there cannot hand their memory to the next allocation on the default stream."""
+    kv, plan, chunks = _cuda_plan()
+    side = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]
+        plan.store_blocks([3, 1, 2, 0], chunks)
+    del plan  # its device tables go back to the allocator with the copy still queued on `side`
+    scribble = [torch.full((1 << 16,), -1, dtype=torch.int64, device="cuda") for _ in range(64)]
+    side.synchronize()
+    del scribble
+    assert torch.equal(chunks[0][1, 0, :4], kv[0][1, 3].reshape(4, 32))
+
+
+@pytest.mark.skipif(not _cuda_ready() or torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_a_cache_on_the_second_gpu_moves_while_the_first_is_current() -> None:
+    kv = [torch.randn(2, 16, 4, 2, 16, device="cuda:1") for _ in range(2)]
+    fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})
+    plan = prepare(reg, fmt)
+    chunks = plan.chunks_for(4, 16)
+    torch.cuda.set_device(0)
+    plan.store_blocks([3, 1, 2, 0], chunks)
+    torch.cuda.synchronize("cuda:1")
+    assert torch.equal(chunks[0][1, 0, :4], kv[0][1, 3].reshape(4, 32))

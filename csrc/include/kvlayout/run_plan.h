@@ -46,10 +46,11 @@ inline constexpr std::uint64_t kSliceBytes = std::uint64_t{64} << 10;
 // A run a warp moves in one pass (32 lanes * 16 bytes * kUnroll) goes in a pack.
 inline constexpr std::uint64_t kShortBytes = std::uint64_t{kWarp} * 16 * kUnroll;
 
-// The unit width of a range from src to dst: 16 or 8 where both agree modulo it, else 1.
+// The unit width of a range from src to dst: the widest of 16, 8, 4, 2 and 1 bytes modulo
+// which both agree (a 132-byte indexer row or a 4-byte head slice still moves in words).
 KVLAYOUT_HOST_DEVICE inline std::uint32_t unit_of(std::uint64_t src, std::uint64_t dst) {
-  const std::uint64_t d = src ^ dst;
-  return (d & 15) == 0 ? 16 : (d & 7) == 0 ? 8 : 1;
+  const std::uint64_t d = (src ^ dst) | 16;
+  return static_cast<std::uint32_t>(d & (~d + 1));  // the lowest set bit, at most 16
 }
 
 // The units thread `t` of `threads` moves of the range [src, src + n) -> [dst, dst + n):

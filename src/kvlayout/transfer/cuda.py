@@ -51,13 +51,16 @@ def segment_table(plan: TransferPlan, job: _Job, direction: int = 0) -> SegmentT
 
 
 def narrow_unit(unit: int, values: Sequence[int], element_size: int) -> int:
-    """The widest power of two up to ``unit`` dividing every value (never below an element)."""
+    """The widest power of two up to ``unit`` dividing every value: at least an element
+    where every value is element-aligned (torch's own tensors are), below it where one is
+    not (a foreign pointer through DLPack), since a GPU faults on a misaligned access."""
+    del element_size  # the segments' unit is already a multiple of it; the pointers decide
     g = 0
     for v in values:
         g = math.gcd(g, int(v))
-    while unit > element_size and g % unit:
+    while unit > 1 and g % unit:
         unit //= 2
-    return max(unit, element_size) if g % element_size == 0 else element_size
+    return unit
 
 
 def staging(ids: np.ndarray, chunk_ptrs: np.ndarray, chunk_tokens: np.ndarray, out: np.ndarray) -> None:
@@ -143,7 +146,10 @@ def copy_runs(runs: np.ndarray, device: torch.device) -> None:
         uploaded = host.to(device, non_blocking=True)
         base = uploaded.data_ptr()
         stream = torch.cuda.current_stream(device).cuda_stream
-        cuda.copy_runs(base, base + 24 * len(table), len(items), stream)
+        try:
+            cuda.copy_runs(base, base + 24 * len(table), len(items), stream)
+        except ValueError as exc:
+            raise TransferError(f"copy_runs on {device}: {exc}") from None
 
 
 class CudaPlan:
@@ -154,6 +160,10 @@ class CudaPlan:
         self.plan = plan
         self._launches: tuple[list[_Launch], list[_Launch]] = ([], [])  # store, load
         self._tables: list[torch.Tensor] = []  # the device tables, kept alive with the plan
+        # The streams the tables were read on besides the one they were made on: the caching
+        # allocator then holds their memory, once the plan is gone, until those streams have
+        # read them (a plan prepared on one stream and run on a load stream).
+        self._streams: set[int] = set()
         for job in plan.jobs:
             pointers = torch.tensor(job.plane.data_ptrs, dtype=torch.int64).to(plan.device)
             self._tables.append(pointers)
@@ -194,15 +204,25 @@ class CudaPlan:
         plan = self.plan
         host = torch.empty(n + 2 * c, dtype=torch.int64, pin_memory=True)
         staging(ids, chunk_ptrs, chunk_tokens, host.numpy())
-        # The caching allocators keep both buffers until the stream has used them.
-        uploaded = host.to(plan.device, non_blocking=True)
-        base = uploaded.data_ptr()
-        stream = torch.cuda.current_stream(plan.device).cuda_stream
-        for launch in self._launches[direction]:
-            unit = narrow_unit(launch.unit, [int(p) for p in chunk_ptrs], launch.element_size)
-            self._cuda.transfer_blocks(
-                direction, launch.segments, launch.count, launch.largest, launch.depth, launch.table,
-                plan.block_size, plan.row_bytes, unit, base, n, base + 8 * n, base + 8 * (n + c),
-                per_chunk, skip, stream,
-            )  # fmt: skip
+        # The kernels launch on the current device: make it the cache's (cuda:1 while cuda:0
+        # is current would run them on the wrong GPU, or fail to launch on cuda:1's stream).
+        with torch.cuda.device(plan.device):
+            current = torch.cuda.current_stream(plan.device)
+            if current.cuda_stream not in self._streams:
+                for table in self._tables:
+                    table.record_stream(current)
+                self._streams.add(current.cuda_stream)
+            # The caching allocators keep both buffers until the stream has used them.
+            uploaded = host.to(plan.device, non_blocking=True)
+            base = uploaded.data_ptr()
+            for launch in self._launches[direction]:
+                unit = narrow_unit(launch.unit, [int(p) for p in chunk_ptrs], launch.element_size)
+                try:
+                    self._cuda.transfer_blocks(
+                        direction, launch.segments, launch.count, launch.largest, launch.depth, launch.table,
+                        plan.block_size, plan.row_bytes, unit, base, n, base + 8 * n, base + 8 * (n + c),
+                        per_chunk, skip, current.cuda_stream,
+                    )  # fmt: skip
+                except ValueError as exc:
+                    raise TransferError(f"{plan.layout} on {plan.device}: {exc}") from None
         return -1, 1
