@@ -379,6 +379,12 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
     seen |= 1 << o;
   }
   if (seen != 15) throw nb::value_error("order must name each level once");
+  {
+    const int levels[4] = {o0, o1, o2, o3};
+    const auto at = [&](int level) { return std::find(levels, levels + 4, level) - levels; };
+    if (at(bm::kSlot) < at(bm::kBlock))  // the walk counts a block's slots from its block
+      throw nb::value_error("order puts the slot level outside the block level");
+  }
   const bm::Request q{slab_rows, group_starts.data(), groups, {o0, o1, o2, o3}, heads, tokens,
                       src_blocks.data(), src_block_size, dst_blocks.data(), dst_block_size,
                       src_cls, static_cast<std::int64_t>(src_classes.shape(0)),

@@ -511,6 +511,12 @@ def test_kinds_say_what_differs() -> None:
         "permuted",
         "NHD (tokens outside heads) into HND (heads outside tokens) within a block",
     )
+    one = block_map(vllm(2, 8, 4, 1, 8), vllm(2, 8, 1, 4, 8, fmt=F.NL_X_TWO_NB_NH_BS_HS), [0], [1])
+    assert one.kind == "re-laid" and one.num_runs == 4  # one head: NHD and HND blocks hold the same bytes
+    cut = [(torch.zeros(2, 4, 1, 512), torch.zeros(2, 4, 1, 64))]
+    recut = [(torch.zeros(2, 4, 1, 448), torch.zeros(2, 4, 1, 128))]
+    m = block_map(bind(cut, F.NL_X_NP_X_NB_BS_ONE_HS), bind(recut, F.NL_X_NP_X_NB_BS_ONE_HS), [0], [1])
+    assert (m.kind, m.reason) == ("re-laid", "rows cut into pieces at bytes [2048] and [1792]: other planes")
     m = block_map(nhd, vllm(2, 8, 4, 4, 8), [0], [1], src_shard=Shard(1, 2, 8), dst_shard=Shard(0, 2, 8))
     assert (m.kind, m.num_runs, m.num_bytes, m.heads) == ("empty", 0, 0, range(4, 4))
     assert m.reason == "src holds model heads 4-7 and dst 0-3: none in common"
@@ -853,3 +859,117 @@ def test_trtllm_mla_pools_map_to_the_other_engines_mla_caches() -> None:
     got = back.view(nb, nl, bs, 576)
     assert torch.equal(got[2], rows[4]) and torch.equal(got[4, :, :8], rows[1, :, :8])
     assert not got[4, :, 8:].any()
+
+
+# -- planes of unequal width (vLLM-Ascend's (latent, rope[, dsa]) tuples) ------------------------
+
+
+def _planes(
+    widths: list[int], nl: int, nb: int, bs: int, where: list[int], seed: int
+) -> list[tuple[torch.Tensor, ...]]:
+    """Each layer's planes ``[NB, BS, 1, w]`` (bf16) carved from one pool in the order
+    ``where`` lists (layer-major), so any plane may lie lowest: a latent allocated before
+    its rope, or after."""
+    sizes = [nb * bs * w * 2 for w in widths]
+    pool = torch.randint(
+        0, 256, (nl * sum(sizes),), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)
+    )
+    made: dict[tuple[int, int], torch.Tensor] = {}
+    at = 0
+    for k in where:
+        layer, plane = divmod(k, len(widths))
+        made[layer, plane] = pool[at : at + sizes[plane]].view(torch.bfloat16).view(nb, bs, 1, widths[plane])
+        at += sizes[plane]
+    return [tuple(made[layer, i] for i in range(len(widths))) for layer in range(nl)]
+
+
+def _token_bytes(side: Any, layer: int, block: int, slot: int) -> list[tuple[int, int]]:
+    """(tensor address, byte address) of each byte of one token's row, in row order."""
+    pieces = side[layer] if isinstance(side[layer], tuple) else (side[layer],)
+    out = []
+    for t in pieces:
+        row = t[block, slot].reshape(-1)
+        start = t.data_ptr() + (block * t.stride(0) + slot * t.stride(1)) * t.element_size()
+        out += [(t.data_ptr(), start + i) for i in range(row.numel() * t.element_size())]
+    return out
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.data())
+def test_planes_of_unequal_width_map_every_token_in_the_fewest_runs(data: st.DataObject) -> None:
+    """Unequal planes strode apart: the latent's block step is no longer above the rope's
+    slot step, and an earlier nest took one from each and walked one block of slots."""
+    widths = data.draw(st.sampled_from([[512, 64], [64, 512], [448, 128], [512, 64, 132]]))
+    nl, bs_p, bs_m = (
+        data.draw(st.integers(1, 2)),
+        data.draw(st.sampled_from([1, 2, 4])),
+        data.draw(st.sampled_from([1, 2, 4, 8])),
+    )
+    where = data.draw(st.permutations(range(nl * len(widths))))
+    planes = _planes(widths, nl, 5, bs_p, list(where), seed=1)
+    mla = [
+        torch.randint(-99, 99, (6, bs_m, sum(widths)), dtype=torch.int16).view(torch.bfloat16)
+        for _ in range(nl)
+    ]
+    tokens = data.draw(st.integers(1, 2 * min(bs_p * 5, bs_m * 6) // 2))
+    p_ids = data.draw(st.permutations(range(5)))[: -(-tokens // bs_p)]
+    m_ids = data.draw(st.permutations(range(6)))[: -(-tokens // bs_m)]
+    to_planes = data.draw(st.booleans())
+    src, dst = (mla, planes) if to_planes else (planes, mla)
+    s_fmt, d_fmt = (
+        (F.NL_X_NB_BS_HS, F.NL_X_NP_X_NB_BS_ONE_HS)
+        if to_planes
+        else (F.NL_X_NP_X_NB_BS_ONE_HS, F.NL_X_NB_BS_HS)
+    )
+    s_ids, d_ids = (m_ids, p_ids) if to_planes else (p_ids, m_ids)
+    s_bs, d_bs = (bs_m, bs_p) if to_planes else (bs_p, bs_m)
+    pairs = [
+        (s, d)
+        for layer in range(nl)
+        for p in range(tokens)
+        for s, d in zip(
+            _token_bytes(src, layer, s_ids[p // s_bs], p % s_bs),
+            _token_bytes(dst, layer, d_ids[p // d_bs], p % d_bs),
+            strict=True,
+        )
+    ]
+    leaves = [t for layer in dst for t in (layer if isinstance(layer, tuple) else (layer,))]
+    before = [t.clone() for t in leaves]
+    m = block_map(bind(src, s_fmt), bind(dst, d_fmt), list(s_ids), list(d_ids), num_tokens=tokens)
+    m.copy()
+    assert m.num_bytes == len(pairs)
+    s_mem = {t.data_ptr(): t for layer in src for t in (layer if isinstance(layer, tuple) else (layer,))}
+    src_byte = {}
+    for base, t in s_mem.items():
+        raw = t.contiguous().view(torch.uint8).reshape(-1)  # the pool's bytes, dense per tensor
+        src_byte[base] = (raw, t)
+    expected = [b.view(torch.uint8).reshape(-1).clone() for b in before]
+    d_index = {t.data_ptr(): i for i, t in enumerate(leaves)}
+    for (s_base, s_at), (d_base, d_at) in pairs:
+        expected[d_index[d_base]][d_at - d_base] = src_byte[s_base][0][s_at - s_base]
+    for t, e in zip(leaves, expected, strict=True):
+        assert torch.equal(t.view(torch.uint8).reshape(-1), e)
+    # The fewest runs: byte pairs in destination order, broken where either side jumps or
+    # changes tensor.
+    arr = np.array([(sb, sa, db, da) for (sb, sa), (db, da) in pairs], dtype=np.int64)
+    arr = arr[np.argsort(arr[:, 3], kind="stable")]
+    cont = (arr[1:, 3] == arr[:-1, 3] + 1) & (arr[1:, 1] == arr[:-1, 1] + 1)
+    cont &= (arr[1:, 0] == arr[:-1, 0]) & (arr[1:, 2] == arr[:-1, 2])
+    assert m.num_runs == len(arr) - int(cont.sum())
+
+
+def test_the_native_builder_refuses_a_nest_with_slots_outside_blocks() -> None:
+    """The walk counts a block's slots from its block: a nest with the slot level outside
+    the block level would walk one block of slots, so the builder refuses it."""
+    kv = [torch.zeros(4, 2, 2, 8) for _ in range(2)]
+    m = block_map(
+        kvlayout.detect(kv, "vllm"), kvlayout.detect([t.clone() for t in kv], "vllm"), [0, 1], [2, 3]
+    )
+    pair = m._pair
+    block, slot = pair.order.index(1), pair.order.index(2)  # csrc/block_map.h's kBlock, kSlot
+    assert block < slot
+    swapped = list(pair.order)
+    swapped[block], swapped[slot] = swapped[slot], swapped[block]
+    m._pair = replace(pair, order=cast(Any, tuple(swapped)))
+    with pytest.raises(ValueError, match="order puts the slot level outside the block level"):
+        m._build_groups(force_sort=False)

@@ -630,11 +630,13 @@ def _pair(
     group_starts = np.flatnonzero(np.concatenate(([True], d_tensor[1:] != d_tensor[:-1])))
     group_starts = np.append(group_starts, n).astype(np.int64)
     # The destination's nest: levels by their strides, outermost first; a level with one
-    # entry goes outside (it orders nothing).
+    # entry goes outside (it orders nothing). Block, slot and head steps are one slab's:
+    # slabs of unequal width (a latent plane and a rope plane) have unequal strides, and a
+    # block step of one beside the slot step of another can sort slots outside blocks.
     steps = np.diff(d_base.astype(np.int64))[d_tensor[1:] == d_tensor[:-1]]
     level_steps = {
         SLAB: int(steps.min()) if steps.size else None,
-        BLOCK: int(d_sb.min()) if dst.num_blocks > 1 else None,
+        BLOCK: int(d_sb[0]) if dst.num_blocks > 1 else None,
         SLOT: int(d_sj[0]) if dst.block_size > 1 else None,
         HEAD: int(d_sh[0]) if len(heads) > 1 else None,
     }
@@ -643,7 +645,10 @@ def _pair(
         (lvl for lvl, step in level_steps.items() if step is not None), key=lambda lv: -(level_steps[lv] or 0)
     )
     levels = [*flat, *nested]
-    if level_steps[SLOT] is None:  # one slot a block: right inside the block level, which it needs
+    if SLOT not in levels or levels.index(SLOT) < levels.index(BLOCK):
+        # one slot a block, or a block within a slot's stride (the walker counts a block's
+        # slots from its block, so blocks are always outside slots): right inside blocks
+        levels = [lvl for lvl in levels if lvl != SLOT]
         levels.insert(levels.index(BLOCK) + 1, SLOT)
     order = tuple(levels)
     # Each slab's tail: the innermost levels (inside the slab level) contiguous on both sides.
@@ -960,13 +965,17 @@ def _kind(
     if src.block_size != dst.block_size:
         kinds.append("re-blocked")
         why.append(f"blocks of {src.block_size} tokens into blocks of {dst.block_size}")
-    if src.has_heads and src.layout.is_hnd != dst.layout.is_hnd:
-        kinds.append("permuted")
+    if src.has_heads and len(heads) > 1 and src.layout.is_hnd != dst.layout.is_hnd:
+        kinds.append("permuted")  # of one head, NHD and HND blocks hold the same bytes
         order = {True: "HND (heads outside tokens)", False: "NHD (tokens outside heads)"}
         why.append(f"{order[src.layout.is_hnd]} into {order[dst.layout.is_hnd]} within a block")
     elif src.layout != dst.layout:
         kinds.append("re-laid")
         why.append(f"{src.layout} into {dst.layout}: the same order in a block, other tensors and axes")
+    elif not np.array_equal(src.pieces[:, 0], dst.pieces[:, 0]):
+        kinds.append("re-laid")
+        cut = [[int(x) for x in side.pieces[1:, 0]] for side in (src, dst)]
+        why.append(f"rows cut into pieces at bytes {cut[0]} and {cut[1]}: other planes")
     if set(src.piece_dtypes) != set(dst.piece_dtypes):  # fp8 and the uint8 it is stored as
         a, b = src.piece_dtypes[0], dst.piece_dtypes[0]
         why.append(f"src stores {a} and dst {b}: the bytes move as they are")
