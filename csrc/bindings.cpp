@@ -696,11 +696,14 @@ NB_MODULE(_native, m) {
       [](IntArray block_ids, std::int64_t skip, std::int64_t num_blocks) {
         const auto n = static_cast<std::int64_t>(block_ids.shape(0));
         if (skip < 0 || skip > n) throw nb::value_error("skip is outside [0, len(block_ids)]");
+        // the bitmap it keeps holds the pool's ids only: one outside would be a write past it
+        if (kvlayout::transfer::first_bad_block_id(block_ids.data(), n, num_blocks) >= 0)
+          throw nb::value_error("a block id is outside [0, num_blocks)");
         return kvlayout::transfer::first_repeated_block_id(block_ids.data(), n, skip, num_blocks);
       },
       "block_ids"_a, "skip"_a, "num_blocks"_a,
       "The index of the first block id after the skipped ones that repeats an earlier one there, or -1 (ids "
-      "must be in range).");
+      "outside [0, num_blocks) are a ValueError).");
   m.def("plan_segments", &plan_segments, "job"_a, "direction"_a = 0,
         "(segment table (a row of bytes per segment), widest copy unit, largest segment bytes, kernel depth) of a "
         "job in one direction (a load leaves out repeated pointers), for the CUDA plan.");

@@ -401,7 +401,7 @@ def test_block_ids_in_blocks_k_times_the_cache_s_are_its_k_pages_in_order(
         (
             {"src_block_size": 8},
             ([0, 1, 2], [0]),
-            "src_blocks has 3 block ids; the request's tokens fill 1 block of 8",
+            "src_blocks has 3 block ids; the request's 8 tokens (num_tokens) fill 1 block of 8",
         ),
     ],
 )
@@ -572,9 +572,9 @@ BAD_MAPS = [
     (lambda a: block_map(a, a, [0, 8], [2, 3]), BlockMapError, "src_blocks[1] = 8 is out of range for 8 blocks"),
     (lambda a: block_map(a, a, [0, 1], [3, 3]), BlockMapError, "dst_blocks[1] = 3 repeats dst_blocks[0]"),
     (lambda a: block_map(a, a, [0, 1], [2]), BlockMapError,
-     "src_blocks has 2 block ids; the request's tokens fill 1 block of 4"),
+     "src_blocks has 2 block ids; the request's 4 tokens (what the shorter block list holds) fill 1 block of 4"),
     (lambda a: block_map(a, a, [0, 1], [2, 3], num_tokens=9), BlockMapError,
-     "src_blocks has 2 block ids; the request's tokens fill 3 blocks of 4"),
+     "src_blocks has 2 block ids; the request's 9 tokens (num_tokens) fill 3 blocks of 4"),
     (lambda a: block_map(a, a, [0.0], [1.0]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got float64"),
     (lambda a: block_map(a, a, [[0]], [[1]]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got shape [1, 1]"),
     (lambda a: block_map(a, a, torch.tensor([0], device="meta"), [1]), BlockMapError,

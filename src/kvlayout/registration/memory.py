@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from kvlayout.registration.registration import KernelGroup
 
 __all__ = [
+    "HoldsAddresses",
     "Placement",
     "Run",
     "apart",
@@ -121,6 +122,32 @@ def partly_shared(counts: dict[int, int], tensors: int, layers: int) -> int | No
     each shares whole (:func:`alias_problem`'s rule, counted)."""
     per_layer = tensors // layers
     return next((layer for layer, count in counts.items() if count != per_layer), None)
+
+
+class HoldsAddresses:
+    """What holds this process's tensor addresses (a registration, a kernel group, a plan,
+    a map): a pickled or deep-copied one would carry addresses that mean nothing in
+    another process and watch tensors it does not hold, so both are refused with what to
+    send instead; a shallow copy is the object itself (nothing in it changes)."""
+
+    __slots__ = ()
+
+    def __reduce_ex__(self, protocol: Any) -> NoReturn:
+        raise TypeError(_not_copied(self))
+
+    def __copy__(self) -> Any:
+        return self
+
+    def __deepcopy__(self, memo: Any) -> NoReturn:
+        raise TypeError(_not_copied(self))
+
+
+def _not_copied(obj: object) -> str:
+    return (
+        f"a {type(obj).__name__} holds this process's tensor addresses and cannot be pickled or deep-copied; "
+        "another process reads registration.describe().to_json() (RegistrationDescription.from_json) "
+        "and detects its own tensors"
+    )
 
 
 class Placement:

@@ -45,6 +45,7 @@ from kvlayout.registration.binding import (
     tight_block,
 )
 from kvlayout.registration.memory import (
+    HoldsAddresses,
     Run,
     alias_problem,
     apart,
@@ -154,7 +155,7 @@ class Geometry:
     dtype: torch.dtype
 
 
-class KernelGroup:
+class KernelGroup(HoldsAddresses):
     """Layers one kernel moves together: one format, one geometry, one engine group.
 
     ``kv`` is the group's own registration: its layers' entries for a layer list, the
@@ -477,7 +478,7 @@ def _count(name: str, value: object, minimum: int) -> int:
 # -- the registration -------------------------------------------------------------------------
 
 
-class Registration:
+class Registration(HoldsAddresses):
     """A registration bound to its format(s): the structure, per-layer formats and engine
     groups, and the kernel groups every consumer reads (see the module docstring).
 
@@ -637,13 +638,14 @@ class Registration:
             for sizes, layers in shapes.values()
         )
 
-    def only_group(self) -> KernelGroup:
-        """The registration's one kernel group (an error naming them when there are several)."""
+    def only_group(self, use: str = "a transfer plan moves one: prepare") -> KernelGroup:
+        """The registration's one kernel group (an error naming them when there are several,
+        and saying, by ``use``, what to do with each)."""
         if len(self.kernel_groups) != 1:
             listed = "; ".join(g.describe() for g in self.kernel_groups) or "none"
             raise RegistrationError(
                 f"the registration has {len(self.kernel_groups)} kernel groups ({listed}); "
-                "a transfer plan moves one: prepare each of registration.kernel_groups"
+                f"{use} each of registration.kernel_groups"
             )
         return self.kernel_groups[0]
 

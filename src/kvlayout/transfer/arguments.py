@@ -34,10 +34,12 @@ def threads_arg(value: object, error: type[KVLayoutError]) -> int:
 
 
 def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarray:
-    """Block ids as a contiguous 1-D int64 array: a list, a NumPy array or a dense tensor
-    of integers on any device (a CUDA tensor is copied to the host, which waits for its
-    stream). Ranges are the caller's to check; ids past int64 are refused here, since an
-    int64 cast would wrap them to negative ones."""
+    """Block ids as a contiguous 1-D int64 array of kvlayout's own (read-only): a list, a
+    NumPy array or a dense tensor of integers on any device (a CUDA tensor is copied to the
+    host, which waits for its stream). Never the caller's memory: ids are checked once and
+    then read while the GIL is released, so another thread's writes to the caller's array
+    must not reach them. Ranges are the caller's to check; ids past int64 are refused here,
+    since an int64 cast would wrap them to negative ones."""
     if isinstance(value, torch.Tensor):
         if value.is_neg() and value.device.type != "meta":
             value = value.resolve_neg()  # a few ids: their values, not a negated view's bytes
@@ -57,12 +59,12 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarr
             )
     if ids.ndim != 1:
         raise error(f"{name} must be a 1-D sequence of ints, got shape {list(ids.shape)}")
-    if ids.dtype != np.int64:
-        if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
-            i = int(np.argmax(ids > np.iinfo(np.int64).max))
-            raise error(f"{name}[{i}] = {int(ids[i])} is out of range for any cache (above 2**63 - 1)")
-        ids = ids.astype(np.int64)
-    return np.ascontiguousarray(ids)
+    if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
+        i = int(np.argmax(ids > np.iinfo(np.int64).max))
+        raise error(f"{name}[{i}] = {int(ids[i])} is out of range for any cache (above 2**63 - 1)")
+    owned = np.array(ids, dtype=np.int64, order="C", copy=True)
+    owned.setflags(write=False)
+    return owned
 
 
 def _all_ints(value: Any) -> bool:

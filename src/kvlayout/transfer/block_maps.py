@@ -33,7 +33,7 @@ from kvlayout.errors import KVLayoutError, index_ranges
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import Placement, group_placement, no_memory
+from kvlayout.registration.memory import HoldsAddresses, Placement, group_placement, no_memory
 from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
@@ -353,10 +353,13 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
             "registration.describe(at=...) (its tensors laid out from a made-up address)"
         )
     if side is None:
-        placement = group_placement(group, BlockMapError, f"{where}: ")  # None for meta: copy() refuses it
+        placement = group_placement(group, BlockMapError, f"{where}: ")
         desc = describe_group(group, block_size=block_size)
         device = (desc.device_type, desc.device_index)
-        side = side_of_group(desc.groups[0], device, None, group, where, placement)
+        # The side holds the group's tensors (its placement's), not the group: the group
+        # keeps the side in its memo, and a cycle through it would keep a dropped cache's
+        # memory until the cyclic collector runs (never seen by it, for GPU memory).
+        side = side_of_group(desc.groups[0], device, None, placement, where, placement)
         group.memo[key] = side
     assert isinstance(side, Side)
     return side
@@ -371,7 +374,7 @@ def _as_side(obj: Any, block_size: int | None, where: str) -> Side:
         obj = obj.registration
     if isinstance(obj, Registration):
         try:
-            obj = obj.only_group()
+            obj = obj.only_group("a block map moves one: map")
         except RegistrationError as exc:
             raise BlockMapError(f"{where}: {exc}") from None
     if isinstance(obj, KernelGroup):
@@ -707,7 +710,7 @@ def _pair(
 # -- the map ----------------------------------------------------------------------------------
 
 
-class BlockMap:
+class BlockMap(HoldsAddresses):
     """One request's KV as byte runs from ``src`` to ``dst`` (see :func:`block_map`).
 
     ``runs`` is an ``(N, 3)`` uint64 array (source address, destination address, length),
@@ -913,15 +916,16 @@ def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
     return per
 
 
-def _ids(name: str, blocks: Any, side: Side, needed: int, per: int = 1) -> np.ndarray:
-    """``needed`` block ids of the caller's blocks, each ``per`` of the side's, checked."""
+def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -> np.ndarray:
+    """The block ids of the caller's blocks (each ``per`` of the side's) that ``tokens``
+    fill, checked (``told``: where the token count came from, for the message)."""
     count, size = side.num_blocks // per, side.block_size * per
+    needed = -(-tokens // size)
     ids = block_ids_arg(name, blocks, BlockMapError)
     if len(ids) != needed:
         raise BlockMapError(
-            f"{name} has {len(ids)} block ids; the request's tokens fill {needed} "
-            f"block{'s' * (needed != 1)} of "
-            f"{size}"
+            f"{name} has {len(ids)} block ids; the request's {tokens} tokens ({told}) fill {needed} "
+            f"block{'s' * (needed != 1)} of {size}"
         )
     bad = _native.first_bad_block_id(ids, count)
     if bad >= 0:
@@ -1074,8 +1078,9 @@ def block_map(
                 f"the chunk holds {chunk.block_size} token rows, but opaque pages move whole pages of "
                 f"{opaque.block_size} rows ({tokens} here): a chunk for them holds whole pages"
             )
-    src_ids = _ids("src_blocks", src_blocks, a, -(-tokens // a_size), a_per)
-    dst_ids = _ids("dst_blocks", dst_blocks, b, -(-tokens // b_size), b_per)
+    told = "what the shorter block list holds" if num_tokens is None else "num_tokens"
+    src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)
+    dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told)
     again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks // b_per)
     if again >= 0:
         earlier = int(np.flatnonzero(dst_ids[:again] == dst_ids[again])[0])

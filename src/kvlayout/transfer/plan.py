@@ -32,8 +32,16 @@ from kvlayout.catalog.registry import FormatLike
 from kvlayout.errors import TransferError
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
+from kvlayout.layout.formats import as_format
 from kvlayout.layout.vocabulary import Role
-from kvlayout.registration.memory import Placement, group_placement, memory_problem, no_memory, run_of
+from kvlayout.registration.memory import (
+    HoldsAddresses,
+    Placement,
+    group_placement,
+    memory_problem,
+    no_memory,
+    run_of,
+)
 from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.registration import KernelGroup, Plane, RegistrationError, bound
 from kvlayout.transfer.arguments import block_ids_arg, int_arg, threads_arg
@@ -73,6 +81,12 @@ def prepare(kv: Any, fmt: FormatLike, *, block_size: int | None = None) -> Trans
     A registration whose layers differ (a hybrid) has one plan per kernel group.
     """
     if isinstance(kv, KernelGroup):
+        wanted = as_format(fmt)
+        if wanted != kv.format:
+            raise TransferError(
+                f"prepare(group, {wanted.name}): the kernel group is {kv.format.name} "
+                "(pass group.format, or the registration)"
+            )
         return _plan_of(kv, block_size)
     try:
         group = bound(kv, fmt).only_group()
@@ -101,7 +115,7 @@ def _engine(plan: TransferPlan) -> Any:
     return CudaPlan(plan)
 
 
-class TransferPlan:
+class TransferPlan(HoldsAddresses):
     """One kernel group's block copies, prepared: geometry, copy plans, pointer tables
     (on the device, for CUDA caches) and the cache's memory extents, all made once.
 
@@ -223,19 +237,24 @@ class TransferPlan:
         self._run(_LOAD, block_ids, chunks, skip_prefix_n_blocks, num_threads)
 
     def _run(self, direction: int, block_ids: Any, chunks: Any, skip: int, threads: int) -> None:
+        # The arguments first (converting them may run the caller's code: __index__, a
+        # sequence's items), then the memory checks, then the copy: nothing of the caller's
+        # runs between the checks and the copy, which reads kvlayout's own copy of the ids and
+        # holds the chunks (another thread dropping one from the caller's list frees nothing).
+        ids = _block_ids(block_ids)
+        self._check_ids(ids)
+        skip = _int("skip_prefix_n_blocks", skip)
+        if not 0 <= skip <= len(ids):
+            raise TransferError(f"skip_prefix_n_blocks={skip} is outside [0, {len(ids)}]")
+        threads = threads_arg(threads, TransferError)
+        held = tuple(chunks) if isinstance(chunks, list) else chunks  # a list another thread may edit
+        ptrs, tokens, per_chunk = self._chunks(held, len(ids))
         moved = self._placement.moved()
         if moved is not None:
             raise TransferError(
                 f"{moved} after this plan was prepared; it would copy through the old addresses: "
                 "detect the registration again and prepare a new plan"
             )
-        ids = _block_ids(block_ids)
-        self._check_ids(ids)
-        ptrs, tokens, per_chunk = self._chunks(chunks, len(ids))
-        skip = _int("skip_prefix_n_blocks", skip)
-        if not 0 <= skip <= len(ids):
-            raise TransferError(f"skip_prefix_n_blocks={skip} is outside [0, {len(ids)}]")
-        threads = threads_arg(threads, TransferError)
         if direction == _LOAD:
             again = _native.first_repeated_block_id(ids, skip, self.num_blocks)
             if again >= 0:

@@ -1,0 +1,132 @@
+"""What a call holds and when: kvlayout's own copy of the block ids, the caller's code run
+before the memory checks, a dropped cache freed at once, and no live addresses pickled."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+import weakref
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import _native
+from kvlayout.transfer import BlockMapError, TransferError, block_map, prepare
+from kvlayout.transfer.arguments import block_ids_arg
+
+
+def cache(layers: int = 2) -> list[torch.Tensor]:
+    return [torch.randn(2, 8, 4, 2, 16) for _ in range(layers)]
+
+
+@pytest.mark.parametrize(
+    "given",
+    [np.arange(4, dtype=np.int64), torch.arange(4), np.arange(4, dtype=np.int32)],
+    ids=["int64 array", "int64 tensor", "int32 array"],
+)
+def test_block_ids_are_read_from_kvlayout_s_own_copy(given: Any) -> None:
+    """Ids are checked once, then read with the GIL released: a write by another thread to
+    the caller's array (an id past the pool) must not reach the copy."""
+    ids = block_ids_arg("block_ids", given, TransferError)
+    caller = given.numpy() if isinstance(given, torch.Tensor) else given
+    assert not np.shares_memory(ids, caller) and not ids.flags.writeable
+    assert ids.dtype == np.int64 and ids.tolist() == [0, 1, 2, 3]
+
+
+def test_a_built_map_keeps_its_ids_when_the_caller_reuses_the_array() -> None:
+    kv = cache()
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    dst = np.array([2, 3], dtype=np.int64)
+    m = block_map(reg, reg, np.array([0, 1]), dst, num_tokens=8)
+    dst[:] = [1 << 40, 0]  # the caller's buffer, reused for the next request
+    assert m._ids[1].tolist() == [2, 3]
+    m.copy()
+    assert torch.equal(kv[0][:, 2:4], kv[0][:, 0:2])
+
+
+def test_first_repeated_block_id_refuses_ids_outside_the_pool() -> None:
+    """Its bitmap holds the pool's ids: an id outside it would be a write past the bitmap."""
+    with pytest.raises(ValueError, match=r"a block id is outside \[0, num_blocks\)"):
+        _native.first_repeated_block_id(np.array([0, 1 << 40], dtype=np.int64), 0, 8)
+    assert _native.first_repeated_block_id(np.array([3, 1, 3], dtype=np.int64), 0, 8) == 2
+
+
+class _FreesTheCache:
+    """A thread count whose conversion frees the cache's memory (the caller's code, run
+    by ``operator.index``)."""
+
+    def __init__(self, victim: torch.Tensor) -> None:
+        self.victim = victim
+
+    def __index__(self) -> int:
+        self.victim.untyped_storage().resize_(0)
+        return 1
+
+
+def test_the_memory_checks_come_after_every_argument_is_converted() -> None:
+    kv = cache()
+    fmt, reg = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})
+    plan = prepare(reg, fmt)
+    chunks = plan.chunks_for(2, 4)
+    with pytest.raises(TransferError, match=r"kv_caches\[0\] was re-allocated .* prepare a new plan"):
+        plan.store_blocks([0, 1], chunks, num_threads=_FreesTheCache(kv[0]))  # type: ignore[arg-type]
+
+
+def test_a_cache_used_by_a_block_map_is_freed_when_dropped_without_the_cyclic_collector() -> None:
+    """The group keeps its map side in its memo; the side must not keep the group (a
+    cycle would hold a dropped cache, GPU memory included, until gc runs)."""
+    kv = cache()
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    block_map(reg, reg, [0], [1]).copy()
+    gone = weakref.ref(kv[0])
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        del reg, kv
+        assert gone() is None
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def test_what_holds_live_addresses_is_not_pickled_or_deep_copied() -> None:
+    kv = cache()
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    group = reg.kernel_groups[0]
+    plan = prepare(group, group.format)
+    m = block_map(reg, reg, [0], [1])
+    for obj in (reg, group, plan, m):
+        name = type(obj).__name__
+        message = f"a {name} holds this process's tensor addresses and cannot be pickled or deep-copied"
+        with pytest.raises(TypeError, match=message):
+            pickle.dumps(obj)
+        with pytest.raises(TypeError, match=message):
+            copy.deepcopy(obj)
+        assert copy.copy(obj) is obj
+    text = reg.describe().to_json()  # what another process reads instead
+    assert kvlayout.transfer.RegistrationDescription.from_json(text).to_json() == text
+
+
+def test_prepare_refuses_a_format_the_kernel_group_is_not_in() -> None:
+    reg = kvlayout.detect(cache(), "vllm", {"kv_layout": "NHD"})
+    group = reg.kernel_groups[0]
+    with pytest.raises(
+        TransferError,
+        match=r"prepare\(group, NL_X_NB_TWO_BS_NH_HS\): the kernel group is NL_X_TWO_NB_BS_NH_HS",
+    ):
+        prepare(group, kvlayout.EngineKVFormat.NL_X_NB_TWO_BS_NH_HS)
+    assert prepare(group, "NL_X_TWO_NB_BS_NH_HS") is prepare(group, group.format)
+
+
+def test_a_block_map_of_a_hybrid_says_to_map_each_kernel_group() -> None:
+    kv = [torch.zeros(2, 8, 4, 2, 16), torch.zeros(2, 8, 4, 2, 16, dtype=torch.float16)]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    assert len(reg.kernel_groups) == 2
+    with pytest.raises(
+        BlockMapError, match=r"a block map moves one: map each of registration\.kernel_groups"
+    ):
+        block_map(reg, reg, [0], [1])
