@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <mutex>
 #include <new>
+#include <pthread.h>
 #include <utility>
 
 #include "stream_copy.h"
@@ -71,7 +72,11 @@ struct Table {
 class TablePool {
  public:
   static TablePool& instance() {
-    static TablePool* pool = new TablePool();  // never destroyed: maps freed at exit still put back
+    static TablePool* pool = [] {  // never destroyed: maps freed at exit still put back
+      auto* p = new TablePool();
+      pthread_atfork(nullptr, nullptr, [] { TablePool::instance().reset_after_fork(); });
+      return p;
+    }();
     return *pool;
   }
   // The table put back last, or an empty one.
@@ -97,6 +102,15 @@ class TablePool {
   std::mutex mutex_;
   Table<RunGroup> free_[kTables];
   std::size_t count_ = 0, bytes_ = 0;
+
+  // In a forked child only the forking thread exists: another may have held the lock, or
+  // been moving a table, at the fork. A new lock and an empty pool (the parent's tables
+  // are left where they are: a few pages the child shares with it until written).
+  void reset_after_fork() {
+    new (&mutex_) std::mutex();
+    for (auto& t : free_) t.rows = nullptr, t.size = 0;
+    count_ = 0, bytes_ = 0;
+  }
 };
 
 }  // namespace detail

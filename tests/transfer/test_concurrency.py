@@ -73,3 +73,48 @@ def test_one_plan_serves_many_threads_at_once() -> None:
         check=False,
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+FORKS = """
+import os, threading, torch, kvlayout
+from kvlayout.transfer import block_map
+
+kv = [torch.randn(2, 64, 4, 2, 16) for _ in range(2)]
+reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+# Once before the threads start: the first build imports what NumPy imports lazily, and a
+# fork while another thread holds an import lock leaves the child waiting on it (Python's
+# own hazard of fork with threads, not the pools').
+block_map(reg, reg, [1, 2, 3], [40, 41, 42]).copy(num_threads=2)
+stop = threading.Event()
+
+
+def busy():  # builds, copies and drops maps while the main thread forks: pools and locks in use
+    while not stop.is_set():
+        block_map(reg, reg, list(range(0, 16)), list(range(32, 48))).copy(num_threads=2)
+
+
+threads = [threading.Thread(target=busy) for _ in range(2)]
+for t in threads:
+    t.start()
+for _ in range(30):
+    pid = os.fork()
+    if pid == 0:  # the child: only this thread exists; the pools must serve it
+        m = block_map(reg, reg, [1, 2, 3], [40, 41, 42])
+        m.copy(num_threads=2)
+        os._exit(0 if torch.equal(kv[0][:, 40:43], kv[0][:, 1:4]) else 3)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, status
+stop.set()
+for t in threads:
+    t.join()
+print("ok")
+"""
+
+
+def test_a_forked_child_builds_and_copies_maps_while_the_parent_s_threads_hold_the_pools() -> None:
+    """After fork() only the forking thread exists: the worker pool and the table pool of
+    map groups start over in the child instead of waiting on locks the parent's threads held."""
+    done = subprocess.run(
+        [sys.executable, "-c", FORKS], capture_output=True, text=True, timeout=240, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
