@@ -17,11 +17,12 @@ deadline, and a hard limit on the module (faulthandler).
 from __future__ import annotations
 
 import faulthandler
+import gc
 import json
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -445,6 +446,69 @@ def test_a_paced_peer_staged_write_is_scattered_stage_by_stage_as_it_lands(
     assert pair.peer.notifs(expect=0, wait=0.05) == []  # each stage's notification was taken
 
 
+class _Notifs:
+    """What take_notif reads of an agent: NIXL's notifications by sender."""
+
+    def __init__(self, notifs: dict[str, list[bytes]]) -> None:
+        self.notifs = notifs
+
+    def update_notifs(self) -> dict[str, list[bytes]]:
+        return self.notifs
+
+
+def test_a_request_takes_only_its_own_notification_not_one_its_tag_begins() -> None:
+    """Request ids share prefixes (``cmpl-1``, ``cmpl-12``): NIXL's check_remote_xfer_done
+    matches a prefix, so a paced request would take another's notification (scattering a
+    staging buffer nothing had landed in, or posting a READ of one never gathered)."""
+    agent = _Notifs({"prefill": [b"req-10", b"req-1#0/2x", b"req-1#0/2"]})
+    assert not nx.take_notif(cast(nx.Agent, agent), "prefill", b"req-1")
+    assert not nx.take_notif(cast(nx.Agent, agent), "decode", b"req-10")  # another sender's
+    assert nx.take_notif(cast(nx.Agent, agent), "prefill", b"req-1#0/2")
+    assert agent.notifs == {"prefill": [b"req-10", b"req-1#0/2x"]}  # the others stay
+    assert nx.take_notif(cast(nx.Agent, agent), "prefill", b"req-10")
+    assert agent.notifs == {"prefill": [b"req-1#0/2x"]}
+
+
+def test_one_request_at_a_time_goes_through_a_peer_s_staging_buffer(pair: Pair) -> None:
+    """Two peer-staged requests in flight through one PeerStaging would land on (or read)
+    each other's bytes before the peer copied them: the second is refused, "auto" goes
+    another way, and the buffer is free again once the first is done or released."""
+    r = peer_staged(pair, next(c for c in CASES if c[0] == "TP 2->1 NHD"), 101, "WRITE")
+    with nx.register(pair.agent, r.here):
+        first = nx.prepare_transfer(pair.agent, pair.name, r.m, peer_staging=r.staging)
+        assert first.plan.strategy == "peer-staged"  # what "auto" picks for this pair
+        with pytest.raises(TransferError, match=r"staging buffer PeerStaging\(.*\) is in use by another"):
+            nx.prepare_transfer(pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging)
+        other = nx.prepare_transfer(pair.agent, pair.name, r.m, peer_staging=r.staging)
+        assert other.plan.strategy != "peer-staged"
+        other.release()
+        first.release()
+        again = nx.prepare_transfer(
+            pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging
+        )
+        again.release()
+
+
+def test_the_peer_s_copy_holds_its_staging_buffer_from_prepared_until_run(pair: Pair) -> None:
+    """A peer-staged request's bytes sit in the peer's staging buffer until it copies them:
+    meanwhile no other request (a staged transfer, another PeerCopy) may use the buffer."""
+    s_spec, d_spec = spec(NHD, (1, 2), 16, seed=111), spec(NHD, (0, 1), 16, seed=112)
+    source = RegistrationDescription.from_json(handshake(pair, s_spec))
+    local, _ = build_cache(d_spec)
+    m = block_map(source, local, [0, 1, 2], [3, 4, 5], num_tokens=TOKENS, src_shard=s_spec.the_shard)
+    with nx.register(pair.agent, local), nx.Staging(pair.agent, 1 << 16) as staging:
+        copy = nx.prepare_unstage(m, staging)
+        assert staging.busy
+        with pytest.raises(TransferError, match="is in use by another request"):
+            nx.prepare_unstage(m, staging)
+        copy.run()  # what landed, scattered: the buffer is free again
+        assert not staging.busy
+        dropped = nx.prepare_unstage(m, staging)
+        del dropped
+        gc.collect()
+        assert not staging.busy  # a copy dropped unrun lets go of it
+
+
 def test_stage_notifications_name_the_tag_the_stage_and_the_count() -> None:
     assert nx.stage_notif(b"req-7", 0, 1) == b"req-7"  # one stage: the request's own notification
     assert [nx.stage_notif(b"req-7", i, 3) for i in range(3)] == [b"req-7#0/3", b"req-7#1/3", b"req-7#2/3"]
@@ -471,13 +535,19 @@ def test_a_paced_unstage_whose_stages_never_land_times_out_and_scatters_nothing(
     local, leaves = build_cache(d_spec)
     before = [b.copy() for b in leaf_bytes(leaves)]
     m = block_map(source, local, [0, 1, 2], [3, 4, 5], num_tokens=TOKENS, src_shard=s_spec.the_shard)
-    pair.staging.tensor.fill_(7)  # what would be scattered, were a stage taken as landed
+    staging = nx.Staging(pair.agent, pair.staging.nbytes)  # its own: a timed-out scatter keeps it
+    staging.tensor.fill_(7)  # what would be scattered, were a stage taken as landed
     notifs = nx.StageNotifs(pair.agent, pair.name, b"never sent")
     with pytest.raises(
-        nx.NixlTimeoutError, match=r"stages \[0, 1\] of 2 of the peer-staged WRITE b'never sent' "
+        nx.NixlTimeoutError,
+        match=r"stages \[0, 1\] of 2 of the peer-staged WRITE b'never sent' .* they may land yet, so "
+        r"Staging\(.*\) is kept for good",
     ):
-        nx.unstage(m, pair.staging, stages=2, notifs=notifs, timeout=0.2)
+        nx.unstage(m, staging, stages=2, notifs=notifs, timeout=0.2)
     assert all(np.array_equal(a, b) for a, b in zip(leaf_bytes(leaves), before, strict=True))
+    assert staging.busy and staging.kept  # the WRITE may land yet: no later request copies through it
+    with pytest.raises(TransferError, match="is kept for good by a request released in flight"):
+        nx.prepare_unstage(m, staging, stages=2)
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])

@@ -229,13 +229,20 @@ def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() ->
 
 
 class _FakeStaging:
-    """The attributes plan() reads from a Staging (no NIXL in this file)."""
+    """What plan() and the peer's copies read from a Staging (no NIXL in this file)."""
 
     def __init__(self, buf: np.ndarray, device: torch.device) -> None:
         self.address = buf.ctypes.data
         self.nbytes = buf.nbytes
         self.device = device
-        self.busy = self.closed = False
+        self.busy = self.closed = self.kept = False
+
+    def _take(self) -> bool:
+        taken, self.busy = not self.busy, True
+        return taken
+
+    def _let_go(self) -> None:
+        self.busy = False
 
 
 def staging_at(buf: np.ndarray, device: str = "cpu") -> nx.Staging:

@@ -53,6 +53,7 @@ from kvlayout.transfer.nixl.peer_staging import (
     prepare_unstage,
     stage,
     stage_notif,
+    take_notif,
     unstage,
 )
 from kvlayout.transfer.nixl.plans import (
@@ -121,6 +122,7 @@ __all__ = [
     "register",
     "stage",
     "stage_notif",
+    "take_notif",
     "transfer",
     "unstage",
     "wait",

@@ -5,9 +5,11 @@ stage by stage by NIXL notifications (:func:`stage_notif`, :class:`StageNotifs`)
 
 from __future__ import annotations
 
+import threading
 import time
+import weakref
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -35,11 +37,23 @@ def stage_notif(tag: bytes, stage: int, stages: int) -> bytes:
     return tag if stages == 1 else tag + b"#%d/%d" % (stage, stages)
 
 
+def take_notif(agent: Agent, peer: str, message: bytes) -> bool:
+    """Whether ``message`` came from ``peer``: NIXL's notifications fetched, and the first
+    equal to ``message`` removed from ``agent.notifs`` (the others stay there). Exactly
+    equal: NIXL's ``check_remote_xfer_done`` matches a prefix, so request ``b"req-1"``
+    would take ``b"req-10"``'s notification (and a substring, with ``tag_is_prefix=False``)."""
+    messages = agent.update_notifs().get(peer)
+    if messages is None or message not in messages:
+        return False
+    messages.remove(message)
+    return True
+
+
 class StageNotifs(NamedTuple):
     """What paces the peer's half of a pipelined peer-staged request: this side's
     ``agent``, the poster's agent name ``peer`` (loaded with ``add_remote_agent`` where
     notifications go to it) and the request's ``tag``. Notifications are found with
-    NIXL's ``check_remote_xfer_done``, which keeps the others in ``agent.notifs``."""
+    :func:`take_notif`, which keeps the others in ``agent.notifs``."""
 
     agent: Agent
     peer: str
@@ -57,19 +71,58 @@ def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str)
     fut.result()
 
 
+class _Taken:
+    """A staging buffer one :class:`PeerCopy` holds, let go of once."""
+
+    def __init__(self, staging: Staging) -> None:
+        self.staging = staging
+        self.held = True
+        self._lock = threading.Lock()
+
+    def take_again(self) -> None:
+        with self._lock:
+            if not self.held:
+                _take_for_copy(self.staging)
+                self.held = True
+
+    def let_go(self) -> None:
+        with self._lock:
+            if self.held:
+                self.held = False
+                if not self.staging.kept:  # kept: a WRITE may still land there, busy for good
+                    self.staging._let_go()
+
+
+def _take_for_copy(staging: Staging) -> None:
+    if staging._take():
+        return
+    if staging.kept:
+        raise TransferError(
+            f"{staging!r} is kept for good by a request released in flight (its bytes may still land "
+            "there): a peer-staged request needs a new Staging (and the poster a new PeerStaging)"
+        )
+    raise TransferError(
+        f"{staging!r} is in use by another request (a transfer not yet waited for, or another "
+        "PeerCopy not yet run): one request at a time copies through a staging buffer"
+    )
+
+
 @dataclass(frozen=True)
 class PeerCopy:
     """The peer's half of one peer-staged request, planned and checked ahead of its bytes
     (:func:`prepare_stage`, :func:`prepare_unstage`): a connector makes it when it learns
     of the request (decode when it allocates the blocks a WRITE will fill, prefill when it
     is asked for a request a READ will take), so that only the copy is left for when the
-    bytes move. Its staging buffer is the request's until :meth:`run` returns."""
+    bytes move. Its staging buffer is the request's from then until :meth:`run` returns
+    (taken as a transfer takes one: another request through it is refused meanwhile), or
+    until the copy is dropped; a second run takes it again."""
 
     plan: Plan  # this side's staged plan: a gather (op WRITE) or a scatter (op READ)
     # Held so that the memory the checked copies address outlives them: the staging
     # buffer, and the map (which holds this side's registration).
     staging: Staging
     block_map: NixlMap
+    _taken: _Taken = field(repr=False, compare=False)
 
     @property
     def stages(self) -> int:
@@ -77,19 +130,27 @@ class PeerCopy:
 
     def run(self, *, notifs: StageNotifs | None = None, num_threads: int = 1, timeout: float = 30.0) -> None:
         """The gather (:func:`stage`) or the scatter (:func:`unstage`), paced by
-        ``notifs`` when given; on a GPU, on the calling thread's current stream."""
+        ``notifs`` when given; on a GPU, on the calling thread's current stream. A paced
+        scatter whose stages have not all landed in ``timeout`` keeps its staging buffer
+        for good (the WRITE may still land there: :class:`NixlTimeoutError` says so)."""
         timeout = _seconds(timeout)
-        if self.staging.closed:
-            raise NixlError(f"{self.staging!r} was closed after this copy was prepared; nothing was copied")
-        if notifs is not None and self.plan.op == "WRITE":
-            _check_poster(notifs)
-        stream = _copy_stream(self.plan.copy_device)
-        if notifs is None:
-            self.plan.copy(num_threads, stream)
-        elif self.plan.op == "WRITE":
-            self._gather(notifs, timeout, stream)
-        else:
-            self._scatter(notifs, timeout, stream)
+        try:
+            if self.staging.closed:
+                raise NixlError(
+                    f"{self.staging!r} was closed after this copy was prepared; nothing was copied"
+                )
+            self._taken.take_again()
+            if notifs is not None and self.plan.op == "WRITE":
+                _check_poster(notifs)
+            stream = _copy_stream(self.plan.copy_device)
+            if notifs is None:
+                self.plan.copy(num_threads, stream)
+            elif self.plan.op == "WRITE":
+                self._gather(notifs, timeout, stream)
+            else:
+                self._scatter(notifs, timeout, stream)
+        finally:
+            self._taken.let_go()
 
     def _gather(self, notifs: StageNotifs, timeout: float, stream: torch.cuda.Stream | None) -> None:
         p, n, deadline = self.plan, self.stages, time.perf_counter() + timeout
@@ -106,16 +167,18 @@ class PeerCopy:
         waiting, scatters = list(range(n)), []
         try:
             while waiting:
-                landed = [i for i in waiting if notifs.agent.check_remote_xfer_done(
-                    notifs.peer, stage_notif(notifs.tag, i, n)
-                )]  # fmt: skip
+                landed = [
+                    i for i in waiting if take_notif(notifs.agent, notifs.peer, stage_notif(notifs.tag, i, n))
+                ]
                 for i in landed:
                     scatters.append(_copier().submit(p.copy_stage, i, stream))
                     waiting.remove(i)
                 if waiting and time.perf_counter() > deadline:
+                    self.staging._keep()  # the WRITE may land yet: no other request may use the buffer
                     raise NixlTimeoutError(
                         f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "
-                        f"{notifs.peer!r} had not landed after {timeout:g} s"
+                        f"{notifs.peer!r} had not landed after {timeout:g} s; they may land yet, so "
+                        f"{self.staging!r} is kept for good (a later request needs a new Staging)"
                     )
                 if waiting and not landed:
                     time.sleep(1e-4)
@@ -153,11 +216,19 @@ def _announce(notifs: StageNotifs, stage: int, stages: int) -> None:
 def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> PeerCopy:
     """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
     the poster's ``stages``), which must be ``op``; its copy checked."""
-    p = plan(block_map, strategy="staged", staging=staging, stages=stages)
-    if p.op != op:
-        raise TransferError(wrong_side)
-    p.check_copy()
-    return PeerCopy(p, staging, block_map)
+    _take_for_copy(staging)
+    taken = _Taken(staging)
+    try:
+        p = plan(block_map, strategy="staged", staging=staging, stages=stages)
+        if p.op != op:
+            raise TransferError(wrong_side)
+        p.check_copy()
+    except BaseException:
+        taken.let_go()
+        raise
+    copy = PeerCopy(p, staging, block_map, taken)
+    weakref.finalize(copy, taken.let_go).atexit = False  # dropped unrun: the buffer is free again
+    return copy
 
 
 def prepare_stage(block_map: NixlMap, staging: Staging, *, stages: int = 1) -> PeerCopy:

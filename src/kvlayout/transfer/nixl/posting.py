@@ -3,6 +3,7 @@ ahead, then :meth:`Transfer.start`), :class:`Transfer`, :func:`wait`."""
 
 from __future__ import annotations
 
+import threading
 import time
 import warnings
 import weakref
@@ -13,7 +14,7 @@ from typing import Any, NamedTuple
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _sides
-from kvlayout.transfer.nixl.peer_staging import stage_notif
+from kvlayout.transfer.nixl.peer_staging import stage_notif, take_notif
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
 from kvlayout.transfer.nixl.prepped import Prepped
 from kvlayout.transfer.nixl.regions import (
@@ -206,7 +207,7 @@ class Transfer:
             if self._gathers and not self._copied(i):
                 return
             if self.ready is not None and not self._nixl(
-                self.agent.check_remote_xfer_done, self.peer, stage_notif(self.ready, i, n)
+                take_notif, self.agent, self.peer, stage_notif(self.ready, i, n)
             ):
                 return
             self._post()
@@ -357,6 +358,44 @@ class Transfer:
         return self._hold.release(in_flight=in_flight)
 
 
+# The peers' staging buffers that this process's peer-staged requests are using:
+# (agent name, peer, first byte, end). A second request through one would land on (or read)
+# the bytes of the first before the peer has copied them.
+_PEER_STAGINGS: list[tuple[str, str, int, int]] = []
+_PEER_STAGINGS_LOCK = threading.Lock()
+
+
+def _claim_peer_staging(
+    agent: Agent, peer: str, peer_staging: PeerStaging | None, strategy: Strategy
+) -> tuple[str, str, int, int] | None:
+    """The peer's staging buffer, taken for a request that may go peer-staged: None when
+    there is none, or another request of this process holds it and ``strategy`` is
+    ``"auto"`` (which then goes another way); refused for ``"peer-staged"``."""
+    if peer_staging is None or strategy not in ("auto", "peer-staged"):
+        return None
+    name = str(getattr(agent, "name", id(agent)))
+    claim = (name, peer, int(peer_staging.address), int(peer_staging.address) + int(peer_staging.nbytes))
+    with _PEER_STAGINGS_LOCK:
+        if not any(
+            (n, q) == claim[:2] and lo < claim[3] and claim[2] < hi for n, q, lo, hi in _PEER_STAGINGS
+        ):
+            _PEER_STAGINGS.append(claim)
+            return claim
+    if strategy == "peer-staged":
+        raise TransferError(
+            f"peer {peer!r}'s staging buffer {peer_staging} is in use by another peer-staged request of "
+            f"agent {name!r} not yet waited for: one request at a time goes through a peer's staging buffer "
+            "(give each request in flight a buffer of its own)"
+        )
+    return None
+
+
+def _unclaim_peer_staging(claim: tuple[str, str, int, int] | None) -> None:
+    if claim is not None:
+        with _PEER_STAGINGS_LOCK:
+            _PEER_STAGINGS.remove(claim)
+
+
 _NO_CANCEL = (
     "NIXL cannot guarantee to cancel a request under way: its bytes may still land (UCX over TCP "
     "finishes it), so do not free or reuse the memory it reads or writes, on either side; a staging "
@@ -378,6 +417,7 @@ class _Hold:
     pinned: tuple[Region, ...] = ()  # regions its posts go through: deregistering them waits
     kept: bool = False  # let go of in flight: the staging buffer and pinned regions are kept for good
     tried: bool = False  # release() ran (NIXL may have refused some of the handles)
+    peer_claim: tuple[str, str, int, int] | None = None  # the peer's staging buffer it posts through
 
     def release(self, in_flight: bool) -> bool:
         """Release the NIXL requests (the copies are done) and let go of the staging
@@ -398,6 +438,8 @@ class _Hold:
             if self.staging is not None:
                 self.staging._let_go()
             _unpin(self.agent, self.pinned)
+            _unclaim_peer_staging(self.peer_claim)
+            self.peer_claim = None
         return self.released
 
     def keep(self) -> None:
@@ -509,6 +551,14 @@ def prepare_transfer(
         peer_ready = _message(peer_ready, "peer_ready")
     taken = _take(staging, strategy)
     try:
+        claim = _claim_peer_staging(agent, peer, peer_staging, strategy)
+    except BaseException:
+        if taken is not None:
+            taken._let_go()
+        raise
+    if claim is None and strategy == "auto":
+        peer_staging = None  # another request of ours is using it: another way
+    try:
         xfer = _prepare(
             agent, peer, block_map, notif, strategy, taken if strategy in ("auto", "staged") else staging,
             prepped, cost, stages, peer_staging, peer_ready,
@@ -516,9 +566,14 @@ def prepare_transfer(
     except BaseException:
         if taken is not None:
             taken._let_go()
+        _unclaim_peer_staging(claim)
         raise
     if taken is not None and xfer.staging is None:  # planned without it: direct, or nothing to post
         taken._let_go()
+    if xfer.plan.strategy == "peer-staged":
+        xfer._hold.peer_claim = claim  # until the request is done (kept for good if let go of in flight)
+    else:
+        _unclaim_peer_staging(claim)
     return xfer
 
 
