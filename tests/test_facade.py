@@ -361,3 +361,19 @@ def test_the_facade_follows_the_consumer_code_rules() -> None:
     }
     for what, pattern in forbidden.items():
         assert not re.search(pattern, code), what
+
+
+def test_the_accessors_take_the_registration_detect_returns() -> None:
+    """docs/vllm-group-edits.md passes ``kvlayout.detect``'s Registration to the accessors;
+    mypy --strict checks this test, so the parameter types and the unpacked
+    ``get_shape_and_dtype`` result are pinned too."""
+    kv = [t(2, 32, 16, 8, 64) for _ in range(3)]
+    registration = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    fmt = registration.format
+    assert kvlayout.get_concrete_engine_kv_shape(registration, fmt) == "3 x [2, 32, 16, 8, 64]"
+    assert kvlayout.get_num_blocks(registration, fmt) == 32
+    assert kvlayout.get_device(registration) == torch.device("cpu")
+    ((shape, dtype),) = kvlayout.get_shape_and_dtype(registration, [1])
+    assert (shape[0], dtype.itemsize) == (2, 2)
+    ((shape, dtype),) = kvlayout.get_shape_and_dtype(kv, [0])
+    assert (shape, dtype) == ((2, 32, 16, 8, 64), torch.bfloat16)

@@ -402,3 +402,14 @@ def test_kv_layer_groups_manager_reads_the_registrations_kernel_groups() -> None
         kvlayout.KVLayerGroupsManager(list(kv))
     registration = kvlayout.detect(kv, "vllm", nhd, layer_groups=[[0, 1, 2], [3, 4]])
     assert kvlayout.KVLayerGroupsManager(registration).get_shape_desc(1) == manager.get_shape_desc(1)
+
+
+# -- 11. GPUKVFormat, LMCache's alias of EngineKVFormat (docs/migrating-from-lmcache.md) -------
+
+
+def test_gpu_kv_format_is_the_engine_kv_format_alias() -> None:
+    from kvlayout import GPUKVFormat
+
+    assert GPUKVFormat is kvlayout.GPUKVFormat is F
+    assert GPUKVFormat(1) is F.NL_X_TWO_NB_BS_NH_HS
+    assert "GPUKVFormat" in kvlayout.__all__ and "GPUKVFormat" in dir(kvlayout)

@@ -126,6 +126,7 @@ __all__ = [
     "DiscoverableKVCache",
     "EngineKVFormat",
     "EngineType",
+    "GPUKVFormat",
     "KVFormatSpec",
     "KVLayerGroupInfo",
     "KVLayerGroupsManager",
@@ -207,7 +208,14 @@ __all__ = [
 ]
 
 
+# LMCache's other name for the enum (lmcache_native exports both).
+_ALIASES: dict[str, str] = {"GPUKVFormat": "EngineKVFormat"}
+
+
 def __getattr__(name: str) -> Any:
+    if name in _ALIASES:
+        globals()[name] = alias = __getattr__(_ALIASES[name])
+        return alias
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kvlayout' has no attribute {name!r}")
@@ -217,12 +225,14 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+    return sorted([*globals(), *_EXPORTS, *_ALIASES])
 
 
 if TYPE_CHECKING:
     from kvlayout._generated.descriptors import PageBufferShapeDesc
     from kvlayout._generated.formats import EngineKVFormat
+
+    GPUKVFormat = EngineKVFormat
     from kvlayout._generated.predicates import (
         has_leading_block_axis,
         is_cross_layer,

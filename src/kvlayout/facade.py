@@ -11,8 +11,8 @@ and checked in full on every call, which costs about as much as a detection.
 from __future__ import annotations
 
 import logging
-from collections.abc import Hashable, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, TypeAlias, overload
 
 import torch
 
@@ -35,6 +35,7 @@ from kvlayout.registration.registration import (
     KernelGroup,
     LayerGroupIdentity,
     RegisteredKV,
+    Registration,
     bound,
     bound_per_layer,
 )
@@ -73,6 +74,13 @@ __all__ = [
 
 _log = logging.getLogger("kvlayout")
 
+BoundKV: TypeAlias = DiscoverableKVCache | Registration
+"""What the accessors read: a registration's tensors (bound now, or the detection they
+came from) or the :class:`Registration` ``kvlayout.detect`` returns."""
+
+ShapeAndDtype: TypeAlias = tuple[tuple[int, ...], torch.dtype]
+"""A tensor's structure key: its shape as registered and its dtype."""
+
 
 def _group(kv: Any, fmt: FormatLike, layer_idx: int) -> KernelGroup:
     """The kernel group of a layer read in ``fmt``: detection's registration when ``kv``
@@ -83,64 +91,66 @@ def _group(kv: Any, fmt: FormatLike, layer_idx: int) -> KernelGroup:
 # -- geometry: read from the bound registration --------------------------------------------
 
 
-def get_num_layers(kv: DiscoverableKVCache, fmt: FormatLike) -> int:
+def get_num_layers(kv: BoundKV, fmt: FormatLike) -> int:
     return bound(kv, fmt).num_layers
 
 
-def get_num_blocks(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_num_blocks(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     """Blocks of the layer (raises ``UndefinedSizeError`` for NB*BS formats)."""
     return _group(kv, fmt, layer_idx).num_blocks
 
 
-def get_block_size(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_block_size(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     """Token slots per block (raises ``UndefinedSizeError`` for NB*BS formats)."""
     return _group(kv, fmt, layer_idx).block_size
 
 
-def get_page_buffer_size(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_page_buffer_size(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     """Token slots of the layer (NB*BS). LMCache uses it only in its legacy in-process
     connectors; kernels read a ``PageBufferShapeDesc``."""
     return _group(kv, fmt, layer_idx).geometry.page_buffer_size
 
 
-def get_kv_size(kv: DiscoverableKVCache, fmt: FormatLike) -> int:
+def get_kv_size(kv: BoundKV, fmt: FormatLike) -> int:
     """Planes per token row in a chunk: 2 for split K/V, 1 for packed, MLA or single."""
     return bound(kv, fmt).first_group(fmt).geometry.kv_size
 
 
-def get_num_heads(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_num_heads(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     """KV heads of the layer (1 for MLA)."""
     return _group(kv, fmt, layer_idx).geometry.num_heads
 
 
-def get_head_size(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_head_size(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     """Elements of one head's row in a chunk (the packed width for fused and MLA formats)."""
     return _group(kv, fmt, layer_idx).geometry.head_size
 
 
-def get_hidden_dim_size(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_hidden_dim_size(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     """Elements of one token row of one plane (``num_heads * head_size``)."""
     return _group(kv, fmt, layer_idx).geometry.hidden_dim
 
 
-def get_tokens_per_layer(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_tokens_per_layer(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     return _group(kv, fmt, layer_idx).geometry.page_buffer_size
 
 
-def get_elements_per_layer(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> int:
+def get_elements_per_layer(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> int:
     """Content elements of one layer, K and V both, padding excluded."""
     g = _group(kv, fmt, layer_idx).geometry
     return g.kv_size * g.page_buffer_size * g.hidden_dim
 
 
-def get_dtype(kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int = 0) -> torch.dtype:
+def get_dtype(kv: BoundKV, fmt: FormatLike, layer_idx: int = 0) -> torch.dtype:
     return _group(kv, fmt, layer_idx).dtype
 
 
-def get_device(kv: DiscoverableKVCache) -> torch.device:
+def get_device(kv: BoundKV) -> torch.device:
     """The device of the registration (detection checked that there is one)."""
     if type(kv) is RegisteredKV:
         return kv.registration.device
+    if type(kv) is Registration:
+        return kv.device
     return first_leaf(kv).device
 
 
@@ -169,7 +179,7 @@ def get_engine_kv_shape_description(fmt: FormatLike) -> str:
         return _unknown(fmt)
 
 
-def get_concrete_engine_kv_shape(kv: DiscoverableKVCache, fmt: FormatLike) -> str:
+def get_concrete_engine_kv_shape(kv: BoundKV, fmt: FormatLike) -> str:
     """``32 x [2, 2048, 16, 8, 128]``: every layer of the registration read in ``fmt``,
     whatever kernel groups it is split into. Groups that differ only in their layer
     count count together; different shapes are joined by `` + `` in order of their
@@ -209,14 +219,14 @@ def get_concrete_engine_kv_shape_from_shape_desc(shape_desc: PageBufferShapeDesc
 # -- pointers and descriptors ------------------------------------------------------------------
 
 
-def get_group_data_ptrs(kv: DiscoverableKVCache, fmt: FormatLike, layer_indices: Sequence[int]) -> list[int]:
+def get_group_data_ptrs(kv: BoundKV, fmt: FormatLike, layer_indices: Sequence[int]) -> list[int]:
     """The group's pointer table in kernel order: one per layer; ``[K..., V...]`` for
     K/V lists; each layer's tuple in turn for tuple formats; one base for cross-layer."""
     return bound(kv, fmt).data_ptrs(layer_indices, fmt)
 
 
 def make_page_buffer_shape_desc(
-    kv: DiscoverableKVCache,
+    kv: BoundKV,
     fmt: FormatLike,
     layer_idx: int,
     num_layers_in_group: int,
@@ -238,7 +248,7 @@ def make_page_buffer_shape_desc(
 
 
 def resolve_block_stride_and_log_layout(
-    kv: DiscoverableKVCache, fmt: FormatLike, layer_idx: int, group_idx: int
+    kv: BoundKV, fmt: FormatLike, layer_idx: int, group_idx: int
 ) -> int | None:
     """The group's ``block_stride_elems``: ``stride(0)`` of the layer's tensors when the
     layout's dim 0 is the block axis (tight for compact caches, wider for padded pools
@@ -273,26 +283,34 @@ def _audit(group_idx: int, layer_idx: int, group: KernelGroup) -> None:
 # -- grouping ----------------------------------------------------------------------------------
 
 
+@overload
 def get_shape_and_dtype(
-    kv: DiscoverableKVCache, layer_indices: Sequence[int] | None = None
-) -> list[Hashable]:
+    kv: Sequence[torch.Tensor], layer_indices: Sequence[int] | None = None
+) -> list[ShapeAndDtype]: ...
+@overload
+def get_shape_and_dtype(kv: BoundKV, layer_indices: Sequence[int] | None = None) -> list[Any]: ...
+def get_shape_and_dtype(kv: BoundKV, layer_indices: Sequence[int] | None = None) -> list[Any]:
     """Each entry's structure key, the one LMCache buckets layers by: ``(shape, dtype)``
     for a tensor, a tuple of its children's keys for a tuple or list (nested as the
     registration is). Every entry, or those at ``layer_indices``, in that order.
 
-    Shapes are as registered, not in memory order. Unlike LMCache (``None`` for anything
-    without a shape) a leaf that is not a tensor is a ``TypeError`` naming where it is, and
-    a bare tensor (one entry for every layer) is one too.
+    Shapes are as registered, not in memory order; a :class:`Registration` is read as
+    its ``registered_kv``. Unlike LMCache (``None`` for anything without a shape) a leaf
+    that is not a tensor is a ``TypeError`` naming where it is, and a bare tensor (one
+    entry for every layer) is one too. (The keys of nested entries nest as the entries
+    do, which only a list of tensors pins statically: hence ``list[Any]`` otherwise.)
     """
+    if type(kv) is Registration:
+        kv = kv.registered_kv
     return entry_keys(kv, _shape_and_dtype, layer_indices)
 
 
-def _shape_and_dtype(t: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+def _shape_and_dtype(t: torch.Tensor) -> ShapeAndDtype:
     return tuple(t.shape), t.dtype
 
 
 def group_layers_by_identity(
-    kv: DiscoverableKVCache,
+    kv: BoundKV,
     formats: Sequence[FormatLike | None],
     per_layer_engine_group_idx: Sequence[int] | None = None,
 ) -> list[tuple[LayerGroupIdentity, list[int]]]:

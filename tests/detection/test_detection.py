@@ -389,6 +389,20 @@ def test_bad_structures(kv: Any, error: type[Exception], message: str) -> None:
         detect(kv, "vllm", {"kv_layout": "NHD"})
 
 
+@pytest.mark.parametrize("view", ["values", "keys", "items"])
+def test_a_dict_view_gets_the_dicts_hint(view: str) -> None:
+    caches = {f"model.layers.{i}": t(2, 7, 3, 2, 4) for i in range(2)}
+    kv = getattr(caches, view)()
+    message = (
+        f"kv_caches is a dict_{view}; pass the tensors as a list "
+        "(for example list(kv_caches.values()) in registration order)"
+    )
+    with pytest.raises(TypeError, match=re.escape(message)):
+        kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    with pytest.raises(TypeError, match=re.escape(message.replace("kv_caches is", "kv_caches: is"))):
+        detect(kv, "vllm", {"kv_layout": "NHD"})
+
+
 def test_the_dtype_mismatch_message_is_exact() -> None:
     kv = [t(2, 7, 3, 2, 4, dtype=torch.bfloat16) for _ in range(3)] + [t(2, 7, 3, 2, 4)]
     with pytest.raises(DetectionError) as info:
@@ -443,3 +457,24 @@ def test_zero_and_one_sized_registrations_detect() -> None:
     )
     fmt, out = detect([t(2, 1, 1, 1, 1)], "vllm", {"kv_layout": "NHD"})
     assert fmt == F.NL_X_TWO_NB_BS_NH_HS and out[0].shape == (2, 1, 1, 1, 1)  # type: ignore[union-attr]
+
+
+def test_a_layer_detected_apart_is_named_by_the_callers_index() -> None:
+    """kvlayout.detect buckets layers by structure; a bucket's error names the caller's
+    entries (not its own list's), and a layer group only when the caller passed groups."""
+    kv = [*layers((2, 7, 3, 2, 4), n=3), t(7, 3, 2, 4, 2)]
+    with pytest.raises(DetectionError) as caught:
+        kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    message = str(caught.value)
+    assert message.startswith(
+        "kv_caches[3], detected on its own: vLLM: the registration (kv_caches[3]: shape (7, 3, 2, 4, 2), "
+    )
+    assert "kv_caches[0]" not in message and "layer group" not in message
+    with pytest.raises(DetectionError) as caught:
+        kvlayout.detect(
+            [*kv[::-1], t(7, 3, 2, 4, 2)], "vllm", {"kv_layout": "NHD"}, layer_groups=[[1], [0, 2, 3, 4]]
+        )
+    assert str(caught.value).startswith(
+        "kv_caches entries [0, 4] of layer group 1, detected together as a list of 2: vLLM: the registration "
+        "(kv_caches[0]: shape (7, 3, 2, 4, 2)"
+    )

@@ -109,7 +109,9 @@ def test_bad_groups(groups: Any, error: type[Exception], message: str) -> None:
 
 def test_bucket_errors_name_the_layers() -> None:
     kv = [t(2, 7, 3, 2, 4), t(2, 7, 3, 2, 4), t(7, 4), t(7, 4)]
-    with pytest.raises(DetectionError, match=re.escape("layers [2, 3] of layer group 0, detected together")):
+    with pytest.raises(
+        DetectionError, match=re.escape("kv_caches entries [2, 3], detected together as a list of 2: ")
+    ):
         per_layer(kv, None, "vllm", {"kv_layout": "NHD"})
 
 

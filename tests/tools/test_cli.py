@@ -305,6 +305,21 @@ def test_describe_takes_a_block_stride_no_smaller_than_a_block(capsys: pytest.Ca
     assert code == 0 and json.loads(out)["dim_strides"] == {"0": 64}
 
 
+def test_explain_help_lists_every_short_dtype_name(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvlayout.tools.explain import DTYPE_BYTES
+
+    with pytest.raises(SystemExit):
+        main(["explain", "--help"])
+    listed = re.search(r"--dtype DTYPE\s+element type for byte counts: ([\w,\s]+)", capsys.readouterr().out)
+    assert listed is not None
+    names = listed[1].split()
+    assert names == ["bf16,", "fp16,", "fp32,", "fp8,", "fp8_e5m2,", "uint8,", "int8"]
+    # every name that is not torch's spelled-out one works
+    short = [n for n in DTYPE_BYTES if not n.startswith(("float", "bfloat"))]
+    assert sorted(n.rstrip(",") for n in names) == sorted(short)
+    assert run(capsys, "explain", "1", "--dtype", "int8")[0] == 0
+
+
 def test_fp8_e5m2_is_a_dtype(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "explain", "1", "--dtype", "fp8_e5m2")
     assert code == 0 and "1024 elements per token (1024 bytes of fp8_e5m2)" in out
@@ -380,7 +395,7 @@ def test_plan_prints_every_rank_pair(capsys: pytest.CaptureFixture[str]) -> None
         "NL_X_TWO_NB_NH_BS_HS TP 4 (blocks of 4); 4 KV heads; posted by dst; cost model: defaults"
     )
     # src rank 0 holds heads 0-1, dst rank 1 head 1: one head's 16-byte row a token, per layer and K/V
-    assert lines[3] == "  src rank 0 -> dst rank 1: head slice, permuted; 40 runs, 640 bytes, mean run 16 B"
+    assert lines[3] == "  src rank 0 -> dst rank 1: head slice, re-laid; 40 runs, 640 bytes, mean run 16 B"
     assert lines[4].startswith("    READ: direct 40 descriptors, ") and lines[4].endswith(
         "choice: peer-staged"
     )

@@ -52,6 +52,13 @@ def test_vllm_hybrid_goes_through_the_group_edits() -> None:
     lines = _run(ex)
     assert lines[0] == f"== {HYBRID_TITLE} =="
     assert "   group edits    mamba-state-rows x18, subpaged-attention x6" in lines
+    # each registered view with its own dtype: the state rows are int8, the attention pages bf16
+    assert any(
+        line.endswith(
+            "registered [B, H, N, C] views 18 x int8 [8, 1, 1, 1085440], 6 x bfloat16 [136, 2, 32, 512]"
+        )
+        for line in lines
+    ), lines
     assert "   registration   24 tensor(s) [8, 544, 2048] torch.int8, hints {'kv_layout': 'NHD'}" in lines
     assert _check_verified(lines) == 4  # one kernel group per vLLM KV cache group
     for group in ex.groups:

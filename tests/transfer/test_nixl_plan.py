@@ -372,6 +372,19 @@ def test_a_staging_buffer_goes_in_host_memory_or_on_a_gpu_the_extension_reaches(
             nx.Staging(cast(nx.Agent, None), 1 << 10, device="cuda")
 
 
+def test_a_staging_buffer_no_gpu_can_hold_names_the_device_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_device(device: torch.device) -> None:
+        raise KVLayoutError("kvlayout._cuda sees no CUDA device")
+
+    monkeypatch.setattr("kvlayout.transfer.cuda._cuda_module", no_device)  # as on a CPU-only machine
+    with pytest.raises(KVLayoutError) as caught:
+        nx.Staging(cast(nx.Agent, None), 1 << 10, device="cuda:0")
+    assert str(caught.value) == (
+        "Staging(device='cuda:0'): no staging buffer on cuda:0 here (kvlayout._cuda sees no CUDA device); "
+        "pass device='cpu' for a cache in host memory"
+    )
+
+
 def test_a_peer_staging_buffer_on_a_gpu_is_posted_as_vram_of_its_device() -> None:
     n, length = 64, 256  # consecutive here, scattered on the peer (as TP 2 -> 1 in NHD)
     local, remote = [np.zeros(n * length, np.uint8)], [np.zeros(2 * n * length, np.uint8)]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import re
 from collections.abc import Hashable, Sequence
 from typing import Any
 
@@ -305,15 +306,19 @@ def _per_layer(
             result[i], formats[i] = out[j], fmt
         return _bind_layers(result, formats, entries, owner, eng)
     result, formats = list(entries), [None for _ in entries]
+    named_groups = bool(layer_index_groups)  # without them every layer is in one implicit group
     for g, group in enumerate(groups):
         buckets: dict[Hashable, list[int]] = {}
         for i in group:
             buckets.setdefault(keys[i], []).append(i)
         for idxs in buckets.values():
-            fmt, out, _ = _detect_subset(views, idxs, eng, hints, len(entries), group=g)
+            fmt, out, _ = _detect_subset(
+                views, idxs, eng, hints, len(entries), group=g if named_groups else None
+            )
             if not LAYOUTS[fmt].is_layer_list:
+                where = f" (layer group {g})" if named_groups else ""
                 raise DetectionError(
-                    f"layers {idxs} (layer group {g}) are {fmt.name}, which is not one entry per layer, "
+                    f"{_layers(idxs)}{where} are {fmt.name}, which is not one entry per layer, "
                     "so layers of different shapes cannot be detected apart; register them uniformly"
                 )
             for j, i in enumerate(idxs):
@@ -379,11 +384,20 @@ def _detect_subset(
     except (KVLayoutError, TypeError) as exc:
         if idxs == list(range(total)):
             raise
+        # The subset is detected as its own list: put the caller's indices back in its message.
+        message = re.sub(
+            r"\bkv_caches\[(\d+)\]",
+            lambda m: f"kv_caches[{idxs[int(m[1])]}]" if int(m[1]) < len(idxs) else m[0],
+            str(exc),
+        )
         where = f" of layer group {group}" if group is not None else ""
-        raise type(exc)(
-            f"layers {idxs}{where}, detected together (kv_caches[k] below is layer {idxs[0]}, "
-            f"{idxs[1] if len(idxs) > 1 else '...'}, ... in that order): {exc}"
-        ) from exc
+        together = "detected on its own" if len(idxs) == 1 else f"detected together as a list of {len(idxs)}"
+        raise type(exc)(f"{_layers(idxs)}{where}, {together}: {message}") from exc
+
+
+def _layers(idxs: list[int]) -> str:
+    """The caller's entries, by their indices."""
+    return f"kv_caches[{idxs[0]}]" if len(idxs) == 1 else f"kv_caches entries {idxs}"
 
 
 def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: str) -> list[list[int]]:

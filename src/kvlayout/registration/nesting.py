@@ -11,7 +11,7 @@ it stands; paths are written ``kv_caches[i][j]`` everywhere.
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, MappingView, Sequence
 from typing import Any
 
 import torch
@@ -59,7 +59,7 @@ def not_a_kv_cache(node: object) -> str:
     """Why ``node`` cannot be part of a registration."""
     if node is None:
         return "is None; a KV cache is a tensor or a list/tuple of tensors"
-    if isinstance(node, Mapping):
+    if isinstance(node, (Mapping, MappingView)):  # a dict or its .values(), .keys(), .items()
         return (
             f"is a {type(node).__name__}; pass the tensors as a list "
             "(for example list(kv_caches.values()) in registration order)"

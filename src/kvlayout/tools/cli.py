@@ -867,7 +867,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("format", help="a format value (1), name (NL_X_TWO_NB_BS_NH_HS) or any layout name")
     p.add_argument("--sizes", default="", help="sizes to use, e.g. NL=32,NB=2048,BS=16,NH=8,HS=128")
     p.add_argument(
-        "--dtype", default="bf16", help="element type for byte counts: bf16, fp16, fp32, fp8, fp8_e5m2, uint8"
+        "--dtype",
+        default="bf16",
+        help="element type for byte counts: bf16, fp16, fp32, fp8, fp8_e5m2, uint8, int8",
     )
     p.add_argument(
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"

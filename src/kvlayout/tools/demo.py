@@ -165,7 +165,11 @@ def qwen3_5_hybrid() -> Example:
             fired[edit.name] += 1
             what = "Gated DeltaNet state" if spec_kind(spec) is SpecKind.MAMBA else "FlashInfer attention"
             labels[names.index(name)] = f"{what} pages, opaque (vLLM group edit {edit.name})"
-    shapes = Counter(f"{list(registered[name].shape)}" for name in names)
+    # Each view with its own dtype: the state rows are int8, the attention pages bf16.
+    shapes = Counter(
+        f"{str(registered[name].dtype).removeprefix('torch.')} {list(registered[name].shape)}"
+        for name in names
+    )
     block, kernel = groups[0].kv_cache_spec.block_size, min(engine.kernel_block_sizes)
     return Example(
         HYBRID_TITLE,
@@ -177,7 +181,7 @@ def qwen3_5_hybrid() -> Example:
         groups=[[names.index(name) for name in group.layer_names] for group in groups],
         details=(
             f"vLLM 0.33      {len(groups)} KV cache groups of {len(groups[0].layer_names)} layers overlaid "
-            f"on one {buf.numel() / 2**20:.0f} MiB buffer; registered int8 [B, H, N, C] views "
+            f"on one {buf.numel() / 2**20:.0f} MiB buffer; registered [B, H, N, C] views "
             + ", ".join(f"{n} x {shape}" for shape, n in shapes.items()),
             "group edits    " + ", ".join(f"{rule} x{n}" for rule, n in fired.items()),
             f"               every layer re-viewed as opaque pages [blocks, {block}, page bytes / {block}] "

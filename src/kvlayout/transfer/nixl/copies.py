@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from kvlayout import _native
+from kvlayout.errors import KVLayoutError
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.regions import _intervals, register
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, RefusedDescriptorError
@@ -201,7 +202,13 @@ def _staging_device(device: str | torch.device) -> torch.device:
         raise TransferError(f"a staging buffer goes in host memory (cpu) or on a CUDA device, not on {dev}")
     from kvlayout.transfer.cuda import _cuda_module  # refuses a build or machine without CUDA
 
-    _cuda_module(dev)
+    try:
+        _cuda_module(dev)
+    except KVLayoutError as exc:  # name the caller's argument, not the extension's internals
+        raise type(exc)(
+            f"Staging(device={str(device)!r}): no staging buffer on {dev} here ({exc}); "
+            "pass device='cpu' for a cache in host memory"
+        ) from exc
     return torch.device("cuda", torch.cuda.current_device() if dev.index is None else dev.index)
 
 
