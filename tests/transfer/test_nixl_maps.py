@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import json
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -486,7 +487,23 @@ def test_one_request_at_a_time_goes_through_a_peer_s_staging_buffer(pair: Pair) 
         again = nx.prepare_transfer(
             pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging
         )
-        again.release()
+        again._hold.keep()  # as a request released in flight is: NIXL may still move its bytes
+        with pytest.raises(TransferError, match=r"PeerStaging\(.*\) is kept for good: a peer-staged request"):
+            nx.prepare_transfer(pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging)
+
+
+def test_a_paced_read_whose_peer_staging_is_taken_says_so(pair: Pair) -> None:
+    """A READ paced by the peer (``peer_ready``) goes peer-staged or not at all: with the
+    buffer in use, "auto" says that, not that the request is direct."""
+    r = peer_staged(pair, next(c for c in CASES if c[0] == "TP 1->2 NHD"), 121, "READ")
+    with nx.register(pair.agent, r.here):
+        first = nx.prepare_transfer(pair.agent, pair.name, r.m, peer_staging=r.staging, peer_ready=b"a")
+        assert first.plan.strategy == "peer-staged"
+        with pytest.raises(
+            TransferError, match=r"PeerStaging\(.*\) is in use by another peer-staged request"
+        ):
+            nx.prepare_transfer(pair.agent, pair.name, r.m, peer_staging=r.staging, peer_ready=b"b")
+        first.release()
 
 
 def test_the_peer_s_copy_holds_its_staging_buffer_from_prepared_until_run(pair: Pair) -> None:
@@ -507,6 +524,22 @@ def test_the_peer_s_copy_holds_its_staging_buffer_from_prepared_until_run(pair: 
         del dropped
         gc.collect()
         assert not staging.busy  # a copy dropped unrun lets go of it
+        waiting = nx.prepare_unstage(m, staging, stages=2)
+        failed: list[BaseException] = []
+
+        def scatter() -> None:  # waits for stages that never land
+            try:
+                waiting.run(notifs=nx.StageNotifs(pair.agent, pair.name, b"never"), timeout=1.0)
+            except BaseException as exc:
+                failed.append(exc)
+
+        thread = threading.Thread(target=scatter)
+        thread.start()
+        time.sleep(0.2)
+        with pytest.raises(TransferError, match=r"is running already .* a PeerCopy runs once at a time"):
+            waiting.run()  # the running scatter still holds the buffer
+        thread.join()
+        assert isinstance(failed[0], nx.NixlTimeoutError) and staging.busy and staging.kept
 
 
 def test_stage_notifications_name_the_tag_the_stage_and_the_count() -> None:
@@ -546,7 +579,11 @@ def test_a_paced_unstage_whose_stages_never_land_times_out_and_scatters_nothing(
         nx.unstage(m, staging, stages=2, notifs=notifs, timeout=0.2)
     assert all(np.array_equal(a, b) for a, b in zip(leaf_bytes(leaves), before, strict=True))
     assert staging.busy and staging.kept  # the WRITE may land yet: no later request copies through it
-    with pytest.raises(TransferError, match="is kept for good by a request released in flight"):
+    with pytest.raises(
+        TransferError,
+        match=r"is kept for good: the peer-staged WRITE b'never sent' \(its stages may land yet\) may still "
+        r"move bytes through it; a peer's copy needs a new Staging",
+    ):
         nx.prepare_unstage(m, staging, stages=2)
 
 

@@ -244,6 +244,8 @@ class _FakeStaging:
     def _let_go(self) -> None:
         self.busy = False
 
+    _take_or_refuse = nx.Staging._take_or_refuse
+
 
 def staging_at(buf: np.ndarray, device: str = "cpu") -> nx.Staging:
     return cast(nx.Staging, _FakeStaging(buf, torch.device(device)))

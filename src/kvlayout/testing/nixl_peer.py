@@ -493,7 +493,7 @@ def _serve() -> None:
     prepared: Any = None  # a PeerCopy: the request the parent said is coming
 
     def progress() -> None:  # drives NIXL (the agent has no progress thread), keeping notifications
-        if agent is not None:  # in agent.notifs, where unstage's check_remote_xfer_done finds them too
+        if agent is not None:  # in agent.notifs, where unstage's take_notif finds them too
             agent.update_notifs()
 
     def notifs() -> list[bytes]:

@@ -133,12 +133,13 @@ class Staging:
         self.busy = False
         self.closed = False
         self.kept = False  # a request released in flight may still write it: never handed out again
+        self.kept_for = ""  # why, for messages
         self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         where = "" if self.device.type == "cpu" else f" on {self.device}"
         state = ", busy" if self.busy else ""
-        state += ", kept for a request released in flight" if self.kept else ""
+        state += f", kept for {self.kept_for}" if self.kept else ""
         state += ", closed" if self.closed else ""
         return f"Staging({self.nbytes} bytes at {self.address:#x}{where}{state})"
 
@@ -173,13 +174,29 @@ class Staging:
             if self.closed:
                 self.registered.deregister()
 
-    def _keep(self) -> None:
-        """The request that held the buffer was let go of while NIXL may still write it:
-        busy, registered and allocated for good (a later request would send or scatter
-        the late bytes, a freed buffer would take them)."""
+    def _keep(self, kept_for: str = "a request released in flight") -> None:
+        """The request that held the buffer was let go of while NIXL may still write it
+        (or read it): busy, registered and allocated for good (a later request would send
+        or scatter the late bytes, a freed buffer would take them)."""
         with self._lock:
+            if not self.kept:
+                self.kept_for = kept_for
+                _KEPT.append(self)
             self.busy = self.kept = True
-            _KEPT.append(self)
+
+    def _take_or_refuse(self, what: str) -> None:
+        """Take the buffer for ``what`` (a staged transfer, a peer's copy), or say why not."""
+        if self._take():
+            return
+        if self.kept:
+            raise TransferError(
+                f"{self!r} is kept for good: {self.kept_for} may still move bytes through it; "
+                f"{what} needs a new Staging"
+            )
+        raise TransferError(
+            f"{self!r} is in use by another request (a transfer not yet waited for, or a peer's copy "
+            f"prepared and not yet run): one request at a time goes through a staging buffer"
+        )
 
     def __enter__(self) -> Staging:
         return self

@@ -72,39 +72,39 @@ def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str)
 
 
 class _Taken:
-    """A staging buffer one :class:`PeerCopy` holds, let go of once."""
+    """The staging buffer one :class:`PeerCopy` holds (from prepared until a run ends),
+    and whether a run is under way: one at a time, so that no run lets go of the buffer
+    while another still copies through it."""
 
     def __init__(self, staging: Staging) -> None:
         self.staging = staging
         self.held = True
+        self.running = False
         self._lock = threading.Lock()
 
-    def take_again(self) -> None:
+    def start(self) -> None:
+        """A run begins: the buffer held (taken again after an earlier run let it go)."""
         with self._lock:
+            if self.running:
+                raise TransferError(
+                    f"this peer's copy through {self.staging!r} is running already (on another thread): "
+                    "a PeerCopy runs once at a time"
+                )
             if not self.held:
-                _take_for_copy(self.staging)
+                self.staging._take_or_refuse("a peer's copy")
                 self.held = True
+            self.running = True
 
-    def let_go(self) -> None:
+    def let_go(self, *, run_ended: bool = False) -> None:
+        """A run ended (``run_ended``), or the copy was dropped: the buffer is free again,
+        unless kept for good (bytes may still move through it)."""
         with self._lock:
-            if self.held:
+            if run_ended:
+                self.running = False
+            if self.held and not self.running:
                 self.held = False
-                if not self.staging.kept:  # kept: a WRITE may still land there, busy for good
+                if not self.staging.kept:
                     self.staging._let_go()
-
-
-def _take_for_copy(staging: Staging) -> None:
-    if staging._take():
-        return
-    if staging.kept:
-        raise TransferError(
-            f"{staging!r} is kept for good by a request released in flight (its bytes may still land "
-            "there): a peer-staged request needs a new Staging (and the poster a new PeerStaging)"
-        )
-    raise TransferError(
-        f"{staging!r} is in use by another request (a transfer not yet waited for, or another "
-        "PeerCopy not yet run): one request at a time copies through a staging buffer"
-    )
 
 
 @dataclass(frozen=True)
@@ -132,14 +132,15 @@ class PeerCopy:
         """The gather (:func:`stage`) or the scatter (:func:`unstage`), paced by
         ``notifs`` when given; on a GPU, on the calling thread's current stream. A paced
         scatter whose stages have not all landed in ``timeout`` keeps its staging buffer
-        for good (the WRITE may still land there: :class:`NixlTimeoutError` says so)."""
+        for good (the WRITE may still land there: :class:`NixlTimeoutError` says so), as
+        does a paced gather that fails after announcing a stage (the READ may be reading
+        it). One run at a time: a second, on another thread, is a :class:`TransferError`."""
         timeout = _seconds(timeout)
+        if self.staging.closed:
+            self._taken.let_go()  # held and not running: closed, it is deregistered now
+            raise NixlError(f"{self.staging!r} was closed after this copy was prepared; nothing was copied")
+        self._taken.start()
         try:
-            if self.staging.closed:
-                raise NixlError(
-                    f"{self.staging!r} was closed after this copy was prepared; nothing was copied"
-                )
-            self._taken.take_again()
             if notifs is not None and self.plan.op == "WRITE":
                 _check_poster(notifs)
             stream = _copy_stream(self.plan.copy_device)
@@ -150,15 +151,21 @@ class PeerCopy:
             else:
                 self._scatter(notifs, timeout, stream)
         finally:
-            self._taken.let_go()
+            self._taken.let_go(run_ended=True)
 
     def _gather(self, notifs: StageNotifs, timeout: float, stream: torch.cuda.Stream | None) -> None:
         p, n, deadline = self.plan, self.stages, time.perf_counter() + timeout
         gathers = [_copier().submit(p.copy_stage, i, stream) for i in range(n)]
+        announced = 0
         try:
             for i, fut in enumerate(gathers):
                 _progress_until(fut, notifs.agent, deadline, f"the gather of stage {i} of {n}")
                 _announce(notifs, i, n)
+                announced += 1
+        except BaseException:
+            if announced:  # the poster may be reading the announced stages: never another request's
+                self.staging._keep(f"the peer-staged READ {notifs.tag!r} (stages of it were announced)")
+            raise
         finally:
             _settle(gathers)
 
@@ -174,7 +181,8 @@ class PeerCopy:
                     scatters.append(_copier().submit(p.copy_stage, i, stream))
                     waiting.remove(i)
                 if waiting and time.perf_counter() > deadline:
-                    self.staging._keep()  # the WRITE may land yet: no other request may use the buffer
+                    # the WRITE may land yet: no other request may use the buffer
+                    self.staging._keep(f"the peer-staged WRITE {notifs.tag!r} (its stages may land yet)")
                     raise NixlTimeoutError(
                         f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "
                         f"{notifs.peer!r} had not landed after {timeout:g} s; they may land yet, so "
@@ -216,7 +224,7 @@ def _announce(notifs: StageNotifs, stage: int, stages: int) -> None:
 def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> PeerCopy:
     """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
     the poster's ``stages``), which must be ``op``; its copy checked."""
-    _take_for_copy(staging)
+    staging._take_or_refuse("a peer's copy")
     taken = _Taken(staging)
     try:
         p = plan(block_map, strategy="staged", staging=staging, stages=stages)

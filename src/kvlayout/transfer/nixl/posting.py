@@ -359,41 +359,54 @@ class Transfer:
 
 
 # The peers' staging buffers that this process's peer-staged requests are using:
-# (agent name, peer, first byte, end). A second request through one would land on (or read)
-# the bytes of the first before the peer has copied them.
-_PEER_STAGINGS: list[tuple[str, str, int, int]] = []
+# (agent name, peer, first byte, end) -> kept for good (a request released in flight, whose
+# bytes may still move). A second request through one would land on (or read) the bytes
+# of the first before the peer has copied them.
+_PEER_STAGINGS: dict[tuple[str, str, int, int], bool] = {}
 _PEER_STAGINGS_LOCK = threading.Lock()
 
 
 def _claim_peer_staging(
-    agent: Agent, peer: str, peer_staging: PeerStaging | None, strategy: Strategy
+    agent: Agent, peer: str, peer_staging: PeerStaging | None, must: bool
 ) -> tuple[str, str, int, int] | None:
     """The peer's staging buffer, taken for a request that may go peer-staged: None when
-    there is none, or another request of this process holds it and ``strategy`` is
-    ``"auto"`` (which then goes another way); refused for ``"peer-staged"``."""
-    if peer_staging is None or strategy not in ("auto", "peer-staged"):
+    there is none, or another request of this process holds it and the request may go
+    another way; refused where it ``must`` go peer-staged."""
+    if peer_staging is None:
         return None
     name = str(getattr(agent, "name", id(agent)))
     claim = (name, peer, int(peer_staging.address), int(peer_staging.address) + int(peer_staging.nbytes))
     with _PEER_STAGINGS_LOCK:
-        if not any(
-            (n, q) == claim[:2] and lo < claim[3] and claim[2] < hi for n, q, lo, hi in _PEER_STAGINGS
-        ):
-            _PEER_STAGINGS.append(claim)
+        held = [
+            kept
+            for (n, q, lo, hi), kept in _PEER_STAGINGS.items()
+            if (n, q) == claim[:2] and lo < claim[3] and claim[2] < hi
+        ]
+        if not held:
+            _PEER_STAGINGS[claim] = False
             return claim
-    if strategy == "peer-staged":
+    if not must:
+        return None
+    if any(held):
         raise TransferError(
-            f"peer {peer!r}'s staging buffer {peer_staging} is in use by another peer-staged request of "
-            f"agent {name!r} not yet waited for: one request at a time goes through a peer's staging buffer "
-            "(give each request in flight a buffer of its own)"
+            f"peer {peer!r}'s staging buffer {peer_staging} is kept for good: a peer-staged request of agent "
+            f"{name!r} released in flight may still move bytes through it; the peer needs a new one"
         )
-    return None
+    raise TransferError(
+        f"peer {peer!r}'s staging buffer {peer_staging} is in use by another peer-staged request of "
+        f"agent {name!r} not yet waited for: one request at a time goes through a peer's staging buffer "
+        "(give each request in flight a buffer of its own)"
+    )
 
 
-def _unclaim_peer_staging(claim: tuple[str, str, int, int] | None) -> None:
+def _unclaim_peer_staging(claim: tuple[str, str, int, int] | None, *, keep: bool = False) -> None:
+    """Let go of a claim, or (``keep``) hold it for good."""
     if claim is not None:
         with _PEER_STAGINGS_LOCK:
-            _PEER_STAGINGS.remove(claim)
+            if keep:
+                _PEER_STAGINGS[claim] = True
+            else:
+                _PEER_STAGINGS.pop(claim, None)
 
 
 _NO_CANCEL = (
@@ -447,6 +460,8 @@ class _Hold:
         staging buffer and pinned regions registered and allocated, for good."""
         if not self.kept and self.staging is not None:
             self.staging._keep()
+        if not self.kept:
+            _unclaim_peer_staging(self.peer_claim, keep=True)
         self.kept = True
 
 
@@ -551,7 +566,9 @@ def prepare_transfer(
         peer_ready = _message(peer_ready, "peer_ready")
     taken = _take(staging, strategy)
     try:
-        claim = _claim_peer_staging(agent, peer, peer_staging, strategy)
+        may = strategy in ("auto", "peer-staged")  # paced by the peer, a READ goes peer-staged only
+        must = strategy == "peer-staged" or peer_ready is not None
+        claim = _claim_peer_staging(agent, peer, peer_staging if may else None, must)
     except BaseException:
         if taken is not None:
             taken._let_go()
@@ -583,16 +600,10 @@ def _take(staging: Staging | None, strategy: Strategy) -> Staging | None:
     ``"auto"`` (which then goes direct); refused for ``"staged"``."""
     if staging is None or strategy not in ("auto", "staged"):
         return None
-    if staging._take():
-        return staging
-    if strategy == "staged" and staging.kept:
-        raise TransferError(
-            f"{staging!r} is kept for good by a request released in flight (its bytes may still land "
-            "there): stage through a new Staging"
-        )
     if strategy == "staged":
-        raise TransferError(f"{staging!r} is in use by a transfer not yet waited for")
-    return None
+        staging._take_or_refuse("a staged transfer")
+        return staging
+    return staging if staging._take() else None
 
 
 def _prepare(
