@@ -359,10 +359,10 @@ class Transfer:
 
 
 # The peers' staging buffers that this process's peer-staged requests are using:
-# (agent name, peer, first byte, end) -> kept for good (a request released in flight, whose
-# bytes may still move). A second request through one would land on (or read) the bytes
-# of the first before the peer has copied them.
-_PEER_STAGINGS: dict[tuple[str, str, int, int], bool] = {}
+# (agent name, peer, first byte, end). A second request through one would land on (or
+# read) the bytes of the first before the peer has copied them. A request released in
+# flight lets go of its claim: the peer owns the buffer, and reads _NO_CANCEL's rule.
+_PEER_STAGINGS: list[tuple[str, str, int, int]] = []
 _PEER_STAGINGS_LOCK = threading.Lock()
 
 
@@ -377,21 +377,13 @@ def _claim_peer_staging(
     name = str(getattr(agent, "name", id(agent)))
     claim = (name, peer, int(peer_staging.address), int(peer_staging.address) + int(peer_staging.nbytes))
     with _PEER_STAGINGS_LOCK:
-        held = [
-            kept
-            for (n, q, lo, hi), kept in _PEER_STAGINGS.items()
-            if (n, q) == claim[:2] and lo < claim[3] and claim[2] < hi
-        ]
-        if not held:
-            _PEER_STAGINGS[claim] = False
+        if not any(
+            (n, q) == claim[:2] and lo < claim[3] and claim[2] < hi for n, q, lo, hi in _PEER_STAGINGS
+        ):
+            _PEER_STAGINGS.append(claim)
             return claim
     if not must:
         return None
-    if any(held):
-        raise TransferError(
-            f"peer {peer!r}'s staging buffer {peer_staging} is kept for good: a peer-staged request of agent "
-            f"{name!r} released in flight may still move bytes through it; the peer needs a new one"
-        )
     raise TransferError(
         f"peer {peer!r}'s staging buffer {peer_staging} is in use by another peer-staged request of "
         f"agent {name!r} not yet waited for: one request at a time goes through a peer's staging buffer "
@@ -399,14 +391,10 @@ def _claim_peer_staging(
     )
 
 
-def _unclaim_peer_staging(claim: tuple[str, str, int, int] | None, *, keep: bool = False) -> None:
-    """Let go of a claim, or (``keep``) hold it for good."""
+def _unclaim_peer_staging(claim: tuple[str, str, int, int] | None) -> None:
     if claim is not None:
         with _PEER_STAGINGS_LOCK:
-            if keep:
-                _PEER_STAGINGS[claim] = True
-            else:
-                _PEER_STAGINGS.pop(claim, None)
+            _PEER_STAGINGS.remove(claim)
 
 
 _NO_CANCEL = (
@@ -460,8 +448,9 @@ class _Hold:
         staging buffer and pinned regions registered and allocated, for good."""
         if not self.kept and self.staging is not None:
             self.staging._keep()
-        if not self.kept:
-            _unclaim_peer_staging(self.peer_claim, keep=True)
+        if not self.kept:  # the peer's buffer is the peer's: it reads _NO_CANCEL's rule
+            _unclaim_peer_staging(self.peer_claim)
+            self.peer_claim = None
         self.kept = True
 
 
