@@ -490,6 +490,31 @@ def test_one_request_at_a_time_goes_through_a_peer_s_staging_buffer(pair: Pair) 
         again.release()
 
 
+def test_auto_holds_the_peer_s_staging_buffer_only_once_it_chose_peer_staged(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ "auto" planned while holding the peer's buffer, so a peer-staged request of another
+    thread was refused meanwhile even when "auto" then went direct."""
+    from kvlayout.transfer.nixl import posting
+
+    r = peer_staged(pair, next(c for c in CASES if c[0] == "TP 2->1 NHD"), 103, "WRITE")
+    held: list[int] = []
+    planned = posting.plan
+
+    def plan(*args: Any, **kw: Any) -> Any:
+        held.append(len(posting._PEER_STAGINGS))  # what a concurrent peer-staged request finds
+        return planned(*args, **kw)
+
+    monkeypatch.setattr(posting, "plan", plan)
+    with nx.register(pair.agent, r.here):
+        direct = nx.prepare_transfer(
+            pair.agent, pair.name, r.m, peer_staging=r.staging, cost=nx.CostModel(copy_bandwidth=1.0)
+        )
+        assert direct.plan.strategy != "peer-staged"
+        assert held == [0]
+        direct.release()
+
+
 def test_a_paced_read_whose_peer_staging_is_taken_says_so(pair: Pair) -> None:
     """A READ paced by the peer (``peer_ready``) goes peer-staged or not at all: with the
     buffer in use, "auto" says that, not that the request is direct."""
@@ -582,6 +607,35 @@ def test_a_paced_unstage_whose_stages_never_land_times_out_and_scatters_nothing(
         match=r"is kept for good: the peer-staged WRITE b'never sent' \(its stages may land yet\) may still "
         r"move bytes through it; a peer's copy needs a new Staging",
     ):
+        nx.prepare_unstage(m, staging, stages=2)
+
+
+class _NotifsFail:
+    """An agent whose notification fetch fails (a dropped connection, an interrupt)."""
+
+    def __init__(self, agent: Any) -> None:
+        self._agent = agent
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._agent, name)
+
+    def update_notifs(self) -> dict[str, list[bytes]]:
+        raise RuntimeError("the fetch failed")
+
+
+def test_a_paced_unstage_whose_wait_fails_keeps_its_buffer(pair: Pair) -> None:
+    """Not only a timeout: however the wait for the stages ends, the WRITE may land yet,
+    so the buffer is never another request's (it was let go on any error but a timeout)."""
+    s_spec, d_spec = spec(NHD, (1, 2), 16, seed=83), spec(NHD, (0, 1), 16, seed=84)
+    source = RegistrationDescription.from_json(handshake(pair, s_spec))
+    local, _ = build_cache(d_spec)
+    m = block_map(source, local, [0, 1, 2], [3, 4, 5], num_tokens=TOKENS, src_shard=s_spec.the_shard)
+    staging = nx.Staging(pair.agent, pair.staging.nbytes)
+    notifs = nx.StageNotifs(cast(nx.Agent, _NotifsFail(pair.agent)), pair.name, b"fails")
+    with pytest.raises(RuntimeError, match="the fetch failed"):
+        nx.unstage(m, staging, stages=2, notifs=notifs, timeout=5.0)
+    assert staging.busy and staging.kept
+    with pytest.raises(TransferError, match=r"is kept for good: the peer-staged WRITE b'fails'"):
         nx.prepare_unstage(m, staging, stages=2)
 
 

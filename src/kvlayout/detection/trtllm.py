@@ -13,6 +13,7 @@ before or after the tokens.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
@@ -66,44 +67,44 @@ def _latent(pool: Any, hints: LayoutHints) -> Any:
             )
         bs, hs = shape[3] * shape[4], shape[5]  # hints given are checked against the view
     else:
-        missing = [hint for hint in ("tokens_per_block", "head_dim") if getattr(hints, hint) is None]
-        if missing:
-            raise LayoutHintError(
-                f"TRT-LLM's 4-D K-only (MLA) pool [NB, NL, 1, BS*HS] {shape} needs layout hints "
-                f"tokens_per_block and head_dim to split its rows; missing: {', '.join(missing)}"
-            )
-        bs, hs = hints.tokens_per_block, hints.head_dim
-        assert bs is not None and hs is not None
-        if shape[3] != bs * hs:
-            raise LayoutHintError(
-                f"TRT-LLM K-only (MLA) pool {shape}: flat dim {shape[3]} != tokens_per_block ({bs}) * "
-                f"head_dim ({hs}) = {bs * hs}"
-            )
+        bs, hs = _split_row(shape, hints, _ROW_HINTS[1:], "K-only (MLA) pool", "[NB, NL, 1, BS*HS]")
     target = LAYOUTS[next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_mla)]
     by_role = {Role.BLOCK: nb, Role.LAYER: nl, Role.TOKEN: bs, Role.ELEMENT: hs}
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
 
 
 def _unflatten(pool: Any, hints: LayoutHints) -> Any:
-    missing = [hint for hint in _ROW_HINTS if getattr(hints, hint) is None]
-    if missing:
-        raise LayoutHintError(
-            "TRT-LLM's 4-D pool [NB, NL, 2, NH*BS*HS] needs layout hints num_kv_heads, tokens_per_block "
-            f"and head_dim to split its rows; missing: {', '.join(missing)}"
-        )
-    nb, nl, kv, flat = pool.shape
-    nh, bs, hs = hints.num_kv_heads, hints.tokens_per_block, hints.head_dim
-    assert nh is not None and bs is not None and hs is not None
+    shape = tuple(pool.shape)
+    nb, nl, kv = shape[:3]
     if kv != 2:
-        raise DetectionError(f"TRT-LLM pool {tuple(pool.shape)}: the K/V axis (dim 2) is {kv}, not 2 or 1")
-    if flat != nh * bs * hs:
-        raise LayoutHintError(
-            f"TRT-LLM pool {tuple(pool.shape)}: flat dim {flat} != num_kv_heads ({nh}) * "
-            f"tokens_per_block ({bs}) * head_dim ({hs}) = {nh * bs * hs}"
-        )
+        raise DetectionError(f"TRT-LLM pool {shape}: the K/V axis (dim 2) is {kv}, not 2 or 1")
+    nh, bs, hs = _split_row(shape, hints, _ROW_HINTS, "pool", "[NB, NL, 2, NH*BS*HS]")
     # The pool row folds the heads, tokens and head elements of TRT-LLM's cross-layer HND layout.
     target = LAYOUTS[
         next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_cross_layer and LAYOUTS[f].is_hnd)
     ]
     by_role = {Role.BLOCK: nb, Role.LAYER: nl, Role.HEAD: nh, Role.TOKEN: bs, Role.ELEMENT: hs}
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
+
+
+def _split_row(
+    shape: tuple[int, ...], hints: LayoutHints, names: tuple[str, ...], pool: str, folded: str
+) -> list[int]:
+    """The sizes the hints ``names`` split a 4-D ``pool``'s flat row (dim 3, ``folded``) into."""
+    missing = [name for name in names if getattr(hints, name) is None]
+    if missing:
+        raise LayoutHintError(
+            f"TRT-LLM's 4-D {pool} {folded} {shape} needs layout hints {_listed(names)} to split its rows; "
+            f"missing: {', '.join(missing)}"
+        )
+    sizes = [int(getattr(hints, name)) for name in names]
+    if shape[3] != math.prod(sizes):
+        factors = " * ".join(f"{name} ({size})" for name, size in zip(names, sizes, strict=True))
+        raise LayoutHintError(
+            f"TRT-LLM {pool} {shape}: flat dim {shape[3]} != {factors} = {math.prod(sizes)}"
+        )
+    return sizes
+
+
+def _listed(names: tuple[str, ...]) -> str:
+    return ", ".join(names[:-1]) + f" and {names[-1]}" if len(names) > 1 else names[0]

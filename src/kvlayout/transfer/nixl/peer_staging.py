@@ -181,8 +181,6 @@ class PeerCopy:
                     scatters.append(_copier().submit(p.copy_stage, i, stream))
                     waiting.remove(i)
                 if waiting and time.perf_counter() > deadline:
-                    # the WRITE may land yet: no other request may use the buffer
-                    self.staging._keep(f"the peer-staged WRITE {notifs.tag!r} (its stages may land yet)")
                     raise NixlTimeoutError(
                         f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "
                         f"{notifs.peer!r} had not landed after {timeout:g} s; they may land yet, so "
@@ -194,6 +192,10 @@ class PeerCopy:
                 _progress_until(
                     fut, notifs.agent, deadline, f"a scatter of the peer-staged WRITE {notifs.tag!r}"
                 )
+        except BaseException:
+            if waiting:  # however the wait ended, the WRITE may land yet: never another request's
+                self.staging._keep(f"the peer-staged WRITE {notifs.tag!r} (its stages may land yet)")
+            raise
         finally:
             _settle(scatters)
 

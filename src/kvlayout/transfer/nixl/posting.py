@@ -358,7 +358,7 @@ class Transfer:
         return self._hold.release(in_flight=in_flight)
 
 
-# The peers' staging buffers that this process's peer-staged requests are using:
+# The peers' staging buffers that each agent's peer-staged requests are using:
 # (agent name, peer, first byte, end). A second request through one would land on (or
 # read) the bytes of the first before the peer has copied them. A request released in
 # flight lets go of its claim: the peer owns the buffer, and reads _NO_CANCEL's rule.
@@ -370,7 +370,7 @@ def _claim_peer_staging(
     agent: Agent, peer: str, peer_staging: PeerStaging | None, must: bool
 ) -> tuple[str, str, int, int] | None:
     """The peer's staging buffer, taken for a request that may go peer-staged: None when
-    there is none, or another request of this process holds it and the request may go
+    there is none, or another request of this agent holds it and the request may go
     another way; refused where it ``must`` go peer-staged."""
     if peer_staging is None:
         return None
@@ -555,16 +555,6 @@ def prepare_transfer(
         peer_ready = _message(peer_ready, "peer_ready")
     taken = _take(staging, strategy)
     try:
-        may = strategy in ("auto", "peer-staged")  # paced by the peer, a READ goes peer-staged only
-        must = strategy == "peer-staged" or peer_ready is not None
-        claim = _claim_peer_staging(agent, peer, peer_staging if may else None, must)
-    except BaseException:
-        if taken is not None:
-            taken._let_go()
-        raise
-    if claim is None and strategy == "auto":
-        peer_staging = None  # another request of ours is using it: another way
-    try:
         xfer = _prepare(
             agent, peer, block_map, notif, strategy, taken if strategy in ("auto", "staged") else staging,
             prepped, cost, stages, peer_staging, peer_ready,
@@ -572,14 +562,9 @@ def prepare_transfer(
     except BaseException:
         if taken is not None:
             taken._let_go()
-        _unclaim_peer_staging(claim)
         raise
     if taken is not None and xfer.staging is None:  # planned without it: direct, or nothing to post
         taken._let_go()
-    if xfer.plan.strategy == "peer-staged":
-        xfer._hold.peer_claim = claim  # until the request is done (kept for good if let go of in flight)
-    else:
-        _unclaim_peer_staging(claim)
     return xfer
 
 
@@ -615,6 +600,31 @@ def _prepare(
     p = plan(
         block_map, strategy=strategy, staging=staging, cost=cost, stages=stages, peer_staging=peer_staging
     )
+    claim = None
+    if p.strategy == "peer-staged":  # claimed once chosen: "auto" going another way never holds it
+        claim = _claim_peer_staging(agent, peer, peer_staging, strategy == "peer-staged" or bool(peer_ready))
+        if claim is None:  # "auto", and another request of ours is using it: another way
+            p = plan(block_map, strategy=strategy, staging=staging, cost=cost, stages=stages)
+    try:
+        xfer = _checked_transfer(agent, peer, block_map, notif, p, staging, prepped, peer_ready)
+    except BaseException:
+        _unclaim_peer_staging(claim)
+        raise
+    xfer._hold.peer_claim = claim  # until the request is done (let go of in flight, too)
+    return xfer
+
+
+def _checked_transfer(
+    agent: Agent,
+    peer: str,
+    block_map: NixlMap,
+    notif: bytes,
+    p: Plan,
+    staging: Staging | None,
+    prepped: Prepped | None,
+    peer_ready: bytes | None,
+) -> Transfer:
+    """The checks and the NIXL requests of a planned request."""
     if p.strategy == "peer-staged" and prepped is not None:
         raise TransferError(
             "the prepped lists cover the peer's cache, not its staging buffer: post peer-staged as lists"
