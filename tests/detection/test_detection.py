@@ -15,6 +15,7 @@ import kvlayout
 from kvlayout import DetectionError, EngineType, KVLayoutError, LayoutHintError, LayoutHints, StridedViewError
 from kvlayout import EngineKVFormat as F
 from kvlayout._generated.formats import FORMAT_INFO
+from kvlayout.transfer import block_map
 
 detect = kvlayout.normalize_kv_and_discover_format
 
@@ -206,6 +207,32 @@ def test_sglang_errors(kv: Any, hints: dict[str, Any], error: type[Exception], m
         detect(kv, "sglang", hints)
 
 
+def test_sglang_k_and_v_of_different_head_sizes_are_named_and_served_apart() -> None:
+    """``MHATokenToKVPool(v_head_dim=128)`` beside a head_dim of 192 (MiMo-V2): one layout
+    holds one head size, so the error says so and how to register K and V on their own
+    (it said the layers could not be detected apart, or judged the K list alone)."""
+    nl, ps, nh = 3, 4, 2
+    k = [torch.randn(5 * ps, nh, 12) for _ in range(nl)]
+    v = [torch.randn(5 * ps, nh, 8) for _ in range(nl)]
+    for kv, hints in ((k + v, {"kv_list_layout": "k_v"}), ([k, v], {"tokens_per_block": ps})):
+        with pytest.raises(
+            DetectionError,
+            match=re.escape(
+                "SGLang: K layers [20, 2, 12] and V layers [20, 2, 8] differ in head size (12 and 8"
+            ),
+        ):
+            kvlayout.detect(kv, "sglang", hints)
+    unified = {"kv_list_layout": "unified"}
+    for buffers in (k, v):  # what the message says to do: each side detects, and maps byte for byte
+        reg = kvlayout.detect([t.view(-1, ps, nh, t.shape[-1]) for t in buffers], "sglang", unified)
+        copy = [torch.zeros_like(t) for t in buffers]
+        other = kvlayout.detect([t.view(-1, ps, nh, t.shape[-1]) for t in copy], "sglang", unified)
+        block_map(reg, other, [3, 1], [0, 4], num_tokens=6).copy()
+        for src, dst in zip(buffers, copy, strict=True):
+            assert torch.equal(dst[0:4], src[12:16]) and torch.equal(dst[16:18], src[4:6])
+            assert not dst[4:16].any() and not dst[18:].any()
+
+
 def test_trtllm_pools() -> None:
     pool = t(7, 5, 2, 2 * 3 * 4)
     hints = {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4}
@@ -216,6 +243,30 @@ def test_trtllm_pools() -> None:
     padded = torch.zeros(7, 5 * 2 * 24 + 6)[:, : 5 * 2 * 24].view(7, 5, 2, 24)
     fmt, out = detect(padded, "trtllm", hints)
     assert kvlayout.resolve_block_stride_and_log_layout(out, fmt, 0, 0) == 5 * 2 * 24 + 6
+
+
+def test_trtllm_pools_written_by_an_nhd_backend_are_read_tokens_first() -> None:
+    """TRT-LLM's FlashInfer and Vanilla backends write the pool through
+    ``get_buffers(layer, kv_layout="NHD")``: ``[NB, 2, BS, NH, HS]`` per layer. The hint
+    says so (the shape cannot); read as HND, each token's heads came from other tokens."""
+    nb, nl, nh, bs, hs = 7, 5, 2, 3, 4
+    pool = torch.arange(nb * nl * 2 * nh * bs * hs, dtype=torch.float32).view(nb, nl, 2, nh * bs * hs)
+    sizes = {"num_kv_heads": nh, "tokens_per_block": bs, "head_dim": hs}
+    for kv, hints in (
+        (pool, {**sizes, "kv_layout": "NHD"}),
+        ([pool], {**sizes, "kv_layout": "NHD"}),
+        (pool.view(nb, nl, 2, bs, nh, hs), {"kv_layout": "NHD"}),
+    ):
+        fmt, out = detect(kv, "trtllm", hints)
+        assert fmt == F.NB_NL_TWO_BS_NH_HS and out.data_ptr() == pool.data_ptr()  # type: ignore[union-attr]
+        reg = kvlayout.detect(kv, "trtllm", hints)
+        layer = 3  # what the backend's kernels see: get_buffers(3, "NHD")
+        seen = pool[:, layer].reshape(nb, 2, bs, nh, hs)
+        (group,) = reg.kernel_groups
+        d = group.descriptor()
+        assert (d.nb, d.nl, d.bs, d.nh, d.hs) == (nb, nl, bs, nh, hs)
+        assert isinstance(out, torch.Tensor) and torch.equal(out[:, layer], seen)
+    assert detect(pool, "trtllm", sizes)[0] == F.NB_NL_TWO_NH_BS_HS  # TRT-LLM's own kernels: HND
 
 
 def test_trtllm_mla_pools_are_read_as_latents() -> None:
@@ -250,8 +301,6 @@ def test_trtllm_mla_pools_are_read_as_latents() -> None:
         (t(7, 5, 1, 2, 3, 4), {}, DetectionError, "but neither dim 3 nor dim 4 is 1: an MLA pool holds one"),
         (t(7, 5, 1, 1, 3, 4), {"head_dim": 8}, LayoutHintError,
          "TRT-LLM: layout hint head_dim=8 contradicts NB_NL_ONE_BS_HS, whose HS is 4"),
-        (t(7, 5, 1, 24), {"tokens_per_block": 3, "head_dim": 8, "kv_layout": "NHD"}, LayoutHintError,
-         "TRT-LLM's KV pool is HND"),
     ],
 )  # fmt: skip
 def test_trtllm_mla_errors(kv: Any, hints: dict[str, Any], error: type[Exception], message: str) -> None:
@@ -267,8 +316,7 @@ def test_trtllm_mla_errors(kv: Any, hints: dict[str, Any], error: type[Exception
          "flat dim 24 != num_kv_heads (2) * tokens_per_block (3) * head_dim (5) = 30"),
         (t(7, 5, 3, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4}, DetectionError,
          "the K/V axis (dim 2) is 3, not 2 or 1"),
-        ([t(7, 5, 2, 2, 3, 4)] * 2, {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 2"),
-        (t(7, 5, 2, 2, 3, 4), {"kv_layout": "NHD"}, LayoutHintError, "TRT-LLM's KV pool is HND"),
+        ([t(7, 5, 2, 2, 3, 4)] * 2, {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 2 entries (a model whose layers differ in KV heads or attention window has a pool each: detect each on its own)"),
         (t(7, 5, 2, 2, 3, 4), {"tokens_per_block": 4}, LayoutHintError,
          "TRT-LLM: layout hint tokens_per_block=4 contradicts NB_NL_TWO_NH_BS_HS, whose BS is 3"),
         (t(7, 5, 3, 2, 3, 4), {}, DetectionError, "NB_NL_TWO_NH_BS_HS needs dim 2 == 2 (got 3)"),

@@ -96,8 +96,8 @@ LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUT
 
 FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NB_NL_TWO_BS_NH_HS: FormatInfo(
-        backends=("vLLM CROSS_LAYER",),
-        engines=("vllm",),
+        backends=("vLLM CROSS_LAYER", "TRT-LLM cross-layer (NHD layout: FlashInfer and Vanilla attention)"),
+        engines=("vllm", "trtllm"),
     ),
     EngineKVFormat.NL_X_TWO_NB_BS_NH_HS: FormatInfo(
         backends=("vLLM non-MLA flash attention",),

@@ -12,7 +12,7 @@ __all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
-    """``[NB, NL, 2, BS, NH, HS]``: vLLM CROSS_LAYER."""
+    """``[NB, NL, 2, BS, NH, HS]``: vLLM CROSS_LAYER; TRT-LLM cross-layer (NHD layout: FlashInfer and Vanilla attention)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NB_NL_TWO_BS_NH_HS

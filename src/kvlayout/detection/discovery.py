@@ -21,7 +21,7 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, probe, validate
-from kvlayout.detection.registry import get_detector
+from kvlayout.detection.registry import get_detector, mixed_check
 from kvlayout.errors import KVLayoutError
 from kvlayout.registration.contiguity import (
     align_unit_dims,
@@ -286,6 +286,9 @@ def _per_layer(
     if uniform is not None:  # the common case: one detection answers for every layer
         fmt, out, trusted = _discover(entries, eng, hints, uniform)
         return _bind_whole(out, fmt, entries, eng, [owner[i] for i in range(len(entries))], trusted)
+    refuse_mixed = mixed_check(eng)
+    if refuse_mixed is not None:
+        refuse_mixed(entries, hints)
     views = physical_entries(entries, members)
     views = dict(zip(members, align_unit_dims([views[i] for i in members]), strict=True))
     _check_one_device(views)

@@ -1,7 +1,9 @@
 """Detectors, found by importing every module of this package that names an ``ENGINE``.
 
 Adding an engine is adding a module with ``ENGINE`` and ``discover(kv, hints)``; nothing
-here lists engines.
+here lists engines. A module may also define ``refuse_mixed(kv, hints)``, asked before
+layers of different shapes are detected apart: it raises where the engine knows the
+mixture for what it is (SGLang's K and V of different head sizes), not layers to split.
 """
 
 from __future__ import annotations
@@ -17,15 +19,16 @@ from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 
-__all__ = ["Detector", "detectors", "get_detector"]
+__all__ = ["Detector", "MixedCheck", "detectors", "get_detector", "mixed_check"]
 
 Detector = Callable[[Any, LayoutHints], tuple[EngineKVFormat, DiscoverableKVCache]]
+MixedCheck = Callable[[Any, LayoutHints], None]
 
 
 @functools.cache
-def detectors() -> Mapping[EngineType, Detector]:
+def _modules() -> Mapping[EngineType, Any]:
     package = importlib.import_module(__package__ or "kvlayout.detection")
-    found: dict[EngineType, Detector] = {}
+    found: dict[EngineType, Any] = {}
     for info in pkgutil.iter_modules(package.__path__):
         module = importlib.import_module(f"{package.__name__}.{info.name}")
         engine = getattr(module, "ENGINE", None)
@@ -35,8 +38,18 @@ def detectors() -> Mapping[EngineType, Detector]:
             raise KVLayoutError(f"{module.__name__}.ENGINE is {engine!r}, not an EngineType")
         if engine in found:
             raise KVLayoutError(f"two detectors for {engine.value}: {module.__name__} and another module")
-        found[engine] = module.discover
+        found[engine] = module
     return MappingProxyType(found)
+
+
+def detectors() -> Mapping[EngineType, Detector]:
+    return MappingProxyType({engine: module.discover for engine, module in _modules().items()})
+
+
+def mixed_check(engine: EngineType) -> MixedCheck | None:
+    """The engine's ``refuse_mixed``, if its detector module has one."""
+    module = _modules().get(engine)
+    return None if module is None else getattr(module, "refuse_mixed", None)
 
 
 def get_detector(engine: EngineType) -> Detector:

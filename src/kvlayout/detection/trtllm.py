@@ -1,14 +1,18 @@
-"""TRT-LLM: one KV pool tensor for all layers, HND.
+"""TRT-LLM: one KV pool tensor for all layers, HND unless the hint says NHD.
 
 TRT-LLM registers ``[NB, NL, kv_factor, NH*BS*HS]`` (``get_unique_primary_pool()``, or a
 one-element list of it); the hints ``num_kv_heads``, ``tokens_per_block`` and
-``head_dim`` split the flat row into ``[NB, NL, 2, NH, BS, HS]``. A 6-D pool needs no
-hints, but hints given are checked against it. Unlike LMCache 0.5.6, the K/V axis must be
-2 or 1 and a ``kv_layout`` hint that says NHD is an error (the pool is HND) rather than
-ignored. A kv factor of 1 is TRT-LLM's MLA cache (``CacheType.SELFKONLY``): one latent
-head, the row split into ``[NB, NL, 1, BS, HS]`` by ``tokens_per_block`` and ``head_dim``
-(``num_kv_heads``, if sent, must be 1); a 6-D K-only pool may put its head axis of 1
-before or after the tokens.
+``head_dim`` split the flat row into ``[NB, NL, 2, NH, BS, HS]``. Which order the row
+holds is the attention backend's: TRT-LLM's own kernels write heads first (HND, the
+default here), its FlashInfer and Vanilla backends write through
+``get_buffers(layer, kv_layout="NHD")``, tokens first: the hint ``kv_layout="NHD"`` reads
+the row as ``[NB, NL, 2, BS, NH, HS]`` (the shape cannot tell the two apart). A 6-D pool
+needs no size hints, but hints given are checked against it. Unlike LMCache 0.5.6, the
+K/V axis must be 2 or 1 and an NHD hint is honoured (LMCache ignores it and reads HND
+bytes where an NHD backend wrote). A kv factor of 1 is TRT-LLM's MLA cache
+(``CacheType.SELFKONLY``): one latent head, the row split into ``[NB, NL, 1, BS, HS]``
+by ``tokens_per_block`` and ``head_dim`` (``num_kv_heads``, if sent, must be 1); a 6-D
+K-only pool may put its head axis of 1 before or after the tokens.
 """
 
 from __future__ import annotations
@@ -27,14 +31,12 @@ _ROW_HINTS = ("num_kv_heads", "tokens_per_block", "head_dim")  # what the flat p
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    if hints.is_hnd is False:
-        raise LayoutHintError(
-            f"TRT-LLM's KV pool is HND (heads before tokens); layout hint kv_layout={hints.kv_layout!r} "
-            "contradicts it"
-        )
     if isinstance(kv, list):
         if len(kv) != 1:
-            raise DetectionError(f"TRT-LLM registers one KV pool tensor, got a list of {len(kv)} entries")
+            raise DetectionError(
+                f"TRT-LLM registers one KV pool tensor, got a list of {len(kv)} entries (a model whose "
+                "layers differ in KV heads or attention window has a pool each: detect each on its own)"
+            )
         kv = kv[0]
         if isinstance(kv, list):
             raise DetectionError("TRT-LLM registers one KV pool tensor, got a nested list")
@@ -45,7 +47,20 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     elif p.rank == 4:
         kv = _unflatten(kv, hints)
         p = probe(kv)
-    return pick(ENGINE, p, decide=[("kv_layout", "is_hnd", True)]), kv
+    hnd = hints.is_hnd is not False  # HND unless the hint says the backend writes NHD
+    return pick(
+        ENGINE,
+        p,
+        decide=[
+            (
+                "kv_layout"
+                if hints.is_hnd is not None
+                else "no kv_layout hint, so {} as TRT-LLM's own kernels write",
+                "is_hnd",
+                hnd,
+            )
+        ],
+    ), kv
 
 
 def _latent(pool: Any, hints: LayoutHints) -> Any:
@@ -79,9 +94,11 @@ def _unflatten(pool: Any, hints: LayoutHints) -> Any:
     if kv != 2:
         raise DetectionError(f"TRT-LLM pool {shape}: the K/V axis (dim 2) is {kv}, not 2 or 1")
     nh, bs, hs = _split_row(shape, hints, _ROW_HINTS, "pool", "[NB, NL, 2, NH*BS*HS]")
-    # The pool row folds the heads, tokens and head elements of TRT-LLM's cross-layer HND layout.
+    # The pool row folds the heads, tokens and head elements of a cross-layer layout, in the
+    # order the attention backend writes them (HND unless the hint says otherwise).
+    hnd = hints.is_hnd is not False  # HND unless the hint says the backend writes NHD
     target = LAYOUTS[
-        next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_cross_layer and LAYOUTS[f].is_hnd)
+        next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_cross_layer and LAYOUTS[f].is_hnd == hnd)
     ]
     by_role = {Role.BLOCK: nb, Role.LAYER: nl, Role.HEAD: nh, Role.TOKEN: bs, Role.ELEMENT: hs}
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))

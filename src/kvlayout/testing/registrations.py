@@ -311,16 +311,23 @@ def _sglang(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh:
 
 def _trtllm(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
             dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """TRT-LLM's pool: HND as its own attention backend writes it (the default), NHD as
+    its FlashInfer and Vanilla backends do (``get_buffers(layer, "NHD")``: the hint says so)."""
     form = draw(st.sampled_from(["6d", "4d", "[4d]"]))
     mode = draw(st.sampled_from(["separate", "padded2"]))
     sizes_hints = {"num_kv_heads": nh, "tokens_per_block": bs, "head_dim": hs}
+    hnd = layout_of(fmt).is_hnd
+    layout_hints = [{}, {"kv_layout": "HND"}] if hnd else [{"kv_layout": "NHD"}]
     if form == "6d":
-        (t,) = _alloc((nb, nl, 2, nh, bs, hs), dtype, 1, mode)
-        hints: dict[str, Any] = draw(st.sampled_from([{}, sizes_hints, {"kv_layout": "HND"}]))
+        (t,) = _alloc((nb, nl, 2, nh, bs, hs) if hnd else (nb, nl, 2, bs, nh, hs), dtype, 1, mode)
+        hints: dict[str, Any] = {
+            **draw(st.sampled_from([{}, sizes_hints])),
+            **draw(st.sampled_from(layout_hints)),
+        }
         kv: Any = t
     else:
         (t,) = _alloc((nb, nl, 2, nh * bs * hs), dtype, 1, mode)
-        hints = {**sizes_hints, **draw(st.sampled_from([{}, {"kv_layout": "HND"}]))}
+        hints = {**sizes_hints, **draw(st.sampled_from(layout_hints))}
         kv = t if form == "4d" else [t]
     return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, hs, dtype, [t], f"{form} {mode}")
 
@@ -418,6 +425,7 @@ _BUILDERS: dict[tuple[str, int], Builder] = {
     ("vllm", 17): _vllm_planes,
     **{("sglang", v): _sglang for v in (3, 4, 5, 9, 18)},
     ("sglang", 14): _sglang_indexer,
+    ("trtllm", 0): _trtllm,
     ("trtllm", 8): _trtllm,
     ("trtllm", 20): _trtllm_mla,
     ("atom", 3): _atom,
