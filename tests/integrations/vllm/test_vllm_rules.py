@@ -112,6 +112,8 @@ def test_registry_order_and_first_match() -> None:
     assert [e.name for e in KV_CACHE_GROUP_EDITS] == [
         "mamba-state-rows",
         "mamba-state-list",
+        "head-slot-pages",
+        "unequal-kv-heads",
         "subpaged-mla-attention",
         "subpaged-attention",
     ]

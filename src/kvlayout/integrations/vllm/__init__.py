@@ -12,8 +12,10 @@ break that: a Mamba layer registers state that is not a paged KV (a ``[conv, ssm
 list before vLLM 0.26, one int8 state row per block since), and attention backends
 with fixed kernel sizes page a block finer, in any model (Qwen3.5-0.8B's hybrid block
 544 = 17 FlashInfer pages of 32; Llama's ``--block-size 128`` = 2 pages of 64), which
-would read as slot compression. Unlike LMCache, which edits only hybrids, every model
-goes through the rules and the check. Each edit re-views such a layer as
+would read as slot compression; and some attention pages are not heads of equal K and V
+halves at all (backends that declare head slots, B12X and ROCm's; models whose V head
+differs from K's), which would read as heads split in the wrong place. Unlike LMCache,
+which edits only hybrids, every model goes through the rules and the check. Each edit re-views such a layer as
 ``[num_blocks, slots, page_bytes // slots]`` int8 over the same storage (``slots`` is
 ``block_size``, or ``block_size / ratio`` for declared compression), which detection
 reads as ``NL_X_NB_BS_HS`` with that block size under any ``kv_layout`` hint.
@@ -56,11 +58,13 @@ from kvlayout.integrations.vllm.errors import (
 from kvlayout.integrations.vllm.granularity import BlockGranularityError, check_block_granularity
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_DTYPE, OPAQUE_PAGE_FORMAT
 from kvlayout.integrations.vllm.rules import (
+    HeadSlotPagesEdit,
     KVCacheGroupEdit,
     MambaStateListEdit,
     MambaStateRowsEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
+    UnequalKVHeadsEdit,
 )
 from kvlayout.integrations.vllm.specs import SpecKind, declares_slot_compression, spec_kind
 from kvlayout.integrations.vllm.validation import (
@@ -74,6 +78,7 @@ __all__ = [
     "OPAQUE_PAGE_FORMAT",
     "BlockGranularityError",
     "GroupProblem",
+    "HeadSlotPagesEdit",
     "KVCacheGroupEdit",
     "KVCacheGroupEditError",
     "MambaStateListEdit",
@@ -81,6 +86,7 @@ __all__ = [
     "SpecKind",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
+    "UnequalKVHeadsEdit",
     "UnsupportedKVCacheGroupsError",
     "apply_kv_cache_group_edits",
     "check_block_granularity",

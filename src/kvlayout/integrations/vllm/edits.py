@@ -22,11 +22,13 @@ from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.granularity import check_block_granularity
 from kvlayout.integrations.vllm.pages import page_layout
 from kvlayout.integrations.vllm.rules import (
+    HeadSlotPagesEdit,
     KVCacheGroupEdit,
     MambaStateListEdit,
     MambaStateRowsEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
+    UnequalKVHeadsEdit,
 )
 from kvlayout.integrations.vllm.specs import (
     iter_group_layer_specs,
@@ -45,6 +47,8 @@ logger = logging.getLogger(__name__)
 KV_CACHE_GROUP_EDITS: tuple[KVCacheGroupEdit, ...] = (
     MambaStateRowsEdit(),
     MambaStateListEdit(),
+    HeadSlotPagesEdit(),
+    UnequalKVHeadsEdit(),
     SubpagedMLAEdit(),
     SubpagedAttentionEdit(),
 )

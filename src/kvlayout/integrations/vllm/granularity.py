@@ -17,7 +17,7 @@ from typing import Any
 
 from kvlayout.detection import normalize_and_discover_per_layer_formats
 from kvlayout.errors import KVLayoutError
-from kvlayout.facade import get_block_size
+from kvlayout.facade import get_block_size, get_num_blocks
 from kvlayout.integrations.vllm.errors import DOCS
 from kvlayout.integrations.vllm.specs import (
     SpecKind,
@@ -25,6 +25,7 @@ from kvlayout.integrations.vllm.specs import (
     iter_groups,
     slots_per_block,
     spec_kind,
+    spec_size,
     tokens_per_slot,
 )
 from kvlayout.types import EngineType, HintsLike, LayoutHints
@@ -93,18 +94,23 @@ def check_block_granularity(
     )
     wrong: dict[int, list[str]] = {}
     first: dict[int, str] = {}
+    num_blocks = spec_size(kv_cache_config, "num_blocks")  # every layer holds that many blocks
     for i, (group_idx, layer, slots, spec) in owner.items():
         fmt = formats[i]
         assert fmt is not None  # every checked layer is in a group
         try:
             got: int | str = get_block_size(normalized, fmt, i)
+            blocks: int | str = get_num_blocks(normalized, fmt, i)
         except KVLayoutError:
-            got = "undefined"
+            got = blocks = "undefined"
+        problem = None
         if got != slots:
+            problem = f"reads as {fmt.name} with block size {got}, not {_wanted(slots, spec)}"
+        elif num_blocks is not None and blocks != num_blocks:  # heads outside blocks (LHBNC), say
+            problem = f"reads as {fmt.name} with {blocks} blocks, not the config's num_blocks {num_blocks}"
+        if problem is not None:
             wrong.setdefault(group_idx, []).append(layer)
-            first.setdefault(
-                group_idx, f"reads as {fmt.name} with block size {got}, not {_wanted(slots, spec)}"
-            )
+            first.setdefault(group_idx, problem)
     if wrong:
         hint = LayoutHints.coerce(layout_hints).kv_layout
         items = "; ".join(
@@ -116,5 +122,6 @@ def check_block_granularity(
         raise BlockGranularityError(
             f"registered blocks are not block ids under kv_layout={hint!r}: {items}. A wrong kv_layout "
             "hint (vLLM's LBNHC/BLNHC are NHD, LBHNC/BLHNC are HND; without a hint CPU tensors read as "
-            f"HND), or a packing the spec does not declare, would transfer the wrong bytes. See {DOCS}."
+            "HND), heads outside blocks (LHBNC, BHLNC: not served), or a packing the spec does not "
+            f"declare, would transfer the wrong bytes. See {DOCS}."
         )

@@ -14,7 +14,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlayout._generated.formats import EngineKVFormat
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
+from kvlayout.detection.registry import get_detector
+from kvlayout.errors import KVLayoutError
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_runs
 from kvlayout.integrations.vllm.specs import (
@@ -25,14 +27,16 @@ from kvlayout.integrations.vllm.specs import (
     spec_kind,
     tokens_per_slot,
 )
-from kvlayout.types import HintsLike
+from kvlayout.types import EngineType, HintsLike, LayoutHints
 
 __all__ = [
+    "HeadSlotPagesEdit",
     "KVCacheGroupEdit",
     "MambaStateListEdit",
     "MambaStateRowsEdit",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
+    "UnequalKVHeadsEdit",
 ]
 
 
@@ -223,6 +227,65 @@ _ATTENTION_KINDS = frozenset(
 )
 
 
+def _head_slots(spec: Any) -> bool:
+    """The backend packs a block its own way: it declares head slots or a content size
+    (B12X: slot 0 every head's K, slot 1 every V; ROCm attention and AITER FA's shuffle
+    mode: K tiled ``[H, D/x, N, x]`` inside its slot; FlashInfer's nvfp4)."""
+    return (
+        spec_field(spec, "num_head_slots", None) is not None
+        or spec_field(spec, "state_content_bytes", None) is not None
+    )
+
+
+def _unequal_heads(spec: Any) -> bool:
+    """V's head is narrower or wider than K's (``head_size_v``): ``C = head_size + head_size_v``."""
+    head_size = spec_field(spec, "head_size", None)
+    return bool(spec_field(spec, "head_size_v", head_size) != head_size)
+
+
+class HeadSlotPagesEdit(KVCacheGroupEdit):
+    """Attention whose page is the backend's own packing, re-viewed as whole pages.
+
+    vLLM 0.33 registers every attention layer as ``[pages, H, N, C]``; a backend that
+    packs K and V its own way declares ``num_head_slots`` and ``state_content_bytes``
+    (see :func:`_head_slots`), and its ``H`` counts slots, not heads. Read as heads of
+    ``K | V`` halves, such a page splits K from V in the wrong place. Its pages move
+    whole (their rows are never tokens), between registrations that page alike.
+    """
+
+    name = "head-slot-pages"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        return _attention_tensor(spec, value) and _head_slots(spec)
+
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
+        return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
+
+
+class UnequalKVHeadsEdit(HeadSlotPagesEdit):
+    """Attention whose V head differs from its K head (``head_size_v``), re-viewed as
+    pages: read as heads of two equal halves, K and V would split in the wrong place.
+    Its pages move between registrations that page alike; where tokens are outermost
+    in a page, its rows are tokens (a request's last block moves only its tokens)."""
+
+    name = "unequal-kv-heads"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        return _attention_tensor(spec, value) and _unequal_heads(spec) and not _head_slots(spec)
+
+    def token_axis(self, value: Any) -> int | None:
+        return _TOKEN_AXIS
+
+
+def _attention_tensor(spec: Any, value: Any) -> bool:
+    return (
+        spec_kind(spec) in _ATTENTION_KINDS
+        and slots_per_block(spec) is not None
+        and isinstance(value, torch.Tensor)
+        and value.dim() in (4, 5)
+    )
+
+
 class SubpagedAttentionEdit(KVCacheGroupEdit):
     """Attention re-paged at the backend's kernel block size (k kernel pages per block).
 
@@ -288,5 +351,18 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
         return _group_kernel_pages(spec, value, states)
 
     def token_axis(self, value: Any) -> int | None:
+        if _blocked_scale_pages(value):
+            return None  # a page's values, then its scales: a row is no token's
         # ``[pages, N, C]``, ``[pages, 1, N, C]`` or ``[pages, N, 1, C]``
         return 2 if value.dim() == 4 and value.shape[1] == 1 else 1
+
+
+def _blocked_scale_pages(value: torch.Tensor) -> bool:
+    """Whether vLLM's detector reads the kernel pages as blocked-scale pages (the DSA
+    indexer's: every token's values, then every token's scales), asked of the detector
+    so the page format's facts stay in one place."""
+    try:
+        fmt, _ = get_detector(EngineType.VLLM)([value], LayoutHints())
+    except (KVLayoutError, TypeError, RuntimeError):
+        return False
+    return LAYOUTS[fmt].is_indexer

@@ -1,0 +1,117 @@
+"""vLLM 0.33 attention pages that are not heads of equal K | V halves, and pages whose
+rows are not tokens: each moves whole, between registrations paged alike, or is refused.
+They were read as ordinary heads or rows of tokens, and moved wrong bytes with no error."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout.integrations.vllm import BlockGranularityError, apply_kv_cache_group_edits
+from kvlayout.testing.vllm import FLASH_ATTN, Backend, allocate_v033, uniform_engine
+from kvlayout.transfer import BlockMapError, block_map
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+import vllm.v1.kv_cache_interface as kvi
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+NL, H, D, BS, NB = 2, 2, 16, 16, 6
+
+
+def registered(
+    spec: Any, layout: Any, seed: int, backend: Backend = FLASH_ATTN
+) -> tuple[Any, dict[str, Any], Any]:
+    """A worker's registration, its raw views, and its detection after the group edits."""
+    engine = uniform_engine(spec, backend, num_layers=NL, num_blocks=NB, layout=layout)
+    buf, kv = allocate_v033(engine)
+    buf.copy_(
+        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    )
+    hints = {"kv_layout": layout.name}
+    edited = apply_kv_cache_group_edits(engine.config, kv, hints)
+    return engine, kv, kvlayout.detect(list(edited.values()), "vllm", hints)
+
+
+def page(view: torch.Tensor, block: int, spec: Any) -> torch.Tensor:
+    """Block ``block``'s page, as bytes (its kernel pages in a row)."""
+    k = view.shape[0] // NB
+    return torch.cat([view[block * k + i].contiguous().view(torch.int8).reshape(-1) for i in range(k)])
+
+
+def test_head_slot_pages_move_whole_and_only_to_pages_alike() -> None:
+    """B12X (and ROCm attention) declare two head slots, every head's K then every V:
+    ``[NB, 2, BS, H*D]``. It read as 2 heads of ``K | V`` halves: a map into FlashAttention
+    moved half the rows wrong."""
+    plain = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    b12x = dataclasses.replace(plain, num_head_slots=2, state_content_bytes=H * D * 2)
+    _, kv_a, a = registered(b12x, KVCacheLayout.LBHNC, 1)
+    _, kv_b, b = registered(b12x, KVCacheLayout.LBHNC, 2)
+    _, _, flash = registered(plain, KVCacheLayout.LBNHC, 3)
+    before = {n: t.clone() for n, t in kv_b.items()}
+    block_map(a, b, [4, 1], [0, 5], num_tokens=BS + 3).copy()  # the last block moves whole
+    for name in kv_a:
+        assert torch.equal(page(kv_b[name], 0, b12x), page(kv_a[name], 4, b12x))
+        assert torch.equal(page(kv_b[name], 5, b12x), page(kv_a[name], 1, b12x))
+        for blk in (1, 2, 3, 4):
+            assert torch.equal(page(kv_b[name], blk, b12x), page(before[name], blk, b12x))
+    with pytest.raises(BlockMapError, match=r"src is opaque pages \(head-slot-pages: .*\) and dst is not"):
+        block_map(a, flash, [4], [0])
+
+
+def test_pages_of_unequal_k_and_v_heads_move_their_tokens_between_pages_alike() -> None:
+    """``head_size_v`` != ``head_size`` packs ``C = head_size + head_size_v`` per head; read
+    as two equal halves, K and V split in the wrong place. Token-major (NHD), a page's rows
+    are still tokens: a partly filled last block moves only its tokens."""
+    spec = kvi.FullAttentionSpec(
+        block_size=BS, num_kv_heads=H, head_size=D, head_size_v=D // 2, dtype=torch.bfloat16
+    )
+    _, kv_a, a = registered(spec, KVCacheLayout.LBNHC, 4)
+    _, kv_b, b = registered(spec, KVCacheLayout.LBNHC, 5)
+    _, _, hnd = registered(spec, KVCacheLayout.LBHNC, 6)
+    before = {n: t.clone() for n, t in kv_b.items()}
+    block_map(a, b, [2, 3], [1, 0], num_tokens=BS + 5).copy()
+    for name in kv_a:  # [B, H, N, C] views: token t of block b is [b, :, t]
+        src, dst, old = (t.view(torch.int16) for t in (kv_a[name], kv_b[name], before[name]))  # NaNs
+        assert torch.equal(dst[1], src[2])
+        assert torch.equal(dst[0, :, :5], src[3, :, :5]) and torch.equal(dst[0, :, 5:], old[0, :, 5:])
+        assert torch.equal(dst[2:], old[2:])
+    with pytest.raises(
+        BlockMapError, match=r"src and dst are opaque pages laid out differently \(src unequal-kv-heads: "
+    ):
+        block_map(a, hnd, [2], [0])
+
+
+def test_kernel_paged_indexer_pages_move_whole() -> None:
+    """DeepSeek-V3.2 at ``--block-size 128``: the DSA indexer pages in 64-token kernel
+    pages, each its 64 tokens' values, then their scales. Its rows were taken for tokens,
+    so a partly filled last block left its tokens' scales behind."""
+    spec = kvi.MLAAttentionSpec(
+        block_size=128, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8
+    )
+    flashmla = Backend("FLASHMLA_SPARSE", fixed_sizes=(64,))
+    engine_a, kv_a, a = registered(spec, KVCacheLayout.LBNHC, 7, flashmla)
+    _, kv_b, b = registered(spec, KVCacheLayout.LBNHC, 8, flashmla)
+    assert engine_a.kernel_block_sizes == [64]
+    before = {n: t.clone() for n, t in kv_b.items()}
+    block_map(a, b, [3, 1], [2, 4], num_tokens=128 + 70).copy()
+    for name in kv_a:
+        assert torch.equal(page(kv_b[name], 2, spec), page(kv_a[name], 3, spec))
+        assert torch.equal(page(kv_b[name], 4, spec), page(kv_a[name], 1, spec))  # values and scales
+        for blk in (0, 1, 3, 5):
+            assert torch.equal(page(kv_b[name], blk, spec), page(before[name], blk, spec))
+
+
+def test_heads_outside_blocks_are_refused_not_read_as_blocks() -> None:
+    """``LHBNC`` puts each layer's heads outside its blocks; without a hint its heads read as
+    blocks (2 blocks of 6 heads for 6 blocks of 2), and a map moved head planes."""
+    spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    engine = uniform_engine(spec, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LHBNC)
+    _, kv = allocate_v033(engine)
+    with pytest.raises(
+        BlockGranularityError, match=r"reads as NL_X_NB_NH_BS_CS with 2 blocks, not the config's num_blocks 6"
+    ):
+        apply_kv_cache_group_edits(engine.config, kv, None)
