@@ -7,7 +7,7 @@ import copy
 import gc
 import pickle
 import weakref
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import pytest
@@ -74,6 +74,35 @@ def test_the_memory_checks_come_after_every_argument_is_converted() -> None:
     chunks = plan.chunks_for(2, 4)
     with pytest.raises(TransferError, match=r"kv_caches\[0\] was re-allocated .* prepare a new plan"):
         plan.store_blocks([0, 1], chunks, num_threads=_FreesTheCache(kv[0]))  # type: ignore[arg-type]
+
+
+class _Watched(torch.Tensor):
+    """A tensor subclass that records what torch calls reach its ``__torch_function__``
+    (where a caller's code could free a tensor the checks have passed)."""
+
+    calls: ClassVar[list[str]] = []
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        cls.calls.append(getattr(func, "__name__", str(func)))
+        return super().__torch_function__(func, types, args, kwargs or {})  # type: ignore[no-untyped-call]
+
+
+def test_a_tensor_subclass_s_code_does_not_run_between_the_checks_and_the_copy() -> None:
+    """Its hook on ``data_ptr`` could free a chunk (or the other side of a map) after it
+    was checked: the copy then wrote into unmapped memory (a segfault)."""
+    kv = [t.as_subclass(_Watched) for t in cache()]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    group = reg.only_group()
+    plan = prepare(group, group.format)
+    chunks = [c.as_subclass(_Watched) for c in plan.chunks_for(2, 4)]
+    m = block_map(reg, reg, [0, 1], [2, 3])
+    _Watched.calls.clear()
+    plan.store_blocks([0, 1], chunks)
+    plan.load_blocks([2, 3], chunks)
+    m.copy()
+    assert _Watched.calls == []
+    assert torch.equal(torch.Tensor(kv[0])[:, 2:4], torch.Tensor(kv[0])[:, 0:2])
 
 
 def test_a_cache_used_by_a_block_map_is_freed_when_dropped_without_the_cyclic_collector() -> None:

@@ -816,6 +816,12 @@ class BlockMap(HoldsAddresses):
         the copy is queued on the current stream and this returns before the bytes move,
         as any CUDA copy does (``num_threads`` does not apply; 1 is returned)."""
         threads = threads_arg(num_threads, BlockMapError)
+        # No caller code between the checks and the copy: a tensor subclass's
+        # __torch_function__ would otherwise run in each data_ptr() the checks read.
+        with torch._C.DisableTorchFunctionSubclass():
+            return self._copy(threads)
+
+    def _copy(self, threads: int) -> int:
         for where, side in (("src", self.src), ("dst", self.dst)):
             if not side.live:
                 raise BlockMapError(

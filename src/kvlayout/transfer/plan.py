@@ -240,7 +240,8 @@ class TransferPlan(HoldsAddresses):
         # The arguments first (converting them may run the caller's code: __index__, a
         # sequence's items), then the memory checks, then the copy: nothing of the caller's
         # runs between the checks and the copy, which reads kvlayout's own copy of the ids and
-        # holds the chunks (another thread dropping one from the caller's list frees nothing).
+        # holds the chunks (another thread dropping one from the caller's list frees nothing;
+        # a tensor subclass's __torch_function__ is not called by the checks' data_ptr()).
         ids = _block_ids(block_ids)
         self._check_ids(ids)
         skip = _int("skip_prefix_n_blocks", skip)
@@ -248,6 +249,10 @@ class TransferPlan(HoldsAddresses):
             raise TransferError(f"skip_prefix_n_blocks={skip} is outside [0, {len(ids)}]")
         threads = threads_arg(threads, TransferError)
         held = tuple(chunks) if isinstance(chunks, list) else chunks  # a list another thread may edit
+        with torch._C.DisableTorchFunctionSubclass():
+            self._checked_run(direction, ids, held, skip, threads)
+
+    def _checked_run(self, direction: int, ids: np.ndarray, held: Any, skip: int, threads: int) -> None:
         ptrs, tokens, per_chunk = self._chunks(held, len(ids))
         moved = self._placement.moved()
         if moved is not None:
