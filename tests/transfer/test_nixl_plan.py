@@ -589,6 +589,39 @@ def test_the_local_copy_is_refused_outside_its_memory_before_a_byte_moves() -> N
     assert np.array_equal(dst[:32], np.r_[src[:16], src[48:64]]) and not dst[32:].any()
 
 
+@pytest.mark.parametrize(
+    ("spans", "error", "message"),
+    [
+        (
+            [[0, 2**63]],
+            nx.RefusedDescriptorError,
+            r"from_spans\[0\] = \(0x0, 9223372036854775808 bytes\) is no memory",
+        ),
+        (
+            [[8, 64]],
+            nx.RefusedDescriptorError,
+            r"from_spans\[0\] = \(0x8, 64 bytes\) is no memory a process owns",
+        ),
+        (
+            [[2**57 - 8, 16]],
+            nx.RefusedDescriptorError,
+            r"must start past the null page and end by 0x200000000000000",
+        ),
+        ([[4096, 8, 0]], TransferError, r"from_spans must be an \(K, 2\) integer array .* shape \(1, 3\)"),
+    ],
+)
+def test_spans_no_process_can_own_are_refused(
+    spans: list[list[int]], error: type[Exception], message: str
+) -> None:
+    """The spans are the caller's word for what the copies may touch; a span in the null
+    page or past any address read address 8 (a segfault) instead of being refused."""
+    dst = np.zeros(64, dtype=np.uint8)
+    runs = np.array([[8, dst.ctypes.data, 16]], U64)
+    with pytest.raises(error, match=message):
+        nx.copy_byte_runs(runs, np.array(spans, dtype=np.uint64), side_of([dst], local=True).tensor_spans)
+    assert not dst.any()
+
+
 def test_a_block_map_to_a_peer_description_is_a_nixl_map() -> None:
     """A real BlockMap between a live registration and a peer's description is what the
     NIXL layer reads: WRITE when the live side is the source, READ when it is the

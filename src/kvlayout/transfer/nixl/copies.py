@@ -7,17 +7,20 @@ from __future__ import annotations
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
+from typing import Any
 
 import numpy as np
 import torch
 
 from kvlayout import _native
 from kvlayout.errors import KVLayoutError
+from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.regions import _intervals, register
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, RefusedDescriptorError
 
 _HOST = torch.device("cpu")
+_NULL_PAGE = 4096  # no mapping starts below it
 
 # -- the local copy of the staged strategy ----------------------------------------------------
 
@@ -63,8 +66,29 @@ def copy_byte_runs(
 
     ``from_spans`` and ``to_spans`` (``(K, 2)``: start, bytes) are the memory the copies
     may read and write; every run is checked against them before a byte moves
-    (:class:`RefusedDescriptorError` otherwise)."""
+    (:class:`RefusedDescriptorError` otherwise). The spans themselves are trusted: they
+    must be memory this process owns (a tensor's, a registered region's); only spans no
+    process can own (in the null page, past 2**57, wrapping around) are refused."""
+    for name, spans in (("from_spans", from_spans), ("to_spans", to_spans)):
+        _check_spans(name, spans)
     _copy(runs, from_spans, to_spans, num_threads, validate=True)
+
+
+def _check_spans(name: str, spans: Any) -> None:
+    rows = np.asarray(spans)
+    if rows.ndim != 2 or rows.shape[1] != 2 or not np.issubdtype(rows.dtype, np.integer):
+        raise TransferError(f"{name} must be an (K, 2) integer array of (start, bytes), got {_what(rows)}")
+    starts, sizes = rows[:, 0].astype(object), rows[:, 1].astype(object)
+    for i, (start, size) in enumerate(zip(starts, sizes, strict=True)):
+        if start < _NULL_PAGE or size < 0 or start + size > MAX_END:
+            raise RefusedDescriptorError(
+                f"{name}[{i}] = ({start:#x}, {size} bytes) is no memory a process owns (it must start "
+                f"past the null page and end by {MAX_END:#x}); nothing was copied"
+            )
+
+
+def _what(rows: np.ndarray) -> str:
+    return f"shape {rows.shape} of {rows.dtype}"
 
 
 def _copy(
