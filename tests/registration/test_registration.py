@@ -405,3 +405,23 @@ def test_a_structure_that_contains_itself_is_an_error_not_a_hang() -> None:
             KVLayoutError, match=r"nested more than 8 list levels deep|is a list, not a tensor"
         ):
             call()
+
+
+def test_group_by_and_layer_accessors_refuse_what_names_no_layer() -> None:
+    """``group_by([0])`` put all 4 layers in group 0, ``[0.5, ...]`` made a group 0.5 and
+    ``[0, 1]`` failed in ``zip``; ``layer_tensors(9)`` was ``[]`` and ``layer_ptrs(-1)`` a
+    bare ``KeyError``."""
+    reg = kvlayout.detect([torch.zeros(2, 8, 4, 2, 16) for _ in range(4)], "vllm", {"kv_layout": "NHD"})
+    for groups in ([0], [0, 1]):
+        with pytest.raises(RegistrationError, match=rf"engine_groups has {len(groups)} entries for 4 layers"):
+            reg.group_by(groups)
+    with pytest.raises(TypeError, match=r"engine_groups\[0\] must be an int, not float \(0.5\)"):
+        reg.group_by([0.5, 0, 0, 0])  # type: ignore[list-item]
+    group = reg.only_group()
+    for layer in (9, -1):
+        for accessor in (group.layer_tensors, group.layer_ptrs):
+            with pytest.raises(
+                KVLayoutError, match=rf"layer {layer} is not in this kernel group \(its layers: 0-3\)"
+            ):
+                accessor(layer)
+    assert group.layer_ptrs(2) == [t.data_ptr() for t in group.layer_tensors(2)]

@@ -270,8 +270,19 @@ class KernelGroup(HoldsAddresses):
         """The attention backend to name in logs: the registering engine's own label."""
         return backend_label(self.format, self.engine)
 
+    def _own_layer(self, layer: int) -> int:
+        layer = as_int(layer, "layer")
+        if self._positions is None:
+            self._positions = {layer: i for i, layer in enumerate(self.layers)}
+        if layer not in self._positions:
+            raise KVLayoutError(
+                f"layer {layer} is not in this kernel group (its layers: {index_ranges(self.layers)})"
+            )
+        return self._positions[layer]
+
     def layer_tensors(self, layer: int) -> list[torch.Tensor]:
         """The tensors holding one of the group's layers, in pointer-table order."""
+        self._own_layer(layer)
         level = level_of(self.layout, Role.LAYER)
         return [
             leaf
@@ -282,9 +293,7 @@ class KernelGroup(HoldsAddresses):
 
     def layer_ptrs(self, layer: int) -> list[int]:
         """One layer's part of the pointer table (a layer list's entry, in kernel order)."""
-        if self._positions is None:
-            self._positions = {layer: i for i, layer in enumerate(self.layers)}
-        position = self._positions[layer]
+        position = self._own_layer(layer)
         per = len(self.data_ptrs) // len(self.layers)
         return list(self.data_ptrs[position * per : (position + 1) * per])
 
@@ -652,7 +661,12 @@ class Registration(HoldsAddresses):
     def group_by(self, engine_groups: Sequence[int]) -> tuple[KernelGroup, ...]:
         """Kernel groups for an assignment of layers to engine groups (-1: in none), in
         order of first layer. Layers of different engine groups are never merged."""
-        key = tuple(engine_groups)
+        key = tuple(as_int(g, f"engine_groups[{i}]") for i, g in enumerate(engine_groups))
+        if len(key) != self.num_layers:
+            raise RegistrationError(
+                f"engine_groups has {len(key)} entries for {self.num_layers} layers (one engine group per "
+                f"layer, {EXCLUDED_ENGINE_GROUP} for a layer in none)"
+            )
         cached = self._by_engine_groups.get(key)
         if cached is None:
             cached = self._build_groups(key)
