@@ -171,3 +171,15 @@ def test_description_extents_may_be_numpy_integers() -> None:
     extents: dict[Any, Any] = {**desc.extents, Axis.B: np.int64(7)}
     rebuilt = type(desc)(grouping=desc.grouping, kv_packing=desc.kv_packing, dims=desc.dims, extents=extents)
     assert rebuilt.resolved_strides() == (48, 16, 1)
+
+
+def test_a_kv_cache_where_the_format_goes_says_which_function_returns_which_order() -> None:
+    """``kv, formats = normalize_and_discover_per_layer_formats(...)`` is the reverse of
+    ``fmt, kv = normalize_kv_and_discover_format(...)`` (LMCache's orders): a swap said only
+    that a format is not a Tensor."""
+    kv = layers()
+    for wrong in (kv, kv[0]):
+        with pytest.raises(
+            kvlayout.KVLayoutError, match=r"a KV cache went where the format goes \(normalize_kv"
+        ):
+            kvlayout.get_num_blocks(kv, wrong)  # type: ignore[arg-type]

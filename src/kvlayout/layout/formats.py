@@ -46,8 +46,14 @@ def as_format(fmt: FormatLike) -> EngineKVFormat:
     try:
         value = operator.index(fmt)  # NumPy and torch integers too
     except TypeError:
+        swapped = (
+            "; a KV cache went where the format goes (normalize_kv_and_discover_format returns "
+            "(fmt, kv), normalize_and_discover_per_layer_formats (kv, formats))"
+            if isinstance(fmt, (list, tuple)) or hasattr(fmt, "data_ptr")
+            else ""
+        )
         raise KVLayoutError(
-            f"an engine KV format is an EngineKVFormat, int or str, not {type(fmt).__name__}"
+            f"an engine KV format is an EngineKVFormat, int or str, not {type(fmt).__name__}{swapped}"
         ) from None
     try:
         return EngineKVFormat(value)
