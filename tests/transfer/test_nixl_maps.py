@@ -499,7 +499,7 @@ def test_auto_holds_the_peer_s_staging_buffer_only_once_it_chose_peer_staged(
 
     r = peer_staged(pair, next(c for c in CASES if c[0] == "TP 2->1 NHD"), 103, "WRITE")
     held: list[int] = []
-    planned = posting.plan
+    planned = posting.plan  # type: ignore[attr-defined]
 
     def plan(*args: Any, **kw: Any) -> Any:
         held.append(len(posting._PEER_STAGINGS))  # what a concurrent peer-staged request finds
