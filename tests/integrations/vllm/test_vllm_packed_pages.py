@@ -11,7 +11,11 @@ import pytest
 import torch
 
 import kvlayout
-from kvlayout.integrations.vllm import BlockGranularityError, apply_kv_cache_group_edits
+from kvlayout.integrations.vllm import (
+    BlockGranularityError,
+    KVCacheGroupEditError,
+    apply_kv_cache_group_edits,
+)
 from kvlayout.testing.vllm import FLASH_ATTN, Backend, allocate_v033, uniform_engine
 from kvlayout.transfer import BlockMapError, block_map
 
@@ -113,5 +117,18 @@ def test_heads_outside_blocks_are_refused_not_read_as_blocks() -> None:
     _, kv = allocate_v033(engine)
     with pytest.raises(
         BlockGranularityError, match=r"reads as NL_X_NB_NH_BS_CS with 2 blocks, not the config's num_blocks 6"
+    ):
+        apply_kv_cache_group_edits(engine.config, kv, None)
+
+
+def test_head_slots_outside_the_blocks_are_refused_by_name() -> None:
+    """ROCm attention's first choice, LHBNC: the K slot of every block, then the V slot;
+    a block is two runs, which whole-page moves cannot be (it said the pages did not tile)."""
+    plain = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    rocm = dataclasses.replace(plain, num_head_slots=2, state_content_bytes=H * D * 2)
+    engine = uniform_engine(rocm, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LHBNC)
+    _, kv = allocate_v033(engine)
+    with pytest.raises(
+        KVCacheGroupEditError, match=r"its 2 head slots lie outside its pages in memory .* LHBNC"
     ):
         apply_kv_cache_group_edits(engine.config, kv, None)

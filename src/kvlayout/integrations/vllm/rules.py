@@ -27,6 +27,7 @@ from kvlayout.integrations.vllm.specs import (
     spec_kind,
     tokens_per_slot,
 )
+from kvlayout.registration.contiguity import physical_order
 from kvlayout.types import EngineType, HintsLike, LayoutHints
 
 __all__ = [
@@ -259,6 +260,14 @@ class HeadSlotPagesEdit(KVCacheGroupEdit):
         return _attention_tensor(spec, value) and _head_slots(spec)
 
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
+        outermost = next(d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1)
+        if outermost != 0:  # vLLM's views are [pages, H, N, C]: axis 0 is the pages
+            raise KVCacheGroupEditError(
+                f"its {value.shape[1]} head slots lie outside its pages in memory (strides "
+                f"{tuple(value.stride())}: KVCacheLayout LHBNC, a K group then a V group over every "
+                "block), so a block is no one run of bytes to move whole; a block-compact layout "
+                "(LBHNC, LBNHC) is"
+            )
         return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
 
 
