@@ -236,7 +236,7 @@ def test_group_edits_module_has_lmcaches_rule_names_signature_logger_and_vllm_ki
 ) -> None:
     edits = importlib.import_module("kvlayout.integrations.vllm.edits")
     rules = edits.KV_CACHE_GROUP_EDITS
-    # kvlayout's own rules (head-slot-pages, unequal-kv-heads) have no LMCache name
+    # kvlayout's own rules (head-slot-pages, packed-head-rows) have no LMCache name
     assert [r.lmcache_name for r in rules if r.lmcache_name is not None] == [
         "mamba-unified-view", "mamba-page-view", "subpaged-mla-attention-view", "subpaged-attention-view",
     ]  # fmt: skip

@@ -66,13 +66,20 @@ def test_head_slot_pages_move_whole_and_only_to_pages_alike() -> None:
         block_map(a, flash, [4], [0])
 
 
-def test_pages_of_unequal_k_and_v_heads_move_their_tokens_between_pages_alike() -> None:
-    """``head_size_v`` != ``head_size`` packs ``C = head_size + head_size_v`` per head; read
-    as two equal halves, K and V split in the wrong place. Token-major (NHD), a page's rows
-    are still tokens: a partly filled last block moves only its tokens."""
-    spec = kvi.FullAttentionSpec(
-        block_size=BS, num_kv_heads=H, head_size=D, head_size_v=D // 2, dtype=torch.bfloat16
-    )
+@pytest.mark.parametrize(
+    "packing",
+    [
+        {"head_size_v": D // 2},  # V narrower than K: C = head_size + head_size_v
+        {
+            "state_content_bytes": 2 * D * 2 + 2 * 4
+        },  # Triton per-token-head: each side's data, then two fp32 scales
+    ],
+)
+def test_packed_head_rows_move_their_tokens_between_pages_alike(packing: dict[str, int]) -> None:
+    """A head's row that is not ``K | V`` of one head size was read as two equal halves,
+    splitting K from V (and their scales) in the wrong place. Token-major (NHD), a page's
+    rows are still tokens: a partly filled last block moves only its tokens."""
+    spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16, **packing)
     _, kv_a, a = registered(spec, KVCacheLayout.LBNHC, 4)
     _, kv_b, b = registered(spec, KVCacheLayout.LBNHC, 5)
     _, _, hnd = registered(spec, KVCacheLayout.LBHNC, 6)
@@ -84,7 +91,7 @@ def test_pages_of_unequal_k_and_v_heads_move_their_tokens_between_pages_alike() 
         assert torch.equal(dst[0, :, :5], src[3, :, :5]) and torch.equal(dst[0, :, 5:], old[0, :, 5:])
         assert torch.equal(dst[2:], old[2:])
     with pytest.raises(
-        BlockMapError, match=r"src and dst are opaque pages laid out differently \(src unequal-kv-heads: "
+        BlockMapError, match=r"src and dst are opaque pages laid out differently \(src packed-head-rows: "
     ):
         block_map(a, hnd, [2], [0])
 
@@ -129,6 +136,6 @@ def test_head_slots_outside_the_blocks_are_refused_by_name() -> None:
     engine = uniform_engine(rocm, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LHBNC)
     _, kv = allocate_v033(engine)
     with pytest.raises(
-        KVCacheGroupEditError, match=r"its 2 head slots lie outside its pages in memory .* LHBNC"
+        KVCacheGroupEditError, match=r"its 2 heads \(or head slots\) lie outside its pages in memory .* LHBNC"
     ):
         apply_kv_cache_group_edits(engine.config, kv, None)

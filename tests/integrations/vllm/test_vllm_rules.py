@@ -113,7 +113,7 @@ def test_registry_order_and_first_match() -> None:
         "mamba-state-rows",
         "mamba-state-list",
         "head-slot-pages",
-        "unequal-kv-heads",
+        "packed-head-rows",
         "subpaged-mla-attention",
         "subpaged-attention",
     ]

@@ -62,9 +62,9 @@ from kvlayout.integrations.vllm.rules import (
     KVCacheGroupEdit,
     MambaStateListEdit,
     MambaStateRowsEdit,
+    PackedHeadRowsEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
-    UnequalKVHeadsEdit,
 )
 from kvlayout.integrations.vllm.specs import SpecKind, declares_slot_compression, spec_kind
 from kvlayout.integrations.vllm.validation import (
@@ -83,10 +83,10 @@ __all__ = [
     "KVCacheGroupEditError",
     "MambaStateListEdit",
     "MambaStateRowsEdit",
+    "PackedHeadRowsEdit",
     "SpecKind",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
-    "UnequalKVHeadsEdit",
     "UnsupportedKVCacheGroupsError",
     "apply_kv_cache_group_edits",
     "check_block_granularity",

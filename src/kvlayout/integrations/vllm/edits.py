@@ -26,9 +26,9 @@ from kvlayout.integrations.vllm.rules import (
     KVCacheGroupEdit,
     MambaStateListEdit,
     MambaStateRowsEdit,
+    PackedHeadRowsEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
-    UnequalKVHeadsEdit,
 )
 from kvlayout.integrations.vllm.specs import (
     iter_group_layer_specs,
@@ -48,7 +48,7 @@ KV_CACHE_GROUP_EDITS: tuple[KVCacheGroupEdit, ...] = (
     MambaStateRowsEdit(),
     MambaStateListEdit(),
     HeadSlotPagesEdit(),
-    UnequalKVHeadsEdit(),
+    PackedHeadRowsEdit(),
     SubpagedMLAEdit(),
     SubpagedAttentionEdit(),
 )

@@ -35,9 +35,9 @@ __all__ = [
     "KVCacheGroupEdit",
     "MambaStateListEdit",
     "MambaStateRowsEdit",
+    "PackedHeadRowsEdit",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
-    "UnequalKVHeadsEdit",
 ]
 
 
@@ -229,29 +229,43 @@ _ATTENTION_KINDS = frozenset(
 
 
 def _head_slots(spec: Any) -> bool:
-    """The backend packs a block its own way: it declares head slots or a content size
-    (B12X: slot 0 every head's K, slot 1 every V; ROCm attention and AITER FA's shuffle
-    mode: K tiled ``[H, D/x, N, x]`` inside its slot; FlashInfer's nvfp4)."""
+    """The backend's ``H`` counts slots, not heads (``num_head_slots``): B12X's slot 0 holds
+    every head's K and slot 1 every V; ROCm attention and AITER FA's shuffle mode tile K
+    ``[H, D/x, N, x]`` inside its slot; FlashInfer's nvfp4 has a K and a V slot a head."""
+    return spec_field(spec, "num_head_slots", None) is not None
+
+
+def _packed_heads(spec: Any) -> bool:
+    """A head's row is not ``K | V`` of one head size: the backend declares its own content
+    (``state_content_bytes``: Triton's per-token-head scales after each side, TurboQuant's
+    slots), or V's head is narrower or wider than K's (``head_size_v``)."""
+    head_size = spec_field(spec, "head_size", None)
     return (
-        spec_field(spec, "num_head_slots", None) is not None
-        or spec_field(spec, "state_content_bytes", None) is not None
+        spec_field(spec, "state_content_bytes", None) is not None
+        or spec_field(spec, "head_size_v", head_size) != head_size
     )
 
 
-def _unequal_heads(spec: Any) -> bool:
-    """V's head is narrower or wider than K's (``head_size_v``): ``C = head_size + head_size_v``."""
-    head_size = spec_field(spec, "head_size", None)
-    return bool(spec_field(spec, "head_size_v", head_size) != head_size)
+def _whole_pages(spec: Any, value: torch.Tensor) -> torch.Tensor:
+    """A block's kernel pages as one opaque page; refused where the pages are not the
+    outermost axis in memory (vLLM's views are ``[pages, H, N, C]``)."""
+    outermost = next(d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1)
+    if outermost != 0:
+        raise KVCacheGroupEditError(
+            f"its {value.shape[1]} heads (or head slots) lie outside its pages in memory (strides "
+            f"{tuple(value.stride())}: KVCacheLayout LHBNC, every block's first head, then the next), "
+            "so a block is no one run of bytes; a block-compact layout (LBHNC, LBNHC) is"
+        )
+    return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
 
 
 class HeadSlotPagesEdit(KVCacheGroupEdit):
-    """Attention whose page is the backend's own packing, re-viewed as whole pages.
+    """Attention whose ``H`` counts the backend's slots, re-viewed as whole pages.
 
     vLLM 0.33 registers every attention layer as ``[pages, H, N, C]``; a backend that
-    packs K and V its own way declares ``num_head_slots`` and ``state_content_bytes``
-    (see :func:`_head_slots`), and its ``H`` counts slots, not heads. Read as heads of
-    ``K | V`` halves, such a page splits K from V in the wrong place. Its pages move
-    whole (their rows are never tokens), between registrations that page alike.
+    packs K and V its own way declares ``num_head_slots`` (:func:`_head_slots`). Read as
+    heads of ``K | V`` halves, such a page splits K from V in the wrong place. Its pages
+    move whole (their rows are never tokens), between registrations that page alike.
     """
 
     name = "head-slot-pages"
@@ -260,27 +274,23 @@ class HeadSlotPagesEdit(KVCacheGroupEdit):
         return _attention_tensor(spec, value) and _head_slots(spec)
 
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
-        outermost = next(d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1)
-        if outermost != 0:  # vLLM's views are [pages, H, N, C]: axis 0 is the pages
-            raise KVCacheGroupEditError(
-                f"its {value.shape[1]} head slots lie outside its pages in memory (strides "
-                f"{tuple(value.stride())}: KVCacheLayout LHBNC, a K group then a V group over every "
-                "block), so a block is no one run of bytes to move whole; a block-compact layout "
-                "(LBHNC, LBNHC) is"
-            )
-        return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
+        return _whole_pages(spec, value)
 
 
-class UnequalKVHeadsEdit(HeadSlotPagesEdit):
-    """Attention whose V head differs from its K head (``head_size_v``), re-viewed as
-    pages: read as heads of two equal halves, K and V would split in the wrong place.
-    Its pages move between registrations that page alike; where tokens are outermost
-    in a page, its rows are tokens (a request's last block moves only its tokens)."""
+class PackedHeadRowsEdit(KVCacheGroupEdit):
+    """Attention whose heads' rows are not ``K | V`` of one head size (:func:`_packed_heads`),
+    re-viewed as pages: read as two equal halves, K and V (and their scales) would split
+    in the wrong place. Its pages move between registrations that page alike; where
+    tokens are outermost in a page, its rows are tokens (a request's last block moves
+    only its tokens)."""
 
-    name = "unequal-kv-heads"
+    name = "packed-head-rows"
 
     def matches(self, spec: Any, value: Any) -> bool:
-        return _attention_tensor(spec, value) and _unequal_heads(spec) and not _head_slots(spec)
+        return _attention_tensor(spec, value) and _packed_heads(spec) and not _head_slots(spec)
+
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
+        return _whole_pages(spec, value)
 
     def token_axis(self, value: Any) -> int | None:
         return _TOKEN_AXIS
