@@ -75,7 +75,7 @@ def test_head_slot_pages_move_whole_and_only_to_pages_alike() -> None:
         },  # Triton per-token-head: each side's data, then two fp32 scales
     ],
 )
-def test_packed_head_rows_move_their_tokens_between_pages_alike(packing: dict[str, int]) -> None:
+def test_packed_head_rows_move_their_tokens_between_pages_alike(packing: dict[str, Any]) -> None:
     """A head's row that is not ``K | V`` of one head size was read as two equal halves,
     splitting K from V (and their scales) in the wrong place. Token-major (NHD), a page's
     rows are still tokens: a partly filled last block moves only its tokens."""
