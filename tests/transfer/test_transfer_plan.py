@@ -188,3 +188,15 @@ def test_a_plan_the_kernels_cannot_walk_is_refused() -> None:
     job[5] = pieces
     with pytest.raises(ValueError, match=r"a run is outside \[0, 2\^31\)"):
         _native.plan_segments(tuple(job))
+
+
+def test_a_registration_or_kernel_group_is_prepared_without_naming_its_format() -> None:
+    """A kernel group knows its format: ``prepare(group)`` was a ``TypeError``."""
+    kv = [torch.zeros(2, 8, 4, 2, 16) for _ in range(2)]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    assert prepare(reg) is prepare(reg.only_group()) is prepare(reg.only_group(), reg.format)
+    with pytest.raises(TypeError, match=r"prepare\(list\) needs its format: prepare\(kv, fmt\)"):
+        prepare(kv)
+    hybrid = kvlayout.detect(kv + [torch.zeros(8, 4, 32)], "vllm", {"kv_layout": "NHD"})
+    with pytest.raises(kvlayout.KVLayoutError, match="kernel group"):
+        prepare(hybrid)

@@ -43,7 +43,7 @@ from kvlayout.registration.memory import (
     run_of,
 )
 from kvlayout.registration.nesting import not_strided
-from kvlayout.registration.registration import KernelGroup, Plane, RegistrationError, bound
+from kvlayout.registration.registration import KernelGroup, Plane, Registration, RegistrationError, bound
 from kvlayout.transfer.arguments import block_ids_arg, int_arg, threads_arg
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
@@ -70,16 +70,26 @@ class _Job:
 # -- preparing ------------------------------------------------------------------------
 
 
-def prepare(kv: Any, fmt: FormatLike, *, block_size: int | None = None) -> TransferPlan:
+def prepare(kv: Any, fmt: FormatLike | None = None, *, block_size: int | None = None) -> TransferPlan:
     """The transfer plan of a registration in ``fmt``: checked, split into jobs and
     handed to the native engine once, so each call checks only its block ids and chunks.
 
     ``kv`` is what detection returned (its bound registration is reused, and so is the
     plan: preparing twice is free), a :class:`~kvlayout.registration.registration.Registration` or
-    :class:`~kvlayout.registration.registration.KernelGroup`, or any registration in ``fmt`` (checked
-    now). ``block_size`` is needed only for formats that fold NB and BS into one axis.
-    A registration whose layers differ (a hybrid) has one plan per kernel group.
+    :class:`~kvlayout.registration.registration.KernelGroup` (whose format ``fmt`` may leave
+    out), or any registration in ``fmt`` (checked now). ``block_size`` is needed only for
+    formats that fold NB and BS into one axis. A registration whose layers differ (a
+    hybrid) has one plan per kernel group.
     """
+    if fmt is None:
+        if isinstance(kv, Registration):
+            kv = _only_group(kv)
+        if not isinstance(kv, KernelGroup):
+            raise TypeError(
+                f"prepare({type(kv).__name__}) needs its format: prepare(kv, fmt), as detection returned "
+                "them (a Registration or a KernelGroup knows its own)"
+            )
+        fmt = kv.format
     if isinstance(kv, KernelGroup):
         wanted = as_format(fmt)
         if wanted != kv.format:
@@ -93,6 +103,13 @@ def prepare(kv: Any, fmt: FormatLike, *, block_size: int | None = None) -> Trans
     except RegistrationError as exc:
         raise TransferError(str(exc)) from None
     return _plan_of(group, block_size)
+
+
+def _only_group(reg: Registration) -> KernelGroup:
+    try:
+        return reg.only_group()
+    except RegistrationError as exc:
+        raise TransferError(str(exc)) from None
 
 
 def _plan_of(group: KernelGroup, block_size: int | None) -> TransferPlan:
