@@ -197,6 +197,6 @@ def test_a_registration_or_kernel_group_is_prepared_without_naming_its_format() 
     assert prepare(reg) is prepare(reg.only_group()) is prepare(reg.only_group(), reg.format)
     with pytest.raises(TypeError, match=r"prepare\(list\) needs its format: prepare\(kv, fmt\)"):
         prepare(kv)
-    hybrid = kvlayout.detect(kv + [torch.zeros(8, 4, 32)], "vllm", {"kv_layout": "NHD"})
+    hybrid = kvlayout.detect([*kv, torch.zeros(8, 4, 32)], "vllm", {"kv_layout": "NHD"})
     with pytest.raises(kvlayout.KVLayoutError, match="kernel group"):
         prepare(hybrid)
