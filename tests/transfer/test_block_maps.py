@@ -582,6 +582,8 @@ BAD_MAPS = [
     (lambda a: block_map(a, a, [0], torch.tensor([2**63 + 1], dtype=torch.uint64)), BlockMapError,
      "dst_blocks[0] = 9223372036854775809 is out of range for any cache (above 2**63 - 1)"),
     (lambda a: block_map(a, [torch.zeros(3)], [0], [1]), TypeError, "dst is a list; block_map takes what detection returns"),
+    (lambda a: block_map(a, a.describe().groups[0], [0], [1]), TypeError,
+     "(a peer's kernel group is description.group(i), a description of its own)"),
     (lambda a: block_map(a, bind([[torch.zeros(32, 4, 8) for _ in range(2)] for _ in range(2)], 4), [0], [0]),
      BlockMapError, "dst: TWO_X_NL_X_NBBS_NH_HS folds its blocks and their tokens into one axis (NBBS): pass its "
      "block size"),

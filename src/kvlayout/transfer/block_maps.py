@@ -379,9 +379,14 @@ def _as_side(obj: Any, block_size: int | None, where: str) -> Side:
             raise BlockMapError(f"{where}: {exc}") from None
     if isinstance(obj, KernelGroup):
         return _side_of_kernel_group(obj, block_size, where)
+    group = (
+        " (a peer's kernel group is description.group(i), a description of its own)"
+        if isinstance(obj, GroupDescription)
+        else ""
+    )
     raise TypeError(
         f"{where} is a {type(obj).__name__}; block_map takes what detection returns (a Registration with one "
-        "kernel group, or a KernelGroup) or a RegistrationDescription"
+        f"kernel group, or a KernelGroup) or a RegistrationDescription{group}"
     )
 
 
