@@ -222,6 +222,10 @@ def test_sglang_k_and_v_of_different_head_sizes_are_named_and_served_apart() -> 
             ),
         ):
             kvlayout.detect(kv, "sglang", hints)
+    with pytest.raises(
+        TypeError, match=r"kv_caches\[0\]\[1\]: is None"
+    ):  # 0-d tensors: the hook read shape[-1]
+        kvlayout.detect(((torch.tensor(0.0), None), [torch.tensor(0.0)]), "sglang")  # type: ignore[arg-type]
     unified = {"kv_list_layout": "unified"}
     for buffers in (k, v):  # what the message says to do: each side detects, and maps byte for byte
         reg = kvlayout.detect([t.view(-1, ps, nh, t.shape[-1]) for t in buffers], "sglang", unified)

@@ -59,10 +59,14 @@ def test_vllm_hybrid_goes_through_the_group_edits() -> None:
         )
         for line in lines
     ), lines
-    assert "   registration   24 tensor(s) [8, 544, 2048] torch.int8, hints {'kv_layout': 'NHD'}" in lines
+    assert (
+        "   registration   24 tensor(s) [8, 2, 544, 512], [8, 544, 2048] torch.bfloat16, torch.int8, "
+        "hints {'kv_layout': 'NHD'}"
+    ) in lines
     assert _check_verified(lines) == 4  # one kernel group per vLLM KV cache group
-    for group in ex.groups:
-        assert f"   group          layers {','.join(map(str, group))}: 3 NL_X_NB_BS_HS" in lines
+    for group in ex.groups:  # layer 3 is attention: its kernel pages viewed as its blocks
+        fmt = "13 NL_X_NB_BS_NH_CS" if 3 in group else "3 NL_X_NB_BS_HS"
+        assert f"   group          layers {','.join(map(str, group))}: {fmt}" in lines
 
 
 def test_run_demo_ends_with_the_vllm_hybrid(monkeypatch: pytest.MonkeyPatch) -> None:

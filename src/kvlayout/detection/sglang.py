@@ -113,7 +113,7 @@ def refuse_mixed(kv: list[Any], hints: LayoutHints) -> None:
         k, v = kv[0][0], kv[1][0]
     else:
         return
-    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or k.dim() != v.dim():
+    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or k.dim() != v.dim() or k.dim() < 2:
         return
     if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
         kshape, vshape, bs = list(k.shape), list(v.shape), hints.tokens_per_block or "page_size"

@@ -57,7 +57,7 @@ class OpaquePages:
 
 
 class _Mark(NamedTuple):
-    pages: OpaquePages
+    pages: OpaquePages | None  # None: a view read as its format, made over other tensors
     over: tuple[tuple[weakref.ref[torch.Tensor], int], ...]  # the tensors viewed, their data pointers
 
 
@@ -77,8 +77,9 @@ def _geometry(t: torch.Tensor) -> tuple[object, ...] | None:
     return (storage._cdata, storage.data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
 
 
-def mark_opaque_pages(t: torch.Tensor, pages: OpaquePages, over: Iterable[torch.Tensor] = ()) -> None:
-    """Say that ``t``'s rows are ``pages``' bytes, ``t`` being a view made over the tensors
+def mark_opaque_pages(t: torch.Tensor, pages: OpaquePages | None, over: Iterable[torch.Tensor] = ()) -> None:
+    """Say that ``t``'s rows are ``pages``' bytes (None: that ``t`` reads as its format,
+    a view the edits made of whole blocks), ``t`` being a view made over the tensors
     ``over`` (the registered value the edits re-viewed: an engine re-allocates those, so
     re-allocation checks watch them too). The mark travels with the tensor object and,
     while a tensor of ``over`` lives, with any view of the same bytes, shape and strides."""

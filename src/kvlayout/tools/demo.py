@@ -36,6 +36,7 @@ from kvlayout.integrations.vllm import (
 from kvlayout.integrations.vllm.specs import SpecKind, spec_kind
 from kvlayout.layout.algebra import Coord
 from kvlayout.registration.nesting import leaves
+from kvlayout.registration.opaque import opaque_pages_of
 from kvlayout.registration.registration import KernelGroup
 from kvlayout.transfer import TransferPlan, prepare
 
@@ -163,8 +164,13 @@ def qwen3_5_hybrid() -> Example:
         edit = find_kv_cache_group_edit(spec, value)
         if edit is not None and edited[name] is not value:
             fired[edit.name] += 1
-            what = "Gated DeltaNet state" if spec_kind(spec) is SpecKind.MAMBA else "FlashInfer attention"
-            labels[names.index(name)] = f"{what} pages, opaque (vLLM group edit {edit.name})"
+            if opaque_pages_of(edited[name]) is None:  # kernel pages in token order: the block itself
+                labels[names.index(name)] = (
+                    f"FlashInfer attention, kernel pages viewed as blocks (vLLM group edit {edit.name})"
+                )
+            else:
+                what = "Gated DeltaNet state" if spec_kind(spec) is SpecKind.MAMBA else "FlashInfer attention"
+                labels[names.index(name)] = f"{what} pages, opaque (vLLM group edit {edit.name})"
     # Each view with its own dtype: the state rows are int8, the attention pages bf16.
     shapes = Counter(
         f"{str(registered[name].dtype).removeprefix('torch.')} {list(registered[name].shape)}"
@@ -184,8 +190,9 @@ def qwen3_5_hybrid() -> Example:
             f"on one {buf.numel() / 2**20:.0f} MiB buffer; registered [B, H, N, C] views "
             + ", ".join(f"{n} x {shape}" for shape, n in shapes.items()),
             "group edits    " + ", ".join(f"{rule} x{n}" for rule, n in fired.items()),
-            f"               every layer re-viewed as opaque pages [blocks, {block}, page bytes / {block}] "
-            "int8: the block dim is vLLM's block id, rows are byte runs (the 'tokens' and 'head' below)",
+            f"               state re-viewed as opaque pages [blocks, {block}, page bytes / {block}] int8 "
+            f"(rows are byte runs: the 'tokens' and 'head' below); NHD attention's {block // kernel} kernel "
+            f"pages a block are its {block} tokens in order, viewed as that block",
         ),
         blocks=num_blocks - 3,  # 3 blocks of each group must stay zero through the round trip
         labels=labels,

@@ -1,6 +1,6 @@
 """Block maps between vLLM registrations after the group edits: opaque pages move only
 between caches paged alike, and whole where a row is not a token (HND kernel pages, Mamba
-state); NHD kernel pages keep token rows. Built with vLLM 0.33's own view functions."""
+state); NHD kernel pages read as their blocks. Built with vLLM 0.33's own view functions."""
 
 from __future__ import annotations
 
@@ -53,32 +53,53 @@ def test_hnd_kernel_pages_move_whole_pages_for_a_partly_filled_last_block() -> N
         assert torch.equal(d[name][untouched], before[name][untouched])
 
 
-def test_nhd_kernel_pages_keep_token_rows() -> None:
-    """NHD kernel pages are token-major: row ``r`` is token ``r``, all heads, K and V, so
-    a partial block moves exactly its tokens, as the raw vLLM view addresses them."""
-    nhd = vx.KVCacheLayout.LBNHC
-    raw_src, src, s = edited_cache(nhd, 1)
-    _, dst, d = edited_cache(nhd, 2)
-    before = {name: t.clone() for name, t in d.items()}
-    m = block_map(src, dst, [4, 1], [0, 5], num_tokens=200)
-    assert m.num_tokens == 200
-    m.copy()
-    for name, view in raw_src.items():  # [B * 2, H, 64, C]: block b, token p = page 2b + p // 64, slot p % 64
-        token_rows = view[2 * 1 + 1, :, 200 - 128 - 64 - 1].contiguous().view(torch.int8).reshape(-1)
-        assert torch.equal(s[name][1, 200 - 128 - 1], token_rows)  # token 199 = row 71 of block 1
-        assert torch.equal(d[name][5, :72], s[name][1, :72])
-        assert torch.equal(d[name][5, 72:], before[name][5, 72:])
+def unpaged_cache(layout: Any, seed: int) -> tuple[dict[str, Any], Any]:
+    """The same model on FlashAttention, which takes ``--block-size 128`` whole."""
+    spec = vx.kvi.FullAttentionSpec(block_size=128, num_kv_heads=4, head_size=16, dtype=torch.bfloat16)
+    engine = vx.uniform_engine(spec, vx.FLASH_ATTN, num_layers=2, num_blocks=6, layout=layout)
+    buf, raw = vx.allocate_v033(engine)
+    buf.copy_(
+        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    )
+    hints = vx.hints(layout is vx.KVCacheLayout.LBHNC)
+    return raw, kvlayout.detect(
+        list(apply_kv_cache_group_edits(engine.config, raw, hints).values()), "vllm", hints
+    )
+
+
+def test_nhd_kernel_pages_read_as_their_blocks() -> None:
+    """NHD kernel pages are token-major, so a block's two 64-token pages are its 128
+    tokens in order: the edits view them as the block itself, which maps like any cache,
+    to FlashAttention's unpaged blocks or to an HND cache, from here or from a peer's
+    description (as opaque pages they were refused)."""
+    nhd, hnd = vx.KVCacheLayout.LBNHC, vx.KVCacheLayout.LBHNC
+    raw_src, src, _ = edited_cache(nhd, 1)
+    assert src.format.name == "NL_X_NB_BS_NH_CS" and src.only_group().opaque_pages is None
+    assert src.only_group().block_size == 128
+    for layout, kind in ((nhd, "same layout"), (hnd, "permuted")):
+        raw_dst, dst = unpaged_cache(layout, 2)
+        before = {name: t.clone() for name, t in raw_dst.items()}
+        m = block_map(src, dst, [4, 1], [0, 5], num_tokens=200)
+        assert m.num_tokens == 200 and m.kind == kind
+        m.copy()
+        for name, view in raw_src.items():  # [B * 2, H, 64, C]: token p of block b is page 2b + p // 64
+            sent = torch.stack([view[2 * b + p // 64, :, p % 64] for b in (4, 1) for p in range(128)])[:200]
+            got = torch.stack([raw_dst[name][b, :, p] for b in (0, 5) for p in range(128)])
+            assert torch.equal(got[:200].view(torch.int16), sent.view(torch.int16))  # random bytes hold NaNs
+            assert torch.equal(
+                got[200:].view(torch.int16),
+                torch.stack([before[name][5, :, p] for p in range(72, 128)]).view(torch.int16),
+            )
+    wire = RegistrationDescription.from_json(src.describe().to_json())  # a peer's, as NIXL sends it
+    assert block_map(wire, dst, [4], [0]).kind == "permuted"
 
 
 def test_pages_edited_from_other_memory_orders_are_refused() -> None:
-    """NHD prefill and HND decode (Hopper and Blackwell) edit into the same shape and
-    dtype; their pages hold the same tokens in other bytes."""
+    """HND kernel pages (Hopper) interleave heads per page: only whole pages of a cache
+    paged alike mean anything, so NHD blocks (Blackwell) are refused, not scrambled."""
     _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
     _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
-    assert src.only_group().describe() == dst.only_group().describe()
-    message = (
-        r"src and dst are opaque pages laid out differently \(src subpaged-attention: bfloat16 \[4, 64, 32\]"
-    )
+    message = r"dst is opaque pages \(subpaged-attention: bfloat16 \[4, 64, 32\] in memory order \[1, 2, 3\]\) and src is not"
     with pytest.raises(BlockMapError, match=message):
         block_map(src, dst, [1], [2])
     wire = RegistrationDescription.from_json(dst.describe().to_json())
@@ -88,8 +109,8 @@ def test_pages_edited_from_other_memory_orders_are_refused() -> None:
 
 
 def test_opaque_pages_map_only_to_opaque_pages_of_the_same_rank() -> None:
-    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
-    _, dst, _ = edited_cache(vx.KVCacheLayout.LBNHC, 2)
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBHNC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
     plain = json.loads(dst.describe().to_json())
     plain["groups"][0]["opaque_pages"] = None  # the same tensors, as if an engine registered them so
     with pytest.raises(
@@ -259,3 +280,38 @@ def test_a_geometry_mark_dies_with_the_memory_it_was_made_over() -> None:
         del base
         gc.collect()
         assert opaque_pages_of(torch.zeros(4, 64, 32, dtype=torch.int8)[:]) is None
+
+
+def test_kernel_paged_mla_reads_as_its_blocks_and_maps_to_an_unpaged_backend() -> None:
+    """DeepSeek at ``--block-size 128`` on FlashMLA (64-token kernel pages) beside a decode
+    on a backend that takes 128-token blocks whole: a block's two pages are its 128
+    latents in order, so the map is one run per block and layer (opaque, it was refused)."""
+    spec = vx.kvi.MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    hints = {"kv_layout": "NHD", "kv_dim": 1}
+    regs, raws = [], []
+    for seed, backend in ((1, vx.FLASHMLA), (2, vx.FLASH_ATTN)):
+        engine = vx.uniform_engine(spec, backend, num_layers=2, num_blocks=6)
+        buf, raw = vx.allocate_v033(engine)
+        buf.copy_(
+            torch.randint(
+                -128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed)
+            )
+        )
+        regs.append(
+            kvlayout.detect(
+                list(apply_kv_cache_group_edits(engine.config, raw, hints).values()), "vllm", hints
+            )
+        )
+        raws.append(raw)
+    assert [tuple(next(iter(r.values())).shape) for r in raws] == [(12, 1, 64, 576), (6, 1, 128, 576)]
+    src, dst = regs
+    assert src.only_group().opaque_pages is None and src.format == dst.format and kvlayout.is_mla(src.format)
+    m = block_map(src, dst, [5, 2], [1, 4], num_tokens=150)
+    assert m.kind == "same layout" and m.num_runs == 4  # a block and 22 tokens, each layer
+    m.copy()
+    for name, paged in raws[0].items():
+        whole = raws[1][name]
+        for p in (0, 63, 64, 127, 128, 149):
+            b, d = [5, 2][p // 128], [1, 4][p // 128]
+            sent = paged[2 * b + (p % 128) // 64, 0, p % 64]
+            assert torch.equal(whole[d, 0, p % 128].view(torch.int16), sent.view(torch.int16))

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+from kvlayout import EngineKVFormat as F
 from kvlayout.catalog.registry import get_spec
 from kvlayout.detection import normalize_and_discover_per_layer_formats, normalize_kv_and_discover_format
 from kvlayout.integrations.vllm import (
@@ -17,12 +18,12 @@ from kvlayout.integrations.vllm import (
     apply_kv_cache_group_edits,
     check_block_granularity,
 )
+from kvlayout.registration.opaque import opaque_pages_of
 from tests.integrations.vllm.models import (
     FLASH_ATTN,
     FLASHINFER,
     LLAMA_3_2_1B,
     QWEN3_5_0_8B,
-    QWEN3_NEXT_80B_A3B,
     Engine,
     KVCacheLayout,
     allocate_legacy,
@@ -47,13 +48,15 @@ def _groups(engine: Engine, kv_caches: dict[str, Any]) -> list[list[int]]:
 
 
 @pytest.mark.parametrize("layout_hints", ALL_HINTS, ids=lambda h: (h or {}).get("kv_layout", "no-hint"))
-@pytest.mark.parametrize("allocation", ["v033", "legacy-nhd", "legacy-hnd"])
-def test_edited_views_read_the_same_under_every_hint(
+@pytest.mark.parametrize("allocation", ["v033-hnd", "legacy-nhd", "legacy-hnd"])
+def test_opaque_views_read_the_same_under_every_hint(
     allocation: str, layout_hints: dict[str, str] | None
 ) -> None:
-    # FlashInfer: every layer of the hybrid is edited, so no layer depends on the hint.
-    engine = hybrid_engine(QWEN3_NEXT_80B_A3B, FLASHINFER, tp=2)
-    if allocation == "v033":
+    # FlashInfer: every layer of the hybrid is edited into opaque pages (HND kernel pages,
+    # or the older FlashInfer page with K/V outside its tokens), so no layer depends on the hint.
+    # two KV heads: one head's HND page is token-major, and reads as its blocks
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER, layout=KVCacheLayout.LBHNC)
+    if allocation == "v033-hnd":
         _, kv_caches = allocate_v033(engine)
     else:
         _, kv_caches = allocate_legacy(engine, FLASHINFER, hnd=allocation.endswith("hnd"))
@@ -83,7 +86,8 @@ def test_edited_views_read_the_same_under_every_hint(
 )
 def test_per_layer_detection_infers_no_compression(backend: Any, layout: Any) -> None:
     """The hybrid's whole dict through per-layer detection: every layer's block is its
-    group's block_size (compress ratio 1), and the edited groups are opaque pages."""
+    group's block_size (compress ratio 1), and the edited groups are opaque pages, or
+    (NHD kernel pages) their blocks read as the engine's format."""
     engine = hybrid_engine(QWEN3_5_0_8B, backend, layout=layout)
     _, kv_caches = allocate_v033(engine)
     layout_hints = {"kv_layout": "HND" if layout in (KVCacheLayout.LBHNC, KVCacheLayout.BLHNC) else "NHD"}
@@ -96,11 +100,36 @@ def test_per_layer_detection_infers_no_compression(backend: Any, layout: Any) ->
         fmt = formats[i]
         assert fmt is not None
         assert get_spec(normalized, fmt).block_size(i) == spec.block_size
-        if out[name] is not kv_caches[name]:
+        if out[name] is not kv_caches[name] and opaque_pages_of(out[name]) is not None:
             assert fmt is OPAQUE_PAGE_FORMAT
             # padded pages (blocks-first layouts) keep their block stride
             view = normalized[i]
             assert isinstance(view, torch.Tensor) and view.stride(0) == out[name].stride(0)
+
+
+@pytest.mark.parametrize("layout_hints", ALL_HINTS, ids=lambda h: (h or {}).get("kv_layout", "no-hint"))
+def test_nhd_kernel_pages_read_as_blocks_under_an_nhd_hint_and_are_refused_under_hnd(
+    layout_hints: dict[str, str] | None,
+) -> None:
+    """vLLM 0.33's NHD kernel pages are viewed as their blocks (token-major, the tokens of
+    a block's pages in order), which read as the engine's NHD format: like any registered
+    layer they need the hint that matches vLLM's allocation, and the check refuses another."""
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER)  # LBNHC, two KV heads
+    _, kv_caches = allocate_v033(engine)
+    nhd = layout_hints is not None and layout_hints["kv_layout"] in ("NHD", "BLNHC")
+    if not nhd:  # HND hints, and no hint on CPU tensors (read as HND)
+        with pytest.raises(BlockGranularityError, match=r"reads as NL_X_NB_NH_BS_CS with block size"):
+            apply_kv_cache_group_edits(engine.config, kv_caches, layout_hints)
+        return
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, layout_hints)
+    for group in engine.config.kv_cache_groups:
+        views = [out[n] for n in group.layer_names]
+        fmt, normalized = normalize_kv_and_discover_format(views, "vllm", layout_hints)
+        spec = get_spec(normalized, fmt)
+        assert spec.block_size() == group.kv_cache_spec.block_size
+        assert spec.num_blocks() == engine.config.num_blocks
+        attention = "self_attn" in group.layer_names[0]
+        assert (fmt is F.NL_X_NB_BS_NH_CS) if attention else (fmt is OPAQUE_PAGE_FORMAT)
 
 
 def test_raw_registrations_are_what_the_edits_fix() -> None:
@@ -117,7 +146,9 @@ def test_raw_registrations_are_what_the_edits_fix() -> None:
         assert f"group {g}: layer {group.layer_names[0]!r} (and {len(group.layer_names) - 1} more)" in message
     assert f"block size {kernel}, not {block}" in message
     assert f"block size 1, not {block}" in message
-    check_block_granularity(engine.config, apply_kv_cache_group_edits(engine.config, kv_caches), hints(False))
+    check_block_granularity(
+        engine.config, apply_kv_cache_group_edits(engine.config, kv_caches, hints(False)), hints(False)
+    )
 
 
 @pytest.mark.parametrize("allocation", ["v033", "legacy"])

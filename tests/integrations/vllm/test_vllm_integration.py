@@ -17,6 +17,7 @@ from kvlayout.integrations.vllm import (
     apply_kv_cache_group_edits,
     find_kv_cache_group_edit,
 )
+from kvlayout.registration.opaque import opaque_pages_of
 from tests.integrations.vllm.models import (
     DSV4_INDEXER,
     FLASH_ATTN,
@@ -56,20 +57,27 @@ def _engine(model: HybridModel, backend: Backend, allocation: str, hnd: bool, **
 def _check_opaque_view(
     engine: Engine, bufs: list[torch.Tensor], allocation: str, layer: str, view: Any, value: Any
 ) -> None:
-    """One block of the view = one page of the layer's region, a view of the same storage,
-    in as many rows as the block has slots (tokens, or tokens / ratio where compressed;
-    Mamba's tokens_per_state of -1 cuts its page into block_size rows)."""
+    """One block of the view = one page of the layer's region, a view of the same storage:
+    opaque pages in as many rows as the block has slots (tokens, or tokens / ratio where
+    compressed; Mamba's tokens_per_state of -1 cuts its page into block_size rows), or,
+    where a block's kernel pages are its tokens in order (NHD, MLA), the block itself in
+    the registered dtype."""
     spec = engine.spec_of(layer)
     slots = spec.block_size // max(spec.tokens_per_state, 1)
     row = spec.page_size_bytes // slots
     buf, offset, block_stride = page_region(engine, bufs, allocation, layer)
     base = bufs[buf].data_ptr() + offset
     assert isinstance(view, torch.Tensor)
+    assert view.data_ptr() == base
+    assert view is not value and storage_ptr(view) == storage_ptr(value)
+    if opaque_pages_of(view) is None:  # the block itself: [NB, H, slots, C] or MLA's [NB, slots, C]
+        assert view.dtype == spec.dtype and view.shape[0] == engine.config.num_blocks
+        assert view.stride(0) * view.element_size() == block_stride and slots in view.shape[1:3]
+        assert view.numel() // view.shape[0] * view.element_size() == spec.page_size_bytes
+        return
     assert view.dtype == torch.int8
     assert tuple(view.shape) == (engine.config.num_blocks, slots, row)
     assert view.stride() == (block_stride, row, 1)
-    assert view.data_ptr() == base
-    assert view is not value and storage_ptr(view) == storage_ptr(value)
 
 
 def _rules(engine: Engine, kv_caches: dict[str, Any]) -> Counter[str]:
@@ -99,7 +107,7 @@ def test_qwen3_5_flashinfer_both_edits_fire(allocation: str, hnd: bool, checkpoi
     attn_group = next(i for i, g in enumerate(groups) if isinstance(g.kv_cache_spec, kvi.FullAttentionSpec))
     assert _kernel_ratio(engine)[attn_group] > 1  # FlashInfer pages the hybrid block finer
 
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
 
     mamba_rule = "mamba-state-rows" if allocation == "v033" else "mamba-state-list"
     num_mamba = sum(len(g.layer_names) for g in groups if isinstance(g.kv_cache_spec, kvi.MambaSpec))
@@ -138,7 +146,7 @@ def test_qwen3_next_tp2(allocation: str, hnd: bool, checkpoint_alignment: int) -
     )
     assert attn.num_kv_heads == QWEN3_NEXT_80B_A3B.num_key_value_heads // 2
     bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
     assert _rules(engine, kv_caches)["none"] == 0
     for layer, view in out.items():
         _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
@@ -188,7 +196,7 @@ def test_uniform_type_groups_are_unwrapped() -> None:
     groups = engine.config.kv_cache_groups
     assert all(isinstance(g.kv_cache_spec, kvi.UniformTypeKVCacheSpecs) for g in groups)
     bufs, kv_caches = allocate_v033(engine)
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))
     assert _rules(engine, kv_caches)["none"] == 0
     for layer, view in out.items():
         _check_opaque_view(engine, [bufs], "v033", layer, view, kv_caches[layer])
@@ -198,8 +206,8 @@ def test_uniform_type_groups_are_unwrapped() -> None:
 def test_edits_are_idempotent(allocation: str, hnd: bool) -> None:
     engine = _engine(QWEN3_5_0_8B, FLASHINFER, allocation, hnd)
     _, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
-    once = apply_kv_cache_group_edits(engine.config, kv_caches)
-    twice = apply_kv_cache_group_edits(engine.config, once)
+    once = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
+    twice = apply_kv_cache_group_edits(engine.config, once, hints(hnd))
     for layer, view in once.items():
         again = twice[layer]
         assert (again.data_ptr(), again.shape, again.stride()) == (view.data_ptr(), view.shape, view.stride())
@@ -225,7 +233,7 @@ def test_mla_hybrid_subpaged(allocation: str) -> None:
     )
     assert _kernel_ratio(engine)[mla_group] > 1
     bufs, kv_caches = allocate(engine, FLASHMLA, allocation, False)
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))
     rules = _rules(engine, kv_caches)
     assert rules["subpaged-mla-attention"] == len(engine.config.kv_cache_groups[mla_group].layer_names)
     assert rules["none"] == 0
@@ -424,13 +432,13 @@ def test_undeclared_packed_layout_raises(how: str) -> None:
 def test_writes_go_through_to_the_registered_tensors(allocation: str, hnd: bool) -> None:
     engine = _engine(QWEN3_5_0_8B, FLASHINFER, allocation, hnd)
     bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
-    out = apply_kv_cache_group_edits(engine.config, kv_caches)
+    out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
     block = engine.config.num_blocks - 1
     for layer, view in out.items():
         spec = engine.spec_of(layer)
         for buf in bufs:
             buf.zero_()
-        view[block] = 7
+        view[block].view(torch.int8).fill_(7)  # every byte of the block (a block view is bf16)
         assert sum(int(buf.count_nonzero()) for buf in bufs) == spec.page_size_bytes  # the page, no more
         value = kv_caches[layer]
         if isinstance(spec, kvi.MambaSpec):
@@ -457,11 +465,13 @@ def test_kernel_pages_of_a_block_are_its_bytes_in_order() -> None:
     value = kv_caches[layer]
     for page in range(value.shape[0]):
         value[page] = page + 1
-    view = apply_kv_cache_group_edits(engine.config, kv_caches)[layer]
+    view = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))[layer]
     k = value.shape[0] // engine.config.num_blocks
+    kernel = value.shape[2]  # [pages, H, N, C]; NHD pages are viewed as blocks [NB, H, k*N, C]
+    assert opaque_pages_of(view) is None and view.shape[2] == k * kernel
     for n in range(engine.config.num_blocks):
-        per_page = view[n].flatten().view(value.dtype).view(k, -1)
-        assert per_page.float().mean(dim=1).tolist() == [float(n * k + j + 1) for j in range(k)]
+        per_page = [view[n][:, j * kernel : (j + 1) * kernel].float().mean().item() for j in range(k)]
+        assert per_page == [float(n * k + j + 1) for j in range(k)]
 
 
 # -- the rules one by one, on tensors vLLM could hand over -----------------------------

@@ -13,7 +13,8 @@ import torch
 
 from kvlayout.catalog.registry import get_spec
 from kvlayout.detection import normalize_and_discover_per_layer_formats
-from kvlayout.integrations.vllm import OPAQUE_PAGE_FORMAT, apply_kv_cache_group_edits
+from kvlayout.integrations.vllm import apply_kv_cache_group_edits
+from kvlayout.registration.opaque import opaque_pages_of
 from kvlayout.transfer import chunk_shape, load_blocks, store_blocks
 from tests.integrations.vllm.models import (
     DSV4_INDEXER,
@@ -129,7 +130,9 @@ def test_store_zero_load_restores_exactly_the_selected_pages(case: Case) -> None
         shape, dtype = chunk_shape(kv, fmt, len(block_ids) * block_size)
         chunk = torch.empty(shape, dtype=dtype)
         store_blocks(kv, fmt, block_ids, [chunk])
-        if fmt is OPAQUE_PAGE_FORMAT:  # the chunk carries each page verbatim, in block-id order
+        if (
+            isinstance(kv[0], torch.Tensor) and opaque_pages_of(kv[0]) is not None
+        ):  # the chunk carries each page verbatim, in block-id order
             for layer, view in enumerate(kv):
                 assert isinstance(view, torch.Tensor)
                 stored = chunk[0, layer].view(len(block_ids), -1)

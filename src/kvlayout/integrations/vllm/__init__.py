@@ -15,16 +15,19 @@ with fixed kernel sizes page a block finer, in any model (Qwen3.5-0.8B's hybrid 
 would read as slot compression; and some attention pages are not heads of equal K and V
 halves at all (backends that declare head slots, B12X and ROCm's; models whose V head
 differs from K's), which would read as heads split in the wrong place. Unlike LMCache,
-which edits only hybrids, every model goes through the rules and the check. Each edit re-views such a layer as
+which edits only hybrids, every model goes through the rules and the check. Where a
+block's kernel pages are its tokens in order (NHD attention pages, MLA latents) the
+edit views the layer as its blocks, in its own dtype, which detection reads as the
+engine's format at the spec's block size. Every other edit re-views its layer as
 ``[num_blocks, slots, page_bytes // slots]`` int8 over the same storage (``slots`` is
 ``block_size``, or ``block_size / ratio`` for declared compression), which detection
 reads as ``NL_X_NB_BS_HS`` with that block size under any ``kv_layout`` hint.
 
-The opaque-page contract. An edited view's dims are addressing only: block ``b`` of
+The opaque-page contract. An opaque view's dims are addressing only: block ``b`` of
 the view is exactly the bytes of block id ``b``'s page (padding included), and its rows
 are the page cut into ``block_size`` equal byte runs. They are not tokens, heads or K/V:
-a Mamba page is conv | ssm | padding, and a sub-paged attention block interleaves K and
-V per kernel page. So:
+a Mamba page is conv | ssm | padding, and a sub-paged HND attention block interleaves
+heads per kernel page. So:
 
 - valid: storing and retrieving blocks through kvlayout's transfer on the same engine
   configuration (store and load use the same block-id -> bytes mapping, so every byte

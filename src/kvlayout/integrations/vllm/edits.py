@@ -71,10 +71,15 @@ def _storage_ptr(value: Any) -> int:
     return int(first.untyped_storage().data_ptr())
 
 
-def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tensor) -> None:
-    """The invariants every edit keeps, whichever rule made it (user rules included)."""
+def _check_storage(edit: KVCacheGroupEdit, value: Any, view: torch.Tensor) -> None:
     if not isinstance(view, torch.Tensor) or view.untyped_storage().data_ptr() != _storage_ptr(value):
         raise KVCacheGroupEditError(f"edit {edit.name!r} did not return a view of the registered storage")
+
+
+def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tensor) -> None:
+    """The invariants every opaque view keeps, whichever rule made it (user rules
+    included); a block view is read by the granularity check like any registered layer."""
+    _check_storage(edit, value, view)
     block_size, wanted = get_spec([view], edit.output_format).block_size(), slots_per_block(spec)
     if wanted is None:
         raise KVCacheGroupEditError(
@@ -126,14 +131,19 @@ def apply_kv_cache_group_edits(
             edit = find_kv_cache_group_edit(spec, value, edits)
             if edit is None:
                 continue
+            over = [value] if isinstance(value, torch.Tensor) else list(value)
             try:
-                view = edit.apply(spec, value, layout_hints)
-                _check_view(edit, spec, value, view)
+                view = edit.block_view(spec, value)
+                if view is not None:  # whole blocks, read as the engine's own format
+                    _check_storage(edit, value, view)
+                    mark_opaque_pages(view, None, over)
+                else:
+                    view = edit.apply(spec, value, layout_hints)
+                    _check_view(edit, spec, value, view)
+                    # the view reads as a format, but its rows are the kernel's page bytes: say so
+                    mark_opaque_pages(view, page_layout(edit.name, spec, value, edit.token_axis(value)), over)
             except KVCacheGroupEditError as e:
                 raise e.for_layer(layer_name, group_idx) from e
-            # the view reads as a format, but its rows are the kernel's page bytes: say so
-            over = [value] if isinstance(value, torch.Tensor) else list(value)
-            mark_opaque_pages(view, page_layout(edit.name, spec, value, edit.token_axis(value)), over)
             edited[layer_name] = view
             applied[edit] += 1
     if applied:

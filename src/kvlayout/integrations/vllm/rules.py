@@ -25,6 +25,7 @@ from kvlayout.integrations.vllm.specs import (
     slots_per_block,
     spec_field,
     spec_kind,
+    spec_size,
     tokens_per_slot,
 )
 from kvlayout.registration.contiguity import physical_order
@@ -68,6 +69,13 @@ class KVCacheGroupEdit(ABC):
         """The registered value's axis holding a kernel page's tokens, None where a page
         holds no tokens (state): whether the edited view's rows are tokens follows
         from it (:func:`kvlayout.integrations.vllm.pages.page_layout`)."""
+        return None
+
+    def block_view(self, spec: Any, value: Any) -> torch.Tensor | None:
+        """The layer as whole blocks in its own dtype and axes, where that is what its
+        bytes are (a block's kernel pages are its tokens in order): detection then reads
+        the engine's own format at the spec's block size, and the layer is no opaque
+        pages. None (the default) where only :meth:`apply`'s opaque pages are faithful."""
         return None
 
     def __repr__(self) -> str:
@@ -163,6 +171,30 @@ def _slots(count: int, ratio: int) -> str:
 
 def _block(slots: int, ratio: int) -> str:
     return f"{slots}-token block" if ratio == 1 else f"{slots}-slot block ({slots * ratio} tokens)"
+
+
+def _token_major_blocks(spec: Any, value: torch.Tensor, token_axis: int | None) -> torch.Tensor | None:
+    """``k`` kernel pages of a block as that block, when each page is its tokens stored
+    token-major (vLLM's NHD ``[pages, H, N, C]`` in memory order pages, N, H, C; MLA
+    latents) and the ``k`` pages are one run of exactly the spec's page: the block's
+    tokens in order, which is what vLLM maps (token ``t`` of block ``n`` is slot
+    ``t % kbs`` of kernel page ``n*k + t // kbs``). None otherwise."""
+    if token_axis is None or value.dim() < 3:
+        return None
+    order = [d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1]
+    if order[:2] != [0, token_axis]:
+        return None  # heads or K/V outside the tokens in a page: only whole pages are faithful
+    slots, kernel = slots_per_block(spec), int(value.shape[token_axis])
+    page = spec_size(spec, "page_size_bytes")
+    if slots is None or page is None or kernel <= 0 or slots % kernel:
+        return None
+    k = slots // kernel
+    runs = page_runs(value)
+    if runs.page_bytes * k != page or runs.stride_bytes != runs.page_bytes or runs.num_pages % k:
+        return None
+    shape, stride = list(value.shape), list(value.stride())
+    shape[0], shape[token_axis], stride[0] = shape[0] // k, kernel * k, stride[0] * k
+    return value.as_strided(shape, stride, value.storage_offset())
 
 
 def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_slots: int) -> torch.Tensor:
@@ -333,6 +365,11 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
     def token_axis(self, value: Any) -> int | None:
         return _TOKEN_AXIS
 
+    def block_view(self, spec: Any, value: Any) -> torch.Tensor | None:
+        # 0.33's [pages, H, N, C] (rank 5 is an older FlashInfer or FlashAttention page,
+        # whose K/V axis is outside its tokens)
+        return _token_major_blocks(spec, value, _TOKEN_AXIS) if value.dim() == 4 else None
+
 
 def _mla_kernel_states(value: torch.Tensor) -> int | None:
     # MLA keeps one latent row per slot (per token, uncompressed): ``[pages, N, C]`` before
@@ -374,6 +411,9 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
             return None  # a page's values, then its scales: a row is no token's
         # ``[pages, N, C]``, ``[pages, 1, N, C]`` or ``[pages, N, 1, C]``
         return 2 if value.dim() == 4 and value.shape[1] == 1 else 1
+
+    def block_view(self, spec: Any, value: Any) -> torch.Tensor | None:
+        return _token_major_blocks(spec, value, self.token_axis(value))
 
 
 def _blocked_scale_pages(value: torch.Tensor) -> bool:
