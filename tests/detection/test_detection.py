@@ -190,7 +190,7 @@ def test_sglang_structures() -> None:
         ([layers((21, 2, 4)), layers((21, 2, 4)), layers((21, 2, 4))], {}, DetectionError,
          "TWO_X_NL_X_NBBS_NH_HS needs 2 entries at list level 0 (got 3)"),
         ([layers((21, 2, 4)), layers((21, 2, 8))], {}, DetectionError,
-         "kv_caches[1][0]: shape (21, 2, 8) differs from kv_caches[0][0] (21, 2, 4)"),
+         "SGLang: K layers [21, 2, 4] and V layers [21, 2, 8] differ in head size (4 and 8"),
         ([[t(21, 2, 4), t(21, 2, 8)], [t(21, 2, 4), t(21, 2, 8)]], {}, DetectionError,
          "kv_caches[0][1] has shape [21, 2, 8], but kv_caches[0][0] makes TWO_X_NL_X_NBBS_NH_HS [21, 2, 4]"),
         (layers((22, 1, 4)), {"tokens_per_block": 3}, DetectionError,
@@ -214,17 +214,20 @@ def test_sglang_k_and_v_of_different_head_sizes_are_named_and_served_apart() -> 
     nl, ps, nh = 3, 4, 2
     k = [torch.randn(5 * ps, nh, 12) for _ in range(nl)]
     v = [torch.randn(5 * ps, nh, 8) for _ in range(nl)]
-    for kv, hints in ((k + v, {"kv_list_layout": "k_v"}), ([k, v], {"tokens_per_block": ps})):
-        with pytest.raises(
-            DetectionError,
-            match=re.escape(
-                "SGLang: K layers [20, 2, 12] and V layers [20, 2, 8] differ in head size (12 and 8"
-            ),
-        ):
+    mixed: list[tuple[Any, dict[str, Any]]] = [
+        (k + v, {"kv_list_layout": "k_v"}),
+        ([k, v], {"tokens_per_block": ps}),
+        ([k, v], {"kv_list_layout": "k_v"}),
+        ([k, [k[0].clone(), *v[1:]]], {}),  # only later layers differ
+    ]
+    message = re.escape("SGLang: K layers [20, 2, 12] and V layers [20, 2, 8] differ in head size (12 and 8")
+    for kv, hints in mixed:
+        with pytest.raises(DetectionError, match=message):
             kvlayout.detect(kv, "sglang", hints)
-    with pytest.raises(
-        TypeError, match=r"kv_caches\[0\]\[1\]: is None"
-    ):  # 0-d tensors: the hook read shape[-1]
+        with pytest.raises(DetectionError, match=message):  # LMCache's name reads the same registration
+            kvlayout.normalize_kv_and_discover_format(kv, "sglang", hints)
+    # 0-d tensors: the hook read their shape[-1]
+    with pytest.raises(TypeError, match=r"kv_caches\[0\]\[1\]: is None"):
         kvlayout.detect(((torch.tensor(0.0), None), [torch.tensor(0.0)]), "sglang")  # type: ignore[arg-type]
     unified = {"kv_list_layout": "unified"}
     for buffers in (k, v):  # what the message says to do: each side detects, and maps byte for byte
@@ -271,6 +274,10 @@ def test_trtllm_pools_written_by_an_nhd_backend_are_read_tokens_first() -> None:
         assert (d.nb, d.nl, d.bs, d.nh, d.hs) == (nb, nl, bs, nh, hs)
         assert isinstance(out, torch.Tensor) and torch.equal(out[:, layer], seen)
     assert detect(pool, "trtllm", sizes)[0] == F.NB_NL_TWO_NH_BS_HS  # TRT-LLM's own kernels: HND
+    # a 6-D pool whose size hints fit tokens first only reads so (as vLLM's do), not as a contradiction
+    assert detect(pool.view(nb, nl, 2, bs, nh, hs), "trtllm", sizes)[0] == F.NB_NL_TWO_BS_NH_HS
+    with pytest.raises(DetectionError, match=r"\(with no kv_layout hint; the size hints fit NHD only\)"):
+        detect(torch.zeros(nb, nl, 3, bs, nh, hs), "trtllm", sizes)
 
 
 def test_trtllm_mla_pools_are_read_as_latents() -> None:

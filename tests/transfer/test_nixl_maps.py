@@ -526,6 +526,8 @@ def test_a_paced_read_whose_peer_staging_is_taken_says_so(pair: Pair) -> None:
             TransferError, match=r"PeerStaging\(.*\) is in use by another peer-staged request"
         ):
             nx.prepare_transfer(pair.agent, pair.name, r.m, peer_staging=r.staging, peer_ready=b"b")
+        with pytest.raises(TransferError, match=r"is in use by another peer-staged request"):  # b"" paces too
+            nx.prepare_transfer(pair.agent, pair.name, r.m, peer_staging=r.staging, peer_ready=b"")
         first.release()
 
 

@@ -141,6 +141,8 @@ def _discover(
 
     try:
         if normalized is None:
+            if isinstance(kv, (list, tuple)):
+                _refuse_mixed(list(kv), engine, hints)
             normalized = _physical(kv)
             validate(normalized)
         fmt, out = run(normalized)
@@ -169,6 +171,13 @@ def _discover(
         _log.debug("Engine KV Format: %s %s", fmt.name, LAYOUTS[fmt].describe_shape())
     # the detector's re-views (un-folding, squeezing) keep tensors alike, not always contiguous
     return fmt, out, trusted and (out is normalized or _all_contiguous(out))
+
+
+def _refuse_mixed(entries: list[Any], engine: EngineType, hints: LayoutHints) -> None:
+    """The engine's word on layers of different shapes, before they are split apart."""
+    refuse = mixed_check(engine)
+    if refuse is not None:
+        refuse(entries, hints)
 
 
 def _physical(kv: Any, *, by_stride: bool = False) -> Any:
@@ -286,9 +295,7 @@ def _per_layer(
     if uniform is not None:  # the common case: one detection answers for every layer
         fmt, out, trusted = _discover(entries, eng, hints, uniform)
         return _bind_whole(out, fmt, entries, eng, [owner[i] for i in range(len(entries))], trusted)
-    refuse_mixed = mixed_check(eng)
-    if refuse_mixed is not None:
-        refuse_mixed(entries, hints)
+    _refuse_mixed(entries, eng, hints)
     views = physical_entries(entries, members)
     views = dict(zip(members, align_unit_dims([views[i] for i in members]), strict=True))
     _check_one_device(views)

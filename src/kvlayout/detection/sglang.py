@@ -105,25 +105,28 @@ def refuse_mixed(kv: list[Any], hints: LayoutHints) -> None:
     K and V page buffers of different row widths; one layout holds K and V of one head
     size, so each is served on its own (the message says how), not misread as layers of
     mismatched shapes."""
-    if not isinstance(kv, (list, tuple)):
-        return
-    if hints.kv_list_layout == "k_v" and len(kv) % 2 == 0 and kv:
-        k, v = kv[0], kv[len(kv) // 2]
-    elif len(kv) == 2 and all(isinstance(side, (list, tuple)) and side for side in kv):
-        k, v = kv[0][0], kv[1][0]
+    if len(kv) == 2 and all(isinstance(side, (list, tuple)) for side in kv):
+        pairs = list(zip(kv[0], kv[1], strict=False))  # [K layers, V layers] (lengths checked later)
+    elif hints.kv_list_layout == "k_v" and len(kv) % 2 == 0:
+        pairs = list(zip(kv[: len(kv) // 2], kv[len(kv) // 2 :], strict=True))  # K layers, then V layers
     else:
         return
-    if not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)) or k.dim() != v.dim() or k.dim() < 2:
-        return
-    if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
-        kshape, vshape, bs = list(k.shape), list(v.shape), hints.tokens_per_block or "page_size"
-        raise DetectionError(
-            f"SGLang: K layers {kshape} and V layers {vshape} differ in head size ({k.shape[-1]} and "
-            f"{v.shape[-1]}: v_head_dim != head_dim); a layout holds K and V of one head size, so "
-            "register each on its own as components: detect([t.view(-1, "
-            f"{bs}, {kshape[-2]}, {kshape[-1]}) for t in k_buffers], 'sglang', "
-            "{'kv_list_layout': 'unified'}), and the same for the V buffers"
-        )
+    for k, v in pairs:
+        if (
+            not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))
+            or k.dim() != v.dim()
+            or k.dim() < 2
+        ):
+            continue
+        if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
+            heads, bs = k.shape[-2], hints.tokens_per_block or "page_size"
+            raise DetectionError(
+                f"SGLang: K layers {list(k.shape)} and V layers {list(v.shape)} differ in head size "
+                f"({k.shape[-1]} and {v.shape[-1]}: v_head_dim != head_dim); a layout holds K and V of one "
+                f"head size, so register each on its own as components: detect([t.view(-1, {bs}, {heads}, "
+                "t.shape[-1]) for t in buffers], 'sglang', {'kv_list_layout': 'unified'}) for the K "
+                "buffers, and again for the V buffers"
+            )
 
 
 def _unified(kv: Any, p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:

@@ -41,26 +41,28 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         if isinstance(kv, list):
             raise DetectionError("TRT-LLM registers one KV pool tensor, got a nested list")
     p = probe(kv)
+    hnd, why = _order(p.shape, hints)
     if p.rank in (4, 6) and p.shape[2] == 1:
         kv = _latent(kv, hints)
         p = probe(kv)
     elif p.rank == 4:
-        kv = _unflatten(kv, hints)
+        kv = _unflatten(kv, hints, hnd)
         p = probe(kv)
-    hnd = hints.is_hnd is not False  # HND unless the hint says the backend writes NHD
-    return pick(
-        ENGINE,
-        p,
-        decide=[
-            (
-                "kv_layout"
-                if hints.is_hnd is not None
-                else "no kv_layout hint, so {} as TRT-LLM's own kernels write",
-                "is_hnd",
-                hnd,
-            )
-        ],
-    ), kv
+    return pick(ENGINE, p, decide=[(why, "is_hnd", hnd)]), kv
+
+
+def _order(shape: tuple[int, ...], hints: LayoutHints) -> tuple[bool, str]:
+    """Whether the pool is HND, and how messages name that decision: the ``kv_layout``
+    hint; else, for a 6-D pool, the size hints where they fit one order only; else HND,
+    as TRT-LLM's own kernels write it."""
+    if hints.is_hnd is not None:
+        return hints.is_hnd, "kv_layout"
+    nh, bs = hints.num_kv_heads, hints.tokens_per_block
+    if len(shape) == 6 and (nh, bs) != (None, None):
+        fits = [nh in (None, shape[a]) and bs in (None, shape[b]) for a, b in ((3, 4), (4, 3))]
+        if fits == [False, True]:
+            return False, "no kv_layout hint; the size hints fit {} only"
+    return True, "no kv_layout hint, so {} as TRT-LLM's own kernels write"
 
 
 def _latent(pool: Any, hints: LayoutHints) -> Any:
@@ -88,15 +90,14 @@ def _latent(pool: Any, hints: LayoutHints) -> Any:
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
 
 
-def _unflatten(pool: Any, hints: LayoutHints) -> Any:
+def _unflatten(pool: Any, hints: LayoutHints, hnd: bool) -> Any:
     shape = tuple(pool.shape)
     nb, nl, kv = shape[:3]
     if kv != 2:
         raise DetectionError(f"TRT-LLM pool {shape}: the K/V axis (dim 2) is {kv}, not 2 or 1")
     nh, bs, hs = _split_row(shape, hints, _ROW_HINTS, "pool", "[NB, NL, 2, NH*BS*HS]")
     # The pool row folds the heads, tokens and head elements of a cross-layer layout, in the
-    # order the attention backend writes them (HND unless the hint says otherwise).
-    hnd = hints.is_hnd is not False  # HND unless the hint says the backend writes NHD
+    # order the attention backend writes them.
     target = LAYOUTS[
         next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_cross_layer and LAYOUTS[f].is_hnd == hnd)
     ]

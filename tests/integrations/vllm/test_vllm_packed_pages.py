@@ -123,7 +123,8 @@ def test_heads_outside_blocks_are_refused_not_read_as_blocks() -> None:
     engine = uniform_engine(spec, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LHBNC)
     _, kv = allocate_v033(engine)
     with pytest.raises(
-        BlockGranularityError, match=r"reads as NL_X_NB_NH_BS_CS with 2 blocks, not the config's num_blocks 6"
+        BlockGranularityError,
+        match=r"reads as NL_X_NB_NH_BS_CS with 2 blocks, fewer than the config's num_blocks 6",
     ):
         apply_kv_cache_group_edits(engine.config, kv, None)
 
@@ -139,3 +140,14 @@ def test_head_slots_outside_the_blocks_are_refused_by_name() -> None:
         KVCacheGroupEditError, match=r"its 2 heads \(or head slots\) lie outside its pages in memory .* LHBNC"
     ):
         apply_kv_cache_group_edits(engine.config, kv, None)
+
+
+def test_layers_holding_more_blocks_than_num_blocks_are_accepted() -> None:
+    """Releases that set num_blocks to the least over ranks keep their tensors whole, and
+    HiSparse's host group has blocks of its own: only fewer blocks mean a misread."""
+    spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    engine = uniform_engine(spec, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LBNHC)
+    _, kv = allocate_v033(engine)
+    engine.config.num_blocks = NB - 2  # another rank had less memory
+    out = apply_kv_cache_group_edits(engine.config, kv, {"kv_layout": "NHD"})
+    assert kvlayout.detect(list(out.values()), "vllm", {"kv_layout": "NHD"}).only_group().num_blocks == NB

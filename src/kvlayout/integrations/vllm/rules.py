@@ -329,11 +329,15 @@ class PackedHeadRowsEdit(KVCacheGroupEdit):
 
 
 def _attention_tensor(spec: Any, value: Any) -> bool:
+    """vLLM 0.33's attention view ``[pages, H, N, C]``, ``H`` the spec's head slots or
+    heads (the releases that declare slots or ``head_size_v`` register no other form)."""
+    heads = spec_field(spec, "num_head_slots", None) or spec_field(spec, "num_kv_heads", None)
     return (
         spec_kind(spec) in _ATTENTION_KINDS
         and slots_per_block(spec) is not None
         and isinstance(value, torch.Tensor)
-        and value.dim() in (4, 5)
+        and value.dim() == 4
+        and value.shape[1] == heads
     )
 
 

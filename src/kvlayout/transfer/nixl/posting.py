@@ -602,7 +602,9 @@ def _prepare(
     )
     claim = None
     if p.strategy == "peer-staged":  # claimed once chosen: "auto" going another way never holds it
-        claim = _claim_peer_staging(agent, peer, peer_staging, strategy == "peer-staged" or bool(peer_ready))
+        claim = _claim_peer_staging(
+            agent, peer, peer_staging, strategy == "peer-staged" or peer_ready is not None
+        )
         if claim is None:  # "auto", and another request of ours is using it: another way
             p = plan(block_map, strategy=strategy, staging=staging, cost=cost, stages=stages)
     try:
