@@ -190,3 +190,15 @@ def test_fused_sizes_resolve_from_parts_or_label() -> None:
         parse("NL_X_NB_BS_NH_CS").concrete_shape({"NL": 1, "NB": 2, "BS": 3, "NH": 1, "CS": 2000})
         == "1 x [2, 3, 1, 2000]"
     )
+
+
+def test_a_coordinate_that_is_not_an_int_is_refused_not_truncated() -> None:
+    """``Coord(head=1.5)`` read as head 1, ``Coord(elem=True)`` as 1, ``elem=None`` failed in ``int()``."""
+    import kvlayout
+    from kvlayout.layout.algebra import Coord, offset
+
+    layout = kvlayout.layout_of(kvlayout.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS)
+    sizes = {"NL": 2, "NB": 4, "BS": 4, "NH": 2, "HS": 8}
+    for bad, field in ((Coord(head=1.5), "head"), (Coord(elem=True), "elem"), (Coord(elem=None), "elem")):  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=rf"Coord\.{field} must be an int"):
+            offset(layout, bad, sizes)

@@ -95,7 +95,7 @@ class Coord:
     elem: int = 0
 
     def get(self, name: str) -> int:
-        return int(getattr(self, name))
+        return as_int(getattr(self, name), f"Coord.{name}")  # 1.5 is no head (int() truncated it)
 
 
 @dataclass(frozen=True, slots=True)
