@@ -42,6 +42,7 @@ def _modules() -> Mapping[EngineType, Any]:
     return MappingProxyType(found)
 
 
+@functools.cache
 def detectors() -> Mapping[EngineType, Detector]:
     return MappingProxyType({engine: module.discover for engine, module in _modules().items()})
 
