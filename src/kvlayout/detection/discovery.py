@@ -139,10 +139,10 @@ def _discover(
                 raise
             raise DetectionError(problem) from None
 
+    if normalized is None and isinstance(kv, (list, tuple)):
+        _refuse_mixed(list(kv), engine, hints)  # before the retry below, which would hide it
     try:
         if normalized is None:
-            if isinstance(kv, (list, tuple)):
-                _refuse_mixed(list(kv), engine, hints)
             normalized = _physical(kv)
             validate(normalized)
         fmt, out = run(normalized)

@@ -81,35 +81,23 @@ def prepare(kv: Any, fmt: FormatLike | None = None, *, block_size: int | None = 
     formats that fold NB and BS into one axis. A registration whose layers differ (a
     hybrid) has one plan per kernel group.
     """
-    if fmt is None:
-        if isinstance(kv, Registration):
-            kv = _only_group(kv)
-        if not isinstance(kv, KernelGroup):
-            raise TypeError(
-                f"prepare({type(kv).__name__}) needs its format: prepare(kv, fmt), as detection returned "
-                "them (a Registration or a KernelGroup knows its own)"
-            )
-        fmt = kv.format
     if isinstance(kv, KernelGroup):
-        wanted = as_format(fmt)
-        if wanted != kv.format:
+        if fmt is not None and as_format(fmt) != kv.format:
             raise TransferError(
-                f"prepare(group, {wanted.name}): the kernel group is {kv.format.name} "
+                f"prepare(group, {as_format(fmt).name}): the kernel group is {kv.format.name} "
                 "(pass group.format, or the registration)"
             )
         return _plan_of(kv, block_size)
+    if fmt is None and not isinstance(kv, Registration):
+        raise TypeError(
+            f"prepare({type(kv).__name__}) needs its format: prepare(kv, fmt), as detection returned "
+            "them (a Registration or a KernelGroup knows its own)"
+        )
     try:
-        group = bound(kv, fmt).only_group()
+        group = (kv if fmt is None else bound(kv, fmt)).only_group()
     except RegistrationError as exc:
         raise TransferError(str(exc)) from None
     return _plan_of(group, block_size)
-
-
-def _only_group(reg: Registration) -> KernelGroup:
-    try:
-        return reg.only_group()
-    except RegistrationError as exc:
-        raise TransferError(str(exc)) from None
 
 
 def _plan_of(group: KernelGroup, block_size: int | None) -> TransferPlan:

@@ -78,13 +78,20 @@ def _check_spans(name: str, spans: Any) -> None:
     rows = np.asarray(spans)
     if rows.ndim != 2 or rows.shape[1] != 2 or not np.issubdtype(rows.dtype, np.integer):
         raise TransferError(f"{name} must be an (K, 2) integer array of (start, bytes), got {_what(rows)}")
-    starts, sizes = rows[:, 0].astype(object), rows[:, 1].astype(object)
-    for i, (start, size) in enumerate(zip(starts, sizes, strict=True)):
-        if start < _NULL_PAGE or size < 0 or start + size > MAX_END:
-            raise RefusedDescriptorError(
-                f"{name}[{i}] = ({start:#x}, {size} bytes) is no memory a process owns (it must start "
-                f"past the null page and end by {MAX_END:#x}); nothing was copied"
-            )
+    starts, sizes = rows[:, 0], rows[:, 1]
+    # compared without a sum, which would wrap in uint64 (and a negative size is no span)
+    bad = (
+        (starts < _NULL_PAGE)
+        | (sizes < 0)
+        | (starts > MAX_END)
+        | (sizes > MAX_END - np.minimum(starts, MAX_END))
+    )
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise RefusedDescriptorError(
+            f"{name}[{i}] = ({int(starts[i]):#x}, {int(sizes[i])} bytes) is no memory a process owns (it "
+            f"must start past the null page and end by {MAX_END:#x}); nothing was copied"
+        )
 
 
 def _what(rows: np.ndarray) -> str:
