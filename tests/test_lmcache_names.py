@@ -90,6 +90,7 @@ PAGED = {  # (num_heads, head_size) -> shape, with NB 7, BS 3
     F.NL_X_NB_BS_NH_CS: ((NH, 2 * HS), (NB, BS, NH, 2 * HS)),
     F.NL_X_NB_BSV_BSS: ((1, 132), (NB, BS, 132)),
     F.NL_X_NB_BS_NH_HS: ((NH, HS), (NB, BS, NH, HS)),
+    F.NL_X_NH_NB_BS_CS: ((NH, 2 * HS), (NH, NB, BS, 2 * HS)),  # kvlayout's (vLLM's LHBNC)
     # kvlayout keeps every axis: LMCache squeezes 15 to 5-D and folds 10/11 to 4-D
     F.NL_X_TWO_NB_NH_ONE_BS_HS: ((NH, HS), (2, NB, NH, 1, BS, HS)),
     F.NL_X_NB_NH_BS_TWO_HS: ((NH, 2 * HS), (NB, NH, BS, 2, HS)),
@@ -194,8 +195,9 @@ def test_resolve_vllm_kv_layout_hint_wins_else_hnd_on_the_cpu() -> None:
     assert resolve(None, cpu_attention_backend=False) == resolve({}) == "NHD"
     assert resolve({"kv_layout": "NHD"}, cpu_attention_backend=True) == "NHD"  # PR #4798: the hint wins
     assert resolve(kvlayout.LayoutHints(kv_layout="BLHNC"), cpu_attention_backend=False) == "BLHNC"
-    with pytest.raises(ValueError, match="kv_layout='LHBNC': heads outside a block's token run"):
-        resolve({"kv_layout": "LHBNC"}, cpu_attention_backend=False)
+    assert resolve({"kv_layout": "lhbnc"}, cpu_attention_backend=True) == "LHBNC"  # heads outside blocks
+    with pytest.raises(ValueError, match="kv_layout='BHLNC': heads outside the layers"):
+        resolve({"kv_layout": "BHLNC"}, cpu_attention_backend=False)
     with pytest.raises(ValueError, match="kv_layout='XYZ' is not one of NHD, HND"):
         resolve({"kv_layout": "XYZ"})
     with pytest.raises(TypeError, match="cpu_attention_backend must be a bool"):

@@ -86,6 +86,7 @@ _EXPORTS: dict[str, str] = {
     "LayoutHintError": "kvlayout.types",
     "KV_LAYOUT_NAMES": "kvlayout.types",
     "KV_LIST_LAYOUT_NAMES": "kvlayout.types",
+    "HEAD_OUTER_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "HND_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "BLOCKS_FIRST_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "LayoutDescription": "kvlayout.layout.description",
@@ -100,6 +101,7 @@ _EXPORTS: dict[str, str] = {
             "has_leading_block_axis",
             "is_cross_layer",
             "is_fused_packed",
+            "is_head_outer",
             "is_hnd",
             "is_indexer",
             "is_kv_list",
@@ -116,6 +118,7 @@ __all__ = [
     "BLOCKS_FIRST_KV_LAYOUTS",
     "ENGINE_KV_FORMAT_DESCRIPTORS",
     "EXCLUDED_ENGINE_GROUP",
+    "HEAD_OUTER_KV_LAYOUTS",
     "HND_KV_LAYOUTS",
     "KV_LAYOUT_NAMES",
     "KV_LIST_LAYOUT_NAMES",
@@ -185,6 +188,7 @@ __all__ = [
     "has_leading_block_axis",
     "is_cross_layer",
     "is_fused_packed",
+    "is_head_outer",
     "is_hnd",
     "is_indexer",
     "is_indexer_cache",
@@ -237,6 +241,7 @@ if TYPE_CHECKING:
         has_leading_block_axis,
         is_cross_layer,
         is_fused_packed,
+        is_head_outer,
         is_hnd,
         is_indexer,
         is_kv_list,
@@ -315,6 +320,7 @@ if TYPE_CHECKING:
         to_engine_kv_format_name,
     )
     from kvlayout.layout.parser import parse
+    from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS
     from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
     from kvlayout.registration.registration import (
         KernelGroup,

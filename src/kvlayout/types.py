@@ -16,7 +16,15 @@ from typing import TYPE_CHECKING, Literal, Union
 
 from kvlayout._generated.engines import ENGINE_LABELS, EngineType
 from kvlayout.errors import DescriptionError, KVLayoutError, as_int
-from kvlayout.layout.vocabulary import HND_KV_LAYOUTS, KV_LAYOUT_NAMES, Role, kv_layout_axes, transferable
+from kvlayout.layout.vocabulary import (
+    HEAD_OUTER_KV_LAYOUTS,
+    HND_KV_LAYOUTS,
+    KV_LAYOUT_NAMES,
+    Axis,
+    Role,
+    kv_layout_axes,
+    transferable,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -39,7 +47,7 @@ __all__ = [
 DiscoverableKVCache = Union["torch.Tensor", Sequence["DiscoverableKVCache"]]
 """A KV registration: one tensor, or (nested) lists/tuples of tensors."""
 
-KVLayoutName = Literal["NHD", "HND", "BLHNC", "BLNHC", "LBHNC", "LBNHC"]
+KVLayoutName = Literal["NHD", "HND", "BLHNC", "BLNHC", "LBHNC", "LBNHC", "LHBNC"]
 """The ``kv_layout`` spellings (:data:`KV_LAYOUT_NAMES`, derived from the axis orders)."""
 KVListLayout = Literal["k_v", "unified"]
 
@@ -112,9 +120,11 @@ class LayoutHints:
     first: L layers, B blocks, N tokens, H heads, C content): ``LBNHC`` (alias ``NHD``,
     tokens before heads), ``LBHNC`` (alias ``HND``, heads before tokens), or vLLM's
     blocks-first ``BLNHC``/``BLHNC`` (same per-layer order; only the block stride
-    differs). Heads outside a block's token run (``LHBNC``, ``BHLNC``) cannot be
-    transferred and are refused. Detectors choose NHD/HND twins by it; vLLM without it:
-    HND on the CPU (vLLM's CPU backend allocates HND), NHD elsewhere.
+    differs), or ``LHBNC`` (heads, or a backend's head slots, outside blocks: ROCm
+    attention's first choice; a block is one token run per head). Heads outside layers
+    (``BHLNC``) interleave every layer's rows and are refused. Detectors choose NHD/HND
+    twins by it; vLLM without it: HND on the CPU (vLLM's CPU backend allocates HND), NHD
+    elsewhere.
 
     ``num_kv_heads``, ``tokens_per_block`` (alias ``page_size``), ``head_dim``,
     ``num_layers``, ``total_num_blocks``, ``kv_dim`` (K/V planes: 2, or 1 for MLA): sizes
@@ -196,6 +206,11 @@ class LayoutHints:
         """Heads before tokens per the ``kv_layout`` hint; None without one."""
         return None if self.kv_layout is None else self.kv_layout in HND_KV_LAYOUTS
 
+    @property
+    def is_head_outer(self) -> bool | None:
+        """Heads outside blocks (``LHBNC``) per the ``kv_layout`` hint; None without one."""
+        return None if self.kv_layout is None else self.kv_layout in HEAD_OUTER_KV_LAYOUTS
+
 
 def _kv_layout(value: object) -> str:
     """The ``kv_layout`` spelling, in any case; heads outside a block's tokens refused."""
@@ -210,9 +225,16 @@ def _kv_layout(value: object) -> str:
             f"layout hint kv_layout={value!r} is not one of {', '.join(KV_LAYOUT_NAMES)}"
         ) from None
     assert not transferable(axes)
+    pos = {a: i for i, a in enumerate(axes)}
+    if pos[Axis.C] != len(axes) - 1:
+        why = "a head's row content is not innermost"
+    elif pos[Axis.N] < max(pos[Axis.L], pos[Axis.B]):
+        why = "tokens outside the blocks or layers split every block's token run"
+    else:
+        why = "heads outside the layers interleave every layer's rows per head"
     raise LayoutHintError(
-        f"layout hint kv_layout={value!r}: heads outside a block's token run fragment every block per head, "
-        f"which no transfer can address; use one of {', '.join(KV_LAYOUT_NAMES)}"
+        f"layout hint kv_layout={value!r}: {why}, which no format describes; use one of "
+        f"{', '.join(KV_LAYOUT_NAMES)}"
     )
 
 

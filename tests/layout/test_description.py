@@ -184,19 +184,24 @@ def test_example_6_spellings_are_orders_of_axes() -> None:
 
 
 def test_the_hint_names_are_derived_and_public() -> None:
-    assert kvlayout.KV_LAYOUT_NAMES == ("NHD", "HND", "BLHNC", "BLNHC", "LBHNC", "LBNHC")
+    assert kvlayout.KV_LAYOUT_NAMES == ("NHD", "HND", "BLHNC", "BLNHC", "LBHNC", "LBNHC", "LHBNC")
     assert set(get_args(KVLayoutName)) == set(kvlayout.KV_LAYOUT_NAMES)
-    assert {"HND", "LBHNC", "BLHNC"} == kvlayout.HND_KV_LAYOUTS
+    assert {"HND", "LBHNC", "BLHNC", "LHBNC"} == kvlayout.HND_KV_LAYOUTS
+    assert {"LHBNC"} == kvlayout.HEAD_OUTER_KV_LAYOUTS
     assert {"BLHNC", "BLNHC"} == kvlayout.BLOCKS_FIRST_KV_LAYOUTS
     assert kvlayout.KV_LIST_LAYOUT_NAMES == ("k_v", "unified")
 
 
-@pytest.mark.parametrize("name", ["NHD", "HND", "LBNHC", "LBHNC", "BLNHC", "BLHNC"])
+@pytest.mark.parametrize("name", ["NHD", "HND", "LBNHC", "LBHNC", "BLNHC", "BLHNC", "LHBNC"])
 def test_every_spelling_reads_the_rank_4_unified_cache(name: str) -> None:
-    """H before N <=> the fused vLLM member is the HND one (12), else 13."""
+    """H before N <=> the fused vLLM member is an HND one: heads outside blocks (21), or
+    inside them (12); else 13."""
     kv = [torch.zeros(7, 2, 3, 8) for _ in range(2)]
     fmt, _ = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": name})
-    assert fmt is (F.NL_X_NB_NH_BS_CS if name in kvlayout.HND_KV_LAYOUTS else F.NL_X_NB_BS_NH_CS)
+    if name in kvlayout.HEAD_OUTER_KV_LAYOUTS:
+        assert fmt is F.NL_X_NH_NB_BS_CS
+    else:
+        assert fmt is (F.NL_X_NB_NH_BS_CS if name in kvlayout.HND_KV_LAYOUTS else F.NL_X_NB_BS_NH_CS)
     assert kvlayout.LayoutHints(kv_layout=name).is_hnd is (name in kvlayout.HND_KV_LAYOUTS)  # type: ignore[arg-type]
 
 
@@ -204,11 +209,12 @@ def test_every_spelling_reads_the_rank_4_unified_cache(name: str) -> None:
     ("name", "message"),
     [
         (
-            "LHBNC",
-            "layout hint kv_layout='LHBNC': heads outside a block's token run fragment every block per head",
+            "BHLNC",
+            "layout hint kv_layout='BHLNC': heads outside the layers interleave every layer's rows per head",
         ),
-        ("BHLNC", "layout hint kv_layout='BHLNC': heads outside a block's token run"),
-        ("XYZ", "layout hint kv_layout='XYZ' is not one of NHD, HND, BLHNC, BLNHC, LBHNC, LBNHC"),
+        ("LNBHC", "layout hint kv_layout='LNBHC': tokens outside the blocks or layers split every block"),
+        ("LBNCH", "layout hint kv_layout='LBNCH': a head's row content is not innermost"),
+        ("XYZ", "layout hint kv_layout='XYZ' is not one of NHD, HND, BLHNC, BLNHC, LBHNC, LBNHC, LHBNC"),
     ],
 )
 def test_untransferable_and_unknown_spellings_are_refused(name: str, message: str) -> None:

@@ -267,6 +267,16 @@ KVLAYOUT_HOST_DEVICE inline Location nb_nl_one_bs_hs(const Sizes& s, std::int64_
   return Location{0, c.block * stride0 + c.layer * stride1 + c.token * stride3 + c.elem * stride4};
 }
 
+// 21: NL_X_NH_NB_BS_CS = NL x [NH, NB, BS, CS]
+KVLAYOUT_HOST_DEVICE inline Location nl_x_nh_nb_bs_cs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride3 = 1;
+  const std::int64_t stride2 = stride3 * s.cs;
+  const std::int64_t stride1 = stride2 * s.bs;
+  const std::int64_t stride0 = stride1 * s.nb;
+  return Location{c.layer, c.head * stride0 + c.block * stride1 + c.token * stride2 + c.elem * stride3};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -314,6 +324,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nb_kv_nl_bs_nh_hs(s, block_stride, c);
     case EngineKVFormat::NB_NL_ONE_BS_HS:
       return indexing::nb_nl_one_bs_hs(s, block_stride, c);
+    case EngineKVFormat::NL_X_NH_NB_BS_CS:
+      return indexing::nl_x_nh_nb_bs_cs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -466,6 +478,13 @@ template <>
 struct Indexer<EngineKVFormat::NB_NL_ONE_BS_HS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nb_nl_one_bs_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NL_X_NH_NB_BS_CS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nl_x_nh_nb_bs_cs(s, block_stride, c);
   }
 };
 

@@ -56,6 +56,8 @@ class EngineKVFormat(enum.IntEnum):
     """``[NB, KV, NL, BS, NH, HS]``"""
     NB_NL_ONE_BS_HS = 20
     """``[NB, NL, 1, BS, HS]``"""
+    NL_X_NH_NB_BS_CS = 21
+    """``NL x [NH, NB, BS, CS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +92,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NL_X_NB_BS_NH_HS: Layout(lists=(NL,), tensor=(NB, BS, NH, HS)),
     EngineKVFormat.NB_KV_NL_BS_NH_HS: Layout(lists=(), tensor=(NB, KV, NL, BS, NH, HS)),
     EngineKVFormat.NB_NL_ONE_BS_HS: Layout(lists=(), tensor=(NB, NL, ONE, BS, HS)),
+    EngineKVFormat.NL_X_NH_NB_BS_CS: Layout(lists=(NL,), tensor=(NH, NB, BS, CS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -182,6 +185,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NB_NL_ONE_BS_HS: FormatInfo(
         backends=("TRT-LLM MLA (K-only pool, kv factor 1)",),
         engines=("trtllm",),
+    ),
+    EngineKVFormat.NL_X_NH_NB_BS_CS: FormatInfo(
+        backends=("vLLM KVCacheLayout LHBNC: heads (or the backend's head slots) outside blocks, fused K/V",),
+        engines=("vllm",),
     ),
 }
 

@@ -8,7 +8,7 @@ from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -30,6 +30,7 @@ class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -94,6 +95,7 @@ class NL_X_TWO_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = False
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -159,6 +161,7 @@ class NL_X_NB_TWO_BS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -224,6 +227,7 @@ class NL_X_NB_BS_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -287,6 +291,7 @@ class TWO_X_NL_X_NBBS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = False
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -351,6 +356,7 @@ class NL_X_NBBS_ONE_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = False
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -413,6 +419,7 @@ class NL_X_TWO_NB_NH_BS_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = False
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -478,6 +485,7 @@ class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -543,6 +551,7 @@ class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -607,6 +616,7 @@ class TWO_X_NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -673,6 +683,7 @@ class NL_X_NB_NH_BS_TWO_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 2
 
@@ -739,6 +750,7 @@ class NL_X_NB_BS_NH_TWO_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 2
 
@@ -804,6 +816,7 @@ class NL_X_NB_NH_BS_CS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "CS"
     row_divisor = 1
 
@@ -869,6 +882,7 @@ class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "CS"
     row_divisor = 1
 
@@ -934,6 +948,7 @@ class NL_X_NB_BSV_BSS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = True
+    is_head_outer = False
     row_symbol = None
     row_divisor = 1
 
@@ -996,6 +1011,7 @@ class NL_X_TWO_NB_NH_ONE_BS_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = False
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1061,6 +1077,7 @@ class NL_X_TWO_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1126,6 +1143,7 @@ class NL_X_NP_X_NB_BS_ONE_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1190,6 +1208,7 @@ class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = True
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1255,6 +1274,7 @@ class NB_KV_NL_BS_NH_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1320,6 +1340,7 @@ class NB_NL_ONE_BS_HS_Spec(KVFormatSpec):
     is_single_kv = False
     has_leading_block_axis = True
     is_indexer = False
+    is_head_outer = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1363,6 +1384,72 @@ class NB_NL_ONE_BS_HS_Spec(KVFormatSpec):
         return [kv.data_ptr()]
 
 
+class NL_X_NH_NB_BS_CS_Spec(KVFormatSpec):
+    """``NL x [NH, NB, BS, CS]``: vLLM KVCacheLayout LHBNC: heads (or the backend's head slots) outside blocks, fused K/V."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NL_X_NH_NB_BS_CS
+    layout = LAYOUTS[EngineKVFormat.NL_X_NH_NB_BS_CS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NL_X_NH_NB_BS_CS].backends
+    is_cross_layer = False
+    is_kv_list = False
+    is_layer_list = True
+    is_mla = False
+    is_hnd = True
+    is_fused_packed = True
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = True
+    row_symbol = "CS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return len(self.kv)
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[1]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[1] * self.kv[layer_idx].shape[2]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[0]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[3]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv[layer_idx].shape
+        return shape[0] * shape[3]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv[layer_idx].dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NL": len(self.kv),
+            "NH": self.kv[layer_idx].shape[0],
+            "NB": self.kv[layer_idx].shape[1],
+            "BS": self.kv[layer_idx].shape[2],
+            "CS": self.kv[layer_idx].shape[3],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        layers = range(self.num_layers()) if layer_indices is None else layer_indices
+        return [kv[layer].data_ptr() for layer in layers]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -1386,4 +1473,5 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NL_X_NB_BS_NH_HS_Spec,
     NB_KV_NL_BS_NH_HS_Spec,
     NB_NL_ONE_BS_HS_Spec,
+    NL_X_NH_NB_BS_CS_Spec,
 )

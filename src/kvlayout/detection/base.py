@@ -312,7 +312,12 @@ with ``{}`` is a sentence the value goes in (a decision no hint made: the defaul
 
 def _decided(hint: str, fact: str, wanted: object) -> str:
     """A decision as messages show it: ``kv_layout=HND``, not the fact's value."""
-    value = ("HND" if wanted else "NHD") if fact == "is_hnd" else str(wanted)
+    if fact == "is_hnd":
+        value = "HND" if wanted else "NHD"
+    elif fact == "is_head_outer":
+        value = "LHBNC" if wanted else "heads inside blocks"
+    else:
+        value = str(wanted)
     return hint.format(value) if "{}" in hint else f"{hint}={value}"
 
 

@@ -20,7 +20,7 @@ import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import get_spec
-from kvlayout.detection.base import DetectionError, check_size_hints, probe, validate
+from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, probe, validate
 from kvlayout.detection.registry import get_detector, mixed_check
 from kvlayout.errors import KVLayoutError
 from kvlayout.registration.contiguity import (
@@ -126,6 +126,11 @@ def _discover(
 ) -> tuple[EngineKVFormat, Any, bool]:
     """The engine's detector on the physically ordered registration: (format, normalized
     registration, whether every tensor is known alike and contiguous)."""
+    if hints.is_head_outer and not any(LAYOUTS[f].is_head_outer for f in engine_formats(engine)):
+        raise LayoutHintError(
+            f"layout hint kv_layout={hints.kv_layout!r} puts heads outside blocks, which no {engine.value} "
+            "format does"
+        )
     detector = get_detector(engine)
     normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)
     trusted = normalized is not None

@@ -32,7 +32,7 @@ Quirks that live here and nowhere else:
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.base import (
@@ -44,7 +44,7 @@ from kvlayout.detection.base import (
     probe,
     size_hint_conflict,
 )
-from kvlayout.layout.vocabulary import HND_KV_LAYOUTS, Role
+from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS, HND_KV_LAYOUTS, Role
 from kvlayout.registration.contiguity import dim0_padding
 from kvlayout.registration.nesting import first_leaf
 from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHintError, LayoutHints
@@ -56,8 +56,8 @@ ENGINE = EngineType.VLLM
 
 def resolve_vllm_kv_layout(layout_hints: HintsLike, cpu_attention_backend: bool = False) -> str:
     """The ``kv_layout`` a vLLM registration is read in: the hint when there is one
-    (checked: a spelling with heads outside a block's tokens, such as ``LHBNC``, or an
-    unknown one is a :class:`~kvlayout.types.LayoutHintError`); without one ``HND`` on a
+    (checked: a spelling with heads outside the layers, ``BHLNC``, or an unknown one is a
+    :class:`~kvlayout.types.LayoutHintError`); without one ``HND`` on a
     CPU attention backend (vLLM's CPU backend allocates HND) and ``NHD`` elsewhere.
 
     Detection asks this for the default only after the size hints had their say: without
@@ -78,23 +78,34 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         if read is not None:
             return read
     layout = resolve_vllm_kv_layout(hints, cpu_attention_backend=p.device.type == "cpu")
-    return _discover(kv, p, hints, layout in HND_KV_LAYOUTS)
+    return _discover(kv, p, hints, _Reading(layout in HND_KV_LAYOUTS, layout in HEAD_OUTER_KV_LAYOUTS))
+
+
+class _Reading(NamedTuple):
+    """A ``kv_layout`` reading: heads before tokens, and heads outside blocks (LHBNC)."""
+
+    hnd: bool
+    head_outer: bool
+
+
+# NHD, HND and LHBNC: what size hints choose among without a kv_layout hint.
+_READINGS = (_Reading(False, False), _Reading(True, False), _Reading(True, True))
 
 
 def _read_by_sizes(
     kv: Any, p: Probe, hints: LayoutHints
 ) -> tuple[EngineKVFormat, DiscoverableKVCache] | None:
-    """The NHD or HND reading the size hints agree with, where exactly one does (None
-    without size hints, or when they do not tell the twins apart)."""
+    """The NHD, HND or LHBNC reading the size hints agree with, where exactly one format
+    does (None without size hints, or when they do not tell the readings apart)."""
     if all(getattr(hints, hint) is None for hint, _ in SIZE_HINTS):
         return None
-    agree = []
-    for hnd in (False, True):
+    agree: list[tuple[EngineKVFormat, DiscoverableKVCache]] = []
+    for reading in _READINGS:
         try:
-            fmt, out = _discover(kv, p, hints, hnd)
+            fmt, out = _discover(kv, p, hints, reading)
         except DetectionError:
             continue
-        if size_hint_conflict(fmt, first_leaf(out).shape, hints) is None:
+        if size_hint_conflict(fmt, first_leaf(out).shape, hints) is None and fmt not in (f for f, _ in agree):
             agree.append((fmt, out))
     return agree[0] if len(agree) == 1 else None
 
@@ -104,18 +115,22 @@ def _layout_label(p: Probe, hints: LayoutHints) -> str:
     return "kv_layout" if hints.is_hnd is not None else f"no kv_layout hint, so {{}} on {p.device.type}"
 
 
-def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    layout_decision = (_layout_label(p, hints), "is_hnd", hnd)
+def _discover(
+    kv: Any, p: Probe, hints: LayoutHints, reading: _Reading
+) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    label = _layout_label(p, hints)
+    layout_decision = (label, "is_hnd", reading.hnd)
+    head_decision = (label, "is_head_outer", reading.head_outer)
     if p.depth == 0:
-        return pick(ENGINE, p, decide=[layout_decision]), kv
+        return pick(ENGINE, p, decide=[layout_decision, head_decision]), kv
     if p.depth == 1 and p.rank == 4:
-        return _rank4(kv, p, hnd, hints)
+        return _rank4(kv, p, reading, hints)
     # Padded block rows say dim 0 is the block axis (flash-infer), whatever the sizes.
     padded = ("dim-0 padding", "has_leading_block_axis", True if dim0_padding(p.first) else None)
     fmt = pick(
         ENGINE,
         p,
-        decide=[layout_decision, padded, ("kv_pair_axis", "kv_axis", hints.kv_pair_axis)],
+        decide=[layout_decision, head_decision, padded, ("kv_pair_axis", "kv_axis", hints.kv_pair_axis)],
         prefer=["is_two_major", "has_kv"],
     )
     if LAYOUTS[fmt].is_kv_second_tuple:
@@ -124,9 +139,14 @@ def _discover(kv: Any, p: Probe, hints: LayoutHints, hnd: bool) -> tuple[EngineK
 
 
 def _rank4(
-    kv: list[Any], p: Probe, hnd: bool, hints: LayoutHints
+    kv: list[Any], p: Probe, reading: _Reading, hints: LayoutHints
 ) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    fused = pick(ENGINE, p, decide=[(_layout_label(p, hints), "is_hnd", hnd)])
+    label = _layout_label(p, hints)
+    # One head outside the blocks is the same memory as inside them; vLLM's [NB, 1, N, C]
+    # reads [NB, 1, N, C] in memory order, and so does one block of H heads, [H, 1, N, C]:
+    # one head (TP = KV heads) unless num_kv_heads says dim 0 is the heads.
+    head_outer = reading.head_outer and (p.shape[1] != 1 or hints.num_kv_heads == p.shape[0])
+    fused = pick(ENGINE, p, decide=[(label, "is_hnd", reading.hnd), (label, "is_head_outer", head_outer)])
     head, token = (LAYOUTS[fused].axis_of(r) for r in (Role.HEAD, Role.TOKEN))
     assert head is not None and token is not None
     one_head = hints.num_kv_heads in (None, 1) and hints.tokens_per_block != 1

@@ -35,6 +35,7 @@ FACTS = (
     "is_single_kv",
     "has_leading_block_axis",
     "is_indexer",
+    "is_head_outer",
 )
 # Exactly one of these holds for every layout.
 STRUCTURE_FACTS = ("is_cross_layer", "is_kv_list", "is_layer_list")
@@ -179,6 +180,14 @@ class Layout:
         head = self._part_position(Role.HEAD)
         token = self._part_position(Role.TOKEN)
         return head is not None and token is not None and head < token
+
+    @functools.cached_property
+    def is_head_outer(self) -> bool:
+        """Heads are outer to blocks: a block is one run per head, each head's blocks
+        one after another (vLLM's ``LHBNC``)."""
+        head = self._part_position(Role.HEAD)
+        block = self._part_position(Role.BLOCK)
+        return head is not None and block is not None and head < block
 
     @functools.cached_property
     def is_two_major(self) -> bool:

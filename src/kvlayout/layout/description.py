@@ -291,6 +291,11 @@ class LayoutDescription:
         return h is not None and n is not None and h < n and self.dims[h] == (Axis.H,)
 
     @property
+    def is_head_outer(self) -> bool:
+        h, b = self.axis_dim(Axis.H), self.axis_dim(Axis.B)
+        return h is not None and b is not None and h < b
+
+    @property
     def is_two_major(self) -> bool:
         kv, b = self.axis_dim(Axis.KV), self.axis_dim(Axis.B)
         return self.kv_packing is KVPacking.SPLIT and kv is not None and b is not None and kv < b

@@ -22,6 +22,7 @@ from kvlayout.errors import DescriptionError
 
 __all__ = [
     "BLOCKS_FIRST_KV_LAYOUTS",
+    "HEAD_OUTER_KV_LAYOUTS",
     "HND_KV_LAYOUTS",
     "KV_LAYOUT_ALIASES",
     "KV_LAYOUT_NAMES",
@@ -179,10 +180,16 @@ def kv_layout_axes(name: str) -> tuple[Axis, ...]:
 
 
 def transferable(axes: tuple[Axis, ...]) -> bool:
-    """A block's token run holds every head's row: the tokens and heads are inner to the
-    layers and blocks, and the content innermost."""
+    """A layer's block is a token run per head or for all heads: the content innermost,
+    the tokens inner to the layers and blocks, the heads inner to the layers (inside the
+    blocks, or outside them as in ``LHBNC``: one run per head a block). Heads outside
+    the layers (``BHLNC``) interleave every layer's rows per head and are refused."""
     pos = {a: i for i, a in enumerate(axes)}
-    return pos[Axis.C] == len(axes) - 1 and min(pos[Axis.N], pos[Axis.H]) > max(pos[Axis.L], pos[Axis.B])
+    return (
+        pos[Axis.C] == len(axes) - 1
+        and pos[Axis.N] > max(pos[Axis.L], pos[Axis.B])
+        and pos[Axis.H] > pos[Axis.L]
+    )
 
 
 def _spelling(axes: tuple[Axis, ...]) -> str:
@@ -198,7 +205,12 @@ KV_LAYOUT_NAMES: tuple[str, ...] = (
 HND_KV_LAYOUTS: frozenset[str] = frozenset(
     n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.H) < kv_layout_axes(n).index(Axis.N)
 )
-"""The spellings with heads before tokens inside a block."""
+"""The spellings with heads before tokens (inside a block, or outside it)."""
+
+HEAD_OUTER_KV_LAYOUTS: frozenset[str] = frozenset(
+    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.H) < kv_layout_axes(n).index(Axis.B)
+)
+"""The spellings with heads outside blocks (``LHBNC``): a block is one token run per head."""
 
 BLOCKS_FIRST_KV_LAYOUTS: frozenset[str] = frozenset(
     n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.B) < kv_layout_axes(n).index(Axis.L)

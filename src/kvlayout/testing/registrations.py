@@ -231,6 +231,19 @@ def _vllm_fused(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int,
     )
 
 
+def _vllm_head_outer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                     dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """vLLM 0.33 under ``LHBNC``: ``[NB, H, N, C]`` views of ``[H, NB, N, C]`` memory."""
+    cs = draw(st.sampled_from([2 * hs, 2 * hs + 1, 6]))
+    nh, nb, bs = max(nh, 2), max(nb, 2), max(bs, 2)  # one head or block is LBHNC's memory too
+    leaves = _alloc((nh, nb, bs, cs), dtype, nl, _modes(draw, False))
+    kv = [t.permute(1, 0, 2, 3) for t in leaves]
+    hints: dict[str, Any] = draw(
+        st.sampled_from([{"kv_layout": "LHBNC"}, {"kv_layout": "lhbnc", "num_kv_heads": nh}])
+    )
+    return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, cs, dtype, leaves, "LHBNC view")
+
+
 def _vllm_kv_tuples(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                     dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     mode = _modes(draw, True)
@@ -420,6 +433,7 @@ _BUILDERS: dict[tuple[str, int], Builder] = {
     ("vllm", 3): _vllm_mla,
     ("vllm", 14): _vllm_indexer,
     ("vllm", 12): _vllm_fused,
+    ("vllm", 21): _vllm_head_outer,
     ("vllm", 13): _vllm_fused,
     ("vllm", 16): _vllm_kv_tuples,
     ("vllm", 17): _vllm_planes,

@@ -13,7 +13,6 @@ import torch
 import kvlayout
 from kvlayout.integrations.vllm import (
     BlockGranularityError,
-    KVCacheGroupEditError,
     apply_kv_cache_group_edits,
 )
 from kvlayout.testing.vllm import FLASH_ATTN, Backend, allocate_v033, uniform_engine
@@ -116,30 +115,79 @@ def test_kernel_paged_indexer_pages_move_whole() -> None:
             assert torch.equal(page(kv_b[name], blk, spec), page(before[name], blk, spec))
 
 
-def test_heads_outside_blocks_are_refused_not_read_as_blocks() -> None:
-    """``LHBNC`` puts each layer's heads outside its blocks; without a hint its heads read as
-    blocks (2 blocks of 6 heads for 6 blocks of 2), and a map moved head planes."""
+def test_heads_outside_blocks_without_the_hint_are_refused_not_read_as_blocks() -> None:
+    """``LHBNC`` puts each layer's heads outside its blocks; read under another hint its
+    heads are blocks (2 blocks of 6 heads for 6 blocks of 2), and a map moved head planes."""
     spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     engine = uniform_engine(spec, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LHBNC)
     _, kv = allocate_v033(engine)
     with pytest.raises(
         BlockGranularityError,
-        match=r"reads as NL_X_NB_NH_BS_CS with 2 blocks, fewer than the config's num_blocks 6",
+        match=r"reads as NL_X_NB_NH_BS_CS with 2 blocks, fewer than the config's num_blocks 6.*"
+        r"heads outside blocks need kv_layout='LHBNC'",
     ):
         apply_kv_cache_group_edits(engine.config, kv, None)
 
 
-def test_head_slots_outside_the_blocks_are_refused_by_name() -> None:
-    """ROCm attention's first choice, LHBNC: the K slot of every block, then the V slot;
-    a block is two runs, which whole-page moves cannot be (it said the pages did not tile)."""
+def test_heads_outside_blocks_map_to_any_layout() -> None:
+    """``LHBNC`` (ROCm's AITER backends list it) read as its blocks, heads outside them:
+    a request moves into an NHD cache token by token, head by head (it was refused)."""
+    spec = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    _, kv_a, a = registered(spec, KVCacheLayout.LHBNC, 11)
+    _, kv_b, b = registered(spec, KVCacheLayout.LBNHC, 12)
+    assert a.only_group().format is kvlayout.EngineKVFormat.NL_X_NH_NB_BS_CS
+    assert a.only_group().opaque_pages is None
+    before = {n: t.clone() for n, t in kv_b.items()}
+    m = block_map(a, b, [4, 1], [0, 5], num_tokens=BS + 3)
+    assert m.num_runs == NL * (H * BS + H * 3)  # one run per token and head: NHD interleaves heads
+    m.copy()
+    for name in kv_a:  # both are vLLM's logical [B, H, N, C] views
+        src, dst, old = (t.view(torch.int16) for t in (kv_a[name], kv_b[name], before[name]))
+        assert torch.equal(dst[0], src[4])
+        assert torch.equal(dst[5, :, :3], src[1, :, :3]) and torch.equal(dst[5, :, 3:], old[5, :, 3:])
+        assert torch.equal(dst[1:5], old[1:5])
+
+
+def test_head_slots_outside_the_blocks_move_whole_per_slot() -> None:
+    """ROCm attention's first choice, LHBNC: the K slot of every block, then the V slot. A
+    block is two runs, moved whole per slot between caches paged alike; it was refused."""
     plain = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
     rocm = dataclasses.replace(plain, num_head_slots=2, state_content_bytes=H * D * 2)
-    engine = uniform_engine(rocm, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LHBNC)
-    _, kv = allocate_v033(engine)
-    with pytest.raises(
-        KVCacheGroupEditError, match=r"its 2 heads \(or head slots\) lie outside its pages in memory .* LHBNC"
-    ):
-        apply_kv_cache_group_edits(engine.config, kv, None)
+    _, kv_a, a = registered(rocm, KVCacheLayout.LHBNC, 13)
+    _, kv_b, b = registered(rocm, KVCacheLayout.LHBNC, 14)
+    _, _, block_compact = registered(rocm, KVCacheLayout.LBHNC, 15)
+    pages = a.only_group().opaque_pages
+    assert pages is not None and not pages.rows_are_tokens
+    before = {n: t.clone() for n, t in kv_b.items()}
+    m = block_map(a, b, [4, 1], [0, 5], num_tokens=BS + 3)  # the last block moves whole
+    assert m.num_runs == NL * 2 * 2  # a run per layer, slot and block
+    m.copy()
+    for name in kv_a:  # [B, slot, N, C]: block b's slot s is [b, s]
+        src, dst, old = kv_a[name], kv_b[name], before[name]
+        assert torch.equal(dst[0].view(torch.int16), src[4].view(torch.int16))
+        assert torch.equal(dst[5].view(torch.int16), src[1].view(torch.int16))
+        assert torch.equal(dst[1:5].view(torch.int16), old[1:5].view(torch.int16))
+    with pytest.raises(BlockMapError, match=r"src and dst are opaque pages laid out differently"):
+        block_map(a, block_compact, [4], [0])
+
+
+def test_packed_head_rows_outside_the_blocks_move_their_tokens() -> None:
+    """Under LHBNC a head's page is its tokens in order: a partly filled last block moves
+    only its tokens' rows, per head."""
+    spec = kvi.FullAttentionSpec(
+        block_size=BS, num_kv_heads=H, head_size=D, head_size_v=D // 2, dtype=torch.bfloat16
+    )
+    _, kv_a, a = registered(spec, KVCacheLayout.LHBNC, 16)
+    _, kv_b, b = registered(spec, KVCacheLayout.LHBNC, 17)
+    pages = a.only_group().opaque_pages
+    assert pages is not None and pages.rows_are_tokens
+    before = {n: t.clone() for n, t in kv_b.items()}
+    block_map(a, b, [2, 3], [1, 0], num_tokens=BS + 5).copy()
+    for name in kv_a:
+        src, dst, old = (t.view(torch.int16) for t in (kv_a[name], kv_b[name], before[name]))
+        assert torch.equal(dst[1], src[2])
+        assert torch.equal(dst[0, :, :5], src[3, :, :5]) and torch.equal(dst[0, :, 5:], old[0, :, 5:])
+        assert torch.equal(dst[2:], old[2:])
 
 
 def test_layers_holding_more_blocks_than_num_blocks_are_accepted() -> None:

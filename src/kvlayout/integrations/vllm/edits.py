@@ -20,7 +20,7 @@ import torch
 from kvlayout.catalog.registry import get_spec
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.granularity import check_block_granularity
-from kvlayout.integrations.vllm.pages import page_layout
+from kvlayout.integrations.vllm.pages import OPAQUE_HEAD_PAGES_FORMAT, OPAQUE_PAGE_FORMAT, page_layout
 from kvlayout.integrations.vllm.rules import (
     HeadSlotPagesEdit,
     KVCacheGroupEdit,
@@ -80,7 +80,10 @@ def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tenso
     """The invariants every opaque view keeps, whichever rule made it (user rules
     included); a block view is read by the granularity check like any registered layer."""
     _check_storage(edit, value, view)
-    block_size, wanted = get_spec([view], edit.output_format).block_size(), slots_per_block(spec)
+    fmt = edit.output_format
+    if fmt is OPAQUE_PAGE_FORMAT and view.dim() == 4:  # pages per head slot (LHBNC)
+        fmt = OPAQUE_HEAD_PAGES_FORMAT
+    block_size, wanted = get_spec([view], fmt).block_size(), slots_per_block(spec)
     if wanted is None:
         raise KVCacheGroupEditError(
             f"edit {edit.name!r} edited a {type(spec).__name__}, which declares no whole number of slots "
@@ -91,7 +94,7 @@ def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tenso
         expected = f"block_size {wanted}" if ratio == 1 else f"{wanted} slots per block ({ratio} tokens each)"
         raise KVCacheGroupEditError(
             f"edit {edit.name!r} produced a view whose block size reads as {block_size} under "
-            f"{edit.output_format.name}, not the spec's {expected}"
+            f"{fmt.name}, not the spec's {expected}"
         )
 
 

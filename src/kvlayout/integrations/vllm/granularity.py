@@ -109,7 +109,7 @@ def check_block_granularity(
         if got != slots:
             problem = f"reads as {fmt.name} with block size {got}, not {_wanted(slots, spec)}"
         elif num_blocks is not None and (not isinstance(blocks, int) or blocks < num_blocks):
-            # heads outside blocks (LHBNC): its heads read as blocks
+            # heads outside blocks (LHBNC) under another hint: its heads read as blocks
             problem = (
                 f"reads as {fmt.name} with {blocks} blocks, fewer than the config's num_blocks {num_blocks}"
             )
@@ -127,6 +127,6 @@ def check_block_granularity(
         raise BlockGranularityError(
             f"registered blocks are not block ids under kv_layout={hint!r}: {items}. A wrong kv_layout "
             "hint (vLLM's LBNHC/BLNHC are NHD, LBHNC/BLHNC are HND; without a hint CPU tensors read as "
-            "HND), heads outside blocks (LHBNC, BHLNC: not served), or a packing the spec does not "
+            "HND; heads outside blocks need kv_layout='LHBNC'), or a packing the spec does not "
             f"declare, would transfer the wrong bytes. See {DOCS}."
         )

@@ -24,6 +24,7 @@ from kvlayout.registration.contiguity import (
 from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
 
 __all__ = [
+    "OPAQUE_HEAD_PAGES_FORMAT",
     "OPAQUE_PAGE_DTYPE",
     "OPAQUE_PAGE_FORMAT",
     "PageRuns",
@@ -38,6 +39,11 @@ head axis. Detection reads a rank-3 vLLM tensor as this format under every
 ``kv_layout`` hint, so the edited views do not depend on the NHD/HND hint (a rank-4 or
 rank-5 view with a synthetic head axis would swap its head and token axes under the
 other hint)."""
+
+OPAQUE_HEAD_PAGES_FORMAT = EngineKVFormat.NL_X_NH_NB_BS_CS
+"""What an edited view of pages per head reads as, ``[H, num_blocks, block_size, row]``:
+vLLM's ``LHBNC`` keeps each head (or head slot) outside the blocks, so a block is one
+page per head. Detection reads it so under the ``LHBNC`` hint, which such a cache needs."""
 
 OPAQUE_PAGE_DTYPE = torch.int8
 """Bytes: a page mixes dtypes (bf16 conv, fp32 ssm, padding; K and V of kernel pages),
@@ -130,6 +136,7 @@ def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> Opa
         if declared is not None:
             parts.append(f"{name} {declared}")
     first = tensors[0]
-    inner = [d for d in physical_order(first.shape, first.stride()) if first.shape[d] != 1][1:]
+    order = [d for d in physical_order(first.shape, first.stride()) if first.shape[d] != 1]
+    inner = order[order.index(0) + 1 :] if 0 in order else order[1:]  # inside a page (heads may be outside)
     rows_are_tokens = token_axis is not None and len(tensors) == 1 and (not inner or inner[0] == token_axis)
     return OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens)

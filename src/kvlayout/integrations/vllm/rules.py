@@ -197,8 +197,11 @@ def _token_major_blocks(spec: Any, value: torch.Tensor, token_axis: int | None) 
     return value.as_strided(shape, stride, value.storage_offset())
 
 
-def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_slots: int) -> torch.Tensor:
-    """View ``k = slots_per_block / kernel_slots`` consecutive kernel pages as one block.
+def _group_kernel_pages(
+    spec: Any, value: torch.Tensor, kernel_slots: int, *, runs_per_block: int = 1
+) -> torch.Tensor:
+    """View ``k = slots_per_block / kernel_slots`` consecutive kernel pages as one block
+    (``runs_per_block`` > 1: as one of that many equal runs of each block, a head slot's).
 
     vLLM maps logical block ``n`` to kernel blocks ``n*k .. n*k+k-1``, so this is only
     faithful when those k pages are one contiguous run of exactly the spec's page:
@@ -221,24 +224,25 @@ def _group_kernel_pages(spec: Any, value: torch.Tensor, kernel_slots: int) -> to
     k = slots // kernel_slots
     runs = page_runs(value)
     page = require_size(spec, "page_size_bytes")
-    if runs.page_bytes * k != page:
+    if runs.page_bytes * k * runs_per_block != page:
+        per_run = "" if runs_per_block == 1 else f" in each of {runs_per_block} head slots"
         raise KVCacheGroupEditError(
-            f"{k} kernel pages of {_slots(kernel_slots, ratio)} ({k} x {runs.page_bytes} = "
-            f"{k * runs.page_bytes} bytes) do not tile the logical page ({page} bytes); a packed or padded "
-            "page needs its compression declared on the spec"
+            f"{k} kernel pages of {_slots(kernel_slots, ratio)}{per_run} ({runs_per_block * k} x "
+            f"{runs.page_bytes} = {runs_per_block * k * runs.page_bytes} bytes) do not tile the logical page "
+            f"({page} bytes); a packed or padded page needs its compression declared on the spec"
         )
     if runs.num_pages % k:
         raise KVCacheGroupEditError(f"{runs.num_pages} kernel pages do not make whole blocks of {k} pages")
     if runs.stride_bytes != runs.page_bytes:
         raise KVCacheGroupEditError(
             f"kernel pages are {runs.stride_bytes} bytes apart but {runs.page_bytes} bytes long, "
-            f"so {k} of them are not one contiguous {page}-byte block"
+            f"so {k} of them are not one contiguous {k * runs.page_bytes}-byte block"
         )
     return opaque_page_view(
         value,
         num_blocks=runs.num_pages // k,
         block_size=slots,
-        page_bytes=page,
+        page_bytes=k * runs.page_bytes,
         block_stride_bytes=k * runs.stride_bytes,
         offset_bytes=runs.offset_bytes,
     )
@@ -278,17 +282,33 @@ def _packed_heads(spec: Any) -> bool:
     )
 
 
+def _heads_outside_pages(value: torch.Tensor) -> bool | None:
+    """Where vLLM 0.33's ``[pages, H, N, C]`` keeps its heads (or head slots): inside each
+    page (False: LBHNC, LBNHC), outside every page (True: LHBNC, each head's pages one
+    after another), or None for another memory order."""
+    order = [d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1]
+    if order[0] == 0:
+        return False
+    return True if order[:2] == [1, 0] else None
+
+
 def _whole_pages(spec: Any, value: torch.Tensor) -> torch.Tensor:
-    """A block's kernel pages as one opaque page; refused where the pages are not the
-    outermost axis in memory (vLLM's views are ``[pages, H, N, C]``)."""
-    outermost = next(d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1)
-    if outermost != 0:
+    """A block's kernel pages as one opaque page, ``[NB, BS, row]``; under LHBNC, where a
+    block is one run per head slot, as one opaque page per slot, ``[H, NB, BS, row]``
+    (detection reads it as heads outside blocks under the ``LHBNC`` hint)."""
+    kernel = int(value.shape[_TOKEN_AXIS])
+    outside = _heads_outside_pages(value)
+    if outside is None:
         raise KVCacheGroupEditError(
-            f"its {value.shape[1]} heads (or head slots) lie outside its pages in memory (strides "
-            f"{tuple(value.stride())}: KVCacheLayout LHBNC, every block's first head, then the next), "
-            "so a block is no one run of bytes; a block-compact layout (LBHNC, LBNHC) is"
+            f"its pages (strides {tuple(value.stride())}) are in no memory order vLLM's KVCacheLayout "
+            "makes: neither the pages nor the heads outermost"
         )
-    return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
+    if not outside:
+        return _group_kernel_pages(spec, value, kernel)
+    heads = int(value.shape[1])
+    first = _group_kernel_pages(spec, value[:, 0], kernel, runs_per_block=heads)
+    head_stride = int(value.stride(1)) * value.element_size()
+    return first.as_strided((heads, *first.shape), (head_stride, *first.stride()), first.storage_offset())
 
 
 class HeadSlotPagesEdit(KVCacheGroupEdit):
@@ -364,6 +384,8 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
         )
 
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
+        if value.dim() == 4:  # 0.33's [pages, H, N, C], heads inside or outside the pages
+            return _whole_pages(spec, value)
         return _group_kernel_pages(spec, value, int(value.shape[_TOKEN_AXIS]))
 
     def token_axis(self, value: Any) -> int | None:
