@@ -51,6 +51,7 @@ TOKENS = 40
 NHD, HND = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS  # vLLM flash-attn and its HND twin
 SGLANG = F.TWO_X_NL_X_NBBS_NH_HS  # SGLang's MHA pool: per-layer K and V, token-major pages
 MLA = F.NL_X_NB_BS_HS  # vLLM's MLA latents
+LHBNC = F.NL_X_NH_NB_BS_CS  # vLLM 0.33's heads outside blocks (ROCm attention's first choice)
 
 
 @dataclass
@@ -196,6 +197,7 @@ CASES = [
     ("MLA TP 1->2", MLA, (0, 1), 16, MLA, (1, 2), 16),
     ("vLLM->SGLang TP 2->4", NHD, (1, 2), 16, SGLANG, (3, 4), 16),
     ("KV sharing, NHD->HND TP 2->1", NHD, (1, 2), 16, HND, (0, 1), 16),
+    ("LHBNC->NHD TP 1->2", LHBNC, (0, 1), 16, NHD, (1, 2), 16),
 ]
 # Cases whose caches have a layer registered with an earlier layer's tensor (both sides).
 SHARES = {"KV sharing, NHD->HND TP 2->1": ((2, 0),)}
