@@ -458,7 +458,8 @@ def _from_data(data: object) -> RegistrationDescription:
     for i, g in enumerate(groups):
         heads = num_heads(g.layout, g.planes[0].sizes_dict())
         latent = is_latent(g.layout, g.planes[0].sizes_dict())
-        if shard is not None and not latent and len(shard.heads) != heads:
+        # an opaque page's head axis (vLLM's LHBNC head slots) counts the kernel's slots
+        if shard is not None and not latent and g.opaque_pages is None and len(shard.heads) != heads:
             raise PeerDescriptionError(
                 f"description.shard {shard} holds {len(shard.heads)} KV heads, but "
                 f"description.groups[{i}] has "

@@ -489,7 +489,9 @@ def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
         shard = side.shard
     if not side.has_heads:
         return shard  # latents: every rank holds them whole
-    if shard is None:
+    if shard is None or side.opaque_pages is not None:
+        # an opaque page's head axis (vLLM's LHBNC head slots) counts the kernel's slots, not
+        # the model's heads: every slot moves, the ranks are checked equal (_check_opaque_pages)
         return _whole(side.heads)
     if len(shard.heads) != side.heads:
         raise ShardError(
@@ -1015,8 +1017,10 @@ def _check_opaque_pages(src: Side, dst: Side, src_shard: Shard | None, dst_shard
             f"of the kernel's page, not tokens, so it maps only to a group edited alike ({how})"
         )
     if a != b:
+        tokens = {True: ", rows are tokens", False: ", rows are no tokens"}
+        sa, sb = (f"{p.layout}{tokens[p.rows_are_tokens] if a.layout == b.layout else ''}" for p in (a, b))
         raise BlockMapError(
-            f"src and dst are opaque pages laid out differently (src {a.layout}; dst {b.layout}): the same "
+            f"src and dst are opaque pages laid out differently (src {sa}; dst {sb}): the same "
             f"tokens are other bytes of the page ({how})"
         )
     if not a.rows_are_tokens and src.block_size != dst.block_size:

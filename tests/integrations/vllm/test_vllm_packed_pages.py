@@ -171,6 +171,27 @@ def test_head_slots_outside_the_blocks_move_whole_per_slot() -> None:
         block_map(a, block_compact, [4], [0])
 
 
+def test_head_slots_outside_the_blocks_take_the_model_shard() -> None:
+    """The slot axis is no head axis: a ROCm worker at TP 2 passes its real shard (H of
+    2H heads) to maps and descriptions, which counted the 2 slots as its heads."""
+    heads = 4  # this rank's, beside the 2 slots
+    plain = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=D, dtype=torch.bfloat16)
+    rocm = dataclasses.replace(plain, num_head_slots=2, state_content_bytes=heads * D * 2)
+    _, kv_a, a = registered(rocm, KVCacheLayout.LHBNC, 18)
+    _, kv_b, b = registered(rocm, KVCacheLayout.LHBNC, 19)
+    rank1, rank0 = kvlayout.transfer.Shard(1, 2, 2 * heads), kvlayout.transfer.Shard(0, 2, 2 * heads)
+    peer = kvlayout.transfer.RegistrationDescription.from_json(a.describe(shard=rank1).to_json())
+    m = block_map(peer, b, [3], [2], dst_shard=rank1)
+    assert m.num_bytes == NL * 2 * BS * heads * D * 2  # both slots of every layer
+    block_map(a, b, [3], [2], src_shard=rank1, dst_shard=rank1).copy()
+    for name in kv_a:
+        assert torch.equal(kv_b[name][2].view(torch.int16), kv_a[name][3].view(torch.int16))
+    with pytest.raises(
+        BlockMapError, match=r"src and dst are opaque pages of .* maps only to the same rank's"
+    ):
+        block_map(a, b, [3], [2], src_shard=rank1, dst_shard=rank0)
+
+
 def test_packed_head_rows_outside_the_blocks_move_their_tokens() -> None:
     """Under LHBNC a head's page is its tokens in order: a partly filled last block moves
     only its tokens' rows, per head."""

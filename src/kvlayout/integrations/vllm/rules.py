@@ -287,8 +287,8 @@ def _heads_outside_pages(value: torch.Tensor) -> bool | None:
     page (False: LBHNC, LBNHC), outside every page (True: LHBNC, each head's pages one
     after another), or None for another memory order."""
     order = [d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1]
-    if order[0] == 0:
-        return False
+    if order[0] == 0 or value.shape[0] == 1:
+        return False  # one page holds every head either way
     return True if order[:2] == [1, 0] else None
 
 
