@@ -103,3 +103,28 @@ def test_other_engines_refuse_the_hint(engine: str, kv: Any) -> None:
         match=f"kv_layout='LHBNC' puts heads outside blocks, which no {engine} format does",
     ):
         kvlayout.normalize_kv_and_discover_format(kv, engine, {"kv_layout": "LHBNC"})
+
+
+def test_a_layer_past_2_gib_prepares_and_moves_its_blocks() -> None:
+    """A head's blocks span most of a layer, so a copy's step between heads outgrew the
+    plan's 31-bit strides once a layer passed about 2.29 GiB (Llama-3.1-8B on an H200):
+    ``prepare`` raised a bare ValueError. The plan now cuts such a copy per head. The
+    cache is reserved, not touched: only the moved blocks are written."""
+    heads, blocks, cs = 8, 80_000, 256  # 2.4 GiB a layer in bf16 (8-token blocks)
+    cache = torch.empty(heads, blocks, N, cs, dtype=torch.bfloat16)
+    ids = [5, blocks - 1, 20_000, 7]
+    g = torch.Generator().manual_seed(6)
+    for b in ids:
+        cache[:, b] = torch.randn(heads, N, cs, generator=g)
+    logical = cache.permute(1, 0, 2, 3)
+    want = torch.stack([logical[b] for b in ids])
+    plan = prepare(kvlayout.detect([logical], "vllm", {"kv_layout": "LHBNC"}))
+    shape, dtype = plan.chunk_shape(len(ids) * N)
+    chunk = torch.empty(shape, dtype=dtype)
+    plan.store_blocks(ids, [chunk])
+    assert torch.equal(chunk.view(len(ids), N, heads, cs).permute(0, 2, 1, 3), want)
+    for b in ids:
+        cache[:, b] = 0
+    plan.load_blocks([ids[1], 3, 1, ids[0]], [chunk])
+    assert torch.equal(logical[ids[1]], want[0]) and torch.equal(logical[3], want[1])
+    assert torch.equal(logical[ids[0]], want[3]) and not logical[ids[2]].any()

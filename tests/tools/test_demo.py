@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -170,6 +171,15 @@ def test_the_pd_section_catches_a_wrong_transfer(monkeypatch: pytest.MonkeyPatch
     def ungathered(self: nx.Plan, num_threads: int = 1, stream: object = None) -> None:
         """The staging buffer is sent as it is."""
 
+    staging_init = nx.Staging.__init__
+
+    def scribbled(self: nx.Staging, *args: Any, **kwargs: Any) -> None:
+        # torch.empty may hand back the pages of an earlier demo's staging buffer, which
+        # held exactly this request's bytes (the same seeds): the check must see garbage
+        staging_init(self, *args, **kwargs)
+        self.tensor.fill_(0xA5)
+
     monkeypatch.setattr(nx.Plan, "copy", ungathered)
+    monkeypatch.setattr(nx.Staging, "__init__", scribbled)
     with pytest.raises(AssertionError, match=f"{TITLE}: the decode cache is not what the map copied locally"):
         run_pd_demo(lambda line: None)

@@ -241,11 +241,28 @@ inline std::uint32_t checked_u31(std::int64_t v, const char* what) {
   return static_cast<std::uint32_t>(v);
 }
 
+// The cache bytes a piece's loops from `first` on span (its run included); whether that
+// and every stride of those loops fit a segment's 31 bits.
+inline bool fits_from(const PieceSpec& p, int first) {
+  std::int64_t end = p.run;
+  for (int l = first; l < p.num_loops; ++l) {
+    if (p.cache_stride[l] < 0 || static_cast<std::uint64_t>(p.cache_stride[l]) >= kMaxSegmentBytes) return false;
+    end += (p.extent[l] - 1) * p.cache_stride[l];
+    if (static_cast<std::uint64_t>(end) >= kMaxSegmentBytes) return false;
+  }
+  return true;
+}
+
+// At most this many segments come of one piece cut along its outer loops.
+inline constexpr std::int64_t kMaxCuts = std::int64_t{1} << 16;
+
 }  // namespace detail
 
-// The segments of a job, in (kv, layer, piece) order. Refuses a plan the engines cannot
-// walk: a block id that does not move its bytes by a fixed step on one pointer, or a
-// segment whose positions or offsets do not fit 31 bits.
+// The segments of a job, in (kv, layer, piece) order. A piece whose cache bytes do not fit
+// 31 bits (heads outside blocks: a head's blocks span most of a layer) is cut along its
+// outermost loops, one segment per index of each cut loop. Refuses a plan the engines
+// cannot walk: a block id that does not move its bytes by a fixed step on one pointer, or
+// a segment whose positions or offsets still do not fit 31 bits.
 inline std::vector<Segment> build_segments(const JobSpec& job) {
   using detail::checked_u31;
   std::vector<Segment> out;
@@ -253,10 +270,14 @@ inline std::vector<Segment> build_segments(const JobSpec& job) {
   if (blocks < 1 || job.kv_size < 1 || job.num_layers < 1 || job.block_size < 1 || job.element_size < 1)
     detail::refuse("sizes must be positive");
   checked_u31(job.block_size * job.row_bytes, "a block's rows in a chunk");
+  for (const PieceSpec& p : job.pieces) {
+    if (p.num_loops < 0 || p.num_loops > kMaxLoops) detail::refuse("a piece has too many loops");
+    for (int l = 0; l < p.num_loops; ++l)
+      if (p.extent[l] < 1) detail::refuse("a loop is empty");
+  }
   for (std::int64_t kv = 0; kv < job.kv_size; ++kv) {
     for (std::int64_t layer = 0; layer < job.num_layers; ++layer) {
       for (const PieceSpec& p : job.pieces) {
-        if (p.num_loops < 0 || p.num_loops > kMaxLoops) detail::refuse("a piece has too many loops");
         const auto at = [&](std::int64_t block) {
           return locate(job.format, job.sizes, job.block_stride, Coord{layer, kv, block, 0, p.head, p.elem});
         };
@@ -265,28 +286,43 @@ inline std::vector<Segment> build_segments(const JobSpec& job) {
         if (first.pointer < 0 || second.pointer != first.pointer || last.pointer != first.pointer ||
             last.offset - first.offset != (blocks - 1) * step)
           detail::refuse("block ids do not step through one pointer by a fixed stride");
-        Segment s{};
-        s.cache_offset = first.offset * job.element_size;
-        s.block_step = step * job.element_size;
-        s.pointer = static_cast<std::uint32_t>(first.pointer);
-        s.slab = static_cast<std::uint32_t>(kv * job.num_layers + layer);
-        s.chunk_offset = checked_u31(p.chunk_offset, "a piece's chunk offset");
-        s.run = fast_div(checked_u31(p.run, "a run"));
-        s.num_loops = static_cast<std::uint32_t>(p.num_loops);
-        std::int64_t runs = 1, chunk_end = p.chunk_offset + p.run, cache_end = p.run;
-        for (int l = 0; l < p.num_loops; ++l) {
-          if (p.extent[l] < 1) detail::refuse("a loop is empty");
-          s.loops[l] = Loop{fast_div(static_cast<std::uint64_t>(checked_u31(p.extent[l], "a loop extent"))),
-                            checked_u31(p.chunk_stride[l], "a chunk stride"), checked_u31(p.cache_stride[l], "a cache stride")};
-          runs *= p.extent[l];
-          chunk_end += (p.extent[l] - 1) * p.chunk_stride[l];
-          cache_end += (p.extent[l] - 1) * p.cache_stride[l];
-          checked_u31(runs * p.run, "a segment's bytes");
+        // (cache shift, chunk offset) of each cut, and the loops left to each segment
+        std::vector<std::pair<std::int64_t, std::int64_t>> cuts{{0, p.chunk_offset}};
+        int kept = 0;
+        while (kept < p.num_loops && !detail::fits_from(p, kept)) {
+          if (static_cast<std::int64_t>(cuts.size()) * p.extent[kept] > detail::kMaxCuts)
+            detail::refuse("a piece's cache extent is outside [0, 2^31) even cut into 65536 segments");
+          std::vector<std::pair<std::int64_t, std::int64_t>> finer;
+          for (const auto& [cache, chunk] : cuts)
+            for (std::int64_t d = 0; d < p.extent[kept]; ++d)
+              finer.emplace_back(cache + d * p.cache_stride[kept], chunk + d * p.chunk_stride[kept]);
+          cuts = std::move(finer);
+          ++kept;
         }
-        s.bytes = checked_u31(runs * p.run, "a segment's bytes");
-        checked_u31(chunk_end, "a segment's chunk extent");
-        checked_u31(cache_end, "a segment's cache extent");
-        out.push_back(s);
+        for (const auto& [cache, chunk] : cuts) {
+          Segment s{};
+          s.cache_offset = first.offset * job.element_size + cache;
+          s.block_step = step * job.element_size;
+          s.pointer = static_cast<std::uint32_t>(first.pointer);
+          s.slab = static_cast<std::uint32_t>(kv * job.num_layers + layer);
+          s.chunk_offset = checked_u31(chunk, "a piece's chunk offset");
+          s.run = fast_div(checked_u31(p.run, "a run"));
+          s.num_loops = static_cast<std::uint32_t>(p.num_loops - kept);
+          std::int64_t runs = 1, chunk_end = chunk + p.run, cache_end = p.run;
+          for (int l = kept; l < p.num_loops; ++l) {
+            s.loops[l - kept] = Loop{fast_div(static_cast<std::uint64_t>(checked_u31(p.extent[l], "a loop extent"))),
+                                     checked_u31(p.chunk_stride[l], "a chunk stride"),
+                                     checked_u31(p.cache_stride[l], "a cache stride")};
+            runs *= p.extent[l];
+            chunk_end += (p.extent[l] - 1) * p.chunk_stride[l];
+            cache_end += (p.extent[l] - 1) * p.cache_stride[l];
+            checked_u31(runs * p.run, "a segment's bytes");
+          }
+          s.bytes = checked_u31(runs * p.run, "a segment's bytes");
+          checked_u31(chunk_end, "a segment's chunk extent");
+          checked_u31(cache_end, "a segment's cache extent");
+          out.push_back(s);
+        }
       }
     }
   }

@@ -461,9 +461,13 @@ def _axis(token: Token) -> Axis:
 def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int], tuple[RegionPart, ...]]:
     """The dims, the extents literals fix, and the region parts."""
     heads = algebra.symbol_of(layout, Role.HEAD) is not None
-    # a singleton outer to the tokens stays a bare size-1 dim: as the one head it would
-    # make the layout read HND, which a layout without heads is not
-    token_at = next((i for i, t in enumerate(layout.tensor) if Role.TOKEN in t.roles), len(layout.tensor))
+    # a singleton outer to the tokens or the blocks stays a bare size-1 dim: as the one
+    # head it would make the layout read HND or heads outside blocks, which a layout
+    # without heads is not
+    token_at = max(
+        next((i for i, t in enumerate(layout.tensor) if role in t.roles), len(layout.tensor))
+        for role in (Role.TOKEN, Role.BLOCK)
+    )
     dims: list[tuple[Axis, ...]] = []
     extents: dict[Axis, int] = {}
     regions: list[RegionPart] = []

@@ -1094,6 +1094,8 @@ def block_map(
                 f"{opaque.block_size} rows ({tokens} here): a chunk for them holds whole pages"
             )
     told = "what the shorter block list holds" if num_tokens is None else "num_tokens"
+    if num_tokens is not None and tokens != num_tokens:
+        told = f"num_tokens={num_tokens} rounded up to whole opaque pages"
     src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)
     dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told)
     again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks // b_per)

@@ -113,11 +113,14 @@ def _plan_of(group: KernelGroup, block_size: int | None) -> TransferPlan:
 def _engine(plan: TransferPlan) -> Any:
     """What runs a plan's copies: the native engine for a CPU cache, the CUDA kernels for
     a GPU one (``kvlayout.transfer.cuda`` is handed the plan and never imports this module)."""
-    if plan.device.type == "cpu":
-        return _native.TransferPlan([plan._native_job(job) for job in plan.jobs], plan.num_blocks)
-    from kvlayout.transfer.cuda import CudaPlan
+    try:
+        if plan.device.type == "cpu":
+            return _native.TransferPlan([plan._native_job(job) for job in plan.jobs], plan.num_blocks)
+        from kvlayout.transfer.cuda import CudaPlan
 
-    return CudaPlan(plan)
+        return CudaPlan(plan)
+    except ValueError as exc:  # the native plan builder's refusal (a copy no engine can walk)
+        raise TransferError(f"{plan.format.name}: {exc}") from None
 
 
 class TransferPlan(HoldsAddresses):

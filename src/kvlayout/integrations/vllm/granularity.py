@@ -15,6 +15,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+import torch
+
+from kvlayout._generated.formats import LAYOUTS
 from kvlayout.detection import normalize_and_discover_per_layer_formats
 from kvlayout.errors import KVLayoutError
 from kvlayout.facade import get_block_size, get_num_blocks
@@ -24,10 +27,13 @@ from kvlayout.integrations.vllm.specs import (
     iter_group_layer_specs,
     iter_groups,
     slots_per_block,
+    spec_field,
     spec_kind,
     spec_size,
     tokens_per_slot,
 )
+from kvlayout.registration.contiguity import physical_order
+from kvlayout.registration.opaque import viewed_over
 from kvlayout.types import EngineType, HintsLike, LayoutHints
 
 __all__ = ["BlockGranularityError", "check_block_granularity"]
@@ -56,6 +62,40 @@ def _slots_of_a_block_id(spec: Any) -> int | None:
     that are not paged and for slot geometries that are no whole number (Whisper's
     pooled fractions, the pre-0.26 ``tq_slot_size`` packing), which are not checked."""
     return slots_per_block(spec) if spec_kind(spec) in _PAGED_KINDS else None
+
+
+_ATTENTION_KINDS = frozenset(
+    {
+        SpecKind.FULL_ATTENTION,
+        SpecKind.SLIDING_WINDOW,
+        SpecKind.CHUNKED_LOCAL_ATTENTION,
+        SpecKind.SINK_FULL_ATTENTION,
+    }
+)
+# vLLM 0.33's attention view is [blocks, heads, tokens, C] in every KVCacheLayout; the
+# memory order of its first three axes is the layout (BLHNC and BLNHC order a layer alike).
+_ALLOCATED: dict[tuple[int, ...], tuple[str, bool, bool]] = {
+    (0, 2, 1): ("LBNHC (NHD)", False, False),
+    (0, 1, 2): ("LBHNC (HND)", True, False),
+    (1, 0, 2): ("LHBNC", True, True),
+}
+
+
+def _allocated(spec: Any, value: Any) -> tuple[str, bool, bool] | None:
+    """How vLLM 0.33 allocated a registered attention layer, from its view's memory order:
+    (spelling, heads before tokens, heads outside blocks); None for a layer an edit
+    re-viewed, another release's registration, or unit axes that leave it open."""
+    if (
+        spec_kind(spec) not in _ATTENTION_KINDS
+        or not isinstance(value, torch.Tensor)
+        or value.dim() != 4
+        or value.shape[1] != spec_field(spec, "num_kv_heads", None)
+        or 1 in value.shape[:3]
+        or viewed_over(value)
+    ):
+        return None
+    order = tuple(d for d in physical_order(value.shape, value.stride()) if d < 3)
+    return _ALLOCATED.get(order)
 
 
 def _wanted(slots: int, spec: Any) -> str:
@@ -112,6 +152,15 @@ def check_block_granularity(
             # heads outside blocks (LHBNC) under another hint: its heads read as blocks
             problem = (
                 f"reads as {fmt.name} with {blocks} blocks, fewer than the config's num_blocks {num_blocks}"
+            )
+        allocated = _allocated(spec, kv_caches[layer])
+        read = (LAYOUTS[fmt].is_hnd, LAYOUTS[fmt].is_head_outer)
+        if problem is None and allocated is not None and allocated[1:] != read:
+            # a wrong hint whose reading has the right block size (heads == block size, or
+            # at least as many heads as blocks): the memory order says otherwise
+            problem = (
+                f"is allocated {allocated[0]} (strides {tuple(kv_caches[layer].stride())} of [blocks, heads, "
+                f"tokens, C]) but reads as {fmt.name}"
             )
         if problem is not None:
             wrong.setdefault(group_idx, []).append(layer)
