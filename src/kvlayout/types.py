@@ -20,10 +20,9 @@ from kvlayout.layout.vocabulary import (
     HEAD_OUTER_KV_LAYOUTS,
     HND_KV_LAYOUTS,
     KV_LAYOUT_NAMES,
-    Axis,
     Role,
     kv_layout_axes,
-    transferable,
+    untransferable,
 )
 
 if TYPE_CHECKING:
@@ -213,7 +212,7 @@ class LayoutHints:
 
 
 def _kv_layout(value: object) -> str:
-    """The ``kv_layout`` spelling, in any case; heads outside a block's tokens refused."""
+    """The ``kv_layout`` spelling, in any case; an order no format describes refused."""
     if not isinstance(value, str):
         raise TypeError(f"layout hint kv_layout must be a str, not {type(value).__name__} ({value!r})")
     if value.strip().upper() in KV_LAYOUT_NAMES:
@@ -224,14 +223,8 @@ def _kv_layout(value: object) -> str:
         raise LayoutHintError(
             f"layout hint kv_layout={value!r} is not one of {', '.join(KV_LAYOUT_NAMES)}"
         ) from None
-    assert not transferable(axes)
-    pos = {a: i for i, a in enumerate(axes)}
-    if pos[Axis.C] != len(axes) - 1:
-        why = "a head's row content is not innermost"
-    elif pos[Axis.N] < max(pos[Axis.L], pos[Axis.B]):
-        why = "tokens outside the blocks or layers split every block's token run"
-    else:
-        why = "heads outside the layers interleave every layer's rows per head"
+    why = untransferable(axes)
+    assert why is not None
     raise LayoutHintError(
         f"layout hint kv_layout={value!r}: {why}, which no format describes; use one of "
         f"{', '.join(KV_LAYOUT_NAMES)}"

@@ -464,7 +464,7 @@ def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int]
     # a singleton outer to the tokens or the blocks stays a bare size-1 dim: as the one
     # head it would make the layout read HND or heads outside blocks, which a layout
     # without heads is not
-    token_at = max(
+    inner_at = max(
         next((i for i, t in enumerate(layout.tensor) if role in t.roles), len(layout.tensor))
         for role in (Role.TOKEN, Role.BLOCK)
     )
@@ -483,7 +483,7 @@ def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int]
                 fold.append(_axis(part))
                 if part.literal is not None:
                     extents[_axis(part)] = part.literal
-            elif not heads and at > token_at:  # a singleton where a head axis would be: the one head
+            elif not heads and at > inner_at:  # a singleton where a head axis would be: the one head
                 fold.append(Axis.H)
                 extents[Axis.H] = 1
         dims.append(tuple(fold))

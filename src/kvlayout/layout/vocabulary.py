@@ -33,6 +33,7 @@ __all__ = [
     "Vocabulary",
     "kv_layout_axes",
     "transferable",
+    "untransferable",
 ]
 
 
@@ -179,17 +180,24 @@ def kv_layout_axes(name: str) -> tuple[Axis, ...]:
     return axes
 
 
-def transferable(axes: tuple[Axis, ...]) -> bool:
-    """A layer's block is a token run per head or for all heads: the content innermost,
-    the tokens inner to the layers and blocks, the heads inner to the layers (inside the
-    blocks, or outside them as in ``LHBNC``: one run per head a block). Heads outside
-    the layers (``BHLNC``) interleave every layer's rows per head and are refused."""
+def untransferable(axes: tuple[Axis, ...]) -> str | None:
+    """Why no format describes an axis order (None when one does). A layer's block is a
+    token run per head or for all heads: the content innermost, the tokens inner to the
+    layers and blocks, the heads inner to the layers (inside the blocks, or outside them
+    as in ``LHBNC``: one run per head a block)."""
     pos = {a: i for i, a in enumerate(axes)}
-    return (
-        pos[Axis.C] == len(axes) - 1
-        and pos[Axis.N] > max(pos[Axis.L], pos[Axis.B])
-        and pos[Axis.H] > pos[Axis.L]
-    )
+    if pos[Axis.C] != len(axes) - 1:
+        return "a head's row content is not innermost"
+    if pos[Axis.N] < max(pos[Axis.L], pos[Axis.B]):
+        return "tokens outside the blocks or layers split every block's token run"
+    if pos[Axis.H] < pos[Axis.L]:
+        return "heads outside the layers interleave every layer's rows per head"
+    return None
+
+
+def transferable(axes: tuple[Axis, ...]) -> bool:
+    """Whether a format describes an axis order (:func:`untransferable` has no reason)."""
+    return untransferable(axes) is None
 
 
 def _spelling(axes: tuple[Axis, ...]) -> str:

@@ -169,7 +169,9 @@ def test_head_slots_outside_the_blocks_move_whole_per_slot() -> None:
         assert torch.equal(dst[1:5].view(torch.int16), old[1:5].view(torch.int16))
     with pytest.raises(BlockMapError, match=r"src and dst are opaque pages laid out differently"):
         block_map(a, block_compact, [4], [0])
-    with pytest.raises(BlockMapError, match=rf"num_tokens={BS + 1} rounded up to whole opaque pages\) fill 2"):
+    with pytest.raises(
+        BlockMapError, match=rf"num_tokens={BS + 1} rounded up to whole opaque pages\) fill 2"
+    ):
         block_map(a, b, [4], [0], num_tokens=BS + 1)
 
 

@@ -23,6 +23,7 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.facade import get_block_size, get_num_blocks
 from kvlayout.integrations.vllm.errors import DOCS
 from kvlayout.integrations.vllm.specs import (
+    PAGED_ATTENTION_KINDS,
     SpecKind,
     iter_group_layer_specs,
     iter_groups,
@@ -64,14 +65,6 @@ def _slots_of_a_block_id(spec: Any) -> int | None:
     return slots_per_block(spec) if spec_kind(spec) in _PAGED_KINDS else None
 
 
-_ATTENTION_KINDS = frozenset(
-    {
-        SpecKind.FULL_ATTENTION,
-        SpecKind.SLIDING_WINDOW,
-        SpecKind.CHUNKED_LOCAL_ATTENTION,
-        SpecKind.SINK_FULL_ATTENTION,
-    }
-)
 # vLLM 0.33's attention view is [blocks, heads, tokens, C] in every KVCacheLayout; the
 # memory order of its first three axes is the layout (BLHNC and BLNHC order a layer alike).
 _ALLOCATED: dict[tuple[int, ...], tuple[str, bool, bool]] = {
@@ -86,7 +79,7 @@ def _allocated(spec: Any, value: Any) -> tuple[str, bool, bool] | None:
     (spelling, heads before tokens, heads outside blocks); None for a layer an edit
     re-viewed, another release's registration, or unit axes that leave it open."""
     if (
-        spec_kind(spec) not in _ATTENTION_KINDS
+        spec_kind(spec) not in PAGED_ATTENTION_KINDS
         or not isinstance(value, torch.Tensor)
         or value.dim() != 4
         or value.shape[1] != spec_field(spec, "num_kv_heads", None)

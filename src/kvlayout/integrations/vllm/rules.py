@@ -20,6 +20,7 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_runs
 from kvlayout.integrations.vllm.specs import (
+    PAGED_ATTENTION_KINDS,
     SpecKind,
     require_size,
     slots_per_block,
@@ -254,14 +255,6 @@ def _group_kernel_pages(
 # ``[pages, 2, N, H, D]`` (NHD, or a permute of HND memory), FlashAttention before 0.26
 # ``[2, pages, N, H, D]`` (re-strided block-major in hybrids).
 _TOKEN_AXIS = 2
-_ATTENTION_KINDS = frozenset(
-    {
-        SpecKind.FULL_ATTENTION,
-        SpecKind.SLIDING_WINDOW,
-        SpecKind.CHUNKED_LOCAL_ATTENTION,
-        SpecKind.SINK_FULL_ATTENTION,
-    }
-)
 
 
 def _head_slots(spec: Any) -> bool:
@@ -353,7 +346,7 @@ def _attention_tensor(spec: Any, value: Any) -> bool:
     heads (the releases that declare slots or ``head_size_v`` register no other form)."""
     heads = spec_field(spec, "num_head_slots", None) or spec_field(spec, "num_kv_heads", None)
     return (
-        spec_kind(spec) in _ATTENTION_KINDS
+        spec_kind(spec) in PAGED_ATTENTION_KINDS
         and slots_per_block(spec) is not None
         and isinstance(value, torch.Tensor)
         and value.dim() == 4
@@ -376,7 +369,7 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
 
     def matches(self, spec: Any, value: Any) -> bool:
         return (
-            spec_kind(spec) in _ATTENTION_KINDS
+            spec_kind(spec) in PAGED_ATTENTION_KINDS
             and slots_per_block(spec) is not None
             and isinstance(value, torch.Tensor)
             and value.dim() in (4, 5)

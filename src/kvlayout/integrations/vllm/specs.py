@@ -17,6 +17,7 @@ from typing import Any
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 
 __all__ = [
+    "PAGED_ATTENTION_KINDS",
     "SpecKind",
     "declares_slot_compression",
     "iter_group_layer_specs",
@@ -44,6 +45,17 @@ class SpecKind(str, enum.Enum):
     CROSS_ATTENTION = "cross_attention"
     UNKNOWN = "unknown"
 
+
+PAGED_ATTENTION_KINDS = frozenset(
+    {
+        SpecKind.FULL_ATTENTION,
+        SpecKind.SLIDING_WINDOW,
+        SpecKind.CHUNKED_LOCAL_ATTENTION,
+        SpecKind.SINK_FULL_ATTENTION,
+    }
+)
+"""Paged attention that is not MLA: layers of heads of K | V (or a backend's head slots),
+which vLLM 0.33 registers as ``[pages, H, N, C]``."""
 
 # Subclasses before their bases (SlidingWindowMLASpec is a SlidingWindowSpec, MLA and
 # sink specs are FullAttentionSpecs), as vLLM's get_kv_cache_spec_kind checks them.
