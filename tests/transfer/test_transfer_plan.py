@@ -200,3 +200,17 @@ def test_a_registration_or_kernel_group_is_prepared_without_naming_its_format() 
     hybrid = kvlayout.detect([*kv, torch.zeros(8, 4, 32)], "vllm", {"kv_layout": "NHD"})
     with pytest.raises(kvlayout.KVLayoutError, match="kernel group"):
         prepare(hybrid)
+
+
+def test_a_copy_past_2_gib_is_cut_into_segments_the_grid_still_copies_exactly() -> None:
+    """Format 21 keeps each head's blocks together: two heads of 2.4 GiB each put the
+    second head past the segments' 31-bit offsets, so its copy is cut into a segment per
+    head (the plan was refused). The cache is reserved, never touched: the grid's
+    decomposition is checked against the oracle's addresses."""
+    fmt = EngineKVFormat.NL_X_NH_NB_BS_CS
+    leaf = torch.empty(2, 600_000, 8, 256, dtype=torch.bfloat16)  # [NH, NB, BS, CS]
+    plan = prepare([leaf], fmt)
+    (job,) = plan.jobs
+    table = segment_table(plan, job)
+    assert len(table.rows) == 2  # one segment per head
+    check_grid(plan, [599_999, 3], 2, 0, False)
