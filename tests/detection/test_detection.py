@@ -15,7 +15,7 @@ import kvlayout
 from kvlayout import DetectionError, EngineType, KVLayoutError, LayoutHintError, LayoutHints, StridedViewError
 from kvlayout import EngineKVFormat as F
 from kvlayout._generated.formats import FORMAT_INFO
-from kvlayout.transfer import block_map
+from kvlayout.transfer import BlockMapError, Shard, block_map
 
 detect = kvlayout.normalize_kv_and_discover_format
 
@@ -209,22 +209,23 @@ def test_sglang_errors(kv: Any, hints: dict[str, Any], error: type[Exception], m
 
 def test_sglang_k_and_v_of_different_head_sizes_are_named_and_served_apart() -> None:
     """``MHATokenToKVPool(v_head_dim=128)`` beside a head_dim of 192 (MiMo-V2): one layout
-    holds one head size, so the error says so and how to register K and V on their own
-    (it said the layers could not be detected apart, or judged the K list alone)."""
+    holds one head size, so where ``detect`` cannot serve them apart (no page size, a layer
+    unlike the others) and through LMCache's one-format function, the error says so and
+    how (it said the layers could not be detected apart, or judged the K list alone)."""
     nl, ps, nh = 3, 4, 2
     k = [torch.randn(5 * ps, nh, 12) for _ in range(nl)]
     v = [torch.randn(5 * ps, nh, 8) for _ in range(nl)]
-    mixed: list[tuple[Any, dict[str, Any]]] = [
+    refused: list[tuple[Any, dict[str, Any]]] = [
         (k + v, {"kv_list_layout": "k_v"}),
-        ([k, v], {"tokens_per_block": ps}),
         ([k, v], {"kv_list_layout": "k_v"}),
-        ([k, [k[0].clone(), *v[1:]]], {}),  # only later layers differ
+        ([k, [k[0].clone(), *v[1:]]], {"tokens_per_block": ps}),  # only later layers differ
     ]
     message = re.escape("SGLang: K layers [20, 2, 12] and V layers [20, 2, 8] differ in head size (12 and 8")
-    for kv, hints in mixed:
+    for kv, hints in refused:
         with pytest.raises(DetectionError, match=message):
             kvlayout.detect(kv, "sglang", hints)
-        with pytest.raises(DetectionError, match=message):  # LMCache's name reads the same registration
+    for kv, hints in [*refused, ([k, v], {"tokens_per_block": ps})]:
+        with pytest.raises(DetectionError, match=message):  # LMCache's name reads one format
             kvlayout.normalize_kv_and_discover_format(kv, "sglang", hints)
     # 0-d tensors: the hook read their shape[-1]
     with pytest.raises(TypeError, match=r"kv_caches\[0\]\[1\]: is None"):
@@ -238,6 +239,45 @@ def test_sglang_k_and_v_of_different_head_sizes_are_named_and_served_apart() -> 
         for src, dst in zip(buffers, copy, strict=True):
             assert torch.equal(dst[0:4], src[12:16]) and torch.equal(dst[16:18], src[4:6])
             assert not dst[4:16].any() and not dst[18:].any()
+
+
+@pytest.mark.parametrize("form", ["k_v", "two lists"])
+def test_sglang_k_and_v_of_different_head_sizes_detect_as_two_kernel_groups(form: str) -> None:
+    """With its page size, ``detect`` serves MiMo-V2's pool as the unified connector's
+    components: the K layers one kernel group, the V layers another, each moving its heads
+    (TP resharding included) and its chunks like any SGLang cache (it was refused)."""
+    nl, ps, nh = 3, 4, 4
+    k = [torch.randn(6 * ps, nh, 12) for _ in range(nl)]
+    v = [torch.randn(6 * ps, nh, 8) for _ in range(nl)]
+    hints: dict[str, Any] = {"tokens_per_block": ps}
+
+    def registration(k: list[torch.Tensor], v: list[torch.Tensor]) -> kvlayout.Registration:
+        if form == "k_v":
+            return kvlayout.detect(k + v, "sglang", {**hints, "kv_list_layout": "k_v"})
+        return kvlayout.detect([k, v], "sglang", hints)
+
+    src = registration(k, v)
+    k_group, v_group = src.kernel_groups
+    assert (k_group.layers, v_group.layers) == ((0, 1, 2), (3, 4, 5))
+    assert {g.format for g in src.kernel_groups} == {F.NL_X_NB_BS_NH_HS}
+    assert [g.descriptor().hs for g in src.kernel_groups] == [12, 8]
+    # into TP 2 rank 1 (heads 2-3), token by token of blocks [3, 1] -> [0, 4]
+    half_k = [torch.zeros(6 * ps, nh // 2, 12) for _ in range(nl)]
+    half_v = [torch.zeros(6 * ps, nh // 2, 8) for _ in range(nl)]
+    dst = registration(half_k, half_v)
+    for s, d in zip(src.kernel_groups, dst.kernel_groups, strict=True):
+        block_map(s, d, [3, 1], [0, 4], num_tokens=6, dst_shard=Shard(1, 2, nh)).copy()
+    for whole, half in zip(k + v, half_k + half_v, strict=True):
+        assert torch.equal(half[0:4], whole[12:16, 2:]) and torch.equal(half[16:18], whole[4:6, 2:])
+        assert not half[4:16].any() and not half[18:].any()
+    # a chunk of each group, and the groups' pointer tables: K's then V's
+    for group, rows in ((k_group, nh * 12), (v_group, nh * 8)):
+        plan = kvlayout.transfer.prepare(group)
+        shape, _ = plan.chunk_shape(2 * ps)
+        assert shape == (1, nl, 2 * ps, rows)
+    assert src.data_ptrs(range(6)) == [t.data_ptr() for t in k + v]
+    with pytest.raises(BlockMapError, match=r"src holds layers 0-2 and dst layers 3-5"):  # K is not V
+        block_map(k_group, v_group, [0], [0])
 
 
 def test_trtllm_pools() -> None:

@@ -9,6 +9,7 @@ hybrid models whose layers differ.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import operator
 import re
@@ -21,7 +22,7 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, probe, validate
-from kvlayout.detection.registry import get_detector, mixed_check
+from kvlayout.detection.registry import get_detector, mixed_check, mixed_split
 from kvlayout.errors import KVLayoutError
 from kvlayout.registration.contiguity import (
     align_unit_dims,
@@ -300,6 +301,9 @@ def _per_layer(
     if uniform is not None:  # the common case: one detection answers for every layer
         fmt, out, trusted = _discover(entries, eng, hints, uniform)
         return _bind_whole(out, fmt, entries, eng, [owner[i] for i in range(len(entries))], trusted)
+    split = _split_mixed(entries, eng, hints, groups)
+    if split is not None:
+        return split
     _refuse_mixed(entries, eng, hints)
     views = physical_entries(entries, members)
     views = dict(zip(members, align_unit_dims([views[i] for i in members]), strict=True))
@@ -339,6 +343,35 @@ def _per_layer(
             for j, i in enumerate(idxs):
                 result[i], formats[i] = out[j], fmt
     return _bind_layers(result, formats, entries, owner, eng)
+
+
+def _split_mixed(
+    entries: list[Any], eng: EngineType, hints: LayoutHints, layer_groups: list[list[int]]
+) -> Registration | None:
+    """A mixture the engine serves apart (SGLang's K and V of different head sizes): the
+    two lists of leaves its hook gives, detected as components, one kernel group each,
+    the caller's tensors watched for re-allocation. None where the hook has none, or
+    where the caller's layer groups are neither one group nor those two."""
+    split = mixed_split(eng)
+    parts = None if split is None else split(entries, hints)
+    if parts is None:
+        return None
+    first, second = parts
+    views = [*first, *second]
+    groups = [list(range(len(first))), list(range(len(first), len(views)))]
+    if len(layer_groups) > 1 and sorted(map(sorted, layer_groups)) != groups:
+        return None
+    owner = {i: g for g, group in enumerate(groups) for i in group}
+    components = dataclasses.replace(hints, kv_list_layout="unified")
+    result: list[Any] = list(views)
+    formats: list[EngineKVFormat | None] = [None] * len(views)
+    for g, idxs in enumerate(groups):
+        fmt, out, _ = _detect_subset(dict(enumerate(views)), idxs, eng, components, len(views), group=g)
+        for j, i in enumerate(idxs):
+            result[i], formats[i] = out[j], fmt
+    registered = [t for _, t in leaves(entries)]  # the caller's tensors, in the views' order
+    engine_groups = [owner[i] for i in range(len(views))]
+    return _bind(result, formats, registered, engine_groups=engine_groups, engine=eng, root="kv_caches")
 
 
 def _refuse_left_out(entries: list[Any], members: list[int], eng: EngineType, hints: LayoutHints) -> None:

@@ -3,7 +3,9 @@
 Adding an engine is adding a module with ``ENGINE`` and ``discover(kv, hints)``; nothing
 here lists engines. A module may also define ``refuse_mixed(kv, hints)``, asked before
 layers of different shapes are detected apart: it raises where the engine knows the
-mixture for what it is (SGLang's K and V of different head sizes), not layers to split.
+mixture for what it is (SGLang's K and V of different head sizes), not layers to split;
+and ``split_mixed(kv, hints)``, which ``detect`` asks first: the two lists of leaves such
+a mixture is served as, one kernel group each.
 """
 
 from __future__ import annotations
@@ -19,10 +21,13 @@ from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 
-__all__ = ["Detector", "MixedCheck", "detectors", "get_detector", "mixed_check"]
+__all__ = ["Detector", "MixedCheck", "MixedSplit", "detectors", "get_detector", "mixed_check", "mixed_split"]
 
 Detector = Callable[[Any, LayoutHints], tuple[EngineKVFormat, DiscoverableKVCache]]
 MixedCheck = Callable[[Any, LayoutHints], None]
+MixedSplit = Callable[[Any, LayoutHints], "tuple[list[Any], list[Any]] | None"]
+"""Two lists of leaves a mixed registration splits into, each detected as its own kernel
+group (SGLang's K and V of different head sizes), or None."""
 
 
 @functools.cache
@@ -51,6 +56,12 @@ def mixed_check(engine: EngineType) -> MixedCheck | None:
     """The engine's ``refuse_mixed``, if its detector module has one."""
     module = _modules().get(engine)
     return None if module is None else getattr(module, "refuse_mixed", None)
+
+
+def mixed_split(engine: EngineType) -> MixedSplit | None:
+    """The engine's ``split_mixed``, if its detector module has one."""
+    module = _modules().get(engine)
+    return None if module is None else getattr(module, "split_mixed", None)
 
 
 def get_detector(engine: EngineType) -> Detector:

@@ -99,34 +99,83 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     return twin, map_leaves(kv, lambda t: t.view(shape))
 
 
+def _k_v_pairs(kv: list[Any], hints: LayoutHints) -> list[tuple[Any, Any]] | None:
+    """(K, V) per layer of a K/V registration: two lists, or a flat ``k_v`` list (lengths
+    are checked later); None for any other registration."""
+    if len(kv) == 2 and all(isinstance(side, (list, tuple)) for side in kv):
+        return list(zip(kv[0], kv[1], strict=False))
+    if hints.kv_list_layout == "k_v" and len(kv) % 2 == 0:
+        return list(zip(kv[: len(kv) // 2], kv[len(kv) // 2 :], strict=True))
+    return None
+
+
+def _head_sizes_differ(k: Any, v: Any) -> bool:
+    return (
+        isinstance(k, torch.Tensor)
+        and isinstance(v, torch.Tensor)
+        and k.dim() == v.dim() >= 2
+        and k.shape[:-1] == v.shape[:-1]
+        and k.shape[-1] != v.shape[-1]
+    )
+
+
 def refuse_mixed(kv: list[Any], hints: LayoutHints) -> None:
     """Layers of different shapes, before they are detected apart (the registry's hook).
     ``MHATokenToKVPool(v_head_dim=...)`` (MiMo-V2's K of 192 and V of 128, say) gives
     K and V page buffers of different row widths; one layout holds K and V of one head
-    size, so each is served on its own (the message says how), not misread as layers of
-    mismatched shapes."""
-    if len(kv) == 2 and all(isinstance(side, (list, tuple)) for side in kv):
-        pairs = list(zip(kv[0], kv[1], strict=False))  # [K layers, V layers] (lengths checked later)
-    elif hints.kv_list_layout == "k_v" and len(kv) % 2 == 0:
-        pairs = list(zip(kv[: len(kv) // 2], kv[len(kv) // 2 :], strict=True))  # K layers, then V layers
-    else:
-        return
-    for k, v in pairs:
-        if (
-            not (isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor))
-            or k.dim() != v.dim()
-            or k.dim() < 2
-        ):
-            continue
-        if k.shape[:-1] == v.shape[:-1] and k.shape[-1] != v.shape[-1]:
+    size, so they are served apart (:func:`split_mixed`: ``detect`` does it), never
+    misread as layers of mismatched shapes."""
+    for k, v in _k_v_pairs(kv, hints) or ():
+        if _head_sizes_differ(k, v):
             heads, bs = k.shape[-2], hints.tokens_per_block or "page_size"
             raise DetectionError(
                 f"SGLang: K layers {list(k.shape)} and V layers {list(v.shape)} differ in head size "
                 f"({k.shape[-1]} and {v.shape[-1]}: v_head_dim != head_dim); a layout holds K and V of one "
-                f"head size, so register each on its own as components: detect([t.view(-1, {bs}, {heads}, "
-                "t.shape[-1]) for t in buffers], 'sglang', {'kv_list_layout': 'unified'}) for the K "
-                "buffers, and again for the V buffers"
+                "head size, so they are served apart: kvlayout.detect reads them as two kernel groups, K "
+                "then V, given every K layer alike and every V layer alike and tokens_per_block (SGLang's "
+                f"page_size); or register each on its own as components: detect([t.view(-1, {bs}, "
+                f"{heads}, t.shape[-1]) for t in buffers], 'sglang', {{'kv_list_layout': 'unified'}}) for "
+                "the K buffers, and again for the V buffers"
             )
+
+
+def split_mixed(kv: list[Any], hints: LayoutHints) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    """K and V of different head sizes (:func:`refuse_mixed`'s case) as the unified
+    connector's components ``[NB, BS, NH, HS]``: the K layers' views and the V layers',
+    which ``detect`` serves as two kernel groups (the registry's hook). None where the
+    registration is not that, or cannot be split so: a layer whose K or V differs from
+    the others', or page buffers without ``tokens_per_block``."""
+    pairs = _k_v_pairs(kv, hints)
+    if not pairs or not any(_head_sizes_differ(k, v) for k, v in pairs):
+        return None
+    two_lists = len(kv) == 2 and all(isinstance(side, (list, tuple)) for side in kv)
+    if two_lists and len(kv[0]) != len(kv[1]):
+        return None  # two lists of different lengths: detection says so
+    k, v = [pk for pk, _ in pairs], [pv for _, pv in pairs]
+    sides = []
+    for buffers in (k, v):
+        first = buffers[0]
+        if not all(_alike(t, first) for t in buffers):
+            return None
+        if first.dim() == 3:  # a page buffer [NB*BS, NH, HS]
+            bs = hints.tokens_per_block
+            if bs is None or first.shape[0] % bs or not all(t.is_contiguous() for t in buffers):
+                return None
+            sides.append([t.view(-1, bs, *t.shape[1:]) for t in buffers])
+        elif first.dim() == 4:  # already [NB, BS, NH, HS] (the MP daemon's)
+            sides.append(list(buffers))
+        else:
+            return None
+    return sides[0], sides[1]
+
+
+def _alike(t: Any, first: torch.Tensor) -> bool:
+    return (
+        isinstance(t, torch.Tensor)
+        and t.shape == first.shape
+        and t.dtype == first.dtype
+        and t.device == first.device
+    )
 
 
 def _unified(kv: Any, p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
