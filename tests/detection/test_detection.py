@@ -280,6 +280,43 @@ def test_sglang_k_and_v_of_different_head_sizes_detect_as_two_kernel_groups(form
         block_map(k_group, v_group, [0], [0])
 
 
+@pytest.mark.parametrize(
+    ("build", "message"),
+    [
+        (lambda k, v: ([k, v], {"tokens_per_block": 5}), "PBS (NB*BS) 24 is not divisible by tokens_per_block 5"),
+        (lambda k, v: ([k, v[:2]], {"tokens_per_block": 4}), "but there are 3 K layers and 2 V"),
+        (lambda k, v: ([k, v], {}), "which needs tokens_per_block (SGLang's page_size)"),
+        (lambda k, v: ([k, [*v[:2], v[2].to(torch.float16)]], {"tokens_per_block": 4}),
+         "layer 2's V is [24, 4, 8] torch.float16 on cpu, layer 0's [24, 4, 8] torch.float32"),
+        (lambda k, v: ([k, [*v[:2], v[2].to("meta")]], {"tokens_per_block": 4}), "layer 2's V is"),
+        (lambda k, v: ([k, [t.view(-1)[: 24 * 4 * 4].view(24, 4, 4) for t in k]], {"tokens_per_block": 4}),
+         "overlap in memory"),  # V carved out of K's bytes
+    ],
+)  # fmt: skip
+def test_sglang_k_and_v_of_different_head_sizes_refuse_what_two_groups_cannot_hold(
+    build: Any, message: str
+) -> None:
+    """A split into two kernel groups needs pages, alike layers and K and V memory apart
+    (one engine group, so overlap is checked across them); each refusal names its cause."""
+    k = [torch.randn(24, 4, 12) for _ in range(3)]
+    v = [torch.randn(24, 4, 8) for _ in range(3)]
+    kv, hints = build(k, v)
+    with pytest.raises(DetectionError, match=re.escape(message)):
+        kvlayout.detect(kv, "sglang", hints)
+
+
+def test_sglang_split_takes_the_layer_groups_it_makes_or_none() -> None:
+    k = [torch.randn(8, 2, 12) for _ in range(2)]
+    v = [torch.randn(8, 2, 8) for _ in range(2)]
+    hints = {"kv_list_layout": "k_v", "tokens_per_block": 4}
+    for groups in ([[0, 1, 2, 3]], [[2, 3], [0, 1]]):
+        assert len(kvlayout.detect(k + v, "sglang", hints, layer_groups=groups).kernel_groups) == 2
+    with pytest.raises(
+        DetectionError, match=r"layer_groups \[\[0, 1\]\] are neither one group of every entry"
+    ):
+        kvlayout.detect(k + v, "sglang", hints, layer_groups=[[0, 1]])
+
+
 def test_trtllm_pools() -> None:
     pool = t(7, 5, 2, 2 * 3 * 4)
     hints = {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4}

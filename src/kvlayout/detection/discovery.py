@@ -349,19 +349,24 @@ def _split_mixed(
     entries: list[Any], eng: EngineType, hints: LayoutHints, layer_groups: list[list[int]]
 ) -> Registration | None:
     """A mixture the engine serves apart (SGLang's K and V of different head sizes): the
-    two lists of leaves its hook gives, detected as components, one kernel group each,
-    the caller's tensors watched for re-allocation. None where the hook has none, or
-    where the caller's layer groups are neither one group nor those two."""
+    two lists of leaves its hook gives, detected as components, one kernel group each
+    (one engine group, so their memory is checked disjoint), the caller's tensors watched
+    for re-allocation. None where the hook has none or says it is no such mixture."""
     split = mixed_split(eng)
     parts = None if split is None else split(entries, hints)
     if parts is None:
         return None
     first, second = parts
+    n = len(entries)
+    halves = [[0], [1]] if n == 2 else [list(range(n // 2)), list(range(n // 2, n))]  # two lists, or flat
+    if sorted(map(sorted, layer_groups)) not in ([list(range(n))], halves):
+        raise DetectionError(
+            f"kv_caches holds K and V of different head sizes, served as two kernel groups (K, then V); "
+            f"layer_groups {layer_groups} are neither one group of every entry nor the K and V entries"
+        )
     views = [*first, *second]
+    _check_one_device(dict(enumerate(views)))
     groups = [list(range(len(first))), list(range(len(first), len(views)))]
-    if len(layer_groups) > 1 and sorted(map(sorted, layer_groups)) != groups:
-        return None
-    owner = {i: g for g, group in enumerate(groups) for i in group}
     components = dataclasses.replace(hints, kv_list_layout="unified")
     result: list[Any] = list(views)
     formats: list[EngineKVFormat | None] = [None] * len(views)
@@ -370,8 +375,7 @@ def _split_mixed(
         for j, i in enumerate(idxs):
             result[i], formats[i] = out[j], fmt
     registered = [t for _, t in leaves(entries)]  # the caller's tensors, in the views' order
-    engine_groups = [owner[i] for i in range(len(views))]
-    return _bind(result, formats, registered, engine_groups=engine_groups, engine=eng, root="kv_caches")
+    return _bind(result, formats, registered, engine_groups=[0] * len(views), engine=eng, root="kv_caches")
 
 
 def _refuse_left_out(entries: list[Any], members: list[int], eng: EngineType, hints: LayoutHints) -> None:

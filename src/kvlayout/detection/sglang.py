@@ -119,53 +119,84 @@ def _head_sizes_differ(k: Any, v: Any) -> bool:
     )
 
 
+def _mixed_pair(kv: list[Any], hints: LayoutHints) -> tuple[Any, Any] | None:
+    """The first (K, V) layer whose head sizes differ, where every entry is a tensor."""
+    pairs = _k_v_pairs(kv, hints)
+    if not pairs or not all(isinstance(t, torch.Tensor) for pair in pairs for t in pair):
+        return None  # validation names what is not a tensor
+    return next(((k, v) for k, v in pairs if _head_sizes_differ(k, v)), None)
+
+
+def _head_sizes(k: torch.Tensor, v: torch.Tensor) -> str:
+    return (
+        f"SGLang: K layers {list(k.shape)} and V layers {list(v.shape)} differ in head size "
+        f"({k.shape[-1]} and {v.shape[-1]}: v_head_dim != head_dim); a layout holds K and V of one "
+        "head size, so they are served apart"
+    )
+
+
 def refuse_mixed(kv: list[Any], hints: LayoutHints) -> None:
     """Layers of different shapes, before they are detected apart (the registry's hook).
     ``MHATokenToKVPool(v_head_dim=...)`` (MiMo-V2's K of 192 and V of 128, say) gives
     K and V page buffers of different row widths; one layout holds K and V of one head
-    size, so they are served apart (:func:`split_mixed`: ``detect`` does it), never
-    misread as layers of mismatched shapes."""
-    for k, v in _k_v_pairs(kv, hints) or ():
-        if _head_sizes_differ(k, v):
-            heads, bs = k.shape[-2], hints.tokens_per_block or "page_size"
-            raise DetectionError(
-                f"SGLang: K layers {list(k.shape)} and V layers {list(v.shape)} differ in head size "
-                f"({k.shape[-1]} and {v.shape[-1]}: v_head_dim != head_dim); a layout holds K and V of one "
-                "head size, so they are served apart: kvlayout.detect reads them as two kernel groups, K "
-                "then V, given every K layer alike and every V layer alike and tokens_per_block (SGLang's "
-                f"page_size); or register each on its own as components: detect([t.view(-1, {bs}, "
-                f"{heads}, t.shape[-1]) for t in buffers], 'sglang', {{'kv_list_layout': 'unified'}}) for "
-                "the K buffers, and again for the V buffers"
-            )
+    size, so they are served apart (:func:`split_mixed`, which ``detect`` asks first),
+    never misread as layers of mismatched shapes."""
+    mixed = _mixed_pair(kv, hints)
+    if mixed is not None:
+        k, _ = mixed
+        heads, bs = k.shape[-2], hints.tokens_per_block or "page_size"
+        raise DetectionError(
+            f"{_head_sizes(*mixed)}: kvlayout.detect reads them as two kernel groups, K then V, given "
+            "tokens_per_block (SGLang's page_size); or register each on its own as components: "
+            f"detect([t.view(-1, {bs}, {heads}, t.shape[-1]) for t in buffers], 'sglang', "
+            "{'kv_list_layout': 'unified'}) for the K buffers, and again for the V buffers"
+        )
 
 
 def split_mixed(kv: list[Any], hints: LayoutHints) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
     """K and V of different head sizes (:func:`refuse_mixed`'s case) as the unified
     connector's components ``[NB, BS, NH, HS]``: the K layers' views and the V layers',
     which ``detect`` serves as two kernel groups (the registry's hook). None where the
-    registration is not that, or cannot be split so: a layer whose K or V differs from
-    the others', or page buffers without ``tokens_per_block``."""
-    pairs = _k_v_pairs(kv, hints)
-    if not pairs or not any(_head_sizes_differ(k, v) for k, v in pairs):
+    registration is no such mixture; a :class:`DetectionError` naming what stops the
+    split where it is one (no ``tokens_per_block``, a layer unlike the others, lists of
+    other lengths, a page buffer that does not split into pages)."""
+    mixed = _mixed_pair(kv, hints)
+    if mixed is None:
         return None
     two_lists = len(kv) == 2 and all(isinstance(side, (list, tuple)) for side in kv)
     if two_lists and len(kv[0]) != len(kv[1]):
-        return None  # two lists of different lengths: detection says so
-    k, v = [pk for pk, _ in pairs], [pv for _, pv in pairs]
+        raise DetectionError(f"{_head_sizes(*mixed)}, but there are {len(kv[0])} K layers and {len(kv[1])} V")
+    k, v = (list(kv[0]), list(kv[1])) if two_lists else (kv[: len(kv) // 2], kv[len(kv) // 2 :])
     sides = []
-    for buffers in (k, v):
+    for name, buffers in (("K", k), ("V", v)):
         first = buffers[0]
-        if not all(_alike(t, first) for t in buffers):
-            return None
-        if first.dim() == 3:  # a page buffer [NB*BS, NH, HS]
-            bs = hints.tokens_per_block
-            if bs is None or first.shape[0] % bs or not all(t.is_contiguous() for t in buffers):
-                return None
-            sides.append([t.view(-1, bs, *t.shape[1:]) for t in buffers])
-        elif first.dim() == 4:  # already [NB, BS, NH, HS] (the MP daemon's)
+        unlike = next((i for i, t in enumerate(buffers) if not _alike(t, first)), None)
+        if unlike is not None:
+            t = buffers[unlike]
+            raise DetectionError(
+                f"{_head_sizes(*mixed)}: layer {unlike}'s {name} is {list(t.shape)} {t.dtype} on {t.device}, "
+                f"layer 0's {list(first.shape)} {first.dtype} on {first.device}; a kernel group's layers "
+                "are alike"
+            )
+        if first.dim() == 4:  # already [NB, BS, NH, HS] (the MP daemon's)
             sides.append(list(buffers))
-        else:
-            return None
+            continue
+        bs = hints.tokens_per_block
+        if first.dim() != 3 or first.numel() == 0:
+            raise DetectionError(
+                f"{_head_sizes(*mixed)}: {name} layers {list(first.shape)} are no page buffers"
+            )
+        if bs is None:
+            raise DetectionError(f"{_head_sizes(*mixed)}: as two kernel groups, which needs tokens_per_block "
+                                 "(SGLang's page_size) to split the page buffers into blocks")  # fmt: skip
+        if first.shape[0] % bs or not all(t.is_contiguous() for t in buffers):
+            why = (
+                f"PBS (NB*BS) {first.shape[0]} is not divisible by tokens_per_block {bs}"
+                if first.shape[0] % bs
+                else "a page buffer with padded rows cannot be split into blocks"
+            )
+            raise DetectionError(f"{_head_sizes(*mixed)}: {name} layers {list(first.shape)}: {why}")
+        sides.append([t.view(-1, bs, *t.shape[1:]) for t in buffers])
     return sides[0], sides[1]
 
 
