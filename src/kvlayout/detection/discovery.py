@@ -365,13 +365,14 @@ def _split_mixed(
             f"layer_groups {layer_groups} are neither one group of every entry nor the K and V entries"
         )
     views = [*first, *second]
-    _check_one_device(dict(enumerate(views)))
+    by_index = dict(enumerate(views))
+    _check_one_device(by_index)
     groups = [list(range(len(first))), list(range(len(first), len(views)))]
     components = dataclasses.replace(hints, kv_list_layout="unified")
     result: list[Any] = list(views)
     formats: list[EngineKVFormat | None] = [None] * len(views)
     for g, idxs in enumerate(groups):
-        fmt, out, _ = _detect_subset(dict(enumerate(views)), idxs, eng, components, len(views), group=g)
+        fmt, out, _ = _detect_subset(by_index, idxs, eng, components, len(views), group=g)
         for j, i in enumerate(idxs):
             result[i], formats[i] = out[j], fmt
     registered = [t for _, t in leaves(entries)]  # the caller's tensors, in the views' order

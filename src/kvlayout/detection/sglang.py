@@ -86,26 +86,36 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     tpb = hints.tokens_per_block
     if tpb is None or not LAYOUTS[fmt].is_pbs_fused:
         return fmt, kv
+    return _unfolded(kv, p, fmt, tpb)
+
+
+def _unfolded(
+    kv: Any, p: Probe, fmt: EngineKVFormat, tpb: int, where: str | None = None
+) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    """A folded format's registration as its unfolded twin, each page buffer split into
+    blocks of ``tpb`` tokens (``where`` names the buffers in messages: the probe's words
+    by default)."""
     twin = unfolded_twin(ENGINE, fmt)
+    where = where or f"SGLang: {p.describe()}"
     if not all(t.is_contiguous() for _, t in leaves(kv)):
         raise DetectionError(
-            f"SGLang: {p.describe()}: a page buffer with padded rows cannot be split into blocks "
-            "by tokens_per_block (the token rows would keep the padding)"
+            f"{where}: a page buffer with padded rows cannot be split into blocks by tokens_per_block (the "
+            "token rows would keep the padding)"
         )
     try:
         shape = unfold_shape(LAYOUTS[fmt], LAYOUTS[twin], p.shape, tpb)
     except DetectionError as exc:
-        raise DetectionError(f"SGLang: {p.describe()}: {exc}") from None
+        raise DetectionError(f"{where}: {exc}") from None
     return twin, map_leaves(kv, lambda t: t.view(shape))
 
 
-def _k_v_pairs(kv: list[Any], hints: LayoutHints) -> list[tuple[Any, Any]] | None:
-    """(K, V) per layer of a K/V registration: two lists, or a flat ``k_v`` list (lengths
-    are checked later); None for any other registration."""
+def _k_v_sides(kv: list[Any], hints: LayoutHints) -> tuple[list[Any], list[Any]] | None:
+    """The K layers and the V layers of a K/V registration: two lists, or a flat ``k_v``
+    list split in halves; None for any other registration."""
     if len(kv) == 2 and all(isinstance(side, (list, tuple)) for side in kv):
-        return list(zip(kv[0], kv[1], strict=False))
+        return list(kv[0]), list(kv[1])
     if hints.kv_list_layout == "k_v" and len(kv) % 2 == 0:
-        return list(zip(kv[: len(kv) // 2], kv[len(kv) // 2 :], strict=True))
+        return kv[: len(kv) // 2], kv[len(kv) // 2 :]
     return None
 
 
@@ -121,10 +131,10 @@ def _head_sizes_differ(k: Any, v: Any) -> bool:
 
 def _mixed_pair(kv: list[Any], hints: LayoutHints) -> tuple[Any, Any] | None:
     """The first (K, V) layer whose head sizes differ, where every entry is a tensor."""
-    pairs = _k_v_pairs(kv, hints)
-    if not pairs or not all(isinstance(t, torch.Tensor) for pair in pairs for t in pair):
+    sides = _k_v_sides(kv, hints)
+    if sides is None or not all(isinstance(t, torch.Tensor) for side in sides for t in side):
         return None  # validation names what is not a tensor
-    return next(((k, v) for k, v in pairs if _head_sizes_differ(k, v)), None)
+    return next(((k, v) for k, v in zip(*sides, strict=False) if _head_sizes_differ(k, v)), None)
 
 
 def _head_sizes(k: torch.Tensor, v: torch.Tensor) -> str:
@@ -163,10 +173,9 @@ def split_mixed(kv: list[Any], hints: LayoutHints) -> tuple[list[torch.Tensor], 
     mixed = _mixed_pair(kv, hints)
     if mixed is None:
         return None
-    two_lists = len(kv) == 2 and all(isinstance(side, (list, tuple)) for side in kv)
-    if two_lists and len(kv[0]) != len(kv[1]):
-        raise DetectionError(f"{_head_sizes(*mixed)}, but there are {len(kv[0])} K layers and {len(kv[1])} V")
-    k, v = (list(kv[0]), list(kv[1])) if two_lists else (kv[: len(kv) // 2], kv[len(kv) // 2 :])
+    k, v = _k_v_sides(kv, hints) or ([], [])
+    if len(k) != len(v):
+        raise DetectionError(f"{_head_sizes(*mixed)}, but there are {len(k)} K layers and {len(v)} V")
     sides = []
     for name, buffers in (("K", k), ("V", v)):
         first = buffers[0]
@@ -182,21 +191,15 @@ def split_mixed(kv: list[Any], hints: LayoutHints) -> tuple[list[torch.Tensor], 
             sides.append(list(buffers))
             continue
         bs = hints.tokens_per_block
-        if first.dim() != 3 or first.numel() == 0:
-            raise DetectionError(
-                f"{_head_sizes(*mixed)}: {name} layers {list(first.shape)} are no page buffers"
-            )
         if bs is None:
             raise DetectionError(f"{_head_sizes(*mixed)}: as two kernel groups, which needs tokens_per_block "
                                  "(SGLang's page_size) to split the page buffers into blocks")  # fmt: skip
-        if first.shape[0] % bs or not all(t.is_contiguous() for t in buffers):
-            why = (
-                f"PBS (NB*BS) {first.shape[0]} is not divisible by tokens_per_block {bs}"
-                if first.shape[0] % bs
-                else "a page buffer with padded rows cannot be split into blocks"
-            )
-            raise DetectionError(f"{_head_sizes(*mixed)}: {name} layers {list(first.shape)}: {why}")
-        sides.append([t.view(-1, bs, *t.shape[1:]) for t in buffers])
+        # the side unfolded as the pool's own format unfolds (a K/V list of the side twice)
+        pair = [buffers, buffers]
+        p = probe(pair)
+        fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", True), _order(hints)])
+        _, unfolded = _unfolded(pair, p, fmt, bs, f"{_head_sizes(*mixed)}: {name} layers {list(first.shape)}")
+        sides.append(list(unfolded[0]))
     return sides[0], sides[1]
 
 

@@ -39,6 +39,8 @@ from kvlayout.detection.base import (
     SIZE_HINTS,
     DetectionError,
     Probe,
+    engine_formats,
+    format_shape,
     match,
     pick,
     probe,
@@ -88,7 +90,7 @@ class _Reading(NamedTuple):
     head_outer: bool
 
 
-# NHD, HND and LHBNC: what size hints choose among without a kv_layout hint.
+# NHD, HND and LHBNC (last): what size hints choose among without a kv_layout hint.
 _READINGS = (_Reading(False, False), _Reading(True, False), _Reading(True, True))
 
 
@@ -100,7 +102,12 @@ def _read_by_sizes(
     if all(getattr(hints, hint) is None for hint, _ in SIZE_HINTS):
         return None
     agree: list[tuple[EngineKVFormat, DiscoverableKVCache]] = []
-    for reading in _READINGS:
+    # heads outside blocks only where a format of this depth and rank has them
+    outer = any(
+        LAYOUTS[f].is_head_outer and LAYOUTS[f].list_depth == p.depth and format_shape(f).rank == p.rank
+        for f in engine_formats(ENGINE)
+    )
+    for reading in _READINGS if outer else _READINGS[:2]:
         try:
             fmt, out = _discover(kv, p, hints, reading)
         except DetectionError:

@@ -33,6 +33,14 @@ from kvlayout.integrations.vllm.specs import (
     spec_size,
     tokens_per_slot,
 )
+from kvlayout.layout.vocabulary import (
+    HEAD_OUTER_KV_LAYOUTS,
+    HND_KV_LAYOUTS,
+    KV_LAYOUT_ALIASES,
+    KV_LAYOUT_NAMES,
+    Axis,
+    kv_layout_axes,
+)
 from kvlayout.registration.contiguity import physical_order
 from kvlayout.registration.opaque import viewed_over
 from kvlayout.types import EngineType, HintsLike, LayoutHints
@@ -66,12 +74,25 @@ def _slots_of_a_block_id(spec: Any) -> int | None:
 
 
 # vLLM 0.33's attention view is [blocks, heads, tokens, C] in every KVCacheLayout; the
-# memory order of its first three axes is the layout (BLHNC and BLNHC order a layer alike).
-_ALLOCATED: dict[tuple[int, ...], tuple[str, bool, bool]] = {
-    (0, 2, 1): ("LBNHC (NHD)", False, False),
-    (0, 1, 2): ("LBHNC (HND)", True, False),
-    (1, 0, 2): ("LHBNC", True, True),
-}
+# memory order of its first three axes is the layout (BLHNC and BLNHC order a layer like
+# their L-first twins, which come first in KV_LAYOUT_NAMES' aliases).
+_VIEW_AXES = (Axis.B, Axis.H, Axis.N)
+
+
+def _allocation_by_order() -> dict[tuple[int, ...], tuple[str, bool, bool]]:
+    """Each accepted spelling's memory order of the view's first axes: (how messages name
+    it, heads before tokens, heads outside blocks)."""
+    aliases = {letters: alias for alias, letters in KV_LAYOUT_ALIASES.items()}
+    out: dict[tuple[int, ...], tuple[str, bool, bool]] = {}
+    for name in KV_LAYOUT_NAMES:
+        letters = KV_LAYOUT_ALIASES.get(name, name)
+        order = tuple(_VIEW_AXES.index(a) for a in kv_layout_axes(letters) if a in _VIEW_AXES)
+        label = f"{letters} ({aliases[letters]})" if letters in aliases else letters
+        out.setdefault(order, (label, letters in HND_KV_LAYOUTS, letters in HEAD_OUTER_KV_LAYOUTS))
+    return out
+
+
+_ALLOCATED = _allocation_by_order()
 
 
 def _allocated(spec: Any, value: Any) -> tuple[str, bool, bool] | None:
