@@ -104,6 +104,20 @@ class RangeCursor {
     next_ = {};
   }
 
+  // The address at position `at` (of the current range, then on into the next), and in
+  // `left` the bytes from there to its range's end; 0 where the range was given as 0 or
+  // `at` lies past both (left: unbounded).
+  std::uint64_t address_at(std::uint64_t at, std::uint64_t& left) const {
+    const Range& r = at < current_.bytes ? current_ : next_;
+    const std::uint64_t offset = at < current_.bytes ? at : at - current_.bytes;
+    if (offset >= r.bytes) {
+      left = ~std::uint64_t{0};
+      return 0;
+    }
+    left = r.bytes - offset;
+    return r.address == 0 ? 0 : r.address + offset;
+  }
+
   // The copy has done `done` bytes of the current range.
   void up_to(std::uint64_t done) {
     const std::uint64_t limit = std::min(done + kLead, current_.bytes + next_.bytes);
