@@ -57,34 +57,29 @@ inline constexpr std::uint64_t kPage = 4096;
 // between them.
 inline constexpr std::uint64_t kCursorStep = 4096;
 
-inline void prefetch_line(std::uint64_t address) {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T1);
-#elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(reinterpret_cast<const void*>(address), 0, 2);
+// A read prefetch of the line at `address`, kLocality as __builtin_prefetch's (on x86-64:
+// 3 prefetcht0, 2 prefetcht1, 0 prefetchnta).
+template <int kLocality>
+inline void prefetch_read(std::uint64_t address) {
+#if defined(__GNUC__) || defined(__clang__)
+  __builtin_prefetch(reinterpret_cast<const void*>(address), 0, kLocality);
 #else
   (void)address;
 #endif
 }
 
+inline void prefetch_line(std::uint64_t address) { prefetch_read<2>(address); }
+
 // A source line the copy reaches soon and reads once: prefetched non-temporally (in step
 // with the copy, scattered 32 KiB runs of bench-transfer's pattern measured 0.78-0.85x a
 // flat streaming copy with it, 0.72-0.74x into L2, in one process taking turns).
-inline void prefetch_once(std::uint64_t address) {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_NTA);
-#elif defined(__GNUC__) || defined(__clang__)
-  __builtin_prefetch(reinterpret_cast<const void*>(address), 0, 0);
-#else
-  (void)address;
-#endif
-}
+inline void prefetch_once(std::uint64_t address) { prefetch_read<0>(address); }
 
 // A destination line, for its page walk: into L1 (into L2 did no better: 0.94-1.01x); the
 // copy's streaming store then takes the line over.
 inline void prefetch_destination(std::uint64_t address) {
 #if defined(__x86_64__) || defined(__i386__)
-  _mm_prefetch(reinterpret_cast<const char*>(address), _MM_HINT_T0);
+  prefetch_read<3>(address);
 #elif defined(__GNUC__) || defined(__clang__)
   __builtin_prefetch(reinterpret_cast<const void*>(address), 1, 3);
 #else
@@ -185,6 +180,17 @@ struct PlainCopy {
 // unaligned head and the tail under 32 bytes go through memcpy. AVX2 beat SSE2's 16-byte
 // streaming stores by 1.0-1.18x across the transfer benchmark's formats.
 struct StreamCopy {
+  // 128 bytes: four 32-byte loads, then four streaming stores.
+  __attribute__((target("avx2"), always_inline)) static void stream128(char* dst, const char* src) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
+    const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+  }
   __attribute__((target("avx2"))) static void copy(char* dst, const char* src, std::size_t n) {
     const std::size_t head = std::min(n, (32 - reinterpret_cast<std::uintptr_t>(dst) % 32) % 32);
     if (head != 0) {
@@ -192,14 +198,7 @@ struct StreamCopy {
       dst += head, src += head, n -= head;
     }
     for (; n >= 128; dst += 128, src += 128, n -= 128) {
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+      stream128(dst, src);
     }
     for (; n >= 32; dst += 32, src += 32, n -= 32)
       _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
@@ -221,14 +220,7 @@ struct StreamCopy {
     for (; n >= 128; dst += 128, src += 128, n -= 128, ahead += 128) {
       prefetch_once(ahead);
       prefetch_once(ahead + 64);
-      const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
-      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
-      const __m256i c = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 64));
-      const __m256i d = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 96));
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
+      stream128(dst, src);
     }
     if (n != 0) prefetch_once(ahead), copy(dst, src, n);
   }
