@@ -339,7 +339,7 @@ inline constexpr std::size_t kListedRuns = 1024;
 // Where every segment is one run on both sides (a block's K or V slab in NHD-like caches,
 // an MLA block, a cross-layer slab), the walk lists its moves as byte runs, joining those
 // that continue each other on both sides, a table at a time, and the run-list engine that
-// block maps copy with (stream::copy_runs_body) copies each table, its cursors a run list
+// block maps copy with (stream::copy_runs_with) copies each table, its cursors a run list
 // ahead of the copy. Where the source jumps from move to move (see listed()) that copy is
 // faster than run_range's. Measured in one process on bench-transfer's moves (256
 // scattered blocks of a 2,048-block pool, 512 MiB), the two walks taking turns, one
@@ -372,14 +372,14 @@ template <Direction D, class Copy, bool Prefetch>
         return;
       }
       if (n == kListedRuns) {
-        stream::copy_runs_body<Copy, Prefetch>(table, n);
+        stream::copy_runs_with<Copy, Prefetch>(table, n);
         n = 0;
       }
     }
     table[n++] = run;
   };
   for_each_move<D>(jobs, b, lo, hi, layer_major, visit);
-  stream::copy_runs_body<Copy, Prefetch>(table, n);
+  stream::copy_runs_with<Copy, Prefetch>(table, n);
   Copy::finish();
 }
 
