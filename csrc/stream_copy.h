@@ -510,8 +510,9 @@ template <class Copy, bool Prefetch>
 }
 
 // The run-list copies, each compiled once on its own: inlined into the transfer's listed
-// walk (a flattened whole) the same body copied bench-transfer's NHD stores at 0.74-0.83x
-// a flat stream against 0.77-0.91x called (medians of 11, the two taking turns, five runs).
+// walk (a flattened whole), the same body copied a model of bench-transfer's NHD stores
+// at 0.74-0.83x a flat stream against 0.77-0.91x called (medians of 11, the two taking
+// turns, five runs).
 template <bool Prefetch>
 __attribute__((noinline)) void copy_runs_plain(const ByteRun* runs, std::size_t n) {
   copy_runs_body<PlainCopy, Prefetch>(runs, n);
