@@ -96,27 +96,23 @@ inline constexpr std::uint64_t kPageLead = 32 << 10;
 // was short).
 inline constexpr std::uint64_t kLineLead = 16 << 10;
 
-// A cursor over the range being copied and the next one, kLead bytes ahead of the copy,
-// calling touch() once per kGrain-byte unit of memory it passes (at the range's first
-// byte, then at each unit's start). Positions count bytes of the current range, then on
-// into the next; a range given as address 0 is passed over (one that streams on from the
-// last, or whose bytes do not lie back to back, so positions do not map to addresses).
-template <std::uint64_t kGrain, std::uint64_t kLead, void (*touch)(std::uint64_t)>
-class RangeCursor {
+// The range being copied and the next one, as a map from positions to addresses:
+// positions count bytes of the current range, then on into the next; a range given as
+// address 0 maps to none (one that streams on from the last, or whose bytes do not lie
+// back to back, so positions do not map to addresses).
+class Ranges {
  public:
   // The range after the current one.
   void next(std::uint64_t address, std::uint64_t bytes) { next_ = {address, bytes}; }
 
-  // The current range (of `bytes`) is copied: the next one becomes current.
-  void advance(std::uint64_t bytes) {
-    issued_ = issued_ > bytes ? issued_ - bytes : 0;
+  // The current range is copied: the next one becomes current.
+  void advance() {
     current_ = next_;
     next_ = {};
   }
 
-  // The address at position `at` (of the current range, then on into the next), and in
-  // `left` the bytes from there to its range's end; 0 where the range was given as 0 or
-  // `at` lies past both (left: unbounded).
+  // The address at position `at`, and in `left` the bytes from there to its range's end;
+  // 0 where the range was given as 0 or `at` lies past both (left: unbounded).
   std::uint64_t address_at(std::uint64_t at, std::uint64_t& left) const {
     const Range& r = at < current_.bytes ? current_ : next_;
     const std::uint64_t offset = at < current_.bytes ? at : at - current_.bytes;
@@ -128,21 +124,7 @@ class RangeCursor {
     return r.address == 0 ? 0 : r.address + offset;
   }
 
-  // The copy has done `done` bytes of the current range.
-  void up_to(std::uint64_t done) {
-    const std::uint64_t limit = std::min(done + kLead, current_.bytes + next_.bytes);
-    while (issued_ < limit) {
-      const bool in_current = issued_ < current_.bytes;
-      const Range& r = in_current ? current_ : next_;
-      const std::uint64_t offset = in_current ? issued_ : issued_ - current_.bytes;
-      if (r.address == 0) {
-        issued_ += r.bytes - offset;
-        continue;
-      }
-      touch(r.address + offset);
-      issued_ += std::min(r.bytes - offset, kGrain - (r.address + offset) % kGrain);
-    }
-  }
+  std::uint64_t bytes() const { return current_.bytes + next_.bytes; }
 
  private:
   struct Range {
@@ -150,12 +132,45 @@ class RangeCursor {
     std::uint64_t bytes = 0;
   };
   Range current_, next_;
-  std::uint64_t issued_ = 0;  // bytes of the current range, then the next, touched
 };
 
-// Prefetches every source line of a range that jumps, where the hardware prefetcher would
-// start over (given the source, or 0 for one that streams on from the last).
-using LineCursor = RangeCursor<64, kLineLead, prefetch_line>;
+// The source ranges of the nested transfer walk, whose lines the copy prefetches in step
+// with itself, kLineLead ahead (given the source where it jumps, or 0 for one that
+// streams on from the last, left to the hardware prefetcher).
+using LineCursor = Ranges;
+
+// A cursor over Ranges kLead bytes ahead of the copy, calling touch() once per kGrain-byte
+// unit of memory it passes (at a range's first byte, then at each unit's start).
+template <std::uint64_t kGrain, std::uint64_t kLead, void (*touch)(std::uint64_t)>
+class RangeCursor {
+ public:
+  void next(std::uint64_t address, std::uint64_t bytes) { ranges_.next(address, bytes); }
+
+  // The current range (of `bytes`) is copied: the next one becomes current.
+  void advance(std::uint64_t bytes) {
+    issued_ = issued_ > bytes ? issued_ - bytes : 0;
+    ranges_.advance();
+  }
+
+  // The copy has done `done` bytes of the current range.
+  void up_to(std::uint64_t done) {
+    const std::uint64_t limit = std::min(done + kLead, ranges_.bytes());
+    while (issued_ < limit) {
+      std::uint64_t left = 0;
+      const std::uint64_t address = ranges_.address_at(issued_, left);
+      if (address == 0) {
+        issued_ += left;
+        continue;
+      }
+      touch(address);
+      issued_ += std::min(left, kGrain - address % kGrain);
+    }
+  }
+
+ private:
+  Ranges ranges_;
+  std::uint64_t issued_ = 0;  // bytes of the current range, then the next, touched
+};
 
 // Touches one line of each destination page, for the page walks (given the destination,
 // or 0 for one that streams on or is not back to back).

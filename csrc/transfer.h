@@ -315,10 +315,10 @@ template <Direction D, class Copy, bool Prefetch>
     pages.next(destination_jumps ? destination : 0, bytes);
     if (pending.step != nullptr) {
       copy_pending();
-      lines.advance(pending.step->segment.bytes);
+      lines.advance();
       pages.advance(pending.step->segment.bytes);
     } else {
-      lines.advance(0);
+      lines.advance();
       pages.advance(0);
     }
     pending = Move{&step, chunk, cache};
