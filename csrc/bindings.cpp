@@ -189,12 +189,13 @@ using RunArray = nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_contig
 // copy_runs over an (N, 3) table of (source, destination, length), for its tests: with
 // streaming false the memcpy path runs even where the CPU has AVX2; prefetch runs the
 // cursors or not.
-void copy_byte_runs(RunArray runs, bool streaming, bool prefetch) {
+void copy_byte_runs(RunArray runs, bool streaming, bool prefetch, bool any_order) {
   static_assert(sizeof(kvlayout::ByteRun) == 24, "a run is three uint64");
   const auto* table = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   const std::size_t n = runs.shape(0);
   nb::gil_scoped_release release;
-  kvlayout::stream::copy_runs(streaming, table, n, prefetch);
+  kvlayout::stream::copy_runs(streaming, table, n, prefetch,
+                              any_order ? kvlayout::stream::Order::kAny : kvlayout::stream::Order::kListed);
 }
 
 // The tiles the run copy finds in an (N, 3) table, as (first run, rows, cols) rows: the
@@ -781,9 +782,16 @@ NB_MODULE(_native, m) {
            "The choice copies of bytes in runs on threads share.");
 
   m.def("copy_byte_runs", &copy_byte_runs, "runs"_a.noconvert(), "streaming"_a = true, "prefetch"_a = true,
+        "any_order"_a = false,
         "Copy an (N, 3) uint64 table of (source address, destination address, length) runs in order, GIL "
         "released (raw addresses: for tests; streaming=False takes the memcpy path, prefetch=False runs no "
-        "cursors ahead of the copy).");
+        "cursors ahead of the copy, any_order=True lets runs whose destinations never overlap go in any "
+        "order, in lanes where that pays).");
+  m.def("lane_bytes", [](RunArray runs) {
+          return kvlayout::stream::lane_bytes(reinterpret_cast<const kvlayout::ByteRun*>(runs.data()), runs.shape(0));
+        }, "runs"_a.noconvert(),
+        "The bytes of an (N, 3) uint64 run table where an any-order copy takes it in lanes (enough bytes, a "
+        "source jumping every 1 to 256 KiB on average), else 0: for tests.");
   m.def("tiles_of", &tiles_of, "runs"_a.noconvert(),
         "The tiles copy_byte_runs copies column by column in an (N, 3) uint64 run table, as (first run, rows, "
         "cols) tuples (for tests).");

@@ -940,7 +940,8 @@ inline PrefetchChoices& shared_prefetch_choices() {
   return choices;
 }
 
-// Copies runs on up to `threads` threads of the pool, each a contiguous share of the bytes
+// Copies runs, whose destinations never overlap (validate_runs refuses those that do), in
+// any order on up to `threads` threads of the pool, each a contiguous share of the bytes
 // (a run may be split between two threads), prefetching as `mode` says (kAuto: as the
 // owner's `choices` measure for this kind of copy, or the shared ones where there is no
 // owner); returns the threads used.
@@ -962,12 +963,12 @@ inline int copy_runs(const ByteRun* runs, std::size_t n, int threads, std::uint6
         return ByteRun{runs[i].src + (from - start), runs[i].dst + (from - start), to - from};
       };
       const ByteRun head = piece(a);
-      copy_byte_runs(&head, 1, prefetch);
+      copy_byte_runs(&head, 1, prefetch, stream::Order::kAny);
       if (a == b) return;
       ++a;
-      if (b > a) copy_byte_runs(runs + a, b - a, prefetch);
+      if (b > a) copy_byte_runs(runs + a, b - a, prefetch, stream::Order::kAny);
       const ByteRun tail = piece(b);
-      copy_byte_runs(&tail, 1, prefetch);
+      copy_byte_runs(&tail, 1, prefetch, stream::Order::kAny);
     });
   });
 }
@@ -999,7 +1000,7 @@ inline int copy_groups(const RunGroup* groups, std::size_t n, int threads, std::
           buf[i].len = std::min(buf[i].len, left);
           left -= buf[i].len;
         }
-        copy_byte_runs(buf, i, prefetch);
+        copy_byte_runs(buf, i, prefetch, stream::Order::kAny);
       }
     });
   });

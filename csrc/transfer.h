@@ -372,14 +372,14 @@ template <Direction D, class Copy, bool Prefetch>
         return;
       }
       if (n == kListedRuns) {
-        stream::copy_runs_with<Copy, Prefetch>(table, n);
+        stream::copy_runs_with<Copy, Prefetch, stream::Order::kAny>(table, n);
         n = 0;
       }
     }
     table[n++] = run;
   };
   for_each_move<D>(jobs, b, lo, hi, layer_major, visit);
-  stream::copy_runs_with<Copy, Prefetch>(table, n);
+  stream::copy_runs_with<Copy, Prefetch, stream::Order::kAny>(table, n);
   Copy::finish();
 }
 

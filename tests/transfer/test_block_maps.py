@@ -253,6 +253,26 @@ def test_mha_maps_move_every_request_byte_once_in_the_fewest_runs(
     check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)))
 
 
+@pytest.mark.parametrize(
+    ("fmt_src", "fmt_dst"),
+    [(F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_BS_NH_HS), (F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_TWO_BS_NH_HS)],
+)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_maps_of_scattered_kib_blocks_move_every_byte_in_lanes(fmt_src: F, fmt_dst: F, threads: int) -> None:
+    """Blocks of 2 KiB a K or V slab, scattered on both sides, 640 KiB in all: the copy
+    takes several runs at once (lanes), and leaves exactly the oracle's bytes."""
+    rnd = random.Random(4)
+    tokens, bs = 640, 8
+    src_ids, dst_ids = rnd.sample(range(96), tokens // bs), rnd.sample(range(88), tokens // bs)
+    common: dict[str, Any] = dict(layers=2, bs=bs, heads=4, row=32, planes=1, kv=2, dtype=torch.bfloat16, pad=0,
+                                  shard=Shard(0, 1, 4))  # fmt: skip
+    src = make_side(fmt_src, blocks=96, seed=1, **common)
+    dst = make_side(fmt_dst, blocks=88, seed=2, **common)
+    m = block_map(src.kv, dst.kv, src_ids, dst_ids, num_tokens=tokens)
+    assert m.num_bytes == 2 * 2 * tokens * 4 * 32 * 2 and _native.lane_bytes(m.runs) == m.num_bytes
+    check_map(src, dst, src_ids, dst_ids, tokens, threads)
+
+
 @pytest.mark.parametrize("tokens", [1, 17, 33])
 def test_a_partial_last_block_of_hnd_maps_each_head_apart(tokens: int) -> None:
     """HND on both sides, same block size: a full block's heads are one stretch, a partial

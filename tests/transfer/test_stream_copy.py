@@ -5,7 +5,8 @@ stream, through their test bindings, against numpy.
 destination address, length); both its paths run (streaming stores where the CPU has
 AVX2, and memcpy), each with the prefetch cursors ahead and without, on runs of 0 to
 100000 bytes at any alignment, long lists of short runs (the cursors walk many runs per
-step) included.
+step) included; and with ``any_order=True`` (destinations that never overlap), the lanes
+that copy several runs at once where the list pays (``lane_bytes``).
 """
 
 from __future__ import annotations
@@ -89,6 +90,93 @@ def test_many_short_scattered_runs_across_pages(streaming: bool) -> None:
             at = int(rng.integers(0, 4096))
     want = copy_reference(src, dst, runs)
     _native.copy_byte_runs(table(src, dst, runs), streaming)
+    assert np.array_equal(dst, want)
+
+
+@st.composite
+def disjoint_run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
+    """Runs whose destinations never overlap (pieces of the destination buffer with gaps
+    between them, in shuffled order) and whose sources lie anywhere: what block maps and
+    transfers copy in any order. Most move enough bytes, with a source that jumps often
+    enough, for the lanes (``_native.lane_bytes``); some have a source that streams on."""
+    lengths = st.one_of(
+        st.just(0),
+        st.integers(1, 300),
+        st.integers(301, 5000),
+        st.integers(5001, 70_000),
+    )
+    pieces, at = [], draw(st.integers(0, 64))
+    for _ in range(draw(st.integers(0, 120))):
+        n = draw(lengths)
+        if at + n > DST_BYTES:
+            break
+        pieces.append((at, n))
+        at += n + draw(st.sampled_from([0, 0, 1, 64, 4096]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    rng.shuffle(pieces)
+    if draw(st.booleans()):  # sources scattered
+        return [(int(rng.integers(0, SRC_BYTES - n + 1)), d, n) for d, n in pieces]
+    runs, s = [], int(rng.integers(0, 4096))  # the source streams on, wrapping round
+    for d, n in pieces:
+        s = 0 if s + n > SRC_BYTES else s
+        runs.append((s, d, n))
+        s += n
+    return runs
+
+
+@settings(max_examples=60, deadline=None)
+@given(disjoint_run_lists(), st.booleans(), st.booleans(), st.integers(0, 2**32 - 1))
+def test_copy_in_any_order_equals_numpy(
+    runs: list[tuple[int, int, int]], streaming: bool, prefetch: bool, seed: int
+) -> None:
+    """Runs with disjoint destinations copied in any order (in lanes where the list pays)
+    leave exactly what the listed copy leaves."""
+    src, dst = buffers(seed)
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(table(src, dst, runs), streaming, prefetch, any_order=True)
+    assert np.array_equal(dst, want)
+    assert np.array_equal(src, buffers(seed)[0])
+
+
+def scattered_runs(length: int, count: int, seed: int) -> list[tuple[int, int, int]]:
+    """`count` runs of `length` bytes from shuffled slots of the source, one after another
+    in the destination, from 3 bytes in (unaligned)."""
+    slots = np.random.default_rng(seed).permutation(SRC_BYTES // length)[:count]
+    return [(int(k) * length, 3 + i * length, length) for i, k in enumerate(slots)]
+
+
+@pytest.mark.parametrize(
+    ("length", "count", "lanes"),
+    [
+        (1024, 512, True),  # 512 KiB, a jump per KiB
+        (32 << 10, 16, True),  # 512 KiB of 32 KiB runs
+        (32 << 10, 7, False),  # under the least a lane list moves (4 x 64 KiB)
+        (512, 900, False),  # a jump every 512 bytes: the listed copy, tiles and all
+        (256 << 10, 2, False),  # 256 KiB runs stream as well one by one
+    ],
+)
+def test_which_lists_go_in_lanes(length: int, count: int, lanes: bool) -> None:
+    src, dst = buffers(5)
+    runs = scattered_runs(length, count, seed=6)
+    t = table(src, dst, runs)
+    assert _native.lane_bytes(t) == (length * count if lanes else 0)
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(t, any_order=True)
+    assert np.array_equal(dst, want)
+
+
+def test_a_source_that_streams_on_is_not_copied_in_lanes() -> None:
+    """One buffer into scattered runs (a load): the source never jumps, and the list is
+    copied in order (one stream reads it faster than lanes)."""
+    src, dst = buffers(9)
+    slots = np.random.default_rng(10).permutation(DST_BYTES // (8 << 10))[:64]
+    runs = [(i * (8 << 10), int(k) * (8 << 10), 8 << 10) for i, k in enumerate(slots)]
+    t = table(src, dst, runs)
+    assert _native.lane_bytes(t) == 0
+    scattered = [(d, s, n) for s, d, n in runs]  # the same runs read back: the source jumps
+    assert _native.lane_bytes(table(dst, src, scattered)) == 64 * (8 << 10)
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(t, any_order=True)
     assert np.array_equal(dst, want)
 
 

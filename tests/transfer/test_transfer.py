@@ -532,18 +532,31 @@ def test_plans_list_their_runs_where_each_segment_is_one_run_and_the_source_jump
         ]
 
 
-def test_a_listed_move_of_more_runs_than_one_table_joins_runs_and_moves_every_byte() -> None:
-    """3,000 blocks of 2 layers' K and V, scattered and in runs of consecutive ids (whose
-    slabs continue each other on both sides, so the listing joins them): several tables of
-    runs, each byte where the nested walk puts it; and loaded back block-major (listed too),
-    every moved block restored and no other touched."""
+@pytest.mark.parametrize(
+    ("sizes", "consecutive", "scattered"),
+    [
+        ({"NL": 2, "NB": 4000, "BS": 2, "NH": 2, "HS": 8}, 1500, 1500),  # 64-byte slabs: many tables
+        ({"NL": 2, "NB": 700, "BS": 4, "NH": 2, "HS": 128}, 40, 400),  # 2 KiB slabs: tables in lanes
+    ],
+)
+def test_a_listed_move_of_more_runs_than_one_table_joins_runs_and_moves_every_byte(
+    sizes: dict[str, int], consecutive: int, scattered: int
+) -> None:
+    """Blocks of 2 layers' K and V, scattered and in runs of consecutive ids (whose slabs
+    continue each other on both sides, so the listing joins them): several tables of runs
+    (of 2 KiB slabs: scattered enough to be copied several at once, in lanes), each byte
+    where the nested walk puts it; and loaded back block-major (listed too), every moved
+    block restored and no other touched."""
     fmt = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
-    sizes = {"NL": 2, "NB": 4000, "BS": 2, "NH": 2, "HS": 8}
     reg = make_registration(kvlayout.layout_of(fmt), sizes, torch.float16)
     plan = prepare(reg.kv, fmt)
     assert plan._engine.listed(0, 32)
     rng = np.random.default_rng(0)
-    ids = np.concatenate([np.arange(100, 1600), rng.permutation(np.arange(1600, 4000))[:1500]]).tolist()
+    first = sizes["NB"] // 40
+    ids = np.concatenate([
+        np.arange(first, first + consecutive),
+        rng.permutation(np.arange(first + consecutive, sizes["NB"]))[:scattered],
+    ]).tolist()  # fmt: skip
     jobs = [plan._native_job(job) for job in plan.jobs]
     nested = _native.TransferPlan(jobs, plan.num_blocks, listed=False)
     chunks = plan.chunks_for(len(ids), 64)
