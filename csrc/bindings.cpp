@@ -791,7 +791,7 @@ NB_MODULE(_native, m) {
           return kvlayout::stream::lane_bytes(reinterpret_cast<const kvlayout::ByteRun*>(runs.data()), runs.shape(0));
         }, "runs"_a.noconvert(),
         "The bytes of an (N, 3) uint64 run table where an any-order copy takes it in lanes (enough bytes, a "
-        "source jumping every 1 to 256 KiB on average), else 0: for tests.");
+        "source jumping every 2 to 256 KiB on average), else 0: for tests.");
   m.def("tiles_of", &tiles_of, "runs"_a.noconvert(),
         "The tiles copy_byte_runs copies column by column in an (N, 3) uint64 run table, as (first run, rows, "
         "cols) tuples (for tests).");

@@ -148,7 +148,8 @@ def scattered_runs(length: int, count: int, seed: int) -> list[tuple[int, int, i
 @pytest.mark.parametrize(
     ("length", "count", "lanes"),
     [
-        (1024, 512, True),  # 512 KiB, a jump per KiB
+        (2048, 256, True),  # 512 KiB, a jump every 2 KiB
+        (1024, 512, False),  # a jump every KiB: in order (a strided head slice streams so)
         (32 << 10, 16, True),  # 512 KiB of 32 KiB runs
         (32 << 10, 7, False),  # under the least a lane list moves (4 x 64 KiB)
         (512, 900, False),  # a jump every 512 bytes: the listed copy, tiles and all
