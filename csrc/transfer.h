@@ -340,7 +340,8 @@ inline constexpr std::size_t kListedRuns = 1024;
 // an MLA block, a cross-layer slab), the walk lists its moves as byte runs, joining those
 // that continue each other on both sides, a table at a time, and the run-list engine that
 // block maps copy with (stream::copy_runs_with) copies each table, its cursors a run list
-// ahead of the copy. Where the source jumps from move to move (see listed()) that copy is
+// ahead of the copy (in lanes where the source jumps every few KiB: the table's
+// destinations never overlap). Where the source jumps from move to move (see listed()) that copy is
 // faster than run_range's. Measured in one process on bench-transfer's moves (256
 // scattered blocks of a 2,048-block pool, 512 MiB), the two walks taking turns, one
 // thread, prefetching, five runs: layer-major stores went from 0.59-0.80x a flat

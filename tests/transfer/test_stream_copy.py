@@ -44,17 +44,19 @@ def buffers(seed: int) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
+RUN_LENGTHS = st.one_of(
+    st.just(0),
+    st.integers(1, 64),  # under a vector: head and tail only
+    st.integers(65, 5000),  # a few vectors, page crossings
+    st.integers(5001, 100_000),  # many pages, the cursors' long-run path
+)
+
+
 @st.composite
 def run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
-    lengths = st.one_of(
-        st.just(0),
-        st.integers(1, 64),  # under a vector: head and tail only
-        st.integers(65, 5000),  # a few vectors, page crossings
-        st.integers(5001, 100_000),  # many pages, the cursors' long-run path
-    )
     runs = []
     for _ in range(draw(st.integers(0, 40))):
-        n = draw(lengths)
+        n = draw(RUN_LENGTHS)
         s = draw(st.integers(0, SRC_BYTES - n))
         d = draw(st.integers(0, DST_BYTES - n))
         runs.append((s, d, n))
@@ -97,17 +99,12 @@ def test_many_short_scattered_runs_across_pages(streaming: bool) -> None:
 def disjoint_run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
     """Runs whose destinations never overlap (pieces of the destination buffer with gaps
     between them, in shuffled order) and whose sources lie anywhere: what block maps and
-    transfers copy in any order. Most move enough bytes, with a source that jumps often
-    enough, for the lanes (``_native.lane_bytes``); some have a source that streams on."""
-    lengths = st.one_of(
-        st.just(0),
-        st.integers(1, 300),
-        st.integers(301, 5000),
-        st.integers(5001, 70_000),
-    )
+    transfers copy in any order. About a quarter move enough bytes, with a source that
+    jumps often enough, for the lanes (``_native.lane_bytes``); some have a source that
+    streams on."""
     pieces, at = [], draw(st.integers(0, 64))
     for _ in range(draw(st.integers(0, 120))):
-        n = draw(lengths)
+        n = draw(RUN_LENGTHS)
         if at + n > DST_BYTES:
             break
         pieces.append((at, n))
