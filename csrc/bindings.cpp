@@ -130,36 +130,38 @@ kvlayout::Prefetch prefetch_mode(int prefetch) {
 class TransferPlan {
  public:
   TransferPlan(const std::vector<JobArgs>& job_args, std::int64_t num_blocks, int order, std::int64_t stream_min_bytes,
-               int prefetch, bool listed)
+               int prefetch, bool listed, bool lanes)
       : plan_(make_jobs(job_args)),
         num_blocks_(num_blocks),
-        options_{checked_order(order), stream_min_bytes, prefetch_mode(prefetch), listed} {}
+        options_{checked_order(order), stream_min_bytes, prefetch_mode(prefetch), listed, lanes} {}
 
   // Whether a call's moves are listed and copied as runs (transfer::listed).
   bool listed(int direction, std::int64_t blocks_per_chunk) const {
-    const auto d = static_cast<kvlayout::transfer::Direction>(checked_direction(direction));
-    const bool layer_major =
-        kvlayout::transfer::layer_major(plan_, d, checked_blocks_per_chunk(blocks_per_chunk), options_);
-    return kvlayout::transfer::listed(plan_, d, layer_major, options_);
+    return walk(direction, blocks_per_chunk) == kvlayout::transfer::WalkKind::kListed;
+  }
+
+  // Whether a call's nested moves may be copied in lanes (transfer::lanes).
+  bool lanes(int direction, std::int64_t blocks_per_chunk) const {
+    return walk(direction, blocks_per_chunk) == kvlayout::transfer::WalkKind::kNestedInLanes;
   }
 
   std::tuple<std::int64_t, int> run(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
                                     std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks, int num_threads) {
-    checked_direction(direction);
-    checked_blocks_per_chunk(blocks_per_chunk);
-    if (chunk_ptrs.shape(0) != chunk_tokens.shape(0)) throw nb::value_error("one token count per chunk");
-    const auto count = static_cast<std::int64_t>(block_ids.shape(0));
-    if (static_cast<std::int64_t>(chunk_ptrs.shape(0)) < (count + blocks_per_chunk - 1) / blocks_per_chunk)
-      throw nb::value_error("too few chunks for the blocks");
-    const kvlayout::transfer::Batch batch{block_ids.data(), count,
-                                          reinterpret_cast<const std::uintptr_t*>(chunk_ptrs.data()),
-                                          chunk_tokens.data(), blocks_per_chunk, skip_prefix_blocks};
+    const auto batch = batch_of(direction, block_ids, chunk_ptrs, chunk_tokens, blocks_per_chunk, skip_prefix_blocks);
     nb::gil_scoped_release release;
-    const std::int64_t bad = kvlayout::transfer::first_bad_block_id(block_ids.data(), count, num_blocks_);
+    const std::int64_t bad = kvlayout::transfer::first_bad_block_id(batch.block_ids, batch.num_blocks, num_blocks_);
     if (bad >= 0) return {bad, 0};
     const int used = kvlayout::transfer::run(plan_, batch, static_cast<kvlayout::transfer::Direction>(direction),
                                              num_threads, options_);
     return {-1, used};
+  }
+
+  // The bytes a one-thread call with these arguments copies in lanes (transfer::bytes_in_lanes).
+  std::uint64_t bytes_in_lanes(int direction, IntArray block_ids, PtrArray chunk_ptrs, IntArray chunk_tokens,
+                               std::int64_t blocks_per_chunk, std::int64_t skip_prefix_blocks) const {
+    const auto batch = batch_of(direction, block_ids, chunk_ptrs, chunk_tokens, blocks_per_chunk, skip_prefix_blocks);
+    return kvlayout::transfer::bytes_in_lanes(plan_, batch, static_cast<kvlayout::transfer::Direction>(direction),
+                                              options_);
   }
 
   std::tuple<std::uint64_t, double, double> prefetch_costs(int direction, bool many_threads) const {
@@ -172,6 +174,28 @@ class TransferPlan {
     std::vector<kvlayout::transfer::Job> jobs;
     for (const auto& a : job_args) jobs.push_back(make_job(a));
     return jobs;
+  }
+
+  kvlayout::transfer::WalkKind walk(int direction, std::int64_t blocks_per_chunk) const {
+    const auto d = static_cast<kvlayout::transfer::Direction>(checked_direction(direction));
+    const bool layer_major =
+        kvlayout::transfer::layer_major(plan_, d, checked_blocks_per_chunk(blocks_per_chunk), options_);
+    return kvlayout::transfer::walk_kind(plan_, d, layer_major, options_);
+  }
+
+  // A call's arguments, checked (the block ids are checked against the pool by run()).
+  static kvlayout::transfer::Batch batch_of(int direction, const IntArray& block_ids, const PtrArray& chunk_ptrs,
+                                            const IntArray& chunk_tokens, std::int64_t blocks_per_chunk,
+                                            std::int64_t skip_prefix_blocks) {
+    checked_direction(direction);
+    checked_blocks_per_chunk(blocks_per_chunk);
+    if (chunk_ptrs.shape(0) != chunk_tokens.shape(0)) throw nb::value_error("one token count per chunk");
+    const auto count = static_cast<std::int64_t>(block_ids.shape(0));
+    if (static_cast<std::int64_t>(chunk_ptrs.shape(0)) < (count + blocks_per_chunk - 1) / blocks_per_chunk)
+      throw nb::value_error("too few chunks for the blocks");
+    const auto* chunks = reinterpret_cast<const std::uintptr_t*>(chunk_ptrs.data());
+    return kvlayout::transfer::Batch{block_ids.data(), count, chunks, chunk_tokens.data(), blocks_per_chunk,
+                                     skip_prefix_blocks};
   }
 
   static kvlayout::transfer::Order checked_order(int order) {
@@ -666,16 +690,25 @@ NB_MODULE(_native, m) {
   nb::class_<TransferPlan>(m, "TransferPlan",
                            "A registration's copy jobs, built once; run() moves blocks with raw pointers "
                            "(kvlayout.transfer validates, and keeps the tensors alive).")
-      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, int, bool>(), "jobs"_a,
+      .def(nb::init<const std::vector<JobArgs>&, std::int64_t, int, std::int64_t, int, bool, bool>(), "jobs"_a,
            "num_blocks"_a, "order"_a = -1, "stream_min_bytes"_a = kvlayout::transfer::kStreamMinBytes,
-           "prefetch"_a = -1, "listed"_a = true,
+           "prefetch"_a = -1, "listed"_a = true, "lanes"_a = true,
            "order: -1 chooses per call, 0 walks block-major, 1 layer-major; calls moving at least "
            "stream_min_bytes write with streaming stores; prefetch -1 measures whether prefetching ahead of the "
            "copy is faster, per direction, 0 leaves the coming moves to the hardware, 1 prefetches; listed "
-           "False copies one-run segments with the nested walk too (the knobs exist for tests and benchmarks).")
+           "False copies one-run segments with the nested walk too; lanes False never copies nested moves in lanes "
+           "(the knobs exist for tests and benchmarks).")
       .def("listed", &TransferPlan::listed, "direction"_a, "blocks_per_chunk"_a,
            "Whether a call's moves are listed as runs and copied by the run-list engine: every segment one run, "
            "an order that makes the source jump from move to move, and listed not turned off.")
+      .def("lanes", &TransferPlan::lanes, "direction"_a, "blocks_per_chunk"_a,
+           "Whether a call's moves take the nested walk in lanes: segments of several runs, an order that makes "
+           "the source jump from move to move, and lanes not turned off (each group of moves then takes lanes "
+           "where its source stretches pay).")
+      .def("bytes_in_lanes", &TransferPlan::bytes_in_lanes, "direction"_a, "block_ids"_a, "chunk_ptrs"_a,
+           "chunk_tokens"_a, "blocks_per_chunk"_a, "skip_prefix_blocks"_a,
+           "The bytes a one-thread call with these arguments copies in lanes, where it streams and prefetches: "
+           "for tests (block ids are not checked here).")
       .def("prefetch_costs", &TransferPlan::prefetch_costs, "direction"_a, "many_threads"_a = false,
            "(calls measured, ns per byte without prefetching, ns per byte with; 0 before a way ran) of one "
            "direction's measured choice, for tests.")

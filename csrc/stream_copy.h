@@ -593,18 +593,63 @@ inline std::vector<std::size_t> source_stretches(const ByteRun* runs, std::size_
   return starts;
 }
 
-// One lane: every kLanes-th stretch of a list from stretch `first` on, with a copy
-// position and a prefetch position kLaneLead ahead.
+// The source stretches of a run list, as a Lane walks them: a cursor enters a stretch at
+// its first non-empty run and moves on run by run.
+class RunStretches {
+ public:
+  RunStretches(const ByteRun* runs, std::size_t n) : runs_(runs), starts_(source_stretches(runs, n)) {}
+
+  std::size_t size() const { return starts_.size() - 1; }
+
+  // A run list's destinations run forward within a stretch (see Lane::touch_pages).
+  static constexpr bool kDestinationsReturn = false;
+
+  struct Cursor {
+    const ByteRun* run = nullptr;
+    const ByteRun* end = nullptr;  // past the stretch's last run
+  };
+
+  // Puts c at the first non-empty run of stretch s, that run in `run`; false where none.
+  bool enter(Cursor& c, std::size_t s, ByteRun& run) const {
+    c.run = runs_ + starts_[s];
+    c.end = runs_ + starts_[s + 1];
+    return at_run(c, run);
+  }
+
+  // Moves c on to the next non-empty run of its stretch, in `run`; false past its end.
+  bool next(Cursor& c, ByteRun& run) const {
+    ++c.run;
+    return at_run(c, run);
+  }
+
+ private:
+  static bool at_run(Cursor& c, ByteRun& run) {
+    for (; c.run != c.end; ++c.run) {
+      if (c.run->len != 0) {
+        run = *c.run;
+        return true;
+      }
+    }
+    return false;
+  }
+
+  const ByteRun* runs_;
+  std::vector<std::size_t> starts_;
+};
+
+// One lane: every kLanes-th stretch of `Stretches` (RunStretches, or the transfer's nested
+// moves) from stretch `first` on, with a copy position and a prefetch position kLaneLead
+// ahead.
+template <class Stretches>
 class Lane {
  public:
   Lane() = default;
-  Lane(const ByteRun* runs, const std::vector<std::size_t>& starts, std::size_t first)
-      : runs_(runs), starts_(starts.data()), stretches_(starts.size() - 1) {
+  Lane(const Stretches& stretches, std::size_t first) : stretches_(&stretches) {
     enter(copy_, first);
     ahead_ = copy_;
   }
 
-  bool done() const { return copy_.left == 0; }
+  bool done() const { return copy_.run.len == 0; }
 
   // Prefetches the lane's first kLaneLead bytes.
   void prefetch_lead() { prefetch(kLaneLead); }
@@ -614,73 +659,89 @@ class Lane {
   // the prefetch position on as much.
   template <class Copy, bool Prefetch>
   [[gnu::always_inline]] void step() {
-    const std::uint64_t piece = std::min(copy_.left, kLaneStep - copy_.dst % kLaneStep);
-    Copy::copy(reinterpret_cast<char*>(copy_.dst), reinterpret_cast<const char*>(copy_.src), piece);
+    const std::uint64_t piece = std::min(copy_.run.len, kLaneStep - copy_.run.dst % kLaneStep);
+    Copy::copy(reinterpret_cast<char*>(copy_.run.dst), reinterpret_cast<const char*>(copy_.run.src), piece);
     move(copy_, piece);
     if constexpr (Prefetch) prefetch(piece);
   }
 
  private:
   struct Position {
-    std::uint64_t src = 0, dst = 0, left = 0;  // left 0: past the lane's end
-    const ByteRun* run = nullptr;
-    const ByteRun* stretch_end = nullptr;  // past the stretch's last run
+    ByteRun run{};  // what is left of the current run (len 0: past the lane's end)
+    typename Stretches::Cursor cursor{};
     std::size_t stretch = 0;
   };
 
-  // Puts p at the first byte of stretch s, or past the lane's end.
+  // Puts p at the first byte of stretch s, or of the lane's next one with bytes, or past
+  // the lane's end.
   void enter(Position& p, std::size_t s) const {
-    p.stretch = s;
-    p.left = 0;
-    if (s >= stretches_) return;
-    p.run = runs_ + starts_[s];
-    p.stretch_end = runs_ + starts_[s + 1];
-    at_run(p);
-  }
-
-  // Puts p at the start of its run, or of the next non-empty one (of the lane's next
-  // stretch past this one's end).
-  void at_run(Position& p) const {
-    while (p.run->len == 0) {
-      if (++p.run == p.stretch_end) return enter(p, p.stretch + kLanes);
+    for (; s < stretches_->size(); s += kLanes) {
+      if (stretches_->enter(p.cursor, s, p.run)) {
+        p.stretch = s;
+        return;
+      }
     }
-    p.src = p.run->src, p.dst = p.run->dst, p.left = p.run->len;
+    p.run.len = 0;
   }
 
   // Moves p on `bytes`, at most what is left of its run.
   void move(Position& p, std::uint64_t bytes) const {
-    p.src += bytes, p.dst += bytes, p.left -= bytes;
-    if (p.left != 0) return;
-    if (++p.run == p.stretch_end) return enter(p, p.stretch + kLanes);
-    at_run(p);
+    p.run.src += bytes, p.run.dst += bytes, p.run.len -= bytes;
+    if (p.run.len != 0) return;
+    if (!stretches_->next(p.cursor, p.run)) enter(p, p.stretch + kLanes);
   }
 
   // Moves the prefetch position on `bytes`, prefetching each source line it passes and
   // touching each destination page it enters.
   void prefetch(std::uint64_t bytes) {
-    while (bytes != 0 && ahead_.left != 0) {
-      const std::uint64_t piece = std::min(bytes, ahead_.left), src = ahead_.src, dst = ahead_.dst;
+    while (bytes != 0 && ahead_.run.len != 0) {
+      const std::uint64_t piece = std::min(bytes, ahead_.run.len), src = ahead_.run.src, dst = ahead_.run.dst;
       prefetch_lines<prefetch_once>(src, piece);
-      if ((dst + piece - 1) / kPage != dst_page_) {
-        for (std::uint64_t page = dst / kPage; page <= (dst + piece - 1) / kPage; ++page) {
-          if (page != dst_page_) prefetch_destination(std::max(dst, page * kPage)), dst_page_ = page;
-        }
-      }
+      touch_pages(dst, piece);
       move(ahead_, piece);
       bytes -= piece;
     }
   }
 
-  const ByteRun* runs_ = nullptr;
-  const std::size_t* starts_ = nullptr;
-  std::size_t stretches_ = 0;
+  // Touches one line of each destination page [dst, dst + bytes) reaches, unless the lane
+  // touched it last: the last page, or where the stretches' destinations step back and
+  // forth across a few pages (Stretches::kDestinationsReturn: a head-major block's rows,
+  // 256 bytes at a time), the range of pages touched last, so each is touched once.
+  void touch_pages(std::uint64_t dst, std::uint64_t bytes) {
+    const std::uint64_t first = dst / kPage, last = (dst + bytes - 1) / kPage;
+    if constexpr (Stretches::kDestinationsReturn) {
+      if (first >= pages_.first && last <= pages_.last) return;
+    } else {
+      if (last == pages_.last) return;
+    }
+    for (std::uint64_t page = first; page <= last; ++page) {
+      if (page >= pages_.first && page <= pages_.last) continue;
+      prefetch_destination(std::max(dst, page * kPage));
+      if (Stretches::kDestinationsReturn && page == pages_.last + 1) {
+        pages_.last = page;
+      } else if (Stretches::kDestinationsReturn && page + 1 == pages_.first) {
+        pages_.first = page;
+      } else {
+        pages_ = {page, page};
+      }
+    }
+  }
+
+  const Stretches* stretches_ = nullptr;
   Position copy_, ahead_;
-  std::uint64_t dst_page_ = ~std::uint64_t{0};  // the destination page touched last
+  struct {
+    std::uint64_t first = 1, last = 0;  // first > last: none yet
+  } pages_;  // the destination pages touched last (one, unless Stretches::kDestinationsReturn)
 };
 
-// The bytes of runs[0..n) where they are worth copying in lanes (at least kLaneMinBytes,
-// and a source that jumps every kLaneStretchMin to kLaneStretchMax bytes on average),
-// else 0.
+// Whether `bytes` in `stretches` source stretches are worth copying in lanes: at least
+// kLaneMinBytes, and a source that jumps every kLaneStretchMin to kLaneStretchMax bytes on
+// average.
+inline bool lanes_pay(std::uint64_t bytes, std::uint64_t stretches) {
+  return bytes >= kLaneMinBytes && bytes >= kLaneStretchMin * stretches && bytes < kLaneStretchMax * stretches;
+}
+
+// The bytes of runs[0..n) where they are worth copying in lanes (lanes_pay), else 0.
 inline std::uint64_t lane_bytes(const ByteRun* runs, std::size_t n) {
   std::uint64_t total = 0, stretches = 0, next = 0;
   for (std::size_t i = 0; i < n; ++i) {
@@ -688,29 +749,32 @@ inline std::uint64_t lane_bytes(const ByteRun* runs, std::size_t n) {
     stretches += starts_stretch(runs[i], next);
     total += runs[i].len;
   }
-  const bool pay =
-      total >= kLaneMinBytes && total >= kLaneStretchMin * stretches && total < kLaneStretchMax * stretches;
-  return pay ? total : 0;
+  return lanes_pay(total, stretches) ? total : 0;
 }
 
-// Copies runs[0..n), whose destinations must not overlap, in kLanes lanes (see Lane);
-// unfenced.
-template <class Copy, bool Prefetch>
-[[gnu::always_inline]] inline void copy_runs_in_lanes(const ByteRun* runs, std::size_t n) {
-  const std::vector<std::size_t> starts = source_stretches(runs, n);
-  Lane lanes[kLanes];
+// Copies the stretches' runs, whose destinations must not overlap, in kLanes lanes (see
+// Lane); unfenced.
+template <class Copy, bool Prefetch, class Stretches>
+[[gnu::always_inline]] inline void copy_in_lanes(const Stretches& stretches) {
+  Lane<Stretches> lanes[kLanes];
   for (std::size_t k = 0; k < kLanes; ++k) {
-    lanes[k] = Lane(runs, starts, k);
+    lanes[k] = Lane<Stretches>(stretches, k);
     if constexpr (Prefetch) lanes[k].prefetch_lead();
   }
   for (bool more = true; more;) {
     more = false;
-    for (Lane& lane : lanes) {
+    for (Lane<Stretches>& lane : lanes) {
       if (lane.done()) continue;
-      lane.step<Copy, Prefetch>();
+      lane.template step<Copy, Prefetch>();
       more = true;
     }
   }
+}
+
+// Copies runs[0..n), whose destinations must not overlap, in kLanes lanes; unfenced.
+template <class Copy, bool Prefetch>
+[[gnu::always_inline]] inline void copy_runs_in_lanes(const ByteRun* runs, std::size_t n) {
+  copy_in_lanes<Copy, Prefetch>(RunStretches(runs, n));
 }
 
 // The run-list copies, each compiled once on its own: inlined into the transfer's listed

@@ -4,10 +4,12 @@ round trips for every format, and bad input refused before any byte moves."""
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 import numpy as np
 import pytest
@@ -410,7 +412,7 @@ def check_engine_choices(
 ) -> None:  # fmt: skip
     """Every engine choice (block- or layer-major, streaming stores or not, the coming
     moves' lines prefetched or not, any split over threads, one-run segments listed and
-    copied as runs or walked as nests) stores the same
+    copied as runs or walked as nests, nested moves gathered for lanes or not) stores the same
     chunks and loads the same cache bytes as the default plan, which the tests above hold
     to the oracle."""
     reg = make_registration(kvlayout.layout_of(fmt), sizes, dtype, pad=pad)
@@ -431,12 +433,12 @@ def check_engine_choices(
         per_chunk,
         skip,
     )
-    choices = itertools.product((0, 1), (0, 1 << 62), (-1, 0, 1), (1, 3), (False, True))
-    for order, stream_min_bytes, prefetch, threads, listed in choices:
-        engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes, prefetch, listed)
+    choices = itertools.product((0, 1), (0, 1 << 62), (-1, 0, 1), (1, 3), (False, True), (False, True))
+    for order, stream_min_bytes, prefetch, threads, listed, lanes in choices:
+        engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes, prefetch, listed, lanes)
         choice = (
             f"order {order}, streaming from {stream_min_bytes} bytes, prefetch {prefetch}, {threads} threads, "
-            f"listed {listed}"
+            f"listed {listed}, lanes {lanes}"
         )
         for c in chunks:
             c.zero_()
@@ -524,12 +526,99 @@ def test_plans_list_their_runs_where_each_segment_is_one_run_and_the_source_jump
     off = _native.TransferPlan(jobs, plan.num_blocks, listed=False)
     assert [off.listed(d, 4) for d in (0, 1)] == [False, False]
     one_run_each = fmt != EngineKVFormat.NL_X_TWO_NB_NH_BS_HS
+    # where a segment has several runs, the same orders gather the moves for lanes
+    assert [plan._engine.lanes(d, 4) for d in (0, 1)] == [not one_run_each, False]
+    assert [_native.TransferPlan(jobs, plan.num_blocks, lanes=False).lanes(d, 4) for d in (0, 1)] == [
+        False,
+        False,
+    ]
     for order in (0, 1):  # block-major lists loads only, layer-major stores only
         forced = _native.TransferPlan(jobs, plan.num_blocks, order=order)
         assert [forced.listed(d, 4) for d in (0, 1)] == [
             one_run_each and order == 1,
             one_run_each and order == 0,
         ]
+        assert [forced.lanes(d, 4) for d in (0, 1)] == [
+            not one_run_each and order == 1,
+            not one_run_each and order == 0,
+        ]
+
+
+@pytest.mark.parametrize(
+    ("fmt", "pad", "consecutive_in_lanes"),
+    [  # segments of a 256- or 512-byte run per head and token
+        (EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, 0, False),  # flash-attn HND: consecutive K blocks continue
+        (EngineKVFormat.NL_X_NB_TWO_NH_BS_HS, 8, True),  # flash-infer HND, padded: V lies between K blocks
+        (EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, 0, False),  # K and V interleaved, one segment: blocks continue
+        (EngineKVFormat.NL_X_NH_NB_BS_CS, 0, True),  # heads outermost: a block's source is not dense
+    ],
+)
+def test_nested_moves_in_lanes_move_what_the_nested_walk_moves(
+    fmt: EngineKVFormat, pad: int, consecutive_in_lanes: bool
+) -> None:
+    """Segments of several runs stored layer-major, the source jumping every 8-64 KiB from
+    scattered blocks (copied in lanes), streaming on through consecutive blocks where the
+    layout lets it (the nested walk), and both in one call with a skipped prefix and a
+    partial last chunk, on one thread and three: every chunk byte where the nested walk
+    puts it; and loaded back block-major (the chunk's slabs jumping: lanes too), every
+    cache byte where the nested walk's load puts it (the moved blocks, nothing else)."""
+    sizes = {"NL": 2, "NB": 300, "BS": 16, "NH": 4, "HS": 128, "CS": 256}
+    per_chunk = 16  # 16 consecutive blocks of 16-64 KiB: a stretch of 256 KiB or more, too long for lanes
+    reg = make_registration(kvlayout.layout_of(fmt), sizes, torch.float16, pad=pad)
+    original = [b.clone() for b in reg.bases]
+    plan = prepare(reg.kv, fmt)
+    jobs = [plan._native_job(job) for job in plan.jobs]
+    shape, _ = plan.chunk_shape(per_chunk * sizes["BS"])
+
+    def engine(order: int, lanes: bool) -> Any:
+        return _native.TransferPlan(jobs, plan.num_blocks, order, 0, 1, True, lanes)  # streaming, prefetching
+
+    def call(e: Any, d: int, ids: list[int], chunks: list[torch.Tensor], skip: int, threads: int) -> None:
+        ptrs = np.array([c.data_ptr() for c in chunks], dtype=np.uint64)
+        tokens = np.array([c.shape[2] for c in chunks], dtype=np.int64)
+        assert e.run(d, np.array(ids, dtype=np.int64), ptrs, tokens, per_chunk, skip, threads)[0] == -1
+
+    def in_lanes(e: Any, d: int, ids: list[int], chunks: list[torch.Tensor], skip: int) -> int:
+        ptrs = np.array([c.data_ptr() for c in chunks], dtype=np.uint64)
+        tokens = np.array([c.shape[2] for c in chunks], dtype=np.int64)
+        return int(e.bytes_in_lanes(d, np.array(ids, dtype=np.int64), ptrs, tokens, per_chunk, skip))
+
+    store, load = engine(1, True), engine(0, True)
+    assert store.lanes(0, per_chunk) and load.lanes(1, per_chunk)
+    nested_store, nested_load = engine(1, False), engine(0, False)
+    assert not nested_store.lanes(0, per_chunk) and not nested_load.lanes(1, per_chunk)
+    block_bytes = math.prod(plan.chunk_shape(sizes["BS"])[0]) * 2
+    rng = np.random.default_rng(0)
+    consecutive = list(range(10, 10 + 4 * per_chunk))
+    scattered = (rng.permutation(sizes["NB"] - 80) + 80).tolist()[:150]
+    for ids, skip, lanes_bytes in [
+        (scattered[:128], 0, 128 * block_bytes),
+        (consecutive, 0, 4 * per_chunk * block_bytes if consecutive_in_lanes else 0),
+        (consecutive[:40] + scattered, 5, None),  # groups of both kinds, a partial last chunk
+    ]:
+        chunks = chunks_for(shape, torch.float16, len(ids), per_chunk, sizes["BS"], partial=True)
+        if lanes_bytes is not None:
+            assert in_lanes(store, 0, ids, chunks, skip) == lanes_bytes
+            assert in_lanes(nested_store, 0, ids, chunks, skip) == 0
+        call(nested_store, 0, ids, chunks, skip, 1)
+        expected = [c.view(torch.uint8).clone() for c in chunks]  # bytes: random floats hold NaNs
+        assert any(e.any() for e in expected)
+        for b in reg.bases:
+            b.zero_()
+        call(nested_load, 1, ids, chunks, skip, 1)
+        restored = [b.clone() for b in reg.bases]  # the moved blocks' bytes, zeros elsewhere
+        assert any(r.any() for r in restored)
+        for threads in (1, 3):
+            for c in chunks:
+                c.zero_()
+            call(store, 0, ids, chunks, skip, threads)
+            assert all(torch.equal(c.view(torch.uint8), e) for c, e in zip(chunks, expected, strict=True))
+            for b in reg.bases:
+                b.zero_()
+            call(load, 1, ids, chunks, skip, threads)
+            assert all(torch.equal(b, r) for b, r in zip(reg.bases, restored, strict=True))
+        for b, was in zip(reg.bases, original, strict=True):
+            b.copy_(was)
 
 
 @pytest.mark.parametrize(
