@@ -3,6 +3,7 @@ round trips for every format, and bad input refused before any byte moves."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import re
@@ -619,6 +620,68 @@ def test_nested_moves_in_lanes_move_what_the_nested_walk_moves(
             assert all(torch.equal(b, r) for b, r in zip(reg.bases, restored, strict=True))
         for b, was in zip(reg.bases, original, strict=True):
             b.copy_(was)
+
+
+# Formats whose store segments hold several runs (a run per head and token, or per plane).
+SEVERAL_RUNS = [
+    EngineKVFormat.NL_X_TWO_NB_NH_BS_HS,
+    EngineKVFormat.NL_X_NB_TWO_NH_BS_HS,
+    EngineKVFormat.NL_X_NB_NH_BS_TWO_HS,
+    EngineKVFormat.NL_X_NB_NH_BS_CS,
+    EngineKVFormat.NL_X_TWO_NB_NH_ONE_BS_HS,
+    EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS,
+    EngineKVFormat.NL_X_NH_NB_BS_CS,
+]
+
+
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@settings(max_examples=15, deadline=None)
+@given(st.sampled_from(SEVERAL_RUNS), st.data())
+def test_nested_moves_in_lanes_match_the_nested_walk_on_random_shapes(
+    fmt: EngineKVFormat, data: st.DataObject
+) -> None:
+    """Random shapes of the formats whose segments hold several runs, sized so a store of
+    scattered blocks moves a few MiB in lanes, with random block ids (some consecutive),
+    chunk sizes, skipped prefixes and thread counts: stores and block-major loads leave
+    the bytes the nested walk leaves."""
+    layout = kvlayout.layout_of(fmt)
+    sizes = data.draw(sizes_for(layout, max_side=3))
+    roles = (
+        (Role.TOKEN, st.integers(8, 24)),
+        (Role.HEAD, st.integers(2, 4)),
+        (Role.ELEMENT, st.sampled_from([64, 96, 128])),
+    )
+    for role, values in roles:
+        with contextlib.suppress(kvlayout.errors.SizeError):
+            sizes = with_size(layout, sizes, role, data.draw(values))
+    sizes = with_size(layout, sizes, Role.BLOCK, 160)
+    reg = make_registration(layout, sizes, torch.float16)
+    plan = prepare(reg.kv, fmt)
+    jobs = [plan._native_job(job) for job in plan.jobs]
+    bs = plan.block_size
+    per_chunk = data.draw(st.integers(1, 8))
+    ids = data.draw(st.permutations(range(160)))[: data.draw(st.integers(80, 160))]
+    skip = data.draw(st.integers(0, 5))
+    threads = data.draw(st.integers(1, 3))
+    shape, _ = plan.chunk_shape(per_chunk * bs)
+    chunks = chunks_for(shape, torch.float16, len(ids), per_chunk, bs, partial=True)
+    ptrs = np.array([c.data_ptr() for c in chunks], dtype=np.uint64)
+    tokens = np.array([c.shape[2] for c in chunks], dtype=np.int64)
+    args = (np.array(ids, dtype=np.int64), ptrs, tokens, per_chunk, skip)
+    stored, loaded = [], []
+    for order, lanes in ((1, False), (1, True)):  # stores layer-major, loads block-major
+        engine = _native.TransferPlan(jobs, plan.num_blocks, order, 0, 1, True, lanes)
+        for c in chunks:
+            c.zero_()
+        assert engine.run(0, *args, threads)[0] == -1
+        stored.append([c.view(torch.uint8).clone() for c in chunks])
+        back = _native.TransferPlan(jobs, plan.num_blocks, 0, 0, 1, True, lanes)
+        for b in reg.bases:
+            b.zero_()
+        assert back.run(1, *args, threads)[0] == -1
+        loaded.append([b.clone() for b in reg.bases])
+    assert all(torch.equal(a, b) for a, b in zip(*stored, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(*loaded, strict=True))
 
 
 @pytest.mark.parametrize(
