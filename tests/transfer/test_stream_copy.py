@@ -52,6 +52,17 @@ RUN_LENGTHS = st.one_of(
 )
 
 
+def check_copy_byte_runs(runs: list[tuple[int, int, int]], seed: int, streaming: bool, prefetch: bool,
+                         any_order: bool = False) -> None:  # fmt: skip
+    """copy_byte_runs leaves numpy's copy of the runs in the destination, and the sources
+    as they were (they are only read)."""
+    src, dst = buffers(seed)
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(table(src, dst, runs), streaming, prefetch, any_order=any_order)
+    assert np.array_equal(dst, want)
+    assert np.array_equal(src, buffers(seed)[0])
+
+
 @st.composite
 def run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
     runs = []
@@ -68,11 +79,7 @@ def run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
 def test_copy_byte_runs_equals_numpy(
     runs: list[tuple[int, int, int]], streaming: bool, prefetch: bool, seed: int
 ) -> None:
-    src, dst = buffers(seed)
-    want = copy_reference(src, dst, runs)
-    _native.copy_byte_runs(table(src, dst, runs), streaming, prefetch)
-    assert np.array_equal(dst, want)
-    assert np.array_equal(src, buffers(seed)[0])  # the sources are only read
+    check_copy_byte_runs(runs, seed, streaming, prefetch)
 
 
 @pytest.mark.parametrize("streaming", [True, False])
@@ -128,11 +135,7 @@ def test_copy_in_any_order_equals_numpy(
 ) -> None:
     """Runs with disjoint destinations copied in any order (in lanes where the list pays)
     leave exactly what the listed copy leaves."""
-    src, dst = buffers(seed)
-    want = copy_reference(src, dst, runs)
-    _native.copy_byte_runs(table(src, dst, runs), streaming, prefetch, any_order=True)
-    assert np.array_equal(dst, want)
-    assert np.array_equal(src, buffers(seed)[0])
+    check_copy_byte_runs(runs, seed, streaming, prefetch, any_order=True)
 
 
 def scattered_runs(length: int, count: int, seed: int) -> list[tuple[int, int, int]]:

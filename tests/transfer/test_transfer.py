@@ -407,6 +407,20 @@ def test_the_cuda_staging_buffer_is_ids_then_chunk_addresses_then_token_counts()
     assert narrow_unit(16, [4096, 3], 1) == 1
 
 
+def engine_args(
+    ids: list[int], chunks: list[torch.Tensor], per_chunk: int, skip: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, int]:
+    """A native TransferPlan call's arguments after the direction: block ids, chunk
+    addresses, chunk token counts, blocks per chunk, blocks skipped."""
+    return (
+        np.array(ids, dtype=np.int64),
+        np.array([c.data_ptr() for c in chunks], dtype=np.uint64),
+        np.array([c.shape[2] for c in chunks], dtype=np.int64),
+        per_chunk,
+        skip,
+    )
+
+
 def check_engine_choices(
     fmt: EngineKVFormat, sizes: dict[str, int], dtype: torch.dtype, pad: int,
     ids: list[int], per_chunk: int, skip: int, partial: bool,
@@ -427,13 +441,7 @@ def check_engine_choices(
     plan.load_blocks(ids, chunks, skip_prefix_n_blocks=skip)
     loaded = [b.clone() for b in reg.bases]
     jobs = [plan._native_job(job) for job in plan.jobs]
-    args = (
-        np.array(ids, dtype=np.int64),
-        np.array([c.data_ptr() for c in chunks], dtype=np.uint64),
-        np.array([c.shape[2] for c in chunks], dtype=np.int64),
-        per_chunk,
-        skip,
-    )
+    args = engine_args(ids, chunks, per_chunk, skip)
     choices = itertools.product((0, 1), (0, 1 << 62), (-1, 0, 1), (1, 3), (False, True), (False, True))
     for order, stream_min_bytes, prefetch, threads, listed, lanes in choices:
         engine = _native.TransferPlan(jobs, plan.num_blocks, order, stream_min_bytes, prefetch, listed, lanes)
@@ -575,14 +583,10 @@ def test_nested_moves_in_lanes_move_what_the_nested_walk_moves(
         return _native.TransferPlan(jobs, plan.num_blocks, order, 0, 1, True, lanes)  # streaming, prefetching
 
     def call(e: Any, d: int, ids: list[int], chunks: list[torch.Tensor], skip: int, threads: int) -> None:
-        ptrs = np.array([c.data_ptr() for c in chunks], dtype=np.uint64)
-        tokens = np.array([c.shape[2] for c in chunks], dtype=np.int64)
-        assert e.run(d, np.array(ids, dtype=np.int64), ptrs, tokens, per_chunk, skip, threads)[0] == -1
+        assert e.run(d, *engine_args(ids, chunks, per_chunk, skip), threads)[0] == -1
 
     def in_lanes(e: Any, d: int, ids: list[int], chunks: list[torch.Tensor], skip: int) -> int:
-        ptrs = np.array([c.data_ptr() for c in chunks], dtype=np.uint64)
-        tokens = np.array([c.shape[2] for c in chunks], dtype=np.int64)
-        return int(e.bytes_in_lanes(d, np.array(ids, dtype=np.int64), ptrs, tokens, per_chunk, skip))
+        return int(e.bytes_in_lanes(d, *engine_args(ids, chunks, per_chunk, skip)))
 
     store, load = engine(1, True), engine(0, True)
     assert store.lanes(0, per_chunk) and load.lanes(1, per_chunk)
@@ -665,15 +669,13 @@ def test_nested_moves_in_lanes_match_the_nested_walk_on_random_shapes(
     threads = data.draw(st.integers(1, 3))
     shape, _ = plan.chunk_shape(per_chunk * bs)
     chunks = chunks_for(shape, torch.float16, len(ids), per_chunk, bs, partial=True)
-    ptrs = np.array([c.data_ptr() for c in chunks], dtype=np.uint64)
-    tokens = np.array([c.shape[2] for c in chunks], dtype=np.int64)
-    args = (np.array(ids, dtype=np.int64), ptrs, tokens, per_chunk, skip)
+    args = engine_args(ids, chunks, per_chunk, skip)
     stored, loaded = [], []
-    for order, lanes in ((1, False), (1, True)):  # stores layer-major, loads block-major
-        engine = _native.TransferPlan(jobs, plan.num_blocks, order, 0, 1, True, lanes)
+    for lanes in (False, True):  # streaming, prefetching: stores layer-major, loads block-major
+        store = _native.TransferPlan(jobs, plan.num_blocks, 1, 0, 1, True, lanes)
         for c in chunks:
             c.zero_()
-        assert engine.run(0, *args, threads)[0] == -1
+        assert store.run(0, *args, threads)[0] == -1
         stored.append([c.view(torch.uint8).clone() for c in chunks])
         back = _native.TransferPlan(jobs, plan.num_blocks, 0, 0, 1, True, lanes)
         for b in reg.bases:
