@@ -3,6 +3,8 @@ every family of bad input with the error it gets."""
 
 from __future__ import annotations
 
+import copy
+import pickle
 import re
 from typing import Any
 
@@ -15,6 +17,7 @@ import kvlayout
 from kvlayout import DetectionError, EngineType, KVLayoutError, LayoutHintError, LayoutHints, StridedViewError
 from kvlayout import EngineKVFormat as F
 from kvlayout._generated.formats import FORMAT_INFO
+from kvlayout.registration.nesting import CallerRoot, describe_path
 from kvlayout.transfer import BlockMapError, Shard, block_map
 
 detect = kvlayout.normalize_kv_and_discover_format
@@ -303,6 +306,45 @@ def test_sglang_k_and_v_of_different_head_sizes_refuse_what_two_groups_cannot_ho
     kv, hints = build(k, v)
     with pytest.raises(DetectionError, match=re.escape(message)):
         kvlayout.detect(kv, "sglang", hints)
+
+
+@pytest.mark.parametrize(
+    ("form", "names"),
+    [("two lists", ["kv_caches[0][0]", "kv_caches[1][0]", "kv_caches[1][1]"]),
+     ("k_v", ["kv_caches[0]", "kv_caches[3]", "kv_caches[4]"])],
+)  # fmt: skip
+def test_sglang_split_names_the_callers_tensors(form: str, names: list[str]) -> None:
+    """Served as one flat list of components (K layers, then V), a registration of two
+    lists still names the tensors the caller passed: ``kv_caches[1][1]`` for the second V
+    layer (messages said ``kv_caches[4]``, an entry the caller's list does not have)."""
+    first_k, first_v, second_v = names
+    k = [torch.randn(24, 4, 12) for _ in range(3)]
+    v = [torch.randn(24, 4, 8) for _ in range(3)]
+
+    def registration(k: list[torch.Tensor], v: list[torch.Tensor]) -> kvlayout.Registration:
+        if form == "k_v":
+            return kvlayout.detect(k + v, "sglang", {"tokens_per_block": 4, "kv_list_layout": "k_v"})
+        return kvlayout.detect([k, v], "sglang", {"tokens_per_block": 4})
+
+    carved = k[0].view(-1)[: 24 * 4 * 8].view(24, 4, 8)  # the first V layer in the first K layer's bytes
+    with pytest.raises(DetectionError, match=re.escape(f"{first_v} and {first_k} overlap in memory")):
+        registration(k, [carved, *v[1:]])
+    reg = registration(k, v)
+    v[1].data = torch.randn(24, 4, 8)  # the engine re-allocates one V layer in place
+    for call in (reg.describe, lambda: kvlayout.transfer.prepare(reg.kernel_groups[1])):
+        with pytest.raises(KVLayoutError, match=re.escape(f"{second_v} was re-allocated after detection")):
+            call()
+    kvlayout.transfer.prepare(reg.kernel_groups[0])  # the K layers are where they were
+
+
+def test_caller_root_survives_copy_and_pickle() -> None:
+    root = CallerRoot("kv_caches", {(4,): (1, 1)})
+    for again in (copy.deepcopy(root), pickle.loads(pickle.dumps(root))):
+        assert (
+            describe_path((4,), again) == "kv_caches[1][1]"
+            and describe_path((2, 3), again) == "kv_caches[2][3]"
+        )
+    assert f"{root} is empty" == "kv_caches is empty"
 
 
 def test_sglang_split_takes_the_layer_groups_it_makes_or_none() -> None:

@@ -30,7 +30,7 @@ from kvlayout.registration.contiguity import (
     physical_entries,
 )
 from kvlayout.registration.memory import first_without_memory
-from kvlayout.registration.nesting import first_leaf, leaves, not_a_kv_cache
+from kvlayout.registration.nesting import CallerRoot, describe_path, first_leaf, leaves, not_a_kv_cache
 from kvlayout.registration.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
 from kvlayout.types import (
     DiscoverableKVCache,
@@ -366,17 +366,19 @@ def _split_mixed(
         )
     views = [*first, *second]
     by_index = dict(enumerate(views))
+    caller = list(leaves(entries))  # the caller's tensors, in the views' order, with their paths
+    root = CallerRoot("kv_caches", {(i,): path for i, (path, _) in enumerate(caller)})
     _check_one_device(by_index)
     groups = [list(range(len(first))), list(range(len(first), len(views)))]
     components = dataclasses.replace(hints, kv_list_layout="unified")
     result: list[Any] = list(views)
     formats: list[EngineKVFormat | None] = [None] * len(views)
     for g, idxs in enumerate(groups):
-        fmt, out, _ = _detect_subset(by_index, idxs, eng, components, len(views), group=g)
+        fmt, out, _ = _detect_subset(by_index, idxs, eng, components, len(views), group=g, root=root)
         for j, i in enumerate(idxs):
             result[i], formats[i] = out[j], fmt
-    registered = [t for _, t in leaves(entries)]  # the caller's tensors, in the views' order
-    return _bind(result, formats, registered, engine_groups=[0] * len(views), engine=eng, root="kv_caches")
+    registered = [t for _, t in caller]
+    return _bind(result, formats, registered, engine_groups=[0] * len(views), engine=eng, root=root)
 
 
 def _refuse_left_out(entries: list[Any], members: list[int], eng: EngineType, hints: LayoutHints) -> None:
@@ -431,26 +433,31 @@ def _detect_subset(
     hints: LayoutHints,
     total: int,
     group: int | None = None,
+    root: str = "kv_caches",
 ) -> tuple[EngineKVFormat, Any, bool]:
     try:
         return _discover([views[i] for i in idxs], engine, hints)
     except (KVLayoutError, TypeError) as exc:
         if idxs == list(range(total)):
             raise
-        # The subset is detected as its own list: put the caller's indices back in its message.
+        # The subset is detected as its own list: put the caller's paths back in its message.
         message = re.sub(
             r"\bkv_caches\[(\d+)\]",
-            lambda m: f"kv_caches[{idxs[int(m[1])]}]" if int(m[1]) < len(idxs) else m[0],
+            lambda m: describe_path((idxs[int(m[1])],), root) if int(m[1]) < len(idxs) else m[0],
             str(exc),
         )
         where = f" of layer group {group}" if group is not None else ""
         together = "detected on its own" if len(idxs) == 1 else f"detected together as a list of {len(idxs)}"
-        raise type(exc)(f"{_layers(idxs)}{where}, {together}: {message}") from exc
+        raise type(exc)(f"{_layers(idxs, root)}{where}, {together}: {message}") from exc
 
 
-def _layers(idxs: list[int]) -> str:
-    """The caller's entries, by their indices."""
-    return f"kv_caches[{idxs[0]}]" if len(idxs) == 1 else f"kv_caches entries {idxs}"
+def _layers(idxs: list[int], root: str = "kv_caches") -> str:
+    """The caller's entries, by their indices (or their paths, where ``root`` maps them)."""
+    if len(idxs) == 1:
+        return describe_path((idxs[0],), root)
+    if isinstance(root, CallerRoot):
+        return ", ".join(describe_path((i,), root) for i in idxs)
+    return f"kv_caches entries {idxs}"
 
 
 def _groups(layer_index_groups: Sequence[Sequence[int]] | None, n: int, what: str) -> list[list[int]]:

@@ -603,7 +603,7 @@ def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str =
             ]:
                 if id(watched) in tensors:
                     continue  # one tensor registered for several layers
-                name = describe_path(path, "kv_caches")
+                name = describe_path(path, plane.root)
                 if before_edits:
                     name += "'s tensor before the group edits"
                 now = watched.data_ptr()

@@ -20,6 +20,7 @@ from kvlayout.errors import KVLayoutError
 
 __all__ = [
     "MAX_NESTING",
+    "CallerRoot",
     "LocatedError",
     "Path",
     "at",
@@ -51,7 +52,37 @@ class LocatedError(Exception):
         self.problem = problem
 
 
+class CallerRoot(str):
+    """A registration's root name (``"kv_caches"``) that also knows where the leaves of
+    the structure detection built sit in the caller's: where detection re-structures a
+    registration (SGLang's K and V lists of different head sizes become one flat list of
+    components, K layers then V), messages still name the tensor the caller passed,
+    ``kv_caches[1][1]`` rather than the flat list's ``kv_caches[4]``. A ``str``, so it
+    goes wherever a root name goes; :func:`describe_path` reads the map."""
+
+    caller_paths: dict[Path, Path]
+
+    def __new__(cls, name: str, caller_paths: Mapping[Path, Path]) -> CallerRoot:
+        root = super().__new__(cls, name)
+        root.caller_paths = dict(caller_paths)
+        return root
+
+    def __getnewargs__(self) -> tuple[str, dict[Path, Path]]:  # type: ignore[override]
+        return str(self), self.caller_paths
+
+    def caller_path(self, path: Sequence[int]) -> Path:
+        """``path`` in the caller's structure: its longest mapped prefix replaced."""
+        path = tuple(path)
+        for k in range(len(path), 0, -1):
+            head = self.caller_paths.get(path[:k])
+            if head is not None:
+                return head + path[k:]
+        return path
+
+
 def describe_path(path: Sequence[int], root: str = "kv_caches") -> str:
+    if isinstance(root, CallerRoot):
+        path = root.caller_path(path)
     return root + "".join(f"[{i}]" for i in path)
 
 

@@ -128,6 +128,7 @@ class Plane(NamedTuple):
     # the caller's tensor behind each leaf where detection re-viewed it (None: the leaf is
     # the caller's own): what an engine re-allocates, so what later checks watch
     sources: tuple[torch.Tensor | None, ...] = ()
+    root: str = "kv_caches"  # what messages name the registration (``paths`` follow it)
 
     @property
     def element_size(self) -> int:
@@ -809,7 +810,7 @@ def _plane(
     behind = tuple(sources.get(tuple(path)) for path in paths) if sources else ()
     return Plane(
         leaves, paths, shape.shape, sizes, shape.block_stride, shape.dtype, shape.device, pointers,
-        sources=behind if any(t is not None for t in behind) else (),
+        sources=behind if any(t is not None for t in behind) else (), root=root,
     )  # fmt: skip
 
 
