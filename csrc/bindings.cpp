@@ -804,8 +804,11 @@ NB_MODULE(_native, m) {
            "A call of bytes took ns the way it was picked.")
       .def("cost", &kvlayout::PrefetchChoice::cost, "prefetch"_a, "The estimate, ns per byte (0: not measured).")
       .def("calls", &kvlayout::PrefetchChoice::calls)
+      .def("period", &kvlayout::PrefetchChoice::period,
+           "Calls from one run of the slower way to the next, as the estimates stand.")
       .def_prop_ro_static("min_bytes", [](nb::handle) { return kvlayout::PrefetchChoice::kMinBytes; })
       .def_prop_ro_static("explore", [](nb::handle) { return kvlayout::PrefetchChoice::kExplore; })
+      .def_prop_ro_static("explore_max", [](nb::handle) { return kvlayout::PrefetchChoice::kExploreMax; })
       .def_prop_ro_static("warm", [](nb::handle) { return kvlayout::PrefetchChoice::kWarm; });
   nb::class_<kvlayout::PrefetchChoices>(m, "PrefetchChoices",
                                         "The measured prefetch choices of one owner's copies, one per kind of "
