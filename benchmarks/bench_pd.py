@@ -16,8 +16,8 @@ pick). In the same run, for the same bytes, each row posted by this process:
     multiples of; NIXL merges the request's consecutive indices back into runs);
   - kvlayout staged: the runs gathered here (the block-map engine) into a registered
     staging buffer laid out as the peer's runs, one descriptor per stretch of
-    peer-consecutive runs, then posted (a READ: received into staging, then scattered);
-    and as a pipeline of 8 stages (each stage's copy overlapping another's wire);
+    peer-consecutive runs, then posted (a READ: received into staging, then scattered),
+    in one stage and as a pipeline of 8 (each stage's copy overlapping another's wire);
   - kvlayout peer-staged: the runs as they lie here to or from the peer's staging
     buffer, one descriptor per local stretch, the peer doing the copy (a WRITE: its
     scatter after; a READ: its gather before; asked for over the pipe, in the row's
@@ -25,7 +25,8 @@ pick). In the same run, for the same bytes, each row posted by this process:
     (``prepare_unstage``, ``prepare_stage``), as a connector's peer does when the
     request's blocks are allocated; and in 8 stages, paced by NIXL notifications, its
     scatter (gather) of one stage overlapping another's wire;
-  - kvlayout chosen: what the cost model picks, calibrated on this pair first; and the
+  - kvlayout chosen: what the cost model picks, calibrated on this pair first, in the
+    stages ``plan`` runs by default (a staged WRITE: a stage per 4 MiB, up to 8); and the
     same prepared ahead (``prepare_transfer`` before the row's time: the plan, the checks
     and the NIXL requests made, as a poster that knows both sides' blocks before the KV is
     written can), the row's time then ``start()`` and the wait;
@@ -324,7 +325,7 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
         ours = [
             Row("kvlayout direct (list)", *send(m, strategy="direct")),
             Row("kvlayout direct (prepped)", *send(m, strategy="direct", prepped=prepped)),
-            Row("kvlayout staged", *send(m, strategy="staged", staging=c.staging)),
+            Row("kvlayout staged, 1 stage", *send(m, strategy="staged", staging=c.staging, stages=1)),
             Row("kvlayout staged, 8 stages", *send(m, strategy="staged", staging=c.staging, stages=8)),
             Row("kvlayout peer-staged", *send(m, strategy="peer-staged", peer_staging=c.peer_staging)),
             Row("kvlayout peer-staged, 8 stages",

@@ -164,18 +164,29 @@ def test_a_pipeline_cuts_the_plan_into_stages_that_move_it_all(case: Case, stage
         np.testing.assert_array_equal(got, want)
 
 
-def test_a_plan_is_one_stage_unless_asked_and_the_model_counts_the_overlap() -> None:
+def test_a_staged_write_runs_a_stage_per_4_mib_by_default_and_the_model_counts_the_overlap() -> None:
+    """A staged WRITE's gather overlaps the wire in a stage per 4 MiB, up to AUTO_STAGES
+    (never more stages than stretches); a READ's scatter runs in one stage unless asked."""
     m, buf = scattered_map(64, 1 << 18)  # 16 MiB as 64 remote-consecutive runs: one stretch
-    assert len(nx.plan(m, strategy="staged", staging=staging_at(buf), stages=4).stages) == 1  # cannot be cut
+    for stages in (None, 4):
+        assert len(nx.plan(m, strategy="staged", staging=staging_at(buf), stages=stages).stages) == 1
     split = Map(m.runs[::2], m.src, m.dst)  # every other run: 32 stretches of 256 KiB, 8 MiB
-    assert len(nx.plan(split, strategy="staged", staging=staging_at(buf)).stages) == 1
-    p = nx.plan(split, strategy="staged", staging=staging_at(buf), stages=2)
+    p = nx.plan(split, strategy="staged", staging=staging_at(buf))
     assert [st.descriptors for st in p.stages] == [(0, 16), (16, 32)]
+    assert len(nx.plan(split, strategy="staged", staging=staging_at(buf), stages=1).stages) == 1
     model = nx.CostModel()
     wire, copy = model.direct_s(32, 8 << 20), 32 * model.copy_per_run_s + (8 << 20) / model.copy_bandwidth
     assert p.predicted_s["staged"] == pytest.approx(max(wire, copy) + min(wire, copy) / 2)
-    with pytest.raises(TypeError, match="stages must be a positive int, got 0"):
-        nx.plan(split, strategy="staged", staging=staging_at(buf), stages=0)
+    assert nx.estimate(split, poster="src").predicted_s["staged"] == pytest.approx(p.predicted_s["staged"])
+    read = Map(split.runs[:, [1, 0, 2]], split.dst, split.src)  # the same bytes, the peer to here
+    r = nx.plan(read, strategy="staged", staging=staging_at(buf))
+    assert (r.op, len(r.stages)) == ("READ", 1)
+    big, big_buf = scattered_map(512, 1 << 18)  # 64 MiB of 256 stretches: AUTO_STAGES
+    pipeline = nx.plan(Map(big.runs[::2], big.src, big.dst), strategy="staged", staging=staging_at(big_buf))
+    assert len(pipeline.stages) == nx.AUTO_STAGES == 8
+    for wrong in (0, True, 2.0):
+        with pytest.raises(TypeError, match=f"stages must be a positive int or None, got {wrong}"):
+            nx.plan(split, strategy="staged", staging=staging_at(buf), stages=wrong)  # type: ignore[arg-type]
 
 
 def test_peer_staged_moves_the_local_stretches_and_the_peer_copies() -> None:

@@ -57,12 +57,14 @@ from kvlayout.transfer.nixl.peer_staging import (
     unstage,
 )
 from kvlayout.transfer.nixl.plans import (
+    AUTO_STAGES,
     DEFAULT_COST,
     CostModel,
     Estimate,
     PeerStaging,
     Plan,
     Stage,
+    auto_stages,
     estimate,
     plan,
 )
@@ -83,6 +85,7 @@ from kvlayout.transfer.nixl.sides import (
 )
 
 __all__ = [
+    "AUTO_STAGES",
     "DEFAULT_COST",
     "Agent",
     "CostModel",
@@ -108,6 +111,7 @@ __all__ = [
     "SyncMode",
     "Transfer",
     "TransferResult",
+    "auto_stages",
     "calibrate",
     "copy_byte_runs",
     "descriptors",

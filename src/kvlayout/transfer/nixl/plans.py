@@ -212,7 +212,7 @@ def plan(
     strategy: Strategy = "auto",
     staging: Staging | None = None,
     cost: CostModel | None = None,
-    stages: int = 1,
+    stages: int | None = None,
     peer_staging: PeerStaging | None = None,
 ) -> Plan:
     """The descriptors one request posts, by ``strategy`` (``"auto"``: the cheapest by
@@ -221,11 +221,14 @@ def plan(
 
     A staged plan of ``stages`` > 1 (never more than its descriptors) is a pipeline:
     :func:`transfer` posts each stage as soon as its gather is done (a READ: scatters
-    each as soon as it lands), so the local copy overlaps the wire. The default is one
-    stage: on this project's 2-core loopback, where UCX's TCP send and the peer's receive
-    take both cores, 8 stages measured 0.77-1.22x one stage, no consistent gain
-    (``make bench-pd``); a pipeline is for a host whose wire is a NIC's DMA and whose
-    copy has a core to itself.
+    each as soon as it lands), so the local copy overlaps the wire. By default (None) a
+    staged WRITE runs in a stage per 4 MiB, up to :data:`AUTO_STAGES` (8), and a staged
+    READ and a peer-staged request in one (a peer-staged pipeline is the peer's too, so
+    both sides name it). On a host whose wire is a NIC's DMA the gather has a core to
+    itself; on this project's 2-core loopback, where UCX's TCP send and the peer's receive
+    take both cores, 8 stages measured 1.06-1.09x one stage on the consecutive WRITEs of
+    ``make bench-pd``, 0.91-1.02x on the scattered ones (medians), 0.93-0.98x on staged
+    READs (docs/nixl.md, "Measuring").
 
     A peer-staged plan moves the runs, as they lie here, between this side and the peer's
     staging buffer (local runs that follow one another back to back: one descriptor per
@@ -237,8 +240,8 @@ def plan(
     descriptors."""
     if strategy not in ("auto", "direct", "staged", "peer-staged"):
         raise TransferError(f"strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not {strategy!r}")
-    if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
-        raise TypeError(f"stages must be a positive int, got {stages!r}")
+    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
+        raise TypeError(f"stages must be a positive int or None, got {stages!r}")
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a CostModel (calibrate() makes one), not {type(cost).__name__}")
     s = _sides(block_map)
@@ -286,13 +289,26 @@ def plan(
     }
     if strategy in ("auto", "staged") and fits:
         assert staging is not None
-        builders["staged"] = _staged(s, staging, model, stages, predicted, final=strategy == "staged")
+        pipeline = stages if stages is not None else auto_stages(s.op, num_bytes)
+        builders["staged"] = _staged(s, staging, model, pipeline, predicted, final=strategy == "staged")
     if strategy in ("auto", "peer-staged") and peer_fits:
         assert peer_staging is not None
-        builders["peer-staged"] = _peer_staged(s, peer_staging, model, stages, predicted)
+        builders["peer-staged"] = _peer_staged(s, peer_staging, model, stages or 1, predicted)
     rank = {k: (predicted[k], _scatters(k, s.op)) for k in builders}
     choice = strategy if strategy != "auto" else min(builders, key=rank.__getitem__)
     return builders[choice]()
+
+
+AUTO_STAGES = 8
+"""The most stages a staged WRITE runs in by default (:func:`auto_stages`)."""
+_STAGE_BYTES = 4 << 20
+
+
+def auto_stages(op: Op, num_bytes: int) -> int:
+    """The stages of a staged request by default: a WRITE's gather overlaps the wire, a
+    stage per 4 MiB up to :data:`AUTO_STAGES`; a READ's scatter, measured slower in stages
+    on loopback, in one."""
+    return max(1, min(AUTO_STAGES, num_bytes // _STAGE_BYTES)) if op == "WRITE" else 1
 
 
 def _check_peer_staging(peer: PeerStaging) -> None:
@@ -328,13 +344,13 @@ def _staged(
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     copies = 1 if s.op == "WRITE" else 2
     st: _Stretches | None = None
-    if final or stages > 1:
-        st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies if final else 0)
+    if final:
+        st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies)
         descriptors = len(st.first)
         num_stages = len(_stages(st.first, st.nbytes, num_runs, stages))
-    else:  # a candidate of one stage is priced by its descriptor count, laid out only if chosen
+    else:  # a candidate is priced by its descriptor count, laid out only if chosen
         descriptors = _stretch_count(s.block_map, s.runs, s.remote_col, s.remote)
-        num_stages = min(descriptors, 1)  # what _stages gives for one stage: none without stretches
+        num_stages = min(descriptors, stages)  # at most what _stages gives: never more than the stretches
     predicted["staged"] = model.staged_s(descriptors, num_runs, num_bytes, num_stages)
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
@@ -411,12 +427,13 @@ def estimate(
     descriptors = {"direct": num_runs}
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
+    op: Op = "WRITE" if poster == "src" else "READ"
     staged = _stretch_count(block_map, runs, col, remote)
-    descriptors["staged"], predicted["staged"] = staged, model.staged_s(staged, num_runs, num_bytes)
+    pipeline = max(1, min(staged, auto_stages(op, num_bytes)))  # as plan() runs it by default
+    descriptors["staged"], predicted["staged"] = staged, model.staged_s(staged, num_runs, num_bytes, pipeline)
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
     own = _stretch_count(block_map, runs, own_col, own_side)  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = own
     predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])
-    op: Op = "WRITE" if poster == "src" else "READ"
     return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice))

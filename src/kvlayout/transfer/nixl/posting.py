@@ -490,7 +490,7 @@ def transfer(
     staging: Staging | None = None,
     prepped: Prepped | None = None,
     cost: CostModel | None = None,
-    stages: int = 1,
+    stages: int | None = None,
     peer_staging: PeerStaging | None = None,
     peer_ready: bytes | None = None,
 ) -> Transfer:
@@ -515,7 +515,7 @@ def prepare_transfer(
     staging: Staging | None = None,
     prepped: Prepped | None = None,
     cost: CostModel | None = None,
-    stages: int = 1,
+    stages: int | None = None,
     peer_staging: PeerStaging | None = None,
     peer_ready: bytes | None = None,
 ) -> Transfer:
@@ -534,8 +534,9 @@ def prepare_transfer(
     NIXL (NIXL's own check). ``prepped`` sends index arrays into lists prepared by
     :func:`prep_lists` instead of descriptor lists. A ``staging`` buffer still in use by
     an earlier transfer leaves ``"auto"`` direct, and is an error for ``"staged"``.
-    ``stages`` cuts a staged plan into a pipeline (:func:`plan`); each stage is one NIXL
-    request, all made (and so checked by NIXL) before the first byte moves.
+    ``stages`` cuts a staged plan into a pipeline (:func:`plan`: by default a staged
+    WRITE of 8 MiB or more is one); each stage is one NIXL request, all made (and so
+    checked by NIXL) before the first byte moves.
     ``peer_staging`` (the peer's staging buffer, from the handshake) lets the request go
     peer-staged: for a WRITE the peer must then :func:`unstage` it once ``notif`` arrives;
     a READ needs the peer to have run :func:`stage` first (``Transfer.plan.strategy``
@@ -589,7 +590,7 @@ def _prepare(
     staging: Staging | None,
     prepped: Prepped | None,
     cost: CostModel | None,
-    stages: int,
+    stages: int | None,
     peer_staging: PeerStaging | None,
     peer_ready: bytes | None,
 ) -> Transfer:
