@@ -224,7 +224,9 @@ def plan(
     each as soon as it lands), so the local copy overlaps the wire. By default (None) a
     staged WRITE runs in a stage per 4 MiB, up to :data:`AUTO_STAGES` (8), and a staged
     READ and a peer-staged request in one (a peer-staged pipeline is the peer's too, so
-    both sides name it). On a host whose wire is a NIC's DMA the gather has a core to
+    both sides name it). The strategy is chosen on one stage's price unless ``stages`` is
+    given: on a loopback the copy shares the cores with the wire, so the overlap is not
+    credited before it is asked for. On a host whose wire is a NIC's DMA the gather has a core to
     itself; on this project's 2-core loopback, where UCX's TCP send and the peer's receive
     take both cores, 8 stages measured 1.06-1.09x one stage on the consecutive WRITEs of
     ``make bench-pd``, 0.91-1.02x on the scattered ones (medians), 0.93-0.98x on staged
@@ -289,8 +291,14 @@ def plan(
     }
     if strategy in ("auto", "staged") and fits:
         assert staging is not None
+        # The default pipeline is priced as one stage: where the copy shares the cores with
+        # the wire (loopback TCP) the overlap the model would credit is not there, and the
+        # strategy stays what one stage would choose (MLA TP 1 -> 4 scattered, priced in 8
+        # stages, went staged at 20 ms against direct's 16 ms).
         pipeline = stages if stages is not None else auto_stages(s.op, num_bytes)
-        builders["staged"] = _staged(s, staging, model, pipeline, predicted, final=strategy == "staged")
+        builders["staged"] = _staged(
+            s, staging, model, pipeline, predicted, final=strategy == "staged", priced=stages or 1
+        )
     if strategy in ("auto", "peer-staged") and peer_fits:
         assert peer_staging is not None
         builders["peer-staged"] = _peer_staged(s, peer_staging, model, stages or 1, predicted)
@@ -334,12 +342,19 @@ def _scatters(strategy: str, op: Op) -> bool:
 
 
 def _staged(
-    s: _Sides, staging: Staging, model: CostModel, stages: int, predicted: dict[str, float], *, final: bool
+    s: _Sides,
+    staging: Staging,
+    model: CostModel,
+    stages: int,
+    predicted: dict[str, float],
+    *,
+    final: bool,
+    priced: int,
 ) -> Callable[[], Plan]:
-    """Records the staged plan's cost; returns what builds it. The staging buffer is laid
-    out as the remote side's stretches; the copy gathers into it before a WRITE and
-    scatters out of it after a READ (``final``: it will be built, so the copies are made
-    in the same pass)."""
+    """Records the staged plan's cost, as a pipeline of ``priced`` stages; returns what
+    builds it, in ``stages``. The staging buffer is laid out as the remote side's
+    stretches; the copy gathers into it before a WRITE and scatters out of it after a
+    READ (``final``: it will be built, so the copies are made in the same pass)."""
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     copies = 1 if s.op == "WRITE" else 2
@@ -347,10 +362,10 @@ def _staged(
     if final:
         st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies)
         descriptors = len(st.first)
-        num_stages = len(_stages(st.first, st.nbytes, num_runs, stages))
+        num_stages = len(_stages(st.first, st.nbytes, num_runs, priced))
     else:  # a candidate is priced by its descriptor count, laid out only if chosen
         descriptors = _stretch_count(s.block_map, s.runs, s.remote_col, s.remote)
-        num_stages = min(descriptors, stages)  # at most what _stages gives: never more than the stretches
+        num_stages = min(descriptors, priced)  # at most what _stages gives: never more than the stretches
     predicted["staged"] = model.staged_s(descriptors, num_runs, num_bytes, num_stages)
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
@@ -429,8 +444,7 @@ def estimate(
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
     op: Op = "WRITE" if poster == "src" else "READ"
     staged = _stretch_count(block_map, runs, col, remote)
-    pipeline = max(1, min(staged, auto_stages(op, num_bytes)))  # as plan() runs it by default
-    descriptors["staged"], predicted["staged"] = staged, model.staged_s(staged, num_runs, num_bytes, pipeline)
+    descriptors["staged"], predicted["staged"] = staged, model.staged_s(staged, num_runs, num_bytes)
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
     own = _stretch_count(block_map, runs, own_col, own_side)  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = own
