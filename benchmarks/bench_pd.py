@@ -455,7 +455,8 @@ def main() -> None:
             costs = {}
             for op in ("WRITE", "READ"):
                 cost = costs[op] = calibrated(agent, name, peer, op, args.device)
-                nixl = f"{cost.per_descriptor_s * 1e6:.1f} us a descriptor, {cost.bandwidth / 1e9:.2f} GB/s"
+                sizes = ", ".join(f"{n >> 10} KiB {c * 1e6:.1f} us" for n, c in cost.per_descriptor_by_size)
+                nixl = f"a descriptor of {sizes}; {cost.bandwidth / 1e9:.2f} GB/s"
                 gather = f"{cost.copy_per_run_s * 1e6:.3f} us a run, {cost.copy_bandwidth / 1e9:.1f} GB/s"
                 print(
                     f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; copy {gather}"

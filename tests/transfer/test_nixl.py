@@ -484,6 +484,11 @@ def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
     model = nx.calibrate(pair.agent, pair.name, pair.peer.side([0]), nbytes=512 << 10, count=128, repeats=1)
     assert model.source == "calibrated against peer 'kvl-peer'"
     assert 0 < model.per_descriptor_s < 0.01 and model.bandwidth > 1e6
+    # priced by size too: 1 KiB, then the larger sizes 8 or more of which fit (8 KiB does)
+    sizes = [size for size, _ in model.per_descriptor_by_size]
+    assert sizes[:2] == [1 << 10, 8 << 10] and sizes == sorted(sizes)
+    assert model.per_descriptor_by_size[0][1] == model.per_descriptor_s
+    assert all(0 <= cost < 0.01 for _, cost in model.per_descriptor_by_size)
     assert 0 < model.copy_per_run_s < 1e-3 and model.copy_bandwidth > 1e7
     # a cost model picks between strategies on its own figures
     m = make_map(pair, "READ", [(0, k * SLOT, 0, k * UNIT, UNIT) for k in range(64)])

@@ -118,7 +118,10 @@ def calibrate(
     """A :class:`CostModel` measured on the live pair with ``op`` transfers between a
     scratch buffer registered for the call on ``copy_device`` and the peer's largest
     described tensor: one small descriptor, ``count`` small ones and one of ``nbytes``,
-    the fastest of ``repeats`` each; then the local copy (:func:`_calibrate_copy`) there.
+    the fastest of ``repeats`` each; then ``nbytes`` cut into descriptors of each size in
+    :data:`_DESCRIPTOR_SIZES` (8 of them at least) against one descriptor of as many
+    bytes, which prices a descriptor at each size (``per_descriptor_by_size``); then the
+    local copy (:func:`_calibrate_copy`) there.
     ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
@@ -142,14 +145,25 @@ def calibrate(
     count = max(2, min(count, span // (2 * small)))
     rmem, dev = _mem_type(remote, "remote"), remote.device_index
     copy_on = _staging_device(copy_device)
-    spaced = np.arange(count, dtype=_U64) * np.uint64(2 * small)  # gaps: nothing merges
-    theirs = {
+
+    def spaced(size: int, n: int) -> np.ndarray:  # gaps: nothing merges
+        offsets = np.arange(n, dtype=_U64) * np.uint64(2 * size)
+        return _rows(base + offsets, np.full(n, size, _U64), dev)
+
+    # each size as nbytes in descriptors of that size, and as one descriptor of as many bytes
+    sizes = {size: min(nbytes // size, span // (2 * size)) for size in _DESCRIPTOR_SIZES if size > small}
+    sizes = {size: n for size, n in sizes.items() if n >= 8}
+    theirs: dict[str | tuple[str, int], np.ndarray] = {
         "one": np.array([[base, small, dev]], _U64),
-        "many": _rows(base + spaced, np.full(count, small, _U64), dev),
+        "many": spaced(small, count),
         "big": np.array([[base, nbytes, dev]], _U64),
     }
+    for size, n in sizes.items():
+        theirs["cut", size] = spaced(size, n)
+        theirs["whole", size] = np.array([[base, n * size, dev]], _U64)
     _refuse_unregistered(agent, peer, np.concatenate(list(theirs.values())), rmem, "calibration descriptor")
-    scratch = torch.empty(max(nbytes, 2 * small * count), dtype=torch.uint8, device=copy_on)
+    reach = max([nbytes, 2 * small * count, *(2 * size * n for size, n in sizes.items())])
+    scratch = torch.empty(reach, dtype=torch.uint8, device=copy_on)
     addr, here = scratch.data_ptr(), copy_on.index or 0
     ours = {
         name: rows - np.array([base, 0, dev], _U64) + np.array([addr, 0, here], _U64)
@@ -162,21 +176,33 @@ def calibrate(
                 _timed_xfer(agent, op, peer, (ours[name], theirs[name]), mems, timeout)
                 for _ in range(repeats)
             )
-            for name in ("one", "many", "big")
+            for name in theirs
         }
     per_run, copy_bandwidth = _calibrate_copy(small, count, repeats, copy_on)
+    per_descriptor = max((t["many"] - t["one"]) / (count - 1), 1e-9)
+    bandwidth = nbytes / max(t["big"] - t["one"], 1e-9)
+    by_size = [(small, per_descriptor)] + [
+        (size, max((t["cut", size] - t["whole", size]) / (n - 1), 0.0)) for size, n in sizes.items()
+    ]
     return CostModel(
-        per_descriptor_s=max((t["many"] - t["one"]) / (count - 1), 1e-9),
-        bandwidth=nbytes / max(t["big"] - t["one"], 1e-9),
+        per_descriptor_s=per_descriptor,
+        bandwidth=bandwidth,
         per_transfer_s=t["one"],
         copy_per_run_s=per_run,
         copy_bandwidth=copy_bandwidth,
         source=f"calibrated against peer {peer!r}",
+        per_descriptor_by_size=tuple(by_size),
     )
 
 
-# The local copy is measured on buffers larger than a host's caches, as a request's are.
-_COPY_CALIBRATION_BYTES = 32 << 20
+# Descriptor sizes a descriptor's cost is measured at beyond ``small`` (calibrate): a
+# transport may change protocol with the size (UCX's rendezvous from 64 KiB over TCP).
+_DESCRIPTOR_SIZES = (8 << 10, 32 << 10, 128 << 10, 512 << 10)
+
+
+# The local copy is measured on buffers larger than a host's caches, as a request's are
+# (32 MiB, this host's last-level cache, measured 42-45 GB/s against a flat stream's 28).
+_COPY_CALIBRATION_BYTES = 128 << 20
 
 
 def _calibrate_copy(small: int, count: int, repeats: int, device: torch.device) -> tuple[float, float]:

@@ -3,6 +3,8 @@ peer-staged; a pipeline's stages) and the estimate made from descriptions alone.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple, cast
@@ -27,6 +29,15 @@ class CostModel:
     bytes / bandwidth``, plus, staged, the local copy ``runs * copy_per_run_s + bytes /
     copy_bandwidth``.
 
+    A descriptor's cost depends on its size where the transport changes protocol with
+    it: over UCX's TCP on loopback a WRITE's descriptor cost 4-6 us up to 32 KiB and
+    nothing from 64 KiB (the rendezvous protocol overlaps them), a READ's 3-5 us up to
+    256 KiB. :func:`calibrate` measures it at several sizes
+    (``per_descriptor_by_size``, ascending ``(bytes, seconds)``); a request's descriptors
+    are priced at their mean size, interpolated in log size between the measured ones
+    and clamped to the ends (:meth:`descriptor_s`). Without them, ``per_descriptor_s``
+    at every size.
+
     The defaults are this project's measurement of NIXL over UCX's TCP transport on
     loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
     of 256 B (about 18 us a descriptor); the copy figures are :func:`copy_byte_runs` (the
@@ -41,9 +52,24 @@ class CostModel:
     copy_per_run_s: float = 0.03e-6
     copy_bandwidth: float = 6e9  # bytes/s
     source: str = "defaults"
+    per_descriptor_by_size: tuple[tuple[int, float], ...] = ()
+
+    def descriptor_s(self, size: float) -> float:
+        """Seconds one descriptor of ``size`` bytes costs beyond its bytes' time."""
+        points = self.per_descriptor_by_size
+        if not points:
+            return self.per_descriptor_s
+        if size <= points[0][0]:
+            return points[0][1]
+        for (a, cost_a), (b, cost_b) in itertools.pairwise(points):
+            if size <= b:
+                f = math.log(size / a) / math.log(b / a)
+                return cost_a + f * (cost_b - cost_a)
+        return points[-1][1]
 
     def direct_s(self, descriptors: int, nbytes: int) -> float:
-        return self.per_transfer_s + descriptors * self.per_descriptor_s + nbytes / self.bandwidth
+        each = self.descriptor_s(nbytes / descriptors) if descriptors else 0.0
+        return self.per_transfer_s + descriptors * each + nbytes / self.bandwidth
 
     def staged_s(self, descriptors: int, runs: int, nbytes: int, stages: int = 1) -> float:
         """In ``stages`` the local copy of one stage overlaps the wire time of another:
