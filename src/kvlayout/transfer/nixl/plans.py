@@ -31,8 +31,8 @@ class CostModel:
 
     A descriptor's cost depends on its size where the transport changes protocol with
     it: over UCX's TCP on loopback a WRITE's descriptor cost 4-6 us up to 32 KiB and
-    nothing from 64 KiB (the rendezvous protocol overlaps them), a READ's 3-5 us up to
-    256 KiB. :func:`calibrate` measures it at several sizes
+    nothing from 64 KiB (the rendezvous protocol overlaps them), a READ's 3-6 us up to
+    256 KiB and 1 us at 1 MiB. :func:`calibrate` measures it at several sizes
     (``per_descriptor_by_size``, ascending ``(bytes, seconds)``); a request's descriptors
     are priced at their mean size, interpolated in log size between the measured ones
     and clamped to the ends (:meth:`descriptor_s`). Without them, ``per_descriptor_s``
@@ -252,11 +252,11 @@ def plan(
     READ and a peer-staged request in one (a peer-staged pipeline is the peer's too, so
     both sides name it). The strategy is chosen on one stage's price unless ``stages`` is
     given: on a loopback the copy shares the cores with the wire, so the overlap is not
-    credited before it is asked for. On a host whose wire is a NIC's DMA the gather has a core to
-    itself; on this project's 2-core loopback, where UCX's TCP send and the peer's receive
-    take both cores, 8 stages measured 1.06-1.09x one stage on the consecutive WRITEs of
-    ``make bench-pd``, 0.91-1.02x on the scattered ones (medians), 0.93-0.98x on staged
-    READs (docs/nixl.md, "Measuring").
+    credited before it is asked for. On a host whose wire is a NIC's DMA the gather has a
+    core to itself; on this project's 2-core loopback, where UCX's TCP send and the peer's
+    receive take both cores, 8 stages measured 1.06-1.09x one stage on the consecutive
+    WRITEs of ``make bench-pd``, 0.91-1.02x on the scattered ones (medians), 0.93-0.98x
+    on staged READs (docs/nixl.md, "Measuring").
 
     A peer-staged plan moves the runs, as they lie here, between this side and the peer's
     staging buffer (local runs that follow one another back to back: one descriptor per
@@ -319,8 +319,7 @@ def plan(
         assert staging is not None
         # The default pipeline is priced as one stage: where the copy shares the cores with
         # the wire (loopback TCP) the overlap the model would credit is not there, and the
-        # strategy stays what one stage would choose (MLA TP 1 -> 4 scattered, priced in 8
-        # stages, went staged at 20 ms against direct's 16 ms).
+        # strategy stays what one stage would choose.
         pipeline = stages if stages is not None else auto_stages(s.op, num_bytes)
         builders["staged"] = _staged(
             s, staging, model, pipeline, predicted, final=strategy == "staged", priced=stages or 1
