@@ -125,7 +125,8 @@ def calibrate(
     ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
-    posts) overwrites its first bytes: only for a tensor that is scratch to the peer.
+    posts) overwrites its first ``2 * nbytes`` bytes (the sized descriptors leave gaps):
+    only for a tensor that is scratch to the peer.
 
     A measurement not done within ``timeout`` seconds raises :class:`NixlTimeoutError`
     and is left to finish (NIXL cannot guarantee to cancel it): the scratch buffer it
