@@ -139,6 +139,17 @@ namespace detail {
 
 inline bool can_stream() { return stream::can_stream(); }
 
+// Of a move's cache side and chunk side (addresses, strides, extents, density), the one a
+// direction reads from (a store reads the cache) and the one it writes to.
+template <Direction D, class T>
+constexpr T source_of(T cache, T chunk) {
+  return D == Direction::kStore ? cache : chunk;
+}
+template <Direction D, class T>
+constexpr T destination_of(T cache, T chunk) {
+  return D == Direction::kStore ? chunk : cache;
+}
+
 // The loop nest of a segment, N levels deep, as plain nested loops (outermost first).
 template <int N, class Run>
 [[gnu::always_inline]] inline void nest(const plan::Loop* loops, char* chunk, char* cache, const Run& run) {
@@ -161,8 +172,8 @@ template <Direction D, class Copy, class Ahead>
   const std::uint64_t bytes = s.run.divisor;
   std::uint64_t done = 0;
   const auto run = [bytes, &done, &ahead](char* c, char* k) {
-    char* dst = D == Direction::kStore ? c : k;
-    const char* src = D == Direction::kStore ? k : c;
+    char* dst = destination_of<D>(k, c);
+    const char* src = source_of<D>(k, c);
     std::uint64_t left = 0;
     if (bytes <= stream::kCursorStep) {
       if (const std::uint64_t lines = ahead.at(done, left); lines != 0) {
@@ -310,14 +321,14 @@ template <Direction D, class Copy, bool Prefetch>
   };
   const auto visit = [&](const Walk::Step& step, char* chunk, char* cache) {
     const auto k = reinterpret_cast<std::uint64_t>(cache), c = reinterpret_cast<std::uint64_t>(chunk);
-    const std::uint64_t source = D == Direction::kStore ? k : c, destination = D == Direction::kStore ? c : k;
-    const bool dense = D == Direction::kStore ? step.cache_dense : step.chunk_dense;
-    const bool destination_dense = D == Direction::kStore ? step.chunk_dense : step.cache_dense;
+    const std::uint64_t source = source_of<D>(k, c), destination = destination_of<D>(k, c);
+    const bool dense = source_of<D>(step.cache_dense, step.chunk_dense);
+    const bool destination_dense = destination_of<D>(step.cache_dense, step.chunk_dense);
     const bool jumps = dense && source != source_end;
     const bool destination_jumps = destination_dense && destination != destination_end;
     const std::int64_t cache_extent = plan::cache_extent(step.segment), chunk_extent = plan::chunk_extent(step.segment);
-    source_end = source + (D == Direction::kStore ? cache_extent : chunk_extent);
-    destination_end = destination + (D == Direction::kStore ? chunk_extent : cache_extent);
+    source_end = source + source_of<D>(cache_extent, chunk_extent);
+    destination_end = destination + destination_of<D>(cache_extent, chunk_extent);
     const std::uint64_t bytes = step.segment.bytes;
     lines.next(jumps ? source : 0, bytes);
     pages.next(destination_jumps ? destination : 0, bytes);
@@ -373,7 +384,7 @@ template <Direction D, class Copy, bool Prefetch>
   std::size_t n = 0;
   const auto visit = [&](const Walk::Step& step, char* chunk, char* cache) {
     const auto k = reinterpret_cast<std::uint64_t>(cache), c = reinterpret_cast<std::uint64_t>(chunk);
-    const ByteRun run = D == Direction::kStore ? ByteRun{k, c, step.segment.bytes} : ByteRun{c, k, step.segment.bytes};
+    const ByteRun run{source_of<D>(k, c), destination_of<D>(k, c), step.segment.bytes};
     if (n != 0) {
       ByteRun& last = table[n - 1];
       if (last.src + last.len == run.src && last.dst + last.len == run.dst) {
@@ -409,7 +420,7 @@ class MoveStretches {
     std::uint64_t next = 0;  // where the last move's source ended, when dense (else 0)
     for (std::size_t i = 0; i < n; ++i) {
       const Walk::Step& step = *moves[i].step;
-      const bool dense = D == Direction::kStore ? step.cache_dense : step.chunk_dense;
+      const bool dense = source_of<D>(step.cache_dense, step.chunk_dense);
       if (i == 0 || !dense || moves[i].src != next) starts_.push_back(i);
       next = dense ? moves[i].src + step.segment.bytes : 0;
       bytes_ += step.segment.bytes;
@@ -457,10 +468,10 @@ class MoveStretches {
 
  private:
   static std::uint64_t source_stride(const plan::Loop& loop) {
-    return D == Direction::kStore ? loop.cache_stride : loop.chunk_stride;
+    return source_of<D>(loop.cache_stride, loop.chunk_stride);
   }
   static std::uint64_t destination_stride(const plan::Loop& loop) {
-    return D == Direction::kStore ? loop.chunk_stride : loop.cache_stride;
+    return destination_of<D>(loop.cache_stride, loop.chunk_stride);
   }
 
   // next() where the innermost loop has run its course (counted in inner_left, not in
@@ -518,7 +529,7 @@ inline void for_each_group_of_moves(const std::vector<Job>& jobs, const Batch& b
   std::vector<NestMove> moves;
   const auto gather = [&moves](const Walk::Step& step, char* chunk, char* cache) {
     const auto k = reinterpret_cast<std::uint64_t>(cache), c = reinterpret_cast<std::uint64_t>(chunk);
-    moves.push_back(D == Direction::kStore ? NestMove{&step, k, c} : NestMove{&step, c, k});
+    moves.push_back(NestMove{&step, source_of<D>(k, c), destination_of<D>(k, c)});
   };
   for (std::int64_t group_lo = lo; group_lo < hi;) {
     const std::int64_t group_hi = std::min(hi, (group_lo / b.blocks_per_chunk + chunks_per_group) * b.blocks_per_chunk);
@@ -680,6 +691,16 @@ inline bool layer_major(const Plan& p, Direction d, std::int64_t blocks_per_chun
   return d == Direction::kStore ? cache_layer >= cache_block : chunk_layer >= chunk_block;
 }
 
+namespace detail {
+// Whether the order streams the destination, so the source jumps from move to move:
+// layer-major stores (each chunk slab from block after block), block-major loads.
+inline bool source_jumps(Direction d, bool layer_major) { return layer_major == (d == Direction::kStore); }
+// Whether every segment of the plan's walk in direction d is one run.
+inline bool every_segment_one_run(const Plan& p, Direction d) {
+  return p.one_run_each[d == Direction::kStore ? 0 : 1];
+}
+}  // namespace detail
+
 // Whether a call takes the listed walk: every segment one run, and an order that streams
 // the destination, so the source jumps from move to move (layer-major stores, block-major
 // loads), unless the options turn it off. Where the destination jumps instead, run_range's
@@ -687,14 +708,14 @@ inline bool layer_major(const Plan& p, Direction d, std::int64_t blocks_per_chun
 // loads (layer-major) measured 0.60-0.78x listed against 0.66-0.88x, cross-layer stores
 // (block-major) 0.85-1.04x against 0.90-1.01x, the other loads alike.
 inline bool listed(const Plan& p, Direction d, bool layer_major, const Options& o) {
-  return o.listed && layer_major == (d == Direction::kStore) && p.one_run_each[d == Direction::kStore ? 0 : 1];
+  return o.listed && detail::source_jumps(d, layer_major) && detail::every_segment_one_run(p, d);
 }
 
 // Whether a call may take the nested walk in lanes: segments of several runs in some job,
 // an order in which the source jumps from move to move (as for the listed walk), unless
 // the options turn it off; each group of moves then takes lanes where its stretches pay.
 inline bool lanes(const Plan& p, Direction d, bool layer_major, const Options& o) {
-  return o.lanes && layer_major == (d == Direction::kStore) && !p.one_run_each[d == Direction::kStore ? 0 : 1];
+  return o.lanes && detail::source_jumps(d, layer_major) && !detail::every_segment_one_run(p, d);
 }
 
 // How a call walks its moves.
