@@ -23,10 +23,11 @@ pick). In the same run, for the same bytes, each row posted by this process:
     scatter after; a READ: its gather before; asked for over the pipe, in the row's
     time). The peer is told of the request before the row's time and plans its half then
     (``prepare_unstage``, ``prepare_stage``), as a connector's peer does when the
-    request's blocks are allocated; and in 8 stages, paced by NIXL notifications, its
-    scatter (gather) of one stage overlapping another's wire;
+    request's blocks are allocated; in one stage, and in 8, paced by NIXL notifications,
+    its scatter (gather) of one stage overlapping another's wire;
   - kvlayout chosen: what the cost model picks, calibrated on this pair first, in the
-    stages ``plan`` runs by default (a staged WRITE: a stage per 4 MiB, up to 8); and the
+    stages ``plan`` runs by default (a gather, here for a staged WRITE or there for a
+    peer-staged READ: a stage per 4 MiB, up to 8, paced as above); and the
     same prepared ahead (``prepare_transfer`` before the row's time: the plan, the checks
     and the NIXL requests made, as a poster that knows both sides' blocks before the KV is
     written can), the row's time then ``start()`` and the wait;
@@ -327,7 +328,8 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
             Row("kvlayout direct (prepped)", *send(m, strategy="direct", prepped=prepped)),
             Row("kvlayout staged, 1 stage", *send(m, strategy="staged", staging=c.staging, stages=1)),
             Row("kvlayout staged, 8 stages", *send(m, strategy="staged", staging=c.staging, stages=8)),
-            Row("kvlayout peer-staged", *send(m, strategy="peer-staged", peer_staging=c.peer_staging)),
+            Row("kvlayout peer-staged, 1 stage",
+                *send(m, strategy="peer-staged", peer_staging=c.peer_staging, stages=1)),
             Row("kvlayout peer-staged, 8 stages",
                 *send(m, strategy="peer-staged", peer_staging=c.peer_staging, stages=8)),
             Row(f"kvlayout chosen: {chosen.strategy}{stages}",

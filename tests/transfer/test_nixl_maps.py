@@ -423,6 +423,44 @@ def test_a_paced_peer_staged_read_posts_each_stage_once_the_peer_announces_it(
         assert np.array_equal(g, w), f"{r.name} paced peer-staged READ: tensor {i} differs"
 
 
+def test_a_paced_peer_staged_read_named_by_neither_side_runs_in_the_default_pipeline(
+    pair: Pair, poster_name: str
+) -> None:
+    """Neither the READ (``peer_ready``) nor the peer's ``stage`` names ``stages``: a
+    request of 16 MiB (TP 1 -> 2 in NHD, 2,048 tokens) runs in the default pipeline, a
+    stage per 4 MiB, both sides cutting it alike, and lands as a local copy of the same
+    map between twins of both caches leaves it."""
+    s_spec = CacheSpec(NHD.name, 4, 136, 16, HEADS, 256, shard=(0, 1, HEADS), seed=71)
+    d_spec = CacheSpec(NHD.name, 4, 136, 16, HEADS // 2, 256, shard=(1, 2, HEADS), seed=72)
+    kw: dict[str, Any] = {"num_tokens": 2048}
+    rng = np.random.default_rng(7)
+    src_ids, dst_ids = (rng.permutation(136)[:128].tolist() for _ in range(2))
+    text = pair.peer.cache(s_spec)
+    staging = pair.peer.staging(16 << 20)
+    pair.agent.remove_remote_agent(pair.name)
+    pair.agent.add_remote_agent(pair.peer.metadata)
+    here, leaves = build_cache(d_spec)
+    m = block_map(
+        RegistrationDescription.from_json(text), here, src_ids, dst_ids, dst_shard=d_spec.the_shard, **kw
+    )
+    assert m.num_bytes == 16 << 20
+    (src_twin, _), (dst_twin, want_leaves) = build_cache(s_spec), build_cache(d_spec)
+    block_map(
+        src_twin, dst_twin, src_ids, dst_ids, src_shard=s_spec.the_shard, dst_shard=d_spec.the_shard, **kw
+    ).copy()
+    description = here.describe(shard=d_spec.the_shard, block_size=16).to_json()
+    tag = "read named by neither side"
+    with nx.register(pair.agent, here):
+        xfer = nx.transfer(
+            pair.agent, pair.name, m, strategy="peer-staged", peer_staging=staging, peer_ready=tag.encode()
+        )
+        assert len(xfer.handles) == 4 == nx.auto_stages("WRITE", m.num_bytes)
+        pair.peer.stage(description, src_ids, dst_ids, paced=Paced(None, poster_name, tag), **kw)
+        assert xfer.wait(timeout=30).strategy == "peer-staged"
+    for i, (g, w) in enumerate(zip(leaf_bytes(leaves), leaf_bytes(want_leaves), strict=True)):
+        assert np.array_equal(g, w), f"tensor {i} differs"
+
+
 @pytest.mark.parametrize("stages", [1, 3])
 @pytest.mark.parametrize("case", PACED, ids=[c[0] for c in PACED])
 def test_a_paced_peer_staged_write_is_scattered_stage_by_stage_as_it_lands(

@@ -764,15 +764,17 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
     assert bandwidth == pytest.approx(5e9, rel=1e-6)
 
 
-@pytest.mark.parametrize("stages", [1, 3, 8])
+@pytest.mark.parametrize("stages", [1, 3, 8, None])
 @pytest.mark.parametrize("pair", ["TP 2 -> 1 NHD", "TP 1 -> 2 HND", "NHD -> HND"])
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_a_paced_peer_staged_request_cuts_its_stages_as_the_peer_does(
-    op: str, pair: str, stages: int
+    op: str, pair: str, stages: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Each side plans the request from its own registration and the other's description.
     The poster's peer-staged stage ``i`` posts the same staging bytes the peer's staged
-    plan copies as its stage ``i``; that is what each stage's notification vouches for."""
+    plan copies as its stage ``i``; that is what each stage's notification vouches for.
+    Neither naming ``stages`` (None), both cut it alike: a READ in the peer's gather's
+    default pipeline (a stage per 512 bytes here, for 4 MiB), a WRITE in one stage."""
     import random
 
     from kvlayout import EngineKVFormat as F
@@ -807,10 +809,19 @@ def test_a_paced_peer_staged_request_cuts_its_stages_as_the_peer_does(
         poster_map = block_map(described(src, s_shard), dst, src_ids, dst_ids, **kw)
         peer_map = block_map(src, described(dst, d_shard), src_ids, dst_ids, **kw)
     there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
-    ours = nx.plan(poster_map, strategy="peer-staged", peer_staging=there, stages=stages)
-    theirs = nx.plan(peer_map, strategy="staged", staging=staging_at(buf), stages=stages)
+    if stages is None:  # each side as its calls default: the poster's transfer, the peer's stage/unstage
+        monkeypatch.setattr(plans, "_STAGE_BYTES", 512)
+        ours = nx.plan(poster_map, strategy="peer-staged", peer_staging=there)
+        peer_half = nx.prepare_unstage if op == "WRITE" else nx.prepare_stage
+        theirs = peer_half(peer_map, staging_at(buf)).plan
+        wanted = nx.auto_stages(theirs.op, ours.num_bytes)
+        assert wanted == (1 if op == "WRITE" else nx.AUTO_STAGES)
+    else:
+        ours = nx.plan(poster_map, strategy="peer-staged", peer_staging=there, stages=stages)
+        theirs = nx.plan(peer_map, strategy="staged", staging=staging_at(buf), stages=stages)
+        wanted = stages
     assert ours.op == op and theirs.op == ("READ" if op == "WRITE" else "WRITE")
-    assert len(ours.stages) == min(stages, ours.num_descriptors)
+    assert len(ours.stages) == min(wanted, ours.num_descriptors)
     assert ours.stages == theirs.stages
     assert np.array_equal(ours.remote[:, :2], theirs.local[:, :2])  # the same staging bytes, in order
     assert theirs.copies is not None

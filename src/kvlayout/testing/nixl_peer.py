@@ -177,11 +177,12 @@ def tcp_tls() -> str:
 
 class Paced(NamedTuple):
     """A pipelined peer-staged request's pacing, for :meth:`NixlPeer.stage` and
-    :meth:`NixlPeer.unstage`: its ``stages``, the poster's agent name, the request's
-    tag; ``wait=False`` returns once the command is sent (:meth:`NixlPeer.answer` then
-    awaits it, named ``"stage"``, ``"unstage"`` or ``"run_prepared"``)."""
+    :meth:`NixlPeer.unstage`: its ``stages`` (None: the default both sides make), the
+    poster's agent name, the request's tag; ``wait=False`` returns once the command is
+    sent (:meth:`NixlPeer.answer` then awaits it, named ``"stage"``, ``"unstage"`` or
+    ``"run_prepared"``)."""
 
-    stages: int
+    stages: int | None
     poster: str
     tag: str
     wait: bool = True
@@ -369,10 +370,10 @@ class NixlPeer:
 
     def prepare(
         self, which: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
-        stages: int = 1, **kw: Any,
+        stages: int | None = None, **kw: Any,
     ) -> None:  # fmt: skip
         """Tell the peer of a request before its bytes move: it plans its half (``which``:
-        ``"stage"`` or ``"unstage"``, in ``stages``) with ``prepare_stage`` or
+        ``"stage"`` or ``"unstage"``, in ``stages``; None: by default) with ``prepare_stage`` or
         ``prepare_unstage`` now, and :meth:`run_prepared` runs it."""
         args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw}
         self.call("prepare", which=which, stages=stages, **args)
@@ -562,7 +563,7 @@ def _serve() -> None:
                 kw = {**msg["kw"], f"{here}_shard": cache[0].the_shard}
                 request = block_map(src, dst, msg["src_ids"], msg["dst_ids"], **kw)
                 paced = msg.get("paced")
-                stages = paced["stages"] if paced else msg.get("stages", 1)
+                stages = paced["stages"] if paced else msg.get("stages")
                 half = prepare_stage if here == "src" else prepare_unstage
                 copy = half(request, staging, stages=stages)
                 if cmd == "prepare":

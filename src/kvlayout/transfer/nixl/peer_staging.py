@@ -223,9 +223,10 @@ def _announce(notifs: StageNotifs, stage: int, stages: int) -> None:
         ) from exc
 
 
-def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int) -> PeerCopy:
+def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int | None) -> PeerCopy:
     """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
-    the poster's ``stages``), which must be ``op``; its copy checked."""
+    the poster's ``stages``, None: the default both sides make), which must be ``op``; its
+    copy checked."""
     staging._take_or_refuse("a peer's copy")
     taken = _Taken(staging)
     try:
@@ -241,13 +242,13 @@ def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stag
     return copy
 
 
-def prepare_stage(block_map: NixlMap, staging: Staging, *, stages: int = 1) -> PeerCopy:
+def prepare_stage(block_map: NixlMap, staging: Staging, *, stages: int | None = None) -> PeerCopy:
     """:func:`stage`'s plan, made and checked now; :meth:`PeerCopy.run` gathers."""
     wrong = "stage runs on the source side of the map (the side a peer-staged READ reads)"
     return _prepare(block_map, staging, "WRITE", wrong, stages)
 
 
-def prepare_unstage(block_map: NixlMap, staging: Staging, *, stages: int = 1) -> PeerCopy:
+def prepare_unstage(block_map: NixlMap, staging: Staging, *, stages: int | None = None) -> PeerCopy:
     """:func:`unstage`'s plan, made and checked now; :meth:`PeerCopy.run` scatters."""
     wrong = "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
     return _prepare(block_map, staging, "READ", wrong, stages)
@@ -258,7 +259,7 @@ def stage(
     staging: Staging,
     *,
     num_threads: int = 1,
-    stages: int = 1,
+    stages: int | None = None,
     notifs: StageNotifs | None = None,
     timeout: float = 30.0,
 ) -> None:
@@ -272,7 +273,9 @@ def stage(
     With ``notifs`` each of ``stages`` (the poster's count) is announced to the poster
     once gathered (:func:`stage_notif`), so its READ of one stage overlaps the gather of
     the next (the poster passes ``peer_ready=notifs.tag``); the gathers then run on one
-    thread beside this one, which drives NIXL. :func:`prepare_stage` plans it ahead."""
+    thread beside this one, which drives NIXL. ``stages`` None is the cut both sides make
+    by default (:func:`auto_stages`: a stage per 4 MiB, up to 8), so neither names it.
+    :func:`prepare_stage` plans it ahead."""
     prepare_stage(block_map, staging, stages=stages).run(
         notifs=notifs, num_threads=num_threads, timeout=timeout
     )
@@ -283,7 +286,7 @@ def unstage(
     staging: Staging,
     *,
     num_threads: int = 1,
-    stages: int = 1,
+    stages: int | None = None,
     notifs: StageNotifs | None = None,
     timeout: float = 30.0,
 ) -> None:
@@ -298,8 +301,9 @@ def unstage(
     its ``notif=notifs.tag``) is under way: each stage is scattered as soon as its
     notification (:func:`stage_notif`) arrives, on one thread beside this one, while this
     one waits for the next; :class:`NixlTimeoutError` if the request has not landed and
-    been scattered within ``timeout`` seconds. :func:`prepare_unstage` plans it ahead,
-    when the request is known (before its WRITE is posted)."""
+    been scattered within ``timeout`` seconds. ``stages`` None is the cut both sides make
+    by default (one stage: a scatter, :func:`auto_stages`). :func:`prepare_unstage` plans
+    it ahead, when the request is known (before its WRITE is posted)."""
     prepare_unstage(block_map, staging, stages=stages).run(
         notifs=notifs, num_threads=num_threads, timeout=timeout
     )

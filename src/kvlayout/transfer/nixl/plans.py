@@ -248,15 +248,17 @@ def plan(
     A staged plan of ``stages`` > 1 (never more than its descriptors) is a pipeline:
     :func:`transfer` posts each stage as soon as its gather is done (a READ: scatters
     each as soon as it lands), so the local copy overlaps the wire. By default (None) a
-    staged WRITE runs in a stage per 4 MiB, up to :data:`AUTO_STAGES` (8), and a staged
-    READ and a peer-staged request in one (a peer-staged pipeline is the peer's too, so
-    both sides name it). The strategy is chosen on one stage's price unless ``stages`` is
-    given: on a loopback the copy shares the cores with the wire, so the overlap is not
-    credited before it is asked for. On a host whose wire is a NIC's DMA the gather has a
-    core to itself; on this project's 2-core loopback, where UCX's TCP send and the peer's
-    receive take both cores, 8 stages measured 1.06-1.09x one stage on the consecutive
-    WRITEs of ``make bench-pd``, 0.91-1.02x on the scattered ones (medians), 0.93-0.98x
-    on staged READs (docs/nixl.md, "Measuring").
+    gather runs in a stage per 4 MiB, up to :data:`AUTO_STAGES` (8), a scatter in one
+    (:func:`auto_stages`): a staged WRITE gathers here, a peer-staged READ is the peer's
+    gather (its :func:`stage`, whose default is the same cut, paced stage by stage with
+    ``peer_ready``); a staged READ and a peer-staged WRITE scatter. The strategy is chosen
+    on one stage's price unless ``stages`` is given: on a loopback the copy shares the
+    cores with the wire, so the overlap is not credited before it is asked for. On a host
+    whose wire is a NIC's DMA the gather has a core to itself; on this project's 2-core
+    loopback, where UCX's TCP send and the peer's receive take both cores, 8 stages
+    measured 1.06-1.09x one stage on the consecutive staged WRITEs of ``make bench-pd``,
+    0.91-1.02x on the scattered ones (medians), 0.93-0.98x on staged READs, and gained on
+    most peer-staged READs (docs/nixl.md, "Measuring").
 
     A peer-staged plan moves the runs, as they lie here, between this side and the peer's
     staging buffer (local runs that follow one another back to back: one descriptor per
@@ -326,21 +328,29 @@ def plan(
         )
     if strategy in ("auto", "peer-staged") and peer_fits:
         assert peer_staging is not None
-        builders["peer-staged"] = _peer_staged(s, peer_staging, model, stages or 1, predicted)
+        # The peer's copy is its own staged plan of the map (a READ here is a gather there):
+        # by default both sides cut it as that plan's default, priced as one stage.
+        peer_op: Op = "WRITE" if s.op == "READ" else "READ"
+        pipeline = stages if stages is not None else auto_stages(peer_op, num_bytes)
+        builders["peer-staged"] = _peer_staged(
+            s, peer_staging, model, pipeline, predicted, priced=stages or 1
+        )
     rank = {k: (predicted[k], _scatters(k, s.op)) for k in builders}
     choice = strategy if strategy != "auto" else min(builders, key=rank.__getitem__)
     return builders[choice]()
 
 
 AUTO_STAGES = 8
-"""The most stages a staged WRITE runs in by default (:func:`auto_stages`)."""
+"""The most stages a gather runs in by default (:func:`auto_stages`)."""
 _STAGE_BYTES = 4 << 20
 
 
 def auto_stages(op: Op, num_bytes: int) -> int:
-    """The stages of a staged request by default: a WRITE's gather overlaps the wire, a
-    stage per 4 MiB up to :data:`AUTO_STAGES`; a READ's scatter, measured slower in stages
-    on loopback, in one."""
+    """The stages of a staged plan of ``op`` by default: a WRITE's gather overlaps the
+    wire, a stage per 4 MiB up to :data:`AUTO_STAGES`; a READ's scatter, measured slower
+    in stages on loopback, in one. A peer-staged plan takes the peer's: its staged plan of
+    the same map has the other op (a peer-staged READ is the peer's gather), so both sides
+    cut it alike without naming ``stages``."""
     return max(1, min(AUTO_STAGES, num_bytes // _STAGE_BYTES)) if op == "WRITE" else 1
 
 
@@ -411,9 +421,16 @@ def _staged(
 
 
 def _peer_staged(
-    s: _Sides, peer_staging: PeerStaging, model: CostModel, stages: int, predicted: dict[str, float]
+    s: _Sides,
+    peer_staging: PeerStaging,
+    model: CostModel,
+    stages: int,
+    predicted: dict[str, float],
+    *,
+    priced: int,
 ) -> Callable[[], Plan]:
-    """Records the peer-staged plan's cost; returns what builds it: the runs in the order
+    """Records the peer-staged plan's cost, as a pipeline of ``priced`` stages; returns
+    what builds it, in ``stages``: the runs in the order
     and at the offsets the peer's own staged plan of the same map lays its staging out in
     (both sort this side's runs by address and stretch them alike), so :func:`unstage`
     there scatters what this WRITE put, and this READ finds what :func:`stage` there
@@ -425,7 +442,7 @@ def _peer_staged(
     # only if it is chosen). The copy is the peer's: its gather before a READ, its scatter
     # after a WRITE.
     count = _stretch_count(s.block_map, s.runs, s.local_col, s.local)
-    predicted["peer-staged"] = model.staged_s(count, num_runs, num_bytes, max(1, min(stages, count)))
+    predicted["peer-staged"] = model.staged_s(count, num_runs, num_bytes, max(1, min(priced, count)))
 
     def build() -> Plan:
         st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
