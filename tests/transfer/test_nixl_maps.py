@@ -510,6 +510,74 @@ def test_a_request_takes_only_its_own_notification_not_one_its_tag_begins() -> N
     assert agent.notifs == {"prefill": [b"req-1#0/2x"]}
 
 
+def test_the_stage_count_a_peer_announced_is_read_from_its_notifications() -> None:
+    """A paced request's notifications say into how many stages the peer cut it (the tag
+    alone: one); another request's, or a malformed one, say nothing of it."""
+    from kvlayout.transfer.nixl.peer_staging import _stages_announced
+
+    def announced(*messages: bytes) -> int | None:
+        return _stages_announced(cast(nx.Agent, _Notifs({"prefill": list(messages)})), "prefill", b"req-1")
+
+    assert announced(b"req-1") == 1
+    assert announced(b"req-10", b"req-1#3/8") == 8
+    assert announced(b"req-10", b"req-1#0/2x", b"req-1#", b"req-12#0/2") is None
+    assert _stages_announced(cast(nx.Agent, _Notifs({"decode": [b"req-1"]})), "prefill", b"req-1") is None
+
+
+def test_a_paced_read_cut_otherwise_than_the_peer_cut_its_gather_is_refused_not_left_waiting(
+    pair: Pair, poster_name: str
+) -> None:
+    """The READ names 3 stages, the peer gathers in 1: stage 0 of 3 would never be
+    announced, so the READ fails as soon as the peer's announcement arrives, saying both
+    counts, instead of waiting out its timeout."""
+    r = peer_staged(pair, next(c for c in PACED if c[0] == "TP 1->2 NHD"), 111, "READ")
+    tag = "read cut otherwise"
+    with nx.register(pair.agent, r.here):
+        xfer = nx.transfer(
+            pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging, stages=3,
+            peer_ready=tag.encode(),
+        )  # fmt: skip
+        pair.peer.stage(r.description, r.src_ids, r.dst_ids, paced=Paced(1, poster_name, tag), **r.kw)
+        t0 = time.perf_counter()
+        with pytest.raises(
+            TransferError,
+            match=r"the peer-staged READ b'read cut otherwise' is cut into 3 stage\(s\) here, but its peer cut "
+            r"it into 1: nothing was posted; pass the same stages on both sides, or neither",
+        ):
+            xfer.wait(timeout=30)
+        assert time.perf_counter() - t0 < 5
+
+
+def test_a_paced_unstage_cut_otherwise_than_the_write_is_refused_not_left_waiting(
+    pair: Pair, poster_name: str
+) -> None:
+    """The peer waits for 3 stages, the WRITE goes in 1: the peer's unstage fails once the
+    WRITE's notification arrives, saying both counts, and keeps its staging buffer (bytes
+    of a WRITE cut otherwise may still be landing in it)."""
+    r = peer_staged(pair, next(c for c in PACED if c[0] == "TP 2->1 NHD"), 121, "WRITE")
+    pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
+    tag = "write cut otherwise"
+    pair.peer.unstage(
+        r.description, r.src_ids, r.dst_ids, paced=Paced(3, poster_name, tag, wait=False), **r.kw
+    )
+    with nx.register(pair.agent, r.here):
+        xfer = nx.transfer(
+            pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging, stages=1,
+            notif=tag.encode(),
+        )  # fmt: skip
+        xfer.wait(timeout=30)
+    t0 = time.perf_counter()
+    with pytest.raises(
+        RuntimeError,
+        match=r"failed unstage: TransferError: the peer-staged WRITE b'write cut otherwise' is cut into 3 "
+        r"stage\(s\) here, but its peer cut it into 1: its stages may land yet, so Staging\(.*\) is kept for "
+        r"good \(a later request needs a new Staging\); pass the same stages on both sides, or neither",
+    ):
+        pair.peer.answer("unstage")
+    assert time.perf_counter() - t0 < 5
+    pair.peer.notifs(expect=0, wait=0)  # the WRITE's notification, which the unstage left
+
+
 def test_one_request_at_a_time_goes_through_a_peer_s_staging_buffer(pair: Pair) -> None:
     """Two peer-staged requests in flight through one PeerStaging would land on (or read)
     each other's bytes before the peer copied them: the second is refused, "auto" goes

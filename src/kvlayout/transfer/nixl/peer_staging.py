@@ -49,6 +49,27 @@ def take_notif(agent: Agent, peer: str, message: bytes) -> bool:
     return True
 
 
+def _stages_announced(agent: Agent, peer: str, tag: bytes) -> int | None:
+    """Into how many stages ``peer`` cut request ``tag``, by a notification of it already
+    fetched into ``agent.notifs`` (:func:`stage_notif`'s form: the tag alone for one
+    stage); None where none has come."""
+    for message in agent.notifs.get(peer, ()):
+        if message == tag:
+            return 1
+        if message.startswith(tag + b"#"):
+            stage, slash, count = message[len(tag) + 1 :].partition(b"/")
+            if slash and stage.isdigit() and count.isdigit():
+                return int(count)
+    return None
+
+
+def _other_cut(what: str, tag: bytes, theirs: int, ours: int, fix: str) -> TransferError:
+    return TransferError(
+        f"{what} {tag!r} is cut into {ours} stage(s) here, but its peer cut it into {theirs}: "
+        f"{fix} pass the same stages on both sides, or neither (both then take the default cut)"
+    )
+
+
 class StageNotifs(NamedTuple):
     """What paces the peer's half of a pipelined peer-staged request: this side's
     ``agent``, the poster's agent name ``peer`` (loaded with ``add_remote_agent`` where
@@ -180,6 +201,17 @@ class PeerCopy:
                 for i in landed:
                     scatters.append(_copier().submit(p.copy_stage, i, stream))
                     waiting.remove(i)
+                if waiting and not landed:
+                    theirs = _stages_announced(notifs.agent, notifs.peer, notifs.tag)
+                    if theirs is not None and theirs != n:
+                        raise _other_cut(
+                            "the peer-staged WRITE",
+                            notifs.tag,
+                            theirs,
+                            n,
+                            "its stages may land yet, so "
+                            f"{self.staging!r} is kept for good (a later request needs a new Staging);",
+                        )
                 if waiting and time.perf_counter() > deadline:
                     raise NixlTimeoutError(
                         f"stages {waiting} of {n} of the peer-staged WRITE {notifs.tag!r} from peer "

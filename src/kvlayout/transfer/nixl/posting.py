@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _sides
-from kvlayout.transfer.nixl.peer_staging import stage_notif, take_notif
+from kvlayout.transfer.nixl.peer_staging import _other_cut, _stages_announced, stage_notif, take_notif
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
 from kvlayout.transfer.nixl.prepped import Prepped
 from kvlayout.transfer.nixl.regions import (
@@ -209,6 +209,10 @@ class Transfer:
             if self.ready is not None and not self._nixl(
                 take_notif, self.agent, self.peer, stage_notif(self.ready, i, n)
             ):
+                theirs = _stages_announced(self.agent, self.peer, self.ready)
+                if theirs is not None and theirs != n:  # it would never announce stage i of n
+                    posted = f"{self._posted} stage(s) were posted" if self._posted else "nothing was posted"
+                    raise _other_cut("the peer-staged READ", self.ready, theirs, n, f"{posted};")
                 return
             self._post()
 
