@@ -422,6 +422,25 @@ def test_plan_posted_by_the_source_weighs_the_peer_staged_write(capsys: pytest.C
     assert "WRITE: direct 64 descriptors, " in out and "; peer-staged 4 descriptors, " in out
 
 
+def test_plan_says_the_stages_a_chosen_gather_runs_in(capsys: pytest.CaptureFixture[str]) -> None:
+    """README's pair, 32 MiB a rank pair: the gather (prefill's staged WRITE, or its
+    peer-staged gather before decode's READ) runs in a stage per 4 MiB by default."""
+    src = ["--src-engine", "vllm", "--src-shape", "32x[2,2048,16,4,128]", "--src-tp", "2"]
+    dst = ["--dst-engine", "vllm", "--dst-shape", "32x[2,512,64,2,128]@0,1,3,2,4", "--dst-hint", "kv_layout=HND",
+           "--dst-tp", "4"]  # fmt: skip
+    for poster, op, choice in (("dst", "READ", "peer-staged"), ("src", "WRITE", "staged")):
+        code, out, _ = run(capsys, "plan", *src, *dst, "--tokens", "1024", "--poster", poster)
+        assert code == 0
+        line = out.splitlines()[2]
+        assert line.startswith(f"    {op}: direct 131072 descriptors, ") and line.endswith(
+            f"choice: {choice}, in 8 stages"
+        )
+        code, out, _ = run(capsys, "plan", *src, *dst, "--tokens", "1024", "--poster", poster, "--json")
+        pair = json.loads(out)["pairs"][0]
+        assert pair["stages"] == {"direct": 1, "staged": 8 if op == "WRITE" else 1,
+                                  "peer-staged": 8 if op == "READ" else 1}  # fmt: skip
+
+
 def test_plan_json_matches_a_map_of_real_tensors(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

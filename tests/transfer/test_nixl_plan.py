@@ -186,8 +186,13 @@ def test_a_staged_write_runs_a_stage_per_4_mib_by_default_priced_as_one_unless_a
     r = nx.plan(read, strategy="staged", staging=staging_at(buf))
     assert (r.op, len(r.stages)) == ("READ", 1)
     big, big_buf = scattered_map(512, 1 << 18)  # 64 MiB of 256 stretches: AUTO_STAGES
-    pipeline = nx.plan(Map(big.runs[::2], big.src, big.dst), strategy="staged", staging=staging_at(big_buf))
+    big_split = Map(big.runs[::2], big.src, big.dst)
+    pipeline = nx.plan(big_split, strategy="staged", staging=staging_at(big_buf))
     assert len(pipeline.stages) == nx.AUTO_STAGES == 8
+    # estimate() says the stages each strategy runs in by default, as plan() cuts them
+    assert nx.estimate(big_split, poster="src").stages == {"direct": 1, "staged": 8, "peer-staged": 1}
+    assert nx.estimate(split, poster="src").stages["staged"] == 2
+    assert nx.estimate(big_split, poster="dst").stages == {"direct": 1, "staged": 1, "peer-staged": 8}
     for wrong in (0, True, 2.0):
         with pytest.raises(TypeError, match=f"stages must be a positive int or None, got {wrong}"):
             nx.plan(split, strategy="staged", staging=staging_at(buf), stages=wrong)  # type: ignore[arg-type]

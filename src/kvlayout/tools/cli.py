@@ -817,7 +817,8 @@ def _plan_pairs(
             if m.num_runs:
                 est = estimate(m, poster=args.poster)
                 pair |= {"mean_run": m.num_bytes / m.num_runs, "op": est.op, "descriptors": est.descriptors,
-                         "predicted_s": est.predicted_s, "choice": est.choice}  # fmt: skip
+                         "predicted_s": est.predicted_s, "choice": est.choice,
+                         "stages": est.stages}  # fmt: skip
             record["pairs"].append(pair)
 
 
@@ -838,7 +839,11 @@ def _print_plan(r: dict[str, Any]) -> None:
             n, t = p["descriptors"], p["predicted_s"]
             print(f"{head} {p['kind']}; {p['runs']} runs, {p['bytes']} bytes, mean run {p['mean_run']:.0f} B")
             each = "; ".join(f"{k} {n[k]} descriptors, {t[k] * 1e3:.2f} ms" for k in n)
-            print(f"    {p['op']}: {each}; choice: {p['choice']}")
+            stages = p["stages"][p["choice"]]
+            print(
+                f"    {p['op']}: {each}; choice: {p['choice']}"
+                + (f", in {stages} stages" if stages > 1 else "")
+            )
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -465,6 +465,7 @@ class Estimate(NamedTuple):
     descriptors: dict[str, int]  # per strategy
     predicted_s: dict[str, float]  # per strategy
     choice: Strategy
+    stages: dict[str, int]  # per strategy: the pipeline it runs in by default (auto_stages)
 
 
 def estimate(
@@ -474,7 +475,8 @@ def estimate(
     be live (two descriptions, at planning time), posted by ``poster`` (``"dst"``: a READ,
     as vLLM's decode side posts; ``"src"``: a WRITE), peer-staged included, and
     the strategy ``"auto"`` picks given staging buffers large enough: what :func:`plan`
-    would choose."""
+    would choose; and the stages each runs in by default (:func:`auto_stages`: a gather
+    here for a staged WRITE, there for a peer-staged READ, in a stage per 4 MiB)."""
     if poster not in ("src", "dst"):
         raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
     runs = np.ascontiguousarray(block_map.runs, dtype=_U64)
@@ -492,4 +494,10 @@ def estimate(
     descriptors["peer-staged"] = own
     predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])
-    return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice))
+    peer_op: Op = "WRITE" if op == "READ" else "READ"
+    stages = {
+        "direct": 1,
+        "staged": max(1, min(auto_stages(op, num_bytes), staged)),
+        "peer-staged": max(1, min(auto_stages(peer_op, num_bytes), own)),
+    }
+    return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice), stages)
