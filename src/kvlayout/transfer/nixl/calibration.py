@@ -199,7 +199,8 @@ def calibrate(
 # Descriptor sizes a descriptor's cost is measured at beyond ``small`` (calibrate): a
 # transport may change protocol with the size (UCX's rendezvous from 64 KiB over TCP),
 # so the sizes either side of that step are measured, not interpolated across it (WRITEs
-# on this loopback: 8.3 us a 32 KiB descriptor, 1.2 us at 128 KiB, about none at 64 KiB).
+# on this loopback: 8.2-8.5 us a 32 KiB descriptor, 2.6-6.0 us at 64 KiB, 1.1-2.9 us at
+# 128 KiB, in two runs).
 _DESCRIPTOR_SIZES = (8 << 10, 32 << 10, 64 << 10, 128 << 10, 512 << 10)
 
 
