@@ -465,7 +465,9 @@ class Estimate(NamedTuple):
     descriptors: dict[str, int]  # per strategy
     predicted_s: dict[str, float]  # per strategy
     choice: Strategy
-    stages: dict[str, int]  # per strategy: the pipeline it runs in by default (auto_stages)
+    # per strategy: the stages it is pipelined in by default (auto_stages), at most: a
+    # plan cuts them at its stretches' bounds, so one stretch longer than a stage makes fewer
+    stages: dict[str, int]
 
 
 def estimate(
