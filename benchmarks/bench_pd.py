@@ -44,7 +44,12 @@ scatters then run there; the limit is one descriptor between the two staging buf
 for a machine that has one (with ``--tls ''``, so UCX takes its GPU transports).
 Each row is the best of ``--repeats`` (and the spread), from ``transfer()`` to done (the
 gather or scatter included); ratios are the baseline's time over ours (>1: ours is
-faster). Sampled runs of the chosen transfer are checked byte-exactly. ``make bench-pd``.
+faster). Sampled runs of the chosen transfer are checked byte-exactly. Last, the issue's
+targets read off those rows: the chosen plan against the SGLang-style list under TP
+resharding in NHD (5x), against the limit with consecutive blocks (0.9x), and the rows
+where a baseline was faster, with both descriptor counts (a row posting as many as the
+baseline is most likely posting the same list: the difference is the loopback's noise).
+``make bench-pd``.
 """
 
 from __future__ import annotations
@@ -225,7 +230,20 @@ def unit_of(m: BlockMap) -> int:
     return int(np.gcd.reduce(np.concatenate(values).astype(np.int64)))
 
 
-def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Context) -> None:
+@dataclass
+class Outcome:
+    """One scenario's figures the targets are read from (best seconds)."""
+
+    name: str  # scenario, block pattern, poster
+    consecutive: bool
+    resharded_nhd: bool  # TP resharding in NHD: the SGLang-style list's worst case
+    chosen: Row
+    prepared: Row
+    limit: Row
+    baselines: list[Row]  # the vLLM- and SGLang-style lists that apply
+
+
+def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Context) -> Outcome:
     """One scenario posted by one side: ``"WRITE"`` from the prefill side (this process
     holds the prefill cache, the peer the decode cache) or ``"READ"`` from the decode
     side (this process holds the decode cache, the peer the prefill cache)."""
@@ -369,6 +387,42 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
     for name, b in baselines.items():
         if b is None:
             print(f"  {name}-style list: n/a ({why[name]})")
+    lists = [b for k, b in baselines.items() if k != "limit" and b is not None]
+    resharded_nhd = src.tp[1] != dst.tp[1] and NHD in (src.fmt, dst.fmt)
+    name = f"{label}, {pattern}, {op}"
+    return Outcome(name, not scattered, resharded_nhd, ours[-2], ours[-1], baselines["limit"], lists)
+
+
+def summary(outcomes: list[Outcome]) -> None:
+    """The issue's targets, read off the rows above: the chosen plan (and, in brackets,
+    the same prepared ahead)."""
+    print("\ntargets (the chosen plan; prepared ahead in brackets; best times of the rows above):")
+    sglang = [
+        (b.best / o.chosen.best, o)
+        for o in outcomes
+        if o.resharded_nhd
+        for b in o.baselines
+        if b.label.startswith("SGLang")
+    ]
+    if sglang:
+        worst, o = min(sglang, key=lambda t: t[0])
+        print(f"  >= 5x the SGLang-style list under TP resharding in NHD: at least {worst:.1f}x ({o.name})")
+    consecutive = [o for o in outcomes if o.consecutive]
+    short = [o for o in consecutive if o.limit.best / o.chosen.best < 0.9]
+    met = len(consecutive) - len(short)
+    print(f"  >= 0.9x the limit with consecutive blocks: {met} of {len(consecutive)} rows")
+    for o in short:
+        ratio, prepared = o.limit.best / o.chosen.best, o.limit.best / o.prepared.best
+        print(f"    short: {o.name}: {ratio:.2f}x ({prepared:.2f}x)")
+    slower = [(o, b) for o in outcomes for b in o.baselines if b.best < o.chosen.best]
+    rows = len({id(o) for o, _ in slower})
+    print(f"  never slower than a baseline: slower in {rows} of {len(outcomes)} rows")
+    for o, b in slower:
+        same = ", the same descriptor count" if b.descriptors == o.chosen.descriptors else ""
+        print(
+            f"    slower: {o.name}: {b.best / o.chosen.best:.3f}x the {b.label} "
+            f"({o.chosen.descriptors} descriptors against {b.descriptors}{same})"
+        )
 
 
 def plain_buffer(c: Context) -> tuple[int, Any]:
@@ -467,11 +521,14 @@ def main() -> None:
             c = Context(agent, peer, name, staging, nx.PeerStaging(0, 0), costs, args, poster)
             patterns = {"scattered": [True], "consecutive": [False], "both": [True, False]}[args.blocks]
             ops = ["WRITE", "READ"] if args.op == "both" else [args.op]
-            for label, src, dst in SCENARIOS:
-                if args.only in label:
-                    for scattered in patterns:
-                        for op in ops:
-                            scenario(label, src, dst, scattered, op, c)
+            outcomes = [
+                scenario(label, src, dst, scattered, op, c)
+                for label, src, dst in SCENARIOS
+                if args.only in label
+                for scattered in patterns
+                for op in ops
+            ]
+            summary(outcomes)
 
 
 if __name__ == "__main__":
