@@ -322,16 +322,14 @@ def plan(
         # The default pipeline is priced as one stage: where the copy shares the cores with
         # the wire (loopback TCP) the overlap the model would credit is not there, and the
         # strategy stays what one stage would choose.
-        pipeline = stages if stages is not None else auto_stages(s.op, num_bytes)
+        pipeline = stages if stages is not None else _default_stages("staged", s.op, num_bytes)
         builders["staged"] = _staged(
             s, staging, model, pipeline, predicted, final=strategy == "staged", priced=stages or 1
         )
     if strategy in ("auto", "peer-staged") and peer_fits:
         assert peer_staging is not None
-        # The peer's copy is its own staged plan of the map (a READ here is a gather there):
-        # by default both sides cut it as that plan's default, priced as one stage.
-        peer_op: Op = "WRITE" if s.op == "READ" else "READ"
-        pipeline = stages if stages is not None else auto_stages(peer_op, num_bytes)
+        # By default both sides cut it as the peer's staged plan of it does; priced as one stage.
+        pipeline = stages if stages is not None else _default_stages("peer-staged", s.op, num_bytes)
         builders["peer-staged"] = _peer_staged(
             s, peer_staging, model, pipeline, predicted, priced=stages or 1
         )
@@ -352,6 +350,16 @@ def auto_stages(op: Op, num_bytes: int) -> int:
     the same map has the other op (a peer-staged READ is the peer's gather), so both sides
     cut it alike without naming ``stages``."""
     return max(1, min(AUTO_STAGES, num_bytes // _STAGE_BYTES)) if op == "WRITE" else 1
+
+
+def _default_stages(strategy: str, op: Op, num_bytes: int) -> int:
+    """The stages a ``strategy`` plan of ``op`` runs in by default: its copy's
+    (:func:`auto_stages`), which for a peer-staged plan is the peer's staged plan of the
+    same map, of the other op (a READ here is a gather there); a direct plan's one."""
+    if strategy == "direct":
+        return 1
+    copy_op: Op = op if strategy == "staged" else ("WRITE" if op == "READ" else "READ")
+    return auto_stages(copy_op, num_bytes)
 
 
 def _check_peer_staging(peer: PeerStaging) -> None:
@@ -496,10 +504,5 @@ def estimate(
     descriptors["peer-staged"] = own
     predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes)
     choice = min(predicted, key=lambda k: predicted[k])
-    peer_op: Op = "WRITE" if op == "READ" else "READ"
-    stages = {
-        "direct": 1,
-        "staged": max(1, min(auto_stages(op, num_bytes), staged)),
-        "peer-staged": max(1, min(auto_stages(peer_op, num_bytes), own)),
-    }
+    stages = {k: max(1, min(_default_stages(k, op, num_bytes), n)) for k, n in descriptors.items()}
     return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice), stages)
