@@ -668,6 +668,20 @@ def test_a_description_round_trips_and_maps_like_the_registration() -> None:
         block_map(peer, src, [1, 6], [3, 5], src_shard=Shard(0, 2, 8))
 
 
+def test_describing_a_registration_with_a_shard_it_does_not_hold_is_a_shard_error() -> None:
+    """Describing one's own cache with the wrong shard is a local mistake (a ShardError
+    naming the fix), not a peer's description that lies."""
+    two_heads = vllm(2, 8, 4, 2, 8)
+    with pytest.raises(ShardError) as err:
+        two_heads.describe(shard=Shard(0, 2, 8))
+    assert str(err.value) == (
+        "describe(shard=Shard(tp_rank=0, tp_size=2, num_kv_heads=8)): the shard holds 4 KV heads, but kernel "
+        "group 0 of this registration holds 2: pass the Shard(tp_rank, tp_size, num_kv_heads) this rank was "
+        "given, with the model's KV heads"
+    )
+    assert two_heads.describe(shard=Shard(0, 4, 8)).shard == Shard(0, 4, 8)
+
+
 def test_runs_stay_exact_at_addresses_float64_cannot_hold() -> None:
     """Above 2**53 a float64 rounds to a multiple of 2**(e-52): a map's addresses are
     uint64 throughout, never stacked with signed columns into floats."""

@@ -216,6 +216,17 @@ def describe(
     groups = tuple(_group(g, block_size) for g in kernel_groups)
     if not groups:
         raise PeerDescriptionError("the registration has no kernel group to describe")
+    if (
+        shard is not None
+        and isinstance(shard, Shard)
+        and (misfit := _shard_misfit(groups, shard)) is not None
+    ):
+        i, heads = misfit
+        raise ShardError(
+            f"describe(shard={shard}): the shard holds {len(shard.heads)} KV heads, but kernel group {i} of "
+            f"this registration holds {heads}: pass the Shard(tp_rank, tp_size, num_kv_heads) this rank "
+            "was given, with the model's KV heads"
+        )
     device = kernel_groups[0].device
     if at is None:
         _check_unmoved(kernel_groups)
@@ -455,21 +466,36 @@ def _from_data(data: object) -> RegistrationDescription:
         groups_list.append(_group_from(f"description.groups[{i}]", g, left))
         left -= sum(len(p.addresses) for p in groups_list[-1].planes)
     groups = tuple(groups_list)
-    for i, g in enumerate(groups):
-        heads = num_heads(g.layout, g.planes[0].sizes_dict())
-        latent = is_latent(g.layout, g.planes[0].sizes_dict())
-        # an opaque page's head axis (vLLM's LHBNC head slots) counts the kernel's slots
-        if shard is not None and not latent and g.opaque_pages is None and len(shard.heads) != heads:
-            raise PeerDescriptionError(
-                f"description.shard {shard} holds {len(shard.heads)} KV heads, but "
-                f"description.groups[{i}] has "
-                f"{heads}"
-            )
+    misfit = _shard_misfit(groups, shard)
+    if misfit is not None:
+        assert shard is not None
+        i, heads = misfit
+        raise PeerDescriptionError(
+            f"description.shard {shard} holds {len(shard.heads)} KV heads, but "
+            f"description.groups[{i}] has {heads}"
+        )
     layers = [i for g in groups for i in g.layers]
     if len(set(layers)) != len(layers):
         raise PeerDescriptionError("description.groups: a layer index appears in two kernel groups")
     _check_memory(groups)
     return RegistrationDescription(groups, device["type"], index, shard, engine)
+
+
+def _shard_misfit(groups: Sequence[GroupDescription], shard: Shard | None) -> tuple[int, int] | None:
+    """The first group (index, heads) holding another number of KV heads than ``shard``
+    says; None where every group fits (latents are held whole by every rank)."""
+    if shard is None:
+        return None
+    for i, g in enumerate(groups):
+        sizes = g.planes[0].sizes_dict()
+        # an opaque page's head axis (vLLM's LHBNC head slots) counts the kernel's slots
+        if (
+            not is_latent(g.layout, sizes)
+            and g.opaque_pages is None
+            and len(shard.heads) != num_heads(g.layout, sizes)
+        ):
+            return i, num_heads(g.layout, sizes)
+    return None
 
 
 def _group_from(where: str, data: object, left: int) -> GroupDescription:

@@ -724,9 +724,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "or holds each head on as many ranks (the larger must be a multiple of the smaller)"
                 ) from None
             if heads[where] is not None and heads[where] != held:
+                g = sides[where][1]
                 raise KVLayoutError(
                     f"--{where}-tp {tp} gives each {where} rank {held} of {origin}, but --{where}-shape "
-                    f"holds {heads[where]} a rank"
+                    f"holds {heads[where]} a rank, read as {g.format.name} with {g.geometry.block_size} "
+                    f"tokens a block (--{where}-hint kv_layout=NHD or HND says which axis holds the heads)"
                 )
     _plan_work(args, model_heads, {where: len(group.layers) for where, (_, group) in sides.items()})
     record: dict[str, Any] = {

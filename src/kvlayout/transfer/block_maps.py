@@ -745,7 +745,7 @@ class BlockMap(HoldsAddresses):
     def kind(self) -> str:
         """What differs between the sides: ``same layout``, or some of ``head slice``,
         ``re-blocked``, ``permuted``, ``re-laid`` and ``chunk``; ``empty`` when no head is
-        in common."""
+        in common. It is the pair's: a request of no tokens keeps it, with no runs."""
         return self._kind_and_reason[0]
 
     @property
