@@ -19,7 +19,7 @@ import textwrap
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -190,6 +190,103 @@ def test_a_staging_buffer_in_use_leaves_auto_direct(pair: Pair) -> None:
     second.wait(timeout=30)
     assert not pair.staging.busy
     assert sorted(pair.peer.notifs(expect=2)) == [b"first", b"second"]
+
+
+def test_a_staging_buffer_of_another_agent_is_named_as_such(pair: Pair) -> None:
+    """The peer's Staging handed over as this side's (both agents in one process, say)
+    is registered, only not on the agent that posts: the error says so, not "register it"
+    (a Staging whose tensor the posting agent registered too serves it: see the race
+    test below)."""
+    other = nx.make_agent("kvl-other", progress_thread=False)
+    theirs = nx.Staging(other, BUF)
+    m = make_map(pair, "WRITE", [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(8)])
+    try:
+        for strategy in ("auto", "staged"):
+            with pytest.raises(TransferError) as err:
+                nx.transfer(pair.agent, pair.name, m, strategy=strategy, staging=theirs)
+            assert str(err.value).startswith(f"Staging({BUF} bytes at {theirs.address:#x}")  # busy, then
+            assert str(err.value).split(") ", 1)[1] == (
+                "is registered on agent 'kvl-other', where it was made, not on 'kvl-local', which "
+                "posts this request: a Staging serves the agent that made it (a peer's staging buffer goes as "
+                "peer_staging=PeerStaging(address, nbytes, ...))"
+            )
+            assert not theirs.busy
+    finally:
+        theirs.close()
+
+
+def test_a_transfer_s_arguments_are_named_when_wrong(pair: Pair) -> None:
+    m = make_map(pair, "WRITE", [(0, 0, 0, 0, UNIT)])
+    with pytest.raises(TypeError, match=r"prepped must be the lists nx.prep_lists made, not 5"):
+        nx.transfer(pair.agent, pair.name, m, prepped=5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"peer must be an agent name: b'\\xff' is not UTF-8"):
+        nx.transfer(pair.agent, b"\xff", m)
+    agent = nx.make_agent("kvl-one-backend", backends="UCX", progress_thread=False)  # not "U", "C", "X"
+    assert list(agent.backends) == ["UCX"]
+
+
+def test_a_staged_plan_holds_its_staging_buffer_and_refuses_one_whose_memory_changed() -> None:
+    """A plan's copies address its staging buffer's memory: dropped (and closed), the
+    buffer used to be freed under the plan, whose copy then scattered from freed memory
+    (a segfault); a buffer whose tensor was resized likewise, by the plan or a transfer."""
+    import weakref
+
+    agent = nx.make_agent("kvl-staging-life", progress_thread=False)
+    local, theirs = torch.zeros(BUF, dtype=torch.uint8), torch.zeros(BUF, dtype=torch.uint8)
+    there = nx.LocalSide("cpu", 0, nx.local_side(theirs).tensor_spans, is_local=False)
+    runs = np.array(
+        [(theirs.data_ptr() + k * UNIT, local.data_ptr() + k * SLOT, UNIT) for k in range(64)], U64
+    )
+    read = Map(runs, there, nx.local_side(local))  # a READ: back to back there, scattered here
+    with nx.register(agent, local):
+        staging = nx.Staging(agent, BUF)
+        staging.tensor.fill_(7)
+        p = nx.plan(read, strategy="staged", staging=staging)
+        held = weakref.ref(staging)
+        staging.close()
+        del staging
+        gc.collect()
+        assert held() is not None and p.staging is held()  # the plan holds it
+        p.copy()  # the scatter, from memory still allocated
+        assert int(local[:UNIT].sum()) == 7 * UNIT and int(local[UNIT : 2 * UNIT].sum()) == 0
+        assert p.staging is not None
+        p.staging.tensor.untyped_storage().resize_(0)
+        copies: list[Callable[[], None]] = [p.copy, lambda: p.copy_stage(0)]
+        for copy in copies:
+            with pytest.raises(nx.NixlError) as err:
+                copy()
+            assert "the staging buffer's tensor was re-allocated (data pointer 0x0, was" in str(err.value)
+            assert str(err.value).endswith("make a new Staging (and leave staging.tensor's memory alone); "
+                                           "nothing was copied")  # fmt: skip
+
+
+def test_a_transfer_through_a_staging_buffer_whose_memory_changed_posts_nothing(pair: Pair) -> None:
+    staging = nx.Staging(pair.agent, BUF)
+    m = make_map(pair, "WRITE", [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(64)])
+    x = nx.prepare_transfer(pair.agent, pair.name, m, strategy="staged", staging=staging)
+    staging.tensor.untyped_storage().resize_(0)
+    with pytest.raises(
+        nx.NixlError,
+        match=r"the staging buffer's tensor was re-allocated \(data pointer 0x0, .* nothing was posted",
+    ):
+        x.start()
+    assert x.posted == 0 and not staging.busy
+    staging.close()
+
+
+def test_a_staging_buffer_dropped_unclosed_lets_go_of_its_region() -> None:
+    """Its memory is freed with it: NIXL's region (and kvlayout's record of it, which the
+    local checks read) must go too, or a later descriptor into that freed memory passes."""
+    from kvlayout.transfer.nixl.regions import _check_local
+
+    agent = nx.make_agent("kvl-staging-drop", progress_thread=False)
+    staging = nx.Staging(agent, BUF)
+    at = np.array([staging.address], U64)
+    _check_local(agent, at, np.array([BUF], U64), "DRAM", 0, "staged descriptor")
+    del staging
+    gc.collect()
+    with pytest.raises(nx.RefusedDescriptorError, match="is outside every region registered"):
+        _check_local(agent, at, np.array([BUF], U64), "DRAM", 0, "staged descriptor")
 
 
 # 128 runs of one unit, one slot apart here and back to back there: a staged request.
@@ -478,6 +575,30 @@ def test_register_makes_one_region_per_storage(pair: Pair) -> None:
     with nx.register(pair.agent, kvlayout.detect(apart, "vllm")) as held:
         assert sorted(r.address for r in held.regions) == sorted(t.data_ptr() for t in apart)
     assert pair.peer.notifs() == [b"pool"]
+
+
+def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pair) -> None:
+    """At the handshake a connector holds the peer's RegistrationDescription; bad numbers
+    used to come back as a CostModel of zero bandwidth (a ZeroDivisionError when planning)
+    or as ZeroDivisionError, ValueError or OverflowError from inside calibrate."""
+    kv = kvlayout.detect([torch.zeros(2, 8, 4, 2, 16) for _ in range(2)], "vllm", {"kv_layout": "NHD"})
+    desc = kv.describe(at=pair.peer.address(0))  # as if the peer's cache lay in its first buffer
+    model = nx.calibrate(
+        pair.agent, pair.name, desc, nbytes=4096, count=4, repeats=1
+    )  # READs: nothing written
+    assert model.bandwidth > 0 and model.source == "calibrated against peer 'kvl-peer'"
+    for kw, message in (
+        ({"nbytes": 0}, "calibrate's nbytes must be an int of at least 1024, got 0"),
+        ({"small": 0}, "calibrate's small must be an int of at least 1, got 0"),
+        ({"count": 1}, "calibrate's count must be an int of at least 2, got 1"),
+        ({"repeats": 0}, "calibrate's repeats must be an int of at least 1, got 0"),
+        ({"nbytes": -5}, "calibrate's nbytes must be an int of at least 1024, got -5"),
+    ):
+        with pytest.raises(TypeError) as err:
+            nx.calibrate(pair.agent, pair.name, desc, **kw)  # type: ignore[arg-type]
+        assert str(err.value) == message
+    with pytest.raises(TypeError, match=r"remote must be the peer's side \(a RegistrationDescription, "):
+        nx.calibrate(pair.agent, pair.name, object())  # type: ignore[arg-type]
 
 
 def test_calibrate_measures_the_live_pair(pair: Pair) -> None:

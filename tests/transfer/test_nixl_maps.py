@@ -510,6 +510,20 @@ def test_a_request_takes_only_its_own_notification_not_one_its_tag_begins() -> N
     assert agent.notifs == {"prefill": [b"req-1#0/2x"]}
 
 
+def test_a_peer_named_as_add_remote_agent_returns_it_finds_its_notifications() -> None:
+    """add_remote_agent returns the peer's name as bytes, while NIXL keys its
+    notifications by str: a connector that passes the name it was given must still find
+    them (else a paced unstage waits out its timeout and keeps its buffer for good)."""
+    agent = _Notifs({"prefill": [b"req-1#0/2", b"req-1#1/2"]})
+    assert nx.take_notif(cast(nx.Agent, agent), b"prefill", b"req-1#0/2")
+    assert nx.take_notif(cast(nx.Agent, agent), b"prefill", "req-1#1/2")  # a str message as its UTF-8
+    assert agent.notifs == {"prefill": []}
+    checked = nx.StageNotifs(cast(nx.Agent, agent), b"prefill", b"req-1")._checked()
+    assert (checked.peer, checked.tag) == ("prefill", b"req-1")
+    with pytest.raises(TypeError, match="peer must be an agent name"):
+        nx.take_notif(cast(nx.Agent, agent), 7, b"req-1")  # type: ignore[arg-type]
+
+
 def test_the_stage_count_a_peer_announced_is_read_from_its_notifications() -> None:
     """A paced request's notifications say into how many stages the peer cut it (the tag
     alone: one); another request's, or a malformed one, say nothing of it."""
@@ -678,6 +692,16 @@ def test_the_peer_s_copy_holds_its_staging_buffer_from_prepared_until_run(pair: 
 def test_stage_notifications_name_the_tag_the_stage_and_the_count() -> None:
     assert nx.stage_notif(b"req-7", 0, 1) == b"req-7"  # one stage: the request's own notification
     assert [nx.stage_notif(b"req-7", i, 3) for i in range(3)] == [b"req-7#0/3", b"req-7#1/3", b"req-7#2/3"]
+    assert nx.stage_notif("req-7", 1, 3) == b"req-7#1/3"  # a str tag as its UTF-8, as notif takes one
+    for stage, stages, message in (
+        (-5, 0, "stages must be an int of at least 1, got 0"),
+        (-1, 2, "stage must be an int of at least 0, got -1"),
+        (2, 2, "stage 2 is not one of 2 stages (they count from 0)"),
+        (True, 2, "stage must be an int of at least 0, got True"),
+    ):
+        with pytest.raises(TypeError) as err:
+            nx.stage_notif(b"req-7", stage, stages)
+        assert str(err.value) == message
 
 
 def test_pacing_a_request_that_is_not_a_peer_staged_read_is_refused(pair: Pair) -> None:

@@ -289,6 +289,9 @@ class _FakeStaging:
     def _let_go(self) -> None:
         self.busy = False
 
+    def _refuse_moved(self, nothing: str) -> None:
+        """A numpy buffer the test holds does not move (a Staging's torch tensor may)."""
+
     _take_or_refuse = nx.Staging._take_or_refuse
 
 
@@ -343,6 +346,17 @@ def test_bad_maps_are_refused_with_the_reason() -> None:
         TransferError, match="the remote side is on a 'xpu' device; NIXL moves cpu or cuda memory"
     ):
         nx.descriptors(Map(runs, here, xpu))
+    # estimate() reads the same runs (its sides may both be descriptions): checked alike, not
+    # an AttributeError, an IndexError, or a length of -1 read as 2**64 - 1 bytes
+    with pytest.raises(TypeError, match=r"expected a block map .* not int"):
+        nx.estimate(5)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"\(N, 3\) uint64 array .* not a uint64 array of shape \(3,\)"):
+        nx.estimate(Map(runs[0], here, there))
+    with pytest.raises(TypeError, match=r"not a int64 array of shape \(1, 3\)"):
+        nx.estimate(Map(runs.astype(np.int64), here, there))
+    with pytest.raises(TransferError, match="run 0 of the map has length 0"):
+        nx.estimate(Map(zero, here, there))
+    assert nx.estimate(Map(runs, here, there)).num_bytes == 8
 
 
 def scattered_map(n: int, length: int) -> tuple[Map, np.ndarray]:
@@ -451,9 +465,22 @@ def test_a_peer_staging_buffer_on_a_gpu_is_posted_as_vram_of_its_device() -> Non
         ),
         (there._replace(device_index=-1), "PeerStaging.device_index must be an int in [0, 2**64), got -1"),
         (there._replace(nbytes=True), "PeerStaging.nbytes must be an int in [0, 2**64), got True"),
+        (  # its end past 2**64 used to wrap into plan rows at low addresses
+            there._replace(address=np.uint64(2**64 - 100), nbytes=1 << 30),  # type: ignore[arg-type]
+            "PeerStaging(0xffffffffffffff9c, 1073741824 bytes) is not memory a process can own: it must lie in "
+            "[0x1000, 2**57), past the null page, as a peer's described tensors do",
+        ),
+        (
+            there._replace(address=0),
+            "PeerStaging(0x0, 16384 bytes) is not memory a process can own: it must lie in [0x1000, 2**57)",
+        ),
     ):
         with pytest.raises(TransferError, match=re.escape(why)):
             nx.plan(m, strategy="peer-staged", peer_staging=bad)
+    with pytest.raises(
+        TypeError, match=r"peer_staging must be an nx.PeerStaging\(address, nbytes, ...\), not \("
+    ):
+        nx.plan(m, strategy="peer-staged", peer_staging=(there.address, there.nbytes))  # type: ignore[arg-type]
 
 
 def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long_ones() -> None:
@@ -470,6 +497,63 @@ def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long
     assert nx.plan(many).strategy == "direct"
     slow_copy = nx.CostModel(copy_per_run_s=1.0)
     assert nx.plan(many, staging=staging_at(buf), cost=slow_copy).strategy == "direct"
+
+
+@pytest.mark.parametrize(
+    ("kw", "message"),
+    [
+        ({"bandwidth": 0}, "CostModel.bandwidth must be a positive number of bytes a second, got 0"),
+        ({"copy_bandwidth": float("nan")}, "CostModel.copy_bandwidth must be a positive number of bytes a second"),
+        ({"per_descriptor_s": -1e-6}, "CostModel.per_descriptor_s must be a non-negative number of seconds"),
+        ({"per_transfer_s": True}, "CostModel.per_transfer_s must be a non-negative number of seconds, got True"),
+        ({"per_descriptor_by_size": ((0, 1e-6),)},
+         "CostModel.per_descriptor_by_size[0]: the sizes must be ints, positive and ascending; got 0"),
+        ({"per_descriptor_by_size": ((8192, 1e-6), (4096, 1e-6))},
+         "CostModel.per_descriptor_by_size[1]: the sizes must be ints, positive and ascending; got 4096 after 8192"),
+        ({"per_descriptor_by_size": ((8192, float("inf")),)},
+         "CostModel.per_descriptor_by_size[0]'s seconds must be a non-negative number of seconds, got inf"),
+        ({"per_descriptor_by_size": [(8192, 1e-6)]}, "CostModel.per_descriptor_by_size must be a tuple"),
+    ],
+)  # fmt: skip
+def test_a_cost_model_refuses_figures_it_cannot_price_with(kw: dict[str, Any], message: str) -> None:
+    """A zero bandwidth or size used to raise ZeroDivisionError when a plan was priced, a
+    NaN to predict NaN seconds for every strategy (and pick one at random)."""
+    with pytest.raises(TypeError) as err:
+        nx.CostModel(**kw)
+    assert str(err.value).startswith(message)
+
+
+def test_a_plan_s_copies_take_checked_arguments() -> None:
+    """These used to raise AttributeError or AssertionError from inside, run a copy on 0
+    threads, or take stage -1 as the last one."""
+    many, buf = scattered_map(512, 256)
+    with pytest.raises(TypeError, match=r"staging must be an nx.Staging\(agent, nbytes\), not 5"):
+        nx.plan(many, staging=5)  # type: ignore[arg-type]
+    p = nx.plan(many, strategy="staged", staging=staging_at(buf))
+    n = len(p.stages)
+    for bad in (-1, n, True, "0"):
+        with pytest.raises(TransferError) as err:
+            p.copy_stage(bad)  # type: ignore[arg-type]
+        assert str(err.value) == f"stage must be an int in [0, {n}), the plan's stages; got {bad!r}"
+    for threads in (0, -5):
+        with pytest.raises(TransferError, match=f"num_threads must be a positive int, got {threads}"):
+            p.copy(num_threads=threads)
+    direct = nx.plan(many, strategy="direct")
+    with pytest.raises(TransferError, match="a direct plan has no local copy to run a stage of"):
+        direct.copy_stage(0)
+
+
+def test_a_plan_prints_as_a_summary_not_its_arrays() -> None:
+    """A plan's descriptor and copy arrays run to millions of rows: its repr says what a
+    reader looks for (strategy, op, descriptors, runs, predictions) in one line."""
+    many, buf = scattered_map(512, 256)
+    p = nx.plan(many, staging=staging_at(buf))
+    text = repr(p)
+    assert text.startswith(
+        "Plan(staged WRITE: 1 descriptors (local DRAM, remote DRAM) for 512 runs, 131072 bytes"
+    )
+    assert "512 copies on cpu" in text and "predicted direct " in text and " staged " in text
+    assert "\n" not in text and len(text) < 200
 
 
 def test_staged_needs_a_staging_buffer_that_fits() -> None:

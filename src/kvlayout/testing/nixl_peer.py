@@ -610,10 +610,11 @@ def _host_bytes(t: Any) -> Any:
 
 
 def _notifs(agent: Any, paced: dict[str, Any] | None) -> Any:
-    """A paced command's StageNotifs (None unpaced)."""
+    """A paced command's StageNotifs (None unpaced), naming the poster as a connector has
+    it: the bytes ``add_remote_agent`` returned."""
     from kvlayout.transfer.nixl import StageNotifs
 
-    return None if paced is None else StageNotifs(agent, paced["poster"], paced["tag"].encode())
+    return None if paced is None else StageNotifs(agent, paced["poster"].encode(), paced["tag"].encode())
 
 
 def _lines(fd: int, idle: Any) -> Any:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
+from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import _KEPT, _copy, _staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
@@ -29,6 +30,7 @@ from kvlayout.transfer.nixl.sides import (
     _MEM_TYPES,
     _U64,
     Agent,
+    LocalSide,
     MapSide,
     NixlError,
     NixlTimeoutError,
@@ -105,7 +107,7 @@ def _release(agent: Agent, handle: Any, pinned: tuple[Region, ...]) -> None:
 def calibrate(
     agent: Agent,
     peer: str | bytes,
-    remote: MapSide,
+    remote: MapSide | RegistrationDescription,
     *,
     op: Op = "READ",
     nbytes: int = 4 << 20,
@@ -135,6 +137,20 @@ def calibrate(
     """
     if op not in ("READ", "WRITE"):
         raise TransferError(f"op must be 'READ' or 'WRITE', not {op!r}")
+    for name, value, least in (("nbytes", nbytes, small), ("small", small, 1), ("count", count, 2),
+                               ("repeats", repeats, 1)):  # fmt: skip
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise TypeError(f"calibrate's {name} must be an int of at least {least}, got {value!r}")
+    if isinstance(remote, RegistrationDescription):  # the peer's handshake: its tensors, as a side
+        spans = [(a, p.span) for g in remote.groups for p in g.planes for a in p.addresses]
+        remote = LocalSide(
+            remote.device_type, remote.device_index or 0, np.array(spans, _U64), is_local=False
+        )
+    if not hasattr(remote, "tensor_spans"):
+        raise TypeError(
+            "remote must be the peer's side (a RegistrationDescription, a block map's side of the peer, or "
+            f"an nx.LocalSide(..., is_local=False)), not {type(remote).__name__}"
+        )
     peer = _peer_name(peer)
     timeout = _seconds(timeout)
     starts, ends = _intervals(remote.tensor_spans)
@@ -270,6 +286,8 @@ def make_agent(
     lock) let several threads post and wait on one agent.
     """
     api = _nixl_api()
+    if isinstance(backends, str):  # one backend's name, not its letters
+        backends = (backends,)
     kw: dict[str, Any] = {}
     if sync_mode is not None:
         if sync_mode not in _SYNC_MODES:

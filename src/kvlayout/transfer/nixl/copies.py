@@ -5,6 +5,7 @@ empties, and the thread pipelines copy on."""
 from __future__ import annotations
 
 import threading
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_for
 from typing import Any
@@ -14,10 +15,11 @@ import torch
 
 from kvlayout import _native
 from kvlayout.errors import KVLayoutError
+from kvlayout.registration.memory import Placement
 from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.regions import _intervals, register
-from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, RefusedDescriptorError
+from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError
 
 _HOST = torch.device("cpu")
 _NULL_PAGE = 4096  # no mapping starts below it
@@ -161,6 +163,12 @@ class Staging:
         self.address = self.tensor.data_ptr()
         self.nbytes = nbytes
         self.registered = register(agent, self.tensor)
+        # Its tensor is the caller's to reach (staging.tensor): a resize or a new storage
+        # would leave NIXL's region and the planned copies on freed memory.
+        self._placement = Placement([self.tensor], ["the staging buffer's tensor"])
+        # Dropped without close(), NIXL lets go of its region with the memory (one kept for
+        # good is never dropped: _KEPT holds it).
+        weakref.finalize(self, self.registered.deregister).atexit = False
         self.busy = False
         self.closed = False
         self.kept = False  # a request released in flight may still write it: never handed out again
@@ -177,6 +185,17 @@ class Staging:
     @property
     def span(self) -> np.ndarray:
         return np.array([[self.address, self.nbytes]], dtype=_U64)
+
+    def _refuse_moved(self, nothing: str) -> None:
+        """Refuse a copy or a post through the buffer once its tensor's memory changed
+        (``staging.tensor.untyped_storage().resize_(0)``, say): the planned runs and
+        NIXL's region address the old memory."""
+        moved = self._placement.moved()
+        if moved is not None:
+            raise NixlError(
+                f"{self!r}: {moved} since the buffer was made, and its plans and NIXL's region address the "
+                f"old memory: make a new Staging (and leave staging.tensor's memory alone); {nothing}"
+            )
 
     def close(self) -> None:
         """Deregister the buffer, now or, while a transfer holds it, when that one lets go

@@ -61,6 +61,22 @@ def _mem_type(side: MapSide, which: str) -> str:
 
 
 def _sides(block_map: NixlMap) -> _Sides:
+    runs = _checked_runs(block_map)
+    src, dst = block_map.src, block_map.dst
+    if src.is_local == dst.is_local:
+        where = "this process" if src.is_local else "peers"
+        raise TransferError(
+            f"both sides of the map are in {where}; NIXL moves a map with one side local, the other a peer's"
+            + (" (copy a local map with its copy())" if src.is_local else "")
+        )
+    if src.is_local:
+        return _Sides("WRITE", src, dst, runs, 0, block_map)
+    return _Sides("READ", dst, src, runs, 1, block_map)
+
+
+def _checked_runs(block_map: NixlMap) -> np.ndarray:
+    """A map's runs, checked: an ``(N, 3)`` uint64 array of runs of bytes within the
+    address space (C-contiguous)."""
     if not all(hasattr(block_map, name) for name in ("runs", "src", "dst")):
         raise TypeError(
             "expected a block map (kvlayout.transfer.block_map) or another NixlMap (runs, src and dst), "
@@ -76,13 +92,6 @@ def _sides(block_map: NixlMap) -> _Sides:
         raise TypeError(
             f"a map's runs must be an (N, 3) uint64 array (source, destination, length), not a {what}"
         )
-    src, dst = block_map.src, block_map.dst
-    if src.is_local == dst.is_local:
-        where = "this process" if src.is_local else "peers"
-        raise TransferError(
-            f"both sides of the map are in {where}; NIXL moves a map with one side local, the other a peer's"
-            + (" (copy a local map with its copy())" if src.is_local else "")
-        )
     runs = np.ascontiguousarray(runs)
     problem, run = _native.check_runs(runs)
     if problem == 1:
@@ -90,9 +99,7 @@ def _sides(block_map: NixlMap) -> _Sides:
     if problem:
         name = "source" if problem == 2 else "destination"
         raise TransferError(f"run {run} of the map runs past the end of the {name} address space")
-    if src.is_local:
-        return _Sides("WRITE", src, dst, runs, 0, block_map)
-    return _Sides("READ", dst, src, runs, 1, block_map)
+    return runs
 
 
 def _rows(addr: np.ndarray, lengths: np.ndarray, device: int) -> np.ndarray:

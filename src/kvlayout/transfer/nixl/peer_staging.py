@@ -24,24 +24,34 @@ from kvlayout.transfer.nixl.sides import (
     NixlTimeoutError,
     Op,
     _is_nixl_error,
+    _message,
+    _peer_name,
     _seconds,
 )
 
 
-def stage_notif(tag: bytes, stage: int, stages: int) -> bytes:
+def stage_notif(tag: bytes | str, stage: int, stages: int) -> bytes:
     """The NIXL notification that announces stage ``stage`` of a ``stages``-stage
     peer-staged request tagged ``tag``: the tag itself for a request of one stage, else
     ``tag + b"#stage/stages"``. A pipelined WRITE's stage lands with it (its poster
     passes ``notif=tag``); a pipelined READ's stage is gathered when the peer sends it
     (:func:`stage` with ``notifs``; its poster passes ``peer_ready=tag``)."""
-    return tag if stages == 1 else tag + b"#%d/%d" % (stage, stages)
+    message = _message(tag, "tag")
+    for name, value, least in (("stages", stages, 1), ("stage", stage, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise TypeError(f"{name} must be an int of at least {least}, got {value!r}")
+    if stage >= stages:
+        raise TypeError(f"stage {stage} is not one of {stages} stages (they count from 0)")
+    return message if stages == 1 else message + b"#%d/%d" % (stage, stages)
 
 
-def take_notif(agent: Agent, peer: str, message: bytes) -> bool:
+def take_notif(agent: Agent, peer: str | bytes, message: bytes | str) -> bool:
     """Whether ``message`` came from ``peer``: NIXL's notifications fetched, and the first
     equal to ``message`` removed from ``agent.notifs`` (the others stay there). Exactly
     equal: NIXL's ``check_remote_xfer_done`` matches a prefix, so request ``b"req-1"``
     would take ``b"req-10"``'s notification (and a substring, with ``tag_is_prefix=False``)."""
+    # NIXL keys agent.notifs by str; add_remote_agent returns the name as bytes
+    peer, message = _peer_name(peer), _message(message, "message")
     messages = agent.update_notifs().get(peer)
     if messages is None or message not in messages:
         return False
@@ -49,11 +59,11 @@ def take_notif(agent: Agent, peer: str, message: bytes) -> bool:
     return True
 
 
-def _stages_announced(agent: Agent, peer: str, tag: bytes) -> int | None:
+def _stages_announced(agent: Agent, peer: str | bytes, tag: bytes) -> int | None:
     """Into how many stages ``peer`` cut request ``tag``, by a notification of it already
     fetched into ``agent.notifs`` (:func:`stage_notif`'s form: the tag alone for one
     stage); None where none has come."""
-    for message in agent.notifs.get(peer, ()):
+    for message in agent.notifs.get(_peer_name(peer), ()):
         if message == tag:
             return 1
         if message.startswith(tag + b"#"):
@@ -77,8 +87,13 @@ class StageNotifs(NamedTuple):
     :func:`take_notif`, which keeps the others in ``agent.notifs``."""
 
     agent: Agent
-    peer: str
+    peer: str | bytes
     tag: bytes
+
+    def _checked(self) -> StageNotifs:
+        """The same, the peer's name as NIXL keys its notifications (str: the bytes
+        ``add_remote_agent`` returns decoded) and the tag as bytes."""
+        return StageNotifs(self.agent, _peer_name(self.peer), _message(self.tag, "StageNotifs.tag"))
 
 
 def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str) -> None:
@@ -157,6 +172,12 @@ class PeerCopy:
         does a paced gather that fails after announcing a stage (the READ may be reading
         it). One run at a time: a second, on another thread, is a :class:`TransferError`."""
         timeout = _seconds(timeout)
+        if notifs is not None:
+            if not isinstance(notifs, StageNotifs):
+                raise TypeError(
+                    f"notifs must be a StageNotifs (agent, poster, tag), not {type(notifs).__name__}"
+                )
+            notifs = notifs._checked()
         if self.staging.closed:
             self._taken.let_go()  # held and not running: closed, it is deregistered now
             raise NixlError(f"{self.staging!r} was closed after this copy was prepared; nothing was copied")

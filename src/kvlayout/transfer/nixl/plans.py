@@ -13,10 +13,19 @@ import numpy as np
 import torch
 
 from kvlayout import _native
+from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
+from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.block_maps import BlockMap
-from kvlayout.transfer.nixl.copies import _HOST, Staging, _check_copies, _check_staging_device, _copy
-from kvlayout.transfer.nixl.direct import _direct_rows, _mem_type, _rows, _Sides, _sides
+from kvlayout.transfer.nixl.copies import (
+    _HOST,
+    _NULL_PAGE,
+    Staging,
+    _check_copies,
+    _check_staging_device,
+    _copy,
+)
+from kvlayout.transfer.nixl.direct import _checked_runs, _direct_rows, _mem_type, _rows, _Sides, _sides
 from kvlayout.transfer.nixl.regions import _intervals
 from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op, Strategy, _refuse_moved
 
@@ -54,6 +63,30 @@ class CostModel:
     source: str = "defaults"
     per_descriptor_by_size: tuple[tuple[int, float], ...] = ()
 
+    def __post_init__(self) -> None:
+        # A zero or NaN here would surface as a ZeroDivisionError or a NaN prediction later.
+        for name in ("per_descriptor_s", "per_transfer_s", "copy_per_run_s"):
+            _finite(f"CostModel.{name}", getattr(self, name), "a non-negative number of seconds", 0.0)
+        for name in ("bandwidth", "copy_bandwidth"):
+            _finite(f"CostModel.{name}", getattr(self, name), "a positive number of bytes a second", None)
+        points = self.per_descriptor_by_size
+        if not isinstance(points, tuple):
+            raise TypeError(
+                f"CostModel.per_descriptor_by_size must be a tuple of (bytes, seconds), not {points!r}"
+            )
+        last = 0
+        for i, point in enumerate(points):
+            where = f"CostModel.per_descriptor_by_size[{i}]"
+            if not isinstance(point, tuple) or len(point) != 2:
+                raise TypeError(f"{where} must be a (bytes, seconds) pair, not {point!r}")
+            size, cost = point
+            if isinstance(size, bool) or not isinstance(size, int) or size <= last:
+                raise TypeError(
+                    f"{where}: the sizes must be ints, positive and ascending; got {size!r} after {last}"
+                )
+            _finite(f"{where}'s seconds", cost, "a non-negative number of seconds", 0.0)
+            last = size
+
     def descriptor_s(self, size: float) -> float:
         """Seconds one descriptor of ``size`` bytes costs beyond its bytes' time."""
         points = self.per_descriptor_by_size
@@ -78,6 +111,13 @@ class CostModel:
         copy = runs * self.copy_per_run_s + nbytes / self.copy_bandwidth
         wire = self.direct_s(descriptors, nbytes)
         return max(wire, copy) + min(wire, copy) / stages
+
+
+def _finite(name: str, value: object, what: str, least: float | None) -> None:
+    """``value`` a finite real, at least ``least`` (None: above zero)."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok or (value < least if least is not None else value <= 0):  # type: ignore[operator]
+        raise TypeError(f"{name} must be {what}, got {value!r}")
 
 
 DEFAULT_COST = CostModel()
@@ -133,12 +173,25 @@ class Plan:
     copy_device: torch.device = _HOST  # where the local copy runs: the staging buffer's device
     # The local side, asked before each copy whether its memory moved since the map was built.
     local_side: MapSide | None = field(default=None, compare=False, repr=False)
+    # A staged plan's buffer, held so that the memory its copies address outlives the plan,
+    # and asked before each copy whether that memory changed.
+    staging: Staging | None = field(default=None, compare=False, repr=False)
     # check_copy passed: the copies (read-only) are not checked again when they run.
     _copy_checked: bool = field(default=False, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.copies is not None:
             self.copies.setflags(write=False)
+
+    def __repr__(self) -> str:  # a summary: the descriptor and copy arrays run to millions of rows
+        stages = f" in {len(self.stages)} stages" if len(self.stages) > 1 else ""
+        copies = "" if self.copies is None else f", {len(self.copies)} copies on {self.copy_device}"
+        predicted = ", ".join(f"{k} {v * 1e3:.3g} ms" for k, v in self.predicted_s.items())
+        return (
+            f"Plan({self.strategy} {self.op}{stages}: {self.num_descriptors} descriptors "
+            f"(local {self.local_mem}, remote {self.remote_mem}) for {self.num_runs} runs, "
+            f"{self.num_bytes} bytes{copies}; predicted {predicted or 'nothing'})"
+        )
 
     @property
     def num_descriptors(self) -> int:
@@ -148,10 +201,23 @@ class Plan:
         """The local copy of one stage (its gather or scatter), on the block-map engine
         (host memory) or the device's run executor (on ``stream``, the current one when
         None), returning once its bytes are there."""
-        assert self.copies is not None and self.copy_spans is not None
-        _refuse_moved(self.local_side, "nothing was copied")
+        if self.copies is None:
+            raise TransferError(f"a {self.strategy} plan has no local copy to run a stage of")
+        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(self.stages):
+            raise TransferError(
+                f"stage must be an int in [0, {len(self.stages)}), the plan's stages; got {stage!r}"
+            )
+        assert self.copy_spans is not None
+        self._refuse_moved("nothing was copied")
         lo, hi = self.stages[stage].runs
         _copy(self.copies[lo:hi], *self.copy_spans, 1, not self._copy_checked, self.copy_device, stream)
+
+    def _refuse_moved(self, nothing: str) -> None:
+        """Refuse to copy or post once the local cache's or the staging buffer's memory
+        changed since the plan read its addresses."""
+        _refuse_moved(self.local_side, nothing)
+        if self.staging is not None:
+            self.staging._refuse_moved(nothing)
 
     def check_copy(self) -> None:
         """Refuse a staged plan whose local copy leaves its memory (before any byte moves)."""
@@ -165,11 +231,12 @@ class Plan:
         after a READ) where its staging buffer is: on the block-map engine, or on the
         device's run executor (on ``stream``, the current one when None); returns once
         the bytes are there. Nothing for a direct plan."""
+        threads = threads_arg(num_threads, TransferError)
         if self.copies is not None:
             assert self.copy_spans is not None
-            _refuse_moved(self.local_side, "nothing was copied")
+            self._refuse_moved("nothing was copied")
             checked = self._copy_checked
-            _copy(self.copies, *self.copy_spans, num_threads, not checked, self.copy_device, stream)
+            _copy(self.copies, *self.copy_spans, threads, not checked, self.copy_device, stream)
 
 
 class _Stretches(NamedTuple):
@@ -285,6 +352,10 @@ def plan(
         return Plan(
             chosen, s.op, none, none, local_mem, remote_mem, None, 0, 0, predicted, local_side=s.local
         )
+    if staging is not None and not all(
+        hasattr(staging, k) for k in ("address", "nbytes", "device", "closed")
+    ):
+        raise TypeError(f"staging must be an nx.Staging(agent, nbytes), not {staging!r}")
     if staging is not None and staging.closed and not staging.busy:
         raise TransferError(f"{staging!r} is closed: NIXL no longer holds its region")
     if staging is not None and strategy in ("auto", "staged"):
@@ -363,12 +434,21 @@ def _default_stages(strategy: str, op: Op, num_bytes: int) -> int:
 
 
 def _check_peer_staging(peer: PeerStaging) -> None:
-    """A peer staging buffer is described in range: its device a NIXL memory type."""
+    """A peer staging buffer is described in range (memory a process can own, as a peer's
+    description's tensors are), its device a NIXL memory type."""
+    if not isinstance(peer, PeerStaging):
+        raise TypeError(f"peer_staging must be an nx.PeerStaging(address, nbytes, ...), not {peer!r}")
     for name in ("address", "nbytes", "device_index"):
         value = getattr(peer, name)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 1 << 64:
             raise TransferError(f"PeerStaging.{name} must be an int in [0, 2**64), got {value!r}")
-    if peer.device_type not in _MEM_TYPES:
+    address, nbytes = int(peer.address), int(peer.nbytes)  # a numpy uint64 sum would wrap
+    if not _NULL_PAGE <= address <= address + nbytes <= MAX_END:
+        raise TransferError(
+            f"PeerStaging({address:#x}, {nbytes} bytes) is not memory a process can own: it must "
+            f"lie in [{_NULL_PAGE:#x}, 2**57), past the null page, as a peer's described tensors do"
+        )
+    if not isinstance(peer.device_type, str) or peer.device_type not in _MEM_TYPES:
         raise TransferError(
             f"PeerStaging.device_type must be 'cpu' or 'cuda' (NIXL's DRAM or VRAM), got {peer.device_type!r}"
         )
@@ -422,7 +502,7 @@ def _staged(
             "staged", s.op, _rows(done.staged, done.nbytes, s.local.device_index),
             _rows(done.addr, done.nbytes, s.remote.device_index), local_mem, remote_mem, done.copies,
             num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held), pipeline,
-            staging.device, s.local,
+            staging.device, s.local, staging,
         )  # fmt: skip
 
     return build
@@ -489,7 +569,7 @@ def estimate(
     here for a staged WRITE, there for a peer-staged READ, in a stage per 4 MiB)."""
     if poster not in ("src", "dst"):
         raise TransferError(f"poster must be 'src' or 'dst', not {poster!r}")
-    runs = np.ascontiguousarray(block_map.runs, dtype=_U64)
+    runs = _checked_runs(block_map)  # both sides may be descriptions here: no local side asked for
     lengths = runs[:, 2]
     num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
     model = cost or DEFAULT_COST

@@ -38,7 +38,6 @@ from kvlayout.transfer.nixl.sides import (
     _is_nixl_error,
     _message,
     _peer_name,
-    _refuse_moved,
     _seconds,
 )
 
@@ -176,7 +175,7 @@ class Transfer:
         try:
             # Prepared a while ago, perhaps: the local memory must still be where the map read it,
             # and still registered (NIXL would post through a region it let go of).
-            _refuse_moved(self.plan.local_side, "nothing was posted")
+            self.plan._refuse_moved("nothing was posted")
             if _removals(self.agent) != self._removals:
                 self._check_registered()
             self._stream = _copy_stream(self.plan.copy_device)
@@ -632,6 +631,8 @@ def _checked_transfer(
     peer_ready: bytes | None,
 ) -> Transfer:
     """The checks and the NIXL requests of a planned request."""
+    if prepped is not None and not isinstance(prepped, Prepped):
+        raise TypeError(f"prepped must be the lists nx.prep_lists made, not {prepped!r}")
     if p.strategy == "peer-staged" and prepped is not None:
         raise TransferError(
             "the prepped lists cover the peer's cache, not its staging buffer: post peer-staged as lists"
@@ -645,7 +646,16 @@ def _checked_transfer(
     local_dev = s.local.device_index
     _check_local(agent, s.local_addr, s.lengths, p.local_mem, local_dev, "local run")
     if p.copies is not None:
-        _check_local(agent, p.local[:, 0], p.local[:, 1], p.local_mem, local_dev, "staged descriptor")
+        try:
+            _check_local(agent, p.local[:, 0], p.local[:, 1], p.local_mem, local_dev, "staged descriptor")
+        except RefusedDescriptorError as exc:
+            if staging is None or staging.agent is agent:
+                raise
+            raise TransferError(  # the peer's Staging, say, handed over as this side's
+                f"{staging!r} is registered on agent {staging.agent.name!r}, where it was made, not on "
+                f"{agent.name!r}, which posts this request: a Staging serves the agent that made it (a "
+                "peer's staging buffer goes as peer_staging=PeerStaging(address, nbytes, ...))"
+            ) from exc
     _check_described(s.remote_addr, s.lengths, s.remote, peer, "remote run")
     p.check_copy()
     if prepped is not None and prepped.peer != peer:

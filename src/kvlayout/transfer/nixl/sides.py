@@ -206,7 +206,12 @@ def _refuse_moved(side: MapSide | None, nothing: str) -> None:
 def _peer_name(peer: str | bytes) -> str:
     """An agent name as ``add_remote_agent`` returns it (bytes) or as given (str)."""
     if isinstance(peer, bytes):
-        return peer.decode()
+        try:
+            return peer.decode()
+        except UnicodeDecodeError:
+            raise TypeError(
+                f"peer must be an agent name: {peer!r} is not UTF-8, as NIXL's names are"
+            ) from None
     if not isinstance(peer, str):
         raise TypeError(f"peer must be an agent name (str, or bytes from add_remote_agent), not {peer!r}")
     return peer
