@@ -376,14 +376,15 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
         measure(rows, args.repeats)
         ours[-1].go()
         check(c.peer, m, op, leaves)
+    width = max(len(row.label) for row in rows)
     print(
-        f"  {'':32} {'descriptors':>11} {'best s':>8} {'spread':>13}"
+        f"  {'':{width}} {'descriptors':>11} {'best s':>8} {'spread':>13}"
         + "".join(f" {'vs ' + k:>10}" for k in baselines)
     )
     for row in rows:
         spread = f"{min(row.times):.3f}-{max(row.times):.3f}"
         ratios = "".join(f" {b.best / row.best:9.2f}x" if b else f" {'n/a':>10}" for b in baselines.values())
-        print(f"  {row.label:32} {row.descriptors:11d} {row.best:8.3f} {spread:>13}{ratios}")
+        print(f"  {row.label:{width}} {row.descriptors:11d} {row.best:8.3f} {spread:>13}{ratios}")
     for name, b in baselines.items():
         if b is None:
             print(f"  {name}-style list: n/a ({why[name]})")
