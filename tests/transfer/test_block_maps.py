@@ -589,6 +589,10 @@ BAD_MAPS = [
     (lambda a: Shard(2, 2, 8), ShardError, "Shard.tp_rank=2 is out of range for tp_size=2"),
     (lambda a: Shard(0, 3, 8), ShardError, "tp_size=3 and num_kv_heads=8: the larger must be a multiple of the smaller"),
     (lambda a: Shard(0, 2, True), ShardError, "Shard.num_kv_heads must be an int, got True"),
+    (lambda a: Shard(0, 2, 8.0), ShardError, "Shard.num_kv_heads must be an int, got 8.0"),  # type: ignore[arg-type]
+    (lambda a: a.describe().group(True), TypeError, "group index must be an int, not bool (True)"),
+    (lambda a: a.describe().group("0"), TypeError, "group index must be an int, not str ('0')"),
+    (lambda a: a.describe(block_size=0), PeerDescriptionError, "describe(block_size=0): a block holds at least 1"),
     (lambda a: block_map(a, a, [0, 8], [2, 3]), BlockMapError, "src_blocks[1] = 8 is out of range for 8 blocks"),
     (lambda a: block_map(a, a, [0, 1], [3, 3]), BlockMapError, "dst_blocks[1] = 3 repeats dst_blocks[0]"),
     (lambda a: block_map(a, a, [0, 1], [2]), BlockMapError,
@@ -666,6 +670,14 @@ def test_a_description_round_trips_and_maps_like_the_registration() -> None:
     assert back.num_bytes == live.num_bytes
     with pytest.raises(ShardError, match="src_shard is Shard"):
         block_map(peer, src, [1, 6], [3, 5], src_shard=Shard(0, 2, 8))
+
+
+def test_a_shard_takes_numpy_and_torch_integers_as_block_ids_do() -> None:
+    """Sizes read off a handshake or a config array are NumPy integers: a shard of them is
+    the same shard (it was a ShardError)."""
+    shard = Shard(np.int64(1), np.int32(2), torch.tensor(8))  # type: ignore[arg-type]
+    assert shard == Shard(1, 2, 8) and hash(shard) == hash(Shard(1, 2, 8)) and type(shard.tp_size) is int
+    assert str(shard) == "Shard(tp_rank=1, tp_size=2, num_kv_heads=8)"
 
 
 def test_describing_a_registration_with_a_shard_it_does_not_hold_is_a_shard_error() -> None:
@@ -750,7 +762,7 @@ LIES = [
     ("groups[0].layers", [0], "description.groups[0].layers has 1 entries; the tensors hold 2 layers"),
     ("groups[0].block_size", 8, "description.groups[0].block_size is 8; the tensors have blocks of 4"),
     ("groups[0].planes[0].shape", ..., "description.groups[0].planes[0] has no shape"),
-    ("groups[0].extra", 1, "description.groups[0] has unknown field(s) extra"),
+    ("groups[0].extra", 1, "description.groups[0] has unknown field(s) 'extra'"),
     ("device.type", "tpu", "description.device.type is 'tpu', not one of cpu, cuda"),
     ("shard.tp_rank", 2, "description.shard: Shard.tp_rank=2 is out of range for tp_size=2"),
     ("shard.num_kv_heads", 16, "description.shard Shard(tp_rank=0, tp_size=2, num_kv_heads=16) holds 8 KV heads, "
@@ -778,6 +790,26 @@ def test_from_json_refuses_a_lying_description(path: str, value: Any, message: s
 def test_from_json_refuses_what_is_not_a_description(text: str | bytes, message: str) -> None:
     with pytest.raises(PeerDescriptionError, match=message):
         RegistrationDescription.from_json(text)
+
+
+def test_from_json_quotes_a_peer_s_values_cut_short() -> None:
+    """An untrusted description's keys and strings may be megabytes (a 200 kB key made a
+    200 kB message) or hold control bytes (a NUL was echoed raw)."""
+    data = json.loads(vllm(2, 8, 4, 4, 8).describe().to_json())
+    data["k" * 200_000] = 1
+    data["a\x00b"] = 2
+    with pytest.raises(PeerDescriptionError) as err:
+        RegistrationDescription.from_json(json.dumps(data))
+    assert str(err.value) == (
+        f"description has unknown field(s) 'a\\x00b', '{'k' * 99}... (200002 characters)"
+    )
+    data = json.loads(vllm(2, 8, 4, 4, 8).describe().to_json())
+    data["device"]["type"] = ["cpu"] * 100_000
+    with pytest.raises(PeerDescriptionError) as err:
+        RegistrationDescription.from_json(json.dumps(data))
+    assert len(str(err.value)) < 200 and str(err.value).endswith(
+        "... (700000 characters), not one of cpu, cuda"
+    )
 
 
 # -- the native executor ----------------------------------------------------------------------

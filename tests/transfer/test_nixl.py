@@ -223,6 +223,22 @@ def test_a_transfer_s_arguments_are_named_when_wrong(pair: Pair) -> None:
         nx.transfer(pair.agent, b"\xff", m)
     agent = nx.make_agent("kvl-one-backend", backends="UCX", progress_thread=False)  # not "U", "C", "X"
     assert list(agent.backends) == ["UCX"]
+    with pytest.raises(TypeError, match="agent must be a NIXL agent"):
+        nx.register(None, pair.local)
+    with pytest.raises(TypeError, match=r"unit must be a positive int below 2\*\*57"):
+        nx.prep_lists(pair.agent, pair.name, nx.local_side(pair.local), pair.peer.side([0, 1]), 1 << 70)
+    with pytest.raises(TypeError, match=r"StageNotifs.agent must be this side's NIXL agent, not NoneType"):
+        nx.StageNotifs(None, "p", b"t")._checked()
+    with nx.Staging(agent, np.int64(4096)) as staging:  # type: ignore[arg-type]  # a size from an array
+        assert staging.nbytes == 4096 and type(staging.nbytes) is int
+    with pytest.raises(
+        TypeError, match=r"nbytes must be a positive int below 2\*\*57 .*, got 18446744073709551616"
+    ):
+        nx.Staging(agent, 1 << 64)  # torch's C++ stack trace before
+    with pytest.raises(
+        TransferError, match=r"Staging\(device='banana'\) is not a device: Expected one of cpu"
+    ):
+        nx.Staging(agent, 4096, device="banana")
 
 
 def test_a_staged_plan_holds_its_staging_buffer_and_refuses_one_whose_memory_changed() -> None:
@@ -544,6 +560,26 @@ def test_an_agent_posting_to_itself_prepares_lists_too() -> None:
 def test_a_transfer_takes_a_map() -> None:
     with pytest.raises(TypeError, match=r"expected a block map \(kvlayout.transfer.block_map\) .* not str"):
         nx.plan("runs")  # type: ignore[arg-type]
+
+
+def test_a_tensor_without_memory_is_neither_registered_nor_described() -> None:
+    """A freed tensor was registered as a region at address 0 of 0 bytes, a FakeTensor
+    raised NIXL's bare backend error (or was described at address 0)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    agent = nx.make_agent("kvl-no-memory", progress_thread=False)
+    freed = torch.zeros(1024, dtype=torch.uint8)
+    freed.untyped_storage().resize_(0)
+    with FakeTensorMode():
+        fake = torch.zeros(1024)
+    for t, problem in (
+        (freed, "has no memory: its storage holds 0 bytes (freed, or resized to 0)"),
+        (fake, "is a FakeTensor (torch._subclasses.fake_tensor), which has no memory"),
+    ):
+        for call in (lambda t=t: nx.register(agent, t), lambda t=t: nx.local_side(t)):
+            with pytest.raises(TransferError) as err:
+                call()
+            assert str(err.value) == f"tensor 0 {problem}: NIXL moves the memory a tensor has"
 
 
 def test_register_makes_one_region_per_storage(pair: Pair) -> None:

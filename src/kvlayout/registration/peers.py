@@ -161,6 +161,7 @@ class RegistrationDescription:
 
     def group(self, index: int) -> RegistrationDescription:
         """The description of kernel group ``index`` alone (what a block map takes)."""
+        index = as_int(index, "group index")
         if not 0 <= index < len(self.groups):
             raise PeerDescriptionError(f"group {index} is out of range for {len(self.groups)} kernel groups")
         return RegistrationDescription(
@@ -254,7 +255,8 @@ def _placed(
 ) -> tuple[GroupDescription, ...]:
     """``groups`` with every tensor at a made-up address, one after another from ``at``; a
     tensor registered again (``keys``: each plane's :func:`memory_keys`) at its first one's."""
-    if isinstance(at, bool) or not isinstance(at, int) or not 0 < at < MAX_END:
+    at = as_int(at, "at")
+    if not 0 < at < MAX_END:
         raise PeerDescriptionError(f"at must be a positive address below 2**57, got {at!r}")
     out, next_at = [], -(-at // _PAGE) * _PAGE
     for g, g_keys in zip(groups, keys, strict=True):
@@ -308,6 +310,8 @@ def _group(group: Any, block_size: int | None) -> GroupDescription:
     layout = group.layout
     if block_size is not None:
         block_size = as_int(block_size, "block_size")
+        if block_size < 1:
+            raise PeerDescriptionError(f"describe(block_size={block_size}): a block holds at least 1 token")
     planes = []
     for p in group.planes:
         leaf = p.leaves[0]
@@ -397,8 +401,18 @@ def _fields(where: str, value: object, keys: Sequence[str]) -> Mapping[str, Any]
         raise PeerDescriptionError(f"{where} has no {', '.join(missing)}")
     extra = sorted(str(k) for k in value if k not in keys)
     if extra:
-        raise PeerDescriptionError(f"{where} has unknown field(s) {', '.join(extra)}")
+        shown = ", ".join(_shown(k) for k in extra[:8]) + (
+            f" and {len(extra) - 8} more" if len(extra) > 8 else ""
+        )
+        raise PeerDescriptionError(f"{where} has unknown field(s) {shown}")
     return value
+
+
+def _shown(value: object, most: int = 100) -> str:
+    """A peer's value as a message quotes it: its repr, cut at ``most`` characters (the
+    description is untrusted: a key or a string may be megabytes, or hold control bytes)."""
+    text = repr(value)
+    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
 
 
 def _kind(value: object) -> str:
@@ -432,13 +446,13 @@ def _from_data(data: object) -> RegistrationDescription:
     top = _fields("description", data, ("kvlayout", "version", "device", "engine", "shard", "groups"))
     if top["kvlayout"] != "registration-description":
         raise PeerDescriptionError(
-            f"description.kvlayout is {top['kvlayout']!r}, not 'registration-description'"
+            f"description.kvlayout is {_shown(top['kvlayout'])}, not 'registration-description'"
         )
     _int("description.version", top["version"], VERSION, VERSION + 1)
     device = _fields("description.device", top["device"], ("type", "index"))
     if device["type"] not in DEVICE_TYPES:
         raise PeerDescriptionError(
-            f"description.device.type is {device['type']!r}, not one of {', '.join(DEVICE_TYPES)}"
+            f"description.device.type is {_shown(device['type'])}, not one of {', '.join(DEVICE_TYPES)}"
         )
     index = None if device["index"] is None else _int("description.device.index", device["index"], 0, 1 << 16)
     if device["type"] == "cpu" and index is not None:
@@ -503,7 +517,7 @@ def _group_from(where: str, data: object, left: int) -> GroupDescription:
     g = _fields(where, data, ("format", "layers", "engine_group", "block_size", "opaque_pages", "planes"))
     name = g["format"]
     if not isinstance(name, str) or name not in EngineKVFormat.__members__:
-        raise PeerDescriptionError(f"{where}.format {name!r} is not a kvlayout format name")
+        raise PeerDescriptionError(f"{where}.format {_shown(name)} is not a kvlayout format name")
     fmt = EngineKVFormat[name]
     layout = LAYOUTS[fmt]
     layers = _ints(f"{where}.layers", g["layers"], MAX_LAYERS, 0, MAX_LAYERS)
@@ -538,7 +552,7 @@ def _group_from(where: str, data: object, left: int) -> GroupDescription:
             block_size = _int(f"{where}.block_size", block_size, 1, MAX_SIZE)
         if block_size != tokens:
             raise PeerDescriptionError(
-                f"{where}.block_size is {block_size!r}; the tensors have blocks of {tokens}"
+                f"{where}.block_size is {_shown(block_size)}; the tensors have blocks of {tokens}"
             )
     elif block_size is not None:
         block_size = _int(f"{where}.block_size", block_size, 1, MAX_SIZE)
@@ -574,7 +588,7 @@ def _plane_from(where: str, layout: Layout, data: object, left: int) -> PlaneDes
     p = _fields(where, data, ("dtype", "sizes", "shape", "strides", "block_stride", "addresses"))
     dtype = p["dtype"]
     if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
-        raise PeerDescriptionError(f"{where}.dtype {dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+        raise PeerDescriptionError(f"{where}.dtype {_shown(dtype)} is not one of {', '.join(DTYPE_SIZES)}")
     sizes_data = p["sizes"]
     if not isinstance(sizes_data, dict):
         raise PeerDescriptionError(f"{where}.sizes must be an object, not {_kind(sizes_data)}")

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import KVLayoutError, as_int
 
 __all__ = ["Shard", "ShardError"]
 
@@ -23,8 +23,10 @@ class ShardError(KVLayoutError):
 
 
 def _count(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ShardError(f"Shard.{name} must be an int, got {value!r}")
+    try:
+        value = as_int(value, f"Shard.{name}")  # a NumPy or torch integer too, as block ids take
+    except TypeError:
+        raise ShardError(f"Shard.{name} must be an int, got {value!r}") from None
     if value < minimum:
         raise ShardError(f"Shard.{name} must be >= {minimum}, got {value}")
     return value
@@ -43,6 +45,8 @@ class Shard:
         size = _count("tp_size", self.tp_size, 1)
         heads = _count("num_kv_heads", self.num_kv_heads, 1)
         rank = _count("tp_rank", self.tp_rank, 0)
+        for name, value in (("tp_size", size), ("num_kv_heads", heads), ("tp_rank", rank)):
+            object.__setattr__(self, name, value)  # plain ints: a shard compares, hashes and prints alike
         if rank >= size:
             raise ShardError(f"Shard.tp_rank={rank} is out of range for tp_size={size}")
         if max(size, heads) % min(size, heads):

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvlayout import _native
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.registration.memory import Placement
 from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
@@ -154,8 +154,14 @@ class Staging:
     one under way): the buffer then stays busy, registered and allocated for good."""
 
     def __init__(self, agent: Agent, nbytes: int, *, device: str | torch.device = "cpu") -> None:
-        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
-            raise TypeError(f"nbytes must be a positive int, got {nbytes!r}")
+        try:
+            nbytes = as_int(nbytes, "nbytes")
+        except TypeError:
+            raise TypeError(f"nbytes must be a positive int, got {nbytes!r}") from None
+        if not 0 < nbytes < MAX_END:
+            raise TypeError(
+                f"nbytes must be a positive int below 2**57 (no memory reaches it), got {nbytes!r}"
+            )
         dev = _staging_device(device)
         self.agent = agent
         self.device = dev
@@ -262,7 +268,10 @@ _KEPT: list[object] = []
 def _staging_device(device: str | torch.device) -> torch.device:
     """Where a staging buffer goes: the CPU, or a CUDA device the extension can copy on
     (its index made explicit, as a cache's device is)."""
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:  # torch's own words, for a name it does not know
+        raise TransferError(f"Staging(device={device!r}) is not a device: {exc}") from None
     if dev.type == "cpu":
         return _HOST
     if dev.type != "cuda":

@@ -93,6 +93,10 @@ class StageNotifs(NamedTuple):
     def _checked(self) -> StageNotifs:
         """The same, the peer's name as NIXL keys its notifications (str: the bytes
         ``add_remote_agent`` returns decoded) and the tag as bytes."""
+        if not callable(getattr(self.agent, "update_notifs", None)):
+            raise TypeError(
+                f"StageNotifs.agent must be this side's NIXL agent, not {type(self.agent).__name__}"
+            )
         return StageNotifs(self.agent, _peer_name(self.peer), _message(self.tag, "StageNotifs.tag"))
 
 

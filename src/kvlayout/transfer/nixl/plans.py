@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from kvlayout import _native
+from kvlayout.errors import as_int
 from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.arguments import threads_arg
@@ -337,8 +338,13 @@ def plan(
     descriptors."""
     if strategy not in ("auto", "direct", "staged", "peer-staged"):
         raise TransferError(f"strategy must be 'auto', 'direct', 'staged' or 'peer-staged', not {strategy!r}")
-    if stages is not None and (isinstance(stages, bool) or not isinstance(stages, int) or stages < 1):
-        raise TypeError(f"stages must be a positive int or None, got {stages!r}")
+    if stages is not None:
+        try:
+            stages = as_int(stages, "stages")  # a NumPy integer too
+        except TypeError:
+            raise TypeError(f"stages must be a positive int or None, got {stages!r}") from None
+        if stages < 1:
+            raise TypeError(f"stages must be a positive int or None, got {stages!r}")
     if cost is not None and not isinstance(cost, CostModel):
         raise TypeError(f"cost must be a CostModel (calibrate() makes one), not {type(cost).__name__}")
     s = _sides(block_map)

@@ -127,8 +127,8 @@ def prep_lists(
     at unit-aligned offsets (vLLM's: one layer's K or V of a block). NIXL checks the
     remote list against what the peer registered; a description that lies is refused
     here, naming the tensor."""
-    if isinstance(unit, bool) or not isinstance(unit, int) or unit <= 0:
-        raise TypeError(f"unit must be a positive int, got {unit!r}")
+    if isinstance(unit, bool) or not isinstance(unit, int) or not 0 < unit < 1 << 57:
+        raise TypeError(f"unit must be a positive int below 2**57 (no memory reaches it), got {unit!r}")
     peer = _peer_name(peer)
     local, remote = _map_side(local, "local"), _map_side(remote, "remote")
     if not local.is_local or remote.is_local:

@@ -120,6 +120,8 @@ def register(agent: Agent, registration: Holder) -> Registered:
     tensors and VRAM for CUDA ones (device id = the CUDA index). A storage this agent
     already holds through another :func:`register` is counted, not registered again.
     """
+    if not callable(getattr(agent, "register_memory", None)):
+        raise TypeError(f"agent must be a NIXL agent (nx.make_agent), not {type(agent).__name__}")
     _check_detected(registration)
     tensors = [t for t in _tensors(registration) if t.numel()]
     if not tensors:

@@ -10,6 +10,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
+from kvlayout.registration.backing import no_memory
 from kvlayout.registration.memory import Placement, group_placement
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.registration.registration import KernelGroup, Registration
@@ -129,6 +130,12 @@ def _tensors(obj: Holder) -> list[torch.Tensor]:
 
 
 def _device(tensors: Sequence[torch.Tensor]) -> torch.device:
+    """The one device of ``tensors``, each with memory behind it (a freed or fake tensor
+    would be registered, or described, at address 0)."""
+    for i, t in enumerate(tensors):
+        problem = no_memory(t)
+        if problem is not None:
+            raise TransferError(f"tensor {i} {problem}: NIXL moves the memory a tensor has")
     devices = {t.device for t in tensors}
     if len(devices) != 1:
         raise TransferError(
