@@ -217,6 +217,8 @@ def test_a_staging_buffer_of_another_agent_is_named_as_such(pair: Pair) -> None:
 
 def test_a_transfer_s_arguments_are_named_when_wrong(pair: Pair) -> None:
     m = make_map(pair, "WRITE", [(0, 0, 0, 0, UNIT)])
+    with pytest.raises(TypeError, match=r"staging must be an nx.Staging\(agent, nbytes\), not 5"):
+        nx.transfer(pair.agent, pair.name, m, staging=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"prepped must be the lists nx.prep_lists made, not 5"):
         nx.transfer(pair.agent, pair.name, m, prepped=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"peer must be an agent name: b'\\xff' is not UTF-8"):

@@ -358,10 +358,7 @@ def plan(
         return Plan(
             chosen, s.op, none, none, local_mem, remote_mem, None, 0, 0, predicted, local_side=s.local
         )
-    if staging is not None and not all(
-        hasattr(staging, k) for k in ("address", "nbytes", "device", "closed")
-    ):
-        raise TypeError(f"staging must be an nx.Staging(agent, nbytes), not {staging!r}")
+    _check_staging_arg(staging)
     if staging is not None and staging.closed and not staging.busy:
         raise TransferError(f"{staging!r} is closed: NIXL no longer holds its region")
     if staging is not None and strategy in ("auto", "staged"):
@@ -437,6 +434,12 @@ def _default_stages(strategy: str, op: Op, num_bytes: int) -> int:
         return 1
     copy_op: Op = op if strategy == "staged" else ("WRITE" if op == "READ" else "READ")
     return auto_stages(copy_op, num_bytes)
+
+
+def _check_staging_arg(staging: object) -> None:
+    """``staging`` is None or a staging buffer (what plan() and a transfer read of one)."""
+    if staging is not None and not all(hasattr(staging, k) for k in ("address", "nbytes", "device", "_take")):
+        raise TypeError(f"staging must be an nx.Staging(agent, nbytes), not {staging!r}")
 
 
 def _check_peer_staging(peer: PeerStaging) -> None:

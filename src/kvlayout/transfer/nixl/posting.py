@@ -15,7 +15,7 @@ from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _sides
 from kvlayout.transfer.nixl.peer_staging import _other_cut, _stages_announced, stage_notif, take_notif
-from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, plan
+from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, _check_staging_arg, plan
 from kvlayout.transfer.nixl.prepped import Prepped
 from kvlayout.transfer.nixl.regions import (
     Region,
@@ -557,6 +557,7 @@ def prepare_transfer(
     notif = _message(notif, "notif")
     if peer_ready is not None:
         peer_ready = _message(peer_ready, "peer_ready")
+    _check_staging_arg(staging)
     taken = _take(staging, strategy)
     try:
         xfer = _prepare(
