@@ -905,7 +905,9 @@ def build_parser() -> argparse.ArgumentParser:
             f"--{where}-shape", required=True, help=f"the {where} registration, as detect's --shape"
         )
         p.add_argument(f"--{where}-hint", action="append", default=[], metavar="KEY=VALUE",
-                       help=f"a layout hint of the {where} side, repeatable")  # fmt: skip
+                       help=f"a layout hint of the {where} side, repeatable: kv_layout=HND (a vLLM shape "
+                            "reads as NHD without it: plan's tensors are meta, not on the CPU), "
+                            "tokens_per_block=16, ...")  # fmt: skip
         p.add_argument(
             f"--{where}-tp", type=int, default=1, help=f"the {where} side's TP degree (1 to {MAX_TP})"
         )
