@@ -30,11 +30,11 @@ from kvlayout.transfer.nixl.sides import (
     _MEM_TYPES,
     _U64,
     Agent,
-    LocalSide,
     MapSide,
     NixlError,
     NixlTimeoutError,
     Op,
+    _described_side,
     _is_nixl_error,
     _peer_name,
     _seconds,
@@ -142,10 +142,7 @@ def calibrate(
         if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise TypeError(f"calibrate's {name} must be an int of at least {least}, got {value!r}")
     if isinstance(remote, RegistrationDescription):  # the peer's handshake: its tensors, as a side
-        spans = [(a, p.span) for g in remote.groups for p in g.planes for a in p.addresses]
-        remote = LocalSide(
-            remote.device_type, remote.device_index or 0, np.array(spans, _U64), is_local=False
-        )
+        remote = _described_side(remote)
     if not hasattr(remote, "tensor_spans"):
         raise TypeError(
             "remote must be the peer's side (a RegistrationDescription, a block map's side of the peer, or "
