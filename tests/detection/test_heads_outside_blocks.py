@@ -88,6 +88,27 @@ def test_one_block_of_several_heads_needs_num_kv_heads() -> None:
         kvlayout.detect(kv, "vllm", {"kv_layout": "LHBNC", "num_kv_heads": 3})
 
 
+def test_blocks_of_one_token_need_the_size_hints_and_the_refusal_says_so() -> None:
+    """A block of one token puts a size-1 dim beside the heads, whose stride says nothing:
+    read as the wrong axis, the strides do not fit, and the message names the way out
+    (it named the heads dim BS and stopped there)."""
+    kv = [torch.randn(H, B, 1, C).permute(1, 0, 2, 3) for _ in range(L)]  # [B, H, 1, C] of [H, B, 1, C]
+    with pytest.raises(kvlayout.DetectionError) as err:
+        kvlayout.detect(kv, "vllm", {"kv_layout": "LHBNC"})
+    assert str(err.value).endswith(
+        "may be another axis than the one it was read as: the size hints (num_kv_heads, tokens_per_block) "
+        "say which"
+    )
+    hinted = kvlayout.detect(kv, "vllm", {"kv_layout": "LHBNC", "num_kv_heads": H, "tokens_per_block": 1})
+    group = hinted.only_group()
+    assert (group.format, group.num_blocks, group.block_size, group.descriptor().nh) == (
+        F.NL_X_NH_NB_BS_CS,
+        B,
+        1,
+        H,
+    )
+
+
 @pytest.mark.parametrize(
     ("engine", "kv"),
     [

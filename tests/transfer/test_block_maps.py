@@ -515,6 +515,16 @@ def test_fp8_moves_to_and_from_the_uint8_it_is_stored_as() -> None:
         block_map(dst, vllm(2, 8, 4, 2, 16, dtype=torch.float8_e5m2), [1], [2])  # two encodings
     with pytest.raises(BlockMapError, match="src is uint8 and dst is int8"):
         block_map(src, vllm(2, 8, 4, 2, 16, dtype=torch.int8), [1], [2])
+    # a chunk pairs as a cache does: the fp8 cache's bytes into a uint8 chunk (it was refused)
+    from kvlayout.transfer.block_maps import chunk_side
+
+    chunk = torch.zeros(2, 2, 4, 2 * 16, dtype=torch.uint8)  # [kv_size, layers, tokens, row]
+    block_map(dst, chunk_side(dst, chunk), [6], [0]).copy()
+    assert torch.equal(
+        chunk[0, 1, 0].view(2, 16), fp8[1][0, 6, :, 0].view(torch.uint8)
+    )  # layer 1, K, token 0
+    with pytest.raises(BlockMapError, match="the chunk is torch.int8; the cache is float8_e4m3fn"):
+        chunk_side(dst, chunk.view(torch.int8))
 
 
 def test_kinds_say_what_differs() -> None:
@@ -612,6 +622,10 @@ BAD_MAPS = [
      BlockMapError, "dst: TWO_X_NL_X_NBBS_NH_HS folds its blocks and their tokens into one axis (NBBS): pass its "
      "block size"),
     (lambda a: block_map(a, a, [0], [1]).copy(num_threads=0), BlockMapError, "num_threads must be a positive int"),
+    # a live folded cache given a block size that does not divide it: the caller's argument, not a peer's lie
+    (lambda a: block_map(kvlayout.detect([torch.randn(21, 1, 8) for _ in range(2)], "sglang"), a, [0], [1],
+                         src_block_size=4),
+     BlockMapError, "src: NL_X_NBBS_ONE_HS's 21 token slots are not a multiple of blocks of 4"),
 ]  # fmt: skip
 
 

@@ -158,10 +158,19 @@ def _block_stride(layout: Layout, sizes: Mapping[str, int], leaf: torch.Tensor, 
         if layout.has_leading_block_axis
         else "its dim 0 is not the block axis, so no dim may be padded"
     )
+    ones = [a for a, n in enumerate(shape) if n == 1]
+    # a size-1 dim's stride is arbitrary, so where it sits was read, not seen (vLLM's one-head
+    # [NB, 1, N, C] is also one block of N heads, and a block of one token reads as heads)
+    ambiguous = (
+        f"; its size-1 dim {ones[0]} may be another axis than the one it was read as: the size hints "
+        "(num_kv_heads, tokens_per_block) say which"
+        if ones
+        else ""
+    )
     _fail(
         f"{where} has strides {list(stride)}; {layout} with these sizes needs {list(expected)}: dim {axis} "
         f"({layout.tensor[axis].name}, size {shape[axis]}) has stride {stride[axis]}, not {expected[axis]} "
-        f"({allowed})"
+        f"({allowed}){ambiguous}"
     )
 
 

@@ -354,6 +354,8 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
         )
     if side is None:
         placement = group_placement(group, BlockMapError, f"{where}: ")
+        if block_size is not None:  # the caller's, named as theirs (describing checks it as a peer's)
+            _split_pages(group.layout, dict(group.planes[0].sizes), block_size, where)
         desc = describe_group(group, block_size=block_size)
         device = (desc.device_type, desc.device_index)
         # The side holds the group's tensors (its placement's), not the group: the group
@@ -414,7 +416,8 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
             f"the chunk has shape {list(chunk.shape)} (contiguous: {chunk.is_contiguous()}); this cache "
             f"needs a contiguous [{kv_size}, {nl}, T, {row_bytes // itemsize}] (kv_size, layers, tokens, row)"
         )
-    if str(chunk.dtype).removeprefix("torch.") != cache.piece_dtypes[0]:
+    # paired as block_map pairs two caches (fp8 and the uint8 it is stored as hold the same bytes)
+    if not _same_bytes(str(chunk.dtype).removeprefix("torch."), cache.piece_dtypes[0]):
         raise BlockMapError(f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}")
     size = chunk.numel() * itemsize
     problem = not_strided(chunk) or no_memory(chunk)  # fake, freed or shrunk: before its data pointer
