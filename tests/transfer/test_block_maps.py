@@ -523,7 +523,7 @@ def test_fp8_moves_to_and_from_the_uint8_it_is_stored_as() -> None:
     assert torch.equal(
         chunk[0, 1, 0].view(2, 16), fp8[1][0, 6, :, 0].view(torch.uint8)
     )  # layer 1, K, token 0
-    with pytest.raises(BlockMapError, match="the chunk is torch.int8; the cache is float8_e4m3fn"):
+    with pytest.raises(BlockMapError, match=r"the chunk is torch.int8; the cache is float8_e4m3fn"):
         chunk_side(dst, chunk.view(torch.int8))
 
 
