@@ -71,7 +71,7 @@ from kvlayout import EngineKVFormat as F
 from kvlayout.testing.nixl_peer import BufferSide, CacheSpec, NixlPeer, Paced, build_cache, tcp_tls
 from kvlayout.transfer import BlockMap, RegistrationDescription, block_map
 from kvlayout.transfer import nixl as nx
-from kvlayout.transfer.block_maps import Side
+from kvlayout.transfer.block_maps import Side, fingerprint
 
 NL, NH, HS = 32, 8, 128
 MLA_NL, MLA_HS = 61, 576
@@ -293,6 +293,7 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
         poster that knows both sides' blocks before the KV is written can; ``start()``
         and the wait are then the row's time."""
         planned = nx.plan(mp, **{k: v for k, v in kw.items() if k not in ("prepped", "notif")})
+        mp_fingerprint = fingerprint(mp.runs)  # the peer checks its half against it, as a connector's does
         peer_staged = planned.strategy == "peer-staged"
         stages = len(planned.stages) if peer_staged else 1
         half = "stage" if op == "READ" else "unstage"
@@ -305,7 +306,9 @@ def scenario(label: str, src: End, dst: End, scattered: bool, op: str, c: Contex
 
         def before() -> None:
             if peer_staged:
-                c.peer.prepare(half, here_text, src_ids, dst_ids, stages=stages, **map_kw)
+                c.peer.prepare(
+                    half, here_text, src_ids, dst_ids, stages=stages, expect=mp_fingerprint, **map_kw
+                )
                 if stages > 1:
                     c.requests += 1
                     state["tag"] = f"request {c.requests}"

@@ -367,6 +367,7 @@ def test_layers_that_share_one_kv_cache_are_moved_once(case: str) -> None:
     for a, b in ((peers[0], dst_reg), (src_reg, peers[1])):
         described = block_map(a, b, src_ids, dst_ids, **kw)
         assert np.array_equal(described.runs, live.runs)  # the same addresses: the same map
+        assert described.fingerprint == live.fingerprint  # what the two halves of a request compare
     check_map(src, dst, src_ids, dst_ids, tokens, 1)
 
 
@@ -665,6 +666,22 @@ def test_a_tampered_map_is_refused_before_a_byte_moves() -> None:
 
 
 # -- descriptions ------------------------------------------------------------------------------
+
+
+def test_a_fingerprint_tells_maps_of_other_arguments_apart() -> None:
+    """The peer of a peer-staged request builds its own map of the request: the
+    fingerprint is how the two halves find out they were built alike."""
+    src, dst = vllm(2, 8, 4, 8, 8), vllm(2, 8, 4, 4, 8, fmt=F.NL_X_TWO_NB_NH_BS_HS)
+    kw: dict[str, Any] = {"dst_shard": Shard(1, 2, 8)}
+    base = block_map(src, dst, [3, 5], [1, 6], **kw)
+    assert base.fingerprint == block_map(src, dst, [3, 5], [1, 6], **kw).fingerprint
+    assert len(base.fingerprint) == 16 and int(base.fingerprint, 16) >= 0
+    others = [
+        block_map(src, dst, [5, 3], [1, 6], **kw),  # the ids in another order
+        block_map(src, dst, [3, 5], [1, 6], num_tokens=7, **kw),  # fewer tokens
+        block_map(src, dst, [3, 5], [1, 6], dst_shard=Shard(0, 2, 8)),  # other heads
+    ]
+    assert len({base.fingerprint, *(m.fingerprint for m in others)}) == 4
 
 
 def test_a_description_round_trips_and_maps_like_the_registration() -> None:

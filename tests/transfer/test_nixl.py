@@ -278,6 +278,36 @@ def test_a_staged_plan_holds_its_staging_buffer_and_refuses_one_whose_memory_cha
                                            "nothing was copied")  # fmt: skip
 
 
+def test_the_peer_s_half_refuses_a_map_other_than_the_poster_s() -> None:
+    """Both halves of a peer-staged request lay the staging buffer out by their own map:
+    given the poster's fingerprint, a map of other arguments is refused before a byte
+    moves (and the buffer is not taken)."""
+    from kvlayout.transfer.block_maps import fingerprint
+
+    agent = nx.make_agent("kvl-fingerprint", progress_thread=False)
+    local, theirs = torch.zeros(BUF, dtype=torch.uint8), torch.zeros(BUF, dtype=torch.uint8)
+    there = nx.LocalSide("cpu", 0, nx.local_side(theirs).tensor_spans, is_local=False)
+    runs = np.array(
+        [(theirs.data_ptr() + k * UNIT, local.data_ptr() + k * SLOT, UNIT) for k in range(64)], U64
+    )
+    landed = Map(runs, there, nx.local_side(local))  # this side is the destination: unstage's
+    other = Map(runs[::-1].copy(), there, nx.local_side(local))  # the same runs in another order
+    with nx.register(agent, local), nx.Staging(agent, BUF) as staging:
+        for prepare in (nx.prepare_unstage, nx.unstage):
+            with pytest.raises(TransferError) as err:
+                prepare(other, staging, expect=fingerprint(runs))
+            assert str(err.value) == (
+                f"this side's map has fingerprint {fingerprint(other.runs)}, the poster's "
+                f"'{fingerprint(runs)}': the two halves of the request were built from other arguments "
+                "(block ids, their order, num_tokens, shards or block sizes), and would lay the staging "
+                "buffer out differently; nothing was copied"
+            )
+            assert not staging.busy
+        with pytest.raises(TypeError, match="expect must be the poster's map's fingerprint"):
+            nx.prepare_unstage(landed, staging, expect=7)  # type: ignore[arg-type]
+        nx.prepare_unstage(landed, staging, expect=fingerprint(runs)).run()
+
+
 def test_a_transfer_through_a_staging_buffer_whose_memory_changed_posts_nothing(pair: Pair) -> None:
     staging = nx.Staging(pair.agent, BUF)
     m = make_map(pair, "WRITE", [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(64)])

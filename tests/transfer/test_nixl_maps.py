@@ -356,7 +356,7 @@ def test_a_peer_staged_read_finds_what_the_peer_staged(pair: Pair, case: tuple[A
     here; one descriptor per local stretch reads it, and the cache here then holds what
     the offset oracle says."""
     r = peer_staged(pair, case, 41, "READ")
-    pair.peer.stage(r.description, r.src_ids, r.dst_ids, **r.kw)
+    pair.peer.stage(r.description, r.src_ids, r.dst_ids, expect=r.m.fingerprint, **r.kw)  # its map is ours
     with nx.register(pair.agent, r.here):
         xfer = nx.transfer(pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging)
         result = xfer.wait(timeout=30)
@@ -384,7 +384,7 @@ def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
     assert result.strategy == "peer-staged" and xfer.plan.num_descriptors <= r.m.num_runs
     assert pair.peer.notifs(expect=1) == [b"in"]
     assert all(np.array_equal(a, b) for a, b in zip(pair.peer.cache_bytes(), before, strict=True))
-    pair.peer.unstage(r.description, r.src_ids, r.dst_ids, **r.kw)  # the handshake's other half
+    pair.peer.unstage(r.description, r.src_ids, r.dst_ids, expect=r.m.fingerprint, **r.kw)  # the other half
     for i, (g, w) in enumerate(zip(pair.peer.cache_bytes(), r.want, strict=True)):
         assert np.array_equal(g, w), f"{r.name} peer-staged: tensor {i} differs"
 
@@ -416,7 +416,8 @@ def test_a_paced_peer_staged_read_posts_each_stage_once_the_peer_announces_it(
         assert len(xfer.handles) == min(stages, xfer.plan.num_descriptors)
         time.sleep(0.05)
         assert not xfer.done() and xfer.posted == 0  # nothing announced, nothing posted
-        pair.peer.stage(r.description, r.src_ids, r.dst_ids, paced=Paced(stages, poster_name, tag), **r.kw)
+        pacing = Paced(stages, poster_name, tag)
+        pair.peer.stage(r.description, r.src_ids, r.dst_ids, paced=pacing, expect=r.m.fingerprint, **r.kw)
         result = xfer.wait(timeout=30)
     assert result.strategy == "peer-staged"
     for i, (g, w) in enumerate(zip(leaf_bytes(r.leaves), r.want, strict=True)):
@@ -473,7 +474,7 @@ def test_a_paced_peer_staged_write_is_scattered_stage_by_stage_as_it_lands(
     pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
     tag = f"write {r.name} {stages}"
     pacing = Paced(stages, poster_name, tag, wait=False)
-    pair.peer.unstage(r.description, r.src_ids, r.dst_ids, paced=pacing, **r.kw)
+    pair.peer.unstage(r.description, r.src_ids, r.dst_ids, paced=pacing, expect=r.m.fingerprint, **r.kw)
     with nx.register(pair.agent, r.here):
         xfer = nx.transfer(
             pair.agent, pair.name, r.m, strategy="peer-staged", peer_staging=r.staging, stages=stages,

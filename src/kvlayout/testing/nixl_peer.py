@@ -338,29 +338,31 @@ class NixlPeer:
 
     def unstage(
         self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
-        paced: Paced | None = None, **kw: Any,
+        paced: Paced | None = None, expect: str | None = None, **kw: Any,
     ) -> None:  # fmt: skip
         """The peer's half of a peer-staged WRITE: it builds the request's map from the
         source's ``description`` (JSON) into its cache (``block_map`` keywords in ``kw``)
         and scatters its staging buffer with ``unstage``; with ``paced``, stage by stage
-        as the WRITE's stages land (send it with ``wait=False`` before posting)."""
-        self._staging_copy("unstage", description, src_ids, dst_ids, paced, kw)
+        as the WRITE's stages land (send it with ``wait=False`` before posting). ``expect``:
+        the poster's map's fingerprint, which the peer's map must have."""
+        self._staging_copy("unstage", description, src_ids, dst_ids, paced, kw, expect)
 
     def stage(
         self, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
-        paced: Paced | None = None, **kw: Any,
+        paced: Paced | None = None, expect: str | None = None, **kw: Any,
     ) -> None:  # fmt: skip
         """The peer's half of a peer-staged READ: it builds the request's map from its
         cache into the destination's ``description`` (JSON) and gathers it into its
         staging buffer with ``stage``; with ``paced``, announcing each stage to the poster
         as it is gathered (``wait=False``: post the READ with ``peer_ready`` meanwhile)."""
-        self._staging_copy("stage", description, src_ids, dst_ids, paced, kw)
+        self._staging_copy("stage", description, src_ids, dst_ids, paced, kw, expect)
 
     def _staging_copy(
         self, cmd: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int],
-        paced: Paced | None, kw: dict[str, Any],
+        paced: Paced | None, kw: dict[str, Any], expect: str | None,
     ) -> None:  # fmt: skip
-        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw}
+        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw,
+                "expect": expect}  # fmt: skip
         if paced is None:
             self.call(cmd, **args)
             return
@@ -370,12 +372,14 @@ class NixlPeer:
 
     def prepare(
         self, which: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int], *,
-        stages: int | None = None, **kw: Any,
+        stages: int | None = None, expect: str | None = None, **kw: Any,
     ) -> None:  # fmt: skip
         """Tell the peer of a request before its bytes move: it plans its half (``which``:
-        ``"stage"`` or ``"unstage"``, in ``stages``; None: by default) with ``prepare_stage`` or
-        ``prepare_unstage`` now, and :meth:`run_prepared` runs it."""
-        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw}
+        ``"stage"`` or ``"unstage"``, in ``stages``; None: by default; ``expect``: the
+        poster's map's fingerprint) with ``prepare_stage`` or ``prepare_unstage`` now, and
+        :meth:`run_prepared` runs it."""
+        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw,
+                "expect": expect}  # fmt: skip
         self.call("prepare", which=which, stages=stages, **args)
 
     def run_prepared(self, *, paced: Paced | None = None) -> None:
@@ -565,7 +569,7 @@ def _serve() -> None:
                 paced = msg.get("paced")
                 stages = paced["stages"] if paced else msg.get("stages")
                 half = prepare_stage if here == "src" else prepare_unstage
-                copy = half(request, staging, stages=stages)
+                copy = half(request, staging, stages=stages, expect=msg.get("expect"))
                 if cmd == "prepare":
                     prepared = copy
                 else:

@@ -20,6 +20,7 @@ order, emitting and merging runs (``csrc/block_map.h``).
 from __future__ import annotations
 
 import functools
+import hashlib
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -720,6 +721,14 @@ def _pair(
 # -- the map ----------------------------------------------------------------------------------
 
 
+def fingerprint(runs: np.ndarray) -> str:
+    """16 hex digits of BLAKE2b over an ``(N, 3)`` uint64 run table (addresses and
+    lengths, in order): two tables are the same map exactly when these agree, barring a
+    2**-64 chance. About 10 ms for half a million runs (12 MiB)."""
+    table = np.ascontiguousarray(runs, dtype=np.uint64)
+    return hashlib.blake2b(table.data, digest_size=8).hexdigest()  # its bytes, not a copy
+
+
 class BlockMap(HoldsAddresses):
     """One request's KV as byte runs from ``src`` to ``dst`` (see :func:`block_map`).
 
@@ -782,6 +791,15 @@ class BlockMap(HoldsAddresses):
     @property
     def num_runs(self) -> int:
         return self._num_runs
+
+    @functools.cached_property
+    def fingerprint(self) -> str:
+        """The runs digested (:func:`fingerprint`): equal for the maps both halves of a
+        peer-staged request build from the same arguments (the poster's, and the peer's
+        against the poster's description), different for other block ids, tokens or
+        shards. A connector sends it with the request and the peer passes it as
+        ``expect=`` to its copy, the one check that both lay the staging buffer out alike."""
+        return fingerprint(self.runs)
 
     @property
     def num_groups(self) -> int:

@@ -15,7 +15,9 @@ from typing import NamedTuple
 import torch
 
 from kvlayout.transfer import TransferError
+from kvlayout.transfer.block_maps import fingerprint
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
+from kvlayout.transfer.nixl.direct import _checked_runs
 from kvlayout.transfer.nixl.plans import Plan, plan
 from kvlayout.transfer.nixl.sides import (
     Agent,
@@ -280,10 +282,14 @@ def _announce(notifs: StageNotifs, stage: int, stages: int) -> None:
         ) from exc
 
 
-def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int | None) -> PeerCopy:
+def _prepare(
+    block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stages: int | None, expect: str | None
+) -> PeerCopy:
     """This side's staged plan of ``block_map`` (laid out as the poster's runs, cut into
     the poster's ``stages``, None: the default both sides make), which must be ``op``; its
-    copy checked."""
+    copy checked; the map the poster's (its ``fingerprint`` ``expect``) where given."""
+    if expect is not None:
+        _check_fingerprint(block_map, expect)
     staging._take_or_refuse("a peer's copy")
     taken = _Taken(staging)
     try:
@@ -299,16 +305,35 @@ def _prepare(block_map: NixlMap, staging: Staging, op: Op, wrong_side: str, stag
     return copy
 
 
-def prepare_stage(block_map: NixlMap, staging: Staging, *, stages: int | None = None) -> PeerCopy:
+def _check_fingerprint(block_map: NixlMap, expect: str) -> None:
+    """Refuse a map other than the poster's: both lay the staging buffer out by their own
+    map, so one of other block ids, tokens or shards would copy the wrong bytes."""
+    if not isinstance(expect, str):
+        raise TypeError(f"expect must be the poster's map's fingerprint (a str), not {type(expect).__name__}")
+    ours = getattr(block_map, "fingerprint", None)
+    ours = ours if isinstance(ours, str) else fingerprint(_checked_runs(block_map))
+    if ours != expect:
+        raise TransferError(
+            f"this side's map has fingerprint {ours}, the poster's {expect[:64]!r}: the two halves of the "
+            "request were built from other arguments (block ids, their order, num_tokens, shards or block "
+            "sizes), and would lay the staging buffer out differently; nothing was copied"
+        )
+
+
+def prepare_stage(
+    block_map: NixlMap, staging: Staging, *, stages: int | None = None, expect: str | None = None
+) -> PeerCopy:
     """:func:`stage`'s plan, made and checked now; :meth:`PeerCopy.run` gathers."""
     wrong = "stage runs on the source side of the map (the side a peer-staged READ reads)"
-    return _prepare(block_map, staging, "WRITE", wrong, stages)
+    return _prepare(block_map, staging, "WRITE", wrong, stages, expect)
 
 
-def prepare_unstage(block_map: NixlMap, staging: Staging, *, stages: int | None = None) -> PeerCopy:
+def prepare_unstage(
+    block_map: NixlMap, staging: Staging, *, stages: int | None = None, expect: str | None = None
+) -> PeerCopy:
     """:func:`unstage`'s plan, made and checked now; :meth:`PeerCopy.run` scatters."""
     wrong = "unstage runs on the destination side of the map (the side the peer-staged WRITE reached)"
-    return _prepare(block_map, staging, "READ", wrong, stages)
+    return _prepare(block_map, staging, "READ", wrong, stages, expect)
 
 
 def stage(
@@ -319,6 +344,7 @@ def stage(
     stages: int | None = None,
     notifs: StageNotifs | None = None,
     timeout: float = 30.0,
+    expect: str | None = None,
 ) -> None:
     """The source half of a peer-staged READ: gather the request from the cache here into
     ``staging`` (this side's staging buffer, the :class:`PeerStaging` the destination was
@@ -332,8 +358,9 @@ def stage(
     the next (the poster passes ``peer_ready=notifs.tag``); the gathers then run on one
     thread beside this one, which drives NIXL. ``stages`` None is the cut both sides make
     by default (:func:`auto_stages`: a stage per 4 MiB, up to 8), so neither names it.
-    :func:`prepare_stage` plans it ahead."""
-    prepare_stage(block_map, staging, stages=stages).run(
+    ``expect`` (the poster's map's ``fingerprint``) refuses a map built from other
+    arguments than the poster's. :func:`prepare_stage` plans it ahead."""
+    prepare_stage(block_map, staging, stages=stages, expect=expect).run(
         notifs=notifs, num_threads=num_threads, timeout=timeout
     )
 
@@ -346,6 +373,7 @@ def unstage(
     stages: int | None = None,
     notifs: StageNotifs | None = None,
     timeout: float = 30.0,
+    expect: str | None = None,
 ) -> None:
     """The receiving half of a peer-staged WRITE: scatter what landed in ``staging``
     (this side's staging buffer, the :class:`PeerStaging` the source was given) into the
@@ -359,8 +387,10 @@ def unstage(
     notification (:func:`stage_notif`) arrives, on one thread beside this one, while this
     one waits for the next; :class:`NixlTimeoutError` if the request has not landed and
     been scattered within ``timeout`` seconds. ``stages`` None is the cut both sides make
-    by default (one stage: a scatter, :func:`auto_stages`). :func:`prepare_unstage` plans
-    it ahead, when the request is known (before its WRITE is posted)."""
-    prepare_unstage(block_map, staging, stages=stages).run(
+    by default (one stage: a scatter, :func:`auto_stages`). ``expect`` (the poster's map's
+    ``fingerprint``) refuses a map built from other arguments than the poster's.
+    :func:`prepare_unstage` plans it ahead, when the request is known (before its WRITE
+    is posted)."""
+    prepare_unstage(block_map, staging, stages=stages, expect=expect).run(
         notifs=notifs, num_threads=num_threads, timeout=timeout
     )
