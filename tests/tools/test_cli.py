@@ -313,7 +313,7 @@ def test_explain_help_lists_every_short_dtype_name(capsys: pytest.CaptureFixture
     listed = re.search(r"--dtype DTYPE\s+element type for byte counts: ([\w,\s]+)", capsys.readouterr().out)
     assert listed is not None
     names = listed[1].split()
-    assert names == ["bf16,", "fp16,", "fp32,", "fp8,", "fp8_e5m2,", "uint8,", "int8"]
+    assert names == ["bf16,", "fp16,", "fp32,", "fp8,", "fp8_e5m2,", "uint8,", "int8"]  # then the default
     # every name that is not torch's spelled-out one works
     short = [n for n in DTYPE_BYTES if not n.startswith(("float", "bfloat"))]
     assert sorted(n.rstrip(",") for n in names) == sorted(short)

@@ -876,7 +876,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="bf16",
-        help="element type for byte counts: bf16, fp16, fp32, fp8, fp8_e5m2, uint8, int8",
+        help="element type for byte counts: bf16, fp16, fp32, fp8, fp8_e5m2, uint8, int8 (default: bf16)",
     )
     p.add_argument(
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"
@@ -913,15 +913,18 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(f"--{where}-share", action="append", default=[], metavar="SHARER=TARGET",
                        help=f"a {where} layer sharing another's KV cache, as detect's --share")  # fmt: skip
-    p.add_argument("--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(_DTYPES)}")
+    p.add_argument(
+        "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(_DTYPES)} (default: bf16)"
+    )
     p.add_argument("--tokens", type=int, required=True, help="the request's tokens (1 to 2**24)")
     p.add_argument("--blocks", choices=("consecutive", "scattered"), default="scattered",
-                   help="the request's block ids on both sides")  # fmt: skip
+                   help="the request's block ids on both sides (default: scattered)")  # fmt: skip
     p.add_argument("--kv-heads", type=int, default=None,
                    help="the model's KV heads (default: src heads x src TP; "
                    "needed where ranks replicate heads)")  # fmt: skip
     p.add_argument("--poster", choices=("src", "dst"), default="dst",
-                   help="which side posts: dst READs (vLLM's decode side), src WRITEs")  # fmt: skip
+                   help="which side posts: dst READs (vLLM's decode side; the default), "
+                   "src WRITEs")  # fmt: skip
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(run=cmd_plan)
 
@@ -940,7 +943,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'61x([64,64,1,512],[64,64,1,64])', '3x[...]+2x[...]', and '32x[2,2048,16,8,128]@0,1,3,2,4' for a "
         "tensor whose dims lie in memory in that order (vLLM's HND cache)",
     )
-    p.add_argument("--dtype", default="bf16", help=f"one of {', '.join(_DTYPES)}")
+    p.add_argument("--dtype", default="bf16", help=f"one of {', '.join(_DTYPES)} (default: bf16)")
     p.add_argument(
         "--hint",
         action="append",
@@ -964,7 +967,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("codegen", help="regenerate the files made from layouts.yaml (in a checkout)")
     p.add_argument("--check", action="store_true", help="fail with a diff if a generated file is stale")
     p.set_defaults(run=cmd_codegen)
-    p = sub.add_parser("demo", help="detection, geometry and a verified round trip on engine-shaped examples")
+    demo = (
+        "detection, geometry and a verified round trip on engine-shaped examples, then a prefill/decode "
+        "transfer"
+    )
+    p = sub.add_parser("demo", help=demo, description=f"kvlayout demo: {demo} (make demo runs it)")
     p.set_defaults(run=cmd_demo)
     return ap
 
