@@ -607,8 +607,8 @@ PLAN_BASE = ["plan", "--src-engine", "vllm", "--src-shape", "2x[2,8,4,4,8]", "--
          "holds 4 a rank"),
         (["--tokens", "4", "--kv-heads", "6"],
          "--src-tp 1 gives each src rank 6 of --kv-heads 6, but --src-shape holds 4 a rank, read as "
-         "NL_X_TWO_NB_BS_NH_HS with 4 tokens a block (--src-hint kv_layout=NHD or HND says which axis holds "
-         "the heads)\n"),
+         "NL_X_TWO_NB_BS_NH_HS with 4 tokens a block (where the engine reads one, --src-hint kv_layout=NHD or "
+         "HND says which axis holds the heads)\n"),
         (["--tokens", "3", "--src-shape", "3x[2,7,3,2,4]+2x[7,3,4]"],
          "--src-shape 3x[2,7,3,2,4]+2x[7,3,4]: 2 kernel groups; plan maps one kernel group a side"),
         (["--tokens", "4", "--dst-engine", "nope"], "--dst-engine: unknown serving engine 'nope'"),

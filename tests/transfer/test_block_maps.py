@@ -711,6 +711,13 @@ def test_a_shard_takes_numpy_and_torch_integers_as_block_ids_do() -> None:
     assert str(shard) == "Shard(tp_rank=1, tp_size=2, num_kv_heads=8)"
 
 
+def test_a_folded_cache_s_block_size_may_be_a_numpy_integer() -> None:
+    sglang = kvlayout.detect([torch.randn(24, 1, 8) for _ in range(2)], "sglang")
+    sizes: dict[str, Any] = {"src_block_size": np.int64(4), "dst_block_size": np.int32(4)}  # from an array
+    m = block_map(sglang, sglang, [0, 1], [3, 4], **sizes)
+    assert m.num_bytes == 2 * 8 * 8 * 4  # 8 tokens of one 8-float row, 2 layers
+
+
 def test_describing_a_registration_with_a_shard_it_does_not_hold_is_a_shard_error() -> None:
     """Describing one's own cache with the wrong shard is a local mistake (a ShardError
     naming the fix), not a peer's description that lies."""

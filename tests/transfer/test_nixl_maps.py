@@ -694,6 +694,7 @@ def test_stage_notifications_name_the_tag_the_stage_and_the_count() -> None:
     assert nx.stage_notif(b"req-7", 0, 1) == b"req-7"  # one stage: the request's own notification
     assert [nx.stage_notif(b"req-7", i, 3) for i in range(3)] == [b"req-7#0/3", b"req-7#1/3", b"req-7#2/3"]
     assert nx.stage_notif("req-7", 1, 3) == b"req-7#1/3"  # a str tag as its UTF-8, as notif takes one
+    assert nx.stage_notif(b"req-7", np.int64(1), np.int32(3)) == b"req-7#1/3"  # type: ignore[arg-type]
     for stage, stages, message in (
         (-5, 0, "stages must be an int of at least 1, got 0"),
         (-1, 2, "stage must be an int of at least 0, got -1"),

@@ -512,7 +512,7 @@ def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long
          "CostModel.per_descriptor_by_size[1]: the sizes must be ints, positive and ascending; got 4096 after 8192"),
         ({"per_descriptor_by_size": ((8192, float("inf")),)},
          "CostModel.per_descriptor_by_size[0]'s seconds must be a non-negative number of seconds, got inf"),
-        ({"per_descriptor_by_size": [(8192, 1e-6)]}, "CostModel.per_descriptor_by_size must be a tuple"),
+        ({"per_descriptor_by_size": "8192"}, "CostModel.per_descriptor_by_size must be (bytes, seconds) pairs"),
     ],
 )  # fmt: skip
 def test_a_cost_model_refuses_figures_it_cannot_price_with(kw: dict[str, Any], message: str) -> None:
@@ -531,16 +531,28 @@ def test_a_plan_s_copies_take_checked_arguments() -> None:
         nx.plan(many, staging=5)  # type: ignore[arg-type]
     p = nx.plan(many, strategy="staged", staging=staging_at(buf))
     n = len(p.stages)
-    for bad in (-1, n, True, "0"):
+    for bad in (-1, n, np.int64(n)):
         with pytest.raises(TransferError) as err:
             p.copy_stage(bad)  # type: ignore[arg-type]
         assert str(err.value) == f"stage must be an int in [0, {n}), the plan's stages; got {bad!r}"
+    for wrong in (True, "0"):
+        with pytest.raises(TypeError, match="stage must be an int, not"):
+            p.copy_stage(wrong)  # type: ignore[arg-type]
+    p.copy_stage(np.int64(0))  # type: ignore[arg-type]  # a NumPy integer, as every int argument takes
     for threads in (0, -5):
         with pytest.raises(TransferError, match=f"num_threads must be a positive int, got {threads}"):
             p.copy(num_threads=threads)
     direct = nx.plan(many, strategy="direct")
     with pytest.raises(TransferError, match="a direct plan has no local copy to run a stage of"):
         direct.copy_stage(0)
+
+
+def test_a_cost_model_s_size_table_may_come_back_from_json() -> None:
+    """Lists of pairs (a model written to JSON and read back) and NumPy sizes are the same
+    table, held as a tuple of (int, float) pairs (the model stays hashable)."""
+    model = nx.CostModel(per_descriptor_by_size=[[1024, 3e-6], [np.int64(65536), 0]])  # type: ignore[arg-type]
+    assert model.per_descriptor_by_size == ((1024, 3e-6), (65536, 0.0)) and hash(model)
+    assert type(model.per_descriptor_by_size[1][0]) is int
 
 
 def test_a_plan_prints_as_a_summary_not_its_arrays() -> None:

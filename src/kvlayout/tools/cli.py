@@ -728,7 +728,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 raise KVLayoutError(
                     f"--{where}-tp {tp} gives each {where} rank {held} of {origin}, but --{where}-shape "
                     f"holds {heads[where]} a rank, read as {g.format.name} with {g.geometry.block_size} "
-                    f"tokens a block (--{where}-hint kv_layout=NHD or HND says which axis holds the heads)"
+                    f"tokens a block (where the engine reads one, --{where}-hint kv_layout=NHD or HND says "
+                    "which axis holds the heads)"
                 )
     _plan_work(args, model_heads, {where: len(group.layers) for where, (_, group) in sides.items()})
     record: dict[str, Any] = {

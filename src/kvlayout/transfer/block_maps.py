@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from kvlayout import _native
-from kvlayout.errors import KVLayoutError, index_ranges
+from kvlayout.errors import KVLayoutError, as_int, index_ranges
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
@@ -156,7 +156,11 @@ def _split_pages(layout: Layout, sizes: dict[str, int], block_size: int | None, 
             "block size (block_map's src_block_size= / dst_block_size=, or describe(block_size=))"
         )
     total = layout.size_of(sizes, Role.PAGE)
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+    try:
+        block_size = as_int(block_size, "the block size")  # a NumPy integer too
+    except TypeError:
+        raise BlockMapError(f"{where}: the block size must be a positive int, got {block_size!r}") from None
+    if block_size <= 0:
         raise BlockMapError(f"{where}: the block size must be a positive int, got {block_size!r}")
     if total is None or total % block_size:
         raise BlockMapError(

@@ -173,8 +173,8 @@ class Staging:
         # would leave NIXL's region and the planned copies on freed memory.
         self._placement = Placement([self.tensor], ["the staging buffer's tensor"])
         # Dropped without close(), NIXL lets go of its region with the memory (one kept for
-        # good is never dropped: _KEPT holds it).
-        weakref.finalize(self, self.registered.deregister).atexit = False
+        # good is never dropped: _KEPT holds it), never waiting on the agent's lock.
+        weakref.finalize(self, self.registered._deregister_when_free).atexit = False
         self.busy = False
         self.closed = False
         self.kept = False  # a request released in flight may still write it: never handed out again

@@ -71,22 +71,27 @@ class CostModel:
         for name in ("bandwidth", "copy_bandwidth"):
             _finite(f"CostModel.{name}", getattr(self, name), "a positive number of bytes a second", None)
         points = self.per_descriptor_by_size
-        if not isinstance(points, tuple):
+        if not isinstance(points, (tuple, list)):
             raise TypeError(
-                f"CostModel.per_descriptor_by_size must be a tuple of (bytes, seconds), not {points!r}"
+                f"CostModel.per_descriptor_by_size must be (bytes, seconds) pairs, not {points!r}"
             )
-        last = 0
-        for i, point in enumerate(points):
+        pairs, last = [], 0
+        for i, point in enumerate(points):  # lists too (a model read back from JSON), kept as tuples
             where = f"CostModel.per_descriptor_by_size[{i}]"
-            if not isinstance(point, tuple) or len(point) != 2:
+            if not isinstance(point, (tuple, list)) or len(point) != 2:
                 raise TypeError(f"{where} must be a (bytes, seconds) pair, not {point!r}")
-            size, cost = point
-            if isinstance(size, bool) or not isinstance(size, int) or size <= last:
+            try:
+                size = as_int(point[0], where)
+            except TypeError:
+                size = -1
+            if size <= last:
                 raise TypeError(
-                    f"{where}: the sizes must be ints, positive and ascending; got {size!r} after {last}"
+                    f"{where}: the sizes must be ints, positive and ascending; got {point[0]!r} after {last}"
                 )
-            _finite(f"{where}'s seconds", cost, "a non-negative number of seconds", 0.0)
+            _finite(f"{where}'s seconds", point[1], "a non-negative number of seconds", 0.0)
+            pairs.append((size, float(point[1])))
             last = size
+        object.__setattr__(self, "per_descriptor_by_size", tuple(pairs))
 
     def descriptor_s(self, size: float) -> float:
         """Seconds one descriptor of ``size`` bytes costs beyond its bytes' time."""
@@ -204,9 +209,11 @@ class Plan:
         None), returning once its bytes are there."""
         if self.copies is None:
             raise TransferError(f"a {self.strategy} plan has no local copy to run a stage of")
-        if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < len(self.stages):
+        given = stage
+        stage = as_int(stage, "stage")  # a NumPy integer too; TypeError otherwise
+        if not 0 <= stage < len(self.stages):
             raise TransferError(
-                f"stage must be an int in [0, {len(self.stages)}), the plan's stages; got {stage!r}"
+                f"stage must be an int in [0, {len(self.stages)}), the plan's stages; got {given!r}"
             )
         assert self.copy_spans is not None
         self._refuse_moved("nothing was copied")

@@ -652,7 +652,7 @@ def _checked_transfer(
         except RefusedDescriptorError as exc:
             if staging is None or staging.agent is agent:
                 raise
-            raise TransferError(  # the peer's Staging, say, handed over as this side's
+            raise RefusedDescriptorError(  # the peer's Staging, say, handed over as this side's
                 f"{staging!r} is registered on agent {staging.agent.name!r}, where it was made, not on "
                 f"{agent.name!r}, which posts this request: a Staging serves the agent that made it (a "
                 "peer's staging buffer goes as peer_staging=PeerStaging(address, nbytes, ...))"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -56,6 +57,7 @@ class _AgentRegions:
         self.lock = threading.Lock()  # register, deregister, pin and unpin from any thread
 
     def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
+        _drain_deferred()
         with self.lock:
             held = sorted(
                 (r.address, r.address + r.nbytes)
@@ -67,6 +69,20 @@ class _AgentRegions:
 
 
 _REGIONS: weakref.WeakKeyDictionary[Any, _AgentRegions] = weakref.WeakKeyDictionary()
+
+# Deregistrations a finalizer could not make at once (its agent's lock was held, perhaps
+# by the very thread the cyclic collector ran it on), made by the next call that reads or
+# changes what is registered.
+_DEFERRED: deque[Registered] = deque()
+
+
+def _drain_deferred() -> None:
+    while _DEFERRED:
+        try:
+            pending = _DEFERRED.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        pending.deregister()
 
 
 class Registered:
@@ -90,6 +106,7 @@ class Registered:
         :meth:`Staging.close` defers); until then the region and its tensors are kept, for
         good if the request was released in flight (NIXL cannot guarantee its cancel).
         New requests through it are refused at once."""
+        _drain_deferred()
         if self._tensors is None:
             return
         held = _REGIONS[self.agent]
@@ -104,6 +121,19 @@ class Registered:
                     else:
                         self.agent.deregister_memory(held.reg_lists.pop(region))
         self._tensors = None
+
+    def _deregister_when_free(self) -> None:
+        """:meth:`deregister` for a finalizer. The cyclic collector may run one on a thread
+        that holds the agent's lock (inside :func:`register`, say), which waiting for the
+        lock would hang for good: then the next call that takes it deregisters."""
+        held = _REGIONS.get(self.agent)
+        if self._tensors is None or held is None:
+            return
+        if not held.lock.acquire(blocking=False):
+            _DEFERRED.append(self)
+            return
+        held.lock.release()
+        self.deregister()
 
     def __enter__(self) -> Registered:
         return self
@@ -123,6 +153,7 @@ def register(agent: Agent, registration: Holder) -> Registered:
     if not callable(getattr(agent, "register_memory", None)):
         raise TypeError(f"agent must be a NIXL agent (nx.make_agent), not {type(agent).__name__}")
     _check_detected(registration)
+    _drain_deferred()
     tensors = [t for t in _tensors(registration) if t.numel()]
     if not tensors:
         raise TransferError("the registration holds no memory to register (every tensor is empty)")
