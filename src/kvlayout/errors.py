@@ -17,7 +17,9 @@ __all__ = [
     "LayoutSyntaxError",
     "SizeError",
     "TransferError",
+    "abbreviated",
     "as_int",
+    "at_least",
     "index_ranges",
     "or_list",
 ]
@@ -39,6 +41,24 @@ def as_int(value: object, what: str) -> int:
         except TypeError:
             pass
     raise TypeError(f"{what} must be an int, not {type(value).__name__} ({value!r})")
+
+
+def at_least(value: object, what: str, least: int) -> int:
+    """``value`` as an int (:func:`as_int`) of at least ``least``; a ``TypeError``
+    saying so otherwise."""
+    try:
+        n = as_int(value, what)
+    except TypeError:
+        n = least - 1
+    if n < least:
+        raise TypeError(f"{what} must be an int of at least {least}, got {value!r}")
+    return n
+
+
+def abbreviated(text: str, limit: int = 100, keep: int = 100) -> str:
+    """``text`` as a message quotes it: whole up to ``limit`` characters, else its first
+    ``keep`` and its length (a caller's or a peer's text may be megabytes)."""
+    return text if len(text) <= limit else f"{text[:keep]}... ({len(text)} characters)"
 
 
 def or_list(values: Sequence[object]) -> str:

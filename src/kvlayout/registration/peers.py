@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.errors import KVLayoutError, as_int
+from kvlayout.errors import KVLayoutError, abbreviated, as_int
 from kvlayout.layout.algebra import (
     is_latent,
     level_of,
@@ -408,11 +408,10 @@ def _fields(where: str, value: object, keys: Sequence[str]) -> Mapping[str, Any]
     return value
 
 
-def _shown(value: object, most: int = 100) -> str:
-    """A peer's value as a message quotes it: its repr, cut at ``most`` characters (the
-    description is untrusted: a key or a string may be megabytes, or hold control bytes)."""
-    text = repr(value)
-    return text if len(text) <= most else f"{text[:most]}... ({len(text)} characters)"
+def _shown(value: object) -> str:
+    """A peer's value as a message quotes it: its repr (control bytes escaped), abbreviated
+    (the description is untrusted: a key or a string may be megabytes)."""
+    return abbreviated(repr(value))
 
 
 def _kind(value: object) -> str:
@@ -502,13 +501,10 @@ def _shard_misfit(groups: Sequence[GroupDescription], shard: Shard | None) -> tu
         return None
     for i, g in enumerate(groups):
         sizes = g.planes[0].sizes_dict()
+        heads = num_heads(g.layout, sizes)
         # an opaque page's head axis (vLLM's LHBNC head slots) counts the kernel's slots
-        if (
-            not is_latent(g.layout, sizes)
-            and g.opaque_pages is None
-            and len(shard.heads) != num_heads(g.layout, sizes)
-        ):
-            return i, num_heads(g.layout, sizes)
+        if not is_latent(g.layout, sizes) and g.opaque_pages is None and len(shard.heads) != heads:
+            return i, heads
     return None
 
 

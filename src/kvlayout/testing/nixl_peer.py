@@ -361,8 +361,7 @@ class NixlPeer:
         self, cmd: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int],
         paced: Paced | None, kw: dict[str, Any], expect: str | None,
     ) -> None:  # fmt: skip
-        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw,
-                "expect": expect}  # fmt: skip
+        args = _request(description, src_ids, dst_ids, kw, expect)
         if paced is None:
             self.call(cmd, **args)
             return
@@ -378,8 +377,7 @@ class NixlPeer:
         ``"stage"`` or ``"unstage"``, in ``stages``; None: by default; ``expect``: the
         poster's map's fingerprint) with ``prepare_stage`` or ``prepare_unstage`` now, and
         :meth:`run_prepared` runs it."""
-        args = {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw,
-                "expect": expect}  # fmt: skip
+        args = _request(description, src_ids, dst_ids, kw, expect)
         self.call("prepare", which=which, stages=stages, **args)
 
     def run_prepared(self, *, paced: Paced | None = None) -> None:
@@ -471,6 +469,15 @@ class NixlPeer:
                 self._pending += chunk
         line, _, self._pending = self._pending.partition(b"\n")
         return line
+
+
+def _request(
+    description: str, src_ids: Sequence[int], dst_ids: Sequence[int], kw: dict[str, Any], expect: str | None
+) -> dict[str, Any]:
+    """A request the peer maps its half of: the poster's description, both block lists,
+    ``block_map`` keywords and the poster's map's fingerprint (None: not checked)."""
+    return {"description": description, "src_ids": list(src_ids), "dst_ids": list(dst_ids), "kw": kw,
+            "expect": expect}  # fmt: skip
 
 
 def _state(pid: int) -> str:

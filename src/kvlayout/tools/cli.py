@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvlayout.errors import KVLayoutError, index_ranges
+from kvlayout.errors import KVLayoutError, abbreviated, index_ranges
 
 if TYPE_CHECKING:
     from kvlayout.layout.ast import Layout
@@ -289,7 +289,7 @@ peer description's tensor spans)."""
 
 def _shown(text: str) -> str:
     """A ``--shape`` as messages quote it (a long one abbreviated)."""
-    return text if len(text) <= 120 else f"{text[:100]}... ({len(text)} characters)"
+    return abbreviated(text, limit=120)
 
 
 def _scan_shape(flag: str, text: str) -> None:

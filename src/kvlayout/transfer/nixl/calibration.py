@@ -12,7 +12,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from kvlayout.errors import as_int
+from kvlayout.errors import at_least
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import _KEPT, _copy, _staging_device
@@ -138,17 +138,9 @@ def calibrate(
     """
     if op not in ("READ", "WRITE"):
         raise TransferError(f"op must be 'READ' or 'WRITE', not {op!r}")
-    given: dict[str, int] = {}
-    for name, value, floor in (("small", small, 1), ("nbytes", nbytes, None), ("count", count, 2),
-                               ("repeats", repeats, 1)):  # fmt: skip
-        least = given["small"] if floor is None else floor  # nbytes holds one small descriptor at least
-        try:
-            given[name] = as_int(value, name)  # a NumPy integer too
-        except TypeError:
-            given[name] = least - 1
-        if given[name] < least:
-            raise TypeError(f"calibrate's {name} must be an int of at least {least}, got {value!r}")
-    small, nbytes, count, repeats = given["small"], given["nbytes"], given["count"], given["repeats"]
+    small = at_least(small, "calibrate's small", 1)  # NumPy integers too
+    nbytes = at_least(nbytes, "calibrate's nbytes", small)  # one small descriptor at least
+    count, repeats = at_least(count, "calibrate's count", 2), at_least(repeats, "calibrate's repeats", 1)
     if isinstance(remote, RegistrationDescription):  # the peer's handshake: its tensors, as a side
         remote = _described_side(remote)
     if not hasattr(remote, "tensor_spans"):

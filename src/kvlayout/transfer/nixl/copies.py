@@ -81,19 +81,24 @@ def _check_spans(name: str, spans: Any) -> None:
     if rows.ndim != 2 or rows.shape[1] != 2 or not np.issubdtype(rows.dtype, np.integer):
         raise TransferError(f"{name} must be an (K, 2) integer array of (start, bytes), got {_what(rows)}")
     starts, sizes = rows[:, 0], rows[:, 1]
-    # compared without a sum, which would wrap in uint64 (and a negative size is no span)
-    bad = (
-        (starts < _NULL_PAGE)
-        | (sizes < 0)
-        | (starts > MAX_END)
-        | (sizes > MAX_END - np.minimum(starts, MAX_END))
-    )
+    bad = _unownable(starts, sizes)
     if bad.any():
         i = int(np.argmax(bad))
         raise RefusedDescriptorError(
             f"{name}[{i}] = ({int(starts[i]):#x}, {int(sizes[i])} bytes) is no memory a process owns (it "
             f"must start past the null page and end by {MAX_END:#x}); nothing was copied"
         )
+
+
+def _unownable(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """Which ``(start, bytes)`` spans no process can own: in the null page, of a negative
+    size, or past 2**57; compared without a sum, which would wrap in uint64."""
+    return (  # type: ignore[no-any-return]
+        (starts < _NULL_PAGE)
+        | (sizes < 0)
+        | (starts > MAX_END)
+        | (sizes > MAX_END - np.minimum(starts, MAX_END))
+    )
 
 
 def _what(rows: np.ndarray) -> str:

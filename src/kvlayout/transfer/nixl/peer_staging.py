@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import torch
 
-from kvlayout.errors import as_int
+from kvlayout.errors import at_least
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.block_maps import fingerprint
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
@@ -40,15 +40,7 @@ def stage_notif(tag: bytes | str, stage: int, stages: int) -> bytes:
     passes ``notif=tag``); a pipelined READ's stage is gathered when the peer sends it
     (:func:`stage` with ``notifs``; its poster passes ``peer_ready=tag``)."""
     message = _message(tag, "tag")
-    counts = []
-    for name, value, least in (("stages", stages, 1), ("stage", stage, 0)):
-        try:
-            counts.append(as_int(value, name))  # a NumPy integer too
-        except TypeError:
-            raise TypeError(f"{name} must be an int of at least {least}, got {value!r}") from None
-        if counts[-1] < least:
-            raise TypeError(f"{name} must be an int of at least {least}, got {value!r}")
-    stages, stage = counts
+    stages, stage = at_least(stages, "stages", 1), at_least(stage, "stage", 0)  # NumPy integers too
     if stage >= stages:
         raise TypeError(f"stage {stage} is not one of {stages} stages (they count from 0)")
     return message if stages == 1 else message + b"#%d/%d" % (stage, stages)

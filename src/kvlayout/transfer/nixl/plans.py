@@ -14,7 +14,6 @@ import torch
 
 from kvlayout import _native
 from kvlayout.errors import as_int
-from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.block_maps import BlockMap
@@ -25,6 +24,7 @@ from kvlayout.transfer.nixl.copies import (
     _check_copies,
     _check_staging_device,
     _copy,
+    _unownable,
 )
 from kvlayout.transfer.nixl.direct import _checked_runs, _direct_rows, _mem_type, _rows, _Sides, _sides
 from kvlayout.transfer.nixl.regions import _intervals
@@ -458,8 +458,8 @@ def _check_peer_staging(peer: PeerStaging) -> None:
         value = getattr(peer, name)
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 1 << 64:
             raise TransferError(f"PeerStaging.{name} must be an int in [0, 2**64), got {value!r}")
-    address, nbytes = int(peer.address), int(peer.nbytes)  # a numpy uint64 sum would wrap
-    if not _NULL_PAGE <= address <= address + nbytes <= MAX_END:
+    address, nbytes = int(peer.address), int(peer.nbytes)
+    if _unownable(np.array([address], _U64), np.array([nbytes], _U64))[0]:
         raise TransferError(
             f"PeerStaging({address:#x}, {nbytes} bytes) is not memory a process can own: it must "
             f"lie in [{_NULL_PAGE:#x}, 2**57), past the null page, as a peer's described tensors do"
