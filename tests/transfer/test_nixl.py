@@ -462,6 +462,38 @@ def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: P
     staging.close()
 
 
+@pytest.mark.parametrize("held", ["staging", "regions", "peer stagings"])
+def test_a_request_collected_while_a_lock_it_releases_is_held_lets_go_after(pair: Pair, held: str) -> None:
+    """A prepared request dropped in a reference cycle is released by the collector, on
+    whatever thread allocates: one inside a staging buffer's, the agent's or the peer
+    buffers' lock hung for good when the release waited for it. The next call that takes
+    the buffer releases it instead."""
+    from kvlayout.transfer.nixl.posting import _PEER_STAGINGS_LOCK
+    from kvlayout.transfer.nixl.regions import _REGIONS
+
+    m = make_map(pair, "READ", UNIT_RUNS)
+    staging = nx.Staging(pair.agent, BUF)
+    cycle: list[Any] = [nx.prepare_transfer(pair.agent, pair.name, m, strategy="staged", staging=staging)]
+    cycle.append(cycle)  # freed only by the cyclic collector
+    del cycle
+    lock = {
+        "staging": staging._lock,
+        "regions": _REGIONS[pair.agent].lock,
+        "peer stagings": _PEER_STAGINGS_LOCK,
+    }
+    faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the run, not the machine
+    try:
+        with lock[held], pytest.warns(ResourceWarning, match="was prepared and dropped without release"):
+            gc.collect()
+        assert staging.busy  # left for later: the lock was held
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+    assert nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=staging).wait(
+        timeout=30
+    ).strategy == ("staged")
+    staging.close()
+
+
 def test_a_request_prepared_ahead_posts_nothing_until_started(pair: Pair) -> None:
     """prepare_transfer plans, checks and makes the NIXL requests; nothing moves and the
     staging buffer is taken until start(), which posts exactly what transfer() would."""

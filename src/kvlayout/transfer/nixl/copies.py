@@ -18,7 +18,7 @@ from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.registration.memory import Placement
 from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.regions import _intervals, register
+from kvlayout.transfer.nixl.regions import _drain_deferred, _intervals, register, when_free
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError
 
 _HOST = torch.device("cpu")
@@ -179,7 +179,7 @@ class Staging:
         self._placement = Placement([self.tensor], ["the staging buffer's tensor"])
         # Dropped without close(), NIXL lets go of its region with the memory (one kept for
         # good is never dropped: _KEPT holds it), never waiting on the agent's lock.
-        weakref.finalize(self, self.registered._deregister_when_free).atexit = False
+        weakref.finalize(self, when_free, self.registered._deregister_when_free).atexit = False
         self.busy = False
         self.closed = False
         self.kept = False  # a request released in flight may still write it: never handed out again
@@ -220,6 +220,7 @@ class Staging:
     def _take(self) -> bool:
         """Take the buffer for one request, atomically (two threads posting through it
         both saw it free, and both gathered into it); False while another holds it."""
+        _drain_deferred()  # a request dropped unreleased may still hold it
         with self._lock:
             if self.closed and not self.busy:
                 raise TransferError(f"{self!r} is closed: NIXL no longer holds its region")

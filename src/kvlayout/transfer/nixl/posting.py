@@ -18,6 +18,7 @@ from kvlayout.transfer.nixl.peer_staging import _other_cut, _stages_announced, s
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, _check_staging_arg, plan
 from kvlayout.transfer.nixl.prepped import Prepped
 from kvlayout.transfer.nixl.regions import (
+    _REGIONS,
     Region,
     _check_described,
     _check_local,
@@ -27,6 +28,8 @@ from kvlayout.transfer.nixl.regions import (
     _refuse_unregistered,
     _removals,
     _unpin,
+    locks_free,
+    when_free,
 )
 from kvlayout.transfer.nixl.sides import (
     Agent,
@@ -460,7 +463,8 @@ class _Hold:
 def _abandon(hold: _Hold, what: str) -> None:
     """A request dropped unreleased. Prepared and never started: release it, so that its
     staging buffer is not taken for good. Started: leave it to finish (a post must not be
-    cancelled behind the caller's back), keeping what it holds."""
+    cancelled behind the caller's back), keeping what it holds. Both take locks the
+    thread the collector runs this on may hold: then the next call does it."""
     if hold.released:
         return
     if hold.started:
@@ -470,12 +474,24 @@ def _abandon(hold: _Hold, what: str) -> None:
             ResourceWarning,
             stacklevel=1,
         )
+    else:
+        warnings.warn(
+            f"{what} was prepared and dropped without release(); releasing it", ResourceWarning, stacklevel=1
+        )
+    when_free(lambda: _let_go_abandoned(hold))
+
+
+def _let_go_abandoned(hold: _Hold) -> bool:
+    """:func:`_abandon`'s work, False while a lock it takes is held."""
+    regions = _REGIONS.get(hold.agent)
+    locks = [_PEER_STAGINGS_LOCK] + ([regions.lock] if regions is not None else [])
+    if not locks_free(*locks, *([hold.staging._lock] if hold.staging is not None else [])):
+        return False
+    if hold.started:
         hold.keep()
-        return
-    warnings.warn(
-        f"{what} was prepared and dropped without release(); releasing it", ResourceWarning, stacklevel=1
-    )
-    hold.release(in_flight=False)
+    else:
+        hold.release(in_flight=False)
+    return True
 
 
 def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:

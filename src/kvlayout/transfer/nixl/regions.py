@@ -7,7 +7,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,19 +70,36 @@ class _AgentRegions:
 
 _REGIONS: weakref.WeakKeyDictionary[Any, _AgentRegions] = weakref.WeakKeyDictionary()
 
-# Deregistrations a finalizer could not make at once (its agent's lock was held, perhaps
-# by the very thread the cyclic collector ran it on), made by the next call that reads or
-# changes what is registered.
-_DEFERRED: deque[Registered] = deque()
+# Work a finalizer could not do at once: it needed a lock that was held, perhaps by the
+# very thread the cyclic collector ran it on (which waiting would hang for good). Each
+# attempt returns False while a lock it needs is held; the next call that reads or
+# changes what is registered, or takes a staging buffer, tries again.
+_DEFERRED: deque[Callable[[], bool]] = deque()
+
+
+def locks_free(*locks: Any) -> bool:
+    """Whether each lock could be taken now (False for one this thread holds)."""
+    for lock in locks:
+        if not lock.acquire(blocking=False):
+            return False
+        lock.release()
+    return True
+
+
+def when_free(attempt: Callable[[], bool]) -> None:
+    """Run ``attempt`` now, or, while a lock it needs is held, later (for finalizers)."""
+    if not attempt():
+        _DEFERRED.append(attempt)
 
 
 def _drain_deferred() -> None:
-    while _DEFERRED:
+    for _ in range(len(_DEFERRED)):  # once each: one still waiting goes back for later
         try:
-            pending = _DEFERRED.popleft()
+            attempt = _DEFERRED.popleft()
         except IndexError:  # another thread took the last one
             return
-        pending.deregister()
+        if not attempt():
+            _DEFERRED.append(attempt)
 
 
 class Registered:
@@ -122,18 +139,15 @@ class Registered:
                         self.agent.deregister_memory(held.reg_lists.pop(region))
         self._tensors = None
 
-    def _deregister_when_free(self) -> None:
-        """:meth:`deregister` for a finalizer. The cyclic collector may run one on a thread
-        that holds the agent's lock (inside :func:`register`, say), which waiting for the
-        lock would hang for good: then the next call that takes it deregisters."""
+    def _deregister_when_free(self) -> bool:
+        """:meth:`deregister` for a finalizer (through :func:`when_free`), False while the
+        agent's lock is held: register() may be what the collector interrupted."""
         held = _REGIONS.get(self.agent)
-        if self._tensors is None or held is None:
-            return
-        if not held.lock.acquire(blocking=False):
-            _DEFERRED.append(self)
-            return
-        held.lock.release()
-        self.deregister()
+        if self._tensors is not None and held is not None:
+            if not locks_free(held.lock):
+                return False
+            self.deregister()
+        return True
 
     def __enter__(self) -> Registered:
         return self
