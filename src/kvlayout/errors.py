@@ -31,8 +31,9 @@ class KVLayoutError(ValueError):
 
 def as_int(value: object, what: str) -> int:
     """``value`` as an int: anything ``operator.index`` takes (NumPy and torch integers
-    too), never a bool; a ``TypeError`` naming ``what`` otherwise. Every int kvlayout
-    takes from a caller goes through here."""
+    too), never a bool; a ``TypeError`` naming ``what`` otherwise: how kvlayout takes
+    an int from a caller (a few parsers that report their own error class call
+    ``operator.index`` themselves)."""
     if type(value) is int:
         return value
     if not isinstance(value, bool):

@@ -37,7 +37,7 @@ from kvlayout.transfer import (
     ShardError,
     block_map,
 )
-from kvlayout.transfer.block_maps import _piece_starts
+from kvlayout.transfer.map_sides import _piece_starts
 from tests.transfer.registrations import Registration, make_registration
 from tests.transfer.test_native import native_sizes
 

@@ -5,6 +5,10 @@ strides and zero-copy views; ``memory`` which bytes a tensor occupies (no two te
 an engine group may share one); ``binding`` reads a normalized structure as a format's
 layout, every tensor checked; ``registration`` is the bound ``Registration``: per-layer
 formats, engine groups and kernel groups, which the facade and transfer read.
+``backing`` checks that a tensor has memory behind its view; ``opaque`` reads pages
+paged finer than their block as bytes; ``shards`` says which KV heads a TP rank holds;
+``peers`` is a registration as plain data (``describe``, JSON) for the other side of a
+transfer.
 
 It knows formats (the catalog) and tensors; an engine is only a label it carries. It
 must not know any engine's registrations or hints: which format a registration is in is

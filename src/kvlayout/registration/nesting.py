@@ -1,8 +1,9 @@
 """The one walker of a registration's nesting: lists and tuples around tensors.
 
-Every module that looks inside a registration (contiguity recovery, the detectors'
-re-views, per-layer bucketing, binding a registration to its format, the demo) goes
-through these functions, so they agree at the edges: a structure deeper than
+Every module that walks a registration of unknown shape (contiguity recovery, the
+detectors' re-views, per-layer bucketing, binding a registration to its format, the
+demo) goes through these functions, so they agree at the edges (detection's ``validate``
+then compares the entries of a structure these functions already bounded): a structure deeper than
 :data:`MAX_NESTING` (or one that contains itself) is an error, not a ``RecursionError``
 or a hang; anything that is not a tensor, list or tuple is a ``TypeError`` naming where
 it stands; paths are written ``kv_caches[i][j]`` everywhere.

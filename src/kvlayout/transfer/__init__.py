@@ -1,9 +1,14 @@
-"""The transfer layer: moving blocks between a paged KV cache and token-major chunks.
+"""The transfer layer: moving a request's blocks between a paged KV cache and token-major
+chunks, or another cache.
 
 ``plan`` prepares a kernel group's copies once (``prepare``, ``TransferPlan``) and runs
 them on the native engine (``kvlayout._native``); ``cuda`` is the CUDA engine the plan
-picks for a GPU cache (it is handed the plan and never imports ``plan``). This package
-exports the plan's public names, so ``from kvlayout.transfer import prepare`` works.
+picks for a GPU cache (it is handed the plan and never imports ``plan``); ``block_maps``
+maps one request between two registrations (any layout, block size or TP shard) as byte
+runs; ``arguments`` checks the block ids and chunks callers pass; ``nixl`` moves block
+maps between processes. This package exports the public names of the plans and block
+maps (with ``Shard`` and ``RegistrationDescription``, which a map's sides take), so
+``from kvlayout.transfer import block_map`` works.
 
 It knows the bound registration's kernel groups, the algebra's copy plans and the
 generated indexers. It must not know engines or format names (jobs, pieces and strides
