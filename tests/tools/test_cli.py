@@ -671,7 +671,7 @@ def test_plan_scattered_block_ids_do_not_build_the_pool() -> None:
     """A pool of 2**31 - 1 blocks used to be permuted whole (16 GiB) to pick one block."""
     import numpy as np
 
-    from kvlayout.tools.cli import _block_ids
+    from kvlayout.tools.plan_command import _block_ids
 
     ids = _block_ids("scattered", 5000, 2**31 - 1, "src")
     assert len(set(ids.tolist())) == 5000 and ids.min() >= 0 and ids.max() < 2**31 - 1

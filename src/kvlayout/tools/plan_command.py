@@ -1,0 +1,276 @@
+"""The ``plan`` command: every rank pair of two registrations (each given as ``detect``
+takes it, with its TP degree), mapped for one request, with each pair's descriptors per
+NIXL strategy, the predicted times and the choice, or why the pair cannot be served."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from kvlayout.errors import KVLayoutError
+from kvlayout.tools.registrations import (
+    _DTYPES,
+    _detect_kv,
+    _hints,
+    _registration,
+    _registration_spec,
+    _shown,
+)
+
+
+def _side_heads(registration: Any) -> int | None:
+    """A side's KV heads per rank; None for latents (MLA), which every rank holds whole."""
+    from kvlayout.layout import algebra
+
+    group = registration.kernel_groups[0]
+    latent = algebra.is_latent(group.layout, group.planes[0].sizes)
+    return None if latent else int(group.geometry.num_heads)
+
+
+MAX_TP = 1024
+"""A side's TP degree in ``plan`` (deployments use up to a few dozen ranks)."""
+MAX_RANK_PAIRS = 4096
+"""Rank pairs ``plan`` maps, one block map each (64 x 64 ranks)."""
+MAX_TOKENS = 2**24
+"""A request's tokens in ``plan`` (the longest contexts hold about 10 million)."""
+MAX_KV_HEADS = 2**16
+"""``plan --kv-heads`` (models have at most a few hundred KV heads)."""
+MAX_PLAN_LAYERS = 4096
+"""Layers of a side in ``plan`` (a model has at most a few hundred)."""
+MAX_PLAN_MAPS = 2**20
+"""Layer maps ``plan`` makes: layers x rank pairs, each pair mapping every layer (a few
+microseconds each up to a thousand layers, tens beyond: 1024 x 1024 take seconds)."""
+MAX_PLAN_ROWS = 2**28
+"""Token rows ``plan`` maps: tokens x layers x the rank pairs that exchange heads (a 1M
+token request of 32 layers over 8 pairs). A block map makes ten to fifty million a
+second, so this is under a minute."""
+
+
+def _block_ids(pattern: str, needed: int, num_blocks: int, where: str) -> Any:
+    """``needed`` distinct block ids of ``num_blocks``: the first ones, or scattered ones
+    (seeded: a plan is repeatable), in memory that grows with ``needed``, not the pool."""
+    import numpy as np
+
+    if needed > num_blocks:
+        raise KVLayoutError(f"--tokens needs {needed} blocks of the {where} cache, which has {num_blocks}")
+    if pattern == "consecutive":
+        return np.arange(needed, dtype=np.int64)
+    rng = np.random.default_rng(0)
+    if 4 * needed >= num_blocks:  # a large share of the pool: permute all of it
+        return rng.permutation(num_blocks)[:needed]
+    picked = np.empty(0, dtype=np.int64)
+    while len(picked) < needed:  # draws from a pool at least 4x larger: few repeats to draw again
+        drawn = np.concatenate([picked, rng.integers(0, num_blocks, size=2 * (needed - len(picked)))])
+        _, first = np.unique(drawn, return_index=True)
+        picked = drawn[np.sort(first)][:needed]  # each id once, in the order drawn
+    return picked
+
+
+def _plan_bounds(args: argparse.Namespace) -> None:
+    """plan's numbers, in range before anything is built."""
+    if not 0 < args.tokens <= MAX_TOKENS:
+        raise KVLayoutError(
+            f"--tokens {args.tokens}: a request holds 1 to 2**24 = {MAX_TOKENS} tokens (the longest contexts "
+            "hold about 10 million)"
+        )
+    for where in ("src", "dst"):
+        tp = vars(args)[f"{where}_tp"]
+        if not 0 < tp <= MAX_TP:
+            raise KVLayoutError(f"--{where}-tp {tp}: a TP degree is 1 to {MAX_TP}")
+    if args.src_tp * args.dst_tp > MAX_RANK_PAIRS:
+        raise KVLayoutError(
+            f"--src-tp {args.src_tp} and --dst-tp {args.dst_tp} make {args.src_tp * args.dst_tp} rank pairs, "
+            f"one block map each; plan at most {MAX_RANK_PAIRS} (64 x 64)"
+        )
+    if args.kv_heads is not None and not 0 < args.kv_heads <= MAX_KV_HEADS:
+        raise KVLayoutError(f"--kv-heads {args.kv_heads}: a model has 1 to {MAX_KV_HEADS} KV heads")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Every rank pair of a P/D transfer planned from shapes alone (meta tensors, tensors
+    described at made-up addresses): runs, bytes, descriptors and predicted time. Exits 1
+    when a pair cannot be served (the plan says why)."""
+    import torch
+
+    from kvlayout.registration.shards import Shard, ShardError
+    from kvlayout.transfer.nixl import DEFAULT_COST
+    from kvlayout.types import LayoutHints, as_engine
+
+    if args.dtype not in _DTYPES:
+        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
+    _plan_bounds(args)
+    dtype, meta = getattr(torch, _DTYPES[args.dtype]), torch.device("meta")
+    sides = {}
+    a = vars(args)
+    for where in ("src", "dst"):
+        hints = _hints(a[f"{where}_hint"], f"--{where}-hint")
+        try:
+            engine = as_engine(a[f"{where}_engine"])
+        except KVLayoutError as e:
+            raise KVLayoutError(f"--{where}-engine: {e}") from None
+        try:
+            LayoutHints.coerce(hints)
+        except (KVLayoutError, TypeError) as e:
+            raise KVLayoutError(f"--{where}-hint: {e}") from None
+        spec = _registration_spec(f"--{where}-shape", a[f"{where}_shape"], args.dtype)
+        kv = _registration(spec, dtype, meta, a[f"{where}_share"], f"--{where}-share")  # refused as given
+        try:
+            reg = _detect_kv(kv, spec, engine, hints)
+        except (KVLayoutError, TypeError) as e:
+            raise KVLayoutError(f"--{where}-shape: detection refuses it: {e}") from None
+        if len(reg.kernel_groups) > 1:  # the block map moves one group (a hybrid's would be refused)
+            raise KVLayoutError(
+                f"--{where}-shape {_shown(spec.text)}: {len(reg.kernel_groups)} kernel groups; plan maps one "
+                "kernel group a side: give each group's shape (one '+' item) to a plan of its own"
+            )
+        group = reg.kernel_groups[0]
+        if group.geometry.block_size is None:
+            raise KVLayoutError(
+                f"--{where}-shape {_shown(spec.text)}: the {engine.value} cache folds blocks and tokens into "
+                f"one axis (NB*BS), so plan cannot tell its blocks: give --{where}-hint tokens_per_block=N "
+                "(the engine's page size)"
+            )
+        sides[where] = (reg, group)
+    heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
+    model_heads = args.kv_heads
+    if model_heads is None and heads["src"] is not None:
+        model_heads = heads["src"] * args.src_tp  # no replication unless --kv-heads says so
+    if model_heads is not None:
+        origin = (
+            f"--kv-heads {model_heads}" if args.kv_heads is not None
+            else f"the model's {model_heads} KV heads (src {heads['src']} x --src-tp {args.src_tp})"
+        )  # fmt: skip
+        for where in ("src", "dst"):  # the command line's numbers agree, or no pair could be served
+            tp = a[f"{where}_tp"]
+            try:
+                held = len(Shard(0, tp, model_heads).heads)
+            except ShardError:
+                raise KVLayoutError(
+                    f"--{where}-tp {tp} does not split {origin}: TP splits the heads evenly over the ranks "
+                    "or holds each head on as many ranks (the larger must be a multiple of the smaller)"
+                ) from None
+            if heads[where] is not None and heads[where] != held:
+                g = sides[where][1]
+                raise KVLayoutError(
+                    f"--{where}-tp {tp} gives each {where} rank {held} of {origin}, but --{where}-shape "
+                    f"holds {heads[where]} a rank, read as {g.format.name} with {g.geometry.block_size} "
+                    f"tokens a block (where the engine reads one, --{where}-hint kv_layout=NHD or HND says "
+                    "which axis holds the heads)"
+                )
+    _plan_work(args, model_heads, {where: len(group.layers) for where, (_, group) in sides.items()})
+    record: dict[str, Any] = {
+        "tokens": args.tokens, "blocks": args.blocks, "poster": args.poster,
+        "cost_model": DEFAULT_COST.source, "kv_heads": model_heads, "pairs": [],
+    }  # fmt: skip
+    for where, (_, group) in sides.items():
+        g = group.geometry
+        record[where] = {"format": group.format.name, "tp": a[f"{where}_tp"],
+                         "block_size": g.block_size, "num_blocks": g.num_blocks,
+                         "shared_layers": [list(layers) for layers in group.shared_layers]}  # fmt: skip
+    descs, ids = {}, {}
+    for where, (reg, group) in sides.items():
+        bs = group.geometry.block_size
+        try:
+            descs[where] = reg.describe(block_size=bs, at=1 << 40 if where == "src" else 1 << 44)
+        except KVLayoutError as e:
+            raise KVLayoutError(
+                f"--{where}-shape: plan describes it as a peer would, and cannot: {e}"
+            ) from None
+        ids[where] = _block_ids(args.blocks, -(-args.tokens // bs), group.geometry.num_blocks, where)
+    try:
+        _plan_pairs(args, record, descs, ids, model_heads)
+    except MemoryError:  # numpy's and the native maps' allocations: bounded above, not by the machine
+        raise KVLayoutError(
+            f"--tokens {args.tokens}: the block maps of this plan need more memory than this machine gives; "
+            "plan fewer tokens"
+        ) from None
+    if args.json:
+        print(json.dumps(record, indent=2))
+    else:
+        _print_plan(record)
+    return 1 if any("refused" in p for p in record["pairs"]) else 0
+
+
+def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: dict[str, int]) -> None:
+    """Refuse a plan of more than MAX_PLAN_LAYERS layers a side, MAX_PLAN_MAPS layer maps
+    or MAX_PLAN_ROWS token rows (the pairs with no head in common move no rows: they
+    count for their maps, not their rows)."""
+    from kvlayout.registration.shards import Shard
+
+    for where, n in side_layers.items():
+        if n > MAX_PLAN_LAYERS:
+            raise KVLayoutError(f"--{where}-shape: {n} layers; plan maps at most {MAX_PLAN_LAYERS}")
+    layers = max(side_layers.values())
+    pairs = args.src_tp * args.dst_tp
+    if layers * pairs > MAX_PLAN_MAPS:
+        raise KVLayoutError(
+            f"--src-tp {args.src_tp} and --dst-tp {args.dst_tp} over {layers} layers make {layers * pairs} "
+            f"layer maps (layers x rank pairs), more than 2**20 = {MAX_PLAN_MAPS}; plan fewer ranks"
+        )
+    if model_heads is not None:
+        src = [Shard(r, args.src_tp, model_heads).heads for r in range(args.src_tp)]
+        dst = [Shard(d, args.dst_tp, model_heads).heads for d in range(args.dst_tp)]
+        pairs = sum(a.start < b.stop and b.start < a.stop for a in src for b in dst)
+    rows = args.tokens * layers * pairs
+    if rows > MAX_PLAN_ROWS:
+        raise KVLayoutError(
+            f"--tokens {args.tokens} of {layers} layers over {pairs} rank pair(s) that exchange heads make "
+            f"{rows} token rows to map, more than 2**28 = {MAX_PLAN_ROWS}; plan fewer tokens or ranks"
+        )
+
+
+def _plan_pairs(
+    args: argparse.Namespace, record: dict[str, Any], descs: dict[str, Any], ids: dict[str, Any],
+    model_heads: int | None,
+) -> None:  # fmt: skip
+    """Each rank pair's block map and cost, or why it cannot be served, into ``record``."""
+    from kvlayout.registration.shards import Shard
+    from kvlayout.transfer import block_map
+    from kvlayout.transfer.nixl import estimate
+
+    for r in range(args.src_tp):
+        for d in range(args.dst_tp):
+            pair: dict[str, Any] = {"src_rank": r, "dst_rank": d}
+            try:
+                src_shard = None if model_heads is None else Shard(r, args.src_tp, model_heads)
+                dst_shard = None if model_heads is None else Shard(d, args.dst_tp, model_heads)
+                m = block_map(
+                    descs["src"], descs["dst"], ids["src"], ids["dst"], num_tokens=args.tokens,
+                    src_shard=src_shard, dst_shard=dst_shard,
+                )  # fmt: skip
+            except KVLayoutError as exc:
+                pair["refused"] = str(exc)
+                record["pairs"].append(pair)
+                continue
+            pair |= {"kind": m.kind, "reason": m.reason, "runs": m.num_runs, "bytes": m.num_bytes}
+            if m.num_runs:
+                est = estimate(m, poster=args.poster)
+                pair |= {"mean_run": m.num_bytes / m.num_runs, "op": est.op, "descriptors": est.descriptors,
+                         "predicted_s": est.predicted_s, "choice": est.choice,
+                         "stages": est.stages}  # fmt: skip
+            record["pairs"].append(pair)
+
+
+def _print_plan(r: dict[str, Any]) -> None:
+    s, d = r["src"], r["dst"]
+    print(
+        f"plan: {r['tokens']} tokens, {r['blocks']} block ids; src {s['format']} TP {s['tp']} "
+        f"(blocks of {s['block_size']}), dst {d['format']} TP {d['tp']} (blocks of {d['block_size']}); "
+        f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
+    )
+    for p in r["pairs"]:
+        head = f"  src rank {p['src_rank']} -> dst rank {p['dst_rank']}:"
+        if "refused" in p:
+            print(f"{head} cannot be served: {p['refused']}")
+        elif not p["runs"]:
+            print(f"{head} nothing to send ({p['reason']})")
+        else:
+            n, t = p["descriptors"], p["predicted_s"]
+            print(f"{head} {p['kind']}; {p['runs']} runs, {p['bytes']} bytes, mean run {p['mean_run']:.0f} B")
+            each = "; ".join(f"{k} {n[k]} descriptors, {t[k] * 1e3:.2f} ms" for k in n)
+            stages = p["stages"][p["choice"]]
+            print(
+                f"    {p['op']}: {each}; choice: {p['choice']}"
+                + (f", in {stages} stages" if stages > 1 else "")
+            )
