@@ -337,6 +337,53 @@ def test_a_staging_buffer_dropped_unclosed_lets_go_of_its_region() -> None:
         _check_local(agent, at, np.array([BUF], U64), "DRAM", 0, "staged descriptor")
 
 
+def test_a_registration_deregistered_from_several_threads_at_once_is_deregistered_once() -> None:
+    """Threads that all saw a handle live each took the count of its storage down: a raw
+    KeyError, or a storage another handle still registers deregistered under it."""
+    from kvlayout.transfer.nixl.regions import _REGIONS, _check_local
+
+    agent = nx.make_agent("kvl-double-deregister", progress_thread=False)
+    t = torch.zeros(BUF, dtype=torch.uint8)
+    other, handle = nx.register(agent, t), nx.register(agent, t)  # one region, counted twice
+    failed: list[BaseException] = []
+
+    def deregister() -> None:
+        try:
+            handle.deregister()
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=deregister) for _ in range(4)]
+    with _REGIONS[agent].lock:  # every thread past its first look before any deregisters
+        for thread in threads:
+            thread.start()
+        time.sleep(0.1)
+    for thread in threads:
+        thread.join(30)
+    assert failed == []
+    assert list(_REGIONS[agent].count.values()) == [1]
+    _check_local(agent, np.array([t.data_ptr()], U64), np.array([BUF], U64), "DRAM", 0, "local run")
+    other.deregister()
+
+
+def test_a_registration_dropped_without_deregister_keeps_its_memory_while_registered() -> None:
+    """NIXL still holds the region of a handle dropped without deregister(): the memory
+    stays allocated (freed, NIXL's region and the local checks would point at whatever
+    the allocator put there next)."""
+    import weakref
+
+    from kvlayout.transfer.nixl.regions import _check_local
+
+    agent = nx.make_agent("kvl-dropped-handle", progress_thread=False)
+    t = torch.zeros(BUF, dtype=torch.uint8)
+    at, alive = t.data_ptr(), weakref.ref(t)
+    nx.register(agent, t)  # the handle dropped at once
+    del t
+    gc.collect()
+    assert alive() is not None
+    _check_local(agent, np.array([at], U64), np.array([BUF], U64), "DRAM", 0, "local run")
+
+
 def test_a_staging_buffer_collected_while_its_agent_s_lock_is_held_is_let_go_after() -> None:
     """The cyclic collector runs finalizers on whatever thread allocates, which may hold
     the agent's lock (inside register, say): a dropped Staging's finalizer that waited for
@@ -357,6 +404,36 @@ def test_a_staging_buffer_collected_while_its_agent_s_lock_is_held_is_let_go_aft
         faulthandler.cancel_dump_traceback_later()
     with pytest.raises(nx.RefusedDescriptorError, match="is outside every region registered"):
         _check_local(agent, at, n, "DRAM", 0, "staged descriptor")  # the next call let it go
+
+
+def test_a_peer_s_copy_collected_while_the_agent_s_lock_is_held_lets_go_after() -> None:
+    """A PeerCopy dropped unrun in a reference cycle, its closed Staging deregistered when
+    it lets go: its finalizer took the agent's lock and hung a thread that held it. The
+    next call that takes the buffer or reads what is registered lets go instead."""
+    from kvlayout.transfer.nixl.regions import _REGIONS, _check_local
+
+    agent = nx.make_agent("kvl-peer-copy-cycle", progress_thread=False)
+    local, theirs = torch.zeros(BUF, dtype=torch.uint8), torch.zeros(BUF, dtype=torch.uint8)
+    there = nx.LocalSide("cpu", 0, nx.local_side(theirs).tensor_spans, is_local=False)
+    runs = np.array(
+        [(theirs.data_ptr() + k * UNIT, local.data_ptr() + k * SLOT, UNIT) for k in range(64)], U64
+    )
+    with nx.register(agent, local):
+        staging = nx.Staging(agent, BUF)
+        at, n = np.array([staging.address], U64), np.array([BUF], U64)
+        cycle: list[Any] = [nx.prepare_unstage(Map(runs, there, nx.local_side(local)), staging)]
+        cycle.append(cycle)  # freed only by the cyclic collector
+        staging.close()  # busy: deregistered once the copy lets go
+        del cycle
+        faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the run, not the machine
+        try:
+            with _REGIONS[agent].lock:  # as register() holds it when an allocation collects
+                gc.collect()
+        finally:
+            faulthandler.cancel_dump_traceback_later()
+        with pytest.raises(nx.RefusedDescriptorError, match="is outside every region registered"):
+            _check_local(agent, at, n, "DRAM", 0, "staged descriptor")  # the next call let it go
+        assert not staging.busy
 
 
 # 128 runs of one unit, one slot apart here and back to back there: a staged request.
@@ -492,6 +569,44 @@ def test_a_request_collected_while_a_lock_it_releases_is_held_lets_go_after(pair
         timeout=30
     ).strategy == ("staged")
     staging.close()
+
+
+def test_two_threads_waiting_on_one_request_release_it_once(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A strict agent's request waited for from two threads (a connector's poller and
+    its caller): both saw it done and both released its NIXL requests, the second time
+    freeing freed memory (a segfault). Now its polls and release take turns: each NIXL
+    request is released once and both threads get the one result."""
+    real_check, real_release = pair.agent.check_xfer_state, pair.agent.release_xfer_handle
+    released: list[int] = []
+
+    def check_slowly(handle: Any) -> str:  # a wide window: both waiters polling at once
+        state = real_check(handle)
+        time.sleep(0.01)
+        return str(state)
+
+    def release_once(handle: Any) -> None:
+        released.append(id(handle))
+        if released.count(id(handle)) == 1:  # never free one twice, whatever the code does
+            real_release(handle)
+
+    monkeypatch.setattr(pair.agent, "check_xfer_state", check_slowly)
+    monkeypatch.setattr(pair.agent, "release_xfer_handle", release_once)
+    m = make_map(pair, "READ", UNIT_RUNS)
+    for _ in range(3):
+        xfer = nx.transfer(pair.agent, pair.name, m, strategy="direct")
+        results: list[Any] = []
+        waiters = [
+            threading.Thread(target=lambda x=xfer, got=results: got.append(x.wait(timeout=30)))
+            for _ in range(2)
+        ]
+        for t in waiters:
+            t.start()
+        for t in waiters:
+            t.join(60)
+        assert len(results) == 2 and results[0] is results[1]
+    assert len(released) == len(set(released)), "a NIXL request was released twice"
 
 
 def test_a_request_prepared_ahead_posts_nothing_until_started(pair: Pair) -> None:

@@ -289,6 +289,9 @@ class _FakeStaging:
     def _let_go(self) -> None:
         self.busy = False
 
+    def _locks(self) -> list[object]:  # none: no thread shares it
+        return []
+
     def _refuse_moved(self, nothing: str) -> None:
         """A numpy buffer the test holds does not move (a Staging's torch tensor may)."""
 

@@ -18,7 +18,7 @@ from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.registration.memory import Placement
 from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.regions import _drain_deferred, _intervals, register, when_free
+from kvlayout.transfer.nixl.regions import _REGIONS, _drain_deferred, _intervals, register, when_free
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError
 
 _HOST = torch.device("cpu")
@@ -216,6 +216,12 @@ class Staging:
                 self.closed = True
                 if not self.busy:
                     self.registered.deregister()
+
+    def _locks(self) -> list[Any]:
+        """The locks letting go of or keeping the buffer takes (a finalizer must not wait
+        for one its thread may hold)."""
+        held = _REGIONS.get(self.agent)
+        return [self._lock] + ([held.lock] if held is not None else [])
 
     def _take(self) -> bool:
         """Take the buffer for one request, atomically (two threads posting through it

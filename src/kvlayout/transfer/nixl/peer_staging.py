@@ -20,6 +20,7 @@ from kvlayout.transfer.block_maps import fingerprint
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _checked_runs
 from kvlayout.transfer.nixl.plans import Plan, plan
+from kvlayout.transfer.nixl.regions import locks_free, when_free
 from kvlayout.transfer.nixl.sides import (
     Agent,
     NixlError,
@@ -146,6 +147,14 @@ class _Taken:
                 self.held = False
                 if not self.staging.kept:
                     self.staging._let_go()
+
+    def dropped(self) -> bool:
+        """:meth:`let_go` for the finalizer of a copy dropped (through :func:`when_free`),
+        False while a lock it takes is held: the collector may run it on any thread."""
+        if not locks_free(self._lock, *self.staging._locks()):
+            return False
+        self.let_go()
+        return True
 
 
 @dataclass(frozen=True)
@@ -300,7 +309,7 @@ def _prepare(
         taken.let_go()
         raise
     copy = PeerCopy(p, staging, block_map, taken)
-    weakref.finalize(copy, taken.let_go).atexit = False  # dropped unrun: the buffer is free again
+    weakref.finalize(copy, when_free, taken.dropped).atexit = False  # dropped unrun: the buffer is free again
     return copy
 
 

@@ -7,9 +7,10 @@ import threading
 import time
 import warnings
 import weakref
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
@@ -56,6 +57,22 @@ class TransferResult(NamedTuple):
     seconds: float
 
 
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+
+
+def _locked(method: Callable[Concatenate[Transfer, _P], _T]) -> Callable[Concatenate[Transfer, _P], _T]:
+    """``method`` under the request's lock."""
+
+    def locked(self: Transfer, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    locked.__name__, locked.__qualname__ = method.__name__, method.__qualname__
+    locked.__doc__ = method.__doc__
+    return locked
+
+
 class Transfer:
     """A posted request: poll with :meth:`done`, finish with :meth:`wait`.
 
@@ -98,6 +115,9 @@ class Transfer:
         self._result: TransferResult | None = None
         self._ended: tuple[type[TransferError], str] | None = None  # released or failed: why, for later calls
         self._removals = _removals(agent)  # the agent's deregistrations when the request was made
+        # start, done (each poll of wait) and release from several threads, one at a time:
+        # two waiters once both released its NIXL requests, freeing them twice
+        self._lock = threading.RLock()
         self._reach = [_reach(rows, mem) for _, rows, mem in self._own_rows()]  # what start() pins
         # What the request holds until released; dropped unstarted, it is released then.
         self._hold = _Hold(agent, handles, staging)
@@ -166,6 +186,7 @@ class Transfer:
             kind, why = self._ended
             raise kind(why)
 
+    @_locked
     def start(self) -> None:
         """Post the request: gather it first where it is staged, then post what may go
         (:func:`transfer` calls it; after :func:`prepare_transfer`, the caller does, once
@@ -264,6 +285,7 @@ class Transfer:
                 else:
                     self.plan.copy(stream=self._stream)  # the scatter out of staging (checked before posting)
 
+    @_locked
     def done(self) -> bool:
         """True once the transfer is complete (a READ's scatter done); raises
         :class:`NixlError` when NIXL reports ``"ERR"`` or an error (the request is then
@@ -310,6 +332,7 @@ class Transfer:
         assert self._result is not None
         return self._result
 
+    @_locked
     def release(self) -> bool:
         """Let go of a request that will not be waited for: one prepared and never
         started, or one given up on. Its NIXL requests are freed (NIXL is asked to cancel
@@ -470,7 +493,8 @@ def _abandon(hold: _Hold, what: str) -> None:
     if hold.started:
         warnings.warn(
             f"{what} was dropped before wait(): it is left to finish, and its staging buffer stays busy "
-            "and, with the memory it posts through, registered for good",
+            "and, with the memory it posts through, registered for good; its notif may never reach the "
+            "peer (it goes once a poll sees the request done, and nothing polls a dropped request)",
             ResourceWarning,
             stacklevel=1,
         )
@@ -485,7 +509,7 @@ def _let_go_abandoned(hold: _Hold) -> bool:
     """:func:`_abandon`'s work, False while a lock it takes is held."""
     regions = _REGIONS.get(hold.agent)
     locks = [_PEER_STAGINGS_LOCK] + ([regions.lock] if regions is not None else [])
-    if not locks_free(*locks, *([hold.staging._lock] if hold.staging is not None else [])):
+    if not locks_free(*locks, *(hold.staging._locks() if hold.staging is not None else [])):
         return False
     if hold.started:
         hold.keep()

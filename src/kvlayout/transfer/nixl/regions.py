@@ -53,6 +53,10 @@ class _AgentRegions:
         self.reg_lists: dict[Region, Any] = {}
         self.removals = 0  # regions deregistered so far: a request prepared before one re-checks
         self.pins: dict[Region, int] = {}  # requests in flight that post through each region
+        # Tensors of each region's storage: its memory stays allocated while NIXL holds the
+        # region (a Registered dropped without deregister() leaves it registered, as long
+        # as the agent lives, never on freed memory).
+        self.owners: dict[Region, list[torch.Tensor]] = {}
         self.retired: dict[Region, list[torch.Tensor]] = {}  # deregistered while pinned: kept
         self.lock = threading.Lock()  # register, deregister, pin and unpin from any thread
 
@@ -104,8 +108,10 @@ def _drain_deferred() -> None:
 
 class Registered:
     """The NIXL registration of one registration's storages; :meth:`deregister` (or
-    leaving a ``with`` block) undoes it, once no started request posts through them. It
-    keeps the tensors alive while registered."""
+    leaving a ``with`` block) undoes it, once no started request posts through them. Their
+    memory stays allocated while registered: dropped without :meth:`deregister`, the
+    storages stay registered (and allocated) as long as the agent lives, so that NIXL
+    never reaches freed memory."""
 
     def __init__(self, agent: Agent, regions: tuple[Region, ...], tensors: list[torch.Tensor]) -> None:
         self.agent = agent
@@ -124,20 +130,21 @@ class Registered:
         good if the request was released in flight (NIXL cannot guarantee its cancel).
         New requests through it are refused at once."""
         _drain_deferred()
-        if self._tensors is None:
-            return
         held = _REGIONS[self.agent]
-        with held.lock:
+        with held.lock:  # checked and marked under it: two threads deregistering count once
+            if self._tensors is None:
+                return
+            self._tensors = None
             for region in self.regions:
                 held.count[region] -= 1
                 if held.count[region] == 0:
                     del held.count[region]
                     held.removals += 1
+                    owners = held.owners.pop(region)
                     if held.pins.get(region):
-                        held.retired[region] = self._tensors
+                        held.retired[region] = owners
                     else:
                         self.agent.deregister_memory(held.reg_lists.pop(region))
-        self._tensors = None
 
     def _deregister_when_free(self) -> bool:
         """:meth:`deregister` for a finalizer (through :func:`when_free`), False while the
@@ -183,14 +190,16 @@ def register(agent: Agent, registration: Holder) -> Registered:
     held = _REGIONS.setdefault(agent, _AgentRegions())
     with held.lock:
         for region in regions:
-            if held.retired.pop(region, None) is not None:  # NIXL still holds it: counted again
-                held.count[region] = 0
+            kept = held.retired.pop(region, None)
+            if kept is not None:  # NIXL still holds it: counted again
+                held.count[region], held.owners[region] = 0, kept
             if region not in held.count:
                 reg = agent.register_memory(
                     [(region.address, region.nbytes, region.device, "")], region.mem_type
                 )
                 held.reg_lists[region] = reg
                 held.count[region] = 0
+                held.owners[region] = [t for t in tensors if t.untyped_storage().data_ptr() == region.address]
             held.count[region] += 1
     return Registered(agent, regions, tensors)
 
