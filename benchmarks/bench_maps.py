@@ -174,6 +174,7 @@ SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
     ("NHD -> HND", lambda: (vllm(False, 16), vllm(True, 16))),
     ("block 16 -> 64", lambda: (vllm(False, 16), vllm(False, 64))),
     ("block 64 -> 16", lambda: (vllm(False, 64), vllm(False, 16))),
+    ("NHD 16 -> HND 64", lambda: (vllm(False, 16), vllm(True, 64))),  # an offload pool's blocks
     ("vLLM -> SGLang", lambda: (vllm(False, 16), sglang(16))),
     ("MLA TP 1->4", lambda: (mla(), mla(Shard(2, 4, 1)))),
 ]

@@ -400,6 +400,20 @@ class Walker {
            slab_->tail == 0;
   }
   [[gnu::always_inline]] void emit_tiles(Cursor<kTrackTensors>& c) const {
+    if (q_.order[2] == kHead && position_ * q_.dst_block_size + slots() > boundary_[position_]) {
+      // Heads outside slots, the block's tokens in several source blocks: a tile per
+      // segment would visit every head once per segment, out of destination order (and
+      // the runs then sorted); a row per head and segment keeps the order.
+      const std::uint64_t width = slab_->width;
+      for (std::int64_t h = 0; h < q_.heads; ++h) {
+        const At a = at(c, h);
+        for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
+          c.emit_row(a.src + a.src_tok[p], a.dst + a.dst_tok[p], width, static_cast<std::uint64_t>(stop - p),
+                     a.src_slot, a.dst_slot);
+        });
+      }
+      return;
+    }
     const At a = at(c, 0);
     for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
       c.emit_tile(a.src + a.src_tok[p], a.dst + a.dst_tok[p], tile(a, static_cast<std::uint64_t>(stop - p)));

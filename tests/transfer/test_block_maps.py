@@ -1079,3 +1079,27 @@ def test_the_native_builder_refuses_a_nest_with_slots_outside_blocks() -> None:
     m._pair = replace(pair, order=cast(Any, tuple(swapped)))
     with pytest.raises(ValueError, match="order puts the slot level outside the block level"):
         m._build_groups(force_sort=False)
+
+
+def test_head_major_blocks_that_span_several_source_blocks_are_walked_in_destination_order() -> None:
+    """NHD blocks of 16 into HND blocks of 64 (an offload pool's): each destination block's
+    tokens lie in four source blocks, and the walk emitted a tile per source block, each
+    visiting every head: out of destination order, so every run was sorted (9.7 ms for a
+    1024-token request of Llama-3-8B's shape, as long as half its copy). It now walks a
+    row per head and source block, in order, with the same runs."""
+
+    def cache(blocks: int, block_size: int, hnd: bool) -> Any:
+        shape = (2, blocks, 4, block_size, 16) if hnd else (2, blocks, block_size, 4, 16)
+        kv = [torch.randn(shape, dtype=torch.bfloat16) for _ in range(3)]
+        kv = [t.transpose(2, 3) for t in kv] if hnd else kv
+        return kvlayout.detect(kv, "vllm", {"kv_layout": "HND" if hnd else "NHD"})
+
+    src, dst = cache(32, 16, hnd=False), cache(8, 64, hnd=True)
+    m = block_map(src, dst, random.Random(5).sample(range(32), 10), [6, 2, 7], num_tokens=150)
+    p, (src_ids, dst_ids) = m._pair, m._ids
+    _, runs, in_order = _native.build_groups(
+        p.slabs, p.group_starts, p.order, len(p.heads), m.num_tokens, src_ids, 16, dst_ids, 64,
+        p.src_classes, p.dst_classes, False, False, False,
+    )  # fmt: skip
+    assert in_order and runs == m.num_runs == 3 * 2 * 4 * 150
+    assert np.array_equal(m.runs, m._build(force_sort=True))
