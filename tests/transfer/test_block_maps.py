@@ -526,6 +526,11 @@ def test_fp8_moves_to_and_from_the_uint8_it_is_stored_as() -> None:
     )  # layer 1, K, token 0
     with pytest.raises(BlockMapError, match=r"the chunk is torch.int8; the cache is float8_e4m3fn"):
         chunk_side(dst, chunk.view(torch.int8))
+    # the dtype first: the shape check would ask for a row size counted in the wrong elements
+    with pytest.raises(
+        BlockMapError, match=r"^the chunk is torch.float32; the cache is float8_e4m3fn: they must"
+    ):
+        chunk_side(dst, torch.zeros(chunk.shape, dtype=torch.float32))
 
 
 def test_kinds_say_what_differs() -> None:
@@ -1103,3 +1108,25 @@ def test_head_major_blocks_that_span_several_source_blocks_are_walked_in_destina
     )  # fmt: skip
     assert in_order and runs == m.num_runs == 3 * 2 * 4 * 150
     assert np.array_equal(m.runs, m._build(force_sort=True))
+
+
+def test_a_kernel_group_maps_to_a_group_of_the_same_layers() -> None:
+    """A hybrid's second group holds layers 2-3 of its registration: into a pool of two
+    layers (0-1) it is refused, saying how to register the pool; detected with the same
+    layer_groups, the pool's group holds layers 2-3 and the map moves them."""
+
+    def registration() -> Any:
+        kv = [torch.randn(2, 6, 4, 2, 8) for _ in range(4)]
+        return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 1], [2, 3]])
+
+    (src_kv, src), (pool_kv, pool) = registration(), registration()
+    two = kvlayout.detect([torch.zeros(2, 6, 4, 2, 8) for _ in range(2)], "vllm", {"kv_layout": "NHD"})
+    with pytest.raises(BlockMapError) as err:
+        block_map(src.kernel_groups[1], two, [1], [2])
+    assert str(err.value) == (
+        "src holds layers 2-3 and dst layers 0-1; a map moves layer i to layer i (a kernel group keeps its "
+        "registration's layer indices: detect the other side with the same layer_groups, so that its group "
+        "holds the same layers)"
+    )
+    block_map(src.kernel_groups[1], pool.kernel_groups[1], [1], [2]).copy()
+    assert all(torch.equal(pool_kv[i][:, 2], src_kv[i][:, 1]) for i in (2, 3))

@@ -285,14 +285,11 @@ def test_a_block_map_copied_after_either_cache_was_reallocated_raises_instead_of
     assert len(lines) == 2 * len(REALLOCATIONS) + 1, lines
     for line in lines[:-1]:
         side, message = line.split(" ")[0], line.partition(" | ")[2]
-        assert re.search(rf"^the {side} side's (the storage of )?kv_caches\[1\] was re-allocated", message), (
-            line
-        )
+        assert re.search(rf"^{side}: (the storage of )?kv_caches\[1\] was re-allocated", message), line
         assert "since the map's addresses were read" in message, line
         assert message.endswith("detect the registration again and build a new map; nothing was copied"), line
-    assert lines[-1].startswith("chunk | the dst side's the chunk was re-allocated (data pointer 0x0"), lines[
-        -1
-    ]
+    assert lines[-1].startswith("chunk | dst: the chunk was re-allocated (data pointer 0x0"), lines[-1]
+    assert lines[-1].endswith("make its chunk_side() and the map again; nothing was copied"), lines[-1]
 
 
 def test_a_block_map_of_a_cache_reallocated_after_detection_is_refused_when_built() -> None:
@@ -320,7 +317,7 @@ def test_reallocating_a_tensor_detection_re_viewed_is_caught_too() -> None:
     plan = prepare(dst.only_group(), dst.format)
     chunks = plan.chunks_for(2, 8)
     other[0].data = torch.zeros_like(other[0])  # the engine re-allocates layer 0 in place
-    with pytest.raises(BlockMapError, match=r"^the dst side's kv_caches\[0\] was re-allocated"):
+    with pytest.raises(BlockMapError, match=r"^dst: kv_caches\[0\] was re-allocated"):
         m.copy()
     with pytest.raises(
         TransferError, match=r"^kv_caches\[0\] was re-allocated .*after this plan was prepared"
@@ -411,7 +408,7 @@ def test_a_nixl_request_whose_local_cache_moved_is_refused_and_holds_nothing() -
     ]
     for line in lines:
         case, message, staging = line.split(" | ")
-        assert message.startswith("the local side's kv_caches[1] was re-allocated (data pointer 0x0, was"), (
+        assert message.startswith("the local side: kv_caches[1] was re-allocated (data pointer 0x0, was"), (
             line
         )
         nothing = "copied" if case in ("copy", "peer copy") else "posted"

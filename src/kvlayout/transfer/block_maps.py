@@ -186,10 +186,14 @@ class BlockMap(HoldsAddresses):
                 )
             moved = side.moved()
             if moved is not None:
+                again = (
+                    "make its chunk_side() and the map again"
+                    if side.layout is None  # a chunk: nothing to detect
+                    else "detect the registration again and build a new map"
+                )
                 raise BlockMapError(
-                    f"the {where} side's {moved} since the map's addresses were read; copy() would copy "
-                    "through the old ones: detect the registration again and build a new map; "
-                    "nothing was copied"
+                    f"{where}: {moved} since the map's addresses were read; copy() would copy through the "
+                    f"old ones: {again}; nothing was copied"
                 )
         if self.src.device != self.dst.device:
             raise BlockMapError(

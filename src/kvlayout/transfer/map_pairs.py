@@ -93,9 +93,15 @@ def _check_same_data(src: Side, dst: Side) -> None:
             )
         raise BlockMapError(f"src holds {src.data} and dst {dst.data}: they do not hold the same data{hint}")
     if src.layers != dst.layers:
+        hint = ""
+        if len(src.layers) == len(dst.layers):
+            hint = (
+                " (a kernel group keeps its registration's layer indices: detect the other side with the "
+                "same layer_groups, so that its group holds the same layers)"
+            )
         raise BlockMapError(
             f"src holds layers {index_ranges(src.layers)} and dst layers "
-            f"{index_ranges(dst.layers)}; a map moves layer i to layer i"
+            f"{index_ranges(dst.layers)}; a map moves layer i to layer i{hint}"
         )
     if src.row_bytes != dst.row_bytes:
         raise BlockMapError(

@@ -385,6 +385,12 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
     nl = len(cache.layers)
     itemsize = chunk.element_size()
     row_bytes = cache.heads * cache.row_bytes * pair
+    # Paired as block_map pairs two caches (fp8 and the uint8 it is stored as hold the same
+    # bytes), and first: the shape check's row size is counted in the chunk's elements.
+    if not _same_bytes(str(chunk.dtype).removeprefix("torch."), cache.piece_dtypes[0]):
+        raise BlockMapError(
+            f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}: they must agree"
+        )
     if (
         chunk.dim() != 4
         or tuple(chunk.shape[:2]) != (kv_size, nl)
@@ -396,9 +402,6 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
             f"the chunk has shape {list(chunk.shape)} (contiguous: {chunk.is_contiguous()}); this cache "
             f"needs a contiguous [{kv_size}, {nl}, T, {row_bytes // itemsize}] (kv_size, layers, tokens, row)"
         )
-    # paired as block_map pairs two caches (fp8 and the uint8 it is stored as hold the same bytes)
-    if not _same_bytes(str(chunk.dtype).removeprefix("torch."), cache.piece_dtypes[0]):
-        raise BlockMapError(f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}")
     size = chunk.numel() * itemsize
     problem = not_strided(chunk) or no_memory(chunk)  # fake, freed or shrunk: before its data pointer
     if problem is not None:

@@ -205,7 +205,7 @@ def _refuse_moved(side: MapSide | None, nothing: str) -> None:
     moved = side.moved()
     if moved is not None:
         raise NixlError(
-            f"the local side's {moved} since the map's addresses were read; the request would move bytes "
+            f"the local side: {moved} since the map's addresses were read; the request would move bytes "
             f"through the old ones: detect the registration again and build a new map; {nothing}"
         )
 
