@@ -376,7 +376,7 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
                                       std::int64_t heads, std::int64_t tokens, IntArray src_blocks,
                                       std::int64_t src_block_size, IntArray dst_blocks, std::int64_t dst_block_size,
                                       U64Rows src_classes, U64Rows dst_classes, bool force_sort,
-                                      bool blocks_one_by_one, bool slabs_one_by_one) {
+                                      bool blocks_one_by_one, bool slabs_one_by_one, std::int64_t first_token) {
   namespace bm = kvlayout::block_map;
   const auto* slab_rows = reinterpret_cast<const bm::Slab*>(rows_of(slabs, 10, "slabs"));
   const auto* src_cls = reinterpret_cast<const bm::Strides*>(rows_of(src_classes, 2, "src_classes"));
@@ -384,6 +384,7 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
   const auto num_slabs = static_cast<std::int64_t>(slabs.shape(0));
   if (src_block_size <= 0 || dst_block_size <= 0 || tokens < 0 || heads < 0)
     throw nb::value_error("block sizes must be positive, tokens and heads non-negative");
+  if (first_token < 0 || first_token > tokens) throw nb::value_error("first_token must lie in [0, tokens]");
   if (static_cast<std::int64_t>(src_blocks.shape(0)) * src_block_size < tokens ||
       static_cast<std::int64_t>(dst_blocks.shape(0)) * dst_block_size < tokens)
     throw nb::value_error("too few block ids for the tokens");
@@ -413,7 +414,7 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
   const bm::Request q{slab_rows, group_starts.data(), groups, {o0, o1, o2, o3}, heads, tokens,
                       src_blocks.data(), src_block_size, dst_blocks.data(), dst_block_size,
                       src_cls, static_cast<std::int64_t>(src_classes.shape(0)),
-                      dst_cls, static_cast<std::int64_t>(dst_classes.shape(0))};
+                      dst_cls, static_cast<std::int64_t>(dst_classes.shape(0)), first_token};
   auto* built = new bm::Built();
   {
     nb::gil_scoped_release release;
@@ -748,7 +749,7 @@ NB_MODULE(_native, m) {
 
   m.def("build_groups", &build_groups, "slabs"_a, "group_starts"_a, "order"_a, "heads"_a, "tokens"_a, "src_blocks"_a,
         "src_block_size"_a, "dst_blocks"_a, "dst_block_size"_a, "src_classes"_a, "dst_classes"_a,
-        "force_sort"_a = false, "blocks_one_by_one"_a = false, "slabs_one_by_one"_a = false,
+        "force_sort"_a = false, "blocks_one_by_one"_a = false, "slabs_one_by_one"_a = false, "first_token"_a = 0,
         "A block map's runs as groups ((G, 9) uint64: src, dst, len, count, src_step, dst_step, rows, src_row, "
         "dst_row; see csrc/run_groups.h) from its slabs, how many runs they hold, and whether the walk was in "
         "destination order (else the runs were sorted and merged again).");

@@ -71,6 +71,7 @@ struct Request {
   std::int64_t num_src_classes;
   const Strides* dst_classes;
   std::int64_t num_dst_classes;
+  std::int64_t first = 0;  // the first token moved: tokens [first, tokens) (the rest are the engine's)
 };
 
 // The runs of one request, as groups (run_groups.h): rows [0, size) of a malloc'd table,
@@ -316,10 +317,10 @@ class Walker {
         replay_(!kTrackTensors && !slabs_one_by_one && q.order[0] == kSlab) {
     // The first source block boundary after each destination block's first token: a
     // division per block here, none per emission.
-    boundary_.resize(positions.size());
-    for (std::size_t pos = 0; pos < positions.size(); ++pos) {
-      const std::int64_t first = static_cast<std::int64_t>(pos) * q.dst_block_size;
-      boundary_[pos] = (first / q.src_block_size + 1) * q.src_block_size;
+    boundary_.resize(static_cast<std::size_t>((q.tokens + q.dst_block_size - 1) / q.dst_block_size));
+    for (const std::int64_t pos : positions) {
+      const std::int64_t first = first_of(pos);
+      boundary_[static_cast<std::size_t>(pos)] = (first / q.src_block_size + 1) * q.src_block_size;
     }
   }
 
@@ -348,7 +349,7 @@ class Walker {
   // token is boundary_, then one every source block).
   template <class Body>
   [[gnu::always_inline]] void for_segments(Body body) const {
-    const std::int64_t first = position_ * q_.dst_block_size, end = first + slots(), step = q_.src_block_size;
+    const std::int64_t first = first_of(position_), end = first + slots(), step = q_.src_block_size;
     std::int64_t stop = std::min(end, boundary_[position_]);
     for (std::int64_t p = first; p < end; stop = std::min(end, stop + step)) {
       body(p, stop);
@@ -358,7 +359,12 @@ class Walker {
   [[gnu::always_inline]] static void emit(Cursor<kTrackTensors>& c, const At& a, std::int64_t p, std::uint64_t n) {
     c.emit(a.src + a.src_tok[p], a.dst + a.dst_tok[p], n);
   }
-  std::int64_t slots() const { return std::min(q_.dst_block_size, q_.tokens - position_ * q_.dst_block_size); }
+  // The first token of the request in destination block position `pos` (a block the
+  // request's first token cuts starts there), and the slots from it to the block's end.
+  std::int64_t first_of(std::int64_t pos) const { return std::max(pos * q_.dst_block_size, q_.first); }
+  std::int64_t slots() const {
+    return std::min((position_ + 1) * q_.dst_block_size, q_.tokens) - first_of(position_);
+  }
 
   // Level d and those inside it make their emissions without another call to level():
   // the innermost level, levels folded into one emission, a slot level with only a
@@ -400,7 +406,7 @@ class Walker {
            slab_->tail == 0;
   }
   [[gnu::always_inline]] void emit_tiles(Cursor<kTrackTensors>& c) const {
-    if (q_.order[2] == kHead && position_ * q_.dst_block_size + slots() > boundary_[position_]) {
+    if (q_.order[2] == kHead && first_of(position_) + slots() > boundary_[position_]) {
       // Heads outside slots, the block's tokens in several source blocks: a tile per
       // segment would visit every head once per segment, out of destination order (and
       // the runs then sorted); a row per head and segment keeps the order.
@@ -438,7 +444,7 @@ class Walker {
     for (const std::int64_t pos : positions_) {
       position_ = pos;
       const std::int64_t first = pos * bs;
-      if (first + bs <= q_.tokens && boundary_[pos] >= first + bs) {
+      if (first >= q_.first && first + bs <= q_.tokens && boundary_[pos] >= first + bs) {
         whole(c, first);
       } else {
         emit_leaf(2, c);
@@ -556,7 +562,7 @@ class Walker {
         return loop(d, static_cast<std::int64_t>(positions_.size()), positions_.data(),
                     [this](std::int64_t pos) { position_ = pos; });
       case kSlot: {
-        const std::int64_t first = position_ * q_.dst_block_size;
+        const std::int64_t first = first_of(position_);
         return loop(d, slots(), nullptr, [this, first](std::int64_t j) { token_ = first + j; });
       }
       default:  // kHead
@@ -650,9 +656,11 @@ inline std::vector<std::uint64_t> token_offsets(const std::int64_t* blocks, std:
 inline std::size_t emissions_bound(const Request& q) {
   const std::int64_t segments = (q.tokens + q.src_block_size - 1) / q.src_block_size +
                                 (q.tokens + q.dst_block_size - 1) / q.dst_block_size;
-  // A partial last destination block whose heads fold over its slots emits per head.
-  const std::int64_t rest = q.tokens % q.dst_block_size;
-  const std::int64_t partial = rest ? std::min(rest, rest / q.src_block_size + 2) : 0;
+  // A partial destination block (the last, or the first the first token cuts) whose heads
+  // fold over its slots emits per head.
+  const auto partial_of = [&](std::int64_t rest) { return rest ? std::min(rest, rest / q.src_block_size + 2) : 0; };
+  const std::int64_t partial =
+      partial_of(q.tokens % q.dst_block_size) + partial_of(q.first % q.dst_block_size ? q.dst_block_size - q.first % q.dst_block_size : 0);
   std::int64_t total = 0;
   const std::int64_t slabs = q.group_starts[q.num_groups];
   for (std::int64_t s = 0; s < slabs; ++s) {
@@ -690,10 +698,11 @@ inline Built take(Table<RunGroup>&& table, std::size_t n, std::uint64_t runs, bo
 // (tests hold each path to the same answer).
 inline Built build_groups(const Request& q, bool force_sort = false, bool blocks_one_by_one = false,
                           bool slabs_one_by_one = false) {
-  if (q.tokens <= 0 || q.heads <= 0 || q.num_groups <= 0) return Built{};
+  if (q.tokens <= q.first || q.heads <= 0 || q.num_groups <= 0) return Built{};
   const std::int64_t dst_positions = (q.tokens + q.dst_block_size - 1) / q.dst_block_size;
-  std::vector<std::int64_t> positions(static_cast<std::size_t>(dst_positions));
-  std::iota(positions.begin(), positions.end(), 0);
+  const std::int64_t first_position = q.first / q.dst_block_size;  // blocks before it hold no token moved
+  std::vector<std::int64_t> positions(static_cast<std::size_t>(dst_positions - first_position));
+  std::iota(positions.begin(), positions.end(), first_position);
   std::stable_sort(positions.begin(), positions.end(),
                    [&](std::int64_t a, std::int64_t b) { return q.dst_blocks[a] < q.dst_blocks[b]; });
   const auto src_tok =

@@ -87,9 +87,11 @@ def make_side(
     return Side(fmt, sizes, reg, bind(reg.kv, fmt), shard, bs, pad)
 
 
-def canonical(side: Side, tokens: int, ids: list[int], heads: range) -> tuple[np.ndarray, np.ndarray]:
-    """(tensor index, byte address) of every byte of the request on one side, in the order
-    (layer, K/V, token, model head, byte of the head's row)."""
+def canonical(
+    side: Side, tokens: int, ids: list[int], heads: range, first_token: int = 0
+) -> tuple[np.ndarray, np.ndarray]:
+    """(tensor index, byte address) of every byte of tokens ``[first_token, tokens)`` of the
+    request on one side, in the order (layer, K/V, token, model head, byte of the head's row)."""
     lay, s = side.layout, side.sizes
     kvs = kv_size(lay, s)
     pair = 2 if lay.is_fused_packed else 1
@@ -97,7 +99,7 @@ def canonical(side: Side, tokens: int, ids: list[int], heads: range) -> tuple[np
     first = side.shard.heads.start if lay.symbol_of(Role.HEAD) else 0
     nl = lay.size_of(s, Role.LAYER) or 1
     grid = np.array(
-        np.meshgrid(np.arange(nl), np.arange(kvs * pair), np.arange(tokens), np.array(heads, dtype=np.int64), np.arange(hs),
+        np.meshgrid(np.arange(nl), np.arange(kvs * pair), np.arange(first_token, tokens), np.array(heads, dtype=np.int64), np.arange(hs),
                     indexing="ij"),
     ).reshape(5, -1)  # fmt: skip
     layer, k, p, h, e = grid
@@ -124,11 +126,11 @@ def first_alias(bases: list[torch.Tensor]) -> np.ndarray:
 
 
 def check_map(
-    src: Side, dst: Side, src_ids: list[int], dst_ids: list[int], tokens: int, threads: int
+    src: Side, dst: Side, src_ids: list[int], dst_ids: list[int], tokens: int, threads: int, first: int = 0
 ) -> None:
     m = block_map(
         src.kv, dst.kv, src_ids, dst_ids, num_tokens=tokens, src_shard=src.shard, dst_shard=dst.shard,
-        src_block_size=src.block_size, dst_block_size=dst.block_size,
+        src_block_size=src.block_size, dst_block_size=dst.block_size, first_token=first,
     )  # fmt: skip
     if src.layout.symbol_of(Role.HEAD):
         a, b = src.shard.heads, dst.shard.heads
@@ -136,8 +138,8 @@ def check_map(
     else:
         heads = range(1)
     assert m.heads == heads
-    s_ptr, s_byte = canonical(src, tokens, src_ids, heads)
-    d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads)
+    s_ptr, s_byte = canonical(src, tokens, src_ids, heads, first)
+    d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads, first)
     # A layer sharing an earlier layer's KV cache (its tensor registered again) reads as
     # that layer and is written as that layer: its destination bytes are not moved twice.
     s_first, d_first = first_alias(src.reg.bases), first_alias(dst.reg.bases)
@@ -166,7 +168,10 @@ def check_map(
     cont = (da[1:] == da[:-1] + 1) & (sa[1:] == sa[:-1] + 1) & (st_[1:] == st_[:-1]) & (dt[1:] == dt[:-1])
     assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
     # Each side alone (what a staged transfer posts there): stretches of its memory, in one tensor.
-    for col, ptr, addr, ids in ((0, s_ptr, s_addr, src_ids), (1, d_ptr, d_addr, dst_ids)):
+    for col, ptr, addr, ids in (
+        (0, s_ptr, s_addr, src_ids[first // src.block_size :]),  # the blocks it reads
+        (1, d_ptr, d_addr, dst_ids[first // dst.block_size :]),  # and writes
+    ):
         if len(set(ids)) < len(ids):
             assert m._side_runs(col) is None
             continue
@@ -250,7 +255,8 @@ def test_mha_maps_move_every_request_byte_once_in_the_fewest_runs(
     dst = make_side(fmt_dst, blocks=nb_dst, bs=bs_dst, heads=len(dst_shard.heads), pad=data.draw(st.integers(0, 2)),
                     shard=dst_shard, seed=2, **common)  # fmt: skip
     assert num_heads(src.layout, src.sizes) == len(src_shard.heads)
-    check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)))
+    first = data.draw(st.one_of(st.just(0), st.integers(0, tokens)))  # a prefix the engine holds, or none
+    check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)), first)
 
 
 @pytest.mark.parametrize(
@@ -305,7 +311,8 @@ def test_mla_maps_move_every_request_byte_once_in_the_fewest_runs(
                     dtype=dtype, pad=data.draw(st.integers(0, 2)), shard=src_shard, seed=3)  # fmt: skip
     dst = make_side(fmt_dst, layers=layers, blocks=nb_dst, bs=bs_dst, heads=1, row=row, planes=planes_dst, kv=1,
                     dtype=dtype, pad=data.draw(st.integers(0, 2)), shard=dst_shard, seed=4)  # fmt: skip
-    check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)))
+    first = data.draw(st.one_of(st.just(0), st.integers(0, tokens)))
+    check_map(src, dst, src_ids, dst_ids, tokens, data.draw(st.integers(1, 3)), first)
 
 
 # -- layers that share one KV cache (vLLM's cross-layer KV sharing) ----------------------------
@@ -1130,3 +1137,42 @@ def test_a_kernel_group_maps_to_a_group_of_the_same_layers() -> None:
     )
     block_map(src.kernel_groups[1], pool.kernel_groups[1], [1], [2]).copy()
     assert all(torch.equal(pool_kv[i][:, 2], src_kv[i][:, 1]) for i in (2, 3))
+
+
+def test_a_load_after_the_prefix_cache_moves_only_the_tokens_from_first_token() -> None:
+    """The engine's prefix cache holds tokens 0-31 (blocks it may share with other
+    requests); the offload pool's 64-token block holds 0-63: tokens 32-99 load, nothing of
+    the prefix is read or written, and the destination's blocks before them may repeat
+    (vLLM's null block for a sliding window's dropped blocks)."""
+
+    def cache(blocks: int, block_size: int, hnd: bool) -> tuple[list[torch.Tensor], Any]:
+        shape = (2, blocks, 4, block_size, 16) if hnd else (2, blocks, block_size, 4, 16)
+        kv = [torch.randn(shape) for _ in range(2)]
+        kv = [t.transpose(2, 3) for t in kv] if hnd else kv
+        return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "HND" if hnd else "NHD"})
+
+    (pool_kv, pool), (kv, engine) = cache(4, 64, hnd=True), cache(10, 16, hnd=False)
+    before = [t.clone() for t in kv]
+    engine_ids = [0, 0, 5, 3, 8, 1, 9]  # blocks 0-1: the prefix (here the null block twice)
+    m = block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=32)
+    assert m.num_bytes == 2 * 2 * 68 * 4 * 16 * 4 and repr(m).startswith(
+        "BlockMap(re-blocked, permuted: tokens 32-99,"
+    )
+    m.copy()
+    for layer in range(2):
+        for p in range(100):
+            got, pool_row = (
+                kv[layer][:, engine_ids[p // 16], p % 16],
+                pool_kv[layer][:, [2, 0][p // 64], p % 64],
+            )
+            want = pool_row if p >= 32 else before[layer][:, engine_ids[p // 16], p % 16]
+            assert torch.equal(got, want), (layer, p)
+    untouched = sorted(set(range(10)) - set(engine_ids[2:]))
+    assert all(torch.equal(kv[i][:, untouched], before[i][:, untouched]) for i in range(2))
+    with pytest.raises(BlockMapError, match=r"^dst_blocks\[3\] = 5 repeats dst_blocks\[2\]"):
+        block_map(pool, engine, [2, 0], [0, 0, 5, 5, 8, 1, 9], num_tokens=100, first_token=32)
+    with pytest.raises(
+        BlockMapError, match=r"^first_token must lie in \[0, num_tokens\] = \[0, 100\], got 101$"
+    ):
+        block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=101)
+    assert block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=100).num_runs == 0

@@ -68,11 +68,18 @@ class BlockMap(HoldsAddresses):
     """
 
     def __init__(
-        self, src: Side, dst: Side, pair: _Pair, ids: tuple[np.ndarray, np.ndarray], num_tokens: int
+        self,
+        src: Side,
+        dst: Side,
+        pair: _Pair,
+        ids: tuple[np.ndarray, np.ndarray],
+        num_tokens: int,
+        first_token: int = 0,
     ) -> None:
         self.src, self.dst = src, dst
         self.heads = pair.heads
         self.num_tokens = num_tokens
+        self.first_token = first_token  # tokens [first_token, num_tokens) move
         self._pair, self._ids = pair, ids
         self._groups, self._num_runs = self._build_groups(force_sort=False)
 
@@ -103,7 +110,7 @@ class BlockMap(HoldsAddresses):
         (src_ids, dst_ids), sizes = self._ids, (self.src.block_size, self.dst.block_size)
         return _groups_of(
             self._pair, self.num_tokens, src_ids, sizes[0], dst_ids, sizes[1],
-            force_sort, blocks_one_by_one, slabs_one_by_one,
+            force_sort, blocks_one_by_one, slabs_one_by_one, self.first_token,
         )  # fmt: skip
 
     def _build(self, force_sort: bool) -> np.ndarray:
@@ -150,21 +157,28 @@ class BlockMap(HoldsAddresses):
         destination has layers that share a KV cache (the source's layers they stand for
         are not read)."""
         one, shard = (self.src, self._pair.src_shard) if col == 0 else (self.dst, self._pair.dst_shard)
-        ids = self._ids[col]
-        if _native.first_repeated_block_id(ids, 0, one.num_blocks) >= 0:
+        ids, first = self._ids[col], self.first_token
+        if _native.first_repeated_block_id(ids, first // one.block_size, one.num_blocks) >= 0:
             return None
         if col == 0 and self.dst.repeats.any():
             return None
-        if not self.heads or self.num_tokens == 0:
+        if not self.heads or self.num_tokens == first:
             return 0
         pair = _cached_pair(one, one, shard, shard, only=self.heads)
-        return _groups_of(pair, self.num_tokens, ids, one.block_size, ids, one.block_size)[1]
+        return _groups_of(pair, self.num_tokens, ids, one.block_size, ids, one.block_size, first_token=first)[
+            1
+        ]
 
     def __repr__(self) -> str:
         return (
-            f"BlockMap({self.kind}: {self.num_tokens} tokens, {self.num_runs} runs, {self.num_bytes} bytes; "
+            f"BlockMap({self.kind}: {self._tokens()}, {self.num_runs} runs, {self.num_bytes} bytes; "
             f"{self.src.label} -> {self.dst.label})"
         )
+
+    def _tokens(self) -> str:
+        if self.first_token == 0:
+            return f"{self.num_tokens} tokens"
+        return f"tokens {self.first_token}-{self.num_tokens - 1}"
 
     def copy(self, num_threads: int = 1) -> int:
         """Copy the runs (validated first: every run inside one tensor's blocks on each
@@ -396,6 +410,7 @@ def block_map(
     dst_blocks: Any,
     *,
     num_tokens: int | None = None,
+    first_token: int = 0,
     src_shard: Shard | None = None,
     dst_shard: Shard | None = None,
     src_block_size: int | None = None,
@@ -410,6 +425,13 @@ def block_map(
     ``i``, K to K and V to V. ``num_tokens`` defaults to what the shorter block list
     holds; each list must hold exactly the blocks the tokens fill. Destination blocks
     must be distinct.
+
+    ``first_token`` moves only tokens ``[first_token, num_tokens)``, the block lists still
+    counting from token 0: a load after the engine's prefix cache served the request's
+    first tokens, which their blocks (perhaps shared with other requests) keep. No byte of
+    an earlier token is read or written, and the destination's blocks wholly before it
+    may be anything in range (repeated too: vLLM's null block for a sliding window's
+    dropped blocks).
 
     ``*_block_size`` split a folded page axis (NB*BS formats). Elsewhere the block size
     is the cache's own, or a multiple of it: the block ids are then in blocks of that
@@ -432,11 +454,19 @@ def block_map(
         tokens = _int("num_tokens", num_tokens)
         if tokens < 0:
             raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
+    first = _int("first_token", first_token)
+    if not 0 <= first <= tokens:
+        raise BlockMapError(f"first_token must lie in [0, num_tokens] = [0, {tokens}], got {first}")
     # a row of opaque pages is no token: the last page moves whole (to or from a chunk too)
     opaque = a if a.opaque_pages is not None else b
     if opaque.opaque_pages is not None and not opaque.opaque_pages.rows_are_tokens:
         tokens = -(-tokens // opaque.block_size) * opaque.block_size
         chunk = b if opaque is a else a
+        if first % opaque.block_size:
+            raise BlockMapError(
+                f"first_token={first} cuts an opaque page of {opaque.block_size} rows, which moves whole: "
+                "start at a page's first token"
+            )
         if chunk.layout is None and tokens > chunk.block_size:
             raise BlockMapError(
                 f"the chunk holds {chunk.block_size} token rows, but opaque pages move whole pages of "
@@ -447,7 +477,7 @@ def block_map(
         told = f"num_tokens={num_tokens} rounded up to whole opaque pages"
     src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)
     dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told)
-    again = _native.first_repeated_block_id(dst_ids, 0, b.num_blocks // b_per)
+    again = _native.first_repeated_block_id(dst_ids, first // b_size, b.num_blocks // b_per)
     if again >= 0:
         earlier = int(np.flatnonzero(dst_ids[:again] == dst_ids[again])[0])
         raise BlockMapError(
@@ -456,7 +486,7 @@ def block_map(
         )
     src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
     dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
-    result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens)
+    result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first)
     if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
         result._raise(*_native.validate_groups(result._groups, a.spans, b.spans))
     return result

@@ -127,13 +127,14 @@ def _groups_of(
     pair: _Pair, tokens: int,
     src_ids: np.ndarray, src_block_size: int, dst_ids: np.ndarray, dst_block_size: int,
     force_sort: bool = False, blocks_one_by_one: bool = False, slabs_one_by_one: bool = False,
+    first_token: int = 0,
 ) -> tuple[np.ndarray, int]:  # fmt: skip
-    """The native builder's groups (read-only) and the runs they hold, for a request of
-    ``tokens`` over a pair."""
+    """The native builder's groups (read-only) and the runs they hold, for tokens
+    ``[first_token, tokens)`` of a request over a pair."""
     groups, num_runs, _ = _native.build_groups(
         pair.slabs, pair.group_starts, pair.order, len(pair.heads), tokens,
         src_ids, src_block_size, dst_ids, dst_block_size, pair.src_classes, pair.dst_classes,
-        force_sort, blocks_one_by_one, slabs_one_by_one,
+        force_sort, blocks_one_by_one, slabs_one_by_one, first_token,
     )  # fmt: skip
     groups.setflags(write=False)
     return groups, int(num_runs)

@@ -51,6 +51,12 @@ def test_hnd_kernel_pages_move_whole_pages_for_a_partly_filled_last_block() -> N
         assert torch.equal(d[name][[0, 5]], s[name][[4, 1]])
         untouched = [b for b in range(6) if b not in (0, 5)]
         assert torch.equal(d[name][untouched], before[name][untouched])
+    # a prefix ends at a whole page, or the pages move whole from it
+    assert block_map(src, dst, [4, 1], [0, 5], num_tokens=200, first_token=128).num_bytes == m.num_bytes // 2
+    with pytest.raises(
+        BlockMapError, match=r"^first_token=100 cuts an opaque page of 128 rows, which moves whole"
+    ):
+        block_map(src, dst, [4, 1], [0, 5], num_tokens=200, first_token=100)
 
 
 def unpaged_cache(layout: Any, seed: int) -> tuple[dict[str, Any], Any]:
