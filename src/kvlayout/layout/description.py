@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 from kvlayout.errors import DescriptionError, SizeError, as_int
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import FACTS, Layout
+from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.layout.vocabulary import (
     BLOCKS_FIRST_KV_LAYOUTS,
     HND_KV_LAYOUTS,
@@ -363,8 +364,10 @@ def _fold(fold: tuple[Axis, ...]) -> str:
 
 
 def _itemsize(dtype: str) -> int:
-    """Bytes per element of a dtype name, from the bit width it spells (``float32``,
-    ``float8_e4m3fn``): this layer does not know torch."""
+    """Bytes per element of a dtype name: torch's (:mod:`kvlayout.layout.dtypes`), else
+    the bit width it spells (a layout may name a dtype torch lacks)."""
+    if dtype in DTYPE_SIZES:
+        return DTYPE_SIZES[dtype]
     bits = re.search(r"\d+", dtype)
     if bits is None or int(bits.group()) % 8 or int(bits.group()) == 0:
         raise DescriptionError(f"dtype {dtype!r} does not spell a whole number of bytes")

@@ -37,6 +37,7 @@ from kvlayout.layout.algebra import (
     symbol_of,
 )
 from kvlayout.layout.ast import Layout
+from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.memory import (
     Run,
@@ -47,7 +48,7 @@ from kvlayout.registration.memory import (
     partly_shared,
 )
 from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
-from kvlayout.registration.shards import Shard, ShardError
+from kvlayout.registration.shards import Shard, ShardError, heads_are_the_model_s
 
 __all__ = [
     "DTYPE_SIZES",
@@ -60,12 +61,6 @@ __all__ = [
 ]
 
 VERSION = 1
-DTYPE_SIZES = {
-    "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "int16": 2,
-    "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
-}  # fmt: skip
-"""The dtypes a description may name (torch's names without ``torch.``), with their sizes."""
 DEVICE_TYPES = ("cpu", "cuda")
 MAX_SIZE = 1 << 32  # any one size (blocks, tokens, heads, ...)
 MAX_SPAN = 1 << 48  # bytes one tensor may span
@@ -502,8 +497,10 @@ def _shard_misfit(groups: Sequence[GroupDescription], shard: Shard | None) -> tu
     for i, g in enumerate(groups):
         sizes = g.planes[0].sizes_dict()
         heads = num_heads(g.layout, sizes)
-        # an opaque page's head axis (vLLM's LHBNC head slots) counts the kernel's slots
-        if not is_latent(g.layout, sizes) and g.opaque_pages is None and len(shard.heads) != heads:
+        if (
+            heads_are_the_model_s(not is_latent(g.layout, sizes), g.opaque_pages)
+            and len(shard.heads) != heads
+        ):
             return i, heads
     return None
 

@@ -72,3 +72,10 @@ class Shard:
 
     def __str__(self) -> str:
         return f"Shard(tp_rank={self.tp_rank}, tp_size={self.tp_size}, num_kv_heads={self.num_kv_heads})"
+
+
+def heads_are_the_model_s(has_heads: bool, opaque_pages: object | None) -> bool:
+    """Whether a cache's head axis counts the model's KV heads, so that a shard must hold
+    as many: not for latents (MLA: every rank holds them whole, no head axis), nor for
+    opaque pages, whose head axis (vLLM's LHBNC head slots) counts the kernel's slots."""
+    return has_heads and opaque_pages is None

@@ -244,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="bf16",
-        help="element type for byte counts: bf16, fp16, fp32, fp8, fp8_e5m2, uint8, int8 (default: bf16)",
+        help=f"element type for byte counts: {', '.join(_DTYPES)} (default: bf16)",
     )
     p.add_argument(
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"

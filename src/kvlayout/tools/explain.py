@@ -14,6 +14,7 @@ from typing import Any
 from kvlayout.layout import algebra
 from kvlayout.layout.algebra import Mode, Product, Term
 from kvlayout.layout.ast import FACTS, Layout, fact_doc
+from kvlayout.layout.dtypes import DTYPE_SIZES, SHORT_NAMES
 from kvlayout.layout.vocabulary import Role, Vocabulary
 
 __all__ = ["DTYPE_BYTES", "LLAMA_3_8B", "Explanation", "example_sizes", "explain", "symbolic_offset"]
@@ -37,10 +38,10 @@ def example_sizes(vocabulary: Vocabulary | None = None, *, small: bool = False) 
 
 LLAMA_3_8B: dict[str, int] = example_sizes()
 
+# The command line's dtype names, short and long, with their sizes.
 DTYPE_BYTES: dict[str, int] = {
-    "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2, "fp32": 4, "float32": 4,
-    "fp8": 1, "float8_e4m3fn": 1, "fp8_e5m2": 1, "float8_e5m2": 1, "uint8": 1, "int8": 1,
-}  # fmt: skip
+    name: DTYPE_SIZES[full] for short, full in SHORT_NAMES.items() for name in dict.fromkeys((short, full))
+}
 
 
 def _product(p: Product) -> str:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvlayout.errors import KVLayoutError, abbreviated, index_ranges
+from kvlayout.layout.dtypes import SHORT_NAMES
 
 
 def _natural(text: str) -> int | None:
@@ -23,10 +24,7 @@ def _natural(text: str) -> int | None:
     return int(text) if len(text) <= 30 else 10**30
 
 
-_DTYPES = {
-    "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn",
-    "fp8_e5m2": "float8_e5m2", "uint8": "uint8", "int8": "int8",
-}  # fmt: skip
+_DTYPES = SHORT_NAMES
 
 
 def _hints(items: Sequence[str], flag: str = "--hint") -> dict[str, object]:

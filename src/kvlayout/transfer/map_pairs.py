@@ -13,7 +13,7 @@ import numpy as np
 
 from kvlayout import _native
 from kvlayout.errors import index_ranges
-from kvlayout.registration.shards import Shard, ShardError
+from kvlayout.registration.shards import Shard, ShardError, heads_are_the_model_s
 from kvlayout.transfer.map_sides import BlockMapError, Side, _same_bytes
 
 SLAB, BLOCK, SLOT, HEAD = 0, 1, 2, 3
@@ -55,9 +55,8 @@ def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
         shard = side.shard
     if not side.has_heads:
         return shard  # latents: every rank holds them whole
-    if shard is None or side.opaque_pages is not None:
-        # an opaque page's head axis (vLLM's LHBNC head slots) counts the kernel's slots, not
-        # the model's heads: every slot moves, the ranks are checked equal (_check_opaque_pages)
+    if shard is None or not heads_are_the_model_s(side.has_heads, side.opaque_pages):
+        # opaque pages: every head slot moves, the ranks are checked equal (_check_opaque_pages)
         return _whole(side.heads)
     if len(shard.heads) != side.heads:
         raise ShardError(

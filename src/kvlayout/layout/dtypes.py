@@ -1,0 +1,28 @@
+"""Element types by name, without torch: what a description may name, what the command
+line takes, and how many bytes an element of each holds (the one table of them)."""
+
+from __future__ import annotations
+
+__all__ = ["DTYPE_SIZES", "SHORT_NAMES", "itemsize"]
+
+DTYPE_SIZES: dict[str, int] = {
+    "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
+    "float8_e5m2": 1, "float8_e5m2fnuz": 1, "float8_e8m0fnu": 1, "uint8": 1, "int8": 1, "int16": 2,
+    "int32": 4, "int64": 8, "uint16": 2, "uint32": 4, "uint64": 8, "bool": 1,
+}  # fmt: skip
+"""torch's dtype names (without ``torch.``) and their sizes in bytes."""
+
+SHORT_NAMES: dict[str, str] = {
+    "bf16": "bfloat16", "fp16": "float16", "fp32": "float32", "fp8": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2", "uint8": "uint8", "int8": "int8",
+}  # fmt: skip
+"""The command line's dtype names, each for one of :data:`DTYPE_SIZES`."""
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a dtype named as torch names it; a ``KeyError`` naming the
+    dtypes known otherwise."""
+    try:
+        return DTYPE_SIZES[name]
+    except KeyError:
+        raise KeyError(f"dtype {name!r} is not one of {', '.join(DTYPE_SIZES)}") from None
