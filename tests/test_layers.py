@@ -259,6 +259,7 @@ NIXL_MODULES = [
     "plans",
     "peer_staging",
     "prepped",
+    "holds",
     "posting",
     "calibration",
 ]

@@ -545,7 +545,7 @@ def test_a_request_collected_while_a_lock_it_releases_is_held_lets_go_after(pair
     whatever thread allocates: one inside a staging buffer's, the agent's or the peer
     buffers' lock hung for good when the release waited for it. The next call that takes
     the buffer releases it instead."""
-    from kvlayout.transfer.nixl.posting import _PEER_STAGINGS_LOCK
+    from kvlayout.transfer.nixl.holds import _PEER_STAGINGS_LOCK
     from kvlayout.transfer.nixl.regions import _REGIONS
 
     m = make_map(pair, "READ", UNIT_RUNS)

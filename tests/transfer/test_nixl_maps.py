@@ -618,14 +618,14 @@ def test_auto_holds_the_peer_s_staging_buffer_only_once_it_chose_peer_staged(
 ) -> None:
     """ "auto" planned while holding the peer's buffer, so a peer-staged request of another
     thread was refused meanwhile even when "auto" then went direct."""
-    from kvlayout.transfer.nixl import posting
+    from kvlayout.transfer.nixl import holds, posting
 
     r = peer_staged(pair, next(c for c in CASES if c[0] == "TP 2->1 NHD"), 103, "WRITE")
     held: list[int] = []
     planned = posting.plan  # type: ignore[attr-defined]
 
     def plan(*args: Any, **kw: Any) -> Any:
-        held.append(len(posting._PEER_STAGINGS))  # what a concurrent peer-staged request finds
+        held.append(len(holds._PEER_STAGINGS))  # what a concurrent peer-staged request finds
         return planned(*args, **kw)
 
     monkeypatch.setattr(posting, "plan", plan)

@@ -35,7 +35,8 @@ when the local side is the source, ``"READ"`` when it is the destination.
 
 The modules import downward in that order: ``sides`` (what a map offers, the errors),
 ``regions``, ``direct``, ``copies``, ``plans``, ``peer_staging``, ``prepped``,
-``posting``, ``calibration``; this package re-exports their public names.
+``holds`` (what a request holds until released), ``posting``, ``calibration``; this
+package re-exports their public names.
 
 Nothing here imports NIXL: the caller's agent is the only NIXL object used, so code that
 does not move KV through NIXL never loads it (:func:`make_agent` imports it on call).

@@ -5,22 +5,24 @@ from __future__ import annotations
 
 import threading
 import time
-import warnings
 import weakref
 from collections.abc import Callable
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any, Concatenate, NamedTuple, ParamSpec, TypeVar
 
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _sides
+from kvlayout.transfer.nixl.holds import (
+    _NO_CANCEL,
+    _abandon,
+    _claim_peer_staging,
+    _Hold,
+    _unclaim_peer_staging,
+)
 from kvlayout.transfer.nixl.peer_staging import _other_cut, _stages_announced, stage_notif, take_notif
 from kvlayout.transfer.nixl.plans import CostModel, PeerStaging, Plan, _check_staging_arg, plan
 from kvlayout.transfer.nixl.prepped import Prepped
 from kvlayout.transfer.nixl.regions import (
-    _REGIONS,
-    Region,
     _check_described,
     _check_local,
     _check_local_rows,
@@ -28,9 +30,6 @@ from kvlayout.transfer.nixl.regions import (
     _reach,
     _refuse_unregistered,
     _removals,
-    _unpin,
-    locks_free,
-    when_free,
 )
 from kvlayout.transfer.nixl.sides import (
     Agent,
@@ -385,137 +384,6 @@ class Transfer:
         # Tried before (NIXL refused a handle): the others are freed, not to be asked again.
         in_flight = self._hold.kept if self._hold.tried else self._in_flight()
         return self._hold.release(in_flight=in_flight)
-
-
-# The peers' staging buffers that each agent's peer-staged requests are using:
-# (agent name, peer, first byte, end). A second request through one would land on (or
-# read) the bytes of the first before the peer has copied them. A request released in
-# flight lets go of its claim: the peer owns the buffer, and reads _NO_CANCEL's rule.
-_PEER_STAGINGS: list[tuple[str, str, int, int]] = []
-_PEER_STAGINGS_LOCK = threading.Lock()
-
-
-def _claim_peer_staging(
-    agent: Agent, peer: str, peer_staging: PeerStaging | None, must: bool
-) -> tuple[str, str, int, int] | None:
-    """The peer's staging buffer, taken for a request that may go peer-staged: None when
-    there is none, or another request of this agent holds it and the request may go
-    another way; refused where it ``must`` go peer-staged."""
-    if peer_staging is None:
-        return None
-    name = str(getattr(agent, "name", id(agent)))
-    claim = (name, peer, int(peer_staging.address), int(peer_staging.address) + int(peer_staging.nbytes))
-    with _PEER_STAGINGS_LOCK:
-        if not any(
-            (n, q) == claim[:2] and lo < claim[3] and claim[2] < hi for n, q, lo, hi in _PEER_STAGINGS
-        ):
-            _PEER_STAGINGS.append(claim)
-            return claim
-    if not must:
-        return None
-    raise TransferError(
-        f"peer {peer!r}'s staging buffer {peer_staging} is in use by another peer-staged request of "
-        f"agent {name!r} not yet waited for: one request at a time goes through a peer's staging buffer "
-        "(give each request in flight a buffer of its own)"
-    )
-
-
-def _unclaim_peer_staging(claim: tuple[str, str, int, int] | None) -> None:
-    if claim is not None:
-        with _PEER_STAGINGS_LOCK:
-            _PEER_STAGINGS.remove(claim)
-
-
-_NO_CANCEL = (
-    "NIXL cannot guarantee to cancel a request under way: its bytes may still land (UCX over TCP "
-    "finishes it), so do not free or reuse the memory it reads or writes, on either side; a staging "
-    "buffer it holds stays busy, registered and allocated for good"
-)
-
-
-@dataclass
-class _Hold:
-    """What a request holds until it is released: its NIXL requests, its staging buffer,
-    the local copies that write or read that buffer, and the regions it posts through."""
-
-    agent: Agent
-    handles: list[Any]
-    staging: Staging | None
-    copies: list[Future[None]] = field(default_factory=list)
-    started: bool = False
-    released: bool = False
-    pinned: tuple[Region, ...] = ()  # regions its posts go through: deregistering them waits
-    kept: bool = False  # let go of in flight: the staging buffer and pinned regions are kept for good
-    tried: bool = False  # release() ran (NIXL may have refused some of the handles)
-    peer_claim: tuple[str, str, int, int] | None = None  # the peer's staging buffer it posts through
-
-    def release(self, in_flight: bool) -> bool:
-        """Release the NIXL requests (the copies are done) and let go of the staging
-        buffer and regions, or, ``in_flight`` (NIXL may still move bytes), keep them for
-        good; False if NIXL refused one (kept, to try again)."""
-        refused, self.tried = [], True
-        for h in self.handles:
-            try:
-                self.agent.release_xfer_handle(h)
-            except Exception as exc:
-                if not _is_nixl_error(exc):
-                    raise
-                refused.append(h)
-        self.handles, self.released = refused, not refused
-        if in_flight:
-            self.keep()
-        elif self.released and not self.kept:
-            if self.staging is not None:
-                self.staging._let_go()
-            _unpin(self.agent, self.pinned)
-            _unclaim_peer_staging(self.peer_claim)
-            self.peer_claim = None
-        return self.released
-
-    def keep(self) -> None:
-        """NIXL may still move the request's bytes: its staging buffer stays busy, and its
-        staging buffer and pinned regions registered and allocated, for good."""
-        if not self.kept and self.staging is not None:
-            self.staging._keep()
-        if not self.kept:  # the peer's buffer is the peer's: it reads _NO_CANCEL's rule
-            _unclaim_peer_staging(self.peer_claim)
-            self.peer_claim = None
-        self.kept = True
-
-
-def _abandon(hold: _Hold, what: str) -> None:
-    """A request dropped unreleased. Prepared and never started: release it, so that its
-    staging buffer is not taken for good. Started: leave it to finish (a post must not be
-    cancelled behind the caller's back), keeping what it holds. Both take locks the
-    thread the collector runs this on may hold: then the next call does it."""
-    if hold.released:
-        return
-    if hold.started:
-        warnings.warn(
-            f"{what} was dropped before wait(): it is left to finish, and its staging buffer stays busy "
-            "and, with the memory it posts through, registered for good; its notif may never reach the "
-            "peer (it goes once a poll sees the request done, and nothing polls a dropped request)",
-            ResourceWarning,
-            stacklevel=1,
-        )
-    else:
-        warnings.warn(
-            f"{what} was prepared and dropped without release(); releasing it", ResourceWarning, stacklevel=1
-        )
-    when_free(lambda: _let_go_abandoned(hold))
-
-
-def _let_go_abandoned(hold: _Hold) -> bool:
-    """:func:`_abandon`'s work, False while a lock it takes is held."""
-    regions = _REGIONS.get(hold.agent)
-    locks = [_PEER_STAGINGS_LOCK] + ([regions.lock] if regions is not None else [])
-    if not locks_free(*locks, *(hold.staging._locks() if hold.staging is not None else [])):
-        return False
-    if hold.started:
-        hold.keep()
-    else:
-        hold.release(in_flight=False)
-    return True
 
 
 def wait(xfer: Transfer, timeout: float = 30.0) -> TransferResult:
