@@ -3,8 +3,9 @@
 ``nesting`` is the one walk of a registration's lists and tuples; ``contiguity`` the
 strides and zero-copy views; ``memory`` which bytes a tensor occupies (no two tensors of
 an engine group may share one); ``binding`` reads a normalized structure as a format's
-layout, every tensor checked; ``registration`` is the bound ``Registration``: per-layer
-formats, engine groups and kernel groups, which the facade and transfer read.
+layout, every tensor checked; ``kernel_groups`` the layers one kernel reads alike (their
+planes, geometry and shared layers); ``registration`` is the bound ``Registration``:
+per-layer formats, engine groups and kernel groups, which the facade and transfer read.
 ``backing`` checks that a tensor has memory behind its view; ``opaque`` reads pages
 paged finer than their block as bytes; ``shards`` says which KV heads a TP rank holds;
 ``peers`` is a registration as plain data (``describe``, JSON) for the other side of a

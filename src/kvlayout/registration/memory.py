@@ -48,7 +48,7 @@ from kvlayout.registration.nesting import Path, describe_path
 from kvlayout.registration.opaque import viewed_over
 
 if TYPE_CHECKING:
-    from kvlayout.registration.registration import KernelGroup
+    from kvlayout.registration.kernel_groups import KernelGroup
 
 __all__ = [
     "HoldsAddresses",
