@@ -1171,8 +1171,18 @@ def test_a_load_after_the_prefix_cache_moves_only_the_tokens_from_first_token() 
     assert all(torch.equal(kv[i][:, untouched], before[i][:, untouched]) for i in range(2))
     with pytest.raises(BlockMapError, match=r"^dst_blocks\[3\] = 5 repeats dst_blocks\[2\]"):
         block_map(pool, engine, [2, 0], [0, 0, 5, 5, 8, 1, 9], num_tokens=100, first_token=32)
-    with pytest.raises(
-        BlockMapError, match=r"^first_token must lie in \[0, num_tokens\] = \[0, 100\], got 101$"
-    ):
+    with pytest.raises(BlockMapError, match=r"^dst_blocks\[3\] = 5 repeats dst_blocks\[2\]"):  # not [0]
+        block_map(pool, engine, [2, 0], [5, 0, 5, 5, 8, 1, 9], num_tokens=100, first_token=32)
+    with pytest.raises(BlockMapError) as err:  # a block the prefix keeps is never written
+        block_map(pool, engine, [2, 0], [3, 0, 5, 3, 8, 1, 9], num_tokens=100, first_token=32)
+    assert str(err.value) == (
+        "dst_blocks[3] = 3 takes tokens from first_token=32 on, but dst_blocks[0], the same block, holds "
+        "tokens before it, which a map never writes"
+    )
+    assert repr(block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=99)).startswith(
+        "BlockMap(re-blocked, permuted: token 99, "
+    )
+    with pytest.raises(BlockMapError, match=r"^first_token must lie in \[0, 100\] \(num_tokens\), got 101$"):
         block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=101)
-    assert block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=100).num_runs == 0
+    served = block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=100)
+    assert served.num_runs == 0 and "no tokens (first_token=100)" in repr(served)

@@ -299,7 +299,7 @@ def test_the_peer_s_half_refuses_a_map_other_than_the_poster_s() -> None:
             assert str(err.value) == (
                 f"this side's map has fingerprint {fingerprint(other.runs)}, the poster's "
                 f"'{fingerprint(runs)}': the two halves of the request were built from other arguments "
-                "(block ids, their order, num_tokens, shards or block sizes), and would lay the staging "
+                "(block ids, their order, num_tokens, first_token, shards or block sizes), and would lay the staging "
                 "buffer out differently; nothing was copied"
             )
             assert not staging.busy

@@ -176,9 +176,12 @@ class BlockMap(HoldsAddresses):
         )
 
     def _tokens(self) -> str:
-        if self.first_token == 0:
-            return f"{self.num_tokens} tokens"
-        return f"tokens {self.first_token}-{self.num_tokens - 1}"
+        first, n = self.first_token, self.num_tokens
+        if first == 0:
+            return f"{n} tokens"
+        if first >= n - 1:
+            return f"token {first}" if first == n - 1 else f"no tokens (first_token={first})"
+        return f"tokens {first}-{n - 1}"
 
     def copy(self, num_threads: int = 1) -> int:
         """Copy the runs (validated first: every run inside one tensor's blocks on each
@@ -416,8 +419,9 @@ def block_map(
     src_block_size: int | None = None,
     dst_block_size: int | None = None,
 ) -> BlockMap:
-    """The byte runs that move tokens ``[0, num_tokens)`` of one request from ``src`` to
-    ``dst``: token ``p`` is slot ``p % BS`` of block ``blocks[p // BS]`` on each side.
+    """The byte runs that move tokens ``[first_token, num_tokens)`` of one request from
+    ``src`` to ``dst``: token ``p`` is slot ``p % BS`` of block ``blocks[p // BS]`` on
+    each side.
 
     ``src`` and ``dst`` are what detection returns (a registration with one kernel group,
     or a kernel group) or a peer's :class:`~kvlayout.registration.peers.RegistrationDescription`
@@ -456,11 +460,13 @@ def block_map(
             raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
     first = _int("first_token", first_token)
     if not 0 <= first <= tokens:
-        raise BlockMapError(f"first_token must lie in [0, num_tokens] = [0, {tokens}], got {first}")
+        which = "num_tokens" if num_tokens is not None else "the tokens the shorter block list holds"
+        raise BlockMapError(f"first_token must lie in [0, {tokens}] ({which}), got {first}")
     # a row of opaque pages is no token: the last page moves whole (to or from a chunk too)
     opaque = a if a.opaque_pages is not None else b
     if opaque.opaque_pages is not None and not opaque.opaque_pages.rows_are_tokens:
-        tokens = -(-tokens // opaque.block_size) * opaque.block_size
+        served, tokens = first == tokens, -(-tokens // opaque.block_size) * opaque.block_size
+        first = tokens if served else first  # every token served already: nothing moves
         chunk = b if opaque is a else a
         if first % opaque.block_size:
             raise BlockMapError(
@@ -477,13 +483,23 @@ def block_map(
         told = f"num_tokens={num_tokens} rounded up to whole opaque pages"
     src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)
     dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told)
-    again = _native.first_repeated_block_id(dst_ids, first // b_size, b.num_blocks // b_per)
+    written = first // b_size  # dst_blocks[written:] take tokens; those before keep theirs
+    again = _native.first_repeated_block_id(dst_ids, written, b.num_blocks // b_per)
     if again >= 0:
-        earlier = int(np.flatnonzero(dst_ids[:again] == dst_ids[again])[0])
+        earlier = written + int(np.flatnonzero(dst_ids[written:again] == dst_ids[again])[0])
         raise BlockMapError(
             f"dst_blocks[{again}] = {int(dst_ids[again])} repeats dst_blocks[{earlier}]: each "
             "destination slot is written once"
         )
+    if written and first < tokens:
+        kept = np.flatnonzero(np.isin(dst_ids[:written], dst_ids[written:]))
+        if len(kept):
+            k = int(kept[0])
+            later = written + int(np.flatnonzero(dst_ids[written:] == dst_ids[k])[0])
+            raise BlockMapError(
+                f"dst_blocks[{later}] = {int(dst_ids[k])} takes tokens from first_token={first} on, but "
+                f"dst_blocks[{k}], the same block, holds tokens before it, which a map never writes"
+            )
     src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
     dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
     result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first)

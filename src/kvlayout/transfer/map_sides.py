@@ -127,7 +127,8 @@ def _split_pages(layout: Layout, sizes: dict[str, int], block_size: int | None, 
     if block_size is None:
         raise BlockMapError(
             f"{where}: {layout} folds its blocks and their tokens into one axis ({page}): pass its "
-            "block size (block_map's src_block_size= / dst_block_size=, or describe(block_size=))"
+            "block size (block_map's src_block_size= / dst_block_size=, chunk_side(block_size=), or "
+            "describe(block_size=))"
         )
     total = layout.size_of(sizes, Role.PAGE)
     try:

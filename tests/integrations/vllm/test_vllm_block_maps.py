@@ -57,6 +57,7 @@ def test_hnd_kernel_pages_move_whole_pages_for_a_partly_filled_last_block() -> N
         BlockMapError, match=r"^first_token=100 cuts an opaque page of 128 rows, which moves whole"
     ):
         block_map(src, dst, [4, 1], [0, 5], num_tokens=200, first_token=100)
+    assert block_map(src, dst, [4, 1], [0, 5], num_tokens=200, first_token=200).num_runs == 0  # all served
 
 
 def unpaged_cache(layout: Any, seed: int) -> tuple[dict[str, Any], Any]:

@@ -323,8 +323,8 @@ def _check_fingerprint(block_map: NixlMap, expect: str) -> None:
     if ours != expect:
         raise TransferError(
             f"this side's map has fingerprint {ours}, the poster's {expect[:64]!r}: the two halves of the "
-            "request were built from other arguments (block ids, their order, num_tokens, shards or block "
-            "sizes), and would lay the staging buffer out differently; nothing was copied"
+            "request were built from other arguments (block ids, their order, num_tokens, first_token, "
+            "shards or block sizes), and would lay the staging buffer out differently; nothing was copied"
         )
 
 
