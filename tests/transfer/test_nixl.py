@@ -436,6 +436,45 @@ def test_a_peer_s_copy_collected_while_the_agent_s_lock_is_held_lets_go_after() 
         assert not staging.busy
 
 
+def test_many_deferred_releases_drain_in_one_pass_and_a_failing_one_is_a_warning() -> None:
+    """Each deferred release deregisters, which drained the queue again from inside
+    itself: 400 buffers collected under the agent's lock made the next register() raise
+    RecursionError, the popped releases lost. A release that fails is a ResourceWarning,
+    not the error of whichever call drained."""
+    from kvlayout.transfer.nixl.regions import _DEFERRED, _REGIONS, when_free
+
+    agent = nx.make_agent("kvl-deferred-many", progress_thread=False)
+    gc.disable()  # every buffer collected below, under the lock
+    try:
+        for _ in range(400):
+            cycle: list[Any] = [nx.Staging(agent, 64)]
+            cycle.append(cycle)  # freed only by the cyclic collector
+        del cycle
+        with _REGIONS[agent].lock:  # as register() holds it when an allocation collects
+            gc.collect()
+    finally:
+        gc.enable()
+    assert len(_REGIONS[agent].count) == 400
+
+    def fails() -> bool:
+        raise RuntimeError("the backend refused")
+
+    with _REGIONS[agent].lock:
+        when_free(lambda: locks_free_or_fail(_REGIONS[agent].lock, fails))
+    with (
+        pytest.warns(ResourceWarning, match="could not release .*: RuntimeError: the backend refused"),
+        nx.register(agent, torch.zeros(64, dtype=torch.uint8)),
+    ):
+        assert len(_REGIONS[agent].count) == 1 and not _DEFERRED
+
+
+def locks_free_or_fail(lock: Any, then: Callable[[], bool]) -> bool:
+    """An attempt that waits while ``lock`` is held, then runs ``then``."""
+    from kvlayout.transfer.nixl.regions import locks_free
+
+    return locks_free(lock) and then()
+
+
 # 128 runs of one unit, one slot apart here and back to back there: a staged request.
 UNIT_RUNS = [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(128)]
 

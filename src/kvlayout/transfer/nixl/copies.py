@@ -211,6 +211,7 @@ class Staging:
     def close(self) -> None:
         """Deregister the buffer, now or, while a transfer holds it, when that one lets go
         (NIXL would otherwise move its bytes through a region it no longer holds)."""
+        _drain_deferred()  # a request dropped unreleased may hold it: let go of first
         with self._lock:
             if not self.closed:
                 self.closed = True
