@@ -384,6 +384,17 @@ def test_a_registration_dropped_without_deregister_keeps_its_memory_while_regist
     _check_local(agent, np.array([at], U64), np.array([BUF], U64), "DRAM", 0, "local run")
 
 
+def collect_holding(lock: Any) -> None:
+    """The cyclic collector run on a thread that holds ``lock``, as register() holds the
+    agent's when an allocation collects; a hang fails the run, not the machine."""
+    faulthandler.dump_traceback_later(60, exit=True)
+    try:
+        with lock:
+            gc.collect()
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
 def test_a_staging_buffer_collected_while_its_agent_s_lock_is_held_is_let_go_after() -> None:
     """The cyclic collector runs finalizers on whatever thread allocates, which may hold
     the agent's lock (inside register, say): a dropped Staging's finalizer that waited for
@@ -396,12 +407,7 @@ def test_a_staging_buffer_collected_while_its_agent_s_lock_is_held_is_let_go_aft
     cycle: list[Any] = [staging]
     cycle.append(cycle)  # freed only by the cyclic collector
     del staging, cycle
-    faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the run, not the machine
-    try:
-        with _REGIONS[agent].lock:  # as register() holds it when an allocation collects
-            gc.collect()
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    collect_holding(_REGIONS[agent].lock)
     with pytest.raises(nx.RefusedDescriptorError, match="is outside every region registered"):
         _check_local(agent, at, n, "DRAM", 0, "staged descriptor")  # the next call let it go
 
@@ -425,12 +431,7 @@ def test_a_peer_s_copy_collected_while_the_agent_s_lock_is_held_lets_go_after() 
         cycle.append(cycle)  # freed only by the cyclic collector
         staging.close()  # busy: deregistered once the copy lets go
         del cycle
-        faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the run, not the machine
-        try:
-            with _REGIONS[agent].lock:  # as register() holds it when an allocation collects
-                gc.collect()
-        finally:
-            faulthandler.cancel_dump_traceback_later()
+        collect_holding(_REGIONS[agent].lock)
         with pytest.raises(nx.RefusedDescriptorError, match="is outside every region registered"):
             _check_local(agent, at, n, "DRAM", 0, "staged descriptor")  # the next call let it go
         assert not staging.busy
@@ -597,13 +598,9 @@ def test_a_request_collected_while_a_lock_it_releases_is_held_lets_go_after(pair
         "regions": _REGIONS[pair.agent].lock,
         "peer stagings": _PEER_STAGINGS_LOCK,
     }
-    faulthandler.dump_traceback_later(60, exit=True)  # a hang fails the run, not the machine
-    try:
-        with lock[held], pytest.warns(ResourceWarning, match="was prepared and dropped without release"):
-            gc.collect()
-        assert staging.busy  # left for later: the lock was held
-    finally:
-        faulthandler.cancel_dump_traceback_later()
+    with pytest.warns(ResourceWarning, match="was prepared and dropped without release"):
+        collect_holding(lock[held])
+    assert staging.busy  # left for later: the lock was held
     assert nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=staging).wait(
         timeout=30
     ).strategy == ("staged")

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn
 
 import torch
 
@@ -32,9 +32,6 @@ from kvlayout.registration.memory import (
 from kvlayout.registration.nesting import Path, describe_path
 from kvlayout.registration.opaque import OpaquePages, pages_of_tensors
 from kvlayout.types import EngineType
-
-if TYPE_CHECKING:
-    pass
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",
