@@ -250,6 +250,10 @@ def test_the_copy_finds_the_tiles_of_a_head_major_block_map() -> None:
     assert _native.tiles_of(table(*buffers(0), tile_runs(0, 0, 4096, 8192, 2, 4))) == []  # runs > 2 KiB
     contiguous = [(i * 256, i * 256, 256) for i in range(16)]  # nothing to transpose
     assert _native.tiles_of(table(*buffers(0), contiguous)) == []
+    # HND blocks of 32 tokens are tiles; of 64, copied by columns, they measured slower
+    # than in list order (kTileColsMax)
+    assert _native.tiles_of(table(*buffers(0), tile_runs(0, 0, 256, 2048, 8, 32))) == [(0, 8, 32)]
+    assert _native.tiles_of(table(*buffers(0), tile_runs(0, 0, 256, 2048, 8, 64))) == []
 
 
 @st.composite
