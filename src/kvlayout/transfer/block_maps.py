@@ -435,7 +435,8 @@ def block_map(
     first tokens, which their blocks (perhaps shared with other requests) keep. No byte of
     an earlier token is read or written, and the destination's blocks wholly before it
     may be anything in range (repeated too: vLLM's null block for a sliding window's
-    dropped blocks).
+    dropped blocks) but a block that takes later tokens (whose earlier slots a map would
+    overwrite).
 
     ``*_block_size`` split a folded page axis (NB*BS formats). Elsewhere the block size
     is the cache's own, or a multiple of it: the block ids are then in blocks of that
