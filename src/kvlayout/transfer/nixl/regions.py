@@ -204,11 +204,12 @@ def register(agent: Agent, registration: Holder) -> Registered:
     if any(t.device.type == "meta" for t in tensors):  # pragma: no cover - _device refuses meta
         raise TransferError("meta tensors have no memory")
     mem_type, dev = _MEM_TYPES[device.type], device.index or 0
-    regions = tuple(
-        dict.fromkeys(
-            Region(s.data_ptr(), s.nbytes(), mem_type, dev) for s in (t.untyped_storage() for t in tensors)
-        )
-    )
+    # each storage's region, with the tensors that view it (its memory, kept while registered)
+    viewers: dict[Region, list[torch.Tensor]] = {}
+    for t in tensors:
+        s = t.untyped_storage()
+        viewers.setdefault(Region(s.data_ptr(), s.nbytes(), mem_type, dev), []).append(t)
+    regions = tuple(viewers)
     held = _REGIONS.setdefault(agent, _AgentRegions())
     with held.lock:
         for region in regions:
@@ -221,7 +222,7 @@ def register(agent: Agent, registration: Holder) -> Registered:
                 )
                 held.reg_lists[region] = reg
                 held.count[region] = 0
-                held.owners[region] = [t for t in tensors if t.untyped_storage().data_ptr() == region.address]
+                held.owners[region] = viewers[region]
             held.count[region] += 1
     return Registered(agent, regions, tensors)
 
