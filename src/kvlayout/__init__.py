@@ -35,7 +35,7 @@ _EXPORTS: dict[str, str] = {
     "SizeError": "kvlayout.errors",
     "EXCLUDED_ENGINE_GROUP": "kvlayout.facade",
     "LayerGroupIdentity": "kvlayout.facade",
-    "KernelGroupIdentity": "kvlayout.registration.registration",
+    "KernelGroupIdentity": "kvlayout.registration.kernel_groups",
     "extract_kv_cache_shapes": "kvlayout.detection.discovery",
     "get_shape_and_dtype": "kvlayout.facade",
     "resolve_vllm_kv_layout": "kvlayout.detection.vllm",
@@ -74,7 +74,7 @@ _EXPORTS: dict[str, str] = {
     "bind": "kvlayout.registration.registration",
     "Registration": "kvlayout.registration.registration",
     "RegisteredKV": "kvlayout.registration.registration",
-    "KernelGroup": "kvlayout.registration.registration",
+    "KernelGroup": "kvlayout.registration.kernel_groups",
     "RegistrationError": "kvlayout.registration.registration",
     "normalize_and_discover_per_layer_formats": "kvlayout.detection.discovery",
     "DetectionError": "kvlayout.detection.base",
@@ -322,14 +322,8 @@ if TYPE_CHECKING:
     from kvlayout.layout.parser import parse
     from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS
     from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
-    from kvlayout.registration.registration import (
-        KernelGroup,
-        KernelGroupIdentity,
-        RegisteredKV,
-        Registration,
-        RegistrationError,
-        bind,
-    )
+    from kvlayout.registration.kernel_groups import KernelGroup, KernelGroupIdentity
+    from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError, bind
     from kvlayout.types import (
         KV_LAYOUT_NAMES,
         KV_LIST_LAYOUT_NAMES,

@@ -29,16 +29,9 @@ from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.layout import algebra
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view, dim0_padding
+from kvlayout.registration.kernel_groups import EXCLUDED_ENGINE_GROUP, KernelGroup, LayerGroupIdentity
 from kvlayout.registration.nesting import entry_keys, first_leaf
-from kvlayout.registration.registration import (
-    EXCLUDED_ENGINE_GROUP,
-    KernelGroup,
-    LayerGroupIdentity,
-    RegisteredKV,
-    Registration,
-    bound,
-    bound_per_layer,
-)
+from kvlayout.registration.registration import RegisteredKV, Registration, bound, bound_per_layer
 from kvlayout.types import DiscoverableKVCache, EngineLike, as_engine
 
 __all__ = [

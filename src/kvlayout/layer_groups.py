@@ -29,10 +29,8 @@ from kvlayout._generated.descriptors import PageBufferShapeDesc
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.catalog.registry import FormatLike
 from kvlayout.facade import resolve_block_stride_and_log_layout
+from kvlayout.registration.kernel_groups import EXCLUDED_ENGINE_GROUP, KernelGroup, LayerGroupIdentity
 from kvlayout.registration.registration import (
-    EXCLUDED_ENGINE_GROUP,
-    KernelGroup,
-    LayerGroupIdentity,
     RegisteredKV,
     Registration,
     RegistrationError,

@@ -29,9 +29,10 @@ from kvlayout.registration.contiguity import (
     attempt_permute_to_contiguous_view,
     physical_entries,
 )
+from kvlayout.registration.kernel_groups import EXCLUDED_ENGINE_GROUP
 from kvlayout.registration.memory import first_without_memory
 from kvlayout.registration.nesting import CallerRoot, describe_path, first_leaf, leaves, not_a_kv_cache
-from kvlayout.registration.registration import EXCLUDED_ENGINE_GROUP, Registration, RegistrationError, bind
+from kvlayout.registration.registration import Registration, RegistrationError, bind
 from kvlayout.types import (
     DiscoverableKVCache,
     EngineLike,

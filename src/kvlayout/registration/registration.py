@@ -43,8 +43,6 @@ from kvlayout.registration.kernel_groups import (
     EXCLUDED_ENGINE_GROUP,
     Geometry,
     KernelGroup,
-    KernelGroupIdentity,
-    LayerGroupIdentity,
     Plane,
     _find_sharing,
 )
@@ -65,12 +63,6 @@ if TYPE_CHECKING:
     from kvlayout.registration.shards import Shard
 
 __all__ = [
-    "EXCLUDED_ENGINE_GROUP",
-    "Geometry",
-    "KernelGroup",
-    "KernelGroupIdentity",
-    "LayerGroupIdentity",
-    "Plane",
     "RegisteredKV",
     "Registration",
     "RegistrationError",

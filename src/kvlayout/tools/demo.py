@@ -35,9 +35,9 @@ from kvlayout.integrations.vllm import (
 )
 from kvlayout.integrations.vllm.specs import SpecKind, spec_kind
 from kvlayout.layout.algebra import Coord
+from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.nesting import leaves
 from kvlayout.registration.opaque import opaque_pages_of
-from kvlayout.registration.registration import KernelGroup
 from kvlayout.transfer import TransferPlan, prepare
 
 __all__ = [

@@ -17,11 +17,12 @@ from kvlayout.errors import KVLayoutError, as_int, index_ranges
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import Placement, group_placement, no_memory
 from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
-from kvlayout.registration.registration import KernelGroup, RegisteredKV, Registration, RegistrationError
+from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard
 
 __all__ = ["BlockMapError", "Side", "chunk_side", "side_of_group"]

@@ -34,6 +34,7 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.formats import as_format
 from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.kernel_groups import KernelGroup, Plane
 from kvlayout.registration.memory import (
     HoldsAddresses,
     Placement,
@@ -43,7 +44,7 @@ from kvlayout.registration.memory import (
     run_of,
 )
 from kvlayout.registration.nesting import not_strided
-from kvlayout.registration.registration import KernelGroup, Plane, Registration, RegistrationError, bound
+from kvlayout.registration.registration import Registration, RegistrationError, bound
 from kvlayout.transfer.arguments import block_ids_arg, int_arg, threads_arg
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
@@ -76,7 +77,7 @@ def prepare(kv: Any, fmt: FormatLike | None = None, *, block_size: int | None = 
 
     ``kv`` is what detection returned (its bound registration is reused, and so is the
     plan: preparing twice is free), a :class:`~kvlayout.registration.registration.Registration` or
-    :class:`~kvlayout.registration.registration.KernelGroup` (whose format ``fmt`` may leave
+    :class:`~kvlayout.registration.kernel_groups.KernelGroup` (whose format ``fmt`` may leave
     out), or any registration in ``fmt`` (checked now). ``block_size`` is needed only for
     formats that fold NB and BS into one axis. A registration whose layers differ (a
     hybrid) has one plan per kernel group.

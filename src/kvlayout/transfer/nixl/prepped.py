@@ -9,8 +9,9 @@ from typing import Any, cast
 import numpy as np
 import torch
 
+from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.peers import RegistrationDescription
-from kvlayout.registration.registration import KernelGroup, Registration
+from kvlayout.registration.registration import Registration
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _check_staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows

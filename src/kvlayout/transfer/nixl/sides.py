@@ -11,9 +11,10 @@ import numpy as np
 import torch
 
 from kvlayout.registration.backing import no_memory
+from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import Placement, group_placement
 from kvlayout.registration.peers import RegistrationDescription
-from kvlayout.registration.registration import KernelGroup, Registration
+from kvlayout.registration.registration import Registration
 from kvlayout.transfer import TransferError
 
 Agent = Any
