@@ -384,17 +384,21 @@ class Walker {
     const std::uint64_t width = slab_->width;
     if (q_.order[d] == kSlot) {  // innermost, or only a folded head inside: no call per slot
       const bool head_folded = d == 2;
-      const At a = at(c, head_folded ? 0 : head_);
-      const std::uint64_t unit = width * static_cast<std::uint64_t>(head_folded ? q_.heads : 1);
-      for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
-        c.emit_row(a.src + a.src_tok[p], a.dst + a.dst_tok[p], unit, static_cast<std::uint64_t>(stop - p), a.src_slot,
-                   a.dst_slot);
-      });
-      return;
+      return slot_rows(c, at(c, head_folded ? 0 : head_),
+                       width * static_cast<std::uint64_t>(head_folded ? q_.heads : 1));
     }
     const At a = at(c, 0);  // an innermost head level
     c.emit_row(a.src + a.src_tok[token_], a.dst + a.dst_tok[token_], width, static_cast<std::uint64_t>(q_.heads),
                slab_->src_head_stride, slab_->dst_head_stride);
+  }
+
+  // The block's slots from the slab at `a`, `unit` bytes each: a row per segment of them
+  // in one source block.
+  [[gnu::always_inline]] void slot_rows(Cursor<kTrackTensors>& c, const At& a, std::uint64_t unit) const {
+    for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
+      c.emit_row(a.src + a.src_tok[p], a.dst + a.dst_tok[p], unit, static_cast<std::uint64_t>(stop - p), a.src_slot,
+                 a.dst_slot);
+    });
   }
 
   // Levels 2 and 3 (slot and head, either way round, neither folded) as tiles: per
@@ -410,14 +414,7 @@ class Walker {
       // Heads outside slots, the block's tokens in several source blocks: a tile per
       // segment would visit every head once per segment, out of destination order (and
       // the runs then sorted); a row per head and segment keeps the order.
-      const std::uint64_t width = slab_->width;
-      for (std::int64_t h = 0; h < q_.heads; ++h) {
-        const At a = at(c, h);
-        for_segments([&](std::int64_t p, std::int64_t stop) __attribute__((always_inline)) {
-          c.emit_row(a.src + a.src_tok[p], a.dst + a.dst_tok[p], width, static_cast<std::uint64_t>(stop - p),
-                     a.src_slot, a.dst_slot);
-        });
-      }
+      for (std::int64_t h = 0; h < q_.heads; ++h) slot_rows(c, at(c, h), slab_->width);
       return;
     }
     const At a = at(c, 0);
@@ -659,8 +656,8 @@ inline std::size_t emissions_bound(const Request& q) {
   // A partial destination block (the last, or the first the first token cuts) whose heads
   // fold over its slots emits per head.
   const auto partial_of = [&](std::int64_t rest) { return rest ? std::min(rest, rest / q.src_block_size + 2) : 0; };
-  const std::int64_t partial =
-      partial_of(q.tokens % q.dst_block_size) + partial_of(q.first % q.dst_block_size ? q.dst_block_size - q.first % q.dst_block_size : 0);
+  const std::int64_t cut = q.first % q.dst_block_size;  // the first block's slots before the first token
+  const std::int64_t partial = partial_of(q.tokens % q.dst_block_size) + partial_of(cut ? q.dst_block_size - cut : 0);
   std::int64_t total = 0;
   const std::int64_t slabs = q.group_starts[q.num_groups];
   for (std::int64_t s = 0; s < slabs; ++s) {
