@@ -3,7 +3,7 @@ line takes, and how many bytes an element of each holds (the one table of them).
 
 from __future__ import annotations
 
-__all__ = ["DTYPE_SIZES", "SHORT_NAMES", "itemsize"]
+__all__ = ["DTYPE_SIZES", "SHORT_NAMES"]
 
 DTYPE_SIZES: dict[str, int] = {
     "bfloat16": 2, "float16": 2, "float32": 4, "float64": 8, "float8_e4m3fn": 1, "float8_e4m3fnuz": 1,
@@ -17,12 +17,3 @@ SHORT_NAMES: dict[str, str] = {
     "fp8_e5m2": "float8_e5m2", "uint8": "uint8", "int8": "int8",
 }  # fmt: skip
 """The command line's dtype names, each for one of :data:`DTYPE_SIZES`."""
-
-
-def itemsize(name: str) -> int:
-    """Bytes per element of a dtype named as torch names it; a ``KeyError`` naming the
-    dtypes known otherwise."""
-    try:
-        return DTYPE_SIZES[name]
-    except KeyError:
-        raise KeyError(f"dtype {name!r} is not one of {', '.join(DTYPE_SIZES)}") from None

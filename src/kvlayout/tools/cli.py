@@ -17,8 +17,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvlayout.errors import KVLayoutError
+from kvlayout.layout.dtypes import SHORT_NAMES
 from kvlayout.tools.plan_command import MAX_TP, cmd_plan
-from kvlayout.tools.registrations import _DTYPES, _natural, cmd_detect
+from kvlayout.tools.registrations import _natural, cmd_detect
 
 if TYPE_CHECKING:
     from kvlayout.layout.ast import Layout
@@ -244,7 +245,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--dtype",
         default="bf16",
-        help=f"element type for byte counts: {', '.join(_DTYPES)} (default: bf16)",
+        help=f"element type for byte counts: {', '.join(SHORT_NAMES)} (default: bf16)",
     )
     p.add_argument(
         "--svg", metavar="FILE", help="also write a picture of one block's memory order (small sizes)"
@@ -282,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{where}-share", action="append", default=[], metavar="SHARER=TARGET",
                        help=f"a {where} layer sharing another's KV cache, as detect's --share")  # fmt: skip
     p.add_argument(
-        "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(_DTYPES)} (default: bf16)"
+        "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )
     p.add_argument("--tokens", type=int, required=True, help="the request's tokens (1 to 2**24)")
     p.add_argument("--blocks", choices=("consecutive", "scattered"), default="scattered",
@@ -311,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
         "'61x([64,64,1,512],[64,64,1,64])', '3x[...]+2x[...]', and '32x[2,2048,16,8,128]@0,1,3,2,4' for a "
         "tensor whose dims lie in memory in that order (vLLM's HND cache)",
     )
-    p.add_argument("--dtype", default="bf16", help=f"one of {', '.join(_DTYPES)} (default: bf16)")
+    p.add_argument("--dtype", default="bf16", help=f"one of {', '.join(SHORT_NAMES)} (default: bf16)")
     p.add_argument(
         "--hint",
         action="append",

@@ -9,8 +9,8 @@ import json
 from typing import Any
 
 from kvlayout.errors import KVLayoutError
+from kvlayout.layout.dtypes import SHORT_NAMES
 from kvlayout.tools.registrations import (
-    _DTYPES,
     _detect_kv,
     _hints,
     _registration,
@@ -97,10 +97,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kvlayout.transfer.nixl import DEFAULT_COST
     from kvlayout.types import LayoutHints, as_engine
 
-    if args.dtype not in _DTYPES:
-        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
+    if args.dtype not in SHORT_NAMES:
+        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(SHORT_NAMES)}")
     _plan_bounds(args)
-    dtype, meta = getattr(torch, _DTYPES[args.dtype]), torch.device("meta")
+    dtype, meta = getattr(torch, SHORT_NAMES[args.dtype]), torch.device("meta")
     sides = {}
     a = vars(args)
     for where in ("src", "dst"):

@@ -24,9 +24,6 @@ def _natural(text: str) -> int | None:
     return int(text) if len(text) <= 30 else 10**30
 
 
-_DTYPES = SHORT_NAMES
-
-
 def _hints(items: Sequence[str], flag: str = "--hint") -> dict[str, object]:
     hints: dict[str, object] = {}
     for item in items:
@@ -149,7 +146,7 @@ def _scan_shape(flag: str, text: str) -> None:
 
 def _registration_spec(flag: str, text: str, dtype: str) -> Any:
     """``--shape`` text parsed, every tensor checked against the bounds above, or a
-    one-line error naming ``flag``. ``dtype``: a key of _DTYPES."""
+    one-line error naming ``flag``. ``dtype``: a key of SHORT_NAMES."""
     import math
 
     import torch
@@ -163,7 +160,7 @@ def _registration_spec(flag: str, text: str, dtype: str) -> Any:
         if flag == "--shape":
             raise
         raise KVLayoutError(flag + str(e).removeprefix("--shape")) from None
-    itemsize = getattr(torch, _DTYPES[dtype]).itemsize
+    itemsize = getattr(torch, SHORT_NAMES[dtype]).itemsize
     shown = _shown(spec.text)
 
     def check(leaf: Shape) -> None:
@@ -216,9 +213,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
     engine = as_engine(args.engine)  # a wrong engine or hint is the command line's, not the registration's
     hints = _hints(args.hint)
     LayoutHints.coerce(hints)
-    if args.dtype not in _DTYPES:
-        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(_DTYPES)}")
-    dtype = getattr(torch, _DTYPES[args.dtype])
+    if args.dtype not in SHORT_NAMES:
+        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(SHORT_NAMES)}")
+    dtype = getattr(torch, SHORT_NAMES[args.dtype])
     spec = _registration_spec("--shape", args.shape, args.dtype)
     kv = _registration(spec, dtype, device, args.share)  # its refusals are the command line's
     shapes = sorted({_shape_text(s) for s in spec.leaves()})
