@@ -105,7 +105,7 @@ def _drain_deferred() -> None:
     deregisters, which drains again: this thread's inner drains return at once (nested,
     400 finalizers' work ran 400 calls deep), and an attempt's error is a warning, not
     the error of whichever call happened to drain."""
-    if getattr(_DRAINING, "active", False):
+    if not _DEFERRED or getattr(_DRAINING, "active", False):  # the common case: nothing deferred
         return
     _DRAINING.active = True
     try:
