@@ -483,15 +483,17 @@ std::vector<kvlayout::block_map::Span> spans_of(const U64Rows& a, const char* na
 
 using ConstRunArray = nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_contig, nb::device::cpu>;
 
-std::tuple<int, std::int64_t, std::int64_t> validate_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans) {
+using kvlayout::block_map::Problem;
+
+std::tuple<Problem, std::int64_t, std::int64_t> validate_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans) {
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   nb::gil_scoped_release release;
   const auto v = kvlayout::block_map::validate_runs(r, runs.shape(0), src, dst);
-  return {static_cast<int>(v.problem), v.run, v.other};
+  return {v.problem, v.run, v.other};
 }
 
-std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans,
+std::tuple<Problem, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans,
                                                           int num_threads, std::uint64_t min_bytes_per_thread,
                                                           bool validate, int prefetch) {
   const auto mode = prefetch_mode(prefetch);
@@ -500,20 +502,20 @@ std::tuple<int, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray runs, U
   const std::size_t n = runs.shape(0);
   nb::gil_scoped_release release;
   const auto v = validate ? kvlayout::block_map::validate_runs(r, n, src, dst) : kvlayout::block_map::Verdict{};
-  if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
+  if (v.problem != Problem::kNone) return {v.problem, v.run, v.other, 0};
   const int used = kvlayout::block_map::copy_runs(r, n, num_threads, min_bytes_per_thread, mode);
-  return {0, -1, -1, used};
+  return {Problem::kNone, -1, -1, used};
 }
 
-std::tuple<int, std::int64_t, std::int64_t> validate_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans) {
+std::tuple<Problem, std::int64_t, std::int64_t> validate_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans) {
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* g = groups_of(groups);
   nb::gil_scoped_release release;
   const auto v = kvlayout::block_map::validate_groups(g, groups.shape(0), src, dst);
-  return {static_cast<int>(v.problem), v.run, v.other};
+  return {v.problem, v.run, v.other};
 }
 
-std::tuple<int, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans,
+std::tuple<Problem, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans,
                                                             int num_threads, std::uint64_t min_bytes_per_thread,
                                                             int prefetch, kvlayout::PrefetchChoices* choices) {
   const auto mode = prefetch_mode(prefetch);
@@ -522,9 +524,9 @@ std::tuple<int, std::int64_t, std::int64_t, int> copy_groups(ConstGroups groups,
   const std::size_t n = groups.shape(0);
   nb::gil_scoped_release release;
   const auto v = kvlayout::block_map::validate_groups(g, n, src, dst);
-  if (v.problem != kvlayout::block_map::Problem::kNone) return {static_cast<int>(v.problem), v.run, v.other, 0};
+  if (v.problem != Problem::kNone) return {v.problem, v.run, v.other, 0};
   const int used = kvlayout::block_map::copy_groups(g, n, num_threads, min_bytes_per_thread, mode, choices);
-  return {0, -1, -1, used};
+  return {Problem::kNone, -1, -1, used};
 }
 
 // -- NIXL plans' per-run passes (csrc/staging.h) -----------------------------------------
@@ -536,11 +538,11 @@ nb::ndarray<nb::numpy, T, nb::ndim<1>> vector_array(std::vector<T>&& v) {
   return nb::ndarray<nb::numpy, T, nb::ndim<1>>(held->data(), {held->size()}, owner);
 }
 
-std::tuple<int, std::int64_t> check_runs(ConstRunArray runs) {
+std::tuple<kvlayout::staging::RunProblem, std::int64_t> check_runs(ConstRunArray runs) {
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   nb::gil_scoped_release release;
   const auto c = kvlayout::staging::check_runs(r, runs.shape(0));
-  return {static_cast<int>(c.problem), c.run};
+  return {c.problem, c.run};
 }
 
 void check_col(int col) {
@@ -638,6 +640,21 @@ std::tuple<MapRuns, I64Out, U64Out, U64Out, U64Out> stretches(ConstRunArray runs
 
 NB_MODULE(_native, m) {
   m.doc() = "The C++ side of kvlayout: the generated format table and host indexers.";
+
+  // The refusals' reasons, named here once: Python keys its messages by these members.
+  nb::enum_<Problem>(m, "MapProblem", "Why validate_runs refuses a table of runs (csrc/block_map.h).")
+      .value("none", Problem::kNone)
+      .value("src_outside", Problem::kSrcOutside, "A run's source bytes lie in no source span.")
+      .value("dst_outside", Problem::kDstOutside, "A run's destination bytes lie in no destination span.")
+      .value("dst_overlap", Problem::kDstOverlap, "Two runs write the same bytes.")
+      .value("src_dst_overlap", Problem::kSrcDstOverlap, "A run writes bytes another run reads.")
+      .value("empty", Problem::kEmpty, "A run has no bytes.");
+  using kvlayout::staging::RunProblem;
+  nb::enum_<RunProblem>(m, "RunProblem", "Why check_runs refuses a map's runs as NIXL descriptors (csrc/staging.h).")
+      .value("none", RunProblem::kNone)
+      .value("empty", RunProblem::kEmpty, "A run has no bytes.")
+      .value("src_wraps", RunProblem::kSrcWraps, "A run's source runs past the end of the address space.")
+      .value("dst_wraps", RunProblem::kDstWraps, "A run's destination runs past the end of the address space.");
 
   m.def(
       "format_table",
@@ -762,8 +779,8 @@ NB_MODULE(_native, m) {
         "The first row [addr, addr + length) inside none of the sorted disjoint intervals [starts, ends), "
         "or -1.");
   m.def("check_runs", &check_runs, "runs"_a,
-        "(problem, run): 0 when every run has bytes and ends inside the address space on both sides; else "
-        "1 an empty run, 2 its source or 3 its destination runs past the end.");
+        "(problem, run): RunProblem.none when every run has bytes and ends inside the address space on both "
+        "sides; else the first run's RunProblem.");
   m.def("runs_sorted_on", &runs_sorted_on, "runs"_a, "col"_a,
         "Whether the runs' addresses on side col (0 source, 1 destination) never decrease.");
   m.def("descriptor_rows", &descriptor_rows, "runs"_a, "col"_a, "device"_a,
@@ -785,10 +802,9 @@ NB_MODULE(_native, m) {
         "measures in choices (the PrefetchChoices the caller keeps for its copies) or, given None, in the "
         "ones copy_runs shares.");
   m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a,
-        "(problem, run, other run): 0 when every run lies in one source and one destination tensor's blocks "
-        "(spans: start, period, block, blocks), destination runs are disjoint and none reads what another "
-        "writes; else 1 source outside, 2 destination outside, 3 destinations overlap, 4 a run reads what "
-        "another writes, 5 an empty run.");
+        "(problem, run, other run): MapProblem.none when every run lies in one source and one destination "
+        "tensor's blocks (spans: start, period, block, blocks), destination runs are disjoint and none reads "
+        "what another writes; else the first refused run's MapProblem.");
   m.def("copy_runs", &copy_runs, "runs"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
         "min_bytes_per_thread"_a = 256 << 10, "validate"_a = true, "prefetch"_a = -1,
         "validate_runs, then (if valid) copy the runs on up to num_threads pool threads, split by bytes, GIL "

@@ -890,7 +890,7 @@ def test_copy_splits_runs_by_bytes_over_threads(lengths: list[int], threads: int
     problem, _, _, used = _native.copy_runs(
         np.array(runs, dtype=np.uint64), spans(src), spans(dst), threads, 1
     )
-    assert problem == 0 and 1 <= used <= threads
+    assert problem is _native.MapProblem.none and 1 <= used <= threads
     want = np.zeros_like(dst)
     at = 0
     for i, n in enumerate(lengths):
@@ -909,10 +909,13 @@ def test_validation_knows_padded_blocks_of_interleaved_tensors() -> None:
     spans = np.array([a, b], dtype=np.uint64)
     source = np.array([[base + 128, base + 128, 64]], dtype=np.uint64)
     ok = np.array([[base, base + 64, 64], [base + 128, base + 192, 64]], dtype=np.uint64)
-    assert _native.validate_runs(ok, spans, spans)[0] == 0
+    assert _native.validate_runs(ok, spans, spans)[0] is _native.MapProblem.none
     across = np.array([[base + 32, base + 192, 64]], dtype=np.uint64)  # a's block 0 into b's block 0
-    assert _native.validate_runs(across, spans, spans)[:2] == (1, 0)
-    assert _native.validate_runs(source, spans, spans)[:2] == (4, 0)  # writes what it reads
+    assert _native.validate_runs(across, spans, spans)[:2] == (_native.MapProblem.src_outside, 0)
+    assert _native.validate_runs(source, spans, spans)[:2] == (
+        _native.MapProblem.src_dst_overlap,
+        0,
+    )  # writes what it reads
 
 
 def test_a_row_s_pieces_are_found_without_probing_every_element() -> None:

@@ -159,7 +159,7 @@ def test_a_block_map_copies_the_same_bytes_whichever_way(prefetch: int) -> None:
     for _ in range(3):
         dst.zero_()
         problem, *_ = _native.copy_groups(m._groups, m.src.spans, m.dst.spans, 1, prefetch=prefetch)
-        assert problem == 0 and moved(src, dst)
+        assert problem is _native.MapProblem.none and moved(src, dst)
 
 
 def test_a_block_maps_copies_measure_in_their_pairs_choice() -> None:

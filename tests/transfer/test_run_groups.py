@@ -192,9 +192,9 @@ def test_copy_over_groups_splits_by_bytes_over_threads(
     def spans(a: np.ndarray) -> np.ndarray:
         return np.array([[a.ctypes.data, a.nbytes, a.nbytes, 1]], dtype=np.uint64)
 
-    assert _native.validate_groups(groups, spans(src), spans(dst)) == (0, -1, -1)
+    assert _native.validate_groups(groups, spans(src), spans(dst)) == (_native.MapProblem.none, -1, -1)
     problem, _, _, used = _native.copy_groups(groups, spans(src), spans(dst), threads, 1)
-    assert problem == 0 and 1 <= used <= threads
+    assert problem is _native.MapProblem.none and 1 <= used <= threads
     want = np.zeros_like(dst)
     for s, d, n in table.tolist():
         want[d - dst.ctypes.data : d - dst.ctypes.data + n] = src[
@@ -213,20 +213,23 @@ def test_validation_reads_back_every_group_that_could_leave_a_block() -> None:
     spans = np.array([[s, 128, 64, 2]], dtype=np.uint64)  # blocks at 0 and 128, padding between
     dst_spans = np.array([[d, 256, 256, 1]], dtype=np.uint64)
 
-    def check(*rows: tuple[int, ...]) -> tuple[int, int, int]:
+    def check(*rows: tuple[int, ...]) -> tuple[str, int, int]:
         table = np.array([[x % 2**64 for x in row] for row in rows], dtype=np.uint64)
         problem, run, other = _native.validate_groups(table, spans, dst_spans)
-        return int(problem), int(run), int(other)
+        return problem.name, int(run), int(other)
 
-    assert check((s, d, 16, 3, 16, 16, 1, 0, 0)) == (0, -1, -1)  # 0, 16, 32: in block 0
-    assert check((s, d, 16, 3, 64, 16, 1, 0, 0)) == (1, 1, -1)  # 0, 64 (padding), 128
+    assert check((s, d, 16, 3, 16, 16, 1, 0, 0)) == ("none", -1, -1)  # 0, 16, 32: in block 0
+    assert check((s, d, 16, 3, 64, 16, 1, 0, 0)) == ("src_outside", 1, -1)  # 0, 64 (padding), 128
     back = (s + 16, d, 16, 2, 64, 16, 2, -32, 32)  # 16, 80 (padding), -16, 48: ends in block 0
-    assert check(back) == (1, 1, -1)
-    assert check((s, d, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0)) == (0, -1, -1)
+    assert check(back) == ("src_outside", 1, -1)
+    assert check((s, d, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0)) == ("none", -1, -1)
     assert (
-        check((s, d + 32, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0))[0] == 3
+        check((s, d + 32, 16, 1, 0, 0, 1, 0, 0), (s + 128, d + 16, 16, 2, 16, 16, 1, 0, 0))[0]
+        == "dst_overlap"
     )  # overlap
-    assert check((s, d + 64, 16, 3, 16, -8, 1, 0, 0))[0] == 3  # destinations stepping back over each other
+    assert (
+        check((s, d + 64, 16, 3, 16, -8, 1, 0, 0))[0] == "dst_overlap"
+    )  # destinations stepping back over each other
 
 
 @pytest.mark.parametrize("fmt", [NHD, HND])

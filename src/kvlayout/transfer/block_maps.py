@@ -37,12 +37,13 @@ from kvlayout.transfer.map_sides import BlockMapError, Side, _as_side, chunk_sid
 
 __all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
 
+_P = _native.MapProblem  # the reasons' one definition is csrc/block_map.h's enum
 _PROBLEMS = {
-    1: "its source bytes are outside every source tensor's blocks",
-    2: "its destination bytes are outside every destination tensor's blocks",
-    3: "its destination bytes overlap those of run {other}",
-    4: "it writes bytes run {other} reads (source and destination share memory)",
-    5: "it has no bytes",
+    _P.src_outside: "its source bytes are outside every source tensor's blocks",
+    _P.dst_outside: "its destination bytes are outside every destination tensor's blocks",
+    _P.dst_overlap: "its destination bytes overlap those of run {other}",
+    _P.src_dst_overlap: "it writes bytes run {other} reads (source and destination share memory)",
+    _P.empty: "it has no bytes",
 }
 
 
@@ -230,8 +231,8 @@ class BlockMap(HoldsAddresses):
         copy_runs(self.runs, torch.device(_device_name(self.src.device)))
         return 1
 
-    def _raise(self, problem: int, run: int, other: int) -> None:
-        if problem:
+    def _raise(self, problem: Any, run: int, other: int) -> None:
+        if problem is not _P.none:
             src, dst, length = (int(x) for x in self.runs[run])
             why = (
                 _PROBLEMS[problem].format(other=other)

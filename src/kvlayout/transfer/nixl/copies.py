@@ -28,11 +28,11 @@ _NULL_PAGE = 4096  # no mapping starts below it
 
 
 _COPY_PROBLEMS = {
-    1: "reads bytes outside the memory it copies from",
-    2: "writes bytes outside the memory it copies to",
-    3: "writes bytes another copy writes",
-    4: "writes bytes another copy reads",
-    5: "has no bytes",
+    _native.MapProblem.src_outside: "reads bytes outside the memory it copies from",
+    _native.MapProblem.dst_outside: "writes bytes outside the memory it copies to",
+    _native.MapProblem.dst_overlap: "writes bytes another copy writes",
+    _native.MapProblem.src_dst_overlap: "writes bytes another copy reads",
+    _native.MapProblem.empty: "has no bytes",
 }
 
 
@@ -44,8 +44,8 @@ def _exact_spans(spans: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.stack([starts, n, n, np.ones_like(n)], axis=1), dtype=_U64)
 
 
-def _refuse_copy(runs: np.ndarray, problem: int, run: int) -> None:
-    if problem:
+def _refuse_copy(runs: np.ndarray, problem: Any, run: int) -> None:
+    if problem is not _native.MapProblem.none:
         src, dst, n = (int(x) for x in runs[run])
         raise RefusedDescriptorError(
             f"local copy {run} ({src:#x} -> {dst:#x}, {n} bytes) {_COPY_PROBLEMS[problem]}; "

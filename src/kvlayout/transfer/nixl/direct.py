@@ -94,10 +94,10 @@ def _checked_runs(block_map: NixlMap) -> np.ndarray:
         )
     runs = np.ascontiguousarray(runs)
     problem, run = _native.check_runs(runs)
-    if problem == 1:
+    if problem is _native.RunProblem.empty:
         raise TransferError(f"run {run} of the map has length 0")
-    if problem:
-        name = "source" if problem == 2 else "destination"
+    if problem is not _native.RunProblem.none:
+        name = "source" if problem is _native.RunProblem.src_wraps else "destination"
         raise TransferError(f"run {run} of the map runs past the end of the {name} address space")
     return runs
 
