@@ -311,6 +311,12 @@ def test_addresses_no_host_or_device_reaches_are_refused() -> None:
     _parse(_pool(2, at=2**57 - 4))
     with pytest.raises(PeerDescriptionError, match=r"addresses\[1\]=0x1fffffffffffffe: its tensor ends at"):
         _parse(_pool(2, at=2**57 - 3))
+    _parse(_pool(2, at=4096))
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]\.planes\[0\]\.addresses\[0\]=4095 is outside \[4096, ",
+    ):  # the null page: a staging buffer a peer names there was refused, its tensors were not
+        _parse(_pool(2, at=4095))
 
 
 # -- fields: typed, bounded, named ----------------------------------------------------------------------

@@ -799,7 +799,7 @@ LIES = [
     ("groups[0].planes[0].block_stride", 256, "description.groups[0].planes[0].block_stride: NL_X_TWO_NB_BS_NH_HS: "
      "dim 0 is not the block axis"),
     ("groups[0].planes[0].addresses[1]", 1 << 64, "description.groups[0].planes[0].addresses[1]=18446744073709551616 "
-     "is outside [1, 18446744073709543424)"),
+     "is outside [4096, 18446744073709543424)"),
     ("groups[0].planes[0].addresses[1]", "0x1000", "description.groups[0].planes[0].addresses[1] must be an integer, "
      "not a string"),
     ("groups[0].planes[0].addresses", [4096], "description.groups[0].planes[0].addresses has 1 entries; "

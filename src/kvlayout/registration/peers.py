@@ -39,6 +39,7 @@ from kvlayout.layout.algebra import (
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT, NULL_PAGE
 from kvlayout.registration.memory import (
     Run,
     alias_problem,
@@ -65,7 +66,6 @@ DEVICE_TYPES = ("cpu", "cuda")
 MAX_SIZE = 1 << 32  # any one size (blocks, tokens, heads, ...)
 MAX_SPAN = 1 << 48  # bytes one tensor may span
 MAX_ADDRESS = 1 << 64
-MAX_END = 1 << 57  # no host (5-level paging) or device address reaches it
 MAX_TENSORS = 1 << 20
 MAX_LAYERS = 1 << 16
 MAX_TEXT = 64 << 20
@@ -252,7 +252,7 @@ def _placed(
     tensor registered again (``keys``: each plane's :func:`memory_keys`) at its first one's."""
     at = as_int(at, "at")
     if not 0 < at < MAX_END:
-        raise PeerDescriptionError(f"at must be a positive address below 2**57, got {at!r}")
+        raise PeerDescriptionError(f"at must be a positive address below {MAX_END_TEXT}, got {at!r}")
     out, next_at = [], -(-at // _PAGE) * _PAGE
     for g, g_keys in zip(groups, keys, strict=True):
         planes = []
@@ -638,13 +638,14 @@ def _plane_from(where: str, layout: Layout, data: object, left: int) -> PlaneDes
     if span > MAX_SPAN:
         raise PeerDescriptionError(f"{where}: each tensor spans {span} bytes, more than {MAX_SPAN}")
     addresses = tuple(
-        _int(f"{where}.addresses[{i}]", v, 1, MAX_ADDRESS - span) for i, v in enumerate(addresses_data)
+        _int(f"{where}.addresses[{i}]", v, NULL_PAGE, MAX_ADDRESS - span)
+        for i, v in enumerate(addresses_data)
     )
     if max(addresses) > MAX_END - span:
         i = next(i for i, a in enumerate(addresses) if a > MAX_END - span)
         raise PeerDescriptionError(
             f"{where}.addresses[{i}]={addresses[i]:#x}: its tensor ends at {addresses[i] + span:#x}, past "
-            "2**57, which no host or device address reaches"
+            f"{MAX_END_TEXT}, which no host or device address reaches"
         )
     return PlaneDescription(dtype, tuple(sizes.items()), shape, strides, block_stride, addresses)
 

@@ -15,14 +15,13 @@ import torch
 
 from kvlayout import _native
 from kvlayout.errors import KVLayoutError, as_int
+from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT, unownable
 from kvlayout.registration.memory import Placement
-from kvlayout.registration.peers import MAX_END
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.regions import _REGIONS, _drain_deferred, _intervals, register, when_free
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError
 
 _HOST = torch.device("cpu")
-_NULL_PAGE = 4096  # no mapping starts below it
 
 # -- the local copy of the staged strategy ----------------------------------------------------
 
@@ -70,7 +69,7 @@ def copy_byte_runs(
     may read and write; every run is checked against them before a byte moves
     (:class:`RefusedDescriptorError` otherwise). The spans themselves are trusted: they
     must be memory this process owns (a tensor's, a registered region's); only spans no
-    process can own (in the null page, past 2**57, wrapping around) are refused."""
+    process can own (:func:`~kvlayout.registration.address_space.unownable`) are refused."""
     for name, spans in (("from_spans", from_spans), ("to_spans", to_spans)):
         _check_spans(name, spans)
     _copy(runs, from_spans, to_spans, num_threads, validate=True)
@@ -81,24 +80,13 @@ def _check_spans(name: str, spans: Any) -> None:
     if rows.ndim != 2 or rows.shape[1] != 2 or not np.issubdtype(rows.dtype, np.integer):
         raise TransferError(f"{name} must be an (K, 2) integer array of (start, bytes), got {_what(rows)}")
     starts, sizes = rows[:, 0], rows[:, 1]
-    bad = _unownable(starts, sizes)
+    bad = unownable(starts, sizes)
     if bad.any():
         i = int(np.argmax(bad))
         raise RefusedDescriptorError(
             f"{name}[{i}] = ({int(starts[i]):#x}, {int(sizes[i])} bytes) is no memory a process owns (it "
             f"must start past the null page and end by {MAX_END:#x}); nothing was copied"
         )
-
-
-def _unownable(starts: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """Which ``(start, bytes)`` spans no process can own: in the null page, of a negative
-    size, or past 2**57; compared without a sum, which would wrap in uint64."""
-    return (  # type: ignore[no-any-return]
-        (starts < _NULL_PAGE)
-        | (sizes < 0)
-        | (starts > MAX_END)
-        | (sizes > MAX_END - np.minimum(starts, MAX_END))
-    )
 
 
 def _what(rows: np.ndarray) -> str:
@@ -165,7 +153,7 @@ class Staging:
             raise TypeError(f"nbytes must be a positive int, got {nbytes!r}") from None
         if not 0 < nbytes < MAX_END:
             raise TypeError(
-                f"nbytes must be a positive int below 2**57 (no memory reaches it), got {nbytes!r}"
+                f"nbytes must be a positive int below {MAX_END_TEXT} (no memory reaches it), got {nbytes!r}"
             )
         dev = _staging_device(device)
         self.agent = agent

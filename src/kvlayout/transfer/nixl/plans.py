@@ -14,17 +14,16 @@ import torch
 
 from kvlayout import _native
 from kvlayout.errors import as_int
+from kvlayout.registration.address_space import MAX_END_TEXT, NULL_PAGE, unownable
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.block_maps import BlockMap
 from kvlayout.transfer.nixl.copies import (
     _HOST,
-    _NULL_PAGE,
     Staging,
     _check_copies,
     _check_staging_device,
     _copy,
-    _unownable,
 )
 from kvlayout.transfer.nixl.direct import _checked_runs, _direct_rows, _mem_type, _rows, _Sides, _sides
 from kvlayout.transfer.nixl.regions import _intervals
@@ -459,10 +458,10 @@ def _check_peer_staging(peer: PeerStaging) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not 0 <= value < 1 << 64:
             raise TransferError(f"PeerStaging.{name} must be an int in [0, 2**64), got {value!r}")
     address, nbytes = int(peer.address), int(peer.nbytes)
-    if _unownable(np.array([address], _U64), np.array([nbytes], _U64))[0]:
+    if unownable(np.array([address], _U64), np.array([nbytes], _U64))[0]:
         raise TransferError(
             f"PeerStaging({address:#x}, {nbytes} bytes) is not memory a process can own: it must "
-            f"lie in [{_NULL_PAGE:#x}, 2**57), past the null page, as a peer's described tensors do"
+            f"lie in [{NULL_PAGE:#x}, {MAX_END_TEXT}), past the null page, as a peer's described tensors do"
         )
     if not isinstance(peer.device_type, str) or peer.device_type not in _MEM_TYPES:
         raise TransferError(
