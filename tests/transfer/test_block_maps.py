@@ -456,6 +456,19 @@ def test_a_description_in_other_blocks_than_the_cache_s_is_refused() -> None:
         vllm(2, 24, 1, 2, 8).describe(block_size=True)  # blocks of 1 token: True == 1 passed
 
 
+def test_a_peer_s_folded_pages_in_blocks_that_do_not_divide_them_are_refused() -> None:
+    sglang = kvlayout.detect([torch.randn(24, 1, 8) for _ in range(2)], "sglang")
+    data = json.loads(sglang.describe(block_size=4).to_json())
+    assert RegistrationDescription.from_json(json.dumps(data)).groups[0].block_size == 4
+    data["groups"][0]["block_size"] = 5
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]: NL_X_NBBS_ONE_HS: PBS=24 token slots are not a whole number of "
+        r"blocks of block_size=5$",
+    ):
+        RegistrationDescription.from_json(json.dumps(data))
+
+
 # -- chunks: store_blocks and load_blocks are maps too -----------------------------------------
 
 
@@ -638,7 +651,7 @@ BAD_MAPS = [
     # a live folded cache given a block size that does not divide it: the caller's argument, not a peer's lie
     (lambda a: block_map(kvlayout.detect([torch.randn(21, 1, 8) for _ in range(2)], "sglang"), a, [0], [1],
                          src_block_size=4),
-     BlockMapError, "src: NL_X_NBBS_ONE_HS's 21 token slots are not a multiple of blocks of 4"),
+     BlockMapError, "src: NL_X_NBBS_ONE_HS: PBS=21 token slots are not a whole number of blocks of block_size=4"),
 ]  # fmt: skip
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from kvlayout._generated.formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
-from kvlayout.errors import or_list
+from kvlayout.errors import SizeError, or_list
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
@@ -471,13 +471,7 @@ def unfold_shape(
     """The twin's leaf shape for a folded leaf, splitting its page axis (NB*BS) by
     ``tokens_per_block``."""
     sizes = {symbol: shape[axis] for symbol, axis in algebra.tensor_size_axes(folded)}
-    page = folded.size_of(sizes, Role.PAGE)
-    assert page is not None
-    if page % tokens_per_block:
-        label = folded.tensor[folded.axis_of(Role.PAGE) or 0].shape_label
-        raise DetectionError(
-            f"{label} (NB*BS) {page} is not divisible by tokens_per_block {tokens_per_block}, "
-            "so it is not a whole number of blocks"
-        )
-    by_role = {Role.BLOCK: page // tokens_per_block, Role.TOKEN: tokens_per_block}
-    return twin.tensor_shape({**sizes, **algebra.sizes_by_role(twin, by_role)})
+    try:
+        return twin.tensor_shape(algebra.split_pages(folded, sizes, tokens_per_block, "tokens_per_block"))
+    except SizeError as e:
+        raise DetectionError(str(e)) from None

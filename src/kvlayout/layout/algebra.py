@@ -531,6 +531,21 @@ def sizes_by_role(layout: Layout, values: Mapping[Role, int]) -> dict[str, int]:
     return out
 
 
+def split_pages(layout: Layout, sizes: Mapping[str, int], block_size: int, what: str) -> dict[str, int]:
+    """``sizes`` with the page's token slots (a folded ``NB*BS`` axis) split into blocks of
+    ``block_size`` tokens; a ``SizeError`` naming the page axis and ``what`` (the argument
+    that gave the block size) where they are not a whole number of them."""
+    total = size_of(layout, sizes, Role.PAGE)
+    if total is None:
+        raise SizeError(f"{layout}: these sizes give no page size")
+    if block_size <= 0 or total % block_size:
+        label = layout.tensor[axis_of(layout, Role.PAGE) or 0].shape_label
+        raise SizeError(
+            f"{label}={total} token slots are not a whole number of blocks of {what}={block_size}"
+        )
+    return {**sizes, **sizes_by_role(layout, {Role.BLOCK: total // block_size, Role.TOKEN: block_size})}
+
+
 @functools.lru_cache(maxsize=256)
 def tensor_size_axes(layout: Layout) -> tuple[tuple[str, int], ...]:
     """The sizes a leaf tensor's shape gives: ``(symbol, axis)`` for every axis that is

@@ -25,7 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.errors import KVLayoutError, abbreviated, as_int
+from kvlayout.errors import KVLayoutError, SizeError, abbreviated, as_int
 from kvlayout.layout.algebra import (
     is_latent,
     level_of,
@@ -34,6 +34,7 @@ from kvlayout.layout.algebra import (
     resolve_sizes,
     size_of,
     size_symbols,
+    split_pages,
     symbol_of,
 )
 from kvlayout.layout.ast import Layout
@@ -549,11 +550,10 @@ def _group_from(where: str, data: object, left: int) -> GroupDescription:
             )
     elif block_size is not None:
         block_size = _int(f"{where}.block_size", block_size, 1, MAX_SIZE)
-        page = size_of(layout, first, Role.PAGE)
-        if page is None or page % block_size:
-            raise PeerDescriptionError(
-                f"{where}.block_size={block_size} does not divide the {page} token slots of {fmt.name}"
-            )
+        try:
+            split_pages(layout, first, block_size, "block_size")
+        except SizeError as e:
+            raise PeerDescriptionError(f"{where}: {fmt.name}: {e}") from None
     return GroupDescription(
         fmt, layers, engine_group, block_size, planes, _opaque_from(where, g["opaque_pages"])
     )

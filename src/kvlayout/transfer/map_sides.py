@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvlayout.errors import KVLayoutError, as_int, index_ranges
+from kvlayout.errors import KVLayoutError, SizeError, as_int, index_ranges
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
@@ -131,21 +131,16 @@ def _split_pages(layout: Layout, sizes: dict[str, int], block_size: int | None, 
             "block size (block_map's src_block_size= / dst_block_size=, chunk_side(block_size=), or "
             "describe(block_size=))"
         )
-    total = layout.size_of(sizes, Role.PAGE)
     try:
         block_size = as_int(block_size, "the block size")  # a NumPy integer too
     except TypeError:
         raise BlockMapError(f"{where}: the block size must be a positive int, got {block_size!r}") from None
     if block_size <= 0:
         raise BlockMapError(f"{where}: the block size must be a positive int, got {block_size!r}")
-    if total is None or total % block_size:
-        raise BlockMapError(
-            f"{where}: {layout}'s {total} token slots are not a multiple of blocks of {block_size}"
-        )
-    return {
-        **sizes,
-        **algebra.sizes_by_role(layout, {Role.BLOCK: total // block_size, Role.TOKEN: block_size}),
-    }
+    try:
+        return algebra.split_pages(layout, sizes, block_size, "block_size")
+    except SizeError as e:
+        raise BlockMapError(f"{where}: {layout}: {e}") from None
 
 
 # -- sides --------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch
 from kvlayout import _native
 from kvlayout._generated.formats import SIZE_SYMBOLS, EngineKVFormat
 from kvlayout.catalog.registry import FormatLike
-from kvlayout.errors import TransferError
+from kvlayout.errors import SizeError, TransferError
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.formats import as_format
@@ -416,13 +416,10 @@ def _resolve_block_size(layout: Layout, sizes: dict[str, int], block_size: int |
     block_size = _int("block_size", block_size)
     if block_size <= 0:
         raise TransferError(f"block_size must be a positive int, got {block_size!r}")
-    total = layout.size_of(sizes, Role.PAGE)
-    assert total is not None and page is not None
-    if total % block_size:
-        label = layout.tensor[layout.axis_of(Role.PAGE) or 0].shape_label
-        raise TransferError(f"{layout}: {label}={total} is not a multiple of block_size={block_size}")
-    by_role = {Role.BLOCK: total // block_size, Role.TOKEN: block_size}
-    return {**sizes, **algebra.sizes_by_role(layout, by_role)}
+    try:
+        return algebra.split_pages(layout, sizes, block_size, "block_size")
+    except SizeError as e:
+        raise TransferError(f"{layout}: {e}") from None
 
 
 # -- plans ----------------------------------------------------------------------------
