@@ -118,7 +118,7 @@ def test_sharing_within_a_layer_or_part_of_a_layer_is_refused() -> None:
     with pytest.raises(
         RegistrationError,
         match=re.escape(
-            "kv[0][1] and kv[0][0] overlap in memory: they are one tensor registered twice within one layer"
+            "kv[0][1] and kv[0][0] overlap in memory: they are one tensor twice within one layer"
         ),
     ):
         kvlayout.bind([(k, k)], F.NL_X_TWO_X_NB_BS_NH_HS)

@@ -424,8 +424,8 @@ B, C = A + (1 << 20), A + (2 << 20)
     [
         (
             [A, B, A, C],  # V0 is K0
-            r"description\.groups\[0\]\.planes\[0\]\.addresses\[2\] and description\.groups\[0\]\.planes\[0\]"
-            r"\.addresses\[0\] are one tensor \(0x10000000000\) twice within one layer",
+            r"description\.groups\[0\]\.planes\[0\]\.addresses\[2\] \(0x10000000000\) and description\.groups"
+            r"\[0\]\.planes\[0\]\.addresses\[0\] overlap in memory: they are one tensor twice within one layer",
         ),
         (
             [A, A, B, C],  # K1 is K0, V1 is its own
@@ -434,7 +434,7 @@ B, C = A + (1 << 20), A + (2 << 20)
         ),
         (
             [A, B, B, C],  # V0 is K1
-            r"description\.groups\[0\]\.planes\[0\]\.addresses\[2\] is the tensor \(0x10000100000\) of "
+            r"description\.groups\[0\]\.planes\[0\]\.addresses\[2\] \(0x10000100000\) is the memory of "
             r"description\.groups\[0\]\.planes\[0\]\.addresses\[1\], which holds another part of its layer",
         ),
     ],
@@ -461,8 +461,8 @@ def test_a_layer_sharing_with_two_layers_is_refused() -> None:
     addresses[4], addresses[5] = addresses[0], addresses[3]
     with pytest.raises(
         PeerDescriptionError,
-        match=r"^description\.groups\[0\]\.planes\[0\]\.addresses\[5\] is the tensor of description\.groups\[0\]"
-        r"\.planes\[0\]\.addresses\[3\], but layer 2 shares other tensors with layer 0",
+        match=r"^description\.groups\[0\]\.planes\[0\]\.addresses\[5\] \(0x[0-9a-f]+\) is the memory of description"
+        r"\.groups\[0\]\.planes\[0\]\.addresses\[3\], but layer 2 shares other tensors with layer 0",
     ):
         _parse(data)
 

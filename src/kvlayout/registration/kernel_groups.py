@@ -24,8 +24,9 @@ from kvlayout.registration.binding import (
     tight_block,
 )
 from kvlayout.registration.memory import (
+    SHARE_WHOLE,
     HoldsAddresses,
-    alias_problem,
+    alias_refusal,
     memory_keys,
     partly_shared,
 )
@@ -398,25 +399,11 @@ def _find_sharing(group: KernelGroup, root: str, strict: bool) -> tuple[tuple[in
 def _check_alias(here: Path, there: Path, level: int | None, target: dict[int, int], root: str) -> None:
     """``here`` is the memory and view of ``there``, earlier in the pointer table: fine
     only as the same place of another layer, and one target layer per sharer."""
-    problem = alias_problem(here, there, level, target)
-    if problem is None:
-        return
-    x, y = describe_path(here, root), describe_path(there, root)
-    if problem == "within":
-        raise RegistrationError(
-            f"{x} and {y} overlap in memory: they are one tensor registered twice within one layer; a "
-            "layer's own tensors must be disjoint"
-        )
-    if problem == "part":
-        raise RegistrationError(
-            f"{x} is the memory of {y}, which holds another part of its layer: layers may share a KV "
-            "cache only whole, each tensor the same as the target layer's tensor in the same place"
-        )
-    assert level is not None
-    raise RegistrationError(
-        f"{x} is the memory of {y}, but layer {here[level]} shares other tensors with layer "
-        f"{target[here[level]]}: a layer shares its KV cache with one layer, whole"
+    refusal = alias_refusal(
+        here, there, level, target, (describe_path(here, root), describe_path(there, root))
     )
+    if refusal is not None:
+        raise RegistrationError(refusal)
 
 
 def _fail_partial(planes: Sequence[Plane], level: int, layer: int, first: int, root: str) -> NoReturn:
@@ -427,8 +414,7 @@ def _fail_partial(planes: Sequence[Plane], level: int, layer: int, first: int, r
                 raise RegistrationError(
                     f"layer {layer} shares only part of its KV cache with layer {first}: "
                     f"{describe_path(path, root)} is not {describe_path(theirs, root)} (its memory or view "
-                    "differs); layers may share a KV cache only whole, each tensor the same as the "
-                    "target layer's"
+                    f"differs); {SHARE_WHOLE}"
                 )
     raise AssertionError("a partial sharer has a tensor of its own")
 

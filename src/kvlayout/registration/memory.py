@@ -25,8 +25,8 @@ import bisect
 import heapq
 import itertools
 import operator
-from collections.abc import Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, NoReturn
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 
 import numpy as np
 import torch
@@ -98,28 +98,47 @@ def backed_pointers(
     return pointers
 
 
-def alias_problem(
-    here: Sequence[int], there: Sequence[int], level: int | None, target: dict[int, int]
-) -> Literal["within", "part", "target"] | None:
+SHARE_WHOLE = (
+    "layers may share a KV cache only whole, each tensor the target layer's tensor in the same place"
+)
+
+
+def alias_refusal(
+    here: Sequence[int],
+    there: Sequence[int],
+    level: int | None,
+    target: dict[int, int],
+    names: tuple[str, str],
+    layer_name: Callable[[int], object] = lambda layer: layer,
+) -> str | None:
     """Why the tensor at pointer path ``here`` may not be the memory of the one at
-    ``there`` (earlier in the table), or None: layers may share a KV cache only whole,
-    each tensor the target layer's tensor in the same place, one target per sharer
-    (``target`` collects sharer -> target layer). ``"within"``: the same layer twice;
-    ``"part"``: another place of a layer; ``"target"``: the sharer already shares with
-    another layer, ``target[sharer]``. Detection and peer descriptions hold registrations to
-    this one rule, each naming the tensors its own way."""
+    ``there`` (earlier in the table), naming them ``names``, or None: layers may share a KV
+    cache only whole, each tensor the target layer's tensor in the same place, one target
+    per sharer (``target`` collects sharer -> target layer; ``layer_name`` says a layer
+    level's index as the caller's user knows it). Detection and peer descriptions hold
+    registrations to this one rule."""
+    x, y = names
     if level is None or here[level] == there[level]:
-        return "within"
+        return (
+            f"{x} and {y} overlap in memory: they are one tensor twice within one layer; a layer's own "
+            "tensors must be disjoint"
+        )
     if tuple(here[:level]) + tuple(here[level + 1 :]) != tuple(there[:level]) + tuple(there[level + 1 :]):
-        return "part"
-    first = target.setdefault(here[level], there[level])
-    return None if first == there[level] else "target"
+        return f"{x} is the memory of {y}, which holds another part of its layer: {SHARE_WHOLE}"
+    sharer = here[level]
+    first = target.setdefault(sharer, there[level])
+    if first == there[level]:
+        return None
+    return (
+        f"{x} is the memory of {y}, but layer {layer_name(sharer)} shares other tensors with layer "
+        f"{layer_name(first)}: a layer shares its KV cache with one layer, whole"
+    )
 
 
 def partly_shared(counts: dict[int, int], tensors: int, layers: int) -> int | None:
     """The first sharer (layer -> how many of its tensors are its target's, in ``counts``)
     that shares only part of its KV cache, of ``tensors`` over ``layers`` layers; None when
-    each shares whole (:func:`alias_problem`'s rule, counted)."""
+    each shares whole (:func:`alias_refusal`'s rule, counted)."""
     per_layer = tensors // layers
     return next((layer for layer, count in counts.items() if count != per_layer), None)
 

@@ -42,8 +42,9 @@ from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT, NULL_PAGE
 from kvlayout.registration.memory import (
+    SHARE_WHOLE,
     Run,
-    alias_problem,
+    alias_refusal,
     check_disjoint,
     group_placement,
     memory_keys,
@@ -672,25 +673,13 @@ def _check_sharing(
                 continue
             here, there = paths[pi][k], paths[pi][j]
             x, y = f"{where}.planes[{pi}].addresses[{k}]", f"{where}.planes[{pi}].addresses[{j}]"
-            problem = alias_problem(here, there, level, target)
-            if problem == "within":
-                raise PeerDescriptionError(
-                    f"{x} and {y} are one tensor ({address:#x}) twice within one layer; a layer's own "
-                    "tensors must be disjoint"
-                )
-            if problem == "part":
-                raise PeerDescriptionError(
-                    f"{x} is the tensor ({address:#x}) of {y}, which holds another part of its layer: "
-                    "layers may share a KV cache only whole, each tensor the target layer's tensor in "
-                    "the same place"
-                )
-            assert level is not None
+            refusal = alias_refusal(
+                here, there, level, target, (f"{x} ({address:#x})", y), layers.__getitem__
+            )
+            if refusal is not None:
+                raise PeerDescriptionError(refusal)
+            assert level is not None  # alias_refusal refuses a repeat within no layer level
             sharer = here[level]
-            if problem is not None:
-                raise PeerDescriptionError(
-                    f"{x} is the tensor of {y}, but layer {layers[sharer]} shares other tensors with "
-                    f"layer {layers[target[sharer]]}: a layer shares its KV cache with one layer, whole"
-                )
             shared[sharer] = shared.get(sharer, 0) + 1
     assert level is not None  # a repeat within no layer level was refused above
     partial = partly_shared(shared, sum(len(p.addresses) for p in planes), len(layers))
@@ -698,8 +687,7 @@ def _check_sharing(
         pi, k = next((pi, k) for pi, k in own if paths[pi][k][level] == partial)
         raise PeerDescriptionError(
             f"{where}: layer {layers[partial]} shares only part of its KV cache with layer "
-            f"{layers[target[partial]]}: {where}.planes[{pi}].addresses[{k}] is its own tensor; layers "
-            "may share a KV cache only whole, each tensor the target layer's"
+            f"{layers[target[partial]]}: {where}.planes[{pi}].addresses[{k}] is its own tensor; {SHARE_WHOLE}"
         )
 
 
