@@ -369,18 +369,16 @@ def test_a_registration_deregistered_from_several_threads_at_once_is_deregistere
 def test_a_registration_dropped_without_deregister_keeps_its_memory_while_registered() -> None:
     """NIXL still holds the region of a handle dropped without deregister(): the memory
     stays allocated (freed, NIXL's region and the local checks would point at whatever
-    the allocator put there next)."""
-    import weakref
-
-    from kvlayout.transfer.nixl.regions import _check_local
+    the allocator put there next). The region holds the storage, not the tensor."""
+    from kvlayout.transfer.nixl.regions import _REGIONS, _check_local
 
     agent = nx.make_agent("kvl-dropped-handle", progress_thread=False)
     t = torch.zeros(BUF, dtype=torch.uint8)
-    at, alive = t.data_ptr(), weakref.ref(t)
+    at = t.data_ptr()
     nx.register(agent, t)  # the handle dropped at once
     del t
     gc.collect()
-    assert alive() is not None
+    assert [(s.data_ptr(), s.nbytes()) for s in _REGIONS[agent].owners.values()] == [(at, BUF)]
     _check_local(agent, np.array([at], U64), np.array([BUF], U64), "DRAM", 0, "local run")
 
 
@@ -1394,5 +1392,40 @@ def test_an_agent_made_thread_safe_serves_two_threads() -> None:
             assert not errors, errors
             for s, d in zip(srcs, dsts):
                 assert torch.equal(d.view(n, 4096).flip(0).reshape(-1), s)
+        """
+    )
+
+
+def test_a_cache_re_allocated_in_place_leaves_a_peer_writing_into_its_old_memory_kept() -> None:
+    """An engine that re-allocates its registered cache in place (``t.data = ...``, as
+    ``module.to()`` does, or ``set_``) lets go of the storage NIXL holds as a region and a
+    peer's description names: the regions kept the tensors, not their storages, so the
+    peer's WRITE landed in freed heap (an abort, 4 in 4 runs). The storage is now held
+    while registered: the bytes land there, and nothing crashes."""
+    run_child(
+        """
+        import kvlayout
+        from kvlayout.transfer import RegistrationDescription, block_map
+        from kvlayout.transfer.nixl.regions import _REGIONS
+        nhd = {"kv_layout": "NHD"}
+        kv_d = [torch.zeros(2, 64, 16, 8, 64) for _ in range(2)]  # 512 KiB layers
+        reg_d = kvlayout.detect(kv_d, "vllm", nhd)
+        kv_p = [torch.full((2, 64, 16, 8, 64), 7.0) for _ in range(2)]
+        reg_p = kvlayout.detect(kv_p, "vllm", nhd)
+        p, d = nx.make_agent("kvl-realloc-p", progress_thread=False), nx.make_agent("kvl-realloc-d")
+        held_d, held_p = nx.register(d, reg_d), nx.register(p, reg_p)
+        desc = RegistrationDescription.from_json(reg_d.describe().to_json())
+        peer = p.add_remote_agent(d.get_agent_metadata())
+        old = [t.data_ptr() for t in kv_d]
+        for t in kv_d:
+            t.data = torch.zeros_like(t)  # the old storages: held by nothing but the regions
+        junk = [torch.full((2, 64, 16, 8, 64), 5.0) for _ in range(8)]
+        nx.transfer(p, peer, block_map(reg_p, desc, [0, 1], [2, 3]), strategy="direct").wait(timeout=30)
+        kept = {s.data_ptr(): s for s in _REGIONS[d].owners.values()}
+        assert sorted(kept) == sorted(old), (kept, old)
+        for at in old:
+            layer = torch.empty(0).set_(kept[at]).view(torch.float32).view(2, 64, 16, 8, 64)
+            assert bool((layer[:, 2:4] == 7.0).all()) and bool((layer[:, :2] == 0).all())
+        assert all(bool((t == 0).all()) for t in kv_d)  # the new memory: nothing was written there
         """
     )

@@ -54,11 +54,13 @@ class _AgentRegions:
         self.reg_lists: dict[Region, Any] = {}
         self.removals = 0  # regions deregistered so far: a request prepared before one re-checks
         self.pins: dict[Region, int] = {}  # requests in flight that post through each region
-        # Tensors of each region's storage: its memory stays allocated while NIXL holds the
-        # region (a Registered dropped without deregister() leaves it registered, as long
-        # as the agent lives, never on freed memory).
-        self.owners: dict[Region, list[torch.Tensor]] = {}
-        self.retired: dict[Region, list[torch.Tensor]] = {}  # deregistered while pinned: kept
+        # Each region's storage, held: its memory stays allocated while NIXL holds the region
+        # (a Registered dropped without deregister() leaves it registered, as long as the
+        # agent lives, never on freed memory). The storage, not the tensors viewing it: a
+        # tensor re-allocated in place (``t.data = ...``, ``set_``, ``module.to``) lets go
+        # of its storage, and a peer may still write there.
+        self.owners: dict[Region, torch.UntypedStorage] = {}
+        self.retired: dict[Region, torch.UntypedStorage] = {}  # deregistered while pinned: kept
         self.lock = threading.Lock()  # register, deregister, pin and unpin from any thread
 
     def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
@@ -131,9 +133,10 @@ def _drain_deferred() -> None:
 class Registered:
     """The NIXL registration of one registration's storages; :meth:`deregister` (or
     leaving a ``with`` block) undoes it, once no started request posts through them. Their
-    memory stays allocated while registered: dropped without :meth:`deregister`, the
-    storages stay registered (and allocated) as long as the agent lives, so that NIXL
-    never reaches freed memory."""
+    memory stays allocated while registered, whatever the tensors do since (re-allocated
+    in place, they let go of it; NIXL and a peer's description still name it): dropped
+    without :meth:`deregister`, the storages stay registered (and allocated) as long as
+    the agent lives, so that NIXL never reaches freed memory."""
 
     def __init__(self, agent: Agent, regions: tuple[Region, ...], tensors: list[torch.Tensor]) -> None:
         self.agent = agent
@@ -204,12 +207,12 @@ def register(agent: Agent, registration: Holder) -> Registered:
     if any(t.device.type == "meta" for t in tensors):  # pragma: no cover - _device refuses meta
         raise TransferError("meta tensors have no memory")
     mem_type, dev = _MEM_TYPES[device.type], device.index or 0
-    # each storage's region, with the tensors that view it (its memory, kept while registered)
-    viewers: dict[Region, list[torch.Tensor]] = {}
+    # each storage's region, with the storage (its memory, kept while registered)
+    storages: dict[Region, torch.UntypedStorage] = {}
     for t in tensors:
         s = t.untyped_storage()
-        viewers.setdefault(Region(s.data_ptr(), s.nbytes(), mem_type, dev), []).append(t)
-    regions = tuple(viewers)
+        storages.setdefault(Region(s.data_ptr(), s.nbytes(), mem_type, dev), s)
+    regions = tuple(storages)
     held = _REGIONS.setdefault(agent, _AgentRegions())
     with held.lock:
         for region in regions:
@@ -222,7 +225,7 @@ def register(agent: Agent, registration: Holder) -> Registered:
                 )
                 held.reg_lists[region] = reg
                 held.count[region] = 0
-                held.owners[region] = viewers[region]
+                held.owners[region] = storages[region]
             held.count[region] += 1
     return Registered(agent, regions, tensors)
 
