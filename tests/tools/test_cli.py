@@ -622,6 +622,8 @@ PLAN_BASE = ["plan", "--src-engine", "vllm", "--src-shape", "2x[2,8,4,4,8]", "--
          "--tokens 1048576 of 32 layers over 16 rank pair(s) that exchange heads make 536870912 token rows to "
          "map, more than 2**28 = 268435456; plan fewer tokens or ranks"),
         (["--tokens", "4", "--dst-hint", "kv_layout=XYZ"], "--dst-hint: layout hint kv_layout='XYZ' is not one"),
+        (["--tokens", "4", "--first-token", "5"], "--first-token 5: it is 0 to --tokens 4"),
+        (["--tokens", "4", "--first-token", "-1"], "--first-token -1: it is 0 to --tokens 4"),
     ],
 )  # fmt: skip
 def test_plan_numbers_out_of_range(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
@@ -767,4 +769,38 @@ def test_plan_holds_max_latents_whole_on_every_rank(capsys: pytest.CaptureFixtur
                          "--dst-engine", "vllm", "--dst-shape", "4x[64,16,576]", "--dst-tp", "2", "--tokens", "40",
                          "--blocks", "consecutive")  # fmt: skip
     assert (code, err) == (0, "")
-    assert "src rank 2 -> dst rank 1: re-laid; 12 runs" in out
+    assert "src rank 1 -> dst rank 1: re-laid; 12 runs" in out
+    # every src rank holds the latents: one sends them to each dst rank
+    assert (
+        "src rank 2 -> dst rank 1: nothing to send (src rank 1 holds the same latents and sends them" in out
+    )
+    assert out.count("re-laid; 12 runs") == 2
+
+
+def test_plan_sends_replicated_heads_from_one_replica(capsys: pytest.CaptureFixture[str]) -> None:
+    """4 src ranks over 2 heads hold each head twice: both replicas were planned to send
+    it, twice the traffic and two writers of the same bytes."""
+    code, out, _ = run(capsys, "plan", "--src-engine", "vllm", "--src-shape", "2x[2,8,4,1,8]", "--src-tp", "4",
+                       "--dst-engine", "vllm", "--dst-shape", "2x[2,8,4,1,8]", "--dst-tp", "2", "--kv-heads", "2",
+                       "--tokens", "10", "--json")  # fmt: skip
+    assert code == 0
+    pairs = {(p["src_rank"], p["dst_rank"]): p for p in json.loads(out)["pairs"]}
+    assert [k for k, p in pairs.items() if p["runs"]] == [(0, 0), (3, 1)]
+    assert (pairs[1, 0]["kind"], pairs[1, 0]["bytes"]) == ("replica", 0)
+    assert pairs[1, 0]["reason"].startswith("src rank 0 holds the same heads and sends them")
+    assert pairs[0, 1]["kind"] == "empty"  # no head in common says so, not that another replica sends
+
+
+def test_plan_moves_only_the_tokens_from_first_token_on(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--first-token", "6")
+    assert code == 0 and out.startswith("plan: 10 tokens (moving 6 on), ")
+    code, out, _ = run(
+        capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--json", "--first-token", "6"
+    )
+    whole = json.loads(run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--json")[1])
+    tail = json.loads(out)
+    assert tail["first_token"] == 6
+    moved = [
+        (p["bytes"], w["bytes"]) for p, w in zip(tail["pairs"], whole["pairs"], strict=True) if w["bytes"]
+    ]
+    assert moved and all(part * 10 == all_ * 4 for part, all_ in moved)

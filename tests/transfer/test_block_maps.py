@@ -11,6 +11,7 @@ byte is as it was) and counts the maximal runs by brute force.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 from dataclasses import dataclass, replace
@@ -587,6 +588,37 @@ def test_replicated_heads_map_the_one_head_both_hold() -> None:
     assert m.heads == range(1, 2) and m.kind == "head slice"
     m.copy()
     assert torch.equal(dst.kv[0][:, 3, :, 0], src.kv[0][:, 1, :, 1])
+
+
+@pytest.mark.parametrize("heads", [1, 2, 4, 8, 16])
+def test_each_destination_head_is_sent_by_one_source_replica(heads: int) -> None:
+    """Where several source ranks hold a head, every one of them mapped it to each
+    destination rank: the plan sent (and wrote) the same bytes once per replica. Now one
+    replica sends each, and where there are as many (rank, head) pairs to send as source
+    ranks, every source rank sends some."""
+    for src_tp, dst_tp in itertools.product([1, 2, 4, 8, 16, 32], repeat=2):
+        srcs = [Shard(r, src_tp, heads) for r in range(src_tp)]
+        load = [0] * src_tp
+        for d in range(dst_tp):
+            dst = Shard(d, dst_tp, heads)
+            for h in dst.heads:
+                senders = [s.tp_rank for s in srcs if h in s.heads and s.sends_to(dst)]
+                assert len(senders) == 1, (h, dst, senders)
+                load[senders[0]] += 1
+        if sum(load) >= src_tp:
+            assert min(load) >= 1, (src_tp, dst_tp, load)
+
+
+def test_a_replica_that_does_not_send_is_told() -> None:
+    """MLA at TP 4 into TP 2: the latents are one head every rank holds."""
+    assert [[Shard(r, 4, 1).sends_to(Shard(d, 2, 1)) for r in range(4)] for d in range(2)] == [
+        [True, False, False, False],
+        [False, True, False, False],
+    ]
+    with pytest.raises(ShardError, match=r"count 8 and 4 model KV heads: one model has one count"):
+        Shard(0, 2, 8).sends_to(Shard(0, 2, 4))
+    with pytest.raises(TypeError, match=r"sends_to takes the destination's Shard, not int"):
+        Shard(0, 2, 8).sends_to(1)  # type: ignore[arg-type]
 
 
 def test_moving_blocks_within_one_cache() -> None:

@@ -6,7 +6,8 @@ ranks than heads each rank holds one head, ``r * num_kv_heads // tp_size``, and
 ``tp_size / num_kv_heads`` ranks hold each head (replication). vLLM requires the larger
 of the two to be a multiple of the smaller; so does this. MLA latents have no heads:
 every rank holds them whole (the block map asks :attr:`Shard.heads` only of caches that
-have a head axis).
+have a head axis). Where several source ranks hold a head, :meth:`Shard.sends_to` says
+which one sends it to a destination rank.
 """
 
 from __future__ import annotations
@@ -69,6 +70,28 @@ class Shard:
             return range(head, head + 1)
         per = self.num_kv_heads // self.tp_size
         return range(self.tp_rank * per, (self.tp_rank + 1) * per)
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold this rank's heads (1 but for replication)."""
+        return max(1, self.tp_size // self.num_kv_heads)
+
+    def sends_to(self, dst: Shard) -> bool:
+        """Whether this source rank is the one that sends ``dst`` the heads both hold,
+        where several source ranks hold them (replication): otherwise every replica would
+        send the same bytes, written as many times. ``dst`` takes each head from replica
+        ``dst.tp_rank % replicas`` of it, so that destination ranks spread over the
+        replicas. Without replication every rank sends what it holds (the block map of a
+        pair with no head in common is empty). MLA latents, which every rank holds, are
+        one head replicated over every rank: ``Shard(rank, tp_size, 1)`` on both sides."""
+        if not isinstance(dst, Shard):
+            raise TypeError(f"sends_to takes the destination's Shard, not {type(dst).__name__}")
+        if dst.num_kv_heads != self.num_kv_heads:
+            raise ShardError(
+                f"{self} and {dst} count {self.num_kv_heads} and {dst.num_kv_heads} model KV heads: one "
+                "model has one count"
+            )
+        return self.tp_rank % self.replicas == dst.tp_rank % self.replicas
 
     def __str__(self) -> str:
         return f"Shard(tp_rank={self.tp_rank}, tp_size={self.tp_size}, num_kv_heads={self.num_kv_heads})"

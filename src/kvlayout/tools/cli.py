@@ -286,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )
     p.add_argument("--tokens", type=int, required=True, help="the request's tokens (1 to 2**24)")
+    p.add_argument("--first-token", type=int, default=0,
+                   help="the first token to move (default: 0): those before it are on dst already (a "
+                   "prefix-cache hit), as block_map's first_token")  # fmt: skip
     p.add_argument("--blocks", choices=("consecutive", "scattered"), default="scattered",
                    help="the request's block ids on both sides (default: scattered)")  # fmt: skip
     p.add_argument("--kv-heads", type=int, default=None,

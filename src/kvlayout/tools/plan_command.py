@@ -74,6 +74,8 @@ def _plan_bounds(args: argparse.Namespace) -> None:
             f"--tokens {args.tokens}: a request holds 1 to 2**24 = {MAX_TOKENS} tokens (the longest contexts "
             "hold about 10 million)"
         )
+    if not 0 <= args.first_token <= args.tokens:
+        raise KVLayoutError(f"--first-token {args.first_token}: it is 0 to --tokens {args.tokens}")
     for where in ("src", "dst"):
         tp = vars(args)[f"{where}_tp"]
         if not 0 < tp <= MAX_TP:
@@ -160,7 +162,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 )
     _plan_work(args, model_heads, {where: len(group.layers) for where, (_, group) in sides.items()})
     record: dict[str, Any] = {
-        "tokens": args.tokens, "blocks": args.blocks, "poster": args.poster,
+        "tokens": args.tokens, "first_token": args.first_token, "blocks": args.blocks, "poster": args.poster,
         "cost_model": DEFAULT_COST.source, "kv_heads": model_heads, "pairs": [],
     }  # fmt: skip
     for where, (_, group) in sides.items():
@@ -237,14 +239,22 @@ def _plan_pairs(
                 dst_shard = None if model_heads is None else Shard(d, args.dst_tp, model_heads)
                 m = block_map(
                     descs["src"], descs["dst"], ids["src"], ids["dst"], num_tokens=args.tokens,
-                    src_shard=src_shard, dst_shard=dst_shard,
+                    first_token=args.first_token, src_shard=src_shard, dst_shard=dst_shard,
                 )  # fmt: skip
             except KVLayoutError as exc:
                 pair["refused"] = str(exc)
                 record["pairs"].append(pair)
                 continue
             pair |= {"kind": m.kind, "reason": m.reason, "runs": m.num_runs, "bytes": m.num_bytes}
-            if m.num_runs:
+            # several src ranks hold these heads (or, for latents, all of them): one sends
+            held = ("latents", 1) if model_heads is None else ("heads", model_heads)
+            sender = _sender(Shard(r, args.src_tp, held[1]), Shard(d, args.dst_tp, held[1]))
+            if m.num_runs and sender != r:
+                pair |= {"kind": "replica", "runs": 0, "bytes": 0, "reason": (
+                    f"src rank {sender} holds the same {held[0]} and sends them: one replica sends each "
+                    "head, as Shard.sends_to says"
+                )}  # fmt: skip
+            if pair["runs"]:
                 est = estimate(m, poster=args.poster)
                 pair |= {"mean_run": m.num_bytes / m.num_runs, "op": est.op, "descriptors": est.descriptors,
                          "predicted_s": est.predicted_s, "choice": est.choice,
@@ -252,10 +262,21 @@ def _plan_pairs(
             record["pairs"].append(pair)
 
 
+def _sender(src: Any, dst: Any) -> int:
+    """The src rank that holds ``src``'s heads and sends them to ``dst``."""
+    from kvlayout.registration.shards import Shard
+
+    first = src.tp_rank - src.tp_rank % src.replicas
+    return next(
+        k for k in range(first, first + src.replicas) if Shard(k, src.tp_size, src.num_kv_heads).sends_to(dst)
+    )
+
+
 def _print_plan(r: dict[str, Any]) -> None:
     s, d = r["src"], r["dst"]
+    moved = f" (moving {r['first_token']} on)" if r["first_token"] else ""
     print(
-        f"plan: {r['tokens']} tokens, {r['blocks']} block ids; src {s['format']} TP {s['tp']} "
+        f"plan: {r['tokens']} tokens{moved}, {r['blocks']} block ids; src {s['format']} TP {s['tp']} "
         f"(blocks of {s['block_size']}), dst {d['format']} TP {d['tp']} (blocks of {d['block_size']}); "
         f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
     )
