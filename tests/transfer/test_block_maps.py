@@ -684,6 +684,10 @@ BAD_MAPS = [
     (lambda a: block_map(kvlayout.detect([torch.randn(21, 1, 8) for _ in range(2)], "sglang"), a, [0], [1],
                          src_block_size=4),
      BlockMapError, "src: NL_X_NBBS_ONE_HS: PBS=21 token slots are not a whole number of blocks of block_size=4"),
+    # a dtype detection takes but no description carries: said of the cache, not of a "description"
+    (lambda a: block_map(kvlayout.detect([torch.zeros(2, 8, 4, 2, 8, dtype=torch.complex64) for _ in range(2)],
+                                         "vllm", {"kv_layout": "NHD"}), a, [0], [1]),
+     PeerDescriptionError, "the cache's tensors are complex64: block maps and descriptions carry bfloat16, "),
 ]  # fmt: skip
 
 

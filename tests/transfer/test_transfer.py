@@ -329,6 +329,26 @@ def test_a_plan_is_prepared_once_per_registration() -> None:
     assert prepare(view, fmt) is prepare(view, fmt)
 
 
+def test_a_registration_is_prepared_in_its_own_format_only() -> None:
+    """A registration detected NHD was re-read in the HND format a caller named, as blocks
+    of 2 tokens of 4 heads, where the group path refused the same contradiction."""
+    reg = kvlayout.detect([torch.zeros(2, 8, 4, 2, 8) for _ in range(2)], "vllm", {"kv_layout": "NHD"})
+    assert prepare(reg, "NL_X_TWO_NB_BS_NH_HS") is prepare(reg)
+    with pytest.raises(
+        TransferError,
+        match=re.escape(
+            "prepare(registration, NL_X_TWO_NB_NH_BS_HS): the registration is NL_X_TWO_NB_BS_NH_HS (pass no "
+            "format, or its own; to read its tensors in another, prepare(registration.kv, fmt))"
+        ),
+    ):
+        prepare(reg, "NL_X_TWO_NB_NH_BS_HS")
+    with pytest.raises(TransferError, match=r"the kernel group is NL_X_TWO_NB_BS_NH_HS \(pass group\.format"):
+        prepare(reg.kernel_groups[0], "NL_X_TWO_NB_NH_BS_HS")
+    assert repr(prepare(reg.kv, "NL_X_TWO_NB_NH_BS_HS")).startswith(
+        "TransferPlan(NL_X_TWO_NB_NH_BS_HS, layers 2, 8 blocks of 2"
+    )
+
+
 def test_block_ids_come_as_lists_arrays_or_tensors() -> None:
     kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(2)]
     plan = prepare(kv, 1)

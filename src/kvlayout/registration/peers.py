@@ -310,11 +310,17 @@ def _group(group: Any, block_size: int | None) -> GroupDescription:
         if block_size < 1:
             raise PeerDescriptionError(f"describe(block_size={block_size}): a block holds at least 1 token")
     planes = []
-    for p in group.planes:
+    for i, p in enumerate(group.planes):
         leaf = p.leaves[0]
+        dtype = str(p.dtype).removeprefix("torch.")
+        if dtype not in DTYPE_SIZES:  # said of the cache, before a description of it is checked
+            raise PeerDescriptionError(
+                f"the cache's {'plane ' + str(i) + ' ' if len(group.planes) > 1 else ''}tensors are {dtype}: "
+                f"block maps and descriptions carry {', '.join(DTYPE_SIZES)}"
+            )
         planes.append(
             PlaneDescription(
-                str(p.dtype).removeprefix("torch."),
+                dtype,
                 tuple(p.sizes.items()),
                 tuple(p.shape),
                 tuple(int(s) for s in leaf.stride()),

@@ -89,6 +89,12 @@ def prepare(kv: Any, fmt: FormatLike | None = None, *, block_size: int | None = 
                 "(pass group.format, or the registration)"
             )
         return _plan_of(kv, block_size)
+    if isinstance(kv, Registration) and fmt is not None and as_format(fmt) not in kv.formats:
+        raise TransferError(
+            f"prepare(registration, {as_format(fmt).name}): the registration is "
+            f"{' + '.join(sorted({f.name for f in kv.formats if f is not None}))} (pass no format, or its "
+            "own; to read its tensors in another, prepare(registration.kv, fmt))"
+        )
     if fmt is None and not isinstance(kv, Registration):
         raise TypeError(
             f"prepare({type(kv).__name__}) needs its format: prepare(kv, fmt), as detection returned "
