@@ -16,6 +16,7 @@ import torch
 import kvlayout
 from kvlayout import _native
 from kvlayout.transfer import BlockMapError, TransferError, block_map, prepare
+from kvlayout.transfer.block_maps import chunk_side
 from kvlayout.transfer.arguments import block_ids_arg
 
 
@@ -128,7 +129,9 @@ def test_what_holds_live_addresses_is_not_pickled_or_deep_copied() -> None:
     group = reg.kernel_groups[0]
     plan = prepare(group, group.format)
     m = block_map(reg, reg, [0], [1])
-    for obj in (reg, group, plan, m):
+    shape, dtype = plan.chunk_shape(4)
+    chunk = chunk_side(group, torch.zeros(shape, dtype=dtype))
+    for obj in (reg, group, plan, m, m.src, chunk):  # a deep-copied side copied the cache it holds
         name = type(obj).__name__
         message = f"a {name} holds this process's tensor addresses and cannot be pickled or deep-copied"
         with pytest.raises(TypeError, match=message):

@@ -18,7 +18,7 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.kernel_groups import KernelGroup
-from kvlayout.registration.memory import Placement, group_placement, no_memory
+from kvlayout.registration.memory import HoldsAddresses, Placement, group_placement, no_memory
 from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
@@ -146,7 +146,7 @@ def _split_pages(layout: Layout, sizes: dict[str, int], block_size: int | None, 
 # -- sides --------------------------------------------------------------------------------
 
 
-class Side:
+class Side(HoldsAddresses):
     """One side of a map: where each (layer, K/V, piece) lives, the tensors and the shard.
 
     Built from a kernel group (live: ``copy()`` may run), a peer's description (addresses
