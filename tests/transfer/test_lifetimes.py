@@ -16,8 +16,8 @@ import torch
 import kvlayout
 from kvlayout import _native
 from kvlayout.transfer import BlockMapError, TransferError, block_map, prepare
-from kvlayout.transfer.block_maps import chunk_side
 from kvlayout.transfer.arguments import block_ids_arg
+from kvlayout.transfer.block_maps import chunk_side
 
 
 def cache(layers: int = 2) -> list[torch.Tensor]:
