@@ -107,7 +107,9 @@ def test_the_hints_max_sends_are_checked() -> None:
                                ("num_kv_heads", 4, "NH"), ("head_dim", 128, "HS")):  # fmt: skip
         with pytest.raises(
             kvlayout.LayoutHintError,
-            match=re.escape(f"MAX: layout hint {hint}={wrong} contradicts the buffer's {token}"),
+            match=re.escape(
+                f"MAX: layout hint {hint}={wrong} contradicts NB_KV_NL_BS_NH_HS, whose {token} is "
+            ),
         ):
             detect(t, "max", {**SENT, hint: wrong})
     with pytest.raises(
@@ -117,7 +119,7 @@ def test_the_hints_max_sends_are_checked() -> None:
         detect(t, "max", {**SENT, "page_size": 8})
     with pytest.raises(
         kvlayout.LayoutHintError,
-        match=re.escape("layout hint tokens_per_block=8 contradicts the buffer's BS = 16"),
+        match=re.escape("layout hint tokens_per_block=8 contradicts NB_KV_NL_BS_NH_HS, whose BS is 16"),
     ):
         detect(t, "max", {"page_size": 8})
     with pytest.raises(

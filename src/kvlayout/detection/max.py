@@ -12,8 +12,8 @@ from __future__ import annotations
 from typing import Any
 
 from kvlayout._generated.formats import EngineKVFormat
-from kvlayout.detection.base import DetectionError, pick, probe, size_hint_conflict
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
+from kvlayout.detection.base import DetectionError, pick, probe
+from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 
 ENGINE = EngineType.MAX
 
@@ -25,12 +25,5 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             raise DetectionError(f"MAX registers one KV buffer tensor [NB, KV, NL, BS, NH, HS], got {what}")
         kv = kv[0]
     p = probe(kv)
-    fmt = pick(ENGINE, p, decide=[("kv_layout", "is_hnd", bool(hints.is_hnd))])
-    conflict = size_hint_conflict(fmt, p.shape, hints)
-    if conflict is not None:
-        hint, wanted, symbol, read = conflict
-        raise LayoutHintError(
-            f"MAX: layout hint {hint}={wanted} contradicts the buffer's {symbol} = {read} "
-            f"(shape {p.shape}, {fmt.name})"
-        )
-    return fmt, kv
+    # size hints are checked after, as for every engine (discovery's check_size_hints)
+    return pick(ENGINE, p, decide=[("kv_layout", "is_hnd", bool(hints.is_hnd))]), kv
