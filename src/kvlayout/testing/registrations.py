@@ -25,6 +25,7 @@ from kvlayout import Layout, layout_of
 from kvlayout.catalog.registry import format_info
 from kvlayout.layout.algebra import kv_size, size_of, sizes_by_role
 from kvlayout.layout.vocabulary import Role
+from kvlayout.registration import nesting
 
 __all__ = ["CASES", "ENGINE_HINTS", "FLOATS", "RegistrationCase", "flatten", "registrations"]
 
@@ -128,7 +129,7 @@ def registrations(draw: st.DrawFn, engine: str | None = None, value: int | None 
     nl, nb, bs, nh, hs = s["NL"], s["NB"], s["BS"], s["NH"], s["HS"]
     dtype = draw(st.sampled_from(FLOATS))
     fmt = F(value)
-    builder = _BUILDERS.get((engine, value), _from_layout)
+    builder = _BUILDERS.get((engine, fmt), _from_layout)
     case: RegistrationCase = builder(draw, engine, fmt, nl, nb, bs, nh, hs, dtype)
     return case
 
@@ -426,29 +427,45 @@ def _from_layout(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int
     )  # fmt: skip
 
 
-_BUILDERS: dict[tuple[str, int], Builder] = {
-    **{("vllm", v): _vllm_per_layer for v in (1, 2, 6, 7, 15)},
-    ("vllm", 0): _vllm_cross_layer,
-    ("vllm", 8): _vllm_cross_layer,
-    ("vllm", 3): _vllm_mla,
-    ("vllm", 14): _vllm_indexer,
-    ("vllm", 12): _vllm_fused,
-    ("vllm", 21): _vllm_head_outer,
-    ("vllm", 13): _vllm_fused,
-    ("vllm", 16): _vllm_kv_tuples,
-    ("vllm", 17): _vllm_planes,
-    **{("sglang", v): _sglang for v in (3, 4, 5, 9, 18)},
-    ("sglang", 14): _sglang_indexer,
-    ("trtllm", 0): _trtllm,
-    ("trtllm", 8): _trtllm,
-    ("trtllm", 20): _trtllm_mla,
-    ("atom", 3): _atom,
-    ("max", 19): _max,
+_BUILDERS: dict[tuple[str, F], Builder] = {
+    **{
+        ("vllm", f): _vllm_per_layer
+        for f in (
+            F.NL_X_TWO_NB_BS_NH_HS,
+            F.NL_X_NB_TWO_BS_NH_HS,
+            F.NL_X_TWO_NB_NH_BS_HS,
+            F.NL_X_NB_TWO_NH_BS_HS,
+            F.NL_X_TWO_NB_NH_ONE_BS_HS,
+        )
+    },
+    ("vllm", F.NB_NL_TWO_BS_NH_HS): _vllm_cross_layer,
+    ("vllm", F.NB_NL_TWO_NH_BS_HS): _vllm_cross_layer,
+    ("vllm", F.NL_X_NB_BS_HS): _vllm_mla,
+    ("vllm", F.NL_X_NB_BSV_BSS): _vllm_indexer,
+    ("vllm", F.NL_X_NB_NH_BS_CS): _vllm_fused,
+    ("vllm", F.NL_X_NH_NB_BS_CS): _vllm_head_outer,
+    ("vllm", F.NL_X_NB_BS_NH_CS): _vllm_fused,
+    ("vllm", F.NL_X_TWO_X_NB_BS_NH_HS): _vllm_kv_tuples,
+    ("vllm", F.NL_X_NP_X_NB_BS_ONE_HS): _vllm_planes,
+    **{
+        ("sglang", f): _sglang
+        for f in (
+            F.NL_X_NB_BS_HS,
+            F.TWO_X_NL_X_NBBS_NH_HS,
+            F.NL_X_NBBS_ONE_HS,
+            F.TWO_X_NL_X_NB_BS_NH_HS,
+            F.NL_X_NB_BS_NH_HS,
+        )
+    },
+    ("sglang", F.NL_X_NB_BSV_BSS): _sglang_indexer,
+    ("trtllm", F.NB_NL_TWO_BS_NH_HS): _trtllm,
+    ("trtllm", F.NB_NL_TWO_NH_BS_HS): _trtllm,
+    ("trtllm", F.NB_NL_ONE_BS_HS): _trtllm_mla,
+    ("atom", F.NL_X_NB_BS_HS): _atom,
+    ("max", F.NB_KV_NL_BS_NH_HS): _max,
 }
 
 
 def flatten(kv: Any) -> list[torch.Tensor]:
     """Leaves depth-first (the order of the pointer table for every format)."""
-    if isinstance(kv, torch.Tensor):
-        return [kv]
-    return [t for child in kv for t in flatten(child)]
+    return [t for _, t in nesting.leaves(kv)]
