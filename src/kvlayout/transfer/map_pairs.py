@@ -13,8 +13,9 @@ import numpy as np
 
 from kvlayout import _native
 from kvlayout.errors import index_ranges
+from kvlayout.layout.dtypes import same_bytes
 from kvlayout.registration.shards import Shard, ShardError, heads_are_the_model_s
-from kvlayout.transfer.map_sides import BlockMapError, Side, _same_bytes
+from kvlayout.transfer.map_sides import BlockMapError, Side
 
 SLAB, BLOCK, SLOT, HEAD = 0, 1, 2, 3
 
@@ -76,7 +77,7 @@ def _dtypes_differ(a: str, b: str) -> BlockMapError:
 
 def _check_same_data(src: Side, dst: Side) -> None:
     a, b = set(src.piece_dtypes), set(dst.piece_dtypes)
-    if len(a) == len(b) == 1 and not _same_bytes(src.piece_dtypes[0], dst.piece_dtypes[0]):
+    if len(a) == len(b) == 1 and not same_bytes(src.piece_dtypes[0], dst.piece_dtypes[0]):
         raise _dtypes_differ(src.piece_dtypes[0], dst.piece_dtypes[0])
     if src.data != dst.data:
         one_head = [  # one head of K | V packed: what an MLA cache of that shape reads as unhinted
@@ -165,7 +166,7 @@ def _pair(
     dp = np.searchsorted(dst.pieces[:, 0], cuts, side="right") - 1
     for q in range(len(cuts)):
         a_dtype, b_dtype = src.piece_dtypes[sp[q]], dst.piece_dtypes[dp[q]]
-        if not _same_bytes(a_dtype, b_dtype):
+        if not same_bytes(a_dtype, b_dtype):
             raise _dtypes_differ(a_dtype, b_dtype)
 
     def side_arrays(side: Side, p: np.ndarray, head0: int) -> list[np.ndarray]:

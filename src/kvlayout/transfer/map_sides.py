@@ -16,6 +16,7 @@ import torch
 from kvlayout.errors import KVLayoutError, SizeError, as_int, index_ranges
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
+from kvlayout.layout.dtypes import same_bytes
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import HoldsAddresses, Placement, group_placement, no_memory
@@ -384,7 +385,7 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
     row_bytes = cache.heads * cache.row_bytes * pair
     # Paired as block_map pairs two caches (fp8 and the uint8 it is stored as hold the same
     # bytes), and first: the shape check's row size is counted in the chunk's elements.
-    if not _same_bytes(str(chunk.dtype).removeprefix("torch."), cache.piece_dtypes[0]):
+    if not same_bytes(str(chunk.dtype).removeprefix("torch."), cache.piece_dtypes[0]):
         raise BlockMapError(
             f"the chunk is {chunk.dtype}; the cache is {cache.piece_dtypes[0]}: they must agree"
         )
@@ -434,11 +435,3 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
         owner=chunk,
         placement=Placement([chunk], ["the chunk"]),
     )
-
-
-def _same_bytes(a: str, b: str) -> bool:
-    """Whether elements of dtypes ``a`` and ``b`` are the same bytes: the same dtype, or an
-    fp8 one and uint8, which vLLM and SGLang register fp8 caches as (their kernels view
-    the bytes as fp8; which fp8 is the engines' configuration, as on one engine)."""
-    pair = {a, b}
-    return a == b or ("uint8" in pair and any(d.startswith("float8") for d in pair))
