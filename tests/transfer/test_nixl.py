@@ -856,7 +856,10 @@ def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pai
     desc = kv.describe(at=pair.peer.address(0))  # as if the peer's cache lay in its first buffer
     nbytes = np.int64(4096)  # a size from an array, as every int argument takes
     model = nx.calibrate(pair.agent, pair.name, desc, nbytes=nbytes, count=4, repeats=1)  # type: ignore[arg-type]
-    assert model.bandwidth > 0 and model.source == "calibrated against peer 'kvl-peer'"
+    assert model.bandwidth > 0 and model.source == (  # each of the peer's tensors holds 8 KiB
+        "calibrated against peer 'kvl-peer' (its largest described tensor holds 8192 bytes: no descriptors "
+        "of 8 KiB, 32 KiB, 64 KiB, 128 KiB, 512 KiB priced (8, spaced, do not fit))"
+    )
     for kw, message in (
         ({"nbytes": 0}, "calibrate's nbytes must be an int of at least 1024, got 0"),
         ({"small": 0}, "calibrate's small must be an int of at least 1, got 0"),
@@ -873,7 +876,10 @@ def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pai
 
 def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
     model = nx.calibrate(pair.agent, pair.name, pair.peer.side([0]), nbytes=512 << 10, count=128, repeats=1)
-    assert model.source == "calibrated against peer 'kvl-peer'"
+    assert model.source == (  # the peer's buffers hold 256 KiB
+        "calibrated against peer 'kvl-peer' (its largest described tensor holds 262144 bytes: 262144 bytes a "
+        "transfer, not 524288; no descriptors of 32 KiB, 64 KiB, 128 KiB, 512 KiB priced (8, spaced, do not fit))"
+    )
     assert 0 < model.per_descriptor_s < 0.01 and model.bandwidth > 1e6
     # priced by size too: 1 KiB, then the larger sizes 8 or more of which fit (8 KiB does)
     sizes = [size for size, _ in model.per_descriptor_by_size]

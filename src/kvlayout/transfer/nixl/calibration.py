@@ -155,7 +155,7 @@ def calibrate(
         raise TransferError(f"peer {peer!r} described no memory to calibrate against")
     k = int(np.argmax(ends - starts))
     base, span = int(starts[k]), int(ends[k] - starts[k])
-    nbytes = min(nbytes, span)
+    asked, nbytes = nbytes, min(nbytes, span)
     count = max(2, min(count, span // (2 * small)))
     rmem, dev = _mem_type(remote, "remote"), remote.device_index
     copy_on = _staging_device(copy_device)
@@ -198,13 +198,22 @@ def calibrate(
     by_size = [(small, per_descriptor)] + [
         (size, max((t["cut", size] - t["whole", size]) / (n - 1), 0.0)) for size, n in sizes.items()
     ]
+    # what the peer's memory cut short (not what nbytes did), said where the model is from
+    unmeasured = [size for size in _DESCRIPTOR_SIZES if size > small and span // (2 * size) < 8]
+    limits = []
+    if nbytes < asked:
+        limits.append(f"{nbytes} bytes a transfer, not {asked}")
+    if unmeasured:
+        sizes_text = ", ".join(f"{size >> 10} KiB" for size in unmeasured)
+        limits.append(f"no descriptors of {sizes_text} priced (8, spaced, do not fit)")
+    limited = f" (its largest described tensor holds {span} bytes: {'; '.join(limits)})" if limits else ""
     return CostModel(
         per_descriptor_s=per_descriptor,
         bandwidth=bandwidth,
         per_transfer_s=t["one"],
         copy_per_run_s=per_run,
         copy_bandwidth=copy_bandwidth,
-        source=f"calibrated against peer {peer!r}",
+        source=f"calibrated against peer {peer!r}{limited}",
         per_descriptor_by_size=tuple(by_size),
     )
 
