@@ -16,6 +16,7 @@ import sys
 from types import SimpleNamespace
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -350,6 +351,10 @@ def test_kv_layer_groups_manager_reads_the_registrations_kernel_groups() -> None
     assert manager.get_shape_desc(0) == PageBufferShapeDesc(2, 3, NB, 16, NH, HS, 2, 0, torch.float16)
     assert manager.get_shape_desc(1) == PageBufferShapeDesc(1, 2, NB, 16, 1, HS, 2, 16 * HS, torch.float16)
     assert (first.hidden_dim_size, first.slots_per_block, first.slots_per_chunk) == (NH * HS, 16, 256)
+    indices: list[Any] = [0, np.int64(1)]  # a NumPy integer as every int argument takes
+    assert [manager.get_slots_per_chunk(g) for g in indices] == [256, second.slots_per_chunk]
+    with pytest.raises(TypeError, match=r"^group_idx must be an int, not float \(1\.0\)$"):
+        manager.get_shape_desc(1.0)  # type: ignore[arg-type]
     assert [g.identity for g in manager.kernel_groups] == [
         g.identity for g in manager.registration.kernel_groups
     ]

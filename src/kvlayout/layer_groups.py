@@ -28,6 +28,7 @@ import torch
 from kvlayout._generated.descriptors import PageBufferShapeDesc
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.catalog.registry import FormatLike
+from kvlayout.errors import as_int
 from kvlayout.facade import resolve_block_stride_and_log_layout
 from kvlayout.registration.kernel_groups import EXCLUDED_ENGINE_GROUP, KernelGroup, LayerGroupIdentity
 from kvlayout.registration.registration import (
@@ -175,11 +176,12 @@ class KVLayerGroupsManager:
         return self._group(group_idx).shape_desc
 
     def get_slots_per_chunk(self, group_idx: int) -> int:
+        """Physical slots in one chunk of group ``group_idx`` (LMCache 0.5.6 deprecates it
+        for hybrid models: kvlayout answers per group, so it serves them)."""
         return self._group(group_idx).slots_per_chunk
 
     def _group(self, group_idx: int) -> KVLayerGroupInfo:
-        if isinstance(group_idx, bool) or not isinstance(group_idx, int):
-            raise TypeError(f"group_idx must be an int, not {type(group_idx).__name__}")
+        group_idx = as_int(group_idx, "group_idx")  # a NumPy or torch integer too, as everywhere
         if not 0 <= group_idx < len(self._groups):
             raise RegistrationError(
                 f"kernel group {group_idx} is out of range for {len(self._groups)} groups"
