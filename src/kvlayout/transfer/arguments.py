@@ -81,3 +81,21 @@ def _exact_ints(name: str, value: Sequence[int], error: type[KVLayoutError]) -> 
             what = "negative" if v < 0 else "out of range for any cache (above 2**63 - 1)"
             raise error(f"{name}[{i}] = {v} is {what}")
     return np.array(ints, dtype=np.int64)
+
+
+def check_ids_in_range(name: str, ids: np.ndarray, count: int, error: type[KVLayoutError]) -> None:
+    """Refuse the first of ``ids`` (:func:`block_ids_arg`'s) not below ``count``."""
+    bad = _native.first_bad_block_id(ids, count)
+    if bad >= 0:
+        raise error(f"{name}[{bad}] = {int(ids[bad])} is out of range for {count} blocks")
+
+
+def check_written_once(
+    name: str, ids: np.ndarray, start: int, count: int, error: type[KVLayoutError], why: str
+) -> None:
+    """Refuse the first of ``ids[start:]`` (in range of ``count``) that repeats an earlier
+    one there, naming both: a block written twice holds whichever copy lands last."""
+    again = _native.first_repeated_block_id(ids, start, count)
+    if again >= 0:
+        earlier = start + int(np.flatnonzero(ids[start:again] == ids[again])[0])
+        raise error(f"{name}[{again}] = {int(ids[again])} repeats {name}[{earlier}]: {why}")

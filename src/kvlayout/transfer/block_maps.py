@@ -31,7 +31,13 @@ from kvlayout import _native
 from kvlayout.errors import index_ranges
 from kvlayout.registration.memory import HoldsAddresses
 from kvlayout.registration.shards import Shard
-from kvlayout.transfer.arguments import block_ids_arg, int_arg, threads_arg
+from kvlayout.transfer.arguments import (
+    block_ids_arg,
+    check_ids_in_range,
+    check_written_once,
+    int_arg,
+    threads_arg,
+)
 from kvlayout.transfer.map_pairs import _cached_pair, _groups_of, _heads, _Pair
 from kvlayout.transfer.map_sides import BlockMapError, Side, _as_side, chunk_side
 
@@ -311,9 +317,7 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -
             f"{name} has {len(ids)} block ids; the request's {tokens} tokens ({told}) fill {needed} "
             f"block{'s' * (needed != 1)} of {size}"
         )
-    bad = _native.first_bad_block_id(ids, count)
-    if bad >= 0:
-        raise BlockMapError(f"{name}[{bad}] = {int(ids[bad])} is out of range for {count} blocks")
+    check_ids_in_range(name, ids, count, BlockMapError)
     return ids
 
 
@@ -486,13 +490,8 @@ def block_map(
     src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)
     dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told)
     written = first // b_size  # dst_blocks[written:] take tokens; those before keep theirs
-    again = _native.first_repeated_block_id(dst_ids, written, b.num_blocks // b_per)
-    if again >= 0:
-        earlier = written + int(np.flatnonzero(dst_ids[written:again] == dst_ids[again])[0])
-        raise BlockMapError(
-            f"dst_blocks[{again}] = {int(dst_ids[again])} repeats dst_blocks[{earlier}]: each "
-            "destination slot is written once"
-        )
+    why = "each destination slot is written once"
+    check_written_once("dst_blocks", dst_ids, written, b.num_blocks // b_per, BlockMapError, why)
     if written and first < tokens:
         kept = np.flatnonzero(np.isin(dst_ids[:written], dst_ids[written:]))
         if len(kept):

@@ -45,7 +45,13 @@ from kvlayout.registration.memory import (
 )
 from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.registration import Registration, RegistrationError, bound
-from kvlayout.transfer.arguments import block_ids_arg, int_arg, threads_arg
+from kvlayout.transfer.arguments import (
+    block_ids_arg,
+    check_ids_in_range,
+    check_written_once,
+    int_arg,
+    threads_arg,
+)
 
 __all__ = ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"]
 
@@ -276,21 +282,12 @@ class TransferPlan(HoldsAddresses):
                 "detect the registration again and prepare a new plan"
             )
         if direction == _LOAD:
-            again = _native.first_repeated_block_id(ids, skip, self.num_blocks)
-            if again >= 0:
-                earlier = skip + int(np.flatnonzero(ids[skip:again] == ids[again])[0])
-                raise TransferError(
-                    f"block_ids[{again}] = {int(ids[again])} repeats block_ids[{earlier}]: a load writes "
-                    "each block once (which chunk's copy would land is undefined)"
-                )
+            why = "a load writes each block once (which chunk's copy would land is undefined)"
+            check_written_once("block_ids", ids, skip, self.num_blocks, TransferError, why)
         self._engine.run(direction, ids, ptrs, tokens, per_chunk, skip, threads)
 
     def _check_ids(self, ids: np.ndarray) -> None:
-        bad = _native.first_bad_block_id(ids, self.num_blocks)
-        if bad >= 0:
-            raise TransferError(
-                f"block_ids[{bad}] = {int(ids[bad])} is out of range for {self.num_blocks} blocks"
-            )
+        check_ids_in_range("block_ids", ids, self.num_blocks, TransferError)
 
     def _chunks(self, chunks: Any, num_blocks: int) -> tuple[np.ndarray, np.ndarray, int]:
         """The chunks' addresses and token counts, every chunk checked; and blocks per chunk."""
