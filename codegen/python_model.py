@@ -12,7 +12,14 @@ from dataclasses import dataclass, fields
 
 from codegen.catalog import Catalog, FormatEntry
 from kvlayout.errors import CatalogError
-from kvlayout.layout.algebra import axis_of, level_of, role_problem, structure, symbol_of, tensor_size_axes
+from kvlayout.layout.algebra import (
+    axis_of,
+    fold_reason,
+    level_of,
+    role_problem,
+    structure,
+    tensor_size_axes,
+)
 from kvlayout.layout.ast import FACTS, Layout
 from kvlayout.layout.vocabulary import Role, Token
 
@@ -142,11 +149,9 @@ def _role_body(layout: Layout, accessor: str, role: Role, t: str, layer: str) ->
         if block is None or token is None:
             raise UnresolvedError(f"{accessor}: neither a page axis nor block and token axes")
         return f"return {block} * {token}"
-    page = next((tok for tok in layout.tensor if tok.fuses and role in tok.roles), None)
-    if page is None:
+    why = fold_reason(layout, role)
+    if why is None:
         raise UnresolvedError(f"{accessor}: no axis or list level holds the {role.value} role")
-    others = " and ".join(p.name for p in page.parts if p.role is not role and p.literal is None)
-    why = f"{page.name} folds {symbol_of(layout, role)} and {others} into one axis"
     return f"raise self.undefined({accessor!r}, {why!r})"
 
 

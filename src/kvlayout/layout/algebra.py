@@ -531,6 +531,16 @@ def sizes_by_role(layout: Layout, values: Mapping[Role, int]) -> dict[str, int]:
     return out
 
 
+def fold_reason(layout: Layout, role: Role) -> str | None:
+    """Why ``role`` has no size of its own, or None: the token that folds it with others
+    into one axis (a page ``NBBS`` folds the blocks and their tokens)."""
+    page = next((tok for tok in layout.tensor if tok.fuses and role in tok.roles), None)
+    if page is None:
+        return None
+    others = " and ".join(p.name for p in page.parts if p.role is not role and p.literal is None)
+    return f"{page.name} folds {symbol_of(layout, role)} and {others} into one axis"
+
+
 def split_pages(layout: Layout, sizes: Mapping[str, int], block_size: int, what: str) -> dict[str, int]:
     """``sizes`` with the page's token slots (a folded ``NB*BS`` axis) split into blocks of
     ``block_size`` tokens; a ``SizeError`` naming the page axis and ``what`` (the argument

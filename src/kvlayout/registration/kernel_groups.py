@@ -15,7 +15,7 @@ from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import backend_label, get_spec
 from kvlayout.catalog.spec import UndefinedSizeError
 from kvlayout.errors import KVLayoutError, as_int, index_ranges
-from kvlayout.layout.algebra import level_of
+from kvlayout.layout.algebra import fold_reason, level_of
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.binding import (
@@ -196,13 +196,13 @@ class KernelGroup(HoldsAddresses):
     @property
     def num_blocks(self) -> int:
         if self.geometry.num_blocks is None:
-            raise _undefined(self.format, "num_blocks")
+            raise _undefined(self.format, "num_blocks", Role.BLOCK)
         return self.geometry.num_blocks
 
     @property
     def block_size(self) -> int:
         if self.geometry.block_size is None:
-            raise _undefined(self.format, "block_size")
+            raise _undefined(self.format, "block_size", Role.TOKEN)
         return self.geometry.block_size
 
     @property
@@ -419,12 +419,10 @@ def _fail_partial(planes: Sequence[Plane], level: int, layer: int, first: int, r
     raise AssertionError("a partial sharer has a tensor of its own")
 
 
-def _undefined(fmt: EngineKVFormat, accessor: str) -> UndefinedSizeError:
-    layout = LAYOUTS[fmt]
-    block, token, page = (layout.symbol_of(r) for r in (Role.BLOCK, Role.TOKEN, Role.PAGE))
+def _undefined(fmt: EngineKVFormat, accessor: str, role: Role) -> UndefinedSizeError:
+    """The error a generated spec raises for the same accessor (the algebra's reason)."""
     return UndefinedSizeError(
-        f"{accessor} is undefined for the fused format {fmt.name}: "
-        f"{block} and {token} share one axis ({page})"
+        f"{accessor} is undefined for the fused format {fmt.name}: {fold_reason(LAYOUTS[fmt], role)}"
     )
 
 
