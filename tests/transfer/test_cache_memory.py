@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 import kvlayout
 from kvlayout import DetectionError
 from kvlayout import EngineKVFormat as F
-from kvlayout.registration.peers import describe_group
+from kvlayout.registration.describing import describe_group
 from kvlayout.transfer import BlockMapError, PeerDescriptionError, TransferError, block_map, prepare
 from kvlayout.transfer.block_maps import chunk_side
 

@@ -1,7 +1,8 @@
 """A registration as plain data: what a peer needs to plan block maps against it.
 
-:func:`describe` reads a bound registration (``registration.describe(shard=...)``) into a
-:class:`RegistrationDescription`: per kernel group its format, layer indices, engine
+:func:`~kvlayout.registration.describing.describe` reads a bound registration
+(``registration.describe(shard=...)``) into a :class:`RegistrationDescription`, this
+module's data: per kernel group its format, layer indices, engine
 group and block size, and per plane its sizes, shape, strides, block stride, dtype and
 every tensor's address; the device and the tensor-parallel shard. ``to_json`` and
 ``RegistrationDescription.from_json`` carry it between processes (the handshake of a
@@ -20,8 +21,8 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
@@ -46,8 +47,6 @@ from kvlayout.registration.memory import (
     Run,
     alias_refusal,
     check_disjoint,
-    group_placement,
-    memory_keys,
     partly_shared,
 )
 from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
@@ -59,8 +58,6 @@ __all__ = [
     "PeerDescriptionError",
     "PlaneDescription",
     "RegistrationDescription",
-    "describe",
-    "describe_group",
 ]
 
 VERSION = 1
@@ -189,157 +186,6 @@ class RegistrationDescription:
         except (ValueError, RecursionError) as exc:
             raise PeerDescriptionError(f"the description is not valid JSON: {exc}") from None
         return _from_data(data)
-
-
-# -- from a registration -----------------------------------------------------------------
-
-
-def describe(
-    kernel_groups: Sequence[Any],
-    engine: Any,
-    *,
-    shard: Shard | None = None,
-    block_size: int | None = None,
-    at: int | None = None,
-) -> RegistrationDescription:
-    """The description of a bound registration (its kernel groups and engine, as
-    :meth:`Registration.describe` hands them over). ``block_size`` splits
-    the page axis of formats that fold blocks and tokens (NB*BS); elsewhere it must be the
-    cache's own (a peer reads block ids in the blocks the description gives).
-
-    ``at`` describes the tensors as if laid out one after another from that address
-    (page-aligned, a page apart) instead of where they are: for planning from a meta
-    registration, which has no memory (it is then described as host memory). Runs never
-    cross from one tensor into another, so a map's runs are the same wherever they lie."""
-    groups = tuple(_group(g, block_size) for g in kernel_groups)
-    if not groups:
-        raise PeerDescriptionError("the registration has no kernel group to describe")
-    if (
-        shard is not None
-        and isinstance(shard, Shard)
-        and (misfit := _shard_misfit(groups, shard)) is not None
-    ):
-        i, heads = misfit
-        raise ShardError(
-            f"describe(shard={shard}): the shard holds {len(shard.heads)} KV heads, but kernel group {i} of "
-            f"this registration holds {heads}: pass the Shard(tp_rank, tp_size, num_kv_heads) this rank "
-            "was given, with the model's KV heads"
-        )
-    device = kernel_groups[0].device
-    if at is None:
-        _check_unmoved(kernel_groups)
-    else:
-        groups = _placed(
-            groups, at, [[memory_keys(p.leaves, p.data_ptrs) for p in g.planes] for g in kernel_groups]
-        )
-        if device.type == "meta":
-            device = _HOST
-    return _checked(groups, device, shard, engine)
-
-
-@dataclass(frozen=True)
-class _Device:
-    type: str
-    index: int | None
-
-
-_HOST = _Device("cpu", None)
-_PAGE = 4096
-
-
-def _placed(
-    groups: tuple[GroupDescription, ...], at: int, keys: Sequence[Sequence[list[Hashable] | None]]
-) -> tuple[GroupDescription, ...]:
-    """``groups`` with every tensor at a made-up address, one after another from ``at``; a
-    tensor registered again (``keys``: each plane's :func:`memory_keys`) at its first one's."""
-    at = as_int(at, "at")
-    if not 0 < at < MAX_END:
-        raise PeerDescriptionError(f"at must be a positive address below {MAX_END_TEXT}, got {at!r}")
-    out, next_at = [], -(-at // _PAGE) * _PAGE
-    for g, g_keys in zip(groups, keys, strict=True):
-        planes = []
-        for p, p_keys in zip(g.planes, g_keys, strict=True):
-            span = p.span
-            addresses: list[int] = []
-            first: dict[Hashable, int] = {}
-            for k in range(len(p.addresses)):
-                if p_keys is not None and p_keys[k] in first:
-                    addresses.append(addresses[first[p_keys[k]]])
-                    continue
-                if p_keys is not None:
-                    first[p_keys[k]] = k
-                addresses.append(next_at)
-                next_at += -(-span // _PAGE) * _PAGE + _PAGE
-            planes.append(
-                PlaneDescription(p.dtype, p.sizes, p.shape, p.strides, p.block_stride, tuple(addresses))
-            )
-        out.append(replace(g, planes=tuple(planes)))
-    return tuple(out)
-
-
-def describe_group(
-    group: Any, *, shard: Shard | None = None, block_size: int | None = None
-) -> RegistrationDescription:
-    """The description of one kernel group."""
-    _check_unmoved([group])
-    return _checked((_group(group, block_size),), group.device, shard, group.engine)
-
-
-def _check_unmoved(kernel_groups: Sequence[Any]) -> None:
-    """A peer is told the addresses detection read: refuse where a tensor has moved since
-    (the peer would write into memory this process no longer holds)."""
-    for g in kernel_groups:
-        group_placement(g, PeerDescriptionError)
-
-
-def _checked(
-    groups: tuple[GroupDescription, ...], device: Any, shard: Shard | None, engine: Any
-) -> RegistrationDescription:
-    if shard is not None and not isinstance(shard, Shard):
-        raise TypeError(f"shard must be a kvlayout.transfer.Shard, not {type(shard).__name__}")
-    desc = RegistrationDescription(
-        groups, device.type, device.index, shard, None if engine is None else str(engine.value)
-    )
-    return _from_data(_to_data(desc))  # one check for what we make and what peers send
-
-
-def _group(group: Any, block_size: int | None) -> GroupDescription:
-    layout = group.layout
-    if block_size is not None:
-        block_size = as_int(block_size, "block_size")
-        if block_size < 1:
-            raise PeerDescriptionError(f"describe(block_size={block_size}): a block holds at least 1 token")
-    planes = []
-    for i, p in enumerate(group.planes):
-        leaf = p.leaves[0]
-        dtype = str(p.dtype).removeprefix("torch.")
-        if dtype not in DTYPE_SIZES:  # said of the cache, before a description of it is checked
-            raise PeerDescriptionError(
-                f"the cache's {'plane ' + str(i) + ' ' if len(group.planes) > 1 else ''}tensors are {dtype}: "
-                f"block maps and descriptions carry {', '.join(DTYPE_SIZES)}"
-            )
-        planes.append(
-            PlaneDescription(
-                dtype,
-                tuple(p.sizes.items()),
-                tuple(p.shape),
-                tuple(int(s) for s in leaf.stride()),
-                p.block_stride,
-                tuple(p.data_ptrs),
-            )
-        )
-    bs = size_of(layout, planes[0].sizes_dict(), Role.TOKEN)
-    if bs is None or layout.axis_of(Role.BLOCK) is None:
-        bs = block_size
-    elif block_size is not None and block_size != bs:  # ignored, a peer would read ids in the wrong blocks
-        raise PeerDescriptionError(
-            f"block_size={block_size}, but {layout}'s blocks hold {bs} tokens (its block axis says so): "
-            "block_size splits a folded page axis (NB*BS) only; describe this cache without it, and give "
-            f"block_map src_block_size=/dst_block_size={block_size} to address it in blocks of {block_size}"
-        )
-    return GroupDescription(
-        group.format, tuple(group.layers), group.engine_group, bs, tuple(planes), group.opaque_pages
-    )
 
 
 # -- JSON ------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from kvlayout.registration.binding import (
     bind_layers,
     bind_structure,
 )
+from kvlayout.registration.describing import describe as describe_registration
 from kvlayout.registration.kernel_groups import (
     EXCLUDED_ENGINE_GROUP,
     Geometry,
@@ -56,7 +57,6 @@ from kvlayout.registration.memory import (
 )
 from kvlayout.registration.nesting import Path, at, first_leaf, leaves
 from kvlayout.registration.peers import RegistrationDescription
-from kvlayout.registration.peers import describe as describe_registration
 from kvlayout.types import EngineType
 
 if TYPE_CHECKING:

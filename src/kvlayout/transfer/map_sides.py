@@ -18,11 +18,12 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.dtypes import same_bytes
 from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.describing import describe_group
 from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import HoldsAddresses, Placement, group_placement, no_memory
 from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.opaque import OpaquePages
-from kvlayout.registration.peers import GroupDescription, RegistrationDescription, describe_group
+from kvlayout.registration.peers import GroupDescription, RegistrationDescription
 from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard
 
