@@ -226,7 +226,7 @@ def test_sglang_page_buffer_that_does_not_split_says_not_divisible(
 ) -> None:
     with pytest.raises(
         ValueError,
-        match=r"SGLang: kv_caches\[0\].*: PBS=22 token slots are not a whole number of blocks of tokens_per_block=4",
+        match=r"SGLang: kv_caches\[0\].*: PBS=22 token slots are not divisible by tokens_per_block=4",
     ):
         kvlayout.normalize_kv_and_discover_format(kv, "sglang", hints)
 

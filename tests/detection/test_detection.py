@@ -197,7 +197,7 @@ def test_sglang_structures() -> None:
         ([[t(21, 2, 4), t(21, 2, 8)], [t(21, 2, 4), t(21, 2, 8)]], {}, DetectionError,
          "kv_caches[0][1] has shape [21, 2, 8], but kv_caches[0][0] makes TWO_X_NL_X_NBBS_NH_HS [21, 2, 4]"),
         (layers((22, 1, 4)), {"tokens_per_block": 3}, DetectionError,
-         "PBS=22 token slots are not a whole number of blocks of tokens_per_block=3"),
+         "PBS=22 token slots are not divisible by tokens_per_block=3"),
         (layers((7, 3, 4)), {"kv_list_layout": "unified", "tokens_per_block": 4}, LayoutHintError,
          "tokens_per_block=4 contradicts NL_X_NB_BS_HS, whose BS is 3"),
         (layers((7, 3, 2, 4)), {}, DetectionError, "unless layout hint kv_list_layout says 'k_v'"),
@@ -286,7 +286,7 @@ def test_sglang_k_and_v_of_different_head_sizes_detect_as_two_kernel_groups(form
 @pytest.mark.parametrize(
     ("build", "message"),
     [
-        (lambda k, v: ([k, v], {"tokens_per_block": 5}), "PBS=24 token slots are not a whole number of blocks of tokens_per_block=5"),
+        (lambda k, v: ([k, v], {"tokens_per_block": 5}), "PBS=24 token slots are not divisible by tokens_per_block=5"),
         (lambda k, v: ([k, v[:2]], {"tokens_per_block": 4}), "but there are 3 K layers and 2 V"),
         (lambda k, v: ([k, v], {}), "which needs tokens_per_block (SGLang's page_size)"),
         (lambda k, v: ([k, [*v[:2], v[2].to(torch.float16)]], {"tokens_per_block": 4}),

@@ -777,6 +777,17 @@ def test_plan_holds_max_latents_whole_on_every_rank(capsys: pytest.CaptureFixtur
     assert out.count("re-laid; 12 runs") == 2
 
 
+def test_plan_sends_latents_from_one_rank_whatever_kv_heads_says(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --kv-heads given, an MLA plan read the heads count, not the latents: every src
+    rank sent the latents to every dst rank."""
+    code, out, _ = run(capsys, "plan", "--src-engine", "vllm", "--src-shape", "4x[64,16,576]", "--src-tp", "2",
+                       "--dst-engine", "vllm", "--dst-shape", "4x[64,16,576]", "--dst-tp", "2", "--tokens", "40",
+                       "--kv-heads", "8", "--json")  # fmt: skip
+    assert code == 0
+    sending = [(p["src_rank"], p["dst_rank"]) for p in json.loads(out)["pairs"] if p["runs"]]
+    assert sending == [(0, 0), (1, 1)]
+
+
 def test_plan_sends_replicated_heads_from_one_replica(capsys: pytest.CaptureFixture[str]) -> None:
     """4 src ranks over 2 heads hold each head twice: both replicas were planned to send
     it, twice the traffic and two writers of the same bytes."""
@@ -785,7 +796,7 @@ def test_plan_sends_replicated_heads_from_one_replica(capsys: pytest.CaptureFixt
                        "--tokens", "10", "--json")  # fmt: skip
     assert code == 0
     pairs = {(p["src_rank"], p["dst_rank"]): p for p in json.loads(out)["pairs"]}
-    assert [k for k, p in pairs.items() if p["runs"]] == [(0, 0), (3, 1)]
+    assert [k for k, p in pairs.items() if p["runs"]] == [(0, 0), (2, 1)]  # dst d reads src d * 4 // 2's
     assert (pairs[1, 0]["kind"], pairs[1, 0]["bytes"]) == ("replica", 0)
     assert pairs[1, 0]["reason"].startswith("src rank 0 holds the same heads and sends them")
     assert pairs[0, 1]["kind"] == "empty"  # no head in common says so, not that another replica sends

@@ -860,6 +860,8 @@ def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pai
         "calibrated against peer 'kvl-peer' (its largest described tensor holds 8192 bytes: no descriptors "
         "of 8 KiB, 32 KiB, 64 KiB, 128 KiB, 512 KiB priced (8, spaced, do not fit))"
     )
+    fewer = nx.calibrate(pair.agent, pair.name, desc, nbytes=4096, count=64, repeats=1)
+    assert "holds 8192 bytes: 4 small descriptors, not 64; no descriptors of 8 KiB" in fewer.source
     for kw, message in (
         ({"nbytes": 0}, "calibrate's nbytes must be an int of at least 1024, got 0"),
         ({"small": 0}, "calibrate's small must be an int of at least 1, got 0"),
@@ -1435,3 +1437,28 @@ def test_a_cache_re_allocated_in_place_leaves_a_peer_writing_into_its_old_memory
         assert all(bool((t == 0).all()) for t in kv_d)  # the new memory: nothing was written there
         """
     )
+
+
+def test_memory_of_a_storage_resized_under_its_registration_is_not_counted_as_registered() -> None:
+    """A registered storage resized in place moves its memory; a tensor that then lies at
+    the old address and size matched the stale region and was counted as registered, its
+    storage held by nothing (freed, NIXL's region would be on freed memory)."""
+    import ctypes
+
+    from kvlayout.transfer.nixl.regions import _REGIONS
+
+    agent = nx.make_agent("kvl-resized", progress_thread=False)
+    t = torch.zeros(BUF, dtype=torch.uint8)
+    region_at = t.data_ptr()
+    held = nx.register(agent, t)
+    t.untyped_storage().resize_(2 * BUF)  # the storage moves (the old memory is freed)
+    assert t.data_ptr() != region_at
+    # a tensor over the old address, as one the allocator put there next would be (never read)
+    there = torch.from_numpy(np.ctypeslib.as_array((ctypes.c_uint8 * BUF).from_address(region_at)))
+    with pytest.raises(
+        TransferError, match=r"registered with this agent for a storage resized in place since"
+    ):
+        nx.register(agent, there)
+    assert list(_REGIONS[agent].count.values()) == [1]  # refused whole: nothing counted
+    held.deregister()
+    assert _REGIONS[agent].count == {} and _REGIONS[agent].owners == {}

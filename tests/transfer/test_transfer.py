@@ -267,9 +267,7 @@ def test_nbbs_formats_need_the_block_size() -> None:
         TransferError, match=r"folds its blocks and their tokens into one axis \(NBBS\): pass block_size="
     ):
         chunk_shape(kv, fmt, 8)
-    with pytest.raises(
-        TransferError, match=r"PBS=12 token slots are not a whole number of blocks of block_size=5"
-    ):
+    with pytest.raises(TransferError, match=r"PBS=12 token slots are not divisible by block_size=5"):
         chunk_shape(kv, fmt, 10, block_size=5)
     shape, _ = chunk_shape(kv, fmt, 8, block_size=4)
     chunk = torch.zeros(shape)

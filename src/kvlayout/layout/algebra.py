@@ -547,11 +547,12 @@ def split_pages(layout: Layout, sizes: Mapping[str, int], block_size: int, what:
     that gave the block size) where they are not a whole number of them."""
     total = size_of(layout, sizes, Role.PAGE)
     if total is None:
-        raise SizeError(f"{layout}: these sizes give no page size")
+        raise SizeError("these sizes give no page size")  # callers name the layout
     if block_size <= 0 or total % block_size:
         label = layout.tensor[axis_of(layout, Role.PAGE) or 0].shape_label
-        raise SizeError(
-            f"{label}={total} token slots are not a whole number of blocks of {what}={block_size}"
+        raise SizeError(  # LMCache's words: "not divisible by tokens_per_block"
+            f"{label}={total} token slots are not divisible by {what}={block_size}, so they are not a whole "
+            "number of blocks"
         )
     return {**sizes, **sizes_by_role(layout, {Role.BLOCK: total // block_size, Role.TOKEN: block_size})}
 

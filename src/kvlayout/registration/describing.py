@@ -21,9 +21,9 @@ from kvlayout.registration.peers import (
     PeerDescriptionError,
     PlaneDescription,
     RegistrationDescription,
-    _from_data,
-    _shard_misfit,
-    _to_data,
+    from_data,
+    shard_misfit,
+    to_data,
 )
 from kvlayout.registration.shards import Shard, ShardError
 
@@ -50,11 +50,7 @@ def describe(
     groups = tuple(_group(g, block_size) for g in kernel_groups)
     if not groups:
         raise PeerDescriptionError("the registration has no kernel group to describe")
-    if (
-        shard is not None
-        and isinstance(shard, Shard)
-        and (misfit := _shard_misfit(groups, shard)) is not None
-    ):
+    if shard is not None and isinstance(shard, Shard) and (misfit := shard_misfit(groups, shard)) is not None:
         i, heads = misfit
         raise ShardError(
             f"describe(shard={shard}): the shard holds {len(shard.heads)} KV heads, but kernel group {i} of "
@@ -136,7 +132,7 @@ def _checked(
     desc = RegistrationDescription(
         groups, device.type, device.index, shard, None if engine is None else str(engine.value)
     )
-    return _from_data(_to_data(desc))  # one check for what we make and what peers send
+    return from_data(to_data(desc))  # one check for what we make and what peers send
 
 
 def _group(group: Any, block_size: int | None) -> GroupDescription:

@@ -163,7 +163,7 @@ class RegistrationDescription:
         )
 
     def to_json(self) -> str:
-        return json.dumps(_to_data(self), separators=(",", ":"))
+        return json.dumps(to_data(self), separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> RegistrationDescription:
@@ -185,13 +185,13 @@ class RegistrationDescription:
             raise
         except (ValueError, RecursionError) as exc:
             raise PeerDescriptionError(f"the description is not valid JSON: {exc}") from None
-        return _from_data(data)
+        return from_data(data)
 
 
 # -- JSON ------------------------------------------------------------------------------
 
 
-def _to_data(d: RegistrationDescription) -> dict[str, Any]:
+def to_data(d: RegistrationDescription) -> dict[str, Any]:
     return {
         "kvlayout": "registration-description",
         "version": VERSION,
@@ -290,7 +290,7 @@ def _ints(where: str, value: object, max_len: int, lo: int, hi: int) -> tuple[in
     return tuple(_int(f"{where}[{i}]", v, lo, hi) for i, v in enumerate(_list(where, value, max_len)))
 
 
-def _from_data(data: object) -> RegistrationDescription:
+def from_data(data: object) -> RegistrationDescription:
     top = _fields("description", data, ("kvlayout", "version", "device", "engine", "shard", "groups"))
     if top["kvlayout"] != "registration-description":
         raise PeerDescriptionError(
@@ -328,7 +328,7 @@ def _from_data(data: object) -> RegistrationDescription:
         groups_list.append(_group_from(f"description.groups[{i}]", g, left))
         left -= sum(len(p.addresses) for p in groups_list[-1].planes)
     groups = tuple(groups_list)
-    misfit = _shard_misfit(groups, shard)
+    misfit = shard_misfit(groups, shard)
     if misfit is not None:
         assert shard is not None
         i, heads = misfit
@@ -343,7 +343,7 @@ def _from_data(data: object) -> RegistrationDescription:
     return RegistrationDescription(groups, device["type"], index, shard, engine)
 
 
-def _shard_misfit(groups: Sequence[GroupDescription], shard: Shard | None) -> tuple[int, int] | None:
+def shard_misfit(groups: Sequence[GroupDescription], shard: Shard | None) -> tuple[int, int] | None:
     """The first group (index, heads) holding another number of KV heads than ``shard``
     says; None where every group fits (latents are held whole by every rank)."""
     if shard is None:

@@ -79,11 +79,13 @@ class Shard:
     def sends_to(self, dst: Shard) -> bool:
         """Whether this source rank is the one that sends ``dst`` the heads both hold,
         where several source ranks hold them (replication): otherwise every replica would
-        send the same bytes, written as many times. ``dst`` takes each head from replica
-        ``dst.tp_rank % replicas`` of it, so that destination ranks spread over the
-        replicas. Without replication every rank sends what it holds (the block map of a
-        pair with no head in common is empty). MLA latents, which every rank holds, are
-        one head replicated over every rank: ``Shard(rank, tp_size, 1)`` on both sides."""
+        send the same bytes, written as many times. ``dst`` takes each head from the
+        replica whose ordinal is that of source rank ``dst.tp_rank * tp_size //
+        dst.tp_size``, vLLM's NixlConnector's rule (a decode rank reads from that prefill
+        rank), which spreads destination ranks over the replicas. Without replication
+        every rank sends what it holds (the block map of a pair with no head in common is
+        empty). MLA latents, which every rank holds, are one head replicated over every
+        rank: ``Shard(rank, tp_size, 1)`` on both sides."""
         if not isinstance(dst, Shard):
             raise TypeError(f"sends_to takes the destination's Shard, not {type(dst).__name__}")
         if dst.num_kv_heads != self.num_kv_heads:
@@ -91,7 +93,7 @@ class Shard:
                 f"{self} and {dst} count {self.num_kv_heads} and {dst.num_kv_heads} model KV heads: one "
                 "model has one count"
             )
-        return self.tp_rank % self.replicas == dst.tp_rank % self.replicas
+        return self.tp_rank % self.replicas == (dst.tp_rank * self.tp_size // dst.tp_size) % self.replicas
 
     def __str__(self) -> str:
         return f"Shard(tp_rank={self.tp_rank}, tp_size={self.tp_size}, num_kv_heads={self.num_kv_heads})"

@@ -181,7 +181,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             ) from None
         ids[where] = _block_ids(args.blocks, -(-args.tokens // bs), group.geometry.num_blocks, where)
     try:
-        _plan_pairs(args, record, descs, ids, model_heads)
+        _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None)
     except MemoryError:  # numpy's and the native maps' allocations: bounded above, not by the machine
         raise KVLayoutError(
             f"--tokens {args.tokens}: the block maps of this plan need more memory than this machine gives; "
@@ -224,9 +224,10 @@ def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: d
 
 def _plan_pairs(
     args: argparse.Namespace, record: dict[str, Any], descs: dict[str, Any], ids: dict[str, Any],
-    model_heads: int | None,
+    model_heads: int | None, *, latent: bool,
 ) -> None:  # fmt: skip
-    """Each rank pair's block map and cost, or why it cannot be served, into ``record``."""
+    """Each rank pair's block map and cost, or why it cannot be served, into ``record``
+    (``latent``: the src holds MLA latents, which every rank holds whole)."""
     from kvlayout.registration.shards import Shard
     from kvlayout.transfer import block_map
     from kvlayout.transfer.nixl import estimate
@@ -247,7 +248,7 @@ def _plan_pairs(
                 continue
             pair |= {"kind": m.kind, "reason": m.reason, "runs": m.num_runs, "bytes": m.num_bytes}
             # several src ranks hold these heads (or, for latents, all of them): one sends
-            held = ("latents", 1) if model_heads is None else ("heads", model_heads)
+            held = ("latents", 1) if latent or model_heads is None else ("heads", model_heads)
             sender = _sender(Shard(r, args.src_tp, held[1]), Shard(d, args.dst_tp, held[1]))
             if m.num_runs and sender != r:
                 pair |= {"kind": "replica", "runs": 0, "bytes": 0, "reason": (

@@ -23,7 +23,7 @@ from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import HoldsAddresses, Placement, group_placement, no_memory
 from kvlayout.registration.nesting import not_strided
 from kvlayout.registration.opaque import OpaquePages
-from kvlayout.registration.peers import GroupDescription, RegistrationDescription
+from kvlayout.registration.peers import GroupDescription, PeerDescriptionError, RegistrationDescription
 from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard
 
@@ -335,7 +335,10 @@ def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Sid
         placement = group_placement(group, BlockMapError, f"{where}: ")
         if block_size is not None:  # the caller's, named as theirs (describing checks it as a peer's)
             _split_pages(group.layout, dict(group.planes[0].sizes), block_size, where)
-        desc = describe_group(group, block_size=block_size)
+        try:
+            desc = describe_group(group, block_size=block_size)
+        except PeerDescriptionError as e:  # what describing refuses of a live cache: the map's error
+            raise BlockMapError(f"{where}: {e}") from None
         device = (desc.device_type, desc.device_index)
         # The side holds the group's tensors (its placement's), not the group: the group
         # keeps the side in its memo, and a cycle through it would keep a dropped cache's

@@ -156,7 +156,7 @@ def calibrate(
     k = int(np.argmax(ends - starts))
     base, span = int(starts[k]), int(ends[k] - starts[k])
     asked, nbytes = nbytes, min(nbytes, span)
-    count = max(2, min(count, span // (2 * small)))
+    asked_count, count = count, max(2, min(count, span // (2 * small)))
     rmem, dev = _mem_type(remote, "remote"), remote.device_index
     copy_on = _staging_device(copy_device)
 
@@ -203,6 +203,8 @@ def calibrate(
     limits = []
     if nbytes < asked:
         limits.append(f"{nbytes} bytes a transfer, not {asked}")
+    if count < asked_count:
+        limits.append(f"{count} small descriptors, not {asked_count}")
     if unmeasured:
         sizes_text = ", ".join(f"{size >> 10} KiB" for size in unmeasured)
         limits.append(f"no descriptors of {sizes_text} priced (8, spaced, do not fit)")

@@ -47,7 +47,7 @@ class _AgentRegions:
     """What :func:`register` registered on one agent: each region with its count of
     holders (a storage registered by two registrations is registered once), and the
     regions started requests post through (pinned): deregistered while pinned, NIXL keeps
-    one (and this keeps its tensors) until the last such request lets go."""
+    one (and this keeps its storage) until the last such request lets go."""
 
     def __init__(self) -> None:
         self.count: dict[Region, int] = {}
@@ -134,7 +134,10 @@ class Registered:
     """The NIXL registration of one registration's storages; :meth:`deregister` (or
     leaving a ``with`` block) undoes it, once no started request posts through them. Their
     memory stays allocated while registered, whatever the tensors do since (re-allocated
-    in place, they let go of it; NIXL and a peer's description still name it): dropped
+    in place, with ``.data =``, ``set_`` or ``module.to``, they let go of it; NIXL and a
+    peer's description still name it), but for a storage resized in place
+    (``untyped_storage().resize_``, a tensor's ``resize_`` past its storage), which moves
+    or frees its own memory under NIXL: never resize a registered cache. Dropped
     without :meth:`deregister`, the storages stay registered (and allocated) as long as
     the agent lives, so that NIXL never reaches freed memory."""
 
@@ -151,7 +154,7 @@ class Registered:
     def deregister(self) -> None:
         """Deregister the storages: now, or, for a region a started request posts
         through (NIXL may still move its bytes), when that request is done or failed (as
-        :meth:`Staging.close` defers); until then the region and its tensors are kept, for
+        :meth:`Staging.close` defers); until then the region and its storage are kept, for
         good if the request was released in flight (NIXL cannot guarantee its cancel).
         New requests through it are refused at once."""
         _drain_deferred()
@@ -215,6 +218,15 @@ def register(agent: Agent, registration: Holder) -> Registered:
     regions = tuple(storages)
     held = _REGIONS.setdefault(agent, _AgentRegions())
     with held.lock:
+        for region in regions:  # checked before any is counted: a refusal leaves nothing half done
+            owner = held.owners.get(region, held.retired.get(region))
+            if owner is not None and (owner.data_ptr(), owner.nbytes()) != (region.address, region.nbytes):
+                raise TransferError(
+                    f"the {region.nbytes} bytes at {region.address:#x} are registered with this agent for a "
+                    f"storage resized in place since (it now holds {owner.nbytes()} bytes at "
+                    f"{owner.data_ptr():#x}): deregister what registered it before registering this memory, "
+                    "and never resize a registered cache"
+                )
         for region in regions:
             kept = held.retired.pop(region, None)
             if kept is not None:  # NIXL still holds it: counted again
