@@ -75,6 +75,17 @@ def test_page_runs_rejects_kv_outside_the_pages() -> None:
         SubpagedAttentionEdit().apply(spec, t)
 
 
+def test_a_cache_of_one_element_a_page_is_refused_by_its_bytes_not_an_index_error() -> None:
+    """No axis longer than 1: reading where its heads lie raised IndexError."""
+    spec = _attn(block_size=16, heads=1, head=1)
+    with pytest.raises(
+        KVCacheGroupEditError, match="16 kernel pages of 1 tokens .* do not tile the logical page"
+    ):
+        apply_kv_cache_group_edits(
+            _config(a=spec), {"a": torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)}, {"kv_layout": "NHD"}
+        )
+
+
 def test_opaque_page_view_is_a_view_of_exactly_the_pages() -> None:
     storage = torch.arange(100, dtype=torch.int8)
     view = opaque_page_view(

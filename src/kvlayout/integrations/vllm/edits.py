@@ -113,9 +113,10 @@ def apply_kv_cache_group_edits(
     Layers no rule matches come back as the same objects; each edited layer becomes a
     view over its own storage, never a copy.
 
-    ``layout_hints`` are the hints detection will get. The edited views read the same
-    under any of them, but the layers left as registered do not, so the result is
-    checked under them (:func:`check_block_granularity`): every paged layer's detected
+    ``layout_hints`` are the hints detection will get. The opaque views read the same
+    under any of them, but the whole-block views (in the engine's own format: NHD
+    attention pages, MLA latents) and the layers left as registered read as the hint
+    says, so detection must get these same hints, and the result is checked under them (:func:`check_block_granularity`): every paged layer's detected
     block size must be its group's slots per block (``block_size``, or ``block_size /
     ratio`` where compression is declared), or this raises before anything is
     registered. That is how a ``kv_layout`` hint that contradicts vLLM's allocation is

@@ -50,7 +50,9 @@ class KVCacheGroupEdit(ABC):
     value it recognises but cannot re-view faithfully. The result must be a view of the
     value's storage whose layout reads as ``output_format`` with the spec's block size.
     ``apply`` gets the layout hints detection will get (LMCache's signature); kvlayout's
-    own rules do not need them, since their views read the same under every hint.
+    own rules do not need them, since their opaque views read the same under every hint
+    (a whole-block view, :meth:`block_view`, reads as its engine's format under the hint
+    detection gets, as the registered layer would).
 
     ``name`` is what the "edits applied" log counts; ``lmcache_name`` is LMCache's name
     for the same rule (None for a rule LMCache does not have), counted beside it.
@@ -280,7 +282,7 @@ def _heads_outside_pages(value: torch.Tensor) -> bool | None:
     page (False: LBHNC, LBNHC), outside every page (True: LHBNC, each head's pages one
     after another), or None for another memory order."""
     order = [d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1]
-    if order[0] == 0 or value.shape[0] == 1:
+    if not order or order[0] == 0 or value.shape[0] == 1:  # no axis longer than 1: one element
         return False  # one page holds every head either way
     return True if order[:2] == [1, 0] else None
 
