@@ -116,11 +116,11 @@ def apply_kv_cache_group_edits(
     ``layout_hints`` are the hints detection will get. The opaque views read the same
     under any of them, but the whole-block views (in the engine's own format: NHD
     attention pages, MLA latents) and the layers left as registered read as the hint
-    says, so detection must get these same hints, and the result is checked under them (:func:`check_block_granularity`): every paged layer's detected
-    block size must be its group's slots per block (``block_size``, or ``block_size /
-    ratio`` where compression is declared), or this raises before anything is
-    registered. That is how a ``kv_layout`` hint that contradicts vLLM's allocation is
-    caught.
+    says, so detection must get these same hints, and the result is checked under them
+    (:func:`check_block_granularity`): every paged layer's detected block size must be
+    its group's slots per block (``block_size``, or ``block_size / ratio`` where
+    compression is declared), or this raises before anything is registered. That is
+    how a ``kv_layout`` hint that contradicts vLLM's allocation is caught.
     """
     validate_kv_cache_groups(kv_cache_config)
     edited = dict(kv_caches)
