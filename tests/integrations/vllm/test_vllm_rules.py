@@ -79,7 +79,7 @@ def test_a_cache_of_one_element_a_page_is_refused_by_its_bytes_not_an_index_erro
     """No axis longer than 1: reading where its heads lie raised IndexError."""
     spec = _attn(block_size=16, heads=1, head=1)
     with pytest.raises(
-        KVCacheGroupEditError, match="16 kernel pages of 1 tokens .* do not tile the logical page"
+        KVCacheGroupEditError, match=r"16 kernel pages of 1 tokens .* do not tile the logical page"
     ):
         apply_kv_cache_group_edits(
             _config(a=spec), {"a": torch.zeros(1, 1, 1, 1, dtype=torch.bfloat16)}, {"kv_layout": "NHD"}
