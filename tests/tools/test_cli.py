@@ -815,3 +815,22 @@ def test_plan_moves_only_the_tokens_from_first_token_on(capsys: pytest.CaptureFi
         (p["bytes"], w["bytes"]) for p, w in zip(tail["pairs"], whole["pairs"], strict=True) if w["bytes"]
     ]
     assert moved and all(part * 10 == all_ * 4 for part, all_ in moved)
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_output_that_cannot_be_written_is_one_line_not_a_traceback() -> None:
+    """`> /dev/full` printed a traceback and exited 1, the code of a refused detection."""
+    with open("/dev/full", "w") as full:
+        done = subprocess.run(
+            [sys.executable, "-m", "kvlayout", "formats"], stdout=full, stderr=subprocess.PIPE, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+    assert (done.returncode, done.stderr) == (
+        2,
+        "kvlayout: cannot write the output: No space left on device\n",
+    )
+    head = subprocess.run(  # a reader that leaves early is no error
+        f"{sys.executable} -m kvlayout formats | head -1", shell=True, capture_output=True, text=True, timeout=120,
+        check=False,
+    )  # fmt: skip
+    assert head.stderr == "" and head.stdout.startswith("value")

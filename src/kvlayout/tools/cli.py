@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
@@ -351,10 +352,24 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.run(args))
+        code = int(args.run(args))
+        sys.stdout.flush()  # a write that fails (a full disk) fails here, not at exit
+        return code
     except (KVLayoutError, TypeError) as e:  # a value on the command line kvlayout cannot take
         print(f"kvlayout: {e}", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `kvlayout formats | head`: the reader left, nothing is wrong
+        _drop_stdout()
         sys.stderr.close()
         return 0
+    except OSError as e:  # the output could not be written (`> /dev/full`): one line, not a traceback
+        _drop_stdout()
+        print(f"kvlayout: cannot write the output: {e.strerror or e}", file=sys.stderr)
+        return 2
+
+
+def _drop_stdout() -> None:
+    """Point stdout at /dev/null, so the interpreter's flush at exit has nothing to fail on."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
