@@ -63,6 +63,18 @@ def test_none_config_passes() -> None:
     assert apply_kv_cache_group_edits(None, {}) == {}
 
 
+@pytest.mark.parametrize("config", [object(), 5, "abc"])
+def test_what_is_not_a_kv_cache_config_is_refused_not_taken_as_no_groups(config: object) -> None:
+    """A vllm_config (or anything without kv_cache_groups) passed validation and made the
+    edits edit nothing."""
+    with pytest.raises(
+        TypeError, match=r"^kv_cache_config must be vLLM's KVCacheConfig \(its kv_cache_groups\)"
+    ):
+        validate_kv_cache_groups(config)
+    with pytest.raises(TypeError, match=r"^kv_cache_config must be vLLM's KVCacheConfig"):
+        apply_kv_cache_group_edits(config, {})
+
+
 def test_every_unservable_group_in_one_error() -> None:
     attn = attention_spec(QWEN3_5_0_8B, 1, 16)
     config = _config(attn, _cross(), _mamba("none"), _mamba("all"), _mamba("align"))

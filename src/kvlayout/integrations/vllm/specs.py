@@ -160,7 +160,12 @@ def spec_field(spec: Any, name: str, default: Any) -> Any:
 
 def iter_groups(kv_cache_config: Any) -> Iterator[tuple[int, Any]]:
     """``(position, group)`` for every KV cache group; the position is the group id."""
-    groups = getattr(kv_cache_config, "kv_cache_groups", ()) or ()
+    if not hasattr(kv_cache_config, "kv_cache_groups"):  # a vllm_config, say: it would edit nothing
+        raise TypeError(
+            "kv_cache_config must be vLLM's KVCacheConfig (its kv_cache_groups), not a "
+            f"{type(kv_cache_config).__name__}"
+        )
+    groups = kv_cache_config.kv_cache_groups or ()
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
         raise TypeError(f"kv_cache_config.kv_cache_groups is a {type(groups).__name__}, not a list of groups")
     yield from enumerate(groups)
