@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import torch
 
+import kvlayout
 from kvlayout.errors import KVLayoutError
 from kvlayout.integrations.vllm import (
     SpecKind,
@@ -17,6 +18,7 @@ from kvlayout.integrations.vllm import (
     declares_slot_compression,
     find_unsupported_kv_cache_groups,
     spec_kind,
+    transfer_layers,
     validate_kv_cache_groups,
 )
 from kvlayout.integrations.vllm.specs import slots_per_block, tokens_per_slot
@@ -229,3 +231,30 @@ def test_spec_kind_agrees_with_vllm() -> None:
     for spec in specs:
         assert spec_kind(spec).value == kvi.get_kv_cache_spec_kind(spec).value, spec
     assert spec_kind(object()) is SpecKind.UNKNOWN
+
+
+def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection() -> None:
+    """vLLM 0.33 registers HiSparse's device replicas (``enable_kv_transfer=False``) as
+    raw byte buffers beside the groups it transfers: detection refused the whole
+    registration. They are skipped by the validation and the edits, and
+    ``transfer_layers`` leaves them out as an empty group, so the others keep their ids."""
+    attention = kvi.FullAttentionSpec(block_size=4, num_kv_heads=2, head_size=8, dtype=torch.bfloat16)
+    replica = kvi.HiSparseHotSpec(block_size=4, page_size=4096, blocks_per_request=2)
+    groups = [
+        kvi.KVCacheGroupSpec(layer_names=["a.0", "a.1"], kv_cache_spec=attention),
+        kvi.KVCacheGroupSpec(layer_names=["hot.0"], kv_cache_spec=replica, enable_kv_transfer=False),
+        kvi.KVCacheGroupSpec(layer_names=["b.0"], kv_cache_spec=attention),
+    ]
+    config = kvi.KVCacheConfig(num_blocks=6, kv_cache_tensors=[], kv_cache_groups=groups)
+    raw = torch.zeros(4096, dtype=torch.int8)  # a replica's buffer, as vLLM registers it
+    kv = {name: torch.zeros(2, 6, 4, 2, 8, dtype=torch.bfloat16) for name in ("a.0", "a.1", "b.0")}
+    kv = {"a.0": kv["a.0"], "hot.0": raw, "a.1": kv["a.1"], "b.0": kv["b.0"]}
+    validate_kv_cache_groups(config)  # a group out of transfer is not one to refuse
+    edited = apply_kv_cache_group_edits(config, kv, {"kv_layout": "NHD"})
+    assert edited["hot.0"] is raw
+    layers, layer_groups = transfer_layers(config, edited)
+    assert [t is kv[n] for t, n in zip(layers, ("a.0", "a.1", "b.0"), strict=True)] == [True] * 3
+    assert layer_groups == [[0, 1], [], [2]]
+    reg = kvlayout.detect(layers, "vllm", {"kv_layout": "NHD"}, layer_groups=layer_groups)
+    assert [(g.engine_group, g.layers) for g in reg.kernel_groups] == [(0, (0, 1)), (2, (2,))]
+    assert transfer_layers(None, kv) == (list(kv.values()), None)

@@ -52,6 +52,7 @@ from kvlayout.integrations.vllm.edits import (
     KV_CACHE_GROUP_EDITS,
     apply_kv_cache_group_edits,
     find_kv_cache_group_edit,
+    transfer_layers,
 )
 from kvlayout.integrations.vllm.errors import (
     GroupProblem,
@@ -97,5 +98,6 @@ __all__ = [
     "find_kv_cache_group_edit",
     "find_unsupported_kv_cache_groups",
     "spec_kind",
+    "transfer_layers",
     "validate_kv_cache_groups",
 ]

@@ -160,6 +160,33 @@ def apply_kv_cache_group_edits(
     return edited
 
 
+def transfer_layers(
+    kv_cache_config: Any, kv_caches: Mapping[str, Any]
+) -> tuple[list[Any], list[list[int]] | None]:
+    """What a connector hands detection: the values of ``kv_caches`` (as the edits
+    returned them) whose layers vLLM transfers, in registration order, and their KV
+    cache groups as ``detect``'s ``layer_groups`` (indices into that list). A group
+    vLLM keeps out of transfer (``enable_kv_transfer=False``) is an empty group and its
+    layers are left out, so every other group keeps vLLM's group id as its position;
+    a layer this worker did not register (another pipeline stage's) is left out too.
+
+    ``detect(layers, "vllm", hints, layer_groups=groups)`` then reads only what moves.
+    Without a config (None, as the edits take it) every layer, and no groups."""
+    if kv_cache_config is None:
+        return list(kv_caches.values()), None
+    wanted = {name for _, group in iter_groups(kv_cache_config) for name in getattr(group, "layer_names", ())}
+    names = [name for name in kv_caches if name in wanted]
+    index = {name: i for i, name in enumerate(names)}
+    transferred = dict(iter_groups(kv_cache_config))
+    groups = [
+        [index[name] for name in getattr(group, "layer_names", ()) if name in index]
+        if position in transferred
+        else []
+        for position, group in enumerate(kv_cache_config.kv_cache_groups or ())
+    ]
+    return [kv_caches[name] for name in names], groups
+
+
 _FROM_VLLM = ("KVCacheSpecKind", "get_kv_cache_spec_kind")
 
 

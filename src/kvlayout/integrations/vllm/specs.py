@@ -159,7 +159,10 @@ def spec_field(spec: Any, name: str, default: Any) -> Any:
 
 
 def iter_groups(kv_cache_config: Any) -> Iterator[tuple[int, Any]]:
-    """``(position, group)`` for every KV cache group; the position is the group id."""
+    """``(position, group)`` for every KV cache group vLLM transfers; the position is the
+    group id. A group vLLM keeps out of transfer (``enable_kv_transfer=False``, vLLM
+    0.33: HiSparse's device replicas, rebuilt from their source group after a load) is
+    skipped: nothing validates, edits or reads it."""
     if not hasattr(kv_cache_config, "kv_cache_groups"):  # a vllm_config, say: it would edit nothing
         raise TypeError(
             "kv_cache_config must be vLLM's KVCacheConfig (its kv_cache_groups), not a "
@@ -168,7 +171,9 @@ def iter_groups(kv_cache_config: Any) -> Iterator[tuple[int, Any]]:
     groups = kv_cache_config.kv_cache_groups or ()
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Iterable):
         raise TypeError(f"kv_cache_config.kv_cache_groups is a {type(groups).__name__}, not a list of groups")
-    yield from enumerate(groups)
+    for position, group in enumerate(groups):
+        if getattr(group, "enable_kv_transfer", True) is not False:
+            yield position, group
 
 
 def iter_group_layer_specs(group: Any) -> Iterator[tuple[str | None, Any]]:
