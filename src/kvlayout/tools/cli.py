@@ -11,6 +11,7 @@ bounded where they are read: the MAX_* constants here, in ``registrations`` and 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
 import sys
@@ -362,10 +363,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         _drop_stdout()
         sys.stderr.close()
         return 0
-    except OSError as e:  # the output could not be written (`> /dev/full`): one line, not a traceback
-        _drop_stdout()
+    except OSError as e:
+        if e.errno not in _FULL:
+            raise
+        _drop_stdout()  # the output could not be written (`> /dev/full`): one line, not a traceback
         print(f"kvlayout: cannot write the output: {e.strerror or e}", file=sys.stderr)
         return 2
+
+
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO}  # where a write fails for want of room
 
 
 def _drop_stdout() -> None:
