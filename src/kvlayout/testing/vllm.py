@@ -297,11 +297,14 @@ def hybrid_engine(
     tp: int = 1,
     checkpoint_alignment: int = 1,
     mamba_cache_mode: str = "align",
+    max_model_len: int = 8192,
     num_blocks: int = NUM_BLOCKS,
     layout: Any = None,
     uniform_type: bool = False,
 ) -> Engine:
-    """A GDN hybrid as vLLM 0.33 plans it: block size unified, Mamba page padded."""
+    """A GDN hybrid as vLLM 0.33 plans it: block size unified, Mamba page padded. In
+    'none' mode (prefix caching off) the Mamba block is ``max_model_len`` tokens, one
+    running state per request (``model_executor/models/config.py``)."""
     attn_page_1 = attention_spec(model, tp, 1).page_size_bytes
     shapes, dtypes = gdn_states(model, tp)
     mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
@@ -309,7 +312,7 @@ def hybrid_engine(
     padded = block * attn_page_1
     attn = attention_spec(model, tp, block)
     mamba = kvi.MambaSpec(
-        block_size=block,
+        block_size=max_model_len if mamba_cache_mode == "none" else block,
         shapes=shapes,
         dtypes=dtypes,
         page_size_padded=padded if padded != mamba_page else None,

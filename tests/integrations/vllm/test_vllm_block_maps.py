@@ -322,3 +322,42 @@ def test_kernel_paged_mla_reads_as_its_blocks_and_maps_to_an_unpaged_backend() -
             b, d = [5, 2][p // 128], [1, 4][p // 128]
             sent = paged[2 * b + (p % 128) // 64, 0, p % 64]
             assert torch.equal(whole[d, 0, p % 128].view(torch.int16), sent.view(torch.int16))
+
+
+def test_a_hybrid_without_prefix_caching_moves_each_request_s_state_page_for_p_d() -> None:
+    """Mamba in 'none' mode (vLLM's whenever prefix caching is off) keeps one running
+    state per request in a block of max_model_len tokens: refused whole before, it is
+    served to a P/D connector (prefix_reuse=False), one state page per block id, while an
+    offload tier, which finds blocks again by prefix, is still refused."""
+    from kvlayout.integrations.vllm import UnsupportedKVCacheGroupsError, transfer_layers
+
+    hints = {"kv_layout": "NHD"}
+
+    def registration(seed: int) -> tuple[Any, list[torch.Tensor]]:
+        engine = vx.hybrid_engine(vx.QWEN3_5_0_8B, vx.FLASHINFER, num_blocks=4, mamba_cache_mode="none",
+                                  max_model_len=40960)  # fmt: skip
+        raw = vx.allocate_v033(engine)[1]
+        buffers = list({id(t.untyped_storage()): t for t in raw.values()}.values())
+        generator = torch.Generator().manual_seed(seed)
+        for t in buffers:  # every byte of the pool, padding included
+            t.untyped_storage().copy_(
+                torch.randint(
+                    -128, 128, (t.untyped_storage().nbytes(),), dtype=torch.int8, generator=generator
+                ).untyped_storage()
+            )
+        with pytest.raises(UnsupportedKVCacheGroupsError, match=r"mamba_cache_mode='none'"):
+            apply_kv_cache_group_edits(engine.config, raw, hints)
+        kv = apply_kv_cache_group_edits(engine.config, raw, hints, prefix_reuse=False)
+        layers, groups = transfer_layers(engine.config, kv)
+        return kvlayout.detect(layers, "vllm", hints, layer_groups=groups), layers
+
+    prefill, p_layers = registration(1)
+    decode, d_layers = registration(2)
+    mamba = [g for g in prefill.kernel_groups if g.block_size == 1]
+    assert len(mamba) == 3 and {g.format.name for g in mamba} == {"NL_X_NB_BS_HS"}
+    for src, dst in zip(prefill.kernel_groups, decode.kernel_groups, strict=True):
+        if src.block_size == 1:  # the request's state: block 2 on prefill, block 0 on decode
+            block_map(src, dst, [2], [0]).copy()
+            for layer in src.layers:
+                assert torch.equal(d_layers[layer][0], p_layers[layer][2])  # its whole page
+                assert not torch.equal(d_layers[layer][1], p_layers[layer][2])  # no other block

@@ -104,10 +104,13 @@ def apply_kv_cache_group_edits(
     layout_hints: HintsLike = None,
     *,
     edits: Sequence[KVCacheGroupEdit] = KV_CACHE_GROUP_EDITS,
+    prefix_reuse: bool = True,
 ) -> dict[str, Any]:
     """Re-present a vLLM model's registered KV caches so every block dim is a block id.
 
-    Validates the groups first (:func:`validate_kv_cache_groups`). Every model goes
+    Validates the groups first (:func:`validate_kv_cache_groups`, with ``prefix_reuse``:
+    False for a P/D connector, which also serves Mamba outside align mode, one state page
+    per block id). Every model goes
     through the rules, not only hybrids: vLLM pages any attention group finer than its
     block when the backend needs it (FlashInfer's 16/32/64 under ``--block-size 128``).
     Layers no rule matches come back as the same objects; each edited layer becomes a
@@ -122,7 +125,7 @@ def apply_kv_cache_group_edits(
     compression is declared), or this raises before anything is registered. That is
     how a ``kv_layout`` hint that contradicts vLLM's allocation is caught.
     """
-    validate_kv_cache_groups(kv_cache_config)
+    validate_kv_cache_groups(kv_cache_config, prefix_reuse=prefix_reuse)
     edited = dict(kv_caches)
     if kv_cache_config is None:
         return edited

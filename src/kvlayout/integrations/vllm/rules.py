@@ -108,7 +108,7 @@ class MambaStateRowsEdit(KVCacheGroupEdit):
         return opaque_page_view(
             value,
             num_blocks=runs.num_pages,
-            block_size=require_size(spec, "block_size"),
+            block_size=_state_rows(spec),
             page_bytes=page,
             block_stride_bytes=runs.stride_bytes,
             offset_bytes=runs.offset_bytes,
@@ -161,11 +161,22 @@ class MambaStateListEdit(KVCacheGroupEdit):
         return opaque_page_view(
             states[0],
             num_blocks=base.num_pages,
-            block_size=require_size(spec, "block_size"),
+            block_size=_state_rows(spec),
             page_bytes=page,
             block_stride_bytes=base.stride_bytes,
             offset_bytes=base.offset_bytes,
         )
+
+
+def _state_rows(spec: Any) -> int:
+    """The rows a Mamba page is cut into: its slots per block (``block_size`` in align
+    mode, one in 'none' mode, where the page is the request's one running state)."""
+    rows = slots_per_block(spec)
+    if rows is None:
+        raise KVCacheGroupEditError(
+            f"the spec's block_size {spec_field(spec, 'block_size', None)!r} holds no slot"
+        )
+    return rows
 
 
 def _slots(count: int, ratio: int) -> str:

@@ -1,6 +1,8 @@
 """Start-up validation: the KV cache groups kvlayout cannot serve, reported together.
 
-Two group kinds cannot be stored and retrieved by block id:
+Two group kinds cannot be stored and found again by a prefix's block ids (an offload
+tier's use, the default; a P/D transfer, ``prefix_reuse=False``, moves each request's
+blocks once, so it serves both):
 
 - cross-attention: its KV is computed from the encoder input, not from the prompt
   tokens a block id stands for, so a prefix match says nothing about its content;
@@ -31,12 +33,14 @@ __all__ = ["find_unsupported_kv_cache_groups", "validate_kv_cache_groups"]
 SUPPORTED_MAMBA_CACHE_MODE = "align"
 
 
-def _problem(spec: Any) -> str | None:
+def _problem(spec: Any, prefix_reuse: bool) -> str | None:
     if spec_size(spec, "block_size") is None:
         return (
             f"{type(spec).__name__} with block_size={spec_field(spec, 'block_size', None)!r}: block ids "
             "need a positive int block_size"
         )
+    if not prefix_reuse:
+        return None
     kind = spec_kind(spec)
     if kind is SpecKind.CROSS_ATTENTION:
         return "CrossAttentionSpec: cross-attention KV depends on the encoder input, not on the prompt blocks"
@@ -50,8 +54,11 @@ def _problem(spec: Any) -> str | None:
     return None
 
 
-def find_unsupported_kv_cache_groups(kv_cache_config: Any) -> list[GroupProblem]:
-    """Every (group, reason) kvlayout cannot serve, groups indexed by position.
+def find_unsupported_kv_cache_groups(
+    kv_cache_config: Any, *, prefix_reuse: bool = True
+) -> list[GroupProblem]:
+    """Every (group, reason) kvlayout cannot serve, groups indexed by position
+    (``prefix_reuse``: as the module says).
 
     Leaf specs are checked one by one (``UniformTypeKVCacheSpecs`` unwrapped), and the
     layers sharing a reason within a group are reported as one problem.
@@ -64,19 +71,21 @@ def find_unsupported_kv_cache_groups(kv_cache_config: Any) -> list[GroupProblem]
         if getattr(group, "kv_cache_spec", None) is None:
             layers_by_reason["the group has no kv_cache_spec"] = []
         for layer_name, spec in iter_group_layer_specs(group):
-            reason = _problem(spec)
+            reason = _problem(spec, prefix_reuse)
             if reason is not None:
                 layers_by_reason.setdefault(reason, []).append(layer_name or "(the group names none)")
         problems.extend(GroupProblem(group_idx, r, tuple(ls)) for r, ls in layers_by_reason.items())
     return problems
 
 
-def validate_kv_cache_groups(kv_cache_config: Any) -> None:
+def validate_kv_cache_groups(kv_cache_config: Any, *, prefix_reuse: bool = True) -> None:
     """Raise one :class:`UnsupportedKVCacheGroupsError` listing every unservable group.
 
     ``None`` (no config yet) passes. Call it at connector start-up; the group edits call
-    it again before touching any tensor.
+    it again before touching any tensor. ``prefix_reuse=False`` for a connector that
+    moves each request's blocks once (P/D), never found again by a prefix: cross-attention
+    and Mamba outside align mode are then served.
     """
-    problems = find_unsupported_kv_cache_groups(kv_cache_config)
+    problems = find_unsupported_kv_cache_groups(kv_cache_config, prefix_reuse=prefix_reuse)
     if problems:
         raise UnsupportedKVCacheGroupsError(problems)
