@@ -364,14 +364,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stderr.close()
         return 0
     except OSError as e:
-        if e.errno not in _FULL:
+        if e.errno not in _FULL or e.filename is not None:  # a named file's, not stdout's
             raise
         _drop_stdout()  # the output could not be written (`> /dev/full`): one line, not a traceback
         print(f"kvlayout: cannot write the output: {e.strerror or e}", file=sys.stderr)
         return 2
 
 
-_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT, errno.EIO}  # where a write fails for want of room
+_FULL = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}  # where a write fails for want of room
 
 
 def _drop_stdout() -> None:

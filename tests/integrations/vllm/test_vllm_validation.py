@@ -96,6 +96,17 @@ def test_every_unservable_group_in_one_error() -> None:
     assert isinstance(info.value, KVLayoutError) and isinstance(info.value, ValueError)
 
 
+def test_a_p_d_connector_is_served_mamba_in_any_mode_but_not_cross_attention() -> None:
+    """prefix_reuse=False (blocks moved once, never found again by a prefix) lifts the
+    Mamba mode refusal; cross-attention stays refused (the edits and their block checks
+    leave it as registered, so its block ids could address kernel pages)."""
+    attn = attention_spec(QWEN3_5_0_8B, 1, 16)
+    config = _config(attn, _cross(), _mamba("none"), _mamba("all"), _mamba("align"))
+    problems = find_unsupported_kv_cache_groups(config, prefix_reuse=False)
+    assert [(p.group, p.what.split(":")[0]) for p in problems] == [(1, "CrossAttentionSpec")]
+    assert [p.group for p in find_unsupported_kv_cache_groups(config)] == [1, 2, 3]
+
+
 def test_uniform_type_wrapper_is_unwrapped_per_layer() -> None:
     # One group whose UniformTypeKVCacheSpecs holds two Mamba layers in different modes:
     # only the leaf in 'none' mode is reported, under its own layer name.
@@ -191,6 +202,8 @@ def _full(block_size: int = 256, **kw: Any) -> Any:
     ("spec", "ratio", "slots"),
     [
         (_mamba("align", block_size=544), 1, 544),  # tokens_per_state=-1: one page, block_size rows
+        (_mamba("none", block_size=40960), 40960, 1),  # prefix caching off: one running state per block
+        (type("MambaSpec", (), {"block_size": 8192})(), 8192, 1),  # before vLLM named modes: as 'none'
         (attention_spec(QWEN3_5_0_8B, 1, 16), 1, 16),
         (dsv4_indexer_spec(512), 4, 128),
         (dsv4_indexer_spec(256, compress_ratio=128), 128, 2),
@@ -200,7 +213,7 @@ def _full(block_size: int = 256, **kw: Any) -> Any:
         (LegacyMLASpec(block_size=256, num_kv_heads=1, head_size=132, dtype=torch.uint8, compress_ratio=4), 4, 64),
         (TQFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8, tq_slot_size=80), None, None),
     ],
-    ids=["mamba", "attention", "dsv4-indexer-c4", "c128", "fraction-4", "pooling", "too-small", "legacy-ratio", "tq"],
+    ids=["mamba", "mamba-none", "mamba-no-mode", "attention", "dsv4-indexer-c4", "c128", "fraction-4", "pooling", "too-small", "legacy-ratio", "tq"],
 )  # fmt: skip
 def test_slots_per_block_golden(spec: Any, ratio: int | None, slots: int | None) -> None:
     """A block id's slots: what the edits group kernel pages into and the check reads."""
@@ -258,3 +271,7 @@ def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection
     reg = kvlayout.detect(layers, "vllm", {"kv_layout": "NHD"}, layer_groups=layer_groups)
     assert [(g.engine_group, g.layers) for g in reg.kernel_groups] == [(0, (0, 1)), (2, (2,))]
     assert transfer_layers(None, kv) == (list(kv.values()), None)
+    with pytest.raises(
+        TypeError, match=r"^kv_caches must be the dict register_kv_caches gets, by layer name, not a list"
+    ):
+        transfer_layers(config, list(kv.values()))  # type: ignore[arg-type]

@@ -175,14 +175,23 @@ def transfer_layers(
 
     ``detect(layers, "vllm", hints, layer_groups=groups)`` then reads only what moves.
     Without a config (None, as the edits take it) every layer, and no groups."""
+    if not isinstance(kv_caches, Mapping):
+        raise TypeError(
+            "kv_caches must be the dict register_kv_caches gets, by layer name, not a "
+            f"{type(kv_caches).__name__}"
+        )
     if kv_cache_config is None:
         return list(kv_caches.values()), None
-    wanted = {name for _, group in iter_groups(kv_cache_config) for name in getattr(group, "layer_names", ())}
+    wanted = {
+        name
+        for _, group in iter_groups(kv_cache_config)
+        for name in getattr(group, "layer_names", None) or ()
+    }
     names = [name for name in kv_caches if name in wanted]
     index = {name: i for i, name in enumerate(names)}
     transferred = dict(iter_groups(kv_cache_config))
     groups = [
-        [index[name] for name in getattr(group, "layer_names", ()) if name in index]
+        [index[name] for name in getattr(group, "layer_names", None) or () if name in index]
         if position in transferred
         else []
         for position, group in enumerate(kv_cache_config.kv_cache_groups or ())

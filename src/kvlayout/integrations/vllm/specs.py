@@ -115,14 +115,15 @@ def tokens_per_slot(spec: Any) -> int | None:
     slot count to check: Whisper's pooled fractions, a ratio that is not an int, and the
     pre-0.26 ``tq_slot_size`` packing (bytes per slot, in a registration kvlayout does
     not re-view). A Mamba page in align mode counts as ``block_size`` rows (its ``-1``
-    means one state per block, and the edits cut the page into that many rows); in
-    'none' mode it is one slot of the whole block (vLLM sets that block to the longest
-    request: one running state per request), so its page is one row.
+    means one state per block, and the edits cut the page into that many rows); in any
+    other mode ('none', or none named, as before vLLM had the field) it is one slot of
+    the whole block (vLLM sets that block to the longest request: one running state per
+    request), so its page is one row.
     """
     if spec_kind(spec) is SpecKind.MAMBA:
         block_size = spec_size(spec, "block_size")
-        none_mode = spec_field(spec, "mamba_cache_mode", None) == "none"
-        return block_size if none_mode and block_size is not None else 1
+        snapshots = spec_field(spec, "mamba_cache_mode", None) in ("align", "all")
+        return block_size if not snapshots and block_size is not None else 1
     if spec_field(spec, "tq_slot_size", 0) != 0:
         return None  # pre-0.26 TurboQuant packs bytes per slot in a registration not re-viewed
     per_state = _whole(spec_field(spec, "tokens_per_state", 1))

@@ -2,7 +2,7 @@
 
 Two group kinds cannot be stored and found again by a prefix's block ids (an offload
 tier's use, the default; a P/D transfer, ``prefix_reuse=False``, moves each request's
-blocks once, so it serves both):
+blocks once, so it serves Mamba in any mode):
 
 - cross-attention: its KV is computed from the encoder input, not from the prompt
   tokens a block id stands for, so a prefix match says nothing about its content;
@@ -39,12 +39,10 @@ def _problem(spec: Any, prefix_reuse: bool) -> str | None:
             f"{type(spec).__name__} with block_size={spec_field(spec, 'block_size', None)!r}: block ids "
             "need a positive int block_size"
         )
-    if not prefix_reuse:
-        return None
     kind = spec_kind(spec)
-    if kind is SpecKind.CROSS_ATTENTION:
+    if kind is SpecKind.CROSS_ATTENTION:  # also for P/D: the edits and their checks leave it as registered
         return "CrossAttentionSpec: cross-attention KV depends on the encoder input, not on the prompt blocks"
-    if kind is SpecKind.MAMBA:
+    if kind is SpecKind.MAMBA and prefix_reuse:
         mode = spec_field(spec, "mamba_cache_mode", None)
         if mode != SUPPORTED_MAMBA_CACHE_MODE:
             return (
@@ -83,8 +81,8 @@ def validate_kv_cache_groups(kv_cache_config: Any, *, prefix_reuse: bool = True)
 
     ``None`` (no config yet) passes. Call it at connector start-up; the group edits call
     it again before touching any tensor. ``prefix_reuse=False`` for a connector that
-    moves each request's blocks once (P/D), never found again by a prefix: cross-attention
-    and Mamba outside align mode are then served.
+    moves each request's blocks once (P/D), never found again by a prefix: Mamba outside
+    align mode is then served.
     """
     problems = find_unsupported_kv_cache_groups(kv_cache_config, prefix_reuse=prefix_reuse)
     if problems:
