@@ -308,7 +308,10 @@ def hybrid_engine(
     attn_page_1 = attention_spec(model, tp, 1).page_size_bytes
     shapes, dtypes = gdn_states(model, tp)
     mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
-    block = hybrid_block_size(attn_page_1, mamba_page, backend, checkpoint_alignment=checkpoint_alignment)
+    align = (
+        checkpoint_alignment if mamba_cache_mode == "align" else 1
+    )  # vLLM aligns checkpoints in align mode only
+    block = hybrid_block_size(attn_page_1, mamba_page, backend, checkpoint_alignment=align)
     padded = block * attn_page_1
     attn = attention_spec(model, tp, block)
     mamba = kvi.MambaSpec(
