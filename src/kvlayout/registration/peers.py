@@ -53,7 +53,6 @@ from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
 from kvlayout.registration.shards import Shard, ShardError, heads_are_the_model_s
 
 __all__ = [
-    "DTYPE_SIZES",
     "GroupDescription",
     "PeerDescriptionError",
     "PlaneDescription",

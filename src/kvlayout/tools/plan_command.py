@@ -9,13 +9,13 @@ import json
 from typing import Any
 
 from kvlayout.errors import KVLayoutError
-from kvlayout.layout.dtypes import SHORT_NAMES
 from kvlayout.tools.registrations import (
     _detect_kv,
     _hints,
     _registration,
     _registration_spec,
     _shown,
+    _torch_dtype,
 )
 
 
@@ -99,10 +99,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from kvlayout.transfer.nixl import DEFAULT_COST
     from kvlayout.types import LayoutHints, as_engine
 
-    if args.dtype not in SHORT_NAMES:
-        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(SHORT_NAMES)}")
+    dtype = _torch_dtype(args.dtype)
     _plan_bounds(args)
-    dtype, meta = getattr(torch, SHORT_NAMES[args.dtype]), torch.device("meta")
+    meta = torch.device("meta")
     sides = {}
     a = vars(args)
     for where in ("src", "dst"):

@@ -24,6 +24,15 @@ def _natural(text: str) -> int | None:
     return int(text) if len(text) <= 30 else 10**30
 
 
+def _torch_dtype(name: str) -> Any:
+    """``--dtype``'s torch dtype (one of :data:`SHORT_NAMES`), or the command line's error."""
+    import torch
+
+    if name not in SHORT_NAMES:
+        raise KVLayoutError(f"--dtype {name!r} is not one of {', '.join(SHORT_NAMES)}")
+    return getattr(torch, SHORT_NAMES[name])
+
+
 def _hints(items: Sequence[str], flag: str = "--hint") -> dict[str, object]:
     hints: dict[str, object] = {}
     for item in items:
@@ -205,7 +214,6 @@ def _registration_spec(flag: str, text: str, dtype: str) -> Any:
 
 
 def cmd_detect(args: argparse.Namespace) -> int:
-    import torch
 
     from kvlayout.types import LayoutHints, as_engine
 
@@ -213,9 +221,7 @@ def cmd_detect(args: argparse.Namespace) -> int:
     engine = as_engine(args.engine)  # a wrong engine or hint is the command line's, not the registration's
     hints = _hints(args.hint)
     LayoutHints.coerce(hints)
-    if args.dtype not in SHORT_NAMES:
-        raise KVLayoutError(f"--dtype {args.dtype!r} is not one of {', '.join(SHORT_NAMES)}")
-    dtype = getattr(torch, SHORT_NAMES[args.dtype])
+    dtype = _torch_dtype(args.dtype)
     spec = _registration_spec("--shape", args.shape, args.dtype)
     kv = _registration(spec, dtype, device, args.share)  # its refusals are the command line's
     shapes = sorted({_shape_text(s) for s in spec.leaves()})

@@ -172,9 +172,10 @@ class BlockMap(HoldsAddresses):
         if not self.heads or self.num_tokens == first:
             return 0
         pair = _cached_pair(one, one, shard, shard, only=self.heads)
-        return _groups_of(pair, self.num_tokens, ids, one.block_size, ids, one.block_size, first_token=first)[
-            1
-        ]
+        _, runs = _groups_of(
+            pair, self.num_tokens, ids, one.block_size, ids, one.block_size, first_token=first
+        )
+        return runs
 
     def __repr__(self) -> str:
         return (

@@ -182,14 +182,10 @@ def transfer_layers(
         )
     if kv_cache_config is None:
         return list(kv_caches.values()), None
-    wanted = {
-        name
-        for _, group in iter_groups(kv_cache_config)
-        for name in getattr(group, "layer_names", None) or ()
-    }
+    transferred = dict(iter_groups(kv_cache_config))
+    wanted = {name for group in transferred.values() for name in getattr(group, "layer_names", None) or ()}
     names = [name for name in kv_caches if name in wanted]
     index = {name: i for i, name in enumerate(names)}
-    transferred = dict(iter_groups(kv_cache_config))
     groups = [
         [index[name] for name in getattr(group, "layer_names", None) or () if name in index]
         if position in transferred

@@ -26,12 +26,13 @@ _HOST = torch.device("cpu")
 # -- the local copy of the staged strategy ----------------------------------------------------
 
 
+_P = _native.MapProblem  # the reasons' one definition is csrc/block_map.h's enum
 _COPY_PROBLEMS = {
-    _native.MapProblem.src_outside: "reads bytes outside the memory it copies from",
-    _native.MapProblem.dst_outside: "writes bytes outside the memory it copies to",
-    _native.MapProblem.dst_overlap: "writes bytes another copy writes",
-    _native.MapProblem.src_dst_overlap: "writes bytes another copy reads",
-    _native.MapProblem.empty: "has no bytes",
+    _P.src_outside: "reads bytes outside the memory it copies from",
+    _P.dst_outside: "writes bytes outside the memory it copies to",
+    _P.dst_overlap: "writes bytes another copy writes",
+    _P.src_dst_overlap: "writes bytes another copy reads",
+    _P.empty: "has no bytes",
 }
 
 
@@ -44,7 +45,7 @@ def _exact_spans(spans: np.ndarray) -> np.ndarray:
 
 
 def _refuse_copy(runs: np.ndarray, problem: Any, run: int) -> None:
-    if problem is not _native.MapProblem.none:
+    if problem is not _P.none:
         src, dst, n = (int(x) for x in runs[run])
         raise RefusedDescriptorError(
             f"local copy {run} ({src:#x} -> {dst:#x}, {n} bytes) {_COPY_PROBLEMS[problem]}; "
