@@ -197,8 +197,9 @@ def test_resolve_vllm_kv_layout_hint_wins_else_hnd_on_the_cpu() -> None:
     assert resolve({"kv_layout": "NHD"}, cpu_attention_backend=True) == "NHD"  # PR #4798: the hint wins
     assert resolve(kvlayout.LayoutHints(kv_layout="BLHNC"), cpu_attention_backend=False) == "BLHNC"
     assert resolve({"kv_layout": "lhbnc"}, cpu_attention_backend=True) == "LHBNC"  # heads outside blocks
-    with pytest.raises(ValueError, match="kv_layout='BHLNC': heads outside the layers"):
-        resolve({"kv_layout": "BHLNC"}, cpu_attention_backend=False)
+    assert resolve({"kv_layout": "bhlnc"}, cpu_attention_backend=False) == "BHLNC"  # layers inside heads
+    with pytest.raises(ValueError, match="kv_layout='HLBNC': heads outside both the layers and the blocks"):
+        resolve({"kv_layout": "HLBNC"}, cpu_attention_backend=False)
     with pytest.raises(ValueError, match="kv_layout='XYZ' is not one of NHD, HND"):
         resolve({"kv_layout": "XYZ"})
     with pytest.raises(TypeError, match="cpu_attention_backend must be a bool"):

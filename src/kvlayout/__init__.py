@@ -87,6 +87,7 @@ _EXPORTS: dict[str, str] = {
     "KV_LAYOUT_NAMES": "kvlayout.types",
     "KV_LIST_LAYOUT_NAMES": "kvlayout.types",
     "HEAD_OUTER_KV_LAYOUTS": "kvlayout.layout.vocabulary",
+    "LAYER_INNER_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "HND_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "BLOCKS_FIRST_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "LayoutDescription": "kvlayout.layout.description",
@@ -102,6 +103,7 @@ _EXPORTS: dict[str, str] = {
             "is_cross_layer",
             "is_fused_packed",
             "is_head_outer",
+            "is_layer_inner",
             "is_hnd",
             "is_indexer",
             "is_kv_list",
@@ -122,6 +124,7 @@ __all__ = [
     "HND_KV_LAYOUTS",
     "KV_LAYOUT_NAMES",
     "KV_LIST_LAYOUT_NAMES",
+    "LAYER_INNER_KV_LAYOUTS",
     "CatalogError",
     "Coord",
     "CopyPlan",
@@ -194,6 +197,7 @@ __all__ = [
     "is_indexer_cache",
     "is_kv_list",
     "is_kv_second_tuple",
+    "is_layer_inner",
     "is_layer_list",
     "is_mla",
     "is_pbs_fused",
@@ -246,6 +250,7 @@ if TYPE_CHECKING:
         is_indexer,
         is_kv_list,
         is_kv_second_tuple,
+        is_layer_inner,
         is_layer_list,
         is_pbs_fused,
         is_single_kv,
@@ -320,7 +325,7 @@ if TYPE_CHECKING:
         to_engine_kv_format_name,
     )
     from kvlayout.layout.parser import parse
-    from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS
+    from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS, LAYER_INNER_KV_LAYOUTS
     from kvlayout.registration.contiguity import StridedViewError, attempt_permute_to_contiguous_view
     from kvlayout.registration.kernel_groups import KernelGroup, KernelGroupIdentity
     from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError, bind

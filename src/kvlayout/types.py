@@ -20,6 +20,7 @@ from kvlayout.layout.vocabulary import (
     HEAD_OUTER_KV_LAYOUTS,
     HND_KV_LAYOUTS,
     KV_LAYOUT_NAMES,
+    LAYER_INNER_KV_LAYOUTS,
     Role,
     kv_layout_axes,
     untransferable,
@@ -46,7 +47,7 @@ __all__ = [
 DiscoverableKVCache = Union["torch.Tensor", Sequence["DiscoverableKVCache"]]
 """A KV registration: one tensor, or (nested) lists/tuples of tensors."""
 
-KVLayoutName = Literal["NHD", "HND", "BLHNC", "BLNHC", "LBHNC", "LBNHC", "LHBNC"]
+KVLayoutName = Literal["NHD", "HND", "BHLNC", "BLHNC", "BLNHC", "LBHNC", "LBNHC", "LHBNC"]
 """The ``kv_layout`` spellings (:data:`KV_LAYOUT_NAMES`, derived from the axis orders)."""
 KVListLayout = Literal["k_v", "unified"]
 
@@ -120,10 +121,11 @@ class LayoutHints:
     tokens before heads), ``LBHNC`` (alias ``HND``, heads before tokens), or vLLM's
     blocks-first ``BLNHC``/``BLHNC`` (same per-layer order; only the block stride
     differs), or ``LHBNC`` (heads, or a backend's head slots, outside blocks: ROCm
-    attention's first choice; a block is one token run per head). Heads outside layers
-    (``BHLNC``) interleave every layer's rows and are refused. Detectors choose NHD/HND
-    twins by it; vLLM without it: HND on the CPU (vLLM's CPU backend allocates HND), NHD
-    elsewhere.
+    attention's first choice; a block is one token run per head), or ``BHLNC`` (layers
+    inside heads inside blocks: vLLM's per-layer views of one allocation, read as one
+    cross-layer tensor; vLLM's views show it, so it needs no hint). Detectors choose
+    NHD/HND twins by it; vLLM without it: HND on the CPU (vLLM's CPU backend allocates
+    HND), NHD elsewhere.
 
     ``num_kv_heads``, ``tokens_per_block`` (alias ``page_size``), ``head_dim``,
     ``num_layers``, ``total_num_blocks``, ``kv_dim`` (K/V planes: 2, or 1 for MLA): sizes
@@ -209,6 +211,11 @@ class LayoutHints:
     def is_head_outer(self) -> bool | None:
         """Heads outside blocks (``LHBNC``) per the ``kv_layout`` hint; None without one."""
         return None if self.kv_layout is None else self.kv_layout in HEAD_OUTER_KV_LAYOUTS
+
+    @property
+    def is_layer_inner(self) -> bool | None:
+        """Layers inside heads (``BHLNC``) per the ``kv_layout`` hint; None without one."""
+        return None if self.kv_layout is None else self.kv_layout in LAYER_INNER_KV_LAYOUTS
 
 
 def _kv_layout(value: object) -> str:

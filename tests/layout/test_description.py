@@ -184,11 +184,12 @@ def test_example_6_spellings_are_orders_of_axes() -> None:
 
 
 def test_the_hint_names_are_derived_and_public() -> None:
-    assert kvlayout.KV_LAYOUT_NAMES == ("NHD", "HND", "BLHNC", "BLNHC", "LBHNC", "LBNHC", "LHBNC")
+    assert kvlayout.KV_LAYOUT_NAMES == ("NHD", "HND", "BHLNC", "BLHNC", "BLNHC", "LBHNC", "LBNHC", "LHBNC")
     assert set(get_args(KVLayoutName)) == set(kvlayout.KV_LAYOUT_NAMES)
-    assert {"HND", "LBHNC", "BLHNC", "LHBNC"} == kvlayout.HND_KV_LAYOUTS
+    assert {"HND", "LBHNC", "BLHNC", "BHLNC", "LHBNC"} == kvlayout.HND_KV_LAYOUTS
     assert {"LHBNC"} == kvlayout.HEAD_OUTER_KV_LAYOUTS
-    assert {"BLHNC", "BLNHC"} == kvlayout.BLOCKS_FIRST_KV_LAYOUTS
+    assert {"BHLNC"} == kvlayout.LAYER_INNER_KV_LAYOUTS
+    assert {"BHLNC", "BLHNC", "BLNHC"} == kvlayout.BLOCKS_FIRST_KV_LAYOUTS
     assert kvlayout.KV_LIST_LAYOUT_NAMES == ("k_v", "unified")
 
 
@@ -209,12 +210,16 @@ def test_every_spelling_reads_the_rank_4_unified_cache(name: str) -> None:
     ("name", "message"),
     [
         (
-            "BHLNC",
-            "layout hint kv_layout='BHLNC': heads outside the layers interleave every layer's rows per head",
+            "HBLNC",
+            "layout hint kv_layout='HBLNC': heads outside both the layers and the blocks split every "
+            "layer's blocks per head",
         ),
         ("LNBHC", "layout hint kv_layout='LNBHC': tokens outside the blocks or layers split every block"),
         ("LBNCH", "layout hint kv_layout='LBNCH': a head's row content is not innermost"),
-        ("XYZ", "layout hint kv_layout='XYZ' is not one of NHD, HND, BLHNC, BLNHC, LBHNC, LBNHC, LHBNC"),
+        (
+            "XYZ",
+            "layout hint kv_layout='XYZ' is not one of NHD, HND, BHLNC, BLHNC, BLNHC, LBHNC, LBNHC, LHBNC",
+        ),
     ],
 )
 def test_untransferable_and_unknown_spellings_are_refused(name: str, message: str) -> None:

@@ -32,9 +32,10 @@ enum class EngineKVFormat : std::int32_t {
   NB_KV_NL_BS_NH_HS = 19,  // [NB, KV, NL, BS, NH, HS]
   NB_NL_ONE_BS_HS = 20,  // [NB, NL, 1, BS, HS]
   NL_X_NH_NB_BS_CS = 21,  // NL x [NH, NB, BS, CS]
+  NB_NH_NL_BS_CS = 22,  // [NB, NH, NL, BS, CS]
 };
 
-inline constexpr int kNumFormats = 22;
+inline constexpr int kNumFormats = 23;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -59,6 +60,7 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_KV_NL_BS_NH_HS,
     EngineKVFormat::NB_NL_ONE_BS_HS,
     EngineKVFormat::NL_X_NH_NB_BS_CS,
+    EngineKVFormat::NB_NH_NL_BS_CS,
 };
 
 // Everything derived about one format.
@@ -82,6 +84,7 @@ struct FormatFacts {
   bool has_leading_block_axis;
   bool is_indexer;
   bool is_head_outer;
+  bool is_layer_inner;
 };
 
 // The facts of a format; `known` is false for a value that is not a format.
@@ -90,73 +93,76 @@ KVLAYOUT_HOST_DEVICE constexpr FormatFacts format_facts(EngineKVFormat format, b
   switch (format) {
     case EngineKVFormat::NB_NL_TWO_BS_NH_HS:
       return FormatFacts{format, "NB_NL_TWO_BS_NH_HS", "[NB, NL, 2, BS, NH, HS]", 2, 0, false,
-true, false, false, false, false, false, false, false, false, false, true, false, false};
+true, false, false, false, false, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_TWO_NB_BS_NH_HS:
       return FormatFacts{format, "NL_X_TWO_NB_BS_NH_HS", "NL x [2, NB, BS, NH, HS]", 2, 1, false,
-false, false, true, false, false, false, true, false, false, false, false, false, false};
+false, false, true, false, false, false, true, false, false, false, false, false, false, false};
     case EngineKVFormat::NL_X_NB_TWO_BS_NH_HS:
       return FormatFacts{format, "NL_X_NB_TWO_BS_NH_HS", "NL x [NB, 2, BS, NH, HS]", 2, 1, false,
-false, false, true, false, false, false, false, false, false, false, true, false, false};
+false, false, true, false, false, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_NB_BS_HS:
       return FormatFacts{format, "NL_X_NB_BS_HS", "NL x [NB, BS, HS]", 1, 1, false,
-false, false, true, true, false, false, false, false, false, false, true, false, false};
+false, false, true, true, false, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::TWO_X_NL_X_NBBS_NH_HS:
       return FormatFacts{format, "TWO_X_NL_X_NBBS_NH_HS", "2 x NL x [PBS, NH, HS]", 2, 2, false,
-false, true, false, false, false, false, false, true, false, false, false, false, false};
+false, true, false, false, false, false, false, true, false, false, false, false, false, false};
     case EngineKVFormat::NL_X_NBBS_ONE_HS:
       return FormatFacts{format, "NL_X_NBBS_ONE_HS", "NL x [PBS, 1, HS]", 1, 1, false,
-false, false, true, true, false, false, false, true, false, false, false, false, false};
+false, false, true, true, false, false, false, true, false, false, false, false, false, false};
     case EngineKVFormat::NL_X_TWO_NB_NH_BS_HS:
       return FormatFacts{format, "NL_X_TWO_NB_NH_BS_HS", "NL x [2, NB, NH, BS, HS]", 2, 1, false,
-false, false, true, false, true, false, true, false, false, false, false, false, false};
+false, false, true, false, true, false, true, false, false, false, false, false, false, false};
     case EngineKVFormat::NL_X_NB_TWO_NH_BS_HS:
       return FormatFacts{format, "NL_X_NB_TWO_NH_BS_HS", "NL x [NB, 2, NH, BS, HS]", 2, 1, false,
-false, false, true, false, true, false, false, false, false, false, true, false, false};
+false, false, true, false, true, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NB_NL_TWO_NH_BS_HS:
       return FormatFacts{format, "NB_NL_TWO_NH_BS_HS", "[NB, NL, 2, NH, BS, HS]", 2, 0, false,
-true, false, false, false, true, false, false, false, false, false, true, false, false};
+true, false, false, false, true, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::TWO_X_NL_X_NB_BS_NH_HS:
       return FormatFacts{format, "TWO_X_NL_X_NB_BS_NH_HS", "2 x NL x [NB, BS, NH, HS]", 2, 2, false,
-false, true, false, false, false, false, false, false, false, false, true, false, false};
+false, true, false, false, false, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_NB_NH_BS_TWO_HS:
       return FormatFacts{format, "NL_X_NB_NH_BS_TWO_HS", "NL x [NB, NH, BS, 2, HS]", 1, 1, true,
-false, false, true, false, true, true, false, false, false, false, true, false, false};
+false, false, true, false, true, true, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_NB_BS_NH_TWO_HS:
       return FormatFacts{format, "NL_X_NB_BS_NH_TWO_HS", "NL x [NB, BS, NH, 2, HS]", 1, 1, true,
-false, false, true, false, false, true, false, false, false, false, true, false, false};
+false, false, true, false, false, true, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_NB_NH_BS_CS:
       return FormatFacts{format, "NL_X_NB_NH_BS_CS", "NL x [NB, NH, BS, CS]", 1, 1, false,
-false, false, true, false, true, true, false, false, false, false, true, false, false};
+false, false, true, false, true, true, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_NB_BS_NH_CS:
       return FormatFacts{format, "NL_X_NB_BS_NH_CS", "NL x [NB, BS, NH, CS]", 1, 1, false,
-false, false, true, false, false, true, false, false, false, false, true, false, false};
+false, false, true, false, false, true, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_NB_BSV_BSS:
       return FormatFacts{format, "NL_X_NB_BSV_BSS", "NL x [NB, BSxVALS, BSxSCALES]", 1, 1, false,
-false, false, true, true, false, false, false, false, false, false, true, true, false};
+false, false, true, true, false, false, false, false, false, false, true, true, false, false};
     case EngineKVFormat::NL_X_TWO_NB_NH_ONE_BS_HS:
       return FormatFacts{format, "NL_X_TWO_NB_NH_ONE_BS_HS", "NL x [2, NB, NH, 1, BS, HS]", 2, 1, false,
-false, false, true, false, true, false, true, false, false, false, false, false, false};
+false, false, true, false, true, false, true, false, false, false, false, false, false, false};
     case EngineKVFormat::NL_X_TWO_X_NB_BS_NH_HS:
       return FormatFacts{format, "NL_X_TWO_X_NB_BS_NH_HS", "NL x 2 x [NB, BS, NH, HS]", 2, 2, false,
-false, false, true, false, false, false, false, false, true, false, true, false, false};
+false, false, true, false, false, false, false, false, true, false, true, false, false, false};
     case EngineKVFormat::NL_X_NP_X_NB_BS_ONE_HS:
       return FormatFacts{format, "NL_X_NP_X_NB_BS_ONE_HS", "NL x NP x [NB, BS, 1, HS]", 1, 2, false,
-false, false, true, true, false, false, false, false, true, false, true, false, false};
+false, false, true, true, false, false, false, false, true, false, true, false, false, false};
     case EngineKVFormat::NL_X_NB_BS_NH_HS:
       return FormatFacts{format, "NL_X_NB_BS_NH_HS", "NL x [NB, BS, NH, HS]", 1, 1, false,
-false, false, true, false, false, false, false, false, false, true, true, false, false};
+false, false, true, false, false, false, false, false, false, true, true, false, false, false};
     case EngineKVFormat::NB_KV_NL_BS_NH_HS:
       return FormatFacts{format, "NB_KV_NL_BS_NH_HS", "[NB, KV, NL, BS, NH, HS]", 0, 0, false,
-true, false, false, false, false, false, false, false, false, false, true, false, false};
+true, false, false, false, false, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NB_NL_ONE_BS_HS:
       return FormatFacts{format, "NB_NL_ONE_BS_HS", "[NB, NL, 1, BS, HS]", 1, 0, false,
-true, false, false, true, false, false, false, false, false, false, true, false, false};
+true, false, false, true, false, false, false, false, false, false, true, false, false, false};
     case EngineKVFormat::NL_X_NH_NB_BS_CS:
       return FormatFacts{format, "NL_X_NH_NB_BS_CS", "NL x [NH, NB, BS, CS]", 1, 1, false,
-false, false, true, false, true, true, false, false, false, false, false, false, true};
+false, false, true, false, true, true, false, false, false, false, false, false, true, false};
+    case EngineKVFormat::NB_NH_NL_BS_CS:
+      return FormatFacts{format, "NB_NH_NL_BS_CS", "[NB, NH, NL, BS, CS]", 1, 0, false,
+true, false, false, false, true, true, false, false, false, false, true, false, false, true};
   }
   if (known != nullptr) *known = false;
-  return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false};
+  return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};
 }
 
 KVLAYOUT_HOST_DEVICE constexpr bool is_cross_layer(EngineKVFormat format) { return format_facts(format).is_cross_layer; }
@@ -172,9 +178,10 @@ KVLAYOUT_HOST_DEVICE constexpr bool is_single_kv(EngineKVFormat format) { return
 KVLAYOUT_HOST_DEVICE constexpr bool has_leading_block_axis(EngineKVFormat format) { return format_facts(format).has_leading_block_axis; }
 KVLAYOUT_HOST_DEVICE constexpr bool is_indexer(EngineKVFormat format) { return format_facts(format).is_indexer; }
 KVLAYOUT_HOST_DEVICE constexpr bool is_head_outer(EngineKVFormat format) { return format_facts(format).is_head_outer; }
+KVLAYOUT_HOST_DEVICE constexpr bool is_layer_inner(EngineKVFormat format) { return format_facts(format).is_layer_inner; }
 
 // The boolean facts by index, for code that walks them all (bindings, tests).
-inline constexpr int kNumFacts = 13;
+inline constexpr int kNumFacts = 14;
 inline constexpr const char* kFactNames[kNumFacts] = {
     "is_cross_layer",
     "is_kv_list",
@@ -189,6 +196,7 @@ inline constexpr const char* kFactNames[kNumFacts] = {
     "has_leading_block_axis",
     "is_indexer",
     "is_head_outer",
+    "is_layer_inner",
 };
 
 KVLAYOUT_HOST_DEVICE constexpr bool fact_value(const FormatFacts& facts, int index) {
@@ -219,6 +227,8 @@ KVLAYOUT_HOST_DEVICE constexpr bool fact_value(const FormatFacts& facts, int ind
       return facts.is_indexer;
     case 12:
       return facts.is_head_outer;
+    case 13:
+      return facts.is_layer_inner;
   }
   return false;
 }

@@ -277,6 +277,16 @@ KVLAYOUT_HOST_DEVICE inline Location nl_x_nh_nb_bs_cs(const Sizes& s, std::int64
   return Location{c.layer, c.head * stride0 + c.block * stride1 + c.token * stride2 + c.elem * stride3};
 }
 
+// 22: NB_NH_NL_BS_CS = [NB, NH, NL, BS, CS]
+KVLAYOUT_HOST_DEVICE inline Location nb_nh_nl_bs_cs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride4 = 1;
+  const std::int64_t stride3 = stride4 * s.cs;
+  const std::int64_t stride2 = stride3 * s.bs;
+  const std::int64_t stride1 = stride2 * s.nl;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nh;
+  return Location{0, c.block * stride0 + c.head * stride1 + c.layer * stride2 + c.token * stride3 + c.elem * stride4};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -326,6 +336,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nb_nl_one_bs_hs(s, block_stride, c);
     case EngineKVFormat::NL_X_NH_NB_BS_CS:
       return indexing::nl_x_nh_nb_bs_cs(s, block_stride, c);
+    case EngineKVFormat::NB_NH_NL_BS_CS:
+      return indexing::nb_nh_nl_bs_cs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -485,6 +497,13 @@ template <>
 struct Indexer<EngineKVFormat::NL_X_NH_NB_BS_CS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nl_x_nh_nb_bs_cs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_NH_NL_BS_CS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_nh_nl_bs_cs(s, block_stride, c);
   }
 };
 

@@ -58,6 +58,8 @@ class EngineKVFormat(enum.IntEnum):
     """``[NB, NL, 1, BS, HS]``"""
     NL_X_NH_NB_BS_CS = 21
     """``NL x [NH, NB, BS, CS]``"""
+    NB_NH_NL_BS_CS = 22
+    """``[NB, NH, NL, BS, CS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +95,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NB_KV_NL_BS_NH_HS: Layout(lists=(), tensor=(NB, KV, NL, BS, NH, HS)),
     EngineKVFormat.NB_NL_ONE_BS_HS: Layout(lists=(), tensor=(NB, NL, ONE, BS, HS)),
     EngineKVFormat.NL_X_NH_NB_BS_CS: Layout(lists=(NL,), tensor=(NH, NB, BS, CS)),
+    EngineKVFormat.NB_NH_NL_BS_CS: Layout(lists=(), tensor=(NB, NH, NL, BS, CS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -188,6 +191,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     ),
     EngineKVFormat.NL_X_NH_NB_BS_CS: FormatInfo(
         backends=("vLLM KVCacheLayout LHBNC: heads (or the backend's head slots) outside blocks, fused K/V",),
+        engines=("vllm",),
+    ),
+    EngineKVFormat.NB_NH_NL_BS_CS: FormatInfo(
+        backends=("vLLM KVCacheLayout BHLNC: blocks, then heads, then layers (one allocation per group), fused K/V",),
         engines=("vllm",),
     ),
 }

@@ -6,23 +6,24 @@ from kvlayout.catalog.registry import FormatLike, as_format
 
 from .formats import EngineKVFormat
 
-__all__ = ["FACT_FORMATS", "has_leading_block_axis", "is_cross_layer", "is_fused_packed", "is_head_outer", "is_hnd", "is_indexer", "is_kv_list", "is_kv_second_tuple", "is_layer_list", "is_mla", "is_pbs_fused", "is_single_kv", "is_two_major"]
+__all__ = ["FACT_FORMATS", "has_leading_block_axis", "is_cross_layer", "is_fused_packed", "is_head_outer", "is_hnd", "is_indexer", "is_kv_list", "is_kv_second_tuple", "is_layer_inner", "is_layer_list", "is_mla", "is_pbs_fused", "is_single_kv", "is_two_major"]
 
 # The formats for which each fact holds.
 FACT_FORMATS: dict[str, frozenset[EngineKVFormat]] = {
-    "is_cross_layer": frozenset({EngineKVFormat.NB_NL_TWO_BS_NH_HS, EngineKVFormat.NB_NL_TWO_NH_BS_HS, EngineKVFormat.NB_KV_NL_BS_NH_HS, EngineKVFormat.NB_NL_ONE_BS_HS}),
+    "is_cross_layer": frozenset({EngineKVFormat.NB_NL_TWO_BS_NH_HS, EngineKVFormat.NB_NL_TWO_NH_BS_HS, EngineKVFormat.NB_KV_NL_BS_NH_HS, EngineKVFormat.NB_NL_ONE_BS_HS, EngineKVFormat.NB_NH_NL_BS_CS}),
     "is_kv_list": frozenset({EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS, EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS}),
     "is_layer_list": frozenset({EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, EngineKVFormat.NL_X_NB_TWO_BS_NH_HS, EngineKVFormat.NL_X_NB_BS_HS, EngineKVFormat.NL_X_NBBS_ONE_HS, EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, EngineKVFormat.NL_X_NB_TWO_NH_BS_HS, EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, EngineKVFormat.NL_X_NB_BS_NH_TWO_HS, EngineKVFormat.NL_X_NB_NH_BS_CS, EngineKVFormat.NL_X_NB_BS_NH_CS, EngineKVFormat.NL_X_NB_BSV_BSS, EngineKVFormat.NL_X_TWO_NB_NH_ONE_BS_HS, EngineKVFormat.NL_X_TWO_X_NB_BS_NH_HS, EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS, EngineKVFormat.NL_X_NB_BS_NH_HS, EngineKVFormat.NL_X_NH_NB_BS_CS}),
     "is_mla": frozenset({EngineKVFormat.NL_X_NB_BS_HS, EngineKVFormat.NL_X_NBBS_ONE_HS, EngineKVFormat.NL_X_NB_BSV_BSS, EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS, EngineKVFormat.NB_NL_ONE_BS_HS}),
-    "is_hnd": frozenset({EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, EngineKVFormat.NL_X_NB_TWO_NH_BS_HS, EngineKVFormat.NB_NL_TWO_NH_BS_HS, EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, EngineKVFormat.NL_X_NB_NH_BS_CS, EngineKVFormat.NL_X_TWO_NB_NH_ONE_BS_HS, EngineKVFormat.NL_X_NH_NB_BS_CS}),
-    "is_fused_packed": frozenset({EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, EngineKVFormat.NL_X_NB_BS_NH_TWO_HS, EngineKVFormat.NL_X_NB_NH_BS_CS, EngineKVFormat.NL_X_NB_BS_NH_CS, EngineKVFormat.NL_X_NH_NB_BS_CS}),
+    "is_hnd": frozenset({EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, EngineKVFormat.NL_X_NB_TWO_NH_BS_HS, EngineKVFormat.NB_NL_TWO_NH_BS_HS, EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, EngineKVFormat.NL_X_NB_NH_BS_CS, EngineKVFormat.NL_X_TWO_NB_NH_ONE_BS_HS, EngineKVFormat.NL_X_NH_NB_BS_CS, EngineKVFormat.NB_NH_NL_BS_CS}),
+    "is_fused_packed": frozenset({EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, EngineKVFormat.NL_X_NB_BS_NH_TWO_HS, EngineKVFormat.NL_X_NB_NH_BS_CS, EngineKVFormat.NL_X_NB_BS_NH_CS, EngineKVFormat.NL_X_NH_NB_BS_CS, EngineKVFormat.NB_NH_NL_BS_CS}),
     "is_two_major": frozenset({EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, EngineKVFormat.NL_X_TWO_NB_NH_BS_HS, EngineKVFormat.NL_X_TWO_NB_NH_ONE_BS_HS}),
     "is_pbs_fused": frozenset({EngineKVFormat.TWO_X_NL_X_NBBS_NH_HS, EngineKVFormat.NL_X_NBBS_ONE_HS}),
     "is_kv_second_tuple": frozenset({EngineKVFormat.NL_X_TWO_X_NB_BS_NH_HS, EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS}),
     "is_single_kv": frozenset({EngineKVFormat.NL_X_NB_BS_NH_HS}),
-    "has_leading_block_axis": frozenset({EngineKVFormat.NB_NL_TWO_BS_NH_HS, EngineKVFormat.NL_X_NB_TWO_BS_NH_HS, EngineKVFormat.NL_X_NB_BS_HS, EngineKVFormat.NL_X_NB_TWO_NH_BS_HS, EngineKVFormat.NB_NL_TWO_NH_BS_HS, EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS, EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, EngineKVFormat.NL_X_NB_BS_NH_TWO_HS, EngineKVFormat.NL_X_NB_NH_BS_CS, EngineKVFormat.NL_X_NB_BS_NH_CS, EngineKVFormat.NL_X_NB_BSV_BSS, EngineKVFormat.NL_X_TWO_X_NB_BS_NH_HS, EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS, EngineKVFormat.NL_X_NB_BS_NH_HS, EngineKVFormat.NB_KV_NL_BS_NH_HS, EngineKVFormat.NB_NL_ONE_BS_HS}),
+    "has_leading_block_axis": frozenset({EngineKVFormat.NB_NL_TWO_BS_NH_HS, EngineKVFormat.NL_X_NB_TWO_BS_NH_HS, EngineKVFormat.NL_X_NB_BS_HS, EngineKVFormat.NL_X_NB_TWO_NH_BS_HS, EngineKVFormat.NB_NL_TWO_NH_BS_HS, EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS, EngineKVFormat.NL_X_NB_NH_BS_TWO_HS, EngineKVFormat.NL_X_NB_BS_NH_TWO_HS, EngineKVFormat.NL_X_NB_NH_BS_CS, EngineKVFormat.NL_X_NB_BS_NH_CS, EngineKVFormat.NL_X_NB_BSV_BSS, EngineKVFormat.NL_X_TWO_X_NB_BS_NH_HS, EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS, EngineKVFormat.NL_X_NB_BS_NH_HS, EngineKVFormat.NB_KV_NL_BS_NH_HS, EngineKVFormat.NB_NL_ONE_BS_HS, EngineKVFormat.NB_NH_NL_BS_CS}),
     "is_indexer": frozenset({EngineKVFormat.NL_X_NB_BSV_BSS}),
     "is_head_outer": frozenset({EngineKVFormat.NL_X_NH_NB_BS_CS}),
+    "is_layer_inner": frozenset({EngineKVFormat.NB_NH_NL_BS_CS}),
 }
 
 
@@ -89,3 +90,8 @@ def is_indexer(fmt: FormatLike) -> bool:
 def is_head_outer(fmt: FormatLike) -> bool:
     """Heads are outer to blocks: a block is one run per head, each head's blocks one after another (vLLM's ``LHBNC``)."""
     return as_format(fmt) in FACT_FORMATS["is_head_outer"]
+
+
+def is_layer_inner(fmt: FormatLike) -> bool:
+    """Layers are inner to heads: a block holds each head's rows of every layer together (vLLM's ``BHLNC``, one allocation read as a cross-layer tensor)."""
+    return as_format(fmt) in FACT_FORMATS["is_layer_inner"]

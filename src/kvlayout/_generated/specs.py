@@ -8,7 +8,7 @@ from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -31,6 +31,7 @@ class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -96,6 +97,7 @@ class NL_X_TWO_NB_BS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = False
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -162,6 +164,7 @@ class NL_X_NB_TWO_BS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -228,6 +231,7 @@ class NL_X_NB_BS_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -292,6 +296,7 @@ class TWO_X_NL_X_NBBS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = False
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -357,6 +362,7 @@ class NL_X_NBBS_ONE_HS_Spec(KVFormatSpec):
     has_leading_block_axis = False
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -420,6 +426,7 @@ class NL_X_TWO_NB_NH_BS_HS_Spec(KVFormatSpec):
     has_leading_block_axis = False
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -486,6 +493,7 @@ class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -552,6 +560,7 @@ class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -617,6 +626,7 @@ class TWO_X_NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -684,6 +694,7 @@ class NL_X_NB_NH_BS_TWO_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 2
 
@@ -751,6 +762,7 @@ class NL_X_NB_BS_NH_TWO_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 2
 
@@ -817,6 +829,7 @@ class NL_X_NB_NH_BS_CS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "CS"
     row_divisor = 1
 
@@ -883,6 +896,7 @@ class NL_X_NB_BS_NH_CS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "CS"
     row_divisor = 1
 
@@ -949,6 +963,7 @@ class NL_X_NB_BSV_BSS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = True
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = None
     row_divisor = 1
 
@@ -1012,6 +1027,7 @@ class NL_X_TWO_NB_NH_ONE_BS_HS_Spec(KVFormatSpec):
     has_leading_block_axis = False
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1078,6 +1094,7 @@ class NL_X_TWO_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1144,6 +1161,7 @@ class NL_X_NP_X_NB_BS_ONE_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1209,6 +1227,7 @@ class NL_X_NB_BS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1275,6 +1294,7 @@ class NB_KV_NL_BS_NH_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1341,6 +1361,7 @@ class NB_NL_ONE_BS_HS_Spec(KVFormatSpec):
     has_leading_block_axis = True
     is_indexer = False
     is_head_outer = False
+    is_layer_inner = False
     row_symbol = "HS"
     row_divisor = 1
 
@@ -1404,6 +1425,7 @@ class NL_X_NH_NB_BS_CS_Spec(KVFormatSpec):
     has_leading_block_axis = False
     is_indexer = False
     is_head_outer = True
+    is_layer_inner = False
     row_symbol = "CS"
     row_divisor = 1
 
@@ -1450,6 +1472,72 @@ class NL_X_NH_NB_BS_CS_Spec(KVFormatSpec):
         return [kv[layer].data_ptr() for layer in layers]
 
 
+class NB_NH_NL_BS_CS_Spec(KVFormatSpec):
+    """``[NB, NH, NL, BS, CS]``: vLLM KVCacheLayout BHLNC: blocks, then heads, then layers (one allocation per group), fused K/V."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_NH_NL_BS_CS
+    layout = LAYOUTS[EngineKVFormat.NB_NH_NL_BS_CS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_NH_NL_BS_CS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = True
+    is_fused_packed = True
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = True
+    row_symbol = "CS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[2]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[3]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[1] * shape[4]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "NH": self.kv.shape[1],
+            "NL": self.kv.shape[2],
+            "BS": self.kv.shape[3],
+            "CS": self.kv.shape[4],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -1474,4 +1562,5 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_KV_NL_BS_NH_HS_Spec,
     NB_NL_ONE_BS_HS_Spec,
     NL_X_NH_NB_BS_CS_Spec,
+    NB_NH_NL_BS_CS_Spec,
 )

@@ -22,7 +22,7 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, probe, validate
-from kvlayout.detection.registry import get_detector, mixed_check, mixed_split
+from kvlayout.detection.registry import get_detector, mixed_check, mixed_split, view_pooling
 from kvlayout.errors import KVLayoutError
 from kvlayout.registration.contiguity import (
     align_unit_dims,
@@ -128,6 +128,9 @@ def _discover(
 ) -> tuple[EngineKVFormat, Any, bool]:
     """The engine's detector on the physically ordered registration: (format, normalized
     registration, whether every tensor is known alike and contiguous)."""
+    pooled = _pooled(kv, engine, hints)
+    if pooled is not None:
+        kv, hints = pooled
     if hints.is_head_outer and not any(LAYOUTS[f].is_head_outer for f in engine_formats(engine)):
         raise LayoutHintError(
             f"layout hint kv_layout={hints.kv_layout!r} puts heads outside blocks, which no {engine.value} "
@@ -178,6 +181,12 @@ def _discover(
         _log.debug("Engine KV Format: %s %s", fmt.name, LAYOUTS[fmt].describe_shape())
     # the detector's re-views (un-folding, squeezing) keep tensors alike, not always contiguous
     return fmt, out, trusted and (out is normalized or _all_contiguous(out))
+
+
+def _pooled(kv: Any, engine: EngineType, hints: LayoutHints) -> tuple[Any, LayoutHints] | None:
+    """The engine's ``pool_views`` of the caller's registration (vLLM's BHLNC views)."""
+    pool = view_pooling(engine)
+    return None if pool is None else pool(kv, hints)
 
 
 def _refuse_mixed(entries: list[Any], engine: EngineType, hints: LayoutHints) -> None:
@@ -298,6 +307,12 @@ def _per_layer(
     groups = _groups(layer_index_groups, len(entries), "entries")
     owner = {i: g for g, group in enumerate(groups) for i in group}
     members = sorted(owner)
+    pooled = _pooled(entries, eng, hints)
+    if pooled is not None:  # one tensor that every entry is a view of
+        fmt, out, trusted = _discover(pooled[0], eng, pooled[1])
+        if len(members) != len(entries):
+            raise _left_out(fmt, entries, members)
+        return _bind_whole(out, fmt, entries, eng, [owner[i] for i in range(len(entries))], trusted)
     uniform = _uniform_contiguous_list(entries) if len(members) == len(entries) else None
     if uniform is not None:  # the common case: one detection answers for every layer
         fmt, out, trusted = _discover(entries, eng, hints, uniform)

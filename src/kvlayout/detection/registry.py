@@ -5,7 +5,9 @@ here lists engines. A module may also define ``refuse_mixed(kv, hints)``, asked 
 layers of different shapes are detected apart: it raises where the engine knows the
 mixture for what it is (SGLang's K and V of different head sizes), not layers to split;
 and ``split_mixed(kv, hints)``, which ``detect`` asks first: the two lists of leaves such
-a mixture is served as, one kernel group each.
+a mixture is served as, one kernel group each; and ``pool_views(kv, hints)``, asked of the
+caller's registration before anything else: the one tensor a list of per-layer views
+tiles (vLLM's ``BHLNC``), detected in its place, and the hints it reads with.
 """
 
 from __future__ import annotations
@@ -21,13 +23,25 @@ from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.errors import KVLayoutError
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 
-__all__ = ["Detector", "MixedCheck", "MixedSplit", "detectors", "get_detector", "mixed_check", "mixed_split"]
+__all__ = [
+    "Detector",
+    "MixedCheck",
+    "MixedSplit",
+    "ViewPooling",
+    "detectors",
+    "get_detector",
+    "mixed_check",
+    "mixed_split",
+    "view_pooling",
+]
 
 Detector = Callable[[Any, LayoutHints], tuple[EngineKVFormat, DiscoverableKVCache]]
 MixedCheck = Callable[[Any, LayoutHints], None]
 MixedSplit = Callable[[Any, LayoutHints], "tuple[list[Any], list[Any]] | None"]
 """Two lists of leaves a mixed registration splits into, each detected as its own kernel
 group (SGLang's K and V of different head sizes), or None."""
+ViewPooling = Callable[[Any, LayoutHints], "tuple[Any, LayoutHints] | None"]
+"""The tensor a registration's views tile and the hints it reads with, or None."""
 
 
 @functools.cache
@@ -62,6 +76,12 @@ def mixed_split(engine: EngineType) -> MixedSplit | None:
     """The engine's ``split_mixed``, if its detector module has one."""
     module = _modules().get(engine)
     return None if module is None else getattr(module, "split_mixed", None)
+
+
+def view_pooling(engine: EngineType) -> ViewPooling | None:
+    """The engine's ``pool_views``, if its detector module has one."""
+    module = _modules().get(engine)
+    return None if module is None else getattr(module, "pool_views", None)
 
 
 def get_detector(engine: EngineType) -> Detector:

@@ -28,11 +28,24 @@ Quirks that live here and nowhere else:
   cross-layer layout is a candidate here.
 * Per-layer tuples are ``(K, V)`` when both tensors match (16), MLA planes when they are
   single-headed and differ or are not two (17); the tuples are kept as tuples.
+* Under ``BHLNC`` (layers inside heads inside blocks) vLLM 0.33 views one allocation per
+  KV cache group as per-layer ``[NB, H, N, C]`` tensors whose heads sit ``NL`` pages
+  apart. Those views, in the allocation's layer order, are read as the one cross-layer
+  tensor ``[NB, H, NL, N, C]`` they tile (``NB_NH_NL_BS_CS``, a view: nothing is
+  copied). The strides say so, so no hint is needed; a ``BHLNC`` hint on views that do
+  not tile (layers out of order, KV sharing, two groups' layers together) is an error
+  naming the first layer out of place, and so is another hint on views that do. One
+  head (MLA) or one layer is the same memory as ``BLHNC`` and is read so. A bare rank-5
+  tensor is that cross-layer tensor only under the ``BHLNC`` hint.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, NamedTuple
+
+import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.base import (
@@ -47,11 +60,12 @@ from kvlayout.detection.base import (
     size_hint_conflict,
 )
 from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS, HND_KV_LAYOUTS, Role
+from kvlayout.registration.backing import first_without_memory
 from kvlayout.registration.contiguity import dim0_padding
 from kvlayout.registration.nesting import first_leaf
 from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHintError, LayoutHints
 
-__all__ = ["ENGINE", "discover", "resolve_vllm_kv_layout"]
+__all__ = ["ENGINE", "discover", "pool_views", "resolve_vllm_kv_layout"]
 
 ENGINE = EngineType.VLLM
 
@@ -128,8 +142,10 @@ def _discover(
     label = _layout_label(p, hints)
     layout_decision = (label, "is_hnd", reading.hnd)
     head_decision = (label, "is_head_outer", reading.head_outer)
-    if p.depth == 0:
-        return pick(ENGINE, p, decide=[layout_decision, head_decision]), kv
+    if p.depth == 0:  # the cross-layer tensor of BHLNC only under its hint (no twin decides it)
+        inner = bool(hints.is_layer_inner)
+        decide = [layout_decision, head_decision]
+        return pick(ENGINE, p, decide=decide, only=lambda s: s.layout.is_layer_inner is inner), kv
     if p.depth == 1 and p.rank == 4:
         return _rank4(kv, p, reading, hints)
     # Padded block rows say dim 0 is the block axis (flash-infer), whatever the sizes.
@@ -182,3 +198,100 @@ def _says_latent(hints: LayoutHints) -> bool:
     of a one-head fused K | V cache (any GQA model at TP = KV heads), so only they can."""
     named = hints.layout_format
     return hints.kv_dim == 1 or (named is not None and LAYOUTS[EngineKVFormat[named]].is_mla)
+
+
+def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] | None:
+    """The cross-layer tensor vLLM's ``BHLNC`` views tile and the hints it reads with (see
+    the module docstring), asked of the caller's registration before anything else; None
+    where it is not such views (nor hinted so). A view of the caller's memory."""
+    if not isinstance(kv, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in kv):
+        if hints.is_layer_inner and isinstance(kv, (list, tuple)):
+            raise LayoutHintError(_NOT_VIEWS.format(what="a list of tensors"))
+        return None
+    if len(kv) < 2 or any(t.dim() != 4 for t in kv) or kv[0].shape[1] == 1 or kv[0].numel() == 0:
+        if hints.is_layer_inner and any(t.dim() != 4 for t in kv):
+            ranks = "/".join(str(r) for r in sorted({t.dim() for t in kv}))
+            raise LayoutHintError(_NOT_VIEWS.format(what=f"rank-{ranks} tensors"))
+        return None  # one layer or one head: the same memory as BLHNC, read so (nothing: as given)
+    first = kv[0]
+    page = first.shape[2] * first.shape[3]
+    # heads a whole number of pages apart, blocks outside them (LHBNC has heads outside blocks)
+    spaced = (
+        first.stride(1) % page == 0
+        and first.stride(1) // page > 1
+        and first.stride(0) >= first.shape[1] * first.stride(1)
+        and first.stride()[2:] == (first.shape[3], 1)
+    )
+    if not spaced and not hints.is_layer_inner:
+        return None
+    missing = first_without_memory(kv, "kv_caches")  # before the views' storages are compared
+    if missing is not None:
+        raise DetectionError(missing)
+    problem = _tiling_problem(kv, page)
+    if hints.is_layer_inner is False:
+        if problem is None:
+            raise LayoutHintError(
+                f"layout hint kv_layout={hints.kv_layout!r}, but kv_caches are per-layer views of one "
+                f"allocation with layers inside heads inside blocks (vLLM's BHLNC: kv_caches[0] "
+                f"{_strided(first)}, each layer one page further); pass kv_layout='BHLNC' or no kv_layout"
+            )
+        return None
+    if problem is not None:
+        raise DetectionError(
+            f"kv_caches read as vLLM's BHLNC (per-layer views of one allocation, each head's rows of "
+            f"every layer together in a block, read as one [NB, H, NL, N, C] tensor): {problem}"
+        )
+    nb, nh, bs, cs = first.shape
+    pool = first.as_strided(
+        (nb, nh, len(kv), bs, cs), (first.stride(0), first.stride(1), page, cs, 1), first.storage_offset()
+    )
+    return pool, dataclasses.replace(hints, kv_layout="BHLNC")
+
+
+_NOT_VIEWS = (
+    "layout hint kv_layout='BHLNC' is vLLM's per-layer [NB, H, N, C] views of one allocation, or "
+    "the [NB, H, NL, N, C] tensor they tile; kv_caches is {what}"
+)
+
+
+def _tiling_problem(kv: Sequence[Any], page: int) -> str | None:
+    """Why per-layer ``[NB, H, N, C]`` views do not tile one ``[NB, H, NL, N, C]``
+    allocation in their order, layer ``l`` one page (``N*C`` elements) after layer 0
+    (None when they do)."""
+    first = kv[0]
+    base = first.untyped_storage().data_ptr()
+    starts = {first.storage_offset(): 0}
+    for i, t in enumerate(kv[1:], start=1):
+        if t.untyped_storage().data_ptr() != base:
+            return f"kv_caches[{i}] is not in kv_caches[0]'s allocation"
+        if t.stride() != first.stride() or t.shape != first.shape or t.dtype != first.dtype:
+            return f"kv_caches[{i}] {_strided(t)} is not viewed as kv_caches[0] {_strided(first)} is"
+        offset = t.storage_offset() - first.storage_offset()
+        earlier = starts.setdefault(t.storage_offset(), i)
+        if earlier != i:
+            return (
+                f"kv_caches[{i}] starts where kv_caches[{earlier}] does (vLLM's KV sharing, or layers of "
+                "two KV cache groups, which overlay each other): one cross-layer tensor holds each "
+                "layer once, so detect each KV cache group's own layers, without the layers that "
+                "share another's KV cache"
+            )
+        if offset != i * page:
+            return (
+                f"kv_caches[{i}] starts {offset} elements after kv_caches[0], not {i} pages ({i * page}): "
+                "pass the layers in the allocation's order (vLLM's KVCacheTensor.layers)"
+            )
+    nl = len(kv)
+    if first.stride()[2:] != (first.shape[3], 1):
+        return f"kv_caches[0] {_strided(first)} does not hold a head's tokens as one run of rows"
+    if first.stride(1) != nl * page:
+        return (
+            f"kv_caches[0] {_strided(first)} has its heads {first.stride(1)} elements apart, not "
+            f"{nl} layers of {page}-element pages ({nl * page})"
+        )
+    if first.stride(0) < first.shape[1] * nl * page:
+        return f"kv_caches[0] {_strided(first)} has blocks closer than the {nl} layers' heads they hold"
+    return None
+
+
+def _strided(t: Any) -> str:
+    return f"(shape {tuple(t.shape)}, stride {t.stride()})"

@@ -36,6 +36,7 @@ FACTS = (
     "has_leading_block_axis",
     "is_indexer",
     "is_head_outer",
+    "is_layer_inner",
 )
 # Exactly one of these holds for every layout.
 STRUCTURE_FACTS = ("is_cross_layer", "is_kv_list", "is_layer_list")
@@ -188,6 +189,14 @@ class Layout:
         head = self._part_position(Role.HEAD)
         block = self._part_position(Role.BLOCK)
         return head is not None and block is not None and head < block
+
+    @functools.cached_property
+    def is_layer_inner(self) -> bool:
+        """Layers are inner to heads: a block holds each head's rows of every layer
+        together (vLLM's ``BHLNC``, one allocation read as a cross-layer tensor)."""
+        head = self._part_position(Role.HEAD)
+        layer = self._part_position(Role.LAYER)
+        return head is not None and layer is not None and head < layer
 
     @functools.cached_property
     def is_two_major(self) -> bool:

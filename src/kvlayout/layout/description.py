@@ -297,6 +297,11 @@ class LayoutDescription:
         return h is not None and b is not None and h < b
 
     @property
+    def is_layer_inner(self) -> bool:
+        h, layer = self.axis_dim(Axis.H), self.axis_dim(Axis.L)
+        return h is not None and layer is not None and h < layer
+
+    @property
     def is_two_major(self) -> bool:
         kv, b = self.axis_dim(Axis.KV), self.axis_dim(Axis.B)
         return self.kv_packing is KVPacking.SPLIT and kv is not None and b is not None and kv < b
@@ -464,12 +469,15 @@ def _axis(token: Token) -> Axis:
 def _dims(layout: Layout) -> tuple[tuple[tuple[Axis, ...], ...], dict[Axis, int], tuple[RegionPart, ...]]:
     """The dims, the extents literals fix, and the region parts."""
     heads = algebra.symbol_of(layout, Role.HEAD) is not None
-    # a singleton outer to the tokens or the blocks stays a bare size-1 dim: as the one
-    # head it would make the layout read HND or heads outside blocks, which a layout
-    # without heads is not
+    # a singleton outer to the tokens, the blocks or a layer axis stays a bare size-1
+    # dim: as the one head it would make the layout read HND, heads outside blocks or
+    # layers inside heads, which a layout without heads is not
     inner_at = max(
-        next((i for i, t in enumerate(layout.tensor) if role in t.roles), len(layout.tensor))
-        for role in (Role.TOKEN, Role.BLOCK)
+        *(
+            next((i for i, t in enumerate(layout.tensor) if role in t.roles), len(layout.tensor))
+            for role in (Role.TOKEN, Role.BLOCK)
+        ),
+        next((i for i, t in enumerate(layout.tensor) if Role.LAYER in t.roles), -1),
     )
     dims: list[tuple[Axis, ...]] = []
     extents: dict[Axis, int] = {}

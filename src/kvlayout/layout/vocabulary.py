@@ -26,6 +26,7 @@ __all__ = [
     "HND_KV_LAYOUTS",
     "KV_LAYOUT_ALIASES",
     "KV_LAYOUT_NAMES",
+    "LAYER_INNER_KV_LAYOUTS",
     "Axis",
     "Region",
     "Role",
@@ -184,14 +185,16 @@ def untransferable(axes: tuple[Axis, ...]) -> str | None:
     """Why no format describes an axis order (None when one does). A layer's block is a
     token run per head or for all heads: the content innermost, the tokens inner to the
     layers and blocks, the heads inner to the layers (inside the blocks, or outside them
-    as in ``LHBNC``: one run per head a block)."""
+    as in ``LHBNC``: one run per head a block), or outer to the layers inside the blocks
+    (``BHLNC``: each block holds every layer's rows per head, read as one cross-layer
+    allocation)."""
     pos = {a: i for i, a in enumerate(axes)}
     if pos[Axis.C] != len(axes) - 1:
         return "a head's row content is not innermost"
     if pos[Axis.N] < max(pos[Axis.L], pos[Axis.B]):
         return "tokens outside the blocks or layers split every block's token run"
-    if pos[Axis.H] < pos[Axis.L]:
-        return "heads outside the layers interleave every layer's rows per head"
+    if pos[Axis.H] < min(pos[Axis.L], pos[Axis.B]):
+        return "heads outside both the layers and the blocks split every layer's blocks per head"
     return None
 
 
@@ -219,6 +222,12 @@ HEAD_OUTER_KV_LAYOUTS: frozenset[str] = frozenset(
     n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.H) < kv_layout_axes(n).index(Axis.B)
 )
 """The spellings with heads outside blocks (``LHBNC``): a block is one token run per head."""
+
+LAYER_INNER_KV_LAYOUTS: frozenset[str] = frozenset(
+    n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.H) < kv_layout_axes(n).index(Axis.L)
+)
+"""The spellings with layers inner to heads (``BHLNC``): one allocation whose blocks hold
+each head's rows of every layer, read as a cross-layer tensor."""
 
 BLOCKS_FIRST_KV_LAYOUTS: frozenset[str] = frozenset(
     n for n in KV_LAYOUT_NAMES if kv_layout_axes(n).index(Axis.B) < kv_layout_axes(n).index(Axis.L)

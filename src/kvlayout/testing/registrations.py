@@ -245,6 +245,28 @@ def _vllm_head_outer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs:
     return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, cs, dtype, leaves, "LHBNC view")
 
 
+def _vllm_layer_inner(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                      dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """vLLM 0.33 under ``BHLNC``: per-layer ``[NB, H, N, C]`` views of one ``[NB, H, NL,
+    N, C]`` allocation (block rows padded as a group packed beside a larger one pads
+    them), or that tensor itself under the hint."""
+    cs = draw(st.sampled_from([2 * hs, 2 * hs + 1, 6]))
+    nl, nh = max(nl, 2), max(nh, 2)  # one layer or head is BLHNC's memory too
+    row = nh * nl * bs * cs
+    pad = draw(st.sampled_from([0, 0, 5]))
+    buf = torch.zeros(nb, row + pad, dtype=dtype)
+    pool = buf.as_strided((nb, nh, nl, bs, cs), (row + pad, nl * bs * cs, bs * cs, cs, 1))
+    if draw(st.booleans()):
+        kv: Any = [pool[:, :, layer] for layer in range(nl)]
+        hints: dict[str, Any] = draw(
+            st.sampled_from([{}, {"kv_layout": "BHLNC"}, {"kv_layout": "bhlnc", "num_kv_heads": nh}])
+        )
+    else:
+        kv, hints = pool, {"kv_layout": "BHLNC"}
+    how = f"BHLNC {'views' if isinstance(kv, list) else 'pool'} pad={pad}"
+    return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, nh, cs, dtype, [pool], how)
+
+
 def _vllm_kv_tuples(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                     dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     mode = _modes(draw, True)
@@ -444,6 +466,7 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
     ("vllm", F.NL_X_NB_BSV_BSS): _vllm_indexer,
     ("vllm", F.NL_X_NB_NH_BS_CS): _vllm_fused,
     ("vllm", F.NL_X_NH_NB_BS_CS): _vllm_head_outer,
+    ("vllm", F.NB_NH_NL_BS_CS): _vllm_layer_inner,
     ("vllm", F.NL_X_NB_BS_NH_CS): _vllm_fused,
     ("vllm", F.NL_X_TWO_X_NB_BS_NH_HS): _vllm_kv_tuples,
     ("vllm", F.NL_X_NP_X_NB_BS_ONE_HS): _vllm_planes,

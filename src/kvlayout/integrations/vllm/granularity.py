@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from kvlayout._generated.formats import LAYOUTS
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection import normalize_and_discover_per_layer_formats
 from kvlayout.errors import KVLayoutError
 from kvlayout.facade import get_block_size, get_num_blocks
@@ -117,6 +117,35 @@ def _wanted(slots: int, spec: Any) -> str:
     return f"{slots}" if ratio == 1 else f"{slots} ({slots * ratio} tokens at {ratio} per slot)"
 
 
+def _read_layers(
+    values: list[Any], groups: list[list[int]], layout_hints: HintsLike
+) -> dict[int, tuple[Any, EngineKVFormat | None, int]]:
+    """Each grouped layer's detection: (normalized registration, format, index in it).
+    The layers are read together, as ``detect`` reads them; where that fails and there
+    are several groups, each group is read on its own, as vLLM lays out groups whose
+    layers only tile their own allocation (``BHLNC``: one cross-layer tensor per group,
+    which ``detect`` takes one group at a time). A group that fails alone too raises the
+    error of reading them together, which names layers by their place in ``values``."""
+    try:
+        normalized, formats = normalize_and_discover_per_layer_formats(
+            values, groups, EngineType.VLLM, layout_hints
+        )
+    except KVLayoutError as together:
+        if len(groups) < 2:
+            raise
+        readings: dict[int, tuple[Any, EngineKVFormat | None, int]] = {}
+        for members in groups:
+            try:
+                alone, fmts = normalize_and_discover_per_layer_formats(
+                    [values[i] for i in members], None, EngineType.VLLM, layout_hints
+                )
+            except KVLayoutError:
+                raise together from None
+            readings.update((i, (alone, fmts[j], j)) for j, i in enumerate(members))
+        return readings
+    return {i: (normalized, formats[i], i) for group in groups for i in group}
+
+
 def check_block_granularity(
     kv_cache_config: Any, kv_caches: Mapping[str, Any], layout_hints: HintsLike = None
 ) -> None:
@@ -143,20 +172,18 @@ def check_block_granularity(
             groups.append(members)
     if not groups:
         return
-    normalized, formats = normalize_and_discover_per_layer_formats(
-        list(kv_caches.values()), groups, EngineType.VLLM, layout_hints
-    )
+    readings = _read_layers(list(kv_caches.values()), groups, layout_hints)
     wrong: dict[int, list[str]] = {}
     first: dict[int, str] = {}
     # Every layer holds at least that many blocks (more: a release that set num_blocks to
     # the least over ranks without shrinking the tensors, or HiSparse's host group).
     num_blocks = spec_size(kv_cache_config, "num_blocks")
     for i, (group_idx, layer, slots, spec) in owner.items():
-        fmt = formats[i]
+        normalized, fmt, at = readings[i]
         assert fmt is not None  # every checked layer is in a group
         try:
-            got: int | str = get_block_size(normalized, fmt, i)
-            blocks: int | str = get_num_blocks(normalized, fmt, i)
+            got: int | str = get_block_size(normalized, fmt, at)
+            blocks: int | str = get_num_blocks(normalized, fmt, at)
         except KVLayoutError:
             got = blocks = "undefined"
         problem = None
@@ -189,7 +216,7 @@ def check_block_granularity(
         )
         raise BlockGranularityError(
             f"registered blocks are not block ids under kv_layout={hint!r}: {items}. A wrong kv_layout "
-            "hint (vLLM's LBNHC/BLNHC are NHD, LBHNC/BLHNC are HND; without a hint CPU tensors read as "
+            "hint (vLLM's LBNHC/BLNHC are NHD, LBHNC/BLHNC/BHLNC are HND; without a hint CPU tensors read as "
             "HND; heads outside blocks need kv_layout='LHBNC'), or a packing the spec does not "
             f"declare, would transfer the wrong bytes. See {DOCS}."
         )

@@ -1,0 +1,201 @@
+"""vLLM's ``BHLNC`` (``VLLM_KV_CACHE_LAYOUT=BHLNC``, which every backend that declares no
+layouts accepts): per-layer ``[B, H, N, C]`` views of one allocation whose blocks hold
+each head's rows of every layer together. Detection reads the views as the cross-layer
+tensor they tile (``NB_NH_NL_BS_CS``, a view), and it is served like any layout. Before,
+the hint and the views were refused. Built with vLLM 0.33's own view functions."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import EngineKVFormat as F
+from kvlayout.detection.base import DetectionError
+from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+from kvlayout.transfer import block_map, prepare
+
+vx = pytest.importorskip("kvlayout.testing.vllm")  # vLLM's spec classes
+
+pytest.importorskip("vllm")
+
+NL, NB, BS, NH, HS = 3, 6, 16, 4, 16
+
+
+def cache(layout: Any, seed: int, **spec: Any) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A 3-layer model on FlashAttention (which declares no layouts, so any is allowed),
+    its buffer filled with random bytes; the views as int16 so equal bytes compare equal."""
+    args = {"block_size": BS, "num_kv_heads": NH, "head_size": HS, "dtype": torch.bfloat16, **spec}
+    engine = vx.uniform_engine(
+        vx.kvi.FullAttentionSpec(**args), vx.FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=layout
+    )
+    buf, raw = vx.allocate_v033(engine)
+    g = torch.Generator().manual_seed(seed)
+    buf.copy_(torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=g))
+    return engine, {name: v.view(torch.int16) for name, v in raw.items()}
+
+
+def registration(engine: Any, views: dict[str, torch.Tensor], hints: Any) -> kvlayout.Registration:
+    """The documented recipe: the group edits, the layers vLLM transfers, detect."""
+    layers, groups = transfer_layers(engine.config, apply_kv_cache_group_edits(engine.config, views, hints))
+    return kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+
+
+@pytest.mark.parametrize("hints", [None, {"kv_layout": "BHLNC"}, {"kv_layout": "bhlnc", "num_kv_heads": NH}])
+def test_the_views_read_as_the_one_tensor_they_tile(hints: Any) -> None:
+    engine, views = cache(vx.KVCacheLayout.BHLNC, 0)
+    first = next(iter(views.values()))
+    assert first.stride(1) == NL * BS * 2 * HS  # heads a page of every layer apart
+    reg = registration(engine, views, hints)
+    group = reg.only_group()
+    assert group.format is F.NB_NH_NL_BS_CS
+    assert (group.num_blocks, group.block_size, group.descriptor().nh, group.descriptor().nl) == (
+        NB,
+        BS,
+        NH,
+        NL,
+    )
+    pool = reg.registered_kv
+    assert isinstance(pool, torch.Tensor) and pool.data_ptr() == first.data_ptr()  # a view, never a copy
+    for layer, v in enumerate(views.values()):
+        assert torch.equal(pool[:, :, layer], v)
+    assert reg.data_ptrs(range(NL)) == [first.data_ptr()]
+
+
+def test_its_chunk_holds_the_bytes_of_the_same_cache_laid_out_nhd() -> None:
+    """A chunk is layout-free: storing blocks of the BHLNC cache gives the chunk of the
+    same data in vLLM's default layout, and loading it back puts it in the same slots."""
+    engine, views = cache(vx.KVCacheLayout.BHLNC, 1)
+    other, nhd = cache(vx.KVCacheLayout.LBNHC, 2)
+    for name in views:
+        nhd[name].copy_(views[name])  # the same logical [B, H, N, C] content
+    a = prepare(registration(engine, views, None))
+    b = prepare(registration(other, nhd, {"kv_layout": "NHD"}))
+    shape, dtype = a.chunk_shape(2 * BS)
+    got, want = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+    a.store_blocks([4, 1], [got])
+    b.store_blocks([4, 1], [want])
+    assert torch.equal(got, want)
+    before = {name: v.clone() for name, v in views.items()}
+    a.load_blocks([0, 5], [want])
+    for name, v in views.items():
+        assert torch.equal(v[0], nhd[name][4]) and torch.equal(v[5], nhd[name][1])
+        assert torch.equal(v[1:5], before[name][1:5])
+
+
+def test_maps_to_and_from_another_layout_move_the_request_and_nothing_else() -> None:
+    engine, src_views = cache(vx.KVCacheLayout.BHLNC, 3)
+    other, dst_views = cache(vx.KVCacheLayout.LBNHC, 4)
+    src = registration(engine, src_views, None)
+    dst = registration(other, dst_views, {"kv_layout": "NHD"})
+    before = {name: v.clone() for name, v in dst_views.items()}
+    m = block_map(src, dst, [4, 1], [0, 5], num_tokens=BS + 7)
+    m.copy()
+    for name, d in dst_views.items():
+        s = src_views[name]
+        assert torch.equal(d[0], s[4]) and torch.equal(d[5][:, :7], s[1][:, :7])
+        assert torch.equal(d[5][:, 7:], before[name][5][:, 7:])
+        assert torch.equal(d[1:5], before[name][1:5])
+    back = block_map(dst, src, [0, 5], [2, 3], num_tokens=2 * BS)
+    back.copy()
+    for name, d in dst_views.items():
+        assert torch.equal(src_views[name][2], d[0]) and torch.equal(src_views[name][3], d[5])
+
+
+def test_between_two_bhlnc_caches_a_whole_block_of_every_layer_is_one_run() -> None:
+    """A block holds every layer's heads together: one run per block, merged across
+    consecutive block ids (vLLM's NixlConnector also sends one region per block)."""
+    engine, src_views = cache(vx.KVCacheLayout.BHLNC, 5)
+    other, dst_views = cache(vx.KVCacheLayout.BHLNC, 6)
+    src, dst = registration(engine, src_views, None), registration(other, dst_views, None)
+    page = NH * NL * BS * 2 * HS * 2
+    m = block_map(src, dst, [4, 1, 2], [0, 5, 3], num_tokens=3 * BS)
+    assert (m.num_runs, m.num_bytes) == (3, 3 * page)
+    assert block_map(src, dst, [1, 2, 3], [2, 3, 4], num_tokens=3 * BS).num_runs == 1
+    m.copy()
+    for name, d in dst_views.items():
+        assert torch.equal(d[[0, 5, 3]], src_views[name][[4, 1, 2]])
+
+
+def test_mla_under_bhlnc_is_one_head_read_as_latents() -> None:
+    """One head: the views are BLHNC's memory, read per layer as vLLM's MLA latents."""
+    spec = vx.kvi.MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    engine = vx.uniform_engine(
+        spec, vx.FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=vx.KVCacheLayout.BHLNC
+    )
+    _, views = vx.allocate_v033(engine)
+    reg = kvlayout.detect(list(views.values()), "vllm", {"kv_layout": "BHLNC", "kv_dim": 1})
+    assert reg.only_group().format is F.NL_X_NB_BS_HS
+
+
+def _expect(error: type[Exception], message: str, kv: Any, hints: Any = None) -> None:
+    with pytest.raises(error, match="^" + re.escape(message)):
+        kvlayout.detect(kv, "vllm", hints)
+
+
+BHLNC_READ = (
+    "kv_caches read as vLLM's BHLNC (per-layer views of one allocation, each head's rows of every layer "
+    "together in a block, read as one [NB, H, NL, N, C] tensor): "
+)
+
+
+def test_another_layout_hint_on_bhlnc_views_is_refused() -> None:
+    _, views = cache(vx.KVCacheLayout.BHLNC, 7)
+    _expect(
+        kvlayout.LayoutHintError,
+        "layout hint kv_layout='HND', but kv_caches are per-layer views of one allocation with layers inside "
+        "heads inside blocks (vLLM's BHLNC: kv_caches[0] (shape (6, 4, 16, 32), stride (6144, 1536, 32, 1)), "
+        "each layer one page further); pass kv_layout='BHLNC' or no kv_layout",
+        list(views.values()),
+        {"kv_layout": "HND"},
+    )
+
+
+def test_views_that_do_not_tile_the_allocation_are_refused_naming_the_layer() -> None:
+    engine, views = cache(vx.KVCacheLayout.BHLNC, 8)
+    layers = list(views.values())
+    _expect(
+        DetectionError,
+        BHLNC_READ + "kv_caches[1] starts 1024 elements after kv_caches[0], not 1 pages (512): pass the "
+        "layers in the allocation's order (vLLM's KVCacheTensor.layers)",
+        [layers[0], layers[2], layers[1]],
+    )
+    shared = vx.share_kv_caches(
+        engine, views, {"model.layers.3.self_attn.attn": "model.layers.0.self_attn.attn"}
+    )
+    _expect(
+        DetectionError,
+        BHLNC_READ + "kv_caches[3] starts where kv_caches[0] does (vLLM's KV sharing, or layers of two KV "
+        "cache groups, which overlay each other): one cross-layer tensor holds each layer once, so detect "
+        "each KV cache group's own layers, without the layers that share another's KV cache",
+        list(shared.values()),
+    )
+    _expect(
+        DetectionError,
+        BHLNC_READ + "kv_caches[1] is not in kv_caches[0]'s allocation",
+        [torch.zeros(NB, NH, BS, 2 * HS, dtype=torch.int16) for _ in range(NL)],
+        {"kv_layout": "BHLNC"},
+    )
+    _expect(  # some of the allocation's layers: every layer of it is one tensor's
+        DetectionError,
+        BHLNC_READ + "kv_caches[0] (shape (6, 4, 16, 32), stride (6144, 1536, 32, 1)) has its heads 1536 "
+        "elements apart, not 2 layers of 512-element pages (1024)",
+        layers[:2],
+    )
+
+
+def test_the_bare_tensor_is_bhlnc_only_under_its_hint() -> None:
+    pool = torch.zeros(NB, NH, NL, BS, 2 * HS)
+    assert kvlayout.detect(pool, "vllm", {"kv_layout": "BHLNC"}).only_group().format is F.NB_NH_NL_BS_CS
+    with pytest.raises(DetectionError, match=re.escape("no vLLM format has list depth 0 and tensor rank 5")):
+        kvlayout.detect(pool, "vllm")
+    _expect(
+        kvlayout.LayoutHintError,
+        "layout hint kv_layout='BHLNC' is vLLM's per-layer [NB, H, N, C] views of one allocation, or the "
+        "[NB, H, NL, N, C] tensor they tile; kv_caches is rank-5 tensors",
+        [pool, pool.clone()],
+        {"kv_layout": "BHLNC"},
+    )
