@@ -308,11 +308,21 @@ def _per_layer(
     owner = {i: g for g, group in enumerate(groups) for i in group}
     members = sorted(owner)
     pooled = _pooled(entries, eng, hints)
-    if pooled is not None:  # one tensor that every entry is a view of
+    if pooled is not None:  # one tensor that every entry (a layer) is a view of
         fmt, out, trusted = _discover(pooled[0], eng, pooled[1])
         if len(members) != len(entries):
             raise _left_out(fmt, entries, members)
-        return _bind_whole(out, fmt, entries, eng, [owner[i] for i in range(len(entries))], trusted)
+        spanned = sorted(set(owner.values()))
+        if len(spanned) > 1:
+            raise DetectionError(
+                f"kv_caches are views of one {fmt.name} tensor, one allocation holding every layer, so they "
+                f"are one layer group, but layer_groups put them in groups {spanned}: detect each group's "
+                "own allocation"
+            )
+        engine_groups = [owner[i] for i in range(len(entries))]
+        return _bind(
+            out, fmt, entries, engine_groups=engine_groups, engine=eng, root="kv_caches", trusted=trusted
+        )
     uniform = _uniform_contiguous_list(entries) if len(members) == len(entries) else None
     if uniform is not None:  # the common case: one detection answers for every layer
         fmt, out, trusted = _discover(entries, eng, hints, uniform)

@@ -61,7 +61,7 @@ from kvlayout.detection.base import (
 )
 from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS, HND_KV_LAYOUTS, Role
 from kvlayout.registration.backing import first_without_memory
-from kvlayout.registration.contiguity import dim0_padding
+from kvlayout.registration.contiguity import dim0_padding, physical_order
 from kvlayout.registration.nesting import first_leaf
 from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHintError, LayoutHints
 
@@ -204,16 +204,24 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
     """The cross-layer tensor vLLM's ``BHLNC`` views tile and the hints it reads with (see
     the module docstring), asked of the caller's registration before anything else; None
     where it is not such views (nor hinted so). A view of the caller's memory."""
-    if not isinstance(kv, (list, tuple)) or not all(isinstance(t, torch.Tensor) for t in kv):
-        if hints.is_layer_inner and isinstance(kv, (list, tuple)):
+    if isinstance(kv, torch.Tensor):
+        if hints.is_layer_inner:
+            _check_pool_order(kv)
+        return None
+    if not isinstance(kv, (list, tuple)) or not kv or not all(isinstance(t, torch.Tensor) for t in kv):
+        if hints.is_layer_inner and isinstance(kv, (list, tuple)) and kv:
             raise LayoutHintError(_NOT_VIEWS.format(what="a list of tensors"))
         return None
-    if len(kv) < 2 or any(t.dim() != 4 for t in kv) or kv[0].shape[1] == 1 or kv[0].numel() == 0:
-        if hints.is_layer_inner and any(t.dim() != 4 for t in kv):
+    if any(t.dim() != 4 for t in kv):
+        if hints.is_layer_inner:
             ranks = "/".join(str(r) for r in sorted({t.dim() for t in kv}))
             raise LayoutHintError(_NOT_VIEWS.format(what=f"rank-{ranks} tensors"))
-        return None  # one layer or one head: the same memory as BLHNC, read so (nothing: as given)
+        return None
     first = kv[0]
+    # one layer, nothing, or one head unhinted (MLA latents, or TP = KV heads): BLHNC's memory, read so
+    one_head = first.shape[1] == 1 and not (hints.is_layer_inner and not _says_latent(hints))
+    if len(kv) < 2 or first.numel() == 0 or one_head:
+        return None
     page = first.shape[2] * first.shape[3]
     # heads a whole number of pages apart, blocks outside them (LHBNC has heads outside blocks)
     spaced = (
@@ -222,8 +230,8 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
         and first.stride(0) >= first.shape[1] * first.stride(1)
         and first.stride()[2:] == (first.shape[3], 1)
     )
-    if not spaced and not hints.is_layer_inner:
-        return None
+    if not hints.is_layer_inner and (not spaced or not _one_storage(kv)):
+        return None  # not views of one allocation: per-layer tensors, read (or refused) as such
     missing = first_without_memory(kv, "kv_caches")  # before the views' storages are compared
     if missing is not None:
         raise DetectionError(missing)
@@ -236,6 +244,11 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
                 f"{_strided(first)}, each layer one page further); pass kv_layout='BHLNC' or no kv_layout"
             )
         return None
+    if _says_latent(hints):
+        raise LayoutHintError(
+            f"the layout hints say MLA (one latent row a token: kv_dim=1 or an MLA layout_format), but "
+            f"kv_caches[0] {_strided(first)} are BHLNC views with {first.shape[1]} heads"
+        )
     if problem is not None:
         raise DetectionError(
             f"kv_caches read as vLLM's BHLNC (per-layer views of one allocation, each head's rows of "
@@ -243,9 +256,27 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
         )
     nb, nh, bs, cs = first.shape
     pool = first.as_strided(
-        (nb, nh, len(kv), bs, cs), (first.stride(0), first.stride(1), page, cs, 1), first.storage_offset()
+        (nb, nh, len(kv), bs, cs), (first.stride(0), len(kv) * page, page, cs, 1), first.storage_offset()
     )
     return pool, dataclasses.replace(hints, kv_layout="BHLNC")
+
+
+def _one_storage(kv: Sequence[torch.Tensor]) -> bool:
+    base = kv[0].untyped_storage().data_ptr()
+    return all(t.untyped_storage().data_ptr() == base for t in kv)
+
+
+def _check_pool_order(t: torch.Tensor) -> None:
+    """The ``[NB, H, NL, N, C]`` tensor itself must be handed over in memory order: the
+    sizes alone cannot tell its heads from its layers (a BLHNC pool viewed so reads both
+    swapped)."""
+    order = physical_order(t.shape, t.stride())
+    if t.dim() == 5 and order != list(range(5)):
+        raise LayoutHintError(
+            f"layout hint kv_layout='BHLNC' reads a bare tensor as [NB, H, NL, N, C] in memory order, but "
+            f"kv_caches (shape {tuple(t.shape)}, stride {t.stride()}) has its dims in memory in the order "
+            f"{order}: its heads and layers cannot be told apart by their sizes"
+        )
 
 
 _NOT_VIEWS = (
@@ -283,7 +314,7 @@ def _tiling_problem(kv: Sequence[Any], page: int) -> str | None:
     nl = len(kv)
     if first.stride()[2:] != (first.shape[3], 1):
         return f"kv_caches[0] {_strided(first)} does not hold a head's tokens as one run of rows"
-    if first.stride(1) != nl * page:
+    if first.shape[1] > 1 and first.stride(1) != nl * page:
         return (
             f"kv_caches[0] {_strided(first)} has its heads {first.stride(1)} elements apart, not "
             f"{nl} layers of {page}-element pages ({nl * page})"

@@ -388,7 +388,8 @@ def uniform_engine(
     specs = {layer_name.format(i): spec for i in range(num_layers)}
 
     def kernel(s: Any) -> int:
-        if layout.is_block_outermost and num_layers > 1:  # block_stride > layer_stride
+        layer_stride, block_stride, *_ = kvi.compute_layout_strides(s, num_blocks, num_layers, layout)
+        if block_stride > layer_stride:  # other layers' pages between blocks: never split
             return int(s.block_size)
         return backend.kernel_block_size(s.block_size)
 

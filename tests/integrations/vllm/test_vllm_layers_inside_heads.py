@@ -199,3 +199,103 @@ def test_the_bare_tensor_is_bhlnc_only_under_its_hint() -> None:
         [pool, pool.clone()],
         {"kv_layout": "BHLNC"},
     )
+
+
+def gemma_like(layout: Any, seed: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """Sliding-window and full attention in three KV cache groups, overlaid by vLLM."""
+    kw = {"block_size": BS, "num_kv_heads": NH, "head_size": HS, "dtype": torch.bfloat16}
+    full = vx.kvi.FullAttentionSpec(**kw)
+    swa = vx.kvi.SlidingWindowSpec(**kw, sliding_window=4 * BS)
+    specs = {f"model.layers.{i}.self_attn.attn": full if i % 3 == 2 else swa for i in range(6)}
+    local = [n for n, s in specs.items() if s is swa]
+    groups = [local[:2], local[2:], [n for n, s in specs.items() if s is full]]
+    engine = vx.make_engine(specs, groups, lambda s: BS, num_blocks=NB, layout=layout)
+    buf, raw = vx.allocate_v033(engine)
+    buf.copy_(
+        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    )
+    return engine, {name: v.view(torch.int16) for name, v in raw.items()}
+
+
+def test_each_group_of_several_is_its_own_registration_under_its_group_id() -> None:
+    """vLLM overlays its groups, each one cross-layer tensor under BHLNC: the edits check
+    them one at a time, ``transfer_layers(..., group=g)`` hands each to ``detect`` under
+    its group id, and a peer detected the same way maps to it layer for layer."""
+    engine, views = gemma_like(vx.KVCacheLayout.BHLNC, 9)
+    other, nhd = gemma_like(vx.KVCacheLayout.LBNHC, 10)
+    edited = apply_kv_cache_group_edits(engine.config, views)
+    nhd_edited = apply_kv_cache_group_edits(other.config, nhd, {"kv_layout": "NHD"})
+    layers, groups = transfer_layers(engine.config, edited)
+    with pytest.raises(DetectionError, match=re.escape("kv_caches[2] starts where kv_caches[0] does")):
+        kvlayout.detect(layers, "vllm", layer_groups=groups)
+    for g, group in enumerate(engine.config.kv_cache_groups):
+        src_layers, src_groups = transfer_layers(engine.config, edited, group=g)
+        dst_layers, dst_groups = transfer_layers(other.config, nhd_edited, group=g)
+        src = kvlayout.detect(src_layers, "vllm", layer_groups=src_groups)
+        dst = kvlayout.detect(dst_layers, "vllm", {"kv_layout": "NHD"}, layer_groups=dst_groups)
+        assert src.only_group().format is F.NB_NH_NL_BS_CS and src.only_group().engine_group == g
+        assert dst.only_group().engine_group == g
+        block_map(src, dst, [3, 1], [0, 4], num_tokens=2 * BS).copy()
+        for name in group.layer_names:
+            assert torch.equal(nhd[name][[0, 4]], views[name][[3, 1]])
+
+
+def test_layer_groups_name_the_pool_s_group_and_may_not_split_it() -> None:
+    _, views = cache(vx.KVCacheLayout.BHLNC, 11)
+    layers = list(views.values())
+    reg = kvlayout.detect(layers, "vllm", layer_groups=[[], [0, 1, 2]])
+    assert reg.only_group().engine_group == 1
+    _, formats = kvlayout.normalize_and_discover_per_layer_formats(layers, [[], [0, 1, 2]], "vllm")
+    assert formats == [F.NB_NH_NL_BS_CS] * NL
+    with pytest.raises(
+        DetectionError,
+        match=re.escape(
+            "kv_caches are views of one NB_NH_NL_BS_CS tensor, one allocation holding every layer, so they are "
+            "one layer group, but layer_groups put them in groups [0, 1, 2]: detect each group's own allocation"
+        ),
+    ):
+        kvlayout.detect(layers, "vllm", layer_groups=[[0], [1], [2]])
+
+
+def test_kv_sharing_layers_pass_the_edits_and_are_left_out_of_detection() -> None:
+    """A sharer is its target's own tensor: the edits check it as its target; detection
+    holds each layer once, so the sharers are left out (their target's blocks are theirs)."""
+    engine, views = cache(vx.KVCacheLayout.BHLNC, 12)
+    sharer = {"model.layers.3.self_attn.attn": "model.layers.0.self_attn.attn"}
+    shared = vx.share_kv_caches(engine, views, sharer)
+    edited = apply_kv_cache_group_edits(engine.config, shared)
+    owned = {name: v for name, v in edited.items() if name not in sharer}
+    assert kvlayout.detect(list(owned.values()), "vllm").only_group().format is F.NB_NH_NL_BS_CS
+
+
+def test_one_head_is_one_cross_layer_tensor_under_the_hint() -> None:
+    """TP = KV heads: one head a rank. Its views are BLHNC's memory too, read per layer
+    without the hint; under it, a block of every layer is one run."""
+    _, views = cache(vx.KVCacheLayout.BHLNC, 13, num_kv_heads=1)
+    layers = list(views.values())
+    per_layer = kvlayout.detect(layers, "vllm", {"kv_layout": "HND"})
+    pooled = kvlayout.detect(layers, "vllm", {"kv_layout": "BHLNC"})
+    assert per_layer.only_group().format is F.NL_X_NB_NH_BS_CS
+    assert pooled.only_group().format is F.NB_NH_NL_BS_CS
+    assert block_map(pooled, pooled, [0, 1], [3, 4], num_tokens=2 * BS).num_runs == 1
+    assert block_map(per_layer, per_layer, [0, 1], [3, 4], num_tokens=2 * BS).num_runs == 2 * NL
+
+
+def test_hints_that_contradict_bhlnc_views_are_refused() -> None:
+    _, views = cache(vx.KVCacheLayout.BHLNC, 14)
+    _expect(
+        kvlayout.LayoutHintError,
+        "the layout hints say MLA (one latent row a token: kv_dim=1 or an MLA layout_format), but kv_caches[0] "
+        "(shape (6, 4, 16, 32), stride (6144, 1536, 32, 1)) are BHLNC views with 4 heads",
+        list(views.values()),
+        {"kv_dim": 1},
+    )
+    blhnc = torch.zeros(NB, NL, NH, BS, 2 * HS)  # a BLHNC pool viewed [NB, H, NL, N, C]
+    _expect(
+        kvlayout.LayoutHintError,
+        "layout hint kv_layout='BHLNC' reads a bare tensor as [NB, H, NL, N, C] in memory order, but kv_caches "
+        "(shape (6, 4, 3, 16, 32), stride (6144, 512, 2048, 32, 1)) has its dims in memory in the order "
+        "[0, 2, 1, 3, 4]",
+        blhnc.transpose(1, 2),
+        {"kv_layout": "BHLNC"},
+    )

@@ -275,3 +275,21 @@ def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection
         TypeError, match=r"^kv_caches must be the dict register_kv_caches gets, by layer name, not a list"
     ):
         transfer_layers(config, list(kv.values()))  # type: ignore[arg-type]
+    # one group alone, under its id; a group out of transfer has no layers
+    layers, layer_groups = transfer_layers(config, edited, group=2)
+    assert layers == [kv["b.0"]] and layer_groups == [[], [], [0]]
+    assert (
+        kvlayout.detect(layers, "vllm", {"kv_layout": "NHD"}, layer_groups=layer_groups)
+        .only_group()
+        .engine_group
+        == 2
+    )
+    assert transfer_layers(config, edited, group=1) == ([], [[], []])
+    with pytest.raises(ValueError, match=r"^group=3 is not a KV cache group id: the config has 3 groups$"):
+        transfer_layers(config, edited, group=3)
+    with pytest.raises(TypeError, match=r"^group must be an int \(a KV cache group id\), not str$"):
+        transfer_layers(config, edited, group="1")  # type: ignore[arg-type]
+    with pytest.raises(
+        ValueError, match=r"^group=0 names a KV cache group of the config, but there is none$"
+    ):
+        transfer_layers(None, kv, group=0)

@@ -164,7 +164,7 @@ def apply_kv_cache_group_edits(
 
 
 def transfer_layers(
-    kv_cache_config: Any, kv_caches: Mapping[str, Any]
+    kv_cache_config: Any, kv_caches: Mapping[str, Any], *, group: int | None = None
 ) -> tuple[list[Any], list[list[int]] | None]:
     """What a connector hands detection: the values of ``kv_caches`` (as the edits
     returned them) whose layers vLLM transfers, in registration order, and their KV
@@ -174,13 +174,20 @@ def transfer_layers(
     a layer this worker did not register (another pipeline stage's) is left out too.
 
     ``detect(layers, "vllm", hints, layer_groups=groups)`` then reads only what moves.
-    Without a config (None, as the edits take it) every layer, and no groups."""
+    Without a config (None, as the edits take it) every layer, and no groups.
+
+    ``group=g``: group ``g``'s layers alone, its groups empty but the last (``g``), so
+    that ``detect`` gives one registration of that group under vLLM's group id: what
+    ``BHLNC`` needs, whose groups are each one cross-layer tensor (and peers of such a
+    side, whose layers then number alike)."""
     if not isinstance(kv_caches, Mapping):
         raise TypeError(
             "kv_caches must be the dict register_kv_caches gets, by layer name, not a "
             f"{type(kv_caches).__name__}"
         )
     if kv_cache_config is None:
+        if group is not None:
+            raise ValueError(f"group={group} names a KV cache group of the config, but there is none")
         return list(kv_caches.values()), None
     transferred = dict(iter_groups(kv_cache_config))
     wanted = {name for group in transferred.values() for name in getattr(group, "layer_names", None) or ()}
@@ -192,7 +199,15 @@ def transfer_layers(
         else []
         for position, group in enumerate(kv_cache_config.kv_cache_groups or ())
     ]
-    return [kv_caches[name] for name in names], groups
+    layers = [kv_caches[name] for name in names]
+    if group is None:
+        return layers, groups
+    if isinstance(group, bool) or not isinstance(group, int):
+        raise TypeError(f"group must be an int (a KV cache group id), not {type(group).__name__}")
+    if not 0 <= group < len(groups):
+        raise ValueError(f"group={group} is not a KV cache group id: the config has {len(groups)} groups")
+    own = groups[group]
+    return [layers[i] for i in own], [[] for _ in range(group)] + [list(range(len(own)))]
 
 
 _FROM_VLLM = ("KVCacheSpecKind", "get_kv_cache_spec_kind")

@@ -118,32 +118,62 @@ def _wanted(slots: int, spec: Any) -> str:
 
 
 def _read_layers(
-    values: list[Any], groups: list[list[int]], layout_hints: HintsLike
+    kv_cache_config: Any, kv_caches: Mapping[str, Any], groups: list[list[int]], layout_hints: HintsLike
 ) -> dict[int, tuple[Any, EngineKVFormat | None, int]]:
     """Each grouped layer's detection: (normalized registration, format, index in it).
-    The layers are read together, as ``detect`` reads them; where that fails and there
-    are several groups, each group is read on its own, as vLLM lays out groups whose
-    layers only tile their own allocation (``BHLNC``: one cross-layer tensor per group,
-    which ``detect`` takes one group at a time). A group that fails alone too raises the
-    error of reading them together, which names layers by their place in ``values``."""
+
+    The layers are read together, as ``detect`` reads them. Where that fails, each of
+    vLLM's allocations (a ``KVCacheTensor``'s layers of one group) is read on its own, as
+    vLLM lays out layers that only tile their own allocation (``BHLNC``: one cross-layer
+    tensor per allocation, which ``detect`` takes one at a time); a layer in no allocation
+    shares another's KV cache (vLLM's KV sharing registers the target's own tensor) and
+    reads as that one. If that fails too, the error of reading them together is raised:
+    it names layers by their place in ``kv_caches``."""
+    values = list(kv_caches.values())
     try:
         normalized, formats = normalize_and_discover_per_layer_formats(
             values, groups, EngineType.VLLM, layout_hints
         )
+        return {i: (normalized, formats[i], i) for group in groups for i in group}
     except KVLayoutError as together:
-        if len(groups) < 2:
-            raise
+        units = _allocations(kv_cache_config, list(kv_caches), groups)
+        if len(units) == 1 and len(units[0]) == len(values):
+            raise  # nothing else to try
         readings: dict[int, tuple[Any, EngineKVFormat | None, int]] = {}
-        for members in groups:
-            try:
+        try:
+            for unit in units:
                 alone, fmts = normalize_and_discover_per_layer_formats(
-                    [values[i] for i in members], None, EngineType.VLLM, layout_hints
+                    [values[i] for i in unit], None, EngineType.VLLM, layout_hints
                 )
-            except KVLayoutError:
+                readings.update((i, (alone, fmts[j], j)) for j, i in enumerate(unit))
+        except KVLayoutError:
+            raise together from None
+        for i in (i for group in groups for i in group if i not in readings):
+            twin = next((j for j in readings if values[j] is values[i]), None)
+            if twin is None:
                 raise together from None
-            readings.update((i, (alone, fmts[j], j)) for j, i in enumerate(members))
+            readings[i] = readings[twin]
         return readings
-    return {i: (normalized, formats[i], i) for group in groups for i in group}
+
+
+def _allocations(kv_cache_config: Any, names: list[str], groups: list[list[int]]) -> list[list[int]]:
+    """Each group's layers split by the ``KVCacheTensor`` that allocates them, in its
+    layer order (a whole group where the config has no tensors); layers of no tensor
+    left out."""
+    tensor_of = {
+        name: (t, at)
+        for t, tensor in enumerate(getattr(kv_cache_config, "kv_cache_tensors", None) or ())
+        for at, name in enumerate(getattr(tensor, "layers", None) or ())
+    }
+    if not tensor_of:
+        return [list(group) for group in groups]
+    units: list[list[int]] = []
+    for group in groups:
+        by_tensor: dict[int, list[int]] = {}
+        for i in sorted((i for i in group if names[i] in tensor_of), key=lambda i: tensor_of[names[i]][1]):
+            by_tensor.setdefault(tensor_of[names[i]][0], []).append(i)
+        units.extend(by_tensor.values())
+    return units
 
 
 def check_block_granularity(
@@ -172,7 +202,7 @@ def check_block_granularity(
             groups.append(members)
     if not groups:
         return
-    readings = _read_layers(list(kv_caches.values()), groups, layout_hints)
+    readings = _read_layers(kv_cache_config, kv_caches, groups, layout_hints)
     wrong: dict[int, list[str]] = {}
     first: dict[int, str] = {}
     # Every layer holds at least that many blocks (more: a release that set num_blocks to
