@@ -131,11 +131,11 @@ def _discover(
     pooled = _pooled(kv, engine, hints)
     if pooled is not None:
         kv, hints = pooled
-    if hints.is_head_outer and not any(LAYOUTS[f].is_head_outer for f in engine_formats(engine)):
-        raise LayoutHintError(
-            f"layout hint kv_layout={hints.kv_layout!r} puts heads outside blocks, which no {engine.value} "
-            "format does"
-        )
+    for fact, where in (("is_head_outer", "heads outside blocks"), ("is_layer_inner", "layers inside heads")):
+        if getattr(hints, fact) and not any(getattr(LAYOUTS[f], fact) for f in engine_formats(engine)):
+            raise LayoutHintError(
+                f"layout hint kv_layout={hints.kv_layout!r} puts {where}, which no {engine.value} format does"
+            )
     detector = get_detector(engine)
     normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)
     trusted = normalized is not None

@@ -32,11 +32,13 @@ Quirks that live here and nowhere else:
   KV cache group as per-layer ``[NB, H, N, C]`` tensors whose heads sit ``NL`` pages
   apart. Those views, in the allocation's layer order, are read as the one cross-layer
   tensor ``[NB, H, NL, N, C]`` they tile (``NB_NH_NL_BS_CS``, a view: nothing is
-  copied). The strides say so, so no hint is needed; a ``BHLNC`` hint on views that do
-  not tile (layers out of order, KV sharing, two groups' layers together) is an error
-  naming the first layer out of place, and so is another hint on views that do. One
-  head (MLA) or one layer is the same memory as ``BLHNC`` and is read so. A bare rank-5
-  tensor is that cross-layer tensor only under the ``BHLNC`` hint.
+  copied). The strides say so, so no hint is needed; views of one allocation that look
+  so (or any views under a ``BHLNC`` hint) but do not tile it (layers out of order, KV
+  sharing, two groups' layers together) are an error naming the first layer out of
+  place, and another hint on views that do tile is one too. One layer, or one head
+  without the hint (MLA latents, TP = KV heads), is the same memory as ``BLHNC`` and is
+  read so. A bare rank-5 tensor is that cross-layer tensor only under the ``BHLNC`` hint
+  (or its ``layout_format``), handed over in memory order.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ ENGINE = EngineType.VLLM
 
 def resolve_vllm_kv_layout(layout_hints: HintsLike, cpu_attention_backend: bool = False) -> str:
     """The ``kv_layout`` a vLLM registration is read in: the hint when there is one
-    (checked: a spelling with heads outside the layers, ``BHLNC``, or an unknown one is a
-    :class:`~kvlayout.types.LayoutHintError`); without one ``HND`` on a
+    (checked: a spelling no format describes, heads outside both the layers and the
+    blocks, or an unknown one is a :class:`~kvlayout.types.LayoutHintError`); without one
+    ``HND`` on a
     CPU attention backend (vLLM's CPU backend allocates HND) and ``NHD`` elsewhere.
 
     Detection asks this for the default only after the size hints had their say: without
@@ -143,9 +146,21 @@ def _discover(
     layout_decision = (label, "is_hnd", reading.hnd)
     head_decision = (label, "is_head_outer", reading.head_outer)
     if p.depth == 0:  # the cross-layer tensor of BHLNC only under its hint (no twin decides it)
-        inner = bool(hints.is_layer_inner)
+        inner = _says_layer_inner(hints)
         decide = [layout_decision, head_decision]
-        return pick(ENGINE, p, decide=decide, only=lambda s: s.layout.is_layer_inner is inner), kv
+        try:
+            return pick(ENGINE, p, decide=decide, only=lambda s: s.layout.is_layer_inner is inner), kv
+        except DetectionError as e:
+            if inner:
+                raise DetectionError(
+                    f"{e}; under kv_layout='BHLNC' a bare tensor is [NB, H, NL, N, C]"
+                ) from None
+            if match(ENGINE, p, only=lambda s: s.layout.is_layer_inner) is not None:
+                raise DetectionError(
+                    f"{e}; a bare [NB, H, NL, N, C] tensor is vLLM's BHLNC cross-layer tensor only under "
+                    "kv_layout='BHLNC'"
+                ) from None
+            raise
     if p.depth == 1 and p.rank == 4:
         return _rank4(kv, p, reading, hints)
     # Padded block rows say dim 0 is the block axis (flash-infer), whatever the sizes.
@@ -200,18 +215,31 @@ def _says_latent(hints: LayoutHints) -> bool:
     return hints.kv_dim == 1 or (named is not None and LAYOUTS[EngineKVFormat[named]].is_mla)
 
 
+def _says_layer_inner(hints: LayoutHints) -> bool:
+    """The hints say BHLNC: the ``kv_layout``, or a ``layout_format`` with layers inside heads."""
+    named = hints.layout_format
+    return bool(hints.is_layer_inner) or (named is not None and LAYOUTS[EngineKVFormat[named]].is_layer_inner)
+
+
 def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] | None:
     """The cross-layer tensor vLLM's ``BHLNC`` views tile and the hints it reads with (see
     the module docstring), asked of the caller's registration before anything else; None
     where it is not such views (nor hinted so). A view of the caller's memory."""
     if isinstance(kv, torch.Tensor):
-        if hints.is_layer_inner:
+        if _says_layer_inner(hints):
             _check_pool_order(kv)
         return None
     if not isinstance(kv, (list, tuple)) or not kv or not all(isinstance(t, torch.Tensor) for t in kv):
-        if hints.is_layer_inner and isinstance(kv, (list, tuple)) and kv:
-            raise LayoutHintError(_NOT_VIEWS.format(what="a list of tensors"))
+        odd = (
+            next((t for t in kv if not isinstance(t, torch.Tensor)), None)
+            if isinstance(kv, (list, tuple))
+            else None
+        )
+        if hints.is_layer_inner and odd is not None:
+            raise LayoutHintError(_NOT_VIEWS.format(what=f"a list holding a {type(odd).__name__}"))
         return None
+    if any(t.layout != torch.strided for t in kv):
+        return None  # sparse and other layouts: detection's validation names them
     if any(t.dim() != 4 for t in kv):
         if hints.is_layer_inner:
             ranks = "/".join(str(r) for r in sorted({t.dim() for t in kv}))
@@ -232,6 +260,12 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
     )
     if not hints.is_layer_inner and (not spaced or not _one_storage(kv)):
         return None  # not views of one allocation: per-layer tensors, read (or refused) as such
+    if hints.is_layer_inner and not spaced and first.shape[1] > 1:
+        raise DetectionError(
+            f"layout hint kv_layout='BHLNC', but kv_caches[0] {_strided(first)} is not a BHLNC view: its "
+            f"heads are not a whole number (more than one) of {page}-element pages apart inside its blocks, "
+            "where every layer's page of a head sits; pass the kv_layout the cache was allocated in"
+        )
     missing = first_without_memory(kv, "kv_caches")  # before the views' storages are compared
     if missing is not None:
         raise DetectionError(missing)
@@ -290,6 +324,8 @@ def _tiling_problem(kv: Sequence[Any], page: int) -> str | None:
     allocation in their order, layer ``l`` one page (``N*C`` elements) after layer 0
     (None when they do)."""
     first = kv[0]
+    if first.stride()[2:] != (first.shape[3], 1):
+        return f"kv_caches[0] {_strided(first)} does not hold a head's tokens as one run of rows"
     base = first.untyped_storage().data_ptr()
     starts = {first.storage_offset(): 0}
     for i, t in enumerate(kv[1:], start=1):
@@ -309,11 +345,10 @@ def _tiling_problem(kv: Sequence[Any], page: int) -> str | None:
         if offset != i * page:
             return (
                 f"kv_caches[{i}] starts {offset} elements after kv_caches[0], not {i} pages ({i * page}): "
-                "pass the layers in the allocation's order (vLLM's KVCacheTensor.layers)"
+                "the layers of one allocation (vLLM's KVCacheTensor.layers), in its order, are one "
+                "cross-layer tensor; detect each allocation's layers on their own"
             )
     nl = len(kv)
-    if first.stride()[2:] != (first.shape[3], 1):
-        return f"kv_caches[0] {_strided(first)} does not hold a head's tokens as one run of rows"
     if first.shape[1] > 1 and first.stride(1) != nl * page:
         return (
             f"kv_caches[0] {_strided(first)} has its heads {first.stride(1)} elements apart, not "

@@ -159,8 +159,10 @@ def test_views_that_do_not_tile_the_allocation_are_refused_naming_the_layer() ->
     layers = list(views.values())
     _expect(
         DetectionError,
-        BHLNC_READ + "kv_caches[1] starts 1024 elements after kv_caches[0], not 1 pages (512): pass the "
-        "layers in the allocation's order (vLLM's KVCacheTensor.layers)",
+        BHLNC_READ
+        + "kv_caches[1] starts 1024 elements after kv_caches[0], not 1 pages (512): the layers of one "
+        "allocation (vLLM's KVCacheTensor.layers), in its order, are one cross-layer tensor; detect each "
+        "allocation's layers on their own",
         [layers[0], layers[2], layers[1]],
     )
     shared = vx.share_kv_caches(
@@ -176,7 +178,7 @@ def test_views_that_do_not_tile_the_allocation_are_refused_naming_the_layer() ->
     _expect(
         DetectionError,
         BHLNC_READ + "kv_caches[1] is not in kv_caches[0]'s allocation",
-        [torch.zeros(NB, NH, BS, 2 * HS, dtype=torch.int16) for _ in range(NL)],
+        [torch.zeros(NB, 1, BS, 2 * HS, dtype=torch.int16) for _ in range(NL)],
         {"kv_layout": "BHLNC"},
     )
     _expect(  # some of the allocation's layers: every layer of it is one tensor's
@@ -299,3 +301,100 @@ def test_hints_that_contradict_bhlnc_views_are_refused() -> None:
         blhnc.transpose(1, 2),
         {"kv_layout": "BHLNC"},
     )
+
+
+def test_every_tiling_rule_is_checked_by_name() -> None:
+    """Each way views can miss one allocation's tiling names the view and the rule."""
+    pool = torch.zeros(NB, NH, NL, BS, 2 * HS, dtype=torch.int16)
+    views = [pool[:, :, layer] for layer in range(NL)]
+    bhlnc = {"kv_layout": "BHLNC"}
+    other = pool.as_strided((NB, NH, BS, HS), (*views[1].stride()[:2], HS, 1), views[1].storage_offset())
+    _expect(
+        DetectionError,
+        BHLNC_READ + "kv_caches[1] (shape (6, 4, 16, 16), stride (6144, 1536, 16, 1)) is not viewed as "
+        "kv_caches[0] (shape (6, 4, 16, 32), stride (6144, 1536, 32, 1)) is",
+        [views[0], other, views[2]],
+    )
+    one_head = torch.zeros(NB, 1, NL, BS, 2 * HS)
+    halves = [one_head[:, :, layer, :, :HS] for layer in range(NL)]  # K halves: no token run of rows
+    _expect(
+        DetectionError,
+        BHLNC_READ + "kv_caches[0] (shape (6, 1, 16, 16), stride (1536, 1536, 32, 1)) does not hold a head's "
+        "tokens as one run of rows",
+        halves,
+        bhlnc,
+    )
+    _expect(  # with several heads the hint names what is wrong first
+        DetectionError,
+        "layout hint kv_layout='BHLNC', but kv_caches[0] (shape (6, 4, 16, 16), stride (6144, 1536, 32, 1)) is "
+        "not a BHLNC view",
+        [v[..., :HS] for v in views],
+        bhlnc,
+    )
+    row = BS * 2 * HS  # one head's page: blocks one layer's page apart overlap the next layers'
+    crowded = [
+        one_head.as_strided((NB, 1, BS, 2 * HS), (row, row, 2 * HS, 1), layer * row) for layer in range(NL)
+    ]
+    _expect(
+        DetectionError,
+        BHLNC_READ + "kv_caches[0] (shape (6, 1, 16, 32), stride (512, 512, 32, 1)) has blocks closer than "
+        "the 3 layers' heads they hold",
+        crowded,
+        bhlnc,
+    )
+    _expect(
+        DetectionError,
+        "layout hint kv_layout='BHLNC', but kv_caches[0] (shape (6, 4, 16, 32), stride (2048, 512, 32, 1)) is "
+        "not a BHLNC view",
+        [torch.zeros(NB, NH, BS, 2 * HS) for _ in range(NL)],
+        bhlnc,
+    )
+    _expect(
+        kvlayout.LayoutHintError,
+        "layout hint kv_layout='BHLNC' is vLLM's per-layer [NB, H, N, C] views of one allocation, or the "
+        "[NB, H, NL, N, C] tensor they tile; kv_caches is a list holding a tuple",
+        [(views[0],), (views[1],)],
+        bhlnc,
+    )
+    with pytest.raises(
+        DetectionError,
+        match=re.escape("its entries cannot be left out of the layer groups (kv_caches[2] is in none)"),
+    ):
+        kvlayout.detect(views, "vllm", layer_groups=[[0, 1]])
+
+
+def test_other_engines_refuse_the_hint_as_they_refuse_lhbnc() -> None:
+    for engine in ("sglang", "trtllm", "atom", "max"):
+        with pytest.raises(
+            kvlayout.LayoutHintError,
+            match=re.escape(
+                f"layout hint kv_layout='BHLNC' puts layers inside heads, which no {engine} format does"
+            ),
+        ):
+            kvlayout.detect([torch.zeros(NB, BS, NH, HS)], engine, {"kv_layout": "BHLNC"})
+
+
+def test_a_bare_pool_named_by_its_format_needs_no_kv_layout() -> None:
+    pool = torch.zeros(NB, NH, NL, BS, 2 * HS)
+    reg = kvlayout.detect(pool, "vllm", {"layout_format": "NB_NH_NL_BS_CS"})
+    assert reg.only_group().format is F.NB_NH_NL_BS_CS
+    with pytest.raises(
+        DetectionError,
+        match=re.escape(
+            "a bare [NB, H, NL, N, C] tensor is vLLM's BHLNC cross-layer tensor only under kv_layout='BHLNC'"
+        ),
+    ):
+        kvlayout.detect(pool, "vllm", {"kv_layout": "HND"})
+    with pytest.raises(
+        DetectionError, match=re.escape("; under kv_layout='BHLNC' a bare tensor is [NB, H, NL, N, C]")
+    ):
+        kvlayout.detect(torch.zeros(NB, NL, 2, BS, NH, HS), "vllm", {"kv_layout": "BHLNC"})
+
+
+def test_a_wrong_hint_on_several_bhlnc_groups_names_the_hint() -> None:
+    engine, views = gemma_like(vx.KVCacheLayout.BHLNC, 15)
+    with pytest.raises(
+        kvlayout.LayoutHintError,
+        match=re.escape("layout hint kv_layout='HND', but kv_caches are per-layer views"),
+    ):
+        apply_kv_cache_group_edits(engine.config, views, {"kv_layout": "HND"})

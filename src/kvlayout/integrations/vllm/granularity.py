@@ -43,7 +43,7 @@ from kvlayout.layout.vocabulary import (
 )
 from kvlayout.registration.contiguity import physical_order
 from kvlayout.registration.opaque import viewed_over
-from kvlayout.types import EngineType, HintsLike, LayoutHints
+from kvlayout.types import EngineType, HintsLike, LayoutHintError, LayoutHints
 
 __all__ = ["BlockGranularityError", "check_block_granularity"]
 
@@ -127,8 +127,8 @@ def _read_layers(
     vLLM lays out layers that only tile their own allocation (``BHLNC``: one cross-layer
     tensor per allocation, which ``detect`` takes one at a time); a layer in no allocation
     shares another's KV cache (vLLM's KV sharing registers the target's own tensor) and
-    reads as that one. If that fails too, the error of reading them together is raised:
-    it names layers by their place in ``kv_caches``."""
+    reads as that one. If that fails too, the error of reading them together is raised
+    (it names layers by their place in ``kv_caches``), or an allocation's hint error."""
     values = list(kv_caches.values())
     try:
         normalized, formats = normalize_and_discover_per_layer_formats(
@@ -146,6 +146,8 @@ def _read_layers(
                     [values[i] for i in unit], None, EngineType.VLLM, layout_hints
                 )
                 readings.update((i, (alone, fmts[j], j)) for j, i in enumerate(unit))
+        except LayoutHintError:
+            raise  # a hint one allocation contradicts: the cause, which reading them together hid
         except KVLayoutError:
             raise together from None
         for i in (i for group in groups for i in group if i not in readings):
@@ -246,7 +248,8 @@ def check_block_granularity(
         )
         raise BlockGranularityError(
             f"registered blocks are not block ids under kv_layout={hint!r}: {items}. A wrong kv_layout "
-            "hint (vLLM's LBNHC/BLNHC are NHD, LBHNC/BLHNC/BHLNC are HND; without a hint CPU tensors read as "
-            "HND; heads outside blocks need kv_layout='LHBNC'), or a packing the spec does not "
+            "hint (vLLM's LBNHC/BLNHC are NHD, LBHNC/BLHNC are HND, BHLNC needs its own or none; without "
+            "a hint CPU tensors read as HND; heads outside blocks need kv_layout='LHBNC'), or a packing the "
+            "spec does not "
             f"declare, would transfer the wrong bytes. See {DOCS}."
         )
