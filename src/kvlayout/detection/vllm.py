@@ -229,25 +229,16 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
         if _says_layer_inner(hints):
             _check_pool_order(kv)
         return None
+    # Anything but rank-4 views (a hybrid's Mamba or edited groups, tuples, sparse tensors)
+    # has no head and layer order to read: detected as usual, under the hint too.
     if not isinstance(kv, (list, tuple)) or not kv or not all(isinstance(t, torch.Tensor) for t in kv):
-        odd = (
-            next((t for t in kv if not isinstance(t, torch.Tensor)), None)
-            if isinstance(kv, (list, tuple))
-            else None
-        )
-        if hints.is_layer_inner and odd is not None:
-            raise LayoutHintError(_NOT_VIEWS.format(what=f"a list holding a {type(odd).__name__}"))
         return None
-    if any(t.layout != torch.strided for t in kv):
-        return None  # sparse and other layouts: detection's validation names them
-    if any(t.dim() != 4 for t in kv):
-        if hints.is_layer_inner:
-            ranks = "/".join(str(r) for r in sorted({t.dim() for t in kv}))
-            raise LayoutHintError(_NOT_VIEWS.format(what=f"rank-{ranks} tensors"))
+    if any(t.layout != torch.strided or t.dim() != 4 for t in kv):
         return None
+    hinted = _says_layer_inner(hints)
     first = kv[0]
     # one layer, nothing, or one head unhinted (MLA latents, or TP = KV heads): BLHNC's memory, read so
-    one_head = first.shape[1] == 1 and not (hints.is_layer_inner and not _says_latent(hints))
+    one_head = first.shape[1] == 1 and not (hinted and not _says_latent(hints))
     if len(kv) < 2 or first.numel() == 0 or one_head:
         return None
     page = first.shape[2] * first.shape[3]
@@ -258,15 +249,15 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
         and first.stride(0) >= first.shape[1] * first.stride(1)
         and first.stride()[2:] == (first.shape[3], 1)
     )
-    if not hints.is_layer_inner and (not spaced or not _one_storage(kv)):
+    if not hinted and (not spaced or not _one_storage(kv)):
         return None  # not views of one allocation: per-layer tensors, read (or refused) as such
-    if hints.is_layer_inner and not spaced and first.shape[1] > 1:
+    if hinted and not spaced and first.shape[1] > 1:
         raise DetectionError(
             f"layout hint kv_layout='BHLNC', but kv_caches[0] {_strided(first)} is not a BHLNC view: its "
             f"heads are not a whole number (more than one) of {page}-element pages apart inside its blocks, "
             "where every layer's page of a head sits; pass the kv_layout the cache was allocated in"
         )
-    missing = first_without_memory(kv, "kv_caches")  # before the views' storages are compared
+    missing = first_without_memory(kv, "kv_caches")  # before their memory is read as one tensor
     if missing is not None:
         raise DetectionError(missing)
     problem = _tiling_problem(kv, page)
@@ -311,12 +302,6 @@ def _check_pool_order(t: torch.Tensor) -> None:
             f"kv_caches (shape {tuple(t.shape)}, stride {t.stride()}) has its dims in memory in the order "
             f"{order}: its heads and layers cannot be told apart by their sizes"
         )
-
-
-_NOT_VIEWS = (
-    "layout hint kv_layout='BHLNC' is vLLM's per-layer [NB, H, N, C] views of one allocation, or "
-    "the [NB, H, NL, N, C] tensor they tile; kv_caches is {what}"
-)
 
 
 def _tiling_problem(kv: Sequence[Any], page: int) -> str | None:

@@ -194,13 +194,17 @@ def test_the_bare_tensor_is_bhlnc_only_under_its_hint() -> None:
     assert kvlayout.detect(pool, "vllm", {"kv_layout": "BHLNC"}).only_group().format is F.NB_NH_NL_BS_CS
     with pytest.raises(DetectionError, match=re.escape("no vLLM format has list depth 0 and tensor rank 5")):
         kvlayout.detect(pool, "vllm")
-    _expect(
-        kvlayout.LayoutHintError,
-        "layout hint kv_layout='BHLNC' is vLLM's per-layer [NB, H, N, C] views of one allocation, or the "
-        "[NB, H, NL, N, C] tensor they tile; kv_caches is rank-5 tensors",
-        [pool, pool.clone()],
-        {"kv_layout": "BHLNC"},
-    )
+    sparse = [torch.zeros(NB, NH, BS, 2 * HS).to_sparse() for _ in range(NL)]
+    with pytest.raises(TypeError, match="sparse"):  # validation's word, not a BHLNC reading's
+        kvlayout.detect(sparse, "vllm", {"kv_layout": "BHLNC"})
+
+
+def test_views_of_separate_storages_are_per_layer_tensors_without_the_hint() -> None:
+    """Heads spaced like BHLNC's but each layer its own tensor: not one allocation, so
+    not read as one; per-layer, their interior padding is what is refused."""
+    layers = [torch.zeros(NB, NH, NL, BS, 2 * HS)[:, :, 0] for _ in range(NL)]
+    with pytest.raises(kvlayout.StridedViewError, match=re.escape("interior padding is not supported")):
+        kvlayout.detect(layers, "vllm")
 
 
 def gemma_like(layout: Any, seed: int) -> tuple[Any, dict[str, torch.Tensor]]:
@@ -349,13 +353,6 @@ def test_every_tiling_rule_is_checked_by_name() -> None:
         [torch.zeros(NB, NH, BS, 2 * HS) for _ in range(NL)],
         bhlnc,
     )
-    _expect(
-        kvlayout.LayoutHintError,
-        "layout hint kv_layout='BHLNC' is vLLM's per-layer [NB, H, N, C] views of one allocation, or the "
-        "[NB, H, NL, N, C] tensor they tile; kv_caches is a list holding a tuple",
-        [(views[0],), (views[1],)],
-        bhlnc,
-    )
     with pytest.raises(
         DetectionError,
         match=re.escape("its entries cannot be left out of the layer groups (kv_caches[2] is in none)"),
@@ -398,3 +395,38 @@ def test_a_wrong_hint_on_several_bhlnc_groups_names_the_hint() -> None:
         match=re.escape("layout hint kv_layout='HND', but kv_caches are per-layer views"),
     ):
         apply_kv_cache_group_edits(engine.config, views, {"kv_layout": "HND"})
+
+
+def test_a_hybrid_under_the_hint_reads_its_other_groups_as_usual() -> None:
+    """The hint is the model's: a GDN hybrid's Mamba groups have no heads and layers to
+    order and read as usual; its attention group is the cross-layer tensor."""
+    engine = vx.hybrid_engine(vx.QWEN3_5_0_8B, vx.FLASH_ATTN, num_blocks=4, layout=vx.KVCacheLayout.BHLNC)
+    _, views = vx.allocate_v033(engine)
+    hints = {"kv_layout": "BHLNC"}
+    edited = apply_kv_cache_group_edits(engine.config, views, hints)
+    formats = {}
+    for g in range(len(engine.config.kv_cache_groups)):
+        layers, groups = transfer_layers(engine.config, edited, group=g)
+        formats[g] = kvlayout.detect(layers, "vllm", hints, layer_groups=groups).only_group().format
+    assert formats == {0: F.NL_X_NB_BS_HS, 1: F.NL_X_NB_BS_HS, 2: F.NL_X_NB_BS_HS, 3: F.NB_NH_NL_BS_CS}
+
+
+def test_transfer_layers_of_one_group_leave_kv_sharers_out() -> None:
+    engine, views = cache(vx.KVCacheLayout.BHLNC, 16)
+    shared = vx.share_kv_caches(
+        engine, views, {"model.layers.3.self_attn.attn": "model.layers.0.self_attn.attn"}
+    )
+    edited = apply_kv_cache_group_edits(engine.config, shared)
+    layers, groups = transfer_layers(engine.config, edited, group=0)
+    assert len(layers) == NL and groups == [list(range(NL))]
+    assert kvlayout.detect(layers, "vllm", layer_groups=groups).only_group().format is F.NB_NH_NL_BS_CS
+    with pytest.raises(ValueError, match=r"^group=-1 is not a KV cache group id: the config has 1 groups$"):
+        transfer_layers(engine.config, edited, group=-1)
+    with pytest.raises(TypeError, match=r"^group must be an int \(a KV cache group id\), not bool$"):
+        transfer_layers(engine.config, edited, group=True)
+
+
+def test_the_format_named_by_layout_format_pools_one_head_views_too() -> None:
+    _, views = cache(vx.KVCacheLayout.BHLNC, 17, num_kv_heads=1)
+    reg = kvlayout.detect(list(views.values()), "vllm", {"layout_format": "NB_NH_NL_BS_CS"})
+    assert reg.only_group().format is F.NB_NH_NL_BS_CS

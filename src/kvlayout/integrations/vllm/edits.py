@@ -179,7 +179,9 @@ def transfer_layers(
     ``group=g``: group ``g``'s layers alone, its groups empty but the last (``g``), so
     that ``detect`` gives one registration of that group under vLLM's group id: what
     ``BHLNC`` needs, whose groups are each one cross-layer tensor (and peers of such a
-    side, whose layers then number alike)."""
+    side, whose layers then number alike). It leaves out the layers that share another's
+    KV cache (vLLM's KV sharing: in the group, in no ``KVCacheTensor``), which a
+    cross-layer tensor cannot hold twice; their target's blocks are theirs."""
     if not isinstance(kv_caches, Mapping):
         raise TypeError(
             "kv_caches must be the dict register_kv_caches gets, by layer name, not a "
@@ -206,7 +208,9 @@ def transfer_layers(
         raise TypeError(f"group must be an int (a KV cache group id), not {type(group).__name__}")
     if not 0 <= group < len(groups):
         raise ValueError(f"group={group} is not a KV cache group id: the config has {len(groups)} groups")
-    own = groups[group]
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+    allocated = {name for t in tensors for name in getattr(t, "layers", None) or ()}  # 0.33's records
+    own = [i for i in groups[group] if not allocated or names[i] in allocated]
     return [layers[i] for i in own], [[] for _ in range(group)] + [list(range(len(own)))]
 
 
