@@ -237,8 +237,9 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
         return None
     hinted = _says_layer_inner(hints)
     first = kv[0]
-    # one layer, nothing, or one head unhinted (MLA latents, or TP = KV heads): BLHNC's memory, read so
-    one_head = first.shape[1] == 1 and not (hinted and not _says_latent(hints))
+    # one layer, nothing, or one head unhinted, of latents or of blocked-scale pages (the DSA
+    # indexer): BLHNC's memory, read so; one head under the hint is TP = KV heads
+    one_head = first.shape[1] == 1 and not (hinted and not _says_latent(hints) and not _indexer_rows(kv))
     if len(kv) < 2 or first.numel() == 0 or one_head:
         return None
     page = first.shape[2] * first.shape[3]
@@ -284,6 +285,12 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
         (nb, nh, len(kv), bs, cs), (first.stride(0), len(kv) * page, page, cs, 1), first.storage_offset()
     )
     return pool, dataclasses.replace(hints, kv_layout="BHLNC")
+
+
+def _indexer_rows(kv: Sequence[torch.Tensor]) -> bool:
+    """One-head views whose rows are the DSA indexer's blocked-scale pages."""
+    nb, _, bs, row = kv[0].shape
+    return match(ENGINE, probe(list(kv)), shape=(nb, bs, row), only=lambda s: s.byte_rows) is not None
 
 
 def _one_storage(kv: Sequence[torch.Tensor]) -> bool:

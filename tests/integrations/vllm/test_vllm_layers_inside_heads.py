@@ -430,3 +430,11 @@ def test_the_format_named_by_layout_format_pools_one_head_views_too() -> None:
     _, views = cache(vx.KVCacheLayout.BHLNC, 17, num_kv_heads=1)
     reg = kvlayout.detect(list(views.values()), "vllm", {"layout_format": "NB_NH_NL_BS_CS"})
     assert reg.only_group().format is F.NB_NH_NL_BS_CS
+
+
+def test_one_head_blocked_scale_pages_stay_the_indexer_under_the_hint() -> None:
+    """The DSA indexer's one-head uint8 pages read per layer as the indexer cache, never as
+    one head's K | V rows pooled across layers."""
+    pool = torch.zeros(NB, 1, NL, BS, 132, dtype=torch.uint8)
+    views = [pool[:, :, layer] for layer in range(NL)]
+    assert kvlayout.detect(views, "vllm", {"kv_layout": "BHLNC"}).only_group().format is F.NL_X_NB_BSV_BSS
