@@ -420,7 +420,9 @@ def test_transfer_layers_of_one_group_leave_kv_sharers_out() -> None:
     layers, groups = transfer_layers(engine.config, edited, group=0)
     assert len(layers) == NL and groups == [list(range(NL))]
     assert kvlayout.detect(layers, "vllm", layer_groups=groups).only_group().format is F.NB_NH_NL_BS_CS
-    with pytest.raises(ValueError, match=r"^group=-1 is not a KV cache group id: the config has 1 groups$"):
+    with pytest.raises(
+        ValueError, match=r"^group=-1 is not a KV cache group id: the config has 1 KV cache groups$"
+    ):
         transfer_layers(engine.config, edited, group=-1)
     with pytest.raises(TypeError, match=r"^group must be an int \(a KV cache group id\), not bool$"):
         transfer_layers(engine.config, edited, group=True)
@@ -438,3 +440,65 @@ def test_one_head_blocked_scale_pages_stay_the_indexer_under_the_hint() -> None:
     pool = torch.zeros(NB, 1, NL, BS, 132, dtype=torch.uint8)
     views = [pool[:, :, layer] for layer in range(NL)]
     assert kvlayout.detect(views, "vllm", {"kv_layout": "BHLNC"}).only_group().format is F.NL_X_NB_BSV_BSS
+
+
+def uniform_type_group(layout: Any, seed: int) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One group of two sliding windows (vLLM's UniformTypeKVCacheSpecs): one allocation
+    per spec, side by side in each block, as vLLM's planner lays them out."""
+    kw = {"block_size": BS, "num_kv_heads": NH, "head_size": HS, "dtype": torch.bfloat16}
+    near = vx.kvi.SlidingWindowSpec(**kw, sliding_window=4 * BS)
+    far = vx.kvi.SlidingWindowSpec(**kw, sliding_window=8 * BS)
+    specs = {f"model.layers.{i}.self_attn.attn": near if i < 2 else far for i in range(4)}
+    group = vx.kvi.KVCacheGroupSpec(
+        layer_names=list(specs),
+        kv_cache_spec=vx.kvi.UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs),
+    )
+    page = near.page_size_bytes
+    size = 4 * page * NB
+    interleaved = 4 * page if layout.is_block_outermost else None  # get_kv_cache_config_from_groups
+    tensors, offset = [], 0
+    for names in (list(specs)[:2], list(specs)[2:]):
+        layer_stride, block_stride, *_ = vx.kvi.compute_layout_strides(
+            specs[names[0]], NB, 2, layout, fixed_strides=(None, interleaved, None, None, None)
+        )
+        tensors.append(
+            vx.kvi.KVCacheTensor(
+                size=size, layers=names, layer_stride=layer_stride, block_stride=block_stride, offset=offset
+            )
+        )
+        offset += 2 * (page if layout.is_block_outermost else layer_stride)
+    config = vx.kvi.KVCacheConfig(num_blocks=NB, kv_cache_tensors=tensors, kv_cache_groups=[group])
+    buf = torch.randint(-128, 128, (size,), dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    views: dict[str, torch.Tensor] = {}
+    for tensor in tensors:
+        made = vx.kvi.create_kv_cache_views(buf, specs[tensor.layers[0]], NB, layout, tensor)
+        views.update((name, v.view(torch.int16)) for name, v in zip(tensor.layers, made, strict=True))
+    return config, views
+
+
+def test_a_group_of_several_allocations_is_one_registration_each() -> None:
+    """``transfer_layers(..., allocation=i)``: each of vLLM's allocations under its group's
+    id; the same split of an NHD peer maps to it layer for layer."""
+    config, views = uniform_type_group(vx.KVCacheLayout.BHLNC, 18)
+    peer_config, peer = uniform_type_group(vx.KVCacheLayout.LBNHC, 19)
+    edited = apply_kv_cache_group_edits(config, views)
+    peer_edited = apply_kv_cache_group_edits(peer_config, peer, {"kv_layout": "NHD"})
+    layers, groups = transfer_layers(config, edited, group=0)
+    with pytest.raises(DetectionError, match=re.escape("detect each allocation's layers on their own")):
+        kvlayout.detect(layers, "vllm", layer_groups=groups)
+    for i, tensor in enumerate(config.kv_cache_tensors):
+        src_layers, src_groups = transfer_layers(config, edited, allocation=i)
+        dst_layers, dst_groups = transfer_layers(peer_config, peer_edited, allocation=i)
+        assert src_groups == dst_groups == [[0, 1]]
+        src = kvlayout.detect(src_layers, "vllm", layer_groups=src_groups)
+        dst = kvlayout.detect(dst_layers, "vllm", {"kv_layout": "NHD"}, layer_groups=dst_groups)
+        assert src.only_group().format is F.NB_NH_NL_BS_CS and src.only_group().engine_group == 0
+        block_map(src, dst, [5, 2], [1, 3], num_tokens=2 * BS).copy()
+        for name in tensor.layers:
+            assert torch.equal(peer[name][[1, 3]], views[name][[5, 2]])
+    with pytest.raises(
+        ValueError, match=r"^allocation=2 is not a KVCacheTensor id: the config has 2 KVCacheTensors$"
+    ):
+        transfer_layers(config, edited, allocation=2)
+    with pytest.raises(ValueError, match=r"^pass group or allocation, not both \(group=0, allocation=0\)$"):
+        transfer_layers(config, edited, group=0, allocation=0)

@@ -285,11 +285,11 @@ def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection
         == 2
     )
     assert transfer_layers(config, edited, group=1) == ([], [[], []])
-    with pytest.raises(ValueError, match=r"^group=3 is not a KV cache group id: the config has 3 groups$"):
+    with pytest.raises(
+        ValueError, match=r"^group=3 is not a KV cache group id: the config has 3 KV cache groups$"
+    ):
         transfer_layers(config, edited, group=3)
     with pytest.raises(TypeError, match=r"^group must be an int \(a KV cache group id\), not str$"):
         transfer_layers(config, edited, group="1")  # type: ignore[arg-type]
-    with pytest.raises(
-        ValueError, match=r"^group=0 names a KV cache group of the config, but there is none$"
-    ):
+    with pytest.raises(ValueError, match=r"^group=0 names a part of the config, but there is none$"):
         transfer_layers(None, kv, group=0)

@@ -164,7 +164,11 @@ def apply_kv_cache_group_edits(
 
 
 def transfer_layers(
-    kv_cache_config: Any, kv_caches: Mapping[str, Any], *, group: int | None = None
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, Any],
+    *,
+    group: int | None = None,
+    allocation: int | None = None,
 ) -> tuple[list[Any], list[list[int]] | None]:
     """What a connector hands detection: the values of ``kv_caches`` (as the edits
     returned them) whose layers vLLM transfers, in registration order, and their KV
@@ -181,15 +185,24 @@ def transfer_layers(
     ``BHLNC`` needs, whose groups are each one cross-layer tensor (and peers of such a
     side, whose layers then number alike). It leaves out the layers that share another's
     KV cache (vLLM's KV sharing: in the group, in no ``KVCacheTensor``), which a
-    cross-layer tensor cannot hold twice; their target's blocks are theirs."""
+    cross-layer tensor cannot hold twice; their target's blocks are theirs.
+
+    ``allocation=i``: the layers of ``kv_cache_config.kv_cache_tensors[i]`` that vLLM
+    transfers, in its layer order, under their group's id as ``group=g`` gives them: one
+    ``BHLNC`` cross-layer tensor each, also where a group is several allocations (vLLM's
+    ``UniformTypeKVCacheSpecs`` of different shapes). Every layout has the same
+    allocations, so a peer detected the same way numbers its layers alike."""
     if not isinstance(kv_caches, Mapping):
         raise TypeError(
             "kv_caches must be the dict register_kv_caches gets, by layer name, not a "
             f"{type(kv_caches).__name__}"
         )
+    if group is not None and allocation is not None:
+        raise ValueError(f"pass group or allocation, not both (group={group}, allocation={allocation})")
     if kv_cache_config is None:
-        if group is not None:
-            raise ValueError(f"group={group} names a KV cache group of the config, but there is none")
+        for name, value in (("group", group), ("allocation", allocation)):
+            if value is not None:
+                raise ValueError(f"{name}={value} names a part of the config, but there is none")
         return list(kv_caches.values()), None
     transferred = dict(iter_groups(kv_cache_config))
     wanted = {name for group in transferred.values() for name in getattr(group, "layer_names", None) or ()}
@@ -202,16 +215,32 @@ def transfer_layers(
         for position, group in enumerate(kv_cache_config.kv_cache_groups or ())
     ]
     layers = [kv_caches[name] for name in names]
-    if group is None:
+    if group is None and allocation is None:
         return layers, groups
-    if isinstance(group, bool) or not isinstance(group, int):
-        raise TypeError(f"group must be an int (a KV cache group id), not {type(group).__name__}")
-    if not 0 <= group < len(groups):
-        raise ValueError(f"group={group} is not a KV cache group id: the config has {len(groups)} groups")
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
-    allocated = {name for t in tensors for name in getattr(t, "layers", None) or ()}  # 0.33's records
-    own = [i for i in groups[group] if not allocated or names[i] in allocated]
+    if allocation is not None:
+        members = getattr(
+            tensors[_index("allocation", allocation, len(tensors), "KVCacheTensor")], "layers", ()
+        )
+        own = [index[name] for name in members if name in index]
+        config_groups = kv_cache_config.kv_cache_groups or ()
+        group = next(
+            (g for g, spec in enumerate(config_groups) if set(members) & set(spec.layer_names or ())), 0
+        )
+    else:
+        group = _index("group", group, len(groups), "KV cache group")
+        allocated = {name for t in tensors for name in getattr(t, "layers", None) or ()}  # 0.33's records
+        own = [i for i in groups[group] if not allocated or names[i] in allocated]
     return [layers[i] for i in own], [[] for _ in range(group)] + [list(range(len(own)))]
+
+
+def _index(name: str, value: object, count: int, what: str) -> int:
+    """``value`` as an index of ``count`` things (``what``), checked."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int (a {what} id), not {type(value).__name__}")
+    if not 0 <= value < count:
+        raise ValueError(f"{name}={value} is not a {what} id: the config has {count} {what}s")
+    return value
 
 
 _FROM_VLLM = ("KVCacheSpecKind", "get_kv_cache_spec_kind")
