@@ -286,7 +286,13 @@ def make_engine(
             )
         )
     config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_groups)
-    kernels = [kernel_block_size(layer_specs[names[0]]) for names in groups]
+    # prepare_kernel_block_sizes: other layers' pages between blocks, never split
+    kernels = [
+        int(layer_specs[names[0]].block_size)
+        if tensor.block_stride > tensor.layer_stride
+        else kernel_block_size(layer_specs[names[0]])
+        for names, tensor in zip(groups, tensors, strict=True)
+    ]
     return Engine(config, layout, kernels, dict(layer_specs))
 
 
@@ -329,9 +335,9 @@ def hybrid_engine(
     layout = layout or KVCacheLayout.LBNHC
 
     def kernel(spec: Any) -> int:
-        # prepare_kernel_block_sizes: Mamba, and every group of a block-outermost layout,
-        # keep the manager block; attention takes the backend's size.
-        if isinstance(spec, kvi.MambaSpec) or layout.is_block_outermost:
+        # prepare_kernel_block_sizes: Mamba keeps the manager block; attention takes the
+        # backend's size (make_engine keeps it where blocks interleave layers).
+        if isinstance(spec, kvi.MambaSpec):
             return int(spec.block_size)
         return backend.kernel_block_size(spec.block_size)
 
@@ -380,17 +386,15 @@ def uniform_engine(
     layout: Any = None,
 ) -> Engine:
     """A model whose layers all have one spec (one KV cache group), as vLLM 0.33 pages it:
-    ``prepare_kernel_block_sizes`` keeps the manager block for a block-outermost layout
-    and otherwise takes ``select_common_block_size``, which splits the block into kernel
+    ``prepare_kernel_block_sizes`` keeps the manager block where blocks are farther apart
+    than layers (other layers' pages between them) and otherwise takes
+    ``select_common_block_size``, which splits the block into kernel
     pages whenever the backend does not take it whole (FlashInfer: ``--block-size 128``
     becomes 64-token pages)."""
     layout = layout or KVCacheLayout.LBNHC
     specs = {layer_name.format(i): spec for i in range(num_layers)}
 
     def kernel(s: Any) -> int:
-        layer_stride, block_stride, *_ = kvi.compute_layout_strides(s, num_blocks, num_layers, layout)
-        if block_stride > layer_stride:  # other layers' pages between blocks: never split
-            return int(s.block_size)
         return backend.kernel_block_size(s.block_size)
 
     return make_engine(specs, [list(specs)], kernel, num_blocks=num_blocks, layout=layout)
