@@ -223,10 +223,8 @@ def transfer_layers(
             tensors[_index("allocation", allocation, len(tensors), "KVCacheTensor")], "layers", ()
         )
         own = [index[name] for name in members if name in index]
-        config_groups = kv_cache_config.kv_cache_groups or ()
-        group = next(
-            (g for g, spec in enumerate(config_groups) if set(members) & set(spec.layer_names or ())), 0
-        )
+        owners = [set(getattr(g, "layer_names", None) or ()) for g in kv_cache_config.kv_cache_groups or ()]
+        group = next((g for g, names_of_g in enumerate(owners) if names_of_g & set(members)), 0)
     else:
         group = _index("group", group, len(groups), "KV cache group")
         allocated = {name for t in tensors for name in getattr(t, "layers", None) or ()}  # 0.33's records
