@@ -230,27 +230,32 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
             _check_pool_order(kv)
         return None
     # Anything but rank-4 views (a hybrid's Mamba or edited groups, tuples, sparse tensors)
-    # has no head and layer order to read: detected as usual, under the hint too.
-    if not isinstance(kv, (list, tuple)) or not kv or not all(isinstance(t, torch.Tensor) for t in kv):
-        return None
-    if any(t.layout != torch.strided or t.dim() != 4 for t in kv):
+    # has no head and layer order to read: detected as usual, under the hint too. Entry 0
+    # settles the common case (no BHLNC stride, no hint) in constant time: this is asked
+    # of every vLLM registration.
+    if not isinstance(kv, (list, tuple)) or len(kv) < 2 or not _rank4_view(kv[0]):
         return None
     hinted = _says_layer_inner(hints)
     first = kv[0]
-    # one layer, nothing, or one head unhinted, of latents or of blocked-scale pages (the DSA
-    # indexer): BLHNC's memory, read so; one head under the hint is TP = KV heads
-    one_head = first.shape[1] == 1 and not (hinted and not _says_latent(hints) and not _indexer_rows(kv))
-    if len(kv) < 2 or first.numel() == 0 or one_head:
-        return None
     page = first.shape[2] * first.shape[3]
     # heads a whole number of pages apart, blocks outside them (LHBNC has heads outside blocks)
     spaced = (
-        first.stride(1) % page == 0
+        page > 0
+        and first.stride(1) % page == 0
         and first.stride(1) // page > 1
         and first.stride(0) >= first.shape[1] * first.stride(1)
         and first.stride()[2:] == (first.shape[3], 1)
     )
-    if not hinted and (not spaced or not _one_storage(kv)):
+    if not (hinted or spaced) or first.numel() == 0 or not all(_rank4_view(t) for t in kv):
+        return None
+    # one head unhinted, of latents or of blocked-scale pages (the DSA indexer): BLHNC's
+    # memory, read so; one head under the hint is TP = KV heads
+    if first.shape[1] == 1 and not (hinted and not _says_latent(hints) and not _indexer_rows(kv)):
+        return None
+    missing = first_without_memory(kv, "kv_caches")  # before their storages are compared
+    if missing is not None:
+        raise DetectionError(missing)
+    if not hinted and not _one_storage(kv):
         return None  # not views of one allocation: per-layer tensors, read (or refused) as such
     if hinted and not spaced and first.shape[1] > 1:
         raise DetectionError(
@@ -258,9 +263,6 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
             f"heads are not a whole number (more than one) of {page}-element pages apart inside its blocks, "
             "where every layer's page of a head sits; pass the kv_layout the cache was allocated in"
         )
-    missing = first_without_memory(kv, "kv_caches")  # before their memory is read as one tensor
-    if missing is not None:
-        raise DetectionError(missing)
     problem = _tiling_problem(kv, page)
     if hints.is_layer_inner is False:
         if problem is None:
@@ -285,6 +287,10 @@ def pool_views(kv: Any, hints: LayoutHints) -> tuple[torch.Tensor, LayoutHints] 
         (nb, nh, len(kv), bs, cs), (first.stride(0), len(kv) * page, page, cs, 1), first.storage_offset()
     )
     return pool, dataclasses.replace(hints, kv_layout="BHLNC")
+
+
+def _rank4_view(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.layout == torch.strided and t.dim() == 4
 
 
 def _indexer_rows(kv: Sequence[torch.Tensor]) -> bool:

@@ -31,6 +31,7 @@ from kvlayout.integrations.vllm.rules import (
     SubpagedMLAEdit,
 )
 from kvlayout.integrations.vllm.specs import (
+    allocations,
     iter_group_layer_specs,
     iter_groups,
     slots_per_block,
@@ -217,18 +218,16 @@ def transfer_layers(
     layers = [kv_caches[name] for name in names]
     if group is None and allocation is None:
         return layers, groups
-    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+    allocated = allocations(kv_cache_config)
     if allocation is not None:
-        members = getattr(
-            tensors[_index("allocation", allocation, len(tensors), "KVCacheTensor")], "layers", ()
-        )
+        members = allocated[_index("allocation", allocation, len(allocated), "KVCacheTensor")]
         own = [index[name] for name in members if name in index]
         owners = [set(getattr(g, "layer_names", None) or ()) for g in kv_cache_config.kv_cache_groups or ()]
         group = next((g for g, names_of_g in enumerate(owners) if names_of_g & set(members)), 0)
     else:
         group = _index("group", group, len(groups), "KV cache group")
-        allocated = {name for t in tensors for name in getattr(t, "layers", None) or ()}  # 0.33's records
-        own = [i for i in groups[group] if not allocated or names[i] in allocated]
+        owned = {name for members in allocated for name in members}
+        own = [i for i in groups[group] if not owned or names[i] in owned]
     return [layers[i] for i in own], [[] for _ in range(group)] + [list(range(len(own)))]
 
 

@@ -25,6 +25,7 @@ from kvlayout.integrations.vllm.errors import DOCS
 from kvlayout.integrations.vllm.specs import (
     PAGED_ATTENTION_KINDS,
     SpecKind,
+    allocations,
     iter_group_layer_specs,
     iter_groups,
     slots_per_block,
@@ -162,11 +163,8 @@ def _allocations(kv_cache_config: Any, names: list[str], groups: list[list[int]]
     """Each group's layers split by the ``KVCacheTensor`` that allocates them, in its
     layer order (a whole group where the config has no tensors); layers of no tensor
     left out."""
-    tensor_of = {
-        name: (t, at)
-        for t, tensor in enumerate(getattr(kv_cache_config, "kv_cache_tensors", None) or ())
-        for at, name in enumerate(getattr(tensor, "layers", None) or ())
-    }
+    records = allocations(kv_cache_config)
+    tensor_of = {name: (t, at) for t, members in enumerate(records) for at, name in enumerate(members)}
     if not tensor_of:
         return [list(group) for group in groups]
     units: list[list[int]] = []

@@ -19,6 +19,7 @@ from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 __all__ = [
     "PAGED_ATTENTION_KINDS",
     "SpecKind",
+    "allocations",
     "declares_slot_compression",
     "iter_group_layer_specs",
     "iter_groups",
@@ -226,3 +227,11 @@ def require_size(spec: Any, name: str) -> int:
             f"a positive int {name}"
         )
     return size
+
+
+def allocations(kv_cache_config: Any) -> list[tuple[str, ...]]:
+    """Each of vLLM's allocations (a ``KVCacheTensor``) as its layer names, in its order;
+    none where the config keeps no such records (0.33's ``layers``; older releases list
+    ``shared_by`` across groups instead, which say nothing of a layer's place)."""
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+    return [tuple(getattr(t, "layers", None) or ()) for t in tensors]
