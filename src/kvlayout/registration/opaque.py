@@ -12,6 +12,7 @@ between caches paged alike, and whole pages where a row is not a token.
 
 from __future__ import annotations
 
+import math
 import threading
 import weakref
 from collections.abc import Iterable
@@ -21,8 +22,10 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "MAX_PAGE_ARRAYS",
     "MAX_PAGE_LAYOUT",
     "OpaquePages",
+    "PageArray",
     "mark_opaque_pages",
     "opaque_pages_of",
     "pages_of_tensors",
@@ -32,7 +35,52 @@ __all__ = [
 MAX_PAGE_LAYOUT = 1024
 """The longest :attr:`OpaquePages.layout` a description may carry (characters)."""
 
+MAX_PAGE_ARRAYS = 16
+"""The most :attr:`OpaquePages.arrays` a page may declare (a description is untrusted)."""
+
+_MAX_ARRAY_DIMS = 8
 _ATTRIBUTE = "_kvlayout_opaque_pages"
+
+
+@dataclass(frozen=True)
+class PageArray:
+    """An array of a page's state that tensor parallelism shards: ``shape`` (this rank's)
+    elements of ``itemsize`` bytes, C-contiguous from byte ``offset`` of the page, whose
+    axis ``axis`` concatenates ``parts`` (this rank's lengths along it), each part sharded
+    over the ranks on its own: rank ``r`` of ``T`` holds indices ``[r*n, (r+1)*n)`` of a
+    part ``n*T`` long. A Mamba2 conv state in vLLM's "DS" order is ``(conv_dim, rows)``
+    with parts ``(x, B, C)`` on axis 0; in "SD" order ``(rows, conv_dim)`` on axis 1; its
+    SSM state ``(heads, head_dim, d_state)`` is one part on axis 0. What a page declares so
+    lets a block map move it between ranks of other TP degrees."""
+
+    offset: int
+    shape: tuple[int, ...]
+    itemsize: int
+    axis: int
+    parts: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        for name in ("offset", "itemsize", "axis"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                raise TypeError(f"a page array's {name} must be an int")
+        for name in ("shape", "parts"):
+            value = getattr(self, name)
+            if not isinstance(value, tuple) or not all(type(x) is int and x > 0 for x in value):
+                raise TypeError(f"a page array's {name} must be a tuple of positive ints")
+        if self.offset < 0 or self.itemsize <= 0 or not 0 < len(self.shape) <= _MAX_ARRAY_DIMS:
+            raise ValueError(
+                f"a page array has offset >= 0, itemsize > 0 and 1 to {_MAX_ARRAY_DIMS} axes, not "
+                f"offset {self.offset}, itemsize {self.itemsize}, shape {list(self.shape)}"
+            )
+        if not 0 <= self.axis < len(self.shape) or sum(self.parts) != self.shape[self.axis]:
+            raise ValueError(
+                f"a page array's parts {list(self.parts)} must add up to its axis {self.axis} of shape "
+                f"{list(self.shape)}"
+            )
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
 
 
 @dataclass(frozen=True)
@@ -48,12 +96,31 @@ class OpaquePages:
 
     layout: str
     rows_are_tokens: bool
+    arrays: tuple[PageArray, ...] = ()
+    """The page's TP-sharded state (:class:`PageArray`), disjoint, in page order, where
+    the edit knows it (a Mamba page's conv and SSM states); empty otherwise."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, str) or not 0 < len(self.layout) <= MAX_PAGE_LAYOUT:
             raise ValueError(f"an opaque page layout is a string of 1 to {MAX_PAGE_LAYOUT} characters")
         if not isinstance(self.rows_are_tokens, bool):
             raise TypeError(f"rows_are_tokens must be a bool, not {type(self.rows_are_tokens).__name__}")
+        arrays = self.arrays
+        if not isinstance(arrays, tuple) or not all(isinstance(a, PageArray) for a in arrays):
+            raise TypeError("an opaque page's arrays must be a tuple of PageArray")
+        if len(arrays) > MAX_PAGE_ARRAYS:
+            raise ValueError(f"an opaque page declares at most {MAX_PAGE_ARRAYS} arrays, not {len(arrays)}")
+        for i in range(1, len(arrays)):
+            if arrays[i].offset < arrays[i - 1].offset + arrays[i - 1].nbytes:
+                raise ValueError(
+                    f"page array {i} starts at byte {arrays[i].offset}, inside array {i - 1} "
+                    f"(bytes {arrays[i - 1].offset} to {arrays[i - 1].offset + arrays[i - 1].nbytes})"
+                )
+
+    @property
+    def arrays_end(self) -> int:
+        """The byte past the last array (0 without arrays): the page is at least this long."""
+        return self.arrays[-1].offset + self.arrays[-1].nbytes if self.arrays else 0
 
 
 class _Mark(NamedTuple):

@@ -49,7 +49,7 @@ from kvlayout.registration.memory import (
     check_disjoint,
     partly_shared,
 )
-from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
+from kvlayout.registration.opaque import MAX_PAGE_ARRAYS, MAX_PAGE_LAYOUT, OpaquePages, PageArray
 from kvlayout.registration.shards import Shard, ShardError, heads_are_the_model_s
 
 __all__ = [
@@ -205,9 +205,7 @@ def to_data(d: RegistrationDescription) -> dict[str, Any]:
                 "layers": list(g.layers),
                 "engine_group": g.engine_group,
                 "block_size": g.block_size,
-                "opaque_pages": None
-                if g.opaque_pages is None
-                else {"layout": g.opaque_pages.layout, "rows_are_tokens": g.opaque_pages.rows_are_tokens},
+                "opaque_pages": None if g.opaque_pages is None else _opaque_json(g.opaque_pages),
                 "planes": [
                     {
                         "dtype": p.dtype,
@@ -411,10 +409,41 @@ def _group_from(where: str, data: object, left: int) -> GroupDescription:
     )
 
 
+def _opaque_json(pages: OpaquePages) -> dict[str, Any]:
+    out: dict[str, Any] = {"layout": pages.layout, "rows_are_tokens": pages.rows_are_tokens}
+    if pages.arrays:  # only where declared: a description without them reads as before
+        out["arrays"] = [
+            {"offset": x.offset, "shape": list(x.shape), "itemsize": x.itemsize, "axis": x.axis,
+             "parts": list(x.parts)}
+            for x in pages.arrays
+        ]  # fmt: skip
+    return out
+
+
+def _page_array_from(where: str, data: object) -> PageArray:
+    x = _fields(where, data, ("offset", "shape", "itemsize", "axis", "parts"))
+    shape = tuple(
+        _int(f"{where}.shape[{i}]", n, 1, MAX_SIZE)
+        for i, n in enumerate(_list(f"{where}.shape", x["shape"], 8))
+    )
+    parts = tuple(
+        _int(f"{where}.parts[{i}]", n, 1, MAX_SIZE)
+        for i, n in enumerate(_list(f"{where}.parts", x["parts"], MAX_PAGE_ARRAYS))
+    )
+    try:
+        return PageArray(
+            _int(f"{where}.offset", x["offset"], 0, MAX_SIZE), shape,
+            _int(f"{where}.itemsize", x["itemsize"], 1, 64), _int(f"{where}.axis", x["axis"], 0, 8), parts,
+        )  # fmt: skip
+    except ValueError as e:
+        raise PeerDescriptionError(f"{where}: {e}") from None
+
+
 def _opaque_from(where: str, data: object) -> OpaquePages | None:
     if data is None:
         return None
-    o = _fields(f"{where}.opaque_pages", data, ("layout", "rows_are_tokens"))
+    keys = ("layout", "rows_are_tokens", "arrays") if isinstance(data, dict) and "arrays" in data else ()
+    o = _fields(f"{where}.opaque_pages", data, keys or ("layout", "rows_are_tokens"))
     layout, rows = o["layout"], o["rows_are_tokens"]
     if not isinstance(layout, str) or not 0 < len(layout) <= MAX_PAGE_LAYOUT or not layout.isprintable():
         raise PeerDescriptionError(
@@ -424,7 +453,12 @@ def _opaque_from(where: str, data: object) -> OpaquePages | None:
         raise PeerDescriptionError(
             f"{where}.opaque_pages.rows_are_tokens must be a boolean, not {_kind(rows)}"
         )
-    return OpaquePages(layout, rows)
+    listed = _list(f"{where}.opaque_pages.arrays", o.get("arrays", []), MAX_PAGE_ARRAYS)
+    arrays = tuple(_page_array_from(f"{where}.opaque_pages.arrays[{i}]", x) for i, x in enumerate(listed))
+    try:
+        return OpaquePages(layout, rows, arrays)
+    except ValueError as e:
+        raise PeerDescriptionError(f"{where}.opaque_pages: {e}") from None
 
 
 def _plane_from(where: str, layout: Layout, data: object, left: int) -> PlaneDescription:

@@ -161,9 +161,11 @@ DSV4_INDEXER = Backend("DEEPSEEK_V4_INDEXER", fixed_sizes=(256,))
 
 
 def attention_spec(model: HybridModel | AttentionModel, tp: int, block_size: int) -> Any:
+    """A full-attention layer's spec at TP ``tp`` (``ModelConfig.get_num_kv_heads``: one
+    head a rank, replicated, where there are more ranks than KV heads)."""
     return kvi.FullAttentionSpec(
         block_size=block_size,
-        num_kv_heads=model.num_key_value_heads // tp,
+        num_kv_heads=max(1, model.num_key_value_heads // tp),
         head_size=model.head_dim,
         dtype=model.dtype,
     )
@@ -184,13 +186,19 @@ def dsv4_indexer_spec(block_size: int, compress_ratio: int = 4) -> Any:
     )
 
 
-def gdn_states(model: HybridModel, tp: int) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
-    """``MambaStateShapeCalculator.gated_delta_net_state_shape`` (conv "SD" layout)."""
+def gdn_states(
+    model: HybridModel, tp: int, conv_layout: str = "SD"
+) -> tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]]:
+    """``MambaStateShapeCalculator.gated_delta_net_state_shape``: the conv state in
+    ``VLLM_SSM_CONV_STATE_LAYOUT`` ``conv_layout`` ("SD", vLLM's default: rows outside
+    the dim; "DS": the dim outside)."""
     conv_dim = (
         model.linear_key_head_dim * model.linear_num_key_heads * 2
         + model.linear_value_head_dim * model.linear_num_value_heads
     )
     conv = (model.linear_conv_kernel_dim - 1, conv_dim // tp)
+    if conv_layout == "DS":
+        conv = conv[::-1]
     ssm = (model.linear_num_value_heads // tp, model.linear_value_head_dim, model.linear_key_head_dim)
     return (conv, ssm), (model.dtype, model.mamba_ssm_dtype)
 
@@ -296,6 +304,11 @@ def make_engine(
     return Engine(config, layout, kernels, dict(layer_specs))
 
 
+def _mamba_backends() -> Any:
+    """vLLM's ``MambaAttentionBackendEnum`` (a spec's ``mamba_type``)."""
+    return importlib.import_module("vllm.v1.attention.backends.registry").MambaAttentionBackendEnum
+
+
 def hybrid_engine(
     model: HybridModel,
     backend: Backend,
@@ -307,12 +320,13 @@ def hybrid_engine(
     num_blocks: int = NUM_BLOCKS,
     layout: Any = None,
     uniform_type: bool = False,
+    conv_layout: str = "SD",
 ) -> Engine:
     """A GDN hybrid as vLLM 0.33 plans it: block size unified, Mamba page padded. In
     'none' mode (prefix caching off) the Mamba block is ``max_model_len`` tokens, one
     running state per request (``model_executor/models/config.py``)."""
     attn_page_1 = attention_spec(model, tp, 1).page_size_bytes
-    shapes, dtypes = gdn_states(model, tp)
+    shapes, dtypes = gdn_states(model, tp, conv_layout)
     mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
     align = (
         checkpoint_alignment if mamba_cache_mode == "align" else 1
@@ -326,6 +340,7 @@ def hybrid_engine(
         dtypes=dtypes,
         page_size_padded=padded if padded != mamba_page else None,
         mamba_cache_mode=mamba_cache_mode,
+        mamba_type=_mamba_backends().GDN_ATTN,
     )
     specs = {
         model.layer_name(i): attn if model.is_full_attention(i) else mamba

@@ -30,6 +30,7 @@ import torch
 from kvlayout import _native
 from kvlayout.errors import index_ranges
 from kvlayout.registration.memory import HoldsAddresses
+from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.shards import Shard
 from kvlayout.transfer.arguments import (
     block_ids_arg,
@@ -38,8 +39,9 @@ from kvlayout.transfer.arguments import (
     int_arg,
     threads_arg,
 )
-from kvlayout.transfer.map_pairs import _cached_pair, _groups_of, _heads, _Pair
+from kvlayout.transfer.map_pairs import _cached_pair, _groups_of, _heads, _Pair, _whole
 from kvlayout.transfer.map_sides import BlockMapError, Side, _as_side, chunk_side
+from kvlayout.transfer.sharded_pages import page_sides
 
 __all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
 
@@ -82,12 +84,20 @@ class BlockMap(HoldsAddresses):
         ids: tuple[np.ndarray, np.ndarray],
         num_tokens: int,
         first_token: int = 0,
+        *,
+        slots: tuple[int, int] | None = None,
+        kind: tuple[str, str] | None = None,
     ) -> None:
         self.src, self.dst = src, dst
         self.heads = pair.heads
         self.num_tokens = num_tokens
         self.first_token = first_token  # tokens [first_token, num_tokens) move
+        # The builder's slots [first, end) of the request: its tokens, or its pages where
+        # both sides are re-cut a page a slot (sharded_pages).
+        self._slots = (first_token, num_tokens) if slots is None else slots
         self._pair, self._ids = pair, ids
+        if kind is not None:
+            self._kind_and_reason = kind
         self._groups, self._num_runs = self._build_groups(force_sort=False)
 
     @functools.cached_property
@@ -98,8 +108,10 @@ class BlockMap(HoldsAddresses):
     @property
     def kind(self) -> str:
         """What differs between the sides: ``same layout``, or some of ``head slice``,
-        ``re-blocked``, ``permuted``, ``re-laid`` and ``chunk``; ``empty`` when no head is
-        in common. It is the pair's: a request of no tokens keeps it, with no runs."""
+        ``re-blocked``, ``permuted``, ``re-laid`` and ``chunk``; ``resharded state`` for
+        pages of TP-sharded state between ranks (vLLM's Mamba pages); ``empty`` when no
+        head (or slice of state) is in common. It is the pair's: a request of no tokens
+        keeps it, with no runs."""
         return self._kind_and_reason[0]
 
     @property
@@ -115,9 +127,10 @@ class BlockMap(HoldsAddresses):
         ``slabs_one_by_one`` a walk of every slab (none pasted from a slab of its shape)
         (tests hold each path to one answer)."""
         (src_ids, dst_ids), sizes = self._ids, (self.src.block_size, self.dst.block_size)
+        first, end = self._slots
         return _groups_of(
-            self._pair, self.num_tokens, src_ids, sizes[0], dst_ids, sizes[1],
-            force_sort, blocks_one_by_one, slabs_one_by_one, self.first_token,
+            self._pair, end, src_ids, sizes[0], dst_ids, sizes[1],
+            force_sort, blocks_one_by_one, slabs_one_by_one, first,
         )  # fmt: skip
 
     def _build(self, force_sort: bool) -> np.ndarray:
@@ -164,17 +177,15 @@ class BlockMap(HoldsAddresses):
         destination has layers that share a KV cache (the source's layers they stand for
         are not read)."""
         one, shard = (self.src, self._pair.src_shard) if col == 0 else (self.dst, self._pair.dst_shard)
-        ids, first = self._ids[col], self.first_token
+        ids, (first, end) = self._ids[col], self._slots
         if _native.first_repeated_block_id(ids, first // one.block_size, one.num_blocks) >= 0:
             return None
         if col == 0 and self.dst.repeats.any():
             return None
-        if not self.heads or self.num_tokens == first:
+        if not self.heads or end == first:
             return 0
         pair = _cached_pair(one, one, shard, shard, only=self.heads)
-        _, runs = _groups_of(
-            pair, self.num_tokens, ids, one.block_size, ids, one.block_size, first_token=first
-        )
+        _, runs = _groups_of(pair, end, ids, one.block_size, ids, one.block_size, first_token=first)
         return runs
 
     def __repr__(self) -> str:
@@ -378,12 +389,16 @@ def _kind(
     return ", ".join(kinds), "; ".join(why)
 
 
-def _check_opaque_pages(src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None) -> None:
+def _check_opaque_pages(
+    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None
+) -> tuple[Shard, Shard] | None:
     """Opaque pages (vLLM's group edits: rows that are bytes of a kernel's page) map only
-    to pages laid out alike, whole where a row is no token, rank to the same rank."""
+    to pages laid out alike, whole where a row is no token, rank to the same rank; pages
+    of TP-sharded state arrays to such pages of any rank, whose shards are returned (the
+    map then moves the state both ranks hold: sharded_pages)."""
     a, b = src.opaque_pages, dst.opaque_pages
     if (a is None and b is None) or src.layout is None or dst.layout is None:
-        return  # caches as engines register them, or a chunk of the cache's own rows
+        return None  # caches as engines register them, or a chunk of the cache's own rows
     how = "see docs/vllm-group-edits.md, the opaque-page contract"
     if a is None or b is None:
         edited, other, pages = ("src", "dst", a) if a is not None else ("dst", "src", b)
@@ -392,6 +407,23 @@ def _check_opaque_pages(src: Side, dst: Side, src_shard: Shard | None, dst_shard
             f"{edited} is opaque pages ({pages.layout}) and {other} is not: an edited group's rows are bytes "
             f"of the kernel's page, not tokens, so it maps only to a group edited alike ({how})"
         )
+    ranks = src.shard or src_shard, dst.shard or dst_shard
+    if a.arrays and b.arrays and not a.rows_are_tokens and not b.rows_are_tokens:
+        if src.block_size != dst.block_size:
+            raise BlockMapError(
+                f"src and dst are pages of state in blocks of {src.block_size} and {dst.block_size} rows: "
+                "a block's state is a snapshot at its last token, so pages map only between blocks of "
+                f"the same size ({how})"
+            )
+        if a.arrays != b.arrays and None in ranks:
+            raise BlockMapError(
+                f"src and dst pages hold state arrays of other sizes (src {_arrays(a)}; dst {_arrays(b)}): "
+                "TP-sharded state of two TP degrees; give src_shard and dst_shard, which ranks they are"
+            )
+        if a != b or (None not in ranks and ranks[0] != ranks[1]):
+            if ranks[0] is None or ranks[1] is None:  # the same arrays, laid in other views
+                return _whole(1), _whole(1)
+            return ranks[0], ranks[1]
     if a != b:
         tokens = {True: ", rows are tokens", False: ", rows are no tokens"}
         sa, sb = (f"{p.layout}{tokens[p.rows_are_tokens] if a.layout == b.layout else ''}" for p in (a, b))
@@ -410,6 +442,23 @@ def _check_opaque_pages(src: Side, dst: Side, src_shard: Shard | None, dst_shard
             f"src and dst are opaque pages of {ranks[0]} and {ranks[1]}: a page holds its rank's heads in "
             f"the kernel's order, so it maps only to the same rank's ({how})"
         )
+    return None
+
+
+def _arrays(pages: OpaquePages) -> str:
+    return ", ".join(f"{list(x.shape)} parts {list(x.parts)} on axis {x.axis}" for x in pages.arrays)
+
+
+def _state_kind(src: Side, dst: Side, ranks: tuple[Shard, Shard], common: bool, runs: int) -> tuple[str, str]:
+    a, b = ranks
+    at = f"TP {a.tp_size} rank {a.tp_rank}", f"TP {b.tp_size} rank {b.tp_rank}"
+    if not common:
+        return "empty", f"src ({at[0]}) and dst ({at[1]}) hold no slice of the state in common"
+    assert src.opaque_pages is not None and dst.opaque_pages is not None
+    pages = f"pages of state arrays (src {_arrays(src.opaque_pages)}; dst {_arrays(dst.opaque_pages)})"
+    if (a.tp_size, a.tp_rank) != (b.tp_size, b.tp_rank):
+        return "resharded state", f"{pages}: the slices {at[0]} and {at[1]} both hold, {runs} runs a page"
+    return "re-laid", f"{pages}: the same arrays in other views, {runs} runs a page"
 
 
 def block_map(
@@ -452,9 +501,10 @@ def block_map(
     src_block_size, dst_block_size = _block_size("src", src_block_size), _block_size("dst", dst_block_size)
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
-    _check_opaque_pages(a, b, src_shard, dst_shard)
+    state = _check_opaque_pages(a, b, src_shard, dst_shard)
     a_per, b_per = _pages_per_block(a, src_block_size, "src"), _pages_per_block(b, dst_block_size, "dst")
-    pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
+    if state is None:
+        pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
     a_len, b_len = _length(src_blocks), _length(dst_blocks)
     a_size, b_size = a.block_size * a_per, b.block_size * b_per  # the caller's blocks
     if num_tokens is None:
@@ -504,7 +554,15 @@ def block_map(
             )
     src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
     dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
-    result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first)
+    if state is None:
+        result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first)
+    else:  # a page a slot on both sides, its state's runs the pieces of its row
+        rows = b.block_size  # both sides' (_check_opaque_pages); tokens are whole pages of it
+        a, b, common = page_sides(a, b, *state)
+        pair = _cached_pair(a, b, *state)
+        pages = (first // rows, tokens // rows) if common else (first // rows,) * 2
+        kind = _state_kind(a, b, state, common, len(a.pieces))
+        result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first, slots=pages, kind=kind)
     if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
         result._raise(*_native.validate_groups(result._groups, a.spans, b.spans))
     return result

@@ -35,7 +35,9 @@ heads per kernel page. So:
 - not valid on edited groups: anything that reads the content (compression or other
   serde, blending, per-head resharding, layout conversion, K-only reads), and sharing
   stored blocks with an engine whose backend, kernel block size, page size, dtypes or
-  TP differ (the byte order inside a page depends on them).
+  TP differ (the byte order inside a page depends on them); but a Mamba page whose
+  spec says how TP splits its states is marked with them (``states``), and a block map
+  moves it between TP degrees.
 
 Invariants, enforced when the edits run: edits are views of the registered storage
 (no copy); k kernel pages become one block only when they are one contiguous run of

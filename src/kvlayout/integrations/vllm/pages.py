@@ -15,7 +15,8 @@ import torch
 
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
-from kvlayout.integrations.vllm.specs import spec_field
+from kvlayout.integrations.vllm.specs import spec_field, spec_size
+from kvlayout.integrations.vllm.states import state_arrays
 from kvlayout.registration.contiguity import (
     StridedViewError,
     attempt_permute_to_contiguous_view,
@@ -139,4 +140,8 @@ def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> Opa
     order = [d for d in physical_order(first.shape, first.stride()) if first.shape[d] != 1]
     inner = order[order.index(0) + 1 :] if 0 in order else order[1:]  # inside a page (heads may be outside)
     rows_are_tokens = token_axis is not None and len(tensors) == 1 and (not inner or inner[0] == token_axis)
-    return OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens)
+    arrays = state_arrays(spec)  # a Mamba page's TP-sharded states, which may then move between TP degrees
+    page = spec_size(spec, "page_size_bytes")
+    if arrays and (rows_are_tokens or page is None or arrays[-1].offset + arrays[-1].nbytes > page):
+        arrays = ()
+    return OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens, arrays)
