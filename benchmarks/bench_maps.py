@@ -2,7 +2,8 @@
 
 A Llama-3-8B-like model (32 layers, 8 KV heads of 128, bf16), one 1024-token request,
 its block ids scattered over a pool twice its size or consecutive, between two CPU
-caches for each scenario below; an MLA model (61 layers, a 576-wide latent) for the last.
+caches for each scenario below; an MLA model (61 layers, a 576-wide latent) for MLA,
+and Qwen3-Next's Gated DeltaNet state pages (one per layer and request) for the last.
 Each row prints the map's runs (and the groups it holds them in), bytes and mean run,
 the time to build the map (the request's part: the sides and the pair are prepared once,
 like a transfer plan) beside one detection of the destination registration, and
@@ -139,6 +140,29 @@ class Cache:
     num_blocks: int
     shard: Shard | None = None
     page_block_size: int | None = None  # for NB*BS formats
+    detect: Callable[[], Any] | None = None  # how the registration is detected, where not plain
+
+
+def gdn_state(tp: int, rank: int) -> Cache:
+    """Qwen3-Next-80B's first group of 12 Gated DeltaNet layers at TP ``tp`` in vLLM 0.33,
+    prefix caching off (one state page per request), conv state "DS": what a P/D
+    connector moves of a hybrid besides attention."""
+    from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+    from kvlayout.testing import vllm as vx
+
+    engine = vx.hybrid_engine(
+        vx.QWEN3_NEXT_80B_A3B, vx.FLASHINFER, tp=tp, num_blocks=8, mamba_cache_mode="none",
+        max_model_len=TOKENS, conv_layout="DS",
+    )  # fmt: skip
+    hints = {"kv_layout": "NHD"}
+    kv = apply_kv_cache_group_edits(engine.config, vx.allocate_v033(engine)[1], hints, prefix_reuse=False)
+    layers, groups = transfer_layers(engine.config, kv)
+
+    def detect() -> Any:
+        return kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+
+    group = detect().kernel_groups[0]
+    return Cache(group, layers, "vllm", hints, TOKENS, 8, Shard(rank, tp, 2), detect=detect)
 
 
 def vllm(hnd: bool, block_size: int, heads: int = NH, shard: Shard | None = None) -> Cache:
@@ -177,6 +201,7 @@ SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
     ("NHD 16 -> HND 64", lambda: (vllm(False, 16), vllm(True, 64))),  # an offload pool's blocks
     ("vLLM -> SGLang", lambda: (vllm(False, 16), sglang(16))),
     ("MLA TP 1->4", lambda: (mla(), mla(Shard(2, 4, 1)))),
+    ("GDN TP 1->2", lambda: (gdn_state(1, 0), gdn_state(2, 1))),
 ]
 
 
@@ -254,7 +279,8 @@ def measure(
 
     m = build()
     build_us = best_us(build, 20, repeats)
-    detect_us = best_us(lambda: kvlayout.detect(dst.raw, dst.engine, dst.hints), 20, repeats)
+    detect_dst = dst.detect or (lambda: kvlayout.detect(dst.raw, dst.engine, dst.hints))
+    detect_us = best_us(detect_dst, 20, repeats)
     runs = np.ascontiguousarray(m.runs)
     ends = np.cumsum(runs[:, 2]).astype(np.uint64)
     flat_src = torch.ones(m.num_bytes, dtype=torch.uint8)
