@@ -25,7 +25,7 @@ from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.binding import RegistrationError
-from kvlayout.registration.nesting import describe_path
+from kvlayout.registration.nesting import describe_path, leaves, map_leaves
 from kvlayout.types import ENGINE_LABELS, SIZE_HINTS, EngineType, LayoutHintError
 
 __all__ = [
@@ -444,6 +444,51 @@ def size_hint_conflict(
         if axis is not None and shape[axis] != wanted:
             return hint, wanted, layout.symbol_of(role) or role.value, int(shape[axis])
     return None
+
+
+# -- token rows read in blocks ---------------------------------------------------------------
+
+
+def token_rows_in_blocks(
+    engine: EngineType, fmt: EngineKVFormat, kv: Any, tokens_per_block: int | None, where: Callable[[], str]
+) -> Any:
+    """``kv`` with each leaf's one-token blocks re-viewed as blocks of ``tokens_per_block``:
+    where ``fmt`` reads a leaf's token axis (BS) as 1 right inside its block axis, the
+    leaf is token rows an engine pages by the hint's block size (ATOM's MLA cache
+    ``[NB*BS, 1, 576]``, SGLang's Ascend FIA pool ``[NB*BS, 1, NH, HS]``): block ``b`` is
+    rows ``b*BS .. b*BS + BS-1``. A view, never a copy; ``kv`` unchanged where the hint is
+    absent or the format's blocks already hold more than one token."""
+    layout = LAYOUTS[fmt]
+    block, token = layout.axis_of(Role.BLOCK), layout.axis_of(Role.TOKEN)
+    leaf = next((t for _, t in leaves(kv)), None)
+    if (
+        tokens_per_block is None
+        or tokens_per_block == 1
+        or leaf is None
+        or block is None
+        or token != block + 1
+        or leaf.shape[token] != 1
+    ):
+        return kv
+    for _, t in leaves(kv):
+        rows = int(t.shape[block])
+        if t.dim() != leaf.dim() or t.shape[token] != 1 or rows % tokens_per_block:
+            raise LayoutHintError(
+                f"{ENGINE_LABELS[engine]}: {fmt.name} reads blocks of one token here, and "
+                f"{tuple(t.shape)}'s {rows} token rows do not split into blocks of "
+                f"tokens_per_block={tokens_per_block} ({where()})"
+            )
+
+    def blocks(t: torch.Tensor) -> torch.Tensor:
+        shape = (
+            *t.shape[:block],
+            t.shape[block] // tokens_per_block,
+            tokens_per_block,
+            *t.shape[token + 1 :],
+        )
+        return t.view(shape)
+
+    return map_leaves(kv, blocks)
 
 
 # -- folded page buffers (NB*BS on one axis) -------------------------------------------------

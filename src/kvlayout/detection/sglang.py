@@ -12,7 +12,9 @@ Quirks that live here and nowhere else:
   it is an error that names the missing hint. (A single-head K/V list is shape-identical
   to MLA, which is why SGLang sends ``k_v``.)
 * ``tokens_per_block`` un-folds a page buffer into ``[NB, BS, ...]`` (the MP daemon's
-  layouts), for MHA and MLA alike; LMCache ignores it for two-list registrations.
+  layouts), for MHA and MLA alike; LMCache ignores it for two-list registrations. It
+  also reads token rows with a one-token block axis in blocks: the Ascend NPU pool under
+  ``ASCEND_USE_FIA=1`` registers per-layer views ``[NB*BS, 1, NH, HS]`` as K and V lists.
 * A DSA indexer key cache is a flat list of 2-D uint8 pages ``[pages, BS * W]``: SGLang
   folds each page's tokens into the row. W is the width of the blocked-scale format's
   record (the algebra's region width, 132 bytes), so BS is the row's width over W; each
@@ -38,6 +40,7 @@ from kvlayout.detection.base import (
     match,
     pick,
     probe,
+    token_rows_in_blocks,
     unfold_shape,
     unfolded_twin,
 )
@@ -85,7 +88,8 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])
     tpb = hints.tokens_per_block
     if tpb is None or not LAYOUTS[fmt].is_pbs_fused:
-        return fmt, kv
+        # Ascend's FIA pool: per-layer views [NB*BS, 1, NH, HS] read as one-token blocks
+        return fmt, token_rows_in_blocks(ENGINE, fmt, kv, tpb, lambda: f"SGLang: {p.describe()}")
     return _unfolded(kv, p, fmt, tpb)
 
 
