@@ -201,6 +201,9 @@ def test_sglang_structures() -> None:
         (layers((7, 3, 4)), {"kv_list_layout": "unified", "tokens_per_block": 4}, LayoutHintError,
          "tokens_per_block=4 contradicts NL_X_NB_BS_HS, whose BS is 3"),
         (layers((7, 3, 2, 4)), {}, DetectionError, "unless layout hint kv_list_layout says 'k_v'"),
+        (layers((9, 96, 3)), {}, DetectionError, "kv_list_layout='k_v'; a hybrid's Mamba state buffers (conv "
+         "[slots, conv_dim, K-1], temporal [slots, H, head_dim, state]) are one state per request slot, not KV "
+         "pages, and kvlayout does not read them"),
         (t(21, 2, 4), {}, DetectionError, "SGLang registers lists of per-layer tensors, not one tensor"),
         ([[layers((7, 3, 4))]], {}, DetectionError, "no SGLang format has list depth 3"),
     ],
@@ -451,6 +454,10 @@ def test_trtllm_mla_errors(kv: Any, hints: dict[str, Any], error: type[Exception
          "TRT-LLM: layout hint tokens_per_block=4 contradicts NB_NL_TWO_NH_BS_HS, whose BS is 3"),
         (t(7, 5, 3, 2, 3, 4), {}, DetectionError, "NB_NL_TWO_NH_BS_HS needs dim 2 == 2 (got 3)"),
         (layers((7, 3, 4)), {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 5"),
+        (torch.zeros(7, 5, 2, 12, dtype=torch.int8), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4},
+         LayoutHintError, "flat dim 12 != num_kv_heads (2) * tokens_per_block (3) * head_dim (4) = 24: a byte "
+         "pool half that size is NVFP4, two values a byte, whose block scales TRT-LLM keeps in another pool; "
+         "detect it with head_dim=2"),
     ],
 )  # fmt: skip
 def test_trtllm_errors(kv: Any, hints: dict[str, Any], error: type[Exception], message: str) -> None:

@@ -53,6 +53,13 @@ from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 ENGINE = EngineType.SGLANG
 
 
+# What SGLang's state buffers (get_state_buf_infos) look like, and that they are not KV pages.
+_NOT_STATE = (
+    "; a hybrid's Mamba state buffers (conv [slots, conv_dim, K-1], temporal [slots, H, head_dim, "
+    "state]) are one state per request slot, not KV pages, and kvlayout does not read them"
+)
+
+
 def _order(hints: LayoutHints) -> Decision:
     return ("kv_layout", "is_hnd", bool(hints.is_hnd))
 
@@ -77,12 +84,13 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     elif p.depth == 1 and p.rank == 3 and p.shape[1] != 1:
         raise DetectionError(
             f"SGLang: {p.describe()} is not MLA (an MLA page buffer is [NB*BS, 1, HS]); for K layers "
-            "then V layers pass layout hint kv_list_layout='k_v'"
+            f"then V layers pass layout hint kv_list_layout='k_v'{_NOT_STATE}"
         )
     elif p.depth == 1 and p.rank != 3:
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list is an MLA page buffer [NB*BS, 1, HS] unless "
             "layout hint kv_list_layout says 'k_v' (K layers then V layers) or 'unified' (components)"
+            f"{_NOT_STATE}"
         )
     # A rank-3 leaf here is a folded page buffer; a rank-4 one (two lists) already has NB, BS.
     fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])

@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import torch
+
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.base import DetectionError, engine_formats, pick, probe
 from kvlayout.layout.algebra import sizes_by_role
@@ -84,7 +86,9 @@ def _latent(pool: Any, hints: LayoutHints) -> Any:
             )
         bs, hs = shape[3] * shape[4], shape[5]  # hints given are checked against the view
     else:
-        bs, hs = _split_row(shape, hints, _ROW_HINTS[1:], "K-only (MLA) pool", "[NB, NL, 1, BS*HS]")
+        bs, hs = _split_row(
+            shape, hints, _ROW_HINTS[1:], "K-only (MLA) pool", "[NB, NL, 1, BS*HS]", _bytes(pool)
+        )
     target = LAYOUTS[next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_mla)]
     by_role = {Role.BLOCK: nb, Role.LAYER: nl, Role.TOKEN: bs, Role.ELEMENT: hs}
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
@@ -95,7 +99,7 @@ def _unflatten(pool: Any, hints: LayoutHints, hnd: bool) -> Any:
     nb, nl, kv = shape[:3]
     if kv != 2:
         raise DetectionError(f"TRT-LLM pool {shape}: the K/V axis (dim 2) is {kv}, not 2 or 1")
-    nh, bs, hs = _split_row(shape, hints, _ROW_HINTS, "pool", "[NB, NL, 2, NH*BS*HS]")
+    nh, bs, hs = _split_row(shape, hints, _ROW_HINTS, "pool", "[NB, NL, 2, NH*BS*HS]", _bytes(pool))
     # The pool row folds the heads, tokens and head elements of a cross-layer layout, in the
     # order the attention backend writes them.
     target = LAYOUTS[
@@ -105,8 +109,13 @@ def _unflatten(pool: Any, hints: LayoutHints, hnd: bool) -> Any:
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
 
 
+def _bytes(pool: Any) -> bool:
+    """An int8/uint8 pool: TRT-LLM stores NVFP4 KV so, two values a byte."""
+    return getattr(pool, "dtype", None) in (torch.int8, torch.uint8)
+
+
 def _split_row(
-    shape: tuple[int, ...], hints: LayoutHints, names: tuple[str, ...], pool: str, folded: str
+    shape: tuple[int, ...], hints: LayoutHints, names: tuple[str, ...], pool: str, folded: str, packed: bool
 ) -> list[int]:
     """The sizes the hints ``names`` split a 4-D ``pool``'s flat row (dim 3, ``folded``) into."""
     missing = [name for name in names if getattr(hints, name) is None]
@@ -118,8 +127,15 @@ def _split_row(
     sizes = [int(getattr(hints, name)) for name in names]
     if shape[3] != math.prod(sizes):
         factors = " * ".join(f"{name} ({size})" for name, size in zip(names, sizes, strict=True))
+        fp4 = ""
+        if packed and 2 * shape[3] == math.prod(sizes):
+            fp4 = (
+                ": a byte pool half that size is NVFP4, two values a byte, whose block scales TRT-LLM keeps "
+                f"in another pool; detect it with head_dim={sizes[-1] // 2} (its bytes per head and token), "
+                "and the scale pool on its own with its bytes per head and token, and move both"
+            )
         raise LayoutHintError(
-            f"TRT-LLM {pool} {shape}: flat dim {shape[3]} != {factors} = {math.prod(sizes)}"
+            f"TRT-LLM {pool} {shape}: flat dim {shape[3]} != {factors} = {math.prod(sizes)}{fp4}"
         )
     return sizes
 
