@@ -836,7 +836,8 @@ def lie(path: str, value: Any) -> str:
 
 
 LIES = [
-    ("version", 2, "description.version=2 is outside [1, 2)"),
+    ("version", 3, "description.version=3 is outside [1, 3)"),
+    ("version", 0, "description.version=0 is outside [1, 3)"),
     ("groups", [], "description.groups is empty"),
     ("groups[0].format", "NL_X_MADE_UP", "description.groups[0].format 'NL_X_MADE_UP' is not a kvlayout format name"),
     ("groups[0].planes[0].dtype", "complex64", "description.groups[0].planes[0].dtype 'complex64' is not one of"),

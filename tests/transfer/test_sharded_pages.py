@@ -65,7 +65,7 @@ def _page(
         values: np.ndarray = (mine + 1000 * k + fill).astype(dtype)
         page += bytes(gap) + values.tobytes()
         declared.append(
-            PageArray(base, tuple(mine.shape), np.dtype(dtype).itemsize, axis, tuple(p // tp for p in parts))
+            PageArray(base, tuple(mine.shape), np.dtype(dtype).name, axis, tuple(p // tp for p in parts))
         )
         where.append(mine)
         base += values.nbytes
@@ -103,24 +103,41 @@ def test_template_moves_exactly_the_elements_both_ranks_hold(case: dict[str, obj
 
 
 def test_arrays_that_are_not_one_state_are_refused() -> None:
-    a = OpaquePages("s", False, (PageArray(0, (8, 3), 2, 0, (8,)),))
+    a = OpaquePages("s", False, (PageArray(0, (8, 3), "bfloat16", 0, (8,)),))
     for other, message in [
-        ((), r"src pages declare 1 state arrays and dst pages 0"),
-        ((PageArray(0, (4, 3), 4, 0, (4,)),), r"state array 0 .*: they are not the same array"),
+        ((), r"^src pages declare 1 state arrays and dst pages 0: not the same state"),
         (
-            (PageArray(0, (4, 2), 2, 0, (4,)),),
-            r"they differ on an axis TP does not shard \(shapes \(8, 3\) and \(4, 2\)",
+            (PageArray(0, (4, 3), "float16", 0, (4,)),),
+            r"^state array 0 is bfloat16 \[8, 3\] \(axis 0 in parts \[8\]\) in src and float16 \[4, 3\] "
+            r"\(axis 0 in parts \[4\]\) in dst: other dtypes \(a map copies bytes\)",
         ),
-        ((PageArray(0, (8, 3), 2, 0, (8,)),), r"part 0 is 8 of 8 at TP 1 and 8 of 16 at TP 2"),
+        ((PageArray(0, (3, 4), "bfloat16", 1, (4,)),), r"in dst: other axes or parts \(another order"),
+        ((PageArray(0, (4, 2), "bfloat16", 0, (4,)),), r"in dst: other sizes on an axis TP does not shard"),
+        (
+            (PageArray(0, (8, 3), "bfloat16", 0, (8,)),),
+            r"^state array 0 cannot move between TP 1 rank 0 and TP 2 rank 1: its part 0 is 8 of 8 at TP 1 and "
+            r"8 of 16 at TP 2\. The model's sizes differ",
+        ),
     ]:
         with pytest.raises(BlockMapError, match=message):
             page_template(a, OpaquePages("s", False, other), Shard(0, 1, 8), Shard(1, 2, 8), (64, 64))
 
 
+def test_a_template_of_too_many_runs_is_refused() -> None:
+    """A peer may declare arrays whose sharded axis is innermost under a huge outer axis."""
+    big = (PageArray(0, (70000, 2), "int8", 1, (2,)),)
+    small = (PageArray(0, (70000, 1), "int8", 1, (1,)),)
+    with pytest.raises(BlockMapError, match=r"cut a page into more than 65536 runs"):
+        page_template(OpaquePages("s", False, big), OpaquePages("s", False, small), Shard(0, 1, 2), Shard(1, 2, 2),
+                      (140000, 70000))  # fmt: skip
+
+
 def test_page_arrays_are_checked_when_made() -> None:
     with pytest.raises(ValueError, match=r"parts \[3\] must add up to its axis 0 of shape \[4\]"):
-        PageArray(0, (4,), 1, 0, (3,))
+        PageArray(0, (4,), "int8", 0, (3,))
     with pytest.raises(TypeError, match=r"shape must be a tuple of positive ints"):
-        PageArray(0, (4, 0), 1, 0, (4,))
+        PageArray(0, (4, 0), "int8", 0, (4,))
+    with pytest.raises(ValueError, match=r"dtype 'int4' is not one of bfloat16"):
+        PageArray(0, (4,), "int4", 0, (4,))
     with pytest.raises(ValueError, match=r"page array 1 starts at byte 3, inside array 0 \(bytes 0 to 4\)"):
-        OpaquePages("s", False, (PageArray(0, (4,), 1, 0, (4,)), PageArray(3, (4,), 1, 0, (4,))))
+        OpaquePages("s", False, (PageArray(0, (4,), "int8", 0, (4,)), PageArray(3, (4,), "int8", 0, (4,))))

@@ -21,7 +21,10 @@ from typing import NamedTuple
 
 import torch
 
+from kvlayout.layout.dtypes import DTYPE_SIZES
+
 __all__ = [
+    "MAX_ARRAY_DIMS",
     "MAX_PAGE_ARRAYS",
     "MAX_PAGE_LAYOUT",
     "OpaquePages",
@@ -38,45 +41,54 @@ MAX_PAGE_LAYOUT = 1024
 MAX_PAGE_ARRAYS = 16
 """The most :attr:`OpaquePages.arrays` a page may declare (a description is untrusted)."""
 
-_MAX_ARRAY_DIMS = 8
+MAX_ARRAY_DIMS = 8
+"""The most axes a :class:`PageArray` may have."""
+
 _ATTRIBUTE = "_kvlayout_opaque_pages"
 
 
 @dataclass(frozen=True)
 class PageArray:
     """An array of a page's state that tensor parallelism shards: ``shape`` (this rank's)
-    elements of ``itemsize`` bytes, C-contiguous from byte ``offset`` of the page, whose
-    axis ``axis`` concatenates ``parts`` (this rank's lengths along it), each part sharded
-    over the ranks on its own: rank ``r`` of ``T`` holds indices ``[r*n, (r+1)*n)`` of a
-    part ``n*T`` long. A Mamba2 conv state in vLLM's "DS" order is ``(conv_dim, rows)``
-    with parts ``(x, B, C)`` on axis 0; in "SD" order ``(rows, conv_dim)`` on axis 1; its
-    SSM state ``(heads, head_dim, d_state)`` is one part on axis 0. What a page declares so
-    lets a block map move it between ranks of other TP degrees."""
+    elements of ``dtype`` (a name of :data:`~kvlayout.layout.dtypes.DTYPE_SIZES`),
+    C-contiguous from byte ``offset`` of the page, whose axis ``axis`` concatenates
+    ``parts`` (this rank's lengths along it), each part sharded over the ranks on its
+    own: rank ``r`` of ``T`` holds indices ``[r*n, (r+1)*n)`` of a part ``n*T`` long. A
+    Mamba2 conv state in vLLM's "DS" order is ``(conv_dim, rows)`` with parts
+    ``(x, B, C)`` on axis 0; in "SD" order ``(rows, conv_dim)`` on axis 1; its SSM state
+    ``(heads, head_dim, d_state)`` is one part on axis 0. What a page declares so lets a
+    block map move it between ranks of other TP degrees."""
 
     offset: int
     shape: tuple[int, ...]
-    itemsize: int
+    dtype: str
     axis: int
     parts: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        for name in ("offset", "itemsize", "axis"):
+        for name in ("offset", "axis"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise TypeError(f"a page array's {name} must be an int")
         for name in ("shape", "parts"):
             value = getattr(self, name)
             if not isinstance(value, tuple) or not all(type(x) is int and x > 0 for x in value):
                 raise TypeError(f"a page array's {name} must be a tuple of positive ints")
-        if self.offset < 0 or self.itemsize <= 0 or not 0 < len(self.shape) <= _MAX_ARRAY_DIMS:
+        if self.dtype not in DTYPE_SIZES:
+            raise ValueError(f"a page array's dtype {self.dtype!r} is not one of {', '.join(DTYPE_SIZES)}")
+        if self.offset < 0 or not 0 < len(self.shape) <= MAX_ARRAY_DIMS:
             raise ValueError(
-                f"a page array has offset >= 0, itemsize > 0 and 1 to {_MAX_ARRAY_DIMS} axes, not "
-                f"offset {self.offset}, itemsize {self.itemsize}, shape {list(self.shape)}"
+                f"a page array has offset >= 0 and 1 to {MAX_ARRAY_DIMS} axes, not offset {self.offset}, "
+                f"shape {list(self.shape)}"
             )
         if not 0 <= self.axis < len(self.shape) or sum(self.parts) != self.shape[self.axis]:
             raise ValueError(
                 f"a page array's parts {list(self.parts)} must add up to its axis {self.axis} of shape "
                 f"{list(self.shape)}"
             )
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
 
     @property
     def nbytes(self) -> int:

@@ -49,7 +49,13 @@ from kvlayout.registration.memory import (
     check_disjoint,
     partly_shared,
 )
-from kvlayout.registration.opaque import MAX_PAGE_ARRAYS, MAX_PAGE_LAYOUT, OpaquePages, PageArray
+from kvlayout.registration.opaque import (
+    MAX_ARRAY_DIMS,
+    MAX_PAGE_ARRAYS,
+    MAX_PAGE_LAYOUT,
+    OpaquePages,
+    PageArray,
+)
 from kvlayout.registration.shards import Shard, ShardError, heads_are_the_model_s
 
 __all__ = [
@@ -59,7 +65,9 @@ __all__ = [
     "RegistrationDescription",
 ]
 
-VERSION = 1
+VERSION = 2
+"""The newest description version: 2 adds opaque pages' state arrays (a description
+without them is still written as version 1, which readers before them read too)."""
 DEVICE_TYPES = ("cpu", "cuda")
 MAX_SIZE = 1 << 32  # any one size (blocks, tokens, heads, ...)
 MAX_SPAN = 1 << 48  # bytes one tensor may span
@@ -193,7 +201,7 @@ class RegistrationDescription:
 def to_data(d: RegistrationDescription) -> dict[str, Any]:
     return {
         "kvlayout": "registration-description",
-        "version": VERSION,
+        "version": VERSION if any(g.opaque_pages and g.opaque_pages.arrays for g in d.groups) else 1,
         "device": {"type": d.device_type, "index": d.device_index},
         "engine": d.engine,
         "shard": None
@@ -293,7 +301,7 @@ def from_data(data: object) -> RegistrationDescription:
         raise PeerDescriptionError(
             f"description.kvlayout is {_shown(top['kvlayout'])}, not 'registration-description'"
         )
-    _int("description.version", top["version"], VERSION, VERSION + 1)
+    version = _int("description.version", top["version"], 1, VERSION + 1)
     device = _fields("description.device", top["device"], ("type", "index"))
     if device["type"] not in DEVICE_TYPES:
         raise PeerDescriptionError(
@@ -324,6 +332,11 @@ def from_data(data: object) -> RegistrationDescription:
     for i, g in enumerate(groups_data):
         groups_list.append(_group_from(f"description.groups[{i}]", g, left))
         left -= sum(len(p.addresses) for p in groups_list[-1].planes)
+        pages = groups_list[-1].opaque_pages
+        if version < 2 and pages is not None and pages.arrays:
+            raise PeerDescriptionError(
+                f"description.groups[{i}].opaque_pages.arrays needs description.version 2, not {version}"
+            )
     groups = tuple(groups_list)
     misfit = shard_misfit(groups, shard)
     if misfit is not None:
@@ -413,7 +426,7 @@ def _opaque_json(pages: OpaquePages) -> dict[str, Any]:
     out: dict[str, Any] = {"layout": pages.layout, "rows_are_tokens": pages.rows_are_tokens}
     if pages.arrays:  # only where declared: a description without them reads as before
         out["arrays"] = [
-            {"offset": x.offset, "shape": list(x.shape), "itemsize": x.itemsize, "axis": x.axis,
+            {"offset": x.offset, "shape": list(x.shape), "dtype": x.dtype, "axis": x.axis,
              "parts": list(x.parts)}
             for x in pages.arrays
         ]  # fmt: skip
@@ -421,20 +434,18 @@ def _opaque_json(pages: OpaquePages) -> dict[str, Any]:
 
 
 def _page_array_from(where: str, data: object) -> PageArray:
-    x = _fields(where, data, ("offset", "shape", "itemsize", "axis", "parts"))
-    shape = tuple(
-        _int(f"{where}.shape[{i}]", n, 1, MAX_SIZE)
-        for i, n in enumerate(_list(f"{where}.shape", x["shape"], 8))
-    )
-    parts = tuple(
-        _int(f"{where}.parts[{i}]", n, 1, MAX_SIZE)
-        for i, n in enumerate(_list(f"{where}.parts", x["parts"], MAX_PAGE_ARRAYS))
-    )
+    x = _fields(where, data, ("offset", "shape", "dtype", "axis", "parts"))
+    shape = _ints(f"{where}.shape", x["shape"], MAX_ARRAY_DIMS, 1, MAX_SIZE)
+    parts = _ints(f"{where}.parts", x["parts"], MAX_PAGE_ARRAYS, 1, MAX_SIZE)
+    dtype = x["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_SIZES:
+        raise PeerDescriptionError(f"{where}.dtype {_shown(dtype)} is not one of {', '.join(DTYPE_SIZES)}")
+    offset = _int(f"{where}.offset", x["offset"], 0, MAX_SPAN)
+    axis = _int(f"{where}.axis", x["axis"], 0, max(len(shape), 1))
+    if math.prod(shape) * DTYPE_SIZES[dtype] >= MAX_SPAN:
+        raise PeerDescriptionError(f"{where}: shape {list(shape)} of {dtype} spans 2**48 bytes or more")
     try:
-        return PageArray(
-            _int(f"{where}.offset", x["offset"], 0, MAX_SIZE), shape,
-            _int(f"{where}.itemsize", x["itemsize"], 1, 64), _int(f"{where}.axis", x["axis"], 0, 8), parts,
-        )  # fmt: skip
+        return PageArray(offset, shape, dtype, axis, parts)
     except ValueError as e:
         raise PeerDescriptionError(f"{where}: {e}") from None
 

@@ -31,7 +31,7 @@ from kvlayout import _native
 from kvlayout.errors import index_ranges
 from kvlayout.registration.memory import HoldsAddresses
 from kvlayout.registration.opaque import OpaquePages
-from kvlayout.registration.shards import Shard
+from kvlayout.registration.shards import Shard, ShardError
 from kvlayout.transfer.arguments import (
     block_ids_arg,
     check_ids_in_range,
@@ -39,9 +39,9 @@ from kvlayout.transfer.arguments import (
     int_arg,
     threads_arg,
 )
-from kvlayout.transfer.map_pairs import _cached_pair, _groups_of, _heads, _Pair, _whole
+from kvlayout.transfer.map_pairs import _cached_pair, _groups_of, _heads, _Pair, _whole, given_shard
 from kvlayout.transfer.map_sides import BlockMapError, Side, _as_side, chunk_side
-from kvlayout.transfer.sharded_pages import page_sides
+from kvlayout.transfer.sharded_pages import page_sides, structure_problem
 
 __all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
 
@@ -407,24 +407,12 @@ def _check_opaque_pages(
             f"{edited} is opaque pages ({pages.layout}) and {other} is not: an edited group's rows are bytes "
             f"of the kernel's page, not tokens, so it maps only to a group edited alike ({how})"
         )
-    ranks = src.shard or src_shard, dst.shard or dst_shard
+    ranks = given_shard(src, src_shard, "src"), given_shard(dst, dst_shard, "dst")
     if a.arrays and b.arrays and not a.rows_are_tokens and not b.rows_are_tokens:
-        if src.block_size != dst.block_size:
-            raise BlockMapError(
-                f"src and dst are pages of state in blocks of {src.block_size} and {dst.block_size} rows: "
-                "a block's state is a snapshot at its last token, so pages map only between blocks of "
-                f"the same size ({how})"
-            )
-        if a.arrays != b.arrays and None in ranks:
-            raise BlockMapError(
-                f"src and dst pages hold state arrays of other sizes (src {_arrays(a)}; dst {_arrays(b)}): "
-                "TP-sharded state of two TP degrees; give src_shard and dst_shard, which ranks they are"
-            )
-        if a != b or (None not in ranks and ranks[0] != ranks[1]):
-            if ranks[0] is None or ranks[1] is None:  # the same arrays, laid in other views
-                return _whole(1), _whole(1)
-            return ranks[0], ranks[1]
-    if a != b:
+        state = _state_ranks(src, dst, ranks, how)
+        if state is not None:
+            return state
+    if (a.layout, a.rows_are_tokens) != (b.layout, b.rows_are_tokens):  # state arrays or not: a page alike
         tokens = {True: ", rows are tokens", False: ", rows are no tokens"}
         sa, sb = (f"{p.layout}{tokens[p.rows_are_tokens] if a.layout == b.layout else ''}" for p in (a, b))
         raise BlockMapError(
@@ -436,12 +424,45 @@ def _check_opaque_pages(
             f"src and dst are opaque pages in blocks of {src.block_size} and {dst.block_size} rows: "
             f"whole pages map only to pages of the same size ({how})"
         )
-    ranks = src.shard or src_shard, dst.shard or dst_shard
     if None not in ranks and ranks[0] != ranks[1]:
         raise BlockMapError(
             f"src and dst are opaque pages of {ranks[0]} and {ranks[1]}: a page holds its rank's heads in "
             f"the kernel's order, so it maps only to the same rank's ({how})"
         )
+    return None
+
+
+def _state_ranks(
+    src: Side, dst: Side, ranks: tuple[Shard | None, Shard | None], how: str
+) -> tuple[Shard, Shard] | None:
+    """The ranks a map between two pages of state arrays moves the state between, or None
+    where the pages are alike and of one rank (they move whole)."""
+    a, b = src.opaque_pages, dst.opaque_pages
+    assert a is not None and b is not None
+    if src.block_size != dst.block_size:
+        raise BlockMapError(
+            f"src and dst are pages of state in blocks of {src.block_size} and {dst.block_size} rows: "
+            "a block's state is a snapshot at its last token, so pages map only between blocks of "
+            f"the same size ({how})"
+        )
+    problem = structure_problem(a, b)
+    if problem is not None:
+        raise BlockMapError(f"src and dst pages do not hold the same state: {problem} ({how})")
+    if a.arrays != b.arrays and None in ranks:
+        raise BlockMapError(
+            f"src and dst pages hold state arrays of other sizes (src {_arrays(a)}; dst {_arrays(b)}): "
+            "TP-sharded state of two TP degrees; give src_shard and dst_shard, which ranks they are"
+        )
+    if ranks[0] is not None and ranks[1] is not None:
+        if ranks[0].num_kv_heads != ranks[1].num_kv_heads:
+            raise ShardError(
+                f"src_shard {ranks[0]} and dst_shard {ranks[1]} disagree on the model's KV heads: two models"
+            )
+        if a != b or ranks[0] != ranks[1]:
+            return ranks[0], ranks[1]
+        return None
+    if a != b:  # the same arrays, laid in other views (or other padding): rank to the same rank
+        return _whole(1), _whole(1)
     return None
 
 

@@ -47,13 +47,20 @@ def _whole(heads: int) -> Shard:
     return Shard(0, 1, heads)
 
 
-def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
+def given_shard(side: Side, shard: Shard | None, where: str) -> Shard | None:
+    """The side's shard: the one its description says, or the caller's (a Shard, which
+    must agree with a description's)."""
     if shard is not None and not isinstance(shard, Shard):
         raise TypeError(f"{where}_shard must be a kvlayout.transfer.Shard, not {type(shard).__name__}")
     if side.shard is not None:
         if shard is not None and shard != side.shard:
             raise ShardError(f"{where}_shard is {shard}, but the {where} description says {side.shard}")
         shard = side.shard
+    return shard
+
+
+def _heads(side: Side, shard: Shard | None, where: str) -> Shard | None:
+    shard = given_shard(side, shard, where)
     if not side.has_heads:
         return shard  # latents: every rank holds them whole
     if shard is None or not heads_are_the_model_s(side.has_heads, side.opaque_pages):

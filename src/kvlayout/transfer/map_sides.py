@@ -5,6 +5,7 @@ and cached on the kernel group (:mod:`kvlayout.transfer.block_maps` pairs two si
 from __future__ import annotations
 
 import functools
+import inspect
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -200,6 +201,16 @@ class Side(HoldsAddresses):
     def __repr__(self) -> str:
         return f"Side({self.label}, {self.num_blocks} blocks of {self.block_size}, {self.device[0]})"
 
+    def replaced(self, **changes: Any) -> Side:
+        """This side with ``changes`` to its fields (a new side: no pair of this one's kept).
+        The fields are the constructor's, each read back from the attribute of its name."""
+        names = _side_fields()
+        unknown = set(changes) - set(names)
+        if unknown:
+            raise TypeError(f"a Side has no field(s) {', '.join(sorted(unknown))}")
+        fields = {name: getattr(self, "_placement" if name == "placement" else name) for name in names}
+        return Side(**{**fields, **changes})
+
     @property
     def live(self) -> bool:
         """The side holds its tensors (a registration or a chunk), so ``copy()`` may run."""
@@ -236,6 +247,11 @@ class Side(HoldsAddresses):
         out = np.stack([start, (blocks - np.uint64(1)) * period + block], axis=1).astype(np.uint64)
         out.setflags(write=False)
         return out
+
+
+@functools.cache
+def _side_fields() -> tuple[str, ...]:
+    return tuple(name for name in inspect.signature(Side.__init__).parameters if name != "self")
 
 
 def _data_kind(layout: Layout, kv: int, has_heads: bool) -> str:

@@ -16,11 +16,12 @@ import math
 
 import numpy as np
 
+from kvlayout.layout.dtypes import same_bytes
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.shards import Shard
 from kvlayout.transfer.map_sides import BlockMapError, Side
 
-__all__ = ["MAX_TEMPLATE_RUNS", "page_sides", "page_template"]
+__all__ = ["MAX_TEMPLATE_RUNS", "page_sides", "page_template", "structure_problem"]
 
 MAX_TEMPLATE_RUNS = 1 << 16
 """The most runs one page's template may hold (a peer's arrays are untrusted)."""
@@ -30,29 +31,38 @@ def _part_starts(array: PageArray) -> list[int]:
     return [sum(array.parts[:j]) for j in range(len(array.parts))]
 
 
-def _check_alike(i: int, x: PageArray, y: PageArray, src: Shard, dst: Shard) -> None:
-    """Arrays ``i`` of both pages are one array of the model, sharded at two degrees."""
-    problem = None
-    if (x.itemsize, x.axis, len(x.shape), len(x.parts)) != (y.itemsize, y.axis, len(y.shape), len(y.parts)):
-        problem = "they are not the same array (element size, axes or parts differ)"
-    elif x.shape[: x.axis] + x.shape[x.axis + 1 :] != y.shape[: y.axis] + y.shape[y.axis + 1 :]:
-        problem = f"they differ on an axis TP does not shard (shapes {x.shape} and {y.shape}, axis {x.axis})"
-    else:
-        for j, (n, m) in enumerate(zip(x.parts, y.parts, strict=True)):
-            if n * src.tp_size != m * dst.tp_size:
-                problem = (
-                    f"part {j} is {n} of {n * src.tp_size} at TP {src.tp_size} and {m} of "
-                    f"{m * dst.tp_size} at TP {dst.tp_size}: the model's sizes differ, so some part is "
-                    "replicated rather than sharded (vLLM replicates a Mamba2 model's B and C groups "
-                    "where n_groups is not a multiple of TP), and which slice a rank holds is not "
-                    "in its page"
-                )
-                break
-    if problem is not None:
-        raise BlockMapError(
-            f"state array {i} of the pages (src {x}, dst {y}) cannot move between TP {src.tp_size} rank "
-            f"{src.tp_rank} and TP {dst.tp_size} rank {dst.tp_rank}: {problem}"
-        )
+def structure_problem(a: OpaquePages, b: OpaquePages) -> str | None:
+    """Why two pages' arrays are not one model's state at any two TP degrees (the same
+    arrays, dtypes, sharded axes and parts, the same sizes on every other axis), or None."""
+    if len(a.arrays) != len(b.arrays):
+        return f"src pages declare {len(a.arrays)} state arrays and dst pages {len(b.arrays)}"
+    for i, (x, y) in enumerate(zip(a.arrays, b.arrays, strict=True)):
+        what = f"state array {i} is {_array(x)} in src and {_array(y)} in dst"
+        if not same_bytes(x.dtype, y.dtype):
+            return f"{what}: other dtypes (a map copies bytes)"
+        if (x.axis, len(x.shape), len(x.parts)) != (y.axis, len(y.shape), len(y.parts)):
+            return f'{what}: other axes or parts (another order, as vLLM\'s conv states "DS" and "SD")'
+        if x.shape[: x.axis] + x.shape[x.axis + 1 :] != y.shape[: y.axis] + y.shape[y.axis + 1 :]:
+            return f"{what}: other sizes on an axis TP does not shard"
+    return None
+
+
+def _array(x: PageArray) -> str:
+    return f"{x.dtype} {list(x.shape)} (axis {x.axis} in parts {list(x.parts)})"
+
+
+def _check_sizes(i: int, x: PageArray, y: PageArray, src: Shard, dst: Shard) -> None:
+    """Arrays ``i`` of both pages hold parts of one model's sizes at the two degrees."""
+    for j, (n, m) in enumerate(zip(x.parts, y.parts, strict=True)):
+        if n * src.tp_size != m * dst.tp_size:
+            raise BlockMapError(
+                f"state array {i} cannot move between TP {src.tp_size} rank {src.tp_rank} and TP "
+                f"{dst.tp_size} rank {dst.tp_rank}: its part {j} is {n} of {n * src.tp_size} at TP "
+                f"{src.tp_size} and {m} of {m * dst.tp_size} at TP {dst.tp_size}. The model's sizes differ, "
+                "so the part is replicated rather than sharded (vLLM replicates a Mamba2 model's B and C "
+                "groups where n_groups is not a multiple of TP), and which slice a rank holds is not in its "
+                "page; or the pages are not one model's"
+            )
 
 
 def page_template(
@@ -63,11 +73,9 @@ def page_template(
 
     Rank ``r`` of ``T`` holds indices ``[r*n, (r+1)*n)`` of a part ``n*T`` long; a run is
     one part's common indices at one index of the axes outside the sharded one."""
-    if len(a.arrays) != len(b.arrays):
-        raise BlockMapError(
-            f"src pages declare {len(a.arrays)} state arrays and dst pages {len(b.arrays)}: "
-            "not the same state"
-        )
+    problem = structure_problem(a, b)
+    if problem is not None:
+        raise BlockMapError(f"{problem}: not the same state")
     for where, pages, size in (("src", a, page_bytes[0]), ("dst", b, page_bytes[1])):
         if pages.arrays_end > size:
             raise BlockMapError(
@@ -76,7 +84,7 @@ def page_template(
     out: list[np.ndarray] = []
     count = 0
     for i, (x, y) in enumerate(zip(a.arrays, b.arrays, strict=True)):
-        _check_alike(i, x, y, src, dst)
+        _check_sizes(i, x, y, src, dst)
         outer = math.prod(x.shape[: x.axis])
         inner = math.prod(x.shape[x.axis + 1 :]) * x.itemsize
         at = np.arange(outer, dtype=np.int64)
@@ -104,30 +112,16 @@ def _one_side(side: Side, offsets: np.ndarray, widths: np.ndarray, page_bytes: i
         raise BlockMapError(f"{where}: pages of state arrays are one row of bytes per block ({side.label})")
     n = len(widths)
     starts = np.concatenate(([0], np.cumsum(widths)[:-1])).astype(np.int64)  # the same on both sides
-    block_stride = int(side.strides[0, 0])
-    return Side(
-        label=side.label,
-        layout=side.layout,
-        data=side.data,
-        layers=side.layers,
-        kv=1,
-        heads=1,
+    return side.replaced(
         has_heads=False,
         pieces=np.stack([starts, widths.astype(np.int64)], axis=1),
         piece_dtypes=(side.piece_dtypes[0],) * n,
         tensor=np.repeat(side.tensor[:, :, :1], n, axis=2),
         offset=side.offset[:, :, :1] + offsets.astype(side.offset.dtype)[None, None, :],
-        strides=np.tile(np.array([[block_stride, page_bytes, page_bytes]], dtype=side.strides.dtype), (n, 1)),
-        addresses=side.addresses,
-        spans=side.spans,
-        num_blocks=side.num_blocks,
+        strides=np.tile(
+            np.array([[side.strides[0, 0], page_bytes, page_bytes]], dtype=side.strides.dtype), (n, 1)
+        ),
         block_size=1,
-        device=side.device,
-        shard=side.shard,
-        owner=side.owner,
-        placement=side._placement,
-        repeats=side.repeats,
-        opaque_pages=side.opaque_pages,
     )
 
 

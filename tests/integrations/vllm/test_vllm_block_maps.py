@@ -119,6 +119,8 @@ def test_opaque_pages_map_only_to_opaque_pages_of_the_same_rank() -> None:
     _, src, _ = edited_cache(vx.KVCacheLayout.LBHNC, 1)
     _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
     plain = json.loads(dst.describe().to_json())
+    # pages without state arrays are written as before state arrays were (readers before them read them)
+    assert plain["version"] == 1 and set(plain["groups"][0]["opaque_pages"]) == {"layout", "rows_are_tokens"}
     plain["groups"][0]["opaque_pages"] = None  # the same tensors, as if an engine registered them so
     with pytest.raises(
         BlockMapError, match=r"^src is opaque pages \(subpaged-attention: .*\) and dst is not"

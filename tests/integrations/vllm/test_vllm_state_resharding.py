@@ -9,6 +9,7 @@ column and SSM head of both ranks in the model's global order from the model's c
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -26,6 +27,7 @@ from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_laye
 from kvlayout.integrations.vllm.states import state_arrays
 from kvlayout.registration.opaque import PageArray
 from kvlayout.registration.peers import PeerDescriptionError, RegistrationDescription
+from kvlayout.registration.shards import ShardError
 from kvlayout.transfer import BlockMapError, Shard, block_map
 
 HINTS = {"kv_layout": "NHD"}
@@ -36,10 +38,12 @@ KV_HEADS = MODEL.num_key_value_heads
 class Rank:
     """One rank of a Qwen3.5 GDN hybrid in vLLM 0.33, its Mamba pages filled at random."""
 
-    def __init__(self, tp: int, rank: int, conv_layout: str, mode: str, seed: int) -> None:
-        self.tp, self.rank, self.conv_layout = tp, rank, conv_layout
+    def __init__(
+        self, tp: int, rank: int, conv_layout: str, mode: str, seed: int, model: vx.HybridModel = MODEL
+    ) -> None:
+        self.tp, self.rank, self.conv_layout, self.model = tp, rank, conv_layout, model
         self.engine = vx.hybrid_engine(
-            MODEL, vx.FLASHINFER, num_blocks=4, tp=tp, conv_layout=conv_layout, mamba_cache_mode=mode,
+            model, vx.FLASHINFER, num_blocks=4, tp=tp, conv_layout=conv_layout, mamba_cache_mode=mode,
             max_model_len=40960,
         )  # fmt: skip
         self.buf, self.raw = vx.allocate_v033(self.engine)
@@ -48,7 +52,7 @@ class Rank:
         kv = apply_kv_cache_group_edits(self.engine.config, self.raw, HINTS, prefix_reuse=mode == "align")
         layers, groups = transfer_layers(self.engine.config, kv)
         self.registration = kvlayout.detect(layers, "vllm", HINTS, layer_groups=groups)
-        self.shard = Shard(rank, tp, KV_HEADS)
+        self.shard = Shard(rank, tp, model.num_key_value_heads)
         self.group = next(g for g in self.registration.kernel_groups if g.opaque_pages is not None)
         self.names = self.engine.config.kv_cache_groups[self.group.engine_group].layer_names
         self.spec = self.engine.spec_of(self.names[0])
@@ -71,8 +75,8 @@ class Rank:
 
     def conv_columns(self) -> torch.Tensor:
         """The model's conv column of each of this rank's: Q, K and V each split over TP."""
-        key = MODEL.linear_key_head_dim * MODEL.linear_num_key_heads
-        value = MODEL.linear_value_head_dim * MODEL.linear_num_value_heads
+        key = self.model.linear_key_head_dim * self.model.linear_num_key_heads
+        value = self.model.linear_value_head_dim * self.model.linear_num_value_heads
         out, start = [], 0
         for size in (key, key, value):
             n = size // self.tp
@@ -81,7 +85,7 @@ class Rank:
         return torch.cat(out)
 
     def ssm_heads(self) -> torch.Tensor:
-        n = MODEL.linear_num_value_heads // self.tp
+        n = self.model.linear_num_value_heads // self.tp
         return torch.arange(self.rank * n, (self.rank + 1) * n)
 
 
@@ -120,17 +124,20 @@ PAIRS = [
 ]
 
 
+@pytest.mark.parametrize("model", [MODEL, vx.QWEN3_NEXT_80B_A3B], ids=lambda m: m.name)
 @pytest.mark.parametrize("conv_layout", ["DS", "SD"])
 @pytest.mark.parametrize(("src_at", "dst_at"), PAIRS)
 def test_state_moves_between_tp_degrees_byte_exactly(
-    conv_layout: str, src_at: tuple[int, int], dst_at: tuple[int, int]
+    conv_layout: str, src_at: tuple[int, int], dst_at: tuple[int, int], model: vx.HybridModel
 ) -> None:
-    src = Rank(src_at[0], src_at[1], conv_layout, "none", seed=1)
-    dst = Rank(dst_at[0], dst_at[1], conv_layout, "none", seed=2)
+    """Qwen3-Next's V is twice its Q and K, so a Q | K | V split in another order moves
+    other bytes."""
+    src = Rank(src_at[0], src_at[1], conv_layout, "none", seed=1, model=model)
+    dst = Rank(dst_at[0], dst_at[1], conv_layout, "none", seed=2, model=model)
     expected = expected_after(src, dst, [2], [1])
     m = block_map(src.group, dst.group, [2], [1], src_shard=src.shard, dst_shard=dst.shard)
     assert m.kind == "resharded state"
-    rows = 1 if conv_layout == "DS" else MODEL.linear_conv_kernel_dim - 1
+    rows = 1 if conv_layout == "DS" else model.linear_conv_kernel_dim - 1
     assert m.num_runs == len(m.src.layers) * (3 * rows + 1)  # Q, K, V per conv row, and the SSM heads
     runs = m.runs.astype(np.int64)
     joinable = (runs[1:, 0] == runs[:-1, 0] + runs[:-1, 2]) & (runs[1:, 1] == runs[:-1, 1] + runs[:-1, 2])
@@ -243,8 +250,8 @@ def mamba2_spec(tp: int, n_groups: int, block_size: int = 16) -> Any:
 
 def test_a_mamba2_spec_reads_as_x_b_and_c() -> None:
     conv, ssm = state_arrays(mamba2_spec(2, 8))
-    assert conv == PageArray(0, (2048 + 1024, 3), 2, 0, (2048, 512, 512))
-    assert ssm == PageArray(3072 * 3 * 2, (32, 64, 128), 4, 0, (32,))
+    assert conv == PageArray(0, (2048 + 1024, 3), "bfloat16", 0, (2048, 512, 512))
+    assert ssm == PageArray(3072 * 3 * 2, (32, 64, 128), "float32", 0, (32,))
 
 
 def test_specs_without_a_known_split_declare_no_arrays() -> None:
@@ -319,12 +326,16 @@ def test_a_peer_s_arrays_travel_in_its_description_and_are_checked() -> None:
         with pytest.raises(PeerDescriptionError, match=message):
             RegistrationDescription.from_json(json.dumps(bad))
 
-    array = {"offset": 0, "shape": [3, 3072], "itemsize": 2, "axis": 1, "parts": [1024, 1024, 1024]}
+    array = {"offset": 0, "shape": [3, 3072], "dtype": "bfloat16", "axis": 1, "parts": [1024, 1024, 1024]}
     refused("x", r"opaque_pages.arrays must be a list, not a string")
     refused(
         [dict(array, parts=[1024, 1024])], r"arrays\[0\]: a page array's parts \[1024, 1024\] must add up"
     )
-    refused([dict(array, axis=2)], r"arrays\[0\]: a page array's parts .* must add up to its axis 2")
+    refused([dict(array, axis=2)], r"arrays\[0\].axis=2 is outside \[0, 2\)")
+    refused([dict(array, dtype="int4")], r"arrays\[0\].dtype 'int4' is not one of")
+    refused(
+        [dict(array, shape=[1 << 31, 1 << 31], parts=[1 << 31])], r"arrays\[0\]: shape .* spans 2\*\*48 bytes"
+    )
     refused([dict(array, shape=[3, 0])], r"arrays\[0\].shape\[1\]=0 is outside \[1, ")
     refused([array, array], r"page array 1 starts at byte 0, inside array 0")
     refused([dict(array, extra=1)], r"arrays\[0\] has unknown field\(s\) 'extra'")
@@ -367,3 +378,116 @@ def test_state_moves_through_nixl_between_tp_degrees(strategy: str) -> None:
         staging.close()
         for h in held:
             h.deregister()
+
+
+def test_a_state_of_another_dtype_is_refused() -> None:
+    """One instance keeps Qwen3-Next's SSM state in float16, the other in bfloat16: bytes of
+    the same size, other numbers."""
+    fp16 = dataclasses.replace(vx.QWEN3_NEXT_80B_A3B, mamba_ssm_dtype=torch.float16)
+    for src_tp, dst_tp in ((2, 2), (1, 2)):
+        src = Rank(src_tp, 1 % src_tp, "DS", "none", seed=1, model=vx.QWEN3_NEXT_80B_A3B)
+        dst = Rank(dst_tp, 1, "DS", "none", seed=2, model=fp16)
+        with pytest.raises(
+            BlockMapError, match=r"do not hold the same state: state array 1 is bfloat16 .* float16"
+        ):
+            block_map(src.group, dst.group, [0], [0], src_shard=src.shard, dst_shard=dst.shard)
+
+
+def test_shards_are_checked_on_the_state_path() -> None:
+    src, dst = Rank(1, 0, "DS", "none", seed=1), Rank(2, 1, "DS", "none", seed=2)
+    with pytest.raises(TypeError, match=r"^src_shard must be a kvlayout.transfer.Shard, not str"):
+        block_map(src.group, dst.group, [0], [0], src_shard="x", dst_shard=dst.shard)  # type: ignore[arg-type]
+    with pytest.raises(ShardError, match=r"disagree on the model's KV heads"):
+        block_map(src.group, dst.group, [0], [0], src_shard=Shard(0, 1, 4), dst_shard=dst.shard)
+    peer = RegistrationDescription.from_json(dst.registration.describe(shard=dst.shard).to_json())
+    index = next(i for i, g in enumerate(peer.groups) if g.opaque_pages is not None)
+    with pytest.raises(ShardError, match=r"dst_shard is Shard\(tp_rank=0, .* but the dst description says"):
+        block_map(
+            src.group, peer.group(index), [0], [0], src_shard=src.shard, dst_shard=Shard(0, 2, KV_HEADS)
+        )
+
+
+def test_one_pair_of_sides_maps_to_each_rank_it_is_asked_for() -> None:
+    """The re-cut sides are kept per pair of ranks: a second rank gets its own slices."""
+    src = Rank(1, 0, "DS", "none", seed=1)
+    dsts = [Rank(2, r, "DS", "none", seed=2) for r in range(2)]
+    first = block_map(
+        src.group, dsts[0].group, [0], [0], src_shard=src.shard, dst_shard=Shard(0, 2, KV_HEADS)
+    )
+    second = block_map(
+        src.group, dsts[0].group, [0], [0], src_shard=src.shard, dst_shard=Shard(1, 2, KV_HEADS)
+    )
+    assert not np.array_equal(first.runs[:, 0], second.runs[:, 0])  # rank 1's slices are other source bytes
+
+
+def test_replicated_groups_are_refused_in_both_directions() -> None:
+    from kvlayout.registration.opaque import OpaquePages
+    from kvlayout.transfer.sharded_pages import page_template
+
+    one, two = (OpaquePages("mamba", False, state_arrays(mamba2_spec(tp, 1))) for tp in (1, 2))
+    with pytest.raises(BlockMapError, match=r"part 1 is 128 of 256 at TP 2 and 128 of 128 at TP 1"):
+        page_template(two, one, Shard(1, 2, 8), Shard(0, 1, 8), (1 << 22, 1 << 22))
+
+
+def test_what_declares_no_arrays() -> None:
+    """Specs whose split no rule gives keep their pages whole: a replay ring's extra
+    states, a TP-replicated state, shapes that fit the model's split on both axes."""
+    backends = importlib.import_module("vllm.v1.attention.backends.registry").MambaAttentionBackendEnum
+    spec = mamba2_spec(2, 8)
+    ring = vx.kvi.MambaSpec(block_size=16, shapes=(*spec.shapes, (4, 8)), dtypes=(*spec.dtypes, torch.float32),
+                            mamba_type=backends.MAMBA2)  # fmt: skip
+    assert state_arrays(ring) == ()
+    replicated = dataclasses.replace(spec, tp_replicated=True)
+    assert state_arrays(replicated) == ()
+    # Mamba1: conv (intermediate, rows), SSM (intermediate, state): the dim is the SSM's first axis
+    mamba1 = vx.kvi.MambaSpec(block_size=16, shapes=((1024, 3), (1024, 16)), dtypes=(torch.bfloat16, torch.float32),
+                              mamba_type=backends.MAMBA1)  # fmt: skip
+    assert state_arrays(mamba1) == (
+        PageArray(0, (1024, 3), "bfloat16", 0, (1024,)),
+        PageArray(1024 * 3 * 2, (1024, 16), "float32", 0, (1024,)),
+    )
+    sd = dataclasses.replace(mamba1, shapes=((3, 1024), (1024, 16)))
+    assert state_arrays(sd)[0] == PageArray(0, (3, 1024), "bfloat16", 1, (1024,))
+    both = dataclasses.replace(mamba1, shapes=((16, 16), (16, 16)))  # either axis is the dim
+    assert state_arrays(both) == ()
+
+
+def test_descriptions_with_arrays_are_version_2_and_others_read_as_before() -> None:
+    """Readers before state arrays read version 1 only; pages without arrays (an older
+    peer's, or the same rank's) still move whole."""
+    src, dst = Rank(2, 1, "DS", "none", seed=1), Rank(2, 1, "DS", "none", seed=2)
+    wire = _description(dst)
+    assert wire["version"] == 2
+    index = next(i for i, g in enumerate(wire["groups"]) if g["opaque_pages"] is not None)
+    old = json.loads(json.dumps(wire))
+    old["version"] = 1
+    with pytest.raises(PeerDescriptionError, match=r"opaque_pages.arrays needs description.version 2, not 1"):
+        RegistrationDescription.from_json(json.dumps(old))
+    for group in old["groups"]:  # what an older kvlayout sends
+        if group["opaque_pages"] is not None:
+            del group["opaque_pages"]["arrays"]
+    peer = RegistrationDescription.from_json(json.dumps(old))
+    m = block_map(src.group, peer.group(index), [0], [3], src_shard=src.shard)
+    assert m.kind == "same layout" and m.num_runs == len(m.src.layers)  # whole pages, padding too
+    # a page in another view of the same arrays moves the arrays only, rank to rank
+    other = json.loads(json.dumps(wire))
+    other["groups"][index]["opaque_pages"]["layout"] = "mamba-state-list: another view"
+    m = block_map(src.group, RegistrationDescription.from_json(json.dumps(other)).group(index), [0], [3])
+    assert m.kind == "re-laid" and m.num_runs == len(m.src.layers)  # conv and SSM, back to back
+    pages = src.group.opaque_pages
+    assert pages is not None and m.num_bytes == len(m.src.layers) * pages.arrays_end
+    # a registration without state arrays still writes version 1
+    plain = kvlayout.detect([torch.zeros(4, 2, 16, 2, 8)], "vllm", {"kv_layout": "NHD"})
+    assert json.loads(plain.describe().to_json())["version"] == 1
+
+
+def test_align_mode_state_maps_are_estimated_for_nixl() -> None:
+    from kvlayout.transfer import nixl as nx
+
+    src, dst = Rank(1, 0, "SD", "align", seed=3), Rank(2, 1, "SD", "align", seed=4)
+    m = block_map(
+        src.group, dst.group, [0, 3], [2, 1], num_tokens=1088, src_shard=src.shard, dst_shard=dst.shard
+    )
+    estimate = nx.estimate(m, poster="dst")
+    assert estimate.descriptors["direct"] == m.num_runs
+    assert estimate.descriptors["peer-staged"] == 2 * len(m.src.layers)  # decode's pages are its stretches

@@ -7,6 +7,7 @@ run, pages sit a fixed byte stride apart, and an edited layer is re-viewed as
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -140,8 +141,9 @@ def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> Opa
     order = [d for d in physical_order(first.shape, first.stride()) if first.shape[d] != 1]
     inner = order[order.index(0) + 1 :] if 0 in order else order[1:]  # inside a page (heads may be outside)
     rows_are_tokens = token_axis is not None and len(tensors) == 1 and (not inner or inner[0] == token_axis)
-    arrays = state_arrays(spec)  # a Mamba page's TP-sharded states, which may then move between TP degrees
+    # a Mamba page's TP-sharded states, which may then move between TP degrees
+    pages = OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens, state_arrays(spec))
     page = spec_size(spec, "page_size_bytes")
-    if arrays and (rows_are_tokens or page is None or arrays[-1].offset + arrays[-1].nbytes > page):
-        arrays = ()
-    return OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens, arrays)
+    if pages.arrays and (rows_are_tokens or page is None or pages.arrays_end > page):
+        return dataclasses.replace(pages, arrays=())
+    return pages

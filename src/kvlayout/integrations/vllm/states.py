@@ -13,12 +13,12 @@ reads here: the dim axis is the one the model's split fits.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
 from kvlayout.integrations.vllm.specs import SpecKind, spec_field, spec_kind
+from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import PageArray
 
 __all__ = ["mamba_type", "state_arrays"]
@@ -69,6 +69,8 @@ def state_arrays(spec: Any) -> tuple[PageArray, ...]:
     if len(fits) != 1:
         return ()  # no axis, or both, is the model's dim: which one TP splits is unknown
     axis, parts = fits[0]
-    conv_item, ssm_item = (torch.empty(0, dtype=d).element_size() for d in dtypes)
-    conv_array = PageArray(0, conv, conv_item, axis, parts)
-    return conv_array, PageArray(math.prod(conv) * conv_item, ssm, ssm_item, 0, (ssm[0],))
+    conv_dtype, ssm_dtype = (str(d).removeprefix("torch.") for d in dtypes)
+    if conv_dtype not in DTYPE_SIZES or ssm_dtype not in DTYPE_SIZES:
+        return ()
+    conv_array = PageArray(0, conv, conv_dtype, axis, parts)
+    return conv_array, PageArray(conv_array.nbytes, ssm, ssm_dtype, 0, (ssm[0],))
