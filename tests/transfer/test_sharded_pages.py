@@ -130,6 +130,14 @@ def test_a_template_of_too_many_runs_is_refused() -> None:
     with pytest.raises(BlockMapError, match=r"cut a page into more than 65536 runs"):
         page_template(OpaquePages("s", False, big), OpaquePages("s", False, small), Shard(0, 1, 2), Shard(1, 2, 2),
                       (140000, 70000))  # fmt: skip
+    # refused before anything of that size is made: 2**46 outer indices would be 512 TiB of runs
+    huge = (
+        (PageArray(0, (1 << 23, 1 << 23, 2), "int8", 2, (2,)),),
+        (PageArray(0, (1 << 23, 1 << 23, 1), "int8", 2, (1,)),),
+    )
+    with pytest.raises(BlockMapError, match=r"cut a page into more than 65536 runs"):
+        page_template(OpaquePages("s", False, huge[0]), OpaquePages("s", False, huge[1]), Shard(0, 1, 2),
+                      Shard(1, 2, 2), (1 << 47, 1 << 46))  # fmt: skip
 
 
 def test_page_arrays_are_checked_when_made() -> None:

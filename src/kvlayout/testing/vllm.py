@@ -377,6 +377,7 @@ def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
         dtypes=dtypes,
         page_size_padded=mla.page_size_bytes,
         mamba_cache_mode="align",
+        mamba_type=_mamba_backends().GDN_ATTN,  # vLLM 0.33's KDA layers report GDN's backend
     )
     specs = {
         f"model.layers.{i}.{'self_attn' if i % 3 == 2 else 'linear_attn'}": mla if i % 3 == 2 else kda

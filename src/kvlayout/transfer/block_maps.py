@@ -473,13 +473,14 @@ def _arrays(pages: OpaquePages) -> str:
 def _state_kind(src: Side, dst: Side, ranks: tuple[Shard, Shard], common: bool, runs: int) -> tuple[str, str]:
     a, b = ranks
     at = f"TP {a.tp_size} rank {a.tp_rank}", f"TP {b.tp_size} rank {b.tp_rank}"
+    per_page = f"{runs} run{'s' * (runs != 1)} a page"
     if not common:
         return "empty", f"src ({at[0]}) and dst ({at[1]}) hold no slice of the state in common"
     assert src.opaque_pages is not None and dst.opaque_pages is not None
     pages = f"pages of state arrays (src {_arrays(src.opaque_pages)}; dst {_arrays(dst.opaque_pages)})"
     if (a.tp_size, a.tp_rank) != (b.tp_size, b.tp_rank):
-        return "resharded state", f"{pages}: the slices {at[0]} and {at[1]} both hold, {runs} runs a page"
-    return "re-laid", f"{pages}: the same arrays in other views, {runs} runs a page"
+        return "resharded state", f"{pages}: the slices {at[0]} and {at[1]} both hold, {per_page}"
+    return "re-laid", f"{pages}: the same arrays in other views, {per_page}"
 
 
 def block_map(
@@ -582,7 +583,7 @@ def block_map(
         a, b, common = page_sides(a, b, *state)
         pair = _cached_pair(a, b, *state)
         pages = (first // rows, tokens // rows) if common else (first // rows,) * 2
-        kind = _state_kind(a, b, state, common, len(a.pieces))
+        kind = _state_kind(a, b, state, common, len(pair.slabs) // len(a.layers))  # a layer's joined runs
         result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first, slots=pages, kind=kind)
     if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
         result._raise(*_native.validate_groups(result._groups, a.spans, b.spans))

@@ -87,17 +87,17 @@ def page_template(
         _check_sizes(i, x, y, src, dst)
         outer = math.prod(x.shape[: x.axis])
         inner = math.prod(x.shape[x.axis + 1 :]) * x.itemsize
-        at = np.arange(outer, dtype=np.int64)
         for n, m, xs, ys in zip(x.parts, y.parts, _part_starts(x), _part_starts(y), strict=True):
             lo = max(src.tp_rank * n, dst.tp_rank * m)
             hi = min((src.tp_rank + 1) * n, (dst.tp_rank + 1) * m)
             if lo >= hi:
                 continue
             count += outer
-            if count > MAX_TEMPLATE_RUNS:
+            if count > MAX_TEMPLATE_RUNS:  # before any array of them is made
                 raise BlockMapError(
                     f"the pages' state arrays cut a page into more than {MAX_TEMPLATE_RUNS} runs"
                 )
+            at = np.arange(outer, dtype=np.int64)
             s = x.offset + (at * x.shape[x.axis] + xs + lo - src.tp_rank * n) * inner
             d = y.offset + (at * y.shape[y.axis] + ys + lo - dst.tp_rank * m) * inner
             out.append(np.stack([s, d, np.full(outer, (hi - lo) * inner, dtype=np.int64)], axis=1))

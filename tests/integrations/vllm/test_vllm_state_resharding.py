@@ -139,6 +139,7 @@ def test_state_moves_between_tp_degrees_byte_exactly(
     assert m.kind == "resharded state"
     rows = 1 if conv_layout == "DS" else model.linear_conv_kernel_dim - 1
     assert m.num_runs == len(m.src.layers) * (3 * rows + 1)  # Q, K, V per conv row, and the SSM heads
+    assert m.reason.endswith(f"both hold, {3 * rows + 1} runs a page")
     runs = m.runs.astype(np.int64)
     joinable = (runs[1:, 0] == runs[:-1, 0] + runs[:-1, 2]) & (runs[1:, 1] == runs[:-1, 1] + runs[:-1, 2])
     assert not joinable.any()  # the fewest runs: none continues the one before on both sides
@@ -474,6 +475,7 @@ def test_descriptions_with_arrays_are_version_2_and_others_read_as_before() -> N
     other["groups"][index]["opaque_pages"]["layout"] = "mamba-state-list: another view"
     m = block_map(src.group, RegistrationDescription.from_json(json.dumps(other)).group(index), [0], [3])
     assert m.kind == "re-laid" and m.num_runs == len(m.src.layers)  # conv and SSM, back to back
+    assert m.reason.endswith("the same arrays in other views, 1 run a page")
     pages = src.group.opaque_pages
     assert pages is not None and m.num_bytes == len(m.src.layers) * pages.arrays_end
     # a registration without state arrays still writes version 1
