@@ -75,6 +75,11 @@ def test_token_rows_that_do_not_split_into_blocks_are_refused() -> None:
         r"split into blocks of tokens_per_block=16 \(kv_caches\[0\]: shape \(40, 1, 576\)",
     ):
         kvlayout.detect(kv, "atom", {"tokens_per_block": 16})
+    # ATOM's MP connector registers a block as one row of its bytes: the rows are blocks, not tokens
+    with pytest.raises(
+        LayoutHintError, match=r"tokens_per_block=16 contradicts NL_X_NB_BS_HS, whose BS is 1"
+    ):
+        kvlayout.detect([torch.zeros(64, 1, 16 * 1152, dtype=torch.uint8)], "atom", {"tokens_per_block": 16})
     # blocks of more than one token keep contradicting another block size
     with pytest.raises(
         LayoutHintError, match=r"tokens_per_block=16 contradicts NL_X_NB_BS_HS, whose BS is 8"
