@@ -85,3 +85,22 @@ def test_token_rows_that_do_not_split_into_blocks_are_refused() -> None:
         LayoutHintError, match=r"tokens_per_block=16 contradicts NL_X_NB_BS_HS, whose BS is 8"
     ):
         kvlayout.detect([torch.zeros(5, 8, 576)], "atom", {"tokens_per_block": 16})
+
+
+def test_sglang_fia_pools_of_fp8_bytes_and_of_two_head_sizes_read_in_pages() -> None:
+    """SGLang stores an fp8 pool as uint8 (a head axis says these are token rows, not a
+    block's bytes), and MiMo-V2's K and V heads differ (two kernel groups)."""
+    pages, ps = 4, 16
+
+    def views(heads: int, dim: int, dtype: torch.dtype) -> list[torch.Tensor]:
+        pool = torch.zeros(2, pages + 1, ps, heads, dim, dtype=dtype)
+        return [pool[i].view(-1, 1, heads, dim) for i in range(2)]
+
+    hints = {"kv_list_layout": "k_v", "tokens_per_block": ps}
+    fp8 = kvlayout.detect(views(2, 64, torch.uint8) + views(2, 64, torch.uint8), "sglang", hints)
+    assert [(g.block_size, g.num_blocks) for g in fp8.kernel_groups] == [(ps, pages + 1)]
+    mixed = kvlayout.detect(views(2, 192, torch.bfloat16) + views(2, 128, torch.bfloat16), "sglang", hints)
+    assert [(g.layers, g.block_size, g.num_blocks) for g in mixed.kernel_groups] == [
+        ((0, 1), ps, pages + 1),
+        ((2, 3), ps, pages + 1),
+    ]

@@ -457,9 +457,10 @@ def token_rows_in_blocks(
     leaf is token rows an engine pages by the hint's block size (ATOM's MLA cache
     ``[NB*BS, 1, 576]``, SGLang's Ascend FIA pool ``[NB*BS, 1, NH, HS]``): block ``b`` is
     rows ``b*BS .. b*BS + BS-1``. A view, never a copy; ``kv`` unchanged where the hint is
-    absent, the format's blocks already hold more than one token, or the rows are bytes
-    (int8/uint8: ATOM's MP connector registers each block as one row of its bytes,
-    ``[NB, 1, block_bytes]``, which the hint's block size then contradicts, as it should)."""
+    absent, the format's blocks already hold more than one token, or the rows are rows of
+    bytes, ``[N, 1, W]`` int8/uint8 (ATOM's MP connector registers each block as one row of
+    its bytes, ``[NB, 1, block_bytes]``, which the hint's block size then contradicts, as it
+    should; an fp8 pool stored as uint8 with a head axis, ``[N, 1, NH, HS]``, is token rows)."""
     layout = LAYOUTS[fmt]
     block, token = layout.axis_of(Role.BLOCK), layout.axis_of(Role.TOKEN)
     leaf = next((t for _, t in leaves(kv)), None)
@@ -470,7 +471,7 @@ def token_rows_in_blocks(
         or block is None
         or token != block + 1
         or leaf.shape[token] != 1
-        or leaf.dtype in (torch.int8, torch.uint8)
+        or (leaf.dim() == 3 and leaf.dtype in (torch.int8, torch.uint8))
     ):
         return kv
     for _, t in leaves(kv):

@@ -27,6 +27,7 @@ Quirks that live here and nowhere else:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -199,8 +200,14 @@ def split_mixed(kv: list[Any], hints: LayoutHints) -> tuple[list[torch.Tensor], 
                 f"layer 0's {list(first.shape)} {first.dtype} on {first.device}; a kernel group's layers "
                 "are alike"
             )
-        if first.dim() == 4:  # already [NB, BS, NH, HS] (the MP daemon's)
-            sides.append(list(buffers))
+        if first.dim() == 4:  # already [NB, BS, NH, HS] (the MP daemon's), or Ascend FIA's token rows
+            fmt = pick(
+                ENGINE, probe(buffers), decide=[("kv_list_layout", "is_pbs_fused", False), _order(hints)]
+            )
+            where = functools.partial(str, f"{_head_sizes(*mixed)}: {name} layers {list(first.shape)}")
+            sides.append(
+                list(token_rows_in_blocks(ENGINE, fmt, list(buffers), hints.tokens_per_block, where))
+            )
             continue
         bs = hints.tokens_per_block
         if bs is None:
