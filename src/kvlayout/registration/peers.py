@@ -67,7 +67,9 @@ __all__ = [
 
 VERSION = 2
 """The newest description version: 2 adds opaque pages' state arrays (a description
-without them is still written as version 1, which readers before them read too)."""
+without them is still written as :data:`VERSION_WITHOUT_ARRAYS`, which readers before
+them read too)."""
+VERSION_WITHOUT_ARRAYS = 1
 DEVICE_TYPES = ("cpu", "cuda")
 MAX_SIZE = 1 << 32  # any one size (blocks, tokens, heads, ...)
 MAX_SPAN = 1 << 48  # bytes one tensor may span
@@ -201,7 +203,9 @@ class RegistrationDescription:
 def to_data(d: RegistrationDescription) -> dict[str, Any]:
     return {
         "kvlayout": "registration-description",
-        "version": VERSION if any(g.opaque_pages and g.opaque_pages.arrays for g in d.groups) else 1,
+        "version": VERSION
+        if any(g.opaque_pages and g.opaque_pages.arrays for g in d.groups)
+        else VERSION_WITHOUT_ARRAYS,
         "device": {"type": d.device_type, "index": d.device_index},
         "engine": d.engine,
         "shard": None
@@ -301,7 +305,7 @@ def from_data(data: object) -> RegistrationDescription:
         raise PeerDescriptionError(
             f"description.kvlayout is {_shown(top['kvlayout'])}, not 'registration-description'"
         )
-    version = _int("description.version", top["version"], 1, VERSION + 1)
+    version = _int("description.version", top["version"], VERSION_WITHOUT_ARRAYS, VERSION + 1)
     device = _fields("description.device", top["device"], ("type", "index"))
     if device["type"] not in DEVICE_TYPES:
         raise PeerDescriptionError(
@@ -333,9 +337,10 @@ def from_data(data: object) -> RegistrationDescription:
         groups_list.append(_group_from(f"description.groups[{i}]", g, left))
         left -= sum(len(p.addresses) for p in groups_list[-1].planes)
         pages = groups_list[-1].opaque_pages
-        if version < 2 and pages is not None and pages.arrays:
+        if version == VERSION_WITHOUT_ARRAYS and pages is not None and pages.arrays:
             raise PeerDescriptionError(
-                f"description.groups[{i}].opaque_pages.arrays needs description.version 2, not {version}"
+                f"description.groups[{i}].opaque_pages.arrays needs description.version {VERSION}, "
+                f"not {version}"
             )
     groups = tuple(groups_list)
     misfit = shard_misfit(groups, shard)
