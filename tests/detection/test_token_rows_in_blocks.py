@@ -71,8 +71,8 @@ def test_token_rows_that_do_not_split_into_blocks_are_refused() -> None:
     kv = [torch.zeros(40, 1, 576) for _ in range(2)]
     with pytest.raises(
         LayoutHintError,
-        match=r"^ATOM: NL_X_NB_BS_HS reads blocks of one token here, and \(40, 1, 576\)'s 40 token rows do not "
-        r"split into blocks of tokens_per_block=16 \(kv_caches\[0\]: shape \(40, 1, 576\)",
+        match=r"^ATOM: \(40, 1, 576\) is token rows \(a one-token block axis in NL_X_NB_BS_HS\), and its 40 "
+        r"token rows are not divisible by tokens_per_block=16 \(kv_caches\[0\]: shape \(40, 1, 576\)",
     ):
         kvlayout.detect(kv, "atom", {"tokens_per_block": 16})
     # ATOM's MP connector registers a block as one row of its bytes: the rows are blocks, not tokens

@@ -478,8 +478,8 @@ def token_rows_in_blocks(
         rows = int(t.shape[block])
         if t.dim() != leaf.dim() or t.shape[token] != 1 or rows % tokens_per_block:
             raise LayoutHintError(
-                f"{ENGINE_LABELS[engine]}: {fmt.name} reads blocks of one token here, and "
-                f"{tuple(t.shape)}'s {rows} token rows do not split into blocks of "
+                f"{ENGINE_LABELS[engine]}: {tuple(t.shape)} is token rows (a one-token block axis in "
+                f"{fmt.name}), and its {rows} token rows are not divisible by "
                 f"tokens_per_block={tokens_per_block} ({where()})"
             )
 

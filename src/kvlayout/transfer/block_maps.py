@@ -197,7 +197,7 @@ class BlockMap(HoldsAddresses):
     def _tokens(self) -> str:
         first, n = self.first_token, self.num_tokens
         if first == 0:
-            return f"{n} tokens"
+            return f"{n} token{'s' * (n != 1)}"
         if first >= n - 1:
             return f"token {first}" if first == n - 1 else f"no tokens (first_token={first})"
         return f"tokens {first}-{n - 1}"
