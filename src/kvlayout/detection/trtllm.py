@@ -109,9 +109,9 @@ def _unflatten(pool: Any, hints: LayoutHints, hnd: bool) -> Any:
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
 
 
-def _bytes(pool: Any) -> bool:
+def _bytes(pool: torch.Tensor) -> bool:
     """An int8/uint8 pool: TRT-LLM stores NVFP4 KV so, two values a byte."""
-    return getattr(pool, "dtype", None) in (torch.int8, torch.uint8)
+    return pool.dtype in (torch.int8, torch.uint8)
 
 
 def _split_row(

@@ -86,6 +86,9 @@ class PageArray:
                 f"{list(self.shape)}"
             )
 
+    def __str__(self) -> str:
+        return f"{self.dtype} {list(self.shape)} (axis {self.axis} in parts {list(self.parts)})"
+
     @property
     def itemsize(self) -> int:
         return DTYPE_SIZES[self.dtype]

@@ -251,13 +251,16 @@ def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _fields(where: str, value: object, keys: Sequence[str]) -> Mapping[str, Any]:
+def _fields(
+    where: str, value: object, keys: Sequence[str], optional: Sequence[str] = ()
+) -> Mapping[str, Any]:
+    """``value`` as an object with exactly the fields ``keys``, and any of ``optional``."""
     if not isinstance(value, dict):
         raise PeerDescriptionError(f"{where} must be an object, not {_kind(value)}")
     missing = [k for k in keys if k not in value]
     if missing:
         raise PeerDescriptionError(f"{where} has no {', '.join(missing)}")
-    extra = sorted(str(k) for k in value if k not in keys)
+    extra = sorted(str(k) for k in value if k not in keys and k not in optional)
     if extra:
         shown = ", ".join(_shown(k) for k in extra[:8]) + (
             f" and {len(extra) - 8} more" if len(extra) > 8 else ""
@@ -458,8 +461,7 @@ def _page_array_from(where: str, data: object) -> PageArray:
 def _opaque_from(where: str, data: object) -> OpaquePages | None:
     if data is None:
         return None
-    keys = ("layout", "rows_are_tokens", "arrays") if isinstance(data, dict) and "arrays" in data else ()
-    o = _fields(f"{where}.opaque_pages", data, keys or ("layout", "rows_are_tokens"))
+    o = _fields(f"{where}.opaque_pages", data, ("layout", "rows_are_tokens"), optional=("arrays",))
     layout, rows = o["layout"], o["rows_are_tokens"]
     if not isinstance(layout, str) or not 0 < len(layout) <= MAX_PAGE_LAYOUT or not layout.isprintable():
         raise PeerDescriptionError(

@@ -467,7 +467,7 @@ def _state_ranks(
 
 
 def _arrays(pages: OpaquePages) -> str:
-    return ", ".join(f"{list(x.shape)} parts {list(x.parts)} on axis {x.axis}" for x in pages.arrays)
+    return ", ".join(map(str, pages.arrays))
 
 
 def _state_kind(src: Side, dst: Side, ranks: tuple[Shard, Shard], common: bool, runs: int) -> tuple[str, str]:

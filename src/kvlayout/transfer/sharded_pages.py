@@ -37,7 +37,7 @@ def structure_problem(a: OpaquePages, b: OpaquePages) -> str | None:
     if len(a.arrays) != len(b.arrays):
         return f"src pages declare {len(a.arrays)} state arrays and dst pages {len(b.arrays)}"
     for i, (x, y) in enumerate(zip(a.arrays, b.arrays, strict=True)):
-        what = f"state array {i} is {_array(x)} in src and {_array(y)} in dst"
+        what = f"state array {i} is {x} in src and {y} in dst"
         if not same_bytes(x.dtype, y.dtype):
             return f"{what}: other dtypes (a map copies bytes)"
         if (x.axis, len(x.shape), len(x.parts)) != (y.axis, len(y.shape), len(y.parts)):
@@ -45,10 +45,6 @@ def structure_problem(a: OpaquePages, b: OpaquePages) -> str | None:
         if x.shape[: x.axis] + x.shape[x.axis + 1 :] != y.shape[: y.axis] + y.shape[y.axis + 1 :]:
             return f"{what}: other sizes on an axis TP does not shard"
     return None
-
-
-def _array(x: PageArray) -> str:
-    return f"{x.dtype} {list(x.shape)} (axis {x.axis} in parts {list(x.parts)})"
 
 
 def _check_sizes(i: int, x: PageArray, y: PageArray, src: Shard, dst: Shard) -> None:
