@@ -115,7 +115,11 @@ def test_every_format_renders_from_its_registration_and_its_descriptor(fmt: F) -
     spec = kvlayout.get_spec(kv, fmt)
     concrete = kvlayout.get_concrete_engine_kv_shape(kv, fmt)
     assert concrete == spec.concrete_shape_str()
-    nb, bs = (7, 3) if spec.is_pbs_fused else (spec.num_blocks(), spec.block_size())
+    if spec.is_pbs_fused:  # the page axis split into blocks of more than one token
+        bs = next(b for b in (3, 5, 7, 1) if spec.page_buffer_size() % b == 0)
+        nb = spec.page_buffer_size() // bs
+    else:
+        nb, bs = spec.num_blocks(), spec.block_size()
     desc = kvlayout.make_page_buffer_shape_desc(kv, fmt, 0, spec.num_layers(), nb, bs)
     assert kvlayout.get_concrete_engine_kv_shape_from_shape_desc(desc, fmt) == concrete
     assert kvlayout.get_engine_kv_shape_description(fmt) == kvlayout.describe_shape(fmt)

@@ -86,6 +86,7 @@ _EXPORTS: dict[str, str] = {
     "LayoutHintError": "kvlayout.types",
     "KV_LAYOUT_NAMES": "kvlayout.types",
     "KV_LIST_LAYOUT_NAMES": "kvlayout.types",
+    "HICACHE_LAYOUT_NAMES": "kvlayout.types",
     "HEAD_OUTER_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "LAYER_INNER_KV_LAYOUTS": "kvlayout.layout.vocabulary",
     "HND_KV_LAYOUTS": "kvlayout.layout.vocabulary",
@@ -121,6 +122,7 @@ __all__ = [
     "ENGINE_KV_FORMAT_DESCRIPTORS",
     "EXCLUDED_ENGINE_GROUP",
     "HEAD_OUTER_KV_LAYOUTS",
+    "HICACHE_LAYOUT_NAMES",
     "HND_KV_LAYOUTS",
     "KV_LAYOUT_NAMES",
     "KV_LIST_LAYOUT_NAMES",
@@ -330,6 +332,7 @@ if TYPE_CHECKING:
     from kvlayout.registration.kernel_groups import KernelGroup, KernelGroupIdentity
     from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError, bind
     from kvlayout.types import (
+        HICACHE_LAYOUT_NAMES,
         KV_LAYOUT_NAMES,
         KV_LIST_LAYOUT_NAMES,
         DiscoverableKVCache,

@@ -31,11 +31,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ENGINE_LABELS",
+    "HICACHE_LAYOUT_NAMES",
     "KV_LAYOUT_NAMES",
     "KV_LIST_LAYOUT_NAMES",
     "DiscoverableKVCache",
     "EngineLike",
     "EngineType",
+    "HiCacheLayout",
     "HintsLike",
     "KVLayoutName",
     "KVListLayout",
@@ -53,6 +55,10 @@ KVListLayout = Literal["k_v", "unified"]
 
 KV_LIST_LAYOUT_NAMES: tuple[str, ...] = ("k_v", "unified")
 """Every ``kv_list_layout`` hint SGLang sends."""
+HiCacheLayout = Literal["layer_first", "page_first", "page_first_direct", "page_head"]
+
+HICACHE_LAYOUT_NAMES: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
+"""The layouts of SGLang's HiCache host pools (``--hicache-mem-layout``) kvlayout reads."""
 
 EngineLike = EngineType | str
 
@@ -140,6 +146,12 @@ class LayoutHints:
     ``kv_list_layout``: SGLang's list: ``k_v`` (K layers then V layers, flat or as two
     lists) or ``unified`` (one tensor per component, NB and BS on their own axes).
 
+    ``hicache_layout``: the layout of an SGLang HiCache host pool (``mem_pool_host.layout``,
+    SGLang's ``--hicache-mem-layout``) whose ``kv_buffer`` is registered as one tensor:
+    ``layer_first`` (``[2, NL, size, NH, HS]``), ``page_first`` (``[2, size, NL, NH, HS]``),
+    ``page_first_direct`` (``[2, pages, NL, page_size, NH, HS]``) or ``page_head``
+    (``[2, pages, NH, page_size, NL, HS]``); an MLA pool has no K/V axis and one head.
+
     ``kv_pair_axis``: kvlayout's own hint for vLLM's 5-D per-layer caches, where the K/V
     axis of size 2 is dim 0 (flash-attn ``[2, NB, ...]``) or dim 1 (flash-infer
     ``[NB, 2, ...]``). Shapes settle it unless NB == 2; then K/V-first is assumed and
@@ -150,6 +162,7 @@ class LayoutHints:
     num_kv_heads: int | None = None
     tokens_per_block: int | None = None
     kv_list_layout: KVListLayout | None = None
+    hicache_layout: HiCacheLayout | None = None
     head_dim: int | None = None
     kv_pair_axis: int | None = None
     num_layers: int | None = None
@@ -164,6 +177,10 @@ class LayoutHints:
         if self.kv_list_layout is not None:
             object.__setattr__(
                 self, "kv_list_layout", _choice("kv_list_layout", self.kv_list_layout, KV_LIST_LAYOUT_NAMES)
+            )
+        if self.hicache_layout is not None:
+            object.__setattr__(
+                self, "hicache_layout", _choice("hicache_layout", self.hicache_layout, HICACHE_LAYOUT_NAMES)
             )
         for name in _SIZE_FIELDS:
             value = getattr(self, name)

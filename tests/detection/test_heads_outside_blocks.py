@@ -121,7 +121,7 @@ def test_other_engines_refuse_the_hint(engine: str, kv: Any) -> None:
     reading to guess around."""
     with pytest.raises(
         kvlayout.LayoutHintError,
-        match=f"kv_layout='LHBNC' puts heads outside blocks, which no {engine} format does",
+        match=f"kv_layout='LHBNC' puts heads outside blocks, in an order no {engine} format has",
     ):
         kvlayout.normalize_kv_and_discover_format(kv, engine, {"kv_layout": "LHBNC"})
 

@@ -33,9 +33,20 @@ enum class EngineKVFormat : std::int32_t {
   NB_NL_ONE_BS_HS = 20,  // [NB, NL, 1, BS, HS]
   NL_X_NH_NB_BS_CS = 21,  // NL x [NH, NB, BS, CS]
   NB_NH_NL_BS_CS = 22,  // [NB, NH, NL, BS, CS]
+  TWO_NL_NBBS_NH_HS = 23,  // [2, NL, PBS, NH, HS]
+  TWO_NL_NB_BS_NH_HS = 24,  // [2, NL, NB, BS, NH, HS]
+  TWO_NBBS_NL_NH_HS = 25,  // [2, PBS, NL, NH, HS]
+  TWO_NB_BS_NL_NH_HS = 26,  // [2, NB, BS, NL, NH, HS]
+  TWO_NB_NL_BS_NH_HS = 27,  // [2, NB, NL, BS, NH, HS]
+  TWO_NB_NH_BS_NL_HS = 28,  // [2, NB, NH, BS, NL, HS]
+  NL_NBBS_ONE_HS = 29,  // [NL, PBS, 1, HS]
+  NL_NB_BS_ONE_HS = 30,  // [NL, NB, BS, 1, HS]
+  NBBS_NL_ONE_HS = 31,  // [PBS, NL, 1, HS]
+  NB_BS_NL_ONE_HS = 32,  // [NB, BS, NL, 1, HS]
+  NB_NL_BS_ONE_HS = 33,  // [NB, NL, BS, 1, HS]
 };
 
-inline constexpr int kNumFormats = 23;
+inline constexpr int kNumFormats = 34;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -61,6 +72,17 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_ONE_BS_HS,
     EngineKVFormat::NL_X_NH_NB_BS_CS,
     EngineKVFormat::NB_NH_NL_BS_CS,
+    EngineKVFormat::TWO_NL_NBBS_NH_HS,
+    EngineKVFormat::TWO_NL_NB_BS_NH_HS,
+    EngineKVFormat::TWO_NBBS_NL_NH_HS,
+    EngineKVFormat::TWO_NB_BS_NL_NH_HS,
+    EngineKVFormat::TWO_NB_NL_BS_NH_HS,
+    EngineKVFormat::TWO_NB_NH_BS_NL_HS,
+    EngineKVFormat::NL_NBBS_ONE_HS,
+    EngineKVFormat::NL_NB_BS_ONE_HS,
+    EngineKVFormat::NBBS_NL_ONE_HS,
+    EngineKVFormat::NB_BS_NL_ONE_HS,
+    EngineKVFormat::NB_NL_BS_ONE_HS,
 };
 
 // Everything derived about one format.
@@ -160,6 +182,39 @@ false, false, true, false, true, true, false, false, false, false, false, false,
     case EngineKVFormat::NB_NH_NL_BS_CS:
       return FormatFacts{format, "NB_NH_NL_BS_CS", "[NB, NH, NL, BS, CS]", 1, 0, false,
 true, false, false, false, true, true, false, false, false, false, true, false, false, true};
+    case EngineKVFormat::TWO_NL_NBBS_NH_HS:
+      return FormatFacts{format, "TWO_NL_NBBS_NH_HS", "[2, NL, PBS, NH, HS]", 2, 0, false,
+true, false, false, false, false, false, true, true, false, false, false, false, false, false};
+    case EngineKVFormat::TWO_NL_NB_BS_NH_HS:
+      return FormatFacts{format, "TWO_NL_NB_BS_NH_HS", "[2, NL, NB, BS, NH, HS]", 2, 0, false,
+true, false, false, false, false, false, true, false, false, false, false, false, false, false};
+    case EngineKVFormat::TWO_NBBS_NL_NH_HS:
+      return FormatFacts{format, "TWO_NBBS_NL_NH_HS", "[2, PBS, NL, NH, HS]", 2, 0, false,
+true, false, false, false, false, false, true, true, false, false, false, false, false, false};
+    case EngineKVFormat::TWO_NB_BS_NL_NH_HS:
+      return FormatFacts{format, "TWO_NB_BS_NL_NH_HS", "[2, NB, BS, NL, NH, HS]", 2, 0, false,
+true, false, false, false, false, false, true, false, false, false, false, false, false, false};
+    case EngineKVFormat::TWO_NB_NL_BS_NH_HS:
+      return FormatFacts{format, "TWO_NB_NL_BS_NH_HS", "[2, NB, NL, BS, NH, HS]", 2, 0, false,
+true, false, false, false, false, false, true, false, false, false, false, false, false, false};
+    case EngineKVFormat::TWO_NB_NH_BS_NL_HS:
+      return FormatFacts{format, "TWO_NB_NH_BS_NL_HS", "[2, NB, NH, BS, NL, HS]", 2, 0, false,
+true, false, false, false, true, false, true, false, false, false, false, false, false, true};
+    case EngineKVFormat::NL_NBBS_ONE_HS:
+      return FormatFacts{format, "NL_NBBS_ONE_HS", "[NL, PBS, 1, HS]", 1, 0, false,
+true, false, false, true, false, false, false, true, false, false, false, false, false, false};
+    case EngineKVFormat::NL_NB_BS_ONE_HS:
+      return FormatFacts{format, "NL_NB_BS_ONE_HS", "[NL, NB, BS, 1, HS]", 1, 0, false,
+true, false, false, true, false, false, false, false, false, false, false, false, false, false};
+    case EngineKVFormat::NBBS_NL_ONE_HS:
+      return FormatFacts{format, "NBBS_NL_ONE_HS", "[PBS, NL, 1, HS]", 1, 0, false,
+true, false, false, true, false, false, false, true, false, false, false, false, false, false};
+    case EngineKVFormat::NB_BS_NL_ONE_HS:
+      return FormatFacts{format, "NB_BS_NL_ONE_HS", "[NB, BS, NL, 1, HS]", 1, 0, false,
+true, false, false, true, false, false, false, false, false, false, true, false, false, false};
+    case EngineKVFormat::NB_NL_BS_ONE_HS:
+      return FormatFacts{format, "NB_NL_BS_ONE_HS", "[NB, NL, BS, 1, HS]", 1, 0, false,
+true, false, false, true, false, false, false, false, false, false, true, false, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

@@ -287,6 +287,127 @@ KVLAYOUT_HOST_DEVICE inline Location nb_nh_nl_bs_cs(const Sizes& s, std::int64_t
   return Location{0, c.block * stride0 + c.head * stride1 + c.layer * stride2 + c.token * stride3 + c.elem * stride4};
 }
 
+// 23: TWO_NL_NBBS_NH_HS = [2, NL, PBS, NH, HS]
+KVLAYOUT_HOST_DEVICE inline Location two_nl_nbbs_nh_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride4 = 1;
+  const std::int64_t stride3 = stride4 * s.hs;
+  const std::int64_t stride2 = stride3 * s.nh;
+  const std::int64_t stride1 = stride2 * s.nbbs;
+  const std::int64_t stride0 = stride1 * s.nl;
+  return Location{0, c.kv * stride0 + c.layer * stride1 + c.block * s.bs * stride2 + c.token * stride2 + c.head * stride3 + c.elem * stride4};
+}
+
+// 24: TWO_NL_NB_BS_NH_HS = [2, NL, NB, BS, NH, HS]
+KVLAYOUT_HOST_DEVICE inline Location two_nl_nb_bs_nh_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.nh;
+  const std::int64_t stride2 = stride3 * s.bs;
+  const std::int64_t stride1 = stride2 * s.nb;
+  const std::int64_t stride0 = stride1 * s.nl;
+  return Location{0, c.kv * stride0 + c.layer * stride1 + c.block * stride2 + c.token * stride3 + c.head * stride4 + c.elem * stride5};
+}
+
+// 25: TWO_NBBS_NL_NH_HS = [2, PBS, NL, NH, HS]
+KVLAYOUT_HOST_DEVICE inline Location two_nbbs_nl_nh_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride4 = 1;
+  const std::int64_t stride3 = stride4 * s.hs;
+  const std::int64_t stride2 = stride3 * s.nh;
+  const std::int64_t stride1 = stride2 * s.nl;
+  const std::int64_t stride0 = stride1 * s.nbbs;
+  return Location{0, c.kv * stride0 + c.block * s.bs * stride1 + c.token * stride1 + c.layer * stride2 + c.head * stride3 + c.elem * stride4};
+}
+
+// 26: TWO_NB_BS_NL_NH_HS = [2, NB, BS, NL, NH, HS]
+KVLAYOUT_HOST_DEVICE inline Location two_nb_bs_nl_nh_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.nh;
+  const std::int64_t stride2 = stride3 * s.nl;
+  const std::int64_t stride1 = stride2 * s.bs;
+  const std::int64_t stride0 = stride1 * s.nb;
+  return Location{0, c.kv * stride0 + c.block * stride1 + c.token * stride2 + c.layer * stride3 + c.head * stride4 + c.elem * stride5};
+}
+
+// 27: TWO_NB_NL_BS_NH_HS = [2, NB, NL, BS, NH, HS]
+KVLAYOUT_HOST_DEVICE inline Location two_nb_nl_bs_nh_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.nh;
+  const std::int64_t stride2 = stride3 * s.bs;
+  const std::int64_t stride1 = stride2 * s.nl;
+  const std::int64_t stride0 = stride1 * s.nb;
+  return Location{0, c.kv * stride0 + c.block * stride1 + c.layer * stride2 + c.token * stride3 + c.head * stride4 + c.elem * stride5};
+}
+
+// 28: TWO_NB_NH_BS_NL_HS = [2, NB, NH, BS, NL, HS]
+KVLAYOUT_HOST_DEVICE inline Location two_nb_nh_bs_nl_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.nl;
+  const std::int64_t stride2 = stride3 * s.bs;
+  const std::int64_t stride1 = stride2 * s.nh;
+  const std::int64_t stride0 = stride1 * s.nb;
+  return Location{0, c.kv * stride0 + c.block * stride1 + c.head * stride2 + c.token * stride3 + c.layer * stride4 + c.elem * stride5};
+}
+
+// 29: NL_NBBS_ONE_HS = [NL, PBS, 1, HS]
+KVLAYOUT_HOST_DEVICE inline Location nl_nbbs_one_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride3 = 1;
+  const std::int64_t stride2 = stride3 * s.hs;
+  const std::int64_t stride1 = stride2 * 1;
+  const std::int64_t stride0 = stride1 * s.nbbs;
+  return Location{0, c.layer * stride0 + c.block * s.bs * stride1 + c.token * stride1 + c.elem * stride3};
+}
+
+// 30: NL_NB_BS_ONE_HS = [NL, NB, BS, 1, HS]
+KVLAYOUT_HOST_DEVICE inline Location nl_nb_bs_one_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride4 = 1;
+  const std::int64_t stride3 = stride4 * s.hs;
+  const std::int64_t stride2 = stride3 * 1;
+  const std::int64_t stride1 = stride2 * s.bs;
+  const std::int64_t stride0 = stride1 * s.nb;
+  return Location{0, c.layer * stride0 + c.block * stride1 + c.token * stride2 + c.elem * stride4};
+}
+
+// 31: NBBS_NL_ONE_HS = [PBS, NL, 1, HS]
+KVLAYOUT_HOST_DEVICE inline Location nbbs_nl_one_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride3 = 1;
+  const std::int64_t stride2 = stride3 * s.hs;
+  const std::int64_t stride1 = stride2 * 1;
+  const std::int64_t stride0 = stride1 * s.nl;
+  return Location{0, c.block * s.bs * stride0 + c.token * stride0 + c.layer * stride1 + c.elem * stride3};
+}
+
+// 32: NB_BS_NL_ONE_HS = [NB, BS, NL, 1, HS]
+KVLAYOUT_HOST_DEVICE inline Location nb_bs_nl_one_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride4 = 1;
+  const std::int64_t stride3 = stride4 * s.hs;
+  const std::int64_t stride2 = stride3 * 1;
+  const std::int64_t stride1 = stride2 * s.nl;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.bs;
+  return Location{0, c.block * stride0 + c.token * stride1 + c.layer * stride2 + c.elem * stride4};
+}
+
+// 33: NB_NL_BS_ONE_HS = [NB, NL, BS, 1, HS]
+KVLAYOUT_HOST_DEVICE inline Location nb_nl_bs_one_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride4 = 1;
+  const std::int64_t stride3 = stride4 * s.hs;
+  const std::int64_t stride2 = stride3 * 1;
+  const std::int64_t stride1 = stride2 * s.bs;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nl;
+  return Location{0, c.block * stride0 + c.layer * stride1 + c.token * stride2 + c.elem * stride4};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -338,6 +459,28 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nl_x_nh_nb_bs_cs(s, block_stride, c);
     case EngineKVFormat::NB_NH_NL_BS_CS:
       return indexing::nb_nh_nl_bs_cs(s, block_stride, c);
+    case EngineKVFormat::TWO_NL_NBBS_NH_HS:
+      return indexing::two_nl_nbbs_nh_hs(s, block_stride, c);
+    case EngineKVFormat::TWO_NL_NB_BS_NH_HS:
+      return indexing::two_nl_nb_bs_nh_hs(s, block_stride, c);
+    case EngineKVFormat::TWO_NBBS_NL_NH_HS:
+      return indexing::two_nbbs_nl_nh_hs(s, block_stride, c);
+    case EngineKVFormat::TWO_NB_BS_NL_NH_HS:
+      return indexing::two_nb_bs_nl_nh_hs(s, block_stride, c);
+    case EngineKVFormat::TWO_NB_NL_BS_NH_HS:
+      return indexing::two_nb_nl_bs_nh_hs(s, block_stride, c);
+    case EngineKVFormat::TWO_NB_NH_BS_NL_HS:
+      return indexing::two_nb_nh_bs_nl_hs(s, block_stride, c);
+    case EngineKVFormat::NL_NBBS_ONE_HS:
+      return indexing::nl_nbbs_one_hs(s, block_stride, c);
+    case EngineKVFormat::NL_NB_BS_ONE_HS:
+      return indexing::nl_nb_bs_one_hs(s, block_stride, c);
+    case EngineKVFormat::NBBS_NL_ONE_HS:
+      return indexing::nbbs_nl_one_hs(s, block_stride, c);
+    case EngineKVFormat::NB_BS_NL_ONE_HS:
+      return indexing::nb_bs_nl_one_hs(s, block_stride, c);
+    case EngineKVFormat::NB_NL_BS_ONE_HS:
+      return indexing::nb_nl_bs_one_hs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -504,6 +647,83 @@ template <>
 struct Indexer<EngineKVFormat::NB_NH_NL_BS_CS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nb_nh_nl_bs_cs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::TWO_NL_NBBS_NH_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::two_nl_nbbs_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::TWO_NL_NB_BS_NH_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::two_nl_nb_bs_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::TWO_NBBS_NL_NH_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::two_nbbs_nl_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::TWO_NB_BS_NL_NH_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::two_nb_bs_nl_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::TWO_NB_NL_BS_NH_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::two_nb_nl_bs_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::TWO_NB_NH_BS_NL_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::two_nb_nh_bs_nl_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NL_NBBS_ONE_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nl_nbbs_one_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NL_NB_BS_ONE_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nl_nb_bs_one_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NBBS_NL_ONE_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nbbs_nl_one_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_BS_NL_ONE_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_bs_nl_one_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_NL_BS_ONE_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_nl_bs_one_hs(s, block_stride, c);
   }
 };
 

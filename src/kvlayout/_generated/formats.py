@@ -60,6 +60,28 @@ class EngineKVFormat(enum.IntEnum):
     """``NL x [NH, NB, BS, CS]``"""
     NB_NH_NL_BS_CS = 22
     """``[NB, NH, NL, BS, CS]``"""
+    TWO_NL_NBBS_NH_HS = 23
+    """``[2, NL, PBS, NH, HS]``"""
+    TWO_NL_NB_BS_NH_HS = 24
+    """``[2, NL, NB, BS, NH, HS]``"""
+    TWO_NBBS_NL_NH_HS = 25
+    """``[2, PBS, NL, NH, HS]``"""
+    TWO_NB_BS_NL_NH_HS = 26
+    """``[2, NB, BS, NL, NH, HS]``"""
+    TWO_NB_NL_BS_NH_HS = 27
+    """``[2, NB, NL, BS, NH, HS]``"""
+    TWO_NB_NH_BS_NL_HS = 28
+    """``[2, NB, NH, BS, NL, HS]``"""
+    NL_NBBS_ONE_HS = 29
+    """``[NL, PBS, 1, HS]``"""
+    NL_NB_BS_ONE_HS = 30
+    """``[NL, NB, BS, 1, HS]``"""
+    NBBS_NL_ONE_HS = 31
+    """``[PBS, NL, 1, HS]``"""
+    NB_BS_NL_ONE_HS = 32
+    """``[NB, BS, NL, 1, HS]``"""
+    NB_NL_BS_ONE_HS = 33
+    """``[NB, NL, BS, 1, HS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +118,17 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NB_NL_ONE_BS_HS: Layout(lists=(), tensor=(NB, NL, ONE, BS, HS)),
     EngineKVFormat.NL_X_NH_NB_BS_CS: Layout(lists=(NL,), tensor=(NH, NB, BS, CS)),
     EngineKVFormat.NB_NH_NL_BS_CS: Layout(lists=(), tensor=(NB, NH, NL, BS, CS)),
+    EngineKVFormat.TWO_NL_NBBS_NH_HS: Layout(lists=(), tensor=(TWO, NL, NBBS, NH, HS)),
+    EngineKVFormat.TWO_NL_NB_BS_NH_HS: Layout(lists=(), tensor=(TWO, NL, NB, BS, NH, HS)),
+    EngineKVFormat.TWO_NBBS_NL_NH_HS: Layout(lists=(), tensor=(TWO, NBBS, NL, NH, HS)),
+    EngineKVFormat.TWO_NB_BS_NL_NH_HS: Layout(lists=(), tensor=(TWO, NB, BS, NL, NH, HS)),
+    EngineKVFormat.TWO_NB_NL_BS_NH_HS: Layout(lists=(), tensor=(TWO, NB, NL, BS, NH, HS)),
+    EngineKVFormat.TWO_NB_NH_BS_NL_HS: Layout(lists=(), tensor=(TWO, NB, NH, BS, NL, HS)),
+    EngineKVFormat.NL_NBBS_ONE_HS: Layout(lists=(), tensor=(NL, NBBS, ONE, HS)),
+    EngineKVFormat.NL_NB_BS_ONE_HS: Layout(lists=(), tensor=(NL, NB, BS, ONE, HS)),
+    EngineKVFormat.NBBS_NL_ONE_HS: Layout(lists=(), tensor=(NBBS, NL, ONE, HS)),
+    EngineKVFormat.NB_BS_NL_ONE_HS: Layout(lists=(), tensor=(NB, BS, NL, ONE, HS)),
+    EngineKVFormat.NB_NL_BS_ONE_HS: Layout(lists=(), tensor=(NB, NL, BS, ONE, HS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -196,6 +229,50 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NB_NH_NL_BS_CS: FormatInfo(
         backends=("vLLM KVCacheLayout BHLNC: blocks, then heads, then layers (one allocation per group), fused K/V",),
         engines=("vllm",),
+    ),
+    EngineKVFormat.TWO_NL_NBBS_NH_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MHA, layer_first)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.TWO_NL_NB_BS_NH_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MHA, layer_first, read in pages)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.TWO_NBBS_NL_NH_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MHA, page_first)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.TWO_NB_BS_NL_NH_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MHA, page_first, read in pages)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.TWO_NB_NL_BS_NH_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MHA, page_first_direct)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.TWO_NB_NH_BS_NL_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MHA, page_head)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NL_NBBS_ONE_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MLA, layer_first)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NL_NB_BS_ONE_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MLA, layer_first, read in pages)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NBBS_NL_ONE_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MLA, page_first)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NB_BS_NL_ONE_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MLA, page_first, read in pages)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NB_NL_BS_ONE_HS: FormatInfo(
+        backends=("SGLang HiCache host pool (MLA, page_first_direct)",),
+        engines=("sglang",),
     ),
 }
 

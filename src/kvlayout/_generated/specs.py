@@ -8,7 +8,7 @@ from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_BS_NL_ONE_HS_Spec", "NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NL_BS_ONE_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NBBS_NL_ONE_HS_Spec", "NL_NB_BS_ONE_HS_Spec", "NL_NBBS_ONE_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_NB_BS_NL_NH_HS_Spec", "TWO_NB_NH_BS_NL_HS_Spec", "TWO_NB_NL_BS_NH_HS_Spec", "TWO_NBBS_NL_NH_HS_Spec", "TWO_NL_NB_BS_NH_HS_Spec", "TWO_NL_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -1538,6 +1538,718 @@ class NB_NH_NL_BS_CS_Spec(KVFormatSpec):
         return [kv.data_ptr()]
 
 
+class TWO_NL_NBBS_NH_HS_Spec(KVFormatSpec):
+    """``[2, NL, PBS, NH, HS]``: SGLang HiCache host pool (MHA, layer_first)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.TWO_NL_NBBS_NH_HS
+    layout = LAYOUTS[EngineKVFormat.TWO_NL_NBBS_NH_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.TWO_NL_NBBS_NH_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = True
+    is_pbs_fused = True
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        raise self.undefined('num_blocks', 'NBBS folds NB and BS into one axis')
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        raise self.undefined('block_size', 'NBBS folds BS and NB into one axis')
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[3] * shape[4]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NL": self.kv.shape[1],
+            "NBBS": self.kv.shape[2],
+            "NH": self.kv.shape[3],
+            "HS": self.kv.shape[4],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class TWO_NL_NB_BS_NH_HS_Spec(KVFormatSpec):
+    """``[2, NL, NB, BS, NH, HS]``: SGLang HiCache host pool (MHA, layer_first, read in pages)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.TWO_NL_NB_BS_NH_HS
+    layout = LAYOUTS[EngineKVFormat.TWO_NL_NB_BS_NH_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.TWO_NL_NB_BS_NH_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = True
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2] * self.kv.shape[3]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[5]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[4] * shape[5]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NL": self.kv.shape[1],
+            "NB": self.kv.shape[2],
+            "BS": self.kv.shape[3],
+            "NH": self.kv.shape[4],
+            "HS": self.kv.shape[5],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class TWO_NBBS_NL_NH_HS_Spec(KVFormatSpec):
+    """``[2, PBS, NL, NH, HS]``: SGLang HiCache host pool (MHA, page_first)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.TWO_NBBS_NL_NH_HS
+    layout = LAYOUTS[EngineKVFormat.TWO_NBBS_NL_NH_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.TWO_NBBS_NL_NH_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = True
+    is_pbs_fused = True
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[2]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        raise self.undefined('num_blocks', 'NBBS folds NB and BS into one axis')
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        raise self.undefined('block_size', 'NBBS folds BS and NB into one axis')
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[3] * shape[4]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NBBS": self.kv.shape[1],
+            "NL": self.kv.shape[2],
+            "NH": self.kv.shape[3],
+            "HS": self.kv.shape[4],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class TWO_NB_BS_NL_NH_HS_Spec(KVFormatSpec):
+    """``[2, NB, BS, NL, NH, HS]``: SGLang HiCache host pool (MHA, page_first, read in pages)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.TWO_NB_BS_NL_NH_HS
+    layout = LAYOUTS[EngineKVFormat.TWO_NB_BS_NL_NH_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.TWO_NB_BS_NL_NH_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = True
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[3]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1] * self.kv.shape[2]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[5]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[4] * shape[5]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[1],
+            "BS": self.kv.shape[2],
+            "NL": self.kv.shape[3],
+            "NH": self.kv.shape[4],
+            "HS": self.kv.shape[5],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class TWO_NB_NL_BS_NH_HS_Spec(KVFormatSpec):
+    """``[2, NB, NL, BS, NH, HS]``: SGLang HiCache host pool (MHA, page_first_direct)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.TWO_NB_NL_BS_NH_HS
+    layout = LAYOUTS[EngineKVFormat.TWO_NB_NL_BS_NH_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.TWO_NB_NL_BS_NH_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = True
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[2]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1] * self.kv.shape[3]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[5]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[4] * shape[5]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[1],
+            "NL": self.kv.shape[2],
+            "BS": self.kv.shape[3],
+            "NH": self.kv.shape[4],
+            "HS": self.kv.shape[5],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class TWO_NB_NH_BS_NL_HS_Spec(KVFormatSpec):
+    """``[2, NB, NH, BS, NL, HS]``: SGLang HiCache host pool (MHA, page_head)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.TWO_NB_NH_BS_NL_HS
+    layout = LAYOUTS[EngineKVFormat.TWO_NB_NH_BS_NL_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.TWO_NB_NH_BS_NL_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = True
+    is_fused_packed = False
+    is_two_major = True
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = True
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[4]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1] * self.kv.shape[3]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[5]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[2] * shape[5]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[1],
+            "NH": self.kv.shape[2],
+            "BS": self.kv.shape[3],
+            "NL": self.kv.shape[4],
+            "HS": self.kv.shape[5],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class NL_NBBS_ONE_HS_Spec(KVFormatSpec):
+    """``[NL, PBS, 1, HS]``: SGLang HiCache host pool (MLA, layer_first)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NL_NBBS_ONE_HS
+    layout = LAYOUTS[EngineKVFormat.NL_NBBS_ONE_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NL_NBBS_ONE_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = True
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        raise self.undefined('num_blocks', 'NBBS folds NB and BS into one axis')
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        raise self.undefined('block_size', 'NBBS folds BS and NB into one axis')
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NL": self.kv.shape[0],
+            "NBBS": self.kv.shape[1],
+            "HS": self.kv.shape[3],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class NL_NB_BS_ONE_HS_Spec(KVFormatSpec):
+    """``[NL, NB, BS, 1, HS]``: SGLang HiCache host pool (MLA, layer_first, read in pages)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NL_NB_BS_ONE_HS
+    layout = LAYOUTS[EngineKVFormat.NL_NB_BS_ONE_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NL_NB_BS_ONE_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[0]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1] * self.kv.shape[2]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NL": self.kv.shape[0],
+            "NB": self.kv.shape[1],
+            "BS": self.kv.shape[2],
+            "HS": self.kv.shape[4],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class NBBS_NL_ONE_HS_Spec(KVFormatSpec):
+    """``[PBS, NL, 1, HS]``: SGLang HiCache host pool (MLA, page_first)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NBBS_NL_ONE_HS
+    layout = LAYOUTS[EngineKVFormat.NBBS_NL_ONE_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NBBS_NL_ONE_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = True
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = False
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        raise self.undefined('num_blocks', 'NBBS folds NB and BS into one axis')
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        raise self.undefined('block_size', 'NBBS folds BS and NB into one axis')
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NBBS": self.kv.shape[0],
+            "NL": self.kv.shape[1],
+            "HS": self.kv.shape[3],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class NB_BS_NL_ONE_HS_Spec(KVFormatSpec):
+    """``[NB, BS, NL, 1, HS]``: SGLang HiCache host pool (MLA, page_first, read in pages)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_BS_NL_ONE_HS
+    layout = LAYOUTS[EngineKVFormat.NB_BS_NL_ONE_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_BS_NL_ONE_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[2]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[1]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "BS": self.kv.shape[1],
+            "NL": self.kv.shape[2],
+            "HS": self.kv.shape[4],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class NB_NL_BS_ONE_HS_Spec(KVFormatSpec):
+    """``[NB, NL, BS, 1, HS]``: SGLang HiCache host pool (MLA, page_first_direct)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_NL_BS_ONE_HS
+    layout = LAYOUTS[EngineKVFormat.NB_NL_BS_ONE_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_NL_BS_ONE_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[2]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "NL": self.kv.shape[1],
+            "BS": self.kv.shape[2],
+            "HS": self.kv.shape[4],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -1563,4 +2275,15 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_ONE_BS_HS_Spec,
     NL_X_NH_NB_BS_CS_Spec,
     NB_NH_NL_BS_CS_Spec,
+    TWO_NL_NBBS_NH_HS_Spec,
+    TWO_NL_NB_BS_NH_HS_Spec,
+    TWO_NBBS_NL_NH_HS_Spec,
+    TWO_NB_BS_NL_NH_HS_Spec,
+    TWO_NB_NL_BS_NH_HS_Spec,
+    TWO_NB_NH_BS_NL_HS_Spec,
+    NL_NBBS_ONE_HS_Spec,
+    NL_NB_BS_ONE_HS_Spec,
+    NBBS_NL_ONE_HS_Spec,
+    NB_BS_NL_ONE_HS_Spec,
+    NB_NL_BS_ONE_HS_Spec,
 )

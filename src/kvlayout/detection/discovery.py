@@ -24,6 +24,8 @@ from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, probe, validate
 from kvlayout.detection.registry import get_detector, mixed_check, mixed_split, view_pooling
 from kvlayout.errors import KVLayoutError
+from kvlayout.layout.ast import Layout
+from kvlayout.layout.vocabulary import Axis, Role, kv_layout_axes
 from kvlayout.registration.contiguity import (
     align_unit_dims,
     attempt_permute_to_contiguous_view,
@@ -123,6 +125,17 @@ def _bind(kv: Any, formats: Any, registered: Any, **kwargs: Any) -> Registration
         raise DetectionError(str(exc)) from None
 
 
+_ORDERED_ROLES = {Axis.L: Role.LAYER, Axis.B: Role.BLOCK, Axis.N: Role.TOKEN, Axis.H: Role.HEAD}
+
+
+def _in_order(layout: Layout, kv_layout: str | None) -> bool:
+    """Whether the layout's layer, block, token and head axes (list levels first, a page
+    axis as block then token) come in the order the ``kv_layout`` spelling gives them."""
+    assert kv_layout is not None
+    want = tuple(_ORDERED_ROLES[a] for a in kv_layout_axes(kv_layout) if a in _ORDERED_ROLES)
+    return tuple(t.role for t in (*layout.lists, *layout.tensor_parts) if t.role in want) == want
+
+
 def _discover(
     kv: Any, engine: EngineType, hints: LayoutHints, uniform: list[Any] | None = None
 ) -> tuple[EngineKVFormat, Any, bool]:
@@ -132,9 +145,12 @@ def _discover(
     if pooled is not None:
         kv, hints = pooled
     for fact, where in (("is_head_outer", "heads outside blocks"), ("is_layer_inner", "layers inside heads")):
-        if getattr(hints, fact) and not any(getattr(LAYOUTS[f], fact) for f in engine_formats(engine)):
+        if getattr(hints, fact) and not any(
+            _in_order(LAYOUTS[f], hints.kv_layout) for f in engine_formats(engine)
+        ):
             raise LayoutHintError(
-                f"layout hint kv_layout={hints.kv_layout!r} puts {where}, which no {engine.value} format does"
+                f"layout hint kv_layout={hints.kv_layout!r} puts {where}, in an order no {engine.value} "
+                "format has"
             )
     detector = get_detector(engine)
     normalized: Any = uniform if uniform is not None else _uniform_contiguous_list(kv)

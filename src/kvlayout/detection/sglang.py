@@ -21,6 +21,11 @@ Quirks that live here and nowhere else:
   page is re-viewed as the format's ``[NB, BS, W]`` (no hint needed; a
   ``tokens_per_block`` given must agree). Mixed latent + indexer lists are detected per
   layer group (``normalize_and_discover_per_layer_formats``).
+* A HiCache host pool (``mem_pool_host.kv_buffer``) is one tensor, in the layout the
+  ``hicache_layout`` hint names (SGLang's ``--hicache-mem-layout``); a name is an order
+  of the paging axes (:data:`_HOST_ORDERS`), which picks the format. Its token slots are
+  SGLang's host indices; ``tokens_per_block`` (the pool's ``page_size``) reads them in
+  pages, as it does a device pool's page buffers.
 * ``kv_layout`` chooses between NHD and HND twins (a unified component cache of either
   order); without it SGLang's caches are NHD.
 """
@@ -49,9 +54,21 @@ from kvlayout.layout.algebra import sizes_by_role
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.nesting import leaves, map_leaves
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
+from kvlayout.types import HICACHE_LAYOUT_NAMES, DiscoverableKVCache, EngineType, LayoutHints
 
 ENGINE = EngineType.SGLANG
+
+# SGLang's HiCache host pools (HostKVCache.init_kv_buffer), by the order of their layer,
+# block, token and head axes, outermost first (a page axis NB*BS is a block axis, then a
+# token axis; an MLA pool's one head is its row); an MHA pool has its K/V axis before
+# them, an MLA pool none.
+_HOST_ORDERS: dict[str, tuple[Role, ...]] = {
+    "layer_first": (Role.LAYER, Role.BLOCK, Role.TOKEN, Role.HEAD),  # [2, NL, size, NH, HS]
+    "page_first": (Role.BLOCK, Role.TOKEN, Role.LAYER, Role.HEAD),  # [2, size, NL, NH, HS]
+    "page_first_direct": (Role.BLOCK, Role.LAYER, Role.TOKEN, Role.HEAD),  # [2, pages, NL, page_size, NH, HS]
+    "page_head": (Role.BLOCK, Role.HEAD, Role.TOKEN, Role.LAYER),  # [2, pages, NH, page_size, NL, HS]
+}
+assert tuple(_HOST_ORDERS) == HICACHE_LAYOUT_NAMES
 
 
 # What SGLang's state buffers (get_state_buf_infos) look like, and that they are not KV pages.
@@ -68,7 +85,17 @@ def _order(hints: LayoutHints) -> Decision:
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     p = probe(kv)
     if p.depth == 0:
-        raise DetectionError(f"SGLang registers lists of per-layer tensors, not one tensor ({p.describe()})")
+        if hints.hicache_layout is None:
+            raise DetectionError(
+                f"SGLang registers lists of per-layer tensors, not one tensor ({p.describe()}); a HiCache "
+                "host pool's kv_buffer is one tensor: pass layout hint hicache_layout (mem_pool_host.layout)"
+            )
+        return _host_pool(kv, p, hints)
+    if hints.hicache_layout is not None:
+        raise DetectionError(
+            f"SGLang: layout hint hicache_layout={hints.hicache_layout} names a HiCache host pool, which is "
+            f"one tensor (mem_pool_host.kv_buffer), not {p.describe()}"
+        )
     if p.depth == 1 and p.rank == 2 and p.first.dtype == torch.uint8:
         return _indexer(kv, p, hints)
     if hints.kv_list_layout == "unified":
@@ -100,6 +127,54 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         # Ascend's FIA pool: per-layer views [NB*BS, 1, NH, HS] read as one-token blocks
         return fmt, token_rows_in_blocks(ENGINE, fmt, kv, tpb, lambda: f"SGLang: {p.describe()}")
     return _unfolded(kv, p, fmt, tpb)
+
+
+def hicache_layout(layout: Layout) -> str | None:
+    """The HiCache host layout a bare layout is (its ``hicache_layout`` hint), None for
+    a layout that is none."""
+    return next((name for name, order in _HOST_ORDERS.items() if _is_host_order(layout, order)), None)
+
+
+def _is_host_order(layout: Layout, order: tuple[Role, ...]) -> bool:
+    """Whether ``layout`` is one tensor whose layer, block, token and head axes come in
+    ``order`` (a page axis NB*BS is its block, then its token; without a head axis, the
+    one head is the row)."""
+    roles = tuple(t.role for t in layout.tensor_parts if t.role in _PAGING_ROLES)
+    if Role.HEAD not in roles:
+        roles += (Role.HEAD,)
+    return not layout.list_depth and roles == order
+
+
+_PAGING_ROLES = frozenset((Role.LAYER, Role.BLOCK, Role.TOKEN, Role.HEAD))
+
+
+@functools.cache
+def _host_pools() -> tuple[EngineKVFormat, ...]:
+    """The host pools as SGLang allocates them: its bare formats but those that read a
+    folded pool in pages (reached by ``tokens_per_block``, never by a tensor's shape: an
+    MLA pool in pages ``[NL, NB, BS, 1, C]`` has an MHA pool's rank)."""
+    bare = [f for f in engine_formats(ENGINE) if not LAYOUTS[f].list_depth]
+    in_pages = {unfolded_twin(ENGINE, f) for f in bare if LAYOUTS[f].is_pbs_fused}
+    return tuple(f for f in bare if f not in in_pages)
+
+
+def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    """A HiCache host pool's ``kv_buffer`` in the layout ``hicache_layout`` names."""
+    name = hints.hicache_layout
+    assert name is not None
+    order = _HOST_ORDERS[name]
+    where = f"SGLang HiCache host pool (hicache_layout={name})"
+    pools = [f for f in _host_pools() if _is_host_order(LAYOUTS[f], order)]
+    if all(LAYOUTS[f].tensor_rank != p.rank for f in pools):
+        shapes = " or ".join(LAYOUTS[f].describe_shape() for f in pools)
+        raise DetectionError(f"{where}: kv_buffer is {shapes}, not {p.describe()}")
+    try:
+        fmt = pick(ENGINE, p, formats=pools)
+    except DetectionError as exc:
+        raise DetectionError(f"{where}: {exc}") from None
+    if hints.tokens_per_block is None or not LAYOUTS[fmt].is_pbs_fused:
+        return fmt, kv
+    return _unfolded(kv, p, fmt, hints.tokens_per_block, where)
 
 
 def _unfolded(

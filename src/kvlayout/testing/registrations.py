@@ -13,6 +13,7 @@ engine sends for such a layout (:data:`ENGINE_HINTS`).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -23,9 +24,12 @@ from hypothesis import strategies as st
 from kvlayout import EngineKVFormat as F
 from kvlayout import Layout, layout_of
 from kvlayout.catalog.registry import format_info
+from kvlayout.detection.base import engine_formats, unfolded_twin
+from kvlayout.detection.sglang import hicache_layout
 from kvlayout.layout.algebra import kv_size, size_of, sizes_by_role
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration import nesting
+from kvlayout.types import EngineType
 
 __all__ = ["CASES", "ENGINE_HINTS", "FLOATS", "RegistrationCase", "flatten", "registrations"]
 
@@ -48,6 +52,7 @@ ENGINE_HINTS: dict[str, Any] = {
     "sglang": lambda lay: {
         **_order(lay),
         **({"kv_list_layout": "unified"} if lay.is_layer_list and not lay.is_pbs_fused else {}),
+        **({"hicache_layout": hicache_layout(lay)} if not lay.list_depth else {}),
     },
     "trtllm": _order,
     "atom": _order,
@@ -417,6 +422,22 @@ def _max(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: in
     )
 
 
+def _sglang_host_pages(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                       dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """An SGLang HiCache host pool read in pages: the pool as SGLang allocates it (NB*BS
+    folded), with the hints that read it in pages."""
+    folded = next(f for f in _SGLANG_FOLDED_POOLS if unfolded_twin(EngineType.SGLANG, f) is fmt)
+    case = _from_layout(draw, engine, folded, nl, nb, bs, nh, hs, dtype)
+    return dataclasses.replace(
+        case, fmt=fmt, hints={**case.hints, "tokens_per_block": bs}, nb=nb, bs=bs, how="host pool in pages"
+    )
+
+
+_SGLANG_FOLDED_POOLS = tuple(
+    f for f in engine_formats(EngineType.SGLANG) if not layout_of(f).list_depth and layout_of(f).is_pbs_fused
+)
+
+
 def _from_layout(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                  dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     """A format with no builder of its own: tensors of the layout's shape, nested as its
@@ -450,6 +471,7 @@ def _from_layout(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int
 
 
 _BUILDERS: dict[tuple[str, F], Builder] = {
+    **{("sglang", unfolded_twin(EngineType.SGLANG, f)): _sglang_host_pages for f in _SGLANG_FOLDED_POOLS},
     **{
         ("vllm", f): _vllm_per_layer
         for f in (

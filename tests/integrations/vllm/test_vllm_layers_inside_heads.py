@@ -365,7 +365,7 @@ def test_other_engines_refuse_the_hint_as_they_refuse_lhbnc() -> None:
         with pytest.raises(
             kvlayout.LayoutHintError,
             match=re.escape(
-                f"layout hint kv_layout='BHLNC' puts layers inside heads, which no {engine} format does"
+                f"layout hint kv_layout='BHLNC' puts layers inside heads, in an order no {engine} format has"
             ),
         ):
             kvlayout.detect([torch.zeros(NB, BS, NH, HS)], engine, {"kv_layout": "BHLNC"})
