@@ -2,8 +2,10 @@
 
 A Llama-3-8B-like model (32 layers, 8 KV heads of 128, bf16), one 1024-token request,
 its block ids scattered over a pool twice its size or consecutive, between two CPU
-caches for each scenario below; an MLA model (61 layers, a 576-wide latent) for MLA,
-and Qwen3-Next's Gated DeltaNet state pages (one per layer and request) for the last.
+caches for each scenario below (SGL->HiCache: SGLang's device pool into its HiCache host
+pool, layer_first, page_first or page_first_direct, 64-token pages); an MLA model (61
+layers, a 576-wide latent) for MLA, and Qwen3-Next's Gated DeltaNet state pages (one per
+layer and request) for the last.
 Each row prints the map's runs (and the groups it holds them in), bytes and mean run,
 the time to build the map (the request's part: the sides and the pair are prepared once,
 like a transfer plan) beside one detection of the destination registration, and
@@ -183,6 +185,22 @@ def sglang(block_size: int) -> Cache:
     return Cache(kv, raw, "sglang", hints, block_size, slots // block_size, page_block_size=block_size)
 
 
+def hicache(layout: str, page: int) -> Cache:
+    """SGLang's HiCache host pool (``kv_buffer``) in ``layout``, ``page``-token pages: a
+    backup from the device pool lands here."""
+    slots = 2 * TOKENS
+    shape = {
+        "layer_first": (2, NL, slots, NH, HS),
+        "page_first": (2, slots, NL, NH, HS),
+        "page_first_direct": (2, slots // page, NL, page, NH, HS),
+    }[layout]
+    raw = torch.ones(shape, dtype=DTYPE)
+    hints: dict[str, Any] = {"hicache_layout": layout}
+    kv = kvlayout.detect(raw, "sglang", hints)
+    folded = layout != "page_first_direct"
+    return Cache(kv, raw, "sglang", hints, page, slots // page, page_block_size=page if folded else None)
+
+
 def mla(shard: Shard | None = None) -> Cache:
     blocks = 2 * TOKENS // 64
     raw = [torch.ones(blocks, 64, MLA_HS, dtype=DTYPE) for _ in range(MLA_NL)]
@@ -200,6 +218,9 @@ SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
     ("block 64 -> 16", lambda: (vllm(False, 64), vllm(False, 16))),
     ("NHD 16 -> HND 64", lambda: (vllm(False, 16), vllm(True, 64))),  # an offload pool's blocks
     ("vLLM -> SGLang", lambda: (vllm(False, 16), sglang(16))),
+    ("SGL->HiCache lf", lambda: (sglang(64), hicache("layer_first", 64))),
+    ("SGL->HiCache pf", lambda: (sglang(64), hicache("page_first", 64))),
+    ("SGL->HiCache pfd", lambda: (sglang(64), hicache("page_first_direct", 64))),
     ("MLA TP 1->4", lambda: (mla(), mla(Shard(2, 4, 1)))),
     ("GDN TP 1->2", lambda: (gdn_state(1, 0), gdn_state(2, 1))),
 ]

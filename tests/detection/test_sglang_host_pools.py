@@ -216,8 +216,9 @@ def test_each_host_layout_is_its_format(layout: str, shape: tuple[int, ...], fmt
             torch.zeros(3, 32, 2, 8),
             {"hicache_layout": "page_first"},
             kvlayout.DetectionError,
-            "SGLang HiCache host pool (hicache_layout=page_first): SGLang: the registration (kv_caches: shape "
-            "(3, 32, 2, 8), dtype torch.float32) fits no SGLang format",
+            "SGLang HiCache host pool (hicache_layout=page_first): kv_buffer is [2, PBS, NL, NH, HS] or "
+            "[PBS, NL, 1, HS], not kv_caches: shape (3, 32, 2, 8), dtype torch.float32 (SGLang: the registration "
+            "(kv_caches: shape (3, 32, 2, 8), dtype torch.float32) fits no SGLang format",
         ),
         (
             torch.zeros(2, 3, 30, 4, 8),
@@ -225,6 +226,19 @@ def test_each_host_layout_is_its_format(layout: str, shape: tuple[int, ...], fmt
             kvlayout.DetectionError,
             "SGLang HiCache host pool (hicache_layout=layer_first): PBS=30 token slots are not divisible by "
             "tokens_per_block=4",
+        ),
+        (
+            torch.zeros(2, 8, 4, 4, 3, 8),
+            {"hicache_layout": "page_head", "kv_layout": "NHD"},
+            kvlayout.LayoutHintError,
+            "SGLang HiCache host pool (hicache_layout=page_head): layout hint kv_layout=NHD contradicts it: its "
+            "heads are before its tokens ([2, NB, NH, BS, NL, HS])",
+        ),
+        (
+            torch.zeros(2, 3, 32, 4, 8),
+            {"hicache_layout": "layer_first", "kv_list_layout": "k_v"},
+            kvlayout.LayoutHintError,
+            "layout hint kv_list_layout=k_v says how a device pool lists its layers; a host pool is one tensor",
         ),
         (
             torch.zeros(2, 3, 32, 4, 8),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 from dataclasses import dataclass, replace
 from typing import Any, cast
 
@@ -453,6 +454,14 @@ def test_a_description_in_other_blocks_than_the_cache_s_is_refused() -> None:
         PeerDescriptionError, match=r"^block_size=8, but NL_X_TWO_NB_BS_NH_HS's blocks hold 4 tokens"
     ):
         reg.describe(block_size=8)
+    with pytest.raises(
+        PeerDescriptionError,
+        match=re.escape("give block_map's src_block_size=/dst_block_size=8 to address it in blocks of 8"),
+    ):
+        reg.describe(block_size=8)
+    with pytest.raises(PeerDescriptionError, match=re.escape("(block_map's src_block_size=/dst_block_size=a "
+                                                             "multiple of 4), never less")):  # fmt: skip
+        reg.describe(block_size=2)  # the advice block_map then takes
     with pytest.raises(TypeError, match=r"^block_size must be an int, not bool \(True\)$"):
         vllm(2, 24, 1, 2, 8).describe(block_size=True)  # blocks of 1 token: True == 1 passed
 
@@ -1169,6 +1178,32 @@ def test_head_major_blocks_that_span_several_source_blocks_are_walked_in_destina
         p.src_classes, p.dst_classes, False, False, False,
     )  # fmt: skip
     assert in_order and runs == m.num_runs == 3 * 2 * 4 * 150
+    assert np.array_equal(m.runs, m._build(force_sort=True))
+
+
+def test_layers_interleaved_in_the_destination_are_walked_in_destination_order() -> None:
+    """SGLang's device pool into its page_first host pool ``[2, size, NL, NH, HS]``: a
+    token's row holds every layer's, K's half before V's. The walk goes block, slot, slab;
+    with K's and V's slabs in one group it went from K's rows to V's and back at every
+    token, out of destination order (every run sorted: 2.7 of 3.6 ms for 1024 tokens of
+    Llama-3-8B's shape). K's slabs and V's are now groups of their own, walked in order."""
+    layers, heads, hs, slots = 3, 2, 8, 64
+    device = kvlayout.detect(
+        [[torch.randn(slots, heads, hs, dtype=torch.bfloat16) for _ in range(layers)] for _ in range(2)],
+        "sglang",
+    )
+    host = kvlayout.detect(
+        torch.zeros(2, slots, layers, heads, hs, dtype=torch.bfloat16),
+        "sglang",
+        {"hicache_layout": "page_first"},
+    )
+    m = block_map(device, host, [3, 1, 2], [0, 2, 1], src_block_size=8, dst_block_size=8, num_tokens=20)
+    p, (src_ids, dst_ids) = m._pair, m._ids
+    _, runs, in_order = _native.build_groups(
+        p.slabs, p.group_starts, p.order, len(p.heads), m.num_tokens, src_ids, 8, dst_ids, 8,
+        p.src_classes, p.dst_classes, False, False, False,
+    )  # fmt: skip
+    assert in_order and runs == m.num_runs == 2 * layers * 20
     assert np.array_equal(m.runs, m._build(force_sort=True))
 
 

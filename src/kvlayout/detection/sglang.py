@@ -54,7 +54,7 @@ from kvlayout.layout.algebra import sizes_by_role
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.nesting import leaves, map_leaves
-from kvlayout.types import HICACHE_LAYOUT_NAMES, DiscoverableKVCache, EngineType, LayoutHints
+from kvlayout.types import HICACHE_LAYOUT_NAMES, DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.SGLANG
 
@@ -165,13 +165,31 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     order = _HOST_ORDERS[name]
     where = f"SGLang HiCache host pool (hicache_layout={name})"
     pools = [f for f in _host_pools() if _is_host_order(LAYOUTS[f], order)]
+    expected = (
+        f"{where}: kv_buffer is {' or '.join(LAYOUTS[f].describe_shape() for f in pools)}, not {p.describe()}"
+    )
     if all(LAYOUTS[f].tensor_rank != p.rank for f in pools):
-        shapes = " or ".join(LAYOUTS[f].describe_shape() for f in pools)
-        raise DetectionError(f"{where}: kv_buffer is {shapes}, not {p.describe()}")
+        raise DetectionError(expected)
     try:
         fmt = pick(ENGINE, p, formats=pools)
     except DetectionError as exc:
-        raise DetectionError(f"{where}: {exc}") from None
+        raise DetectionError(f"{expected} ({exc})") from None
+    layout = LAYOUTS[fmt]
+    if hints.kv_list_layout is not None:
+        raise LayoutHintError(
+            f"{where}: layout hint kv_list_layout={hints.kv_list_layout} says how a device pool lists its "
+            "layers; a host pool is one tensor"
+        )
+    if (
+        hints.kv_layout is not None
+        and layout.axis_of(Role.HEAD) is not None
+        and hints.is_hnd != layout.is_hnd
+    ):
+        heads = "before" if layout.is_hnd else "after"
+        raise LayoutHintError(
+            f"{where}: layout hint kv_layout={hints.kv_layout} contradicts it: its heads are {heads} its "
+            f"tokens ({layout.describe_shape()})"
+        )
     if hints.tokens_per_block is None or not LAYOUTS[fmt].is_pbs_fused:
         return fmt, kv
     return _unfolded(kv, p, fmt, hints.tokens_per_block, where)

@@ -164,10 +164,16 @@ def _group(group: Any, block_size: int | None) -> GroupDescription:
     if bs is None or layout.axis_of(Role.BLOCK) is None:
         bs = block_size
     elif block_size is not None and block_size != bs:  # ignored, a peer would read ids in the wrong blocks
+        sizes = "block_map's src_block_size=/dst_block_size="
+        address = (
+            f"give {sizes}{block_size} to address it in blocks of {block_size}"
+            if block_size % bs == 0
+            else f"block ids address its blocks, or k of them at once ({sizes}a multiple of {bs}), never less"
+        )
         raise PeerDescriptionError(
             f"block_size={block_size}, but {layout}'s blocks hold {bs} tokens (its block axis says so): "
-            "block_size splits a folded page axis (NB*BS) only; describe this cache without it, and give "
-            f"block_map src_block_size=/dst_block_size={block_size} to address it in blocks of {block_size}"
+            "block_size splits a folded page axis (NB*BS) only; describe this cache without it, and "
+            f"{address}"
         )
     return GroupDescription(
         group.format, tuple(group.layers), group.engine_group, bs, tuple(planes), group.opaque_pages

@@ -234,6 +234,15 @@ def _pair(
         levels = [lvl for lvl in levels if lvl != SLOT]
         levels.insert(levels.index(BLOCK) + 1, SLOT)
     order = tuple(levels)
+    outer = [step for lvl in order[: order.index(SLAB)] if (step := level_steps[lvl]) is not None]
+    if outer:
+        # Slabs inside blocks or slots (layers interleaved in the destination: SGLang's
+        # page_first host pool) are walked a block or slot at a time, each group's slabs
+        # together: slabs a step of an outer level or more apart (its K half and its V
+        # half) go to groups of their own, which keeps the walk in destination order (a walk
+        # out of order is sorted: 2.7 of the 3.6 ms a 65536-run map took).
+        apart = (np.diff(d_base.astype(np.int64)) >= min(outer)) & (d_tensor[1:] == d_tensor[:-1])
+        group_starts = np.union1d(group_starts, np.flatnonzero(apart) + 1).astype(np.int64)
     # Each slab's tail: the innermost levels (inside the slab level) contiguous on both sides.
     tail = np.zeros(n, dtype=np.int64)
     run = width.astype(np.int64)
