@@ -38,7 +38,8 @@ def f16(*shape: int) -> torch.Tensor:
 
 
 def test_is_indexer_is_a_layout_fact_of_exactly_the_blocked_scale_page() -> None:
-    assert {f for f in F if kvlayout.is_indexer(f)} == {INDEXER}
+    # the engines' per-layer pages, and SGLang's HiCache host pools of them (one tensor)
+    assert {f for f in F if kvlayout.is_indexer(f)} == {INDEXER, F.NL_NB_BSV_BSS, F.NB_NL_BSV_BSS}
     assert kvlayout.layout_of(INDEXER).is_indexer and kvlayout.get_spec_class(INDEXER).is_indexer
     assert kvlayout.catalog.registry.format_info(INDEXER).engines == ("vllm", "sglang")
 

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
-from kvlayout.transfer import block_map
+from kvlayout.transfer import BlockMapError, block_map
 
 HOST_LAYOUTS = ("layer_first", "page_first", "page_first_direct", "page_head")
 MLA_LAYOUTS = HOST_LAYOUTS[:3]  # SGLang's MLA host pool has no page_head
@@ -209,15 +209,16 @@ def test_each_host_layout_is_its_format(layout: str, shape: tuple[int, ...], fmt
             torch.zeros(2, 3, 32, 4, 8),
             {"hicache_layout": "page_head"},
             kvlayout.DetectionError,
-            "SGLang HiCache host pool (hicache_layout=page_head): kv_buffer is [2, NB, NH, BS, NL, HS], not "
-            "kv_caches: shape (2, 3, 32, 4, 8)",
+            "SGLang HiCache host pool (hicache_layout=page_head): kv_buffer is [2, NB, NH, BS, NL, HS] (an MLA "
+            "pool has no page_head layout), not kv_caches: shape (2, 3, 32, 4, 8)",
         ),
         (
             torch.zeros(3, 32, 2, 8),
             {"hicache_layout": "page_first"},
             kvlayout.DetectionError,
             "SGLang HiCache host pool (hicache_layout=page_first): kv_buffer is [2, PBS, NL, NH, HS] or "
-            "[PBS, NL, 1, HS], not kv_caches: shape (3, 32, 2, 8), dtype torch.float32 (SGLang: the registration "
+            "[PBS, NL, 1, HS] (a DSA indexer pool: uint8 pages of page_size records, given tokens_per_block), "
+            "not kv_caches: shape (3, 32, 2, 8), dtype torch.float32 (SGLang: the registration "
             "(kv_caches: shape (3, 32, 2, 8), dtype torch.float32) fits no SGLang format",
         ),
         (
@@ -226,6 +227,13 @@ def test_each_host_layout_is_its_format(layout: str, shape: tuple[int, ...], fmt
             kvlayout.DetectionError,
             "SGLang HiCache host pool (hicache_layout=layer_first): PBS=30 token slots are not divisible by "
             "tokens_per_block=4",
+        ),
+        (
+            [torch.zeros(3, 32, 4, 8), torch.zeros(3, 32, 4, 8)],
+            None,
+            kvlayout.DetectionError,
+            "a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: pass "
+            "kv_buffer itself with layout hint hicache_layout",
         ),
         (
             torch.zeros(2, 8, 4, 4, 3, 8),
@@ -259,3 +267,55 @@ def test_what_is_not_a_host_pool_says_why(
 def test_the_hint_is_spelled_in_any_case_and_listed() -> None:
     assert kvlayout.HICACHE_LAYOUT_NAMES == HOST_LAYOUTS
     assert kvlayout.LayoutHints(hicache_layout="Page_First").hicache_layout == "page_first"  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_a_dsa_indexer_pool_backs_up_and_loads_whole_pages(layout: str) -> None:
+    """``DSAIndexerPoolHost``: uint8 pages of page_size 132-byte records (128 fp8 values,
+    then a scale, a token), indexed by page: ``[NL, pages, bytes]`` layer_first, ``[pages,
+    NL, 1, bytes]`` in both page-first layouts; the device's indexer pages are SGLang's
+    ``[pages, page_size * 132]`` a layer."""
+    nl, pages, ps = 3, 6, 4
+    gen = torch.Generator().manual_seed(3)
+    shape = (nl, pages, ps * 132) if layout == "layer_first" else (pages, nl, 1, ps * 132)
+    pool = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+
+    def page(layer: int, p: int) -> torch.Tensor:
+        return pool[layer, p] if layout == "layer_first" else pool[p, layer, 0]
+
+    device = [torch.randint(0, 256, (8, ps * 132), dtype=torch.uint8, generator=gen) for _ in range(nl)]
+    host = kvlayout.detect(pool, "sglang", {"hicache_layout": layout, "tokens_per_block": ps})
+    assert host.only_group().format is (F.NL_NB_BSV_BSS if layout == "layer_first" else F.NB_NL_BSV_BSS)
+    dev = kvlayout.detect(device, "sglang")
+    before = pool.clone()
+    backup = block_map(dev, host, [5, 2], [1, 4])
+    assert backup.num_runs == 2 * nl  # a page's records are one run a layer on both sides
+    backup.copy()
+    for layer in range(nl):
+        assert torch.equal(page(layer, 1), device[layer][5]) and torch.equal(page(layer, 4), device[layer][2])
+        for p in (0, 2, 3, 5):
+            assert torch.equal(
+                page(layer, p), before[layer, p] if layout == "layer_first" else before[p, layer, 0]
+            )
+    for t in device:
+        t.zero_()
+    block_map(host, dev, [4, 1], [0, 7]).copy()
+    for layer in range(nl):
+        assert torch.equal(device[layer][0], page(layer, 4)) and torch.equal(device[layer][7], page(layer, 1))
+    if layout == "page_first":  # without the page size it reads as MLA latents, and maps to no indexer
+        latents = kvlayout.detect(pool, "sglang", {"hicache_layout": layout})
+        with pytest.raises(BlockMapError, match="they do not hold the same data"):
+            block_map(dev, latents, [5], [1], dst_block_size=1)
+
+
+def test_token_slots_given_for_blocks_say_what_a_block_id_is() -> None:
+    device = kvlayout.detect([[torch.zeros(64, 2, 8) for _ in range(2)] for _ in range(2)], "sglang")
+    pool = kvlayout.detect(torch.zeros(2, 4, 2, 16, 2, 8), "sglang", {"hicache_layout": "page_first_direct"})
+    with pytest.raises(
+        BlockMapError,
+        match=re.escape(
+            "dst_blocks has 16 block ids; the request's 16 tokens (what the shorter block list holds) fill 1 block "
+            "of 16: a block id names a block of 16 tokens, not a token slot (give a token's slot over 16)"
+        ),
+    ):
+        block_map(device, pool, list(range(16)), list(range(16, 32)), src_block_size=1)

@@ -44,9 +44,11 @@ enum class EngineKVFormat : std::int32_t {
   NBBS_NL_ONE_HS = 31,  // [PBS, NL, 1, HS]
   NB_BS_NL_ONE_HS = 32,  // [NB, BS, NL, 1, HS]
   NB_NL_BS_ONE_HS = 33,  // [NB, NL, BS, 1, HS]
+  NL_NB_BSV_BSS = 34,  // [NL, NB, BSxVALS, BSxSCALES]
+  NB_NL_BSV_BSS = 35,  // [NB, NL, BSxVALS, BSxSCALES]
 };
 
-inline constexpr int kNumFormats = 34;
+inline constexpr int kNumFormats = 36;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -83,6 +85,8 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NBBS_NL_ONE_HS,
     EngineKVFormat::NB_BS_NL_ONE_HS,
     EngineKVFormat::NB_NL_BS_ONE_HS,
+    EngineKVFormat::NL_NB_BSV_BSS,
+    EngineKVFormat::NB_NL_BSV_BSS,
 };
 
 // Everything derived about one format.
@@ -215,6 +219,12 @@ true, false, false, true, false, false, false, false, false, false, true, false,
     case EngineKVFormat::NB_NL_BS_ONE_HS:
       return FormatFacts{format, "NB_NL_BS_ONE_HS", "[NB, NL, BS, 1, HS]", 1, 0, false,
 true, false, false, true, false, false, false, false, false, false, true, false, false, false};
+    case EngineKVFormat::NL_NB_BSV_BSS:
+      return FormatFacts{format, "NL_NB_BSV_BSS", "[NL, NB, BSxVALS, BSxSCALES]", 1, 0, false,
+true, false, false, true, false, false, false, false, false, false, false, true, false, false};
+    case EngineKVFormat::NB_NL_BSV_BSS:
+      return FormatFacts{format, "NB_NL_BSV_BSS", "[NB, NL, BSxVALS, BSxSCALES]", 1, 0, false,
+true, false, false, true, false, false, false, false, false, false, true, true, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

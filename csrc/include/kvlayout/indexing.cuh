@@ -408,6 +408,25 @@ KVLAYOUT_HOST_DEVICE inline Location nb_nl_bs_one_hs(const Sizes& s, std::int64_
   return Location{0, c.block * stride0 + c.layer * stride1 + c.token * stride2 + c.elem * stride4};
 }
 
+// 34: NL_NB_BSV_BSS = [NL, NB, BSxVALS, BSxSCALES]
+KVLAYOUT_HOST_DEVICE inline Location nl_nb_bsv_bss(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  (void)block_stride;
+  const std::int64_t stride2 = 1;
+  const std::int64_t stride1 = stride2 * s.bs * 132;
+  const std::int64_t stride0 = stride1 * s.nb;
+  const std::int64_t col2 = c.elem;
+  return Location{0, c.layer * stride0 + c.block * stride1 + ((col2 < 128 ? s.bs * 0 + c.token * 128 + (col2 - 0) : s.bs * 128 + c.token * 4 + (col2 - 128))) * stride2};
+}
+
+// 35: NB_NL_BSV_BSS = [NB, NL, BSxVALS, BSxSCALES]
+KVLAYOUT_HOST_DEVICE inline Location nb_nl_bsv_bss(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride2 = 1;
+  const std::int64_t stride1 = stride2 * s.bs * 132;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nl;
+  const std::int64_t col2 = c.elem;
+  return Location{0, c.block * stride0 + c.layer * stride1 + ((col2 < 128 ? s.bs * 0 + c.token * 128 + (col2 - 0) : s.bs * 128 + c.token * 4 + (col2 - 128))) * stride2};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -481,6 +500,10 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nb_bs_nl_one_hs(s, block_stride, c);
     case EngineKVFormat::NB_NL_BS_ONE_HS:
       return indexing::nb_nl_bs_one_hs(s, block_stride, c);
+    case EngineKVFormat::NL_NB_BSV_BSS:
+      return indexing::nl_nb_bsv_bss(s, block_stride, c);
+    case EngineKVFormat::NB_NL_BSV_BSS:
+      return indexing::nb_nl_bsv_bss(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -724,6 +747,20 @@ template <>
 struct Indexer<EngineKVFormat::NB_NL_BS_ONE_HS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nb_nl_bs_one_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NL_NB_BSV_BSS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nl_nb_bsv_bss(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_NL_BSV_BSS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_nl_bsv_bss(s, block_stride, c);
   }
 };
 

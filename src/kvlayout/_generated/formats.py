@@ -82,6 +82,10 @@ class EngineKVFormat(enum.IntEnum):
     """``[NB, BS, NL, 1, HS]``"""
     NB_NL_BS_ONE_HS = 33
     """``[NB, NL, BS, 1, HS]``"""
+    NL_NB_BSV_BSS = 34
+    """``[NL, NB, BSxVALS, BSxSCALES]``"""
+    NB_NL_BSV_BSS = 35
+    """``[NB, NL, BSxVALS, BSxSCALES]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +133,8 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NBBS_NL_ONE_HS: Layout(lists=(), tensor=(NBBS, NL, ONE, HS)),
     EngineKVFormat.NB_BS_NL_ONE_HS: Layout(lists=(), tensor=(NB, BS, NL, ONE, HS)),
     EngineKVFormat.NB_NL_BS_ONE_HS: Layout(lists=(), tensor=(NB, NL, BS, ONE, HS)),
+    EngineKVFormat.NL_NB_BSV_BSS: Layout(lists=(), tensor=(NL, NB, BSV, BSS)),
+    EngineKVFormat.NB_NL_BSV_BSS: Layout(lists=(), tensor=(NB, NL, BSV, BSS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -272,6 +278,14 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     ),
     EngineKVFormat.NB_NL_BS_ONE_HS: FormatInfo(
         backends=("SGLang HiCache host pool (MLA, page_first_direct)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NL_NB_BSV_BSS: FormatInfo(
+        backends=("SGLang HiCache host pool (DSA indexer, layer_first)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NB_NL_BSV_BSS: FormatInfo(
+        backends=("SGLang HiCache host pool (DSA indexer, page_first and page_first_direct)",),
         engines=("sglang",),
     ),
 }

@@ -69,12 +69,27 @@ _HOST_ORDERS: dict[str, tuple[Role, ...]] = {
     "page_head": (Role.BLOCK, Role.HEAD, Role.TOKEN, Role.LAYER),  # [2, pages, NH, page_size, NL, HS]
 }
 assert tuple(_HOST_ORDERS) == HICACHE_LAYOUT_NAMES
+# The DSA indexer's host pool (DSAIndexerPoolHost) is indexed by page: both page-first
+# layouts keep a page's records together per layer, [pages, NL, 1, page_bytes], and
+# layer_first is [NL, pages, page_bytes]; uint8, page_bytes = page_size records.
+_INDEXER_ORDERS: dict[str, tuple[Role, ...]] = {
+    "layer_first": _HOST_ORDERS["layer_first"],
+    "page_first": _HOST_ORDERS["page_first_direct"],
+    "page_first_direct": _HOST_ORDERS["page_first_direct"],
+}
 
 
 # What SGLang's state buffers (get_state_buf_infos) look like, and that they are not KV pages.
 _NOT_STATE = (
     "; a hybrid's Mamba state buffers (conv [slots, conv_dim, K-1], temporal [slots, H, head_dim, "
     "state]) are one state per request slot, not KV pages, and kvlayout does not read them"
+)
+
+
+# What a HiCache host pool's K and V halves (kv_buffer[0], kv_buffer[1]) are, passed as a list.
+_NOT_HOST_HALVES = (
+    "; a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: "
+    "pass kv_buffer itself with layout hint hicache_layout"
 )
 
 
@@ -118,7 +133,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list is an MLA page buffer [NB*BS, 1, HS] unless "
             "layout hint kv_list_layout says 'k_v' (K layers then V layers) or 'unified' (components)"
-            f"{_NOT_STATE}"
+            f"{_NOT_STATE}{_NOT_HOST_HALVES if len(kv) == 2 else ''}"
         )
     # A rank-3 leaf here is a folded page buffer; a rank-4 one (two lists) already has NB, BS.
     fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])
@@ -139,7 +154,8 @@ def _is_host_order(layout: Layout, order: tuple[Role, ...]) -> bool:
     """Whether ``layout`` is one tensor whose layer, block, token and head axes come in
     ``order`` (a page axis NB*BS is its block, then its token; without a head axis, the
     one head is the row)."""
-    roles = tuple(t.role for t in layout.tensor_parts if t.role in _PAGING_ROLES)
+    # first places only: a blocked-scale page's two regions both stand for its token rows
+    roles = tuple(dict.fromkeys(t.role for t in layout.tensor_parts if t.role in _PAGING_ROLES))
     if Role.HEAD not in roles:
         roles += (Role.HEAD,)
     return not layout.list_depth and roles == order
@@ -164,10 +180,16 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     assert name is not None
     order = _HOST_ORDERS[name]
     where = f"SGLang HiCache host pool (hicache_layout={name})"
-    pools = [f for f in _host_pools() if _is_host_order(LAYOUTS[f], order)]
-    expected = (
-        f"{where}: kv_buffer is {' or '.join(LAYOUTS[f].describe_shape() for f in pools)}, not {p.describe()}"
-    )
+    indexer = _host_indexer(kv, p, hints, where)
+    if indexer is not None:
+        return indexer
+    pools = [f for f in _host_pools() if _is_host_order(LAYOUTS[f], order) and not LAYOUTS[f].is_indexer]
+    shapes = " or ".join(LAYOUTS[f].describe_shape() for f in pools)
+    if name in _INDEXER_ORDERS:
+        shapes += " (a DSA indexer pool: uint8 pages of page_size records, given tokens_per_block)"
+    else:
+        shapes += " (an MLA pool has no page_head layout)"
+    expected = f"{where}: kv_buffer is {shapes}, not {p.describe()}"
     if all(LAYOUTS[f].tensor_rank != p.rank for f in pools):
         raise DetectionError(expected)
     try:
@@ -193,6 +215,34 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     if hints.tokens_per_block is None or not LAYOUTS[fmt].is_pbs_fused:
         return fmt, kv
     return _unfolded(kv, p, fmt, hints.tokens_per_block, where)
+
+
+def _host_indexer(
+    kv: torch.Tensor, p: Probe, hints: LayoutHints, where: str
+) -> tuple[EngineKVFormat, DiscoverableKVCache] | None:
+    """A DSA indexer host pool re-viewed as its blocked-scale format's tensor: uint8, two
+    leading axes (a third of size 1 after them), rows of ``tokens_per_block`` records;
+    None for any other pool."""
+    order = _INDEXER_ORDERS.get(str(hints.hicache_layout))
+    tpb = hints.tokens_per_block
+    if order is None or tpb is None or p.first.dtype != torch.uint8 or p.rank not in (3, 4):
+        return None
+    if p.rank == 4 and p.shape[2] != 1:
+        return None
+    for fmt in _host_pools():
+        layout = LAYOUTS[fmt]
+        if (
+            not layout.is_indexer
+            or not _is_host_order(layout, order)
+            or p.shape[-1] != tpb * _record_width(layout)
+        ):
+            continue
+        axes = sorted((Role.LAYER, Role.BLOCK), key=lambda role: layout.axis_of(role) or 0)
+        sizes = sizes_by_role(layout, {axes[0]: p.shape[0], axes[1]: p.shape[1], Role.TOKEN: tpb})
+        if not kv.is_contiguous():
+            raise DetectionError(f"{where}: a DSA indexer pool with padded rows cannot be split into records")
+        return fmt, kv.view(layout.tensor_shape(sizes))
+    return None
 
 
 def _unfolded(
@@ -337,7 +387,7 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
     widths, found = [], []
     for fmt in engine_formats(ENGINE):
         layout = LAYOUTS[fmt]
-        if not layout.is_indexer:
+        if not layout.is_indexer or layout.list_depth != p.depth:  # the host pools' are bare
             continue
         width = _record_width(layout)
         widths.append(width)
@@ -366,4 +416,4 @@ def _record_width(layout: Layout) -> int:
     """Elements of one token's record in a blocked-scale page (the region run's width)."""
     axis = layout.axis_of(Role.REGION)
     assert axis is not None
-    return layout.tensor_shape(sizes_by_role(layout, {Role.BLOCK: 1, Role.TOKEN: 1}))[axis]
+    return layout.tensor_shape(sizes_by_role(layout, {Role.LAYER: 1, Role.BLOCK: 1, Role.TOKEN: 1}))[axis]

@@ -407,6 +407,18 @@ def _sglang_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: 
     )
 
 
+def _sglang_indexer_host(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                         dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """SGLang's DSA indexer host pool (``DSAIndexerPoolHost``): uint8 pages of ``bs``
+    132-byte records, ``[NL, pages, bs * 132]`` (layer_first) or ``[pages, NL, 1, bs * 132]``
+    (page_first and page_first_direct), read with the page size."""
+    layer_first = layout_of(fmt).axis_of(Role.LAYER) == 0
+    pool = torch.zeros((nl, nb, bs * 132) if layer_first else (nb, nl, 1, bs * 132), dtype=torch.uint8)
+    name = "layer_first" if layer_first else draw(st.sampled_from(["page_first", "page_first_direct"]))
+    hints = {"hicache_layout": name, "tokens_per_block": bs}
+    return RegistrationCase(engine, fmt, pool, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, [pool], name)
+
+
 def _max(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
          dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     """MAX's one buffer ``[NB, KV, NL, BS, NH, HS]``, KV 2 (or 1 and one head: MLA)."""
@@ -503,6 +515,8 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
         )
     },
     ("sglang", F.NL_X_NB_BSV_BSS): _sglang_indexer,
+    ("sglang", F.NL_NB_BSV_BSS): _sglang_indexer_host,
+    ("sglang", F.NB_NL_BSV_BSS): _sglang_indexer_host,
     ("trtllm", F.NB_NL_TWO_BS_NH_HS): _trtllm,
     ("trtllm", F.NB_NL_TWO_NH_BS_HS): _trtllm,
     ("trtllm", F.NB_NL_ONE_BS_HS): _trtllm_mla,

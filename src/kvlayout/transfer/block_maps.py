@@ -325,9 +325,14 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -
     needed = -(-tokens // size)
     ids = block_ids_arg(name, blocks, BlockMapError)
     if len(ids) != needed:
+        tokens_given = (
+            f": a block id names a block of {size} tokens, not a token slot (give a token's slot over {size})"
+            if len(ids) == tokens and size > 1
+            else ""
+        )
         raise BlockMapError(
             f"{name} has {len(ids)} block ids; the request's {tokens} tokens ({told}) fill {needed} "
-            f"block{'s' * (needed != 1)} of {size}"
+            f"block{'s' * (needed != 1)} of {size}{tokens_given}"
         )
     check_ids_in_range(name, ids, count, BlockMapError)
     return ids
