@@ -25,7 +25,9 @@ Quirks that live here and nowhere else:
   ``hicache_layout`` hint names (SGLang's ``--hicache-mem-layout``); a name is an order
   of the paging axes (:data:`_HOST_ORDERS`), which picks the format. Its token slots are
   SGLang's host indices; ``tokens_per_block`` (the pool's ``page_size``) reads them in
-  pages, as it does a device pool's page buffers.
+  pages, as it does a device pool's page buffers. A DSA indexer's host pool (uint8 pages
+  of records, indexed by page) is read given ``tokens_per_block`` only: without it, a
+  page-first one has an MLA pool's shape.
 * ``kv_layout`` chooses between NHD and HND twins (a unified component cache of either
   order); without it SGLang's caches are NHD.
 """
@@ -180,6 +182,11 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     assert name is not None
     order = _HOST_ORDERS[name]
     where = f"SGLang HiCache host pool (hicache_layout={name})"
+    if hints.kv_list_layout is not None:
+        raise LayoutHintError(
+            f"{where}: layout hint kv_list_layout={hints.kv_list_layout} says how a device pool lists its "
+            "layers; a host pool is one tensor"
+        )
     indexer = _host_indexer(kv, p, hints, where)
     if indexer is not None:
         return indexer
@@ -197,11 +204,6 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     except DetectionError as exc:
         raise DetectionError(f"{expected} ({exc})") from None
     layout = LAYOUTS[fmt]
-    if hints.kv_list_layout is not None:
-        raise LayoutHintError(
-            f"{where}: layout hint kv_list_layout={hints.kv_list_layout} says how a device pool lists its "
-            "layers; a host pool is one tensor"
-        )
     if (
         hints.kv_layout is not None
         and layout.axis_of(Role.HEAD) is not None
