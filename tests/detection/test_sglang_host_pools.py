@@ -319,3 +319,13 @@ def test_token_slots_given_for_blocks_say_what_a_block_id_is() -> None:
         ),
     ):
         block_map(device, pool, list(range(16)), list(range(16, 32)), src_block_size=1)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "trtllm", "atom", "max"])
+def test_another_engine_given_the_hint_says_it_does_not_read_it(engine: str) -> None:
+    label = {"vllm": "vLLM", "trtllm": "TRT-LLM", "atom": "ATOM", "max": "MAX"}[engine]
+    with pytest.raises(
+        kvlayout.LayoutHintError,
+        match=re.escape(f"layout hint hicache_layout is SGLang's, and {label} does not read it"),
+    ):
+        kvlayout.detect(torch.zeros(2, 32, 3, 4, 8), engine, {"hicache_layout": "page_first"})

@@ -22,7 +22,7 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, probe, validate
-from kvlayout.detection.registry import get_detector, mixed_check, mixed_split, view_pooling
+from kvlayout.detection.registry import get_detector, hint_owners, mixed_check, mixed_split, view_pooling
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Axis, Role, kv_layout_axes
@@ -36,6 +36,7 @@ from kvlayout.registration.memory import first_without_memory
 from kvlayout.registration.nesting import CallerRoot, describe_path, first_leaf, leaves, not_a_kv_cache
 from kvlayout.registration.registration import Registration, RegistrationError, bind
 from kvlayout.types import (
+    ENGINE_LABELS,
     DiscoverableKVCache,
     EngineLike,
     EngineType,
@@ -144,6 +145,12 @@ def _discover(
     pooled = _pooled(kv, engine, hints)
     if pooled is not None:
         kv, hints = pooled
+    for hint, owner in hint_owners().items():
+        if owner is not engine and getattr(hints, hint) is not None:
+            raise LayoutHintError(
+                f"layout hint {hint} is {ENGINE_LABELS[owner]}'s, and {ENGINE_LABELS[engine]} does not "
+                "read it"
+            )
     for fact, where in (("is_head_outer", "heads outside blocks"), ("is_layer_inner", "layers inside heads")):
         if getattr(hints, fact) and not any(
             _in_order(LAYOUTS[f], hints.kv_layout) for f in engine_formats(engine)

@@ -7,7 +7,9 @@ mixture for what it is (SGLang's K and V of different head sizes), not layers to
 and ``split_mixed(kv, hints)``, which ``detect`` asks first: the two lists of leaves such
 a mixture is served as, one kernel group each; and ``pool_views(kv, hints)``, asked of the
 caller's registration before anything else: the one tensor a list of per-layer views
-tiles (vLLM's ``BHLNC``), detected in its place, and the hints it reads with.
+tiles (vLLM's ``BHLNC``), detected in its place, and the hints it reads with; and
+``OWN_HINTS``, the layout hints no other engine reads (SGLang's ``hicache_layout``): one
+given to another engine is an error, not ignored.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ __all__ = [
     "ViewPooling",
     "detectors",
     "get_detector",
+    "hint_owners",
     "mixed_check",
     "mixed_split",
     "view_pooling",
@@ -82,6 +85,14 @@ def view_pooling(engine: EngineType) -> ViewPooling | None:
     """The engine's ``pool_views``, if its detector module has one."""
     module = _modules().get(engine)
     return None if module is None else getattr(module, "pool_views", None)
+
+
+@functools.cache
+def hint_owners() -> Mapping[str, EngineType]:
+    """Each layout hint one engine reads and no other, with that engine (``OWN_HINTS``)."""
+    return MappingProxyType(
+        {hint: engine for engine, module in _modules().items() for hint in getattr(module, "OWN_HINTS", ())}
+    )
 
 
 def get_detector(engine: EngineType) -> Detector:

@@ -59,6 +59,7 @@ from kvlayout.registration.nesting import leaves, map_leaves
 from kvlayout.types import HICACHE_LAYOUT_NAMES, DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.SGLANG
+OWN_HINTS = ("hicache_layout",)
 
 # SGLang's HiCache host pools (HostKVCache.init_kv_buffer), by the order of their layer,
 # block, token and head axes, outermost first (a page axis NB*BS is a block axis, then a
