@@ -188,7 +188,7 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
             f"{where}: layout hint kv_list_layout={hints.kv_list_layout} says how a device pool lists its "
             "layers; a host pool is one tensor"
         )
-    indexer = _host_indexer(kv, p, hints, where)
+    indexer = _host_indexer(kv, p, name, hints.tokens_per_block, where)
     if indexer is not None:
         return indexer
     pools = [f for f in _host_pools() if _is_host_order(LAYOUTS[f], order) and not LAYOUTS[f].is_indexer]
@@ -221,13 +221,12 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
 
 
 def _host_indexer(
-    kv: torch.Tensor, p: Probe, hints: LayoutHints, where: str
+    kv: torch.Tensor, p: Probe, name: str, tpb: int | None, where: str
 ) -> tuple[EngineKVFormat, DiscoverableKVCache] | None:
-    """A DSA indexer host pool re-viewed as its blocked-scale format's tensor: uint8, two
-    leading axes (a third of size 1 after them), rows of ``tokens_per_block`` records;
-    None for any other pool."""
-    order = _INDEXER_ORDERS.get(str(hints.hicache_layout))
-    tpb = hints.tokens_per_block
+    """A DSA indexer host pool in layout ``name`` re-viewed as its blocked-scale format's
+    tensor: uint8, two leading axes (a third of size 1 after them), rows of ``tpb``
+    records; None for any other pool."""
+    order = _INDEXER_ORDERS.get(name)
     if order is None or tpb is None or p.first.dtype != torch.uint8 or p.rank not in (3, 4):
         return None
     if p.rank == 4 and p.shape[2] != 1:
