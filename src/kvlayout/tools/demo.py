@@ -96,6 +96,10 @@ def _sglang_mp() -> Any:
     return [*k, *v]  # the MP adapter flattens [K pools..., V pools...]
 
 
+def _sglang_host_pool() -> Any:
+    return _random(2, 256 * 16, 32, 8, 128)  # mem_pool_host.kv_buffer, page_first: [2, size, NL, NH, HS]
+
+
 def _trtllm_pool() -> Any:
     return _random(256, 32, 2, 8 * 16 * 128)  # [blocks, layers, K/V, heads * tokens * head]
 
@@ -118,6 +122,14 @@ EXAMPLES = [
         _sglang_mp,
         {"tokens_per_block": 16, "kv_list_layout": "k_v"},
         "a flat [K pools..., V pools...] list of [NB*BS, NH, HS] pools, un-folded by tokens_per_block",
+    ),
+    Example(
+        "Llama-3-8B on SGLang, HiCache host pool (page_first)",
+        "sglang",
+        _sglang_host_pool,
+        {"hicache_layout": "page_first", "tokens_per_block": 16},
+        "mem_pool_host.kv_buffer [2, size, NL, NH, HS]: a token's row holds every layer's; read in "
+        "16-token pages",
     ),
     Example(
         "Llama-3-8B on TRT-LLM, one KV pool",
