@@ -162,7 +162,6 @@ class LayoutHints:
     num_kv_heads: int | None = None
     tokens_per_block: int | None = None
     kv_list_layout: KVListLayout | None = None
-    hicache_layout: HiCacheLayout | None = None
     head_dim: int | None = None
     kv_pair_axis: int | None = None
     num_layers: int | None = None
@@ -170,6 +169,7 @@ class LayoutHints:
     kv_dim: int | None = None
     page_size: int | None = None
     layout_format: str | None = None
+    hicache_layout: HiCacheLayout | None = None  # last: the fields before keep their positions
 
     def __post_init__(self) -> None:
         if self.kv_layout is not None:
