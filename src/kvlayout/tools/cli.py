@@ -323,7 +323,10 @@ def build_parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="a layout hint, repeatable: kv_layout=HND, tokens_per_block=16, kv_list_layout=k_v, ...",
+        help=(
+            "a layout hint, repeatable: kv_layout=HND, tokens_per_block=16, kv_list_layout=k_v, "
+            "hicache_layout=page_first, ..."
+        ),
     )
     p.add_argument(
         "--share",
