@@ -1207,6 +1207,28 @@ def test_layers_interleaved_in_the_destination_are_walked_in_destination_order()
     assert np.array_equal(m.runs, m._build(force_sort=True))
 
 
+def test_the_sorting_path_leaves_runs_in_destination_order() -> None:
+    """A walk out of destination order (heads outside layers in vLLM's BHLNC pool, from
+    per-layer NHD caches) is sorted: the walk's ascending stretches merged, every run's
+    destination after the last one's."""
+    nb, heads, layers, bs, hs = 8, 2, 3, 4, 8
+    dst = kvlayout.detect(
+        torch.zeros(nb, heads, layers, bs, 2 * hs), "vllm", {"layout_format": "NB_NH_NL_BS_CS"}
+    )
+    src = kvlayout.detect(
+        [torch.randn(2, nb, bs, heads, hs) for _ in range(layers)], "vllm", {"kv_layout": "NHD"}
+    )
+    m = block_map(src, dst, [3, 1, 6], [5, 0, 2], num_tokens=10)
+    p, (src_ids, dst_ids) = m._pair, m._ids
+    _, runs, in_order = _native.build_groups(
+        p.slabs, p.group_starts, p.order, len(p.heads), m.num_tokens, src_ids, bs, dst_ids, bs,
+        p.src_classes, p.dst_classes, False, False, False,
+    )  # fmt: skip
+    assert not in_order and runs == m.num_runs
+    ordered = m._build(force_sort=True)
+    assert len(ordered) == m.num_runs and np.all(np.diff(ordered[:, 1].astype(np.int64)) > 0)
+
+
 def test_a_kernel_group_maps_to_a_group_of_the_same_layers() -> None:
     """A hybrid's second group holds layers 2-3 of its registration: into a pool of two
     layers (0-1) it is refused, saying how to register the pool; detected with the same
