@@ -134,7 +134,7 @@ def _in_order(layout: Layout, kv_layout: str | None) -> bool:
     axis as block then token) come in the order the ``kv_layout`` spelling gives them."""
     assert kv_layout is not None
     want = tuple(_ORDERED_ROLES[a] for a in kv_layout_axes(kv_layout) if a in _ORDERED_ROLES)
-    return tuple(t.role for t in (*layout.lists, *layout.tensor_parts) if t.role in want) == want
+    return layout.role_order(want) == want
 
 
 def _discover(

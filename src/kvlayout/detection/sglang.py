@@ -157,8 +157,7 @@ def _is_host_order(layout: Layout, order: tuple[Role, ...]) -> bool:
     """Whether ``layout`` is one tensor whose layer, block, token and head axes come in
     ``order`` (a page axis NB*BS is its block, then its token; without a head axis, the
     one head is the row)."""
-    # first places only: a blocked-scale page's two regions both stand for its token rows
-    roles = tuple(dict.fromkeys(t.role for t in layout.tensor_parts if t.role in _PAGING_ROLES))
+    roles = layout.role_order(_PAGING_ROLES)
     if Role.HEAD not in roles:
         roles += (Role.HEAD,)
     return not layout.list_depth and roles == order
@@ -195,8 +194,8 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     shapes = " or ".join(LAYOUTS[f].describe_shape() for f in pools)
     if name in _INDEXER_ORDERS:
         shapes += " (a DSA indexer pool: uint8 pages of page_size records, given tokens_per_block)"
-    else:
-        shapes += " (an MLA pool has no page_head layout)"
+    if not any(LAYOUTS[f].is_mla for f in pools):
+        shapes += f" (an MLA pool has no {name} layout)"
     expected = f"{where}: kv_buffer is {shapes}, not {p.describe()}"
     if all(LAYOUTS[f].tensor_rank != p.rank for f in pools):
         raise DetectionError(expected)
@@ -239,8 +238,8 @@ def _host_indexer(
             or p.shape[-1] != tpb * _record_width(layout)
         ):
             continue
-        axes = sorted((Role.LAYER, Role.BLOCK), key=lambda role: layout.axis_of(role) or 0)
-        sizes = sizes_by_role(layout, {axes[0]: p.shape[0], axes[1]: p.shape[1], Role.TOKEN: tpb})
+        outer, inner = layout.role_order((Role.LAYER, Role.BLOCK))  # the pool's two leading axes
+        sizes = sizes_by_role(layout, {outer: p.shape[0], inner: p.shape[1], Role.TOKEN: tpb})
         if not kv.is_contiguous():
             raise DetectionError(f"{where}: a DSA indexer pool with padded rows cannot be split into records")
         return fmt, kv.view(layout.tensor_shape(sizes))

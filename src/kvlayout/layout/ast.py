@@ -12,7 +12,7 @@ from the tokens' roles; nothing is declared per format.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvlayout.errors import LayoutSemanticError
@@ -114,6 +114,16 @@ class Layout:
             if level.role is role:
                 return i
         return None
+
+    def role_order(self, roles: Collection[Role]) -> tuple[Role, ...]:
+        """``roles`` in the order their axes come, outermost first: list levels, then the
+        tensor's parts (a fused axis's roles in its order); each role at its first place
+        (a blocked page's two regions both stand for its token rows)."""
+        return tuple(
+            dict.fromkeys(
+                t.role for t in (*self.lists, *self.tensor_parts) if t.role is not None and t.role in roles
+            )
+        )
 
     # -- static facts, all derived ----------------------------------------------
 
