@@ -140,14 +140,19 @@ class Stage(NamedTuple):
 
 
 def _stages(first: np.ndarray, stretch_bytes: np.ndarray, num_runs: int, stages: int) -> tuple[Stage, ...]:
-    """Cut the stretches (descriptors) into ``stages`` of about equal bytes (never more
-    than the stretches); each stage's copies are its stretches' runs (``first`` is the
-    first run of each stretch, in the copies' order)."""
+    """Cut the stretches (descriptors) into ``stages`` of about equal bytes, exactly
+    that many (never more than the stretches): a cut that equal bytes would put where
+    another is moves to the next stretch. Each stage's copies are its stretches' runs
+    (``first`` is the first run of each stretch, in the copies' order)."""
     n, total = len(first), int(stretch_bytes.sum(dtype=_U64))
     want = max(1, min(stages, n))
     ends = np.cumsum(stretch_bytes, dtype=_U64)
     cuts = np.searchsorted(ends, np.arange(1, want, dtype=_U64) * np.uint64(total // want), side="right")
-    bounds = np.unique(np.r_[0, cuts, n].astype(np.int64))
+    # cut i after at least i stretches and before the last want - i: stretch counts
+    # past the i-th cut (cuts - i) never decrease, so every stage keeps one stretch
+    step = np.arange(1, want, dtype=np.int64)
+    cuts = np.maximum.accumulate(np.clip(cuts.astype(np.int64) - step, 0, n - want)) + step
+    bounds = np.r_[0, cuts, n].astype(np.int64)
     runs = np.r_[first, num_runs].astype(np.int64)[bounds]
     return tuple(
         Stage((int(bounds[i]), int(bounds[i + 1])), (int(runs[i]), int(runs[i + 1])))
