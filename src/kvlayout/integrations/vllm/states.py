@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from kvlayout.integrations.mamba_splits import conv_parts
 from kvlayout.integrations.vllm.specs import SpecKind, spec_field, spec_kind
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import PageArray
@@ -34,24 +35,6 @@ def mamba_type(spec: Any) -> str | None:
     return name.lower() if isinstance(name, str) else None
 
 
-def _conv_parts(kind: str | None, dim: int, ssm: tuple[int, ...]) -> tuple[int, ...] | None:
-    """This rank's sub-projection lengths of a conv state ``dim`` long, or None where the
-    model type's split does not fit ``dim`` and the SSM state's shape."""
-    if kind == "mamba1":
-        return (dim,) if len(ssm) == 2 and ssm[0] == dim else None
-    if len(ssm) != 3:
-        return None
-    heads, head_dim, last = ssm
-    rest = dim - heads * head_dim
-    if rest <= 0 or rest % 2 or (rest // 2) % last:
-        return None  # Mamba2: B and C are n_groups * d_state each; GDN: Q and K are key heads * dk
-    if kind == "mamba2":
-        return heads * head_dim, rest // 2, rest // 2
-    if kind == "gdn_attn":
-        return rest // 2, rest // 2, heads * head_dim
-    return None
-
-
 def state_arrays(spec: Any) -> tuple[PageArray, ...]:
     """The conv and SSM arrays of a Mamba1, Mamba2 or GDN spec's page; empty for any
     other spec, or where the shapes do not split as the model type says (a block map
@@ -65,7 +48,7 @@ def state_arrays(spec: Any) -> tuple[PageArray, ...]:
     if len(conv) != 2 or min(conv + ssm, default=0) <= 0:
         return ()
     kind = mamba_type(spec)
-    fits = [(axis, parts) for axis in (0, 1) if (parts := _conv_parts(kind, conv[axis], ssm)) is not None]
+    fits = [(axis, parts) for axis in (0, 1) if (parts := conv_parts(kind, conv[axis], ssm)) is not None]
     if len(fits) != 1:
         return ()  # no axis, or both, is the model's dim: which one TP splits is unknown
     axis, parts = fits[0]

@@ -1,0 +1,15 @@
+"""SGLang integration: its Mamba state pools, read as registrations a block map moves.
+
+SGLang keeps a hybrid model's linear-attention state apart from its KV pool: one state
+per request slot and layer, in a device pool (``MambaPool``, also reached as
+``req_to_token_pool.mamba_pool``) and, with HiCache, a host pool (``MambaPoolHost``).
+:func:`mamba_state_pools` reads either as one registration per state tensor (each conv
+state, then the SSM state): block ids are SGLang's slot indices, and a block map moves
+a request's state between a device pool and a host pool, two instances, or (given the
+model's Mamba type) two TP degrees. SGLang itself is not imported: pools are read
+structurally.
+"""
+
+from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
+
+__all__ = ["MAMBA_TYPES", "MambaPoolError", "mamba_state_pools"]

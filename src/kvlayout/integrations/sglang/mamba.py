@@ -1,0 +1,195 @@
+"""SGLang's Mamba state pools as registrations of opaque pages, one per state tensor.
+
+SGLang allocates each state of a hybrid model's linear-attention layers as one tensor
+over all of them (``MambaPool.__init__``): the device pool's conv states (a list: one
+for Mamba2 and Gated DeltaNet, three for Kimi Delta Attention) and SSM state are
+``[NL, size + 1, *state]`` (slot 0 is the padding requests' dummy), and HiCache's host
+pool (``MambaPoolHost.init_kv_buffer``) holds ``[NL, size, *state]`` (``layer_first``)
+or ``[size, NL, 1, *state]`` (``page_first``, ``page_first_direct``: its page is one
+slot). A slot's state of one layer is one contiguous item, so each tensor is read as
+int8 rows, one row an item, in SGLang's host-pool formats (``NL_NB_BS_ONE_HS``,
+``NB_BS_NL_ONE_HS`` with one row a block), and marked as opaque pages: a block map moves
+whole items, slot id to slot id, only between tensors of the same state.
+
+Given the model's Mamba type, each page also declares how tensor parallelism shards it
+(:class:`~kvlayout.registration.opaque.PageArray`), by the shapes SGLang sizes
+(``configs/mamba_utils.py``): a Mamba2 or GDN conv state ``(conv_dim / tp, K - 1)`` is
+the model's ``x, B, C`` or ``Q, K, V``, each split on its own; a KDA conv state
+``(K - 1, proj / tp)`` is one projection; an SSM state is split by heads. A map between
+ranks of two TP degrees then moves the slices both hold, as SGLang's own PD transfer
+slices them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvlayout.detection.base import DetectionError
+from kvlayout.detection.discovery import detect
+from kvlayout.integrations.mamba_splits import conv_parts
+from kvlayout.layout.dtypes import DTYPE_SIZES
+from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pages
+from kvlayout.registration.registration import Registration
+
+__all__ = ["MAMBA_TYPES", "MambaPoolError", "mamba_state_pools"]
+
+MAMBA_TYPES = ("mamba2", "gdn_attn", "kda")
+"""The Mamba types whose TP split is known (vLLM's names; ``"kda"``: Kimi Linear, whose
+three conv states SGLang keeps apart): Mamba2 (NemotronH, FalconH1, Granite 4), Gated
+DeltaNet (Qwen3-Next, Qwen3.5), Kimi Delta Attention."""
+
+_CONVS = {"mamba2": 1, "gdn_attn": 1, "kda": 3}
+_HOST_LAYOUTS = {"layer_first": False, "page_first": True, "page_first_direct": True}  # slots outermost
+
+
+class MambaPoolError(DetectionError):
+    """An SGLang Mamba pool that is not one, or whose states do not split as its Mamba
+    type says."""
+
+
+def _states(pool: Any) -> tuple[str, list[tuple[str, Any]]]:
+    """The pool's layout (``device`` or the host pool's) and its state tensors, named."""
+    pool = getattr(pool, "mamba_pool", pool)  # HybridReqToTokenPool holds the MambaPool
+    cache = getattr(pool, "mamba_cache", None)
+    layout: Any
+    if cache is not None:
+        layout, convs, temporal = "device", getattr(cache, "conv", None), getattr(cache, "temporal", None)
+    elif hasattr(pool, "temporal_buffer"):
+        layout = getattr(pool, "layout", None)
+        convs, temporal = getattr(pool, "conv_buffer", None), pool.temporal_buffer
+        if layout not in _HOST_LAYOUTS:
+            raise MambaPoolError(
+                f"the host pool's layout is {layout!r}, not one of {', '.join(_HOST_LAYOUTS)} "
+                "(MambaPoolHost's)"
+            )
+    else:
+        raise MambaPoolError(
+            f"{type(pool).__name__} is not an SGLang Mamba pool: a MambaPool (mamba_cache.conv, "
+            "mamba_cache.temporal), a HybridReqToTokenPool (mamba_pool) or a MambaPoolHost "
+            "(conv_buffer, temporal_buffer, layout)"
+        )
+    if not isinstance(convs, list | tuple):
+        raise MambaPoolError(f"the pool's conv states are {type(convs).__name__}, not a list of tensors")
+    named = [(f"conv{i}", t) for i, t in enumerate(convs)] + [("temporal", temporal)]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor):
+            raise MambaPoolError(f"the pool's {name} state is {type(t).__name__}, not a tensor")
+    return layout, named
+
+
+def _state_shape(layout: str, name: str, t: torch.Tensor) -> tuple[int, ...]:
+    """One slot's state shape of one layer, the tensor's rank and size-1 axis checked."""
+    first = 3 if _HOST_LAYOUTS.get(layout, False) else 2
+    shape = tuple(int(n) for n in t.shape)
+    if len(shape) <= first or (first == 3 and shape[2] != 1):
+        expected = "[size, NL, 1, *state]" if first == 3 else "[NL, slots, *state]"
+        raise MambaPoolError(f"the pool's {name} state is {list(shape)}, not {expected} ({layout} pool)")
+    return shape[first:]
+
+
+def _dtype(name: str, t: torch.Tensor) -> str:
+    dtype = str(t.dtype).removeprefix("torch.")
+    if dtype not in DTYPE_SIZES:
+        raise MambaPoolError(f"the pool's {name} state is {dtype}, which kvlayout does not know")
+    return dtype
+
+
+def _kda_parts(conv: tuple[int, int], ssm: tuple[int, ...]) -> tuple[int, ...] | None:
+    """A Kimi Linear conv state kept whole, ``(K - 1, proj / tp + 2 * proj_k / tp)``: its
+    three projections (``proj = heads * head size`` beside the SSM state's), or None."""
+    values = ssm[0] * ssm[1]
+    rest = conv[1] - values
+    return (values, rest // 2, rest // 2) if rest > 0 and rest % 2 == 0 else None
+
+
+def _arrays(
+    mamba_type: str | None, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]
+) -> dict[str, tuple[PageArray, ...]]:
+    """Each state's TP-sharded array (none without a Mamba type: whole, rank to rank)."""
+    if mamba_type is None:
+        return {name: () for name in shapes}
+    if mamba_type not in MAMBA_TYPES:
+        raise MambaPoolError(f"mamba_type {mamba_type!r} is not one of {', '.join(MAMBA_TYPES)} (or None)")
+    convs = [n for n in shapes if n != "temporal"]
+    ssm = shapes.get("temporal", ())
+    counts = (1, 3) if mamba_type == "kda" else (1,)
+    if len(convs) not in counts or any(len(shapes[n]) != 2 for n in convs) or len(ssm) != 3:
+        got = ", ".join(f"{n} {list(shapes[n])}" for n in shapes)
+        raise MambaPoolError(
+            f"a {mamba_type} pool has {' or '.join(map(str, counts))} conv state(s) of 2 axes and an SSM "
+            f"state of 3 (heads, head size, state), not {got}"
+        )
+    arrays: dict[str, tuple[PageArray, ...]] = {
+        "temporal": (PageArray(0, ssm, dtypes["temporal"], 0, (ssm[0],)),)
+    }
+    for name in convs:
+        conv = shapes[name]
+        if mamba_type == "kda":  # (K - 1, proj / tp): one projection each, or all three
+            parts = (conv[1],) if len(convs) == 3 else _kda_parts((conv[0], conv[1]), ssm)
+            fits = [(1, parts)] if parts else []
+        else:
+            fits = [(axis, parts) for axis in (0, 1) if (parts := conv_parts(mamba_type, conv[axis], ssm))]
+        if len(fits) != 1:
+            sub = {"mamba2": "x, B, C", "gdn_attn": "Q, K, V", "kda": "three projections"}[mamba_type]
+            raise MambaPoolError(
+                f"the conv state {list(conv)} does not split into {mamba_type}'s {sub} beside the SSM state "
+                f"{list(ssm)} ({'on both axes' if fits else 'on neither axis'}): another Mamba type?"
+            )
+        axis, parts = fits[0]
+        arrays[name] = (PageArray(0, conv, dtypes[name], axis, parts),)
+    return arrays
+
+
+def _rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tensor as int8 rows, one a slot's item of one layer, and the tensor in its
+    memory's order (SGLang's CPU AMX kernels keep a conv state ``(dim, K - 1)`` as
+    ``(K - 1, dim)`` in memory, under the same shape)."""
+    for view in (t, t.transpose(-1, -2)):
+        try:  # [NL, slots, 1, bytes] or, slots first, [slots, NL, 1, bytes]
+            return view.view(int(t.shape[0]), int(t.shape[1]), 1, -1).view(torch.int8), view
+        except RuntimeError:
+            continue
+    raise MambaPoolError(
+        f"the pool's {name} state {list(t.shape)} (strides {list(t.stride())}) is not one contiguous "
+        "item per slot and layer, as SGLang allocates it"
+    )
+
+
+def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Registration]:
+    """SGLang's Mamba state ``pool`` (a device ``MambaPool``, the ``HybridReqToTokenPool``
+    holding one, or a HiCache ``MambaPoolHost``) as one registration per state tensor:
+    ``conv0`` (``conv1``, ``conv2`` for Kimi Linear) and ``temporal``, in SGLang's order.
+
+    Block ids are SGLang's slot indices (a request's ``mamba_pool_idx`` on the device,
+    its host indices on the host), one slot a block. Registrations of the same state in
+    two pools map whole items, slot to slot, one run a layer where neither side holds
+    the layers together. With ``mamba_type`` (one of :data:`MAMBA_TYPES`) each page
+    declares how TP shards it, and a map between ranks of two TP degrees, given both
+    shards, moves the slices both ranks hold (kind ``resharded state``). Raises
+    :class:`MambaPoolError` for anything else."""
+    layout, named = _states(pool)
+    for name, t in named:
+        _state_shape(layout, name, t)
+    named = [(name, t) for name, t in named if t.numel()]  # a model without it (LFM2's SSM state)
+    if not named:
+        raise MambaPoolError("the pool's states hold no bytes")
+    rows = {name: _rows(name, t) for name, t in named}
+    shapes = {name: _state_shape(layout, name, rows[name][1]) for name, t in named}
+    dtypes = {name: _dtype(name, t) for name, t in named}
+    head, first = named[0]
+    for name, t in named[1:]:
+        if t.shape[:2] != first.shape[:2] or t.device != first.device:
+            raise MambaPoolError(
+                f"the pool's {name} state is {list(t.shape)} on {t.device} and its {head} state "
+                f"{list(first.shape)} on {first.device}: the same layers and slots on one device expected"
+            )
+    arrays = _arrays(mamba_type, shapes, dtypes)
+    hints = {"hicache_layout": "page_first" if _HOST_LAYOUTS.get(layout, False) else "layer_first"}
+    pools = {}
+    for name, t in named:
+        page = OpaquePages(f"SGLang Mamba {name}: {dtypes[name]} {list(shapes[name])}", False, arrays[name])
+        mark_opaque_pages(rows[name][0], page, (t,))
+        pools[name] = detect(rows[name][0], "sglang", {**hints, "tokens_per_block": 1})
+    return pools

@@ -1,0 +1,113 @@
+"""SGLang's Mamba state pools as SGLang allocates them, for tests, docs and the demo.
+
+The shapes follow SGLang's sizing (``configs/mamba_utils.py``: ``Mamba2StateShape``,
+``KimiLinearStateShape``), its device pool (``MambaPool``: ``[NL, size + 1, *state]``)
+and its HiCache host pool (``MambaPoolHost``: ``[NL, size, *state]`` or ``[size, NL, 1,
+*state]``). The pools are duck-typed stand-ins with the attributes kvlayout reads; SGLang
+itself is not needed. :func:`shard` is the oracle: a rank's slices of the whole model's
+state, each sub-projection split on its own, as SGLang shards the weights.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+__all__ = ["QWEN3_NEXT", "LinearModel", "device_pool", "host_pool", "shard"]
+
+
+@dataclass(frozen=True)
+class LinearModel:
+    """A model's linear-attention state sizes, whole (TP 1). ``num_heads``: SSM heads
+    (GDN's and KDA's value heads); ``state_size``: Mamba2's ``d_state``, GDN's and KDA's
+    key head size; ``n_groups``: Mamba2's groups, GDN's and KDA's key heads."""
+
+    mamba_type: str  # "mamba2", "gdn_attn" or "kda"
+    num_layers: int
+    num_heads: int
+    head_dim: int
+    state_size: int
+    n_groups: int
+    conv_kernel: int = 4
+    fused: bool = False  # KDA's three conv states as one (SGLang's newer ``KimiLinearStateShape``)
+
+    def conv_parts(self, tp: int) -> list[tuple[int, ...]]:
+        """Each conv state's sub-projection lengths at TP ``tp``, in SGLang's channel order."""
+        groups = self.n_groups if self.n_groups % tp == 0 else tp  # SGLang replicates the groups
+        values, keys = self.num_heads * self.head_dim // tp, groups * self.state_size // tp
+        if self.mamba_type == "mamba2":
+            return [(values, keys, keys)]  # x, B, C
+        if self.mamba_type == "gdn_attn":
+            return [(keys, keys, values)]  # Q, K, V
+        return [(values, keys, keys)] if self.fused else [(values,), (keys,), (keys,)]  # KDA
+
+    def state_shapes(self, tp: int) -> tuple[list[tuple[int, int]], tuple[int, int, int]]:
+        """The conv states' and the SSM state's shapes at TP ``tp``, as SGLang sizes them."""
+        rows = self.conv_kernel - 1
+        if self.mamba_type == "kda":
+            convs = [(rows, sum(parts)) for parts in self.conv_parts(tp)]  # (K - 1, proj / tp)
+            return convs, (self.num_heads // tp, self.head_dim, self.head_dim)
+        return [(sum(self.conv_parts(tp)[0]), rows)], (self.num_heads // tp, self.head_dim, self.state_size)
+
+
+QWEN3_NEXT = LinearModel("gdn_attn", num_layers=36, num_heads=32, head_dim=128, state_size=128, n_groups=16)
+"""Qwen3-Next-80B-A3B's Gated DeltaNet layers (32 value heads, 16 key heads, 128 each)."""
+
+
+def _fill(shape: tuple[int, ...], dtype: torch.dtype, generator: torch.Generator | None) -> torch.Tensor:
+    if generator is None:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, generator=generator).to(dtype)
+
+
+def device_pool(
+    model: LinearModel,
+    tp: int,
+    size: int,
+    *,
+    conv_dtype: torch.dtype = torch.bfloat16,
+    ssm_dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+) -> Any:
+    """SGLang's ``MambaPool`` for ``size`` requests at TP ``tp`` (slot 0 the padding's):
+    zeros, or random values from ``generator``."""
+    convs, temporal = model.state_shapes(tp)
+    lead = (model.num_layers, size + 1)
+    cache = SimpleNamespace(
+        conv=[_fill(lead + c, conv_dtype, generator) for c in convs],
+        temporal=_fill(lead + temporal, ssm_dtype, generator),
+    )
+    return SimpleNamespace(mamba_cache=cache, num_mamba_layers=model.num_layers, size=size)
+
+
+def host_pool(device: Any, size: int, layout: str) -> Any:
+    """HiCache's ``MambaPoolHost`` of ``size`` slots beside ``device``, zeros."""
+    states = [*device.mamba_cache.conv, device.mamba_cache.temporal]
+    layers = device.num_mamba_layers
+    buffers = [
+        torch.zeros(
+            ((layers, size) if layout == "layer_first" else (size, layers, 1)) + tuple(t.shape[2:]),
+            dtype=t.dtype,
+        )
+        for t in states
+    ]
+    return SimpleNamespace(conv_buffer=buffers[:-1], temporal_buffer=buffers[-1], layout=layout, page_size=1)
+
+
+def shard(model: LinearModel, whole: list[torch.Tensor], tp: int, rank: int) -> list[torch.Tensor]:
+    """Rank ``rank`` of ``tp``'s slices of ``whole`` (a TP 1 pool's states, conv states
+    then the SSM state, ``[NL, slots, *state]``): each sub-projection split on its own,
+    the SSM state by heads."""
+    axes = [3 if model.mamba_type == "kda" else 2] * (len(whole) - 1) + [2]
+    parts = [*model.conv_parts(1), (model.num_heads,)]
+    out = []
+    for t, axis, lengths in zip(whole, axes, parts, strict=True):
+        pieces, start = [], 0
+        for n in lengths:
+            pieces.append(t.narrow(axis, start + rank * (n // tp), n // tp))
+            start += n
+        out.append(torch.cat(pieces, axis))
+    return out

@@ -1,0 +1,242 @@
+"""SGLang's Mamba state pools: a request's state between the device pool and HiCache's
+host pool, between two instances, and between TP degrees.
+
+The oracle knows nothing of kvlayout's page arrays: it builds the whole model's state
+(TP 1) at random and cuts each rank's slices out of it by the model's sub-projections
+(:func:`kvlayout.testing.sglang.shard`), as SGLang shards the weights; every destination
+byte is checked against it, and every byte outside the request's slots must stay zero.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvlayout.integrations.sglang import MambaPoolError, mamba_state_pools
+from kvlayout.registration.peers import RegistrationDescription
+from kvlayout.testing.sglang import QWEN3_NEXT, LinearModel, device_pool, host_pool, shard
+from kvlayout.transfer import BlockMapError, Shard, block_map
+
+HEADS = 8  # the model's attention KV heads: a state page reads only the rank and the degree
+MODELS = {
+    # Q and K (4 key heads of 4) narrower than V (8 heads of 6): a split in another order moves other bytes
+    "mamba2": LinearModel("mamba2", num_layers=3, num_heads=8, head_dim=6, state_size=4, n_groups=4),
+    "gdn": LinearModel("gdn_attn", num_layers=3, num_heads=8, head_dim=6, state_size=4, n_groups=4),
+    "kda": LinearModel("kda", num_layers=2, num_heads=4, head_dim=8, state_size=2, n_groups=4),
+    "kda fused": LinearModel(
+        "kda", num_layers=2, num_heads=4, head_dim=8, state_size=2, n_groups=4, fused=True
+    ),
+}
+SLOTS = 6
+
+
+def states(pool: object) -> list[torch.Tensor]:
+    cache = pool.mamba_cache  # type: ignore[attr-defined]
+    return [*cache.conv, cache.temporal]
+
+
+def whole_state(model: LinearModel, seed: int) -> list[torch.Tensor]:
+    return states(device_pool(model, 1, SLOTS, generator=torch.Generator().manual_seed(seed)))
+
+
+def rank_pool(model: LinearModel, tp: int, rank: int, whole: list[torch.Tensor] | None) -> object:
+    pool = device_pool(model, tp, SLOTS)
+    if whole is not None:
+        for t, part in zip(states(pool), shard(model, whole, tp, rank), strict=True):
+            t.copy_(part)
+    return pool
+
+
+def move(
+    src: object, dst: object, src_slot: int, dst_slot: int, model: str, shards: tuple[Shard, Shard]
+) -> int:
+    """Every state of one request from src's slot into dst's; the runs it took."""
+    mamba_type = MODELS[model].mamba_type
+    a, b = mamba_state_pools(src, mamba_type), mamba_state_pools(dst, mamba_type)
+    assert a.keys() == b.keys()
+    runs = 0
+    for name in a:
+        m = block_map(a[name], b[name], [src_slot], [dst_slot], src_shard=shards[0], dst_shard=shards[1])
+        m.copy()
+        runs += m.num_runs
+    return runs
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("tps", [(a, b) for a in (1, 2, 4) for b in (1, 2, 4)], ids=str)
+@settings(max_examples=4, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(slots=st.tuples(st.integers(0, SLOTS), st.integers(0, SLOTS)), seed=st.integers(0, 2**16))
+def test_state_moves_between_tp_degrees_as_sglang_shards_it(
+    model: str, tps: tuple[int, int], slots: tuple[int, int], seed: int
+) -> None:
+    """Every destination rank gathers its slices from every source rank (a rank that
+    holds none of them gets an empty map); no byte outside its slot changes."""
+    spec = MODELS[model]
+    whole = whole_state(spec, seed)
+    src_tp, dst_tp = tps
+    sources = [rank_pool(spec, src_tp, r, whole) for r in range(src_tp)]
+    for d in range(dst_tp):
+        dst = rank_pool(spec, dst_tp, d, None)
+        for s, src in enumerate(sources):
+            move(src, dst, slots[0], slots[1], model, (Shard(s, src_tp, HEADS), Shard(d, dst_tp, HEADS)))
+        for got, want in zip(states(dst), shard(spec, whole, dst_tp, d), strict=True):
+            assert torch.equal(got[:, slots[1]], want[:, slots[0]])
+            others = [i for i in range(SLOTS + 1) if i != slots[1]]
+            assert not got[:, others].any()
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("layout", ["layer_first", "page_first", "page_first_direct"])
+def test_backup_and_load_through_every_host_layout(model: str, layout: str) -> None:
+    """A backup (device to host) lands where SGLang's host pool indexes a slot (``[l, h]``
+    layer first, ``[h, l, 0]`` page first); a load brings it back into other slots."""
+    spec = MODELS[model]
+    device = device_pool(spec, 2, SLOTS, generator=torch.Generator().manual_seed(5))
+    host = host_pool(device, 4, layout)
+    shards = (Shard(1, 2, HEADS), Shard(1, 2, HEADS))
+    move(device, host, 5, 2, model, shards)
+    move(device, host, 1, 0, model, shards)
+    buffers = [*host.conv_buffer, host.temporal_buffer]
+    for dev, buf in zip(states(device), buffers, strict=True):
+        for d, h in ((5, 2), (1, 0)):
+            at_host = buf[:, h] if layout == "layer_first" else buf[h, :, 0]
+            assert torch.equal(at_host, dev[:, d])
+        untouched = [1, 3]
+        assert not (buf[:, untouched] if layout == "layer_first" else buf[untouched]).any()
+    loaded = device_pool(spec, 2, SLOTS)
+    move(host, loaded, 2, 3, model, shards)
+    for dev, back in zip(states(device), states(loaded), strict=True):
+        assert torch.equal(back[:, 3], dev[:, 5])
+
+
+def test_qwen3_next_runs_between_tp_1_and_tp_2() -> None:
+    """Qwen3-Next's conv state ``(dim, 3)`` is Q | K | V, each split on its own: rank 1 of
+    2 takes three runs a layer from the TP 1 conv state (each slice's three window rows
+    together) and one from the SSM state (its 16 heads)."""
+    model = LinearModel("gdn_attn", num_layers=4, num_heads=32, head_dim=128, state_size=128, n_groups=16)
+    src, dst = device_pool(model, 1, 2), device_pool(model, 2, 2)
+    a, b = mamba_state_pools(src, "gdn_attn"), mamba_state_pools(dst, "gdn_attn")
+    conv = block_map(a["conv0"], b["conv0"], [1], [2], src_shard=Shard(0, 1, 2), dst_shard=Shard(1, 2, 2))
+    ssm = block_map(
+        a["temporal"], b["temporal"], [1], [2], src_shard=Shard(0, 1, 2), dst_shard=Shard(1, 2, 2)
+    )
+    assert (conv.kind, conv.num_runs, ssm.num_runs) == ("resharded state", 3 * 4, 4)
+    assert conv.num_bytes == 4 * (1024 + 1024 + 2048) * 3 * 2  # bf16, three window rows
+    assert ssm.num_bytes == 4 * 16 * 128 * 128 * 4  # fp32
+    assert QWEN3_NEXT.state_shapes(2) == ([(4096, 3)], (16, 128, 128))
+
+
+def test_pools_read_as_sglang_allocates_them() -> None:
+    spec = MODELS["kda"]
+    device = device_pool(spec, 1, SLOTS)
+    pools = mamba_state_pools(device, "kda")
+    assert list(pools) == ["conv0", "conv1", "conv2", "temporal"]
+    for name, t in zip(pools, states(device), strict=True):
+        group = pools[name].kernel_groups[0]
+        assert group.block_size == 1 and group.opaque_pages is not None
+        assert group.num_blocks == SLOTS + 1  # slot 0, the padding's, included
+        assert pools[name].registered_kv.data_ptr() == t.data_ptr()  # a view: no copy
+    req_pool = type("HybridReqToTokenPool", (), {"mamba_pool": device})()
+    assert list(mamba_state_pools(req_pool)) == list(pools)
+
+
+def test_a_description_carries_the_state_arrays_to_a_peer() -> None:
+    spec = MODELS["gdn"]
+    src, dst = rank_pool(spec, 1, 0, whole_state(spec, 3)), device_pool(spec, 2, SLOTS)
+    a, b = mamba_state_pools(src, "gdn_attn"), mamba_state_pools(dst, "gdn_attn")
+    peer = RegistrationDescription.from_json(b["conv0"].describe(shard=Shard(0, 2, HEADS)).to_json())
+    m = block_map(a["conv0"], peer, [4], [1], src_shard=Shard(0, 1, HEADS), dst_shard=Shard(0, 2, HEADS))
+    local = block_map(
+        a["conv0"], b["conv0"], [4], [1], src_shard=Shard(0, 1, HEADS), dst_shard=Shard(0, 2, HEADS)
+    )
+    assert m.kind == "resharded state"
+    assert (m.runs == local.runs).all()
+
+
+def test_cpu_amx_conv_state_reads_in_its_memory_order() -> None:
+    """SGLang's CPU AMX kernels store each slot's conv state ``(dim, K - 1)`` as ``(K - 1,
+    dim)`` under the same shape (``_init_amx_conv_state``): it reads, and moves between
+    TP degrees, in that order."""
+    spec = MODELS["mamba2"]
+    whole = whole_state(spec, 9)
+
+    def amx(pool: object) -> object:
+        conv = pool.mamba_cache.conv[0]  # type: ignore[attr-defined]
+        physical = conv.transpose(-1, -2).contiguous()
+        pool.mamba_cache.conv[0] = physical.transpose(-1, -2)  # type: ignore[attr-defined]
+        return pool
+
+    src = amx(rank_pool(spec, 1, 0, whole))
+    dst = amx(device_pool(spec, 2, SLOTS))
+    move(src, dst, 3, 4, "mamba2", (Shard(0, 1, HEADS), Shard(1, 2, HEADS)))
+    for got, want in zip(states(dst), shard(spec, whole, 2, 1), strict=True):
+        assert torch.equal(got[:, 4], want[:, 3])
+
+
+def test_a_state_without_bytes_is_left_out() -> None:
+    """LFM2's short convolutions have an SSM state of no elements (state size 0)."""
+    device = device_pool(MODELS["mamba2"], 1, SLOTS)
+    device.mamba_cache.temporal = torch.zeros(3, SLOTS + 1, 8, 6, 0)
+    assert list(mamba_state_pools(device)) == ["conv0"]
+
+
+def _pool_error(pool: object, mamba_type: str | None = None) -> str:
+    with pytest.raises(MambaPoolError) as caught:
+        mamba_state_pools(pool, mamba_type)
+    return str(caught.value)
+
+
+def test_what_is_not_a_pool_is_refused_by_name() -> None:
+    assert "object is not an SGLang Mamba pool: a MambaPool (mamba_cache.conv" in _pool_error(object())
+    host = host_pool(device_pool(MODELS["gdn"], 1, SLOTS), 4, "page_first")
+    host.layout = "page_head"
+    assert "the host pool's layout is 'page_head', not one of layer_first, page_first" in _pool_error(host)
+    flat = host_pool(device_pool(MODELS["gdn"], 1, SLOTS), 4, "layer_first")
+    flat.layout = "page_first"
+    assert "conv0 state is [3, 4, 80, 3], not [size, NL, 1, *state] (page_first pool)" in _pool_error(flat)
+
+
+def test_a_mamba_type_that_does_not_fit_is_refused() -> None:
+    device = device_pool(MODELS["mamba2"], 1, SLOTS)
+    assert "mamba_type 'mamba1' is not one of mamba2, gdn_attn, kda (or None)" in _pool_error(
+        device, "mamba1"
+    )
+    assert "the conv state [80, 3] does not split into kda's three projections" in _pool_error(device, "kda")
+    kda = device_pool(MODELS["kda"], 1, SLOTS)
+    assert "a gdn_attn pool has 1 conv state(s) of 2 axes" in _pool_error(kda, "gdn_attn")
+
+
+def test_a_strided_or_ragged_pool_is_refused() -> None:
+    device = device_pool(MODELS["gdn"], 1, SLOTS)
+    device.mamba_cache.temporal = torch.zeros(3, SLOTS + 1, 8, 6, 8)[..., ::2]
+    assert (
+        "temporal state [3, 7, 8, 6, 4] (strides [2688, 384, 48, 8, 2]) is not one contiguous"
+        in _pool_error(device)
+    )
+    device.mamba_cache.temporal = torch.zeros(2, SLOTS + 1, 8, 6, 4)
+    assert "temporal state is [2, 7, 8, 6, 4] on cpu and its conv0 state [3, 7, 80, 3]" in _pool_error(device)
+
+
+def test_maps_refuse_other_states_and_replicated_groups() -> None:
+    spec = MODELS["mamba2"]
+    a = mamba_state_pools(device_pool(spec, 1, SLOTS), "mamba2")
+    with pytest.raises(
+        BlockMapError, match=r"do not hold the same state: state array 0 is bfloat16 \[80, 3\]"
+    ):
+        block_map(a["conv0"], a["temporal"], [1], [2])
+    untyped = mamba_state_pools(device_pool(spec, 1, SLOTS))
+    with pytest.raises(
+        BlockMapError, match=r"laid out differently \(src SGLang Mamba conv0: bfloat16 \[80, 3\]"
+    ):
+        block_map(untyped["conv0"], untyped["temporal"], [1], [2])
+    # two groups over TP 4: SGLang pads them to 4, each rank's B and C replicated, not sharded
+    few = LinearModel("mamba2", num_layers=1, num_heads=8, head_dim=2, state_size=4, n_groups=2)
+    one = mamba_state_pools(device_pool(few, 1, 2), "mamba2")
+    four = mamba_state_pools(device_pool(few, 4, 2), "mamba2")
+    with pytest.raises(BlockMapError, match="replicated rather than sharded"):
+        block_map(one["conv0"], four["conv0"], [1], [1], src_shard=Shard(0, 1, 8), dst_shard=Shard(1, 4, 8))
+    assert math.prod(four["conv0"].registered_kv.shape) > 0
