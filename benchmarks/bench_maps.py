@@ -4,8 +4,9 @@ A Llama-3-8B-like model (32 layers, 8 KV heads of 128, bf16), one 1024-token req
 its block ids scattered over a pool twice its size or consecutive, between two CPU
 caches for each scenario below (SGL->HiCache: SGLang's device pool into its HiCache host
 pool, layer_first, page_first or page_first_direct, 64-token pages); an MLA model (61
-layers, a 576-wide latent) for MLA, and Qwen3-Next's Gated DeltaNet state pages (one per
-layer and request) for the last.
+layers, a 576-wide latent) for MLA, and Qwen3-Next's Gated DeltaNet state (one page per
+layer and request) for the last three: vLLM's pages, then SGLang's Mamba pool, its conv
+state and its SSM state.
 Each row prints the map's runs (and the groups it holds them in), bytes and mean run,
 the time to build the map (the request's part: the sides and the pair are prepared once,
 like a transfer plan) beside one detection of the destination registration, and
@@ -167,6 +168,25 @@ def gdn_state(tp: int, rank: int) -> Cache:
     return Cache(group, layers, "vllm", hints, TOKENS, 8, Shard(rank, tp, 2), detect=detect)
 
 
+def sglang_state(tp: int, rank: int, name: str) -> Cache:
+    """State ``name`` (``conv0`` or ``temporal``) of 12 of Qwen3-Next-80B's Gated DeltaNet
+    layers in SGLang's device Mamba pool at TP ``tp``, 8 request slots: what SGLang's P/D
+    moves of a hybrid besides its KV pool, one slot a request."""
+    from dataclasses import replace
+
+    from kvlayout.integrations.sglang import mamba_state_pools
+    from kvlayout.testing.sglang import QWEN3_NEXT, device_pool
+
+    pool = device_pool(replace(QWEN3_NEXT, num_layers=12), tp, 8)
+    pool.mamba_cache.conv[0].fill_(1)
+    pool.mamba_cache.temporal.fill_(1)
+
+    def detect() -> Any:
+        return mamba_state_pools(pool, "gdn_attn")[name]
+
+    return Cache(detect(), pool, "sglang", {}, TOKENS, 8, Shard(rank, tp, 2), detect=detect)
+
+
 def vllm(hnd: bool, block_size: int, heads: int = NH, shard: Shard | None = None) -> Cache:
     blocks = 2 * TOKENS // block_size  # a pool twice the request, so scattered ids are scattered
     shape = (2, blocks, heads, block_size, HS) if hnd else (2, blocks, block_size, heads, HS)
@@ -223,6 +243,8 @@ SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
     ("SGL->HiCache pfd", lambda: (sglang(64), hicache("page_first_direct", 64))),
     ("MLA TP 1->4", lambda: (mla(), mla(Shard(2, 4, 1)))),
     ("GDN TP 1->2", lambda: (gdn_state(1, 0), gdn_state(2, 1))),
+    ("SGL conv TP 1->2", lambda: (sglang_state(1, 0, "conv0"), sglang_state(2, 1, "conv0"))),
+    ("SGL ssm TP 1->2", lambda: (sglang_state(1, 0, "temporal"), sglang_state(2, 1, "temporal"))),
 ]
 
 

@@ -4,6 +4,7 @@ catches a wrong transfer, on vLLM's overlaid groups too."""
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import re
 import subprocess
@@ -183,3 +184,33 @@ def test_the_pd_section_catches_a_wrong_transfer(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(nx.Staging, "__init__", scribbled)
     with pytest.raises(AssertionError, match=f"{TITLE}: the decode cache is not what the map copied locally"):
         run_pd_demo(lambda line: None)
+
+
+def test_the_state_section_moves_sglang_state_between_tp_degrees() -> None:
+    from kvlayout.tools.demo_states import TITLE, run_states_demo
+
+    lines: list[str] = []
+    run_states_demo(lines.append)
+    assert lines[0] == f"== {TITLE} =="
+    assert lines[1] == "   rank 0 conv0    resharded state:  12 runs, 96.0 KiB"  # Q, K, V: 3 a layer
+    assert lines[4] == "   rank 1 temporal resharded state:   4 runs, 4.00 MiB"  # 16 heads a layer
+    assert lines[5].startswith("   rank 1 backup to host slot 40 (page_first_direct): 8 runs")
+    assert lines[6].startswith("   bytes verified")
+
+
+def test_the_state_section_catches_a_wrong_slice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvlayout.tools.demo_states import run_states_demo
+    from kvlayout.transfer.block_maps import BlockMap
+
+    copy = BlockMap.copy
+
+    def flipped(self: BlockMap, num_threads: int = 1) -> int:
+        moved = copy(self, num_threads)
+        if self.num_runs:  # the first run's last byte lands wrong
+            last = ctypes.c_uint8.from_address(int(self.runs[0, 1]) + int(self.runs[0, 2]) - 1)
+            last.value ^= 0xFF
+        return moved
+
+    monkeypatch.setattr(BlockMap, "copy", flipped)
+    with pytest.raises(AssertionError, match="decode rank 0: the state is not its slices of the prefill's"):
+        run_states_demo(lambda line: None)

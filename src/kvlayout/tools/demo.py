@@ -11,8 +11,10 @@ detected, grouped, then 64 scattered blocks (fewer in a small pool) go to 256-to
     stays zero.
 
 The vLLM hybrid example (Qwen3.5-0.8B through the group edits) needs vLLM; without it the
-demo says so and goes on. The last section (:mod:`kvlayout.tools.demo_pd`) moves one
-request from a prefill cache here to a decode cache in another process through NIXL.
+demo says so and goes on. Then SGLang's Mamba state moves between TP degrees and into
+its host pool (:mod:`kvlayout.tools.demo_states`), and the last section
+(:mod:`kvlayout.tools.demo_pd`) moves one request from a prefill cache here to a decode
+cache in another process through NIXL.
 """
 
 from __future__ import annotations
@@ -352,7 +354,9 @@ def run_demo(say: Callable[[str], None] = print) -> int:
     for title, make in OPTIONAL_EXAMPLES:
         run_optional_example(title, make, say)
     from kvlayout.tools.demo_pd import run_pd_demo
+    from kvlayout.tools.demo_states import run_states_demo
 
+    run_states_demo(say)
     run_pd_demo(say)
     say(f"done in {time.perf_counter() - t0:.1f} s")
     return 0
