@@ -240,3 +240,27 @@ def test_maps_refuse_other_states_and_replicated_groups() -> None:
     with pytest.raises(BlockMapError, match="replicated rather than sharded"):
         block_map(one["conv0"], four["conv0"], [1], [1], src_shard=Shard(0, 1, 8), dst_shard=Shard(1, 4, 8))
     assert math.prod(four["conv0"].registered_kv.shape) > 0
+
+
+def test_state_moves_to_a_peer_of_another_tp_degree_through_nixl() -> None:
+    """Prefill at TP 1 WRITEs each state of one request to decode rank 1 of 2 through
+    NIXL (two agents in this process, UCX on loopback), planned against the decode
+    side's description; decode then holds its slices, nothing else changed."""
+    from kvlayout.transfer import nixl as nx
+
+    spec = MODELS["mamba2"]
+    whole = whole_state(spec, 11)
+    src, dst = rank_pool(spec, 1, 0, whole), device_pool(spec, 2, SLOTS)
+    a, b = mamba_state_pools(src, "mamba2"), mamba_state_pools(dst, "mamba2")
+    prefill, decode = nx.make_agent("sglang-state-prefill"), nx.make_agent("sglang-state-decode")
+    held = [(nx.register(prefill, a[n]), nx.register(decode, b[n])) for n in a]
+    peer = prefill.add_remote_agent(decode.get_agent_metadata())
+    staging = nx.Staging(prefill, 1 << 20)
+    for name in a:
+        there = RegistrationDescription.from_json(b[name].describe(shard=Shard(1, 2, HEADS)).to_json())
+        m = block_map(a[name], there, [2], [4], src_shard=Shard(0, 1, HEADS))
+        assert nx.transfer(prefill, peer, m, staging=staging).wait(timeout=60).num_bytes == m.num_bytes
+    for got, want in zip(states(dst), shard(spec, whole, 2, 1), strict=True):
+        assert torch.equal(got[:, 4], want[:, 2])
+        assert not got[:, [i for i in range(SLOTS + 1) if i != 4]].any()
+    assert len(held) == 2
