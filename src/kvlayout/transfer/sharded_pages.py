@@ -50,14 +50,19 @@ def structure_problem(a: OpaquePages, b: OpaquePages) -> str | None:
 def _check_sizes(i: int, x: PageArray, y: PageArray, src: Shard, dst: Shard) -> None:
     """Arrays ``i`` of both pages hold parts of one model's sizes at the two degrees."""
     for j, (n, m) in enumerate(zip(x.parts, y.parts, strict=True)):
+        if n != m and src.tp_size == dst.tp_size:
+            raise BlockMapError(
+                f"state array {i} is {x} in src and {y} in dst, both at TP {src.tp_size}: its part {j} is "
+                f"{n} and {m} long, so the pages are not one model's state"
+            )
         if n * src.tp_size != m * dst.tp_size:
             raise BlockMapError(
                 f"state array {i} cannot move between TP {src.tp_size} rank {src.tp_rank} and TP "
                 f"{dst.tp_size} rank {dst.tp_rank}: its part {j} is {n} of {n * src.tp_size} at TP "
                 f"{src.tp_size} and {m} of {m * dst.tp_size} at TP {dst.tp_size}. The model's sizes differ, "
-                "so the part is replicated rather than sharded (vLLM replicates a Mamba2 model's B and C "
-                "groups where n_groups is not a multiple of TP), and which slice a rank holds is not in its "
-                "page; or the pages are not one model's"
+                "so the part is replicated rather than sharded (vLLM and SGLang replicate a Mamba2 model's B "
+                "and C groups where n_groups is not a multiple of TP), and which slice a rank holds is not "
+                "in its page; or the pages are not one model's"
             )
 
 

@@ -10,6 +10,7 @@ byte is checked against it, and every byte outside the request's slots must stay
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -210,6 +211,53 @@ def test_a_mamba_type_that_does_not_fit_is_refused() -> None:
     assert "a gdn_attn pool has 1 conv state(s) of 2 axes" in _pool_error(kda, "gdn_attn")
 
 
+def _shaped(
+    conv: tuple[int, ...], ssm: tuple[int, ...], convs: int = 1, dtype: torch.dtype = torch.float32
+) -> object:
+    """A device pool of 2 layers and 4 slots with the given states, as SGLang would hold them."""
+    cache = SimpleNamespace(
+        conv=[torch.zeros(2, 5, *conv, dtype=dtype) for _ in range(convs)], temporal=torch.zeros(2, 5, *ssm)
+    )
+    return SimpleNamespace(mamba_cache=cache)
+
+
+@pytest.mark.parametrize(
+    ("mamba_type", "pool", "message"),
+    [
+        # Mamba2 with one head of one: any odd dim is x | B | C, on either axis
+        ("mamba2", _shaped((5, 3), (1, 1, 1)), "the conv state [5, 3] does not split into mamba2's x, B, C "
+         "beside the SSM state [1, 1, 1] (on both axes)"),
+        # B and C of 16 are no whole groups of a 5-wide state
+        ("mamba2", _shaped((80, 3), (8, 6, 5)), "the conv state [80, 3] does not split into mamba2's x, B, C "
+         "beside the SSM state [8, 6, 5] (on neither axis)"),
+        ("mamba2", _shaped((80, 3), (8, 48)), "a mamba2 pool has 1 conv state(s) of 2 axes and an SSM state of 3"),
+        ("kda", _shaped((3, 32), (4, 8, 8), convs=2), "a kda pool has 1 or 3 conv state(s)"),
+        # KDA's one conv state: V (4 heads of 8) and two equal K projections, not 1 or 0 more
+        ("kda", _shaped((3, 33), (4, 8, 8)), "the conv state [3, 33] does not split into kda's three projections"),
+        ("kda", _shaped((3, 32), (4, 8, 8)), "the conv state [3, 32] does not split into kda's three projections"),
+        (None, _shaped((80, 3), (8, 6, 4), dtype=torch.complex64), "the pool's conv0 state is complex64, which "
+         "kvlayout does not know"),
+    ],
+)  # fmt: skip
+def test_states_that_do_not_split_as_their_type_says_are_refused(
+    mamba_type: str | None, pool: object, message: str
+) -> None:
+    assert message in _pool_error(pool, mamba_type)
+
+
+def test_only_a_conv_state_reads_transposed() -> None:
+    """An SSM state stored in another order than its shape is no SGLang allocation: refused,
+    not read in the order that would give the conv state other parts."""
+    pool = _shaped((80, 3), (8, 6, 4))
+    pool.mamba_cache.temporal = torch.zeros(2, 5, 8, 4, 6).transpose(-1, -2)  # type: ignore[attr-defined]
+    assert (
+        "temporal state [2, 5, 8, 6, 4] (strides [960, 192, 24, 1, 6]) is not one contiguous"
+        in _pool_error(pool, "mamba2")
+    )
+    host = SimpleNamespace(conv_buffer=[], temporal_buffer=torch.zeros(1, 2, 1, 4), layout=["page_first"])
+    assert "the host pool's layout is ['page_first'], not one of" in _pool_error(host)
+
+
 def test_a_strided_or_ragged_pool_is_refused() -> None:
     device = device_pool(MODELS["gdn"], 1, SLOTS)
     device.mamba_cache.temporal = torch.zeros(3, SLOTS + 1, 8, 6, 8)[..., ::2]
@@ -239,6 +287,24 @@ def test_maps_refuse_other_states_and_replicated_groups() -> None:
     four = mamba_state_pools(device_pool(few, 4, 2), "mamba2")
     with pytest.raises(BlockMapError, match="replicated rather than sharded"):
         block_map(one["conv0"], four["conv0"], [1], [1], src_shard=Shard(0, 1, 8), dst_shard=Shard(1, 4, 8))
+    # two models' conv states of one shape, split otherwise: neither shards nor one TP degree help
+    other = LinearModel("mamba2", num_layers=3, num_heads=4, head_dim=8, state_size=8, n_groups=3)
+    mine, theirs = (
+        mamba_state_pools(device_pool(spec, 1, 2), "mamba2"),
+        mamba_state_pools(device_pool(other, 1, 2), "mamba2"),
+    )
+    for shard_of in (None, Shard(0, 1, 8)):
+        with pytest.raises(
+            BlockMapError,
+            match=r"of the same shapes in other parts \(src bfloat16 \[80, 3\].*: not one model",
+        ):
+            block_map(mine["conv0"], theirs["conv0"], [1], [1], src_shard=shard_of, dst_shard=shard_of)
+    fewer = LinearModel("mamba2", num_layers=3, num_heads=6, head_dim=6, state_size=4, n_groups=4)  # 6 heads
+    at_2 = [mamba_state_pools(device_pool(m, 2, 2), "mamba2")["temporal"] for m in (spec, fewer)]
+    with pytest.raises(
+        BlockMapError, match="both at TP 2: its part 0 is 4 and 3 long, so the pages are not one"
+    ):
+        block_map(at_2[0], at_2[1], [1], [1], src_shard=Shard(0, 2, 8), dst_shard=Shard(1, 2, 8))
     assert math.prod(four["conv0"].registered_kv.shape) > 0
 
 

@@ -40,7 +40,6 @@ MAMBA_TYPES = ("mamba2", "gdn_attn", "kda")
 three conv states SGLang keeps apart): Mamba2 (NemotronH, FalconH1, Granite 4), Gated
 DeltaNet (Qwen3-Next, Qwen3.5), Kimi Delta Attention."""
 
-_CONVS = {"mamba2": 1, "gdn_attn": 1, "kda": 3}
 _HOST_LAYOUTS = {"layer_first": False, "page_first": True, "page_first_direct": True}  # slots outermost
 
 
@@ -59,7 +58,7 @@ def _states(pool: Any) -> tuple[str, list[tuple[str, Any]]]:
     elif hasattr(pool, "temporal_buffer"):
         layout = getattr(pool, "layout", None)
         convs, temporal = getattr(pool, "conv_buffer", None), pool.temporal_buffer
-        if layout not in _HOST_LAYOUTS:
+        if not isinstance(layout, str) or layout not in _HOST_LAYOUTS:
             raise MambaPoolError(
                 f"the host pool's layout is {layout!r}, not one of {', '.join(_HOST_LAYOUTS)} "
                 "(MambaPoolHost's)"
@@ -145,8 +144,9 @@ def _arrays(
 def _rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The tensor as int8 rows, one a slot's item of one layer, and the tensor in its
     memory's order (SGLang's CPU AMX kernels keep a conv state ``(dim, K - 1)`` as
-    ``(K - 1, dim)`` in memory, under the same shape)."""
-    for view in (t, t.transpose(-1, -2)):
+    ``(K - 1, dim)`` in memory, under the same shape; no other state is read transposed)."""
+    views = (t, t.transpose(-1, -2)) if name.startswith("conv") and t.dim() >= 4 else (t,)
+    for view in views:
         try:  # [NL, slots, 1, bytes] or, slots first, [slots, NL, 1, bytes]
             return view.view(int(t.shape[0]), int(t.shape[1]), 1, -1).view(torch.int8), view
         except RuntimeError:
