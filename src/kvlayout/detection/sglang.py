@@ -254,16 +254,20 @@ def _unfolded(
     by default)."""
     twin = unfolded_twin(ENGINE, fmt)
     where = where or f"SGLang: {p.describe()}"
-    if not all(t.is_contiguous() for _, t in leaves(kv)):
-        raise DetectionError(
-            f"{where}: a page buffer with padded rows cannot be split into blocks by tokens_per_block (the "
-            "token rows would keep the padding)"
-        )
+    padded = DetectionError(
+        f"{where}: a page buffer with padded rows cannot be split into blocks by tokens_per_block (the "
+        "token rows would keep the padding)"
+    )
+    if tpb != 1 and not all(t.is_contiguous() for _, t in leaves(kv)):
+        raise padded  # blocks of one row keep any row stride: SGLang's unified Mamba pool
     try:
         shape = unfold_shape(LAYOUTS[fmt], LAYOUTS[twin], p.shape, tpb)
     except DetectionError as exc:
         raise DetectionError(f"{where}: {exc}") from None
-    return twin, map_leaves(kv, lambda t: t.view(shape))
+    try:
+        return twin, map_leaves(kv, lambda t: t.view(shape))
+    except RuntimeError:
+        raise padded from None
 
 
 def _k_v_sides(kv: list[Any], hints: LayoutHints) -> tuple[list[Any], list[Any]] | None:

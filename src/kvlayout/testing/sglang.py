@@ -10,6 +10,7 @@ state, each sub-projection split on its own, as SGLang shards the weights.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -81,6 +82,45 @@ def device_pool(
         temporal=_fill(lead + temporal, ssm_dtype, generator),
     )
     return SimpleNamespace(mamba_cache=cache, num_mamba_layers=model.num_layers, size=size)
+
+
+def unified_device_pool(
+    model: LinearModel,
+    tp: int,
+    slots: int,
+    *,
+    pad: int = 0,
+    conv_dtype: torch.dtype = torch.bfloat16,
+    ssm_dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+) -> Any:
+    """The Mamba views of SGLang's unified memory pool (``layout/page_major.py``): one
+    byte buffer of ``slots`` envelopes, each every layer of conv state 0 (1, 2), then every
+    layer of the SSM state, then ``pad`` bytes (other states of the envelope, random
+    where ``generator`` is given), the states ``[NL, slots, *state]`` strided views over
+    it, a slot's envelope apart. ``raw`` is the buffer."""
+    convs, temporal = model.state_shapes(tp)
+    layers = model.num_layers
+    shapes = [(c, conv_dtype) for c in convs] + [(temporal, ssm_dtype)]
+    items = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
+    entry = layers * sum(items) + pad
+    raw = torch.zeros(slots * entry, dtype=torch.uint8)
+    if generator is not None:
+        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+    views, offset = [], 0
+    for (shape, dtype), item in zip(shapes, items, strict=True):
+        strides = torch.empty(shape).stride()
+        view = torch.as_strided(
+            raw.view(dtype),
+            (layers, slots, *shape),
+            (item // dtype.itemsize, entry // dtype.itemsize, *strides),
+            offset // dtype.itemsize,
+        )
+        view.copy_(_fill(view.shape, dtype, generator))
+        views.append(view)
+        offset += layers * item
+    cache = SimpleNamespace(conv=views[:-1], temporal=views[-1])
+    return SimpleNamespace(mamba_cache=cache, num_mamba_layers=layers, size=slots - 1, raw=raw)
 
 
 def host_pool(device: Any, size: int, layout: str) -> Any:

@@ -19,7 +19,14 @@ from hypothesis import strategies as st
 
 from kvlayout.integrations.sglang import MambaPoolError, mamba_state_pools
 from kvlayout.registration.peers import RegistrationDescription
-from kvlayout.testing.sglang import QWEN3_NEXT, LinearModel, device_pool, host_pool, shard
+from kvlayout.testing.sglang import (
+    QWEN3_NEXT,
+    LinearModel,
+    device_pool,
+    host_pool,
+    shard,
+    unified_device_pool,
+)
 from kvlayout.transfer import BlockMapError, Shard, block_map
 
 HEADS = 8  # the model's attention KV heads: a state page reads only the rank and the degree
@@ -266,6 +273,8 @@ def test_a_strided_or_ragged_pool_is_refused() -> None:
         in _pool_error(device)
     )
     device.mamba_cache.temporal = torch.zeros(2, SLOTS + 1, 8, 6, 4)
+    assert "temporal state is [2, 7, 8, 6, 4], whose axis 0 is not its 3 Mamba layers" in _pool_error(device)
+    del device.num_mamba_layers
     assert "temporal state is [2, 7, 8, 6, 4] on cpu and its conv0 state [3, 7, 80, 3]" in _pool_error(device)
 
 
@@ -330,3 +339,50 @@ def test_state_moves_to_a_peer_of_another_tp_degree_through_nixl() -> None:
         assert torch.equal(got[:, 4], want[:, 2])
         assert not got[:, [i for i in range(SLOTS + 1) if i != 4]].any()
     assert len(held) == 2
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_the_unified_pool_reads_slot_major(model: str) -> None:
+    """SGLang's unified memory pool keeps a slot's state of every layer in one envelope
+    (every layer of each state, then other states' bytes): its views read slots first, a
+    slot's layers one run; a request's state moves into a plain pool at another TP degree
+    and back into another slot, and nothing else of the envelope buffer changes."""
+    spec = MODELS[model]
+    unified = unified_device_pool(spec, 1, 5, pad=24, generator=torch.Generator().manual_seed(4))
+    before = unified.raw.clone()
+    pools = mamba_state_pools(unified, spec.mamba_type)
+    assert all(r.format.name == "NB_BS_NL_ONE_HS" for r in pools.values())
+    whole = states(unified)
+    for d in range(2):
+        plain = rank_pool(spec, 2, d, None)
+        runs = move(unified, plain, 3, 1, model, (Shard(0, 1, HEADS), Shard(d, 2, HEADS)))
+        assert runs > 0
+        for got, want in zip(states(plain), shard(spec, whole, 2, d), strict=True):
+            assert torch.equal(got[:, 1], want[:, 3])
+    same = states(unified)
+    copies = mamba_state_pools(unified, spec.mamba_type)
+    for name in copies:
+        m = block_map(copies[name], copies[name], [3], [0])
+        assert m.num_runs == 1  # a slot's layers, one after another in its envelope
+        m.copy()
+    moved = [t[:, 0].clone() for t in same]
+    for got, t in zip(moved, same, strict=True):
+        assert torch.equal(got, t[:, 3])
+    envelope = unified.raw.numel() // 5
+    assert torch.equal(unified.raw[envelope:], before[envelope:])  # slots 1-4, padding included
+    assert torch.equal(unified.raw[envelope - 24 : envelope], before[envelope - 24 : envelope])
+
+
+def test_a_per_layer_pool_is_refused() -> None:
+    """kvcached's ElasticMambaPool (not contiguous) keeps each layer in a buffer of its
+    own; its ``conv`` and ``temporal`` are layer 0's alone, slots on axis 0."""
+    per_layer = SimpleNamespace(
+        conv_per_layer=[[torch.zeros(7, 80, 3) for _ in range(3)]],
+        temporal_per_layer=[torch.zeros(7, 8, 6, 4) for _ in range(3)],
+        conv=[torch.zeros(7, 80, 3)],
+        temporal=torch.zeros(7, 8, 6, 4),
+    )
+    assert (
+        "each layer's state in a buffer of its own (mamba_cache.conv_per_layer: kvcached's ElasticMambaPool"
+        in _pool_error(SimpleNamespace(mamba_cache=per_layer))
+    )

@@ -53,6 +53,12 @@ def _states(pool: Any) -> tuple[str, list[tuple[str, Any]]]:
     pool = getattr(pool, "mamba_pool", pool)  # HybridReqToTokenPool holds the MambaPool
     cache = getattr(pool, "mamba_cache", None)
     layout: Any
+    if cache is not None and hasattr(cache, "conv_per_layer"):
+        raise MambaPoolError(
+            "the pool keeps each layer's state in a buffer of its own (mamba_cache.conv_per_layer: "
+            "kvcached's ElasticMambaPool, not contiguous), whose conv and temporal are layer 0's alone: "
+            "not read"
+        )
     if cache is not None:
         layout, convs, temporal = "device", getattr(cache, "conv", None), getattr(cache, "temporal", None)
     elif hasattr(pool, "temporal_buffer"):
@@ -72,9 +78,16 @@ def _states(pool: Any) -> tuple[str, list[tuple[str, Any]]]:
     if not isinstance(convs, list | tuple):
         raise MambaPoolError(f"the pool's conv states are {type(convs).__name__}, not a list of tensors")
     named = [(f"conv{i}", t) for i, t in enumerate(convs)] + [("temporal", temporal)]
+    layers = getattr(pool, "num_mamba_layers", None)
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise MambaPoolError(f"the pool's {name} state is {type(t).__name__}, not a tensor")
+        axis = 1 if _HOST_LAYOUTS.get(layout, False) else 0
+        if isinstance(layers, int) and t.dim() > axis and t.shape[axis] != layers:
+            raise MambaPoolError(
+                f"the pool's {name} state is {list(t.shape)}, whose axis {axis} is not its {layers} Mamba "
+                "layers (num_mamba_layers)"
+            )
     return layout, named
 
 
@@ -141,14 +154,20 @@ def _arrays(
     return arrays
 
 
-def _rows(name: str, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The tensor as int8 rows, one a slot's item of one layer, and the tensor in its
-    memory's order (SGLang's CPU AMX kernels keep a conv state ``(dim, K - 1)`` as
-    ``(K - 1, dim)`` in memory, under the same shape; no other state is read transposed)."""
+def _rows(name: str, t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The tensor as int8 rows, one a slot's item of one layer; the tensor in its memory's
+    order; whether slots are outside layers in memory. SGLang's unified memory pool lays
+    a device state slot-major (a slot's envelope holds every layer: ``[NL, slots]`` views
+    whose slot stride is the envelope), and its CPU AMX kernels keep a conv state ``(dim,
+    K - 1)`` as ``(K - 1, dim)`` in memory under the same shape; no other state is read
+    transposed."""
+    slots_first = _HOST_LAYOUTS.get(layout, False)
+    if layout == "device" and t.shape[0] > 1 and t.stride(1) > t.stride(0):
+        t, slots_first = t.transpose(0, 1), True
     views = (t, t.transpose(-1, -2)) if name.startswith("conv") and t.dim() >= 4 else (t,)
     for view in views:
         try:  # [NL, slots, 1, bytes] or, slots first, [slots, NL, 1, bytes]
-            return view.view(int(t.shape[0]), int(t.shape[1]), 1, -1).view(torch.int8), view
+            return view.view(int(t.shape[0]), int(t.shape[1]), 1, -1).view(torch.int8), view, slots_first
         except RuntimeError:
             continue
     raise MambaPoolError(
@@ -175,7 +194,7 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
     named = [(name, t) for name, t in named if t.numel()]  # a model without it (LFM2's SSM state)
     if not named:
         raise MambaPoolError("the pool's states hold no bytes")
-    rows = {name: _rows(name, t) for name, t in named}
+    rows = {name: _rows(name, t, layout) for name, t in named}
     shapes = {name: _state_shape(layout, name, rows[name][1]) for name, t in named}
     dtypes = {name: _dtype(name, t) for name, t in named}
     head, first = named[0]
@@ -186,10 +205,11 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
                 f"{list(first.shape)} on {first.device}: the same layers and slots on one device expected"
             )
     arrays = _arrays(mamba_type, shapes, dtypes)
-    hints = {"hicache_layout": "page_first" if _HOST_LAYOUTS.get(layout, False) else "layer_first"}
     pools = {}
     for name, t in named:
+        view, _, slots_first = rows[name]
         page = OpaquePages(f"SGLang Mamba {name}: {dtypes[name]} {list(shapes[name])}", False, arrays[name])
-        mark_opaque_pages(rows[name][0], page, (t,))
-        pools[name] = detect(rows[name][0], "sglang", {**hints, "tokens_per_block": 1})
+        mark_opaque_pages(view, page, (t,))
+        order = "page_first" if slots_first else "layer_first"
+        pools[name] = detect(view, "sglang", {"hicache_layout": order, "tokens_per_block": 1})
     return pools
