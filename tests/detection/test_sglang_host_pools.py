@@ -329,3 +329,27 @@ def test_another_engine_given_the_hint_says_it_does_not_read_it(engine: str) -> 
         match=re.escape(f"layout hint hicache_layout is SGLang's, and {label} does not read it"),
     ):
         kvlayout.detect(torch.zeros(2, 32, 3, 4, 8), engine, {"hicache_layout": "page_first"})
+
+
+@pytest.mark.parametrize("tokens_per_block", [1, 2])
+def test_padded_slots_read_in_blocks_of_one_only(tokens_per_block: int) -> None:
+    """A pool whose slots are padded apart (an MLA ``page_first`` pool here, as SGLang's
+    unified pool strides its Mamba views) reads in blocks of one slot: the padding lies
+    between blocks, and a backup from a device pool writes only the slots' rows. Blocks of
+    two would keep the padding between their rows: refused."""
+    raw = torch.full((8 * 200,), 7, dtype=torch.int16)
+    pool = raw.as_strided((8, 3, 1, 64), (200, 64, 64, 1))  # [slots, NL, 1, C], 8 padding elements a slot
+    hints = {"hicache_layout": "page_first", "tokens_per_block": tokens_per_block}
+    if tokens_per_block != 1:
+        with pytest.raises(kvlayout.DetectionError, match="padded rows cannot be split into blocks"):
+            kvlayout.detect(pool, "sglang", hints)
+        return
+    host = kvlayout.detect(pool, "sglang", hints)
+    device = [torch.randn(8, 1, 64).to(torch.int16) for _ in range(3)]
+    block_map(kvlayout.detect(device, "sglang"), host, [2, 5], [6, 1], src_block_size=1).copy()
+    expected = torch.full_like(raw, 7)
+    rows = expected.as_strided((8, 3, 1, 64), (200, 64, 64, 1))
+    for s, d in ((2, 6), (5, 1)):
+        for layer in range(3):
+            rows[d, layer] = device[layer][s]
+    assert torch.equal(raw, expected)

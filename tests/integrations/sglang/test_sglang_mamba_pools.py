@@ -9,6 +9,7 @@ byte is checked against it, and every byte outside the request's slots must stay
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from types import SimpleNamespace
 
@@ -341,13 +342,14 @@ def test_state_moves_to_a_peer_of_another_tp_degree_through_nixl() -> None:
     assert len(held) == 2
 
 
+@pytest.mark.parametrize("layers", [1, None], ids=["one layer", "the model's"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-def test_the_unified_pool_reads_slot_major(model: str) -> None:
+def test_the_unified_pool_reads_slot_major(model: str, layers: int | None) -> None:
     """SGLang's unified memory pool keeps a slot's state of every layer in one envelope
     (every layer of each state, then other states' bytes): its views read slots first, a
     slot's layers one run; a request's state moves into a plain pool at another TP degree
     and back into another slot, and nothing else of the envelope buffer changes."""
-    spec = MODELS[model]
+    spec = MODELS[model] if layers is None else dataclasses.replace(MODELS[model], num_layers=layers)
     unified = unified_device_pool(spec, 1, 5, pad=24, generator=torch.Generator().manual_seed(4))
     before = unified.raw.clone()
     pools = mamba_state_pools(unified, spec.mamba_type)

@@ -162,7 +162,7 @@ def _rows(name: str, t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     K - 1)`` as ``(K - 1, dim)`` in memory under the same shape; no other state is read
     transposed."""
     slots_first = _HOST_LAYOUTS.get(layout, False)
-    if layout == "device" and t.shape[0] > 1 and t.stride(1) > t.stride(0):
+    if layout == "device" and (t.shape[0] == 1 or t.stride(1) > t.stride(0)):  # one layer: either order
         t, slots_first = t.transpose(0, 1), True
     views = (t, t.transpose(-1, -2)) if name.startswith("conv") and t.dim() >= 4 else (t,)
     for view in views:
