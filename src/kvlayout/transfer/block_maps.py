@@ -453,15 +453,14 @@ def _state_ranks(
     problem = structure_problem(a, b)
     if problem is not None:
         raise BlockMapError(f"src and dst pages do not hold the same state: {problem} ({how})")
-    sized = [(x.offset, x.shape, x.parts) for x in a.arrays] == [
-        (y.offset, y.shape, y.parts) for y in b.arrays
-    ]
-    if not sized and [x.shape for x in a.arrays] == [y.shape for y in b.arrays]:
+    # the same shapes and parts (dtypes of the same bytes, offsets in the page aside): one state alike
+    split = [(x.shape, x.parts) for x in a.arrays] == [(y.shape, y.parts) for y in b.arrays]
+    if not split and [x.shape for x in a.arrays] == [y.shape for y in b.arrays]:
         raise BlockMapError(
             f"src and dst pages hold state arrays of the same shapes in other parts (src {_arrays(a)}; dst "
             f"{_arrays(b)}): not one model's state, at any TP degrees ({how})"
         )
-    if not sized and None in ranks:
+    if not split and None in ranks:
         raise BlockMapError(
             f"src and dst pages hold state arrays of other sizes (src {_arrays(a)}; dst {_arrays(b)}): "
             "TP-sharded state of two TP degrees; give src_shard and dst_shard, which ranks they are"

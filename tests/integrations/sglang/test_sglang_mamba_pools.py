@@ -388,3 +388,19 @@ def test_a_per_layer_pool_is_refused() -> None:
         "each layer's state in a buffer of its own (mamba_cache.conv_per_layer: kvcached's ElasticMambaPool"
         in _pool_error(SimpleNamespace(mamba_cache=per_layer))
     )
+
+
+def test_states_of_one_shape_in_dtypes_of_the_same_bytes_move_without_shards() -> None:
+    """An fp8 conv state and one SGLang keeps as uint8 are the same bytes: the map moves
+    them whole, rank to rank, with no shards to give."""
+    spec = MODELS["gdn"]
+    src = mamba_state_pools(_shaped((80, 3), (8, 6, 4), dtype=torch.float8_e4m3fn), "gdn_attn")
+    raw = _shaped((80, 3), (8, 6, 4), dtype=torch.uint8)
+    dst = mamba_state_pools(raw, "gdn_attn")
+    source = src["conv0"].registered_kv
+    source.view(torch.uint8).copy_(torch.randint(0, 256, source.shape, dtype=torch.uint8))
+    m = block_map(src["conv0"], dst["conv0"], [3], [1])
+    assert m.kind == "re-laid" and spec.mamba_type == "gdn_attn"
+    m.copy()
+    got = raw.mamba_cache.conv[0]  # type: ignore[attr-defined]
+    assert torch.equal(got[:, 1].view(torch.uint8).flatten(), source[:, 3].view(torch.uint8).flatten())

@@ -2,14 +2,17 @@
 
 SGLang allocates each state of a hybrid model's linear-attention layers as one tensor
 over all of them (``MambaPool.__init__``): the device pool's conv states (a list: one
-for Mamba2 and Gated DeltaNet, three for Kimi Delta Attention) and SSM state are
-``[NL, size + 1, *state]`` (slot 0 is the padding requests' dummy), and HiCache's host
-pool (``MambaPoolHost.init_kv_buffer``) holds ``[NL, size, *state]`` (``layer_first``)
-or ``[size, NL, 1, *state]`` (``page_first``, ``page_first_direct``: its page is one
-slot). A slot's state of one layer is one contiguous item, so each tensor is read as
+for Mamba2 and Gated DeltaNet, three for Kimi Delta Attention, one in newer SGLang) and
+SSM state are ``[NL, size + 1, *state]`` (slot 0 is the padding requests' dummy); its
+unified memory pool gives the same views strided over per-slot envelopes (a slot's
+state of every layer together); HiCache's host pool (``MambaPoolHost.init_kv_buffer``)
+holds ``[NL, size, *state]`` (``layer_first``) or ``[size, NL, 1, *state]``
+(``page_first``, ``page_first_direct``: its page is one slot). A slot's state of one
+layer is one contiguous item, so each tensor is read as
 int8 rows, one row an item, in SGLang's host-pool formats (``NL_NB_BS_ONE_HS``,
 ``NB_BS_NL_ONE_HS`` with one row a block), and marked as opaque pages: a block map moves
-whole items, slot id to slot id, only between tensors of the same state.
+whole items, slot id to slot id, only between tensors of the same state. Slots outside
+layers in memory (a host pool's page-first layouts, the unified pool) read slots first.
 
 Given the model's Mamba type, each page also declares how tensor parallelism shards it
 (:class:`~kvlayout.registration.opaque.PageArray`), by the shapes SGLang sizes
