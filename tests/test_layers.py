@@ -285,7 +285,8 @@ def test_the_tests_mirror_the_package() -> None:
     for name in LAYER_PACKAGES:
         if name != "testing":  # kvlayout.testing is tested by every folder that uses it
             assert (ROOT / "tests" / name).is_dir(), f"tests/{name}/ is missing"
-    assert (ROOT / "tests" / "integrations" / "vllm").is_dir()
+    for engine in ("vllm", "sglang"):
+        assert (ROOT / "tests" / "integrations" / engine).is_dir()
 
 
 # -- public paths -------------------------------------------------------------------------
@@ -298,7 +299,7 @@ def test_every_public_name_imports_from_the_package(name: str) -> None:
     assert namespace[name] is getattr(kvlayout, name)
 
 
-# What each public module exported before the package was split into layers.
+# What each public module exports (those before the package was split into layers, and since).
 PUBLIC_MODULES = {
     "kvlayout.transfer": ["TransferError", "TransferPlan", "chunk_shape", "load_blocks", "prepare", "store_blocks"],
     "kvlayout.testing": ["CASES", "RegistrationCase", "coords_for", "layout_names", "layouts", "registrations", "sizes_for"],
@@ -310,6 +311,7 @@ PUBLIC_MODULES = {
         "check_block_granularity", "declares_slot_compression", "find_kv_cache_group_edit",
         "find_unsupported_kv_cache_groups", "spec_kind", "validate_kv_cache_groups",
     ],
+    "kvlayout.integrations.sglang": ["MAMBA_TYPES", "MambaPoolError", "mamba_state_pools"],
     "kvlayout.transfer.nixl": [  # before it was split into modules
         "DEFAULT_COST", "CostModel", "Descriptors", "Estimate", "LocalSide", "MapSide", "NixlError",
         "NixlMap", "NixlTimeoutError", "PeerStaging", "Plan", "Prepped", "PreppedList",
