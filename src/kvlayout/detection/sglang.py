@@ -106,7 +106,9 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         if hints.hicache_layout is None:
             raise DetectionError(
                 f"SGLang registers lists of per-layer tensors, not one tensor ({p.describe()}); a HiCache "
-                "host pool's kv_buffer is one tensor: pass layout hint hicache_layout (mem_pool_host.layout)"
+                "host pool's kv_buffer is one tensor: pass layout hint hicache_layout "
+                "(mem_pool_host.layout); a Mamba state pool's tensors are read by "
+                "kvlayout.integrations.sglang.mamba_state_pools(pool)"
             )
         return _host_pool(kv, p, hints)
     if hints.hicache_layout is not None:

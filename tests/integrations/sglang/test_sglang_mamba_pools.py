@@ -18,6 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import kvlayout
+from kvlayout.detection import DetectionError
 from kvlayout.integrations.sglang import MambaPoolError, mamba_state_pools
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.testing.sglang import (
@@ -197,6 +199,13 @@ def _pool_error(pool: object, mamba_type: str | None = None) -> str:
     with pytest.raises(MambaPoolError) as caught:
         mamba_state_pools(pool, mamba_type)
     return str(caught.value)
+
+
+def test_a_state_tensor_given_to_detect_says_where_it_is_read() -> None:
+    with pytest.raises(
+        DetectionError, match=r"a Mamba state pool's tensors are read by kvlayout\.integrations\.sglang"
+    ):
+        kvlayout.detect(device_pool(MODELS["gdn"], 1, SLOTS).mamba_cache.temporal, "sglang")
 
 
 def test_what_is_not_a_pool_is_refused_by_name() -> None:
