@@ -1,11 +1,12 @@
 """SGLang's Mamba state pools as SGLang allocates them, for tests, docs and the demo.
 
 The shapes follow SGLang's sizing (``configs/mamba_utils.py``: ``Mamba2StateShape``,
-``KimiLinearStateShape``), its device pool (``MambaPool``: ``[NL, size + 1, *state]``)
-and its HiCache host pool (``MambaPoolHost``: ``[NL, size, *state]`` or ``[size, NL, 1,
-*state]``). The pools are duck-typed stand-ins with the attributes kvlayout reads; SGLang
-itself is not needed. :func:`shard` is the oracle: a rank's slices of the whole model's
-state, each sub-projection split on its own, as SGLang shards the weights.
+``KimiLinearStateShape``): its device pool (``MambaPool``: ``[NL, size + 1, *state]``),
+its unified memory pool's strided views over per-slot envelopes, and its HiCache host
+pool (``MambaPoolHost``: ``[NL, size, *state]`` or ``[size, NL, 1, *state]``). The
+pools are duck-typed stand-ins with the attributes kvlayout reads; SGLang itself is not
+needed. :func:`shard` is the oracle: a rank's slices of the whole model's state, each
+sub-projection split on its own, as SGLang shards the weights.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["QWEN3_NEXT", "LinearModel", "device_pool", "host_pool", "shard"]
+__all__ = ["QWEN3_NEXT", "LinearModel", "device_pool", "host_pool", "shard", "unified_device_pool"]
 
 
 @dataclass(frozen=True)
