@@ -82,10 +82,10 @@ def _states(pool: Any) -> tuple[str, list[tuple[str, Any]]]:
         raise MambaPoolError(f"the pool's conv states are {type(convs).__name__}, not a list of tensors")
     named = [(f"conv{i}", t) for i, t in enumerate(convs)] + [("temporal", temporal)]
     layers = getattr(pool, "num_mamba_layers", None)
+    axis = 1 if _HOST_LAYOUTS.get(layout, False) else 0  # the layer axis
     for name, t in named:
         if not isinstance(t, torch.Tensor):
             raise MambaPoolError(f"the pool's {name} state is {type(t).__name__}, not a tensor")
-        axis = 1 if _HOST_LAYOUTS.get(layout, False) else 0
         if isinstance(layers, int) and t.dim() > axis and t.shape[axis] != layers:
             raise MambaPoolError(
                 f"the pool's {name} state is {list(t.shape)}, whose axis {axis} is not its {layers} Mamba "
@@ -111,14 +111,6 @@ def _dtype(name: str, t: torch.Tensor) -> str:
     return dtype
 
 
-def _kda_parts(conv: tuple[int, int], ssm: tuple[int, ...]) -> tuple[int, ...] | None:
-    """A Kimi Linear conv state kept whole, ``(K - 1, proj / tp + 2 * proj_k / tp)``: its
-    three projections (``proj = heads * head size`` beside the SSM state's), or None."""
-    values = ssm[0] * ssm[1]
-    rest = conv[1] - values
-    return (values, rest // 2, rest // 2) if rest > 0 and rest % 2 == 0 else None
-
-
 def _arrays(
     mamba_type: str | None, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]
 ) -> dict[str, tuple[PageArray, ...]]:
@@ -142,7 +134,7 @@ def _arrays(
     for name in convs:
         conv = shapes[name]
         if mamba_type == "kda":  # (K - 1, proj / tp): one projection each, or all three
-            parts = (conv[1],) if len(convs) == 3 else _kda_parts((conv[0], conv[1]), ssm)
+            parts = (conv[1],) if len(convs) == 3 else conv_parts("kda", conv[1], ssm)
             fits = [(1, parts)] if parts else []
         else:
             fits = [(axis, parts) for axis in (0, 1) if (parts := conv_parts(mamba_type, conv[axis], ssm))]
