@@ -261,8 +261,10 @@ struct Cursor {
   // through emit() (continuing the current run where both sides do), the last becomes the
   // current run (which the next slab's first may continue), and the rest go to the
   // Grouper as they are.
+  // A pattern of several slabs (Walker::replay_slot()) starts in the tensors (st, dt) and
+  // ends in (st_last, dt_last), which the last run, current after the paste, is in.
   void paste(const RunGroup* p, std::size_t n, std::uint64_t ds, std::uint64_t dd, std::uint64_t st,
-             std::uint64_t dt, bool ordered) {
+             std::uint64_t dt, bool ordered, std::uint64_t st_last, std::uint64_t dt_last) {
     if constexpr (!kTrackTensors) {
       if (n == 0) return;
       enter(st, dt);
@@ -270,10 +272,11 @@ struct Cursor {
       const RunGroup& last = p[n - 1];
       const ByteRun a = p[0].run(0, 0), z = last.run(last.rows - 1, last.count - 1);
       emit(a.src + ds, a.dst + dd, a.len);
-      if (n == 1 && p[0].runs() == 1) return;
+      if (n == 1 && p[0].runs() == 1) return;  // one run: one pair of tensors
       flush();
       groups->paste_inner(p, n, ds, dd);
       src = z.src + ds, dst = z.dst + dd, len = z.len;
+      src_tensor = st_last, dst_tensor = dt_last;
     }
   }
   // The held-back row, without the current run.
@@ -314,7 +317,9 @@ class Walker {
          const std::vector<std::uint64_t>& dst_tok, Cursor<kTrackTensors> cursor, bool one_by_one = false,
          bool slabs_one_by_one = false)
       : q_(q), positions_(positions), src_tok_(src_tok), dst_tok_(dst_tok), cursor_(cursor), one_by_one_(one_by_one),
-        replay_(!kTrackTensors && !slabs_one_by_one && q.order[0] == kSlab) {
+        replay_(!kTrackTensors && !slabs_one_by_one && q.order[0] == kSlab),
+        slot_replay_(!kTrackTensors && !slabs_one_by_one && q.order[0] == kBlock && q.order[1] == kSlot &&
+                     q.order[2] == kSlab) {
     // The first source block boundary after each destination block's first token: a
     // division per block here, none per emission.
     boundary_.resize(static_cast<std::size_t>((q.tokens + q.dst_block_size - 1) / q.dst_block_size));
@@ -539,6 +544,7 @@ class Walker {
     switch (q_.order[d]) {
       case kSlab: {
         const std::int64_t lo = q_.group_starts[group_], hi = q_.group_starts[group_ + 1];
+        if (d == 2 && slot_replay_ && replay_slot(lo, hi)) return;
         for (std::int64_t s = lo; s < hi; ++s) {  // a slab's tail decides what is a leaf: no loop()
           slab_ = &q_.slabs[s];
           slab_set_ = true;
@@ -601,7 +607,7 @@ class Walker {
         record(*p);
       }
       cursor_.paste(p->groups.rows, p->size, s.src_base - p->slab.src_base, s.dst_base - p->slab.dst_base,
-                    s.src_tensor, s.dst_tensor, p->in_order);
+                    s.src_tensor, s.dst_tensor, p->in_order, s.src_tensor, s.dst_tensor);
     }
   }
   void record(Pattern& p) {
@@ -618,6 +624,56 @@ class Walker {
     }
   }
 
+  // The slab level inside the block and slot levels (layers interleaved in the
+  // destination: SGLang's page_first host pool, one run per token, layer and K/V): where
+  // a group's slabs all step through tokens alike on each side (one stride class each),
+  // the emissions of one token are those of the group's first token moved by the
+  // difference of its token offsets, so the group's slabs are walked at its first token
+  // into a pattern, pasted at each token after (the walk of 65536 runs was 14 ns a run,
+  // down the whole nest for each). Returns false where the classes differ: walked.
+  struct SlotPattern {
+    Table<RunGroup> groups;
+    std::size_t size = 0;
+    bool in_order = true, uniform = false;
+    std::int64_t group = -1;  // the group recorded; -1: none yet
+    std::uint64_t src_at = 0, dst_at = 0;  // the token offsets of the token it was recorded at
+  };
+
+  bool replay_slot(std::int64_t lo, std::int64_t hi) {
+    if constexpr (kTrackTensors) {
+      return false;
+    } else {
+      SlotPattern& p = slot_pattern_;
+      const Slab &a = q_.slabs[lo], &z = q_.slabs[hi - 1];
+      const std::uint64_t src_at = src_tok_[a.src_class * q_.tokens + token_];
+      const std::uint64_t dst_at = dst_tok_[a.dst_class * q_.tokens + token_];
+      if (p.group != group_) {
+        p.group = group_, p.uniform = true;
+        for (std::int64_t s = lo; s < hi; ++s)
+          p.uniform &= q_.slabs[s].src_class == a.src_class && q_.slabs[s].dst_class == a.dst_class;
+        if (!p.uniform) return false;
+        const Cursor<kTrackTensors> outer = cursor_;
+        Grouper groups(&p.groups);
+        cursor_ = Cursor<kTrackTensors>{&groups, nullptr, nullptr, nullptr};
+        for (std::int64_t s = lo; s < hi; ++s) {
+          slab_ = &q_.slabs[s];
+          slab_set_ = true;
+          level(3);
+        }
+        slab_set_ = false;
+        cursor_.finish();
+        groups.finish();
+        p.size = groups.used(), p.in_order = cursor_.in_order;
+        p.src_at = src_at, p.dst_at = dst_at;
+        cursor_ = outer;
+      }
+      if (!p.uniform) return false;
+      cursor_.paste(p.groups.rows, p.size, src_at - p.src_at, dst_at - p.dst_at, a.src_tensor, a.dst_tensor,
+                    p.in_order, z.src_tensor, z.dst_tensor);
+      return true;
+    }
+  }
+
   const Request& q_;
   const std::vector<std::int64_t>& positions_;
   const std::vector<std::uint64_t>& src_tok_;
@@ -626,6 +682,8 @@ class Walker {
   std::vector<std::int64_t> boundary_;  // by destination block position
   const bool one_by_one_;
   const bool replay_;  // slabs of one shape pasted from a pattern (replay())
+  const bool slot_replay_;  // a group's slabs at one token pasted at the others (replay_slot())
+  SlotPattern slot_pattern_;
   Pattern patterns_[kPatterns];
   std::size_t next_pattern_ = 0;  // the one recorded next, round the patterns
   const Slab* slab_ = nullptr;

@@ -19,6 +19,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import _native
 from kvlayout.transfer import Shard, block_map
@@ -280,4 +281,57 @@ def test_slabs_of_alternating_shapes_paste_each_from_its_own_pattern(shapes: int
 
     (pasted, runs, in_order), (walked, walked_runs, _) = build(False), build(True)
     assert in_order and runs == walked_runs == len(slabs) * 10 * 4
+    assert np.array_equal(_native.expand_groups(pasted), _native.expand_groups(walked))
+
+
+@pytest.mark.parametrize("classes", ["one class", "a class per layer"])
+def test_a_tokens_slabs_pasted_at_each_token_never_join_two_tensors(classes: str) -> None:
+    """Layers interleaved in the destination (SGLang's page_first host pool): the builder
+    walks a group's slabs at its first token and pastes them at each token after. Here
+    each layer's source is its own tensor, though the layers lie interleaved side by side
+    as in the destination, so every run is contiguous with the next on both sides: none
+    may join two tensors, within a token or across from one token's last layer to the
+    next token's first. Slabs whose token strides differ (a class per layer) are walked
+    one by one; either way the runs are those of walking every slab."""
+    layers, heads, hs, slots = 3, 2, 8, 64
+    device = kvlayout.detect(
+        [[torch.randn(slots, heads, hs, dtype=torch.bfloat16) for _ in range(layers)] for _ in range(2)],
+        "sglang",
+    )
+    host = kvlayout.detect(
+        torch.zeros(2, slots, layers, heads, hs, dtype=torch.bfloat16),
+        "sglang",
+        {"hicache_layout": "page_first"},
+    )
+    m = block_map(device, host, [3, 1, 2], [0, 2, 1], src_block_size=8, dst_block_size=8, num_tokens=20)
+    p, (src_ids, dst_ids) = m._pair, m._ids
+    assert tuple(p.order[:3]) == (1, 2, 0)  # block, slot, then slab: the builder pastes per token
+    slabs, dst_classes = p.slabs.copy(), p.dst_classes
+    row = int(slabs[0, 4]) * heads  # a token's row of one layer, its heads folded
+    src_classes = dst_classes.copy()  # the source laid out as the destination ...
+    slabs[:, 0] = slabs[:, 1]
+    slabs[:, 2] = np.arange(len(slabs))  # ... but each layer's K and V its own tensor
+    if classes == "a class per layer":
+        src_classes = np.concatenate([src_classes, src_classes + np.uint64(1)])  # strides never met
+        slabs[1::2, 7] = 1
+    assert np.all(np.diff(slabs[:layers, 0].astype(np.int64)) == row) and dst_classes[0, 1] == layers * row
+
+    def build(walked: bool) -> Any:
+        args = (
+            slabs,
+            p.group_starts,
+            p.order,
+            len(p.heads),
+            20,
+            src_ids,
+            8,
+            dst_ids,
+            8,
+            src_classes,
+            dst_classes,
+        )
+        return _native.build_groups(*args, False, False, walked)
+
+    (pasted, runs, in_order), (walked, walked_runs, _) = build(False), build(True)
+    assert in_order and runs == walked_runs == 2 * layers * 20
     assert np.array_equal(_native.expand_groups(pasted), _native.expand_groups(walked))
