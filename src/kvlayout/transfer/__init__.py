@@ -5,9 +5,10 @@ chunks, or another cache.
 them on the native engine (``kvlayout._native``); ``cuda`` is the CUDA engine the plan
 picks for a GPU cache (it is handed the plan and never imports ``plan``); ``block_maps``
 maps one request between two registrations (any layout, block size or TP shard) as byte
-runs; ``arguments`` checks the block ids and chunks callers pass; ``nixl`` moves block
-maps between processes. This package exports the public names of the plans and block
-maps (with ``Shard`` and ``RegistrationDescription``, which a map's sides take), so
+runs, and ``joined_maps`` joins a request's maps (one per kernel group or pool) into one;
+``arguments`` checks the block ids and chunks callers pass; ``nixl`` moves block maps
+between processes. This package exports the public names of the plans and block maps
+(with ``Shard`` and ``RegistrationDescription``, which a map's sides take), so
 ``from kvlayout.transfer import block_map`` works.
 
 It knows the bound registration's kernel groups, the algebra's copy plans and the
@@ -18,6 +19,7 @@ all come from the layout), nor the facade.
 from kvlayout.registration.peers import PeerDescriptionError, RegistrationDescription
 from kvlayout.registration.shards import Shard, ShardError
 from kvlayout.transfer.block_maps import BlockMap, BlockMapError, block_map
+from kvlayout.transfer.joined_maps import JoinedMap, join_maps
 from kvlayout.transfer.plan import (
     TransferError,
     TransferPlan,
@@ -30,6 +32,7 @@ from kvlayout.transfer.plan import (
 __all__ = [
     "BlockMap",
     "BlockMapError",
+    "JoinedMap",
     "PeerDescriptionError",
     "RegistrationDescription",
     "Shard",
@@ -38,6 +41,7 @@ __all__ = [
     "TransferPlan",
     "block_map",
     "chunk_shape",
+    "join_maps",
     "load_blocks",
     "prepare",
     "store_blocks",

@@ -214,6 +214,22 @@ class BlockMap(HoldsAddresses):
             return self._copy(threads)
 
     def _copy(self, threads: int) -> int:
+        self._check_copy()
+        if self.src.device[0] == "cpu":
+            problem, run, other, used = _native.copy_groups(
+                self._groups, self.src.spans, self.dst.spans, threads, choices=self._pair.prefetch
+            )
+            self._raise(problem, run, other)
+            return int(used)
+        self._raise(*_native.validate_groups(self._groups, self.src.spans, self.dst.spans))
+        from kvlayout.transfer.cuda import copy_runs  # imports kvlayout._cuda only when called
+
+        copy_runs(self.runs, torch.device(_device_name(self.src.device)))
+        return 1
+
+    def _check_copy(self) -> None:
+        """Refuse a copy() that cannot run: a side that is a peer's description, a live
+        side whose memory moved since the map read it, sides on two devices."""
         for where, side in (("src", self.src), ("dst", self.dst)):
             if not side.live:
                 raise BlockMapError(
@@ -237,17 +253,6 @@ class BlockMap(HoldsAddresses):
                 f"{_device_name(self.dst.device)}; copy() "
                 "moves bytes within one device"
             )
-        if self.src.device[0] == "cpu":
-            problem, run, other, used = _native.copy_groups(
-                self._groups, self.src.spans, self.dst.spans, threads, choices=self._pair.prefetch
-            )
-            self._raise(problem, run, other)
-            return int(used)
-        self._raise(*_native.validate_groups(self._groups, self.src.spans, self.dst.spans))
-        from kvlayout.transfer.cuda import copy_runs  # imports kvlayout._cuda only when called
-
-        copy_runs(self.runs, torch.device(_device_name(self.src.device)))
-        return 1
 
     def _raise(self, problem: Any, run: int, other: int) -> None:
         if problem is not _P.none:

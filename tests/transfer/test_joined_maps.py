@@ -1,0 +1,196 @@
+"""Joined maps: a request's block maps (one per kernel group or pool) moved as one, by
+``copy()`` or as one NIXL transfer with one notification, as vLLM's NixlConnector posts a
+hybrid request (every group's descriptors in one transfer).
+
+Qwen3.5-0.8B in vLLM 0.33 without prefix caching: three Gated DeltaNet state groups and
+one attention group over one buffer, prefill at TP 1 into rank 1 of decode at TP 2. Each
+group's map has its own block ids; vLLM lays one layer of every group over the same
+memory, so a block id names the same bytes in every group, and the scheduler hands each
+group its own.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import time
+from typing import Any, Literal
+
+import numpy as np
+import pytest
+import torch
+
+import kvlayout
+from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+from kvlayout.testing import vllm as vx
+from kvlayout.transfer import (
+    BlockMap,
+    BlockMapError,
+    JoinedMap,
+    RegistrationDescription,
+    Shard,
+    block_map,
+    join_maps,
+)
+
+HINTS = {"kv_layout": "NHD"}
+P_SHARD, D_SHARD = Shard(0, 1, 2), Shard(1, 2, 2)
+# Per group: (prefill's block ids, decode's, tokens): the state groups one page each.
+REQUEST = [([2], [0], None), ([3], [1], None), ([4], [2], None), ([0, 1], [5, 4], 700)]
+
+
+def instance(tp: int, seed: int | None) -> tuple[Any, torch.Tensor]:
+    """A registration of Qwen3.5-0.8B's cache at TP ``tp`` and its one buffer (random
+    bytes from ``seed``, or zeros)."""
+    engine = vx.hybrid_engine(
+        vx.QWEN3_5_0_8B, vx.FLASHINFER, tp=tp, num_blocks=8, mamba_cache_mode="none",
+        max_model_len=40960, conv_layout="DS",
+    )  # fmt: skip
+    buf, views = vx.allocate_v033(engine)
+    if seed is not None:
+        buf.copy_(
+            torch.randint(
+                -128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed)
+            )
+        )
+    kv = apply_kv_cache_group_edits(engine.config, views, HINTS, prefix_reuse=False)
+    layers, groups = transfer_layers(engine.config, kv)
+    return kvlayout.detect(layers, "vllm", HINTS, layer_groups=groups), buf
+
+
+def maps(
+    src: Any, dst: Any, request: list[tuple[list[int], list[int], int | None]] = REQUEST
+) -> list[BlockMap]:
+    def group(side: Any, g: int) -> Any:
+        return side.group(g) if isinstance(side, RegistrationDescription) else side.kernel_groups[g]
+
+    return [
+        block_map(group(src, g), group(dst, g), s, d, num_tokens=n, src_shard=P_SHARD, dst_shard=D_SHARD)
+        for g, (s, d, n) in enumerate(request)
+    ]
+
+
+def moved_bytes(runs: np.ndarray, buf: torch.Tensor) -> np.ndarray:
+    """A mask over ``buf``'s bytes: those the runs write."""
+    mask = np.zeros(buf.numel(), dtype=bool)
+    base = buf.data_ptr()
+    for _, d, n in runs.tolist():
+        mask[d - base : d - base + n] = True
+    return mask
+
+
+def test_a_joined_copy_moves_every_group_s_bytes_and_no_other() -> None:
+    (prefill, _), (decode, d_buf) = instance(1, seed=1), instance(2, seed=None)
+    parts = maps(prefill, decode)
+    joined = join_maps(parts)
+    assert isinstance(joined, JoinedMap) and joined.maps == tuple(parts)
+    assert [m.kind for m in parts] == ["resharded state"] * 3 + ["head slice"]
+    assert joined.num_runs == sum(m.num_runs for m in parts) == len(joined.runs)
+    assert joined.num_bytes == sum(m.num_bytes for m in parts)
+    assert np.array_equal(joined.runs, np.concatenate([m.runs for m in parts]))
+    joined.copy(num_threads=2)
+    for s, d, n in joined.runs.tolist():
+        assert ctypes.string_at(s, n) == ctypes.string_at(d, n)
+    untouched = ~moved_bytes(joined.runs, d_buf)
+    assert untouched.sum() > 0 and not d_buf.numpy()[untouched].any()
+    # the same bytes as copying each part on its own, into a twin of decode
+    twin, twin_buf = instance(2, seed=None)
+    for m in maps(prefill, twin):
+        m.copy()
+    assert torch.equal(twin_buf, d_buf)
+
+
+def test_join_refuses_maps_that_write_the_same_bytes() -> None:
+    """The same block id in two groups is the same memory in vLLM's hybrid layout: the
+    two maps would write it both, and the join names the runs and their maps."""
+    (prefill, _), (decode, _) = instance(1, seed=1), instance(2, seed=None)
+    clash = [REQUEST[0], ([3], [0], None)]  # decode block 0 in groups 0 and 1
+    with pytest.raises(
+        BlockMapError,
+        match=r"run 0 \(maps\[0\]\) is refused: its destination bytes overlap those of run \d+ \(maps\[1\]\)",
+    ):
+        join_maps(maps(prefill, decode, clash))
+    with pytest.raises(BlockMapError, match=r"overlap those of run \d+ \(maps\[1\]\)"):
+        join_maps([maps(prefill, decode)[3]] * 2)
+
+
+def test_join_refuses_a_read_of_what_another_part_writes() -> None:
+    """Both ends in this process, one registration: a part that reads bytes another part
+    writes would copy what depends on the parts' order."""
+    prefill, _ = instance(1, seed=1)
+    g = prefill.kernel_groups[3]
+    there = block_map(g, g, [0], [1], num_tokens=16)
+    back = block_map(g, g, [1], [2], num_tokens=16)  # reads block 1, which `there` writes
+    with pytest.raises(BlockMapError, match=r"is refused: it writes bytes run \d+ \(maps\[\d\]\) reads"):
+        join_maps([there, back])
+
+
+def test_join_refuses_mixed_ends_and_what_is_not_a_map() -> None:
+    (prefill, _), (decode, _) = instance(1, seed=1), instance(2, seed=None)
+    there = RegistrationDescription.from_json(decode.describe(shard=D_SHARD).to_json())
+    live, described = maps(prefill, decode)[:1], maps(prefill, there)[1:2]
+    with pytest.raises(
+        BlockMapError, match=r"maps\[0\]'s dst is in this process but maps\[1\]'s is a peer's description"
+    ):
+        join_maps(live + described)
+    with pytest.raises(BlockMapError, match="one block map at least, got none"):
+        join_maps([])
+    with pytest.raises(TypeError, match=r"maps\[1\] is a list, not a BlockMap"):
+        join_maps([live[0], [1, 2]])  # type: ignore[list-item]
+
+
+def test_a_joined_copy_checks_every_part_before_copying_any() -> None:
+    """A part whose destination is a peer's description: nothing of the other parts is
+    copied either."""
+    (prefill, _), (decode, d_buf) = instance(1, seed=1), instance(2, seed=None)
+    there = RegistrationDescription.from_json(decode.describe(shard=D_SHARD).to_json())
+    joined = join_maps(maps(prefill, there))
+    with pytest.raises(BlockMapError, match="the dst side is a RegistrationDescription"):
+        joined.copy()
+    assert not d_buf.any()
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+@pytest.mark.parametrize("strategy", ["direct", "staged"])
+def test_a_joined_map_is_one_nixl_transfer_with_one_notification(
+    op: str, strategy: Literal["direct", "staged"]
+) -> None:
+    """Two agents in this process (each half of a deployment in its own): the request's
+    four maps as one transfer, posted by prefill (WRITE) or by decode (READ, as vLLM's
+    decode side posts); the other side receives one notification, and decode's bytes are
+    those of the local joined copy."""
+    import nixl._api  # noqa: F401  (importing it sets NIXL's logger to INFO)
+
+    from kvlayout.transfer import nixl as nx
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    (prefill, _), (decode, d_buf) = instance(1, seed=3), instance(2, seed=None)
+    names = f"jm-prefill-{op}-{strategy}", f"jm-decode-{op}-{strategy}"
+    p_agent, d_agent = nx.make_agent(names[0]), nx.make_agent(names[1])
+    held = nx.register(p_agent, prefill), nx.register(d_agent, decode)
+    if op == "WRITE":
+        poster, receiver, peer = p_agent, d_agent, p_agent.add_remote_agent(d_agent.get_agent_metadata())
+        there = RegistrationDescription.from_json(decode.describe(shard=D_SHARD).to_json())
+        joined = join_maps(maps(prefill, there))
+    else:
+        poster, receiver, peer = d_agent, p_agent, d_agent.add_remote_agent(p_agent.get_agent_metadata())
+        there = RegistrationDescription.from_json(prefill.describe(shard=P_SHARD).to_json())
+        joined = join_maps(maps(there, decode))
+    staging = nx.Staging(poster, joined.num_bytes) if strategy == "staged" else None
+    result = nx.transfer(poster, peer, joined, notif=b"req-7", strategy=strategy, staging=staging)
+    assert result.wait(timeout=60).num_bytes == joined.num_bytes
+    got: dict[str, list[bytes]] = {}
+    for _ in range(1000):
+        got = receiver.get_new_notifs()
+        if got:
+            break
+        time.sleep(0.01)
+    assert got == {names[op == "READ"]: [b"req-7"]}
+    twin, twin_buf = instance(2, seed=None)
+    join_maps(maps(prefill, twin)).copy()
+    assert torch.equal(d_buf, twin_buf) and twin_buf.any()
+    result.release()
+    if staging is not None:
+        staging.close()
+    for h in held:
+        h.deregister()
