@@ -140,14 +140,23 @@ def test_join_refuses_mixed_ends_and_what_is_not_a_map() -> None:
 
 
 def test_a_joined_copy_checks_every_part_before_copying_any() -> None:
-    """A part whose destination is a peer's description: nothing of the other parts is
-    copied either."""
+    """The second part's destination was re-allocated in place after the join (its
+    storage freed): the copy refuses it, naming it, and the first part copies nothing
+    either."""
     (prefill, _), (decode, d_buf) = instance(1, seed=1), instance(2, seed=None)
-    there = RegistrationDescription.from_json(decode.describe(shard=D_SHARD).to_json())
-    joined = join_maps(maps(prefill, there))
-    with pytest.raises(BlockMapError, match="the dst side is a RegistrationDescription"):
+    other, o_buf = instance(2, seed=None)
+    first, second = maps(prefill, decode)[3], maps(prefill, other)[0]
+    joined = join_maps([first, second])
+    o_buf.untyped_storage().resize_(0)
+    with pytest.raises(
+        BlockMapError,
+        match=r"maps\[1\]: dst: kv_caches\[0\] was re-allocated \(data pointer 0x0, .* nothing was copied",
+    ):
         joined.copy()
     assert not d_buf.any()
+    there = RegistrationDescription.from_json(decode.describe(shard=D_SHARD).to_json())
+    with pytest.raises(BlockMapError, match=r"maps\[0\]: the dst side is a RegistrationDescription"):
+        join_maps(maps(prefill, there)).copy()
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
@@ -192,5 +201,38 @@ def test_a_joined_map_is_one_nixl_transfer_with_one_notification(
     result.release()
     if staging is not None:
         staging.close()
+    for h in held:
+        h.deregister()
+
+
+def test_a_joined_map_goes_peer_staged_with_the_peer_s_half_joined_alike() -> None:
+    """Prefill WRITEs the request's runs as they lie in its cache into decode's staging
+    buffer; decode joins its own maps, planned from prefill's description, whose
+    fingerprint is the poster's, and scatters them into its cache."""
+    import nixl._api  # noqa: F401  (importing it sets NIXL's logger to INFO)
+
+    from kvlayout.transfer import nixl as nx
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    (prefill, _), (decode, d_buf) = instance(1, seed=5), instance(2, seed=None)
+    p_agent, d_agent = nx.make_agent("jm-prefill-peer"), nx.make_agent("jm-decode-peer")
+    held = nx.register(p_agent, prefill), nx.register(d_agent, decode)
+    there = RegistrationDescription.from_json(decode.describe(shard=D_SHARD).to_json())
+    joined = join_maps(maps(prefill, there))
+    landing = nx.Staging(d_agent, joined.num_bytes)  # decode's; its address and size go to prefill
+    peer = p_agent.add_remote_agent(d_agent.get_agent_metadata())
+    at_decode = nx.PeerStaging(landing.address, landing.nbytes)
+    x = nx.transfer(p_agent, peer, joined, strategy="peer-staged", peer_staging=at_decode, notif=b"req-9")
+    assert x.wait(timeout=60).strategy == "peer-staged"
+    assert not d_buf.any()  # landed in decode's staging buffer, not yet in its cache
+    source = RegistrationDescription.from_json(prefill.describe(shard=P_SHARD).to_json())
+    mine = join_maps(maps(source, decode))
+    assert mine.fingerprint == joined.fingerprint
+    nx.unstage(mine, landing, expect=joined.fingerprint)
+    twin, twin_buf = instance(2, seed=None)
+    join_maps(maps(prefill, twin)).copy()
+    assert torch.equal(d_buf, twin_buf) and twin_buf.any()
+    x.release()
+    landing.close()
     for h in held:
         h.deregister()

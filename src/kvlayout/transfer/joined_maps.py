@@ -111,8 +111,11 @@ class JoinedMap(HoldsAddresses):
         another writes. Returns the most threads a part used."""
         threads = threads_arg(num_threads, BlockMapError)
         with torch._C.DisableTorchFunctionSubclass():  # as BlockMap.copy(): no caller code in the checks
-            for m in self.maps:
-                m._check_copy()
+            for i, m in enumerate(self.maps):
+                try:
+                    m._check_copy()
+                except BlockMapError as exc:
+                    raise BlockMapError(f"maps[{i}]: {exc}") from None
             return max(m._copy(threads) for m in self.maps)
 
 
