@@ -3,7 +3,8 @@
 The shapes follow SGLang's sizing (``configs/mamba_utils.py``: ``Mamba2StateShape``,
 ``KimiLinearStateShape``): its device pool (``MambaPool``: ``[NL, size + 1, *state]``),
 its unified memory pool's strided views over per-slot envelopes, and its HiCache host
-pool (``MambaPoolHost``: ``[NL, size, *state]`` or ``[size, NL, 1, *state]``). The
+pool (``MambaPoolHost``: ``[NL, size, *state]`` or ``[size, NL, 1, *state]``), and
+kvcached's ``ElasticMambaPool`` in either of its layouts. The
 pools are duck-typed stand-ins with the attributes kvlayout reads; SGLang itself is not
 needed. :func:`shard` is the oracle: a rank's slices of the whole model's state, each
 sub-projection split on its own, as SGLang shards the weights.
@@ -18,7 +19,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["QWEN3_NEXT", "LinearModel", "device_pool", "host_pool", "shard", "unified_device_pool"]
+__all__ = [
+    "QWEN3_NEXT",
+    "LinearModel",
+    "device_pool",
+    "elastic_mamba_pool",
+    "host_pool",
+    "shard",
+    "unified_device_pool",
+]
 
 
 @dataclass(frozen=True)
@@ -122,6 +131,88 @@ def unified_device_pool(
         offset += layers * item
     cache = SimpleNamespace(conv=views[:-1], temporal=views[-1])
     return SimpleNamespace(mamba_cache=cache, num_mamba_layers=layers, size=slots - 1, raw=raw)
+
+
+class PerLayerMambaState:
+    """kvcached's ``_PerLayerMambaState``: ``conv_per_layer[i][layer]`` and
+    ``temporal_per_layer[layer]``, each ``[size + 1, *state]``; ``conv`` and ``temporal``
+    are layer 0's alone (what SGLang's attention backends read a state's shape from)."""
+
+    def __init__(
+        self, conv_per_layer: list[list[torch.Tensor]], temporal_per_layer: list[torch.Tensor]
+    ) -> None:
+        self.conv_per_layer = conv_per_layer
+        self.temporal_per_layer = temporal_per_layer
+
+    @property
+    def conv(self) -> list[torch.Tensor]:
+        return [c[0] for c in self.conv_per_layer]
+
+    @property
+    def temporal(self) -> torch.Tensor:
+        return self.temporal_per_layer[0]
+
+
+def elastic_mamba_pool(
+    model: LinearModel,
+    tp: int,
+    size: int,
+    *,
+    contiguous: bool,
+    pad: int = 0,
+    conv_dtype: torch.dtype = torch.bfloat16,
+    ssm_dtype: torch.dtype = torch.float32,
+    generator: torch.Generator | None = None,
+) -> Any:
+    """kvcached's ``ElasticMambaPool`` for ``size`` requests at TP ``tp``, as kvcached
+    allocates it (ovg-project/kvcached ``kvcached/integration/sglang/interfaces.py``,
+    ``alloc_mamba_states``; ``kvcached/integration/sglang/patches.py``,
+    ``ElasticMambaPoolPatch``): ``size + 1`` slots (slot 0 the padding's, kvcached's null
+    block), each slot of each layer one cell of every state, ``[conv0 | conv1 | ... |
+    temporal]``, each at its dtype's alignment, the cell padded by ``pad`` bytes (kvcached
+    pads it to a divisor of its page size). ``contiguous``: one buffer ``[slot][layer]
+    [cell]`` and ``mamba_cache.conv[i]``, ``.temporal`` ``[NL, size + 1, *state]`` views
+    strided over it (``KVCACHED_CONTIGUOUS_LAYOUT``); otherwise a buffer per layer
+    ``[slot][cell]`` and ``mamba_cache`` a :class:`PerLayerMambaState` of
+    ``[size + 1, *state]`` views. ``raw`` is the list of byte buffers; zeros, or random
+    bytes (padding included) from ``generator``."""
+    convs, temporal = model.state_shapes(tp)
+    layers, slots = model.num_layers, size + 1
+    shapes = [(c, conv_dtype) for c in convs] + [(temporal, ssm_dtype)]
+    offsets, offset = [], 0
+    for shape, dtype in shapes:
+        offset = -(-offset // dtype.itemsize) * dtype.itemsize
+        offsets.append(offset)
+        offset += math.prod(shape) * dtype.itemsize
+    align = max(conv_dtype.itemsize, ssm_dtype.itemsize)
+    cell = -(-(offset + pad) // align) * align
+    buffers = 1 if contiguous else layers
+    raw = [
+        torch.zeros(slots * cell * (layers if contiguous else 1), dtype=torch.uint8) for _ in range(buffers)
+    ]
+    if generator is not None:
+        for r in raw:
+            r.copy_(torch.randint(0, 256, r.shape, dtype=torch.uint8, generator=generator))
+
+    def view(buffer: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype, at: int) -> torch.Tensor:
+        lead = ((layers, slots), (cell, layers * cell)) if contiguous else ((slots,), (cell,))
+        strides = [n // dtype.itemsize for n in lead[1]] + list(torch.empty(shape).stride())
+        t = torch.as_strided(buffer.view(dtype), (*lead[0], *shape), strides, at // dtype.itemsize)
+        t.copy_(_fill(t.shape, dtype, generator))
+        return t
+
+    if contiguous:
+        states = [view(raw[0], shape, dtype, at) for (shape, dtype), at in zip(shapes, offsets, strict=True)]
+        cache: Any = SimpleNamespace(conv=states[:-1], temporal=states[-1])
+    else:
+        per_layer = [
+            [view(r, shape, dtype, at) for r in raw]
+            for (shape, dtype), at in zip(shapes, offsets, strict=True)
+        ]
+        cache = PerLayerMambaState(per_layer[:-1], per_layer[-1])
+    return SimpleNamespace(
+        mamba_cache=cache, num_mamba_layers=layers, mamba_layer_ids=list(range(layers)), size=size, raw=raw
+    )
 
 
 def host_pool(device: Any, size: int, layout: str) -> Any:

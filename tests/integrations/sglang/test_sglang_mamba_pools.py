@@ -26,6 +26,7 @@ from kvlayout.testing.sglang import (
     QWEN3_NEXT,
     LinearModel,
     device_pool,
+    elastic_mamba_pool,
     host_pool,
     shard,
     unified_device_pool,
@@ -384,19 +385,162 @@ def test_the_unified_pool_reads_slot_major(model: str, layers: int | None) -> No
     assert torch.equal(unified.raw[envelope - 24 : envelope], before[envelope - 24 : envelope])
 
 
-def test_a_per_layer_pool_is_refused() -> None:
-    """kvcached's ElasticMambaPool (not contiguous) keeps each layer in a buffer of its
-    own; its ``conv`` and ``temporal`` are layer 0's alone, slots on axis 0."""
-    per_layer = SimpleNamespace(
-        conv_per_layer=[[torch.zeros(7, 80, 3) for _ in range(3)]],
-        temporal_per_layer=[torch.zeros(7, 8, 6, 4) for _ in range(3)],
-        conv=[torch.zeros(7, 80, 3)],
-        temporal=torch.zeros(7, 8, 6, 4),
+def _elastic_states(pool: object) -> list[list[torch.Tensor]]:
+    """Each state of kvcached's per-layer pool, a tensor a layer."""
+    cache = pool.mamba_cache  # type: ignore[attr-defined]
+    return [*cache.conv_per_layer, cache.temporal_per_layer]
+
+
+def _with_slot(
+    pool: object, before: list[torch.Tensor], slot: int, want: list[torch.Tensor]
+) -> list[torch.Tensor]:
+    """The oracle on kvcached's byte buffers: ``before`` (the pool's buffers, cloned) with
+    each state's item of ``slot`` in each layer set to ``want`` (``[NL, *state]``), written
+    through the pool's own geometry, every other byte (other slots, the cell's padding)
+    as it was."""
+    expected = [b.clone() for b in before]
+    for layers, whole in zip(_elastic_states(pool), want, strict=True):
+        for layer, t in enumerate(layers):
+            buffer = expected[layer].view(t.dtype)
+            torch.as_strided(buffer, t.shape, t.stride(), t.storage_offset())[slot] = whole[layer]
+    return expected
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_kvcached_per_layer_pool_moves_to_a_plain_pool_and_back(model: str) -> None:
+    """kvcached's non-contiguous ``ElasticMambaPool`` (a buffer per layer, each slot's
+    states of one layer packed in one padded cell): each state reads as its layers'
+    tensors, slot ids as SGLang's; a request's state moves byte-exact into SGLang's plain
+    ``MambaPool`` and back into another slot, and no other byte of kvcached's buffers
+    (other slots, the cells' padding) changes."""
+    spec = MODELS[model]
+    elastic = elastic_mamba_pool(
+        spec, 1, SLOTS, contiguous=False, pad=10, generator=torch.Generator().manual_seed(7)
     )
+    pools = mamba_state_pools(elastic, spec.mamba_type)
+    assert list(pools) == [f"conv{i}" for i in range(len(spec.state_shapes(1)[0]))] + ["temporal"]
+    for name, layers in zip(pools, _elastic_states(elastic), strict=True):
+        group = pools[name].kernel_groups[0]
+        assert (group.block_size, group.num_blocks, group.opaque_pages is not None) == (1, SLOTS + 1, True)
+        views = pools[name].registered_kv
+        assert [v.data_ptr() for v in views] == [t.data_ptr() for t in layers]  # views: no copy
+    whole = [torch.stack(layers) for layers in _elastic_states(elastic)]
+    plain = device_pool(spec, 1, SLOTS)
+    move(elastic, plain, 4, 2, model, (Shard(0, 1, HEADS), Shard(0, 1, HEADS)))
+    for got, want in zip(states(plain), whole, strict=True):
+        assert torch.equal(got[:, 2], want[:, 4])
+        assert not got[:, [i for i in range(SLOTS + 1) if i != 2]].any()
+    before = [r.clone() for r in elastic.raw]
+    move(plain, elastic, 2, 1, model, (Shard(0, 1, HEADS), Shard(0, 1, HEADS)))
+    expected = _with_slot(elastic, before, 1, [w[:, 4] for w in whole])
+    for got, want in zip(elastic.raw, expected, strict=True):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_kvcached_per_layer_pool_moves_between_tp_degrees(model: str) -> None:
+    """TP 1 into TP 2 with the model's Mamba type: a plain TP 1 pool's request state
+    lands in each rank's kvcached per-layer pool as SGLang shards it, and a per-layer TP
+    1 pool's in each rank's plain pool; nothing else of the destination changes."""
+    spec = MODELS[model]
+    whole = whole_state(spec, 21)
+    source = rank_pool(spec, 1, 0, whole)
+    elastic_src = elastic_mamba_pool(
+        spec, 1, SLOTS, contiguous=False, pad=6, generator=torch.Generator().manual_seed(8)
+    )
+    elastic_whole = [torch.stack(layers) for layers in _elastic_states(elastic_src)]
+    for d in range(2):
+        shards = (Shard(0, 1, HEADS), Shard(d, 2, HEADS))
+        dst = elastic_mamba_pool(
+            spec, 2, SLOTS, contiguous=False, pad=6, generator=torch.Generator().manual_seed(d)
+        )
+        before = [r.clone() for r in dst.raw]
+        assert move(source, dst, 3, 5, model, shards) > 0
+        want = [w[:, 3] for w in shard(spec, whole, 2, d)]
+        for got, expected in zip(dst.raw, _with_slot(dst, before, 5, want), strict=True):
+            assert torch.equal(got, expected)
+        plain = rank_pool(spec, 2, d, None)
+        move(elastic_src, plain, 6, 1, model, shards)
+        for got, cut in zip(states(plain), shard(spec, elastic_whole, 2, d), strict=True):
+            assert torch.equal(got[:, 1], cut[:, 6])
+            assert not got[:, [i for i in range(SLOTS + 1) if i != 1]].any()
+
+
+def test_kvcached_per_layer_pool_backs_up_to_a_host_pool() -> None:
+    """A kvcached per-layer pool's slot backs up into HiCache's host pool (page first),
+    one run a layer."""
+    spec = MODELS["gdn"]
+    elastic = elastic_mamba_pool(spec, 1, SLOTS, contiguous=False, generator=torch.Generator().manual_seed(2))
+    host = host_pool(device_pool(spec, 1, SLOTS), 4, "page_first")
+    a, h = mamba_state_pools(elastic, "gdn_attn"), mamba_state_pools(host, "gdn_attn")
+    for name in a:
+        m = block_map(a[name], h[name], [3], [2])
+        assert m.num_runs == spec.num_layers
+        m.copy()
+    for buf, layers in zip([*host.conv_buffer, host.temporal_buffer], _elastic_states(elastic), strict=True):
+        assert torch.equal(buf[2, :, 0], torch.stack(layers)[:, 3])
+        assert not buf[[0, 1, 3]].any()
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_kvcached_contiguous_pool_reads_slot_major(model: str) -> None:
+    """kvcached's contiguous ``ElasticMambaPool`` (``KVCACHED_CONTIGUOUS_LAYOUT``): one
+    buffer ``[slot][layer][cell]``, each state a ``[NL, size + 1, *state]`` view strided
+    over the cells, so a slot's layers are a cell of every state apart: no one tensor of
+    rows, each layer reads as its own ``[size + 1]`` view. A request's state moves into a
+    plain pool at TP 2 and back, the buffer's other bytes (the cells' other states, their
+    padding) kept."""
+    spec = MODELS[model]
+    elastic = elastic_mamba_pool(
+        spec, 1, SLOTS, contiguous=True, pad=12, generator=torch.Generator().manual_seed(3)
+    )
+    pools = mamba_state_pools(elastic, spec.mamba_type)
+    assert all(r.format.name == "NL_X_NB_BS_HS" for r in pools.values())
+    assert all(r.kernel_groups[0].num_blocks == SLOTS + 1 for r in pools.values())
+    whole = states(elastic)
+    for d in range(2):
+        plain = rank_pool(spec, 2, d, None)
+        move(elastic, plain, 2, 4, model, (Shard(0, 1, HEADS), Shard(d, 2, HEADS)))
+        for got, want in zip(states(plain), shard(spec, whole, 2, d), strict=True):
+            assert torch.equal(got[:, 4], want[:, 2])
+    before = elastic.raw[0].clone()
+    saved = [t[:, 2].clone() for t in whole]
+    back = device_pool(spec, 1, SLOTS)
+    move(elastic, back, 2, 2, model, (Shard(0, 1, HEADS), Shard(0, 1, HEADS)))
+    move(back, elastic, 2, 5, model, (Shard(0, 1, HEADS), Shard(0, 1, HEADS)))
+    expected = before.clone()
+    for t, w in zip(whole, saved, strict=True):
+        torch.as_strided(expected.view(t.dtype), t.shape, t.stride(), t.storage_offset())[:, 5] = w
+    assert torch.equal(elastic.raw[0], expected)
+
+
+def test_a_per_layer_pool_out_of_shape_is_refused() -> None:
+    """kvcached's per-layer pool whose lists do not hold every layer alike is refused,
+    naming the state and the layer; ``conv`` and ``temporal`` (layer 0's alone) are never
+    read for it."""
+    spec = MODELS["gdn"]
+
+    def pool() -> object:
+        return elastic_mamba_pool(spec, 1, SLOTS, contiguous=False)
+
+    short = pool()
+    short.mamba_cache.temporal_per_layer.pop()  # type: ignore[attr-defined]
+    assert "temporal state has 2 per-layer tensors, not 3: its Mamba layers" in _pool_error(short)
+    odd = pool()
+    odd.mamba_cache.conv_per_layer[0][2] = torch.zeros(SLOTS + 1, 80, 2, dtype=torch.bfloat16)  # type: ignore[attr-defined]
+    assert "conv0 state of layer 2 is [7, 80, 2] torch.bfloat16 on cpu, of layer 0 [7, 80, 3]" in _pool_error(
+        odd
+    )
+    flat = pool()
+    flat.mamba_cache.conv_per_layer = [torch.zeros(SLOTS + 1, 80, 3)]  # type: ignore[attr-defined]
+    assert "mamba_cache.conv_per_layer is list of Tensor, not a list of per-layer lists" in _pool_error(flat)
+    strided = pool()
+    strided.mamba_cache.temporal_per_layer[1] = torch.zeros(SLOTS + 1, 8, 6, 8)[..., ::2]  # type: ignore[attr-defined]
     assert (
-        "each layer's state in a buffer of its own (mamba_cache.conv_per_layer: kvcached's ElasticMambaPool"
-        in _pool_error(SimpleNamespace(mamba_cache=per_layer))
+        "temporal state of layer 1 [7, 8, 6, 4] (strides [384, 48, 8, 2]) is not one contiguous"
+        in _pool_error(strided)
     )
+    assert "the conv state [80, 3] does not split into kda's three projections" in _pool_error(pool(), "kda")
 
 
 def test_states_of_one_shape_in_dtypes_of_the_same_bytes_move_without_shards() -> None:

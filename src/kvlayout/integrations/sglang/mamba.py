@@ -13,6 +13,12 @@ int8 rows, one row an item, in SGLang's host-pool formats (``NL_NB_BS_ONE_HS``,
 ``NB_BS_NL_ONE_HS`` with one row a block), and marked as opaque pages: a block map moves
 whole items, slot id to slot id, only between tensors of the same state. Slots outside
 layers in memory (a host pool's page-first layouts, the unified pool) read slots first.
+kvcached's ``ElasticMambaPool`` packs a slot's states of one layer into one cell, either
+in a buffer per layer (``mamba_cache.conv_per_layer[i][layer]``,
+``temporal_per_layer[layer]``: ``[size + 1, *state]`` each) or, contiguous, in one
+buffer whose ``[NL, size + 1, *state]`` views put a slot's layers a cell apart: no one
+tensor of rows describes either, so each state reads as its layers' views, a list of
+one-row pages (SGLang's per-layer list format), its slots SGLang's slot ids.
 
 Given the model's Mamba type, each page also declares how tensor parallelism shards it
 (:class:`~kvlayout.registration.opaque.PageArray`), by the shapes SGLang sizes
@@ -56,12 +62,6 @@ def _states(pool: Any) -> tuple[str, list[tuple[str, Any]]]:
     pool = getattr(pool, "mamba_pool", pool)  # HybridReqToTokenPool holds the MambaPool
     cache = getattr(pool, "mamba_cache", None)
     layout: Any
-    if cache is not None and hasattr(cache, "conv_per_layer"):
-        raise MambaPoolError(
-            "the pool keeps each layer's state in a buffer of its own (mamba_cache.conv_per_layer: "
-            "kvcached's ElasticMambaPool, not contiguous), whose conv and temporal are layer 0's alone: "
-            "not read"
-        )
     if cache is not None:
         layout, convs, temporal = "device", getattr(cache, "conv", None), getattr(cache, "temporal", None)
     elif hasattr(pool, "temporal_buffer"):
@@ -171,9 +171,114 @@ def _rows(name: str, t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     )
 
 
+def _per_layer_states(pool: Any, cache: Any) -> list[tuple[str, list[torch.Tensor]]]:
+    """kvcached's non-contiguous ``ElasticMambaPool`` (``_PerLayerMambaState``): each
+    state a list of per-layer tensors ``[size + 1, *state]`` (``conv_per_layer[i][layer]``,
+    ``temporal_per_layer[layer]``), every layer alike; its ``conv`` and ``temporal`` are
+    layer 0's alone and are not read."""
+    convs, temporal = cache.conv_per_layer, getattr(cache, "temporal_per_layer", None)
+    if not isinstance(convs, list | tuple) or not all(isinstance(c, list | tuple) for c in convs):
+        kinds = type(convs).__name__
+        if isinstance(convs, list | tuple):
+            kinds += " of " + ", ".join(type(c).__name__ for c in convs)
+        raise MambaPoolError(
+            f"the pool's mamba_cache.conv_per_layer is {kinds}, not a list of per-layer lists of tensors "
+            "(kvcached's ElasticMambaPool: [conv state][layer])"
+        )
+    if not isinstance(temporal, list | tuple):
+        raise MambaPoolError(
+            f"the pool's mamba_cache.temporal_per_layer is {type(temporal).__name__}, not a list of "
+            "per-layer tensors (kvcached's ElasticMambaPool keeps conv_per_layer beside it)"
+        )
+    named = [(f"conv{i}", list(c)) for i, c in enumerate(convs)] + [("temporal", list(temporal))]
+    layers = getattr(pool, "num_mamba_layers", None)
+    want, source = (
+        (layers, "its Mamba layers (num_mamba_layers)")
+        if isinstance(layers, int)
+        else (len(named[0][1]), f"its {named[0][0]} state's")
+    )
+    for name, ts in named:
+        if len(ts) != want or not ts:
+            raise MambaPoolError(
+                f"the pool's {name} state has {len(ts)} per-layer tensors, not {want}: {source}"
+            )
+        for layer, t in enumerate(ts):
+            if not isinstance(t, torch.Tensor):
+                raise MambaPoolError(
+                    f"the pool's {name} state of layer {layer} is {type(t).__name__}, not a tensor"
+                )
+            first = ts[0]
+            if t.dim() < 2 or (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+                raise MambaPoolError(
+                    f"the pool's {name} state of layer {layer} is {list(t.shape)} {t.dtype} on {t.device}, "
+                    f"of layer 0 {list(first.shape)} {first.dtype} on {first.device}: every layer's "
+                    "[slots, *state] alike expected"
+                )
+    return named
+
+
+def _layer_rows(name: str, layer: int, t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer's state ``[slots, *state]`` as int8 rows ``[slots, 1, bytes]``, one a
+    slot's item, and the tensor in its memory's order (a conv state's two axes either
+    way, as :func:`_rows`). A slot's item must be contiguous; slots may lie any distance
+    apart (kvcached packs a slot's states of one layer into one cell)."""
+    views = (t, t.transpose(-1, -2)) if name.startswith("conv") and t.dim() >= 3 else (t,)
+    for view in views:
+        try:
+            return view.view(int(t.shape[0]), 1, -1).view(torch.int8), view
+        except RuntimeError:
+            continue
+    raise MambaPoolError(
+        f"the pool's {name} state of layer {layer} {list(t.shape)} (strides {list(t.stride())}) is not "
+        "one contiguous item per slot, as kvcached allocates it"
+    )
+
+
+def _per_layer_pools(pool: Any, cache: Any, mamba_type: str | None) -> dict[str, Registration]:
+    """kvcached's per-layer pool as one registration per state, its layers a list (see
+    :func:`_listed`): block ids are slot indices, as in SGLang's device pool."""
+    named = [(name, ts) for name, ts in _per_layer_states(pool, cache) if ts[0].numel()]
+    if not named:
+        raise MambaPoolError("the pool's states hold no bytes")
+    rows = {name: [_layer_rows(name, layer, t) for layer, t in enumerate(ts)] for name, ts in named}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for name, layer_rows in rows.items():
+        orders = {tuple(int(n) for n in view.shape[1:]) for _, view in layer_rows}
+        if len(orders) != 1:
+            raise MambaPoolError(
+                f"the pool's {name} state reads in other orders in other layers ({sorted(orders)}): "
+                "every layer alike expected"
+            )
+        shapes[name] = orders.pop()
+    dtypes = {name: _dtype(name, ts[0]) for name, ts in named}
+    head, first = named[0][0], named[0][1][0]
+    for name, ts in named[1:]:
+        if ts[0].shape[0] != first.shape[0] or ts[0].device != first.device:
+            raise MambaPoolError(
+                f"the pool's {name} state is {list(ts[0].shape)} on {ts[0].device} a layer and its {head} "
+                f"state {list(first.shape)} on {first.device}: the same slots on one device expected"
+            )
+    arrays = _arrays(mamba_type, shapes, dtypes)
+    pools = {}
+    for name, ts in named:
+        page = OpaquePages(f"SGLang Mamba {name}: {dtypes[name]} {list(shapes[name])}", False, arrays[name])
+        pools[name] = _listed([view for view, _ in rows[name]], page, ts)
+    return pools
+
+
+def _listed(rows: list[torch.Tensor], page: OpaquePages, over: list[torch.Tensor]) -> Registration:
+    """One state's layers, each ``[slots, 1, bytes]`` int8 rows (a view of the tensor of
+    ``over`` beside it), as SGLang's per-layer list of one-row pages read in blocks of one
+    (``NL_X_NB_BS_HS``): a layer's slots may lie any distance apart."""
+    for view, t in zip(rows, over, strict=True):
+        mark_opaque_pages(view, page, (t,))
+    return detect(rows, "sglang", {"tokens_per_block": 1})
+
+
 def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Registration]:
     """SGLang's Mamba state ``pool`` (a device ``MambaPool``, the ``HybridReqToTokenPool``
-    holding one, or a HiCache ``MambaPoolHost``) as one registration per state tensor:
+    holding one, kvcached's ``ElasticMambaPool`` in either layout, or a HiCache
+    ``MambaPoolHost``) as one registration per state tensor:
     ``conv0`` (``conv1``, ``conv2`` for Kimi Linear) and ``temporal``, in SGLang's order.
 
     Block ids are SGLang's slot indices (a request's ``mamba_pool_idx`` on the device,
@@ -183,6 +288,10 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
     declares how TP shards it, and a map between ranks of two TP degrees, given both
     shards, moves the slices both ranks hold (kind ``resharded state``). Raises
     :class:`MambaPoolError` for anything else."""
+    held = getattr(pool, "mamba_pool", pool)
+    cache = getattr(held, "mamba_cache", None)
+    if cache is not None and hasattr(cache, "conv_per_layer"):  # kvcached's, a buffer per layer
+        return _per_layer_pools(held, cache, mamba_type)
     layout, named = _states(pool)
     for name, t in named:
         _state_shape(layout, name, t)
@@ -202,8 +311,16 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
     arrays = _arrays(mamba_type, shapes, dtypes)
     pools = {}
     for name, t in named:
-        view, _, slots_first = rows[name]
+        view, ordered, slots_first = rows[name]
         page = OpaquePages(f"SGLang Mamba {name}: {dtypes[name]} {list(shapes[name])}", False, arrays[name])
+        if layout == "device" and view.shape[1] > 1 and view.stride(1) != view.shape[-1]:
+            # kvcached's contiguous ElasticMambaPool: a slot's layers a cell of every state apart,
+            # which no one tensor of rows describes; its layers read as a list, each a view
+            layers = ordered.unbind(1 if slots_first else 0)
+            pools[name] = _listed(
+                [x.view(x.shape[0], 1, -1).view(torch.int8) for x in layers], page, [t] * len(layers)
+            )
+            continue
         mark_opaque_pages(view, page, (t,))
         order = "page_first" if slots_first else "layer_first"
         pools[name] = detect(view, "sglang", {"hicache_layout": order, "tokens_per_block": 1})
