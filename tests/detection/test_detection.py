@@ -180,6 +180,24 @@ def test_sglang_structures() -> None:
     assert detect(layers((7, 3, 4)), "sglang", {"kv_list_layout": "unified"})[0] == F.NL_X_NB_BS_HS
 
 
+@pytest.mark.parametrize("form", ["[K, V]", "k_v"])
+def test_sglang_hnd_pool_reads_heads_before_tokens(form: str) -> None:
+    """SGLang's pool under SGLANG_USE_HND_KVCACHE (trtllm_mha): K and V per layer
+    ``[pages, heads, page_size, head_dim]``. Under kv_layout=HND it is the HND twin, its
+    page size and heads read where they are (it was read as NHD, the heads as tokens);
+    without the hint, a page size given contradicts the NHD reading by name."""
+    k, v = layers((7, 2, 3, 4)), layers((7, 2, 3, 4))
+    kv: Any = [k, v] if form == "[K, V]" else k + v
+    hints: dict[str, Any] = {} if form == "[K, V]" else {"kv_list_layout": "k_v"}
+    reg = kvlayout.detect(kv, "sglang", {**hints, "kv_layout": "HND", "tokens_per_block": 3})
+    assert reg.format == F.TWO_X_NL_X_NB_NH_BS_HS
+    assert (kvlayout.get_block_size(reg, reg.format), kvlayout.get_num_heads(reg, reg.format)) == (3, 2)
+    with pytest.raises(
+        LayoutHintError, match="tokens_per_block=3 contradicts TWO_X_NL_X_NB_BS_NH_HS, whose BS is 2"
+    ):
+        kvlayout.detect(kv, "sglang", {**hints, "tokens_per_block": 3})
+
+
 @pytest.mark.parametrize(
     ("kv", "hints", "error", "message"),
     [
@@ -203,7 +221,13 @@ def test_sglang_structures() -> None:
         (layers((7, 3, 2, 4)), {}, DetectionError, "unless layout hint kv_list_layout says 'k_v'"),
         (layers((9, 96, 3)), {}, DetectionError, "kv_list_layout='k_v'; a hybrid's Mamba state buffers (conv "
          "[slots, conv_dim, K-1], temporal [slots, H, head_dim, state]) are one state per request slot, not KV "
-         "pages, and kvlayout does not read them"),
+         "pages: kvlayout.integrations.sglang.mamba_state_pools(pool) reads them"),
+        (layers((3, 2, 4, 8)), {"kv_list_layout": "unified", "kv_layout": "HND"}, DetectionError,
+         "layout hint kv_layout=HND, but no SGLang format of list depth 1 and tensor rank 4 holds heads before "
+         "tokens"),
+        (layers((12, 2, 8)) * 2, {"kv_list_layout": "k_v", "kv_layout": "HND"}, DetectionError,
+         "layout hint kv_layout=HND, but no SGLang format of list depth 2 and tensor rank 3 holds heads before "
+         "tokens"),
         (t(21, 2, 4), {}, DetectionError, "SGLang registers lists of per-layer tensors, not one tensor"),
         ([[layers((7, 3, 4))]], {}, DetectionError, "no SGLang format has list depth 3"),
     ],

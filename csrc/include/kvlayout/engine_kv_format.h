@@ -46,9 +46,10 @@ enum class EngineKVFormat : std::int32_t {
   NB_NL_BS_ONE_HS = 33,  // [NB, NL, BS, 1, HS]
   NL_NB_BSV_BSS = 34,  // [NL, NB, BSxVALS, BSxSCALES]
   NB_NL_BSV_BSS = 35,  // [NB, NL, BSxVALS, BSxSCALES]
+  TWO_X_NL_X_NB_NH_BS_HS = 36,  // 2 x NL x [NB, NH, BS, HS]
 };
 
-inline constexpr int kNumFormats = 36;
+inline constexpr int kNumFormats = 37;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -87,6 +88,7 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_BS_ONE_HS,
     EngineKVFormat::NL_NB_BSV_BSS,
     EngineKVFormat::NB_NL_BSV_BSS,
+    EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS,
 };
 
 // Everything derived about one format.
@@ -225,6 +227,9 @@ true, false, false, true, false, false, false, false, false, false, false, true,
     case EngineKVFormat::NB_NL_BSV_BSS:
       return FormatFacts{format, "NB_NL_BSV_BSS", "[NB, NL, BSxVALS, BSxSCALES]", 1, 0, false,
 true, false, false, true, false, false, false, false, false, false, true, true, false, false};
+    case EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS:
+      return FormatFacts{format, "TWO_X_NL_X_NB_NH_BS_HS", "2 x NL x [NB, NH, BS, HS]", 2, 2, false,
+false, true, false, false, true, false, false, false, false, false, true, false, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

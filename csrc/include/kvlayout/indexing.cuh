@@ -427,6 +427,15 @@ KVLAYOUT_HOST_DEVICE inline Location nb_nl_bsv_bss(const Sizes& s, std::int64_t 
   return Location{0, c.block * stride0 + c.layer * stride1 + ((col2 < 128 ? s.bs * 0 + c.token * 128 + (col2 - 0) : s.bs * 128 + c.token * 4 + (col2 - 128))) * stride2};
 }
 
+// 36: TWO_X_NL_X_NB_NH_BS_HS = 2 x NL x [NB, NH, BS, HS]
+KVLAYOUT_HOST_DEVICE inline Location two_x_nl_x_nb_nh_bs_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride3 = 1;
+  const std::int64_t stride2 = stride3 * s.hs;
+  const std::int64_t stride1 = stride2 * s.bs;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nh;
+  return Location{(c.kv) * s.nl + c.layer, c.block * stride0 + c.head * stride1 + c.token * stride2 + c.elem * stride3};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -504,6 +513,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nl_nb_bsv_bss(s, block_stride, c);
     case EngineKVFormat::NB_NL_BSV_BSS:
       return indexing::nb_nl_bsv_bss(s, block_stride, c);
+    case EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS:
+      return indexing::two_x_nl_x_nb_nh_bs_hs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -761,6 +772,13 @@ template <>
 struct Indexer<EngineKVFormat::NB_NL_BSV_BSS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nb_nl_bsv_bss(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::two_x_nl_x_nb_nh_bs_hs(s, block_stride, c);
   }
 };
 

@@ -86,6 +86,8 @@ class EngineKVFormat(enum.IntEnum):
     """``[NL, NB, BSxVALS, BSxSCALES]``"""
     NB_NL_BSV_BSS = 35
     """``[NB, NL, BSxVALS, BSxSCALES]``"""
+    TWO_X_NL_X_NB_NH_BS_HS = 36
+    """``2 x NL x [NB, NH, BS, HS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,6 +137,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NB_NL_BS_ONE_HS: Layout(lists=(), tensor=(NB, NL, BS, ONE, HS)),
     EngineKVFormat.NL_NB_BSV_BSS: Layout(lists=(), tensor=(NL, NB, BSV, BSS)),
     EngineKVFormat.NB_NL_BSV_BSS: Layout(lists=(), tensor=(NB, NL, BSV, BSS)),
+    EngineKVFormat.TWO_X_NL_X_NB_NH_BS_HS: Layout(lists=(TWO, NL), tensor=(NB, NH, BS, HS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -286,6 +289,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     ),
     EngineKVFormat.NB_NL_BSV_BSS: FormatInfo(
         backends=("SGLang HiCache host pool (DSA indexer, page_first and page_first_direct)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.TWO_X_NL_X_NB_NH_BS_HS: FormatInfo(
+        backends=("SGLang MHA pool under SGLANG_USE_HND_KVCACHE (trtllm_mha: heads before tokens in a page)",),
         engines=("sglang",),
     ),
 }

@@ -382,6 +382,16 @@ def _choose(
         )
     applied = []
     for hint, fact, wanted in decide:
+        if hint == "kv_layout" and fact == "is_hnd" and wanted is True:
+            # HND asked for: a layout that orders tokens before heads contradicts it, twin or
+            # not (with no HND twin it would read the heads as tokens, silently)
+            family = [s for s in family if not s.layout.orders_heads_and_tokens or s.layout.is_hnd]
+            if not family:
+                return None, (
+                    f"{name}: layout hint kv_layout=HND, but no {name} format of list depth {p.depth} and "
+                    f"tensor rank {rank} holds heads before tokens ({p.describe()}); {name} registers "
+                    f"{_registrations(pool)}"
+                )
         if wanted is None or len({s.fact(fact) for s in family}) < 2:
             continue
         family = [s for s in family if s.fact(fact) == wanted]

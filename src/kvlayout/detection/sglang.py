@@ -28,8 +28,10 @@ Quirks that live here and nowhere else:
   pages, as it does a device pool's page buffers. A DSA indexer's host pool (uint8 pages
   of records, indexed by page) is read given ``tokens_per_block`` only: without it, a
   page-first one has an MLA pool's shape.
-* ``kv_layout`` chooses between NHD and HND twins (a unified component cache of either
-  order); without it SGLang's caches are NHD.
+* ``kv_layout`` chooses between NHD and HND twins: ``"HND"`` reads a K/V pool of
+  per-layer ``[pages, heads, page_size, head_dim]`` tensors (``SGLANG_USE_HND_KVCACHE``,
+  trtllm_mha) as ``TWO_X_NL_X_NB_NH_BS_HS``, and refuses a registration no HND format
+  fits rather than read its heads as tokens; without it SGLang's caches are NHD.
 """
 
 from __future__ import annotations
@@ -85,7 +87,8 @@ _INDEXER_ORDERS: dict[str, tuple[Role, ...]] = {
 # What SGLang's state buffers (get_state_buf_infos) look like, and that they are not KV pages.
 _NOT_STATE = (
     "; a hybrid's Mamba state buffers (conv [slots, conv_dim, K-1], temporal [slots, H, head_dim, "
-    "state]) are one state per request slot, not KV pages, and kvlayout does not read them"
+    "state]) are one state per request slot, not KV pages: "
+    "kvlayout.integrations.sglang.mamba_state_pools(pool) reads them"
 )
 
 

@@ -193,6 +193,12 @@ class Layout:
         return head is not None and token is not None and head < token
 
     @functools.cached_property
+    def orders_heads_and_tokens(self) -> bool:
+        """Heads and tokens are both axes inside a block, so the layout orders them (NHD
+        or HND); a latent row per token orders nothing."""
+        return self._part_position(Role.HEAD) is not None and self._part_position(Role.TOKEN) is not None
+
+    @functools.cached_property
     def is_head_outer(self) -> bool:
         """Heads are outer to blocks: a block is one run per head, each head's blocks
         one after another (vLLM's ``LHBNC``)."""

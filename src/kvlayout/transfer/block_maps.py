@@ -206,7 +206,12 @@ class BlockMap(HoldsAddresses):
         """Copy the runs (validated first: every run inside one tensor's blocks on each
         side, destination runs disjoint); GIL released. Returns the threads used. On a GPU
         the copy is queued on the current stream and this returns before the bytes move,
-        as any CUDA copy does (``num_threads`` does not apply; 1 is returned)."""
+        as any CUDA copy does (``num_threads`` does not apply; 1 is returned).
+
+        A tensor freed or resized before the call is refused; one another thread frees or
+        resizes while the copy runs is not seen (the check comes before the copy, as any
+        torch copy reads a tensor that is not freed under it): a connector keeps its cache
+        allocated while its copies run."""
         threads = threads_arg(num_threads, BlockMapError)
         # No caller code between the checks and the copy: a tensor subclass's
         # __torch_function__ would otherwise run in each data_ptr() the checks read.

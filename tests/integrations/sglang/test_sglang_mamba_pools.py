@@ -287,6 +287,10 @@ def test_a_strided_or_ragged_pool_is_refused() -> None:
     assert "temporal state is [2, 7, 8, 6, 4], whose axis 0 is not its 3 Mamba layers" in _pool_error(device)
     del device.num_mamba_layers
     assert "temporal state is [2, 7, 8, 6, 4] on cpu and its conv0 state [3, 7, 80, 3]" in _pool_error(device)
+    # a state of no slots beside one of 7 is refused, not left out as a state of no elements is
+    device.mamba_cache.temporal = torch.zeros(3, SLOTS + 1, 8, 6, 4)
+    device.mamba_cache.conv[0] = torch.zeros(3, 0, 80, 3)
+    assert "temporal state is [3, 7, 8, 6, 4] on cpu and its conv0 state [3, 0, 80, 3]" in _pool_error(device)
 
 
 def test_maps_refuse_other_states_and_replicated_groups() -> None:

@@ -31,6 +31,7 @@ slices them.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -293,21 +294,21 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
     if cache is not None and hasattr(cache, "conv_per_layer"):  # kvcached's, a buffer per layer
         return _per_layer_pools(held, cache, mamba_type)
     layout, named = _states(pool)
-    for name, t in named:
-        _state_shape(layout, name, t)
-    named = [(name, t) for name, t in named if t.numel()]  # a model without it (LFM2's SSM state)
-    if not named:
-        raise MambaPoolError("the pool's states hold no bytes")
-    rows = {name: _rows(name, t, layout) for name, t in named}
-    shapes = {name: _state_shape(layout, name, rows[name][1]) for name, t in named}
-    dtypes = {name: _dtype(name, t) for name, t in named}
+    shapes = {name: _state_shape(layout, name, t) for name, t in named}
     head, first = named[0]
-    for name, t in named[1:]:
+    for name, t in named[1:]:  # every state, those of no elements too: layers and slots alike
         if t.shape[:2] != first.shape[:2] or t.device != first.device:
             raise MambaPoolError(
                 f"the pool's {name} state is {list(t.shape)} on {t.device} and its {head} state "
                 f"{list(first.shape)} on {first.device}: the same layers and slots on one device expected"
             )
+    # a model without the state (LFM2's SSM state): a slot's is of no elements
+    named = [(name, t) for name, t in named if math.prod(shapes[name])]
+    if not named or not first.numel():
+        raise MambaPoolError("the pool's states hold no bytes")
+    rows = {name: _rows(name, t, layout) for name, t in named}
+    shapes = {name: _state_shape(layout, name, rows[name][1]) for name, t in named}
+    dtypes = {name: _dtype(name, t) for name, t in named}
     arrays = _arrays(mamba_type, shapes, dtypes)
     pools = {}
     for name, t in named:
