@@ -33,6 +33,7 @@ from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.registration import bind
 from kvlayout.registration.shards import Shard
 from kvlayout.transfer import (
+    BlockMap,
     BlockMapError,
     PeerDescriptionError,
     RegistrationDescription,
@@ -1181,13 +1182,9 @@ def test_head_major_blocks_that_span_several_source_blocks_are_walked_in_destina
     assert np.array_equal(m.runs, m._build(force_sort=True))
 
 
-def test_layers_interleaved_in_the_destination_are_walked_in_destination_order() -> None:
-    """SGLang's device pool into its page_first host pool ``[2, size, NL, NH, HS]``: a
-    token's row holds every layer's, K's half before V's. The walk goes block, slot, slab;
-    with K's and V's slabs in one group it went from K's rows to V's and back at every
-    token, out of destination order (every run sorted: 2.7 of 3.6 ms for 1024 tokens of
-    Llama-3-8B's shape). K's slabs and V's are now groups of their own, walked in order."""
-    layers, heads, hs, slots = 3, 2, 8, 64
+def device_into_page_first(layers: int, heads: int = 2, hs: int = 8, slots: int = 64) -> BlockMap:
+    """20 tokens of SGLang's device pool (bf16, random) into its page_first host pool
+    (zeros), pages of 8 tokens."""
     device = kvlayout.detect(
         [[torch.randn(slots, heads, hs, dtype=torch.bfloat16) for _ in range(layers)] for _ in range(2)],
         "sglang",
@@ -1197,7 +1194,17 @@ def test_layers_interleaved_in_the_destination_are_walked_in_destination_order()
         "sglang",
         {"hicache_layout": "page_first"},
     )
-    m = block_map(device, host, [3, 1, 2], [0, 2, 1], src_block_size=8, dst_block_size=8, num_tokens=20)
+    return block_map(device, host, [3, 1, 2], [0, 2, 1], src_block_size=8, dst_block_size=8, num_tokens=20)
+
+
+def test_layers_interleaved_in_the_destination_are_walked_in_destination_order() -> None:
+    """SGLang's device pool into its page_first host pool ``[2, size, NL, NH, HS]``: a
+    token's row holds every layer's, K's half before V's. The walk goes block, slot, slab;
+    with K's and V's slabs in one group it went from K's rows to V's and back at every
+    token, out of destination order (every run sorted: 2.7 of 3.6 ms for 1024 tokens of
+    Llama-3-8B's shape). K's slabs and V's are now groups of their own, walked in order."""
+    layers = 3
+    m = device_into_page_first(layers)
     p, (src_ids, dst_ids) = m._pair, m._ids
     _, runs, in_order = _native.build_groups(
         p.slabs, p.group_starts, p.order, len(p.heads), m.num_tokens, src_ids, 8, dst_ids, 8,

@@ -19,11 +19,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import _native
 from kvlayout.transfer import Shard, block_map
-from tests.transfer.test_block_maps import vllm
+from tests.transfer.test_block_maps import device_into_page_first, vllm
 
 
 @st.composite
@@ -293,17 +292,8 @@ def test_a_tokens_slabs_pasted_at_each_token_never_join_two_tensors(classes: str
     may join two tensors, within a token or across from one token's last layer to the
     next token's first. Slabs whose token strides differ (a class per layer) are walked
     one by one; either way the runs are those of walking every slab."""
-    layers, heads, hs, slots = 3, 2, 8, 64
-    device = kvlayout.detect(
-        [[torch.randn(slots, heads, hs, dtype=torch.bfloat16) for _ in range(layers)] for _ in range(2)],
-        "sglang",
-    )
-    host = kvlayout.detect(
-        torch.zeros(2, slots, layers, heads, hs, dtype=torch.bfloat16),
-        "sglang",
-        {"hicache_layout": "page_first"},
-    )
-    m = block_map(device, host, [3, 1, 2], [0, 2, 1], src_block_size=8, dst_block_size=8, num_tokens=20)
+    layers, heads = 3, 2
+    m = device_into_page_first(layers, heads)
     p, (src_ids, dst_ids) = m._pair, m._ids
     assert tuple(p.order[:3]) == (1, 2, 0)  # block, slot, then slab: the builder pastes per token
     slabs, dst_classes = p.slabs.copy(), p.dst_classes
