@@ -28,6 +28,9 @@ Quirks that live here and nowhere else:
   pages, as it does a device pool's page buffers. A DSA indexer's host pool (uint8 pages
   of records, indexed by page) is read given ``tokens_per_block`` only: without it, a
   page-first one has an MLA pool's shape.
+* Lists of rank-5 tensors (the ROCm AITER ``vectorized_5d`` pool, K ``(num_blocks, H,
+  D // X, page_size, X)``, V ``(num_blocks, H, page_size // X, D_v, X)``) are refused,
+  naming ``kvlayout.integrations.sglang.vectorized_kv_pools``, which reads their pages.
 * ``kv_layout`` chooses between NHD and HND twins: ``"HND"`` reads a K/V pool of
   per-layer ``[pages, heads, page_size, head_dim]`` tensors (``SGLANG_USE_HND_KVCACHE``,
   trtllm_mha) as ``TWO_X_NL_X_NB_NH_BS_HS``, and refuses a registration no HND format
@@ -118,6 +121,13 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         raise DetectionError(
             f"SGLang: layout hint hicache_layout={hints.hicache_layout} names a HiCache host pool, which is "
             f"one tensor (mem_pool_host.kv_buffer), not {p.describe()}"
+        )
+    if p.rank == 5:
+        raise DetectionError(
+            f"SGLang: {p.describe()}: per-layer K and V of rank 5 are the ROCm AITER pool "
+            "(SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d: K (num_blocks, H, D // X, page_size, X), "
+            "V (num_blocks, H, page_size // X, D_v, X)), whose tokens no format reads; "
+            "kvlayout.integrations.sglang.vectorized_kv_pools(k_buffer, v_buffer) reads its pages"
         )
     if p.depth == 1 and p.rank == 2 and p.first.dtype == torch.uint8:
         return _indexer(kv, p, hints)

@@ -57,15 +57,24 @@ class PageArray:
     Mamba2 conv state in vLLM's "DS" order is ``(conv_dim, rows)`` with parts
     ``(x, B, C)`` on axis 0; in "SD" order ``(rows, conv_dim)`` on axis 1; its SSM state
     ``(heads, head_dim, d_state)`` is one part on axis 0. What a page declares so lets a
-    block map move it between ranks of other TP degrees."""
+    block map move it between ranks of other TP degrees.
+
+    ``kv_heads``: the sharded axis is the model's attention KV heads, one part (a KV
+    cache page of heads, as SGLang's AITER ``vectorized_5d`` pool holds): a rank holds
+    the heads its :class:`~kvlayout.registration.shards.Shard` says, which past
+    ``num_kv_heads`` ranks are replicated (two ranks of TP 4 over 2 heads hold head 0),
+    where ``[r*n, (r+1)*n)`` would say other heads."""
 
     offset: int
     shape: tuple[int, ...]
     dtype: str
     axis: int
     parts: tuple[int, ...]
+    kv_heads: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.kv_heads, bool):
+            raise TypeError(f"a page array's kv_heads must be a bool, not {type(self.kv_heads).__name__}")
         for name in ("offset", "axis"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise TypeError(f"a page array's {name} must be an int")
@@ -85,9 +94,12 @@ class PageArray:
                 f"a page array's parts {list(self.parts)} must add up to its axis {self.axis} of shape "
                 f"{list(self.shape)}"
             )
+        if self.kv_heads and len(self.parts) != 1:
+            raise ValueError(f"a page array of KV heads has one part, not {list(self.parts)}")
 
     def __str__(self) -> str:
-        return f"{self.dtype} {list(self.shape)} (axis {self.axis} in parts {list(self.parts)})"
+        split = "KV heads" if self.kv_heads else f"parts {list(self.parts)}"
+        return f"{self.dtype} {list(self.shape)} (axis {self.axis} in {split})"
 
     @property
     def itemsize(self) -> int:

@@ -435,14 +435,17 @@ def _opaque_json(pages: OpaquePages) -> dict[str, Any]:
     if pages.arrays:  # only where declared: a description without them reads as before
         out["arrays"] = [
             {"offset": x.offset, "shape": list(x.shape), "dtype": x.dtype, "axis": x.axis,
-             "parts": list(x.parts)}
+             "parts": list(x.parts), **({"kv_heads": True} if x.kv_heads else {})}
             for x in pages.arrays
         ]  # fmt: skip
     return out
 
 
 def _page_array_from(where: str, data: object) -> PageArray:
-    x = _fields(where, data, ("offset", "shape", "dtype", "axis", "parts"))
+    x = _fields(where, data, ("offset", "shape", "dtype", "axis", "parts"), ("kv_heads",))
+    kv_heads = x.get("kv_heads", False)
+    if not isinstance(kv_heads, bool):
+        raise PeerDescriptionError(f"{where}.kv_heads {_shown(kv_heads)} is not a boolean")
     shape = _ints(f"{where}.shape", x["shape"], MAX_ARRAY_DIMS, 1, MAX_SIZE)
     parts = _ints(f"{where}.parts", x["parts"], MAX_PAGE_ARRAYS, 1, MAX_SIZE)
     dtype = x["dtype"]
@@ -453,7 +456,7 @@ def _page_array_from(where: str, data: object) -> PageArray:
     if math.prod(shape) * DTYPE_SIZES[dtype] >= MAX_SPAN:
         raise PeerDescriptionError(f"{where}: shape {list(shape)} of {dtype} spans 2**48 bytes or more")
     try:
-        return PageArray(offset, shape, dtype, axis, parts)
+        return PageArray(offset, shape, dtype, axis, parts, kv_heads)
     except ValueError as e:
         raise PeerDescriptionError(f"{where}: {e}") from None
 

@@ -4,7 +4,8 @@ The shapes follow SGLang's sizing (``configs/mamba_utils.py``: ``Mamba2StateShap
 ``KimiLinearStateShape``): its device pool (``MambaPool``: ``[NL, size + 1, *state]``),
 its unified memory pool's strided views over per-slot envelopes, and its HiCache host
 pool (``MambaPoolHost``: ``[NL, size, *state]`` or ``[size, NL, 1, *state]``), and
-kvcached's ``ElasticMambaPool`` in either of its layouts. The
+kvcached's ``ElasticMambaPool`` in either of its layouts; and the ROCm AITER KV pool
+(``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``: :func:`vectorized_kv_pool`). The
 pools are duck-typed stand-ins with the attributes kvlayout reads; SGLang itself is not
 needed. :func:`shard` is the oracle: a rank's slices of the whole model's state, each
 sub-projection split on its own, as SGLang shards the weights.
@@ -27,6 +28,7 @@ __all__ = [
     "host_pool",
     "shard",
     "unified_device_pool",
+    "vectorized_kv_pool",
 ]
 
 
@@ -243,3 +245,51 @@ def shard(model: LinearModel, whole: list[torch.Tensor], tp: int, rank: int) -> 
             start += n
         out.append(torch.cat(pieces, axis))
     return out
+
+
+def vectorized_kv_pool(
+    num_layers: int,
+    size: int,
+    head_num: int,
+    head_dim: int,
+    v_head_dim: int | None = None,
+    *,
+    page_size: int = 64,
+    dtype: torch.dtype = torch.bfloat16,
+    generator: torch.Generator | None = None,
+) -> Any:
+    """SGLang's ``MHATokenToKVPool`` under ``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``
+    (``_create_buffers_normal``), for ``size`` tokens and one rank's ``head_num`` KV heads:
+    ``k_buffer[l]`` ``(num_blocks, H, D // X, page_size, X)``, ``v_buffer[l]``
+    ``(num_blocks, H, page_size // X, D_v, X)``, ``num_blocks = (size + page_size) //
+    page_size``, ``X = 16 // store_dtype.itemsize``; fp8 stored as uint8, as SGLang stores
+    it. Zeros, or random bytes from ``generator``."""
+    fp8 = dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    store = torch.uint8 if fp8 else dtype
+    x = 16 // store.itemsize
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    if (size + page_size) % page_size or page_size % x or head_dim % x or v_head_dim % x:
+        raise ValueError(
+            f"size + page_size, page_size and head dims must be multiples of page_size and X={x}"
+        )
+    blocks = (size + page_size) // page_size
+    shapes = (
+        (blocks, head_num, head_dim // x, page_size, x),
+        (blocks, head_num, page_size // x, v_head_dim, x),
+    )
+
+    def make(shape: tuple[int, ...]) -> torch.Tensor:
+        if generator is None:
+            return torch.zeros(shape, dtype=store)
+        if store.is_floating_point:
+            return torch.randn(shape, generator=generator).to(store)
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+
+    return SimpleNamespace(
+        k_buffer=[make(shapes[0]) for _ in range(num_layers)],
+        v_buffer=[make(shapes[1]) for _ in range(num_layers)],
+        page_size=page_size,
+        head_num=head_num,
+        dtype=dtype,
+        store_dtype=store,
+    )

@@ -462,7 +462,10 @@ def _state_ranks(
         )
     problem = structure_problem(a, b)
     if problem is not None:
-        raise BlockMapError(f"src and dst pages do not hold the same state: {problem} ({how})")
+        raise BlockMapError(
+            f"src and dst pages do not hold the same state: {problem}; src pages are {a.layout}, dst "
+            f"pages {b.layout} ({how})"
+        )
     # the same shapes and parts (dtypes of the same bytes, offsets in the page aside): one state alike
     split = [(x.shape, x.parts) for x in a.arrays] == [(y.shape, y.parts) for y in b.arrays]
     if not split and [x.shape for x in a.arrays] == [y.shape for y in b.arrays]:
@@ -484,7 +487,8 @@ def _state_ranks(
             return ranks[0], ranks[1]
         return None
     if a != b:  # the same arrays, laid in other views (or other padding): rank to the same rank
-        return _whole(1), _whole(1)
+        heads = next((x.parts[0] for x in a.arrays if x.kv_heads), 1)  # KV heads: all the page's
+        return _whole(heads), _whole(heads)
     return None
 
 

@@ -40,7 +40,12 @@ def structure_problem(a: OpaquePages, b: OpaquePages) -> str | None:
         what = f"state array {i} is {x} in src and {y} in dst"
         if not same_bytes(x.dtype, y.dtype):
             return f"{what}: other dtypes (a map copies bytes)"
-        if (x.axis, len(x.shape), len(x.parts)) != (y.axis, len(y.shape), len(y.parts)):
+        if (x.axis, len(x.shape), len(x.parts), x.kv_heads) != (
+            y.axis,
+            len(y.shape),
+            len(y.parts),
+            y.kv_heads,
+        ):
             return f'{what}: other axes or parts (another order, as vLLM\'s conv states "DS" and "SD")'
         if x.shape[: x.axis] + x.shape[x.axis + 1 :] != y.shape[: y.axis] + y.shape[y.axis + 1 :]:
             return f"{what}: other sizes on an axis TP does not shard"
@@ -48,7 +53,17 @@ def structure_problem(a: OpaquePages, b: OpaquePages) -> str | None:
 
 
 def _check_sizes(i: int, x: PageArray, y: PageArray, src: Shard, dst: Shard) -> None:
-    """Arrays ``i`` of both pages hold parts of one model's sizes at the two degrees."""
+    """Arrays ``i`` of both pages hold parts of one model's sizes at the two degrees (of
+    KV heads: the heads each rank's shard says it holds)."""
+    if x.kv_heads:
+        for where, array, shard in (("src", x, src), ("dst", y, dst)):
+            if array.parts[0] != len(shard.heads):
+                raise BlockMapError(
+                    f"state array {i} is {array} in {where}: {array.parts[0]} KV heads a page, but "
+                    f"{where}_shard {shard} holds {len(shard.heads)} (heads {shard.heads.start}-"
+                    f"{shard.heads.stop - 1})"
+                )
+        return
     for j, (n, m) in enumerate(zip(x.parts, y.parts, strict=True)):
         if n != m and src.tp_size == dst.tp_size:
             raise BlockMapError(
@@ -72,8 +87,9 @@ def page_template(
     """``(n, 3)`` int64: source byte in a ``src`` page, destination byte in a ``dst``
     page, length: every byte of the state both ranks hold, in destination order.
 
-    Rank ``r`` of ``T`` holds indices ``[r*n, (r+1)*n)`` of a part ``n*T`` long; a run is
-    one part's common indices at one index of the axes outside the sharded one."""
+    Rank ``r`` of ``T`` holds indices ``[r*n, (r+1)*n)`` of a part ``n*T`` long (of an
+    array of KV heads, the heads its shard holds); a run is one part's common indices at
+    one index of the axes outside the sharded one."""
     problem = structure_problem(a, b)
     if problem is not None:
         raise BlockMapError(f"{problem}: not the same state")
@@ -89,8 +105,11 @@ def page_template(
         outer = math.prod(x.shape[: x.axis])
         inner = math.prod(x.shape[x.axis + 1 :]) * x.itemsize
         for n, m, xs, ys in zip(x.parts, y.parts, _part_starts(x), _part_starts(y), strict=True):
-            lo = max(src.tp_rank * n, dst.tp_rank * m)
-            hi = min((src.tp_rank + 1) * n, (dst.tp_rank + 1) * m)
+            # the model's indices each rank holds: [first, first + n)
+            first_src, first_dst = (
+                (src.heads.start, dst.heads.start) if x.kv_heads else (src.tp_rank * n, dst.tp_rank * m)
+            )
+            lo, hi = max(first_src, first_dst), min(first_src + n, first_dst + m)
             if lo >= hi:
                 continue
             count += outer
@@ -99,8 +118,8 @@ def page_template(
                     f"the pages' state arrays cut a page into more than {MAX_TEMPLATE_RUNS} runs"
                 )
             at = np.arange(outer, dtype=np.int64)
-            s = x.offset + (at * x.shape[x.axis] + xs + lo - src.tp_rank * n) * inner
-            d = y.offset + (at * y.shape[y.axis] + ys + lo - dst.tp_rank * m) * inner
+            s = x.offset + (at * x.shape[x.axis] + xs + lo - first_src) * inner
+            d = y.offset + (at * y.shape[y.axis] + ys + lo - first_dst) * inner
             out.append(np.stack([s, d, np.full(outer, (hi - lo) * inner, dtype=np.int64)], axis=1))
     if not out:
         return np.zeros((0, 3), dtype=np.int64)
@@ -132,7 +151,7 @@ def page_sides(src: Side, dst: Side, src_shard: Shard, dst_shard: Shard) -> tupl
     do not, the sides hold one byte of a page, which a map of the ranks never moves).
     Built once per pair of sides and ranks, kept with ``src``."""
     per_dst = src._pairs.setdefault(dst, {})
-    key = ("page sides", src_shard.tp_rank, src_shard.tp_size, dst_shard.tp_rank, dst_shard.tp_size)
+    key = ("page sides", src_shard, dst_shard)  # KV-head arrays read the shards' heads too
     sides = per_dst.get(key)
     if sides is None:
         a, b = src.opaque_pages, dst.opaque_pages

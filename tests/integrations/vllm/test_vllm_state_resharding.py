@@ -340,6 +340,8 @@ def test_a_peer_s_arrays_travel_in_its_description_and_are_checked() -> None:
     refused([dict(array, shape=[3, 0])], r"arrays\[0\].shape\[1\]=0 is outside \[1, ")
     refused([array, array], r"page array 1 starts at byte 0, inside array 0")
     refused([dict(array, extra=1)], r"arrays\[0\] has unknown field\(s\) 'extra'")
+    refused([dict(array, kv_heads="yes")], r"arrays\[0\].kv_heads 'yes' is not a boolean")
+    refused([dict(array, kv_heads=True)], r"arrays\[0\]: a page array of KV heads has one part, not \[1024")
     # arrays past the page: refused by the map, before anything is posted
     bad = json.loads(json.dumps(wire))
     pages = next(g for g in bad["groups"] if g["opaque_pages"] is not None)["opaque_pages"]

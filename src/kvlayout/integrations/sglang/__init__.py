@@ -6,10 +6,13 @@ per request slot and layer, in a device pool (``MambaPool``, also reached as
 :func:`mamba_state_pools` reads either as one registration per state tensor (each conv
 state, then the SSM state): block ids are SGLang's slot indices, and a block map moves
 a request's state between a device pool and a host pool, two instances, or (given the
-model's Mamba type) two TP degrees. SGLang itself is not imported: pools are read
-structurally.
+model's Mamba type) two TP degrees. :func:`vectorized_kv_pools` reads the KV pool that
+ROCm's AITER backend lays out in 5-D vectors (``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``)
+as opaque pages, K and V each a registration. SGLang itself is not imported: pools are
+read structurally.
 """
 
 from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
+from kvlayout.integrations.sglang.vectorized import VectorizedPoolError, vectorized_kv_pools
 
-__all__ = ["MAMBA_TYPES", "MambaPoolError", "mamba_state_pools"]
+__all__ = ["MAMBA_TYPES", "MambaPoolError", "VectorizedPoolError", "mamba_state_pools", "vectorized_kv_pools"]
