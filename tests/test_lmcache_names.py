@@ -90,6 +90,7 @@ PAGED = {  # (num_heads, head_size) -> shape, with NB 7, BS 3
     F.NL_X_NB_NH_BS_CS: ((NH, 2 * HS), (NB, NH, BS, 2 * HS)),
     F.NL_X_NB_BS_NH_CS: ((NH, 2 * HS), (NB, BS, NH, 2 * HS)),
     F.NL_X_NB_BSV_BSS: ((1, 132), (NB, BS, 132)),
+    F.NL_X_NB_BSK: ((1, 256), (NB, BS, 256)),
     F.NL_X_NB_BS_NH_HS: ((NH, HS), (NB, BS, NH, HS)),
     F.NL_X_NH_NB_BS_CS: ((NH, 2 * HS), (NH, NB, BS, 2 * HS)),  # kvlayout's (vLLM's LHBNC)
     # kvlayout keeps every axis: LMCache squeezes 15 to 5-D and folds 10/11 to 4-D
@@ -135,7 +136,7 @@ def test_paged_layer_shape_reads_back_as_its_sizes(fmt: F, nb: int, bs: int, nh:
     cls = kvlayout.get_spec_class(fmt)
     (nh0, hs0), _ = PAGED[fmt]
     nh = nh if nh0 == NH else 1
-    hs = hs0 if hs0 == 132 else row * (2 if hs0 == 2 * HS else 1)
+    hs = hs0 if kvlayout.is_indexer(fmt) else row * (2 if hs0 == 2 * HS else 1)  # a record's width is fixed
     spec = kvlayout.get_spec([torch.empty(cls.paged_layer_shape(nb, bs, nh, hs), device="meta")], fmt)
     assert (spec.num_heads(), spec.head_size(), spec.page_buffer_size()) == (nh, hs, nb * bs)
     if not cls.is_pbs_fused:

@@ -45,6 +45,9 @@ def layers(shape: tuple[int, ...], n: int = 5, dtype: torch.dtype = torch.float1
         ("vllm", layers((7, 2, 3, 8)), {"kv_layout": "HND"}, F.NL_X_NB_NH_BS_CS),
         ("sglang", layers((21, 1, 4)), {}, F.NL_X_NBBS_ONE_HS),
         ("sglang", [layers((21, 2, 4)), layers((21, 2, 4))], {}, F.TWO_X_NL_X_NBBS_NH_HS),
+        ("sglang", layers((7, 3, 1, 4)), {}, F.NL_X_NB_BS_HS),  # page-major MLA views, unfolded MLA
+        ("sglang", layers((7, 3 * 128), dtype=torch.bfloat16), {}, F.NL_X_NB_BSK),  # bf16 DSA indexer keys
+        ("sglang", layers((7, 3 * 132), dtype=torch.uint8), {}, F.NL_X_NB_BSV_BSS),  # fp8 DSA indexer records
         ("trtllm", t(7, 5, 2, 2, 3, 4), {}, F.NB_NL_TWO_NH_BS_HS),
     ],
 )
@@ -180,6 +183,26 @@ def test_sglang_structures() -> None:
     assert detect(layers((7, 3, 4)), "sglang", {"kv_list_layout": "unified"})[0] == F.NL_X_NB_BS_HS
 
 
+def test_sglang_page_major_mla_views_and_bf16_indexer_pages_read_as_views() -> None:
+    """SGLang's page-major MLA pool: views ``(pages, page_size, 1, C)`` whose page stride
+    is the envelope of every layer's latents, layer L ``L * page_size`` rows in; they
+    read as the MLA device format, the block stride the envelope. The NSA indexer's bf16
+    keys ``[pages, page_size * 128]`` read as their bytes, one 256-byte key row a token."""
+    raw = t(5 * 3 * 4 * 8)
+    views = [torch.as_strided(raw, (5, 4, 1, 8), (3 * 4 * 8, 8, 8, 1), layer * 4 * 8) for layer in range(3)]
+    fmt, out = detect(views, "sglang", {"tokens_per_block": 4})
+    assert fmt == F.NL_X_NB_BS_HS
+    assert [(o.shape, o.stride(), o.data_ptr()) for o in out] == [  # type: ignore[union-attr]
+        ((5, 4, 8), (96, 8, 1), v.data_ptr()) for v in views
+    ]
+    idx = layers((6, 64 * 128), 3, dtype=torch.bfloat16)
+    fmt, out = detect(idx, "sglang", {"tokens_per_block": 64})
+    assert fmt == F.NL_X_NB_BSK
+    assert [(o.dtype, o.shape, o.data_ptr()) for o in out] == [  # type: ignore[union-attr]
+        (torch.uint8, (6, 64, 256), i.data_ptr()) for i in idx
+    ]
+
+
 @pytest.mark.parametrize("form", ["[K, V]", "k_v"])
 def test_sglang_hnd_pool_reads_heads_before_tokens(form: str) -> None:
     """SGLang's pool under SGLANG_USE_HND_KVCACHE (trtllm_mha): K and V per layer
@@ -219,6 +242,14 @@ def test_sglang_hnd_pool_reads_heads_before_tokens(form: str) -> None:
         (layers((7, 3, 4)), {"kv_list_layout": "unified", "tokens_per_block": 4}, LayoutHintError,
          "tokens_per_block=4 contradicts NL_X_NB_BS_HS, whose BS is 3"),
         (layers((7, 3, 2, 4)), {}, DetectionError, "unless layout hint kv_list_layout says 'k_v'"),
+        (layers((7, 3, 1, 4)), {"tokens_per_block": 7}, LayoutHintError,
+         "SGLang page-major MLA pool kv_caches[0]: shape (7, 3, 1, 4), dtype torch.float16, in a list of 5: "
+         "layout hint tokens_per_block=7 contradicts its views' page_size 3"),
+        (layers((7, 3 * 128 + 2), dtype=torch.bfloat16), {}, DetectionError,
+         "a flat list of 2-D bfloat16 tensors is a DSA indexer cache [pages, page_size * W] (W = 256 bytes), "
+         "but its row is not a positive multiple of any record width"),
+        (layers((7, 3 * 128), dtype=torch.bfloat16), {"tokens_per_block": 4}, LayoutHintError,
+         "tokens_per_block=4 contradicts NL_X_NB_BSK"),
         (layers((9, 96, 3)), {}, DetectionError, "kv_list_layout='k_v'; a hybrid's Mamba state buffers (conv "
          "[slots, conv_dim, K-1], temporal [slots, H, head_dim, state]) are one state per request slot, not KV "
          "pages: kvlayout.integrations.sglang.mamba_state_pools(pool) reads them"),

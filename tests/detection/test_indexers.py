@@ -37,9 +37,15 @@ def f16(*shape: int) -> torch.Tensor:
     return torch.zeros(shape, dtype=torch.float16)
 
 
-def test_is_indexer_is_a_layout_fact_of_exactly_the_blocked_scale_page() -> None:
-    # the engines' per-layer pages, and SGLang's HiCache host pools of them (one tensor)
-    assert {f for f in F if kvlayout.is_indexer(f)} == {INDEXER, F.NL_NB_BSV_BSS, F.NB_NL_BSV_BSS}
+def test_is_indexer_is_a_layout_fact_of_exactly_the_region_pages() -> None:
+    # the engines' per-layer pages, SGLang's HiCache host pools of them (one tensor), and
+    # SGLang's bf16 keys without scales (index_cache_dtype bfloat16)
+    assert {f for f in F if kvlayout.is_indexer(f)} == {
+        INDEXER,
+        F.NL_NB_BSV_BSS,
+        F.NB_NL_BSV_BSS,
+        F.NL_X_NB_BSK,
+    }
     assert kvlayout.layout_of(INDEXER).is_indexer and kvlayout.get_spec_class(INDEXER).is_indexer
     assert kvlayout.catalog.registry.format_info(INDEXER).engines == ("vllm", "sglang")
 
@@ -77,7 +83,7 @@ def test_pages_that_are_not_indexer_records_are_errors() -> None:
     with pytest.raises(
         kvlayout.DetectionError,
         match=re.escape(
-            "a flat list of 2-D uint8 tensors is a DSA indexer cache [pages, page_size * W] (W = 132), but its "
+            "a flat list of 2-D uint8 tensors is a DSA indexer cache [pages, page_size * W] (W = 132 bytes), but its "
             "row is not a positive multiple of any record width"
         ),
     ):

@@ -47,9 +47,10 @@ enum class EngineKVFormat : std::int32_t {
   NL_NB_BSV_BSS = 34,  // [NL, NB, BSxVALS, BSxSCALES]
   NB_NL_BSV_BSS = 35,  // [NB, NL, BSxVALS, BSxSCALES]
   TWO_X_NL_X_NB_NH_BS_HS = 36,  // 2 x NL x [NB, NH, BS, HS]
+  NL_X_NB_BSK = 37,  // NL x [NB, BSxKEYS]
 };
 
-inline constexpr int kNumFormats = 37;
+inline constexpr int kNumFormats = 38;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -89,6 +90,7 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NL_NB_BSV_BSS,
     EngineKVFormat::NB_NL_BSV_BSS,
     EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS,
+    EngineKVFormat::NL_X_NB_BSK,
 };
 
 // Everything derived about one format.
@@ -230,6 +232,9 @@ true, false, false, true, false, false, false, false, false, false, true, true, 
     case EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS:
       return FormatFacts{format, "TWO_X_NL_X_NB_NH_BS_HS", "2 x NL x [NB, NH, BS, HS]", 2, 2, false,
 false, true, false, false, true, false, false, false, false, false, true, false, false, false};
+    case EngineKVFormat::NL_X_NB_BSK:
+      return FormatFacts{format, "NL_X_NB_BSK", "NL x [NB, BSxKEYS]", 1, 1, false,
+false, false, true, true, false, false, false, false, false, false, true, true, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

@@ -436,6 +436,14 @@ KVLAYOUT_HOST_DEVICE inline Location two_x_nl_x_nb_nh_bs_hs(const Sizes& s, std:
   return Location{(c.kv) * s.nl + c.layer, c.block * stride0 + c.head * stride1 + c.token * stride2 + c.elem * stride3};
 }
 
+// 37: NL_X_NB_BSK = NL x [NB, BSxKEYS]
+KVLAYOUT_HOST_DEVICE inline Location nl_x_nb_bsk(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride1 = 1;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.bs * 256;
+  const std::int64_t col1 = c.elem;
+  return Location{c.layer, c.block * stride0 + (s.bs * 0 + c.token * 256 + (col1 - 0)) * stride1};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -515,6 +523,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nb_nl_bsv_bss(s, block_stride, c);
     case EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS:
       return indexing::two_x_nl_x_nb_nh_bs_hs(s, block_stride, c);
+    case EngineKVFormat::NL_X_NB_BSK:
+      return indexing::nl_x_nb_bsk(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -779,6 +789,13 @@ template <>
 struct Indexer<EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::two_x_nl_x_nb_nh_bs_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NL_X_NB_BSK> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nl_x_nb_bsk(s, block_stride, c);
   }
 };
 

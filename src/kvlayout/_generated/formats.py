@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvlayout.layout.ast import Layout
 
-from .vocabulary import BS, BSS, BSV, CS, HS, KV, NB, NBBS, NH, NL, NP, ONE, TWO
+from .vocabulary import BS, BSK, BSS, BSV, CS, HS, KV, NB, NBBS, NH, NL, NP, ONE, TWO
 
 __all__ = ["FORMAT_INFO", "LAYOUTS", "LAYOUTS_BY_NAME", "SIZE_SYMBOLS", "EngineKVFormat", "FormatInfo"]
 
@@ -88,6 +88,8 @@ class EngineKVFormat(enum.IntEnum):
     """``[NB, NL, BSxVALS, BSxSCALES]``"""
     TWO_X_NL_X_NB_NH_BS_HS = 36
     """``2 x NL x [NB, NH, BS, HS]``"""
+    NL_X_NB_BSK = 37
+    """``NL x [NB, BSxKEYS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +140,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NL_NB_BSV_BSS: Layout(lists=(), tensor=(NL, NB, BSV, BSS)),
     EngineKVFormat.NB_NL_BSV_BSS: Layout(lists=(), tensor=(NB, NL, BSV, BSS)),
     EngineKVFormat.TWO_X_NL_X_NB_NH_BS_HS: Layout(lists=(TWO, NL), tensor=(NB, NH, BS, HS)),
+    EngineKVFormat.NL_X_NB_BSK: Layout(lists=(NL,), tensor=(NB, BSK)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -293,6 +296,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     ),
     EngineKVFormat.TWO_X_NL_X_NB_NH_BS_HS: FormatInfo(
         backends=("SGLang MHA pool under SGLANG_USE_HND_KVCACHE (trtllm_mha: heads before tokens in a page)",),
+        engines=("sglang",),
+    ),
+    EngineKVFormat.NL_X_NB_BSK: FormatInfo(
+        backends=("SGLang DSA indexer k-cache (index_cache_dtype bfloat16: keys without scales)",),
         engines=("sglang",),
     ),
 }

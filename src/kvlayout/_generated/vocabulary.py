@@ -3,7 +3,7 @@
 
 from kvlayout.layout.vocabulary import Region, Role, Token, Vocabulary
 
-__all__ = ["BS", "BSS", "BSV", "CS", "HS", "KV", "NB", "NBBS", "NH", "NL", "NP", "ONE", "TWO", "VOCABULARY"]
+__all__ = ["BS", "BSK", "BSS", "BSV", "CS", "HS", "KV", "NB", "NBBS", "NH", "NL", "NP", "ONE", "TWO", "VOCABULARY"]
 
 NL = Token(name="NL", meaning="number of layers; for a component list (one K or V tensor per entry) the number of registered tensors", role=Role.LAYER, example=32, small=2)
 TWO = Token(name="TWO", meaning="the K/V pair: an axis of a tensor or a two-entry list level; when it sits inside a head's content (after the token and head axes) K and V are packed in one row", role=Role.KV, literal=2)
@@ -17,6 +17,7 @@ ONE = Token(name="ONE", meaning="a singleton axis that addresses nothing (always
 NP = Token(name="NP", meaning="planes per layer, a tuple of tensors whose rows are concatenated into one token row (for example the latent and rope planes of an MLA layer)", role=Role.ELEMENT, keep_label=True, example=2, small=2)
 BSV = Token(name="BSV", meaning="the value region of a blocked-scale page: the block's BS tokens, 128 value bytes each, stored before the scale region", region=Region(BS, 128, "float8_e4m3fn"), label="BSxVALS")
 BSS = Token(name="BSS", meaning="the scale region of a blocked-scale page: the block's BS tokens, one 4-byte scale each, stored after the value region", region=Region(BS, 4, "float32"), label="BSxSCALES")
+BSK = Token(name="BSK", meaning="the key region of an unscaled indexer page: the block's BS tokens, 128 bf16 values (256 bytes) each and no scale region (SGLang's DSA indexer under index_cache_dtype bfloat16, read as the bytes of its bf16 pages)", region=Region(BS, 256, "bfloat16"), label="BSxKEYS")
 KV = Token(name="KV", meaning="a K/V axis whose size the tensors give: 2 (K and V planes) or 1 (one latent plane, MLA)", role=Role.KV, choices=(1, 2), example=2, small=2)
 
-VOCABULARY = Vocabulary((NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, KV))
+VOCABULARY = Vocabulary((NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, BSK, KV))

@@ -20,7 +20,14 @@ Quirks that live here and nowhere else:
   record (the algebra's region width, 132 bytes), so BS is the row's width over W; each
   page is re-viewed as the format's ``[NB, BS, W]`` (no hint needed; a
   ``tokens_per_block`` given must agree). Mixed latent + indexer lists are detected per
-  layer group (``normalize_and_discover_per_layer_formats``).
+  layer group (``normalize_and_discover_per_layer_formats``). Under
+  ``index_cache_dtype=torch.bfloat16`` the pages are bf16 ``[pages, BS * 128]``, keys
+  without scales: a region run of one dtype is stored in it, so the pages are re-viewed
+  as their bytes (a region's width counts bytes) and read as that format.
+* SGLang's page-major MLA pool (``layout/page_major.py``) registers a flat list of 4-D
+  views ``[pages, page_size, 1, C]`` whose page stride is the envelope of every layer's
+  latents: each is the folded MLA page buffer split into pages, read as its unfolded
+  twin (no hint needed; ``tokens_per_block`` given must be the page_size).
 * A HiCache host pool (``mem_pool_host.kv_buffer``) is one tensor, in the layout the
   ``hicache_layout`` hint names (SGLang's ``--hicache-mem-layout``); a name is an order
   of the paging axes (:data:`_HOST_ORDERS`), which picks the format. Its token slots are
@@ -57,6 +64,7 @@ from kvlayout.detection.base import (
     unfold_shape,
     unfolded_twin,
 )
+from kvlayout.layout import algebra
 from kvlayout.layout.algebra import sizes_by_role
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Role
@@ -129,10 +137,14 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             "V (num_blocks, H, page_size // X, D_v, X)), whose tokens no format reads; "
             "kvlayout.integrations.sglang.vectorized_kv_pools(k_buffer, v_buffer) reads its pages"
         )
-    if p.depth == 1 and p.rank == 2 and p.first.dtype == torch.uint8:
+    if p.depth == 1 and p.rank == 2 and any(_stores_records(LAYOUTS[f], p.first.dtype) for f in _indexers(p)):
         return _indexer(kv, p, hints)
     if hints.kv_list_layout == "unified":
         return _unified(kv, p, hints)
+    if p.depth == 1 and p.rank == 4 and not hints.kv_list_layout:
+        page_major = _page_major(kv, p, hints)
+        if page_major is not None:
+            return page_major
     if p.depth == 1 and hints.kv_list_layout == "k_v":
         if len(kv) % 2:
             raise DetectionError(
@@ -285,6 +297,34 @@ def _unfolded(
         raise padded from None
 
 
+def _page_major(
+    kv: list[Any], p: Probe, hints: LayoutHints
+) -> tuple[EngineKVFormat, DiscoverableKVCache] | None:
+    """SGLang's page-major MLA pool (``layout/page_major.py``, ``build_page_major_mla_views``):
+    per-layer views ``[pages, page_size, 1, C]`` over one buffer, a page's latents of every
+    layer in one envelope (the views' page stride), layer L's rows ``L * page_size`` rows
+    into it. Each view is the folded MLA pool's page buffer ``[NB*BS, 1, C]`` split into
+    pages, so it reads as that pool read in pages (its unfolded twin), the block stride
+    the envelope; ``tokens_per_block``, if given, must be the views' page_size. None for
+    4-D views that are no such pool (the caller says what a flat list is)."""
+    pages, page_size, *row = p.shape
+    folded_shape = (pages * page_size, *row)
+    fmt = match(
+        ENGINE, p, shape=folded_shape, only=lambda s: LAYOUTS[s.fmt].is_mla and LAYOUTS[s.fmt].is_pbs_fused
+    )
+    if fmt is None:
+        return None
+    tpb = hints.tokens_per_block
+    if tpb is not None and tpb != page_size:
+        raise LayoutHintError(
+            f"SGLang page-major MLA pool {p.describe()}: layout hint tokens_per_block={tpb} contradicts its "
+            f"views' page_size {page_size}"
+        )
+    twin = unfolded_twin(ENGINE, fmt)
+    shape = unfold_shape(LAYOUTS[fmt], LAYOUTS[twin], folded_shape, page_size)
+    return twin, [t.view(shape) for t in kv]  # drops the one-head axis: any strides view so
+
+
 def _k_v_sides(kv: list[Any], hints: LayoutHints) -> tuple[list[Any], list[Any]] | None:
     """The K layers and the V layers of a K/V registration: two lists, or a flat ``k_v``
     list split in halves; None for any other registration."""
@@ -402,34 +442,59 @@ def _unified(kv: Any, p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, Dis
     return pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", False), _order(hints)]), kv
 
 
+def _indexers(p: Probe) -> list[EngineKVFormat]:
+    """The device indexer formats of the probe's list depth (the host pools' are bare)."""
+    return [f for f in engine_formats(ENGINE) if LAYOUTS[f].is_indexer and LAYOUTS[f].list_depth == p.depth]
+
+
+def _stores_records(layout: Layout, dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` holds the layout's records: a run of regions of one
+    dtype is stored in it (SGLang's bf16 index keys), a run of several in bytes (uint8:
+    fp8 values, then float32 scales)."""
+    run = algebra.structure(layout).region_mode
+    assert run is not None
+    held = {span.token.region.dtype for span in run.regions if span.token.region is not None}
+    if len(held) == 1 and None not in held:
+        return str(dtype).removeprefix("torch.") == next(iter(held))
+    return dtype == torch.uint8
+
+
 def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
-    """DSA indexer pages ``[pages, BS * W]`` re-viewed as a blocked-scale format's leaves."""
+    """DSA indexer pages ``[pages, BS * W]`` re-viewed as a blocked-scale format's leaves:
+    uint8 records of fp8 keys and their scale, or bf16 keys without one (read as their
+    bytes: a region's width counts bytes)."""
+    padded = DetectionError(
+        f"SGLang: {p.describe()}: an indexer page with padded rows cannot be split into its tokens' records"
+    )
+    try:
+        raw = [t.view(torch.uint8) for t in kv]
+    except RuntimeError:
+        raise padded from None
+    q = probe(raw)
     widths, found = [], []
-    for fmt in engine_formats(ENGINE):
+    for fmt in _indexers(p):
         layout = LAYOUTS[fmt]
-        if not layout.is_indexer or layout.list_depth != p.depth:  # the host pools' are bare
+        if not _stores_records(layout, p.first.dtype):
             continue
         width = _record_width(layout)
         widths.append(width)
-        pages, row = p.shape
+        pages, row = q.shape
         if row == 0 or row % width:
             continue
         shape = layout.tensor_shape(sizes_by_role(layout, {Role.BLOCK: pages, Role.TOKEN: row // width}))
-        if match(ENGINE, p, shape=shape, only=lambda s, f=fmt: s.fmt is f) is not None:  # type: ignore[misc]
+        if match(ENGINE, q, shape=shape, only=lambda s, f=fmt: s.fmt is f) is not None:  # type: ignore[misc]
             found.append((fmt, shape))
     if len(found) != 1:
         what = "fits several formats" if found else "is not a positive multiple of any record width"
+        dtype = str(p.first.dtype).removeprefix("torch.")
         raise DetectionError(
-            f"SGLang: {p.describe()}: a flat list of 2-D uint8 tensors is a DSA indexer cache "
-            f"[pages, page_size * W] (W = {' or '.join(map(str, widths)) or 'none'}), but its row {what}"
+            f"SGLang: {p.describe()}: a flat list of 2-D {dtype} tensors is a DSA indexer cache [pages, "
+            f"page_size * W] (W = {' or '.join(map(str, widths)) or 'none'} bytes), but its row {what}"
         )
     fmt, shape = found[0]
-    if not all(t.is_contiguous() for t in kv):
-        raise DetectionError(
-            f"SGLang: {p.describe()}: an indexer page with padded rows cannot be split into its "
-            "tokens' records"
-        )
-    return fmt, [t.view(shape) for t in kv]
+    if not all(t.is_contiguous() for t in raw):
+        raise padded
+    return fmt, [t.view(shape) for t in raw]
 
 
 def _record_width(layout: Layout) -> int:

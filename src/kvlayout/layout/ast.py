@@ -235,8 +235,9 @@ class Layout:
 
     @functools.cached_property
     def is_indexer(self) -> bool:
-        """Each token's row is a blocked-scale record, the block's value region before its
-        scale region: the DSA indexer's key cache."""
+        """Each token's row is a record of a block's regions (a blocked-scale record, the
+        block's value region before its scale region, or keys alone): the DSA indexer's
+        key cache."""
         return any(t.region is not None for t in self.tensor)
 
     @functools.cached_property

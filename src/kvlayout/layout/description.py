@@ -325,8 +325,10 @@ class LayoutDescription:
 
     def key(self) -> tuple[object, ...]:
         """What identifies the format: the structure and where scales are, not extents,
-        dtypes or strides (LMCache's matching key)."""
-        return (self.grouping, self.kv_packing, self.dims, self.scale_placement)
+        dtypes or strides (LMCache's matching key); regions that say no quantization
+        (keys alone, no scale region) are a page of their own."""
+        unscaled = bool(self.regions) and self.quant is None
+        return (self.grouping, self.kv_packing, self.dims, self.scale_placement, unscaled)
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form (what ``kvlayout describe`` prints)."""

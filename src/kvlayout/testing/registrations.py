@@ -399,11 +399,19 @@ def _atom(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: i
 
 def _sglang_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                     dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
-    """SGLang's DSA indexer pages: 2-D uint8 ``[pages, page_size * 132]``."""
-    leaves = _alloc((nb, bs * 132), torch.uint8, nl, draw(st.sampled_from(["separate", "shared"])))
+    """SGLang's DSA indexer pages: 2-D uint8 ``[pages, page_size * 132]`` (fp8 keys and
+    their scales), or 2-D bf16 ``[pages, page_size * 128]`` (``index_cache_dtype``
+    bfloat16: keys without scales), read as their bytes."""
+    layout = layout_of(fmt)
+    width = layout.tensor_shape(sizes_by_role(layout, {Role.LAYER: 1, Role.BLOCK: 1, Role.TOKEN: 1}))[-1]
+    held = {t.region.dtype for t in layout.tensor if t.region is not None}
+    one = next(iter(held)) if len(held) == 1 else None
+    stored = getattr(torch, one) if one is not None else torch.uint8  # mixed regions: bytes
+    item = torch.empty((), dtype=stored).element_size()
+    leaves = _alloc((nb, bs * width // item), stored, nl, draw(st.sampled_from(["separate", "shared"])))
     hints: dict[str, Any] = draw(st.sampled_from([{}, {"tokens_per_block": bs}]))
     return RegistrationCase(
-        engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, leaves, "indexer pages"
+        engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, width, torch.uint8, leaves, "indexer pages"
     )
 
 
@@ -515,6 +523,7 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
         )
     },
     ("sglang", F.NL_X_NB_BSV_BSS): _sglang_indexer,
+    ("sglang", F.NL_X_NB_BSK): _sglang_indexer,
     ("sglang", F.NL_NB_BSV_BSS): _sglang_indexer_host,
     ("sglang", F.NB_NL_BSV_BSS): _sglang_indexer_host,
     ("trtllm", F.NB_NL_TWO_BS_NH_HS): _trtllm,

@@ -83,10 +83,7 @@ def _dtypes_differ(a: str, b: str) -> BlockMapError:
 
 
 def _check_same_data(src: Side, dst: Side) -> None:
-    a, b = set(src.piece_dtypes), set(dst.piece_dtypes)
-    if len(a) == len(b) == 1 and not same_bytes(src.piece_dtypes[0], dst.piece_dtypes[0]):
-        raise _dtypes_differ(src.piece_dtypes[0], dst.piece_dtypes[0])
-    if src.data != dst.data:
+    if src.data != dst.data:  # before the dtypes: a bf16 indexer's keys are read as bytes
         one_head = [  # one head of K | V packed: what an MLA cache of that shape reads as unhinted
             w
             for w, side in (("src", src), ("dst", dst))
@@ -99,6 +96,9 @@ def _check_same_data(src: Side, dst: Side) -> None:
                 "detected with the MLA hint kv_dim=1)"
             )
         raise BlockMapError(f"src holds {src.data} and dst {dst.data}: they do not hold the same data{hint}")
+    a, b = set(src.piece_dtypes), set(dst.piece_dtypes)
+    if len(a) == len(b) == 1 and not same_bytes(src.piece_dtypes[0], dst.piece_dtypes[0]):
+        raise _dtypes_differ(src.piece_dtypes[0], dst.piece_dtypes[0])
     if src.layers != dst.layers:
         hint = ""
         if len(src.layers) == len(dst.layers):
