@@ -718,3 +718,15 @@ def test_a_layer_detected_apart_is_named_by_the_callers_index() -> None:
         "kv_caches entries [0, 4] of layer group 1, detected together as a list of 2: vLLM: the registration "
         "(kv_caches[0]: shape (7, 3, 2, 4, 2)"
     )
+
+
+def test_an_hnd_hint_that_rules_out_the_only_fitting_format_says_so() -> None:
+    """vLLM-Ascend's per-layer (K, V) tuples are NHD only: under kv_layout=HND the one
+    format that fits would read the heads as tokens, so nothing fits, and the message
+    names the hint and the format it ruled out."""
+    kv = [(t(4, 16, 8, 64), t(4, 16, 8, 64)) for _ in range(2)]
+    assert kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}).format == F.NL_X_TWO_X_NB_BS_NH_HS
+    with pytest.raises(
+        DetectionError, match=r"kv_layout=HND, which rules out NL_X_TWO_X_NB_BS_NH_HS \(tokens before"
+    ):
+        kvlayout.detect(kv, "vllm", {"kv_layout": "HND"})

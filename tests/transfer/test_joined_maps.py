@@ -133,6 +133,16 @@ def test_join_refuses_mixed_ends_and_what_is_not_a_map() -> None:
         BlockMapError, match=r"maps\[0\]'s dst is in this process but maps\[1\]'s is a peer's description"
     ):
         join_maps(live + described)
+    rank0 = RegistrationDescription.from_json(
+        instance(2, seed=None)[0].describe(shard=Shard(0, 2, 2)).to_json()
+    )
+    with pytest.raises(
+        BlockMapError, match=r"maps\[1\]'s of one at Shard\(tp_rank=0, tp_size=2.*goes to one peer"
+    ):
+        to_rank0 = block_map(
+            prefill.kernel_groups[3], rank0.group(3), [0, 1], [5, 4], num_tokens=700, src_shard=P_SHARD
+        )
+        join_maps([maps(prefill, there)[3], to_rank0])  # decode ranks 1 and 0: two peers
     with pytest.raises(BlockMapError, match="one block map at least, got none"):
         join_maps([])
     with pytest.raises(TypeError, match=r"maps\[1\] is a list, not a BlockMap"):

@@ -385,13 +385,17 @@ def _choose(
         if hint == "kv_layout" and fact == "is_hnd" and wanted is True:
             # HND asked for: a layout that orders tokens before heads contradicts it, twin or
             # not (with no HND twin it would read the heads as tokens, silently)
-            family = [s for s in family if not s.layout.orders_heads_and_tokens or s.layout.is_hnd]
+            nhd = [s for s in family if s.layout.orders_heads_and_tokens and not s.layout.is_hnd]
+            family = [s for s in family if s not in nhd]
             if not family:
                 return None, (
                     f"{name}: layout hint kv_layout=HND, but no {name} format of list depth {p.depth} and "
                     f"tensor rank {rank} holds heads before tokens ({p.describe()}); {name} registers "
                     f"{_registrations(pool)}"
                 )
+            if nhd:  # named where nothing else fits: the hint is why
+                names = ", ".join(s.fmt.name for s in nhd)
+                applied.append(f"kv_layout=HND, which rules out {names} (tokens before heads)")
         if wanted is None or len({s.fact(fact) for s in family}) < 2:
             continue
         family = [s for s in family if s.fact(fact) == wanted]

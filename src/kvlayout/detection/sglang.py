@@ -130,12 +130,12 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"SGLang: layout hint hicache_layout={hints.hicache_layout} names a HiCache host pool, which is "
             f"one tensor (mem_pool_host.kv_buffer), not {p.describe()}"
         )
-    if p.rank == 5:
+    if p.rank == 5 and p.first.shape[-1] * p.first.element_size() == 16:  # X elements of 16 bytes
         raise DetectionError(
             f"SGLang: {p.describe()}: per-layer K and V of rank 5 are the ROCm AITER pool "
             "(SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d: K (num_blocks, H, D // X, page_size, X), "
             "V (num_blocks, H, page_size // X, D_v, X)), whose tokens no format reads; "
-            "kvlayout.integrations.sglang.vectorized_kv_pools(k_buffer, v_buffer) reads its pages"
+            "kvlayout.integrations.sglang.vectorized_kv_pools(k_buffer, v_buffer, page_size) reads its pages"
         )
     if p.depth == 1 and p.rank == 2 and any(_stores_records(LAYOUTS[f], p.first.dtype) for f in _indexers(p)):
         return _indexer(kv, p, hints)

@@ -124,7 +124,8 @@ def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
     as one :class:`JoinedMap`, which ``nx.transfer`` posts as one transfer (one
     notification) and ``copy()`` copies. Every part must have its sources on one end
     (all in this process or all a peer's) and its destinations on the other, each end on
-    one device; no two parts may write the same bytes, and between two live ends no part
+    one device, and a peer's end the descriptions of one peer (one TP rank); no two parts
+    may write the same bytes, and between two live ends no part
     may read bytes another writes (the parts would then depend on their order). Refused
     otherwise, naming the parts."""
     parts = tuple(maps) if not isinstance(maps, BlockMap) else (maps,)
@@ -142,6 +143,12 @@ def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
                 raise BlockMapError(
                     f"join_maps: maps[0]'s {end} is {where[first.live]} but maps[{i}]'s is "
                     f"{where[side.live]}; a joined map has one end here and the other a peer's (or both here)"
+                )
+            if not side.live and side.shard != first.shard:  # two peers' descriptions (two TP ranks)
+                raise BlockMapError(
+                    f"join_maps: maps[0]'s {end} is the description of a peer at {first.shard} but "
+                    f"maps[{i}]'s of one at {side.shard}; a joined map goes to one peer (join each peer's "
+                    "maps apart)"
                 )
             if side.device != first.device:
                 raise BlockMapError(

@@ -51,8 +51,8 @@ def snapshot(p: Any) -> dict[str, list[torch.Tensor]]:
 def move(
     src: Any, dst: Any, pages: list[tuple[int, int]], shards: tuple[Shard, Shard] | None = None
 ) -> list[Any]:
-    a = vectorized_kv_pools(src.k_buffer, src.v_buffer)
-    b = vectorized_kv_pools(dst.k_buffer, dst.v_buffer)
+    a = vectorized_kv_pools(src.k_buffer, src.v_buffer, src.page_size)
+    b = vectorized_kv_pools(dst.k_buffer, dst.v_buffer, dst.page_size)
     src_shard, dst_shard = (None, None) if shards is None else shards
     ids = [s for s, _ in pages], [d for _, d in pages]
     maps = [block_map(a[n], b[n], *ids, src_shard=src_shard, dst_shard=dst_shard) for n in ("k", "v")]
@@ -83,8 +83,8 @@ def test_fp8_is_stored_as_uint8_and_maps_to_its_fp8_view() -> None:
     src, dst = pool(3, dtype=torch.float8_e4m3fn), pool(None, dtype=torch.float8_e4m3fn)
     assert src.k_buffer[0].dtype == torch.uint8 and src.k_buffer[0].shape[-1] == 16
     fp8 = [[t.view(torch.float8_e4m3fn) for t in ts] for ts in (src.k_buffer, src.v_buffer)]
-    a = vectorized_kv_pools(*fp8)
-    b = vectorized_kv_pools(dst.k_buffer, dst.v_buffer)
+    a = vectorized_kv_pools(fp8[0], fp8[1], PAGE)
+    b = vectorized_kv_pools(dst.k_buffer, dst.v_buffer, dst.page_size)
     m = block_map(a["k"], b["k"], [2], [3])
     m.copy()
     assert torch.equal(dst.k_buffer[1][3], src.k_buffer[1][2])
@@ -93,7 +93,10 @@ def test_fp8_is_stored_as_uint8_and_maps_to_its_fp8_view() -> None:
 
 def test_a_partial_last_page_moves_whole() -> None:
     src, dst = pool(4), pool(None)
-    a, b = vectorized_kv_pools(src.k_buffer, src.v_buffer), vectorized_kv_pools(dst.k_buffer, dst.v_buffer)
+    a, b = (
+        vectorized_kv_pools(src.k_buffer, src.v_buffer, src.page_size),
+        vectorized_kv_pools(dst.k_buffer, dst.v_buffer, dst.page_size),
+    )
     m = block_map(a["v"], b["v"], [1, 2], [2, 3], num_tokens=PAGE + 3)
     assert m.num_tokens == 2 * PAGE
     m.copy()
@@ -133,7 +136,10 @@ def test_heads_move_between_tp_degrees(tps: tuple[int, int]) -> None:
 
 def test_tp_1_to_2_takes_one_run_a_page_and_layer() -> None:
     src, dst = pool(7), pool(None, HEADS // 2)
-    a, b = vectorized_kv_pools(src.k_buffer, src.v_buffer), vectorized_kv_pools(dst.k_buffer, dst.v_buffer)
+    a, b = (
+        vectorized_kv_pools(src.k_buffer, src.v_buffer, src.page_size),
+        vectorized_kv_pools(dst.k_buffer, dst.v_buffer, dst.page_size),
+    )
     m = block_map(a["k"], b["k"], [1, 2], [3, 1], src_shard=Shard(0, 1, HEADS), dst_shard=Shard(1, 2, HEADS))
     assert (m.kind, m.num_runs) == ("resharded state", 2 * LAYERS)
     assert m.num_bytes == 2 * LAYERS * (HEADS // 2) * 64 * PAGE * 2
@@ -143,7 +149,10 @@ def test_tp_1_to_2_takes_one_run_a_page_and_layer() -> None:
 
 def test_a_description_round_trips_and_maps_as_the_registration() -> None:
     src, dst = pool(8), pool(None, HEADS // 2)
-    a, b = vectorized_kv_pools(src.k_buffer, src.v_buffer), vectorized_kv_pools(dst.k_buffer, dst.v_buffer)
+    a, b = (
+        vectorized_kv_pools(src.k_buffer, src.v_buffer, src.page_size),
+        vectorized_kv_pools(dst.k_buffer, dst.v_buffer, dst.page_size),
+    )
     for name in ("k", "v"):
         text = b[name].describe(shard=Shard(0, 2, HEADS)).to_json()
         peer = RegistrationDescription.from_json(text)
@@ -160,7 +169,7 @@ def test_a_description_round_trips_and_maps_as_the_registration() -> None:
 
 def test_refuses_maps_to_any_other_layout() -> None:
     src = pool(9)
-    a = vectorized_kv_pools(src.k_buffer, src.v_buffer)
+    a = vectorized_kv_pools(src.k_buffer, src.v_buffer, src.page_size)
     nhd = [torch.zeros(SIZE + PAGE, HEADS, 64, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
     plain = kvlayout.detect(nhd, "sglang", {"kv_list_layout": "k_v", "tokens_per_block": PAGE})
     with pytest.raises(BlockMapError, match=r"src is opaque pages \(SGLang AITER vectorized_5d K page"):
@@ -169,23 +178,23 @@ def test_refuses_maps_to_any_other_layout() -> None:
         block_map(plain, a["v"], [1], [1])
     # K never maps to V, even where D == page_size == D_v (the same page bytes)
     square = vectorized_kv_pool(1, 3 * 64, 2, 64, page_size=64)
-    sq = vectorized_kv_pools(square.k_buffer, square.v_buffer)
+    sq = vectorized_kv_pools(square.k_buffer, square.v_buffer, square.page_size)
     with pytest.raises(
         BlockMapError, match=r"do not hold the same state: .*src pages are SGLang AITER vectorized_5d K"
     ):
         block_map(sq["k"], sq["v"], [1], [2])
     # other page sizes, other head dims, other dtypes
     other_page = vectorized_kv_pool(LAYERS, SIZE, HEADS, 64, page_size=32)
-    b = vectorized_kv_pools(other_page.k_buffer, other_page.v_buffer)
+    b = vectorized_kv_pools(other_page.k_buffer, other_page.v_buffer, other_page.page_size)
     with pytest.raises(BlockMapError, match=r"blocks of 16 and 32 rows"):
         block_map(a["k"], b["k"], [1], [1])
     fp16 = pool(None, dtype=torch.float16)
-    c = vectorized_kv_pools(fp16.k_buffer, fp16.v_buffer)
+    c = vectorized_kv_pools(fp16.k_buffer, fp16.v_buffer, fp16.page_size)
     with pytest.raises(BlockMapError, match=r"other dtypes"):
         block_map(a["k"], c["k"], [1], [1])
     # another TP degree without shards
     half = pool(None, HEADS // 2)
-    h = vectorized_kv_pools(half.k_buffer, half.v_buffer)
+    h = vectorized_kv_pools(half.k_buffer, half.v_buffer, half.page_size)
     with pytest.raises(BlockMapError, match=r"give src_shard and dst_shard"):
         block_map(a["k"], h["k"], [1], [1])
     # a page cut by first_token
@@ -217,10 +226,12 @@ def test_refuses_lists_that_are_not_a_vectorized_pool() -> None:
         ),
         (p.k_buffer, [t[:, :2] for t in p.v_buffer], r"not one vectorized_5d pool"),
         ([t[::2] for t in p.k_buffer], [t[::2] for t in p.v_buffer], r"not contiguous pages"),
+        # V and K the other way round read self-consistently (D == D_v): the page size tells
+        (p.v_buffer, p.k_buffer, r"page_size is 16, but k_buffer\[0\] .* holds pages of 64 tokens"),
     ]
     for k, v, message in cases:
         with pytest.raises(VectorizedPoolError, match=message):
-            vectorized_kv_pools(k, v)
+            vectorized_kv_pools(k, v, PAGE)
     assert issubclass(VectorizedPoolError, DetectionError)
 
 
@@ -235,19 +246,21 @@ def test_refuses_lists_that_are_not_a_vectorized_pool() -> None:
 )
 def test_detect_names_the_integration(spelling: Any) -> None:
     kv, hints = spelling(pool(None))
-    with pytest.raises(DetectionError, match=r"vectorized_5d.*vectorized_kv_pools\(k_buffer, v_buffer\)"):
+    with pytest.raises(
+        DetectionError, match=r"vectorized_5d.*vectorized_kv_pools\(k_buffer, v_buffer, page_size\)"
+    ):
         kvlayout.detect(kv, "sglang", hints)
 
 
 def test_registrations_are_views_of_the_pool() -> None:
     p = pool(None)
-    regs = vectorized_kv_pools(p.k_buffer, p.v_buffer)
+    regs = vectorized_kv_pools(p.k_buffer, p.v_buffer, p.page_size)
     assert list(regs) == ["k", "v"]
     for name, ts in buffers(p).items():
         b = block_map(regs[name], regs[name], [1], [2])
         assert b.num_bytes == LAYERS * ts[0][0].nbytes
     p.k_buffer[1][2].view(torch.uint8).fill_(7)
-    m = block_map(regs["k"], vectorized_kv_pools(p.k_buffer, p.v_buffer)["k"], [2], [3])
+    m = block_map(regs["k"], vectorized_kv_pools(p.k_buffer, p.v_buffer, p.page_size)["k"], [2], [3])
     m.copy()
     assert (p.k_buffer[1][3].view(torch.uint8) == 7).all()
 
@@ -259,7 +272,7 @@ def test_heads_replicated_over_ranks_move_as_the_shards_say() -> None:
     of TP 4 takes its head; rank 1 into rank 0 moves the page (the same head), rank 2
     into rank 0 nothing; a shard that disagrees with the page's heads is refused."""
     whole = pool(8, 2)  # the model's 2 KV heads at TP 1
-    w = vectorized_kv_pools(whole.k_buffer, whole.v_buffer)
+    w = vectorized_kv_pools(whole.k_buffer, whole.v_buffer, whole.page_size)
     ranks = [pool(None, 1) for _ in range(4)]
     for d, dst in enumerate(ranks):
         maps = move(whole, dst, [(2, 1)], (Shard(0, 1, 2), Shard(d, 4, 2)))
@@ -271,7 +284,7 @@ def test_heads_replicated_over_ranks_move_as_the_shards_say() -> None:
                     name,
                 )
                 assert not raw(t[2:]).any()
-    r = [vectorized_kv_pools(p.k_buffer, p.v_buffer) for p in ranks]
+    r = [vectorized_kv_pools(p.k_buffer, p.v_buffer, p.page_size) for p in ranks]
     same = block_map(r[1]["k"], r[0]["k"], [1], [3], src_shard=Shard(1, 4, 2), dst_shard=Shard(0, 4, 2))
     assert same.num_bytes == ranks[0].k_buffer[0][1].nbytes * LAYERS
     same.copy()

@@ -86,10 +86,13 @@ def _rows(name: str, layer: int, t: torch.Tensor, page_size: int) -> torch.Tenso
         ) from None
 
 
-def vectorized_kv_pools(k_buffer: Any, v_buffer: Any) -> dict[str, Registration]:
+def vectorized_kv_pools(k_buffer: Any, v_buffer: Any, page_size: int) -> dict[str, Registration]:
     """SGLang's ``vectorized_5d`` pool (``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``,
     ROCm AITER): ``k_buffer`` and ``v_buffer`` (its per-layer lists, in the store dtype
     or as ``get_key_buffer`` views them) as one registration each, ``{"k": ..., "v": ...}``.
+    ``page_size`` is the pool's: K's axis 3 and V's axes 2 and 4 must say it (where
+    ``head_dim == v_head_dim`` the lists passed the other way round would read
+    self-consistently, with the head size as the page size).
 
     Block ids are SGLang's page indices (page 0 its padding page), a block ``page_size``
     tokens; a page moves whole (``num_tokens`` rounds up to whole pages), only to a page
@@ -108,18 +111,24 @@ def vectorized_kv_pools(k_buffer: Any, v_buffer: Any) -> dict[str, Registration]
     dtype = _dtype(k)
     itemsize = DTYPE_SIZES[dtype]
     x = VECTOR_BYTES // itemsize
-    blocks, heads, k_vectors, page_size, kx = (int(n) for n in k.shape)
+    blocks, heads, k_vectors, k_page, kx = (int(n) for n in k.shape)
     v_blocks, v_heads, v_vectors, v_head_dim, vx = (int(n) for n in v.shape)
     if (kx, vx) != (x, x):
         raise VectorizedPoolError(
             f"k_buffer[0] {list(k.shape)} and v_buffer[0] {list(v.shape)} end in {kx} and {vx}, not X = "
             f"{VECTOR_BYTES} // {itemsize} = {x} elements of {dtype}: not a vectorized_5d pool"
         )
-    if (v_blocks, v_heads, v_vectors * x) != (blocks, heads, page_size):
+    if (v_blocks, v_heads, v_vectors * x) != (blocks, heads, k_page):
         raise VectorizedPoolError(
             f"k_buffer[0] is {list(k.shape)} (num_blocks, H, D // X, page_size, X) and v_buffer[0] "
             f"{list(v.shape)}, not (num_blocks, H, page_size // X, D_v, X) = ({blocks}, {heads}, "
-            f"{page_size // x}, D_v, {x}): not one vectorized_5d pool"
+            f"{k_page // x}, D_v, {x}): not one vectorized_5d pool"
+        )
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size != k_page:
+        raise VectorizedPoolError(
+            f"page_size is {page_size!r}, but k_buffer[0] {list(k.shape)} (num_blocks, H, D // X, "
+            f"page_size, X) holds pages of {k_page} tokens: pass the pool's page_size, and k_buffer "
+            "before v_buffer"
         )
     head_dim = k_vectors * x
     arrays = {
