@@ -112,6 +112,11 @@ def test_join_refuses_maps_that_write_the_same_bytes() -> None:
         join_maps(maps(prefill, decode, clash))
     with pytest.raises(BlockMapError, match=r"overlap those of run \d+ \(maps\[1\]\)"):
         join_maps([maps(prefill, decode)[3]] * 2)
+    # the same into a peer's description: its addresses are another process's, compared among themselves
+    there = RegistrationDescription.from_json(decode.describe(shard=D_SHARD).to_json())
+    with pytest.raises(BlockMapError, match=r"run 0 \(maps\[0\]\) is refused: its destination bytes overlap"):
+        join_maps(maps(prefill, there, clash))
+    assert join_maps(maps(prefill, there)).num_runs == sum(m.num_runs for m in maps(prefill, decode))
 
 
 def test_join_refuses_a_read_of_what_another_part_writes() -> None:
