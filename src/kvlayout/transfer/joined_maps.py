@@ -125,9 +125,9 @@ def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
     notification) and ``copy()`` copies. Every part must have its sources on one end
     (all in this process or all a peer's) and its destinations on the other, each end on
     one device, and a peer's end the descriptions of one peer (one TP rank); no two parts
-    may write the same bytes, and between two live ends no part
-    may read bytes another writes (the parts would then depend on their order). Refused
-    otherwise, naming the parts."""
+    may write the same bytes, and between two live ends no part may read bytes another
+    writes (the parts would then depend on their order). Refused otherwise, naming the
+    parts."""
     parts = tuple(maps) if not isinstance(maps, BlockMap) else (maps,)
     if not parts:
         raise BlockMapError("join_maps needs one block map at least, got none")
