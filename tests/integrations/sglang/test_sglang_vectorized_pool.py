@@ -295,3 +295,15 @@ def test_heads_replicated_over_ranks_move_as_the_shards_say() -> None:
         BlockMapError, match=r"in src: 2 KV heads a page, but src_shard Shard\(tp_rank=0, tp_size=4"
     ):
         block_map(w["k"], r[0]["k"], [1], [1], src_shard=Shard(0, 4, 2), dst_shard=Shard(0, 4, 2))
+
+
+def test_the_shards_heads_not_only_their_ranks_key_a_pairs_pages() -> None:
+    """Rank 1 into rank 0 at TP 4: over 2 KV heads both hold head 0 (the page moves),
+    over 4 heads they hold heads 1 and 0 (nothing in common). The same two pools, maps
+    built one after the other: the second is not the first's kept pair."""
+    a, b = pool(10, 1), pool(None, 1)
+    ra = vectorized_kv_pools(a.k_buffer, a.v_buffer, a.page_size)
+    rb = vectorized_kv_pools(b.k_buffer, b.v_buffer, b.page_size)
+    two = block_map(ra["k"], rb["k"], [1], [2], src_shard=Shard(1, 4, 2), dst_shard=Shard(0, 4, 2))
+    four = block_map(ra["k"], rb["k"], [1], [2], src_shard=Shard(1, 4, 4), dst_shard=Shard(0, 4, 4))
+    assert (two.kind, four.kind) == ("resharded state", "empty") and four.num_bytes == 0
