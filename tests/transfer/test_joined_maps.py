@@ -251,3 +251,53 @@ def test_a_joined_map_goes_peer_staged_with_the_peer_s_half_joined_alike() -> No
     landing.close()
     for h in held:
         h.deregister()
+
+
+def test_sglang_kv_and_mamba_state_go_as_one_nixl_transfer() -> None:
+    """SGLang's hybrid request: its KV pool's pages and its Mamba pool's slot, each state
+    a tensor of its own, mapped apart and posted as one WRITE into a peer's pools (every
+    part's tensors described and registered): the bytes are the local joined copy's."""
+    import nixl._api  # noqa: F401  (importing it sets NIXL's logger to INFO)
+
+    from kvlayout.integrations.sglang import mamba_state_pools
+    from kvlayout.testing.sglang import LinearModel, device_pool
+    from kvlayout.transfer import nixl as nx
+
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    model = LinearModel("gdn_attn", num_layers=2, num_heads=4, head_dim=8, state_size=8, n_groups=2)
+
+    def instance(seed: int | None) -> tuple[dict[str, Any], list[torch.Tensor]]:
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        kv = [[torch.zeros(64, 2, 16, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+        if gen is not None:
+            for t in (t for half in kv for t in half):
+                t.copy_(torch.randn(t.shape, generator=gen))
+        states = mamba_state_pools(device_pool(model, 1, 4, generator=gen), "gdn_attn")
+        regs = {"kv": kvlayout.detect(kv, "sglang", {"tokens_per_block": 16}), **states}
+        tensors = [t for half in kv for t in half] + [
+            leaf for reg in states.values() for g in reg.kernel_groups for p in g.planes for leaf in p.leaves
+        ]
+        return regs, tensors
+
+    def request(src: dict[str, Any], dst: dict[str, Any]) -> list[BlockMap]:
+        group = {k: (v.group(0) if isinstance(v, RegistrationDescription) else v) for k, v in dst.items()}
+        kv = block_map(src["kv"], group["kv"], [3, 1], [0, 2], num_tokens=20)
+        return [kv] + [block_map(src[n], group[n], [2], [1]) for n in src if n != "kv"]
+
+    (prefill, _), (decode, d_tensors) = instance(11), instance(None)
+    p_agent, d_agent = nx.make_agent("jm-sgl-prefill"), nx.make_agent("jm-sgl-decode")
+    held = [nx.register(p_agent, reg) for reg in prefill.values()] + [
+        nx.register(d_agent, reg) for reg in decode.values()
+    ]
+    peer = p_agent.add_remote_agent(d_agent.get_agent_metadata())
+    there = {n: RegistrationDescription.from_json(reg.describe().to_json()) for n, reg in decode.items()}
+    joined = join_maps(request(prefill, there))
+    assert len(joined.maps) == 3 and len({int(s) for s in joined.dst.tensor_spans[:, 0]}) > 6
+    assert nx.transfer(p_agent, peer, joined, notif=b"req-s").wait(timeout=60).num_bytes == joined.num_bytes
+    twin, t_tensors = instance(None)
+    join_maps(request(prefill, twin)).copy()
+    for got, want in zip(d_tensors, t_tensors, strict=True):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    assert any(t.any() for t in t_tensors)
+    for h in held:
+        h.deregister()
