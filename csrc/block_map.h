@@ -611,15 +611,21 @@ class Walker {
     }
   }
   void record(Pattern& p) {
+    walk_into(p.groups, p.size, p.in_order, [this] { level(1); });
+    p.slab = *slab_, p.set = true;
+  }
+  // The groups `walk` emits from a fresh cursor, into `table` (`size` of them, `in_order`
+  // whether they came in destination order); the walker's cursor is as it was after.
+  template <class Walk>
+  void walk_into(Table<RunGroup>& table, std::size_t& size, bool& in_order, Walk walk) {
     if constexpr (!kTrackTensors) {
       const Cursor<kTrackTensors> outer = cursor_;
-      Grouper groups(&p.groups);
+      Grouper groups(&table);
       cursor_ = Cursor<kTrackTensors>{&groups, nullptr, nullptr, nullptr};
-      level(1);
+      walk();
       cursor_.finish();
       groups.finish();
-      p.size = groups.used(), p.in_order = cursor_.in_order;
-      p.slab = *slab_, p.set = true;
+      size = groups.used(), in_order = cursor_.in_order;
       cursor_ = outer;
     }
   }
@@ -652,20 +658,15 @@ class Walker {
         for (std::int64_t s = lo; s < hi; ++s)
           p.uniform &= q_.slabs[s].src_class == a.src_class && q_.slabs[s].dst_class == a.dst_class;
         if (!p.uniform) return false;
-        const Cursor<kTrackTensors> outer = cursor_;
-        Grouper groups(&p.groups);
-        cursor_ = Cursor<kTrackTensors>{&groups, nullptr, nullptr, nullptr};
-        for (std::int64_t s = lo; s < hi; ++s) {
-          slab_ = &q_.slabs[s];
-          slab_set_ = true;
-          level(3);
-        }
-        slab_set_ = false;
-        cursor_.finish();
-        groups.finish();
-        p.size = groups.used(), p.in_order = cursor_.in_order;
+        walk_into(p.groups, p.size, p.in_order, [&] {
+          for (std::int64_t s = lo; s < hi; ++s) {
+            slab_ = &q_.slabs[s];
+            slab_set_ = true;
+            level(3);
+          }
+          slab_set_ = false;
+        });
         p.src_at = src_at, p.dst_at = dst_at;
-        cursor_ = outer;
       }
       if (!p.uniform) return false;
       cursor_.paste(p.groups.rows, p.size, src_at - p.src_at, dst_at - p.dst_at, a.src_tensor, a.dst_tensor,

@@ -451,9 +451,7 @@ def _stores_records(layout: Layout, dtype: torch.dtype) -> bool:
     """Whether a tensor of ``dtype`` holds the layout's records: a run of regions of one
     dtype is stored in it (SGLang's bf16 index keys), a run of several in bytes (uint8:
     fp8 values, then float32 scales)."""
-    run = algebra.structure(layout).region_mode
-    assert run is not None
-    held = {span.token.region.dtype for span in run.regions if span.token.region is not None}
+    held = set(algebra.structure(layout).region_dtypes)
     if len(held) == 1 and None not in held:
         return str(dtype).removeprefix("torch.") == next(iter(held))
     return dtype == torch.uint8

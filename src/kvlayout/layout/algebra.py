@@ -166,6 +166,13 @@ class Structure:
     def region_mode(self) -> Mode | None:
         return next((m for m in self.modes if m.regions), None)
 
+    @property
+    def region_dtypes(self) -> tuple[str | None, ...]:
+        """What each region of a record holds, in order (None where a region names no
+        dtype); empty for a layout without regions."""
+        run = self.region_mode
+        return tuple(span.token.region.dtype for span in run.regions if span.token.region) if run else ()
+
 
 def _symbol(token: Token) -> Product:
     return (token.literal,) if token.literal is not None else (token.name,)

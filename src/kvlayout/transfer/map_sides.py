@@ -256,8 +256,7 @@ def _side_fields() -> tuple[str, ...]:
 
 def _data_kind(layout: Layout, kv: int, has_heads: bool) -> str:
     if layout.is_indexer:  # what its regions hold tells fp8 keys with scales from bf16 keys without
-        run = algebra.structure(layout).region_mode
-        held = [span.token.region.dtype for span in run.regions if span.token.region] if run else []
+        held = algebra.structure(layout).region_dtypes
         return "a DSA indexer key row per token" + (f" ({' + '.join(map(str, held))})" if held else "")
     if not has_heads:
         return "one latent row per token (MLA)"

@@ -39,7 +39,7 @@ import torch
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.integrations.mamba_splits import conv_parts
-from kvlayout.layout.dtypes import DTYPE_SIZES
+from kvlayout.integrations.sglang.page_lists import dtype_name, listed_pages
 from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pages
 from kvlayout.registration.registration import Registration
 
@@ -106,10 +106,7 @@ def _state_shape(layout: str, name: str, t: torch.Tensor) -> tuple[int, ...]:
 
 
 def _dtype(name: str, t: torch.Tensor) -> str:
-    dtype = str(t.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_SIZES:
-        raise MambaPoolError(f"the pool's {name} state is {dtype}, which kvlayout does not know")
-    return dtype
+    return dtype_name(t, f"the pool's {name} state", MambaPoolError)
 
 
 def _arrays(
@@ -160,16 +157,27 @@ def _rows(name: str, t: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.
     slots_first = _HOST_LAYOUTS.get(layout, False)
     if layout == "device" and (t.shape[0] == 1 or t.stride(1) > t.stride(0)):  # one layer: either order
         t, slots_first = t.transpose(0, 1), True
-    views = (t, t.transpose(-1, -2)) if name.startswith("conv") and t.dim() >= 4 else (t,)
+    read = _item_rows(name, t, 2)  # [NL, slots, 1, bytes] or, slots first, [slots, NL, 1, bytes]
+    if read is None:
+        raise MambaPoolError(
+            f"the pool's {name} state {list(t.shape)} (strides {list(t.stride())}) is not one contiguous "
+            "item per slot and layer, as SGLang allocates it"
+        )
+    return read[0], read[1], slots_first
+
+
+def _item_rows(name: str, t: torch.Tensor, lead: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``t``'s ``lead`` leading axes over int8 rows ``[*lead, 1, bytes]``, one row an item,
+    and the tensor in its memory's order (a conv state's last two axes either way: SGLang's
+    CPU AMX kernels keep ``(dim, K - 1)`` as ``(K - 1, dim)``); None where no item is
+    contiguous."""
+    views = (t, t.transpose(-1, -2)) if name.startswith("conv") and t.dim() >= lead + 2 else (t,)
     for view in views:
-        try:  # [NL, slots, 1, bytes] or, slots first, [slots, NL, 1, bytes]
-            return view.view(int(t.shape[0]), int(t.shape[1]), 1, -1).view(torch.int8), view, slots_first
+        try:
+            return view.view(*(int(n) for n in t.shape[:lead]), 1, -1).view(torch.int8), view
         except RuntimeError:
             continue
-    raise MambaPoolError(
-        f"the pool's {name} state {list(t.shape)} (strides {list(t.stride())}) is not one contiguous "
-        "item per slot and layer, as SGLang allocates it"
-    )
+    return None
 
 
 def _per_layer_states(pool: Any, cache: Any) -> list[tuple[str, list[torch.Tensor]]]:
@@ -223,23 +231,29 @@ def _layer_rows(name: str, layer: int, t: torch.Tensor) -> tuple[torch.Tensor, t
     slot's item, and the tensor in its memory's order (a conv state's two axes either
     way, as :func:`_rows`). A slot's item must be contiguous; slots may lie any distance
     apart (kvcached packs a slot's states of one layer into one cell)."""
-    views = (t, t.transpose(-1, -2)) if name.startswith("conv") and t.dim() >= 3 else (t,)
-    for view in views:
-        try:
-            return view.view(int(t.shape[0]), 1, -1).view(torch.int8), view
-        except RuntimeError:
-            continue
-    raise MambaPoolError(
-        f"the pool's {name} state of layer {layer} {list(t.shape)} (strides {list(t.stride())}) is not "
-        "one contiguous item per slot, as kvcached allocates it"
-    )
+    read = _item_rows(name, t, 1)
+    if read is None:
+        raise MambaPoolError(
+            f"the pool's {name} state of layer {layer} {list(t.shape)} (strides {list(t.stride())}) is not "
+            "one contiguous item per slot, as kvcached allocates it"
+        )
+    return read
 
 
 def _per_layer_pools(pool: Any, cache: Any, mamba_type: str | None) -> dict[str, Registration]:
-    """kvcached's per-layer pool as one registration per state, its layers a list (see
-    :func:`_listed`): block ids are slot indices, as in SGLang's device pool."""
-    named = [(name, ts) for name, ts in _per_layer_states(pool, cache) if ts[0].numel()]
-    if not named:
+    """kvcached's per-layer pool as one registration per state, its layers a list
+    (:func:`~kvlayout.integrations.sglang.page_lists.listed_pages`): block ids are slot
+    indices, as in SGLang's device pool."""
+    named = _per_layer_states(pool, cache)
+    head, first = named[0][0], named[0][1][0]
+    for name, ts in named[1:]:  # every state, those of no elements too: the same slots
+        if ts[0].shape[0] != first.shape[0] or ts[0].device != first.device:
+            raise MambaPoolError(
+                f"the pool's {name} state is {list(ts[0].shape)} on {ts[0].device} a layer and its {head} "
+                f"state {list(first.shape)} on {first.device}: the same slots on one device expected"
+            )
+    named = [(name, ts) for name, ts in named if math.prod(ts[0].shape[1:])]  # LFM2's SSM state: none
+    if not named or not first.shape[0]:
         raise MambaPoolError("the pool's states hold no bytes")
     rows = {name: [_layer_rows(name, layer, t) for layer, t in enumerate(ts)] for name, ts in named}
     shapes: dict[str, tuple[int, ...]] = {}
@@ -252,28 +266,12 @@ def _per_layer_pools(pool: Any, cache: Any, mamba_type: str | None) -> dict[str,
             )
         shapes[name] = orders.pop()
     dtypes = {name: _dtype(name, ts[0]) for name, ts in named}
-    head, first = named[0][0], named[0][1][0]
-    for name, ts in named[1:]:
-        if ts[0].shape[0] != first.shape[0] or ts[0].device != first.device:
-            raise MambaPoolError(
-                f"the pool's {name} state is {list(ts[0].shape)} on {ts[0].device} a layer and its {head} "
-                f"state {list(first.shape)} on {first.device}: the same slots on one device expected"
-            )
     arrays = _arrays(mamba_type, shapes, dtypes)
     pools = {}
     for name, ts in named:
         page = OpaquePages(f"SGLang Mamba {name}: {dtypes[name]} {list(shapes[name])}", False, arrays[name])
-        pools[name] = _listed([view for view, _ in rows[name]], page, ts)
+        pools[name] = listed_pages([view for view, _ in rows[name]], page, ts, 1)
     return pools
-
-
-def _listed(rows: list[torch.Tensor], page: OpaquePages, over: list[torch.Tensor]) -> Registration:
-    """One state's layers, each ``[slots, 1, bytes]`` int8 rows (a view of the tensor of
-    ``over`` beside it), as SGLang's per-layer list of one-row pages read in blocks of one
-    (``NL_X_NB_BS_HS``): a layer's slots may lie any distance apart."""
-    for view, t in zip(rows, over, strict=True):
-        mark_opaque_pages(view, page, (t,))
-    return detect(rows, "sglang", {"tokens_per_block": 1})
 
 
 def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Registration]:
@@ -318,9 +316,8 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
             # kvcached's contiguous ElasticMambaPool: a slot's layers a cell of every state apart,
             # which no one tensor of rows describes; its layers read as a list, each a view
             layers = ordered.unbind(1 if slots_first else 0)
-            pools[name] = _listed(
-                [x.view(x.shape[0], 1, -1).view(torch.int8) for x in layers], page, [t] * len(layers)
-            )
+            rows_of = [x.view(x.shape[0], 1, -1).view(torch.int8) for x in layers]
+            pools[name] = listed_pages(rows_of, page, [t] * len(layers), 1)
             continue
         mark_opaque_pages(view, page, (t,))
         order = "page_first" if slots_first else "layer_first"

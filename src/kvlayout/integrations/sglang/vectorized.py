@@ -28,9 +28,9 @@ from typing import Any
 import torch
 
 from kvlayout.detection.base import DetectionError
-from kvlayout.detection.discovery import detect
+from kvlayout.integrations.sglang.page_lists import dtype_name, listed_pages
 from kvlayout.layout.dtypes import DTYPE_SIZES
-from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pages
+from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
 
 __all__ = ["VECTOR_BYTES", "VectorizedPoolError", "vectorized_kv_pools"]
@@ -67,13 +67,6 @@ def _layers(name: str, buffers: Any) -> list[torch.Tensor]:
     return layers
 
 
-def _dtype(t: torch.Tensor) -> str:
-    dtype = str(t.dtype).removeprefix("torch.")
-    if dtype not in DTYPE_SIZES:
-        raise VectorizedPoolError(f"the pool's dtype is {dtype}, which kvlayout does not know")
-    return dtype
-
-
 def _rows(name: str, layer: int, t: torch.Tensor, page_size: int) -> torch.Tensor:
     """A layer's pages as int8 rows ``[num_blocks * page_size, 1, page_bytes // page_size]``,
     a view: the pages contiguous, one after another, as SGLang allocates them."""
@@ -108,7 +101,7 @@ def vectorized_kv_pools(k_buffer: Any, v_buffer: Any, page_size: int) -> dict[st
         raise VectorizedPoolError(
             f"k_buffer is {k.dtype} on {k.device} and v_buffer {v.dtype} on {v.device}: one pool's expected"
         )
-    dtype = _dtype(k)
+    dtype = dtype_name(k, "the pool's dtype", VectorizedPoolError)
     itemsize = DTYPE_SIZES[dtype]
     x = VECTOR_BYTES // itemsize
     blocks, heads, k_vectors, k_page, kx = (int(n) for n in k.shape)
@@ -148,7 +141,5 @@ def vectorized_kv_pools(k_buffer: Any, v_buffer: Any, page_size: int) -> dict[st
             (arrays[name],),
         )
         rows = [_rows(f"{name}_buffer", i, t, page_size) for i, t in enumerate(layers)]
-        for view, t in zip(rows, layers, strict=True):
-            mark_opaque_pages(view, page, (t,))
-        pools[name] = detect(rows, "sglang", {"tokens_per_block": page_size})
+        pools[name] = listed_pages(rows, page, layers, page_size)
     return pools
