@@ -224,3 +224,75 @@ def test_layers_holding_more_blocks_than_num_blocks_are_accepted() -> None:
     engine.config.num_blocks = NB - 2  # another rank had less memory
     out = apply_kv_cache_group_edits(engine.config, kv, {"kv_layout": "NHD"})
     assert kvlayout.detect(list(out.values()), "vllm", {"kv_layout": "NHD"}).only_group().num_blocks == NB
+
+
+def _dsv4_fp8_ds_mla(**kw: Any) -> Any:
+    """DeepSeek-V4's ``fp8_ds_mla`` caches: 584-byte records (448 fp8 NoPE, 128 bf16 RoPE,
+    8 scale bytes) laid out as every slot's 576 data bytes, then every slot's scales."""
+    return dict(
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=512,
+        dtype=torch.uint8,
+        cache_dtype_str="fp8_ds_mla",
+        state_content_bytes=584,
+        alignment=576,
+        model_version="deepseek_v4",
+        **kw,
+    )
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        kvi.SlidingWindowMLASpec(block_size=64, sliding_window=128, **_dsv4_fp8_ds_mla()),  # its SWA cache
+        kvi.MLAAttentionSpec(block_size=256, tokens_per_state=4, **_dsv4_fp8_ds_mla()),  # its C4 cache
+    ],
+    ids=["swa", "compressed"],
+)
+def test_deepseek_v4_paged_scale_pages_move_whole(spec: Any) -> None:
+    """DeepSeek-V4 with ``fp8_ds_mla`` registers ``[pages, 1, 64, 584]`` uint8, but slot
+    ``p``'s data is at ``p * 576`` and its scales at ``64 * 576 + p * 8``. Read as rows of
+    slots, a partly filled last block moved rows that are not its slots' records and left
+    their scales behind."""
+    swa = Backend("DEEPSEEK_SPARSE_SWA", multiple_of=32)
+    _, kv_a, a = registered(spec, KVCacheLayout.LBNHC, 9, swa)
+    _, kv_b, b = registered(spec, KVCacheLayout.LBNHC, 10, swa)
+    (group,) = a.kernel_groups
+    assert group.opaque_pages is not None and not group.opaque_pages.rows_are_tokens
+    assert group.block_size == 64
+    before = {n: t.clone() for n, t in kv_b.items()}
+    block_map(a, b, [3, 1], [0, 4], num_tokens=64 + 10).copy()  # the last block moves whole
+    for name in kv_a:
+        assert torch.equal(page(kv_b[name], 0, spec), page(kv_a[name], 3, spec))
+        assert torch.equal(page(kv_b[name], 4, spec), page(kv_a[name], 1, spec))  # records and scales
+        for blk in (1, 2, 3, 5):
+            assert torch.equal(page(kv_b[name], blk, spec), page(before[name], blk, spec))
+    latent = kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    _, _, plain = registered(latent, KVCacheLayout.LBNHC, 11)
+    with pytest.raises(BlockMapError, match=r"src is opaque pages \(paged-scale-mla: .*\) and dst is not"):
+        block_map(a, plain, [3], [0])
+
+
+@pytest.mark.parametrize(
+    ("record", "version", "dtype_str"),
+    [(656, None, "fp8_ds_mla"), (528, "deepseek_v4", "fp8_ds_mla"), (288, "deepseek_v4", "nvfp4_ds_mla")],
+    ids=["v3.2", "v4.1", "v4.1-nvfp4"],
+)
+def test_interleaved_ds_mla_records_stay_tokens(record: int, version: str | None, dtype_str: str) -> None:
+    """DeepSeek-V3.2's 656-byte records and V4.1's 528- and 288-byte ones (V4.1 keeps V4's
+    ``model_version``) hold each token's record whole, its scales after its data: no edit."""
+    from kvlayout.integrations.vllm import find_kv_cache_group_edit
+
+    spec = kvi.MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        head_size=576,
+        dtype=torch.uint8,
+        cache_dtype_str=dtype_str,
+        state_content_bytes=record,
+        model_version=version,
+    )
+    engine = uniform_engine(spec, Backend("FLASHMLA_SPARSE", fixed_sizes=(64,)), num_layers=NL, num_blocks=NB)
+    _, kv = allocate_v033(engine)
+    assert find_kv_cache_group_edit(spec, next(iter(kv.values()))) is None

@@ -125,6 +125,7 @@ def test_registry_order_and_first_match() -> None:
         "mamba-state-list",
         "head-slot-pages",
         "packed-head-rows",
+        "paged-scale-mla",
         "subpaged-mla-attention",
         "subpaged-attention",
     ]

@@ -69,6 +69,7 @@ from kvlayout.integrations.vllm.rules import (
     MambaStateListEdit,
     MambaStateRowsEdit,
     PackedHeadRowsEdit,
+    PagedScaleMLAEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
 )
@@ -90,6 +91,7 @@ __all__ = [
     "MambaStateListEdit",
     "MambaStateRowsEdit",
     "PackedHeadRowsEdit",
+    "PagedScaleMLAEdit",
     "SpecKind",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",

@@ -27,6 +27,7 @@ from kvlayout.integrations.vllm.rules import (
     MambaStateListEdit,
     MambaStateRowsEdit,
     PackedHeadRowsEdit,
+    PagedScaleMLAEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
 )
@@ -50,6 +51,7 @@ KV_CACHE_GROUP_EDITS: tuple[KVCacheGroupEdit, ...] = (
     MambaStateListEdit(),
     HeadSlotPagesEdit(),
     PackedHeadRowsEdit(),
+    PagedScaleMLAEdit(),
     SubpagedMLAEdit(),
     SubpagedAttentionEdit(),
 )

@@ -38,6 +38,7 @@ __all__ = [
     "MambaStateListEdit",
     "MambaStateRowsEdit",
     "PackedHeadRowsEdit",
+    "PagedScaleMLAEdit",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
 ]
@@ -412,6 +413,67 @@ def _mla_kernel_states(value: torch.Tensor) -> int | None:
     if value.dim() == 4 and 1 in (value.shape[1], value.shape[2]):
         return int(value.shape[1] * value.shape[2])
     return None
+
+
+# DeepSeek-V4's record width: vLLM tells its records apart by the width the spec
+# publishes (``models/deepseek_v41/common/ops/cache_utils.py``), and only V4's 584-byte
+# record splits a page into a data region and a scale region.
+_PAGED_SCALE_RECORD_BYTES = 584
+
+
+def _paged_scale_latents(spec: Any) -> bool:
+    """DeepSeek-V4's packed MLA caches (``model_version='deepseek_v4'``, 584-byte
+    ``state_content_bytes`` records: 448 fp8 NoPE, 128 bf16 RoPE, 8 scale bytes; its main,
+    compressed and sliding-window caches): the page holds every slot's 576 data bytes,
+    then every slot's scales, so the registered ``[pages, 1, N, 584]`` rows are no slots.
+    V4.1's 528- and 288-byte records (the same ``model_version``) and DeepSeek-V3.2's
+    656-byte ones keep each token's record whole, its scales after its data: not this."""
+    return (
+        spec_kind(spec) in (SpecKind.MLA_ATTENTION, SpecKind.SLIDING_WINDOW_MLA)
+        and spec_field(spec, "state_content_bytes", None) == _PAGED_SCALE_RECORD_BYTES
+        and spec_field(spec, "model_version", None) == "deepseek_v4"
+    )
+
+
+class PagedScaleMLAEdit(KVCacheGroupEdit):
+    """DeepSeek-V4's packed MLA pages (:func:`_paged_scale_latents`), re-viewed as whole
+    pages: read as the latent rows they are registered as, a request's last, partly filled
+    block moved its first rows, which are not its tokens' records, and left their scales
+    behind. Its pages move whole, between registrations that page alike (kernel-paged,
+    ``k`` kernel pages a block as :class:`SubpagedMLAEdit` counts them)."""
+
+    name = "paged-scale-mla"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        return (
+            _paged_scale_latents(spec)
+            and slots_per_block(spec) is not None
+            and isinstance(value, torch.Tensor)
+            and _mla_kernel_states(value) is not None
+        )
+
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
+        states, slots = _mla_kernel_states(value), slots_per_block(spec)
+        assert states is not None and slots is not None  # matches() said so
+        if states != slots:
+            return _group_kernel_pages(spec, value, states)
+        # One page a block: its records and scales, up to the page's alignment padding
+        # (vLLM pads the block stride, not the registered rows).
+        runs = page_runs(value)
+        page = require_size(spec, "page_size_bytes")
+        if runs.page_bytes > page or runs.page_bytes % slots:
+            raise KVCacheGroupEditError(
+                f"its registered page of {runs.page_bytes} bytes is not {slots} records within the spec's "
+                f"{page}-byte page"
+            )
+        return opaque_page_view(
+            value,
+            num_blocks=runs.num_pages,
+            block_size=slots,
+            page_bytes=runs.page_bytes,
+            block_stride_bytes=runs.stride_bytes,
+            offset_bytes=runs.offset_bytes,
+        )
 
 
 class SubpagedMLAEdit(KVCacheGroupEdit):
