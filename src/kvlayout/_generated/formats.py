@@ -291,8 +291,8 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         engines=("sglang",),
     ),
     EngineKVFormat.NB_NL_BSV_BSS: FormatInfo(
-        backends=("SGLang HiCache host pool (DSA indexer, page_first and page_first_direct)",),
-        engines=("sglang",),
+        backends=("SGLang HiCache host pool (DSA indexer, page_first and page_first_direct)", "TRT-LLM DSA indexer K pool (get_indexer_k_cache_pool: uint8, kv factor 1)"),
+        engines=("sglang", "trtllm"),
     ),
     EngineKVFormat.TWO_X_NL_X_NB_NH_BS_HS: FormatInfo(
         backends=("SGLang MHA pool under SGLANG_USE_HND_KVCACHE (trtllm_mha: heads before tokens in a page)",),

@@ -2314,7 +2314,7 @@ class NL_NB_BSV_BSS_Spec(KVFormatSpec):
 
 
 class NB_NL_BSV_BSS_Spec(KVFormatSpec):
-    """``[NB, NL, BSxVALS, BSxSCALES]``: SGLang HiCache host pool (DSA indexer, page_first and page_first_direct)."""
+    """``[NB, NL, BSxVALS, BSxSCALES]``: SGLang HiCache host pool (DSA indexer, page_first and page_first_direct); TRT-LLM DSA indexer K pool (get_indexer_k_cache_pool: uint8, kv factor 1)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NB_NL_BSV_BSS

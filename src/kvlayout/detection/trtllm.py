@@ -12,7 +12,9 @@ K/V axis must be 2 or 1 and an NHD hint is honoured (LMCache ignores it and read
 bytes where an NHD backend wrote). A kv factor of 1 is TRT-LLM's MLA cache
 (``CacheType.SELFKONLY``): one latent head, the row split into ``[NB, NL, 1, BS, HS]``
 by ``tokens_per_block`` and ``head_dim`` (``num_kv_heads``, if sent, must be 1); a 6-D
-K-only pool may put its head axis of 1 before or after the tokens.
+K-only pool may put its head axis of 1 before or after the tokens. A uint8 K-only pool is
+the DSA indexer's K pool (``get_indexer_k_cache_pool()``, each block its tokens' fp8 values
+then their scales), read as ``[NB, NL, BSxVALS, BSxSCALES]`` given ``tokens_per_block``.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.base import DetectionError, engine_formats, pick, probe
+from kvlayout.layout import algebra
 from kvlayout.layout.algebra import sizes_by_role
 from kvlayout.layout.vocabulary import Role
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
@@ -34,16 +37,20 @@ _ROW_HINTS = ("num_kv_heads", "tokens_per_block", "head_dim")  # what the flat p
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     if isinstance(kv, list):
-        if len(kv) != 1:
-            raise DetectionError(
-                f"TRT-LLM registers one KV pool tensor, got a list of {len(kv)} entries (a model whose "
-                "layers differ in KV heads or attention window has a pool each: detect each on its own)"
-            )
+        refuse_mixed(kv, hints)
         kv = kv[0]
         if isinstance(kv, list):
             raise DetectionError("TRT-LLM registers one KV pool tensor, got a nested list")
     p = probe(kv)
+    if p.rank == 5 and p.shape[1] in (1, 2) and p.shape[2] != 1:
+        raise DetectionError(
+            f"TRT-LLM: {p.describe()} is no pool [NB, NL, kv_factor, ...]: a per-layer "
+            "get_buffers(layer, kv_layout) view [NB, kv_factor, ...] is read in a list of every layer's "
+            "with engine 'vllm' and the same kv_layout; or detect the pool (get_unique_primary_pool())"
+        )
     hnd, why = _order(p.shape, hints)
+    if p.rank == 4 and p.shape[2] == 1 and p.first.dtype == torch.uint8:
+        return _indexer(kv, hints)
     if p.rank in (4, 6) and p.shape[2] == 1:
         kv = _latent(kv, hints)
         p = probe(kv)
@@ -51,6 +58,27 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         kv = _unflatten(kv, hints, hnd)
         p = probe(kv)
     return pick(ENGINE, p, decide=[(why, "is_hnd", hnd)]), kv
+
+
+def refuse_mixed(kv: list[Any], hints: LayoutHints) -> None:
+    """A list of several entries, of one shape or not (the registry's hook, asked before
+    layers of different shapes are split): TRT-LLM registers one pool tensor, and a model
+    with a pool per attention window or KV head count (VSWA) has each detected alone."""
+    if len(kv) != 1:
+        raise DetectionError(
+            f"TRT-LLM registers one KV pool tensor, got a list of {len(kv)} entries (a model whose layers "
+            f"differ in KV heads or attention window has a pool each: detect each on its own){_views(kv)}"
+        )
+
+
+def _views(kv: list[Any]) -> str:
+    """What to do with per-layer ``get_buffers(layer)`` views: rank 5, K/V axis at dim 1."""
+    if not kv or not all(isinstance(t, torch.Tensor) and t.dim() == 5 and t.shape[1] in (1, 2) for t in kv):
+        return ""
+    return (
+        "; rank-5 entries [NB, kv_factor, ...] look like per-layer get_buffers(layer, kv_layout) views: "
+        "detect the pool (get_unique_primary_pool()), or the views with engine 'vllm' and the same kv_layout"
+    )
 
 
 def _order(shape: tuple[int, ...], hints: LayoutHints) -> tuple[bool, str]:
@@ -89,9 +117,45 @@ def _latent(pool: Any, hints: LayoutHints) -> Any:
         bs, hs = _split_row(
             shape, hints, _ROW_HINTS[1:], "K-only (MLA) pool", "[NB, NL, 1, BS*HS]", _bytes(pool)
         )
-    target = LAYOUTS[next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_mla)]
+    target = LAYOUTS[
+        next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_mla and not LAYOUTS[f].is_indexer)
+    ]
     by_role = {Role.BLOCK: nb, Role.LAYER: nl, Role.TOKEN: bs, Role.ELEMENT: hs}
     return pool.view(target.tensor_shape(sizes_by_role(target, by_role)))
+
+
+def _indexer(pool: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    """The DSA indexer's K pool (``get_indexer_k_cache_pool()``): uint8, kv factor 1, each
+    block the values of its ``tokens_per_block`` tokens, then their scales. Only this pool
+    is uint8 (NVFP4 KV is int8, FP8 KV float8): read as a blocked-scale format, a view,
+    never as MLA latents (a token's row is not its record)."""
+    shape = tuple(pool.shape)
+    fmt = next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_indexer)
+    layout = LAYOUTS[fmt]
+    run = algebra.structure(layout).region_mode
+    assert run is not None
+    values, scales = (span.token.region.width for span in run.regions if span.token.region)
+    width = values + scales
+    where = f"TRT-LLM uint8 K-only pool {shape} (the DSA indexer's K pool [NB, NL, 1, BS*{width}])"
+    bs = hints.tokens_per_block
+    if bs is None:
+        raise LayoutHintError(f"{where} needs layout hint tokens_per_block to split its rows")
+    if hints.num_kv_heads not in (None, 1) or hints.head_dim not in (None, values, width):
+        raise LayoutHintError(
+            f"{where}: layout hints num_kv_heads={hints.num_kv_heads} and head_dim={hints.head_dim} "
+            f"contradict its one head of {values} fp8 values and a {scales}-byte scale a token "
+            f"(head_dim {values} or {width})"
+        )
+    if shape[3] != bs * width:
+        raise DetectionError(
+            f"{where}: flat dim {shape[3]} != tokens_per_block ({bs}) * {width}; kvlayout reads fp8 indexer "
+            f"keys ({values} values and a {scales}-byte scale a token), not others (an FP4 indexer's are "
+            "narrower)"
+        )
+    if not pool.is_contiguous():
+        raise DetectionError(f"{where} with padded rows cannot be split into its tokens' records")
+    sizes = sizes_by_role(layout, {Role.BLOCK: shape[0], Role.LAYER: shape[1], Role.TOKEN: bs})
+    return fmt, pool.view(layout.tensor_shape(sizes))
 
 
 def _unflatten(pool: Any, hints: LayoutHints, hnd: bool) -> Any:

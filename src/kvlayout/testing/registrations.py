@@ -427,6 +427,17 @@ def _sglang_indexer_host(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int,
     return RegistrationCase(engine, fmt, pool, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, [pool], name)
 
 
+def _trtllm_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                    dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """TRT-LLM's DSA indexer K pool (``get_indexer_k_cache_pool()``): uint8, kv factor 1,
+    ``[NB, NL, 1, bs * 132]``, each block its tokens' fp8 values, then their scales."""
+    pool = torch.zeros((nb, nl, 1, bs * 132), dtype=torch.uint8)
+    hints = {"tokens_per_block": bs, **draw(st.sampled_from([{}, {"head_dim": 132}, {"head_dim": 128}]))}
+    return RegistrationCase(
+        engine, fmt, pool, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, [pool], "indexer"
+    )
+
+
 def _max(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
          dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     """MAX's one buffer ``[NB, KV, NL, BS, NH, HS]``, KV 2 (or 1 and one head: MLA)."""
@@ -529,6 +540,7 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
     ("trtllm", F.NB_NL_TWO_BS_NH_HS): _trtllm,
     ("trtllm", F.NB_NL_TWO_NH_BS_HS): _trtllm,
     ("trtllm", F.NB_NL_ONE_BS_HS): _trtllm_mla,
+    ("trtllm", F.NB_NL_BSV_BSS): _trtllm_indexer,
     ("atom", F.NL_X_NB_BS_HS): _atom,
     ("max", F.NB_KV_NL_BS_NH_HS): _max,
 }
