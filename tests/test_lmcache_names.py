@@ -107,6 +107,10 @@ def test_paged_layer_shape_is_one_layers_tensor_for_every_per_layer_format() -> 
         if fmt in PAGED:
             (nh, hs), shape = PAGED[fmt]
             assert cls.paged_layer_shape(NB, BS, nh, hs) == shape, fmt
+        elif kvlayout.layout_of(fmt).is_layer_list and kvlayout.layout_of(fmt).kv_size is None:
+            # one tensor per layer whose K/V axis the tensors size (MAX's per-layer buffers)
+            with pytest.raises(ValueError, match=f"{fmt.name}: this needs a size for KV"):
+                cls.paged_layer_shape(NB, BS, NH, HS)
         else:  # cross-layer, K/V lists, per-layer tuples
             with pytest.raises(ValueError, match=f"{fmt.name} does not have one paged tensor per layer"):
                 cls.paged_layer_shape(NB, BS, NH, HS)

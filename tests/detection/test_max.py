@@ -82,10 +82,11 @@ def test_example_6_what_max_does_not_register() -> None:
     with pytest.raises(
         kvlayout.DetectionError,
         match=re.escape(
-            "MAX registers one KV buffer tensor [NB, KV, NL, BS, NH, HS], got a list of 2 entries"
+            "NL_X_NB_KV_ONE_BS_NH_HS needs dim 2 == 1 (got 2): NL x [NB, KV, 1, BS, NH, HS] (a list is MAX's "
+            "per-layer buffers; its per-device buffers, one per TP shard, are each a registration of their own)"
         ),
     ):
-        detect([t, t.clone()], "max")
+        detect([t, t.clone()], "max")  # two devices' buffers (KVCacheBuffer.values) are not one cache
     with pytest.raises(
         kvlayout.DetectionError, match=r"MAX: no MAX format has list depth 0 and tensor rank 5"
     ):
@@ -164,3 +165,42 @@ def test_a_round_trip_restores_the_blocks(kv_dim: int, heads: int) -> None:
     t.zero_()
     plan.load_blocks(ids, chunks)
     assert torch.equal(t[ids], original[ids]) and not t[[3, 4]].any()
+
+
+@pytest.mark.parametrize(("kv_dim", "heads", "hs"), [(2, 4, 64), (1, 1, 576)])
+def test_per_layer_buffers(kv_dim: int, heads: int, hs: int) -> None:
+    """``per_layer_buffers``: MAX allocates one ``[NB, KV, 1, BS, NH, HS]`` buffer per layer
+    (``KVCacheBuffer.values_per_layer``); it was refused as a list of several buffers. It
+    maps into vLLM's flash-attention cache (K/V) or vLLM's MLA cache (one latent plane)."""
+    nl, nb, bs = 3, 6, 16
+    layers = [
+        torch.randn(nb, kv_dim, 1, bs, heads, hs, generator=torch.Generator().manual_seed(i)).to(
+            torch.bfloat16
+        )
+        for i in range(nl)
+    ]
+    sent = {"num_layers": nl, "kv_dim": kv_dim, "page_size": bs, "num_kv_heads": heads, "head_dim": hs,
+            "total_num_blocks": nb}  # fmt: skip
+    src = kvlayout.detect(layers, "max", sent)
+    group = src.kernel_groups[0]
+    assert (group.format, group.block_size, group.num_blocks) == (F.NL_X_NB_KV_ONE_BS_NH_HS, bs, nb)
+    assert kvlayout.get_num_layers(layers, group.format) == nl
+    if kv_dim == 2:
+        dst_kv = [torch.zeros(2, nb, bs, heads, hs, dtype=torch.bfloat16) for _ in range(nl)]
+        dst = kvlayout.detect(dst_kv, "vllm", {"kv_layout": "NHD"})
+    else:
+        dst_kv = [torch.zeros(nb, bs, hs, dtype=torch.bfloat16) for _ in range(nl)]
+        dst = kvlayout.detect(dst_kv, "vllm")
+    kvlayout.transfer.block_map(src, dst, [4, 1], [2, 5]).copy()
+    for layer, d in zip(layers, dst_kv, strict=True):
+        for s_block, d_block in ((4, 2), (1, 5)):
+            for kv in range(kv_dim):
+                want = layer[s_block, kv, 0]  # [BS, NH, HS]
+                got = d[kv, d_block] if kv_dim == 2 else d[d_block].view(bs, 1, hs)
+                assert torch.equal(got, want)
+        others = [b for b in range(nb) if b not in (2, 5)]
+        assert not (d[:, others] if kv_dim == 2 else d[others]).count_nonzero()
+    with pytest.raises(
+        kvlayout.LayoutHintError, match=r"layout hint head_dim=32 contradicts NL_X_NB_KV_ONE_BS_NH_HS"
+    ):
+        kvlayout.detect(layers, "max", {**sent, "head_dim": 32})

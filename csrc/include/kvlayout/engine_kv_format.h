@@ -48,9 +48,10 @@ enum class EngineKVFormat : std::int32_t {
   NB_NL_BSV_BSS = 35,  // [NB, NL, BSxVALS, BSxSCALES]
   TWO_X_NL_X_NB_NH_BS_HS = 36,  // 2 x NL x [NB, NH, BS, HS]
   NL_X_NB_BSK = 37,  // NL x [NB, BSxKEYS]
+  NL_X_NB_KV_ONE_BS_NH_HS = 38,  // NL x [NB, KV, 1, BS, NH, HS]
 };
 
-inline constexpr int kNumFormats = 38;
+inline constexpr int kNumFormats = 39;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -91,6 +92,7 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_BSV_BSS,
     EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS,
     EngineKVFormat::NL_X_NB_BSK,
+    EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS,
 };
 
 // Everything derived about one format.
@@ -235,6 +237,9 @@ false, true, false, false, true, false, false, false, false, false, true, false,
     case EngineKVFormat::NL_X_NB_BSK:
       return FormatFacts{format, "NL_X_NB_BSK", "NL x [NB, BSxKEYS]", 1, 1, false,
 false, false, true, true, false, false, false, false, false, false, true, true, false, false};
+    case EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS:
+      return FormatFacts{format, "NL_X_NB_KV_ONE_BS_NH_HS", "NL x [NB, KV, 1, BS, NH, HS]", 0, 1, false,
+false, false, true, false, false, false, false, false, false, false, true, false, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

@@ -444,6 +444,17 @@ KVLAYOUT_HOST_DEVICE inline Location nl_x_nb_bsk(const Sizes& s, std::int64_t bl
   return Location{c.layer, c.block * stride0 + (s.bs * 0 + c.token * 256 + (col1 - 0)) * stride1};
 }
 
+// 38: NL_X_NB_KV_ONE_BS_NH_HS = NL x [NB, KV, 1, BS, NH, HS]
+KVLAYOUT_HOST_DEVICE inline Location nl_x_nb_kv_one_bs_nh_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.nh;
+  const std::int64_t stride2 = stride3 * s.bs;
+  const std::int64_t stride1 = stride2 * 1;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.kv;
+  return Location{c.layer, c.block * stride0 + c.kv * stride1 + c.token * stride3 + c.head * stride4 + c.elem * stride5};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -525,6 +536,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::two_x_nl_x_nb_nh_bs_hs(s, block_stride, c);
     case EngineKVFormat::NL_X_NB_BSK:
       return indexing::nl_x_nb_bsk(s, block_stride, c);
+    case EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS:
+      return indexing::nl_x_nb_kv_one_bs_nh_hs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -796,6 +809,13 @@ template <>
 struct Indexer<EngineKVFormat::NL_X_NB_BSK> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nl_x_nb_bsk(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nl_x_nb_kv_one_bs_nh_hs(s, block_stride, c);
   }
 };
 

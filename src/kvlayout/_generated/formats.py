@@ -90,6 +90,8 @@ class EngineKVFormat(enum.IntEnum):
     """``2 x NL x [NB, NH, BS, HS]``"""
     NL_X_NB_BSK = 37
     """``NL x [NB, BSxKEYS]``"""
+    NL_X_NB_KV_ONE_BS_NH_HS = 38
+    """``NL x [NB, KV, 1, BS, NH, HS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +143,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NB_NL_BSV_BSS: Layout(lists=(), tensor=(NB, NL, BSV, BSS)),
     EngineKVFormat.TWO_X_NL_X_NB_NH_BS_HS: Layout(lists=(TWO, NL), tensor=(NB, NH, BS, HS)),
     EngineKVFormat.NL_X_NB_BSK: Layout(lists=(NL,), tensor=(NB, BSK)),
+    EngineKVFormat.NL_X_NB_KV_ONE_BS_NH_HS: Layout(lists=(NL,), tensor=(NB, KV, ONE, BS, NH, HS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -301,6 +304,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NL_X_NB_BSK: FormatInfo(
         backends=("SGLang DSA indexer k-cache (index_cache_dtype bfloat16: keys without scales)",),
         engines=("sglang",),
+    ),
+    EngineKVFormat.NL_X_NB_KV_ONE_BS_NH_HS: FormatInfo(
+        backends=("Modular MAX per-layer buffers (per_layer_buffers: one single-layer buffer per layer)",),
+        engines=("max",),
     ),
 }
 

@@ -453,6 +453,34 @@ def _max(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: in
     )
 
 
+def _max_per_layer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+                   dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """MAX under ``per_layer_buffers``: one ``[NB, KV, 1, BS, NH, HS]`` buffer per layer,
+    KV 2 (or 1 and one head: MLA); two layers at least (one is the cross-layer buffer)."""
+    nl, kvd = max(nl, 2), draw(st.sampled_from([1, 2]))
+    heads = nh if kvd == 2 else 1
+    leaves = _alloc((nb, kvd, 1, bs, heads, hs), dtype, nl, draw(st.sampled_from(["separate", "padded3"])))
+    sent = {"num_layers": nl, "kv_dim": kvd, "tokens_per_block": bs, "page_size": bs,
+            "num_kv_heads": heads, "head_dim": hs, "total_num_blocks": nb}  # fmt: skip
+    hints = draw(st.sampled_from([{}, sent]))
+    return RegistrationCase(
+        engine,
+        fmt,
+        leaves,
+        hints,
+        nl,
+        nb,
+        bs,
+        nb * bs,
+        heads,
+        hs,
+        dtype,
+        leaves,
+        f"per-layer kv_dim={kvd}",
+        kv_size=kvd,
+    )
+
+
 def _sglang_host_pages(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                        dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     """An SGLang HiCache host pool read in pages: the pool as SGLang allocates it (NB*BS
@@ -543,6 +571,7 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
     ("trtllm", F.NB_NL_BSV_BSS): _trtllm_indexer,
     ("atom", F.NL_X_NB_BS_HS): _atom,
     ("max", F.NB_KV_NL_BS_NH_HS): _max,
+    ("max", F.NL_X_NB_KV_ONE_BS_NH_HS): _max_per_layer,
 }
 
 
