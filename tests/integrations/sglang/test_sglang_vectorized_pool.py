@@ -172,16 +172,14 @@ def test_refuses_maps_to_any_other_layout() -> None:
     a = vectorized_kv_pools(src.k_buffer, src.v_buffer, src.page_size)
     nhd = [torch.zeros(SIZE + PAGE, HEADS, 64, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
     plain = kvlayout.detect(nhd, "sglang", {"kv_list_layout": "k_v", "tokens_per_block": PAGE})
-    with pytest.raises(BlockMapError, match=r"src is opaque pages \(SGLang AITER vectorized_5d K page"):
+    with pytest.raises(BlockMapError, match=r"src is opaque pages \(AITER SHUFFLE K page"):
         block_map(a["k"], plain, [1], [1])
-    with pytest.raises(BlockMapError, match=r"dst is opaque pages .*vectorized_5d V page.* and src is not"):
+    with pytest.raises(BlockMapError, match=r"dst is opaque pages .*AITER SHUFFLE V page.* and src is not"):
         block_map(plain, a["v"], [1], [1])
     # K never maps to V, even where D == page_size == D_v (the same page bytes)
     square = vectorized_kv_pool(1, 3 * 64, 2, 64, page_size=64)
     sq = vectorized_kv_pools(square.k_buffer, square.v_buffer, square.page_size)
-    with pytest.raises(
-        BlockMapError, match=r"do not hold the same state: .*src pages are SGLang AITER vectorized_5d K"
-    ):
+    with pytest.raises(BlockMapError, match=r"do not hold the same state: .*src pages are AITER SHUFFLE K"):
         block_map(sq["k"], sq["v"], [1], [2])
     # other page sizes, other head dims, other dtypes
     other_page = vectorized_kv_pool(LAYERS, SIZE, HEADS, 64, page_size=32)
