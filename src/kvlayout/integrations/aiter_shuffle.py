@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from kvlayout.detection.base import DetectionError
+from kvlayout.integrations.page_lists import dtype_name, listed_pages
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
@@ -100,9 +101,6 @@ def shuffle_kv_pools(
     ``{"k": ..., "v": ...}``: block ids index axis 0, a block moves whole, only to a block
     of the same kind (K to K, V to V) and geometry. ``caller`` names the engine's lists in
     errors (raised as ``caller.error``)."""
-    # imported here: kvlayout.integrations.sglang's package imports this module
-    from kvlayout.integrations.sglang.page_lists import dtype_name, listed_pages
-
     c = caller
     ks, vs = _layers(c, c.k_name, k_layers), _layers(c, c.v_name, v_layers)
     k, v = ks[0], vs[0]

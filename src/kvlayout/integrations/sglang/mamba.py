@@ -39,7 +39,7 @@ import torch
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.integrations.mamba_splits import conv_parts
-from kvlayout.integrations.sglang.page_lists import dtype_name, listed_pages
+from kvlayout.integrations.page_lists import dtype_name, listed_pages
 from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pages
 from kvlayout.registration.registration import Registration
 
@@ -242,7 +242,7 @@ def _layer_rows(name: str, layer: int, t: torch.Tensor) -> tuple[torch.Tensor, t
 
 def _per_layer_pools(pool: Any, cache: Any, mamba_type: str | None) -> dict[str, Registration]:
     """kvcached's per-layer pool as one registration per state, its layers a list
-    (:func:`~kvlayout.integrations.sglang.page_lists.listed_pages`): block ids are slot
+    (:func:`~kvlayout.integrations.page_lists.listed_pages`): block ids are slot
     indices, as in SGLang's device pool."""
     named = _per_layer_states(pool, cache)
     head, first = named[0][0], named[0][1][0]

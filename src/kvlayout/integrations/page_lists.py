@@ -1,5 +1,6 @@
-"""What the SGLang readers share: a pool's dtype as the algebra names it, and per-layer
-byte rows registered as opaque pages of SGLang's per-layer list format."""
+"""What the readers of pools as opaque pages share (SGLang's Mamba states and AITER
+SHUFFLE pools, ATOM's too): a pool's dtype as the algebra names it, and per-layer byte
+rows registered as opaque pages of an engine's per-layer list format."""
 
 from __future__ import annotations
 
@@ -24,12 +25,16 @@ def dtype_name(t: torch.Tensor, what: str, error: type[DetectionError]) -> str:
 
 
 def listed_pages(
-    rows: list[torch.Tensor], page: OpaquePages, over: list[torch.Tensor], rows_per_block: int
+    rows: list[torch.Tensor],
+    page: OpaquePages,
+    over: list[torch.Tensor],
+    rows_per_block: int,
 ) -> Registration:
     """Per-layer int8 rows ``[blocks * rows_per_block, 1, bytes]`` (each a view of the
     tensor of ``over`` beside it) marked as ``page`` and read as SGLang's per-layer list
     in blocks of ``rows_per_block`` rows (``NL_X_NB_BS_HS``): a layer's blocks may lie any
-    distance apart."""
+    distance apart. ATOM's SHUFFLE pool is read so too: ATOM's own detector keeps int8 rows
+    ``[NB, 1, bytes]`` as its MP connector's whole blocks, never regrouped in blocks."""
     for view, t in zip(rows, over, strict=True):
         mark_opaque_pages(view, page, (t,))
     return detect(rows, "sglang", {"tokens_per_block": rows_per_block})
