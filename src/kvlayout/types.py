@@ -152,6 +152,12 @@ class LayoutHints:
     ``page_first_direct`` (``[2, pages, NL, page_size, NH, HS]``) or ``page_head``
     (``[2, pages, NH, page_size, NL, HS]``); an MLA pool has no K/V axis and one head.
 
+    ``attn_backend``: vLLM's attention backend, as vLLM names it (``attn_backend.get_name()``:
+    ``CPU_ATTN``, ``FLASH_ATTN``, ...); only vLLM's detector reads it. Every name is taken;
+    ``CPU_ATTN`` (vLLM's CPU platform) packs each block's K and V per ISA, so its layers are
+    read as whole opaque pages a block, which move only to caches paged alike. vLLM tensors
+    on the CPU with neither this nor ``kv_layout`` are read so too.
+
     ``kv_pair_axis``: kvlayout's own hint for vLLM's 5-D per-layer caches, where the K/V
     axis of size 2 is dim 0 (flash-attn ``[2, NB, ...]``) or dim 1 (flash-infer
     ``[NB, 2, ...]``). Shapes settle it unless NB == 2; then K/V-first is assumed and
@@ -169,7 +175,8 @@ class LayoutHints:
     kv_dim: int | None = None
     page_size: int | None = None
     layout_format: str | None = None
-    hicache_layout: HiCacheLayout | None = None  # last: the fields before keep their positions
+    hicache_layout: HiCacheLayout | None = None
+    attn_backend: str | None = None  # last: the fields before keep their positions
 
     def __post_init__(self) -> None:
         if self.kv_layout is not None:
@@ -195,6 +202,8 @@ class LayoutHints:
             object.__setattr__(self, "tokens_per_block", self.page_size)
         if self.layout_format is not None:
             _layout_format(self.layout_format)
+        if self.attn_backend is not None:
+            object.__setattr__(self, "attn_backend", _backend_name(self.attn_backend))
         if self.kv_pair_axis is not None:
             object.__setattr__(self, "kv_pair_axis", as_int(self.kv_pair_axis, "layout hint kv_pair_axis"))
             if self.kv_pair_axis not in (0, 1):
@@ -253,6 +262,21 @@ def _kv_layout(value: object) -> str:
         f"layout hint kv_layout={value!r}: {why}, which no format describes; use one of "
         f"{', '.join(KV_LAYOUT_NAMES)}"
     )
+
+
+def _backend_name(value: object) -> str:
+    """vLLM's attention backend name as vLLM spells it (``CPU_ATTN``), checked: a non-empty str."""
+    if not isinstance(value, str):
+        raise LayoutHintError(
+            f"layout hint attn_backend must be a str (vLLM's attn_backend.get_name(), e.g. 'CPU_ATTN'), "
+            f"not {type(value).__name__} ({value!r})"
+        )
+    name = value.strip()
+    if not name:
+        raise LayoutHintError(
+            "layout hint attn_backend is empty: pass vLLM's attn_backend.get_name() (e.g. 'CPU_ATTN')"
+        )
+    return name
 
 
 def _layout_format(value: object) -> None:

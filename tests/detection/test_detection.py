@@ -551,7 +551,7 @@ def test_every_engine_has_a_detector_found_by_module_discovery() -> None:
 @pytest.mark.parametrize(
     ("hints", "error", "message"),
     [
-        ({"kv_layuot": "NHD"}, LayoutHintError, "unknown layout hint 'kv_layuot'; known hints: head_dim"),
+        ({"kv_layuot": "NHD"}, LayoutHintError, "unknown layout hint 'kv_layuot'; known hints: attn_backend, head_dim"),
         ({"kv_layout": "NDH"}, LayoutHintError, "layout hint kv_layout='NDH' is not one of NHD, HND, BHLNC, BLHNC, BLNHC"),
         ({"kv_layout": 1}, TypeError, "layout hint kv_layout must be a str, not int"),
         ({"tokens_per_block": 0}, LayoutHintError, "layout hint tokens_per_block must be a positive int, got 0"),

@@ -8,6 +8,13 @@ Quirks that live here and nowhere else:
   otherwise tensors on the CPU are HND (vLLM's CPU backend allocates HND) and tensors
   elsewhere NHD (:func:`resolve_vllm_kv_layout`). An explicit hint always wins, and size
   hints the result contradicts are an error.
+* vLLM's CPU platform always uses CPU_ATTN, whose kernel views a block ``[H, N, 2*hs]``
+  as ``[H, 2N, hs]`` (a head's K rows, then its V rows) packed per ISA: under the
+  ``attn_backend='CPU_ATTN'`` hint, or on the CPU with neither it nor ``kv_layout``, a
+  rank-4 attention layer read HND is its whole pages, ``[NB, N, page_bytes // N]`` int8
+  marked opaque (:func:`cpu_attention_pages`), as vLLM's group edits view it too
+  (``cpu-attn-pages``). ``kv_layout`` without ``attn_backend`` keeps the plain reading
+  (tensors standing in for a GPU backend's cache).
 * A 5-D ``[2, 2, ...]`` tensor (two blocks) fits flash-attn and flash-infer alike;
   K/V-first is assumed unless the ``kv_pair_axis`` hint says 1, or dim 0 is padded
   (padding is only ever on the block axis). LMCache 0.5.6 always reads it as
@@ -65,11 +72,25 @@ from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS, HND_KV_LAYOUTS, Ro
 from kvlayout.registration.backing import first_without_memory
 from kvlayout.registration.contiguity import dim0_padding, physical_order
 from kvlayout.registration.nesting import first_leaf
+from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages, mark_opaque_pages
 from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHintError, LayoutHints
 
-__all__ = ["ENGINE", "discover", "pool_views", "resolve_vllm_kv_layout"]
+__all__ = [
+    "CPU_ATTENTION",
+    "ENGINE",
+    "cpu_attention_pages",
+    "discover",
+    "pool_views",
+    "reads_cpu_attention",
+    "resolve_vllm_kv_layout",
+]
 
 ENGINE = EngineType.VLLM
+
+OWN_HINTS = ("attn_backend",)
+
+CPU_ATTENTION = "CPU_ATTN"
+"""vLLM's CPU platform's attention backend (``vllm/v1/attention/backends/cpu_attn.py``)."""
 
 
 def resolve_vllm_kv_layout(layout_hints: HintsLike, cpu_attention_backend: bool = False) -> str:
@@ -92,12 +113,124 @@ def resolve_vllm_kv_layout(layout_hints: HintsLike, cpu_attention_backend: bool 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     p = probe(kv)
-    if hints.kv_layout is None:
+    cpu_attention = reads_cpu_attention(p.device, hints)
+    if cpu_attention and hints.attn_backend is not None:
+        _check_cpu_attention_hints(hints)
+    if hints.kv_layout is None and not (cpu_attention and hints.attn_backend is not None):
         read = _read_by_sizes(kv, p, hints)
         if read is not None:
-            return read
-    layout = resolve_vllm_kv_layout(hints, cpu_attention_backend=p.device.type == "cpu")
-    return _discover(kv, p, hints, _Reading(layout in HND_KV_LAYOUTS, layout in HEAD_OUTER_KV_LAYOUTS))
+            return _as_cpu_attention(read, p, hints) if cpu_attention else read
+    layout = resolve_vllm_kv_layout(hints, cpu_attention_backend=p.device.type == "cpu" or cpu_attention)
+    read = _discover(kv, p, hints, _Reading(layout in HND_KV_LAYOUTS, layout in HEAD_OUTER_KV_LAYOUTS))
+    return _as_cpu_attention(read, p, hints) if cpu_attention else read
+
+
+def reads_cpu_attention(device: torch.device | str, layout_hints: HintsLike) -> bool:
+    """Whether vLLM's attention layers on ``device`` are read as CPU_ATTN's (whole opaque
+    pages a block): the ``attn_backend`` hint says ``CPU_ATTN``, or the tensors are on the
+    CPU and neither ``attn_backend`` nor ``kv_layout`` says what stands there (vLLM's CPU
+    platform always uses CPU_ATTN)."""
+    hints = LayoutHints.coerce(layout_hints)
+    if hints.attn_backend is not None:
+        return hints.attn_backend.upper() == CPU_ATTENTION
+    return hints.kv_layout is None and torch.device(device).type == "cpu"
+
+
+def _check_cpu_attention_hints(hints: LayoutHints) -> None:
+    """CPU_ATTN allocates heads before tokens inside each block (``LBHNC``, or ``BLHNC``
+    in a cross-layer allocation): another ``kv_layout`` contradicts it."""
+    if hints.kv_layout is not None and (
+        hints.kv_layout not in HND_KV_LAYOUTS or hints.is_head_outer or hints.is_layer_inner
+    ):
+        raise LayoutHintError(
+            f"layout hints attn_backend={hints.attn_backend!r} and kv_layout={hints.kv_layout!r} disagree: "
+            "vLLM's CPU_ATTN allocates each block's heads before its tokens (LBHNC or BLHNC)"
+        )
+
+
+def _as_cpu_attention(
+    read: tuple[EngineKVFormat, DiscoverableKVCache], p: Probe, hints: LayoutHints
+) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    """vLLM 0.33's per-layer ``[NB, H, N, C]`` attention (heads of K | V, heads before
+    tokens) as CPU_ATTN's whole pages, ``[NB, N, page_bytes // N]`` int8 marked opaque;
+    anything else (MLA latents, the DSA indexer, older ranks, NHD reads) as read."""
+    fmt, out = read
+    layout = LAYOUTS[fmt]
+    # one head without the hint stays as read: MLA latents on the CPU look the same
+    head = layout.axis_of(Role.HEAD)
+    one_head = head is not None and first_leaf(out).shape[head] == 1
+    if (hints.attn_backend is None and one_head) or not (
+        p.depth == 1
+        and p.rank == 4
+        and layout.is_hnd
+        and not layout.is_head_outer
+        and not layout.is_mla
+        and not layout.is_indexer
+    ):
+        return read
+    assert isinstance(out, list)
+    _, heads, _, row = out[0].shape
+    for hint, size in (("num_kv_heads", heads), ("head_dim", row // 2)):
+        stated = getattr(hints, hint)
+        if stated is not None and stated != size:
+            raise LayoutHintError(
+                f"layout hint {hint}={stated}, but kv_caches[0] {_strided(out[0])} read as vLLM's CPU_ATTN "
+                f"([NB, H, N, 2*head_dim]) has {size}"
+            )
+    pages = [_cpu_attention_view(t, hints, i) for i, t in enumerate(out)]
+    # read as the rank-3 pages vLLM's group edits make are, under every hint
+    opaque, _ = _discover(pages, probe(pages), LayoutHints(), _Reading(True, False))
+    return opaque, pages
+
+
+def _cpu_attention_view(t: torch.Tensor, hints: LayoutHints, i: int) -> torch.Tensor:
+    nb, heads, tokens, row = t.shape
+    if t.numel() == 0 or not t[0].is_contiguous():
+        raise DetectionError(
+            f"kv_caches[{i}] {_strided(t)} read as vLLM's CPU_ATTN ([NB, H, N, C], each block one run "
+            "of its heads' rows) is not one contiguous run a block"
+        )
+    item = t.element_size()
+    page = heads * tokens * row * item
+    stride = int(t.stride(0)) * item if nb > 1 else page
+    if stride < page:
+        raise DetectionError(
+            f"kv_caches[{i}] {_strided(t)}: its blocks overlap, which CPU_ATTN never allocates"
+        )
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=torch.int8, device=t.device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))  # the storage as bytes, no copy
+    view = flat.as_strided(
+        (nb, tokens, page // tokens), (stride, page // tokens, 1), t.storage_offset() * item
+    )
+    mark_opaque_pages(view, cpu_attention_pages(t, hints), [t])
+    return view
+
+
+def cpu_attention_pages(t: torch.Tensor, layout_hints: HintsLike = None) -> OpaquePages:
+    """What a CPU_ATTN page holds (:class:`~kvlayout.registration.opaque.OpaquePages`):
+    vLLM 0.33's kernel page ``[H, N, C]`` of ``t`` (``[pages, H, N, C]``), its dtype and
+    memory order; rows are no tokens (the kernel views a page as ``[H, 2N, C/2]``, a head's
+    K rows then its V rows, and its ISA-specific kernels pack each in their own tiles)."""
+    order = [d for d in physical_order(t.shape, t.stride()) if t.shape[d] != 1]
+    inner = [d for d in order if d != 0]
+    hints = LayoutHints.coerce(layout_hints)
+    how = (
+        "layout hint attn_backend='CPU_ATTN'"
+        if hints.attn_backend is not None
+        else "the default for vLLM tensors on the CPU: pass kv_layout='NHD' (or 'HND', or the backend's "
+        "attn_backend) if these tensors stand in for a GPU backend's cache"
+    )
+    advice = (
+        f"the cache was read as vLLM's CPU_ATTN (its K and V packed per ISA inside each block), by {how}; "
+        "such pages move only to a cache paged alike (CPU_ATTN of the same block size, heads, head size "
+        "and dtype), and vLLM itself repacks received plain blocks with its platform's pack_kv_cache"
+    )
+    layout = (
+        f"cpu-attn-pages: vLLM's CPU_ATTN, K and V packed per ISA inside each block: "
+        f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)[1:]} in memory order {inner}"
+    )
+    return OpaquePages(layout[:MAX_PAGE_LAYOUT], rows_are_tokens=False, advice=advice)
 
 
 class _Reading(NamedTuple):

@@ -6,6 +6,7 @@ would be (:func:`~kvlayout.registration.peers.RegistrationDescription.from_json`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -132,7 +133,16 @@ def _checked(
     desc = RegistrationDescription(
         groups, device.type, device.index, shard, None if engine is None else str(engine.value)
     )
-    return from_data(to_data(desc))  # one check for what we make and what peers send
+    checked = from_data(to_data(desc))  # one check for what we make and what peers send
+    # the pages' local advice (how they were read, what to do where they do not map), which
+    # no description carries: the pages compare equal without it
+    if any(g.opaque_pages is not None and g.opaque_pages.advice for g in groups):
+        kept = tuple(
+            dataclasses.replace(c, opaque_pages=g.opaque_pages)
+            for c, g in zip(checked.groups, groups, strict=True)
+        )
+        checked = dataclasses.replace(checked, groups=kept)
+    return checked
 
 
 def _group(group: Any, block_size: int | None) -> GroupDescription:

@@ -31,7 +31,7 @@ from kvlayout.registration.memory import (
     partly_shared,
 )
 from kvlayout.registration.nesting import Path, describe_path
-from kvlayout.registration.opaque import OpaquePages, pages_of_tensors
+from kvlayout.registration.opaque import OpaquePages, opaque_pages_of, pages_of_tensors
 from kvlayout.types import EngineType
 
 __all__ = [
@@ -213,8 +213,10 @@ class KernelGroup(HoldsAddresses):
         tensors: list[torch.Tensor] = []
         for plane in self.planes:
             sources = plane.sources or (None,) * len(plane.leaves)
+            # a leaf detection re-viewed as opaque pages (vLLM's CPU_ATTN) carries its own mark
             tensors += [
-                leaf if source is None else source for leaf, source in zip(plane.leaves, sources, strict=True)
+                leaf if source is None or opaque_pages_of(leaf) is not None else source
+                for leaf, source in zip(plane.leaves, sources, strict=True)
             ]
         return pages_of_tensors(tensors)
 

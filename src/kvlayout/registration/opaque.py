@@ -16,7 +16,7 @@ import math
 import threading
 import weakref
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -126,6 +126,9 @@ class OpaquePages:
     arrays: tuple[PageArray, ...] = ()
     """The page's TP-sharded state (:class:`PageArray`), disjoint, in page order, where
     the edit knows it (a Mamba page's conv and SSM states); empty otherwise."""
+    advice: str = field(default="", compare=False)
+    """How the pages came to be read so and what to do where they do not map (local: a
+    description does not carry it, and pages alike compare equal whatever it says)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.layout, str) or not 0 < len(self.layout) <= MAX_PAGE_LAYOUT:

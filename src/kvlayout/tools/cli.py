@@ -325,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="KEY=VALUE",
         help=(
             "a layout hint, repeatable: kv_layout=HND, tokens_per_block=16, kv_list_layout=k_v, "
-            "hicache_layout=page_first, ..."
+            "hicache_layout=page_first, attn_backend=CPU_ATTN, ..."
         ),
     )
     p.add_argument(

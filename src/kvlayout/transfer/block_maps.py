@@ -421,6 +421,7 @@ def _check_opaque_pages(
         raise BlockMapError(
             f"{edited} is opaque pages ({pages.layout}) and {other} is not: an edited group's rows are bytes "
             f"of the kernel's page, not tokens, so it maps only to a group edited alike ({how})"
+            + _advice(pages)
         )
     ranks = given_shard(src, src_shard, "src"), given_shard(dst, dst_shard, "dst")
     if a.arrays and b.arrays and not a.rows_are_tokens and not b.rows_are_tokens:
@@ -432,7 +433,7 @@ def _check_opaque_pages(
         sa, sb = (f"{p.layout}{tokens[p.rows_are_tokens] if a.layout == b.layout else ''}" for p in (a, b))
         raise BlockMapError(
             f"src and dst are opaque pages laid out differently (src {sa}; dst {sb}): the same "
-            f"tokens are other bytes of the page ({how})"
+            f"tokens are other bytes of the page ({how})" + _advice(a) + _advice(b)
         )
     if not a.rows_are_tokens and src.block_size != dst.block_size:
         raise BlockMapError(
@@ -445,6 +446,11 @@ def _check_opaque_pages(
             f"the kernel's order, so it maps only to the same rank's ({how})"
         )
     return None
+
+
+def _advice(pages: OpaquePages) -> str:
+    """What the pages' reading says to do where they do not map (vLLM's CPU_ATTN)."""
+    return f". {pages.advice[:1].upper()}{pages.advice[1:]}" if pages.advice else ""
 
 
 def _state_ranks(

@@ -117,8 +117,9 @@ def test_nhd_kernel_pages_read_as_blocks_under_an_nhd_hint_and_are_refused_under
     engine = hybrid_engine(QWEN3_5_0_8B, FLASHINFER)  # LBNHC, two KV heads
     _, kv_caches = allocate_v033(engine)
     nhd = layout_hints is not None and layout_hints["kv_layout"] in ("NHD", "BLNHC")
-    if not nhd:  # HND hints, and no hint on CPU tensors (read as HND)
-        with pytest.raises(BlockGranularityError, match=r"reads as NL_X_NB_NH_BS_CS with block size"):
+    if not nhd:  # HND hints, and no hint on CPU tensors (read as CPU_ATTN's whole pages)
+        read = "NL_X_NB_NH_BS_CS" if layout_hints is not None else "NL_X_NB_BS_HS"
+        with pytest.raises(BlockGranularityError, match=rf"reads as {read} with block size"):
             apply_kv_cache_group_edits(engine.config, kv_caches, layout_hints)
         return
     out = apply_kv_cache_group_edits(engine.config, kv_caches, layout_hints)

@@ -80,10 +80,10 @@ def _check_opaque_view(
     assert view.stride() == (block_stride, row, 1)
 
 
-def _rules(engine: Engine, kv_caches: dict[str, Any]) -> Counter[str]:
+def _rules(engine: Engine, kv_caches: dict[str, Any], layout_hints: dict[str, str]) -> Counter[str]:
     rules: Counter[str] = Counter()
     for layer, value in kv_caches.items():
-        edit = find_kv_cache_group_edit(engine.spec_of(layer), value)
+        edit = find_kv_cache_group_edit(engine.spec_of(layer), value, layout_hints=layout_hints)
         rules[edit.name if edit else "none"] += 1
     return rules
 
@@ -111,7 +111,7 @@ def test_qwen3_5_flashinfer_both_edits_fire(allocation: str, hnd: bool, checkpoi
 
     mamba_rule = "mamba-state-rows" if allocation == "v033" else "mamba-state-list"
     num_mamba = sum(len(g.layer_names) for g in groups if isinstance(g.kv_cache_spec, kvi.MambaSpec))
-    assert _rules(engine, kv_caches) == {
+    assert _rules(engine, kv_caches, hints(hnd)) == {
         mamba_rule: num_mamba,
         "subpaged-attention": len(groups[attn_group].layer_names),
     }
@@ -147,7 +147,7 @@ def test_qwen3_next_tp2(allocation: str, hnd: bool, checkpoint_alignment: int) -
     assert attn.num_kv_heads == QWEN3_NEXT_80B_A3B.num_key_value_heads // 2
     bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
     out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
-    assert _rules(engine, kv_caches)["none"] == 0
+    assert _rules(engine, kv_caches, hints(hnd))["none"] == 0
     for layer, view in out.items():
         _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
 
@@ -176,7 +176,7 @@ def test_pure_attention_model_kernel_paged_is_edited(allocation: str, hnd: bool)
     assert engine.kernel_block_sizes == [64] and _kernel_ratio(engine) == {0: 2}
     bufs, kv_caches = allocate(engine, FLASHINFER, allocation, hnd)
     out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(hnd))
-    assert _rules(engine, kv_caches) == {"subpaged-attention": LLAMA_3_2_1B.num_hidden_layers}
+    assert _rules(engine, kv_caches, hints(hnd)) == {"subpaged-attention": LLAMA_3_2_1B.num_hidden_layers}
     for layer, view in out.items():
         _check_opaque_view(engine, bufs, allocation, layer, view, kv_caches[layer])
 
@@ -197,7 +197,7 @@ def test_uniform_type_groups_are_unwrapped() -> None:
     assert all(isinstance(g.kv_cache_spec, kvi.UniformTypeKVCacheSpecs) for g in groups)
     bufs, kv_caches = allocate_v033(engine)
     out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))
-    assert _rules(engine, kv_caches)["none"] == 0
+    assert _rules(engine, kv_caches, hints(False))["none"] == 0
     for layer, view in out.items():
         _check_opaque_view(engine, [bufs], "v033", layer, view, kv_caches[layer])
 
@@ -234,7 +234,7 @@ def test_mla_hybrid_subpaged(allocation: str) -> None:
     assert _kernel_ratio(engine)[mla_group] > 1
     bufs, kv_caches = allocate(engine, FLASHMLA, allocation, False)
     out = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))
-    rules = _rules(engine, kv_caches)
+    rules = _rules(engine, kv_caches, hints(False))
     assert rules["subpaged-mla-attention"] == len(engine.config.kv_cache_groups[mla_group].layer_names)
     assert rules["none"] == 0
     for layer, view in out.items():

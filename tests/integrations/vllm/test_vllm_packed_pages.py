@@ -126,7 +126,8 @@ def test_heads_outside_blocks_without_the_hint_are_refused_not_read_as_blocks() 
         match=r"reads as NL_X_NB_NH_BS_CS with 2 blocks, fewer than the config's num_blocks 6.*"
         r"heads outside blocks need kv_layout='LHBNC'",
     ):
-        apply_kv_cache_group_edits(engine.config, kv, None)
+        # HND: the hint these CPU tensors stand in for (without one they read as CPU_ATTN's pages)
+        apply_kv_cache_group_edits(engine.config, kv, {"kv_layout": "HND"})
 
 
 def test_heads_outside_blocks_map_to_any_layout() -> None:

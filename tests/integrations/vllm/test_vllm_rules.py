@@ -121,6 +121,7 @@ def test_opaque_page_view_refuses_what_it_cannot_address(kwargs: dict[str, int],
 
 def test_registry_order_and_first_match() -> None:
     assert [e.name for e in KV_CACHE_GROUP_EDITS] == [
+        "cpu-attn-pages",
         "mamba-state-rows",
         "mamba-state-list",
         "head-slot-pages",

@@ -64,6 +64,7 @@ from kvlayout.integrations.vllm.errors import (
 from kvlayout.integrations.vllm.granularity import BlockGranularityError, check_block_granularity
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_DTYPE, OPAQUE_PAGE_FORMAT
 from kvlayout.integrations.vllm.rules import (
+    CPUAttentionPagesEdit,
     HeadSlotPagesEdit,
     KVCacheGroupEdit,
     MambaStateListEdit,
@@ -84,6 +85,7 @@ __all__ = [
     "OPAQUE_PAGE_DTYPE",
     "OPAQUE_PAGE_FORMAT",
     "BlockGranularityError",
+    "CPUAttentionPagesEdit",
     "GroupProblem",
     "HeadSlotPagesEdit",
     "KVCacheGroupEdit",

@@ -20,8 +20,9 @@ import torch
 from kvlayout.catalog.registry import get_spec
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.granularity import check_block_granularity
-from kvlayout.integrations.vllm.pages import OPAQUE_HEAD_PAGES_FORMAT, OPAQUE_PAGE_FORMAT, page_layout
+from kvlayout.integrations.vllm.pages import OPAQUE_HEAD_PAGES_FORMAT, OPAQUE_PAGE_FORMAT
 from kvlayout.integrations.vllm.rules import (
+    CPUAttentionPagesEdit,
     HeadSlotPagesEdit,
     KVCacheGroupEdit,
     MambaStateListEdit,
@@ -47,6 +48,7 @@ __all__ = ["KV_CACHE_GROUP_EDITS", "apply_kv_cache_group_edits", "find_kv_cache_
 logger = logging.getLogger(__name__)
 
 KV_CACHE_GROUP_EDITS: tuple[KVCacheGroupEdit, ...] = (
+    CPUAttentionPagesEdit(),
     MambaStateRowsEdit(),
     MambaStateListEdit(),
     HeadSlotPagesEdit(),
@@ -59,14 +61,18 @@ KV_CACHE_GROUP_EDITS: tuple[KVCacheGroupEdit, ...] = (
 
 
 def find_kv_cache_group_edit(
-    spec: Any, value: Any, edits: Sequence[KVCacheGroupEdit] = KV_CACHE_GROUP_EDITS
+    spec: Any,
+    value: Any,
+    edits: Sequence[KVCacheGroupEdit] = KV_CACHE_GROUP_EDITS,
+    layout_hints: HintsLike = None,
 ) -> KVCacheGroupEdit | None:
-    """The rule that would edit this (leaf spec, registered value), or ``None``.
+    """The rule that would edit this (leaf spec, registered value) under the layout hints
+    detection will get (:meth:`KVCacheGroupEdit.matches_with_hints`), or ``None``.
 
     A spec that declares slot compression is edited only for its kernel paging, and
     keeps its compression: the edited block has the spec's ``block_size / ratio`` slots.
     """
-    return next((edit for edit in edits if edit.matches(spec, value)), None)
+    return next((edit for edit in edits if edit.matches_with_hints(spec, value, layout_hints)), None)
 
 
 def _storage_ptr(value: Any) -> int:
@@ -138,7 +144,7 @@ def apply_kv_cache_group_edits(
             if layer_name is None or layer_name not in edited:
                 continue  # not registered by this worker (e.g. another pipeline stage)
             value = edited[layer_name]
-            edit = find_kv_cache_group_edit(spec, value, edits)
+            edit = find_kv_cache_group_edit(spec, value, edits, layout_hints)
             if edit is None:
                 continue
             over = [value] if isinstance(value, torch.Tensor) else list(value)
@@ -151,7 +157,7 @@ def apply_kv_cache_group_edits(
                     view = edit.apply(spec, value, layout_hints)
                     _check_view(edit, spec, value, view)
                     # the view reads as a format, but its rows are the kernel's page bytes: say so
-                    mark_opaque_pages(view, page_layout(edit.name, spec, value, edit.token_axis(value)), over)
+                    mark_opaque_pages(view, edit.opaque_pages(spec, value, layout_hints), over)
             except KVCacheGroupEditError as e:
                 raise e.for_layer(layer_name, group_idx) from e
             edited[layer_name] = view

@@ -40,6 +40,7 @@ from kvlayout.layout.vocabulary import (
     KV_LAYOUT_ALIASES,
     KV_LAYOUT_NAMES,
     Axis,
+    Role,
     kv_layout_axes,
 )
 from kvlayout.registration.contiguity import physical_order
@@ -226,7 +227,9 @@ def check_block_granularity(
             )
         allocated = _allocated(spec, kv_caches[layer])
         read = (LAYOUTS[fmt].is_hnd, LAYOUTS[fmt].is_head_outer)
-        if problem is None and allocated is not None and allocated[1:] != read:
+        # a layer read as opaque pages (vLLM's CPU_ATTN) has no heads to order
+        headed = LAYOUTS[fmt].axis_of(Role.HEAD) is not None
+        if problem is None and allocated is not None and headed and allocated[1:] != read:
             # a wrong hint whose reading has the right block size (heads == block size, or
             # at least as many heads as blocks): the memory order says otherwise
             problem = (
@@ -247,7 +250,7 @@ def check_block_granularity(
         raise BlockGranularityError(
             f"registered blocks are not block ids under kv_layout={hint!r}: {items}. A wrong kv_layout "
             "hint (vLLM's LBNHC/BLNHC are NHD, LBHNC/BLHNC are HND, BHLNC needs its own or none; without "
-            "a hint CPU tensors read as HND; heads outside blocks need kv_layout='LHBNC'), or a packing the "
-            "spec does not "
-            f"declare, would transfer the wrong bytes. See {DOCS}."
+            "a hint CPU tensors read as vLLM's CPU_ATTN, HND whole pages; heads outside blocks need "
+            "kv_layout='LHBNC'), or a packing the spec does not declare, would transfer the wrong bytes. "
+            f"See {DOCS}."
         )

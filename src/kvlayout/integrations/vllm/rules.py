@@ -16,9 +16,10 @@ import torch
 
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.registry import get_detector
+from kvlayout.detection.vllm import cpu_attention_pages, reads_cpu_attention
 from kvlayout.errors import KVLayoutError
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
-from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_runs
+from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_layout, page_runs
 from kvlayout.integrations.vllm.specs import (
     PAGED_ATTENTION_KINDS,
     SpecKind,
@@ -30,9 +31,11 @@ from kvlayout.integrations.vllm.specs import (
     tokens_per_slot,
 )
 from kvlayout.registration.contiguity import physical_order
+from kvlayout.registration.opaque import OpaquePages
 from kvlayout.types import EngineType, HintsLike, LayoutHints
 
 __all__ = [
+    "CPUAttentionPagesEdit",
     "HeadSlotPagesEdit",
     "KVCacheGroupEdit",
     "MambaStateListEdit",
@@ -66,6 +69,11 @@ class KVCacheGroupEdit(ABC):
     @abstractmethod
     def matches(self, spec: Any, value: Any) -> bool: ...
 
+    def matches_with_hints(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> bool:
+        """What the edits ask: :meth:`matches`, unless the rule needs the layout hints
+        detection will get to know the layer (vLLM's attention backend); must not raise."""
+        return self.matches(spec, value)
+
     @abstractmethod
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor: ...
 
@@ -74,6 +82,11 @@ class KVCacheGroupEdit(ABC):
         holds no tokens (state): whether the edited view's rows are tokens follows
         from it (:func:`kvlayout.integrations.vllm.pages.page_layout`)."""
         return None
+
+    def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
+        """What :meth:`apply`'s view is marked with: the rule, the registered value's page
+        (:func:`~kvlayout.integrations.vllm.pages.page_layout`)."""
+        return page_layout(self.name, spec, value, self.token_axis(value))
 
     def block_view(self, spec: Any, value: Any) -> torch.Tensor | None:
         """The layer as whole blocks in its own dtype and axes, where that is what its
@@ -334,6 +347,47 @@ class HeadSlotPagesEdit(KVCacheGroupEdit):
 
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         return _whole_pages(spec, value)
+
+
+class CPUAttentionPagesEdit(KVCacheGroupEdit):
+    """vLLM's CPU platform's attention (``CPU_ATTN``), re-viewed as whole pages.
+
+    vLLM 0.33 registers it as ``[pages, H, N, 2*hs]`` in ``LBHNC`` order, but the kernel
+    views a page as ``[H, 2N, hs]``: a head's K rows for all N tokens, then its V rows, each
+    packed in the ISA kernel's own tiles (AMX prepacks them). Read as tokens of ``K | V``
+    halves, every token's bytes would be wrong. Its pages move whole, only to caches paged
+    alike. The spec does not say the backend, so the rule asks the layout hints:
+    ``attn_backend='CPU_ATTN'``, or tensors on the CPU with neither ``attn_backend`` nor
+    ``kv_layout`` (vLLM's CPU platform always uses CPU_ATTN), as detection reads them.
+    MLA on the CPU (latents) is not this rule's.
+    """
+
+    name = "cpu-attn-pages"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        return False  # only the layout hints say the backend (matches_with_hints)
+
+    def matches_with_hints(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> bool:
+        try:
+            if not (_attention_tensor(spec, value) and reads_cpu_attention(value.device, layout_hints)):
+                return False
+            hinted = LayoutHints.coerce(layout_hints).attn_backend is not None
+        except (KVLayoutError, TypeError):
+            return False  # bad hints: detection says what is wrong with them
+        # by the CPU default, only pages CPU_ATTN allocates (each block's heads one run,
+        # LBHNC or BLHNC); BHLNC views are the cross-layer tensor detection reads them as
+        return hinted or bool(value[0].is_contiguous())
+
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
+        if _heads_outside_pages(value) is not False:
+            raise KVCacheGroupEditError(
+                f"read as vLLM's CPU_ATTN, its pages (strides {tuple(value.stride())}) do not hold every "
+                "head inside each block, as CPU_ATTN allocates them (LBHNC)"
+            )
+        return _whole_pages(spec, value)
+
+    def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
+        return cpu_attention_pages(value, layout_hints)
 
 
 class PackedHeadRowsEdit(KVCacheGroupEdit):

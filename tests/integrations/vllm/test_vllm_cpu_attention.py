@@ -1,0 +1,192 @@
+"""vLLM's CPU platform attention (CPU_ATTN): each block's K and V are packed per ISA, so
+its pages move whole, only to caches paged alike. Its [B, H, N, 2*hs] layers were read
+as heads of K | V halves per token row, and block maps moved wrong bytes for every token."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import LayoutHintError
+from kvlayout.integrations.vllm import (
+    CPUAttentionPagesEdit,
+    apply_kv_cache_group_edits,
+    find_kv_cache_group_edit,
+    transfer_layers,
+)
+from kvlayout.testing.vllm import FLASH_ATTN, Backend, allocate_v033, uniform_engine
+from kvlayout.transfer import BlockMapError, block_map
+from kvlayout.types import LayoutHints
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+import vllm.v1.kv_cache_interface as kvi
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+NL, H, D, BS, NB = 2, 2, 32, 32, 6
+CPU_ATTN = Backend("CPU_ATTN", multiple_of=32)  # vllm/v1/attention/backends/cpu_attn.py: MultipleOf(32)
+SPEC = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+CPU_HINTS = {"attn_backend": "CPU_ATTN"}
+
+
+def allocated(
+    seed: int, backend: Backend = CPU_ATTN, layout: Any = KVCacheLayout.LBHNC
+) -> tuple[Any, dict[str, Any]]:
+    engine = uniform_engine(SPEC, backend, num_layers=NL, num_blocks=NB, layout=layout)
+    buf, kv = allocate_v033(engine)
+    buf.copy_(
+        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    )
+    return engine, kv
+
+
+def through_edits(engine: Any, kv: dict[str, Any], hints: Any) -> Any:
+    edited = apply_kv_cache_group_edits(engine.config, kv, hints)
+    layers, groups = transfer_layers(engine.config, edited)
+    return kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+
+
+def _kernel_kv(view: torch.Tensor, block: int, token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token ``token`` of block ``block`` as CPU_ATTN's kernel sees it (cpu_attn.py views a
+    block [H, N, 2*hs] as [H, 2N, hs] and chunks dim 1: every token's K, then every V)."""
+    nb, h, n, c = view.shape
+    x = view.view(nb, h, 2 * n, c // 2)[block]
+    return x[:, token].view(torch.int16), x[:, n + token].view(torch.int16)
+
+
+@pytest.mark.parametrize("entry", ["detect", "edits"])
+@pytest.mark.parametrize("hints", [CPU_HINTS, None], ids=["hinted", "cpu-default"])
+def test_a_cpu_attention_registration_reads_as_whole_pages(entry: str, hints: Any) -> None:
+    engine, kv = allocated(1)
+    reg = (
+        kvlayout.detect(list(kv.values()), "vllm", hints)
+        if entry == "detect"
+        else through_edits(engine, kv, hints)
+    )
+    (group,) = reg.kernel_groups
+    assert group.format.name == "NL_X_NB_BS_HS"
+    assert group.block_size == BS and group.num_blocks == NB
+    pages = group.opaque_pages
+    assert pages is not None and not pages.rows_are_tokens
+    assert pages.layout.startswith("cpu-attn-pages: vLLM's CPU_ATTN")
+    assert "K and V packed per ISA" in pages.layout
+    # both entry points mark the pages alike: they map to each other
+    other = (
+        through_edits(engine, kv, CPU_HINTS)
+        if entry == "detect"
+        else kvlayout.detect(list(kv.values()), "vllm")
+    )
+    assert other.kernel_groups[0].opaque_pages == pages
+
+
+def test_the_rule_needs_the_hints_to_match() -> None:
+    _, kv = allocated(1)
+    value = next(iter(kv.values()))
+    assert not CPUAttentionPagesEdit().matches(SPEC, value)
+    assert isinstance(find_kv_cache_group_edit(SPEC, value, layout_hints=CPU_HINTS), CPUAttentionPagesEdit)
+    assert find_kv_cache_group_edit(SPEC, value, layout_hints={"kv_layout": "HND"}) is None
+    assert find_kv_cache_group_edit(SPEC, value, layout_hints={"attn_backend": "FLASH_ATTN"}) is None
+
+
+@pytest.mark.parametrize("num_tokens", [2 * BS, BS + 8])
+def test_cpu_attention_to_cpu_attention_moves_whole_blocks_byte_exactly(num_tokens: int) -> None:
+    engine, src_kv = allocated(1)
+    _, dst_kv = allocated(2)
+    src = through_edits(engine, src_kv, CPU_HINTS)
+    dst = kvlayout.detect(list(dst_kv.values()), "vllm")  # the CPU default reads it alike
+    before = {name: t.clone() for name, t in dst_kv.items()}
+    m = block_map(src, dst, [4, 1], [0, 5], num_tokens=num_tokens)
+    assert m.kind == "same layout"
+    m.copy()
+    for name, s in src_kv.items():
+        d = dst_kv[name]
+        # a partly filled last block moves whole: its rows are no tokens
+        for sb, db in ((4, 0), (1, 5)):
+            assert torch.equal(d[db].view(torch.int16), s[sb].view(torch.int16))
+            for t in range(BS):
+                sk, sv = _kernel_kv(s, sb, t)
+                dk, dv = _kernel_kv(d, db, t)
+                assert torch.equal(sk, dk) and torch.equal(sv, dv)
+        for b in (1, 2, 3, 4):
+            assert torch.equal(d[b].view(torch.int16), before[name][b].view(torch.int16))
+
+
+@pytest.mark.parametrize("hints", [CPU_HINTS, None], ids=["hinted", "cpu-default"])
+def test_cpu_attention_to_a_gpu_backend_cache_is_refused(hints: Any) -> None:
+    engine, kv = allocated(1)
+    src = through_edits(engine, kv, hints)
+    gpu, gpu_kv = allocated(2, FLASH_ATTN, KVCacheLayout.LBNHC)
+    dst = through_edits(gpu, gpu_kv, {"kv_layout": "NHD"})
+    for a, b in ((src, dst), (dst, src)):
+        with pytest.raises(BlockMapError) as e:
+            block_map(a, b, [4, 1], [0, 5], num_tokens=2 * BS)
+        message = str(e.value)
+        assert "read as vLLM's CPU_ATTN (its K and V packed per ISA inside each block)" in message
+        assert "pack_kv_cache" in message
+        standing_in = "if these tensors stand in for a GPU backend's cache" in message
+        assert standing_in is (hints is None)
+        assert ("kv_layout=" in message) is (hints is None)
+
+
+@pytest.mark.parametrize("layout, hint", [(KVCacheLayout.LBHNC, "HND"), (KVCacheLayout.LBNHC, "NHD")])
+def test_a_kv_layout_hint_keeps_the_plain_reading(layout: Any, hint: str) -> None:
+    engine, kv = allocated(1, FLASH_ATTN, layout)
+    for reg in (
+        kvlayout.detect(list(kv.values()), "vllm", {"kv_layout": hint}),
+        through_edits(engine, kv, {"kv_layout": hint}),
+    ):
+        (group,) = reg.kernel_groups
+        assert group.opaque_pages is None
+        assert group.format.name == ("NL_X_NB_NH_BS_CS" if hint == "HND" else "NL_X_NB_BS_NH_CS")
+
+
+def test_another_backend_keeps_the_plain_reading() -> None:
+    _, kv = allocated(1)
+    reg = kvlayout.detect(list(kv.values()), "vllm", {"attn_backend": "FLASH_ATTN", "kv_layout": "HND"})
+    assert reg.kernel_groups[0].opaque_pages is None
+    assert reg.kernel_groups[0].format.name == "NL_X_NB_NH_BS_CS"
+
+
+def test_mla_on_the_cpu_is_not_cpu_attention() -> None:
+    latents = [torch.zeros(NB, 1, BS, 576, dtype=torch.bfloat16) for _ in range(NL)]
+    for hints in ({"kv_dim": 1}, {"attn_backend": "CPU_MLA", "kv_dim": 1}):
+        reg = kvlayout.detect(latents, "vllm", hints)
+        assert reg.kernel_groups[0].opaque_pages is None
+        assert reg.kernel_groups[0].layout.is_mla
+
+
+def test_cpu_attention_contradicting_kv_layout_is_refused() -> None:
+    _, kv = allocated(1)
+    with pytest.raises(LayoutHintError, match="attn_backend='CPU_ATTN' and kv_layout='NHD' disagree"):
+        kvlayout.detect(list(kv.values()), "vllm", {"attn_backend": "CPU_ATTN", "kv_layout": "NHD"})
+
+
+@pytest.mark.parametrize("engine", ["sglang", "trtllm"])
+def test_attn_backend_is_vllm_s(engine: str) -> None:
+    kv = [torch.zeros(NB * BS, H, D, dtype=torch.bfloat16) for _ in range(2 * NL)]
+    with pytest.raises(LayoutHintError, match="attn_backend is vLLM's"):
+        kvlayout.detect(kv, engine, {"attn_backend": "CPU_ATTN", "tokens_per_block": BS})
+
+
+@pytest.mark.parametrize("value", ["", "   ", 3, b"CPU_ATTN"])
+def test_bad_attn_backend_values_are_refused(value: Any) -> None:
+    with pytest.raises(LayoutHintError, match="attn_backend"):
+        LayoutHints.coerce({"attn_backend": value})
+
+
+def test_attn_backend_is_the_last_hint_and_kept_as_spelled() -> None:
+    assert dataclasses.fields(LayoutHints)[-1].name == "attn_backend"  # positional API
+    assert LayoutHints(attn_backend=" CPU_ATTN ").attn_backend == "CPU_ATTN"
+    assert LayoutHints(attn_backend="TRITON_ATTN").attn_backend == "TRITON_ATTN"
+
+
+def test_size_hints_are_checked_against_the_cpu_attention_layer() -> None:
+    _, kv = allocated(1)
+    layers = list(kv.values())
+    assert kvlayout.detect(layers, "vllm", {**CPU_HINTS, "num_kv_heads": H}).kernel_groups
+    for wrong in ({"num_kv_heads": H + 1}, {"head_dim": 2 * D}):
+        with pytest.raises(LayoutHintError, match=f"layout hint {next(iter(wrong))}="):
+            kvlayout.detect(layers, "vllm", {**CPU_HINTS, **wrong})
