@@ -91,6 +91,7 @@ PAGED = {  # (num_heads, head_size) -> shape, with NB 7, BS 3
     F.NL_X_NB_BS_NH_CS: ((NH, 2 * HS), (NB, BS, NH, 2 * HS)),
     F.NL_X_NB_BSV_BSS: ((1, 132), (NB, BS, 132)),
     F.NL_X_NB_BSK: ((1, 256), (NB, BS, 256)),
+    F.NL_X_NB_BSV4_BSS4: ((1, 68), (NB, BS, 68)),
     F.NL_X_NB_BS_NH_HS: ((NH, HS), (NB, BS, NH, HS)),
     F.NL_X_NH_NB_BS_CS: ((NH, 2 * HS), (NH, NB, BS, 2 * HS)),  # kvlayout's (vLLM's LHBNC)
     # kvlayout keeps every axis: LMCache squeezes 15 to 5-D and folds 10/11 to 4-D
@@ -330,6 +331,18 @@ def test_layout_descriptor_lmcache_names_table_and_constructor() -> None:
         **shared,
     )
     assert kvlayout.to_engine_kv_format_name(indexer) == "NL_X_NB_BSV_BSS" and indexer.is_indexer
+    # the MXFP4 indexer row: 64 packed e2m1 bytes and 4 ue8m0 scale bytes, read as bytes
+    mxfp4 = table["NL_X_NB_BSV4_BSS4"]
+    assert [(r.width, r.dtype) for r in mxfp4.regions] == [(64, "uint8"), (4, "uint8")]
+    assert mxfp4.quant == kvlayout.QuantSpec("uint8", 16, kvlayout.ScalePlacement.BLOCK_REGION)
+    assert (
+        kvlayout.to_engine_kv_format_name(
+            kvlayout.KVLayoutDescriptor(
+                extents={KV: 1, H: 1, C: 68}, storage_dtype="uint8", quant=mxfp4.quant, **shared
+            )
+        )
+        == "NL_X_NB_BSV4_BSS4"
+    )
     assert kvlayout.to_engine_kv_format_name(kvlayout.KVLayoutDescriptor(**shared)) == "NL_X_NB_BS_HS"
     other = kvlayout.QuantSpec("float32", 64, kvlayout.ScalePlacement.BLOCK_REGION)
     with pytest.raises(ValueError, match="contradicts the regions, which say QuantSpec"):

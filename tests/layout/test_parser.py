@@ -65,7 +65,7 @@ SEMANTIC_ERRORS = {
     "NL_X_NB_BS_HS_X": ("X separates list levels; it cannot end a name", "              ^"),
     "NL_X_X_NB_BS_HS": ("two X with no list level between them", "     ^"),
     "NL_X_FOO_BS_HS": (
-        "unknown token 'FOO' (known tokens: NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, BSK, KV)",
+        "unknown token 'FOO' (known tokens: NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, BSK, BSV4, BSS4, KV)",
         "     ^^^",
     ),
     "NL_X_NB_NB_BS_HS": ("NB appears twice", "        ^^"),
@@ -74,7 +74,10 @@ SEMANTIC_ERRORS = {
     "NL_X_TWO_NB_BS_NH_CS": ("CS fuses TWO, which the name already has", "                  ^^"),
     "NL_TWO_X_NB_BS_HS": ("a list level is one token, this one has 2", "^^^^^^"),
     "NB_X_NL_BS_HS": ("NB cannot be a list level (only layer, K/V or plane tokens can)", "^^"),
-    "NL_X_NB_HS": ("the name has no token role (tokens of that role: BS, NBBS, BSV, BSS, BSK)", "^^^^^^^^^^"),
+    "NL_X_NB_HS": (
+        "the name has no token role (tokens of that role: BS, NBBS, BSV, BSS, BSK, BSV4, BSS4)",
+        "^^^^^^^^^^",
+    ),
     "NB_BS_HS": ("the name has no layer role (tokens of that role: NL)", "^^^^^^^^"),
     "NL_X_NB_BSV_HS_BSS": ("regions must be the last axes of the tensor", "        ^^^"),
 }

@@ -231,7 +231,7 @@ block_sizes = st.one_of(st.integers(1, 8), st.sampled_from([16, 24, 32, 48, 64])
 
 
 MHA_PAIRS = [(a, b, kv) for pool, kv in ((MHA, 2), (SINGLE, 1)) for a in pool for b in pool]
-MLA_PAIRS = [(a, b) for a in MLA for b in MLA] + [(F.NL_X_NB_BSV_BSS, F.NL_X_NB_BSV_BSS)]
+MLA_PAIRS = [(a, b) for a in MLA for b in MLA] + [(f, f) for f in (F.NL_X_NB_BSV_BSS, F.NL_X_NB_BSV4_BSS4)]
 
 
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # formats 10 and 11

@@ -108,7 +108,7 @@ def test_the_kernels_decomposition_copies_every_byte_where_the_oracle_says(
     fmt: EngineKVFormat, sizes: dict[str, int], data: st.DataObject
 ) -> None:
     layout = kvlayout.layout_of(fmt)
-    dtype = torch.uint8 if fmt == EngineKVFormat.NL_X_NB_BSV_BSS else data.draw(st.sampled_from(DTYPES))
+    dtype = torch.uint8 if layout.is_indexer else data.draw(st.sampled_from(DTYPES))
     pad = data.draw(st.integers(0, 5)) if layout.has_leading_block_axis else 0
     reg = make_registration(layout, sizes, dtype, pad=pad)
     plan = prepare(reg.kv, fmt, **({"block_size": sizes["BS"]} if fmt in NBBS else {}))

@@ -49,9 +49,10 @@ enum class EngineKVFormat : std::int32_t {
   TWO_X_NL_X_NB_NH_BS_HS = 36,  // 2 x NL x [NB, NH, BS, HS]
   NL_X_NB_BSK = 37,  // NL x [NB, BSxKEYS]
   NL_X_NB_KV_ONE_BS_NH_HS = 38,  // NL x [NB, KV, 1, BS, NH, HS]
+  NL_X_NB_BSV4_BSS4 = 39,  // NL x [NB, BSxVALS4, BSxSCALES4]
 };
 
-inline constexpr int kNumFormats = 39;
+inline constexpr int kNumFormats = 40;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -93,6 +94,7 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::TWO_X_NL_X_NB_NH_BS_HS,
     EngineKVFormat::NL_X_NB_BSK,
     EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS,
+    EngineKVFormat::NL_X_NB_BSV4_BSS4,
 };
 
 // Everything derived about one format.
@@ -240,6 +242,9 @@ false, false, true, true, false, false, false, false, false, false, true, true, 
     case EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS:
       return FormatFacts{format, "NL_X_NB_KV_ONE_BS_NH_HS", "NL x [NB, KV, 1, BS, NH, HS]", 0, 1, false,
 false, false, true, false, false, false, false, false, false, false, true, false, false, false};
+    case EngineKVFormat::NL_X_NB_BSV4_BSS4:
+      return FormatFacts{format, "NL_X_NB_BSV4_BSS4", "NL x [NB, BSxVALS4, BSxSCALES4]", 1, 1, false,
+false, false, true, true, false, false, false, false, false, false, true, true, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

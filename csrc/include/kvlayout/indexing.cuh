@@ -455,6 +455,14 @@ KVLAYOUT_HOST_DEVICE inline Location nl_x_nb_kv_one_bs_nh_hs(const Sizes& s, std
   return Location{c.layer, c.block * stride0 + c.kv * stride1 + c.token * stride3 + c.head * stride4 + c.elem * stride5};
 }
 
+// 39: NL_X_NB_BSV4_BSS4 = NL x [NB, BSxVALS4, BSxSCALES4]
+KVLAYOUT_HOST_DEVICE inline Location nl_x_nb_bsv4_bss4(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride1 = 1;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.bs * 68;
+  const std::int64_t col1 = c.elem;
+  return Location{c.layer, c.block * stride0 + ((col1 < 64 ? s.bs * 0 + c.token * 64 + (col1 - 0) : s.bs * 64 + c.token * 4 + (col1 - 64))) * stride1};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -538,6 +546,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nl_x_nb_bsk(s, block_stride, c);
     case EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS:
       return indexing::nl_x_nb_kv_one_bs_nh_hs(s, block_stride, c);
+    case EngineKVFormat::NL_X_NB_BSV4_BSS4:
+      return indexing::nl_x_nb_bsv4_bss4(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -816,6 +826,13 @@ template <>
 struct Indexer<EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nl_x_nb_kv_one_bs_nh_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NL_X_NB_BSV4_BSS4> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nl_x_nb_bsv4_bss4(s, block_stride, c);
   }
 };
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvlayout.layout.ast import Layout
 
-from .vocabulary import BS, BSK, BSS, BSV, CS, HS, KV, NB, NBBS, NH, NL, NP, ONE, TWO
+from .vocabulary import BS, BSK, BSS, BSS4, BSV, BSV4, CS, HS, KV, NB, NBBS, NH, NL, NP, ONE, TWO
 
 __all__ = ["FORMAT_INFO", "LAYOUTS", "LAYOUTS_BY_NAME", "SIZE_SYMBOLS", "EngineKVFormat", "FormatInfo"]
 
@@ -92,6 +92,8 @@ class EngineKVFormat(enum.IntEnum):
     """``NL x [NB, BSxKEYS]``"""
     NL_X_NB_KV_ONE_BS_NH_HS = 38
     """``NL x [NB, KV, 1, BS, NH, HS]``"""
+    NL_X_NB_BSV4_BSS4 = 39
+    """``NL x [NB, BSxVALS4, BSxSCALES4]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +146,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.TWO_X_NL_X_NB_NH_BS_HS: Layout(lists=(TWO, NL), tensor=(NB, NH, BS, HS)),
     EngineKVFormat.NL_X_NB_BSK: Layout(lists=(NL,), tensor=(NB, BSK)),
     EngineKVFormat.NL_X_NB_KV_ONE_BS_NH_HS: Layout(lists=(NL,), tensor=(NB, KV, ONE, BS, NH, HS)),
+    EngineKVFormat.NL_X_NB_BSV4_BSS4: Layout(lists=(NL,), tensor=(NB, BSV4, BSS4)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -308,6 +311,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NL_X_NB_KV_ONE_BS_NH_HS: FormatInfo(
         backends=("Modular MAX per-layer buffers (per_layer_buffers: one single-layer buffer per layer)",),
         engines=("max",),
+    ),
+    EngineKVFormat.NL_X_NB_BSV4_BSS4: FormatInfo(
+        backends=("vLLM MLA (DSA indexer k-cache, indexer_kv_dtype mxfp4: 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)",),
+        engines=("vllm",),
     ),
 }
 

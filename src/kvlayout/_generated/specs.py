@@ -8,7 +8,7 @@ from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_BS_NL_ONE_HS_Spec", "NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NL_BS_ONE_HS_Spec", "NB_NL_BSV_BSS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NBBS_NL_ONE_HS_Spec", "NL_NB_BS_ONE_HS_Spec", "NL_NB_BSV_BSS_Spec", "NL_NBBS_ONE_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSK_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_KV_ONE_BS_NH_HS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_NB_BS_NL_NH_HS_Spec", "TWO_NB_NH_BS_NL_HS_Spec", "TWO_NB_NL_BS_NH_HS_Spec", "TWO_NBBS_NL_NH_HS_Spec", "TWO_NL_NB_BS_NH_HS_Spec", "TWO_NL_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NB_NH_BS_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_BS_NL_ONE_HS_Spec", "NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NL_BS_ONE_HS_Spec", "NB_NL_BSV_BSS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NBBS_NL_ONE_HS_Spec", "NL_NB_BS_ONE_HS_Spec", "NL_NB_BSV_BSS_Spec", "NL_NBBS_ONE_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSK_Spec", "NL_X_NB_BSV4_BSS4_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_KV_ONE_BS_NH_HS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_NB_BS_NL_NH_HS_Spec", "TWO_NB_NH_BS_NL_HS_Spec", "TWO_NB_NL_BS_NH_HS_Spec", "TWO_NBBS_NL_NH_HS_Spec", "TWO_NL_NB_BS_NH_HS_Spec", "TWO_NL_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NB_NH_BS_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -2575,6 +2575,70 @@ class NL_X_NB_KV_ONE_BS_NH_HS_Spec(KVFormatSpec):
         return [kv[layer].data_ptr() for layer in layers]
 
 
+class NL_X_NB_BSV4_BSS4_Spec(KVFormatSpec):
+    """``NL x [NB, BSxVALS4, BSxSCALES4]``: vLLM MLA (DSA indexer k-cache, indexer_kv_dtype mxfp4: 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NL_X_NB_BSV4_BSS4
+    layout = LAYOUTS[EngineKVFormat.NL_X_NB_BSV4_BSS4]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NL_X_NB_BSV4_BSS4].backends
+    is_cross_layer = False
+    is_kv_list = False
+    is_layer_list = True
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = True
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = None
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return len(self.kv)
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[1]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[0] * self.kv[layer_idx].shape[1]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv[layer_idx].shape[2]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv[layer_idx].dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NL": len(self.kv),
+            "NB": self.kv[layer_idx].shape[0],
+            "BS": self.kv[layer_idx].shape[1],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        layers = range(self.num_layers()) if layer_indices is None else layer_indices
+        return [kv[layer].data_ptr() for layer in layers]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -2616,4 +2680,5 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     TWO_X_NL_X_NB_NH_BS_HS_Spec,
     NL_X_NB_BSK_Spec,
     NL_X_NB_KV_ONE_BS_NH_HS_Spec,
+    NL_X_NB_BSV4_BSS4_Spec,
 )

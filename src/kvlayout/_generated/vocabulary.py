@@ -3,7 +3,7 @@
 
 from kvlayout.layout.vocabulary import Region, Role, Token, Vocabulary
 
-__all__ = ["BS", "BSK", "BSS", "BSV", "CS", "HS", "KV", "NB", "NBBS", "NH", "NL", "NP", "ONE", "TWO", "VOCABULARY"]
+__all__ = ["BS", "BSK", "BSS", "BSS4", "BSV", "BSV4", "CS", "HS", "KV", "NB", "NBBS", "NH", "NL", "NP", "ONE", "TWO", "VOCABULARY"]
 
 NL = Token(name="NL", meaning="number of layers; for a component list (one K or V tensor per entry) the number of registered tensors", role=Role.LAYER, example=32, small=2)
 TWO = Token(name="TWO", meaning="the K/V pair: an axis of a tensor or a two-entry list level; when it sits inside a head's content (after the token and head axes) K and V are packed in one row", role=Role.KV, literal=2)
@@ -18,6 +18,8 @@ NP = Token(name="NP", meaning="planes per layer, a tuple of tensors whose rows a
 BSV = Token(name="BSV", meaning="the value region of a blocked-scale page: the block's BS tokens, 128 value bytes each, stored before the scale region", region=Region(BS, 128, "float8_e4m3fn"), label="BSxVALS")
 BSS = Token(name="BSS", meaning="the scale region of a blocked-scale page: the block's BS tokens, one 4-byte scale each, stored after the value region", region=Region(BS, 4, "float32"), label="BSxSCALES")
 BSK = Token(name="BSK", meaning="the key region of an unscaled indexer page: the block's BS tokens, 128 bf16 values (256 bytes) each and no scale region (SGLang's DSA indexer under index_cache_dtype bfloat16, read as the bytes of its bf16 pages)", region=Region(BS, 256, "bfloat16"), label="BSxKEYS")
+BSV4 = Token(name="BSV4", meaning="the value region of an MXFP4 blocked-scale page: the block's BS tokens, 128 packed e2m1 values (64 bytes, two a byte) each, stored before the scale region", region=Region(BS, 64, "uint8"), label="BSxVALS4")
+BSS4 = Token(name="BSS4", meaning="the scale region of an MXFP4 blocked-scale page: the block's BS tokens, four ue8m0 scale bytes each (one per 32 values), stored after the value region", region=Region(BS, 4, "uint8"), label="BSxSCALES4")
 KV = Token(name="KV", meaning="a K/V axis whose size the tensors give: 2 (K and V planes) or 1 (one latent plane, MLA)", role=Role.KV, choices=(1, 2), example=2, small=2)
 
-VOCABULARY = Vocabulary((NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, BSK, KV))
+VOCABULARY = Vocabulary((NL, TWO, NB, BS, NBBS, NH, HS, CS, ONE, NP, BSV, BSS, BSK, BSV4, BSS4, KV))

@@ -21,7 +21,9 @@ Quirks that live here and nowhere else:
   K/V-first, with no way to say otherwise.
 * Rank-4 tensors are the unified fused cache ``[NB, NH, BS, CS]`` / ``[NB, BS, NH, CS]``,
   kept as registered; a single-head uint8 one whose row is the 132-byte blocked-scale
-  page is the DSA indexer cache, squeezed to ``[NB, BS, 132]``. vLLM 0.33 views every
+  page is the DSA indexer cache, squeezed to ``[NB, BS, 132]``, and one of 68-byte rows
+  its MXFP4 twin (``indexer_kv_dtype="mxfp4"``: every slot's 64 packed e2m1 bytes, then
+  every slot's 4 ue8m0 scale bytes), ``[NB, BS, 68]``. vLLM 0.33 views every
   layer as ``[B, H, N, C]`` and registers MLA and indexer layers with one head
   (``[NB, 1, BS, C]``), whose NHD and HND orders are the same bytes: a size-1 dim beside
   the tokens is that one head under either ``kv_layout`` (the tensor is viewed with it on

@@ -326,9 +326,12 @@ class LayoutDescription:
     def key(self) -> tuple[object, ...]:
         """What identifies the format: the structure and where scales are, not extents,
         dtypes or strides (LMCache's matching key); regions that say no quantization
-        (keys alone, no scale region) are a page of their own."""
+        (keys alone, no scale region) are a page of their own, and so is a blocked page
+        scaled otherwise (the MXFP4 indexer's ue8m0 bytes, one per 16 packed value bytes,
+        beside the fp8 one's float32 scale per 128 values)."""
         unscaled = bool(self.regions) and self.quant is None
-        return (self.grouping, self.kv_packing, self.dims, self.scale_placement, unscaled)
+        scaled = None if self.quant is None else (self.quant.scale_dtype, self.quant.values_per_scale)
+        return (self.grouping, self.kv_packing, self.dims, self.scale_placement, unscaled, scaled)
 
     def to_dict(self) -> dict[str, object]:
         """The JSON form (what ``kvlayout describe`` prints)."""

@@ -204,17 +204,22 @@ def _vllm_mla(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, n
 
 def _vllm_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                   dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """vLLM's DSA indexer pages, uint8 rows of the layout's record width (132: fp8 values
+    and a float32 scale; 68: packed MXFP4 values and ue8m0 scales), registered rank 3 or
+    as one head of vLLM's rank-4 views."""
+    layout = layout_of(fmt)
+    width = layout.tensor_shape(sizes_by_role(layout, {Role.LAYER: 1, Role.BLOCK: 1, Role.TOKEN: 1}))[-1]
     form = draw(st.sampled_from(["rank3", "NHD", "HND", "BLNHC", "BLHNC"]))
     mode = _modes(draw, True)
     if form == "rank3":
-        leaves = _alloc((nb, bs, 132), torch.uint8, nl, mode)
+        leaves = _alloc((nb, bs, width), torch.uint8, nl, mode)
         hints: dict[str, Any] = draw(st.sampled_from([{}, {"kv_layout": "NHD"}]))
     else:
-        shape = (nb, 1, bs, 132) if form in ("HND", "BLHNC") else (nb, bs, 1, 132)
+        shape = (nb, 1, bs, width) if form in ("HND", "BLHNC") else (nb, bs, 1, width)
         leaves = _alloc(shape, torch.uint8, nl, mode)
         hints = {"kv_layout": form}
     return RegistrationCase(
-        engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, leaves, f"{form} {mode}"
+        engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, width, torch.uint8, leaves, f"{form} {mode}"
     )
 
 
@@ -547,6 +552,7 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
     ("vllm", F.NB_NL_TWO_NH_BS_HS): _vllm_cross_layer,
     ("vllm", F.NL_X_NB_BS_HS): _vllm_mla,
     ("vllm", F.NL_X_NB_BSV_BSS): _vllm_indexer,
+    ("vllm", F.NL_X_NB_BSV4_BSS4): _vllm_indexer,
     ("vllm", F.NL_X_NB_NH_BS_CS): _vllm_fused,
     ("vllm", F.NL_X_NH_NB_BS_CS): _vllm_head_outer,
     ("vllm", F.NB_NH_NL_BS_CS): _vllm_layer_inner,

@@ -171,15 +171,18 @@ def attention_spec(model: HybridModel | AttentionModel, tp: int, block_size: int
     )
 
 
-def dsv4_indexer_spec(block_size: int, compress_ratio: int = 4) -> Any:
+def dsv4_indexer_spec(block_size: int, compress_ratio: int = 4, indexer_kv_dtype: str = "fp8") -> Any:
     """``DeepseekV4IndexerCache.get_kv_cache_spec``: one fp8 index key per slot with its
-    scales (132 bytes), ``compress_ratio`` tokens per slot, the page aligned to 512 bytes
-    (FlashInfer sparse; 576 with FlashMLA's fp8_ds_mla)."""
+    scales (132 bytes), or under ``indexer_kv_dtype="mxfp4"`` its 64 packed e2m1 bytes
+    and 4 ue8m0 scales (68 bytes), ``compress_ratio`` tokens per slot, the page aligned
+    to 512 bytes (FlashInfer sparse; 576 with FlashMLA's fp8_ds_mla)."""
+    if indexer_kv_dtype not in ("fp8", "mxfp4"):
+        raise ValueError(f"indexer_kv_dtype {indexer_kv_dtype!r} is not fp8 or mxfp4")
     return kvi.MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,
         max_tp_shards=1,
-        head_size=132,
+        head_size=68 if indexer_kv_dtype == "mxfp4" else 132,
         dtype=torch.uint8,
         tokens_per_state=compress_ratio,
         alignment=512,
