@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import kvlayout
+from kvlayout import DetectionError, EngineType
 from kvlayout import EngineKVFormat as F
-from kvlayout import EngineType
 from kvlayout.layout.description import Axis, Grouping, KVPacking
 from kvlayout.transfer import prepare
 
@@ -204,3 +204,11 @@ def test_per_layer_buffers(kv_dim: int, heads: int, hs: int) -> None:
         kvlayout.LayoutHintError, match=r"layout hint head_dim=32 contradicts NL_X_NB_KV_ONE_BS_NH_HS"
     ):
         kvlayout.detect(layers, "max", {**sent, "head_dim": 32})
+    devices = [torch.zeros(nb, 2, 1, bs, heads, hs, dtype=torch.bfloat16) for _ in range(2)]
+    with pytest.raises(
+        DetectionError,
+        match=r"a list of 2 distinct buffers is more than the per-layer buffers of layout hint "
+        r"num_layers=1 .* per-device buffers, one per TP shard, are each a registration",
+    ):
+        kvlayout.detect(devices, "max", {**sent, "num_layers": 1, "kv_dim": 2})  # a one-layer model at TP 2
+    assert kvlayout.detect(layers, "max", {**sent, "num_layers": 7}).kernel_groups  # fewer: layers may share

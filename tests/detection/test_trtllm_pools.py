@@ -64,6 +64,13 @@ def test_indexer_pool_hints_are_checked() -> None:
         kvlayout.detect(
             torch.zeros(NB, NL, 1, BS * 68, dtype=torch.uint8), "trtllm", {"tokens_per_block": BS}
         )
+    with pytest.raises(DetectionError, match=rf"flat dim {BS * 140} != tokens_per_block \({BS}\) \* 132"):
+        kvlayout.detect(
+            torch.zeros(NB, NL, 1, BS * 140, dtype=torch.uint8), "trtllm", {"tokens_per_block": BS}
+        )
+    padded = torch.zeros(NB, NL + 1, 1, BS * 132, dtype=torch.uint8)[:, :NL]  # blocks a layer apart
+    with pytest.raises(DetectionError, match="with padded rows cannot be split into its tokens' records"):
+        kvlayout.detect(padded, "trtllm", {"tokens_per_block": BS})
 
 
 def test_a_bf16_k_only_pool_is_still_mla() -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.detection.base import DetectionError, pick, probe
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
@@ -29,6 +31,14 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             )
         if len(kv) == 1:
             kv = kv[0]  # the one buffer, whatever its layers
+        elif hints.num_layers is not None and _distinct(kv) > hints.num_layers:
+            # MAX sends num_layers: per-layer buffers are at most that many (fewer where
+            # layers share one), and per-device buffers would otherwise read as layers
+            raise DetectionError(
+                f"MAX: a list of {_distinct(kv)} distinct buffers is more than the per-layer buffers of "
+                f"layout hint num_layers={hints.num_layers} (one [NB, KV, 1, BS, NH, HS] a layer); "
+                "per-device buffers, one per TP shard, are each a registration of their own"
+            )
     p = probe(kv)
     # size hints are checked after, as for every engine (discovery's check_size_hints)
     try:
@@ -40,3 +50,8 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"{e} (a list is MAX's per-layer buffers; its per-device buffers, one per TP shard, "
             "are each a registration of their own)"
         ) from e
+
+
+def _distinct(kv: list[Any]) -> int:
+    """The list's buffers, a layer registered twice (sharing another's) counted once."""
+    return len({(t.device, t.data_ptr()) if isinstance(t, torch.Tensor) else id(t) for t in kv})

@@ -30,7 +30,8 @@ Quirks that live here and nowhere else:
   the hinted layout's head axis), unless the size hints say otherwise. An MLA layer's
   ``[NB, 1, BS, 576]`` is also a one-head fused K | V cache (a GQA model at TP = KV
   heads), so it reads as fused unless the hints say MLA (``kv_dim=1``, or an MLA
-  ``layout_format``): then it is latents, ``NL_X_NB_BS_HS``, squeezed.
+  ``layout_format``): then it is latents, ``NL_X_NB_BS_HS``, squeezed. On the CPU the
+  fused reading is CPU_ATTN's whole pages (above), one head as many.
 * A bare tensor is cross-layer only with the cross-layer rank (LMCache takes any bare
   tensor as format 0). An HND one is ``NB_NL_TWO_NH_BS_HS`` (8): layouts.yaml lists it
   under TRT-LLM, but vLLM's HND cross-layer allocation is that same layout, so every
@@ -158,10 +159,10 @@ def _as_cpu_attention(
     anything else (MLA latents, the DSA indexer, older ranks, NHD reads) as read."""
     fmt, out = read
     layout = LAYOUTS[fmt]
-    # one head without the hint stays as read: MLA latents on the CPU look the same
-    head = layout.axis_of(Role.HEAD)
-    one_head = head is not None and first_leaf(out).shape[head] == 1
-    if (hints.attn_backend is None and one_head) or not (
+    # One head reads so too: without kv_dim=1 (or an MLA layout_format) a one-head layer
+    # is attention on every device (an MQA model, or TP = KV heads), and attention on the
+    # CPU is CPU_ATTN; MLA latents under those hints are is_mla and stay as read.
+    if not (
         p.depth == 1
         and p.rank == 4
         and layout.is_hnd
@@ -187,18 +188,13 @@ def _as_cpu_attention(
 
 def _cpu_attention_view(t: torch.Tensor, hints: LayoutHints, i: int) -> torch.Tensor:
     nb, heads, tokens, row = t.shape
-    if t.numel() == 0 or not t[0].is_contiguous():
-        raise DetectionError(
-            f"kv_caches[{i}] {_strided(t)} read as vLLM's CPU_ATTN ([NB, H, N, C], each block one run "
-            "of its heads' rows) is not one contiguous run a block"
-        )
+    if t.numel() == 0:
+        raise DetectionError(f"kv_caches[{i}] {_strided(t)} read as vLLM's CPU_ATTN holds no pages")
     item = t.element_size()
     page = heads * tokens * row * item
+    # each block is one run here: the strided-view check refuses interior padding and
+    # overlapping blocks first (dim-0 padding, between blocks, is the only kind it keeps)
     stride = int(t.stride(0)) * item if nb > 1 else page
-    if stride < page:
-        raise DetectionError(
-            f"kv_caches[{i}] {_strided(t)}: its blocks overlap, which CPU_ATTN never allocates"
-        )
     storage = t.untyped_storage()
     flat = torch.empty(0, dtype=torch.int8, device=t.device)
     flat.set_(storage, 0, (storage.nbytes(),), (1,))  # the storage as bytes, no copy
@@ -222,6 +218,7 @@ def cpu_attention_pages(t: torch.Tensor, layout_hints: HintsLike = None) -> Opaq
         if hints.attn_backend is not None
         else "the default for vLLM tensors on the CPU: pass kv_layout='NHD' (or 'HND', or the backend's "
         "attn_backend) if these tensors stand in for a GPU backend's cache"
+        + (", or kv_dim=1 if its one head is an MLA layer's latents" if t.shape[1] == 1 else "")
     )
     advice = (
         f"the cache was read as vLLM's CPU_ATTN (its K and V packed per ISA inside each block), by {how}; "

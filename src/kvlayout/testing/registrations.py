@@ -234,9 +234,8 @@ def _vllm_fused(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int,
     flip = hnd and draw(st.booleans())
     kv = [_expose(t, 1, 2, flip) for t in leaves]
     if hnd:
-        # without kv_layout, heads on the CPU are vLLM's CPU_ATTN pages (one head stays fused K | V)
-        plain: list[dict[str, Any]] = [{"kv_layout": "HND"}, {"kv_layout": "BLHNC"}]
-        hints = draw(st.sampled_from(([{}] if nh == 1 else []) + plain))
+        # without kv_layout, heads on the CPU are vLLM's CPU_ATTN pages, one head too
+        hints = draw(st.sampled_from([{"kv_layout": "HND"}, {"kv_layout": "BLHNC"}]))
     else:
         hints = draw(st.sampled_from([{"kv_layout": "NHD"}, {"kv_layout": "BLNHC"}]))
     return RegistrationCase(

@@ -190,3 +190,47 @@ def test_size_hints_are_checked_against_the_cpu_attention_layer() -> None:
     for wrong in ({"num_kv_heads": H + 1}, {"head_dim": 2 * D}):
         with pytest.raises(LayoutHintError, match=f"layout hint {next(iter(wrong))}="):
             kvlayout.detect(layers, "vllm", {**CPU_HINTS, **wrong})
+
+
+@pytest.mark.parametrize("hints", [CPU_HINTS, None], ids=["hinted", "cpu-default"])
+def test_one_kv_head_is_cpu_attention_too(hints: Any) -> None:
+    """An MQA model, or TP = KV heads, registers one head a rank; it was read as one head of
+    K | V halves and mapped into a plain cache with every token's bytes wrong."""
+    spec = dataclasses.replace(SPEC, num_kv_heads=1)
+    engine = uniform_engine(spec, CPU_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LBHNC)
+    _, kv = allocate_v033(engine)
+    for reg in (kvlayout.detect(list(kv.values()), "vllm", hints), through_edits(engine, kv, hints)):
+        (group,) = reg.kernel_groups
+        assert group.opaque_pages is not None and "CPU_ATTN" in group.opaque_pages.layout
+    gpu = uniform_engine(spec, FLASH_ATTN, num_layers=NL, num_blocks=NB, layout=KVCacheLayout.LBNHC)
+    plain = kvlayout.detect(list(allocate_v033(gpu)[1].values()), "vllm", {"kv_layout": "NHD"})
+    src = kvlayout.detect(list(kv.values()), "vllm", hints)
+    with pytest.raises(BlockMapError, match="read as vLLM's CPU_ATTN") as e:
+        block_map(src, plain, [4], [0], num_tokens=BS)
+    assert ("kv_dim=1 if its one head is an MLA layer's latents" in str(e.value)) is (hints is None)
+
+
+def test_a_cpu_attention_cache_of_no_blocks_is_named() -> None:
+    layers = [torch.zeros(0, H, BS, 2 * D, dtype=torch.bfloat16) for _ in range(NL)]
+    with pytest.raises(kvlayout.DetectionError, match=r"read as vLLM's CPU_ATTN holds no pages"):
+        kvlayout.detect(layers, "vllm", CPU_HINTS)
+
+
+def test_cpu_attention_with_heads_outside_blocks_is_refused() -> None:
+    _, kv = allocated(1)
+    kv_layout = "LHBNC"
+    hints = {**CPU_HINTS, "kv_layout": kv_layout}
+    with pytest.raises(
+        LayoutHintError, match=f"attn_backend='CPU_ATTN' and kv_layout='{kv_layout}' disagree"
+    ):
+        kvlayout.detect(list(kv.values()), "vllm", hints)
+
+
+def test_the_cpu_attention_rule_refuses_heads_outside_blocks() -> None:
+    """Under the hint, an LHBNC allocation (each head's pages one after another) is none
+    CPU_ATTN makes: the rule refuses it rather than cut a head's pages as a block's."""
+    from kvlayout.integrations.vllm import KVCacheGroupEditError
+
+    engine, kv = allocated(1, CPU_ATTN, KVCacheLayout.LHBNC)
+    with pytest.raises(KVCacheGroupEditError, match="do not hold every head inside each block"):
+        apply_kv_cache_group_edits(engine.config, kv, CPU_HINTS)
