@@ -126,7 +126,7 @@ def test_the_choice_settles_on_the_way_that_is_faster_now(
         drive(choice, length * Choice.explore, {False: off, True: on})
     off, on = phases[-1]
     drive(choice, 30 * Choice.explore_max, {False: off, True: on})
-    if off != on:
+    if abs(off - on) > 1e-9 * max(off, on):  # timings equal to rounding prefer neither way
         assert choice.pick(BIG - 1) is (on < off)
         picked = drive(choice, 4 * Choice.explore_max, {False: off, True: on})
         others = [i for i, way in enumerate(picked) if way is not (on < off)]
