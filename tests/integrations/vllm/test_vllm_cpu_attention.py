@@ -234,3 +234,11 @@ def test_the_cpu_attention_rule_refuses_heads_outside_blocks() -> None:
     engine, kv = allocated(1, CPU_ATTN, KVCacheLayout.LHBNC)
     with pytest.raises(KVCacheGroupEditError, match="do not hold every head inside each block"):
         apply_kv_cache_group_edits(engine.config, kv, CPU_HINTS)
+
+
+def test_the_rule_asks_a_layer_of_no_blocks_without_indexing_it() -> None:
+    """By the CPU default the rule looks at a block's memory; a layer of none is not
+    CPU_ATTN's pages to it (and no IndexError)."""
+    empty = torch.zeros(0, H, BS, 2 * D, dtype=torch.bfloat16)
+    assert not CPUAttentionPagesEdit().matches_with_hints(SPEC, empty, None)
+    assert CPUAttentionPagesEdit().matches_with_hints(SPEC, empty, CPU_HINTS)

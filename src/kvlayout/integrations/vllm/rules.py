@@ -376,7 +376,7 @@ class CPUAttentionPagesEdit(KVCacheGroupEdit):
             return False  # bad hints: detection says what is wrong with them
         # by the CPU default, only pages CPU_ATTN allocates (each block's heads one run,
         # LBHNC or BLHNC); BHLNC views are the cross-layer tensor detection reads them as
-        return hinted or bool(value[0].is_contiguous())
+        return hinted or (value.shape[0] > 0 and bool(value[0].is_contiguous()))
 
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         if _heads_outside_pages(value) is not False:
