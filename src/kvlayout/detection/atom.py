@@ -21,7 +21,7 @@ ENGINE = EngineType.ATOM
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     p = probe(kv)
-    if p.rank == 5 and p.first.shape[-1] * p.first.element_size() == 16:  # X elements of 16 bytes
+    if p.aiter_shuffled:
         raise DetectionError(
             f"ATOM: {p.describe()}: per-layer K and V of rank 5 are ATOM's MHA/GQA pool in AITER's "
             "SHUFFLE layout (mha_kv_fields: K (num_blocks, H, D // X, block_size, X), V (num_blocks, H, "

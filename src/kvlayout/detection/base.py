@@ -29,6 +29,7 @@ from kvlayout.registration.nesting import describe_path, leaves, map_leaves
 from kvlayout.types import ENGINE_LABELS, SIZE_HINTS, EngineType, LayoutHintError
 
 __all__ = [
+    "AITER_VECTOR_BYTES",
     "SIZE_HINTS",
     "DetectionError",
     "FormatShape",
@@ -52,6 +53,10 @@ class DetectionError(RegistrationError):
 
 
 # -- the registration's structure ------------------------------------------------------
+
+
+AITER_VECTOR_BYTES = 16
+"""The bytes of AITER's SHUFFLE layout's innermost vector: ``X = 16 // itemsize`` elements."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +96,12 @@ class Probe:
         else:
             lists = f", in nested lists of {' x '.join(map(str, self.lengths))}"
         return f"{where}: shape {shape}, dtype {self.first.dtype}{lists}"
+
+    @property
+    def aiter_shuffled(self) -> bool:
+        """Rank 5 ending in 16-byte vectors: AITER's SHUFFLE K ``[NB, H, D // X, BS, X]`` or V
+        ``[NB, H, BS // X, D, X]`` (SGLang's ``vectorized_5d`` pool, ATOM's MHA pool)."""
+        return self.rank == 5 and self.first.shape[-1] * self.first.element_size() == AITER_VECTOR_BYTES
 
 
 def probe(kv: Any) -> Probe:

@@ -130,7 +130,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"SGLang: layout hint hicache_layout={hints.hicache_layout} names a HiCache host pool, which is "
             f"one tensor (mem_pool_host.kv_buffer), not {p.describe()}"
         )
-    if p.rank == 5 and p.first.shape[-1] * p.first.element_size() == 16:  # X elements of 16 bytes
+    if p.aiter_shuffled:
         raise DetectionError(
             f"SGLang: {p.describe()}: per-layer K and V of rank 5 are the ROCm AITER pool "
             "(SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d: K (num_blocks, H, D // X, page_size, X), "

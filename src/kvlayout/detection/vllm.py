@@ -75,7 +75,13 @@ from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS, HND_KV_LAYOUTS, Ro
 from kvlayout.registration.backing import first_without_memory
 from kvlayout.registration.contiguity import dim0_padding, physical_order
 from kvlayout.registration.nesting import first_leaf
-from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages, mark_opaque_pages
+from kvlayout.registration.opaque import (
+    MAX_PAGE_LAYOUT,
+    OpaquePages,
+    mark_opaque_pages,
+    page_bytes_view,
+    page_of,
+)
 from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHintError, LayoutHints
 
 __all__ = [
@@ -187,7 +193,7 @@ def _as_cpu_attention(
 
 
 def _cpu_attention_view(t: torch.Tensor, hints: LayoutHints, i: int) -> torch.Tensor:
-    nb, heads, tokens, row = t.shape
+    nb, heads, tokens, row = (int(n) for n in t.shape)
     if t.numel() == 0:
         raise DetectionError(f"kv_caches[{i}] {_strided(t)} read as vLLM's CPU_ATTN holds no pages")
     item = t.element_size()
@@ -195,12 +201,7 @@ def _cpu_attention_view(t: torch.Tensor, hints: LayoutHints, i: int) -> torch.Te
     # each block is one run here: the strided-view check refuses interior padding and
     # overlapping blocks first (dim-0 padding, between blocks, is the only kind it keeps)
     stride = int(t.stride(0)) * item if nb > 1 else page
-    storage = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.int8, device=t.device)
-    flat.set_(storage, 0, (storage.nbytes(),), (1,))  # the storage as bytes, no copy
-    view = flat.as_strided(
-        (nb, tokens, page // tokens), (stride, page // tokens, 1), t.storage_offset() * item
-    )
+    view = page_bytes_view(t, nb, tokens, page // tokens, stride, int(t.storage_offset()) * item)
     mark_opaque_pages(view, cpu_attention_pages(t, hints), [t])
     return view
 
@@ -210,8 +211,6 @@ def cpu_attention_pages(t: torch.Tensor, layout_hints: HintsLike = None) -> Opaq
     vLLM 0.33's kernel page ``[H, N, C]`` of ``t`` (``[pages, H, N, C]``), its dtype and
     memory order; rows are no tokens (the kernel views a page as ``[H, 2N, C/2]``, a head's
     K rows then its V rows, and its ISA-specific kernels pack each in their own tiles)."""
-    order = [d for d in physical_order(t.shape, t.stride()) if t.shape[d] != 1]
-    inner = [d for d in order if d != 0]
     hints = LayoutHints.coerce(layout_hints)
     how = (
         "layout hint attn_backend='CPU_ATTN'"
@@ -225,10 +224,7 @@ def cpu_attention_pages(t: torch.Tensor, layout_hints: HintsLike = None) -> Opaq
         "such pages move only to a cache paged alike (CPU_ATTN of the same block size, heads, head size "
         "and dtype), and vLLM itself repacks received plain blocks with its platform's pack_kv_cache"
     )
-    layout = (
-        f"cpu-attn-pages: vLLM's CPU_ATTN, K and V packed per ISA inside each block: "
-        f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)[1:]} in memory order {inner}"
-    )
+    layout = f"cpu-attn-pages: vLLM's CPU_ATTN, K and V packed per ISA inside each block: {page_of(t)}"
     return OpaquePages(layout[:MAX_PAGE_LAYOUT], rows_are_tokens=False, advice=advice)
 
 

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from kvlayout.detection.base import DetectionError
+from kvlayout.detection.base import AITER_VECTOR_BYTES, DetectionError
 from kvlayout.integrations.page_lists import dtype_name, listed_pages
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import OpaquePages, PageArray
@@ -37,7 +37,7 @@ from kvlayout.registration.registration import Registration
 
 __all__ = ["VECTOR_BYTES", "ShuffleCaller", "shuffle_kv_pools"]
 
-VECTOR_BYTES = 16
+VECTOR_BYTES = AITER_VECTOR_BYTES
 """The bytes of the layout's innermost vector: ``X = 16 // itemsize`` elements."""
 
 

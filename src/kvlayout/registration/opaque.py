@@ -22,21 +22,50 @@ from typing import NamedTuple
 import torch
 
 from kvlayout.layout.dtypes import DTYPE_SIZES
+from kvlayout.registration.contiguity import physical_order
 
 __all__ = [
     "MAX_ARRAY_DIMS",
     "MAX_PAGE_ARRAYS",
     "MAX_PAGE_LAYOUT",
+    "OPAQUE_PAGE_DTYPE",
     "OpaquePages",
     "PageArray",
     "mark_opaque_pages",
     "opaque_pages_of",
+    "page_bytes_view",
+    "page_of",
     "pages_of_tensors",
     "viewed_over",
 ]
 
 MAX_PAGE_LAYOUT = 1024
 """The longest :attr:`OpaquePages.layout` a description may carry (characters)."""
+
+OPAQUE_PAGE_DTYPE = torch.int8
+"""Bytes: a page mixes dtypes (bf16 conv, fp32 ssm, padding; K and V of kernel pages),
+so no element type describes it. int8, not uint8, so a 132-byte row is never taken for
+the DSA indexer's uint8 ``[NB, BS, 132]`` format."""
+
+
+def page_bytes_view(
+    t: torch.Tensor, num_blocks: int, rows: int, row: int, block_stride_bytes: int, offset_bytes: int
+) -> torch.Tensor:
+    """``[num_blocks, rows, row]`` int8 over ``t``'s storage (no copy): block ``b`` the
+    ``rows * row`` bytes from ``offset_bytes + b * block_stride_bytes``. The caller checks
+    that they lie inside the storage."""
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=OPAQUE_PAGE_DTYPE, device=t.device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))  # the storage as bytes, no copy
+    return flat.as_strided((num_blocks, rows, row), (block_stride_bytes, row, 1), offset_bytes)
+
+
+def page_of(t: torch.Tensor) -> str:
+    """How a registered ``[pages, ...]`` tensor orders a page's bytes, for an
+    :attr:`OpaquePages.layout`: its dtype, per-page shape and memory order."""
+    order = [d for d in physical_order(t.shape, t.stride()) if t.shape[d] != 1]
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)[1:]} in memory order {order[1:]}"
+
 
 MAX_PAGE_ARRAYS = 16
 """The most :attr:`OpaquePages.arrays` a page may declare (a description is untrusted)."""

@@ -23,7 +23,13 @@ from kvlayout.registration.contiguity import (
     attempt_permute_to_contiguous_view,
     physical_order,
 )
-from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages
+from kvlayout.registration.opaque import (
+    MAX_PAGE_LAYOUT,
+    OPAQUE_PAGE_DTYPE,
+    OpaquePages,
+    page_bytes_view,
+    page_of,
+)
 
 __all__ = [
     "OPAQUE_HEAD_PAGES_FORMAT",
@@ -46,11 +52,6 @@ OPAQUE_HEAD_PAGES_FORMAT = EngineKVFormat.NL_X_NH_NB_BS_CS
 """What an edited view of pages per head reads as, ``[H, num_blocks, block_size, row]``:
 vLLM's ``LHBNC`` keeps each head (or head slot) outside the blocks, so a block is one
 page per head. Detection reads it so under the ``LHBNC`` hint, which such a cache needs."""
-
-OPAQUE_PAGE_DTYPE = torch.int8
-"""Bytes: a page mixes dtypes (bf16 conv, fp32 ssm, padding; K and V of kernel pages),
-so no element type describes it. int8, not uint8, so a 132-byte row is never taken for
-the DSA indexer's uint8 ``[NB, BS, 132]`` format."""
 
 
 @dataclass(frozen=True)
@@ -116,10 +117,9 @@ def opaque_page_view(
             f"{num_blocks} pages of {page_bytes} bytes, {block_stride_bytes} bytes apart from byte "
             f"{offset_bytes}, end at byte {end}, past the {storage.nbytes()}-byte storage"
         )
-    row = page_bytes // block_size
-    flat = torch.empty(0, dtype=OPAQUE_PAGE_DTYPE, device=t.device)
-    flat.set_(storage, 0, (storage.nbytes(),), (1,))  # the storage as bytes, no copy
-    return flat.as_strided((num_blocks, block_size, row), (block_stride_bytes, row, 1), offset_bytes)
+    return page_bytes_view(
+        t, num_blocks, block_size, page_bytes // block_size, block_stride_bytes, offset_bytes
+    )
 
 
 def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> OpaquePages:
@@ -129,10 +129,7 @@ def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> Opa
     the spec's state shapes where it declares them (a Mamba page's conv | ssm split).
     Rows are tokens where ``token_axis`` is the outermost axis inside a page in memory."""
     tensors = [value] if isinstance(value, torch.Tensor) else list(value)
-    parts = []
-    for t in tensors:
-        order = [d for d in physical_order(t.shape, t.stride()) if t.shape[d] != 1]
-        parts.append(f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)[1:]} in memory order {order[1:]}")
+    parts = [page_of(t) for t in tensors]
     for name in ("shapes", "dtypes"):
         declared = spec_field(spec, name, None)
         if declared is not None:
