@@ -12,6 +12,7 @@ group its own.
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import time
 from typing import Any, Literal
@@ -148,6 +149,13 @@ def test_join_refuses_mixed_ends_and_what_is_not_a_map() -> None:
             prefill.kernel_groups[3], rank0.group(3), [0, 1], [5, 4], num_tokens=700, src_shard=P_SHARD
         )
         join_maps([maps(prefill, there)[3], to_rank0])  # decode ranks 1 and 0: two peers
+    on_gpu1 = json.loads(decode.describe(shard=D_SHARD).to_json())
+    on_gpu1["device"] = {"type": "cuda", "index": 1}  # the same peer's pool on another device
+    elsewhere = RegistrationDescription.from_json(json.dumps(on_gpu1))
+    with pytest.raises(
+        BlockMapError, match=r"maps\[0\]'s dst is on cpu but maps\[1\]'s on cuda:1; each end .* one device"
+    ):
+        join_maps([maps(prefill, there)[0], maps(prefill, elsewhere)[1]])
     with pytest.raises(BlockMapError, match="one block map at least, got none"):
         join_maps([])
     with pytest.raises(TypeError, match=r"maps\[1\] is a list, not a BlockMap"):
