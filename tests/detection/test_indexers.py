@@ -85,7 +85,7 @@ def test_pages_that_are_not_indexer_records_are_errors() -> None:
     with pytest.raises(
         kvlayout.DetectionError,
         match=re.escape(
-            "a flat list of 2-D uint8 tensors is a DSA indexer cache [pages, page_size * W] (W = 132 bytes), but its "
+            "a flat list of 2-D uint8 tensors is a DSA indexer cache [pages, page_size * W] (W = 132 or 68 bytes), but its "
             "row is not a positive multiple of any record width"
         ),
     ):

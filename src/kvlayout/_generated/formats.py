@@ -313,8 +313,8 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         engines=("max",),
     ),
     EngineKVFormat.NL_X_NB_BSV4_BSS4: FormatInfo(
-        backends=("vLLM MLA (DSA indexer k-cache, indexer_kv_dtype mxfp4: 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)",),
-        engines=("vllm",),
+        backends=("vLLM MLA (DSA indexer k-cache, indexer_kv_dtype mxfp4: 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)", "SGLang DeepSeek-V4 indexer k-cache (DeepSeekV4IndexerPool, enable_deepseek_v4_fp4_indexer on CUDA)"),
+        engines=("vllm", "sglang"),
     ),
 }
 

@@ -2576,7 +2576,7 @@ class NL_X_NB_KV_ONE_BS_NH_HS_Spec(KVFormatSpec):
 
 
 class NL_X_NB_BSV4_BSS4_Spec(KVFormatSpec):
-    """``NL x [NB, BSxVALS4, BSxSCALES4]``: vLLM MLA (DSA indexer k-cache, indexer_kv_dtype mxfp4: 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)."""
+    """``NL x [NB, BSxVALS4, BSxSCALES4]``: vLLM MLA (DSA indexer k-cache, indexer_kv_dtype mxfp4: 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token); SGLang DeepSeek-V4 indexer k-cache (DeepSeekV4IndexerPool, enable_deepseek_v4_fp4_indexer on CUDA)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NL_X_NB_BSV4_BSS4

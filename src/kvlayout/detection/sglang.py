@@ -23,7 +23,11 @@ Quirks that live here and nowhere else:
   layer group (``normalize_and_discover_per_layer_formats``). Under
   ``index_cache_dtype=torch.bfloat16`` the pages are bf16 ``[pages, BS * 128]``, keys
   without scales: a region run of one dtype is stored in it, so the pages are re-viewed
-  as their bytes (a region's width counts bytes) and read as that format.
+  as their bytes (a region's width counts bytes) and read as that format. DeepSeek-V4's
+  FP4 indexer (``DeepSeekV4IndexerPool`` on CUDA) pages are ``[pages, BS * 68]`` uint8, a
+  page every slot's 64 packed e2m1 bytes then every slot's 4 ue8m0 bytes: vLLM's MXFP4
+  indexer page, read as that format. A row that is whole records of either width is read
+  at the ``tokens_per_block`` given, and refused without one.
 * SGLang's page-major MLA pool (``layout/page_major.py``) registers a flat list of 4-D
   views ``[pages, page_size, 1, C]`` whose page stride is the envelope of every layer's
   latents: each is the folded MLA page buffer split into pages, read as its unfolded
@@ -469,7 +473,8 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
     except RuntimeError:
         raise padded from None
     q = probe(raw)
-    widths, found = [], []
+    widths: list[int] = []
+    found: list[tuple[EngineKVFormat, tuple[int, ...], int]] = []  # format, page shape, page size
     for fmt in _indexers(p):
         layout = LAYOUTS[fmt]
         if not _stores_records(layout, p.first.dtype):
@@ -481,15 +486,31 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             continue
         shape = layout.tensor_shape(sizes_by_role(layout, {Role.BLOCK: pages, Role.TOKEN: row // width}))
         if match(ENGINE, q, shape=shape, only=lambda s, f=fmt: s.fmt is f) is not None:  # type: ignore[misc]
-            found.append((fmt, shape))
+            found.append((fmt, shape, row // width))
+    tpb = hints.tokens_per_block
+    if len(found) > 1 and tpb is not None:
+        # a row that is page_size records of either width (the FP8 and the FP4 indexer's) is
+        # read at the page_size the pool has
+        fits = [entry for entry in found if entry[2] == tpb]
+        if not fits:
+            readings = " or ".join(f"{n} records of {LAYOUTS[f].name}" for f, _, n in found)
+            raise LayoutHintError(
+                f"SGLang: {p.describe()}: layout hint tokens_per_block={tpb} contradicts its indexer row, "
+                f"which is {readings}"
+            )
+        found = fits
     if len(found) != 1:
-        what = "fits several formats" if found else "is not a positive multiple of any record width"
+        what = (
+            "fits several formats: pass layout hint tokens_per_block (the pool's page_size)"
+            if found
+            else "is not a positive multiple of any record width"
+        )
         dtype = str(p.first.dtype).removeprefix("torch.")
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list of 2-D {dtype} tensors is a DSA indexer cache [pages, "
             f"page_size * W] (W = {' or '.join(map(str, widths)) or 'none'} bytes), but its row {what}"
         )
-    fmt, shape = found[0]
+    fmt, shape, _ = found[0]
     if not all(t.is_contiguous() for t in raw):
         raise padded
     return fmt, [t.view(shape) for t in raw]

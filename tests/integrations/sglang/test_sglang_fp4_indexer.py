@@ -1,0 +1,125 @@
+"""SGLang's DeepSeek-V4 indexer K cache under ``enable_deepseek_v4_fp4_indexer`` on CUDA
+(``mem_cache/deepseek_v4_memory_pool.py`` ``DeepSeekV4IndexerPool``): per layer a uint8
+``[(size + page_size + 1) // page_size, page_size * 68]`` page list, a page every slot's
+64 packed e2m1 bytes, then every slot's 4 ue8m0 scale bytes (``get_index_k_fp4``:
+payload at ``off * 64``, scales at ``page_size * 64 + off * 4``). It is read as format
+39 ``NL_X_NB_BSV4_BSS4``, vLLM's MXFP4 indexer page, with no hint; the block maps are
+checked byte for byte against that indexing."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import EngineKVFormat as F
+from kvlayout.transfer import BlockMapError, block_map
+
+MXFP4 = F.NL_X_NB_BSV4_BSS4
+NL = 3
+VALUES, SCALES = 64, 4  # DeepSeekV4IndexerPool.packed_bytes_per_token, its scale bytes
+
+
+def fp4_pool(size: int, page_size: int, seed: int) -> list[torch.Tensor]:
+    """``index_k_with_scale_buffer`` as ``_create_buffer`` allocates it, random bytes."""
+    pages = (size + page_size + 1) // page_size
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, (pages, page_size * (VALUES + SCALES)), dtype=torch.uint8, generator=gen)
+        for _ in range(NL)
+    ]
+
+
+def record(buf: torch.Tensor, page_size: int, slot: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """SGLang's ``get_index_k_fp4`` of one slot: its payload bytes and its scale bytes."""
+    page, off = divmod(slot, page_size)
+    scale_at = page_size * VALUES + off * SCALES
+    return buf[page, off * VALUES : (off + 1) * VALUES], buf[page, scale_at : scale_at + SCALES]
+
+
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+def test_fp4_pages_read_as_mxfp4_blocked_scale_pages(page_size: int) -> None:
+    idx = fp4_pool(8 * page_size, page_size, 0)
+    for hints in ({}, {"tokens_per_block": page_size}):
+        reg = kvlayout.detect(idx, "sglang", hints)
+        assert reg.format == MXFP4 and kvlayout.is_indexer(reg.format)
+        assert kvlayout.get_block_size(reg, reg.format) == page_size
+        assert kvlayout.get_num_blocks(reg, reg.format) == idx[0].shape[0]
+    assert kvlayout.is_indexer_cache(idx[0], "sglang")
+    fmt, out = kvlayout.normalize_kv_and_discover_format(idx, "sglang")
+    assert fmt == MXFP4
+    for o, t in zip(out, idx, strict=True):  # views of the pool's pages, no copies
+        assert o.shape == (t.shape[0], page_size, 68) and o.data_ptr() == t.data_ptr()
+
+
+def test_block_map_moves_each_slots_payload_and_scales_where_sglang_reads_them() -> None:
+    ps = 64
+    src, dst = fp4_pool(6 * ps, ps, 1), fp4_pool(5 * ps, ps, 2)
+    a, b = kvlayout.detect(src, "sglang"), kvlayout.detect(dst, "sglang", {"tokens_per_block": ps})
+    before = [t.clone() for t in dst]
+    src_pages, dst_pages = [3, 1, 5], [0, 4, 2]
+    num_tokens = 2 * ps + 13  # the last page partly filled
+    block_map(a, b, src_pages, dst_pages, num_tokens=num_tokens).copy()
+    for layer in range(NL):
+        expect = before[layer].clone()
+        for p in range(num_tokens):
+            s_slot = src_pages[p // ps] * ps + p % ps
+            d_slot = dst_pages[p // ps] * ps + p % ps
+            for want, got in zip(record(expect, ps, d_slot), record(src[layer], ps, s_slot), strict=True):
+                want.copy_(got)
+        assert torch.equal(dst[layer], expect), layer
+
+
+def test_fp4_pages_move_to_vllms_mxfp4_indexer_and_back() -> None:
+    """vLLM's page (``indexer_k_store.py``: values at ``pos * 64``, scales at
+    ``block_size * 64 + pos * 4``) is SGLang's: a page moves whole, byte for byte."""
+    ps = 64
+    sgl = fp4_pool(4 * ps, ps, 3)
+    vllm = [torch.zeros(7, ps, 68, dtype=torch.uint8) for _ in range(NL)]
+    a, b = kvlayout.detect(sgl, "sglang"), kvlayout.detect(vllm, "vllm", {})
+    assert b.format == MXFP4
+    block_map(a, b, [2, 0], [6, 1]).copy()
+    for layer in range(NL):
+        assert torch.equal(vllm[layer][6].flatten(), sgl[layer][2])
+        assert torch.equal(vllm[layer][1].flatten(), sgl[layer][0])
+        assert not vllm[layer][[0, 2, 3, 4, 5]].any()
+    back = [torch.zeros_like(t) for t in sgl]
+    block_map(b, kvlayout.detect(back, "sglang"), [6], [4]).copy()
+    for layer in range(NL):
+        assert torch.equal(back[layer][4], sgl[layer][2])
+
+
+def test_fp4_and_fp8_indexer_pages_do_not_hold_the_same_data() -> None:
+    ps = 64
+    fp4 = kvlayout.detect(fp4_pool(4 * ps, ps, 4), "sglang")
+    fp8 = kvlayout.detect([torch.zeros(5, ps * 132, dtype=torch.uint8) for _ in range(NL)], "sglang")
+    assert fp8.format == F.NL_X_NB_BSV_BSS
+    for one, two in ((fp4, fp8), (fp8, fp4)):
+        with pytest.raises(BlockMapError, match=re.escape("they do not hold the same data")):
+            block_map(one, two, [1], [2])
+
+
+def test_a_row_of_either_width_is_read_at_the_page_size_given() -> None:
+    """2244 bytes are 33 records of 68 bytes or 17 of 132: no real page size, but a row
+    that reads two ways is never guessed at."""
+    kv = [torch.zeros(5, 2244, dtype=torch.uint8) for _ in range(NL)]
+    with pytest.raises(
+        kvlayout.DetectionError,
+        match=re.escape(
+            "(W = 132 or 68 bytes), but its row fits several formats: pass layout hint tokens_per_block"
+        ),
+    ):
+        kvlayout.detect(kv, "sglang")
+    for tpb, fmt in ((33, MXFP4), (17, F.NL_X_NB_BSV_BSS)):
+        reg = kvlayout.detect(kv, "sglang", {"tokens_per_block": tpb})
+        assert reg.format == fmt and kvlayout.get_block_size(reg, fmt) == tpb
+    with pytest.raises(
+        kvlayout.LayoutHintError,
+        match=re.escape(
+            "layout hint tokens_per_block=4 contradicts its indexer row, which is 17 records of "
+            "NL_X_NB_BSV_BSS or 33 records of NL_X_NB_BSV4_BSS4"
+        ),
+    ):
+        kvlayout.detect(kv, "sglang", {"tokens_per_block": 4})
