@@ -249,7 +249,7 @@ def test_sglang_hnd_pool_reads_heads_before_tokens(form: str) -> None:
          "a flat list of 2-D bfloat16 tensors is a DSA indexer cache [pages, page_size * W] (W = 256 bytes), "
          "but its row is not a positive multiple of any record width"),
         (layers((7, 3 * 128), dtype=torch.bfloat16), {"tokens_per_block": 4}, LayoutHintError,
-         "tokens_per_block=4 contradicts NL_X_NB_BSK"),
+         "tokens_per_block=4 contradicts its indexer row, which is 3 records of NL_X_NB_BSK"),
         (layers((9, 96, 3)), {}, DetectionError, "kv_list_layout='k_v'; a hybrid's Mamba state buffers (conv "
          "[slots, conv_dim, K-1], temporal [slots, H, head_dim, state]) are one state per request slot, not KV "
          "pages: kvlayout.integrations.sglang.mamba_state_pools(pool) reads them"),

@@ -76,7 +76,9 @@ def test_a_contradicting_tokens_per_block_is_an_error() -> None:
     tokens_per_block=4); kvlayout checks every hint it is given."""
     with pytest.raises(
         kvlayout.LayoutHintError,
-        match=re.escape("SGLang: layout hint tokens_per_block=4 contradicts NL_X_NB_BSV_BSS, whose BS is 2"),
+        match=re.escape(
+            "layout hint tokens_per_block=4 contradicts its indexer row, which is 2 records of NL_X_NB_BSV_BSS"
+        ),
     ):
         detect([u8(7, 264) for _ in range(5)], "sglang", {"tokens_per_block": 4})
 

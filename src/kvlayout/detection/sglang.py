@@ -27,7 +27,11 @@ Quirks that live here and nowhere else:
   FP4 indexer (``DeepSeekV4IndexerPool`` on CUDA) pages are ``[pages, BS * 68]`` uint8, a
   page every slot's 64 packed e2m1 bytes then every slot's 4 ue8m0 bytes: vLLM's MXFP4
   indexer page, read as that format. A row that is whole records of either width is read
-  at the ``tokens_per_block`` given, and refused without one.
+  at the ``tokens_per_block`` given, and refused without one. DeepSeek-V4's FlashMLA KV
+  pages (``DeepSeekV4SingleKVPool``: uint8 ``[pages, bytes]``, the page padded to a
+  multiple of 576) are no indexer's, though at page_size 16 and 32 they are 144 records
+  of 68 or 132 bytes: a uint8 row so padded is refused without ``tokens_per_block``, and
+  any refusal of a uint8 row names them.
 * SGLang's page-major MLA pool (``layout/page_major.py``) registers a flat list of 4-D
   views ``[pages, page_size, 1, C]`` whose page stride is the envelope of every layer's
   latents: each is the folded MLA page buffer split into pages, read as its unfolded
@@ -104,6 +108,15 @@ _NOT_STATE = (
     "; a hybrid's Mamba state buffers (conv [slots, conv_dim, K-1], temporal [slots, H, head_dim, "
     "state]) are one state per request slot, not KV pages: "
     "kvlayout.integrations.sglang.mamba_state_pools(pool) reads them"
+)
+
+
+# What DeepSeek-V4's FlashMLA KV pages (DeepSeekV4SingleKVPool.create_buffer) are: no indexer's.
+# Their page bytes are rounded up to a multiple of 576 (ceil_div(page_size * 584, 576) * 576).
+_FLASHMLA_PAGE_ALIGN = 576
+_NOT_FLASHMLA = (
+    "; a DeepSeek-V4 KV pool's FlashMLA pages (DeepSeekV4SingleKVPool.kv_buffer: uint8 [pages, page "
+    "bytes padded to a multiple of 576]) are no indexer's, and no format reads their tokens"
 )
 
 
@@ -488,7 +501,7 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
         if match(ENGINE, q, shape=shape, only=lambda s, f=fmt: s.fmt is f) is not None:  # type: ignore[misc]
             found.append((fmt, shape, row // width))
     tpb = hints.tokens_per_block
-    if len(found) > 1 and tpb is not None:
+    if found and tpb is not None:
         # a row that is page_size records of either width (the FP8 and the FP4 indexer's) is
         # read at the page_size the pool has
         fits = [entry for entry in found if entry[2] == tpb]
@@ -496,19 +509,28 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             readings = " or ".join(f"{n} records of {LAYOUTS[f].name}" for f, _, n in found)
             raise LayoutHintError(
                 f"SGLang: {p.describe()}: layout hint tokens_per_block={tpb} contradicts its indexer row, "
-                f"which is {readings}"
+                f"which is {readings}{_NOT_FLASHMLA if p.first.dtype == torch.uint8 else ''}"
             )
         found = fits
+    elif tpb is None and p.first.dtype == torch.uint8 and q.shape[1] % _FLASHMLA_PAGE_ALIGN == 0:
+        # a row padded to DeepSeek-V4's FlashMLA page alignment is that pool's page (page_size 16:
+        # 9792 bytes, 144 records of 68; 32: 19008, 144 of 132), not an indexer's: SGLang's hold
+        # 64, 128 or 1 tokens, and only a page of a multiple of 48 records is so aligned
+        found = []
     if len(found) != 1:
         what = (
             "fits several formats: pass layout hint tokens_per_block (the pool's page_size)"
             if found
             else "is not a positive multiple of any record width"
+            if all(q.shape[1] % width for width in widths)
+            else f"is padded to a multiple of {_FLASHMLA_PAGE_ALIGN} bytes (for an indexer page of such "
+            "a page_size, pass layout hint tokens_per_block)"
         )
         dtype = str(p.first.dtype).removeprefix("torch.")
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list of 2-D {dtype} tensors is a DSA indexer cache [pages, "
             f"page_size * W] (W = {' or '.join(map(str, widths)) or 'none'} bytes), but its row {what}"
+            f"{_NOT_FLASHMLA if dtype == 'uint8' else ''}"
         )
     fmt, shape, _ = found[0]
     if not all(t.is_contiguous() for t in raw):

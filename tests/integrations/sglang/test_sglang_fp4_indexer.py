@@ -123,3 +123,30 @@ def test_a_row_of_either_width_is_read_at_the_page_size_given() -> None:
         ),
     ):
         kvlayout.detect(kv, "sglang", {"tokens_per_block": 4})
+
+
+def flashmla_pages(page_size: int) -> list[torch.Tensor]:
+    """DeepSeek-V4's main / C4 / C128 KV pool (``DeepSeekV4SingleKVPool.create_buffer``, the
+    V4 layout): uint8 ``[pages, ceil(page_size * 584 / 576) * 576]``."""
+    row = -(-page_size * 584 // 576) * 576
+    return [torch.zeros(5, row, dtype=torch.uint8) for _ in range(NL)]
+
+
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_deepseek_v4_flashmla_pages_are_not_read_as_indexer_pages(page_size: int) -> None:
+    """At page_size 16 a FlashMLA page is 144 FP4 indexer records, at 32 144 FP8 ones: its
+    padding to 576 bytes tells it apart, and a page_size given contradicts the records."""
+    note = "a DeepSeek-V4 KV pool's FlashMLA pages (DeepSeekV4SingleKVPool.kv_buffer"
+    with pytest.raises(kvlayout.DetectionError, match=re.escape(note)):
+        kvlayout.detect(flashmla_pages(page_size), "sglang")
+    given = kvlayout.LayoutHintError if page_size < 64 else kvlayout.DetectionError  # 64: no records at all
+    with pytest.raises(given, match=re.escape(note)):
+        kvlayout.detect(flashmla_pages(page_size), "sglang", {"tokens_per_block": page_size})
+
+
+def test_an_indexer_page_of_576_aligned_bytes_reads_given_its_page_size() -> None:
+    kv = [torch.zeros(5, 48 * 132, dtype=torch.uint8) for _ in range(NL)]  # 6336 = 11 * 576
+    with pytest.raises(kvlayout.DetectionError, match="is padded to a multiple of 576 bytes"):
+        kvlayout.detect(kv, "sglang")
+    reg = kvlayout.detect(kv, "sglang", {"tokens_per_block": 48})
+    assert reg.format == F.NL_X_NB_BSV_BSS and kvlayout.get_block_size(reg, reg.format) == 48
