@@ -120,6 +120,15 @@ _NOT_FLASHMLA = (
 )
 
 
+# What the ROCm FP4 indexer's split buffers (DeepSeekV4IndexerPool.uses_aiter_fp4_layout) are.
+_NOT_AITER_FP4_INDEXER = (
+    "; a ROCm DeepSeek-V4 FP4 indexer's index_k_payload_buffer [pages, 1, 4, page_size, 16] and "
+    "index_k_scale_buffer [pages, 1, 4, page_size] (uses_aiter_fp4_layout) split each token's 64 payload "
+    "bytes and 4 scale bytes across the page: no format reads their tokens, and kvlayout has no reading "
+    "of their pages; they move with SGLang's own transfer"
+)
+
+
 # What a HiCache host pool's K and V halves (kv_buffer[0], kv_buffer[1]) are, passed as a list.
 _NOT_HOST_HALVES = (
     "; a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: "
@@ -153,6 +162,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             "(SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d: K (num_blocks, H, D // X, page_size, X), "
             "V (num_blocks, H, page_size // X, D_v, X)), whose tokens no format reads; "
             "kvlayout.integrations.sglang.vectorized_kv_pools(k_buffer, v_buffer, page_size) reads its pages"
+            f"{_NOT_AITER_FP4_INDEXER}"
         )
     if p.depth == 1 and p.rank == 2 and any(_stores_records(LAYOUTS[f], p.first.dtype) for f in _indexers(p)):
         return _indexer(kv, p, hints)
@@ -181,6 +191,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"SGLang: {p.describe()}: a flat list is an MLA page buffer [NB*BS, 1, HS] unless "
             "layout hint kv_list_layout says 'k_v' (K layers then V layers) or 'unified' (components)"
             f"{_NOT_STATE}{_NOT_HOST_HALVES if len(kv) == 2 else ''}"
+            f"{_NOT_AITER_FP4_INDEXER if p.rank == 4 and p.first.dtype == torch.uint8 else ''}"
         )
     # A rank-3 leaf here is a folded page buffer; a rank-4 one (two lists) already has NB, BS.
     fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])
@@ -530,7 +541,9 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list of 2-D {dtype} tensors is a DSA indexer cache [pages, "
             f"page_size * W] (W = {' or '.join(map(str, widths)) or 'none'} bytes), but its row {what}"
-            f"{_NOT_FLASHMLA if dtype == 'uint8' else ''}"
+            f"{_NOT_FLASHMLA if dtype == 'uint8' else ''}; a buffer of a row per token slot (an FP4 MLA "
+            "pool's kv_scale_buffer [size + page_size, C // 16]) reads as MLA page buffers: pass "
+            "[t.unsqueeze(1) for t in buffers]"
         )
     fmt, shape, _ = found[0]
     if not all(t.is_contiguous() for t in raw):

@@ -150,3 +150,34 @@ def test_an_indexer_page_of_576_aligned_bytes_reads_given_its_page_size() -> Non
         kvlayout.detect(kv, "sglang")
     reg = kvlayout.detect(kv, "sglang", {"tokens_per_block": 48})
     assert reg.format == F.NL_X_NB_BSV_BSS and kvlayout.get_block_size(reg, reg.format) == 48
+
+
+def test_rocm_split_fp4_indexer_buffers_are_refused_by_name() -> None:
+    """``uses_aiter_fp4_layout`` (ROCm): payload ``[pages, 1, 4, page_size, 16]`` (a rank-5
+    shape of 16-byte vectors, like the ``vectorized_5d`` K) and scales ``[pages, 1, 4,
+    page_size]``; a token's bytes are split across its page."""
+    payload = [torch.zeros(9, 1, 4, 64, 16, dtype=torch.uint8) for _ in range(NL)]
+    scale = [torch.zeros(9, 1, 4, 64, dtype=torch.uint8) for _ in range(NL)]
+    for kv in (payload, scale):
+        with pytest.raises(kvlayout.DetectionError, match=re.escape("a ROCm DeepSeek-V4 FP4 indexer's")):
+            kvlayout.detect(kv, "sglang")
+
+
+def test_fp4_mla_scale_rows_read_as_the_error_says() -> None:
+    """``MLATokenToKVPoolFP4.kv_scale_buffer``: uint8 ``[size + page_size, C // 16]``, a row per
+    token slot (``set_mla_kv_scale_buffer_triton`` writes row ``loc``)."""
+    ps, width = 16, 576 // 16
+    gen = torch.Generator().manual_seed(7)
+    src = [torch.randint(0, 256, (6 * ps, width), dtype=torch.uint8, generator=gen) for _ in range(NL)]
+    dst = [torch.zeros(5 * ps, width, dtype=torch.uint8) for _ in range(NL)]
+    with pytest.raises(kvlayout.DetectionError, match=re.escape("pass [t.unsqueeze(1) for t in buffers]")):
+        kvlayout.detect(src, "sglang", {"tokens_per_block": ps})
+    a, b = (
+        kvlayout.detect([t.unsqueeze(1) for t in kv], "sglang", {"tokens_per_block": ps}) for kv in (src, dst)
+    )
+    block_map(a, b, [4, 1], [0, 3], num_tokens=ps + 3).copy()
+    for layer in range(NL):
+        expect = torch.zeros_like(dst[layer])
+        expect[0:ps] = src[layer][4 * ps : 5 * ps]
+        expect[3 * ps : 3 * ps + 3] = src[layer][ps : ps + 3]
+        assert torch.equal(dst[layer], expect)
