@@ -156,7 +156,11 @@ class LayoutHints:
     ``CPU_ATTN``, ``FLASH_ATTN``, ...); only vLLM's detector reads it. Every name is taken;
     ``CPU_ATTN`` (vLLM's CPU platform) packs each block's K and V per ISA, so its layers are
     read as whole opaque pages a block, which move only to caches paged alike. vLLM tensors
-    on the CPU with neither this nor ``kv_layout`` are read so too.
+    on the CPU with neither this nor ``kv_layout`` are read so too. A ROCm backend's name
+    (``ROCM_ATTN``, ``ROCM_AITER_MLA_SPARSE``, ...), like a ROCm torch build's GPU tensors,
+    reads the DSA indexer as written on ROCm (whole opaque pages: SHUFFLE tiles, aiter's
+    MXFP4 order). Head-slot attention pages carry the name, since ROCM_ATTN,
+    ROCM_SEGMENTED_ATTN and AITER FA lay the same slots out differently.
 
     ``kv_pair_axis``: kvlayout's own hint for vLLM's 5-D per-layer caches, where the K/V
     axis of size 2 is dim 0 (flash-attn ``[2, NB, ...]``) or dim 1 (flash-infer

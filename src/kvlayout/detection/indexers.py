@@ -17,6 +17,9 @@ import torch
 from kvlayout._generated.formats import LAYOUTS
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import normalize_kv_and_discover_format
+from kvlayout.detection.registry import indexer_rows
+from kvlayout.registration.nesting import first_leaf
+from kvlayout.registration.opaque import opaque_pages_of
 from kvlayout.types import EngineLike, HintsLike, LayoutHints, as_engine
 
 __all__ = ["drop_indexer_caches", "is_indexer_cache"]
@@ -38,10 +41,14 @@ def is_indexer_cache(
     if not isinstance(kv_cache, torch.Tensor):
         raise TypeError(f"kv_cache is a {type(kv_cache).__name__}, not a tensor (one layer's cache)")
     try:
-        fmt, _ = normalize_kv_and_discover_format([kv_cache], serving_engine, layout_hints)
+        fmt, out = normalize_kv_and_discover_format([kv_cache], serving_engine, layout_hints)
     except DetectionError:
         return False
-    return LAYOUTS[fmt].is_indexer
+    if LAYOUTS[fmt].is_indexer:
+        return True
+    # an indexer its detector reads as opaque pages (vLLM's written on ROCm) is one too
+    rows = indexer_rows(as_engine(serving_engine))
+    return opaque_pages_of(first_leaf(out)) is not None and rows is not None and rows(kv_cache) is not None
 
 
 def drop_indexer_caches(

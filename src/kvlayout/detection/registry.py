@@ -7,9 +7,11 @@ mixture for what it is (SGLang's K and V of different head sizes), not layers to
 and ``split_mixed(kv, hints)``, which ``detect`` asks first: the two lists of leaves such
 a mixture is served as, one kernel group each; and ``pool_views(kv, hints)``, asked of the
 caller's registration before anything else: the one tensor a list of per-layer views
-tiles (vLLM's ``BHLNC``), detected in its place, and the hints it reads with; and
-``OWN_HINTS``, the layout hints no other engine reads (SGLang's ``hicache_layout``): one
-given to another engine is an error, not ignored.
+tiles (vLLM's ``BHLNC``), detected in its place, and the hints it reads with;
+``indexer_format(tensor)``, the DSA indexer format a layer its detector re-views as opaque
+pages holds (vLLM's on ROCm), or None; and ``OWN_HINTS``, the layout hints no other
+engine reads (SGLang's ``hicache_layout``): one given to another engine is an error, not
+ignored.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
 
 __all__ = [
     "Detector",
+    "IndexerRows",
     "MixedCheck",
     "MixedSplit",
     "ViewPooling",
     "detectors",
     "get_detector",
     "hint_owners",
+    "indexer_rows",
     "mixed_check",
     "mixed_split",
     "view_pooling",
@@ -43,6 +47,8 @@ MixedCheck = Callable[[Any, LayoutHints], None]
 MixedSplit = Callable[[Any, LayoutHints], "tuple[list[Any], list[Any]] | None"]
 """Two lists of leaves a mixed registration splits into, each detected as its own kernel
 group (SGLang's K and V of different head sizes), or None."""
+IndexerRows = Callable[[Any], "EngineKVFormat | None"]
+"""The DSA indexer format a layer holds where its detector reads it as opaque pages, or None."""
 ViewPooling = Callable[[Any, LayoutHints], "tuple[Any, LayoutHints] | None"]
 """The tensor a registration's views tile and the hints it reads with, or None."""
 
@@ -85,6 +91,12 @@ def view_pooling(engine: EngineType) -> ViewPooling | None:
     """The engine's ``pool_views``, if its detector module has one."""
     module = _modules().get(engine)
     return None if module is None else getattr(module, "pool_views", None)
+
+
+def indexer_rows(engine: EngineType) -> IndexerRows | None:
+    """The engine's ``indexer_format``, if its detector module has one."""
+    module = _modules().get(engine)
+    return None if module is None else getattr(module, "indexer_format", None)
 
 
 @functools.cache

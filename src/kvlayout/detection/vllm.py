@@ -32,6 +32,13 @@ Quirks that live here and nowhere else:
   heads), so it reads as fused unless the hints say MLA (``kv_dim=1``, or an MLA
   ``layout_format``): then it is latents, ``NL_X_NB_BS_HS``, squeezed. On the CPU the
   fused reading is CPU_ATTN's whole pages (above), one head as many.
+* On ROCm the DSA indexer's pages are not those rows: the fp8 one is written in 16x16
+  SHUFFLE tiles where a block holds more than one slot (``rocm_aiter_mla_sparse.py``
+  ``indexer_k_quant_and_cache_triton``: ``[BS/16, D/16, 16, 16]`` values, then the scales),
+  the MXFP4 one in the order aiter's ``cache_format`` reports (``rocm_paged_mxfp4_indexer``).
+  Read on ROCm (:func:`reads_rocm`: an ``attn_backend`` hint naming a ROCm backend, or a
+  ROCm torch build's GPU tensors), they are whole pages, ``[NB, BS, row]`` int8 marked
+  opaque (:func:`rocm_indexer_pages`); an fp8 one of one-slot blocks stays as read.
 * A bare tensor is cross-layer only with the cross-layer rank (LMCache takes any bare
   tensor as format 0). An HND one is ``NB_NL_TWO_NH_BS_HS`` (8): layouts.yaml lists it
   under TRT-LLM, but vLLM's HND cross-layer allocation is that same layout, so every
@@ -71,6 +78,7 @@ from kvlayout.detection.base import (
     probe,
     size_hint_conflict,
 )
+from kvlayout.layout.description import from_engine_kv_format
 from kvlayout.layout.vocabulary import HEAD_OUTER_KV_LAYOUTS, HND_KV_LAYOUTS, Role
 from kvlayout.registration.backing import first_without_memory
 from kvlayout.registration.contiguity import dim0_padding, physical_order
@@ -87,11 +95,15 @@ from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHin
 __all__ = [
     "CPU_ATTENTION",
     "ENGINE",
+    "ROCM_BACKENDS",
     "cpu_attention_pages",
     "discover",
+    "indexer_format",
     "pool_views",
     "reads_cpu_attention",
+    "reads_rocm",
     "resolve_vllm_kv_layout",
+    "rocm_indexer_pages",
 ]
 
 ENGINE = EngineType.VLLM
@@ -100,6 +112,33 @@ OWN_HINTS = ("attn_backend",)
 
 CPU_ATTENTION = "CPU_ATTN"
 """vLLM's CPU platform's attention backend (``vllm/v1/attention/backends/cpu_attn.py``)."""
+
+ROCM_BACKENDS = frozenset(
+    {
+        "ROCM_ATTN",
+        "ROCM_SEGMENTED_ATTN",
+        "ROCM_AITER_UNIFIED_ATTN",
+        "ROCM_OCTAVE",
+        "ROCM_AITER_FA",
+        "ROCM_AITER_MLA",
+        "ROCM_AITER_MLA_SPARSE",
+        "AITER_TRITON_MLA",
+        "ROCM_FLASHMLA_SPARSE_DSV4",
+        "ROCM_FLASHMLA_SPARSE_DSV41",
+        "DEEPSEEK_V4_ROCM_MXFP4_INDEXER",
+        "DEEPSEEK_V41_ROCM_MXFP4_INDEXER",
+    }
+)
+"""vLLM 0.33's backends that run only on ROCm, as ``get_name()`` spells them. AITER FA
+(``rocm_aiter_fa.py``) calls itself ``FLASH_ATTN``, so another name does not say CUDA."""
+
+# What orders a ROCm indexer page's bytes, by its values' dtype: fp8 values in 16-slot x
+# 16-byte tiles (rocm_aiter_mla_sparse.py _indexer_k_quant_and_cache_kernel, LAYOUT
+# "SHUFFLE" where block_size > 1), MXFP4's packed bytes and scales in aiter's cache_format order.
+_ROCM_FP8_INDEXER = "fp8 values in [BS/16, D/16, 16 slots, 16 bytes] SHUFFLE tiles, then every slot's scale"
+_ROCM_MXFP4_INDEXER = (
+    "MXFP4 values and ue8m0 scales in the order aiter's cache_format reports for the GPU and page size"
+)
 
 
 def resolve_vllm_kv_layout(layout_hints: HintsLike, cpu_attention_backend: bool = False) -> str:
@@ -128,10 +167,90 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
     if hints.kv_layout is None and not (cpu_attention and hints.attn_backend is not None):
         read = _read_by_sizes(kv, p, hints)
         if read is not None:
-            return _as_cpu_attention(read, p, hints) if cpu_attention else read
+            return _as_cpu_attention(read, p, hints) if cpu_attention else _as_rocm_indexer(read, p, hints)
     layout = resolve_vllm_kv_layout(hints, cpu_attention_backend=p.device.type == "cpu" or cpu_attention)
     read = _discover(kv, p, hints, _Reading(layout in HND_KV_LAYOUTS, layout in HEAD_OUTER_KV_LAYOUTS))
-    return _as_cpu_attention(read, p, hints) if cpu_attention else read
+    return _as_cpu_attention(read, p, hints) if cpu_attention else _as_rocm_indexer(read, p, hints)
+
+
+def reads_rocm(device: torch.device | str, layout_hints: HintsLike) -> bool:
+    """Whether vLLM wrote tensors on ``device`` on ROCm: the ``attn_backend`` hint names a
+    ROCm backend (:data:`ROCM_BACKENDS`), or a ROCm torch build (``torch.version.hip``)
+    holds them on the GPU, whatever the hint says (AITER FA is ``FLASH_ATTN``, and a DSA
+    indexer's writer is the platform's, not the attention backend's)."""
+    hints = LayoutHints.coerce(layout_hints)
+    if hints.attn_backend is not None and hints.attn_backend.upper() in ROCM_BACKENDS:
+        return True
+    return torch.device(device).type == "cuda" and torch.version.hip is not None
+
+
+def rocm_indexer_pages(
+    t: torch.Tensor, fmt: EngineKVFormat, layout_hints: HintsLike = None
+) -> OpaquePages | None:
+    """What a DSA indexer page written on ROCm holds, ``t`` its registered (or kernel)
+    pages ``[pages, ..., slots, row]`` read as ``fmt``; None where the page is the rows
+    ``fmt`` says (not ROCm, not an indexer, or fp8 pages of one slot, which the writer
+    keeps flat)."""
+    if not LAYOUTS[fmt].is_indexer or not reads_rocm(t.device, layout_hints):
+        return None
+    fp8 = str(from_engine_kv_format(fmt).logical_dtype).startswith("float8")
+    if fp8 and t.shape[-2] == 1:  # one slot a block: the writer's LAYOUT "NORMAL"
+        return None
+    order = _ROCM_FP8_INDEXER if fp8 else _ROCM_MXFP4_INDEXER
+    hints = LayoutHints.coerce(layout_hints)
+    how = (
+        f"layout hint attn_backend={hints.attn_backend!r}"
+        if hints.attn_backend is not None and hints.attn_backend.upper() in ROCM_BACKENDS
+        else "a ROCm torch build (torch.version.hip)"
+    )
+    advice = (
+        f"the DSA indexer cache was read as written on ROCm, by {how}: its pages hold {order}, so they "
+        "move whole, only to an indexer cache paged alike on ROCm (same GPU architecture and aiter)"
+    )
+    layout = f"rocm-indexer-pages: vLLM's DSA indexer on ROCm, {order}: {page_of(t)}"
+    return OpaquePages(layout[:MAX_PAGE_LAYOUT], rows_are_tokens=False, advice=advice)
+
+
+def indexer_format(value: Any) -> EngineKVFormat | None:
+    """The DSA indexer format whose rows a registered vLLM layer (or kernel page) holds
+    (0.33's ``[pages, 1, N, row]``, earlier ``[pages, N, row]``), as its writer on CUDA lays
+    them, before any platform's re-view; None for anything else. Asks no hints: the
+    blocked-scale rows say it by themselves."""
+    if not isinstance(value, torch.Tensor) or value.dim() not in (3, 4):
+        return None
+    try:
+        fmt, _ = _discover([value], probe([value]), LayoutHints(), _READINGS[0])
+    except (DetectionError, LayoutHintError):
+        return None
+    return fmt if LAYOUTS[fmt].is_indexer else None
+
+
+def _as_rocm_indexer(
+    read: tuple[EngineKVFormat, DiscoverableKVCache], p: Probe, hints: LayoutHints
+) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    """The DSA indexer's ``[NB, BS, row]`` pages written on ROCm as whole opaque pages of
+    the same rows (:func:`rocm_indexer_pages`); anything else as read."""
+    fmt, out = read
+    if p.depth != 1 or not isinstance(out, list) or not all(isinstance(t, torch.Tensor) for t in out):
+        return read
+    pages = [rocm_indexer_pages(t, fmt, hints) for t in out]
+    if pages[0] is None:
+        return read
+    views = []
+    for i, (t, marked) in enumerate(zip(out, pages, strict=True)):
+        nb, slots, row = (int(n) for n in t.shape)
+        if t.numel() == 0:
+            raise DetectionError(
+                f"kv_caches[{i}] {_strided(t)} read as vLLM's DSA indexer on ROCm holds no pages"
+            )
+        item = t.element_size()
+        # each block one run of its slots' rows: the strided-view check keeps only padding between blocks
+        stride = int(t.stride(0)) * item if nb > 1 else slots * row * item
+        view = page_bytes_view(t, nb, slots, row * item, stride, int(t.storage_offset()) * item)
+        mark_opaque_pages(view, marked, [t])
+        views.append(view)
+    opaque, _ = _discover(views, probe(views), LayoutHints(), _Reading(True, False))
+    return opaque, views
 
 
 def reads_cpu_attention(device: torch.device | str, layout_hints: HintsLike) -> bool:

@@ -14,9 +14,13 @@ from typing import Any, ClassVar
 
 import torch
 
-from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.detection.registry import get_detector
-from kvlayout.detection.vllm import cpu_attention_pages, reads_cpu_attention
+from kvlayout._generated.formats import EngineKVFormat
+from kvlayout.detection.vllm import (
+    cpu_attention_pages,
+    indexer_format,
+    reads_cpu_attention,
+    rocm_indexer_pages,
+)
 from kvlayout.errors import KVLayoutError
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_layout, page_runs
@@ -32,7 +36,7 @@ from kvlayout.integrations.vllm.specs import (
 )
 from kvlayout.registration.contiguity import physical_order
 from kvlayout.registration.opaque import OpaquePages
-from kvlayout.types import EngineType, HintsLike, LayoutHints
+from kvlayout.types import HintsLike, LayoutHints
 
 __all__ = [
     "CPUAttentionPagesEdit",
@@ -348,6 +352,16 @@ class HeadSlotPagesEdit(KVCacheGroupEdit):
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         return _whole_pages(spec, value)
 
+    def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
+        # The spec does not say the backend, and backends of one spec lay a slot out
+        # differently: ROCM_ATTN tiles K [H, D/x, N, x] and V [H, D, N] (paged_attn.py
+        # split_kv_cache), ROCM_SEGMENTED_ATTN keeps both [N, H, D] (_split_kv_cache), AITER
+        # FA's shuffle mode (FLASH_ATTN) its own. A hinted backend is part of the mark. vLLM
+        # picks the first two only without a KV connector (supports_kv_connector False).
+        backend = LayoutHints.coerce(layout_hints).attn_backend
+        rule = self.name if backend is None else f"{self.name} of {backend.upper()}"
+        return page_layout(rule, spec, value, self.token_axis(value))
+
 
 class CPUAttentionPagesEdit(KVCacheGroupEdit):
     """vLLM's CPU platform's attention (``CPU_ATTN``), re-viewed as whole pages.
@@ -563,13 +577,15 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
     def block_view(self, spec: Any, value: Any) -> torch.Tensor | None:
         return _token_major_blocks(spec, value, self.token_axis(value))
 
+    def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
+        # an indexer written on ROCm tiles each kernel page its own way (the detector says how)
+        fmt = indexer_format(value)
+        rocm = None if fmt is None else rocm_indexer_pages(value, fmt, layout_hints)
+        return rocm if rocm is not None else super().opaque_pages(spec, value, layout_hints)
+
 
 def _blocked_scale_pages(value: torch.Tensor) -> bool:
     """Whether vLLM's detector reads the kernel pages as blocked-scale pages (the DSA
     indexer's: every token's values, then every token's scales), asked of the detector
     so the page format's facts stay in one place."""
-    try:
-        fmt, _ = get_detector(EngineType.VLLM)([value], LayoutHints())
-    except (KVLayoutError, TypeError, RuntimeError):
-        return False
-    return LAYOUTS[fmt].is_indexer
+    return indexer_format(value) is not None
