@@ -564,6 +564,20 @@ def test_fp8_moves_to_and_from_the_uint8_it_is_stored_as() -> None:
         chunk_side(dst, torch.zeros(chunk.shape, dtype=torch.float32))
 
 
+@pytest.mark.parametrize("size", [0, -4, 4.0, True, "4"])
+def test_chunk_side_refuses_a_block_size_that_is_none(size: object) -> None:
+    """A cache of blocks of its own never reads chunk_side's block_size, which was then
+    taken as it came (0, a float, a string): refused as block_map refuses it."""
+    from kvlayout.transfer.block_maps import chunk_side
+
+    group = vllm(2, 8, 4, 2, 16)
+    chunk = torch.zeros(2, 2, 4, 2 * 16)  # [kv_size, layers, tokens, row]
+    with pytest.raises(BlockMapError, match=r"^chunk_side: block_size must be None or a positive int, got "):
+        chunk_side(group, chunk, block_size=size)  # type: ignore[arg-type]
+    side = chunk_side(group, chunk, block_size=np.int64(8))  # type: ignore[arg-type]
+    assert side.block_size == 4  # a block size the caller counts in (a NumPy int too): fine
+
+
 def test_kinds_say_what_differs() -> None:
     nhd, hnd = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8, fmt=F.NL_X_TWO_NB_NH_BS_HS)
     assert block_map(nhd, vllm(2, 8, 4, 4, 8), [0], [1]).kind == "same layout"

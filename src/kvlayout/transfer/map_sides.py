@@ -396,6 +396,13 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
     side: one block of ``T`` tokens whose (layer, K/V) slabs hold token rows of the
     group's planes back to back. ``block_map(group, chunk_side(group, chunk), ids, [0])``
     is ``store_blocks`` of those ids into the chunk."""
+    if block_size is not None:  # checked here too: a cache of blocks of its own never reads it
+        try:
+            size = as_int(block_size, "block_size")
+        except TypeError:
+            size = 0
+        if size <= 0:
+            raise BlockMapError(f"chunk_side: block_size must be None or a positive int, got {block_size!r}")
     cache = _as_side(group, block_size, "the cache")
     if not isinstance(chunk, torch.Tensor):
         raise TypeError(f"chunk must be a tensor, not {type(chunk).__name__}")
