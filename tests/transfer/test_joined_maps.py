@@ -160,6 +160,10 @@ def test_join_refuses_mixed_ends_and_what_is_not_a_map() -> None:
         join_maps([])
     with pytest.raises(TypeError, match=r"maps\[1\] is a list, not a BlockMap"):
         join_maps([live[0], [1, 2]])  # type: ignore[list-item]
+    with pytest.raises(
+        TypeError, match=r"^join_maps takes an iterable of block maps \(block_map's\), not NoneType"
+    ):
+        join_maps(None)  # type: ignore[arg-type]
 
 
 def test_a_joined_copy_checks_every_part_before_copying_any() -> None:

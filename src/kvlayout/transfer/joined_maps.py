@@ -128,6 +128,8 @@ def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
     may write the same bytes, and between two live ends no part may read bytes another
     writes (the parts would then depend on their order). Refused otherwise, naming the
     parts."""
+    if not isinstance(maps, (BlockMap, Iterable)):
+        raise TypeError(f"join_maps takes an iterable of block maps (block_map's), not {type(maps).__name__}")
     parts = tuple(maps) if not isinstance(maps, BlockMap) else (maps,)
     if not parts:
         raise BlockMapError("join_maps needs one block map at least, got none")
