@@ -341,3 +341,11 @@ def test_11_a_block_map_of_meta_registrations_says_how_to_plan_one() -> None:
     ):
         block_map(meta, real, [0], [1])
     assert block_map(meta.describe(at=1 << 40), real.describe(at=1 << 44), [0], [1]).num_runs == 4
+    # describe() without at= says the same of the registration (it blamed "description.device.type")
+    from kvlayout.transfer import PeerDescriptionError
+
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^describe\(\): a meta registration has no addresses to describe; pass at=",
+    ):
+        meta.describe()

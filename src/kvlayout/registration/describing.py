@@ -59,6 +59,11 @@ def describe(
             "was given, with the model's KV heads"
         )
     device = kernel_groups[0].device
+    if at is None and device.type == "meta":  # else refused later as the description's own device type
+        raise PeerDescriptionError(
+            "describe(): a meta registration has no addresses to describe; pass at= (an address its "
+            "tensors are described as laid out from, for planning)"
+        )
     if at is None:
         _check_unmoved(kernel_groups)
     else:
