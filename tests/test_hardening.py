@@ -349,3 +349,22 @@ def test_11_a_block_map_of_meta_registrations_says_how_to_plan_one() -> None:
         match=r"^describe\(\): a meta registration has no addresses to describe; pass at=",
     ):
         meta.describe()
+
+
+def test_11_a_cache_of_no_blocks_is_said_to_be_empty_not_freed() -> None:
+    """Detection reads a cache of 0 blocks (or 0-element heads); a block map or a
+    description of it said its memory was "freed, or resized to 0" (block_map) or blamed
+    the description's own field (describe): both now name the empty size."""
+    from kvlayout.transfer import BlockMapError, PeerDescriptionError, block_map
+
+    def vllm(nb: int, hs: int) -> Any:
+        kv = [torch.zeros(2, nb, 4, 2, hs) for _ in range(2)]
+        return kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+
+    empty, real = vllm(0, 16), vllm(8, 16)
+    with pytest.raises(
+        BlockMapError, match=r"^src: NL_X_TWO_NB_BS_NH_HS: the cache holds no elements \(NB=0\): it has no"
+    ):
+        block_map(empty, real, [], [], num_tokens=0)
+    with pytest.raises(PeerDescriptionError, match=r"^NL_X_TWO_NB_BS_NH_HS: .* no elements \(HS=0\)"):
+        vllm(8, 0).describe()

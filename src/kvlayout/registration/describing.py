@@ -159,6 +159,12 @@ def _group(group: Any, block_size: int | None) -> GroupDescription:
     planes = []
     for i, p in enumerate(group.planes):
         leaf = p.leaves[0]
+        empty = [f"{name}={n}" for name, n in p.sizes.items() if n == 0]
+        if empty:  # said of the cache, as for its dtype: a description of it would blame its own field
+            raise PeerDescriptionError(
+                f"{layout}: the cache holds no elements ({', '.join(empty)}): "
+                "it has no blocks to describe or map"
+            )
         dtype = str(p.dtype).removeprefix("torch.")
         if dtype not in DTYPE_SIZES:  # said of the cache, before a description of it is checked
             raise PeerDescriptionError(

@@ -630,7 +630,7 @@ def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str =
                     f"was re-allocated after detection (data pointer {now:#x}, was {expected:#x})"
                     if now != expected
                     else memory_problem(t, ptr, span)
-                    if watched is t
+                    if watched is t and span  # no elements, no memory viewed (as detection reads it)
                     else None
                 )
                 if problem is not None:
