@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import AITER_VECTOR_BYTES, DetectionError
 from kvlayout.integrations.page_lists import dtype_name, listed_pages
 from kvlayout.layout.dtypes import DTYPE_SIZES
@@ -57,6 +58,8 @@ class ShuffleCaller:
     """Where the lists come from, e.g. ``"SGLang's MHATokenToKVPool.k_buffer"``."""
     allocator: str
     """Who allocates the blocks contiguously, e.g. ``"SGLang"``."""
+    engine: EngineType
+    """Whose cache the pools are: the registrations' label."""
 
 
 def _layers(c: ShuffleCaller, name: str, buffers: Any) -> list[torch.Tensor]:
@@ -151,5 +154,5 @@ def shuffle_kv_pools(
             (arrays[name],),
         )
         rows = [_rows(c, label, i, t, block_size) for i, t in enumerate(layers)]
-        pools[name] = listed_pages(rows, page, layers, block_size)
+        pools[name] = listed_pages(rows, page, layers, block_size, c.engine)
     return pools

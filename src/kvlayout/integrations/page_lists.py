@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.layout.dtypes import DTYPE_SIZES
@@ -29,12 +30,14 @@ def listed_pages(
     page: OpaquePages,
     over: list[torch.Tensor],
     rows_per_block: int,
+    engine: EngineType,
 ) -> Registration:
     """Per-layer int8 rows ``[blocks * rows_per_block, 1, bytes]`` (each a view of the
     tensor of ``over`` beside it) marked as ``page`` and read as SGLang's per-layer list
     in blocks of ``rows_per_block`` rows (``NL_X_NB_BS_HS``): a layer's blocks may lie any
     distance apart. ATOM's SHUFFLE pool is read so too: ATOM's own detector keeps int8 rows
-    ``[NB, 1, bytes]`` as its MP connector's whole blocks, never regrouped in blocks."""
+    ``[NB, 1, bytes]`` as its MP connector's whole blocks, never regrouped in blocks; the
+    registration is labelled ``engine``'s, whose cache it is."""
     for view, t in zip(rows, over, strict=True):
         mark_opaque_pages(view, page, (t,))
-    return detect(rows, "sglang", {"tokens_per_block": rows_per_block})
+    return detect(rows, EngineType.SGLANG, {"tokens_per_block": rows_per_block}).labelled(engine)

@@ -169,6 +169,18 @@ class Registration(HoldsAddresses):
             self.kernel_groups, self.engine, shard=shard, block_size=block_size, at=at
         )
 
+    def labelled(self, engine: EngineType) -> Registration:
+        """This registration as ``engine``'s: another engine's reader read it (ATOM's
+        SHUFFLE pool is read as SGLang's per-layer list of opaque pages), and its label
+        (``engine``, each kernel group's backend label, ``describe().engine``) says whose
+        cache it is. The same tensors, formats and groups, bound again."""
+        if engine is self.engine:
+            return self
+        return Registration(
+            self.kv, self.formats, self.engine_groups, self._layers, self._shared, engine, self.root,
+            self._sources,
+        )  # fmt: skip
+
     @property
     def registered_kv(self) -> Any:
         """The normalized structure as the LMCache-named functions return it, carrying

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 import kvlayout
+from kvlayout import EngineType
 from kvlayout.detection import DetectionError
 from kvlayout.integrations.atom import ShuffledPoolError, shuffled_kv_pools
 from kvlayout.integrations.sglang import vectorized_kv_pools
@@ -123,7 +124,9 @@ def test_atom_and_sglang_vectorized_pools_map_to_each_other(dtype: torch.dtype) 
     sgl = vectorized_kv_pool(LAYERS, (BLOCKS - 1) * BS, HEADS, HD, page_size=BS, dtype=dtype)
     a = regs(atom)
     s = vectorized_kv_pools(sgl.k_buffer, sgl.v_buffer, sgl.page_size)
-    for n in ("k", "v"):
+    for n in ("k", "v"):  # one reader, each pool labelled as its engine's
+        assert (a[n].engine, s[n].engine) == (EngineType.ATOM, EngineType.SGLANG)
+        assert (a[n].describe().engine, s[n].describe().engine) == ("atom", "sglang")
         block_map(a[n], s[n], [4, 1], [2, 3]).copy()
     for n, ts in (("k", sgl.k_buffer), ("v", sgl.v_buffer)):
         for layer, t in enumerate(ts):

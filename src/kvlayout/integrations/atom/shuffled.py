@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.integrations.aiter_shuffle import ShuffleCaller, shuffle_kv_pools
 from kvlayout.registration.registration import Registration
@@ -46,6 +47,7 @@ _ATOM = ShuffleCaller(
     size_name="block_size",
     origin="ATOM's per-layer KVCacheTensor.k_cache / v_cache",
     allocator="ATOM's MhaKvPool",
+    engine=EngineType.ATOM,
 )
 
 

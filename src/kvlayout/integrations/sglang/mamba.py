@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.integrations.mamba_splits import conv_parts
@@ -270,7 +271,7 @@ def _per_layer_pools(pool: Any, cache: Any, mamba_type: str | None) -> dict[str,
     pools = {}
     for name, ts in named:
         page = OpaquePages(f"SGLang Mamba {name}: {dtypes[name]} {list(shapes[name])}", False, arrays[name])
-        pools[name] = listed_pages([view for view, _ in rows[name]], page, ts, 1)
+        pools[name] = listed_pages([view for view, _ in rows[name]], page, ts, 1, EngineType.SGLANG)
     return pools
 
 
@@ -317,7 +318,7 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
             # which no one tensor of rows describes; its layers read as a list, each a view
             layers = ordered.unbind(1 if slots_first else 0)
             rows_of = [x.view(x.shape[0], 1, -1).view(torch.int8) for x in layers]
-            pools[name] = listed_pages(rows_of, page, [t] * len(layers), 1)
+            pools[name] = listed_pages(rows_of, page, [t] * len(layers), 1, EngineType.SGLANG)
             continue
         mark_opaque_pages(view, page, (t,))
         order = "page_first" if slots_first else "layer_first"

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.integrations.aiter_shuffle import VECTOR_BYTES, ShuffleCaller, shuffle_kv_pools
 from kvlayout.registration.registration import Registration
@@ -46,6 +47,7 @@ _SGLANG = ShuffleCaller(
     size_name="page_size",
     origin="SGLang's MHATokenToKVPool.k_buffer / v_buffer",
     allocator="SGLang",
+    engine=EngineType.SGLANG,
 )
 
 
