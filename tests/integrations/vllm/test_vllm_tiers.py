@@ -280,3 +280,48 @@ def test_mooncake_tp_sharded_objects(layout: str, tp: int, store_tp: int) -> Non
                 dst_shard=Shard(shard, store_tp, heads),
             ).copy()
             assert torch.equal(got, want), (rank, shard)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_offloading_canonical_hnd_tier_by_sub_block(tp: int) -> None:
+    """canonical_mapping.py ``_packed_kv_regions`` (HND): rank ``r``'s head ``h`` is one run
+    at head ``r * H / tp + h`` of a canonical page ``[H, BS, 2*hs]``. A chunk of two blocks
+    is ``[2, H, BS, 2*hs]`` among the other layers' chunks, so no one block stride reaches
+    both sub-blocks: each sub-block position is a registration of its own, chunks as
+    blocks, and a store is a map per position."""
+    chunks, per_chunk, heads, row_bytes = 4, 2, MODEL.num_key_value_heads, 2 * MODEL.head_dim * 2
+    layers, local = MODEL.num_hidden_layers, MODEL.num_key_value_heads // tp
+    cpage = heads * BS * row_bytes
+    row = layers * per_chunk * cpage
+    want, got = torch.zeros(chunks * row, dtype=torch.int8), torch.zeros(chunks * row, dtype=torch.int8)
+    gpu_blocks, slots = [4, 1, 2, 5], [(1, 1), (2, 0), (2, 1), (0, 0)]
+    flat = got.view(torch.bfloat16)
+    positions = [
+        kvlayout.detect(
+            [
+                flat.as_strided(
+                    (chunks, heads, BS, 2 * MODEL.head_dim),
+                    (row // 2, BS * row_bytes // 2, row_bytes // 2, 1),
+                    (lay * per_chunk + j) * cpage // 2,
+                )
+                for lay in range(layers)
+            ],
+            "vllm",
+            {"kv_layout": "LBHNC"},
+        )
+        for j in range(per_chunk)
+    ]
+    for rank in range(tp):
+        engine, _, kv = engine_cache("LBHNC", tp, seed=rank)
+        for lay, v in enumerate(kv.values()):
+            for g, (c, j) in zip(gpu_blocks, slots, strict=True):
+                for h in range(local):
+                    start = c * row + (lay * per_chunk + j) * cpage + (rank * local + h) * BS * row_bytes
+                    want[start : start + BS * row_bytes] = v[g, h].contiguous().view(torch.int8).view(-1)
+        src = detected(engine, kv, "LBHNC")
+        for j, dst in enumerate(positions):
+            pairs = [(g, c) for g, (c, jj) in zip(gpu_blocks, slots, strict=True) if jj == j]
+            block_map(
+                src, dst, [g for g, _ in pairs], [c for _, c in pairs], src_shard=Shard(rank, tp, heads)
+            ).copy()
+    assert torch.equal(got, want)
