@@ -77,6 +77,8 @@ def _layers(c: ShuffleCaller, name: str, buffers: Any) -> list[torch.Tensor]:
                 f"{name}[{i}] is {list(t.shape)}, not 5-D: the {c.pool}'s K layer is (num_blocks, H, D // X, "
                 f"{c.size_name}, X) and its V layer (num_blocks, H, {c.size_name} // X, D_v, X)"
             )
+        if t.numel() == 0:  # no page to read (a view of 0 blocks cannot be re-viewed as rows)
+            raise c.error(f"{name}[{i}] is {list(t.shape)}: it holds no elements, so no pages to read")
         if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
             raise c.error(
                 f"{name}[{i}] is {list(t.shape)} {t.dtype} on {t.device} and {name}[0] {list(first.shape)} "

@@ -224,6 +224,7 @@ def test_refuses_lists_that_are_not_a_vectorized_pool() -> None:
         ),
         (p.k_buffer, [t[:, :2] for t in p.v_buffer], r"not one vectorized_5d pool"),
         ([t[::2] for t in p.k_buffer], [t[::2] for t in p.v_buffer], r"not contiguous pages"),
+        ([t[:0] for t in p.k_buffer], [t[:0] for t in p.v_buffer], r"k_buffer\[0\] is \[0, 4, .* no pages"),
         # V and K the other way round read self-consistently (D == D_v): the page size tells
         (p.v_buffer, p.k_buffer, r"page_size is 16, but k_buffer\[0\] .* holds pages of 64 tokens"),
     ]
