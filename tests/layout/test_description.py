@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from typing import get_args
 
 import pytest
@@ -24,6 +25,9 @@ from kvlayout.layout.description import (
     Grouping,
     KVPacking,
     LayoutDescription,
+    QuantSpec,
+    RegionPart,
+    ScalePlacement,
     describe,
     kv_layout_axes,
     to_engine_kv_format,
@@ -169,6 +173,50 @@ def test_descriptions_are_checked(args: tuple[tuple[Axis, ...], ...], message: s
         LayoutDescription(Grouping.PER_LAYER, KVPacking.FUSED, ((B,), (KV,), (N,), (C,)))
     with pytest.raises(DescriptionError, match="extent of N must be a positive int, got 0"):
         LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, ((B,), (N,), (C,)), {N: 0})
+
+
+def _shared(dims: object, **fields: object) -> LayoutDescription:
+    return LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, dims, **fields)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("make", "message"),
+    [
+        (lambda: LayoutDescription("PER_LAYER", KVPacking.SHARED, ((N,), (C,))),  # type: ignore[arg-type]
+         "grouping and kv_packing are a Grouping and a KVPacking, not 'PER_LAYER' and "),
+        (lambda: _shared([(B,), N, (C,)]), "dim 1 is <Axis.N: 'N'>, not a tuple of axes (a fold)"),
+        (lambda: _shared(((B,), ("N",), (C,))), "dim 1 holds 'N', not an Axis"),
+        (lambda: LayoutDescription(Grouping.PER_LAYER, KVPacking.SPLIT, ((B,), (N,), (C,))),
+         "SPLIT needs KV as a dim, or a KV_LISTS or PER_LAYER_KV_PAIRS grouping"),
+        (lambda: _shared(((B,), (N,), (C,)), quant="fp8"),
+         "quant is a QuantSpec with a ScalePlacement, not 'fp8'"),
+        (lambda: _shared(((B,), (N,), (C,)), quant=QuantSpec("float32", 16, ScalePlacement.INLINE_PER_HEAD),
+                         regions=(RegionPart("values", 64), RegionPart("scales", 4))),
+         "regions are a blocked page (BLOCK_REGION), but quant says INLINE_PER_HEAD"),
+        (lambda: _shared(((B,), (N,), (C,)), extents={"N": 4}), "extents key 'N' is not an Axis"),
+        (lambda: _shared(((B,), (N,), (C,)), regions=(RegionPart("k", 64, "uint8"),
+                                                      RegionPart("v", 32, "bfloat16"),
+                                                      RegionPart("scales", 4, "float32"))),
+         "the value regions hold different dtypes (bfloat16, uint8)"),
+        (lambda: _shared(((B,), (N,), (C,)), regions=(RegionPart("values", 61, "uint8"),
+                                                      RegionPart("scales", 8, "float32"))),
+         "61 uint8 values and 2 float32 scales per token do not share scales evenly"),
+    ],
+)  # fmt: skip
+def test_ill_typed_or_inconsistent_descriptions_say_which_field(
+    make: Callable[[], LayoutDescription], message: str
+) -> None:
+    """LMCache's callers build descriptions by hand: a wrong type or a quantization the
+    regions cannot hold is named, not left to fail later in arithmetic."""
+    with pytest.raises(DescriptionError, match=re.escape(message)):
+        make()
+
+
+def test_a_dim_without_an_extent_is_named() -> None:
+    desc = _shared(((B,), (N, H), (C,)), extents={N: 4})
+    with pytest.raises(DescriptionError, match=re.escape("dim 1 (N, H) needs an extent for H")):
+        desc.dim_extent(1)
+    assert _shared(((B,), (N, H), (C,)), extents={N: 4, H: 2}).dim_extent(1) == 8
 
 
 # -- vLLM's layout spellings (example 6) -------------------------------------------------

@@ -416,7 +416,7 @@ def _validate(d: LayoutDescription) -> None:
     seen: dict[Axis, int] = {}
     for i, fold in enumerate(d.dims):
         if not isinstance(fold, tuple):
-            raise DescriptionError(f"dim {i} is a {type(fold).__name__}, not a tuple of axes (a fold)")
+            raise DescriptionError(f"dim {i} is {fold!r}, not a tuple of axes (a fold)")
         for a in fold:
             if not isinstance(a, Axis):
                 raise DescriptionError(f"dim {i} holds {a!r}, not an Axis")
