@@ -8,6 +8,7 @@ under an alarm (the ``capped`` fixture)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -486,3 +487,44 @@ def test_a_blocks_first_pool_of_one_block_is_described_and_mapped() -> None:
         _parse(wire)
     dst = kvlayout.detect([torch.zeros(1, 2, 4, dtype=torch.bfloat16) for _ in range(2)], "vllm", {})
     assert block_map(reg, dst, [0], [0]).num_runs == 2
+
+
+def test_a_layer_in_two_kernel_groups_is_refused() -> None:
+    data = _pool(2)
+    twin = json.loads(json.dumps(data["groups"][0]))
+    twin["engine_group"], twin["planes"][0]["addresses"] = 1, [A + (1 << 30), A + (1 << 30) + 1]
+    data["groups"].append(twin)
+    with pytest.raises(
+        PeerDescriptionError, match=r"^description\.groups: a layer index appears in two kernel groups$"
+    ):
+        _parse(data)
+    twin["layers"] = [2, 3]
+    assert _parse(data).groups[1].layers == (2, 3)
+
+
+def test_a_group_s_planes_share_their_layers_and_blocks() -> None:
+    kv = [(torch.zeros(3, 2, 1, 4), torch.zeros(3, 2, 1, 6)) for _ in range(2)]
+    data = json.loads(kvlayout.bind(kv, F.NL_X_NP_X_NB_BS_ONE_HS).describe(at=A).to_json())
+    plane = data["groups"][0]["planes"][1]
+    plane["sizes"]["NB"] = plane["shape"][0] = 4
+    with pytest.raises(
+        PeerDescriptionError,
+        match=re.escape(
+            "description.groups[0].planes[1] has NB=4; planes[0] has 3 (planes share their layers and blocks)"
+        ),
+    ):
+        _parse(data)
+
+
+def test_a_description_of_more_than_2_20_tensors_is_refused_at_the_plane_past_the_bound() -> None:
+    """Each plane's address list is bounded; so is their sum, counted before it is read."""
+    nl = 1 << 16
+    plane = {"dtype": "uint8", "sizes": {"NL": nl, "NB": 1, "BS": 1, "NH": 1, "HS": 1}, "shape": [1, 1, 1, 1],
+             "strides": [1, 1, 1, 1], "block_stride": None, "addresses": list(range(A, A + 2 * nl))}  # fmt: skip
+    data = _sglang_split([])
+    data["groups"][0].update(layers=list(range(nl)), block_size=1, planes=[plane] * 9)
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]\.planes\[8\]: the description names more than 1048576 tensors$",
+    ):
+        _parse(data)

@@ -863,6 +863,9 @@ LIES = [
     ("version", 3, "description.version=3 is outside [1, 3)"),
     ("version", 0, "description.version=0 is outside [1, 3)"),
     ("groups", [], "description.groups is empty"),
+    ("kvlayout", "layout", "description.kvlayout is 'layout', not 'registration-description'"),
+    ("groups[0].planes", [], "description.groups[0].planes is empty"),
+    ("groups[0].planes", [{}] * 17, "description.groups[0].planes has 17 entries, more than 16"),
     ("groups[0].format", "NL_X_MADE_UP", "description.groups[0].format 'NL_X_MADE_UP' is not a kvlayout format name"),
     ("groups[0].planes[0].dtype", "complex64", "description.groups[0].planes[0].dtype 'complex64' is not one of"),
     ("groups[0].planes[0].sizes.NB", -1, "description.groups[0].planes[0].sizes.NB=-1 is outside [1, 4294967296)"),
@@ -916,6 +919,8 @@ def test_from_json_refuses_a_lying_description(path: str, value: Any, message: s
 def test_from_json_refuses_what_is_not_a_description(text: str | bytes, message: str) -> None:
     with pytest.raises(PeerDescriptionError, match=message):
         RegistrationDescription.from_json(text)
+    with pytest.raises(TypeError, match=r"^from_json takes str or bytes, not dict$"):
+        RegistrationDescription.from_json(json.loads(lie("version", 1)))
 
 
 def test_from_json_quotes_a_peer_s_values_cut_short() -> None:
