@@ -564,6 +564,41 @@ def test_detect_devices_with_an_index_there_is_not(
     assert code == 0 and "allocated on cpu" in out
 
 
+def test_detect_devices_torch_names_but_kvlayout_does_not_serve(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    argv = ["detect", "--engine", "vllm", "--shape", "2x[2,4,4,1,8]", "--device"]
+    code, _, err = run(capsys, *argv, "xla")
+    assert (code, err) == (2, "kvlayout: --device xla: kvlayout serves meta, cpu and cuda tensors\n")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    code, _, err = run(capsys, *argv, "cuda")
+    assert (code, err) == (
+        2,
+        "kvlayout: --device cuda: this machine has no CUDA device (torch.cuda.is_available() is False)\n",
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    code, _, err = run(capsys, *argv, "cuda:2")
+    assert (code, err) == (
+        2,
+        "kvlayout: --device cuda:2: this machine has 2 CUDA device(s), cuda:0 to cuda:1\n",
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["2x[2,4,4,1,8]", "--share", "1"], "kvlayout: --share '1' is not SHARER=TARGET (for example 4=2)\n"),
+        (["2x[2,4,4,1,8]", "--share", "1=x"], "kvlayout: --share '1=x' is not SHARER=TARGET (for example 4=2)\n"),
+        (["[2,4,4,1,8]", "--share", "1=0"],
+         "kvlayout: --share needs a list of layers (--shape NxSHAPE), not one tensor\n"),
+    ],
+)  # fmt: skip
+def test_detect_share_errors(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
+    code, out, err = run(capsys, "detect", "--engine", "vllm", "--shape", *args)
+    assert (code, out, err) == (2, "", message)
+
+
 def test_detect_says_when_the_device_cannot_hold_the_registration(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -624,6 +659,12 @@ PLAN_BASE = ["plan", "--src-engine", "vllm", "--src-shape", "2x[2,8,4,4,8]", "--
         (["--tokens", "4", "--dst-hint", "kv_layout=XYZ"], "--dst-hint: layout hint kv_layout='XYZ' is not one"),
         (["--tokens", "4", "--first-token", "5"], "--first-token 5: it is 0 to --tokens 4"),
         (["--tokens", "4", "--first-token", "-1"], "--first-token -1: it is 0 to --tokens 4"),
+        (["--tokens", "4", "--src-shape", "2x[3,8,4,4,8]"],
+         "--src-shape: detection refuses it: vLLM: the registration (kv_caches[0]: shape (3, 8, 4, 4, 8), dtype "
+         "torch.bfloat16, in a list of 2) fits no vLLM format"),
+        (["--tokens", "4", "--src-shape", "512x[2,536870912,16,4,2048]"],  # 512 tensors of 2**48 bytes
+         "--src-shape: plan describes it as a peer would, and cannot: description.groups[0].planes[0]."
+         "addresses[511]=0x1ff0100001ff000: its tensor ends at 0x2000100001ff000, past 2**57"),
     ],
 )  # fmt: skip
 def test_plan_numbers_out_of_range(capsys: pytest.CaptureFixture[str], args: list[str], message: str) -> None:
