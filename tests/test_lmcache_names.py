@@ -76,6 +76,10 @@ def test_get_shape_and_dtype_keys_each_entry_nested_as_registered() -> None:
         kvlayout.get_shape_and_dtype([t(NB, BS, HS), ["K"]])
     with pytest.raises(KVLayoutError, match="layer index 3 is out of range for kv_caches of 3 entries"):
         kvlayout.get_shape_and_dtype(kv, [3])
+    with pytest.raises(TypeError, match=re.escape("a layer index is an int, not str ('0')")):
+        kvlayout.get_shape_and_dtype(kv, ["0"])  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=re.escape("a layer index is an int, not bool (True)")):
+        kvlayout.get_shape_and_dtype(kv, [True])
 
 
 # -- 3. KVFormatSpec.paged_layer_shape (facts 3.6) ------------------------------------------
@@ -164,6 +168,8 @@ def test_page_buffer_shape_desc_builds_empty_then_field_by_field() -> None:
     half.kv_size = 2
     with pytest.raises(KVLayoutError, match=re.escape("PageBufferShapeDesc.nl is 0 (0: never assigned?)")):
         kvlayout.get_concrete_engine_kv_shape_from_shape_desc(half, F.NL_X_TWO_NB_BS_NH_HS)
+    with pytest.raises(TypeError, match=r"^shape_desc must be a PageBufferShapeDesc, not dict$"):
+        kvlayout.get_concrete_engine_kv_shape_from_shape_desc({"nl": 32}, F.NL_X_TWO_NB_BS_NH_HS)  # type: ignore[arg-type]
     with pytest.raises(AttributeError):
         desc.n_heads = 8  # type: ignore[attr-defined]  # a misspelt field is no silent new attribute
     with pytest.raises(KVLayoutError, match=re.escape("PageBufferShapeDesc.bs is 0")):

@@ -374,6 +374,11 @@ def test_a_registration_describes_itself() -> None:
     assert group.descriptor().nb == 7 and group.concrete_shape() == "4 x [7, 3, 16]"
     with pytest.raises(RegistrationError, match="layer 4 is out of range for 4 layers"):
         reg.group(4)
+    with pytest.raises(
+        RegistrationError,
+        match=re.escape("no layer of the registration is NL_X_TWO_NB_BS_NH_HS (it holds NL_X_NB_BS_HS)"),
+    ):
+        reg.first_group(F.NL_X_TWO_NB_BS_NH_HS)
     widths = kvlayout.detect([t(7, 3, 16), t(7, 3, 8)], "vllm")
     assert widths.format == F.NL_X_NB_BS_HS and len(widths.kernel_groups) == 2
     hybrid = kvlayout.detect([t(2, 7, 3, 2, 4), t(7, 3, 16)], "vllm", {"kv_layout": "NHD"})
@@ -425,3 +430,13 @@ def test_group_by_and_layer_accessors_refuse_what_names_no_layer() -> None:
             ):
                 accessor(layer)
     assert group.layer_ptrs(2) == [t.data_ptr() for t in group.layer_tensors(2)]
+
+
+def test_bind_refuses_formats_that_name_no_layer_or_a_list_for_one_tensor() -> None:
+    kv = [t(7, 3, 16) for _ in range(2)]
+    with pytest.raises(RegistrationError, match=r"^no layer has a format$"):
+        kvlayout.bind(kv, [None, None])
+    with pytest.raises(
+        RegistrationError, match=re.escape("kv is a Tensor, but NL_X_NB_BS_HS is a list of layers")
+    ):
+        kvlayout.bind(t(2, 7, 3, 16), [F.NL_X_NB_BS_HS] * 2)
