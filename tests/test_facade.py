@@ -381,3 +381,11 @@ def test_the_accessors_take_the_registration_detect_returns() -> None:
     assert (shape[0], dtype.itemsize) == (2, 2)
     ((shape, dtype),) = kvlayout.get_shape_and_dtype(kv, [0])
     assert (shape, dtype) == ((2, 32, 16, 8, 64), torch.bfloat16)
+
+
+def test_a_name_kvlayout_does_not_export_is_an_attribute_error() -> None:
+    """``kvlayout`` imports its names lazily: a misspelt one is Python's usual error,
+    which ``hasattr`` and ``from kvlayout import ...`` read."""
+    with pytest.raises(AttributeError, match=r"^module 'kvlayout' has no attribute 'bind_kv'$"):
+        kvlayout.bind_kv  # noqa: B018
+    assert not hasattr(kvlayout, "bind_kv") and hasattr(kvlayout, "bind")

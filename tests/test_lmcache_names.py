@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
-from kvlayout import KVLayoutError, PageBufferShapeDesc
+from kvlayout import KVLayoutError, PageBufferShapeDesc, RegistrationError
 from kvlayout.layout import description
 from kvlayout.layout.description import Axis, Grouping, KVPacking
 
@@ -418,6 +418,18 @@ def test_kv_layer_groups_manager_reads_the_registrations_kernel_groups() -> None
         ValueError, match="group 0: lmcache_tokens_per_chunk 100 must be a multiple of tokens_per_block 16"
     ):
         kvlayout.KVLayerGroupsManager(kv4, fmt, lmcache_tokens_per_chunk=100)
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "engine_group_infos[1] is a tuple, not an engine group info (engine_group_id, layer_indices)"
+        ),
+    ):
+        kvlayout.KVLayerGroupsManager(kv4, fmt, [infos[0], (1, [2, 3])])
+    twice = SimpleNamespace(engine_group_id=1, layer_indices=[1, 2], tokens_per_block=0)
+    with pytest.raises(
+        RegistrationError, match=re.escape("layer 1 is in engine groups 0 and 1; a layer is in one")
+    ):
+        kvlayout.KVLayerGroupsManager(kv4, fmt, [infos[0], twice])
     with pytest.raises(
         ValueError, match="group 0: tokens_per_block 24 must be a multiple of slots_per_block 16"
     ):

@@ -5,6 +5,7 @@ as heads of K | V halves per token row, and block maps moved wrong bytes for eve
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -171,9 +172,17 @@ def test_attn_backend_is_vllm_s(engine: str) -> None:
         kvlayout.detect(kv, engine, {"attn_backend": "CPU_ATTN", "tokens_per_block": BS})
 
 
-@pytest.mark.parametrize("value", ["", "   ", 3, b"CPU_ATTN"])
-def test_bad_attn_backend_values_are_refused(value: Any) -> None:
-    with pytest.raises(LayoutHintError, match="attn_backend"):
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("", "layout hint attn_backend is empty: pass vLLM's attn_backend.get_name() (e.g. 'CPU_ATTN')"),
+        ("   ", "layout hint attn_backend is empty"),
+        (3, "layout hint attn_backend must be a str (vLLM's attn_backend.get_name(), e.g. 'CPU_ATTN'), not int (3)"),
+        (b"CPU_ATTN", "layout hint attn_backend must be a str"),
+    ],
+)  # fmt: skip
+def test_bad_attn_backend_values_are_refused(value: Any, message: str) -> None:
+    with pytest.raises(LayoutHintError, match=re.escape(message)):
         LayoutHints.coerce({"attn_backend": value})
 
 
