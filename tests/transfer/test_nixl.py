@@ -874,6 +874,8 @@ def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pai
         assert str(err.value) == message
     with pytest.raises(TypeError, match=r"remote must be the peer's side \(a RegistrationDescription, "):
         nx.calibrate(pair.agent, pair.name, object())  # type: ignore[arg-type]
+    with pytest.raises(TransferError, match=r"^op must be 'READ' or 'WRITE', not 'PUT'$"):
+        nx.calibrate(pair.agent, pair.name, desc, op="PUT")  # type: ignore[arg-type]
 
 
 def test_calibrate_measures_the_live_pair(pair: Pair) -> None:

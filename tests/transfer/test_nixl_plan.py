@@ -181,6 +181,8 @@ def test_a_staged_write_runs_a_stage_per_4_mib_by_default_priced_as_one_unless_a
     # choose), as estimate() prices it; asked for stages, the overlap is counted
     assert p.predicted_s["staged"] == pytest.approx(wire + copy)
     assert nx.estimate(split, poster="src").predicted_s["staged"] == pytest.approx(p.predicted_s["staged"])
+    with pytest.raises(TransferError, match=r"^poster must be 'src' or 'dst', not 'peer'$"):
+        nx.estimate(split, poster="peer")  # type: ignore[arg-type]
     two = nx.plan(split, strategy="staged", staging=staging_at(buf), stages=2)
     assert two.predicted_s["staged"] == pytest.approx(max(wire, copy) + min(wire, copy) / 2)
     read = Map(split.runs[:, [1, 0, 2]], split.dst, split.src)  # the same bytes, the peer to here
@@ -517,6 +519,8 @@ def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long
         ({"per_descriptor_by_size": ((8192, float("inf")),)},
          "CostModel.per_descriptor_by_size[0]'s seconds must be a non-negative number of seconds, got inf"),
         ({"per_descriptor_by_size": "8192"}, "CostModel.per_descriptor_by_size must be (bytes, seconds) pairs"),
+        ({"per_descriptor_by_size": ((8192,),)},
+         "CostModel.per_descriptor_by_size[0] must be a (bytes, seconds) pair, not (8192,)"),
     ],
 )  # fmt: skip
 def test_a_cost_model_refuses_figures_it_cannot_price_with(kw: dict[str, Any], message: str) -> None:
