@@ -180,6 +180,13 @@ def test_size_errors() -> None:
         parse("NL_X_NB_TWO_BS_NH_HS").tensor_strides(sizes, block_stride=5)
     with pytest.raises(SizeError, match=r"size NB=-1 is not a non-negative int"):
         layout.tensor_shape({**sizes, "NB": -1})
+    with pytest.raises(
+        SizeError, match=r"^NL_X_TWO_NB_BS_NH_HS: a chunk row of 5 elements cannot hold a 6-element row$"
+    ):
+        layout.copy_plan(sizes, chunk_row=5)
+    resolved = resolve_sizes(layout, sizes)
+    with pytest.raises(TypeError, match=r"^resolved sizes are read-only; copy them with dict\(\.\.\.\)$"):
+        resolved["NB"] = 5  # a dict subclass: mypy lets it through
 
 
 def test_fused_sizes_resolve_from_parts_or_label() -> None:
