@@ -557,6 +557,8 @@ def test_fp8_moves_to_and_from_the_uint8_it_is_stored_as() -> None:
     )  # layer 1, K, token 0
     with pytest.raises(BlockMapError, match=r"the chunk is torch.int8; the cache is float8_e4m3fn"):
         chunk_side(dst, chunk.view(torch.int8))
+    with pytest.raises(TypeError, match=r"^chunk must be a tensor, not list$"):
+        chunk_side(dst, [chunk])  # type: ignore[arg-type]
     # the dtype first: the shape check would ask for a row size counted in the wrong elements
     with pytest.raises(
         BlockMapError, match=r"^the chunk is torch.float32; the cache is float8_e4m3fn: they must"
@@ -834,6 +836,24 @@ def test_runs_stay_exact_at_addresses_float64_cannot_hold() -> None:
     near, far = placed((1 << 44) + 248), placed((1 << 56) + 248)
     runs = [block_map(src, peer, [3, 5], [1, 6]).runs for peer in (near, far)]
     assert np.array_equal(runs[1][:, 1] - np.uint64(1 << 56), runs[0][:, 1] - np.uint64(1 << 44))
+
+
+def test_block_ids_without_a_length_are_refused_by_name() -> None:
+    src, dst = vllm(2, 8, 4, 2, 16), vllm(2, 8, 4, 2, 16)
+    with pytest.raises(
+        TypeError,
+        match=r"^src_blocks must be a sequence of block ids \(its length gives the tokens to map\), not "
+        r"list_iterator$",
+    ):
+        block_map(src, dst, iter([0]), [1])
+    with pytest.raises(TypeError, match=r"^dst_blocks must be a sequence of block ids .*, not generator$"):
+        block_map(src, dst, [0], (i for i in [1]))
+
+
+def test_a_side_is_replaced_only_in_its_fields() -> None:
+    side = block_map(vllm(2, 8, 4, 2, 16), vllm(2, 8, 4, 2, 16), [0], [1]).src
+    with pytest.raises(TypeError, match=r"^a Side has no field\(s\) colour, size$"):
+        side.replaced(size=2, colour=1)
 
 
 def test_a_description_needs_one_kernel_group_to_map() -> None:

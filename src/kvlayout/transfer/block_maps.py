@@ -563,7 +563,11 @@ def block_map(
     a_size, b_size = a.block_size * a_per, b.block_size * b_per  # the caller's blocks
     if num_tokens is None:
         if a_len is None or b_len is None:
-            raise TypeError("src_blocks and dst_blocks must be sequences of block ids")
+            name, blocks = ("src_blocks", src_blocks) if a_len is None else ("dst_blocks", dst_blocks)
+            raise TypeError(
+                f"{name} must be a sequence of block ids (its length gives the tokens to map), not "
+                f"{type(blocks).__name__}"
+            )
         tokens = min(a_len * a_size, b_len * b_size)
     else:
         tokens = _int("num_tokens", num_tokens)
