@@ -311,6 +311,13 @@ def test_chunks_must_not_overlap_each_other_or_the_cache() -> None:
     assert all(torch.equal(a, b) for a, b in zip(before, kv, strict=True))
 
 
+def test_blocks_need_chunks_and_no_blocks_none() -> None:
+    plan = prepare([torch.randn(2, 8, 4, 2, 16) for _ in range(3)], 1)
+    with pytest.raises(TransferError, match=re.escape("no chunks given for 2 block(s)")):
+        plan.store_blocks([1, 2], [])
+    plan.load_blocks([], [])  # nothing to move
+
+
 def test_a_plan_is_prepared_once_per_registration() -> None:
     fmt, kv = kvlayout.normalize_kv_and_discover_format(
         [torch.randn(2, 8, 4, 2, 16) for _ in range(3)], "vllm", {"kv_layout": "NHD"}

@@ -298,7 +298,7 @@ class TransferPlan(HoldsAddresses):
         if not chunks:
             if num_blocks == 0:
                 return np.zeros(0, dtype=np.uint64), np.zeros(0, dtype=np.int64), 1  # nothing to move
-            raise TransferError("no chunks given")
+            raise TransferError(f"no chunks given for {num_blocks} block(s)")
         kv_size, layers, row, dtype, device = self.kv_size, self.num_layers, self.row, self.dtype, self.device
         conjugable = dtype.is_complex  # only a complex chunk (of a complex cache) has a conjugate bit
         spans: list[tuple[int, int, int]] = []
