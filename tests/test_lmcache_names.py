@@ -267,6 +267,12 @@ def test_group_edits_module_has_lmcaches_rule_names_signature_logger_and_vllm_ki
 
     assert KVCacheSpecKind is interface.KVCacheSpecKind
     assert get_kv_cache_spec_kind is interface.get_kv_cache_spec_kind
+    from kvlayout.integrations.vllm import edits
+
+    with pytest.raises(
+        AttributeError, match=r"^module 'kvlayout\.integrations\.vllm\.edits' has no attribute 'KVCacheSpec'$"
+    ):
+        edits.KVCacheSpec  # noqa: B018  # only the two names LMCache imports from here
     engine = vx.hybrid_engine(vx.QWEN3_5_0_8B, vx.FLASHINFER, num_blocks=4, layout=vx.KVCacheLayout.LBNHC)
     for group in engine.config.kv_cache_groups:  # kvlayout's structural kinds are vLLM's
         assert spec_kind(group.kv_cache_spec).value == get_kv_cache_spec_kind(group.kv_cache_spec).value

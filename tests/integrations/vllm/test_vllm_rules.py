@@ -57,6 +57,15 @@ def test_page_runs_reads_pages_in_memory_order() -> None:
     assert (runs.num_pages, runs.page_bytes, runs.stride_bytes, runs.offset_bytes) == (3, 120, 140, 140)
 
 
+def test_page_runs_refuses_a_tensor_of_no_pages() -> None:
+    with pytest.raises(
+        KVCacheGroupEditError, match=r"^expected a non-empty paged tensor, got shape \(0, 4\)$"
+    ):
+        page_runs(torch.zeros(0, 4))
+    with pytest.raises(KVCacheGroupEditError, match=r"^expected a non-empty paged tensor, got shape \(\)$"):
+        page_runs(torch.zeros(()))
+
+
 def test_page_runs_rejects_interior_padding() -> None:
     t = torch.zeros(4, 2, 8, dtype=torch.bfloat16)[:, :, :6]
     with pytest.raises(
