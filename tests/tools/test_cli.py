@@ -141,6 +141,8 @@ def test_detect_shows_the_error_a_user_would_get(capsys: pytest.CaptureFixture[s
         ("32[7]", "kvlayout: --shape '32[7]': a count must be followed by 'x'"),
         ("[2,3]+[4]", "kvlayout: --shape '[2,3]+[4]': '+' joins lists (NxSHAPE), not bare tensors"),
         ("0x[1]", "kvlayout: --shape '0x[1]': a list of 0 entries"),
+        ("2x[2,]", "kvlayout: --shape '2x[2,]': expected a number, found ']'"),
+        ("[a]", "kvlayout: --shape '[a]': expected a number, found 'a'"),
     ],
 )
 def test_detect_shape_errors(capsys: pytest.CaptureFixture[str], shape: str, message: str) -> None:
