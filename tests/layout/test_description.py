@@ -175,6 +175,12 @@ def test_descriptions_are_checked(args: tuple[tuple[Axis, ...], ...], message: s
         LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, ((B,), (N,), (C,)), {N: 0})
 
 
+def test_dims_given_as_lists_are_the_tuples() -> None:
+    listed = _shared([[B], [N], [H, C]])  # as LMCache's callers often spell them
+    assert listed.dims == ((B,), (N,), (H, C))
+    assert listed == _shared(((B,), (N,), (H, C)))
+
+
 def _shared(dims: object, **fields: object) -> LayoutDescription:
     return LayoutDescription(Grouping.PER_LAYER, KVPacking.SHARED, dims, **fields)  # type: ignore[arg-type]
 

@@ -170,8 +170,9 @@ class LayoutDescription:
     def __post_init__(self) -> None:
         object.__setattr__(self, "extents", _frozen(self.extents))
         object.__setattr__(self, "dim_strides", _frozen(self.dim_strides))
-        if isinstance(self.dims, list):  # LMCache's callers pass lists as often as tuples
-            object.__setattr__(self, "dims", tuple(self.dims))
+        if isinstance(self.dims, (list, tuple)):  # LMCache's callers pass lists as often as tuples
+            dims = tuple(tuple(fold) if isinstance(fold, list) else fold for fold in self.dims)
+            object.__setattr__(self, "dims", dims)
         derived = _region_quant(self.regions) if self.regions else None
         if derived is not None:
             quant, logical = derived
