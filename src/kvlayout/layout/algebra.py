@@ -295,7 +295,7 @@ class _Resolved(dict[str, int]):
         return dict, (dict(self),)  # copies and pickles are plain dicts
 
 
-def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> dict[str, int]:
+def resolve_sizes(layout: Layout, sizes: Mapping[str, int]) -> Mapping[str, int]:
     """The sizes a layout needs, keyed by token name.
 
     A fused token's size defaults to the product of its parts (``NBBS = NB*BS``,
