@@ -31,7 +31,9 @@ Quirks that live here and nowhere else:
   pages (``DeepSeekV4SingleKVPool``: uint8 ``[pages, bytes]``, the page padded to a
   multiple of 576) are no indexer's, though at page_size 16 and 32 they are 144 records
   of 68 or 132 bytes: a uint8 row so padded is refused without ``tokens_per_block``, and
-  any refusal of a uint8 row names them.
+  any refusal of a uint8 row names them and
+  ``kvlayout.integrations.sglang.flashmla_kv_pages``, which reads them as whole pages (as
+  ``aiter_fp4_indexer_pages`` reads the ROCm FP4 indexer's split buffers).
 * SGLang's page-major MLA pool (``layout/page_major.py``) registers a flat list of 4-D
   views ``[pages, page_size, 1, C]`` whose page stride is the envelope of every layer's
   latents: each is the folded MLA page buffer split into pages, read as its unfolded
@@ -45,7 +47,8 @@ Quirks that live here and nowhere else:
   page-first one has an MLA pool's shape.
 * Lists of rank-5 tensors (the ROCm AITER ``vectorized_5d`` pool, K ``(num_blocks, H,
   D // X, page_size, X)``, V ``(num_blocks, H, page_size // X, D_v, X)``) are refused,
-  naming ``kvlayout.integrations.sglang.vectorized_kv_pools``, which reads their pages.
+  naming ``kvlayout.integrations.sglang.vectorized_kv_pools``, which reads their pages
+  (and ``aiter_fp4_indexer_pages``, for a ROCm FP4 indexer's payload of the same rank).
 * ``kv_layout`` chooses between NHD and HND twins: ``"HND"`` reads a K/V pool of
   per-layer ``[pages, heads, page_size, head_dim]`` tensors (``SGLANG_USE_HND_KVCACHE``,
   trtllm_mha) as ``TWO_X_NL_X_NB_NH_BS_HS``, and refuses a registration no HND format
@@ -111,21 +114,39 @@ _NOT_STATE = (
 )
 
 
-# What DeepSeek-V4's FlashMLA KV pages (DeepSeekV4SingleKVPool.create_buffer) are: no indexer's.
-# Their page bytes are rounded up to a multiple of 576 (ceil_div(page_size * 584, 576) * 576).
-_FLASHMLA_PAGE_ALIGN = 576
+# DeepSeek-V4's FlashMLA KV page layouts (SGLang's ``dsv4/kv_layout.py`` ``KVLayout``, which
+# ``DeepSeekV4SingleKVPool.create_buffer`` sizes its uint8 ``[pages, page bytes]`` by): a
+# page is every slot's data bytes, then every slot's scale bytes, padded to the reader's
+# row stride. By name: (data bytes, scale bytes, page alignment) a slot.
+FLASHMLA_LAYOUTS: dict[str, tuple[int, int, int]] = {
+    "v4": (576, 8, 576),  # 448 fp8 NoPE + 64 bf16 RoPE, 7 ue8m0 scales + 1 pad
+    "v41": (512, 16, 512),  # 512 fp8, 16 ue8m0 scales
+    "v41_fp4": (256, 32, 256),  # 512 e2m1, 32 e4m3 scales
+}
+
+
+def flashmla_page_bytes(layout: str, page_size: int) -> int:
+    """A FlashMLA page's bytes (``KVLayout.page_bytes``): ``page_size`` slots padded."""
+    data, scale, align = FLASHMLA_LAYOUTS[layout]
+    return -(-page_size * (data + scale) // align) * align
+
+
+_FLASHMLA_PAGE_ALIGN = FLASHMLA_LAYOUTS["v4"][2]
 _NOT_FLASHMLA = (
     "; a DeepSeek-V4 KV pool's FlashMLA pages (DeepSeekV4SingleKVPool.kv_buffer: uint8 [pages, page "
-    "bytes padded to a multiple of 576]) are no indexer's, and no format reads their tokens"
+    "bytes padded to a multiple of 576]) are no indexer's, and no format reads their tokens: "
+    "kvlayout.integrations.sglang.flashmla_kv_pages(kv_buffer, page_size) reads them as whole pages"
 )
 
 
 # What the ROCm FP4 indexer's split buffers (DeepSeekV4IndexerPool.uses_aiter_fp4_layout) are.
 _NOT_AITER_FP4_INDEXER = (
     "; a ROCm DeepSeek-V4 FP4 indexer's index_k_payload_buffer [pages, 1, 4, page_size, 16] and "
-    "index_k_scale_buffer [pages, 1, 4, page_size] (uses_aiter_fp4_layout) split each token's 64 payload "
-    "bytes and 4 scale bytes across the page: no format reads their tokens, and kvlayout has no reading "
-    "of their pages; they move with SGLang's own transfer"
+    "index_k_scale_buffer [pages, 1, 4, page_size] (uses_aiter_fp4_layout; flattened to [pages, "
+    "page_size * 64] and [pages, page_size * 4] for P/D and HiCache) split each token's 64 payload bytes "
+    "and 4 scale bytes across the page, so no format reads their tokens: "
+    "kvlayout.integrations.sglang.aiter_fp4_indexer_pages(payload, scale, page_size) reads them as whole "
+    "pages"
 )
 
 
@@ -541,7 +562,8 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list of 2-D {dtype} tensors is a DSA indexer cache [pages, "
             f"page_size * W] (W = {' or '.join(map(str, widths)) or 'none'} bytes), but its row {what}"
-            f"{_NOT_FLASHMLA if dtype == 'uint8' else ''}; a buffer of a row per token slot (an FP4 MLA "
+            f"{_NOT_FLASHMLA + _NOT_AITER_FP4_INDEXER if dtype == 'uint8' else ''}; a buffer of a row per "
+            "token slot (an FP4 MLA "
             "pool's kv_scale_buffer [size + page_size, C // 16]) reads as MLA page buffers: pass "
             "[t.unsqueeze(1) for t in buffers]"
         )

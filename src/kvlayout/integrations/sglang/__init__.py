@@ -8,11 +8,27 @@ state, then the SSM state): block ids are SGLang's slot indices, and a block map
 a request's state between a device pool and a host pool, two instances, or (given the
 model's Mamba type) two TP degrees. :func:`vectorized_kv_pools` reads the KV pool that
 ROCm's AITER backend lays out in 5-D vectors (``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``)
-as opaque pages, K and V each a registration. SGLang itself is not imported: pools are
+as opaque pages, K and V each a registration; :func:`flashmla_kv_pages` and
+:func:`aiter_fp4_indexer_pages` read DeepSeek-V4's FlashMLA KV pages and ROCm FP4 indexer
+pages so, whole pages as SGLang's P/D moves them. SGLang itself is not imported: pools are
 read structurally.
 """
 
+from kvlayout.integrations.sglang.deepseek_v4 import (
+    DeepSeekV4PoolError,
+    aiter_fp4_indexer_pages,
+    flashmla_kv_pages,
+)
 from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
 from kvlayout.integrations.sglang.vectorized import VectorizedPoolError, vectorized_kv_pools
 
-__all__ = ["MAMBA_TYPES", "MambaPoolError", "VectorizedPoolError", "mamba_state_pools", "vectorized_kv_pools"]
+__all__ = [
+    "MAMBA_TYPES",
+    "DeepSeekV4PoolError",
+    "MambaPoolError",
+    "VectorizedPoolError",
+    "aiter_fp4_indexer_pages",
+    "flashmla_kv_pages",
+    "mamba_state_pools",
+    "vectorized_kv_pools",
+]

@@ -1,0 +1,209 @@
+"""SGLang's DeepSeek-V4 pools whose tokens no format reads, as registrations of whole pages.
+
+Two of ``deepseek_v4_memory_pool.py``'s buffers keep a page's tokens apart from their
+bytes, so no token-level format reads them:
+
+* ``DeepSeekV4SingleKVPool.kv_buffer`` (its SWA, C4 and C128 pools): a uint8 ``[pages,
+  page bytes]`` per layer, a FlashMLA page of ``page_size`` slots (every slot's data
+  bytes, then every slot's scale bytes, padded: ``KVLayout.page_bytes``), in one of the
+  layouts of :data:`~kvlayout.detection.sglang.FLASHMLA_LAYOUTS` (V4's 584-byte slots,
+  V4.1's 528 or, in FP4, 288).
+* ``DeepSeekV4IndexerPool`` under ``uses_aiter_fp4_layout`` (ROCm's FP4 indexer):
+  ``index_k_payload_buffer`` ``[pages, 1, 4, page_size, 16]`` and
+  ``index_k_scale_buffer`` ``[pages, 1, 4, page_size]`` per layer, a token's 64 payload
+  and 4 scale bytes split across the page; SGLang's P/D and HiCache move them flattened,
+  ``[pages, page_size * 64]`` and ``[pages, page_size * 4]``
+  (``contiguous_page_row_buffers``).
+
+SGLang's own P/D moves either as whole pages (``get_contiguous_buf_infos``: an item is
+a page row), and so does a block map here: a layer's page is viewed (no copy) as
+``page_size`` int8 rows, the layers as SGLang's per-layer list in blocks of
+``page_size`` rows, marked (:func:`~kvlayout.registration.opaque.mark_opaque_pages`)
+with what orders its bytes: the layout, the page_size and which buffer. So a page maps
+only to a page of the same kind, layout and page_size, and a partly filled last page
+moves whole. Every TP rank holds the latents (and the indexer's keys) whole: a page
+declares itself one KV head's array, so given shards of ``num_kv_heads=1`` a map moves
+it between any two ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from kvlayout._generated.engines import EngineType
+from kvlayout.detection.base import DetectionError
+from kvlayout.detection.sglang import FLASHMLA_LAYOUTS, flashmla_page_bytes
+from kvlayout.integrations.page_lists import listed_pages
+from kvlayout.registration.opaque import OpaquePages, PageArray
+from kvlayout.registration.registration import Registration
+
+__all__ = ["DeepSeekV4PoolError", "aiter_fp4_indexer_pages", "flashmla_kv_pages"]
+
+
+class DeepSeekV4PoolError(DetectionError):
+    """Buffers that are not the SGLang DeepSeek-V4 pool they were passed as."""
+
+
+# The ROCm FP4 indexer's split page: a slot's payload bytes in 4 vectors of 16, and its
+# 4 scale bytes (DeepSeekV4IndexerPool._create_buffer under uses_aiter_fp4_layout).
+_AITER_GROUPS, _AITER_VECTOR = 4, 16
+
+
+def _page_size(page_size: object) -> int:
+    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        raise DeepSeekV4PoolError(
+            f"page_size must be a positive int (the pool's page_size), not {page_size!r}"
+        )
+    return page_size
+
+
+def _layers(name: str, buffers: Any, origin: str) -> list[torch.Tensor]:
+    """Per-layer tensors alike, of one-byte elements (SGLang stores uint8; its kernels view
+    fp8 or packed fp4 over them)."""
+    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence) or not buffers:
+        raise DeepSeekV4PoolError(
+            f"{name} is {type(buffers).__name__}, not a non-empty list of per-layer tensors ({origin})"
+        )
+    layers = list(buffers)
+    for i, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor):
+            raise DeepSeekV4PoolError(f"{name}[{i}] is {type(t).__name__}, not a tensor")
+        first = layers[0]
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise DeepSeekV4PoolError(
+                f"{name}[{i}] is {list(t.shape)} {t.dtype} on {t.device} and {name}[0] {list(first.shape)} "
+                f"{first.dtype} on {first.device}: every layer alike expected"
+            )
+    first = layers[0]
+    if first.element_size() != 1 or first.dtype.is_complex or first.dtype == torch.bool:
+        raise DeepSeekV4PoolError(f"{name} is {first.dtype}, not bytes (uint8, as SGLang allocates it)")
+    if first.numel() == 0:
+        raise DeepSeekV4PoolError(f"{name}[0] is {list(first.shape)}: it holds no pages")
+    return layers
+
+
+def _rows(name: str, layers: list[torch.Tensor], page_size: int, page_bytes: int) -> list[torch.Tensor]:
+    """Each layer's pages as int8 rows ``[pages * page_size, 1, page_bytes // page_size]``."""
+    if page_bytes % page_size:
+        raise DeepSeekV4PoolError(
+            f"{name}'s {page_bytes}-byte page does not split into page_size={page_size} equal rows "
+            f"({page_bytes % page_size} bytes left over), which a block of page_size tokens needs"
+        )
+    out = []
+    for i, t in enumerate(layers):
+        try:
+            out.append(t.view(torch.int8).view(t.shape[0] * page_size, 1, page_bytes // page_size))
+        except RuntimeError:
+            raise DeepSeekV4PoolError(
+                f"{name}[{i}] {list(t.shape)} (strides {list(t.stride())}) is not contiguous pages, one "
+                "after another, as SGLang allocates them"
+            ) from None
+    return out
+
+
+def _one_head(shape: tuple[int, ...]) -> tuple[PageArray, ...]:
+    """The page's bytes (its padding aside) as one KV head's array: the latents (and the
+    indexer's one key head) every rank holds whole. Each buffer's array has its own rank
+    and shape, so no two kinds of page are taken for one state laid out two ways."""
+    return (PageArray(0, (1, *shape), "uint8", 0, (1,), kv_heads=True),)
+
+
+_ADVICE = (
+    "SGLang moves these pages whole (get_contiguous_buf_infos); they map only to pages of the same "
+    "buffer, layout and page_size. Across TP ranks give shards of num_kv_heads=1: every rank holds them whole"
+)
+
+
+def flashmla_kv_pages(kv_buffer: Any, page_size: int) -> Registration:
+    """SGLang's DeepSeek-V4 FlashMLA KV pages (``DeepSeekV4SingleKVPool.kv_buffer``: per
+    layer uint8 ``[pages, page bytes]``, the SWA, C4 or C128 pool's; ``page_size`` its
+    own, e.g. ``c4_kv_pool.page_size``) as one registration of whole pages. The layout
+    (V4, V4.1 or V4.1 FP4) is the one whose page of ``page_size`` slots is the row's size:
+    at one page_size no two are. Block ids are SGLang's page indices. Raises
+    :class:`DeepSeekV4PoolError` for buffers that are no such pool."""
+    ps = _page_size(page_size)
+    origin = "DeepSeekV4SingleKVPool.kv_buffer"
+    layers = _layers("kv_buffer", kv_buffer, origin)
+    if layers[0].dim() != 2:
+        raise DeepSeekV4PoolError(
+            f"kv_buffer[0] is {list(layers[0].shape)}, not [pages, page bytes] ({origin})"
+        )
+    row = int(layers[0].shape[1])
+    fits = [name for name in FLASHMLA_LAYOUTS if flashmla_page_bytes(name, ps) == row]
+    if len(fits) != 1:
+        sizes = ", ".join(f"{name} {flashmla_page_bytes(name, ps)}" for name in FLASHMLA_LAYOUTS)
+        raise DeepSeekV4PoolError(
+            f"kv_buffer[0] is {list(layers[0].shape)}: a page of {row} bytes, which is no FlashMLA page of "
+            f"page_size={ps} slots (bytes by layout: {sizes}); pass the pool's own page_size"
+        )
+    name = fits[0]
+    data, scale, _ = FLASHMLA_LAYOUTS[name]
+    page = OpaquePages(
+        f"SGLang DeepSeek-V4 FlashMLA KV page ({name}): {ps} slots of {data} data bytes, then their "
+        f"{scale} scale bytes each, in {row} bytes",
+        rows_are_tokens=False,
+        arrays=_one_head((ps, data + scale)),
+        advice=_ADVICE,
+    )
+    return listed_pages(_rows("kv_buffer", layers, ps, row), page, layers, ps, EngineType.SGLANG)
+
+
+def _indexer_shape(name: str, t: torch.Tensor, page_size: int, split: tuple[int, ...]) -> int:
+    """The page bytes of one of the split indexer's buffers, SGLang's ``[pages, *split]``
+    or flattened ``[pages, prod(split)]``; the buffer is refused otherwise."""
+    page_bytes = math.prod(split)
+    flat = (page_bytes,)
+    if tuple(t.shape[1:]) not in (split, flat):
+        raise DeepSeekV4PoolError(
+            f"{name}[0] is {list(t.shape)}, not [pages, {', '.join(map(str, split))}] or flattened [pages, "
+            f"{page_bytes}] at page_size={page_size} (DeepSeekV4IndexerPool under uses_aiter_fp4_layout)"
+        )
+    return page_bytes
+
+
+def aiter_fp4_indexer_pages(
+    payload_buffer: Any, scale_buffer: Any, page_size: int
+) -> dict[str, Registration]:
+    """SGLang's ROCm FP4 indexer (``DeepSeekV4IndexerPool.uses_aiter_fp4_layout``):
+    ``index_k_payload_buffer`` (``[pages, 1, 4, page_size, 16]``, or its uint8 view
+    flattened to ``[pages, page_size * 64]``) and ``index_k_scale_buffer`` (``[pages, 1,
+    4, page_size]`` or ``[pages, page_size * 4]``) as one registration each,
+    ``{"payload": ..., "scale": ...}``. Block ids are SGLang's page indices; a page
+    moves whole, payload to payload, scales to scales, at the same page_size (either
+    form to the other). Raises :class:`DeepSeekV4PoolError` for anything else."""
+    ps = _page_size(page_size)
+    origin = "DeepSeekV4IndexerPool.index_k_payload_buffer / index_k_scale_buffer"
+    buffers = {
+        "payload": _layers("payload_buffer", payload_buffer, origin),
+        "scale": _layers("scale_buffer", scale_buffer, origin),
+    }
+    payload, scale = buffers["payload"][0], buffers["scale"][0]
+    splits = {"payload": (1, _AITER_GROUPS, ps, _AITER_VECTOR), "scale": (1, _AITER_GROUPS, ps)}
+    if len(buffers["payload"]) != len(buffers["scale"]):
+        raise DeepSeekV4PoolError(
+            f"payload_buffer has {len(buffers['payload'])} layers and scale_buffer {len(buffers['scale'])}: "
+            "one per layer each"
+        )
+    if (payload.shape[0], payload.device) != (scale.shape[0], scale.device):
+        raise DeepSeekV4PoolError(
+            f"payload_buffer[0] is {list(payload.shape)} on {payload.device} and scale_buffer[0] "
+            f"{list(scale.shape)} on {scale.device}: one pool's pages on one device expected"
+        )
+    pools = {}
+    for kind, layers in buffers.items():
+        page_bytes = _indexer_shape(f"{kind}_buffer", layers[0], ps, splits[kind])
+        what = "payload: 64 bytes a slot, in 4 runs of 16" if kind == "payload" else "scales: 4 bytes a slot"
+        page = OpaquePages(
+            f"SGLang DeepSeek-V4 AITER FP4 indexer {what}, each run over the page's {ps} slots, in "
+            f"{page_bytes} bytes",
+            rows_are_tokens=False,
+            arrays=_one_head(splits[kind][1:]),
+            advice=_ADVICE,
+        )
+        rows = _rows(f"{kind}_buffer", layers, ps, page_bytes)  # SGLang's shape or flattened: one view
+        pools[kind] = listed_pages(rows, page, layers, ps, EngineType.SGLANG)
+    return pools

@@ -1,0 +1,248 @@
+"""SGLang's DeepSeek-V4 FlashMLA KV pages and ROCm FP4 indexer pages, read as whole pages.
+
+The oracle reads the tensors as SGLang allocates them (``deepseek_v4_memory_pool.py``):
+a page of a layer is ``kv_buffer[l][page]`` (or ``index_k_payload_buffer[l][page]``), its
+size ``KVLayout.page_bytes(page_size)`` computed here from the kernel's table, not from
+kvlayout's. It knows nothing of rows or runs; every byte outside the moved pages keeps
+its value.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout.integrations.sglang import DeepSeekV4PoolError, aiter_fp4_indexer_pages, flashmla_kv_pages
+from kvlayout.registration.peers import RegistrationDescription
+from kvlayout.transfer import BlockMapError, Shard, block_map
+
+NL, PAGES = 3, 6
+
+# sgl-project/sglang python/sglang/kernels/ops/attention/dsv4/kv_layout.py: a slot's data
+# and scale bytes, and the unit the page is padded to
+KERNEL_LAYOUTS = {"v4": (576, 8, 576), "v41": (512, 16, 512), "v41_fp4": (256, 32, 256)}
+
+
+def page_bytes(layout: str, page_size: int) -> int:
+    data, scale, align = KERNEL_LAYOUTS[layout]
+    return -(-page_size * (data + scale) // align) * align
+
+
+def kv_pool(layout: str, page_size: int, seed: int | None, pages: int = PAGES) -> list[torch.Tensor]:
+    """``DeepSeekV4SingleKVPool.kv_buffer``: uint8 ``[pages, page bytes]`` per layer."""
+    row = page_bytes(layout, page_size)
+    if seed is None:
+        return [torch.zeros(pages, row, dtype=torch.uint8) for _ in range(NL)]
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 256, (pages, row), dtype=torch.uint8, generator=gen) for _ in range(NL)]
+
+
+def indexer_pool(page_size: int, seed: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``DeepSeekV4IndexerPool`` under ``uses_aiter_fp4_layout``: payload viewed as packed fp4."""
+    gen = torch.Generator().manual_seed(seed or 0)
+
+    def fill(shape: tuple[int, ...]) -> torch.Tensor:
+        t = torch.zeros(shape, dtype=torch.uint8)
+        return t if seed is None else t.random_(0, 256, generator=gen)
+
+    payload = [fill((PAGES, 1, 4, page_size, 16)).view(torch.float4_e2m1fn_x2) for _ in range(NL)]
+    scale = [fill((PAGES, 1, 4, page_size)) for _ in range(NL)]
+    return payload, scale
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("layout", list(KERNEL_LAYOUTS))
+@pytest.mark.parametrize("page_size", [2, 16, 64])
+def test_flashmla_pages_move_whole_between_two_pools(layout: str, page_size: int) -> None:
+    src, dst = kv_pool(layout, page_size, 1), kv_pool(layout, page_size, 2)
+    before = [t.clone() for t in dst]
+    pages = [(4, 1), (1, 3), (5, 0)]  # scattered, out of order
+    m = block_map(
+        flashmla_kv_pages(src, page_size),
+        flashmla_kv_pages(dst, page_size),
+        [s for s, _ in pages],
+        [d for _, d in pages],
+        num_tokens=2 * page_size + 1,  # the last page partly filled: it moves whole
+    )
+    assert m.kind == "same layout" and m.num_tokens == 3 * page_size
+    m.copy()
+    for layer in range(NL):
+        want = before[layer].clone()
+        for s, d in pages:
+            want[d] = src[layer][s]
+        assert torch.equal(dst[layer], want), layer
+
+
+def test_flashmla_pages_read_their_fp8_view() -> None:
+    """``get_key_buffer`` views the uint8 store as the pool's dtype: either reads alike."""
+    src, dst = kv_pool("v4", 64, 3), kv_pool("v4", 64, None)
+    fp8 = [t.view(torch.float8_e4m3fn) for t in src]
+    block_map(flashmla_kv_pages(fp8, 64), flashmla_kv_pages(dst, 64), [2], [5]).copy()
+    assert torch.equal(dst[1][5], src[1][2]) and not dst[1][:5].any()
+
+
+@pytest.mark.parametrize(
+    "ranks", [(Shard(0, 1, 1), Shard(1, 2, 1)), (Shard(3, 4, 1), Shard(0, 2, 1))], ids=str
+)
+def test_every_rank_holds_the_latents_whole(ranks: tuple[Shard, Shard]) -> None:
+    """MLA latents are not sharded: any rank's page is any other's, its padding aside."""
+    src, dst = kv_pool("v4", 16, 4), kv_pool("v4", 16, None)
+    m = block_map(
+        flashmla_kv_pages(src, 16),
+        flashmla_kv_pages(dst, 16),
+        [3, 1],
+        [0, 2],
+        src_shard=ranks[0],
+        dst_shard=ranks[1],
+    )
+    m.copy()
+    used = 16 * 584  # the slots' bytes; the page's padding to 576 holds nothing
+    for layer in range(NL):
+        assert torch.equal(dst[layer][0, :used], src[layer][3, :used])
+        assert torch.equal(dst[layer][2, :used], src[layer][1, :used])
+        assert not dst[layer][[1, 3, 4, 5]].any() and not dst[layer][:, used:].any()
+
+
+def test_indexer_pages_move_whole_between_sglang_and_flattened_buffers() -> None:
+    """SGLang's own 5-D / 4-D buffers and the ``[pages, page_size * 64]`` / ``[pages,
+    page_size * 4]`` page rows its P/D and HiCache move (``contiguous_page_row_buffers``)
+    are one page each."""
+    payload, scale = indexer_pool(64, 5)
+    flat_payload = [torch.zeros(PAGES, 64 * 64, dtype=torch.uint8) for _ in range(NL)]
+    flat_scale = [torch.zeros(PAGES, 64 * 4, dtype=torch.uint8) for _ in range(NL)]
+    src, dst = (
+        aiter_fp4_indexer_pages(payload, scale, 64),
+        aiter_fp4_indexer_pages(flat_payload, flat_scale, 64),
+    )
+    assert list(src) == ["payload", "scale"]
+    for name in src:
+        m = block_map(src[name], dst[name], [5, 2], [1, 4], num_tokens=64 + 1)
+        assert m.num_tokens == 128
+        m.copy()
+    for layer in range(NL):
+        for s, d in ((5, 1), (2, 4)):
+            assert torch.equal(flat_payload[layer][d], raw(payload[layer][s]).flatten())
+            assert torch.equal(flat_scale[layer][d], scale[layer][s].flatten())
+        assert not flat_payload[layer][[0, 2, 3, 5]].any() and not flat_scale[layer][[0, 2, 3, 5]].any()
+    # and back, between two ranks: the indexer's keys are every rank's
+    back_payload, back_scale = indexer_pool(64, None)
+    back = aiter_fp4_indexer_pages(back_payload, back_scale, 64)
+    block_map(
+        dst["payload"], back["payload"], [4], [0], src_shard=Shard(0, 2, 1), dst_shard=Shard(1, 2, 1)
+    ).copy()
+    assert torch.equal(raw(back_payload[2][0]), raw(payload[2][2]))
+
+
+def test_a_description_round_trips_and_maps_as_the_registration() -> None:
+    src, dst = kv_pool("v41", 64, 6), kv_pool("v41", 64, None)
+    a, b = flashmla_kv_pages(src, 64), flashmla_kv_pages(dst, 64)
+    text = b.describe().to_json()
+    peer = RegistrationDescription.from_json(text)
+    assert RegistrationDescription.from_json(peer.to_json()).to_json() == text
+    assert block_map(a, peer, [1, 2], [3, 4]).kind == block_map(a, b, [1, 2], [3, 4]).kind == "same layout"
+    other = RegistrationDescription.from_json(
+        flashmla_kv_pages(kv_pool("v4", 64, None), 64).describe().to_json()
+    )
+    with pytest.raises(BlockMapError, match=re.escape("do not hold the same state")):
+        block_map(a, other, [1], [1])
+
+
+def refusal(src: Any, dst: Any) -> str:
+    with pytest.raises(BlockMapError) as info:
+        block_map(src, dst, [1], [2])
+    return str(info.value)
+
+
+def test_maps_between_pages_laid_out_differently_are_refused() -> None:
+    v4, v41 = flashmla_kv_pages(kv_pool("v4", 64, None), 64), flashmla_kv_pages(kv_pool("v41", 64, None), 64)
+    fp4 = flashmla_kv_pages(kv_pool("v41_fp4", 64, None), 64)
+    msg = refusal(v4, v41)
+    assert "do not hold the same state" in msg and "FlashMLA KV page (v4)" in msg and "(v41)" in msg
+    assert "do not hold the same state" in refusal(v41, fp4)
+    half = flashmla_kv_pages(kv_pool("v4", 32, None), 32)
+    assert "pages of state in blocks of 64 and 32 rows" in refusal(v4, half)
+    payload, scale = indexer_pool(64, None)
+    indexer = aiter_fp4_indexer_pages(payload, scale, 64)
+    assert "other axes or parts" in refusal(v4, indexer["payload"])
+    assert "other axes or parts" in refusal(indexer["payload"], indexer["scale"])
+    assert "other sizes on an axis TP does not shard" in refusal(indexer["scale"], v4)
+    bf16 = [torch.zeros(PAGES * 64, 1, 576, dtype=torch.bfloat16) for _ in range(NL)]
+    tokens = kvlayout.detect(bf16, "sglang", {"tokens_per_block": 64})  # the MLA pool's token rows
+    assert "is opaque pages" in refusal(v4, tokens)
+
+
+def test_shards_of_the_attention_heads_are_refused() -> None:
+    """A page is the one latent head's: shards over DeepSeek's 128 attention heads are not its."""
+    a, b = flashmla_kv_pages(kv_pool("v4", 64, None), 64), flashmla_kv_pages(kv_pool("v4", 64, None), 64)
+    with pytest.raises(BlockMapError, match=re.escape("1 KV heads a page, but src_shard")):
+        block_map(a, b, [1], [1], src_shard=Shard(0, 2, 128), dst_shard=Shard(1, 2, 128))
+
+
+def test_refuses_buffers_that_are_no_flashmla_pool() -> None:
+    good = kv_pool("v4", 64, None)
+    cases: list[tuple[Any, Any, str]] = [
+        (good[0], 64, "kv_buffer is Tensor, not a non-empty list of per-layer tensors"),
+        ([], 64, "kv_buffer is list, not a non-empty list"),
+        ([good[0], "x"], 64, "kv_buffer[1] is str, not a tensor"),
+        (
+            [good[0], good[1][:3]],
+            64,
+            "kv_buffer[1] is [3, 37440] torch.uint8 on cpu and kv_buffer[0] [6, 37440]",
+        ),
+        ([t.view(torch.int16) for t in good], 64, "kv_buffer is torch.int16, not bytes"),
+        ([t.view(PAGES, 2, -1) for t in good], 64, "kv_buffer[0] is [6, 2, 18720], not [pages, page bytes]"),
+        (
+            good,
+            32,
+            "no FlashMLA page of page_size=32 slots (bytes by layout: v4 19008, v41 16896, v41_fp4 9216)",
+        ),
+        (good, 0, "page_size must be a positive int (the pool's page_size), not 0"),
+        (good, True, "page_size must be a positive int"),
+        (
+            [torch.zeros(PAGES, 1728 * 2, dtype=torch.uint8)[:, :1728]],
+            2,
+            "is not contiguous pages, one after another",
+        ),
+        ([torch.zeros(0, 37440, dtype=torch.uint8)], 64, "it holds no pages"),
+    ]
+    for kv, ps, message in cases:
+        with pytest.raises(DeepSeekV4PoolError, match=re.escape(message)):
+            flashmla_kv_pages(kv, ps)
+
+
+def test_refuses_buffers_that_are_no_aiter_fp4_indexer() -> None:
+    payload, scale = indexer_pool(64, None)
+    cases: list[tuple[Any, Any, int, str]] = [
+        (payload, scale[:2], 64, "payload_buffer has 3 layers and scale_buffer 2: one per layer each"),
+        (
+            payload,
+            scale,
+            32,
+            "payload_buffer[0] is [6, 1, 4, 64, 16], not [pages, 1, 4, 32, 16] or flattened [pages, 2048]",
+        ),
+        (payload, [t[:4] for t in scale], 64, "one pool's pages on one device expected"),
+        (scale, scale, 64, "payload_buffer[0] is [6, 1, 4, 64], not [pages, 1, 4, 64, 16]"),
+    ]
+    for p, s, ps, message in cases:
+        with pytest.raises(DeepSeekV4PoolError, match=re.escape(message)):
+            aiter_fp4_indexer_pages(p, s, ps)
+
+
+def test_detect_names_the_readings() -> None:
+    """What ``detect`` refuses of these pools says which function reads them."""
+    with pytest.raises(kvlayout.DetectionError, match=re.escape("flashmla_kv_pages(kv_buffer, page_size)")):
+        kvlayout.detect(kv_pool("v4", 64, None), "sglang")
+    payload, scale = indexer_pool(64, None)
+    flat = [[raw(t).flatten(1) for t in ts] for ts in (payload, scale)]
+    for kv in (payload, scale, *flat):
+        with pytest.raises(
+            kvlayout.DetectionError, match=re.escape("aiter_fp4_indexer_pages(payload, scale, page_size)")
+        ):
+            kvlayout.detect([raw(t) for t in kv], "sglang")
