@@ -30,7 +30,9 @@ Quirks that live here and nowhere else:
   at the ``tokens_per_block`` given, and refused without one. DeepSeek-V4's FlashMLA KV
   pages (``DeepSeekV4SingleKVPool``: uint8 ``[pages, bytes]``, the page padded to a
   multiple of 576) are no indexer's, though at page_size 16 and 32 they are 144 records
-  of 68 or 132 bytes: a uint8 row so padded is refused without ``tokens_per_block``, and
+  of 68 or 132 bytes: a uint8 row so padded is refused without ``tokens_per_block``, as
+  is one the size of a V4.1 page (padded to 512 or 256) at a power-of-two page_size
+  (at 16 and 32 slots, 8704 and 16896 bytes: 128 FP4 or FP8 indexer records), and
   any refusal of a uint8 row names them and
   ``kvlayout.integrations.sglang.flashmla_kv_pages``, which reads them as whole pages (as
   ``aiter_fp4_indexer_pages`` reads the ROCm FP4 indexer's split buffers).
@@ -134,7 +136,8 @@ def flashmla_page_bytes(layout: str, page_size: int) -> int:
 _FLASHMLA_PAGE_ALIGN = FLASHMLA_LAYOUTS["v4"][2]
 _NOT_FLASHMLA = (
     "; a DeepSeek-V4 KV pool's FlashMLA pages (DeepSeekV4SingleKVPool.kv_buffer: uint8 [pages, page "
-    "bytes padded to a multiple of 576]) are no indexer's, and no format reads their tokens: "
+    "bytes padded to a multiple of 576, or in V4.1 of 512 or 256]) are no indexer's, and no format reads "
+    "their tokens: "
     "kvlayout.integrations.sglang.flashmla_kv_pages(kv_buffer, page_size) reads them as whole pages"
 )
 
@@ -549,7 +552,12 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
         # 9792 bytes, 144 records of 68; 32: 19008, 144 of 132), not an indexer's: SGLang's hold
         # 64, 128 or 1 tokens, and only a page of a multiple of 48 records is so aligned
         found = []
+    elif tpb is None and p.first.dtype == torch.uint8 and _flashmla_pages(q.shape[1]):
+        # a V4.1 FlashMLA page is whole records too (page_size 32: 16896 bytes, 128 of 132; 16:
+        # 8704, 128 of 68), where an indexer page of 128 tokens is the same size
+        found = []
     if len(found) != 1:
+        flashmla = ", ".join(f"{name} at page_size {ps}" for name, ps in _flashmla_pages(q.shape[1]))
         what = (
             "fits several formats: pass layout hint tokens_per_block (the pool's page_size)"
             if found
@@ -557,6 +565,9 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             if all(q.shape[1] % width for width in widths)
             else f"is padded to a multiple of {_FLASHMLA_PAGE_ALIGN} bytes (for an indexer page of such "
             "a page_size, pass layout hint tokens_per_block)"
+            if q.shape[1] % _FLASHMLA_PAGE_ALIGN == 0
+            else f"is a DeepSeek-V4.1 FlashMLA page's size ({flashmla}) (for an indexer page of its "
+            "size, pass layout hint tokens_per_block)"
         )
         dtype = str(p.first.dtype).removeprefix("torch.")
         raise DetectionError(
@@ -571,6 +582,20 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
     if not all(t.is_contiguous() for t in raw):
         raise padded
     return fmt, [t.view(shape) for t in raw]
+
+
+def _flashmla_pages(row: int) -> list[tuple[str, int]]:
+    """The FlashMLA layouts and page sizes whose page is ``row`` bytes. SGLang's page sizes
+    are powers of two; at others a layout's page can be any indexer page's size (V4.1
+    FP4's of 29 slots is 8448 bytes, the 64-token FP8 indexer page)."""
+    pages = []
+    for name in FLASHMLA_LAYOUTS:
+        ps = 1
+        while flashmla_page_bytes(name, ps) <= row:
+            if flashmla_page_bytes(name, ps) == row:
+                pages.append((name, ps))
+            ps *= 2
+    return pages
 
 
 def _record_width(layout: Layout) -> int:

@@ -246,3 +246,31 @@ def test_detect_names_the_readings() -> None:
             kvlayout.DetectionError, match=re.escape("aiter_fp4_indexer_pages(payload, scale, page_size)")
         ):
             kvlayout.detect([raw(t) for t in kv], "sglang")
+
+
+@pytest.mark.parametrize(("page_size", "records"), [(16, 128), (32, 128), (64, 256), (128, 512)])
+def test_v41_flashmla_pages_are_not_read_as_indexer_pages(page_size: int, records: int) -> None:
+    """A V4.1 page of 16 slots is 8704 bytes, 128 FP4 indexer records; of 32 or more it is
+    whole FP8 records: without tokens_per_block it was read as an indexer page of
+    ``records`` tokens. Now it is refused, naming the reading; an indexer page of that
+    size reads given its page_size, and the FlashMLA page's contradicts its records."""
+    kv = kv_pool("v41", page_size, None)
+    with pytest.raises(
+        kvlayout.DetectionError, match=re.escape(f"FlashMLA page's size (v41 at page_size {page_size})")
+    ):
+        kvlayout.detect(kv, "sglang")
+    reg = kvlayout.detect(kv, "sglang", {"tokens_per_block": records})
+    assert kvlayout.get_block_size(reg, reg.format) == records
+    with pytest.raises(kvlayout.LayoutHintError, match=re.escape("flashmla_kv_pages(kv_buffer, page_size)")):
+        kvlayout.detect(kv, "sglang", {"tokens_per_block": page_size})
+    pages = flashmla_kv_pages(kv, page_size)
+    assert block_map(pages, pages, [1], [2]).num_bytes == NL * kv[0][0].nbytes  # whole pages
+
+
+@pytest.mark.parametrize("records", [1, 64])
+@pytest.mark.parametrize("width", [132, 68])
+def test_sglang_indexer_pages_still_read_without_a_page_size(width: int, records: int) -> None:
+    reg = kvlayout.detect(
+        [torch.zeros(PAGES, records * width, dtype=torch.uint8) for _ in range(NL)], "sglang"
+    )
+    assert kvlayout.get_block_size(reg, reg.format) == records

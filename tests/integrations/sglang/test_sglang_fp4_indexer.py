@@ -42,13 +42,16 @@ def record(buf: torch.Tensor, page_size: int, slot: int) -> tuple[torch.Tensor, 
 @pytest.mark.parametrize("page_size", [64, 128, 256])
 def test_fp4_pages_read_as_mxfp4_blocked_scale_pages(page_size: int) -> None:
     idx = fp4_pool(8 * page_size, page_size, 0)
-    for hints in ({}, {"tokens_per_block": page_size}):
+    if page_size == 128:  # 8704 bytes: a V4.1 FlashMLA page of 16 slots too, so read given its page_size
+        with pytest.raises(kvlayout.DetectionError, match=re.escape("(v41 at page_size 16)")):
+            kvlayout.detect(idx, "sglang")
+    for hints in ({}, {"tokens_per_block": page_size}) if page_size != 128 else ({"tokens_per_block": 128},):
         reg = kvlayout.detect(idx, "sglang", hints)
         assert reg.format == MXFP4 and kvlayout.is_indexer(reg.format)
         assert kvlayout.get_block_size(reg, reg.format) == page_size
         assert kvlayout.get_num_blocks(reg, reg.format) == idx[0].shape[0]
-    assert kvlayout.is_indexer_cache(idx[0], "sglang")
-    fmt, out = kvlayout.normalize_kv_and_discover_format(idx, "sglang")
+    assert kvlayout.is_indexer_cache(idx[0], "sglang", {"tokens_per_block": page_size})
+    fmt, out = kvlayout.normalize_kv_and_discover_format(idx, "sglang", {"tokens_per_block": page_size})
     assert fmt == MXFP4
     for o, t in zip(out, idx, strict=True):  # views of the pool's pages, no copies
         assert o.shape == (t.shape[0], page_size, 68) and o.data_ptr() == t.data_ptr()
