@@ -566,8 +566,10 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             else f"is padded to a multiple of {_FLASHMLA_PAGE_ALIGN} bytes (for an indexer page of such "
             "a page_size, pass layout hint tokens_per_block)"
             if q.shape[1] % _FLASHMLA_PAGE_ALIGN == 0
-            else f"is a DeepSeek-V4.1 FlashMLA page's size ({flashmla}) (for an indexer page of its "
-            "size, pass layout hint tokens_per_block)"
+            else f"is a DeepSeek-V4.1 FlashMLA page's size ({flashmla}) and also an indexer page of "
+            f"{' or '.join(str(q.shape[1] // w) for w in widths if q.shape[1] % w == 0)} tokens (SGLang's "
+            "DeepSeek-V4.1 indexer pages hold 128 under DeepGEMM's paged MQA logits): for that indexer, "
+            "pass layout hint tokens_per_block"
         )
         dtype = str(p.first.dtype).removeprefix("torch.")
         raise DetectionError(
