@@ -23,7 +23,6 @@ a V page, even where ``D == block == D_v``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +30,7 @@ import torch
 
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import AITER_VECTOR_BYTES, DetectionError
-from kvlayout.integrations.page_lists import dtype_name, listed_pages
+from kvlayout.integrations.page_lists import dtype_name, layer_list, listed_pages, page_rows
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
@@ -63,40 +62,16 @@ class ShuffleCaller:
 
 
 def _layers(c: ShuffleCaller, name: str, buffers: Any) -> list[torch.Tensor]:
-    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence) or not buffers:
-        raise c.error(
-            f"{name} is {type(buffers).__name__}, not a non-empty list of per-layer tensors ({c.origin})"
-        )
-    layers = list(buffers)
+    layers = layer_list(name, buffers, c.origin, c.error)
     first = layers[0]
-    for i, t in enumerate(layers):
-        if not isinstance(t, torch.Tensor):
-            raise c.error(f"{name}[{i}] is {type(t).__name__}, not a tensor")
-        if t.dim() != 5:
-            raise c.error(
-                f"{name}[{i}] is {list(t.shape)}, not 5-D: the {c.pool}'s K layer is (num_blocks, H, D // X, "
-                f"{c.size_name}, X) and its V layer (num_blocks, H, {c.size_name} // X, D_v, X)"
-            )
-        if t.numel() == 0:  # no page to read (a view of 0 blocks cannot be re-viewed as rows)
-            raise c.error(f"{name}[{i}] is {list(t.shape)}: it holds no elements, so no pages to read")
-        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
-            raise c.error(
-                f"{name}[{i}] is {list(t.shape)} {t.dtype} on {t.device} and {name}[0] {list(first.shape)} "
-                f"{first.dtype} on {first.device}: every layer alike expected"
-            )
-    return layers
-
-
-def _rows(c: ShuffleCaller, name: str, layer: int, t: torch.Tensor, block: int) -> torch.Tensor:
-    """A layer's blocks as int8 rows ``[num_blocks * block, 1, block_bytes // block]``, a
-    view: the blocks contiguous, one after another."""
-    try:
-        return t.view(torch.int8).view(t.shape[0] * block, 1, -1)
-    except RuntimeError:
+    if first.dim() != 5:
         raise c.error(
-            f"{name}[{layer}] {list(t.shape)} (strides {list(t.stride())}) is not contiguous pages, one "
-            f"after another, as {c.allocator} allocates them"
-        ) from None
+            f"{name}[0] is {list(first.shape)}, not 5-D: the {c.pool}'s K layer is (num_blocks, H, D // X, "
+            f"{c.size_name}, X) and its V layer (num_blocks, H, {c.size_name} // X, D_v, X)"
+        )
+    if first.numel() == 0:  # no page to read (a view of 0 blocks cannot be re-viewed as rows)
+        raise c.error(f"{name}[0] is {list(first.shape)}: it holds no elements, so no pages to read")
+    return layers
 
 
 def shuffle_kv_pools(
@@ -155,6 +130,6 @@ def shuffle_kv_pools(
             False,
             (arrays[name],),
         )
-        rows = [_rows(c, label, i, t, block_size) for i, t in enumerate(layers)]
+        rows = [page_rows(f"{label}[{i}]", t, block_size, c.allocator, c.error) for i, t in enumerate(layers)]
         pools[name] = listed_pages(rows, page, layers, block_size, c.engine)
     return pools

@@ -4,6 +4,9 @@ rows registered as opaque pages of an engine's per-layer list format."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 import torch
 
 from kvlayout._generated.engines import EngineType
@@ -13,7 +16,7 @@ from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import OpaquePages, mark_opaque_pages
 from kvlayout.registration.registration import Registration
 
-__all__ = ["dtype_name", "listed_pages"]
+__all__ = ["dtype_name", "layer_list", "listed_pages", "page_rows"]
 
 
 def dtype_name(t: torch.Tensor, what: str, error: type[DetectionError]) -> str:
@@ -23,6 +26,41 @@ def dtype_name(t: torch.Tensor, what: str, error: type[DetectionError]) -> str:
     if dtype not in DTYPE_SIZES:
         raise error(f"{what} is {dtype}, which kvlayout does not know")
     return dtype
+
+
+def layer_list(name: str, buffers: Any, origin: str, error: type[DetectionError]) -> list[torch.Tensor]:
+    """``buffers`` (the engine's per-layer list ``name``, from ``origin``) as a list of
+    tensors alike (shape, dtype, device), or ``error`` naming the first that is not."""
+    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence) or not buffers:
+        raise error(
+            f"{name} is {type(buffers).__name__}, not a non-empty list of per-layer tensors ({origin})"
+        )
+    layers = list(buffers)
+    for i, t in enumerate(layers):
+        if not isinstance(t, torch.Tensor):
+            raise error(f"{name}[{i}] is {type(t).__name__}, not a tensor")
+        first = layers[0]
+        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+            raise error(
+                f"{name}[{i}] is {list(t.shape)} {t.dtype} on {t.device} and {name}[0] {list(first.shape)} "
+                f"{first.dtype} on {first.device}: every layer alike expected"
+            )
+    return layers
+
+
+def page_rows(
+    name: str, t: torch.Tensor, rows_per_block: int, allocator: str, error: type[DetectionError]
+) -> torch.Tensor:
+    """Layer ``t``'s blocks (its dim 0) as int8 rows ``[blocks * rows_per_block, 1,
+    block_bytes // rows_per_block]``, a view: the blocks must be contiguous, one after
+    another, as ``allocator`` allocates them, or ``error`` names ``name``."""
+    try:
+        return t.view(torch.int8).view(t.shape[0] * rows_per_block, 1, -1)
+    except RuntimeError:
+        raise error(
+            f"{name} {list(t.shape)} (strides {list(t.stride())}) is not contiguous pages, one after "
+            f"another, as {allocator} allocates them"
+        ) from None
 
 
 def listed_pages(

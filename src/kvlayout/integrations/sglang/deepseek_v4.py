@@ -29,7 +29,6 @@ it between any two ranks.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,7 +36,7 @@ import torch
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.sglang import FLASHMLA_LAYOUTS, flashmla_page_bytes
-from kvlayout.integrations.page_lists import listed_pages
+from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
 
@@ -64,20 +63,7 @@ def _page_size(page_size: object) -> int:
 def _layers(name: str, buffers: Any, origin: str) -> list[torch.Tensor]:
     """Per-layer tensors alike, of one-byte elements (SGLang stores uint8; its kernels view
     fp8 or packed fp4 over them)."""
-    if isinstance(buffers, torch.Tensor) or not isinstance(buffers, Sequence) or not buffers:
-        raise DeepSeekV4PoolError(
-            f"{name} is {type(buffers).__name__}, not a non-empty list of per-layer tensors ({origin})"
-        )
-    layers = list(buffers)
-    for i, t in enumerate(layers):
-        if not isinstance(t, torch.Tensor):
-            raise DeepSeekV4PoolError(f"{name}[{i}] is {type(t).__name__}, not a tensor")
-        first = layers[0]
-        if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
-            raise DeepSeekV4PoolError(
-                f"{name}[{i}] is {list(t.shape)} {t.dtype} on {t.device} and {name}[0] {list(first.shape)} "
-                f"{first.dtype} on {first.device}: every layer alike expected"
-            )
+    layers = layer_list(name, buffers, origin, DeepSeekV4PoolError)
     first = layers[0]
     if first.element_size() != 1 or first.dtype.is_complex or first.dtype == torch.bool:
         raise DeepSeekV4PoolError(f"{name} is {first.dtype}, not bytes (uint8, as SGLang allocates it)")
@@ -93,16 +79,9 @@ def _rows(name: str, layers: list[torch.Tensor], page_size: int, page_bytes: int
             f"{name}'s {page_bytes}-byte page does not split into page_size={page_size} equal rows "
             f"({page_bytes % page_size} bytes left over), which a block of page_size tokens needs"
         )
-    out = []
-    for i, t in enumerate(layers):
-        try:
-            out.append(t.view(torch.int8).view(t.shape[0] * page_size, 1, page_bytes // page_size))
-        except RuntimeError:
-            raise DeepSeekV4PoolError(
-                f"{name}[{i}] {list(t.shape)} (strides {list(t.stride())}) is not contiguous pages, one "
-                "after another, as SGLang allocates them"
-            ) from None
-    return out
+    return [
+        page_rows(f"{name}[{i}]", t, page_size, "SGLang", DeepSeekV4PoolError) for i, t in enumerate(layers)
+    ]
 
 
 def _one_head(shape: tuple[int, ...]) -> tuple[PageArray, ...]:
