@@ -502,6 +502,9 @@ def test_trtllm_mla_errors(kv: Any, hints: dict[str, Any], error: type[Exception
         (t(7, 5, 2, 24), {"num_kv_heads": 2}, LayoutHintError, "missing: tokens_per_block, head_dim"),
         (t(7, 5, 2, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 5}, LayoutHintError,
          "flat dim 24 != num_kv_heads (2) * tokens_per_block (3) * head_dim (5) = 30"),
+        (t(7, 5, 2, 24), {"num_kv_heads": 4, "tokens_per_block": 3, "head_dim": 4}, LayoutHintError,
+         "flat dim 24 != num_kv_heads (4) * tokens_per_block (3) * head_dim (4) = 48: num_kv_heads is this "
+         "rank's KV heads (the model's over the TP degree), and 2 fits"),
         (t(7, 5, 3, 24), {"num_kv_heads": 2, "tokens_per_block": 3, "head_dim": 4}, DetectionError,
          "the K/V axis (dim 2) is 3, not 2 or 1"),
         ([t(7, 5, 2, 2, 3, 4)] * 2, {}, DetectionError, "TRT-LLM registers one KV pool tensor, got a list of 2 entries (a model whose layers differ in KV heads or attention window has a pool each: detect each on its own)"),

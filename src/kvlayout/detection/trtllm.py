@@ -191,15 +191,22 @@ def _split_row(
     sizes = [int(getattr(hints, name)) for name in names]
     if shape[3] != math.prod(sizes):
         factors = " * ".join(f"{name} ({size})" for name, size in zip(names, sizes, strict=True))
-        fp4 = ""
+        why = ""
+        if "num_kv_heads" in names:  # a TP rank's pool holds its own heads, not the model's
+            heads = sizes[names.index("num_kv_heads")]
+            fit, rest = divmod(shape[3], math.prod(sizes) // heads)
+            if rest == 0 and fit and heads % fit == 0:
+                why = (
+                    f": num_kv_heads is this rank's KV heads (the model's over the TP degree), and {fit} fits"
+                )
         if packed and 2 * shape[3] == math.prod(sizes):
-            fp4 = (
+            why = (
                 ": a byte pool half that size is NVFP4, two values a byte, whose block scales TRT-LLM keeps "
                 f"in another pool; detect it with head_dim={sizes[-1] // 2} (its bytes per head and token), "
                 "and the scale pool on its own with its bytes per head and token, and move both"
             )
         raise LayoutHintError(
-            f"TRT-LLM {pool} {shape}: flat dim {shape[3]} != {factors} = {math.prod(sizes)}{fp4}"
+            f"TRT-LLM {pool} {shape}: flat dim {shape[3]} != {factors} = {math.prod(sizes)}{why}"
         )
     return sizes
 
