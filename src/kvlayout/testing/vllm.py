@@ -47,6 +47,7 @@ __all__ = [
     "attention_engine",
     "attention_spec",
     "cdiv",
+    "detect_registered",
     "dsv4_indexer_spec",
     "gdn_states",
     "group_layers",
@@ -457,6 +458,21 @@ def allocate_v033(engine: Engine) -> tuple[torch.Tensor, dict[str, torch.Tensor]
         )
         kv_caches.update(zip(tensor.layers, views, strict=True))
     return buf, kv_caches
+
+
+def detect_registered(engine: Engine, kv_caches: dict[str, torch.Tensor], hints: Any, *, edited: bool) -> Any:
+    """``kv_caches`` (``allocate_v033``'s) detected as a connector does: through vLLM's
+    group edits and its transfer layers (``edited``), or the registered tensors as they
+    are, in order."""
+    import kvlayout
+    from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+
+    if not edited:
+        return kvlayout.detect(list(kv_caches.values()), "vllm", hints)
+    layers, groups = transfer_layers(
+        engine.config, apply_kv_cache_group_edits(engine.config, kv_caches, hints)
+    )
+    return kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
 
 
 def share_kv_caches(engine: Engine, kv_caches: dict[str, Any], shared: dict[str, str]) -> dict[str, Any]:

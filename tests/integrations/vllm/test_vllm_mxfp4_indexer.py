@@ -14,9 +14,14 @@ import torch
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
-from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
 from kvlayout.transfer import BlockMapError, block_map
-from tests.integrations.vllm.models import Backend, allocate_v033, dsv4_indexer_spec, uniform_engine
+from tests.integrations.vllm.models import (
+    Backend,
+    allocate_v033,
+    detect_registered,
+    dsv4_indexer_spec,
+    uniform_engine,
+)
 
 MXFP4 = F.NL_X_NB_BSV4_BSS4
 NB, NL = 6, 2
@@ -44,11 +49,7 @@ def _pages(t: torch.Tensor) -> torch.Tensor:
 
 
 def _detect(engine: Any, kv: dict[str, torch.Tensor], entry: str, hints: dict[str, Any]) -> Any:
-    if entry == "detect":
-        return kvlayout.detect(list(kv.values()), "vllm", hints)
-    edited = apply_kv_cache_group_edits(engine.config, kv, hints)
-    layers, groups = transfer_layers(engine.config, edited)
-    return kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+    return detect_registered(engine, kv, hints, edited=entry == "edits")
 
 
 ENTRIES = ["detect", "edits"]

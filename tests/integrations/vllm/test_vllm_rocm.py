@@ -24,10 +24,16 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout.detection.vllm import reads_rocm
-from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+from kvlayout.integrations.vllm import apply_kv_cache_group_edits
 from kvlayout.registration.opaque import opaque_pages_of
 from kvlayout.transfer import BlockMapError, block_map
-from tests.integrations.vllm.models import Backend, allocate_v033, dsv4_indexer_spec, uniform_engine
+from tests.integrations.vllm.models import (
+    Backend,
+    allocate_v033,
+    detect_registered,
+    dsv4_indexer_spec,
+    uniform_engine,
+)
 
 NB, NL = 6, 2
 ROCM = {"attn_backend": "ROCM_AITER_MLA_SPARSE"}
@@ -53,11 +59,7 @@ def _filled(engine: Any, seed: int) -> dict[str, torch.Tensor]:
 
 
 def _detect(engine: Any, kv: dict[str, torch.Tensor], entry: str, hints: dict[str, Any]) -> Any:
-    if entry == "detect":
-        return kvlayout.detect(list(kv.values()), "vllm", hints)
-    edited = apply_kv_cache_group_edits(engine.config, kv, hints)
-    layers, groups = transfer_layers(engine.config, edited)
-    return kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+    return detect_registered(engine, kv, hints, edited=entry == "edits")
 
 
 def _pages(t: torch.Tensor) -> torch.Tensor:
