@@ -561,3 +561,38 @@ def test_states_of_one_shape_in_dtypes_of_the_same_bytes_move_without_shards() -
     m.copy()
     got = raw.mamba_cache.conv[0]  # type: ignore[attr-defined]
     assert torch.equal(got[:, 1].view(torch.uint8).flatten(), source[:, 3].view(torch.uint8).flatten())
+
+
+def test_a_pool_of_no_bytes_is_refused_naming_its_states() -> None:
+    """A pool whose states all hold no elements, or of no slots, has nothing to read:
+    refused with each state's shape, in either kind of pool."""
+    empty = device_pool(MODELS["gdn"], 1, SLOTS)
+    empty.mamba_cache.conv[0] = torch.zeros(3, SLOTS + 1, 80, 0)
+    empty.mamba_cache.temporal = torch.zeros(3, SLOTS + 1, 8, 6, 0)
+    assert "states hold no bytes (conv0 [3, 7, 80, 0], temporal [3, 7, 8, 6, 0])" in _pool_error(empty)
+    no_slots = device_pool(MODELS["gdn"], 1, SLOTS)
+    no_slots.mamba_cache.conv[0] = torch.zeros(3, 0, 80, 3)
+    no_slots.mamba_cache.temporal = torch.zeros(3, 0, 8, 6, 4)
+    assert "states hold no bytes (conv0 [3, 0, 80, 3], temporal [3, 0, 8, 6, 4])" in _pool_error(no_slots)
+    elastic = elastic_mamba_pool(MODELS["gdn"], 1, SLOTS, contiguous=False)
+    cache = elastic.mamba_cache
+    cache.conv_per_layer[0] = [torch.zeros(0, 80, 3) for _ in range(3)]
+    cache.temporal_per_layer = [torch.zeros(0, 8, 6, 4) for _ in range(3)]
+    assert "states hold no bytes (a layer's conv0 [0, 80, 3], temporal [0, 8, 6, 4])" in _pool_error(elastic)
+
+
+def test_a_per_layer_pool_of_unlike_states_is_refused() -> None:
+    """kvcached's per-layer states must hold the same slots on one device, and a state
+    must read in one memory order in every layer (a conv state transposed in one layer
+    only is refused, not read as two layouts)."""
+    spec = MODELS["gdn"]
+    other = elastic_mamba_pool(spec, 1, SLOTS, contiguous=False)
+    other.mamba_cache.temporal_per_layer = [torch.zeros(SLOTS, 8, 6, 4) for _ in range(3)]
+    assert (
+        "temporal state is [6, 8, 6, 4] on cpu a layer and its conv0 state [7, 80, 3] on cpu a layer: the "
+        "same slots" in _pool_error(other)
+    )
+    mixed = elastic_mamba_pool(spec, 1, SLOTS, contiguous=False)
+    conv = mixed.mamba_cache.conv_per_layer[0]
+    conv[1] = torch.zeros(SLOTS + 1, 3, 80, dtype=conv[0].dtype).transpose(1, 2)
+    assert "conv0 state reads in other orders in other layers ([(3, 80), (80, 3)])" in _pool_error(mixed)

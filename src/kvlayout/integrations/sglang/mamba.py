@@ -251,11 +251,12 @@ def _per_layer_pools(pool: Any, cache: Any, mamba_type: str | None) -> dict[str,
         if ts[0].shape[0] != first.shape[0] or ts[0].device != first.device:
             raise MambaPoolError(
                 f"the pool's {name} state is {list(ts[0].shape)} on {ts[0].device} a layer and its {head} "
-                f"state {list(first.shape)} on {first.device}: the same slots on one device expected"
+                f"state {list(first.shape)} on {first.device} a layer: the same slots on one device expected"
             )
+    held = ", ".join(f"{name} {list(ts[0].shape)}" for name, ts in named)
     named = [(name, ts) for name, ts in named if math.prod(ts[0].shape[1:])]  # LFM2's SSM state: none
     if not named or not first.shape[0]:
-        raise MambaPoolError("the pool's states hold no bytes")
+        raise MambaPoolError(f"the pool's states hold no bytes (a layer's {held}): no slot to read")
     rows = {name: [_layer_rows(name, layer, t) for layer, t in enumerate(ts)] for name, ts in named}
     shapes: dict[str, tuple[int, ...]] = {}
     for name, layer_rows in rows.items():
@@ -302,9 +303,10 @@ def mamba_state_pools(pool: Any, mamba_type: str | None = None) -> dict[str, Reg
                 f"{list(first.shape)} on {first.device}: the same layers and slots on one device expected"
             )
     # a model without the state (LFM2's SSM state): a slot's is of no elements
+    held = ", ".join(f"{name} {list(t.shape)}" for name, t in named)
     named = [(name, t) for name, t in named if math.prod(shapes[name])]
     if not named or not first.numel():
-        raise MambaPoolError("the pool's states hold no bytes")
+        raise MambaPoolError(f"the pool's states hold no bytes ({held}): no slot to read")
     rows = {name: _rows(name, t, layout) for name, t in named}
     shapes = {name: _state_shape(layout, name, rows[name][1]) for name, t in named}
     dtypes = {name: _dtype(name, t) for name, t in named}
