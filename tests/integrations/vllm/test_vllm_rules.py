@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import pytest
@@ -13,6 +14,7 @@ from kvlayout.integrations.vllm import (
     KVCacheGroupEditError,
     MambaStateListEdit,
     MambaStateRowsEdit,
+    PackedHeadRowsEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
     apply_kv_cache_group_edits,
@@ -173,6 +175,11 @@ def test_mamba_states_must_be_back_to_back() -> None:
     other = legacy_mamba_states(torch.zeros_like(raw), mamba, NB)[1]
     with pytest.raises(KVCacheGroupEditError, match="state 1 lives in another allocation"):
         MambaStateListEdit().apply(mamba, [conv, other])
+    with pytest.raises(
+        KVCacheGroupEditError,
+        match=r"state 1 \(2, 2, 8, 8\) has 2 blocks 4096 bytes apart, state 0 has 3 blocks 4096 bytes apart",
+    ):
+        MambaStateListEdit().apply(mamba, [conv, ssm[:2]])
 
 
 def test_mamba_states_must_fit_the_page() -> None:
@@ -224,6 +231,19 @@ def test_mla_kernel_pages(shape: tuple[int, ...]) -> None:
     assert isinstance(edit, SubpagedMLAEdit)
     view = edit.apply(spec, value)
     assert tuple(view.shape) == (NB, 64, 48)
+
+
+def test_whole_pages_refuse_a_memory_order_vllm_never_makes() -> None:
+    """Pages re-viewed whole must be outermost, or each head's pages one after another
+    (LHBNC); tokens outermost is neither, refused, not read as either."""
+    spec = dataclasses.replace(_attn(), head_size_v=8)
+    value = torch.zeros(64, NB, 2, 24, dtype=torch.bfloat16).permute(1, 2, 0, 3)  # [NB, H, N, C], N outermost
+    assert isinstance(find_kv_cache_group_edit(spec, value), PackedHeadRowsEdit)
+    with pytest.raises(
+        KVCacheGroupEditError,
+        match=r"its pages \(strides \(48, 24, 144, 1\)\) are in no memory order vLLM's KVCacheLayout makes",
+    ):
+        PackedHeadRowsEdit().apply(spec, value)
 
 
 def test_mla_with_several_heads_is_not_an_mla_registration() -> None:
@@ -280,3 +300,21 @@ def test_invariants_are_enforced_on_every_rule(edit: KVCacheGroupEdit, message: 
     value = torch.zeros(NB, 1, 1, mamba.page_size_bytes, dtype=torch.int8)
     with pytest.raises(KVCacheGroupEditError, match=f"layer 'lin' \\(KV cache group 0\\): {message}"):
         apply_kv_cache_group_edits(_config(lin=mamba), {"lin": value}, edits=[edit])
+
+
+def test_a_user_rule_on_a_spec_of_no_whole_slots_is_refused() -> None:
+    """A spec whose slots are no whole number of tokens (Whisper's pooled halves) gives
+    no block size to check an edited view against: a user rule that edits it is refused."""
+    from fractions import Fraction
+
+    spec = kvi.FullAttentionSpec(
+        block_size=16, num_kv_heads=2, head_size=16, dtype=torch.bfloat16, tokens_per_state=Fraction(1, 2)
+    )
+    with pytest.raises(
+        KVCacheGroupEditError,
+        match=r"layer 'enc' \(KV cache group 0\): edit 'wrong-block' edited a FullAttentionSpec, which "
+        "declares no whole number of slots per block",
+    ):
+        apply_kv_cache_group_edits(
+            _config(enc=spec), {"enc": torch.zeros(NB, 2, 32, 32)}, edits=[_WrongBlockEdit()]
+        )
