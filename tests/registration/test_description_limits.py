@@ -516,6 +516,24 @@ def test_a_group_s_planes_share_their_layers_and_blocks() -> None:
         _parse(data)
 
 
+def test_planes_are_refused_for_a_format_of_one_plane() -> None:
+    """Only a format with a list level of row planes binds more than one plane; a peer's
+    second plane of K/V heads was parsed, and refused only by a block map, as planes of
+    several heads."""
+    kv = [torch.zeros(3, 2, 4, 2, 8) for _ in range(2)]
+    data = json.loads(kvlayout.detect(kv, "vllm", {"tokens_per_block": 4}).describe(at=A).to_json())
+    planes = data["groups"][0]["planes"]
+    planes.append({**planes[0], "addresses": [a + (1 << 30) for a in planes[0]["addresses"]]})
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]\.planes holds 2 planes, but NL_X_NB_TWO_BS_NH_HS has no list "
+        r"level of row planes: its tensors are one plane$",
+    ):
+        _parse(data)
+    planes.pop()
+    assert len(_parse(data).groups[0].planes) == 1
+
+
 def test_a_description_of_more_than_2_20_tensors_is_refused_at_the_plane_past_the_bound() -> None:
     """Each plane's address list is bounded; so is their sum, counted before it is read."""
     nl = 1 << 16

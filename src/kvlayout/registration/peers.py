@@ -396,6 +396,12 @@ def _group_from(where: str, data: object, left: int) -> GroupDescription:
     for i, p in enumerate(planes_data):
         planes_list.append(_plane_from(f"{where}.planes[{i}]", layout, p, left))
         left -= len(planes_list[-1].addresses)
+    # bound tensors of these formats make one plane; each is read first, within the tensor bound
+    if len(planes_data) > 1 and level_of(layout, Role.ELEMENT) is None:
+        raise PeerDescriptionError(
+            f"{where}.planes holds {len(planes_data)} planes, but {name} has no list level of row planes: "
+            "its tensors are one plane"
+        )
     planes = tuple(planes_list)
     first = planes[0].sizes_dict()
     for i, p in enumerate(planes[1:], start=1):
