@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 import kvlayout
 from kvlayout import EngineKVFormat, _native
 from kvlayout.layout.algebra import Coord, offset
-from kvlayout.transfer import TransferPlan, prepare
+from kvlayout.transfer import TransferError, TransferPlan, prepare
 from kvlayout.transfer.cuda import narrow_unit, segment_table
 from tests.transfer.registrations import DTYPES, make_registration
 from tests.transfer.test_transfer import NBBS
@@ -127,6 +127,20 @@ def test_planes_of_different_widths_and_dtypes_decompose_into_one_row() -> None:
     plan = prepare(layers, EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS)
     assert len(plan.jobs) == 2
     check_grid(plan, [3, 1, 4], per_chunk=2, skip=1, partial=True)
+
+
+def test_a_plane_that_does_not_align_in_the_chunk_row_is_refused() -> None:
+    """A chunk row is one array of elements: a 4-byte plane beside 6 bytes of bf16 would
+    land between two of its elements (the layout was named twice)."""
+    layers = [
+        (torch.zeros(3, 2, 1, 3, dtype=torch.bfloat16), torch.zeros(3, 2, 1, 1, dtype=torch.float32))
+        for _ in range(2)
+    ]
+    with pytest.raises(
+        TransferError,
+        match=r"^NL_X_NP_X_NB_BS_ONE_HS: a 4-byte plane does not align in a 10-byte chunk row$",
+    ):
+        prepare(layers, EngineKVFormat.NL_X_NP_X_NB_BS_ONE_HS)
 
 
 @pytest.mark.parametrize(

@@ -132,6 +132,8 @@ def _engine(plan: TransferPlan) -> Any:
         from kvlayout.transfer.cuda import CudaPlan
 
         return CudaPlan(plan)
+    except TransferError:  # a copy plan's own refusal, which names the layout already
+        raise
     except ValueError as exc:  # the native plan builder's refusal (a copy no engine can walk)
         raise TransferError(f"{plan.format.name}: {exc}") from None
 
