@@ -353,6 +353,32 @@ def test_a_peer_s_arrays_travel_in_its_description_and_are_checked() -> None:
         block_map(src.group, peer.group(index), [2], [1], src_shard=src.shard)
 
 
+def test_a_peer_s_state_pages_of_heads_are_refused() -> None:
+    """A page of state arrays is one row of bytes per block; a peer that declares the
+    arrays over pages of two heads is refused by the map, naming the side."""
+    src, dst = Rank(1, 0, "SD", "none", seed=1), Rank(2, 1, "SD", "none", seed=2)
+    wire = _description(dst)
+    group = next(g for g in wire["groups"] if g["opaque_pages"] is not None)
+    plane = group["planes"][0]
+    assert (group["format"], plane["shape"]) == ("NL_X_NB_BS_HS", [4, 1, 557056])
+    group["format"] = "NL_X_NB_BS_NH_HS"
+    plane.update(
+        sizes={"NL": 6, "NB": 4, "BS": 1, "NH": 2, "HS": 557056},
+        shape=[4, 1, 2, 557056],
+        strides=[1114112, 1114112, 557056, 1],
+        block_stride=1114112,
+        addresses=[plane["addresses"][0] + i * (8 << 20) for i in range(6)],
+    )
+    peer = RegistrationDescription.from_json(json.dumps(wire))
+    index = next(i for i, g in enumerate(peer.groups) if g.opaque_pages is not None)
+    with pytest.raises(
+        BlockMapError,
+        match=r"^dst: pages of state arrays are one row of bytes per block \(layers 0-5: NL_X_NB_BS_NH_HS "
+        r"\[4, 1, 2, 557056\] int8\)$",
+    ):
+        block_map(src.group, peer.group(index), [2], [1], src_shard=src.shard)
+
+
 @pytest.mark.parametrize("strategy", ["direct", "staged"])
 def test_state_moves_through_nixl_between_tp_degrees(strategy: str) -> None:
     """Prefill at TP 1 writes the slices decode rank 1 of 2 holds into it through NIXL
