@@ -12,7 +12,15 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import EngineKVFormat, Layout, SizeError, parse
-from kvlayout.layout.algebra import Coord, offset, pointer_index, resolve_sizes, tensor_index
+from kvlayout.layout.algebra import (
+    Coord,
+    offset,
+    pointer_index,
+    resolve_sizes,
+    split_pages,
+    tensor_index,
+    with_size,
+)
 from kvlayout.layout.vocabulary import Role
 from kvlayout.testing.strategies import coord_ranges, coords_for, layouts, sizes_for
 
@@ -209,3 +217,17 @@ def test_a_coordinate_that_is_not_an_int_is_refused_not_truncated() -> None:
     for bad, field in ((Coord(head=1.5), "head"), (Coord(elem=True), "elem"), (Coord(elem=None), "elem")):  # type: ignore[arg-type]
         with pytest.raises(TypeError, match=rf"Coord\.{field} must be an int"):
             offset(layout, bad, sizes)
+
+
+def test_a_size_the_layout_cannot_hold_is_refused_naming_the_role_or_the_page() -> None:
+    """``with_size`` of a role no token sizes (an MLA latent's heads), and ``split_pages``
+    of sizes that leave the page out, name what is missing rather than a KeyError."""
+    mla = kvlayout.layout_of(EngineKVFormat.NL_X_NB_BS_HS)
+    with pytest.raises(SizeError, match=r"^NL_X_NB_BS_HS: no sized token addresses the head role$"):
+        with_size(mla, {"NL": 2, "NB": 3, "BS": 4, "HS": 8}, Role.HEAD, 2)
+    assert with_size(mla, {"NL": 2}, Role.LAYER, 5) == {"NL": 5}
+    folded = kvlayout.layout_of(EngineKVFormat.NL_X_NBBS_ONE_HS)
+    with pytest.raises(SizeError, match=r"^the sizes \['HS', 'NL'\] give no page size: NBBS missing$"):
+        split_pages(folded, {"NL": 2, "HS": 8}, 4, "block_size")
+    with pytest.raises(SizeError, match=r"^the sizes \['HS', 'NB', 'NL'\] give no page size: BS missing$"):
+        split_pages(mla, {"NL": 2, "NB": 3, "HS": 8}, 4, "block_size")

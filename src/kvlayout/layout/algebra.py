@@ -553,8 +553,14 @@ def split_pages(layout: Layout, sizes: Mapping[str, int], block_size: int, what:
     ``block_size`` tokens; a ``SizeError`` naming the page axis and ``what`` (the argument
     that gave the block size) where they are not a whole number of them."""
     total = size_of(layout, sizes, Role.PAGE)
-    if total is None:
-        raise SizeError("these sizes give no page size")  # callers name the layout
+    if total is None:  # callers name the layout
+        given = resolve_sizes(layout, sizes)
+        wanted = [
+            symbol_of(layout, r)
+            for r in ((Role.PAGE,) if symbol_of(layout, Role.PAGE) else (Role.BLOCK, Role.TOKEN))
+        ]
+        missing = " and ".join(str(w) for w in wanted if w not in given)
+        raise SizeError(f"the sizes {sorted(sizes)} give no page size: {missing} missing")
     if block_size <= 0 or total % block_size:
         label = layout.tensor[axis_of(layout, Role.PAGE) or 0].shape_label
         raise SizeError(  # LMCache's words: "not divisible by tokens_per_block"
