@@ -817,6 +817,33 @@ def test_a_tensor_without_memory_is_neither_registered_nor_described() -> None:
             assert str(err.value) == f"tensor 0 {problem}: NIXL moves the memory a tensor has"
 
 
+def test_what_holds_no_memory_to_move_is_refused_before_nixl_sees_it() -> None:
+    """Meta tensors, a registration of empty tensors, the sides given the other way round
+    and a peer side of no memory are each refused by name (no NIXL call is made)."""
+    agent = nx.make_agent("kvl-nothing", progress_thread=False)
+    meta = torch.zeros(4, device="meta")
+    for call in (lambda: nx.register(agent, meta), lambda: nx.local_side(meta)):
+        with pytest.raises(
+            TransferError, match=r"^NIXL moves DRAM \(cpu\) or VRAM \(cuda\) memory, not meta tensors$"
+        ):
+            call()
+    with pytest.raises(
+        TransferError,
+        match=r"^the tensors are on 2 devices \(cpu, meta\); one side of a NIXL transfer is on one$",
+    ):
+        nx.local_side([torch.zeros(4), meta])
+    with pytest.raises(
+        TransferError, match=r"^the registration holds no memory to register \(every tensor is empty\)$"
+    ):
+        nx.register(agent, [torch.zeros(0), torch.zeros(0, 3)])
+    reg = kvlayout.detect([torch.zeros(2, 3, 4, 2, 8) for _ in range(2)], "vllm")
+    with pytest.raises(TransferError, match=r"^prep_lists takes the local side first, then the peer's$"):
+        nx.prep_lists(agent, "kvl-nothing", reg, nx.local_side(reg), 64)
+    nothing = nx.LocalSide("cpu", 0, np.zeros((0, 2), dtype=np.uint64), is_local=False)
+    with pytest.raises(TransferError, match=r"^peer 'kvl-peer' described no memory to calibrate against$"):
+        nx.calibrate(agent, "kvl-peer", nothing)
+
+
 def test_register_makes_one_region_per_storage(pair: Pair) -> None:
     """vLLM layers cut from one pool are one region; separate tensors one each; a storage
     registered twice is counted; deregistering puts its memory out of reach."""

@@ -206,9 +206,7 @@ def register(agent: Agent, registration: Holder) -> Registered:
     tensors = [t for t in _tensors(registration) if t.numel()]
     if not tensors:
         raise TransferError("the registration holds no memory to register (every tensor is empty)")
-    device = _device(tensors)
-    if any(t.device.type == "meta" for t in tensors):  # pragma: no cover - _device refuses meta
-        raise TransferError("meta tensors have no memory")
+    device = _device(tensors)  # refuses meta tensors too
     mem_type, dev = _MEM_TYPES[device.type], device.index or 0
     # each storage's region, with the storage (its memory, kept while registered)
     storages: dict[Region, torch.UntypedStorage] = {}
