@@ -223,6 +223,18 @@ def test_a_transfer_s_arguments_are_named_when_wrong(pair: Pair) -> None:
         nx.transfer(pair.agent, pair.name, m, prepped=5)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"peer must be an agent name: b'\\xff' is not UTF-8"):
         nx.transfer(pair.agent, b"\xff", m)
+    pair.peer.fill(pair.peer.seed)  # what nothing_arrived compares against
+    with pytest.raises(
+        TransferError, match=r"^the lists were prepared for peer 'kvl-peer', not 'kvl-local'$"
+    ):
+        nx.transfer(pair.agent, "kvl-local", m, prepped=pair.prepped)  # a peer's lists for another
+    at = nx.PeerStaging(pair.peer.address(2, 0), 8 << 10)
+    with pytest.raises(
+        TransferError,
+        match=r"^the prepped lists cover the peer's cache, not its staging buffer: post peer-staged as lists$",
+    ):
+        nx.transfer(pair.agent, pair.name, m, strategy="peer-staged", peer_staging=at, prepped=pair.prepped)
+    nothing_arrived(pair)
     agent = nx.make_agent("kvl-one-backend", backends="UCX", progress_thread=False)  # not "U", "C", "X"
     assert list(agent.backends) == ["UCX"]
     with pytest.raises(TypeError, match="agent must be a NIXL agent"):
