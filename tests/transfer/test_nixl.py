@@ -561,6 +561,25 @@ def test_a_staging_buffer_closed_under_a_request_stays_registered_until_it_lets_
     staging.close()  # again: nothing left to do
 
 
+def test_a_peer_copy_whose_staging_buffer_closed_copies_nothing(pair: Pair) -> None:
+    """A gather prepared, then its staging buffer closed: run() is refused by name, the
+    buffer let go; notifs that are not a StageNotifs are a TypeError before any copy."""
+    m = make_map(pair, "WRITE", UNIT_RUNS)
+    staging = nx.Staging(pair.agent, BUF)
+    staging.tensor.fill_(7)
+    gather = nx.prepare_stage(m, staging)
+    with pytest.raises(TypeError, match=r"^notifs must be a StageNotifs \(agent, poster, tag\), not bytes$"):
+        gather.run(notifs=b"tag")  # type: ignore[arg-type]
+    staging.close()
+    with pytest.raises(
+        nx.NixlError,
+        match=r"^Staging\(262144 bytes at 0x[0-9a-f]+, closed\) was closed after this copy was prepared; "
+        "nothing was copied$",
+    ):
+        gather.run()
+    assert bool((staging.tensor == 7).all()) and "deregistered" in repr(staging.registered)
+
+
 def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: Pair) -> None:
     """A connector that abandons a prepared request (its KV request aborted, say) and drops
     it: the staging buffer was taken for good, every later staged request refused it. A
