@@ -519,6 +519,39 @@ def test_a_gather_that_fails_posts_nothing_and_frees_the_staging_buffer(
     pair.peer.fill(pair.peer.seed)
 
 
+def test_a_pipelined_gather_refused_mid_request_names_its_stage(
+    pair: Pair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A staged WRITE of two stages whose second gather is refused (the cache moved, say)
+    while the first stage posts: the error names the stage. Stage 0 may be in flight, so
+    the staging buffer is kept (this test's own, not the pair's)."""
+    runs = [(0, k * SLOT, 0, 8 * SLOT + (k + k // 32) * UNIT, UNIT) for k in range(128)]  # 4 stretches there
+    m = make_map(pair, "WRITE", runs)
+    staging = nx.Staging(pair.agent, BUF)
+    copy_stage = nx.Plan.copy_stage
+
+    def refuses_stage_1(self: nx.Plan, stage: int, stream: object = None) -> None:
+        if stage == 1:
+            raise TransferError("the cache moved")
+        copy_stage(self, stage, stream)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patched:
+        patched.setattr(nx.Plan, "copy_stage", refuses_stage_1)
+        ahead = nx.prepare_transfer(pair.agent, pair.name, m, strategy="staged", staging=staging, stages=2)
+        assert len(ahead.handles) == 2
+        with pytest.raises(  # from start or from wait: stage 1's gather runs beside stage 0's post
+            nx.NixlError,
+            match=r"^NIXL failed the WRITE to peer 'kvl-peer' \(staged, 4 descriptors, 32768 bytes, 2 stages\): "
+            "the local copy of stage 1: the cache moved$",
+        ):
+            ahead.start()
+            ahead.wait(timeout=30)
+    assert repr(staging).endswith("busy, kept for a request released in flight)")
+    staging.close()  # NIXL lets go of its region once nothing can be in flight
+    pair.peer.notifs(expect=1, wait=0.3)  # none is sent for a failed request; drained either way
+    pair.peer.fill(pair.peer.seed)
+
+
 def test_a_scatter_that_fails_raises_from_wait_and_frees_the_staging_buffer(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
