@@ -23,6 +23,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 
 import kvlayout
 from kvlayout import EngineKVFormat as F
+from kvlayout.detection import DetectionError
 from kvlayout.detection.vllm import reads_rocm
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits
 from kvlayout.registration.opaque import opaque_pages_of
@@ -210,3 +211,15 @@ def test_rocm_indexer_is_still_an_indexer_cache(row: int) -> None:
     assert not kvlayout.is_indexer_cache(latents, "vllm", hints)
     kept = kvlayout.drop_indexer_caches({"mla": latents, "indexer": indexer}, "vllm", hints)
     assert list(kept) == ["mla"]
+
+
+@pytest.mark.parametrize("shape", [(0, 1, 64, 132), (NB, 1, 0, 132)])
+def test_a_rocm_indexer_of_no_pages_is_refused_naming_the_layer(shape: tuple[int, ...]) -> None:
+    """Pages of no blocks or no slots hold nothing to move whole: refused by layer."""
+    kv = [torch.zeros(*shape, dtype=torch.uint8) for _ in range(NL)]
+    with pytest.raises(
+        DetectionError,
+        match=r"^kv_caches\[0\] \(shape \(\d+, \d+, 132\), .* read as vLLM's DSA indexer on ROCm "
+        "holds no pages$",
+    ):
+        kvlayout.detect(kv, "vllm", ROCM)
