@@ -32,6 +32,7 @@ __all__ = [
     "OpaquePages",
     "PageArray",
     "mark_opaque_pages",
+    "one_head_page",
     "opaque_pages_of",
     "page_bytes_view",
     "page_of",
@@ -137,6 +138,15 @@ class PageArray:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
+
+
+def one_head_page(shape: tuple[int, ...]) -> tuple[PageArray, ...]:
+    """A page's bytes (its padding aside), ``shape`` uint8, as one KV head's array: the
+    state every TP rank holds whole (MLA latents, a DSA indexer's one key head), so with
+    shards of ``num_kv_heads=1`` the page maps between any two ranks. Pages of other
+    shapes (rank or sizes) are other states: a reader gives each kind of page a shape
+    of its own, so no two layouts of one size are taken for one state laid out two ways."""
+    return (PageArray(0, (1, *shape), "uint8", 0, (1,), kv_heads=True),)
 
 
 @dataclass(frozen=True)

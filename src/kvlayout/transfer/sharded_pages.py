@@ -58,10 +58,17 @@ def _check_sizes(i: int, x: PageArray, y: PageArray, src: Shard, dst: Shard) -> 
     if x.kv_heads:
         for where, array, shard in (("src", x, src), ("dst", y, dst)):
             if array.parts[0] != len(shard.heads):
+                # a page of one head: the head every rank holds whole, which only such shards say
+                one = (
+                    "; a page of one head every rank holds whole (MLA latents, a DSA indexer's key) "
+                    "takes shards of num_kv_heads=1, Shard(tp_rank, tp_size, 1), as any MLA cache"
+                    if array.parts[0] == 1
+                    else ""
+                )
                 raise BlockMapError(
                     f"state array {i} is {array} in {where}: {array.parts[0]} KV heads a page, but "
                     f"{where}_shard {shard} holds {len(shard.heads)} (heads {shard.heads.start}-"
-                    f"{shard.heads.stop - 1})"
+                    f"{shard.heads.stop - 1}){one}"
                 )
         return
     for j, (n, m) in enumerate(zip(x.parts, y.parts, strict=True)):

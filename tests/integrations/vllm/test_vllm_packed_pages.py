@@ -5,6 +5,7 @@ They were read as ordinary heads or rows of tokens, and moved wrong bytes with n
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Any
 
 import pytest
@@ -15,8 +16,9 @@ from kvlayout.integrations.vllm import (
     BlockGranularityError,
     apply_kv_cache_group_edits,
 )
+from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.testing.vllm import FLASH_ATTN, Backend, allocate_v033, uniform_engine
-from kvlayout.transfer import BlockMapError, block_map
+from kvlayout.transfer import BlockMapError, Shard, block_map
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 import vllm.v1.kv_cache_interface as kvi
@@ -273,6 +275,63 @@ def test_deepseek_v4_paged_scale_pages_move_whole(spec: Any) -> None:
     _, _, plain = registered(latent, KVCacheLayout.LBNHC, 11)
     with pytest.raises(BlockMapError, match=r"src is opaque pages \(paged-scale-mla: .*\) and dst is not"):
         block_map(a, plain, [3], [0])
+
+
+def _moves_between_ranks(spec: Any, backend: Backend, kernel_pages: int) -> None:
+    """Pages of one head every rank holds whole map between any two ranks, as from a
+    description, byte-exact, a partly filled last block whole; shards that say other
+    heads are refused, saying to give Shard(rank, tp, 1)."""
+    _, kv_a, a = registered(spec, KVCacheLayout.LBNHC, 21, backend)
+    assert len(next(iter(kv_a.values()))) == NB * kernel_pages  # the kernel pages of a block
+    (group,) = a.kernel_groups
+    pages = group.opaque_pages
+    assert pages is not None and len(pages.arrays) == 1 and pages.arrays[0].kv_heads
+    raw = next(iter(kv_a.values()))
+    assert pages.arrays_end == kernel_pages * raw[0].numel() * raw.element_size()  # a block's kernel pages
+    for seed, (src_shard, dst_shard) in enumerate(
+        [(Shard(0, 2, 1), Shard(1, 2, 1)), (Shard(0, 1, 1), Shard(3, 4, 1))], start=22
+    ):
+        _, kv_b, b = registered(spec, KVCacheLayout.LBNHC, seed, backend)
+        before = {n: t.clone() for n, t in kv_b.items()}
+        peer = RegistrationDescription.from_json(b.describe(shard=dst_shard).to_json())
+        tokens = group.block_size + group.block_size // 2  # in slots, as the view is
+        assert block_map(a, peer, [3, 1], [0, 4], num_tokens=tokens, src_shard=src_shard).kind == (
+            "resharded state"
+        )
+        block_map(a, b, [3, 1], [0, 4], num_tokens=tokens, src_shard=src_shard, dst_shard=dst_shard).copy()
+        for name in kv_a:
+            assert torch.equal(page(kv_b[name], 0, spec), page(kv_a[name], 3, spec))
+            assert torch.equal(page(kv_b[name], 4, spec), page(kv_a[name], 1, spec))  # the last one whole
+            for blk in (1, 2, 3, 5):
+                assert torch.equal(page(kv_b[name], blk, spec), page(before[name], blk, spec))
+    with pytest.raises(
+        BlockMapError, match=re.escape("takes shards of num_kv_heads=1, Shard(tp_rank, tp_size, 1)")
+    ):
+        block_map(a, b, [1], [2], src_shard=Shard(0, 2, 128), dst_shard=Shard(1, 2, 128))
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        kvi.SlidingWindowMLASpec(block_size=64, sliding_window=128, **_dsv4_fp8_ds_mla()),  # its SWA cache
+        kvi.MLAAttentionSpec(block_size=256, tokens_per_state=4, **_dsv4_fp8_ds_mla()),  # its C4 cache
+    ],
+    ids=["swa", "compressed"],
+)
+def test_deepseek_v4_paged_scale_pages_move_between_tp_ranks(spec: Any) -> None:
+    """DeepSeek-V4's latents are one head every TP rank holds whole (MLA), so prefill at
+    TP 8 maps to decode at TP 16: a map between two ranks' pages was refused. (vLLM
+    pages them one kernel page a block: its 576-byte alignment pads the block.)"""
+    _moves_between_ranks(spec, Backend("DEEPSEEK_SPARSE_SWA", multiple_of=32), 1)
+
+
+def test_kernel_paged_indexer_pages_move_between_tp_ranks() -> None:
+    """The DSA indexer's key is one head every rank holds whole (vLLM's indexer ``wk`` is
+    replicated): its kernel-paged pages map between any two ranks."""
+    spec = kvi.MLAAttentionSpec(
+        block_size=128, num_kv_heads=1, max_tp_shards=1, head_size=132, dtype=torch.uint8
+    )
+    _moves_between_ranks(spec, Backend("FLASHMLA_SPARSE", fixed_sizes=(64,)), 2)
 
 
 @pytest.mark.parametrize(

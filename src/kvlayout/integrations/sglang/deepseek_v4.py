@@ -37,7 +37,7 @@ from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.sglang import FLASHMLA_LAYOUTS, flashmla_page_bytes
 from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
-from kvlayout.registration.opaque import OpaquePages, PageArray
+from kvlayout.registration.opaque import OpaquePages, PageArray, one_head_page
 from kvlayout.registration.registration import Registration
 
 __all__ = ["DeepSeekV4PoolError", "aiter_fp4_indexer_pages", "flashmla_kv_pages"]
@@ -88,7 +88,7 @@ def _one_head(shape: tuple[int, ...]) -> tuple[PageArray, ...]:
     """The page's bytes (its padding aside) as one KV head's array: the latents (and the
     indexer's one key head) every rank holds whole. Each buffer's array has its own rank
     and shape, so no two kinds of page are taken for one state laid out two ways."""
-    return (PageArray(0, (1, *shape), "uint8", 0, (1,), kv_heads=True),)
+    return one_head_page(shape)
 
 
 _ADVICE = (

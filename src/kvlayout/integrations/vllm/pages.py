@@ -16,7 +16,7 @@ import torch
 
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
-from kvlayout.integrations.vllm.specs import spec_field, spec_size
+from kvlayout.integrations.vllm.specs import MLA_KINDS, spec_field, spec_kind, spec_size
 from kvlayout.integrations.vllm.states import state_arrays
 from kvlayout.registration.contiguity import (
     StridedViewError,
@@ -27,6 +27,8 @@ from kvlayout.registration.opaque import (
     MAX_PAGE_LAYOUT,
     OPAQUE_PAGE_DTYPE,
     OpaquePages,
+    PageArray,
+    one_head_page,
     page_bytes_view,
     page_of,
 )
@@ -36,6 +38,7 @@ __all__ = [
     "OPAQUE_PAGE_DTYPE",
     "OPAQUE_PAGE_FORMAT",
     "PageRuns",
+    "latent_pages",
     "opaque_page_view",
     "page_layout",
     "page_runs",
@@ -122,12 +125,16 @@ def opaque_page_view(
     )
 
 
-def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> OpaquePages:
+def page_layout(
+    rule: str, spec: Any, value: Any, token_axis: int | None, *, kernel_pages: int | None = None
+) -> OpaquePages:
     """What orders the bytes inside the pages an edit made of ``value`` (a tensor, or a
     list of states): the rule, and each registered tensor's dtype, per-page shape and
     memory order (the kernel's page: its block size, heads and NHD or HND order), plus
     the spec's state shapes where it declares them (a Mamba page's conv | ssm split).
-    Rows are tokens where ``token_axis`` is the outermost axis inside a page in memory."""
+    Rows are tokens where ``token_axis`` is the outermost axis inside a page in memory.
+    ``kernel_pages``: the edited block is that many of ``value``'s pages, each whole; an
+    MLA spec's such block is then one KV head every TP rank holds (:func:`latent_pages`)."""
     tensors = [value] if isinstance(value, torch.Tensor) else list(value)
     parts = [page_of(t) for t in tensors]
     for name in ("shapes", "dtypes"):
@@ -138,9 +145,26 @@ def page_layout(rule: str, spec: Any, value: Any, token_axis: int | None) -> Opa
     order = [d for d in physical_order(first.shape, first.stride()) if first.shape[d] != 1]
     inner = order[order.index(0) + 1 :] if 0 in order else order[1:]  # inside a page (heads may be outside)
     rows_are_tokens = token_axis is not None and len(tensors) == 1 and (not inner or inner[0] == token_axis)
-    # a Mamba page's TP-sharded states, which may then move between TP degrees
-    pages = OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens, state_arrays(spec))
+    # a Mamba page's TP-sharded states, or an MLA page every rank holds: either may then
+    # move between ranks of any TP degrees
+    arrays = state_arrays(spec) or latent_pages(spec, value, kernel_pages)
+    pages = OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens, arrays)
     page = spec_size(spec, "page_size_bytes")
     if pages.arrays and (rows_are_tokens or page is None or pages.arrays_end > page):
         return dataclasses.replace(pages, arrays=())
     return pages
+
+
+def latent_pages(spec: Any, value: Any, kernel_pages: int | None) -> tuple[PageArray, ...]:
+    """An MLA spec's block of ``kernel_pages`` registered pages (``[pages, ..., slots, row]``:
+    DeepSeek-V4's packed records, a DSA indexer's values then scales) as one KV head's
+    array: vLLM's MLA specs hold one head (the latents, the indexer's key) that every TP
+    rank computes whole, so a page maps between any two ranks. The shape is the block's
+    pages, their slots and row bytes, so pages cut otherwise (2 kernel pages of 32 slots,
+    1 of 64) are no one state; empty for any other spec or value."""
+    if spec_kind(spec) not in MLA_KINDS or not isinstance(value, torch.Tensor) or not kernel_pages:
+        return ()
+    if value.dim() < 3 or value.numel() == 0:
+        return ()
+    slots, row = math.prod(value.shape[1:-1]), int(value.shape[-1]) * value.element_size()
+    return one_head_page((kernel_pages, slots, row))

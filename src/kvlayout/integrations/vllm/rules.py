@@ -25,6 +25,7 @@ from kvlayout.errors import KVLayoutError
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_layout, page_runs
 from kvlayout.integrations.vllm.specs import (
+    MLA_KINDS,
     PAGED_ATTENTION_KINDS,
     SpecKind,
     require_size,
@@ -483,6 +484,15 @@ def _mla_kernel_states(value: torch.Tensor) -> int | None:
     return None
 
 
+def _mla_kernel_pages(spec: Any, value: Any) -> int | None:
+    """How many of the registered kernel pages make one block (what the rules' views
+    join into a page), None where they do not divide it."""
+    states, slots = _mla_kernel_states(value), slots_per_block(spec)
+    if states is None or slots is None or states <= 0 or slots % states:
+        return None
+    return slots // states
+
+
 # DeepSeek-V4's record width: vLLM tells its records apart by the width the spec
 # publishes (``models/deepseek_v41/common/ops/cache_utils.py``), and only V4's 584-byte
 # record splits a page into a data region and a scale region.
@@ -497,7 +507,7 @@ def _paged_scale_latents(spec: Any) -> bool:
     V4.1's 528- and 288-byte records (the same ``model_version``) and DeepSeek-V3.2's
     656-byte ones keep each token's record whole, its scales after its data: not this."""
     return (
-        spec_kind(spec) in (SpecKind.MLA_ATTENTION, SpecKind.SLIDING_WINDOW_MLA)
+        spec_kind(spec) in MLA_KINDS
         and spec_field(spec, "state_content_bytes", None) == _PAGED_SCALE_RECORD_BYTES
         and spec_field(spec, "model_version", None) == "deepseek_v4"
     )
@@ -519,6 +529,9 @@ class PagedScaleMLAEdit(KVCacheGroupEdit):
             and isinstance(value, torch.Tensor)
             and _mla_kernel_states(value) is not None
         )
+
+    def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
+        return page_layout(self.name, spec, value, None, kernel_pages=_mla_kernel_pages(spec, value))
 
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         states, slots = _mla_kernel_states(value), slots_per_block(spec)
@@ -555,7 +568,7 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
     lmcache_name = "subpaged-mla-attention-view"
 
     def matches(self, spec: Any, value: Any) -> bool:
-        if spec_kind(spec) not in (SpecKind.MLA_ATTENTION, SpecKind.SLIDING_WINDOW_MLA):
+        if spec_kind(spec) not in MLA_KINDS:
             return False
         slots = slots_per_block(spec)
         if slots is None or not isinstance(value, torch.Tensor):
@@ -579,9 +592,11 @@ class SubpagedMLAEdit(KVCacheGroupEdit):
 
     def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
         # an indexer written on ROCm tiles each kernel page its own way (the detector says how)
-        fmt = indexer_format(value)
-        rocm = None if fmt is None else rocm_indexer_pages(value, fmt, layout_hints)
-        return rocm if rocm is not None else super().opaque_pages(spec, value, layout_hints)
+        fmt, k = indexer_format(value), _mla_kernel_pages(spec, value)
+        rocm = None if fmt is None else rocm_indexer_pages(value, fmt, layout_hints, kernel_pages=k or 1)
+        if rocm is not None:
+            return rocm
+        return page_layout(self.name, spec, value, self.token_axis(value), kernel_pages=k)
 
 
 def _blocked_scale_pages(value: torch.Tensor) -> bool:

@@ -17,6 +17,7 @@ from typing import Any
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 
 __all__ = [
+    "MLA_KINDS",
     "PAGED_ATTENTION_KINDS",
     "SpecKind",
     "allocations",
@@ -57,6 +58,9 @@ PAGED_ATTENTION_KINDS = frozenset(
 )
 """Paged attention that is not MLA: layers of heads of K | V (or a backend's head slots),
 which vLLM 0.33 registers as ``[pages, H, N, C]``."""
+
+MLA_KINDS = frozenset({SpecKind.MLA_ATTENTION, SpecKind.SLIDING_WINDOW_MLA})
+"""MLA: one head (the latents, or a DSA indexer's key) that every TP rank holds whole."""
 
 # Subclasses before their bases (SlidingWindowMLASpec is a SlidingWindowSpec, MLA and
 # sink specs are FullAttentionSpecs), as vLLM's get_kv_cache_spec_kind checks them.
