@@ -61,6 +61,7 @@ Quirks that live here and nowhere else:
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -87,6 +88,7 @@ from kvlayout.registration.opaque import (
     MAX_PAGE_LAYOUT,
     OpaquePages,
     mark_opaque_pages,
+    one_head_page,
     page_bytes_view,
     page_of,
 )
@@ -185,12 +187,14 @@ def reads_rocm(device: torch.device | str, layout_hints: HintsLike) -> bool:
 
 
 def rocm_indexer_pages(
-    t: torch.Tensor, fmt: EngineKVFormat, layout_hints: HintsLike = None
+    t: torch.Tensor, fmt: EngineKVFormat, layout_hints: HintsLike = None, *, kernel_pages: int = 1
 ) -> OpaquePages | None:
     """What a DSA indexer page written on ROCm holds, ``t`` its registered (or kernel)
-    pages ``[pages, ..., slots, row]`` read as ``fmt``; None where the page is the rows
-    ``fmt`` says (not ROCm, not an indexer, or fp8 pages of one slot, which the writer
-    keeps flat)."""
+    pages ``[pages, ..., slots, row]`` read as ``fmt``, ``kernel_pages`` of them a block;
+    None where the page is the rows ``fmt`` says (not ROCm, not an indexer, or fp8 pages
+    of one slot, which the writer keeps flat). The indexer's key is one head every TP
+    rank holds whole, so the block is declared one KV head's bytes: it maps between any
+    two ranks. Flat, as its tiles are no rows: no CUDA page of rows is taken for it."""
     if not LAYOUTS[fmt].is_indexer or not reads_rocm(t.device, layout_hints):
         return None
     fp8 = str(from_engine_kv_format(fmt).logical_dtype).startswith("float8")
@@ -208,7 +212,8 @@ def rocm_indexer_pages(
         "move whole, only to an indexer cache paged alike on ROCm (same GPU architecture and aiter)"
     )
     layout = f"rocm-indexer-pages: vLLM's DSA indexer on ROCm, {order}: {page_of(t)}"
-    return OpaquePages(layout[:MAX_PAGE_LAYOUT], rows_are_tokens=False, advice=advice)
+    key = one_head_page((kernel_pages * math.prod(t.shape[1:]) * t.element_size(),))
+    return OpaquePages(layout[:MAX_PAGE_LAYOUT], rows_are_tokens=False, arrays=key, advice=advice)
 
 
 def indexer_format(value: Any) -> EngineKVFormat | None:

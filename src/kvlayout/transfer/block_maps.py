@@ -470,7 +470,7 @@ def _state_ranks(
     if problem is not None:
         raise BlockMapError(
             f"src and dst pages do not hold the same state: {problem}; src pages are {a.layout}, dst "
-            f"pages {b.layout} ({how})"
+            f"pages {b.layout} ({how})" + _advice(a) + _advice(b)
         )
     # the same shapes and parts (dtypes of the same bytes, offsets in the page aside): one state alike
     split = [(x.shape, x.parts) for x in a.arrays] == [(y.shape, y.parts) for y in b.arrays]

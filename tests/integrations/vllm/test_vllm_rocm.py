@@ -27,7 +27,7 @@ from kvlayout.detection import DetectionError
 from kvlayout.detection.vllm import reads_rocm
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits
 from kvlayout.registration.opaque import opaque_pages_of
-from kvlayout.transfer import BlockMapError, block_map
+from kvlayout.transfer import BlockMapError, Shard, block_map
 from tests.integrations.vllm.models import (
     Backend,
     allocate_v033,
@@ -143,6 +143,53 @@ def test_rocm_mxfp4_indexer_is_whole_pages(entry: str, ratio: int) -> None:
     assert cuda.format == F.NL_X_NB_BSV4_BSS4
     with pytest.raises(BlockMapError, match="opaque pages"):
         block_map(a, cuda, [1], [2])
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize(
+    ("kv_dtype", "block", "hints"),
+    [("fp8", 64, ROCM), ("mxfp4", 64, {"attn_backend": "DEEPSEEK_V4_ROCM_MXFP4_INDEXER"})],
+)
+def test_rocm_indexer_pages_move_between_tp_ranks(entry: str, kv_dtype: str, block: int, hints: Any) -> None:
+    """The indexer's key is one head every TP rank holds whole: its ROCm pages map between
+    any two ranks, whole (they were refused); never into the CUDA reading of the rows."""
+    engine = _indexer_engine(block, kv_dtype)
+    kv_a = _filled(engine, 7)
+    a = _detect(engine, kv_a, entry, hints)
+    page = next(iter(kv_a.values()))[0].numel() * next(iter(kv_a.values())).element_size()
+    for seed, shards in enumerate([(Shard(0, 2, 1), Shard(1, 2, 1)), (Shard(0, 1, 1), Shard(3, 4, 1))], 8):
+        kv_b = _filled(engine, seed)
+        b = _detect(engine, kv_b, entry, hints)
+        before = {name: _pages(t).clone() for name, t in kv_b.items()}
+        m = block_map(a, b, [2, 4], [1, 3], num_tokens=block + 5, src_shard=shards[0], dst_shard=shards[1])
+        assert m.kind == "resharded state"
+        m.copy()
+        for name, t in kv_b.items():
+            want = before[name]
+            for s, d in ((2, 1), (4, 3)):
+                want[d, :page] = _pages(kv_a[name])[s, :page]
+            assert torch.equal(_pages(t), want), name  # whole pages, padding untouched
+    cuda = _detect(engine, kv_a, entry, {})
+    with pytest.raises(BlockMapError, match="opaque pages"):
+        block_map(a, cuda, [1], [2], src_shard=Shard(0, 2, 1), dst_shard=Shard(1, 2, 1))
+
+
+def test_rocm_subpaged_indexer_pages_move_between_ranks_but_not_into_cuda_pages() -> None:
+    # a 128-token block in 64-token kernel pages: the edit's block is two tiled kernel pages
+    spec = dsv4_indexer_spec(128, 1, "fp8")
+    engine = _engine(spec, Backend("DEEPSEEK_V32_INDEXER", fixed_sizes=(64,)))
+    kv_a, kv_b = _filled(engine, 11), _filled(engine, 12)
+    a, b = _detect(engine, kv_a, "edits", ROCM), _detect(engine, kv_b, "edits", ROCM)
+    pages = a.kernel_groups[0].opaque_pages
+    assert pages is not None and pages.arrays_end == 2 * PAGE
+    block_map(a, b, [2], [1], num_tokens=70, src_shard=Shard(0, 2, 1), dst_shard=Shard(1, 2, 1)).copy()
+    for name, t in kv_b.items():
+        assert torch.equal(_pages(t)[2:4], _pages(kv_a[name])[4:6]), name  # both kernel pages
+    cuda = _detect(engine, kv_b, "edits", {})
+    for src_shard, dst_shard in ((None, None), (Shard(0, 2, 1), Shard(1, 2, 1))):
+        with pytest.raises(BlockMapError, match="do not hold the same state") as err:
+            block_map(a, cuda, [1], [2], src_shard=src_shard, dst_shard=dst_shard)
+        assert "read as written on ROCm" in str(err.value)  # the reading's advice
 
 
 def test_rocm_subpaged_indexer_pages_say_rocm() -> None:
