@@ -195,12 +195,9 @@ def rocm_indexer_pages(
     of one slot, which the writer keeps flat). The indexer's key is one head every TP
     rank holds whole, so the block is declared one KV head's bytes: it maps between any
     two ranks. Flat, as its tiles are no rows: no CUDA page of rows is taken for it."""
-    if not LAYOUTS[fmt].is_indexer or not reads_rocm(t.device, layout_hints):
+    order = _rocm_indexer_order(t, fmt, layout_hints)
+    if order is None:
         return None
-    fp8 = str(from_engine_kv_format(fmt).logical_dtype).startswith("float8")
-    if fp8 and t.shape[-2] == 1:  # one slot a block: the writer's LAYOUT "NORMAL"
-        return None
-    order = _ROCM_FP8_INDEXER if fp8 else _ROCM_MXFP4_INDEXER
     hints = LayoutHints.coerce(layout_hints)
     how = (
         f"layout hint attn_backend={hints.attn_backend!r}"
@@ -214,6 +211,17 @@ def rocm_indexer_pages(
     layout = f"rocm-indexer-pages: vLLM's DSA indexer on ROCm, {order}: {page_of(t)}"
     key = one_head_page((kernel_pages * math.prod(t.shape[1:]) * t.element_size(),))
     return OpaquePages(layout[:MAX_PAGE_LAYOUT], rows_are_tokens=False, arrays=key, advice=advice)
+
+
+def _rocm_indexer_order(t: torch.Tensor, fmt: EngineKVFormat, layout_hints: HintsLike) -> str | None:
+    """What orders the bytes of ``t``'s pages read as ``fmt`` where they are a DSA indexer's
+    written on ROCm in an order of its own; None where they are ``fmt``'s rows."""
+    if not LAYOUTS[fmt].is_indexer or not reads_rocm(t.device, layout_hints):
+        return None
+    fp8 = str(from_engine_kv_format(fmt).logical_dtype).startswith("float8")
+    if fp8 and t.shape[-2] == 1:  # one slot a block: the writer's LAYOUT "NORMAL"
+        return None
+    return _ROCM_FP8_INDEXER if fp8 else _ROCM_MXFP4_INDEXER
 
 
 def indexer_format(value: Any) -> EngineKVFormat | None:
@@ -238,16 +246,17 @@ def _as_rocm_indexer(
     fmt, out = read
     if p.depth != 1 or not isinstance(out, list) or not all(isinstance(t, torch.Tensor) for t in out):
         return read
-    pages = [rocm_indexer_pages(t, fmt, hints) for t in out]
-    if pages[0] is None:
+    if _rocm_indexer_order(out[0], fmt, hints) is None:
         return read
     views = []
-    for i, (t, marked) in enumerate(zip(out, pages, strict=True)):
+    for i, t in enumerate(out):
         nb, slots, row = (int(n) for n in t.shape)
-        if t.numel() == 0:
+        if t.numel() == 0:  # before its page is declared: a page of no bytes declares nothing
             raise DetectionError(
                 f"kv_caches[{i}] {_strided(t)} read as vLLM's DSA indexer on ROCm holds no pages"
             )
+        marked = rocm_indexer_pages(t, fmt, hints)
+        assert marked is not None  # as the first layer's: one format, one device, one hint
         item = t.element_size()
         # each block one run of its slots' rows: the strided-view check keeps only padding between blocks
         stride = int(t.stride(0)) * item if nb > 1 else slots * row * item
