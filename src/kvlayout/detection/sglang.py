@@ -35,7 +35,10 @@ Quirks that live here and nowhere else:
   (at 16 and 32 slots, 8704 and 16896 bytes: 128 FP4 or FP8 indexer records), and
   any refusal of a uint8 row names them and
   ``kvlayout.integrations.sglang.flashmla_kv_pages``, which reads them as whole pages (as
-  ``aiter_fp4_indexer_pages`` reads the ROCm FP4 indexer's split buffers).
+  ``aiter_fp4_indexer_pages`` reads the ROCm FP4 indexer's split buffers). A bf16 row of
+  512 (DeepSeek-V4's ``DeepSeekV4UnifiedKVPool.kv_buffer``, a token a row after the SWA
+  ring) is also 4 bf16 indexer keys: it is read so only given ``tokens_per_block``, and
+  refused without, naming how its compressed rows read as MLA page buffers.
 * SGLang's page-major MLA pool (``layout/page_major.py``) registers a flat list of 4-D
   views ``[pages, page_size, 1, C]`` whose page stride is the envelope of every layer's
   latents: each is the folded MLA page buffer split into pages, read as its unfolded
@@ -153,6 +156,24 @@ _NOT_AITER_FP4_INDEXER = (
 )
 
 
+# DeepSeek-V4's latent width (448 NoPE + 64 RoPE), one token's row of two of its pools whose
+# rows no indexer's are: DeepSeekV4UnifiedKVPool.kv_buffer (bf16 [swa_pages + compressed
+# rows, 512], the SWA ring first) and DeepSeekV4UniformFP8KVPool.kv_buffer (float8_e4m3fn
+# [pages, page_size * 512]).
+_DSV4_HEAD_DIM = 512
+_NOT_DSV4_UNIFIED = (
+    "; a DeepSeek-V4 unified KV pool (DeepSeekV4UnifiedKVPool.kv_buffer: bf16 [swa_pages + compressed "
+    f"rows, {_DSV4_HEAD_DIM}], a token a row, the SWA ring first) is no indexer's: its compressed rows read "
+    f"as MLA page buffers, [b[swa_pages:].view(-1, 1, {_DSV4_HEAD_DIM}) for b in kv_buffer] with layout "
+    "hint tokens_per_block=page_size // compress_ratio"
+)
+_NOT_DSV4_UNIFORM_FP8 = (
+    "; a DeepSeek-V4 uniform-FP8 pool (DeepSeekV4UniformFP8KVPool.kv_buffer: float8_e4m3fn [pages, "
+    f"page_size * {_DSV4_HEAD_DIM}], a token's {_DSV4_HEAD_DIM} bytes whole) reads as MLA page buffers: "
+    f"pass [t.view(-1, 1, {_DSV4_HEAD_DIM}) for t in kv_buffer] with layout hint tokens_per_block=page_size"
+)
+
+
 # What a HiCache host pool's K and V halves (kv_buffer[0], kv_buffer[1]) are, passed as a list.
 _NOT_HOST_HALVES = (
     "; a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: "
@@ -216,6 +237,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             "layout hint kv_list_layout says 'k_v' (K layers then V layers) or 'unified' (components)"
             f"{_NOT_STATE}{_NOT_HOST_HALVES if len(kv) == 2 else ''}"
             f"{_NOT_AITER_FP4_INDEXER if p.rank == 4 and p.first.dtype == torch.uint8 else ''}"
+            f"{_NOT_DSV4_UNIFORM_FP8 if p.rank == 2 and p.first.dtype == torch.float8_e4m3fn else ''}"
         )
     # A rank-3 leaf here is a folded page buffer; a rank-4 one (two lists) already has NB, BS.
     fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])
@@ -556,18 +578,27 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
         # a V4.1 FlashMLA page is whole records too (page_size 32: 16896 bytes, 128 of 132; 16:
         # 8704, 128 of 68), where an indexer page of 128 tokens is the same size
         found = []
+    elif tpb is None and p.first.dtype == torch.bfloat16 and p.shape[1] == _DSV4_HEAD_DIM:
+        # a DeepSeek-V4 unified KV pool's token row is 4 bf16 indexer records too: which the
+        # row is, only the page_size (tokens_per_block) tells
+        found = []
     if len(found) != 1:
         flashmla = ", ".join(f"{name} at page_size {ps}" for name, ps in _flashmla_pages(q.shape[1]))
+        unified = p.first.dtype == torch.bfloat16 and p.shape[1] == _DSV4_HEAD_DIM
+        records = " or ".join(str(q.shape[1] // w) for w in widths if q.shape[1] % w == 0)
         what = (
             "fits several formats: pass layout hint tokens_per_block (the pool's page_size)"
             if found
+            else f"is a DeepSeek-V4 unified KV pool's token row and also an indexer page of "
+            f"{records} tokens: for that indexer, pass layout hint tokens_per_block{_NOT_DSV4_UNIFIED}"
+            if unified
             else "is not a positive multiple of any record width"
             if all(q.shape[1] % width for width in widths)
             else f"is padded to a multiple of {_FLASHMLA_PAGE_ALIGN} bytes (for an indexer page of such "
             "a page_size, pass layout hint tokens_per_block)"
             if q.shape[1] % _FLASHMLA_PAGE_ALIGN == 0
             else f"is a DeepSeek-V4.1 FlashMLA page's size ({flashmla}) and also an indexer page of "
-            f"{' or '.join(str(q.shape[1] // w) for w in widths if q.shape[1] % w == 0)} tokens (SGLang's "
+            f"{records} tokens (SGLang's "
             "DeepSeek-V4.1 indexer pages hold 128 under DeepGEMM's paged MQA logits): for that indexer, "
             "pass layout hint tokens_per_block"
         )

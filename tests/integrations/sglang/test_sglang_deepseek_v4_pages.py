@@ -276,3 +276,60 @@ def test_sglang_indexer_pages_still_read_without_a_page_size(width: int, records
         [torch.zeros(PAGES, records * width, dtype=torch.uint8) for _ in range(NL)], "sglang"
     )
     assert kvlayout.get_block_size(reg, reg.format) == records
+
+
+# deepseek_v4_memory_pool.py DeepSeekV4UnifiedKVPool: per layer bf16 [swa_pages +
+# compress_rows + page_size // ratio, head_dim]; the P/D region (get_contiguous_buf_infos)
+# starts at row swa_pages, a page of page_size // ratio rows
+HEAD_DIM, SWA_PAGES = 448 + 64, 3 * 128
+
+
+@pytest.mark.parametrize("ratio", [4, 128])
+def test_unified_kv_rows_are_no_indexer_pages_and_read_as_mla_rows(ratio: int) -> None:
+    rows_per_page = 128 // ratio
+    rows = SWA_PAGES + 4 * {4: 32, 128: 1}[ratio] + rows_per_page
+    gen = torch.Generator().manual_seed(ratio)
+    src = [torch.randn(rows, HEAD_DIM, generator=gen).to(torch.bfloat16) for _ in range(NL)]
+    dst = [torch.zeros(rows, HEAD_DIM, dtype=torch.bfloat16) for _ in range(NL)]
+    # a row of 512 bf16 is also 4 bf16 indexer keys: without the page_size it is refused
+    with pytest.raises(kvlayout.DetectionError, match=re.escape("DeepSeekV4UnifiedKVPool.kv_buffer")):
+        kvlayout.detect(src, "sglang")
+
+    def region(kv: list[torch.Tensor]) -> Any:
+        views = [b[SWA_PAGES:].view(-1, 1, HEAD_DIM) for b in kv]
+        return kvlayout.detect(views, "sglang", {"tokens_per_block": rows_per_page})
+
+    pages = [(2, 1), (0, 3)]
+    block_map(region(src), region(dst), [s for s, _ in pages], [d for _, d in pages]).copy()
+    for layer in range(NL):
+        want = torch.zeros_like(dst[layer])
+        for s, d in pages:  # SGLang's row of compressed slot i of page p: swa_pages + p * rpp + i
+            lo, hi = SWA_PAGES + d * rows_per_page, SWA_PAGES + (d + 1) * rows_per_page
+            want[lo:hi] = src[layer][SWA_PAGES + s * rows_per_page : SWA_PAGES + (s + 1) * rows_per_page]
+        assert torch.equal(dst[layer], want), layer
+
+
+def test_uniform_fp8_pool_is_refused_naming_its_token_rows() -> None:
+    """DeepSeekV4UniformFP8KVPool: float8_e4m3fn [pages, page_size * 512], a token's 512 bytes
+    at ``kv_buffer.view(-1, 512)[loc]`` (set_key_buffer_fused)."""
+    ps = 64
+    gen = torch.Generator().manual_seed(9)
+    src = [
+        torch.randint(0, 256, (PAGES, ps * HEAD_DIM), dtype=torch.uint8, generator=gen).view(
+            torch.float8_e4m3fn
+        )
+        for _ in range(NL)
+    ]
+    dst = [torch.zeros(PAGES, ps * HEAD_DIM, dtype=torch.float8_e4m3fn) for _ in range(NL)]
+    with pytest.raises(kvlayout.DetectionError, match=re.escape("DeepSeekV4UniformFP8KVPool.kv_buffer")):
+        kvlayout.detect(src, "sglang")
+
+    def rows(kv: list[torch.Tensor]) -> Any:
+        return kvlayout.detect([t.view(-1, 1, HEAD_DIM) for t in kv], "sglang", {"tokens_per_block": ps})
+
+    block_map(rows(src), rows(dst), [4, 1], [0, 5]).copy()
+    for layer in range(NL):
+        s_tok, d_tok = raw(src[layer]).view(-1, HEAD_DIM), raw(dst[layer]).view(-1, HEAD_DIM)
+        for s, d in ((4, 0), (1, 5)):
+            assert torch.equal(d_tok[d * ps : (d + 1) * ps], s_tok[s * ps : (s + 1) * ps])
+        assert not raw(dst[layer])[[1, 2, 3, 4]].any()
