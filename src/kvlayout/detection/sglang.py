@@ -567,6 +567,7 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             raise LayoutHintError(
                 f"SGLang: {p.describe()}: layout hint tokens_per_block={tpb} contradicts its indexer row, "
                 f"which is {readings}{_NOT_FLASHMLA if p.first.dtype == torch.uint8 else ''}"
+                f"{_NOT_DSV4_UNIFIED if _dsv4_unified_row(p) else ''}"
             )
         found = fits
     elif tpb is None and p.first.dtype == torch.uint8 and q.shape[1] % _FLASHMLA_PAGE_ALIGN == 0:
@@ -578,13 +579,13 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
         # a V4.1 FlashMLA page is whole records too (page_size 32: 16896 bytes, 128 of 132; 16:
         # 8704, 128 of 68), where an indexer page of 128 tokens is the same size
         found = []
-    elif tpb is None and p.first.dtype == torch.bfloat16 and p.shape[1] == _DSV4_HEAD_DIM:
+    elif tpb is None and _dsv4_unified_row(p):
         # a DeepSeek-V4 unified KV pool's token row is 4 bf16 indexer records too: which the
         # row is, only the page_size (tokens_per_block) tells
         found = []
     if len(found) != 1:
         flashmla = ", ".join(f"{name} at page_size {ps}" for name, ps in _flashmla_pages(q.shape[1]))
-        unified = p.first.dtype == torch.bfloat16 and p.shape[1] == _DSV4_HEAD_DIM
+        unified = _dsv4_unified_row(p)
         records = " or ".join(str(q.shape[1] // w) for w in widths if q.shape[1] % w == 0)
         what = (
             "fits several formats: pass layout hint tokens_per_block (the pool's page_size)"
@@ -615,6 +616,11 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
     if not all(t.is_contiguous() for t in raw):
         raise padded
     return fmt, [t.view(shape) for t in raw]
+
+
+def _dsv4_unified_row(p: Probe) -> bool:
+    """Whether the probe's 2-D leaves have DeepSeek-V4's unified KV row (bf16, 512 wide)."""
+    return p.first.dtype == torch.bfloat16 and p.shape[-1] == _DSV4_HEAD_DIM
 
 
 def _flashmla_pages(row: int) -> list[tuple[str, int]]:

@@ -294,6 +294,9 @@ def test_unified_kv_rows_are_no_indexer_pages_and_read_as_mla_rows(ratio: int) -
     # a row of 512 bf16 is also 4 bf16 indexer keys: without the page_size it is refused
     with pytest.raises(kvlayout.DetectionError, match=re.escape("DeepSeekV4UnifiedKVPool.kv_buffer")):
         kvlayout.detect(src, "sglang")
+    # nor is it read at the pool's page_size, which no indexer reading of the row has
+    with pytest.raises(kvlayout.LayoutHintError, match=re.escape("DeepSeekV4UnifiedKVPool.kv_buffer")):
+        kvlayout.detect(src, "sglang", {"tokens_per_block": rows_per_page})
 
     def region(kv: list[torch.Tensor]) -> Any:
         views = [b[SWA_PAGES:].view(-1, 1, HEAD_DIM) for b in kv]
