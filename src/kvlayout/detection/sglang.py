@@ -160,17 +160,17 @@ _NOT_AITER_FP4_INDEXER = (
 # rows no indexer's are: DeepSeekV4UnifiedKVPool.kv_buffer (bf16 [swa_pages + compressed
 # rows, 512], the SWA ring first) and DeepSeekV4UniformFP8KVPool.kv_buffer (float8_e4m3fn
 # [pages, page_size * 512]).
-_DSV4_HEAD_DIM = 512
+DSV4_HEAD_DIM = 512
 _NOT_DSV4_UNIFIED = (
     "; a DeepSeek-V4 unified KV pool (DeepSeekV4UnifiedKVPool.kv_buffer: bf16 [swa_pages + compressed "
-    f"rows, {_DSV4_HEAD_DIM}], a token a row, the SWA ring first) is no indexer's: its compressed rows read "
-    f"as MLA page buffers, [b[swa_pages:].view(-1, 1, {_DSV4_HEAD_DIM}) for b in kv_buffer] with layout "
+    f"rows, {DSV4_HEAD_DIM}], a token a row, the SWA ring first) is no indexer's: its compressed rows read "
+    f"as MLA page buffers, [b[swa_pages:].view(-1, 1, {DSV4_HEAD_DIM}) for b in kv_buffer] with layout "
     "hint tokens_per_block=page_size // compress_ratio"
 )
 _NOT_DSV4_UNIFORM_FP8 = (
     "; a DeepSeek-V4 uniform-FP8 pool (DeepSeekV4UniformFP8KVPool.kv_buffer: float8_e4m3fn [pages, "
-    f"page_size * {_DSV4_HEAD_DIM}], a token's {_DSV4_HEAD_DIM} bytes whole) reads as MLA page buffers: "
-    f"pass [t.view(-1, 1, {_DSV4_HEAD_DIM}) for t in kv_buffer] with layout hint tokens_per_block=page_size"
+    f"page_size * {DSV4_HEAD_DIM}], a token's {DSV4_HEAD_DIM} bytes whole) reads as MLA page buffers: "
+    f"pass [t.view(-1, 1, {DSV4_HEAD_DIM}) for t in kv_buffer] with layout hint tokens_per_block=page_size"
 )
 
 
@@ -620,7 +620,7 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
 
 def _dsv4_unified_row(p: Probe) -> bool:
     """Whether the probe's 2-D leaves have DeepSeek-V4's unified KV row (bf16, 512 wide)."""
-    return p.first.dtype == torch.bfloat16 and p.shape[-1] == _DSV4_HEAD_DIM
+    return p.first.dtype == torch.bfloat16 and p.shape[-1] == DSV4_HEAD_DIM
 
 
 def _flashmla_pages(row: int) -> list[tuple[str, int]]:

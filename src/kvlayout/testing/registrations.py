@@ -25,7 +25,7 @@ from kvlayout import EngineKVFormat as F
 from kvlayout import Layout, layout_of
 from kvlayout.catalog.registry import format_info
 from kvlayout.detection.base import engine_formats, unfolded_twin
-from kvlayout.detection.sglang import hicache_layout
+from kvlayout.detection.sglang import DSV4_HEAD_DIM, hicache_layout
 from kvlayout.layout.algebra import kv_size, size_of, sizes_by_role
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration import nesting
@@ -416,6 +416,8 @@ def _sglang_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: 
     item = torch.empty((), dtype=stored).element_size()
     leaves = _alloc((nb, bs * width // item), stored, nl, draw(st.sampled_from(["separate", "shared"])))
     hints: dict[str, Any] = draw(st.sampled_from([{}, {"tokens_per_block": bs}]))
+    if stored == torch.bfloat16 and bs * width // item == DSV4_HEAD_DIM:
+        hints = {"tokens_per_block": bs}  # else it is DeepSeek-V4's unified KV row, and refused
     return RegistrationCase(
         engine, fmt, leaves, hints, nl, nb, bs, nb * bs, 1, width, torch.uint8, leaves, "indexer pages"
     )
