@@ -24,7 +24,7 @@ from vllm.v1.kv_cache_layout import KVCacheLayout
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout.detection import DetectionError
-from kvlayout.detection.vllm import reads_rocm
+from kvlayout.detection.vllm import indexer_format, reads_rocm
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits
 from kvlayout.registration.opaque import opaque_pages_of
 from kvlayout.transfer import BlockMapError, Shard, block_map
@@ -270,3 +270,38 @@ def test_a_rocm_indexer_of_no_pages_is_refused_naming_the_layer(shape: tuple[int
         "holds no pages$",
     ):
         kvlayout.detect(kv, "vllm", ROCM)
+
+
+def test_rocm_mxfp4_indexer_of_one_slot_blocks_is_whole_pages() -> None:
+    # only the fp8 writer keeps one-slot blocks flat (LAYOUT "NORMAL"); MXFP4's page is
+    # aiter's cache_format order whatever its slots
+    kv = [torch.zeros(NB, 1, 1, 68, dtype=torch.uint8) for _ in range(NL)]
+    reg = kvlayout.detect(kv, "vllm", {"attn_backend": "DEEPSEEK_V4_ROCM_MXFP4_INDEXER"})
+    pages = reg.kernel_groups[0].opaque_pages
+    assert pages is not None and "cache_format" in pages.layout and not pages.rows_are_tokens, reg
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype", "fmt"),
+    [
+        ((NB, 1, 64, 132), torch.uint8, F.NL_X_NB_BSV_BSS),  # vLLM 0.33's [pages, 1, N, row]
+        ((NB, 64, 132), torch.uint8, F.NL_X_NB_BSV_BSS),  # earlier [pages, N, row]
+        ((NB, 1, 64, 68), torch.uint8, F.NL_X_NB_BSV4_BSS4),
+        ((NB, 64, 576), torch.bfloat16, None),  # MLA latents: no indexer
+        ((NB, 1, 64, 576), torch.bfloat16, None),
+        ((NB, 64 * 132), torch.uint8, None),  # rank 2: no registered layer's
+    ],
+)
+def test_indexer_format_names_indexer_rows_only(
+    shape: tuple[int, ...], dtype: torch.dtype, fmt: F | None
+) -> None:
+    assert indexer_format(torch.zeros(*shape, dtype=dtype)) == fmt
+
+
+def test_head_slot_pages_of_one_backend_map_however_the_hint_is_cased() -> None:
+    # the hint is matched case-insensitively (reads_rocm): one backend is one mark
+    kv_a, a = _head_slot_reg("ROCM_ATTN", 5, {"attn_backend": "rocm_attn"})
+    kv_b, b = _head_slot_reg("ROCM_ATTN", 6, {"attn_backend": "ROCM_ATTN"})
+    block_map(a, b, [1], [2]).copy()
+    for name, t in kv_b.items():
+        assert torch.equal(_pages(t)[2], _pages(kv_a[name])[1]), name
