@@ -211,6 +211,22 @@ def test_refuses_buffers_that_are_no_flashmla_pool() -> None:
             "is not contiguous pages, one after another",
         ),
         ([torch.zeros(0, 37440, dtype=torch.uint8)], 64, "it holds no pages"),
+        (
+            [good[0], good[1].view(torch.int8)],
+            64,
+            "kv_buffer[1] is [6, 37440] torch.int8 on cpu and kv_buffer[0]",
+        ),
+        (
+            [good[0], good[1].to("meta")],
+            64,
+            "kv_buffer[1] is [6, 37440] torch.uint8 on meta and kv_buffer[0]",
+        ),
+        # a page_size SGLang does not use: the padded page is no whole number of rows
+        (
+            kv_pool("v4", 7, None),
+            7,
+            "4608-byte page does not split into page_size=7 equal rows (2 bytes left",
+        ),
     ]
     for kv, ps, message in cases:
         with pytest.raises(DeepSeekV4PoolError, match=re.escape(message)):
@@ -228,6 +244,7 @@ def test_refuses_buffers_that_are_no_aiter_fp4_indexer() -> None:
             "payload_buffer[0] is [6, 1, 4, 64, 16], not [pages, 1, 4, 32, 16] or flattened [pages, 2048]",
         ),
         (payload, [t[:4] for t in scale], 64, "one pool's pages on one device expected"),
+        (payload, [t.to("meta") for t in scale], 64, "one pool's pages on one device expected"),
         (scale, scale, 64, "payload_buffer[0] is [6, 1, 4, 64], not [pages, 1, 4, 64, 16]"),
     ]
     for p, s, ps, message in cases:
