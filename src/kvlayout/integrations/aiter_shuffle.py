@@ -30,6 +30,7 @@ import torch
 
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import AITER_VECTOR_BYTES, DetectionError
+from kvlayout.errors import as_int
 from kvlayout.integrations.page_lists import dtype_name, layer_list, listed_pages, page_rows
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import OpaquePages, PageArray
@@ -107,12 +108,17 @@ def shuffle_kv_pools(
             f"{list(v.shape)}, not (num_blocks, H, {c.size_name} // X, D_v, X) = ({blocks}, {heads}, "
             f"{k_block // x}, D_v, {x}): not one {c.pool}"
         )
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size != k_block:
+    try:
+        size = as_int(block_size, c.size_name)  # NumPy and torch integers too, never a bool
+    except TypeError:
+        size = -1
+    if size != k_block:
         raise c.error(
             f"{c.size_name} is {block_size!r}, but {c.k_name}[0] {list(k.shape)} (num_blocks, H, D // X, "
             f"{c.size_name}, X) holds pages of {k_block} tokens: pass the pool's {c.size_name}, and "
             f"{c.k_name} before {c.v_name}"
         )
+    block_size = size  # a plain int from here on
     head_dim = k_vectors * x
     arrays = {
         "k": PageArray(0, (heads, k_vectors, block_size * x), dtype, 0, (heads,), kv_heads=True),

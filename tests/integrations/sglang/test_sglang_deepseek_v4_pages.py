@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -78,6 +79,15 @@ def test_flashmla_pages_move_whole_between_two_pools(layout: str, page_size: int
         for s, d in pages:
             want[d] = src[layer][s]
         assert torch.equal(dst[layer], want), layer
+
+
+def test_page_size_is_any_integer_but_a_bool() -> None:
+    """A connector may read page_size from a config as a NumPy or torch integer."""
+    src = kv_pool("v4", 16, 1)
+    for page_size in (np.int64(16), torch.tensor(16)):
+        assert flashmla_kv_pages(src, page_size).only_group().block_size == 16  # type: ignore[arg-type]
+    with pytest.raises(DeepSeekV4PoolError, match=r"page_size must be a positive int .*not True"):
+        flashmla_kv_pages(src, True)
 
 
 def test_flashmla_pages_read_their_fp8_view() -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -84,7 +85,7 @@ def test_fp8_is_stored_as_uint8_and_maps_to_its_fp8_view() -> None:
     assert src.k_buffer[0].dtype == torch.uint8 and src.k_buffer[0].shape[-1] == 16
     fp8 = [[t.view(torch.float8_e4m3fn) for t in ts] for ts in (src.k_buffer, src.v_buffer)]
     a = vectorized_kv_pools(fp8[0], fp8[1], PAGE)
-    b = vectorized_kv_pools(dst.k_buffer, dst.v_buffer, dst.page_size)
+    b = vectorized_kv_pools(dst.k_buffer, dst.v_buffer, np.int64(dst.page_size))  # type: ignore[arg-type]  # any integer but a bool
     m = block_map(a["k"], b["k"], [2], [3])
     m.copy()
     assert torch.equal(dst.k_buffer[1][3], src.k_buffer[1][2])

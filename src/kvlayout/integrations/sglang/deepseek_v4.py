@@ -36,6 +36,7 @@ import torch
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.sglang import FLASHMLA_LAYOUTS, flashmla_page_bytes
+from kvlayout.errors import as_int
 from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, PageArray, one_head_page
 from kvlayout.registration.registration import Registration
@@ -53,11 +54,15 @@ _AITER_GROUPS, _AITER_VECTOR = 4, 16
 
 
 def _page_size(page_size: object) -> int:
-    if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+    try:
+        n = as_int(page_size, "page_size")  # NumPy and torch integers too, never a bool
+    except TypeError:
+        n = 0
+    if n < 1:
         raise DeepSeekV4PoolError(
             f"page_size must be a positive int (the pool's page_size), not {page_size!r}"
         )
-    return page_size
+    return n
 
 
 def _layers(name: str, buffers: Any, origin: str) -> list[torch.Tensor]:
