@@ -245,14 +245,13 @@ def _dsv4_fp8_ds_mla(**kw: Any) -> Any:
     )
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        kvi.SlidingWindowMLASpec(block_size=64, sliding_window=128, **_dsv4_fp8_ds_mla()),  # its SWA cache
-        kvi.MLAAttentionSpec(block_size=256, tokens_per_state=4, **_dsv4_fp8_ds_mla()),  # its C4 cache
-    ],
-    ids=["swa", "compressed"],
-)
+DSV4_SPECS = [
+    kvi.SlidingWindowMLASpec(block_size=64, sliding_window=128, **_dsv4_fp8_ds_mla()),  # its SWA cache
+    kvi.MLAAttentionSpec(block_size=256, tokens_per_state=4, **_dsv4_fp8_ds_mla()),  # its C4 cache
+]
+
+
+@pytest.mark.parametrize("spec", DSV4_SPECS, ids=["swa", "compressed"])
 def test_deepseek_v4_paged_scale_pages_move_whole(spec: Any) -> None:
     """DeepSeek-V4 with ``fp8_ds_mla`` registers ``[pages, 1, 64, 584]`` uint8, but slot
     ``p``'s data is at ``p * 576`` and its scales at ``64 * 576 + p * 8``. Read as rows of
@@ -310,14 +309,7 @@ def _moves_between_ranks(spec: Any, backend: Backend, kernel_pages: int) -> None
         block_map(a, b, [1], [2], src_shard=Shard(0, 2, 128), dst_shard=Shard(1, 2, 128))
 
 
-@pytest.mark.parametrize(
-    "spec",
-    [
-        kvi.SlidingWindowMLASpec(block_size=64, sliding_window=128, **_dsv4_fp8_ds_mla()),  # its SWA cache
-        kvi.MLAAttentionSpec(block_size=256, tokens_per_state=4, **_dsv4_fp8_ds_mla()),  # its C4 cache
-    ],
-    ids=["swa", "compressed"],
-)
+@pytest.mark.parametrize("spec", DSV4_SPECS, ids=["swa", "compressed"])
 def test_deepseek_v4_paged_scale_pages_move_between_tp_ranks(spec: Any) -> None:
     """DeepSeek-V4's latents are one head every TP rank holds whole (MLA), so prefill at
     TP 8 maps to decode at TP 16: a map between two ranks' pages was refused. (vLLM
