@@ -570,39 +570,10 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
                 f"{_NOT_DSV4_UNIFIED if _dsv4_unified_row(p) else ''}"
             )
         found = fits
-    elif tpb is None and p.first.dtype == torch.uint8 and q.shape[1] % _FLASHMLA_PAGE_ALIGN == 0:
-        # a row padded to DeepSeek-V4's FlashMLA page alignment is that pool's page (page_size 16:
-        # 9792 bytes, 144 records of 68; 32: 19008, 144 of 132), not an indexer's: SGLang's hold
-        # 64, 128 or 1 tokens, and only a page of a multiple of 48 records is so aligned
-        found = []
-    elif tpb is None and p.first.dtype == torch.uint8 and _flashmla_pages(q.shape[1]):
-        # a V4.1 FlashMLA page is whole records too (page_size 32: 16896 bytes, 128 of 132; 16:
-        # 8704, 128 of 68), where an indexer page of 128 tokens is the same size
-        found = []
-    elif tpb is None and _dsv4_unified_row(p):
-        # a DeepSeek-V4 unified KV pool's token row is 4 bf16 indexer records too: which the
-        # row is, only the page_size (tokens_per_block) tells
-        found = []
+    elif tpb is None and _another_pools_row(p, q.shape[1]):
+        found = []  # only the page_size (tokens_per_block) tells which the row is
     if len(found) != 1:
-        flashmla = ", ".join(f"{name} at page_size {ps}" for name, ps in _flashmla_pages(q.shape[1]))
-        unified = _dsv4_unified_row(p)
-        records = " or ".join(str(q.shape[1] // w) for w in widths if q.shape[1] % w == 0)
-        what = (
-            "fits several formats: pass layout hint tokens_per_block (the pool's page_size)"
-            if found
-            else f"is a DeepSeek-V4 unified KV pool's token row and also an indexer page of "
-            f"{records} tokens: for that indexer, pass layout hint tokens_per_block{_NOT_DSV4_UNIFIED}"
-            if unified
-            else "is not a positive multiple of any record width"
-            if all(q.shape[1] % width for width in widths)
-            else f"is padded to a multiple of {_FLASHMLA_PAGE_ALIGN} bytes (for an indexer page of such "
-            "a page_size, pass layout hint tokens_per_block)"
-            if q.shape[1] % _FLASHMLA_PAGE_ALIGN == 0
-            else f"is a DeepSeek-V4.1 FlashMLA page's size ({flashmla}) and also an indexer page of "
-            f"{records} tokens (SGLang's "
-            "DeepSeek-V4.1 indexer pages hold 128 under DeepGEMM's paged MQA logits): for that indexer, "
-            "pass layout hint tokens_per_block"
-        )
+        what = _why_no_indexer_reading(p, q.shape[1], widths, several=bool(found))
         dtype = str(p.first.dtype).removeprefix("torch.")
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list of 2-D {dtype} tensors is a DSA indexer cache [pages, "
@@ -616,6 +587,43 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
     if not all(t.is_contiguous() for t in raw):
         raise padded
     return fmt, [t.view(shape) for t in raw]
+
+
+def _another_pools_row(p: Probe, row: int) -> bool:
+    """Whether a row of whole indexer records is also a DeepSeek-V4 KV pool's: a FlashMLA
+    page padded to 576 bytes (page_size 16: 9792 bytes, 144 records of 68; 32: 19008, 144
+    of 132; SGLang's indexer pages hold 64, 128 or 1 tokens, and only a page of a multiple
+    of 48 records is so aligned), a V4.1 FlashMLA page (page_size 32: 16896 bytes, 128
+    records of 132; 16: 8704, 128 of 68, where an indexer page of 128 tokens is the same
+    size), or a unified KV pool's bf16 token row (4 bf16 indexer records)."""
+    if p.first.dtype == torch.uint8:
+        return row % _FLASHMLA_PAGE_ALIGN == 0 or bool(_flashmla_pages(row))
+    return _dsv4_unified_row(p)
+
+
+def _why_no_indexer_reading(p: Probe, row: int, widths: list[int], *, several: bool) -> str:
+    """Why a flat list of 2-D tensors of ``row`` bytes a page is read as no one indexer."""
+    if several:
+        return "fits several formats: pass layout hint tokens_per_block (the pool's page_size)"
+    records = " or ".join(str(row // w) for w in widths if row % w == 0)
+    if _dsv4_unified_row(p):
+        return (
+            f"is a DeepSeek-V4 unified KV pool's token row and also an indexer page of {records} tokens: "
+            f"for that indexer, pass layout hint tokens_per_block{_NOT_DSV4_UNIFIED}"
+        )
+    if all(row % width for width in widths):
+        return "is not a positive multiple of any record width"
+    if row % _FLASHMLA_PAGE_ALIGN == 0:
+        return (
+            f"is padded to a multiple of {_FLASHMLA_PAGE_ALIGN} bytes (for an indexer page of such a "
+            "page_size, pass layout hint tokens_per_block)"
+        )
+    flashmla = ", ".join(f"{name} at page_size {ps}" for name, ps in _flashmla_pages(row))
+    return (
+        f"is a DeepSeek-V4.1 FlashMLA page's size ({flashmla}) and also an indexer page of {records} "
+        "tokens (SGLang's DeepSeek-V4.1 indexer pages hold 128 under DeepGEMM's paged MQA logits): for "
+        "that indexer, pass layout hint tokens_per_block"
+    )
 
 
 def _dsv4_unified_row(p: Probe) -> bool:
