@@ -269,7 +269,8 @@ def _kv_layout(value: object) -> str:
 
 
 def _backend_name(value: object) -> str:
-    """vLLM's attention backend name as vLLM spells it (``CPU_ATTN``), checked: a non-empty str."""
+    """vLLM's attention backend name as vLLM spells it (``CPU_ATTN``: its enum names are upper
+    case, so ``cpu_attn`` names it too), checked: a non-empty str."""
     if not isinstance(value, str):
         raise LayoutHintError(
             f"layout hint attn_backend must be a str (vLLM's attn_backend.get_name(), e.g. 'CPU_ATTN'), "
@@ -280,7 +281,7 @@ def _backend_name(value: object) -> str:
         raise LayoutHintError(
             "layout hint attn_backend is empty: pass vLLM's attn_backend.get_name() (e.g. 'CPU_ATTN')"
         )
-    return name
+    return name.upper()
 
 
 def _layout_format(value: object) -> None:

@@ -180,10 +180,14 @@ def reads_rocm(device: torch.device | str, layout_hints: HintsLike) -> bool:
     ROCm backend (:data:`ROCM_BACKENDS`), or a ROCm torch build (``torch.version.hip``)
     holds them on the GPU, whatever the hint says (AITER FA is ``FLASH_ATTN``, and a DSA
     indexer's writer is the platform's, not the attention backend's)."""
-    hints = LayoutHints.coerce(layout_hints)
-    if hints.attn_backend is not None and hints.attn_backend.upper() in ROCM_BACKENDS:
+    if _rocm_hinted(LayoutHints.coerce(layout_hints)):
         return True
     return torch.device(device).type == "cuda" and torch.version.hip is not None
+
+
+def _rocm_hinted(hints: LayoutHints) -> bool:
+    """The ``attn_backend`` hint names a backend only ROCm runs."""
+    return hints.attn_backend in ROCM_BACKENDS
 
 
 def rocm_indexer_pages(
@@ -201,7 +205,7 @@ def rocm_indexer_pages(
     hints = LayoutHints.coerce(layout_hints)
     how = (
         f"layout hint attn_backend={hints.attn_backend!r}"
-        if hints.attn_backend is not None and hints.attn_backend.upper() in ROCM_BACKENDS
+        if _rocm_hinted(hints)
         else "a ROCm torch build (torch.version.hip)"
     )
     advice = (
@@ -274,7 +278,7 @@ def reads_cpu_attention(device: torch.device | str, layout_hints: HintsLike) -> 
     platform always uses CPU_ATTN)."""
     hints = LayoutHints.coerce(layout_hints)
     if hints.attn_backend is not None:
-        return hints.attn_backend.upper() == CPU_ATTENTION
+        return hints.attn_backend == CPU_ATTENTION
     return hints.kv_layout is None and torch.device(device).type == "cpu"
 
 

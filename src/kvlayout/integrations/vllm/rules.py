@@ -360,7 +360,7 @@ class HeadSlotPagesEdit(KVCacheGroupEdit):
         # FA's shuffle mode (FLASH_ATTN) its own. A hinted backend is part of the mark. vLLM
         # picks the first two only without a KV connector (supports_kv_connector False).
         backend = LayoutHints.coerce(layout_hints).attn_backend
-        rule = self.name if backend is None else f"{self.name} of {backend.upper()}"
+        rule = self.name if backend is None else f"{self.name} of {backend}"
         return page_layout(rule, spec, value, self.token_axis(value))
 
 
