@@ -88,9 +88,9 @@ from kvlayout.registration.opaque import (
     MAX_PAGE_LAYOUT,
     OpaquePages,
     mark_opaque_pages,
-    one_head_page,
     page_bytes_view,
     page_of,
+    replicated_page,
 )
 from kvlayout.types import DiscoverableKVCache, EngineType, HintsLike, LayoutHintError, LayoutHints
 
@@ -213,7 +213,7 @@ def rocm_indexer_pages(
         "move whole, only to an indexer cache paged alike on ROCm (same GPU architecture and aiter)"
     )
     layout = f"rocm-indexer-pages: vLLM's DSA indexer on ROCm, {order}: {page_of(t)}"
-    key = one_head_page((kernel_pages * math.prod(t.shape[1:]) * t.element_size(),))
+    key = replicated_page((kernel_pages * math.prod(t.shape[1:]) * t.element_size(),))
     return OpaquePages(layout[:MAX_PAGE_LAYOUT], rows_are_tokens=False, arrays=key, advice=advice)
 
 

@@ -32,11 +32,11 @@ __all__ = [
     "OpaquePages",
     "PageArray",
     "mark_opaque_pages",
-    "one_head_page",
     "opaque_pages_of",
     "page_bytes_view",
     "page_of",
     "pages_of_tensors",
+    "replicated_page",
     "viewed_over",
 ]
 
@@ -93,7 +93,11 @@ class PageArray:
     cache page of heads, as SGLang's AITER ``vectorized_5d`` pool holds): a rank holds
     the heads its :class:`~kvlayout.registration.shards.Shard` says, which past
     ``num_kv_heads`` ranks are replicated (two ranks of TP 4 over 2 heads hold head 0),
-    where ``[r*n, (r+1)*n)`` would say other heads."""
+    where ``[r*n, (r+1)*n)`` would say other heads.
+
+    ``replicated``: every TP rank holds the whole array (MLA latents, a DSA indexer's one
+    key head), one part: it moves whole between any two ranks, whatever their shards say
+    of the model's KV heads (as an MLA cache's latents do)."""
 
     offset: int
     shape: tuple[int, ...]
@@ -101,10 +105,14 @@ class PageArray:
     axis: int
     parts: tuple[int, ...]
     kv_heads: bool = False
+    replicated: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.kv_heads, bool):
-            raise TypeError(f"a page array's kv_heads must be a bool, not {type(self.kv_heads).__name__}")
+        for name in ("kv_heads", "replicated"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(
+                    f"a page array's {name} must be a bool, not {type(getattr(self, name)).__name__}"
+                )
         for name in ("offset", "axis"):
             if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
                 raise TypeError(f"a page array's {name} must be an int")
@@ -124,10 +132,15 @@ class PageArray:
                 f"a page array's parts {list(self.parts)} must add up to its axis {self.axis} of shape "
                 f"{list(self.shape)}"
             )
-        if self.kv_heads and len(self.parts) != 1:
-            raise ValueError(f"a page array of KV heads has one part, not {list(self.parts)}")
+        if self.kv_heads and self.replicated:
+            raise ValueError("a page array is either of KV heads or replicated, not both")
+        if (self.kv_heads or self.replicated) and len(self.parts) != 1:
+            what = "of KV heads" if self.kv_heads else "every rank holds whole"
+            raise ValueError(f"a page array {what} has one part, not {list(self.parts)}")
 
     def __str__(self) -> str:
+        if self.replicated:
+            return f"{self.dtype} {list(self.shape)} (every rank's whole)"
         split = "KV heads" if self.kv_heads else f"parts {list(self.parts)}"
         return f"{self.dtype} {list(self.shape)} (axis {self.axis} in {split})"
 
@@ -140,13 +153,13 @@ class PageArray:
         return math.prod(self.shape) * self.itemsize
 
 
-def one_head_page(shape: tuple[int, ...]) -> tuple[PageArray, ...]:
-    """A page's bytes (its padding aside), ``shape`` uint8, as one KV head's array: the
-    state every TP rank holds whole (MLA latents, a DSA indexer's one key head), so with
-    shards of ``num_kv_heads=1`` the page maps between any two ranks. Pages of other
-    shapes (rank or sizes) are other states: a reader gives each kind of page a shape
-    of its own, so no two layouts of one size are taken for one state laid out two ways."""
-    return (PageArray(0, (1, *shape), "uint8", 0, (1,), kv_heads=True),)
+def replicated_page(shape: tuple[int, ...]) -> tuple[PageArray, ...]:
+    """A page's bytes (its padding aside), ``shape`` uint8, as an array every TP rank
+    holds whole (MLA latents, a DSA indexer's one key head), so the page maps between any
+    two ranks, whatever their shards say. Pages of other shapes (rank or sizes) are other
+    states: a reader gives each kind of page a shape of its own, so no two layouts of one
+    size are taken for one state laid out two ways."""
+    return (PageArray(0, shape, "uint8", 0, (shape[0],), replicated=True),)
 
 
 @dataclass(frozen=True)

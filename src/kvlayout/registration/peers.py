@@ -441,17 +441,19 @@ def _opaque_json(pages: OpaquePages) -> dict[str, Any]:
     if pages.arrays:  # only where declared: a description without them reads as before
         out["arrays"] = [
             {"offset": x.offset, "shape": list(x.shape), "dtype": x.dtype, "axis": x.axis,
-             "parts": list(x.parts), **({"kv_heads": True} if x.kv_heads else {})}
+             "parts": list(x.parts), **({"kv_heads": True} if x.kv_heads else {}),
+             **({"replicated": True} if x.replicated else {})}
             for x in pages.arrays
         ]  # fmt: skip
     return out
 
 
 def _page_array_from(where: str, data: object) -> PageArray:
-    x = _fields(where, data, ("offset", "shape", "dtype", "axis", "parts"), ("kv_heads",))
-    kv_heads = x.get("kv_heads", False)
-    if not isinstance(kv_heads, bool):
-        raise PeerDescriptionError(f"{where}.kv_heads {_shown(kv_heads)} is not a boolean")
+    x = _fields(where, data, ("offset", "shape", "dtype", "axis", "parts"), ("kv_heads", "replicated"))
+    flags = {name: x.get(name, False) for name in ("kv_heads", "replicated")}
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise PeerDescriptionError(f"{where}.{name} {_shown(flag)} is not a boolean")
     shape = _ints(f"{where}.shape", x["shape"], MAX_ARRAY_DIMS, 1, MAX_SIZE)
     parts = _ints(f"{where}.parts", x["parts"], MAX_PAGE_ARRAYS, 1, MAX_SIZE)
     dtype = x["dtype"]
@@ -462,7 +464,7 @@ def _page_array_from(where: str, data: object) -> PageArray:
     if math.prod(shape) * DTYPE_SIZES[dtype] >= MAX_SPAN:
         raise PeerDescriptionError(f"{where}: shape {list(shape)} of {dtype} spans 2**48 bytes or more")
     try:
-        return PageArray(offset, shape, dtype, axis, parts, kv_heads)
+        return PageArray(offset, shape, dtype, axis, parts, **flags)
     except ValueError as e:
         raise PeerDescriptionError(f"{where}: {e}") from None
 

@@ -424,6 +424,8 @@ def _check_opaque_pages(
             + _advice(pages)
         )
     ranks = given_shard(src, src_shard, "src"), given_shard(dst, dst_shard, "dst")
+    if _held_whole(a) and _held_whole(b):
+        ranks = None, None  # every rank holds the state whole (MLA latents): shards say nothing of it
     if a.arrays and b.arrays and not a.rows_are_tokens and not b.rows_are_tokens:
         state = _state_ranks(src, dst, ranks, how)
         if state is not None:
@@ -446,6 +448,11 @@ def _check_opaque_pages(
             f"the kernel's order, so it maps only to the same rank's ({how})"
         )
     return None
+
+
+def _held_whole(pages: OpaquePages) -> bool:
+    """The pages declare only arrays every TP rank holds whole."""
+    return bool(pages.arrays) and all(x.replicated for x in pages.arrays)
 
 
 def _advice(pages: OpaquePages) -> str:

@@ -40,35 +40,33 @@ def structure_problem(a: OpaquePages, b: OpaquePages) -> str | None:
         what = f"state array {i} is {x} in src and {y} in dst"
         if not same_bytes(x.dtype, y.dtype):
             return f"{what}: other dtypes (a map copies bytes)"
-        if (x.axis, len(x.shape), len(x.parts), x.kv_heads) != (
+        if (x.axis, len(x.shape), len(x.parts), x.kv_heads, x.replicated) != (
             y.axis,
             len(y.shape),
             len(y.parts),
             y.kv_heads,
+            y.replicated,
         ):
             return f'{what}: other axes or parts (another order, as vLLM\'s conv states "DS" and "SD")'
         if x.shape[: x.axis] + x.shape[x.axis + 1 :] != y.shape[: y.axis] + y.shape[y.axis + 1 :]:
             return f"{what}: other sizes on an axis TP does not shard"
+        if x.replicated and x.shape != y.shape:
+            return f"{what}: other sizes of an array every rank holds whole"
     return None
 
 
 def _check_sizes(i: int, x: PageArray, y: PageArray, src: Shard, dst: Shard) -> None:
     """Arrays ``i`` of both pages hold parts of one model's sizes at the two degrees (of
     KV heads: the heads each rank's shard says it holds)."""
+    if x.replicated:
+        return  # whole on every rank: the shards say nothing of it (structure_problem checked its sizes)
     if x.kv_heads:
         for where, array, shard in (("src", x, src), ("dst", y, dst)):
             if array.parts[0] != len(shard.heads):
-                # a page of one head: the head every rank holds whole, which only such shards say
-                one = (
-                    "; a page of one head every rank holds whole (MLA latents, a DSA indexer's key) "
-                    "takes shards of num_kv_heads=1, Shard(tp_rank, tp_size, 1), as any MLA cache"
-                    if array.parts[0] == 1
-                    else ""
-                )
                 raise BlockMapError(
                     f"state array {i} is {array} in {where}: {array.parts[0]} KV heads a page, but "
                     f"{where}_shard {shard} holds {len(shard.heads)} (heads {shard.heads.start}-"
-                    f"{shard.heads.stop - 1}){one}"
+                    f"{shard.heads.stop - 1})"
                 )
         return
     for j, (n, m) in enumerate(zip(x.parts, y.parts, strict=True)):
@@ -113,9 +111,12 @@ def page_template(
         inner = math.prod(x.shape[x.axis + 1 :]) * x.itemsize
         for n, m, xs, ys in zip(x.parts, y.parts, _part_starts(x), _part_starts(y), strict=True):
             # the model's indices each rank holds: [first, first + n)
-            first_src, first_dst = (
-                (src.heads.start, dst.heads.start) if x.kv_heads else (src.tp_rank * n, dst.tp_rank * m)
-            )
+            if x.replicated:
+                first_src = first_dst = 0
+            elif x.kv_heads:
+                first_src, first_dst = src.heads.start, dst.heads.start
+            else:
+                first_src, first_dst = src.tp_rank * n, dst.tp_rank * m
             lo, hi = max(first_src, first_dst), min(first_src + n, first_dst + m)
             if lo >= hi:
                 continue

@@ -99,10 +99,13 @@ def test_flashmla_pages_read_their_fp8_view() -> None:
 
 
 @pytest.mark.parametrize(
-    "ranks", [(Shard(0, 1, 1), Shard(1, 2, 1)), (Shard(3, 4, 1), Shard(0, 2, 1))], ids=str
+    "ranks",
+    [(Shard(0, 1, 1), Shard(1, 2, 1)), (Shard(3, 4, 1), Shard(0, 2, 1)), (Shard(0, 2, 2), Shard(1, 2, 2))],
+    ids=str,
 )
 def test_every_rank_holds_the_latents_whole(ranks: tuple[Shard, Shard]) -> None:
-    """MLA latents are not sharded: any rank's page is any other's, its padding aside."""
+    """MLA latents are not sharded: any rank's page is any other's, whatever the shards
+    say of the model's KV heads (one a rank, each its own, gave an empty map)."""
     src, dst = kv_pool("v4", 16, 4), kv_pool("v4", 16, None)
     m = block_map(
         flashmla_kv_pages(src, 16),
@@ -113,11 +116,9 @@ def test_every_rank_holds_the_latents_whole(ranks: tuple[Shard, Shard]) -> None:
         dst_shard=ranks[1],
     )
     m.copy()
-    used = 16 * 584  # the slots' bytes; the page's padding to 576 holds nothing
     for layer in range(NL):
-        assert torch.equal(dst[layer][0, :used], src[layer][3, :used])
-        assert torch.equal(dst[layer][2, :used], src[layer][1, :used])
-        assert not dst[layer][[1, 3, 4, 5]].any() and not dst[layer][:, used:].any()
+        assert torch.equal(dst[layer][0], src[layer][3]) and torch.equal(dst[layer][2], src[layer][1])
+        assert not dst[layer][[1, 3, 4, 5]].any()
 
 
 def test_indexer_pages_move_whole_between_sglang_and_flattened_buffers() -> None:
@@ -188,11 +189,20 @@ def test_maps_between_pages_laid_out_differently_are_refused() -> None:
     assert "is opaque pages" in refusal(v4, tokens)
 
 
-def test_shards_of_the_attention_heads_are_refused() -> None:
-    """A page is the one latent head's: shards over DeepSeek's 128 attention heads are not its."""
-    a, b = flashmla_kv_pages(kv_pool("v4", 64, None), 64), flashmla_kv_pages(kv_pool("v4", 64, None), 64)
-    with pytest.raises(BlockMapError, match=re.escape("1 KV heads a page, but src_shard")):
-        block_map(a, b, [1], [1], src_shard=Shard(0, 2, 128), dst_shard=Shard(1, 2, 128))
+def test_shards_of_the_attention_heads_move_the_latents_whole() -> None:
+    """Shards over DeepSeek's 128 attention heads hold the one latent head whole on each
+    rank too, as an MLA cache's: the pages map whole."""
+    src, dst = kv_pool("v4", 64, 5), kv_pool("v4", 64, None)
+    block_map(
+        flashmla_kv_pages(src, 64),
+        flashmla_kv_pages(dst, 64),
+        [1],
+        [4],
+        src_shard=Shard(0, 2, 128),
+        dst_shard=Shard(1, 2, 128),
+    ).copy()
+    for layer in range(NL):
+        assert torch.equal(dst[layer][4], src[layer][1]) and not dst[layer][:4].any()
 
 
 def test_refuses_buffers_that_are_no_flashmla_pool() -> None:

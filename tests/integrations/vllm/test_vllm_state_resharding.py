@@ -342,6 +342,14 @@ def test_a_peer_s_arrays_travel_in_its_description_and_are_checked() -> None:
     refused([dict(array, extra=1)], r"arrays\[0\] has unknown field\(s\) 'extra'")
     refused([dict(array, kv_heads="yes")], r"arrays\[0\].kv_heads 'yes' is not a boolean")
     refused([dict(array, kv_heads=True)], r"arrays\[0\]: a page array of KV heads has one part, not \[1024")
+    refused([dict(array, replicated=1)], r"arrays\[0\].replicated 1 is not a boolean")
+    refused(
+        [dict(array, replicated=True)], r"arrays\[0\]: a page array every rank holds whole has one part, not"
+    )
+    refused(
+        [dict(array, parts=[3072], kv_heads=True, replicated=True)],
+        r"arrays\[0\]: a page array is either of KV heads or replicated, not both",
+    )
     # arrays past the page: refused by the map, before anything is posted
     bad = json.loads(json.dumps(wire))
     pages = next(g for g in bad["groups"] if g["opaque_pages"] is not None)["opaque_pages"]

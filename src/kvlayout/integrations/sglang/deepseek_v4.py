@@ -22,8 +22,8 @@ a page row), and so does a block map here: a layer's page is viewed (no copy) as
 with what orders its bytes: the layout, the page_size and which buffer. So a page maps
 only to a page of the same kind, layout and page_size, and a partly filled last page
 moves whole. Every TP rank holds the latents (and the indexer's keys) whole: a page
-declares itself one KV head's array, so given shards of ``num_kv_heads=1`` a map moves
-it between any two ranks.
+declares itself an array every rank holds whole, so a map moves it between any two
+ranks, whatever their shards.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from kvlayout.detection.base import DetectionError
 from kvlayout.detection.sglang import FLASHMLA_LAYOUTS, flashmla_page_bytes
 from kvlayout.errors import as_int
 from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
-from kvlayout.registration.opaque import OpaquePages, PageArray, one_head_page
+from kvlayout.registration.opaque import OpaquePages, replicated_page
 from kvlayout.registration.registration import Registration
 
 __all__ = ["DeepSeekV4PoolError", "aiter_fp4_indexer_pages", "flashmla_kv_pages"]
@@ -89,16 +89,9 @@ def _rows(name: str, layers: list[torch.Tensor], page_size: int, page_bytes: int
     ]
 
 
-def _one_head(shape: tuple[int, ...]) -> tuple[PageArray, ...]:
-    """The page's bytes (its padding aside) as one KV head's array: the latents (and the
-    indexer's one key head) every rank holds whole. Each buffer's array has its own rank
-    and shape, so no two kinds of page are taken for one state laid out two ways."""
-    return one_head_page(shape)
-
-
 _ADVICE = (
     "SGLang moves these pages whole (get_contiguous_buf_infos); they map only to pages of the same "
-    "buffer, layout and page_size. Across TP ranks give shards of num_kv_heads=1: every rank holds them whole"
+    "buffer, layout and page_size; every TP rank holds them whole, so they map between any two ranks"
 )
 
 
@@ -130,7 +123,7 @@ def flashmla_kv_pages(kv_buffer: Any, page_size: int) -> Registration:
         f"SGLang DeepSeek-V4 FlashMLA KV page ({name}): {ps} slots of {data} data bytes, then their "
         f"{scale} scale bytes each, in {row} bytes",
         rows_are_tokens=False,
-        arrays=_one_head((ps, data + scale)),
+        arrays=replicated_page((ps, data + scale)),
         advice=_ADVICE,
     )
     return listed_pages(_rows("kv_buffer", layers, ps, row), page, layers, ps, EngineType.SGLANG)
@@ -185,7 +178,7 @@ def aiter_fp4_indexer_pages(
             f"SGLang DeepSeek-V4 AITER FP4 indexer {what}, each run over the page's {ps} slots, in "
             f"{page_bytes} bytes",
             rows_are_tokens=False,
-            arrays=_one_head(splits[kind][1:]),
+            arrays=replicated_page(splits[kind][1:]),
             advice=_ADVICE,
         )
         rows = _rows(f"{kind}_buffer", layers, ps, page_bytes)  # SGLang's shape or flattened: one view

@@ -28,9 +28,9 @@ from kvlayout.registration.opaque import (
     OPAQUE_PAGE_DTYPE,
     OpaquePages,
     PageArray,
-    one_head_page,
     page_bytes_view,
     page_of,
+    replicated_page,
 )
 
 __all__ = [
@@ -157,9 +157,9 @@ def page_layout(
 
 def latent_pages(spec: Any, value: Any, kernel_pages: int | None) -> tuple[PageArray, ...]:
     """An MLA spec's block of ``kernel_pages`` registered pages (``[pages, ..., slots, row]``:
-    DeepSeek-V4's packed records, a DSA indexer's values then scales) as one KV head's
-    array: vLLM's MLA specs hold one head (the latents, the indexer's key) that every TP
-    rank computes whole, so a page maps between any two ranks. The shape is the block's
+    DeepSeek-V4's packed records, a DSA indexer's values then scales) as an array every
+    rank holds whole: vLLM's MLA specs hold one head (the latents, the indexer's key) that
+    every TP rank computes whole, so a page maps between any two ranks. The shape is the block's
     pages, their slots and row bytes, so pages cut otherwise (2 kernel pages of 32 slots,
     1 of 64) are no one state; empty for any other spec or value."""
     if spec_kind(spec) not in MLA_KINDS or not isinstance(value, torch.Tensor) or not kernel_pages:
@@ -167,4 +167,4 @@ def latent_pages(spec: Any, value: Any, kernel_pages: int | None) -> tuple[PageA
     if value.dim() < 3 or value.numel() == 0:
         return ()
     slots, row = math.prod(value.shape[1:-1]), int(value.shape[-1]) * value.element_size()
-    return one_head_page((kernel_pages, slots, row))
+    return replicated_page((kernel_pages, slots, row))
