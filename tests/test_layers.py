@@ -313,7 +313,7 @@ PUBLIC_MODULES = {
     ],
     "kvlayout.integrations.sglang": ["MAMBA_TYPES", "MambaPoolError", "mamba_state_pools"],
     "kvlayout.integrations.atom": ["ShuffledPoolError", "shuffled_kv_pools"],
-    "kvlayout.integrations.trtllm": ["MambaStateError", "mamba_state_pools"],
+    "kvlayout.integrations.trtllm": ["KvCacheLayoutError", "MambaStateError", "kv_cache_layout_pools", "mamba_state_pools"],
     "kvlayout.transfer.nixl": [  # before it was split into modules
         "DEFAULT_COST", "CostModel", "Descriptors", "Estimate", "LocalSide", "MapSide", "NixlError",
         "NixlMap", "NixlTimeoutError", "PeerStaging", "Plan", "Prepped", "PreppedList",

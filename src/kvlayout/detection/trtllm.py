@@ -33,6 +33,12 @@ from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, Lay
 
 ENGINE = EngineType.TRTLLM
 _ROW_HINTS = ("num_kv_heads", "tokens_per_block", "head_dim")  # what the flat pool row folds
+# KVCacheManagerV2's get_buffers views start at each layer's first buffer and count pages,
+# so layers coalesced in a slot overlap and a page slot indexes none of them.
+_V2 = (
+    "; under KVCacheManagerV2 a connector is handed a KvCacheLayout: read it with "
+    "kvlayout.integrations.trtllm.kv_cache_layout_pools"
+)
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
@@ -47,6 +53,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"TRT-LLM: {p.describe()} is no pool [NB, NL, kv_factor, ...]: a per-layer "
             "get_buffers(layer, kv_layout) view [NB, kv_factor, ...] is read in a list of every layer's "
             "with engine 'vllm' and the same kv_layout; or detect the pool (get_unique_primary_pool())"
+            f"{_V2}"
         )
     hnd, why = _order(p.shape, hints)
     if p.rank == 4 and p.shape[2] == 1 and p.first.dtype == torch.uint8:
@@ -77,7 +84,8 @@ def _views(kv: list[Any]) -> str:
         return ""
     return (
         "; rank-5 entries [NB, kv_factor, ...] look like per-layer get_buffers(layer, kv_layout) views: "
-        "detect the pool (get_unique_primary_pool()), or the views with engine 'vllm' and the same kv_layout"
+        "detect the pool (get_unique_primary_pool()), or the views with engine 'vllm' and the same "
+        f"kv_layout{_V2}"
     )
 
 

@@ -1,0 +1,179 @@
+"""``KVCacheManagerV2``'s KV pools as TRT-LLM hands them to a connector: a
+``KvCacheLayout`` (``connectors/kv_cache_layout.py``), not one pool tensor.
+
+V2 allocates pool groups of ``num_slots`` slots; a slot holds the coalesced buffers of
+one layer group (a life cycle: full attention, or one sliding window), and a
+connector's worker gets ``register_kv_cache_layout(layout)``: per group, regions, each a
+run of adjacent ``(layer, role)`` buffers (``KvCacheBufferRef``, in memory order) that
+repeats once a slot, slot ``i`` at ``base + stride * i`` for ``size`` bytes, viewed as
+``region.as_tensor(dtype)`` ``[num_slots, size // itemsize]`` (strided: a slot may hold
+other runs). Page slots are ``get_aggregated_page_indices(layer_group_id)``, one index
+space a group. V2's per-layer ``get_buffers(layer)`` views are not this: each starts at
+its layer's first buffer and counts pages, so layers coalesced in a slot overlap, and a
+slot id does not index them (``get_buffers`` asserts K and V adjacent).
+
+:func:`kv_cache_layout_pools` reads a group's region of K/V buffers, every layer's key
+then value (or key alone: MLA, ``CacheType.SELFKONLY``) in layer order, as the pool
+TRT-LLM's detector reads, ``[num_slots, NL, kv_factor, NH*BS*HS]`` with the slot's
+other bytes as dim-0 padding, so it maps by heads, tokens and layers to any other
+engine's cache. Any other region (NVFP4 block scales, a sparse model's index keys, a
+replicated side cache) is read as opaque pages, whole slots, that map only to a region of
+the same bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+from kvlayout._generated.engines import EngineType
+from kvlayout.detection.base import DetectionError
+from kvlayout.detection.discovery import detect
+from kvlayout.integrations.page_lists import listed_pages
+from kvlayout.registration.opaque import OpaquePages
+from kvlayout.registration.registration import Registration
+from kvlayout.types import HintsLike, LayoutHints
+
+__all__ = ["KvCacheLayoutError", "kv_cache_layout_pools"]
+
+_KV_ROLES = ("key", "value")  # V2's Role.KEY / Role.VALUE names (DataRole("key"), DataRole("value"))
+
+
+class KvCacheLayoutError(DetectionError):
+    """A ``KvCacheLayout`` whose groups or regions are not what V2 describes."""
+
+
+def _refs(region: Any, where: str) -> list[tuple[int, str, int]]:
+    """The region's buffers as ``(layer_id, role, expansion)``, in memory order."""
+    buffers = getattr(region, "buffers", None)
+    if not isinstance(buffers, list | tuple) or not buffers:
+        raise KvCacheLayoutError(
+            f"{where}'s buffers are {type(buffers).__name__}, not a tuple of KvCacheBufferRef"
+        )
+    refs = []
+    for i, b in enumerate(buffers):
+        layer, role, expansion = (getattr(b, n, None) for n in ("layer_id", "role", "expansion"))
+        if type(layer) is not int or not isinstance(role, str) or type(expansion) is not int:
+            raise KvCacheLayoutError(
+                f"{where}'s buffers[{i}] is {b!r}, not a KvCacheBufferRef (layer_id, role, expansion)"
+            )
+        refs.append((layer, role, expansion))
+    return refs
+
+
+def _rows(region: Any, where: str) -> torch.Tensor:
+    """``region.as_tensor()`` (uint8 ``[num_slots, size]``) checked against the
+    region's own ``num_slots``, ``size`` and ``stride``."""
+    t = region.as_tensor(torch.uint8)
+    want = (int(region.num_slots), int(region.size))
+    if not isinstance(t, torch.Tensor) or t.dim() != 2 or tuple(t.shape) != want or t.stride(1) != 1:
+        what = (
+            f"{list(t.shape)} (strides {list(t.stride())})"
+            if isinstance(t, torch.Tensor)
+            else type(t).__name__
+        )
+        raise KvCacheLayoutError(f"{where}.as_tensor() is {what}, not [num_slots, size] {list(want)} rows")
+    if t.shape[0] > 1 and t.stride(0) != int(region.stride):
+        raise KvCacheLayoutError(
+            f"{where}.as_tensor() steps {t.stride(0)} bytes a slot where the region says stride "
+            f"{region.stride}"
+        )
+    return t
+
+
+def _kv_layers(refs: list[tuple[int, str, int]], where: str) -> tuple[list[int], int]:
+    """The layers of a region of K/V buffers and its kv factor: every layer's ``key``
+    then ``value`` (or ``key`` alone), each buffer once, of expansion 1."""
+    kv = 2 if any(role == "value" for _, role, _ in refs) else 1
+    roles = _KV_ROLES[:kv]
+    layers = [layer for layer, _, _ in refs[::kv]]
+    want = [(layer, role, 1) for layer in layers for role in roles]
+    # Layers ascending, as V1's pool and get_buffers order them: a map pairs layers by position.
+    if refs != want or layers != sorted(set(layers)):
+        got = ", ".join(f"{layer}:{role}" + (f" x{e}" if e != 1 else "") for layer, role, e in refs)
+        raise KvCacheLayoutError(
+            f"{where} holds {got}: a region of K/V buffers is read as each layer's "
+            f"{' then '.join(roles)}, layers ascending, at one tokens_per_block (expansion 1)"
+        )
+    return layers, kv
+
+
+def _kv_pool(
+    region: Any, where: str, refs: list[tuple[int, str, int]], dtype: torch.dtype, hints: LayoutHints
+) -> Registration:
+    layers, kv = _kv_layers(refs, where)
+    rows = _rows(region, where)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    size, stride = int(region.size), int(region.stride)
+    if size % (itemsize * len(layers) * kv) or stride % itemsize:
+        raise KvCacheLayoutError(
+            f"{where}: size {size} and stride {stride} bytes do not hold {len(layers)} layers x {kv} buffers "
+            f"of {dtype} elements"
+        )
+    # The slot's other runs are dim-0 padding of the pool TRT-LLM's detector reads.
+    pool = rows.view(dtype).view(rows.shape[0], len(layers), kv, -1)
+    return detect(pool, EngineType.TRTLLM, hints)
+
+
+def kv_cache_layout_pools(
+    layout: Any, dtype: torch.dtype, hints: HintsLike = None
+) -> dict[str, Registration]:
+    """A ``KvCacheLayout`` (what ``KVCacheManagerV2`` hands ``register_kv_cache_layout``)
+    as registrations, one a region: ``"group{g}"`` the region of group ``g``'s K/V
+    buffers, read as TRT-LLM's pool ``[num_slots, NL, kv_factor, NH*BS*HS]`` of ``dtype``
+    (the cache's element type; ``torch.int8`` for NVFP4, two values a byte) with
+    ``hints`` (``num_kv_heads``, ``head_dim``, ``kv_layout`` as for
+    ``kvlayout.detect(pool, "trtllm", ...)``; ``tokens_per_block`` is the layout's);
+    ``"group{g}.region{i}"`` (``"group{g}.replicated{i}"``) any other region, opaque
+    pages of whole slots. Block ids are group ``g``'s page slots
+    (``get_aggregated_page_indices(g)``). Raises :class:`KvCacheLayoutError` for a
+    layout that is not V2's."""
+    groups = getattr(layout, "groups", None)
+    bs = getattr(layout, "tokens_per_block", None)
+    if not isinstance(groups, list | tuple) or type(bs) is not int or bs <= 0:
+        raise KvCacheLayoutError(
+            f"{type(layout).__name__} is not a KvCacheLayout (tokens_per_block, groups): "
+            f"tokens_per_block {bs!r}, groups {type(groups).__name__}"
+        )
+    given = LayoutHints.coerce(hints)
+    if given.tokens_per_block not in (None, bs):
+        raise KvCacheLayoutError(
+            f"layout hint tokens_per_block={given.tokens_per_block} contradicts the layout's {bs}"
+        )
+    given = dataclasses.replace(given, tokens_per_block=bs)
+    pools: dict[str, Registration] = {}
+    for group in groups:
+        g = getattr(group, "layer_group_id", None)
+        regions: dict[str, tuple[Any, ...]] = {}
+        for kind, attribute in (("region", "regions"), ("replicated", "replicated_regions")):
+            held = getattr(group, attribute, None if kind == "region" else ())
+            if not isinstance(held, list | tuple):
+                raise KvCacheLayoutError(
+                    f"layer group {g}'s {attribute} are {type(held).__name__}, not a tuple"
+                )
+            regions[kind] = tuple(held)
+        kv_regions = [
+            i
+            for i, r in enumerate(regions["region"])
+            if {role for _, role, _ in _refs(r, f"layer group {g} region {i}")} <= set(_KV_ROLES)
+        ]
+        if len(kv_regions) > 1:
+            raise KvCacheLayoutError(
+                f"layer group {g} holds K/V buffers in {len(kv_regions)} regions ({kv_regions}); kvlayout "
+                "reads them as one pool: one run of every layer's K and V a slot"
+            )
+        for kind, held in regions.items():
+            for i, region in enumerate(held):
+                where = f"layer group {g} {kind} {i}"
+                refs = _refs(region, where)
+                if kind == "region" and i in kv_regions:
+                    pools[f"group{g}"] = _kv_pool(region, where, refs, dtype, given)
+                    continue
+                rows = _rows(region, where)
+                named = ", ".join(f"{layer}:{role}" for layer, role, _ in refs)
+                page = OpaquePages(f"TRT-LLM V2 {kind}: {named} ({rows.shape[1]} bytes)", False)
+                view = rows.view(torch.int8).view(rows.shape[0], 1, -1)
+                pools[f"group{g}.{kind}{i}"] = listed_pages([view], page, [rows], 1, EngineType.TRTLLM)
+    return pools

@@ -1,0 +1,217 @@
+"""``KVCacheManagerV2``'s ``KvCacheLayout`` (``connectors/kv_cache_layout.py``): what a
+connector's ``register_kv_cache_layout`` receives in place of one pool tensor. The fakes
+below hold V2's contract verbatim: region bytes of page slot ``i`` at ``base + stride *
+i`` for ``size`` bytes, ``as_tensor(dtype)`` a strided ``[num_slots, size // itemsize]``
+view, buffers ``(layer_id, role, expansion)`` in memory order. Every byte moved is checked
+against that addressing."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout import DetectionError, LayoutHintError
+from kvlayout import EngineKVFormat as F
+from kvlayout.integrations.trtllm import KvCacheLayoutError, kv_cache_layout_pools
+from kvlayout.transfer import BlockMapError, Shard, block_map
+
+
+@dataclass(frozen=True)
+class BufferRef:
+    layer_id: int
+    role: str
+    expansion: int = 1
+
+
+@dataclass(frozen=True)
+class Region:
+    storage: torch.Tensor  # the pool's bytes (uint8); ``base`` is an offset into it
+    base: int
+    size: int
+    stride: int
+    num_slots: int
+    buffers: tuple[BufferRef, ...]
+
+    def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        return self.storage.view(dtype).as_strided(
+            (self.num_slots, self.size // itemsize), (self.stride // itemsize, 1), self.base // itemsize
+        )
+
+    def bytes_of(self, slot: int, offset: int, size: int) -> torch.Tensor:
+        start = self.base + self.stride * slot + offset
+        return self.storage[start : start + size]
+
+
+@dataclass(frozen=True)
+class Group:
+    layer_group_id: int
+    layer_ids: tuple[int, ...]
+    window_size: int | None
+    regions: tuple[Region, ...]
+    replicated_regions: tuple[Region, ...] = ()
+
+
+@dataclass(frozen=True)
+class Layout:
+    tokens_per_block: int
+    groups: tuple[Group, ...]
+
+
+SLOTS, NH, BS, HD = 6, 2, 4, 8
+BUF = NH * BS * HD * 2  # one layer's K (or V) of one slot, bf16
+
+
+def kv_refs(layers: range | list[int], roles: tuple[str, ...] = ("key", "value")) -> tuple[BufferRef, ...]:
+    return tuple(BufferRef(layer, role) for layer in layers for role in roles)
+
+
+def pool_bytes(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+
+
+HINTS = {"num_kv_heads": NH, "head_dim": HD}
+
+
+def test_a_groups_kv_region_maps_to_a_v1_pool_byte_for_byte() -> None:
+    """One slot: every layer's K then V, then a run of other bytes (NVFP4 block scales
+    here) the region's stride steps over; the scales are their own opaque region."""
+    nl, extra = 3, 64
+    slot = nl * 2 * BUF + extra
+    storage = pool_bytes(SLOTS * slot, 0)
+    kv = Region(storage, 0, nl * 2 * BUF, slot, SLOTS, kv_refs(range(nl)))
+    scales = Region(storage, nl * 2 * BUF, extra, slot, SLOTS, kv_refs(range(nl), ("key_block_scale",)))
+    pools = kv_cache_layout_pools(
+        Layout(BS, (Group(0, (0, 1, 2), None, (kv, scales)),)), torch.bfloat16, HINTS
+    )
+    assert set(pools) == {"group0", "group0.region1"}
+    assert pools["group0"].kernel_groups[0].format is F.NB_NL_TWO_NH_BS_HS
+    v1 = torch.zeros(4, nl, 2, NH * BS * HD, dtype=torch.bfloat16)
+    dst = kvlayout.detect(v1, "trtllm", {**HINTS, "tokens_per_block": BS})
+    block_map(pools["group0"], dst, [5, 2], [0, 3]).copy()
+    for s, d in ((5, 0), (2, 3)):
+        for layer in range(nl):
+            for r in range(2):
+                assert torch.equal(
+                    v1[d, layer, r].view(torch.uint8), kv.bytes_of(s, (2 * layer + r) * BUF, BUF)
+                )
+    assert not v1[1].any() and not v1[2].any()
+
+
+def test_an_nhd_group_maps_to_vllm_caches_by_tokens_and_heads() -> None:
+    """``kv_layout="NHD"`` (FlashInfer / Vanilla attention): each buffer ``[BS, NH, HD]``;
+    TP 1 into a TP 2 rank's vLLM caches moves its heads."""
+    nl = 2
+    storage = pool_bytes(SLOTS * nl * 2 * BUF, 1)
+    kv = Region(storage, 0, nl * 2 * BUF, nl * 2 * BUF, SLOTS, kv_refs(range(nl)))
+    pools = kv_cache_layout_pools(
+        Layout(BS, (Group(0, (0, 1), None, (kv,)),)), torch.bfloat16, {**HINTS, "kv_layout": "NHD"}
+    )
+    caches = [torch.zeros(2, 5, BS, NH // 2, HD, dtype=torch.bfloat16) for _ in range(nl)]
+    vllm = kvlayout.detect(caches, "vllm", {"kv_layout": "NHD"})
+    block_map(pools["group0"], vllm, [4], [2], dst_shard=Shard(1, 2, NH)).copy()
+    for layer in range(nl):
+        for r in range(2):
+            want = kv.bytes_of(4, (2 * layer + r) * BUF, BUF).view(torch.bfloat16).view(BS, NH, HD)[:, 1:]
+            assert torch.equal(caches[layer][r, 2], want)
+
+
+def test_an_mla_group_holds_keys_alone() -> None:
+    nl, c = 2, 576
+    buf = BS * c * 2
+    storage = pool_bytes(SLOTS * nl * buf, 2)
+    latents = Region(storage, 0, nl * buf, nl * buf, SLOTS, kv_refs(range(nl), ("key",)))
+    pools = kv_cache_layout_pools(
+        Layout(BS, (Group(0, (0, 1), None, (latents,)),)), torch.bfloat16, {"head_dim": c}
+    )
+    assert pools["group0"].kernel_groups[0].format is F.NB_NL_ONE_BS_HS
+    mla = [torch.zeros(3, BS, c, dtype=torch.bfloat16) for _ in range(nl)]
+    block_map(pools["group0"], kvlayout.detect(mla, "vllm"), [1], [2]).copy()
+    for layer in range(nl):
+        assert torch.equal(mla[layer][2].reshape(-1).view(torch.uint8), latents.bytes_of(1, layer * buf, buf))
+
+
+def test_vswa_groups_are_a_pool_each_with_their_own_page_slots() -> None:
+    """Full-attention layers 0 and 2 in one group, sliding-window layer 1 in another, in
+    pools of their own slot counts: each maps with its group's page slots."""
+    full = Region(pool_bytes(SLOTS * 2 * 2 * BUF, 3), 0, 2 * 2 * BUF, 2 * 2 * BUF, SLOTS, kv_refs([0, 2]))
+    swa = Region(pool_bytes(3 * 2 * BUF, 4), 0, 2 * BUF, 2 * BUF, 3, kv_refs([1]))
+    layout = Layout(BS, (Group(0, (0, 2), None, (full,)), Group(1, (1,), 128, (swa,))))
+    pools = kv_cache_layout_pools(layout, torch.bfloat16, HINTS)
+    assert [pools[g].kernel_groups[0].describe() for g in ("group0", "group1")] == [
+        "layers 0-1: NB_NL_TWO_NH_BS_HS [6, 2, 2, 2, 4, 8] torch.bfloat16",
+        "layers 0: NB_NL_TWO_NH_BS_HS [3, 1, 2, 2, 4, 8] torch.bfloat16",
+    ]
+    v1 = torch.zeros(2, 1, 2, NH * BS * HD, dtype=torch.bfloat16)
+    block_map(
+        pools["group1"], kvlayout.detect(v1, "trtllm", {**HINTS, "tokens_per_block": BS}), [2], [1]
+    ).copy()
+    assert torch.equal(v1[1].reshape(-1).view(torch.uint8), swa.bytes_of(2, 0, 2 * BUF))
+
+
+def test_other_regions_move_whole_slots_to_regions_of_the_same_bytes() -> None:
+    runs = kv_refs(range(2), ("index_key",))
+    a = Region(pool_bytes(SLOTS * 96, 5), 0, 64, 96, SLOTS, runs)
+    b = Region(torch.zeros(4 * 64, dtype=torch.uint8), 0, 64, 64, 4, runs)
+    kv = Region(pool_bytes(SLOTS * 2 * BUF, 6), 0, 2 * BUF, 2 * BUF, SLOTS, kv_refs([0]))
+    src = kv_cache_layout_pools(Layout(BS, (Group(0, (0,), None, (kv,), (a,)),)), torch.bfloat16, HINTS)
+    dst = kv_cache_layout_pools(Layout(BS, (Group(0, (0,), None, (), (b,)),)), torch.bfloat16, HINTS)
+    block_map(src["group0.replicated0"], dst["group0.replicated0"], [5, 1], [0, 3]).copy()
+    assert torch.equal(b.bytes_of(0, 0, 64), a.bytes_of(5, 0, 64)) and torch.equal(
+        b.bytes_of(3, 0, 64), a.bytes_of(1, 0, 64)
+    )
+    with pytest.raises(BlockMapError):  # opaque slots are no K/V pages
+        block_map(src["group0.replicated0"], src["group0"], [0], [0])
+
+
+def test_the_pool_detector_refuses_a_region_tensor() -> None:
+    """Before this reader a connector had only ``region.as_tensor()``, refused by rank."""
+    region = Region(pool_bytes(SLOTS * 2 * BUF, 7), 0, 2 * BUF, 2 * BUF, SLOTS, kv_refs([0]))
+    with pytest.raises(DetectionError, match="tensor rank 2"):
+        kvlayout.detect(region.as_tensor(), "trtllm", {**HINTS, "tokens_per_block": BS})
+
+
+def test_layouts_kvlayout_cannot_read_are_refused_by_name() -> None:
+    storage = pool_bytes(SLOTS * 4 * BUF, 8)
+
+    def one(buffers: tuple[BufferRef, ...], hints: Mapping[str, object] = HINTS) -> None:
+        region = Region(storage, 0, 4 * BUF, 4 * BUF, SLOTS, buffers)
+        kv_cache_layout_pools(Layout(BS, (Group(0, (0, 1), None, (region,)),)), torch.bfloat16, hints)
+
+    with pytest.raises(KvCacheLayoutError, match="holds 0:key, 1:key, 0:value, 1:value: a region of K/V"):
+        one((BufferRef(0, "key"), BufferRef(1, "key"), BufferRef(0, "value"), BufferRef(1, "value")))
+    with pytest.raises(
+        KvCacheLayoutError, match=r"holds 1:key, 1:value, 0:key, 0:value: .* layers ascending"
+    ):
+        one(kv_refs([1, 0]))
+    with pytest.raises(KvCacheLayoutError, match=r"0:key x2"):
+        one((BufferRef(0, "key", 2), BufferRef(0, "value"), BufferRef(1, "key"), BufferRef(1, "value")))
+    with pytest.raises(KvCacheLayoutError, match="tokens_per_block=8 contradicts the layout's 4"):
+        one(kv_refs(range(2)), {**HINTS, "tokens_per_block": 8})
+    with pytest.raises(LayoutHintError, match=r"flat dim 64 != num_kv_heads \(3\)"):
+        one(kv_refs(range(2)), {"num_kv_heads": 3, "head_dim": HD})
+    with pytest.raises(KvCacheLayoutError, match="is not a KvCacheLayout"):
+        kv_cache_layout_pools(object(), torch.bfloat16, HINTS)
+    with pytest.raises(KvCacheLayoutError, match="in 2 regions"):
+        halves = [Region(storage, i * 2 * BUF, 2 * BUF, 4 * BUF, SLOTS, kv_refs([i])) for i in range(2)]
+        kv_cache_layout_pools(Layout(BS, (Group(0, (0, 1), None, tuple(halves)),)), torch.bfloat16, HINTS)
+
+
+def test_v2s_per_layer_get_buffers_views_are_refused_with_the_layout_reader_named() -> None:
+    """``KVCacheManagerV2.get_buffers(layer)``: ``[page_upper // 2, 2, BS, NH, HD]`` from
+    the layer's first buffer, so coalesced layers overlap and a page slot indexes none."""
+    nl = 3
+    pages = torch.randn(SLOTS * nl * 2, NH * BS * HD)
+    views = [
+        pages[2 * layer :].view(-1, 2, BS, NH, HD)[: (SLOTS * nl * 2 - 2 * layer) // 2] for layer in range(nl)
+    ]
+    with pytest.raises(DetectionError, match=r"KvCacheLayout: read it with kvlayout\.integrations\.trtllm"):
+        kvlayout.detect(views, "trtllm", {"kv_layout": "NHD"})
+    with pytest.raises(DetectionError, match=r"KvCacheLayout: read it with kvlayout\.integrations\.trtllm"):
+        kvlayout.detect(views[0], "trtllm", {"kv_layout": "NHD"})
+    with pytest.raises(DetectionError, match="overlap in memory"):
+        kvlayout.detect(views, "vllm", {"kv_layout": "NHD"})
