@@ -117,6 +117,13 @@ _NOT_STATE = (
     "state]) are one state per request slot, not KV pages: "
     "kvlayout.integrations.sglang.mamba_state_pools(pool) reads them"
 )
+# DeepSeek-V4's compressor states: their ring size is the pool's, which no shape says.
+_NOT_DSV4_STATE = (
+    "; a DeepSeek-V4 compressor state (CompressStatePool.kv_score_buffer.kv_score: floating [rows, "
+    "width], a request's in a ring of ring_size rows) or its HiCache host pages (DeepSeekV4StateHostPool"
+    ".kv_buffer: uint8 [pages, ring bytes]) is no KV page: "
+    "kvlayout.integrations.sglang.compress_state_rings(states, ring_size) reads them as whole rings"
+)
 
 
 # DeepSeek-V4's FlashMLA KV page layouts (SGLang's ``dsv4/kv_layout.py`` ``KVLayout``, which
@@ -236,6 +243,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"SGLang: {p.describe()}: a flat list is an MLA page buffer [NB*BS, 1, HS] unless "
             "layout hint kv_list_layout says 'k_v' (K layers then V layers) or 'unified' (components)"
             f"{_NOT_STATE}{_NOT_HOST_HALVES if len(kv) == 2 else ''}"
+            f"{_NOT_DSV4_STATE if p.rank == 2 and p.first.dtype.is_floating_point else ''}"
             f"{_NOT_AITER_FP4_INDEXER if p.rank == 4 and p.first.dtype == torch.uint8 else ''}"
             f"{_NOT_DSV4_UNIFORM_FP8 if p.rank == 2 and p.first.dtype == torch.float8_e4m3fn else ''}"
         )
@@ -578,7 +586,8 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
         raise DetectionError(
             f"SGLang: {p.describe()}: a flat list of 2-D {dtype} tensors is a DSA indexer cache [pages, "
             f"page_size * W] (W = {' or '.join(map(str, widths)) or 'none'} bytes), but its row {what}"
-            f"{_NOT_FLASHMLA + _NOT_AITER_FP4_INDEXER if dtype == 'uint8' else ''}; a buffer of a row per "
+            f"{_NOT_FLASHMLA + _NOT_AITER_FP4_INDEXER + _NOT_DSV4_STATE if dtype == 'uint8' else ''}; a "
+            "buffer of a row per "
             "token slot (an FP4 MLA "
             "pool's kv_scale_buffer [size + page_size, C // 16]) reads as MLA page buffers: pass "
             "[t.unsqueeze(1) for t in buffers]"

@@ -10,13 +10,15 @@ model's Mamba type) two TP degrees. :func:`vectorized_kv_pools` reads the KV poo
 ROCm's AITER backend lays out in 5-D vectors (``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``)
 as opaque pages, K and V each a registration; :func:`flashmla_kv_pages` and
 :func:`aiter_fp4_indexer_pages` read DeepSeek-V4's FlashMLA KV pages and ROCm FP4 indexer
-pages so, whole pages as SGLang's P/D moves them. SGLang itself is not imported: pools are
-read structurally.
+pages so, whole pages as SGLang's P/D moves them, and :func:`compress_state_rings` its
+compressor states (device or HiCache host) a ring at a time, block ids SGLang's SWA pages or
+request slots. SGLang itself is not imported: pools are read structurally.
 """
 
 from kvlayout.integrations.sglang.deepseek_v4 import (
     DeepSeekV4PoolError,
     aiter_fp4_indexer_pages,
+    compress_state_rings,
     flashmla_kv_pages,
 )
 from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
@@ -28,6 +30,7 @@ __all__ = [
     "MambaPoolError",
     "VectorizedPoolError",
     "aiter_fp4_indexer_pages",
+    "compress_state_rings",
     "flashmla_kv_pages",
     "mamba_state_pools",
     "vectorized_kv_pools",

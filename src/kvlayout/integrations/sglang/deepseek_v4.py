@@ -24,6 +24,11 @@ only to a page of the same kind, layout and page_size, and a partly filled last 
 moves whole. Every TP rank holds the latents (and the indexer's keys) whole: a page
 declares itself an array every rank holds whole, so a map moves it between any two
 ranks, whatever their shards.
+
+Its compressor states (``CompressStatePool``) are no pages but rings, a request's state in
+``ring_size`` rows of ``kv_score`` (:func:`compress_state_rings`): the ring is a block, whole,
+as SGLang's P/D and HiCache move it; the compressor is replicated over TP ranks, so a ring
+too is an array every rank holds whole.
 """
 
 from __future__ import annotations
@@ -41,7 +46,7 @@ from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, replicated_page
 from kvlayout.registration.registration import Registration
 
-__all__ = ["DeepSeekV4PoolError", "aiter_fp4_indexer_pages", "flashmla_kv_pages"]
+__all__ = ["DeepSeekV4PoolError", "aiter_fp4_indexer_pages", "compress_state_rings", "flashmla_kv_pages"]
 
 
 class DeepSeekV4PoolError(DetectionError):
@@ -184,3 +189,106 @@ def aiter_fp4_indexer_pages(
         rows = _rows(f"{kind}_buffer", layers, ps, page_bytes)  # SGLang's shape or flattened: one view
         pools[kind] = listed_pages(rows, page, layers, ps, EngineType.SGLANG)
     return pools
+
+
+_RING_ADVICE = (
+    "SGLang moves a compressor state's ring whole (get_state_buf_infos, get_request_state_buf_infos, "
+    "DeepSeekV4StateHostPool); a ring maps only to a ring of as many rows of as many bytes. Every TP "
+    "rank holds the states whole, so a ring maps between any two ranks"
+)
+
+
+def _ring_size(ring_size: object) -> int:
+    try:
+        n = as_int(ring_size, "ring_size")
+    except TypeError:
+        n = 0
+    if n < 1:
+        raise DeepSeekV4PoolError(
+            f"ring_size must be a positive int (the pool's ring_size, get_compress_state_ring_size), "
+            f"not {ring_size!r}"
+        )
+    return n
+
+
+def _state_tensors(states: Any, ring_size: object) -> tuple[list[Any], int]:
+    """The per-layer tensors and ring size of ``states``: tensors (``ring_size`` given) or
+    SGLang's ``CompressStatePool`` objects, whose ``kv_score_buffer.kv_score`` and
+    ``ring_size`` say both (a ``ring_size`` given must be theirs)."""
+    if not isinstance(states, list | tuple) or not any(hasattr(s, "kv_score_buffer") for s in states):
+        return states, _ring_size(ring_size)  # tensors: layer_list says what else they are not
+    tensors, rings = [], set()
+    for i, pool in enumerate(states):
+        kv_score = getattr(getattr(pool, "kv_score_buffer", None), "kv_score", None)
+        ring = getattr(pool, "ring_size", None)
+        if kv_score is None or ring is None:
+            raise DeepSeekV4PoolError(
+                f"states[{i}] is {type(pool).__name__}, not a CompressStatePool (kv_score_buffer.kv_score, "
+                "ring_size) like the others"
+            )
+        tensors.append(kv_score)
+        rings.add(_ring_size(ring))
+    if len(rings) != 1:
+        raise DeepSeekV4PoolError(
+            f"the pools' rings are of {sorted(rings)} rows: one list holds one kind of state (C4's or "
+            "C128's, attention's or the indexer's)"
+        )
+    ring = rings.pop()
+    if ring_size is not None and _ring_size(ring_size) != ring:
+        raise DeepSeekV4PoolError(f"ring_size={ring_size!r}, but the pools' rings are of {ring} rows")
+    return tensors, ring
+
+
+def compress_state_rings(states: Any, ring_size: int | None = None) -> Registration:
+    """SGLang's DeepSeek-V4 compressor states (``CompressStatePool``, one per C4 or C128
+    layer: ``compress_state_pools``, ``indexer_compress_state_pools``) as one registration
+    of whole rings: block ``b`` is the ring of ``ring_size`` rows ``[b * ring_size, (b + 1)
+    * ring_size)``, where SGLang keeps a request's state (``translate_from_swa_loc_to_state_loc``:
+    C4's ring is its SWA page's, ``swa_loc // swa_page_size``; ``translate_from_req_position_to_state_loc``:
+    C128's, and C4's in the unified pool, is its request slot's, ``req_pool_idx``). ``states``
+    is the layers' pools, or their ``kv_score_buffer.kv_score`` (floating ``[rows, width]``:
+    a row's kv, then its score) with ``ring_size``, or the HiCache host pages
+    (``DeepSeekV4StateHostPool.kv_buffer``: uint8 ``[pages, ring_size * row bytes]``, a page a
+    ring) with ``ring_size``; the device's rows past its last whole ring (padding, the dummy
+    row) are no block, as SGLang's host pool views them. Every TP rank holds the states
+    whole: a ring maps between any two ranks, whatever their shards. Raises
+    :class:`DeepSeekV4PoolError` for anything else."""
+    tensors, ring = _state_tensors(states, ring_size)
+    origin = "CompressStatePool.kv_score_buffer.kv_score or DeepSeekV4StateHostPool.kv_buffer"
+    layers = layer_list("states", tensors, origin, DeepSeekV4PoolError)
+    first = layers[0]
+    host = first.dtype == torch.uint8  # the host pool's byte pages; a device state holds -inf scores
+    if first.dim() != 2 or not (host or first.dtype.is_floating_point):
+        raise DeepSeekV4PoolError(
+            f"states[0] is {list(first.shape)} {first.dtype}, not a compressor state (floating [rows, "
+            "width]) nor its host pages (uint8 [pages, ring bytes])"
+        )
+    if not first.numel():
+        raise DeepSeekV4PoolError(f"states[0] is {list(first.shape)}: it holds no rings")
+    if host:
+        if first.shape[1] % ring:
+            raise DeepSeekV4PoolError(
+                f"states[0] is {list(first.shape)} uint8: a host page of {first.shape[1]} bytes, which is no "
+                f"ring of ring_size={ring} equal rows (DeepSeekV4StateHostPool: ring_size * row bytes)"
+            )
+        rows = [
+            page_rows(f"states[{i}]", t, ring, "SGLang", DeepSeekV4PoolError) for i, t in enumerate(layers)
+        ]
+    else:
+        whole = first.shape[0] // ring * ring
+        if not whole:
+            raise DeepSeekV4PoolError(
+                f"states[0] is {list(first.shape)}: no whole ring of ring_size={ring} rows"
+            )
+        rows = [
+            page_rows(f"states[{i}]", t[:whole], 1, "SGLang", DeepSeekV4PoolError)
+            for i, t in enumerate(layers)
+        ]
+    row_bytes = int(rows[0].shape[-1])
+    page = OpaquePages(
+        f"SGLang DeepSeek-V4 compressor state ring: {ring} rows of {row_bytes} bytes",
+        rows_are_tokens=False,
+        arrays=replicated_page((ring, row_bytes)),
+        advice=_RING_ADVICE,
+    )
+    return listed_pages(rows, page, layers, ring, EngineType.SGLANG)
