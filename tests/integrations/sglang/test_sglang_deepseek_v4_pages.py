@@ -373,3 +373,51 @@ def test_uniform_fp8_pool_is_refused_naming_its_token_rows() -> None:
         for s, d in ((4, 0), (1, 5)):
             assert torch.equal(d_tok[d * ps : (d + 1) * ps], s_tok[s * ps : (s + 1) * ps])
         assert not raw(dst[layer])[[1, 2, 3, 4]].any()
+
+
+def test_a_one_slot_v41_page_is_told_from_a_unified_one_row_page() -> None:
+    """At page_size 1 a V4.1 FlashMLA page (528 bytes padded to 512: 1024) is the size of the
+    unified pool's compressed page of one bf16 row of 512 (``unified_region_buffers`` at
+    ``page_size // ratio == 1``): read as V4.1, a map between the two moved bf16 latents into
+    FlashMLA pages. The page is refused without ``layout``; the unified pages read as MLA rows."""
+    assert page_bytes("v41", 1) == HEAD_DIM * 2
+    gen = torch.Generator().manual_seed(10)
+    unified = [  # unified_region_buffers(128) at page_size 128: uint8 [pages, 1 * 512 * 2]
+        torch.randn(PAGES, HEAD_DIM, generator=gen).to(torch.bfloat16).view(torch.uint8) for _ in range(NL)
+    ]
+    v41 = kv_pool("v41", 1, 11)
+    for kv in (unified, v41):
+        with pytest.raises(
+            DeepSeekV4PoolError,
+            match=re.escape("also a DeepSeekV4UnifiedKVPool compressed page of 1 bf16 row(s) of 512")
+            + ".*"
+            + re.escape("pass layout='v41' for a FlashMLA pool"),
+        ):
+            flashmla_kv_pages(kv, 1)
+    pages = flashmla_kv_pages(v41, 1, layout="v41")
+    dst = kv_pool("v41", 1, None)
+    block_map(pages, flashmla_kv_pages(dst, 1, layout="v41"), [4], [1]).copy()
+    assert torch.equal(dst[2][1], v41[2][4]) and not dst[2][[0, 2, 3, 4, 5]].any()
+
+    def rows(kv: list[torch.Tensor]) -> Any:  # the refusal's reading of the unified pages
+        views = [v.view(torch.bfloat16).view(-1, 1, HEAD_DIM) for v in kv]
+        return kvlayout.detect(views, "sglang", {"tokens_per_block": 1})
+
+    host = [torch.zeros(PAGES, HEAD_DIM * 2, dtype=torch.uint8) for _ in range(NL)]
+    block_map(rows(unified), rows(host), [3], [0]).copy()
+    assert torch.equal(host[1][0], unified[1][3]) and not host[1][1:].any()
+    assert "is opaque pages" in refusal(pages, rows(unified))
+
+
+def test_layout_names_a_flashmla_layout_the_page_has() -> None:
+    kv = kv_pool("v4", 64, None)
+    assert flashmla_kv_pages(kv, 64, layout="v4").only_group().block_size == 64
+    with pytest.raises(
+        DeepSeekV4PoolError,
+        match=re.escape("is no FlashMLA page of page_size=64 slots (bytes by layout: v41 33792)"),
+    ):
+        flashmla_kv_pages(kv, 64, layout="v41")
+    with pytest.raises(
+        DeepSeekV4PoolError, match=re.escape("layout='V4' is no FlashMLA page layout: one of v4")
+    ):
+        flashmla_kv_pages(kv, 64, layout="V4")
