@@ -144,6 +144,13 @@ def flashmla_page_bytes(layout: str, page_size: int) -> int:
 
 
 _FLASHMLA_PAGE_ALIGN = FLASHMLA_LAYOUTS["v4"][2]
+# A V4 slot's data and scale bytes together: the row of DeepSeek-V4's HiSparse host pool
+# (DeepSeekV4SingleKVPoolHost.kv_buffer, uint8 [NL, slots, 584], a token's record a row).
+_DSV4_TOKEN_BYTES = sum(FLASHMLA_LAYOUTS["v4"][:2])
+_HISPARSE_HOST_ORDER = (
+    f"; DeepSeek-V4's HiSparse host pool (DeepSeekV4SingleKVPoolHost.kv_buffer, uint8 [NL, slots, "
+    f"{_DSV4_TOKEN_BYTES}]) has no layout attribute: it is layer_first"
+)
 _NOT_FLASHMLA = (
     "; a DeepSeek-V4 KV pool's FlashMLA pages (DeepSeekV4SingleKVPool.kv_buffer: uint8 [pages, page "
     "bytes padded to a multiple of 576, or in V4.1 of 512 or 256]) are no indexer's, and no format reads "
@@ -201,6 +208,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
                 "host pool's kv_buffer is one tensor: pass layout hint hicache_layout "
                 "(mem_pool_host.layout); a Mamba state pool's tensors are read by "
                 "kvlayout.integrations.sglang.mamba_state_pools(pool)"
+                f"{_HISPARSE_HOST_ORDER if _hisparse_host(p) else ''}"
             )
         return _host_pool(kv, p, hints)
     if hints.hicache_layout is not None:
@@ -299,6 +307,9 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     indexer = _host_indexer(kv, p, name, hints.tokens_per_block, where)
     if indexer is not None:
         return indexer
+    if name == "layer_first" and _hisparse_host(p):
+        kv = kv.unsqueeze(2)  # its rows are MLA host rows without the pool's head axis of 1
+        p = probe(kv)
     pools = [f for f in _host_pools() if _is_host_order(LAYOUTS[f], order) and not LAYOUTS[f].is_indexer]
     shapes = " or ".join(LAYOUTS[f].describe_shape() for f in pools)
     if name in _INDEXER_ORDERS:
@@ -326,6 +337,13 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
     if hints.tokens_per_block is None or not LAYOUTS[fmt].is_pbs_fused:
         return fmt, kv
     return _unfolded(kv, p, fmt, hints.tokens_per_block, where)
+
+
+def _hisparse_host(p: Probe) -> bool:
+    """Whether the one tensor is DeepSeek-V4's HiSparse host pool, uint8 ``[NL, slots, 584]``
+    (``DeepSeekV4SingleKVPoolHost.init_kv_buffer``): a 584-byte row is no DSA indexer page
+    (no multiple of 132 or 68 bytes), so nothing else reads it."""
+    return p.rank == 3 and p.first.dtype == torch.uint8 and p.shape[-1] == _DSV4_TOKEN_BYTES
 
 
 def _host_indexer(

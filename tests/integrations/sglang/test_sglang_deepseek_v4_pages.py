@@ -421,3 +421,27 @@ def test_layout_names_a_flashmla_layout_the_page_has() -> None:
         DeepSeekV4PoolError, match=re.escape("layout='V4' is no FlashMLA page layout: one of v4")
     ):
         flashmla_kv_pages(kv, 64, layout="V4")
+
+
+def test_hisparse_host_pool_reads_as_one_tensor_and_as_its_layers() -> None:
+    """DeepSeekV4SingleKVPoolHost (hisparse_memory_pool.py): ``kv_buffer`` is one uint8
+    ``[NL, size + 1, 584]`` (init_kv_buffer), a token's 584-byte record at ``kv_buffer[l][slot]``
+    (transfer_kv_all_layer_mla, item_size=kv_cache_total_dim); its ``data_refs`` are the
+    layers. The one tensor reads as the layers do, MLA host rows (layer_first)."""
+    slots = 9
+    gen = torch.Generator().manual_seed(12)
+    one = torch.randint(0, 256, (NL, slots, 584), dtype=torch.uint8, generator=gen)
+    with pytest.raises(kvlayout.DetectionError, match=re.escape("HiSparse host pool") + ".*layer_first"):
+        kvlayout.detect(one, "sglang")
+    pool = kvlayout.detect(one, "sglang", {"hicache_layout": "layer_first", "tokens_per_block": 1})
+    other = torch.zeros(NL, slots, 584, dtype=torch.uint8)  # another instance's, by its data_refs
+    layers = kvlayout.detect([other[i].unsqueeze(1) for i in range(NL)], "sglang", {"tokens_per_block": 1})
+    block_map(pool, layers, [5, 7], [1, 2], num_tokens=2).copy()
+    for layer in range(NL):
+        assert torch.equal(other[layer][1], one[layer][5]) and torch.equal(other[layer][2], one[layer][7])
+        assert not other[layer][[0, *range(3, slots)]].any()
+    back = torch.zeros(NL, slots, 584, dtype=torch.uint8)
+    block_map(
+        layers, kvlayout.detect(back, "sglang", {"hicache_layout": "layer_first"}), [2], [8], dst_block_size=1
+    ).copy()
+    assert torch.equal(back[:, 8], one[:, 7]) and not back[:, :8].any()
