@@ -242,14 +242,15 @@ def _state_tensors(states: Any, ring_size: object) -> tuple[list[Any], int]:
         if kv_score is None or ring is None:
             raise DeepSeekV4PoolError(
                 f"states[{i}] is {type(pool).__name__}, not a CompressStatePool (kv_score_buffer.kv_score, "
-                "ring_size) like the others"
+                "ring_size) like the others: pass one ratio's pools, e.g. [p for p in compress_state_pools "
+                "if p is not None and p.ratio == 4]"
             )
         tensors.append(kv_score)
         rings.add(_ring_size(ring))
     if len(rings) != 1:
         raise DeepSeekV4PoolError(
             f"the pools' rings are of {sorted(rings)} rows: one list holds one kind of state (C4's or "
-            "C128's, attention's or the indexer's)"
+            "C128's, attention's or the indexer's), one ratio's pools"
         )
     ring = rings.pop()
     if ring_size is not None and _ring_size(ring_size) != ring:
