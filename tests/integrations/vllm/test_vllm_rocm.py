@@ -157,7 +157,11 @@ def test_rocm_indexer_pages_move_between_tp_ranks(entry: str, kv_dtype: str, blo
     kv_a = _filled(engine, 7)
     a = _detect(engine, kv_a, entry, hints)
     page = next(iter(kv_a.values()))[0].numel() * next(iter(kv_a.values())).element_size()
-    pairs = [(Shard(0, 2, 1), Shard(1, 2, 1)), (Shard(0, 1, 1), Shard(3, 4, 1)), (Shard(0, 2, 2), Shard(1, 2, 2))]
+    pairs = [
+        (Shard(0, 2, 1), Shard(1, 2, 1)),
+        (Shard(0, 1, 1), Shard(3, 4, 1)),
+        (Shard(0, 2, 2), Shard(1, 2, 2)),
+    ]
     for seed, shards in enumerate(pairs, 8):
         kv_b = _filled(engine, seed)
         b = _detect(engine, kv_b, entry, hints)
