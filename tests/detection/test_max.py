@@ -212,3 +212,135 @@ def test_per_layer_buffers(kv_dim: int, heads: int, hs: int) -> None:
     ):
         kvlayout.detect(devices, "max", {**sent, "num_layers": 1, "kv_dim": 2})  # a one-layer model at TP 2
     assert kvlayout.detect(layers, "max", {**sent, "num_layers": 7}).kernel_groups  # fewer: layers may share
+
+
+def _shards(tp: int, kv_dim: int, heads: int, hs: int, dtype: torch.dtype, seed: int) -> list[torch.Tensor]:
+    """One TP shard's ``KVCacheBuffer.values`` each: ``[pages, kv_dim, NL, page_size,
+    n_kv_heads_per_device, head_dim]`` (MAX's ``shape_per_block``; MLA's one head on every shard)."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(6, kv_dim, 3, 16, heads, hs, generator=g).to(dtype) for _ in range(tp)]
+
+
+def _sent(heads: int = 8, hs: int = 64, kv_dim: int = 2) -> dict[str, Any]:
+    """What MAX's connector sends with a :func:`_shards` buffer."""
+    return {
+        **SENT,
+        "num_layers": 3,
+        "total_num_blocks": 6,
+        "kv_dim": kv_dim,
+        "num_kv_heads": heads,
+        "head_dim": hs,
+    }
+
+
+@pytest.mark.parametrize(
+    ("dtype", "hs"),
+    [(torch.bfloat16, 64), (torch.float8_e4m3fn, 128), (torch.float32, 1), (torch.float8_e8m0fnu, 1)],
+    ids=["bf16", "fp8-values", "fp32-scales", "e8m0-scales"],
+)
+def test_tp_shards_map_by_heads(dtype: torch.dtype, hs: int) -> None:
+    """MAX's MHA shards split 8 KV heads evenly (``MHAKVCacheParams.n_kv_heads_per_device``),
+    values and a quantized cache's scales (``shape_per_scale_block``: ``head_dim /
+    granularity`` a head) alike: TP 2 into TP 1, byte for byte as MAX indexes them."""
+    src = _shards(2, 2, 4, hs, dtype, seed=1)
+    whole = torch.zeros(6, 2, 3, 16, 8, hs, dtype=dtype)
+    dst = kvlayout.detect(whole, "max", _sent(8, hs))
+    for r, shard in enumerate(src):
+        m = kvlayout.transfer.block_map(
+            kvlayout.detect(shard, "max", _sent(4, hs)), dst, [4, 1], [2, 5], num_tokens=20,
+            src_shard=kvlayout.transfer.Shard(r, 2, 8), dst_shard=kvlayout.transfer.Shard(0, 1, 8),
+        )  # fmt: skip
+        assert m.kind == "head slice" and m.copy() == 1
+    written = torch.zeros(6, 16, dtype=torch.bool)
+    for p in range(20):
+        s_block, d_block, slot = (4, 1)[p // 16], (2, 5)[p // 16], p % 16
+        written[d_block, slot] = True
+        for r, shard in enumerate(src):  # shard r holds heads [4r, 4r + 4)
+            got = whole[d_block, :, :, slot, 4 * r : 4 * r + 4].view(torch.uint8)
+            assert torch.equal(got, shard[s_block, :, :, slot].view(torch.uint8))
+    assert not whole.view(torch.uint8).permute(0, 3, 1, 2, 4, 5)[~written].any()
+
+
+def test_mla_latents_map_from_any_shard() -> None:
+    """MLA: ``kv_dim`` 1, one head of 576 on every shard (``replicates_kv_across_tp``), so
+    rank 2 of TP 4 maps whole into TP 1, and a partly filled block moves its tokens only."""
+    src = _shards(1, 1, 1, 576, torch.bfloat16, seed=3)[0]
+    whole = torch.zeros_like(src)
+    sent = _sent(1, 576, kv_dim=1)
+    m = kvlayout.transfer.block_map(
+        kvlayout.detect(src, "max", sent), kvlayout.detect(whole, "max", sent), [3], [0], num_tokens=10,
+        src_shard=kvlayout.transfer.Shard(2, 4, 1), dst_shard=kvlayout.transfer.Shard(0, 1, 1),
+    )  # fmt: skip
+    assert m.copy() == 1
+    assert torch.equal(whole[0, :, :, :10], src[3, :, :, :10])
+    assert not whole[0, :, :, 10:].any() and not whole[1:].any()
+
+
+def test_padded_pages_map_over_their_padding() -> None:
+    """A pool that pads its pages (``page_view(slab, shape, dtype, padded_page_bytes)``:
+    a page-grid slice, dim-0 stride wider than a page) is read with its stride."""
+    page = 2 * 3 * 16 * 8 * 64
+    grid = torch.randn(6, page + 512).to(torch.bfloat16)
+    padded = grid[:, :page].view(6, 2, 3, 16, 8, 64)
+    assert padded.stride(0) == page + 512 and not padded.is_contiguous()
+    dense = torch.zeros(6, 2, 3, 16, 8, 64, dtype=torch.bfloat16)
+    pad = grid[:, page:].clone()
+    sent = _sent()
+    src, dst = kvlayout.detect(padded, "max", sent), kvlayout.detect(dense, "max", sent)
+    assert kvlayout.transfer.block_map(src, dst, [5, 0], [0, 5]).copy() == 1
+    assert torch.equal(dense[0], padded[5]) and torch.equal(dense[5], padded[0]) and not dense[1:5].any()
+    dense[1].normal_()
+    assert kvlayout.transfer.block_map(dst, src, [1], [3]).copy() == 1
+    assert torch.equal(padded[3], dense[1]) and torch.equal(grid[:, page:], pad)  # padding untouched
+
+
+def test_byte_views_are_refused_for_the_buffer_they_view() -> None:
+    """``KVCacheBuffer.to_memory()`` re-views a shard as ``[num_pages, bytes_per_page]``
+    uint8 (``_view_as_uint8_pages``) for MAX's transfer engine and host tier: no page
+    structure, so it is refused naming the buffer it views; that buffer's page ``b`` is
+    the run MAX's NIXL descriptor ``(base + b * bytes_per_page, bytes_per_page)`` names."""
+    values = _shards(2, 2, 4, 64, torch.bfloat16, seed=5)
+    pages = [v.view(torch.uint8).view(6, -1) for v in values]
+    advice = "MAX's byte view of its pages (KVCacheBuffer.to_memory(): [num_pages, bytes_per_page] a TP shard"
+    with pytest.raises(
+        DetectionError, match=re.escape(f"MAX: kv_caches is a 2-D uint8 tensor [6, 49152], {advice}")
+    ):
+        kvlayout.detect(pages[0], "max", _sent(4))
+    for kv in ([pages[0]], pages):  # KVCacheMemory.buffers: one a shard
+        with pytest.raises(
+            DetectionError, match=re.escape(f"MAX: kv_caches[0] is a 2-D uint8 tensor [6, 49152], {advice}")
+        ):
+            kvlayout.detect(kv, "max")
+    with pytest.raises(
+        DetectionError,
+        match=re.escape("register the buffer it views, KVCacheBuffer.values[shard] [NB, KV, NL, BS, NH, HS]"),
+    ):
+        kvlayout.detect([values[0], pages[1]], "max")  # asked before shapes are told apart
+    bpp = pages[0].shape[1]
+    twin = torch.zeros_like(values[0])
+    m = kvlayout.transfer.block_map(
+        kvlayout.detect(values[0], "max"), kvlayout.detect(twin, "max"), [4, 1], [2, 5]
+    )
+    runs = [(int(s) - values[0].data_ptr(), int(d) - twin.data_ptr(), int(n)) for s, d, n in m.runs]
+    assert runs == [(4 * bpp, 2 * bpp, bpp), (1 * bpp, 5 * bpp, bpp)]
+    assert m.copy() == 1 and torch.equal(twin.view(torch.uint8).view(6, -1)[5], pages[0][1])
+
+
+def test_values_and_scales_together_are_refused() -> None:
+    """``KVCacheBuffer.all_buffers`` lists every shard's values, then every shard's
+    scales: buffers MAX keeps apart, not layers of one cache."""
+    values = torch.zeros(6, 2, 3, 16, 4, 128, dtype=torch.float8_e4m3fn)
+    scales = torch.zeros(6, 2, 3, 16, 4, 1, dtype=torch.float32)
+    message = (
+        "MAX: kv_caches holds tensors of 2 shapes ([6, 2, 3, 16, 4, 128], [6, 2, 3, 16, 4, 1]), where MAX "
+        "registers one buffer [NB, KV, NL, BS, NH, HS] or one single-layer buffer [NB, KV, 1, BS, NH, HS] a "
+        "layer, all of one shape: these are buffers MAX keeps apart, an FP8 cache's values and scales"
+    )
+    for kv in ([values, scales], [values, values.clone(), scales, scales.clone()]):
+        with pytest.raises(DetectionError, match=re.escape(message)):
+            kvlayout.detect(kv, "max")
+    layers = [torch.zeros(6, 2, 1, 16, 4, 128, dtype=torch.float8_e4m3fn) for _ in range(3)]
+    layer_scales = [torch.zeros(6, 2, 1, 16, 4, 1) for _ in range(3)]  # per_layer_buffers' scales_per_layer
+    with pytest.raises(DetectionError, match=r"MAX: kv_caches holds tensors of 2 shapes"):
+        kvlayout.detect(layers + layer_scales, "max")
+    assert kvlayout.detect(layer_scales, "max").kernel_groups[0].format is F.NL_X_NB_KV_ONE_BS_NH_HS

@@ -7,6 +7,14 @@ MAX sends its sizes as hints (``num_layers``, ``kv_dim``, ``tokens_per_block`` a
 alias ``page_size``, ``num_kv_heads``, ``head_dim``, ``total_num_blocks``) and the
 format's name as ``layout_format``: the buffer needs none of them, and every one given
 is checked against it. LMCache's MAX branch reads no hints.
+
+What MAX hands its own copy paths is no registration: ``KVCacheBuffer.to_memory()``
+re-views each TP shard's buffer as ``[num_pages, bytes_per_page]`` uint8 (its
+``_view_as_uint8_pages``), which its ``KVTransferEngine`` (NIXL descriptors ``base + page *
+bytes_per_page``), its host tier (one row a page, the shards' bytes side by side) and dKV
+copy whole. Such a view says nothing of what a page holds, and the buffer it views is
+always at hand, so it is refused with that advice, as are tensors of different shapes (an
+FP8 cache's values and scales, which ``all_buffers`` lists together).
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ ENGINE = EngineType.MAX
 
 
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
+    _refuse_byte_pages(kv)
     if isinstance(kv, list):
         if any(isinstance(entry, list) for entry in kv):
             raise DetectionError(
@@ -50,6 +59,40 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"{e} (a list is MAX's per-layer buffers; its per-device buffers, one per TP shard, "
             "are each a registration of their own)"
         ) from e
+
+
+def refuse_mixed(kv: list[Any], hints: LayoutHints) -> None:
+    """Tensors of different shapes (the registry's hook, asked before layers of different
+    shapes are detected apart). MAX allocates one buffer, or one buffer a layer, all of one
+    shape; tensors of other shapes are other buffers, never its layers."""
+    _refuse_byte_pages(kv)
+    shapes = list(dict.fromkeys(tuple(t.shape) for t in kv if isinstance(t, torch.Tensor)))
+    if len(shapes) > 1:
+        listed = ", ".join(str(list(s)) for s in shapes)
+        raise DetectionError(
+            f"MAX: kv_caches holds tensors of {len(shapes)} shapes ({listed}), where MAX registers one "
+            "buffer [NB, KV, NL, BS, NH, HS] or one single-layer buffer [NB, KV, 1, BS, NH, HS] a layer, "
+            "all of one shape: these are buffers MAX keeps apart, an FP8 cache's values and scales "
+            "(KVCacheBuffer.values and .scales; all_buffers lists both) or the caches of a "
+            "MultiKVCacheBuffer (a draft's, a sliding window's), each a registration of its own"
+        )
+
+
+def _refuse_byte_pages(kv: Any) -> None:
+    """MAX's ``[num_pages, bytes_per_page]`` uint8 views (``to_memory()``) are refused with
+    what to register instead: the buffer they view."""
+    for where, t in (
+        [(f"kv_caches[{i}]", t) for i, t in enumerate(kv)] if isinstance(kv, list) else [("kv_caches", kv)]
+    ):
+        if isinstance(t, torch.Tensor) and t.dim() == 2 and t.dtype == torch.uint8:
+            raise DetectionError(
+                f"MAX: {where} is a 2-D uint8 tensor {list(t.shape)}, MAX's byte view of its pages "
+                "(KVCacheBuffer.to_memory(): [num_pages, bytes_per_page] a TP shard, which its "
+                "KVTransferEngine, host tier and dKV copy whole), which says nothing of the K/V planes, "
+                "layers, tokens and heads of a page; register the buffer it views, "
+                "KVCacheBuffer.values[shard] [NB, KV, NL, BS, NH, HS] (the same memory: a page is the "
+                "same bytes), and an FP8 cache's KVCacheBuffer.scales[shard] as a registration of its own"
+            )
 
 
 def _distinct(kv: list[Any]) -> int:
