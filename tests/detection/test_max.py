@@ -344,3 +344,22 @@ def test_values_and_scales_together_are_refused() -> None:
     with pytest.raises(DetectionError, match=r"MAX: kv_caches holds tensors of 2 shapes"):
         kvlayout.detect(layers + layer_scales, "max")
     assert kvlayout.detect(layer_scales, "max").kernel_groups[0].format is F.NL_X_NB_KV_ONE_BS_NH_HS
+
+
+def test_layer_zeros_alias_under_per_layer_buffers_is_refused() -> None:
+    """Under ``per_layer_buffers`` ``KVCacheBuffer.values[shard]`` aliases layer 0's buffer
+    (``values_per_layer[shard][0]``): with MAX's ``num_layers`` it is refused naming the
+    list to register, not read as a one-layer model."""
+    layers = _shards(3, 2, 4, 64, torch.bfloat16, seed=7)  # stand-ins: three layers' buffers
+    layers = [t[:, :, :1].contiguous() for t in layers]
+    message = (
+        "MAX: kv_caches is one single-layer buffer [6, 2, 1, 16, 4, 64] where layout hint num_layers=3: under "
+        "per_layer_buffers KVCacheBuffer.values[shard] is layer 0's buffer alone (values_per_layer[shard][0]); "
+        "register values_per_layer[shard], one buffer a layer"
+    )
+    for kv in (layers[0], [layers[0]]):
+        with pytest.raises(kvlayout.LayoutHintError, match=re.escape(message)):
+            kvlayout.detect(kv, "max", _sent(4))
+    per_layer = {k: v for k, v in _sent(4).items() if k != "layout_format"}  # format 38's own name
+    assert kvlayout.detect(layers, "max", per_layer).kernel_groups[0].format is F.NL_X_NB_KV_ONE_BS_NH_HS
+    assert kvlayout.detect(layers[0], "max", {**_sent(4), "num_layers": 1}).kernel_groups[0].format is MAX

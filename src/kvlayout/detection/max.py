@@ -25,7 +25,7 @@ import torch
 
 from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.detection.base import DetectionError, pick, probe
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
+from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.MAX
 
@@ -48,6 +48,13 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
                 f"layout hint num_layers={hints.num_layers} (one [NB, KV, 1, BS, NH, HS] a layer); "
                 "per-device buffers, one per TP shard, are each a registration of their own"
             )
+    if isinstance(kv, torch.Tensor) and kv.dim() == 6 and kv.shape[2] == 1 and (hints.num_layers or 1) > 1:
+        # under per_layer_buffers MAX's KVCacheBuffer.values[shard] aliases layer 0's buffer
+        raise LayoutHintError(
+            f"MAX: kv_caches is one single-layer buffer {list(kv.shape)} where layout hint num_layers="
+            f"{hints.num_layers}: under per_layer_buffers KVCacheBuffer.values[shard] is layer 0's buffer "
+            "alone (values_per_layer[shard][0]); register values_per_layer[shard], one buffer a layer"
+        )
     p = probe(kv)
     # size hints are checked after, as for every engine (discovery's check_size_hints)
     try:
