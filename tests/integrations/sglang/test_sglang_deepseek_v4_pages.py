@@ -375,38 +375,30 @@ def test_uniform_fp8_pool_is_refused_naming_its_token_rows() -> None:
         assert not raw(dst[layer])[[1, 2, 3, 4]].any()
 
 
-def test_a_one_slot_v41_page_is_told_from_a_unified_one_row_page() -> None:
+def test_a_one_slot_v41_page_reads_and_the_unified_one_row_page_reads_as_mla_rows() -> None:
     """At page_size 1 a V4.1 FlashMLA page (528 bytes padded to 512: 1024) is the size of the
     unified pool's compressed page of one bf16 row of 512 (``unified_region_buffers`` at
-    ``page_size // ratio == 1``): read as V4.1, a map between the two moved bf16 latents into
-    FlashMLA pages. The page is refused without ``layout``; the unified pages read as MLA rows."""
+    ``page_size // ratio == 1``). A real V4.1 pool of that page_size reads (no hint needed);
+    the unified pages read as MLA rows, which never map into FlashMLA pages."""
     assert page_bytes("v41", 1) == HEAD_DIM * 2
+    v41 = kv_pool("v41", 1, 11)
+    for layout in (None, "v41"):
+        dst = kv_pool("v41", 1, None)
+        block_map(flashmla_kv_pages(v41, 1, layout=layout), flashmla_kv_pages(dst, 1), [4], [1]).copy()
+        assert torch.equal(dst[2][1], v41[2][4]) and not dst[2][[0, 2, 3, 4, 5]].any()
     gen = torch.Generator().manual_seed(10)
     unified = [  # unified_region_buffers(128) at page_size 128: uint8 [pages, 1 * 512 * 2]
         torch.randn(PAGES, HEAD_DIM, generator=gen).to(torch.bfloat16).view(torch.uint8) for _ in range(NL)
     ]
-    v41 = kv_pool("v41", 1, 11)
-    for kv in (unified, v41):
-        with pytest.raises(
-            DeepSeekV4PoolError,
-            match=re.escape("also a DeepSeekV4UnifiedKVPool compressed page of 1 bf16 row(s) of 512")
-            + ".*"
-            + re.escape("pass layout='v41' for a FlashMLA pool"),
-        ):
-            flashmla_kv_pages(kv, 1)
-    pages = flashmla_kv_pages(v41, 1, layout="v41")
-    dst = kv_pool("v41", 1, None)
-    block_map(pages, flashmla_kv_pages(dst, 1, layout="v41"), [4], [1]).copy()
-    assert torch.equal(dst[2][1], v41[2][4]) and not dst[2][[0, 2, 3, 4, 5]].any()
 
-    def rows(kv: list[torch.Tensor]) -> Any:  # the refusal's reading of the unified pages
+    def rows(kv: list[torch.Tensor]) -> Any:  # the docs' reading of the unified pages
         views = [v.view(torch.bfloat16).view(-1, 1, HEAD_DIM) for v in kv]
         return kvlayout.detect(views, "sglang", {"tokens_per_block": 1})
 
     host = [torch.zeros(PAGES, HEAD_DIM * 2, dtype=torch.uint8) for _ in range(NL)]
     block_map(rows(unified), rows(host), [3], [0]).copy()
     assert torch.equal(host[1][0], unified[1][3]) and not host[1][1:].any()
-    assert "is opaque pages" in refusal(pages, rows(unified))
+    assert "is opaque pages" in refusal(flashmla_kv_pages(v41, 1), rows(unified))
 
 
 def test_layout_names_a_flashmla_layout_the_page_has() -> None:

@@ -40,7 +40,7 @@ import torch
 
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
-from kvlayout.detection.sglang import DSV4_HEAD_DIM, FLASHMLA_LAYOUTS, flashmla_page_bytes
+from kvlayout.detection.sglang import FLASHMLA_LAYOUTS, flashmla_page_bytes
 from kvlayout.errors import as_int
 from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, replicated_page
@@ -105,11 +105,11 @@ def flashmla_kv_pages(kv_buffer: Any, page_size: int, layout: str | None = None)
     layer uint8 ``[pages, page bytes]``, the SWA, C4 or C128 pool's; ``page_size`` its
     own, e.g. ``c4_kv_pool.page_size``) as one registration of whole pages. The layout
     (V4, V4.1 or V4.1 FP4) is the one whose page of ``page_size`` slots is the row's size:
-    at one page_size no two are. ``layout`` (a name of
-    :data:`~kvlayout.detection.sglang.FLASHMLA_LAYOUTS`) says it where the row is also
-    another pool's page: V4.1's page of one slot, 1024 bytes, is also the unified pool's
-    compressed page of one bf16 row (``unified_region_buffers`` at ``page_size ==
-    compress_ratio``), which holds other bytes. Block ids are SGLang's page indices.
+    at one page_size no two are; ``layout`` (a name of
+    :data:`~kvlayout.detection.sglang.FLASHMLA_LAYOUTS`) pins it. Only FlashMLA pages read
+    so: V4.1's page of one slot, 1024 bytes, is the size of the unified pool's compressed
+    page of one bf16 row (``unified_region_buffers`` at ``page_size == compress_ratio``),
+    which holds other bytes and reads as MLA rows. Block ids are SGLang's page indices.
     Raises :class:`DeepSeekV4PoolError` for buffers that are no such pool."""
     ps = _page_size(page_size)
     origin = "DeepSeekV4SingleKVPool.kv_buffer"
@@ -132,15 +132,6 @@ def flashmla_kv_pages(kv_buffer: Any, page_size: int, layout: str | None = None)
             f"page_size={ps} slots (bytes by layout: {sizes}); pass the pool's own page_size"
         )
     name = fits[0]
-    if layout is None and row == ps * DSV4_HEAD_DIM * torch.bfloat16.itemsize:
-        raise DeepSeekV4PoolError(
-            f"kv_buffer[0] is {list(layers[0].shape)}: at page_size={ps} a page of {row} bytes is a {name} "
-            f"FlashMLA page and also a DeepSeekV4UnifiedKVPool compressed page of {ps} bf16 row(s) of "
-            f"{DSV4_HEAD_DIM} (unified_region_buffers), whose bytes are no FlashMLA page's: pass "
-            f"layout={name!r} for a FlashMLA pool; a unified pool's pages read as MLA page buffers, "
-            f"[v.view(torch.bfloat16).view(-1, 1, {DSV4_HEAD_DIM}) for v in views] with layout hint "
-            f"tokens_per_block={ps}"
-        )
     data, scale, _ = FLASHMLA_LAYOUTS[name]
     page = OpaquePages(
         f"SGLang DeepSeek-V4 FlashMLA KV page ({name}): {ps} slots of {data} data bytes, then their "
