@@ -169,3 +169,148 @@ def test_bad_managers_are_refused_by_name() -> None:
     v2.all_ssm_states = v2.all_ssm_states[:2]
     with pytest.raises(MambaStateError, match="3 layers of conv state and 2 of ssm state"):
         mamba_state_pools(v2)
+
+
+def cpp_manager(tp: int, seed: int, layout: int = 1) -> SimpleNamespace:
+    """A ``CppMambaHybridCacheManager``: the C++ recurrent-state pool ``[NL, blocks, 1,
+    (ssm_bytes + conv_bytes) / 4]`` of the SSM dtype (``WindowBlockManager::allocatePools``)
+    and ``_setup_states``' views of it, its metadata as ``__init__`` sets it."""
+    g = torch.Generator().manual_seed(seed)
+    ssm_shape = [NHEADS // tp, HEAD_DIM, D_STATE]
+    conv_shape = [(D_INNER + 2 * N_GROUPS * D_STATE) // tp, D_CONV - 1]
+    ssm_bytes, conv_bytes = 4 * HEAD_DIM * D_STATE * ssm_shape[0], 2 * conv_shape[0] * conv_shape[1]
+    raw = torch.randn(NL, SLOTS, 1, (ssm_bytes + conv_bytes) // 4, generator=g)
+    pool = raw.view(torch.uint8).reshape(NL, -1, ssm_bytes + conv_bytes)
+    meta = SimpleNamespace(
+        rnn_conv_section_layout=layout,
+        rnn_num_heads=NHEADS,
+        rnn_head_dim=HEAD_DIM,
+        rnn_n_groups=N_GROUPS,
+        rnn_d_state=D_STATE,
+    )
+    return SimpleNamespace(
+        all_ssm_states=pool[:, :, :ssm_bytes].view(torch.float32).view([NL, SLOTS, *ssm_shape]),
+        all_conv_states=pool[:, :, ssm_bytes:].view(torch.bfloat16).view([NL, SLOTS, *conv_shape]),
+        linear_attention_metadata=meta,
+        raw=raw,
+        ssm_bytes=ssm_bytes,
+        conv_bytes=conv_bytes,
+    )
+
+
+def cpp_item(manager: SimpleNamespace, name: str, layer: int, block: int) -> torch.Tensor:
+    """The C++ transceiver's addressing (``splitUnifiedPoolSsm``/``Conv``): a block at
+    ``base + layer * blocks * block_bytes + block * block_bytes``, its SSM state first,
+    its conv state ``ssm_bytes`` on."""
+    flat: torch.Tensor = manager.raw.reshape(-1).view(torch.uint8)
+    block_bytes = manager.ssm_bytes + manager.conv_bytes
+    start = layer * SLOTS * block_bytes + block * block_bytes
+    if name == "conv":
+        start += manager.ssm_bytes
+    return flat[start : start + (manager.conv_bytes if name == "conv" else manager.ssm_bytes)]
+
+
+def cpp_plans(layout: int, rank: int) -> dict[str, list[tuple[int, int, int]]]:
+    """(offset in the TP 1 item, offset in rank ``rank``'s TP 2 item, bytes) a state:
+    each conv section split on its own, the SSM state by heads."""
+    model = "qwen3_next" if layout == 2 else "nemotron_hybrid"
+    row = (D_CONV - 1) * 2
+    conv = tp_slices([n * row for n in sections(1, model)], [n * row for n in sections(2, model)], rank)
+    head = HEAD_DIM * D_STATE * 4
+    return {"conv": conv, "ssm": [(rank * 2 * head, 0, 2 * head)]}
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_cpp_pool_states_move_between_tp_degrees_as_its_transceiver_splits_them(
+    layout: int, rank: int
+) -> None:
+    src, dst = cpp_manager(1, 0, layout), cpp_manager(2, 1, layout)
+    dst.raw.zero_()
+    a, b = mamba_state_pools(src), mamba_state_pools(dst)
+    for name in ("conv", "ssm"):
+        m = block_map(a[name], b[name], [3], [1], src_shard=Shard(0, 1, 8), dst_shard=Shard(rank, 2, 8))
+        assert m.kind == "resharded state"
+        m.copy()
+    plans = cpp_plans(layout, rank)
+    for layer in range(NL):
+        for name, plan in plans.items():
+            got, want = cpp_item(dst, name, layer, 1), cpp_item(src, name, layer, 3)
+            assert sum(n for _, _, n in plan) == got.numel()
+            for big, small, n in plan:
+                assert torch.equal(got[small : small + n], want[big : big + n]), (name, layer)
+    # block 1 of every layer, SSM and conv, is all that was written
+    block_bytes = dst.ssm_bytes + dst.conv_bytes
+    written = dst.raw.view(torch.uint8).reshape(NL, SLOTS, block_bytes)
+    assert not written[:, [0, 2, 3, 4]].any()
+
+
+@pytest.mark.parametrize("layout", [1, 2])
+def test_cpp_pool_states_gather_from_two_ranks_into_one(layout: int) -> None:
+    ranks, dst = [cpp_manager(2, r, layout) for r in range(2)], cpp_manager(1, 9, layout)
+    b = mamba_state_pools(dst)
+    for r, src in enumerate(ranks):
+        a = mamba_state_pools(src)
+        for name in ("conv", "ssm"):
+            block_map(a[name], b[name], [0], [4], src_shard=Shard(r, 2, 8), dst_shard=Shard(0, 1, 8)).copy()
+    for r, src in enumerate(ranks):
+        for layer in range(NL):
+            for name, plan in cpp_plans(layout, r).items():
+                got, want = cpp_item(dst, name, layer, 4), cpp_item(src, name, layer, 0)
+                for big, small, n in plan:
+                    assert torch.equal(got[big : big + n], want[small : small + n]), (name, layer, r)
+
+
+def test_cpp_pool_states_map_to_a_python_managers_slots_whole_items() -> None:
+    src, dst = cpp_manager(2, 4), v1_manager(2, 5)
+    a, b = mamba_state_pools(src), mamba_state_pools(dst)
+    for name in ("conv", "ssm"):
+        block_map(a[name], b[name], [4, 0], [2, 3]).copy()
+    for layer in range(NL):
+        for name in ("conv", "ssm"):
+            for s, d in ((4, 2), (0, 3)):
+                assert torch.equal(v1_item(dst, name, layer, d), cpp_item(src, name, layer, s))
+
+
+def test_cpp_pool_states_without_sections_move_whole_at_one_tp_only() -> None:
+    """Layout 0 (another model type): the C++ transceiver splits no conv state either."""
+    src, same, other = cpp_manager(2, 0, 0), cpp_manager(2, 1, 0), cpp_manager(1, 2, 0)
+    a = mamba_state_pools(src)
+    block_map(a["conv"], mamba_state_pools(same)["conv"], [2], [2]).copy()
+    assert torch.equal(cpp_item(same, "conv", 1, 2), cpp_item(src, "conv", 1, 2))
+    with pytest.raises(BlockMapError):
+        block_map(
+            mamba_state_pools(other)["conv"],
+            a["conv"],
+            [1],
+            [1],
+            src_shard=Shard(0, 1, 8),
+            dst_shard=Shard(0, 2, 8),
+        )
+
+
+def test_bad_cpp_managers_are_refused_by_name() -> None:
+    m = cpp_manager(2, 0)
+    m.linear_attention_metadata.rnn_num_heads = 6  # 6 heads are no TP share of 2 a rank
+    with pytest.raises(MambaStateError, match=r"no TP share of the model .* \(6 heads"):
+        mamba_state_pools(m)
+    m = cpp_manager(2, 0)
+    m.linear_attention_metadata.rnn_conv_section_layout = 3
+    with pytest.raises(MambaStateError, match=r"rnn_conv_section_layout 3.* a layout of 0, 1 or 2"):
+        mamba_state_pools(m)
+    del m.linear_attention_metadata
+    with pytest.raises(MambaStateError, match="rnn_conv_section_layout None"):
+        mamba_state_pools(m)
+    m = cpp_manager(2, 0)
+    m.all_ssm_states = m.all_ssm_states[:, :4]
+    with pytest.raises(MambaStateError, match="the same layers and blocks of one pool expected"):
+        mamba_state_pools(m)
+    m.all_ssm_states = m.all_ssm_states[0, 0, 0]
+    with pytest.raises(MambaStateError, match=r"all_ssm_states is \[4, 4\], not a \[NL, blocks"):
+        mamba_state_pools(m)
+    m.all_ssm_states = None  # shutdown() drops its views
+    with pytest.raises(MambaStateError, match="shut down, or a rank without Mamba layers"):
+        mamba_state_pools(m)
+    attention_only = SimpleNamespace(local_num_mamba_layers=0, kv_cache_pool=None)  # a PP rank, no views
+    with pytest.raises(MambaStateError, match=r"rank holds no Mamba layers \(local_num_mamba_layers 0\)"):
+        mamba_state_pools(attention_only)

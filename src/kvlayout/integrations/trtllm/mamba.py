@@ -15,6 +15,17 @@ slot * slot_bytes`` in the first, ``layer_slot0_address + slot * stride`` in the
 Between TP degrees it splits the conv state's sections (``conv_section_dims``: Mamba2's
 ``x, B, C``, Qwen3-Next's ``Q, K, V``) each on its own, and the SSM state by heads.
 
+``CppMambaHybridCacheManager`` keeps them in the C++ KV cache manager's recurrent-state
+pool, layer-first ``[NL, blocks, 1, ssm_bytes + conv_bytes]`` (``WindowBlockManager::
+allocatePools``), and hands out views of it (``_setup_states``): ``all_ssm_states`` ``[NL,
+blocks, nheads, head_dim, d_state]`` (each block's first ``ssm_bytes``) and
+``all_conv_states`` ``[NL, blocks, conv_dim, d_conv - 1]`` (the bytes after), slots a block
+apart. Its C++ transceiver (``rnnCacheFormatter.cpp``, unified pool) addresses the same
+bytes, ``base + layer * blocks * block_bytes + block * block_bytes`` (+ ``ssm_bytes`` for
+the conv state), blocks by their pool index, and splits the conv sections its
+``linear_attention_metadata`` names (``rnn_conv_section_layout``: 1 Mamba2's ``x, B, C``,
+2 Qwen3-Next's ``Q, K, V``; 0 none, which that transceiver refuses between TP degrees).
+
 :func:`mamba_state_pools` reads each state as a list of its layers' item rows, marked
 as opaque pages whose arrays declare those splits; block ids are TRT-LLM's slot ids
 (``get_state_indices``). TRT-LLM is not imported: managers are read structurally.
@@ -44,7 +55,22 @@ def _states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list
     """Each state's per-layer ``[slots, *state]`` tensors, the tensors the manager
     allocated beside each (what a re-allocation replaces), and ``conv_section_dims``
     (None where the manager holds none)."""
+    if getattr(manager, "local_num_mamba_layers", None) == 0:
+        # CppMambaHybridCacheManager then makes no views at all (a PP rank of attention layers)
+        raise MambaStateError(
+            f"the {type(manager).__name__}'s rank holds no Mamba layers (local_num_mamba_layers 0): no "
+            "state to read"
+        )
     if hasattr(manager, "all_conv_states") and hasattr(manager, "all_ssm_states"):
+        if manager.all_conv_states is None or manager.all_ssm_states is None:
+            raise MambaStateError(
+                "the manager's all_conv_states / all_ssm_states are None: shut down, or a rank without "
+                "Mamba layers (local_num_mamba_layers 0), which holds no state to read"
+            )
+        if isinstance(manager.all_conv_states, torch.Tensor) or isinstance(
+            manager.all_ssm_states, torch.Tensor
+        ):
+            return _pool_states(manager)
         named = {"conv": manager.all_conv_states, "ssm": manager.all_ssm_states}
         for name, layers in named.items():
             attribute = "all_conv_states" if name == "conv" else "all_ssm_states"
@@ -67,7 +93,9 @@ def _states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list
         raise MambaStateError(
             f"{type(manager).__name__} is not a TRT-LLM Mamba cache manager: a PythonMambaCacheManager "
             "(mamba_cache.conv, mamba_cache.temporal), a manager holding one (_impl: MambaCacheManager, "
-            "MixedMambaHybridCacheManager) or a V2MambaHybridCacheManager (all_conv_states, all_ssm_states)"
+            "MixedMambaHybridCacheManager), a CppMambaHybridCacheManager (all_conv_states, all_ssm_states: "
+            "[NL, blocks, *state] views of its recurrent-state pool) or a V2MambaHybridCacheManager "
+            "(all_conv_states, all_ssm_states: lists of per-layer views)"
         )
     pools: dict[str, torch.Tensor] = {}
     for name, attribute in (("conv", "conv"), ("ssm", "temporal")):
@@ -88,6 +116,72 @@ def _states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list
     states = {name: list(t.unbind(0)) for name, t in pools.items()}
     over = {name: [t] * t.shape[0] for name, t in pools.items()}
     return states, over, getattr(holder, "conv_section_dims", None)
+
+
+def _pool_states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
+    """``CppMambaHybridCacheManager``'s states: ``[NL, blocks, *state]`` views of its
+    recurrent-state pool, read a layer at a time; its sections from the metadata its C++
+    transceiver reads."""
+    pools: dict[str, torch.Tensor] = {}
+    for name, attribute in (("conv", "all_conv_states"), ("ssm", "all_ssm_states")):
+        t = getattr(manager, attribute)
+        if not isinstance(t, torch.Tensor) or t.dim() < 3:
+            what = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise MambaStateError(
+                f"the manager's {attribute} is {what}, not a [NL, blocks, *state] view of its "
+                "recurrent-state pool (CppMambaHybridCacheManager's)"
+            )
+        pools[name] = t
+    conv, ssm = pools["conv"], pools["ssm"]
+    if conv.shape[:2] != ssm.shape[:2] or conv.device != ssm.device:
+        raise MambaStateError(
+            f"the manager's conv state {list(conv.shape)} on {conv.device} and SSM state {list(ssm.shape)} "
+            f"on {ssm.device}: the same layers and blocks of one pool expected ([NL, blocks, *state])"
+        )
+    states = {name: list(t.unbind(0)) for name, t in pools.items()}
+    over = {name: [t] * t.shape[0] for name, t in pools.items()}
+    return states, over, _pool_sections(manager, tuple(conv.shape[2:]), tuple(ssm.shape[2:]))
+
+
+# rnn_conv_section_layout (mamba_cache_manager's conv_section_map): the sections' order.
+_SECTION_LAYOUTS = {1: "x, B, C (nemotron_hybrid)", 2: "Q, K, V (qwen3_next)"}
+
+
+def _pool_sections(manager: Any, conv: tuple[int, ...], ssm: tuple[int, ...]) -> list[int] | None:
+    """This rank's conv sections as the C++ transceiver computes them from the manager's
+    ``linear_attention_metadata`` (global dims, each over this rank's TP degree): Mamba2's
+    ``[heads * head_dim, groups * d_state, groups * d_state]``, Qwen3-Next's reversed
+    (``Q, K`` first). None where the layout names no sections (0: another model type)."""
+    meta = getattr(manager, "linear_attention_metadata", None)
+    layout = getattr(meta, "rnn_conv_section_layout", None)
+    if layout == 0:
+        return None
+    fields = ("rnn_num_heads", "rnn_head_dim", "rnn_n_groups", "rnn_d_state")
+    values = [getattr(meta, f, None) for f in fields]
+    ints = [v for v in values if type(v) is int and v > 0]
+    if layout not in _SECTION_LAYOUTS or len(ints) != len(fields):
+        raise MambaStateError(
+            f"the manager's linear_attention_metadata (rnn_conv_section_layout {layout!r}, "
+            f"{', '.join(f'{f} {v!r}' for f, v in zip(fields, values, strict=True))}) is not what "
+            "CppMambaHybridCacheManager sets: a layout of 0, 1 or 2 and positive ints"
+        )
+    heads, head_dim, groups, d_state = ints
+    grouped, inner = groups * d_state, heads * head_dim
+    dims = [inner, grouped, grouped] if layout == 1 else [grouped, grouped, inner]
+    tp = heads // ssm[0] if len(ssm) == 3 and ssm[0] else 0
+    if (
+        not tp
+        or heads != tp * ssm[0]
+        or any(d % tp for d in dims)
+        or len(conv) != 2
+        or sum(dims) != tp * conv[0]
+    ):
+        raise MambaStateError(
+            f"the manager's states (conv {list(conv)}, SSM {list(ssm)} a block) are no TP share of the "
+            f"model its linear_attention_metadata describes ({heads} heads, conv sections {dims}, "
+            f"{_SECTION_LAYOUTS[layout]})"
+        )
+    return [d // tp for d in dims]
 
 
 def _check_layers(states: dict[str, list[torch.Tensor]]) -> None:
@@ -155,10 +249,12 @@ def _rows(name: str, layer: int, t: torch.Tensor) -> torch.Tensor:
 
 def mamba_state_pools(manager: Any) -> dict[str, Registration]:
     """TRT-LLM's Mamba states (a ``PythonMambaCacheManager``, a ``MambaCacheManager`` or
-    ``MixedMambaHybridCacheManager`` holding one, or a ``V2MambaHybridCacheManager``) as
-    one registration each: ``"conv"`` and ``"ssm"``.
+    ``MixedMambaHybridCacheManager`` holding one, a ``CppMambaHybridCacheManager`` or a
+    ``V2MambaHybridCacheManager``) as one registration each: ``"conv"`` and ``"ssm"``.
 
-    Block ids are TRT-LLM's slot ids (``get_state_indices``), one slot a block. A state
+    Block ids are TRT-LLM's slot ids (``get_state_indices``), one slot a block; for
+    ``CppMambaHybridCacheManager`` its recurrent-state pool's block indices (what
+    ``get_state_indices`` returns; a request's snapshot blocks too, never placeholders). A state
     maps to the same state of another pool, whole items slot to slot, one run a layer;
     given both shards (``Shard(rank, tp, ...)``) a map between ranks of two TP degrees
     moves the slices both hold, as TRT-LLM's transceiver slices them. Raises
