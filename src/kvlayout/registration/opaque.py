@@ -31,6 +31,7 @@ __all__ = [
     "OPAQUE_PAGE_DTYPE",
     "OpaquePages",
     "PageArray",
+    "is_marked",
     "mark_opaque_pages",
     "opaque_pages_of",
     "page_bytes_view",
@@ -263,6 +264,12 @@ def opaque_pages_of(t: torch.Tensor) -> OpaquePages | None:
     the same way); None for a tensor as an engine registers it."""
     mark = _mark_of(t)
     return None if mark is None else mark.pages
+
+
+def is_marked(t: torch.Tensor) -> bool:
+    """Whether :func:`mark_opaque_pages` marked ``t`` (or a view of the same bytes read the
+    same way): a view an edit made, opaque pages or whole blocks."""
+    return _mark_of(t) is not None
 
 
 def viewed_over(t: torch.Tensor) -> list[tuple[torch.Tensor, int]]:

@@ -484,3 +484,55 @@ def test_unmatched_layers_pass_through_as_the_same_objects() -> None:
     extra = {"not.in.any.group": marker}
     out = apply_kv_cache_group_edits(engine.config, {**kv_caches, **extra}, hints(False))
     assert out["not.in.any.group"] is marker
+
+
+# -- transfer_layers: only what the edits returned --------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case", "rule", "layer", "group"),
+    [
+        ("hybrid v033", "mamba-state-rows", "model.layers.0.linear_attn", 0),
+        ("hybrid legacy", "mamba-state-list", "model.layers.0.linear_attn", 0),
+        ("flashinfer --block-size 128", "subpaged-attention", "model.layers.0.self_attn.attn", 0),
+    ],
+)
+def test_transfer_layers_refuses_layers_the_edits_did_not_see(
+    case: str, rule: str, layer: str, group: int
+) -> None:
+    """Handed vLLM's registration without the edits, transfer_layers gave detection the
+    kernel pages (32 or 64 tokens where a block id has 544 or 128) and Mamba state rows: a
+    registration whose blocks are not block ids, which moves the wrong bytes silently."""
+    from kvlayout.integrations.vllm import transfer_layers
+
+    if case.startswith("hybrid"):
+        allocation = case.split()[1]
+        engine = hybrid_engine(
+            QWEN3_5_0_8B, FLASHINFER, layout=KVCacheLayout.LBNHC if allocation == "v033" else None
+        )
+        _, kv_caches = allocate(engine, FLASHINFER, allocation)
+    else:
+        engine = attention_engine(LLAMA_3_2_1B, FLASHINFER, block_size=128)
+        _, kv_caches = allocate_v033(engine)
+    with pytest.raises(KVCacheGroupEditError) as info:
+        transfer_layers(engine.config, kv_caches)
+    assert str(info.value) == (
+        f"layer {layer!r} (KV cache group {group}): is as vLLM registered it, but the {rule!r} edit re-views it "
+        "(until then a registered block is not a block id): pass kv_caches through "
+        "apply_kv_cache_group_edits(kv_cache_config, kv_caches, hints) first, and its result here"
+    )
+    edited = apply_kv_cache_group_edits(engine.config, kv_caches, hints(False))
+    layers, _ = transfer_layers(engine.config, edited)
+    assert len(layers) == len(kv_caches)
+
+
+def test_transfer_layers_takes_a_registration_no_edit_applies_to() -> None:
+    # FlashAttention pages at the block: the edits return the same objects, so the
+    # registration as vLLM hands it is the edited one.
+    from kvlayout.integrations.vllm import transfer_layers
+
+    engine = attention_engine(LLAMA_3_2_1B, FLASH_ATTN)
+    _, kv_caches = allocate_v033(engine)
+    layers, groups = transfer_layers(engine.config, kv_caches)
+    assert all(a is b for a, b in zip(layers, kv_caches.values(), strict=True))
+    assert groups == [list(range(len(kv_caches)))]

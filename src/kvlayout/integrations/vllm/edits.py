@@ -40,7 +40,7 @@ from kvlayout.integrations.vllm.specs import (
     tokens_per_slot,
 )
 from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
-from kvlayout.registration.opaque import mark_opaque_pages
+from kvlayout.registration.opaque import is_marked, mark_opaque_pages
 from kvlayout.types import HintsLike
 
 __all__ = ["KV_CACHE_GROUP_EDITS", "apply_kv_cache_group_edits", "find_kv_cache_group_edit"]
@@ -223,6 +223,7 @@ def transfer_layers(
         else []
         for position, group in enumerate(kv_cache_config.kv_cache_groups or ())
     ]
+    _require_edited(kv_cache_config, kv_caches, wanted)
     layers = [kv_caches[name] for name in names]
     if group is None and allocation is None:
         return layers, groups
@@ -237,6 +238,28 @@ def transfer_layers(
         owned = {name for members in allocated for name in members}
         own = [i for i in groups[group] if not owned or names[i] in owned]
     return [layers[i] for i in own], [[] for _ in range(group)] + [list(range(len(own)))]
+
+
+def _require_edited(kv_cache_config: Any, kv_caches: Mapping[str, Any], wanted: set[str]) -> None:
+    """Refuse a layer that a rule would still edit, as registered (no edit's mark): its
+    blocks are not block ids yet (kernel pages, a Mamba state row), and a transfer by the
+    scheduler's block ids would move the wrong bytes without a word."""
+    for group_idx, group in iter_groups(kv_cache_config):
+        for layer_name, spec in iter_group_layer_specs(group):
+            if layer_name not in wanted or layer_name not in kv_caches:
+                continue
+            value = kv_caches[layer_name]
+            # the rules that need no hints (the hints decide CPU_ATTN's, which this cannot ask)
+            edit = next((e for e in KV_CACHE_GROUP_EDITS if e.matches(spec, value)), None)
+            if edit is None or (isinstance(value, torch.Tensor) and is_marked(value)):
+                continue
+            raise KVCacheGroupEditError(
+                f"is as vLLM registered it, but the {edit.name!r} edit re-views it (until then a "
+                "registered block is not a block id): pass kv_caches through "
+                "apply_kv_cache_group_edits(kv_cache_config, kv_caches, hints) first, and its result here",
+                layer=layer_name,
+                group=group_idx,
+            )
 
 
 def _index(name: str, value: object, count: int, what: str) -> int:
