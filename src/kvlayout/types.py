@@ -9,6 +9,7 @@ layout later.
 
 from __future__ import annotations
 
+import enum
 import operator
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
@@ -251,7 +252,10 @@ class LayoutHints:
 def _kv_layout(value: object) -> str:
     """The ``kv_layout`` spelling, in any case; an order no format describes refused."""
     if not isinstance(value, str):
-        raise TypeError(f"layout hint kv_layout must be a str, not {type(value).__name__} ({value!r})")
+        # vLLM's KVCacheLayout members (get_resolved_kv_cache_layout()) are named as the hint
+        name = getattr(value, "name", None) if isinstance(value, enum.Enum) else None
+        named = f": pass its name, {name!r}" if isinstance(name, str) and name in KV_LAYOUT_NAMES else ""
+        raise TypeError(f"layout hint kv_layout must be a str, not {type(value).__name__} ({value!r}){named}")
     if value.strip().upper() in KV_LAYOUT_NAMES:
         return value.strip().upper()
     try:

@@ -4,6 +4,7 @@ every family of bad input with the error it gets."""
 from __future__ import annotations
 
 import copy
+import enum
 import pickle
 import re
 from typing import Any
@@ -551,12 +552,30 @@ def test_every_engine_has_a_detector_found_by_module_discovery() -> None:
     assert set(detectors()) == set(EngineType)
 
 
+class _Layout(enum.Enum):
+    """vLLM's ``KVCacheLayout`` (``cache_config.get_resolved_kv_cache_layout()``): a member
+    is named as the hint, its value the stride order."""
+
+    LBHNC = (0, 1, 2, 3, 4)
+    OTHER = (4, 3, 2, 1, 0)
+
+
+def test_a_layout_enum_member_is_told_to_pass_its_name() -> None:
+    with pytest.raises(
+        TypeError,
+        match=r"^layout hint kv_layout must be a str, not _Layout \(<_Layout.OTHER: "
+        r"\(4, 3, 2, 1, 0\)>\)$",
+    ):  # no layout of that name: nothing to suggest
+        detect(layers((7, 3, 4)), "vllm", {"kv_layout": _Layout.OTHER})
+
+
 @pytest.mark.parametrize(
     ("hints", "error", "message"),
     [
         ({"kv_layuot": "NHD"}, LayoutHintError, "unknown layout hint 'kv_layuot'; known hints: attn_backend, head_dim"),
         ({"kv_layout": "NDH"}, LayoutHintError, "layout hint kv_layout='NDH' is not one of NHD, HND, BHLNC, BLHNC, BLNHC"),
         ({"kv_layout": 1}, TypeError, "layout hint kv_layout must be a str, not int"),
+        ({"kv_layout": _Layout.LBHNC}, TypeError, "not _Layout (<_Layout.LBHNC: (0, 1, 2, 3, 4)>): pass its name, 'LBHNC'"),
         ({"tokens_per_block": 0}, LayoutHintError, "layout hint tokens_per_block must be a positive int, got 0"),
         ({"tokens_per_block": -1}, LayoutHintError, "layout hint tokens_per_block must be a positive int, got -1"),
         ({"tokens_per_block": True}, TypeError, "layout hint tokens_per_block must be an int, not bool"),
