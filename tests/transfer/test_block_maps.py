@@ -580,6 +580,43 @@ def test_chunk_side_refuses_a_block_size_that_is_none(size: object) -> None:
     assert side.block_size == 4  # a block size the caller counts in (a NumPy int too): fine
 
 
+def test_a_chunk_shorter_than_the_request_says_so() -> None:
+    """A chunk is one block of its tokens: one too short for num_tokens was reported as a
+    block list too short, naming blocks of the chunk's length the caller never gave."""
+    from kvlayout.transfer.block_maps import chunk_side
+
+    group = vllm(2, 8, 4, 2, 16)
+    short = chunk_side(group, torch.zeros(2, 2, 5, 2 * 16))  # [kv_size, layers, tokens, row]
+    with pytest.raises(
+        BlockMapError,
+        match=r"^the chunk \(dst\) holds 5 tokens, fewer than the request's 7 \(num_tokens\): give it a "
+        r"token axis of 7 or more$",
+    ):
+        block_map(group, short, [3, 1], [0], num_tokens=7)
+    with pytest.raises(
+        BlockMapError, match=r"^the chunk \(src\) holds 5 tokens, fewer than the request's 7 "
+    ):
+        block_map(short, group, [0], [3, 1], num_tokens=7)
+    assert block_map(group, short, [3, 1], [0], num_tokens=5).num_tokens == 5  # it holds 5
+
+
+def test_a_repeated_destination_block_names_first_token() -> None:
+    """vLLM hands a sliding window's dropped blocks as its null block, repeated: a load into
+    them is refused, and the message says what serves it (first_token past them)."""
+    group = vllm(2, 8, 4, 2, 16)
+    chunk = torch.zeros(2, 2, 12, 2 * 16)  # [kv_size, layers, tokens, row]
+    from kvlayout.transfer.block_maps import chunk_side
+
+    with pytest.raises(BlockMapError) as info:
+        block_map(chunk_side(group, chunk), group, [0], [0, 0, 5])
+    assert str(info.value) == (
+        "dst_blocks[1] = 0 repeats dst_blocks[0]: each destination slot is written once (blocks wholly before "
+        "first_token are not written, and may repeat, as an engine's null block for a sliding window's dropped "
+        "blocks does)"
+    )
+    assert block_map(chunk_side(group, chunk), group, [0], [0, 0, 5], first_token=8).num_bytes > 0
+
+
 def test_kinds_say_what_differs() -> None:
     nhd, hnd = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8, fmt=F.NL_X_TWO_NB_NH_BS_HS)
     assert block_map(nhd, vllm(2, 8, 4, 4, 8), [0], [1]).kind == "same layout"

@@ -334,6 +334,11 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -
     count, size = side.num_blocks // per, side.block_size * per
     needed = -(-tokens // size)
     ids = block_ids_arg(name, blocks, BlockMapError)
+    if side.layout is None and needed > 1:  # a chunk is one block: its tokens are too few
+        raise BlockMapError(
+            f"the chunk ({name.removesuffix('_blocks')}) holds {side.block_size} tokens, fewer than the "
+            f"request's {tokens} ({told}): give it a token axis of {tokens} or more"
+        )
     if len(ids) != needed:
         tokens_given = (
             f": a block id names a block of {size} tokens, not a token slot (give a token's slot over {size})"
@@ -606,7 +611,10 @@ def block_map(
     src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)
     dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told)
     written = first // b_size  # dst_blocks[written:] take tokens; those before keep theirs
-    why = "each destination slot is written once"
+    why = (
+        "each destination slot is written once (blocks wholly before first_token are not written, "
+        "and may repeat, as an engine's null block for a sliding window's dropped blocks does)"
+    )
     check_written_once("dst_blocks", dst_ids, written, b.num_blocks // b_per, BlockMapError, why)
     if written and first < tokens:
         kept = np.flatnonzero(np.isin(dst_ids[:written], dst_ids[written:]))
