@@ -600,6 +600,24 @@ def test_a_chunk_shorter_than_the_request_says_so() -> None:
     assert block_map(group, short, [3, 1], [0], num_tokens=5).num_tokens == 5  # it holds 5
 
 
+def test_chunk_shape_for_is_the_shape_chunk_side_takes() -> None:
+    from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+
+    for group, shape in [
+        (vllm(2, 8, 4, 2, 16), (2, 2, 7, 32)),  # K and V apart: kv_size 2, a row of 2 heads
+        (vllm(8, 4, 2, 32, fmt=F.NL_X_NB_BS_NH_CS), (1, 2, 7, 64)),  # packed K | V: kv_size 1
+    ]:
+        assert chunk_shape_for(group, 7) == (shape, torch.float32)
+        assert chunk_shape_for(group, np.int64(7)) == (shape, torch.float32)  # type: ignore[arg-type]
+        side = chunk_side(group, torch.zeros(shape))
+        assert block_map(group, side, [3, 1], [0], num_tokens=7).num_tokens == 7
+    for bad in (0, -3, 2.5, True, "7"):
+        with pytest.raises(BlockMapError, match=r"^num_tokens must be a positive int, got "):
+            chunk_shape_for(vllm(2, 8, 4, 2, 16), bad)  # type: ignore[arg-type]
+    with pytest.raises(BlockMapError, match=r"^chunk_shape_for: block_size must be None or a positive int"):
+        chunk_shape_for(vllm(2, 8, 4, 2, 16), 7, block_size=0)
+
+
 def test_a_repeated_destination_block_names_first_token() -> None:
     """vLLM hands a sliding window's dropped blocks as its null block, repeated: a load into
     them is refused, and the message says what serves it (first_token past them)."""

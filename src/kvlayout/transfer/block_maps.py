@@ -40,10 +40,17 @@ from kvlayout.transfer.arguments import (
     threads_arg,
 )
 from kvlayout.transfer.map_pairs import _cached_pair, _groups_of, _heads, _Pair, _whole, given_shard
-from kvlayout.transfer.map_sides import BlockMapError, Side, _as_side, chunk_side
+from kvlayout.transfer.map_sides import (
+    BlockMapError,
+    Side,
+    _as_side,
+    chunk_shape_for,
+    chunk_side,
+    moved_tokens,
+)
 from kvlayout.transfer.sharded_pages import page_sides, structure_problem
 
-__all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_side"]
+__all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_shape_for", "chunk_side"]
 
 _P = _native.MapProblem  # the reasons' one definition is csrc/block_map.h's enum
 _PROBLEMS = {
@@ -592,7 +599,7 @@ def block_map(
     # a row of opaque pages is no token: the last page moves whole (to or from a chunk too)
     opaque = a if a.opaque_pages is not None else b
     if opaque.opaque_pages is not None and not opaque.opaque_pages.rows_are_tokens:
-        served, tokens = first == tokens, -(-tokens // opaque.block_size) * opaque.block_size
+        served, tokens = first == tokens, moved_tokens(opaque, tokens)
         first = tokens if served else first  # every token served already: nothing moves
         chunk = b if opaque is a else a
         if first % opaque.block_size:

@@ -28,7 +28,7 @@ from kvlayout.registration.peers import GroupDescription, PeerDescriptionError, 
 from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard
 
-__all__ = ["BlockMapError", "Side", "chunk_side", "side_of_group"]
+__all__ = ["BlockMapError", "Side", "chunk_shape_for", "chunk_side", "moved_tokens", "side_of_group"]
 
 _LEVEL_NAMES = ("slab", "block", "slot", "head")
 
@@ -391,26 +391,74 @@ def _as_side(obj: Any, block_size: int | None, where: str) -> Side:
     )
 
 
+def _chunk_geometry(cache: Side) -> tuple[int, int]:
+    """A chunk's ``kv_size`` (1 where the cache packs K and V in a row) and the bytes of
+    one token's row: each head's row in turn, K and V side by side where packed."""
+    kv_size = cache.kv if cache.layout is None or not cache.layout.is_fused_packed else 1
+    return kv_size, cache.heads * cache.row_bytes * (cache.kv // kv_size)
+
+
+def moved_tokens(side: Side, num_tokens: int) -> int:
+    """The token rows a map of ``num_tokens`` moves on ``side``: where its rows are no
+    tokens (opaque pages: state, HND kernel pages), a partly filled last page moves
+    whole, so up to whole pages."""
+    pages = side.opaque_pages
+    if pages is None or pages.rows_are_tokens:
+        return num_tokens
+    return -(-num_tokens // side.block_size) * side.block_size
+
+
+def chunk_shape_for(
+    group: Any, num_tokens: int, *, block_size: int | None = None
+) -> tuple[tuple[int, int, int, int], torch.dtype]:
+    """The shape and dtype of the chunk a :func:`block_map` of ``num_tokens`` tokens moves
+    to or from (:func:`chunk_side`): ``[kv_size, layers, tokens, row]`` in the cache's
+    dtype, ``tokens`` being ``num_tokens`` (a request's tokens exactly), or whole pages
+    where the group's rows are no tokens (opaque pages move whole)."""
+    tokens = _count_tokens(num_tokens)
+    _check_block_size("chunk_shape_for", block_size)
+    cache = _as_side(group, block_size, "the cache")
+    kv_size, row_bytes = _chunk_geometry(cache)
+    dtype = getattr(torch, cache.piece_dtypes[0])
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return (kv_size, len(cache.layers), moved_tokens(cache, tokens), row_bytes // itemsize), dtype
+
+
+def _check_block_size(caller: str, block_size: object) -> None:
+    """Checked here too: a cache of blocks of its own never reads the block size."""
+    if block_size is None:
+        return
+    try:
+        size = as_int(block_size, "block_size")
+    except TypeError:
+        size = 0
+    if size <= 0:
+        raise BlockMapError(f"{caller}: block_size must be None or a positive int, got {block_size!r}")
+
+
+def _count_tokens(num_tokens: object) -> int:
+    try:
+        tokens = as_int(num_tokens, "num_tokens")
+    except TypeError:
+        tokens = 0
+    if tokens <= 0:
+        raise BlockMapError(f"num_tokens must be a positive int, got {num_tokens!r}")
+    return tokens
+
+
 def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None) -> Side:
     """A chunk ``[kv_size, NL, T, row]`` (``kvlayout.transfer``'s token-major buffer) as a
     side: one block of ``T`` tokens whose (layer, K/V) slabs hold token rows of the
     group's planes back to back. ``block_map(group, chunk_side(group, chunk), ids, [0])``
     is ``store_blocks`` of those ids into the chunk."""
-    if block_size is not None:  # checked here too: a cache of blocks of its own never reads it
-        try:
-            size = as_int(block_size, "block_size")
-        except TypeError:
-            size = 0
-        if size <= 0:
-            raise BlockMapError(f"chunk_side: block_size must be None or a positive int, got {block_size!r}")
+    _check_block_size("chunk_side", block_size)
     cache = _as_side(group, block_size, "the cache")
     if not isinstance(chunk, torch.Tensor):
         raise TypeError(f"chunk must be a tensor, not {type(chunk).__name__}")
-    kv_size = cache.kv if cache.layout is None or not cache.layout.is_fused_packed else 1
+    kv_size, row_bytes = _chunk_geometry(cache)
     pair = cache.kv // kv_size  # K/V planes one chunk row holds side by side
     nl = len(cache.layers)
     itemsize = chunk.element_size()
-    row_bytes = cache.heads * cache.row_bytes * pair
     # Paired as block_map pairs two caches (fp8 and the uint8 it is stored as hold the same
     # bytes), and first: the shape check's row size is counted in the chunk's elements.
     if not same_bytes(str(chunk.dtype).removeprefix("torch."), cache.piece_dtypes[0]):

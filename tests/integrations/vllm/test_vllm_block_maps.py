@@ -253,6 +253,25 @@ def test_a_chunk_loaded_into_opaque_pages_moves_whole_pages_too() -> None:
         assert torch.equal(view[[0, 5]].reshape(256, 256), chunk[0, layer])
 
 
+@pytest.mark.parametrize(("layout", "tokens"), [("LBHNC", 256), ("LBNHC", 200)])
+def test_chunk_shape_for_sizes_a_request_s_chunk_as_its_map_moves_it(layout: str, tokens: int) -> None:
+    """A connector sizes a request's chunk with chunk_shape_for: the request's tokens
+    exactly where rows are tokens (NHD kernel pages, read as their blocks), whole pages
+    where they are not (HND kernel pages), and the map then fills all of it."""
+    from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+
+    _, cache, _ = edited_cache(vx.KVCacheLayout[layout], 1)
+    group = cache.only_group()
+    shape, dtype = chunk_shape_for(group, 200)
+    row = 256 if layout == "LBHNC" else 128  # a page's row of bytes, or 4 heads of K | V (bf16)
+    assert (shape, dtype) == ((1, 2, tokens, row), torch.int8 if layout == "LBHNC" else torch.bfloat16)
+    chunk = torch.full(shape, 7, dtype=dtype)
+    m = block_map(group, chunk_side(group, chunk), [4, 1], [0], num_tokens=200)
+    assert m.num_bytes == chunk.numel() * chunk.element_size()
+    m.copy()
+    assert not bool((chunk == 7).all(dim=-1).any())  # every row written
+
+
 def test_views_of_an_edited_view_keep_its_mark() -> None:
     _, cache, views = edited_cache(vx.KVCacheLayout.LBHNC, 1)
     mark = cache.only_group().opaque_pages
