@@ -123,8 +123,8 @@ class LayoutHints:
 
     Choices are read in any case (``hnd`` is ``HND``), as engine names are.
 
-    ``kv_layout``: physical order, in vLLM's spellings (one letter per axis, outermost
-    first: L layers, B blocks, N tokens, H heads, C content): ``LBNHC`` (alias ``NHD``,
+    ``kv_layout``: physical order, in vLLM's spellings (a name, or an enum member of one,
+    as vLLM's ``KVCacheLayout``; one letter per axis, outermost first: L layers, B blocks, N tokens, H heads, C content): ``LBNHC`` (alias ``NHD``,
     tokens before heads), ``LBHNC`` (alias ``HND``, heads before tokens), or vLLM's
     blocks-first ``BLNHC``/``BLHNC`` (same per-layer order; only the block stride
     differs), or ``LHBNC`` (heads, or a backend's head slots, outside blocks: ROCm
@@ -251,11 +251,10 @@ class LayoutHints:
 
 def _kv_layout(value: object) -> str:
     """The ``kv_layout`` spelling, in any case; an order no format describes refused."""
+    if isinstance(value, enum.Enum) and value.name in KV_LAYOUT_NAMES:
+        return value.name  # vLLM's KVCacheLayout (get_resolved_kv_cache_layout()): named as the hint
     if not isinstance(value, str):
-        # vLLM's KVCacheLayout members (get_resolved_kv_cache_layout()) are named as the hint
-        name = getattr(value, "name", None) if isinstance(value, enum.Enum) else None
-        named = f": pass its name, {name!r}" if isinstance(name, str) and name in KV_LAYOUT_NAMES else ""
-        raise TypeError(f"layout hint kv_layout must be a str, not {type(value).__name__} ({value!r}){named}")
+        raise TypeError(f"layout hint kv_layout must be a str, not {type(value).__name__} ({value!r})")
     if value.strip().upper() in KV_LAYOUT_NAMES:
         return value.strip().upper()
     try:
