@@ -744,6 +744,7 @@ BAD_MAPS = [
     (lambda a: a.describe().group(True), TypeError, "group index must be an int, not bool (True)"),
     (lambda a: a.describe().group("0"), TypeError, "group index must be an int, not str ('0')"),
     (lambda a: a.describe(block_size=0), PeerDescriptionError, "describe(block_size=0): a block holds at least 1"),
+    (lambda a: a.describe(at=0), PeerDescriptionError, "at must be a positive address below 2**57, got 0"),
     (lambda a: block_map(a, a, [0, 8], [2, 3]), BlockMapError, "src_blocks[1] = 8 is out of range for 8 blocks"),
     (lambda a: block_map(a, a, [0, 1], [3, 3]), BlockMapError, "dst_blocks[1] = 3 repeats dst_blocks[0]"),
     (lambda a: block_map(a, a, [0, 1], [2]), BlockMapError,
@@ -751,6 +752,12 @@ BAD_MAPS = [
     (lambda a: block_map(a, a, [0, 1], [2, 3], num_tokens=9), BlockMapError,
      "src_blocks has 2 block ids; the request's 9 tokens (num_tokens) fill 3 blocks of 4"),
     (lambda a: block_map(a, a, [0.0], [1.0]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got float64"),
+    (lambda a: block_map(a, a, [0], [1], src_block_size=0), BlockMapError, "src_block_size must be a positive int, got 0"),
+    (lambda a: block_map(a, a, [0], [1], num_tokens=-1), BlockMapError, "num_tokens must be >= 0, got -1"),
+    # a bool is no block id (True would read as block 1)
+    (lambda a: block_map(a, a, torch.tensor([True]), [1]), BlockMapError, "src_blocks must be integers, got torch.bool"),
+    # ints NumPy promotes to float64 (uint64 with a negative one) are read exactly, a negative one named so
+    (lambda a: block_map(a, a, [np.uint64(1), -1], [1, 2]), BlockMapError, "src_blocks[1] = -1 is negative"),
     (lambda a: block_map(a, a, [[0]], [[1]]), BlockMapError, "src_blocks must be a 1-D sequence of ints, got shape [1, 1]"),
     (lambda a: block_map(a, a, torch.tensor([0], device="meta"), [1]), BlockMapError,
      "src_blocks must hold values (a list, array or dense tensor)"),
