@@ -5,6 +5,8 @@ They were read as ordinary heads or rows of tokens, and moved wrong bytes with n
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 from typing import Any
 
 import pytest
@@ -347,3 +349,22 @@ def test_interleaved_ds_mla_records_stay_tokens(record: int, version: str | None
     engine = uniform_engine(spec, Backend("FLASHMLA_SPARSE", fixed_sizes=(64,)), num_layers=NL, num_blocks=NB)
     _, kv = allocate_v033(engine)
     assert find_kv_cache_group_edit(spec, next(iter(kv.values()))) is None
+
+
+def test_whole_pages_map_only_to_pages_of_the_same_size() -> None:
+    """Pages whose rows are no tokens move whole, so a peer's pages laid out alike (its
+    description names the same page layout) in blocks of another size are refused, not
+    copied a page of one size into a page of the other."""
+    plain = kvi.FullAttentionSpec(block_size=BS, num_kv_heads=H, head_size=D, dtype=torch.bfloat16)
+    b12x = dataclasses.replace(plain, num_head_slots=2, state_content_bytes=H * D * 2)
+    _, _, a = registered(b12x, KVCacheLayout.LBHNC, 1)
+    _, _, b = registered(dataclasses.replace(b12x, block_size=2 * BS), KVCacheLayout.LBHNC, 2)
+    wire = json.loads(b.describe().to_json())
+    wire["groups"][0]["opaque_pages"]["layout"] = a.only_group().opaque_pages.layout
+    peer = RegistrationDescription.from_json(json.dumps(wire))
+    with pytest.raises(
+        BlockMapError,
+        match=rf"^src and dst are opaque pages in blocks of {BS} and {2 * BS} rows: whole pages map only to "
+        r"pages of the same size",
+    ):
+        block_map(a, peer, [0], [0])
