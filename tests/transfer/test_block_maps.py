@@ -743,6 +743,7 @@ BAD_MAPS = [
     (lambda a: Shard(0, 2, 8.0), ShardError, "Shard.num_kv_heads must be an int, got 8.0"),  # type: ignore[arg-type]
     (lambda a: a.describe().group(True), TypeError, "group index must be an int, not bool (True)"),
     (lambda a: a.describe().group("0"), TypeError, "group index must be an int, not str ('0')"),
+    (lambda a: a.describe().group(1), PeerDescriptionError, "group 1 is out of range for 1 kernel groups"),
     (lambda a: a.describe(block_size=0), PeerDescriptionError, "describe(block_size=0): a block holds at least 1"),
     (lambda a: a.describe(at=0), PeerDescriptionError, "at must be a positive address below 2**57, got 0"),
     (lambda a: block_map(a, a, [0, 8], [2, 3]), BlockMapError, "src_blocks[1] = 8 is out of range for 8 blocks"),
