@@ -546,3 +546,27 @@ def test_a_description_of_more_than_2_20_tensors_is_refused_at_the_plane_past_th
         match=r"^description\.groups\[0\]\.planes\[8\]: the description names more than 1048576 tensors$",
     ):
         _parse(data)
+
+
+def test_a_tensor_spanning_more_than_2_48_bytes_is_refused() -> None:
+    """2**31 one-byte blocks 256 KiB apart: every size in bounds, the span not."""
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]\.planes\[0\]: each tensor spans 562949953159169 bytes, more than "
+        r"281474976710656$",
+    ):
+        _parse(_header([_strided(0, 2**31, 2**18, A)]))
+
+
+def test_the_tensor_bound_counts_every_group_s_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The bound on a description's tensors is on all its groups together, exactly: as
+    many as it allows pass, one more is refused at the group past it."""
+    monkeypatch.setattr("kvlayout.registration.peers.MAX_TENSORS", 2)
+    data = _header([_strided(layer, 2, 1, A + (layer << 20)) for layer in range(2)])
+    assert len(_parse(data).groups) == 2
+    data["groups"].append(_strided(2, 2, 1, A + (2 << 20)))
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[2\]\.planes\[0\]: the description names more than 2 tensors$",
+    ):
+        _parse(data)

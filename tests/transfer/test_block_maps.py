@@ -958,6 +958,8 @@ LIES = [
      "NL_X_TWO_NB_BS_NH_HS with these sizes is [2, 9, 4, 4, 8]"),
     ("groups[0].planes[0].strides[0]", 2048, "description.groups[0].planes[0].strides are [2048, 128, 32, 8, 1]; "
      "NL_X_TWO_NB_BS_NH_HS stores these sizes with strides [1024, 128, 32, 8, 1]"),
+    ("groups[0].planes[0].strides[0]", 512, "description.groups[0].planes[0].strides are [512, 128, 32, 8, 1]; "
+     "NL_X_TWO_NB_BS_NH_HS stores these sizes with strides [1024, 128, 32, 8, 1]"),  # blocks that would overlap
     ("groups[0].planes[0].block_stride", 256, "description.groups[0].planes[0].block_stride: NL_X_TWO_NB_BS_NH_HS: "
      "dim 0 is not the block axis"),
     ("groups[0].planes[0].addresses[1]", 1 << 64, "description.groups[0].planes[0].addresses[1]=18446744073709551616 "
@@ -966,6 +968,8 @@ LIES = [
      "not a string"),
     ("groups[0].planes[0].addresses", [4096], "description.groups[0].planes[0].addresses has 1 entries; "
      "NL_X_TWO_NB_BS_NH_HS has 2 tensors here"),
+    ("groups[0].planes[0].addresses", [4096, 1 << 20, 1 << 21], "description.groups[0].planes[0].addresses has 3 "
+     "entries; NL_X_TWO_NB_BS_NH_HS has 2 tensors here"),
     ("groups[0].planes[0].addresses", [4096, 8192], "description.groups[0].planes[0].addresses[1] and "
      "description.groups[0].planes[0].addresses[0] overlap in memory"),
     ("groups[0].planes[0].addresses", [4096, 4097], "description.groups[0].planes[0].addresses[1] and "
