@@ -979,6 +979,8 @@ LIES = [
     ("groups[0].block_size", 8, "description.groups[0].block_size is 8; the tensors have blocks of 4"),
     ("groups[0].planes[0].shape", ..., "description.groups[0].planes[0] has no shape"),
     ("groups[0].extra", 1, "description.groups[0] has unknown field(s) 'extra'"),
+    ("groups[0].opaque_pages", {"layout": "pages\x1b[2J", "rows_are_tokens": False},  # a terminal escape
+     "description.groups[0].opaque_pages.layout must be printable text of 1 to"),
     ("device.type", "tpu", "description.device.type is 'tpu', not one of cpu, cuda"),
     ("shard.tp_rank", 2, "description.shard: Shard.tp_rank=2 is out of range for tp_size=2"),
     ("shard.num_kv_heads", 16, "description.shard Shard(tp_rank=0, tp_size=2, num_kv_heads=16) holds 8 KV heads, "
