@@ -570,3 +570,33 @@ def test_the_tensor_bound_counts_every_group_s_tensors(monkeypatch: pytest.Monke
         match=r"^description\.groups\[2\]\.planes\[0\]: the description names more than 2 tensors$",
     ):
         _parse(data)
+
+
+def _pages(**pages: Any) -> dict[str, Any]:
+    """A real description whose group declares opaque pages ``pages`` (version 2)."""
+    data = _nhd(1)
+    data["version"] = 2
+    data["groups"][0]["opaque_pages"] = {"layout": "pages", "rows_are_tokens": False, **pages}
+    return data
+
+
+def _array(**fields: Any) -> dict[str, Any]:
+    return {"offset": 0, "shape": [4], "dtype": "uint8", "axis": 0, "parts": [4], **fields}
+
+
+@pytest.mark.parametrize(
+    ("pages", "message"),
+    [
+        ({"rows_are_tokens": 1}, r"\.opaque_pages\.rows_are_tokens must be a boolean, not int$"),
+        ({"arrays": [_array(kv_heads=1)]}, r"\.opaque_pages\.arrays\[0\]\.kv_heads 1 is not a boolean$"),
+        (
+            {"arrays": [_array(shape=[2**24, 2**24], parts=[2**24])]},
+            r"\.opaque_pages\.arrays\[0\]: shape \[16777216, 16777216\] of uint8 spans 2\*\*48 bytes or more$",
+        ),
+    ],
+)
+def test_opaque_pages_fields_are_typed_and_bounded(pages: dict[str, Any], message: str) -> None:
+    """Each is a PeerDescriptionError naming the field (OpaquePages and PageArray raise
+    TypeError of their own, which from_json must not let out)."""
+    with pytest.raises(PeerDescriptionError, match=r"^description\.groups\[0\]" + message):
+        _parse(_pages(**pages))

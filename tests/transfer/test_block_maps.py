@@ -746,6 +746,7 @@ BAD_MAPS = [
     (lambda a: a.describe().group(1), PeerDescriptionError, "group 1 is out of range for 1 kernel groups"),
     (lambda a: a.describe(block_size=0), PeerDescriptionError, "describe(block_size=0): a block holds at least 1"),
     (lambda a: a.describe(at=0), PeerDescriptionError, "at must be a positive address below 2**57, got 0"),
+    (lambda a: a.describe(shard=(0, 1, 4)), TypeError, "shard must be a kvlayout.transfer.Shard, not tuple"),
     (lambda a: block_map(a, a, [0, 8], [2, 3]), BlockMapError, "src_blocks[1] = 8 is out of range for 8 blocks"),
     (lambda a: block_map(a, a, [0, 1], [3, 3]), BlockMapError, "dst_blocks[1] = 3 repeats dst_blocks[0]"),
     (lambda a: block_map(a, a, [0, 1], [2]), BlockMapError,
