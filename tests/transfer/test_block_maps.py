@@ -976,6 +976,7 @@ LIES = [
     ("groups[0].planes[0].addresses", [4096, 4097], "description.groups[0].planes[0].addresses[1] and "
      "description.groups[0].planes[0].addresses[0] overlap in memory"),
     ("groups[0].layers", [0, 0], "description.groups[0].layers must be distinct layer indices"),
+    ("groups[0].engine_group", -2, "description.groups[0].engine_group=-2 is outside [-1, 65536)"),
     ("groups[0].layers", [0], "description.groups[0].layers has 1 entries; the tensors hold 2 layers"),
     ("groups[0].block_size", 8, "description.groups[0].block_size is 8; the tensors have blocks of 4"),
     ("groups[0].planes[0].shape", ..., "description.groups[0].planes[0] has no shape"),
