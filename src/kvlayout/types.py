@@ -124,8 +124,9 @@ class LayoutHints:
     Choices are read in any case (``hnd`` is ``HND``), as engine names are.
 
     ``kv_layout``: physical order, in vLLM's spellings (a name, or an enum member of one,
-    as vLLM's ``KVCacheLayout``; one letter per axis, outermost first: L layers, B blocks, N tokens, H heads, C content): ``LBNHC`` (alias ``NHD``,
-    tokens before heads), ``LBHNC`` (alias ``HND``, heads before tokens), or vLLM's
+    as vLLM's ``KVCacheLayout``; one letter per axis, outermost first: L layers, B blocks,
+    N tokens, H heads, C content): ``LBNHC`` (alias ``NHD``, tokens before heads), ``LBHNC``
+    (alias ``HND``, heads before tokens), or vLLM's
     blocks-first ``BLNHC``/``BLHNC`` (same per-layer order; only the block stride
     differs), or ``LHBNC`` (heads, or a backend's head slots, outside blocks: ROCm
     attention's first choice; a block is one token run per head), or ``BHLNC`` (layers
