@@ -507,11 +507,12 @@ std::tuple<Problem, std::int64_t, std::int64_t, int> copy_runs(ConstRunArray run
   return {Problem::kNone, -1, -1, used};
 }
 
-std::tuple<Problem, std::int64_t, std::int64_t> validate_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans) {
+std::tuple<Problem, std::int64_t, std::int64_t> validate_groups(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans,
+                                                                bool one_memory) {
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* g = groups_of(groups);
   nb::gil_scoped_release release;
-  const auto v = kvlayout::block_map::validate_groups(g, groups.shape(0), src, dst);
+  const auto v = kvlayout::block_map::validate_groups(g, groups.shape(0), src, dst, one_memory);
   return {v.problem, v.run, v.other};
 }
 
@@ -773,8 +774,9 @@ NB_MODULE(_native, m) {
   m.def("expand_groups", &expand_groups, "groups"_a, "The runs of a table of groups, in order ((N, 3) uint64).");
   m.def("group_runs", &group_runs, "runs"_a,
         "A table of runs as the map builder's Grouper keeps them, given one by one (for tests).");
-  m.def("validate_groups", &validate_groups, "groups"_a, "src_spans"_a, "dst_spans"_a,
-        "validate_runs over the runs a table of groups holds.");
+  m.def("validate_groups", &validate_groups, "groups"_a, "src_spans"_a, "dst_spans"_a, "one_memory"_a = true,
+        "validate_runs over the runs a table of groups holds (one_memory=False: the sides are two processes' "
+        "addresses, so a source may repeat a destination's without sharing a byte).");
   m.def("first_outside", &first_outside, "addr"_a, "lengths"_a, "starts"_a, "ends"_a,
         "The first row [addr, addr + length) inside none of the sorted disjoint intervals [starts, ends), "
         "or -1.");

@@ -957,8 +957,10 @@ inline bool spans_meet(const std::vector<Span>& a, const std::vector<Span>& b) {
 
 // Every run inside one source and one destination tensor's blocks, destination runs
 // disjoint, and no run writing bytes another reads. Spans are sorted by start.
+// `one_memory`: both sides' addresses are this process's; false where one side is a
+// peer's (another address space, where its spans may repeat ours without sharing a byte).
 inline Verdict validate_runs(const ByteRun* runs, std::size_t n, const std::vector<Span>& src,
-                             const std::vector<Span>& dst) {
+                             const std::vector<Span>& dst, bool one_memory = true) {
   Verdict v;
   detail::RunChecks checks{src, dst};
   for (std::size_t i = 0; i < n; ++i) {
@@ -969,7 +971,7 @@ inline Verdict validate_runs(const ByteRun* runs, std::size_t n, const std::vect
     const auto [a, b] = detail::first_overlap(runs, n, [](const ByteRun& r) { return r.dst; });
     if (a >= 0) return {Problem::kDstOverlap, a, b};
   }
-  if (detail::spans_meet(src, dst)) {  // one memory on both sides: no run may read what another writes
+  if (one_memory && detail::spans_meet(src, dst)) {  // no run may read what another writes
     struct Edge {
       std::uint64_t at, len;
       bool write;
@@ -1019,7 +1021,7 @@ inline bool forward(std::uint64_t step) { return static_cast<std::int64_t>(step)
 // destination order, or whose sides share memory, is read back whole and checked by
 // validate_runs.
 inline Verdict validate_groups(const RunGroup* groups, std::size_t n, const std::vector<Span>& src,
-                               const std::vector<Span>& dst) {
+                               const std::vector<Span>& dst, bool one_memory = true) {
   constexpr std::size_t kChunk = 1024;
   ByteRun buf[kChunk];
   detail::RunChecks checks{src, dst};
@@ -1045,10 +1047,10 @@ inline Verdict validate_groups(const RunGroup* groups, std::size_t n, const std:
       }
     }
   }
-  if (checks.dst_sorted && !detail::spans_meet(src, dst)) return {};
+  if (checks.dst_sorted && !(one_memory && detail::spans_meet(src, dst))) return {};
   std::vector<ByteRun> all(at);
   GroupReader(groups, n).read(all.data(), at);
-  return validate_runs(all.data(), at, src, dst);
+  return validate_runs(all.data(), at, src, dst, one_memory);
 }
 
 // -- copying ---------------------------------------------------------------------------

@@ -1415,3 +1415,21 @@ def test_a_load_after_the_prefix_cache_moves_only_the_tokens_from_first_token() 
         block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=101)
     served = block_map(pool, engine, [2, 0], engine_ids, num_tokens=100, first_token=100)
     assert served.num_runs == 0 and "no tokens (first_token=100)" in repr(served)
+
+
+def test_a_peer_at_this_process_s_addresses_maps_as_any_peer() -> None:
+    """A peer's description is another process's address space: two workers alike (the
+    same allocations on the same GPU model) often place their caches at the same
+    virtual addresses. A map from our cache to such a peer was refused as a source and
+    destination that overlap; it maps as at any other address."""
+    src, dst = vllm(2, 8, 4, 2, 8), vllm(2, 8, 4, 2, 8)
+    wire = json.loads(dst.describe().to_json())
+    ours = json.loads(src.describe().to_json())
+    for plane, mine in zip(wire["groups"][0]["planes"], ours["groups"][0]["planes"], strict=True):
+        plane["addresses"] = mine["addresses"]  # the peer's cache where ours is
+    peer = RegistrationDescription.from_json(json.dumps(wire))
+    for src_ids, dst_ids in (([3], [3]), ([0, 1], [1, 2]), ([3], [4])):
+        m = block_map(src, peer, src_ids, dst_ids)
+        elsewhere = block_map(src, dst, src_ids, dst_ids)  # the same map, the peer's cache elsewhere
+        assert m.num_runs == elsewhere.num_runs and m.num_bytes == elsewhere.num_bytes
+        assert np.array_equal(np.sort(m.runs[:, 0]), np.sort(elsewhere.runs[:, 0]))

@@ -644,5 +644,6 @@ def block_map(
         kind = _state_kind(a, b, state, common, len(pair.slabs) // len(a.layers))  # a layer's joined runs
         result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first, slots=pages, kind=kind)
     if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
-        result._raise(*_native.validate_groups(result._groups, a.spans, b.spans))
+        # (in another address space, which may repeat this one's addresses: no src/dst overlap)
+        result._raise(*_native.validate_groups(result._groups, a.spans, b.spans, one_memory=False))
     return result
