@@ -734,7 +734,8 @@ BAD_MAPS = [
      ShardError, "src_shard Shard(tp_rank=0, tp_size=4, num_kv_heads=8) holds 2 KV heads, but the src cache has 4"),
     (lambda a: block_map(a, vllm(2, 8, 4, 4, 8), [0], [0], dst_shard=Shard(0, 2, 8)),
      ShardError, "src_shard Shard(tp_rank=0, tp_size=1, num_kv_heads=4) and dst_shard Shard(tp_rank=0, tp_size=2, "
-     "num_kv_heads=8) disagree on the model's KV heads"),
+     "num_kv_heads=8) disagree on the model's KV heads (a shard not given is TP 1 over the cache's own heads): give "
+     "both sides' Shard(tp_rank, tp_size, num_kv_heads), num_kv_heads the whole model's"),
     (lambda a: block_map(a, a, [0], [0], src_shard=(0, 1, 4)),  # type: ignore[arg-type]
      TypeError, "src_shard must be a kvlayout.transfer.Shard, not tuple"),
     (lambda a: Shard(2, 2, 8), ShardError, "Shard.tp_rank=2 is out of range for tp_size=2"),

@@ -335,6 +335,9 @@ def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
     return per
 
 
+_TOLD_BY_BLOCKS = "what the shorter block list holds"  # no num_tokens given
+
+
 def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -> np.ndarray:
     """The block ids of the caller's blocks (each ``per`` of the side's) that ``tokens``
     fill, checked (``told``: where the token count came from, for the message)."""
@@ -352,6 +355,12 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -
             if len(ids) == tokens and size > 1
             else ""
         )
+        if side.opaque_pages is not None and side.opaque_pages.arrays and told != _TOLD_BY_BLOCKS:
+            # a connector passes a hybrid request's num_tokens to every map it joins
+            tokens_given = (
+                f": a block of state pages ({side.opaque_pages.layout}) is a snapshot of the request's state "
+                "at its last token, not tokens: map the state by its block ids alone, without num_tokens"
+            )
         raise BlockMapError(
             f"{name} has {len(ids)} block ids; the request's {tokens} tokens ({told}) fill {needed} "
             f"block{'s' * (needed != 1)} of {size}{tokens_given}"
@@ -612,7 +621,7 @@ def block_map(
                 f"the chunk holds {chunk.block_size} token rows, but opaque pages move whole pages of "
                 f"{opaque.block_size} rows ({tokens} here): a chunk for them holds whole pages"
             )
-    told = "what the shorter block list holds" if num_tokens is None else "num_tokens"
+    told = _TOLD_BY_BLOCKS if num_tokens is None else "num_tokens"
     if num_tokens is not None and tokens != num_tokens:
         told = f"num_tokens={num_tokens} rounded up to whole opaque pages"
     src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)

@@ -158,7 +158,8 @@ def _pair(
         if src_shard.num_kv_heads != dst_shard.num_kv_heads:
             raise ShardError(
                 f"src_shard {src_shard} and dst_shard {dst_shard} disagree on the model's KV heads (a shard "
-                "not given is TP 1 over the cache's own heads)"
+                "not given is TP 1 over the cache's own heads): give both sides' Shard(tp_rank, tp_size, "
+                "num_kv_heads), num_kv_heads the whole model's"
             )
         a, b = src_shard.heads, dst_shard.heads
         lo = max(a.start, b.start, only.start if only is not None else 0)

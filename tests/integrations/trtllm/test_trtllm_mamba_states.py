@@ -116,6 +116,20 @@ def test_v1_states_map_into_v2s_coalesced_views_whole_items() -> None:
     assert not conv_pages[1].any() and not conv_pages[4].any()
 
 
+def test_a_states_map_given_the_requests_tokens_says_to_leave_them_out() -> None:
+    """A connector joining a hybrid request's maps passes num_tokens to each; a state's
+    block is one slot, so the refusal says to map it by its block id alone."""
+    a, b = mamba_state_pools(v1_manager(1, 0)), mamba_state_pools(v1_manager(2, 1))
+    p, d = Shard(0, 1, 8), Shard(1, 2, 8)
+    with pytest.raises(
+        BlockMapError, match=r"fill 5 blocks of 1: a block of state pages \(TRT-LLM Mamba ssm"
+    ):
+        block_map(a["ssm"], b["ssm"], [3], [0], num_tokens=5, src_shard=p, dst_shard=d)
+    with pytest.raises(BlockMapError, match=r"fill 1 block of 1$"):  # no num_tokens: no such advice
+        block_map(a["conv"], b["conv"], [3, 4], [0], src_shard=p, dst_shard=d)
+    assert block_map(a["ssm"], b["ssm"], [3], [0], num_tokens=1, src_shard=p, dst_shard=d).num_runs == NL
+
+
 def test_a_python_manager_is_read_as_its_facade_is() -> None:
     facade = v1_manager(1, 2)
     direct = facade._impl  # PythonMambaCacheManager itself holds mamba_cache
