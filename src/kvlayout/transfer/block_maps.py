@@ -355,11 +355,17 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -
             if len(ids) == tokens and size > 1
             else ""
         )
-        if side.opaque_pages is not None and side.opaque_pages.arrays and told != _TOLD_BY_BLOCKS:
-            # a connector passes a hybrid request's num_tokens to every map it joins
+        pages = side.opaque_pages
+        # a connector passes a request's num_tokens to every map it joins; a page of one row is no token
+        if pages is not None and (pages.arrays or size == 1) and told != _TOLD_BY_BLOCKS:
+            what = (
+                "a snapshot of the request's state at its last token"
+                if pages.arrays
+                else "one whole page (a slot), whatever tokens it holds"
+            )
             tokens_given = (
-                f": a block of state pages ({side.opaque_pages.layout}) is a snapshot of the request's state "
-                "at its last token, not tokens: map the state by its block ids alone, without num_tokens"
+                f": a block of {'state' if pages.arrays else 'opaque'} pages ({pages.layout}) is {what}, not "
+                "tokens: map it by its block ids alone, without num_tokens"
             )
         raise BlockMapError(
             f"{name} has {len(ids)} block ids; the request's {tokens} tokens ({told}) fill {needed} "

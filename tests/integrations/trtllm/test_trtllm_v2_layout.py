@@ -166,6 +166,9 @@ def test_other_regions_move_whole_slots_to_regions_of_the_same_bytes() -> None:
     )
     with pytest.raises(BlockMapError):  # opaque slots are no K/V pages
         block_map(src["group0.replicated0"], src["group0"], [0], [0])
+    # the request's num_tokens, as its K/V map takes them: a slot is a page, not a token
+    with pytest.raises(BlockMapError, match=r"fill 40 blocks of 1: a block of opaque pages .* whole page"):
+        block_map(src["group0.replicated0"], dst["group0.replicated0"], [5, 1], [0, 3], num_tokens=40)
 
 
 def test_the_pool_detector_refuses_a_region_tensor() -> None:
