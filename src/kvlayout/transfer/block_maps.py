@@ -462,7 +462,7 @@ def _check_opaque_pages(
         sa, sb = (f"{p.layout}{tokens[p.rows_are_tokens] if a.layout == b.layout else ''}" for p in (a, b))
         raise BlockMapError(
             f"src and dst are opaque pages laid out differently (src {sa}; dst {sb}): the same "
-            f"tokens are other bytes of the page ({how})" + _advice(a) + _advice(b)
+            f"tokens are other bytes of the page ({how})" + _advices(a, b)
         )
     if not a.rows_are_tokens and src.block_size != dst.block_size:
         raise BlockMapError(
@@ -487,6 +487,11 @@ def _advice(pages: OpaquePages) -> str:
     return f". {pages.advice[:1].upper()}{pages.advice[1:]}" if pages.advice else ""
 
 
+def _advices(a: OpaquePages, b: OpaquePages) -> str:
+    """Both sides' advice, once where they give the same."""
+    return _advice(a) + (_advice(b) if b.advice != a.advice else "")
+
+
 def _state_ranks(
     src: Side, dst: Side, ranks: tuple[Shard | None, Shard | None], how: str
 ) -> tuple[Shard, Shard] | None:
@@ -504,7 +509,7 @@ def _state_ranks(
     if problem is not None:
         raise BlockMapError(
             f"src and dst pages do not hold the same state: {problem}; src pages are {a.layout}, dst "
-            f"pages {b.layout} ({how})" + _advice(a) + _advice(b)
+            f"pages {b.layout} ({how})" + _advices(a, b)
         )
     # the same shapes and parts (dtypes of the same bytes, offsets in the page aside): one state alike
     split = [(x.shape, x.parts) for x in a.arrays] == [(y.shape, y.parts) for y in b.arrays]

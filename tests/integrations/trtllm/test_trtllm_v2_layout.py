@@ -171,6 +171,27 @@ def test_other_regions_move_whole_slots_to_regions_of_the_same_bytes() -> None:
         block_map(src["group0.replicated0"], dst["group0.replicated0"], [5, 1], [0, 3], num_tokens=40)
 
 
+def test_mamba_state_regions_read_whole_and_point_to_the_state_reader_across_tp() -> None:
+    """V2MambaHybridCacheManager's MambaRole buffers are regions of the layout: read as
+    whole slots, they map at one TP degree, and a map between TP degrees says which
+    reader splits them."""
+    runs = kv_refs([1], ("ssm_state", "conv_state"))
+    tp1 = Region(pool_bytes(SLOTS * 96, 7), 0, 96, 96, SLOTS, runs)
+    twin = Region(torch.zeros(SLOTS * 96, dtype=torch.uint8), 0, 96, 96, SLOTS, runs)
+    tp2 = Region(torch.zeros(SLOTS * 48, dtype=torch.uint8), 0, 48, 48, SLOTS, runs)
+    a, b, c = (
+        kv_cache_layout_pools(Layout(BS, (Group(1, (1,), None, (r,)),)), torch.bfloat16, HINTS)[
+            "group1.region0"
+        ]
+        for r in (tp1, twin, tp2)
+    )
+    block_map(a, b, [4], [0]).copy()
+    assert torch.equal(twin.bytes_of(0, 0, 96), tp1.bytes_of(4, 0, 96))
+    with pytest.raises(BlockMapError, match=r"laid out differently.*mamba_state_pools\(manager\)") as info:
+        block_map(a, c, [4], [0], src_shard=Shard(0, 1, 8), dst_shard=Shard(1, 2, 8))
+    assert str(info.value).count("mamba_state_pools") == 1  # both sides' advice, said once
+
+
 def test_the_pool_detector_refuses_a_region_tensor() -> None:
     """Before this reader a connector had only ``region.as_tensor()``, refused by rank."""
     region = Region(pool_bytes(SLOTS * 2 * BUF, 7), 0, 2 * BUF, 2 * BUF, SLOTS, kv_refs([0]))

@@ -39,6 +39,13 @@ from kvlayout.types import HintsLike, LayoutHints
 __all__ = ["KvCacheLayoutError", "kv_cache_layout_pools"]
 
 _KV_ROLES = ("key", "value")  # V2's Role.KEY / Role.VALUE names (DataRole("key"), DataRole("value"))
+# V2MambaHybridCacheManager's MambaRole names: its states are regions of the layout too
+_STATE_ROLES = ("ssm_state", "conv_state")
+_STATE_ADVICE = (
+    "a region of ssm_state / conv_state buffers is V2MambaHybridCacheManager's Mamba states, read here as "
+    "whole slots (one TP degree, one layout): kvlayout.integrations.trtllm.mamba_state_pools(manager) "
+    "reads them split as TRT-LLM's transceiver splits them between TP degrees; map those instead"
+)
 
 
 class KvCacheLayoutError(DetectionError):
@@ -127,7 +134,9 @@ def kv_cache_layout_pools(
     ``hints`` (``num_kv_heads``, ``head_dim``, ``kv_layout`` as for
     ``kvlayout.detect(pool, "trtllm", ...)``; ``tokens_per_block`` is the layout's);
     ``"group{g}.region{i}"`` (``"group{g}.replicated{i}"``) any other region, opaque
-    pages of whole slots. Block ids are group ``g``'s page slots
+    pages of whole slots (a ``V2MambaHybridCacheManager``'s ``ssm_state`` and
+    ``conv_state`` regions too, which :func:`mamba_state_pools` reads with their TP
+    splits). Block ids are group ``g``'s page slots
     (``get_aggregated_page_indices(g)``). Raises :class:`KvCacheLayoutError` for a
     layout that is not V2's."""
     groups = getattr(layout, "groups", None)
@@ -173,7 +182,11 @@ def kv_cache_layout_pools(
                     continue
                 rows = _rows(region, where)
                 named = ", ".join(f"{layer}:{role}" for layer, role, _ in refs)
-                page = OpaquePages(f"TRT-LLM V2 {kind}: {named} ({rows.shape[1]} bytes)", False)
+                states = any(role in _STATE_ROLES for _, role, _ in refs)
+                advice = _STATE_ADVICE if states else ""
+                page = OpaquePages(
+                    f"TRT-LLM V2 {kind}: {named} ({rows.shape[1]} bytes)", False, advice=advice
+                )
                 view = rows.view(torch.int8).view(rows.shape[0], 1, -1)
                 pools[f"group{g}.{kind}{i}"] = listed_pages([view], page, [rows], 1, EngineType.TRTLLM)
     return pools
