@@ -739,7 +739,8 @@ BAD_MAPS = [
     (lambda a: block_map(a, a, [0], [0], src_shard=(0, 1, 4)),  # type: ignore[arg-type]
      TypeError, "src_shard must be a kvlayout.transfer.Shard, not tuple"),
     (lambda a: Shard(2, 2, 8), ShardError, "Shard.tp_rank=2 is out of range for tp_size=2"),
-    (lambda a: Shard(0, 3, 8), ShardError, "tp_size=3 and num_kv_heads=8: the larger must be a multiple of the smaller"),
+    (lambda a: Shard(0, 3, 8), ShardError, "tp_size=3 and num_kv_heads=8: the larger must be a multiple of the smaller "
+     "(engines split KV heads evenly"),
     (lambda a: Shard(0, 2, True), ShardError, "Shard.num_kv_heads must be an int, got True"),
     (lambda a: Shard(0, 2, 8.0), ShardError, "Shard.num_kv_heads must be an int, got 8.0"),  # type: ignore[arg-type]
     (lambda a: a.describe().group(True), TypeError, "group index must be an int, not bool (True)"),

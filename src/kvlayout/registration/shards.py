@@ -53,8 +53,9 @@ class Shard:
         if max(size, heads) % min(size, heads):
             raise ShardError(
                 f"tp_size={size} and num_kv_heads={heads}: the larger must be a multiple of the smaller "
-                "(vLLM splits KV heads evenly over ranks or replicates each head over the same "
-                "number of ranks)"
+                "(engines split KV heads evenly over ranks or replicate each head over the same "
+                "number of ranks; num_kv_heads is the model's attention KV heads, for a Mamba state's "
+                "shard too)"
             )
 
     @property
