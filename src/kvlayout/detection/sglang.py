@@ -38,7 +38,9 @@ Quirks that live here and nowhere else:
   ``aiter_fp4_indexer_pages`` reads the ROCm FP4 indexer's split buffers). A bf16 row of
   512 (DeepSeek-V4's ``DeepSeekV4UnifiedKVPool.kv_buffer``, a token a row after the SWA
   ring) is also 4 bf16 indexer keys: it is read so only given ``tokens_per_block``, and
-  refused without, naming how its compressed rows read as MLA page buffers.
+  refused without, naming how its compressed rows read as MLA page buffers; so are the
+  two pools of its FP8 form (``SGLANG_DSV4_UNIFIED_KV_FP8``: float8_e4m3fn rows of 512 and
+  bf16 rows of 64, ``kv_buffer`` and ``kv_buffer_rope``).
 * SGLang's page-major MLA pool (``layout/page_major.py``) registers a flat list of 4-D
   views ``[pages, page_size, 1, C]`` whose page stride is the envelope of every layer's
   latents: each is the folded MLA page buffer split into pages, read as its unfolded
@@ -186,6 +188,20 @@ _NOT_DSV4_UNIFORM_FP8 = (
     f"page_size * {DSV4_HEAD_DIM}], a token's {DSV4_HEAD_DIM} bytes whole) reads as MLA page buffers: "
     f"pass [t.view(-1, 1, {DSV4_HEAD_DIM}) for t in kv_buffer] with layout hint tokens_per_block=page_size"
 )
+# The unified pool under SGLANG_DSV4_UNIFIED_KV_FP8 splits a token's row in two pools of one
+# row count: its FP8 NoPE and scales (DSV4_FP8_NOPE_ROW_BYTES, 512) and its bf16 RoPE (64).
+# Read from row 0, as the readings above of a pool of pages would, the SWA ring's rows
+# would be counted as pages: the compressed rows start at swa_pages.
+DSV4_ROPE_DIM = 64
+_NOT_DSV4_UNIFIED_FP8 = (
+    "; a DeepSeek-V4 unified KV pool under SGLANG_DSV4_UNIFIED_KV_FP8 is two pools of one row count, the "
+    f"SWA ring first (DeepSeekV4UnifiedKVPool.kv_buffer: float8_e4m3fn [swa_pages + compressed rows, "
+    f"{DSV4_HEAD_DIM}], a token's FP8 NoPE and scales; kv_buffer_rope: bf16 [the same rows, "
+    f"{DSV4_ROPE_DIM}], "
+    "its RoPE): its compressed rows read as two MLA page buffers, [b[swa_pages:].view(-1, 1, "
+    f"{DSV4_HEAD_DIM}) for b in kv_buffer] and [b[swa_pages:].view(-1, 1, {DSV4_ROPE_DIM}) for b in "
+    "kv_buffer_rope], each with layout hint tokens_per_block=page_size // compress_ratio (map both)"
+)
 
 
 # What a HiCache host pool's K and V halves (kv_buffer[0], kv_buffer[1]) are, passed as a list.
@@ -254,6 +270,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"{_NOT_DSV4_STATE if p.rank == 2 and p.first.dtype.is_floating_point else ''}"
             f"{_NOT_AITER_FP4_INDEXER if p.rank == 4 and p.first.dtype == torch.uint8 else ''}"
             f"{_NOT_DSV4_UNIFORM_FP8 if p.rank == 2 and p.first.dtype == torch.float8_e4m3fn else ''}"
+            f"{_NOT_DSV4_UNIFIED_FP8 if _dsv4_unified_fp8_row(p) else ''}"
         )
     # A rank-3 leaf here is a folded page buffer; a rank-4 one (two lists) already has NB, BS.
     fmt = pick(ENGINE, p, decide=[("kv_list_layout", "is_pbs_fused", p.rank == 3), _order(hints)])
@@ -609,6 +626,7 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             "token slot (an FP4 MLA "
             "pool's kv_scale_buffer [size + page_size, C // 16]) reads as MLA page buffers: pass "
             "[t.unsqueeze(1) for t in buffers]"
+            f"{_NOT_DSV4_UNIFIED_FP8 if _dsv4_unified_fp8_row(p) else ''}"
         )
     fmt, shape, _ = found[0]
     if not all(t.is_contiguous() for t in raw):
@@ -656,6 +674,17 @@ def _why_no_indexer_reading(p: Probe, row: int, widths: list[int], *, several: b
 def _dsv4_unified_row(p: Probe) -> bool:
     """Whether the probe's 2-D leaves have DeepSeek-V4's unified KV row (bf16, 512 wide)."""
     return p.first.dtype == torch.bfloat16 and p.shape[-1] == DSV4_HEAD_DIM
+
+
+def _dsv4_unified_fp8_row(p: Probe) -> bool:
+    """Whether the probe's 2-D leaves have a row of the unified pool's FP8 two-pool form: its
+    FP8 NoPE (float8_e4m3fn, 512 wide) or its RoPE (bf16, 64 wide)."""
+    if p.rank != 2:
+        return False
+    return (p.first.dtype, p.shape[-1]) in (
+        (torch.float8_e4m3fn, DSV4_HEAD_DIM),
+        (torch.bfloat16, DSV4_ROPE_DIM),
+    )
 
 
 def _flashmla_pages(row: int) -> list[tuple[str, int]]:
