@@ -437,3 +437,36 @@ def test_hisparse_host_pool_reads_as_one_tensor_and_as_its_layers() -> None:
         layers, kvlayout.detect(back, "sglang", {"hicache_layout": "layer_first"}), [2], [8], dst_block_size=1
     ).copy()
     assert torch.equal(back[:, 8], one[:, 7]) and not back[:, :8].any()
+
+
+@pytest.mark.parametrize(("ratio", "index_page"), [(1, 64), (2, 64), (1, 128)])
+def test_v41_low_ratio_indexer_moves_a_full_pages_run_of_index_pages(ratio: int, index_page: int) -> None:
+    """V4.1's ratio-1/2 indexer (_make_indexer_pool(force_fp4=True)): FP4 records (68 bytes)
+    in pages of DSV41_INDEX_PAGE_SIZE slots (64, or 128 under DeepGEMM's paged MQA logits),
+    uint8 [pages, index_page * 68]. P/D addresses it by FULL page id, an item the run of
+    page_size // ratio // index_page index pages (get_contiguous_buf_infos): read at its own
+    page size, FULL page p is index blocks p * k .. p * k + k - 1."""
+    full_page_size = 256
+    k = full_page_size // ratio // index_page
+    size = (4 * full_page_size + full_page_size) // ratio  # (full_size + page_size) // ratio
+    pages = (size + index_page + 1) // index_page  # KVCache's num_pages
+    gen = torch.Generator().manual_seed(ratio * index_page)
+    src = [
+        torch.randint(0, 256, (pages, index_page * 68), dtype=torch.uint8, generator=gen) for _ in range(NL)
+    ]
+    dst = [torch.zeros(pages, index_page * 68, dtype=torch.uint8) for _ in range(NL)]
+    hint = {"tokens_per_block": index_page}
+    full_src, full_dst = 2, 1
+    block_map(
+        kvlayout.detect(src, "sglang", hint),
+        kvlayout.detect(dst, "sglang", hint),
+        [full_src * k + j for j in range(k)],
+        [full_dst * k + j for j in range(k)],
+    ).copy()
+    item = k * index_page * 68  # item_lens: buf[0].nbytes * index_pages_per_full_page
+    for layer in range(NL):
+        want = torch.zeros(pages * index_page * 68, dtype=torch.uint8)
+        want[full_dst * item : (full_dst + 1) * item] = src[layer].flatten()[
+            full_src * item : (full_src + 1) * item
+        ]
+        assert torch.equal(dst[layer].flatten(), want), layer

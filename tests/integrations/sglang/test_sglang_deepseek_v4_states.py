@@ -268,3 +268,44 @@ def test_detect_names_the_reading() -> None:
             kvlayout.DetectionError, match=re.escape("compress_state_rings(states, ring_size)")
         ):
             kvlayout.detect(states, "sglang")
+
+
+def pair_ring_size(num_draft_tokens: int | None) -> int:
+    """get_compress_state_ring_size(2, ...): a pair's two positions, or under speculative
+    decoding the power of two past 1 + the drafts."""
+    return 2 if num_draft_tokens is None else 1 << (num_draft_tokens + 1).bit_length()
+
+
+@pytest.mark.parametrize("drafts", [None, 3])
+def test_v41_pair_rings_move_by_request_slot(drafts: int | None) -> None:
+    """V4.1's ratio-2 pending-pair state (_make_pair_state_pool: CompressStatePool(size=
+    num_req_slots * ring_size, ratio=2, overlap=False, head_dim=512, float32,
+    request_scoped=True)): a request slot's ring of ring_size rows of (kv, score), which
+    get_request_state_buf_infos moves whole (item t[0].nbytes * ring_size). Its pools say
+    their ring size; block ids are request slots."""
+    ring, slots = pair_ring_size(drafts), 4
+    src, dst = (
+        state(slots * ring, ring, 2, 2 * HEAD_DIM, 11),
+        state(slots * ring, ring, 2, 2 * HEAD_DIM, None),
+    )
+    assert src[0].shape[0] == -(-(slots * ring + ring + 1) // 2) * 2
+    m = block_map(
+        compress_state_rings(pools(src, ring)), compress_state_rings(pools(dst, ring)), [3, 0], [1, 2]
+    )
+    assert m.num_bytes == NL * 2 * src[0][0].nbytes * ring  # two of SGLang's items a layer
+    m.copy()
+    seq_len = 9  # positions 0..8: the ring holds the latest ring_size of them
+    for layer in range(NL):
+        for s, d in ((3, 1), (0, 2)):
+            assert torch.equal(
+                dst[layer][req_state_locs(d, ring, seq_len)], src[layer][req_state_locs(s, ring, seq_len)]
+            )
+        assert untouched(dst[layer], torch.zeros_like(dst[layer]), torch.arange(ring, 3 * ring))
+
+
+def test_pair_rings_map_to_no_other_state() -> None:
+    pair = compress_state_rings(state(16, 2, 2, 2 * HEAD_DIM, None), 2)
+    c4 = compress_state_rings(state(32, 8, 4, 4 * HEAD_DIM, None), 8)
+    online_c128 = compress_state_rings([torch.zeros(12, 3 * HEAD_DIM) for _ in range(NL)], 1)
+    assert "blocks of 2 and 8 rows" in refusal(pair, c4)
+    assert "blocks of 2 and 1 rows" in refusal(pair, online_c128)
