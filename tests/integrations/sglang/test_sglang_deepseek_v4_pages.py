@@ -226,7 +226,7 @@ def test_refuses_buffers_that_are_no_flashmla_pool() -> None:
         (good, 0, "page_size must be a positive int (the pool's page_size), not 0"),
         (good, True, "page_size must be a positive int"),
         (
-            [torch.zeros(PAGES, 1728 * 2, dtype=torch.uint8)[:, :1728]],
+            [torch.zeros(PAGES * 1728, dtype=torch.uint8).as_strided((PAGES, 1728), (864, 1))],  # overlapping
             2,
             "is not contiguous pages, one after another",
         ),
@@ -470,3 +470,32 @@ def test_v41_low_ratio_indexer_moves_a_full_pages_run_of_index_pages(ratio: int,
             full_src * item : (full_src + 1) * item
         ]
         assert torch.equal(dst[layer].flatten(), want), layer
+
+
+@pytest.mark.parametrize("layout", ["page_first", "page_first_direct"])
+def test_hisparse_page_first_host_pages_read_as_the_layers_pages(layout: str) -> None:
+    """DeepSeekV4PagedHostPool (HiSparse's C4 host mirror) in page_first holds one uint8
+    [pages, NL, page bytes] (page_first_direct: [pages, NL, 1, page bytes]), a page's
+    layers side by side; its layer l is kv_buffer[:, l] (kv_buffer[:, l, 0]), pages NL page
+    sizes apart. They were refused (no contiguous pages); now they map to and from the
+    device pool's pages (transfer_kv_all_layer_mla_lf_pf's page rows)."""
+    ps, row = 64, page_bytes("v4", 64)
+    shape = (PAGES, NL, row) if layout == "page_first" else (PAGES, NL, 1, row)
+
+    def layers(kv: torch.Tensor) -> list[torch.Tensor]:
+        return [kv[:, i] if kv.dim() == 3 else kv[:, i, 0] for i in range(NL)]
+
+    gen = torch.Generator().manual_seed(13)
+    host = torch.randint(0, 256, shape, dtype=torch.uint8, generator=gen)
+    dev = kv_pool("v4", ps, None)
+    m = block_map(flashmla_kv_pages(layers(host), ps), flashmla_kv_pages(dev, ps), [3, 1], [0, 4])
+    assert m.kind == "same layout" and m.num_bytes == 2 * NL * row
+    m.copy()
+    for i in range(NL):
+        assert torch.equal(dev[i][0], layers(host)[i][3]) and torch.equal(dev[i][4], layers(host)[i][1])
+        assert not dev[i][1:4].any()
+    back = torch.zeros(shape, dtype=torch.uint8)
+    block_map(flashmla_kv_pages(dev, ps), flashmla_kv_pages(layers(back), ps), [4], [2]).copy()
+    want = torch.zeros(shape, dtype=torch.uint8)
+    want[2] = host[1]  # a host page is every layer's page, side by side
+    assert torch.equal(back, want)

@@ -109,8 +109,9 @@ def flashmla_kv_pages(kv_buffer: Any, page_size: int, layout: str | None = None)
     :data:`~kvlayout.detection.sglang.FLASHMLA_LAYOUTS`) pins it. Only FlashMLA pages read
     so: V4.1's page of one slot, 1024 bytes, is the size of the unified pool's compressed
     page of one bf16 row (``unified_region_buffers`` at ``page_size == compress_ratio``),
-    which holds other bytes and reads as MLA rows. Block ids are SGLang's page indices.
-    Raises :class:`DeepSeekV4PoolError` for buffers that are no such pool."""
+    which holds other bytes and reads as MLA rows. A layer's pages may lie further apart
+    than their size: HiSparse's page_first host pool's layers, ``kv_buffer[:, l]``. Block
+    ids are SGLang's page indices. Raises :class:`DeepSeekV4PoolError` for buffers that are no such pool."""
     ps = _page_size(page_size)
     origin = "DeepSeekV4SingleKVPool.kv_buffer"
     layers = _layers("kv_buffer", kv_buffer, origin)
@@ -140,7 +141,20 @@ def flashmla_kv_pages(kv_buffer: Any, page_size: int, layout: str | None = None)
         arrays=replicated_page((ps, data + scale)),
         advice=_ADVICE,
     )
-    return listed_pages(_rows("kv_buffer", layers, ps, row), page, layers, ps, EngineType.SGLANG)
+    return listed_pages(_flashmla_rows(layers, ps, row), page, layers, ps, EngineType.SGLANG)
+
+
+def _flashmla_rows(layers: list[torch.Tensor], page_size: int, row: int) -> list[torch.Tensor]:
+    """Each layer's FlashMLA pages as int8 rows: one after another as ``_rows``, or, where
+    a layer's pages lie a wider stride apart (HiSparse's ``DeepSeekV4PagedHostPool`` in
+    ``page_first`` or ``page_first_direct``: ``kv_buffer[:, layer]`` of ``[pages, NL, (1,)
+    page bytes]``), as ``[pages, page_size, 1, row // page_size]`` views at that stride,
+    which read as page-major views (their page stride an envelope of every layer's page)."""
+    t = layers[0]
+    if t.shape[0] < 2 or t.stride(0) == row or t.stride(1) != 1 or t.stride(0) < row:
+        return _rows("kv_buffer", layers, page_size, row)  # pages one after another, or refused
+    _rows("kv_buffer", [t[:1] for t in layers], page_size, row)  # a page splits into page_size rows
+    return [t.view(torch.int8).view(t.shape[0], page_size, 1, row // page_size) for t in layers]
 
 
 def _indexer_shape(name: str, t: torch.Tensor, page_size: int, split: tuple[int, ...]) -> int:
