@@ -426,24 +426,23 @@ def chunk_shape_for(
 
 def _check_block_size(caller: str, block_size: object) -> None:
     """Checked here too: a cache of blocks of its own never reads the block size."""
-    if block_size is None:
-        return
-    try:
-        size = as_int(block_size, "block_size")
-    except TypeError:
-        size = 0
-    if size <= 0:
-        raise BlockMapError(f"{caller}: block_size must be None or a positive int, got {block_size!r}")
+    if block_size is not None:
+        _positive(block_size, "block_size", f"{caller}: block_size must be None or a positive int")
 
 
 def _count_tokens(num_tokens: object) -> int:
+    return _positive(num_tokens, "num_tokens", "num_tokens must be a positive int")
+
+
+def _positive(value: object, name: str, must: str) -> int:
+    """``value`` as a positive int (numpy and torch ints too), else ``must``, got what."""
     try:
-        tokens = as_int(num_tokens, "num_tokens")
+        n = as_int(value, name)
     except TypeError:
-        tokens = 0
-    if tokens <= 0:
-        raise BlockMapError(f"num_tokens must be a positive int, got {num_tokens!r}")
-    return tokens
+        n = 0
+    if n <= 0:
+        raise BlockMapError(f"{must}, got {value!r}")
+    return n
 
 
 def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None) -> Side:

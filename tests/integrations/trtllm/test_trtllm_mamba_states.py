@@ -318,7 +318,7 @@ def test_bad_cpp_managers_are_refused_by_name() -> None:
         mamba_state_pools(m)
     m = cpp_manager(2, 0)
     m.all_ssm_states = m.all_ssm_states[:, :4]
-    with pytest.raises(MambaStateError, match="the same layers and blocks of one pool expected"):
+    with pytest.raises(MambaStateError, match="the same layers and slots on one device expected"):
         mamba_state_pools(m)
     m.all_ssm_states = m.all_ssm_states[0, 0, 0]
     with pytest.raises(MambaStateError, match=r"all_ssm_states is \[4, 4\], not a \[NL, blocks"):

@@ -97,24 +97,11 @@ def _states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list
             "[NL, blocks, *state] views of its recurrent-state pool) or a V2MambaHybridCacheManager "
             "(all_conv_states, all_ssm_states: lists of per-layer views)"
         )
-    pools: dict[str, torch.Tensor] = {}
-    for name, attribute in (("conv", "conv"), ("ssm", "temporal")):
-        t = getattr(cache, attribute, None)
-        if not isinstance(t, torch.Tensor) or t.dim() < 3:
-            what = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise MambaStateError(
-                f"the manager's mamba_cache.{attribute} is {what}, not a [NL, slots, *state] tensor"
-            )
-        pools[name] = t
-    conv, ssm = pools["conv"], pools["ssm"]
-    if conv.shape[:2] != ssm.shape[:2] or conv.device != ssm.device:
-        raise MambaStateError(
-            f"the manager's conv state {list(conv.shape)} on {conv.device} and SSM state "
-            f"{list(ssm.shape)} on {ssm.device}: the same layers and slots on one device expected "
-            "([NL, slots, *state])"
-        )
-    states = {name: list(t.unbind(0)) for name, t in pools.items()}
-    over = {name: [t] * t.shape[0] for name, t in pools.items()}
+    states, over, _ = _layer_first(
+        {"conv": getattr(cache, "conv", None), "ssm": getattr(cache, "temporal", None)},
+        {"conv": "mamba_cache.conv", "ssm": "mamba_cache.temporal"},
+        "[NL, slots, *state] tensor",
+    )
     return states, over, getattr(holder, "conv_section_dims", None)
 
 
@@ -122,25 +109,33 @@ def _pool_states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str,
     """``CppMambaHybridCacheManager``'s states: ``[NL, blocks, *state]`` views of its
     recurrent-state pool, read a layer at a time; its sections from the metadata its C++
     transceiver reads."""
-    pools: dict[str, torch.Tensor] = {}
-    for name, attribute in (("conv", "all_conv_states"), ("ssm", "all_ssm_states")):
-        t = getattr(manager, attribute)
+    states, over, (conv, ssm) = _layer_first(
+        {"conv": manager.all_conv_states, "ssm": manager.all_ssm_states},
+        {"conv": "all_conv_states", "ssm": "all_ssm_states"},
+        "[NL, blocks, *state] view of its recurrent-state pool (CppMambaHybridCacheManager's)",
+    )
+    return states, over, _pool_sections(manager, tuple(conv.shape[2:]), tuple(ssm.shape[2:]))
+
+
+def _layer_first(
+    given: dict[str, Any], names: dict[str, str], what: str
+) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], tuple[torch.Tensor, torch.Tensor]]:
+    """Layer-first states (``[NL, slots, *state]``, V1's pools and the C++ pool's views):
+    each state's per-layer tensors, the tensor each was viewed from (what a re-allocation
+    replaces), and the conv and SSM tensors."""
+    for name, t in given.items():
         if not isinstance(t, torch.Tensor) or t.dim() < 3:
-            what = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise MambaStateError(
-                f"the manager's {attribute} is {what}, not a [NL, blocks, *state] view of its "
-                "recurrent-state pool (CppMambaHybridCacheManager's)"
-            )
-        pools[name] = t
-    conv, ssm = pools["conv"], pools["ssm"]
+            shown = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise MambaStateError(f"the manager's {names[name]} is {shown}, not a {what}")
+    conv, ssm = given["conv"], given["ssm"]
     if conv.shape[:2] != ssm.shape[:2] or conv.device != ssm.device:
         raise MambaStateError(
             f"the manager's conv state {list(conv.shape)} on {conv.device} and SSM state {list(ssm.shape)} "
-            f"on {ssm.device}: the same layers and blocks of one pool expected ([NL, blocks, *state])"
+            f"on {ssm.device}: the same layers and slots on one device expected ([NL, slots, *state])"
         )
-    states = {name: list(t.unbind(0)) for name, t in pools.items()}
-    over = {name: [t] * t.shape[0] for name, t in pools.items()}
-    return states, over, _pool_sections(manager, tuple(conv.shape[2:]), tuple(ssm.shape[2:]))
+    states = {name: list(t.unbind(0)) for name, t in given.items()}
+    over = {name: [t] * t.shape[0] for name, t in given.items()}
+    return states, over, (conv, ssm)
 
 
 # rnn_conv_section_layout (mamba_cache_manager's conv_section_map): the sections' order.
