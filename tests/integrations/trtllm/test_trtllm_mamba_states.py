@@ -329,3 +329,51 @@ def test_bad_cpp_managers_are_refused_by_name() -> None:
     attention_only = SimpleNamespace(local_num_mamba_layers=0, kv_cache_pool=None)  # a PP rank, no views
     with pytest.raises(MambaStateError, match=r"rank holds no Mamba layers \(local_num_mamba_layers 0\)"):
         mamba_state_pools(attention_only)
+
+
+def test_managers_of_no_state_are_refused_by_name() -> None:
+    """Zero layers, zero slots, freed pools and conv/SSM slots that differ say so."""
+    m = v1_manager(1, 0)
+    cache = m._impl.mamba_cache
+    cache.conv, cache.temporal = cache.conv[:0], cache.temporal[:0]
+    with pytest.raises(MambaStateError, match=r"mamba_cache.conv \[0, 5, 32, 3\] holds no layers"):
+        mamba_state_pools(m)
+    c = cpp_manager(1, 0)
+    c.all_conv_states, c.all_ssm_states = c.all_conv_states[:0], c.all_ssm_states[:0]
+    with pytest.raises(MambaStateError, match=r"all_conv_states \[0, 5, 32, 3\] holds no layers"):
+        mamba_state_pools(c)
+    m = v1_manager(1, 0)
+    cache = m._impl.mamba_cache
+    cache.conv, cache.temporal = cache.conv[:, :0], cache.temporal[:, :0]
+    with pytest.raises(MambaStateError, match="the manager's states hold no bytes"):
+        mamba_state_pools(m)
+    m = v1_manager(1, 0)
+    m._impl.mamba_cache.temporal.untyped_storage().resize_(0)  # shutdown() frees the pools
+    with pytest.raises(MambaStateError, match=r"mamba_cache.temporal \[3, 5, 4, 4, 4\] has no memory"):
+        mamba_state_pools(m)
+    v2 = v2_manager(1)
+    v2.all_conv_states[1].untyped_storage().resize_(0)  # every layer's view of one pool
+    with pytest.raises(MambaStateError, match=r"all_conv_states\[0\] \[5, 32, 3\] has no memory"):
+        mamba_state_pools(v2)
+    v2 = v2_manager(1)
+    v2.all_ssm_states = [t[:4] for t in v2.all_ssm_states]
+    with pytest.raises(
+        MambaStateError, match=r"the ssm state \[4, 4, 4, 4\] .* the same slots on one device"
+    ):
+        mamba_state_pools(v2)
+
+
+def test_cpp_metadata_that_is_no_tp_share_says_which() -> None:
+    """The metadata's own refusals come before its sections are compared with the views."""
+    m = cpp_manager(2, 0)
+    m.linear_attention_metadata.rnn_d_state = 0
+    with pytest.raises(MambaStateError, match=r"rnn_d_state 0\) is not what CppMambaHybridCacheManager sets"):
+        mamba_state_pools(m)
+    for field, value in (("rnn_d_state", 3), ("rnn_n_groups", 1)):
+        # d_state 3: sections of 6 channels are no share of TP 2; n_groups 1: fewer channels than the views
+        m = cpp_manager(2, 0)
+        setattr(m.linear_attention_metadata, field, value)
+        with pytest.raises(
+            MambaStateError, match=r"are no TP share of the model its linear_attention_metadata"
+        ):
+            mamba_state_pools(m)

@@ -41,6 +41,7 @@ import torch
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.integrations.page_lists import dtype_name, listed_pages
+from kvlayout.registration.backing import no_memory
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
 
@@ -85,6 +86,7 @@ def _states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list
                     raise MambaStateError(
                         f"the manager's {attribute}[{i}] is {what}, not a [slots, *state] tensor"
                     )
+                _memory(t, f"{attribute}[{i}]")
         states = {name: list(layers) for name, layers in named.items()}
         return states, states, getattr(manager, "conv_section_dims", None)
     holder = manager if hasattr(manager, "mamba_cache") else getattr(manager, "_impl", None)
@@ -103,6 +105,21 @@ def _states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list
         "[NL, slots, *state] tensor",
     )
     return states, over, getattr(holder, "conv_section_dims", None)
+
+
+def _memory(t: torch.Tensor, attribute: str) -> None:
+    """A view of freed memory (a shut-down manager's) is no state to read."""
+    problem = no_memory(t)
+    if problem is not None:
+        raise MambaStateError(f"the manager's {attribute} {list(t.shape)} {problem}")
+
+
+def _pool(t: torch.Tensor, attribute: str) -> torch.Tensor:
+    """A layer-first pool ``t`` (the manager's ``attribute``) with layers and memory."""
+    if not t.shape[0]:
+        raise MambaStateError(f"the manager's {attribute} {list(t.shape)} holds no layers: no state to read")
+    _memory(t, attribute)
+    return t
 
 
 def _pool_states(manager: Any) -> tuple[dict[str, list[torch.Tensor]], dict[str, list[torch.Tensor]], Any]:
@@ -127,6 +144,7 @@ def _layer_first(
         if not isinstance(t, torch.Tensor) or t.dim() < 3:
             shown = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
             raise MambaStateError(f"the manager's {names[name]} is {shown}, not a {what}")
+    given = {name: _pool(t, names[name]) for name, t in given.items()}
     conv, ssm = given["conv"], given["ssm"]
     if conv.shape[:2] != ssm.shape[:2] or conv.device != ssm.device:
         raise MambaStateError(
