@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -239,3 +240,37 @@ def test_v2s_per_layer_get_buffers_views_are_refused_with_the_layout_reader_name
         kvlayout.detect(views[0], "trtllm", {"kv_layout": "NHD"})
     with pytest.raises(DetectionError, match="overlap in memory"):
         kvlayout.detect(views, "vllm", {"kv_layout": "NHD"})
+
+
+@dataclass(frozen=True)
+class Misviewed(Region):
+    """A region whose ``as_tensor`` is not what its fields say (``view`` re-views the rows)."""
+
+    view: str = "strided"
+
+    def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        rows = self.storage[: self.num_slots * 2 * self.size].view(self.num_slots, 2 * self.size)
+        return rows[:, : self.size] if self.view == "strided" else rows[:, ::2]
+
+
+def test_regions_and_arguments_that_are_not_v2s_are_refused_by_name() -> None:
+    storage = pool_bytes(SLOTS * 8 * BUF + 1, 9)
+
+    def pools(region: object, bs: int = BS, dtype: object = torch.bfloat16) -> None:
+        kv_cache_layout_pools(Layout(bs, (Group(0, (0, 1), None, (region,)),)), dtype, HINTS)  # type: ignore[arg-type]
+
+    good = Region(storage, 0, 4 * BUF, 4 * BUF, SLOTS, kv_refs(range(2)))
+    with pytest.raises(KvCacheLayoutError, match=r"steps 1024 bytes a slot where the region says stride 512"):
+        pools(Misviewed(storage, 0, 4 * BUF, 4 * BUF, SLOTS, kv_refs(range(2))))
+    with pytest.raises(KvCacheLayoutError, match=r"as_tensor\(\) is \[6, 512\] \(strides \[1024, 2\]\), not"):
+        pools(Misviewed(storage, 0, 4 * BUF, 4 * BUF, SLOTS, kv_refs(range(2)), "every other byte"))
+    with pytest.raises(KvCacheLayoutError, match=r"stride 513 bytes do not hold 2 layers x 2 buffers"):
+        pools(Region(storage, 0, 4 * BUF, 4 * BUF + 1, SLOTS, kv_refs(range(2))))
+    with pytest.raises(KvCacheLayoutError, match="tokens_per_block 0"):
+        pools(good, bs=0)
+    with pytest.raises(KvCacheLayoutError, match=r"dtype must be a torch.dtype .* not 'bfloat16'"):
+        pools(good, dtype="bfloat16")
+    with pytest.raises(
+        KvCacheLayoutError, match=r"region 0 is SimpleNamespace \(num_slots None.* not a KvCacheRegion"
+    ):
+        pools(SimpleNamespace(buffers=kv_refs(range(2))))

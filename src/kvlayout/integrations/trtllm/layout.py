@@ -31,6 +31,7 @@ import torch
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
+from kvlayout.errors import as_int
 from kvlayout.integrations.page_lists import listed_pages
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.registration import Registration
@@ -73,8 +74,19 @@ def _refs(region: Any, where: str) -> list[tuple[int, str, int]]:
 def _rows(region: Any, where: str) -> torch.Tensor:
     """``region.as_tensor()`` (uint8 ``[num_slots, size]``) checked against the
     region's own ``num_slots``, ``size`` and ``stride``."""
+    fields = {n: getattr(region, n, None) for n in ("num_slots", "size", "stride")}
+    try:
+        if not callable(getattr(region, "as_tensor", None)):
+            raise TypeError("no as_tensor")
+        slots, size = (as_int(fields[n], n) for n in ("num_slots", "size"))
+        as_int(fields["stride"], "stride")
+    except TypeError:
+        raise KvCacheLayoutError(
+            f"{where} is {type(region).__name__} ({', '.join(f'{n} {v!r}' for n, v in fields.items())}), "
+            "not a KvCacheRegion (as_tensor, int num_slots, size and stride)"
+        ) from None
     t = region.as_tensor(torch.uint8)
-    want = (int(region.num_slots), int(region.size))
+    want = (slots, size)
     if not isinstance(t, torch.Tensor) or t.dim() != 2 or tuple(t.shape) != want or t.stride(1) != 1:
         what = (
             f"{list(t.shape)} (strides {list(t.stride())})"
@@ -139,6 +151,8 @@ def kv_cache_layout_pools(
     splits). Block ids are group ``g``'s page slots
     (``get_aggregated_page_indices(g)``). Raises :class:`KvCacheLayoutError` for a
     layout that is not V2's."""
+    if not isinstance(dtype, torch.dtype):
+        raise KvCacheLayoutError(f"dtype must be a torch.dtype (the cache's element type), not {dtype!r}")
     groups = getattr(layout, "groups", None)
     bs = getattr(layout, "tokens_per_block", None)
     if not isinstance(groups, list | tuple) or type(bs) is not int or bs <= 0:
