@@ -13,6 +13,7 @@ from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.layout.dtypes import DTYPE_SIZES
+from kvlayout.registration.backing import no_memory
 from kvlayout.registration.opaque import OpaquePages, mark_opaque_pages
 from kvlayout.registration.registration import Registration
 
@@ -39,6 +40,9 @@ def layer_list(name: str, buffers: Any, origin: str, error: type[DetectionError]
     for i, t in enumerate(layers):
         if not isinstance(t, torch.Tensor):
             raise error(f"{name}[{i}] is {type(t).__name__}, not a tensor")
+        problem = no_memory(t)  # before any view of it: a freed buffer has no pages to read
+        if problem is not None:
+            raise error(f"{name}[{i}] {list(t.shape)} {problem}")
         first = layers[0]
         if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
             raise error(

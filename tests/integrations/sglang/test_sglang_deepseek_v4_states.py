@@ -309,3 +309,22 @@ def test_pair_rings_map_to_no_other_state() -> None:
     online_c128 = compress_state_rings([torch.zeros(12, 3 * HEAD_DIM) for _ in range(NL)], 1)
     assert "blocks of 2 and 8 rows" in refusal(pair, c4)
     assert "blocks of 2 and 1 rows" in refusal(pair, online_c128)
+
+
+def test_freed_buffers_and_a_layout_that_is_no_name_are_refused_by_name() -> None:
+    """A shut-down pool's freed buffers, and a layout= of another type, are DeepSeekV4PoolErrors."""
+    states = [torch.zeros(16, 8) for _ in range(2)]
+    states[1].untyped_storage().resize_(0)
+    with pytest.raises(
+        DeepSeekV4PoolError, match=r"states\[1\] \[16, 8\] has no memory: its storage holds 0"
+    ):
+        compress_state_rings(states, 4)
+    pages = [torch.zeros(4, 1024, dtype=torch.uint8)]
+    pages[0].untyped_storage().resize_(0)
+    with pytest.raises(DeepSeekV4PoolError, match=r"kv_buffer\[0\] \[4, 1024\] has no memory"):
+        flashmla_kv_pages(pages, 1, "v41")
+    for layout in (["v41"], 4, "V41"):
+        with pytest.raises(
+            DeepSeekV4PoolError, match=r"layout=.* is no FlashMLA page layout: one of v4, v41"
+        ):
+            flashmla_kv_pages([torch.zeros(4, 1024, dtype=torch.uint8)], 1, layout)  # type: ignore[arg-type]

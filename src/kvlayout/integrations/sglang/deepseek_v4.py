@@ -119,7 +119,7 @@ def flashmla_kv_pages(kv_buffer: Any, page_size: int, layout: str | None = None)
         raise DeepSeekV4PoolError(
             f"kv_buffer[0] is {list(layers[0].shape)}, not [pages, page bytes] ({origin})"
         )
-    if layout is not None and layout not in FLASHMLA_LAYOUTS:
+    if layout is not None and (not isinstance(layout, str) or layout not in FLASHMLA_LAYOUTS):
         raise DeepSeekV4PoolError(
             f"layout={layout!r} is no FlashMLA page layout: one of {', '.join(FLASHMLA_LAYOUTS)} (or None)"
         )
