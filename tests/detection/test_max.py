@@ -316,6 +316,9 @@ def test_byte_views_are_refused_for_the_buffer_they_view() -> None:
         match=re.escape("register the buffer it views, KVCacheBuffer.values[shard] [NB, KV, NL, BS, NH, HS]"),
     ):
         kvlayout.detect([values[0], pages[1]], "max")  # asked before shapes are told apart
+    with pytest.raises(DetectionError) as other:  # a 2-D buffer of values is no byte view
+        kvlayout.detect(pages[0].view(torch.bfloat16), "max")
+    assert "to_memory" not in str(other.value)
     bpp = pages[0].shape[1]
     twin = torch.zeros_like(values[0])
     m = kvlayout.transfer.block_map(
@@ -360,6 +363,8 @@ def test_layer_zeros_alias_under_per_layer_buffers_is_refused() -> None:
     for kv in (layers[0], [layers[0]]):
         with pytest.raises(kvlayout.LayoutHintError, match=re.escape(message)):
             kvlayout.detect(kv, "max", _sent(4))
+    with pytest.raises(kvlayout.LayoutHintError, match=r"where layout hint num_layers=2: under"):
+        kvlayout.detect(layers[0], "max", {**_sent(4), "num_layers": 2})  # two layers alias one too
     per_layer = {k: v for k, v in _sent(4).items() if k != "layout_format"}  # format 38's own name
     assert kvlayout.detect(layers, "max", per_layer).kernel_groups[0].format is F.NL_X_NB_KV_ONE_BS_NH_HS
     assert kvlayout.detect(layers[0], "max", {**_sent(4), "num_layers": 1}).kernel_groups[0].format is MAX

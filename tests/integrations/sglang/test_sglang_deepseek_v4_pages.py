@@ -437,6 +437,12 @@ def test_hisparse_host_pool_reads_as_one_tensor_and_as_its_layers() -> None:
         layers, kvlayout.detect(back, "sglang", {"hicache_layout": "layer_first"}), [2], [8], dst_block_size=1
     ).copy()
     assert torch.equal(back[:, 8], one[:, 7]) and not back[:, :8].any()
+    for order in ("page_first", "page_first_direct", "page_head"):  # the pool is layer_first alone
+        with pytest.raises(kvlayout.DetectionError):
+            kvlayout.detect(one, "sglang", {"hicache_layout": order, "tokens_per_block": 1})
+    with pytest.raises(kvlayout.DetectionError) as other_dtype:  # 584 bytes a row: uint8 alone
+        kvlayout.detect(one.to(torch.bfloat16), "sglang")
+    assert "HiSparse" not in str(other_dtype.value)
 
 
 @pytest.mark.parametrize(("ratio", "index_page"), [(1, 64), (2, 64), (1, 128)])

@@ -161,7 +161,7 @@ def test_rings_move_to_and_from_hicache_host_pages() -> None:
     assert torch.equal(back[2][swa_state_locs(1, 128, ring)], dev[2][swa_state_locs(2, 128, ring)])
 
 
-def pools(kv: list[torch.Tensor], ring: int) -> list[Any]:
+def pools(kv: list[torch.Tensor], ring: int | None) -> list[Any]:
     """CompressStatePool as SGLang holds it (compress_state_pools' entries of one ratio)."""
     return [SimpleNamespace(kv_score_buffer=SimpleNamespace(kv_score=t), ring_size=ring) for t in kv]
 
@@ -248,6 +248,7 @@ def test_refuses_what_is_no_compressor_state() -> None:
         ),
         ([torch.zeros(40, 4096)[:, ::2]], 8, "is not contiguous pages, one after another"),
         ([*pools(good, 8)[:2], None], None, "states[2] is NoneType, not a CompressStatePool"),
+        (pools(good, None), None, "states[0] is SimpleNamespace, not a CompressStatePool"),  # no ring_size
         ([*pools(good, 8)[:2], *pools(good, 16)[:1]], None, "the pools' rings are of [8, 16] rows"),
         (pools(good, 8), 16, "ring_size=16, but the pools' rings are of 8 rows"),
     ]
