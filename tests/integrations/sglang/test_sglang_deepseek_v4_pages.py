@@ -9,6 +9,7 @@ its value.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -163,6 +164,24 @@ def test_a_description_round_trips_and_maps_as_the_registration() -> None:
     )
     with pytest.raises(BlockMapError, match=re.escape("do not hold the same state")):
         block_map(a, other, [1], [1])
+
+
+def test_a_peer_that_declares_no_arrays_maps_only_rank_to_rank() -> None:
+    """A description without arrays (a peer before they were declared) does not say its
+    pages are every rank's, so one side's declaration is not enough to map across ranks."""
+
+    def strip(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: strip(v) for k, v in node.items() if k != "arrays"}
+        return [strip(v) for v in node] if isinstance(node, list) else node
+
+    src, dst = kv_pool("v4", 16, 4), kv_pool("v4", 16, None)
+    a = flashmla_kv_pages(src, 16)
+    bare = json.loads(flashmla_kv_pages(dst, 16).describe().to_json())
+    peer = RegistrationDescription.from_json(json.dumps(strip(bare)))
+    assert block_map(a, peer, [3], [0]).kind == "same layout"
+    with pytest.raises(BlockMapError, match="maps only to the same rank's"):
+        block_map(a, peer, [3], [0], src_shard=Shard(0, 2, 1), dst_shard=Shard(1, 2, 1))
 
 
 def refusal(src: Any, dst: Any) -> str:
