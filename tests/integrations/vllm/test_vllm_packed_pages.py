@@ -216,6 +216,10 @@ def test_packed_head_rows_outside_the_blocks_move_their_tokens() -> None:
         assert torch.equal(dst[1], src[2])
         assert torch.equal(dst[0, :, :5], src[3, :, :5]) and torch.equal(dst[0, :, 5:], old[0, :, 5:])
         assert torch.equal(dst[2:], old[2:])
+    from kvlayout.transfer.block_maps import chunk_shape_for
+
+    shape, _ = chunk_shape_for(a.only_group(), BS + 5)  # rows are tokens: the request's, not whole pages
+    assert shape[2] == BS + 5
 
 
 def test_layers_holding_more_blocks_than_num_blocks_are_accepted() -> None:
