@@ -184,6 +184,24 @@ def test_a_peer_that_declares_no_arrays_maps_only_rank_to_rank() -> None:
         block_map(a, peer, [3], [0], src_shard=Shard(0, 2, 1), dst_shard=Shard(1, 2, 1))
 
 
+def test_a_whole_array_of_other_sizes_is_refused_whatever_the_shards() -> None:
+    """An array every rank holds whole maps only to one of its sizes: a peer declaring
+    fewer rows of it is refused, given shards too (which say nothing of it)."""
+
+    def rows(node: Any) -> Any:
+        if isinstance(node, dict):
+            if "arrays" in node:
+                node["arrays"] = [{**x, "shape": [8, *x["shape"][1:]], "parts": [8]} for x in node["arrays"]]
+            return {k: rows(v) for k, v in node.items()}
+        return [rows(v) for v in node] if isinstance(node, list) else node
+
+    a = flashmla_kv_pages(kv_pool("v4", 16, 4), 16)
+    peer = RegistrationDescription.from_json(json.dumps(rows(json.loads(a.describe().to_json()))))
+    for shards in ({}, {"src_shard": Shard(0, 1, 1), "dst_shard": Shard(1, 2, 1)}):
+        with pytest.raises(BlockMapError, match="other sizes of an array every rank holds whole"):
+            block_map(a, peer, [1], [1], **shards)  # type: ignore[arg-type]
+
+
 def refusal(src: Any, dst: Any) -> str:
     with pytest.raises(BlockMapError) as info:
         block_map(src, dst, [1], [2])
