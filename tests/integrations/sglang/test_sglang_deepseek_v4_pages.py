@@ -200,6 +200,10 @@ def test_a_whole_array_of_other_sizes_is_refused_whatever_the_shards() -> None:
     for shards in ({}, {"src_shard": Shard(0, 1, 1), "dst_shard": Shard(1, 2, 1)}):
         with pytest.raises(BlockMapError, match="other sizes of an array every rank holds whole"):
             block_map(a, peer, [1], [1], **shards)  # type: ignore[arg-type]
+    sharded = json.loads(a.describe().to_json().replace(',"replicated":true', ""))  # TP-sharded rows
+    assert "replicated" not in json.dumps(sharded)
+    with pytest.raises(BlockMapError, match="other axes or parts"):
+        block_map(a, RegistrationDescription.from_json(json.dumps(sharded)), [1], [1])
 
 
 def refusal(src: Any, dst: Any) -> str:
