@@ -600,3 +600,14 @@ def test_opaque_pages_fields_are_typed_and_bounded(pages: dict[str, Any], messag
     TypeError of their own, which from_json must not let out)."""
     with pytest.raises(PeerDescriptionError, match=r"^description\.groups\[0\]" + message):
         _parse(_pages(**pages))
+
+
+def test_a_page_arrays_flags_are_bools() -> None:
+    """``replicated`` and ``kv_heads`` decide which ranks hold an array: 1 is no flag."""
+    from kvlayout.registration.opaque import PageArray
+
+    for flag in ("kv_heads", "replicated"):
+        with pytest.raises(TypeError, match=f"a page array's {flag} must be a bool, not int"):
+            PageArray(0, (4, 8), "uint8", 0, (4,), **{flag: 1})  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="either of KV heads or replicated, not both"):
+        PageArray(0, (1, 8), "uint8", 0, (1,), kv_heads=True, replicated=True)
