@@ -58,16 +58,19 @@ class DeepSeekV4PoolError(DetectionError):
 _AITER_GROUPS, _AITER_VECTOR = 4, 16
 
 
-def _page_size(page_size: object) -> int:
+def _positive(value: object, name: str, meaning: str) -> int:
+    """``value`` (the pool's ``name``: ``meaning``) as a positive int."""
     try:
-        n = as_int(page_size, "page_size")  # NumPy and torch integers too, never a bool
+        n = as_int(value, name)  # NumPy and torch integers too, never a bool
     except TypeError:
         n = 0
     if n < 1:
-        raise DeepSeekV4PoolError(
-            f"page_size must be a positive int (the pool's page_size), not {page_size!r}"
-        )
+        raise DeepSeekV4PoolError(f"{name} must be a positive int ({meaning}), not {value!r}")
     return n
+
+
+def _page_size(page_size: object) -> int:
+    return _positive(page_size, "page_size", "the pool's page_size")
 
 
 def _layers(name: str, buffers: Any, origin: str) -> list[torch.Tensor]:
@@ -222,16 +225,7 @@ _RING_ADVICE = (
 
 
 def _ring_size(ring_size: object) -> int:
-    try:
-        n = as_int(ring_size, "ring_size")
-    except TypeError:
-        n = 0
-    if n < 1:
-        raise DeepSeekV4PoolError(
-            f"ring_size must be a positive int (the pool's ring_size, get_compress_state_ring_size), "
-            f"not {ring_size!r}"
-        )
-    return n
+    return _positive(ring_size, "ring_size", "the pool's ring_size, get_compress_state_ring_size")
 
 
 def _state_tensors(states: Any, ring_size: object) -> tuple[list[Any], int]:
