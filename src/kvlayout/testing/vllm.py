@@ -61,6 +61,7 @@ __all__ = [
     "mla_hybrid_engine",
     "page_region",
     "share_kv_caches",
+    "state_hybrid_engine",
     "uniform_engine",
 ]
 
@@ -363,6 +364,47 @@ def hybrid_engine(
     return make_engine(
         specs, group_layers(specs), kernel, num_blocks=num_blocks, layout=layout, uniform_type=uniform_type
     )
+
+
+def state_hybrid_engine(
+    attn_1: Any,
+    states: tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]],
+    mamba_type: str,
+    backend: Backend,
+    layers: Sequence[tuple[str, bool]],
+    *,
+    mamba_cache_mode: str = "align",
+    max_model_len: int = 8192,
+    min_alignment: int = 1,
+    num_blocks: int = NUM_BLOCKS,
+) -> Engine:
+    """A hybrid of attention layers (``attn_1``: their spec at one token a block) and
+    Mamba layers of one state kind (``states``: this rank's shapes and dtypes, as
+    ``MambaStateShapeCalculator`` gives them; ``mamba_type``: a
+    ``MambaAttentionBackendEnum`` member's name), as vLLM 0.33 plans it: the block size
+    unified, the Mamba page padded to the attention page, a ``max_model_len`` Mamba block
+    in 'none' mode. ``layers``: each layer's name and whether it is attention."""
+    shapes, dtypes = states
+    mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
+    block = hybrid_block_size(attn_1.page_size_bytes, mamba_page, backend, min_alignment=min_alignment)
+    attn = dataclasses.replace(attn_1, block_size=block)
+    padded = attn.page_size_bytes
+    mamba = kvi.MambaSpec(
+        block_size=max_model_len if mamba_cache_mode == "none" else block,
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=padded if padded != mamba_page else None,
+        mamba_cache_mode=mamba_cache_mode,
+        mamba_type=getattr(_mamba_backends(), mamba_type),
+    )
+    specs = {name: attn if is_attention else mamba for name, is_attention in layers}
+
+    def kernel(spec: Any) -> int:
+        if isinstance(spec, kvi.MambaSpec):
+            return int(spec.block_size)
+        return backend.kernel_block_size(spec.block_size)
+
+    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
 
 
 def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
