@@ -9,10 +9,17 @@ sub-projection sizes follow from them by the rules of vLLM's own hetero-TP trans
 (``ssm_conv_transfer_utils.derive_mamba_conv_split``). Unlike vLLM, which moves only
 the ``"DS"`` conv order (``VLLM_SSM_CONV_STATE_LAYOUT=DS``, dim outermost), either order
 reads here: the dim axis is the one the model's split fits.
+
+Two kinds hold one state, which vLLM's calculator splits as plainly: linear attention
+(``linear_attention_state_shape``: ``(heads / TP, head_dim, head_dim)``) by heads, and a
+short convolution (``short_conv_state_shape``: the conv dim / TP) by its dim. A short
+convolution's shape alone does not say which axis is the dim, so the order is the one
+vLLM reads from ``VLLM_SSM_CONV_STATE_LAYOUT`` in this process, which laid the page out.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -22,7 +29,7 @@ from kvlayout.integrations.vllm.specs import SpecKind, spec_field, spec_kind
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import PageArray
 
-__all__ = ["mamba_type", "state_arrays"]
+__all__ = ["conv_dim_first", "mamba_type", "state_arrays"]
 
 
 def mamba_type(spec: Any) -> str | None:
@@ -35,25 +42,52 @@ def mamba_type(spec: Any) -> str | None:
     return name.lower() if isinstance(name, str) else None
 
 
+def conv_dim_first() -> bool | None:
+    """Whether vLLM lays conv states out dim first (``"DS"``), as
+    ``mamba_utils.get_conv_state_layout`` reads ``VLLM_SSM_CONV_STATE_LAYOUT`` (unset:
+    ``"SD"``); None for a value vLLM refuses."""
+    layout = os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT")
+    return {None: False, "SD": False, "DS": True}.get(layout)
+
+
 def state_arrays(spec: Any) -> tuple[PageArray, ...]:
-    """The conv and SSM arrays of a Mamba1, Mamba2 or GDN spec's page; empty for any
-    other spec, or where the shapes do not split as the model type says (a block map
-    then moves the page only between ranks alike)."""
+    """The TP-sharded arrays of a Mamba1, Mamba2, GDN, linear-attention or short-conv
+    spec's page; empty for any other spec, or where the shapes do not split as the model
+    type says (a block map then moves the page only between ranks alike)."""
     if spec_kind(spec) is not SpecKind.MAMBA or spec_field(spec, "tp_replicated", False):
         return ()
     shapes, dtypes = spec_field(spec, "shapes", ()), spec_field(spec, "dtypes", ())
-    if len(shapes) != 2 or len(dtypes) != 2 or not all(isinstance(d, torch.dtype) for d in dtypes):
+    if not 0 < len(shapes) == len(dtypes) <= 2 or not all(isinstance(d, torch.dtype) for d in dtypes):
         return ()  # a replay ring or other extra state: no rule says how TP splits it
-    conv, ssm = (tuple(int(n) for n in shape) for shape in shapes)
-    if len(conv) != 2 or min(conv + ssm, default=0) <= 0:
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    states = [tuple(int(n) for n in shape) for shape in shapes]
+    if (
+        any(name not in DTYPE_SIZES for name in names)
+        or min((n for state in states for n in state), default=0) <= 0
+    ):
         return ()
     kind = mamba_type(spec)
+    if len(states) == 1:
+        return _one_state(kind, states[0], names[0])
+    conv, ssm = states
+    if len(conv) != 2:
+        return ()
     fits = [(axis, parts) for axis in (0, 1) if (parts := conv_parts(kind, conv[axis], ssm)) is not None]
     if len(fits) != 1:
         return ()  # no axis, or both, is the model's dim: which one TP splits is unknown
     axis, parts = fits[0]
-    conv_dtype, ssm_dtype = (str(d).removeprefix("torch.") for d in dtypes)
-    if conv_dtype not in DTYPE_SIZES or ssm_dtype not in DTYPE_SIZES:
-        return ()
-    conv_array = PageArray(0, conv, conv_dtype, axis, parts)
-    return conv_array, PageArray(conv_array.nbytes, ssm, ssm_dtype, 0, (ssm[0],))
+    conv_array = PageArray(0, conv, names[0], axis, parts)
+    return conv_array, PageArray(conv_array.nbytes, ssm, names[1], 0, (ssm[0],))
+
+
+def _one_state(kind: str | None, state: tuple[int, ...], dtype: str) -> tuple[PageArray, ...]:
+    """The array of a page of one state: linear attention's heads, a short convolution's
+    dim (on the axis vLLM's conv layout puts it)."""
+    if kind == "linear" and len(state) == 3:
+        return (PageArray(0, state, dtype, 0, (state[0],)),)
+    dim_first = conv_dim_first()
+    if kind == "short_conv" and len(state) == 2 and dim_first is not None:
+        axis = 0 if dim_first else 1
+        parts = conv_parts(kind, state[axis], ())
+        return (PageArray(0, state, dtype, axis, parts),) if parts is not None else ()
+    return ()
