@@ -332,3 +332,65 @@ def test_mamba2_of_one_group_is_refused_between_tp_degrees(
     same = Rank(MAMBA2_ONE_GROUP, *dst_at, "DS", seed=10)
     m = block_map(same.groups[0], dst.groups[0], [0], [3], src_shard=same.shard, dst_shard=dst.shard)
     assert m.kind == "same layout"  # a rank's page moves whole to the same rank of the same degree
+
+
+def test_conv_states_with_speculative_rows_are_refused_beside_ones_without(monkeypatch: Any) -> None:
+    """A decode instance drafting 2 tokens (MTP, EAGLE) keeps ``conv_kernel - 1 + 2``
+    conv rows (``mamba2_state_shape``'s ``num_spec``); a prefill instance without drafts
+    keeps 3: the conv states are other arrays, refused naming the axis."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    drafting = Family(
+        "Nemotron-H-MTP", "MAMBA2", NEMOTRON_H.attn_1,
+        lambda calc, tp: calc.mamba2_state_shape(tp, 1024, 8, 16, 64, 32, 4, num_spec=2),
+        NEMOTRON_H.dtypes, NEMOTRON_H.splits, 8, vx.FLASH_ATTN, NEMOTRON_H.layers,
+    )  # fmt: skip
+    src, dst = Rank(NEMOTRON_H, 1, 0, "DS", seed=11), Rank(drafting, 2, 1, "DS", seed=12)
+    assert dst.groups[0].opaque_pages.arrays[0].shape == (768, 5)  # type: ignore[union-attr]
+    with pytest.raises(BlockMapError, match=r"state array 0 is .* other sizes on an axis TP does not shard"):
+        block_map(src.groups[0], dst.groups[0], [0], [0], src_shard=src.shard, dst_shard=dst.shard)
+
+
+def _with_mtp(tp: int, seed: int) -> tuple[Any, torch.Tensor, Any]:
+    """Qwen3.5-0.8B and its MTP drafter's attention layer, which vLLM 0.33 plans with the
+    target's (one spec, so one bucket: ``_get_kv_cache_groups_uniform_page_size``)."""
+    model = vx.QWEN3_5_0_8B
+    layers = [(model.layer_name(i), model.is_full_attention(i)) for i in range(model.num_hidden_layers)]
+    layers.append(("mtp.layers.0.self_attn.attn", True))
+    engine = vx.state_hybrid_engine(
+        vx.attention_spec(model, tp, 1), vx.gdn_states(model, tp, "DS"), "GDN_ATTN", vx.FLASHINFER, layers,
+        mamba_cache_mode="none", max_model_len=40960,
+    )  # fmt: skip
+    buf, raw = vx.allocate_v033(engine)
+    buf.copy_(
+        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
+    )
+    kv = apply_kv_cache_group_edits(engine.config, raw, HINTS, prefix_reuse=False)
+    layers_, groups = transfer_layers(engine.config, kv)
+    return engine, buf, kvlayout.detect(layers_, "vllm", HINTS, layer_groups=groups)
+
+
+def test_an_mtp_drafter_s_attention_layer_moves_with_the_target_s() -> None:
+    """The drafter's layer joins the target's attention group; a request's blocks of it
+    move with the target layers' (here rank to the same rank: whole pages)."""
+    (src_engine, src_buf, src), (dst_engine, dst_buf, dst) = _with_mtp(2, 13), _with_mtp(2, 14)
+    index = next(i for i, g in enumerate(dst.kernel_groups) if g.opaque_pages is None)
+    names = dst_engine.config.kv_cache_groups[dst.kernel_groups[index].engine_group].layer_names
+    assert names[-1] == "mtp.layers.0.self_attn.attn" and len(names) == 7
+    expected = dst_buf.clone()
+    for name in names:
+        page = dst_engine.spec_of(name).page_size_bytes
+        (_, s_base, s_stride), (_, d_base, d_stride) = (
+            vx.page_region(e, [b], "v033", name) for e, b in ((src_engine, src_buf), (dst_engine, dst_buf))
+        )
+        expected[d_base + 2 * d_stride : d_base + 2 * d_stride + page] = src_buf[
+            s_base + 1 * s_stride : s_base + 1 * s_stride + page
+        ]
+    shard = Shard(1, 2, vx.QWEN3_5_0_8B.num_key_value_heads)
+    block = dst.kernel_groups[index].block_size
+    m = block_map(
+        src.kernel_groups[index], dst.kernel_groups[index], [1], [2], num_tokens=block, src_shard=shard,
+        dst_shard=shard,
+    )  # fmt: skip
+    assert len(m.src.layers) == 7
+    m.copy()
+    assert torch.equal(dst_buf, expected)
