@@ -440,3 +440,31 @@ def test_bind_refuses_formats_that_name_no_layer_or_a_list_for_one_tensor() -> N
         RegistrationError, match=re.escape("kv is a Tensor, but NL_X_NB_BS_HS is a list of layers")
     ):
         kvlayout.bind(t(2, 7, 3, 16), [F.NL_X_NB_BS_HS] * 2)
+
+
+def test_numbered_renames_the_layers_maps_pair_and_nothing_else() -> None:
+    """``numbered`` keeps tensors, formats and pointer tables; kernel groups, their
+    descriptions and ``labelled`` copies carry the engine's numbers. Numbers that are no
+    numbering of these layers are refused by name."""
+    kv = [torch.zeros(2, 3, 4, 2, 8) for _ in range(4)]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 2], [1, 3]])
+    assert reg.numbered(range(4)) is reg
+    n = reg.numbered([4, 5, 9, 12])
+    assert [g.layer_ids for g in n.kernel_groups] == [(4, 9), (5, 12)]
+    assert [g.layers for g in n.kernel_groups] == [(0, 2), (1, 3)]  # positions, as before
+    assert [g.data_ptrs for g in n.kernel_groups] == [g.data_ptrs for g in reg.kernel_groups]
+    assert [g.layers for g in n.describe().groups] == [(4, 9), (5, 12)]
+    assert n.kernel_groups[1].describe().startswith("layers 5,12: ")
+    assert n.labelled(kvlayout.EngineType.SGLANG).layer_ids == (4, 5, 9, 12)
+    assert reg.layer_ids == (0, 1, 2, 3)  # the registration numbered is left as it was
+    for ids, message in (
+        ([0, 1, 2], "layer_ids has 3 entries for the registration's 4 layers"),
+        ([0, 2, 1, 3], r"layer_ids \[0, 2, 1, 3\] must be distinct layer numbers >= 0, ascending"),
+        ([0, 1, 1, 3], r"layer_ids \[0, 1, 1, 3\] must be distinct"),
+        ([-1, 0, 1, 2], r"layer_ids \[-1, 0, 1, 2\] must be distinct"),
+        ([0, 1, 2, 1 << 16], "layer_ids: layer 65536 is past a description's 65536 layers"),
+    ):
+        with pytest.raises(RegistrationError, match=message):
+            reg.numbered(ids)
+    with pytest.raises(TypeError, match=r"layer_ids\[3\] must be an int, not str"):
+        reg.numbered([0, 1, 2, "3"])  # type: ignore[list-item]

@@ -1363,11 +1363,18 @@ def test_a_kernel_group_maps_to_a_group_of_the_same_layers() -> None:
         block_map(src.kernel_groups[1], two, [1], [2])
     assert str(err.value) == (
         "src holds layers 2-3 and dst layers 0-1; a map moves layer i to layer i (a kernel group keeps its "
-        "registration's layer indices: detect the other side with the same layer_groups, so that its group "
-        "holds the same layers)"
+        "registration's layer numbers: detect the other side with the same layer_groups, so that its group "
+        "holds the same layers, or, where these are the layers to pair, number one side as the other: "
+        "registration.numbered(layer_ids))"
     )
     block_map(src.kernel_groups[1], pool.kernel_groups[1], [1], [2]).copy()
     assert all(torch.equal(pool_kv[i][:, 2], src_kv[i][:, 1]) for i in (2, 3))
+    # the two-layer cache numbered as the hybrid's layers 2-3: the pairing chosen on purpose
+    numbered = two.numbered([2, 3])
+    assert numbered.kernel_groups[0].describe().startswith("layers 2-3: ")
+    assert numbered.describe().groups[0].layers == (2, 3)
+    block_map(src.kernel_groups[1], numbered, [1], [2]).copy()
+    assert all(torch.equal(two.kv[k][:, 2], src_kv[2 + k][:, 1]) for k in (0, 1))
 
 
 def test_a_load_after_the_prefix_cache_moves_only_the_tokens_from_first_token() -> None:

@@ -197,5 +197,5 @@ def _group(group: Any, block_size: int | None) -> GroupDescription:
             f"{address}"
         )
     return GroupDescription(
-        group.format, tuple(group.layers), group.engine_group, bs, tuple(planes), group.opaque_pages
+        group.format, tuple(group.layer_ids), group.engine_group, bs, tuple(planes), group.opaque_pages
     )

@@ -125,7 +125,10 @@ class KernelGroup(HoldsAddresses):
     """Layers one kernel moves together: one format, one geometry, one engine group.
 
     ``kv`` is the group's own registration: its layers' entries for a layer list, the
-    whole structure otherwise. ``data_ptrs`` is the kernel's pointer table (planes
+    whole structure otherwise. ``layers`` are positions in the registration's layers;
+    ``layer_ids`` the engine's numbers of those layers (the positions unless the
+    registration was :meth:`~kvlayout.registration.registration.Registration.numbered`):
+    what a block map pairs and a description names. ``data_ptrs`` is the kernel's pointer table (planes
     interleaved as the layout orders them). ``memo`` is where code built on a group
     (transfer plans) keeps what it derives from it.
     """
@@ -139,6 +142,7 @@ class KernelGroup(HoldsAddresses):
         "format",
         "geometry",
         "kv",
+        "layer_ids",
         "layers",
         "memo",
         "planes",
@@ -156,11 +160,13 @@ class KernelGroup(HoldsAddresses):
         geometry: Geometry,
         registration_layers: int,
         engine: EngineType | None = None,
+        layer_ids: tuple[int, ...] | None = None,
     ) -> None:
         self.format = format
         self.engine = engine  # the engine that registered it, for labels
         self.engine_group = engine_group
         self.layers = layers
+        self.layer_ids = layers if layer_ids is None else layer_ids
         self.kv = kv
         self.planes = planes
         self.data_ptrs = data_ptrs
@@ -275,10 +281,12 @@ class KernelGroup(HoldsAddresses):
 
     def describe(self) -> str:
         """``layers 0-31: NL_X_TWO_NB_BS_NH_HS [2, 2048, 16, 8, 128] torch.bfloat16``, and
-        ``, KV shared by layers (2, 4)`` where layers share one KV cache."""
+        ``, KV shared by layers (2, 4)`` where layers share one KV cache (layer ids)."""
         shapes = " + ".join(str(list(p.shape)) for p in self.planes)
-        shared = f", KV shared by layers {describe_sharing(self.shared_layers)}" if self.shared_layers else ""
-        return f"layers {index_ranges(self.layers)}: {self.format.name} {shapes} {self.dtype}{shared}"
+        ids = dict(zip(self.layers, self.layer_ids, strict=True))
+        sharing = [[ids[i] for i in s] for s in self.shared_layers]
+        shared = f", KV shared by layers {describe_sharing(sharing)}" if sharing else ""
+        return f"layers {index_ranges(self.layer_ids)}: {self.format.name} {shapes} {self.dtype}{shared}"
 
     def descriptor(
         self,

@@ -19,6 +19,7 @@ memory once, from the first layer's slot.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn, cast
@@ -56,7 +57,7 @@ from kvlayout.registration.memory import (
     run_of,
 )
 from kvlayout.registration.nesting import Path, at, first_leaf, leaves
-from kvlayout.registration.peers import RegistrationDescription
+from kvlayout.registration.peers import MAX_LAYERS, RegistrationDescription
 from kvlayout.types import EngineType
 
 if TYPE_CHECKING:
@@ -93,6 +94,7 @@ class Registration(HoldsAddresses):
         "formats",
         "kernel_groups",
         "kv",
+        "layer_ids",
         "num_layers",
         "root",
     )
@@ -107,12 +109,15 @@ class Registration(HoldsAddresses):
         engine: EngineType | None,
         root: str,
         sources: Mapping[Path, torch.Tensor] | None = None,
+        layer_ids: tuple[int, ...] | None = None,
     ) -> None:
         self.kv = kv
         self._sources = sources or {}  # the caller's tensors behind re-viewed leaves, by path
         self.formats = tuple(formats)
         self.engine_groups = tuple(engine_groups)
         self.num_layers = len(self.formats)
+        # The engine's number of each layer, what maps pair: positions unless numbered().
+        self.layer_ids = tuple(range(self.num_layers)) if layer_ids is None else layer_ids
         self.engine = engine
         self.root = root
         self._layers = layers  # a layer list, read layer by layer
@@ -178,7 +183,32 @@ class Registration(HoldsAddresses):
             return self
         return Registration(
             self.kv, self.formats, self.engine_groups, self._layers, self._shared, engine, self.root,
-            self._sources,
+            self._sources, self.layer_ids,
+        )  # fmt: skip
+
+    def numbered(self, layer_ids: Iterable[int]) -> Registration:
+        """This registration with its layers numbered as the engine numbers them: layer
+        ``k`` of it (its ``k``-th entry, or the ``k``-th layer of a pool holding every
+        layer) is model layer ``layer_ids[k]``. A block map moves layer ``i`` to layer
+        ``i`` by these numbers, and a description carries them to a peer, so a cache that
+        holds some of a model's layers (one layer group of a hybrid, one pipeline stage)
+        maps only to the same layers. Numbering a side to match another is how a map
+        pairs layers on purpose. The same tensors, formats and groups, bound again;
+        ``layer_ids`` ascending, one a layer."""
+        ids = tuple(as_int(i, f"layer_ids[{k}]") for k, i in enumerate(layer_ids))
+        if len(ids) != self.num_layers:
+            raise RegistrationError(
+                f"layer_ids has {len(ids)} entries for the registration's {self.num_layers} layers"
+            )
+        if any(i < 0 for i in ids) or any(a >= b for a, b in itertools.pairwise(ids)):
+            raise RegistrationError(f"layer_ids {list(ids)} must be distinct layer numbers >= 0, ascending")
+        if ids and ids[-1] >= MAX_LAYERS:
+            raise RegistrationError(f"layer_ids: layer {ids[-1]} is past a description's {MAX_LAYERS} layers")
+        if ids == self.layer_ids:
+            return self
+        return Registration(
+            self.kv, self.formats, self.engine_groups, self._layers, self._shared, self.engine, self.root,
+            self._sources, ids,
         )  # fmt: skip
 
     @property
@@ -345,7 +375,7 @@ class Registration(HoldsAddresses):
         geometry = _geometry(kv, b)
         return KernelGroup(
             b.format, engine_group, tuple(layers), kv, tuple(planes), tuple(ptrs), geometry, self.num_layers,
-            self.engine,
+            self.engine, tuple(self.layer_ids[i] for i in layers),
         )  # fmt: skip
 
     def _shared_ptrs(self, layers: Sequence[int]) -> list[int]:

@@ -103,8 +103,9 @@ def _check_same_data(src: Side, dst: Side) -> None:
         hint = ""
         if len(src.layers) == len(dst.layers):
             hint = (
-                " (a kernel group keeps its registration's layer indices: detect the other side with the "
-                "same layer_groups, so that its group holds the same layers)"
+                " (a kernel group keeps its registration's layer numbers: detect the other side with the "
+                "same layer_groups, so that its group holds the same layers, or, where these are the "
+                "layers to pair, number one side as the other: registration.numbered(layer_ids))"
             )
         raise BlockMapError(
             f"src holds layers {index_ranges(src.layers)} and dst layers "
