@@ -18,7 +18,7 @@ import kvlayout
 from kvlayout import DetectionError, LayoutHintError
 from kvlayout import EngineKVFormat as F
 from kvlayout.integrations.trtllm import KvCacheLayoutError, kv_cache_layout_pools
-from kvlayout.transfer import BlockMapError, Shard, block_map
+from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map
 
 
 @dataclass(frozen=True)
@@ -138,20 +138,106 @@ def test_an_mla_group_holds_keys_alone() -> None:
 
 def test_vswa_groups_are_a_pool_each_with_their_own_page_slots() -> None:
     """Full-attention layers 0 and 2 in one group, sliding-window layer 1 in another, in
-    pools of their own slot counts: each maps with its group's page slots."""
+    pools of their own slot counts: each maps with its group's page slots, its layers
+    numbered as TRT-LLM numbers them. V1's pool of that window numbers its one layer 0:
+    refused as it comes, it maps once numbered as layer 1 on purpose."""
     full = Region(pool_bytes(SLOTS * 2 * 2 * BUF, 3), 0, 2 * 2 * BUF, 2 * 2 * BUF, SLOTS, kv_refs([0, 2]))
     swa = Region(pool_bytes(3 * 2 * BUF, 4), 0, 2 * BUF, 2 * BUF, 3, kv_refs([1]))
     layout = Layout(BS, (Group(0, (0, 2), None, (full,)), Group(1, (1,), 128, (swa,))))
     pools = kv_cache_layout_pools(layout, torch.bfloat16, HINTS)
     assert [pools[g].kernel_groups[0].describe() for g in ("group0", "group1")] == [
-        "layers 0-1: NB_NL_TWO_NH_BS_HS [6, 2, 2, 2, 4, 8] torch.bfloat16",
-        "layers 0: NB_NL_TWO_NH_BS_HS [3, 1, 2, 2, 4, 8] torch.bfloat16",
+        "layers 0,2: NB_NL_TWO_NH_BS_HS [6, 2, 2, 2, 4, 8] torch.bfloat16",
+        "layers 1: NB_NL_TWO_NH_BS_HS [3, 1, 2, 2, 4, 8] torch.bfloat16",
     ]
     v1 = torch.zeros(2, 1, 2, NH * BS * HD, dtype=torch.bfloat16)
-    block_map(
-        pools["group1"], kvlayout.detect(v1, "trtllm", {**HINTS, "tokens_per_block": BS}), [2], [1]
-    ).copy()
+    window_pool = kvlayout.detect(v1, "trtllm", {**HINTS, "tokens_per_block": BS})
+    with pytest.raises(
+        BlockMapError,
+        match=r"^src holds layers 1 and dst layers 0; a map moves layer i to layer i \(.*"
+        r"number one side as the other: registration\.numbered\(layer_ids\)\)$",
+    ):
+        block_map(pools["group1"], window_pool, [2], [1])
+    block_map(pools["group1"], window_pool.numbered([1]), [2], [1]).copy()
     assert torch.equal(v1[1].reshape(-1).view(torch.uint8), swa.bytes_of(2, 0, 2 * BUF))
+    assert not v1[0].any()
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bytes, not values: random bytes hold NaNs, which never equal themselves."""
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def _interleaved(seed: int | None) -> tuple[Layout, list[Region]]:
+    """Full attention on layers 0 and 2, a sliding window on 1 and 3: two groups of one
+    size and slot count, each its own pool (random bytes, or zeros without a seed)."""
+    size = SLOTS * 4 * BUF
+    regions = [
+        Region(
+            torch.zeros(size, dtype=torch.uint8) if seed is None else pool_bytes(size, seed + g),
+            0, 4 * BUF, 4 * BUF, SLOTS, kv_refs(layers),
+        )
+        for g, layers in enumerate(([0, 2], [1, 3]))
+    ]  # fmt: skip
+    groups = (Group(0, (0, 2), None, (regions[0],)), Group(1, (1, 3), 128, (regions[1],)))
+    return Layout(BS, groups), regions
+
+
+def test_a_group_maps_only_to_a_cache_of_the_same_trtllm_layers() -> None:
+    """The two groups look alike (shape, dtype, slots): a group paired with the peer's
+    other group is refused naming both sides' layers, locally and through the peer's
+    description, where it would have moved full-attention KV into the window's layers.
+    The same group maps byte for byte, as does a vLLM registration of the model's
+    layers grouped as TRT-LLM groups them."""
+    (src_layout, src_regions), (dst_layout, dst_regions) = _interleaved(10), _interleaved(None)
+    src = kv_cache_layout_pools(src_layout, torch.bfloat16, HINTS)
+    dst = kv_cache_layout_pools(dst_layout, torch.bfloat16, HINTS)
+    refusal = r"^src holds layers 0,2 and dst layers 1,3; a map moves layer i to layer i \("
+    with pytest.raises(BlockMapError, match=refusal):
+        block_map(src["group0"], dst["group1"], [1], [2])
+    there = RegistrationDescription.from_json(dst["group1"].describe().to_json())
+    assert there.groups[0].layers == (1, 3)
+    with pytest.raises(BlockMapError, match=refusal):
+        block_map(src["group0"], there, [1], [2])
+    for g in (0, 1):
+        block_map(src[f"group{g}"], dst[f"group{g}"], [1, 4], [2, 0]).copy()
+        for slot in range(SLOTS):
+            moved = {2: 1, 0: 4}.get(slot)
+            want = (
+                torch.zeros(4 * BUF, dtype=torch.uint8)
+                if moved is None
+                else src_regions[g].bytes_of(moved, 0, 4 * BUF)
+            )
+            assert torch.equal(dst_regions[g].bytes_of(slot, 0, 4 * BUF), want)
+    # vLLM's per-layer [2, NB, BS, NH, HD] caches (NHD) of layers 0-3, in TRT-LLM's groups
+    caches = [torch.zeros(2, 3, BS, NH, HD, dtype=torch.bfloat16) for _ in range(4)]
+    vllm = kvlayout.detect(caches, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 2], [1, 3]])
+    full, window = vllm.kernel_groups
+    with pytest.raises(BlockMapError, match=r"^src holds layers 1,3 and dst layers 0,2; "):
+        block_map(src["group1"], full, [3], [1])
+    block_map(src["group1"], window, [3], [1]).copy()
+    for k, layer in enumerate((1, 3)):
+        for r in range(2):
+            held = src_regions[1].bytes_of(3, (2 * k + r) * BUF, BUF).view(torch.bfloat16).view(NH, BS, HD)
+            assert _same_bytes(caches[layer][r, 1], held.transpose(0, 1))
+    assert not any(caches[layer].any() for layer in (0, 2)) and not caches[1][:, (0, 2)].any()
+
+
+def test_a_pipeline_stages_group_is_its_global_layers() -> None:
+    """Under pipeline parallelism V2 numbers a stage's layers globally (``pp_layers``):
+    stage 1 of a 4-layer model holds layers 2-3. Its group maps to the other engine's
+    stage of the same layers: a vLLM stage's list numbered 2-3, not the list as it
+    comes (0-1)."""
+    region = Region(pool_bytes(SLOTS * 4 * BUF, 20), 0, 4 * BUF, 4 * BUF, SLOTS, kv_refs([2, 3]))
+    pools = kv_cache_layout_pools(Layout(BS, (Group(0, (2, 3), None, (region,)),)), torch.bfloat16, HINTS)
+    caches = [torch.zeros(2, 2, BS, NH, HD, dtype=torch.bfloat16) for _ in range(2)]
+    stage = kvlayout.detect(caches, "vllm", {"kv_layout": "NHD"})
+    with pytest.raises(BlockMapError, match=r"^src holds layers 2-3 and dst layers 0-1; "):
+        block_map(pools["group0"], stage, [5], [1])
+    block_map(pools["group0"], stage.numbered(range(2, 4)), [5], [1]).copy()
+    for k in range(2):
+        for r in range(2):
+            held = region.bytes_of(5, (2 * k + r) * BUF, BUF).view(torch.bfloat16).view(NH, BS, HD)
+            assert _same_bytes(caches[k][r, 1], held.transpose(0, 1))
 
 
 def test_other_regions_move_whole_slots_to_regions_of_the_same_bytes() -> None:

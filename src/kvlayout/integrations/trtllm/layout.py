@@ -16,9 +16,14 @@ slot id does not index them (``get_buffers`` asserts K and V adjacent).
 then value (or key alone: MLA, ``CacheType.SELFKONLY``) in layer order, as the pool
 TRT-LLM's detector reads, ``[num_slots, NL, kv_factor, NH*BS*HS]`` with the slot's
 other bytes as dim-0 padding, so it maps by heads, tokens and layers to any other
-engine's cache. Any other region (NVFP4 block scales, a sparse model's index keys, a
-replicated side cache) is read as opaque pages, whole slots, that map only to a region of
-the same bytes.
+engine's cache. Its layers are numbered with TRT-LLM's own ids
+(``KvCacheBufferRef.layer_id``, the global model layer index): a map pairs a group only
+with a cache of the same layers (another group's, or a peer's group of other layers, is
+refused naming both), and a cache numbered otherwise (V1's pool, a pipeline stage's
+list, both from 0) is paired on purpose with ``registration.numbered(layer_ids)``. Any
+other region (NVFP4 block scales, a sparse model's index keys, a replicated side cache)
+is read as opaque pages, whole slots, that map only to a region of the same bytes (its
+label names its layers).
 """
 
 from __future__ import annotations
@@ -133,7 +138,7 @@ def _kv_pool(
         )
     # The slot's other runs are dim-0 padding of the pool TRT-LLM's detector reads.
     pool = rows.view(dtype).view(rows.shape[0], len(layers), kv, -1)
-    return detect(pool, EngineType.TRTLLM, hints)
+    return detect(pool, EngineType.TRTLLM, hints).numbered(layers)
 
 
 def kv_cache_layout_pools(
@@ -144,7 +149,8 @@ def kv_cache_layout_pools(
     buffers, read as TRT-LLM's pool ``[num_slots, NL, kv_factor, NH*BS*HS]`` of ``dtype``
     (the cache's element type; ``torch.int8`` for NVFP4, two values a byte) with
     ``hints`` (``num_kv_heads``, ``head_dim``, ``kv_layout`` as for
-    ``kvlayout.detect(pool, "trtllm", ...)``; ``tokens_per_block`` is the layout's);
+    ``kvlayout.detect(pool, "trtllm", ...)``; ``tokens_per_block`` is the layout's),
+    its layers numbered with the group's TRT-LLM layer ids (``Registration.numbered``);
     ``"group{g}.region{i}"`` (``"group{g}.replicated{i}"``) any other region, opaque
     pages of whole slots (a ``V2MambaHybridCacheManager``'s ``ssm_state`` and
     ``conv_state`` regions too, which :func:`mamba_state_pools` reads with their TP
