@@ -1,5 +1,6 @@
 """How tensor parallelism splits a Mamba model's conv state: the model's rule, which
-vLLM and SGLang both follow.
+vLLM, SGLang and TRT-LLM all follow (TRT-LLM's ``conv_section_dims`` and its C++
+``RnnModelConfig::getConvSectionDims``: ``kXBC`` Mamba2's order, ``kQKV`` GDN's).
 
 A conv state's dim concatenates the model's sub-projections, each split over the ranks
 on its own: Mamba1 ``x``; a short convolution (LFM2's ``ShortConv``) its one projection,
@@ -12,7 +13,23 @@ alone fix its parts.
 
 from __future__ import annotations
 
-__all__ = ["conv_parts"]
+__all__ = ["conv_parts", "ordered_parts"]
+
+# Whether a type's conv state starts with its heads' projection (Mamba2's x, KDA's V) or
+# ends with it (GDN's V, after Q and K): the one statement of the sub-projections' order.
+_HEADS_FIRST = {"mamba2": True, "kda": True, "gdn_attn": False}
+
+
+def ordered_parts(kind: str, heads: int, grouped: int) -> tuple[int, int, int]:
+    """The conv state's three sub-projection lengths in memory order for the Mamba type
+    ``kind`` (``"mamba2"``, ``"gdn_attn"``, ``"kda"``), given its heads' projection
+    (``heads * head_dim``: Mamba2's ``x``, GDN's and KDA's ``V``) and each of the other
+    two (Mamba2's ``B`` and ``C``, GDN's ``Q`` and ``K``)."""
+    if kind not in _HEADS_FIRST:
+        raise ValueError(
+            f"no conv sub-projection order for Mamba type {kind!r} (known: {sorted(_HEADS_FIRST)})"
+        )
+    return (heads, grouped, grouped) if _HEADS_FIRST[kind] else (grouped, grouped, heads)
 
 
 def conv_parts(kind: str | None, dim: int, ssm: tuple[int, ...]) -> tuple[int, ...] | None:
@@ -32,11 +49,9 @@ def conv_parts(kind: str | None, dim: int, ssm: tuple[int, ...]) -> tuple[int, .
     if rest <= 0 or rest % 2:
         return None
     if kind == "kda":  # V's heads, then K's two projections of any key head size (SSM (heads, hd, hd))
-        return heads * head_dim, rest // 2, rest // 2
+        return ordered_parts(kind, heads * head_dim, rest // 2)
     if (rest // 2) % last:
         return None  # Mamba2: B and C are n_groups * d_state each; GDN: Q and K are key heads * dk
-    if kind == "mamba2":
-        return heads * head_dim, rest // 2, rest // 2
-    if kind == "gdn_attn":
-        return rest // 2, rest // 2, heads * head_dim
+    if kind in ("mamba2", "gdn_attn"):
+        return ordered_parts(kind, heads * head_dim, rest // 2)
     return None

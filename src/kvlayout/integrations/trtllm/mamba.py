@@ -40,6 +40,7 @@ import torch
 
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
+from kvlayout.integrations.mamba_splits import ordered_parts
 from kvlayout.integrations.page_lists import dtype_name, listed_pages
 from kvlayout.registration.backing import no_memory
 from kvlayout.registration.opaque import OpaquePages, PageArray
@@ -156,15 +157,17 @@ def _layer_first(
     return states, over, (conv, ssm)
 
 
-# rnn_conv_section_layout (mamba_cache_manager's conv_section_map): the sections' order.
-_SECTION_LAYOUTS = {1: "x, B, C (nemotron_hybrid)", 2: "Q, K, V (qwen3_next)"}
+# rnn_conv_section_layout (mamba_cache_manager's conv_section_map; the C++ RnnModelConfig's
+# ConvSectionLayout kXBC / kQKV): the model type whose sections the conv state holds.
+_SECTION_LAYOUTS = {1: ("mamba2", "x, B, C (nemotron_hybrid)"), 2: ("gdn_attn", "Q, K, V (qwen3_next)")}
 
 
 def _pool_sections(manager: Any, conv: tuple[int, ...], ssm: tuple[int, ...]) -> list[int] | None:
     """This rank's conv sections as the C++ transceiver computes them from the manager's
-    ``linear_attention_metadata`` (global dims, each over this rank's TP degree): Mamba2's
-    ``[heads * head_dim, groups * d_state, groups * d_state]``, Qwen3-Next's reversed
-    (``Q, K`` first). None where the layout names no sections (0: another model type)."""
+    ``linear_attention_metadata`` (``RnnModelConfig::getConvSectionDims``: global dims,
+    each over this rank's TP degree): the heads' projection ``heads * head_dim`` and two of
+    ``groups * d_state``, in the order of the model type the layout names. None where the
+    layout names no sections (0: another model type)."""
     meta = getattr(manager, "linear_attention_metadata", None)
     layout = getattr(meta, "rnn_conv_section_layout", None)
     if layout == 0:
@@ -179,8 +182,8 @@ def _pool_sections(manager: Any, conv: tuple[int, ...], ssm: tuple[int, ...]) ->
             "CppMambaHybridCacheManager sets: a layout of 0, 1 or 2 and positive ints"
         )
     heads, head_dim, groups, d_state = ints
-    grouped, inner = groups * d_state, heads * head_dim
-    dims = [inner, grouped, grouped] if layout == 1 else [grouped, grouped, inner]
+    kind, named = _SECTION_LAYOUTS[layout]
+    dims = list(ordered_parts(kind, heads * head_dim, groups * d_state))
     tp = heads // ssm[0] if len(ssm) == 3 and ssm[0] else 0
     if (
         not tp
@@ -192,7 +195,7 @@ def _pool_sections(manager: Any, conv: tuple[int, ...], ssm: tuple[int, ...]) ->
         raise MambaStateError(
             f"the manager's states (conv {list(conv)}, SSM {list(ssm)} a block) are no TP share of the "
             f"model its linear_attention_metadata describes ({heads} heads, conv sections {dims}, "
-            f"{_SECTION_LAYOUTS[layout]})"
+            f"{named})"
         )
     return [d // tp for d in dims]
 
