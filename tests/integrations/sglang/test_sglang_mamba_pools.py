@@ -596,3 +596,28 @@ def test_a_per_layer_pool_of_unlike_states_is_refused() -> None:
     conv = mixed.mamba_cache.conv_per_layer[0]
     conv[1] = torch.zeros(SLOTS + 1, 3, 80, dtype=conv[0].dtype).transpose(1, 2)
     assert "conv0 state reads in other orders in other layers ([(3, 80), (80, 3)])" in _pool_error(mixed)
+
+
+def test_a_kv_replica_still_sends_its_state_slices() -> None:
+    """With fewer KV heads than prefill ranks (2 heads at TP 4) ``sends_to`` leaves the
+    KV to one replica, but each state slice is one rank's: the rank that sends no KV to a
+    decode rank holds half of that rank's state, so the state maps go from every pair
+    (as pd-connectors.md says), and a connector gating them by ``sends_to`` would leave
+    decode rank 0 half a state."""
+    spec, kv_heads = MODELS["gdn"], 2
+    whole = whole_state(spec, 7)
+    sources = [rank_pool(spec, 4, r, whole) for r in range(4)]
+    for gated in (False, True):
+        for d in range(2):
+            dst = rank_pool(spec, 2, d, None)
+            for s, src in enumerate(sources):
+                src_shard, dst_shard = Shard(s, 4, kv_heads), Shard(d, 2, kv_heads)
+                if gated and not src_shard.sends_to(dst_shard):
+                    continue
+                move(src, dst, 1, 4, "gdn", (src_shard, dst_shard))
+            complete = all(
+                torch.equal(got[:, 4], want[:, 1])
+                for got, want in zip(states(dst), shard(spec, whole, 2, d), strict=True)
+            )
+            assert complete is not gated, (gated, d)
+    assert not Shard(1, 4, kv_heads).sends_to(Shard(0, 2, kv_heads))  # rank 1's KV comes from rank 0
