@@ -313,3 +313,34 @@ def test_sglang_kv_and_mamba_state_go_as_one_nixl_transfer() -> None:
     assert any(t.any() for t in t_tensors)
     for h in held:
         h.deregister()
+
+
+def test_join_names_one_rank_described_with_two_head_counts() -> None:
+    """A decode rank's SGLang KV pool described with the model's 2 KV heads and its Mamba
+    state with the state's own 4 heads: one peer, two shards. The refusal says what to
+    describe them with, not that they are two peers."""
+    from kvlayout.integrations.sglang import mamba_state_pools
+    from kvlayout.testing.sglang import LinearModel, device_pool
+
+    model = LinearModel("gdn_attn", num_layers=2, num_heads=4, head_dim=8, state_size=8, n_groups=2)
+
+    def side(tp: int) -> tuple[Any, Any]:
+        kv = [[torch.zeros(64, 2 // tp, 16, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+        state = mamba_state_pools(device_pool(model, tp, 4), "gdn_attn")["temporal"]
+        return kvlayout.detect(kv, "sglang", {"tokens_per_block": 16}), state
+
+    (kv, state), (d_kv, d_state) = side(1), side(2)
+    kv_there = RegistrationDescription.from_json(d_kv.describe(shard=Shard(1, 2, 2)).to_json())
+    state_there = RegistrationDescription.from_json(d_state.describe(shard=Shard(1, 2, 4)).to_json())
+    parts = [
+        block_map(kv, kv_there, [3, 1], [0, 2], num_tokens=20, src_shard=Shard(0, 1, 2)),
+        block_map(state, state_there, [2], [1], src_shard=Shard(0, 1, 4)),
+    ]
+    with pytest.raises(
+        BlockMapError,
+        match=r"TP rank 1 of 2 with 2 and 4 model KV heads; describe every pool of one rank with one Shard",
+    ):
+        join_maps(parts)
+    state_there = RegistrationDescription.from_json(d_state.describe(shard=Shard(1, 2, 2)).to_json())
+    parts[1] = block_map(state, state_there, [2], [1], src_shard=Shard(0, 1, 2))
+    assert join_maps(parts).num_bytes == sum(m.num_bytes for m in parts)

@@ -147,6 +147,16 @@ def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
                     f"{where[side.live]}; a joined map has one end here and the other a peer's (or both here)"
                 )
             if not side.live and side.shard != first.shard:  # two peers' descriptions (two TP ranks)
+                a, b = first.shard, side.shard
+                if a is not None and b is not None and (a.tp_rank, a.tp_size) == (b.tp_rank, b.tp_size):
+                    # one rank's pools described with two head counts: a state's own heads, say
+                    raise BlockMapError(
+                        f"join_maps: maps[0]'s {end} is described at {a} but maps[{i}]'s at {b}: TP "
+                        f"rank {a.tp_rank} of {a.tp_size} with {a.num_kv_heads} and {b.num_kv_heads} "
+                        "model KV heads; "
+                        "describe every pool of one rank with one Shard, num_kv_heads the model's attention "
+                        "KV heads (a Mamba state's shard too: a state reads only the rank and the degree)"
+                    )
                 raise BlockMapError(
                     f"join_maps: maps[0]'s {end} is the description of a peer at {first.shard} but "
                     f"maps[{i}]'s of one at {side.shard}; a joined map goes to one peer (join each peer's "
