@@ -68,7 +68,7 @@ def test_sglang_ascend_fia_pool_reads_in_pages() -> None:
 
 
 def test_token_rows_that_do_not_split_into_blocks_are_refused() -> None:
-    kv = [torch.zeros(40, 1, 576) for _ in range(2)]
+    kv = [torch.zeros(40, 1, 576, dtype=torch.bfloat16) for _ in range(2)]  # ATOM KV is bf16 or fp8
     with pytest.raises(
         LayoutHintError,
         match=r"^ATOM: \(40, 1, 576\) is token rows \(a one-token block axis in NL_X_NB_BS_HS\), and its 40 "
@@ -84,7 +84,7 @@ def test_token_rows_that_do_not_split_into_blocks_are_refused() -> None:
     with pytest.raises(
         LayoutHintError, match=r"tokens_per_block=16 contradicts NL_X_NB_BS_HS, whose BS is 8"
     ):
-        kvlayout.detect([torch.zeros(5, 8, 576)], "atom", {"tokens_per_block": 16})
+        kvlayout.detect([torch.zeros(5, 8, 576, dtype=torch.bfloat16)], "atom", {"tokens_per_block": 16})
 
 
 def test_sglang_fia_pools_of_fp8_bytes_and_of_two_head_sizes_read_in_pages() -> None:
