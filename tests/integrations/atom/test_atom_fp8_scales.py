@@ -189,3 +189,19 @@ def test_detect_refuses_scales_naming_the_reader() -> None:
             kvlayout.detect(p.k_scale, "atom", hints)
         assert "dequantization scales" in str(e.value)
         assert "shuffled_kv_pools(k_caches, v_caches, block_size, k_scales, v_scales)" in str(e.value)
+
+
+def test_tp4_over_two_kv_heads_replicates_each_head_to_two_ranks() -> None:
+    # MhaKvPool.from_hf_config: heads < world_size gives every rank one head, the model's
+    # head rank // (world_size // heads) (QKVParallelLinear's num_kv_head_replicas)
+    whole = atom_fp8_pool(6, heads=2)
+    w = regs(whole)
+    for r in range(4):
+        dst = atom_fp8_pool(None, heads=1)
+        d = regs(dst)
+        for n in NAMES:
+            block_map(w[n], d[n], [4], [0], src_shard=Shard(0, 1, 2), dst_shard=Shard(r, 4, 2)).copy()
+        for n in NAMES:
+            for layer in range(LAYERS):
+                got, want = getattr(dst, n)[layer][0], getattr(whole, n)[layer][4, r // 2 : r // 2 + 1]
+                assert torch.equal(raw(got), raw(want)), (r, n, layer)
