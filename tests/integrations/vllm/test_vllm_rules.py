@@ -285,10 +285,29 @@ class _WrongBlockEdit(KVCacheGroupEdit):
         return tensor.view(torch.int8).view(tensor.shape[0], 1, -1)
 
 
+class _NotATensorEdit(_CopyingEdit):
+    name: ClassVar[str] = "not-a-tensor"
+
+    def apply(self, spec: Any, value: Any, layout_hints: object = None) -> torch.Tensor:
+        return value.numpy()  # type: ignore[no-any-return]  # the same bytes, but no tensor
+
+
+class _CopyingBlocksEdit(_CopyingEdit):
+    """A rule whose whole-block view (read in the engine's own format) is a copy."""
+
+    name: ClassVar[str] = "copying-blocks"
+
+    def block_view(self, spec: Any, value: Any) -> torch.Tensor | None:
+        tensor: torch.Tensor = value
+        return tensor.clone()
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
         (_CopyingEdit(), "edit 'copying' did not return a view of the registered storage"),
+        (_NotATensorEdit(), "edit 'not-a-tensor' did not return a view of the registered storage"),
+        (_CopyingBlocksEdit(), "edit 'copying-blocks' did not return a view of the registered storage"),
         (
             _WrongBlockEdit(),
             "edit 'wrong-block' produced a view whose block size reads as 1 under NL_X_NB_BS_HS, not the spec's block_size 64",
