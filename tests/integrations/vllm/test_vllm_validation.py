@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ from kvlayout.integrations.vllm import (
     SpecKind,
     UnsupportedKVCacheGroupsError,
     apply_kv_cache_group_edits,
+    check_block_granularity,
     declares_slot_compression,
     find_unsupported_kv_cache_groups,
     spec_kind,
@@ -275,6 +277,12 @@ def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection
         TypeError, match=r"^kv_caches must be the dict register_kv_caches gets, by layer name, not a list"
     ):
         transfer_layers(config, list(kv.values()))  # type: ignore[arg-type]
+    # the edits and their check find layers by name too: a list would find none, unchecked
+    for call in (apply_kv_cache_group_edits, check_block_granularity):
+        with pytest.raises(
+            TypeError, match=r"^kv_caches must be the dict register_kv_caches gets, .* not a list$"
+        ):
+            call(config, list(kv.values()))  # type: ignore[arg-type]
     # one group alone, under its id; a group out of transfer has no layers
     layers, layer_groups = transfer_layers(config, edited, group=2)
     assert layers == [kv["b.0"]] and layer_groups == [[], [], [0]]
@@ -293,3 +301,12 @@ def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection
         transfer_layers(config, edited, group="1")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"^group=0 names a part of the config, but there is none$"):
         transfer_layers(None, kv, group=0)
+    # ids as kvlayout takes any int: NumPy and torch integers too, never a bool
+    assert transfer_layers(config, edited, group=np.int64(2)) == transfer_layers(config, edited, group=2)
+    assert transfer_layers(config, edited, group=torch.tensor(1)) == ([], [[], []])
+    with pytest.raises(TypeError, match=r"^group must be an int \(a KV cache group id\), not bool$"):
+        transfer_layers(config, edited, group=True)
+    with pytest.raises(
+        ValueError, match=r"^group=3 is not a KV cache group id: the config has 3 KV cache groups$"
+    ):
+        transfer_layers(config, edited, group=np.int32(3))

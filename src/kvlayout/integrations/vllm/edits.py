@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from kvlayout.catalog.registry import get_spec
+from kvlayout.errors import as_int
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.granularity import check_block_granularity
 from kvlayout.integrations.vllm.pages import OPAQUE_HEAD_PAGES_FORMAT, OPAQUE_PAGE_FORMAT
@@ -36,6 +37,7 @@ from kvlayout.integrations.vllm.specs import (
     allocations,
     iter_group_layer_specs,
     iter_groups,
+    require_layer_dict,
     slots_per_block,
     tokens_per_slot,
 )
@@ -134,6 +136,7 @@ def apply_kv_cache_group_edits(
     compression is declared), or this raises before anything is registered. That is
     how a ``kv_layout`` hint that contradicts vLLM's allocation is caught.
     """
+    require_layer_dict(kv_caches)
     validate_kv_cache_groups(kv_cache_config, prefix_reuse=prefix_reuse)
     edited = dict(kv_caches)
     if kv_cache_config is None:
@@ -201,11 +204,7 @@ def transfer_layers(
     ``BHLNC`` cross-layer tensor each, also where a group is several allocations (vLLM's
     ``UniformTypeKVCacheSpecs`` of different shapes). Every layout has the same
     allocations, so a peer detected the same way numbers its layers alike."""
-    if not isinstance(kv_caches, Mapping):
-        raise TypeError(
-            "kv_caches must be the dict register_kv_caches gets, by layer name, not a "
-            f"{type(kv_caches).__name__}"
-        )
+    require_layer_dict(kv_caches)
     if group is not None and allocation is not None:
         raise ValueError(f"pass group or allocation, not both (group={group}, allocation={allocation})")
     if kv_cache_config is None:
@@ -263,12 +262,15 @@ def _require_edited(kv_cache_config: Any, kv_caches: Mapping[str, Any], wanted: 
 
 
 def _index(name: str, value: object, count: int, what: str) -> int:
-    """``value`` as an index of ``count`` things (``what``), checked."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int (a {what} id), not {type(value).__name__}")
-    if not 0 <= value < count:
-        raise ValueError(f"{name}={value} is not a {what} id: the config has {count} {what}s")
-    return value
+    """``value`` as an index of ``count`` things (``what``), checked: any int
+    :func:`~kvlayout.errors.as_int` takes (NumPy and torch integers too, never a bool)."""
+    try:
+        index = as_int(value, name)
+    except TypeError:
+        raise TypeError(f"{name} must be an int (a {what} id), not {type(value).__name__}") from None
+    if not 0 <= index < count:
+        raise ValueError(f"{name}={index} is not a {what} id: the config has {count} {what}s")
+    return index
 
 
 _FROM_VLLM = ("KVCacheSpecKind", "get_kv_cache_spec_kind")

@@ -28,6 +28,7 @@ from kvlayout.integrations.vllm.specs import (
     allocations,
     iter_group_layer_specs,
     iter_groups,
+    require_layer_dict,
     slots_per_block,
     spec_field,
     spec_kind,
@@ -188,6 +189,7 @@ def check_block_granularity(
     calls it for every model). Layers in no group, and specs whose slots per block are
     no whole number, are not checked.
     """
+    require_layer_dict(kv_caches)
     names = list(kv_caches)
     position = {name: i for i, name in enumerate(names)}
     groups: list[list[int]] = []

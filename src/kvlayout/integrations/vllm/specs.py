@@ -24,6 +24,7 @@ __all__ = [
     "declares_slot_compression",
     "iter_group_layer_specs",
     "iter_groups",
+    "require_layer_dict",
     "require_size",
     "slots_per_block",
     "spec_field",
@@ -184,6 +185,16 @@ def iter_groups(kv_cache_config: Any) -> Iterator[tuple[int, Any]]:
     for position, group in enumerate(groups):
         if getattr(group, "enable_kv_transfer", True) is not False:
             yield position, group
+
+
+def require_layer_dict(kv_caches: object) -> None:
+    """A ``TypeError`` unless ``kv_caches`` maps layer names to values: layers are found by
+    name, so a list of the tensors would find none and leave every layer unchecked."""
+    if not isinstance(kv_caches, Mapping):
+        raise TypeError(
+            "kv_caches must be the dict register_kv_caches gets, by layer name, not a "
+            f"{type(kv_caches).__name__}"
+        )
 
 
 def iter_group_layer_specs(group: Any) -> Iterator[tuple[str | None, Any]]:
