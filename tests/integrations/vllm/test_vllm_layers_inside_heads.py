@@ -409,6 +409,14 @@ def test_a_hybrid_under_the_hint_reads_its_other_groups_as_usual() -> None:
         layers, groups = transfer_layers(engine.config, edited, group=g)
         formats[g] = kvlayout.detect(layers, "vllm", hints, layer_groups=groups).only_group().format
     assert formats == {0: F.NL_X_NB_BS_HS, 1: F.NL_X_NB_BS_HS, 2: F.NL_X_NB_BS_HS, 3: F.NB_NH_NL_BS_CS}
+    # each allocation under its own group's id (one allocation a group here), not group 0's
+    config = engine.config
+    for i, tensor in enumerate(config.kv_cache_tensors):
+        g = next(g for g, group in enumerate(config.kv_cache_groups) if tensor.layers[0] in group.layer_names)
+        layers, groups = transfer_layers(config, edited, allocation=i)
+        by_group, its_groups = transfer_layers(config, edited, group=g)
+        assert groups == its_groups == [[] for _ in range(g)] + [list(range(len(layers)))]
+        assert [a is b for a, b in zip(layers, by_group, strict=True)] == [True] * len(layers)
 
 
 def test_transfer_layers_of_one_group_leave_kv_sharers_out() -> None:
