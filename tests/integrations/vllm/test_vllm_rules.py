@@ -180,6 +180,13 @@ def test_mamba_states_must_be_back_to_back() -> None:
         match=r"state 1 \(2, 2, 8, 8\) has 2 blocks 4096 bytes apart, state 0 has 3 blocks 4096 bytes apart",
     ):
         MambaStateListEdit().apply(mamba, [conv, ssm[:2]])
+    # as many blocks, but another page stride: the ssm state's blocks are not the conv's pages
+    halved = torch.as_strided(ssm, ssm.shape, (ssm.stride(0) // 2, *ssm.stride()[1:]))
+    with pytest.raises(
+        KVCacheGroupEditError,
+        match=r"state 1 \(3, 2, 8, 8\) has 3 blocks 2048 bytes apart, state 0 has 3 blocks 4096 bytes apart",
+    ):
+        MambaStateListEdit().apply(mamba, [conv, halved])
 
 
 def test_mamba_states_must_fit_the_page() -> None:
