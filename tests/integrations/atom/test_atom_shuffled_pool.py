@@ -182,7 +182,32 @@ def test_refuses_lists_that_are_not_an_atom_shuffle_pool() -> None:
         (k, plain_v, BS, r"v_caches\[0\] is \[5, 4, 64, 16\]: a non-transposed V"),
         ([t[..., 0] for t in k], v, BS, r"k_caches\[0\] is \[5, 4, 8, 16\], not 5-D: the ATOM SHUFFLE"),
         (k, [t.float() for t in v], BS, r"k_caches is torch.bfloat16 .* and v_caches torch.float32"),
+        (
+            k,
+            [t.to("meta") for t in v],
+            BS,
+            r"k_caches is torch.bfloat16 on cpu and v_caches torch.bfloat16 on meta",
+        ),
         (k, [t[:, :2] for t in v], BS, r"not one ATOM SHUFFLE MHA pool"),
+        # V alone of other blocks, token vectors or vector width than K says
+        (
+            k,
+            [t[:3] for t in v],
+            BS,
+            r"v_caches\[0\] \[3, 4, 2, 64, 8\], not .* = \(5, 4, 2, D_v, 8\): not one",
+        ),
+        (
+            k,
+            [t[:, :, :1] for t in v],
+            BS,
+            r"v_caches\[0\] \[5, 4, 1, 64, 8\], not .* = \(5, 4, 2, D_v, 8\): not one",
+        ),
+        (
+            k,
+            [t[..., :4] for t in v],
+            BS,
+            r"v_caches\[0\] \[5, 4, 2, 64, 4\] end in 8 and 4, not X = 16 // 2 = 8",
+        ),
         ([t[::2] for t in k], [t[::2] for t in v], BS, r"not contiguous pages, one after another, as ATOM"),
         (k, v, 32, r"block_size is 32, but k_caches\[0\] .* holds pages of 16 tokens"),
         (k, v, True, r"block_size is True"),
