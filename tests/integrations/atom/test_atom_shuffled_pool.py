@@ -216,3 +216,12 @@ def test_refuses_lists_that_are_not_an_atom_shuffle_pool() -> None:
         with pytest.raises(ShuffledPoolError, match=message):
             shuffled_kv_pools(kk, vv, bs)
     assert issubclass(ShuffledPoolError, DetectionError)
+
+
+def test_each_layer_is_registered_at_its_own_tensor() -> None:
+    """Layer ``l`` of each registration is ``k_caches[l]`` / ``v_caches[l]``: what a
+    connector registers for RDMA and addresses a layer's blocks by (the oracle: the tensors)."""
+    p = atom_pool(6)
+    r = regs(p)
+    for n, ts in lists(p).items():
+        assert r[n].data_ptrs(range(LAYERS)) == [t.data_ptr() for t in ts], n
