@@ -188,6 +188,22 @@ def test_refuses_lists_that_are_not_an_atom_shuffle_pool() -> None:
             BS,
             r"k_caches is torch.bfloat16 on cpu and v_caches torch.bfloat16 on meta",
         ),
+        # every layer alike, and each a tensor
+        (
+            [k[0], k[1].to("meta"), k[2]],
+            v,
+            BS,
+            r"k_caches\[1\] is .* torch.bfloat16 on meta and k_caches\[0\] .*: every",
+        ),
+        (
+            [k[0], k[1].view(torch.float16), k[2]],
+            v,
+            BS,
+            r"k_caches\[1\] is .* torch.float16 on cpu and k_caches\[0\]",
+        ),
+        (k, [*v[:2], "v"], BS, r"v_caches\[2\] is str, not a tensor"),
+        # a 4-D V names the draft builder's V only beside a SHUFFLE K
+        ([t[..., 0] for t in k], plain_v, BS, r"k_caches\[0\] is \[5, 4, 8, 16\], not 5-D"),
         (k, [t[:, :2] for t in v], BS, r"not one ATOM SHUFFLE MHA pool"),
         # V alone of other blocks, token vectors or vector width than K says
         (
@@ -225,3 +241,24 @@ def test_each_layer_is_registered_at_its_own_tensor() -> None:
     r = regs(p)
     for n, ts in lists(p).items():
         assert r[n].data_ptrs(range(LAYERS)) == [t.data_ptr() for t in ts], n
+
+
+def test_a_pool_of_a_dtype_kvlayout_does_not_know_is_refused_by_name() -> None:
+    k = [torch.zeros(BLOCKS, HEADS, HD, BS, 1, dtype=torch.complex128)]  # X = 16 // 16 = 1
+    v = [torch.zeros(BLOCKS, HEADS, BS, HD, 1, dtype=torch.complex128)]
+    with pytest.raises(
+        ShuffledPoolError, match=r"^the pool's dtype is complex128, which kvlayout does not know$"
+    ):
+        shuffled_kv_pools(k, v, BS)
+
+
+def test_a_layer_re_allocated_after_detection_is_refused() -> None:
+    """Each layer's pages are watched as that layer's tensor: ATOM re-allocating one
+    (``t.data = new``) fails the next copy, which would move the old memory's bytes."""
+    p = atom_pool(7)
+    r, other = regs(p), regs(atom_pool(8))
+    p.k_caches[1].data = torch.zeros_like(p.k_caches[1])
+    with pytest.raises(
+        BlockMapError, match=r"^src: kv_caches\[1\]'s tensor .* was re-allocated after detection"
+    ):
+        block_map(r["k"], other["k"], [1], [2]).copy()
