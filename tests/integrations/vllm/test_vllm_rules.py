@@ -105,6 +105,11 @@ def test_opaque_page_view_is_a_view_of_exactly_the_pages() -> None:
     assert tuple(view.shape) == (3, 4, 6) and view.stride() == (30, 6, 1)
     assert view.untyped_storage().data_ptr() == storage.untyped_storage().data_ptr()
     assert view[1].flatten().tolist() == list(range(35, 59))
+    # pages that end at the storage's last byte are addressable
+    last = opaque_page_view(
+        storage, num_blocks=3, block_size=4, page_bytes=24, block_stride_bytes=38, offset_bytes=0
+    )
+    assert last[2].flatten().tolist() == list(range(76, 100))
 
 
 @pytest.mark.parametrize(
@@ -114,6 +119,10 @@ def test_opaque_page_view_is_a_view_of_exactly_the_pages() -> None:
         (
             dict(block_size=4, page_bytes=24, block_stride_bytes=20),
             "20 bytes apart, less than the 24-byte page",
+        ),
+        (
+            dict(block_size=4, page_bytes=24, block_stride_bytes=23),  # one byte of overlap
+            "23 bytes apart, less than the 24-byte page",
         ),
         (
             dict(block_size=4, page_bytes=24, block_stride_bytes=40),
