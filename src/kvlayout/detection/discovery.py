@@ -34,6 +34,7 @@ from kvlayout.registration.contiguity import (
 from kvlayout.registration.kernel_groups import EXCLUDED_ENGINE_GROUP
 from kvlayout.registration.memory import first_without_memory
 from kvlayout.registration.nesting import CallerRoot, describe_path, first_leaf, leaves, not_a_kv_cache
+from kvlayout.registration.opaque import opaque_pages_of
 from kvlayout.registration.registration import Registration, RegistrationError, bind
 from kvlayout.types import (
     ENGINE_LABELS,
@@ -192,7 +193,8 @@ def _discover(
             raise refused from None
         normalized = retry
     # every engine's size hints, checked against the leaves as the format reads them
-    check_size_hints(engine, fmt, first_leaf(out).shape, hints, lambda: probe(normalized).describe())
+    leaf = first_leaf(out)
+    check_size_hints(engine, fmt, leaf.shape, _page_hints(hints, leaf), lambda: probe(normalized).describe())
     if hints.layout_format is not None and hints.layout_format != fmt.name:
         raise LayoutHintError(
             f"layout hint layout_format={hints.layout_format!r} contradicts the registration, which "
@@ -204,6 +206,16 @@ def _discover(
         _log.debug("Engine KV Format: %s %s", fmt.name, LAYOUTS[fmt].describe_shape())
     # the detector's re-views (un-folding, squeezing) keep tensors alike, not always contiguous
     return fmt, out, trusted and (out is normalized or _all_contiguous(out))
+
+
+def _page_hints(hints: LayoutHints, leaf: torch.Tensor) -> LayoutHints:
+    """The size hints ``leaf``'s axes can be checked against. An opaque page's axes are
+    addressing only (its rows a page's bytes, a head axis the backend's head slots), so
+    the model's ``num_kv_heads`` and ``head_dim`` say nothing of them: a detector that
+    reads such pages checks those against the pages it read (vLLM's CPU_ATTN)."""
+    if opaque_pages_of(leaf) is None:
+        return hints
+    return dataclasses.replace(hints, num_kv_heads=None, head_dim=None)
 
 
 def _pooled(kv: Any, engine: EngineType, hints: LayoutHints) -> tuple[Any, LayoutHints] | None:

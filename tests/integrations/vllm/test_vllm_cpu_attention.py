@@ -195,9 +195,11 @@ def test_attn_backend_is_the_last_hint_and_kept_as_spelled() -> None:
 def test_size_hints_are_checked_against_the_cpu_attention_layer() -> None:
     _, kv = allocated(1)
     layers = list(kv.values())
-    assert kvlayout.detect(layers, "vllm", {**CPU_HINTS, "num_kv_heads": H}).kernel_groups
+    # a CPU_ATTN row is a head's K | V: head_dim is half of it
+    assert kvlayout.detect(layers, "vllm", {**CPU_HINTS, "num_kv_heads": H, "head_dim": D}).kernel_groups
     for wrong in ({"num_kv_heads": H + 1}, {"head_dim": 2 * D}):
-        with pytest.raises(LayoutHintError, match=f"layout hint {next(iter(wrong))}="):
+        stated, size = next(iter(wrong.items())), H if "num_kv_heads" in wrong else D
+        with pytest.raises(LayoutHintError, match=rf"layout hint {stated[0]}={stated[1]}, .* has {size}$"):
             kvlayout.detect(layers, "vllm", {**CPU_HINTS, **wrong})
 
 

@@ -536,3 +536,28 @@ def test_transfer_layers_takes_a_registration_no_edit_applies_to() -> None:
     layers, groups = transfer_layers(engine.config, kv_caches)
     assert all(a is b for a, b in zip(layers, kv_caches.values(), strict=True))
     assert groups == [list(range(len(kv_caches)))]
+
+
+def test_the_models_head_hints_pass_a_hybrid_of_opaque_pages() -> None:
+    """A connector's ``num_kv_heads`` and ``head_dim`` are the attention layers' (vLLM's spec):
+    the Mamba groups' opaque pages have no heads to check them against, and were refused
+    ("head_dim=256 contradicts NL_X_NB_BS_HS, whose HS is ..." of a page row's bytes)."""
+    import kvlayout
+    from kvlayout import EngineKVFormat
+    from kvlayout.integrations.vllm import transfer_layers
+    from kvlayout.types import LayoutHintError
+
+    engine = hybrid_engine(QWEN3_5_0_8B, FLASH_ATTN, num_blocks=4)
+    _, views = allocate_v033(engine)
+    groups = engine.config.kv_cache_groups
+    spec = next(g.kv_cache_spec for g in groups if isinstance(g.kv_cache_spec, kvi.FullAttentionSpec))
+    model = {**hints(False), "head_dim": spec.head_size, "num_kv_heads": spec.num_kv_heads}
+    edited = apply_kv_cache_group_edits(engine.config, views, model)
+    layers, layer_groups = transfer_layers(engine.config, edited)
+    reg = kvlayout.detect(layers, "vllm", model, layer_groups=layer_groups)
+    assert [g.format for g in reg.kernel_groups].count(EngineKVFormat.NL_X_NB_BS_NH_CS) == 1
+    wrong = {**model, "num_kv_heads": spec.num_kv_heads + 1}  # still checked where there are heads
+    with pytest.raises(
+        LayoutHintError, match=rf"num_kv_heads={spec.num_kv_heads + 1} contradicts NL_X_NB_BS_NH_CS"
+    ):
+        kvlayout.detect(layers, "vllm", wrong, layer_groups=layer_groups)
