@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from fractions import Fraction
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -194,6 +196,33 @@ def test_declares_slot_compression(spec: Any, declared: bool) -> None:
     assert declares_slot_compression(spec) is declared
 
 
+class _Undeclared:
+    """KVCacheSpec's base declares ``tokens_per_state`` a property that raises
+    NotImplementedError: a spec that leaves it so declares no compression."""
+
+    block_size = num_states = 16
+
+    @property
+    def tokens_per_state(self) -> int:
+        raise NotImplementedError
+
+
+_Undeclared.__name__ = "FullAttentionSpec"
+
+
+def test_specs_without_a_positive_int_block_size_are_reported() -> None:
+    for block_size in (True, 0, None, 16.0):
+        spec = dataclasses.replace(_full(), block_size=16)
+        object.__setattr__(spec, "block_size", block_size)
+        problems = find_unsupported_kv_cache_groups(_config(spec))
+        assert [p.what for p in problems] == [
+            f"FullAttentionSpec with block_size={block_size!r}: block ids need a positive int block_size"
+        ]
+    groups = SimpleNamespace(kv_cache_groups="ab")  # a string is no list of groups
+    with pytest.raises(TypeError, match=r"^kv_cache_config.kv_cache_groups is a str, not a list of groups$"):
+        validate_kv_cache_groups(groups)
+
+
 def _full(block_size: int = 256, **kw: Any) -> Any:
     return kvi.FullAttentionSpec(
         block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.bfloat16, **kw
@@ -214,8 +243,13 @@ def _full(block_size: int = 256, **kw: Any) -> Any:
         (_full(block_size=2, tokens_per_state=4), 4, None),  # vLLM's num_states would be 0
         (LegacyMLASpec(block_size=256, num_kv_heads=1, head_size=132, dtype=torch.uint8, compress_ratio=4), 4, 64),
         (TQFullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.uint8, tq_slot_size=80), None, None),
+        (type("MambaSpec", (), {"block_size": 544, "mamba_cache_mode": "all"})(), 1, 544),  # before 0.33: snapshots
+        (_full(tokens_per_state=Fraction(3, 2)), None, None),  # no whole number, not its floor
+        (_full(tokens_per_state=-1), None, None),
+        (LegacyMLASpec(block_size=256, num_kv_heads=1, head_size=132, dtype=torch.uint8, compress_ratio=4, tokens_per_state=2), None, None),
+        (_Undeclared(), 1, 16),
     ],
-    ids=["mamba", "mamba-none", "mamba-no-mode", "attention", "dsv4-indexer-c4", "c128", "fraction-4", "pooling", "too-small", "legacy-ratio", "tq"],
+    ids=["mamba", "mamba-none", "mamba-no-mode", "attention", "dsv4-indexer-c4", "c128", "fraction-4", "pooling", "too-small", "legacy-ratio", "tq", "mamba-all", "fraction-3/2", "negative", "two-ratios", "base-property"],
 )  # fmt: skip
 def test_slots_per_block_golden(spec: Any, ratio: int | None, slots: int | None) -> None:
     """A block id's slots: what the edits group kernel pages into and the check reads."""
