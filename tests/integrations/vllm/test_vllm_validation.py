@@ -218,6 +218,14 @@ def test_specs_without_a_positive_int_block_size_are_reported() -> None:
         assert [p.what for p in problems] == [
             f"FullAttentionSpec with block_size={block_size!r}: block ids need a positive int block_size"
         ]
+    no_spec = kvi.KVCacheConfig(
+        num_blocks=4,
+        kv_cache_tensors=[],
+        kv_cache_groups=[SimpleNamespace(layer_names=["x"], kv_cache_spec=None)],
+    )
+    assert [str(p) for p in find_unsupported_kv_cache_groups(no_spec)] == [
+        "group 0: the group has no kv_cache_spec"
+    ]
     groups = SimpleNamespace(kv_cache_groups="ab")  # a string is no list of groups
     with pytest.raises(TypeError, match=r"^kv_cache_config.kv_cache_groups is a str, not a list of groups$"):
         validate_kv_cache_groups(groups)
