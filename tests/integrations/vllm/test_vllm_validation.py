@@ -344,11 +344,11 @@ def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection
     with pytest.raises(ValueError, match=r"^group=0 names a part of the config, but there is none$"):
         transfer_layers(None, kv, group=0)
     # ids as kvlayout takes any int: NumPy and torch integers too, never a bool
-    assert transfer_layers(config, edited, group=np.int64(2)) == transfer_layers(config, edited, group=2)
-    assert transfer_layers(config, edited, group=torch.tensor(1)) == ([], [[], []])
+    assert transfer_layers(config, edited, group=np.int64(2)) == transfer_layers(config, edited, group=2)  # type: ignore[arg-type]
+    assert transfer_layers(config, edited, group=torch.tensor(1)) == ([], [[], []])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^group must be an int \(a KV cache group id\), not bool$"):
         transfer_layers(config, edited, group=True)
     with pytest.raises(
         ValueError, match=r"^group=3 is not a KV cache group id: the config has 3 KV cache groups$"
     ):
-        transfer_layers(config, edited, group=np.int32(3))
+        transfer_layers(config, edited, group=np.int32(3))  # type: ignore[arg-type]
