@@ -90,6 +90,7 @@ def test_every_unservable_group_in_one_error() -> None:
     assert "group 1: CrossAttentionSpec" in message
     assert "group 2: MambaSpec with mamba_cache_mode='none'" in message
     assert "group 3: MambaSpec with mamba_cache_mode='all'" in message
+    assert "a P/D connector, which moves each request's blocks once, passes prefix_reuse=False" in message
     assert "group 0" not in message and "group 4" not in message
     assert "layers.1.0, layers.1.1" in message  # the layers are named
     assert [(p.group, p.layers) for p in info.value.problems] == [

@@ -47,7 +47,8 @@ def _problem(spec: Any, prefix_reuse: bool) -> str | None:
         if mode != SUPPORTED_MAMBA_CACHE_MODE:
             return (
                 f"MambaSpec with mamba_cache_mode={mode!r}: only 'align' keeps one reusable "
-                "state snapshot per block"
+                "state snapshot per block (a prefix-reusing tier's refusal: a P/D connector, which "
+                "moves each request's blocks once, passes prefix_reuse=False)"
             )
     return None
 
