@@ -529,3 +529,28 @@ def test_align_mode_state_maps_are_estimated_for_nixl() -> None:
     estimate = nx.estimate(m, poster="dst")
     assert estimate.descriptors["direct"] == m.num_runs
     assert estimate.descriptors["peer-staged"] == 2 * len(m.src.layers)  # decode's pages are its stretches
+
+
+def test_a_decode_that_reads_takes_state_from_every_rank_holding_its_slices_attention_from_one() -> None:
+    """The rank rule pd-connectors.md gives a READing decode: Qwen3-Next's 2 KV heads at
+    prefill TP 4 into decode TP 2. Decode rank 0's head is on prefill ranks 0 and 1
+    (replicas: ``sends_to`` picks 0), its state slices on ranks 0 and 1 (no replicas), and
+    ranks 2 and 3 hold neither: gating the state by ``sends_to`` would drop rank 1's half."""
+    model = vx.QWEN3_NEXT_80B_A3B
+    src = [Rank(4, r, "DS", "none", seed=r, model=model) for r in range(4)]
+    dst = Rank(2, 0, "DS", "none", seed=9, model=model)
+    attention = [g for g in dst.registration.kernel_groups if g.opaque_pages is None]
+    assert attention
+    kinds = {}
+    for r, rank in enumerate(src):
+        state = block_map(rank.group, dst.group, [1], [2], src_shard=rank.shard, dst_shard=dst.shard)
+        heads = [
+            block_map(rank.registration.kernel_groups[dst.registration.kernel_groups.index(g)], g, [0], [3],
+                      num_tokens=10, src_shard=rank.shard, dst_shard=dst.shard).kind
+            for g in attention
+        ]  # fmt: skip
+        kinds[r] = (rank.shard.sends_to(dst.shard), state.kind, {k == "empty" for k in heads})
+    # (the attention blocks differ in size: a hybrid's block is sized by its TP's state page)
+    assert kinds[0] == (True, "resharded state", {False})
+    assert kinds[1] == (False, "resharded state", {False})  # the same head: rank 0 sends it
+    assert kinds[2][1:] == kinds[3][1:] == ("empty", {True})
