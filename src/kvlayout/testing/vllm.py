@@ -469,9 +469,11 @@ def attention_engine(
     block_size: int = 16,
     num_blocks: int = NUM_BLOCKS,
     layout: Any = None,
+    tp: int = 1,
 ) -> Engine:
+    """One worker's cache of an attention-only model at TP ``tp`` (its rank's KV heads)."""
     return uniform_engine(
-        attention_spec(model, 1, block_size),
+        attention_spec(model, tp, block_size),
         backend,
         num_layers=model.num_hidden_layers,
         num_blocks=num_blocks,
@@ -521,7 +523,21 @@ def share_kv_caches(engine: Engine, kv_caches: dict[str, Any], shared: dict[str,
     """Cross-layer KV sharing (Gemma-3n, YOCO) as vLLM 0.33 sets it up: each sharer joins
     its target's KV cache group (``add_kv_sharing_layers_to_kv_cache_groups``), and the
     registration maps it to the target's own tensor (``initialize_kv_cache_tensors``:
-    ``kv_caches[layer_name] = kv_caches[target_layer_name]``, after every allocated layer)."""
+    ``kv_caches[layer_name] = kv_caches[target_layer_name]``, after every allocated layer).
+
+    A sharer is a layer vLLM allocates no cache for (its spec is not in the config): one
+    the engine already holds is refused, as is a target it does not."""
+    allocated = {name for g in engine.config.kv_cache_groups for name in g.layer_names}
+    for sharer, target in shared.items():
+        if sharer in allocated:
+            raise ValueError(
+                f"share_kv_caches: sharer {sharer!r} is a layer with a KV cache of its own in this "
+                "engine; a sharing layer has none (build the engine without it, then share it)"
+            )
+        if target not in allocated:
+            raise ValueError(
+                f"share_kv_caches: target {target!r} of {sharer!r} is not a layer of this engine"
+            )
     for sharer, target in shared.items():
         engine.config.kv_cache_groups[engine.group_of(target)].layer_names.append(sharer)
         engine.layer_specs[sharer] = engine.spec_of(target)

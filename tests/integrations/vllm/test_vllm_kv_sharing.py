@@ -132,3 +132,26 @@ def test_vllm_indexer_caches_are_found_under_every_hint(
     assert list(kept) == [f"{n}.attn" for n in attention]
     (group,) = kvlayout.detect(list(indexers.values()), "vllm", layout_hints).kernel_groups
     assert group.layout.is_indexer and (group.num_blocks, group.block_size) == (4, 64)
+
+
+def test_sharing_a_layer_that_has_its_own_cache_is_refused_naming_it() -> None:
+    """A sharer has no cache of its own in vLLM's config; the helper once appended an
+    allocated layer to its target's group again, and detection then refused a layer listed
+    twice, naming an index the caller never passed."""
+    engine = attention_engine(GEMMA_3N_LIKE, FLASH_ATTN)
+    _, kv_caches = allocate_v033(engine)
+    groups = [list(g.layer_names) for g in engine.config.kv_cache_groups]
+    with pytest.raises(
+        ValueError, match=r"sharer 'model.layers.5.self_attn.attn' is a layer with a KV cache"
+    ):
+        share_kv_caches(engine, kv_caches, {"model.layers.5.self_attn.attn": "model.layers.2.self_attn.attn"})
+    with pytest.raises(ValueError, match=r"target 'model.layers.9.self_attn.attn' of 'model.layers.6"):
+        share_kv_caches(engine, kv_caches, {"model.layers.6.self_attn.attn": "model.layers.9.self_attn.attn"})
+    assert [list(g.layer_names) for g in engine.config.kv_cache_groups] == groups  # nothing half-done
+
+
+def test_an_attention_engine_at_tp_holds_its_rank_s_heads() -> None:
+    for tp, heads in ((1, 2), (2, 1), (4, 1)):  # 2 KV heads: replicated past TP 2
+        engine = attention_engine(GEMMA_3N_LIKE, FLASH_ATTN, tp=tp)
+        (group,) = engine.config.kv_cache_groups
+        assert group.kv_cache_spec.num_kv_heads == heads
