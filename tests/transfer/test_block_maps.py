@@ -630,9 +630,17 @@ def test_a_repeated_destination_block_names_first_token() -> None:
     assert str(info.value) == (
         "dst_blocks[1] = 0 repeats dst_blocks[0]: each destination slot is written once (blocks wholly before "
         "first_token are not written, and may repeat, as an engine's null block for a sliding window's dropped "
-        "blocks does)"
+        "blocks does); if dst_blocks[:2] (block 0, repeated) are blocks the request no longer holds, as a "
+        "sliding window's dropped blocks, pass first_token=8"
     )
     assert block_map(chunk_side(group, chunk), group, [0], [0, 0, 5], first_token=8).num_bytes > 0
+    # No first_token serves a block repeated past the leading ones, or one block throughout: no advice.
+    for dst in ([0, 5, 0], [7, 0, 0], [0, 0, 0]):
+        with pytest.raises(BlockMapError) as info:
+            block_map(chunk_side(group, chunk), group, [0], dst)
+        assert "pass first_token" not in str(info.value)
+    with pytest.raises(BlockMapError, match=r"holds tokens before it, which a map never writes$"):
+        block_map(chunk_side(group, chunk), group, [0], [0, 5, 0], first_token=4)
 
 
 def test_kinds_say_what_differs() -> None:

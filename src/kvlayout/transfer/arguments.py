@@ -3,7 +3,7 @@ the same way everywhere, each entry point raising its own error class."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -91,11 +91,19 @@ def check_ids_in_range(name: str, ids: np.ndarray, count: int, error: type[KVLay
 
 
 def check_written_once(
-    name: str, ids: np.ndarray, start: int, count: int, error: type[KVLayoutError], why: str
+    name: str,
+    ids: np.ndarray,
+    start: int,
+    count: int,
+    error: type[KVLayoutError],
+    why: str,
+    hint: Callable[[int], str] | None = None,
 ) -> None:
     """Refuse the first of ``ids[start:]`` (in range of ``count``) that repeats an earlier
-    one there, naming both: a block written twice holds whichever copy lands last."""
+    one there, naming both: a block written twice holds whichever copy lands last.
+    ``hint(again)`` adds what to do, given the repeat's index."""
     again = _native.first_repeated_block_id(ids, start, count)
     if again >= 0:
         earlier = start + int(np.flatnonzero(ids[start:again] == ids[again])[0])
-        raise error(f"{name}[{again}] = {int(ids[again])} repeats {name}[{earlier}]: {why}")
+        told = "" if hint is None else hint(again)
+        raise error(f"{name}[{again}] = {int(ids[again])} repeats {name}[{earlier}]: {why}{told}")

@@ -642,7 +642,21 @@ def block_map(
         "each destination slot is written once (blocks wholly before first_token are not written, "
         "and may repeat, as an engine's null block for a sliding window's dropped blocks does)"
     )
-    check_written_once("dst_blocks", dst_ids, written, b.num_blocks // b_per, BlockMapError, why)
+
+    def skip_repeats(again: int) -> str:
+        # A sliding window's dropped blocks are its leading ones, one null block id
+        # repeated: name the first token after them.
+        null = dst_ids[again]
+        lead = int(np.argmax(dst_ids != null)) if (dst_ids != null).any() else len(dst_ids)
+        if lead <= again or lead * b_size >= tokens:
+            return ""
+        return (
+            f"; if dst_blocks[:{lead}] (block {int(null)}, repeated) are blocks the request no longer "
+            f"holds, as a sliding window's dropped blocks, pass first_token={lead * b_size}"
+        )
+
+    count = b.num_blocks // b_per
+    check_written_once("dst_blocks", dst_ids, written, count, BlockMapError, why, skip_repeats)
     if written and first < tokens:
         kept = np.flatnonzero(np.isin(dst_ids[:written], dst_ids[written:]))
         if len(kept):
@@ -651,6 +665,7 @@ def block_map(
             raise BlockMapError(
                 f"dst_blocks[{later}] = {int(dst_ids[k])} takes tokens from first_token={first} on, but "
                 f"dst_blocks[{k}], the same block, holds tokens before it, which a map never writes"
+                f"{skip_repeats(later)}"
             )
     src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
     dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
