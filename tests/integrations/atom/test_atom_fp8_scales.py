@@ -176,6 +176,11 @@ def test_refuses_scales_that_are_not_this_pool_s() -> None:
             vs,
             r"k_scales\[0\] .* is not contiguous",
         ),
+        (  # another device's memory: pages of no transfer of this pool
+            [torch.empty(t.shape, device="meta") for t in ks],
+            vs,
+            r"k_scales\[0\] is \[5, 4, 16\] torch.float32 on meta, not ATOM's fp8 .* on cpu",
+        ),
     ]
     for kk, vv, message in cases:
         with pytest.raises(ShuffledPoolError, match=message):

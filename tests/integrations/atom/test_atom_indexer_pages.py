@@ -134,3 +134,34 @@ def test_index_caches_without_pages_are_refused() -> None:
     padded = torch.zeros(2, BLOCKS, BS, 2 * W, dtype=torch.uint8)[..., :W]  # rows no engine pads
     with pytest.raises(StridedViewError, match=r"interior padding is not supported"):
         kvlayout.detect(list(padded.unbind(0)), "atom")
+
+
+def test_index_blocks_apart_in_a_larger_entry_move_from_their_own_bytes() -> None:
+    """A block's index page inside a larger per-block entry (dim-0 padding: the entry's
+    other fields between pages) moves from its own page, not from ``block * BS * W``."""
+    entry = BS * W + 256  # another field's bytes after each page
+    gen = torch.Generator().manual_seed(6)
+    bufs = [torch.randint(0, 256, (BLOCKS * entry,), generator=gen, dtype=torch.uint8) for _ in range(2)]
+    src = [b.view(BLOCKS, entry)[:, : BS * W].view(BLOCKS, BS, W) for b in bufs]
+    assert src[0].stride(0) == entry
+    _, dst = filled(7)
+    block_map(kvlayout.detect(src, "atom"), kvlayout.detect(dst, "atom"), [3, 0], [1, 4]).copy()
+    for s_layer, d_layer in zip(src, dst, strict=True):
+        for s, d in ((3, 1), (0, 4)):
+            for tok in range(BS):
+                key, scale = read(d_layer, d * BS + tok)
+                want_key, want_scale = read(s_layer, s * BS + tok)
+                assert torch.equal(key, want_key) and scale == want_scale
+
+
+@pytest.mark.parametrize("shape", [(BLOCKS, 8, W), (BLOCKS, BS, 40)], ids=["rows", "width"])
+def test_uint8_rows_that_are_no_16x16_tiles_read_as_token_rows(shape: tuple[int, ...]) -> None:
+    """Only rows and bytes a row that are multiples of ATOM's 16x16 MFMA tile are the
+    indexer's pages; other uint8 rows read as token rows, as before."""
+    reg = kvlayout.detect([torch.zeros(shape, dtype=torch.uint8) for _ in range(2)], "atom")
+    assert reg.describe().groups[0].opaque_pages is None
+
+
+def test_one_index_tensor_not_in_a_list_is_refused_by_the_list_rule() -> None:
+    with pytest.raises(DetectionError, match=r"no ATOM format has list depth 0 and tensor rank 3"):
+        kvlayout.detect(torch.zeros(BLOCKS, BS, W, dtype=torch.uint8), "atom")
