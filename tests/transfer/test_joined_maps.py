@@ -344,3 +344,20 @@ def test_join_names_one_rank_described_with_two_head_counts() -> None:
     state_there = RegistrationDescription.from_json(d_state.describe(shard=Shard(1, 2, 2)).to_json())
     parts[1] = block_map(state, state_there, [2], [1], src_shard=Shard(0, 1, 2))
     assert join_maps(parts).num_bytes == sum(m.num_bytes for m in parts)
+
+
+def test_join_of_one_rank_number_at_two_tp_degrees_names_two_peers() -> None:
+    """Rank 1 of TP 2 and rank 1 of TP 4 are two peers, whatever their head counts: the
+    refusal says so, not that one rank was described with two head counts."""
+    kv = [[torch.zeros(64, 2, 16, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+    src = kvlayout.detect(kv, "sglang", {"tokens_per_block": 16})
+    one = [[torch.zeros(64, 1, 16, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+    peer = kvlayout.detect(one, "sglang", {"tokens_per_block": 16})
+    parts = [
+        block_map(src, peer.describe(shard=shard), [1], [2], src_shard=mine)
+        for shard, mine in ((Shard(1, 2, 2), Shard(0, 1, 2)), (Shard(1, 4, 4), Shard(0, 2, 4)))
+    ]
+    with pytest.raises(BlockMapError) as err:
+        join_maps(parts)
+    assert "a joined map goes to one peer" in str(err.value)
+    assert "model KV heads; describe every pool" not in str(err.value)
