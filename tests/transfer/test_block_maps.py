@@ -40,6 +40,7 @@ from kvlayout.transfer import (
     ShardError,
     block_map,
 )
+from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
 from kvlayout.transfer.map_sides import _piece_starts
 from tests.transfer.registrations import Registration, make_registration
 from tests.transfer.test_native import native_sizes
@@ -1383,6 +1384,33 @@ def test_a_kernel_group_maps_to_a_group_of_the_same_layers() -> None:
     assert numbered.describe().groups[0].layers == (2, 3)
     block_map(src.kernel_groups[1], numbered, [1], [2]).copy()
     assert all(torch.equal(two.kv[k][:, 2], src_kv[2 + k][:, 1]) for k in (0, 1))
+
+
+def test_numbered_layers_travel_in_a_description_and_a_chunk() -> None:
+    """A pipeline stage's layers 4-7, numbered so: its description (through JSON) pairs
+    only with a cache numbered alike, whose map moves the bytes; a chunk stored from it
+    loads only into such a cache; and shared layers are named by the engine's numbers."""
+    src_kv = [torch.randn(2, 3, 4, 2, 8) for _ in range(4)]
+    src = kvlayout.detect(src_kv, "vllm", {"kv_layout": "NHD"}).numbered(range(4, 8))
+    there = RegistrationDescription.from_json(src.describe().to_json())
+    assert there.groups[0].layers == (4, 5, 6, 7)
+    dst_kv = [torch.zeros(2, 3, 4, 2, 8) for _ in range(4)]
+    dst = kvlayout.detect(dst_kv, "vllm", {"kv_layout": "NHD"})
+    for a, b in ((there, dst), (dst, there)):
+        with pytest.raises(BlockMapError, match=r"holds layers (4-7|0-3) and dst layers (0-3|4-7); a map"):
+            block_map(a, b, [1], [2])
+    block_map(dst.numbered(range(4, 8)), there, [2], [1])  # numbered alike: the same layers
+    shape, dtype = chunk_shape_for(src, 4)
+    chunk = torch.zeros(shape, dtype=dtype)
+    block_map(src, chunk_side(src, chunk), [1], [0]).copy()
+    with pytest.raises(BlockMapError, match=r"src holds layers 4-7 and dst layers 0-3"):
+        block_map(chunk_side(src, chunk), dst, [0], [2])
+    stage = dst.numbered(range(4, 8))
+    block_map(chunk_side(stage, chunk), stage, [0], [2]).copy()
+    assert all(torch.equal(dst_kv[i][:, 2], src_kv[i][:, 1]) for i in range(4))
+    shared = kvlayout.detect(src_kv[:3] + src_kv[1:2], "vllm", {"kv_layout": "NHD"}).numbered([9, 10, 11, 12])
+    assert shared.kernel_groups[0].describe().endswith("KV shared by layers (10, 12)")
+    assert RegistrationDescription.from_json(shared.describe().to_json()).groups[0].layers == (9, 10, 11, 12)
 
 
 def test_a_load_after_the_prefix_cache_moves_only_the_tokens_from_first_token() -> None:
