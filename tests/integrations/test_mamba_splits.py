@@ -17,3 +17,10 @@ def test_the_order_is_each_models_and_conv_parts_reads_it() -> None:
     assert conv_parts("gdn_attn", 32, (4, 4, 4)) == (8, 8, 16)
     with pytest.raises(ValueError, match=r"no conv sub-projection order for Mamba type 'mamba1' \(known: "):
         ordered_parts("mamba1", 16, 8)
+
+
+def test_a_short_convolution_is_one_projection_beside_no_ssm_state() -> None:
+    """LFM2's ``ShortConv``: the conv dim is one part; with an SSM state beside it the
+    page is no short convolution's."""
+    assert conv_parts("short_conv", 1024, ()) == (1024,)
+    assert conv_parts("short_conv", 1024, (8, 4, 4)) is None

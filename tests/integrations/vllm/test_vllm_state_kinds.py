@@ -394,3 +394,19 @@ def test_an_mtp_drafter_s_attention_layer_moves_with_the_target_s() -> None:
     assert len(m.src.layers) == 7
     m.copy()
     assert torch.equal(dst_buf, expected)
+
+
+def test_pages_no_calculator_lays_out_declare_no_arrays(monkeypatch: Any) -> None:
+    """Shapes and dtypes of other counts, a short convolution beside an SSM state, and a
+    linear-attention state not ``(heads, head_dim, head_dim)``: no vLLM calculator lays
+    these out, so no split is known and the page moves whole, rank to the same rank."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "SD")
+    kinds = _backends()
+    for shapes, dtypes, kind in (
+        (((2, 1024), (4, 8, 8)), (torch.bfloat16,), kinds.MAMBA2),
+        (((2, 1024),), (torch.bfloat16, torch.float32), kinds.SHORT_CONV),
+        (((2, 1024), (8, 4, 4)), (torch.bfloat16, torch.float32), kinds.SHORT_CONV),
+        (((4, 1, 1, 128),), (torch.bfloat16,), kinds.LINEAR),
+    ):
+        spec = vx.kvi.MambaSpec(block_size=16, shapes=shapes, dtypes=dtypes, mamba_type=kind)
+        assert state_arrays(spec) == (), (shapes, dtypes, kind)
