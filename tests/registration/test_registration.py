@@ -468,3 +468,24 @@ def test_numbered_renames_the_layers_maps_pair_and_nothing_else() -> None:
             reg.numbered(ids)
     with pytest.raises(TypeError, match=r"layer_ids\[3\] must be an int, not str"):
         reg.numbered([0, 1, 2, "3"])  # type: ignore[list-item]
+
+
+def test_a_numbered_registration_s_lookups_say_they_take_positions() -> None:
+    """Kernel groups and the registration's repr show the engine's numbers, lookups take
+    positions: a number out of range says which the registration's layers are."""
+    kv = [torch.zeros(2, 3, 4, 2, 8) for _ in range(4)]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 2], [1, 3]])
+    n = reg.numbered([10, 20, 30, 40])
+    with pytest.raises(KVLayoutError, match=r"^layer 10 is not in this kernel group \(its layers: 0,2; positions, "
+                       r"numbered 10,30\)$"):  # fmt: skip
+        n.kernel_groups[0].layer_tensors(10)
+    with pytest.raises(
+        RegistrationError, match=r"^layer 10 is out of range for 4 layers \(positions; the engine numbers them "
+        r"10,20,30,40\)$"
+    ):  # fmt: skip
+        n.group(10)
+    assert n.kernel_groups[0].layer_tensors(2)[0].data_ptr() == kv[2].data_ptr()  # position 2: layer 30
+    with pytest.raises(KVLayoutError, match=r"^layer 1 is not in this kernel group \(its layers: 0,2\)$"):
+        reg.kernel_groups[0].layer_tensors(1)
+    with pytest.raises(RegistrationError, match=r"^layer 10 is out of range for 4 layers$"):
+        reg.group(10)

@@ -249,8 +249,14 @@ class KernelGroup(HoldsAddresses):
         if self._positions is None:
             self._positions = {layer: i for i, layer in enumerate(self.layers)}
         if layer not in self._positions:
+            # a numbered registration shows the engine's numbers: say these are positions
+            ids = (
+                f"; positions, numbered {index_ranges(self.layer_ids)}"
+                if self.layer_ids != self.layers
+                else ""
+            )
             raise KVLayoutError(
-                f"layer {layer} is not in this kernel group (its layers: {index_ranges(self.layers)})"
+                f"layer {layer} is not in this kernel group (its layers: {index_ranges(self.layers)}{ids})"
             )
         return self._positions[layer]
 

@@ -29,7 +29,7 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import FormatLike, as_format, get_spec, is_one_format
 from kvlayout.catalog.spec import UndefinedSizeError
-from kvlayout.errors import KVLayoutError, as_int
+from kvlayout.errors import KVLayoutError, as_int, index_ranges
 from kvlayout.layout.algebra import with_size
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.binding import (
@@ -230,7 +230,11 @@ class Registration(HoldsAddresses):
         if type(layer_idx) is not int:
             layer_idx = as_int(layer_idx, "layer_idx")
         if not 0 <= layer_idx < self.num_layers:
-            raise RegistrationError(f"layer {layer_idx} is out of range for {self.num_layers} layers")
+            ids = self.layer_ids != tuple(range(self.num_layers))
+            numbered = f" (positions; the engine numbers them {index_ranges(self.layer_ids)})" if ids else ""
+            raise RegistrationError(
+                f"layer {layer_idx} is out of range for {self.num_layers} layers{numbered}"
+            )
         group = self._group_of[layer_idx]
         if group is None:
             raise RegistrationError(f"layer {layer_idx} has no format (it was in no layer group)")
