@@ -481,9 +481,18 @@ def test_a_numbered_registration_s_lookups_say_they_take_positions() -> None:
         n.kernel_groups[0].layer_tensors(10)
     with pytest.raises(
         RegistrationError, match=r"^layer 10 is out of range for 4 layers \(positions; the engine numbers them "
-        r"10,20,30,40\)$"
+        r"10,20,30,40: position\(layer_id\) gives one's position\)$"
     ):  # fmt: skip
         n.group(10)
+    assert [n.position(i) for i in (10, 20, 30, 40)] == [0, 1, 2, 3]
+    assert n.group(n.position(30)).layer_tensors(n.position(30))[0].data_ptr() == kv[2].data_ptr()
+    assert reg.position(3) == 3  # unnumbered: a layer is its position
+    with pytest.raises(
+        RegistrationError, match=r"^layer 25 is not one of this registration's layers \(10,20,30,40\)$"
+    ):
+        n.position(25)
+    with pytest.raises(TypeError, match=r"layer_id must be an int, not str"):
+        n.position("30")  # type: ignore[arg-type]
     assert n.kernel_groups[0].layer_tensors(2)[0].data_ptr() == kv[2].data_ptr()  # position 2: layer 30
     with pytest.raises(KVLayoutError, match=r"^layer 1 is not in this kernel group \(its layers: 0,2\)$"):
         reg.kernel_groups[0].layer_tensors(1)

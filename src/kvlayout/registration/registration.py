@@ -86,6 +86,7 @@ class Registration(HoldsAddresses):
         "_by_engine_groups",
         "_group_of",
         "_layers",
+        "_positions",
         "_registered",
         "_shared",
         "_sources",
@@ -118,6 +119,7 @@ class Registration(HoldsAddresses):
         self.num_layers = len(self.formats)
         # The engine's number of each layer, what maps pair: positions unless numbered().
         self.layer_ids = tuple(range(self.num_layers)) if layer_ids is None else layer_ids
+        self._positions: dict[int, int] | None = None  # layer_ids' positions, made on first use
         self.engine = engine
         self.root = root
         self._layers = layers  # a layer list, read layer by layer
@@ -194,7 +196,9 @@ class Registration(HoldsAddresses):
         holds some of a model's layers (one layer group of a hybrid, one pipeline stage)
         maps only to the same layers. Numbering a side to match another is how a map
         pairs layers on purpose. The same tensors, formats and groups, bound again;
-        ``layer_ids`` ascending, one a layer."""
+        ``layer_ids`` ascending, one a layer. Lookups by layer (:meth:`group`, a kernel
+        group's ``layer_tensors`` and ``layer_ptrs``, the LMCache-named functions) still
+        take positions: :meth:`position` gives an engine's layer's."""
         ids = tuple(as_int(i, f"layer_ids[{k}]") for k, i in enumerate(layer_ids))
         if len(ids) != self.num_layers:
             raise RegistrationError(
@@ -210,6 +214,20 @@ class Registration(HoldsAddresses):
             self.kv, self.formats, self.engine_groups, self._layers, self._shared, self.engine, self.root,
             self._sources, ids,
         )  # fmt: skip
+
+    def position(self, layer_id: int) -> int:
+        """The position of the engine's layer ``layer_id`` (:meth:`numbered`; the layer
+        itself where the registration is not), which lookups by layer take: a TRT-LLM V2
+        group numbered ``[1, 3]`` holds layer 3 at position 1."""
+        layer_id = as_int(layer_id, "layer_id")
+        if self._positions is None:
+            self._positions = {i: k for k, i in enumerate(self.layer_ids)}
+        position = self._positions.get(layer_id)
+        if position is None:
+            raise RegistrationError(
+                f"layer {layer_id} is not one of this registration's layers ({index_ranges(self.layer_ids)})"
+            )
+        return position
 
     @property
     def registered_kv(self) -> Any:
@@ -231,7 +249,12 @@ class Registration(HoldsAddresses):
             layer_idx = as_int(layer_idx, "layer_idx")
         if not 0 <= layer_idx < self.num_layers:
             ids = self.layer_ids != tuple(range(self.num_layers))
-            numbered = f" (positions; the engine numbers them {index_ranges(self.layer_ids)})" if ids else ""
+            numbered = (
+                f" (positions; the engine numbers them {index_ranges(self.layer_ids)}: position(layer_id) "
+                "gives one's position)"
+                if ids
+                else ""
+            )
             raise RegistrationError(
                 f"layer {layer_idx} is out of range for {self.num_layers} layers{numbered}"
             )
