@@ -314,6 +314,41 @@ def _mamba_backends() -> Any:
     return importlib.import_module("vllm.v1.attention.backends.registry").MambaAttentionBackendEnum
 
 
+def _state_spec(
+    states: tuple[tuple[tuple[int, ...], ...], tuple[torch.dtype, ...]],
+    mamba_type: str,
+    block: int,
+    page: int,
+    mamba_cache_mode: str,
+    max_model_len: int,
+) -> Any:
+    """A hybrid's ``MambaSpec`` as vLLM 0.33 plans it: padded to ``page`` bytes (the
+    attention page), a ``max_model_len`` block in 'none' mode (one running state a
+    request, ``model_executor/models/config.py``), ``block`` tokens otherwise."""
+    shapes, dtypes = states
+    own = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
+    return kvi.MambaSpec(
+        block_size=max_model_len if mamba_cache_mode == "none" else block,
+        shapes=shapes,
+        dtypes=dtypes,
+        page_size_padded=page if page != own else None,
+        mamba_cache_mode=mamba_cache_mode,
+        mamba_type=getattr(_mamba_backends(), mamba_type),
+    )
+
+
+def _kernel_blocks(backend: Backend) -> Callable[[Any], int]:
+    """prepare_kernel_block_sizes: Mamba keeps the manager block; attention takes the
+    backend's size (make_engine keeps it where blocks interleave layers)."""
+
+    def kernel(spec: Any) -> int:
+        if isinstance(spec, kvi.MambaSpec):
+            return int(spec.block_size)
+        return backend.kernel_block_size(spec.block_size)
+
+    return kernel
+
+
 def hybrid_engine(
     model: HybridModel,
     backend: Backend,
@@ -339,28 +374,13 @@ def hybrid_engine(
     block = hybrid_block_size(attn_page_1, mamba_page, backend, checkpoint_alignment=align)
     padded = block * attn_page_1
     attn = attention_spec(model, tp, block)
-    mamba = kvi.MambaSpec(
-        block_size=max_model_len if mamba_cache_mode == "none" else block,
-        shapes=shapes,
-        dtypes=dtypes,
-        page_size_padded=padded if padded != mamba_page else None,
-        mamba_cache_mode=mamba_cache_mode,
-        mamba_type=_mamba_backends().GDN_ATTN,
-    )
+    mamba = _state_spec((shapes, dtypes), "GDN_ATTN", block, padded, mamba_cache_mode, max_model_len)
     specs = {
         model.layer_name(i): attn if model.is_full_attention(i) else mamba
         for i in range(model.num_hidden_layers)
     }
-
     layout = layout or KVCacheLayout.LBNHC
-
-    def kernel(spec: Any) -> int:
-        # prepare_kernel_block_sizes: Mamba keeps the manager block; attention takes the
-        # backend's size (make_engine keeps it where blocks interleave layers).
-        if isinstance(spec, kvi.MambaSpec):
-            return int(spec.block_size)
-        return backend.kernel_block_size(spec.block_size)
-
+    kernel = _kernel_blocks(backend)
     return make_engine(
         specs, group_layers(specs), kernel, num_blocks=num_blocks, layout=layout, uniform_type=uniform_type
     )
@@ -389,22 +409,9 @@ def state_hybrid_engine(
     block = hybrid_block_size(attn_1.page_size_bytes, mamba_page, backend, min_alignment=min_alignment)
     attn = dataclasses.replace(attn_1, block_size=block)
     padded = attn.page_size_bytes
-    mamba = kvi.MambaSpec(
-        block_size=max_model_len if mamba_cache_mode == "none" else block,
-        shapes=shapes,
-        dtypes=dtypes,
-        page_size_padded=padded if padded != mamba_page else None,
-        mamba_cache_mode=mamba_cache_mode,
-        mamba_type=getattr(_mamba_backends(), mamba_type),
-    )
+    mamba = _state_spec(states, mamba_type, block, padded, mamba_cache_mode, max_model_len)
     specs = {name: attn if is_attention else mamba for name, is_attention in layers}
-
-    def kernel(spec: Any) -> int:
-        if isinstance(spec, kvi.MambaSpec):
-            return int(spec.block_size)
-        return backend.kernel_block_size(spec.block_size)
-
-    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
+    return make_engine(specs, group_layers(specs), _kernel_blocks(backend), num_blocks=num_blocks)
 
 
 def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
@@ -429,13 +436,7 @@ def mla_hybrid_engine(*, num_blocks: int = NUM_BLOCKS) -> Engine:
         f"model.layers.{i}.{'self_attn' if i % 3 == 2 else 'linear_attn'}": mla if i % 3 == 2 else kda
         for i in range(24)
     }
-
-    def kernel(spec: Any) -> int:
-        if isinstance(spec, kvi.MambaSpec):
-            return int(spec.block_size)
-        return FLASHMLA.kernel_block_size(spec.block_size)
-
-    return make_engine(specs, group_layers(specs), kernel, num_blocks=num_blocks)
+    return make_engine(specs, group_layers(specs), _kernel_blocks(FLASHMLA), num_blocks=num_blocks)
 
 
 def uniform_engine(
