@@ -312,7 +312,7 @@ PUBLIC_MODULES = {
         "find_unsupported_kv_cache_groups", "spec_kind", "validate_kv_cache_groups",
     ],
     "kvlayout.integrations.sglang": ["MAMBA_TYPES", "MambaPoolError", "mamba_state_pools"],
-    "kvlayout.integrations.atom": ["ShuffledPoolError", "shuffled_kv_pools"],
+    "kvlayout.integrations.atom": ["IndexerPagesError", "ShuffledPoolError", "indexer_pages", "shuffled_kv_pools"],
     "kvlayout.integrations.trtllm": ["KvCacheLayoutError", "MambaStateError", "kv_cache_layout_pools", "mamba_state_pools"],
     "kvlayout.transfer.nixl": [  # before it was split into modules
         "DEFAULT_COST", "CostModel", "Descriptors", "Estimate", "LocalSide", "MapSide", "NixlError",

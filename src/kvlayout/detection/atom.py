@@ -20,7 +20,12 @@ keys in 16x16 MFMA tiles, ``[BS/16, D/16, 16, 16]`` bytes, then the block's ``BS
 scales, then padding (``kv_transfer/disaggregation/index_staging.py``,
 ``gather_dcp_preshuffled_index_pages``). Such a list (uint8, more than one row a block, in
 multiples of 16 rows of a multiple of 16 bytes) is read as whole opaque pages, one key
-head every TP rank holds, so a block moves whole, only to a page laid out alike."""
+head every TP rank holds, so a block moves whole, only to a page laid out alike. ATOM's
+attention backend views that cache at the MLA page size, ``[NB*BS, 1, W]`` by default
+(``ATOM_MLA_PAGE_SIZE=1``), rows that are neither tokens nor pages:
+``kvlayout.integrations.atom.indexer_pages`` reads them in the indexer's pages; given
+``tokens_per_block``, detection refuses such rows naming it (without the hint they read
+as the MP connector's block rows)."""
 
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ from kvlayout.registration.opaque import (
     page_of,
     replicated_page,
 )
-from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHints
+from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.ATOM
 
@@ -88,6 +93,26 @@ def _index_pages(kv: Any, p: Probe) -> list[torch.Tensor] | None:
     return views
 
 
+def _refuse_byte_rows_in_blocks(p: Probe, tokens_per_block: int | None) -> None:
+    """Rows of bytes ``[N, 1, W]`` given a block size are one of two caches, neither of
+    which the hint's blocks of rows read: the MP connector's whole blocks (the hint
+    contradicts them) or the DSA indexer's one-token physical pages, whose pages the
+    indexer groups by its own page size (the block size, times the DCP size where the
+    index is replicated), which only the caller knows."""
+    if p.depth != 1 or p.rank != 3 or p.first.dtype != torch.uint8 or int(p.first.shape[1]) != 1:
+        return
+    if tokens_per_block is None or tokens_per_block == 1:
+        return
+    raise LayoutHintError(
+        f"ATOM: {p.describe()}: tokens_per_block={tokens_per_block} contradicts rows of bytes [N, 1, W], "
+        "which are either ATOM's MP connector's blocks, one row each (detect them without the hint), or its "
+        "DSA indexer key cache at ATOM_MLA_PAGE_SIZE=1, one token a physical page, whose keys and scales "
+        "the indexer writes across a page of its block size (times the DCP size where "
+        "ATOM_DCP_REPLICATE_INDEX_CACHE=1): kvlayout.integrations.atom.indexer_pages(index_caches, "
+        "rows_per_page) reads those"
+    )
+
+
 def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableKVCache]:
     p = probe(kv)
     if p.aiter_shuffled:
@@ -104,6 +129,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             "(num_blocks, H, block_size)), not MLA latents; kvlayout.integrations.atom.shuffled_kv_pools("
             "k_caches, v_caches, block_size, k_scales, v_scales) reads them with the pool"
         )
+    _refuse_byte_rows_in_blocks(p, hints.tokens_per_block)
     index = _index_pages(kv, p)
     if index is not None:
         return pick(ENGINE, probe(index)), index
