@@ -60,6 +60,7 @@ __all__ = [
     "make_engine",
     "mla_hybrid_engine",
     "page_region",
+    "planned_engine",
     "share_kv_caches",
     "state_hybrid_engine",
     "uniform_engine",
@@ -307,6 +308,186 @@ def make_engine(
         for names, tensor in zip(groups, tensors, strict=True)
     ]
     return Engine(config, layout, kernels, dict(layer_specs))
+
+
+def _uniform_type_base(spec: Any) -> type:
+    """``KVCacheSpecRegistry.get_uniform_type_base_spec`` (``register_all_kvcache_specs``):
+    MLA and sink-full layers are grouped with full attention, every other kind alone."""
+    bases = {
+        kvi.FullAttentionSpec: kvi.FullAttentionSpec,
+        kvi.MLAAttentionSpec: kvi.FullAttentionSpec,
+        kvi.SinkFullAttentionSpec: kvi.FullAttentionSpec,
+        kvi.SlidingWindowSpec: kvi.SlidingWindowSpec,
+        kvi.SlidingWindowMLASpec: kvi.SlidingWindowMLASpec,
+        kvi.ChunkedLocalAttentionSpec: kvi.ChunkedLocalAttentionSpec,
+        kvi.MambaSpec: kvi.MambaSpec,
+    }
+    base: type | None = next((bases[c] for c in type(spec).__mro__ if c in bases), None)
+    if base is None:
+        raise ValueError(f"planned_engine: no grouping rule mirrored for {type(spec).__name__}")
+    return base
+
+
+def _unify_page_size(specs: dict[str, Any]) -> dict[str, Any]:
+    """``unify_kv_cache_spec_page_size`` for attention layers: a smaller page whose size
+    divides the largest takes proportionally more tokens a block; another non-MLA page is
+    padded to it; MLA is refused (vLLM's ``NotImplementedError``)."""
+    largest = max(s.page_size_bytes for s in specs.values())
+    out = {}
+    for name, spec in specs.items():
+        page = spec.page_size_bytes
+        if page == largest:
+            out[name] = spec
+        elif largest % page == 0:
+            out[name] = dataclasses.replace(spec, block_size=spec.block_size * (largest // page))
+        elif not isinstance(spec, kvi.MLAAttentionSpec):
+            out[name] = dataclasses.replace(spec, page_size_padded=largest)
+        else:
+            raise NotImplementedError(f"Layer {name}: page size is not divisible by the maximum page size")
+    return out
+
+
+def _full_allocation_fallback(specs: dict[str, Any]) -> dict[str, Any]:
+    """``_try_get_full_allocation_fallback_groups``: MLA beside a plain sliding window whose
+    pages cannot be unified allocates the window as full attention at the full layers'
+    block size (``_promote_local_kv_cache_specs``; its compute keeps the window), so every
+    layer is one kind; anything else vLLM refuses."""
+    values = list(specs.values())
+    window = [s for s in values if isinstance(s, kvi.SlidingWindowSpec)]
+    if (
+        not any(isinstance(s, kvi.MLAAttentionSpec) for s in values)
+        or not window
+        or any(isinstance(s, (kvi.SlidingWindowMLASpec, kvi.ChunkedLocalAttentionSpec)) for s in values)
+    ):
+        raise NotImplementedError("vLLM 0.33 cannot unify these pages and has no fallback for them")
+    full_blocks = {s.block_size for s in values if isinstance(s, kvi.FullAttentionSpec)}
+    block = next(iter(full_blocks)) if len(full_blocks) == 1 else None
+
+    def promoted(spec: Any) -> Any:
+        if not isinstance(spec, kvi.SlidingWindowSpec):
+            return spec
+        size = block or spec.block_size
+        padded = spec.page_size_padded
+        if padded is not None:
+            padded = max(padded, spec.unpadded_page_size_bytes * size // spec.block_size)
+        return kvi.replace_as(
+            spec,
+            kvi.FullAttentionSpec,
+            drop=("extra_retained_tokens",),
+            block_size=size,
+            page_size_padded=padded,
+        )
+
+    out = {name: promoted(spec) for name, spec in specs.items()}
+    if len({s.block_size for s in out.values()}) > 1:
+        raise NotImplementedError("vLLM 0.33 cannot unify these pages and has no fallback for them")
+    return out
+
+
+def _packed_groups(specs: dict[str, Any]) -> list[Any]:
+    """``_get_packed_kv_cache_groups`` (a block-outermost layout, pages of several sizes)
+    where no bucket mixes page sizes: layers bucketed by kind and block size, each bucket
+    a group, but a state bucket (Mamba, or sliding window: no repeat pattern here) split
+    into as many groups as the widest bucket's block needs to hold it."""
+    keyed: dict[tuple[Any, ...], dict[str, Any]] = {}  # UniformTypeKVCacheSpecs.is_uniform_type
+    for name, spec in specs.items():
+        keyed.setdefault((_uniform_type_base(spec), spec.block_size, spec.dcp_sharded), {})[name] = spec
+    buckets = list(keyed.values())
+    for bucket in buckets:
+        if len({s.page_size_bytes for s in bucket.values()}) > 1:
+            raise ValueError(
+                f"planned_engine: a bucket of {sorted(bucket)} mixes page sizes; vLLM packs such "
+                "buckets by repeat pattern, which this mirror does not follow"
+            )
+
+    def is_state(bucket: dict[str, Any]) -> bool:
+        return isinstance(next(iter(bucket.values())), (kvi.MambaSpec, kvi.SlidingWindowSpec))
+
+    def page(bucket: dict[str, Any]) -> int:
+        return int(next(iter(bucket.values())).page_size_bytes)
+
+    anchor = max(page(b) if is_state(b) else page(b) * len(b) for b in buckets)
+    groups = []
+    for bucket in buckets:
+        names = list(bucket)
+        count = cdiv(len(names), max(anchor // page(bucket), 1)) if is_state(bucket) else 1
+        for i in range(count):
+            part = {n: bucket[n] for n in names[i::count]}
+            wrapper = kvi.UniformTypeKVCacheSpecs(
+                block_size=next(iter(part.values())).block_size, kv_cache_specs=part
+            )
+            groups.append(kvi.KVCacheGroupSpec(layer_names=list(part), kv_cache_spec=wrapper))
+    return groups
+
+
+def planned_engine(
+    layer_specs: dict[str, Any],
+    backend: Backend,
+    *,
+    num_blocks: int = NUM_BLOCKS,
+    layout: Any = None,
+) -> Engine:
+    """Attention layers of differing specs (a target and its speculative drafter) planned
+    as vLLM 0.33 plans them (``get_kv_cache_groups``): one group where every spec is equal
+    or of one kind at one block size (``UniformTypeKVCacheSpecs``: full attention and MLA
+    are one kind), else pages unified and layers bucketed (``unify_kv_cache_spec_page_size``,
+    ``_get_kv_cache_groups_uniform_page_size``), or under a block-outermost layout packed
+    side by side in each block (``_packed_groups``). ``get_kv_cache_config_from_groups`` then
+    gives each spec of a group its own allocation, side by side from the group's byte 0."""
+    layout = layout or KVCacheLayout.LBNHC
+    specs = dict(layer_specs)
+    first = next(iter(specs.values()))
+    bases = {_uniform_type_base(s) for s in specs.values()}
+    if all(s == first for s in specs.values()):
+        groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=first)]
+    elif len(bases) == 1 and len({s.block_size for s in specs.values()}) == 1:
+        wrapper = kvi.UniformTypeKVCacheSpecs(block_size=first.block_size, kv_cache_specs=specs)
+        groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=wrapper)]
+    elif layout.is_block_outermost and len({s.page_size_bytes for s in specs.values()}) > 1:
+        groups = _packed_groups(specs)
+    else:
+        try:
+            specs = _unify_page_size(specs)
+            groups = [
+                kvi.KVCacheGroupSpec(layer_names=names, kv_cache_spec=specs[names[0]])
+                for names in group_layers(specs)
+            ]
+        except NotImplementedError:
+            specs = _full_allocation_fallback(specs)
+            wrapper = kvi.UniformTypeKVCacheSpecs(block_size=first.block_size, kv_cache_specs=specs)
+            groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=wrapper)]
+    pages = [sum(specs[n].page_size_bytes for n in g.layer_names) for g in groups]
+    size = max(pages) * num_blocks
+    interleaved = max(pages) if layout.is_block_outermost else None
+    tensors = []
+    for group in groups:
+        by_spec: dict[Any, list[str]] = {}
+        for name in group.layer_names:
+            by_spec.setdefault(specs[name], []).append(name)
+        offset = 0
+        for spec, names in by_spec.items():
+            layer_stride, block_stride, *_ = kvi.compute_layout_strides(
+                spec, num_blocks, len(names), layout, fixed_strides=(None, interleaved, None, None, None)
+            )
+            tensors.append(
+                kvi.KVCacheTensor(
+                    size=size,
+                    layers=names,
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                    offset=offset,
+                )
+            )
+            offset += len(names) * (spec.page_size_bytes if layout.is_block_outermost else layer_stride)
+    config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
+    # prepare_kernel_block_sizes: a block interleaved with other layers' pages is never split
+    kernels = [
+        int(specs[g.layer_names[0]].block_size)
+        if layout.is_block_outermost
+        else backend.kernel_block_size(specs[g.layer_names[0]].block_size)
+        for g in groups
+    ]
+    return Engine(config, layout, kernels, specs)
 
 
 def _mamba_backends() -> Any:
