@@ -49,6 +49,7 @@ __all__ = [
     "cdiv",
     "detect_registered",
     "dsv4_indexer_spec",
+    "fill_random",
     "gdn_states",
     "group_layers",
     "hints",
@@ -264,6 +265,40 @@ def group_layers(layer_specs: dict[str, Any]) -> list[list[str]]:
     return groups
 
 
+def _allocations(
+    groups: Sequence[Sequence[tuple[Any, list[str]]]],
+    layer_specs: dict[str, Any],
+    layout: Any,
+    num_blocks: int,
+) -> list[Any]:
+    """``get_kv_cache_config_from_groups``' tensors (no alignment padding): a group's
+    ``(spec, layers)`` allocations side by side from byte 0, every group overlaying the
+    others in one buffer of the largest group's bytes a block; block-outermost layouts
+    pack every layer's page of a block together."""
+    bytes_per_block = max(
+        sum(layer_specs[n].page_size_bytes for _, names in g for n in names) for g in groups
+    )
+    interleaved = bytes_per_block if layout.is_block_outermost else None
+    tensors = []
+    for group in groups:
+        offset = 0
+        for spec, names in group:
+            layer_stride, block_stride, *_ = kvi.compute_layout_strides(
+                spec, num_blocks, len(names), layout, fixed_strides=(None, interleaved, None, None, None)
+            )
+            tensors.append(
+                kvi.KVCacheTensor(
+                    size=bytes_per_block * num_blocks,
+                    layers=names,
+                    layer_stride=layer_stride,
+                    block_stride=block_stride,
+                    offset=offset,
+                )
+            )
+            offset += len(names) * (spec.page_size_bytes if layout.is_block_outermost else layer_stride)
+    return tensors
+
+
 def make_engine(
     layer_specs: dict[str, Any],
     groups: Sequence[Sequence[str]],
@@ -284,21 +319,9 @@ def make_engine(
                 block_size=spec.block_size, kv_cache_specs={n: layer_specs[n] for n in names}
             )
         kv_groups.append(kvi.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec))
-    bytes_per_block = max(sum(layer_specs[n].page_size_bytes for n in names) for names in groups)
-    size = bytes_per_block * num_blocks
-    # Block-outermost layouts pack every layer's page of a block together.
-    interleaved = bytes_per_block if layout.is_block_outermost else None
-    tensors = []
-    for names in groups:
-        spec = layer_specs[names[0]]
-        layer_stride, block_stride, *_ = kvi.compute_layout_strides(
-            spec, num_blocks, len(names), layout, fixed_strides=(None, interleaved, None, None, None)
-        )
-        tensors.append(
-            kvi.KVCacheTensor(
-                size=size, layers=list(names), layer_stride=layer_stride, block_stride=block_stride
-            )
-        )
+    tensors = _allocations(
+        [[(layer_specs[names[0]], list(names))] for names in groups], layer_specs, layout, num_blocks
+    )
     config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_groups)
     # prepare_kernel_block_sizes: other layers' pages between blocks, never split
     kernels = [
@@ -456,29 +479,11 @@ def planned_engine(
             specs = _full_allocation_fallback(specs)
             wrapper = kvi.UniformTypeKVCacheSpecs(block_size=first.block_size, kv_cache_specs=specs)
             groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=wrapper)]
-    pages = [sum(specs[n].page_size_bytes for n in g.layer_names) for g in groups]
-    size = max(pages) * num_blocks
-    interleaved = max(pages) if layout.is_block_outermost else None
-    tensors = []
-    for group in groups:
-        by_spec: dict[Any, list[str]] = {}
+    by_spec: list[dict[Any, list[str]]] = [{} for _ in groups]  # a group's layers by spec, in order
+    for group, specs_of in zip(groups, by_spec, strict=True):
         for name in group.layer_names:
-            by_spec.setdefault(specs[name], []).append(name)
-        offset = 0
-        for spec, names in by_spec.items():
-            layer_stride, block_stride, *_ = kvi.compute_layout_strides(
-                spec, num_blocks, len(names), layout, fixed_strides=(None, interleaved, None, None, None)
-            )
-            tensors.append(
-                kvi.KVCacheTensor(
-                    size=size,
-                    layers=names,
-                    layer_stride=layer_stride,
-                    block_stride=block_stride,
-                    offset=offset,
-                )
-            )
-            offset += len(names) * (spec.page_size_bytes if layout.is_block_outermost else layer_stride)
+            specs_of.setdefault(specs[name], []).append(name)
+    tensors = _allocations([list(g.items()) for g in by_spec], specs, layout, num_blocks)
     config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
     # prepare_kernel_block_sizes: a block interleaved with other layers' pages is never split
     kernels = [
@@ -686,17 +691,25 @@ def allocate_v033(engine: Engine) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     return buf, kv_caches
 
 
-def detect_registered(engine: Engine, kv_caches: dict[str, torch.Tensor], hints: Any, *, edited: bool) -> Any:
+def fill_random(buf: torch.Tensor, seed: int) -> torch.Tensor:
+    """``allocate_v033``'s buffer filled with random bytes of ``seed``, in place."""
+    generator = torch.Generator().manual_seed(seed)
+    return buf.copy_(torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=generator))
+
+
+def detect_registered(
+    engine: Engine, kv_caches: dict[str, torch.Tensor], hints: Any, *, edited: bool, prefix_reuse: bool = True
+) -> Any:
     """``kv_caches`` (``allocate_v033``'s) detected as a connector does: through vLLM's
-    group edits and its transfer layers (``edited``), or the registered tensors as they
-    are, in order."""
+    group edits (``prefix_reuse`` as theirs) and its transfer layers (``edited``), or the
+    registered tensors as they are, in order."""
     import kvlayout
     from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
 
     if not edited:
         return kvlayout.detect(list(kv_caches.values()), "vllm", hints)
     layers, groups = transfer_layers(
-        engine.config, apply_kv_cache_group_edits(engine.config, kv_caches, hints)
+        engine.config, apply_kv_cache_group_edits(engine.config, kv_caches, hints, prefix_reuse=prefix_reuse)
     )
     return kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
 

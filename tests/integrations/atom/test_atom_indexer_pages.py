@@ -57,6 +57,19 @@ def read(layer: torch.Tensor, slot: int) -> tuple[torch.Tensor, float]:
     return page[_key_offsets(slot % BS)].clone(), float(page[start : start + 4].view(torch.float32))
 
 
+def assert_blocks_moved(
+    src: list[torch.Tensor], dst: list[torch.Tensor], pairs: list[tuple[int, int]]
+) -> None:
+    """Every token's key and scale of source block ``s`` is at destination block ``d``,
+    each ``(s, d)`` of ``pairs``, read at ATOM's addresses."""
+    for s_layer, d_layer in zip(src, dst, strict=True):
+        for s, d in pairs:
+            for tok in range(BS):
+                key, scale = read(d_layer, d * BS + tok)
+                want_key, want_scale = read(s_layer, s * BS + tok)
+                assert torch.equal(key, want_key) and scale == want_scale
+
+
 def filled(seed: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
     buf, _, index = atom_mla_pool()
     gen = torch.Generator().manual_seed(seed)
@@ -80,12 +93,7 @@ def test_index_blocks_move_whole_with_every_key_and_scale() -> None:
     )
     assert (m.kind, m.num_tokens) == ("same layout", 2 * BS)  # a partly filled block moves whole
     m.copy()
-    for s_layer, d_layer in zip(src, dst, strict=True):
-        for s, d in ((3, 0), (1, 4)):
-            for tok in range(BS):
-                key, scale = read(d_layer, d * BS + tok)
-                want_key, want_scale = read(s_layer, s * BS + tok)
-                assert torch.equal(key, want_key) and scale == want_scale
+    assert_blocks_moved(src, dst, [(3, 0), (1, 4)])
     moved = torch.zeros_like(before, dtype=torch.bool)
     for layer in dst:
         for d in (0, 4):
@@ -146,12 +154,7 @@ def test_index_blocks_apart_in_a_larger_entry_move_from_their_own_bytes() -> Non
     assert src[0].stride(0) == entry
     _, dst = filled(7)
     block_map(kvlayout.detect(src, "atom"), kvlayout.detect(dst, "atom"), [3, 0], [1, 4]).copy()
-    for s_layer, d_layer in zip(src, dst, strict=True):
-        for s, d in ((3, 1), (0, 4)):
-            for tok in range(BS):
-                key, scale = read(d_layer, d * BS + tok)
-                want_key, want_scale = read(s_layer, s * BS + tok)
-                assert torch.equal(key, want_key) and scale == want_scale
+    assert_blocks_moved(src, dst, [(3, 1), (0, 4)])
 
 
 @pytest.mark.parametrize("shape", [(BLOCKS, 8, W), (BLOCKS, BS, 40)], ids=["rows", "width"])

@@ -14,9 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-import kvlayout
 import kvlayout.testing.vllm as vx
-from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers, validate_kv_cache_groups
+from kvlayout.integrations.vllm import validate_kv_cache_groups
 from kvlayout.transfer import Shard, block_map, prepare
 
 kvi = vx.kvi
@@ -56,19 +55,12 @@ class Side:
     ) -> None:
         self.engine = vx.planned_engine(specs, backend, layout=layout)
         self.buf, kv = vx.allocate_v033(self.engine)
-        self.buf.copy_(
-            torch.randint(
-                -128, 128, self.buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed)
-            )
-        )
+        vx.fill_random(self.buf, seed)
         self.kv = vx.share_kv_caches(self.engine, kv, shared) if shared else kv
         hints = {"kv_layout": layout.name}
         validate_kv_cache_groups(self.engine.config)
-        layers, groups = transfer_layers(
-            self.engine.config, apply_kv_cache_group_edits(self.engine.config, self.kv, hints)
-        )
         self.names = list(self.kv)
-        self.reg = kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+        self.reg = vx.detect_registered(self.engine, self.kv, hints, edited=True)
 
     def block_size(self, name: str) -> int:
         return int(self.engine.spec_of(name).block_size)

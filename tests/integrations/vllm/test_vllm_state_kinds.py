@@ -23,9 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-import kvlayout
 import kvlayout.testing.vllm as vx
-from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
 from kvlayout.integrations.vllm.states import state_arrays
 from kvlayout.registration.opaque import PageArray
 from kvlayout.transfer import BlockMapError, Shard, block_map
@@ -161,11 +159,10 @@ class Rank:
             mamba_cache_mode=mode, min_alignment=family.min_alignment,
         )  # fmt: skip
         self.buf, self.raw = vx.allocate_v033(self.engine)
-        generator = torch.Generator().manual_seed(seed)
-        self.buf.copy_(torch.randint(-128, 128, self.buf.shape, dtype=torch.int8, generator=generator))
-        kv = apply_kv_cache_group_edits(self.engine.config, self.raw, HINTS, prefix_reuse=mode == "align")
-        layers, groups = transfer_layers(self.engine.config, kv)
-        self.registration = kvlayout.detect(layers, "vllm", HINTS, layer_groups=groups)
+        vx.fill_random(self.buf, seed)
+        self.registration = vx.detect_registered(
+            self.engine, self.raw, HINTS, edited=True, prefix_reuse=mode == "align"
+        )
         self.shard = Shard(rank, tp, family.kv_heads)
         self.groups = [g for g in self.registration.kernel_groups if g.opaque_pages is not None]
         self.spec = self.engine.spec_of(self.names(0)[0])
@@ -270,14 +267,14 @@ def test_align_mode_pages_move_block_by_block(monkeypatch: Any) -> None:
 
 def test_one_state_pages_read_as_vllm_s_calculator_splits_them(monkeypatch: Any) -> None:
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
-    assert Rank(LFM2, 2, 0, "DS", seed=5).groups[0].opaque_pages.arrays == (  # type: ignore[union-attr]
+    assert Rank(LFM2, 2, 0, "DS", seed=5).groups[0].opaque_pages.arrays == (
         PageArray(0, (1024, 2), "bfloat16", 0, (1024,)),
     )
     monkeypatch.delenv("VLLM_SSM_CONV_STATE_LAYOUT")  # vLLM's default: "SD", the dim inside the rows
-    assert Rank(LFM2, 2, 0, "SD", seed=5).groups[0].opaque_pages.arrays == (  # type: ignore[union-attr]
+    assert Rank(LFM2, 2, 0, "SD", seed=5).groups[0].opaque_pages.arrays == (
         PageArray(0, (2, 1024), "bfloat16", 1, (1024,)),
     )
-    assert Rank(BAILING_LINEAR, 4, 0, "SD", seed=5).groups[0].opaque_pages.arrays == (  # type: ignore[union-attr]
+    assert Rank(BAILING_LINEAR, 4, 0, "SD", seed=5).groups[0].opaque_pages.arrays == (
         PageArray(0, (4, 128, 128), "bfloat16", 0, (4,)),
     )
 
@@ -324,7 +321,7 @@ def test_mamba2_of_one_group_is_refused_between_tp_degrees(
     same page), and the map refuses rather than move slices that are not there."""
     monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
     src, dst = Rank(MAMBA2_ONE_GROUP, *src_at, "DS", seed=8), Rank(MAMBA2_ONE_GROUP, *dst_at, "DS", seed=9)
-    assert dst.groups[0].opaque_pages.arrays[0].parts == (1024 // dst_at[0], 32, 32)  # type: ignore[union-attr]
+    assert dst.groups[0].opaque_pages.arrays[0].parts == (1024 // dst_at[0], 32, 32)
     with pytest.raises(
         BlockMapError, match=r"its part 1 is 32 of \d+ at TP \d and 32 of \d+ at TP \d\. The model's"
     ):
@@ -345,7 +342,7 @@ def test_conv_states_with_speculative_rows_are_refused_beside_ones_without(monke
         NEMOTRON_H.dtypes, NEMOTRON_H.splits, 8, vx.FLASH_ATTN, NEMOTRON_H.layers,
     )  # fmt: skip
     src, dst = Rank(NEMOTRON_H, 1, 0, "DS", seed=11), Rank(drafting, 2, 1, "DS", seed=12)
-    assert dst.groups[0].opaque_pages.arrays[0].shape == (768, 5)  # type: ignore[union-attr]
+    assert dst.groups[0].opaque_pages.arrays[0].shape == (768, 5)
     with pytest.raises(BlockMapError, match=r"state array 0 is .* other sizes on an axis TP does not shard"):
         block_map(src.groups[0], dst.groups[0], [0], [0], src_shard=src.shard, dst_shard=dst.shard)
 
@@ -361,12 +358,8 @@ def _with_mtp(tp: int, seed: int) -> tuple[Any, torch.Tensor, Any]:
         mamba_cache_mode="none", max_model_len=40960,
     )  # fmt: skip
     buf, raw = vx.allocate_v033(engine)
-    buf.copy_(
-        torch.randint(-128, 128, buf.shape, dtype=torch.int8, generator=torch.Generator().manual_seed(seed))
-    )
-    kv = apply_kv_cache_group_edits(engine.config, raw, HINTS, prefix_reuse=False)
-    layers_, groups = transfer_layers(engine.config, kv)
-    return engine, buf, kvlayout.detect(layers_, "vllm", HINTS, layer_groups=groups)
+    vx.fill_random(buf, seed)
+    return engine, buf, vx.detect_registered(engine, raw, HINTS, edited=True, prefix_reuse=False)
 
 
 def test_an_mtp_drafter_s_attention_layer_moves_with_the_target_s() -> None:

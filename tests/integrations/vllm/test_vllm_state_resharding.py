@@ -23,7 +23,6 @@ import torch
 
 import kvlayout
 import kvlayout.testing.vllm as vx
-from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
 from kvlayout.integrations.vllm.states import state_arrays
 from kvlayout.registration.opaque import PageArray
 from kvlayout.registration.peers import PeerDescriptionError, RegistrationDescription
@@ -47,11 +46,10 @@ class Rank:
             max_model_len=40960,
         )  # fmt: skip
         self.buf, self.raw = vx.allocate_v033(self.engine)
-        generator = torch.Generator().manual_seed(seed)
-        self.buf.copy_(torch.randint(-128, 128, self.buf.shape, dtype=torch.int8, generator=generator))
-        kv = apply_kv_cache_group_edits(self.engine.config, self.raw, HINTS, prefix_reuse=mode == "align")
-        layers, groups = transfer_layers(self.engine.config, kv)
-        self.registration = kvlayout.detect(layers, "vllm", HINTS, layer_groups=groups)
+        vx.fill_random(self.buf, seed)
+        self.registration = vx.detect_registered(
+            self.engine, self.raw, HINTS, edited=True, prefix_reuse=mode == "align"
+        )
         self.shard = Shard(rank, tp, model.num_key_value_heads)
         self.group = next(g for g in self.registration.kernel_groups if g.opaque_pages is not None)
         self.names = self.engine.config.kv_cache_groups[self.group.engine_group].layer_names
