@@ -52,6 +52,11 @@ Quirks that live here and nowhere else:
   pages, as it does a device pool's page buffers. A DSA indexer's host pool (uint8 pages
   of records, indexed by page) is read given ``tokens_per_block`` only: without it, a
   page-first one has an MLA pool's shape.
+* Lists of rank-5 ``float8_e8m0fnu`` tensors (the UE8M0 scales of the MXFP8 pool,
+  ``MHATokenToKVPoolMXFP8`` at page_size 128: ``[pages, H, 32, page_size // 32, sf]``, a
+  page's token ``off`` at ``[off % 32, off // 32]``) are refused, naming
+  ``kvlayout.integrations.sglang.mxfp8_scale_pools``, which reads their pages whole (its
+  flat scales at other page sizes, ``[slots, H, sf]``, read as a K/V pool's page buffers).
 * Lists of rank-5 tensors (the ROCm AITER ``vectorized_5d`` pool, K ``(num_blocks, H,
   D // X, page_size, X)``, V ``(num_blocks, H, page_size // X, D_v, X)``) are refused,
   naming ``kvlayout.integrations.sglang.vectorized_kv_pools``, which reads their pages
@@ -204,6 +209,18 @@ _NOT_DSV4_UNIFIED_FP8 = (
 )
 
 
+# What the interleaved scale buffers of SGLang's MXFP8 pool (MHATokenToKVPoolMXFP8 at page_size 128,
+# mxfp8_sf_interleaved) are: a page's tokens' scales scattered over each head's tile.
+_NOT_MXFP8_SCALES = (
+    "; per-layer float8_e8m0fnu tensors of rank 5 are the UE8M0 scales of SGLang's MXFP8 pool "
+    "(MHATokenToKVPoolMXFP8.k_scale_buffer / v_scale_buffer at page_size 128: [pages, H, 32, "
+    "page_size // 32, head_dim // 32], a page's token off at [off % 32, off // 32]), whose tokens no "
+    "format reads: "
+    "kvlayout.integrations.sglang.mxfp8_scale_pools(k_scale_buffer, v_scale_buffer, page_size) reads their "
+    "pages whole, as SGLang's P/D moves them (get_kv_scale_buf_infos)"
+)
+
+
 # What a HiCache host pool's K and V halves (kv_buffer[0], kv_buffer[1]) are, passed as a list.
 _NOT_HOST_HALVES = (
     "; a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: "
@@ -232,6 +249,8 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"SGLang: layout hint hicache_layout={hints.hicache_layout} names a HiCache host pool, which is "
             f"one tensor (mem_pool_host.kv_buffer), not {p.describe()}"
         )
+    if p.rank == 5 and p.first.dtype == torch.float8_e8m0fnu:
+        raise DetectionError(f"SGLang: {p.describe()}{_NOT_MXFP8_SCALES}")
     if p.aiter_shuffled:
         raise DetectionError(
             f"SGLang: {p.describe()}: per-layer K and V of rank 5 are the ROCm AITER pool "

@@ -5,7 +5,8 @@ The shapes follow SGLang's sizing (``configs/mamba_utils.py``: ``Mamba2StateShap
 its unified memory pool's strided views over per-slot envelopes, and its HiCache host
 pool (``MambaPoolHost``: ``[NL, size, *state]`` or ``[size, NL, 1, *state]``), and
 kvcached's ``ElasticMambaPool`` in either of its layouts; and the ROCm AITER KV pool
-(``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``: :func:`vectorized_kv_pool`). The
+(``SGLANG_AITER_KV_CACHE_LAYOUT=vectorized_5d``: :func:`vectorized_kv_pool`) and the MXFP8
+KV pool with its UE8M0 scale buffers (``MHATokenToKVPoolMXFP8``: :func:`mxfp8_kv_pool`). The
 pools are duck-typed stand-ins with the attributes kvlayout reads; SGLang itself is not
 needed. :func:`shard` is the oracle: a rank's slices of the whole model's state, each
 sub-projection split on its own, as SGLang shards the weights.
@@ -26,6 +27,7 @@ __all__ = [
     "device_pool",
     "elastic_mamba_pool",
     "host_pool",
+    "mxfp8_kv_pool",
     "shard",
     "unified_device_pool",
     "vectorized_kv_pool",
@@ -292,4 +294,49 @@ def vectorized_kv_pool(
         head_num=head_num,
         dtype=dtype,
         store_dtype=store,
+    )
+
+
+def mxfp8_kv_pool(
+    num_layers: int,
+    size: int,
+    head_num: int,
+    head_dim: int,
+    v_head_dim: int | None = None,
+    *,
+    page_size: int = 128,
+    generator: torch.Generator | None = None,
+) -> Any:
+    """SGLang's ``MHATokenToKVPoolMXFP8`` (``_create_buffers``) for ``size`` tokens and one
+    rank's ``head_num`` KV heads: ``k_buffer[l]`` float8_e4m3fn ``(size + page_size, H,
+    D)``, ``v_buffer[l]`` ``(size + page_size, H, D_v)``, and UE8M0 (float8_e8m0fnu)
+    ``k_scale_buffer[l]`` / ``v_scale_buffer[l]``, one scale per 32 elements: at
+    ``page_size == 128`` interleaved ``(pages, H, 32, page_size // 32, D // 32)``
+    (``mxfp8_sf_interleaved``), otherwise flat ``(size + page_size, H, D // 32)``. Zeros,
+    or random bytes from ``generator``."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    if head_dim % 32 or v_head_dim % 32 or size % page_size:
+        raise ValueError("head dims must be multiples of 32 and size a multiple of page_size")
+    slots = size + page_size
+    interleaved = page_size == 128
+
+    def scales(dim: int) -> tuple[int, ...]:
+        if interleaved:
+            return (slots // page_size, head_num, 32, page_size // 32, dim // 32)
+        return (slots, head_num, dim // 32)
+
+    def make(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        if generator is None:
+            return torch.zeros(shape, dtype=dtype)
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8).view(dtype)
+
+    fp8, e8m0 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    return SimpleNamespace(
+        k_buffer=[make((slots, head_num, head_dim), fp8) for _ in range(num_layers)],
+        v_buffer=[make((slots, head_num, v_head_dim), fp8) for _ in range(num_layers)],
+        k_scale_buffer=[make(scales(head_dim), e8m0) for _ in range(num_layers)],
+        v_scale_buffer=[make(scales(v_head_dim), e8m0) for _ in range(num_layers)],
+        page_size=page_size,
+        head_num=head_num,
+        mxfp8_sf_interleaved=interleaved,
     )

@@ -12,7 +12,9 @@ as opaque pages, K and V each a registration; :func:`flashmla_kv_pages` and
 :func:`aiter_fp4_indexer_pages` read DeepSeek-V4's FlashMLA KV pages and ROCm FP4 indexer
 pages so, whole pages as SGLang's P/D moves them, and :func:`compress_state_rings` its
 compressor states (device or HiCache host) a ring at a time, block ids SGLang's SWA pages or
-request slots. SGLang itself is not imported: pools are read structurally.
+request slots; :func:`mxfp8_scale_pools` reads the UE8M0 scale buffers of its MXFP8 pool
+(``MHATokenToKVPoolMXFP8``), whole interleaved pages or flat slot rows. SGLang itself is
+not imported: pools are read structurally.
 """
 
 from kvlayout.integrations.sglang.deepseek_v4 import (
@@ -22,16 +24,19 @@ from kvlayout.integrations.sglang.deepseek_v4 import (
     flashmla_kv_pages,
 )
 from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
+from kvlayout.integrations.sglang.mxfp8 import Mxfp8ScaleError, mxfp8_scale_pools
 from kvlayout.integrations.sglang.vectorized import VectorizedPoolError, vectorized_kv_pools
 
 __all__ = [
     "MAMBA_TYPES",
     "DeepSeekV4PoolError",
     "MambaPoolError",
+    "Mxfp8ScaleError",
     "VectorizedPoolError",
     "aiter_fp4_indexer_pages",
     "compress_state_rings",
     "flashmla_kv_pages",
     "mamba_state_pools",
+    "mxfp8_scale_pools",
     "vectorized_kv_pools",
 ]

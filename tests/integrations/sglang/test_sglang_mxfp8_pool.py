@@ -1,0 +1,205 @@
+"""SGLang's MXFP8 KV pool (``MHATokenToKVPoolMXFP8``, ``--kv-cache-dtype mxfp8``): its fp8
+payload and its UE8M0 scale buffers, a request's pages between pools and TP degrees.
+
+SGLang's P/D registers the payload (``get_contiguous_buf_infos``) and the scales
+(``get_kv_scale_buf_infos``: K's layers then V's, an item a page). The oracles read
+SGLang's own indexing and nothing of kvlayout's: a token slot ``loc``'s K is
+``k_buffer[l][loc]``; its scales are ``k_scale_buffer[l][loc]`` when flat
+(``_write_scales``) and, interleaved at page_size 128, ``[loc // 128, :, off % 32, off //
+32]`` with ``off = loc % 128`` (``_read_sf_interleaved``, the inverse of
+``store_sf_interleaved``). Every byte outside the moved pages must keep its value.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout.detection import DetectionError
+from kvlayout.integrations.sglang import Mxfp8ScaleError, mxfp8_scale_pools
+from kvlayout.testing.sglang import mxfp8_kv_pool
+from kvlayout.transfer import BlockMapError, Shard, block_map
+
+LAYERS, HEADS, HEAD_DIM = 2, 4, 128
+
+
+def pool(seed: int | None, heads: int = HEADS, page_size: int = 128, v_head_dim: int | None = None) -> Any:
+    gen = None if seed is None else torch.Generator().manual_seed(seed)
+    return mxfp8_kv_pool(
+        LAYERS, 5 * page_size, heads, HEAD_DIM, v_head_dim, page_size=page_size, generator=gen
+    )
+
+
+def raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8)  # bytes compare exactly (e8m0 0xFF is NaN)
+
+
+def scale_of(p: Any, name: str, layer: int, loc: int) -> torch.Tensor:
+    """Token slot ``loc``'s ``[H, sf]`` scales, as SGLang reads them."""
+    buf = getattr(p, f"{name}_scale_buffer")[layer]
+    if not p.mxfp8_sf_interleaved:
+        return raw(buf[loc])
+    off = loc % p.page_size
+    return raw(buf[loc // p.page_size, :, off % 32, off // 32])
+
+
+def ranks(whole: Any, tp: int, page_size: int = 128) -> list[Any]:
+    """TP ``tp``'s pools, each its heads of ``whole`` (a TP 1 pool), slot for slot."""
+    n = HEADS // tp
+    out = []
+    for r in range(tp):
+        p = pool(None, n, page_size)
+        for name in ("k_buffer", "v_buffer", "k_scale_buffer", "v_scale_buffer"):
+            for mine, full in zip(getattr(p, name), getattr(whole, name), strict=True):
+                mine.copy_(full[:, r * n : (r + 1) * n])
+        out.append(p)
+    return out
+
+
+def scales(p: Any) -> dict[str, Any]:
+    return mxfp8_scale_pools(p.k_scale_buffer, p.v_scale_buffer, p.page_size)
+
+
+def snapshot(p: Any) -> dict[str, list[torch.Tensor]]:
+    return {n: [raw(t).clone() for t in getattr(p, f"{n}_scale_buffer")] for n in ("k", "v")}
+
+
+@pytest.mark.parametrize("tps", [(1, 2), (2, 1), (2, 4)], ids=str)
+def test_interleaved_scale_pages_move_by_heads_between_tp_degrees(tps: tuple[int, int]) -> None:
+    """Page 3 then page 1 of the prefill into pages 2 and 5 of each decode rank; the
+    request ends 5 tokens into its second page, which moves whole, as SGLang moves it."""
+    src_tp, dst_tp = tps
+    whole = pool(1)
+    sources = ranks(whole, src_tp)
+    pages, n = [(3, 2), (1, 5)], HEADS // dst_tp
+    for d in range(dst_tp):
+        dst = pool(10 + d, n)
+        before = snapshot(dst)
+        kinds = set()
+        for s, src in enumerate(sources):
+            a, b = scales(src), scales(dst)
+            for name in ("k", "v"):
+                ids = [sp for sp, _ in pages], [dp for _, dp in pages]
+                shards = Shard(s, src_tp, HEADS), Shard(d, dst_tp, HEADS)
+                m = block_map(
+                    a[name], b[name], *ids, num_tokens=128 + 5, src_shard=shards[0], dst_shard=shards[1]
+                )
+                assert m.num_tokens == 2 * 128
+                kinds.add(m.kind)
+                m.copy()
+        assert "resharded state" in kinds and kinds <= {"resharded state", "empty"}
+        moved = {dp * 128 + off: sp * 128 + off for sp, dp in pages for off in range(128)}
+        for name in ("k", "v"):
+            for layer in range(LAYERS):
+                for loc in range(6 * 128):
+                    got = scale_of(dst, name, layer, loc)
+                    if loc in moved:
+                        want = scale_of(whole, name, layer, moved[loc])[d * n : (d + 1) * n]
+                    else:
+                        off = loc % 128
+                        want = before[name][layer][loc // 128, :, off % 32, off // 32]
+                    assert torch.equal(got, want), (name, layer, loc)
+
+
+def test_flat_scales_move_token_by_token_between_tp_degrees() -> None:
+    """At page_size 16 the scales are flat slot rows: the request's 35 tokens move, the
+    rest of its last page stays as it was."""
+    whole, dst = pool(2, page_size=16), pool(3, HEADS // 2, page_size=16)
+    assert whole.k_scale_buffer[0].shape == (6 * 16, HEADS, HEAD_DIM // 32)
+    before = snapshot(dst)
+    a, b = scales(whole), scales(dst)
+    for name in ("k", "v"):
+        m = block_map(
+            a[name], b[name], [4, 1, 2], [1, 3, 5], num_tokens=35, src_shard=Shard(0, 1, HEADS),
+            dst_shard=Shard(1, 2, HEADS),
+        )  # fmt: skip
+        m.copy()
+    moved = {dp * 16 + off: sp * 16 + off for sp, dp in [(4, 1), (1, 3), (2, 5)] for off in range(16)}
+    for name in ("k", "v"):
+        for layer in range(LAYERS):
+            for loc in range(6 * 16):
+                got = scale_of(dst, name, layer, loc)
+                if loc in moved and (loc // 16 != 5 or loc % 16 < 3):
+                    want = scale_of(whole, name, layer, moved[loc])[HEADS // 2 :]
+                else:
+                    want = before[name][layer][loc]
+                assert torch.equal(got, want), (name, layer, loc)
+
+
+def test_flat_scales_read_as_k_v_page_buffers_too() -> None:
+    """The flat scales are laid out as the pool's page buffers: a K/V registration of them
+    moves the same bytes."""
+    src, dst = pool(4, page_size=16), pool(None, page_size=16)
+    hints = {"kv_list_layout": "k_v", "tokens_per_block": 16}
+    a, b = (kvlayout.detect(p.k_scale_buffer + p.v_scale_buffer, "sglang", hints) for p in (src, dst))
+    block_map(a, b, [2], [4], num_tokens=7).copy()
+    for name in ("k", "v"):
+        for layer in range(LAYERS):
+            want = torch.zeros_like(raw(getattr(dst, f"{name}_scale_buffer")[layer]))
+            want[4 * 16 : 4 * 16 + 7] = raw(getattr(src, f"{name}_scale_buffer")[layer][2 * 16 : 2 * 16 + 7])
+            assert torch.equal(raw(getattr(dst, f"{name}_scale_buffer")[layer]), want)
+
+
+def test_fp8_payload_reads_as_an_mha_pool_and_maps_to_a_uint8_stored_one() -> None:
+    """The payload is float8_e4m3fn itself (SGLang's other fp8 pools store uint8): it reads
+    as any MHA pool's page buffers, between TP degrees and into a uint8-stored fp8 pool."""
+    whole = pool(5)
+    hints = {"kv_list_layout": "k_v", "tokens_per_block": 128}
+    a = kvlayout.detect(whole.k_buffer + whole.v_buffer, "sglang", hints)
+    dst = [torch.zeros(6 * 128, HEADS // 2, HEAD_DIM, dtype=torch.uint8) for _ in range(2 * LAYERS)]
+    b = kvlayout.detect(dst, "sglang", hints)
+    block_map(
+        a, b, [3], [1], num_tokens=100, src_shard=Shard(0, 1, HEADS), dst_shard=Shard(0, 2, HEADS)
+    ).copy()
+    for i, src in enumerate(whole.k_buffer + whole.v_buffer):
+        want = torch.zeros_like(dst[i])
+        want[128 : 128 + 100] = raw(src[3 * 128 : 3 * 128 + 100, : HEADS // 2])
+        assert torch.equal(dst[i], want)
+
+
+def test_detect_refuses_interleaved_scales_naming_their_reader() -> None:
+    p = pool(None)
+    for hints in ({}, {"kv_list_layout": "k_v", "tokens_per_block": 128}):
+        with pytest.raises(
+            DetectionError, match=re.escape("kvlayout.integrations.sglang.mxfp8_scale_pools(")
+        ):
+            kvlayout.detect(p.k_scale_buffer + p.v_scale_buffer, "sglang", hints)
+
+
+def test_pages_map_only_to_pages_alike() -> None:
+    p, q = pool(6), pool(None)
+    a, b = scales(p), scales(q)
+    with pytest.raises(BlockMapError, match="do not hold the same state"):
+        block_map(a["k"], b["v"], [1], [1])  # K never to V, though their pages are alike
+    flat = scales(pool(None, page_size=16))
+    with pytest.raises(BlockMapError, match="opaque pages"):
+        block_map(a["k"], flat["k"], [1], [1])
+    other_dim = pool(None, v_head_dim=256)
+    assert other_dim.v_scale_buffer[0].shape[-1] == 8
+    with pytest.raises(BlockMapError):
+        block_map(a["v"], scales(other_dim)["v"], [1], [1])
+
+
+def test_refuses_what_is_no_mxfp8_scale_buffer() -> None:
+    p = pool(None)
+    with pytest.raises(
+        Mxfp8ScaleError, match=r"not \[pages, H, 32, page_size // 32 = 2, sf\] at page_size=64"
+    ):
+        mxfp8_scale_pools(p.k_scale_buffer, p.v_scale_buffer, 64)
+    with pytest.raises(Mxfp8ScaleError, match="page_size must be a positive int"):
+        mxfp8_scale_pools(p.k_scale_buffer, p.v_scale_buffer, True)
+    with pytest.raises(Mxfp8ScaleError, match="not UE8M0 scales"):
+        mxfp8_scale_pools(p.k_buffer, p.v_buffer, 128)
+    with pytest.raises(Mxfp8ScaleError, match="2 layers and v_scale_buffer 1"):
+        mxfp8_scale_pools(p.k_scale_buffer, p.v_scale_buffer[:1], 128)
+    flat = pool(None, page_size=16)
+    with pytest.raises(Mxfp8ScaleError, match="one layout on one device"):
+        mxfp8_scale_pools(p.k_scale_buffer, flat.v_scale_buffer, 128)
+    with pytest.raises(Mxfp8ScaleError, match="not whole pages of page_size=64"):
+        mxfp8_scale_pools(flat.k_scale_buffer[:1], flat.v_scale_buffer[:1], 64)
+    as_bytes = mxfp8_scale_pools([raw(t) for t in p.k_scale_buffer], [raw(t) for t in p.v_scale_buffer], 128)
+    block_map(as_bytes["k"], scales(pool(None))["k"], [1], [1])  # uint8 bytes are the same pages
