@@ -56,9 +56,15 @@ KVListLayout = Literal["k_v", "unified"]
 
 KV_LIST_LAYOUT_NAMES: tuple[str, ...] = ("k_v", "unified")
 """Every ``kv_list_layout`` hint SGLang sends."""
-HiCacheLayout = Literal["layer_first", "page_first", "page_first_direct", "page_head"]
+HiCacheLayout = Literal["layer_first", "page_first", "page_first_direct", "page_head", "page_first_kv_split"]
 
-HICACHE_LAYOUT_NAMES: tuple[str, ...] = ("layer_first", "page_first", "page_first_direct", "page_head")
+HICACHE_LAYOUT_NAMES: tuple[str, ...] = (
+    "layer_first",
+    "page_first",
+    "page_first_direct",
+    "page_head",
+    "page_first_kv_split",
+)
 """The layouts of SGLang's HiCache host pools (``--hicache-mem-layout``) kvlayout reads."""
 
 EngineLike = EngineType | str
@@ -153,6 +159,10 @@ class LayoutHints:
     ``layer_first`` (``[2, NL, size, NH, HS]``), ``page_first`` (``[2, size, NL, NH, HS]``),
     ``page_first_direct`` (``[2, pages, NL, page_size, NH, HS]``) or ``page_head``
     (``[2, pages, NH, page_size, NL, HS]``); an MLA pool has no K/V axis and one head.
+    ``page_first_kv_split`` is Ascend's MLA host pool (SGLang's default there with HiCache):
+    two tensors, ``k_buffer`` (its ``kv_buffer``, the latents) and ``v_buffer`` (the RoPE
+    part), each ``[pages, NL, page_size, 1, C]`` and read as ``page_first_direct``, one apart
+    from the other; an MHA pool has no such layout.
 
     ``attn_backend``: vLLM's attention backend, as vLLM names it (``attn_backend.get_name()``:
     ``CPU_ATTN``, ``FLASH_ATTN``, ...); only vLLM's detector reads it. Every name is taken;

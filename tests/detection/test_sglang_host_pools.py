@@ -250,10 +250,19 @@ def test_each_host_layout_is_its_format(layout: str, shape: tuple[int, ...], fmt
         ),
         (
             torch.zeros(2, 3, 32, 4, 8),
-            {"hicache_layout": "page_first_kv_split"},
+            {"hicache_layout": "page_first_split"},
             kvlayout.LayoutHintError,
-            "layout hint hicache_layout='page_first_kv_split' is not one of layer_first, page_first, "
-            "page_first_direct, page_head",
+            "layout hint hicache_layout='page_first_split' is not one of layer_first, page_first, "
+            "page_first_direct, page_head, page_first_kv_split",
+        ),
+        (
+            torch.zeros(2, 8, 3, 4, 4, 8),
+            {"hicache_layout": "page_first_kv_split"},
+            kvlayout.DetectionError,
+            "SGLang HiCache host pool (hicache_layout=page_first_kv_split): kv_buffer is [NB, NL, BS, 1, HS] "
+            "(Ascend's MLA host pool: k_buffer, its kv_buffer, and v_buffer each such a tensor, read one apart "
+            "from the other; an MHA pool has no page_first_kv_split layout), not kv_caches: shape (2, 8, 3, 4, "
+            "4, 8)",
         ),
     ],
 )
@@ -265,7 +274,7 @@ def test_what_is_not_a_host_pool_says_why(
 
 
 def test_the_hint_is_spelled_in_any_case_and_listed() -> None:
-    assert kvlayout.HICACHE_LAYOUT_NAMES == HOST_LAYOUTS
+    assert (*HOST_LAYOUTS, "page_first_kv_split") == kvlayout.HICACHE_LAYOUT_NAMES  # Ascend's MLA pool
     assert kvlayout.LayoutHints(hicache_layout="Page_First").hicache_layout == "page_first"  # type: ignore[arg-type]
 
 

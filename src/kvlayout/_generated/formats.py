@@ -289,7 +289,7 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         engines=("sglang",),
     ),
     EngineKVFormat.NB_NL_BS_ONE_HS: FormatInfo(
-        backends=("SGLang HiCache host pool (MLA, page_first_direct)",),
+        backends=("SGLang HiCache host pool (MLA, page_first_direct; Ascend page_first_kv_split: its k_buffer and v_buffer each)",),
         engines=("sglang",),
     ),
     EngineKVFormat.NL_NB_BSV_BSS: FormatInfo(

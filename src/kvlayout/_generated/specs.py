@@ -2187,7 +2187,7 @@ class NB_BS_NL_ONE_HS_Spec(KVFormatSpec):
 
 
 class NB_NL_BS_ONE_HS_Spec(KVFormatSpec):
-    """``[NB, NL, BS, 1, HS]``: SGLang HiCache host pool (MLA, page_first_direct)."""
+    """``[NB, NL, BS, 1, HS]``: SGLang HiCache host pool (MLA, page_first_direct; Ascend page_first_kv_split: its k_buffer and v_buffer each)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NB_NL_BS_ONE_HS

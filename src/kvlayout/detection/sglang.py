@@ -47,7 +47,9 @@ Quirks that live here and nowhere else:
   twin (no hint needed; ``tokens_per_block`` given must be the page_size).
 * A HiCache host pool (``mem_pool_host.kv_buffer``) is one tensor, in the layout the
   ``hicache_layout`` hint names (SGLang's ``--hicache-mem-layout``); a name is an order
-  of the paging axes (:data:`_HOST_ORDERS`), which picks the format. Its token slots are
+  of the paging axes (:data:`_HOST_ORDERS`), which picks the format. Ascend's MLA pool
+  (``page_first_kv_split``, SGLang's default there) splits the row: ``k_buffer`` (its
+  ``kv_buffer``) and ``v_buffer`` are each ``[pages, NL, page_size, 1, C]``, read apart. Its token slots are
   SGLang's host indices; ``tokens_per_block`` (the pool's ``page_size``) reads them in
   pages, as it does a device pool's page buffers. A DSA indexer's host pool (uint8 pages
   of records, indexed by page) is read given ``tokens_per_block`` only: without it, a
@@ -106,7 +108,12 @@ _HOST_ORDERS: dict[str, tuple[Role, ...]] = {
     "page_first": (Role.BLOCK, Role.TOKEN, Role.LAYER, Role.HEAD),  # [2, size, NL, NH, HS]
     "page_first_direct": (Role.BLOCK, Role.LAYER, Role.TOKEN, Role.HEAD),  # [2, pages, NL, page_size, NH, HS]
     "page_head": (Role.BLOCK, Role.HEAD, Role.TOKEN, Role.LAYER),  # [2, pages, NH, page_size, NL, HS]
+    # Ascend's MLA host pool (pool_host/mla.py): k_buffer (its kv_buffer) and v_buffer, each one
+    # tensor [pages, NL, page_size, 1, C] (the latents; the RoPE part), as NPUMLATokenToKVPool
+    # splits them; an MHA host pool has no such layout (MHATokenToKVPoolHost raises for it)
+    "page_first_kv_split": (Role.BLOCK, Role.LAYER, Role.TOKEN, Role.HEAD),
 }
+_MLA_ONLY_HOST_LAYOUTS = ("page_first_kv_split",)
 assert tuple(_HOST_ORDERS) == HICACHE_LAYOUT_NAMES
 # The DSA indexer's host pool (DSAIndexerPoolHost) is indexed by page: both page-first
 # layouts keep a page's records together per layer, [pages, NL, 1, page_bytes], and
@@ -347,11 +354,18 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
         kv = kv.unsqueeze(2)  # its rows are MLA host rows without the pool's head axis of 1
         p = probe(kv)
     pools = [f for f in _host_pools() if _is_host_order(LAYOUTS[f], order) and not LAYOUTS[f].is_indexer]
+    if name in _MLA_ONLY_HOST_LAYOUTS:
+        pools = [f for f in pools if LAYOUTS[f].is_mla]
     shapes = " or ".join(LAYOUTS[f].describe_shape() for f in pools)
     if name in _INDEXER_ORDERS:
         shapes += " (a DSA indexer pool: uint8 pages of page_size records, given tokens_per_block)"
     if not any(LAYOUTS[f].is_mla for f in pools):
         shapes += f" (an MLA pool has no {name} layout)"
+    if name in _MLA_ONLY_HOST_LAYOUTS:
+        shapes += (
+            f" (Ascend's MLA host pool: k_buffer, its kv_buffer, and v_buffer each such a tensor, read one "
+            f"apart from the other; an MHA pool has no {name} layout)"
+        )
     expected = f"{where}: kv_buffer is {shapes}, not {p.describe()}"
     if all(LAYOUTS[f].tensor_rank != p.rank for f in pools):
         raise DetectionError(expected)
