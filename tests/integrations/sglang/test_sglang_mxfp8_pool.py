@@ -2,7 +2,9 @@
 payload and its UE8M0 scale buffers, a request's pages between pools and TP degrees.
 
 SGLang's P/D registers the payload (``get_contiguous_buf_infos``) and the scales
-(``get_kv_scale_buf_infos``: K's layers then V's, an item a page). The oracles read
+(``get_kv_scale_buf_infos``: K's layers then V's, an item a page); its HiCache host pool
+(``MHATokenToKVPoolMXFP8Host``) keeps them as uint8 ``[pages, NL, page bytes]``, a device
+page row at ``k_scale_host[host_page, layer]``. The oracles read
 SGLang's own indexing and nothing of kvlayout's: a token slot ``loc``'s K is
 ``k_buffer[l][loc]``; its scales are ``k_scale_buffer[l][loc]`` when flat
 (``_write_scales``) and, interleaved at page_size 128, ``[loc // 128, :, off % 32, off //
@@ -20,7 +22,7 @@ import torch
 
 import kvlayout
 from kvlayout.detection import DetectionError
-from kvlayout.integrations.sglang import Mxfp8ScaleError, mxfp8_scale_pools
+from kvlayout.integrations.sglang import Mxfp8ScaleError, mxfp8_host_scale_pools, mxfp8_scale_pools
 from kvlayout.testing.sglang import mxfp8_kv_pool
 from kvlayout.transfer import BlockMapError, Shard, block_map
 
@@ -203,3 +205,48 @@ def test_refuses_what_is_no_mxfp8_scale_buffer() -> None:
         mxfp8_scale_pools(flat.k_scale_buffer[:1], flat.v_scale_buffer[:1], 64)
     as_bytes = mxfp8_scale_pools([raw(t) for t in p.k_scale_buffer], [raw(t) for t in p.v_scale_buffer], 128)
     block_map(as_bytes["k"], scales(pool(None))["k"], [1], [1])  # uint8 bytes are the same pages
+
+
+def test_interleaved_scale_pages_back_up_to_the_host_pool_and_load_back() -> None:
+    """Device pages 4 and 1 into host pages 2 and 6 (SGLang's staged write-back:
+    ``k_scale_host[hp, l] = k_scale_buffer[l].view(uint8).reshape(pages, -1)[dp]``), and
+    back into pages 3 and 5 of another device pool (``load_to_device_per_layer``, the
+    inverse); nothing else is written."""
+    src, back = pool(7), pool(None)
+    page_bytes = src.k_scale_buffer[0][0].numel()
+    host = {n: torch.zeros(8, LAYERS, page_bytes, dtype=torch.uint8) for n in ("k", "v")}
+    on_host = mxfp8_host_scale_pools(host["k"], host["v"], 128, HEADS)
+    a, b = scales(src), scales(back)
+    for name in ("k", "v"):
+        up = block_map(a[name], on_host[name], [4, 1], [2, 6], num_tokens=128 + 9)
+        assert (up.kind, up.num_tokens, up.num_runs) == ("same layout", 2 * 128, 2 * LAYERS)
+        up.copy()
+        block_map(on_host[name], b[name], [2, 6], [3, 5], num_tokens=2 * 128).copy()
+
+    def rows(p: Any, name: str, layer: int) -> torch.Tensor:
+        return raw(getattr(p, f"{name}_scale_buffer")[layer]).reshape(6, -1)
+
+    for name in ("k", "v"):
+        for layer in range(LAYERS):
+            want_host = torch.zeros(8, page_bytes, dtype=torch.uint8)
+            want_host[2], want_host[6] = rows(src, name, layer)[4], rows(src, name, layer)[1]
+            assert torch.equal(host[name][:, layer], want_host)
+            want_back = torch.zeros(6, page_bytes, dtype=torch.uint8)
+            want_back[3], want_back[5] = rows(src, name, layer)[4], rows(src, name, layer)[1]
+            assert torch.equal(rows(back, name, layer), want_back)
+
+
+def test_the_host_pool_is_refused_where_it_is_no_such_pool() -> None:
+    src = pool(None)
+    page_bytes = src.k_scale_buffer[0][0].numel()
+    host = torch.zeros(8, LAYERS, page_bytes, dtype=torch.uint8)
+    with pytest.raises(Mxfp8ScaleError, match="no interleaved scale page of head_num=3 heads"):
+        mxfp8_host_scale_pools(host, host, 128, 3)
+    with pytest.raises(Mxfp8ScaleError, match=r"not uint8 \[pages, NL, page bytes\]"):
+        mxfp8_host_scale_pools(host.float(), host, 128, HEADS)
+    with pytest.raises(Mxfp8ScaleError, match="head_num must be a positive int"):
+        mxfp8_host_scale_pools(host, host, 128, 0)
+    # head_num the bytes allow but not the device pool's: its pages hold other arrays
+    wrong = mxfp8_host_scale_pools(host, host.clone(), 128, HEADS // 2)
+    with pytest.raises(BlockMapError):
+        block_map(scales(src)["k"], wrong["k"], [1], [1])

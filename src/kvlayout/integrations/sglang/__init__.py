@@ -13,7 +13,8 @@ as opaque pages, K and V each a registration; :func:`flashmla_kv_pages` and
 pages so, whole pages as SGLang's P/D moves them, and :func:`compress_state_rings` its
 compressor states (device or HiCache host) a ring at a time, block ids SGLang's SWA pages or
 request slots; :func:`mxfp8_scale_pools` reads the UE8M0 scale buffers of its MXFP8 pool
-(``MHATokenToKVPoolMXFP8``), whole interleaved pages or flat slot rows. SGLang itself is
+(``MHATokenToKVPoolMXFP8``), whole interleaved pages or flat slot rows, and
+:func:`mxfp8_host_scale_pools` its HiCache host pool's. SGLang itself is
 not imported: pools are read structurally.
 """
 
@@ -24,7 +25,7 @@ from kvlayout.integrations.sglang.deepseek_v4 import (
     flashmla_kv_pages,
 )
 from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
-from kvlayout.integrations.sglang.mxfp8 import Mxfp8ScaleError, mxfp8_scale_pools
+from kvlayout.integrations.sglang.mxfp8 import Mxfp8ScaleError, mxfp8_host_scale_pools, mxfp8_scale_pools
 from kvlayout.integrations.sglang.vectorized import VectorizedPoolError, vectorized_kv_pools
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "compress_state_rings",
     "flashmla_kv_pages",
     "mamba_state_pools",
+    "mxfp8_host_scale_pools",
     "mxfp8_scale_pools",
     "vectorized_kv_pools",
 ]

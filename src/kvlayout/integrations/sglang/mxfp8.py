@@ -36,7 +36,13 @@ from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
 
-__all__ = ["MXFP8_SCALE_BLOCK", "MXFP8_SCALE_TILE", "Mxfp8ScaleError", "mxfp8_scale_pools"]
+__all__ = [
+    "MXFP8_SCALE_BLOCK",
+    "MXFP8_SCALE_TILE",
+    "Mxfp8ScaleError",
+    "mxfp8_host_scale_pools",
+    "mxfp8_scale_pools",
+]
 
 MXFP8_SCALE_BLOCK = 32
 """Elements of a head's row that one UE8M0 scale covers (``MXFP8_SCALE_BLOCK_SIZE``)."""
@@ -56,6 +62,17 @@ class Mxfp8ScaleError(DetectionError):
     """Lists that are not an SGLang MXFP8 pool's scale buffers."""
 
 
+def _positive(value: object, name: str, meaning: str) -> int:
+    """``value`` (``name``: ``meaning``) as a positive int."""
+    try:
+        n = as_int(value, name)  # NumPy and torch integers too, never a bool
+    except TypeError:
+        n = 0
+    if n < 1:
+        raise Mxfp8ScaleError(f"{name} must be a positive int ({meaning}), not {value!r}")
+    return n
+
+
 def _scale_layers(name: str, buffers: Any) -> list[torch.Tensor]:
     layers = layer_list(name, buffers, _ORIGIN, Mxfp8ScaleError)
     first = layers[0]
@@ -72,6 +89,25 @@ def _scale_layers(name: str, buffers: Any) -> list[torch.Tensor]:
     return layers
 
 
+def _scale_page(kind: str, heads: int, chunk: int, sf: int) -> OpaquePages:
+    """What an interleaved scale page of ``kind`` (``"K"`` or ``"V"``) holds, the device
+    pool's and the host pool's alike: ``heads`` tiles ``[32, chunk, sf]``."""
+    dtype = "float8_e8m0fnu"  # the bytes, whether given as scales or as uint8
+    # K's tile as [H, 32, page_size // 32, sf], V's as [H, 32, page_size // 32 * sf]: the same
+    # bytes in arrays of other ranks on purpose, so a K page never maps to a V page (a map
+    # compares the arrays a page declares), even where head_dim == v_head_dim
+    tile = MXFP8_SCALE_TILE
+    tile_shape = (heads, tile, chunk, sf) if kind == "K" else (heads, tile, chunk * sf)
+    return OpaquePages(
+        f"SGLang MXFP8 {kind} scale page, interleaved (BlockScaledBasicChunk): H {heads}, then token "
+        f"off at [off % {tile}, off // {tile}] of [{tile}, {chunk}], {sf} UE8M0 scales a token (head size "
+        f"{sf * MXFP8_SCALE_BLOCK})",
+        rows_are_tokens=False,
+        arrays=(PageArray(0, tile_shape, dtype, 0, (heads,), kv_heads=True),),
+        advice=_ADVICE,
+    )
+
+
 def _interleaved(name: str, layers: list[torch.Tensor], page_size: int) -> Registration:
     """Whole pages ``[H, 32, page_size // 32, sf]``, heads outermost, as opaque pages."""
     t = layers[0]
@@ -82,20 +118,7 @@ def _interleaved(name: str, layers: list[torch.Tensor], page_size: int) -> Regis
             f"{MXFP8_SCALE_TILE} = {page_size // MXFP8_SCALE_TILE}, sf] at page_size={page_size}: pass the "
             "pool's own page_size"
         )
-    kind = name[0].upper()
-    dtype = "float8_e8m0fnu"  # the bytes, whether given as scales or as uint8
-    # K's tile as [H, 32, page_size // 32, sf], V's as [H, 32, page_size // 32 * sf]: the same
-    # bytes in arrays of other ranks on purpose, so a K page never maps to a V page (a map
-    # compares the arrays a page declares), even where head_dim == v_head_dim
-    tile_shape = (heads, tile, chunk, sf) if kind == "K" else (heads, tile, chunk * sf)
-    page = OpaquePages(
-        f"SGLang MXFP8 {kind} scale page, interleaved (BlockScaledBasicChunk): H {heads}, then token "
-        f"off at [off % {MXFP8_SCALE_TILE}, off // {MXFP8_SCALE_TILE}] of [{tile}, {chunk}], {sf} UE8M0 "
-        f"scales a token (head size {sf * MXFP8_SCALE_BLOCK})",
-        rows_are_tokens=False,
-        arrays=(PageArray(0, tile_shape, dtype, 0, (heads,), kv_heads=True),),
-        advice=_ADVICE,
-    )
+    page = _scale_page(name[0].upper(), heads, chunk, sf)
     rows = [page_rows(f"{name}[{i}]", x, page_size, "SGLang", Mxfp8ScaleError) for i, x in enumerate(layers)]
     return listed_pages(rows, page, layers, page_size, EngineType.SGLANG)
 
@@ -131,12 +154,7 @@ def mxfp8_scale_pools(k_scale_buffer: Any, v_scale_buffer: Any, page_size: int) 
     by the heads both hold. Flat scales (``[slots, H, sf]``, at any other page_size) read
     token by token, as the pool's K and V page buffers do (so also to and from another page
     size). Raises :class:`Mxfp8ScaleError` for lists that are no such buffers."""
-    try:
-        ps = as_int(page_size, "page_size")  # NumPy and torch integers too, never a bool
-    except TypeError:
-        ps = 0
-    if ps < 1:
-        raise Mxfp8ScaleError(f"page_size must be a positive int (the pool's page_size), not {page_size!r}")
+    ps = _positive(page_size, "page_size", "the pool's page_size")
     k, v = _scale_layers("k_scale_buffer", k_scale_buffer), _scale_layers("v_scale_buffer", v_scale_buffer)
     if len(k) != len(v):
         raise Mxfp8ScaleError(
@@ -149,3 +167,51 @@ def mxfp8_scale_pools(k_scale_buffer: Any, v_scale_buffer: Any, page_size: int) 
         )
     read = _interleaved if k[0].dim() == 5 else _flat
     return {"k": read("k_scale_buffer", k, ps), "v": read("v_scale_buffer", v, ps)}
+
+
+def _host_layers(name: str, host: Any, page_size: int, heads: int) -> tuple[list[torch.Tensor], int]:
+    """The host pool's per-layer ``[pages, page bytes]`` views of ``host`` (``[pages, NL,
+    page bytes]``) and the head size's scales a token (``sf``)."""
+    if not isinstance(host, torch.Tensor):
+        raise Mxfp8ScaleError(
+            f"{name} is {type(host).__name__}, not the host pool's tensor [pages, NL, page bytes] "
+            "(MHATokenToKVPoolMXFP8Host)"
+        )
+    if host.dtype != torch.uint8 or host.dim() != 3 or host.numel() == 0:
+        raise Mxfp8ScaleError(
+            f"{name} is {list(host.shape)} {host.dtype}, not uint8 [pages, NL, page bytes] "
+            "(MHATokenToKVPoolMXFP8Host)"
+        )
+    page_bytes = int(host.shape[2])
+    if page_bytes % (heads * page_size) or page_size % MXFP8_SCALE_TILE:
+        raise Mxfp8ScaleError(
+            f"{name} is {list(host.shape)}: a page of {page_bytes} bytes, which is no interleaved scale page "
+            f"of head_num={heads} heads and page_size={page_size} tokens (H * page_size * sf bytes, "
+            f"page_size a multiple of {MXFP8_SCALE_TILE})"
+        )
+    return [host[:, layer] for layer in range(host.shape[1])], page_bytes // (heads * page_size)
+
+
+def mxfp8_host_scale_pools(
+    k_scale_host: Any, v_scale_host: Any, page_size: int, head_num: int
+) -> dict[str, Registration]:
+    """The UE8M0 scales of SGLang's MXFP8 HiCache host pool (``MHATokenToKVPoolMXFP8Host``:
+    ``k_scale_host`` and ``v_scale_host``, uint8 ``[pages, NL, page bytes]``, a device page
+    row of every layer a host page, page_first like its payload) as one registration each,
+    ``{"k": ..., "v": ...}``. Their pages are the interleaved device pages
+    :func:`mxfp8_scale_pools` reads (SGLang copies a page row whole each way), so a block
+    map moves a request's pages between the device pool and the host pool, whole, block
+    ids page indices. ``page_size`` and ``head_num`` (the rank's KV heads) are the device
+    pool's, which the host pool's bytes cannot say. Raises :class:`Mxfp8ScaleError` for
+    anything else."""
+    ps = _positive(page_size, "page_size", "the device pool's page_size")
+    heads = _positive(head_num, "head_num", "the device pool's KV heads")
+    pools = {}
+    for name, host in (("k_scale_host", k_scale_host), ("v_scale_host", v_scale_host)):
+        layers, sf = _host_layers(name, host, ps, heads)
+        page = _scale_page(name[0].upper(), heads, ps // MXFP8_SCALE_TILE, sf)
+        # a layer's pages lie NL pages apart: views [pages, page_size, 1, row] at that stride,
+        # read as page-major views (their page stride an envelope of every layer's page)
+        rows = [t.view(torch.int8).view(t.shape[0], ps, 1, t.shape[1] // ps) for t in layers]
+        pools[name[0]] = listed_pages(rows, page, layers, ps, EngineType.SGLANG)
+    return pools
