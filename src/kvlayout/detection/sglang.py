@@ -228,6 +228,18 @@ _NOT_MXFP8_SCALES = (
 )
 
 
+# What an FP4 MHA pool's scale buffers are (MHATokenToKVPoolFP4: k_scale_buffer / v_scale_buffer),
+# registered as K/V lists: a token's row is its heads' scales one head after another
+# (KVFP4QuantizeUtil.batched_quantize: [tokens, H, D] viewed [tokens, H * D // 16, 16]), so one
+# head read from the row would move every head's scales to each rank of another TP degree.
+_NOT_FP4_MHA_SCALES = (
+    "; an FP4 MHA pool's k_scale_buffer and v_scale_buffer (MHATokenToKVPoolFP4: uint8 [size + page_size, "
+    "head_num * head_dim // 16], a token's scales head by head) read as K/V page buffers of head_num heads: "
+    "pass [t.view(t.shape[0], head_num, -1) for t in k_scale_buffer + v_scale_buffer] with the payload's "
+    "hints"
+)
+
+
 # What a HiCache host pool's K and V halves (kv_buffer[0], kv_buffer[1]) are, passed as a list.
 _NOT_HOST_HALVES = (
     "; a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: "
@@ -659,6 +671,7 @@ def _indexer(kv: list[Any], p: Probe, hints: LayoutHints) -> tuple[EngineKVForma
             "token slot (an FP4 MLA "
             "pool's kv_scale_buffer [size + page_size, C // 16]) reads as MLA page buffers: pass "
             "[t.unsqueeze(1) for t in buffers]"
+            f"{_NOT_FP4_MHA_SCALES if dtype == 'uint8' and hints.kv_list_layout == 'k_v' else ''}"
             f"{_NOT_DSV4_UNIFIED_FP8 if _dsv4_unified_fp8_row(p) else ''}"
         )
     fmt, shape, _ = found[0]
