@@ -228,6 +228,13 @@ _NOT_MXFP8_SCALES = (
 )
 
 
+# What a dynamic-FP8 MHA pool's scale buffers are (MHATokenToKVPoolDynamicFP8, which its HiCache host
+# pool MHATokenToKVPoolDynamicFP8Host moves a page at a time): one float32 scale a slot and head.
+_NOT_DYNAMIC_FP8_SCALES = (
+    "; a dynamic-FP8 MHA pool's k_scale_buffer and v_scale_buffer (MHATokenToKVPoolDynamicFP8: float32 "
+    "[size + page_size, head_num], a slot's scale a head) read as K/V page buffers of one-element heads: "
+    "pass [t.unsqueeze(-1) for t in k_scale_buffer + v_scale_buffer] with the payload's hints"
+)
 # What an FP4 MHA pool's scale buffers are (MHATokenToKVPoolFP4: k_scale_buffer / v_scale_buffer),
 # registered as K/V lists: a token's row is its heads' scales one head after another
 # (KVFP4QuantizeUtil.batched_quantize: [tokens, H, D] viewed [tokens, H * D // 16, 16]), so one
@@ -280,6 +287,11 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
         )
     if p.depth == 1 and p.rank == 2 and any(_stores_records(LAYOUTS[f], p.first.dtype) for f in _indexers(p)):
         return _indexer(kv, p, hints)
+    if p.rank == 2 and p.depth <= 2 and _k_v_sides(kv, hints) is not None:
+        raise DetectionError(
+            f"SGLang: {p.describe()}: K and V lists of 2-D tensors are no page buffers [NB*BS, NH, HS]"
+            f"{_NOT_DYNAMIC_FP8_SCALES}{_NOT_FP4_MHA_SCALES}"
+        )
     if hints.kv_list_layout == "unified":
         return _unified(kv, p, hints)
     if p.depth == 1 and p.rank == 4 and not hints.kv_list_layout:

@@ -1,4 +1,6 @@
-"""SGLang's FP4 MHA pool (``MHATokenToKVPoolFP4``, ``_create_buffers``): per layer K and V
+"""SGLang's MHA pools with per-token scales beside their K and V.
+
+The FP4 pool (``MHATokenToKVPoolFP4``, ``_create_buffers``): per layer K and V
 of packed e2m1 pairs, uint8 ``[size + page_size, H, D // 2]``, and their UE8M0 scales,
 uint8 ``[size + page_size, H * D // 16]``, a token's scales one head after another
 (``KVFP4QuantizeUtil.batched_quantize`` views ``[tokens, H, D]`` as ``[tokens, H * D //
@@ -6,7 +8,12 @@ uint8 ``[size + page_size, H * D // 16]``, a token's scales one head after anoth
 
 The oracle reads those tensors as SGLang indexes them: token slot ``loc``'s head ``h`` is
 ``k_buffer[l][loc, h]`` and its scales ``k_scale_buffer[l][loc, h * D // 16 : (h + 1) * D
-// 16]``. A request moves from a TP 1 prefill into rank 1 of a TP 2 decode.
+// 16]``. The dynamic-FP8 pool (``MHATokenToKVPoolDynamicFP8``): float8_e4m3fn K and V and
+one float32 scale a slot and head, ``k_scale_buffer[l]`` ``[size + page_size, H]``
+(``_quantize`` returns ``[tokens, H]`` scales; a token's K is ``k_buffer[l][loc] *
+k_scale_buffer[l][loc].unsqueeze(-1)``; its HiCache host pool reshapes
+``k_scale_buffer[l][device_indices]`` to ``[pages, page_size, H]``). A request moves from a
+TP 1 prefill into rank 1 of a TP 2 decode.
 """
 
 from __future__ import annotations
@@ -83,3 +90,28 @@ def test_detect_names_the_head_major_reading_of_the_scales() -> None:
         kvlayout.DetectionError, match=re.escape("[t.view(t.shape[0], head_num, -1) for t in")
     ):
         kvlayout.detect(p["k_scale"] + p["v_scale"], "sglang", HINTS)
+
+
+def test_dynamic_fp8_scales_move_by_heads_between_tp_degrees() -> None:
+    slots, n = 6 * PAGE, HEADS // 2
+    gen = torch.Generator().manual_seed(3)
+    whole = [torch.rand(slots, HEADS, generator=gen) for _ in range(2 * LAYERS)]  # K's layers, then V's
+    dst = [torch.zeros(slots, n) for _ in range(2 * LAYERS)]
+    a, b = (kvlayout.detect([t.unsqueeze(-1) for t in ts], "sglang", HINTS) for ts in (whole, dst))
+    block_map(
+        a, b, [5, 1], [2, 4], num_tokens=PAGE + 1, src_shard=Shard(0, 1, HEADS), dst_shard=Shard(1, 2, HEADS)
+    ).copy()
+    moved = {2 * PAGE + i: 5 * PAGE + i for i in range(PAGE)} | {4 * PAGE: 1 * PAGE}
+    for i, t in enumerate(dst):
+        want = torch.zeros(slots, n)
+        for loc, src_loc in moved.items():
+            want[loc] = whole[i][src_loc, n:]  # rank 1's heads
+        assert torch.equal(t.view(torch.int32), want.view(torch.int32))
+
+
+def test_detect_names_the_dynamic_fp8_reading_of_the_scales() -> None:
+    scales = [torch.zeros(6 * PAGE, HEADS) for _ in range(2 * LAYERS)]
+    with pytest.raises(kvlayout.DetectionError, match=re.escape("[t.unsqueeze(-1) for t in k_scale_buffer")):
+        kvlayout.detect(scales, "sglang", HINTS)
+    with pytest.raises(kvlayout.DetectionError, match="K and V lists of 2-D tensors are no page buffers"):
+        kvlayout.detect([scales[:LAYERS], scales[LAYERS:]], "sglang", {"tokens_per_block": PAGE})
