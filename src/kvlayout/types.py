@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 __all__ = [
     "ENGINE_LABELS",
     "HICACHE_LAYOUT_NAMES",
+    "KVBM_LAYOUT_NAMES",
     "KV_LAYOUT_NAMES",
     "KV_LIST_LAYOUT_NAMES",
     "DiscoverableKVCache",
@@ -40,6 +41,7 @@ __all__ = [
     "EngineType",
     "HiCacheLayout",
     "HintsLike",
+    "KVBMLayout",
     "KVLayoutName",
     "KVListLayout",
     "LayoutHintError",
@@ -66,6 +68,10 @@ HICACHE_LAYOUT_NAMES: tuple[str, ...] = (
     "page_first_kv_split",
 )
 """The layouts of SGLang's HiCache host pools (``--hicache-mem-layout``) kvlayout reads."""
+KVBMLayout = Literal["universal_tp", "universal_pp", "operational_nhd", "operational_hnd"]
+
+KVBM_LAYOUT_NAMES: tuple[str, ...] = ("universal_tp", "universal_pp", "operational_nhd", "operational_hnd")
+"""Dynamo KVBM's block layouts (``KvBlockLayout::name()``) of a fully contiguous pool kvlayout reads."""
 
 EngineLike = EngineType | str
 
@@ -164,6 +170,12 @@ class LayoutHints:
     part), each ``[pages, NL, page_size, 1, C]`` and read as ``page_first_direct``, one apart
     from the other; an MHA pool has no such layout.
 
+    ``kvbm_layout``: the block layout of a Dynamo KVBM fully contiguous pool registered as
+    one tensor ``[num_blocks, ...]``, as KVBM names it (``KvBlockLayout::name()``):
+    ``universal_tp`` (a block ``[nh, nl, no, nt, hd]``, heads outermost: TP-agnostic),
+    ``universal_pp`` (``[nl, nh, no, nt, hd]``), ``operational_nhd`` (``[nl, no, nt, nh, hd]``)
+    or ``operational_hnd`` (``[nl, no, nh, nt, hd]``); ``no`` is 2 (K and V) or 1 (MLA).
+
     ``attn_backend``: vLLM's attention backend, as vLLM names it (``attn_backend.get_name()``:
     ``CPU_ATTN``, ``FLASH_ATTN``, ...); only vLLM's detector reads it. Every name is taken;
     ``CPU_ATTN`` (vLLM's CPU platform) packs each block's K and V per ISA, so its layers are
@@ -192,7 +204,8 @@ class LayoutHints:
     page_size: int | None = None
     layout_format: str | None = None
     hicache_layout: HiCacheLayout | None = None
-    attn_backend: str | None = None  # last: the fields before keep their positions
+    attn_backend: str | None = None
+    kvbm_layout: KVBMLayout | None = None  # last: the fields before keep their positions
 
     def __post_init__(self) -> None:
         if self.kv_layout is not None:
@@ -204,6 +217,10 @@ class LayoutHints:
         if self.hicache_layout is not None:
             object.__setattr__(
                 self, "hicache_layout", _choice("hicache_layout", self.hicache_layout, HICACHE_LAYOUT_NAMES)
+            )
+        if self.kvbm_layout is not None:
+            object.__setattr__(
+                self, "kvbm_layout", _choice("kvbm_layout", self.kvbm_layout, KVBM_LAYOUT_NAMES)
             )
         for name in _SIZE_FIELDS:
             value = getattr(self, name)

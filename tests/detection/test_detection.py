@@ -538,7 +538,7 @@ def test_engines_are_enums_or_strings() -> None:
     for engine in (EngineType.VLLM, "vllm", "VLLM", " vLLM "):
         assert detect(kv, engine)[0] == F.NL_X_NB_BS_HS
     assert detect(t(7, 5, 2, 2, 3, 4), "TRT-LLM")[0] == detect(t(7, 5, 2, 2, 3, 4), "trt_llm")[0]
-    assert {str(e) for e in EngineType} == {"vllm", "sglang", "trtllm", "atom", "max"}
+    assert {str(e) for e in EngineType} == {"vllm", "sglang", "trtllm", "atom", "max", "kvbm"}
     assert detect(t(7, 2, 5, 3, 2, 4), "Max")[0] == F.NB_KV_NL_BS_NH_HS
     with pytest.raises(KVLayoutError, match=re.escape("unknown serving engine 'mock'; known engines: vllm")):
         detect(kv, "mock")

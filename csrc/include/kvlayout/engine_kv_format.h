@@ -50,9 +50,11 @@ enum class EngineKVFormat : std::int32_t {
   NL_X_NB_BSK = 37,  // NL x [NB, BSxKEYS]
   NL_X_NB_KV_ONE_BS_NH_HS = 38,  // NL x [NB, KV, 1, BS, NH, HS]
   NL_X_NB_BSV4_BSS4 = 39,  // NL x [NB, BSxVALS4, BSxSCALES4]
+  NB_NH_NL_TWO_BS_HS = 40,  // [NB, NH, NL, 2, BS, HS]
+  NB_NL_NH_TWO_BS_HS = 41,  // [NB, NL, NH, 2, BS, HS]
 };
 
-inline constexpr int kNumFormats = 40;
+inline constexpr int kNumFormats = 42;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -95,6 +97,8 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NL_X_NB_BSK,
     EngineKVFormat::NL_X_NB_KV_ONE_BS_NH_HS,
     EngineKVFormat::NL_X_NB_BSV4_BSS4,
+    EngineKVFormat::NB_NH_NL_TWO_BS_HS,
+    EngineKVFormat::NB_NL_NH_TWO_BS_HS,
 };
 
 // Everything derived about one format.
@@ -245,6 +249,12 @@ false, false, true, false, false, false, false, false, false, false, true, false
     case EngineKVFormat::NL_X_NB_BSV4_BSS4:
       return FormatFacts{format, "NL_X_NB_BSV4_BSS4", "NL x [NB, BSxVALS4, BSxSCALES4]", 1, 1, false,
 false, false, true, true, false, false, false, false, false, false, true, true, false, false};
+    case EngineKVFormat::NB_NH_NL_TWO_BS_HS:
+      return FormatFacts{format, "NB_NH_NL_TWO_BS_HS", "[NB, NH, NL, 2, BS, HS]", 2, 0, false,
+true, false, false, false, true, false, false, false, false, false, true, false, false, true};
+    case EngineKVFormat::NB_NL_NH_TWO_BS_HS:
+      return FormatFacts{format, "NB_NL_NH_TWO_BS_HS", "[NB, NL, NH, 2, BS, HS]", 2, 0, false,
+true, false, false, false, true, false, false, false, false, false, true, false, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

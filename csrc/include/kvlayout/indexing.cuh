@@ -463,6 +463,28 @@ KVLAYOUT_HOST_DEVICE inline Location nl_x_nb_bsv4_bss4(const Sizes& s, std::int6
   return Location{c.layer, c.block * stride0 + ((col1 < 64 ? s.bs * 0 + c.token * 64 + (col1 - 0) : s.bs * 64 + c.token * 4 + (col1 - 64))) * stride1};
 }
 
+// 40: NB_NH_NL_TWO_BS_HS = [NB, NH, NL, 2, BS, HS]
+KVLAYOUT_HOST_DEVICE inline Location nb_nh_nl_two_bs_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.bs;
+  const std::int64_t stride2 = stride3 * 2;
+  const std::int64_t stride1 = stride2 * s.nl;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nh;
+  return Location{0, c.block * stride0 + c.head * stride1 + c.layer * stride2 + c.kv * stride3 + c.token * stride4 + c.elem * stride5};
+}
+
+// 41: NB_NL_NH_TWO_BS_HS = [NB, NL, NH, 2, BS, HS]
+KVLAYOUT_HOST_DEVICE inline Location nb_nl_nh_two_bs_hs(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride5 = 1;
+  const std::int64_t stride4 = stride5 * s.hs;
+  const std::int64_t stride3 = stride4 * s.bs;
+  const std::int64_t stride2 = stride3 * 2;
+  const std::int64_t stride1 = stride2 * s.nh;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nl;
+  return Location{0, c.block * stride0 + c.layer * stride1 + c.head * stride2 + c.kv * stride3 + c.token * stride4 + c.elem * stride5};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -548,6 +570,10 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nl_x_nb_kv_one_bs_nh_hs(s, block_stride, c);
     case EngineKVFormat::NL_X_NB_BSV4_BSS4:
       return indexing::nl_x_nb_bsv4_bss4(s, block_stride, c);
+    case EngineKVFormat::NB_NH_NL_TWO_BS_HS:
+      return indexing::nb_nh_nl_two_bs_hs(s, block_stride, c);
+    case EngineKVFormat::NB_NL_NH_TWO_BS_HS:
+      return indexing::nb_nl_nh_two_bs_hs(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -833,6 +859,20 @@ template <>
 struct Indexer<EngineKVFormat::NL_X_NB_BSV4_BSS4> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nl_x_nb_bsv4_bss4(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_NH_NL_TWO_BS_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_nh_nl_two_bs_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_NL_NH_TWO_BS_HS> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_nl_nh_two_bs_hs(s, block_stride, c);
   }
 };
 

@@ -14,6 +14,7 @@ class EngineType(str, enum.Enum):
     TRTLLM = "trtllm"
     ATOM = "atom"
     MAX = "max"
+    KVBM = "kvbm"
 
     def __str__(self) -> str:
         return self.value
@@ -26,4 +27,5 @@ ENGINE_LABELS: dict[EngineType, str] = {
     EngineType.TRTLLM: "TRT-LLM",
     EngineType.ATOM: "ATOM",
     EngineType.MAX: "MAX",
+    EngineType.KVBM: "Dynamo KVBM",
 }

@@ -94,6 +94,10 @@ class EngineKVFormat(enum.IntEnum):
     """``NL x [NB, KV, 1, BS, NH, HS]``"""
     NL_X_NB_BSV4_BSS4 = 39
     """``NL x [NB, BSxVALS4, BSxSCALES4]``"""
+    NB_NH_NL_TWO_BS_HS = 40
+    """``[NB, NH, NL, 2, BS, HS]``"""
+    NB_NL_NH_TWO_BS_HS = 41
+    """``[NB, NL, NH, 2, BS, HS]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,14 +151,16 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NL_X_NB_BSK: Layout(lists=(NL,), tensor=(NB, BSK)),
     EngineKVFormat.NL_X_NB_KV_ONE_BS_NH_HS: Layout(lists=(NL,), tensor=(NB, KV, ONE, BS, NH, HS)),
     EngineKVFormat.NL_X_NB_BSV4_BSS4: Layout(lists=(NL,), tensor=(NB, BSV4, BSS4)),
+    EngineKVFormat.NB_NH_NL_TWO_BS_HS: Layout(lists=(), tensor=(NB, NH, NL, TWO, BS, HS)),
+    EngineKVFormat.NB_NL_NH_TWO_BS_HS: Layout(lists=(), tensor=(NB, NL, NH, TWO, BS, HS)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
 
 FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NB_NL_TWO_BS_NH_HS: FormatInfo(
-        backends=("vLLM CROSS_LAYER", "TRT-LLM cross-layer (NHD layout: FlashInfer and Vanilla attention)"),
-        engines=("vllm", "trtllm"),
+        backends=("vLLM CROSS_LAYER", "TRT-LLM cross-layer (NHD layout: FlashInfer and Vanilla attention)", "Dynamo KVBM fully contiguous pool, block layout OperationalNHD [nl, no, nt, nh, hd]"),
+        engines=("vllm", "trtllm", "kvbm"),
     ),
     EngineKVFormat.NL_X_TWO_NB_BS_NH_HS: FormatInfo(
         backends=("vLLM non-MLA flash attention",),
@@ -185,8 +191,8 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         engines=("vllm",),
     ),
     EngineKVFormat.NB_NL_TWO_NH_BS_HS: FormatInfo(
-        backends=("TRT-LLM cross-layer (HND layout)", "vLLM CROSS_LAYER (HND layout)"),
-        engines=("trtllm", "vllm"),
+        backends=("TRT-LLM cross-layer (HND layout)", "vLLM CROSS_LAYER (HND layout)", "Dynamo KVBM fully contiguous pool, block layout OperationalHND [nl, no, nh, nt, hd]"),
+        engines=("trtllm", "vllm", "kvbm"),
     ),
     EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS: FormatInfo(
         backends=("SGLang MHA via MP daemon (4-D inner)",),
@@ -237,8 +243,8 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
         engines=("max",),
     ),
     EngineKVFormat.NB_NL_ONE_BS_HS: FormatInfo(
-        backends=("TRT-LLM MLA (K-only pool, kv factor 1)",),
-        engines=("trtllm",),
+        backends=("TRT-LLM MLA (K-only pool, kv factor 1)", "Dynamo KVBM fully contiguous MLA pool (outer_dim 1, one head: every block layout reads alike)"),
+        engines=("trtllm", "kvbm"),
     ),
     EngineKVFormat.NL_X_NH_NB_BS_CS: FormatInfo(
         backends=("vLLM KVCacheLayout LHBNC: heads (or the backend's head slots) outside blocks, fused K/V",),
@@ -315,6 +321,14 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NL_X_NB_BSV4_BSS4: FormatInfo(
         backends=("vLLM MLA (DSA indexer k-cache, indexer_kv_dtype mxfp4: 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)", "SGLang DeepSeek-V4 indexer k-cache (DeepSeekV4IndexerPool, enable_deepseek_v4_fp4_indexer on CUDA)"),
         engines=("vllm", "sglang"),
+    ),
+    EngineKVFormat.NB_NH_NL_TWO_BS_HS: FormatInfo(
+        backends=("Dynamo KVBM fully contiguous pool, block layout UniversalTP [nh, nl, no, nt, hd] (TP-agnostic)",),
+        engines=("kvbm",),
+    ),
+    EngineKVFormat.NB_NL_NH_TWO_BS_HS: FormatInfo(
+        backends=("Dynamo KVBM fully contiguous pool, block layout UniversalPP [nl, nh, no, nt, hd]",),
+        engines=("kvbm",),
     ),
 }
 

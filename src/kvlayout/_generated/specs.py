@@ -8,11 +8,11 @@ from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_BS_NL_ONE_HS_Spec", "NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NL_BS_ONE_HS_Spec", "NB_NL_BSV_BSS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NBBS_NL_ONE_HS_Spec", "NL_NB_BS_ONE_HS_Spec", "NL_NB_BSV_BSS_Spec", "NL_NBBS_ONE_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSK_Spec", "NL_X_NB_BSV4_BSS4_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_KV_ONE_BS_NH_HS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_NB_BS_NL_NH_HS_Spec", "TWO_NB_NH_BS_NL_HS_Spec", "TWO_NB_NL_BS_NH_HS_Spec", "TWO_NBBS_NL_NH_HS_Spec", "TWO_NL_NB_BS_NH_HS_Spec", "TWO_NL_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NB_NH_BS_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_BS_NL_ONE_HS_Spec", "NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NH_NL_TWO_BS_HS_Spec", "NB_NL_BS_ONE_HS_Spec", "NB_NL_BSV_BSS_Spec", "NB_NL_NH_TWO_BS_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NBBS_NL_ONE_HS_Spec", "NL_NB_BS_ONE_HS_Spec", "NL_NB_BSV_BSS_Spec", "NL_NBBS_ONE_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSK_Spec", "NL_X_NB_BSV4_BSS4_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_KV_ONE_BS_NH_HS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_NB_BS_NL_NH_HS_Spec", "TWO_NB_NH_BS_NL_HS_Spec", "TWO_NB_NL_BS_NH_HS_Spec", "TWO_NBBS_NL_NH_HS_Spec", "TWO_NL_NB_BS_NH_HS_Spec", "TWO_NL_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NB_NH_BS_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
-    """``[NB, NL, 2, BS, NH, HS]``: vLLM CROSS_LAYER; TRT-LLM cross-layer (NHD layout: FlashInfer and Vanilla attention)."""
+    """``[NB, NL, 2, BS, NH, HS]``: vLLM CROSS_LAYER; TRT-LLM cross-layer (NHD layout: FlashInfer and Vanilla attention); Dynamo KVBM fully contiguous pool, block layout OperationalNHD [nl, no, nt, nh, hd]."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NB_NL_TWO_BS_NH_HS
@@ -541,7 +541,7 @@ class NL_X_NB_TWO_NH_BS_HS_Spec(KVFormatSpec):
 
 
 class NB_NL_TWO_NH_BS_HS_Spec(KVFormatSpec):
-    """``[NB, NL, 2, NH, BS, HS]``: TRT-LLM cross-layer (HND layout); vLLM CROSS_LAYER (HND layout)."""
+    """``[NB, NL, 2, NH, BS, HS]``: TRT-LLM cross-layer (HND layout); vLLM CROSS_LAYER (HND layout); Dynamo KVBM fully contiguous pool, block layout OperationalHND [nl, no, nh, nt, hd]."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NB_NL_TWO_NH_BS_HS
@@ -1342,7 +1342,7 @@ class NB_KV_NL_BS_NH_HS_Spec(KVFormatSpec):
 
 
 class NB_NL_ONE_BS_HS_Spec(KVFormatSpec):
-    """``[NB, NL, 1, BS, HS]``: TRT-LLM MLA (K-only pool, kv factor 1)."""
+    """``[NB, NL, 1, BS, HS]``: TRT-LLM MLA (K-only pool, kv factor 1); Dynamo KVBM fully contiguous MLA pool (outer_dim 1, one head: every block layout reads alike)."""
 
     __slots__ = ()
     engine_kv_format = EngineKVFormat.NB_NL_ONE_BS_HS
@@ -2639,6 +2639,138 @@ class NL_X_NB_BSV4_BSS4_Spec(KVFormatSpec):
         return [kv[layer].data_ptr() for layer in layers]
 
 
+class NB_NH_NL_TWO_BS_HS_Spec(KVFormatSpec):
+    """``[NB, NH, NL, 2, BS, HS]``: Dynamo KVBM fully contiguous pool, block layout UniversalTP [nh, nl, no, nt, hd] (TP-agnostic)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_NH_NL_TWO_BS_HS
+    layout = LAYOUTS[EngineKVFormat.NB_NH_NL_TWO_BS_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_NH_NL_TWO_BS_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = True
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = True
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[2]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[4]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[1]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[5]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[1] * shape[5]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "NH": self.kv.shape[1],
+            "NL": self.kv.shape[2],
+            "BS": self.kv.shape[4],
+            "HS": self.kv.shape[5],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
+class NB_NL_NH_TWO_BS_HS_Spec(KVFormatSpec):
+    """``[NB, NL, NH, 2, BS, HS]``: Dynamo KVBM fully contiguous pool, block layout UniversalPP [nl, nh, no, nt, hd]."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_NL_NH_TWO_BS_HS
+    layout = LAYOUTS[EngineKVFormat.NB_NL_NH_TWO_BS_HS]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_NL_NH_TWO_BS_HS].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = False
+    is_hnd = True
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = False
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = "HS"
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[4]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[4]
+
+    def kv_size(self) -> int:
+        return 2
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[5]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        shape = self.kv.shape
+        return shape[2] * shape[5]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "NL": self.kv.shape[1],
+            "NH": self.kv.shape[2],
+            "BS": self.kv.shape[4],
+            "HS": self.kv.shape[5],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -2681,4 +2813,6 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NL_X_NB_BSK_Spec,
     NL_X_NB_KV_ONE_BS_NH_HS_Spec,
     NL_X_NB_BSV4_BSS4_Spec,
+    NB_NH_NL_TWO_BS_HS_Spec,
+    NB_NL_NH_TWO_BS_HS_Spec,
 )

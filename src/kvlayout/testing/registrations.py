@@ -26,6 +26,7 @@ from kvlayout import Layout, layout_of
 from kvlayout.catalog.registry import format_info
 from kvlayout.detection import atom
 from kvlayout.detection.base import engine_formats, unfolded_twin
+from kvlayout.detection.kvbm import BLOCK_ORDERS, kvbm_layout
 from kvlayout.detection.sglang import DSV4_HEAD_DIM, hicache_layout
 from kvlayout.layout.algebra import kv_size, size_of, sizes_by_role
 from kvlayout.layout.vocabulary import Role
@@ -58,6 +59,8 @@ ENGINE_HINTS: dict[str, Any] = {
     "trtllm": _order,
     "atom": _order,
     "max": lambda lay: {},
+    # a latent pool is every KVBM block layout: its builder draws one
+    "kvbm": lambda lay: {"kvbm_layout": kvbm_layout(lay) or "operational_nhd"},
 }
 
 
@@ -399,6 +402,17 @@ def _trtllm_mla(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int,
     return RegistrationCase(engine, fmt, kv, hints, nl, nb, bs, nb * bs, 1, hs, dtype, [t], label)
 
 
+def _kvbm_mla(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
+              dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
+    """Dynamo KVBM's MLA pool (outer dim 1, one latent head) in any of its block layouts:
+    ``[NB, 1, NL, 1, BS, HS]`` (universal_tp), ``[NB, NL, 1, BS, 1, HS]`` (operational_nhd), ..."""
+    name = draw(st.sampled_from(sorted(BLOCK_ORDERS)))
+    dims = {Role.LAYER: nl, Role.KV: 1, Role.TOKEN: bs, Role.HEAD: 1}
+    (t,) = _alloc((nb, *(dims[r] for r in BLOCK_ORDERS[name]), hs), dtype, 1, "separate")
+    hints = {"kvbm_layout": name}
+    return RegistrationCase(engine, fmt, t, hints, nl, nb, bs, nb * bs, 1, hs, dtype, [t], f"kvbm mla {name}")
+
+
 def _atom(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
           dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     leaves = _alloc((nb, bs, hs), dtype, nl, _modes(draw, True))
@@ -582,6 +596,7 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
     ("trtllm", F.NB_NL_BSV_BSS): _trtllm_indexer,
     ("atom", F.NL_X_NB_BS_HS): _atom,
     ("max", F.NB_KV_NL_BS_NH_HS): _max,
+    ("kvbm", F.NB_NL_ONE_BS_HS): _kvbm_mla,
     ("max", F.NL_X_NB_KV_ONE_BS_NH_HS): _max_per_layer,
 }
 

@@ -186,8 +186,9 @@ def test_bad_attn_backend_values_are_refused(value: Any, message: str) -> None:
         LayoutHints.coerce({"attn_backend": value})
 
 
-def test_attn_backend_is_the_last_hint_and_kept_as_spelled() -> None:
-    assert dataclasses.fields(LayoutHints)[-1].name == "attn_backend"  # positional API
+def test_attn_backend_keeps_its_position_and_is_kept_as_spelled() -> None:
+    # positional API: hints added later (KVBM's kvbm_layout) come after it
+    assert [f.name for f in dataclasses.fields(LayoutHints)][-2:] == ["attn_backend", "kvbm_layout"]
     assert LayoutHints(attn_backend=" CPU_ATTN ").attn_backend == "CPU_ATTN"
     assert LayoutHints(attn_backend="TRITON_ATTN").attn_backend == "TRITON_ATTN"
 
