@@ -530,6 +530,43 @@ std::tuple<Problem, std::int64_t, std::int64_t, int> copy_groups(ConstGroups gro
   return {Problem::kNone, -1, -1, used};
 }
 
+// A map's groups and both sides' spans, copied out of Python's arrays once and validated
+// once (validate_groups): nothing of them can change after, so each copy() only copies. What
+// can change between copies, the tensors' memory, is the caller's to check first
+// (kvlayout.registration.memory.MemoryWatch). Keeps no Python array and converts none per call.
+class GroupCopy {
+ public:
+  GroupCopy(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans, kvlayout::PrefetchChoices* choices)
+      : src_(spans_of(src_spans, "src_spans")), dst_(spans_of(dst_spans, "dst_spans")), choices_(choices) {
+    const auto* g = groups_of(groups);
+    groups_.assign(g, g + groups.shape(0));
+    nb::gil_scoped_release release;
+    verdict_ = kvlayout::block_map::validate_groups(groups_.data(), groups_.size(), src_, dst_);
+  }
+
+  std::tuple<Problem, std::int64_t, std::int64_t> verdict() const {
+    return {verdict_.problem, verdict_.run, verdict_.other};
+  }
+
+  // The copy on up to num_threads pool threads (GIL released), returning the threads used;
+  // -1, copying nothing, where the verdict refuses the runs. A plain int: a tuple and an
+  // enum cost a small map's copy() some microseconds from cold caches.
+  int copy(int num_threads) {
+    if (verdict_.problem != Problem::kNone) return -1;
+    nb::gil_scoped_release release;
+    return kvlayout::block_map::copy_groups(groups_.data(), groups_.size(), num_threads, kMinBytesPerThread,
+                                            kvlayout::Prefetch::kAuto, choices_);
+  }
+
+  static constexpr std::uint64_t kMinBytesPerThread = 256 << 10;  // copy_groups' default
+
+ private:
+  std::vector<kvlayout::block_map::RunGroup> groups_;
+  std::vector<kvlayout::block_map::Span> src_, dst_;
+  kvlayout::PrefetchChoices* choices_;  // the map's pair's (kept alive by this object)
+  kvlayout::block_map::Verdict verdict_;
+};
+
 // -- NIXL plans' per-run passes (csrc/staging.h) -----------------------------------------
 
 template <class T>
@@ -803,6 +840,16 @@ NB_MODULE(_native, m) {
         "copy_runs over the runs a table of groups holds, read back a buffer at a time; prefetch -1 "
         "measures in choices (the PrefetchChoices the caller keeps for its copies) or, given None, in the "
         "ones copy_runs shares.");
+  nb::class_<GroupCopy>(m, "GroupCopy",
+                        "A map's groups and spans held for its copies: copied and validated once (validate_groups), "
+                        "then copied per call with no conversion or validation; the tensors' memory is the caller's "
+                        "to check before each call.")
+      .def(nb::init<ConstGroups, U64Rows, U64Rows, kvlayout::PrefetchChoices*>(), "groups"_a, "src_spans"_a,
+           "dst_spans"_a, "choices"_a, nb::keep_alive<1, 5>())
+      .def("verdict", &GroupCopy::verdict, "validate_groups' answer, (problem, run, other run), from construction.")
+      .def("copy", &GroupCopy::copy, "num_threads"_a,
+           "Copy on up to num_threads pool threads (prefetching as the choices measure; GIL released) and "
+           "return the threads used, or -1, copying nothing, where verdict() refuses the runs.");
   m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a,
         "(problem, run, other run): MapProblem.none when every run lies in one source and one destination "
         "tensor's blocks (spans: start, period, block, blocks), destination runs are disjoint and none reads "
