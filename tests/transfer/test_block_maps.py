@@ -829,6 +829,32 @@ def test_a_tampered_map_is_refused_before_a_byte_moves() -> None:
     assert all(not t.any() for t in dst.kv)
 
 
+def test_groups_a_map_is_given_after_its_first_copy_are_validated_before_a_byte_moves() -> None:
+    """The first copy() keeps the groups it validated (a copy of its own, which nothing
+    changes after); other groups given to the map after are validated in turn, and the
+    same groups changed in place are never read again."""
+    src, dst = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8)
+    torch.nn.init.normal_(src.kv[0])
+    m = block_map(src, dst, [0, 1], [2, 3])
+    m.copy()
+    good = m.runs.copy()
+    for t in dst.kv:
+        t.zero_()
+    runs = good.copy()
+    runs[1] = [8, good[1, 1], 512]
+    m._groups = _native.group_runs(runs)
+    with pytest.raises(
+        BlockMapError, match=r"run 1 .* its source bytes are outside every source tensor's blocks"
+    ):
+        m.copy()
+    assert all(not t.any() for t in dst.kv)
+    m._groups = _native.group_runs(good)
+    m.copy()
+    m._groups[:, 1] = 8  # in place: the copy reads the groups it validated
+    m.copy()
+    assert torch.equal(dst.kv[0][:, 2:4], src.kv[0][:, 0:2])
+
+
 # -- descriptions ------------------------------------------------------------------------------
 
 

@@ -292,6 +292,92 @@ def test_a_block_map_copied_after_either_cache_was_reallocated_raises_instead_of
     assert lines[-1].endswith("make its chunk_side() and the map again; nothing was copied"), lines[-1]
 
 
+def test_a_block_map_copied_before_the_cache_was_reallocated_refuses_the_next_copy() -> None:
+    """The first copy() keeps what later calls check (both sides' pointers and storages,
+    the runs validated once): each way an engine re-allocates or shrinks a tensor after it
+    (``t.resize_(0)`` and a storage of another size at the same address too) is refused as
+    before it, naming the tensor, and copies nothing (a stale copy crashes here)."""
+    code = """
+        import gc, numpy as np, torch, kvlayout
+        from kvlayout.transfer import BlockMapError, block_map
+        def cache():  # 1 MiB layers: freed memory is unmapped, so a stale copy crashes
+            kv = [torch.randn(2, 64, 16, 2, 64) for _ in range(2)]
+            return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+        for side in ("src", "dst"):
+            for label, change in REALLOCATIONS.items():
+                (src_kv, src), (dst_kv, dst) = cache(), cache()
+                m = block_map(src, dst, [3, 9, 4], [7, 0, 60])
+                m.copy()
+                t = (src_kv if side == "src" else dst_kv)[1]
+                exec(change)
+                gc.collect()
+                before = [x.clone() for x in dst_kv if x is not t]  # t may have no memory now
+                for _ in range(2):  # and again: a refusal keeps nothing that lets the next one pass
+                    try:
+                        m.copy()
+                        print(side, label, "| copied")
+                    except BlockMapError as e:
+                        print(side, label, "|", e)
+                after = [x for x in dst_kv if x is not t]
+                print(side, label, "| unchanged" if all(map(torch.equal, before, after)) else "| written")
+    """
+    changes = {
+        **REALLOCATIONS,
+        "t.resize_(bigger)": "t.resize_(2, 80, 16, 2, 64)",  # these layers' bigger
+        "t.resize_(0)": "t.resize_(0)",  # its data pointer is 0 now: no elements
+    }
+    lines = isolated(f"REALLOCATIONS = {changes!r}\n" + textwrap.dedent(code))
+    assert len(lines) == 2 * 3 * len(changes), lines
+    for line in lines:
+        side, message = line.split(" ")[0], line.partition(" | ")[2]
+        if message in ("unchanged", "written"):
+            assert message == "unchanged", line
+            continue
+        assert re.search(rf"^{side}: (the storage of )?kv_caches\[1\] was re-allocated", message), line
+        assert message.endswith("detect the registration again and build a new map; nothing was copied"), line
+
+
+def test_a_storage_swapped_at_the_same_address_after_a_copy_is_caught_by_its_size() -> None:
+    memory = np.zeros(2 * 2 * 8 * 4 * 2 * 16, dtype=np.float32)
+    kv = [torch.from_numpy(memory[i * 2048 : (i + 1) * 2048]).view(2, 8, 4, 2, 16) for i in range(2)]
+    reg = kvlayout.detect(kv, "vllm", HINTS)
+    dst_kv = cache()
+    m = block_map(reg, kvlayout.detect(dst_kv, "vllm", HINTS), [3], [5])
+    m.copy()
+    smaller = torch.from_numpy(memory[2048 : 2048 + 16]).untyped_storage()  # kv[1]'s first 64 bytes
+    kv[1].set_(smaller, 0, (16,), (1,))
+    assert kv[1].data_ptr() == reg.only_group().planes[0].data_ptrs[1]  # same address, a 64-byte storage now
+    with pytest.raises(BlockMapError, match=r"^src: the storage of kv_caches\[1\] .*\(64 bytes at"):
+        m.copy()
+
+
+def test_what_the_first_copy_keeps_watches_each_tensor_and_storage_once() -> None:
+    """A map within one cache watches its tensors once, not once a side; a tensor whose
+    class became a subclass since takes the checks with subclasses' hooks disabled."""
+    from kvlayout.registration.memory import MemoryWatch
+
+    kv = cache(3)
+    reg = kvlayout.detect(kv, "vllm", HINTS)
+    m = block_map(reg, reg, [0, 1], [4, 5])
+    m.copy()
+    placement = m.src._placement
+    assert placement is m.dst._placement and placement is not None
+    watch = MemoryWatch([placement, placement])
+    assert len(watch._tensors) == 3 and len(watch._owners) == 3 and len(watch._expected) == 9
+    assert watch.unmoved()
+    kv[2].mul_(2)  # writes in place change no address
+    assert watch.unmoved()
+    kv[2].__class__ = torch.nn.Parameter  # no method of it is called to answer
+    assert not watch.unmoved()
+    m.copy()  # the slow way: the checks pass
+    assert torch.equal(kv[2][:, 4:6], kv[2][:, 0:2])
+    kv[2].__class__ = torch.Tensor
+    kv[0].untyped_storage().resize_(0)
+    assert not watch.unmoved()
+    with pytest.raises(BlockMapError, match=r"^src: kv_caches\[0\] was re-allocated .* nothing was copied$"):
+        m.copy()
+
+
 def test_a_block_map_of_a_cache_reallocated_after_detection_is_refused_when_built() -> None:
     kv, other = cache(), cache()
     reg, dst = (kvlayout.detect(c, "vllm", HINTS) for c in (kv, other))

@@ -106,6 +106,21 @@ def test_a_tensor_subclass_s_code_does_not_run_between_the_checks_and_the_copy()
     assert torch.equal(torch.Tensor(kv[0])[:, 2:4], torch.Tensor(kv[0])[:, 0:2])
 
 
+def test_a_tensor_that_became_a_subclass_after_the_first_copy_runs_no_code_in_the_checks() -> None:
+    """The first copy() keeps what later ones check; a tensor whose class is a subclass's
+    by then (``t.__class__ = ...``) must not have its hook called by those checks."""
+    kv = cache()
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    m = block_map(reg, reg, [0, 1], [2, 3])
+    m.copy()
+    for t in kv:
+        t.__class__ = _Watched
+    _Watched.calls.clear()
+    m.copy()
+    assert _Watched.calls == []
+    assert torch.equal(torch.Tensor(kv[1])[:, 2:4], torch.Tensor(kv[1])[:, 0:2])
+
+
 def test_a_cache_used_by_a_block_map_is_freed_when_dropped_without_the_cyclic_collector() -> None:
     """The group keeps its map side in its memo; the side must not keep the group (a
     cycle would hold a dropped cache, GPU memory included, until gc runs)."""

@@ -29,10 +29,11 @@ import torch
 
 from kvlayout import _native
 from kvlayout.errors import index_ranges
-from kvlayout.registration.memory import HoldsAddresses
+from kvlayout.registration.memory import HoldsAddresses, MemoryWatch
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.shards import Shard, ShardError
 from kvlayout.transfer.arguments import (
+    MAX_THREADS,
     block_ids_arg,
     check_ids_in_range,
     check_written_once,
@@ -82,6 +83,8 @@ class BlockMap(HoldsAddresses):
     one step: ``csrc/run_groups.h``), so building it writes little; ``copy()`` reads them back a
     buffer at a time, and ``runs`` expands them on first use.
     """
+
+    _fast: tuple[Any, MemoryWatch] | None  # _make_fast()'s, from the first copy() on
 
     def __init__(
         self,
@@ -219,20 +222,64 @@ class BlockMap(HoldsAddresses):
         resizes while the copy runs is not seen (the check comes before the copy, as any
         torch copy reads a tensor that is not freed under it): a connector keeps its cache
         allocated while its copies run."""
+        try:
+            fast = self._fast
+        except AttributeError:  # the first call (no cached_property: its lock, held by a
+            fast = self._make_fast()  # thread at a fork(), would hang the child)
+        # The common call, with the fewest Python steps (from cold caches each costs some
+        # microseconds, more than a small map's copy can spare): a plain thread count, a CPU
+        # map whose runs were validated (once: they and the spans never change), both sides'
+        # memory where the map read it, every tensor a plain torch.Tensor (no caller code
+        # runs in the checks).
+        if (
+            fast is not None
+            and type(num_threads) is int
+            and 0 < num_threads <= MAX_THREADS
+            and fast[1].unmoved()
+        ):
+            used = fast[0].copy(num_threads)
+            if used < 0:
+                self._raise(*fast[0].verdict())
+            return used  # type: ignore[no-any-return]
         threads = threads_arg(num_threads, BlockMapError)
         # No caller code between the checks and the copy: a tensor subclass's
         # __torch_function__ would otherwise run in each data_ptr() the checks read.
         with torch._C.DisableTorchFunctionSubclass():
             return self._copy(threads)
 
+    def _make_fast(self) -> tuple[Any, MemoryWatch] | None:
+        """``_fast``, what a CPU map's ``copy()`` reads on every call, made on the first: the native
+        copy of its groups and spans (a ``_native.GroupCopy``, which validates them there,
+        once: it holds its own copy of them, which nothing changes after) and both sides'
+        memory watched as one. None where ``copy()`` refuses the map whatever its memory
+        (a side that is a peer's, sides on two devices) and off the CPU."""
+        src, dst = self.src, self.dst
+        fast: tuple[Any, MemoryWatch] | None = None
+        if src.live and dst.live and src.device == dst.device and src.device[0] == "cpu":
+            job = _native.GroupCopy(self._groups, src.spans, dst.spans, self._pair.prefetch)
+            fast = job, MemoryWatch(p for p in (src._placement, dst._placement) if p is not None)
+        self._fast = fast  # two threads making it at once make two alike: either serves
+        return fast
+
+    @property
+    def _groups(self) -> np.ndarray:
+        """The map's runs as groups (``csrc/run_groups.h``)."""
+        return self._group_table
+
+    @_groups.setter
+    def _groups(self, groups: np.ndarray) -> None:
+        # other groups (a test's tampered ones): what was made of the old ones goes
+        self._group_table = groups
+        for made in ("_fast", "runs"):
+            self.__dict__.pop(made, None)
+
     def _copy(self, threads: int) -> int:
         self._check_copy()
         if self.src.device[0] == "cpu":
-            problem, run, other, used = _native.copy_groups(
-                self._groups, self.src.spans, self.dst.spans, threads, choices=self._pair.prefetch
-            )
-            self._raise(problem, run, other)
-            return int(used)
+            fast = self.__dict__.get("_fast") or self._make_fast()
+            assert fast is not None  # _check_copy refuses the maps without it
+            self._raise(*fast[0].verdict())
+            return int(fast[0].copy(threads))
         self._raise(*_native.validate_groups(self._groups, self.src.spans, self.dst.spans))
         from kvlayout.transfer.cuda import copy_runs  # imports kvlayout._cuda only when called
 
