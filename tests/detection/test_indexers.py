@@ -40,13 +40,15 @@ def f16(*shape: int) -> torch.Tensor:
 def test_is_indexer_is_a_layout_fact_of_exactly_the_region_pages() -> None:
     # the engines' per-layer pages, SGLang's HiCache host pools of them (one tensor), and
     # SGLang's bf16 keys without scales (index_cache_dtype bfloat16), and vLLM's MXFP4
-    # pages (indexer_kv_dtype mxfp4: packed e2m1 values, then ue8m0 scales)
+    # pages (indexer_kv_dtype mxfp4: packed e2m1 values, then ue8m0 scales), and TRT-LLM's
+    # FP4 indexer pool of them (indexer_k_dtype fp4, one tensor)
     assert {f for f in F if kvlayout.is_indexer(f)} == {
         INDEXER,
         F.NL_NB_BSV_BSS,
         F.NB_NL_BSV_BSS,
         F.NL_X_NB_BSK,
         F.NL_X_NB_BSV4_BSS4,
+        F.NB_NL_BSV4_BSS4,
     }
     assert kvlayout.layout_of(INDEXER).is_indexer and kvlayout.get_spec_class(INDEXER).is_indexer
     assert kvlayout.catalog.registry.format_info(INDEXER).engines == ("vllm", "sglang")

@@ -1,9 +1,12 @@
 """TRT-LLM pools beyond the primary KV pool: the DSA indexer's K pool
 (``get_indexer_k_cache_pool()``: uint8, kv factor 1, each block its tokens' fp8 values,
-then their scales) is read as records, not as MLA latents; a list of several pools (VSWA,
+then their scales; or, under ``indexer_k_dtype="fp4"``, their packed e2m1 values, then
+their ue8m0 exponents) is read as records, not as MLA latents; a list of several pools (VSWA,
 or layers of different KV head counts) is refused with one message whatever its shapes."""
 
 from __future__ import annotations
+
+import re
 
 import pytest
 import torch
@@ -60,17 +63,108 @@ def test_indexer_pool_hints_are_checked() -> None:
         kvlayout.detect(_indexer_pool(), "trtllm")
     with pytest.raises(LayoutHintError, match="contradict"):
         kvlayout.detect(_indexer_pool(), "trtllm", {"tokens_per_block": BS, "head_dim": 64})
-    with pytest.raises(DetectionError, match="FP4 indexer"):  # 64 packed bytes and a 4-byte scale a token
-        kvlayout.detect(
-            torch.zeros(NB, NL, 1, BS * 68, dtype=torch.uint8), "trtllm", {"tokens_per_block": BS}
-        )
-    with pytest.raises(DetectionError, match=rf"flat dim {BS * 140} != tokens_per_block \({BS}\) \* 132"):
+    with pytest.raises(
+        LayoutHintError,
+        match=re.escape(
+            "contradict its one head of 64 value bytes and 4 scale bytes a token (head_dim 64 or 68 or 128)"
+        ),
+    ):
+        kvlayout.detect(_fp4_pool(), "trtllm", {"tokens_per_block": BS, "head_dim": 132})
+    with pytest.raises(
+        DetectionError, match=rf"flat dim {BS * 140} != tokens_per_block \({BS}\) \* 132 or 68"
+    ):
         kvlayout.detect(
             torch.zeros(NB, NL, 1, BS * 140, dtype=torch.uint8), "trtllm", {"tokens_per_block": BS}
         )
     padded = torch.zeros(NB, NL + 1, 1, BS * 132, dtype=torch.uint8)[:, :NL]  # blocks a layer apart
     with pytest.raises(DetectionError, match="with padded rows cannot be split into its tokens' records"):
         kvlayout.detect(padded, "trtllm", {"tokens_per_block": BS})
+
+
+FP4_VALUES, FP4_SCALES = 64, 4  # index_head_dim // 2 packed e2m1 bytes, one int32 of four ue8m0 exponents
+
+
+def _fp4_pool(nb: int = NB, seed: int = 5) -> torch.Tensor:
+    """``DSACacheManager`` under ``indexer_k_dtype="fp4"`` (``dsa/cache_manager.py``): the
+    C++ pool ``[NB, NL, 1, BS * 68]`` uint8, ``68 = index_head_dim // 2 + index_head_dim //
+    128 * 4``."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(
+        0, 256, (nb, NL, 1, BS * (FP4_VALUES + FP4_SCALES)), dtype=torch.uint8, generator=gen
+    )
+
+
+def _fp4_record(pool: torch.Tensor, block: int, layer: int, token: int) -> torch.Tensor:
+    """Token ``token``'s values and scale in block ``block`` as TRT-LLM lays them out
+    (``get_indexer_k_cache_buffers``' non-interleaved block: every token's data bytes,
+    then every token's scale bytes)."""
+    row = pool[block, layer, 0]
+    values = row[token * FP4_VALUES : (token + 1) * FP4_VALUES]
+    scale = row[BS * FP4_VALUES + token * FP4_SCALES : BS * FP4_VALUES + (token + 1) * FP4_SCALES]
+    return torch.cat([values, scale])
+
+
+@pytest.mark.parametrize("head_dim", [None, 128, 64, 68])
+def test_fp4_indexer_pool_moves_each_tokens_values_and_scale(head_dim: int | None) -> None:
+    """Under ``indexer_k_dtype="fp4"`` the indexer pool's records are 68 bytes, read as
+    ``NB_NL_BSV4_BSS4``: a request's tokens move between two pools record for record, a
+    partly filled last block its tokens only."""
+    src, dst = _fp4_pool(), torch.zeros(NB, NL, 1, BS * 68, dtype=torch.uint8)
+    hints = {"tokens_per_block": BS} | ({} if head_dim is None else {"head_dim": head_dim})
+    a, b = kvlayout.detect(src, "trtllm", hints), kvlayout.detect(dst, "trtllm", hints)
+    assert a.format is F.NB_NL_BSV4_BSS4 and a.kernel_groups[0].block_size == BS
+    assert block_map(a, b, [3, 1], [0, 2], num_tokens=BS + 1).copy() == 1
+    written = torch.zeros(NB, BS, dtype=torch.bool)
+    for p in range(BS + 1):
+        (sb, db), t = ((3, 0), (1, 2))[p // BS], p % BS
+        written[db, t] = True
+        for layer in range(NL):
+            assert torch.equal(_fp4_record(dst, db, layer, t), _fp4_record(src, sb, layer, t))
+    for blk in range(NB):
+        for t in range(BS):
+            if not written[blk, t]:
+                assert not any(_fp4_record(dst, blk, layer, t).any() for layer in range(NL))
+
+
+def test_fp4_indexer_pool_maps_to_vllms_mxfp4_indexer_pages() -> None:
+    """TRT-LLM's FP4 indexer blocks of 4 tokens into vLLM's ``indexer_kv_dtype="mxfp4"``
+    pages of 8 (``indexer_k_store.py``: values at ``pos * 64``, scales at ``block_size * 64
+    + pos * 4``), 6 tokens: one vLLM block from two TRT-LLM blocks, and back."""
+    src = _fp4_pool()
+    pages = [torch.zeros(4, 2 * BS * 68, dtype=torch.uint8).view(4, 2 * BS, 68) for _ in range(NL)]
+    vllm = kvlayout.detect(pages, "vllm")
+    assert vllm.format is F.NL_X_NB_BSV4_BSS4
+    trt = kvlayout.detect(src, "trtllm", {"tokens_per_block": BS})
+    assert block_map(trt, vllm, [4, 0], [3], num_tokens=BS + 2).copy() == 1
+
+    def vllm_record(layer: int, block: int, pos: int) -> torch.Tensor:
+        page = pages[layer][block].reshape(-1)
+        n = 2 * BS
+        return torch.cat([page[pos * 64 : (pos + 1) * 64], page[n * 64 + pos * 4 : n * 64 + (pos + 1) * 4]])
+
+    for p in range(BS + 2):
+        for layer in range(NL):
+            assert torch.equal(vllm_record(layer, 3, p), _fp4_record(src, (4, 0)[p // BS], layer, p % BS))
+    assert all(not vllm_record(layer, 3, p).any() for layer in range(NL) for p in range(BS + 2, 2 * BS))
+    assert not any(pages[layer][:3].any() for layer in range(NL))
+    back = torch.zeros_like(src)
+    assert (
+        block_map(
+            vllm, kvlayout.detect(back, "trtllm", {"tokens_per_block": BS}), [3], [1, 2], num_tokens=BS + 2
+        ).copy()
+        == 1
+    )
+    for p in range(BS + 2):
+        for layer in range(NL):
+            assert torch.equal(_fp4_record(back, (1, 2)[p // BS], layer, p % BS), vllm_record(layer, 3, p))
+
+
+def test_fp8_and_fp4_indexer_pools_do_not_map_to_each_other() -> None:
+    """Records of 132 and 68 bytes are other keys: no map pairs them."""
+    fp8 = kvlayout.detect(_indexer_pool(), "trtllm", {"tokens_per_block": BS})
+    fp4 = kvlayout.detect(_fp4_pool(), "trtllm", {"tokens_per_block": BS})
+    with pytest.raises(kvlayout.transfer.BlockMapError):
+        block_map(fp8, fp4, [0], [0])
 
 
 def test_a_bf16_k_only_pool_is_still_mla() -> None:

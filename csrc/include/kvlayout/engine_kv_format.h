@@ -52,9 +52,10 @@ enum class EngineKVFormat : std::int32_t {
   NL_X_NB_BSV4_BSS4 = 39,  // NL x [NB, BSxVALS4, BSxSCALES4]
   NB_NH_NL_TWO_BS_HS = 40,  // [NB, NH, NL, 2, BS, HS]
   NB_NL_NH_TWO_BS_HS = 41,  // [NB, NL, NH, 2, BS, HS]
+  NB_NL_BSV4_BSS4 = 42,  // [NB, NL, BSxVALS4, BSxSCALES4]
 };
 
-inline constexpr int kNumFormats = 42;
+inline constexpr int kNumFormats = 43;
 
 inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NB_NL_TWO_BS_NH_HS,
@@ -99,6 +100,7 @@ inline constexpr EngineKVFormat kAllFormats[kNumFormats] = {
     EngineKVFormat::NL_X_NB_BSV4_BSS4,
     EngineKVFormat::NB_NH_NL_TWO_BS_HS,
     EngineKVFormat::NB_NL_NH_TWO_BS_HS,
+    EngineKVFormat::NB_NL_BSV4_BSS4,
 };
 
 // Everything derived about one format.
@@ -255,6 +257,9 @@ true, false, false, false, true, false, false, false, false, false, true, false,
     case EngineKVFormat::NB_NL_NH_TWO_BS_HS:
       return FormatFacts{format, "NB_NL_NH_TWO_BS_HS", "[NB, NL, NH, 2, BS, HS]", 2, 0, false,
 true, false, false, false, true, false, false, false, false, false, true, false, false, false};
+    case EngineKVFormat::NB_NL_BSV4_BSS4:
+      return FormatFacts{format, "NB_NL_BSV4_BSS4", "[NB, NL, BSxVALS4, BSxSCALES4]", 1, 0, false,
+true, false, false, true, false, false, false, false, false, false, true, true, false, false};
   }
   if (known != nullptr) *known = false;
   return FormatFacts{format, "", "", 0, 0, false, false, false, false, false, false, false, false, false, false, false, false, false, false, false};

@@ -485,6 +485,15 @@ KVLAYOUT_HOST_DEVICE inline Location nb_nl_nh_two_bs_hs(const Sizes& s, std::int
   return Location{0, c.block * stride0 + c.layer * stride1 + c.head * stride2 + c.kv * stride3 + c.token * stride4 + c.elem * stride5};
 }
 
+// 42: NB_NL_BSV4_BSS4 = [NB, NL, BSxVALS4, BSxSCALES4]
+KVLAYOUT_HOST_DEVICE inline Location nb_nl_bsv4_bss4(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+  const std::int64_t stride2 = 1;
+  const std::int64_t stride1 = stride2 * s.bs * 68;
+  const std::int64_t stride0 = block_stride > 0 ? block_stride : stride1 * s.nl;
+  const std::int64_t col2 = c.elem;
+  return Location{0, c.block * stride0 + c.layer * stride1 + ((col2 < 64 ? s.bs * 0 + c.token * 64 + (col2 - 0) : s.bs * 64 + c.token * 4 + (col2 - 64))) * stride2};
+}
+
 }  // namespace indexing
 
 // The indexer of a format chosen at run time; {-1, -1} for a value that is not a format.
@@ -574,6 +583,8 @@ KVLAYOUT_HOST_DEVICE inline Location locate(EngineKVFormat format, const Sizes& 
       return indexing::nb_nh_nl_two_bs_hs(s, block_stride, c);
     case EngineKVFormat::NB_NL_NH_TWO_BS_HS:
       return indexing::nb_nl_nh_two_bs_hs(s, block_stride, c);
+    case EngineKVFormat::NB_NL_BSV4_BSS4:
+      return indexing::nb_nl_bsv4_bss4(s, block_stride, c);
   }
   return Location{-1, -1};
 }
@@ -873,6 +884,13 @@ template <>
 struct Indexer<EngineKVFormat::NB_NL_NH_TWO_BS_HS> {
   KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
     return indexing::nb_nl_nh_two_bs_hs(s, block_stride, c);
+  }
+};
+
+template <>
+struct Indexer<EngineKVFormat::NB_NL_BSV4_BSS4> {
+  KVLAYOUT_HOST_DEVICE static Location locate(const Sizes& s, std::int64_t block_stride, const Coord& c) {
+    return indexing::nb_nl_bsv4_bss4(s, block_stride, c);
   }
 };
 

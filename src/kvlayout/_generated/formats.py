@@ -98,6 +98,8 @@ class EngineKVFormat(enum.IntEnum):
     """``[NB, NH, NL, 2, BS, HS]``"""
     NB_NL_NH_TWO_BS_HS = 41
     """``[NB, NL, NH, 2, BS, HS]``"""
+    NB_NL_BSV4_BSS4 = 42
+    """``[NB, NL, BSxVALS4, BSxSCALES4]``"""
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +155,7 @@ LAYOUTS: dict[EngineKVFormat, Layout] = {
     EngineKVFormat.NL_X_NB_BSV4_BSS4: Layout(lists=(NL,), tensor=(NB, BSV4, BSS4)),
     EngineKVFormat.NB_NH_NL_TWO_BS_HS: Layout(lists=(), tensor=(NB, NH, NL, TWO, BS, HS)),
     EngineKVFormat.NB_NL_NH_TWO_BS_HS: Layout(lists=(), tensor=(NB, NL, NH, TWO, BS, HS)),
+    EngineKVFormat.NB_NL_BSV4_BSS4: Layout(lists=(), tensor=(NB, NL, BSV4, BSS4)),
 }
 
 LAYOUTS_BY_NAME: dict[str, Layout] = {fmt.name: layout for fmt, layout in LAYOUTS.items()}
@@ -329,6 +332,10 @@ FORMAT_INFO: dict[EngineKVFormat, FormatInfo] = {
     EngineKVFormat.NB_NL_NH_TWO_BS_HS: FormatInfo(
         backends=("Dynamo KVBM fully contiguous pool, block layout UniversalPP [nl, nh, no, nt, hd]",),
         engines=("kvbm",),
+    ),
+    EngineKVFormat.NB_NL_BSV4_BSS4: FormatInfo(
+        backends=("TRT-LLM DSA indexer K pool, FP4 (DSACacheManager under indexer_k_dtype fp4: uint8, kv factor 1, 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)",),
+        engines=("trtllm",),
     ),
 }
 

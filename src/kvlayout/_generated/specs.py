@@ -8,7 +8,7 @@ from kvlayout.catalog.spec import KVFormatSpec
 
 from .formats import FORMAT_INFO, LAYOUTS, EngineKVFormat
 
-__all__ = ["NB_BS_NL_ONE_HS_Spec", "NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NH_NL_TWO_BS_HS_Spec", "NB_NL_BS_ONE_HS_Spec", "NB_NL_BSV_BSS_Spec", "NB_NL_NH_TWO_BS_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NBBS_NL_ONE_HS_Spec", "NL_NB_BS_ONE_HS_Spec", "NL_NB_BSV_BSS_Spec", "NL_NBBS_ONE_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSK_Spec", "NL_X_NB_BSV4_BSS4_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_KV_ONE_BS_NH_HS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_NB_BS_NL_NH_HS_Spec", "TWO_NB_NH_BS_NL_HS_Spec", "TWO_NB_NL_BS_NH_HS_Spec", "TWO_NBBS_NL_NH_HS_Spec", "TWO_NL_NB_BS_NH_HS_Spec", "TWO_NL_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NB_NH_BS_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
+__all__ = ["NB_BS_NL_ONE_HS_Spec", "NB_KV_NL_BS_NH_HS_Spec", "NB_NH_NL_BS_CS_Spec", "NB_NH_NL_TWO_BS_HS_Spec", "NB_NL_BS_ONE_HS_Spec", "NB_NL_BSV4_BSS4_Spec", "NB_NL_BSV_BSS_Spec", "NB_NL_NH_TWO_BS_HS_Spec", "NB_NL_ONE_BS_HS_Spec", "NB_NL_TWO_BS_NH_HS_Spec", "NB_NL_TWO_NH_BS_HS_Spec", "NBBS_NL_ONE_HS_Spec", "NL_NB_BS_ONE_HS_Spec", "NL_NB_BSV_BSS_Spec", "NL_NBBS_ONE_HS_Spec", "NL_X_NB_BS_HS_Spec", "NL_X_NB_BS_NH_CS_Spec", "NL_X_NB_BS_NH_HS_Spec", "NL_X_NB_BS_NH_TWO_HS_Spec", "NL_X_NB_BSK_Spec", "NL_X_NB_BSV4_BSS4_Spec", "NL_X_NB_BSV_BSS_Spec", "NL_X_NB_KV_ONE_BS_NH_HS_Spec", "NL_X_NB_NH_BS_CS_Spec", "NL_X_NB_NH_BS_TWO_HS_Spec", "NL_X_NB_TWO_BS_NH_HS_Spec", "NL_X_NB_TWO_NH_BS_HS_Spec", "NL_X_NBBS_ONE_HS_Spec", "NL_X_NH_NB_BS_CS_Spec", "NL_X_NP_X_NB_BS_ONE_HS_Spec", "NL_X_TWO_NB_BS_NH_HS_Spec", "NL_X_TWO_NB_NH_BS_HS_Spec", "NL_X_TWO_NB_NH_ONE_BS_HS_Spec", "NL_X_TWO_X_NB_BS_NH_HS_Spec", "SPEC_CLASSES", "TWO_NB_BS_NL_NH_HS_Spec", "TWO_NB_NH_BS_NL_HS_Spec", "TWO_NB_NL_BS_NH_HS_Spec", "TWO_NBBS_NL_NH_HS_Spec", "TWO_NL_NB_BS_NH_HS_Spec", "TWO_NL_NBBS_NH_HS_Spec", "TWO_X_NL_X_NB_BS_NH_HS_Spec", "TWO_X_NL_X_NB_NH_BS_HS_Spec", "TWO_X_NL_X_NBBS_NH_HS_Spec"]
 
 
 class NB_NL_TWO_BS_NH_HS_Spec(KVFormatSpec):
@@ -2771,6 +2771,69 @@ class NB_NL_NH_TWO_BS_HS_Spec(KVFormatSpec):
         return [kv.data_ptr()]
 
 
+class NB_NL_BSV4_BSS4_Spec(KVFormatSpec):
+    """``[NB, NL, BSxVALS4, BSxSCALES4]``: TRT-LLM DSA indexer K pool, FP4 (DSACacheManager under indexer_k_dtype fp4: uint8, kv factor 1, 64 packed e2m1 bytes, then 4 ue8m0 scale bytes a token)."""
+
+    __slots__ = ()
+    engine_kv_format = EngineKVFormat.NB_NL_BSV4_BSS4
+    layout = LAYOUTS[EngineKVFormat.NB_NL_BSV4_BSS4]
+    attention_backends = FORMAT_INFO[EngineKVFormat.NB_NL_BSV4_BSS4].backends
+    is_cross_layer = True
+    is_kv_list = False
+    is_layer_list = False
+    is_mla = True
+    is_hnd = False
+    is_fused_packed = False
+    is_two_major = False
+    is_pbs_fused = False
+    is_kv_second_tuple = False
+    is_single_kv = False
+    has_leading_block_axis = True
+    is_indexer = True
+    is_head_outer = False
+    is_layer_inner = False
+    row_symbol = None
+    row_divisor = 1
+
+    def num_layers(self) -> int:
+        return self.kv.shape[1]
+
+    def num_blocks(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0]
+
+    def block_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[2]
+
+    def page_buffer_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[0] * self.kv.shape[2]
+
+    def kv_size(self) -> int:
+        return 1
+
+    def num_heads(self, layer_idx: int = 0) -> int:
+        return 1
+
+    def head_size(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def hidden_dim(self, layer_idx: int = 0) -> int:
+        return self.kv.shape[3]
+
+    def dtype(self, layer_idx: int = 0) -> object:
+        return self.kv.dtype
+
+    def sizes(self, layer_idx: int = 0) -> dict[str, int]:
+        return {
+            "NB": self.kv.shape[0],
+            "NL": self.kv.shape[1],
+            "BS": self.kv.shape[2],
+        }
+
+    def data_ptrs(self, layer_indices: Sequence[int] | None = None) -> list[int]:
+        kv = self.kv
+        return [kv.data_ptr()]
+
+
 # Indexed by format value (None where a value is unused).
 SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NB_NL_TWO_BS_NH_HS_Spec,
@@ -2815,4 +2878,5 @@ SPEC_CLASSES: tuple[type[KVFormatSpec] | None, ...] = (
     NL_X_NB_BSV4_BSS4_Spec,
     NB_NH_NL_TWO_BS_HS_Spec,
     NB_NL_NH_TWO_BS_HS_Spec,
+    NB_NL_BSV4_BSS4_Spec,
 )

@@ -13,13 +13,17 @@ bytes where an NHD backend wrote). A kv factor of 1 is TRT-LLM's MLA cache
 (``CacheType.SELFKONLY``): one latent head, the row split into ``[NB, NL, 1, BS, HS]``
 by ``tokens_per_block`` and ``head_dim`` (``num_kv_heads``, if sent, must be 1); a 6-D
 K-only pool may put its head axis of 1 before or after the tokens. A uint8 K-only pool is
-the DSA indexer's K pool (``get_indexer_k_cache_pool()``, each block its tokens' fp8 values
-then their scales), read as ``[NB, NL, BSxVALS, BSxSCALES]`` given ``tokens_per_block``.
+the DSA indexer's K pool (``get_indexer_k_cache_pool()``, each block its tokens' values
+then their scales), read given ``tokens_per_block`` by its bytes a token: 132 (fp8: 128
+values and a float32 scale) as ``[NB, NL, BSxVALS, BSxSCALES]``, 68 (``DSACacheManager``
+under ``indexer_k_dtype="fp4"``: ``index_head_dim // 2`` bytes of packed e2m1 values and
+one int32 of four ue8m0 exponents) as ``[NB, NL, BSxVALS4, BSxSCALES4]``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -136,34 +140,58 @@ def _indexer(pool: Any, hints: LayoutHints) -> tuple[EngineKVFormat, Discoverabl
     """The DSA indexer's K pool (``get_indexer_k_cache_pool()``): uint8, kv factor 1, each
     block the values of its ``tokens_per_block`` tokens, then their scales. Only this pool
     is uint8 (NVFP4 KV is int8, FP8 KV float8): read as a blocked-scale format, a view,
-    never as MLA latents (a token's row is not its record)."""
+    never as MLA latents (a token's row is not its record). Which format is the record's
+    width: TRT-LLM's ``DSACacheManager`` stores ``index_head_dim`` fp8 bytes a token, or
+    ``index_head_dim // 2`` under ``indexer_k_dtype="fp4"`` (two e2m1 codes a byte), then
+    ``index_head_dim // 128 * 4`` scale bytes (``get_indexer_k_cache_buffers``)."""
     shape = tuple(pool.shape)
-    fmt = next(f for f in engine_formats(ENGINE) if LAYOUTS[f].is_indexer)
-    layout = LAYOUTS[fmt]
-    run = algebra.structure(layout).region_mode
-    assert run is not None
-    values, scales = (span.token.region.width for span in run.regions if span.token.region)
-    width = values + scales
-    where = f"TRT-LLM uint8 K-only pool {shape} (the DSA indexer's K pool [NB, NL, 1, BS*{width}])"
+    records = {_record(f): f for f in engine_formats(ENGINE) if LAYOUTS[f].is_indexer}
+    widths = _either(f"BS*{v + s}" for v, s in records)
+    where = f"TRT-LLM uint8 K-only pool {shape} (the DSA indexer's K pool [NB, NL, 1, {widths}])"
     bs = hints.tokens_per_block
     if bs is None:
         raise LayoutHintError(f"{where} needs layout hint tokens_per_block to split its rows")
-    if hints.num_kv_heads not in (None, 1) or hints.head_dim not in (None, values, width):
+    fit = [(v, s) for v, s in records if shape[3] == bs * (v + s)]
+    if not fit:
+        known = "; ".join(
+            f"{v} value bytes and {s} scale bytes a token ({LAYOUTS[f].name})"
+            for (v, s), f in records.items()
+        )
+        raise DetectionError(
+            f"{where}: flat dim {shape[3]} != tokens_per_block ({bs}) * {_either(sum(r) for r in records)}; "
+            f"kvlayout reads the indexer keys TRT-LLM writes: {known}"
+        )
+    values, scales = fit[0]
+    fmt = records[(values, scales)]
+    # head_dim may name the record's bytes, its value bytes or index_head_dim (the values'
+    # count: fp4 packs two a byte)
+    heads = {values, values + scales, _INDEX_HEAD_DIM}
+    if hints.num_kv_heads not in (None, 1) or hints.head_dim not in (None, *heads):
         raise LayoutHintError(
             f"{where}: layout hints num_kv_heads={hints.num_kv_heads} and head_dim={hints.head_dim} "
-            f"contradict its one head of {values} fp8 values and a {scales}-byte scale a token "
-            f"(head_dim {values} or {width})"
-        )
-    if shape[3] != bs * width:
-        raise DetectionError(
-            f"{where}: flat dim {shape[3]} != tokens_per_block ({bs}) * {width}; kvlayout reads fp8 indexer "
-            f"keys ({values} values and a {scales}-byte scale a token), not others (an FP4 indexer's are "
-            "narrower)"
+            f"contradict its one head of {values} value bytes and {scales} scale bytes a token "
+            f"(head_dim {_either(sorted(heads))})"
         )
     if not pool.is_contiguous():
         raise DetectionError(f"{where} with padded rows cannot be split into its tokens' records")
+    layout = LAYOUTS[fmt]
     sizes = sizes_by_role(layout, {Role.BLOCK: shape[0], Role.LAYER: shape[1], Role.TOKEN: bs})
     return fmt, pool.view(layout.tensor_shape(sizes))
+
+
+_INDEX_HEAD_DIM = 128  # DeepSeek-V3.2's index_head_dim, the indexer keys' value count
+
+
+def _either(items: Iterable[object]) -> str:
+    return " or ".join(str(item) for item in items)
+
+
+def _record(fmt: EngineKVFormat) -> tuple[int, int]:
+    """An indexer format's bytes a token: its value region's, then its scale region's."""
+    run = algebra.structure(LAYOUTS[fmt]).region_mode
+    assert run is not None
+    values, scales = (span.token.region.width for span in run.regions if span.token.region)
+    return values, scales
 
 
 def _unflatten(pool: Any, hints: LayoutHints, hnd: bool) -> Any:

@@ -454,11 +454,15 @@ def _sglang_indexer_host(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int,
 def _trtllm_indexer(draw: st.DrawFn, engine: str, fmt: F, nl: int, nb: int, bs: int, nh: int, hs: int,
                     dtype: torch.dtype) -> RegistrationCase:  # fmt: skip
     """TRT-LLM's DSA indexer K pool (``get_indexer_k_cache_pool()``): uint8, kv factor 1,
-    ``[NB, NL, 1, bs * 132]``, each block its tokens' fp8 values, then their scales."""
-    pool = torch.zeros((nb, nl, 1, bs * 132), dtype=torch.uint8)
-    hints = {"tokens_per_block": bs, **draw(st.sampled_from([{}, {"head_dim": 132}, {"head_dim": 128}]))}
+    ``[NB, NL, 1, bs * width]``, each block its tokens' values, then their scales (width
+    132: fp8 values and a float32 scale; 68: ``indexer_k_dtype="fp4"``, packed e2m1 values
+    and four ue8m0 exponents)."""
+    layout = layout_of(fmt)
+    width = layout.tensor_shape(sizes_by_role(layout, {Role.LAYER: 1, Role.BLOCK: 1, Role.TOKEN: 1}))[-1]
+    pool = torch.zeros((nb, nl, 1, bs * width), dtype=torch.uint8)
+    hints = {"tokens_per_block": bs, **draw(st.sampled_from([{}, {"head_dim": width}, {"head_dim": 128}]))}
     return RegistrationCase(
-        engine, fmt, pool, hints, nl, nb, bs, nb * bs, 1, 132, torch.uint8, [pool], "indexer"
+        engine, fmt, pool, hints, nl, nb, bs, nb * bs, 1, width, torch.uint8, [pool], "indexer"
     )
 
 
@@ -594,6 +598,7 @@ _BUILDERS: dict[tuple[str, F], Builder] = {
     ("trtllm", F.NB_NL_TWO_NH_BS_HS): _trtllm,
     ("trtllm", F.NB_NL_ONE_BS_HS): _trtllm_mla,
     ("trtllm", F.NB_NL_BSV_BSS): _trtllm_indexer,
+    ("trtllm", F.NB_NL_BSV4_BSS4): _trtllm_indexer,
     ("atom", F.NL_X_NB_BS_HS): _atom,
     ("max", F.NB_KV_NL_BS_NH_HS): _max,
     ("kvbm", F.NB_NL_ONE_BS_HS): _kvbm_mla,
