@@ -368,3 +368,59 @@ def test_layer_zeros_alias_under_per_layer_buffers_is_refused() -> None:
     per_layer = {k: v for k, v in _sent(4).items() if k != "layout_format"}  # format 38's own name
     assert kvlayout.detect(layers, "max", per_layer).kernel_groups[0].format is F.NL_X_NB_KV_ONE_BS_NH_HS
     assert kvlayout.detect(layers[0], "max", {**_sent(4), "num_layers": 1}).kernel_groups[0].format is MAX
+
+
+def _compressed(pages: int, page_size: int, ratio: int, seed: int) -> tuple[torch.Tensor, dict[str, Any]]:
+    """An MLA cache whose attention caches one entry for each ``ratio`` tokens
+    (``KVCacheParams.slots_per_page = page_size // ratio``, ``cache_params.py``): the buffer is
+    ``shape_per_block`` ``[kv_dim 1, NL, slots_per_page, 1, head_dim]`` a page, and MAX's
+    LMCache MP connector (``_register_kv_caches``) sends ``tokens_per_block`` and
+    ``page_size`` = ``params.page_size``, the tokens a page covers."""
+    g = torch.Generator().manual_seed(seed)
+    buf = torch.randn(pages, 1, 3, page_size // ratio, 1, 64, generator=g).to(torch.bfloat16)
+    sent = {
+        **SENT, "num_layers": 3, "kv_dim": 1, "tokens_per_block": page_size, "page_size": page_size,
+        "num_kv_heads": 1, "head_dim": 64, "total_num_blocks": pages,
+    }  # fmt: skip
+    return buf, sent
+
+
+def test_compressed_pages_read_with_the_page_size_max_sends() -> None:
+    """A page of ``page_size`` tokens holds ``slots_per_page`` entries: MAX's hints name the
+    tokens, the buffer's BS axis the entries; the registration's blocks are its entries,
+    and a request of ``n`` tokens holds ``n // ratio`` of them (MAX writes entry ``e`` once
+    its tokens are in: ``cutoff = (pos + 1) // RATIO`` in MAX's indexer test). Entry ``e``
+    of a request sits in page ``lut[e // spp]``, slot ``e % spp`` (its numpy reference:
+    ``blocks[lut[e // spp], 0, layer, e % spp, 0]``); a map moves them, entry for entry,
+    into a cache of pages twice as long."""
+    src, sent = _compressed(8, 16, 4, seed=11)  # 4 entries a page
+    dst, dst_sent = _compressed(5, 32, 4, seed=12)  # 8 entries a page
+    dst.zero_()
+    a, b = kvlayout.detect(src, "max", sent), kvlayout.detect(dst, "max", dst_sent)
+    assert (a.format, a.kernel_groups[0].block_size, b.kernel_groups[0].block_size) == (MAX, 4, 8)
+    tokens, src_lut, dst_lut = 37, [5, 2, 7], [1, 3]
+    entries = tokens // 4  # 9: the last token's run is not complete
+    assert kvlayout.transfer.block_map(a, b, src_lut, dst_lut, num_tokens=entries).copy() == 1
+    written = torch.zeros(5, 8, dtype=torch.bool)
+    for e in range(entries):
+        page, slot = dst_lut[e // 8], e % 8
+        written[page, slot] = True
+        assert torch.equal(dst[page, 0, :, slot, 0], src[src_lut[e // 4], 0, :, e % 4, 0])
+    assert not dst.permute(0, 3, 1, 2, 4, 5)[~written].any()
+    back = torch.zeros_like(src)
+    assert kvlayout.transfer.block_map(b, kvlayout.detect(back, "max", sent), dst_lut, [0, 1, 4]).copy() == 1
+    assert torch.equal(back[[0, 1]], src[[5, 2]]) and torch.equal(back[4, :, :, :1], src[7, :, :, :1])
+
+
+def test_a_page_size_its_slots_do_not_divide_is_refused() -> None:
+    buf, sent = _compressed(8, 16, 4, seed=13)
+    with pytest.raises(
+        kvlayout.LayoutHintError,
+        match=re.escape(
+            "MAX: layout hint tokens_per_block=18 contradicts NB_KV_NL_BS_NH_HS, whose BS is 4: the slots of a "
+            "page (KVCacheParams.slots_per_page) divide the tokens it covers (page_size)"
+        ),
+    ):
+        kvlayout.detect(buf, "max", {**sent, "tokens_per_block": 18, "page_size": 18})
+    with pytest.raises(kvlayout.LayoutHintError, match="whose BS is 4"):
+        kvlayout.detect(buf, "max", {**sent, "tokens_per_block": 2, "page_size": 2})

@@ -22,7 +22,14 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import get_spec
 from kvlayout.detection.base import DetectionError, check_size_hints, engine_formats, probe, validate
-from kvlayout.detection.registry import get_detector, hint_owners, mixed_check, mixed_split, view_pooling
+from kvlayout.detection.registry import (
+    get_detector,
+    hint_owners,
+    mixed_check,
+    mixed_split,
+    size_hint_reading,
+    view_pooling,
+)
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.vocabulary import Axis, Role, kv_layout_axes
@@ -192,9 +199,12 @@ def _discover(
         except (KVLayoutError, TypeError):
             raise refused from None
         normalized = retry
-    # every engine's size hints, checked against the leaves as the format reads them
+    # every engine's size hints, checked against the leaves as the format reads them (and
+    # as the engine means them, where it says)
     leaf = first_leaf(out)
-    check_size_hints(engine, fmt, leaf.shape, _page_hints(hints, leaf), lambda: probe(normalized).describe())
+    reading = size_hint_reading(engine)
+    sized = hints if reading is None else reading(out, fmt, hints)
+    check_size_hints(engine, fmt, leaf.shape, _page_hints(sized, leaf), lambda: probe(normalized).describe())
     if hints.layout_format is not None and hints.layout_format != fmt.name:
         raise LayoutHintError(
             f"layout hint layout_format={hints.layout_format!r} contradicts the registration, which "

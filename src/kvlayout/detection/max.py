@@ -6,7 +6,12 @@ one-element list of it); KV is 2 (K and V) or 1 (MLA, one latent plane). Under
 MAX sends its sizes as hints (``num_layers``, ``kv_dim``, ``tokens_per_block`` and its
 alias ``page_size``, ``num_kv_heads``, ``head_dim``, ``total_num_blocks``) and the
 format's name as ``layout_format``: the buffer needs none of them, and every one given
-is checked against it. LMCache's MAX branch reads no hints.
+is checked against it. LMCache's MAX branch reads no hints. MAX's ``page_size`` is the
+tokens a page covers, and the buffer's BS axis its ``slots_per_page`` (``KVCacheParams.
+shape_per_block``), fewer where attention caches one entry for each run of ``page_size //
+slots_per_page`` tokens (a compressed latent or pooled key, MAX's DSA-style indexer): the
+hint must be a multiple of the slots, and the registration's blocks are its slots, a
+request's ``n`` tokens ``n // ratio`` entries (the ones MAX has written).
 
 What MAX hands its own copy paths is no registration: ``KVCacheBuffer.to_memory()``
 re-views each TP shard's buffer as ``[num_pages, bytes_per_page]`` uint8 (its
@@ -19,12 +24,15 @@ FP8 cache's values and scales, which ``all_buffers`` lists together).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
 
-from kvlayout._generated.formats import EngineKVFormat
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.detection.base import DetectionError, pick, probe
+from kvlayout.layout.vocabulary import Role
+from kvlayout.registration.nesting import first_leaf
 from kvlayout.types import DiscoverableKVCache, EngineType, LayoutHintError, LayoutHints
 
 ENGINE = EngineType.MAX
@@ -66,6 +74,26 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             f"{e} (a list is MAX's per-layer buffers; its per-device buffers, one per TP shard, "
             "are each a registration of their own)"
         ) from e
+
+
+def size_hints(kv: Any, fmt: EngineKVFormat, hints: LayoutHints) -> LayoutHints:
+    """The hints MAX's buffer is checked against: its ``tokens_per_block`` (``page_size``,
+    what MAX sends) read as the tokens a page covers, which its slots (the BS axis,
+    ``slots_per_page``) divide; ``ratio = page_size // slots_per_page`` tokens make one
+    cached entry. Other hints are checked as they are."""
+    tokens = hints.tokens_per_block
+    axis = LAYOUTS[fmt].axis_of(Role.TOKEN)
+    if tokens is None or axis is None:
+        return hints
+    slots = int(first_leaf(kv).shape[axis])
+    if tokens == slots:
+        return hints
+    if slots < 1 or tokens % slots:
+        raise LayoutHintError(
+            f"MAX: layout hint tokens_per_block={tokens} contradicts {fmt.name}, whose BS is {slots}: the "
+            "slots of a page (KVCacheParams.slots_per_page) divide the tokens it covers (page_size)"
+        )
+    return dataclasses.replace(hints, tokens_per_block=slots, page_size=None)
 
 
 def refuse_mixed(kv: list[Any], hints: LayoutHints) -> None:

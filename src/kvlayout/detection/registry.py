@@ -9,7 +9,10 @@ a mixture is served as, one kernel group each; and ``pool_views(kv, hints)``, as
 caller's registration before anything else: the one tensor a list of per-layer views
 tiles (vLLM's ``BHLNC``), detected in its place, and the hints it reads with;
 ``indexer_format(tensor)``, the DSA indexer format a layer its detector re-views as opaque
-pages holds (vLLM's on ROCm), or None; and ``OWN_HINTS``, the layout hints no other
+pages holds (vLLM's on ROCm), or None; ``size_hints(kv, fmt, hints)``, the size hints the
+detected leaves are checked against where a hint the engine sends means other than an
+axis (MAX's ``page_size``: the tokens a page covers, whose slot axis may hold fewer);
+and ``OWN_HINTS``, the layout hints no other
 engine reads (SGLang's ``hicache_layout``): one given to another engine is an error, not
 ignored.
 """
@@ -32,6 +35,7 @@ __all__ = [
     "IndexerRows",
     "MixedCheck",
     "MixedSplit",
+    "SizeHints",
     "ViewPooling",
     "detectors",
     "get_detector",
@@ -39,6 +43,7 @@ __all__ = [
     "indexer_rows",
     "mixed_check",
     "mixed_split",
+    "size_hint_reading",
     "view_pooling",
 ]
 
@@ -51,6 +56,8 @@ IndexerRows = Callable[[Any], "EngineKVFormat | None"]
 """The DSA indexer format a layer holds where its detector reads it as opaque pages, or None."""
 ViewPooling = Callable[[Any, LayoutHints], "tuple[Any, LayoutHints] | None"]
 """The tensor a registration's views tile and the hints it reads with, or None."""
+SizeHints = Callable[[Any, EngineKVFormat, LayoutHints], LayoutHints]
+"""The size hints a detected registration's leaves are checked against."""
 
 
 @functools.cache
@@ -112,3 +119,9 @@ def get_detector(engine: EngineType) -> Detector:
     if detector is None:
         raise KVLayoutError(f"no KV cache detector for serving engine {engine.value}")
     return detector
+
+
+def size_hint_reading(engine: EngineType) -> SizeHints | None:
+    """The engine's ``size_hints``, if its detector module has one."""
+    module = _modules().get(engine)
+    return None if module is None else getattr(module, "size_hints", None)
