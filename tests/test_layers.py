@@ -285,7 +285,7 @@ def test_the_tests_mirror_the_package() -> None:
     for name in LAYER_PACKAGES:
         if name != "testing":  # kvlayout.testing is tested by every folder that uses it
             assert (ROOT / "tests" / name).is_dir(), f"tests/{name}/ is missing"
-    for engine in ("vllm", "sglang", "atom", "trtllm"):
+    for engine in ("vllm", "sglang", "atom", "trtllm", "max"):
         assert (ROOT / "tests" / "integrations" / engine).is_dir()
 
 
@@ -314,6 +314,7 @@ PUBLIC_MODULES = {
     "kvlayout.integrations.sglang": ["MAMBA_TYPES", "MambaPoolError", "mamba_state_pools"],
     "kvlayout.integrations.atom": ["IndexerPagesError", "ShuffledPoolError", "indexer_pages", "shuffled_kv_pools"],
     "kvlayout.integrations.trtllm": ["KvCacheLayoutError", "MambaStateError", "kv_cache_layout_pools", "mamba_state_pools"],
+    "kvlayout.integrations.max": ["RecurrentStateError", "recurrent_state_pages"],
     "kvlayout.transfer.nixl": [  # before it was split into modules
         "DEFAULT_COST", "CostModel", "Descriptors", "Estimate", "LocalSide", "MapSide", "NixlError",
         "NixlMap", "NixlTimeoutError", "PeerStaging", "Plan", "Prepped", "PreppedList",

@@ -126,7 +126,9 @@ def _refuse_byte_pages(kv: Any) -> None:
                 "KVTransferEngine, host tier and dKV copy whole), which says nothing of the K/V planes, "
                 "layers, tokens and heads of a page; register the buffer it views, "
                 "KVCacheBuffer.values[shard] [NB, KV, NL, BS, NH, HS] (the same memory: a page is the "
-                "same bytes), and an FP8 cache's KVCacheBuffer.scales[shard] as a registration of its own"
+                "same bytes), and an FP8 cache's KVCacheBuffer.scales[shard] as a registration of its own; "
+                "a RecurrentStateBuffer's pages view no other buffer: read them with "
+                "kvlayout.integrations.max.recurrent_state_pages(buffer)"
             )
 
 
