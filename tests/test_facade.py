@@ -126,8 +126,11 @@ def test_every_format_renders_from_its_registration_and_its_descriptor(fmt: F) -
     assert kvlayout.get_attention_backend(fmt) == spec.attention_backends[0]
 
 
+UNKNOWN = max(F) + 1  # one past the last format's value
+
+
 def test_unknown_formats_are_diagnosed_not_raised() -> None:
-    assert kvlayout.get_attention_backend(42) == "Unknown (42)"
+    assert kvlayout.get_attention_backend(UNKNOWN) == f"Unknown ({UNKNOWN})"
     assert kvlayout.get_engine_kv_shape_description("NL_X_FOO") == "Unknown (NL_X_FOO)"
     assert kvlayout.get_concrete_engine_kv_shape([t(7, 3, 4)], 99) == "Unknown (99)"
     desc = PageBufferShapeDesc(2, 1, 1, 1, 1, 1, 2, 0)
@@ -154,8 +157,8 @@ def test_accessors_accept_values_and_names_and_misfits_are_clear() -> None:
         match=re.escape("kv[0] has rank 3 (shape [7, 3, 4]); NL_X_TWO_NB_BS_NH_HS needs rank 5"),
     ):
         kvlayout.get_head_size([t(7, 3, 4)], F.NL_X_TWO_NB_BS_NH_HS)
-    with pytest.raises(KVLayoutError, match=re.escape("unknown engine KV format value 42")):
-        kvlayout.get_num_layers(kv, 42)
+    with pytest.raises(KVLayoutError, match=re.escape(f"unknown engine KV format value {UNKNOWN}")):
+        kvlayout.get_num_layers(kv, UNKNOWN)
     with pytest.raises(kvlayout.UndefinedSizeError, match="num_blocks is undefined for the fused format"):
         kvlayout.get_num_blocks([t(21, 1, 4)], F.NL_X_NBBS_ONE_HS)
     with pytest.raises(KVLayoutError, match=re.escape("kv_caches is an empty list")):

@@ -270,7 +270,7 @@ def test_plane_widths_must_share_a_dtype_multiple() -> None:
         kvlayout.get_spec(kv, F.NL_X_NP_X_NB_BS_ONE_HS).head_size()
 
 
-@pytest.mark.parametrize("bad", [42, -1, "NL_X_FOO", 1.5, True])
+@pytest.mark.parametrize("bad", [max(F) + 1, -1, "NL_X_FOO", 1.5, True])  # one past the last value
 def test_unknown_formats_are_clear_errors(bad: object) -> None:
     with pytest.raises(kvlayout.KVLayoutError, match="engine KV format"):
         kvlayout.get_spec_class(bad)  # type: ignore[arg-type]
