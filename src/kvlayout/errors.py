@@ -22,6 +22,7 @@ __all__ = [
     "at_least",
     "index_ranges",
     "or_list",
+    "positive",
 ]
 
 
@@ -53,6 +54,19 @@ def at_least(value: object, what: str, least: int) -> int:
         n = least - 1
     if n < least:
         raise TypeError(f"{what} must be an int of at least {least}, got {value!r}")
+    return n
+
+
+def positive(value: object, what: str, meaning: str, error: type[Exception]) -> int:
+    """``value`` as a positive int (:func:`as_int`: NumPy and torch integers too, never a
+    bool); ``error`` saying ``what`` must be one (``meaning``: what it is) otherwise, as
+    the integrations' readers report a bad size of an engine's pool."""
+    try:
+        n = as_int(value, what)
+    except TypeError:
+        n = 0
+    if n < 1:
+        raise error(f"{what} must be a positive int ({meaning}), not {value!r}")
     return n
 
 

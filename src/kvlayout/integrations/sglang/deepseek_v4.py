@@ -41,7 +41,7 @@ import torch
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.sglang import FLASHMLA_LAYOUTS, flashmla_page_bytes
-from kvlayout.errors import as_int
+from kvlayout.errors import positive
 from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, replicated_page
 from kvlayout.registration.registration import Registration
@@ -58,19 +58,8 @@ class DeepSeekV4PoolError(DetectionError):
 _AITER_GROUPS, _AITER_VECTOR = 4, 16
 
 
-def _positive(value: object, name: str, meaning: str) -> int:
-    """``value`` (the pool's ``name``: ``meaning``) as a positive int."""
-    try:
-        n = as_int(value, name)  # NumPy and torch integers too, never a bool
-    except TypeError:
-        n = 0
-    if n < 1:
-        raise DeepSeekV4PoolError(f"{name} must be a positive int ({meaning}), not {value!r}")
-    return n
-
-
 def _page_size(page_size: object) -> int:
-    return _positive(page_size, "page_size", "the pool's page_size")
+    return positive(page_size, "page_size", "the pool's page_size", DeepSeekV4PoolError)
 
 
 def _layers(name: str, buffers: Any, origin: str) -> list[torch.Tensor]:
@@ -225,7 +214,9 @@ _RING_ADVICE = (
 
 
 def _ring_size(ring_size: object) -> int:
-    return _positive(ring_size, "ring_size", "the pool's ring_size, get_compress_state_ring_size")
+    return positive(
+        ring_size, "ring_size", "the pool's ring_size, get_compress_state_ring_size", DeepSeekV4PoolError
+    )
 
 
 def _state_tensors(states: Any, ring_size: object) -> tuple[list[Any], int]:

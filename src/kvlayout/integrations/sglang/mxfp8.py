@@ -31,7 +31,7 @@ import torch
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
-from kvlayout.errors import as_int
+from kvlayout.errors import positive
 from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
@@ -60,17 +60,6 @@ _ADVICE = (
 
 class Mxfp8ScaleError(DetectionError):
     """Lists that are not an SGLang MXFP8 pool's scale buffers."""
-
-
-def _positive(value: object, name: str, meaning: str) -> int:
-    """``value`` (``name``: ``meaning``) as a positive int."""
-    try:
-        n = as_int(value, name)  # NumPy and torch integers too, never a bool
-    except TypeError:
-        n = 0
-    if n < 1:
-        raise Mxfp8ScaleError(f"{name} must be a positive int ({meaning}), not {value!r}")
-    return n
 
 
 def _scale_layers(name: str, buffers: Any) -> list[torch.Tensor]:
@@ -154,7 +143,7 @@ def mxfp8_scale_pools(k_scale_buffer: Any, v_scale_buffer: Any, page_size: int) 
     by the heads both hold. Flat scales (``[slots, H, sf]``, at any other page_size) read
     token by token, as the pool's K and V page buffers do (so also to and from another page
     size). Raises :class:`Mxfp8ScaleError` for lists that are no such buffers."""
-    ps = _positive(page_size, "page_size", "the pool's page_size")
+    ps = positive(page_size, "page_size", "the pool's page_size", Mxfp8ScaleError)
     k, v = _scale_layers("k_scale_buffer", k_scale_buffer), _scale_layers("v_scale_buffer", v_scale_buffer)
     if len(k) != len(v):
         raise Mxfp8ScaleError(
@@ -204,8 +193,8 @@ def mxfp8_host_scale_pools(
     ids page indices. ``page_size`` and ``head_num`` (the rank's KV heads) are the device
     pool's, which the host pool's bytes cannot say. Raises :class:`Mxfp8ScaleError` for
     anything else."""
-    ps = _positive(page_size, "page_size", "the device pool's page_size")
-    heads = _positive(head_num, "head_num", "the device pool's KV heads")
+    ps = positive(page_size, "page_size", "the device pool's page_size", Mxfp8ScaleError)
+    heads = positive(head_num, "head_num", "the device pool's KV heads", Mxfp8ScaleError)
     pools = {}
     for name, host in (("k_scale_host", k_scale_host), ("v_scale_host", v_scale_host)):
         layers, sf = _host_layers(name, host, ps, heads)
