@@ -250,3 +250,23 @@ def test_the_host_pool_is_refused_where_it_is_no_such_pool() -> None:
     wrong = mxfp8_host_scale_pools(host, host.clone(), 128, HEADS // 2)
     with pytest.raises(BlockMapError):
         block_map(scales(src)["k"], wrong["k"], [1], [1])
+
+
+def test_zero_size_and_mismatched_scale_buffers_are_refused() -> None:
+    e8m0 = torch.float8_e8m0fnu
+    for shape, page_size in (((0, HEADS, 32, 4, 4), 128), ((3, 0, 32, 4, 4), 128), ((32, HEADS, 0), 16)):
+        empty = [torch.zeros(shape, dtype=e8m0)]
+        with pytest.raises(Mxfp8ScaleError, match=re.escape(f"k_scale_buffer[0] is {list(shape)}, not")):
+            mxfp8_scale_pools(empty, empty, page_size)
+    page_bytes = pool(None).k_scale_buffer[0][0].numel()
+    host = torch.zeros(8, LAYERS, page_bytes, dtype=torch.uint8)
+    with pytest.raises(
+        Mxfp8ScaleError, match=r"k_scale_host is \[8, 2, 2048\] and v_scale_host \[8, 3, 2048\]"
+    ):
+        mxfp8_host_scale_pools(host, torch.zeros(8, LAYERS + 1, page_bytes, dtype=torch.uint8), 128, HEADS)
+    with pytest.raises(Mxfp8ScaleError, match="page_size a multiple of 32"):
+        # 4 heads of 48 tokens of 8 scales: the bytes divide, but no interleaved tile is 48 tokens
+        odd = torch.zeros(8, LAYERS, HEADS * 48 * 8, dtype=torch.uint8)
+        mxfp8_host_scale_pools(odd, odd, 48, HEADS)
+    with pytest.raises(Mxfp8ScaleError, match=r"not uint8 \[pages, NL, page bytes\]"):
+        mxfp8_host_scale_pools(host[:, :0], host[:, :0], 128, HEADS)

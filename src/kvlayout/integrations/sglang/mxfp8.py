@@ -195,8 +195,17 @@ def mxfp8_host_scale_pools(
     anything else."""
     ps = positive(page_size, "page_size", "the device pool's page_size", Mxfp8ScaleError)
     heads = positive(head_num, "head_num", "the device pool's KV heads", Mxfp8ScaleError)
+    pairs = (("k_scale_host", k_scale_host), ("v_scale_host", v_scale_host))
+    if all(isinstance(host, torch.Tensor) and host.dim() == 3 for _, host in pairs):
+        (k_pages, k_layers, _), (v_pages, v_layers, _) = (host.shape for _, host in pairs)
+        if (k_pages, k_layers) != (v_pages, v_layers):
+            raise Mxfp8ScaleError(
+                f"k_scale_host is {list(k_scale_host.shape)} and v_scale_host {list(v_scale_host.shape)}: "
+                "one host pool's scales, of its page_num pages of layer_num layers each, expected "
+                "(MHATokenToKVPoolMXFP8Host)"
+            )
     pools = {}
-    for name, host in (("k_scale_host", k_scale_host), ("v_scale_host", v_scale_host)):
+    for name, host in pairs:
         layers, sf = _host_layers(name, host, ps, heads)
         page = _scale_page(name[0].upper(), heads, ps // MXFP8_SCALE_TILE, sf)
         # a layer's pages lie NL pages apart: views [pages, page_size, 1, row] at that stride,
