@@ -24,7 +24,7 @@ import kvlayout
 from kvlayout.detection import DetectionError
 from kvlayout.integrations.sglang import Mxfp8ScaleError, mxfp8_host_scale_pools, mxfp8_scale_pools
 from kvlayout.testing.sglang import mxfp8_kv_pool
-from kvlayout.transfer import BlockMapError, Shard, block_map
+from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map
 
 LAYERS, HEADS, HEAD_DIM = 2, 4, 128
 
@@ -250,6 +250,58 @@ def test_the_host_pool_is_refused_where_it_is_no_such_pool() -> None:
     wrong = mxfp8_host_scale_pools(host, host.clone(), 128, HEADS // 2)
     with pytest.raises(BlockMapError):
         block_map(scales(src)["k"], wrong["k"], [1], [1])
+
+
+def test_interleaved_scale_pages_move_to_ranks_that_replicate_heads() -> None:
+    """A model of 2 KV heads served at TP 4 (SGLang replicates each head over 2 ranks, rank
+    ``r`` holding head ``r * 2 // 4``): each rank's pages get its one head's tile, and the
+    4 ranks' pages load back at TP 1 as the whole pages, heads in order."""
+    heads, tp = 2, 4
+    whole = pool(8, heads)
+    rank_pools = [pool(20 + r, 1) for r in range(tp)]
+    before = [snapshot(p) for p in rank_pools]
+    back = pool(None, heads)
+    for r, mine in enumerate(rank_pools):
+        one, shard = Shard(0, 1, heads), Shard(r, tp, heads)
+        a, b, c = scales(whole), scales(mine), scales(back)
+        for name in ("k", "v"):
+            block_map(a[name], b[name], [3, 1], [2, 4], num_tokens=130, src_shard=one, dst_shard=shard).copy()
+            block_map(b[name], c[name], [2, 4], [1, 5], num_tokens=130, src_shard=shard, dst_shard=one).copy()
+    for r, mine in enumerate(rank_pools):
+        head = r * heads // tp
+        for name in ("k", "v"):
+            for layer in range(LAYERS):
+                got = raw(getattr(mine, f"{name}_scale_buffer")[layer])
+                want = before[r][name][layer].clone()
+                full = raw(getattr(whole, f"{name}_scale_buffer")[layer])
+                want[2], want[4] = full[3, head : head + 1], full[1, head : head + 1]
+                assert torch.equal(got, want), (r, name, layer)
+    for name in ("k", "v"):
+        for layer in range(LAYERS):
+            full = raw(getattr(whole, f"{name}_scale_buffer")[layer])
+            want = torch.zeros_like(full)
+            want[1], want[5] = full[3], full[1]
+            assert torch.equal(raw(getattr(back, f"{name}_scale_buffer")[layer]), want)
+
+
+def test_a_described_scale_pool_maps_as_the_pool() -> None:
+    """A peer's scale pages (its JSON description, as NIXL's peer) map to the same runs as
+    the pool itself, device pool and host pool alike."""
+    p = pool(9)
+    page_bytes = p.k_scale_buffer[0][0].numel()
+    host = torch.zeros(4, LAYERS, page_bytes, dtype=torch.uint8)
+    device, on_host = scales(p), mxfp8_host_scale_pools(host, host.clone(), 128, HEADS)
+    for name in ("k", "v"):
+        for src, dst in ((device[name], on_host[name]), (on_host[name], device[name])):
+            here = block_map(src, dst, [1, 2], [3, 0], num_tokens=200)
+            for peer_src, peer_dst in ((src, _peer(dst)), (_peer(src), dst)):
+                there = block_map(peer_src, peer_dst, [1, 2], [3, 0], num_tokens=200)
+                assert (there.kind, there.num_runs) == (here.kind, here.num_runs)
+                assert (there.runs == here.runs).all()
+
+
+def _peer(reg: Any) -> Any:
+    return RegistrationDescription.from_json(reg.describe().to_json())
 
 
 def test_zero_size_and_mismatched_scale_buffers_are_refused() -> None:
