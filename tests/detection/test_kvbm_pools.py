@@ -91,6 +91,18 @@ REFUSALS = [
         re.escape("is not the pool's 6-D view; register pool.view(num_blocks, nh, nl, no, nt, hd)"),
     ),
     (
+        torch.zeros(NB, NH, NL, NO, NT * HD),
+        {"kvbm_layout": "universal_tp"},
+        DetectionError,
+        re.escape("is not the pool's 6-D view; register pool.view(num_blocks, nh, nl, no, nt, hd)"),
+    ),
+    (
+        torch.zeros(NB, 1, NH, NL, NO, NT, HD),
+        {"kvbm_layout": "universal_tp"},
+        DetectionError,
+        re.escape("shape (5, 1, 6, 3, 2, 4, 8), dtype torch.float32 is not the pool's 6-D view"),
+    ),
+    (
         torch.zeros(NB, NL, 3, NT, NH, HD),
         {"kvbm_layout": "operational_nhd"},
         DetectionError,

@@ -216,3 +216,48 @@ def test_an_aligned_pool_keeps_its_padding(served: list[Rank]) -> None:
     for src, dst in zip(*REQUEST, strict=True):
         assert same(pool[dst], kvbm_block("universal_tp", model_block(views, src)))
     assert not raw[:, content:].any()
+
+
+@pytest.mark.parametrize("name", sorted(DIM_ORDER))
+def test_ranks_that_replicate_heads_save_and_load_a_request_s_tokens(name: str) -> None:
+    """A model of 2 KV heads at TP 4 (vLLM replicates each head over 2 ranks: rank ``r``
+    holds head ``r * 2 // 4``) saves tokens [5, 19) of a request (its last block partly
+    filled, its first 5 tokens a prefix the pool keeps) into the pool, and TP 1 loads them:
+    each token of each head lands where KVBM's block layout puts it, and nothing else moves."""
+    heads, tp, nl, bs, hd = 2, 4, 3, 8, 32
+    gen = torch.Generator().manual_seed(11)
+    by_head = [
+        [torch.randn(2, 6, bs, 1, hd, generator=gen).to(torch.bfloat16) for _ in range(nl)] for _ in range(2)
+    ]
+    sizes = {"nl": nl, "no": 2, "nt": bs, "nh": heads}
+    pool = torch.zeros(6, *(sizes[d] for d in DIM_ORDER[name]), hd, dtype=torch.bfloat16)
+    host = pool_of(name, pool)
+    src_ids, dst_ids, first, tokens = [4, 1, 2], [0, 5, 3], 5, 2 * bs + 3
+    for r in range(tp):
+        rank = kvlayout.detect(by_head[r * heads // tp], "vllm", {"kv_layout": "NHD"})
+        m = block_map(
+            rank, host, src_ids, dst_ids, num_tokens=tokens, first_token=first, src_shard=Shard(r, tp, 2)
+        )
+        m.copy()
+    moved = {(dst_ids[p // bs], p % bs): src_ids[p // bs] for p in range(first, tokens)}
+    for b in range(6):
+        for t in range(bs):
+            # the pool's block b, token t, as [nl, no, nh, hd], permuted back from the layout's order
+            block = pool[b].permute(*(DIM_ORDER[name].index(d) for d in ("nl", "no", "nt", "nh")), 4)[:, :, t]
+            if (b, t) not in moved:
+                assert not block.any(), (b, t)
+                continue
+            for h in range(heads):
+                want = torch.stack([layer[:, moved[b, t], t, 0] for layer in by_head[h]])  # [nl, no, hd]
+                assert same(block[:, :, h], want), (b, t, h)
+    out = [torch.zeros(2, 6, bs, heads, hd, dtype=torch.bfloat16) for _ in range(nl)]
+    block_map(
+        host, kvlayout.detect(out, "vllm", {"kv_layout": "NHD"}), dst_ids, src_ids, num_tokens=tokens,
+        first_token=first, dst_shard=Shard(0, 1, 2),
+    ).copy()  # fmt: skip
+    for layer in range(nl):
+        want = torch.zeros_like(out[layer])
+        for p in range(first, tokens):
+            b, t = src_ids[p // bs], p % bs
+            want[:, b, t] = torch.cat([by_head[h][layer][:, b, t] for h in range(heads)], dim=1)
+        assert same(out[layer], want), layer
