@@ -247,6 +247,15 @@ _NOT_FP4_MHA_SCALES = (
 )
 
 
+# What a dynamic-FP8 MHA pool's HiCache host scales are (MHATokenToKVPoolDynamicFP8Host.scale_host), which
+# the host pool keeps apart from kv_buffer.
+_NOT_DYNAMIC_FP8_HOST_SCALES = (
+    "; a float32 [page_num, 2, layer_num, page_size, head_num] tensor is the dynamic-FP8 pool's host scales "
+    "(MHATokenToKVPoolDynamicFP8Host.scale_host), no kv_buffer: "
+    "kvlayout.integrations.sglang.dynamic_fp8_host_scales(scale_host) reads it"
+)
+
+
 # What a HiCache host pool's K and V halves (kv_buffer[0], kv_buffer[1]) are, passed as a list.
 _NOT_HOST_HALVES = (
     "; a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: "
@@ -391,6 +400,8 @@ def _host_pool(kv: torch.Tensor, p: Probe, hints: LayoutHints) -> tuple[EngineKV
             f"apart from the other; an MHA pool has no {name} layout)"
         )
     expected = f"{where}: kv_buffer is {shapes}, not {p.describe()}"
+    if p.rank == 5 and p.first.dtype == torch.float32 and p.shape[1] == 2:
+        expected += _NOT_DYNAMIC_FP8_HOST_SCALES
     if all(LAYOUTS[f].tensor_rank != p.rank for f in pools):
         raise DetectionError(expected)
     try:

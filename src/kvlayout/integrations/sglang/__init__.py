@@ -14,7 +14,8 @@ pages so, whole pages as SGLang's P/D moves them, and :func:`compress_state_ring
 compressor states (device or HiCache host) a ring at a time, block ids SGLang's SWA pages or
 request slots; :func:`mxfp8_scale_pools` reads the UE8M0 scale buffers of its MXFP8 pool
 (``MHATokenToKVPoolMXFP8``), whole interleaved pages or flat slot rows, and
-:func:`mxfp8_host_scale_pools` its HiCache host pool's. SGLang itself is
+:func:`mxfp8_host_scale_pools` its HiCache host pool's, :func:`dynamic_fp8_host_scales`
+the dynamic-FP8 pool's host scales. SGLang itself is
 not imported: pools are read structurally.
 """
 
@@ -24,6 +25,7 @@ from kvlayout.integrations.sglang.deepseek_v4 import (
     compress_state_rings,
     flashmla_kv_pages,
 )
+from kvlayout.integrations.sglang.dynamic_fp8 import DynamicFp8ScaleError, dynamic_fp8_host_scales
 from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
 from kvlayout.integrations.sglang.mxfp8 import Mxfp8ScaleError, mxfp8_host_scale_pools, mxfp8_scale_pools
 from kvlayout.integrations.sglang.vectorized import VectorizedPoolError, vectorized_kv_pools
@@ -31,11 +33,13 @@ from kvlayout.integrations.sglang.vectorized import VectorizedPoolError, vectori
 __all__ = [
     "MAMBA_TYPES",
     "DeepSeekV4PoolError",
+    "DynamicFp8ScaleError",
     "MambaPoolError",
     "Mxfp8ScaleError",
     "VectorizedPoolError",
     "aiter_fp4_indexer_pages",
     "compress_state_rings",
+    "dynamic_fp8_host_scales",
     "flashmla_kv_pages",
     "mamba_state_pools",
     "mxfp8_host_scale_pools",
