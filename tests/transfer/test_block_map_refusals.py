@@ -8,6 +8,7 @@ import torch
 import kvlayout
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.transfer import BlockMapError, block_map
+from tests.transfer.test_block_maps import vllm
 
 
 def test_a_peer_s_described_page_size_is_kept_over_a_block_size_that_does_not_divide_it() -> None:
@@ -25,3 +26,17 @@ def test_a_peer_s_described_page_size_is_kept_over_a_block_size_that_does_not_di
     )
     m = block_map(peer, live, [2], [1], src_block_size=8, dst_block_size=8)
     assert (m.num_tokens, m.num_bytes) == (8, 2 * 8 * 8 * 4)
+
+
+def test_the_block_first_token_cuts_is_written_and_may_not_repeat() -> None:
+    # first_token=2 in blocks of 4: dst_blocks[0] takes tokens 2-3, so it is written, and
+    # block 5 again as dst_blocks[1] would take tokens 6-7 into the same slots
+    src, dst = vllm(2, 8, 4, 2, 8), vllm(2, 8, 4, 2, 8)
+    with pytest.raises(BlockMapError) as info:
+        block_map(src, dst, [0, 1], [5, 5], first_token=2)
+    assert str(info.value).startswith(
+        "dst_blocks[1] = 5 repeats dst_blocks[0]: each destination slot is written once (blocks wholly "
+        "before first_token are not written"
+    )
+    m = block_map(src, dst, [0, 1], [4, 5], first_token=2)
+    assert m.num_bytes == 2 * 2 * 6 * 2 * 8 * 4  # tokens 2-7 of 2 layers, K and V, 2 heads of 8 floats
