@@ -40,3 +40,11 @@ def test_the_block_first_token_cuts_is_written_and_may_not_repeat() -> None:
     )
     m = block_map(src, dst, [0, 1], [4, 5], first_token=2)
     assert m.num_bytes == 2 * 2 * 6 * 2 * 8 * 4  # tokens 2-7 of 2 layers, K and V, 2 heads of 8 floats
+
+
+def test_a_request_whose_every_token_was_served_moves_nothing_whatever_its_blocks() -> None:
+    # first_token == num_tokens: the prefix cache served all 6 tokens; no block is written,
+    # so the last (partly filled) block repeating the first is no conflict
+    src, dst = vllm(2, 8, 4, 2, 8), vllm(2, 8, 4, 2, 8)
+    m = block_map(src, dst, [0, 1], [7, 7], num_tokens=6, first_token=6)
+    assert (m.num_runs, m.num_bytes) == (0, 0)
