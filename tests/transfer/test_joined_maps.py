@@ -186,6 +186,31 @@ def test_a_joined_copy_checks_every_part_before_copying_any() -> None:
         join_maps(maps(prefill, there)).copy()
 
 
+def test_a_joined_copy_validates_every_part_s_runs_before_copying_any() -> None:
+    """A part whose runs validation refuses (groups given to it after the join, here a run
+    reading outside every source tensor) is refused before the first part copies a byte:
+    the message's "nothing was copied" holds for the joined copy too (the first part
+    copied before the second's runs were validated)."""
+    from kvlayout import _native
+
+    kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(2)]
+    dst_kv = [torch.zeros(2, 8, 4, 2, 16) for _ in range(2)]
+    src, dst = (kvlayout.detect(c, "vllm", HINTS) for c in (kv, dst_kv))
+    first, second = block_map(src, dst, [0], [2]), block_map(src, dst, [1], [3])
+    joined = join_maps([first, second])
+    joined.copy()  # both parts' native copies made
+    for t in dst_kv:
+        t.zero_()
+    runs = second.runs.copy()
+    runs[0, 0] = 8
+    second._groups = _native.group_runs(runs)
+    with pytest.raises(
+        BlockMapError, match=r"^maps\[1\]: run 0 .* outside every source tensor's blocks; nothing was copied$"
+    ):
+        joined.copy()
+    assert not any(t.any() for t in dst_kv)
+
+
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 @pytest.mark.parametrize("strategy", ["direct", "staged"])
 def test_a_joined_map_is_one_nixl_transfer_with_one_notification(

@@ -275,12 +275,27 @@ class BlockMap(HoldsAddresses):
 
     def _copy(self, threads: int) -> int:
         self._check_copy()
+        self._check_runs()
+        return self._copy_checked(threads)
+
+    def _check_runs(self) -> None:
+        """Refuse runs that validation refuses (a run outside its tensors' blocks, two
+        writing the same bytes, one writing what another reads), before any byte moves:
+        a joined map asks each part here before it copies any part. Asked after
+        :meth:`_check_copy` (a CPU map's native copy of its runs is made here)."""
         if self.src.device[0] == "cpu":
             fast = self.__dict__.get("_fast") or self._make_fast()
             assert fast is not None  # _check_copy refuses the maps without it
             self._raise(*fast[0].verdict())
+        else:
+            self._raise(*_native.validate_groups(self._groups, self.src.spans, self.dst.spans))
+
+    def _copy_checked(self, threads: int) -> int:
+        """The copy, once :meth:`_check_copy` and :meth:`_check_runs` passed."""
+        if self.src.device[0] == "cpu":
+            fast = self.__dict__.get("_fast") or self._make_fast()
+            assert fast is not None
             return int(fast[0].copy(threads))
-        self._raise(*_native.validate_groups(self._groups, self.src.spans, self.dst.spans))
         from kvlayout.transfer.cuda import copy_runs  # imports kvlayout._cuda only when called
 
         copy_runs(self.runs, torch.device(_device_name(self.src.device)))

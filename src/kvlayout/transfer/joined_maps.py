@@ -105,18 +105,20 @@ class JoinedMap(HoldsAddresses):
         return fingerprint(self.runs)
 
     def copy(self, num_threads: int = 1) -> int:
-        """Copy every part, each validated as its own ``copy()`` does, after every part's
-        sides are checked (none a peer's, none moved), so that a refusal copies nothing;
+        """Copy every part, after every part's sides are checked (none a peer's, none
+        moved) and every part's runs validated as its own ``copy()`` does, so that a
+        refusal copies nothing;
         the parts were checked at the join not to write the same bytes nor read what
         another writes. Returns the most threads a part used."""
         threads = threads_arg(num_threads, BlockMapError)
         with torch._C.DisableTorchFunctionSubclass():  # as BlockMap.copy(): no caller code in the checks
-            for i, m in enumerate(self.maps):
-                try:
-                    m._check_copy()
-                except BlockMapError as exc:
-                    raise BlockMapError(f"maps[{i}]: {exc}") from None
-            return max(m._copy(threads) for m in self.maps)
+            for check in (BlockMap._check_copy, BlockMap._check_runs):  # every part's runs before any copies
+                for i, m in enumerate(self.maps):
+                    try:
+                        check(m)
+                    except BlockMapError as exc:
+                        raise BlockMapError(f"maps[{i}]: {exc}") from None
+            return max(m._copy_checked(threads) for m in self.maps)
 
 
 def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
