@@ -121,6 +121,38 @@ def test_a_tensor_that_became_a_subclass_after_the_first_copy_runs_no_code_in_th
     assert torch.equal(torch.Tensor(kv[1])[:, 2:4], torch.Tensor(kv[1])[:, 0:2])
 
 
+def test_a_torch_function_mode_the_caller_has_on_runs_no_code_in_a_map_s_checks() -> None:
+    """A TorchFunctionMode's hook runs in torch calls on plain tensors too (``data_ptr``,
+    ``untyped_storage``): in the checks of a map's copy() (the first and the later ones, a
+    joined map's) or a plan's store and load it could free what was just checked. The
+    checks run with it off."""
+    from torch.overrides import TorchFunctionMode
+
+    from kvlayout.transfer import join_maps
+
+    calls: list[str] = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    kv = cache()
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    m = block_map(reg, reg, [0, 1], [2, 3])
+    joined = join_maps([block_map(reg, reg, [4], [5]), block_map(reg, reg, [6], [7])])
+    plan = prepare(reg.only_group(), reg.only_group().format)
+    chunks = plan.chunks_for(1, 4)
+    for _ in range(2):  # the first copy (which makes what later ones read), then a later one
+        with Mode():
+            m.copy()
+            joined.copy()
+            plan.store_blocks([0], chunks)
+            plan.load_blocks([1], chunks)
+    assert calls == []
+    assert torch.equal(kv[1][:, 2:4], kv[1][:, 0:2]) and torch.equal(kv[1][:, 7], kv[1][:, 6])
+
+
 def test_a_cache_used_by_a_block_map_is_freed_when_dropped_without_the_cyclic_collector() -> None:
     """The group keeps its map side in its memo; the side must not keep the group (a
     cycle would hold a dropped cache, GPU memory included, until gc runs)."""

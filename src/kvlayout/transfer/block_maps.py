@@ -74,6 +74,11 @@ def fingerprint(runs: np.ndarray) -> str:
     return hashlib.blake2b(table.data, digest_size=8).hexdigest()  # its bytes, not a copy
 
 
+# Whether a TorchFunctionMode is on (``with mode:``, ``torch.set_default_device``): its
+# hook runs in every torch call on a plain tensor too, so copy() checks with it off.
+_FUNCTION_MODE_ON = torch._C._is_torch_function_mode_enabled
+
+
 class BlockMap(HoldsAddresses):
     """One request's KV as byte runs from ``src`` to ``dst`` (see :func:`block_map`).
 
@@ -229,12 +234,13 @@ class BlockMap(HoldsAddresses):
         # The common call, with the fewest Python steps (from cold caches each costs some
         # microseconds, more than a small map's copy can spare): a plain thread count, a CPU
         # map whose runs were validated (once: they and the spans never change), both sides'
-        # memory where the map read it, every tensor a plain torch.Tensor (no caller code
-        # runs in the checks).
+        # memory where the map read it, every tensor a plain torch.Tensor and no torch
+        # function mode on (no caller code runs in the checks).
         if (
             fast is not None
             and type(num_threads) is int
             and 0 < num_threads <= MAX_THREADS
+            and not _FUNCTION_MODE_ON()
             and fast[1].unmoved()
         ):
             used = fast[0].copy(num_threads)
@@ -243,8 +249,9 @@ class BlockMap(HoldsAddresses):
             return used  # type: ignore[no-any-return]
         threads = threads_arg(num_threads, BlockMapError)
         # No caller code between the checks and the copy: a tensor subclass's
-        # __torch_function__ would otherwise run in each data_ptr() the checks read.
-        with torch._C.DisableTorchFunctionSubclass():
+        # __torch_function__, or a TorchFunctionMode the caller has on, would otherwise
+        # run in each data_ptr() the checks read.
+        with torch._C.DisableTorchFunction():
             return self._copy(threads)
 
     def _make_fast(self) -> tuple[Any, MemoryWatch] | None:

@@ -111,7 +111,7 @@ class JoinedMap(HoldsAddresses):
         the parts were checked at the join not to write the same bytes nor read what
         another writes. Returns the most threads a part used."""
         threads = threads_arg(num_threads, BlockMapError)
-        with torch._C.DisableTorchFunctionSubclass():  # as BlockMap.copy(): no caller code in the checks
+        with torch._C.DisableTorchFunction():  # as BlockMap.copy(): no caller code in the checks
             for check in (BlockMap._check_copy, BlockMap._check_runs):  # every part's runs before any copies
                 for i, m in enumerate(self.maps):
                     try:

@@ -272,7 +272,7 @@ class TransferPlan(HoldsAddresses):
             raise TransferError(f"skip_prefix_n_blocks={skip} is outside [0, {len(ids)}]")
         threads = threads_arg(threads, TransferError)
         held = tuple(chunks) if isinstance(chunks, list) else chunks  # a list another thread may edit
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch._C.DisableTorchFunction():
             self._checked_run(direction, ids, held, skip, threads)
 
     def _checked_run(self, direction: int, ids: np.ndarray, held: Any, skip: int, threads: int) -> None:
