@@ -70,6 +70,11 @@ def test_indexer_pool_hints_are_checked() -> None:
         ),
     ):
         kvlayout.detect(_fp4_pool(), "trtllm", {"tokens_per_block": BS, "head_dim": 132})
+    for pool in (_indexer_pool(), _fp4_pool()):  # one indexer key a token: one head
+        with pytest.raises(
+            LayoutHintError, match=r"layout hints num_kv_heads=2 and head_dim=None contradict"
+        ):
+            kvlayout.detect(pool, "trtllm", {"tokens_per_block": BS, "num_kv_heads": 2})
     with pytest.raises(
         DetectionError, match=rf"flat dim {BS * 140} != tokens_per_block \({BS}\) \* 132 or 68"
     ):

@@ -855,6 +855,51 @@ def test_groups_a_map_is_given_after_its_first_copy_are_validated_before_a_byte_
     assert torch.equal(dst.kv[0][:, 2:4], src.kv[0][:, 0:2])
 
 
+@pytest.mark.parametrize("earlier_copies", [0, 1])
+def test_a_map_s_thread_count_is_read_alike_on_its_first_and_later_copies(earlier_copies: int) -> None:
+    """copy()'s num_threads, on a map's first copy and on later ones (which take a shorter
+    path once the first has kept what they check): a bool, a float or a count below 1 is
+    refused naming it, a count past the worker pool's size is capped to it (2**31 and
+    past included), a NumPy or torch integer is read as its value; each copy lands."""
+    from kvlayout.transfer.arguments import MAX_THREADS
+
+    src, dst = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8)
+    torch.nn.init.normal_(src.kv[0])
+    m = block_map(src, dst, [0, 1], [2, 3])
+    for _ in range(earlier_copies):
+        m.copy()
+    for bad, why in [(True, "an int"), (np.True_, "an int"), (2.0, "an int"), (0, "a positive int"),
+                     (-3, "a positive int")]:  # fmt: skip
+        with pytest.raises(BlockMapError, match=rf"^num_threads must be {why}, got {re.escape(repr(bad))}$"):
+            m.copy(bad)  # type: ignore[arg-type]
+    for count in (MAX_THREADS + 1, 2**31, 2**64, 10**30, np.int64(2), torch.tensor(3)):
+        used = m.copy(count)  # type: ignore[arg-type]
+        assert 1 <= used <= MAX_THREADS
+    assert torch.equal(dst.kv[0][:, 2:4], src.kv[0][:, 0:2])
+
+
+@pytest.mark.parametrize("earlier_copies", [0, 1])
+def test_a_map_whose_sides_are_on_two_devices_is_refused_by_every_copy(earlier_copies: int) -> None:
+    """A host side and a device side (the dst side read as on cuda:0 here, where no GPU may
+    be): copy() moves bytes within one device, so it is refused naming both, nothing
+    copied; the CPU copy must never be handed a device's addresses (a segfault there)."""
+    src, dst = vllm(2, 8, 4, 4, 8), vllm(2, 8, 4, 4, 8)
+    torch.nn.init.normal_(src.kv[0])
+    m = block_map(src, dst, [0, 1], [2, 3])
+    for _ in range(earlier_copies):
+        m.copy()
+    for t in dst.kv:
+        t.zero_()
+    m.dst = m.dst.replaced(device=("cuda", 0))
+    m.__dict__.pop("_fast", None)  # what the first copy kept was of the sides before
+    for _ in range(2):
+        with pytest.raises(
+            BlockMapError, match=r"^src is on cpu and dst on cuda:0; copy\(\) moves bytes within one"
+        ):
+            m.copy()
+    assert not any(t.any() for t in dst.kv)
+
+
 # -- descriptions ------------------------------------------------------------------------------
 
 

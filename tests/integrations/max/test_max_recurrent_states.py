@@ -104,6 +104,12 @@ def test_what_is_no_recurrent_state_buffer_is_refused_by_name() -> None:
         recurrent_state_pages(bad)
     with pytest.raises(RecurrentStateError, match="device must be a non-negative int"):
         recurrent_state_pages(pool, -1)
+    for shape in [(0, 64), (6, 0)]:  # no pages, or pages of no bytes: nothing MAX allocates
+        empty = SimpleNamespace(pages={"s": [torch.zeros(shape, dtype=torch.uint8)]})
+        with pytest.raises(
+            RecurrentStateError, match=re.escape(f"pages['s'][0] is {list(shape)} torch.uint8")
+        ):
+            recurrent_state_pages(empty)
 
 
 def test_a_dlpack_buffer_is_read_in_place() -> None:
