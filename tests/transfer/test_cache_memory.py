@@ -247,17 +247,23 @@ print(all(torch.equal(a, b) for a, b in zip(before, kv)))
 # -- block maps and NIXL requests after the engine re-allocated its cache ----------------------
 
 
+# What the block-map reallocation scripts share: two caches built alike, each its tensors
+# and its registration.
+_TWO_CACHES = textwrap.dedent("""
+    import gc, torch, kvlayout
+    from kvlayout.transfer import BlockMapError, block_map
+    def cache():  # 1 MiB layers: freed memory is unmapped, so a stale copy crashes
+        kv = [torch.randn(2, 64, 16, 2, 64) for _ in range(2)]
+        return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+""")
+
+
 def test_a_block_map_copied_after_either_cache_was_reallocated_raises_instead_of_crashing() -> None:
     """Each way an engine re-allocates a tensor in place, on either side, after the map was
     built; and a chunk side's chunk freed: copy() raises and copies nothing (it used to
     copy through the old addresses: SIGSEGV on memory the allocator had returned)."""
     code = """
-        import gc, torch, kvlayout
-        from kvlayout.transfer import BlockMapError, block_map
         from kvlayout.transfer.block_maps import chunk_side
-        def cache():  # 1 MiB layers: freed memory is unmapped, so a stale copy crashes
-            kv = [torch.randn(2, 64, 16, 2, 64) for _ in range(2)]
-            return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
         for side in ("src", "dst"):
             for label, change in REALLOCATIONS.items():
                 (src_kv, src), (dst_kv, dst) = cache(), cache()
@@ -281,7 +287,7 @@ def test_a_block_map_copied_after_either_cache_was_reallocated_raises_instead_of
             print("chunk |", e)
     """
     changes = {**REALLOCATIONS, "t.resize_(bigger)": "t.resize_(2, 80, 16, 2, 64)"}  # these layers' bigger
-    lines = isolated(f"REALLOCATIONS = {changes!r}\n" + textwrap.dedent(code))
+    lines = isolated(f"REALLOCATIONS = {changes!r}\n" + _TWO_CACHES + textwrap.dedent(code))
     assert len(lines) == 2 * len(REALLOCATIONS) + 1, lines
     for line in lines[:-1]:
         side, message = line.split(" ")[0], line.partition(" | ")[2]
@@ -298,11 +304,6 @@ def test_a_block_map_copied_before_the_cache_was_reallocated_refuses_the_next_co
     (``t.resize_(0)`` and a storage of another size at the same address too) is refused as
     before it, naming the tensor, and copies nothing (a stale copy crashes here)."""
     code = """
-        import gc, numpy as np, torch, kvlayout
-        from kvlayout.transfer import BlockMapError, block_map
-        def cache():  # 1 MiB layers: freed memory is unmapped, so a stale copy crashes
-            kv = [torch.randn(2, 64, 16, 2, 64) for _ in range(2)]
-            return kv, kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
         for side in ("src", "dst"):
             for label, change in REALLOCATIONS.items():
                 (src_kv, src), (dst_kv, dst) = cache(), cache()
@@ -326,7 +327,7 @@ def test_a_block_map_copied_before_the_cache_was_reallocated_refuses_the_next_co
         "t.resize_(bigger)": "t.resize_(2, 80, 16, 2, 64)",  # these layers' bigger
         "t.resize_(0)": "t.resize_(0)",  # its data pointer is 0 now: no elements
     }
-    lines = isolated(f"REALLOCATIONS = {changes!r}\n" + textwrap.dedent(code))
+    lines = isolated(f"REALLOCATIONS = {changes!r}\n" + _TWO_CACHES + textwrap.dedent(code))
     assert len(lines) == 2 * 3 * len(changes), lines
     for line in lines:
         side, message = line.split(" ")[0], line.partition(" | ")[2]

@@ -21,7 +21,7 @@ import torch.utils.dlpack
 
 from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
-from kvlayout.integrations.page_lists import listed_pages
+from kvlayout.integrations.page_lists import listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.registration import Registration
 
@@ -60,10 +60,11 @@ def recurrent_state_pages(buffer: Any, device: int = 0) -> dict[str, Registratio
             raise RecurrentStateError(
                 f"RecurrentStateBuffer.pages[{leaf!r}] holds no device {device} (it holds {held})"
             )
-        t = _tensor(per_device[device], f"RecurrentStateBuffer.pages[{leaf!r}][{device}]")
+        where = f"RecurrentStateBuffer.pages[{leaf!r}][{device}]"
+        t = _tensor(per_device[device], where)
         page = OpaquePages(f"MAX recurrent state {leaf} ({t.shape[1]} bytes)", False, advice=_ADVICE)
-        view = t.view(torch.int8).view(t.shape[0], 1, t.shape[1])
-        out[str(leaf)] = listed_pages([view], page, [t], 1, EngineType.MAX)
+        rows = page_rows(where, t, 1, "MAX", RecurrentStateError)
+        out[str(leaf)] = listed_pages([rows], page, [t], 1, EngineType.MAX)
     return out
 
 
