@@ -5,6 +5,7 @@
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -12,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -376,7 +378,9 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
                                       std::int64_t heads, std::int64_t tokens, IntArray src_blocks,
                                       std::int64_t src_block_size, IntArray dst_blocks, std::int64_t dst_block_size,
                                       U64Rows src_classes, U64Rows dst_classes, bool force_sort,
-                                      bool blocks_one_by_one, bool slabs_one_by_one, std::int64_t first_token) {
+                                      bool blocks_one_by_one, bool slabs_one_by_one, std::int64_t first_token,
+                                      std::optional<IntArray> src_page_slots,
+                                      std::optional<IntArray> dst_page_slots) {
   namespace bm = kvlayout::block_map;
   const auto* slab_rows = reinterpret_cast<const bm::Slab*>(rows_of(slabs, 10, "slabs"));
   const auto* src_cls = reinterpret_cast<const bm::Strides*>(rows_of(src_classes, 2, "src_classes"));
@@ -388,6 +392,20 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
   if (static_cast<std::int64_t>(src_blocks.shape(0)) * src_block_size < tokens ||
       static_cast<std::int64_t>(dst_blocks.shape(0)) * dst_block_size < tokens)
     throw nb::value_error("too few block ids for the tokens");
+  // A page's slots lie in its block: each page starts at a slot from which block_size fit.
+  const auto page_slots = [](const std::optional<IntArray>& given, const IntArray& blocks, std::int64_t page,
+                              const char* name) {
+    if (!given) return static_cast<const std::int64_t*>(nullptr);
+    const IntArray& slots = *given;
+    if (slots.shape(0) != blocks.shape(0))
+      throw nb::value_error((std::string(name) + " must hold one slot per block id").c_str());
+    for (std::size_t i = 0; i < slots.shape(0); ++i)
+      if (slots.data()[i] < 0 || slots.data()[i] % page)
+        throw nb::value_error((std::string(name) + " must be non-negative multiples of the block size").c_str());
+    return slots.data();
+  };
+  const std::int64_t* src_slots = page_slots(src_page_slots, src_blocks, src_block_size, "src_page_slots");
+  const std::int64_t* dst_slots = page_slots(dst_page_slots, dst_blocks, dst_block_size, "dst_page_slots");
   const auto groups = static_cast<std::int64_t>(group_starts.shape(0)) - 1;
   if (groups < 0 || group_starts.data()[0] != 0 || group_starts.data()[groups] != num_slabs)
     throw nb::value_error("group_starts must run from 0 to the number of slabs");
@@ -414,7 +432,8 @@ std::tuple<MapGroups, std::uint64_t, bool> build_groups(U64Rows slabs, IntArray 
   const bm::Request q{slab_rows, group_starts.data(), groups, {o0, o1, o2, o3}, heads, tokens,
                       src_blocks.data(), src_block_size, dst_blocks.data(), dst_block_size,
                       src_cls, static_cast<std::int64_t>(src_classes.shape(0)),
-                      dst_cls, static_cast<std::int64_t>(dst_classes.shape(0)), first_token};
+                      dst_cls, static_cast<std::int64_t>(dst_classes.shape(0)), first_token,
+                      src_slots, dst_slots};
   auto* built = new bm::Built();
   {
     nb::gil_scoped_release release;
@@ -805,9 +824,11 @@ NB_MODULE(_native, m) {
   m.def("build_groups", &build_groups, "slabs"_a, "group_starts"_a, "order"_a, "heads"_a, "tokens"_a, "src_blocks"_a,
         "src_block_size"_a, "dst_blocks"_a, "dst_block_size"_a, "src_classes"_a, "dst_classes"_a,
         "force_sort"_a = false, "blocks_one_by_one"_a = false, "slabs_one_by_one"_a = false, "first_token"_a = 0,
+        "src_page_slots"_a = nb::none(), "dst_page_slots"_a = nb::none(),
         "A block map's runs as groups ((G, 9) uint64: src, dst, len, count, src_step, dst_step, rows, src_row, "
         "dst_row; see csrc/run_groups.h) from its slabs, how many runs they hold, and whether the walk was in "
-        "destination order (else the runs were sorted and merged again).");
+        "destination order (else the runs were sorted and merged again). *_page_slots: where each block id's page "
+        "starts in its block, in slots (pages finer than blocks), or None: every page a whole block.");
   m.def("expand_groups", &expand_groups, "groups"_a, "The runs of a table of groups, in order ((N, 3) uint64).");
   m.def("group_runs", &group_runs, "runs"_a,
         "A table of runs as the map builder's Grouper keeps them, given one by one (for tests).");

@@ -72,6 +72,12 @@ struct Request {
   const Strides* dst_classes;
   std::int64_t num_dst_classes;
   std::int64_t first = 0;  // the first token moved: tokens [first, tokens) (the rest are the engine's)
+  // Where each block id's page starts in its block, in slots, or null (every page a whole
+  // block): pages finer than their blocks, a context-parallel rank's slice of a request
+  // (kvlayout/transfer/context_parallel.py). Block b's token j is then at slot
+  // page_slots[b] + j of block blocks[b].
+  const std::int64_t* src_page_slots = nullptr;
+  const std::int64_t* dst_page_slots = nullptr;
 };
 
 // The runs of one request, as groups (run_groups.h): rows [0, size) of a malloc'd table,
@@ -692,14 +698,17 @@ class Walker {
   std::int64_t group_ = 0, position_ = 0, token_ = 0, head_ = 0;
 };
 
-// (block, slot) offsets of every token of the request on one side, per stride class.
-inline std::vector<std::uint64_t> token_offsets(const std::int64_t* blocks, std::int64_t block_size,
-                                                const Strides* classes, std::int64_t num_classes, std::int64_t tokens) {
+// (block, slot) offsets of every token of the request on one side, per stride class
+// (`page_slots`: Request's).
+inline std::vector<std::uint64_t> token_offsets(const std::int64_t* blocks, const std::int64_t* page_slots,
+                                                std::int64_t block_size, const Strides* classes,
+                                                std::int64_t num_classes, std::int64_t tokens) {
   std::vector<std::uint64_t> out(static_cast<std::size_t>(num_classes * tokens));
   for (std::int64_t c = 0; c < num_classes; ++c) {
     std::uint64_t* row = out.data() + c * tokens;
     for (std::int64_t p = 0, b = 0; p < tokens; p += block_size, ++b) {
-      const std::uint64_t base = static_cast<std::uint64_t>(blocks[b]) * classes[c].block;
+      std::uint64_t base = static_cast<std::uint64_t>(blocks[b]) * classes[c].block;
+      if (page_slots) base += static_cast<std::uint64_t>(page_slots[b]) * classes[c].slot;
       const std::int64_t n = std::min(block_size, tokens - p);
       for (std::int64_t j = 0; j < n; ++j) row[p + j] = base + static_cast<std::uint64_t>(j) * classes[c].slot;
     }
@@ -819,12 +828,15 @@ inline Built build_groups(const Request& q, bool force_sort = false, bool blocks
   const std::int64_t first_position = q.first / q.dst_block_size;  // blocks before it hold no token moved
   std::vector<std::int64_t> positions(static_cast<std::size_t>(dst_positions - first_position));
   std::iota(positions.begin(), positions.end(), first_position);
-  std::stable_sort(positions.begin(), positions.end(),
-                   [&](std::int64_t a, std::int64_t b) { return q.dst_blocks[a] < q.dst_blocks[b]; });
-  const auto src_tok =
-      detail::token_offsets(q.src_blocks, q.src_block_size, q.src_classes, q.num_src_classes, q.tokens);
-  const auto dst_tok =
-      detail::token_offsets(q.dst_blocks, q.dst_block_size, q.dst_classes, q.num_dst_classes, q.tokens);
+  // Destination pages in memory order: by block id, then by where a page starts in it.
+  const auto dst_slot = [&](std::int64_t a) { return q.dst_page_slots ? q.dst_page_slots[a] : 0; };
+  std::stable_sort(positions.begin(), positions.end(), [&](std::int64_t a, std::int64_t b) {
+    return q.dst_blocks[a] < q.dst_blocks[b] || (q.dst_blocks[a] == q.dst_blocks[b] && dst_slot(a) < dst_slot(b));
+  });
+  const auto src_tok = detail::token_offsets(q.src_blocks, q.src_page_slots, q.src_block_size, q.src_classes,
+                                             q.num_src_classes, q.tokens);
+  const auto dst_tok = detail::token_offsets(q.dst_blocks, q.dst_page_slots, q.dst_block_size, q.dst_classes,
+                                             q.num_dst_classes, q.tokens);
   detail::Table<RunGroup> table = detail::TablePool::instance().take();
   if (!force_sort) {
     Grouper groups(&table);
