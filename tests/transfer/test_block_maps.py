@@ -91,24 +91,47 @@ def make_side(
     return Side(fmt, sizes, reg, bind(reg.kv, fmt), shard, bs, pad)
 
 
+def cp_holds(shard: Shard, p: np.ndarray) -> np.ndarray:
+    """Whether a context-parallel rank holds request tokens ``p``: vLLM's
+    ``ComputeSlotMappingKernel`` (``is_local``), over virtual blocks of ``BS * cp`` tokens."""
+    held: np.ndarray = (p // shard.cp_interleave) % shard.cp_size == shard.cp_rank
+    return held
+
+
+def cp_block_slot(shard: Shard, bs: int, ids: list[int], p: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Block and slot of request tokens ``p`` (held by the rank), by vLLM's slot mapping: the
+    virtual block ``p // (bs * cp)``'s id, at ``(offset // (I * cp)) * I + offset % I``."""
+    virtual, i, cp = bs * shard.cp_size, shard.cp_interleave, shard.cp_size
+    offset_ = p % virtual
+    block = np.array(ids, dtype=np.int64)[p // virtual] if len(p) else p
+    return block, (offset_ // (i * cp)) * i + offset_ % i
+
+
 def canonical(
-    side: Side, tokens: int, ids: list[int], heads: range, first_token: int = 0
+    side: Side,
+    tokens: int,
+    ids: list[int],
+    heads: range,
+    first_token: int = 0,
+    held: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(tensor index, byte address) of every byte of tokens ``[first_token, tokens)`` of the
-    request on one side, in the order (layer, K/V, token, model head, byte of the head's row)."""
+    request on one side (only those in ``held``, where given), in the order (layer, K/V,
+    token, model head, byte of the head's row)."""
     lay, s = side.layout, side.sizes
     kvs = kv_size(lay, s)
     pair = 2 if lay.is_fused_packed else 1
     hs = lay.head_size(s) // pair
     first = side.shard.heads.start if lay.symbol_of(Role.HEAD) else 0
     nl = lay.size_of(s, Role.LAYER) or 1
+    request = np.arange(first_token, tokens) if held is None else held
     grid = np.array(
-        np.meshgrid(np.arange(nl), np.arange(kvs * pair), np.arange(first_token, tokens), np.array(heads, dtype=np.int64), np.arange(hs),
+        np.meshgrid(np.arange(nl), np.arange(kvs * pair), request, np.array(heads, dtype=np.int64), np.arange(hs),
                     indexing="ij"),
     ).reshape(5, -1)  # fmt: skip
     layer, k, p, h, e = grid
-    block = np.array(ids, dtype=np.int64)[p // side.block_size] if len(p) else p
-    coords = np.stack([layer, k // pair, block, p % side.block_size, h - first, (k % pair) * hs + e], axis=1)
+    block, slot = cp_block_slot(side.shard, side.block_size, ids, p)
+    coords = np.stack([layer, k // pair, block, slot, h - first, (k % pair) * hs + e], axis=1)
     coords = np.ascontiguousarray(coords, dtype=np.int64)
     loc = _native.locate_many(int(side.fmt), native_sizes(lay, s), side.block_stride or 0, coords)
     for i in random.Random(len(coords)).sample(range(len(coords)), min(len(coords), 6)):  # the Python oracle
@@ -142,8 +165,10 @@ def check_map(
     else:
         heads = range(1)
     assert m.heads == heads
-    s_ptr, s_byte = canonical(src, tokens, src_ids, heads, first)
-    d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads, first)
+    p = np.arange(first, tokens)
+    held = p[cp_holds(src.shard, p) & cp_holds(dst.shard, p)]  # context parallelism: the tokens both hold
+    s_ptr, s_byte = canonical(src, tokens, src_ids, heads, first, held)
+    d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads, first, held)
     # A layer sharing an earlier layer's KV cache (its tensor registered again) reads as
     # that layer and is written as that layer: its destination bytes are not moved twice.
     s_first, d_first = first_alias(src.reg.bases), first_alias(dst.reg.bases)
@@ -173,8 +198,8 @@ def check_map(
     assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
     # Each side alone (what a staged transfer posts there): stretches of its memory, in one tensor.
     for col, ptr, addr, ids in (
-        (0, s_ptr, s_addr, src_ids[first // src.block_size :]),  # the blocks it reads
-        (1, d_ptr, d_addr, dst_ids[first // dst.block_size :]),  # and writes
+        (0, s_ptr, s_addr, src_ids[first // (src.block_size * src.shard.cp_size) :]),  # the blocks it reads
+        (1, d_ptr, d_addr, dst_ids[first // (dst.block_size * dst.shard.cp_size) :]),  # and writes
     ):
         if len(set(ids)) < len(ids):
             assert m._side_runs(col) is None

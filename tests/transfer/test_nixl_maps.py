@@ -42,7 +42,7 @@ from kvlayout.transfer import (
 )
 from kvlayout.transfer import nixl as nx
 from tests.transfer.registrations import Registration
-from tests.transfer.test_block_maps import Side, canonical, first_alias
+from tests.transfer.test_block_maps import Side, canonical, cp_holds, first_alias
 
 MODULE_LIMIT_S = 240
 HEADS = 4  # the model's KV heads
@@ -85,12 +85,14 @@ def handshake(pair: Pair, s: CacheSpec) -> str:
 
 
 def spec(
-    fmt: F, tp: tuple[int, int], block_size: int, seed: int, shares: tuple[tuple[int, int], ...] = ()
+    fmt: F, tp: tuple[int, ...], block_size: int, seed: int, shares: tuple[tuple[int, int], ...] = ()
 ) -> CacheSpec:
-    rank, size = tp
+    """``tp``: (TP rank, TP size), and (CP rank, CP size, interleave) after them under
+    context parallelism."""
+    rank, size, *cp = tp
     heads = 1 if fmt is MLA else len(Shard(rank, size, HEADS).heads)
     return CacheSpec(fmt.name, 3 if shares else 2, 8, block_size, heads, 4 * ROW if fmt is MLA else ROW,
-                     shard=(rank, size, HEADS), seed=seed, shares=shares)  # fmt: skip
+                     shard=(rank, size, HEADS, *cp), seed=seed, shares=shares)  # fmt: skip
 
 
 def twin(s: CacheSpec) -> Side:
@@ -147,8 +149,10 @@ def expected(src: Side, dst: Side, src_ids: list[int], dst_ids: list[int]) -> li
         heads = range(max(a.start, b.start), max(a.start, b.start, min(a.stop, b.stop)))
     else:
         heads = range(1)
-    s_ptr, s_byte = canonical(src, TOKENS, src_ids, heads)
-    d_ptr, d_byte = canonical(dst, TOKENS, dst_ids, heads)
+    p = np.arange(TOKENS)
+    held = p[cp_holds(src.shard, p) & cp_holds(dst.shard, p)]  # context parallelism: the tokens both hold
+    s_ptr, s_byte = canonical(src, TOKENS, src_ids, heads, held=held)
+    d_ptr, d_byte = canonical(dst, TOKENS, dst_ids, heads, held=held)
     d_first = first_alias(dst.reg.bases)  # a shared layer's bytes are its target's, written once
     once = d_first[d_ptr] == d_ptr
     s_ptr, s_byte, d_ptr, d_byte = s_ptr[once], s_byte[once], d_ptr[once], d_byte[once]
@@ -175,7 +179,9 @@ def unit_of(m: BlockMap, p: nx.Plan) -> int:
 
 
 def ids(rng: np.random.Generator, s: CacheSpec) -> list[int]:
-    return [int(b) for b in rng.permutation(s.blocks)[: -(-TOKENS // s.block_size)]]
+    """A request's block ids: under context parallelism each is ``cp_size`` blocks of the request."""
+    cp = s.shard[4] if s.shard is not None and len(s.shard) > 3 else 1
+    return [int(b) for b in rng.permutation(s.blocks)[: -(-TOKENS // (s.block_size * cp))]]
 
 
 def leaf_bytes(leaves: list[torch.Tensor]) -> list[np.ndarray]:
@@ -198,6 +204,10 @@ CASES = [
     ("vLLM->SGLang TP 2->4", NHD, (1, 2), 16, SGLANG, (3, 4), 16),
     ("KV sharing, NHD->HND TP 2->1", NHD, (1, 2), 16, HND, (0, 1), 16),
     ("LHBNC->NHD TP 1->2", LHBNC, (0, 1), 16, NHD, (1, 2), 16),
+    # decode context parallelism (vLLM's DCP): a rank holds every cp_size-th run of interleave tokens
+    ("MLA into DCP 2", MLA, (0, 1), 16, MLA, (1, 2, 1, 2, 1), 8),
+    ("MLA DCP 2->4 block-interleaved", MLA, (1, 2, 1, 2, 8), 8, MLA, (3, 4, 3, 4, 4), 4),
+    ("NHD DCP 2 into HND", NHD, (0, 2, 0, 2, 4), 16, HND, (0, 1), 16),
 ]
 # Cases whose caches have a layer registered with an earlier layer's tensor (both sides).
 SHARES = {"KV sharing, NHD->HND TP 2->1": ((2, 0),)}

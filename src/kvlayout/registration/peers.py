@@ -200,6 +200,13 @@ class RegistrationDescription:
 # -- JSON ------------------------------------------------------------------------------
 
 
+def _shard_json(shard: Shard) -> dict[str, int]:
+    out = {"tp_rank": shard.tp_rank, "tp_size": shard.tp_size, "num_kv_heads": shard.num_kv_heads}
+    if shard.context_parallel:  # written only where used: a reader without CP refuses these fields
+        out |= {"cp_rank": shard.cp_rank, "cp_size": shard.cp_size, "cp_interleave": shard.cp_interleave}
+    return out
+
+
 def to_data(d: RegistrationDescription) -> dict[str, Any]:
     return {
         "kvlayout": "registration-description",
@@ -208,9 +215,7 @@ def to_data(d: RegistrationDescription) -> dict[str, Any]:
         else VERSION_WITHOUT_ARRAYS,
         "device": {"type": d.device_type, "index": d.device_index},
         "engine": d.engine,
-        "shard": None
-        if d.shard is None
-        else {"tp_rank": d.shard.tp_rank, "tp_size": d.shard.tp_size, "num_kv_heads": d.shard.num_kv_heads},
+        "shard": None if d.shard is None else _shard_json(d.shard),
         "groups": [
             {
                 "format": g.format.name,
@@ -325,8 +330,16 @@ def from_data(data: object) -> RegistrationDescription:
         )
     shard = None
     if top["shard"] is not None:
-        s = _fields("description.shard", top["shard"], ("tp_rank", "tp_size", "num_kv_heads"))
-        values = {k: _int(f"description.shard.{k}", s[k], 0, 1 << 16) for k in s}
+        s = _fields(
+            "description.shard",
+            top["shard"],
+            ("tp_rank", "tp_size", "num_kv_heads"),
+            ("cp_rank", "cp_size", "cp_interleave"),
+        )
+        values = {
+            k: _int(f"description.shard.{k}", s[k], 0, MAX_SIZE if k == "cp_interleave" else 1 << 16)
+            for k in s
+        }
         try:
             shard = Shard(**values)
         except ShardError as exc:

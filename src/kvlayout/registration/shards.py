@@ -8,6 +8,14 @@ of the two to be a multiple of the smaller; so does this. MLA latents have no he
 every rank holds them whole (the block map asks :attr:`Shard.heads` only of caches that
 have a head axis). Where several source ranks hold a head, :meth:`Shard.sends_to` says
 which one sends it to a destination rank.
+
+A shard may also hold a slice of a request's *tokens*: vLLM's decode context parallelism
+(DCP, ``decode_context_parallel_size``; ``total_cp_world_size`` and ``total_cp_rank`` in
+its slot mapping) stores ``cp_interleave`` tokens (``cp_kv_cache_interleave_size``) on CP
+rank 0, the next as many on rank 1, and so on round the ranks, each rank's tokens packed
+in order into the blocks of the request's block table (the same block ids on every rank,
+each block ``cp_size`` times as many of the request's tokens as one rank's block holds):
+:mod:`kvlayout.transfer.context_parallel` maps them.
 """
 
 from __future__ import annotations
@@ -36,20 +44,36 @@ def _count(name: str, value: object, minimum: int) -> int:
 @dataclass(frozen=True, slots=True)
 class Shard:
     """Rank ``tp_rank`` of ``tp_size`` tensor-parallel ranks of a model with
-    ``num_kv_heads`` KV heads (the whole model's, not this rank's)."""
+    ``num_kv_heads`` KV heads (the whole model's, not this rank's); under context
+    parallelism, CP rank ``cp_rank`` of ``cp_size``, holding ``cp_interleave`` tokens of
+    every ``cp_size * cp_interleave`` (vLLM's ``dcp_rank``, ``decode_context_parallel_size``
+    and ``cp_kv_cache_interleave_size``; vLLM's DCP rank is ``tp_rank % cp_size``)."""
 
     tp_rank: int
     tp_size: int
     num_kv_heads: int
+    cp_rank: int = 0
+    cp_size: int = 1
+    cp_interleave: int = 1
 
     def __post_init__(self) -> None:
         size = _count("tp_size", self.tp_size, 1)
         heads = _count("num_kv_heads", self.num_kv_heads, 1)
         rank = _count("tp_rank", self.tp_rank, 0)
-        for name, value in (("tp_size", size), ("num_kv_heads", heads), ("tp_rank", rank)):
+        cp_size, cp_interleave = (
+            _count("cp_size", self.cp_size, 1),
+            _count("cp_interleave", self.cp_interleave, 1),
+        )
+        cp_rank = _count("cp_rank", self.cp_rank, 0)
+        for name, value in (
+            ("tp_size", size), ("num_kv_heads", heads), ("tp_rank", rank),
+            ("cp_rank", cp_rank), ("cp_size", cp_size), ("cp_interleave", cp_interleave),
+        ):  # fmt: skip
             object.__setattr__(self, name, value)  # plain ints: a shard compares, hashes and prints alike
         if rank >= size:
             raise ShardError(f"Shard.tp_rank={rank} is out of range for tp_size={size}")
+        if cp_rank >= cp_size:
+            raise ShardError(f"Shard.cp_rank={cp_rank} is out of range for cp_size={cp_size}")
         if max(size, heads) % min(size, heads):
             raise ShardError(
                 f"tp_size={size} and num_kv_heads={heads}: the larger must be a multiple of the smaller "
@@ -57,6 +81,11 @@ class Shard:
                 "number of ranks; num_kv_heads is the model's attention KV heads, for a Mamba state's "
                 "shard too)"
             )
+
+    @property
+    def context_parallel(self) -> bool:
+        """The rank holds a slice of each request's tokens (``cp_size > 1``)."""
+        return self.cp_size > 1
 
     @property
     def replicated(self) -> bool:
@@ -89,6 +118,14 @@ class Shard:
         rank: ``Shard(rank, tp_size, 1)`` on both sides."""
         if not isinstance(dst, Shard):
             raise TypeError(f"sends_to takes the destination's Shard, not {type(dst).__name__}")
+        if self.context_parallel or dst.context_parallel:
+            raise ShardError(
+                f"sends_to({dst}) from {self}: under context parallelism each CP rank holds its own "
+                "tokens, so replicas are the ranks of one CP rank that hold the same heads, which a "
+                "shard alone does not know; pair ranks by what block_map moves between them (an "
+                "empty map: nothing in common) and, where several source ranks of one CP rank hold "
+                "the same heads, send from one"
+            )
         if dst.num_kv_heads != self.num_kv_heads:
             raise ShardError(
                 f"{self} and {dst} count {self.num_kv_heads} and {dst.num_kv_heads} model KV heads: one "
@@ -97,7 +134,12 @@ class Shard:
         return self.tp_rank % self.replicas == (dst.tp_rank * self.tp_size // dst.tp_size) % self.replicas
 
     def __str__(self) -> str:
-        return f"Shard(tp_rank={self.tp_rank}, tp_size={self.tp_size}, num_kv_heads={self.num_kv_heads})"
+        cp = (
+            f", cp_rank={self.cp_rank}, cp_size={self.cp_size}, cp_interleave={self.cp_interleave}"
+            if self.context_parallel
+            else ""
+        )
+        return f"Shard(tp_rank={self.tp_rank}, tp_size={self.tp_size}, num_kv_heads={self.num_kv_heads}{cp})"
 
 
 def heads_are_the_model_s(has_heads: bool, opaque_pages: object | None) -> bool:

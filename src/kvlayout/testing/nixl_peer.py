@@ -66,9 +66,10 @@ def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
 class CacheSpec:
     """A small cache of one format: ``heads`` KV heads this rank holds (ignored by MLA),
     heads' rows of ``row`` elements, tensor-parallel ``shard`` as (rank, size, model
-    heads) or None, bytes seeded by ``seed``; ``shares`` lists ``(layer, target)`` pairs,
-    a layer registered with an earlier layer's tensor (vLLM's cross-layer KV sharing; a
-    format with one tensor a layer)."""
+    heads) (then CP rank, CP size and interleave under context parallelism) or None,
+    bytes seeded by ``seed``; ``shares`` lists ``(layer, target)`` pairs, a layer
+    registered with an earlier layer's tensor (vLLM's cross-layer KV sharing; a format
+    with one tensor a layer)."""
 
     format: str  # an EngineKVFormat name
     layers: int
@@ -77,7 +78,7 @@ class CacheSpec:
     heads: int
     row: int
     dtype: str = "bfloat16"
-    shard: tuple[int, int, int] | None = None
+    shard: tuple[int, ...] | None = None
     seed: int = 0
     shares: tuple[tuple[int, int], ...] = ()
 
@@ -90,7 +91,7 @@ class CacheSpec:
         shard = data["shard"]
         return cls(**{
             **data,
-            "shard": None if shard is None else (int(shard[0]), int(shard[1]), int(shard[2])),
+            "shard": None if shard is None else tuple(int(x) for x in shard),
             "shares": tuple((int(a), int(b)) for a, b in data.get("shares", ())),
         })  # fmt: skip
 

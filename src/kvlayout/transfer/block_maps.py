@@ -40,6 +40,13 @@ from kvlayout.transfer.arguments import (
     int_arg,
     threads_arg,
 )
+from kvlayout.transfer.context_parallel import (
+    check_servable,
+    held,
+    overlap,
+    repage,
+    token_slice,
+)
 from kvlayout.transfer.map_pairs import _cached_pair, _groups_of, _heads, _Pair, _whole, given_shard
 from kvlayout.transfer.map_sides import (
     BlockMapError,
@@ -102,6 +109,8 @@ class BlockMap(HoldsAddresses):
         *,
         slots: tuple[int, int] | None = None,
         kind: tuple[str, str] | None = None,
+        page_slots: tuple[np.ndarray, np.ndarray] | None = None,
+        page_size: int | None = None,
     ) -> None:
         self.src, self.dst = src, dst
         self.heads = pair.heads
@@ -111,6 +120,10 @@ class BlockMap(HoldsAddresses):
         # both sides are re-cut a page a slot (sharded_pages).
         self._slots = (first_token, num_tokens) if slots is None else slots
         self._pair, self._ids = pair, ids
+        # Pages finer than blocks (context_parallel.repage): where each page starts in its
+        # block, and the tokens a page holds on both sides; else each side's whole blocks.
+        self._page_slots: tuple[np.ndarray | None, np.ndarray | None] = page_slots or (None, None)
+        self._page_sizes = (page_size, page_size) if page_size else (src.block_size, dst.block_size)
         if kind is not None:
             self._kind_and_reason = kind
         self._groups, self._num_runs = self._build_groups(force_sort=False)
@@ -141,11 +154,11 @@ class BlockMap(HoldsAddresses):
         its sorting path, ``blocks_one_by_one`` its general walk for every block,
         ``slabs_one_by_one`` a walk of every slab (none pasted from a slab of its shape)
         (tests hold each path to one answer)."""
-        (src_ids, dst_ids), sizes = self._ids, (self.src.block_size, self.dst.block_size)
+        (src_ids, dst_ids), sizes = self._ids, self._page_sizes
         first, end = self._slots
         return _groups_of(
             self._pair, end, src_ids, sizes[0], dst_ids, sizes[1],
-            force_sort, blocks_one_by_one, slabs_one_by_one, first,
+            force_sort, blocks_one_by_one, slabs_one_by_one, first, self._page_slots,
         )  # fmt: skip
 
     def _build(self, force_sort: bool) -> np.ndarray:
@@ -193,14 +206,17 @@ class BlockMap(HoldsAddresses):
         are not read)."""
         one, shard = (self.src, self._pair.src_shard) if col == 0 else (self.dst, self._pair.dst_shard)
         ids, (first, end) = self._ids[col], self._slots
-        if _native.first_repeated_block_id(ids, first // one.block_size, one.num_blocks) >= 0:
+        size, slots = self._page_sizes[col], self._page_slots[col]
+        per = one.block_size // size  # pages a block (1 but for re-paged context-parallel maps)
+        pages = ids if slots is None else ids * per + slots // size
+        if _native.first_repeated_block_id(pages, first // size, one.num_blocks * per) >= 0:
             return None
         if col == 0 and self.dst.repeats.any():
             return None
         if not self.heads or end == first:
             return 0
-        pair = _cached_pair(one, one, shard, shard, only=self.heads)
-        _, runs = _groups_of(pair, end, ids, one.block_size, ids, one.block_size, first_token=first)
+        pair = _cached_pair(one, one, shard, shard, only=self.heads, whole_blocks=size == one.block_size)
+        _, runs = _groups_of(pair, end, ids, size, ids, size, first_token=first, page_slots=(slots, slots))
         return runs
 
     def __repr__(self) -> str:
@@ -407,10 +423,12 @@ def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
 _TOLD_BY_BLOCKS = "what the shorter block list holds"  # no num_tokens given
 
 
-def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str) -> np.ndarray:
+def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, cp: int = 1) -> np.ndarray:
     """The block ids of the caller's blocks (each ``per`` of the side's) that ``tokens``
-    fill, checked (``told``: where the token count came from, for the message)."""
-    count, size = side.num_blocks // per, side.block_size * per
+    fill, checked (``told``: where the token count came from, for the message; ``cp``: a
+    context-parallel side's CP size, each of its blocks ``cp`` times a block's tokens of the
+    request)."""
+    count, size = side.num_blocks // per, side.block_size * per * cp
     needed = -(-tokens // size)
     ids = block_ids_arg(name, blocks, BlockMapError)
     if side.layout is None and needed > 1:  # a chunk is one block: its tokens are too few
@@ -461,7 +479,15 @@ def _kind(
             f"src holds model heads {index_ranges(src_shard.heads)} and dst {index_ranges(dst_shard.heads)}: "
             "none in common"
         )
+    ta, tb = token_slice(src_shard), token_slice(dst_shard)
+    if ta != tb and not overlap(ta, tb):
+        return "empty", f"src holds {ta} and dst {tb}: none in common"
     kinds, why = [], []
+    if ta != tb:
+        kinds.append("token slice")
+        why.append(f"src holds {ta} and dst {tb}: the map moves the tokens both hold")
+    elif not ta.whole:
+        why.append(f"both sides hold {ta}, at the same places")
     if src.has_heads and (len(heads) < src.heads or len(heads) < dst.heads):
         kinds.append("head slice")
         assert src_shard is not None and dst_shard is not None
@@ -665,10 +691,15 @@ def block_map(
     b = _as_side(dst, dst_block_size, "dst")
     state = _check_opaque_pages(a, b, src_shard, dst_shard)
     a_per, b_per = _pages_per_block(a, src_block_size, "src"), _pages_per_block(b, dst_block_size, "dst")
+    a_cp, b_cp = token_slice(given_shard(a, src_shard, "src")), token_slice(given_shard(b, dst_shard, "dst"))
+    any_pages = a.opaque_pages is not None or b.opaque_pages is not None
+    check_servable(a_cp, b_cp, a.block_size * a_per, b.block_size * b_per, any_pages)
     if state is None:
         pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
     a_len, b_len = _length(src_blocks), _length(dst_blocks)
-    a_size, b_size = a.block_size * a_per, b.block_size * b_per  # the caller's blocks
+    # the caller's blocks, in the request's tokens (a context-parallel rank's block holds
+    # cp_size times its own block of the request: its share of them)
+    a_size, b_size = a.block_size * a_per * a_cp.size, b.block_size * b_per * b_cp.size
     if num_tokens is None:
         if a_len is None or b_len is None:
             name, blocks = ("src_blocks", src_blocks) if a_len is None else ("dst_blocks", dst_blocks)
@@ -704,8 +735,8 @@ def block_map(
     told = _TOLD_BY_BLOCKS if num_tokens is None else "num_tokens"
     if num_tokens is not None and tokens != num_tokens:
         told = f"num_tokens={num_tokens} rounded up to whole opaque pages"
-    src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told)
-    dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told)
+    src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told, a_cp.size)
+    dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told, b_cp.size)
     written = first // b_size  # dst_blocks[written:] take tokens; those before keep theirs
     why = (
         "each destination slot is written once (blocks wholly before first_token are not written, "
@@ -736,11 +767,29 @@ def block_map(
                 f"dst_blocks[{k}], the same block, holds tokens before it, which a map never writes"
                 f"{skip_repeats(later)}"
             )
-    src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
-    dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
-    if state is None:
+    if a_cp != b_cp:  # sides that hold other tokens, or the same at other places
+        cp = repage(
+            a_cp, b_cp, _pages(src_ids, a_per, len(src_ids) * a_per), a.block_size,
+            _pages(dst_ids, b_per, len(dst_ids) * b_per), b.block_size, tokens, first,
+        )  # fmt: skip
+        whole = cp.page == a.block_size == b.block_size  # pages that are whole blocks
+        pair = _cached_pair(a, b, pair.src_shard, pair.dst_shard, whole_blocks=whole)
+        result = BlockMap(
+            a, b, pair, (cp.src_ids, cp.dst_ids), tokens, first, slots=(cp.first, cp.tokens),
+            page_slots=(cp.src_slots, cp.dst_slots), page_size=cp.page,
+        )  # fmt: skip
+    elif not a_cp.whole:  # one CP rank's tokens on both sides, at the same places: its own
+        local = held(a_cp, first), held(a_cp, tokens)
+        src_ids = _pages(src_ids, a_per, -(-local[1] // a.block_size))
+        dst_ids = _pages(dst_ids, b_per, -(-local[1] // b.block_size))
+        result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first, slots=local)
+    elif state is None:
+        src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
+        dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
         result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first)
     else:  # a page a slot on both sides, its state's runs the pieces of its row
+        src_ids = _pages(src_ids, a_per, -(-tokens // a.block_size))
+        dst_ids = _pages(dst_ids, b_per, -(-tokens // b.block_size))
         rows = b.block_size  # both sides' (_check_opaque_pages); tokens are whole pages of it
         a, b, common = page_sides(a, b, *state)
         pair = _cached_pair(a, b, *state)

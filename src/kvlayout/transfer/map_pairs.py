@@ -119,14 +119,19 @@ def _check_same_data(src: Side, dst: Side) -> None:
 
 
 def _cached_pair(
-    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None, only: range | None = None
+    src: Side,
+    dst: Side,
+    src_shard: Shard | None,
+    dst_shard: Shard | None,
+    only: range | None = None,
+    whole_blocks: bool = True,
 ) -> _Pair:
     """``_pair`` of these sides and shards, built once and kept with ``src``."""
     per_dst = src._pairs.setdefault(dst, {})
-    key = (src_shard, dst_shard, only)
+    key = (src_shard, dst_shard, only, whole_blocks)
     pair = per_dst.get(key)
     if pair is None:
-        pair = _pair(src, dst, src_shard, dst_shard, only)
+        pair = _pair(src, dst, src_shard, dst_shard, only, whole_blocks)
         per_dst[key] = pair
     return pair
 
@@ -135,24 +140,32 @@ def _groups_of(
     pair: _Pair, tokens: int,
     src_ids: np.ndarray, src_block_size: int, dst_ids: np.ndarray, dst_block_size: int,
     force_sort: bool = False, blocks_one_by_one: bool = False, slabs_one_by_one: bool = False,
-    first_token: int = 0,
+    first_token: int = 0, page_slots: tuple[np.ndarray | None, np.ndarray | None] = (None, None),
 ) -> tuple[np.ndarray, int]:  # fmt: skip
     """The native builder's groups (read-only) and the runs they hold, for tokens
-    ``[first_token, tokens)`` of a request over a pair."""
+    ``[first_token, tokens)`` of a request over a pair (``page_slots``: where each id's
+    page starts in its block, on each side, where pages are finer than blocks)."""
     groups, num_runs, _ = _native.build_groups(
         pair.slabs, pair.group_starts, pair.order, len(pair.heads), tokens,
         src_ids, src_block_size, dst_ids, dst_block_size, pair.src_classes, pair.dst_classes,
-        force_sort, blocks_one_by_one, slabs_one_by_one, first_token,
+        force_sort, blocks_one_by_one, slabs_one_by_one, first_token, *page_slots,
     )  # fmt: skip
     groups.setflags(write=False)
     return groups, int(num_runs)
 
 
 def _pair(
-    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None, only: range | None = None
+    src: Side,
+    dst: Side,
+    src_shard: Shard | None,
+    dst_shard: Shard | None,
+    only: range | None = None,
+    whole_blocks: bool = True,
 ) -> _Pair:
     """The slabs both sides hold, of the model heads both shards hold (and ``only``
-    holds, where given: a side's map to itself, of another pair's heads)."""
+    holds, where given: a side's map to itself, of another pair's heads). ``whole_blocks``
+    False: the builder is given pages that may be parts of blocks (a context-parallel
+    map's), so no fold may count on a page being a whole block."""
     _check_same_data(src, dst)
     if src.has_heads:
         assert src_shard is not None and dst_shard is not None
@@ -257,7 +270,7 @@ def _pair(
         elif lvl == SLOT:
             ok &= (s_sj == run) & (d_sj == run)
             tail += ok
-            if order[-1] == SLOT and order[-2] == HEAD and src.block_size == dst.block_size:
+            if order[-1] == SLOT and order[-2] == HEAD and src.block_size == dst.block_size and whole_blocks:
                 # heads outside tokens on both sides: a full block's heads are one stretch
                 block = run * dst.block_size
                 tail += ok & (s_sh == block) & (d_sh == block) & (len(heads) > 1)

@@ -1,0 +1,234 @@
+"""Block maps between context-parallel ranks (vLLM's decode context parallelism): each side
+holds the request's tokens its CP rank's slot mapping gives it, and a map moves those both
+sides hold, checked against the offset oracle with vLLM's slot mapping
+(``test_block_maps.cp_block_slot``: virtual blocks of ``BS * cp_size`` tokens, ``I`` tokens
+at a time a rank), every other destination byte unchanged, the fewest runs."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvlayout import EngineKVFormat as F
+from kvlayout.registration.shards import Shard
+from kvlayout.transfer import BlockMapError, RegistrationDescription, ShardError, block_map
+from kvlayout.transfer.block_maps import chunk_side
+from tests.transfer.test_block_maps import MHA, MLA, TP, check_map, make_side, shards
+
+
+@st.composite
+def cp_shards(draw: st.DrawFn, shard: Shard, bs: int) -> Shard:
+    """``shard`` at a CP rank of a random CP split, its interleave a divisor of ``bs``."""
+    size = draw(st.sampled_from([1, 1, *TP]))
+    interleave = draw(st.sampled_from([i for i in range(1, bs + 1) if bs % i == 0]))
+    return Shard(
+        shard.tp_rank, shard.tp_size, shard.num_kv_heads, draw(st.integers(0, size - 1)), size, interleave
+    )
+
+
+@st.composite
+def cp_requests(draw: st.DrawFn, src: Shard, bs_src: int, dst: Shard, bs_dst: int) -> dict[str, Any]:
+    tokens = draw(st.integers(0, 96))
+    n_src, n_dst = -(-tokens // (bs_src * src.cp_size)), -(-tokens // (bs_dst * dst.cp_size))
+    nb_src, nb_dst = max(n_src, 1) + draw(st.integers(0, 3)), max(n_dst, 1) + draw(st.integers(0, 3))
+    src_ids = draw(st.permutations(range(nb_src)))[:n_src]
+    if draw(st.booleans()):  # consecutive: runs may merge across blocks
+        start = draw(st.integers(0, nb_dst - n_dst))
+        dst_ids = list(range(start, start + n_dst))
+    else:
+        dst_ids = draw(st.permutations(range(nb_dst)))[:n_dst]
+    first = draw(st.one_of(st.just(0), st.integers(0, tokens)))
+    return dict(
+        tokens=tokens, nb_src=nb_src, nb_dst=nb_dst, src_ids=list(src_ids), dst_ids=list(dst_ids), first=first
+    )
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.data())
+def test_mha_maps_between_cp_ranks_move_the_tokens_both_hold(data: st.DataObject) -> None:
+    fmt_src, fmt_dst = data.draw(st.sampled_from(MHA)), data.draw(st.sampled_from(MHA))
+    _, src_tp, dst_tp = data.draw(shards())
+    bs_src, bs_dst = (
+        data.draw(st.sampled_from([1, 2, 4, 6, 8, 16])),
+        data.draw(st.sampled_from([1, 2, 4, 8, 12, 16])),
+    )
+    src_shard, dst_shard = data.draw(cp_shards(src_tp, bs_src)), data.draw(cp_shards(dst_tp, bs_dst))
+    r = data.draw(cp_requests(src_shard, bs_src, dst_shard, bs_dst))
+    common: dict[str, Any] = dict(layers=data.draw(st.integers(1, 2)), row=data.draw(st.integers(1, 2)), planes=1,
+                                  kv=2, dtype=data.draw(st.sampled_from([torch.uint8, torch.bfloat16])))  # fmt: skip
+    src = make_side(fmt_src, blocks=r["nb_src"], bs=bs_src, heads=len(src_shard.heads), pad=data.draw(st.integers(0, 1)),
+                    shard=src_shard, seed=1, **common)  # fmt: skip
+    dst = make_side(fmt_dst, blocks=r["nb_dst"], bs=bs_dst, heads=len(dst_shard.heads), pad=data.draw(st.integers(0, 1)),
+                    shard=dst_shard, seed=2, **common)  # fmt: skip
+    check_map(src, dst, r["src_ids"], r["dst_ids"], r["tokens"], data.draw(st.integers(1, 2)), r["first"])
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_mla_maps_between_cp_ranks_move_the_tokens_both_hold(data: st.DataObject) -> None:
+    """DeepSeek's latents under DCP: every rank holds the latent of its own tokens."""
+    fmt_src, fmt_dst = data.draw(st.sampled_from(MLA)), data.draw(st.sampled_from(MLA))
+    planes_src = data.draw(st.integers(1, 2)) if fmt_src == F.NL_X_NP_X_NB_BS_ONE_HS else 1
+    planes_dst = data.draw(st.integers(1, 2)) if fmt_dst == F.NL_X_NP_X_NB_BS_ONE_HS else 1
+    tp_src, tp_dst = data.draw(st.sampled_from(TP)), data.draw(st.sampled_from(TP))
+    bs_src, bs_dst = data.draw(st.sampled_from([1, 4, 8, 16])), data.draw(st.sampled_from([2, 4, 16, 32]))
+    src_shard = data.draw(cp_shards(Shard(data.draw(st.integers(0, tp_src - 1)), tp_src, 1), bs_src))
+    dst_shard = data.draw(cp_shards(Shard(data.draw(st.integers(0, tp_dst - 1)), tp_dst, 1), bs_dst))
+    r = data.draw(cp_requests(src_shard, bs_src, dst_shard, bs_dst))
+    row = planes_src * planes_dst * data.draw(st.integers(1, 2))
+    common: dict[str, Any] = dict(
+        layers=data.draw(st.integers(1, 2)), heads=1, row=row, kv=1, dtype=torch.uint8
+    )
+    src = make_side(fmt_src, blocks=r["nb_src"], bs=bs_src, planes=planes_src, pad=data.draw(st.integers(0, 1)),
+                    shard=src_shard, seed=3, **common)  # fmt: skip
+    dst = make_side(fmt_dst, blocks=r["nb_dst"], bs=bs_dst, planes=planes_dst, pad=data.draw(st.integers(0, 1)),
+                    shard=dst_shard, seed=4, **common)  # fmt: skip
+    check_map(src, dst, r["src_ids"], r["dst_ids"], r["tokens"], 1, r["first"])
+
+
+def _mla(fmt: F, blocks: int, bs: int, shard: Shard, seed: int) -> Any:
+    return make_side(fmt, layers=2, blocks=blocks, bs=bs, heads=1, row=8, planes=1, kv=1, dtype=torch.uint8, pad=0,
+                     shard=shard, seed=seed)  # fmt: skip
+
+
+def test_equal_cp_splits_map_rank_to_rank_as_their_own_caches() -> None:
+    """Prefill and decode with one DCP split (vLLM's NixlConnector's one supported case):
+    rank r's cache to rank r's, whole blocks, as without context parallelism; rank r to
+    another rank: nothing in common."""
+    ids = [3, 0, 5]
+    runs = []
+    for rank in range(4):
+        shard = Shard(rank, 4, 1, rank, 4, 16)
+        src, dst = _mla(F.NL_X_NB_BS_HS, 6, 16, shard, 1), _mla(F.NL_X_NB_BS_HS, 6, 16, shard, 2)
+        check_map(src, dst, ids, ids, 150, 1)
+        m = block_map(src.kv, dst.kv, ids, ids, num_tokens=150, src_shard=shard, dst_shard=shard)
+        assert m.kind == "same layout" and "at the same places" in m.reason
+        runs.append(m.num_runs)
+    # tokens 0-149 in virtual blocks of 64: rank 0 holds 0-15, 64-79 and 128-143 (3 blocks), rank 1
+    # 16-31, 80-95 and 144-149, ranks 2 and 3 two blocks each: a run a layer and block
+    assert runs == [6, 6, 4, 4]
+    other = block_map(
+        src.kv,
+        dst.kv,
+        ids,
+        ids,
+        num_tokens=150,
+        src_shard=Shard(0, 4, 1, 0, 4, 16),
+        dst_shard=Shard(1, 4, 1, 1, 4, 16),
+    )
+    assert other.kind == "empty" and other.num_runs == 0
+    assert "none in common" in other.reason
+
+
+def test_a_prefill_without_cp_fans_out_to_decode_cp_ranks_and_they_gather_it_back() -> None:
+    """TP 1 prefill into DCP 2 decode, interleave 1 (vLLM's default): each decode rank takes
+    every other token, and the two maps back rebuild the prefill's cache."""
+    ids_src, ids_dst = [4, 1, 2, 7], [1, 0]
+    src = _mla(F.NL_X_NB_BS_HS, 8, 16, Shard(0, 1, 1), 1)
+    for rank in range(2):
+        shard = Shard(rank, 2, 1, rank, 2, 1)
+        dst = _mla(F.NL_X_NB_BS_HS, 3, 16, shard, 2 + rank)
+        check_map(src, dst, ids_src, ids_dst, 60, 1)
+        m = block_map(src.kv, dst.kv, ids_src, ids_dst, num_tokens=60, dst_shard=shard)
+        assert m.kind == "token slice" and "CP rank" in m.reason
+        back = block_map(dst.kv, src.kv, ids_dst, ids_src, num_tokens=60, src_shard=shard)
+        assert back.num_bytes == m.num_bytes == 2 * 30 * 8  # 2 layers, 30 tokens, 8 bytes
+
+
+def test_unequal_cp_splits_remap_token_positions() -> None:
+    """Prefill DCP 4 into decode DCP 2 (vLLM refuses unequal DCP sizes): decode rank 0
+    takes prefill ranks 0 and 2's tokens, each into every other of its slots."""
+    src_ids, dst_ids = [2, 0], [3, 1, 0, 2]  # 64 tokens: blocks of 32 of the request, and of 16
+    for p_rank in range(4):
+        src = _mla(F.NL_X_NB_BS_HS, 3, 8, Shard(p_rank, 4, 1, p_rank, 4, 1), 1)
+        for d_rank in range(2):
+            dst = _mla(F.NL_X_NB_BS_HS, 4, 8, Shard(d_rank, 2, 1, d_rank, 2, 1), 2)
+            check_map(src, dst, src_ids, dst_ids, 64, 1)
+            m = block_map(
+                src.kv, dst.kv, src_ids, dst_ids, num_tokens=64, src_shard=src.shard, dst_shard=dst.shard
+            )
+            assert m.num_bytes == (2 * 16 * 8 if p_rank % 2 == d_rank else 0)  # 2 layers, 16 tokens, 8 bytes
+            assert m.num_runs == (2 * 16 if p_rank % 2 == d_rank else 0)  # a token a run: every other slot
+
+
+def test_a_cp_rank_stores_its_tokens_into_the_request_s_chunk() -> None:
+    """A chunk holds every token of the request: a CP rank writes its own into it (and a
+    store from every rank fills it)."""
+    chunk = torch.zeros(1, 2, 40, 8, dtype=torch.uint8)
+    for rank in range(2):
+        shard = Shard(rank, 2, 1, rank, 2, 4)
+        src = _mla(F.NL_X_NB_BS_HS, 4, 8, shard, 5 + rank)
+        m = block_map(src.kv, chunk_side(src.kv, chunk), [3, 1, 2], [0], num_tokens=40, src_shard=shard)
+        m.copy()
+        layers = [b.view(4, 8, 8) for b in src.reg.bases]  # per layer [blocks, slots, bytes]
+        for p in range(40):  # vLLM's slot mapping, in virtual blocks of 16 tokens
+            if (p % 16 // 4) % 2 == rank:
+                block, slot = [3, 1, 2][p // 16], (p % 16 // 8) * 4 + p % 4
+                for layer, kv in enumerate(layers):
+                    assert torch.equal(chunk[0, layer, p], kv[block, slot])
+    assert chunk.count_nonzero() > 0.9 * chunk.numel()  # every token's row written (random bytes)
+
+
+def test_a_cp_shard_travels_in_a_description() -> None:
+    shard = Shard(1, 4, 1, 1, 4, 16)
+    src = _mla(F.NL_X_NB_BS_HS, 6, 16, shard, 1)
+    text = src.kv.describe(shard=shard).to_json()
+    assert json.loads(text)["shard"]["cp_size"] == 4
+    peer = RegistrationDescription.from_json(text)
+    assert peer.shard == shard
+    dst = _mla(F.NL_X_NB_BS_HS, 6, 16, shard, 2)
+    local = block_map(src.kv, dst.kv, [0, 1], [4, 5], num_tokens=100, src_shard=shard, dst_shard=shard)
+    remote = block_map(peer, dst.kv, [0, 1], [4, 5], num_tokens=100, dst_shard=shard)
+    assert np.array_equal(local.runs, remote.runs)
+    plain = json.loads(
+        _mla(F.NL_X_NB_BS_HS, 6, 16, Shard(0, 1, 1), 3).kv.describe(shard=Shard(0, 1, 1)).to_json()
+    )
+    assert set(plain["shard"]) == {"tp_rank", "tp_size", "num_kv_heads"}  # readers before CP read it too
+
+
+@pytest.mark.parametrize(
+    ("shard", "bs", "message"),
+    [
+        (Shard(0, 1, 1, 0, 2, 3), 8, "cp_interleave=3 does not divide the src cache's blocks of 8 tokens"),
+    ],
+)
+def test_what_cp_maps_refuse(shard: Shard, bs: int, message: str) -> None:
+    src = _mla(F.NL_X_NB_BS_HS, 4, bs, shard, 1)
+    dst = _mla(F.NL_X_NB_BS_HS, 4, bs, Shard(0, 1, 1), 2)
+    with pytest.raises(BlockMapError, match=message):
+        block_map(src.kv, dst.kv, [0], [0, 1], num_tokens=16, src_shard=shard)
+
+
+def test_a_cp_block_list_counts_virtual_blocks() -> None:
+    """Under DCP a block id stands for ``cp_size * BS`` of the request's tokens: a list of
+    one id a local block's tokens is refused, naming the blocks it should have."""
+    shard = Shard(0, 2, 1, 0, 2, 1)
+    src, dst = _mla(F.NL_X_NB_BS_HS, 4, 8, shard, 1), _mla(F.NL_X_NB_BS_HS, 4, 8, Shard(0, 1, 1), 2)
+    with pytest.raises(
+        BlockMapError, match=r"src_blocks has 4 block ids; the request's 32 tokens .* fill 2 blocks of 16"
+    ):
+        block_map(src.kv, dst.kv, [0, 1, 2, 3], [0, 1, 2, 3], num_tokens=32, src_shard=shard)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(cp_rank=2, cp_size=2), "Shard.cp_rank=2 is out of range for cp_size=2"),
+        (dict(cp_size=0), "Shard.cp_size must be >= 1, got 0"),
+        (dict(cp_interleave=0), "Shard.cp_interleave must be >= 1, got 0"),
+    ],
+)
+def test_a_cp_shard_that_no_split_makes_is_refused(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(ShardError, match=message):
+        Shard(0, 1, 1, **kwargs)
+
+
+def test_sends_to_leaves_cp_ranks_to_the_maps() -> None:
+    with pytest.raises(ShardError, match="under context parallelism each CP rank holds its own tokens"):
+        Shard(0, 2, 1, 0, 2, 1).sends_to(Shard(0, 1, 1))
