@@ -144,6 +144,7 @@ def test_registry_order_and_first_match() -> None:
         "cpu-attn-pages",
         "mamba-state-rows",
         "mamba-state-list",
+        "ring-buffer-pages",
         "head-slot-pages",
         "packed-head-rows",
         "paged-scale-mla",

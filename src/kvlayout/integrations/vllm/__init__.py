@@ -14,7 +14,9 @@ with fixed kernel sizes page a block finer, in any model (Qwen3.5-0.8B's hybrid 
 544 = 17 FlashInfer pages of 32; Llama's ``--block-size 128`` = 2 pages of 64), which
 would read as slot compression; and some attention pages are not heads of equal K and V
 halves at all (backends that declare head slots, B12X and ROCm's; models whose V head
-differs from K's), which would read as heads split in the wrong place. Unlike LMCache,
+differs from K's), which would read as heads split in the wrong place; and a ring vLLM
+addresses itself (``CircularBufferSpec``, DeepSeek-V4.1's compressor state: position
+``p`` in row ``p % N``, no K or V) would read as tokens of K | V. Unlike LMCache,
 which edits only hybrids, every model goes through the rules and the check. Where a
 block's kernel pages are its tokens in order (NHD attention pages, MLA latents) the
 edit views the layer as its blocks, in its own dtype, which detection reads as the
@@ -71,6 +73,7 @@ from kvlayout.integrations.vllm.rules import (
     MambaStateRowsEdit,
     PackedHeadRowsEdit,
     PagedScaleMLAEdit,
+    RingBufferPagesEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
 )
@@ -94,6 +97,7 @@ __all__ = [
     "MambaStateRowsEdit",
     "PackedHeadRowsEdit",
     "PagedScaleMLAEdit",
+    "RingBufferPagesEdit",
     "SpecKind",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",

@@ -30,6 +30,7 @@ from kvlayout.integrations.vllm.rules import (
     MambaStateRowsEdit,
     PackedHeadRowsEdit,
     PagedScaleMLAEdit,
+    RingBufferPagesEdit,
     SubpagedAttentionEdit,
     SubpagedMLAEdit,
 )
@@ -53,6 +54,7 @@ KV_CACHE_GROUP_EDITS: tuple[KVCacheGroupEdit, ...] = (
     CPUAttentionPagesEdit(),
     MambaStateRowsEdit(),
     MambaStateListEdit(),
+    RingBufferPagesEdit(),
     HeadSlotPagesEdit(),
     PackedHeadRowsEdit(),
     PagedScaleMLAEdit(),

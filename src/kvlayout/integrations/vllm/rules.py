@@ -47,6 +47,7 @@ __all__ = [
     "MambaStateRowsEdit",
     "PackedHeadRowsEdit",
     "PagedScaleMLAEdit",
+    "RingBufferPagesEdit",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
 ]
@@ -362,6 +363,42 @@ class HeadSlotPagesEdit(KVCacheGroupEdit):
         backend = LayoutHints.coerce(layout_hints).attn_backend
         rule = self.name if backend is None else f"{self.name} of {backend}"
         return page_layout(rule, spec, value, self.token_axis(value))
+
+
+def _ring_rows(spec: Any) -> bool:
+    """A spec whose rows vLLM addresses itself (``uses_slot_mapping`` False, vLLM 0.33): an
+    attention-shaped ring, one block a request (``CircularBufferSpec``, DeepSeek-V4.1's
+    compressor state), whose row ``position % block_size`` holds a token: no slot mapping
+    puts token ``t`` of a block in row ``t``."""
+    return spec_field(spec, "uses_slot_mapping", True) is False
+
+
+class RingBufferPagesEdit(KVCacheGroupEdit):
+    """A ring a request owns one block of (:func:`_ring_rows`), re-viewed as whole pages.
+
+    vLLM 0.33 registers it as any attention layer, ``[pages, H, N, C]``
+    (``CircularBufferSpec``: DeepSeek-V4.1's ``CompressorStateCache``, ``H`` = 1, ``N`` the
+    ring's capacity, ``C`` its fp32 ``[kv_state | score_state]`` row), but its writer puts
+    position ``p`` in row ``p % N`` (``CompressorMetadata.ring_write_slots``: ``block * N +
+    p % N``) and nothing there is K or V. Read as a block of tokens of ``K | V`` halves, a
+    request's partly filled ring moved its first rows and left the rest. Its pages move
+    whole, between registrations that page alike.
+    """
+
+    name = "ring-buffer-pages"
+
+    def matches(self, spec: Any, value: Any) -> bool:
+        heads = spec_field(spec, "num_head_slots", None) or spec_field(spec, "num_kv_heads", None)
+        return (
+            _ring_rows(spec)
+            and slots_per_block(spec) is not None
+            and isinstance(value, torch.Tensor)
+            and value.dim() == 4
+            and value.shape[1] == heads
+        )
+
+    def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
+        return _whole_pages(spec, value)
 
 
 class CPUAttentionPagesEdit(KVCacheGroupEdit):

@@ -1,0 +1,138 @@
+"""vLLM 0.33's ring buffers (``CircularBufferSpec``: DeepSeek-V4.1's compressor state):
+one block a request, registered like attention ``[pages, 1, N, C]``, but written by
+position ``p`` into row ``p % N`` and holding no K or V. They were read as one head of
+fused ``K | V`` tokens: mapped into a plain attention cache of that shape without a word,
+and a partly filled ring moved only its first rows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout.integrations.vllm import (
+    RingBufferPagesEdit,
+    apply_kv_cache_group_edits,
+    find_kv_cache_group_edit,
+)
+from kvlayout.integrations.vllm import transfer_layers as vllm_transfer_layers
+from kvlayout.testing.vllm import Backend, allocate_v033, fill_random, uniform_engine
+from kvlayout.transfer import BlockMapError, block_map
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+import vllm.v1.kv_cache_interface as kvi
+from vllm.v1.kv_cache_layout import KVCacheLayout
+
+# DeepseekCompressor(compress_ratio > 1).state_cache: CompressorStateCache(state_dim=2 * head_dim,
+# dtype=float32), its capacity max(8, next power of two >= num_speculative_tokens + 2): 8
+# without speculative decoding; CompressorBackend pages it whole (MultipleOf(1)).
+HEAD_DIM, CAPACITY, NB, NL = 64, 8, 5, 2
+COMPRESSOR = Backend("CompressorBackend", multiple_of=1)
+LAYER = "model.layers.{}.self_attn.compressor.state_cache"
+
+
+def ring_spec() -> Any:
+    # CompressorStateCache.get_kv_cache_spec
+    return kvi.CircularBufferSpec(
+        block_size=CAPACITY, num_kv_heads=1, head_size=2 * HEAD_DIM, head_size_v=0, dtype=torch.float32
+    )
+
+
+def registered(spec: Any, seed: int, hints: dict[str, str], layout: Any = None) -> tuple[dict[str, Any], Any]:
+    """A P/D worker's registration (vLLM's views), detected after the group edits."""
+    engine = uniform_engine(spec, COMPRESSOR, num_layers=NL, num_blocks=NB, layer_name=LAYER, layout=layout)
+    buf, kv = allocate_v033(engine)
+    fill_random(buf, seed)
+    edited = apply_kv_cache_group_edits(engine.config, kv, hints, prefix_reuse=False)
+    layers, groups = vllm_transfer_layers(engine.config, edited)
+    return kv, kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise (random bytes are NaNs as fp32 too)."""
+    return torch.equal(a.contiguous().view(torch.int32), b.contiguous().view(torch.int32))
+
+
+def ring_rows(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The ring as its writer addresses it: ``bind_kv_cache`` squeezes ``[B, 1, N, C]`` to
+    ``[B, N, C]``, and ``CompressorMetadata.ring_write_slots`` is ``block * N + p % N``."""
+    return kv_cache.squeeze(1).reshape(-1, kv_cache.shape[-1])
+
+
+def write_positions(kv_cache: torch.Tensor, block: int, positions: range) -> None:
+    """Position ``p`` of the request whose ring is ``block``: its row, a value of ``p``."""
+    rows = ring_rows(kv_cache)
+    for p in positions:
+        rows[block * CAPACITY + p % CAPACITY] = float(p) + torch.arange(kv_cache.shape[-1]) / 1024
+
+
+def test_the_ring_is_a_registration_vllm_makes() -> None:
+    """The registered view the rule sees is vLLM's own: one head, the ring's capacity,
+    an fp32 ``[kv_state | score_state]`` row; vLLM computes no slot mapping for it."""
+    spec = ring_spec()
+    assert spec.uses_slot_mapping is False and spec.prefix_cacheable is False
+    assert kvi.get_kv_cache_spec_kind(spec) is kvi.KVCacheSpecKind.UNKNOWN
+    engine = uniform_engine(spec, COMPRESSOR, num_layers=NL, num_blocks=NB, layer_name=LAYER)
+    _, kv = allocate_v033(engine)
+    for view in kv.values():
+        assert (tuple(view.shape), view.dtype) == ((NB, 1, CAPACITY, 2 * HEAD_DIM), torch.float32)
+        assert isinstance(find_kv_cache_group_edit(spec, view), RingBufferPagesEdit)
+    plain = kvi.FullAttentionSpec(
+        block_size=CAPACITY, num_kv_heads=1, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    # the same view as plain attention (a GPU's: on the CPU, by default, CPU_ATTN's pages)
+    assert find_kv_cache_group_edit(plain, next(iter(kv.values())), layout_hints={"kv_layout": "NHD"}) is None
+
+
+@pytest.mark.parametrize(
+    "hints", [{"kv_layout": "NHD"}, {"kv_layout": "HND"}, {}], ids=["NHD", "HND", "none"]
+)
+def test_a_request_s_ring_moves_whole_rows_by_its_position(hints: dict[str, str]) -> None:
+    """P's ring of a 13-token request (positions 5..12 in rows p % 8) lands whole in D's
+    block, every row where vLLM's writer reads it; D's other rings are untouched. A ring
+    whose request has fewer tokens than rows (num_tokens 5) moves whole as well."""
+    prefill_kv, prefill = registered(ring_spec(), 1, hints)
+    decode_kv, decode = registered(ring_spec(), 2, hints)
+    for group in prefill.kernel_groups:
+        assert group.opaque_pages is not None and not group.opaque_pages.rows_are_tokens
+        assert group.opaque_pages.layout.startswith("ring-buffer-pages")
+    for view in prefill_kv.values():
+        write_positions(view, 3, range(13))
+    before = {name: view.clone() for name, view in decode_kv.items()}
+    for src, dst in zip(prefill.kernel_groups, decode.kernel_groups, strict=True):
+        block_map(src, dst, [3], [0]).copy()
+    for name, view in decode_kv.items():
+        rows, sent = ring_rows(view), ring_rows(prefill_kv[name])
+        for p in range(13 - CAPACITY, 13):  # the ring's rows the next step reads
+            assert same(rows[0 * CAPACITY + p % CAPACITY], sent[3 * CAPACITY + p % CAPACITY])
+        assert same(view[1:], before[name][1:])
+    # a partly filled ring: all of its rows move, not its first num_tokens
+    for src, dst in zip(prefill.kernel_groups, decode.kernel_groups, strict=True):
+        block_map(src, dst, [3], [4], num_tokens=5).copy()
+    for name, view in decode_kv.items():
+        assert same(view[4], prefill_kv[name][3])
+
+
+def test_a_ring_maps_only_to_rings() -> None:
+    """A plain one-head fp32 attention cache has the ring's very shape; read as its K | V
+    halves, the ring's kv_state went into K and its score_state into V without a word."""
+    hints = {"kv_layout": "NHD"}
+    _, ring = registered(ring_spec(), 1, hints)
+    plain = kvi.FullAttentionSpec(
+        block_size=CAPACITY, num_kv_heads=1, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    _, attention = registered(plain, 2, hints)
+    with pytest.raises(BlockMapError, match=r"src is opaque pages \(ring-buffer-pages: .*\) and dst is not"):
+        block_map(ring.kernel_groups[0], attention.kernel_groups[0], [1], [2])
+
+
+def test_a_ring_in_heads_outside_blocks_moves_whole() -> None:
+    """Under ``LHBNC`` (one head: the same bytes as LBHNC) the ring still moves whole."""
+    hints = {"kv_layout": "LHBNC"}
+    src_kv, src = registered(ring_spec(), 1, hints, KVCacheLayout.LHBNC)
+    dst_kv, dst = registered(ring_spec(), 2, hints, KVCacheLayout.LHBNC)
+    block_map(src.kernel_groups[0], dst.kernel_groups[0], [2], [1]).copy()
+    for name, view in dst_kv.items():
+        assert same(view[1], src_kv[name][2])
