@@ -497,6 +497,53 @@ def test_plan_says_why_a_pair_cannot_be_served(capsys: pytest.CaptureFixture[str
     )
 
 
+PLAN_MLA = [
+    "--src-engine",
+    "vllm",
+    "--src-shape",
+    "2x[16,8,64]",
+    "--dst-engine",
+    "vllm",
+    "--dst-shape",
+    "2x[8,8,64]",
+]
+
+
+def test_plan_pairs_decode_context_parallel_ranks_by_the_tokens_they_hold(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Prefill TP 4 at DCP 2 into decode TP 2 at DCP 2, 8-token blocks interleaved whole: a
+    decode rank takes its CP rank's tokens from one prefill rank of that CP rank (ranks 0
+    and 2 hold CP rank 0's: they take turns by decode rank), nothing from the other CP rank."""
+    cp = ["--src-tp", "4", "--src-dcp", "2", "--src-cp-interleave", "8", "--dst-tp", "2", "--dst-dcp", "2",
+          "--dst-cp-interleave", "8"]  # fmt: skip
+    code, out, _ = run(capsys, "plan", *PLAN_MLA, *cp, "--tokens", "40", "--json")
+    assert code == 0
+    pairs = {(p["src_rank"], p["dst_rank"]): p for p in json.loads(out)["pairs"]}
+    # 40 tokens in blocks of 8, CP rank 0 holding 0-7, 16-23, 32-39: 3 blocks of 2 layers
+    assert {k: (p["kind"], p["runs"], p["bytes"]) for k, p in pairs.items() if p["runs"]} == {
+        (0, 0): ("same layout", 6, 3 * 8 * 2 * 64 * 2),
+        (3, 1): ("same layout", 4, 2 * 8 * 2 * 64 * 2),
+    }
+    assert pairs[(2, 0)]["kind"] == "replica" and pairs[(1, 0)]["kind"] == "empty"
+    code, out, _ = run(capsys, "plan", *PLAN_MLA, "--dst-tp", "4", "--dst-dcp", "4", "--tokens", "40")
+    lines = out.splitlines()
+    assert lines[0].startswith("plan: 40 tokens, scattered block ids; src NL_X_NB_BS_HS TP 1 (blocks of 8), dst "
+                               "NL_X_NB_BS_HS TP 4 DCP 4 (interleave 1) (blocks of 8)")  # fmt: skip
+    assert lines[1] == "  src rank 0 -> dst rank 0: token slice; 20 runs, 2560 bytes, mean run 128 B"
+
+
+def test_plan_refuses_a_dcp_size_that_does_not_divide_the_tp_degree(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, _, err = run(capsys, "plan", *PLAN_MLA, "--dst-tp", "2", "--dst-dcp", "4", "--tokens", "8")
+    assert code == 2
+    assert err == (
+        "kvlayout: --dst-dcp 4: a DCP size divides the TP degree (--dst-tp 2): vLLM's DCP ranks are TP ranks, "
+        "rank r holding CP rank r % DCP's tokens\n"
+    )
+
+
 def test_plan_refuses_a_request_larger_than_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "40")
     assert code == 2

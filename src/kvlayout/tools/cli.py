@@ -284,6 +284,12 @@ def build_parser() -> argparse.ArgumentParser:
         )
         p.add_argument(f"--{where}-share", action="append", default=[], metavar="SHARER=TARGET",
                        help=f"a {where} layer sharing another's KV cache, as detect's --share")  # fmt: skip
+        p.add_argument(f"--{where}-dcp", type=int, default=1, metavar="SIZE",
+                       help=f"the {where} side's decode context parallel size (vLLM's DCP: rank r "
+                            "holds CP rank r %% SIZE's tokens; default 1, none)")  # fmt: skip
+        p.add_argument(f"--{where}-cp-interleave", type=int, default=1,
+                       help=f"the {where} side's cp_kv_cache_interleave_size: tokens a CP rank holds "
+                            "at a time (default 1)")  # fmt: skip
     p.add_argument(
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )

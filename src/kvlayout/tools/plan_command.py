@@ -77,9 +77,19 @@ def _plan_bounds(args: argparse.Namespace) -> None:
     if not 0 <= args.first_token <= args.tokens:
         raise KVLayoutError(f"--first-token {args.first_token}: it is 0 to --tokens {args.tokens}")
     for where in ("src", "dst"):
-        tp = vars(args)[f"{where}_tp"]
+        tp, dcp = vars(args)[f"{where}_tp"], vars(args)[f"{where}_dcp"]
         if not 0 < tp <= MAX_TP:
             raise KVLayoutError(f"--{where}-tp {tp}: a TP degree is 1 to {MAX_TP}")
+        if dcp < 1 or tp % dcp:
+            raise KVLayoutError(
+                f"--{where}-dcp {dcp}: a DCP size divides the TP degree (--{where}-tp {tp}): vLLM's DCP "
+                "ranks are TP ranks, rank r holding CP rank r % DCP's tokens"
+            )
+        interleave = vars(args)[f"{where}_cp_interleave"]
+        if interleave < 1:
+            raise KVLayoutError(
+                f"--{where}-cp-interleave {interleave}: a CP rank holds 1 or more tokens at a time"
+            )
     if args.src_tp * args.dst_tp > MAX_RANK_PAIRS:
         raise KVLayoutError(
             f"--src-tp {args.src_tp} and --dst-tp {args.dst_tp} make {args.src_tp * args.dst_tp} rank pairs, "
@@ -166,7 +176,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     }  # fmt: skip
     for where, (_, group) in sides.items():
         g = group.geometry
-        record[where] = {"format": group.format.name, "tp": a[f"{where}_tp"],
+        record[where] = {"format": group.format.name, "tp": a[f"{where}_tp"], "dcp": a[f"{where}_dcp"],
+                         "cp_interleave": a[f"{where}_cp_interleave"],
                          "block_size": g.block_size, "num_blocks": g.num_blocks,
                          "shared_layers": [list(layers) for layers in group.shared_layers]}  # fmt: skip
     descs, ids = {}, {}
@@ -178,7 +189,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise KVLayoutError(
                 f"--{where}-shape: plan describes it as a peer would, and cannot: {e}"
             ) from None
-        ids[where] = _block_ids(args.blocks, -(-args.tokens // bs), group.geometry.num_blocks, where)
+        # under DCP a block id stands for dcp blocks of the request's tokens
+        ids[where] = _block_ids(
+            args.blocks, -(-args.tokens // (bs * a[f"{where}_dcp"])), group.geometry.num_blocks, where
+        )
     try:
         _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None)
     except MemoryError:  # numpy's and the native maps' allocations: bounded above, not by the machine
@@ -231,12 +245,17 @@ def _plan_pairs(
     from kvlayout.transfer import block_map
     from kvlayout.transfer.nixl import estimate
 
+    def shard(where: str, rank: int) -> Shard | None:
+        tp, dcp, interleave = (vars(args)[f"{where}_{k}"] for k in ("tp", "dcp", "cp_interleave"))
+        if model_heads is None and dcp == 1:
+            return None
+        return Shard(rank, tp, model_heads or 1, rank % dcp, dcp, interleave if dcp > 1 else 1)
+
     for r in range(args.src_tp):
         for d in range(args.dst_tp):
             pair: dict[str, Any] = {"src_rank": r, "dst_rank": d}
             try:
-                src_shard = None if model_heads is None else Shard(r, args.src_tp, model_heads)
-                dst_shard = None if model_heads is None else Shard(d, args.dst_tp, model_heads)
+                src_shard, dst_shard = shard("src", r), shard("dst", d)
                 m = block_map(
                     descs["src"], descs["dst"], ids["src"], ids["dst"], num_tokens=args.tokens,
                     first_token=args.first_token, src_shard=src_shard, dst_shard=dst_shard,
@@ -248,11 +267,19 @@ def _plan_pairs(
             pair |= {"kind": m.kind, "reason": m.reason, "runs": m.num_runs, "bytes": m.num_bytes}
             # several src ranks hold these heads (or, for latents, all of them): one sends
             held = ("latents", 1) if latent or model_heads is None else ("heads", model_heads)
-            sender = _sender(Shard(r, args.src_tp, held[1]), Shard(d, args.dst_tp, held[1]))
+            if args.src_dcp > 1:  # replicas: the ranks of this CP rank that hold these heads
+                sender = _cp_sender(args.src_tp, args.src_dcp, held[1], r, d)
+                what, how = (
+                    f"{held[0]} and tokens",
+                    f"of CP rank {r % args.src_dcp}: they take turns by dst rank",
+                )
+            else:
+                sender = _sender(Shard(r, args.src_tp, held[1]), Shard(d, args.dst_tp, held[1]))
+                what, how = held[0], "as Shard.sends_to says"
             if m.num_runs and sender != r:
                 pair |= {"kind": "replica", "runs": 0, "bytes": 0, "reason": (
-                    f"src rank {sender} holds the same {held[0]} and sends them: one replica sends each "
-                    "head, as Shard.sends_to says"
+                    f"src rank {sender} holds the same {what} and sends them: one replica sends each head, "
+                    f"{how}"
                 )}  # fmt: skip
             if pair["runs"]:
                 est = estimate(m, poster=args.poster)
@@ -272,12 +299,24 @@ def _sender(src: Any, dst: Any) -> int:
     )
 
 
+def _cp_sender(tp: int, dcp: int, heads: int, r: int, d: int) -> int:
+    """Under DCP, the src rank that sends dst rank ``d`` what src rank ``r`` holds: of the
+    ranks that hold ``r``'s heads and CP rank (vLLM's: ``rank % dcp``), the ``d``-th in
+    turn."""
+    from kvlayout.registration.shards import Shard
+
+    mine = Shard(r, tp, heads).heads
+    replicas = [k for k in range(tp) if k % dcp == r % dcp and Shard(k, tp, heads).heads == mine]
+    return replicas[d % len(replicas)]
+
+
 def _print_plan(r: dict[str, Any]) -> None:
     s, d = r["src"], r["dst"]
     moved = f" (moving {r['first_token']} on)" if r["first_token"] else ""
     print(
-        f"plan: {r['tokens']} tokens{moved}, {r['blocks']} block ids; src {s['format']} TP {s['tp']} "
-        f"(blocks of {s['block_size']}), dst {d['format']} TP {d['tp']} (blocks of {d['block_size']}); "
+        f"plan: {r['tokens']} tokens{moved}, {r['blocks']} block ids; "
+        f"src {s['format']} TP {s['tp']}{_dcp(s)} (blocks of {s['block_size']}), "
+        f"dst {d['format']} TP {d['tp']}{_dcp(d)} (blocks of {d['block_size']}); "
         f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
     )
     for p in r["pairs"]:
@@ -295,3 +334,7 @@ def _print_plan(r: dict[str, Any]) -> None:
                 f"    {p['op']}: {each}; choice: {p['choice']}"
                 + (f", in {stages} stages" if stages > 1 else "")
             )
+
+
+def _dcp(side: dict[str, Any]) -> str:
+    return f" DCP {side['dcp']} (interleave {side['cp_interleave']})" if side["dcp"] > 1 else ""
