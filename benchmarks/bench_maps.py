@@ -4,9 +4,10 @@ A Llama-3-8B-like model (32 layers, 8 KV heads of 128, bf16), one 1024-token req
 its block ids scattered over a pool twice its size or consecutive, between two CPU
 caches for each scenario below (SGL->HiCache: SGLang's device pool into its HiCache host
 pool, layer_first, page_first or page_first_direct, 64-token pages); an MLA model (61
-layers, a 576-wide latent) for MLA, and Qwen3-Next's Gated DeltaNet state (one page per
-layer and request) for the last three: vLLM's pages, then SGLang's Mamba pool, its conv
-state and its SSM state.
+layers, a 576-wide latent) for MLA, also into a decode rank that holds DCP rank 2 of 4's
+tokens (vLLM's decode context parallelism), a token or a block at a time, and
+Qwen3-Next's Gated DeltaNet state (one page per layer and request) for the last three:
+vLLM's pages, then SGLang's Mamba pool, its conv state and its SSM state.
 Each row prints the map's runs (and the groups it holds them in), bytes and mean run,
 the time to build the map (the request's part: the sides and the pair are prepared once,
 like a transfer plan) beside one detection of the destination registration, and
@@ -242,6 +243,10 @@ SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
     ("SGL->HiCache pf", lambda: (sglang(64), hicache("page_first", 64))),
     ("SGL->HiCache pfd", lambda: (sglang(64), hicache("page_first_direct", 64))),
     ("MLA TP 1->4", lambda: (mla(), mla(Shard(2, 4, 1)))),
+    # decode context parallelism: decode TP 4 rank 2 holds DCP rank 2's tokens, 1 at a time
+    # (vLLM's default interleave) or a block at a time
+    ("MLA -> DCP 4", lambda: (mla(), mla(Shard(2, 4, 1, cp_rank=2, cp_size=4)))),
+    ("MLA -> DCP 4 blk", lambda: (mla(), mla(Shard(2, 4, 1, cp_rank=2, cp_size=4, cp_interleave=64)))),
     ("GDN TP 1->2", lambda: (gdn_state(1, 0), gdn_state(2, 1))),
     ("SGL conv TP 1->2", lambda: (sglang_state(1, 0, "conv0"), sglang_state(2, 1, "conv0"))),
     ("SGL ssm TP 1->2", lambda: (sglang_state(1, 0, "temporal"), sglang_state(2, 1, "temporal"))),
@@ -287,7 +292,8 @@ def best_us(fn: Callable[[], object], number: int, repeats: int) -> float:
 
 
 def request_ids(cache: Cache, scattered: bool, rng: random.Random) -> list[int]:
-    n = -(-TOKENS // cache.block_size)
+    cp = cache.shard.cp_size if cache.shard is not None else 1  # a DCP block id: cp blocks of the request
+    n = -(-TOKENS // (cache.block_size * cp))
     return rng.sample(range(cache.num_blocks), n) if scattered else list(range(n))
 
 
