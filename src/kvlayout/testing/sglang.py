@@ -26,6 +26,7 @@ __all__ = [
     "LinearModel",
     "device_pool",
     "elastic_mamba_pool",
+    "fp4_kv_pool",
     "host_pool",
     "mxfp8_kv_pool",
     "shard",
@@ -339,4 +340,56 @@ def mxfp8_kv_pool(
         page_size=page_size,
         head_num=head_num,
         mxfp8_sf_interleaved=interleaved,
+    )
+
+
+def fp4_kv_pool(
+    num_layers: int,
+    size: int,
+    head_num: int,
+    head_dim: int,
+    *,
+    page_size: int,
+    scales: str = "linear",
+    generator: torch.Generator | None = None,
+) -> Any:
+    """SGLang's FP4 MHA pool (``NVFP4KVCacheMethod.create_buffers`` /
+    ``FP4MXBlock16KVCacheMethod.create_buffers``) for ``size`` tokens and one rank's
+    ``head_num`` KV heads, all uint8: ``k_buffer[l]`` / ``v_buffer[l]`` packed e2m1 pairs
+    ``(size + page_size, H, D // 2)`` and their scales, one byte per 16 elements (``sf = D //
+    16``), in the layout ``scales`` names: ``"linear"`` ``k_scale_buffer[l]`` ``(size +
+    page_size, H, sf)`` (NVFP4's), ``"flat"`` ``(size + page_size, H * sf)``
+    (``fp4_mx_block16``'s), ``"native"`` ``native_k_scale_buffer[l]`` ``((size + page_size)
+    // page_size, H, page_size, sf)`` (TRT-LLM's, the linear buffers then None). Zeros, or
+    random bytes from ``generator``."""
+    if head_dim % 16 or size % page_size or scales not in ("linear", "flat", "native"):
+        raise ValueError(
+            "head_dim must be a multiple of 16, size of page_size; scales linear, flat or native"
+        )
+    slots, sf = size + page_size, head_dim // 16
+    shape = {
+        "linear": (slots, head_num, sf),
+        "flat": (slots, head_num * sf),
+        "native": (slots // page_size, head_num, page_size, sf),
+    }[scales]
+
+    def make(shape: tuple[int, ...]) -> torch.Tensor:
+        if generator is None:
+            return torch.zeros(shape, dtype=torch.uint8)
+        return torch.randint(0, 256, shape, generator=generator, dtype=torch.uint8)
+
+    def layers(shape: tuple[int, ...]) -> list[torch.Tensor]:
+        return [make(shape) for _ in range(num_layers)]
+
+    native = scales == "native"
+    return SimpleNamespace(
+        k_buffer=layers((slots, head_num, head_dim // 2)),
+        v_buffer=layers((slots, head_num, head_dim // 2)),
+        k_scale_buffer=None if native else layers(shape),
+        v_scale_buffer=None if native else layers(shape),
+        native_k_scale_buffer=layers(shape) if native else None,
+        native_v_scale_buffer=layers(shape) if native else None,
+        page_size=page_size,
+        head_num=head_num,
+        head_dim=head_dim,
     )

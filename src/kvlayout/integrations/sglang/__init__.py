@@ -15,8 +15,10 @@ compressor states (device or HiCache host) a ring at a time, block ids SGLang's 
 request slots; :func:`mxfp8_scale_pools` reads the UE8M0 scale buffers of its MXFP8 pool
 (``MHATokenToKVPoolMXFP8``), whole interleaved pages or flat slot rows, and
 :func:`mxfp8_host_scale_pools` its HiCache host pool's, :func:`dynamic_fp8_host_scales`
-the dynamic-FP8 pool's host scales. SGLang itself is
-not imported: pools are read structurally.
+the dynamic-FP8 pool's host scales; :func:`fp4_scale_pools` reads the block scales of its FP4
+pool (``nvfp4`` / ``fp4_mx_block16``), linear slot rows or TRT-LLM's native pages, and
+:func:`fp4_host_scale_pools` its HiCache host pool's (``MHATokenToKVPoolFP4Host``). SGLang
+itself is not imported: pools are read structurally.
 """
 
 from kvlayout.integrations.sglang.deepseek_v4 import (
@@ -26,6 +28,7 @@ from kvlayout.integrations.sglang.deepseek_v4 import (
     flashmla_kv_pages,
 )
 from kvlayout.integrations.sglang.dynamic_fp8 import DynamicFp8ScaleError, dynamic_fp8_host_scales
+from kvlayout.integrations.sglang.fp4 import Fp4ScaleError, fp4_host_scale_pools, fp4_scale_pools
 from kvlayout.integrations.sglang.mamba import MAMBA_TYPES, MambaPoolError, mamba_state_pools
 from kvlayout.integrations.sglang.mxfp8 import Mxfp8ScaleError, mxfp8_host_scale_pools, mxfp8_scale_pools
 from kvlayout.integrations.sglang.vectorized import VectorizedPoolError, vectorized_kv_pools
@@ -34,6 +37,7 @@ __all__ = [
     "MAMBA_TYPES",
     "DeepSeekV4PoolError",
     "DynamicFp8ScaleError",
+    "Fp4ScaleError",
     "MambaPoolError",
     "Mxfp8ScaleError",
     "VectorizedPoolError",
@@ -41,6 +45,8 @@ __all__ = [
     "compress_state_rings",
     "dynamic_fp8_host_scales",
     "flashmla_kv_pages",
+    "fp4_host_scale_pools",
+    "fp4_scale_pools",
     "mamba_state_pools",
     "mxfp8_host_scale_pools",
     "mxfp8_scale_pools",
