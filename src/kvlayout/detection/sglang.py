@@ -54,6 +54,11 @@ Quirks that live here and nowhere else:
   pages, as it does a device pool's page buffers. A DSA indexer's host pool (uint8 pages
   of records, indexed by page) is read given ``tokens_per_block`` only: without it, a
   page-first one has an MLA pool's shape.
+* An FP4 MHA pool's scale buffers are refused, naming
+  ``kvlayout.integrations.sglang.fp4_scale_pools``: its linear ``[size + page_size, H * sf]``
+  as K/V lists of 2-D tensors (read as page buffers of ``H`` heads, ``t.view(t.shape[0], H,
+  -1)``), and a flat uint8 list of rank 4 (its native ``[pages, H, page_size, sf]``, whose V
+  scales interleave 4 tokens, as a refused flat list names it).
 * Lists of rank-5 ``float8_e8m0fnu`` tensors (the UE8M0 scales of the MXFP8 pool,
   ``MHATokenToKVPoolMXFP8`` at page_size 128: ``[pages, H, 32, page_size // 32, sf]``, a
   page's token ``off`` at ``[off % 32, off // 32]``) are refused, naming
@@ -243,7 +248,16 @@ _NOT_FP4_MHA_SCALES = (
     "; an FP4 MHA pool's k_scale_buffer and v_scale_buffer (MHATokenToKVPoolFP4: uint8 [size + page_size, "
     "head_num * head_dim // 16], a token's scales head by head) read as K/V page buffers of head_num heads: "
     "pass [t.view(t.shape[0], head_num, -1) for t in k_scale_buffer + v_scale_buffer] with the payload's "
-    "hints"
+    "hints, or kvlayout.integrations.sglang.fp4_scale_pools(k_scale_buffer, v_scale_buffer, page_size, "
+    "head_num)"
+)
+# What the native (TRT-LLM) scale buffers of an NVFP4 MHA pool are: uint8 [pages, H, page_size, sf], V's
+# scales interleaved over 4 tokens (nvfp4_v_scale_swizzle_indices), so no token-level format reads them.
+_NOT_FP4_NATIVE_SCALES = (
+    "; an NVFP4 MHA pool's native_k_scale_buffer and native_v_scale_buffer (TRT-LLM's layout: uint8 "
+    "[pages, H, page_size, head_dim // 16], V's scales interleaved over 4 tokens) are read as whole pages "
+    "by kvlayout.integrations.sglang.fp4_scale_pools(native_k_scale_buffer, native_v_scale_buffer, "
+    "page_size, head_num)"
 )
 
 
@@ -261,6 +275,10 @@ _NOT_HOST_HALVES = (
     "; a HiCache host pool's K and V halves (mem_pool_host.kv_buffer[0] and [1]) are one tensor: "
     "pass kv_buffer itself with layout hint hicache_layout"
 )
+
+
+def _uint8_rank4(p: Probe) -> bool:
+    return p.rank == 4 and p.first.dtype == torch.uint8
 
 
 def _order(hints: LayoutHints) -> Decision:
@@ -327,7 +345,7 @@ def discover(kv: Any, hints: LayoutHints) -> tuple[EngineKVFormat, DiscoverableK
             "layout hint kv_list_layout says 'k_v' (K layers then V layers) or 'unified' (components)"
             f"{_NOT_STATE}{_NOT_HOST_HALVES if len(kv) == 2 else ''}"
             f"{_NOT_DSV4_STATE if p.rank == 2 and p.first.dtype.is_floating_point else ''}"
-            f"{_NOT_AITER_FP4_INDEXER if p.rank == 4 and p.first.dtype == torch.uint8 else ''}"
+            f"{_NOT_AITER_FP4_INDEXER + _NOT_FP4_NATIVE_SCALES if _uint8_rank4(p) else ''}"
             f"{_NOT_DSV4_UNIFORM_FP8 if p.rank == 2 and p.first.dtype == torch.float8_e4m3fn else ''}"
             f"{_NOT_DSV4_UNIFIED_FP8 if _dsv4_unified_fp8_row(p) else ''}"
         )

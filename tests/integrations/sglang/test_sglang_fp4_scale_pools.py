@@ -385,6 +385,16 @@ def test_detect_reads_the_linear_scales_as_k_v_page_buffers_too() -> None:
             assert torch.equal(buffers(dst, name)[layer], want)
 
 
+def test_detect_names_the_reader_of_the_native_and_linear_scales() -> None:
+    native, flat = pool(None, "native"), pool(None, "flat")
+    reader = re.escape("kvlayout.integrations.sglang.fp4_scale_pools(")
+    with pytest.raises(kvlayout.DetectionError, match=reader):
+        kvlayout.detect(native.native_k_scale_buffer + native.native_v_scale_buffer, "sglang")
+    hints = {"kv_list_layout": "k_v", "tokens_per_block": PAGE}
+    with pytest.raises(kvlayout.DetectionError, match=reader):
+        kvlayout.detect(flat.k_scale_buffer + flat.v_scale_buffer, "sglang", hints)
+
+
 def test_a_token_major_host_scale_pool_reads_as_a_page_first_host_pool() -> None:
     """A fork's MHATokenToKVPoolFP4Host (puntium/sglang-5090; linear scales only,
     ``scale_kv_buffer`` uint8 ``[2, size, NL, H, sf]``, page_first like its payload): its
