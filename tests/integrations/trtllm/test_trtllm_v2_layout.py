@@ -307,8 +307,10 @@ def test_layouts_kvlayout_cannot_read_are_refused_by_name() -> None:
         one(kv_refs(range(2)), {"num_kv_heads": 3, "head_dim": HD})
     with pytest.raises(KvCacheLayoutError, match="is not a KvCacheLayout"):
         kv_cache_layout_pools(object(), torch.bfloat16, HINTS)
-    with pytest.raises(KvCacheLayoutError, match="in 2 regions"):
-        halves = [Region(storage, i * 2 * BUF, 2 * BUF, 4 * BUF, SLOTS, kv_refs([i])) for i in range(2)]
+    with pytest.raises(KvCacheLayoutError, match="in 2 regions that are not runs of one slot"):
+        halves = [
+            Region(storage, i * 2 * BUF, 2 * BUF, (4 - 2 * i) * BUF, SLOTS, kv_refs([i])) for i in range(2)
+        ]
         kv_cache_layout_pools(Layout(BS, (Group(0, (0, 1), None, tuple(halves)),)), torch.bfloat16, HINTS)
 
 
@@ -360,3 +362,107 @@ def test_regions_and_arguments_that_are_not_v2s_are_refused_by_name() -> None:
         KvCacheLayoutError, match=r"region 0 is SimpleNamespace \(num_slots None.* not a KvCacheRegion"
     ):
         pools(SimpleNamespace(buffers=kv_refs(range(2))))
+
+
+def _m3_layout(seed: int | None) -> tuple[Layout, dict[tuple[int, str], int], torch.Tensor]:
+    """``MiniMaxM3KVCacheManagerV2`` (``sparse/minimax_m3/cache_manager.py``): layer 0
+    dense, layers 1-3 sparse with an ``index_key`` buffer (``Role.INDEX_KEY``, one head of
+    ``sparse_index_dim``) after their K and V. Where ``sparse_index_dim`` is ``NH * HD``
+    (here 2 * 8) the index key is K's size, so V2's ``create_storage_config`` coalesces it
+    with K/V: one pool, a slot the buffers in layer order, each at ``index * BUF``
+    (``buffer_attributes``). ``build_kv_cache_layout_v2`` aggregates the sharded (K/V)
+    and replicated (``index_key``) buffers apart: three K/V runs, three index-key runs."""
+    order = [(0, "key"), (0, "value")] + [
+        (layer, r) for layer in (1, 2, 3) for r in ("key", "value", "index_key")
+    ]
+    slot = len(order) * BUF
+    storage = (
+        pool_bytes(SLOTS * slot, seed) if seed is not None else torch.zeros(SLOTS * slot, dtype=torch.uint8)
+    )
+    offset = {ref: i * BUF for i, ref in enumerate(order)}
+
+    def run(refs: list[tuple[int, str]]) -> Region:
+        return Region(
+            storage, offset[refs[0]], len(refs) * BUF, slot, SLOTS, tuple(BufferRef(*r) for r in refs)
+        )
+
+    kv = (run(order[:4]), run(order[5:7]), run(order[8:10]))
+    index = tuple(run([(layer, "index_key")]) for layer in (1, 2, 3))
+    return Layout(BS, (Group(0, (0, 1, 2, 3), None, kv, index),)), offset, storage
+
+
+def _m3_kv(
+    storage: torch.Tensor, offset: dict[tuple[int, str], int], slot: int, layer: int, role: str
+) -> torch.Tensor:
+    """Layer ``layer``'s K or V page of slot ``slot`` as M3's ``get_buffers(kv_layout="NHD")``
+    views it: ``[BS, NH, HD]`` bf16 at ``base + stride * slot + offset``."""
+    start = slot * (storage.numel() // SLOTS) + offset[(layer, role)]
+    return storage[start : start + BUF].view(torch.bfloat16).view(BS, NH, HD)
+
+
+def test_minimax_m3_kv_split_by_coalesced_index_keys_reads_as_its_layers() -> None:
+    """MiniMax-M3's K/V in three runs of one slot (index keys of K's size between them) was
+    refused ("K/V buffers in 3 regions"); it reads as the group's four layers, each token's
+    heads where M3's NHD view puts them, into vLLM's caches (a TP 2 rank's heads) and into
+    a peer's M3 slots, the index keys moving as replicated slots of their own."""
+    hints = {**HINTS, "kv_layout": "NHD"}
+    layout, offset, storage = _m3_layout(11)
+    pools = kv_cache_layout_pools(layout, torch.bfloat16, hints)
+    assert set(pools) == {"group0", "group0.replicated0", "group0.replicated1", "group0.replicated2"}
+    src = pools["group0"]
+    assert src.engine is kvlayout.EngineType.TRTLLM and src.layer_ids == (0, 1, 2, 3)
+    caches = [torch.zeros(2, 5, BS, NH // 2, HD, dtype=torch.bfloat16) for _ in range(4)]
+    vllm = kvlayout.detect(caches, "vllm", {"kv_layout": "NHD"})
+    block_map(src, vllm, [4, 1], [2, 0], dst_shard=Shard(1, 2, NH)).copy()
+    for layer in range(4):
+        for r, role in enumerate(("key", "value")):
+            for s, d in ((4, 2), (1, 0)):
+                for t in range(BS):
+                    assert torch.equal(
+                        caches[layer][r, d, t, 0], _m3_kv(storage, offset, s, layer, role)[t, 1]
+                    )
+            assert not caches[layer][r, 1].any() and not caches[layer][r, 3:].any()
+    peer_layout, _, peer = _m3_layout(None)
+    dst = kv_cache_layout_pools(peer_layout, torch.bfloat16, hints)
+    block_map(src, dst["group0"], [4, 1], [0, 3]).copy()
+    for k in range(3):
+        block_map(pools[f"group0.replicated{k}"], dst[f"group0.replicated{k}"], [4, 1], [0, 3]).copy()
+    slot = storage.numel() // SLOTS
+    for s, d in ((4, 0), (1, 3)):
+        assert torch.equal(peer[d * slot : (d + 1) * slot], storage[s * slot : (s + 1) * slot])
+    assert not peer[slot : 3 * slot].any() and not peer[4 * slot :].any()
+    with pytest.raises(BlockMapError):  # an index key is no K/V page
+        block_map(pools["group0.replicated0"], dst["group0"], [0], [0])
+
+
+def test_m3_runs_are_checked_as_one_slots() -> None:
+    layout, _, storage = _m3_layout(12)
+    kv = layout.groups[0].regions
+
+    def read(*runs: Region, hints: Mapping[str, object] = {**HINTS, "kv_layout": "NHD"}) -> None:
+        group = Group(0, (0, 1, 2, 3), None, runs)
+        kv_cache_layout_pools(Layout(BS, (group,)), torch.bfloat16, hints)
+
+    other = Region(storage, kv[1].base, kv[1].size, kv[1].stride - BUF, SLOTS, kv[1].buffers)
+    with pytest.raises(
+        KvCacheLayoutError,
+        match=r"in 3 regions that are not runs of one slot \(.*region 1: base 640, size 256, stride 1280",
+    ):
+        read(kv[0], other, kv[2])
+    overlapping = Region(storage, kv[1].base - 2 * BUF, kv[1].size, kv[1].stride, SLOTS, kv[1].buffers)
+    with pytest.raises(KvCacheLayoutError, match="not runs of one slot"):
+        read(kv[0], overlapping, kv[2])
+    with pytest.raises(KvCacheLayoutError, match=r"K/V regions holds 0:key, 0:value, 1:key, 1:value, 3:key"):
+        swapped = [
+            Region(storage, r.base, r.size, r.stride, SLOTS, o.buffers)
+            for r, o in ((kv[1], kv[2]), (kv[2], kv[1]))
+        ]
+        read(kv[0], *swapped)
+    with pytest.raises(LayoutHintError, match=r"flat dim 64 != num_kv_heads \(3\)"):
+        read(*kv, hints={"num_kv_heads": 3, "head_dim": HD})
+    keys = tuple(
+        Region(storage, r.base, r.size // 2, r.stride, SLOTS, tuple(b for b in r.buffers if b.role == "key"))
+        for r in kv
+    )
+    with pytest.raises(KvCacheLayoutError, match=r"keys alone \(MLA, CacheType.SELFKONLY\) in 3 regions"):
+        read(*keys, hints={"head_dim": NH * HD})

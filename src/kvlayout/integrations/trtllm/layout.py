@@ -16,28 +16,34 @@ slot id does not index them (``get_buffers`` asserts K and V adjacent).
 then value (or key alone: MLA, ``CacheType.SELFKONLY``) in layer order, as the pool
 TRT-LLM's detector reads, ``[num_slots, NL, kv_factor, NH*BS*HS]`` with the slot's
 other bytes as dim-0 padding, so it maps by heads, tokens and layers to any other
-engine's cache. Its layers are numbered with TRT-LLM's own ids
-(``KvCacheBufferRef.layer_id``, the global model layer index): a map pairs a group only
-with a cache of the same layers (another group's, or a peer's group of other layers, is
-refused naming both), and a cache numbered otherwise (V1's pool, a pipeline stage's
-list, both from 0) is paired on purpose with ``registration.numbered(layer_ids)``. Any
-other region (NVFP4 block scales, a sparse model's index keys, a replicated side cache)
-is read as opaque pages, whole slots, that map only to a region of the same bytes (its
-label names its layers).
+engine's cache. A group's K/V in several runs of one slot (V2 coalesces every buffer of
+a size in a slot, in layer order: MiniMax-M3's ``index_key`` of K's size lies between its
+layers' K/V) reads as the list of its layers' K/V views. Its layers are numbered with
+TRT-LLM's own ids (``KvCacheBufferRef.layer_id``, the global model layer index): a map
+pairs a group only with a cache of the same layers (another group's, or a peer's group of
+other layers, is refused naming both), and a cache numbered otherwise (V1's pool, a
+pipeline stage's list, both from 0) is paired on purpose with
+``registration.numbered(layer_ids)``. Any other region (NVFP4 block scales, a sparse
+model's index keys, a replicated side cache) is read as opaque pages, whole slots, that
+map only to a region of the same bytes (its label names its layers).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from typing import Any
 
 import torch
 
 from kvlayout._generated.engines import EngineType
+from kvlayout._generated.formats import LAYOUTS
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.errors import as_int
 from kvlayout.integrations.page_lists import listed_pages
+from kvlayout.layout.algebra import axis_of
+from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.registration import Registration
 from kvlayout.types import HintsLike, LayoutHints
@@ -141,12 +147,62 @@ def _kv_pool(
     return detect(pool, EngineType.TRTLLM, hints).numbered(layers)
 
 
+def _kv_runs(
+    runs: list[tuple[Any, str, list[tuple[int, str, int]]]], g: object, dtype: torch.dtype, hints: LayoutHints
+) -> Registration:
+    """A group's K/V buffers in several runs of one slot: V2 coalesces every buffer of a
+    size in a slot, in layer order, so a side buffer of K's size (MiniMax-M3's
+    ``index_key`` where ``num_kv_heads * head_dim`` is its ``sparse_index_dim``) splits the
+    layers' K/V into runs, each layer's K then V whole. Each run reads as TRT-LLM's pool
+    of its layers; the group as the list of its layers' ``[num_slots, 2, ...]`` views,
+    the per-layer caches vLLM's reader reads (a layer's views stand any distance apart),
+    labelled TRT-LLM's and numbered with TRT-LLM's layer ids."""
+    where = f"layer group {g}"
+    read = []
+    for region, w, held in runs:
+        pool = _kv_pool(region, w, held, dtype, hints)  # checks the region and the hints
+        try:
+            base = as_int(getattr(region, "base", None), "base")
+        except TypeError:
+            raise KvCacheLayoutError(f"{w}'s base is {getattr(region, 'base', None)!r}, not an int") from None
+        read.append((base, region, w, held, pool))
+    read.sort(key=lambda run: run[0])
+    spans = [(base, base + int(r.size), int(r.stride), int(r.num_slots)) for base, r, *_ in read]
+    ends_fit = all(end <= nxt for (_, end, _, _), (nxt, _, _, _) in itertools.pairwise(spans))
+    if len({(stride, slots) for _, _, stride, slots in spans}) != 1 or not ends_fit:
+        named = "; ".join(
+            f"{w}: base {base}, size {end - base}, stride {stride}, {slots} slots"
+            for (base, end, stride, slots), (_, _, w, _, _) in zip(spans, read, strict=True)
+        )
+        raise KvCacheLayoutError(
+            f"{where} holds K/V buffers in {len(runs)} regions that are not runs of one slot ({named}); "
+            "kvlayout reads a group's K/V as one pool's slots: runs of one stride and slot count, apart "
+            "in memory"
+        )
+    layers, kv = _kv_layers([ref for *_, held, _ in read for ref in held], f"{where}'s K/V regions")
+    if kv != 2:
+        raise KvCacheLayoutError(
+            f"{where} holds its layers' keys alone (MLA, CacheType.SELFKONLY) in {len(runs)} regions: "
+            "kvlayout reads an MLA group as one run of every layer's key"
+        )
+    views: list[torch.Tensor] = []
+    order = "HND"
+    for *_, pool in read:
+        layout = LAYOUTS[pool.format]
+        axis = axis_of(layout, Role.LAYER)
+        assert axis is not None  # a TRT-LLM K/V pool holds its layers on an axis
+        order = "HND" if layout.is_hnd else "NHD"
+        views += [pool.kv.select(axis, k) for k in range(pool.num_layers)]
+    return detect(views, EngineType.VLLM, {"kv_layout": order}).labelled(EngineType.TRTLLM).numbered(layers)
+
+
 def kv_cache_layout_pools(
     layout: Any, dtype: torch.dtype, hints: HintsLike = None
 ) -> dict[str, Registration]:
     """A ``KvCacheLayout`` (what ``KVCacheManagerV2`` hands ``register_kv_cache_layout``)
     as registrations, one a region: ``"group{g}"`` the region of group ``g``'s K/V
     buffers, read as TRT-LLM's pool ``[num_slots, NL, kv_factor, NH*BS*HS]`` of ``dtype``
+    (in several runs of a slot: a list of each layer's ``[num_slots, 2, ...]`` view of it)
     (the cache's element type; ``torch.int8`` for NVFP4, two values a byte) with
     ``hints`` (``num_kv_heads``, ``head_dim``, ``kv_layout`` as for
     ``kvlayout.detect(pool, "trtllm", ...)``; ``tokens_per_block`` is the layout's),
@@ -188,17 +244,25 @@ def kv_cache_layout_pools(
             for i, r in enumerate(regions["region"])
             if {role for _, role, _ in _refs(r, f"layer group {g} region {i}")} <= set(_KV_ROLES)
         ]
-        if len(kv_regions) > 1:
-            raise KvCacheLayoutError(
-                f"layer group {g} holds K/V buffers in {len(kv_regions)} regions ({kv_regions}); kvlayout "
-                "reads them as one pool: one run of every layer's K and V a slot"
+        kv_runs = [
+            (
+                regions["region"][i],
+                f"layer group {g} region {i}",
+                _refs(regions["region"][i], f"layer group {g} region {i}"),
             )
+            for i in kv_regions
+        ]
         for kind, held in regions.items():
             for i, region in enumerate(held):
                 where = f"layer group {g} {kind} {i}"
                 refs = _refs(region, where)
                 if kind == "region" and i in kv_regions:
-                    pools[f"group{g}"] = _kv_pool(region, where, refs, dtype, given)
+                    if i == kv_regions[0]:
+                        pools[f"group{g}"] = (
+                            _kv_pool(region, where, refs, dtype, given)
+                            if len(kv_runs) == 1
+                            else _kv_runs(kv_runs, g, dtype, given)
+                        )
                     continue
                 rows = _rows(region, where)
                 named = ", ".join(f"{layer}:{role}" for layer, role, _ in refs)
