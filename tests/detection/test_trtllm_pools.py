@@ -206,3 +206,87 @@ def test_per_layer_get_buffers_views_are_refused_with_the_way_to_read_them(layou
             got = caches[layer][:, 7 - i]  # [2, BS, NH, HS]
             want = views[layer][b] if layout == "NHD" else views[layer][b].transpose(1, 2)
             assert torch.equal(got, want)
+
+
+# NVFP4 KV (V1 KVCacheManager, WindowBlockManager::allocatePools / createBlockScalePools):
+# the data pool int8 [NB, NL, 2, NH*BS*HD/2], two e2m1 values a byte, and its twin the
+# block-scale pool float8_e4m3fn [NB, NL, 2, NH*BS*HD/16], one scale per 16 values
+# (kQuantBlockSizeNVFP4), both addressed by KVBlockArray::getKVLocalIdx(token, head,
+# dimsPerHead, channel) = head * BS * dimsPerHead + token % BS * dimsPerHead + channel: the
+# data at that index over 2 for dimsPerHead = HD, the scales at it for dimsPerHead = HD / 16
+# (tests/unit_tests/kernels/ropeTest.cu's reference writes both so).
+FP4_NH, FP4_HD = 2, 32
+
+
+def _nvfp4_pools(bs: int, nb: int, seed: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    shapes = ((nb, NL, 2, FP4_NH * bs * FP4_HD // 2), (nb, NL, 2, FP4_NH * bs * FP4_HD // 16))
+    if seed is None:
+        return torch.zeros(shapes[0], dtype=torch.int8), torch.zeros(shapes[1], dtype=torch.float8_e4m3fn)
+    gen = torch.Generator().manual_seed(seed)
+    data = torch.randint(-128, 128, shapes[0], dtype=torch.int8, generator=gen)
+    scales = torch.randint(0, 256, shapes[1], dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
+    return data, scales
+
+
+def _local_idx(bs: int, token: int, head: int, dims: int, channel: int) -> int:
+    return head * bs * dims + token % bs * dims + channel
+
+
+def _nvfp4_token(
+    pools: tuple[torch.Tensor, torch.Tensor], bs: int, block: int, layer: int, kv: int, token: int, head: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Head ``head`` of token ``token``: its HD/2 packed bytes and HD/16 scales."""
+    data, scales = pools
+    at = _local_idx(bs, token, head, FP4_HD, 0) // 2
+    sat = _local_idx(bs, token, head, FP4_HD // 16, 0)
+    return (
+        data[block, layer, kv, at : at + FP4_HD // 2],
+        scales[block, layer, kv, sat : sat + FP4_HD // 16].view(torch.uint8),
+    )
+
+
+def test_nvfp4_data_and_block_scale_pools_move_each_tokens_heads() -> None:
+    """Both pools read by their bytes (scales) per head and token, a request's 6 tokens
+    from blocks of 4 into blocks of 8, each head's values and scales where TRT-LLM's
+    indexing puts them on both sides."""
+    src, dst = _nvfp4_pools(BS, NB, 21), _nvfp4_pools(2 * BS, 3, None)
+    for k, dims in ((0, FP4_HD // 2), (1, FP4_HD // 16)):
+        hints = {"num_kv_heads": FP4_NH, "head_dim": dims}
+        a = kvlayout.detect(src[k], "trtllm", {**hints, "tokens_per_block": BS})
+        b = kvlayout.detect(dst[k], "trtllm", {**hints, "tokens_per_block": 2 * BS})
+        assert a.format is b.format is F.NB_NL_TWO_NH_BS_HS
+        block_map(a, b, [4, 1], [2], num_tokens=BS + 2).copy()
+    for p in range(BS + 2):
+        for layer in range(NL):
+            for kv in range(2):
+                for head in range(FP4_NH):
+                    got = _nvfp4_token(dst, 2 * BS, 2, layer, kv, p, head)
+                    want = _nvfp4_token(src, BS, (4, 1)[p // BS], layer, kv, p % BS, head)
+                    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    for p in range(BS + 2, 2 * BS):
+        assert not any(
+            t.any()
+            for layer in range(NL)
+            for kv in range(2)
+            for t in _nvfp4_token(dst, 2 * BS, 2, layer, kv, p, 0)
+        )
+    assert not dst[0][:2].any() and not dst[1][:2].view(torch.uint8).any()
+
+
+def test_nvfp4_block_scale_pool_under_the_models_head_dim_is_named_not_read_as_fewer_heads() -> None:
+    """With the model's head_dim the scale pool's row is a sixteenth short; 32 heads of 128
+    would fit 2 heads as a TP rank's, which would read the scales as a 2-head FP8 KV
+    pool: the message names the scale pool and its head_dim instead."""
+    nh, hd = 32, 128
+    scales = torch.zeros(NB, NL, 2, nh * BS * hd // 16, dtype=torch.float8_e4m3fn)
+    hints = {"num_kv_heads": nh, "tokens_per_block": BS, "head_dim": hd}
+    with pytest.raises(LayoutHintError, match="NVFP4's block-scale pool") as info:
+        kvlayout.detect(scales, "trtllm", hints)
+    assert "detect it with head_dim=8 (its scales per head and token)" in str(info.value)
+    assert "fits" not in str(info.value)
+    data = torch.zeros(NB, NL, 2, nh * BS * hd // 2, dtype=torch.int8)
+    with pytest.raises(LayoutHintError, match=r"head_dim=64 .* block-scale pool on its own with head_dim=8"):
+        kvlayout.detect(data, "trtllm", hints)
+    # an FP8 KV pool a TP rank's heads short is still told which head count fits
+    with pytest.raises(LayoutHintError, match="and 16 fits"):
+        kvlayout.detect(scales.view(NB, NL, 2, -1).repeat(1, 1, 1, 8), "trtllm", hints)

@@ -199,7 +199,15 @@ def _unflatten(pool: Any, hints: LayoutHints, hnd: bool) -> Any:
     nb, nl, kv = shape[:3]
     if kv != 2:
         raise DetectionError(f"TRT-LLM pool {shape}: the K/V axis (dim 2) is {kv}, not 2 or 1")
-    nh, bs, hs = _split_row(shape, hints, _ROW_HINTS, "pool", "[NB, NL, 2, NH*BS*HS]", _bytes(pool))
+    nh, bs, hs = _split_row(
+        shape,
+        hints,
+        _ROW_HINTS,
+        "pool",
+        "[NB, NL, 2, NH*BS*HS]",
+        _bytes(pool),
+        pool.dtype == torch.float8_e4m3fn,
+    )
     # The pool row folds the heads, tokens and head elements of a cross-layer layout, in the
     # order the attention backend writes them.
     target = LAYOUTS[
@@ -214,8 +222,20 @@ def _bytes(pool: torch.Tensor) -> bool:
     return pool.dtype in (torch.int8, torch.uint8)
 
 
+# NVFP4's block scales: WindowBlockManager::createBlockScalePools gives each data pool a
+# twin [NB, NL, kv_factor, NH*BS*(HS/16)] of kFP8 (e4m3), one scale per 16 values
+# (kQuantBlockSizeNVFP4), addressed as the data (KVBlockArray::getKVLocalIdx, heads first)
+_NVFP4_SCALE_BLOCK = 16
+
+
 def _split_row(
-    shape: tuple[int, ...], hints: LayoutHints, names: tuple[str, ...], pool: str, folded: str, packed: bool
+    shape: tuple[int, ...],
+    hints: LayoutHints,
+    names: tuple[str, ...],
+    pool: str,
+    folded: str,
+    packed: bool,
+    scales: bool = False,
 ) -> list[int]:
     """The sizes the hints ``names`` split a 4-D ``pool``'s flat row (dim 3, ``folded``) into."""
     missing = [name for name in names if getattr(hints, name) is None]
@@ -239,7 +259,16 @@ def _split_row(
             why = (
                 ": a byte pool half that size is NVFP4, two values a byte, whose block scales TRT-LLM keeps "
                 f"in another pool; detect it with head_dim={sizes[-1] // 2} (its bytes per head and token), "
-                "and the scale pool on its own with its bytes per head and token, and move both"
+                f"and its e4m3 block-scale pool on its own with head_dim={sizes[-1] // _NVFP4_SCALE_BLOCK} "
+                "(its scales per head and token), and move both"
+            )
+        if scales and "head_dim" in names and _NVFP4_SCALE_BLOCK * shape[3] == math.prod(sizes):
+            # not a pool of fewer heads: a sixteenth of the row is NVFP4's scale pool
+            why = (
+                f": an e4m3 pool a {_NVFP4_SCALE_BLOCK}th that size is NVFP4's block-scale pool "
+                f"(get_block_scale_pool_pointers), one scale per {_NVFP4_SCALE_BLOCK} values; detect it "
+                f"with head_dim={sizes[-1] // _NVFP4_SCALE_BLOCK} (its scales per head and token), and its "
+                f"int8 data pool with head_dim={sizes[-1] // 2}, and move both"
             )
         raise LayoutHintError(
             f"TRT-LLM {pool} {shape}: flat dim {shape[3]} != {factors} = {math.prod(sizes)}{why}"
