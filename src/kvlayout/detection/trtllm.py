@@ -17,7 +17,10 @@ the DSA indexer's K pool (``get_indexer_k_cache_pool()``, each block its tokens'
 then their scales), read given ``tokens_per_block`` by its bytes a token: 132 (fp8: 128
 values and a float32 scale) as ``[NB, NL, BSxVALS, BSxSCALES]``, 68 (``DSACacheManager``
 under ``indexer_k_dtype="fp4"``: ``index_head_dim // 2`` bytes of packed e2m1 values and
-one int32 of four ue8m0 exponents) as ``[NB, NL, BSxVALS4, BSxSCALES4]``.
+one int32 of four ue8m0 exponents) as ``[NB, NL, BSxVALS4, BSxSCALES4]``. NVFP4 KV is
+two pools of the primary pool's shape (``createBlockScalePools``), each read on its own by
+its bytes per head and token: the int8 data with ``head_dim`` half the model's (two e2m1
+values a byte), the e4m3 block scales with a sixteenth of it (a scale per 16 values).
 """
 
 from __future__ import annotations
