@@ -392,26 +392,37 @@ def _m3_layout(seed: int | None) -> tuple[Layout, dict[tuple[int, str], int], to
 
 
 def _m3_kv(
-    storage: torch.Tensor, offset: dict[tuple[int, str], int], slot: int, layer: int, role: str
+    storage: torch.Tensor,
+    offset: dict[tuple[int, str], int],
+    slot: int,
+    layer: int,
+    role: str,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """Layer ``layer``'s K or V page of slot ``slot`` as M3's ``get_buffers(kv_layout="NHD")``
-    views it: ``[BS, NH, HD]`` bf16 at ``base + stride * slot + offset``."""
+    views it: ``[BS, NH, HD // elements a byte]`` of ``dtype`` at ``base + stride * slot +
+    offset``."""
     start = slot * (storage.numel() // SLOTS) + offset[(layer, role)]
-    return storage[start : start + BUF].view(torch.bfloat16).view(BS, NH, HD)
+    return storage[start : start + BUF].view(dtype).view(BS, NH, -1)
 
 
-def test_minimax_m3_kv_split_by_coalesced_index_keys_reads_as_its_layers() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8])
+def test_minimax_m3_kv_split_by_coalesced_index_keys_reads_as_its_layers(dtype: torch.dtype) -> None:
     """MiniMax-M3's K/V in three runs of one slot (index keys of K's size between them) was
     refused ("K/V buffers in 3 regions"); it reads as the group's four layers, each token's
     heads where M3's NHD view puts them, into vLLM's caches (a TP 2 rank's heads) and into
-    a peer's M3 slots, the index keys moving as replicated slots of their own."""
-    hints = {**HINTS, "kv_layout": "NHD"}
+    a peer's M3 slots, the index keys moving as replicated slots of their own. NVFP4 K/V
+    (int8, two values a byte, as M3's ``get_buffers`` views it) reads by its bytes a head:
+    the index key (bf16) is then K's size where ``num_kv_heads * head_dim / 2`` is twice
+    ``sparse_index_dim``."""
+    width = HD * 2 // torch.empty(0, dtype=dtype).element_size()  # elements a head and token
+    hints = {"num_kv_heads": NH, "head_dim": width, "kv_layout": "NHD"}
     layout, offset, storage = _m3_layout(11)
-    pools = kv_cache_layout_pools(layout, torch.bfloat16, hints)
+    pools = kv_cache_layout_pools(layout, dtype, hints)
     assert set(pools) == {"group0", "group0.replicated0", "group0.replicated1", "group0.replicated2"}
     src = pools["group0"]
     assert src.engine is kvlayout.EngineType.TRTLLM and src.layer_ids == (0, 1, 2, 3)
-    caches = [torch.zeros(2, 5, BS, NH // 2, HD, dtype=torch.bfloat16) for _ in range(4)]
+    caches = [torch.zeros(2, 5, BS, NH // 2, width, dtype=dtype) for _ in range(4)]
     vllm = kvlayout.detect(caches, "vllm", {"kv_layout": "NHD"})
     block_map(src, vllm, [4, 1], [2, 0], dst_shard=Shard(1, 2, NH)).copy()
     for layer in range(4):
@@ -419,11 +430,11 @@ def test_minimax_m3_kv_split_by_coalesced_index_keys_reads_as_its_layers() -> No
             for s, d in ((4, 2), (1, 0)):
                 for t in range(BS):
                     assert torch.equal(
-                        caches[layer][r, d, t, 0], _m3_kv(storage, offset, s, layer, role)[t, 1]
+                        caches[layer][r, d, t, 0], _m3_kv(storage, offset, s, layer, role, dtype)[t, 1]
                     )
             assert not caches[layer][r, 1].any() and not caches[layer][r, 3:].any()
     peer_layout, _, peer = _m3_layout(None)
-    dst = kv_cache_layout_pools(peer_layout, torch.bfloat16, hints)
+    dst = kv_cache_layout_pools(peer_layout, dtype, hints)
     block_map(src, dst["group0"], [4, 1], [0, 3]).copy()
     for k in range(3):
         block_map(pools[f"group0.replicated{k}"], dst[f"group0.replicated{k}"], [4, 1], [0, 3]).copy()
