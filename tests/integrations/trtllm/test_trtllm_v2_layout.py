@@ -477,3 +477,50 @@ def test_m3_runs_are_checked_as_one_slots() -> None:
     )
     with pytest.raises(KvCacheLayoutError, match=r"keys alone \(MLA, CacheType.SELFKONLY\) in 3 regions"):
         read(*keys, hints={"head_dim": NH * HD})
+
+
+def test_rocketkv_kt_buffers_between_layers_leave_the_kv_read_by_heads_and_tokens() -> None:
+    """``RocketKVCacheManagerV2`` (``sparse/rocket.py``) appends a ``kt_cache`` buffer to
+    every layer, ``tokens_per_block_override`` expanding it (``create_storage_config``:
+    ``size * expansion``); where that is K's size (bf16 K/V, ``tokens_per_block`` 32,
+    ``page_size`` 3: 16 KT tokens of ``2 * head_dim``) V2 coalesces it with K and V, and
+    ``build_kv_cache_layout_v2`` (KT not replicated) hands one region of every layer's K,
+    V, KT. That was read as opaque slots alone; its K/V now read by heads and tokens, as
+    V1's pool of the same layers holds them, the KT runs as opaque slots of their own."""
+    order = [(layer, r) for layer in range(3) for r in ("key", "value", "kt_cache")]
+    slot = len(order) * BUF
+    refs = tuple(BufferRef(layer, r, 16 if r == "kt_cache" else 1) for layer, r in order)
+    storage, peer = pool_bytes(SLOTS * slot, 13), torch.zeros(SLOTS * slot, dtype=torch.uint8)
+    src, dst = (
+        kv_cache_layout_pools(
+            Layout(BS, (Group(0, (0, 1, 2), None, (Region(t, 0, slot, slot, SLOTS, refs),)),)),
+            torch.bfloat16,
+            HINTS,
+        )
+        for t in (storage, peer)
+    )
+    assert set(src) == {"group0", "group0.region0.run1", "group0.region0.run3", "group0.region0.run5"}
+    region = Region(storage, 0, slot, slot, SLOTS, refs)
+    v1 = torch.zeros(4, 3, 2, NH * BS * HD, dtype=torch.bfloat16)
+    block_map(
+        src["group0"], kvlayout.detect(v1, "trtllm", {**HINTS, "tokens_per_block": BS}), [5, 2], [0, 3]
+    ).copy()
+    for s, d in ((5, 0), (2, 3)):
+        for layer in range(3):
+            for r in range(2):
+                assert torch.equal(
+                    v1[d, layer, r].view(torch.uint8), region.bytes_of(s, (3 * layer + r) * BUF, BUF)
+                )
+    assert not v1[1].any() and not v1[2].any()
+    for name in src:
+        block_map(src[name], dst[name], [5, 2], [0, 3]).copy()
+    for s, d in ((5, 0), (2, 3)):
+        assert torch.equal(peer[d * slot : (d + 1) * slot], storage[s * slot : (s + 1) * slot])
+    assert not peer[slot : 3 * slot].any() and not peer[4 * slot :].any()
+    with pytest.raises(BlockMapError):  # KT runs are no K/V pages
+        block_map(src["group0.region0.run1"], dst["group0"], [0], [0])
+    odd = Region(storage, 0, slot - 2, slot, SLOTS, refs)
+    with pytest.raises(
+        KvCacheLayoutError, match=r"region 0: 1150 bytes are not 9 buffers of one size, as V2 coalesces"
+    ):
+        kv_cache_layout_pools(Layout(BS, (Group(0, (0, 1, 2), None, (odd,)),)), torch.bfloat16, HINTS)

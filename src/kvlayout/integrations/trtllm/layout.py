@@ -18,14 +18,16 @@ TRT-LLM's detector reads, ``[num_slots, NL, kv_factor, NH*BS*HS]`` with the slot
 other bytes as dim-0 padding, so it maps by heads, tokens and layers to any other
 engine's cache. A group's K/V in several runs of one slot (V2 coalesces every buffer of
 a size in a slot, in layer order: MiniMax-M3's ``index_key`` of K's size lies between its
-layers' K/V) reads as the list of its layers' K/V views. Its layers are numbered with
-TRT-LLM's own ids (``KvCacheBufferRef.layer_id``, the global model layer index): a map
-pairs a group only with a cache of the same layers (another group's, or a peer's group of
-other layers, is refused naming both), and a cache numbered otherwise (V1's pool, a
-pipeline stage's list, both from 0) is paired on purpose with
+layers' K/V; RocketKV's ``kt_cache``, expanded to K's size, after each layer's K and V,
+one region with them) reads as the list of its layers' K/V views. Its layers are
+numbered with TRT-LLM's own ids (``KvCacheBufferRef.layer_id``, the global model layer
+index): a map pairs a group only with a cache of the same layers (another group's, or a
+peer's group of other layers, is refused naming both), and a cache numbered otherwise
+(V1's pool, a pipeline stage's list, both from 0) is paired on purpose with
 ``registration.numbered(layer_ids)``. Any other region (NVFP4 block scales, a sparse
-model's index keys, a replicated side cache) is read as opaque pages, whole slots, that
-map only to a region of the same bytes (its label names its layers).
+model's index keys, a replicated side cache), or run of other buffers in a region of
+K/V, is read as opaque pages, whole slots of its bytes, that map only to a region of the
+same bytes (its label names its layers).
 """
 
 from __future__ import annotations
@@ -196,21 +198,75 @@ def _kv_runs(
     return detect(views, EngineType.VLLM, {"kv_layout": order}).labelled(EngineType.TRTLLM).numbered(layers)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Run:
+    """Some adjacent buffers of a region, a narrower region of the same slots: V2
+    coalesces buffers of one (expanded) size, so a region of ``n`` buffers holds each in
+    ``size // n`` bytes, and its buffers ``k..`` start ``k * size // n`` bytes in."""
+
+    region: Any
+    offset: int
+    size: int
+    buffers: tuple[Any, ...]
+
+    @property
+    def base(self) -> int:
+        return as_int(self.region.base, "base") + self.offset
+
+    @property
+    def stride(self) -> int:
+        return int(self.region.stride)
+
+    @property
+    def num_slots(self) -> int:
+        return int(self.region.num_slots)
+
+    def as_tensor(self, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        rows: torch.Tensor = self.region.as_tensor(torch.uint8)
+        return rows[:, self.offset : self.offset + self.size].view(dtype)
+
+
+def _pieces(region: Any, where: str, name: str, kind: str) -> list[tuple[Any, str, str, Any, bool]]:
+    """A region as ``(region, where, name, refs, holds K/V)`` pieces: itself, or, where
+    it holds K/V buffers among others of their size (RocketKV's ``kt_cache`` after each
+    layer's K and V: ``RocketKVCacheManagerV2``, expanded to K's size), its runs of K/V
+    buffers and of the others, each a :class:`_Run` (the others named ``name.run{k}``)."""
+    refs = _refs(region, where)
+    kv = [role in _KV_ROLES for _, role, _ in refs]
+    if kind != "region" or all(kv) or not any(kv):
+        return [(region, where, name, refs, kind == "region" and all(kv))]
+    size = _rows(region, where).shape[1]
+    if size % len(refs):
+        raise KvCacheLayoutError(
+            f"{where}: {size} bytes are not {len(refs)} buffers of one size, as V2 coalesces them"
+        )
+    width = size // len(refs)
+    pieces = []
+    for k, (held, run) in enumerate(itertools.groupby(range(len(refs)), key=lambda b: kv[b])):
+        ks = list(run)
+        part = _Run(region, ks[0] * width, len(ks) * width, tuple(region.buffers[b] for b in ks))
+        part_where = f"{where} buffers {ks[0]}-{ks[-1]}"
+        pieces.append((part, part_where, f"{name}.run{k}", [refs[b] for b in ks], held))
+    return pieces
+
+
 def kv_cache_layout_pools(
     layout: Any, dtype: torch.dtype, hints: HintsLike = None
 ) -> dict[str, Registration]:
     """A ``KvCacheLayout`` (what ``KVCacheManagerV2`` hands ``register_kv_cache_layout``)
     as registrations, one a region: ``"group{g}"`` the region of group ``g``'s K/V
     buffers, read as TRT-LLM's pool ``[num_slots, NL, kv_factor, NH*BS*HS]`` of ``dtype``
-    (in several runs of a slot: a list of each layer's ``[num_slots, 2, ...]`` view of it)
     (the cache's element type; ``torch.int8`` for NVFP4, two values a byte) with
     ``hints`` (``num_kv_heads``, ``head_dim``, ``kv_layout`` as for
-    ``kvlayout.detect(pool, "trtllm", ...)``; ``tokens_per_block`` is the layout's),
-    its layers numbered with the group's TRT-LLM layer ids (``Registration.numbered``);
-    ``"group{g}.region{i}"`` (``"group{g}.replicated{i}"``) any other region, opaque
-    pages of whole slots (a ``V2MambaHybridCacheManager``'s ``ssm_state`` and
-    ``conv_state`` regions too, which :func:`mamba_state_pools` reads with their TP
-    splits). Block ids are group ``g``'s page slots
+    ``kvlayout.detect(pool, "trtllm", ...)``; ``tokens_per_block`` is the layout's), or,
+    where other buffers of K's size lie between its layers, as the list of each layer's
+    ``[num_slots, 2, ...]`` K/V view; its layers numbered with the group's TRT-LLM layer
+    ids (``Registration.numbered``); ``"group{g}.region{i}"``
+    (``"group{g}.replicated{i}"``) any other region, opaque pages of whole slots (a
+    ``V2MambaHybridCacheManager``'s ``ssm_state`` and ``conv_state`` regions too, which
+    :func:`mamba_state_pools` reads with their TP splits), and ``"group{g}.region{i}.run{k}"``
+    the runs of other buffers in a region that also holds K/V (RocketKV's ``kt_cache``),
+    opaque pages of those bytes of each slot. Block ids are group ``g``'s page slots
     (``get_aggregated_page_indices(g)``). Raises :class:`KvCacheLayoutError` for a
     layout that is not V2's."""
     if not isinstance(dtype, torch.dtype):
@@ -239,30 +295,22 @@ def kv_cache_layout_pools(
                     f"layer group {g}'s {attribute} are {type(held).__name__}, not a tuple"
                 )
             regions[kind] = tuple(held)
-        kv_regions = [
-            i
-            for i, r in enumerate(regions["region"])
-            if {role for _, role, _ in _refs(r, f"layer group {g} region {i}")} <= set(_KV_ROLES)
-        ]
-        kv_runs = [
-            (
-                regions["region"][i],
-                f"layer group {g} region {i}",
-                _refs(regions["region"][i], f"layer group {g} region {i}"),
-            )
-            for i in kv_regions
-        ]
-        for kind, held in regions.items():
-            for i, region in enumerate(held):
-                where = f"layer group {g} {kind} {i}"
-                refs = _refs(region, where)
-                if kind == "region" and i in kv_regions:
-                    if i == kv_regions[0]:
-                        pools[f"group{g}"] = (
-                            _kv_pool(region, where, refs, dtype, given)
-                            if len(kv_runs) == 1
-                            else _kv_runs(kv_runs, g, dtype, given)
-                        )
+        pieces = {
+            kind: [
+                piece
+                for i, region in enumerate(held)
+                for piece in _pieces(region, f"layer group {g} {kind} {i}", f"group{g}.{kind}{i}", kind)
+            ]
+            for kind, held in regions.items()
+        }
+        kv_runs = [(region, where, refs) for region, where, _, refs, kv in pieces["region"] if kv]
+        if len(kv_runs) == 1 and not isinstance(kv_runs[0][0], _Run):
+            pools[f"group{g}"] = _kv_pool(*kv_runs[0], dtype, given)
+        elif kv_runs:
+            pools[f"group{g}"] = _kv_runs(kv_runs, g, dtype, given)
+        for kind, held in pieces.items():
+            for region, where, name, refs, kv in held:
+                if kv:
                     continue
                 rows = _rows(region, where)
                 named = ", ".join(f"{layer}:{role}" for layer, role, _ in refs)
@@ -272,5 +320,5 @@ def kv_cache_layout_pools(
                     f"TRT-LLM V2 {kind}: {named} ({rows.shape[1]} bytes)", False, advice=advice
                 )
                 view = rows.view(torch.int8).view(rows.shape[0], 1, -1)
-                pools[f"group{g}.{kind}{i}"] = listed_pages([view], page, [rows], 1, EngineType.TRTLLM)
+                pools[name] = listed_pages([view], page, [rows], 1, EngineType.TRTLLM)
     return pools
