@@ -471,12 +471,20 @@ def test_m3_runs_are_checked_as_one_slots() -> None:
         read(kv[0], *swapped)
     with pytest.raises(LayoutHintError, match=r"flat dim 64 != num_kv_heads \(3\)"):
         read(*kv, hints={"num_kv_heads": 3, "head_dim": HD})
+    # an MLA group's keys in runs: each layer's latents, read as vLLM's MLA caches hold them
     keys = tuple(
         Region(storage, r.base, r.size // 2, r.stride, SLOTS, tuple(b for b in r.buffers if b.role == "key"))
         for r in kv
     )
-    with pytest.raises(KvCacheLayoutError, match=r"keys alone \(MLA, CacheType.SELFKONLY\) in 3 regions"):
-        read(*keys, hints={"head_dim": NH * HD})
+    mla = kv_cache_layout_pools(
+        Layout(BS, (Group(0, (0, 1, 2, 3), None, keys),)), torch.bfloat16, {"head_dim": NH * HD}
+    )
+    caches = [torch.zeros(3, BS, NH * HD, dtype=torch.bfloat16) for _ in range(4)]
+    block_map(mla["group0"], kvlayout.detect(caches, "vllm"), [5], [1]).copy()
+    where = [(run, j) for run in keys for j in range(len(run.buffers))]  # layers 0-3 in memory order
+    for layer, (run, j) in enumerate(where):
+        assert torch.equal(caches[layer][1].reshape(-1).view(torch.uint8), run.bytes_of(5, j * BUF, BUF))
+        assert not caches[layer][0].any() and not caches[layer][2].any()
 
 
 def test_rocketkv_kt_buffers_between_layers_leave_the_kv_read_by_heads_and_tokens() -> None:

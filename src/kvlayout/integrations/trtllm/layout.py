@@ -155,10 +155,11 @@ def _kv_runs(
     """A group's K/V buffers in several runs of one slot: V2 coalesces every buffer of a
     size in a slot, in layer order, so a side buffer of K's size (MiniMax-M3's
     ``index_key`` where ``num_kv_heads * head_dim`` is its ``sparse_index_dim``) splits the
-    layers' K/V into runs, each layer's K then V whole. Each run reads as TRT-LLM's pool
-    of its layers; the group as the list of its layers' ``[num_slots, 2, ...]`` views,
-    the per-layer caches vLLM's reader reads (a layer's views stand any distance apart),
-    labelled TRT-LLM's and numbered with TRT-LLM's layer ids."""
+    layers' K/V into runs, each layer's K then V (or key alone, MLA) whole. Each run reads
+    as TRT-LLM's pool of its layers; the group as the list of its layers' ``[num_slots, 2,
+    ...]`` views (MLA: ``[num_slots, BS, HS]``), the per-layer caches vLLM's reader reads (a
+    layer's views stand any distance apart), labelled TRT-LLM's and numbered with TRT-LLM's
+    layer ids."""
     where = f"layer group {g}"
     read = []
     for region, w, held in runs:
@@ -181,21 +182,20 @@ def _kv_runs(
             "kvlayout reads a group's K/V as one pool's slots: runs of one stride and slot count, apart "
             "in memory"
         )
-    layers, kv = _kv_layers([ref for *_, held, _ in read for ref in held], f"{where}'s K/V regions")
-    if kv != 2:
-        raise KvCacheLayoutError(
-            f"{where} holds its layers' keys alone (MLA, CacheType.SELFKONLY) in {len(runs)} regions: "
-            "kvlayout reads an MLA group as one run of every layer's key"
-        )
+    layers, _ = _kv_layers([ref for *_, held, _ in read for ref in held], f"{where}'s K/V regions")
     views: list[torch.Tensor] = []
-    order = "HND"
+    order: dict[str, str] = {}
     for *_, pool in read:
         layout = LAYOUTS[pool.format]
         axis = axis_of(layout, Role.LAYER)
         assert axis is not None  # a TRT-LLM K/V pool holds its layers on an axis
-        order = "HND" if layout.is_hnd else "NHD"
-        views += [pool.kv.select(axis, k) for k in range(pool.num_layers)]
-    return detect(views, EngineType.VLLM, {"kv_layout": order}).labelled(EngineType.TRTLLM).numbered(layers)
+        for k in range(pool.num_layers):
+            view = pool.kv.select(axis, k)
+            # an MLA layer [NB, 1, BS, HS] (its one latent head after the layers) as
+            # vLLM's MLA cache [NB, BS, HS]; K/V by the order the pool was read in
+            views.append(view.squeeze(axis) if layout.is_mla else view)
+        order = {} if layout.is_mla else {"kv_layout": "HND" if layout.is_hnd else "NHD"}
+    return detect(views, EngineType.VLLM, order).labelled(EngineType.TRTLLM).numbered(layers)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,7 +304,7 @@ def kv_cache_layout_pools(
             for kind, held in regions.items()
         }
         kv_runs = [(region, where, refs) for region, where, _, refs, kv in pieces["region"] if kv]
-        if len(kv_runs) == 1 and not isinstance(kv_runs[0][0], _Run):
+        if len(kv_runs) == 1:  # a run of a region reads as the pool with its slot's other bytes
             pools[f"group{g}"] = _kv_pool(*kv_runs[0], dtype, given)
         elif kv_runs:
             pools[f"group{g}"] = _kv_runs(kv_runs, g, dtype, given)
