@@ -611,3 +611,135 @@ def test_a_page_arrays_flags_are_bools() -> None:
             PageArray(0, (4, 8), "uint8", 0, (4,), **{flag: 1})  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="either of KV heads or replicated, not both"):
         PageArray(0, (1, 8), "uint8", 0, (1,), kv_heads=True, replicated=True)
+
+
+# -- bounds: each exact ---------------------------------------------------------------------------------
+
+
+def _at(data: dict[str, Any], path: tuple[str | int, ...], value: object) -> dict[str, Any]:
+    node: Any = data
+    for key in path[:-1]:
+        node = node[key]
+    node[path[-1]] = value
+    return data
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "field", "bounds"),
+    [
+        (("version",), 2, "description.version", "[1, 3)"),
+        (("device", "index"), 65535, "description.device.index", "[0, 65536)"),
+        (("groups", 0, "engine_group"), 65535, r"description.groups[0].engine_group", "[-1, 65536)"),
+        (("groups", 0, "planes", 0, "sizes", "HS"), 2**32 - 1, "description.groups[0].planes[0].sizes.HS",
+         "[1, 4294967296)"),
+    ],
+)  # fmt: skip
+def test_a_bound_takes_the_last_value_below_it_and_refuses_the_bound(
+    path: tuple[str | int, ...], value: int, field: str, bounds: str
+) -> None:
+    """Every integer field is bounded in [lo, hi): hi itself is refused, naming the field."""
+    data = _nhd()
+    data["device"] = {"type": "cuda", "index": 0}
+    refused = _at(json.loads(json.dumps(data)), path, value + 1)
+    with pytest.raises(
+        PeerDescriptionError, match=rf"^{re.escape(f'{field}={value + 1} is outside {bounds}')}$"
+    ):
+        _parse(refused)
+    if path[-1] != "HS":  # a head of 2**32 - 1 elements spans more than a tensor may
+        _parse(_at(data, path, value))
+
+
+def test_a_list_bound_takes_as_many_entries_as_it_says_and_refuses_one_more() -> None:
+    data = _nhd()
+    plane = data["groups"][0]["planes"][0]
+    data["groups"][0]["planes"] = [plane] * 17
+    with pytest.raises(
+        PeerDescriptionError, match=r"^description\.groups\[0\]\.planes has 17 entries, more than 16$"
+    ):
+        _parse(data)
+    data["groups"][0]["planes"] = [plane] * 16  # within the bound: refused for what the planes are
+    with pytest.raises(PeerDescriptionError, match=r"^description\.groups\[0\]\.planes holds 16 planes, but"):
+        _parse(data)
+
+
+@pytest.mark.parametrize(
+    ("path", "where"),
+    [
+        ((), "description"),
+        (("device",), "description.device"),
+        (("groups", 0), "description.groups[0]"),
+        (("groups", 0, "planes", 0), "description.groups[0].planes[0]"),
+    ],
+)
+def test_a_field_no_description_has_is_refused_by_name(path: tuple[str | int, ...], where: str) -> None:
+    """A reader that skipped fields it did not know would read another description than a
+    newer writer meant (an address list under a new name, say)."""
+    data = _nhd()
+    node: Any = data
+    for key in path:
+        node = node[key]
+    node["address_list"] = [A]
+    with pytest.raises(
+        PeerDescriptionError, match=rf"^{re.escape(where)} has unknown field\(s\) 'address_list'$"
+    ):
+        _parse(data)
+    node.update({f"x{k}": 0 for k in range(10)})
+    with pytest.raises(
+        PeerDescriptionError, match=r" has unknown field\(s\) 'address_list', 'x0', .*, 'x6' and 3 more$"
+    ):
+        _parse(data)
+
+
+@pytest.mark.parametrize("key", ["tp_rank", "tp_size", "num_kv_heads"])
+def test_a_negative_shard_field_is_refused_by_its_name(key: str) -> None:
+    data = _nhd()
+    data["shard"] = {"tp_rank": 0, "tp_size": 1, "num_kv_heads": 2, key: -1}
+    with pytest.raises(
+        PeerDescriptionError, match=rf"^description\.shard\.{key}=-1 is outside \[0, 65536\)$"
+    ):
+        _parse(data)
+
+
+def test_a_shard_holding_fewer_heads_than_the_tensors_is_refused() -> None:
+    """Rank 0 of 2 holds 1 of 2 KV heads; tensors of 2 heads are not its."""
+    data = _nhd()
+    data["shard"] = {"tp_rank": 0, "tp_size": 2, "num_kv_heads": 2}
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.shard Shard\(tp_rank=0, tp_size=2, num_kv_heads=2\) holds 1 KV heads, but "
+        r"description\.groups\[0\] has 2$",
+    ):
+        _parse(data)
+    data["shard"] = {"tp_rank": 0, "tp_size": 1, "num_kv_heads": 2}
+    assert _parse(data).shard is not None
+
+
+def test_a_group_of_no_layers_is_refused_as_such() -> None:
+    data = _nhd()
+    data["groups"][0]["layers"] = []
+    with pytest.raises(
+        PeerDescriptionError,
+        match=r"^description\.groups\[0\]\.layers must be distinct layer indices, at least one$",
+    ):
+        _parse(data)
+
+
+@pytest.mark.parametrize("layers", [[0], [0, 1, 2]])
+def test_a_group_names_as_many_layers_as_its_tensors_hold(layers: list[int]) -> None:
+    data = _nhd()
+    data["groups"][0]["layers"] = layers
+    with pytest.raises(
+        PeerDescriptionError,
+        match=rf"^description\.groups\[0\]\.layers has {len(layers)} entries; the tensors hold 2 layers$",
+    ):
+        _parse(data)
+
+
+def test_a_group_index_past_the_last_is_refused_by_name() -> None:
+    d = _parse(_nhd())
+    assert d.group(0).groups == d.groups
+    for index in (1, -1):
+        with pytest.raises(
+            PeerDescriptionError, match=rf"^group {index} is out of range for 1 kernel groups$"
+        ):  # not an IndexError, nor the last group for -1
+            d.group(index)
