@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -435,6 +436,25 @@ def test_a_chunk_side_with_no_memory_is_refused(kind: str) -> None:
     exec(make, scope)
     with pytest.raises(BlockMapError, match="^" + re.escape(message.replace("chunks[0]", "the chunk"))):
         chunk_side(reg, scope["bad"])
+
+
+def test_a_local_side_says_which_of_its_tensors_moved() -> None:
+    """nx.local_side of a registration watches its tensors: a request through a side
+    whose cache moved is refused by what moved() says (None while nothing did)."""
+    from kvlayout.transfer import nixl as nx
+
+    kv = cache(3)
+    side = nx.local_side(kvlayout.detect(kv, "vllm", HINTS))
+    assert side.moved() is None
+    kv[1].data = torch.randn(2, 8, 4, 2, 16)
+    moved = side.moved()
+    assert moved is not None and moved.startswith("kv_caches[1] was re-allocated (data pointer 0x")
+    there = nx.LocalSide("cpu", 0, side.tensor_spans, is_local=False)
+    runs = np.array([[int(side.tensor_spans[0, 0]), int(side.tensor_spans[2, 0]), 64]], dtype=np.uint64)
+    with pytest.raises(
+        nx.NixlError, match=r"^the local side: kv_caches\[1\] was re-allocated \(data pointer 0x"
+    ):
+        nx.plan(SimpleNamespace(runs=runs, src=side, dst=there))._refuse_moved("nothing was posted")
 
 
 def test_a_nixl_request_whose_local_cache_moved_is_refused_and_holds_nothing() -> None:
