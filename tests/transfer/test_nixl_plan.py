@@ -988,3 +988,100 @@ def test_a_local_side_without_moved_is_named() -> None:
         TypeError, match=r"^OldSide has no moved\(\): a MapSide says what of its memory moved"
     ):
         nx.descriptors(Map(runs, here, there))  # type: ignore[arg-type]
+
+
+class _Named:
+    """Stands for an agent in the registry of regions (only its name is read)."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+def _holding(agent: _Named, held: list[regions.Region]) -> regions._AgentRegions:
+    """The regions ``agent`` holds, as register() would leave them."""
+    out = regions._REGIONS.setdefault(agent, regions._AgentRegions())
+    for r in held:
+        out.count[r] = 1
+    return out
+
+
+def test_a_request_pins_the_regions_its_descriptors_reach_not_those_that_only_touch_them() -> None:
+    """start() pins what a request may post through; a neighbour that merely touches its
+    descriptors, or a region on another device or of another memory type, stays free
+    to deregister at once."""
+    agent = _Named("kvl-pins")
+    below, inside, above = (regions.Region(a, 4096, "DRAM", 0) for a in (4096, 8192, 12288))
+    elsewhere = [regions.Region(8192, 4096, "DRAM", 1), regions.Region(8192, 4096, "VRAM", 0)]
+    held = _holding(agent, [below, inside, above, *elsewhere])
+    rows = np.array([[8192, 1024, 0], [8192 + 3072, 1024, 0]], U64)  # the first and last KiB of `inside`
+    reach = regions._reach(rows, "DRAM")
+    assert reach == ("DRAM", 0, 8192, 12288)
+    pinned = regions._pin(agent, [reach, None])
+    assert pinned == (inside,) and held.pins == {inside: 1}
+    regions._unpin(agent, pinned)
+    assert held.pins == {}
+
+
+def test_descriptors_are_checked_against_the_regions_of_their_own_device() -> None:
+    agent = _Named("kvl-devices")
+    a, b = regions.Region(1 << 20, 4096, "VRAM", 0), regions.Region(2 << 20, 4096, "VRAM", 1)
+    _holding(agent, [a, b])
+    regions._check_local_rows(agent, np.array([[1 << 20, 64, 0], [2 << 20, 64, 1]], U64), "VRAM", "local run")
+    with pytest.raises(
+        nx.RefusedDescriptorError,
+        match=r"^local run 0 \(0x200000, 64 bytes\) is outside every region registered on agent 'kvl-devices' "
+        r"\(1 VRAM regions on device 0\)",
+    ):  # device 1's memory, named as device 0's
+        regions._check_local_rows(agent, np.array([[2 << 20, 64, 0]], U64), "VRAM", "local run")
+
+
+class _Unloaded(_Named):
+    """An agent that holds no peer's metadata: a notification or post to one is refused."""
+
+    def check_remote_metadata(self, peer: str, descs: object = None) -> bool:
+        return False
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        raise AssertionError("notified a peer it never loaded")
+
+
+def test_an_empty_map_to_a_peer_never_loaded_is_refused_before_its_notif_goes() -> None:
+    """A map with no run (a rank pair with no heads in common) posts nothing but its
+    notif: to a peer whose metadata was never loaded it is refused as any map is."""
+    buf = [np.zeros(64, np.uint8)]
+    m = Map(np.empty((0, 3), U64), side_of(buf, local=True), side_of(buf, local=False))
+    with pytest.raises(
+        nx.NixlError, match=r"^agent 'kvl-unloaded' holds no metadata of peer 'kvl-nowhere': load it with"
+    ):
+        nx.transfer(_Unloaded("kvl-unloaded"), "kvl-nowhere", m, notif=b"done")
+
+
+class _Poster(_Named):
+    """An agent that prepares requests to peer ``"kvl-there"`` (held metadata) and posts nothing."""
+
+    def check_remote_metadata(self, peer: str, descs: object = None) -> bool:
+        return peer == "kvl-there"
+
+    def get_xfer_descs(self, rows: np.ndarray, mem: str) -> np.ndarray:
+        return rows
+
+    def initialize_xfer(self, *args: object) -> object:
+        return object()
+
+    def release_xfer_handle(self, handle: object) -> None:
+        pass
+
+
+def test_a_staging_buffer_auto_took_and_did_not_use_is_free_again() -> None:
+    """ "auto" takes the buffer before it plans; a request it then sends direct (one long
+    run) lets go of it at once, not when the request is done."""
+    local, remote, stage = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+    agent = _Poster("kvl-auto")
+    _holding(agent, [regions.Region(b.ctypes.data, b.nbytes, "DRAM", 0) for b in (local, stage)])
+    m = Map(runs_between([local], [remote], [(0, 0, 0, 0, 4096)]), side_of([local], local=True),
+            side_of([remote], local=False))  # fmt: skip
+    staging = staging_at(stage)
+    xfer = nx.prepare_transfer(agent, "kvl-there", m, staging=staging)
+    assert xfer.plan.strategy == "direct" and xfer.staging is None
+    assert not staging.busy
+    xfer.release()
