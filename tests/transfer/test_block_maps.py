@@ -1453,6 +1453,46 @@ def test_the_sorting_path_leaves_runs_in_destination_order() -> None:
     assert len(ordered) == m.num_runs and np.all(np.diff(ordered[:, 1].astype(np.int64)) > 0)
 
 
+def test_some_of_a_pools_layers_map_from_a_view_of_its_layer_axis() -> None:
+    """TRT-LLM V1 keeps one primary pool per window size, [NB, NL_window, 2, NH*BS*HS]; vLLM splits
+    the same window's layers over KV cache groups of their own block tables (a Gemma-3-like model:
+    sliding layers 0, 1, 3, 4 in groups [0, 1] and [3, 4]). The whole pool into one group is refused
+    saying how to map it; a view of the pool's layer axis, numbered, maps. Oracles: TRT-LLM's block
+    offset ((block * NL + layer) * 2 + kv) * NH*BS*HS + head * BS*HS + slot * HS (setOffsets,
+    KVBlockArray::getKVLocalIdx), and vLLM 0.33's FlashAttention reading of its [NB, NH, BS, 2*HS]
+    layer views (kv_cache.transpose(1, 2).split(HS, -1))."""
+    nh, bs, hs, window_layers = 2, 8, 4, [0, 1, 3, 4]
+    pool = torch.randn(6, 4, 2, nh * bs * hs)
+    hints = {"num_kv_heads": nh, "tokens_per_block": bs, "head_dim": hs}
+    trt = kvlayout.detect(pool, "trtllm", hints).numbered(window_layers)
+    vllm_kv = [torch.zeros(9, 4, nh, 2 * hs).permute(0, 2, 1, 3) for _ in range(4)]  # NHD memory
+    vllm_reg = kvlayout.detect(vllm_kv, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 1], [2, 3]])
+    group = vllm_reg.numbered(window_layers).kernel_groups[1]  # layers 3-4
+    with pytest.raises(BlockMapError) as err:
+        block_map(trt, group, [5, 2], [7, 1, 4, 3], num_tokens=13)
+    assert str(err.value) == (
+        "src holds layers 0-1,3-4 and dst layers 3-4; a map moves layer i to layer i (dst holds only some of "
+        "src's layers: map them from a registration of those layers alone, detected from that part of src's "
+        "cache (a list's entries, or a view of a pool's layer axis such as TRT-LLM's pool[:, a:b]) and "
+        "numbered with their layer ids: registration.numbered(layer_ids))"
+    )
+    part = kvlayout.detect(pool[:, 2:4], "trtllm", hints).numbered([3, 4])
+    assert block_map(part, group, [5, 2], [7, 1, 4, 3], num_tokens=13).copy() == 1
+    flat = pool.reshape(-1)
+    for layer in (2, 3):  # the pool's layers 3 and 4
+        rows = vllm_kv[layer].transpose(1, 2)  # FlashAttention's split(hs, -1): K, then V
+        key_value = rows[..., :hs], rows[..., hs:]
+        for p in range(13):
+            for h in range(nh):
+                for kv in (0, 1):
+                    at = (([5, 2][p // bs] * 4 + layer) * 2 + kv) * nh * bs * hs + (h * bs + p % bs) * hs
+                    got = key_value[kv][[7, 1, 4, 3][p // 4], p % 4, h]
+                    assert torch.equal(got, flat[at : at + hs])
+    assert all(int(vllm_kv[i].count_nonzero()) == 0 for i in (0, 1))  # the other group: untouched
+    assert int(vllm_kv[2][[0, 2, 5, 6, 8]].count_nonzero()) == 0  # and the blocks not the request's
+    assert int(vllm_kv[2][3, :, 1:].count_nonzero()) == 0  # and token 13 on, in the last block
+
+
 def test_a_kernel_group_maps_to_a_group_of_the_same_layers() -> None:
     """A hybrid's second group holds layers 2-3 of its registration: into a pool of two
     layers (0-1) it is refused, saying how to register the pool; detected with the same

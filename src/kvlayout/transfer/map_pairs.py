@@ -107,6 +107,14 @@ def _check_same_data(src: Side, dst: Side) -> None:
                 "same layer_groups, so that its group holds the same layers, or, where these are the "
                 "layers to pair, number one side as the other: registration.numbered(layer_ids))"
             )
+        elif set(src.layers) < set(dst.layers) or set(dst.layers) < set(src.layers):
+            more, fewer = ("src", "dst") if len(src.layers) > len(dst.layers) else ("dst", "src")
+            hint = (
+                f" ({fewer} holds only some of {more}'s layers: map them from a registration of those layers "
+                f"alone, detected from that part of {more}'s cache (a list's entries, or a view of a pool's "
+                "layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
+                "registration.numbered(layer_ids))"
+            )
         raise BlockMapError(
             f"src holds layers {index_ranges(src.layers)} and dst layers "
             f"{index_ranges(dst.layers)}; a map moves layer i to layer i{hint}"
