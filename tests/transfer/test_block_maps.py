@@ -114,10 +114,14 @@ def canonical(
     heads: range,
     first_token: int = 0,
     held: np.ndarray | None = None,
+    per: int = 1,
 ) -> tuple[np.ndarray, np.ndarray]:
     """(tensor index, byte address) of every byte of tokens ``[first_token, tokens)`` of the
     request on one side (only those in ``held``, where given), in the order (layer, K/V,
-    token, model head, byte of the head's row)."""
+    token, model head, byte of the head's row). ``per``: ``ids`` are a scheduler's blocks of
+    ``per`` of the cache's (kernel) pages: vLLM's slot mapping runs in the scheduler's blocks
+    and its attention kernel reads slot ``s`` at page ``s // BS`` (``map_to_kernel_block_table``:
+    block ``b`` is pages ``b * per + j``)."""
     lay, s = side.layout, side.sizes
     kvs = kv_size(lay, s)
     pair = 2 if lay.is_fused_packed else 1
@@ -130,7 +134,8 @@ def canonical(
                     indexing="ij"),
     ).reshape(5, -1)  # fmt: skip
     layer, k, p, h, e = grid
-    block, slot = cp_block_slot(side.shard, side.block_size, ids, p)
+    block, slot = cp_block_slot(side.shard, side.block_size * per, ids, p)
+    block, slot = block * per + slot // side.block_size, slot % side.block_size
     coords = np.stack([layer, k // pair, block, slot, h - first, (k % pair) * hs + e], axis=1)
     coords = np.ascontiguousarray(coords, dtype=np.int64)
     loc = _native.locate_many(int(side.fmt), native_sizes(lay, s), side.block_stride or 0, coords)
@@ -153,11 +158,19 @@ def first_alias(bases: list[torch.Tensor]) -> np.ndarray:
 
 
 def check_map(
-    src: Side, dst: Side, src_ids: list[int], dst_ids: list[int], tokens: int, threads: int, first: int = 0
+    src: Side,
+    dst: Side,
+    src_ids: list[int],
+    dst_ids: list[int],
+    tokens: int,
+    threads: int,
+    first: int = 0,
+    per: tuple[int, int] = (1, 1),
 ) -> None:
+    """``per``: the ids are of blocks of that many of each side's pages (``canonical``)."""
     m = block_map(
         src.kv, dst.kv, src_ids, dst_ids, num_tokens=tokens, src_shard=src.shard, dst_shard=dst.shard,
-        src_block_size=src.block_size, dst_block_size=dst.block_size, first_token=first,
+        src_block_size=src.block_size * per[0], dst_block_size=dst.block_size * per[1], first_token=first,
     )  # fmt: skip
     if src.layout.symbol_of(Role.HEAD):
         a, b = src.shard.heads, dst.shard.heads
@@ -167,8 +180,8 @@ def check_map(
     assert m.heads == heads
     p = np.arange(first, tokens)
     held = p[cp_holds(src.shard, p) & cp_holds(dst.shard, p)]  # context parallelism: the tokens both hold
-    s_ptr, s_byte = canonical(src, tokens, src_ids, heads, first, held)
-    d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads, first, held)
+    s_ptr, s_byte = canonical(src, tokens, src_ids, heads, first, held, per[0])
+    d_ptr, d_byte = canonical(dst, tokens, dst_ids, heads, first, held, per[1])
     # A layer sharing an earlier layer's KV cache (its tensor registered again) reads as
     # that layer and is written as that layer: its destination bytes are not moved twice.
     s_first, d_first = first_alias(src.reg.bases), first_alias(dst.reg.bases)
@@ -198,8 +211,8 @@ def check_map(
     assert m.num_runs == (len(da) - int(cont.sum()) if len(da) else 0)
     # Each side alone (what a staged transfer posts there): stretches of its memory, in one tensor.
     for col, ptr, addr, ids in (
-        (0, s_ptr, s_addr, src_ids[first // (src.block_size * src.shard.cp_size) :]),  # the blocks it reads
-        (1, d_ptr, d_addr, dst_ids[first // (dst.block_size * dst.shard.cp_size) :]),  # and writes
+        (0, s_ptr, s_addr, src_ids[first // (src.block_size * per[0] * src.shard.cp_size) :]),  # it reads
+        (1, d_ptr, d_addr, dst_ids[first // (dst.block_size * per[1] * dst.shard.cp_size) :]),  # it writes
     ):
         if len(set(ids)) < len(ids):
             assert m._side_runs(col) is None

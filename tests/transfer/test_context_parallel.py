@@ -92,6 +92,36 @@ def test_mla_maps_between_cp_ranks_move_the_tokens_both_hold(data: st.DataObject
     check_map(src, dst, r["src_ids"], r["dst_ids"], r["tokens"], 1, r["first"])
 
 
+@settings(max_examples=120, deadline=None)
+@given(st.data())
+def test_cp_maps_over_kernel_pages_finer_than_the_scheduler_s_blocks(data: st.DataObject) -> None:
+    """vLLM's slot mapping runs in the scheduler's blocks (its interleave divides them, not
+    necessarily the attention kernel's pages): block ids of blocks ``per`` pages each, CP on
+    either side, MHA (NHD and HND) and MLA, checked against vLLM's slot mapping read at the
+    kernel's pages (``canonical``'s ``per``)."""
+    mla = data.draw(st.booleans())
+    pool = MLA if mla else MHA
+    fmt_src, fmt_dst = data.draw(st.sampled_from(pool)), data.draw(st.sampled_from(pool))
+    if mla:
+        src_tp, dst_tp = Shard(0, 1, 1), Shard(0, 1, 1)
+        heads, kv, planes = 1, 1, 1
+    else:
+        _, src_tp, dst_tp = data.draw(shards())
+        heads, kv, planes = 0, 2, 1
+    page_src, page_dst = data.draw(st.sampled_from([1, 2, 4])), data.draw(st.sampled_from([1, 2, 3, 4]))
+    per_src, per_dst = data.draw(st.sampled_from([1, 2, 4])), data.draw(st.sampled_from([1, 2, 3]))
+    src_shard = data.draw(cp_shards(src_tp, page_src * per_src))
+    dst_shard = data.draw(cp_shards(dst_tp, page_dst * per_dst))
+    r = data.draw(cp_requests(src_shard, page_src * per_src, dst_shard, page_dst * per_dst))
+    common: dict[str, Any] = dict(layers=data.draw(st.integers(1, 2)), row=2, planes=planes, kv=kv,
+                                  dtype=torch.uint8)  # fmt: skip
+    src = make_side(fmt_src, blocks=r["nb_src"] * per_src, bs=page_src, heads=heads or len(src_shard.heads),
+                    pad=data.draw(st.integers(0, 1)), shard=src_shard, seed=5, **common)  # fmt: skip
+    dst = make_side(fmt_dst, blocks=r["nb_dst"] * per_dst, bs=page_dst, heads=heads or len(dst_shard.heads),
+                    pad=data.draw(st.integers(0, 1)), shard=dst_shard, seed=6, **common)  # fmt: skip
+    check_map(src, dst, r["src_ids"], r["dst_ids"], r["tokens"], 1, r["first"], per=(per_src, per_dst))
+
+
 def _mla(fmt: F, blocks: int, bs: int, shard: Shard, seed: int) -> Any:
     return make_side(fmt, layers=2, blocks=blocks, bs=bs, heads=1, row=8, planes=1, kv=1, dtype=torch.uint8, pad=0,
                      shard=shard, seed=seed)  # fmt: skip
@@ -232,3 +262,4 @@ def test_a_cp_shard_that_no_split_makes_is_refused(kwargs: dict[str, int], messa
 def test_sends_to_leaves_cp_ranks_to_the_maps() -> None:
     with pytest.raises(ShardError, match="under context parallelism each CP rank holds its own tokens"):
         Shard(0, 2, 1, 0, 2, 1).sends_to(Shard(0, 1, 1))
+
