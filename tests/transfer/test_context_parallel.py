@@ -252,6 +252,8 @@ def test_a_cp_block_list_counts_virtual_blocks() -> None:
         (dict(cp_rank=2, cp_size=2), "Shard.cp_rank=2 is out of range for cp_size=2"),
         (dict(cp_size=0), "Shard.cp_size must be >= 1, got 0"),
         (dict(cp_interleave=0), "Shard.cp_interleave must be >= 1, got 0"),
+        (dict(cp_size=10**30), r"cp_size=10{30} \* cp_interleave=1 tokens a round .* more than 2\*\*62"),
+        (dict(cp_size=1 << 31, cp_interleave=1 << 32), "a round of the CP ranks is more than 2"),
     ],
 )
 def test_a_cp_shard_that_no_split_makes_is_refused(kwargs: dict[str, int], message: str) -> None:

@@ -41,6 +41,9 @@ def _count(name: str, value: object, minimum: int) -> int:
     return value
 
 
+_MAX_CP_PERIOD = 1 << 62  # a round of the CP ranks, in tokens (int64 token arithmetic)
+
+
 @dataclass(frozen=True, slots=True)
 class Shard:
     """Rank ``tp_rank`` of ``tp_size`` tensor-parallel ranks of a model with
@@ -74,6 +77,11 @@ class Shard:
             raise ShardError(f"Shard.tp_rank={rank} is out of range for tp_size={size}")
         if cp_rank >= cp_size:
             raise ShardError(f"Shard.cp_rank={cp_rank} is out of range for cp_size={cp_size}")
+        if cp_size * cp_interleave > _MAX_CP_PERIOD:
+            raise ShardError(
+                f"Shard.cp_size={cp_size} * cp_interleave={cp_interleave} tokens a round of the CP ranks is "
+                f"more than 2**62: block maps count a request's tokens in int64"
+            )
         if max(size, heads) % min(size, heads):
             raise ShardError(
                 f"tp_size={size} and num_kv_heads={heads}: the larger must be a multiple of the smaller "
