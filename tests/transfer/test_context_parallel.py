@@ -7,6 +7,7 @@ at a time a rank), every other destination byte unchanged, the fewest runs."""
 from __future__ import annotations
 
 import json
+import tracemalloc
 from typing import Any
 
 import numpy as np
@@ -265,3 +266,24 @@ def test_sends_to_leaves_cp_ranks_to_the_maps() -> None:
     with pytest.raises(ShardError, match="under context parallelism each CP rank holds its own tokens"):
         Shard(0, 2, 1, 0, 2, 1).sends_to(Shard(0, 1, 1))
 
+
+def test_two_splits_of_many_ranks_cost_what_a_rank_holds_not_the_request() -> None:
+    """Two CP splits of 65535 and 65534 ranks: a request that fills four blocks of 16 on each
+    rank is 4M tokens, of which the two ranks have one in common. The map finds it from one
+    rank's share (64 tokens), not by testing every token of the request (a peer's
+    description may say such a split: the request grows with it, the caches do not)."""
+    a, b = Shard(0, 1, 1, 0, 65535, 1), Shard(0, 1, 1, 0, 65534, 1)
+    src, dst = _mla(F.NL_X_NB_BS_HS, 4, 16, a, 1), _mla(F.NL_X_NB_BS_HS, 4, 16, b, 2)
+    tokens = 4 * 16 * 65534
+    tracemalloc.start()
+    try:
+        m = block_map(src.kv, dst.kv, [0, 1, 2, 3], [3, 2, 1, 0], num_tokens=tokens, src_shard=a, dst_shard=b)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert m.kind == "token slice" and m.num_bytes == 2 * 8  # token 0 of 2 layers, 8 bytes each
+    assert peak < 8 << 20, peak  # an int64 per token of the request was 32 MiB an array (132 MiB in all)
+    m.copy()
+    for layer in range(2):
+        src_rows = src.reg.bases[layer].view(4, 16, 8)
+        assert torch.equal(dst.reg.bases[layer].view(4, 16, 8)[3, 0], src_rows[0, 0])

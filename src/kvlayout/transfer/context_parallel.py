@@ -101,10 +101,7 @@ def repage(
     for side in (a, b):
         if not side.whole:
             g = math.gcd(g, side.interleave)
-    granules = np.arange(first // g, -(-tokens // g), dtype=np.int64)
-    p0 = granules * g
-    common = a.holds(p0) & b.holds(p0)
-    p0 = p0[common]
+    p0 = _common_granules(a, b, g, first, tokens)
     ka, kb = a.local(p0), b.local(p0)
     if len(p0) == 0:
         empty = np.zeros(0, dtype=np.int64)
@@ -122,6 +119,25 @@ def repage(
         len(p0) * g - cut_last,
         cut_first,
     )
+
+
+def _common_granules(a: TokenSlice, b: TokenSlice, g: int, first: int, tokens: int) -> np.ndarray:
+    """The first tokens of the granules of ``g`` tokens that hold any of ``[first, tokens)``
+    and that both sides hold, in order. Enumerated from the side that holds the fewer
+    (its rank's granules, a round of the CP ranks at a time), then kept where the other
+    holds them: the cost is that side's share of the request, which its cache holds, not
+    the request (two CP splits of many ranks have requests many times either cache)."""
+    lo, hi = (first // g) * g, -(-tokens // g) * g
+    side, other = (a, b) if a.size >= b.size else (b, a)
+    if side.whole:
+        p0 = np.arange(lo, hi, g, dtype=np.int64)
+    else:  # granules [r*I, (r+1)*I) of each round of I*c tokens (g divides I)
+        i, period = side.interleave, side.interleave * side.size
+        rounds = np.arange(lo // period, -(-hi // period), dtype=np.int64) * period + side.rank * i
+        p0 = (rounds[:, None] + np.arange(0, i, g, dtype=np.int64)[None, :]).ravel()
+        p0 = p0[(p0 >= lo) & (p0 < hi)]
+    kept: np.ndarray = p0[other.holds(p0)]
+    return kept
 
 
 def held(side: TokenSlice, n: int) -> int:
