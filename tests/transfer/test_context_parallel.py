@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvlayout import EngineKVFormat as F
+from kvlayout import _native
 from kvlayout.registration.shards import Shard
 from kvlayout.transfer import BlockMapError, RegistrationDescription, ShardError, block_map
 from kvlayout.transfer.block_maps import chunk_side
@@ -287,3 +288,29 @@ def test_two_splits_of_many_ranks_cost_what_a_rank_holds_not_the_request() -> No
     for layer in range(2):
         src_rows = src.reg.bases[layer].view(4, 16, 8)
         assert torch.equal(dst.reg.bases[layer].view(4, 16, 8)[3, 0], src_rows[0, 0])
+
+
+@pytest.mark.parametrize(("interleave", "first"), [(1, 0), (1, 13), (4, 21), (8, 70)])
+def test_a_prefill_into_a_cp_rank_walks_the_rank_s_blocks_in_memory_order(
+    interleave: int, first: int
+) -> None:
+    """A side without CP into a DCP rank of HND caches (heads outside slots): every token of
+    the rank's blocks from the first moved on is moved, so the builder walks its whole
+    blocks, head by head in memory order (granules inside them were walked a granule at a
+    time, out of order, and the runs sorted: 28 ms for 32 layers of 1024 tokens, 0.2 now)."""
+    fmt = F.NL_X_TWO_NB_NH_BS_HS
+    whole, shard = Shard(0, 1, 2), Shard(0, 1, 2, 1, 2, interleave)
+    common: dict[str, Any] = dict(layers=2, heads=2, row=2, planes=1, kv=2, dtype=torch.uint8, pad=0)
+    src = make_side(fmt, blocks=16, bs=8, shard=whole, seed=7, **common)
+    dst = make_side(fmt, blocks=8, bs=8, shard=shard, seed=8, **common)
+    src_ids, dst_ids = [9, 3, 0, 12, 5, 6, 1, 2, 14, 7, 4, 8, 11], [6, 1, 7, 2, 0, 3, 4]
+    check_map(src, dst, src_ids, dst_ids, 100, 1, first)
+    m = block_map(src.kv, dst.kv, src_ids, dst_ids, num_tokens=100, first_token=first, dst_shard=shard)
+    (a, b), (sa, sb), (lo, hi) = m._ids, m._page_sizes, m._slots
+    pair = m._pair
+    _, runs, in_order = _native.build_groups(
+        pair.slabs, pair.group_starts, pair.order, len(pair.heads), hi, a, sa, b, sb,
+        pair.src_classes, pair.dst_classes, first_token=lo,
+        src_page_slots=m._page_slots[0], dst_page_slots=m._page_slots[1],
+    )  # fmt: skip
+    assert in_order and runs == m.num_runs

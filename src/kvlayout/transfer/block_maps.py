@@ -109,8 +109,8 @@ class BlockMap(HoldsAddresses):
         *,
         slots: tuple[int, int] | None = None,
         kind: tuple[str, str] | None = None,
-        page_slots: tuple[np.ndarray, np.ndarray] | None = None,
-        page_size: int | None = None,
+        page_slots: tuple[np.ndarray | None, np.ndarray | None] | None = None,
+        page_sizes: tuple[int, int] | None = None,
     ) -> None:
         self.src, self.dst = src, dst
         self.heads = pair.heads
@@ -121,9 +121,10 @@ class BlockMap(HoldsAddresses):
         self._slots = (first_token, num_tokens) if slots is None else slots
         self._pair, self._ids = pair, ids
         # Pages finer than blocks (context_parallel.repage): where each page starts in its
-        # block, and the tokens a page holds on both sides; else each side's whole blocks.
+        # block (None: whole blocks), and the tokens a page holds on each side; else each
+        # side's whole blocks.
         self._page_slots: tuple[np.ndarray | None, np.ndarray | None] = page_slots or (None, None)
-        self._page_sizes = (page_size, page_size) if page_size else (src.block_size, dst.block_size)
+        self._page_sizes = page_sizes or (src.block_size, dst.block_size)
         if kind is not None:
             self._kind_and_reason = kind
         self._groups, self._num_runs = self._build_groups(force_sort=False)
@@ -772,11 +773,11 @@ def block_map(
             a_cp, b_cp, _pages(src_ids, a_per, len(src_ids) * a_per), a.block_size,
             _pages(dst_ids, b_per, len(dst_ids) * b_per), b.block_size, tokens, first,
         )  # fmt: skip
-        whole = cp.page == a.block_size == b.block_size  # pages that are whole blocks
+        whole = (cp.src_page, cp.dst_page) == (a.block_size, b.block_size)  # pages that are whole blocks
         pair = _cached_pair(a, b, pair.src_shard, pair.dst_shard, whole_blocks=whole)
         result = BlockMap(
             a, b, pair, (cp.src_ids, cp.dst_ids), tokens, first, slots=(cp.first, cp.tokens),
-            page_slots=(cp.src_slots, cp.dst_slots), page_size=cp.page,
+            page_slots=(cp.src_slots, cp.dst_slots), page_sizes=(cp.src_page, cp.dst_page),
         )  # fmt: skip
     elif not a_cp.whole:  # one CP rank's tokens on both sides, at the same places: its own
         local = held(a_cp, first), held(a_cp, tokens)
