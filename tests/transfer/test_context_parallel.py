@@ -21,7 +21,7 @@ from kvlayout import _native
 from kvlayout.registration.shards import Shard
 from kvlayout.transfer import BlockMapError, RegistrationDescription, ShardError, block_map
 from kvlayout.transfer.block_maps import chunk_side
-from tests.transfer.test_block_maps import MHA, MLA, TP, check_map, make_side, shards
+from tests.transfer.test_block_maps import MHA, MLA, SHARING, TP, check_map, layout, make_side, shards, shared
 
 
 @st.composite
@@ -314,3 +314,28 @@ def test_a_prefill_into_a_cp_rank_walks_the_rank_s_blocks_in_memory_order(
         src_page_slots=m._page_slots[0], dst_page_slots=m._page_slots[1],
     )  # fmt: skip
     assert in_order and runs == m.num_runs
+
+
+@pytest.mark.parametrize("case", list(SHARING))
+@pytest.mark.parametrize(("src_cp", "dst_cp"), [((0, 1, 1), (1, 2, 2)), ((1, 2, 4), (0, 1, 1)), ((0, 2, 1), (0, 4, 2))])
+def test_layers_that_share_one_kv_cache_move_once_between_cp_ranks(
+    case: str, src_cp: tuple[int, int, int], dst_cp: tuple[int, int, int]
+) -> None:
+    """vLLM's cross-layer KV sharing under DCP: a shared layer reads and writes as its
+    target, once, on re-paged maps as on whole blocks."""
+    (sf, s_tp), (df, d_tp), (s_bs, d_bs), s_shares, d_shares = SHARING[case]
+    mla = layout(sf).is_mla
+    sides = []
+    for fmt, bs, tp, cp, shares, seed in (
+        (sf, s_bs, s_tp, src_cp, s_shares, 1),
+        (df, d_bs, d_tp, dst_cp, d_shares, 2),
+    ):
+        shard = Shard(0, tp, 4, *cp)
+        side = make_side(fmt, layers=4, blocks=8, bs=bs, heads=1 if mla else len(shard.heads), row=8 if mla else 2,
+                         planes=1, kv=1 if mla else 2, dtype=torch.uint8, pad=0, shard=shard, seed=seed)  # fmt: skip
+        sides.append(shared(side, shares))
+    src, dst = sides
+    tokens = 29
+    src_ids = [5, 0, 3, 1, 7, 2, 6, 4][: -(-tokens // (s_bs * src.shard.cp_size))]
+    dst_ids = [2, 4, 1, 0, 6, 7, 3, 5][: -(-tokens // (d_bs * dst.shard.cp_size))]
+    check_map(src, dst, src_ids, dst_ids, tokens, 1, 3)

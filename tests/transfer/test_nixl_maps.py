@@ -208,6 +208,7 @@ CASES = [
     ("MLA into DCP 2", MLA, (0, 1), 16, MLA, (1, 2, 1, 2, 1), 8),
     ("MLA DCP 2->4 block-interleaved", MLA, (1, 2, 1, 2, 8), 8, MLA, (3, 4, 3, 4, 4), 4),
     ("NHD DCP 2 into HND", NHD, (0, 2, 0, 2, 4), 16, HND, (0, 1), 16),
+    ("NHD into HND DCP 2", NHD, (0, 1), 16, HND, (1, 2, 1, 2, 2), 8),  # the rank's whole blocks
 ]
 # Cases whose caches have a layer registered with an earlier layer's tensor (both sides).
 SHARES = {"KV sharing, NHD->HND TP 2->1": ((2, 0),)}

@@ -179,6 +179,27 @@ def test_a_mamba_state_page_moves_whole() -> None:
         assert torch.equal(views[1][name][[1, 3]], views[0][name][[0, 2]])
 
 
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_a_mamba_state_page_is_refused_under_context_parallelism(side: str) -> None:
+    """DCP slices attention tokens; a Mamba page is one request's state, no tokens to slice:
+    a CP shard on either side of a state group's map is refused, naming the side."""
+    engine = vx.hybrid_engine(vx.QWEN3_5_0_8B, vx.FLASHINFER, num_blocks=4)
+    hints = {"kv_layout": "NHD"}
+    _, raw = vx.allocate_v033(engine)
+    edited = apply_kv_cache_group_edits(engine.config, raw, hints)
+    names = list(edited)
+    groups = [[names.index(n) for n in g.layer_names] for g in engine.config.kv_cache_groups]
+    reg = kvlayout.detect(list(edited.values()), "vllm", hints, layer_groups=groups)
+    mamba = next(i for i, g in enumerate(engine.config.kv_cache_groups) if "linear" in g.layer_names[0])
+    state = reg.kernel_groups[mamba]
+    cp, whole = Shard(0, 2, 2, 0, 2, 1), Shard(0, 2, 2)
+    src_shard, dst_shard = (cp, whole) if side == "src" else (whole, cp)
+    with pytest.raises(
+        BlockMapError, match=rf"^{side}_shard is context-parallel \(the tokens of CP rank 0 of 2 .*opaque pages"
+    ):
+        block_map(state, state, [0], [1], num_tokens=100, src_shard=src_shard, dst_shard=dst_shard)
+
+
 def mla_v033(seed: int, num_layers: int = 3) -> list[torch.Tensor]:
     """vLLM 0.33's DeepSeek registration: one ``[NB, 1, BS, 576]`` view per layer."""
     spec = vx.kvi.MLAAttentionSpec(block_size=64, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
