@@ -12,8 +12,14 @@ divides both block sizes and each CP side's interleave), each granule whole on b
 and inside one block of each. The request is re-paged into pages of one granule: page
 ``i`` is the ``i``-th granule both sides hold, at a slot of its block on each side
 (``csrc/block_map.h``'s page slots), and the native builder walks those pages as it walks
-blocks, merging runs wherever both sides continue them. Two sides that hold the same
-tokens at the same places (the same CP rank of the same split, or no CP) need none of this.
+blocks, merging runs wherever both sides continue them. Where every destination token from
+the first moved on is moved (a side without CP, or a coarser split, into a CP rank), the
+destination keeps its whole blocks and only the source is cut into granules: the walk then
+stays in the destination's memory order where heads lie outside slots (HND). The common
+granules are enumerated from the side that holds the fewer, so a map costs what a rank
+holds, not the request (a block id of a CP side is ``cp_size`` blocks of the request).
+Two sides that hold the same tokens at the same places (the same CP rank of the same
+split, or no CP) need none of this.
 """
 
 from __future__ import annotations
