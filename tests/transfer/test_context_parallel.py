@@ -6,7 +6,9 @@ at a time a rank), every other destination byte unchanged, the fewest runs."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import math
 import tracemalloc
 from typing import Any
 
@@ -21,6 +23,7 @@ from kvlayout import _native
 from kvlayout.registration.shards import Shard
 from kvlayout.transfer import BlockMapError, RegistrationDescription, ShardError, block_map
 from kvlayout.transfer.block_maps import chunk_side
+from kvlayout.transfer.context_parallel import TokenSlice, overlap
 from tests.transfer.test_block_maps import MHA, MLA, SHARING, TP, check_map, layout, make_side, shards, shared
 
 
@@ -317,7 +320,9 @@ def test_a_prefill_into_a_cp_rank_walks_the_rank_s_blocks_in_memory_order(
 
 
 @pytest.mark.parametrize("case", list(SHARING))
-@pytest.mark.parametrize(("src_cp", "dst_cp"), [((0, 1, 1), (1, 2, 2)), ((1, 2, 4), (0, 1, 1)), ((0, 2, 1), (0, 4, 2))])
+@pytest.mark.parametrize(
+    ("src_cp", "dst_cp"), [((0, 1, 1), (1, 2, 2)), ((1, 2, 4), (0, 1, 1)), ((0, 2, 1), (0, 4, 2))]
+)
 def test_layers_that_share_one_kv_cache_move_once_between_cp_ranks(
     case: str, src_cp: tuple[int, int, int], dst_cp: tuple[int, int, int]
 ) -> None:
@@ -339,3 +344,21 @@ def test_layers_that_share_one_kv_cache_move_once_between_cp_ranks(
     src_ids = [5, 0, 3, 1, 7, 2, 6, 4][: -(-tokens // (s_bs * src.shard.cp_size))]
     dst_ids = [2, 4, 1, 0, 6, 7, 3, 5][: -(-tokens // (d_bs * dst.shard.cp_size))]
     check_map(src, dst, src_ids, dst_ids, tokens, 1, 3)
+
+
+def test_whether_two_splits_share_a_token_is_answered_from_a_rank_s_share() -> None:
+    """overlap() (a map's kind 'empty': nothing in common) against every token of one round
+    of both patterns, and in bounded memory for splits of thousands of ranks (it tested
+    every token of the round: 100 MiB for 2048 against 2047 ranks)."""
+    for ca, cb, ia, ib in itertools.product([1, 2, 3, 4, 6], [1, 2, 3, 4, 8], [1, 2, 3, 8], [1, 2, 4, 6]):
+        for ra, rb in itertools.product(range(ca), range(cb)):
+            a, b = TokenSlice(ca, ra, ia if ca > 1 else 1), TokenSlice(cb, rb, ib if cb > 1 else 1)
+            p = np.arange(math.lcm(a.interleave * a.size, b.interleave * b.size))
+            assert overlap(a, b) == bool((a.holds(p) & b.holds(p)).any()), (a, b)
+    tracemalloc.start()
+    try:
+        assert overlap(TokenSlice(2048, 5, 1), TokenSlice(2047, 7, 1))
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1 << 20, peak

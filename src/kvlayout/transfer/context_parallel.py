@@ -181,10 +181,10 @@ def held(side: TokenSlice, n: int) -> int:
 def overlap(a: TokenSlice, b: TokenSlice) -> bool:
     """Whether any token is held by both (over one period of the two patterns)."""
     period = math.lcm(a.interleave * a.size, b.interleave * b.size)
-    if period > 1 << 22:
+    g = math.gcd(a.interleave, b.interleave)  # both hold whole granules of g tokens
+    if period // (g * max(a.size, b.size)) > 1 << 22:  # the granules _common_granules looks at
         return True  # too long a pattern to check here: the map's runs say
-    p = np.arange(period, dtype=np.int64)
-    return bool((a.holds(p) & b.holds(p)).any())
+    return len(_common_granules(a, b, g, 0, period)) > 0
 
 
 def check_servable(a: TokenSlice, b: TokenSlice, a_block_size: int, b_block_size: int, opaque: bool) -> None:

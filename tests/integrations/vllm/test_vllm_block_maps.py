@@ -195,7 +195,8 @@ def test_a_mamba_state_page_is_refused_under_context_parallelism(side: str) -> N
     cp, whole = Shard(0, 2, 2, 0, 2, 1), Shard(0, 2, 2)
     src_shard, dst_shard = (cp, whole) if side == "src" else (whole, cp)
     with pytest.raises(
-        BlockMapError, match=rf"^{side}_shard is context-parallel \(the tokens of CP rank 0 of 2 .*opaque pages"
+        BlockMapError,
+        match=rf"^{side}_shard is context-parallel \(the tokens of CP rank 0 of 2 .*opaque pages",
     ):
         block_map(state, state, [0], [1], num_tokens=100, src_shard=src_shard, dst_shard=dst_shard)
 
