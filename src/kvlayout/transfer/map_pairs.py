@@ -127,13 +127,9 @@ def _check_same_data(src: Side, dst: Side) -> None:
 
 
 def _cached_pair(
-    src: Side,
-    dst: Side,
-    src_shard: Shard | None,
-    dst_shard: Shard | None,
-    only: range | None = None,
-    whole_blocks: bool = True,
-) -> _Pair:
+    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None,
+    only: range | None = None, whole_blocks: bool = True,
+) -> _Pair:  # fmt: skip
     """``_pair`` of these sides and shards, built once and kept with ``src``."""
     per_dst = src._pairs.setdefault(dst, {})
     key = (src_shard, dst_shard, only, whole_blocks)
