@@ -3,8 +3,9 @@
 A side of a map is a kernel group (or a peer's description of one, or a chunk): its
 layout says, through the algebra's offsets, where every (layer, K/V, token, head, byte)
 lives. Token ``p`` of the request is slot ``p % BS`` of block ``blocks[p // BS]`` on each
-side, each side with its own block size; head ``h`` of the model is held by the ranks
-:class:`~kvlayout.registration.shards.Shard` says. A map pairs every byte both sides hold, layer ``i``
+side, each side with its own block size (a context-parallel rank holds a slice of the
+tokens: :mod:`~kvlayout.transfer.context_parallel`); head ``h`` of the model is held by the
+ranks :class:`~kvlayout.registration.shards.Shard` says. A map pairs every byte both sides hold, layer ``i``
 to layer ``i``, K to K and V to V, and cuts the pairs into runs that are contiguous on
 both sides: the fewest such runs (see docs/block-maps.md).
 
@@ -681,6 +682,11 @@ def block_map(
     may be anything in range (repeated too: vLLM's null block for a sliding window's
     dropped blocks) but a block that takes later tokens (whose earlier slots a map would
     overwrite).
+
+    A shard under context parallelism (``Shard(..., cp_rank=, cp_size=, cp_interleave=)``,
+    vLLM's DCP) holds a slice of the request's tokens: each of its block ids stands for
+    ``cp_size`` blocks of the request, and the map moves the tokens both sides hold, each
+    where its side keeps it (:mod:`~kvlayout.transfer.context_parallel`).
 
     ``*_block_size`` split a folded page axis (NB*BS formats). Elsewhere the block size
     is the cache's own, or a multiple of it: the block ids are then in blocks of that
