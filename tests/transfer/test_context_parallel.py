@@ -18,6 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout import _native
 from kvlayout.registration.shards import Shard
@@ -362,3 +363,68 @@ def test_whether_two_splits_share_a_token_is_answered_from_a_rank_s_share() -> N
     finally:
         tracemalloc.stop()
     assert peak < 1 << 20, peak
+
+
+def test_an_sglang_dcp_rank_moves_its_latents_into_a_vllm_cache_without_cp() -> None:
+    """SGLang's DCP (``--dcp-size c``): the allocator pages a widened token space at
+    ``page_size * c`` (``req_to_token`` holds those virtual locations, a request's tokens in
+    order within a page), and rank ``v % c`` keeps location ``v`` at row ``v // c`` of its
+    pool (``layers/dcp/layout.py``: ``plan_dcp_owner_write``, ``dcp_local_kv_block_table``).
+    That is ``Shard(cp_interleave=1)`` in blocks of ``page_size``, a block id an allocator
+    page: each rank's rows move into vLLM's cache without CP and back, byte for byte."""
+    nl, page, c, tokens, vbs = 2, 8, 4, 150, 16
+    pages = [5, 1, 3, 7, 2]  # allocator pages of page * c tokens (SGLang leaves page 0 unused)
+    p = np.arange(tokens)
+    req_to_token = np.array(pages)[p // (page * c)] * (page * c) + p % (page * c)
+    latents = torch.randn(nl, tokens, 576, dtype=torch.bfloat16)
+    pools = [[torch.zeros(8 * page, 1, 576, dtype=torch.bfloat16) for _ in range(nl)] for _ in range(c)]
+    for pos, v in enumerate(req_to_token.tolist()):  # SGLang's owner write
+        for layer in range(nl):
+            pools[v % c][layer][v // c, 0] = latents[layer, pos]
+    dst_ids = [9, 0, 4, 2, 11, 6, 1, 8, 3, 10]  # vLLM, no CP: 10 blocks of 16
+    kv = [torch.zeros(12, vbs, 576, dtype=torch.bfloat16) for _ in range(nl)]
+    vllm_mla = kvlayout.detect(kv, "vllm")
+    for rank in range(c):
+        shard = Shard(rank, c, 1, cp_rank=rank, cp_size=c, cp_interleave=1)
+        sgl = kvlayout.detect(pools[rank], "sglang")
+        m = block_map(sgl, vllm_mla, pages, dst_ids, num_tokens=tokens, src_shard=shard, src_block_size=page)
+        assert m.kind.startswith("token slice") and m.num_bytes == nl * len(p[p % c == rank]) * 576 * 2
+        m.copy()
+        back = [torch.zeros_like(t) for t in pools[rank]]
+        block_map(vllm_mla, kvlayout.detect(back, "sglang"), dst_ids, pages, num_tokens=tokens,
+                  dst_shard=shard, dst_block_size=page).copy()  # fmt: skip
+        assert all(torch.equal(b, t) for b, t in zip(back, pools[rank], strict=True))
+    for pos in range(tokens):
+        for layer in range(nl):
+            assert torch.equal(kv[layer][dst_ids[pos // vbs], pos % vbs], latents[layer, pos])
+
+
+def test_a_vllm_prefill_without_cp_fans_out_to_atom_dcp_ranks() -> None:
+    """ATOM's DCP (``decode_context_parallel_size`` W, ``dcp_config.interleave_size`` S):
+    consumer rank r's local token L (block ``L // BS``, slot ``L % BS`` of its block list)
+    is the producer's token ``((L // S) * W + r) * S + L % S``, blocks of one size on both
+    sides (``kv_transfer/disaggregation/sharded_transfer.py``, ``build_dcp_shard_plan``).
+    That is ``Shard(cp_interleave=S)``: a vLLM prefill's latents land where ATOM's plan puts
+    them, every other byte of the rank's cache unchanged."""
+    nl, bs, w, tokens = 2, 16, 4, 150
+    src_ids = [3, 10, 0, 7, 5, 1, 11, 8, 2, 6]  # ceil(150 / 16) producer blocks
+    kv = [torch.randn(12, bs, 576, dtype=torch.bfloat16) for _ in range(nl)]
+    prefill = kvlayout.detect(kv, "vllm")
+    for s, rank in itertools.product([1, 4, 16], range(w)):
+        dst_ids = [4, 0, 2]  # build_dcp_shard_plan's dst_pages: ceil(10 / W)
+        cache = [torch.randn(6, bs, 576, dtype=torch.bfloat16) for _ in range(nl)]
+        before = [t.clone() for t in cache]
+        shard = Shard(rank, w, 1, cp_rank=rank, cp_size=w, cp_interleave=s)
+        block_map(prefill, kvlayout.detect(cache, "atom"), src_ids, dst_ids, num_tokens=tokens,
+                  dst_shard=shard).copy()  # fmt: skip
+        written = torch.zeros(6, bs, dtype=torch.bool)
+        for local in range(len(dst_ids) * bs):  # ATOM's plan, a token at a time
+            global_ = ((local // s) * w + rank) * s + local % s
+            if global_ >= tokens:
+                continue
+            block, slot = dst_ids[local // bs], local % bs
+            written[block, slot] = True
+            for layer in range(nl):
+                assert torch.equal(cache[layer][block, slot], kv[layer][src_ids[global_ // bs], global_ % bs])
+        for layer in range(nl):
+            assert torch.equal(cache[layer][~written], before[layer][~written])
