@@ -267,9 +267,30 @@ def test_a_cp_shard_that_no_split_makes_is_refused(kwargs: dict[str, int], messa
         Shard(0, 1, 1, **kwargs)
 
 
-def test_sends_to_leaves_cp_ranks_to_the_maps() -> None:
-    with pytest.raises(ShardError, match="under context parallelism each CP rank holds its own tokens"):
+def test_sends_to_leaves_source_cp_ranks_to_the_maps() -> None:
+    with pytest.raises(
+        ShardError, match="under context parallelism each source CP rank holds its own tokens"
+    ):
         Shard(0, 2, 1, 0, 2, 1).sends_to(Shard(0, 1, 1))
+    with pytest.raises(ShardError, match="each source CP rank"):
+        Shard(0, 2, 1, 0, 2, 1).sends_to(Shard(0, 2, 1, 0, 2, 1))
+
+
+@pytest.mark.parametrize("interleave", [1, 16])
+def test_a_prefill_without_cp_picks_one_replica_for_each_decode_cp_rank(interleave: int) -> None:
+    """MLA prefill at TP 2 without CP into decode at TP 4, DCP 4: both prefill ranks hold
+    every token, so ``sends_to`` picks one per decode rank as without CP, vLLM's rule
+    (``compute_tp_mapping``: an MLA decode rank reads remote rank ``tp_rank * remote_tp //
+    tp``, for a remote DCP of 1, whatever its own DCP): decode ranks 0-1 read prefill rank 0,
+    2-3 rank 1, and the chosen map moves the rank's tokens by vLLM's slot mapping."""
+    ids_src, ids_dst = [4, 1, 2, 7, 0], [1, 0]  # 70 tokens: 5 blocks of 16, 2 virtual blocks of 64
+    srcs = [_mla(F.NL_X_NB_BS_HS, 8, 16, Shard(p, 2, 1), 1) for p in range(2)]
+    for rank in range(4):
+        shard = Shard(rank, 4, 1, rank, 4, interleave)
+        senders = [p for p in range(2) if Shard(p, 2, 1).sends_to(shard)]
+        assert senders == [rank * 2 // 4]
+        dst = _mla(F.NL_X_NB_BS_HS, 3, 16, shard, 2 + rank)
+        check_map(srcs[senders[0]], dst, ids_src, ids_dst, 70, 1)
 
 
 def test_two_splits_of_many_ranks_cost_what_a_rank_holds_not_the_request() -> None:

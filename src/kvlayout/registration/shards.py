@@ -123,16 +123,20 @@ class Shard:
         rank), which spreads destination ranks over the replicas. Without replication
         every rank sends what it holds (the block map of a pair with no head in common is
         empty). MLA latents, which every rank holds, are one head replicated over every
-        rank: ``Shard(rank, tp_size, 1)`` on both sides."""
+        rank: ``Shard(rank, tp_size, 1)`` on both sides. A destination under context
+        parallelism (decode's DCP) changes nothing here: a source without CP holds every
+        token, so its replicas are the ranks that hold the same heads, and the rule is the
+        same (vLLM's ``compute_tp_mapping`` reads MLA from rank ``tp_rank * remote_tp //
+        tp`` whatever the local DCP). A source under CP is refused."""
         if not isinstance(dst, Shard):
             raise TypeError(f"sends_to takes the destination's Shard, not {type(dst).__name__}")
-        if self.context_parallel or dst.context_parallel:
+        if self.context_parallel:
             raise ShardError(
-                f"sends_to({dst}) from {self}: under context parallelism each CP rank holds its own "
-                "tokens, so replicas are the ranks of one CP rank that hold the same heads, which a "
-                "shard alone does not know; pair ranks by what block_map moves between them (an "
-                "empty map: nothing in common) and, where several source ranks of one CP rank hold "
-                "the same heads, send from one"
+                f"sends_to({dst}) from {self}: under context parallelism each source CP rank holds "
+                "its own tokens, so replicas are the ranks of one CP rank that hold the same heads, "
+                "which a shard alone does not know; pair ranks by what block_map moves between them "
+                "(an empty map: nothing in common) and, where several source ranks of one CP rank "
+                "hold the same heads, send from one"
             )
         if dst.num_kv_heads != self.num_kv_heads:
             raise ShardError(
