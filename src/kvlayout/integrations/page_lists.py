@@ -52,6 +52,28 @@ def layer_list(name: str, buffers: Any, origin: str, error: type[DetectionError]
     return layers
 
 
+def host_page_layers(
+    name: str, host: Any, page_size: int, heads: int, pool: str, what: str, error: type[DetectionError]
+) -> tuple[list[torch.Tensor], int]:
+    """A HiCache host pool's per-layer ``[pages, page bytes]`` views of ``host`` (uint8
+    ``[pages, NL, page bytes]``, a device page's bytes at ``[host_page, layer]``) and the
+    bytes a head holds a token (page bytes over ``heads * page_size``). ``pool``: the host
+    pool's class, ``what``: the page it holds, for messages."""
+    if not isinstance(host, torch.Tensor):
+        raise error(
+            f"{name} is {type(host).__name__}, not the host pool's tensor [pages, NL, page bytes] ({pool})"
+        )
+    if host.dtype != torch.uint8 or host.dim() != 3 or host.numel() == 0:
+        raise error(f"{name} is {list(host.shape)} {host.dtype}, not uint8 [pages, NL, page bytes] ({pool})")
+    page_bytes = int(host.shape[2])
+    if page_bytes % (heads * page_size):
+        raise error(
+            f"{name} is {list(host.shape)}: a page of {page_bytes} bytes, which is no {what} of "
+            f"head_num={heads} heads and page_size={page_size} tokens (H * page_size * sf bytes)"
+        )
+    return [host[:, layer] for layer in range(host.shape[1])], page_bytes // (heads * page_size)
+
+
 def page_rows(
     name: str, t: torch.Tensor, rows_per_block: int, allocator: str, error: type[DetectionError]
 ) -> torch.Tensor:

@@ -38,7 +38,7 @@ from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.errors import positive
-from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
+from kvlayout.integrations.page_lists import host_page_layers, layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
 
@@ -188,26 +188,6 @@ def fp4_scale_pools(
     return {"k": read(names[0], k, ps, heads), "v": read(names[1], v, ps, heads)}
 
 
-def _host_layers(name: str, host: Any, page_size: int, heads: int) -> tuple[list[torch.Tensor], int]:
-    """The host pool's per-layer ``[pages, page bytes]`` views of ``host`` (``[pages, NL,
-    page bytes]``) and the scales a head holds a token (``sf``)."""
-    if not isinstance(host, torch.Tensor):
-        raise Fp4ScaleError(
-            f"{name} is {type(host).__name__}, not the host pool's tensor [pages, NL, page bytes] ({_HOST})"
-        )
-    if host.dtype != torch.uint8 or host.dim() != 3 or host.numel() == 0:
-        raise Fp4ScaleError(
-            f"{name} is {list(host.shape)} {host.dtype}, not uint8 [pages, NL, page bytes] ({_HOST})"
-        )
-    page_bytes = int(host.shape[2])
-    if page_bytes % (heads * page_size):
-        raise Fp4ScaleError(
-            f"{name} is {list(host.shape)}: a page of {page_bytes} bytes, which is no scale page of "
-            f"head_num={heads} heads and page_size={page_size} tokens (H * page_size * sf bytes)"
-        )
-    return [host[:, layer] for layer in range(host.shape[1])], page_bytes // (heads * page_size)
-
-
 def fp4_host_scale_pools(
     k_scale_host: Any, v_scale_host: Any, page_size: int, head_num: int, *, native: bool
 ) -> dict[str, Registration]:
@@ -239,7 +219,7 @@ def fp4_host_scale_pools(
         )
     pools = {}
     for name, host in pairs:
-        layers, sf = _host_layers(name, host, ps, heads)
+        layers, sf = host_page_layers(name, host, ps, heads, _HOST, "scale page", Fp4ScaleError)
         kind = name[0].upper()
         if native:
             _check_native(name, list(host.shape), ps, heads, sf)

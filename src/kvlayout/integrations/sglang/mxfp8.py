@@ -32,7 +32,7 @@ from kvlayout._generated.engines import EngineType
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
 from kvlayout.errors import positive
-from kvlayout.integrations.page_lists import layer_list, listed_pages, page_rows
+from kvlayout.integrations.page_lists import host_page_layers, layer_list, listed_pages, page_rows
 from kvlayout.registration.opaque import OpaquePages, PageArray
 from kvlayout.registration.registration import Registration
 
@@ -158,29 +158,6 @@ def mxfp8_scale_pools(k_scale_buffer: Any, v_scale_buffer: Any, page_size: int) 
     return {"k": read("k_scale_buffer", k, ps), "v": read("v_scale_buffer", v, ps)}
 
 
-def _host_layers(name: str, host: Any, page_size: int, heads: int) -> tuple[list[torch.Tensor], int]:
-    """The host pool's per-layer ``[pages, page bytes]`` views of ``host`` (``[pages, NL,
-    page bytes]``) and the head size's scales a token (``sf``)."""
-    if not isinstance(host, torch.Tensor):
-        raise Mxfp8ScaleError(
-            f"{name} is {type(host).__name__}, not the host pool's tensor [pages, NL, page bytes] "
-            "(MHATokenToKVPoolMXFP8Host)"
-        )
-    if host.dtype != torch.uint8 or host.dim() != 3 or host.numel() == 0:
-        raise Mxfp8ScaleError(
-            f"{name} is {list(host.shape)} {host.dtype}, not uint8 [pages, NL, page bytes] "
-            "(MHATokenToKVPoolMXFP8Host)"
-        )
-    page_bytes = int(host.shape[2])
-    if page_bytes % (heads * page_size) or page_size % MXFP8_SCALE_TILE:
-        raise Mxfp8ScaleError(
-            f"{name} is {list(host.shape)}: a page of {page_bytes} bytes, which is no interleaved scale page "
-            f"of head_num={heads} heads and page_size={page_size} tokens (H * page_size * sf bytes, "
-            f"page_size a multiple of {MXFP8_SCALE_TILE})"
-        )
-    return [host[:, layer] for layer in range(host.shape[1])], page_bytes // (heads * page_size)
-
-
 def mxfp8_host_scale_pools(
     k_scale_host: Any, v_scale_host: Any, page_size: int, head_num: int
 ) -> dict[str, Registration]:
@@ -206,7 +183,14 @@ def mxfp8_host_scale_pools(
             )
     pools = {}
     for name, host in pairs:
-        layers, sf = _host_layers(name, host, ps, heads)
+        layers, sf = host_page_layers(
+            name, host, ps, heads, "MHATokenToKVPoolMXFP8Host", "interleaved scale page", Mxfp8ScaleError
+        )
+        if ps % MXFP8_SCALE_TILE:
+            raise Mxfp8ScaleError(
+                f"{name} is {list(host.shape)}: no interleaved scale page of head_num={heads} heads and "
+                f"page_size={ps} tokens (page_size a multiple of {MXFP8_SCALE_TILE})"
+            )
         page = _scale_page(name[0].upper(), heads, ps // MXFP8_SCALE_TILE, sf)
         # a layer's pages lie NL pages apart: views [pages, page_size, 1, row] at that stride,
         # read as page-major views (their page stride an envelope of every layer's page)
