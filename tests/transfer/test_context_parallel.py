@@ -449,3 +449,28 @@ def test_a_vllm_prefill_without_cp_fans_out_to_atom_dcp_ranks() -> None:
                 assert torch.equal(cache[layer][block, slot], kv[layer][src_ids[global_ // bs], global_ % bs])
         for layer in range(nl):
             assert torch.equal(cache[layer][~written], before[layer][~written])
+
+
+def test_a_cp_rank_s_block_list_may_stop_at_its_own_last_block() -> None:
+    """A CP rank that holds none of the request's last round of blocks names either a block
+    for every round (vLLM's shared block table) or only the blocks its tokens fill (TRT-LLM
+    Helix's round-robin ranks): both map its tokens alike; any other count is refused, naming
+    both."""
+    shard = Shard(3, 4, 1, 3, 4, 16)  # 150 tokens in blocks of 16: rank 3 holds 48-63 and 112-127
+    src = _mla(F.NL_X_NB_BS_HS, 12, 16, Shard(0, 1, 1), 1)
+    dst = _mla(F.NL_X_NB_BS_HS, 6, 16, shard, 2)
+    src_ids = [3, 10, 0, 7, 5, 1, 11, 8, 2, 6]
+    check_map(src, dst, src_ids, [4, 0, 2], 150, 1)
+    check_map(src, dst, src_ids, [4, 0], 150, 1)
+    own = block_map(src.kv, dst.kv, src_ids, [4, 0], num_tokens=150, dst_shard=shard)
+    every = block_map(src.kv, dst.kv, src_ids, [4, 0, 2], num_tokens=150, dst_shard=shard)
+    assert np.array_equal(own.runs, every.runs) and own.num_bytes == 2 * 32 * 8
+    with pytest.raises(
+        BlockMapError,
+        match=r"dst_blocks has 1 block ids; the request's 150 tokens \(num_tokens\) fill 3 blocks of 64 "
+        r"\(or 2, the blocks of 16 its CP rank's own 32 tokens fill\)",
+    ):
+        block_map(src.kv, dst.kv, src_ids, [4], num_tokens=150, dst_shard=shard)
+    # a rank that holds tokens of the last round names a block for it: one fewer is refused
+    with pytest.raises(BlockMapError, match=r"dst_blocks has 2 block ids; .* fill 3 blocks of 64$"):
+        block_map(src.kv, dst.kv, src_ids, [4, 0], num_tokens=150, dst_shard=Shard(1, 4, 1, 1, 4, 16))

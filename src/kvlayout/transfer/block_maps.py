@@ -42,6 +42,7 @@ from kvlayout.transfer.arguments import (
     threads_arg,
 )
 from kvlayout.transfer.context_parallel import (
+    TokenSlice,
     check_servable,
     held,
     overlap,
@@ -425,20 +426,23 @@ def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
 _TOLD_BY_BLOCKS = "what the shorter block list holds"  # no num_tokens given
 
 
-def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, cp: int = 1) -> np.ndarray:
+def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, cp: TokenSlice) -> np.ndarray:
     """The block ids of the caller's blocks (each ``per`` of the side's) that ``tokens``
     fill, checked (``told``: where the token count came from, for the message; ``cp``: a
-    context-parallel side's CP size, each of its blocks ``cp`` times a block's tokens of the
-    request)."""
-    count, size = side.num_blocks // per, side.block_size * per * cp
+    context-parallel side's tokens, each of its blocks ``cp.size`` times a block's tokens of
+    the request). A CP rank's list may also stop at the last block its own tokens fill (one
+    fewer where it holds none of the request's last round of blocks): an engine that deals
+    whole blocks to its ranks (TRT-LLM Helix) gives such a rank that many."""
+    count, size = side.num_blocks // per, side.block_size * per * cp.size
     needed = -(-tokens // size)
+    own = -(-held(cp, tokens) // (side.block_size * per))  # needed, or one fewer
     ids = block_ids_arg(name, blocks, BlockMapError)
     if side.layout is None and needed > 1:  # a chunk is one block: its tokens are too few
         raise BlockMapError(
             f"the chunk ({name.removesuffix('_blocks')}) holds {side.block_size} tokens, fewer than the "
             f"request's {tokens} ({told}): give it a token axis of {tokens} or more"
         )
-    if len(ids) != needed:
+    if len(ids) not in (needed, own):
         tokens_given = (
             f": a block id names a block of {size} tokens, not a token slot (give a token's slot over {size})"
             if len(ids) == tokens and size > 1
@@ -455,6 +459,11 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
             tokens_given = (
                 f": a block of {'state' if pages.arrays else 'opaque'} pages ({pages.layout}) is {what}, not "
                 "tokens: map it by its block ids alone, without num_tokens"
+            )
+        if own != needed:
+            tokens_given = (
+                f" (or {own}, the blocks of {side.block_size * per} its CP rank's own {held(cp, tokens)} "
+                f"tokens fill){tokens_given}"
             )
         raise BlockMapError(
             f"{name} has {len(ids)} block ids; the request's {tokens} tokens ({told}) fill {needed} "
@@ -685,8 +694,9 @@ def block_map(
 
     A shard under context parallelism (``Shard(..., cp_rank=, cp_size=, cp_interleave=)``,
     vLLM's DCP) holds a slice of the request's tokens: each of its block ids stands for
-    ``cp_size`` blocks of the request, and the map moves the tokens both sides hold, each
-    where its side keeps it (:mod:`~kvlayout.transfer.context_parallel`).
+    ``cp_size`` blocks of the request (its list may stop at the last block its own tokens
+    fill), and the map moves the tokens both sides hold, each where its side keeps it
+    (:mod:`~kvlayout.transfer.context_parallel`).
 
     ``*_block_size`` split a folded page axis (NB*BS formats). Elsewhere the block size
     is the cache's own, or a multiple of it: the block ids are then in blocks of that
@@ -742,8 +752,8 @@ def block_map(
     told = _TOLD_BY_BLOCKS if num_tokens is None else "num_tokens"
     if num_tokens is not None and tokens != num_tokens:
         told = f"num_tokens={num_tokens} rounded up to whole opaque pages"
-    src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told, a_cp.size)
-    dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told, b_cp.size)
+    src_ids = _ids("src_blocks", src_blocks, a, tokens, a_per, told, a_cp)
+    dst_ids = _ids("dst_blocks", dst_blocks, b, tokens, b_per, told, b_cp)
     written = first // b_size  # dst_blocks[written:] take tokens; those before keep theirs
     why = (
         "each destination slot is written once (blocks wholly before first_token are not written, "
