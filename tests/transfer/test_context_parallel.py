@@ -451,6 +451,120 @@ def test_a_vllm_prefill_without_cp_fans_out_to_atom_dcp_ranks() -> None:
             assert torch.equal(cache[layer][~written], before[layer][~written])
 
 
+def test_sglang_page_interleaved_kv_shards_are_a_cp_split_a_page_at_a_time() -> None:
+    """SGLang's logical-page KV sharding (``enable_kv_cache_sharding``, MLA over the
+    attention-TP group of ``N`` ranks): location ``loc = Q*(N*ps) + r*ps + o`` is owned by rank
+    ``r`` at its pool row ``Q*ps + o`` (``mem_cache/page_interleave.py``,
+    ``PageInterleavePlacement``), and every location is congruent to its token position mod
+    ``N*ps``, a fresh group adopted where a prefix hit ends inside one (the allocator's
+    invariant I3, ``allocator/page_interleave.py``). Rank ``r`` thus holds the request's pages
+    ``j`` with ``j % N == r`` in order: ``Shard(cp_interleave=ps)`` in blocks of ``ps``, its
+    block list the groups of those pages (SGLang's P/D ``filter_kv_indices_for_shard_rank``
+    hands rank ``r`` the same), which may differ between ranks across an adoption seam. Each
+    rank's rows land in a vLLM cache without CP where the placement puts them, every other
+    byte unchanged, and map back byte for byte."""
+    nl, ps, n, tokens, vbs = 2, 8, 4, 150, 16
+    gs = n * ps
+    groups = [3, 9, 7, 2, 11]  # a group a round of gs tokens
+    loc = np.empty(tokens, dtype=np.int64)
+    for pos in range(tokens):
+        # a prefix hit of 48 tokens ends inside round 1's group: its pages 2-3 in an adopted group 12
+        q = groups[pos // gs] if pos // gs != 1 or pos % gs < 2 * ps else 12
+        loc[pos] = q * gs + pos % gs
+    latents = torch.randn(nl, tokens, 576, dtype=torch.bfloat16)
+    pools = [[torch.zeros(13 * ps, 1, 576, dtype=torch.bfloat16) for _ in range(nl)] for _ in range(n)]
+    for pos, v in enumerate(loc.tolist()):  # PageInterleavePlacement: owner_of, local_index
+        owner, row = (v % gs) // ps, (v // gs) * ps + v % ps
+        for layer in range(nl):
+            pools[owner][layer][row, 0] = latents[layer, pos]
+    dst_ids = [9, 0, 4, 2, 11, 6, 1, 8, 3, 10]  # vLLM, no CP: 10 blocks of 16
+    kv = [torch.randn(12, vbs, 576, dtype=torch.bfloat16) for _ in range(nl)]
+    before = [t.clone() for t in kv]
+    vllm_mla = kvlayout.detect(kv, "vllm")
+    rounds = -(-tokens // gs)
+    for rank in range(n):
+        # SGLang's P/D list for the rank (filter_kv_indices_for_shard_rank): the group of each of
+        # the request's pages j with j % N == rank, in order (rank 3 holds no page of the last round)
+        ids = [int(loc[j * ps]) // gs for j in range(-(-tokens // ps)) if j % n == rank]
+        assert len(ids) == (rounds if rank < 3 else rounds - 1)
+        assert rank != 2 or ids[1] == 12  # rank 2's page of round 1 is in the adopted group
+        shard = Shard(rank, n, 1, cp_rank=rank, cp_size=n, cp_interleave=ps)
+        sgl = kvlayout.detect(pools[rank], "sglang")
+        m = block_map(sgl, vllm_mla, ids, dst_ids, num_tokens=tokens, src_shard=shard, src_block_size=ps)
+        held = [pos for pos in range(tokens) if (pos // ps) % n == rank]
+        assert m.kind.startswith("token slice") and m.num_bytes == nl * len(held) * 576 * 2
+        m.copy()
+        back = [torch.zeros_like(t) for t in pools[rank]]
+        block_map(vllm_mla, kvlayout.detect(back, "sglang"), dst_ids, ids, num_tokens=tokens,
+                  dst_shard=shard, dst_block_size=ps).copy()  # fmt: skip
+        assert all(torch.equal(b, t) for b, t in zip(back, pools[rank], strict=True))
+    written = torch.zeros(12, vbs, dtype=torch.bool)
+    for pos in range(tokens):
+        block, slot = dst_ids[pos // vbs], pos % vbs
+        written[block, slot] = True
+        for layer in range(nl):
+            assert torch.equal(kv[layer][block, slot], latents[layer, pos])
+    for layer in range(nl):
+        assert torch.equal(kv[layer][~written], before[layer][~written])
+
+
+def _trtllm_global_block(local: int, cp_size: int, cp_rank: int, num_blocks: int, round_robin: bool) -> int:
+    """TRT-LLM's ``getGlobalBlockIdAccountingForCP`` (``cacheSplitConcat.cu``): the request's
+    block that a generation CP rank's local block ``local`` receives from a context without CP."""
+    if round_robin:  # common::getEnvUseRoundRobinBlockDistForCP()
+        return local * cp_size + cp_rank
+    fewest = num_blocks // cp_size
+    return fewest * cp_rank + min(cp_rank, num_blocks % cp_size) + local
+
+
+def _trtllm_rank_blocks(cp_size: int, cp_rank: int, num_blocks: int) -> int:
+    """TRT-LLM's ``getBlockNumAccountingForCP``: how many of the request's blocks a CP rank gets."""
+    return num_blocks // cp_size + (num_blocks % cp_size > cp_rank)
+
+
+@pytest.mark.parametrize("round_robin", [False, True])
+def test_trtllm_helix_ranks_take_the_prompt_s_blocks(round_robin: bool) -> None:
+    """TRT-LLM Helix P/D (MLA, a context without CP into generation CP ranks): CP rank ``r``'s
+    local block ``i`` receives the request's block ``getGlobalBlockIdAccountingForCP(i, c, r,
+    B)`` whole. By default the ranks split the ``B`` blocks into contiguous ranges (the first
+    ``B % c`` ranks one more), a range that moves with ``B``: no Shard says it, and a
+    connector maps the rank's range as a request of its own, the context's block list cut at
+    the range (a plain map, no CP). Under round-robin distribution rank ``r`` holds blocks
+    ``r, r + c, ...``: ``Shard(cp_interleave=tokens_per_block)``, each rank's list its own
+    blocks (one fewer than a round of the request's blocks where it holds none of the last
+    round: accepted). Every received token lands where TRT-LLM puts it, every other byte of
+    the rank's pool unchanged."""
+    nl, tpb, c, tokens = 3, 16, 4, 150
+    num_blocks = -(-tokens // tpb)  # 10: ranks 0-1 get 3 blocks, ranks 2-3 two
+    ctx_ids = [3, 10, 0, 7, 5, 1, 11, 8, 2, 6]
+    ctx_pool = torch.randn(12, nl, 1, tpb * 576).to(torch.bfloat16)  # TRT-LLM's K-only MLA pool
+    ctx = kvlayout.detect(ctx_pool, "trtllm", {"tokens_per_block": tpb, "head_dim": 576})
+    for rank in range(c):
+        count = _trtllm_rank_blocks(c, rank, num_blocks)
+        gen_ids = [4, 0, 2][:count]
+        gen_pool = torch.randn(6, nl, 1, tpb * 576).to(torch.bfloat16)
+        before = gen_pool.clone()
+        gen = kvlayout.detect(gen_pool, "trtllm", {"tokens_per_block": tpb, "head_dim": 576})
+        if round_robin:
+            shard = Shard(rank, c, 1, cp_rank=rank, cp_size=c, cp_interleave=tpb)
+            m = block_map(ctx, gen, ctx_ids, gen_ids, num_tokens=tokens, dst_shard=shard)
+        else:
+            first = _trtllm_global_block(0, c, rank, num_blocks, round_robin)
+            m = block_map(ctx, gen, ctx_ids[first : first + count], gen_ids,
+                          num_tokens=min(count * tpb, tokens - first * tpb))  # fmt: skip
+        m.copy()
+        written = torch.zeros(6, tpb, dtype=torch.bool)
+        for local in range(count):
+            block = _trtllm_global_block(local, c, rank, num_blocks, round_robin)
+            for slot in range(min(tpb, tokens - block * tpb)):
+                written[gen_ids[local], slot] = True
+                rows = gen_pool[gen_ids[local], :, 0].view(nl, tpb, 576)[:, slot]
+                assert torch.equal(rows, ctx_pool[ctx_ids[block], :, 0].view(nl, tpb, 576)[:, slot])
+        assert m.num_bytes == int(written.sum()) * nl * 576 * 2
+        mask = written[:, None, None, :, None].expand(6, nl, 1, tpb, 576).reshape(gen_pool.shape)
+        assert torch.equal(gen_pool[~mask], before[~mask])
+
+
 def test_a_cp_rank_s_block_list_may_stop_at_its_own_last_block() -> None:
     """A CP rank that holds none of the request's last round of blocks names either a block
     for every round (vLLM's shared block table) or only the blocks its tokens fill (TRT-LLM
