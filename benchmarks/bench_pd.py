@@ -518,8 +518,12 @@ def main() -> None:
                 sizes = ", ".join(f"{n >> 10} KiB {c * 1e6:.1f} us" for n, c in cost.per_descriptor_by_size)
                 nixl = f"a descriptor of {sizes}; {cost.bandwidth / 1e9:.2f} GB/s"
                 gather = f"{cost.copy_per_run_s * 1e6:.3f} us a run, {cost.copy_bandwidth / 1e9:.1f} GB/s"
+                scatter = (
+                    f"{cost.scatter_per_run_s * 1e6:.3f} us a run, {cost.scatter_bandwidth / 1e9:.1f} GB/s"
+                )
                 print(
-                    f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; copy {gather}"
+                    f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; "
+                    f"gather {gather}, scatter {scatter}"
                 )
             poster = peer.add_remote(agent.get_agent_metadata())
             c = Context(agent, peer, name, staging, nx.PeerStaging(0, 0), costs, args, poster)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import faulthandler
 import gc
+import math
 import os
 import subprocess
 import sys
@@ -972,7 +973,9 @@ def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pai
 
 
 def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
+    start = time.perf_counter()
     model = nx.calibrate(pair.agent, pair.name, pair.peer.side([0]), nbytes=512 << 10, count=128, repeats=1)
+    took = time.perf_counter() - start
     assert model.source == (  # the peer's buffers hold 256 KiB
         "calibrated against peer 'kvl-peer' (its largest described tensor holds 262144 bytes: 262144 bytes a "
         "transfer, not 524288; no descriptors of 32 KiB, 64 KiB, 128 KiB, 512 KiB priced (8, spaced, do not fit))"
@@ -984,6 +987,14 @@ def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
     assert model.per_descriptor_by_size[0][1] == model.per_descriptor_s
     assert all(0 <= cost < 0.01 for _, cost in model.per_descriptor_by_size)
     assert 0 < model.copy_per_run_s < 1e-3 and model.copy_bandwidth > 1e7
+    # the copy both ways, each finite and bounded; a scatter is priced at its own figures
+    figures = (model.copy_per_run_s, model.copy_bandwidth, model.scatter_per_run_s, model.scatter_bandwidth)
+    assert all(math.isfinite(x) for x in figures)
+    assert 0 < model.scatter_per_run_s < 1e-3 and 1e7 < model.scatter_bandwidth < 1e12
+    assert model.copy_s(10, 1 << 20, scatters=True) == pytest.approx(
+        10 * model.scatter_per_run_s + (1 << 20) / model.scatter_bandwidth
+    )
+    assert took < 10.0  # a handshake's worth (about a second on the loaded 2-core machine)
     # a cost model picks between strategies on its own figures
     m = make_map(pair, "READ", [(0, k * SLOT, 0, k * UNIT, UNIT) for k in range(64)])
     assert nx.plan(m, staging=pair.staging, cost=model).strategy in ("direct", "staged")

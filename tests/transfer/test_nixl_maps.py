@@ -642,7 +642,11 @@ def test_auto_holds_the_peer_s_staging_buffer_only_once_it_chose_peer_staged(
     monkeypatch.setattr(posting, "plan", plan)
     with nx.register(pair.agent, r.here):
         direct = nx.prepare_transfer(
-            pair.agent, pair.name, r.m, peer_staging=r.staging, cost=nx.CostModel(copy_bandwidth=1.0)
+            pair.agent,
+            pair.name,
+            r.m,
+            peer_staging=r.staging,
+            cost=nx.CostModel(copy_bandwidth=1.0, scatter_bandwidth=1.0),  # any copy: direct
         )
         assert direct.plan.strategy != "peer-staged"
         assert held == [0]

@@ -236,19 +236,26 @@ def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() ->
     """A tile, as NHD -> HND makes them: the runs back to back on each side, in another
     order on each. Staged and peer-staged post one descriptor each and predict alike; a
     WRITE stages here (a gather), a READ lets the peer stage (its gather) rather than
-    scatter here after landing."""
+    scatter here after landing. With a scatter priced above a gather (the defaults, and
+    what calibrate() measures), the gather is the cheaper by the model too."""
     n, length = 64, 256
     a, b = [np.zeros(n * length, np.uint8)], [np.zeros(n * length, np.uint8)]
     pieces = [(0, ((i % 8) * 8 + i // 8) * length, 0, i * length, length) for i in range(n)]
     buf = np.zeros(n * length, np.uint8)
     there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
-    cost = nx.CostModel(per_descriptor_s=1.0)  # descriptors decide
+    decide = nx.CostModel(per_descriptor_s=1.0)  # descriptors decide
+    alike = dataclasses.replace(
+        decide, scatter_per_run_s=decide.copy_per_run_s, scatter_bandwidth=decide.copy_bandwidth
+    )
     write = Map(runs_between(a, b, pieces), side_of(a, local=True), side_of(b, local=False))
-    w = nx.plan(write, staging=staging_at(buf), peer_staging=there, cost=cost)
-    assert w.predicted_s["staged"] == w.predicted_s["peer-staged"] and w.strategy == "staged"
     read = Map(write.runs, side_of(a, local=False), side_of(b, local=True))
-    r = nx.plan(read, staging=staging_at(buf), peer_staging=there, cost=cost)
-    assert r.predicted_s["staged"] == r.predicted_s["peer-staged"] and r.strategy == "peer-staged"
+    for cost, tie in ((alike, True), (decide, False)):
+        w = nx.plan(write, staging=staging_at(buf), peer_staging=there, cost=cost)
+        assert (w.predicted_s["staged"] == w.predicted_s["peer-staged"]) is tie and w.strategy == "staged"
+        r = nx.plan(read, staging=staging_at(buf), peer_staging=there, cost=cost)
+        assert (
+            r.predicted_s["staged"] == r.predicted_s["peer-staged"]
+        ) is tie and r.strategy == "peer-staged"
 
 
 def test_a_descriptor_is_priced_at_its_size_where_the_model_measured_sizes() -> None:
@@ -855,12 +862,17 @@ def test_a_block_map_counts_its_stretches_without_sorting_its_runs(
 def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A copy that costs 200 us a call, 5 ns a run and 5 GB/s: the calibration recovers
-    each term, so a map of many short runs is not priced at its runs' bytes twice."""
+    """A copy that costs 200 us a call, and 5 ns a run and 5 GB/s gathering, 80 ns a run
+    and 3 GB/s scattering: the calibration recovers each term of each direction, so a map
+    of many short runs is not priced at its runs' bytes twice, nor a scatter as a gather."""
     cost: dict[str, float] = {}
+    packed: list[int] = []
 
     def fake_copy(runs: np.ndarray, lo: np.ndarray, hi: np.ndarray, *_: object) -> None:
-        cost["s"] = 200e-6 + len(runs) * 5e-9 + int(runs[:, 2].sum()) / 5e9
+        scatters = int(lo[0, 1]) < int(hi[0, 1])  # reads the packed span, writes the spaced one
+        per_run, bandwidth = (80e-9, 3e9) if scatters else (5e-9, 5e9)
+        cost["s"] = 200e-6 + len(runs) * per_run + int(runs[:, 2].sum()) / bandwidth
+        packed.append(int((lo if scatters else hi)[0, 0]))
 
     def fake_timed(fn: Callable[[], None]) -> float:
         fn()
@@ -868,9 +880,46 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
 
     monkeypatch.setattr(calibration, "_copy", fake_copy)
     monkeypatch.setattr(calibration, "_timed", fake_timed)
-    per_run, bandwidth = calibration._calibrate_copy(1024, 2048, 1, torch.device("cpu"))
-    assert per_run == pytest.approx(5e-9, rel=1e-6)
-    assert bandwidth == pytest.approx(5e9, rel=1e-6)
+    gather, scatter = calibration._calibrate_copy(1, torch.device("cpu"))
+    assert gather == pytest.approx((5e-9, 5e9), rel=1e-6)
+    assert scatter == pytest.approx((80e-9, 3e9), rel=1e-6)
+    assert len(packed) == 6 and len(set(packed)) == 1  # both ways, through the same packed buffer
+
+
+@pytest.mark.parametrize("op", ["WRITE", "READ"])
+def test_the_model_prices_a_scatter_as_a_scatter_and_picks_direct_where_the_copy_costs_more(op: str) -> None:
+    """A staged READ scatters, a staged WRITE gathers (and a peer-staged strategy the
+    other way, the peer's copy): each is priced at its own figures, and ``"auto"`` takes
+    the staged plan only where the descriptors it saves cost more than its copy. The
+    map: 64 runs of 64 KiB, one stretch on the remote side (4 MiB), 64 descriptors
+    direct against 1 staged."""
+    m, buf = scattered_map(64, 1 << 16)
+    n, nbytes = 64, 64 << 16
+    cheap = nx.CostModel(per_descriptor_s=20e-6, bandwidth=1e9, per_transfer_s=0.0, copy_per_run_s=0.0)
+    saved = 63 * 20e-6  # the wire time the staged plan saves
+    # gathering at 1e12 B/s costs 4 us, scattering at 1e9 B/s 4.2 ms: more than the 1.26 ms saved
+    model = dataclasses.replace(cheap, copy_bandwidth=1e12, scatter_per_run_s=0.0, scatter_bandwidth=1e9)
+    assert model.copy_s(n, nbytes) == pytest.approx(nbytes / 1e12)
+    assert model.copy_s(n, nbytes, scatters=True) == pytest.approx(nbytes / 1e9)
+    wire = model.direct_s(1, nbytes)
+    assert model.direct_s(n, nbytes) - wire == pytest.approx(saved)
+    mp = m if op == "WRITE" else Map(m.runs[:, [1, 0, 2]], m.dst, m.src)  # READ: the peer's bytes to here
+    p = nx.plan(mp, staging=staging_at(buf), cost=model)
+    copy = model.copy_s(n, nbytes, scatters=op == "READ")
+    assert p.predicted_s["staged"] == pytest.approx(wire + copy)
+    assert p.strategy == ("staged" if op == "WRITE" else "direct")
+    # the converse: a scatter cheaper than the descriptors it saves is taken
+    fast = dataclasses.replace(cheap, copy_bandwidth=1e12, scatter_per_run_s=1e-9, scatter_bandwidth=1e12)
+    assert nx.plan(mp, staging=staging_at(buf), cost=fast).strategy == "staged"
+    # and a gather dearer than them is not, whichever way the scatter is priced
+    slow_gather = dataclasses.replace(
+        cheap, copy_bandwidth=1e9, scatter_per_run_s=0.0, scatter_bandwidth=1e12
+    )
+    assert nx.plan(mp, staging=staging_at(buf), cost=slow_gather).strategy == (
+        "direct" if op == "WRITE" else "staged"
+    )
+    poster: Literal["src", "dst"] = "src" if op == "WRITE" else "dst"
+    assert nx.estimate(mp, poster=poster, cost=model).predicted_s["staged"] == pytest.approx(wire + copy)
 
 
 @pytest.mark.parametrize("stages", [1, 3, 8, None])

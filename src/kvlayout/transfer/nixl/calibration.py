@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -15,7 +16,7 @@ import torch
 from kvlayout.errors import at_least
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.copies import _KEPT, _copy, _staging_device
+from kvlayout.transfer.nixl.copies import _KEPT, _check_copies, _copy, _staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
 from kvlayout.transfer.nixl.plans import CostModel
 from kvlayout.transfer.nixl.regions import (
@@ -123,8 +124,10 @@ def calibrate(
     described tensor: one small descriptor, ``count`` small ones and one of ``nbytes``,
     the fastest of ``repeats`` each; then ``nbytes`` cut into descriptors of each size in
     :data:`_DESCRIPTOR_SIZES` (8 of them at least) against one descriptor of as many
-    bytes, which prices a descriptor at each size (``per_descriptor_by_size``); then the
-    local copy (:func:`_calibrate_copy`) there.
+    bytes, which prices a descriptor at each size (``per_descriptor_by_size``); each
+    measurement once a round, in ``repeats`` rounds; then the local copy there, a
+    gather's figures and a scatter's (:func:`_calibrate_copy`: runs of 1 KiB and 16 KiB
+    spread past a host's last-level cache, whatever ``small`` and ``count`` are).
     ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
@@ -184,15 +187,13 @@ def calibrate(
         for name, rows in theirs.items()
     }
     mems = (_MEM_TYPES[copy_on.type], rmem)
+    rounds: dict[str | tuple[str, int], list[float]] = {name: [] for name in theirs}
     with register(agent, scratch):
-        t = {
-            name: min(
-                _timed_xfer(agent, op, peer, (ours[name], theirs[name]), mems, timeout)
-                for _ in range(repeats)
-            )
-            for name in theirs
-        }
-    per_run, copy_bandwidth = _calibrate_copy(small, count, repeats, copy_on)
+        for _ in range(repeats):  # rounds of every measurement: a burst of load spoils one of each at most
+            for name, rows in theirs.items():
+                rounds[name].append(_timed_xfer(agent, op, peer, (ours[name], rows), mems, timeout))
+    t = {name: min(times) for name, times in rounds.items()}
+    gather, scatter = _calibrate_copy(repeats, copy_on)
     per_descriptor = max((t["many"] - t["one"]) / (count - 1), 1e-9)
     bandwidth = nbytes / max(t["big"] - t["one"], 1e-9)
     by_size = [(small, per_descriptor)] + [
@@ -213,10 +214,12 @@ def calibrate(
         per_descriptor_s=per_descriptor,
         bandwidth=bandwidth,
         per_transfer_s=t["one"],
-        copy_per_run_s=per_run,
-        copy_bandwidth=copy_bandwidth,
+        copy_per_run_s=gather[0],
+        copy_bandwidth=gather[1],
         source=f"calibrated against peer {peer!r}{limited}",
         per_descriptor_by_size=tuple(by_size),
+        scatter_per_run_s=scatter[0],
+        scatter_bandwidth=scatter[1],
     )
 
 
@@ -228,33 +231,56 @@ def calibrate(
 _DESCRIPTOR_SIZES = (8 << 10, 32 << 10, 64 << 10, 128 << 10, 512 << 10)
 
 
-# The local copy is measured on buffers larger than a host's caches, as a request's are
-# (32 MiB, this host's last-level cache, measured 42-45 GB/s against a flat stream's 28).
-_COPY_CALIBRATION_BYTES = 128 << 20
+# The local copy is measured as a request's runs are copied: spread over more memory than
+# a host's last-level cache (32 MiB on this project's machine), gathered (read with gaps,
+# written back to back: a staged WRITE's copy, the peer's before a peer-staged READ) and
+# scattered (the reverse: a staged READ's, the peer's after a peer-staged WRITE), in runs
+# of 1 KiB (a TP-resharded NHD request's head slices) and of 16 KiB (an HND one's). One
+# flat copy of 128 MiB priced every copy before, at 6.2-6.4 GB/s and 0.001-0.17 us a run,
+# where (2026-12-07, 2 cores under other load) scattering a TP 2 -> 1 HND request's 4,096
+# runs of 16 KiB took 14.5-16.3 ms (predicted 10.5-11.1 ms) and NHD -> HND's 524,224 runs
+# of 256 B 161-168 ms (predicted 29 ms at best), against 37-40 ms to gather them.
+_COPY_CALIBRATION_BYTES = 32 << 20
+_COPY_RUNS = (1 << 10, 16 << 10)
 
 
-def _calibrate_copy(small: int, count: int, repeats: int, device: torch.device) -> tuple[float, float]:
-    """Seconds a run and bytes a second of the staged strategy's copy on ``device`` (the
-    block-map engine on the host, the run executor on a GPU, each call until its bytes
-    are there): one run, ``count`` runs of ``small`` bytes and one of
-    ``_COPY_CALIBRATION_BYTES``, the fastest of ``repeats`` each. The one-run copy's time
-    is the call's own (checks, dispatch), taken out of both; the runs' bytes are the
-    bandwidth's (counted per run, they priced a run at 0.3-0.6 us on the 2-core loopback,
-    where 520,000 runs of 256 B copy in about 35 ms)."""
-    half = max(_COPY_CALIBRATION_BYTES, 2 * small * count)
-    scratch = torch.zeros(2 * half, dtype=torch.uint8, device=device)  # zeros: its pages are touched
-    addr = scratch.data_ptr()
-    spaced = addr + np.arange(count, dtype=_U64) * np.uint64(2 * small)  # gaps: nothing merges
-    runs = np.stack([spaced, spaced + np.uint64(half), np.full(count, small, _U64)], axis=1)
-    copies = {"one": runs[:1], "many": runs, "big": np.array([[addr, addr + half, half]], _U64)}
-    lo, hi = np.array([[addr, half]], _U64), np.array([[addr + half, half]], _U64)
-    c = {
-        name: min(_timed(lambda r=r: _copy(r, lo, hi, 1, True, device)) for _ in range(repeats))
-        for name, r in copies.items()
-    }
-    bandwidth = (half - small) / max(c["big"] - c["one"], 1e-9)
-    per_run = (c["many"] - c["one"] - (count - 1) * small / bandwidth) / (count - 1)
-    return max(per_run, 1e-9), bandwidth
+def _calibrate_copy(repeats: int, device: torch.device) -> tuple[tuple[float, float], tuple[float, float]]:
+    """(seconds a run, bytes a second) of the staged strategies' gather and of their
+    scatter on ``device`` (the block-map engine on the host, the run executor on a GPU,
+    each call until its bytes are there): ``_COPY_CALIBRATION_BYTES`` in runs of each size
+    of ``_COPY_RUNS`` (between a buffer where they lie a run's bytes apart and one where
+    they lie back to back), and one run of the smaller size alone, in ``repeats`` rounds
+    (a burst of load spoils one of each, not every one of one), the fastest of each. The
+    two sizes move the same bytes, so their difference is the runs' own cost; the one-run
+    copy's time is the call's own (checks, dispatch), taken out of the bandwidth. The
+    runs are checked once, as a plan's are, and copied unchecked."""
+    total, (small, mid) = _COPY_CALIBRATION_BYTES, _COPY_RUNS
+    scratch = torch.zeros(3 * total, dtype=torch.uint8, device=device)  # zeros: its pages are touched
+    packed_at, apart_at = scratch.data_ptr(), scratch.data_ptr() + total
+    packed, apart = np.array([[packed_at, total]], _U64), np.array([[apart_at, 2 * total]], _U64)
+    spans = {"gather": (apart, packed), "scatter": (packed, apart)}
+    copies: dict[tuple[str, int], np.ndarray] = {}
+    for way, (src_span, dst_span) in spans.items():
+        for size in _COPY_RUNS:
+            n = total // size
+            gaps = apart_at + np.arange(n, dtype=_U64) * np.uint64(2 * size)  # gaps: nothing merges
+            dense = packed_at + np.arange(n, dtype=_U64) * np.uint64(size)
+            src, dst = (gaps, dense) if way == "gather" else (dense, gaps)
+            copies[way, size] = np.stack([src, dst, np.full(n, size, _U64)], axis=1)
+            _check_copies(copies[way, size], src_span, dst_span)
+        copies[way, 0] = copies[way, small][:1]  # the call alone
+    t = dict.fromkeys(copies, math.inf)
+    for _ in range(repeats):
+        for (way, size), runs in copies.items():
+            took = _timed(lambda runs=runs, way=way: _copy(runs, *spans[way], 1, False, device))
+            t[way, size] = min(t[way, size], took)
+    figures = []
+    for way in spans:
+        n_small, n_mid = total // small, total // mid
+        per_run = max((t[way, small] - t[way, mid]) / (n_small - n_mid), 1e-9)
+        moving = t[way, mid] - t[way, 0] - (n_mid - 1) * per_run  # the mid runs' bytes past the one run's
+        figures.append((per_run, (total - small) / max(moving, 1e-9)))
+    return figures[0], figures[1]
 
 
 def _timed(fn: Any) -> float:

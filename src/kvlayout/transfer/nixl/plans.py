@@ -35,8 +35,10 @@ from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op,
 @dataclass(frozen=True)
 class CostModel:
     """Predicted seconds of a request: ``per_transfer_s + descriptors * per_descriptor_s +
-    bytes / bandwidth``, plus, staged, the local copy ``runs * copy_per_run_s + bytes /
-    copy_bandwidth``.
+    bytes / bandwidth``, plus, staged, the local copy: a gather (a staged WRITE's, the
+    peer's before a peer-staged READ) ``runs * copy_per_run_s + bytes / copy_bandwidth``,
+    a scatter (a staged READ's, the peer's after a peer-staged WRITE) ``runs *
+    scatter_per_run_s + bytes / scatter_bandwidth`` (:meth:`copy_s`).
 
     A descriptor's cost depends on its size where the transport changes protocol with
     it: over UCX's TCP on loopback a WRITE's descriptor cost 4-6 us up to 32 KiB and
@@ -49,9 +51,13 @@ class CostModel:
 
     The defaults are this project's measurement of NIXL over UCX's TCP transport on
     loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
-    of 256 B (about 18 us a descriptor); the copy figures are :func:`copy_byte_runs` (the
-    block-map engine) there, one thread: 6 GB/s, and 0.03 us a run (an NHD into HND
-    request, 520,000 runs of 256 B, copies 128 MiB in 30-37 ms). :func:`calibrate`
+    of 256 B (about 18 us a descriptor). The copy's are the block-map engine's
+    (:func:`copy_byte_runs`) there, one thread: a gather at 6 GB/s and 0.03 us a run (an
+    NHD into HND request, 520,000 runs of 256 B, gathered 128 MiB in 30-37 ms); a
+    scatter at 4 GB/s and 0.2 us a run (2026-12-07, under other load: scattering a TP 2 ->
+    1 HND request's 4,096 runs of 16 KiB took 14.5-16.3 ms, 4.1-4.6 GB/s; NHD -> HND's
+    524,224 runs of 256 B 161-168 ms, 0.24-0.26 us a run beyond the bytes at 4 GB/s, where
+    an earlier, quieter session measured 48-68 ms, 0.03-0.07 us). :func:`calibrate`
     measures the live pair.
     """
 
@@ -62,12 +68,14 @@ class CostModel:
     copy_bandwidth: float = 6e9  # bytes/s
     source: str = "defaults"
     per_descriptor_by_size: tuple[tuple[int, float], ...] = ()
+    scatter_per_run_s: float = 0.2e-6
+    scatter_bandwidth: float = 4e9  # bytes/s
 
     def __post_init__(self) -> None:
         # A zero or NaN here would surface as a ZeroDivisionError or a NaN prediction later.
-        for name in ("per_descriptor_s", "per_transfer_s", "copy_per_run_s"):
+        for name in ("per_descriptor_s", "per_transfer_s", "copy_per_run_s", "scatter_per_run_s"):
             _finite(f"CostModel.{name}", getattr(self, name), "a non-negative number of seconds", 0.0)
-        for name in ("bandwidth", "copy_bandwidth"):
+        for name in ("bandwidth", "copy_bandwidth", "scatter_bandwidth"):
             _finite(f"CostModel.{name}", getattr(self, name), "a positive number of bytes a second", None)
         points = self.per_descriptor_by_size
         if not isinstance(points, (tuple, list)):
@@ -109,11 +117,23 @@ class CostModel:
         each = self.descriptor_s(nbytes / descriptors) if descriptors else 0.0
         return self.per_transfer_s + descriptors * each + nbytes / self.bandwidth
 
-    def staged_s(self, descriptors: int, runs: int, nbytes: int, stages: int = 1) -> float:
+    def copy_s(self, runs: int, nbytes: int, *, scatters: bool = False) -> float:
+        """Seconds of the local copy of ``runs`` runs, ``nbytes`` bytes: a gather (reads
+        the runs where they lie, writes staging in order), or with ``scatters`` a scatter
+        (reads staging in order, writes the runs where they lie), which writes where the
+        runs jump and was measured slower (``scatter_per_run_s``, ``scatter_bandwidth``)."""
+        if scatters:
+            return runs * self.scatter_per_run_s + nbytes / self.scatter_bandwidth
+        return runs * self.copy_per_run_s + nbytes / self.copy_bandwidth
+
+    def staged_s(
+        self, descriptors: int, runs: int, nbytes: int, stages: int = 1, *, scatters: bool = False
+    ) -> float:
         """In ``stages`` the local copy of one stage overlaps the wire time of another:
         the slower of the two, plus one stage of the faster (the first gather before a
-        WRITE posts, the last scatter after a READ lands)."""
-        copy = runs * self.copy_per_run_s + nbytes / self.copy_bandwidth
+        WRITE posts, the last scatter after a READ lands). ``scatters``: the copy is a
+        scatter (:meth:`copy_s`): a staged READ's, a peer-staged WRITE's (the peer's)."""
+        copy = self.copy_s(runs, nbytes, scatters=scatters)
         wire = self.direct_s(descriptors, nbytes)
         return max(wire, copy) + min(wire, copy) / stages
 
@@ -509,7 +529,9 @@ def _staged(
     else:  # a candidate is priced by its descriptor count, laid out only if chosen
         descriptors = _stretch_count(s.block_map, s.runs, s.remote_col, s.remote)
         num_stages = min(descriptors, priced)  # at most what _stages gives: never more than the stretches
-    predicted["staged"] = model.staged_s(descriptors, num_runs, num_bytes, num_stages)
+    predicted["staged"] = model.staged_s(
+        descriptors, num_runs, num_bytes, num_stages, scatters=_scatters("staged", s.op)
+    )
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
     def build() -> Plan:
@@ -550,7 +572,9 @@ def _peer_staged(
     # only if it is chosen). The copy is the peer's: its gather before a READ, its scatter
     # after a WRITE.
     count = _stretch_count(s.block_map, s.runs, s.local_col, s.local)
-    predicted["peer-staged"] = model.staged_s(count, num_runs, num_bytes, max(1, min(priced, count)))
+    predicted["peer-staged"] = model.staged_s(
+        count, num_runs, num_bytes, max(1, min(priced, count)), scatters=_scatters("peer-staged", s.op)
+    )
 
     def build() -> Plan:
         st = _stretches(s.runs, s.local_col, s.local, peer_staging.address)
@@ -598,11 +622,12 @@ def estimate(
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
     op: Op = "WRITE" if poster == "src" else "READ"
     staged = _stretch_count(block_map, runs, col, remote)
-    descriptors["staged"], predicted["staged"] = staged, model.staged_s(staged, num_runs, num_bytes)
+    descriptors["staged"] = staged
+    predicted["staged"] = model.staged_s(staged, num_runs, num_bytes, scatters=_scatters("staged", op))
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
     own = _stretch_count(block_map, runs, own_col, own_side)  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = own
-    predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes)
+    predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes, scatters=_scatters("peer-staged", op))
     choice = min(predicted, key=lambda k: predicted[k])
     stages = {k: max(1, min(_default_stages(k, op, num_bytes), n)) for k, n in descriptors.items()}
     return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice), stages)
