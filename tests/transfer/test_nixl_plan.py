@@ -886,6 +886,17 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
     assert len(packed) == 6 and len(set(packed)) == 1  # both ways, through the same packed buffer
 
 
+def test_calibration_prices_a_descriptor_by_the_rounds_ratio_not_the_fastest_of_each() -> None:
+    """A burst of load that stretched both transfers of one round, and one that sped the
+    single descriptor of another, price a descriptor at what the rounds agree on: 11
+    descriptors took 1.2x one descriptor of their bytes in two rounds of three, so each
+    adds 0.2 x 8 ms (the fastest single descriptor) / 10 = 0.16 ms, where the fastest of
+    each priced it at (12 - 8) / 10 = 0.4 ms."""
+    cut, whole = [12e-3, 30e-3, 12.6e-3], [10e-3, 25e-3, 8e-3]
+    assert calibration._added_per_descriptor(cut, whole, 11) == pytest.approx(0.2 * 8e-3 / 10)
+    assert calibration._added_per_descriptor([9e-3], [10e-3], 11) == 0.0  # faster cut: nothing added
+
+
 @pytest.mark.parametrize("op", ["WRITE", "READ"])
 def test_the_model_prices_a_scatter_as_a_scatter_and_picks_direct_where_the_copy_costs_more(op: str) -> None:
     """A staged READ scatters, a staged WRITE gathers (and a peer-staged strategy the

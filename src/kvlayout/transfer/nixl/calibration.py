@@ -124,10 +124,11 @@ def calibrate(
     described tensor: one small descriptor, ``count`` small ones and one of ``nbytes``,
     the fastest of ``repeats`` each; then ``nbytes`` cut into descriptors of each size in
     :data:`_DESCRIPTOR_SIZES` (8 of them at least) against one descriptor of as many
-    bytes, which prices a descriptor at each size (``per_descriptor_by_size``); each
-    measurement once a round, in ``repeats`` rounds; then the local copy there, a
-    gather's figures and a scatter's (:func:`_calibrate_copy`: runs of 1 KiB and 16 KiB
-    spread past a host's last-level cache, whatever ``small`` and ``count`` are).
+    bytes, which prices a descriptor at each size (``per_descriptor_by_size``, from the
+    rounds' ratios: :func:`_added_per_descriptor`); each measurement once a round, in
+    ``repeats`` rounds; then the local copy there, a gather's figures and a scatter's
+    (:func:`_calibrate_copy`: runs of 1 KiB and 16 KiB spread past a host's last-level
+    cache, whatever ``small`` and ``count`` are).
     ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
@@ -197,7 +198,8 @@ def calibrate(
     per_descriptor = max((t["many"] - t["one"]) / (count - 1), 1e-9)
     bandwidth = nbytes / max(t["big"] - t["one"], 1e-9)
     by_size = [(small, per_descriptor)] + [
-        (size, max((t["cut", size] - t["whole", size]) / (n - 1), 0.0)) for size, n in sizes.items()
+        (size, _added_per_descriptor(rounds["cut", size], rounds["whole", size], n))
+        for size, n in sizes.items()
     ]
     # what the peer's memory cut short (not what nbytes did), said where the model is from
     unmeasured = [size for size in _DESCRIPTOR_SIZES if size > small and span // (2 * size) < 8]
@@ -221,6 +223,21 @@ def calibrate(
         scatter_per_run_s=scatter[0],
         scatter_bandwidth=scatter[1],
     )
+
+
+def _added_per_descriptor(cut: list[float], whole: list[float], n: int) -> float:
+    """Seconds each of ``n`` descriptors adds over one descriptor of their bytes, from
+    rounds of both measured back to back: the median of the rounds' ratios, times the
+    fastest single descriptor. The load of a busy host stretches both of a round alike,
+    so their ratio holds better than their difference: on this project's 2-core loopback
+    under other load (2026-12-07), the difference of the fastest of each priced a 32 KiB
+    READ descriptor at 0-50 us from one call to the next (over 20 us in 3 of 5), the ratio
+    at 3.4-12.2 us in 5 calls alternating with those (64 KiB and up, 8-256 descriptors of
+    16 MiB, stayed as scattered either way: 0-250 us)."""
+    ratios = sorted(a / b for a, b in zip(cut, whole, strict=True))
+    mid = len(ratios) // 2
+    ratio = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return max(ratio - 1.0, 0.0) * min(whole) / (n - 1)
 
 
 # Descriptor sizes a descriptor's cost is measured at beyond ``small`` (calibrate): a
