@@ -544,6 +544,20 @@ def test_plan_refuses_a_dcp_size_that_does_not_divide_the_tp_degree(
     )
 
 
+@pytest.mark.parametrize("dcp", [[], ["--src-dcp", "1"]])
+def test_plan_refuses_a_cp_interleave_without_dcp(capsys: pytest.CaptureFixture[str], dcp: list[str]) -> None:
+    """vLLM ignores cp_kv_cache_interleave_size without DCP; on the command line an interleave
+    without its DCP size is a forgotten flag, so plan names both instead of planning without it."""
+    code, out, err = run(capsys, "plan", *PLAN_MLA, *dcp, "--src-cp-interleave", "8", "--tokens", "8")
+    assert code == 2 and out == ""
+    assert err == (
+        "kvlayout: --src-cp-interleave 8 without --src-dcp (or at --src-dcp 1): the interleave spreads tokens "
+        "over DCP ranks; give --src-dcp SIZE, or leave --src-cp-interleave out\n"
+    )
+    code, _, _ = run(capsys, "plan", *PLAN_MLA, "--dst-cp-interleave", "1", "--tokens", "8")
+    assert code == 0  # an interleave of 1 is vLLM's default: nothing forgotten
+
+
 def test_plan_refuses_a_request_larger_than_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "40")
     assert code == 2

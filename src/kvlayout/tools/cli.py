@@ -289,7 +289,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "holds CP rank r %% SIZE's tokens; default 1, none)")  # fmt: skip
         p.add_argument(f"--{where}-cp-interleave", type=int, default=1,
                        help=f"the {where} side's cp_kv_cache_interleave_size: tokens a CP rank holds "
-                            "at a time (default 1)")  # fmt: skip
+                            f"at a time (default 1; above 1 it needs --{where}-dcp)")  # fmt: skip
     p.add_argument(
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )

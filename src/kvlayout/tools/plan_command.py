@@ -90,6 +90,12 @@ def _plan_bounds(args: argparse.Namespace) -> None:
             raise KVLayoutError(
                 f"--{where}-cp-interleave {interleave}: a CP rank holds 1 or more tokens at a time"
             )
+        if interleave > 1 and dcp == 1:  # vLLM ignores it without DCP; here it hides a forgotten flag
+            raise KVLayoutError(
+                f"--{where}-cp-interleave {interleave} without --{where}-dcp (or at --{where}-dcp 1): "
+                f"the interleave spreads tokens over DCP ranks; give --{where}-dcp SIZE, or leave "
+                f"--{where}-cp-interleave out"
+            )
     if args.src_tp * args.dst_tp > MAX_RANK_PAIRS:
         raise KVLayoutError(
             f"--src-tp {args.src_tp} and --dst-tp {args.dst_tp} make {args.src_tp * args.dst_tp} rank pairs, "
