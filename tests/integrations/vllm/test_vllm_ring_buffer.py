@@ -6,6 +6,7 @@ and a partly filled ring moved only its first rows."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import pytest
@@ -16,9 +17,10 @@ from kvlayout.integrations.vllm import (
     RingBufferPagesEdit,
     apply_kv_cache_group_edits,
     find_kv_cache_group_edit,
+    find_kv_cache_groups_out_of_prefix_reuse,
 )
 from kvlayout.integrations.vllm import transfer_layers as vllm_transfer_layers
-from kvlayout.testing.vllm import Backend, allocate_v033, fill_random, uniform_engine
+from kvlayout.testing.vllm import Backend, allocate_v033, fill_random, make_engine, uniform_engine
 from kvlayout.transfer import BlockMapError, block_map
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
@@ -136,3 +138,44 @@ def test_a_ring_in_heads_outside_blocks_moves_whole() -> None:
     block_map(src.kernel_groups[0], dst.kernel_groups[0], [2], [1]).copy()
     for name, view in dst_kv.items():
         assert same(view[1], src_kv[name][2])
+
+
+def test_a_prefix_reusing_tier_leaves_the_ring_out_as_vllm_does(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM keeps the ring out of prefix caching (``CircularBufferSpec.prefix_cacheable``
+    False): its hash-addressed stores take only ``KVCacheConfig.prefix_cacheable_group_ids``
+    (what the OffloadingConnector's ``get_offloading_group_ids`` returns). An offload tier
+    (``prefix_reuse=True``) stored the ring by the prefix's block ids, though it holds the
+    request's latest positions; now its group is left out, saying why, as vLLM leaves it.
+    A P/D connector (``prefix_reuse=False``) still moves it."""
+    hints = {"kv_layout": "NHD"}
+    attention = kvi.FullAttentionSpec(
+        block_size=CAPACITY, num_kv_heads=1, head_size=HEAD_DIM, dtype=torch.float32
+    )
+    attn = [f"model.layers.{i}.self_attn.attn" for i in range(NL)]
+    rings = [LAYER.format(i) for i in range(NL)]
+    specs = {**dict.fromkeys(attn, attention), **dict.fromkeys(rings, ring_spec())}
+    engine = make_engine(specs, [attn, rings], lambda spec: spec.block_size, num_blocks=NB)
+    _, kv = allocate_v033(engine)
+    kept = engine.config.prefix_cacheable_group_ids  # vLLM's own answer
+    assert kept == (0,)
+    left_out = find_kv_cache_groups_out_of_prefix_reuse(engine.config)
+    assert [p.group for p in left_out] == [g for g in range(2) if g not in kept]
+    with caplog.at_level(logging.INFO, logger="kvlayout.integrations.vllm.edits"):
+        edited = apply_kv_cache_group_edits(engine.config, kv, hints)
+    assert sorted(edited) == attn and all(edited[n] is kv[n] for n in attn)
+    assert (
+        "KV cache group left out: group 1: CircularBufferSpec is not prefix-cacheable (vLLM stores only "
+        "prefix_cacheable_group_ids by prefix hash): left out of a prefix-reusing tier; a P/D connector "
+        f"passes prefix_reuse=False to move it (layers: {rings[0]}, {rings[1]})"
+    ) in caplog.messages
+    layers, groups = vllm_transfer_layers(engine.config, edited)
+    assert groups == [[0, 1], []] and all(t is kv[n] for t, n in zip(layers, attn, strict=True))
+    tier = kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+    assert [g.engine_group for g in tier.kernel_groups] == [0]
+    # P/D: the ring moves, whole pages
+    edited = apply_kv_cache_group_edits(engine.config, kv, hints, prefix_reuse=False)
+    layers, groups = vllm_transfer_layers(engine.config, edited)
+    assert groups == [[0, 1], [2, 3]]
+    pd = kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+    ring = next(g for g in pd.kernel_groups if g.engine_group == 1)
+    assert ring.opaque_pages is not None and ring.opaque_pages.layout.startswith("ring-buffer-pages")

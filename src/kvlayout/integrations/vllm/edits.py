@@ -42,7 +42,10 @@ from kvlayout.integrations.vllm.specs import (
     slots_per_block,
     tokens_per_slot,
 )
-from kvlayout.integrations.vllm.validation import validate_kv_cache_groups
+from kvlayout.integrations.vllm.validation import (
+    find_kv_cache_groups_out_of_prefix_reuse,
+    validate_kv_cache_groups,
+)
 from kvlayout.registration.opaque import is_marked, mark_opaque_pages
 from kvlayout.types import HintsLike
 
@@ -127,7 +130,10 @@ def apply_kv_cache_group_edits(
     through the rules, not only hybrids: vLLM pages any attention group finer than its
     block when the backend needs it (FlashInfer's 16/32/64 under ``--block-size 128``).
     Layers no rule matches come back as the same objects; each edited layer becomes a
-    view over its own storage, never a copy.
+    view over its own storage, never a copy. Under ``prefix_reuse`` the layers of a group
+    vLLM keeps out of prefix caching (:func:`find_kv_cache_groups_out_of_prefix_reuse`: a
+    ``CircularBufferSpec`` ring) are left out of the result, logged with why, so
+    :func:`transfer_layers` gives their group no layers, as vLLM's offloading stores none.
 
     ``layout_hints`` are the hints detection will get. The opaque views read the same
     under any of them, but the whole-block views (in the engine's own format: NHD
@@ -143,6 +149,11 @@ def apply_kv_cache_group_edits(
     edited = dict(kv_caches)
     if kv_cache_config is None:
         return edited
+    if prefix_reuse:  # as vLLM's hash-addressed stores: only its prefix-cacheable groups
+        for problem in find_kv_cache_groups_out_of_prefix_reuse(kv_cache_config):
+            for name in problem.layers:
+                edited.pop(name, None)
+            logger.info("KV cache group left out: %s", problem)
     applied: Counter[KVCacheGroupEdit] = Counter()
     for group_idx, group in iter_groups(kv_cache_config):
         for layer_name, spec in iter_group_layer_specs(group):

@@ -12,6 +12,11 @@ blocks once, so it serves Mamba in any mode):
 
 Declared slot compression is not rejected: those groups are served in their declared
 slots (the group edits only group their kernel pages, as for any group).
+
+A group vLLM keeps out of prefix caching (its spec's ``prefix_cacheable`` False, vLLM 0.33:
+``CircularBufferSpec``, DeepSeek-V4.1's compressor ring) is not refused but left out of an
+offload tier, as vLLM's own hash-addressed stores leave it out
+(:func:`find_kv_cache_groups_out_of_prefix_reuse`); a P/D connector moves it.
 """
 
 from __future__ import annotations
@@ -28,7 +33,11 @@ from kvlayout.integrations.vllm.specs import (
     spec_size,
 )
 
-__all__ = ["find_unsupported_kv_cache_groups", "validate_kv_cache_groups"]
+__all__ = [
+    "find_kv_cache_groups_out_of_prefix_reuse",
+    "find_unsupported_kv_cache_groups",
+    "validate_kv_cache_groups",
+]
 
 SUPPORTED_MAMBA_CACHE_MODE = "align"
 
@@ -88,3 +97,33 @@ def validate_kv_cache_groups(kv_cache_config: Any, *, prefix_reuse: bool = True)
     problems = find_unsupported_kv_cache_groups(kv_cache_config, prefix_reuse=prefix_reuse)
     if problems:
         raise UnsupportedKVCacheGroupsError(problems)
+
+
+def find_kv_cache_groups_out_of_prefix_reuse(kv_cache_config: Any) -> list[GroupProblem]:
+    """Every group vLLM keeps out of prefix caching, with why and its layers: a spec
+    whose ``prefix_cacheable`` is False (vLLM 0.33: ``CircularBufferSpec``, one ring a
+    request holding its latest positions, not a prefix's; ``UniformTypeKVCacheSpecs``
+    when any of its specs is so). vLLM's hash-addressed stores keep only the others
+    (``KVCacheConfig.prefix_cacheable_group_ids``, which the OffloadingConnector offloads
+    and the Mooncake store stores), so an offload tier (``prefix_reuse=True``) leaves these
+    out: :func:`~kvlayout.integrations.vllm.apply_kv_cache_group_edits` drops their layers
+    and logs them. A release without the property has none."""
+    if kv_cache_config is None:
+        return []
+    left_out: list[GroupProblem] = []
+    for group_idx, group in iter_groups(kv_cache_config):
+        spec = getattr(group, "kv_cache_spec", None)
+        if spec is None or spec_field(spec, "prefix_cacheable", True) is not False:
+            continue
+        kinds = sorted({type(leaf).__name__ for _, leaf in iter_group_layer_specs(group)})
+        layers = tuple(name for name, _ in iter_group_layer_specs(group) if name is not None)
+        left_out.append(
+            GroupProblem(
+                group_idx,
+                f"{'/'.join(kinds)} is not prefix-cacheable (vLLM stores only prefix_cacheable_group_ids "
+                "by prefix hash): left out of a prefix-reusing tier; a P/D connector passes "
+                "prefix_reuse=False to move it",
+                layers,
+            )
+        )
+    return left_out
