@@ -460,6 +460,8 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
                 f": a block of {'state' if pages.arrays else 'opaque'} pages ({pages.layout}) is {what}, not "
                 "tokens: map it by its block ids alone, without num_tokens"
             )
+        elif pages is not None and not pages.rows_are_tokens and pages.advice and told != _TOLD_BY_BLOCKS:
+            tokens_given = _advice(pages)  # what its reading says of mapping its pages (a ring's)
         if own != needed:
             tokens_given = (
                 f" (or {own}, the blocks of {side.block_size * per} its CP rank's own {held(cp, tokens)} "

@@ -179,3 +179,25 @@ def test_a_prefix_reusing_tier_leaves_the_ring_out_as_vllm_does(caplog: pytest.L
     pd = kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
     ring = next(g for g in pd.kernel_groups if g.engine_group == 1)
     assert ring.opaque_pages is not None and ring.opaque_pages.layout.startswith("ring-buffer-pages")
+
+
+def test_a_ring_mapped_by_its_tokens_is_told_to_map_it_by_its_block_ids() -> None:
+    """A connector passes a request's num_tokens to every map it joins: 13 tokens are two
+    rings' worth of rows, but a request owns one ring, whatever its tokens. The refusal
+    gave only the block count; it now says to map a ring by its block ids."""
+    hints = {"kv_layout": "NHD"}
+    _, src = registered(ring_spec(), 1, hints)
+    _, dst = registered(ring_spec(), 2, hints)
+    with pytest.raises(BlockMapError) as info:
+        block_map(src.kernel_groups[0], dst.kernel_groups[0], [3], [0], num_tokens=13)
+    assert str(info.value) == (
+        "src_blocks has 1 block ids; the request's 16 tokens (num_tokens=13 rounded up to whole opaque "
+        f"pages) fill 2 blocks of {CAPACITY}. A ring (vLLM's CircularBufferSpec) is one block a request, "
+        f"position p in row p % {CAPACITY}, whatever tokens the request holds: map a ring by its block ids, "
+        "without num_tokens, and only to a ring alike"
+    )
+    # by its block ids alone it maps, into a peer's description too
+    assert (
+        block_map(src.kernel_groups[0], dst.describe().group(0), [3], [0]).num_bytes
+        == NL * CAPACITY * 2 * HEAD_DIM * 4
+    )

@@ -8,6 +8,7 @@ the spec and the tensors already say all of that.
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -399,6 +400,15 @@ class RingBufferPagesEdit(KVCacheGroupEdit):
 
     def apply(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> torch.Tensor:
         return _whole_pages(spec, value)
+
+    def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
+        rows = int(value.shape[2])
+        advice = (
+            f"a ring (vLLM's CircularBufferSpec) is one block a request, position p in row p % {rows}, "
+            "whatever tokens the request holds: map a ring by its block ids, without num_tokens, and "
+            "only to a ring alike"
+        )
+        return dataclasses.replace(page_layout(self.name, spec, value, None), advice=advice)
 
 
 class CPUAttentionPagesEdit(KVCacheGroupEdit):
