@@ -14,7 +14,7 @@ import torch
 import kvlayout
 from kvlayout import DetectionError, LayoutHintError
 from kvlayout import EngineKVFormat as F
-from kvlayout.transfer import block_map
+from kvlayout.transfer import BlockMapError, block_map
 
 BS, NB, NL = 4, 5, 2
 
@@ -290,3 +290,20 @@ def test_nvfp4_block_scale_pool_under_the_models_head_dim_is_named_not_read_as_f
     # an FP8 KV pool a TP rank's heads short is still told which head count fits
     with pytest.raises(LayoutHintError, match="and 16 fits"):
         kvlayout.detect(scales.view(NB, NL, 2, -1).repeat(1, 1, 1, 8), "trtllm", hints)
+
+
+def test_nvfp4_block_scale_pool_maps_only_to_scales_of_the_same_model() -> None:
+    """A block-scale pool reads as an FP8 KV pool of head_dim HD / 16 (nothing in it says
+    scales): paired with the same model's int8 data pool the dtypes differ, and with an
+    FP8 KV pool of the model's head_dim the rows do, so either is refused, naming why."""
+    hints = {"num_kv_heads": FP4_NH, "tokens_per_block": BS}
+    data, scales = _nvfp4_pools(BS, NB, 5)
+    s = kvlayout.detect(scales, "trtllm", {**hints, "head_dim": FP4_HD // 16})
+    d = kvlayout.detect(data, "trtllm", {**hints, "head_dim": FP4_HD // 2})
+    fp8 = torch.zeros(NB, NL, 2, FP4_NH * BS * FP4_HD, dtype=torch.float8_e4m3fn)
+    k = kvlayout.detect(fp8, "trtllm", {**hints, "head_dim": FP4_HD})
+    with pytest.raises(BlockMapError, match=r"^src is float8_e4m3fn and dst is int8: a map copies bytes"):
+        block_map(s, d, [1], [2])
+    with pytest.raises(BlockMapError, match=r"^src rows are 2 bytes a head and dst rows 32 "):
+        block_map(s, k, [1], [2])
+    assert block_map(s, s, [1], [2]).num_bytes == NL * 2 * FP4_NH * BS * FP4_HD // 16

@@ -21,6 +21,8 @@ one int32 of four ue8m0 exponents) as ``[NB, NL, BSxVALS4, BSxSCALES4]``. NVFP4 
 two pools of the primary pool's shape (``createBlockScalePools``), each read on its own by
 its bytes per head and token: the int8 data with ``head_dim`` half the model's (two e2m1
 values a byte), the e4m3 block scales with a sixteenth of it (a scale per 16 values).
+Nothing in a scale pool says it holds scales: it reads as an FP8 KV pool of that
+``head_dim``, so only the dtypes or row widths keep it from pairing with a KV pool.
 """
 
 from __future__ import annotations
