@@ -15,7 +15,10 @@ and inside one block of each. The request is re-paged into pages of one granule:
 blocks, merging runs wherever both sides continue them. Where every destination token from
 the first moved on is moved (a side without CP, or a coarser split, into a CP rank), the
 destination keeps its whole blocks and only the source is cut into granules: the walk then
-stays in the destination's memory order where heads lie outside slots (HND). The common
+stays in the destination's memory order where heads lie outside slots (HND). Where the
+destination holds more of the request (a CP rank into a side without CP, or into a coarser
+split), its blocks are cut into the granules, several a block, and the builder walks each
+block's heads outside its pages: in memory order too, no sort. The common
 granules are enumerated from the side that holds the fewer, so a map costs what a rank
 holds, not the request (a block id of a CP side is ``cp_size`` blocks of the request).
 Two sides that hold the same tokens at the same places (the same CP rank of the same
@@ -123,8 +126,10 @@ def repage(
         # Every destination token from the first moved on is moved (a side without CP, or
         # a coarser split, into a CP rank): the destination's pages are its whole blocks,
         # which keeps the builder's walk in the destination's memory order where heads
-        # lie outside slots (HND; granules inside its blocks walk them head by head out of
-        # order, and the runs are sorted: 28 ms where this is 0.1). The re-paged request
+        # lie outside slots (HND; granules inside its blocks were walked a granule at a
+        # time, out of order, and the runs sorted: 28 ms where this is 0.1; the builder now
+        # walks a block's granules head by head, in order, but a block a page is still the
+        # fewer pages). The re-paged request
         # starts at the first such block; the source pages before the first granule are
         # padding (its first page, never read: first_token is past them).
         base = int(kb[0]) // b_block_size * b_block_size
