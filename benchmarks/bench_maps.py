@@ -5,7 +5,8 @@ its block ids scattered over a pool twice its size or consecutive, between two C
 caches for each scenario below (SGL->HiCache: SGLang's device pool into its HiCache host
 pool, layer_first, page_first or page_first_direct, 64-token pages); an MLA model (61
 layers, a 576-wide latent) for MLA, also into a decode rank that holds DCP rank 2 of 4's
-tokens (vLLM's decode context parallelism), a token or a block at a time, and
+tokens (vLLM's decode context parallelism), a token or a block at a time; the Llama
+model's DCP rank 1 of 4 (a token at a time) into an HND cache without CP and back; and
 Qwen3-Next's Gated DeltaNet state (one page per layer and request) for the last three:
 vLLM's pages, then SGLang's Mamba pool, its conv state and its SSM state.
 Each row prints the map's runs (and the groups it holds them in), bytes and mean run,
@@ -247,6 +248,10 @@ SCENARIOS: list[tuple[str, Callable[[], tuple[Cache, Cache]]]] = [
     # (vLLM's default interleave) or a block at a time
     ("MLA -> DCP 4", lambda: (mla(), mla(Shard(2, 4, 1, cp_rank=2, cp_size=4)))),
     ("MLA -> DCP 4 blk", lambda: (mla(), mla(Shard(2, 4, 1, cp_rank=2, cp_size=4, cp_interleave=64)))),
+    # a Llama DCP rank's tokens into an HND cache without CP (its granules several to a
+    # destination block) and back
+    ("DCP 4 -> HND", lambda: (vllm(False, 16, shard=Shard(0, 1, NH, cp_rank=1, cp_size=4)), vllm(True, 16))),
+    ("HND -> DCP 4", lambda: (vllm(True, 16), vllm(True, 16, shard=Shard(0, 1, NH, cp_rank=1, cp_size=4)))),
     ("GDN TP 1->2", lambda: (gdn_state(1, 0), gdn_state(2, 1))),
     ("SGL conv TP 1->2", lambda: (sglang_state(1, 0, "conv0"), sglang_state(2, 1, "conv0"))),
     ("SGL ssm TP 1->2", lambda: (sglang_state(1, 0, "temporal"), sglang_state(2, 1, "temporal"))),
