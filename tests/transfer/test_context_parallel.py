@@ -341,6 +341,52 @@ def test_a_prefill_into_a_cp_rank_walks_the_rank_s_blocks_in_memory_order(
     assert in_order and runs == m.num_runs
 
 
+HEADS_OUTSIDE_SLOTS = [f for f in MHA if f.name.index("NH") < f.name.index("BS")]  # HND and its kin
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_a_cp_rank_into_heads_outside_slots_moves_its_tokens_in_memory_order(data: st.DataObject) -> None:
+    """A DCP rank (any MHA source) into a cache whose heads lie outside its slots, without CP
+    or at another split: the rank's granules are pages inside the destination's blocks,
+    often several a block. The map is held to vLLM's slot mapping (``check_map``), and
+    where the destination's nest is slab, block, head, slot, its build comes out in
+    destination order (no sort: each block's heads walked outside its pages)."""
+    fmt_src, fmt_dst = data.draw(st.sampled_from(MHA)), data.draw(st.sampled_from(HEADS_OUTSIDE_SLOTS))
+    heads = data.draw(st.sampled_from([2, 3, 4]))  # a head level in the nest: two heads in common at least
+    dst_tp = Shard(0, 1, heads)
+    bs_src, bs_dst = data.draw(st.sampled_from([2, 4, 8, 16])), data.draw(st.sampled_from([4, 8, 16]))
+    # a round of the ranks (interleave * size tokens) shorter than a destination block, mostly
+    size = data.draw(st.sampled_from([2, 4]))
+    interleave = data.draw(st.sampled_from([i for i in (1, 2, 4) if bs_src % i == 0]))
+    src_shard = Shard(0, 1, heads, data.draw(st.integers(0, size - 1)), size, interleave)
+    # mostly no CP, else any split (cp_shards: 1 rank half the time)
+    dst_shard = data.draw(st.one_of(st.just(dst_tp), st.just(dst_tp), cp_shards(dst_tp, bs_dst)))
+    r = data.draw(cp_requests(src_shard, bs_src, dst_shard, bs_dst))
+    common: dict[str, Any] = dict(
+        layers=data.draw(st.integers(1, 2)), row=2, planes=1, kv=2, dtype=torch.uint8
+    )
+    src = make_side(fmt_src, blocks=r["nb_src"], bs=bs_src, heads=len(src_shard.heads), pad=data.draw(st.integers(0, 1)),
+                    shard=src_shard, seed=11, **common)  # fmt: skip
+    dst = make_side(fmt_dst, blocks=r["nb_dst"], bs=bs_dst, heads=len(dst_shard.heads), pad=data.draw(st.integers(0, 1)),
+                    shard=dst_shard, seed=12, **common)  # fmt: skip
+    check_map(src, dst, r["src_ids"], r["dst_ids"], r["tokens"], 1, r["first"])
+    m = block_map(
+        src.kv, dst.kv, r["src_ids"], r["dst_ids"], num_tokens=r["tokens"], first_token=r["first"],
+        src_shard=src_shard, dst_shard=dst_shard, src_block_size=bs_src, dst_block_size=bs_dst,
+    )  # fmt: skip
+    pair = m._pair
+    if pair.order != (0, 1, 3, 2):  # slab, block, head, slot
+        return
+    (a, b), (sa, sb), (lo, hi) = m._ids, m._page_sizes, m._slots
+    _, runs, in_order = _native.build_groups(
+        pair.slabs, pair.group_starts, pair.order, len(pair.heads), hi, a, sa, b, sb,
+        pair.src_classes, pair.dst_classes, first_token=lo, src_page_slots=m._page_slots[0],
+        dst_page_slots=m._page_slots[1],
+    )  # fmt: skip
+    assert in_order and runs == m.num_runs
+
+
 @pytest.mark.parametrize("fmt_src", [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS])
 @pytest.mark.parametrize(
     ("src_cp", "dst_cp", "bs_dst", "first"),
