@@ -232,6 +232,32 @@ def test_peer_staged_moves_the_local_stretches_and_the_peer_copies() -> None:
     assert nx.plan(read, staging=staging_at(buf), peer_staging=there).strategy == "peer-staged"
 
 
+def test_a_peer_staging_buffer_on_the_tensors_the_peer_described_is_refused() -> None:
+    """A peer's staging buffer is an allocation of its own: one it names on its cache (a
+    peer that lies, or a handshake's fields mixed up) would take a peer-staged WRITE onto
+    its KV, or a READ its KV for staged bytes. Refused by name, whichever strategy was
+    asked for; one that merely touches a tensor's end is the peer's, and goes."""
+    n, length = 64, 256
+    local, remote = [np.zeros(n * length, np.uint8)], [np.zeros(2 * n * length, np.uint8)]
+    pieces = [(0, i * length, 0, 2 * i * length, length) for i in range(n)]
+    m = Map(runs_between(local, remote, pieces), side_of(local, local=True), side_of(remote, local=False))
+    read = Map(m.runs[:, [1, 0, 2]], side_of(remote, local=False), side_of(local, local=True))
+    start, size = remote[0].ctypes.data, remote[0].nbytes
+    for at in (start, start + size - 1, start - n * length + 1):
+        lie = nx.PeerStaging(at, n * length)
+        why = (
+            f"PeerStaging({at:#x}, {n * length} bytes) overlaps tensor 0 ({start:#x}, {size} bytes) of the 1 "
+            "tensors the peer described: a peer's staging buffer lies apart from its cache (a WRITE there "
+            "would land on its KV, a READ take its KV for staged bytes); refused before posting"
+        )
+        for which, strategy in ((m, "peer-staged"), (read, "peer-staged"), (m, "auto")):
+            with pytest.raises(nx.RefusedDescriptorError, match=f"^{re.escape(why)}$"):
+                nx.plan(which, strategy=strategy, peer_staging=lie)  # type: ignore[arg-type]
+    for at in (start + size, start - n * length):  # right after its end, right before its start
+        p = nx.plan(m, strategy="peer-staged", peer_staging=nx.PeerStaging(at, n * length))
+        assert int(p.remote[0, 0]) == at
+
+
 def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() -> None:
     """A tile, as NHD -> HND makes them: the runs back to back on each side, in another
     order on each. Staged and peer-staged post one descriptor each and predict alike; a

@@ -27,7 +27,16 @@ from kvlayout.transfer.nixl.copies import (
 )
 from kvlayout.transfer.nixl.direct import _checked_runs, _direct_rows, _mem_type, _rows, _Sides, _sides
 from kvlayout.transfer.nixl.regions import _intervals
-from kvlayout.transfer.nixl.sides import _MEM_TYPES, _U64, MapSide, NixlMap, Op, Strategy, _refuse_moved
+from kvlayout.transfer.nixl.sides import (
+    _MEM_TYPES,
+    _U64,
+    MapSide,
+    NixlMap,
+    Op,
+    RefusedDescriptorError,
+    Strategy,
+    _refuse_moved,
+)
 
 # -- cost model ----------------------------------------------------------------------------
 
@@ -400,6 +409,7 @@ def plan(
         raise TransferError(f"the staged strategy needs a staging buffer of {num_bytes} bytes; got {have}")
     if peer_staging is not None:
         _check_peer_staging(peer_staging)
+        _refuse_peer_staging_on_cache(peer_staging, s.remote)
     peer_fits = peer_staging is not None and peer_staging.nbytes >= num_bytes
     if strategy == "peer-staged" and not peer_fits:
         have = "no peer staging buffer" if peer_staging is None else f"one of {peer_staging.nbytes} bytes"
@@ -491,6 +501,23 @@ def _check_peer_staging(peer: PeerStaging) -> None:
     if not isinstance(peer.device_type, str) or peer.device_type not in _MEM_TYPES:
         raise TransferError(
             f"PeerStaging.device_type must be 'cpu' or 'cuda' (NIXL's DRAM or VRAM), got {peer.device_type!r}"
+        )
+
+
+def _refuse_peer_staging_on_cache(peer: PeerStaging, remote: MapSide) -> None:
+    """A peer's staging buffer is memory of its own, apart from the tensors it described
+    (a :class:`Staging` is an allocation of its own): one that overlaps them is a peer's
+    lie, whose WRITE would land on its KV and whose READ would take its KV for staged bytes."""
+    spans = np.asarray(remote.tensor_spans, dtype=_U64).reshape(-1, 2)
+    start, end = int(peer.address), int(peer.address) + int(peer.nbytes)
+    hit = np.flatnonzero((spans[:, 1] > 0) & (spans[:, 0] < end) & (spans[:, 0] + spans[:, 1] > start))
+    if int(peer.nbytes) and len(hit):
+        a, n = int(spans[hit[0], 0]), int(spans[hit[0], 1])
+        raise RefusedDescriptorError(
+            f"PeerStaging({start:#x}, {int(peer.nbytes)} bytes) overlaps tensor {int(hit[0])} ({a:#x}, {n} "
+            f"bytes) of the {len(spans)} tensors the peer described: a peer's staging buffer lies apart "
+            "from its cache (a WRITE there would land on its KV, a READ take its KV for staged bytes); "
+            "refused before posting"
         )
 
 
