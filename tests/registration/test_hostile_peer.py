@@ -14,7 +14,11 @@ the peer really registered, and refuses a descriptor outside it as NIXL's
 ``check_remote_metadata`` and ``initialize_xfer`` do): a request, in the list form or
 the prepped one, whose descriptors leave what the peer registered is refused before
 anything is posted; one that stays inside is prepared, its index arrays covering the
-runs' bytes.
+runs' bytes. So for the staged strategy (its stretches posted from a staging buffer
+here, as lists and as prepped indices) and the peer-staged one (the runs as they lie
+here, posted into a staging buffer the peer registered, which a description that puts
+a tensor on it makes a lie): refused before anything is posted, or every descriptor
+inside what the peer registered (and, staged, what it described).
 """
 
 from __future__ import annotations
@@ -34,7 +38,9 @@ from hypothesis import strategies as st
 
 import kvlayout
 from kvlayout import KVLayoutError
+from kvlayout.layout.algebra import size_of
 from kvlayout.layout.dtypes import DTYPE_SIZES
+from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.registration import Registration
 from kvlayout.transfer import PeerDescriptionError, RegistrationDescription, Shard, TransferError, block_map
 from kvlayout.transfer import nixl as nx
@@ -92,8 +98,19 @@ class StandIn:
         self.lists[len(self.lists)] = rows
         return len(self.lists) - 1
 
-    def make_prepped_xfer(self, *args: Any) -> object:
-        return object()
+    def make_prepped_xfer(
+        self, op: str, local: int, local_idx: np.ndarray, remote: int, remote_idx: np.ndarray, notif: bytes
+    ) -> object:
+        """The request, its remote indices read back as (address, length) units of the
+        list they index (refused past its end, as NIXL does)."""
+        rows = self.lists[remote].astype(np.int64)
+        first = np.r_[0, np.cumsum(rows[:, 4])]
+        idx = np.asarray(remote_idx, dtype=np.int64)
+        if len(idx) and (idx.min() < 0 or idx.max() >= first[-1]):
+            raise NixlRefusalError("an index outside the prepared list")
+        k = np.searchsorted(first, idx, side="right") - 1
+        units = np.c_[rows[k, 0] + (idx - first[k]) * rows[k, 1], rows[k, 1]].astype(U64)
+        return ("prepped", units)
 
     def transfer(self, handle: object) -> str:
         self.posted.append(handle)
@@ -101,6 +118,12 @@ class StandIn:
 
     def check_xfer_state(self, handle: object) -> str:
         return "DONE"
+
+    def get_xfer_telemetry(self, handle: object) -> object:
+        raise NixlRefusalError("telemetry is not captured")  # as NIXL without NIXL_TELEMETRY_ENABLE
+
+    def update_notifs(self) -> dict[str, list[bytes]]:
+        return {}
 
     def release_xfer_handle(self, handle: object) -> None:
         pass
@@ -119,6 +142,12 @@ class Seed:
     blocks: tuple[list[int], list[int]]
     agent: StandIn
     held: Any  # the stand-in's registration of ``here``
+    staging: nx.Staging  # here's, on the stand-in, for the staged strategy
+    landing: torch.Tensor  # the peer's staging buffer, registered (``agent.registered``), undescribed
+
+    @property
+    def peer_staging(self) -> nx.PeerStaging:
+        return nx.PeerStaging(self.landing.data_ptr(), self.landing.nbytes)
 
     @functools.cached_property
     def data(self) -> dict[str, Any]:
@@ -132,9 +161,22 @@ def _seed(name: str, make: Callable[[], Any], engine: str, hints: dict[str, Any]
     desc = there.describe(shard=shard)
     registered = [
         (a, a + p.span) for g in desc.groups for p in g.planes for a in p.addresses
-    ]  # the peer registers exactly the tensors it describes
-    agent = StandIn(registered)
-    return Seed(name, here, there, shard, desc.to_json(), ([1, 3], [2, 0]), agent, nx.register(agent, here))
+    ]  # the peer registers exactly the tensors it describes, and its staging buffer
+    return _seeded(name, here, there, shard, desc.to_json(), registered)
+
+
+STAGING = 8 << 20  # bytes of each staging buffer, here's and the peer's (the hybrid's maps: 6.4 MiB)
+
+
+def _seeded(
+    name: str, here: Registration, there: Registration, shard: Shard, text: str, registered: list[Any]
+) -> Seed:
+    landing = torch.zeros(STAGING, dtype=torch.uint8)
+    agent = StandIn([*registered, (landing.data_ptr(), landing.data_ptr() + STAGING)])
+    held = nx.register(agent, here)
+    return Seed(
+        name, here, there, shard, text, ([1, 3], [2, 0]), agent, held, nx.Staging(agent, STAGING), landing
+    )
 
 
 def _hybrid() -> Seed:
@@ -158,10 +200,7 @@ def _hybrid() -> Seed:
     shard = Shard(1, 2, model.num_key_value_heads)
     desc = there.describe(shard=shard)
     registered = [(a, a + p.span) for g in desc.groups for p in g.planes for a in p.addresses]
-    agent = StandIn(registered)
-    return Seed(
-        "hybrid", here, there, shard, desc.to_json(), ([1, 3], [2, 0]), agent, nx.register(agent, here)
-    )
+    return _seeded("hybrid", here, there, shard, desc.to_json(), registered)
 
 
 BF16 = torch.bfloat16
@@ -394,9 +433,10 @@ def _maps(seed: Seed, d: RegistrationDescription) -> list[tuple[Any, int, int]]:
     return out
 
 
-def _check_nixl(seed: Seed, d: RegistrationDescription, m: Any, column: int) -> None:
+def _check_nixl(seed: Seed, d: RegistrationDescription, m: Any, column: int) -> nx.Prepped | None:
     """A map to (or from) the description, posted through the stand-in: refused before
-    anything is posted where a descriptor leaves what the peer registered."""
+    anything is posted where a descriptor leaves what the peer registered. The lists
+    prepared (here's with its staging buffer), or None where they were refused."""
     agent = seed.agent
     remote = np.asarray(m.runs[:, [column, 2]])
     lies = not agent.inside(np.c_[remote, np.zeros(len(remote), U64)])
@@ -414,23 +454,91 @@ def _check_nixl(seed: Seed, d: RegistrationDescription, m: Any, column: int) -> 
     spans = _described_spans(d)
     described_lies = not agent.inside(np.c_[spans, np.zeros(len(spans), U64)])
     try:
-        prepped = nx.prep_lists(agent, PEER, seed.here, d, 1)
+        prepped = nx.prep_lists(agent, PEER, seed.here, d, 1, staging=seed.staging)
     except nx.RefusedDescriptorError as exc:
         assert described_lies, f"an honest description was refused: {exc}"
         assert "described tensor" in str(exc)
-        return
+        return None
     except TransferError as exc:  # more units than NIXL's int32 indices reach
         assert "int32" in str(exc)
-        return
+        return None
     assert not described_lies, "lists over memory the peer never registered were prepared"
     rows = np.c_[remote, np.zeros(len(remote), U64)]
     if remote[:, 1].sum() > 1 << 20:
-        return
+        return prepped
     idx = prepped.remote.indices(rows, "remote descriptor")
     first = np.searchsorted(prepped.remote.first, idx, side="right") - 1
     got = prepped.remote.starts[first] + (idx - prepped.remote.first[first]).astype(U64)
     want = np.concatenate([np.arange(a, a + n, dtype=U64) for a, n in remote.tolist()])
     np.testing.assert_array_equal(got, want)
+    return prepped
+
+
+def _side_of(m: Any, column: int) -> Any:
+    return m.src if column == 0 else m.dst
+
+
+def _check_staged(seed: Seed, m: Any, column: int, prepped: nx.Prepped | None) -> None:
+    """The map staged through here's staging buffer (its remote stretches posted as
+    lists, and as indices into ``prepped`` where given): refused before anything is
+    posted where a stretch leaves what the peer registered; else every posted stretch
+    inside what it registered and described, every local one inside the staging buffer,
+    and the request done (a READ's scatter included)."""
+    agent, staging = seed.agent, seed.staging
+    if int(m.runs[:, 2].sum(dtype=U64)) > staging.nbytes:
+        return
+    p = nx.plan(m, strategy="staged", staging=staging, stages=1)  # what the request would post
+    lies = not agent.inside(p.remote)
+    posted = len(agent.posted)
+    try:
+        xfer = nx.transfer(agent, PEER, m, strategy="staged", staging=staging, prepped=prepped, stages=1)
+    except nx.RefusedDescriptorError as exc:
+        assert lies, f"an honest staged request was refused: {exc}"
+        assert "refused before posting" in str(exc), str(exc)
+        assert len(agent.posted) == posted, "posted before the refusal"
+        assert not staging.busy, "a refused request kept the staging buffer"
+        return
+    assert not lies, "a staged request outside the peer's registered memory was posted"
+    np.testing.assert_array_equal(xfer.plan.remote, p.remote)
+    assert _inside(xfer.plan.remote[:, :2], _spans_of(_side_of(m, column)))
+    assert _inside(xfer.plan.local[:, :2], [(staging.address, staging.address + staging.nbytes)])
+    handle = agent.posted[-1]
+    if prepped is not None:  # the indices NIXL is handed read back as memory the peer registered
+        units = handle[1]
+        assert agent.inside(units), "prepped indices reach memory the peer never registered"
+        assert int(units[:, 1].sum(dtype=U64)) == int(p.remote[:, 1].sum(dtype=U64))
+    xfer.wait(timeout=10)
+    assert not staging.busy
+
+
+def _spans_of(side: Any) -> list[tuple[int, int]]:
+    return [(a, a + n) for a, n in np.asarray(side.tensor_spans).tolist() if n]
+
+
+def _check_peer_staged(seed: Seed, m: Any, column: int) -> None:
+    """The map posted into the peer's staging buffer: refused before anything is posted
+    where the described tensors the map reaches overlap that buffer (the peer's cache
+    and its staging buffer are apart); else every remote descriptor inside the buffer,
+    every local one inside the registration here."""
+    agent, there = seed.agent, seed.peer_staging
+    num_bytes = int(m.runs[:, 2].sum(dtype=U64))
+    if num_bytes > there.nbytes:
+        return
+    end = there.address + there.nbytes
+    on_cache = any(a < end and there.address < e for a, e in _spans_of(_side_of(m, column)))
+    posted = len(agent.posted)
+    try:
+        xfer = nx.transfer(agent, PEER, m, strategy="peer-staged", peer_staging=there)
+    except nx.RefusedDescriptorError as exc:
+        assert on_cache, f"an honest peer-staged request was refused: {exc}"
+        assert "PeerStaging" in str(exc) and "refused before posting" in str(exc), str(exc)
+        assert len(agent.posted) == posted, "posted before the refusal"
+        return
+    assert not on_cache, "a peer-staged request into a staging buffer on the peer's cache was posted"
+    assert agent.inside(xfer.plan.remote)
+    assert _inside(xfer.plan.remote[:, :2], [(there.address, there.address + num_bytes)])
+    assert _inside(xfer.plan.local[:, :2], _spans_of(_side_of(m, 1 - column)))
+    xfer.wait(timeout=10)
 
 
 def _described_spans(d: RegistrationDescription) -> np.ndarray:
@@ -449,7 +557,11 @@ def check(seed: Seed, root: Any, splice: str | None) -> None:
     for m, gi, column in _maps(seed, d):
         spans = _spans(d, gi)
         assert _inside(np.asarray(m.runs[:, [column, 2]]), spans), "a run leaves the described tensors"
-        _check_nixl(seed, d, m, column)
+        prepped = _check_nixl(seed, d, m, column)
+        _check_staged(seed, m, column, None)
+        if prepped is not None and int(m.runs[:, 2].sum(dtype=U64)) <= 1 << 20:  # indices a byte each
+            _check_staged(seed, m, column, prepped)
+        _check_peer_staged(seed, m, column)
 
 
 @pytest.mark.parametrize("name", ["vllm NHD", "vllm HND", "vllm MLA", "sglang", "trtllm", "hybrid"])
@@ -471,11 +583,84 @@ def test_a_lying_description_is_refused_or_every_run_stays_inside_it(name: str) 
 
 
 def test_the_seeds_are_accepted_and_mapped() -> None:
-    """Unmutated, every seed is read back, mapped both ways in each group and prepared."""
+    """Unmutated, every seed is read back, mapped both ways in each group, prepared, and
+    each map posted four ways: direct, staged (as lists and as prepped indices) and
+    peer-staged."""
     for seed in seeds().values():
         d = RegistrationDescription.from_json(seed.text)
         maps = _maps(seed, d)
         assert len(maps) == 2 * len(seed.here.kernel_groups), seed.name
+        assert all(int(m.runs[:, 2].sum(dtype=U64)) <= STAGING for m, _, _ in maps), seed.name
         posted = len(seed.agent.posted)
         check(seed, seed.data, None)
-        assert len(seed.agent.posted) == posted + len(maps), seed.name
+        small = sum(int(m.runs[:, 2].sum(dtype=U64)) <= 1 << 20 for m, _, _ in maps)
+        assert len(seed.agent.posted) == posted + 3 * len(maps) + small, seed.name
+
+
+@pytest.mark.parametrize("name", ["vllm NHD", "vllm HND", "vllm MLA", "sglang", "trtllm", "hybrid"])
+def test_a_peer_staging_buffer_that_lies_is_refused_before_anything_is_posted(name: str) -> None:
+    """The staging buffer a peer names at the handshake (``PeerStaging``), where a
+    peer-staged request lands or is read: on a tensor it described (a WRITE would land
+    on its KV, a READ take its KV for staged bytes), past what it registered, nowhere
+    a process can own, or too small, it is refused, naming the buffer, before anything
+    is posted; the honest one then takes the same request."""
+    seed = seeds()[name]
+    d = RegistrationDescription.from_json(seed.text)
+    honest = seed.peer_staging
+    for m, _, column in _maps(seed, d):
+        num_bytes = int(m.runs[:, 2].sum(dtype=U64))
+        described = _spans_of(_side_of(m, column))
+        a, e = described[-1]
+        end = honest.address + honest.nbytes
+        lies: list[tuple[nx.PeerStaging, type[Exception], str]] = [
+            (honest._replace(address=a), nx.RefusedDescriptorError, r"overlaps tensor \d+ \(0x"),
+            (honest._replace(address=e - 64), nx.RefusedDescriptorError, r"overlaps tensor \d+ \(0x"),
+            (  # its bytes half past the end of what the peer registered (or on a tensor there)
+                past := nx.PeerStaging(end - num_bytes // 2 // 64 * 64, num_bytes),
+                nx.RefusedDescriptorError,
+                r"overlaps tensor"
+                if any(x < past.address + past.nbytes and past.address < y for x, y in described)
+                else r"inside the staging buffer peer 'kvl-hostile-peer' named \(PeerStaging\) but not "
+                "inside memory it registered with NIXL",
+            ),
+            (
+                honest._replace(address=1 << 50),
+                nx.RefusedDescriptorError,
+                r"\(PeerStaging\) but not inside memory it registered with NIXL",
+            ),
+            (honest._replace(address=2**64 - 4096), TransferError, "is not memory a process can own"),
+            (honest._replace(nbytes=num_bytes - 1), TransferError, "needs a peer staging buffer"),
+        ]
+        for lie, kind, why in lies:
+            posted = len(seed.agent.posted)
+            with pytest.raises(kind, match=why) as refused:
+                nx.transfer(seed.agent, PEER, m, strategy="peer-staged", peer_staging=lie)
+            assert "refused before posting" in str(refused.value) or kind is TransferError
+            assert len(seed.agent.posted) == posted, f"posted before refusing {lie}"
+        xfer = nx.transfer(seed.agent, PEER, m, strategy="peer-staged", peer_staging=honest)
+        assert _inside(xfer.plan.remote[:, :2], [(honest.address, honest.address + num_bytes)])
+        xfer.wait(timeout=10)
+
+
+@pytest.mark.parametrize("name", ["vllm NHD", "sglang", "hybrid"])
+@pytest.mark.parametrize("strategy", ["direct", "staged", "peer-staged"])
+def test_blocks_beyond_the_peer_s_pool_are_refused_before_anything_is_posted(
+    name: str, strategy: nx.Strategy
+) -> None:
+    """A request naming a block the peer's description does not hold is refused where
+    its map is made, naming the block, whichever strategy would post it."""
+    seed = seeds()[name]
+    d = RegistrationDescription.from_json(seed.text)
+    there, here = d.group(0), seed.here.kernel_groups[0]
+    g = d.groups[0]
+    blocks = size_of(g.layout, g.planes[0].sizes_dict(), Role.BLOCK)
+    assert blocks is not None
+    posted = len(seed.agent.posted)
+    for past in (blocks, 1 << 20):  # the first block past the pool, and one far past it
+        with pytest.raises(KVLayoutError, match=rf"\b{past}\b") as refused:
+            m = block_map(here, there, [1, 3], [2, past], src_shard=seed.shard)
+            nx.transfer(
+                seed.agent, PEER, m, strategy=strategy, staging=seed.staging, peer_staging=seed.peer_staging
+            )
+        assert not isinstance(refused.value, nx.NixlError), "refused by the posting, not by the map"
+    assert len(seed.agent.posted) == posted
