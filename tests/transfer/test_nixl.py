@@ -634,12 +634,21 @@ def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: P
         nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=staging).wait(timeout=30).strategy
         == "staged"
     )
-    # Posted and dropped, the request is not cancelled: the bytes land and the notif arrives.
+    # Posted and dropped, the request is not cancelled: its bytes land and its notif
+    # arrives once the agent's next request has asked NIXL its state (NIXL's UCX backend
+    # sends a notif held back at post only then; over UCX's TCP it always holds it back,
+    # and moves the bytes only while the agent is driven).
     pair.peer.fill(pair.peer.seed)
+    for t in pair.local:
+        t.copy_(torch.from_numpy(np.random.default_rng(9).integers(0, 256, BUF, dtype=np.uint8)))
     with pytest.warns(ResourceWarning, match=r"was dropped before wait\(\): it is left to finish"):
         nx.transfer(pair.agent, pair.name, make_map(pair, "WRITE", UNIT_RUNS), notif=b"fire and forget")
         gc.collect()
-    assert pair.peer.notifs(expect=1) == [b"fire and forget"]
+    later = nx.transfer(pair.agent, pair.name, make_map(pair, "READ", UNIT_RUNS[:1]), notif=b"later")
+    later.wait(timeout=30)
+    assert sorted(pair.peer.notifs(expect=2)) == [b"fire and forget", b"later"]
+    for _, i, _, j, n in UNIT_RUNS:
+        assert np.array_equal(pair.peer.read(0, j, n), pair.local[0][i : i + n].numpy())
     pair.peer.fill(pair.peer.seed)
     staging.close()
 
@@ -1214,6 +1223,67 @@ def test_an_err_state_raises_and_releases() -> None:
     ):
         xfer.wait(timeout=5)
     assert agent.released == 1
+
+
+class _SlowAgent:
+    """A stand-in agent whose request ``h`` reports "PROC" until asked ``h`` times."""
+
+    name = "stand-in"
+
+    def __init__(self) -> None:
+        self.asked: dict[int, int] = {}
+        self.released: list[int] = []
+
+    def transfer(self, handle: int) -> str:
+        return "PROC"
+
+    def check_xfer_state(self, handle: int) -> str:
+        self.asked[handle] = self.asked.get(handle, 0) + 1
+        return "DONE" if self.asked[handle] >= handle else "PROC"
+
+    def release_xfer_handle(self, handle: int) -> None:
+        self.released.append(handle)
+
+    def get_xfer_telemetry(self, handle: int) -> None:
+        raise _NoTelemetryError("telemetry is not captured")
+
+
+class _NoTelemetryError(Exception):
+    """NIXL's error for a request's telemetry where none is captured."""
+
+    __module__ = "nixl._bindings"
+
+
+def test_a_request_dropped_in_flight_is_asked_its_state_by_the_agent_s_next_requests() -> None:
+    """NIXL's UCX backend sends a request's notif when it is asked its state once done
+    (where its bytes were not done at post: over UCX's TCP, always), and nothing asked a
+    request dropped before wait(): its notif never reached the peer. The agent's next
+    requests ask each of its posted stages, on their thread, until every one is done,
+    then free its NIXL requests; a request of another agent is not asked."""
+    buf = torch.zeros(64, dtype=torch.uint8)
+    side = nx.local_side(buf)
+    there = nx.LocalSide("cpu", 0, side.tensor_spans, is_local=False)
+    p = nx.plan(Map(np.array([(buf.data_ptr(), buf.data_ptr() + 32, 8)], dtype=U64), side, there))
+    agent, other = _SlowAgent(), _SlowAgent()
+    dropped, elsewhere = nx.Transfer(agent, "peer-x", p, [1, 3]), nx.Transfer(other, "peer-x", p, [9])
+    dropped.start()  # two stages posted: the first done at its first ask, the second at its third
+    elsewhere.start()
+    with pytest.warns(ResourceWarning, match=r"was dropped before wait\(\): it is left to finish"):
+        del dropped, elsewhere
+        gc.collect()
+    assert agent.asked == {} and agent.released == []
+    later = nx.Transfer(agent, "peer-x", p, [2])
+    later.start()
+    assert not later.done()  # asks both stages of the dropped request, and its own
+    assert agent.asked == {1: 1, 3: 1, 2: 1} and agent.released == []  # a stage in flight: kept
+    later.wait(timeout=5)
+    assert agent.asked == {1: 2, 3: 2, 2: 2} and agent.released == [2]
+    again = nx.Transfer(agent, "peer-x", p, [5])
+    again.start()
+    again.wait(timeout=5)  # its first poll finds the dropped request done: freed, then never asked again
+    assert agent.asked == {1: 3, 3: 3, 2: 2, 5: 5}
+    assert sorted(agent.released) == [1, 2, 3, 5]
+    assert other.asked == {} and other.released == []
 
 
 def prepare_at_once(

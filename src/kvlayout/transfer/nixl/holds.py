@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import warnings
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +86,7 @@ class _Hold:
     pinned: tuple[Region, ...] = ()  # regions its posts go through: deregistering them waits
     kept: bool = False  # let go of in flight: the staging buffer and pinned regions are kept for good
     tried: bool = False  # release() ran (NIXL may have refused some of the handles)
+    posted: int = 0  # stages posted so far (handles[:posted]): what NIXL may still move
     peer_claim: tuple[str, str, int, int] | None = None  # the peer's staging buffer it posts through
 
     def release(self, in_flight: bool) -> bool:
@@ -121,6 +123,44 @@ class _Hold:
         self.kept = True
 
 
+# Requests dropped in flight (started, never waited for), until NIXL reports each posted
+# stage done or failed: NIXL's UCX backend sends a request's notif when the request is
+# asked its state once done, where its bytes were not done when it was posted (over
+# UCX's TCP, never), and nothing else asks a dropped request. The agent's later requests
+# ask them (_progress_dropped), on their caller's thread, as NIXL's calls all are.
+_DROPPED: deque[_Hold] = deque()
+
+
+def _progress_dropped(agent: Agent) -> None:
+    """Ask NIXL the state of each posted stage of each request of ``agent`` dropped in
+    flight (which drives the agent, and sends a notif NIXL held back, once the stage is
+    done); release the NIXL requests of one whose every posted stage is done or failed.
+    What it held (its staging buffer, the regions it posted through) stays kept."""
+    for _ in range(len(_DROPPED)):
+        try:
+            hold = _DROPPED.popleft()
+        except IndexError:  # another thread took the last one
+            return
+        if hold.agent is not agent:
+            _DROPPED.append(hold)
+            continue
+        over = [_over(agent, h) for h in hold.handles[: hold.posted]]  # each asked: each sends its notif
+        if all(over):
+            hold.release(in_flight=True)  # kept already: only its NIXL requests are freed
+        else:
+            _DROPPED.append(hold)
+
+
+def _over(agent: Agent, handle: Any) -> bool:
+    """NIXL reports the request done or failed (its error too ends it)."""
+    try:
+        return bool(agent.check_xfer_state(handle) != "PROC")
+    except Exception as exc:
+        if not _is_nixl_error(exc):
+            raise
+        return True
+
+
 def _abandon(hold: _Hold, what: str) -> None:
     """A request dropped unreleased. Prepared and never started: release it, so that its
     staging buffer is not taken for good. Started: leave it to finish (a post must not be
@@ -131,8 +171,11 @@ def _abandon(hold: _Hold, what: str) -> None:
     if hold.started:
         warnings.warn(
             f"{what} was dropped before wait(): it is left to finish, and its staging buffer stays busy "
-            "and, with the memory it posts through, registered for good; its notif may never reach the "
-            "peer (it goes once a poll sees the request done, and nothing polls a dropped request)",
+            "and, with the memory it posts through, registered for good. Its bytes move while the agent "
+            "is driven, and its notif reaches the peer only once NIXL is asked its state after they "
+            "landed, which the agent's next request made or polled here does (over UCX's TCP, neither "
+            "happens before); the notif of a pipeline (sent here after its last stage) and the stages "
+            "not yet posted never go: wait for what you post",
             ResourceWarning,
             stacklevel=1,
         )
@@ -151,6 +194,7 @@ def _let_go_abandoned(hold: _Hold) -> bool:
         return False
     if hold.started:
         hold.keep()
+        _DROPPED.append(hold)  # asked by the agent's later requests until done
     else:
         hold.release(in_flight=False)
     return True

@@ -17,6 +17,7 @@ from kvlayout.transfer.nixl.holds import (
     _abandon,
     _claim_peer_staging,
     _Hold,
+    _progress_dropped,
     _unclaim_peer_staging,
 )
 from kvlayout.transfer.nixl.peer_staging import _other_cut, _stages_announced, stage_notif, take_notif
@@ -150,6 +151,7 @@ class Transfer:
         if self._nixl(self.agent.transfer, self.handles[self._posted]) == "ERR":
             raise self._fail('transfer returned "ERR"')
         self._posted += 1
+        self._hold.posted = self._posted
 
     def _check_registered(self) -> None:
         """Every local descriptor (and, posting to this agent itself, every remote one)
@@ -292,6 +294,7 @@ class Transfer:
         if self._result is not None:
             return True
         self._refuse_ended()
+        _progress_dropped(self.agent)  # requests of the agent dropped in flight: their notifs go
         if not self._hold.started:
             raise TransferError(f"{self._what()} was prepared but not started: call start() first")
         try:
@@ -466,6 +469,7 @@ def prepare_transfer(
     if peer_ready is not None:
         peer_ready = _message(peer_ready, "peer_ready")
     _check_staging_arg(staging)
+    _progress_dropped(agent)
     taken = _take(staging, strategy)
     try:
         xfer = _prepare(
