@@ -1171,3 +1171,92 @@ def test_a_staging_buffer_auto_took_and_did_not_use_is_free_again() -> None:
     assert xfer.plan.strategy == "direct" and xfer.staging is None
     assert not staging.busy
     xfer.release()
+
+
+class _Lists(_Named):
+    """Records the lists prepared (NIXL's prep_xfer_dlist) and accepts, as NIXL's
+    check_remote_metadata does, only descriptors inside what the peer ``registered``."""
+
+    def __init__(self, name: str, registered: list[tuple[int, int]] = ()) -> None:  # type: ignore[assignment]
+        super().__init__(name)
+        self.prepared: list[np.ndarray] = []
+        self.registered = registered
+
+    def prep_xfer_dlist(self, name: str, rows: np.ndarray, mem: str) -> int:
+        self.prepared.append(rows.copy())
+        return len(self.prepared) - 1
+
+    def get_xfer_descs(self, rows: np.ndarray, mem: str) -> np.ndarray:
+        return np.asarray(rows, dtype=U64).reshape(-1, 3)
+
+    def check_remote_metadata(self, peer: str, descs: np.ndarray | None = None) -> bool:
+        return descs is None or all(
+            any(a <= r[0] and r[0] + r[1] <= a + n for a, n in self.registered) for r in descs.tolist()
+        )
+
+
+def test_a_prepared_list_holds_what_nixl_s_int32_indices_reach_and_no_empty_row() -> None:
+    """NIXL indexes a prepared list with int32: 2**31 - 1 units are prepared, 2**31 are
+    refused before NIXL is asked. A stretch shorter than a unit holds none, and is left
+    out of the list (NIXL is never handed a row of no units)."""
+    from kvlayout.transfer.nixl.prepped import _prep_list
+
+    agent = _Lists("kvl-lists")
+    base = 1 << 30
+    fits = _prep_list(agent, "p", np.array([[base, 2**31 - 1]], U64), 1, 0, "DRAM", "peer 'p''s")
+    assert fits.size == 2**31 - 1 and agent.prepared[-1][:, 4].tolist() == [2**31 - 1]
+    with pytest.raises(
+        TransferError,
+        match=r"^2147483648 units of 1 bytes do not fit NIXL's int32 indices; use a larger unit$",
+    ):
+        _prep_list(agent, "p", np.array([[base, 2**31]], U64), 1, 0, "DRAM", "peer 'p''s")
+    assert len(agent.prepared) == 1
+    spans = np.array([[base, 1024], [base + 4096, 100], [base + 8192, 512]], U64)  # the middle: < a unit
+    pl = _prep_list(agent, "p", spans, 256, 0, "DRAM", "local")
+    assert agent.prepared[-1][:, [0, 4]].tolist() == [[base, 4], [base + 8192, 2]]
+    assert pl.indices(np.array([[base + 8192, 512, 0]], U64), "run").tolist() == [4, 5]
+
+
+def test_a_refusal_by_the_peer_s_registration_names_the_first_descriptor_outside_it() -> None:
+    """NIXL says only whether a whole list is inside what the peer registered; the
+    refusal bisects it to the first descriptor outside, wherever that lies in the list."""
+    peer = [(1 << 20, 4096)]
+    agent = _Lists("kvl-bisect", peer)
+    inside = [(1 << 20) + 64 * k for k in range(16)]
+    for bad in range(16):
+        addr = list(inside)
+        addr[bad] = 2 << 20  # unregistered
+        addr[-1] = addr[-1] if bad == 15 else 3 << 20  # and the last, after it
+        rows = np.array([[a, 64, 0] for a in addr], U64)
+        with pytest.raises(
+            nx.RefusedDescriptorError,
+            match=rf"^remote descriptor {bad} \({addr[bad]:#x}, 64 bytes\) is inside what peer 'p' described "
+            "but not inside memory it registered with NIXL",
+        ):
+            regions._refuse_unregistered(agent, "p", rows, "DRAM", "remote descriptor")
+    regions._refuse_unregistered(agent, "p", np.array([[a, 64, 0] for a in inside], U64), "DRAM", "x")
+
+
+def test_a_peer_staging_buffer_is_claimed_per_peer_and_by_the_bytes_it_holds() -> None:
+    """One request at a time through a peer's staging buffer: another claim of bytes it
+    holds is refused (or, for "auto", None); a buffer merely touching it, or the same
+    addresses at another peer (another process's memory), is claimed."""
+    from kvlayout.transfer.nixl.holds import _claim_peer_staging, _unclaim_peer_staging
+
+    agent = _Named("kvl-claims")
+    first = _claim_peer_staging(agent, "p", nx.PeerStaging(1 << 20, 4096), True)
+    claims = [first]
+    try:
+        for other in (nx.PeerStaging((1 << 20) + 4096, 4096), nx.PeerStaging((1 << 20) - 4096, 4096)):
+            claims.append(_claim_peer_staging(agent, "p", other, True))
+        claims.append(_claim_peer_staging(agent, "q", nx.PeerStaging(1 << 20, 4096), True))
+        assert all(c is not None for c in claims)
+        overlapping = nx.PeerStaging((1 << 20) + 4095, 2)
+        assert _claim_peer_staging(agent, "p", overlapping, False) is None
+        with pytest.raises(
+            TransferError, match=r"^peer 'p''s staging buffer PeerStaging\(.*is in use by another"
+        ):
+            _claim_peer_staging(agent, "p", overlapping, True)
+    finally:
+        for c in claims:
+            _unclaim_peer_staging(c)
