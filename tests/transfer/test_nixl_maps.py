@@ -899,3 +899,65 @@ def test_prep_lists_takes_the_peer_description_the_handshake_brings(pair: Pair) 
             nx.NixlError, match=r"after remove_remote_agent and add_remote_agent, make them again"
         ):
             nx.transfer(pair.agent, pair.name, m, prepped=at_handshake, strategy="direct")
+
+
+class _AnnounceFails:
+    """A stand-in agent for a peer's paced gather: it registers nothing with NIXL, and
+    its ``send_notif`` fails (as NIXL's error) from announcement ``fail_at`` on."""
+
+    name = "kvl-gatherer"
+
+    def __init__(self, fail_at: int) -> None:
+        self.fail_at = fail_at
+        self.sent: list[bytes] = []
+
+    def register_memory(self, descs: Any, mem: str) -> object:
+        return object()
+
+    def deregister_memory(self, handle: object) -> None:
+        pass
+
+    def check_remote_metadata(self, peer: str, descs: Any = None) -> bool:
+        return True
+
+    def update_notifs(self) -> dict[str, list[bytes]]:
+        return {}
+
+    def send_notif(self, peer: str, msg: bytes) -> None:
+        if len(self.sent) >= self.fail_at:
+            raise _NixlSendError("the poster's connection dropped")
+        self.sent.append(msg)
+
+
+class _NixlSendError(Exception):
+    __module__ = "nixl._bindings"
+
+
+@pytest.mark.parametrize("fail_at", [0, 1, 2])
+def test_a_paced_gather_that_fails_after_announcing_a_stage_keeps_its_buffer(fail_at: int) -> None:
+    """The poster's READ of an announced stage may be under way when the gather fails:
+    the staging buffer is kept for good from the first announcement on (never handed to
+    another request the READ would then read), and free again when none was made."""
+    cache, there = torch.arange(512, dtype=torch.int64).to(torch.uint8), torch.zeros(1024, dtype=torch.uint8)
+    runs = np.array(
+        [(cache.data_ptr() + 64 * k, there.data_ptr() + 128 * k, 64) for k in range(4)], np.uint64
+    )
+    m = _HandMap(
+        runs, nx.local_side(cache), nx.LocalSide("cpu", 0, nx.local_side(there).tensor_spans, is_local=False)
+    )
+    agent = _AnnounceFails(fail_at)
+    staging = nx.Staging(agent, 256)
+    gather = nx.prepare_stage(m, staging, stages=3)
+    with pytest.raises(
+        nx.NixlError, match=rf"^NIXL could not announce stage {fail_at} of 3 to peer 'poster'"
+    ):
+        gather.run(notifs=nx.StageNotifs(agent, "poster", b"req-7"))
+    assert agent.sent == [nx.stage_notif(b"req-7", i, 3) for i in range(fail_at)]
+    assert staging.kept == (fail_at > 0) and staging.busy == (fail_at > 0)
+
+
+@dataclass(frozen=True)
+class _HandMap:
+    runs: np.ndarray
+    src: nx.MapSide
+    dst: nx.MapSide
