@@ -921,6 +921,10 @@ def test_calibration_prices_a_descriptor_by_the_rounds_ratio_not_the_fastest_of_
     cut, whole = [12e-3, 30e-3, 12.6e-3], [10e-3, 25e-3, 8e-3]
     assert calibration._added_per_descriptor(cut, whole, 11) == pytest.approx(0.2 * 8e-3 / 10)
     assert calibration._added_per_descriptor([9e-3], [10e-3], 11) == 0.0  # faster cut: nothing added
+    # a round timed at 0 s (a coarse clock) is outvoted, and all of them price nothing: no ZeroDivisionError
+    rounds = [12e-3, 1e-3, 12e-3], [10e-3, 0.0, 10e-3]
+    assert calibration._added_per_descriptor(*rounds, 11) == pytest.approx(0.2 * 10e-3 / 10)
+    assert calibration._added_per_descriptor([0.0, 0.0], [0.0, 0.0], 11) == 0.0
 
 
 @pytest.mark.parametrize("op", ["WRITE", "READ"])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import math
 import os
+import statistics
 import time
 from collections.abc import Iterable
 from typing import Any, Literal
@@ -234,10 +235,9 @@ def _added_per_descriptor(cut: list[float], whole: list[float], n: int) -> float
     READ descriptor at 0-50 us from one call to the next (over 20 us in 3 of 5), the ratio
     at 3.4-12.2 us in 5 calls alternating with those (64 KiB and up, 8-256 descriptors of
     16 MiB, stayed as scattered either way: 0-250 us)."""
-    ratios = sorted(a / b for a, b in zip(cut, whole, strict=True))
-    mid = len(ratios) // 2
-    ratio = ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
-    return max(ratio - 1.0, 0.0) * min(whole) / (n - 1)
+    # a round timed at 0 s (a clock too coarse for it) is a ratio past any other, not a crash
+    ratio = statistics.median(a / max(b, 1e-9) for a, b in zip(cut, whole, strict=True))
+    return max(ratio - 1.0, 0.0) * min((b for b in whole if b > 0), default=0.0) / (n - 1)
 
 
 # Descriptor sizes a descriptor's cost is measured at beyond ``small`` (calibrate): a
