@@ -201,3 +201,32 @@ def test_a_ring_mapped_by_its_tokens_is_told_to_map_it_by_its_block_ids() -> Non
         block_map(src.kernel_groups[0], dst.describe().group(0), [3], [0]).num_bytes
         == NL * CAPACITY * 2 * HEAD_DIM * 4
     )
+
+
+@pytest.mark.parametrize("bounded_replay", [True, False])
+def test_a_bounded_replay_window_is_left_out_of_a_prefix_reusing_tier_as_vllm_leaves_it(
+    bounded_replay: bool,
+) -> None:
+    """Not only the ring: vLLM 0.33 keeps DeepSeek-V4.1's sliding-window MLA cache out of
+    prefix caching under ``--swa-bounded-replay`` (on by default:
+    ``SlidingWindowMLASpec.prefix_cacheable`` is ``not bounded_replay``; vLLM recomputes
+    the window after a hit). An offload tier leaves that group out exactly where vLLM's
+    own ``prefix_cacheable_group_ids`` does, and keeps it without bounded replay."""
+    mla = kvi.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    swa = kvi.SlidingWindowMLASpec(
+        block_size=16, sliding_window=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16,
+        bounded_replay=bounded_replay,
+    )  # fmt: skip
+    full, window = [f"model.layers.{i}.attn" for i in range(NL)], [f"model.layers.{i}.swa" for i in range(NL)]
+    specs = {**dict.fromkeys(full, mla), **dict.fromkeys(window, swa)}
+    engine = make_engine(specs, [full, window], lambda spec: spec.block_size, num_blocks=NB)
+    _, kv = allocate_v033(engine)
+    kept = engine.config.prefix_cacheable_group_ids  # vLLM's own answer
+    assert kept == ((0,) if bounded_replay else (0, 1))
+    left_out = find_kv_cache_groups_out_of_prefix_reuse(engine.config)
+    assert [p.group for p in left_out] == [g for g in range(2) if g not in kept]
+    assert all("SlidingWindowMLASpec is not prefix-cacheable" in p.what for p in left_out)
+    edited = apply_kv_cache_group_edits(engine.config, kv)
+    assert sorted(edited) == sorted(full + ([] if bounded_replay else window))
+    _, groups = vllm_transfer_layers(engine.config, edited)
+    assert groups is not None and [bool(g) for g in groups] == [g in kept for g in range(2)]

@@ -132,7 +132,8 @@ def apply_kv_cache_group_edits(
     Layers no rule matches come back as the same objects; each edited layer becomes a
     view over its own storage, never a copy. Under ``prefix_reuse`` the layers of a group
     vLLM keeps out of prefix caching (:func:`find_kv_cache_groups_out_of_prefix_reuse`: a
-    ``CircularBufferSpec`` ring) are left out of the result, logged with why, so
+    ``CircularBufferSpec`` ring, a bounded-replay sliding window) are left out of the
+    result, logged with why, so
     :func:`transfer_layers` gives their group no layers, as vLLM's offloading stores none.
 
     ``layout_hints`` are the hints detection will get. The opaque views read the same

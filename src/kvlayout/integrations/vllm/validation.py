@@ -14,7 +14,8 @@ Declared slot compression is not rejected: those groups are served in their decl
 slots (the group edits only group their kernel pages, as for any group).
 
 A group vLLM keeps out of prefix caching (its spec's ``prefix_cacheable`` False, vLLM 0.33:
-``CircularBufferSpec``, DeepSeek-V4.1's compressor ring) is not refused but left out of an
+``CircularBufferSpec``, DeepSeek-V4.1's compressor ring, and its sliding-window MLA cache
+under ``--swa-bounded-replay``, on by default) is not refused but left out of an
 offload tier, as vLLM's own hash-addressed stores leave it out
 (:func:`find_kv_cache_groups_out_of_prefix_reuse`); a P/D connector moves it.
 """
@@ -102,8 +103,10 @@ def validate_kv_cache_groups(kv_cache_config: Any, *, prefix_reuse: bool = True)
 def find_kv_cache_groups_out_of_prefix_reuse(kv_cache_config: Any) -> list[GroupProblem]:
     """Every group vLLM keeps out of prefix caching, with why and its layers: a spec
     whose ``prefix_cacheable`` is False (vLLM 0.33: ``CircularBufferSpec``, one ring a
-    request holding its latest positions, not a prefix's; ``UniformTypeKVCacheSpecs``
-    when any of its specs is so). vLLM's hash-addressed stores keep only the others
+    request holding its latest positions, not a prefix's; ``SlidingWindowMLASpec`` with
+    ``bounded_replay``, DeepSeek-V4.1's window under ``--swa-bounded-replay``, on by
+    default, which vLLM recomputes after a prefix hit; ``UniformTypeKVCacheSpecs`` when
+    any of its specs is so). vLLM's hash-addressed stores keep only the others
     (``KVCacheConfig.prefix_cacheable_group_ids``, which the OffloadingConnector offloads
     and the Mooncake store stores), so an offload tier (``prefix_reuse=True``) leaves these
     out: :func:`~kvlayout.integrations.vllm.apply_kv_cache_group_edits` drops their layers
