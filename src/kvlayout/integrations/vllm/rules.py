@@ -402,13 +402,12 @@ class RingBufferPagesEdit(KVCacheGroupEdit):
         return _whole_pages(spec, value)
 
     def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
-        rows = int(value.shape[2])
-        advice = (
-            f"a ring (vLLM's CircularBufferSpec) is one block a request, position p in row p % {rows}, "
-            "whatever tokens the request holds: map a ring by its block ids, without num_tokens, and "
-            "only to a ring alike"
+        advice = (  # the ring's capacity is its spec's block, whatever pages a kernel cuts it in
+            f"a ring (vLLM's CircularBufferSpec) is one block a request, position p in row p % "
+            f"{slots_per_block(spec)}, whatever tokens the request holds: map a ring by its block ids, "
+            "without num_tokens, and only to a ring alike"
         )
-        return dataclasses.replace(page_layout(self.name, spec, value, None), advice=advice)
+        return dataclasses.replace(super().opaque_pages(spec, value, layout_hints), advice=advice)
 
 
 class CPUAttentionPagesEdit(KVCacheGroupEdit):
