@@ -522,8 +522,8 @@ def main() -> None:
                 sizes = ", ".join(f"{n >> 10} KiB {c * 1e6:.1f} us" for n, c in cost.per_descriptor_by_size)
                 nixl = f"a descriptor of {sizes}; {cost.bandwidth / 1e9:.2f} GB/s"
                 gather = f"{cost.copy_per_run_s * 1e6:.3f} us a run, {cost.copy_bandwidth / 1e9:.1f} GB/s"
-                scatter = (
-                    f"{cost.scatter_per_run_s * 1e6:.3f} us a run, {cost.scatter_bandwidth / 1e9:.1f} GB/s"
+                scatter = f"{cost.copy_s(1, 0, scatters=True) * 1e6:.3f} us a run, " + (
+                    f"{(1 << 30) / cost.copy_s(0, 1 << 30, scatters=True) / 1e9:.1f} GB/s"
                 )
                 print(
                     f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; "

@@ -997,12 +997,11 @@ def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
     assert all(0 <= cost < 0.01 for _, cost in model.per_descriptor_by_size)
     assert 0 < model.copy_per_run_s < 1e-3 and model.copy_bandwidth > 1e7
     # the copy both ways, each finite and bounded; a scatter is priced at its own figures
-    figures = (model.copy_per_run_s, model.copy_bandwidth, model.scatter_per_run_s, model.scatter_bandwidth)
-    assert all(math.isfinite(x) for x in figures)
-    assert 0 < model.scatter_per_run_s < 1e-3 and 1e7 < model.scatter_bandwidth < 1e12
-    assert model.copy_s(10, 1 << 20, scatters=True) == pytest.approx(
-        10 * model.scatter_per_run_s + (1 << 20) / model.scatter_bandwidth
-    )
+    per_run, bandwidth = model.scatter_per_run_s, model.scatter_bandwidth
+    assert per_run is not None and bandwidth is not None  # measured, never left to the gather's
+    assert all(math.isfinite(x) for x in (model.copy_per_run_s, model.copy_bandwidth, per_run, bandwidth))
+    assert 0 < per_run < 1e-3 and 1e7 < bandwidth < 1e12
+    assert model.copy_s(10, 1 << 20, scatters=True) == pytest.approx(10 * per_run + (1 << 20) / bandwidth)
     assert took < 10.0  # a handshake's worth (about a second on the loaded 2-core machine)
     # a cost model picks between strategies on its own figures
     m = make_map(pair, "READ", [(0, k * SLOT, 0, k * UNIT, UNIT) for k in range(64)])

@@ -269,10 +269,8 @@ def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() ->
     pieces = [(0, ((i % 8) * 8 + i // 8) * length, 0, i * length, length) for i in range(n)]
     buf = np.zeros(n * length, np.uint8)
     there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
-    decide = nx.CostModel(per_descriptor_s=1.0)  # descriptors decide
-    alike = dataclasses.replace(
-        decide, scatter_per_run_s=decide.copy_per_run_s, scatter_bandwidth=decide.copy_bandwidth
-    )
+    decide = dataclasses.replace(nx.DEFAULT_COST, per_descriptor_s=1.0)  # descriptors decide
+    alike = nx.CostModel(per_descriptor_s=1.0)  # no scatter figures: a scatter is priced as a gather
     write = Map(runs_between(a, b, pieces), side_of(a, local=True), side_of(b, local=False))
     read = Map(write.runs, side_of(a, local=False), side_of(b, local=True))
     for cost, tie in ((alike, True), (decide, False)):
@@ -554,6 +552,8 @@ def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long
         ({"per_descriptor_by_size": "8192"}, "CostModel.per_descriptor_by_size must be (bytes, seconds) pairs"),
         ({"per_descriptor_by_size": ((8192,),)},
          "CostModel.per_descriptor_by_size[0] must be a (bytes, seconds) pair, not (8192,)"),
+        ({"scatter_bandwidth": 0}, "CostModel.scatter_bandwidth must be a positive number of bytes a second, got 0"),
+        ({"scatter_per_run_s": -1.0}, "CostModel.scatter_per_run_s must be a non-negative number of seconds"),
     ],
 )  # fmt: skip
 def test_a_cost_model_refuses_figures_it_cannot_price_with(kw: dict[str, Any], message: str) -> None:
@@ -586,6 +586,22 @@ def test_a_plan_s_copies_take_checked_arguments() -> None:
     direct = nx.plan(many, strategy="direct")
     with pytest.raises(TransferError, match="a direct plan has no local copy to run a stage of"):
         direct.copy_stage(0)
+
+
+def test_a_model_given_its_copy_s_figures_alone_prices_a_scatter_by_them() -> None:
+    """A model made for another host (a GPU's copy engine) with its gather's figures used
+    to price a scatter at this project's 2-core CPU figures, 0.2 us a run at 4 GB/s: a
+    staged READ of 1,000 runs of 1 KiB at 462 us where the caller's figures say 2 us."""
+    gpu = nx.CostModel(copy_per_run_s=1e-9, copy_bandwidth=1e12)
+    assert (
+        gpu.copy_s(1000, 1 << 20, scatters=True)
+        == gpu.copy_s(1000, 1 << 20)
+        == pytest.approx(1e-6 + (1 << 20) / 1e12)
+    )
+    own = dataclasses.replace(gpu, scatter_bandwidth=5e11)  # a figure given is the one used
+    assert own.copy_s(1000, 1 << 20, scatters=True) == pytest.approx(1e-6 + (1 << 20) / 5e11)
+    default = nx.DEFAULT_COST  # this project's figures, the scatter's measured apart
+    assert default.copy_s(1000, 1 << 20, scatters=True) > 2 * default.copy_s(1000, 1 << 20)
 
 
 def test_a_cost_model_s_size_table_may_come_back_from_json() -> None:

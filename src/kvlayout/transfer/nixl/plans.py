@@ -58,7 +58,8 @@ class CostModel:
     and clamped to the ends (:meth:`descriptor_s`). Without them, ``per_descriptor_s``
     at every size.
 
-    The defaults are this project's measurement of NIXL over UCX's TCP transport on
+    The defaults (:data:`DEFAULT_COST`, which ``plan`` and ``estimate`` use when given no
+    model) are this project's measurement of NIXL over UCX's TCP transport on
     loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
     of 256 B (about 18 us a descriptor). The copy's are the block-map engine's
     (:func:`copy_byte_runs`) there, one thread: a gather at 6 GB/s and 0.03 us a run (an
@@ -77,15 +78,19 @@ class CostModel:
     copy_bandwidth: float = 6e9  # bytes/s
     source: str = "defaults"
     per_descriptor_by_size: tuple[tuple[int, float], ...] = ()
-    scatter_per_run_s: float = 0.2e-6
-    scatter_bandwidth: float = 4e9  # bytes/s
+    # None: as the gather's (a model given one copy's figures prices both directions by
+    # them, never by another machine's scatter); DEFAULT_COST carries this project's
+    scatter_per_run_s: float | None = None
+    scatter_bandwidth: float | None = None  # bytes/s
 
     def __post_init__(self) -> None:
         # A zero or NaN here would surface as a ZeroDivisionError or a NaN prediction later.
         for name in ("per_descriptor_s", "per_transfer_s", "copy_per_run_s", "scatter_per_run_s"):
-            _finite(f"CostModel.{name}", getattr(self, name), "a non-negative number of seconds", 0.0)
+            if getattr(self, name) is not None or not name.startswith("scatter_"):
+                _finite(f"CostModel.{name}", getattr(self, name), "a non-negative number of seconds", 0.0)
         for name in ("bandwidth", "copy_bandwidth", "scatter_bandwidth"):
-            _finite(f"CostModel.{name}", getattr(self, name), "a positive number of bytes a second", None)
+            if getattr(self, name) is not None or not name.startswith("scatter_"):
+                _finite(f"CostModel.{name}", getattr(self, name), "a positive number of bytes a second", None)
         points = self.per_descriptor_by_size
         if not isinstance(points, (tuple, list)):
             raise TypeError(
@@ -130,10 +135,13 @@ class CostModel:
         """Seconds of the local copy of ``runs`` runs, ``nbytes`` bytes: a gather (reads
         the runs where they lie, writes staging in order), or with ``scatters`` a scatter
         (reads staging in order, writes the runs where they lie), which writes where the
-        runs jump and was measured slower (``scatter_per_run_s``, ``scatter_bandwidth``)."""
+        runs jump and was measured slower (``scatter_per_run_s``, ``scatter_bandwidth``;
+        either None: the gather's)."""
+        per_run, bandwidth = self.copy_per_run_s, self.copy_bandwidth
         if scatters:
-            return runs * self.scatter_per_run_s + nbytes / self.scatter_bandwidth
-        return runs * self.copy_per_run_s + nbytes / self.copy_bandwidth
+            per_run = per_run if self.scatter_per_run_s is None else self.scatter_per_run_s
+            bandwidth = bandwidth if self.scatter_bandwidth is None else self.scatter_bandwidth
+        return runs * per_run + nbytes / bandwidth
 
     def staged_s(
         self, descriptors: int, runs: int, nbytes: int, stages: int = 1, *, scatters: bool = False
@@ -154,7 +162,8 @@ def _finite(name: str, value: object, what: str, least: float | None) -> None:
         raise TypeError(f"{name} must be {what}, got {value!r}")
 
 
-DEFAULT_COST = CostModel()
+# This project's figures (the class's docstring), the scatter's among them.
+DEFAULT_COST = CostModel(scatter_per_run_s=0.2e-6, scatter_bandwidth=4e9)
 
 
 # -- plans -----------------------------------------------------------------------------------
