@@ -462,6 +462,8 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
             )
         elif pages is not None and not pages.rows_are_tokens and pages.advice and told != _TOLD_BY_BLOCKS:
             tokens_given = _advice(pages)  # what its reading says of mapping its pages (a ring's)
+        elif not tokens_given and told != _TOLD_BY_BLOCKS and side.layout is not None and cp.size == 1:
+            tokens_given = _slots_advice(tokens, size, len(ids))
         if own != needed:
             tokens_given = (
                 f" (or {own}, the blocks of {side.block_size * per} its CP rank's own {held(cp, tokens)} "
@@ -473,6 +475,17 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
         )
     check_ids_in_range(name, ids, count, BlockMapError)
     return ids
+
+
+def _slots_advice(tokens: int, size: int, given: int) -> str:
+    """For fewer ids than ``tokens`` fill: what the count is counted in (a compressed
+    cache's blocks hold slots of several tokens each: vLLM's ``tokens_per_state``)."""
+    if not 0 < given < -(-tokens // size):
+        return ""
+    return (
+        f": num_tokens and first_token count the rows its blocks hold ({size} a block); a compressed "
+        "cache's rows are slots of r tokens each (vLLM's tokens_per_state r): give num_tokens // r"
+    )
 
 
 def _pages(ids: np.ndarray, per: int, pages: int) -> np.ndarray:
