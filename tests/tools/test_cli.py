@@ -938,3 +938,26 @@ def test_output_that_cannot_be_written_is_one_line_not_a_traceback() -> None:
         check=False,
     )  # fmt: skip
     assert head.stderr == "" and head.stdout.startswith("value")
+
+
+def test_plan_of_mla_latents_as_the_readme_shows(capsys: pytest.CaptureFixture[str]) -> None:
+    """README's MLA pair, as vLLM 0.33 registers the latents (``[NB, 1, BS, C]``): with
+    ``kv_dim=1`` every decode rank reads the whole latents from one prefill rank; without it
+    they were planned as 8 KV heads, each decode rank a head slice of a one-head cache."""
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if "kvlayout plan" in x and "kv_dim=1" in x)
+    argv = [a.strip("'") for a in line.split("$ kvlayout ", 1)[1].split()]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    head, *pairs = out.splitlines()
+    assert (
+        "src NL_X_NB_BS_HS TP 8 (blocks of 64), dst NL_X_NB_BS_HS TP 16 (blocks of 64); latent KV heads"
+        in head
+    )
+    sends = [p for p in pairs if p.startswith("  src rank") and "nothing to send" not in p]
+    assert len(sends) == 16  # one prefill rank for each decode rank
+    assert all(
+        "same layout; 244 runs, 15616000 bytes" in p for p in sends
+    )  # 4 blocks x 61 layers, 250 x 1 KiB x 61
+    code, out, _ = run(capsys, *[a for a in argv if a not in ("--src-hint", "--dst-hint", "kv_dim=1")])
+    assert code == 0 and "8 KV heads" in out.splitlines()[0]
