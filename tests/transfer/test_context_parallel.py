@@ -315,18 +315,26 @@ def test_two_splits_of_many_ranks_cost_what_a_rank_holds_not_the_request() -> No
         assert torch.equal(dst.reg.bases[layer].view(4, 16, 8)[3, 0], src_rows[0, 0])
 
 
+# vLLM's HND cache, FlashInfer's (K/V inside a block) and cross-layer caches (blocks outside layers)
+PREFILL_INTO = [F.NL_X_TWO_NB_NH_BS_HS, F.NL_X_NB_TWO_NH_BS_HS, F.NL_X_NB_TWO_BS_NH_HS, F.NB_NL_TWO_NH_BS_HS,
+                F.NB_NL_TWO_BS_NH_HS]  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", PREFILL_INTO)
 @pytest.mark.parametrize(("interleave", "first"), [(1, 0), (1, 13), (4, 21), (8, 70)])
 def test_a_prefill_into_a_cp_rank_walks_the_rank_s_blocks_in_memory_order(
-    interleave: int, first: int
+    fmt: F, interleave: int, first: int
 ) -> None:
-    """A side without CP into a DCP rank of HND caches (heads outside slots): every token of
-    the rank's blocks from the first moved on is moved, so the builder walks its whole
-    blocks, head by head in memory order (granules inside them were walked a granule at a
-    time, out of order, and the runs sorted: 28 ms for 32 layers of 1024 tokens, 0.2 now)."""
-    fmt = F.NL_X_TWO_NB_NH_BS_HS
+    """A side without CP into a DCP rank: every token of the rank's blocks from the first
+    moved on is moved, so the builder walks its whole blocks, in memory order whatever the
+    destination's nest. Granules inside them were walked a granule at a time and the runs
+    sorted: 28 ms for 32 layers of 1024 tokens into HND, 0.2 now. The builder now walks a
+    block's granules head by head in order where slabs lie outside blocks (HND), but not
+    where blocks lie outside slabs (FlashInfer's K/V inside a block, cross-layer caches):
+    there only whole blocks keep the walk in order."""
     whole, shard = Shard(0, 1, 2), Shard(0, 1, 2, 1, 2, interleave)
     common: dict[str, Any] = dict(layers=2, heads=2, row=2, planes=1, kv=2, dtype=torch.uint8, pad=0)
-    src = make_side(fmt, blocks=16, bs=8, shard=whole, seed=7, **common)
+    src = make_side(F.NL_X_TWO_NB_NH_BS_HS, blocks=16, bs=8, shard=whole, seed=7, **common)
     dst = make_side(fmt, blocks=8, bs=8, shard=shard, seed=8, **common)
     src_ids, dst_ids = [9, 3, 0, 12, 5, 6, 1, 2, 14, 7, 4, 8, 11], [6, 1, 7, 2, 0, 3, 4]
     check_map(src, dst, src_ids, dst_ids, 100, 1, first)
