@@ -123,9 +123,10 @@ def repage(
     cut_first = max(0, first - int(p0[0]))  # the first granule first_token cuts
     n = len(p0) * g
     src_ids, src_slots = a_pages[ka // a_block_size], ka % a_block_size
-    if int(kb[-1] - kb[0]) == n - g:
+    if g < b_block_size and int(kb[-1] - kb[0]) == n - g:
         # Every destination token from the first moved on is moved (a side without CP, or
-        # a coarser split, into a CP rank): the destination's pages are its whole blocks.
+        # a coarser split, into a CP rank): the destination's pages are its whole blocks
+        # (granules of a whole block are its blocks already, as the general pages below).
         # Granule pages would give the same runs, but the builder walks several pages of
         # a block in memory order only where slabs are outside blocks (heads_over_pages
         # for heads outside slots). Where blocks lie outside slabs (vLLM's cross-layer
