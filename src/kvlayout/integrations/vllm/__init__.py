@@ -23,7 +23,10 @@ edit views the layer as its blocks, in its own dtype, which detection reads as t
 engine's format at the spec's block size. Every other edit re-views its layer as
 ``[num_blocks, slots, page_bytes // slots]`` int8 over the same storage (``slots`` is
 ``block_size``, or ``block_size / ratio`` for declared compression), which detection
-reads as ``NL_X_NB_BS_HS`` with that block size under any ``kv_layout`` hint.
+reads as ``NL_X_NB_BS_HS`` with that block size under any ``kv_layout`` hint. An MLA
+spec's one-head latents ``[NB, 1, BS, C]`` (a one-head fused K | V cache's shape) come
+back as ``[NB, BS, C]``, as vLLM's ``bind_kv_cache`` views them, so they read as latents
+without ``kv_dim=1``; hints a group's spec contradicts are refused.
 
 The opaque-page contract. An opaque view's dims are addressing only: block ``b`` of
 the view is exactly the bytes of block id ``b``'s page (padding included), and its rows

@@ -17,7 +17,9 @@ from typing import Any
 
 import torch
 
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import get_spec
+from kvlayout.detection.vllm import indexer_format
 from kvlayout.errors import as_int
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 from kvlayout.integrations.vllm.granularity import check_block_granularity
@@ -35,19 +37,22 @@ from kvlayout.integrations.vllm.rules import (
     SubpagedMLAEdit,
 )
 from kvlayout.integrations.vllm.specs import (
+    MLA_KINDS,
+    PAGED_ATTENTION_KINDS,
     allocations,
     iter_group_layer_specs,
     iter_groups,
     require_layer_dict,
     slots_per_block,
+    spec_kind,
     tokens_per_slot,
 )
 from kvlayout.integrations.vllm.validation import (
     find_kv_cache_groups_out_of_prefix_reuse,
     validate_kv_cache_groups,
 )
-from kvlayout.registration.opaque import is_marked, mark_opaque_pages
-from kvlayout.types import HintsLike
+from kvlayout.registration.opaque import is_marked, mark_opaque_pages, opaque_pages_of
+from kvlayout.types import HintsLike, LayoutHintError, LayoutHints
 
 __all__ = ["KV_CACHE_GROUP_EDITS", "apply_kv_cache_group_edits", "find_kv_cache_group_edit"]
 
@@ -114,6 +119,71 @@ def _check_view(edit: KVCacheGroupEdit, spec: Any, value: Any, view: torch.Tenso
         )
 
 
+def _edited(edit: KVCacheGroupEdit, spec: Any, value: Any, layout_hints: HintsLike) -> torch.Tensor:
+    """One layer as ``edit`` re-views it, marked: whole blocks that read as the engine's
+    format, or opaque pages."""
+    over = [value] if isinstance(value, torch.Tensor) else list(value)
+    view = edit.block_view(spec, value)
+    if view is not None:  # whole blocks, read as the engine's own format
+        _check_storage(edit, value, view)
+        mark_opaque_pages(view, None, over)
+        return view
+    view = edit.apply(spec, value, layout_hints)
+    _check_view(edit, spec, value, view)
+    # the view reads as a format, but its rows are the kernel's page bytes: say so
+    mark_opaque_pages(view, edit.opaque_pages(spec, value, layout_hints), over)
+    return view
+
+
+def _check_hints_against_spec(spec: Any, hints: LayoutHints, group: int) -> None:
+    """Refuse hints that say of a group's layers what its spec, vLLM's own word, contradicts:
+    MLA latents (``kv_dim=1``, an MLA ``layout_format``) for a spec of heads of K and V, or
+    K and V planes (another ``kv_dim``, a ``layout_format`` with K and V) for an MLA spec."""
+    kind = spec_kind(spec)
+    if kind not in MLA_KINDS and kind not in PAGED_ATTENTION_KINDS:
+        return  # no heads to say anything of (Mamba state, a ring), or a spec validation refuses
+    named = None if hints.layout_format is None else LAYOUTS[EngineKVFormat[hints.layout_format]]
+    if kind in MLA_KINDS:
+        if hints.kv_dim not in (None, 1):
+            hint = f"kv_dim={hints.kv_dim}"
+        elif named is not None and named.has_kv:
+            hint = f"layout_format={hints.layout_format!r}"
+        else:
+            return
+        raise LayoutHintError(
+            f"layout hint {hint} contradicts KV cache group {group}'s {type(spec).__name__}: vLLM's MLA "
+            "layers hold one latent row a token (no K and V planes), which the group edits read as latents "
+            "without a hint; leave it out"
+        )
+    if hints.kv_dim == 1:
+        hint = "kv_dim=1"
+    elif named is not None and named.is_mla:
+        hint = f"layout_format={hints.layout_format!r}"
+    else:
+        return
+    raise LayoutHintError(
+        f"layout hint {hint} contradicts KV cache group {group}'s {type(spec).__name__}: it says MLA "
+        "latents, but the spec's layers hold heads of K and V (the group edits read an MLA spec's layers "
+        "as latents without the hint); leave it out"
+    )
+
+
+def _latents(spec: Any, value: Any) -> torch.Tensor | None:
+    """An MLA layer's one-head ``[NB, 1, BS, C]`` as ``[NB, BS, C]``, the view vLLM's
+    ``MLAAttention.bind_kv_cache`` takes (``squeeze(1)``): the shape of a one-head fused
+    K | V cache that only a ``kv_dim=1`` hint tells apart, while the spec says it. None
+    for anything else (the DSA indexer's rows read as its pages under every hint)."""
+    if (
+        spec_kind(spec) not in MLA_KINDS
+        or not isinstance(value, torch.Tensor)
+        or opaque_pages_of(value) is not None
+    ):
+        return None
+    if value.dim() != 4 or value.shape[1] != 1 or indexer_format(value) is not None:
+        return None
+    return value.squeeze(1)
+
+
 def apply_kv_cache_group_edits(
     kv_cache_config: Any,
     kv_caches: Mapping[str, Any],
@@ -136,6 +206,15 @@ def apply_kv_cache_group_edits(
     result, logged with why, so
     :func:`transfer_layers` gives their group no layers, as vLLM's offloading stores none.
 
+    The spec is vLLM's own word on what a group holds. An MLA group's one-head latents
+    ``[NB, 1, BS, C]`` (edited or not) come back as ``[NB, BS, C]``, the view vLLM's
+    ``MLAAttention.bind_kv_cache`` takes, which reads as latents under any hints: as
+    registered they have the shape of a one-head fused K | V cache, which detection tells
+    apart only by ``kv_dim=1``. Hints a group's spec contradicts raise
+    :class:`~kvlayout.types.LayoutHintError` naming the group and its spec class:
+    ``kv_dim`` other than 1, or a ``layout_format`` with K and V, on an MLA spec;
+    ``kv_dim=1``, or an MLA ``layout_format``, on a spec of heads of K and V.
+
     ``layout_hints`` are the hints detection will get. The opaque views read the same
     under any of them, but the whole-block views (in the engine's own format: NHD
     attention pages, MLA latents) and the layers left as registered read as the hint
@@ -155,30 +234,26 @@ def apply_kv_cache_group_edits(
             for name in problem.layers:
                 edited.pop(name, None)
             logger.info("KV cache group left out: %s", problem)
+    hints = LayoutHints.coerce(layout_hints)
     applied: Counter[KVCacheGroupEdit] = Counter()
     for group_idx, group in iter_groups(kv_cache_config):
         for layer_name, spec in iter_group_layer_specs(group):
+            _check_hints_against_spec(spec, hints, group_idx)
             if layer_name is None or layer_name not in edited:
                 continue  # not registered by this worker (e.g. another pipeline stage)
             value = edited[layer_name]
             edit = find_kv_cache_group_edit(spec, value, edits, layout_hints)
-            if edit is None:
-                continue
-            over = [value] if isinstance(value, torch.Tensor) else list(value)
             try:
-                view = edit.block_view(spec, value)
-                if view is not None:  # whole blocks, read as the engine's own format
-                    _check_storage(edit, value, view)
-                    mark_opaque_pages(view, None, over)
-                else:
-                    view = edit.apply(spec, value, layout_hints)
-                    _check_view(edit, spec, value, view)
-                    # the view reads as a format, but its rows are the kernel's page bytes: say so
-                    mark_opaque_pages(view, edit.opaque_pages(spec, value, layout_hints), over)
+                view = value if edit is None else _edited(edit, spec, value, layout_hints)
             except KVCacheGroupEditError as e:
                 raise e.for_layer(layer_name, group_idx) from e
+            if edit is not None:
+                applied[edit] += 1
+            latents = _latents(spec, view)
+            if latents is not None:  # as MLA's bind_kv_cache views it; reads as latents under any hints
+                mark_opaque_pages(latents, None, [value])
+                view = latents
             edited[layer_name] = view
-            applied[edit] += 1
     if applied:
         logger.info(
             "KV cache group edits applied: %s (LMCache's names: %s)",

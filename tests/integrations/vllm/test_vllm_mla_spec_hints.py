@@ -1,0 +1,149 @@
+"""The spec says MLA: the group edits read an MLA group's latents as latents under any
+hints, and refuse hints that contradict the spec.
+
+vLLM 0.33 registers an MLA layer as ``[NB, 1, BS, C]`` (``create_kv_cache_views``), the
+shape of a one-head fused K | V cache, and its ``MLAAttention.bind_kv_cache`` views it as
+``[NB, BS, C]`` (``kv_cache.squeeze(1)``); ``concat_and_cache_mla`` writes token ``p``'s
+latent row at slot ``block_table[p // BS] * BS + p % BS`` of that view. The oracle below
+is that addressing, on the registered tensors."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import kvlayout
+from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+from kvlayout.testing import vllm as vx
+from kvlayout.transfer import block_map
+from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+
+pytest.importorskip("vllm.v1.kv_cache_interface")
+import vllm.v1.kv_cache_interface as kvi
+
+BS, NB, NL, TOKENS = 64, 6, 3, 150
+
+HINTS: list[Any] = [None, {"kv_layout": "NHD"}, {"kv_layout": "HND"}, {"kv_layout": "LBNHC"}, {"kv_dim": 1}]
+
+
+def mla_spec(kind: str) -> Any:
+    """``subpaged``: a 128-token block in FlashMLA's 64-token kernel pages (the
+    ``subpaged-mla-attention`` edit joins them into blocks)."""
+    if kind == "subpaged":
+        return kvi.MLAAttentionSpec(block_size=2 * BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    if kind == "sliding":  # DeepSeek-V4's SWA cache (sparse_swa.py), not a bounded replay
+        return kvi.SlidingWindowMLASpec(
+            block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16, sliding_window=4096
+        )
+    return kvi.MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+
+
+def engine_of(spec: Any) -> tuple[vx.Engine, dict[str, torch.Tensor]]:
+    engine = vx.uniform_engine(spec, vx.FLASHMLA, num_layers=NL, num_blocks=NB)
+    buf, kv = vx.allocate_v033(engine)
+    vx.fill_random(buf, 5)
+    return engine, kv
+
+
+def latent_row(view: torch.Tensor, block_table: list[int], p: int, bs: int = BS) -> torch.Tensor:
+    """Token ``p``'s latent row where vLLM writes it, as int16 (random bytes hold NaNs): a
+    block of ``bs`` tokens is ``bs / kernel`` kernel pages in order, so slot-major the
+    kernel pages' rows are the blocks' slots."""
+    slots = view.squeeze(1).reshape(-1, view.shape[-1])  # bind_kv_cache's [pages, kernel, C]
+    return slots[block_table[p // bs] * bs + p % bs].view(torch.int16)
+
+
+@pytest.mark.parametrize("kind", ["mla", "sliding", "subpaged"])
+@pytest.mark.parametrize("hints", HINTS, ids=repr)
+def test_an_mla_spec_s_latents_read_as_latents_whatever_the_hints(kind: str, hints: Any) -> None:
+    spec = mla_spec(kind)
+    bs = spec.block_size
+    engine, kv = engine_of(spec)
+    edited = apply_kv_cache_group_edits(engine.config, kv, hints)
+    for name, value in kv.items():  # a view over vLLM's storage, never a copy
+        assert tuple(edited[name].shape) == (NB, bs, 576)
+        assert edited[name].data_ptr() == value.data_ptr()
+    layers, groups = transfer_layers(engine.config, edited)
+    group = kvlayout.detect(layers, "vllm", hints, layer_groups=groups).only_group()
+    assert (group.format.name, group.block_size) == ("NL_X_NB_BS_HS", bs)
+    saved, loaded = [4, 1, 3][: -(-TOKENS // bs)], [2, 5, 0][: -(-TOKENS // bs)]
+    shape, dtype = chunk_shape_for(group, TOKENS)
+    chunk = torch.zeros(shape, dtype=dtype)
+    block_map(group, chunk_side(group, chunk), saved, [0], num_tokens=TOKENS).copy()
+    block_map(chunk_side(group, chunk), group, [0], loaded, num_tokens=TOKENS).copy()
+    for layer, view in enumerate(kv.values()):
+        for p in range(TOKENS):
+            sent = latent_row(view, saved, p, bs)
+            assert torch.equal(chunk[:, layer, p].reshape(-1).view(torch.int16), sent)
+            assert torch.equal(latent_row(view, loaded, p, bs), sent)
+
+
+def test_the_latents_map_to_sglang_s_mla_pool_without_the_hint() -> None:
+    """What a user who left out ``kv_dim=1`` saw refused: vLLM's latents to SGLang's
+    ``MLATokenToKVPool`` (``[size, 1, C]`` a layer, token ``t`` of page ``n`` at row
+    ``n * page + t``)."""
+    engine, kv = engine_of(mla_spec("mla"))
+    layers, groups = transfer_layers(engine.config, apply_kv_cache_group_edits(engine.config, kv))
+    reg = kvlayout.detect(layers, "vllm", layer_groups=groups)
+    sglang = [torch.zeros(NB * BS, 1, 576, dtype=torch.bfloat16) for _ in range(NL)]
+    pool = kvlayout.detect(sglang, "sglang", {"kv_layout": "NHD"})
+    block_map(reg.only_group(), pool, [2, 0, 4], [5, 1, 3], num_tokens=TOKENS, dst_block_size=BS).copy()
+    for layer, view in enumerate(kv.values()):
+        for p in range(TOKENS):
+            moved = sglang[layer][[5, 1, 3][p // BS] * BS + p % BS, 0]
+            assert torch.equal(moved.view(torch.int16), latent_row(view, [2, 0, 4], p))
+
+
+def test_a_one_head_attention_model_stays_one_head_of_k_and_v() -> None:
+    """The same ``[NB, 1, BS, C]`` of a one-KV-head model (TP = KV heads) is heads of K | V:
+    the spec says so, and the edits leave it as registered."""
+    spec = kvi.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    engine = vx.uniform_engine(spec, vx.FLASH_ATTN, num_layers=2, num_blocks=NB)
+    _, kv = vx.allocate_v033(engine)
+    edited = apply_kv_cache_group_edits(engine.config, kv, {"kv_layout": "NHD"})
+    assert all(edited[name] is value for name, value in kv.items())
+    layers, groups = transfer_layers(engine.config, edited)
+    group = kvlayout.detect(layers, "vllm", {"kv_layout": "NHD"}, layer_groups=groups).only_group()
+    assert (group.format.name, group.geometry.num_heads) == ("NL_X_NB_BS_NH_CS", 1)
+
+
+MLA_CONTRADICTED = (
+    "contradicts KV cache group 0's {cls}: vLLM's MLA layers hold one latent row a token (no K and V "
+    "planes), which the group edits read as latents without a hint; leave it out"
+)
+ATTENTION_CONTRADICTED = (
+    "contradicts KV cache group 0's FullAttentionSpec: it says MLA latents, but the spec's layers hold "
+    "heads of K and V (the group edits read an MLA spec's layers as latents without the hint); leave it out"
+)
+
+
+@pytest.mark.parametrize("kind", ["mla", "sliding"])
+@pytest.mark.parametrize(
+    ("hints", "hint"),
+    [
+        ({"kv_dim": 2}, "kv_dim=2"),
+        ({"kv_layout": "NHD", "layout_format": "NL_X_NB_BS_NH_CS"}, "layout_format='NL_X_NB_BS_NH_CS'"),
+    ],
+)
+def test_hints_of_k_and_v_on_an_mla_spec_are_refused(kind: str, hints: Any, hint: str) -> None:
+    spec = mla_spec(kind)
+    engine, kv = engine_of(spec)
+    message = f"layout hint {hint} " + MLA_CONTRADICTED.format(cls=type(spec).__name__)
+    with pytest.raises(kvlayout.LayoutHintError, match="^" + re.escape(message) + "$"):
+        apply_kv_cache_group_edits(engine.config, kv, hints)
+
+
+@pytest.mark.parametrize(
+    ("hints", "hint"),
+    [({"kv_dim": 1}, "kv_dim=1"), ({"layout_format": "NL_X_NB_BS_HS"}, "layout_format='NL_X_NB_BS_HS'")],
+)
+def test_an_mla_hint_on_an_attention_spec_is_refused(hints: Any, hint: str) -> None:
+    spec = kvi.FullAttentionSpec(block_size=16, num_kv_heads=1, head_size=128, dtype=torch.bfloat16)
+    engine = vx.uniform_engine(spec, vx.FLASH_ATTN, num_layers=2, num_blocks=NB)
+    _, kv = vx.allocate_v033(engine)
+    message = f"layout hint {hint} " + ATTENTION_CONTRADICTED
+    with pytest.raises(kvlayout.LayoutHintError, match="^" + re.escape(message) + "$"):
+        apply_kv_cache_group_edits(engine.config, kv, hints)
