@@ -961,3 +961,30 @@ def test_plan_of_mla_latents_as_the_readme_shows(capsys: pytest.CaptureFixture[s
     )  # 4 blocks x 61 layers, 250 x 1 KiB x 61
     code, out, _ = run(capsys, *[a for a in argv if a not in ("--src-hint", "--dst-hint", "kv_dim=1")])
     assert code == 0 and "8 KV heads" in out.splitlines()[0]
+    assert out.splitlines()[1:3] == [  # planned by heads, as a one-head model is; not silently
+        f"  note: --{where}-shape read as one KV head of K and V a rank (NL_X_NB_BS_NH_CS), planned by "
+        f"heads; an MLA model's latents have this shape too: give --{where}-hint kv_dim=1 for them"
+        for where in ("src", "dst")
+    ]
+
+
+def test_plan_json_says_a_one_head_side_could_be_latents(capsys: pytest.CaptureFixture[str]) -> None:
+    """A one-KV-head side (a GQA model at TP = KV heads, or vLLM's MLA latents without
+    ``kv_dim=1``) is planned by heads, not refused, and ``--json`` says so in ``note``;
+    a side of several heads, or one the hint reads as latents, has none."""
+    one_head = ["--src-engine", "vllm", "--src-shape", "2x[8,1,16,256]", "--src-tp", "2",
+                "--dst-engine", "vllm", "--dst-shape", "2x[8,1,16,256]", "--dst-tp", "2"]  # fmt: skip
+    code, out, _ = run(capsys, "plan", *one_head, "--tokens", "20", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["kv_heads"] == 2
+    assert plan["src"]["note"] == (
+        "--src-shape read as one KV head of K and V a rank (NL_X_NB_BS_NH_CS), planned by heads; an MLA "
+        "model's latents have this shape too: give --src-hint kv_dim=1 for them"
+    )
+    assert plan["dst"]["note"] == plan["src"]["note"].replace("--src-", "--dst-")
+    hinted = [*one_head, "--src-hint", "kv_dim=1", "--dst-hint", "kv_dim=1"]
+    code, out, _ = run(capsys, "plan", *hinted, "--tokens", "20", "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["kv_heads"] is None and plan["src"]["note"] is plan["dst"]["note"] is None
+    code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--json")
+    assert code == 0 and json.loads(out)["src"]["note"] is json.loads(out)["dst"]["note"] is None

@@ -28,6 +28,28 @@ def _side_heads(registration: Any) -> int | None:
     return None if latent else int(group.geometry.num_heads)
 
 
+def _one_head_note(
+    where: str, kv: Any, spec: Any, engine: Any, hints: dict[str, object], registration: Any
+) -> str | None:
+    """What ``plan`` says of a side read as one KV head of fused K and V where the hint
+    ``kv_dim=1`` reads the same tensors as MLA latents (vLLM 0.26+ registers an MLA layer
+    as ``[NB, 1, BS, C]``, the shape of a one-head cache: only the hint tells them apart,
+    and a real one-head model is not refused); None for any other side."""
+    if "kv_dim" in hints or "layout_format" in hints or _side_heads(registration) != 1:
+        return None
+    try:
+        as_latents = _detect_kv(kv, spec, engine, {**hints, "kv_dim": 1})
+    except (KVLayoutError, TypeError):
+        return None  # no latents of this shape: the one head is all it can be
+    if _side_heads(as_latents) is not None:
+        return None
+    fmt = registration.kernel_groups[0].format.name
+    return (
+        f"--{where}-shape read as one KV head of K and V a rank ({fmt}), planned by heads; an MLA model's "
+        f"latents have this shape too: give --{where}-hint kv_dim=1 for them"
+    )
+
+
 MAX_TP = 1024
 """A side's TP degree in ``plan`` (deployments use up to a few dozen ranks)."""
 MAX_RANK_PAIRS = 4096
@@ -118,7 +140,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = _torch_dtype(args.dtype)
     _plan_bounds(args)
     meta = torch.device("meta")
-    sides = {}
+    sides, notes = {}, {}
     a = vars(args)
     for where in ("src", "dst"):
         hints = _hints(a[f"{where}_hint"], f"--{where}-hint")
@@ -149,6 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "(the engine's page size)"
             )
         sides[where] = (reg, group)
+        notes[where] = _one_head_note(where, kv, spec, engine, hints, reg)
     heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
     model_heads = args.kv_heads
     if model_heads is None and heads["src"] is not None:
@@ -185,7 +208,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         record[where] = {"format": group.format.name, "tp": a[f"{where}_tp"], "dcp": a[f"{where}_dcp"],
                          "cp_interleave": a[f"{where}_cp_interleave"],
                          "block_size": g.block_size, "num_blocks": g.num_blocks,
-                         "shared_layers": [list(layers) for layers in group.shared_layers]}  # fmt: skip
+                         "shared_layers": [list(layers) for layers in group.shared_layers],
+                         "note": notes[where]}  # fmt: skip
     descs, ids = {}, {}
     for where, (reg, group) in sides.items():
         bs = group.geometry.block_size
@@ -325,6 +349,9 @@ def _print_plan(r: dict[str, Any]) -> None:
         f"dst {d['format']} TP {d['tp']}{_dcp(d)} (blocks of {d['block_size']}); "
         f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
     )
+    for side in (s, d):
+        if side["note"]:
+            print(f"  note: {side['note']}")
     for p in r["pairs"]:
         head = f"  src rank {p['src_rank']} -> dst rank {p['dst_rank']}:"
         if "refused" in p:
