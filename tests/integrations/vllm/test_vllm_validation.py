@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import dataclasses
+import logging
 from dataclasses import dataclass
 from fractions import Fraction
 from types import SimpleNamespace
@@ -20,12 +22,14 @@ from kvlayout.integrations.vllm import (
     apply_kv_cache_group_edits,
     check_block_granularity,
     declares_slot_compression,
+    find_kv_cache_groups_out_of_offloading,
     find_unsupported_kv_cache_groups,
     spec_kind,
     transfer_layers,
     validate_kv_cache_groups,
 )
 from kvlayout.integrations.vllm.specs import slots_per_block, tokens_per_slot
+from kvlayout.testing.vllm import make_engine
 from tests.integrations.vllm.models import (
     FLASHINFER,
     QWEN3_5_0_8B,
@@ -353,3 +357,84 @@ def test_groups_vllm_keeps_out_of_transfer_are_skipped_and_left_out_of_detection
         ValueError, match=r"^group=3 is not a KV cache group id: the config has 3 KV cache groups$"
     ):
         transfer_layers(config, edited, group=np.int32(3))  # type: ignore[arg-type]
+
+
+def _vllm_get_offloading_group_ids() -> Any:
+    """vLLM 0.33's own ``get_offloading_group_ids``
+    (distributed/kv_transfer/kv_connector/v1/offloading/config.py), run as written: its
+    module imports what this CPU install lacks (psutil, through vllm.distributed), so the
+    one function is compiled from vLLM's source, its one name bound to vLLM's enum."""
+    import vllm
+
+    path = f"{vllm.__path__[0]}/distributed/kv_transfer/kv_connector/v1/offloading/config.py"
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "get_offloading_group_ids")
+    namespace: dict[str, Any] = {"KVCacheGroupRole": kvi.KVCacheGroupRole}
+    exec(compile(ast.Module(body=[fn], type_ignores=[]), path, "exec"), namespace)
+    return namespace["get_offloading_group_ids"]
+
+
+@pytest.mark.parametrize("hisparse", [True, False], ids=["hisparse", "plain"])
+def test_an_offload_tier_stores_the_groups_vllm_s_offloading_connector_stores(
+    hisparse: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """vLLM 0.33's OffloadingConnector stores ``get_offloading_group_ids``: the
+    prefix-cacheable groups, but under HiSparse (``hisparse_host_num_blocks`` set) only the
+    ``HISPARSE_INDEXER`` groups. An offload tier (``prefix_reuse=True``) followed
+    ``prefix_cacheable_group_ids`` alone, so under HiSparse it also stored the host-resident
+    sparse-MLA source group and the model's other groups, which vLLM's offloading leaves
+    out. The groups laid out as ``_lay_out_hisparse_groups`` (v1/hisparse/layout.py) lays
+    them out: source, indexer, a device replica (out of transfer), the regular groups; the
+    oracle is vLLM's own function on the same config."""
+    sparse = kvi.MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    indexer = kvi.MLAAttentionSpec(  # deepseek_v2.py's Indexer cache: one fp8 row of 128 + 4 scale bytes
+        block_size=16, num_kv_heads=1, head_size=132, dtype=torch.uint8,
+        cache_role=kvi.SparseCacheRole.INDEXER,
+    )  # fmt: skip
+    source, index, regular = (
+        [f"model.layers.{i}.{kind}" for i in range(2)] for kind in ("attn", "indexer.k_cache", "mtp.attn")
+    )
+    specs = {**dict.fromkeys(source + regular, sparse), **dict.fromkeys(index, indexer)}
+    engine = make_engine(specs, [source, index, regular], lambda spec: spec.block_size, num_blocks=6)
+    _, kv = allocate_v033(engine)
+    config = engine.config
+    if hisparse:
+        g = config.kv_cache_groups
+        hot = kvi.HiSparseHotSpec(block_size=16, page_size=4096, blocks_per_request=2)
+        groups = [
+            dataclasses.replace(g[0], role=kvi.KVCacheGroupRole.HISPARSE_SOURCE, host_resident=True),
+            dataclasses.replace(g[1], role=kvi.KVCacheGroupRole.HISPARSE_INDEXER),
+            kvi.KVCacheGroupSpec(["model.layers.0.attn.hot"], hot, enable_kv_transfer=False),
+            g[2],
+        ]
+        config = dataclasses.replace(config, kv_cache_groups=groups, hisparse_host_num_blocks=64)
+        kv["model.layers.0.attn.hot"] = torch.zeros(4096, dtype=torch.int8)  # a replica's raw buffer
+        assert config.prefix_cacheable_group_ids == (0, 1, 3)  # what the tier followed
+    stored = _vllm_get_offloading_group_ids()(config)  # vLLM's own answer
+    assert stored == ((1,) if hisparse else (0, 1, 2))
+    transferred = [i for i, group in enumerate(config.kv_cache_groups) if group.enable_kv_transfer]
+    left_out = find_kv_cache_groups_out_of_offloading(config)
+    assert [p.group for p in left_out] == [i for i in transferred if i not in stored]
+    with caplog.at_level(logging.INFO, logger="kvlayout.integrations.vllm.edits"):
+        edited = apply_kv_cache_group_edits(config, kv)
+    layers, layer_groups = transfer_layers(config, edited)
+    assert layer_groups is not None
+    assert [i for i, members in enumerate(layer_groups) if members] == list(stored)
+    reg = kvlayout.detect(layers, "vllm", layer_groups=layer_groups)
+    assert [group.engine_group for group in reg.kernel_groups] == list(stored)
+    if hisparse:
+        assert sorted(edited) == sorted([*index, "model.layers.0.attn.hot"])  # the replica: as registered
+        assert (
+            "KV cache group left out: group 0: HiSparse is on (hisparse_host_num_blocks set) and the group's "
+            "role is 'hisparse_source': vLLM's OffloadingConnector stores only the HiSparse indexer groups "
+            "(get_offloading_group_ids; the source group lives in HiSparse's host pool): left out of a "
+            "prefix-reusing tier; a P/D connector passes prefix_reuse=False to move it "
+            f"(layers: {source[0]}, {source[1]})"
+        ) in caplog.messages
+        assert any(m.startswith("KV cache group left out: group 3: HiSparse is on") for m in caplog.messages)
+        # a P/D connector moves every group vLLM transfers
+        _, layer_groups = transfer_layers(config, apply_kv_cache_group_edits(config, kv, prefix_reuse=False))
+        assert layer_groups is not None and [bool(m) for m in layer_groups] == [True, True, False, True]
+    else:
+        assert not left_out and not any(m.startswith("KV cache group left out") for m in caplog.messages)

@@ -82,6 +82,7 @@ from kvlayout.integrations.vllm.rules import (
 )
 from kvlayout.integrations.vllm.specs import SpecKind, declares_slot_compression, spec_kind
 from kvlayout.integrations.vllm.validation import (
+    find_kv_cache_groups_out_of_offloading,
     find_kv_cache_groups_out_of_prefix_reuse,
     find_unsupported_kv_cache_groups,
     validate_kv_cache_groups,
@@ -110,6 +111,7 @@ __all__ = [
     "check_block_granularity",
     "declares_slot_compression",
     "find_kv_cache_group_edit",
+    "find_kv_cache_groups_out_of_offloading",
     "find_kv_cache_groups_out_of_prefix_reuse",
     "find_unsupported_kv_cache_groups",
     "spec_kind",

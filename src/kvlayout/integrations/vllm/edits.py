@@ -48,7 +48,7 @@ from kvlayout.integrations.vllm.specs import (
     tokens_per_slot,
 )
 from kvlayout.integrations.vllm.validation import (
-    find_kv_cache_groups_out_of_prefix_reuse,
+    find_kv_cache_groups_out_of_offloading,
     validate_kv_cache_groups,
 )
 from kvlayout.registration.opaque import is_marked, mark_opaque_pages, opaque_pages_of
@@ -204,7 +204,9 @@ def apply_kv_cache_group_edits(
     vLLM keeps out of prefix caching (:func:`find_kv_cache_groups_out_of_prefix_reuse`: a
     ``CircularBufferSpec`` ring, a bounded-replay sliding window) are left out of the
     result, logged with why, so
-    :func:`transfer_layers` gives their group no layers, as vLLM's offloading stores none.
+    :func:`transfer_layers` gives their group no layers, as vLLM's offloading stores none;
+    under HiSparse, as vLLM's OffloadingConnector, every group but the HiSparse indexer
+    groups (:func:`find_kv_cache_groups_out_of_offloading`).
 
     The spec is vLLM's own word on what a group holds. An MLA group's one-head latents
     ``[NB, 1, BS, C]`` (edited or not) come back as ``[NB, BS, C]``, the view vLLM's
@@ -229,8 +231,8 @@ def apply_kv_cache_group_edits(
     edited = dict(kv_caches)
     if kv_cache_config is None:
         return edited
-    if prefix_reuse:  # as vLLM's hash-addressed stores: only its prefix-cacheable groups
-        for problem in find_kv_cache_groups_out_of_prefix_reuse(kv_cache_config):
+    if prefix_reuse:  # as vLLM's OffloadingConnector: its prefix-cacheable groups (HiSparse: indexers)
+        for problem in find_kv_cache_groups_out_of_offloading(kv_cache_config):
             for name in problem.layers:
                 edited.pop(name, None)
             logger.info("KV cache group left out: %s", problem)

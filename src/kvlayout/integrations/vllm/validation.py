@@ -35,12 +35,15 @@ from kvlayout.integrations.vllm.specs import (
 )
 
 __all__ = [
+    "find_kv_cache_groups_out_of_offloading",
     "find_kv_cache_groups_out_of_prefix_reuse",
     "find_unsupported_kv_cache_groups",
     "validate_kv_cache_groups",
 ]
 
 SUPPORTED_MAMBA_CACHE_MODE = "align"
+# vLLM 0.33's KVCacheGroupRole.HISPARSE_INDEXER (a str enum: its value compares equal)
+HISPARSE_INDEXER_ROLE = "hisparse_indexer"
 
 
 def _problem(spec: Any, prefix_reuse: bool) -> str | None:
@@ -127,6 +130,41 @@ def find_kv_cache_groups_out_of_prefix_reuse(kv_cache_config: Any) -> list[Group
                 "by prefix hash): left out of a prefix-reusing tier; a P/D connector passes "
                 "prefix_reuse=False to move it",
                 layers,
+            )
+        )
+    return left_out
+
+
+def find_kv_cache_groups_out_of_offloading(kv_cache_config: Any) -> list[GroupProblem]:
+    """Every group vLLM's OffloadingConnector does not store, with why and its layers:
+    the complement of its ``get_offloading_group_ids`` (vLLM 0.33,
+    distributed/kv_transfer/kv_connector/v1/offloading/config.py). Without HiSparse that
+    is ``prefix_cacheable_group_ids``, so these are
+    :func:`find_kv_cache_groups_out_of_prefix_reuse`'s groups. Under HiSparse (the config's
+    ``hisparse_host_num_blocks`` set) it stores only the ``HISPARSE_INDEXER`` groups: the
+    sparse-MLA source group already lives in HiSparse's host pool, and the model's other
+    groups are left out too, prefix-cacheable or not, so every transferred group of
+    another role is left out here (an indexer group is kept even where its spec is not
+    prefix-cacheable, as vLLM keeps it). Other hash-addressed stores (the Mooncake store)
+    keep ``prefix_cacheable_group_ids`` under HiSparse as well: this is the
+    OffloadingConnector's own choice, what :func:`~kvlayout.integrations.vllm.apply_kv_cache_group_edits`
+    follows under ``prefix_reuse``."""
+    if getattr(kv_cache_config, "hisparse_host_num_blocks", None) is None:
+        return find_kv_cache_groups_out_of_prefix_reuse(kv_cache_config)
+    left_out: list[GroupProblem] = []
+    for group_idx, group in iter_groups(kv_cache_config):
+        role = getattr(group, "role", None)
+        if role == HISPARSE_INDEXER_ROLE:
+            continue
+        shown = getattr(role, "value", role)
+        left_out.append(
+            GroupProblem(
+                group_idx,
+                f"HiSparse is on (hisparse_host_num_blocks set) and the group's role is {shown!r}: vLLM's "
+                "OffloadingConnector stores only the HiSparse indexer groups (get_offloading_group_ids; the "
+                "source group lives in HiSparse's host pool): left out of a prefix-reusing tier; a P/D "
+                "connector passes prefix_reuse=False to move it",
+                tuple(name for name, _ in iter_group_layer_specs(group) if name is not None),
             )
         )
     return left_out
