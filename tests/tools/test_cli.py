@@ -558,6 +558,34 @@ def test_plan_refuses_a_cp_interleave_without_dcp(capsys: pytest.CaptureFixture[
     assert code == 0  # an interleave of 1 is vLLM's default: nothing forgotten
 
 
+@pytest.mark.parametrize("interleave", ["3", "16"])
+def test_plan_refuses_a_cp_interleave_that_does_not_divide_the_block_size(
+    capsys: pytest.CaptureFixture[str], interleave: str
+) -> None:
+    """vLLM asserts at start-up (``VllmConfig.validate_block_size``, under DCP) that
+    ``cp_kv_cache_interleave_size <= block_size`` and ``block_size % cp_kv_cache_interleave_size
+    == 0``: plan built both sides and reported every rank pair's refusal of such an interleave
+    (exit 1, as for a pair that cannot be served), though vLLM does not start such a
+    deployment. It is a usage error naming the flag, the block
+    size and vLLM's rule (blocks of 8 a side; 16 is above them, 3 divides no block)."""
+    dcp = ["--dst-tp", "2", "--dst-dcp", "2", "--dst-cp-interleave", interleave]
+    code, out, err = run(capsys, "plan", *PLAN_MLA, *dcp, "--tokens", "40")
+    assert code == 2 and out == ""
+    assert err == (
+        f"kvlayout: --dst-cp-interleave {interleave} does not divide --dst-shape's blocks of 8 tokens: vLLM "
+        "requires a block size that is a multiple of cp_kv_cache_interleave_size "
+        "(VllmConfig.validate_block_size); give an interleave that divides 8\n"
+    )
+    dcp = ["--src-tp", "2", "--src-dcp", "2"]
+    for divisor in ("4", "8"):  # a divisor plans every pair
+        code, out, _ = run(capsys, "plan", *PLAN_MLA, *dcp, "--src-cp-interleave", divisor, "--tokens", "40")
+        assert code == 0 and "cannot be served" not in out
+    code, _, err = run(capsys, "plan", *PLAN_MLA, *dcp, "--src-cp-interleave", "6", "--tokens", "40")
+    assert code == 2 and err.startswith(
+        "kvlayout: --src-cp-interleave 6 does not divide --src-shape's blocks of 8"
+    )
+
+
 def test_plan_refuses_a_request_larger_than_the_cache(capsys: pytest.CaptureFixture[str]) -> None:
     code, _, err = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "40")
     assert code == 2

@@ -170,6 +170,13 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"one axis (NB*BS), so plan cannot tell its blocks: give --{where}-hint tokens_per_block=N "
                 "(the engine's page size)"
             )
+        interleave, bs = a[f"{where}_cp_interleave"], group.geometry.block_size
+        if bs % interleave:  # every pair's map would refuse it: vLLM does, at start-up
+            raise KVLayoutError(
+                f"--{where}-cp-interleave {interleave} does not divide --{where}-shape's blocks of {bs} "
+                "tokens: vLLM requires a block size that is a multiple of cp_kv_cache_interleave_size "
+                f"(VllmConfig.validate_block_size); give an interleave that divides {bs}"
+            )
         sides[where] = (reg, group)
         notes[where] = _one_head_note(where, kv, spec, engine, hints, reg)
     heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
