@@ -16,6 +16,19 @@ import torch
 pytest.importorskip("vllm.v1.kv_cache_interface", reason="vllm is not installed")
 
 from kvlayout.testing.vllm import *  # noqa: F403  (one copy: the package's)
+from kvlayout.transfer import block_map
+from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+
+
+def stored_then_loaded(group: Any, saved: list[int], loaded: list[int], rows: int) -> torch.Tensor:
+    """A request's first ``rows`` rows stored from blocks ``saved`` into a chunk and loaded
+    back into blocks ``loaded`` of the same group, by block maps; the chunk."""
+    shape, dtype = chunk_shape_for(group, rows)
+    assert shape[2] == rows
+    chunk = torch.zeros(shape, dtype=dtype)
+    block_map(group, chunk_side(group, chunk), saved, [0], num_tokens=rows).copy()
+    block_map(chunk_side(group, chunk), group, [0], loaded, num_tokens=rows).copy()
+    return chunk
 
 
 def first_tensor(value: Any) -> torch.Tensor:

@@ -26,6 +26,7 @@ from kvlayout.testing.vllm import (
 )
 from kvlayout.transfer import BlockMapError, block_map
 from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+from tests.integrations.vllm.models import stored_then_loaded
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 import vllm.v1.kv_cache_interface as kvi
@@ -88,11 +89,7 @@ def test_a_request_s_states_store_and_load_where_vllm_s_compressed_slots_are(ind
     assert group.block_size == BS // RATIO
     states = TOKENS // RATIO  # the states vLLM has written for 500 tokens
     saved, loaded = [4, 1], [2, 5]
-    shape, dtype = chunk_shape_for(group, states)
-    assert shape[2] == states
-    chunk = torch.zeros(shape, dtype=dtype)
-    block_map(group, chunk_side(group, chunk), saved, [0], num_tokens=states).copy()
-    block_map(chunk_side(group, chunk), group, [0], loaded, num_tokens=states).copy()
+    chunk = stored_then_loaded(group, saved, loaded, states)
     for li, view in enumerate(kv.values()):
         for q in range(states):
             sent = state_row(view, saved, q, indexer)

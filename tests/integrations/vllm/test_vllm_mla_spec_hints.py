@@ -19,7 +19,7 @@ import kvlayout
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
 from kvlayout.testing import vllm as vx
 from kvlayout.transfer import block_map
-from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+from tests.integrations.vllm.models import stored_then_loaded
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 import vllm.v1.kv_cache_interface as kvi
@@ -70,10 +70,7 @@ def test_an_mla_spec_s_latents_read_as_latents_whatever_the_hints(kind: str, hin
     group = kvlayout.detect(layers, "vllm", hints, layer_groups=groups).only_group()
     assert (group.format.name, group.block_size) == ("NL_X_NB_BS_HS", bs)
     saved, loaded = [4, 1, 3][: -(-TOKENS // bs)], [2, 5, 0][: -(-TOKENS // bs)]
-    shape, dtype = chunk_shape_for(group, TOKENS)
-    chunk = torch.zeros(shape, dtype=dtype)
-    block_map(group, chunk_side(group, chunk), saved, [0], num_tokens=TOKENS).copy()
-    block_map(chunk_side(group, chunk), group, [0], loaded, num_tokens=TOKENS).copy()
+    chunk = stored_then_loaded(group, saved, loaded, TOKENS)
     for layer, view in enumerate(kv.values()):
         for p in range(TOKENS):
             sent = latent_row(view, saved, p, bs)
