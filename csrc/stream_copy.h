@@ -427,6 +427,16 @@ inline Tile find_tile(const ByteRun& first, const ByteRun* runs, std::size_t n) 
   return t;
 }
 
+// The tile that starts in run r (runs[i], or what a tile before left of it) and goes on
+// through runs[i + 1..n), in `head` the bytes of r before it; rows 0 where none does, and
+// then cols says how many runs (r included) the search looked at.
+inline Tile tile_at(const ByteRun& r, const ByteRun* runs, std::size_t n, std::size_t i, std::uint64_t& head) {
+  // A run longer than the next may end in a tile's first run.
+  const std::uint64_t next = runs[i + 1].len;
+  head = r.len > next && next != 0 ? r.len - next : 0;
+  return find_tile(ByteRun{r.src + head, r.dst + head, r.len - head}, runs + i + 1, n - i - 1);
+}
+
 // Walks runs[0..n) in order, each tile found there going to on_tile(tile, the index of its
 // first run) and every other run, or piece of one a tile leaves, to on_run(run): the one
 // scan for tiles.
@@ -438,11 +448,8 @@ template <class OnTile, class OnRun>
     const ByteRun r = left.len != 0 ? left : runs[i];
     left = ByteRun{};
     if (i >= untiled && i + 1 < n && r.len != 0) {
-      // A run longer than the next may end in a tile's first run.
-      const std::uint64_t next = runs[i + 1].len;
-      const std::uint64_t head = r.len > next && next != 0 ? r.len - next : 0;
-      const ByteRun first{r.src + head, r.dst + head, r.len - head};
-      const Tile tile = find_tile(first, runs + i + 1, n - i - 1);
+      std::uint64_t head = 0;
+      const Tile tile = tile_at(r, runs, n, i, head);
       if (tile.rows != 0) {
         if (head != 0) on_run(ByteRun{r.src, r.dst, head});
         on_tile(tile, i);
@@ -456,6 +463,24 @@ template <class OnTile, class OnRun>
     on_run(r);
     ++i;
   }
+}
+
+// The index of the run in which scan_tiles finds its first tile, n where it finds none:
+// the runs before it are copied as they are listed. Searched before the copy, not between
+// its runs: bench-maps' HND -> DCP 4 (256-byte runs, a tile search every 4 runs, none
+// found) copied at 0.91-0.98x the C copy of the same runs with the search between them,
+// 1.10-1.18x with it done first, 1.24-1.29x with no search at all, as a bare loop of
+// streaming stores does (one process, the copies taking turns, caches cold).
+inline std::size_t first_tile(const ByteRun* runs, std::size_t n) {
+  std::size_t untiled = 0;  // as scan_tiles'
+  for (std::size_t i = 0; i + 1 < n; ++i) {
+    if (i < untiled || runs[i].len == 0) continue;
+    std::uint64_t head = 0;
+    const Tile tile = tile_at(runs[i], runs, n, i, head);
+    if (tile.rows != 0) return i;
+    untiled = i + tile.cols;
+  }
+  return n;
 }
 
 // Copies a tile column by column (see Tile).
@@ -534,7 +559,10 @@ template <class Copy, bool Prefetch>
     done += tile.bytes();
     next_step = done;  // the cursors catch up at the next step
   };
-  scan_tiles(runs, n, copy_tile_of_runs, copy_run);
+  // The runs before the first tile in a loop of their own, the rest through the scan.
+  const std::size_t tiled = first_tile(runs, n);
+  for (std::size_t i = 0; i < tiled; ++i) copy_run(runs[i]);
+  if (tiled < n) scan_tiles(runs + tiled, n - tiled, copy_tile_of_runs, copy_run);
 }
 
 // Lanes: a run list whose destinations never overlap may be copied in any order, and one

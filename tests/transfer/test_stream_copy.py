@@ -314,3 +314,25 @@ def test_chained_tiles_split_their_shared_runs_and_copy_exactly(
     assert len(_native.tiles_of(table(src, dst, runs))) == blocks
     _native.copy_byte_runs(table(src, dst, runs), streaming)
     assert np.array_equal(dst, want)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_runs_before_the_first_tile_keep_their_order_and_the_tile_its_head(
+    streaming: bool, prefetch: bool
+) -> None:
+    """The copy takes the runs before the first tile in a loop of their own: short runs
+    that are no tile (a DCP rank's slots: 4 of 256 B a KiB apart, then a jump), one of
+    them written over by a later run, then a tile whose first run begins inside a longer
+    run (its head copied first), then runs that overwrite part of the tile."""
+    block = tile_runs(200_000, 300_000, 256, 2048, 8, 16)
+    prefix = [(j * 8192 + k * 1024, 100_000 + (4 * j + k) * 256, 256) for j in range(40) for k in range(4)]
+    overwritten = (600_000, 100_000 + 37 * 256 + 64, 128)  # lands inside prefix run 37, after it
+    lead_in = (200_000 - 512, 300_000 - 512, 512 + 256)  # ends in the tile's first run
+    late = [(700_000, 300_000 + 5 * 256 + 17, 300), (710_000, 300_000 + 100 * 256, 256)]
+    runs = [*prefix, overwritten, lead_in, *block[1:], *late]
+    src, dst = buffers(7)
+    assert _native.tiles_of(table(src, dst, runs)) == [(len(prefix) + 1, 8, 16)]
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(table(src, dst, runs), streaming, prefetch)
+    assert np.array_equal(dst, want)
