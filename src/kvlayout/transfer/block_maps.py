@@ -463,7 +463,7 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
         elif pages is not None and not pages.rows_are_tokens and pages.advice and told != _TOLD_BY_BLOCKS:
             tokens_given = _advice(pages)  # what its reading says of mapping its pages (a ring's)
         elif not tokens_given and told != _TOLD_BY_BLOCKS and side.layout is not None and cp.size == 1:
-            tokens_given = _slots_advice(tokens, size, len(ids))
+            tokens_given = _slots_advice(size, len(ids), needed)
         if own != needed:
             tokens_given = (
                 f" (or {own}, the blocks of {side.block_size * per} its CP rank's own {held(cp, tokens)} "
@@ -477,10 +477,10 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
     return ids
 
 
-def _slots_advice(tokens: int, size: int, given: int) -> str:
-    """For fewer ids than ``tokens`` fill: what the count is counted in (a compressed
-    cache's blocks hold slots of several tokens each: vLLM's ``tokens_per_state``)."""
-    if not 0 < given < -(-tokens // size):
+def _slots_advice(size: int, given: int, needed: int) -> str:
+    """For fewer ids (``given``) than the tokens fill (``needed``): what the count is counted
+    in (a compressed cache's blocks hold slots of several tokens each: vLLM's ``tokens_per_state``)."""
+    if not 0 < given < needed:
         return ""
     return (
         f": num_tokens and first_token count the rows its blocks hold ({size} a block); a compressed "
