@@ -109,7 +109,12 @@ def test_a_one_head_attention_model_stays_one_head_of_k_and_v() -> None:
 
 MLA_CONTRADICTED = (
     "contradicts KV cache group 0's {cls}: vLLM's MLA layers hold one latent row a token (no K and V "
-    "planes), which the group edits read as latents without a hint; leave it out"
+    "planes, no heads), which the group edits read as latents without a hint; leave it out"
+)
+INDEXER_CONTRADICTED = (
+    "contradicts KV cache group {group}'s {cls}: it names a DSA indexer's key records, but the spec's "
+    "layers hold MLA latents (its cache_role is not INDEXER, and the registered rows are not an "
+    "indexer's), which the group edits read as latents without a hint; leave it out"
 )
 ATTENTION_CONTRADICTED = (
     "contradicts KV cache group 0's FullAttentionSpec: it says MLA latents, but the spec's layers hold "
@@ -123,6 +128,10 @@ ATTENTION_CONTRADICTED = (
     [
         ({"kv_dim": 2}, "kv_dim=2"),
         ({"kv_layout": "NHD", "layout_format": "NL_X_NB_BS_NH_CS"}, "layout_format='NL_X_NB_BS_NH_CS'"),
+        # the edits' opaque view of pages per head (OPAQUE_HEAD_PAGES_FORMAT): heads, K | V rows
+        ({"kv_layout": "LHBNC", "layout_format": "NL_X_NH_NB_BS_CS"}, "layout_format='NL_X_NH_NB_BS_CS'"),
+        # heads of K or V alone (SGLang's split pools): heads all the same
+        ({"layout_format": "NL_X_NB_BS_NH_HS"}, "layout_format='NL_X_NB_BS_NH_HS'"),
     ],
 )
 def test_hints_of_k_and_v_on_an_mla_spec_are_refused(kind: str, hints: Any, hint: str) -> None:
@@ -144,3 +153,79 @@ def test_an_mla_hint_on_an_attention_spec_is_refused(hints: Any, hint: str) -> N
     message = f"layout hint {hint} " + ATTENTION_CONTRADICTED
     with pytest.raises(kvlayout.LayoutHintError, match="^" + re.escape(message) + "$"):
         apply_kv_cache_group_edits(engine.config, kv, hints)
+
+
+INDEXER_FORMATS = ["NL_X_NB_BSV_BSS", "NL_X_NB_BSV4_BSS4"]  # vLLM's fp8 and mxfp4 DSA indexer keys
+
+
+@pytest.mark.parametrize("kind", ["mla", "sliding", "subpaged"])
+@pytest.mark.parametrize("fmt", INDEXER_FORMATS)
+def test_an_indexer_format_on_an_mla_spec_of_latents_is_refused(kind: str, fmt: str) -> None:
+    """An MLA spec of latents (``cache_role`` SPARSE, rows of 576 bf16) named an indexer's
+    key records: refused naming the group, the spec class and the hint, before detection
+    would refuse the registration without naming either."""
+    spec = mla_spec(kind)
+    engine, kv = engine_of(spec)
+    message = f"layout hint layout_format={fmt!r} " + INDEXER_CONTRADICTED.format(
+        group=0, cls=type(spec).__name__
+    )
+    with pytest.raises(kvlayout.LayoutHintError, match="^" + re.escape(message) + "$"):
+        apply_kv_cache_group_edits(engine.config, kv, {"layout_format": fmt})
+
+
+def indexer_engine(spec: Any, backend: vx.Backend, block: int) -> tuple[vx.Engine, dict[str, torch.Tensor]]:
+    name = "model.layers.{}.self_attn.indexer.k_cache"
+    engine = vx.uniform_engine(spec, backend, num_layers=2, num_blocks=NB, layer_name=name)
+    buf, kv = vx.allocate_v033(engine)
+    vx.fill_random(buf, 7)
+    assert all(tuple(t.shape) == (NB, 1, block, 132) for t in kv.values())  # vLLM's [B, H=1, N, C]
+    return engine, kv
+
+
+def test_the_indexer_s_own_format_on_its_spec_is_not_refused() -> None:
+    """DeepSeek-V4's ``DeepseekV4IndexerCache`` keeps the default ``cache_role`` (SPARSE):
+    its registered rows (uint8, 132 bytes a slot) say indexer, and the hint naming their
+    format is what detection reads. DeepSeek-V3.2's ``DeepseekV32IndexerCache`` says it in
+    its spec (``cache_role`` INDEXER)."""
+    v4 = vx.dsv4_indexer_spec(256)
+    v32 = kvi.MLAAttentionSpec(
+        block_size=64,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=132,
+        dtype=torch.uint8,
+        cache_role=kvi.SparseCacheRole.INDEXER,
+    )
+    for spec, backend, slots in ((v4, vx.DSV4_INDEXER, 64), (v32, vx.FLASHMLA, 64)):
+        engine, kv = indexer_engine(spec, backend, slots)
+        hints = {"layout_format": "NL_X_NB_BSV_BSS"}
+        layers, groups = transfer_layers(engine.config, apply_kv_cache_group_edits(engine.config, kv, hints))
+        group = kvlayout.detect(layers, "vllm", hints, layer_groups=groups).only_group()
+        assert (group.format.name, group.block_size) == ("NL_X_NB_BSV_BSS", slots)
+
+
+def test_an_indexer_format_names_the_latents_group_of_a_model_with_an_indexer() -> None:
+    """One hint for every group: a DeepSeek-V3.2-like model (latents in group 0, the
+    indexer's keys in group 1) given the indexer's format is refused at the latents."""
+    latents = mla_spec("mla")
+    indexer = kvi.MLAAttentionSpec(
+        block_size=BS,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=132,
+        dtype=torch.uint8,
+        cache_role=kvi.SparseCacheRole.INDEXER,
+    )
+    specs = {
+        f"model.layers.{i}.self_attn.{part}": spec
+        for i in range(2)
+        for part, spec in (("attn", latents), ("indexer.k_cache", indexer))
+    }
+    names = list(specs)
+    engine = vx.make_engine(specs, [names[0::2], names[1::2]], lambda s: BS, num_blocks=NB)
+    _, kv = vx.allocate_v033(engine)
+    message = "layout hint layout_format='NL_X_NB_BSV_BSS' " + INDEXER_CONTRADICTED.format(
+        group=0, cls="MLAAttentionSpec"
+    )
+    with pytest.raises(kvlayout.LayoutHintError, match="^" + re.escape(message) + "$"):
+        apply_kv_cache_group_edits(engine.config, kv, {"layout_format": "NL_X_NB_BSV_BSS"})

@@ -40,6 +40,7 @@ from kvlayout.integrations.vllm.specs import (
     MLA_KINDS,
     PAGED_ATTENTION_KINDS,
     allocations,
+    declares_indexer,
     iter_group_layer_specs,
     iter_groups,
     require_layer_dict,
@@ -135,10 +136,15 @@ def _edited(edit: KVCacheGroupEdit, spec: Any, value: Any, layout_hints: HintsLi
     return view
 
 
-def _check_hints_against_spec(spec: Any, hints: LayoutHints, group: int) -> None:
+def _check_hints_against_spec(spec: Any, hints: LayoutHints, group: int, value: Any = None) -> None:
     """Refuse hints that say of a group's layers what its spec, vLLM's own word, contradicts:
-    MLA latents (``kv_dim=1``, an MLA ``layout_format``) for a spec of heads of K and V, or
-    K and V planes (another ``kv_dim``, a ``layout_format`` with K and V) for an MLA spec."""
+    MLA latents (``kv_dim=1``, an MLA ``layout_format``) for a spec of heads of K and V;
+    K and V planes or heads (another ``kv_dim``, a ``layout_format`` that is not one row a
+    token) for an MLA spec; and a DSA indexer's key records (an indexer ``layout_format``)
+    for an MLA layer that is not an indexer's. ``value`` is the layer as registered (None
+    where this worker has none): the spec's ``cache_role`` says indexer where vLLM sets
+    it, and where it does not (DeepSeek-V4's indexer keeps the default), the rows do, as
+    :func:`_latents` reads them."""
     kind = spec_kind(spec)
     if kind not in MLA_KINDS and kind not in PAGED_ATTENTION_KINDS:
         return  # no heads to say anything of (Mamba state, a ring), or a spec validation refuses
@@ -146,14 +152,21 @@ def _check_hints_against_spec(spec: Any, hints: LayoutHints, group: int) -> None
     if kind in MLA_KINDS:
         if hints.kv_dim not in (None, 1):
             hint = f"kv_dim={hints.kv_dim}"
-        elif named is not None and named.has_kv:
+        elif named is not None and not named.is_mla:
             hint = f"layout_format={hints.layout_format!r}"
+        elif named is not None and named.is_indexer and not _holds_indexer_keys(spec, value):
+            raise LayoutHintError(
+                f"layout hint layout_format={hints.layout_format!r} contradicts KV cache group {group}'s "
+                f"{type(spec).__name__}: it names a DSA indexer's key records, but the spec's layers hold "
+                "MLA latents (its cache_role is not INDEXER, and the registered rows are not an indexer's), "
+                "which the group edits read as latents without a hint; leave it out"
+            )
         else:
             return
         raise LayoutHintError(
             f"layout hint {hint} contradicts KV cache group {group}'s {type(spec).__name__}: vLLM's MLA "
-            "layers hold one latent row a token (no K and V planes), which the group edits read as latents "
-            "without a hint; leave it out"
+            "layers hold one latent row a token (no K and V planes, no heads), which the group edits read "
+            "as latents without a hint; leave it out"
         )
     if hints.kv_dim == 1:
         hint = "kv_dim=1"
@@ -166,6 +179,13 @@ def _check_hints_against_spec(spec: Any, hints: LayoutHints, group: int) -> None
         "latents, but the spec's layers hold heads of K and V (the group edits read an MLA spec's layers "
         "as latents without the hint); leave it out"
     )
+
+
+def _holds_indexer_keys(spec: Any, value: Any) -> bool:
+    """An MLA layer of an indexer's keys: its spec says so (``cache_role`` INDEXER), or its
+    registered rows are the indexer's (vLLM leaves DeepSeek-V4's indexer spec at the default
+    role). A layer this worker did not register is not refused on its rows."""
+    return declares_indexer(spec) or value is None or indexer_format(value) is not None
 
 
 def _latents(spec: Any, value: Any) -> torch.Tensor | None:
@@ -214,7 +234,8 @@ def apply_kv_cache_group_edits(
     registered they have the shape of a one-head fused K | V cache, which detection tells
     apart only by ``kv_dim=1``. Hints a group's spec contradicts raise
     :class:`~kvlayout.types.LayoutHintError` naming the group and its spec class:
-    ``kv_dim`` other than 1, or a ``layout_format`` with K and V, on an MLA spec;
+    ``kv_dim`` other than 1, or a ``layout_format`` with K and V or heads, on an MLA spec,
+    or a DSA indexer's ``layout_format`` on an MLA layer that is not an indexer's;
     ``kv_dim=1``, or an MLA ``layout_format``, on a spec of heads of K and V.
 
     ``layout_hints`` are the hints detection will get. The opaque views read the same
@@ -240,7 +261,8 @@ def apply_kv_cache_group_edits(
     applied: Counter[KVCacheGroupEdit] = Counter()
     for group_idx, group in iter_groups(kv_cache_config):
         for layer_name, spec in iter_group_layer_specs(group):
-            _check_hints_against_spec(spec, hints, group_idx)
+            registered = kv_caches.get(layer_name) if layer_name is not None else None
+            _check_hints_against_spec(spec, hints, group_idx, registered)
             if layer_name is None or layer_name not in edited:
                 continue  # not registered by this worker (e.g. another pipeline stage)
             value = edited[layer_name]

@@ -17,10 +17,12 @@ from typing import Any
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
 
 __all__ = [
+    "INDEXER_CACHE_ROLE",
     "MLA_KINDS",
     "PAGED_ATTENTION_KINDS",
     "SpecKind",
     "allocations",
+    "declares_indexer",
     "declares_slot_compression",
     "iter_group_layer_specs",
     "iter_groups",
@@ -85,6 +87,19 @@ def spec_kind(spec: Any) -> SpecKind:
         if class_name in names:
             return kind
     return SpecKind.UNKNOWN
+
+
+INDEXER_CACHE_ROLE = "indexer"
+"""vLLM 0.33's ``SparseCacheRole.INDEXER`` (a str enum: its value compares equal), the
+``cache_role`` of an MLA spec that holds a sparse-attention indexer's keys."""
+
+
+def declares_indexer(spec: Any) -> bool:
+    """Whether a spec says it holds an indexer's keys (``cache_role`` INDEXER: DeepSeek-V3.2's
+    ``DeepseekV32IndexerCache``, MiniMax-M3's indexer). False says nothing: DeepSeek-V4's and
+    V4.1's ``DeepseekV4IndexerCache`` keep the default role (``SPARSE``), and releases before
+    0.33 have no field, so only the registered rows tell their indexer from latents."""
+    return bool(spec_field(spec, "cache_role", None) == INDEXER_CACHE_ROLE)
 
 
 def declares_slot_compression(spec: Any) -> bool:
