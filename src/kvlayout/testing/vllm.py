@@ -343,12 +343,28 @@ def _uniform_type_base(spec: Any) -> type:
         kvi.SlidingWindowSpec: kvi.SlidingWindowSpec,
         kvi.SlidingWindowMLASpec: kvi.SlidingWindowMLASpec,
         kvi.ChunkedLocalAttentionSpec: kvi.ChunkedLocalAttentionSpec,
+        kvi.CircularBufferSpec: kvi.CircularBufferSpec,
         kvi.MambaSpec: kvi.MambaSpec,
     }
     base: type | None = next((bases[c] for c in type(spec).__mro__ if c in bases), None)
     if base is None:
         raise ValueError(f"planned_engine: no grouping rule mirrored for {type(spec).__name__}")
     return base
+
+
+def _is_uniform_type(specs: dict[str, Any]) -> bool:
+    """``UniformTypeKVCacheSpecs.is_uniform_type``: one block size, one DCP sharding, and
+    the first spec's ``is_uniform_with_collection``: a spec class's own rule where it has
+    one (a window's size, a ring, Mamba's state fields: vLLM's code, which asks no
+    registry), else every spec of its registered base (:func:`_uniform_type_base`)."""
+    values = list(specs.values())
+    if len({s.block_size for s in values}) > 1 or len({s.dcp_sharded for s in values}) > 1:
+        return False
+    first = values[0]
+    if type(first).is_uniform_with_collection is not kvi.KVCacheSpec.is_uniform_with_collection:
+        return bool(first.is_uniform_with_collection(specs))
+    base = _uniform_type_base(first)
+    return all(isinstance(s, base) for s in values)
 
 
 def _unify_page_size(specs: dict[str, Any]) -> dict[str, Any]:
@@ -407,39 +423,87 @@ def _full_allocation_fallback(specs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _approximate_gcd(values: Sequence[int], lower_bound: int) -> int:
+    """``_approximate_gcd``: the ``d`` in ``[lower_bound, max(values)]`` that pads the
+    values least when each is rounded up to a multiple of it (ties: the larger)."""
+    best_d, best_pad = max(1, lower_bound), None
+    for d in range(best_d, max(values) + 1):
+        pad = sum((d - x % d) % d for x in values)
+        if best_pad is None or pad <= best_pad:
+            best_d, best_pad = d, pad
+    return best_d
+
+
 def _packed_groups(specs: dict[str, Any]) -> list[Any]:
-    """``_get_packed_kv_cache_groups`` (a block-outermost layout, pages of several sizes)
-    where no bucket mixes page sizes: layers bucketed by kind and block size, each bucket
-    a group, but a state bucket (Mamba, or sliding window: no repeat pattern here) split
-    into as many groups as the widest bucket's block needs to hold it."""
-    keyed: dict[tuple[Any, ...], dict[str, Any]] = {}  # UniformTypeKVCacheSpecs.is_uniform_type
+    """``_get_packed_kv_cache_groups`` (a block-outermost layout, pages of several sizes):
+    layers bucketed greedily by uniform type (:func:`_is_uniform_type`); a bucket with as
+    many layers of each page size (one repeat of a layer pattern, DeepSeek-V4's latents
+    beside their indexer) is split into groups of whole repeats, as many repeats a group
+    as ``_approximate_gcd`` picks; a state bucket (Mamba, a ``CircularBufferSpec`` ring, a
+    window where no bucket repeats) into as many groups as the block other buckets need
+    holds; every other bucket is one group."""
+    buckets: list[dict[str, Any]] = []
     for name, spec in specs.items():
-        keyed.setdefault((_uniform_type_base(spec), spec.block_size, spec.dcp_sharded), {})[name] = spec
-    buckets = list(keyed.values())
+        bucket = next((b for b in buckets if _is_uniform_type({**b, name: spec})), None)
+        if bucket is None:
+            buckets.append({name: spec})
+        else:
+            bucket[name] = spec
+    by_page: list[dict[int, list[str]]] = []
     for bucket in buckets:
-        if len({s.page_size_bytes for s in bucket.values()}) > 1:
-            raise ValueError(
-                f"planned_engine: a bucket of {sorted(bucket)} mixes page sizes; vLLM packs such "
-                "buckets by repeat pattern, which this mirror does not follow"
-            )
+        pages: dict[int, list[str]] = {}
+        for name, spec in bucket.items():
+            pages.setdefault(spec.page_size_bytes, []).append(name)
+        by_page.append(pages)
+    balanced = [len({len(names) for names in pages.values()}) == 1 for pages in by_page]
+    repeats = [max(len(names) for names in pages.values()) for pages in by_page]
+    floor = max(
+        (r for r, b, p in zip(repeats, balanced, by_page, strict=True) if b and len(p) > 1), default=0
+    )
+    per_group = (
+        _approximate_gcd([r for r, b in zip(repeats, balanced, strict=True) if b], floor) if floor else None
+    )
 
     def is_state(bucket: dict[str, Any]) -> bool:
-        return isinstance(next(iter(bucket.values())), (kvi.MambaSpec, kvi.SlidingWindowSpec))
+        first = next(iter(bucket.values()))
+        window = per_group is None and isinstance(first, kvi.SlidingWindowSpec)
+        return isinstance(first, (kvi.MambaSpec, kvi.CircularBufferSpec)) or window
 
-    def page(bucket: dict[str, Any]) -> int:
-        return int(next(iter(bucket.values())).page_size_bytes)
+    def num_groups_for(i: int) -> int:
+        return cdiv(repeats[i], per_group) if balanced[i] and per_group is not None else 1
 
-    anchor = max(page(b) if is_state(b) else page(b) * len(b) for b in buckets)
+    def widest(pages: dict[int, list[str]], n: int) -> int:
+        return sum(cdiv(len(names), n) * page for page, names in pages.items())
+
+    anchor = max(
+        widest(pages, len(bucket) if is_state(bucket) else num_groups_for(i))
+        for i, (bucket, pages) in enumerate(zip(buckets, by_page, strict=True))
+    )
     groups = []
-    for bucket in buckets:
-        names = list(bucket)
-        count = cdiv(len(names), max(anchor // page(bucket), 1)) if is_state(bucket) else 1
-        for i in range(count):
-            part = {n: bucket[n] for n in names[i::count]}
-            wrapper = kvi.UniformTypeKVCacheSpecs(
-                block_size=next(iter(part.values())).block_size, kv_cache_specs=part
+    for i, (bucket, pages) in enumerate(zip(buckets, by_page, strict=True)):
+        count = num_groups_for(i)
+        if anchor and is_state(bucket):
+            fits = max(anchor // next(iter(bucket.values())).page_size_bytes, 1)
+            count = max(count, cdiv(len(bucket), fits))
+        pattern = list(zip(*pages.values(), strict=False))  # each repeat's layers, one a page size (as vLLM)
+        parts = (
+            [list(bucket)]
+            if count == 1
+            else [[name for repeat in pattern[k::count] for name in repeat] for k in range(count)]
+        )
+        if not all(parts) or sum(map(len, parts)) != len(bucket):
+            # a state bucket of uneven page sizes: vLLM's zip drops layers, or leaves a group
+            # empty (its UniformTypeKVCacheSpecs.from_specs then fails on no specs)
+            raise ValueError(
+                f"planned_engine: vLLM 0.33 cannot pack {sorted(bucket)} into {count} groups of whole "
+                f"repeats of its page sizes ({ {page: len(names) for page, names in pages.items()} } "
+                "layers a page size in bytes)"
             )
-            groups.append(kvi.KVCacheGroupSpec(layer_names=list(part), kv_cache_spec=wrapper))
+        for names in parts:
+            wrapper = kvi.UniformTypeKVCacheSpecs(
+                block_size=bucket[names[0]].block_size, kv_cache_specs={n: bucket[n] for n in names}
+            )
+            groups.append(kvi.KVCacheGroupSpec(layer_names=names, kv_cache_spec=wrapper))
     return groups
 
 
@@ -450,20 +514,21 @@ def planned_engine(
     num_blocks: int = NUM_BLOCKS,
     layout: Any = None,
 ) -> Engine:
-    """Attention layers of differing specs (a target and its speculative drafter) planned
-    as vLLM 0.33 plans them (``get_kv_cache_groups``): one group where every spec is equal
-    or of one kind at one block size (``UniformTypeKVCacheSpecs``: full attention and MLA
-    are one kind), else pages unified and layers bucketed (``unify_kv_cache_spec_page_size``,
-    ``_get_kv_cache_groups_uniform_page_size``), or under a block-outermost layout packed
-    side by side in each block (``_packed_groups``). ``get_kv_cache_config_from_groups`` then
+    """Layers of differing specs (a target and its speculative drafter; a
+    DeepSeek-V4.1-like model's latents, indexer, window and rings) planned as vLLM 0.33
+    plans them (``get_kv_cache_groups``): one group where every spec is equal or of one
+    kind at one block size (``UniformTypeKVCacheSpecs``: full attention and MLA are one
+    kind), else pages unified and layers bucketed (``unify_kv_cache_spec_page_size``,
+    ``_get_kv_cache_groups_uniform_page_size``), or under a block-outermost layout (the
+    only ones DeepSeek-V4's indexer backend takes) packed side by side in each block
+    (``_packed_groups``). ``get_kv_cache_config_from_groups`` then
     gives each spec of a group its own allocation, side by side from the group's byte 0."""
     layout = layout or KVCacheLayout.LBNHC
     specs = dict(layer_specs)
     first = next(iter(specs.values()))
-    bases = {_uniform_type_base(s) for s in specs.values()}
     if all(s == first for s in specs.values()):
         groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=first)]
-    elif len(bases) == 1 and len({s.block_size for s in specs.values()}) == 1:
+    elif _is_uniform_type(specs):
         wrapper = kvi.UniformTypeKVCacheSpecs(block_size=first.block_size, kv_cache_specs=specs)
         groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=wrapper)]
     elif layout.is_block_outermost and len({s.page_size_bytes for s in specs.values()}) > 1:

@@ -1,0 +1,124 @@
+"""vLLM 0.33's own KV cache grouping (``get_kv_cache_groups``), run on spec objects: the
+oracle ``kvlayout.testing.vllm.planned_engine`` is compared with.
+
+``vllm.v1.core.kv_cache_planning`` imports ``vllm.config`` (pydantic, transformers), which
+vLLM installed without its dependencies cannot, so the functions are taken from that
+file's source as vLLM ships it and run over the classes of ``vllm.v1.kv_cache_interface``
+(which imports). The spec registry the grouping asks (``KVCacheSpecRegistry``) is filled
+by vLLM's ``register_all_kvcache_specs``, run the same way with placeholder managers
+(grouping asks only for the base classes) and without its last statement, the platform's
+custom specs (``current_platform`` needs the full install).
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import functools
+import importlib
+import math
+from collections import Counter, defaultdict
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+kvi: Any = importlib.import_module("vllm.v1.kv_cache_interface")
+registry: Any = importlib.import_module("vllm.v1.kv_cache_spec_registry")
+
+_PLANNING = (
+    "get_kv_cache_groups",
+    "is_kv_cache_type_attention_free",
+    "is_kv_cache_spec_uniform",
+    "create_kv_cache_group_specs",
+    "_get_kv_cache_groups_uniform_spec",
+    "_get_kv_cache_groups_uniform_type",
+    "unify_kv_cache_spec_page_size",
+    "_get_kv_cache_groups_uniform_page_size",
+    "_try_get_full_allocation_fallback_groups",
+    "_promote_local_kv_cache_specs",
+    "_approximate_gcd",
+    "_get_packed_kv_cache_groups",
+)
+
+
+def _vllm_source(relative: str) -> tuple[Path, ast.Module]:
+    path = Path(importlib.import_module("vllm").__file__ or "").parent / relative
+    return path, ast.parse(path.read_text())
+
+
+def _run(path: Path, nodes: list[ast.stmt], namespace: dict[str, Any]) -> None:
+    flags = __future__.annotations.compiler_flag  # vLLM's annotations name its config classes
+    exec(compile(ast.Module(nodes, []), str(path), "exec", flags=flags, dont_inherit=True), namespace)
+
+
+def _functions(path: Path, tree: ast.Module, names: tuple[str, ...]) -> list[ast.stmt]:
+    found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names}
+    missing = set(names) - set(found)
+    assert not missing, f"{path} has no {sorted(missing)}: not vLLM 0.33's planning"
+    return [found[name] for name in names]
+
+
+def _spec_classes() -> dict[str, Any]:
+    return {name: getattr(kvi, name) for name in dir(kvi) if name.endswith(("Spec", "Specs"))}
+
+
+@functools.cache
+def _register_specs() -> None:
+    """vLLM's ``register_all_kvcache_specs`` (its built-in registrations), once."""
+    path, tree = _vllm_source("v1/core/single_type_kv_cache_manager.py")
+    (register,) = _functions(path, tree, ("register_all_kvcache_specs",))
+    assert isinstance(register, ast.FunctionDef)
+    body = register.body
+    # the last two statements import vLLM's platform and register its custom specs
+    assert isinstance(body[-2], ast.ImportFrom) and body[-2].module == "vllm.platforms", ast.dump(body[-2])
+    register.body = body[:-2]
+    managers: dict[str, Any] = {}
+    for node in ast.walk(register):
+        if isinstance(node, ast.Name) and node.id.endswith("Manager") and node.id not in managers:
+            managers[node.id] = type(node.id, (), {})
+    namespace = {
+        **_spec_classes(),
+        **managers,
+        "KVCacheSpecRegistry": registry.KVCacheSpecRegistry,
+        "KVCacheGroupRole": kvi.KVCacheGroupRole,
+    }
+    _run(path, [register], namespace)
+    if not registry._REGISTRY_KVCACHESPEC_LIST:
+        namespace["register_all_kvcache_specs"](None)
+
+
+@functools.cache
+def _planning() -> dict[str, Any]:
+    _register_specs()
+    path, tree = _vllm_source("v1/core/kv_cache_planning.py")
+    namespace: dict[str, Any] = {
+        **_spec_classes(),
+        "KVCacheSpecRegistry": registry.KVCacheSpecRegistry,
+        "KVCacheGroupSpec": kvi.KVCacheGroupSpec,
+        "defaultdict": defaultdict,
+        "Counter": Counter,
+        "math": math,
+        "replace": replace,
+        "cdiv": lambda a, b: -(-a // b),
+        "logger": SimpleNamespace(info=lambda *a: None, warning=lambda *a: None, debug=lambda *a: None),
+        # vLLM's own returns None without a HiSparse config, which these configs never have
+        "get_hisparse_kv_cache_groups": lambda vllm_config, specs: None,
+    }
+    _run(path, _functions(path, tree, _PLANNING), namespace)
+    return namespace
+
+
+def _vllm_config(layout: Any) -> Any:
+    """What the grouping reads of a ``VllmConfig``: no HiSparse, the hybrid KV cache
+    manager on, the resolved ``layout``."""
+    return SimpleNamespace(
+        scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        attention_config=SimpleNamespace(hisparse_config=None),
+        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout),
+    )
+
+
+def vllm_kv_cache_groups(specs: dict[str, Any], layout: Any) -> list[Any]:
+    """vLLM 0.33's ``get_kv_cache_groups`` for ``specs`` under the resolved ``layout``."""
+    return list(_planning()["get_kv_cache_groups"](_vllm_config(layout), dict(specs)))
