@@ -148,10 +148,21 @@ class Backend:
 
     def kernel_block_size(self, block_size: int) -> int:
         """``select_common_block_size`` for one backend: the block itself if accepted,
-        else the largest fixed size dividing it."""
+        else the largest fixed size dividing it; none is vLLM's ``ValueError`` (a block size
+        the backend cannot serve, FlashMLA's 64 for blocks of 32)."""
         if self.accepts(block_size):
             return block_size
-        return max(s for s in self.fixed_sizes if block_size % s == 0)
+        divisors = [s for s in self.fixed_sizes if block_size % s == 0]
+        if not divisors:
+            supported = [
+                *self.fixed_sizes,
+                *([f"MultipleOf({self.multiple_of})"] if self.multiple_of else []),
+            ]
+            raise ValueError(
+                f"No common block size for {block_size} ({self.name}: {supported}): vLLM refuses this "
+                "block size for this backend at start-up; give a block size the backend supports"
+            )
+        return max(divisors)
 
 
 FLASHINFER = Backend("FLASHINFER", fixed_sizes=(16, 32, 64))

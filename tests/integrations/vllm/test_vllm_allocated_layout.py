@@ -51,3 +51,16 @@ def test_the_matching_hint_reads_the_tokens(allocated: KVCacheLayout, hint: str)
     edited = apply_kv_cache_group_edits(config, kv, {"kv_layout": hint})
     group = kvlayout.detect(list(edited.values()), "vllm", {"kv_layout": hint}).only_group()
     assert (group.block_size, group.num_blocks, group.descriptor().nh) == (16, 6, 16)
+
+
+def test_a_block_size_the_backend_cannot_serve_is_vllm_s_error_not_an_empty_max() -> None:
+    """vLLM's ``select_common_block_size`` raises ``No common block size for 32 (...)``
+    where no supported kernel block size divides the block (FlashMLA serves 64 only); the
+    test engine says the same, where it raised ``max() arg is an empty sequence``."""
+    from kvlayout.testing.vllm import FLASHMLA
+
+    spec = kvi.MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=r"^No common block size for 32 \(FLASHMLA: \[64\]\)"):
+        uniform_engine(spec, FLASHMLA, num_layers=2, num_blocks=4)
+    assert FLASHMLA.kernel_block_size(128) == 64 and FLASHMLA.kernel_block_size(64) == 64
+    assert FLASH_ATTN.kernel_block_size(48) == 48
