@@ -468,6 +468,49 @@ def test_plan_json_matches_a_map_of_real_tensors(capsys: pytest.CaptureFixture[s
             assert p["descriptors"]["direct"] == m.num_runs and p["op"] == "READ"
 
 
+SGLANG_MHA = ["--src-engine", "sglang", "--src-shape", "2x2x[144,8,16]", "--src-hint", "tokens_per_block=16"]
+
+
+def test_plan_of_sglang_into_vllm_0_33_views_matches_maps_of_real_tensors(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """SGLang's K and V lists at TP 1 into vLLM 0.33's per-layer ``[NB, NH, BS, 2*HS]``
+    views of NHD memory at TP 2 (pd-connectors.md): written with their memory order the
+    plan is the maps of real tensors; written without it the shape is contiguous memory,
+    which reads as 32 heads of 4-token blocks, and the error names the missing '@'."""
+    from kvlayout.transfer import Shard, block_map
+
+    view = ["--dst-engine", "vllm", "--dst-hint", "kv_layout=LBNHC", "--dst-tp", "2", "--tokens", "40"]
+    code, _, err = run(capsys, "plan", *SGLANG_MHA, *view, "--dst-shape", "2x[6,4,32,32]")
+    assert code == 2 and "with 4 tokens a block" in err and "'[NB,NH,BS,C]@0,2,1,3'" in err
+    code, out, _ = run(
+        capsys,
+        "plan",
+        *SGLANG_MHA,
+        *view,
+        "--dst-shape",
+        "2x[6,4,32,32]@0,2,1,3",
+        "--blocks",
+        "consecutive",
+        "--json",
+    )
+    assert code == 0
+    pairs = json.loads(out)["pairs"]
+    pools = [
+        torch.randn(144, 8, 16).to(torch.bfloat16) for _ in range(4)
+    ]  # MHATokenToKVPool: k_buffer + v_buffer
+    src = kvlayout.detect(pools, "sglang", {"kv_list_layout": "k_v", "tokens_per_block": 16})
+    for p in pairs:
+        layers = [torch.zeros(6, 32, 4, 32, dtype=torch.bfloat16).permute(0, 2, 1, 3) for _ in range(2)]
+        dst = kvlayout.detect(layers, "vllm", {"kv_layout": "LBNHC"})
+        m = block_map(src, dst, [0, 1, 2], [0, 1], num_tokens=40, dst_shard=Shard(p["dst_rank"], 2, 8))
+        assert (p["runs"], p["bytes"], p["kind"]) == (m.num_runs, m.num_bytes, m.kind)
+        m.copy()
+        key = layers[1].transpose(1, 2)[..., :16]  # FlashAttention's key_cache, [NB, BS, NH, HS]
+        rank_heads = slice(4 * p["dst_rank"], 4 * p["dst_rank"] + 4)
+        assert torch.equal(key[1, 7], pools[1][16 * 2 + 7, rank_heads])  # token 39: vLLM block 1, slot 7
+
+
 def test_plan_moves_the_kv_of_layers_that_share_it_once(capsys: pytest.CaptureFixture[str]) -> None:
     """Layers sharing one KV cache (--src-share / --dst-share, as detect's --share): a
     destination layer that shares is written once, as its target, so its bytes drop out."""
@@ -734,7 +777,8 @@ PLAN_BASE = ["plan", "--src-engine", "vllm", "--src-shape", "2x[2,8,4,4,8]", "--
         (["--tokens", "4", "--kv-heads", "6"],
          "--src-tp 1 gives each src rank 6 of --kv-heads 6, but --src-shape holds 4 a rank, read as "
          "NL_X_TWO_NB_BS_NH_HS with 4 tokens a block (where the engine reads one, --src-hint kv_layout=NHD or "
-         "HND says which axis holds the heads)\n"),
+         "HND says which axis holds the heads; a shape is contiguous memory unless '@' gives its dims' memory "
+         "order: a view [NB,NH,BS,C] of NHD memory, as vLLM 0.33 hands each layer, is '[NB,NH,BS,C]@0,2,1,3')\n"),
         (["--tokens", "3", "--src-shape", "3x[2,7,3,2,4]+2x[7,3,4]"],
          "--src-shape 3x[2,7,3,2,4]+2x[7,3,4]: 2 kernel groups; plan maps one kernel group a side"),
         (["--tokens", "4", "--dst-engine", "nope"], "--dst-engine: unknown serving engine 'nope'"),

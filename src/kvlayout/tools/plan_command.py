@@ -203,7 +203,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     f"--{where}-tp {tp} gives each {where} rank {held} of {origin}, but --{where}-shape "
                     f"holds {heads[where]} a rank, read as {g.format.name} with {g.geometry.block_size} "
                     f"tokens a block (where the engine reads one, --{where}-hint kv_layout=NHD or HND says "
-                    "which axis holds the heads)"
+                    "which axis holds the heads; a shape is contiguous memory unless '@' gives its dims' "
+                    "memory order: a view [NB,NH,BS,C] of NHD memory, as vLLM 0.33 hands each layer, is "
+                    "'[NB,NH,BS,C]@0,2,1,3')"
                 )
     _plan_work(args, model_heads, {where: len(group.layers) for where, (_, group) in sides.items()})
     record: dict[str, Any] = {
