@@ -400,6 +400,61 @@ def test_a_peer_staged_write_lands_byte_exactly_once_the_peer_unstages(
         assert np.array_equal(g, w), f"{r.name} peer-staged: tensor {i} differs"
 
 
+def test_a_peer_staging_buffer_on_the_peer_s_other_group_is_refused_naming_it(pair: Pair) -> None:
+    """A hybrid peer (full and sliding-window attention: two engine groups, a kernel group
+    each) names a staging buffer on the KV of the group a request's map does not move.
+    NIXL holds that memory registered, so only the peer's whole description tells: the
+    request is refused before anything is posted, naming the group and the tensor, in
+    either direction, and the peer's KV and notifications are as they were; the honest
+    buffer then plans peer-staged."""
+    layers = 4
+    groups = (0, 0, 1, 1)  # layers 0-1 in engine group 0, 2-3 in engine group 1
+    there_spec = replace(spec(NHD, (0, 1), 16, seed=81), layers=layers, engine_groups=groups)
+    here_spec = replace(there_spec, seed=82)
+    text, honest = staged_peer(pair, there_spec)
+    data = json.loads(text)  # the oracle reads the JSON: each group's planes' addresses, shape, strides
+    assert [g["engine_group"] for g in data["groups"]] == [0, 1]
+    tensors = [  # (group, its tensor, first byte, span) in the description's order
+        (gi, k, a, (sum((n - 1) * st for n, st in zip(p["shape"], p["strides"], strict=True)) + 1) * 2)
+        for gi, g in enumerate(data["groups"])
+        for p in g["planes"]
+        for k, a in enumerate(p["addresses"])
+    ]
+    assert len(tensors) == layers  # NHD: a tensor a layer
+    there = RegistrationDescription.from_json(text)
+    here, _ = build_cache(here_spec)
+    assert len(here.kernel_groups) == 2
+    before = pair.peer.cache_bytes()
+    pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
+    with nx.register(pair.agent, here):
+        for gi in (0, 1):
+            write = block_map(here.kernel_groups[gi], there.group(gi), [1, 3], [2, 0])
+            read = block_map(there.group(gi), here.kernel_groups[gi], [2, 0], [1, 3])
+            for m in (write, read):
+                others = [t for t in tensors if t[0] != gi]
+                assert len(others) == 2  # the other group's two tensors, each lied on twice
+                for other, k, a, span in others:
+                    where = tensors.index((other, k, a, span))
+                    for lie in (nx.PeerStaging(a + 64, 64), nx.PeerStaging(a + span - 64, m.num_bytes)):
+                        why = (
+                            rf"^PeerStaging\({lie.address:#x}, {lie.nbytes} bytes\) overlaps tensor {where} "
+                            rf"\({a:#x}, {span} bytes, kernel group {other} \(engine group {other}, layers "
+                            rf"{2 * other}-{2 * other + 1}: NL_X_TWO_NB_BS_NH_HS .*\), its tensor {k}\) of the "
+                            rf"{layers} tensors the peer described: .*refused before posting$"
+                        )
+                        for strategy in ("peer-staged", "auto"):
+                            with pytest.raises(nx.RefusedDescriptorError, match=why):
+                                nx.transfer(pair.agent, pair.name, m, strategy=strategy, peer_staging=lie,
+                                            notif=b"lie")  # fmt: skip
+                p = nx.plan(m, strategy="peer-staged", peer_staging=honest)
+                assert int(p.remote[:, 0].min()) >= honest.address
+    assert pair.peer.notifs(expect=0, wait=0.2) == []
+    assert all(np.array_equal(a, b) for a, b in zip(pair.peer.cache_bytes(), before, strict=True))
+    assert all(  # and those are the bytes the peer was built with, none written since
+        np.array_equal(a, b.numpy()) for a, b in zip(before, twin(there_spec).reg.bases, strict=True)
+    )
+
+
 PACED = [c for c in CASES if c[0] in ("TP 1->2 NHD", "TP 2->1 NHD", "NHD->HND", "TP 2->4 HND")]
 
 

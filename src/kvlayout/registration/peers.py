@@ -18,15 +18,18 @@ no description costs much more than its size.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
-from kvlayout.errors import KVLayoutError, SizeError, abbreviated, as_int
+from kvlayout.errors import KVLayoutError, SizeError, abbreviated, as_int, index_ranges
 from kvlayout.layout.algebra import (
     is_latent,
     level_of,
@@ -161,14 +164,49 @@ class RegistrationDescription:
     device_index: int | None
     shard: Shard | None
     engine: str | None = None
+    # The description this one is a kernel group of (what group() made it from), None for
+    # one received whole: every tensor the peer described, which a block map of this group
+    # alone does not reach (a peer's staging buffer must lie apart from all of them). Not
+    # data: neither compared, hashed nor written to JSON.
+    whole: RegistrationDescription | None = field(default=None, compare=False, repr=False)
 
     def group(self, index: int) -> RegistrationDescription:
-        """The description of kernel group ``index`` alone (what a block map takes)."""
+        """The description of kernel group ``index`` alone (what a block map takes); its
+        ``whole`` is the description it was taken from."""
         index = as_int(index, "group index")
         if not 0 <= index < len(self.groups):
             raise PeerDescriptionError(f"group {index} is out of range for {len(self.groups)} kernel groups")
         return RegistrationDescription(
-            (self.groups[index],), self.device_type, self.device_index, self.shard, self.engine
+            (self.groups[index],), self.device_type, self.device_index, self.shard, self.engine,
+            self.whole or self,
+        )  # fmt: skip
+
+    @functools.cached_property
+    def tensor_spans(self) -> np.ndarray:
+        """``(K, 2)`` uint64, read-only: every described tensor's first byte and byte
+        span (padding between blocks included), group by group, plane by plane, in pointer
+        order (a shared layer's tensor again where it repeats); worked out once."""
+        spans = np.array(
+            [(a, plane.span) for g in self.groups for plane in g.planes for a in plane.addresses],
+            dtype=np.uint64,
+        ).reshape(-1, 2)
+        spans.setflags(write=False)
+        return spans
+
+    def tensor_label(self, k: int) -> str:
+        """Which tensor row ``k`` of :attr:`tensor_spans` is: its kernel group and place there."""
+        index = as_int(k, "tensor")
+        for g, group in enumerate(self.groups):
+            for i, plane in enumerate(group.planes):
+                if index < len(plane.addresses):
+                    planes = f", plane {i}" if len(group.planes) > 1 else ""
+                    return (
+                        f"kernel group {g} (engine group {group.engine_group}, layers "
+                        f"{index_ranges(group.layers)}: {group.label()}){planes}, its tensor {index}"
+                    )
+                index -= len(plane.addresses)
+        raise PeerDescriptionError(
+            f"tensor {k} is out of range for {len(self.tensor_spans)} described tensors"
         )
 
     def to_json(self) -> str:

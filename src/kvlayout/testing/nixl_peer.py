@@ -69,7 +69,9 @@ class CacheSpec:
     heads) (then CP rank, CP size and interleave under context parallelism) or None,
     bytes seeded by ``seed``; ``shares`` lists ``(layer, target)`` pairs, a layer
     registered with an earlier layer's tensor (vLLM's cross-layer KV sharing; a format
-    with one tensor a layer)."""
+    with one tensor a layer); ``engine_groups``, each layer's engine (KV cache) group
+    (``bind``'s; () puts every layer in group 0): a hybrid of groups of one format, as
+    vLLM's full and sliding-window attention, one kernel group each."""
 
     format: str  # an EngineKVFormat name
     layers: int
@@ -81,10 +83,12 @@ class CacheSpec:
     shard: tuple[int, ...] | None = None
     seed: int = 0
     shares: tuple[tuple[int, int], ...] = ()
+    engine_groups: tuple[int, ...] = ()
 
     def to_data(self) -> dict[str, Any]:
         shard = None if self.shard is None else list(self.shard)
-        return {**self.__dict__, "shard": shard, "shares": [list(p) for p in self.shares]}
+        return {**self.__dict__, "shard": shard, "shares": [list(p) for p in self.shares],
+                "engine_groups": list(self.engine_groups)}  # fmt: skip
 
     @classmethod
     def from_data(cls, data: dict[str, Any]) -> CacheSpec:
@@ -93,6 +97,7 @@ class CacheSpec:
             **data,
             "shard": None if shard is None else tuple(int(x) for x in shard),
             "shares": tuple((int(a), int(b)) for a, b in data.get("shares", ())),
+            "engine_groups": tuple(int(g) for g in data.get("engine_groups", ())),
         })  # fmt: skip
 
     @property
@@ -137,7 +142,8 @@ def build_cache(spec: CacheSpec, device: str = "cpu") -> tuple[Any, list[Any]]:
         raise ValueError(f"{spec.format} has not one tensor a layer: its layers cannot share one")
     for layer, target in spec.shares:
         leaves[layer] = leaves[target]
-    return bind(_nest(layout.list_shape(sizes), leaves), fmt), leaves
+    groups = list(spec.engine_groups) or None
+    return bind(_nest(layout.list_shape(sizes), leaves), fmt, engine_groups=groups), leaves
 
 
 def refill(spec: CacheSpec, leaves: list[Any]) -> None:

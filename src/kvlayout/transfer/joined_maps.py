@@ -19,6 +19,7 @@ import torch
 
 from kvlayout import _native
 from kvlayout.registration.memory import HoldsAddresses
+from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.block_maps import _PROBLEMS, BlockMap, fingerprint
 from kvlayout.transfer.map_sides import BlockMapError, Side
@@ -62,6 +63,16 @@ class JoinedSide:
         spans = np.unique(np.concatenate([side.tensor_spans for side in self.sides]), axis=0)
         spans.setflags(write=False)
         return spans
+
+    @functools.cached_property
+    def descriptions(self) -> tuple[RegistrationDescription, ...]:
+        """The parts' whole descriptions, each once (:attr:`Side.descriptions`: every
+        tensor the peer described); () where a part has none (a live side), so that a
+        reader falls back on :attr:`tensor_spans`."""
+        held = [side.descriptions for side in self.sides]
+        if not all(held):
+            return ()
+        return tuple({id(d): d for ds in held for d in ds}.values())
 
     @functools.cached_property
     def spans(self) -> np.ndarray:

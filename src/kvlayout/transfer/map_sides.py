@@ -181,6 +181,7 @@ class Side(HoldsAddresses):
         placement: Placement | None = None,
         repeats: np.ndarray | None = None,
         opaque_pages: OpaquePages | None = None,
+        described: RegistrationDescription | None = None,
     ) -> None:
         self.label, self.layout, self.data, self.layers = label, layout, data, layers
         self.kv, self.heads, self.has_heads = kv, heads, has_heads
@@ -190,6 +191,8 @@ class Side(HoldsAddresses):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.device, self.shard, self.owner = device, shard, owner
         self.opaque_pages = opaque_pages  # rows that are a page's bytes, not tokens' (vLLM's group edits)
+        # A peer's side: the whole description its group is of (every tensor the peer described)
+        self.described = described
         self._placement = placement  # a live side's tensors, where its addresses were read
         # Per tensor (index into addresses): an earlier tensor's again, a layer sharing its
         # KV cache. Such a layer's bytes are the earlier one's: a map writes them once.
@@ -248,6 +251,13 @@ class Side(HoldsAddresses):
         out.setflags(write=False)
         return out
 
+    @property
+    def descriptions(self) -> tuple[RegistrationDescription, ...]:
+        """A peer's side: the whole description its group is of, whose ``tensor_spans``
+        are every tensor the peer described, this side's among them (a peer's staging
+        buffer lies apart from them all); () for a live side or a chunk."""
+        return () if self.described is None else (self.described,)
+
 
 @functools.cache
 def _side_fields() -> tuple[str, ...]:
@@ -270,6 +280,7 @@ def side_of_group(
     owner: Any,
     where: str,
     placement: Placement | None = None,
+    described: RegistrationDescription | None = None,
 ) -> Side:
     layout = group.layout
     jobs = []
@@ -321,11 +332,16 @@ def side_of_group(
         owner=owner,
         placement=placement,
         opaque_pages=group.opaque_pages,
+        described=described,
     )
 
 
 @functools.lru_cache(maxsize=64)
-def _side_of_description(desc: RegistrationDescription, block_size: int | None, where: str) -> Side:
+def _side_of_description(
+    desc: RegistrationDescription, whole: RegistrationDescription, block_size: int | None, where: str
+) -> Side:
+    """``desc``'s side, keyed by ``whole`` too (``desc.whole`` is not compared: the same
+    group of two descriptions is one side per description)."""
     if len(desc.groups) != 1:
         listed = "; ".join(g.label() for g in desc.groups)
         raise BlockMapError(
@@ -335,7 +351,8 @@ def _side_of_description(desc: RegistrationDescription, block_size: int | None, 
     group = desc.groups[0]
     if block_size is not None and group.block_size is None:
         group = replace(group, block_size=block_size)
-    return side_of_group(group, (desc.device_type, desc.device_index), desc.shard, None, where)
+    device = (desc.device_type, desc.device_index)
+    return side_of_group(group, device, desc.shard, None, where, described=whole)
 
 
 def _side_of_kernel_group(group: Any, block_size: int | None, where: str) -> Side:
@@ -370,7 +387,7 @@ def _as_side(obj: Any, block_size: int | None, where: str) -> Side:
     if isinstance(obj, Side):
         return obj
     if isinstance(obj, RegistrationDescription):
-        return _side_of_description(obj, block_size, where)
+        return _side_of_description(obj, obj.whole or obj, block_size, where)
     if isinstance(obj, RegisteredKV):
         obj = obj.registration
     if isinstance(obj, Registration):

@@ -516,18 +516,30 @@ def _check_peer_staging(peer: PeerStaging) -> None:
 def _refuse_peer_staging_on_cache(peer: PeerStaging, remote: MapSide) -> None:
     """A peer's staging buffer is memory of its own, apart from the tensors it described
     (a :class:`Staging` is an allocation of its own): one that overlaps them is a peer's
-    lie, whose WRITE would land on its KV and whose READ would take its KV for staged bytes."""
-    spans = np.asarray(remote.tensor_spans, dtype=_U64).reshape(-1, 2)
-    start, end = int(peer.address), int(peer.address) + int(peer.nbytes)
-    hit = np.flatnonzero((spans[:, 1] > 0) & (spans[:, 0] < end) & (spans[:, 0] + spans[:, 1] > start))
-    if int(peer.nbytes) and len(hit):
-        a, n = int(spans[hit[0], 0]), int(spans[hit[0], 1])
-        raise RefusedDescriptorError(
-            f"PeerStaging({start:#x}, {int(peer.nbytes)} bytes) overlaps tensor {int(hit[0])} ({a:#x}, {n} "
-            f"bytes) of the {len(spans)} tensors the peer described: a peer's staging buffer lies apart "
-            "from its cache (a WRITE there would land on its KV, a READ take its KV for staged bytes); "
-            "refused before posting"
-        )
+    lie, whose WRITE would land on its KV and whose READ would take its KV for staged bytes.
+    Every tensor of the peer's description, every kernel group's (the side's
+    ``descriptions``, whose spans each description works out once), not only those of the
+    group the map moves: a hybrid peer's NIXL registration holds its other groups too, so
+    NIXL's own check would let a buffer on them through. A side that names no description
+    (a :class:`MapSide` of the caller's own) is checked against its ``tensor_spans``."""
+    nbytes = int(peer.nbytes)
+    if not nbytes:
+        return
+    start, end = int(peer.address), int(peer.address) + nbytes
+    described = getattr(remote, "descriptions", ())
+    for d in described or (None,):
+        spans = np.asarray(remote.tensor_spans if d is None else d.tensor_spans, dtype=_U64).reshape(-1, 2)
+        hit = np.flatnonzero((spans[:, 1] > 0) & (spans[:, 0] < end) & (spans[:, 0] + spans[:, 1] > start))
+        if len(hit):
+            k = int(hit[0])
+            a, n = int(spans[k, 0]), int(spans[k, 1])
+            which = "" if d is None else f", {d.tensor_label(k)}"
+            raise RefusedDescriptorError(
+                f"PeerStaging({start:#x}, {nbytes} bytes) overlaps tensor {k} ({a:#x}, {n} bytes{which}) of "
+                f"the {len(spans)} tensors the peer described: a peer's staging buffer lies apart from its "
+                "cache (a WRITE there would land on its KV, a READ take its KV for staged bytes); refused "
+                "before posting"
+            )
 
 
 def _scatters(strategy: str, op: Op) -> bool:

@@ -65,6 +65,12 @@ class MapSide(Protocol):
     says what of a local side's memory moved since its addresses were read (an engine
     that re-allocated its cache), None while nothing did and for a peer's side: a
     request is refused then, not sent through freed memory.
+
+    A peer's side may also name ``descriptions``: the peer's whole
+    :class:`~kvlayout.registration.peers.RegistrationDescription` (s) its tensors are of,
+    every kernel group's tensors (a block map's side of ``description.group(i)`` names
+    ``description``); a peer's staging buffer is refused on any of them. Without it, on
+    ``tensor_spans``.
     """
 
     def moved(self) -> str | None: ...
@@ -169,17 +175,8 @@ def _described_side(description: RegistrationDescription) -> LocalSide:
     """The :class:`MapSide` of a peer's description (every kernel group's tensors, each
     its byte span from its shape and strides): what :func:`prep_lists` prepares at the
     handshake, before any request's map exists."""
-    spans = [
-        (address, plane.span)
-        for group in description.groups
-        for plane in group.planes
-        for address in plane.addresses
-    ]
     return LocalSide(
-        description.device_type,
-        description.device_index or 0,
-        np.array(spans, dtype=_U64).reshape(-1, 2),
-        is_local=False,
+        description.device_type, description.device_index or 0, description.tensor_spans, is_local=False
     )
 
 
