@@ -258,6 +258,46 @@ def test_a_peer_staging_buffer_on_the_tensors_the_peer_described_is_refused() ->
         assert int(p.remote[0, 0]) == at
 
 
+def test_a_group_s_map_checks_the_peer_staging_against_the_description_it_came_from() -> None:
+    """A map of ``description.group(0)`` refuses a staging buffer on the peer's group 1,
+    by the description that group came from: of two descriptions whose group 0 is the same
+    and whose group 1 lies elsewhere, each map answers for its own (the side made for one
+    is not the other's, though the groups compare equal), and the honest place of one is
+    the other's lie. ``whole`` is not data: a group's JSON reads back equal, with none."""
+    from kvlayout.registration.peers import RegistrationDescription
+    from kvlayout.testing.nixl_peer import CacheSpec, build_cache
+    from kvlayout.transfer import block_map, join_maps
+
+    spec = CacheSpec("NL_X_TWO_NB_BS_NH_HS", 4, 8, 4, 2, 8, shard=(0, 1, 2), engine_groups=(0, 0, 1, 1))
+    here, _ = build_cache(spec)
+    there, _ = build_cache(dataclasses.replace(spec, seed=1))
+    d = there.describe(shard=spec.the_shard, block_size=4)
+    g1 = d.groups[1]
+    moved = dataclasses.replace(
+        g1,
+        planes=tuple(
+            dataclasses.replace(p, addresses=tuple(a + (1 << 30) for a in p.addresses)) for p in g1.planes
+        ),
+    )
+    e = dataclasses.replace(d, groups=(d.groups[0], moved))
+    assert d.group(0) == e.group(0) and d.group(0).whole is d and e.group(0).whole is e
+    back = RegistrationDescription.from_json(d.group(1).to_json())
+    assert back == d.group(1) and back.whole is None
+    on_d, on_e = (nx.PeerStaging(g.planes[0].addresses[1] + 128, 256) for g in (g1, moved))
+    for desc, lie, honest in ((d, on_d, on_e), (e, on_e, on_d)):
+        m = block_map(here.kernel_groups[0], desc.group(0), [1, 3], [2, 0])
+        assert m.dst.descriptions == (desc,)
+        with pytest.raises(nx.RefusedDescriptorError, match=r"overlaps tensor 3 \(0x[0-9a-f]+, 2048 bytes, kernel "
+                           r"group 1 \(engine group 1, layers 2-3: .*\), its tensor 1\) of the 4 tensors"):  # fmt: skip
+            nx.plan(m, strategy="peer-staged", peer_staging=lie._replace(nbytes=m.num_bytes))
+        p = nx.plan(m, strategy="peer-staged", peer_staging=honest._replace(nbytes=m.num_bytes))
+        assert int(p.remote[:, 0].min()) >= honest.address
+        joined = join_maps([m])  # a joined map's side names its parts' descriptions
+        assert joined.dst.descriptions == (desc,)
+        with pytest.raises(nx.RefusedDescriptorError, match=r"kernel group 1 .*its tensor 1\)"):
+            nx.plan(joined, strategy="peer-staged", peer_staging=lie._replace(nbytes=m.num_bytes))
+
+
 def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() -> None:
     """A tile, as NHD -> HND makes them: the runs back to back on each side, in another
     order on each. Staged and peer-staged post one descriptor each and predict alike; a
