@@ -515,17 +515,18 @@ def _spans_of(side: Any) -> list[tuple[int, int]]:
     return [(a, a + n) for a, n in np.asarray(side.tensor_spans).tolist() if n]
 
 
-def _check_peer_staged(seed: Seed, m: Any, column: int) -> None:
+def _check_peer_staged(seed: Seed, m: Any, column: int, d: RegistrationDescription) -> None:
     """The map posted into the peer's staging buffer: refused before anything is posted
-    where the described tensors the map reaches overlap that buffer (the peer's cache
-    and its staging buffer are apart); else every remote descriptor inside the buffer,
-    every local one inside the registration here."""
+    where a described tensor overlaps that buffer, of any group of ``d`` (the peer's
+    cache and its staging buffer are apart, and NIXL holds every group registered);
+    else every remote descriptor inside the buffer, every local one inside the
+    registration here."""
     agent, there = seed.agent, seed.peer_staging
     num_bytes = int(m.runs[:, 2].sum(dtype=U64))
     if num_bytes > there.nbytes:
         return
     end = there.address + there.nbytes
-    on_cache = any(a < end and there.address < e for a, e in _spans_of(_side_of(m, column)))
+    on_cache = any(a < end and there.address < a + n for a, n in _described_spans(d).tolist() if n)
     posted = len(agent.posted)
     try:
         xfer = nx.transfer(agent, PEER, m, strategy="peer-staged", peer_staging=there)
@@ -561,7 +562,7 @@ def check(seed: Seed, root: Any, splice: str | None) -> None:
         _check_staged(seed, m, column, None)
         if prepped is not None and int(m.runs[:, 2].sum(dtype=U64)) <= 1 << 20:  # indices a byte each
             _check_staged(seed, m, column, prepped)
-        _check_peer_staged(seed, m, column)
+        _check_peer_staged(seed, m, column, d)
 
 
 @pytest.mark.parametrize("name", ["vllm NHD", "vllm HND", "vllm MLA", "sglang", "trtllm", "hybrid"])
@@ -582,6 +583,47 @@ def test_a_lying_description_is_refused_or_every_run_stays_inside_it(name: str) 
     run()
 
 
+@st.composite
+def landed(draw: st.DrawFn, seed: Seed) -> Any:
+    """The seed's description with one tensor moved onto, or to end inside, the staging
+    buffer the peer names (``PeerStaging``), in any group: a hybrid's map of one group
+    then meets a buffer on the other's KV, which NIXL holds registered."""
+    root: Any = json.loads(seed.text)
+    where = [p for p in _paths(root) if len(p) >= 2 and p[-2] == "addresses"]
+    path = draw(st.sampled_from(where))
+    d = RegistrationDescription.from_json(seed.text)
+    g = int(path[1])  # ("groups", g, "planes", ...)
+    span = _spans(d, g)[[p for p in where if p[1] == g].index(path)]
+    at = seed.landing.data_ptr()
+    root = _set(
+        root, path, draw(st.sampled_from([at, at + 64, at + STAGING - 64, at + 64 - (span[1] - span[0])]))
+    )
+    return root
+
+
+@pytest.mark.parametrize("name", ["hybrid", "vllm NHD"])
+def test_a_tensor_described_on_the_peer_s_staging_buffer_refuses_every_group_s_peer_staged_request(
+    name: str,
+) -> None:
+    """A description that puts one tensor, of any group, on the staging buffer the peer
+    names is a lie to every request peer-staged into that buffer, whichever group its map
+    moves: ``check`` posts none of them, and the rest of each map as ever."""
+    seed = seeds()[name]
+
+    @settings(
+        max_examples=12 if name == "hybrid" else 6,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+        database=None,
+        derandomize=True,
+    )
+    @given(landed(seed))
+    def run(root: Any) -> None:
+        check(seed, root, None)
+
+    run()
+
+
 def test_the_seeds_are_accepted_and_mapped() -> None:
     """Unmutated, every seed is read back, mapped both ways in each group, prepared, and
     each map posted four ways: direct, staged (as lists and as prepped indices) and
@@ -597,19 +639,31 @@ def test_the_seeds_are_accepted_and_mapped() -> None:
         assert len(seed.agent.posted) == posted + 3 * len(maps) + small, seed.name
 
 
+def _named(d: RegistrationDescription, lie: nx.PeerStaging) -> str:
+    """What the refusal of ``lie`` names: the first described tensor it overlaps, in the
+    description's order (group by group; a vLLM hybrid's groups share their tensors, so
+    that may be another group's than the one the lie was put on), and its group."""
+    end = lie.address + lie.nbytes
+    firsts = [(g, a, e) for g in range(len(d.groups)) for a, e in _spans(d, g)]
+    k, (g, a, e) = next((k, t) for k, t in enumerate(firsts) if t[1] < end and lie.address < t[2])
+    return rf"overlaps tensor {k} \({a:#x}, {e - a} bytes, kernel group {g} \(engine group "
+
+
 @pytest.mark.parametrize("name", ["vllm NHD", "vllm HND", "vllm MLA", "sglang", "trtllm", "hybrid"])
 def test_a_peer_staging_buffer_that_lies_is_refused_before_anything_is_posted(name: str) -> None:
     """The staging buffer a peer names at the handshake (``PeerStaging``), where a
-    peer-staged request lands or is read: on a tensor it described (a WRITE would land
-    on its KV, a READ take its KV for staged bytes), past what it registered, nowhere
+    peer-staged request lands or is read: on a tensor it described, of the map's group or
+    (a hybrid) another's, named (a WRITE would land on its KV, a READ take its KV for
+    staged bytes), past what it registered, nowhere
     a process can own, or too small, it is refused, naming the buffer, before anything
     is posted; the honest one then takes the same request."""
     seed = seeds()[name]
     d = RegistrationDescription.from_json(seed.text)
     honest = seed.peer_staging
-    for m, _, column in _maps(seed, d):
+    for m, gi, column in _maps(seed, d):
         num_bytes = int(m.runs[:, 2].sum(dtype=U64))
         described = _spans_of(_side_of(m, column))
+        every = _described_spans(d).tolist()  # every group's tensors
         a, e = described[-1]
         end = honest.address + honest.nbytes
         lies: list[tuple[nx.PeerStaging, type[Exception], str]] = [
@@ -619,7 +673,7 @@ def test_a_peer_staging_buffer_that_lies_is_refused_before_anything_is_posted(na
                 past := nx.PeerStaging(end - num_bytes // 2 // 64 * 64, num_bytes),
                 nx.RefusedDescriptorError,
                 r"overlaps tensor"
-                if any(x < past.address + past.nbytes and past.address < y for x, y in described)
+                if any(x < past.address + past.nbytes and past.address < x + n for x, n in every if n)
                 else r"inside the staging buffer peer 'kvl-hostile-peer' named \(PeerStaging\) but not "
                 "inside memory it registered with NIXL",
             ),
@@ -631,6 +685,10 @@ def test_a_peer_staging_buffer_that_lies_is_refused_before_anything_is_posted(na
             (honest._replace(address=2**64 - 4096), TransferError, "is not memory a process can own"),
             (honest._replace(nbytes=num_bytes - 1), TransferError, "needs a peer staging buffer"),
         ]
+        for other in range(len(d.groups)):  # a hybrid's other group's KV: NIXL holds it registered
+            for a, e in _spans(d, other)[:2] if other != gi else ():
+                for lie in (honest._replace(address=a + 64, nbytes=64), honest._replace(address=e - 64)):
+                    lies.append((lie, nx.RefusedDescriptorError, _named(d, lie)))
         for lie, kind, why in lies:
             posted = len(seed.agent.posted)
             with pytest.raises(kind, match=why) as refused:
