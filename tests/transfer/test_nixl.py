@@ -653,6 +653,69 @@ def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: P
     staging.close()
 
 
+@pytest.mark.parametrize(("op", "stages"), [("WRITE", 1), ("WRITE", 2), ("READ", 1)])
+def test_a_staged_request_dropped_in_flight_frees_its_staging_buffer_once_nixl_reports_it_done(
+    pair: Pair, op: str, stages: int
+) -> None:
+    """A staged request started and dropped before wait() is left to finish, its staging
+    buffer busy meanwhile (a request through it waits for it). The agent's later
+    requests ask NIXL its state; once NIXL reports it done (and, a pipeline, its gathers
+    have run) its requests are released and the buffer is free again, not kept for good:
+    the next staged request through it moves its own bytes, and the dropped one's bytes
+    are where it put them (a WRITE's on the peer; a READ's landed in the buffer, never
+    scattered here: nothing waits for it)."""
+    rng = np.random.default_rng(zlib.crc32(f"dropped {op} {stages}".encode()))
+    n = 4 * UNIT
+    # both in buffer 0 here and there, apart: the dropped request's runs on odd slots, the next one's on even
+    dropped = [(0, 2 * k * SLOT, 0, (2 * k + 1) * SLOT, n) for k in range(16)]
+    later = [(0, (2 * k + 1) * SLOT, 0, 2 * k * SLOT, n) for k in range(16)]
+    pair.peer.fill(pair.peer.seed)
+    pair.peer.notifs(expect=0, wait=0)  # drop what earlier tests left
+    for t in pair.local:
+        t.copy_(torch.from_numpy(rng.integers(0, 256, BUF, dtype=np.uint8)))
+    before = [t.clone() for t in pair.local]
+    staging = nx.Staging(pair.agent, BUF)
+    xfer = nx.transfer(
+        pair.agent, pair.name, make_map(pair, op, dropped), strategy="staged", staging=staging,
+        stages=stages, notif=b"dropped",
+    )  # fmt: skip
+    # what went: the stages posted so far (a pipeline's later ones go only when it is polled)
+    posted = xfer.plan.remote[: xfer.plan.stages[xfer.posted - 1].descriptors[1]]
+    with pytest.warns(ResourceWarning, match=r"was dropped before wait\(\): it is left to finish"):
+        del xfer
+        gc.collect()
+    assert staging.busy and not staging.kept  # held, not kept for good: nothing asked NIXL since
+    probe = make_map(pair, "READ", [(1, 0, 1, 0, UNIT)])  # a request of the agent: it asks the dropped one
+    deadline = time.monotonic() + 30
+    while staging.busy:
+        assert time.monotonic() < deadline, f"{staging!r} was never let go of"
+        nx.transfer(pair.agent, pair.name, probe, strategy="direct").wait(timeout=30)
+    assert repr(staging) == f"Staging({BUF} bytes at {staging.address:#x})"
+    xfer = nx.transfer(pair.agent, pair.name, make_map(pair, op, later), strategy="staged", staging=staging)
+    assert xfer.wait(timeout=30).strategy == "staged" and not staging.busy
+    peer = pair.peer.read(0)
+    if op == "WRITE":
+        seeded = contents(pair.peer.seed, 0, BUF)
+        for _, i, _, j, k in dropped:  # a posted stage's runs landed; the others never went
+            at = pair.peer.address(0, j)
+            went = bool(((posted[:, 0] <= at) & (at + k <= posted[:, 0] + posted[:, 1])).any())
+            want = before[0][i : i + k].numpy() if went else seeded[j : j + k]
+            assert np.array_equal(peer[j : j + k], want), (op, i, j, went)
+        assert stages > 1 or len(posted) == len(dropped)  # one stage: all of it went
+        for _, i, _, j, k in later:
+            assert np.array_equal(peer[j : j + k], before[0][i : i + k].numpy()), (op, i, j)
+    else:
+        seeded = contents(pair.peer.seed, 0, BUF)
+        for _, i, _, j, k in later:  # the next request's bytes, scattered here
+            assert np.array_equal(pair.local[0][i : i + k].numpy(), seeded[j : j + k]), (op, i, j)
+        for _, i, _, _, k in dropped:  # the dropped one's, never scattered: as they were
+            assert np.array_equal(pair.local[0][i : i + k].numpy(), before[0][i : i + k].numpy()), (op, i)
+    pair.peer.notifs(expect=1, wait=0.3)
+    staging.close()
+    assert "deregistered" in repr(staging.registered)
+    pair.peer.fill(pair.peer.seed)
+
+
 @pytest.mark.parametrize("held", ["staging", "regions", "peer stagings"])
 def test_a_request_collected_while_a_lock_it_releases_is_held_lets_go_after(pair: Pair, held: str) -> None:
     """A prepared request dropped in a reference cycle is released by the collector, on

@@ -112,6 +112,14 @@ class _Hold:
             self.peer_claim = None
         return self.released
 
+    def drop(self) -> None:
+        """Dropped in flight (started, never waited for), none of its NIXL requests
+        released: its staging buffer stays busy, and it and the regions it posts through
+        registered, until :func:`_progress_dropped` sees every posted stage over; the
+        peer's buffer is let go of now (the peer's: it reads _NO_CANCEL's rule)."""
+        _unclaim_peer_staging(self.peer_claim)
+        self.peer_claim = None
+
     def keep(self) -> None:
         """NIXL may still move the request's bytes: its staging buffer stays busy, and its
         staging buffer and pinned regions registered and allocated, for good."""
@@ -134,8 +142,15 @@ _DROPPED: deque[_Hold] = deque()
 def _progress_dropped(agent: Agent) -> None:
     """Ask NIXL the state of each posted stage of each request of ``agent`` dropped in
     flight (which drives the agent, and sends a notif NIXL held back, once the stage is
-    done); release the NIXL requests of one whose every posted stage is done or failed.
-    What it held (its staging buffer, the regions it posted through) stays kept."""
+    done); release one whose every posted stage is done or failed and whose local copies
+    (a pipeline's, queued before it was dropped) have run.
+
+    A request dropped with its NIXL requests all held (:meth:`_Hold.drop`) then lets go
+    of its staging buffer and the regions it posted through, as one waited for does: NIXL
+    reports it over (``check_xfer_state`` not ``"PROC"``) before any of its requests is
+    released, so none is cancelled under way and no byte of it moves after. One whose
+    requests were released in flight (``release()`` before it was over, NIXL refusing
+    one) keeps them for good: only its NIXL requests are freed."""
     for _ in range(len(_DROPPED)):
         try:
             hold = _DROPPED.popleft()
@@ -145,10 +160,12 @@ def _progress_dropped(agent: Agent) -> None:
             _DROPPED.append(hold)
             continue
         over = [_over(agent, h) for h in hold.handles[: hold.posted]]  # each asked: each sends its notif
-        if all(over):
-            hold.release(in_flight=True)  # kept already: only its NIXL requests are freed
-        else:
+        if not all(over) or not all(copy.done() for copy in hold.copies):  # a copy still on the buffer
             _DROPPED.append(hold)
+        elif hold.kept:
+            hold.release(in_flight=True)  # kept already: only its NIXL requests are freed
+        elif not hold.release(in_flight=False):  # NIXL refused to free one: kept, as one released in flight
+            hold.keep()
 
 
 def _over(agent: Agent, handle: Any) -> bool:
@@ -170,12 +187,13 @@ def _abandon(hold: _Hold, what: str) -> None:
         return
     if hold.started:
         warnings.warn(
-            f"{what} was dropped before wait(): it is left to finish, and its staging buffer stays busy "
-            "and, with the memory it posts through, registered for good. Its bytes move while the agent "
+            f"{what} was dropped before wait(): it is left to finish. Its bytes move while the agent "
             "is driven, and its notif reaches the peer only once NIXL is asked its state after they "
             "landed, which the agent's next request made or polled here does (over UCX's TCP, neither "
-            "happens before); the notif of a pipeline (sent here after its last stage) and the stages "
-            "not yet posted never go: wait for what you post",
+            "happens before); its staging buffer stays busy, and it and the memory it posts through "
+            "registered, until such a request finds it done or failed, then they are let go of. The "
+            "notif of a pipeline (sent here after its last stage) and the stages not yet posted never "
+            "go: wait for what you post",
             ResourceWarning,
             stacklevel=1,
         )
@@ -193,7 +211,10 @@ def _let_go_abandoned(hold: _Hold) -> bool:
     if not locks_free(*locks, *(hold.staging._locks() if hold.staging is not None else [])):
         return False
     if hold.started:
-        hold.keep()
+        if hold.tried:  # release() ran and NIXL refused a request: what it holds is kept for good
+            hold.keep()
+        else:
+            hold.drop()
         _DROPPED.append(hold)  # asked by the agent's later requests until done
     else:
         hold.release(in_flight=False)
