@@ -199,9 +199,14 @@ struct PlainCopy {
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
 #define KVLAYOUT_STREAM_STORES 1
 
-// Streaming stores (AVX2, 32 bytes) from the first 32-byte-aligned destination byte; the
-// unaligned head and the tail under 32 bytes go through memcpy. AVX2 beat SSE2's 16-byte
-// streaming stores by 1.0-1.18x across the transfer benchmark's formats.
+// Streaming stores (AVX2, 32 bytes) of the destination's whole 64-byte lines; the bytes
+// before its first whole line and after its last go through memcpy. AVX2 beat SSE2's
+// 16-byte streaming stores by 1.0-1.18x across the transfer benchmark's formats. A line a
+// run only partly fills is never streamed: a write-combining buffer flushed with part of
+// its line costs a partial write of the line, and the run beside it writes the rest. A
+// scatter of NHD -> HND's 520,256 runs of 256 B into a cache whose tensors start 16 bytes
+// into a line (bench-pd's, numpy's allocation) took 64 ms streaming from the first 32-byte
+// boundary, 30 ms into the same cache line-aligned (one process, taking turns, 2026-12-07).
 struct StreamCopy {
   // 128 bytes: four 32-byte loads, then four streaming stores.
   __attribute__((target("avx2"), always_inline)) static void stream128(char* dst, const char* src) {
@@ -214,8 +219,19 @@ struct StreamCopy {
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 64), c);
     _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 96), d);
   }
+  // One 64-byte line: two 32-byte loads, then two streaming stores.
+  __attribute__((target("avx2"), always_inline)) static void stream64(char* dst, const char* src) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(dst + 32), b);
+  }
+  // The bytes of n at dst before its first whole 64-byte line (all n where it has none).
+  static std::size_t line_head(const char* dst, std::size_t n) {
+    return std::min(n, (64 - reinterpret_cast<std::uintptr_t>(dst) % 64) % 64);
+  }
   __attribute__((target("avx2"))) static void copy(char* dst, const char* src, std::size_t n) {
-    const std::size_t head = std::min(n, (32 - reinterpret_cast<std::uintptr_t>(dst) % 32) % 32);
+    const std::size_t head = line_head(dst, n);
     if (head != 0) {
       std::memcpy(dst, src, head);
       dst += head, src += head, n -= head;
@@ -223,9 +239,8 @@ struct StreamCopy {
     for (; n >= 128; dst += 128, src += 128, n -= 128) {
       stream128(dst, src);
     }
-    for (; n >= 32; dst += 32, src += 32, n -= 32)
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(dst), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)));
-    if (n != 0) std::memcpy(dst, src, n);
+    if (n >= 64) stream64(dst, src), dst += 64, src += 64, n -= 64;
+    if (n != 0) std::memcpy(dst, src, n);  // part of the last line
   }
   // Copies n bytes while prefetching the n bytes at `ahead`, two lines per 128 bytes
   // copied: prefetches spread over the copy, not issued in bursts between its pieces
@@ -235,7 +250,7 @@ struct StreamCopy {
                                                                 std::uint64_t ahead) {
     if (n == 0) return;
     prefetch_once(ahead + n - 1);  // the last line, which the loop's pairs may not reach
-    const std::size_t head = std::min(n, (32 - reinterpret_cast<std::uintptr_t>(dst) % 32) % 32);
+    const std::size_t head = line_head(dst, n);
     if (head != 0) {
       std::memcpy(dst, src, head);
       dst += head, src += head, n -= head, ahead += head;

@@ -102,6 +102,25 @@ def test_many_short_scattered_runs_across_pages(streaming: bool) -> None:
     assert np.array_equal(dst, want)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_runs_at_every_offset_in_a_line(prefetch: bool) -> None:
+    """Streaming stores go to whole destination lines only (a run's bytes before its first
+    whole 64-byte line and after its last go through memcpy): runs of lengths about one,
+    two and four lines, at each of a line's 64 offsets on both sides, copy exactly."""
+    src, dst = buffers(11)
+    base = (-dst.ctypes.data) % 64  # the destination's first line boundary
+    lengths = (1, 31, 32, 33, 48, 63, 64, 65, 96, 127, 128, 129, 160, 191, 192, 193, 255, 256, 257, 320)
+    runs, at = [], 0
+    for offset in range(64):
+        for n in lengths:
+            runs.append(((at * 7 + offset * 3) % (SRC_BYTES - 512), base + at + offset, n))
+            at += 512
+    assert base + at < DST_BYTES
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(table(src, dst, runs), True, prefetch)
+    assert np.array_equal(dst, want)
+
+
 @st.composite
 def disjoint_run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
     """Runs whose destinations never overlap (pieces of the destination buffer with gaps
