@@ -1065,6 +1065,9 @@ def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
     assert all(math.isfinite(x) for x in (model.copy_per_run_s, model.copy_bandwidth, per_run, bandwidth))
     assert 0 < per_run < 1e-3 and 1e7 < bandwidth < 1e12
     assert model.copy_s(10, 1 << 20, scatters=True) == pytest.approx(10 * per_run + (1 << 20) / bandwidth)
+    # a permuted map's copy over the plain one, both ways: measured, finite, within the clamp
+    factors = model.transposed_factor, model.transposed_scatter_factor
+    assert all(f is not None and math.isfinite(f) and 1e-3 <= f <= 1e3 for f in factors)
     assert took < 10.0  # a handshake's worth (about a second on the loaded 2-core machine)
     # a cost model picks between strategies on its own figures
     m = make_map(pair, "READ", [(0, k * SLOT, 0, k * UNIT, UNIT) for k in range(64)])

@@ -594,6 +594,11 @@ def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long
          "CostModel.per_descriptor_by_size[0] must be a (bytes, seconds) pair, not (8192,)"),
         ({"scatter_bandwidth": 0}, "CostModel.scatter_bandwidth must be a positive number of bytes a second, got 0"),
         ({"scatter_per_run_s": -1.0}, "CostModel.scatter_per_run_s must be a non-negative number of seconds"),
+        ({"transposed_factor": 0.0},
+         "CostModel.transposed_factor must be a positive number (a time's ratio) or None, got 0.0"),
+        ({"transposed_scatter_factor": float("nan")},
+         "CostModel.transposed_scatter_factor must be a positive number (a time's ratio) or None, got nan"),
+        ({"transposed_factor": True}, "CostModel.transposed_factor must be a positive number"),
     ],
 )  # fmt: skip
 def test_a_cost_model_refuses_figures_it_cannot_price_with(kw: dict[str, Any], message: str) -> None:
@@ -946,14 +951,19 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
 ) -> None:
     """A copy that costs 200 us a call, and 5 ns a run and 5 GB/s gathering, 80 ns a run
     and 3 GB/s scattering: the calibration recovers each term of each direction, so a map
-    of many short runs is not priced at its runs' bytes twice, nor a scatter as a gather."""
+    of many short runs is not priced at its runs' bytes twice, nor a scatter as a gather.
+    A permuted map's transposed tiles that take half the time of as many runs spaced
+    evenly gathered, and 1.25 times it scattered, are priced at those factors."""
     cost: dict[str, float] = {}
     packed: list[int] = []
 
     def fake_copy(runs: np.ndarray, lo: np.ndarray, hi: np.ndarray, *_: object) -> None:
         scatters = int(lo[0, 1]) < int(hi[0, 1])  # reads the packed span, writes the spaced one
         per_run, bandwidth = (80e-9, 3e9) if scatters else (5e-9, 5e9)
-        cost["s"] = 200e-6 + len(runs) * per_run + int(runs[:, 2].sum()) / bandwidth
+        steps = np.diff(runs[:, 1 if scatters else 0].astype(np.int64))
+        tiled = len(steps) > 1 and bool(np.any(steps != steps[0]))  # the spaced side not evenly spaced
+        factor = (1.25 if scatters else 0.5) if tiled else 1.0
+        cost["s"] = 200e-6 + (len(runs) * per_run + int(runs[:, 2].sum()) / bandwidth) * factor
         packed.append(int((lo if scatters else hi)[0, 0]))
 
     def fake_timed(fn: Callable[[], None]) -> float:
@@ -962,10 +972,34 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
 
     monkeypatch.setattr(calibration, "_copy", fake_copy)
     monkeypatch.setattr(calibration, "_timed", fake_timed)
-    gather, scatter = calibration._calibrate_copy(1, torch.device("cpu"))
+    gather, scatter, transposed = calibration._calibrate_copy(1, torch.device("cpu"))
     assert gather == pytest.approx((5e-9, 5e9), rel=1e-6)
     assert scatter == pytest.approx((80e-9, 3e9), rel=1e-6)
-    assert len(packed) == 6 and len(set(packed)) == 1  # both ways, through the same packed buffer
+    assert transposed == pytest.approx((0.5, 1.25), rel=1e-3)  # the call timed with its one run
+    assert len(packed) == 10 and len(set(packed)) == 1  # both ways, through the same packed buffer
+
+
+def test_calibrations_transposed_copies_are_an_nhd_block_into_hnd_and_back() -> None:
+    """The permuted map's copy calibration times: each NHD block's row (token t, head h)
+    goes to HND's (head h, token t), each byte of both buffers once; the gather listed in
+    the order it writes, the scatter in the order it reads (as a staged plan lists them)."""
+    heads, tokens, row = calibration._TILE
+    block = heads * tokens * row
+    total, packed, apart = 4 * block, 1 << 30, 2 << 30
+    for way in ("gather", "scatter"):
+        runs = calibration._transposed_copies(way, packed, apart, total).astype(np.int64)
+        assert runs.shape == (total // row, 3) and np.all(runs[:, 2] == row)
+        if way == "gather":  # NHD read from the spaced buffer, HND written back to back
+            hnd, nhd = runs[:, 1] - packed, runs[:, 0] - apart
+            k, at_nhd, at_hnd = nhd // (2 * block), nhd % (2 * block), hnd % block
+            assert np.array_equal(hnd // block, k) and np.all(np.diff(runs[:, 1]) == row)
+        else:  # NHD read back to back, HND written to the spaced buffer
+            nhd, hnd = runs[:, 0] - packed, runs[:, 1] - apart
+            k, at_nhd, at_hnd = nhd // block, nhd % block, hnd % (2 * block)
+            assert np.array_equal(hnd // (2 * block), k) and np.all(np.diff(runs[:, 0]) == row)
+        t, h = at_nhd // row // heads, at_nhd // row % heads
+        assert np.array_equal(at_hnd, (h * tokens + t) * row)
+        assert len(np.unique(k * block + at_nhd)) == len(runs)
 
 
 def test_calibration_prices_a_descriptor_by_the_rounds_ratio_not_the_fastest_of_each() -> None:
@@ -1017,6 +1051,58 @@ def test_the_model_prices_a_scatter_as_a_scatter_and_picks_direct_where_the_copy
     )
     poster: Literal["src", "dst"] = "src" if op == "WRITE" else "dst"
     assert nx.estimate(mp, poster=poster, cost=model).predicted_s["staged"] == pytest.approx(wire + copy)
+
+
+@pytest.mark.parametrize("pair", ["NHD -> HND", "same layout"])
+def test_a_permuted_maps_copy_is_priced_at_its_transposed_factors(pair: str) -> None:
+    """NHD -> HND (kind ``permuted``): its copy, whose runs are transposed tiles, is priced
+    at the plain figures times ``transposed_factor`` gathering and ``transposed_scatter_factor``
+    scattering; ``"auto"`` then takes the side whose copy its prices make cheaper, which
+    the plain figures alone (the same both ways) leave to the tie-break (the gather). A map
+    of one layout is priced plain, whatever the factors (and goes direct: its runs are its
+    stretches)."""
+    from kvlayout import EngineKVFormat as F
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import block_map
+
+    nhd, hnd = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS
+    shape = {nhd: (2, 12, 4, 4, 8), hnd: (2, 12, 4, 4, 8)}
+    dst_fmt = hnd if pair == "NHD -> HND" else nhd
+    src = bind([torch.zeros(shape[nhd], dtype=torch.bfloat16) for _ in range(3)], nhd)
+    dst = bind([torch.zeros(shape[dst_fmt], dtype=torch.bfloat16) for _ in range(3)], dst_fmt)
+    m = block_map(src, dst.describe(block_size=4), [2, 3, 4, 5], [6, 7, 8, 9], num_tokens=16)
+    assert ("permuted" in m.kind) == (pair == "NHD -> HND")
+    n, nbytes = m.num_runs, m.num_bytes
+    plain = nx.CostModel(
+        per_descriptor_s=20e-6, bandwidth=1e9, per_transfer_s=0.0, copy_per_run_s=1e-6, copy_bandwidth=1e8,
+        scatter_per_run_s=1e-6, scatter_bandwidth=1e8,
+    )  # fmt: skip
+    buf = np.zeros(nbytes, np.uint8)
+    there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
+    for gathering, scattering in ((2.0, 0.5), (0.5, 2.0)):
+        model = dataclasses.replace(plain, transposed_factor=gathering, transposed_scatter_factor=scattering)
+        p = nx.plan(m, staging=staging_at(buf), peer_staging=there, cost=model)
+        permuted = pair == "NHD -> HND"
+        ways: tuple[tuple[Literal["staged", "peer-staged"], bool], ...] = (
+            ("staged", False),
+            ("peer-staged", True),
+        )
+        for strategy, scatters in ways:  # a WRITE: gathers here, scatters there
+            factor = (scattering if scatters else gathering) if permuted else 1.0
+            copy = model.copy_s(n, nbytes, scatters=scatters, transposed=permuted)
+            assert copy == pytest.approx(plain.copy_s(n, nbytes, scatters=scatters) * factor)
+            posts = nx.plan(m, strategy=strategy, staging=staging_at(buf), peer_staging=there, cost=model)
+            wire = model.direct_s(posts.num_descriptors, nbytes)  # one stage: the copy, then the wire
+            assert p.predicted_s[strategy] == pytest.approx(wire + copy)
+        cheaper_scatter = scattering < gathering
+        # one layout: the runs are the stretches, so direct posts as few descriptors and copies nothing
+        assert p.strategy == (("peer-staged" if cheaper_scatter else "staged") if permuted else "direct")
+        posters: tuple[Literal["src", "dst"], ...] = ("src", "dst")
+        for poster in posters:  # estimate prices both posters alike: a READ's staged copy scatters
+            e = nx.estimate(m, poster=poster, cost=model)
+            gathers_here = poster == "src"
+            want = "peer-staged" if cheaper_scatter == gathers_here else "staged"
+            assert e.choice == (want if permuted else "direct")
 
 
 @pytest.mark.parametrize("stages", [1, 3, 8, None])

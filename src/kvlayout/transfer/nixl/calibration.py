@@ -129,7 +129,8 @@ def calibrate(
     rounds' ratios: :func:`_added_per_descriptor`); each measurement once a round, in
     ``repeats`` rounds; then the local copy there, a gather's figures and a scatter's
     (:func:`_calibrate_copy`: runs of 1 KiB and 16 KiB spread past a host's last-level
-    cache, whatever ``small`` and ``count`` are).
+    cache, whatever ``small`` and ``count`` are, and a permuted map's transposed tiles
+    of 256 B runs).
     ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
@@ -195,7 +196,7 @@ def calibrate(
             for name, rows in theirs.items():
                 rounds[name].append(_timed_xfer(agent, op, peer, (ours[name], rows), mems, timeout))
     t = {name: min(times) for name, times in rounds.items()}
-    gather, scatter = _calibrate_copy(repeats, copy_on)
+    gather, scatter, transposed = _calibrate_copy(repeats, copy_on)
     per_descriptor = max((t["many"] - t["one"]) / (count - 1), 1e-9)
     bandwidth = nbytes / max(t["big"] - t["one"], 1e-9)
     by_size = [(small, per_descriptor)] + [
@@ -223,6 +224,8 @@ def calibrate(
         per_descriptor_by_size=tuple(by_size),
         scatter_per_run_s=scatter[0],
         scatter_bandwidth=scatter[1],
+        transposed_factor=transposed[0],
+        transposed_scatter_factor=transposed[1],
     )
 
 
@@ -259,9 +262,38 @@ _DESCRIPTOR_SIZES = (8 << 10, 32 << 10, 64 << 10, 128 << 10, 512 << 10)
 # of 256 B 161-168 ms (predicted 29 ms at best), against 37-40 ms to gather them.
 _COPY_CALIBRATION_BYTES = 32 << 20
 _COPY_RUNS = (1 << 10, 16 << 10)
+# A permuted map's runs as calibrated: NHD blocks of 16 tokens of 8 heads' 256-byte rows
+# (128 bf16) into HND blocks (heads outside tokens), and back: transposed tiles, 8 x 16,
+# timed in the same rounds as as many 256-byte runs spaced evenly (the plain pattern), so
+# a round's load stretches both alike and their ratio holds (see _added_per_descriptor).
+_TILE = (8, 16, 256)  # heads, tokens, bytes a row
 
 
-def _calibrate_copy(repeats: int, device: torch.device) -> tuple[tuple[float, float], tuple[float, float]]:
+def _transposed_copies(way: str, packed_at: int, apart_at: int, total: int) -> np.ndarray:
+    """A permuted map's copy of ``total`` bytes as :func:`_calibrate_copy` times it:
+    ``"gather"`` reads NHD blocks a block apart from each other at ``apart_at`` into HND
+    blocks back to back at ``packed_at``, listed in the order it writes (a staged plan's
+    staging order); ``"scatter"`` reads NHD blocks back to back at ``packed_at`` into HND
+    blocks a block apart at ``apart_at``, listed in the order it reads."""
+    heads, tokens, row = _TILE
+    block = heads * tokens * row
+    k = np.arange(total // block, dtype=_U64)[:, None, None] * np.uint64(block)
+    h = np.arange(heads, dtype=_U64)[None, :, None]
+    t = np.arange(tokens, dtype=_U64)[None, None, :]
+    nhd, hnd = (t * np.uint64(heads) + h) * np.uint64(row), (h * np.uint64(tokens) + t) * np.uint64(row)
+    packed, apart = np.uint64(packed_at), np.uint64(apart_at)
+    if way == "gather":  # (block, head, token): the HND order it writes
+        src, dst = apart + np.uint64(2) * k + nhd, packed + k + hnd
+    else:  # (block, token, head): the NHD order it reads
+        src, dst = packed + k + nhd, apart + np.uint64(2) * k + hnd
+        src, dst = src.transpose(0, 2, 1), dst.transpose(0, 2, 1)
+    n = src.size
+    return np.ascontiguousarray(np.stack([src.reshape(n), dst.reshape(n), np.full(n, row, _U64)], axis=1))
+
+
+def _calibrate_copy(
+    repeats: int, device: torch.device
+) -> tuple[tuple[float, float], tuple[float, float], tuple[float, float]]:
     """(seconds a run, bytes a second) of the staged strategies' gather and of their
     scatter on ``device`` (the block-map engine on the host, the run executor on a GPU,
     each call until its bytes are there): ``_COPY_CALIBRATION_BYTES`` in runs of each size
@@ -270,7 +302,10 @@ def _calibrate_copy(repeats: int, device: torch.device) -> tuple[tuple[float, fl
     (a burst of load spoils one of each, not every one of one), the fastest of each. The
     two sizes move the same bytes, so their difference is the runs' own cost; the one-run
     copy's time is the call's own (checks, dispatch), taken out of the bandwidth. The
-    runs are checked once, as a plan's are, and copied unchecked."""
+    runs are checked once, as a plan's are, and copied unchecked. Last, what a permuted
+    map's copy (:func:`_transposed_copies`) takes over the plain copy of as many 256-byte
+    runs spaced evenly, gathered and scattered: the median of the rounds' ratios (each
+    past the call's own time)."""
     total, (small, mid) = _COPY_CALIBRATION_BYTES, _COPY_RUNS
     scratch = torch.zeros(3 * total, dtype=torch.uint8, device=device)  # zeros: its pages are touched
     packed_at, apart_at = scratch.data_ptr(), scratch.data_ptr() + total
@@ -286,18 +321,35 @@ def _calibrate_copy(repeats: int, device: torch.device) -> tuple[tuple[float, fl
             copies[way, size] = np.stack([src, dst, np.full(n, size, _U64)], axis=1)
             _check_copies(copies[way, size], src_span, dst_span)
         copies[way, 0] = copies[way, small][:1]  # the call alone
+        row = _TILE[2]
+        n = total // row
+        gaps = apart_at + np.arange(n, dtype=_U64) * np.uint64(2 * row)
+        dense = packed_at + np.arange(n, dtype=_U64) * np.uint64(row)
+        src, dst = (gaps, dense) if way == "gather" else (dense, gaps)
+        copies[way, row] = np.stack([src, dst, np.full(n, row, _U64)], axis=1)  # the plain pattern
+        copies[way, -1] = _transposed_copies(way, packed_at, apart_at, total)
+        for pattern in (row, -1):
+            _check_copies(copies[way, pattern], src_span, dst_span)
     t = dict.fromkeys(copies, math.inf)
+    rounds: dict[tuple[str, int], list[float]] = {key: [] for key in copies}
     for _ in range(repeats):
         for (way, size), runs in copies.items():
             took = _timed(lambda runs=runs, way=way: _copy(runs, *spans[way], 1, False, device))
             t[way, size] = min(t[way, size], took)
+            rounds[way, size].append(took)
     figures = []
     for way in spans:
         n_small, n_mid = total // small, total // mid
         per_run = max((t[way, small] - t[way, mid]) / (n_small - n_mid), 1e-9)
         moving = t[way, mid] - t[way, 0] - (n_mid - 1) * per_run  # the mid runs' bytes past the one run's
         figures.append((per_run, (total - small) / max(moving, 1e-9)))
-    return figures[0], figures[1]
+    factors = []
+    for way in spans:
+        call = t[way, 0]
+        tiled, plain = rounds[way, -1], rounds[way, _TILE[2]]
+        ratios = (max(a - call, 1e-9) / max(b - call, 1e-9) for a, b in zip(tiled, plain, strict=True))
+        factors.append(min(max(statistics.median(ratios), 1e-3), 1e3))  # a clock's freak: bounded
+    return figures[0], figures[1], (factors[0], factors[1])
 
 
 def _timed(fn: Any) -> float:

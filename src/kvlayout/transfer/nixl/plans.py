@@ -69,6 +69,19 @@ class CostModel:
     524,224 runs of 256 B 161-168 ms, 0.24-0.26 us a run beyond the bytes at 4 GB/s, where
     an earlier, quieter session measured 48-68 ms, 0.03-0.07 us). :func:`calibrate`
     measures the live pair.
+
+    A permuted map's copy (NHD <-> HND within a block: each block's runs, a head's row of
+    a token each, form a transposed tile) costs its plain price times a factor of its
+    own, by direction (``transposed_factor`` gathering, ``transposed_scatter_factor``
+    scattering; None: 1). The copy engine gathers a tile a column at a time, reading one
+    stream (csrc/stream_copy.h, ``Tile``), and scatters it in list order, writing a stream
+    per head: NHD -> HND's 520,256 runs of 256 B gathered in 17 ms where as many 256 B
+    runs spaced evenly took 34 ms (one process, taking turns, 2026-12-07), and scattered
+    (line-aligned) in 28.7 ms against 28.8 ms spaced evenly. Calibrated plain figures
+    priced that gather at 32 ms and the scatter at 23 ms, so both posters picked the side
+    that scatters, 2-2.5x slower end to end in ``make bench-pd`` (where the scatter also
+    streamed partial lines: 61-64 ms then). The defaults are those ratios: 0.5 gathering,
+    1.0 scattering.
     """
 
     per_descriptor_s: float = 18e-6
@@ -82,15 +95,32 @@ class CostModel:
     # them, never by another machine's scatter); DEFAULT_COST carries this project's
     scatter_per_run_s: float | None = None
     scatter_bandwidth: float | None = None  # bytes/s
+    # A permuted map's copy (transposed tiles) over the plain price, gathered and scattered; None: 1.
+    transposed_factor: float | None = None
+    transposed_scatter_factor: float | None = None
 
     def __post_init__(self) -> None:
         # A zero or NaN here would surface as a ZeroDivisionError or a NaN prediction later.
+        optional = (
+            "scatter_per_run_s",
+            "scatter_bandwidth",
+            "transposed_factor",
+            "transposed_scatter_factor",
+        )
         for name in ("per_descriptor_s", "per_transfer_s", "copy_per_run_s", "scatter_per_run_s"):
-            if getattr(self, name) is not None or not name.startswith("scatter_"):
+            if getattr(self, name) is not None or name not in optional:
                 _finite(f"CostModel.{name}", getattr(self, name), "a non-negative number of seconds", 0.0)
         for name in ("bandwidth", "copy_bandwidth", "scatter_bandwidth"):
-            if getattr(self, name) is not None or not name.startswith("scatter_"):
+            if getattr(self, name) is not None or name not in optional:
                 _finite(f"CostModel.{name}", getattr(self, name), "a positive number of bytes a second", None)
+        for name in ("transposed_factor", "transposed_scatter_factor"):
+            if getattr(self, name) is not None:
+                _finite(
+                    f"CostModel.{name}",
+                    getattr(self, name),
+                    "a positive number (a time's ratio) or None",
+                    None,
+                )
         points = self.per_descriptor_by_size
         if not isinstance(points, (tuple, list)):
             raise TypeError(
@@ -131,26 +161,39 @@ class CostModel:
         each = self.descriptor_s(nbytes / descriptors) if descriptors else 0.0
         return self.per_transfer_s + descriptors * each + nbytes / self.bandwidth
 
-    def copy_s(self, runs: int, nbytes: int, *, scatters: bool = False) -> float:
+    def copy_s(self, runs: int, nbytes: int, *, scatters: bool = False, transposed: bool = False) -> float:
         """Seconds of the local copy of ``runs`` runs, ``nbytes`` bytes: a gather (reads
         the runs where they lie, writes staging in order), or with ``scatters`` a scatter
         (reads staging in order, writes the runs where they lie), which writes where the
         runs jump and was measured slower (``scatter_per_run_s``, ``scatter_bandwidth``;
-        either None: the gather's)."""
+        either None: the gather's). ``transposed``: the runs are a permuted map's
+        (transposed tiles), priced at that times ``transposed_factor`` gathered or
+        ``transposed_scatter_factor`` scattered (None: 1)."""
         per_run, bandwidth = self.copy_per_run_s, self.copy_bandwidth
         if scatters:
             per_run = per_run if self.scatter_per_run_s is None else self.scatter_per_run_s
             bandwidth = bandwidth if self.scatter_bandwidth is None else self.scatter_bandwidth
-        return runs * per_run + nbytes / bandwidth
+        factor = (
+            (self.transposed_scatter_factor if scatters else self.transposed_factor) if transposed else None
+        )
+        return (runs * per_run + nbytes / bandwidth) * (1.0 if factor is None else factor)
 
     def staged_s(
-        self, descriptors: int, runs: int, nbytes: int, stages: int = 1, *, scatters: bool = False
+        self,
+        descriptors: int,
+        runs: int,
+        nbytes: int,
+        stages: int = 1,
+        *,
+        scatters: bool = False,
+        transposed: bool = False,
     ) -> float:
         """In ``stages`` the local copy of one stage overlaps the wire time of another:
         the slower of the two, plus one stage of the faster (the first gather before a
         WRITE posts, the last scatter after a READ lands). ``scatters``: the copy is a
-        scatter (:meth:`copy_s`): a staged READ's, a peer-staged WRITE's (the peer's)."""
-        copy = self.copy_s(runs, nbytes, scatters=scatters)
+        scatter (:meth:`copy_s`): a staged READ's, a peer-staged WRITE's (the peer's);
+        ``transposed``: its runs are a permuted map's."""
+        copy = self.copy_s(runs, nbytes, scatters=scatters, transposed=transposed)
         wire = self.direct_s(descriptors, nbytes)
         return max(wire, copy) + min(wire, copy) / stages
 
@@ -163,7 +206,18 @@ def _finite(name: str, value: object, what: str, least: float | None) -> None:
 
 
 # This project's figures (the class's docstring), the scatter's among them.
-DEFAULT_COST = CostModel(scatter_per_run_s=0.2e-6, scatter_bandwidth=4e9)
+DEFAULT_COST = CostModel(
+    scatter_per_run_s=0.2e-6,
+    scatter_bandwidth=4e9,
+    transposed_factor=0.5,
+    transposed_scatter_factor=1.0,
+)
+
+
+def _transposed(block_map: NixlMap) -> bool:
+    """Whether the map's copy runs are transposed tiles: a block map whose kind says
+    ``permuted`` (NHD <-> HND, :attr:`BlockMap.kind`); any other map's are priced plain."""
+    return isinstance(block_map, BlockMap) and "permuted" in block_map.kind.split(", ")
 
 
 # -- plans -----------------------------------------------------------------------------------
@@ -578,7 +632,12 @@ def _staged(
         descriptors = _stretch_count(s.block_map, s.runs, s.remote_col, s.remote)
         num_stages = min(descriptors, priced)  # at most what _stages gives: never more than the stretches
     predicted["staged"] = model.staged_s(
-        descriptors, num_runs, num_bytes, num_stages, scatters=_scatters("staged", s.op)
+        descriptors,
+        num_runs,
+        num_bytes,
+        num_stages,
+        scatters=_scatters("staged", s.op),
+        transposed=_transposed(s.block_map),
     )
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
@@ -621,7 +680,12 @@ def _peer_staged(
     # after a WRITE.
     count = _stretch_count(s.block_map, s.runs, s.local_col, s.local)
     predicted["peer-staged"] = model.staged_s(
-        count, num_runs, num_bytes, max(1, min(priced, count)), scatters=_scatters("peer-staged", s.op)
+        count,
+        num_runs,
+        num_bytes,
+        max(1, min(priced, count)),
+        scatters=_scatters("peer-staged", s.op),
+        transposed=_transposed(s.block_map),
     )
 
     def build() -> Plan:
@@ -671,11 +735,16 @@ def estimate(
     op: Op = "WRITE" if poster == "src" else "READ"
     staged = _stretch_count(block_map, runs, col, remote)
     descriptors["staged"] = staged
-    predicted["staged"] = model.staged_s(staged, num_runs, num_bytes, scatters=_scatters("staged", op))
+    transposed = _transposed(block_map)
+    predicted["staged"] = model.staged_s(
+        staged, num_runs, num_bytes, scatters=_scatters("staged", op), transposed=transposed
+    )
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
     own = _stretch_count(block_map, runs, own_col, own_side)  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = own
-    predicted["peer-staged"] = model.staged_s(own, num_runs, num_bytes, scatters=_scatters("peer-staged", op))
+    predicted["peer-staged"] = model.staged_s(
+        own, num_runs, num_bytes, scatters=_scatters("peer-staged", op), transposed=transposed
+    )
     choice = min(predicted, key=lambda k: predicted[k])
     stages = {k: max(1, min(_default_stages(k, op, num_bytes), n)) for k, n in descriptors.items()}
     return Estimate(op, num_runs, num_bytes, descriptors, predicted, cast(Strategy, choice), stages)
