@@ -420,6 +420,18 @@ def test_kv_layer_groups_manager_reads_the_registrations_kernel_groups() -> None
     assert [(g.layer_indices, g.engine_group_idx, g.tokens_per_block, g.slots_per_chunk) for g in split.kernel_groups] == [
         ([0, 1], 0, 64, 64), ([2, 3], 1, 16, 256),
     ]  # fmt: skip
+    # LMCache's counts (facts 9.2): slots = tokens * slots_per_block // tokens_per_block, then
+    # whole blocks of them; group 0 packs 64 tokens into a block's 16 slots, group 1 does not
+    assert [split.kernel_groups[0].calculate_slots(n) for n in (256, 100, 63)] == [64, 25, 15]
+    assert [split.kernel_groups[1].calculate_slots(n) for n in (256, 100)] == [256, 100]
+    assert [split.calculate_num_blocks(0, n) for n in (256, 100, 63)] == [4, 1, 0]
+    assert [split.calculate_num_blocks(1, n) for n in (256, 100, 0)] == [16, 6, 0]
+    with pytest.raises(RegistrationError, match=r"^num_tokens must be >= 0, got -1$"):
+        split.calculate_num_blocks(1, -1)
+    with pytest.raises(TypeError, match=r"^num_tokens must be an int, not float \(2\.0\)$"):
+        split.kernel_groups[0].calculate_slots(2.0)  # type: ignore[arg-type]
+    with pytest.raises(RegistrationError, match="kernel group 2 is out of range for 2 groups"):
+        split.calculate_num_blocks(2, 16)
     with pytest.raises(
         ValueError, match="group 0: lmcache_tokens_per_chunk 100 must be a multiple of tokens_per_block 16"
     ):

@@ -78,6 +78,13 @@ class KVLayerGroupInfo:
     def identity(self) -> LayerGroupIdentity:
         return self.kernel_group.identity
 
+    def calculate_slots(self, num_tokens: int) -> int:
+        """Physical slots ``num_tokens`` logical tokens take in this group, as LMCache
+        counts them: ``num_tokens * slots_per_block // tokens_per_block`` (a compressed
+        group's partial slot is not counted)."""
+        tokens = _int("num_tokens", num_tokens, 0)
+        return tokens * self.slots_per_block // self.tokens_per_block
+
 
 KernelGroupInfo = KVLayerGroupInfo
 """LMCache's newer name for :class:`KVLayerGroupInfo` (the canonical one)."""
@@ -179,6 +186,14 @@ class KVLayerGroupsManager:
         """Physical slots in one chunk of group ``group_idx`` (LMCache 0.5.6 deprecates it
         for hybrid models: kvlayout answers per group, so it serves them)."""
         return self._group(group_idx).slots_per_chunk
+
+    def calculate_num_blocks(self, group_idx: int, num_tokens: int) -> int:
+        """Whole blocks of group ``group_idx`` that ``num_tokens`` logical tokens fill, as
+        LMCache counts them: the group's slots for the tokens
+        (:meth:`KVLayerGroupInfo.calculate_slots`), in whole blocks (a partly filled last
+        block is not counted)."""
+        group = self._group(group_idx)
+        return group.calculate_slots(num_tokens) // group.shape_desc.bs
 
     def _group(self, group_idx: int) -> KVLayerGroupInfo:
         group_idx = as_int(group_idx, "group_idx")  # a NumPy or torch integer too, as everywhere
