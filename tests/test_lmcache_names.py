@@ -155,6 +155,36 @@ def test_paged_layer_shape_reads_back_as_its_sizes(fmt: F, nb: int, bs: int, nh:
 # -- 4. PageBufferShapeDesc built field by field (facts 3.6, 8.3) -----------------------------
 
 
+def test_concrete_shape_takes_lmcaches_size_of_a_label() -> None:
+    # LMCache's concrete_shape(fmt, size) calls size(label) for each rendered label that is
+    # not ONE/TWO/NP (facts 3.6); the strings are its spec-geometry golden values (facts 8.2)
+    sizes = {"NB": NB, "NL": NL, "BS": BS, "NH": NH, "HS": HS, "CS": 2 * HS, "PBS": NB * BS}
+    blocked = {**sizes, "HS": 132, "BSxVALS": BS, "BSxSCALES": BS}  # the rows of a blocked-scale page
+    asked: list[str] = []
+
+    def size(label: str) -> int:
+        asked.append(label)
+        return blocked[label]
+
+    golden = {
+        F.NB_NL_TWO_BS_NH_HS: "[7, 5, 2, 3, 2, 4]", F.NB_NL_TWO_NH_BS_HS: "[7, 5, 2, 2, 3, 4]",
+        F.NL_X_TWO_NB_BS_NH_HS: "5 x [2, 7, 3, 2, 4]", F.NL_X_NB_TWO_BS_NH_HS: "5 x [7, 2, 3, 2, 4]",
+        F.NL_X_TWO_NB_NH_BS_HS: "5 x [2, 7, 2, 3, 4]", F.NL_X_TWO_NB_NH_ONE_BS_HS: "5 x [2, 7, 2, 1, 3, 4]",
+        F.NL_X_NB_TWO_NH_BS_HS: "5 x [7, 2, 2, 3, 4]", F.NL_X_NB_BS_HS: "5 x [7, 3, 4]",
+        F.TWO_X_NL_X_NBBS_NH_HS: "2 x 5 x [21, 2, 4]", F.TWO_X_NL_X_NB_BS_NH_HS: "2 x 5 x [7, 3, 2, 4]",
+        F.NL_X_NBBS_ONE_HS: "5 x [21, 1, 4]", F.NL_X_NB_NH_BS_CS: "5 x [7, 2, 3, 8]",
+        F.NL_X_NB_BS_NH_CS: "5 x [7, 3, 2, 8]", F.NL_X_TWO_X_NB_BS_NH_HS: "5 x 2 x [7, 3, 2, 4]",
+        F.NL_X_NB_BS_NH_HS: "5 x [7, 3, 2, 4]",
+    }  # fmt: skip
+    for fmt, want in golden.items():
+        assert kvlayout.concrete_shape(fmt, lambda label: sizes[label]) == want, fmt
+        assert kvlayout.concrete_shape(fmt, sizes) == want, fmt  # a mapping, as before
+    assert kvlayout.concrete_shape(F.NL_X_NB_BSV_BSS, size) == "5 x [7, 3, 3]"  # facts 3.2 item 1
+    assert asked == ["NL", "NB", "BSxVALS", "BSxSCALES"]
+    with pytest.raises(TypeError, match=r"^sizes must be a mapping or a callable of a label, not int$"):
+        kvlayout.concrete_shape(F.NL_X_NB_BS_HS, 3)  # type: ignore[arg-type]
+
+
 def test_page_buffer_shape_desc_builds_empty_then_field_by_field() -> None:
     desc = PageBufferShapeDesc()  # as LMCache's connectors and its shape-spec parser build it
     desc.kv_size, desc.nl, desc.nb, desc.bs, desc.nh, desc.hs = 2, 32, 2048, 16, 8, 128

@@ -5,7 +5,7 @@ so descriptions can name a format without the catalog); they are re-exported her
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from kvlayout._generated.formats import FORMAT_INFO, EngineKVFormat, FormatInfo
@@ -46,9 +46,23 @@ def describe_shape(fmt: FormatLike) -> str:
     return layout_of(fmt).describe_shape()
 
 
-def concrete_shape(fmt: FormatLike, sizes: Mapping[str, int]) -> str:
-    """The shape with numbers for the given sizes (keys are token names, e.g. ``NB``)."""
-    return layout_of(fmt).concrete_shape(sizes)
+def concrete_shape(fmt: FormatLike, sizes: Mapping[str, int] | Callable[[str], int]) -> str:
+    """The shape with numbers for the given sizes: keys are token names (``NB``) or
+    labels (``PBS``); or LMCache's ``size(label)`` callable, asked for each label
+    ``describe_shape`` shows that is not a literal (``BSxVALS`` and ``BSxSCALES`` are a
+    blocked-scale page's rows, so their answer is its block size)."""
+    layout = layout_of(fmt)
+    if not isinstance(sizes, Mapping):
+        if not callable(sizes):
+            raise TypeError(f"sizes must be a mapping or a callable of a label, not {type(sizes).__name__}")
+        asked: dict[str, int] = {}
+        for token in (*layout.lists, *layout.tensor):
+            if token.keep_label or token.literal is not None:
+                continue
+            key = token.region.rows.name if token.region is not None else token.shape_label
+            asked[key] = sizes(token.shape_label)
+        sizes = asked
+    return layout.concrete_shape(sizes)
 
 
 def backend_label(fmt: FormatLike, engine: EngineType | None = None) -> str:
