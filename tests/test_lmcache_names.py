@@ -506,3 +506,29 @@ def test_gpu_kv_format_is_the_engine_kv_format_alias() -> None:
     assert GPUKVFormat is kvlayout.GPUKVFormat is F
     assert GPUKVFormat(1) is F.NL_X_TWO_NB_BS_NH_HS
     assert "GPUKVFormat" in kvlayout.__all__ and "GPUKVFormat" in dir(kvlayout)
+
+
+# -- 12. get_attention_backend and KV_LAYOUT_NAMES (facts 1, 2; the guide's differences) --------
+
+
+def test_attention_backends_are_lmcaches_except_where_the_guide_says() -> None:
+    # LMCache 0.5.6's first attention_backends entry per format (facts 1, the specs' tuples)
+    lmcache = {
+        0: "vLLM CROSS_LAYER", 1: "vLLM non-MLA flash attention", 2: "vLLM non-MLA flash infer",
+        4: "SGLang MHA (flash attention and flash infer)", 5: "SGLang MLA",
+        6: "vLLM non-MLA flash attention (HND layout)", 7: "vLLM non-MLA flash infer (HND layout)",
+        8: "TRT-LLM cross-layer (HND layout)", 9: "SGLang MHA via MP daemon (4-D inner)",
+        10: "vLLM non-MLA blocks-first, fused K/V", 11: "vLLM non-MLA blocks-first, fused K/V (NHD)",
+        12: "vLLM non-MLA blocks-first, fused K/V (HND)", 13: "vLLM non-MLA blocks-first, fused K/V (NHD)",
+        15: "vLLM-RBLN attention (HND layout)", 16: "vLLM-Ascend: per-layer (K, V) tuples",
+        17: "vLLM-Ascend MLA (latent, rope) tuples", 18: "SGLang unified MP independent components",
+    }  # fmt: skip
+    for value, backend in lmcache.items():
+        assert kvlayout.get_attention_backend(F(value)) == backend, value
+    # the guide's "Backends are listed one engine each": LMCache says 'vLLM MLA / SGLang MLA (MP)'
+    # for 3 and 'vLLM MLA' for 14
+    assert kvlayout.get_spec_class(F(3)).attention_backends[:2] == ("vLLM MLA", "SGLang MLA (MP)")
+    assert kvlayout.get_attention_backend(F(14)) == "vLLM MLA (DSA indexer k-cache)"
+    # KV_LAYOUT_NAMES holds LMCache's four and vLLM's own spellings (membership, not positions)
+    assert {"NHD", "HND", "BLHNC", "BLNHC"} < set(kvlayout.KV_LAYOUT_NAMES)
+    assert {"LBNHC", "LBHNC", "LHBNC", "BHLNC"} < set(kvlayout.KV_LAYOUT_NAMES)
