@@ -8,6 +8,7 @@ row is read through the tensors as the engine registers them (facts 7.2, "engine
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -15,8 +16,8 @@ import pytest
 import torch
 
 import kvlayout
-from kvlayout.transfer import block_map
-from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+from kvlayout.transfer import TransferError, block_map, prepare
+from kvlayout.transfer.block_maps import BlockMapError, chunk_shape_for, chunk_side
 
 NL, NB, BS, NH, HS, LATENT = 3, 24, 4, 2, 8, 24
 TOKENS, CHUNK = 22, 8  # chunks of 8, 8 and 6 tokens; the last block holds 2 of its 4
@@ -147,3 +148,30 @@ def test_slot_mapping_store_and_load_are_lmcaches(
     got, want = flat(fresh), flat(want_cache)
     assert torch.equal(got, want)  # the request's slots are LMCache's, every other byte untouched
     assert int((want != SENTINEL).sum()) == (TOKENS - len(MASKED)) * NL * kv_size * width
+
+
+def test_lmcaches_three_axis_object_is_named_and_its_view_moves() -> None:
+    """LMCache allocates a one-plane cache's memory object (MLA, fused K/V) as [NL, T, row],
+    byte-identical to [1, NL, T, row] (facts 7.1): MLA's obj[l, t] = L_l[b, j] (facts 7.2)."""
+    gen = torch.Generator().manual_seed(5)
+    kv = [torch.randn(NB, BS, LATENT, generator=gen) for _ in range(NL)]
+    group = kvlayout.detect(kv, "vllm", {}).only_group()
+    plan = prepare(group)
+    obj = torch.zeros(NL, 2 * BS, LATENT)
+    hint = "LMCache's [NL, T, row] object holds the same bytes: pass "
+    with pytest.raises(
+        TransferError,
+        match=re.escape(
+            f"needs [1, {NL}, T, {LATENT}] (kv_size, layers, tokens, row); {hint}chunks[0].unsqueeze(0)"
+        ),
+    ):
+        plan.store_blocks([5, 2], [obj])
+    with pytest.raises(BlockMapError, match=re.escape(f"{hint}chunk.unsqueeze(0)")):
+        chunk_side(group, obj)
+    with pytest.raises(
+        TransferError, match=r"\(kv_size, layers, tokens, row\)$"
+    ):  # no hint: not [NL, T, row]
+        plan.store_blocks([5, 2], [torch.zeros(NL + 1, 2 * BS, LATENT)])
+    plan.store_blocks([5, 2], [obj.unsqueeze(0)])
+    for layer in range(NL):
+        assert torch.equal(obj[layer], torch.cat([kv[layer][5], kv[layer][2]]))

@@ -90,6 +90,15 @@ def check_ids_in_range(name: str, ids: np.ndarray, count: int, error: type[KVLay
         raise error(f"{name}[{bad}] = {int(ids[bad])} is out of range for {count} blocks")
 
 
+def lmcache_object_hint(name: str, shape: Sequence[int], kv_size: int, layers: int, row: int) -> str:
+    """What to pass for LMCache's 3-D memory object ``[NL, T, row]`` (its buffer for a
+    cache of one plane: MLA, fused K/V) where a chunk ``[1, NL, T, row]`` is needed: the
+    same bytes, one axis short. Empty for any other shape."""
+    if kv_size == 1 and len(shape) == 3 and shape[0] == layers and shape[2] == row:
+        return f"; LMCache's [NL, T, row] object holds the same bytes: pass {name}.unsqueeze(0)"
+    return ""
+
+
 def check_written_once(
     name: str,
     ids: np.ndarray,

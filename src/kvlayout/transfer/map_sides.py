@@ -27,6 +27,7 @@ from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.peers import GroupDescription, PeerDescriptionError, RegistrationDescription
 from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard
+from kvlayout.transfer.arguments import lmcache_object_hint
 
 __all__ = ["BlockMapError", "Side", "chunk_shape_for", "chunk_side", "moved_tokens", "side_of_group"]
 
@@ -491,6 +492,7 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
         raise BlockMapError(
             f"the chunk has shape {list(chunk.shape)} (contiguous: {chunk.is_contiguous()}); this cache "
             f"needs a contiguous [{kv_size}, {nl}, T, {row_bytes // itemsize}] (kv_size, layers, tokens, row)"
+            + lmcache_object_hint("chunk", chunk.shape, kv_size, nl, row_bytes // itemsize)
         )
     size = chunk.numel() * itemsize
     problem = not_strided(chunk) or no_memory(chunk)  # fake, freed or shrunk: before its data pointer

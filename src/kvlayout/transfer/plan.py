@@ -50,6 +50,7 @@ from kvlayout.transfer.arguments import (
     check_ids_in_range,
     check_written_once,
     int_arg,
+    lmcache_object_hint,
     threads_arg,
 )
 
@@ -318,6 +319,7 @@ class TransferPlan(HoldsAddresses):
                 raise TransferError(
                     f"chunks[{i}] has shape {list(shape)}; this registration needs "
                     f"[{kv_size}, {layers}, T, {row}] (kv_size, layers, tokens, row)"
+                    + lmcache_object_hint(f"chunks[{i}]", shape, kv_size, layers, row)
                 )
             if c.dtype != dtype:
                 raise TransferError(f"chunks[{i}] is {c.dtype}; the cache is {dtype}")
