@@ -532,3 +532,42 @@ def test_attention_backends_are_lmcaches_except_where_the_guide_says() -> None:
     # KV_LAYOUT_NAMES holds LMCache's four and vLLM's own spellings (membership, not positions)
     assert {"NHD", "HND", "BLHNC", "BLNHC"} < set(kvlayout.KV_LAYOUT_NAMES)
     assert {"LBNHC", "LBHNC", "LHBNC", "BHLNC"} < set(kvlayout.KV_LAYOUT_NAMES)
+
+
+# -- 13. LMCache's EngineType members name the engine (facts 5.1) ---------------------------
+
+
+def test_lmcaches_engine_type_members_name_the_engine() -> None:
+    import enum
+
+    class EngineType(enum.Enum):  # lmcache.utils.EngineType's members and values (facts 5.1)
+        VLLM = "vllm"
+        ATOM = "atom"
+        SGLANG = "sglang"
+        TRTLLM = "trtllm"
+        MOCK = "mock"
+
+    vllm = [t(2, NB, BS, NH, HS) for _ in range(NL)]
+    fmt, _ = kvlayout.normalize_kv_and_discover_format(vllm, EngineType.VLLM, {"kv_layout": "NHD"})
+    assert fmt is F.NL_X_TWO_NB_BS_NH_HS
+    assert (
+        kvlayout.detect(vllm, EngineType.VLLM, {"kv_layout": "NHD"}).engine
+        is kvlayout.detect(vllm, "vllm", {"kv_layout": "NHD"}).engine
+    )
+    sglang = [t(NB * BS, NH, HS) for _ in range(2 * NL)]
+    hints = {"kv_list_layout": "k_v", "tokens_per_block": BS}
+    assert (
+        kvlayout.normalize_kv_and_discover_format(sglang, EngineType.SGLANG, hints)[0]
+        is F.TWO_X_NL_X_NB_BS_NH_HS
+    )
+    trtllm = t(NB, NL, 2, NH, BS, HS)
+    assert kvlayout.normalize_kv_and_discover_format(trtllm, EngineType.TRTLLM)[0] is F.NB_NL_TWO_NH_BS_HS
+    # LMCache has no detector for MOCK; kvlayout names the engines it knows
+    with pytest.raises(KVLayoutError, match=r"^unknown serving engine 'mock'; known engines: vllm, "):
+        kvlayout.normalize_kv_and_discover_format(vllm, EngineType.MOCK)
+
+    class Numbered(enum.Enum):
+        VLLM = 1
+
+    with pytest.raises(TypeError, match=r"an enum member whose value is a str, not Numbered$"):
+        kvlayout.normalize_kv_and_discover_format(vllm, Numbered.VLLM)

@@ -73,7 +73,8 @@ KVBMLayout = Literal["universal_tp", "universal_pp", "operational_nhd", "operati
 KVBM_LAYOUT_NAMES: tuple[str, ...] = ("universal_tp", "universal_pp", "operational_nhd", "operational_hnd")
 """Dynamo KVBM's block layouts (``KvBlockLayout::name()``) of a fully contiguous pool kvlayout reads."""
 
-EngineLike = EngineType | str
+EngineLike = EngineType | str | enum.Enum
+"""An engine: kvlayout's EngineType, its value or label, or another enum's member naming one (LMCache's)."""
 
 
 _ENGINE_VALUES: dict[str, EngineType] = {m.value: m for m in EngineType}
@@ -81,14 +82,20 @@ _ENGINE_VALUES: dict[str, EngineType] = {m.value: m for m in EngineType}
 
 def as_engine(engine: object) -> EngineType:
     """The engine for an ``EngineType`` or a string (its value or label, any case,
-    ``-``/``_``/spaces ignored)."""
+    ``-``/``_``/spaces ignored), or another package's enum member whose value is such a
+    string (LMCache's ``EngineType.VLLM``, ``"vllm"``)."""
     if isinstance(engine, EngineType):
         return engine
+    if isinstance(engine, enum.Enum) and isinstance(engine.value, str):
+        engine = engine.value
     exact = _ENGINE_VALUES.get(engine) if isinstance(engine, str) else None
     if exact is not None:  # the common spelling, without normalizing
         return exact
     if not isinstance(engine, str):
-        raise TypeError(f"a serving engine is an EngineType or a str, not {type(engine).__name__}")
+        raise TypeError(
+            "a serving engine is an EngineType, a str or an enum member whose value is a str, "
+            f"not {type(engine).__name__}"
+        )
 
     def key(text: str) -> str:  # "TRT-LLM", "trt_llm"
         return text.strip().lower().replace("-", "").replace("_", "").replace(" ", "")

@@ -542,7 +542,12 @@ def test_engines_are_enums_or_strings() -> None:
     assert detect(t(7, 2, 5, 3, 2, 4), "Max")[0] == F.NB_KV_NL_BS_NH_HS
     with pytest.raises(KVLayoutError, match=re.escape("unknown serving engine 'mock'; known engines: vllm")):
         detect(kv, "mock")
-    with pytest.raises(TypeError, match=re.escape("a serving engine is an EngineType or a str, not int")):
+    with pytest.raises(
+        TypeError,
+        match=re.escape(
+            "a serving engine is an EngineType, a str or an enum member whose value is a str, not int"
+        ),
+    ):
         detect(kv, 3)  # type: ignore[arg-type]
 
 
