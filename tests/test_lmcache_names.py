@@ -462,6 +462,13 @@ def test_kv_layer_groups_manager_reads_the_registrations_kernel_groups() -> None
         split.kernel_groups[0].calculate_slots(2.0)  # type: ignore[arg-type]
     with pytest.raises(RegistrationError, match="kernel group 2 is out of range for 2 groups"):
         split.calculate_num_blocks(2, 16)
+    # 0.5.6's manager reads each group's block count (facts 9.2); an older LMCache took
+    # num_blocks third, where 0.5.6 and kvlayout take the engine group infos
+    with pytest.raises(
+        TypeError,
+        match=r"^engine_group_infos must be a sequence of engine group infos, not int \(16\); the manager takes no num_blocks",
+    ):
+        kvlayout.KVLayerGroupsManager(kv4, fmt, 16)  # type: ignore[arg-type]
     with pytest.raises(
         ValueError, match="group 0: lmcache_tokens_per_chunk 100 must be a multiple of tokens_per_block 16"
     ):

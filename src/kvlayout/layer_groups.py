@@ -223,6 +223,12 @@ def _registration(kv: Any, formats: FormatLike | Sequence[FormatLike | None] | N
 def _engine_groups(reg: Registration, infos: Sequence[Any]) -> tuple[tuple[int, ...], dict[int, int]]:
     """Each layer's engine group (-1: in none) and the engine's tokens per block id per
     engine group, from LMCache-style engine group infos (or the registration's groups)."""
+    if infos is not None and (isinstance(infos, str) or not isinstance(infos, Sequence)):
+        raise TypeError(
+            f"engine_group_infos must be a sequence of engine group infos, not {type(infos).__name__} "
+            f"({infos!r}); the manager takes no num_blocks (LMCache's older third argument): each "
+            "group's block count is its tensors'"
+        )
     if not infos:
         return reg.engine_groups, {}
     groups = [EXCLUDED_ENGINE_GROUP] * reg.num_layers
