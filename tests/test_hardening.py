@@ -368,3 +368,30 @@ def test_11_a_cache_of_no_blocks_is_said_to_be_empty_not_freed() -> None:
         block_map(empty, real, [], [], num_tokens=0)
     with pytest.raises(PeerDescriptionError, match=r"^NL_X_TWO_NB_BS_NH_HS: .* no elements \(HS=0\)"):
         vllm(8, 0).describe()
+
+
+# -- round 12: a hostile caller's inputs (each raised torch's, NumPy's or Python's own error) --
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang", "atom", "max", "kvbm"])
+@pytest.mark.parametrize("where", ["every entry", "the second entry", "inside a tuple"])
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+def test_12_a_nested_tensor_in_a_list_is_named_before_any_detector_reads_shapes(
+    engine: str, where: str
+) -> None:
+    """A nested tensor has no shape: vLLM's view pooling and MAX's mixed-shape check read
+    ``.shape`` of the entries first, and torch raised "Internal error: NestedTensorImpl
+    doesn't support sizes" (SGLang's K/V split did for one inside a tuple)."""
+    nested = torch.nested.nested_tensor([t(16, 2, 64), t(16, 2, 64)])
+    kv: Any
+    path: str
+    kv, path = {
+        "every entry": ([nested, nested], "kv_caches[0]"),
+        "the second entry": ([t(2, 8, 16, 2, 64), nested], "kv_caches[1]"),
+        "inside a tuple": ([(nested, nested), (nested, nested)], "kv_caches[0][0]"),
+    }[where]
+    for call in (kvlayout.detect, kvlayout.normalize_kv_and_discover_format):
+        with pytest.raises(
+            TypeError, match=re.escape(f"{path}: is a nested tensor; a KV cache is a strided tensor")
+        ):
+            call(kv, engine)

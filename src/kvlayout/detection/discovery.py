@@ -40,7 +40,14 @@ from kvlayout.registration.contiguity import (
 )
 from kvlayout.registration.kernel_groups import EXCLUDED_ENGINE_GROUP
 from kvlayout.registration.memory import first_without_memory
-from kvlayout.registration.nesting import CallerRoot, describe_path, first_leaf, leaves, not_a_kv_cache
+from kvlayout.registration.nesting import (
+    CallerRoot,
+    describe_path,
+    first_leaf,
+    leaves,
+    not_a_kv_cache,
+    refuse_nested,
+)
 from kvlayout.registration.opaque import opaque_pages_of
 from kvlayout.registration.registration import Registration, RegistrationError, bind
 from kvlayout.types import (
@@ -118,6 +125,8 @@ def _detect(
     kv: Any, engine: EngineType, hints: LayoutHints, uniform: list[Any] | None = None
 ) -> Registration:
     """``uniform``: ``kv`` already through :func:`_uniform_contiguous_list`."""
+    if isinstance(kv, (list, tuple)):
+        refuse_nested(kv)  # before the engine's hooks in _discover read the entries' shapes
     fmt, out, trusted = _discover(kv, engine, hints, uniform)
     return _bind(out, fmt, kv, engine=engine, root="kv_caches", trusted=trusted)
 
@@ -349,6 +358,7 @@ def _per_layer(
     entries = list(kv)
     if not entries:
         raise DetectionError("kv_caches is empty")
+    refuse_nested(entries)  # before the engine's hooks below read the entries' shapes
     groups = _groups(layer_index_groups, len(entries), "entries")
     owner = {i: g for g, group in enumerate(groups) for i in group}
     members = sorted(owner)

@@ -32,6 +32,7 @@ __all__ = [
     "map_leaves",
     "not_a_kv_cache",
     "not_strided",
+    "refuse_nested",
 ]
 
 MAX_NESTING = 8
@@ -110,6 +111,27 @@ def not_strided(t: torch.Tensor) -> str | None:
         bit = "negative" if t.is_neg() else "conjugate"
         return f"is a view with its {bit} bit set, whose bytes are not its values; pass the tensor it views"
     return None
+
+
+def refuse_nested(kv: Sequence[object], *, root: str = "kv_caches") -> None:
+    """Raise ``TypeError`` naming the first nested tensor in a registration's lists and
+    tuples, before an engine's detector reads any shape: a nested tensor has none (torch
+    answers ``.shape`` with "Internal error: NestedTensorImpl doesn't support sizes"). Only
+    tensors are looked at (the walks after this one name what else is wrong) and each list
+    once, at most ``MAX_NESTING`` levels down (a list that contains itself ends)."""
+    seen: set[int] = set()
+
+    def walk(node: object, path: Path) -> None:
+        if isinstance(node, torch.Tensor):
+            if node.is_nested:
+                raise TypeError(f"{describe_path(path, root)}: {not_strided(node)}")
+        elif isinstance(node, (list, tuple)) and len(path) <= MAX_NESTING and id(node) not in seen:
+            seen.add(id(node))
+            for i, child in enumerate(node):
+                walk(child, (*path, i))
+
+    for i, entry in enumerate(kv):
+        walk(entry, (i,))
 
 
 def _too_deep() -> LocatedError:
