@@ -395,3 +395,38 @@ def test_12_a_nested_tensor_in_a_list_is_named_before_any_detector_reads_shapes(
             TypeError, match=re.escape(f"{path}: is a nested tensor; a KV cache is a strided tensor")
         ):
             call(kv, engine)
+
+
+@pytest.mark.parametrize(
+    ("ids", "message"),
+    [
+        ([[1], [2, 3]], "[0] is a list ([1]), not an int: block ids are a 1-D sequence of ints"),
+        ([1, [2], 3], "[1] is a list ([2]), not an int: block ids are a 1-D sequence of ints"),
+        ((1, np.array([2, 3])), "[1] is a ndarray (array([2, 3])), not an int"),
+    ],
+)
+def test_12_ragged_block_ids_are_named_not_numpy_s_inhomogeneous_shape(ids: Any, message: str) -> None:
+    """NumPy's "setting an array element with a sequence. The requested array has an
+    inhomogeneous shape ..." reached the caller from both a plan's calls and block maps."""
+    from kvlayout.transfer import BlockMapError, block_map
+
+    kv = [t(7, 3, 16) for _ in range(2)]
+    plan = prepare(kv, F.NL_X_NB_BS_HS)
+    with pytest.raises(TransferError, match=re.escape("block_ids" + message)):
+        plan.store_blocks(ids, plan.chunks_for(3, 9))
+    reg = kvlayout.bind(kv, F.NL_X_NB_BS_HS)
+    with pytest.raises(BlockMapError, match=re.escape("src_blocks" + message)):
+        block_map(reg, reg, ids, [4, 5, 6])
+
+
+def test_12_masked_block_ids_are_refused_not_read_through_the_mask() -> None:
+    """``np.asarray`` of a masked array drops its mask: the masked slot's leftover value
+    (here 5) was moved as a block id."""
+    kv = [torch.randn(7, 3, 16)]
+    plan = prepare(kv, F.NL_X_NB_BS_HS)
+    chunks = plan.chunks_for(3, 9)
+    masked = np.ma.masked_array([1, 5, 3], mask=[False, True, False])
+    with pytest.raises(TransferError, match=re.escape("block_ids[1] is masked, which is no block id")):
+        plan.store_blocks(masked, chunks)
+    plan.store_blocks(np.ma.masked_array([1, 5, 3], mask=False), chunks)  # nothing masked: its values
+    assert torch.equal(chunks[0][0, 0, 3:6], kv[0][5])

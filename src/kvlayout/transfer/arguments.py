@@ -3,6 +3,7 @@ the same way everywhere, each entry point raising its own error class."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -50,7 +51,11 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarr
         host = value.detach().cpu()
         ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
     else:
-        ids = np.asarray(value)
+        _refuse_masked(name, value, error)
+        try:
+            ids = np.asarray(value)
+        except ValueError:  # NumPy's "inhomogeneous shape": a list holding lists of other lengths
+            raise error(_ragged(name, value)) from None
         if ids.size and ids.dtype.kind not in "iu" and _all_ints(value):
             ids = _exact_ints(name, value, error)  # ints NumPy promoted to float64 (int64 with uint64)
         if ids.size and ids.dtype.kind not in "iu":
@@ -65,6 +70,31 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarr
     owned = np.array(ids, dtype=np.int64, order="C", copy=True)
     owned.setflags(write=False)
     return owned
+
+
+def _refuse_masked(name: str, value: Any, error: type[KVLayoutError]) -> None:
+    """A NumPy masked array with masked entries: ``np.asarray`` drops the mask, and the
+    masked slots' leftover values would be moved as block ids. (``numpy.ma`` is looked up,
+    not imported: a masked array exists only once it is.)"""
+    ma = sys.modules.get("numpy.ma")
+    if ma is not None and isinstance(value, ma.MaskedArray) and ma.is_masked(value):
+        at = np.argwhere(ma.getmaskarray(value))[0]
+        where = "".join(f"[{int(i)}]" for i in at)
+        raise error(f"{name}{where} is masked, which is no block id: fill or compress the masked array first")
+
+
+def _ragged(name: str, value: Any) -> str:
+    """Why NumPy could not make one array of ``value`` (a sequence holding sequences of other
+    lengths, or beside ints), for the message."""
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            if not isinstance(v, (int, np.integer)):
+                text = repr(v) if len(repr(v)) <= 40 else repr(v)[:37] + "..."
+                return f"{name}[{i}] is a {type(v).__name__} ({text}), not an int: {_ONE_D}"
+    return f"{name} holds sequences of different lengths: {_ONE_D}"
+
+
+_ONE_D = "block ids are a 1-D sequence of ints"
 
 
 def _all_ints(value: Any) -> bool:
