@@ -430,3 +430,38 @@ def test_12_masked_block_ids_are_refused_not_read_through_the_mask() -> None:
         plan.store_blocks(masked, chunks)
     plan.store_blocks(np.ma.masked_array([1, 5, 3], mask=False), chunks)  # nothing masked: its values
     assert torch.equal(chunks[0][0, 0, 3:6], kv[0][5])
+
+
+def test_12_a_range_of_ids_outside_the_cache_is_refused_before_it_is_built() -> None:
+    """``range(2**62)`` as block ids, layer indices or layer ids was built first (NumPy's or
+    Python's MemoryError at best; a range(10**9) takes 8 to 36 GB before anything says no):
+    a range's first id outside the cache is found by arithmetic, and a list longer than the
+    call can take is refused by its length."""
+    from kvlayout.transfer import BlockMapError, block_map
+
+    kv = [t(7, 3, 16) for _ in range(2)]
+    plan = prepare(kv, F.NL_X_NB_BS_HS)
+    chunks = plan.chunks_for(3, 9)
+    with pytest.raises(TransferError, match=re.escape("block_ids[7] = 7 is out of range for 7 blocks")):
+        plan.store_blocks(range(2**62), chunks)
+    with pytest.raises(TransferError, match=re.escape("block_ids[0] = -1 is out of range for 7 blocks")):
+        plan.store_blocks(range(-1, 2**62), chunks)
+    with pytest.raises(TransferError, match=re.escape("block_ids[4] = -2 is out of range for 7 blocks")):
+        plan.store_blocks(range(6, -(2**62), -2), chunks)
+    plan.store_blocks(range(6, 0, -2), chunks)  # in range: built and moved as any ids
+    reg = kvlayout.bind(kv, F.NL_X_NB_BS_HS)
+    with pytest.raises(BlockMapError, match=re.escape("src_blocks[7] = 7 is out of range for 7 blocks")):
+        block_map(reg, reg, range(2**62), range(2**62))
+    with pytest.raises(
+        BlockMapError, match=re.escape(f"dst_blocks has {2**62} block ids; the request's 9 tokens")
+    ):
+        block_map(reg, reg, [1, 2, 3], range(2**62), num_tokens=9)
+    with pytest.raises(
+        kvlayout.RegistrationError, match="layer_indices has more than 2 entries, but the registration"
+    ):
+        reg.data_ptrs(range(2**62))
+    with pytest.raises(
+        kvlayout.RegistrationError, match="layer_ids has more than 2 entries for the registration's 2"
+    ):
+        reg.numbered(range(2**62))
+    assert reg.data_ptrs(range(2)) == [x.data_ptr() for x in kv]

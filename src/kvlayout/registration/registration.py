@@ -199,10 +199,13 @@ class Registration(HoldsAddresses):
         ``layer_ids`` ascending, one a layer. Lookups by layer (:meth:`group`, a kernel
         group's ``layer_tensors`` and ``layer_ptrs``, the LMCache-named functions) still
         take positions: :meth:`position` gives an engine's layer's."""
-        ids = tuple(as_int(i, f"layer_ids[{k}]") for k, i in enumerate(layer_ids))
+        taken = itertools.islice(layer_ids, self.num_layers + 1)  # a range(10**9) is not built
+        ids = tuple(as_int(i, f"layer_ids[{k}]") for k, i in enumerate(taken))
         if len(ids) != self.num_layers:
+            more = "more than " * (len(ids) > self.num_layers)
             raise RegistrationError(
-                f"layer_ids has {len(ids)} entries for the registration's {self.num_layers} layers"
+                f"layer_ids has {more}{self.num_layers if more else len(ids)} entries for the "
+                f"registration's {self.num_layers} layers"
             )
         if any(i < 0 for i in ids) or any(a >= b for a, b in itertools.pairwise(ids)):
             raise RegistrationError(f"layer_ids {list(ids)} must be distinct layer numbers >= 0, ascending")
@@ -421,7 +424,14 @@ class Registration(HoldsAddresses):
         """The pointer table of some layers in kernel order: one per layer; ``[K...,
         V...]`` for K/V lists; each layer's tuple in turn; one base for cross-layer."""
         want = None if fmt is None else as_format(fmt)
-        layers = tuple(layer_indices)
+        # a table lists each layer at most once: an iterable longer than the registration is
+        # refused before it is built (a range(10**9) would take its 36 GB first)
+        layers = tuple(itertools.islice(layer_indices, self.num_layers + 1))
+        if len(layers) > self.num_layers:
+            raise RegistrationError(
+                f"layer_indices has more than {self.num_layers} entries, but the registration has "
+                f"{self.num_layers} layers: a pointer table lists each layer once"
+            )
         if layers and type(layers[0]) is int and 0 <= layers[0] < self.num_layers:
             g = self._group_of[layers[0]]
             if g is not None and g.layers == layers and (want is None or g.format is want):

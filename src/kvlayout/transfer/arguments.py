@@ -34,13 +34,17 @@ def threads_arg(value: object, error: type[KVLayoutError]) -> int:
     return min(threads, MAX_THREADS)
 
 
-def block_ids_arg(name: str, value: Any, error: type[KVLayoutError]) -> np.ndarray:
+def block_ids_arg(name: str, value: Any, error: type[KVLayoutError], count: int | None = None) -> np.ndarray:
     """Block ids as a contiguous 1-D int64 array of kvlayout's own (read-only): a list, a
     NumPy array or a dense tensor of integers on any device (a CUDA tensor is copied to the
     host, which waits for its stream). Never the caller's memory: ids are checked once and
     then read while the GIL is released, so another thread's writes to the caller's array
     must not reach them. Ranges are the caller's to check; ids past int64 are refused here,
-    since an int64 cast would wrap them to negative ones."""
+    since an int64 cast would wrap them to negative ones. Given the ``count`` of blocks the
+    ids index, a ``range`` is checked against it before it is built: its ids are distinct, so
+    one in range holds at most ``count`` (``range(10**9)`` would otherwise take 8 GB first)."""
+    if isinstance(value, range) and count is not None:
+        check_range_in_range(name, value, count, error)
     if isinstance(value, torch.Tensor):
         if value.is_neg() and value.device.type != "meta":
             value = value.resolve_neg()  # a few ids: their values, not a negated view's bytes
@@ -118,6 +122,22 @@ def check_ids_in_range(name: str, ids: np.ndarray, count: int, error: type[KVLay
     bad = _native.first_bad_block_id(ids, count)
     if bad >= 0:
         raise error(f"{name}[{bad}] = {int(ids[bad])} is out of range for {count} blocks")
+
+
+def check_range_in_range(name: str, ids: range, count: int, error: type[KVLayoutError]) -> None:
+    """:func:`check_ids_in_range` of a ``range``, without building it: its ids run one way,
+    so the first outside ``[0, count)`` is found by arithmetic."""
+    if not ids:
+        return
+    start, step = ids.start, ids.step
+    if not 0 <= start < count:
+        bad = 0
+    elif step > 0:
+        bad = -(-(count - start) // step)  # the first index whose id reaches count
+    else:
+        bad = start // -step + 1  # the first index whose id is negative
+    if bad < len(ids):
+        raise error(f"{name}[{bad}] = {ids[bad]} is out of range for {count} blocks")
 
 
 def lmcache_object_hint(name: str, shape: Sequence[int], kv_size: int, layers: int, row: int) -> str:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -436,16 +436,11 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
     count, size = side.num_blocks // per, side.block_size * per * cp.size
     needed = -(-tokens // size)
     own = -(-held(cp, tokens) // (side.block_size * per))  # needed, or one fewer
-    ids = block_ids_arg(name, blocks, BlockMapError)
-    if side.layout is None and needed > 1:  # a chunk is one block: its tokens are too few
-        raise BlockMapError(
-            f"the chunk ({name.removesuffix('_blocks')}) holds {side.block_size} tokens, fewer than the "
-            f"request's {tokens} ({told}): give it a token axis of {tokens} or more"
-        )
-    if len(ids) not in (needed, own):
+
+    def refuse(given: int) -> NoReturn:
         tokens_given = (
             f": a block id names a block of {size} tokens, not a token slot (give a token's slot over {size})"
-            if len(ids) == tokens and size > 1
+            if given == tokens and size > 1
             else ""
         )
         pages = side.opaque_pages
@@ -463,16 +458,28 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
         elif pages is not None and not pages.rows_are_tokens and pages.advice and told != _TOLD_BY_BLOCKS:
             tokens_given = _advice(pages)  # what its reading says of mapping its pages (a ring's)
         elif not tokens_given and told != _TOLD_BY_BLOCKS and side.layout is not None and cp.size == 1:
-            tokens_given = _slots_advice(size, len(ids), needed)
+            tokens_given = _slots_advice(size, given, needed)
         if own != needed:
             tokens_given = (
                 f" (or {own}, the blocks of {side.block_size * per} its CP rank's own {held(cp, tokens)} "
                 f"tokens fill){tokens_given}"
             )
         raise BlockMapError(
-            f"{name} has {len(ids)} block ids; the request's {tokens} tokens ({told}) fill {needed} "
+            f"{name} has {given} block ids; the request's {tokens} tokens ({told}) fill {needed} "
             f"block{'s' * (needed != 1)} of {size}{tokens_given}"
         )
+
+    given = _length(blocks)
+    if given is not None and given > needed and not isinstance(blocks, (np.ndarray, torch.Tensor)):
+        refuse(given)  # before a list or range of too many (range(10**9): 8 GB) is converted
+    ids = block_ids_arg(name, blocks, BlockMapError, count)
+    if side.layout is None and needed > 1:  # a chunk is one block: its tokens are too few
+        raise BlockMapError(
+            f"the chunk ({name.removesuffix('_blocks')}) holds {side.block_size} tokens, fewer than the "
+            f"request's {tokens} ({told}): give it a token axis of {tokens} or more"
+        )
+    if len(ids) not in (needed, own):
+        refuse(len(ids))
     check_ids_in_range(name, ids, count, BlockMapError)
     return ids
 

@@ -266,7 +266,7 @@ class TransferPlan(HoldsAddresses):
         # runs between the checks and the copy, which reads kvlayout's own copy of the ids and
         # holds the chunks (another thread dropping one from the caller's list frees nothing;
         # a tensor subclass's __torch_function__ is not called by the checks' data_ptr()).
-        ids = _block_ids(block_ids)
+        ids = _block_ids(block_ids, self.num_blocks)
         self._check_ids(ids)
         skip = _int("skip_prefix_n_blocks", skip)
         if not 0 <= skip <= len(ids):
@@ -474,9 +474,10 @@ def _int(name: str, value: object) -> int:
     return int_arg(name, value, TransferError)
 
 
-def _block_ids(block_ids: Any) -> np.ndarray:
-    """Block ids as a contiguous int64 array (ranges are checked natively)."""
-    return block_ids_arg("block_ids", block_ids, TransferError)
+def _block_ids(block_ids: Any, count: int) -> np.ndarray:
+    """Block ids as a contiguous int64 array (ranges are checked natively; a ``range`` of
+    ids outside the ``count`` blocks is refused before it is built)."""
+    return block_ids_arg("block_ids", block_ids, TransferError, count)
 
 
 def _blocks_per_chunk(tokens: list[int], block_size: int, num_blocks: int) -> int:
