@@ -394,6 +394,21 @@ def test_a_key_twice_in_one_object_is_refused(once: str, twice: str, key: str) -
         RegistrationDescription.from_json(good.replace(once, twice))
 
 
+@pytest.mark.parametrize("digits", [65, 4300, 4301, 100_000])
+def test_an_integer_longer_than_any_field_is_refused_by_its_length(digits: int) -> None:
+    """Past 4300 digits Python refused the literal itself, and the message advised
+    ``sys.set_int_max_str_digits()``; below that, the field's message quoted it whole."""
+    good = json.dumps(_nhd())
+    assert good.count('"NB": 8') == 1
+    with pytest.raises(
+        PeerDescriptionError,
+        match=rf"^the description holds an integer of {digits} digits \(999999999999\.\.\.\), more than any field",
+    ):
+        RegistrationDescription.from_json(good.replace('"NB": 8', f'"NB": {"9" * digits}'))
+    with pytest.raises(PeerDescriptionError, match=r"sizes\.NB=9{64} is outside \[1, 4294967296\)$"):
+        RegistrationDescription.from_json(good.replace('"NB": 8', f'"NB": {"9" * 64}'))  # the field says it
+
+
 @pytest.mark.parametrize("engine", ["", "\ud800", "vllm\x00", "v" * 65, " vllm", "vllm\n"])
 def test_engine_is_a_name(engine: str) -> None:
     data = _nhd()

@@ -227,7 +227,9 @@ class RegistrationDescription:
         if len(text) > MAX_TEXT:
             raise PeerDescriptionError(f"the description is {len(text)} characters, more than {MAX_TEXT}")
         try:
-            data = json.loads(text, parse_constant=_no_constant, object_pairs_hook=_object)
+            data = json.loads(
+                text, parse_constant=_no_constant, parse_int=_int_literal, object_pairs_hook=_object
+            )
         except PeerDescriptionError:
             raise
         except (ValueError, RecursionError) as exc:
@@ -280,6 +282,23 @@ def to_data(d: RegistrationDescription) -> dict[str, Any]:
 
 def _no_constant(name: str) -> None:
     raise PeerDescriptionError(f"the description holds {name}, which is not JSON")
+
+
+_MAX_DIGITS = 64  # no field comes near (the widest is an address below 2**64, 20 digits)
+
+
+def _int_literal(text: str) -> int:
+    """A JSON integer. One of more than ``_MAX_DIGITS`` digits is refused by its length:
+    Python's own refusal past 4300 advised raising ``sys.set_int_max_str_digits``, and such
+    a number would be quoted whole in the field's message. (Shorter ones out of a field's
+    range are refused by the field, which the message names.)"""
+    digits = len(text) - text.startswith("-")
+    if digits > _MAX_DIGITS:
+        raise PeerDescriptionError(
+            f"the description holds an integer of {digits} digits ({text[:12]}...), more than any field "
+            f"takes ({_MAX_DIGITS}; an address is below 2**64)"
+        )
+    return int(text)
 
 
 def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
