@@ -601,3 +601,54 @@ def test_a_prepared_nixl_request_whose_memory_was_deregistered_since_is_refused_
         "RefusedDescriptorError nothing was posted False",
         "RefusedDescriptorError nothing was posted False",
     ]
+
+
+def test_an_agent_posting_to_itself_refuses_its_own_memory_deregistered_or_resized_as_a_peer_s() -> None:
+    """Posting to itself, the remote rows are this process's memory, which no map side
+    watches (they come from a description). Prepped lists made before the destination was
+    deregistered were posted through NIXL's stale handles (SIGSEGV, 3 in 3 runs); a
+    destination whose registered storage was resized in place was written through the
+    freed memory (the list form: no error; prepped lists: SIGSEGV). The first is refused
+    when the request is made, the second at start(), nothing posted."""
+    code = """
+    import logging, re, torch, kvlayout
+    from kvlayout.transfer import RegistrationDescription, block_map
+    from kvlayout.transfer import nixl as nx
+    import nixl._api
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+    for case in ("deregistered", "resized, lists", "resized, prepped"):
+        src = [torch.ones(2, 64, 4, 2, 64) for _ in range(2)]
+        dst = [torch.zeros(2, 64, 4, 2, 64) for _ in range(2)]
+        a, b = (kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}) for kv in (src, dst))
+        m = block_map(a, RegistrationDescription.from_json(b.describe().to_json()), [1, 2], [3, 4])
+        name = "kvl-self-" + case.replace(", ", "-")
+        agent = nx.make_agent(name, progress_thread=False)
+        held = nx.register(agent, a), nx.register(agent, b)
+        lists = nx.prep_lists(agent, name, m.src, m.dst, 128)
+        try:
+            if case == "deregistered":
+                held[1].deregister()
+                nx.transfer(agent, name, m, prepped=lists)
+            else:
+                ahead = nx.prepare_transfer(agent, name, m, prepped=lists if "prepped" in case else None)
+                dst[1].untyped_storage().resize_(0)
+                ahead.start()
+        except kvlayout.transfer.TransferError as e:
+            print(case, type(e).__name__, re.sub("0x[0-9a-f]+", "ADDR", str(e)))
+        print(case, "landed" if dst[0].any() else "nothing landed")
+    """
+    resized = (
+        "TransferError the remote descriptors reach the 262144 bytes at ADDR registered on agent "
+        "'kvl-self-resized-{}', whose storage was resized in place since (it now holds 0 bytes at ADDR): NIXL "
+        "would move bytes through freed memory; nothing was posted (never resize a registered cache)"
+    )
+    assert isolated(code) == [
+        "deregistered RefusedDescriptorError remote descriptor 0 (ADDR, 4096 bytes) is outside every region "
+        "registered on agent 'kvl-self-deregistered' (2 DRAM regions on device 0): register the registration "
+        "(and staging) first",
+        "deregistered nothing landed",
+        "resized, lists " + resized.format("lists"),
+        "resized, lists nothing landed",
+        "resized, prepped " + resized.format("prepped"),
+        "resized, prepped nothing landed",
+    ]

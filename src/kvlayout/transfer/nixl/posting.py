@@ -29,6 +29,7 @@ from kvlayout.transfer.nixl.regions import (
     _check_local_rows,
     _pin,
     _reach,
+    _refuse_resized,
     _refuse_unregistered,
     _removals,
 )
@@ -118,7 +119,13 @@ class Transfer:
         # start, done (each poll of wait) and release from several threads, one at a time:
         # two waiters once both released its NIXL requests, freeing them twice
         self._lock = threading.RLock()
-        self._reach = [_reach(rows, mem) for _, rows, mem in self._own_rows()]  # what start() pins
+        own = self._own_rows()
+        self._reach = [_reach(rows, mem) for _, rows, mem in own]  # what start() pins
+        # Posting to itself, the remote rows are this process's memory, which no map side
+        # watches (the peer's is a description): start() asks the regions they reach.
+        self._unwatched = [
+            (what, reach) for (what, _, _), reach in zip(own[1:], self._reach[1:], strict=True)
+        ]
         # What the request holds until released; dropped unstarted, it is released then.
         self._hold = _Hold(agent, handles, staging)
         weakref.finalize(self, _abandon, self._hold, self._what()).atexit = False
@@ -203,6 +210,8 @@ class Transfer:
             self.plan._refuse_moved("nothing was posted")
             if _removals(self.agent) != self._removals:
                 self._check_registered()
+            for what, reach in self._unwatched:
+                _refuse_resized(self.agent, reach, what)
             self._stream = _copy_stream(self.plan.copy_device)
             p = self.plan
             if self._gathers:
@@ -573,6 +582,8 @@ def _checked_transfer(
     p.check_copy()
     if prepped is not None and prepped.peer != peer:
         raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
+    if peer == getattr(agent, "name", None):  # posting to itself: the remote rows are its own memory,
+        _check_local_rows(agent, p.remote, p.remote_mem, "remote descriptor")  # which prepped lists hold
     # An empty map (a rank pair with no heads in common) makes no NIXL request: notif goes alone.
     parts = [st.descriptors for st in p.stages] if len(p.stages) > 1 else [(0, p.num_descriptors)]
     if not p.num_descriptors:

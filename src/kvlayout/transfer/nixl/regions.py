@@ -275,6 +275,32 @@ def _pin(agent: Agent, reaches: Sequence[Reach | None]) -> tuple[Region, ...]:
     return pinned
 
 
+def _refuse_resized(agent: Agent, reach: Reach | None, what: str) -> None:
+    """Refuse a post through a region registered on ``agent`` (inside ``reach``) whose
+    storage was resized in place since it was registered: NIXL would move bytes through
+    the memory that resize freed. Asked for the rows a map's side does not watch: an agent
+    posting to itself, whose remote rows are this process's registered memory."""
+    held = _REGIONS.get(agent)
+    if held is None or reach is None:
+        return
+    with held.lock:
+        owners = [
+            (r, held.owners.get(r, held.retired.get(r)))
+            for r in held.count
+            if (r.mem_type, r.device) == reach[:2]
+            and r.address < reach[3]
+            and r.address + r.nbytes > reach[2]
+        ]
+    for r, owner in owners:
+        if owner is not None and (owner.data_ptr(), owner.nbytes()) != (r.address, r.nbytes):
+            raise TransferError(
+                f"the {what}s reach the {r.nbytes} bytes at {r.address:#x} registered on agent "
+                f"{agent.name!r}, whose storage was resized in place since (it now holds "
+                f"{owner.nbytes()} bytes at {owner.data_ptr():#x}): NIXL would move bytes through freed "
+                "memory; nothing was posted (never resize a registered cache)"
+            )
+
+
 def _unpin(agent: Agent, pinned: tuple[Region, ...]) -> None:
     """A request that posted through ``pinned`` moves no more bytes: a region
     deregistered meanwhile is let go of now."""
