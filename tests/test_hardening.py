@@ -465,3 +465,19 @@ def test_12_a_range_of_ids_outside_the_cache_is_refused_before_it_is_built() -> 
     ):
         reg.numbered(range(2**62))
     assert reg.data_ptrs(range(2)) == [x.data_ptr() for x in kv]
+
+
+def test_12_a_shard_of_more_heads_or_ranks_than_any_model_is_refused_when_made() -> None:
+    """A Shard took any int: 2**70 heads reached ``len(shard.heads)`` when the registration
+    was described (OverflowError: Python int too large to convert to C ssize_t)."""
+    from kvlayout.transfer import Shard, ShardError
+
+    for field in ("tp_size", "num_kv_heads"):
+        fields = {"tp_rank": 0, "tp_size": 1, "num_kv_heads": 2, field: 2**70}
+        with pytest.raises(
+            ShardError, match=re.escape(f"Shard.{field}={2**70} is 2**32 or more: no model has")
+        ):
+            Shard(**fields)
+    kv = [t(2, 16, 16, 2, 64) for _ in range(2)]
+    reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
+    assert reg.describe(shard=Shard(0, 1, 2)).shard == Shard(0, 1, 2)

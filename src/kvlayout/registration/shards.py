@@ -41,6 +41,15 @@ def _count(name: str, value: object, minimum: int) -> int:
     return value
 
 
+def _tp_count(name: str, value: object) -> int:
+    """``tp_size`` or ``num_kv_heads``: below 2**32 (a description's shard holds 2**16 at
+    most; the CP fields are bounded by their round, below)."""
+    value = _count(name, value, 1)
+    if value >= 1 << 32:
+        raise ShardError(f"Shard.{name}={value} is 2**32 or more: no model has that many ranks or KV heads")
+    return value
+
+
 _MAX_CP_PERIOD = 1 << 62  # a round of the CP ranks, in tokens (int64 token arithmetic)
 
 
@@ -60,8 +69,8 @@ class Shard:
     cp_interleave: int = 1
 
     def __post_init__(self) -> None:
-        size = _count("tp_size", self.tp_size, 1)
-        heads = _count("num_kv_heads", self.num_kv_heads, 1)
+        size = _tp_count("tp_size", self.tp_size)
+        heads = _tp_count("num_kv_heads", self.num_kv_heads)
         rank = _count("tp_rank", self.tp_rank, 0)
         cp_size, cp_interleave = (
             _count("cp_size", self.cp_size, 1),
