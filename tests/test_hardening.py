@@ -481,3 +481,24 @@ def test_12_a_shard_of_more_heads_or_ranks_than_any_model_is_refused_when_made()
     kv = [t(2, 16, 16, 2, 64) for _ in range(2)]
     reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"})
     assert reg.describe(shard=Shard(0, 1, 2)).shard == Shard(0, 1, 2)
+
+
+@pytest.mark.filterwarnings("ignore:.*nested tensors.*:UserWarning")
+def test_12_the_lmcache_named_readers_name_a_nested_tensor_and_never_print_a_tensor() -> None:
+    """get_shape_and_dtype and extract_kv_cache_shapes read ``.shape`` of a nested tensor
+    (torch's "Internal error: NestedTensorImpl doesn't support sizes"); the "Unknown (...)"
+    labels wrote out whatever was passed as the format, and ``str()`` of a freed tensor
+    raised torch's "setStorage: ... out of bounds for storage of size 0" from the label."""
+    nested = torch.nested.nested_tensor([t(16, 2, 64)])
+    with pytest.raises(
+        TypeError, match=re.escape("kv_caches[1][1]: is a nested tensor; a KV cache is a strided")
+    ):
+        kvlayout.get_shape_and_dtype([t(3), (t(2), nested)])
+    for kv, where in (([t(2), nested], "kv_caches[1]"), (nested, "kv_caches")):
+        with pytest.raises(TypeError, match=re.escape(f"{where}: is a nested tensor")):
+            kvlayout.extract_kv_cache_shapes(kv)
+    freed = t(2, 8, 16, 2, 64)
+    freed.untyped_storage().resize_(0)
+    assert kvlayout.get_engine_kv_shape_description([freed]) == "Unknown (a list)"  # type: ignore[arg-type]
+    assert kvlayout.get_attention_backend(freed, "vllm") == "Unknown (a Tensor)"  # type: ignore[arg-type]
+    assert kvlayout.get_engine_kv_shape_description(np.int64(999)) == "Unknown (999)"  # type: ignore[arg-type]

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any, TypeAlias, overload
 
+import numpy as np
 import torch
 
 from kvlayout._generated.descriptors import DESCRIPTOR_ROLES, PageBufferShapeDesc
@@ -30,7 +31,7 @@ from kvlayout.layout import algebra
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.contiguity import attempt_permute_to_contiguous_view, dim0_padding
 from kvlayout.registration.kernel_groups import EXCLUDED_ENGINE_GROUP, KernelGroup, LayerGroupIdentity
-from kvlayout.registration.nesting import entry_keys, first_leaf
+from kvlayout.registration.nesting import LocatedError, entry_keys, first_leaf, not_strided
 from kvlayout.registration.registration import RegisteredKV, Registration, bound, bound_per_layer
 from kvlayout.types import DiscoverableKVCache, EngineLike, as_engine
 
@@ -151,7 +152,14 @@ def get_device(kv: BoundKV) -> torch.device:
 
 
 def _unknown(fmt: object) -> str:
-    return f"Unknown ({fmt.name if isinstance(fmt, EngineKVFormat) else fmt})"
+    """``Unknown (fmt)``, as LMCache renders a format it has no shape for. Only a format's
+    value is written out: anything else by its type (``str()`` of a tensor reads its
+    elements, which a freed one has not: torch raised from inside the label)."""
+    if isinstance(fmt, EngineKVFormat):
+        return f"Unknown ({fmt.name})"
+    if isinstance(fmt, (int, str, np.integer)):
+        return f"Unknown ({fmt})"
+    return f"Unknown (a {type(fmt).__name__})"
 
 
 def get_attention_backend(fmt: FormatLike, engine: EngineLike | None = None) -> str:
@@ -299,6 +307,8 @@ def get_shape_and_dtype(kv: BoundKV, layer_indices: Sequence[int] | None = None)
 
 
 def _shape_and_dtype(t: torch.Tensor) -> ShapeAndDtype:
+    if t.is_nested:  # no shape: torch's .shape raises "Internal error: NestedTensorImpl ..."
+        raise LocatedError(TypeError, str(not_strided(t)))
     return tuple(t.shape), t.dtype
 
 

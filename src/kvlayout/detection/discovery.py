@@ -74,6 +74,7 @@ _log = logging.getLogger("kvlayout")
 def extract_kv_cache_shapes(kv: DiscoverableKVCache) -> set[torch.Size]:
     """Every distinct tensor shape of a registration, as given (before any recovery of
     the memory order); dtypes do not count. One shape means the layers are uniform."""
+    refuse_nested(kv)  # a nested tensor has no shape
     return {t.shape for _, t in leaves(kv)}
 
 

@@ -113,7 +113,7 @@ def not_strided(t: torch.Tensor) -> str | None:
     return None
 
 
-def refuse_nested(kv: Sequence[object], *, root: str = "kv_caches") -> None:
+def refuse_nested(kv: object, *, root: str = "kv_caches") -> None:
     """Raise ``TypeError`` naming the first nested tensor in a registration's lists and
     tuples, before an engine's detector reads any shape: a nested tensor has none (torch
     answers ``.shape`` with "Internal error: NestedTensorImpl doesn't support sizes"). Only
@@ -130,8 +130,7 @@ def refuse_nested(kv: Sequence[object], *, root: str = "kv_caches") -> None:
             for i, child in enumerate(node):
                 walk(child, (*path, i))
 
-    for i, entry in enumerate(kv):
-        walk(entry, (i,))
+    walk(kv, ())
 
 
 def _too_deep() -> LocatedError:
