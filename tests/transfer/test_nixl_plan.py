@@ -833,6 +833,45 @@ def test_the_local_copy_is_refused_outside_its_memory_before_a_byte_moves() -> N
 
 
 @pytest.mark.parametrize(
+    ("runs", "threads", "message"),
+    [
+        (
+            "pairs",
+            1,
+            r"^runs must be an \(N, 3\) integer array of \(from, to, length\), got shape \(1, 2\) of uint64$",
+        ),
+        ("floats", 1, r"^runs must be an \(N, 3\) integer array .*, got shape \(1, 3\) of float64$"),
+        ("negative", 1, r"^runs\[0\] = \(\d+, \d+, -16\) holds a negative value$"),
+        ("good", 0, r"^num_threads must be a positive int, got 0$"),
+        ("good", 1.5, r"^num_threads must be an int, got 1.5$"),
+        ("good", 1 << 40, None),  # capped at the worker pool, as block maps do
+    ],
+)
+def test_copy_byte_runs_names_wrong_runs_and_thread_counts(
+    runs: str, threads: Any, message: str | None
+) -> None:
+    """The runs and num_threads went to the native call as given: a wrong shape, a float or
+    a thread count past 2**32 raised nanobind's "copy_runs(): incompatible function
+    arguments" listing its signature, and 0 or -1 threads were taken."""
+    src, dst = np.arange(64, dtype=np.uint8), np.zeros(64, dtype=np.uint8)
+    a, b = side_of([src], local=True).tensor_spans, side_of([dst], local=True).tensor_spans
+    row = [src.ctypes.data, dst.ctypes.data, 16]
+    given: Any = {
+        "good": np.array([row], U64),
+        "pairs": np.array([row[:2]], U64),
+        "floats": np.array([row], np.float64),
+        "negative": np.array([[*row[:2], -16]], np.int64),
+    }[runs]
+    if message is None:
+        nx.copy_byte_runs(given, a, b, num_threads=threads)
+        assert np.array_equal(dst[:16], src[:16])
+        return
+    with pytest.raises(TransferError, match=message):
+        nx.copy_byte_runs(given, a, b, num_threads=threads)
+    assert not dst.any()
+
+
+@pytest.mark.parametrize(
     ("spans", "error", "message"),
     [
         (

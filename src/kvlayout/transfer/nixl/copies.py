@@ -18,6 +18,7 @@ from kvlayout.errors import KVLayoutError, as_int
 from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT, unownable
 from kvlayout.registration.memory import Placement
 from kvlayout.transfer import TransferError
+from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.nixl.regions import _REGIONS, _drain_deferred, _intervals, register, when_free
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError
 
@@ -73,7 +74,20 @@ def copy_byte_runs(
     process can own (:func:`~kvlayout.registration.address_space.unownable`) are refused."""
     for name, spans in (("from_spans", from_spans), ("to_spans", to_spans)):
         _check_spans(name, spans)
-    _copy(runs, from_spans, to_spans, num_threads, validate=True)
+    _copy(_checked_runs(runs), from_spans, to_spans, threads_arg(num_threads, TransferError), validate=True)
+
+
+def _checked_runs(runs: Any) -> np.ndarray:
+    """The caller's ``(N, 3)`` runs as uint64, refused by name where they are not unsigned
+    integers of that shape (NumPy's cast wraps a negative length, and the native call
+    answered a wrong shape or a float with its own signature)."""
+    rows = np.asarray(runs)
+    if rows.ndim != 2 or rows.shape[1] != 3 or rows.dtype.kind not in "iu":
+        raise TransferError(f"runs must be an (N, 3) integer array of (from, to, length), got {_what(rows)}")
+    if rows.dtype.kind == "i" and rows.size and int(rows.min()) < 0:
+        i = int(np.argwhere(rows < 0)[0][0])
+        raise TransferError(f"runs[{i}] = {tuple(int(x) for x in rows[i])} holds a negative value")
+    return rows
 
 
 def _check_spans(name: str, spans: Any) -> None:
