@@ -298,6 +298,56 @@ def test_a_group_s_map_checks_the_peer_staging_against_the_description_it_came_f
             nx.plan(joined, strategy="peer-staged", peer_staging=lie._replace(nbytes=m.num_bytes))
 
 
+def test_a_group_description_replaced_after_group_still_checks_its_own_tensors() -> None:
+    """``dataclasses.replace`` of ``d.group(1)`` (its tensors moved, as a caller rebasing a
+    peer's addresses would) keeps ``whole``, the description it came from, which does not
+    hold the moved tensors: a staging buffer on them is still the peer's lie (the side's own
+    tensors are checked too), and one on the original group's is refused by ``whole``."""
+    from kvlayout.testing.nixl_peer import CacheSpec, build_cache
+    from kvlayout.transfer import block_map
+
+    spec = CacheSpec("NL_X_TWO_NB_BS_NH_HS", 4, 8, 4, 2, 8, shard=(0, 1, 2), engine_groups=(0, 0, 1, 1))
+    here, _ = build_cache(spec)
+    there, _ = build_cache(dataclasses.replace(spec, seed=1))
+    d = there.describe(shard=spec.the_shard, block_size=4)
+    g1 = d.groups[1]
+    moved = dataclasses.replace(
+        g1,
+        planes=tuple(
+            dataclasses.replace(p, addresses=tuple(a + (1 << 30) for a in p.addresses)) for p in g1.planes
+        ),
+    )
+    rebased = dataclasses.replace(d.group(1), groups=(moved,))
+    assert rebased.whole is d  # replace() keeps it
+    m = block_map(here.kernel_groups[1], rebased, [1, 3], [2, 0])
+    own = nx.PeerStaging(moved.planes[0].addresses[1] + 128, m.num_bytes)
+    with pytest.raises(
+        nx.RefusedDescriptorError, match=r"overlaps tensor 1 \(0x[0-9a-f]+, 2048 bytes\) of the 2 "
+    ):
+        nx.plan(m, strategy="peer-staged", peer_staging=own)
+    with pytest.raises(nx.RefusedDescriptorError, match=r"kernel group 1 .*its tensor 0\) of the 4 tensors"):
+        nx.plan(m, strategy="peer-staged", peer_staging=own._replace(address=g1.planes[0].addresses[0]))
+
+
+def test_a_description_s_tensor_label_names_its_rows_and_refuses_others() -> None:
+    """``tensor_label(k)`` names row ``k`` of ``tensor_spans`` (kernel group, engine group,
+    layers, place); a row it does not have, a negative one included, is refused."""
+    from kvlayout.registration.peers import PeerDescriptionError
+    from kvlayout.testing.nixl_peer import CacheSpec, build_cache
+
+    spec = CacheSpec("NL_X_TWO_NB_BS_NH_HS", 4, 8, 4, 2, 8, shard=(0, 1, 2), engine_groups=(0, 0, 1, 1))
+    d = build_cache(spec)[0].describe(shard=spec.the_shard, block_size=4)
+    assert len(d.tensor_spans) == 4
+    assert d.tensor_label(0).startswith("kernel group 0 (engine group 0, layers 0-1: ")
+    assert d.tensor_label(3).startswith("kernel group 1 (engine group 1, layers 2-3: ")
+    assert d.tensor_label(3).endswith("), its tensor 1")
+    for k in (-1, -4, 4):
+        with pytest.raises(
+            PeerDescriptionError, match=f"^tensor {k} is out of range for 4 described tensors$"
+        ):
+            d.tensor_label(k)
+
+
 def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() -> None:
     """A tile, as NHD -> HND makes them: the runs back to back on each side, in another
     order on each. Staged and peer-staged post one descriptor each and predict alike; a

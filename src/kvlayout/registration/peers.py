@@ -195,7 +195,9 @@ class RegistrationDescription:
 
     def tensor_label(self, k: int) -> str:
         """Which tensor row ``k`` of :attr:`tensor_spans` is: its kernel group and place there."""
-        index = as_int(k, "tensor")
+        index, total = as_int(k, "tensor"), len(self.tensor_spans)
+        if not 0 <= index < total:  # a negative k would name a tensor that is not its row
+            raise PeerDescriptionError(f"tensor {k} is out of range for {total} described tensors")
         for g, group in enumerate(self.groups):
             for i, plane in enumerate(group.planes):
                 if index < len(plane.addresses):
@@ -205,9 +207,7 @@ class RegistrationDescription:
                         f"{index_ranges(group.layers)}: {group.label()}){planes}, its tensor {index}"
                     )
                 index -= len(plane.addresses)
-        raise PeerDescriptionError(
-            f"tensor {k} is out of range for {len(self.tensor_spans)} described tensors"
-        )
+        raise AssertionError(f"tensor {k} of {total} not in the planes")  # tensor_spans lists these rows
 
     def to_json(self) -> str:
         return json.dumps(to_data(self), separators=(",", ":"))

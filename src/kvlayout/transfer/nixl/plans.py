@@ -574,14 +574,16 @@ def _refuse_peer_staging_on_cache(peer: PeerStaging, remote: MapSide) -> None:
     Every tensor of the peer's description, every kernel group's (the side's
     ``descriptions``, whose spans each description works out once), not only those of the
     group the map moves: a hybrid peer's NIXL registration holds its other groups too, so
-    NIXL's own check would let a buffer on them through. A side that names no description
-    (a :class:`MapSide` of the caller's own) is checked against its ``tensor_spans``."""
+    NIXL's own check would let a buffer on them through. The side's own ``tensor_spans``
+    too, last: a side that names no description (a :class:`MapSide` of the caller's own),
+    and a description whose ``whole`` does not hold its group (one ``dataclasses.replace``
+    made from ``group(i)``, which keeps ``whole``) leave it to them."""
     nbytes = int(peer.nbytes)
     if not nbytes:
         return
     start, end = int(peer.address), int(peer.address) + nbytes
     described = getattr(remote, "descriptions", ())
-    for d in described or (None,):
+    for d in (*described, None):
         spans = np.asarray(remote.tensor_spans if d is None else d.tensor_spans, dtype=_U64).reshape(-1, 2)
         hit = np.flatnonzero((spans[:, 1] > 0) & (spans[:, 0] < end) & (spans[:, 0] + spans[:, 1] > start))
         if len(hit):
