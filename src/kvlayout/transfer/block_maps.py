@@ -133,8 +133,10 @@ class BlockMap(HoldsAddresses):
 
     @functools.cached_property
     def _kind_and_reason(self) -> tuple[str, str]:
-        p = self._pair
-        return _kind(self.src, self.dst, p.heads, p.src_shard, p.dst_shard)
+        p = self._pair  # built of these sides and shards (_cached_pair): its maps' kind is one
+        if not p.kind:
+            p.kind.append(_kind(self.src, self.dst, p.heads, p.src_shard, p.dst_shard))
+        return p.kind[0]
 
     @property
     def kind(self) -> str:

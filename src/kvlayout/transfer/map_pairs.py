@@ -38,6 +38,9 @@ class _Pair:
     # Whether copies between these sides prefetch ahead of themselves, measured per kind
     # of map (csrc/prefetch_choice.h).
     prefetch: Any = field(default_factory=_native.PrefetchChoices, compare=False)
+    # The maps' kind and its reason (block_maps._kind: the pair's, not a request's), worked
+    # out by the first map that is asked (plan() asks each request's), then kept.
+    kind: list[tuple[str, str]] = field(default_factory=list, compare=False, repr=False)
 
 
 @functools.lru_cache(maxsize=64)
