@@ -1522,3 +1522,75 @@ def test_a_peer_staging_buffer_is_claimed_per_peer_and_by_the_bytes_it_holds() -
     finally:
         for c in claims:
             _unclaim_peer_staging(c)
+
+
+class _NixlRefusedError(Exception):
+    """What NIXL raises (its module is nixl's: kvlayout's sides._is_nixl_error)."""
+
+
+_NixlRefusedError.__module__ = "nixl._api"
+
+
+class _Xfers(_Named):
+    """An agent whose requests NIXL reports ``state`` and whose handles it releases (or,
+    ``refuse``, refuses to), as nixl_agent's check_xfer_state and release_xfer_handle."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(name)
+        self.state, self.refuse, self.released = "PROC", False, list[str]()
+
+    def check_xfer_state(self, handle: str) -> str:
+        return self.state
+
+    def release_xfer_handle(self, handle: str) -> None:
+        if self.refuse:
+            raise _NixlRefusedError(f"cannot release {handle}: still in use")
+        self.released.append(handle)
+
+
+@pytest.mark.parametrize("refused", [False, True])
+def test_a_request_dropped_in_flight_holds_the_peer_s_staging_buffer_until_nixl_reports_it_over(
+    refused: bool,
+) -> None:
+    """A peer-staged request dropped in flight (started, never waited for) may still write
+    the peer's staging buffer, or read it: until NIXL reports every posted stage over and
+    its queued copies have run, another request of the agent through that buffer is
+    refused ("auto" goes without it), as while it was waited for. Then its NIXL requests
+    are released and the buffer is free; where NIXL refuses to release one, what the
+    request holds is kept for good and the peer's buffer let go of (the peer's:
+    _NO_CANCEL's rule), and it is not asked again."""
+    from concurrent.futures import Future
+
+    from kvlayout.transfer.nixl import holds
+
+    agent = _Xfers(f"kvl-dropped-{refused}")
+    buf = nx.PeerStaging(1 << 20, 4096)
+    copy: Future[None] = Future()  # a pipeline's gather, queued before the drop
+    hold = holds._Hold(agent, ["s0", "s1", "s2"], None, [copy], started=True, posted=2)
+    hold.peer_claim = holds._claim_peer_staging(agent, "p", buf, True)
+    try:
+        assert holds._let_go_abandoned(hold) and hold in holds._DROPPED
+        for state in ("PROC", "DONE"):  # in flight; then over, but its copy not run
+            agent.state = state
+            holds._progress_dropped(agent)
+            assert hold in holds._DROPPED and agent.released == [] and not hold.kept
+            assert (
+                holds._claim_peer_staging(agent, "p", buf._replace(address=buf.address + 4095), False) is None
+            )
+            with pytest.raises(TransferError, match=r"is in use by another peer-staged request of agent"):
+                holds._claim_peer_staging(agent, "p", buf, True)
+        copy.set_result(None)
+        agent.refuse = refused
+        holds._progress_dropped(agent)
+        assert hold not in holds._DROPPED
+        assert agent.released == ([] if refused else ["s0", "s1", "s2"])
+        assert (hold.released, hold.kept) == (not refused, refused)
+        again = holds._claim_peer_staging(agent, "p", buf, True)
+        assert again is not None
+        holds._unclaim_peer_staging(again)
+        holds._progress_dropped(agent)
+        assert agent.released == ([] if refused else ["s0", "s1", "s2"])  # not asked again
+    finally:
+        if hold in holds._DROPPED:
+            holds._DROPPED.remove(hold)
+        holds._unclaim_peer_staging(hold.peer_claim)

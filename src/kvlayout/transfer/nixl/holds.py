@@ -112,14 +112,6 @@ class _Hold:
             self.peer_claim = None
         return self.released
 
-    def drop(self) -> None:
-        """Dropped in flight (started, never waited for), none of its NIXL requests
-        released: its staging buffer stays busy, and it and the regions it posts through
-        registered, until :func:`_progress_dropped` sees every posted stage over; the
-        peer's buffer is let go of now (the peer's: it reads _NO_CANCEL's rule)."""
-        _unclaim_peer_staging(self.peer_claim)
-        self.peer_claim = None
-
     def keep(self) -> None:
         """NIXL may still move the request's bytes: its staging buffer stays busy, and its
         staging buffer and pinned regions registered and allocated, for good."""
@@ -145,8 +137,9 @@ def _progress_dropped(agent: Agent) -> None:
     done); release one whose every posted stage is done or failed and whose local copies
     (a pipeline's, queued before it was dropped) have run.
 
-    A request dropped with its NIXL requests all held (:meth:`_Hold.drop`) then lets go
-    of its staging buffer and the regions it posted through, as one waited for does: NIXL
+    A request dropped with its NIXL requests all held then lets go of its staging buffer,
+    the regions it posted through and its claim on the peer's buffer, as one waited for
+    does: NIXL
     reports it over (``check_xfer_state`` not ``"PROC"``) before any of its requests is
     released, so none is cancelled under way and no byte of it moves after. One whose
     requests were released in flight (``release()`` before it was over, NIXL refusing
@@ -190,8 +183,9 @@ def _abandon(hold: _Hold, what: str) -> None:
             f"{what} was dropped before wait(): it is left to finish. Its bytes move while the agent "
             "is driven, and its notif reaches the peer only once NIXL is asked its state after they "
             "landed, which the agent's next request made or polled here does (over UCX's TCP, neither "
-            "happens before); its staging buffer stays busy, and it and the memory it posts through "
-            "registered, until such a request finds it done or failed, then they are let go of. The "
+            "happens before); its staging buffer stays busy, it and the memory it posts through "
+            "registered, and a peer's staging buffer it posts through taken from the agent's other "
+            "requests, until such a request finds it done or failed, then they are let go of. The "
             "notif of a pipeline (sent here after its last stage) and the stages not yet posted never "
             "go: wait for what you post",
             ResourceWarning,
@@ -211,10 +205,12 @@ def _let_go_abandoned(hold: _Hold) -> bool:
     if not locks_free(*locks, *(hold.staging._locks() if hold.staging is not None else [])):
         return False
     if hold.started:
-        if hold.tried:  # release() ran and NIXL refused a request: what it holds is kept for good
+        # Dropped in flight, none of its NIXL requests released: its staging buffer stays
+        # busy, it and the regions it posts through registered, and the peer's buffer
+        # claimed (its bytes may still land there, or be read), until _progress_dropped
+        # finds every posted stage over. One whose release() NIXL refused keeps them for good.
+        if hold.tried:
             hold.keep()
-        else:
-            hold.drop()
         _DROPPED.append(hold)  # asked by the agent's later requests until done
     else:
         hold.release(in_flight=False)
