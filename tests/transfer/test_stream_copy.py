@@ -121,6 +121,26 @@ def test_runs_at_every_offset_in_a_line(prefetch: bool) -> None:
     assert np.array_equal(dst, want)
 
 
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("overlap", [0, 5])
+def test_short_runs_back_to_back_share_their_lines_and_copy_exactly(prefetch: bool, overlap: int) -> None:
+    """Runs of 0-63 bytes, and some of a line or two, written back to back from an odd
+    destination byte (each line a run only partly fills is filled by its neighbours: none
+    is streamed, where the run beside it writes the rest through memcpy), or each
+    overlapping the last by ``overlap`` bytes (the later run wins), from odd sources."""
+    src, dst = buffers(13)
+    rng = np.random.default_rng(overlap)
+    lengths = [*range(64), *rng.integers(0, 200, 400).tolist(), *range(63, -1, -1)]
+    runs, at = [], 3 + (-dst.ctypes.data) % 64  # 3 bytes into a line
+    for i, n in enumerate(lengths):
+        runs.append(((i * 131 + 7) % (SRC_BYTES - 256), at, n))
+        at += max(n - overlap, 0)
+    assert at < DST_BYTES
+    want = copy_reference(src, dst, runs)
+    _native.copy_byte_runs(table(src, dst, runs), True, prefetch)
+    assert np.array_equal(dst, want)
+
+
 @st.composite
 def disjoint_run_lists(draw: st.DrawFn) -> list[tuple[int, int, int]]:
     """Runs whose destinations never overlap (pieces of the destination buffer with gaps
