@@ -1068,6 +1068,39 @@ def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call
     assert len(packed) == 10 and len(set(packed)) == 1  # both ways, through the same packed buffer
 
 
+def test_calibration_bounds_a_permuted_copy_factor_a_freak_clock_gives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A clock that reads no time past the call's for a copy pattern (a coarse timer, a
+    freak round) gives a ratio of 1e-9 seconds: the factors are bounded to [1e-3, 1e3],
+    not priced at a millionth or a million times the plain copy (here the transposed
+    gather reads none, the plain scatter none)."""
+
+    def fake_copy(runs: np.ndarray, lo: np.ndarray, hi: np.ndarray, *_: object) -> None:
+        scatters = int(lo[0, 1]) < int(hi[0, 1])
+        steps = np.diff(runs[:, 1 if scatters else 0].astype(np.int64))
+        tiled = len(steps) > 1 and bool(np.any(steps != steps[0]))
+        plain_256 = not tiled and len(runs) == calibration._COPY_CALIBRATION_BYTES // calibration._TILE[2]
+        took = 1e-3 + len(runs) * 1e-8
+        if (tiled and not scatters) or (plain_256 and scatters):
+            took = 1e-3  # the call's own time, nothing past it
+        cost["s"] = took
+
+    cost: dict[str, float] = {}
+
+    def fake_timed(fn: Callable[[], None]) -> float:
+        fn()
+        return cost["s"]
+
+    monkeypatch.setattr(calibration, "_copy", fake_copy)
+    monkeypatch.setattr(calibration, "_timed", fake_timed)
+    _, _, transposed = calibration._calibrate_copy(2, torch.device("cpu"))
+    assert transposed == (1e-3, 1e3)
+    nx.CostModel(
+        transposed_factor=transposed[0], transposed_scatter_factor=transposed[1]
+    )  # a model takes them
+
+
 def test_calibrations_transposed_copies_are_an_nhd_block_into_hnd_and_back() -> None:
     """The permuted map's copy calibration times: each NHD block's row (token t, head h)
     goes to HND's (head h, token t), each byte of both buffers once; the gather listed in
@@ -1189,6 +1222,8 @@ def test_a_permuted_maps_copy_is_priced_at_its_transposed_factors(pair: str) -> 
         posters: tuple[Literal["src", "dst"], ...] = ("src", "dst")
         for poster in posters:  # estimate prices both posters alike: a READ's staged copy scatters
             e = nx.estimate(m, poster=poster, cost=model)
+            if poster == "src":  # a WRITE, as plan() prices it: each strategy alike
+                assert e.predicted_s == pytest.approx(p.predicted_s)
             gathers_here = poster == "src"
             want = "peer-staged" if cheaper_scatter == gathers_here else "staged"
             assert e.choice == (want if permuted else "direct")
@@ -1590,6 +1625,31 @@ def test_a_request_dropped_in_flight_holds_the_peer_s_staging_buffer_until_nixl_
         holds._unclaim_peer_staging(again)
         holds._progress_dropped(agent)
         assert agent.released == ([] if refused else ["s0", "s1", "s2"])  # not asked again
+    finally:
+        if hold in holds._DROPPED:
+            holds._DROPPED.remove(hold)
+        holds._unclaim_peer_staging(hold.peer_claim)
+
+
+def test_a_dropped_request_nixl_once_refused_to_release_keeps_what_it_holds_for_good() -> None:
+    """A request whose ``release()`` ran and NIXL refused one of its requests, then dropped
+    unreleased: what it holds is kept for good at once (its claim on the peer's buffer let
+    go of, the peer's rule), and the requests NIXL refused are freed once it reports them
+    over, never its staging buffer."""
+    from kvlayout.transfer.nixl import holds
+
+    agent = _Xfers("kvl-dropped-tried")
+    buf = nx.PeerStaging(2 << 20, 4096)
+    hold = holds._Hold(agent, ["s0"], None, started=True, posted=1)
+    hold.peer_claim = holds._claim_peer_staging(agent, "p", buf, True)
+    agent.refuse, agent.state = True, "DONE"
+    try:
+        assert hold.release(in_flight=False) is False and hold.tried and not hold.kept
+        assert holds._let_go_abandoned(hold)
+        assert hold.kept and hold.peer_claim is None and hold in holds._DROPPED
+        agent.refuse = False
+        holds._progress_dropped(agent)
+        assert agent.released == ["s0"] and hold.kept and hold not in holds._DROPPED
     finally:
         if hold in holds._DROPPED:
             holds._DROPPED.remove(hold)

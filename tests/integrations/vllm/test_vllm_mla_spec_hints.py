@@ -204,6 +204,20 @@ def test_the_indexer_s_own_format_on_its_spec_is_not_refused() -> None:
         assert (group.format.name, group.block_size) == ("NL_X_NB_BSV_BSS", slots)
 
 
+def test_the_indexer_s_format_is_not_refused_for_an_indexer_layer_another_stage_registers() -> None:
+    """Under pipeline parallelism a worker registers its own stage's layers only; a
+    DeepSeek-V4 indexer layer of another stage (its spec at the default ``cache_role``,
+    no rows here to read) is no reason to refuse the indexer's format that this stage's
+    indexer layers hold."""
+    engine, kv = indexer_engine(vx.dsv4_indexer_spec(256), vx.DSV4_INDEXER, 64)
+    names = list(kv)
+    hints = {"layout_format": "NL_X_NB_BSV_BSS"}
+    mine = {names[0]: kv[names[0]]}  # the other stage's layer is not this worker's
+    layers, groups = transfer_layers(engine.config, apply_kv_cache_group_edits(engine.config, mine, hints))
+    group = kvlayout.detect(layers, "vllm", hints, layer_groups=groups).only_group()
+    assert (group.format.name, group.layers) == ("NL_X_NB_BSV_BSS", (0,))
+
+
 def test_an_indexer_format_names_the_latents_group_of_a_model_with_an_indexer() -> None:
     """One hint for every group: a DeepSeek-V3.2-like model (latents in group 0, the
     indexer's keys in group 1) given the indexer's format is refused at the latents."""
