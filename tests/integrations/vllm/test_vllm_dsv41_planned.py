@@ -15,6 +15,7 @@ layout (the indexer's page divides no latent page), and so does the mirror."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -82,12 +83,25 @@ def dsv41_specs(ratios: list[int], rings: tuple[int, int, int] = (1024, 256, 512
     return specs
 
 
+def first_window(specs: dict[str, Any], **changes: Any) -> dict[str, Any]:
+    """``specs`` with layer 0's window spec changed."""
+    name = "model.layers.0.self_attn.swa_cache"
+    return {**specs, name: dataclasses.replace(specs[name], **changes)}
+
+
 MODELS = {
     "c4": dsv41_specs([4, 4, 4]),  # the docs' offload example: latents beside their indexer
     # DeepSeek-V4.1's pattern: two pure-window layers first, then C4 and C128 in turn
     "c4-c128": dsv41_specs([0, 0, 4, 128, 4, 128, 4, 128]),
     # 2 C4 and 3 C128 layers: buckets that repeat no pattern, rings of one width
     "uneven": dsv41_specs([4, 128, 128, 4, 128], rings=(1024, 1024, 1024)),
+    # 4 windows beside 3 repeats of latents and indexer: _approximate_gcd's padding ties
+    # at 3 and 4 repeats a group (2 layers each), where vLLM takes the larger
+    "window-tie": dsv41_specs([0, 4, 4, 4]),
+    # a window of another size, or not DCP-sharded, is a bucket of its own
+    # (UniformTypeKVCacheSpecs.is_uniform_type: the spec class's rule, dcp_sharded)
+    "two-windows": first_window(dsv41_specs([0, 4, 4, 4]), sliding_window=256),
+    "unsharded-window": first_window(dsv41_specs([0, 4, 4, 4]), dcp_sharded=False),
 }
 
 
