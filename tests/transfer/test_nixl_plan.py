@@ -329,6 +329,31 @@ def test_a_group_description_replaced_after_group_still_checks_its_own_tensors()
         nx.plan(m, strategy="peer-staged", peer_staging=own._replace(address=g1.planes[0].addresses[0]))
 
 
+def test_a_joined_map_of_two_descriptions_checks_the_peer_staging_against_both() -> None:
+    """A request moved as one over maps of two of the peer's descriptions (pools it
+    registered apart, as SGLang's KV pool and its state pool): a staging buffer on either
+    description's other kernel group is refused, naming that group."""
+    from kvlayout.testing.nixl_peer import CacheSpec, build_cache
+    from kvlayout.transfer import block_map, join_maps
+
+    spec = CacheSpec("NL_X_TWO_NB_BS_NH_HS", 4, 8, 4, 2, 8, shard=(0, 1, 2), engine_groups=(0, 0, 1, 1))
+    parts, descriptions = [], []
+    for seed in (0, 1):
+        here, _ = build_cache(dataclasses.replace(spec, seed=2 * seed))
+        there, _ = build_cache(dataclasses.replace(spec, seed=2 * seed + 1))
+        d = there.describe(shard=spec.the_shard, block_size=4)
+        parts.append(block_map(here.kernel_groups[0], d.group(0), [1, 3], [2, 0]))
+        descriptions.append(d)
+    joined = join_maps(parts)
+    assert joined.dst.descriptions == tuple(descriptions)
+    for d in descriptions:
+        lie = nx.PeerStaging(d.groups[1].planes[0].addresses[1] + 128, joined.num_bytes)
+        with pytest.raises(
+            nx.RefusedDescriptorError, match=r"kernel group 1 .*its tensor 1\) of the 4 tensors"
+        ):
+            nx.plan(joined, strategy="peer-staged", peer_staging=lie)
+
+
 def test_a_description_s_tensor_label_names_its_rows_and_refuses_others() -> None:
     """``tensor_label(k)`` names row ``k`` of ``tensor_spans`` (kernel group, engine group,
     layers, place); a row it does not have, a negative one included, is refused."""

@@ -67,12 +67,9 @@ class JoinedSide:
     @functools.cached_property
     def descriptions(self) -> tuple[RegistrationDescription, ...]:
         """The parts' whole descriptions, each once (:attr:`Side.descriptions`: every
-        tensor the peer described); () where a part has none (a live side), so that a
-        reader falls back on :attr:`tensor_spans`."""
-        held = [side.descriptions for side in self.sides]
-        if not all(held):
-            return ()
-        return tuple({id(d): d for ds in held for d in ds}.values())
+        tensor the peer described); a part with none (a live side) adds none, its tensors
+        being in :attr:`tensor_spans`, which a reader checks too."""
+        return tuple({id(d): d for side in self.sides for d in side.descriptions}.values())
 
     @functools.cached_property
     def spans(self) -> np.ndarray:
