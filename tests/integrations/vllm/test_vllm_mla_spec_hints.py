@@ -243,3 +243,30 @@ def test_an_indexer_format_names_the_latents_group_of_a_model_with_an_indexer() 
     )
     with pytest.raises(kvlayout.LayoutHintError, match="^" + re.escape(message) + "$"):
         apply_kv_cache_group_edits(engine.config, kv, {"layout_format": "NL_X_NB_BSV_BSS"})
+
+
+def test_an_indexer_format_on_an_indexer_spec_is_refused_by_its_rows_not_its_role() -> None:
+    """MiniMax-M3's indexer (``MLAAttentionSpec``, ``cache_role`` INDEXER, bf16 keys of 128
+    without scales) holds an indexer's keys, whose rows no indexer format of scaled records
+    reads: named ``NL_X_NB_BSV_BSS``, the spec is not what the hint contradicts (its role
+    says indexer), and the edits do not say it is; reading the rows refuses them."""
+    spec = kvi.MLAAttentionSpec(
+        block_size=BS,
+        num_kv_heads=1,
+        head_size=128,
+        dtype=torch.bfloat16,
+        cache_role=kvi.SparseCacheRole.INDEXER,
+    )
+    engine, kv = indexer_engine_of(spec)
+    hints = {"layout_format": "NL_X_NB_BSV_BSS"}
+    with pytest.raises(
+        kvlayout.LayoutHintError, match="contradicts the registration, which vllm regi"
+    ) as refused:
+        apply_kv_cache_group_edits(engine.config, kv, hints)  # the rows' reading refuses, not the spec check
+    assert "cache_role" not in str(refused.value)
+
+
+def indexer_engine_of(spec: Any) -> tuple[vx.Engine, dict[str, torch.Tensor]]:
+    name = "model.layers.{}.self_attn.indexer.k_cache"
+    engine = vx.uniform_engine(spec, vx.FLASHMLA, num_layers=2, num_blocks=NB, layer_name=name)
+    return engine, vx.allocate_v033(engine)[1]
