@@ -1254,6 +1254,34 @@ def test_a_permuted_maps_copy_is_priced_at_its_transposed_factors(pair: str) -> 
             assert e.choice == (want if permuted else "direct")
 
 
+def test_a_joined_map_of_permuted_parts_is_priced_as_a_permuted_map() -> None:
+    """A request's groups moved as one (``join_maps``), each NHD -> HND: its copy is the
+    parts' transposed tiles, priced at the factors as one permuted map's; joined with a
+    part of one layout, plain."""
+    from kvlayout import EngineKVFormat as F
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import block_map, join_maps
+
+    nhd, hnd = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS
+    src = bind([torch.zeros((2, 12, 4, 4, 8), dtype=torch.bfloat16) for _ in range(3)], nhd)
+    to_hnd, to_nhd = (
+        bind([torch.zeros((2, 12, 4, 4, 8), dtype=torch.bfloat16) for _ in range(3)], fmt).describe(
+            block_size=4
+        )
+        for fmt in (hnd, nhd)
+    )
+    model = dataclasses.replace(nx.DEFAULT_COST, transposed_factor=3.0, transposed_scatter_factor=3.0)
+    plain = dataclasses.replace(model, transposed_factor=None, transposed_scatter_factor=None)
+    first = block_map(src, to_hnd, [2, 3], [6, 7], num_tokens=8)
+    for other, permuted in ((block_map(src, to_hnd, [4, 5], [8, 9], num_tokens=8), True),
+                            (block_map(src, to_nhd, [4, 5], [8, 9], num_tokens=8), False)):  # fmt: skip
+        joined = join_maps([first, other])
+        for poster in ("src", "dst"):
+            priced, base = (nx.estimate(joined, poster=poster, cost=c).predicted_s for c in (model, plain))
+            for strategy in ("staged", "peer-staged"):
+                assert (priced[strategy] > base[strategy]) == permuted, (poster, strategy)
+
+
 def test_each_request_s_map_reads_its_kind_off_the_pair(monkeypatch: pytest.MonkeyPatch) -> None:
     """``plan()`` prices every request's map by its kind (a permuted map's copy at its own
     factors). The kind is the pair's (its sides and shards): worked out by the first map of

@@ -18,6 +18,7 @@ from kvlayout.registration.address_space import MAX_END_TEXT, NULL_PAGE, unownab
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.block_maps import BlockMap
+from kvlayout.transfer.joined_maps import JoinedMap
 from kvlayout.transfer.nixl.copies import (
     _HOST,
     Staging,
@@ -216,8 +217,11 @@ DEFAULT_COST = CostModel(
 
 def _transposed(block_map: NixlMap) -> bool:
     """Whether the map's copy runs are transposed tiles: a block map whose kind says
-    ``permuted`` (NHD <-> HND, :attr:`BlockMap.kind`); any other map's are priced plain."""
-    return isinstance(block_map, BlockMap) and "permuted" in block_map.kind.split(", ")
+    ``permuted`` (NHD <-> HND, :attr:`BlockMap.kind`), or a joined map whose every part's
+    does (a request's groups moved as one); any other map's are priced plain, a joined
+    map of permuted and other parts too."""
+    parts = block_map.maps if isinstance(block_map, JoinedMap) else (block_map,)
+    return bool(parts) and all(isinstance(m, BlockMap) and "permuted" in m.kind.split(", ") for m in parts)
 
 
 # -- plans -----------------------------------------------------------------------------------
