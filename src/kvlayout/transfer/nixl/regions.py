@@ -218,12 +218,11 @@ def register(agent: Agent, registration: Holder) -> Registered:
     with held.lock:
         for region in regions:  # checked before any is counted: a refusal leaves nothing half done
             owner = held.owners.get(region, held.retired.get(region))
-            if owner is not None and (owner.data_ptr(), owner.nbytes()) != (region.address, region.nbytes):
+            if resized := _resized(region, owner):
                 raise TransferError(
                     f"the {region.nbytes} bytes at {region.address:#x} are registered with this agent for a "
-                    f"storage resized in place since (it now holds {owner.nbytes()} bytes at "
-                    f"{owner.data_ptr():#x}): deregister what registered it before registering this memory, "
-                    "and never resize a registered cache"
+                    f"storage {resized}: deregister what registered it before registering this "
+                    "memory, and never resize a registered cache"
                 )
         for region in regions:
             kept = held.retired.pop(region, None)
@@ -292,13 +291,20 @@ def _refuse_resized(agent: Agent, reach: Reach | None, what: str) -> None:
             and r.address + r.nbytes > reach[2]
         ]
     for r, owner in owners:
-        if owner is not None and (owner.data_ptr(), owner.nbytes()) != (r.address, r.nbytes):
+        if resized := _resized(r, owner):
             raise TransferError(
                 f"the {what}s reach the {r.nbytes} bytes at {r.address:#x} registered on agent "
-                f"{agent.name!r}, whose storage was resized in place since (it now holds "
-                f"{owner.nbytes()} bytes at {owner.data_ptr():#x}): NIXL would move bytes through freed "
-                "memory; nothing was posted (never resize a registered cache)"
+                f"{agent.name!r}, whose storage was {resized}: NIXL would move bytes through "
+                "freed memory; nothing was posted (never resize a registered cache)"
             )
+
+
+def _resized(region: Region, owner: torch.UntypedStorage | None) -> str | None:
+    """How the storage that registered ``region`` was resized in place since, no longer
+    holding its bytes; None while it holds them."""
+    if owner is None or (owner.data_ptr(), owner.nbytes()) == (region.address, region.nbytes):
+        return None
+    return f"resized in place since (it now holds {owner.nbytes()} bytes at {owner.data_ptr():#x})"
 
 
 def _unpin(agent: Agent, pinned: tuple[Region, ...]) -> None:
