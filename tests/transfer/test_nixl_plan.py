@@ -258,15 +258,11 @@ def test_a_peer_staging_buffer_on_the_tensors_the_peer_described_is_refused() ->
         assert int(p.remote[0, 0]) == at
 
 
-def test_a_group_s_map_checks_the_peer_staging_against_the_description_it_came_from() -> None:
-    """A map of ``description.group(0)`` refuses a staging buffer on the peer's group 1,
-    by the description that group came from: of two descriptions whose group 0 is the same
-    and whose group 1 lies elsewhere, each map answers for its own (the side made for one
-    is not the other's, though the groups compare equal), and the honest place of one is
-    the other's lie. ``whole`` is not data: a group's JSON reads back equal, with none."""
-    from kvlayout.registration.peers import RegistrationDescription
+def _two_group_peer() -> tuple[Any, Any, Any]:
+    """A live two-group cache (full and sliding-window attention of one format, groups on
+    memory apart), a peer's description of another such cache, and that description's
+    group 1 moved 1 GiB up (the peer's other group lying elsewhere)."""
     from kvlayout.testing.nixl_peer import CacheSpec, build_cache
-    from kvlayout.transfer import block_map, join_maps
 
     spec = CacheSpec("NL_X_TWO_NB_BS_NH_HS", 4, 8, 4, 2, 8, shard=(0, 1, 2), engine_groups=(0, 0, 1, 1))
     here, _ = build_cache(spec)
@@ -279,6 +275,20 @@ def test_a_group_s_map_checks_the_peer_staging_against_the_description_it_came_f
             dataclasses.replace(p, addresses=tuple(a + (1 << 30) for a in p.addresses)) for p in g1.planes
         ),
     )
+    return here, d, moved
+
+
+def test_a_group_s_map_checks_the_peer_staging_against_the_description_it_came_from() -> None:
+    """A map of ``description.group(0)`` refuses a staging buffer on the peer's group 1,
+    by the description that group came from: of two descriptions whose group 0 is the same
+    and whose group 1 lies elsewhere, each map answers for its own (the side made for one
+    is not the other's, though the groups compare equal), and the honest place of one is
+    the other's lie. ``whole`` is not data: a group's JSON reads back equal, with none."""
+    from kvlayout.registration.peers import RegistrationDescription
+    from kvlayout.transfer import block_map, join_maps
+
+    here, d, moved = _two_group_peer()
+    g1 = d.groups[1]
     e = dataclasses.replace(d, groups=(d.groups[0], moved))
     assert d.group(0) == e.group(0) and d.group(0).whole is d and e.group(0).whole is e
     back = RegistrationDescription.from_json(d.group(1).to_json())
@@ -303,20 +313,10 @@ def test_a_group_description_replaced_after_group_still_checks_its_own_tensors()
     peer's addresses would) keeps ``whole``, the description it came from, which does not
     hold the moved tensors: a staging buffer on them is still the peer's lie (the side's own
     tensors are checked too), and one on the original group's is refused by ``whole``."""
-    from kvlayout.testing.nixl_peer import CacheSpec, build_cache
     from kvlayout.transfer import block_map
 
-    spec = CacheSpec("NL_X_TWO_NB_BS_NH_HS", 4, 8, 4, 2, 8, shard=(0, 1, 2), engine_groups=(0, 0, 1, 1))
-    here, _ = build_cache(spec)
-    there, _ = build_cache(dataclasses.replace(spec, seed=1))
-    d = there.describe(shard=spec.the_shard, block_size=4)
+    here, d, moved = _two_group_peer()
     g1 = d.groups[1]
-    moved = dataclasses.replace(
-        g1,
-        planes=tuple(
-            dataclasses.replace(p, addresses=tuple(a + (1 << 30) for a in p.addresses)) for p in g1.planes
-        ),
-    )
     rebased = dataclasses.replace(d.group(1), groups=(moved,))
     assert rebased.whole is d  # replace() keeps it
     m = block_map(here.kernel_groups[1], rebased, [1, 3], [2, 0])

@@ -49,6 +49,7 @@ __all__ = [
     "cdiv",
     "detect_registered",
     "dsv4_indexer_spec",
+    "dsv4_latent_spec",
     "fill_random",
     "gdn_states",
     "group_layers",
@@ -201,6 +202,22 @@ def dsv4_indexer_spec(block_size: int, compress_ratio: int = 4, indexer_kv_dtype
         dtype=torch.uint8,
         tokens_per_state=compress_ratio,
         alignment=512,
+    )
+
+
+def dsv4_latent_spec(block_size: int, compress_ratio: int = 1) -> Any:
+    """``DeepseekV4MLAAttention.get_kv_cache_spec`` with cache_dtype "auto": one bf16
+    latent row of 512 a slot, ``compress_ratio`` tokens per slot (1: the uncompressed
+    layers), the page aligned to 512 bytes."""
+    return kvi.MLAAttentionSpec(
+        block_size=block_size,
+        num_kv_heads=1,
+        head_size=512,
+        dtype=torch.bfloat16,
+        tokens_per_state=compress_ratio,
+        cache_dtype_str="auto",
+        alignment=512,
+        model_version="deepseek_v4",
     )
 
 

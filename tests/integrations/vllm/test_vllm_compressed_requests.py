@@ -21,6 +21,7 @@ from kvlayout.testing.vllm import (
     Backend,
     allocate_v033,
     dsv4_indexer_spec,
+    dsv4_latent_spec,
     fill_random,
     make_engine,
 )
@@ -29,24 +30,13 @@ from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
 from tests.integrations.vllm.models import stored_then_loaded
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
-import vllm.v1.kv_cache_interface as kvi
 
 BS, RATIO, NB, NL, TOKENS = 256, 4, 6, 2, 500
 HINTS = {"kv_layout": "LBNHC", "kv_dim": 1}
 
 
 def latent_spec() -> Any:
-    # DeepseekV4MLAAttention.get_kv_cache_spec with cache_dtype "auto": bf16 latent rows
-    return kvi.MLAAttentionSpec(
-        block_size=BS,
-        num_kv_heads=1,
-        head_size=512,
-        dtype=torch.bfloat16,
-        tokens_per_state=RATIO,
-        cache_dtype_str="auto",
-        alignment=512,
-        model_version="deepseek_v4",
-    )
+    return dsv4_latent_spec(BS, RATIO)
 
 
 def registered(spec: Any, backend: Backend = FLASHMLA) -> tuple[dict[str, torch.Tensor], Any]:

@@ -35,16 +35,7 @@ PACKED = [vx.KVCacheLayout.BLHNC, vx.KVCacheLayout.BLNHC]
 
 
 def latents(ratio: int) -> Any:
-    return kvi.MLAAttentionSpec(
-        block_size=BLOCK,
-        num_kv_heads=1,
-        head_size=512,
-        dtype=torch.bfloat16,
-        tokens_per_state=ratio,
-        cache_dtype_str="auto",
-        alignment=512,
-        model_version="deepseek_v4",
-    )
+    return vx.dsv4_latent_spec(BLOCK, ratio)
 
 
 SWA = kvi.SlidingWindowMLASpec(
