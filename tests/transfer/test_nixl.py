@@ -1045,6 +1045,9 @@ def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pai
 
 
 def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
+    from kvlayout.transfer.nixl.regions import _REGIONS
+
+    held = dict(_REGIONS[pair.agent].count)
     start = time.perf_counter()
     model = nx.calibrate(pair.agent, pair.name, pair.peer.side([0]), nbytes=512 << 10, count=128, repeats=1)
     took = time.perf_counter() - start
@@ -1068,6 +1071,13 @@ def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
     # a permuted map's copy over the plain one, both ways: measured, finite, within the clamp
     factors = model.transposed_factor, model.transposed_scatter_factor
     assert all(f is not None and math.isfinite(f) and 1e-3 <= f <= 1e3 for f in factors)
+    # a plan's own work: the sort and the out-of-order check a run, a staged plan's beyond direct
+    assert 0 < model.sort_per_run_s < 1e-5 and 0 <= model.unordered_check_per_run_s < 1e-5
+    assert 0 < model.staged_plan_s < 0.01
+    assert dict(_REGIONS[pair.agent].count) == held  # its scratch and the staging it planned with let go
+    assert model.order_s(10, sorts=1, unordered_check=True) == pytest.approx(
+        10 * (model.sort_per_run_s + model.unordered_check_per_run_s)
+    )
     assert took < 10.0  # a handshake's worth (about a second on the loaded 2-core machine)
     # a cost model picks between strategies on its own figures
     m = make_map(pair, "READ", [(0, k * SLOT, 0, k * UNIT, UNIT) for k in range(64)])

@@ -175,16 +175,20 @@ def test_a_staged_write_runs_a_stage_per_4_mib_by_default_priced_as_one_unless_a
     p = nx.plan(split, strategy="staged", staging=staging_at(buf))
     assert [st.descriptors for st in p.stages] == [(0, 16), (16, 32)]
     assert len(nx.plan(split, strategy="staged", staging=staging_at(buf), stages=1).stages) == 1
-    model = nx.CostModel()
+    model = nx.DEFAULT_COST
     wire, copy = model.direct_s(32, 8 << 20), 32 * model.copy_per_run_s + (8 << 20) / model.copy_bandwidth
+    # a staged plan's own work, and the runs descend on the remote side: it sorts them
+    # to lay its staging out
+    ordering = model.staged_plan_s + model.order_s(32, sorts=1)
+    assert model.order_s(32, sorts=1) == 32 * model.sort_per_run_s > 0 and model.staged_plan_s > 0
     # the default pipeline is priced as one stage (the strategy is what one stage would
     # choose), as estimate() prices it; asked for stages, the overlap is counted
-    assert p.predicted_s["staged"] == pytest.approx(wire + copy)
+    assert p.predicted_s["staged"] == pytest.approx(wire + copy + ordering)
     assert nx.estimate(split, poster="src").predicted_s["staged"] == pytest.approx(p.predicted_s["staged"])
     with pytest.raises(TransferError, match=r"^poster must be 'src' or 'dst', not 'peer'$"):
         nx.estimate(split, poster="peer")  # type: ignore[arg-type]
     two = nx.plan(split, strategy="staged", staging=staging_at(buf), stages=2)
-    assert two.predicted_s["staged"] == pytest.approx(max(wire, copy) + min(wire, copy) / 2)
+    assert two.predicted_s["staged"] == pytest.approx(max(wire, copy) + min(wire, copy) / 2 + ordering)
     read = Map(split.runs[:, [1, 0, 2]], split.dst, split.src)  # the same bytes, the peer to here
     r = nx.plan(read, strategy="staged", staging=staging_at(buf))
     assert (r.op, len(r.stages)) == ("READ", 1)
@@ -395,6 +399,49 @@ def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() ->
         assert (
             r.predicted_s["staged"] == r.predicted_s["peer-staged"]
         ) is tie and r.strategy == "peer-staged"
+
+
+def test_a_plans_ordering_work_is_priced_where_the_runs_do_not_follow_its_order() -> None:
+    """Maps list their runs in destination order. A staged READ lays its staging out in
+    the source's order, so runs another order there (a tile, as NHD -> HND makes them)
+    are sorted, and its scatter checked out of order (its destinations sorted to find
+    overlaps), before anything posts; a peer-staged READ lays the peer's staging out in
+    the destination's order, which they follow. Priced, that work picks the peer-staged
+    READ where a scatter priced below the gather alone picked staged; a WRITE of the
+    same runs sorts for peer-staged (the source's order), for staged not at all."""
+    n, length = 64, 256
+    a, b = [np.zeros(n * length, np.uint8)], [np.zeros(n * length, np.uint8)]
+    tile = [(0, ((i % 8) * 8 + i // 8) * length, 0, i * length, length) for i in range(n)]
+    buf = np.zeros(n * length, np.uint8)
+    there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
+    # descriptors decide nothing (one each); a scatter priced below a gather
+    copies = nx.CostModel(per_descriptor_s=1.0, copy_per_run_s=2e-6, scatter_per_run_s=1e-6)
+    ordering = dataclasses.replace(copies, sort_per_run_s=1e-6, unordered_check_per_run_s=3e-6)
+    runs = runs_between(a, b, tile)
+    read = Map(runs, side_of(a, local=False), side_of(b, local=True))
+    write = Map(runs, side_of(a, local=True), side_of(b, local=False))
+    before = nx.plan(read, staging=staging_at(buf), peer_staging=there, cost=copies)
+    assert before.strategy == "staged" and before.num_descriptors == 1
+    after = nx.plan(read, staging=staging_at(buf), peer_staging=there, cost=ordering)
+    assert after.strategy == "peer-staged" and after.num_descriptors == 1
+    assert after.predicted_s["staged"] == pytest.approx(before.predicted_s["staged"] + n * (1e-6 + 3e-6))
+    assert after.predicted_s["peer-staged"] == before.predicted_s["peer-staged"]
+    assert ordering.order_s(n, sorts=1, unordered_check=True) == pytest.approx(n * 4e-6)
+    assert ordering.order_s(n) == 0.0
+    estimated = nx.estimate(read, poster="dst", cost=ordering)
+    assert estimated.choice == "peer-staged"
+    for k in ("staged", "peer-staged"):
+        assert estimated.predicted_s[k] == pytest.approx(after.predicted_s[k])
+    w0 = nx.plan(write, staging=staging_at(buf), peer_staging=there, cost=copies)
+    w = nx.plan(write, staging=staging_at(buf), peer_staging=there, cost=ordering)
+    assert w.predicted_s["staged"] == w0.predicted_s["staged"]
+    assert w.predicted_s["peer-staged"] == pytest.approx(w0.predicted_s["peer-staged"] + n * 1e-6)
+    # runs that follow both sides' order: no ordering work, either way
+    straight = runs_between(a, b, [(0, i * length, 0, i * length, length) for i in range(n)])
+    for m in (Map(straight, read.src, read.dst), Map(straight, write.src, write.dst)):
+        p0 = nx.plan(m, staging=staging_at(buf), peer_staging=there, cost=copies)
+        p = nx.plan(m, staging=staging_at(buf), peer_staging=there, cost=ordering)
+        assert p.predicted_s == p0.predicted_s
 
 
 def test_a_descriptor_is_priced_at_its_size_where_the_model_measured_sizes() -> None:
@@ -651,6 +698,25 @@ def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long
     assert nx.plan(many, staging=staging_at(buf), cost=slow_copy).strategy == "direct"
 
 
+def test_a_staged_plans_own_work_is_priced_once_a_request() -> None:
+    """Two runs of 64 KiB, one stretch there: a 128 KiB gather at 10 GB/s (13 us) costs
+    less than the descriptor it saves (18 us), but a staged plan's own work on the
+    request's path (150-160 us to a direct plan's 45 us) does not: over a real NIXL pair,
+    60 rounds each way taking turns, direct took 1.16 ms (medians) against staged's
+    1.38 ms (WRITE) and 1.44 ms (READ)."""
+    few, buf = scattered_map(2, 1 << 16)
+    copies = nx.CostModel(per_descriptor_s=18e-6, copy_per_run_s=0.04e-6, copy_bandwidth=10e9)
+    before = nx.plan(few, staging=staging_at(buf), cost=copies)
+    assert before.strategy == "staged"
+    own = dataclasses.replace(copies, staged_plan_s=120e-6)
+    after = nx.plan(few, staging=staging_at(buf), cost=own)
+    assert after.strategy == "direct"
+    assert after.predicted_s["staged"] == pytest.approx(before.predicted_s["staged"] + 120e-6)
+    assert after.predicted_s["direct"] == before.predicted_s["direct"]
+    many, many_buf = scattered_map(512, 256)  # 511 descriptors saved: still worth it
+    assert nx.plan(many, staging=staging_at(many_buf), cost=own).strategy == "staged"
+
+
 @pytest.mark.parametrize(
     ("kw", "message"),
     [
@@ -674,6 +740,10 @@ def test_the_cost_model_picks_staged_for_many_small_runs_and_direct_for_few_long
         ({"transposed_scatter_factor": float("nan")},
          "CostModel.transposed_scatter_factor must be a positive number (a time's ratio) or None, got nan"),
         ({"transposed_factor": True}, "CostModel.transposed_factor must be a positive number"),
+        ({"sort_per_run_s": -1e-9}, "CostModel.sort_per_run_s must be a non-negative number of seconds"),
+        ({"staged_plan_s": float("inf")}, "CostModel.staged_plan_s must be a non-negative number of seconds"),
+        ({"unordered_check_per_run_s": None},
+         "CostModel.unordered_check_per_run_s must be a non-negative number of seconds, got None"),
     ],
 )  # fmt: skip
 def test_a_cost_model_refuses_figures_it_cannot_price_with(kw: dict[str, Any], message: str) -> None:
@@ -1124,6 +1194,39 @@ def test_calibration_bounds_a_permuted_copy_factor_a_freak_clock_gives(
     nx.CostModel(
         transposed_factor=transposed[0], transposed_scatter_factor=transposed[1]
     )  # a model takes them
+
+
+def test_calibration_times_a_plans_ordering_work_on_a_requests_worth_of_runs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sort a run and the out-of-order check a run over an in-order one, from the
+    rounds' fastest of each, on a permuted map's scatter whose blocks each tensor's 64
+    shuffled among themselves (checked for real: they stay in their spans, no two
+    overlap), against as many runs whose destinations follow one another; a clock that
+    reads the out-of-order check faster gives 0, not a negative price."""
+    from kvlayout.transfer.nixl.copies import _check_copies as real_check
+
+    checked: list[np.ndarray] = []
+
+    def check(runs: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> None:
+        checked.append(runs)
+        real_check(runs, lo, hi)
+
+    clock = iter([0.05, 0.09, 0.02, 0.03, 0.06, 0.01])  # rounds of (sort, out of order, in order)
+    monkeypatch.setattr(calibration, "_check_copies", check)
+    monkeypatch.setattr(calibration, "_timed", lambda fn: (fn(), next(clock))[1])
+    sort, unordered_check = calibration._calibrate_order(2)
+    n = calibration._ORDER_CALIBRATION_BYTES // calibration._TILE[2]
+    assert sort == pytest.approx(0.03 / n) and unordered_check == pytest.approx((0.06 - 0.01) / n)
+    shuffled, ordered = checked[0], checked[1]
+    assert len(shuffled) == len(ordered) == n
+    assert not _native.runs_sorted_on(shuffled, 1) and _native.runs_sorted_on(ordered, 1)
+    block = calibration._TILE[0] * calibration._TILE[1] * calibration._TILE[2]
+    src = (shuffled[:, 0] - shuffled[:, 0].min()) // block
+    dst = (shuffled[:, 1] - shuffled[:, 1].min()) // (2 * block)
+    assert np.array_equal(src // 64, dst // 64) and not np.array_equal(src, dst)  # within a tensor's 64
+    clock = iter([0.05, 0.01, 0.02])
+    assert calibration._calibrate_order(1)[1] == 0.0
 
 
 def test_calibrations_transposed_copies_are_an_nhd_block_into_hnd_and_back() -> None:

@@ -9,17 +9,18 @@ import os
 import statistics
 import time
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 import torch
 
+from kvlayout import _native
 from kvlayout.errors import at_least
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.transfer import TransferError
-from kvlayout.transfer.nixl.copies import _KEPT, _check_copies, _copy, _staging_device
+from kvlayout.transfer.nixl.copies import _KEPT, Staging, _check_copies, _copy, _staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
-from kvlayout.transfer.nixl.plans import CostModel
+from kvlayout.transfer.nixl.plans import CostModel, plan
 from kvlayout.transfer.nixl.regions import (
     Region,
     _intervals,
@@ -41,6 +42,7 @@ from kvlayout.transfer.nixl.sides import (
     _is_nixl_error,
     _peer_name,
     _seconds,
+    local_side,
 )
 
 # -- calibration -------------------------------------------------------------------------------
@@ -195,8 +197,12 @@ def calibrate(
         for _ in range(repeats):  # rounds of every measurement: a burst of load spoils one of each at most
             for name, rows in theirs.items():
                 rounds[name].append(_timed_xfer(agent, op, peer, (ours[name], rows), mems, timeout))
+        planning = _calibrate_plan(
+            agent, op, local_side(scratch), remote, (addr, base), small, repeats, copy_on
+        )
     t = {name: min(times) for name, times in rounds.items()}
     gather, scatter, transposed = _calibrate_copy(repeats, copy_on)
+    sort, unordered_check = _calibrate_order(repeats)
     per_descriptor = max((t["many"] - t["one"]) / (count - 1), 1e-9)
     bandwidth = nbytes / max(t["big"] - t["one"], 1e-9)
     by_size = [(small, per_descriptor)] + [
@@ -226,7 +232,50 @@ def calibrate(
         scatter_bandwidth=scatter[1],
         transposed_factor=transposed[0],
         transposed_scatter_factor=transposed[1],
+        sort_per_run_s=sort,
+        unordered_check_per_run_s=unordered_check,
+        staged_plan_s=planning,
     )
+
+
+class _Runs(NamedTuple):
+    """A map of hand-made runs (what :func:`plan` reads of one)."""
+
+    runs: np.ndarray
+    src: MapSide
+    dst: MapSide
+
+
+def _calibrate_plan(
+    agent: Agent,
+    op: Op,
+    here: MapSide,
+    there: MapSide,
+    at: tuple[int, int],
+    size: int,
+    repeats: int,
+    device: torch.device,
+) -> float:
+    """Seconds a staged plan spends beyond a direct plan's, whatever its runs (laying out
+    its stretches and stages, checking its copy): two runs of ``size`` bytes, apart here
+    (from ``at[0]``) and back to back there (from ``at[1]``), of ``op``, planned both ways
+    in ``5 * repeats`` rounds (the fastest of each: a few hundred microseconds a round),
+    with a staging buffer of their bytes registered for the call on ``device`` (this side's)."""
+    here_at, there_at = at
+    rows = np.array([[here_at + 2 * i * size, there_at + i * size, size] for i in range(2)], _U64)
+    m = (
+        _Runs(rows, here, there)
+        if op == "WRITE"
+        else _Runs(np.ascontiguousarray(rows[:, [1, 0, 2]]), there, here)
+    )
+    direct = staged = math.inf
+    with Staging(agent, 2 * size, device=device) as staging:
+        for _ in range(5 * repeats):
+            direct = min(direct, _timed(lambda: plan(m, strategy="direct")))
+            staged = min(
+                staged, _timed(lambda: plan(m, strategy="staged", staging=staging, stages=1).check_copy())
+            )
+    return max(staged - direct, 0.0)
 
 
 def _added_per_descriptor(cut: list[float], whole: list[float], n: int) -> float:
@@ -350,6 +399,47 @@ def _calibrate_copy(
         ratios = (max(a - call, 1e-9) / max(b - call, 1e-9) for a, b in zip(tiled, plain, strict=True))
         factors.append(min(max(statistics.median(ratios), 1e-3), 1e3))  # a clock's freak: bounded
     return figures[0], figures[1], (factors[0], factors[1])
+
+
+# A plan's ordering work is timed on a request's worth of runs (NHD -> HND's 524,224 for a
+# Llama-3-8B-like 1024-token request): a sort's time a run grows with the count, and the
+# runs' table past a host's last-level cache (12 MiB here, with its sort's keys) costs
+# more a run than one inside it (0.015 us a run to sort 131,072, 0.03-0.06 us 524,288).
+_ORDER_CALIBRATION_BYTES = 128 << 20
+
+
+def _calibrate_order(repeats: int) -> tuple[float, float]:
+    """(seconds a run to sort, seconds a run a scatter's check out of order adds over
+    one in order): what a plan does on the request's path where the runs do not follow
+    the order it needs (:meth:`CostModel.order_s`), timed on addresses alone (nothing
+    is copied, no memory read): a permuted map's scatter (:func:`_transposed_copies`,
+    its blocks in a seeded random order, as a request's scattered blocks are) sorted by
+    its destinations as a plan sorts its runs (``address_order``), and checked against
+    its spans as a plan checks its copy, beside the check of as many runs whose
+    destinations follow one another (the rounds' fastest of each)."""
+    total, row = _ORDER_CALIBRATION_BYTES, _TILE[2]
+    packed_at, apart_at = 1 << 32, (1 << 32) + total  # addresses only: never dereferenced
+    spans = (np.array([[packed_at, total]], _U64), np.array([[apart_at, 2 * total]], _U64))
+    unordered = _transposed_copies("scatter", packed_at, apart_at, total)
+    block = 2 * _TILE[0] * _TILE[1] * row  # an NHD block's place among the scattered ones
+    blocks = total // (block // 2)  # each tensor's 64 blocks (a 1024-token request's) in a random order
+    shuffled = np.random.default_rng(0).permuted(np.arange(blocks).reshape(-1, 64), axis=1).reshape(-1)
+    shuffled = shuffled.astype(_U64)
+    at = unordered[:, 1] - np.uint64(apart_at)
+    unordered[:, 1] = (
+        np.uint64(apart_at) + shuffled[at // np.uint64(block)] * np.uint64(block) + at % np.uint64(block)
+    )
+    n = len(unordered)
+    dense = packed_at + np.arange(n, dtype=_U64) * np.uint64(row)
+    ordered = np.stack(
+        [dense, apart_at + np.arange(n, dtype=_U64) * np.uint64(2 * row), np.full(n, row, _U64)], 1
+    )
+    sort = check = ordered_check = math.inf
+    for _ in range(repeats):
+        sort = min(sort, _timed(lambda: _native.address_order(unordered, 1)))
+        check = min(check, _timed(lambda: _check_copies(unordered, *spans)))
+        ordered_check = min(ordered_check, _timed(lambda: _check_copies(ordered, *spans)))
+    return sort / n, max(check - ordered_check, 0.0) / n
 
 
 def _timed(fn: Any) -> float:

@@ -83,6 +83,13 @@ class CostModel:
     that scatters, 2-2.5x slower end to end in ``make bench-pd`` (where the scatter also
     streamed partial lines: 61-64 ms then). The defaults are those ratios: 0.5 gathering,
     1.0 scattering.
+
+    A plan's own work on the request's path, before anything posts, is priced apart
+    (:meth:`staged_s`): ``staged_plan_s`` a staged or peer-staged plan's beyond a direct
+    plan's, whatever its runs, and its ordering work where the runs do not follow the
+    order it needs (:meth:`order_s`: ``sort_per_run_s``, ``unordered_check_per_run_s``).
+    Unpriced, a staged READ of NHD -> HND predicted alike with the peer-staged READ took
+    1.5x it end to end (its plan sorting and checking 524,224 runs in 60-90 ms).
     """
 
     per_descriptor_s: float = 18e-6
@@ -99,6 +106,12 @@ class CostModel:
     # A permuted map's copy (transposed tiles) over the plain price, gathered and scattered; None: 1.
     transposed_factor: float | None = None
     transposed_scatter_factor: float | None = None
+    # A plan's own work on the request's path where the runs do not follow the order it
+    # needs (order_s): a sort by an address, and a scatter's check out of order; 0: unpriced.
+    sort_per_run_s: float = 0.0
+    unordered_check_per_run_s: float = 0.0
+    # A staged (or peer-staged) plan's own work beyond a direct plan's, whatever its runs; 0: unpriced.
+    staged_plan_s: float = 0.0
 
     def __post_init__(self) -> None:
         # A zero or NaN here would surface as a ZeroDivisionError or a NaN prediction later.
@@ -108,7 +121,8 @@ class CostModel:
             "transposed_factor",
             "transposed_scatter_factor",
         )
-        for name in ("per_descriptor_s", "per_transfer_s", "copy_per_run_s", "scatter_per_run_s"):
+        seconds = ("per_descriptor_s", "per_transfer_s", "copy_per_run_s", "scatter_per_run_s")
+        for name in (*seconds, "sort_per_run_s", "unordered_check_per_run_s", "staged_plan_s"):
             if getattr(self, name) is not None or name not in optional:
                 _finite(f"CostModel.{name}", getattr(self, name), "a non-negative number of seconds", 0.0)
         for name in ("bandwidth", "copy_bandwidth", "scatter_bandwidth"):
@@ -179,6 +193,18 @@ class CostModel:
         )
         return (runs * per_run + nbytes / bandwidth) * (1.0 if factor is None else factor)
 
+    def order_s(self, runs: int, *, sorts: int = 0, unordered_check: bool = False) -> float:
+        """Seconds a plan of ``runs`` runs spends on the request's path, before anything
+        is posted, where the runs do not follow the order it needs: ``sorts`` sorts by
+        an address (``sort_per_run_s`` a run each: a staged plan's stretches by the
+        remote side's, a peer-staged one's by this side's), and with ``unordered_check``
+        the check of a scatter whose destinations do not follow the staging's order,
+        which sorts them to find overlaps (``unordered_check_per_run_s`` a run over a
+        check in order). Maps list their runs in destination order, so a staged READ of
+        runs another order on the source (NHD -> HND) pays both: 17 ms and 45 ms of its
+        524,224 runs, where its scatter took 25-50 ms (docs/nixl.md, "Measuring")."""
+        return runs * (sorts * self.sort_per_run_s + unordered_check * self.unordered_check_per_run_s)
+
     def staged_s(
         self,
         descriptors: int,
@@ -188,15 +214,22 @@ class CostModel:
         *,
         scatters: bool = False,
         transposed: bool = False,
+        sorts: int = 0,
+        unordered_check: bool = False,
     ) -> float:
         """In ``stages`` the local copy of one stage overlaps the wire time of another:
         the slower of the two, plus one stage of the faster (the first gather before a
         WRITE posts, the last scatter after a READ lands). ``scatters``: the copy is a
         scatter (:meth:`copy_s`): a staged READ's, a peer-staged WRITE's (the peer's);
-        ``transposed``: its runs are a permuted map's."""
+        ``transposed``: its runs are a permuted map's. The plan's own work before it
+        posts overlaps nothing: ``staged_plan_s`` beyond a direct plan's (laying out its
+        stretches and stages, checking its copy: 150-160 us to a direct plan's 45 us for
+        2 runs), and with ``sorts`` and ``unordered_check`` its ordering work
+        (:meth:`order_s`)."""
         copy = self.copy_s(runs, nbytes, scatters=scatters, transposed=transposed)
         wire = self.direct_s(descriptors, nbytes)
-        return max(wire, copy) + min(wire, copy) / stages
+        own = self.staged_plan_s + self.order_s(runs, sorts=sorts, unordered_check=unordered_check)
+        return max(wire, copy) + min(wire, copy) / stages + own
 
 
 def _finite(name: str, value: object, what: str, least: float | None) -> None:
@@ -212,6 +245,9 @@ DEFAULT_COST = CostModel(
     scatter_bandwidth=4e9,
     transposed_factor=0.5,
     transposed_scatter_factor=1.0,
+    sort_per_run_s=0.03e-6,
+    unordered_check_per_run_s=0.07e-6,
+    staged_plan_s=120e-6,
 )
 
 
@@ -612,6 +648,23 @@ def _scatters(strategy: str, op: Op) -> bool:
     return (strategy == "staged" and op == "READ") or (strategy == "peer-staged" and op == "WRITE")
 
 
+def _ordering(runs: np.ndarray, strategy: str, op: Op, remote_col: int) -> tuple[int, bool]:
+    """(sorts, whether its scatter is checked out of order): the ordering work the plan
+    of ``strategy`` does on the request's path (:meth:`CostModel.order_s`). A staged plan
+    lays its staging out in the remote side's address order (a sort, unless the runs
+    follow it) and checks its copy before posting: a READ's, a scatter, against its
+    destinations here in that order, out of order unless the runs follow both sides'
+    order; a WRITE's gather writes the staging, in order. A peer-staged plan lays the
+    peer's staging out in this side's address order (a sort, unless the runs follow it);
+    the peer's copy is checked there, when the peer plans it."""
+    local_col = 1 - remote_col
+    if strategy != "staged":
+        return int(not _native.runs_sorted_on(runs, local_col)), False
+    on_remote = bool(_native.runs_sorted_on(runs, remote_col))
+    in_order = on_remote and bool(_native.runs_sorted_on(runs, local_col))
+    return int(not on_remote), op == "READ" and not in_order
+
+
 def _staged(
     s: _Sides,
     staging: Staging,
@@ -637,6 +690,7 @@ def _staged(
     else:  # a candidate is priced by its descriptor count, laid out only if chosen
         descriptors = _stretch_count(s.block_map, s.runs, s.remote_col, s.remote)
         num_stages = min(descriptors, priced)  # at most what _stages gives: never more than the stretches
+    sorts, unordered = _ordering(s.runs, "staged", s.op, s.remote_col)
     predicted["staged"] = model.staged_s(
         descriptors,
         num_runs,
@@ -644,6 +698,8 @@ def _staged(
         num_stages,
         scatters=_scatters("staged", s.op),
         transposed=_transposed(s.block_map),
+        sorts=sorts,
+        unordered_check=unordered,
     )
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
@@ -685,6 +741,7 @@ def _peer_staged(
     # only if it is chosen). The copy is the peer's: its gather before a READ, its scatter
     # after a WRITE.
     count = _stretch_count(s.block_map, s.runs, s.local_col, s.local)
+    sorts, _ = _ordering(s.runs, "peer-staged", s.op, s.remote_col)
     predicted["peer-staged"] = model.staged_s(
         count,
         num_runs,
@@ -692,6 +749,7 @@ def _peer_staged(
         max(1, min(priced, count)),
         scatters=_scatters("peer-staged", s.op),
         transposed=_transposed(s.block_map),
+        sorts=sorts,
     )
 
     def build() -> Plan:
@@ -742,14 +800,17 @@ def estimate(
     staged = _stretch_count(block_map, runs, col, remote)
     descriptors["staged"] = staged
     transposed = _transposed(block_map)
+    sorts, unordered = _ordering(runs, "staged", op, col)
     predicted["staged"] = model.staged_s(
-        staged, num_runs, num_bytes, scatters=_scatters("staged", op), transposed=transposed
-    )
+        staged, num_runs, num_bytes, scatters=_scatters("staged", op), transposed=transposed,
+        sorts=sorts, unordered_check=unordered,
+    )  # fmt: skip
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
     own = _stretch_count(block_map, runs, own_col, own_side)  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = own
+    sorts, _ = _ordering(runs, "peer-staged", op, col)
     predicted["peer-staged"] = model.staged_s(
-        own, num_runs, num_bytes, scatters=_scatters("peer-staged", op), transposed=transposed
+        own, num_runs, num_bytes, scatters=_scatters("peer-staged", op), transposed=transposed, sorts=sorts
     )
     choice = min(predicted, key=lambda k: predicted[k])
     stages = {k: max(1, min(_default_stages(k, op, num_bytes), n)) for k, n in descriptors.items()}
