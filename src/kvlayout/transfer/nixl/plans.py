@@ -63,13 +63,13 @@ class CostModel:
     model) are this project's measurement of NIXL over UCX's TCP transport on
     loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
     of 256 B (about 18 us a descriptor). The copy's are the block-map engine's
-    (:func:`copy_byte_runs`) there, one thread: a gather at 6 GB/s and 0.03 us a run (an
-    NHD into HND request, 520,000 runs of 256 B, gathered 128 MiB in 30-37 ms); a
-    scatter at 4 GB/s and 0.2 us a run (2026-12-07, under other load: scattering a TP 2 ->
-    1 HND request's 4,096 runs of 16 KiB took 14.5-16.3 ms, 4.1-4.6 GB/s; NHD -> HND's
-    524,224 runs of 256 B 161-168 ms, 0.24-0.26 us a run beyond the bytes at 4 GB/s, where
-    an earlier, quieter session measured 48-68 ms, 0.03-0.07 us). :func:`calibrate`
-    measures the live pair.
+    (:func:`copy_byte_runs`) there, one thread, as :func:`calibrate` measured them on the
+    quiet machine once the copy streamed whole lines only (2026-12-07): a gather at 10 GB/s
+    and 0.038 us a run (0.036-0.041 us, 10.0-10.4 GB/s), a scatter at 10 GB/s and 0.018
+    us a run (0.016-0.019 us, 9.9-10.4 GB/s). They had been 6 GB/s and 0.03 us, and for
+    the scatter 4 GB/s and 0.2 us, measured under other load while the scatter still
+    streamed partial lines (NHD -> HND's 524,224 runs of 256 B in 161-168 ms).
+    :func:`calibrate` measures the live pair.
 
     A permuted map's copy (NHD <-> HND within a block: each block's runs, a head's row of
     a token each, form a transposed tile) costs its plain price times a factor of its
@@ -81,8 +81,9 @@ class CostModel:
     (line-aligned) in 28.7 ms against 28.8 ms spaced evenly. Calibrated plain figures
     priced that gather at 32 ms and the scatter at 23 ms, so both posters picked the side
     that scatters, 2-2.5x slower end to end in ``make bench-pd`` (where the scatter also
-    streamed partial lines: 61-64 ms then). The defaults are those ratios: 0.5 gathering,
-    1.0 scattering.
+    streamed partial lines: 61-64 ms then). The defaults are :func:`calibrate`'s ratios
+    on the quiet machine: 0.75 gathering (0.74-0.76), 1.0 scattering (1.00-1.01); they
+    had been 0.5 and 1.0, the ratios above.
 
     A plan's own work on the request's path, before anything posts, is priced apart
     (:meth:`staged_s`): ``staged_plan_s`` a staged or peer-staged plan's beyond a direct
@@ -95,8 +96,8 @@ class CostModel:
     per_descriptor_s: float = 18e-6
     bandwidth: float = 0.65e9  # bytes/s
     per_transfer_s: float = 2e-4
-    copy_per_run_s: float = 0.03e-6
-    copy_bandwidth: float = 6e9  # bytes/s
+    copy_per_run_s: float = 0.038e-6
+    copy_bandwidth: float = 10e9  # bytes/s
     source: str = "defaults"
     per_descriptor_by_size: tuple[tuple[int, float], ...] = ()
     # None: as the gather's (a model given one copy's figures prices both directions by
@@ -241,9 +242,9 @@ def _finite(name: str, value: object, what: str, least: float | None) -> None:
 
 # This project's figures (the class's docstring), the scatter's among them.
 DEFAULT_COST = CostModel(
-    scatter_per_run_s=0.2e-6,
-    scatter_bandwidth=4e9,
-    transposed_factor=0.5,
+    scatter_per_run_s=0.018e-6,
+    scatter_bandwidth=10e9,
+    transposed_factor=0.75,
     transposed_scatter_factor=1.0,
     sort_per_run_s=0.03e-6,
     unordered_check_per_run_s=0.07e-6,
