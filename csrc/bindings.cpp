@@ -504,11 +504,12 @@ using ConstRunArray = nb::ndarray<const std::uint64_t, nb::shape<-1, 3>, nb::c_c
 
 using kvlayout::block_map::Problem;
 
-std::tuple<Problem, std::int64_t, std::int64_t> validate_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans) {
+std::tuple<Problem, std::int64_t, std::int64_t> validate_runs(ConstRunArray runs, U64Rows src_spans, U64Rows dst_spans,
+                                                              bool dst_disjoint) {
   const auto src = spans_of(src_spans, "src_spans"), dst = spans_of(dst_spans, "dst_spans");
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   nb::gil_scoped_release release;
-  const auto v = kvlayout::block_map::validate_runs(r, runs.shape(0), src, dst);
+  const auto v = kvlayout::block_map::validate_runs(r, runs.shape(0), src, dst, true, dst_disjoint);
   return {v.problem, v.run, v.other};
 }
 
@@ -617,6 +618,13 @@ bool runs_sorted_on(ConstRunArray runs, int col) {
   const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
   nb::gil_scoped_release release;
   return kvlayout::staging::sorted_on(r, runs.shape(0), col);
+}
+
+bool runs_disjoint_on(ConstRunArray runs, int col) {
+  check_col(col);
+  const auto* r = reinterpret_cast<const kvlayout::ByteRun*>(runs.data());
+  nb::gil_scoped_release release;
+  return kvlayout::staging::disjoint_on(r, runs.shape(0), col);
 }
 
 // One side's (address, length, device) descriptor rows of a table of runs.
@@ -843,6 +851,8 @@ NB_MODULE(_native, m) {
         "sides; else the first run's RunProblem.");
   m.def("runs_sorted_on", &runs_sorted_on, "runs"_a, "col"_a,
         "Whether the runs' addresses on side col (0 source, 1 destination) never decrease.");
+  m.def("runs_disjoint_on", &runs_disjoint_on, "runs"_a, "col"_a,
+        "Whether the runs on side col (0 source, 1 destination) are disjoint in ascending address order.");
   m.def("descriptor_rows", &descriptor_rows, "runs"_a, "col"_a, "device"_a,
         "Side col's (address, length, device) rows of a table of runs, for NIXL.");
   m.def("address_order", &address_order, "runs"_a, "col"_a,
@@ -871,10 +881,11 @@ NB_MODULE(_native, m) {
       .def("copy", &GroupCopy::copy, "num_threads"_a,
            "Copy on up to num_threads pool threads (prefetching as the choices measure; GIL released) and "
            "return the threads used, or -1, copying nothing, where verdict() refuses the runs.");
-  m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a,
+  m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a, "dst_disjoint"_a = false,
         "(problem, run, other run): MapProblem.none when every run lies in one source and one destination "
         "tensor's blocks (spans: start, period, block, blocks), destination runs are disjoint and none reads "
-        "what another writes; else the first refused run's MapProblem.");
+        "what another writes; else the first refused run's MapProblem. dst_disjoint: the caller knows the "
+        "destinations are disjoint (they are not sorted to check where out of order).");
   m.def("copy_runs", &copy_runs, "runs"_a, "src_spans"_a, "dst_spans"_a, "num_threads"_a,
         "min_bytes_per_thread"_a = 256 << 10, "validate"_a = true, "prefetch"_a = -1,
         "validate_runs, then (if valid) copy the runs on up to num_threads pool threads, split by bytes, GIL "

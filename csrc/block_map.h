@@ -1008,15 +1008,18 @@ inline bool spans_meet(const std::vector<Span>& a, const std::vector<Span>& b) {
 // disjoint, and no run writing bytes another reads. Spans are sorted by start.
 // `one_memory`: both sides' addresses are this process's; false where one side is a
 // peer's (another address space, where its spans may repeat ours without sharing a byte).
+// `dst_disjoint`: the caller knows the destinations are disjoint (a staged READ's scatter
+// writes a map's runs, shown disjoint in the map's order), so out of order they are not
+// sorted to check again (half a million runs: 25-50 ms).
 inline Verdict validate_runs(const ByteRun* runs, std::size_t n, const std::vector<Span>& src,
-                             const std::vector<Span>& dst, bool one_memory = true) {
+                             const std::vector<Span>& dst, bool one_memory = true, bool dst_disjoint = false) {
   Verdict v;
   detail::RunChecks checks{src, dst};
   for (std::size_t i = 0; i < n; ++i) {
     const Problem p = checks.check(runs[i]);
     if (p != Problem::kNone) return {p, static_cast<std::int64_t>(i), -1};
   }
-  if (!checks.dst_sorted) {  // maps come in destination order; anything else is sorted to check
+  if (!checks.dst_sorted && !dst_disjoint) {  // maps come in destination order; else sorted to check
     const auto [a, b] = detail::first_overlap(runs, n, [](const ByteRun& r) { return r.dst; });
     if (a >= 0) return {Problem::kDstOverlap, a, b};
   }

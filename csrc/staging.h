@@ -70,6 +70,14 @@ inline bool sorted_on(const ByteRun* runs, std::size_t n, int col) {
   return true;
 }
 
+// Whether the runs on side `col` are disjoint and in ascending address order (each ends
+// at or before the next starts): what a map's destinations are, checked in one pass.
+inline bool disjoint_on(const ByteRun* runs, std::size_t n, int col) {
+  for (std::size_t i = 1; i < n; ++i)
+    if (on(runs[i], col) < on(runs[i - 1], col) + runs[i - 1].len) return false;
+  return true;
+}
+
 // Calls visit(i) for each run i by address on side `col`, ties in run order (what a
 // stable sort gives). Each address less the bits all runs share at the bottom (alignment)
 // and the top (one process's addresses lie close) packs with its run's position into one

@@ -403,12 +403,13 @@ def test_of_two_plans_predicted_alike_auto_takes_the_one_whose_copy_gathers() ->
 
 def test_a_plans_ordering_work_is_priced_where_the_runs_do_not_follow_its_order() -> None:
     """Maps list their runs in destination order. A staged READ lays its staging out in
-    the source's order, so runs another order there (a tile, as NHD -> HND makes them)
-    are sorted, and its scatter checked out of order (its destinations sorted to find
-    overlaps), before anything posts; a peer-staged READ lays the peer's staging out in
-    the destination's order, which they follow. Priced, that work picks the peer-staged
-    READ where a scatter priced below the gather alone picked staged; a WRITE of the
-    same runs sorts for peer-staged (the source's order), for staged not at all."""
+    the source's order, so runs in another order there (a tile, as NHD -> HND makes them)
+    are sorted before anything posts; its scatter then writes the map's runs out of order,
+    known disjoint from the map's own order (not sorted again to check). A peer-staged
+    READ lays the peer's staging out in the destination's order, which they follow.
+    Priced, the sort picks the peer-staged READ where a scatter priced below the gather
+    alone picked staged; a WRITE of the same runs sorts for peer-staged (the source's
+    order), for staged not at all."""
     n, length = 64, 256
     a, b = [np.zeros(n * length, np.uint8)], [np.zeros(n * length, np.uint8)]
     tile = [(0, ((i % 8) * 8 + i // 8) * length, 0, i * length, length) for i in range(n)]
@@ -416,17 +417,17 @@ def test_a_plans_ordering_work_is_priced_where_the_runs_do_not_follow_its_order(
     there = nx.PeerStaging(buf.ctypes.data, buf.nbytes)
     # descriptors decide nothing (one each); a scatter priced below a gather
     copies = nx.CostModel(per_descriptor_s=1.0, copy_per_run_s=2e-6, scatter_per_run_s=1e-6)
-    ordering = dataclasses.replace(copies, sort_per_run_s=1e-6, unordered_check_per_run_s=3e-6)
+    ordering = dataclasses.replace(copies, sort_per_run_s=2e-6, unordered_check_per_run_s=3e-6)
     runs = runs_between(a, b, tile)
     read = Map(runs, side_of(a, local=False), side_of(b, local=True))
     write = Map(runs, side_of(a, local=True), side_of(b, local=False))
     before = nx.plan(read, staging=staging_at(buf), peer_staging=there, cost=copies)
-    assert before.strategy == "staged" and before.num_descriptors == 1
+    assert before.strategy == "staged" and before.num_descriptors == 1 and before.copy_dst_disjoint
     after = nx.plan(read, staging=staging_at(buf), peer_staging=there, cost=ordering)
     assert after.strategy == "peer-staged" and after.num_descriptors == 1
-    assert after.predicted_s["staged"] == pytest.approx(before.predicted_s["staged"] + n * (1e-6 + 3e-6))
+    assert after.predicted_s["staged"] == pytest.approx(before.predicted_s["staged"] + n * 2e-6)
     assert after.predicted_s["peer-staged"] == before.predicted_s["peer-staged"]
-    assert ordering.order_s(n, sorts=1, unordered_check=True) == pytest.approx(n * 4e-6)
+    assert ordering.order_s(n, sorts=1, unordered_check=True) == pytest.approx(n * 5e-6)
     assert ordering.order_s(n) == 0.0
     estimated = nx.estimate(read, poster="dst", cost=ordering)
     assert estimated.choice == "peer-staged"
@@ -435,13 +436,38 @@ def test_a_plans_ordering_work_is_priced_where_the_runs_do_not_follow_its_order(
     w0 = nx.plan(write, staging=staging_at(buf), peer_staging=there, cost=copies)
     w = nx.plan(write, staging=staging_at(buf), peer_staging=there, cost=ordering)
     assert w.predicted_s["staged"] == w0.predicted_s["staged"]
-    assert w.predicted_s["peer-staged"] == pytest.approx(w0.predicted_s["peer-staged"] + n * 1e-6)
+    assert w.predicted_s["peer-staged"] == pytest.approx(w0.predicted_s["peer-staged"] + n * 2e-6)
+    # runs listed out of destination order: the scatter's destinations are sorted to check
+    shuffled = Map(runs[::-1].copy(), read.src, read.dst)
+    s0 = nx.plan(shuffled, staging=staging_at(buf), strategy="staged", cost=copies)
+    s1 = nx.plan(shuffled, staging=staging_at(buf), strategy="staged", cost=ordering)
+    assert not s1.copy_dst_disjoint
+    assert s1.predicted_s["staged"] == pytest.approx(s0.predicted_s["staged"] + n * 5e-6)
     # runs that follow both sides' order: no ordering work, either way
     straight = runs_between(a, b, [(0, i * length, 0, i * length, length) for i in range(n)])
     for m in (Map(straight, read.src, read.dst), Map(straight, write.src, write.dst)):
         p0 = nx.plan(m, staging=staging_at(buf), peer_staging=there, cost=copies)
         p = nx.plan(m, staging=staging_at(buf), peer_staging=there, cost=ordering)
         assert p.predicted_s == p0.predicted_s
+
+
+def test_a_staged_read_s_scatter_out_of_order_is_still_checked_for_overlap() -> None:
+    """Only runs disjoint in their own order skip the scatter's sort: runs listed out of
+    order whose destinations overlap are refused before a byte moves."""
+    n, length = 8, 256
+    a, b = [np.zeros(n * length, np.uint8)], [np.zeros(n * length, np.uint8)]
+    # destinations descending, the last two overlapping by half a run
+    rows = [(0, i * length, 0, (n - 1 - i) * length, length) for i in range(n - 1)]
+    rows.append((0, (n - 1) * length, 0, length // 2, length))
+    m = Map(runs_between(a, b, rows), side_of(a, local=False), side_of(b, local=True))
+    buf = np.zeros(2 * n * length, np.uint8)
+    p = nx.plan(m, staging=staging_at(buf), strategy="staged")
+    assert not p.copy_dst_disjoint
+    with pytest.raises(
+        nx.RefusedDescriptorError, match="writes bytes another copy writes; nothing was copied"
+    ):
+        p.check_copy()
+    assert not b[0].any()
 
 
 def test_a_descriptor_is_priced_at_its_size_where_the_model_measured_sizes() -> None:

@@ -54,9 +54,14 @@ def _refuse_copy(runs: np.ndarray, problem: Any, run: int) -> None:
         )
 
 
-def _check_copies(runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray) -> None:
-    """Refuse (before any byte moves) copies that leave their memory or overlap."""
-    problem, run, _ = _native.validate_runs(runs, _exact_spans(from_spans), _exact_spans(to_spans))
+def _check_copies(
+    runs: np.ndarray, from_spans: np.ndarray, to_spans: np.ndarray, *, dst_disjoint: bool = False
+) -> None:
+    """Refuse (before any byte moves) copies that leave their memory or overlap
+    (``dst_disjoint``: their destinations are known disjoint, not sorted to check)."""
+    problem, run, _ = _native.validate_runs(
+        runs, _exact_spans(from_spans), _exact_spans(to_spans), dst_disjoint=dst_disjoint
+    )
     _refuse_copy(runs, problem, run)
 
 

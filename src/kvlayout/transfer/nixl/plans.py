@@ -319,6 +319,9 @@ class Plan:
     # A staged plan's buffer, held so that the memory its copies address outlives the plan,
     # and asked before each copy whether that memory changed.
     staging: Staging | None = field(default=None, compare=False, repr=False)
+    # The copies' destinations are known disjoint (a staged READ's scatter writes the map's
+    # runs, disjoint in the map's own order): check_copy does not sort them to check again.
+    copy_dst_disjoint: bool = field(default=False, compare=False, repr=False)
     # check_copy passed: the copies (read-only) are not checked again when they run.
     _copy_checked: bool = field(default=False, init=False, repr=False, compare=False)
 
@@ -354,8 +357,9 @@ class Plan:
             )
         assert self.copy_spans is not None
         self._refuse_moved("nothing was copied")
+        self.check_copy()
         lo, hi = self.stages[stage].runs
-        _copy(self.copies[lo:hi], *self.copy_spans, 1, not self._copy_checked, self.copy_device, stream)
+        _copy(self.copies[lo:hi], *self.copy_spans, 1, False, self.copy_device, stream)
 
     def _refuse_moved(self, nothing: str) -> None:
         """Refuse to copy or post once the local cache's or the staging buffer's memory
@@ -368,7 +372,7 @@ class Plan:
         """Refuse a staged plan whose local copy leaves its memory (before any byte moves)."""
         if self.copies is not None and not self._copy_checked:
             assert self.copy_spans is not None
-            _check_copies(self.copies, *self.copy_spans)
+            _check_copies(self.copies, *self.copy_spans, dst_disjoint=self.copy_dst_disjoint)
             object.__setattr__(self, "_copy_checked", True)
 
     def copy(self, num_threads: int = 1, stream: torch.cuda.Stream | None = None) -> None:
@@ -380,8 +384,8 @@ class Plan:
         if self.copies is not None:
             assert self.copy_spans is not None
             self._refuse_moved("nothing was copied")
-            checked = self._copy_checked
-            _copy(self.copies, *self.copy_spans, threads, not checked, self.copy_device, stream)
+            self.check_copy()
+            _copy(self.copies, *self.copy_spans, threads, False, self.copy_device, stream)
 
 
 class _Stretches(NamedTuple):
@@ -653,17 +657,17 @@ def _ordering(runs: np.ndarray, strategy: str, op: Op, remote_col: int) -> tuple
     """(sorts, whether its scatter is checked out of order): the ordering work the plan
     of ``strategy`` does on the request's path (:meth:`CostModel.order_s`). A staged plan
     lays its staging out in the remote side's address order (a sort, unless the runs
-    follow it) and checks its copy before posting: a READ's, a scatter, against its
-    destinations here in that order, out of order unless the runs follow both sides'
-    order; a WRITE's gather writes the staging, in order. A peer-staged plan lays the
-    peer's staging out in this side's address order (a sort, unless the runs follow it);
-    the peer's copy is checked there, when the peer plans it."""
+    follow it) and checks its copy before posting: a WRITE's gather writes the staging,
+    in order; a READ's scatter writes the runs here in that order, sorted to check unless
+    the runs, in their own order, are disjoint and ascending here (a map's are: then they
+    are known disjoint). A peer-staged plan lays the peer's staging out in this side's
+    address order (a sort, unless the runs follow it); the peer's copy is checked there,
+    when the peer plans it."""
     local_col = 1 - remote_col
     if strategy != "staged":
         return int(not _native.runs_sorted_on(runs, local_col)), False
-    on_remote = bool(_native.runs_sorted_on(runs, remote_col))
-    in_order = on_remote and bool(_native.runs_sorted_on(runs, local_col))
-    return int(not on_remote), op == "READ" and not in_order
+    sorts = int(not _native.runs_sorted_on(runs, remote_col))
+    return sorts, op == "READ" and not _native.runs_disjoint_on(runs, local_col)
 
 
 def _staged(
@@ -715,6 +719,7 @@ def _staged(
             _rows(done.addr, done.nbytes, s.remote.device_index), local_mem, remote_mem, done.copies,
             num_runs, num_bytes, predicted, (held, staged) if s.op == "WRITE" else (staged, held), pipeline,
             staging.device, s.local, staging,
+            copy_dst_disjoint=s.op == "READ" and not unordered,
         )  # fmt: skip
 
     return build
