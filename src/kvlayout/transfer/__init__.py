@@ -5,7 +5,8 @@ chunks, or another cache.
 them on the native engine (``kvlayout._native``); ``cuda`` is the CUDA engine the plan
 picks for a GPU cache (it is handed the plan and never imports ``plan``); ``block_maps``
 maps one request between two registrations (any layout, block size or TP shard) as byte
-runs, and ``joined_maps`` joins a request's maps (one per kernel group or pool) into one;
+runs (``slot_maps``: a side given as a slot mapping, re-paged for the same builder), and
+``joined_maps`` joins a request's maps (one per kernel group or pool) into one;
 ``arguments`` checks the block ids and chunks callers pass; ``nixl`` moves block maps
 between processes. This package exports the public names of the plans and block maps
 (with ``Shard`` and ``RegistrationDescription``, which a map's sides take), so

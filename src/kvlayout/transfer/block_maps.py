@@ -59,6 +59,7 @@ from kvlayout.transfer.map_sides import (
     moved_tokens,
 )
 from kvlayout.transfer.sharded_pages import page_sides, structure_problem
+from kvlayout.transfer.slot_maps import block_rows, check_rows_written_once, slots_arg, token_pages
 
 __all__ = ["BlockMap", "BlockMapError", "Side", "block_map", "chunk_shape_for", "chunk_side"]
 
@@ -385,6 +386,69 @@ def _int(name: str, value: object) -> int:
     return int_arg(name, value, BlockMapError)
 
 
+def _given(where: str, blocks: Any, slots: Any) -> tuple[str, Any]:
+    """A side's block ids or slot mapping, which of the two was given (exactly one)."""
+    if (blocks is None) == (slots is None):
+        said = "both" if blocks is not None else "neither"
+        raise TypeError(f"block_map takes {where}_blocks or {where}_slots for the {where} side, not {said}")
+    return ("blocks", blocks) if slots is None else ("slots", slots)
+
+
+_SideArgs = tuple[Side, tuple[str, Any], int, TokenSlice, str]  # side, what was given, per, CP, where
+
+
+def _slot_map(pair: _Pair, sides: tuple[_SideArgs, _SideArgs], num_tokens: Any, first_token: Any) -> BlockMap:
+    """:func:`block_map` where a side is a slot mapping: both sides' tokens as rows of their
+    side, the tokens either masks dropped, the rest pages the builder walks (slot_maps)."""
+    lengths = [(f"{where}_slots", _length(value)) for _, (kind, value), *_, where in sides if kind == "slots"]
+    if num_tokens is not None:
+        tokens, told = _int("num_tokens", num_tokens), "num_tokens"
+        if tokens < 0:
+            raise BlockMapError(f"num_tokens must be >= 0, got {tokens}")
+    else:
+        name, length = lengths[0]
+        if length is None:
+            raise TypeError(f"{name} must be a sequence of slots (its length gives the tokens to map)")
+        tokens, told = length, f"the length of {name}"
+        if len(lengths) == 2 and lengths[1][1] != tokens:
+            raise BlockMapError(
+                f"src_slots has {tokens} slots and dst_slots {lengths[1][1]}: one slot a token on each side "
+                "(or give num_tokens)"
+            )
+    first = _int("first_token", first_token)
+    if not 0 <= first <= tokens:
+        raise BlockMapError(f"first_token must lie in [0, {tokens}] ({told}), got {first}")
+    rows = []
+    for side, (kind, value), per, cp, where in sides:
+        if kind == "slots":
+            rows.append(slots_arg(f"{where}_slots", value, side, tokens, told, where))
+        else:
+            ids = _ids(f"{where}_blocks", value, side, tokens, per, told, cp)
+            rows.append(block_rows(ids, side.block_size * per, cp, tokens))
+    src_rows, dst_rows = rows
+    kept: np.ndarray | None = None  # the moved tokens where some are not: the rest masked
+    if first or (tokens and min(int(src_rows.min()), int(dst_rows.min())) < 0):
+        moved = (src_rows >= 0) & (dst_rows >= 0)
+        moved[:first] = False  # tokens before first_token: the engine's, as in a block-id map
+        kept = np.flatnonzero(moved)
+        src_rows, dst_rows = src_rows[kept], dst_rows[kept]
+    (a, *_), (b, (kind, _), b_per, *_) = sides
+    check_rows_written_once(
+        f"dst_{kind}", dst_rows, kept, b, None if kind == "slots" else b.block_size * b_per
+    )
+    offset = 0 if kept is None or not len(kept) else int(kept[0])  # the first moved token
+    pages = token_pages(src_rows, a.block_size, dst_rows, b.block_size, offset)
+    whole = pages.sizes == (a.block_size, b.block_size)  # pages that are whole blocks
+    pair = _cached_pair(a, b, pair.src_shard, pair.dst_shard, whole_blocks=whole)
+    result = BlockMap(
+        a, b, pair, (pages.src_ids, pages.dst_ids), tokens, first, slots=(pages.first, pages.end),
+        page_slots=(pages.src_slots, pages.dst_slots), page_sizes=pages.sizes,
+    )  # fmt: skip
+    if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
+        result._raise(*_native.validate_groups(result._groups, a.spans, b.spans, one_memory=False))
+    return result
+
+
 def _block_size(where: str, value: object) -> int | None:
     """``src_block_size`` / ``dst_block_size``: None, or a positive int."""
     if value is None:
@@ -687,8 +751,8 @@ def _state_kind(src: Side, dst: Side, ranks: tuple[Shard, Shard], common: bool, 
 def block_map(
     src: Any,
     dst: Any,
-    src_blocks: Any,
-    dst_blocks: Any,
+    src_blocks: Any = None,
+    dst_blocks: Any = None,
     *,
     num_tokens: int | None = None,
     first_token: int = 0,
@@ -696,6 +760,8 @@ def block_map(
     dst_shard: Shard | None = None,
     src_block_size: int | None = None,
     dst_block_size: int | None = None,
+    src_slots: Any = None,
+    dst_slots: Any = None,
 ) -> BlockMap:
     """The byte runs that move tokens ``[first_token, num_tokens)`` of one request from
     ``src`` to ``dst``: token ``p`` is slot ``p % BS`` of block ``blocks[p // BS]`` on
@@ -726,7 +792,20 @@ def block_map(
     is the cache's own, or a multiple of it: the block ids are then in blocks of that
     many tokens, block ``b`` being the cache's blocks ``b*k`` to ``b*k + k-1`` (vLLM's
     scheduler blocks over a cache its attention kernel pages ``k`` times finer).
+
+    ``src_slots`` / ``dst_slots`` give a side as a slot mapping instead of block ids (pass
+    one or the other a side): token ``t`` is slot ``slots[t]``, block ``slot // BS``, row
+    ``slot % BS`` (vLLM's ``block_table[t // BS] * BS + t % BS``, LMCache's in-process
+    ``multi_layer_kv_transfer``), and a slot of -1 is a token neither read nor written.
+    Slots may be in any order and at any row; source slots may repeat, a destination slot
+    may not. ``num_tokens`` defaults to the mapping's length (one slot a token), the other
+    side's block ids holding those tokens as above (a context-parallel rank's block ids its
+    own share; a slot mapping says for itself where each token is, -1 where another rank
+    holds it). The map is built as a block-id map is, its runs as long (see
+    :mod:`~kvlayout.transfer.slot_maps`).
     """
+    src_given = _given("src", src_blocks, src_slots)
+    dst_given = _given("dst", dst_blocks, dst_slots)
     src_block_size, dst_block_size = _block_size("src", src_block_size), _block_size("dst", dst_block_size)
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
@@ -737,6 +816,17 @@ def block_map(
     check_servable(a_cp, b_cp, a.block_size * a_per, b.block_size * b_per, any_pages)
     if state is None:
         pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
+    if src_slots is not None or dst_slots is not None:
+        paged = next(
+            (s.opaque_pages for s in (a, b) if s.opaque_pages and not s.opaque_pages.rows_are_tokens), None
+        )
+        if paged is not None:  # a slot (a token's row) of a page that moves whole means nothing
+            raise BlockMapError(
+                f"a slot mapping names token rows, but the map moves opaque pages ({paged.layout}) whose "
+                "rows are no tokens (state, or a kernel's page): they move whole pages, by block ids"
+            )
+        sides = ((a, src_given, a_per, a_cp, "src"), (b, dst_given, b_per, b_cp, "dst"))
+        return _slot_map(pair, sides, num_tokens, first_token)
     a_len, b_len = _length(src_blocks), _length(dst_blocks)
     # the caller's blocks, in the request's tokens (a context-parallel rank's block holds
     # cp_size times its own block of the request: its share of them)
