@@ -22,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvlayout
+from kvlayout import _native
 from kvlayout.transfer import RegistrationDescription, Shard, block_map
 from kvlayout.transfer.block_maps import BlockMapError, chunk_shape_for, chunk_side
 
@@ -352,6 +353,26 @@ def test_slot_map_errors_name_the_token_and_slot() -> None:
         ),
     ):
         block_map(src, dst, src_slots=list(range(5)), dst_blocks=[0])
+
+
+def test_a_chunk_cut_into_pages_is_walked_in_its_order() -> None:
+    """A slot map into a chunk with a hole in its tokens cuts the chunk (one block) into pages
+    of a token: the pages are a level inside the chunk's (layer, K/V) planes, so the builder
+    walks the chunk in memory order, with no sort (each page walking every plane went back
+    in the chunk at every token: 620 us where this takes 24, 1024 tokens of 8 layers)."""
+    _, src = _vllm(16, 4)
+    chunk = torch.zeros(chunk_shape_for(src, 20)[0], dtype=torch.float16)
+    slots = [[9, 2, 14, 3, 5][p // 4] * 4 + p % 4 for p in range(20)]
+    slots[7:10] = [-1] * 3
+    m = block_map(src, chunk_side(src, chunk), src_slots=slots, dst_blocks=[0])
+    p, (src_ids, dst_ids), (first, end) = m._pair, m._ids, m._slots
+    assert m._page_sizes == (1, 1) and p.order == (0, 1, 2, 3)  # slab, block (the pages), slot, head
+    _, runs, in_order = _native.build_groups(
+        p.slabs, p.group_starts, p.order, len(p.heads), end, src_ids, 1, dst_ids, 1,
+        p.src_classes, p.dst_classes, False, False, False, first, *m._page_slots,
+    )  # fmt: skip
+    assert in_order and runs == m.num_runs == NL * 2 * 5  # a run a block's moved tokens
+    assert np.array_equal(m.runs, m._build(force_sort=True))
 
 
 def test_a_hybrid_models_attention_takes_slots_and_its_state_pages_do_not() -> None:

@@ -239,9 +239,13 @@ def _pair(
     # slabs of unequal width (a latent plane and a rope plane) have unequal strides, and a
     # block step of one beside the slot step of another can sort slots outside blocks.
     steps = np.diff(d_base.astype(np.int64))[d_tensor[1:] == d_tensor[:-1]]
+    # One block cut into pages (a chunk that a slot map's or a context-parallel map's pages
+    # cut): the pages are the block level, one outside the slots (a level of one entry
+    # would go outside the slabs, each page walking every slab and going back in the chunk).
+    pages_of_one = not whole_blocks and dst.num_blocks == 1 and dst.block_size > 1
     level_steps = {
         SLAB: int(steps.min()) if steps.size else None,
-        BLOCK: int(d_sb[0]) if dst.num_blocks > 1 else None,
+        BLOCK: int(d_sb[0]) if dst.num_blocks > 1 else int(d_sj[0]) if pages_of_one else None,
         SLOT: int(d_sj[0]) if dst.block_size > 1 else None,
         HEAD: int(d_sh[0]) if len(heads) > 1 else None,
     }
