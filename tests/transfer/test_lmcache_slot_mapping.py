@@ -1,5 +1,5 @@
 """LMCache's in-process moves by slot mapping, done as docs/migrating-from-lmcache.md says
-(a block map of the kernel group and the chunk per run of slots without -1), held to
+(a block map of the kernel group and the chunk given the slot mapping), held to
 LMCache 0.5.6's own chunk layout and slot indexing (lmcache-0.5.6-facts.md 7.1, 7.5): token
 ``t`` of a chunk ``[kv_size, NL, T, row]`` is slot ``slot_mapping[t]`` (block ``s // BS``,
 row ``s % BS``), a slot of -1 is skipped both ways, and each engine's element of a token
@@ -9,7 +9,7 @@ row is read through the tensors as the engine registers them (facts 7.2, "engine
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -70,19 +70,6 @@ def slot_mapping(table: list[int]) -> list[int]:
     return [-1 if p in MASKED else table[p // BS] * BS + p % BS for p in range(TOKENS)]
 
 
-def slot_runs(part: list[int], num_blocks: int) -> Iterator[tuple[int, int, list[int]]]:
-    """The guide's recipe: (first, end, block ids) for each run of a chunk's slots without -1."""
-    ok = [s >= 0 for s in part] + [False]
-    for first in [i for i in range(len(part)) if ok[i] and (i == 0 or not ok[i - 1])]:
-        end = ok.index(False, first)
-        ids = [
-            next((s // BS for s in part[max(b * BS, first) : (b + 1) * BS][: end - b * BS]), -1)
-            for b in range(-(-end // BS))
-        ]
-        spare = next(i for i in range(num_blocks) if i not in ids)
-        yield first, end, [spare if i < 0 else i for i in ids]
-
-
 def lmcache_store(row: Row, kv: Any, chunk: torch.Tensor, slots: list[int]) -> None:
     for t, s in enumerate(slots):
         if s >= 0:
@@ -125,9 +112,8 @@ def test_slot_mapping_store_and_load_are_lmcaches(
         shape, dtype = chunk_shape_for(group, len(part), block_size=size)
         assert (shape, dtype) == ((kv_size, NL, len(part), width), torch.bfloat16)  # LMCache's chunk
         chunk = torch.full(shape, SENTINEL, dtype=dtype)
-        for first, end, ids in slot_runs(part, NB):
-            side = chunk_side(group, chunk, block_size=size)
-            block_map(group, side, ids, [0], num_tokens=end, first_token=first, src_block_size=size).copy()
+        side = chunk_side(group, chunk, block_size=size)
+        block_map(group, side, src_slots=part, dst_blocks=[0], src_block_size=size).copy()
         want = torch.full(shape, SENTINEL, dtype=dtype)
         lmcache_store(row, kv, want, part)
         assert torch.equal(chunk, want), f"chunk at token {c0}"
@@ -141,9 +127,8 @@ def test_slot_mapping_store_and_load_are_lmcaches(
     slots = slot_mapping(LOAD_TABLE)
     for chunk, c0 in zip(chunks, range(0, TOKENS, CHUNK), strict=True):
         part = slots[c0 : c0 + CHUNK]
-        for first, end, ids in slot_runs(part, NB):
-            side = chunk_side(target, chunk, block_size=size)
-            block_map(side, target, [0], ids, num_tokens=end, first_token=first, dst_block_size=size).copy()
+        side = chunk_side(target, chunk, block_size=size)
+        block_map(side, target, [0], dst_slots=torch.tensor(part), dst_block_size=size).copy()
         lmcache_load(row, want_cache, chunk, part)
     got, want = flat(fresh), flat(want_cache)
     assert torch.equal(got, want)  # the request's slots are LMCache's, every other byte untouched
