@@ -41,11 +41,13 @@ __all__ = [
     "Engine",
     "HybridModel",
     "KVCacheLayout",
+    "MultipleOf",
     "allocate",
     "allocate_legacy",
     "allocate_v033",
     "attention_engine",
     "attention_spec",
+    "block_stride_alignment",
     "cdiv",
     "detect_registered",
     "dsv4_indexer_spec",
@@ -135,6 +137,19 @@ LLAMA_3_2_1B = AttentionModel("Llama-3.2-1B", 16, 8, 64, torch.bfloat16)
 
 
 @dataclass(frozen=True)
+class MultipleOf:
+    """vLLM's ``MultipleOf`` (``vllm/v1/attention/backend.py``, a module that imports the
+    model executor, which vLLM installed without its dependencies cannot): a kernel block
+    size of any multiple of ``base`` tokens, or as a spec's ``block_stride_alignment``,
+    blocks that hold whole kernel blocks of up to ``base`` tokens."""
+
+    base: int
+
+    def __repr__(self) -> str:
+        return f"MultipleOf({self.base})"
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str
     fixed_sizes: tuple[int, ...] = ()  # plain ints: exact kernel block sizes
@@ -164,6 +179,15 @@ class Backend:
                 "block size for this backend at start-up; give a block size the backend supports"
             )
         return max(divisors)
+
+    def customize_spec(self, spec: Any) -> Any:
+        """``customize_attention_spec``'s own rule (not a backend's ``customize_spec``):
+        a backend of fixed kernel block sizes only gives a spec without a
+        ``block_stride_alignment`` ``MultipleOf`` its largest size, so that blocks split
+        into its kernel blocks stay whole kernel blocks apart."""
+        if spec.block_stride_alignment is None and self.fixed_sizes and self.multiple_of is None:
+            return dataclasses.replace(spec, block_stride_alignment=MultipleOf(max(self.fixed_sizes)))
+        return spec
 
 
 FLASHINFER = Backend("FLASHINFER", fixed_sizes=(16, 32, 64))
@@ -293,26 +317,82 @@ def group_layers(layer_specs: dict[str, Any]) -> list[list[str]]:
     return groups
 
 
-def _allocations(
-    groups: Sequence[Sequence[tuple[Any, list[str]]]],
-    layer_specs: dict[str, Any],
-    layout: Any,
-    num_blocks: int,
-) -> list[Any]:
-    """``get_kv_cache_config_from_groups``' tensors (no alignment padding): a group's
-    ``(spec, layers)`` allocations side by side from byte 0, every group overlaying the
-    others in one buffer of the largest group's bytes a block; block-outermost layouts
-    pack every layer's page of a block together."""
-    bytes_per_block = max(
-        sum(layer_specs[n].page_size_bytes for _, names in g for n in names) for g in groups
-    )
+def block_stride_alignment(spec: Any) -> int:
+    """``KVCacheSpec.get_block_stride_alignment``: the bytes a block stride must be a
+    multiple of: ``block_stride_alignment`` itself (bytes; none: 1), or for
+    ``MultipleOf(n)`` the page of a kernel block of ``gcd(n, block_size)`` tokens (1 where
+    that is the whole block)."""
+    alignment = spec.block_stride_alignment
+    if not isinstance(alignment, MultipleOf):
+        return int(alignment or 1)
+    kernel_block_size = math.gcd(alignment.base, spec.block_size)
+    if kernel_block_size == spec.block_size:
+        return 1
+    return int(spec.copy_with_new_block_size(kernel_block_size).page_size_bytes)
+
+
+def _round_up(x: int, multiple: int) -> int:
+    return cdiv(x, multiple) * multiple
+
+
+def _merged_group(specs: dict[str, Any], names: Sequence[str]) -> Any:
+    """``create_kv_cache_group_specs``: a group of equal specs carries their ``merge``
+    (MLA's keeps the padded page but not the page ``alignment``, so a kernel block's page
+    is the padded block's: ``get_block_stride_alignment`` of the merged spec)."""
+    layer_specs = [specs[n] for n in names]
+    return kvi.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=layer_specs[0].merge(layer_specs))
+
+
+def _layers_by_spec(group: Any) -> dict[Any, list[str]]:
+    """A group's layers by the spec vLLM allocates them with, in order: a
+    ``UniformTypeKVCacheSpecs``' own spec a layer, else the group's (merged) spec."""
+    spec = group.kv_cache_spec
+    if isinstance(spec, kvi.UniformTypeKVCacheSpecs):
+        out: dict[Any, list[str]] = {}
+        for name, layer_spec in spec.kv_cache_specs.items():
+            out.setdefault(layer_spec, []).append(name)
+        return out
+    return {spec: list(group.layer_names)}
+
+
+def _allocations(groups: Sequence[Any], layout: Any, num_blocks: int) -> list[Any]:
+    """``get_kv_cache_config_from_groups``' tensors for KV cache groups: a group's
+    layers of one spec (its own, or each layer's of a ``UniformTypeKVCacheSpecs``) side by
+    side from byte 0, every group overlaying the others in one buffer
+    of the largest group's bytes a block. Block-outermost layouts pack every layer's page
+    of a block together, the block rounded up to every page's ``block_stride_alignment``
+    (``_get_kv_cache_bytes_per_block``); layer-outermost ones give each layer its pages
+    padded to its own alignment (``_get_layer_block_stride``): blocks farther apart than a
+    page, the padding between them."""
+    by_spec = [_layers_by_spec(g) for g in groups]
+    if layout.is_block_outermost:
+        alignment = math.lcm(*(block_stride_alignment(s) for g in by_spec for s in g))
+        widest = max(sum(s.page_size_bytes * len(names) for s, names in g.items()) for g in by_spec)
+        bytes_per_block = _round_up(widest, alignment)
+    else:
+        bytes_per_block = max(
+            sum(
+                _round_up(s.page_size_bytes, block_stride_alignment(s)) * len(names) for s, names in g.items()
+            )
+            for g in by_spec
+        )
     interleaved = bytes_per_block if layout.is_block_outermost else None
     tensors = []
-    for group in groups:
+    for group in by_spec:
         offset = 0
-        for spec, names in group:
+        for spec, names in group.items():
+            block_stride = interleaved
+            padded_page = _round_up(spec.page_size_bytes, block_stride_alignment(spec))
+            if block_stride is None and padded_page != spec.page_size_bytes:
+                if not layout.is_block_compact:  # vLLM's assert
+                    raise ValueError(
+                        f"{layout.name} cannot pad pages: {names[0]}'s {spec.page_size_bytes}-byte page "
+                        f"padded to {padded_page} bytes (block_stride_alignment "
+                        f"{spec.block_stride_alignment!r}) needs a block-compact layout"
+                    )
+                block_stride = padded_page
             layer_stride, block_stride, *_ = kvi.compute_layout_strides(
-                spec, num_blocks, len(names), layout, fixed_strides=(None, interleaved, None, None, None)
+                spec, num_blocks, len(names), layout, fixed_strides=(None, block_stride, None, None, None)
             )
             tensors.append(
                 kvi.KVCacheTensor(
@@ -336,20 +416,19 @@ def make_engine(
     layout: Any = None,
     uniform_type: bool = False,
 ) -> Engine:
-    """``get_kv_cache_config_from_groups`` for one spec per group (no alignment padding):
+    """``get_kv_cache_config_from_groups`` for one spec per group (:func:`_allocations`):
     every group's tensor starts at byte 0, so groups overlay each other."""
     layout = layout or KVCacheLayout.LBNHC
     kv_groups = []
     for names in groups:
-        spec = layer_specs[names[0]]
         if uniform_type:  # the per-layer wrapper vLLM uses when a group's specs differ
             spec = kvi.UniformTypeKVCacheSpecs(
-                block_size=spec.block_size, kv_cache_specs={n: layer_specs[n] for n in names}
+                block_size=layer_specs[names[0]].block_size, kv_cache_specs={n: layer_specs[n] for n in names}
             )
-        kv_groups.append(kvi.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec))
-    tensors = _allocations(
-        [[(layer_specs[names[0]], list(names))] for names in groups], layer_specs, layout, num_blocks
-    )
+            kv_groups.append(kvi.KVCacheGroupSpec(layer_names=list(names), kv_cache_spec=spec))
+        else:
+            kv_groups.append(_merged_group(layer_specs, names))
+    tensors = _allocations(kv_groups, layout, num_blocks)
     config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=kv_groups)
     # prepare_kernel_block_sizes: other layers' pages between blocks, never split
     kernels = [
@@ -555,7 +634,7 @@ def planned_engine(
     specs = dict(layer_specs)
     first = next(iter(specs.values()))
     if all(s == first for s in specs.values()):
-        groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=first)]
+        groups = [_merged_group(specs, list(specs))]
     elif _is_uniform_type(specs):
         wrapper = kvi.UniformTypeKVCacheSpecs(block_size=first.block_size, kv_cache_specs=specs)
         groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=wrapper)]
@@ -564,24 +643,19 @@ def planned_engine(
     else:
         try:
             specs = _unify_page_size(specs)
-            groups = [
-                kvi.KVCacheGroupSpec(layer_names=names, kv_cache_spec=specs[names[0]])
-                for names in group_layers(specs)
-            ]
+            groups = [_merged_group(specs, names) for names in group_layers(specs)]
         except NotImplementedError:
             specs = _full_allocation_fallback(specs)
             wrapper = kvi.UniformTypeKVCacheSpecs(block_size=first.block_size, kv_cache_specs=specs)
             groups = [kvi.KVCacheGroupSpec(layer_names=list(specs), kv_cache_spec=wrapper)]
-    by_spec: list[dict[Any, list[str]]] = [{} for _ in groups]  # a group's layers by spec, in order
-    for group, specs_of in zip(groups, by_spec, strict=True):
-        for name in group.layer_names:
-            specs_of.setdefault(specs[name], []).append(name)
-    tensors = _allocations([list(g.items()) for g in by_spec], specs, layout, num_blocks)
+    tensors = _allocations(groups, layout, num_blocks)
     config = kvi.KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors, kv_cache_groups=groups)
     # prepare_kernel_block_sizes: a block interleaved with other layers' pages is never split
     kernels = [
         int(specs[g.layer_names[0]].block_size)
-        if layout.is_block_outermost
+        if any(
+            t.block_stride > t.layer_stride for t in tensors if not set(t.layers).isdisjoint(g.layer_names)
+        )
         else backend.kernel_block_size(specs[g.layer_names[0]].block_size)
         for g in groups
     ]
@@ -771,7 +845,9 @@ def allocate_v033(engine: Engine) -> tuple[torch.Tensor, dict[str, torch.Tensor]
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:
         group_id = engine.group_of(tensor.layers[0])
-        spec = engine.spec_of(tensor.layers[0])
+        spec = config.kv_cache_groups[group_id].kv_cache_spec  # the group's, as vLLM's
+        if isinstance(spec, kvi.UniformTypeKVCacheSpecs):
+            spec = spec.kv_cache_specs[tensor.layers[0]]
         views = kvi.create_kv_cache_views(
             buf,
             spec,

@@ -27,7 +27,7 @@ from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_laye
 from tests.integrations.vllm.models import stored_then_loaded
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
-from tests.integrations.vllm.vllm_planning import vllm_kv_cache_groups
+from tests.integrations.vllm.vllm_planning import vllm_kv_cache_config, vllm_kv_cache_groups
 
 kvi = vx.kvi
 NB, BLOCK = 5, 256
@@ -115,6 +115,8 @@ def test_the_groups_are_vllm_s_own(model: str, layout: Any) -> None:
     assert [g.layer_names for g in got] == [g.layer_names for g in want]
     assert [leaves(g) for g in got] == [leaves(g) for g in want]
     assert [type(g.kv_cache_spec) for g in got] == [type(g.kv_cache_spec) for g in want]
+    # and the tensors vLLM's get_kv_cache_config_from_groups makes of them
+    assert engine.config.kv_cache_tensors == vllm_kv_cache_config(want, layout, NB).kv_cache_tensors
     validate_kv_cache_groups(engine.config)
 
 

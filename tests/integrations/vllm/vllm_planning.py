@@ -8,6 +8,12 @@ file's source as vLLM ships it and run over the classes of ``vllm.v1.kv_cache_in
 by vLLM's ``register_all_kvcache_specs``, run the same way with placeholder managers
 (grouping asks only for the base classes) and without its last statement, the platform's
 custom specs (``current_platform`` needs the full install).
+
+``get_kv_cache_config_from_groups`` (the tensors: offsets, strides, padding) runs the same
+way. ``KVCacheSpec.get_block_stride_alignment`` imports ``MultipleOf`` from
+``vllm.v1.attention.backend``, which imports the model executor; while vLLM's functions
+run, that module is ``kvlayout.testing.vllm``'s ``MultipleOf`` (vLLM's two-line frozen
+dataclass), the class the specs under test carry.
 """
 
 from __future__ import annotations
@@ -17,11 +23,15 @@ import ast
 import functools
 import importlib
 import math
+import sys
 from collections import Counter, defaultdict
 from dataclasses import replace
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType, SimpleNamespace
 from typing import Any
+from unittest import mock
+
+from kvlayout.testing import vllm as vx
 
 kvi: Any = importlib.import_module("vllm.v1.kv_cache_interface")
 registry: Any = importlib.import_module("vllm.v1.kv_cache_spec_registry")
@@ -39,6 +49,14 @@ _PLANNING = (
     "_promote_local_kv_cache_specs",
     "_approximate_gcd",
     "_get_packed_kv_cache_groups",
+)
+_CONFIG = (
+    "may_override_num_blocks",
+    "_get_per_layer_spec",
+    "_get_layer_block_stride",
+    "_get_kv_cache_bytes_per_block",
+    "validate_kv_cache_layout",
+    "get_kv_cache_config_from_groups",
 )
 
 
@@ -105,20 +123,45 @@ def _planning() -> dict[str, Any]:
         # vLLM's own returns None without a HiSparse config, which these configs never have
         "get_hisparse_kv_cache_groups": lambda vllm_config, specs: None,
     }
-    _run(path, _functions(path, tree, _PLANNING), namespace)
+    _run(path, _functions(path, tree, _PLANNING + _CONFIG), namespace)
+    namespace |= {
+        "round_up": lambda x, y: -(-x // y) * y,
+        "compute_layout_strides": kvi.compute_layout_strides,
+        "KVCacheTensor": kvi.KVCacheTensor,
+        "KVCacheConfig": kvi.KVCacheConfig,
+    }
     return namespace
 
 
-def _vllm_config(layout: Any) -> Any:
-    """What the grouping reads of a ``VllmConfig``: no HiSparse, the hybrid KV cache
-    manager on, the resolved ``layout``."""
+def _backend_module() -> ModuleType:
+    module = ModuleType("vllm.v1.attention.backend")
+    module.MultipleOf = vx.MultipleOf  # type: ignore[attr-defined]
+    return module
+
+
+def _vllm_config(layout: Any, num_blocks: int | None = None) -> Any:
+    """What the grouping and the config read of a ``VllmConfig``: no HiSparse, the hybrid
+    KV cache manager on, the resolved ``layout``, ``num_blocks`` as
+    ``num_gpu_blocks_override``."""
     return SimpleNamespace(
         scheduler_config=SimpleNamespace(disable_hybrid_kv_cache_manager=False),
         attention_config=SimpleNamespace(hisparse_config=None),
-        cache_config=SimpleNamespace(get_resolved_kv_cache_layout=lambda: layout),
+        cache_config=SimpleNamespace(
+            get_resolved_kv_cache_layout=lambda: layout,
+            num_gpu_blocks_override=num_blocks,
+            prefix_cache_retention_interval=None,
+        ),
     )
 
 
 def vllm_kv_cache_groups(specs: dict[str, Any], layout: Any) -> list[Any]:
     """vLLM 0.33's ``get_kv_cache_groups`` for ``specs`` under the resolved ``layout``."""
     return list(_planning()["get_kv_cache_groups"](_vllm_config(layout), dict(specs)))
+
+
+def vllm_kv_cache_config(groups: list[Any], layout: Any, num_blocks: int) -> Any:
+    """vLLM 0.33's ``get_kv_cache_config_from_groups`` for ``groups`` under ``layout``,
+    ``num_blocks`` blocks (its ``num_gpu_blocks_override``)."""
+    config = _planning()["get_kv_cache_config_from_groups"]
+    with mock.patch.dict(sys.modules, {"vllm.v1.attention.backend": _backend_module()}):
+        return config(_vllm_config(layout, num_blocks), list(groups), available_memory=0)
