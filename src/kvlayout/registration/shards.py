@@ -7,7 +7,8 @@ ranks than heads each rank holds one head, ``r * num_kv_heads // tp_size``, and
 of the two to be a multiple of the smaller; so does this. MLA latents have no heads:
 every rank holds them whole (the block map asks :attr:`Shard.heads` only of caches that
 have a head axis). Where several source ranks hold a head, :meth:`Shard.sends_to` says
-which one sends it to a destination rank.
+which one sends it to a destination rank (``latents=True`` for latents: one source rank
+whatever head count the shards carry).
 
 A shard may also hold a slice of a request's *tokens*: vLLM's decode context parallelism
 (DCP, ``decode_context_parallel_size``; ``total_cp_world_size`` and ``total_cp_rank`` in
@@ -123,7 +124,7 @@ class Shard:
         """How many ranks hold this rank's heads (1 but for replication)."""
         return max(1, self.tp_size // self.num_kv_heads)
 
-    def sends_to(self, dst: Shard) -> bool:
+    def sends_to(self, dst: Shard, *, latents: bool = False) -> bool:
         """Whether this source rank is the one that sends ``dst`` the heads both hold,
         where several source ranks hold them (replication): otherwise every replica would
         send the same bytes, written as many times. ``dst`` takes each head from the
@@ -132,7 +133,13 @@ class Shard:
         rank), which spreads destination ranks over the replicas. Without replication
         every rank sends what it holds (the block map of a pair with no head in common is
         empty). MLA latents, which every rank holds, are one head replicated over every
-        rank: ``Shard(rank, tp_size, 1)`` on both sides. A destination under context
+        rank: ``latents=True`` (a map's :attr:`BlockMap.latents
+        <kvlayout.transfer.BlockMap.latents>`) says so, and ``dst`` takes them from source
+        rank ``dst.tp_rank * tp_size // dst.tp_size`` alone, whatever ``num_kv_heads`` the
+        shards carry (the model's attention heads, a drafter's KV heads beside an MLA
+        target's latents: one registration, one shard); without it the shards must say
+        ``num_kv_heads=1`` (``Shard(rank, tp_size, 1)`` on both sides), or every source rank
+        that holds as many heads as ranks sends them. A destination under context
         parallelism (decode's DCP) changes nothing here: a source without CP holds every
         token, so its replicas are the ranks that hold the same heads, and the rule is the
         same (vLLM's ``compute_tp_mapping`` reads MLA from rank ``tp_rank * remote_tp //
@@ -152,7 +159,8 @@ class Shard:
                 f"{self} and {dst} count {self.num_kv_heads} and {dst.num_kv_heads} model KV heads: one "
                 "model has one count"
             )
-        return self.tp_rank % self.replicas == (dst.tp_rank * self.tp_size // dst.tp_size) % self.replicas
+        replicas = self.tp_size if latents else self.replicas  # latents: every rank holds them
+        return self.tp_rank % replicas == (dst.tp_rank * self.tp_size // dst.tp_size) % replicas
 
     def __str__(self) -> str:
         cp = (

@@ -149,6 +149,15 @@ class BlockMap(HoldsAddresses):
         return self._kind_and_reason[0]
 
     @property
+    def latents(self) -> bool:
+        """The map moves a cache without a head axis that every TP rank holds whole (MLA
+        latents, an indexer's keys): one source rank sends it to each destination rank,
+        ``src_shard.sends_to(dst_shard, latents=m.latents)`` says which, whatever
+        ``num_kv_heads`` the shards carry. False for heads, and for pages of TP-sharded
+        state (each rank its own slice: every pair's map moves its part)."""
+        return not self.src.has_heads and self.src.opaque_pages is None
+
+    @property
     def reason(self) -> str:
         """The kind, with the numbers: which heads, which block sizes, which orders."""
         return self._kind_and_reason[1]
