@@ -15,7 +15,9 @@ A peer can also hold a real kvlayout cache: :meth:`NixlPeer.cache` sends a small
 :class:`CacheSpec` (format, sizes, dtype, shard, seed), the child builds it with
 :func:`build_cache` (seeded bytes, so this process can build its twin), binds it,
 registers it with NIXL and answers its ``describe(shard=...).to_json()``: the handshake
-of a P/D connector. :meth:`NixlPeer.cache_bytes` reads its tensors back.
+of a P/D connector. :meth:`NixlPeer.cache_bytes` reads its tensors back. :meth:`NixlPeer.built_cache` has the
+peer build a cache with a function of its own instead (a vLLM engine's, say), named by
+module and name.
 :meth:`NixlPeer.staging` gives it a registered staging buffer; :meth:`NixlPeer.unstage`
 scatters a peer-staged WRITE from it, :meth:`NixlPeer.stage` gathers a request into it
 for a peer-staged READ (the peer's halves of that strategy), either planned ahead with
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import base64
 import contextlib
+import importlib
 import json
 import os
 import selectors
@@ -322,6 +325,20 @@ class NixlPeer:
         text: str = answer["description"]
         return text
 
+    def built_cache(self, builder: str, shard: Sequence[int] | None = None, **args: Any) -> str:
+        """Build a cache in the peer with ``builder`` (``"module:function"``, imported and
+        called there with ``args``, which must be JSON), register it with NIXL and describe
+        it with ``shard`` ((rank, size, model heads) or None), replacing its cache; the
+        description's JSON, as :meth:`cache` answers. The builder returns the registration
+        and the tensors :meth:`cache_bytes` reads back (an engine's whole buffer, say):
+        deterministic in ``args``, so this process can build its twin."""
+        answer = self.call(
+            "built_cache", builder=builder, args=args, shard=None if shard is None else list(shard)
+        )
+        self.metadata = base64.b64decode(answer["metadata"])
+        text: str = answer["description"]
+        return text
+
     def cache_bytes(self) -> list[np.ndarray]:
         """The bytes of each tensor of the peer's cache, in pointer order, as it holds them now."""
         answer = self.call("cache_read")
@@ -501,13 +518,14 @@ def _serve() -> None:
     os.dup2(2, 1)  # anything else printed (NIXL's logs) goes to stderr, not into the protocol
     import torch
 
+    from kvlayout.registration.shards import Shard
     from kvlayout.transfer import RegistrationDescription, block_map
     from kvlayout.transfer.nixl import Staging, make_agent, prepare_stage, prepare_unstage, register
     from kvlayout.transfer.nixl.sides import _peer_name  # the agent name as a str
 
     agent: Any = None
     buffers: list[np.ndarray] = []
-    cache: Any = None  # (spec, leaves, Registered, registration)
+    cache: Any = None  # (spec or None where built, leaves, Registered, registration, Shard or None)
     staging: Any = None  # a Staging, for peer-staged requests
     prepared: Any = None  # a PeerCopy: the request the parent said is coming
 
@@ -556,10 +574,22 @@ def _serve() -> None:
                     cache[2].deregister()
                 spec = CacheSpec.from_data(msg["spec"])
                 reg, leaves = build_cache(spec, msg.get("device", "cpu"))
-                cache = (spec, leaves, register(agent, reg), reg)
+                cache = (spec, leaves, register(agent, reg), reg, spec.the_shard)
                 desc = reg.describe(shard=spec.the_shard, block_size=spec.block_size)
                 answer = {
                     "description": desc.to_json(),
+                    "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
+                }
+            elif cmd == "built_cache":
+                if cache is not None:
+                    cache[2].deregister()
+                    cache = None
+                module, _, name = msg["builder"].partition(":")
+                reg, leaves = getattr(importlib.import_module(module), name)(**msg["args"])
+                shard = None if msg["shard"] is None else Shard(*msg["shard"])
+                cache = (None, list(leaves), register(agent, reg), reg, shard)
+                answer = {
+                    "description": reg.describe(shard=shard).to_json(),
                     "metadata": base64.b64encode(agent.get_agent_metadata()).decode(),
                 }
             elif cmd == "staging":
@@ -578,7 +608,7 @@ def _serve() -> None:
                 desc = RegistrationDescription.from_json(msg["description"])
                 here = "src" if which == "stage" else "dst"
                 src, dst = (cache[3], desc) if here == "src" else (desc, cache[3])
-                kw = {**msg["kw"], f"{here}_shard": cache[0].the_shard}
+                kw = {**msg["kw"], f"{here}_shard": cache[4]}
                 request = block_map(src, dst, msg["src_ids"], msg["dst_ids"], **kw)
                 paced = msg.get("paced")
                 stages = paced["stages"] if paced else msg.get("stages")
@@ -606,6 +636,8 @@ def _serve() -> None:
                 raw = _host_bytes(inside[0].view(-1).view(torch.uint8)[off : off + n])
                 answer = {"data": base64.b64encode(raw.numpy().tobytes()).decode()}
             elif cmd == "cache_fill":
+                if cache[0] is None:
+                    raise ValueError("a built cache is not refilled: build it again")
                 refill(cache[0], cache[1])
                 answer = {}
             elif cmd == "stop":
