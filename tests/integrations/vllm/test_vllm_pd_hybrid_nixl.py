@@ -1,0 +1,172 @@
+"""A P/D connector for vLLM 0.33 hybrid models, as docs/pd-connectors.md tells one to write it,
+through real NIXL between two processes (UCX over TCP loopback in the peer), byte-exact
+against an oracle from vLLM's own indexing (``pd_hybrid.expected``).
+
+Each rank's cache is what vLLM 0.33 allocates (``pd_hybrid``): a gpt-oss-like model of
+sliding-window and full attention (two KV cache groups, the window's dropped blocks vLLM's
+null block 0) and a Qwen3-Next-like Gated DeltaNet hybrid (three state groups beside full
+attention, Mamba ``'none'`` mode), at prefill TP 2 -> decode TP 4 and TP 4 -> TP 2. One
+request of 300 tokens on scattered block ids moves as the docs say: per rank pair, each
+kernel group mapped with its KV cache group's block ids (the sliding window from its first
+kept block with ``first_token``, a state by its one block id), an attention group only
+where ``sends_to`` picks the pair, a state group from every pair, empty maps skipped, the
+rest joined into one transfer with one notification. Posted by decode (a READ from each
+prefill rank, vLLM's NixlConnector's way) and by prefill (a WRITE into each decode rank),
+direct and staged. The peer process holds one rank at a time (``NixlPeer.built_cache``).
+
+Bounded: caches of 1-4 MiB, one peer for the module, every wait with a deadline, and a
+hard limit on the module (faulthandler).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+pytest.importorskip("nixl")
+
+from kvlayout.testing.nixl_peer import NixlPeer, tcp_tls
+from kvlayout.transfer import RegistrationDescription, Shard, block_map, join_maps
+from kvlayout.transfer import nixl as nx
+from tests.integrations.vllm import pd_hybrid as ph
+
+MODULE_LIMIT_S = 400
+TOKENS = 300
+BUILDER = "tests.integrations.vllm.pd_hybrid:peer_cache"
+SEEDS = {"prefill": 100, "decode": 200}
+
+
+@dataclass
+class Pair:
+    agent: nx.Agent
+    peer: NixlPeer
+    name: str
+    staging: nx.Staging
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Pair]:
+    faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
+    peer = NixlPeer("kvl-pd-hybrid-peer", [4096], env={"UCX_TLS": tcp_tls()})
+    try:
+        agent = nx.make_agent("kvl-pd-hybrid", progress_thread=False)
+        name = agent.add_remote_agent(peer.metadata).decode()
+        with nx.Staging(agent, 4 << 20) as staging:
+            yield Pair(agent, peer, name, staging)
+    finally:
+        peer.close()
+        faulthandler.cancel_dump_traceback_later()
+
+
+def hold(pair: Pair, kind: str, role: str, tp: int, rank: int) -> RegistrationDescription:
+    """The peer builds the rank (the handshake): its description, its metadata loaded here."""
+    shard = (rank, tp, ph.HEADS[kind])
+    text = pair.peer.built_cache(BUILDER, shard, kind=kind, tp=tp, rank=rank, seed=SEEDS[role] + rank)
+    pair.agent.remove_remote_agent(pair.name)
+    assert pair.agent.add_remote_agent(pair.peer.metadata) == pair.name.encode()
+    return RegistrationDescription.from_json(text)
+
+
+def request_maps(src: Any, dst: Any, src_rank: ph.Rank, dst_rank: ph.Rank, tables: Any) -> list[Any]:
+    """One rank pair's maps, group by group, as docs/pd-connectors.md says: ``src`` and
+    ``dst`` a registration or a description (either side), ``src_rank``/``dst_rank`` the
+    engines the connector knows (its own, and the peer's TP degree and rank)."""
+    heads = ph.HEADS[src_rank.kind]
+    ps, ds = Shard(src_rank.rank, src_rank.tp, heads), Shard(dst_rank.rank, dst_rank.tp, heads)
+    groups = dst_rank.engine.config.kv_cache_groups
+    maps = []
+    for i, g in enumerate(dst_rank.registration.kernel_groups):
+        eg = g.engine_group
+        spec = groups[eg].kv_cache_spec
+        s = src.group(i) if isinstance(src, RegistrationDescription) else src.kernel_groups[i]
+        d = dst.group(i) if isinstance(dst, RegistrationDescription) else dst.kernel_groups[i]
+        if ph.is_state(spec):  # the request's running state, its first block id, from every rank
+            m = block_map(s, d, tables[0][eg][:1], tables[1][eg][:1], src_shard=ps, dst_shard=ds)
+        elif ps.sends_to(ds):
+            first = ph.skipped_blocks(spec, TOKENS) * spec.block_size
+            m = block_map(s, d, tables[0][eg], tables[1][eg], num_tokens=TOKENS, first_token=first,
+                          src_shard=ps, dst_shard=ds)  # fmt: skip
+        else:
+            continue
+        if m.kind != "empty":
+            maps.append(m)
+    return maps
+
+
+def wait_notif(pair: Pair, tag: bytes) -> None:
+    got = pair.peer.notifs(expect=1, wait=30)
+    assert got == [tag], got
+
+
+PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2)]
+
+
+@pytest.mark.parametrize("strategy", ["direct", "staged"])
+@pytest.mark.parametrize(("kind", "ptp", "dtp"), PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in PAIRS])
+def test_decode_reads_a_hybrid_request_from_every_prefill_rank(
+    pair: Pair, kind: str, ptp: int, dtp: int, strategy: str
+) -> None:
+    decode = [ph.rank_of(kind, dtp, d, SEEDS["decode"] + d) for d in range(dtp)]
+    prefill = [ph.rank_of(kind, ptp, p, SEEDS["prefill"] + p) for p in range(ptp)]  # twins of the peer's
+    rng = np.random.default_rng(5)
+    tables = ph.block_tables(prefill[0].engine, TOKENS, rng), ph.block_tables(decode[0].engine, TOKENS, rng)
+    before = [d.buf.clone() for d in decode]
+    held = [nx.register(pair.agent, d.registration) for d in decode]
+    try:
+        for p in prefill:
+            there = hold(pair, kind, "prefill", ptp, p.rank)
+            for d in decode:
+                maps = request_maps(there, d.registration, p, d, tables)
+                if not maps:
+                    continue
+                tag = f"req-{kind}-{p.rank}-{d.rank}-{strategy}".encode()
+                x = nx.transfer(pair.agent, pair.name, join_maps(maps), strategy=strategy, staging=pair.staging,
+                                notif=tag)  # fmt: skip
+                assert x.wait(timeout=30).strategy == strategy
+                wait_notif(pair, tag)
+    finally:
+        for h in held:
+            h.deregister()
+    for d, b in zip(decode, before, strict=True):
+        want = ph.expected(d, b, prefill, tables, TOKENS)
+        assert torch.equal(d.buf, want), f"decode rank {d.rank}: {int((d.buf != want).sum())} bytes differ"
+        assert not torch.equal(d.buf, b)
+
+
+@pytest.mark.parametrize("strategy", ["direct", "staged"])
+@pytest.mark.parametrize(("kind", "ptp", "dtp"), PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in PAIRS])
+def test_prefill_writes_a_hybrid_request_into_every_decode_rank(
+    pair: Pair, kind: str, ptp: int, dtp: int, strategy: str
+) -> None:
+    prefill = [ph.rank_of(kind, ptp, p, SEEDS["prefill"] + p) for p in range(ptp)]
+    rng = np.random.default_rng(6)
+    decode_engine = ph.engine_of(kind, dtp)
+    tables = ph.block_tables(prefill[0].engine, TOKENS, rng), ph.block_tables(decode_engine, TOKENS, rng)
+    held = [nx.register(pair.agent, p.registration) for p in prefill]
+    try:
+        for d in range(dtp):
+            there = hold(pair, kind, "decode", dtp, d)
+            twin = ph.rank_of(kind, dtp, d, SEEDS["decode"] + d)  # the peer's cache as built
+            for p in prefill:
+                maps = request_maps(p.registration, there, p, twin, tables)
+                if not maps:
+                    continue
+                tag = f"req-{kind}-{p.rank}-{d}-{strategy}".encode()
+                x = nx.transfer(pair.agent, pair.name, join_maps(maps), strategy=strategy, staging=pair.staging,
+                                notif=tag)  # fmt: skip
+                assert x.wait(timeout=30).strategy == strategy
+                wait_notif(pair, tag)
+            got = torch.from_numpy(pair.peer.cache_bytes()[0].copy()).view(torch.int8)
+            want = ph.expected(twin, twin.buf, prefill, tables, TOKENS)
+            assert torch.equal(got, want), f"decode rank {d}: {int((got != want).sum())} bytes differ"
+            assert not torch.equal(got, twin.buf)
+    finally:
+        for h in held:
+            h.deregister()
