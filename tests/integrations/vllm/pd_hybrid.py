@@ -10,7 +10,8 @@ block sizing, ``create_kv_cache_views``) and read by a connector as the docs say
   8 KV heads of 64, FlashAttention blocks of 16: two KV cache groups.
 - ``"gdn"``: Qwen3-Next-like, Gated DeltaNet (conv ``[Q | K | V]`` in the ``"DS"`` order
   vLLM's NixlConnector requires, SSM heads) beside full attention (2 KV heads, so TP 4
-  replicates them), FlashInfer kernel pages, Mamba ``'none'`` mode (prefix caching off).
+  replicates them), FlashInfer kernel pages, Mamba ``'none'`` mode (prefix caching off);
+  ``"gdn-align"`` the same in ``'align'`` mode (prefix caching on), a state page a block.
 
 The oracle (:func:`expected`) never asks kvlayout: it reads both sides through vLLM's
 views (FlashAttention/FlashInfer's ``kv_cache.transpose(1, 2).split(head_size, -1)``, the
@@ -37,8 +38,8 @@ from kvlayout.testing import vllm as vx
 
 SWA_HEADS, SWA_HEAD_SIZE, WINDOW, SWA_BLOCK, SWA_LAYERS = 8, 64, 128, 16, 4
 GDN = vx.HybridModel("Qwen3-Next-like", 8, 4, 2, 64, 4, 8, 32, 32, 4, torch.bfloat16, torch.bfloat16)
-NUM_BLOCKS = {"swa": 48, "gdn": 24}
-HEADS = {"swa": SWA_HEADS, "gdn": GDN.num_key_value_heads}  # the model's attention KV heads
+NUM_BLOCKS = {"swa": 48, "gdn": 24, "gdn-align": 24}
+HEADS = {"swa": SWA_HEADS, "gdn": GDN.num_key_value_heads, "gdn-align": GDN.num_key_value_heads}
 
 
 def swa_specs(tp: int) -> dict[str, Any]:
@@ -51,9 +52,10 @@ def swa_specs(tp: int) -> dict[str, Any]:
 def engine_of(kind: str, tp: int) -> vx.Engine:
     if kind == "swa":
         return vx.planned_engine(swa_specs(tp), vx.FLASH_ATTN, num_blocks=NUM_BLOCKS[kind])
+    mode = "align" if kind == "gdn-align" else "none"
     return vx.hybrid_engine(
-        GDN, vx.FLASHINFER, tp=tp, num_blocks=NUM_BLOCKS[kind], mamba_cache_mode="none",
-        max_model_len=4096, conv_layout="DS",
+        GDN, vx.FLASHINFER, tp=tp, num_blocks=NUM_BLOCKS[kind], mamba_cache_mode=mode, max_model_len=4096,
+        conv_layout="DS",
     )  # fmt: skip
 
 
@@ -99,16 +101,34 @@ def skipped_blocks(spec: Any, num_tokens: int) -> int:
     return 0
 
 
+def state_skipped_blocks(spec: Any, num_tokens: int) -> int:
+    """``MambaManager.get_num_skipped_tokens(num_tokens)`` (``num_tokens - 1``: only the
+    last token's state is kept) in whole blocks: in 'align' mode the blocks before the
+    running state's are vLLM's null block 0."""
+    return (num_tokens - 1) // spec.block_size
+
+
+def running_state(table: list[int], spec: Any) -> list[int]:
+    """The block id of the request's running state in a Mamba group's block table, as
+    vLLM's NixlConnector takes it (``kv_connector/utils.py``, ``clip_ssm_state_blocks``):
+    the last before the speculative scratch blocks ('none' mode: the first of its
+    ``1 + num_speculative_blocks``)."""
+    scratch = min(spec.num_speculative_blocks, len(table) - 1)
+    return (table[:-scratch] if scratch else table)[-1:]
+
+
 def block_tables(engine: vx.Engine, num_tokens: int, rng: np.random.Generator) -> list[list[int]]:
     """A request's block ids per KV cache group, scattered over the one pool the groups
-    share: a Mamba group's one running state ('none' mode), an attention group's blocks
-    with the sliding window's dropped ones as vLLM's null block 0."""
+    share: a Mamba group's one running state ('none' mode: a block of ``max_model_len``
+    tokens) or its blocks with those before the running state's as vLLM's null block 0
+    ('align'), an attention group's blocks with the sliding window's dropped ones as the
+    null block."""
     free = [int(b) for b in rng.permutation(np.arange(1, engine.config.num_blocks))]
     tables = []
     for g in engine.config.kv_cache_groups:
         spec = g.kv_cache_spec
-        n = 1 if is_state(spec) else -(-num_tokens // spec.block_size)
-        k = skipped_blocks(spec, num_tokens)
+        n = -(-num_tokens // spec.block_size)
+        k = state_skipped_blocks(spec, num_tokens) if is_state(spec) else skipped_blocks(spec, num_tokens)
         tables.append([0] * k + [free.pop() for _ in range(n - k)])
     return tables
 
@@ -175,10 +195,11 @@ def expected(
         spec = g.kv_cache_spec
         for name in g.layer_names:
             if is_state(spec):
-                conv, ssm = states(dst, ekv, name, dst_tables[gid][0])
+                conv, ssm = states(dst, ekv, name, running_state(dst_tables[gid], spec)[0])
                 cols, hs = conv_columns(dst.rank, dst.tp), ssm_heads(dst.rank, dst.tp)
                 for s in sources:
-                    s_conv, s_ssm = states(s, s.kv, name, src_tables[gid][0])
+                    s_spec = s.engine.config.kv_cache_groups[gid].kv_cache_spec
+                    s_conv, s_ssm = states(s, s.kv, name, running_state(src_tables[gid], s_spec)[0])
                     s_cols, s_hs = conv_columns(s.rank, s.tp), ssm_heads(s.rank, s.tp)
                     for j, c in enumerate(cols):
                         if c in s_cols:

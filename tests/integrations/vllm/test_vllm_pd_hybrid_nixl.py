@@ -20,6 +20,7 @@ hard limit on the module (faulthandler).
 
 from __future__ import annotations
 
+import dataclasses
 import faulthandler
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,8 +33,11 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
+import kvlayout
+from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+from kvlayout.testing import vllm as vx
 from kvlayout.testing.nixl_peer import NixlPeer, tcp_tls
-from kvlayout.transfer import RegistrationDescription, Shard, block_map, join_maps
+from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map, join_maps
 from kvlayout.transfer import nixl as nx
 from tests.integrations.vllm import pd_hybrid as ph
 
@@ -87,8 +91,13 @@ def request_maps(src: Any, dst: Any, src_rank: ph.Rank, dst_rank: ph.Rank, table
         spec = groups[eg].kv_cache_spec
         s = src.group(i) if isinstance(src, RegistrationDescription) else src.kernel_groups[i]
         d = dst.group(i) if isinstance(dst, RegistrationDescription) else dst.kernel_groups[i]
-        if ph.is_state(spec):  # the request's running state, its first block id, from every rank
-            m = block_map(s, d, tables[0][eg][:1], tables[1][eg][:1], src_shard=ps, dst_shard=ds)
+        if ph.is_state(spec):  # the request's running state, one block id a side, from every rank
+            src_spec = src_rank.engine.config.kv_cache_groups[eg].kv_cache_spec
+            src_ids, dst_ids = (
+                ph.running_state(tables[0][eg], src_spec),
+                ph.running_state(tables[1][eg], spec),
+            )
+            m = block_map(s, d, src_ids, dst_ids, src_shard=ps, dst_shard=ds)
         elif ps.sends_to(ds):
             first = ph.skipped_blocks(spec, TOKENS) * spec.block_size
             m = block_map(s, d, tables[0][eg], tables[1][eg], num_tokens=TOKENS, first_token=first,
@@ -105,7 +114,10 @@ def wait_notif(pair: Pair, tag: bytes) -> None:
     assert got == [tag], got
 
 
-PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2)]
+# 'align' mode where both degrees size the hybrid's blocks alike (48 tokens at TP 1 and 2);
+# at TP 4 the attention's 2 KV heads replicate, its page per token stops shrinking and the
+# block is 32 (below)
+PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2), ("gdn-align", 1, 2), ("gdn-align", 2, 1)]
 
 
 @pytest.mark.parametrize("strategy", ["direct", "staged"])
@@ -170,3 +182,25 @@ def test_prefill_writes_a_hybrid_request_into_every_decode_rank(
     finally:
         for h in held:
             h.deregister()
+
+
+@pytest.mark.xfail(strict=True, raises=BlockMapError, reason=(
+    "vLLM's NixlConnector moves the running state 1:1 between Qwen3-Next's align-mode blocks of "
+    "544 tokens (TP 2) and 272 (TP 4), both 17 kernel pages (its physical_blocks_per_logical "
+    "agree, so prefix caching is allowed); kvlayout maps state pages only between blocks of one size"
+))  # fmt: skip
+def test_an_align_mode_state_moves_between_tp_degrees_whose_blocks_differ() -> None:
+    """Qwen3-Next-80B-A3B's sizes (8 of its layers) in 'align' mode, prefill TP 2 into decode TP 4."""
+    model = dataclasses.replace(vx.QWEN3_NEXT_80B_A3B, num_hidden_layers=8)
+    engines = [vx.hybrid_engine(model, vx.FLASHINFER, tp=tp, num_blocks=6, conv_layout="DS") for tp in (2, 4)]
+    assert [e.config.kv_cache_groups[0].kv_cache_spec.block_size for e in engines] == [544, 272]
+    assert [e.kernel_block_sizes[-1] for e in engines] == [32, 16]  # 17 kernel pages a block on both
+    regs = []
+    for e in engines:
+        hints = {"kv_layout": e.layout.name}
+        edited = apply_kv_cache_group_edits(e.config, vx.allocate_v033(e)[1], hints, prefix_reuse=False)
+        layers, groups = transfer_layers(e.config, edited)
+        regs.append(kvlayout.detect(layers, "vllm", hints, layer_groups=groups))
+    # the running state: the last block of each side's table (clip_ssm_state_blocks)
+    block_map(regs[0].kernel_groups[0], regs[1].kernel_groups[0], [3], [5], src_shard=Shard(0, 2, 2),
+              dst_shard=Shard(1, 4, 2))  # fmt: skip
