@@ -23,7 +23,9 @@ scatters a peer-staged WRITE from it, :meth:`NixlPeer.stage` gathers a request i
 for a peer-staged READ (the peer's halves of that strategy), either planned ahead with
 :meth:`NixlPeer.prepare` and run with :meth:`NixlPeer.run_prepared`, and either paced by
 NIXL notifications to the poster (:class:`Paced`; :meth:`NixlPeer.add_remote` loads the
-poster's metadata, so the peer can send them).
+poster's metadata, so the peer can send them). :meth:`NixlPeer.stage_joined` and
+:meth:`NixlPeer.unstage_joined` do the same for a joined request (a hybrid's kernel groups,
+one :class:`Part` each).
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ __all__ = [
     "CacheSpec",
     "NixlPeer",
     "Paced",
+    "Part",
     "build_cache",
     "cache_sizes",
     "contents",
@@ -381,11 +384,38 @@ class NixlPeer:
         as it is gathered (``wait=False``: post the READ with ``peer_ready`` meanwhile)."""
         self._staging_copy("stage", description, src_ids, dst_ids, paced, kw, expect)
 
+    def stage_joined(
+        self,
+        description: str,
+        parts: Sequence[Part],
+        *,
+        paced: Paced | None = None,
+        expect: str | None = None,
+    ) -> None:
+        """:meth:`stage` of a joined request (a hybrid's groups, one transfer): the peer
+        maps each part's kernel group of its cache into the same group of the poster's
+        ``description`` and joins them (``join_maps``), in the order given."""
+        self._staging_copy("stage", description, [], [], paced, {}, expect, parts)
+
+    def unstage_joined(
+        self,
+        description: str,
+        parts: Sequence[Part],
+        *,
+        paced: Paced | None = None,
+        expect: str | None = None,
+    ) -> None:
+        """:meth:`unstage` of a joined request: each part's group of the poster's
+        ``description`` into the same group of the peer's cache, joined."""
+        self._staging_copy("unstage", description, [], [], paced, {}, expect, parts)
+
     def _staging_copy(
         self, cmd: str, description: str, src_ids: Sequence[int], dst_ids: Sequence[int],
-        paced: Paced | None, kw: dict[str, Any], expect: str | None,
+        paced: Paced | None, kw: dict[str, Any], expect: str | None, parts: Sequence[Part] | None = None,
     ) -> None:  # fmt: skip
         args = _request(description, src_ids, dst_ids, kw, expect)
+        if parts is not None:
+            args["parts"] = [[p.group, list(p.src_ids), list(p.dst_ids), p.kw] for p in parts]
         if paced is None:
             self.call(cmd, **args)
             return
@@ -504,6 +534,16 @@ def _request(
             "expect": expect}  # fmt: skip
 
 
+class Part(NamedTuple):
+    """One kernel group's map of a joined request (:meth:`NixlPeer.stage_joined`): the
+    group's index on both sides, its block lists and ``block_map`` keywords (JSON)."""
+
+    group: int
+    src_ids: Sequence[int]
+    dst_ids: Sequence[int]
+    kw: dict[str, Any]
+
+
 def _state(pid: int) -> str:
     """A process's state letter from /proc (``T``: stopped)."""
     with open(f"/proc/{pid}/stat") as f:
@@ -519,7 +559,7 @@ def _serve() -> None:
     import torch
 
     from kvlayout.registration.shards import Shard
-    from kvlayout.transfer import RegistrationDescription, block_map
+    from kvlayout.transfer import RegistrationDescription, block_map, join_maps
     from kvlayout.transfer.nixl import Staging, make_agent, prepare_stage, prepare_unstage, register
     from kvlayout.transfer.nixl.sides import _peer_name  # the agent name as a str
 
@@ -607,9 +647,14 @@ def _serve() -> None:
                 which = msg.get("which", cmd)
                 desc = RegistrationDescription.from_json(msg["description"])
                 here = "src" if which == "stage" else "dst"
-                src, dst = (cache[3], desc) if here == "src" else (desc, cache[3])
-                kw = {**msg["kw"], f"{here}_shard": cache[4]}
-                request = block_map(src, dst, msg["src_ids"], msg["dst_ids"], **kw)
+                parts = msg.get("parts") or [[None, msg["src_ids"], msg["dst_ids"], msg["kw"]]]
+                maps = []
+                for group, src_ids, dst_ids, kw in parts:  # one map, or a joined request's groups
+                    mine = cache[3] if group is None else cache[3].kernel_groups[group]
+                    theirs = desc if group is None else desc.group(group)
+                    src, dst = (mine, theirs) if here == "src" else (theirs, mine)
+                    maps.append(block_map(src, dst, src_ids, dst_ids, **{**kw, f"{here}_shard": cache[4]}))
+                request = maps[0] if msg.get("parts") is None else join_maps(maps)
                 paced = msg.get("paced")
                 stages = paced["stages"] if paced else msg.get("stages")
                 half = prepare_stage if here == "src" else prepare_unstage

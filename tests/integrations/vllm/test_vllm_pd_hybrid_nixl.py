@@ -5,14 +5,17 @@ against an oracle from vLLM's own indexing (``pd_hybrid.expected``).
 Each rank's cache is what vLLM 0.33 allocates (``pd_hybrid``): a gpt-oss-like model of
 sliding-window and full attention (two KV cache groups, the window's dropped blocks vLLM's
 null block 0) and a Qwen3-Next-like Gated DeltaNet hybrid (three state groups beside full
-attention, Mamba ``'none'`` mode), at prefill TP 2 -> decode TP 4 and TP 4 -> TP 2. One
+attention, Mamba ``'none'`` mode; ``'align'`` mode at TP 1 <-> 2), at prefill TP 2 -> decode
+TP 4 and TP 4 -> TP 2. One
 request of 300 tokens on scattered block ids moves as the docs say: per rank pair, each
 kernel group mapped with its KV cache group's block ids (the sliding window from its first
 kept block with ``first_token``, a state by its one block id), an attention group only
 where ``sends_to`` picks the pair, a state group from every pair, empty maps skipped, the
 rest joined into one transfer with one notification. Posted by decode (a READ from each
 prefill rank, vLLM's NixlConnector's way) and by prefill (a WRITE into each decode rank),
-direct and staged. The peer process holds one rank at a time (``NixlPeer.built_cache``).
+direct, staged and peer-staged (the peer gathering or scattering the same joined map,
+checked by its fingerprint). The peer process holds one rank at a time
+(``NixlPeer.built_cache``).
 
 Bounded: caches of 1-4 MiB, one peer for the module, every wait with a deadline, and a
 hard limit on the module (faulthandler).
@@ -36,7 +39,7 @@ pytest.importorskip("nixl")
 import kvlayout
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
 from kvlayout.testing import vllm as vx
-from kvlayout.testing.nixl_peer import NixlPeer, tcp_tls
+from kvlayout.testing.nixl_peer import NixlPeer, Part, tcp_tls
 from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map, join_maps
 from kvlayout.transfer import nixl as nx
 from tests.integrations.vllm import pd_hybrid as ph
@@ -69,23 +72,28 @@ def pair() -> Iterator[Pair]:
         faulthandler.cancel_dump_traceback_later()
 
 
-def hold(pair: Pair, kind: str, role: str, tp: int, rank: int) -> RegistrationDescription:
-    """The peer builds the rank (the handshake): its description, its metadata loaded here."""
+def hold(pair: Pair, kind: str, role: str, tp: int, rank: int, staging: bool) -> tuple[Any, Any]:
+    """The peer builds the rank (the handshake): its description and, with ``staging``, the
+    staging buffer it takes peer-staged requests in (made before its metadata is loaded)."""
     shard = (rank, tp, ph.HEADS[kind])
     text = pair.peer.built_cache(BUILDER, shard, kind=kind, tp=tp, rank=rank, seed=SEEDS[role] + rank)
+    at_peer = pair.peer.staging(4 << 20) if staging else None
     pair.agent.remove_remote_agent(pair.name)
     assert pair.agent.add_remote_agent(pair.peer.metadata) == pair.name.encode()
-    return RegistrationDescription.from_json(text)
+    return RegistrationDescription.from_json(text), at_peer
 
 
-def request_maps(src: Any, dst: Any, src_rank: ph.Rank, dst_rank: ph.Rank, tables: Any) -> list[Any]:
-    """One rank pair's maps, group by group, as docs/pd-connectors.md says: ``src`` and
-    ``dst`` a registration or a description (either side), ``src_rank``/``dst_rank`` the
-    engines the connector knows (its own, and the peer's TP degree and rank)."""
+def request_maps(
+    src: Any, dst: Any, src_rank: ph.Rank, dst_rank: ph.Rank, tables: Any
+) -> tuple[list[Any], list[Part]]:
+    """One rank pair's maps, group by group, as docs/pd-connectors.md says (``src`` and
+    ``dst`` a registration or a description, either side; ``src_rank``/``dst_rank`` the
+    engines the connector knows: its own, and the peer's TP degree and rank), and the same
+    as the peer maps its half of them (the shards in the descriptions)."""
     heads = ph.HEADS[src_rank.kind]
     ps, ds = Shard(src_rank.rank, src_rank.tp, heads), Shard(dst_rank.rank, dst_rank.tp, heads)
     groups = dst_rank.engine.config.kv_cache_groups
-    maps = []
+    maps, parts = [], []
     for i, g in enumerate(dst_rank.registration.kernel_groups):
         eg = g.engine_group
         spec = groups[eg].kv_cache_spec
@@ -93,20 +101,18 @@ def request_maps(src: Any, dst: Any, src_rank: ph.Rank, dst_rank: ph.Rank, table
         d = dst.group(i) if isinstance(dst, RegistrationDescription) else dst.kernel_groups[i]
         if ph.is_state(spec):  # the request's running state, one block id a side, from every rank
             src_spec = src_rank.engine.config.kv_cache_groups[eg].kv_cache_spec
-            src_ids, dst_ids = (
-                ph.running_state(tables[0][eg], src_spec),
-                ph.running_state(tables[1][eg], spec),
-            )
-            m = block_map(s, d, src_ids, dst_ids, src_shard=ps, dst_shard=ds)
+            ids = ph.running_state(tables[0][eg], src_spec), ph.running_state(tables[1][eg], spec)
+            kw: dict[str, Any] = {}
         elif ps.sends_to(ds):
-            first = ph.skipped_blocks(spec, TOKENS) * spec.block_size
-            m = block_map(s, d, tables[0][eg], tables[1][eg], num_tokens=TOKENS, first_token=first,
-                          src_shard=ps, dst_shard=ds)  # fmt: skip
+            ids = tables[0][eg], tables[1][eg]
+            kw = {"num_tokens": TOKENS, "first_token": ph.skipped_blocks(spec, TOKENS) * spec.block_size}
         else:
             continue
+        m = block_map(s, d, *ids, src_shard=ps, dst_shard=ds, **kw)
         if m.kind != "empty":
             maps.append(m)
-    return maps
+            parts.append(Part(i, *ids, kw))
+    return maps, parts
 
 
 def wait_notif(pair: Pair, tag: bytes) -> None:
@@ -120,11 +126,14 @@ def wait_notif(pair: Pair, tag: bytes) -> None:
 PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2), ("gdn-align", 1, 2), ("gdn-align", 2, 1)]
 
 
-@pytest.mark.parametrize("strategy", ["direct", "staged"])
+@pytest.mark.parametrize("strategy", ["direct", "staged", "peer-staged"])
 @pytest.mark.parametrize(("kind", "ptp", "dtp"), PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in PAIRS])
 def test_decode_reads_a_hybrid_request_from_every_prefill_rank(
     pair: Pair, kind: str, ptp: int, dtp: int, strategy: str
 ) -> None:
+    """Peer-staged: prefill gathers each request into its staging buffer first (``nx.stage``
+    of the same joined map, planned from decode's description), as the docs say for a
+    decode that READs what prefill slices (TP 2 -> 4: ``kvlayout plan``'s choice)."""
     decode = [ph.rank_of(kind, dtp, d, SEEDS["decode"] + d) for d in range(dtp)]
     prefill = [ph.rank_of(kind, ptp, p, SEEDS["prefill"] + p) for p in range(ptp)]  # twins of the peer's
     rng = np.random.default_rng(5)
@@ -133,14 +142,18 @@ def test_decode_reads_a_hybrid_request_from_every_prefill_rank(
     held = [nx.register(pair.agent, d.registration) for d in decode]
     try:
         for p in prefill:
-            there = hold(pair, kind, "prefill", ptp, p.rank)
+            there, at_peer = hold(pair, kind, "prefill", ptp, p.rank, strategy == "peer-staged")
             for d in decode:
-                maps = request_maps(there, d.registration, p, d, tables)
+                maps, parts = request_maps(there, d.registration, p, d, tables)
                 if not maps:
                     continue
+                request = join_maps(maps)
+                if at_peer is not None:  # decode's description went to prefill at the handshake
+                    here = d.registration.describe(shard=Shard(d.rank, dtp, ph.HEADS[kind])).to_json()
+                    pair.peer.stage_joined(here, parts, expect=request.fingerprint)
                 tag = f"req-{kind}-{p.rank}-{d.rank}-{strategy}".encode()
-                x = nx.transfer(pair.agent, pair.name, join_maps(maps), strategy=strategy, staging=pair.staging,
-                                notif=tag)  # fmt: skip
+                x = nx.transfer(pair.agent, pair.name, request, strategy=strategy, staging=pair.staging,
+                                peer_staging=at_peer, notif=tag)  # fmt: skip
                 assert x.wait(timeout=30).strategy == strategy
                 wait_notif(pair, tag)
     finally:
@@ -152,11 +165,13 @@ def test_decode_reads_a_hybrid_request_from_every_prefill_rank(
         assert not torch.equal(d.buf, b)
 
 
-@pytest.mark.parametrize("strategy", ["direct", "staged"])
+@pytest.mark.parametrize("strategy", ["direct", "staged", "peer-staged"])
 @pytest.mark.parametrize(("kind", "ptp", "dtp"), PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in PAIRS])
 def test_prefill_writes_a_hybrid_request_into_every_decode_rank(
     pair: Pair, kind: str, ptp: int, dtp: int, strategy: str
 ) -> None:
+    """Peer-staged: decode scatters each WRITE from its staging buffer once it landed
+    (``nx.unstage`` of the same joined map), as the docs say for TP 4 -> 2."""
     prefill = [ph.rank_of(kind, ptp, p, SEEDS["prefill"] + p) for p in range(ptp)]
     rng = np.random.default_rng(6)
     decode_engine = ph.engine_of(kind, dtp)
@@ -164,17 +179,21 @@ def test_prefill_writes_a_hybrid_request_into_every_decode_rank(
     held = [nx.register(pair.agent, p.registration) for p in prefill]
     try:
         for d in range(dtp):
-            there = hold(pair, kind, "decode", dtp, d)
+            there, at_peer = hold(pair, kind, "decode", dtp, d, strategy == "peer-staged")
             twin = ph.rank_of(kind, dtp, d, SEEDS["decode"] + d)  # the peer's cache as built
             for p in prefill:
-                maps = request_maps(p.registration, there, p, twin, tables)
+                maps, parts = request_maps(p.registration, there, p, twin, tables)
                 if not maps:
                     continue
+                request = join_maps(maps)
                 tag = f"req-{kind}-{p.rank}-{d}-{strategy}".encode()
-                x = nx.transfer(pair.agent, pair.name, join_maps(maps), strategy=strategy, staging=pair.staging,
-                                notif=tag)  # fmt: skip
+                x = nx.transfer(pair.agent, pair.name, request, strategy=strategy, staging=pair.staging,
+                                peer_staging=at_peer, notif=tag)  # fmt: skip
                 assert x.wait(timeout=30).strategy == strategy
                 wait_notif(pair, tag)
+                if at_peer is not None:  # prefill's description went to decode at the handshake
+                    here = p.registration.describe(shard=Shard(p.rank, ptp, ph.HEADS[kind])).to_json()
+                    pair.peer.unstage_joined(here, parts, expect=request.fingerprint)
             got = torch.from_numpy(pair.peer.cache_bytes()[0].copy()).view(torch.int8)
             want = ph.expected(twin, twin.buf, prefill, tables, TOKENS)
             assert torch.equal(got, want), f"decode rank {d}: {int((got != want).sum())} bytes differ"
