@@ -97,7 +97,7 @@ def skipped_blocks(spec: Any, num_tokens: int) -> int:
     """``SlidingWindowManager.get_num_skipped_tokens(num_tokens)`` in whole blocks
     (``remove_skipped_blocks``): the blocks vLLM replaced by its null block 0."""
     if isinstance(spec, vx.kvi.SlidingWindowSpec):
-        return max(0, num_tokens - spec.sliding_window + 1) // spec.block_size
+        return max(0, num_tokens - int(spec.sliding_window) + 1) // int(spec.block_size)
     return 0
 
 
@@ -105,7 +105,7 @@ def state_skipped_blocks(spec: Any, num_tokens: int) -> int:
     """``MambaManager.get_num_skipped_tokens(num_tokens)`` (``num_tokens - 1``: only the
     last token's state is kept) in whole blocks: in 'align' mode the blocks before the
     running state's are vLLM's null block 0."""
-    return (num_tokens - 1) // spec.block_size
+    return (num_tokens - 1) // int(spec.block_size)
 
 
 def running_state(table: list[int], spec: Any) -> list[int]:
@@ -163,7 +163,7 @@ def token_rows(r: Rank, kv: dict[str, torch.Tensor], name: str, gid: int, table:
     in kernel page ``b * (block_size // kbs) + (p % block_size) // kbs``."""
     spec = r.engine.config.kv_cache_groups[gid].kv_cache_spec
     kbs = r.engine.kernel_block_sizes[gid]
-    k, v = kv[name].transpose(1, 2).split(spec.head_size, dim=-1)
+    k, v = torch.split(kv[name].transpose(1, 2), int(spec.head_size), dim=-1)
     page = table[p // spec.block_size] * (spec.block_size // kbs) + (p % spec.block_size) // kbs
     return k[page, p % kbs], v[page, p % kbs]
 

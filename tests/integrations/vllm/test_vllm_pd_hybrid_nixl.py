@@ -129,7 +129,7 @@ PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2), ("gdn-align
 @pytest.mark.parametrize("strategy", ["direct", "staged", "peer-staged"])
 @pytest.mark.parametrize(("kind", "ptp", "dtp"), PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in PAIRS])
 def test_decode_reads_a_hybrid_request_from_every_prefill_rank(
-    pair: Pair, kind: str, ptp: int, dtp: int, strategy: str
+    pair: Pair, kind: str, ptp: int, dtp: int, strategy: nx.Strategy
 ) -> None:
     """Peer-staged: prefill gathers each request into its staging buffer first (``nx.stage``
     of the same joined map, planned from decode's description), as the docs say for a
@@ -168,7 +168,7 @@ def test_decode_reads_a_hybrid_request_from_every_prefill_rank(
 @pytest.mark.parametrize("strategy", ["direct", "staged", "peer-staged"])
 @pytest.mark.parametrize(("kind", "ptp", "dtp"), PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in PAIRS])
 def test_prefill_writes_a_hybrid_request_into_every_decode_rank(
-    pair: Pair, kind: str, ptp: int, dtp: int, strategy: str
+    pair: Pair, kind: str, ptp: int, dtp: int, strategy: nx.Strategy
 ) -> None:
     """Peer-staged: decode scatters each WRITE from its staging buffer once it landed
     (``nx.unstage`` of the same joined map), as the docs say for TP 4 -> 2."""
