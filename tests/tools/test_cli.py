@@ -978,6 +978,52 @@ def test_plan_sends_replicated_heads_from_one_replica(capsys: pytest.CaptureFixt
     assert pairs[0, 1]["kind"] == "empty"  # no head in common says so, not that another replica sends
 
 
+# A Qwen3-Next-like hybrid's attention group as vLLM 0.33 registers it: FlashInfer pages of
+# 16 tokens, 3 to a 48-token scheduler block at TP 2; pages of 32, whole blocks, at TP 4
+PAGED_TP2 = ["--src-engine", "vllm", "--src-shape", "2x[72,1,16,128]@0,2,1,3", "--src-hint", "kv_layout=LBNHC",
+             "--src-tp", "2"]  # fmt: skip
+BLOCKS_TP4 = ["--dst-engine", "vllm", "--dst-shape", "2x[24,1,32,128]@0,2,1,3", "--dst-hint", "kv_layout=LBNHC",
+              "--dst-tp", "4", "--kv-heads", "2"]  # fmt: skip
+
+
+def test_plan_takes_the_scheduler_s_blocks_over_kernel_pages(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--src-block-size``: block ids in the scheduler's blocks of 48 over kernel pages of 16,
+    as block_map's ``src_block_size`` reads them (each id three pages, in order)."""
+    import numpy as np
+
+    from kvlayout.transfer import Shard, block_map
+
+    args = [*PAGED_TP2, *BLOCKS_TP4, "--tokens", "299", "--json"]
+    code, out, _ = run(capsys, "plan", *args, "--src-block-size", "48")
+    assert code == 0
+    plan = json.loads(out)
+    assert (plan["src"]["block_size"], plan["src"]["num_blocks"], plan["dst"]["block_size"]) == (48, 24, 32)
+    pages = [torch.zeros(72, 16, 1, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3) for _ in range(2)]
+    blocks = [torch.zeros(24, 32, 1, 128, dtype=torch.bfloat16).permute(0, 2, 1, 3) for _ in range(2)]
+    src = kvlayout.detect(pages, "vllm", {"kv_layout": "LBNHC"})
+    dst = kvlayout.detect(blocks, "vllm", {"kv_layout": "LBNHC"})
+    src_ids = np.random.default_rng(0).permutation(24)[:7]  # plan's scattered ids: 7 blocks of 48
+    dst_ids = np.random.default_rng(0).permutation(24)[:10]
+    moved = [p for p in plan["pairs"] if p["runs"]]
+    assert [(p["src_rank"], p["dst_rank"]) for p in moved] == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    for p in moved:
+        m = block_map(src, dst, src_ids, dst_ids, num_tokens=299, src_shard=Shard(p["src_rank"], 2, 2),
+                      dst_shard=Shard(p["dst_rank"], 4, 2), src_block_size=48)  # fmt: skip
+        assert (p["runs"], p["bytes"], p["kind"]) == (m.num_runs, m.num_bytes, m.kind)
+    paged = json.loads(run(capsys, "plan", *args)[1])  # in the kernel's pages: other ids, more runs
+    assert paged["src"]["block_size"] == 16 and paged["pairs"][0]["runs"] > plan["pairs"][0]["runs"]
+
+
+@pytest.mark.parametrize("size", ["40", "0", "1168"])
+def test_plan_refuses_a_block_size_that_is_not_the_cache_s_blocks(
+    capsys: pytest.CaptureFixture[str], size: str
+) -> None:
+    code, _, err = run(capsys, "plan", *PAGED_TP2, *BLOCKS_TP4, "--tokens", "299", "--src-block-size", size)
+    assert code == 2
+    assert f"--src-block-size {size}: block ids in blocks of a multiple of the 16 tokens" in err
+    assert "at most all 72 of them" in err
+
+
 def test_plan_moves_only_the_tokens_from_first_token_on(capsys: pytest.CaptureFixture[str]) -> None:
     code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--first-token", "6")
     assert code == 0 and out.startswith("plan: 10 tokens (moving 6 on), ")

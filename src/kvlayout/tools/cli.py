@@ -290,6 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(f"--{where}-cp-interleave", type=int, default=1,
                        help=f"the {where} side's cp_kv_cache_interleave_size: tokens a CP rank holds "
                             f"at a time (default 1; above 1 it needs --{where}-dcp)")  # fmt: skip
+        p.add_argument(f"--{where}-block-size", type=int, default=None, metavar="TOKENS",
+                       help=f"the {where} side's block ids' tokens, a multiple of the blocks "
+                            f"--{where}-shape reads in (vLLM's scheduler blocks over a group its "
+                            "attention kernel pages finer: FlashInfer's pages of a hybrid's 544-token "
+                            "blocks); default: those")  # fmt: skip
     p.add_argument(
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )

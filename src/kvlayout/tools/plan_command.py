@@ -177,6 +177,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 "tokens: vLLM requires a block size that is a multiple of cp_kv_cache_interleave_size "
                 f"(VllmConfig.validate_block_size); give an interleave that divides {bs}"
             )
+        scheduler = a[f"{where}_block_size"]
+        if scheduler is not None and (
+            scheduler < 1 or scheduler % bs or scheduler // bs > group.geometry.num_blocks
+        ):
+            raise KVLayoutError(
+                f"--{where}-block-size {scheduler}: block ids in blocks of a multiple of the {bs} tokens "
+                f"a block --{where}-shape reads in (each id is that many of its blocks, in order), at most "
+                f"all {group.geometry.num_blocks} of them"
+            )
         sides[where] = (reg, group)
         notes[where] = _one_head_note(where, kv, spec, engine, hints, reg)
     heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
@@ -214,9 +223,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     }  # fmt: skip
     for where, (_, group) in sides.items():
         g = group.geometry
+        per = a[f"{where}_block_size"] or g.block_size  # a block id's tokens
         record[where] = {"format": group.format.name, "tp": a[f"{where}_tp"], "dcp": a[f"{where}_dcp"],
                          "cp_interleave": a[f"{where}_cp_interleave"],
-                         "block_size": g.block_size, "num_blocks": g.num_blocks,
+                         "block_size": per, "num_blocks": g.num_blocks // (per // g.block_size),
                          "shared_layers": [list(layers) for layers in group.shared_layers],
                          "note": notes[where]}  # fmt: skip
     descs, ids = {}, {}
@@ -228,9 +238,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise KVLayoutError(
                 f"--{where}-shape: plan describes it as a peer would, and cannot: {e}"
             ) from None
-        # under DCP a block id stands for dcp blocks of the request's tokens
+        # under DCP a block id stands for dcp blocks of the request's tokens; a scheduler's block
+        # (--*-block-size) for several of the cache's
+        per = a[f"{where}_block_size"] or bs
         ids[where] = _block_ids(
-            args.blocks, -(-args.tokens // (bs * a[f"{where}_dcp"])), group.geometry.num_blocks, where
+            args.blocks,
+            -(-args.tokens // (per * a[f"{where}_dcp"])),
+            group.geometry.num_blocks // (per // bs),
+            where,
         )
     try:
         _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None)
@@ -298,6 +313,7 @@ def _plan_pairs(
                 m = block_map(
                     descs["src"], descs["dst"], ids["src"], ids["dst"], num_tokens=args.tokens,
                     first_token=args.first_token, src_shard=src_shard, dst_shard=dst_shard,
+                    src_block_size=args.src_block_size, dst_block_size=args.dst_block_size,
                 )  # fmt: skip
             except KVLayoutError as exc:
                 pair["refused"] = str(exc)
