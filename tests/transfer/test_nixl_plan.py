@@ -1398,12 +1398,11 @@ def test_a_joined_map_of_permuted_parts_is_priced_as_a_permuted_map() -> None:
 
     nhd, hnd = F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_TWO_NB_NH_BS_HS
     src = bind([torch.zeros((2, 12, 4, 4, 8), dtype=torch.bfloat16) for _ in range(3)], nhd)
-    to_hnd, to_nhd = (
-        bind([torch.zeros((2, 12, 4, 4, 8), dtype=torch.bfloat16) for _ in range(3)], fmt).describe(
-            block_size=4
-        )
-        for fmt in (hnd, nhd)
-    )
+    # both registrations kept alive: a description of freed tensors may share the next one's addresses
+    dsts = [
+        bind([torch.zeros((2, 12, 4, 4, 8), dtype=torch.bfloat16) for _ in range(3)], f) for f in (hnd, nhd)
+    ]
+    to_hnd, to_nhd = (d.describe(block_size=4) for d in dsts)
     model = dataclasses.replace(nx.DEFAULT_COST, transposed_factor=3.0, transposed_scatter_factor=3.0)
     plain = dataclasses.replace(model, transposed_factor=None, transposed_scatter_factor=None)
     first = block_map(src, to_hnd, [2, 3], [6, 7], num_tokens=8)
