@@ -635,12 +635,14 @@ def _kind(
 
 
 def _check_opaque_pages(
-    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None
+    src: Side, dst: Side, src_shard: Shard | None, dst_shard: Shard | None, *, running_state: bool = False
 ) -> tuple[Shard, Shard] | None:
     """Opaque pages (vLLM's group edits: rows that are bytes of a kernel's page) map only
     to pages laid out alike, whole where a row is no token, rank to the same rank; pages
     of TP-sharded state arrays to such pages of any rank, whose shards are returned (the
-    map then moves the state both ranks hold: sharded_pages)."""
+    map then moves the state both ranks hold: sharded_pages). ``running_state``: the map is
+    one state page a side by block id alone (a request's running state), which maps
+    between blocks of any size."""
     a, b = src.opaque_pages, dst.opaque_pages
     if (a is None and b is None) or src.layout is None or dst.layout is None:
         return None  # caches as engines register them, or a chunk of the cache's own rows
@@ -657,7 +659,7 @@ def _check_opaque_pages(
     if _held_whole(a) and _held_whole(b):
         ranks = None, None  # every rank holds the state whole (MLA latents): shards say nothing of it
     if a.arrays and b.arrays and not a.rows_are_tokens and not b.rows_are_tokens:
-        state = _state_ranks(src, dst, ranks, how)
+        state = _state_ranks(src, dst, ranks, how, running_state=running_state)
         if state is not None:
             return state
     if (a.layout, a.rows_are_tokens) != (b.layout, b.rows_are_tokens):  # state arrays or not: a page alike
@@ -680,6 +682,16 @@ def _check_opaque_pages(
     return None
 
 
+def _state_pages(side: Side) -> bool:
+    """The side is blocks of TP-sharded state of several rows (vLLM's Mamba pages in align
+    mode, through its edits): arrays none of which are KV heads, not all held whole (an
+    MLA page's), rows no tokens. A request's running state is one such block."""
+    pages = side.opaque_pages
+    if pages is None or not pages.arrays or pages.rows_are_tokens or side.layout is None:
+        return False
+    return side.block_size > 1 and not any(x.kv_heads for x in pages.arrays) and not _held_whole(pages)
+
+
 def _held_whole(pages: OpaquePages) -> bool:
     """The pages declare only arrays every TP rank holds whole."""
     return bool(pages.arrays) and all(x.replicated for x in pages.arrays)
@@ -696,17 +708,19 @@ def _advices(a: OpaquePages, b: OpaquePages) -> str:
 
 
 def _state_ranks(
-    src: Side, dst: Side, ranks: tuple[Shard | None, Shard | None], how: str
+    src: Side, dst: Side, ranks: tuple[Shard | None, Shard | None], how: str, *, running_state: bool = False
 ) -> tuple[Shard, Shard] | None:
     """The ranks a map between two pages of state arrays moves the state between, or None
-    where the pages are alike and of one rank (they move whole)."""
+    where the pages are alike and of one rank (they move whole). Pages of blocks of other
+    sizes map only as a request's running state (``running_state``)."""
     a, b = src.opaque_pages, dst.opaque_pages
     assert a is not None and b is not None
-    if src.block_size != dst.block_size:
+    if src.block_size != dst.block_size and not running_state:
         raise BlockMapError(
             f"src and dst are pages of state in blocks of {src.block_size} and {dst.block_size} rows: "
             "a block's state is a snapshot at its last token, so pages map only between blocks of "
-            f"the same size ({how})"
+            "the same size, but for a request's running state, one block id a side without num_tokens "
+            f"(vLLM's align mode at two TP degrees whose hybrid blocks differ) ({how})"
         )
     problem = structure_problem(a, b)
     if problem is not None:
@@ -818,13 +832,28 @@ def block_map(
     src_block_size, dst_block_size = _block_size("src", src_block_size), _block_size("dst", dst_block_size)
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
-    state = _check_opaque_pages(a, b, src_shard, dst_shard)
+    # a request's running state between Mamba blocks of other sizes: one page a side, by id alone
+    running = (
+        num_tokens is None and first_token == 0 and _length(src_blocks) == 1 and _length(dst_blocks) == 1
+        and a.block_size != b.block_size and _state_pages(a) and _state_pages(b)
+    )  # fmt: skip
+    state = _check_opaque_pages(a, b, src_shard, dst_shard, running_state=running)
     a_per, b_per = _pages_per_block(a, src_block_size, "src"), _pages_per_block(b, dst_block_size, "dst")
     a_cp, b_cp = token_slice(given_shard(a, src_shard, "src")), token_slice(given_shard(b, dst_shard, "dst"))
     any_pages = a.opaque_pages is not None or b.opaque_pages is not None
     check_servable(a_cp, b_cp, a.block_size * a_per, b.block_size * b_per, any_pages)
     if state is None:
         pair = _cached_pair(a, b, _heads(a, src_shard, "src"), _heads(b, dst_shard, "dst"))
+    if running and state is not None:  # each side's one page, its own rows, moved whole
+        src_ids = _ids("src_blocks", src_blocks, a, a.block_size, 1, _TOLD_BY_BLOCKS, a_cp)
+        dst_ids = _ids("dst_blocks", dst_blocks, b, b.block_size, 1, _TOLD_BY_BLOCKS, b_cp)
+        a, b, common = page_sides(a, b, *state)
+        pair = _cached_pair(a, b, *state)
+        kind = _state_kind(a, b, state, common, len(pair.slabs) // len(a.layers))
+        result = BlockMap(a, b, pair, (src_ids, dst_ids), 1, 0, slots=(0, int(common)), kind=kind)
+        if not (a.live and b.live):
+            result._raise(*_native.validate_groups(result._groups, a.spans, b.spans, one_memory=False))
+        return result
     if src_slots is not None or dst_slots is not None:
         paged = next(
             (s.opaque_pages for s in (a, b) if s.opaque_pages and not s.opaque_pages.rows_are_tokens), None

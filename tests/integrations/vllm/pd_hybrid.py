@@ -11,7 +11,9 @@ block sizing, ``create_kv_cache_views``) and read by a connector as the docs say
 - ``"gdn"``: Qwen3-Next-like, Gated DeltaNet (conv ``[Q | K | V]`` in the ``"DS"`` order
   vLLM's NixlConnector requires, SSM heads) beside full attention (2 KV heads, so TP 4
   replicates them), FlashInfer kernel pages, Mamba ``'none'`` mode (prefix caching off);
-  ``"gdn-align"`` the same in ``'align'`` mode (prefix caching on), a state page a block.
+  ``"gdn-align"`` the same in ``'align'`` mode (prefix caching on), a state page a block;
+  ``"qwen3-next-align"`` Qwen3-Next-80B-A3B's own sizes (8 of its layers) in ``'align'``
+  mode, whose blocks are 544 tokens at TP 2 and 272 at TP 4.
 
 The oracle (:func:`expected`) never asks kvlayout: it reads both sides through vLLM's
 views (FlashAttention/FlashInfer's ``kv_cache.transpose(1, 2).split(head_size, -1)``, the
@@ -26,6 +28,7 @@ its ``MergedColumnParallelLinear`` (``ssm_conv_transfer_utils.py``'s ``Q, K, V``
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,8 +41,10 @@ from kvlayout.testing import vllm as vx
 
 SWA_HEADS, SWA_HEAD_SIZE, WINDOW, SWA_BLOCK, SWA_LAYERS = 8, 64, 128, 16, 4
 GDN = vx.HybridModel("Qwen3-Next-like", 8, 4, 2, 64, 4, 8, 32, 32, 4, torch.bfloat16, torch.bfloat16)
-NUM_BLOCKS = {"swa": 48, "gdn": 24, "gdn-align": 24}
-HEADS = {"swa": SWA_HEADS, "gdn": GDN.num_key_value_heads, "gdn-align": GDN.num_key_value_heads}
+QWEN3_NEXT_8 = dataclasses.replace(vx.QWEN3_NEXT_80B_A3B, num_hidden_layers=8)  # its sizes, 8 layers
+MODELS = {"gdn": GDN, "gdn-align": GDN, "qwen3-next-align": QWEN3_NEXT_8}
+NUM_BLOCKS = {"swa": 48, "gdn": 24, "gdn-align": 24, "qwen3-next-align": 6}
+HEADS = {"swa": SWA_HEADS, **{k: m.num_key_value_heads for k, m in MODELS.items()}}
 
 
 def swa_specs(tp: int) -> dict[str, Any]:
@@ -52,9 +57,9 @@ def swa_specs(tp: int) -> dict[str, Any]:
 def engine_of(kind: str, tp: int) -> vx.Engine:
     if kind == "swa":
         return vx.planned_engine(swa_specs(tp), vx.FLASH_ATTN, num_blocks=NUM_BLOCKS[kind])
-    mode = "align" if kind == "gdn-align" else "none"
+    mode = "none" if kind == "gdn" else "align"
     return vx.hybrid_engine(
-        GDN, vx.FLASHINFER, tp=tp, num_blocks=NUM_BLOCKS[kind], mamba_cache_mode=mode, max_model_len=4096,
+        MODELS[kind], vx.FLASHINFER, tp=tp, num_blocks=NUM_BLOCKS[kind], mamba_cache_mode=mode, max_model_len=4096,
         conv_layout="DS",
     )  # fmt: skip
 
@@ -141,10 +146,10 @@ def heads_of(rank: int, tp: int, heads: int) -> list[int]:
     return list(range(rank * n, rank * n + n))
 
 
-def conv_columns(rank: int, tp: int) -> list[int]:
+def conv_columns(model: vx.HybridModel, rank: int, tp: int) -> list[int]:
     """The GDN conv dim's columns a rank holds: each of ``Q, K, V`` sharded on its own."""
-    kd = GDN.linear_key_head_dim * GDN.linear_num_key_heads
-    vd = GDN.linear_value_head_dim * GDN.linear_num_value_heads
+    kd = model.linear_key_head_dim * model.linear_num_key_heads
+    vd = model.linear_value_head_dim * model.linear_num_value_heads
     cols: list[int] = []
     for base, size in ((0, kd), (kd, kd), (2 * kd, vd)):
         n = size // tp
@@ -152,8 +157,8 @@ def conv_columns(rank: int, tp: int) -> list[int]:
     return cols
 
 
-def ssm_heads(rank: int, tp: int) -> list[int]:
-    n = GDN.linear_num_value_heads // tp
+def ssm_heads(model: vx.HybridModel, rank: int, tp: int) -> list[int]:
+    n = model.linear_num_value_heads // tp
     return list(range(rank * n, rank * n + n))
 
 
@@ -196,11 +201,12 @@ def expected(
         for name in g.layer_names:
             if is_state(spec):
                 conv, ssm = states(dst, ekv, name, running_state(dst_tables[gid], spec)[0])
-                cols, hs = conv_columns(dst.rank, dst.tp), ssm_heads(dst.rank, dst.tp)
+                model = MODELS[dst.kind]
+                cols, hs = conv_columns(model, dst.rank, dst.tp), ssm_heads(model, dst.rank, dst.tp)
                 for s in sources:
                     s_spec = s.engine.config.kv_cache_groups[gid].kv_cache_spec
                     s_conv, s_ssm = states(s, s.kv, name, running_state(src_tables[gid], s_spec)[0])
-                    s_cols, s_hs = conv_columns(s.rank, s.tp), ssm_heads(s.rank, s.tp)
+                    s_cols, s_hs = conv_columns(model, s.rank, s.tp), ssm_heads(model, s.rank, s.tp)
                     for j, c in enumerate(cols):
                         if c in s_cols:
                             conv[j] = s_conv[s_cols.index(c)]

@@ -23,7 +23,6 @@ hard limit on the module (faulthandler).
 
 from __future__ import annotations
 
-import dataclasses
 import faulthandler
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,9 +35,6 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-import kvlayout
-from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
-from kvlayout.testing import vllm as vx
 from kvlayout.testing.nixl_peer import NixlPeer, Part, tcp_tls
 from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map, join_maps
 from kvlayout.transfer import nixl as nx
@@ -120,14 +116,17 @@ def wait_notif(pair: Pair, tag: bytes) -> None:
     assert got == [tag], got
 
 
-# 'align' mode where both degrees size the hybrid's blocks alike (48 tokens at TP 1 and 2);
-# at TP 4 the attention's 2 KV heads replicate, its page per token stops shrinking and the
-# block is 32 (below)
+# 'align' mode: the small model's blocks are 48 tokens at TP 1 and 2; Qwen3-Next's 544 at TP 2
+# and 272 at TP 4, where its 2 KV heads replicate and the attention page per token stops
+# shrinking while the state's halves (the running state moves between the two)
 PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2), ("gdn-align", 1, 2), ("gdn-align", 2, 1)]
+READ_PAIRS = [*PAIRS, ("qwen3-next-align", 2, 4), ("qwen3-next-align", 4, 2)]  # 6 MiB a rank: READs only
 
 
 @pytest.mark.parametrize("strategy", ["direct", "staged", "peer-staged"])
-@pytest.mark.parametrize(("kind", "ptp", "dtp"), PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in PAIRS])
+@pytest.mark.parametrize(
+    ("kind", "ptp", "dtp"), READ_PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in READ_PAIRS]
+)
 def test_decode_reads_a_hybrid_request_from_every_prefill_rank(
     pair: Pair, kind: str, ptp: int, dtp: int, strategy: nx.Strategy
 ) -> None:
@@ -203,23 +202,26 @@ def test_prefill_writes_a_hybrid_request_into_every_decode_rank(
             h.deregister()
 
 
-@pytest.mark.xfail(strict=True, raises=BlockMapError, reason=(
-    "vLLM's NixlConnector moves the running state 1:1 between Qwen3-Next's align-mode blocks of "
-    "544 tokens (TP 2) and 272 (TP 4), both 17 kernel pages (its physical_blocks_per_logical "
-    "agree, so prefix caching is allowed); kvlayout maps state pages only between blocks of one size"
-))  # fmt: skip
-def test_an_align_mode_state_moves_between_tp_degrees_whose_blocks_differ() -> None:
-    """Qwen3-Next-80B-A3B's sizes (8 of its layers) in 'align' mode, prefill TP 2 into decode TP 4."""
-    model = dataclasses.replace(vx.QWEN3_NEXT_80B_A3B, num_hidden_layers=8)
-    engines = [vx.hybrid_engine(model, vx.FLASHINFER, tp=tp, num_blocks=6, conv_layout="DS") for tp in (2, 4)]
-    assert [e.config.kv_cache_groups[0].kv_cache_spec.block_size for e in engines] == [544, 272]
-    assert [e.kernel_block_sizes[-1] for e in engines] == [32, 16]  # 17 kernel pages a block on both
-    regs = []
-    for e in engines:
-        hints = {"kv_layout": e.layout.name}
-        edited = apply_kv_cache_group_edits(e.config, vx.allocate_v033(e)[1], hints, prefix_reuse=False)
-        layers, groups = transfer_layers(e.config, edited)
-        regs.append(kvlayout.detect(layers, "vllm", hints, layer_groups=groups))
-    # the running state: the last block of each side's table (clip_ssm_state_blocks)
-    block_map(regs[0].kernel_groups[0], regs[1].kernel_groups[0], [3], [5], src_shard=Shard(0, 2, 2),
-              dst_shard=Shard(1, 4, 2))  # fmt: skip
+def test_an_align_mode_running_state_moves_between_blocks_of_other_sizes() -> None:
+    """Qwen3-Next's sizes in 'align' mode: blocks of 544 tokens at TP 2 and 272 at TP 4 (17
+    kernel pages both, so vLLM's NixlConnector serves the pair with prefix caching on,
+    moving the running state 1:1). The running state maps by its one block id a side; a map
+    of several blocks of state (snapshots at other tokens) stays refused."""
+    prefill, decode = ph.rank_of("qwen3-next-align", 2, 0, 1), ph.rank_of("qwen3-next-align", 4, 1, 2)
+    assert [r.engine.config.kv_cache_groups[0].kv_cache_spec.block_size for r in (prefill, decode)] == [
+        544,
+        272,
+    ]
+    assert [r.engine.kernel_block_sizes[-1] for r in (prefill, decode)] == [32, 16]
+    rng = np.random.default_rng(5)
+    tables = ph.block_tables(prefill.engine, TOKENS, rng), ph.block_tables(decode.engine, TOKENS, rng)
+    before = decode.buf.clone()
+    maps, _ = request_maps(prefill.registration, decode.registration, prefill, decode, tables)
+    assert [m.kind for m in maps] == ["resharded state"] * 3 + ["re-blocked"]  # one KV head a rank
+    join_maps(maps).copy()
+    assert torch.equal(decode.buf, ph.expected(decode, before, [prefill], tables, TOKENS))
+    with pytest.raises(
+        BlockMapError, match=r"blocks of 544 and 272 rows: .* but for a request's running state"
+    ):
+        block_map(prefill.registration.kernel_groups[0], decode.registration.kernel_groups[0], [1, 2], [3, 4],
+                  src_shard=Shard(0, 2, 2), dst_shard=Shard(1, 4, 2))  # fmt: skip
