@@ -1044,6 +1044,33 @@ def test_calibrate_takes_the_peer_s_description_and_checks_its_numbers(pair: Pai
         nx.calibrate(pair.agent, pair.name, desc, op="PUT")  # type: ignore[arg-type]
 
 
+def test_calibrate_refuses_a_peer_tensor_its_small_descriptors_reach_past(pair: Pair) -> None:
+    """A peer whose largest described tensor holds fewer bytes than the small descriptors
+    reach (one of ``small`` bytes, two spaced ``2 * small`` apart): calibrate posted them
+    past the tensor, a WRITE overwriting 2,040 bytes of the peer's memory it never
+    described (its buffer was registered whole). Now refused before anything is posted."""
+    tiny = kvlayout.detect([torch.zeros(2, 1, 1, 1, 16) for _ in range(2)], "vllm", {"kv_layout": "NHD"})
+    desc = tiny.describe(at=pair.peer.address(0))  # 128-byte tensors in the peer's first buffer
+    assert desc.tensor_spans[:, 1].tolist() == [128, 128]
+    pair.peer.fill(pair.peer.seed)
+    message = (
+        r"^peer 'kvl-peer''s largest described tensor holds 128 bytes, fewer than calibrate's small descriptors "
+        r"reach \(3072: small=1024 bytes, two of them 2 \* small apart\): pass a smaller small; nothing was "
+        r"posted$"
+    )
+    with pytest.raises(TransferError, match=message):
+        nx.calibrate(pair.agent, pair.name, desc, op="WRITE", count=4, repeats=1)
+    with pytest.raises(
+        TransferError, match=r"holds 128 bytes, fewer than calibrate's small descriptors reach \(129"
+    ):
+        nx.calibrate(pair.agent, pair.name, desc, small=43, count=4, repeats=1)
+    nothing_arrived(pair)
+    model = nx.calibrate(pair.agent, pair.name, desc, small=42, count=4, repeats=1)  # 126 bytes: inside
+    assert (
+        model.per_descriptor_by_size[0][0] == 42 and "holds 128 bytes: 128 bytes a transfer" in model.source
+    )
+
+
 def test_calibrate_measures_the_live_pair(pair: Pair) -> None:
     from kvlayout.transfer.nixl.regions import _REGIONS
 

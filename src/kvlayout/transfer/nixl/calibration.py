@@ -134,6 +134,8 @@ def calibrate(
     cache, whatever ``small`` and ``count`` are, and a permuted map's transposed tiles
     of 256 B runs).
     ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
+    Every descriptor lies inside that tensor: one of fewer than ``3 * small`` bytes (the
+    small descriptors' reach) is refused.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
     posts) overwrites its first ``2 * nbytes`` bytes (the sized descriptors leave gaps):
@@ -163,6 +165,12 @@ def calibrate(
         raise TransferError(f"peer {peer!r} described no memory to calibrate against")
     k = int(np.argmax(ends - starts))
     base, span = int(starts[k]), int(ends[k] - starts[k])
+    if span < 3 * small:  # "one" and the two "many" spaced 2 * small apart would reach past the tensor
+        raise TransferError(
+            f"peer {peer!r}'s largest described tensor holds {span} bytes, fewer than calibrate's small "
+            f"descriptors reach ({3 * small}: small={small} bytes, two of them 2 * small apart): pass a "
+            "smaller small; nothing was posted"
+        )
     asked, nbytes = nbytes, min(nbytes, span)
     asked_count, count = count, max(2, min(count, span // (2 * small)))
     rmem, dev = _mem_type(remote, "remote"), remote.device_index
