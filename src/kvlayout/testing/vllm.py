@@ -27,6 +27,8 @@ from typing import Any
 
 import torch
 
+from kvlayout.errors import at_least
+
 __all__ = [
     "DSV4_INDEXER",
     "FLASHINFER",
@@ -363,7 +365,9 @@ def _allocations(groups: Sequence[Any], layout: Any, num_blocks: int) -> list[An
     of a block together, the block rounded up to every page's ``block_stride_alignment``
     (``_get_kv_cache_bytes_per_block``); layer-outermost ones give each layer its pages
     padded to its own alignment (``_get_layer_block_stride``): blocks farther apart than a
-    page, the padding between them."""
+    page, the padding between them. ``num_blocks`` is at least 1, as vLLM's own count is
+    (it refuses a cache of no blocks)."""
+    num_blocks = at_least(num_blocks, "num_blocks", 1)
     by_spec = [_layers_by_spec(g) for g in groups]
     if layout.is_block_outermost:
         alignment = math.lcm(*(block_stride_alignment(s) for g in by_spec for s in g))
@@ -632,6 +636,8 @@ def planned_engine(
     gives each spec of a group its own allocation, side by side from the group's byte 0."""
     layout = layout or KVCacheLayout.LBNHC
     specs = dict(layer_specs)
+    if not specs:  # next() below would raise StopIteration, which ends a caller's loop silently
+        raise ValueError("planned_engine takes the spec of one layer at least, got none")
     first = next(iter(specs.values()))
     if all(s == first for s in specs.values()):
         groups = [_merged_group(specs, list(specs))]

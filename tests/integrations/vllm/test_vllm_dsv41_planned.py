@@ -202,3 +202,14 @@ def test_ring_buckets_vllm_cannot_split_are_refused_as_vllm_refuses_them() -> No
             ValueError, match=rf"^planned_engine: vLLM 0\.33 cannot pack .* into {count} groups"
         ):
             vx.planned_engine(specs, vx.FLASHMLA, layout=vx.KVCacheLayout.BLHNC)
+
+
+def test_planned_engine_names_a_plan_of_no_layers_or_no_blocks() -> None:
+    """No layers fell out of next() as StopIteration (which ends a caller's loop without a
+    word); a count of blocks under 1, or not an int, became a config vLLM never makes (it
+    refuses a cache of no blocks)."""
+    with pytest.raises(ValueError, match=r"^planned_engine takes the spec of one layer at least, got none$"):
+        vx.planned_engine({}, vx.FLASHMLA, layout=vx.KVCacheLayout.BLHNC)
+    for num_blocks in (0, -1, 1.5):
+        with pytest.raises(TypeError, match=rf"^num_blocks must be an int of at least 1, got {num_blocks}$"):
+            vx.planned_engine(MODELS["c4"], vx.FLASHMLA, layout=vx.KVCacheLayout.BLHNC, num_blocks=num_blocks)
