@@ -157,3 +157,48 @@ def test_maps_sorted_on_many_threads_at_once_match_a_serial_build() -> None:
         [sys.executable, "-c", SORTING], capture_output=True, text=True, timeout=300, check=False
     )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+ONE_MAP = """
+import threading, torch, kvlayout
+from kvlayout.transfer import block_map
+
+src_kv = [torch.randn(2, 16, 16, 4, 64) for _ in range(4)]
+src = kvlayout.detect(src_kv, "vllm", {"kv_layout": "NHD"})
+errors = []
+for round in range(20):
+    dst_kv = [torch.zeros(2, 16, 4, 16, 64).transpose(2, 3) for _ in range(4)]  # HND: a permuted map
+    ids = list(range(round % 4, 16, 2))
+    m = block_map(src, kvlayout.detect(dst_kv, "vllm", {"kv_layout": "HND"}), ids, ids[::-1])
+    start = threading.Barrier(4)
+
+    def copies(k):
+        try:
+            start.wait()  # the first copy() of each thread at once: each may make the native copy
+            for _ in range(5):
+                m.copy(num_threads=1 + k % 2)  # two threads at a time find the worker pool busy
+        except BaseException as e:
+            errors.append(f"thread {k}: {type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=copies, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a thread hangs"
+    for layer in range(4):
+        for a, b in zip(ids, ids[::-1]):
+            assert torch.equal(dst_kv[layer][:, b], src_kv[layer][:, a]), (round, layer, a, b)
+assert not errors, errors
+print("ok")
+"""
+
+
+def test_one_map_serves_copies_from_many_threads_at_once() -> None:
+    """A block map is read-only once made (docs/block-maps.md): threads that copy one map
+    at once, their first copy() racing to make its native copy and some finding the
+    worker pool busy, each leave the bytes the map moves, without a hang or an error."""
+    done = subprocess.run(
+        [sys.executable, "-c", ONE_MAP], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
