@@ -6,10 +6,14 @@ destination address, length); both its paths run (streaming stores where the CPU
 AVX2, and memcpy), each with the prefetch cursors ahead and without, on runs of 0 to
 100000 bytes at any alignment, long lists of short runs (the cursors walk many runs per
 step) included; and with ``any_order=True`` (destinations that never overlap), the lanes
-that copy several runs at once where the list pays (``lane_bytes``).
+that copy several runs at once where the list pays (``lane_bytes``); and runs that touch
+an allocation's first or last byte, between guard pages no byte may be read or written in.
 """
 
 from __future__ import annotations
+
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -226,6 +230,85 @@ def test_no_runs_and_empty_runs_move_nothing() -> None:
     _native.copy_byte_runs(np.zeros((0, 3), dtype=np.uint64))
     _native.copy_byte_runs(table(src, dst, [(5, 9, 0), (0, 0, 0)]))
     assert np.array_equal(dst, before)
+
+
+# Runs that touch an allocation's first or last byte, between buffers fenced by PROT_NONE
+# pages, so a load or store of even one byte past either end faults; what the runs leave
+# is checked against numpy byte for byte (a store before or after a run inside the
+# buffer). In a subprocess: a fault fails the test instead of ending the run.
+GUARDED = """
+import ctypes, mmap
+import numpy as np
+from kvlayout import _native
+
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+PAGE = mmap.PAGESIZE
+
+
+class Guarded:
+    def __init__(self, pages):
+        self.m = mmap.mmap(-1, (pages + 2) * PAGE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        base = ctypes.addressof(ctypes.c_char.from_buffer(self.m))
+        assert libc.mprotect(base, PAGE, 0) == 0 and libc.mprotect(base + (pages + 1) * PAGE, PAGE, 0) == 0
+        self.start, self.size = base + PAGE, pages * PAGE
+        self.bytes = np.frombuffer(self.m, dtype=np.uint8)[PAGE : PAGE + self.size]
+
+
+rng = np.random.default_rng(7)
+src, dst = Guarded(16), Guarded(16)
+src.bytes[:] = rng.integers(0, 256, src.size, dtype=np.uint8)
+
+
+def check(runs, streaming, prefetch, any_order=False):
+    dst.bytes[:] = rng.integers(0, 256, dst.size, dtype=np.uint8)
+    want = dst.bytes.copy()
+    for s, d, n in runs:
+        want[d : d + n] = src.bytes[s : s + n]
+    rows = [(src.start + s, dst.start + d, n) for s, d, n in runs]
+    _native.copy_byte_runs(np.array(rows, dtype=np.uint64).reshape(-1, 3), streaming, prefetch, any_order)
+    assert np.array_equal(dst.bytes, want), (runs[:3], streaming, prefetch, any_order)
+
+
+S, D = src.size, dst.size
+for streaming in (True, False):
+    for prefetch in (True, False):
+        for n in range(301):
+            for off in (0, 1, 31, 32, 33, 63):
+                check([(off, D - n, n)], streaming, prefetch)  # the destination's last byte
+                check([(S - n, off, n)], streaming, prefetch)  # the source's last byte
+                check([(0, off, n), (off, 0, n)][off % 2 :][:1], streaming, prefetch)  # a first byte
+            check([(S - n, D - n, n)], streaming, prefetch, any_order=True)
+        # a transposed tile (8 rows of 16 runs of 256 B, the source a token's row apart)
+        # ending on both buffers' last bytes, with a head run that ends in its first run
+        rows_, cols, length = 8, 16, 256
+        stride = rows_ * length
+        s0, d0 = S - (cols - 1) * stride - rows_ * length, D - rows_ * cols * length  # 32 KiB either
+        tile = [(s0 + a * length + b * stride, d0 + (a * cols + b) * length, length)
+                for a in range(rows_) for b in range(cols)]
+        tile[0] = (s0 - 40, d0 - 40, length + 40)
+        assert _native.tiles_of(np.array([(src.start + s, dst.start + d, k) for s, d, k in tile],
+                                         dtype=np.uint64))
+        check(tile, streaming, prefetch)
+# lanes: scattered runs of 2-6 KiB (every last one ending on a last byte), destinations apart
+big_src, big_dst = Guarded(256), Guarded(256)
+src, dst, S, D = big_src, big_dst, big_src.size, big_dst.size
+src.bytes[:] = rng.integers(0, 256, S, dtype=np.uint8)
+lengths = rng.integers(2048, 6000, 150)
+at = D - int(lengths.sum()) - 64 * 149 + np.cumsum(np.r_[0, lengths[:-1] + 64])  # 64 B apart, the last to D
+runs = [(int(rng.integers(0, S - k)) if i % 3 else S - int(k), int(d), int(k))
+        for i, (d, k) in enumerate(zip(at, lengths))]
+assert _native.lane_bytes(np.array([(src.start + s, dst.start + d, k) for s, d, k in runs], dtype=np.uint64))
+check(runs, True, True, any_order=True)
+print("ok")
+"""
+
+
+def test_runs_at_an_allocation_s_ends_touch_no_byte_past_them() -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", GUARDED], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "ok", (done.returncode, done.stderr[-3000:])
 
 
 def test_the_run_table_is_an_n_by_3_uint64_array() -> None:
