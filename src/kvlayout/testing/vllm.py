@@ -220,6 +220,7 @@ def dsv4_indexer_spec(block_size: int, compress_ratio: int = 4, indexer_kv_dtype
     to 512 bytes (FlashInfer sparse; 576 with FlashMLA's fp8_ds_mla)."""
     if indexer_kv_dtype not in ("fp8", "mxfp4"):
         raise ValueError(f"indexer_kv_dtype {indexer_kv_dtype!r} is not fp8 or mxfp4")
+    block_size, compress_ratio = _dsv4_sizes(block_size, compress_ratio)
     return kvi.MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,
@@ -231,10 +232,18 @@ def dsv4_indexer_spec(block_size: int, compress_ratio: int = 4, indexer_kv_dtype
     )
 
 
+def _dsv4_sizes(block_size: int, compress_ratio: int) -> tuple[int, int]:
+    """A DeepSeek-V4 cache's block size and compress ratio, each an int of at least 1 (the
+    model takes ``max(1, config.compress_rates[...])``): vLLM's spec takes any number and
+    prices a ratio of 0 or less as 1 state a block, and a float as a float page."""
+    return at_least(block_size, "block_size", 1), at_least(compress_ratio, "compress_ratio", 1)
+
+
 def dsv4_latent_spec(block_size: int, compress_ratio: int = 1) -> Any:
     """``DeepseekV4MLAAttention.get_kv_cache_spec`` with cache_dtype "auto": one bf16
     latent row of 512 a slot, ``compress_ratio`` tokens per slot (1: the uncompressed
     layers), the page aligned to 512 bytes."""
+    block_size, compress_ratio = _dsv4_sizes(block_size, compress_ratio)
     return kvi.MLAAttentionSpec(
         block_size=block_size,
         num_kv_heads=1,

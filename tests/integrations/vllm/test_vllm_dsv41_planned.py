@@ -213,3 +213,20 @@ def test_planned_engine_names_a_plan_of_no_layers_or_no_blocks() -> None:
     for num_blocks in (0, -1, 1.5):
         with pytest.raises(TypeError, match=rf"^num_blocks must be an int of at least 1, got {num_blocks}$"):
             vx.planned_engine(MODELS["c4"], vx.FLASHMLA, layout=vx.KVCacheLayout.BLHNC, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("spec", [vx.dsv4_latent_spec, vx.dsv4_indexer_spec])
+def test_deepseek_v4_specs_name_a_block_size_or_ratio_that_is_no_count(spec: Any) -> None:
+    """vLLM's spec took a ratio of 0 or -1 as one state a block (a latent page of 1,024
+    bytes for 256 tokens), and a float ratio or block size into a float page, where the
+    model takes max(1, its config's rate)."""
+    for kw, message in (
+        ({"compress_ratio": 0}, "compress_ratio must be an int of at least 1, got 0"),
+        ({"compress_ratio": -1}, "compress_ratio must be an int of at least 1, got -1"),
+        ({"compress_ratio": 1.5}, "compress_ratio must be an int of at least 1, got 1.5"),
+    ):
+        with pytest.raises(TypeError, match=f"^{message}$"):
+            spec(BLOCK, **kw)
+    for block_size in (0, -256, 2.0):
+        with pytest.raises(TypeError, match=rf"^block_size must be an int of at least 1, got {block_size}$"):
+            spec(block_size)
