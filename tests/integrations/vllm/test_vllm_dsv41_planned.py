@@ -212,7 +212,12 @@ def test_planned_engine_names_a_plan_of_no_layers_or_no_blocks() -> None:
         vx.planned_engine({}, vx.FLASHMLA, layout=vx.KVCacheLayout.BLHNC)
     for num_blocks in (0, -1, 1.5):
         with pytest.raises(TypeError, match=rf"^num_blocks must be an int of at least 1, got {num_blocks}$"):
-            vx.planned_engine(MODELS["c4"], vx.FLASHMLA, layout=vx.KVCacheLayout.BLHNC, num_blocks=num_blocks)
+            vx.planned_engine(
+                MODELS["c4"],
+                vx.FLASHMLA,
+                layout=vx.KVCacheLayout.BLHNC,
+                num_blocks=num_blocks,  # type: ignore[arg-type]
+            )
 
 
 @pytest.mark.parametrize("spec", [vx.dsv4_latent_spec, vx.dsv4_indexer_spec])
