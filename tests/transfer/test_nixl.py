@@ -453,7 +453,7 @@ def test_many_deferred_releases_drain_in_one_pass_and_a_failing_one_is_a_warning
     itself: 400 buffers collected under the agent's lock made the next register() raise
     RecursionError, the popped releases lost. A release that fails is a ResourceWarning,
     not the error of whichever call drained."""
-    from kvlayout.transfer.nixl.regions import _DEFERRED, _REGIONS, when_free
+    from kvlayout.transfer.nixl.regions import _DEFERRED, _REGIONS, defer
 
     agent = nx.make_agent("kvl-deferred-many", progress_thread=False)
     gc.disable()  # every buffer collected below, under the lock
@@ -472,12 +472,12 @@ def test_many_deferred_releases_drain_in_one_pass_and_a_failing_one_is_a_warning
         raise RuntimeError("the backend refused")
 
     with _REGIONS[agent].lock:
-        when_free(lambda: locks_free_or_fail(_REGIONS[agent].lock, fails))
+        defer(agent, lambda: locks_free_or_fail(_REGIONS[agent].lock, fails))
     with (
         pytest.warns(ResourceWarning, match="could not release .*: RuntimeError: the backend refused"),
         nx.register(agent, torch.zeros(64, dtype=torch.uint8)),
     ):
-        assert len(_REGIONS[agent].count) == 1 and not _DEFERRED
+        assert len(_REGIONS[agent].count) == 1 and not [a for a, _ in _DEFERRED if a is agent]
 
 
 def locks_free_or_fail(lock: Any, then: Callable[[], bool]) -> bool:
@@ -618,18 +618,21 @@ def test_a_peer_copy_whose_staging_buffer_closed_copies_nothing(pair: Pair) -> N
 
 def test_a_request_dropped_without_release_lets_go_of_its_staging_buffer(pair: Pair) -> None:
     """A connector that abandons a prepared request (its KV request aborted, say) and drops
-    it: the staging buffer was taken for good, every later staged request refused it. A
-    posted one dropped is left to finish, not cancelled."""
+    it: the staging buffer was taken for good, every later staged request refused it. It
+    is released by the agent's next request (NIXL is called on the caller's thread, not
+    the collector's). A posted one dropped is left to finish, not cancelled."""
     m = make_map(pair, "READ", UNIT_RUNS)
     staging = nx.Staging(pair.agent, BUF)
     ahead = nx.prepare_transfer(pair.agent, pair.name, m, strategy="staged", staging=staging)
     assert staging.busy
     with pytest.warns(
-        ResourceWarning, match=r"the READ to peer 'kvl-peer' \(staged, .*\) was prepared and dropped"
+        ResourceWarning,
+        match=r"the READ to peer 'kvl-peer' \(staged, .*\) was prepared and dropped without release\(\); "
+        "the agent's next request releases it",
     ):
         del ahead
         gc.collect()
-    assert not staging.busy
+    assert staging.busy  # until the agent's next call
     assert (
         nx.transfer(pair.agent, pair.name, m, strategy="staged", staging=staging).wait(timeout=30).strategy
         == "staged"
@@ -718,10 +721,10 @@ def test_a_staged_request_dropped_in_flight_frees_its_staging_buffer_once_nixl_r
 
 @pytest.mark.parametrize("held", ["staging", "regions", "peer stagings"])
 def test_a_request_collected_while_a_lock_it_releases_is_held_lets_go_after(pair: Pair, held: str) -> None:
-    """A prepared request dropped in a reference cycle is released by the collector, on
+    """A prepared request dropped in a reference cycle was released by the collector, on
     whatever thread allocates: one inside a staging buffer's, the agent's or the peer
-    buffers' lock hung for good when the release waited for it. The next call that takes
-    the buffer releases it instead."""
+    buffers' lock hung for good when the release waited for it. The agent's next call
+    releases it, on the caller's thread, the lock free by then."""
     from kvlayout.transfer.nixl.holds import _PEER_STAGINGS_LOCK
     from kvlayout.transfer.nixl.regions import _REGIONS
 

@@ -741,8 +741,8 @@ def test_the_peer_s_copy_holds_its_staging_buffer_from_prepared_until_run(pair: 
         dropped = nx.prepare_unstage(m, staging)
         del dropped
         gc.collect()
-        assert not staging.busy  # a copy dropped unrun lets go of it
-        waiting = nx.prepare_unstage(m, staging, stages=2)
+        assert staging.busy  # a copy dropped unrun lets go of it at the agent's next call:
+        waiting = nx.prepare_unstage(m, staging, stages=2)  # this one, which takes it
         failed: list[BaseException] = []
 
         def scatter() -> None:  # waits for stages that never land

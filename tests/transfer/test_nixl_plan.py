@@ -502,6 +502,7 @@ class _FakeStaging:
         self.address = buf.ctypes.data
         self.nbytes = buf.nbytes
         self.device = device
+        self.agent = None  # no agent: what a dropped copy leaves to its next call stays queued
         self.busy = self.closed = self.kept = False
 
     def _take(self) -> bool:

@@ -19,7 +19,7 @@ from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT, unownable
 from kvlayout.registration.memory import Placement
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.arguments import threads_arg
-from kvlayout.transfer.nixl.regions import _REGIONS, _drain_deferred, _intervals, register, when_free
+from kvlayout.transfer.nixl.regions import _REGIONS, _drain_deferred, _intervals, defer, register
 from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError
 
 _HOST = torch.device("cpu")
@@ -185,9 +185,10 @@ class Staging:
         # Its tensor is the caller's to reach (staging.tensor): a resize or a new storage
         # would leave NIXL's region and the planned copies on freed memory.
         self._placement = Placement([self.tensor], ["the staging buffer's tensor"])
-        # Dropped without close(), NIXL lets go of its region with the memory (one kept for
-        # good is never dropped: _KEPT holds it), never waiting on the agent's lock.
-        weakref.finalize(self, when_free, self.registered._deregister_when_free).atexit = False
+        # Dropped without close(), NIXL lets go of its region (and the region of its memory)
+        # at the agent's next call, on the caller's thread (one kept for good is never
+        # dropped: _KEPT holds it).
+        weakref.finalize(self, defer, agent, self.registered._deregister_when_free).atexit = False
         self.busy = False
         self.closed = False
         self.kept = False  # a request released in flight may still write it: never handed out again
@@ -219,7 +220,7 @@ class Staging:
     def close(self) -> None:
         """Deregister the buffer, now or, while a transfer holds it, when that one lets go
         (NIXL would otherwise move its bytes through a region it no longer holds)."""
-        _drain_deferred()  # a request dropped unreleased may hold it: let go of first
+        _drain_deferred(self.agent)  # a request dropped unreleased may hold it: let go of first
         with self._lock:
             if not self.closed:
                 self.closed = True
@@ -227,15 +228,15 @@ class Staging:
                     self.registered.deregister()
 
     def _locks(self) -> list[Any]:
-        """The locks letting go of or keeping the buffer takes (a finalizer must not wait
-        for one its thread may hold)."""
+        """The locks letting go of or keeping the buffer takes (a dropped object's deferred
+        work must not wait for one its thread may hold)."""
         held = _REGIONS.get(self.agent)
         return [self._lock] + ([held.lock] if held is not None else [])
 
     def _take(self) -> bool:
         """Take the buffer for one request, atomically (two threads posting through it
         both saw it free, and both gathered into it); False while another holds it."""
-        _drain_deferred()  # a request dropped unreleased may still hold it
+        _drain_deferred(self.agent)  # a request dropped unreleased may still hold it
         with self._lock:
             if self.closed and not self.busy:
                 raise TransferError(f"{self!r} is closed: NIXL no longer holds its region")

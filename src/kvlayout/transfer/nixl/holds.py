@@ -1,6 +1,7 @@
 """What a request holds until it is released (its NIXL requests, staging buffer, local
 copies, pinned regions and claim on a peer's staging buffer), and how one dropped
-unreleased lets go of it from the collector, on whatever thread that runs."""
+unreleased lets go of it: at the agent's next call, on the caller's thread, never on the
+thread the collector happened to run its finalizer on."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ from kvlayout.transfer.nixl.plans import PeerStaging
 from kvlayout.transfer.nixl.regions import (
     _REGIONS,
     Region,
+    _drain_deferred,
     _unpin,
+    defer,
     locks_free,
-    when_free,
 )
 from kvlayout.transfer.nixl.sides import (
     Agent,
@@ -131,6 +133,15 @@ class _Hold:
 _DROPPED: deque[_Hold] = deque()
 
 
+def _catch_up(agent: Agent) -> None:
+    """What the agent's caller is owed before a request of the agent: the work finalizers
+    left it (:func:`~kvlayout.transfer.nixl.regions.defer`: requests, staging buffers and
+    peer's copies dropped unreleased), then the requests dropped in flight asked their
+    state, all on this thread, the caller's."""
+    _drain_deferred(agent)
+    _progress_dropped(agent)
+
+
 def _progress_dropped(agent: Agent) -> None:
     """Ask NIXL the state of each posted stage of each request of ``agent`` dropped in
     flight (which drives the agent, and sends a notif NIXL held back, once the stage is
@@ -172,12 +183,15 @@ def _over(agent: Agent, handle: Any) -> bool:
 
 
 def _abandon(hold: _Hold, what: str) -> None:
-    """A request dropped unreleased. Prepared and never started: release it, so that its
-    staging buffer is not taken for good. Started: leave it to finish (a post must not be
-    cancelled behind the caller's back), keeping what it holds. Both take locks the
-    thread the collector runs this on may hold: then the next call does it."""
+    """A request dropped unreleased (its finalizer, on whatever thread the collector
+    runs). Prepared and never started: release it, so that its staging buffer is not
+    taken for good. Started: leave it to finish (a post must not be cancelled behind the
+    caller's back), keeping what it holds. Either is left to the agent's next call
+    (:func:`_catch_up`): releasing calls NIXL, which takes an agent's calls from one
+    thread at a time, the caller's."""
     if hold.released:
         return
+    defer(hold.agent, lambda: _let_go_abandoned(hold))  # first: a filter may make the warning an error
     if hold.started:
         warnings.warn(
             f"{what} was dropped before wait(): it is left to finish. Its bytes move while the agent "
@@ -193,9 +207,10 @@ def _abandon(hold: _Hold, what: str) -> None:
         )
     else:
         warnings.warn(
-            f"{what} was prepared and dropped without release(); releasing it", ResourceWarning, stacklevel=1
+            f"{what} was prepared and dropped without release(); the agent's next request releases it",
+            ResourceWarning,
+            stacklevel=1,
         )
-    when_free(lambda: _let_go_abandoned(hold))
 
 
 def _let_go_abandoned(hold: _Hold) -> bool:

@@ -20,7 +20,7 @@ from kvlayout.transfer.block_maps import fingerprint
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _checked_runs
 from kvlayout.transfer.nixl.plans import Plan, plan
-from kvlayout.transfer.nixl.regions import locks_free, when_free
+from kvlayout.transfer.nixl.regions import defer, locks_free
 from kvlayout.transfer.nixl.sides import (
     Agent,
     NixlError,
@@ -149,8 +149,9 @@ class _Taken:
                     self.staging._let_go()
 
     def dropped(self) -> bool:
-        """:meth:`let_go` for the finalizer of a copy dropped (through :func:`when_free`),
-        False while a lock it takes is held: the collector may run it on any thread."""
+        """:meth:`let_go` for the finalizer of a copy dropped (through :func:`defer`, on
+        the agent's next call: closed, the buffer is deregistered), False while a lock it
+        takes is held."""
         if not locks_free(self._lock, *self.staging._locks()):
             return False
         self.let_go()
@@ -309,7 +310,8 @@ def _prepare(
         taken.let_go()
         raise
     copy = PeerCopy(p, staging, block_map, taken)
-    weakref.finalize(copy, when_free, taken.dropped).atexit = False  # dropped unrun: the buffer is free again
+    # dropped unrun: the buffer is free again (at the agent's next call)
+    weakref.finalize(copy, defer, staging.agent, taken.dropped).atexit = False
     return copy
 
 

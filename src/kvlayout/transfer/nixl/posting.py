@@ -15,9 +15,9 @@ from kvlayout.transfer.nixl.direct import _sides
 from kvlayout.transfer.nixl.holds import (
     _NO_CANCEL,
     _abandon,
+    _catch_up,
     _claim_peer_staging,
     _Hold,
-    _progress_dropped,
     _unclaim_peer_staging,
 )
 from kvlayout.transfer.nixl.peer_staging import _other_cut, _stages_announced, stage_notif, take_notif
@@ -126,7 +126,7 @@ class Transfer:
         self._unwatched = [
             (what, reach) for (what, _, _), reach in zip(own[1:], self._reach[1:], strict=True)
         ]
-        # What the request holds until released; dropped unstarted, it is released then.
+        # What the request holds until released; dropped, the agent's next call lets go of it.
         self._hold = _Hold(agent, handles, staging)
         weakref.finalize(self, _abandon, self._hold, self._what()).atexit = False
 
@@ -303,7 +303,7 @@ class Transfer:
         if self._result is not None:
             return True
         self._refuse_ended()
-        _progress_dropped(self.agent)  # requests of the agent dropped in flight: their notifs go
+        _catch_up(self.agent)  # the agent's requests dropped: released, or asked their state (notifs go)
         if not self._hold.started:
             raise TransferError(f"{self._what()} was prepared but not started: call start() first")
         try:
@@ -449,7 +449,7 @@ def prepare_transfer(
     :meth:`Transfer.start` when the bytes are ready: the gather, if staged, and the posts
     are then all that is left on the request's path. A prepared request that will not be
     started is let go with :meth:`Transfer.release` (dropped unstarted, it is released
-    when collected, with a ``ResourceWarning``).
+    by the agent's next call once collected, with a ``ResourceWarning``).
 
     Every descriptor is checked before anything is posted: the local ones inside regions
     registered on ``agent`` (the staging buffer's included), the remote ones inside the
@@ -478,7 +478,7 @@ def prepare_transfer(
     if peer_ready is not None:
         peer_ready = _message(peer_ready, "peer_ready")
     _check_staging_arg(staging)
-    _progress_dropped(agent)
+    _catch_up(agent)  # the agent's requests dropped: their staging buffers and claims let go of first
     taken = _take(staging, strategy)
     try:
         xfer = _prepare(

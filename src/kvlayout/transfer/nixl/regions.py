@@ -64,7 +64,6 @@ class _AgentRegions:
         self.lock = threading.Lock()  # register, deregister, pin and unpin from any thread
 
     def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
-        _drain_deferred()
         with self.lock:
             held = sorted(
                 (r.address, r.address + r.nbytes)
@@ -77,11 +76,16 @@ class _AgentRegions:
 
 _REGIONS: weakref.WeakKeyDictionary[Any, _AgentRegions] = weakref.WeakKeyDictionary()
 
-# Work a finalizer could not do at once: it needed a lock that was held, perhaps by the
-# very thread the cyclic collector ran it on (which waiting would hang for good). Each
-# attempt returns False while a lock it needs is held; the next call that reads or
-# changes what is registered, or takes a staging buffer, tries again.
-_DEFERRED: deque[Callable[[], bool]] = deque()
+# Work a finalizer leaves to the agent's caller. Letting go of what a dropped object held
+# calls NIXL (release_xfer_handle, deregister_memory), and the collector runs finalizers
+# on whichever thread allocates (the copier thread's, another agent's caller's), while
+# the caller may be inside a NIXL call on the agent, which a default agent takes from one
+# thread at a time. So a finalizer only queues its work, with its agent, and the next
+# call the caller makes on that agent does it (_drain_deferred): every NIXL call is made
+# on a thread the caller is calling the agent from. Each attempt returns False while a
+# lock it needs is held (by another thread, or by the one that drains), and then waits
+# for the call after.
+_DEFERRED: deque[tuple[Any, Callable[[], bool]]] = deque()
 
 
 def locks_free(*locks: Any) -> bool:
@@ -93,32 +97,37 @@ def locks_free(*locks: Any) -> bool:
     return True
 
 
-def when_free(attempt: Callable[[], bool]) -> None:
-    """Run ``attempt`` now, or, while a lock it needs is held, later (for finalizers)."""
-    if not attempt():
-        _DEFERRED.append(attempt)
+def defer(agent: Agent, attempt: Callable[[], bool]) -> None:
+    """Leave ``attempt`` (a finalizer's work, which may call NIXL on ``agent``) to the
+    next call made on ``agent`` (:func:`_drain_deferred`): appending takes no lock, so a
+    finalizer never waits, whatever its thread holds."""
+    _DEFERRED.append((agent, attempt))
 
 
 _DRAINING = threading.local()
 
 
-def _drain_deferred() -> None:
-    """Try each deferred attempt once (one still waiting goes back for later). An attempt
-    deregisters, which drains again: this thread's inner drains return at once (nested,
-    400 finalizers' work ran 400 calls deep), and an attempt's error is a warning, not
-    the error of whichever call happened to drain."""
+def _drain_deferred(agent: Agent) -> None:
+    """Try each attempt deferred for ``agent`` once, on the thread calling it (one still
+    waiting goes back for later; another agent's are left to that agent's calls). An
+    attempt deregisters, which drains again: this thread's inner drains return at once
+    (nested, 400 finalizers' work ran 400 calls deep), and an attempt's error is a
+    warning, not the error of whichever call happened to drain."""
     if not _DEFERRED or getattr(_DRAINING, "active", False):  # the common case: nothing deferred
         return
     _DRAINING.active = True
     try:
         for _ in range(len(_DEFERRED)):
             try:
-                attempt = _DEFERRED.popleft()
+                entry = _DEFERRED.popleft()
             except IndexError:  # another thread took the last one
                 return
+            if entry[0] is not agent:
+                _DEFERRED.append(entry)
+                continue
             try:
-                if not attempt():
-                    _DEFERRED.append(attempt)
+                if not entry[1]():
+                    _DEFERRED.append(entry)
             except Exception as exc:
                 warnings.warn(
                     "kvlayout could not release what a dropped NIXL object held: "
@@ -157,7 +166,7 @@ class Registered:
         :meth:`Staging.close` defers); until then the region and its storage are kept, for
         good if the request was released in flight (NIXL cannot guarantee its cancel).
         New requests through it are refused at once."""
-        _drain_deferred()
+        _drain_deferred(self.agent)
         held = _REGIONS[self.agent]
         with held.lock:  # checked and marked under it: two threads deregistering count once
             if self._tensors is None:
@@ -175,8 +184,8 @@ class Registered:
                         self.agent.deregister_memory(held.reg_lists.pop(region))
 
     def _deregister_when_free(self) -> bool:
-        """:meth:`deregister` for a finalizer (through :func:`when_free`), False while the
-        agent's lock is held: register() may be what the collector interrupted."""
+        """:meth:`deregister` for a finalizer (through :func:`defer`), False while the
+        agent's lock is held (by another thread, or the one draining)."""
         held = _REGIONS.get(self.agent)
         if self._tensors is not None and held is not None:
             if not locks_free(held.lock):
@@ -202,7 +211,7 @@ def register(agent: Agent, registration: Holder) -> Registered:
     if not callable(getattr(agent, "register_memory", None)):
         raise TypeError(f"agent must be a NIXL agent (nx.make_agent), not {type(agent).__name__}")
     _check_detected(registration)
-    _drain_deferred()
+    _drain_deferred(agent)
     tensors = [t for t in _tensors(registration) if t.numel()]
     if not tensors:
         raise TransferError("the registration holds no memory to register (every tensor is empty)")
@@ -364,6 +373,7 @@ def _refuse_outside(
 def _check_local(
     agent: Agent, addr: np.ndarray, lengths: np.ndarray, mem: str, device: int, what: str
 ) -> None:
+    _drain_deferred(agent)  # a dropped staging buffer's region goes first
     held = _REGIONS.get(agent)
     spans = held.intervals(mem, device) if held is not None else (np.empty(0, _U64),) * 2
     where = (
