@@ -747,6 +747,103 @@ def test_a_request_collected_while_a_lock_it_releases_is_held_lets_go_after(pair
     staging.close()
 
 
+class _Recording:
+    """A real NIXL agent that notes each call made on it: its name, the calling thread
+    and the arguments."""
+
+    def __init__(self, agent: nx.Agent) -> None:
+        self._agent = agent
+        self.name = agent.name
+        self.calls: list[tuple[str, int, tuple[Any, ...]]] = []
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._agent, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.calls.append((name, threading.get_ident(), args))
+            return attr(*args, **kwargs)
+
+        return call
+
+    def called(self, name: str) -> list[Any]:
+        """The first argument of each call of ``name`` so far."""
+        return [args[0] for n, _, args in self.calls if n == name]
+
+
+def test_what_dropped_objects_held_is_let_go_of_on_the_caller_s_thread(pair: Pair) -> None:
+    """The collector runs finalizers on whichever thread allocates (kvlayout's copy thread
+    among them), and letting go of what a dropped request, staging buffer or peer's copy
+    held calls NIXL (release_xfer_handle, deregister_memory), which takes a default
+    agent's calls from one thread at a time: the finalizers called it from the
+    collector's thread, beside the caller's. They now leave it to the agent's next call:
+    collected on the copy thread, nothing is called on the agent; the next request
+    releases the unstarted request's NIXL requests and staging buffer, deregisters the
+    dropped buffer and the closed one the peer's copy held, and asks the request dropped
+    in flight its state until NIXL reports it done, then releases it; every call on the
+    agent is on this thread. READs only: the peer's memory is left as it is."""
+    from kvlayout.transfer.nixl.copies import _copier
+
+    agent = _Recording(nx.make_agent("kvl-one-thread", progress_thread=False))
+    name = agent.add_remote_agent(pair.peer.metadata)
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    here, there, theirs = nx.local_side(local), pair.peer.side([0, 1]), pair.peer.read(1)
+
+    def read(slots: range) -> Map:  # unit runs from peer buffer 1 into slots of ``local``
+        rows = [(pair.peer.address(1, k * UNIT), local.data_ptr() + k * SLOT, UNIT) for k in slots]
+        return Map(np.array(rows, U64), there, here)
+
+    registered = nx.register(agent, local)
+    taken, dropped, copied = nx.Staging(agent, BUF), nx.Staging(agent, 4096), nx.Staging(agent, BUF)
+    regions = {s.address: s.registered.regions[0] for s in (dropped, copied)}
+    gc.disable()  # collected below on the copy thread, not by an allocation here
+    try:
+        unstarted = nx.prepare_transfer(agent, name, read(range(0, 32)), strategy="staged", staging=taken)
+        flying = nx.transfer(agent, name, read(range(32, 64)), strategy="direct")
+        copy = nx.prepare_unstage(read(range(64, 96)), copied)
+        copied.close()  # held by the copy: deregistered once it lets go
+        handles, flown = list(unstarted.handles), list(flying.handles)
+        assert handles and flown and taken.busy and copied.busy
+        cycle: list[Any] = [unstarted, flying, dropped, copy]
+        cycle.append(cycle)  # freed only by the cyclic collector
+        del unstarted, flying, dropped, copy, cycle
+        before = len(agent.calls)
+        with pytest.warns(ResourceWarning) as caught:
+            _copier().submit(gc.collect).result(timeout=30)
+    finally:
+        gc.enable()
+    said = [str(w.message) for w in caught]
+    assert any("was prepared and dropped without release(); the agent's next request" in m for m in said)
+    assert any("was dropped before wait(): it is left to finish" in m for m in said)
+    assert len(agent.calls) == before, agent.calls[before:]  # the collection called nothing
+    assert taken.busy and copied.busy and len(held_regions(agent)) == 4  # all still held
+    probe = nx.transfer(agent, name, read(range(96, 97)), strategy="direct")  # the next request
+    assert set(handles) <= set(agent.called("release_xfer_handle")) and not taken.busy
+    assert not copied.busy and len(held_regions(agent)) == 2  # local and taken
+    assert len(agent.called("deregister_memory")) == 2
+    assert set(flown) <= set(agent.called("check_xfer_state"))  # asked, so its notif goes
+    probe.wait(timeout=30)
+    deadline = time.monotonic() + 30
+    while not set(flown) <= set(agent.called("release_xfer_handle")):
+        assert time.monotonic() < deadline, "the request dropped in flight was never released"
+        nx.transfer(agent, name, read(range(96, 97)), strategy="direct").wait(timeout=30)
+    for k in range(32, 64):  # the one dropped in flight landed; the unstarted one moved nothing
+        assert np.array_equal(local[k * SLOT : k * SLOT + UNIT].numpy(), theirs[k * UNIT : (k + 1) * UNIT])
+    assert not local[: 32 * SLOT].any()
+    assert {thread for _, thread, _ in agent.calls} == {threading.get_ident()}
+    assert not set(regions.values()) & set(held_regions(agent))
+    taken.close()
+    registered.deregister()
+
+
+def held_regions(agent: Any) -> dict[Any, int]:
+    """The regions kvlayout holds registered on ``agent``, with their holders."""
+    from kvlayout.transfer.nixl.regions import _REGIONS
+
+    return _REGIONS[agent].count
+
+
 def test_two_threads_waiting_on_one_request_release_it_once(
     pair: Pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
