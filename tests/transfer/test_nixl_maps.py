@@ -433,13 +433,19 @@ def test_a_peer_staging_buffer_on_the_peer_s_other_group_is_refused_naming_it(pa
             for m in (write, read):
                 others = [t for t in tensors if t[0] != gi]
                 assert len(others) == 2  # the other group's two tensors, each lied on twice
-                for other, k, a, span in others:
-                    where = tensors.index((other, k, a, span))
+                for _, _, a, span in others:
                     for lie in (nx.PeerStaging(a + 64, 64), nx.PeerStaging(a + span - 64, m.num_bytes)):
+                        # the refusal names the first described tensor the lie overlaps: the one it
+                        # starts in, or an earlier one the peer's allocator put right after it
+                        end = lie.address + lie.nbytes
+                        where = next(
+                            i for i, t in enumerate(tensors) if t[2] < end and t[2] + t[3] > lie.address
+                        )
+                        g, k, at, n = tensors[where]
                         why = (
                             rf"^PeerStaging\({lie.address:#x}, {lie.nbytes} bytes\) overlaps tensor {where} "
-                            rf"\({a:#x}, {span} bytes, kernel group {other} \(engine group {other}, layers "
-                            rf"{2 * other}-{2 * other + 1}: NL_X_TWO_NB_BS_NH_HS .*\), its tensor {k}\) of the "
+                            rf"\({at:#x}, {n} bytes, kernel group {g} \(engine group {g}, layers "
+                            rf"{2 * g}-{2 * g + 1}: NL_X_TWO_NB_BS_NH_HS .*\), its tensor {k}\) of the "
                             rf"{layers} tensors the peer described: .*refused before posting$"
                         )
                         for strategy in ("peer-staged", "auto"):
