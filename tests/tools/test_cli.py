@@ -396,11 +396,11 @@ def test_plan_prints_every_rank_pair(capsys: pytest.CaptureFixture[str]) -> None
         "plan: 10 tokens, consecutive block ids; src NL_X_TWO_NB_BS_NH_HS TP 2 (blocks of 4), dst "
         "NL_X_TWO_NB_NH_BS_HS TP 4 (blocks of 4); 4 KV heads; posted by dst; cost model: defaults"
     )
-    # src rank 0 holds heads 0-1, dst rank 1 head 1: one head's 16-byte row a token, per layer and K/V
+    # src rank 0 holds heads 0-1, dst rank 1 head 1: one head's 16-byte row a token, per layer and K/V;
+    # 40 runs of 16 B go direct (over a real pair, READs of them direct 1.09 ms against staged's 1.17 ms,
+    # medians of 60 taking turns: a staged plan's own work outweighs 40 descriptors)
     assert lines[3] == "  src rank 0 -> dst rank 1: head slice, re-laid; 40 runs, 640 bytes, mean run 16 B"
-    assert lines[4].startswith("    READ: direct 40 descriptors, ") and lines[4].endswith(
-        "choice: peer-staged"
-    )
+    assert lines[4].startswith("    READ: direct 40 descriptors, ") and lines[4].endswith("choice: direct")
     assert (
         lines[5]
         == "  src rank 0 -> dst rank 2: nothing to send (src holds model heads 0-1 and dst 2: none in common)"
@@ -411,14 +411,17 @@ def test_plan_prints_every_rank_pair(capsys: pytest.CaptureFixture[str]) -> None
 def test_plan_posted_by_the_source_weighs_the_peer_staged_write(capsys: pytest.CaptureFixture[str]) -> None:
     """TP 2 -> 1 in NHD: every decode row is half written by each prefill rank, so only the
     peer-staged WRITE (the prefill's own stretches into decode's staging) cuts the
-    descriptors: one per layer and K/V of the consecutive blocks, not one per token."""
+    descriptors: one per layer and K/V of the consecutive blocks, not one per token. At
+    this size (64 runs of 16 B) that does not pay, and direct is chosen: over a real pair,
+    64 WRITEs of 16 B direct took 1.34 ms against 1.63 ms staged (medians of 60 taking
+    turns), and a peer-staged plan adds the peer's copy to a staged plan's own work."""
     dst_nhd = ["--dst-engine", "vllm", "--dst-shape", "2x[2,8,4,4,8]"]
     code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *dst_nhd, "--tokens", "16", "--blocks", "consecutive",
                        "--poster", "src", "--json")  # fmt: skip
     assert code == 0
     pairs = json.loads(out)["pairs"]
     assert [p["descriptors"] for p in pairs] == [{"direct": 64, "staged": 64, "peer-staged": 4}] * 2
-    assert [(p["op"], p["choice"]) for p in pairs] == [("WRITE", "peer-staged")] * 2
+    assert [(p["op"], p["choice"]) for p in pairs] == [("WRITE", "direct")] * 2
     code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *dst_nhd, "--tokens", "16", "--blocks", "consecutive",
                        "--poster", "src")  # fmt: skip
     assert "WRITE: direct 64 descriptors, " in out and "; peer-staged 4 descriptors, " in out

@@ -201,10 +201,13 @@ def test_a_staging_buffer_of_another_agent_is_named_as_such(pair: Pair) -> None:
     other = nx.make_agent("kvl-other", progress_thread=False)
     theirs = nx.Staging(other, BUF)
     m = make_map(pair, "WRITE", [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(8)])
+    # 8 runs of 256 B go direct by the defaults (a staged plan's own work outweighs 7
+    # descriptors): priced so that descriptors decide, "auto" takes the staged candidate
+    costly = nx.CostModel(per_descriptor_s=1e-3)
     try:
         for strategy in ("auto", "staged"):
             with pytest.raises(nx.RefusedDescriptorError) as err:  # as documented for local runs outside
-                nx.transfer(pair.agent, pair.name, m, strategy=strategy, staging=theirs)
+                nx.transfer(pair.agent, pair.name, m, strategy=strategy, staging=theirs, cost=costly)
             assert str(err.value).startswith(f"Staging({BUF} bytes at {theirs.address:#x}")  # busy, then
             assert str(err.value).split(") ", 1)[1] == (
                 "is registered on agent 'kvl-other', where it was made, not on 'kvl-local', which "

@@ -61,10 +61,21 @@ class CostModel:
 
     The defaults (:data:`DEFAULT_COST`, which ``plan`` and ``estimate`` use when given no
     model) are this project's measurement of NIXL over UCX's TCP transport on
-    loopback (2 cores): 128 MiB in 0.2 s as one descriptor (0.65 GB/s), 9.6 s as 524,288
-    of 256 B (about 18 us a descriptor). The copy's are the block-map engine's
-    (:func:`copy_byte_runs`) there, one thread, as :func:`calibrate` measured them on the
-    quiet machine once the copy streamed whole lines only (2026-12-07): a gather at 10 GB/s
+    loopback (2 cores), as :func:`calibrate` measures it (16 MiB transfers, as bench-pd
+    asks): the medians of 128 calls, 64 WRITE and 64 READ taking turns, under other load
+    (a 1-minute load average of 1.8-4.0; 2026-12-07): a descriptor of 1 KiB 1.6 us, 8 KiB
+    2.8 us, 32 KiB 5.5 us, 64 KiB 5.7 us, 128 KiB 8.6 us, 512 KiB 1.1 us; 1.9 GB/s; 0.6 ms
+    a transfer. One set prices both ops, which differ: the WRITEs' medians 1.8, 3.6, 7.8,
+    7.9, 11.4 and 0 us, 2.8 GB/s, 0.8 ms; the READs' 1.4, 2.0, 3.4, 2.9, 5.4 and 8.4 us,
+    1.7 GB/s, 0.5 ms. A call's figure is noisy past 8 KiB (interquartile 2-9 us at 32 KiB,
+    0-26 us at 512 KiB, over the 128): :func:`calibrate` the live pair where strategies
+    come close. They had been 18 us a descriptor at every size (9.6 s for 524,288 of
+    256 B), 0.65 GB/s and 0.2 ms, measured before the loopback got faster; priced so, a
+    map of 976 descriptors of 72 KiB (MLA TP 1 -> 4, scattered) went staged by 2 %, where
+    bench-pd measured direct in 0.79-0.85x the staged plans' time. The copy's are the
+    block-map engine's (:func:`copy_byte_runs`) there, one thread, as :func:`calibrate`
+    measured them on the quiet machine once the copy streamed whole lines only
+    (2026-12-07): a gather at 10 GB/s
     and 0.038 us a run (0.036-0.041 us, 10.0-10.4 GB/s), a scatter at 10 GB/s and 0.018
     us a run (0.016-0.019 us, 9.9-10.4 GB/s). They had been 6 GB/s and 0.03 us, and for
     the scatter 4 GB/s and 0.2 us, measured under other load while the scatter still
@@ -93,9 +104,9 @@ class CostModel:
     1.5x it end to end (its plan sorting and checking 524,224 runs in 60-90 ms).
     """
 
-    per_descriptor_s: float = 18e-6
-    bandwidth: float = 0.65e9  # bytes/s
-    per_transfer_s: float = 2e-4
+    per_descriptor_s: float = 1.6e-6
+    bandwidth: float = 1.9e9  # bytes/s
+    per_transfer_s: float = 6e-4
     copy_per_run_s: float = 0.038e-6
     copy_bandwidth: float = 10e9  # bytes/s
     source: str = "defaults"
@@ -240,8 +251,17 @@ def _finite(name: str, value: object, what: str, least: float | None) -> None:
         raise TypeError(f"{name} must be {what}, got {value!r}")
 
 
-# This project's figures (the class's docstring), the scatter's among them.
+# This project's figures (the class's docstring), the scatter's and a descriptor's by size among
+# them: calibrate()'s medians over 128 calls on this loopback, 64 of each op (2026-12-07).
 DEFAULT_COST = CostModel(
+    per_descriptor_by_size=(
+        (1 << 10, 1.6e-6),
+        (8 << 10, 2.8e-6),
+        (32 << 10, 5.5e-6),
+        (64 << 10, 5.7e-6),
+        (128 << 10, 8.6e-6),
+        (512 << 10, 1.1e-6),
+    ),
     scatter_per_run_s=0.018e-6,
     scatter_bandwidth=10e9,
     transposed_factor=0.75,
