@@ -116,3 +116,35 @@ def test_plan_sends_the_latents_to_each_decode_rank_once(
         assert sending == [(d * src_tp // dst_tp, d) for d in range(dst_tp)], (src_tp, dst_tp)
         assert {p["bytes"] for p in pairs if p["runs"]} == {2 * 40 * 576 * 2}
         assert all(p["kind"] == "replica" for p in pairs if not p["runs"])
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 2), (2, 4), (4, 2)])
+def test_pages_every_rank_holds_whole_are_latents(src_tp: int, dst_tp: int) -> None:
+    """SGLang's DeepSeek-V4 FlashMLA pages (opaque pages of one array every TP rank holds
+    whole) are latents: each decode rank takes them from one prefill rank,
+    ``d * P // D``, whatever head count the shards carry (here as many as ranks, which
+    without ``latents`` made every prefill rank a sender). ``m.latents`` was False for
+    any opaque page, so a connector asking it sent the same page P times."""
+    from kvlayout.integrations.sglang import flashmla_kv_pages
+
+    pools = [[torch.randint(0, 256, (4, 9792), dtype=torch.uint8) for _ in range(NL)] for _ in range(src_tp)]
+    for d in range(dst_tp):
+        dst = [torch.zeros(4, 9792, dtype=torch.uint8) for _ in range(NL)]
+        senders = []
+        for p in range(src_tp):
+            src_shard, dst_shard = (
+                Shard(p, src_tp, max(src_tp, dst_tp)),
+                Shard(d, dst_tp, max(src_tp, dst_tp)),
+            )
+            m = block_map(
+                flashmla_kv_pages(pools[p], 16), flashmla_kv_pages(dst, 16), [3, 1], [0, 2],
+                src_shard=src_shard, dst_shard=dst_shard,
+            )  # fmt: skip
+            assert m.latents and m.num_bytes == 2 * NL * 9792
+            if src_shard.sends_to(dst_shard, latents=m.latents):
+                senders.append(p)
+                m.copy()
+        assert senders == [d * src_tp // dst_tp]
+        for layer in range(NL):
+            assert torch.equal(dst[layer][0], pools[senders[0]][layer][3])
+            assert torch.equal(dst[layer][2], pools[senders[0]][layer][1])

@@ -153,9 +153,12 @@ class BlockMap(HoldsAddresses):
         """The map moves a cache without a head axis that every TP rank holds whole (MLA
         latents, an indexer's keys): one source rank sends it to each destination rank,
         ``src_shard.sends_to(dst_shard, latents=m.latents)`` says which, whatever
-        ``num_kv_heads`` the shards carry. False for heads, and for pages of TP-sharded
-        state (each rank its own slice: every pair's map moves its part)."""
-        return not self.src.has_heads and self.src.opaque_pages is None
+        ``num_kv_heads`` the shards carry: also opaque pages of arrays every rank holds
+        whole (DeepSeek-V4's FlashMLA pages, vLLM's MLA pages through its group edits).
+        False for heads, and for pages of TP-sharded state (each rank its own slice: every
+        pair's map moves its part)."""
+        pages = self.src.opaque_pages
+        return not self.src.has_heads and (pages is None or _held_whole(pages))
 
     @property
     def reason(self) -> str:
