@@ -723,7 +723,8 @@ def _state_ranks(
             f"src and dst are pages of state in blocks of {src.block_size} and {dst.block_size} rows: "
             "a block's state is a snapshot at its last token, so pages map only between blocks of "
             "the same size, but for a request's running state, one block id a side without num_tokens "
-            f"(vLLM's align mode at two TP degrees whose hybrid blocks differ) ({how})"
+            "(of the cache's own blocks: no other src_block_size or dst_block_size; vLLM's align mode at two "
+            f"TP degrees whose hybrid blocks differ) ({how})"
         )
     problem = structure_problem(a, b)
     if problem is not None:
@@ -836,8 +837,10 @@ def block_map(
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
     # a request's running state between Mamba blocks of other sizes: one page a side, by id alone
+    # (ids of the cache's own blocks: a scheduler's block of several state pages is no one state)
     running = (
         num_tokens is None and first_token == 0 and _length(src_blocks) == 1 and _length(dst_blocks) == 1
+        and src_block_size in (None, a.block_size) and dst_block_size in (None, b.block_size)
         and a.block_size != b.block_size and _state_pages(a) and _state_pages(b)
     )  # fmt: skip
     state = _check_opaque_pages(a, b, src_shard, dst_shard, running_state=running)

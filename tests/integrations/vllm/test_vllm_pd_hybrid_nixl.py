@@ -225,3 +225,9 @@ def test_an_align_mode_running_state_moves_between_blocks_of_other_sizes() -> No
     ):
         block_map(prefill.registration.kernel_groups[0], decode.registration.kernel_groups[0], [1, 2], [3, 4],
                   src_shard=Shard(0, 2, 2), dst_shard=Shard(1, 4, 2))  # fmt: skip
+    # one id of a block of two state pages (a src_block_size of twice the cache's) is no one
+    # state: a map of blocks of one size reads it as pages 2-3, so the running state's path,
+    # which read page 1, refuses it
+    with pytest.raises(BlockMapError, match=r"of the cache's own blocks: no other src_block_size"):
+        block_map(prefill.registration.kernel_groups[0], decode.registration.kernel_groups[0], [1], [3],
+                  src_shard=Shard(0, 2, 2), dst_shard=Shard(1, 4, 2), src_block_size=1088)  # fmt: skip
