@@ -407,3 +407,26 @@ def test_a_hybrid_models_attention_takes_slots_and_its_state_pages_do_not() -> N
         r"rows are no tokens \(state, or a kernel's page\): they move whole pages, by block ids",
     ):
         block_map(state, chunk_side(state, state_chunk), src_slots=[5 * 544], dst_blocks=[0])
+
+
+def test_a_context_parallel_ranks_slot_mapping_names_only_its_own_tokens() -> None:
+    """vLLM's ``BlockTable.compute_slot_mapping`` under DCP writes
+    ``np.where(mask, slot_mapping, -1)``: a token another CP rank holds is -1 in a rank's
+    mapping. A mapping given with a CP shard that names a slot for such a token (the whole
+    request's mapping, say) was taken as it stood, moving 21 tokens into (or out of) a rank
+    that holds 10: refused, naming the token."""
+    _, src = _vllm(16, 4)
+    _, dst = _vllm(8, 4)
+    shard = Shard(0, 1, NH, cp_rank=1, cp_size=2, cp_interleave=1)
+    tokens = 21
+    own = [-1 if p % 2 == 0 else p // 2 for p in range(tokens)]  # the rank's own k-th token at row k
+    m = block_map(src, dst, list(range(6)), dst_slots=own, dst_shard=shard)
+    assert m.num_bytes == 10 * NL * 2 * NH * HS * 2
+    message = (
+        "{}_slots[0] = 0, but token 0 is not among the tokens of CP rank 1 of 2 (1 at a time) ({}_shard): "
+        "a context-parallel rank's slot mapping is -1 for the tokens other ranks hold"
+    )
+    with pytest.raises(BlockMapError, match=re.escape(message.format("dst", "dst"))):
+        block_map(src, dst, list(range(6)), dst_slots=list(range(tokens)), dst_shard=shard)
+    with pytest.raises(BlockMapError, match=re.escape(message.format("src", "src"))):
+        block_map(dst, src, src_slots=list(range(tokens)), dst_blocks=list(range(6)), src_shard=shard)

@@ -433,7 +433,7 @@ def _slot_map(pair: _Pair, sides: tuple[_SideArgs, _SideArgs], num_tokens: Any, 
     rows = []
     for side, (kind, value), per, cp, where in sides:
         if kind == "slots":
-            rows.append(slots_arg(f"{where}_slots", value, side, tokens, told, where))
+            rows.append(slots_arg(f"{where}_slots", value, side, tokens, told, where, cp))
         else:
             ids = _ids(f"{where}_blocks", value, side, tokens, per, told, cp)
             rows.append(block_rows(ids, side.block_size * per, cp, tokens))

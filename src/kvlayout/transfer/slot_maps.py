@@ -42,9 +42,12 @@ def _where(side: Side, where: str) -> str:
     return f"the {where} cache's {side.num_blocks * side.block_size} slots ({blocks})"
 
 
-def slots_arg(name: str, value: Any, side: Side, tokens: int, told: str, where: str) -> np.ndarray:
+def slots_arg(
+    name: str, value: Any, side: Side, tokens: int, told: str, where: str, cp: TokenSlice
+) -> np.ndarray:
     """A slot mapping as int64 rows of ``side``, -1 for a token not moved: as many as the
-    request's ``tokens`` (``told``: where that count came from), each -1 or a row of the side."""
+    request's ``tokens`` (``told``: where that count came from), each -1 or a row of the side,
+    and -1 for each token another context-parallel rank holds (``cp``: the side's)."""
     slots = block_ids_arg(name, value, BlockMapError)  # lists, arrays, tensors, read alike
     if len(slots) != tokens:
         raise BlockMapError(
@@ -61,6 +64,15 @@ def slots_arg(name: str, value: Any, side: Side, tokens: int, told: str, where: 
             else f"out of range for {_where(side, where)}"
         )
         raise BlockMapError(f"{name}[{t}] = {s} (token {t}) is {what}")
+    if not cp.whole and len(slots):  # vLLM's compute_slot_mapping: np.where(mask, slot_mapping, -1)
+        elsewhere = np.flatnonzero((slots >= 0) & ~cp.holds(np.arange(len(slots), dtype=np.int64)))
+        if len(elsewhere):
+            t = int(elsewhere[0])
+            raise BlockMapError(
+                f"{name}[{t}] = {int(slots[t])}, but token {t} is not among {cp} ({where}_shard): a "
+                "context-parallel rank's slot mapping is -1 for the tokens other ranks hold (vLLM's "
+                "compute_slot_mapping)"
+            )
     return slots
 
 
