@@ -722,9 +722,10 @@ def _state_ranks(
         raise BlockMapError(
             f"src and dst are pages of state in blocks of {src.block_size} and {dst.block_size} rows: "
             "a block's state is a snapshot at its last token, so pages map only between blocks of "
-            "the same size, but for a request's running state, one block id a side without num_tokens "
-            "(of the cache's own blocks: no other src_block_size or dst_block_size; vLLM's align mode at two "
-            f"TP degrees whose hybrid blocks differ) ({how})"
+            "the same size, but for a request's running state: one block id a side without num_tokens, "
+            "of the cache's own blocks (no other src_block_size or dst_block_size), each of several rows "
+            "(vLLM's align mode at two TP degrees whose hybrid blocks differ; a 'none'-mode state is one "
+            f"row) ({how})"
         )
     problem = structure_problem(a, b)
     if problem is not None:

@@ -228,6 +228,22 @@ def test_an_align_mode_running_state_moves_between_blocks_of_other_sizes() -> No
     # one id of a block of two state pages (a src_block_size of twice the cache's) is no one
     # state: a map of blocks of one size reads it as pages 2-3, so the running state's path,
     # which read page 1, refuses it
-    with pytest.raises(BlockMapError, match=r"of the cache's own blocks: no other src_block_size"):
-        block_map(prefill.registration.kernel_groups[0], decode.registration.kernel_groups[0], [1], [3],
-                  src_shard=Shard(0, 2, 2), dst_shard=Shard(1, 4, 2), src_block_size=1088)  # fmt: skip
+    refused = r"blocks of 544 and 272 rows: .* but for a request's running state: one block id a side"
+    a, b = prefill.registration.kernel_groups[0], decode.registration.kernel_groups[0]
+    p0, d1 = Shard(0, 2, 2), Shard(1, 4, 2)
+    with pytest.raises(BlockMapError, match=r"of the cache's own blocks \(no other src_block_size"):
+        block_map(a, b, [1], [3], src_shard=p0, dst_shard=d1, src_block_size=1088)
+    # several blocks on either side, a num_tokens or a first_token: blocks of tokens, not the running state
+    cases: list[tuple[list[int], list[int], int | None, int]] = [
+        ([1, 2], [3], None, 0), ([1], [3, 4], None, 0), ([1], [3], 1, 0), ([1], [3], 544, 543), ([1], [3], None, 1),
+    ]  # fmt: skip
+    for src_ids, dst_ids, num_tokens, first_token in cases:
+        with pytest.raises(BlockMapError, match=refused):
+            block_map(a, b, src_ids, dst_ids, src_shard=p0, dst_shard=d1, num_tokens=num_tokens,
+                      first_token=first_token)  # fmt: skip
+    # a 'none'-mode state (one row a block: prefix caching off) against an 'align'-mode one
+    none_mode = ph.rank_of("gdn", 2, 0, 3).registration.kernel_groups[0]
+    align_mode = ph.rank_of("gdn-align", 2, 0, 4).registration.kernel_groups[0]
+    for pair in ((none_mode, align_mode), (align_mode, none_mode)):
+        with pytest.raises(BlockMapError, match="a 'none'-mode state is one row"):
+            block_map(*pair, [1], [2], src_shard=Shard(0, 2, 2), dst_shard=Shard(0, 2, 2))
