@@ -469,6 +469,13 @@ def test_a_staged_read_s_scatter_out_of_order_is_still_checked_for_overlap() -> 
     ):
         p.check_copy()
     assert not b[0].any()
+    # a stage's copy run on its own (transfer's pipeline) checks the whole plan's first
+    fresh = nx.plan(m, staging=staging_at(buf), strategy="staged")
+    with pytest.raises(
+        nx.RefusedDescriptorError, match="writes bytes another copy writes; nothing was copied"
+    ):
+        fresh.copy_stage(0)
+    assert not b[0].any()
 
 
 def test_a_descriptor_is_priced_at_its_size_where_the_model_measured_sizes() -> None:
