@@ -430,3 +430,19 @@ def test_a_context_parallel_ranks_slot_mapping_names_only_its_own_tokens() -> No
         block_map(src, dst, list(range(6)), dst_slots=list(range(tokens)), dst_shard=shard)
     with pytest.raises(BlockMapError, match=re.escape(message.format("src", "src"))):
         block_map(dst, src, src_slots=list(range(tokens)), dst_blocks=list(range(6)), src_shard=shard)
+
+
+def test_a_masked_prefix_keeps_the_block_tables_pages_whole() -> None:
+    """LMCache masks a stored prefix with -1: past it, a block table's slot mapping is still
+    its blocks, in their phase (the first moved token, 9, is row 1 of its block). The pages
+    the builder walks are whole blocks from the moved token's block on, one padding row
+    before it (not single tokens, nor the prefix's blocks walked as padding), and the runs
+    are those of the block-id map from first_token 9."""
+    _, src = _vllm(16, 4)
+    _, dst = _vllm(8, 4)
+    table, tokens, dst_ids = [9, 2, 14, 3, 5, 11], 22, [6, 1, 4, 0, 7, 2]
+    slots = [table[p // 4] * 4 + p % 4 for p in range(tokens)]
+    m = block_map(src, dst, src_slots=[-1] * 9 + slots[9:], dst_blocks=dst_ids)
+    assert np.array_equal(m.runs, block_map(src, dst, table, dst_ids, num_tokens=tokens, first_token=9).runs)
+    assert m._page_sizes == (4, 4) and m._slots == (1, 14)
+    assert m._ids[0].tolist() == table[2:] and m._ids[1].tolist() == dst_ids[2:]
