@@ -456,9 +456,7 @@ def _slot_map(pair: _Pair, sides: tuple[_SideArgs, _SideArgs], num_tokens: Any, 
         a, b, pair, (pages.src_ids, pages.dst_ids), tokens, first, slots=(pages.first, pages.end),
         page_slots=(pages.src_slots, pages.dst_slots), page_sizes=pages.sizes,
     )  # fmt: skip
-    if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
-        result._raise(*_native.validate_groups(result._groups, a.spans, b.spans, one_memory=False))
-    return result
+    return _inside_peers(result)
 
 
 def _block_size(where: str, value: object) -> int | None:
@@ -857,10 +855,9 @@ def block_map(
         a, b, common = page_sides(a, b, *state)
         pair = _cached_pair(a, b, *state)
         kind = _state_kind(a, b, state, common, len(pair.slabs) // len(a.layers))
-        result = BlockMap(a, b, pair, (src_ids, dst_ids), 1, 0, slots=(0, int(common)), kind=kind)
-        if not (a.live and b.live):
-            result._raise(*_native.validate_groups(result._groups, a.spans, b.spans, one_memory=False))
-        return result
+        return _inside_peers(
+            BlockMap(a, b, pair, (src_ids, dst_ids), 1, 0, slots=(0, int(common)), kind=kind)
+        )
     if src_slots is not None or dst_slots is not None:
         paged = next(
             (s.opaque_pages for s in (a, b) if s.opaque_pages and not s.opaque_pages.rows_are_tokens), None
@@ -972,7 +969,13 @@ def block_map(
         pages = (first // rows, tokens // rows) if common else (first // rows,) * 2
         kind = _state_kind(a, b, state, common, len(pair.slabs) // len(a.layers))  # a layer's joined runs
         result = BlockMap(a, b, pair, (src_ids, dst_ids), tokens, first, slots=pages, kind=kind)
-    if not (a.live and b.live):  # a peer's addresses: every run must lie inside what it described
-        # (in another address space, which may repeat this one's addresses: no src/dst overlap)
+    return _inside_peers(result)
+
+
+def _inside_peers(result: BlockMap) -> BlockMap:
+    """``result``, refused where a side is a peer's and a run leaves what it described
+    (in another address space, which may repeat this one's addresses: no src/dst overlap)."""
+    a, b = result.src, result.dst
+    if not (a.live and b.live):
         result._raise(*_native.validate_groups(result._groups, a.spans, b.spans, one_memory=False))
     return result
