@@ -708,14 +708,15 @@ def _staged(
     num_runs, num_bytes = len(s.lengths), s.num_bytes
     copies = 1 if s.op == "WRITE" else 2
     st: _Stretches | None = None
+    sorts, unordered = _ordering(s.runs, "staged", s.op, s.remote_col)
+    known = None if sorts else _NO_ORDER  # runs already in the remote side's order: not checked again
     if final:
-        st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies)
+        st = _stretches(s.runs, s.remote_col, s.remote, staging.address, copies, known)
         descriptors = len(st.first)
         num_stages = len(_stages(st.first, st.nbytes, num_runs, priced))
     else:  # a candidate is priced by its descriptor count, laid out only if chosen
         descriptors = _stretch_count(s.block_map, s.runs, s.remote_col, s.remote)
         num_stages = min(descriptors, priced)  # at most what _stages gives: never more than the stretches
-    sorts, unordered = _ordering(s.runs, "staged", s.op, s.remote_col)
     predicted["staged"] = model.staged_s(
         descriptors,
         num_runs,
@@ -731,7 +732,7 @@ def _staged(
     def build() -> Plan:
         done = (
             st if final and st is not None
-            else _stretches(s.runs, s.remote_col, s.remote, staging.address, copies, st.order if st else None)
+            else _stretches(s.runs, s.remote_col, s.remote, staging.address, copies, known)
         )  # fmt: skip
         pipeline = _stages(done.first, done.nbytes, num_runs, stages)
         return Plan(
