@@ -32,7 +32,15 @@ import torch
 from kvlayout import EngineKVFormat as F
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.shards import Shard
-from kvlayout.testing.nixl_peer import CacheSpec, NixlPeer, Paced, build_cache, cache_sizes, refill
+from kvlayout.testing.nixl_peer import (
+    AgentPair,
+    CacheSpec,
+    Paced,
+    agent_pair,
+    build_cache,
+    cache_sizes,
+    refill,
+)
 from kvlayout.transfer import (
     BlockMap,
     PeerDescriptionError,
@@ -54,25 +62,16 @@ MLA = F.NL_X_NB_BS_HS  # vLLM's MLA latents
 LHBNC = F.NL_X_NH_NB_BS_CS  # vLLM 0.33's heads outside blocks (ROCm attention's first choice)
 
 
-@dataclass
-class Pair:
-    agent: nx.Agent
-    peer: NixlPeer
-    name: str
-    staging: nx.Staging
+Pair = AgentPair
 
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
     faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
-    peer = NixlPeer("kvl-maps-peer", [4096])
     try:
-        agent = nx.make_agent("kvl-maps-local", progress_thread=False)
-        name = agent.add_remote_agent(peer.metadata).decode()
-        with nx.Staging(agent, 1 << 20) as staging:
-            yield Pair(agent, peer, name, staging)
+        with agent_pair("kvl-maps", [4096], 1 << 20) as p:
+            yield p
     finally:
-        peer.close()
         faulthandler.cancel_dump_traceback_later()
 
 

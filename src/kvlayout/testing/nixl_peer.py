@@ -41,7 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -523,6 +523,36 @@ class NixlPeer:
                 self._pending += chunk
         line, _, self._pending = self._pending.partition(b"\n")
         return line
+
+
+class AgentPair(NamedTuple):
+    """This process's agent, the :class:`NixlPeer` it has loaded (``name``: the peer's
+    name here) and a staging buffer registered with the agent."""
+
+    agent: Any
+    peer: NixlPeer
+    name: str
+    staging: Any
+
+
+@contextlib.contextmanager
+def agent_pair(
+    name: str, buffers: Sequence[int], staging_bytes: int, *, env: dict[str, str] | None = None
+) -> Iterator[AgentPair]:
+    """A two-agent pair for tests: a :class:`NixlPeer` child (``name``-peer, holding
+    ``buffers``, ``env`` added to its environment) loaded by an agent of this process
+    (``name``, no progress thread) with a ``staging_bytes`` staging buffer; the staging
+    buffer closed and the child stopped on exit."""
+    from kvlayout.transfer import nixl as nx
+
+    peer = NixlPeer(f"{name}-peer", buffers, env=env)
+    try:
+        agent = nx.make_agent(name, progress_thread=False)
+        peer_name = agent.add_remote_agent(peer.metadata).decode()
+        with nx.Staging(agent, staging_bytes) as staging:
+            yield AgentPair(agent, peer, peer_name, staging)
+    finally:
+        peer.close()
 
 
 def _request(

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import faulthandler
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -35,7 +34,7 @@ import torch
 pytest.importorskip("vllm")
 pytest.importorskip("nixl")
 
-from kvlayout.testing.nixl_peer import NixlPeer, Part, tcp_tls
+from kvlayout.testing.nixl_peer import AgentPair, Part, agent_pair, tcp_tls
 from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map, join_maps
 from kvlayout.transfer import nixl as nx
 from tests.integrations.vllm import pd_hybrid as ph
@@ -46,25 +45,16 @@ BUILDER = "tests.integrations.vllm.pd_hybrid:peer_cache"
 SEEDS = {"prefill": 100, "decode": 200}
 
 
-@dataclass
-class Pair:
-    agent: nx.Agent
-    peer: NixlPeer
-    name: str
-    staging: nx.Staging
+Pair = AgentPair
 
 
 @pytest.fixture(scope="module")
 def pair() -> Iterator[Pair]:
     faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
-    peer = NixlPeer("kvl-pd-hybrid-peer", [4096], env={"UCX_TLS": tcp_tls()})
     try:
-        agent = nx.make_agent("kvl-pd-hybrid", progress_thread=False)
-        name = agent.add_remote_agent(peer.metadata).decode()
-        with nx.Staging(agent, 4 << 20) as staging:
-            yield Pair(agent, peer, name, staging)
+        with agent_pair("kvl-pd-hybrid", [4096], 4 << 20, env={"UCX_TLS": tcp_tls()}) as p:
+            yield p
     finally:
-        peer.close()
         faulthandler.cancel_dump_traceback_later()
 
 
