@@ -746,8 +746,8 @@ def test_the_peer_s_copy_holds_its_staging_buffer_from_prepared_until_run(pair: 
         dropped = nx.prepare_unstage(m, staging)
         del dropped
         gc.collect()
-        assert staging.busy  # a copy dropped unrun lets go of it at the agent's next call:
-        waiting = nx.prepare_unstage(m, staging, stages=2)  # this one, which takes it
+        assert not staging.busy  # a copy dropped unrun lets go of it (collected on the caller's thread)
+        waiting = nx.prepare_unstage(m, staging, stages=2)  # the next one takes it
         failed: list[BaseException] = []
 
         def scatter() -> None:  # waits for stages that never land

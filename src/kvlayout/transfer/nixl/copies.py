@@ -186,7 +186,8 @@ class Staging:
         # would leave NIXL's region and the planned copies on freed memory.
         self._placement = Placement([self.tensor], ["the staging buffer's tensor"])
         # Dropped without close(), NIXL lets go of its region (and the region of its memory)
-        # at the agent's next call, on the caller's thread (one kept for good is never
+        # when collected on the agent's caller's thread, else at the agent's next call
+        # (defer: on the caller's thread, never another; one kept for good is never
         # dropped: _KEPT holds it).
         weakref.finalize(self, defer, agent, self.registered._deregister_when_free).atexit = False
         self.busy = False

@@ -1,7 +1,7 @@
 """What a request holds until it is released (its NIXL requests, staging buffer, local
 copies, pinned regions and claim on a peer's staging buffer), and how one dropped
-unreleased lets go of it: at the agent's next call, on the caller's thread, never on the
-thread the collector happened to run its finalizer on."""
+unreleased lets go of it: on the agent's caller's thread, when collected there, else at
+the agent's next call, never on another thread the collector happened to run on."""
 
 from __future__ import annotations
 
@@ -186,12 +186,12 @@ def _abandon(hold: _Hold, what: str) -> None:
     """A request dropped unreleased (its finalizer, on whatever thread the collector
     runs). Prepared and never started: release it, so that its staging buffer is not
     taken for good. Started: leave it to finish (a post must not be cancelled behind the
-    caller's back), keeping what it holds. Either is left to the agent's next call
-    (:func:`_catch_up`): releasing calls NIXL, which takes an agent's calls from one
-    thread at a time, the caller's."""
+    caller's back), keeping what it holds. Releasing calls NIXL, which takes an agent's
+    calls from one thread at a time, the caller's: done at once on the agent's caller's
+    thread, else left to the agent's next call (:func:`_catch_up`)."""
     if hold.released:
         return
-    defer(hold.agent, lambda: _let_go_abandoned(hold))  # first: a filter may make the warning an error
+    now = defer(hold.agent, lambda: _let_go_abandoned(hold))  # first: a filter may make the warning an error
     if hold.started:
         warnings.warn(
             f"{what} was dropped before wait(): it is left to finish. Its bytes move while the agent "
@@ -207,7 +207,8 @@ def _abandon(hold: _Hold, what: str) -> None:
         )
     else:
         warnings.warn(
-            f"{what} was prepared and dropped without release(); the agent's next request releases it",
+            f"{what} was prepared and dropped without release(); "
+            + ("released" if now else "the agent's next request releases it"),
             ResourceWarning,
             stacklevel=1,
         )

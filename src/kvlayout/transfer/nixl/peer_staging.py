@@ -149,8 +149,8 @@ class _Taken:
                     self.staging._let_go()
 
     def dropped(self) -> bool:
-        """:meth:`let_go` for the finalizer of a copy dropped (through :func:`defer`, on
-        the agent's next call: closed, the buffer is deregistered), False while a lock it
+        """:meth:`let_go` for the finalizer of a copy dropped (through :func:`defer`: on the
+        agent's caller's thread, or its next call; closed, the buffer is deregistered), False while a lock it
         takes is held."""
         if not locks_free(self._lock, *self.staging._locks()):
             return False
@@ -310,7 +310,7 @@ def _prepare(
         taken.let_go()
         raise
     copy = PeerCopy(p, staging, block_map, taken)
-    # dropped unrun: the buffer is free again (at the agent's next call)
+    # dropped unrun: the buffer is free again (collected on the agent's caller's thread, or at its next call)
     weakref.finalize(copy, defer, staging.agent, taken.dropped).atexit = False
     return copy
 

@@ -62,6 +62,9 @@ class _AgentRegions:
         self.owners: dict[Region, torch.UntypedStorage] = {}
         self.retired: dict[Region, torch.UntypedStorage] = {}  # deregistered while pinned: kept
         self.lock = threading.Lock()  # register, deregister, pin and unpin from any thread
+        # The thread that first registered with the agent: its caller's, on which a
+        # finalizer may let go of what a dropped object held at once (defer).
+        self.caller = threading.get_ident()
 
     def intervals(self, mem_type: str, device: int) -> tuple[np.ndarray, np.ndarray]:
         with self.lock:
@@ -97,11 +100,38 @@ def locks_free(*locks: Any) -> bool:
     return True
 
 
-def defer(agent: Agent, attempt: Callable[[], bool]) -> None:
-    """Leave ``attempt`` (a finalizer's work, which may call NIXL on ``agent``) to the
-    next call made on ``agent`` (:func:`_drain_deferred`): appending takes no lock, so a
-    finalizer never waits, whatever its thread holds."""
+def defer(agent: Agent, attempt: Callable[[], bool]) -> bool:
+    """Run ``attempt`` (a finalizer's work, which may call NIXL on ``agent``) now where the
+    collector runs it on the agent's caller's thread (the one that first registered with
+    it) and the locks it needs are free; else leave it to the next call made on ``agent``
+    (:func:`_drain_deferred`): appending takes no lock, so a finalizer never waits,
+    whatever its thread holds. Done at once where it can be, the work holds no agent
+    alive: every deferred entry keeps its agent, and with it its progress thread, until
+    that agent's next call (an agent left with work, never called again, spins on).
+    True where it was done at once."""
+    try:
+        held = _REGIONS.get(agent)
+    except TypeError:  # no weak reference reaches it (a stand-in for an agent): left for later
+        held = None
+    here = held is not None and held.caller == threading.get_ident()
+    if here and not getattr(_DRAINING, "active", False) and _attempted(attempt):
+        return True
     _DEFERRED.append((agent, attempt))
+    return False
+
+
+def _attempted(attempt: Callable[[], bool]) -> bool:
+    """Whether ``attempt`` ran (False: a lock it needs is held); its error is a warning,
+    not the error of whichever call it ran in."""
+    try:
+        return attempt()
+    except Exception as exc:
+        warnings.warn(
+            f"kvlayout could not release what a dropped NIXL object held: {type(exc).__name__}: {exc}",
+            ResourceWarning,
+            stacklevel=2,
+        )
+        return True
 
 
 _DRAINING = threading.local()
@@ -122,19 +152,8 @@ def _drain_deferred(agent: Agent) -> None:
                 entry = _DEFERRED.popleft()
             except IndexError:  # another thread took the last one
                 return
-            if entry[0] is not agent:
+            if entry[0] is not agent or not _attempted(entry[1]):
                 _DEFERRED.append(entry)
-                continue
-            try:
-                if not entry[1]():
-                    _DEFERRED.append(entry)
-            except Exception as exc:
-                warnings.warn(
-                    "kvlayout could not release what a dropped NIXL object held: "
-                    f"{type(exc).__name__}: {exc}",
-                    ResourceWarning,
-                    stacklevel=2,
-                )
     finally:
         _DRAINING.active = False
 
