@@ -242,7 +242,7 @@ def _pair(
     # One block cut into pages (a chunk that a slot map's or a context-parallel map's pages
     # cut): the pages are the block level, one outside the slots (a level of one entry
     # would go outside the slabs, each page walking every slab and going back in the chunk).
-    pages_of_one = not whole_blocks and dst.num_blocks == 1 and dst.block_size > 1
+    pages_of_one = not whole_blocks and dst.block_size > 1  # asked only where num_blocks is 1
     level_steps = {
         SLAB: int(steps.min()) if steps.size else None,
         BLOCK: int(d_sb[0]) if dst.num_blocks > 1 else int(d_sj[0]) if pages_of_one else None,

@@ -212,9 +212,10 @@ class CostModel:
         remote side's, a peer-staged one's by this side's), and with ``unordered_check``
         the check of a scatter whose destinations do not follow the staging's order,
         which sorts them to find overlaps (``unordered_check_per_run_s`` a run over a
-        check in order). Maps list their runs in destination order, so a staged READ of
-        runs another order on the source (NHD -> HND) pays both: 17 ms and 45 ms of its
-        524,224 runs, where its scatter took 25-50 ms (docs/nixl.md, "Measuring")."""
+        check in order). Maps list their runs in destination order, disjoint, so a staged
+        READ of runs another order on the source (NHD -> HND) pays the sort (17 ms of its
+        524,224 runs, where its scatter took 25-50 ms) and not the check's, its scatter's
+        destinations known disjoint (docs/nixl.md, "Measuring")."""
         return runs * (sorts * self.sort_per_run_s + unordered_check * self.unordered_check_per_run_s)
 
     def staged_s(
