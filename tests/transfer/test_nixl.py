@@ -19,6 +19,7 @@ import sys
 import textwrap
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -481,6 +482,53 @@ def test_many_deferred_releases_drain_in_one_pass_and_a_failing_one_is_a_warning
         nx.register(agent, torch.zeros(64, dtype=torch.uint8)),
     ):
         assert len(_REGIONS[agent].count) == 1 and not [a for a, _ in _DEFERRED if a is agent]
+
+
+def test_drain_lets_an_agent_left_with_deferred_work_go() -> None:
+    """A finalizer that ran off the agent's caller's thread (kvlayout's copy thread) left
+    its work to the agent's next call, and the queue held the agent: one dropped after,
+    never called again, lived on with its progress thread (3 threads here) and the
+    buffer's memory. drain() does that work now, on this thread; the agent dropped after
+    is freed, its threads gone. A buffer closed before it was dropped leaves no work (its
+    entry would have held the agent all the same)."""
+    from kvlayout.transfer.nixl.copies import _copier
+    from kvlayout.transfer.nixl.regions import _DEFERRED
+
+    _copier().submit(lambda: None).result(timeout=30)  # the copy thread, started once for good
+
+    def left_alive(how: str) -> tuple[bool, int]:
+        threads = len(os.listdir("/proc/self/task"))
+        agent = nx.make_agent(f"kvl-drain-{how}")  # with NIXL's progress thread
+        gc.disable()  # collected below on the copy thread, not by an allocation here
+        try:
+            cycle: list[Any] = [nx.Staging(agent, 4096)]
+            cycle.append(cycle)  # freed only by the cyclic collector
+            if how == "closed":
+                cycle[0].close()
+            del cycle
+            _copier().submit(gc.collect).result(timeout=30)
+        finally:
+            gc.enable()
+        queued = [a for a, _ in _DEFERRED if a is agent]
+        assert len(held_regions(agent)) == len(queued) == (how != "closed")  # left for the next call
+        if how == "drained":
+            assert nx.drain(agent) == 0 and not held_regions(agent)
+        ref = weakref.ref(agent)
+        del agent, queued
+        gc.collect()
+        return ref() is not None, len(os.listdir("/proc/self/task")) - threads
+
+    assert left_alive("drained") == (False, 0)
+    assert left_alive("closed") == (False, 0)
+    alive, more = left_alive("left")  # as before: kept, and its threads with it
+    assert alive and more > 0
+    kept = next(a for a, _ in _DEFERRED if getattr(a, "name", None) == "kvl-drain-left")
+    assert nx.drain(kept) == 0
+    del kept
+    gc.collect()
+    assert not [a for a, _ in _DEFERRED if getattr(a, "name", None) == "kvl-drain-left"]
+    with pytest.raises(TypeError, match=r"^agent must be a NIXL agent \(nx.make_agent\), not str$"):
+        nx.drain("kvl-local")
 
 
 def locks_free_or_fail(lock: Any, then: Callable[[], bool]) -> bool:
@@ -1289,6 +1337,28 @@ def test_a_request_that_times_out_stays_in_flight_and_is_waited_for_again(tcp_pa
         tcp_pair.local[: 64 * SLOT].numpy(), contents(2, 0, 256 << 10)[1024 : 1024 + 64 * SLOT]
     )
     assert tcp_pair.peer.notifs() == [b"again"]
+
+
+def test_drain_waits_for_a_request_dropped_in_flight_until_its_timeout(tcp_pair: TcpPair) -> None:
+    """A request dropped in flight is asked its state by the agent's next request; at
+    shutdown there is none. drain(timeout) asks it until NIXL reports it over (its notif
+    then goes, its NIXL requests are freed) and says how many are left when time runs out."""
+    tcp_pair.local.zero_()
+    tcp_pair.peer.pause()
+    try:
+        xfer = nx.transfer(tcp_pair.agent, tcp_pair.name, tcp_read(tcp_pair), notif=b"drained")
+        with pytest.warns(ResourceWarning, match=r"was dropped before wait\(\): it is left to finish"):
+            del xfer
+            gc.collect()
+        assert nx.drain(tcp_pair.agent, timeout=0.3) == 1  # the peer stopped: still in flight
+        assert not tcp_pair.local.any()
+    finally:
+        tcp_pair.peer.resume()
+    assert nx.drain(tcp_pair.agent, timeout=30) == 0
+    np.testing.assert_array_equal(tcp_pair.local[: 64 * SLOT].numpy(), contents(2, 0, 256 << 10)[: 64 * SLOT])
+    assert tcp_pair.peer.notifs() == [b"drained"]
+    with pytest.raises(TypeError, match=r"^timeout must be a non-negative number of seconds, got -1$"):
+        nx.drain(tcp_pair.agent, timeout=-1)
 
 
 def test_a_pipeline_released_in_flight_keeps_its_staging_buffer_for_good(tcp_pair: TcpPair) -> None:

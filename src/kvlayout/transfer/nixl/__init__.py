@@ -32,6 +32,9 @@ when the local side is the source, ``"READ"`` when it is the destination.
   then posts; :meth:`Transfer.wait` (or :func:`wait`) raises on NIXL's ``"ERR"`` or a
   timeout. :func:`prepare_transfer` does all but the posting ahead (the plan, the
   checks, the NIXL requests), and :meth:`Transfer.start` posts.
+- What a request, buffer or list holds is let go of when it is waited for, released or
+  closed; what an object dropped on another thread held is left to the agent's next
+  call, and :func:`drain` does it (at shutdown, before the agent is dropped).
 
 The modules import downward in that order: ``sides`` (what a map offers, the errors),
 ``regions``, ``direct``, ``copies``, ``plans``, ``peer_staging``, ``prepped``,
@@ -47,6 +50,7 @@ from __future__ import annotations
 from kvlayout.transfer.nixl.calibration import SyncMode, calibrate, make_agent
 from kvlayout.transfer.nixl.copies import Staging, copy_byte_runs
 from kvlayout.transfer.nixl.direct import Descriptors, descriptors
+from kvlayout.transfer.nixl.holds import drain
 from kvlayout.transfer.nixl.peer_staging import (
     PeerCopy,
     StageNotifs,
@@ -116,6 +120,7 @@ __all__ = [
     "calibrate",
     "copy_byte_runs",
     "descriptors",
+    "drain",
     "estimate",
     "local_side",
     "make_agent",

@@ -189,7 +189,9 @@ class Staging:
         # when collected on the agent's caller's thread, else at the agent's next call
         # (defer: on the caller's thread, never another; one kept for good is never
         # dropped: _KEPT holds it).
-        weakref.finalize(self, defer, agent, self.registered._deregister_when_free).atexit = False
+        weakref.finalize(
+            self, defer, agent, self.registered._deregister_when_free, self.registered._registered
+        ).atexit = False
         self.busy = False
         self.closed = False
         self.kept = False  # a request released in flight may still write it: never handed out again

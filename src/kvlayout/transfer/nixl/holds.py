@@ -1,11 +1,13 @@
 """What a request holds until it is released (its NIXL requests, staging buffer, local
 copies, pinned regions and claim on a peer's staging buffer), and how one dropped
 unreleased lets go of it: on the agent's caller's thread, when collected there, else at
-the agent's next call, never on another thread the collector happened to run on."""
+the agent's next call (or :func:`drain`), never on another thread the collector happened
+to run on."""
 
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from collections import deque
 from concurrent.futures import Future
@@ -16,6 +18,7 @@ from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging
 from kvlayout.transfer.nixl.plans import PeerStaging
 from kvlayout.transfer.nixl.regions import (
+    _DEFERRED,
     _REGIONS,
     Region,
     _drain_deferred,
@@ -26,6 +29,7 @@ from kvlayout.transfer.nixl.regions import (
 from kvlayout.transfer.nixl.sides import (
     Agent,
     _is_nixl_error,
+    _seconds,
 )
 
 # The peers' staging buffers that each agent's peer-staged requests are using:
@@ -140,6 +144,42 @@ def _catch_up(agent: Agent) -> None:
     state, all on this thread, the caller's."""
     _drain_deferred(agent)
     _progress_dropped(agent)
+
+
+def drain(agent: Agent, timeout: float = 0.0) -> int:
+    """Do now, on this thread, what kvlayout left for ``agent``'s next call, and return
+    how much of it is still left (0: kvlayout holds nothing of the agent for later).
+
+    That is the work of objects dropped unreleased where the collector ran on another
+    thread (staging buffers, prepared requests, peer's copies and prepped lists: their
+    NIXL requests and lists released, their memory deregistered), and the requests dropped
+    in flight, each asked its state and released once NIXL reports it over. Until done,
+    each keeps the agent alive, and with it its progress thread: an agent no longer called
+    keeps them, so a connector calls this at shutdown, once its requests are waited for or
+    released and its buffers closed, before it drops the agent. ``timeout`` (seconds)
+    keeps asking, driving the agent, until nothing is left or it passes; what is left then
+    is a request NIXL still reports under way (or work whose lock another thread holds).
+    Called where the agent is called from (one thread at a time, for an agent of NIXL's
+    default synchronization)."""
+    if not callable(getattr(agent, "release_xfer_handle", None)):
+        raise TypeError(f"agent must be a NIXL agent (nx.make_agent), not {type(agent).__name__}")
+    deadline = time.perf_counter() + _seconds(timeout)
+    while True:
+        _catch_up(agent)
+        left = _left(agent)
+        if not left or time.perf_counter() >= deadline:
+            return left
+        time.sleep(1e-4)  # leave the cores to NIXL's progress thread
+
+
+def _left(agent: Agent) -> int:
+    """How many pieces of work wait for ``agent``'s next call (deferred, or dropped in
+    flight)."""
+    while True:
+        try:  # a finalizer may append meanwhile (the collector runs on any allocation)
+            return sum(a is agent for a, _ in list(_DEFERRED)) + sum(h.agent is agent for h in list(_DROPPED))
+        except RuntimeError:  # the deque was mutated while copied: count again
+            continue
 
 
 def _progress_dropped(agent: Agent) -> None:

@@ -20,7 +20,7 @@ from kvlayout.transfer.block_maps import fingerprint
 from kvlayout.transfer.nixl.copies import Staging, _copier, _copy_stream, _settle
 from kvlayout.transfer.nixl.direct import _checked_runs
 from kvlayout.transfer.nixl.plans import Plan, plan
-from kvlayout.transfer.nixl.regions import defer, locks_free
+from kvlayout.transfer.nixl.regions import _drain_deferred, defer, locks_free
 from kvlayout.transfer.nixl.sides import (
     Agent,
     NixlError,
@@ -54,6 +54,7 @@ def take_notif(agent: Agent, peer: str | bytes, message: bytes | str) -> bool:
     would take ``b"req-10"``'s notification (and a substring, with ``tag_is_prefix=False``)."""
     # NIXL keys agent.notifs by str; add_remote_agent returns the name as bytes
     peer, message = _peer_name(peer), _message(message, "message")
+    _drain_deferred(agent)  # a call on the agent: what dropped objects left it goes first
     messages = agent.update_notifs().get(peer)
     if messages is None or message not in messages:
         return False
@@ -148,6 +149,10 @@ class _Taken:
                 if not self.staging.kept:
                     self.staging._let_go()
 
+    def holding(self) -> bool:
+        """Whether the buffer is held (a finalizer's ``pending``: :func:`defer`)."""
+        return self.held
+
     def dropped(self) -> bool:
         """:meth:`let_go` for the finalizer of a copy dropped (through :func:`defer`: on the
         agent's caller's thread, or its next call; closed, the buffer is deregistered), False while a lock it
@@ -187,6 +192,7 @@ class PeerCopy:
         does a paced gather that fails after announcing a stage (the READ may be reading
         it). One run at a time: a second, on another thread, is a :class:`TransferError`."""
         timeout = _seconds(timeout)
+        _drain_deferred(self.staging.agent)  # a call on the agent: what dropped objects left it goes first
         if notifs is not None:
             if not isinstance(notifs, StageNotifs):
                 raise TypeError(
@@ -311,7 +317,7 @@ def _prepare(
         raise
     copy = PeerCopy(p, staging, block_map, taken)
     # dropped unrun: the buffer is free again (collected on the agent's caller's thread, or at its next call)
-    weakref.finalize(copy, defer, staging.agent, taken.dropped).atexit = False
+    weakref.finalize(copy, defer, staging.agent, taken.dropped, taken.holding).atexit = False
     return copy
 
 

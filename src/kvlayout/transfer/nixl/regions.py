@@ -100,15 +100,19 @@ def locks_free(*locks: Any) -> bool:
     return True
 
 
-def defer(agent: Agent, attempt: Callable[[], bool]) -> bool:
+def defer(agent: Agent, attempt: Callable[[], bool], pending: Callable[[], bool] | None = None) -> bool:
     """Run ``attempt`` (a finalizer's work, which may call NIXL on ``agent``) now where the
     collector runs it on the agent's caller's thread (the one that first registered with
     it) and the locks it needs are free; else leave it to the next call made on ``agent``
     (:func:`_drain_deferred`): appending takes no lock, so a finalizer never waits,
     whatever its thread holds. Done at once where it can be, the work holds no agent
     alive: every deferred entry keeps its agent, and with it its progress thread, until
-    that agent's next call (an agent left with work, never called again, spins on).
-    True where it was done at once."""
+    that agent's next call or ``drain`` (an agent left with work, never called again,
+    spins on). ``pending`` (None: always) says whether there is work at all: an object
+    let go of before it was dropped (closed, released) queues nothing. True where it was
+    done at once (or there was nothing to do)."""
+    if pending is not None and not pending():
+        return True
     try:
         held = _REGIONS.get(agent)
     except TypeError:  # no weak reference reaches it (a stand-in for an agent): left for later
@@ -201,6 +205,10 @@ class Registered:
                         held.retired[region] = owners
                     else:
                         self.agent.deregister_memory(held.reg_lists.pop(region))
+
+    def _registered(self) -> bool:
+        """Not yet deregistered (a finalizer's ``pending``: :func:`defer`)."""
+        return self._tensors is not None
 
     def _deregister_when_free(self) -> bool:
         """:meth:`deregister` for a finalizer (through :func:`defer`), False while the
