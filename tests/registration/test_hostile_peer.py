@@ -67,6 +67,7 @@ class StandIn:
         self.registered = registered
         self.posted: list[Any] = []
         self.lists: dict[int, np.ndarray] = {}
+        self.made = 0  # lists prepared so far: each one's handle
 
     def inside(self, rows: np.ndarray) -> bool:
         return all(
@@ -95,8 +96,12 @@ class StandIn:
             dense = [(int(a), int(n) * int(c), 0) for a, n, _, _, c in rows.tolist()]
             if not self.inside(np.array(dense, dtype=U64).reshape(-1, 3)):
                 raise NixlRefusalError("prepared list outside the peer's registered memory")
-        self.lists[len(self.lists)] = rows
-        return len(self.lists) - 1
+        self.lists[self.made] = rows
+        self.made += 1
+        return self.made - 1
+
+    def release_dlist_handle(self, handle: int) -> None:
+        del self.lists[handle]  # as NIXL frees it: a second release, or a request from it after, fails
 
     def make_prepped_xfer(
         self, op: str, local: int, local_idx: np.ndarray, remote: int, remote_idx: np.ndarray, notif: bytes

@@ -1647,6 +1647,107 @@ def test_prep_lists_takes_what_the_handshake_holds(pair: Pair) -> None:
         nx.prep_lists(pair.agent, pair.name, pair.local, {"tensors": []}, UNIT)  # type: ignore[arg-type]
 
 
+def test_prepped_lists_are_released_once_and_refused_after(pair: Pair) -> None:
+    """prep_xfer_dlist's lists were never released: a connector preparing them per peer at
+    each handshake piled them up. release() releases both, once, on this thread; a
+    request made from them before still moves its bytes (NIXL copied its descriptors when
+    it made it), and one given them after is refused by name, nothing posted."""
+    agent = _Recording(nx.make_agent("kvl-prepped-release", progress_thread=False))
+    name = agent.add_remote_agent(pair.peer.metadata)
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    there = pair.peer.side([0, 1])
+    rows = [(pair.peer.address(1, k * UNIT), local.data_ptr() + k * SLOT, UNIT) for k in range(32)]
+    m = Map(np.array(rows, U64), there, nx.local_side(local))
+    with nx.register(agent, local):
+        lists = nx.prep_lists(agent, name, local, there, UNIT)
+        handles = [lists.local.handle, lists.remote.handle]
+        made = nx.prepare_transfer(agent, name, m, strategy="direct", prepped=lists)
+        lists.release()
+        assert agent.called("release_dlist_handle") == handles and lists.released
+        assert all("released=True" in repr(h) for h in handles)  # NIXL's own record
+        lists.release()  # once: a second call does nothing
+        lists.local.release()
+        assert agent.called("release_dlist_handle") == handles
+        made.start()
+        made.wait(timeout=30)
+        theirs = pair.peer.read(1)
+        for k in range(32):
+            assert np.array_equal(
+                local[k * SLOT : k * SLOT + UNIT].numpy(), theirs[k * UNIT : (k + 1) * UNIT]
+            )
+        with pytest.raises(
+            TransferError,
+            match=rf"^the lists prepared for peer '{name.decode()}' were released \(Prepped.release\(\)\): prepare them "
+            "again with prep_lists; nothing was posted$",
+        ):
+            nx.transfer(agent, name, m, strategy="direct", prepped=lists)
+        with pytest.raises(
+            TransferError, match=r"PreppedList\(\d+ units of 256 bytes, DRAM, released\) was released"
+        ):
+            lists.remote.handle  # noqa: B018
+        assert nx.drain(agent) == 0
+    assert {thread for _, thread, _ in agent.calls} == {threading.get_ident()}
+    agent.remove_remote_agent(name)
+
+
+def test_prepped_lists_are_released_after_the_peer_left_and_at_a_with_block_s_end(pair: Pair) -> None:
+    """A peer that left may have had its metadata removed before its lists are released
+    (vLLM releases first, a connector told of a dead peer may not): releasing then is
+    safe (NIXL frees the list it made, whatever the peer), and the next handshake
+    prepares anew."""
+    agent = _Recording(nx.make_agent("kvl-prepped-left", progress_thread=False))
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    there = pair.peer.side([0, 1])
+    with nx.register(agent, local):
+        name = agent.add_remote_agent(pair.peer.metadata)
+        with nx.prep_lists(agent, name, local, there, UNIT) as lists:
+            agent.remove_remote_agent(name)
+        assert lists.released and len(agent.called("release_dlist_handle")) == 2
+        name = agent.add_remote_agent(pair.peer.metadata)  # the peer back: prepared again
+        with nx.prep_lists(agent, name, local, there, UNIT) as again:
+            assert again.remote.size == lists.remote.size and not again.released
+        assert len(agent.called("release_dlist_handle")) == 4
+        agent.remove_remote_agent(name)
+
+
+def test_prepped_lists_dropped_are_released_on_the_caller_s_thread_or_by_drain(pair: Pair) -> None:
+    """Dropped unreleased, the lists are released as other dropped objects are: at once
+    where the collector runs on the agent's caller's thread, else (kvlayout's copy thread)
+    left to the agent, which holds them, and its progress thread, until its next call or
+    drain(); never released on the collector's thread (NIXL's own handle would have, from
+    its __del__)."""
+    from kvlayout.transfer.nixl.copies import _copier
+
+    agent = _Recording(nx.make_agent("kvl-prepped-drop", progress_thread=False))
+    name = agent.add_remote_agent(pair.peer.metadata)
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    there = pair.peer.side([0, 1])
+    with nx.register(agent, local):
+        lists = nx.prep_lists(agent, name, local, there, UNIT)
+        handles = [lists.local.handle, lists.remote.handle]
+        del lists
+        gc.collect()
+        assert agent.called("release_dlist_handle") == handles  # collected here: released at once
+        lists = nx.prep_lists(agent, name, local, there, UNIT)
+        handles = [lists.local.handle, lists.remote.handle]
+        gc.disable()  # collected below on the copy thread, not by an allocation here
+        try:
+            cycle: list[Any] = [lists]
+            cycle.append(cycle)  # freed only by the cyclic collector
+            del lists, cycle
+            before = len(agent.calls)
+            _copier().submit(gc.collect).result(timeout=30)
+        finally:
+            gc.enable()
+        assert len(agent.calls) == before and not any("released=True" in repr(h) for h in handles)
+        assert nx.drain(agent) == 0  # done now, on this thread
+        assert agent.called("release_dlist_handle")[-2:] == handles
+        assert all("released=True" in repr(h) for h in handles)
+        assert nx.drain(agent) == 0 and len(agent.called("release_dlist_handle")) == 4
+    assert {thread for _, thread, _ in agent.calls} == {threading.get_ident()}
+    agent.remove_remote_agent(name)
+
+
 def test_stage_announcing_to_a_poster_never_loaded_is_refused_before_copying(pair: Pair) -> None:
     """The peer's gather, paced by notifications to a poster whose metadata it never
     loaded: a NixlError naming both agents, nothing copied (it was a bare

@@ -1674,11 +1674,15 @@ class _Lists(_Named):
     def __init__(self, name: str, registered: list[tuple[int, int]] = ()) -> None:  # type: ignore[assignment]
         super().__init__(name)
         self.prepared: list[np.ndarray] = []
+        self.released: list[int] = []
         self.registered = registered
 
     def prep_xfer_dlist(self, name: str, rows: np.ndarray, mem: str) -> int:
         self.prepared.append(rows.copy())
         return len(self.prepared) - 1
+
+    def release_dlist_handle(self, handle: int) -> None:
+        self.released.append(handle)
 
     def get_xfer_descs(self, rows: np.ndarray, mem: str) -> np.ndarray:
         return np.asarray(rows, dtype=U64).reshape(-1, 3)
@@ -1709,6 +1713,9 @@ def test_a_prepared_list_holds_what_nixl_s_int32_indices_reach_and_no_empty_row(
     pl = _prep_list(agent, "p", spans, 256, 0, "DRAM", "local")
     assert agent.prepared[-1][:, [0, 4]].tolist() == [[base, 4], [base + 8192, 2]]
     assert pl.indices(np.array([[base + 8192, 512, 0]], U64), "run").tolist() == [4, 5]
+    fits.release()
+    pl.release()
+    assert agent.released == [0, 1]  # the two lists NIXL prepared, each once
 
 
 def test_a_refusal_by_the_peer_s_registration_names_the_first_descriptor_outside_it() -> None:

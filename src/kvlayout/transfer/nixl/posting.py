@@ -555,6 +555,11 @@ def _checked_transfer(
     """The checks and the NIXL requests of a planned request."""
     if prepped is not None and not isinstance(prepped, Prepped):
         raise TypeError(f"prepped must be the lists nx.prep_lists made, not {prepped!r}")
+    if prepped is not None and prepped.released:
+        raise TransferError(
+            f"the lists prepared for peer {prepped.peer!r} were released (Prepped.release()): prepare "
+            "them again with prep_lists; nothing was posted"
+        )
     if p.strategy == "peer-staged" and prepped is not None:
         raise TransferError(
             "the prepped lists cover the peer's cache, not its staging buffer: post peer-staged as lists"
@@ -621,14 +626,18 @@ def _requests(
     none is left made if one is refused."""
     handles: list[Any] = []
     try:
-        for (lo, hi), one_notif in zip(parts, stage_notifs, strict=True):
-            if prepped is not None:
-                local_idx = prepped.local.indices(p.local[lo:hi], "local descriptor")
-                remote_idx = prepped.remote.indices(p.remote[lo:hi], "remote descriptor")
-                handles.append(agent.make_prepped_xfer(
-                    p.op, prepped.local.handle, local_idx, prepped.remote.handle, remote_idx, one_notif
-                ))  # fmt: skip
-            else:
+        if prepped is not None:  # held while requests are made: released on another thread, it waits
+            with prepped.local._held() as local_list, prepped.remote._held() as remote_list:
+                for (lo, hi), one_notif in zip(parts, stage_notifs, strict=True):
+                    local_idx = prepped.local.indices(p.local[lo:hi], "local descriptor")
+                    remote_idx = prepped.remote.indices(p.remote[lo:hi], "remote descriptor")
+                    handles.append(
+                        agent.make_prepped_xfer(
+                            p.op, local_list, local_idx, remote_list, remote_idx, one_notif
+                        )
+                    )
+        else:
+            for (lo, hi), one_notif in zip(parts, stage_notifs, strict=True):
                 local = agent.get_xfer_descs(p.local[lo:hi], p.local_mem)
                 remote = agent.get_xfer_descs(p.remote[lo:hi], p.remote_mem)
                 handles.append(agent.initialize_xfer(p.op, local, remote, peer, one_notif))

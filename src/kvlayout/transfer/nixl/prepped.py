@@ -1,8 +1,13 @@
 """The prepped form: both sides prepared once as NIXL lists of fixed-size units; each
-request then passes index arrays."""
+request then passes index arrays. The lists are NIXL's until released
+(:meth:`Prepped.release`), or dropped."""
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -16,7 +21,14 @@ from kvlayout.registration.registration import Registration
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import Staging, _check_staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
-from kvlayout.transfer.nixl.regions import _check_local, _intervals, _refuse_unregistered
+from kvlayout.transfer.nixl.regions import (
+    _check_local,
+    _drain_deferred,
+    _intervals,
+    _refuse_unregistered,
+    defer,
+    locks_free,
+)
 from kvlayout.transfer.nixl.sides import (
     _U64,
     Agent,
@@ -31,18 +43,115 @@ from kvlayout.transfer.nixl.sides import (
 )
 
 
+class _Dlist:
+    """A list NIXL prepared (``prep_xfer_dlist``'s handle) and whether it was released:
+    apart from its :class:`PreppedList`, so that the finalizer of one dropped holds it."""
+
+    def __init__(self, agent: Agent, handle: Any) -> None:
+        self.agent = agent
+        self.handle = handle
+        self.released = False
+        # Requests are made from the list under it (make_prepped_xfer reads the list NIXL
+        # holds): a release from another thread waits for them, never frees it under one.
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        """``release_dlist_handle``, once (NIXL's refusal leaves it held, to try again)."""
+        with self.lock:
+            if self.released:
+                return
+            try:
+                self.agent.release_dlist_handle(self.handle)
+            except Exception as exc:
+                if not _is_nixl_error(exc):
+                    raise
+                raise NixlError(
+                    f"NIXL refused to release a prepared list: {type(exc).__name__}: {exc}"
+                ) from exc
+            self.released = True
+
+    def held(self) -> bool:
+        """Not yet released (a finalizer's ``pending``: :func:`defer`)."""
+        return not self.released
+
+    def release_when_free(self) -> bool:
+        """:meth:`release` for a finalizer (through :func:`defer`), False while a request
+        is being made from the list (on another thread)."""
+        if not locks_free(self.lock):
+            return False
+        self.release()
+        return True
+
+
 class PreppedList:
     """One side prepared as a NIXL list of ``unit``-byte descriptors (one Nx5 dense row
     per memory interval), indexed by unit: unit ``j`` of interval ``k`` is index
-    ``first[k] + j``."""
+    ``first[k] + j``. The list NIXL prepared (``handle``, from ``agent``'s
+    ``prep_xfer_dlist``) is NIXL's until :meth:`release`; dropped unreleased, it is
+    released as other dropped objects are (on the agent's caller's thread when the
+    collector runs there, else by the agent's next call or :func:`drain`). A list of no
+    handle (None) is the indexing alone."""
 
-    def __init__(self, handle: Any, unit: int, starts: np.ndarray, counts: np.ndarray, mem: str) -> None:
-        self.handle = handle
+    def __init__(
+        self,
+        handle: Any,
+        unit: int,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        mem: str,
+        *,
+        agent: Agent | None = None,
+    ) -> None:
         self.unit = unit
         self.starts = starts
         self.counts = counts
         self.first = np.r_[0, np.cumsum(counts)[:-1]].astype(np.int64)
         self.mem = mem
+        self._dlist: _Dlist | None = None
+        if handle is not None:
+            if agent is None:
+                raise TypeError("a PreppedList of a NIXL list needs the agent that prepared it (agent=...)")
+            dlist = self._dlist = _Dlist(agent, handle)
+            weakref.finalize(self, defer, agent, dlist.release_when_free, dlist.held).atexit = False
+
+    def __repr__(self) -> str:
+        state = ", released" if self.released else ""
+        return f"PreppedList({self.size} units of {self.unit} bytes, {self.mem}{state})"
+
+    @property
+    def handle(self) -> Any:
+        """NIXL's handle of the list (None for a list of no handle); refused once released."""
+        if self._dlist is None:
+            return None
+        if self._dlist.released:
+            raise TransferError(
+                f"{self!r} was released: NIXL no longer holds it; prepare it again (prep_lists)"
+            )
+        return self._dlist.handle
+
+    @property
+    def released(self) -> bool:
+        return self._dlist is not None and self._dlist.released
+
+    def release(self) -> None:
+        """Release the list NIXL prepared (``release_dlist_handle``), once: a second
+        call does nothing, and a request given it after is refused. Requests made from it
+        before are not touched (NIXL copies the descriptors a request names when it makes
+        it). Safe after the peer's metadata was removed (``remove_remote_agent``)."""
+        if self._dlist is None:
+            return
+        _drain_deferred(self._dlist.agent)
+        self._dlist.release()
+
+    @contextmanager
+    def _held(self) -> Iterator[Any]:
+        """The handle, for making requests from the list: not released meanwhile (a
+        release on another thread waits), refused if it was."""
+        if self._dlist is None:
+            yield None
+            return
+        with self._dlist.lock:
+            yield self.handle
 
     @property
     def size(self) -> int:
@@ -84,6 +193,25 @@ class Prepped:
     local: PreppedList
     remote: PreppedList
 
+    @property
+    def released(self) -> bool:
+        """Either list was released (:meth:`release`): requests are refused."""
+        return self.local.released or self.remote.released
+
+    def release(self) -> None:
+        """Release both lists NIXL prepared (``release_dlist_handle``), once: when the
+        peer leaves (before ``remove_remote_agent``, as vLLM's connector does; after it
+        is safe too) or at shutdown. A request given them after is refused; requests
+        made from them before are not touched. Also a ``with`` block's end."""
+        self.local.release()
+        self.remote.release()
+
+    def __enter__(self) -> Prepped:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
 
 def _prep_list(
     agent: Agent, name: str, spans: np.ndarray, unit: int, device: int, mem: str, side: str
@@ -108,7 +236,7 @@ def _prep_list(
         if not _is_nixl_error(exc):
             raise
         raise NixlError(f"NIXL refused to prepare the {side} list: {type(exc).__name__}: {exc}") from exc
-    return PreppedList(handle, unit, starts, counts, mem)
+    return PreppedList(handle, unit, starts, counts, mem, agent=agent)
 
 
 def prep_lists(
@@ -147,13 +275,15 @@ def prep_lists(
     _refuse_unregistered(
         agent, peer, _rows(spans[:, 0], spans[:, 1], remote.device_index), remote_mem, "described tensor"
     )
-    return Prepped(
-        peer,
-        _prep_list(agent, "NIXL_INIT_AGENT", held, unit, local.device_index, local_mem, "local"),
-        _prep_list(
+    here = _prep_list(agent, "NIXL_INIT_AGENT", held, unit, local.device_index, local_mem, "local")
+    try:
+        there = _prep_list(
             agent, peer, remote.tensor_spans, unit, remote.device_index, remote_mem, f"peer {peer!r}'s"
-        ),
-    )
+        )
+    except BaseException:
+        here.release()  # none is left prepared if one is refused
+        raise
+    return Prepped(peer, here, there)
 
 
 _SIDE = ("is_local", "device_type", "device_index", "tensor_spans")
