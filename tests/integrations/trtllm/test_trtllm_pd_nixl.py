@@ -1,0 +1,440 @@
+"""TRT-LLM's context -> generation KV transfer (disaggregated serving) written on kvlayout, as
+a connector author would from README.md, docs/pd-connectors.md, docs/nixl.md and
+docs/block-maps.md, through real NIXL (this process's agent and a peer process's, TCP on
+loopback), byte-exact against an oracle from TRT-LLM's own indexing.
+
+What TRT-LLM does (read in NVIDIA/TensorRT-LLM):
+
+- ``cpp/tensorrt_llm/batch_manager/kvCacheManager.cpp``, ``BlockManager::allocatePools``: a
+  pool per layer group (window size / KV head count), ``[numPrimaryBlocks, pool.numLayers,
+  kvFactor, blockSize]`` with ``blockSize = numKvHeads * sizePerHead * tokensPerBlock``,
+  contiguous (strides ``(NL * kvf * bs, kvf * bs, bs, 1)``); ``get_unique_primary_pool()``
+  is that tensor where there is one pool. kvFactor is 2 (K, V), 1 for MLA (``SELFKONLY``).
+  Only the rank's layers are in it (``mAttentionLayerNumPerPP`` of its PP stage) and only
+  its KV heads.
+- ``cpp/tensorrt_llm/executor/cache_transmission/cacheSplitConcat.cu``: ``BlockInfo``
+  addresses a block's layer ``l`` K at ``(2 * l) * H * T * D``, V at ``(2 * l + 1) * ...``,
+  and head ``h`` token ``t`` at ``h * T * D + t * D`` in it (HND). ``TargetRanksInfoForDPImpl``
+  pairs ranks: rank ``= pp * tp * cp + tp_rank * cp + cp_rank``; PP stages overlap by global
+  layer ranges (each stage's layers contiguous, counts from ``mAttentionLayerNumPerPP``); a
+  rank of the smaller TP takes ``peer_tp / self_tp`` peer TP ranks (its heads split over
+  them), a rank of the larger TP one (``self_tp_rank / (self_tp / peer_tp)``); TP sizes must
+  be powers of two. ``mDupHeadFactor`` counts replicated heads (heads * tp over the peer's).
+- ``cpp/tensorrt_llm/batch_manager/cacheFormatter.cpp``: ``needSendCache`` sends from the
+  first replica only (``tp_rank % dupHeadFactor == 0``); ``inquireSupport`` refuses
+  different data types, kv factors, attention types (MLA goes to ``MLACacheFormatter``),
+  uneven heads per layer, different ``tokensPerBlock`` or ``sizePerHead``, and layer counts
+  that do not sum to the same model or that a PP size does not divide. Whole blocks move.
+- ``mlaCacheFormatter.cpp``: the latents are whole on every rank; a generation rank takes
+  them from one context rank of its PP domain.
+- ``tensorrt_llm/_torch/pyexecutor/resource_manager.py``: ``get_buffers(layer)`` is
+  ``impl.get_primary_pool_data(layer)`` (``pool[:, layer's place in its pool]``) viewed as
+  ``[NB, kv_factor, ...]``: a per-layer view of the same pool.
+
+The oracle below reads both pools flat with ``BlockInfo``'s offsets: for each token of the
+request, each layer the generation rank holds and each head it holds, the generation row
+equals the row of the context rank that holds that layer (its PP stage) and head (its first
+replica); every other byte of every generation rank stays zero.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nixl")
+
+import kvlayout
+from kvlayout.testing.nixl_peer import AgentPair, agent_pair, tcp_tls
+from kvlayout.transfer import RegistrationDescription, Shard, block_map
+from kvlayout.transfer import nixl as nx
+
+LAYERS, HEADS, HEAD_DIM, LATENT = 4, 8, 16, 48  # LATENT: kv_lora_rank 32 + qk_rope_head_dim 16
+TPB = 32  # tokens_per_block, the same on both sides (TRT-LLM's inquireSupport requires it)
+TOKENS = 100  # three whole blocks and 4 tokens of a fourth
+CTX_BLOCKS, GEN_BLOCKS = 6, 8
+CTX_IDS, GEN_IDS = [4, 1, 5, 2], [7, 0, 3, 5]  # pool indices (get_memory_pool_block_indices)
+BUILDER = "tests.integrations.trtllm.test_trtllm_pd_nixl:generation_pool"
+MODULE_LIMIT_S = 300
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[AgentPair]:
+    """The context executor's agent (here) and a generation executor in another process."""
+    faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
+    try:
+        with agent_pair("kvl-trt-pd", [4096], 1 << 20, env={"UCX_TLS": tcp_tls()}) as p:
+            yield p
+    finally:
+        faulthandler.cancel_dump_traceback_later()
+
+
+# --- TRT-LLM's side: pools, rank heads and layers, the oracle ----------------------------
+
+
+def primary_pool(
+    blocks: int, layers: int, heads: int, dim: int, kv_factor: int, seed: int | None
+) -> torch.Tensor:
+    """``BlockManager::allocatePools``: ``[blocks, layers, kv_factor, heads * dim * TPB]``."""
+    shape = (blocks, layers, kv_factor, heads * dim * TPB)
+    if seed is None:
+        return torch.zeros(shape, dtype=torch.bfloat16)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+
+
+def rank_heads(tp_rank: int, tp: int, heads: int) -> list[int]:
+    """The model's KV heads a TP rank holds: a contiguous range, or one head replicated over
+    ``tp // heads`` ranks (``mDupHeadFactor``)."""
+    if tp <= heads:
+        return list(range(tp_rank * heads // tp, (tp_rank + 1) * heads // tp))
+    return [tp_rank // (tp // heads)]
+
+
+def trt_senders(gen_rank: int, ctx_tp: int, gen_tp: int, heads: int) -> list[int]:
+    """The context TP ranks that send a generation TP rank its KV: ``targetIRanks`` from the
+    generation side (``peer_tp / self_tp`` ranks from ``self_tp_rank * that``, or rank
+    ``self_tp_rank / (self_tp / peer_tp)``), less those ``needSendCache`` stops
+    (``tp_rank % mDupHeadFactor != 0``, the factor the context's heads * TP over the
+    generation's)."""
+    if gen_tp <= ctx_tp:
+        k = ctx_tp // gen_tp
+        ranks = list(range(gen_rank * k, (gen_rank + 1) * k))
+    else:
+        ranks = [gen_rank // (gen_tp // ctx_tp)]
+    ctx_heads, gen_heads = len(rank_heads(0, ctx_tp, heads)), len(rank_heads(0, gen_tp, heads))
+    dup = max(1, ctx_heads * ctx_tp // (gen_heads * gen_tp))
+    return [r for r in ranks if r % dup == 0]
+
+
+def mla_sender(gen_rank: int, ctx_tp: int, gen_tp: int) -> int:
+    """The one context TP rank that sends a generation rank the latents: ``targetIRanks``'
+    ranks, less those ``MLACacheFormatter::needSendCache`` stops (where the context has more
+    ranks, ``tp_rank % (ctx_tp / gen_tp) != 0``)."""
+    if gen_tp >= ctx_tp:
+        return gen_rank // (gen_tp // ctx_tp)
+    return gen_rank * (ctx_tp // gen_tp)
+
+
+def stage_layers(pp_rank: int, pp: int) -> list[int]:
+    """The model's layers PP stage ``pp_rank`` holds (``mAttentionLayerNumPerPP``: even here)."""
+    per = LAYERS // pp
+    return list(range(pp_rank * per, (pp_rank + 1) * per))
+
+
+def hints(heads: int, kv_factor: int) -> dict[str, Any]:
+    """The sizes the flat pool row folds, as docs/pd-connectors.md has them."""
+    if kv_factor == 1:
+        return {"tokens_per_block": TPB, "head_dim": LATENT}
+    return {"num_kv_heads": heads, "tokens_per_block": TPB, "head_dim": HEAD_DIM}
+
+
+def generation_pool(
+    heads: int, kv_factor: int, layers: int, part: list[int] | None = None, ids: list[int] | None = None
+) -> tuple[Any, list[torch.Tensor]]:
+    """The peer's builder: a generation rank's zeroed primary pool, detected as the docs say;
+    ``part`` ``[a, b)`` describes only those layers of it (``pool[:, a:b]``, the side with
+    more layers under PP), numbered ``ids`` (the model's layer ids) where given."""
+    dim = LATENT if kv_factor == 1 else HEAD_DIM
+    pool = primary_pool(GEN_BLOCKS, layers, heads, dim, kv_factor, None)
+    view = pool if part is None else pool[:, part[0] : part[1]]
+    reg = kvlayout.detect(view, "trtllm", hints(heads, kv_factor))
+    if ids is not None:
+        reg = reg.numbered(ids)
+    return reg, [pool]
+
+
+def trt_row(pool: torch.Tensor, block: int, layer: int, kv: int, head: int, tok: int) -> torch.Tensor:
+    """One head's row of one token (``BlockInfo::getKDimsPtr`` / ``getVDimsPtr``), read from
+    the pool's flat memory: block ``block``, the pool's layer ``layer``, K (0) or V (1)."""
+    nl, kvf, row = pool.shape[1], pool.shape[2], pool.shape[3]
+    dim = LATENT if kvf == 1 else HEAD_DIM
+    heads = row // (TPB * dim)
+    at = ((block * nl + layer) * kvf + kv) * heads * TPB * dim + head * TPB * dim + tok * dim
+    return pool.reshape(-1)[at : at + dim]
+
+
+def expected(
+    ctx: dict[tuple[int, int], torch.Tensor],
+    ctx_tp: int,
+    ctx_pp: int,
+    gen_shape: Sequence[int],
+    gen_tp_rank: int,
+    gen_tp: int,
+    gen_layers: list[int],
+    model_heads: int,
+    stages: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """The generation rank's pool after the request, from TRT-LLM's indexing: ``ctx`` maps
+    (pp_rank, tp_rank) to that context rank's pool; only the layers of context PP stages
+    ``stages`` (None: all) have arrived."""
+    want = torch.zeros(tuple(gen_shape), dtype=torch.bfloat16)
+    kvf = gen_shape[2]
+    for gl, layer in enumerate(gen_layers):
+        pp = next(p for p in range(ctx_pp) if layer in stage_layers(p, ctx_pp))
+        if stages is not None and pp not in stages:
+            continue
+        cl = stage_layers(pp, ctx_pp).index(layer)
+        for gh, head in enumerate(rank_heads(gen_tp_rank, gen_tp, model_heads)):
+            tp = next(r for r in range(ctx_tp) if head in rank_heads(r, ctx_tp, model_heads))  # first replica
+            ch = rank_heads(tp, ctx_tp, model_heads).index(head)
+            for kv in range(kvf):
+                for t in range(TOKENS):
+                    src = trt_row(ctx[pp, tp], CTX_IDS[t // TPB], cl, kv, ch, t % TPB)
+                    trt_row(want, GEN_IDS[t // TPB], gl, kv, gh, t % TPB).copy_(src)
+    return want
+
+
+# --- the connector ----------------------------------------------------------------------
+
+
+def handshake(pair: AgentPair, shard: Shard, **args: Any) -> RegistrationDescription:
+    """The generation rank builds and describes its pool; its NIXL metadata is loaded again."""
+    text = pair.peer.built_cache(BUILDER, (shard.tp_rank, shard.tp_size, shard.num_kv_heads), **args)
+    pair.agent.remove_remote_agent(pair.name)
+    assert pair.agent.add_remote_agent(pair.peer.metadata) == pair.name.encode()
+    there = RegistrationDescription.from_json(text)
+    assert there.shard == shard
+    return there
+
+
+def write(pair: AgentPair, maps: dict[Any, Any], strategy: nx.Strategy) -> None:
+    """The context side WRITEs each map (as TRT-LLM's sender pushes), one notification each."""
+    for key, m in maps.items():
+        tag = f"req-{key}".encode()
+        x = nx.transfer(pair.agent, pair.name, m, notif=tag, strategy=strategy, staging=pair.staging)
+        assert x.wait(timeout=30).strategy == strategy
+        assert pair.peer.notifs(expect=1, wait=30) == [tag]
+
+
+def gen_bytes(pair: AgentPair, shape: Sequence[int]) -> torch.Tensor:
+    (raw,) = pair.peer.cache_bytes()
+    return torch.from_numpy(np.array(raw)).view(torch.bfloat16).reshape(tuple(shape))
+
+
+def context_ranks(tp: int, pp: int, heads: int, kv_factor: int) -> dict[tuple[int, int], torch.Tensor]:
+    dim = LATENT if kv_factor == 1 else HEAD_DIM
+    return {
+        (p, r): primary_pool(
+            CTX_BLOCKS, LAYERS // pp, len(rank_heads(r, tp, heads)), dim, kv_factor, seed(p, r, tp, heads)
+        )
+        for p in range(pp)
+        for r in range(tp)
+    }
+
+
+def seed(pp_rank: int, tp_rank: int, tp: int, heads: int) -> int:
+    """Replicas of a head hold the same bytes, as they do in TRT-LLM."""
+    return 100 + 10 * pp_rank + rank_heads(tp_rank, tp, heads)[0]
+
+
+# --- (a) MHA between TP degrees -----------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ctx_tp", "gen_tp", "heads", "strategy"),
+    [(2, 4, 8, "direct"), (4, 2, 8, "direct"), (4, 2, 8, "staged"), (2, 4, 2, "direct"), (4, 2, 2, "staged")],
+)
+def test_mha_between_tp_degrees(
+    pair: AgentPair, ctx_tp: int, gen_tp: int, heads: int, strategy: nx.Strategy
+) -> None:
+    """Context TP ``ctx_tp`` into generation TP ``gen_tp``, 32 tokens a block on both; 2 KV
+    heads replicate at TP 4 (TRT-LLM sends from the first replica, ``needSendCache``)."""
+    ctx = context_ranks(ctx_tp, 1, heads, 2)
+    regs = {
+        r: kvlayout.detect(ctx[0, r], "trtllm", hints(len(rank_heads(r, ctx_tp, heads)), 2))
+        for r in range(ctx_tp)
+    }
+    assert regs[0].kernel_groups[0].format.name == "NB_NL_TWO_NH_BS_HS"
+    held = [nx.register(pair.agent, reg) for reg in regs.values()]
+    try:
+        for d in range(gen_tp):
+            gen_heads = len(rank_heads(d, gen_tp, heads))
+            dst = Shard(d, gen_tp, heads)  # what the description carries (handshake checks it)
+            there = handshake(pair, dst, heads=gen_heads, kv_factor=2, layers=LAYERS)
+            maps = {}
+            for r, reg in regs.items():
+                src = Shard(r, ctx_tp, heads)
+                m = block_map(reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=src)
+                if m.kind != "empty" and src.sends_to(dst):
+                    maps[r, d] = m
+            assert sorted(r for r, _ in maps) == trt_senders(d, ctx_tp, gen_tp, heads), (d, list(maps))
+            write(pair, maps, strategy)
+            shape = (GEN_BLOCKS, LAYERS, 2, gen_heads * HEAD_DIM * TPB)
+            want = expected(ctx, ctx_tp, 1, shape, d, gen_tp, list(range(LAYERS)), heads)
+            assert torch.equal(gen_bytes(pair, shape), want), d
+    finally:
+        for h in held:
+            h.deregister()
+
+
+# --- (b) PP: layers split over stages -------------------------------------------------------
+
+
+@pytest.mark.parametrize("numbered", [False, True], ids=["by position", "numbered"])
+def test_context_pp2_into_generation_pp1(pair: AgentPair, numbered: bool) -> None:
+    """Context PP 2 (layers 0-1 on stage 0, 2-3 on stage 1) into generation PP 1 (TRT-LLM:
+    ``targetIRanks`` gives the generation rank both stages, each sending its layers). A map
+    moves layer ``i`` to layer ``i``, so the side with more layers (generation) describes
+    only the stage's slice, ``pool[:, a:b]`` (docs/pd-connectors.md, pipeline parallelism),
+    by position from 0 on both sides or numbered with the model's layers on both."""
+    ctx = context_ranks(1, 2, HEADS, 2)
+    shape = (GEN_BLOCKS, LAYERS, 2, HEADS * HEAD_DIM * TPB)
+    for stage in range(2):
+        layers = stage_layers(stage, 2)
+        reg = kvlayout.detect(ctx[stage, 0], "trtllm", hints(HEADS, 2))
+        if numbered:
+            reg = reg.numbered(layers)
+        held = nx.register(pair.agent, reg)
+        try:
+            part = [layers[0], layers[-1] + 1]
+            there = handshake(
+                pair,
+                Shard(0, 1, HEADS),
+                heads=HEADS,
+                kv_factor=2,
+                layers=LAYERS,
+                part=part,
+                ids=layers if numbered else None,
+            )
+            m = block_map(reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=Shard(0, 1, HEADS))
+            write(pair, {stage: m}, "direct")
+        finally:
+            held.deregister()
+        want = expected(ctx, 1, 2, shape, 0, 1, list(range(LAYERS)), HEADS, stages=[stage])
+        assert torch.equal(gen_bytes(pair, shape), want), stage
+
+
+@pytest.mark.parametrize("numbered", [False, True], ids=["by position", "numbered"])
+def test_context_pp1_into_generation_pp2(pair: AgentPair, numbered: bool) -> None:
+    """Context PP 1 into generation PP 2: the context side has more layers and maps a view
+    of its pool's layer axis, ``pool[:, a:b]``, into each stage's whole pool (NIXL
+    registration of the whole pool, which the view's storage is)."""
+    ctx = context_ranks(1, 1, HEADS, 2)
+    whole = kvlayout.detect(ctx[0, 0], "trtllm", hints(HEADS, 2))
+    held = nx.register(pair.agent, whole)
+    try:
+        for stage in range(2):
+            layers = stage_layers(stage, 2)
+            part = kvlayout.detect(ctx[0, 0][:, layers[0] : layers[-1] + 1], "trtllm", hints(HEADS, 2))
+            if numbered:
+                part = part.numbered(layers)
+            there = handshake(
+                pair,
+                Shard(0, 1, HEADS),
+                heads=HEADS,
+                kv_factor=2,
+                layers=len(layers),
+                ids=layers if numbered else None,
+            )
+            m = block_map(part, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=Shard(0, 1, HEADS))
+            write(pair, {stage: m}, "direct")
+            shape = (GEN_BLOCKS, len(layers), 2, HEADS * HEAD_DIM * TPB)
+            assert torch.equal(gen_bytes(pair, shape), expected(ctx, 1, 1, shape, 0, 1, layers, HEADS)), stage
+    finally:
+        held.deregister()
+
+
+# --- (c) MLA: the latents whole on every rank ------------------------------------------------
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(1, 2), (2, 1), (4, 2)])
+def test_mla_between_tp_degrees(pair: AgentPair, ctx_tp: int, gen_tp: int) -> None:
+    """TRT-LLM's K-only pool (``[NB, NL, 1, TPB * 576]`` for DeepSeek; 48 here), kv factor 1:
+    every rank holds the latents; one context rank sends each generation rank
+    (``MLACacheFormatter::needSendCache``: TP rank 0 of the ``ctx_tp / gen_tp`` that could)."""
+    ctx = context_ranks(ctx_tp, 1, 1, 1)
+    regs = {r: kvlayout.detect(ctx[0, r], "trtllm", hints(1, 1)) for r in range(ctx_tp)}
+    assert regs[0].kernel_groups[0].format.name == "NB_NL_ONE_BS_HS"
+    held = [nx.register(pair.agent, reg) for reg in regs.values()]
+    try:
+        for d in range(gen_tp):
+            there = handshake(pair, Shard(d, gen_tp, 1), heads=1, kv_factor=1, layers=LAYERS)
+            maps = {}
+            for r, reg in regs.items():
+                m = block_map(reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=Shard(r, ctx_tp, 1))
+                assert m.latents
+                if Shard(r, ctx_tp, 1).sends_to(Shard(d, gen_tp, 1), latents=m.latents):
+                    maps[r, d] = m
+            assert [r for r, _ in maps] == [mla_sender(d, ctx_tp, gen_tp)]
+            write(pair, maps, "direct")
+            shape = (GEN_BLOCKS, LAYERS, 1, LATENT * TPB)
+            assert torch.equal(
+                gen_bytes(pair, shape), expected(ctx, ctx_tp, 1, shape, d, gen_tp, list(range(LAYERS)), 1)
+            )
+    finally:
+        for h in held:
+            h.deregister()
+
+
+# --- (d) variable sliding window: a pool per window ------------------------------------------
+
+WINDOW = 64  # layers 0 and 2 slide (gpt-oss-like alternation), 1 and 3 attend to every token
+POOLS = {WINDOW: ([0, 2], [3, 0, 2, 5], [1, 6, 4, 2]), 1 << 20: ([1, 3], CTX_IDS, GEN_IDS)}
+
+
+def window_start_block(window: int, blocks: int) -> int:
+    """``getBlockRangeForSending`` / ``getBlockRangeForReceiving`` (several windows): a window's
+    last ``window / tokensPerBlock + 1`` blocks move, whole, on both sides."""
+    return max(0, blocks - (window // TPB + 1))
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(2, 4), (4, 2)])
+def test_variable_sliding_window_pools(pair: AgentPair, ctx_tp: int, gen_tp: int) -> None:
+    """A V1 manager of two window sizes holds a pool per window (``[NB, layers of that window,
+    2, row]``), each with its own block ids. Each pool is detected on its own (TRT-LLM's
+    detector refuses a list of them) and numbered with its layers' model ids; the sliding
+    window's dropped blocks are left out with ``first_token`` (block ``window_start_block``),
+    its block list still the request's every block id in that window's pool."""
+    blocks = -(-TOKENS // TPB)
+    for window, (layers, ctx_ids, gen_ids) in POOLS.items():
+        first = window_start_block(window, blocks) * TPB
+        ctx = {
+            r: primary_pool(
+                CTX_BLOCKS, len(layers), HEADS // ctx_tp, HEAD_DIM, 2, seed(window % 7, r, ctx_tp, HEADS)
+            )
+            for r in range(ctx_tp)
+        }
+        regs = {
+            r: kvlayout.detect(p, "trtllm", hints(HEADS // ctx_tp, 2)).numbered(layers)
+            for r, p in ctx.items()
+        }
+        held = [nx.register(pair.agent, reg) for reg in regs.values()]
+        try:
+            for d in range(gen_tp):
+                there = handshake(
+                    pair,
+                    Shard(d, gen_tp, HEADS),
+                    heads=HEADS // gen_tp,
+                    kv_factor=2,
+                    layers=len(layers),
+                    ids=layers,
+                )
+                maps = {}
+                for r, reg in regs.items():
+                    m = block_map(
+                        reg, there, ctx_ids, gen_ids, num_tokens=TOKENS, first_token=first,
+                        src_shard=Shard(r, ctx_tp, HEADS),
+                    )  # fmt: skip
+                    if m.kind != "empty":
+                        maps[window, r, d] = m
+                assert sorted(r for _, r, _ in maps) == trt_senders(d, ctx_tp, gen_tp, HEADS)
+                write(pair, maps, "direct")
+                shape = (GEN_BLOCKS, len(layers), 2, HEADS // gen_tp * HEAD_DIM * TPB)
+                want = torch.zeros(shape, dtype=torch.bfloat16)
+                for gh, head in enumerate(rank_heads(d, gen_tp, HEADS)):
+                    r = next(x for x in range(ctx_tp) if head in rank_heads(x, ctx_tp, HEADS))
+                    ch = rank_heads(r, ctx_tp, HEADS).index(head)
+                    for layer in range(len(layers)):
+                        for kv in range(2):
+                            for t in range(first, TOKENS):
+                                src = trt_row(ctx[r], ctx_ids[t // TPB], layer, kv, ch, t % TPB)
+                                trt_row(want, gen_ids[t // TPB], layer, kv, gh, t % TPB).copy_(src)
+                assert torch.equal(gen_bytes(pair, shape), want), (window, d)
+        finally:
+            for h in held:
+                h.deregister()
