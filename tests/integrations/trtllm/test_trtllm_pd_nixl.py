@@ -51,7 +51,7 @@ pytest.importorskip("nixl")
 
 import kvlayout
 from kvlayout.testing.nixl_peer import AgentPair, agent_pair, tcp_tls
-from kvlayout.transfer import RegistrationDescription, Shard, block_map
+from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map
 from kvlayout.transfer import nixl as nx
 
 LAYERS, HEADS, HEAD_DIM, LATENT = 4, 8, 16, 48  # LATENT: kv_lora_rank 32 + qk_rope_head_dim 16
@@ -307,6 +307,27 @@ def test_context_pp2_into_generation_pp1(pair: AgentPair, numbered: bool) -> Non
             held.deregister()
         want = expected(ctx, 1, 2, shape, 0, 1, list(range(LAYERS)), HEADS, stages=[stage])
         assert torch.equal(gen_bytes(pair, shape), want), stage
+
+
+def test_a_stage_into_a_whole_description_says_the_peer_describes_the_part() -> None:
+    """A context stage (layers 2-3, numbered) against the generation rank's description of
+    its whole pool (layers 0-3) is refused; the poster cannot cut a peer's description by
+    layers, so the message says the peer describes that part at the handshake."""
+    stage = kvlayout.detect(primary_pool(CTX_BLOCKS, 2, HEADS, HEAD_DIM, 2, 1), "trtllm", hints(HEADS, 2))
+    whole, _ = generation_pool(HEADS, 2, LAYERS)
+    there = RegistrationDescription.from_json(whole.describe().to_json())
+    with pytest.raises(BlockMapError) as err:
+        block_map(stage.numbered([2, 3]), there, CTX_IDS, GEN_IDS, num_tokens=TOKENS)
+    assert str(err.value) == (
+        "src holds layers 2-3 and dst layers 0-3; a map moves layer i to layer i (src holds only some of "
+        "dst's layers: map them from a registration of those layers alone, detected from that part of dst's "
+        "cache by the peer that holds it, which describes it for you at the handshake (a list's entries, or "
+        "a view of a pool's layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
+        "registration.numbered(layer_ids))"
+    )
+    # the same pools in one process: the poster holds dst's cache and cuts it itself
+    with pytest.raises(BlockMapError, match="part of dst's cache \\(a list's entries"):
+        block_map(stage.numbered([2, 3]), whole, CTX_IDS, GEN_IDS, num_tokens=TOKENS)
 
 
 @pytest.mark.parametrize("numbered", [False, True], ids=["by position", "numbered"])
