@@ -989,6 +989,38 @@ BLOCKS_TP4 = ["--dst-engine", "vllm", "--dst-shape", "2x[24,1,32,128]@0,2,1,3", 
               "--dst-tp", "4", "--kv-heads", "2"]  # fmt: skip
 
 
+def test_plan_notes_one_head_only_where_the_other_side_could_be_latents(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A GQA model of 8 KV heads at TP 2 (4 heads a rank) into TP 8 (one head a rank): the
+    decode side's ``[NB, 1, BS, C]`` is a head, since the prefill side, the same model,
+    holds 4; the note asking whether it is MLA latents was printed on it all the same.
+    Where the other side could be latents (read as latents, or one head as well) it stays."""
+    view = "4x[64,{},16,256]@0,2,1,3"
+    gqa = ["--src-engine", "vllm", "--src-shape", view.format(4), "--src-tp", "2",
+           "--dst-engine", "vllm", "--dst-shape", view.format(1), "--dst-tp", "8", "--tokens", "20"]  # fmt: skip
+    code, out, _ = run(capsys, "plan", *gqa, "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["kv_heads"] == 8
+    assert plan["src"]["note"] is plan["dst"]["note"] is None
+    code, out, _ = run(capsys, "plan", *gqa)
+    assert code == 0 and "note:" not in out
+    note = (
+        "--dst-shape read as one KV head of K and V a rank (NL_X_NB_BS_NH_CS), planned by heads; an MLA "
+        "model's latents have this shape too: give --dst-hint kv_dim=1 for them"
+    )
+    latents = ["--src-engine", "vllm", "--src-shape", view.format(1), "--src-hint", "kv_dim=1", "--src-tp", "2",
+               "--dst-engine", "vllm", "--dst-shape", view.format(1), "--dst-tp", "2", "--tokens", "20"]  # fmt: skip
+    code, out, _ = run(capsys, "plan", *latents, "--json")
+    plan = json.loads(out)
+    assert code == 1 and (plan["src"]["note"], plan["dst"]["note"]) == (None, note)  # refused, and says why
+    one_head = [*gqa[:3], view.format(1), *gqa[4:]]  # both one head a rank: either could be latents
+    code, out, _ = run(capsys, "plan", *one_head, "--json")
+    plan = json.loads(out)
+    assert code == 0 and plan["dst"]["note"] == note
+    assert plan["src"]["note"] == note.replace("--dst-", "--src-")
+
+
 def test_plan_takes_the_scheduler_s_blocks_over_kernel_pages(capsys: pytest.CaptureFixture[str]) -> None:
     """``--src-block-size``: block ids in the scheduler's blocks of 48 over kernel pages of 16,
     as block_map's ``src_block_size`` reads them (each id three pages, in order)."""

@@ -34,7 +34,8 @@ def _one_head_note(
     """What ``plan`` says of a side read as one KV head of fused K and V where the hint
     ``kv_dim=1`` reads the same tensors as MLA latents (vLLM 0.26+ registers an MLA layer
     as ``[NB, 1, BS, C]``, the shape of a one-head cache: only the hint tells them apart,
-    and a real one-head model is not refused); None for any other side."""
+    and a real one-head model is not refused); None for any other side. Of this side
+    alone: :func:`_latent_notes` drops it where the other side cannot be latents."""
     if "kv_dim" in hints or "layout_format" in hints or _side_heads(registration) != 1:
         return None
     try:
@@ -48,6 +49,16 @@ def _one_head_note(
         f"--{where}-shape read as one KV head of K and V a rank ({fmt}), planned by heads; an MLA model's "
         f"latents have this shape too: give --{where}-hint kv_dim=1 for them"
     )
+
+
+def _latent_notes(notes: dict[str, str | None], heads: dict[str, int | None]) -> dict[str, str | None]:
+    """Each side's :func:`_one_head_note`, kept only where the other side could hold MLA
+    latents too (read as latents, or one head that ``kv_dim=1`` reads as latents): both
+    sides hold one model's cache, so a side of several heads a rank (a GQA model below
+    its TP degree), or one no hint reads as latents, says the one head beside it is a
+    head (a GQA model at TP >= its KV heads), not latents."""
+    could = {w: heads[w] is None or notes[w] is not None for w in notes}
+    return {w: note if could["dst" if w == "src" else "src"] else None for w, note in notes.items()}
 
 
 MAX_TP = 1024
@@ -189,6 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         sides[where] = (reg, group)
         notes[where] = _one_head_note(where, kv, spec, engine, hints, reg)
     heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
+    notes = _latent_notes(notes, heads)
     model_heads = args.kv_heads
     if model_heads is None and heads["src"] is not None:
         model_heads = heads["src"] * args.src_tp  # no replication unless --kv-heads says so
