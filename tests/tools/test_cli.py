@@ -1021,6 +1021,27 @@ def test_plan_notes_one_head_only_where_the_other_side_could_be_latents(
     assert plan["src"]["note"] == note.replace("--dst-", "--src-")
 
 
+def test_plan_row_budget_counts_every_pair_of_latents_whatever_kv_heads_says(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Latents are whole on every rank, so every rank pair maps every token row (one
+    replica then sends them); with ``--kv-heads`` the budget counted only the pairs whose
+    heads overlap (4 of these 8), admitting twice the rows it says it bounds."""
+    mla = ["--src-engine", "vllm", "--src-shape", "8x[1048576,1,16,576]", "--src-hint", "kv_dim=1", "--src-tp",
+           "2", "--dst-engine", "vllm", "--dst-shape", "8x[1048576,1,16,576]", "--dst-hint", "kv_dim=1",
+           "--dst-tp", "4", "--tokens", "16777216"]  # fmt: skip
+    message = (
+        "kvlayout: --tokens 16777216 of 8 layers over 8 rank pair(s) that map every row make 1073741824 token "
+        "rows to map, more than 2**28 = 268435456; plan fewer tokens or ranks\n"
+    )
+    for kv_heads in ([], ["--kv-heads", "4"], ["--kv-heads", "8"]):
+        assert run(capsys, "plan", *mla, *kv_heads) == (2, "", message)
+    # heads count only the pairs that share one (the rows of the others are not mapped)
+    gqa = [a.replace("576", "256").replace("kv_dim=1", "kv_layout=NHD") for a in mla]
+    code, _, err = run(capsys, "plan", *gqa, "--kv-heads", "2")
+    assert code == 2 and "over 4 rank pair(s) that exchange heads make 536870912 token rows" in err
+
+
 def test_plan_takes_the_scheduler_s_blocks_over_kernel_pages(capsys: pytest.CaptureFixture[str]) -> None:
     """``--src-block-size``: block ids in the scheduler's blocks of 48 over kernel pages of 16,
     as block_map's ``src_block_size`` reads them (each id three pages, in order)."""

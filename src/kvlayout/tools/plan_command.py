@@ -228,7 +228,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "memory order: a view [NB,NH,BS,C] of NHD memory, as vLLM 0.33 hands each layer, is "
                     "'[NB,NH,BS,C]@0,2,1,3')"
                 )
-    _plan_work(args, model_heads, {where: len(group.layers) for where, (_, group) in sides.items()})
+    _plan_work(
+        args,
+        None if heads["src"] is None else model_heads,  # latents: every pair maps every row
+        {where: len(group.layers) for where, (_, group) in sides.items()},
+    )
     record: dict[str, Any] = {
         "tokens": args.tokens, "first_token": args.first_token, "blocks": args.blocks, "poster": args.poster,
         "cost_model": DEFAULT_COST.source, "kv_heads": model_heads, "pairs": [],
@@ -276,7 +280,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: dict[str, int]) -> None:
     """Refuse a plan of more than MAX_PLAN_LAYERS layers a side, MAX_PLAN_MAPS layer maps
     or MAX_PLAN_ROWS token rows (the pairs with no head in common move no rows: they
-    count for their maps, not their rows)."""
+    count for their maps, not their rows). ``model_heads`` is None where every pair maps
+    every row: latents (MLA), which every rank holds whole whatever ``--kv-heads`` says."""
     from kvlayout.registration.shards import Shard
 
     for where, n in side_layers.items():
@@ -296,7 +301,8 @@ def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: d
     rows = args.tokens * layers * pairs
     if rows > MAX_PLAN_ROWS:
         raise KVLayoutError(
-            f"--tokens {args.tokens} of {layers} layers over {pairs} rank pair(s) that exchange heads make "
+            f"--tokens {args.tokens} of {layers} layers over {pairs} rank pair(s) "
+            f"{'that exchange heads' if model_heads is not None else 'that map every row'} make "
             f"{rows} token rows to map, more than 2**28 = {MAX_PLAN_ROWS}; plan fewer tokens or ranks"
         )
 
