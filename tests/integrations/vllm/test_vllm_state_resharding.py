@@ -552,3 +552,20 @@ def test_a_decode_that_reads_takes_state_from_every_rank_holding_its_slices_atte
     assert kinds[0] == (True, "resharded state", {False})
     assert kinds[1] == (False, "resharded state", {False})  # the same head: rank 0 sends it
     assert kinds[2][1:] == kinds[3][1:] == ("empty", {True})
+
+
+@pytest.mark.parametrize("conv_layout", ["DS", "SD"])
+def test_declared_state_rows_mark_a_page_as_the_edits_do(conv_layout: str) -> None:
+    """A registered Mamba layer read from its spec's fields alone (``kvlayout plan``'s state
+    sides) is marked with the arrays and page layout the edits give it from the spec."""
+    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+    from kvlayout.integrations.vllm.rules import declared_state_rows
+    from kvlayout.registration.opaque import opaque_pages_of
+
+    rank = Rank(2, 1, conv_layout, "none", seed=1)
+    name = rank.names[0]
+    view = declared_state_rows(rank.raw[name], "gdn_attn", rank.spec.shapes, rank.spec.dtypes, 1)
+    assert opaque_pages_of(view) == rank.group.opaque_pages
+    assert view.shape == (4, 1, rank.raw[name].shape[-1]) and view.stride(0) == rank.raw[name].stride(0)
+    with pytest.raises(KVCacheGroupEditError, match=r"a 'mamba1' state of .* does not split over TP"):
+        declared_state_rows(rank.raw[name], "mamba1", rank.spec.shapes, rank.spec.dtypes, 1)

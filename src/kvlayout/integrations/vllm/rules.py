@@ -36,8 +36,9 @@ from kvlayout.integrations.vllm.specs import (
     spec_size,
     tokens_per_slot,
 )
+from kvlayout.integrations.vllm.states import declared_state_arrays
 from kvlayout.registration.contiguity import physical_order
-from kvlayout.registration.opaque import OpaquePages
+from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages, mark_opaque_pages, page_of
 from kvlayout.types import HintsLike, LayoutHints
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "RingBufferPagesEdit",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
+    "declared_state_rows",
 ]
 
 
@@ -134,6 +136,47 @@ class MambaStateRowsEdit(KVCacheGroupEdit):
             block_stride_bytes=runs.stride_bytes,
             offset_bytes=runs.offset_bytes,
         )
+
+
+def declared_state_rows(
+    value: torch.Tensor,
+    kind: str,
+    shapes: Sequence[tuple[int, ...]],
+    dtypes: Sequence[torch.dtype],
+    rows: int,
+) -> torch.Tensor:
+    """A Mamba layer as vLLM 0.33+ registers it (``value``: ``[NB, 1, 1, page]``, each
+    block one contiguous run) re-viewed and marked as :class:`MambaStateRowsEdit` and
+    :func:`~kvlayout.integrations.vllm.pages.page_layout` do for a ``MambaSpec`` of these
+    fields, where there is no spec to read (``kvlayout plan``'s state sides, given on
+    the command line): ``kind`` its ``mamba_type`` (``"gdn_attn"``), ``shapes`` and
+    ``dtypes`` its states, ``rows`` its slots per block (1 in 'none' mode, ``block_size``
+    in 'align' mode). The page is ``value``'s row, its padding included. States that do
+    not split as ``kind`` says, or that do not fit the page, raise
+    :class:`KVCacheGroupEditError`: a page without its arrays moves only between ranks alike."""
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    arrays = declared_state_arrays(kind, [tuple(s) for s in shapes], names)
+    states = ", ".join(f"{list(s)} {n}" for s, n in zip(shapes, names, strict=True))
+    if not arrays:
+        raise KVCacheGroupEditError(
+            f"a {kind!r} state of {states} does not split over TP as vLLM's {kind} state does (conv state "
+            "[dim, rows] or [rows, dim] whose dim is the type's sub-projections, then the SSM state [heads, "
+            "...]; mamba1, mamba2, gdn_attn, kda, linear, short_conv)"
+        )
+    runs = page_runs(value)
+    layout = f"{MambaStateRowsEdit.name}: {page_of(value)}; shapes {tuple(shapes)}; dtypes {tuple(dtypes)}"
+    pages = OpaquePages(layout[:MAX_PAGE_LAYOUT], False, arrays)
+    if pages.arrays_end > runs.page_bytes:
+        raise KVCacheGroupEditError(
+            f"the states ({states}) take {pages.arrays_end} bytes, more than the {runs.page_bytes}-byte page "
+            f"{page_of(value)}"
+        )
+    view = opaque_page_view(
+        value, num_blocks=runs.num_pages, block_size=rows, page_bytes=runs.page_bytes,
+        block_stride_bytes=runs.stride_bytes, offset_bytes=runs.offset_bytes,
+    )  # fmt: skip
+    mark_opaque_pages(view, pages, [value])
+    return view
 
 
 class MambaStateListEdit(KVCacheGroupEdit):

@@ -29,7 +29,7 @@ from kvlayout.integrations.vllm.specs import SpecKind, spec_field, spec_kind
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import PageArray
 
-__all__ = ["conv_dim_first", "mamba_type", "state_arrays"]
+__all__ = ["conv_dim_first", "declared_state_arrays", "mamba_type", "state_arrays"]
 
 
 def mamba_type(spec: Any) -> str | None:
@@ -60,13 +60,22 @@ def state_arrays(spec: Any) -> tuple[PageArray, ...]:
     if not 0 < len(shapes) == len(dtypes) <= 2 or not all(isinstance(d, torch.dtype) for d in dtypes):
         return ()  # a replay ring or other extra state: no rule says how TP splits it
     names = [str(d).removeprefix("torch.") for d in dtypes]
-    states = [tuple(int(n) for n in shape) for shape in shapes]
+    return declared_state_arrays(mamba_type(spec), [tuple(int(n) for n in shape) for shape in shapes], names)
+
+
+def declared_state_arrays(
+    kind: str | None, states: list[tuple[int, ...]], names: list[str]
+) -> tuple[PageArray, ...]:
+    """:func:`state_arrays` of a ``MambaSpec`` given by its fields: ``kind`` its
+    ``mamba_type`` (:func:`mamba_type`'s name), ``states`` its ``shapes`` and ``names``
+    its ``dtypes`` (``"bfloat16"``); empty where they do not split as the type says."""
+    if not 0 < len(states) == len(names) <= 2:
+        return ()
     if (
         any(name not in DTYPE_SIZES for name in names)
         or min((n for state in states for n in state), default=0) <= 0
     ):
         return ()
-    kind = mamba_type(spec)
     if len(states) == 1:
         return _one_state(kind, states[0], names[0])
     conv, ssm = states
