@@ -1162,3 +1162,192 @@ def test_plan_json_says_a_one_head_side_could_be_latents(capsys: pytest.CaptureF
     assert code == 0 and plan["kv_heads"] is None and plan["src"]["note"] is plan["dst"]["note"] is None
     code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--json")
     assert code == 0 and json.loads(out)["src"]["note"] is json.loads(out)["dst"]["note"] is None
+
+
+# -- plan: Mamba state ------------------------------------------------------------------------
+# Qwen3-Next-80B's Gated DeltaNet: 16 key heads and 32 value heads of 128, conv kernel 4;
+# vLLM 0.33 registers each of its 36 GDN layers as one int8 [NB, 1, 1, PAGE] view, the page
+# padded up to the attention page (557056 bytes at TP 2, 278528 at TP 4)
+GDN = {"num_k_heads": 16, "num_v_heads": 32, "head_k_dim": 128, "head_v_dim": 128, "conv_kernel_size": 4}
+
+
+def _vllm_gdn_shapes(tp: int, dim_first: bool) -> tuple[tuple[int, int], tuple[int, int, int]]:
+    """vLLM 0.33's ``MambaStateShapeCalculator.gated_delta_net_state_shape`` at ``tp``
+    (``vllm/model_executor/layers/mamba/mamba_utils.py``; its module imports vLLM's
+    distributed runtime, so transcribed): the conv state (Q | K | V dim / TP, kernel - 1)
+    oriented by ``VLLM_SSM_CONV_STATE_LAYOUT`` ("DS": dim first), the temporal state
+    (value heads / TP, head_v_dim, head_k_dim)."""
+    dim = GDN["head_k_dim"] * GDN["num_k_heads"] * 2 + GDN["head_v_dim"] * GDN["num_v_heads"]
+    rows = GDN["conv_kernel_size"] - 1
+    conv = (dim // tp, rows) if dim_first else (rows, dim // tp)
+    return conv, (GDN["num_v_heads"] // tp, GDN["head_v_dim"], GDN["head_k_dim"])
+
+
+def _gdn_bytes(src: tuple[int, int], dst: tuple[int, int]) -> int:
+    """A layer's bytes both ranks hold, by vLLM's GDN sharding (``gated_delta_net_state_shape``,
+    ``mamba_mixer2``'s per-projection split): the conv dim is Q | K | V, each split over
+    TP on its own, 3 rows of bf16; the SSM state (value heads, 128, 128) bf16, split by head."""
+    key, value = 16 * 128, 32 * 128
+
+    def columns(tp: int, rank: int) -> set[int]:
+        out, start = set(), 0
+        for size in (key, key, value):
+            n = size // tp
+            out |= set(range(start + rank * n, start + (rank + 1) * n))
+            start += size
+        return out
+
+    def heads(tp: int, rank: int) -> set[int]:
+        return set(range(rank * 32 // tp, (rank + 1) * 32 // tp))
+
+    conv = len(columns(*src) & columns(*dst)) * 3 * 2
+    return conv + len(heads(*src) & heads(*dst)) * 128 * 128 * 2
+
+
+def _state_side(where: str, tp: int, dim_first: bool) -> list[str]:
+    conv, ssm = _vllm_gdn_shapes(tp, dim_first)
+    state = f"gdn_attn:{'x'.join(map(str, conv))}:bf16,{'x'.join(map(str, ssm))}:bf16"
+    page = 557056 * 2 // tp
+    return [f"--{where}-engine", "vllm", f"--{where}-shape", f"36x[64,1,1,{page}]", f"--{where}-state", state,
+            f"--{where}-tp", str(tp)]  # fmt: skip
+
+
+@pytest.mark.parametrize("dim_first", [True, False], ids=["DS", "SD"])
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 4), (4, 2), (1, 2), (2, 2)])
+def test_plan_maps_mamba_state_between_tp_degrees_by_vllm_s_split(
+    capsys: pytest.CaptureFixture[str], dim_first: bool, src_tp: int, dst_tp: int
+) -> None:
+    """A Qwen3-Next-like state group given as vLLM registers it, with its MambaSpec's fields
+    (``--*-state``): every rank pair moves the conv columns and SSM heads both ranks hold,
+    one run a sub-projection (and conv row, in vLLM's default "SD" order) and one for the
+    heads, from every src rank (no replica sends for another). Before, plan read the page
+    as one head of K and V in 1-token blocks."""
+    src = _state_side("src", src_tp, dim_first)
+    dst = _state_side("dst", dst_tp, dim_first)
+    code, out, err = run(capsys, "plan", *src, *dst, "--dtype", "int8", "--tokens", "700", "--json")
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["state"] and (plan["src"]["block_size"], plan["dst"]["block_size"]) == (1, 1)
+    rows = 1 if dim_first else 3
+    for p in plan["pairs"]:
+        expected = 36 * _gdn_bytes((src_tp, p["src_rank"]), (dst_tp, p["dst_rank"]))
+        if not expected:
+            assert (p["kind"], p["runs"], p["bytes"]) == ("empty", 0, 0)
+        elif src_tp == dst_tp:  # a page a layer, its padding too
+            assert (p["kind"], p["runs"], p["bytes"]) == ("same layout", 36, 36 * 557056 * 2 // src_tp)
+            assert expected == 36 * (557056 - 8192) * 2 // src_tp  # the state: all but the padding
+        else:
+            assert p["bytes"] == expected
+            assert (p["kind"], p["runs"]) == ("resharded state", 36 * (3 * rows + 1))
+            assert p["choice"] in p["descriptors"]
+    assert sum(p["bytes"] > 0 for p in plan["pairs"]) == max(src_tp, dst_tp)
+
+
+def test_plan_of_mamba_state_is_the_map_of_vllm_s_edited_pages(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan's maps are those of vLLM 0.33's registered Mamba layers read through the group
+    edits (from the MambaSpec itself), in 'none' mode and in align mode (--*-block-size:
+    the spec's block_size, 544 tokens at TP 2 and 272 at TP 4)."""
+    import kvlayout.testing.vllm as vx
+    from kvlayout.transfer import Shard, block_map
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    for mode, sizes in (("none", []), ("align", ["--src-block-size", "544", "--dst-block-size", "272"])):
+        groups, specs = {}, {}
+        for tp in (2, 4):
+            engine = vx.hybrid_engine(vx.QWEN3_NEXT_80B_A3B, vx.FLASHINFER, num_blocks=4, tp=tp,
+                                      mamba_cache_mode=mode, max_model_len=40960, conv_layout="DS")  # fmt: skip
+            raw = vx.allocate_v033(engine)[1]
+            reg = vx.detect_registered(
+                engine, raw, {"kv_layout": "NHD"}, edited=True, prefix_reuse=mode == "align"
+            )
+            groups[tp] = next(g for g in reg.kernel_groups if g.opaque_pages is not None)
+            name = engine.config.kv_cache_groups[groups[tp].engine_group].layer_names[0]
+            specs[tp] = (engine.spec_of(name), raw[name])
+        argv = ["plan", "--dtype", "int8", "--tokens", "700", "--json", *sizes]
+        for where, tp in (("src", 2), ("dst", 4)):
+            spec, layer = specs[tp]
+            assert layer.shape[:3] == (4, 1, 1) and layer.dtype == torch.int8  # as vLLM registers it
+            state = ",".join(f"{'x'.join(map(str, s))}:bf16" for s in spec.shapes)
+            shape = f"{len(groups[tp].layers)}x[4,1,1,{spec.page_size_bytes}]"  # a group's layers
+            argv += [f"--{where}-engine", "vllm", f"--{where}-shape", shape,
+                     f"--{where}-state", f"gdn_attn:{state}", f"--{where}-tp", str(tp)]  # fmt: skip
+        code, out, err = run(capsys, *argv)
+        assert (code, err) == (0, ""), mode
+        plan = json.loads(out)
+        assert plan["src"]["block_size"] == groups[2].geometry.block_size
+        for p in plan["pairs"]:
+            m = block_map(groups[2], groups[4], [0], [0], src_shard=Shard(p["src_rank"], 2, 2),
+                          dst_shard=Shard(p["dst_rank"], 4, 2))  # fmt: skip
+            assert (p["kind"], p["runs"], p["bytes"]) == (m.kind, m.num_runs, m.num_bytes), (mode, p)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (
+            ("--dst-state", None),
+            "--src-state is given and --dst-state is not: a state group maps into a state group",
+        ),
+        (
+            ("--dst-state", "gdn_attn:2048x3:bf17,8x128x128:bf16"),
+            "--dst-state 'gdn_attn:2048x3:bf17,8x128x128:bf16' is not TYPE:DIMS:DTYPE[,DIMS:DTYPE]",
+        ),
+        (
+            ("--dst-state", "gdn:2048x3:bf16,8x128x128:bf16"),
+            "a 'gdn' state of [2048, 3] bfloat16, [8, 128, 128] bfloat16 does not split over TP as vLLM's gdn",
+        ),
+        (
+            ("--dst-shape", "36x[64,1,1,4096]"),
+            "the states ([2048, 3] bfloat16, [8, 128, 128] bfloat16) take 274432 bytes, more than the 4096-byte "
+            "page",
+        ),
+        (
+            ("--dst-engine", "sglang"),
+            "--dst-state reads vLLM's Mamba layers (a MambaSpec's page), not sglang's",
+        ),
+        (("--dst-dcp", "2"), "--dst-dcp 2: vLLM never shards Mamba state by CP rank"),
+        (("--first-token", "3"), "--first-token 3: a Mamba state page holds no tokens"),
+    ],
+)
+def test_plan_of_mamba_state_refuses_what_it_cannot_plan(
+    capsys: pytest.CaptureFixture[str], change: tuple[str, str | None], message: str
+) -> None:
+    argv = ["plan", "--src-engine", "vllm", "--src-shape", "36x[64,1,1,557056]", "--src-state",
+            "gdn_attn:4096x3:bf16,16x128x128:bf16", "--src-tp", "2", "--dst-engine", "vllm", "--dst-shape",
+            "36x[64,1,1,278528]", "--dst-state", "gdn_attn:2048x3:bf16,8x128x128:bf16", "--dst-tp", "4",
+            "--dtype", "int8", "--tokens", "700"]  # fmt: skip
+    flag, value = change
+    if flag in argv:
+        at = argv.index(flag)
+        argv[at : at + 2] = [] if value is None else [flag, value]
+    else:
+        argv += [flag, value or ""]
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "") and message in err, err
+
+
+def test_plan_of_mamba_state_as_the_docs_show(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/pd-connectors.md's state pair: decode ranks 0-1 read prefill rank 0's slices,
+    2-3 rank 1's, each a quarter of the model's state; without ``--*-state`` the same
+    shapes are planned as one head in one-token blocks, and the plan says to give it."""
+    docs = (Path(__file__).parents[2] / "docs" / "pd-connectors.md").read_text()
+    line = next(x for x in docs.splitlines() if "kvlayout plan" in x and "--src-state" in x)
+    argv = [a.strip("'") for a in line.split("$ kvlayout ", 1)[1].split()]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    lines = out.splitlines()
+    assert lines[0].startswith(
+        "plan: the running Mamba state, one block id a side (scattered); src state TP 2"
+    )
+    sends = [
+        x for x in lines if x.startswith("  src rank") and "resharded state; 144 runs, 9879552 bytes" in x
+    ]
+    assert [x.split(":")[0] for x in sends] == [
+        f"  src rank {r} -> dst rank {d}" for r, d in ((0, 0), (0, 1), (1, 2), (1, 3))
+    ]
+    bare = [a for a in argv if not a.startswith("gdn_attn") and a not in ("--src-state", "--dst-state")]
+    code, out, _ = run(capsys, *bare[:-1], "64")  # --tokens: 64 blocks of one token
+    assert "2 KV heads" in out.splitlines()[0]
+    assert "give --src-state (the MambaSpec's mamba_type, shapes and dtypes) for them" in out.splitlines()[1]

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvlayout.errors import KVLayoutError
 from kvlayout.layout.dtypes import SHORT_NAMES
-from kvlayout.tools.plan_command import MAX_TP, cmd_plan
+from kvlayout.tools.plan_command import MAX_TP, STATE_EXAMPLE, cmd_plan
 from kvlayout.tools.registrations import _natural, cmd_detect
 
 if TYPE_CHECKING:
@@ -295,6 +295,11 @@ def build_parser() -> argparse.ArgumentParser:
                             f"--{where}-shape reads in (vLLM's scheduler blocks over a group its "
                             "attention kernel pages finer: FlashInfer's pages of a hybrid's 544-token "
                             "blocks); default: those")  # fmt: skip
+        p.add_argument(f"--{where}-state", default=None, metavar="TYPE:DIMS:DTYPE[,DIMS:DTYPE]",
+                       help=f"--{where}-shape is vLLM's Mamba layers (NLx[NB,1,1,PAGE] int8, as vLLM 0.33 "
+                            "registers them) of a MambaSpec of this mamba_type, shapes and dtypes, e.g. "
+                            f"{STATE_EXAMPLE}; plans the running state, one block id a side ('none' "
+                            f"mode; align mode: --{where}-block-size, the spec's block_size)")  # fmt: skip
     p.add_argument(
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+import math
+from typing import Any, Literal
 
-from kvlayout.errors import KVLayoutError
+from kvlayout.errors import KVLayoutError, abbreviated
+from kvlayout.layout.dtypes import SHORT_NAMES
 from kvlayout.tools.registrations import (
     _detect_kv,
     _hints,
@@ -51,6 +53,21 @@ def _one_head_note(
     )
 
 
+def _state_note(where: str, engine: str, group: Any, state: bool) -> str | None:
+    """What ``plan`` says of a vLLM side read as one head of K and V in blocks of one token
+    of int8: the shape vLLM 0.33 registers a Mamba layer as (``[NB, 1, 1, page]``, int8:
+    a ``MambaSpec`` has no one dtype), which only ``--*-state`` reads as state."""
+    g = group.geometry
+    if state or engine != "vllm" or (g.block_size, g.num_heads, str(g.dtype)) != (1, 1, "torch.int8"):
+        return None
+    return (
+        f"--{where}-shape read as one KV head of K and V a rank in blocks of one token, int8 "
+        f"({group.format.name}), planned by heads and tokens; vLLM's Mamba layers have this shape "
+        "([NB,1,1,PAGE] int8): give "
+        f"--{where}-state (the MambaSpec's mamba_type, shapes and dtypes) for them"
+    )
+
+
 def _latent_notes(notes: dict[str, str | None], heads: dict[str, int | None]) -> dict[str, str | None]:
     """Each side's :func:`_one_head_note`, kept only where the other side could hold MLA
     latents too (read as latents, or one head that ``kv_dim=1`` reads as latents): both
@@ -59,6 +76,95 @@ def _latent_notes(notes: dict[str, str | None], heads: dict[str, int | None]) ->
     head (a GQA model at TP >= its KV heads), not latents."""
     could = {w: heads[w] is None or notes[w] is not None for w in notes}
     return {w: note if could["dst" if w == "src" else "src"] else None for w, note in notes.items()}
+
+
+STATE_EXAMPLE = "gdn_attn:4096x3:bf16,16x128x128:bf16"
+"""``--src-state`` as written for Qwen3-Next's Gated DeltaNet page at TP 2 (vLLM's
+``MambaSpec``: ``mamba_type``, then each of ``shapes`` with its ``dtypes`` entry)."""
+
+
+def _state_fields(flag: str, text: str) -> tuple[str, list[tuple[int, ...]], list[Any]]:
+    """``--*-state TYPE:DIMS:DTYPE[,DIMS:DTYPE]``: a ``MambaSpec``'s ``mamba_type``,
+    ``shapes`` and ``dtypes`` (torch dtypes), or the command line's error."""
+    from kvlayout.tools.registrations import MAX_DIM, _natural
+
+    kind, _, rest = text.partition(":")
+    fields: tuple[list[tuple[int, ...]], list[Any]] = ([], [])
+    for item in rest.split(",") if rest else []:
+        dims, _, dtype = item.rpartition(":")
+        sizes = [_natural(d) for d in dims.split("x")]
+        if dtype not in SHORT_NAMES or not dims or any(n is None or not 0 < n <= MAX_DIM for n in sizes):
+            fields = ([], [])
+            break
+        fields[0].append(tuple(int(n or 0) for n in sizes))
+        fields[1].append(_torch_dtype(dtype))
+    if not kind or not fields[0]:  # a count of states no rule splits is declared_state_rows' to refuse
+        raise KVLayoutError(
+            f"{flag} {abbreviated(text, limit=120)!r} is not TYPE:DIMS:DTYPE[,DIMS:DTYPE]: vLLM's MambaSpec "
+            f"mamba_type, then each state shape (dims 1 to 2**32 - 1, joined by x) and its dtype (one of "
+            f"{', '.join(SHORT_NAMES)}), conv state then SSM state: {STATE_EXAMPLE} for Qwen3-Next at TP 2"
+        )
+    return kind.lower(), *fields
+
+
+def _state_side(
+    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object]
+) -> tuple[Any, Any]:
+    """A side given with ``--{where}-state``: vLLM 0.33's Mamba layers as it registers them
+    (``--{where}-shape NLx[NB,1,1,PAGE]``, the page padded as vLLM pads it), read as the
+    group edits read them for a ``MambaSpec`` of the state's fields, in blocks of
+    ``--{where}-block-size`` rows (align mode) or one ('none' mode)."""
+    import torch
+
+    import kvlayout
+    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+    from kvlayout.integrations.vllm.rules import declared_state_rows
+
+    flag = f"--{where}-state"
+    if engine.value != "vllm":
+        raise KVLayoutError(f"{flag} reads vLLM's Mamba layers (a MambaSpec's page), not {engine.value}'s")
+    if not isinstance(kv, list) or len(spec.parts) > 1 or not all(isinstance(t, torch.Tensor) for t in kv):
+        raise KVLayoutError(
+            f"--{where}-shape {_shown(spec.text)}: with {flag}, a list of one tensor a Mamba layer, as vLLM "
+            "0.33 registers them: NLx[NB,1,1,PAGE] (PAGE the spec's page_size_bytes, with --dtype int8)"
+        )
+    kind, shapes, dtypes = _state_fields(flag, a[f"{where}_state"])
+    rows = a[f"{where}_block_size"] or 1
+    try:
+        views = [declared_state_rows(t, kind, shapes, dtypes, rows) for t in kv]
+    except KVCacheGroupEditError as e:
+        raise KVLayoutError(f"{flag} on --{where}-shape {_shown(spec.text)}: {e}") from None
+    try:
+        reg = kvlayout.detect(views, engine, hints)
+    except (KVLayoutError, TypeError) as e:
+        raise KVLayoutError(f"--{where}-shape: detection refuses its state pages: {e}") from None
+    return reg, reg.kernel_groups[0]
+
+
+def _state_plan(args: argparse.Namespace, sides: dict[str, Any]) -> bool:
+    """Whether both sides are Mamba state (``--*-state``); a state side against attention,
+    or state under DCP or from a first token, is the command line's error."""
+    given = {w: vars(args)[f"{w}_state"] is not None for w in sides}
+    if not any(given.values()):
+        return False
+    if not all(given.values()):
+        w, o = ("src", "dst") if given["src"] else ("dst", "src")
+        raise KVLayoutError(
+            f"--{w}-state is given and --{o}-state is not: a state group maps into a state group (give "
+            f"--{o}-state), and an attention group into an attention group, each planned on its own"
+        )
+    if args.first_token:
+        raise KVLayoutError(
+            f"--first-token {args.first_token}: a Mamba state page holds no tokens (the request's running "
+            "state moves whole); plan it without --first-token"
+        )
+    for w in sides:
+        if vars(args)[f"{w}_dcp"] > 1:
+            raise KVLayoutError(
+                f"--{w}-dcp {vars(args)[f'{w}_dcp']}: vLLM never shards Mamba state by CP rank (MambaSpec: "
+                "each TP rank holds its slices whole); plan the state without --*-dcp"
+            )
+    return True
 
 
 MAX_TP = 1024
@@ -151,7 +257,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = _torch_dtype(args.dtype)
     _plan_bounds(args)
     meta = torch.device("meta")
-    sides, notes = {}, {}
+    sides: dict[str, tuple[Any, Any]] = {}
+    notes: dict[str, str | None] = {}
     a = vars(args)
     for where in ("src", "dst"):
         hints = _hints(a[f"{where}_hint"], f"--{where}-hint")
@@ -165,6 +272,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise KVLayoutError(f"--{where}-hint: {e}") from None
         spec = _registration_spec(f"--{where}-shape", a[f"{where}_shape"], args.dtype)
         kv = _registration(spec, dtype, meta, a[f"{where}_share"], f"--{where}-share")  # refused as given
+        if a[f"{where}_state"] is not None:
+            sides[where] = _state_side(where, a, kv, spec, engine, hints)
+            notes[where] = None
+            continue
         try:
             reg = _detect_kv(kv, spec, engine, hints)
         except (KVLayoutError, TypeError) as e:
@@ -199,9 +310,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         sides[where] = (reg, group)
         notes[where] = _one_head_note(where, kv, spec, engine, hints, reg)
-    heads = {w: _side_heads(r) for w, (r, _) in sides.items()}
+    state = _state_plan(args, sides)
+    heads = {w: None if state else _side_heads(r) for w, (r, _) in sides.items()}
     notes = _latent_notes(notes, heads)
+    for where, (_, group) in sides.items():
+        notes[where] = _state_note(where, a[f"{where}_engine"], group, state) or notes[where]
     model_heads = args.kv_heads
+    if state and model_heads is None:  # a state page reads only its rank and TP degree
+        model_heads = math.lcm(args.src_tp, args.dst_tp)
     if model_heads is None and heads["src"] is not None:
         model_heads = heads["src"] * args.src_tp  # no replication unless --kv-heads says so
     if model_heads is not None:
@@ -228,18 +344,23 @@ def cmd_plan(args: argparse.Namespace) -> int:
                     "memory order: a view [NB,NH,BS,C] of NHD memory, as vLLM 0.33 hands each layer, is "
                     "'[NB,NH,BS,C]@0,2,1,3')"
                 )
+    # a state map moves one block a side, its rows whatever the request's tokens
+    rows = max(g.geometry.block_size for _, g in sides.values()) if state else args.tokens
     _plan_work(
         args,
-        None if heads["src"] is None else model_heads,  # latents: every pair maps every row
+        None if heads["src"] is None else model_heads,  # latents, state: every pair maps every row
         {where: len(group.layers) for where, (_, group) in sides.items()},
+        rows,
+        f"state blocks of {rows} rows" if state else f"--tokens {args.tokens}",
     )
     record: dict[str, Any] = {
         "tokens": args.tokens, "first_token": args.first_token, "blocks": args.blocks, "poster": args.poster,
-        "cost_model": DEFAULT_COST.source, "kv_heads": model_heads, "pairs": [],
+        "cost_model": DEFAULT_COST.source, "kv_heads": args.kv_heads if state else model_heads,
+        "state": state, "pairs": [],
     }  # fmt: skip
     for where, (_, group) in sides.items():
         g = group.geometry
-        per = a[f"{where}_block_size"] or g.block_size  # a block id's tokens
+        per = g.block_size if state else a[f"{where}_block_size"] or g.block_size  # a block id's tokens
         record[where] = {"format": group.format.name, "tp": a[f"{where}_tp"], "dcp": a[f"{where}_dcp"],
                          "cp_interleave": a[f"{where}_cp_interleave"],
                          "block_size": per, "num_blocks": g.num_blocks // (per // g.block_size),
@@ -254,6 +375,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise KVLayoutError(
                 f"--{where}-shape: plan describes it as a peer would, and cannot: {e}"
             ) from None
+        if state:  # the request's running state: one block a side
+            ids[where] = _block_ids(args.blocks, 1, group.geometry.num_blocks, where)
+            continue
         # under DCP a block id stands for dcp blocks of the request's tokens; a scheduler's block
         # (--*-block-size) for several of the cache's
         per = a[f"{where}_block_size"] or bs
@@ -264,7 +388,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             where,
         )
     try:
-        _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None)
+        _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None, state=state)
     except MemoryError:  # numpy's and the native maps' allocations: bounded above, not by the machine
         raise KVLayoutError(
             f"--tokens {args.tokens}: the block maps of this plan need more memory than this machine gives; "
@@ -277,11 +401,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 1 if any("refused" in p for p in record["pairs"]) else 0
 
 
-def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: dict[str, int]) -> None:
+def _plan_work(
+    args: argparse.Namespace, model_heads: int | None, side_layers: dict[str, int], tokens: int, said: str
+) -> None:
     """Refuse a plan of more than MAX_PLAN_LAYERS layers a side, MAX_PLAN_MAPS layer maps
     or MAX_PLAN_ROWS token rows (the pairs with no head in common move no rows: they
     count for their maps, not their rows). ``model_heads`` is None where every pair maps
-    every row: latents (MLA), which every rank holds whole whatever ``--kv-heads`` says."""
+    every row: latents (MLA), which every rank holds whole whatever ``--kv-heads`` says,
+    and Mamba state. ``tokens``: the rows a pair maps a layer (a state map's, its block's),
+    which the message calls ``said``."""
     from kvlayout.registration.shards import Shard
 
     for where, n in side_layers.items():
@@ -298,10 +426,10 @@ def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: d
         src = [Shard(r, args.src_tp, model_heads).heads for r in range(args.src_tp)]
         dst = [Shard(d, args.dst_tp, model_heads).heads for d in range(args.dst_tp)]
         pairs = sum(a.start < b.stop and b.start < a.stop for a in src for b in dst)
-    rows = args.tokens * layers * pairs
+    rows = tokens * layers * pairs
     if rows > MAX_PLAN_ROWS:
         raise KVLayoutError(
-            f"--tokens {args.tokens} of {layers} layers over {pairs} rank pair(s) "
+            f"{said} of {layers} layers over {pairs} rank pair(s) "
             f"{'that exchange heads' if model_heads is not None else 'that map every row'} make "
             f"{rows} token rows to map, more than 2**28 = {MAX_PLAN_ROWS}; plan fewer tokens or ranks"
         )
@@ -309,13 +437,14 @@ def _plan_work(args: argparse.Namespace, model_heads: int | None, side_layers: d
 
 def _plan_pairs(
     args: argparse.Namespace, record: dict[str, Any], descs: dict[str, Any], ids: dict[str, Any],
-    model_heads: int | None, *, latent: bool,
+    model_heads: int | None, *, latent: bool, state: bool = False,
 ) -> None:  # fmt: skip
     """Each rank pair's block map and cost, or why it cannot be served, into ``record``
-    (``latent``: the src holds MLA latents, which every rank holds whole)."""
+    (``latent``: the src holds MLA latents, which every rank holds whole; ``state``: Mamba
+    state pages, each rank's slices its own, so every pair sends what both hold, as vLLM's
+    NixlConnector reads a Mamba group from every prefill rank)."""
     from kvlayout.registration.shards import Shard
     from kvlayout.transfer import block_map
-    from kvlayout.transfer.nixl import estimate
 
     def shard(where: str, rank: int) -> Shard | None:
         tp, dcp, interleave = (vars(args)[f"{where}_{k}"] for k in ("tp", "dcp", "cp_interleave"))
@@ -328,16 +457,25 @@ def _plan_pairs(
             pair: dict[str, Any] = {"src_rank": r, "dst_rank": d}
             try:
                 src_shard, dst_shard = shard("src", r), shard("dst", d)
-                m = block_map(
-                    descs["src"], descs["dst"], ids["src"], ids["dst"], num_tokens=args.tokens,
-                    first_token=args.first_token, src_shard=src_shard, dst_shard=dst_shard,
-                    src_block_size=args.src_block_size, dst_block_size=args.dst_block_size,
-                )  # fmt: skip
+                if state:  # one block a side, no tokens: the block ids are the cache's own
+                    m = block_map(descs["src"], descs["dst"], ids["src"], ids["dst"], src_shard=src_shard,
+                                  dst_shard=dst_shard)  # fmt: skip
+                else:
+                    m = block_map(
+                        descs["src"], descs["dst"], ids["src"], ids["dst"], num_tokens=args.tokens,
+                        first_token=args.first_token, src_shard=src_shard, dst_shard=dst_shard,
+                        src_block_size=args.src_block_size, dst_block_size=args.dst_block_size,
+                    )  # fmt: skip
             except KVLayoutError as exc:
                 pair["refused"] = str(exc)
                 record["pairs"].append(pair)
                 continue
             pair |= {"kind": m.kind, "reason": m.reason, "runs": m.num_runs, "bytes": m.num_bytes}
+            if state:
+                if m.num_runs:
+                    _estimated(pair, m, args.poster)
+                record["pairs"].append(pair)
+                continue
             # several src ranks hold these heads (or, for latents, all of them): one sends
             held = ("latents", 1) if latent or model_heads is None else ("heads", model_heads)
             if args.src_dcp > 1:  # replicas: the ranks of this CP rank that hold these heads
@@ -355,11 +493,17 @@ def _plan_pairs(
                     f"{how}"
                 )}  # fmt: skip
             if pair["runs"]:
-                est = estimate(m, poster=args.poster)
-                pair |= {"mean_run": m.num_bytes / m.num_runs, "op": est.op, "descriptors": est.descriptors,
-                         "predicted_s": est.predicted_s, "choice": est.choice,
-                         "stages": est.stages}  # fmt: skip
+                _estimated(pair, m, args.poster)
             record["pairs"].append(pair)
+
+
+def _estimated(pair: dict[str, Any], m: Any, poster: Literal["src", "dst"]) -> None:
+    """``pair`` with the NIXL strategies' descriptors and predicted times of map ``m``."""
+    from kvlayout.transfer.nixl import estimate
+
+    est = estimate(m, poster=poster)
+    pair |= {"mean_run": m.num_bytes / m.num_runs, "op": est.op, "descriptors": est.descriptors,
+             "predicted_s": est.predicted_s, "choice": est.choice, "stages": est.stages}  # fmt: skip
 
 
 def _sender(src: Any, dst: Any) -> int:
@@ -386,12 +530,20 @@ def _cp_sender(tp: int, dcp: int, heads: int, r: int, d: int) -> int:
 def _print_plan(r: dict[str, Any]) -> None:
     s, d = r["src"], r["dst"]
     moved = f" (moving {r['first_token']} on)" if r["first_token"] else ""
-    print(
-        f"plan: {r['tokens']} tokens{moved}, {r['blocks']} block ids; "
-        f"src {s['format']} TP {s['tp']}{_dcp(s)} (blocks of {s['block_size']}), "
-        f"dst {d['format']} TP {d['tp']}{_dcp(d)} (blocks of {d['block_size']}); "
-        f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
-    )
+    if r["state"]:  # Mamba state: one block a side, its rows no tokens
+        print(
+            f"plan: the running Mamba state, one block id a side ({r['blocks']}); "
+            f"src state TP {s['tp']} ({s['block_size']} row(s) a block), "
+            f"dst state TP {d['tp']} ({d['block_size']} row(s) a block); "
+            f"posted by {r['poster']}; cost model: {r['cost_model']}"
+        )
+    else:
+        print(
+            f"plan: {r['tokens']} tokens{moved}, {r['blocks']} block ids; "
+            f"src {s['format']} TP {s['tp']}{_dcp(s)} (blocks of {s['block_size']}), "
+            f"dst {d['format']} TP {d['tp']}{_dcp(d)} (blocks of {d['block_size']}); "
+            f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
+        )
     for side in (s, d):
         if side["note"]:
             print(f"  note: {side['note']}")
