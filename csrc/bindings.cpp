@@ -550,14 +550,61 @@ std::tuple<Problem, std::int64_t, std::int64_t, int> copy_groups(ConstGroups gro
   return {Problem::kNone, -1, -1, used};
 }
 
+// kvlayout.registration.memory.MemoryWatch's comparison, in one native pass: no torch
+// function mode on (torch's accessors would call it), each tensor a plain torch.Tensor (its
+// type compared, none of its methods called where it is not), at the data pointer read when
+// the map was made, and each storage at its address and of its size, read through torch's
+// own accessors (handed in: nothing here knows torch's layout). From cold caches each Python
+// step of the same comparison cost microseconds: on bench-maps' SGL conv TP 1->2 (36 runs of
+// 8 KiB) the Python check measured ~80 us of a ~250 us copy() (copy() and its checks in
+// one native call: see GroupCopy::copy_watched).
+class TensorWatch {
+ public:
+  TensorWatch(nb::tuple tensors, nb::tuple owners, std::vector<std::uint64_t> expected, nb::handle plain,
+              nb::object mode_on, nb::object data_ptr, nb::object storage, nb::object storage_ptr,
+              nb::object storage_bytes)
+      : tensors_(std::move(tensors)), owners_(std::move(owners)), expected_(std::move(expected)),
+        plain_(nb::borrow(plain)), mode_on_(std::move(mode_on)), data_ptr_(std::move(data_ptr)),
+        storage_(std::move(storage)), storage_ptr_(std::move(storage_ptr)), storage_bytes_(std::move(storage_bytes)) {
+    if (!PyType_Check(plain_.ptr())) throw nb::type_error("plain must be a type (torch.Tensor)");
+    if (expected_.size() != tensors_.size() + 2 * owners_.size())
+      throw nb::value_error("expected holds a data pointer per tensor, then a start per storage, then a size per storage");
+  }
+
+  // True while no torch function mode is on and every tensor is plain and where it was and
+  // every storage unchanged; False otherwise (what moved is the placements' to say).
+  bool unmoved() const {
+    if (nb::cast<bool>(mode_on_())) return false;
+    const std::size_t n = tensors_.size(), k = owners_.size();
+    for (std::size_t i = 0; i < n; ++i)
+      if (Py_TYPE(tensors_[i].ptr()) != reinterpret_cast<PyTypeObject*>(plain_.ptr())) return false;
+    for (std::size_t i = 0; i < n; ++i)
+      if (read(data_ptr_, tensors_[i]) != expected_[i]) return false;
+    for (std::size_t i = 0; i < k; ++i) {
+      const nb::object s = storage_(owners_[i]);
+      if (read(storage_ptr_, s) != expected_[n + i] || read(storage_bytes_, s) != expected_[n + k + i]) return false;
+    }
+    return true;
+  }
+
+ private:
+  static std::uint64_t read(const nb::object& accessor, nb::handle of) { return nb::cast<std::uint64_t>(accessor(of)); }
+
+  nb::tuple tensors_, owners_;
+  std::vector<std::uint64_t> expected_;
+  nb::object plain_, mode_on_, data_ptr_, storage_, storage_ptr_, storage_bytes_;
+};
+
 // A map's groups and both sides' spans, copied out of Python's arrays once and validated
 // once (validate_groups): nothing of them can change after, so each copy() only copies. What
 // can change between copies, the tensors' memory, is the caller's to check first
 // (kvlayout.registration.memory.MemoryWatch). Keeps no Python array and converts none per call.
 class GroupCopy {
  public:
-  GroupCopy(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans, kvlayout::PrefetchChoices* choices)
-      : src_(spans_of(src_spans, "src_spans")), dst_(spans_of(dst_spans, "dst_spans")), choices_(choices) {
+  GroupCopy(ConstGroups groups, U64Rows src_spans, U64Rows dst_spans, kvlayout::PrefetchChoices* choices,
+            const TensorWatch* watch)
+      : src_(spans_of(src_spans, "src_spans")), dst_(spans_of(dst_spans, "dst_spans")), choices_(choices),
+        watch_(watch) {
     const auto* g = groups_of(groups);
     groups_.assign(g, g + groups.shape(0));
     nb::gil_scoped_release release;
@@ -578,12 +625,27 @@ class GroupCopy {
                                             kvlayout::Prefetch::kAuto, choices_);
   }
 
+  // copy() as a map's copy() calls it, its checks here too: -2, copying nothing, where the
+  // call takes the full checks (num_threads not a plain int from 1 to the pool's size, or
+  // the watch sees a mode on, a tensor not plain or memory moved); -1 where the verdict
+  // refuses the runs; else the copy's threads.
+  int copy_watched(nb::handle num_threads) {
+    if (!PyLong_CheckExact(num_threads.ptr())) return -2;
+    int overflow = 0;
+    const long n = PyLong_AsLongAndOverflow(num_threads.ptr(), &overflow);
+    static const int most = kvlayout::transfer::WorkerPool::max_threads();  // Python's MAX_THREADS, read once
+    if (overflow != 0 || n < 1 || n > most) return -2;
+    if (watch_ == nullptr || !watch_->unmoved()) return -2;
+    return copy(static_cast<int>(n));
+  }
+
   static constexpr std::uint64_t kMinBytesPerThread = 256 << 10;  // copy_groups' default
 
  private:
   std::vector<kvlayout::block_map::RunGroup> groups_;
   std::vector<kvlayout::block_map::Span> src_, dst_;
   kvlayout::PrefetchChoices* choices_;  // the map's pair's (kept alive by this object)
+  const TensorWatch* watch_;             // both sides' tensors (kept alive by this object), or none
   kvlayout::block_map::Verdict verdict_;
 };
 
@@ -871,16 +933,31 @@ NB_MODULE(_native, m) {
         "copy_runs over the runs a table of groups holds, read back a buffer at a time; prefetch -1 "
         "measures in choices (the PrefetchChoices the caller keeps for its copies) or, given None, in the "
         "ones copy_runs shares.");
+  nb::class_<TensorWatch>(m, "TensorWatch",
+                          "kvlayout.registration.memory.MemoryWatch's comparison in one native pass (torch's "
+                          "accessors handed in).")
+      .def(nb::init<nb::tuple, nb::tuple, std::vector<std::uint64_t>, nb::handle, nb::object, nb::object, nb::object,
+                    nb::object, nb::object>(),
+           "tensors"_a, "owners"_a, "expected"_a, "plain"_a, "mode_on"_a, "data_ptr"_a, "storage"_a, "storage_ptr"_a,
+           "storage_bytes"_a)
+      .def("unmoved", &TensorWatch::unmoved,
+           "No torch function mode on, every tensor of type plain at its data pointer, every storage (read "
+           "through its owner tensor) at its address and of its size, as expected lists them.");
   nb::class_<GroupCopy>(m, "GroupCopy",
                         "A map's groups and spans held for its copies: copied and validated once (validate_groups), "
                         "then copied per call with no conversion or validation; the tensors' memory is the caller's "
                         "to check before each call.")
-      .def(nb::init<ConstGroups, U64Rows, U64Rows, kvlayout::PrefetchChoices*>(), "groups"_a, "src_spans"_a,
-           "dst_spans"_a, "choices"_a, nb::keep_alive<1, 5>())
+      .def(nb::init<ConstGroups, U64Rows, U64Rows, kvlayout::PrefetchChoices*, const TensorWatch*>(), "groups"_a,
+           "src_spans"_a, "dst_spans"_a, "choices"_a, "watch"_a.none() = nb::none(), nb::keep_alive<1, 5>(),
+           nb::keep_alive<1, 6>())
       .def("verdict", &GroupCopy::verdict, "validate_groups' answer, (problem, run, other run), from construction.")
       .def("copy", &GroupCopy::copy, "num_threads"_a,
            "Copy on up to num_threads pool threads (prefetching as the choices measure; GIL released) and "
-           "return the threads used, or -1, copying nothing, where verdict() refuses the runs.");
+           "return the threads used, or -1, copying nothing, where verdict() refuses the runs.")
+      .def("copy_watched", &GroupCopy::copy_watched, "num_threads"_a.none(),
+           "copy() after the watch's check, in one call: -2, copying nothing, where num_threads is not a plain int "
+           "from 1 to max_threads() or the watch (given at construction) finds something moved; -1 where verdict() "
+           "refuses the runs.");
   m.def("validate_runs", &validate_runs, "runs"_a, "src_spans"_a, "dst_spans"_a, "dst_disjoint"_a = false,
         "(problem, run, other run): MapProblem.none when every run lies in one source and one destination "
         "tensor's blocks (spans: start, period, block, blocks), destination runs are disjoint and none reads "

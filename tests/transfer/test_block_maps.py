@@ -914,6 +914,11 @@ def test_a_map_s_thread_count_is_read_alike_on_its_first_and_later_copies(earlie
         used = m.copy(count)  # type: ignore[arg-type]
         assert 1 <= used <= MAX_THREADS
     assert torch.equal(dst.kv[0][:, 2:4], src.kv[0][:, 0:2])
+    # the later copies' one native step takes a plain int from 1 to MAX_THREADS and leaves
+    # every other count (-2, nothing copied) to the full reading above
+    for other in (True, np.int64(2), 2.0, 0, -1, MAX_THREADS + 1, 2**64, None):
+        assert m._fast.copy_watched(other) == -2
+    assert m._fast.copy_watched(MAX_THREADS) >= 1
 
 
 @pytest.mark.parametrize("earlier_copies", [0, 1])

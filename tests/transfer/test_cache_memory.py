@@ -380,6 +380,54 @@ def test_what_the_first_copy_keeps_watches_each_tensor_and_storage_once() -> Non
         m.copy()
 
 
+def test_a_watch_answers_false_under_a_torch_function_mode_and_never_calls_its_hook() -> None:
+    """The watch's one native pass asks whether a TorchFunctionMode is on before it reads
+    any tensor: under one it answers False (copy() then checks with the mode off), and the
+    mode's hook, which could free what was just checked, never runs."""
+    from torch.overrides import TorchFunctionMode
+
+    from kvlayout.registration.memory import MemoryWatch
+
+    calls: list[str] = []
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            calls.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    kv = cache(2)
+    reg = kvlayout.detect(kv, "vllm", HINTS)
+    m = block_map(reg, reg, [0, 1], [4, 5])
+    m.copy()
+    placement = m.src._placement
+    assert placement is not None
+    watch = MemoryWatch([placement])
+    assert watch.unmoved()
+    with Mode():
+        assert not watch.unmoved()
+        assert m._fast.copy_watched(1) == -2  # copy()'s one step leaves it to the full checks
+        assert m.copy() == 1
+    assert calls == []
+    assert watch.unmoved() and torch.equal(kv[1][:, 4:6], kv[1][:, 0:2])
+
+
+def test_a_native_watch_refuses_expected_values_that_do_not_fit_its_tensors() -> None:
+    """The native comparison reads one data pointer per tensor, then a start and a size per
+    storage: a list of another length is a clear error, not a read past its end."""
+    from kvlayout import _native
+    from kvlayout.registration.backing import _DATA_PTR, _STORAGE, _STORAGE_BYTES, _STORAGE_PTR
+    from kvlayout.registration.memory import _FUNCTION_MODE_ON
+
+    t = torch.zeros(4)
+    accessors = (_FUNCTION_MODE_ON, _DATA_PTR, _STORAGE, _STORAGE_PTR, _STORAGE_BYTES)
+    fits = [t.data_ptr(), t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()]
+    assert _native.TensorWatch((t,), (t,), fits, torch.Tensor, *accessors).unmoved()
+    with pytest.raises(ValueError, match="a data pointer per tensor, then a start per storage, then a size"):
+        _native.TensorWatch((t,), (t,), fits[:2], torch.Tensor, *accessors)
+    with pytest.raises(TypeError, match="plain must be a type"):
+        _native.TensorWatch((t,), (t,), fits, "torch.Tensor", *accessors)
+
+
 def test_a_block_map_of_a_cache_reallocated_after_detection_is_refused_when_built() -> None:
     kv, other = cache(), cache()
     reg, dst = (kvlayout.detect(c, "vllm", HINTS) for c in (kv, other))

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
 import numpy as np
 import torch
 
+from kvlayout._native import TensorWatch
 from kvlayout.errors import KVLayoutError
 from kvlayout.registration.backing import (
     _DATA_PTR,
@@ -219,6 +220,11 @@ class Placement:
         return "the tensors' memory changed"  # and changed back while this looked
 
 
+# Whether a TorchFunctionMode is on (``with mode:``, ``torch.set_default_device``): its
+# hook runs in every torch call on a plain tensor too, so MemoryWatch answers False then.
+_FUNCTION_MODE_ON = torch._C._is_torch_function_mode_enabled
+
+
 class MemoryWatch:
     """Several placements checked as one: each tensor (with the data pointer its placement
     read) and each storage (with its address and size, read through the first tensor
@@ -232,7 +238,7 @@ class MemoryWatch:
     would keep an old cache's memory after ``t.data = new``).
     """
 
-    __slots__ = ("_expected", "_owners", "_plain", "_tensors")
+    __slots__ = ("_compare", "_expected", "_owners", "_tensors")
 
     def __init__(self, placements: Iterable[Placement]) -> None:
         tensors: dict[tuple[int, int], torch.Tensor] = {}
@@ -244,30 +250,29 @@ class MemoryWatch:
                 owners.setdefault((id(t), start, size), t)
         self._tensors = tuple(tensors.values())
         self._owners = tuple(owners.values())
-        self._plain = [torch.Tensor] * len(self._tensors)
         # what unmoved() reads, in its order: data pointers, storage addresses, storage sizes
         self._expected = [
             *(ptr for _, ptr in tensors),
             *(start for _, start, _ in owners),
             *(size for _, _, size in owners),
         ]
+        # the comparison itself, native: also what a block map's copy() runs in its one call
+        self._compare = TensorWatch(
+            self._tensors, self._owners, self._expected, torch.Tensor, _FUNCTION_MODE_ON,
+            _DATA_PTR, _STORAGE, _STORAGE_PTR, _STORAGE_BYTES,
+        )  # fmt: skip
 
     def unmoved(self) -> bool:
         """True while every tensor is a plain ``torch.Tensor`` at the data pointer its
         placement read and every storage at the address and of the size it had; False
         otherwise (what moved is then the placements' ``moved()`` to say). A tensor
         subclass (or a tensor whose class was reassigned since) answers False before any
-        of its methods is called: its ``__torch_function__`` could run caller code, so the
-        caller checks it the slow way, with subclasses' hooks disabled. One comparison of
-        one list: each further step costs some microseconds from cold caches."""
-        if list(map(type, self._tensors)) != self._plain:
-            return False
-        storages = list(map(_STORAGE, self._owners))
-        return [
-            *map(_DATA_PTR, self._tensors),
-            *map(_STORAGE_PTR, storages),
-            *map(_STORAGE_BYTES, storages),
-        ] == self._expected
+        of its methods is called, and so does every call while a ``TorchFunctionMode`` is
+        on (``with mode:``, ``torch.set_default_device``): a subclass's
+        ``__torch_function__`` or the mode's hook could run caller code, so the caller
+        checks the slow way, with their hooks disabled. Compared in one native pass
+        (``kvlayout._native.TensorWatch``): from cold caches each Python step costs microseconds."""
+        return self._compare.unmoved()  # type: ignore[no-any-return]
 
 
 class Run(NamedTuple):

@@ -34,7 +34,6 @@ from kvlayout.registration.memory import HoldsAddresses, MemoryWatch
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.shards import Shard, ShardError
 from kvlayout.transfer.arguments import (
-    MAX_THREADS,
     block_ids_arg,
     check_ids_in_range,
     check_written_once,
@@ -84,11 +83,6 @@ def fingerprint(runs: np.ndarray) -> str:
     return hashlib.blake2b(table.data, digest_size=8).hexdigest()  # its bytes, not a copy
 
 
-# Whether a TorchFunctionMode is on (``with mode:``, ``torch.set_default_device``): its
-# hook runs in every torch call on a plain tensor too, so copy() checks with it off.
-_FUNCTION_MODE_ON = torch._C._is_torch_function_mode_enabled
-
-
 class BlockMap(HoldsAddresses):
     """One request's KV as byte runs from ``src`` to ``dst`` (see :func:`block_map`).
 
@@ -99,7 +93,7 @@ class BlockMap(HoldsAddresses):
     buffer at a time, and ``runs`` expands them on first use.
     """
 
-    _fast: tuple[Any, MemoryWatch] | None  # _make_fast()'s, from the first copy() on
+    _fast: Any  # _make_fast()'s (a _native.GroupCopy or None), from the first copy() on
 
     def __init__(
         self,
@@ -265,22 +259,18 @@ class BlockMap(HoldsAddresses):
             fast = self._fast
         except AttributeError:  # the first call (no cached_property: its lock, held by a
             fast = self._make_fast()  # thread at a fork(), would hang the child)
-        # The common call, with the fewest Python steps (from cold caches each costs some
-        # microseconds, more than a small map's copy can spare): a plain thread count, a CPU
-        # map whose runs were validated (once: they and the spans never change), both sides'
-        # memory where the map read it, every tensor a plain torch.Tensor and no torch
-        # function mode on (no caller code runs in the checks).
-        if (
-            fast is not None
-            and type(num_threads) is int
-            and 0 < num_threads <= MAX_THREADS
-            and not _FUNCTION_MODE_ON()
-            and fast[1].unmoved()
-        ):
-            used = fast[0].copy(num_threads)
-            if used < 0:
-                self._raise(*fast[0].verdict())
-            return used  # type: ignore[no-any-return]
+        # The common call in one native step, its checks there too (from cold caches each
+        # Python step costs some microseconds, more than a small map's copy can spare): a
+        # plain int thread count up to MAX_THREADS, a CPU map whose runs were validated
+        # (once: they and the spans never change), no torch function mode on and every
+        # tensor a plain torch.Tensor (no caller code runs in the checks), both sides'
+        # memory where the map read it. -2: something else, for the full checks below.
+        if fast is not None:
+            used = fast.copy_watched(num_threads)
+            if used >= 0:
+                return used  # type: ignore[no-any-return]
+            if used == -1:
+                self._raise(*fast.verdict())
         threads = threads_arg(num_threads, BlockMapError)
         # No caller code between the checks and the copy: a tensor subclass's
         # __torch_function__, or a TorchFunctionMode the caller has on, would otherwise
@@ -288,17 +278,18 @@ class BlockMap(HoldsAddresses):
         with torch._C.DisableTorchFunction():
             return self._copy(threads)
 
-    def _make_fast(self) -> tuple[Any, MemoryWatch] | None:
+    def _make_fast(self) -> Any:
         """``_fast``, what a CPU map's ``copy()`` reads on every call, made on the first: the native
         copy of its groups and spans (a ``_native.GroupCopy``, which validates them there,
-        once: it holds its own copy of them, which nothing changes after) and both sides'
-        memory watched as one. None where ``copy()`` refuses the map whatever its memory
-        (a side that is a peer's, sides on two devices) and off the CPU."""
+        once: it holds its own copy of them, which nothing changes after) with both sides'
+        memory watched as one (a ``MemoryWatch``'s native comparison). None where ``copy()``
+        refuses the map whatever its memory (a side that is a peer's, sides on two devices)
+        and off the CPU."""
         src, dst = self.src, self.dst
-        fast: tuple[Any, MemoryWatch] | None = None
+        fast = None
         if src.live and dst.live and src.device == dst.device and src.device[0] == "cpu":
-            job = _native.GroupCopy(self._groups, src.spans, dst.spans, self._pair.prefetch)
-            fast = job, MemoryWatch(p for p in (src._placement, dst._placement) if p is not None)
+            watch = MemoryWatch(p for p in (src._placement, dst._placement) if p is not None)
+            fast = _native.GroupCopy(self._groups, src.spans, dst.spans, self._pair.prefetch, watch._compare)
         self._fast = fast  # two threads making it at once make two alike: either serves
         return fast
 
@@ -327,7 +318,7 @@ class BlockMap(HoldsAddresses):
         if self.src.device[0] == "cpu":
             fast = self.__dict__.get("_fast") or self._make_fast()
             assert fast is not None  # _check_copy refuses the maps without it
-            self._raise(*fast[0].verdict())
+            self._raise(*fast.verdict())
         else:
             self._raise(*_native.validate_groups(self._groups, self.src.spans, self.dst.spans))
 
@@ -336,7 +327,7 @@ class BlockMap(HoldsAddresses):
         if self.src.device[0] == "cpu":
             fast = self.__dict__.get("_fast") or self._make_fast()
             assert fast is not None
-            return int(fast[0].copy(threads))
+            return int(fast.copy(threads))
         from kvlayout.transfer.cuda import copy_runs  # imports kvlayout._cuda only when called
 
         copy_runs(self.runs, torch.device(_device_name(self.src.device)))
