@@ -561,7 +561,8 @@ def main() -> None:
                     f"; a permuted map's copy x{permuted[0]:.2f} gathering, x{permuted[1]:.2f} scattering"
                     f"; a plan's own work: staged {cost.staged_plan_s * 1e6:.0f} us, a sort "
                     f"{cost.sort_per_run_s * 1e6:.3f} us a run, a scatter's check out of order "
-                    f"{cost.unordered_check_per_run_s * 1e6:.3f} us a run"
+                    f"{cost.unordered_check_per_run_s * 1e6:.3f} us a run; a READ's copy "
+                    f"x{cost.read_copy_factor or 1.0:.2f}"
                 )
                 print(
                     f"calibrated {op}: {nixl}, {cost.per_transfer_s * 1e3:.2f} ms a transfer; "

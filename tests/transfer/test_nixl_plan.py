@@ -777,6 +777,7 @@ def test_a_staged_plans_own_work_is_priced_once_a_request() -> None:
         ({"transposed_scatter_factor": float("nan")},
          "CostModel.transposed_scatter_factor must be a positive number (a time's ratio) or None, got nan"),
         ({"transposed_factor": True}, "CostModel.transposed_factor must be a positive number"),
+        ({"read_copy_factor": 0}, "CostModel.read_copy_factor must be a positive number (a time's ratio) or None"),
         ({"sort_per_run_s": -1e-9}, "CostModel.sort_per_run_s must be a non-negative number of seconds"),
         ({"staged_plan_s": float("inf")}, "CostModel.staged_plan_s must be a non-negative number of seconds"),
         ({"unordered_check_per_run_s": None},
@@ -1343,6 +1344,73 @@ def test_the_model_prices_a_scatter_as_a_scatter_and_picks_direct_where_the_copy
     )
     poster: Literal["src", "dst"] = "src" if op == "WRITE" else "dst"
     assert nx.estimate(mp, poster=poster, cost=model).predicted_s["staged"] == pytest.approx(wire + copy)
+
+
+# make bench-pd's calibration of READs on the quiet 2-core loopback (2026-12-07, pd3)
+PD3_READ = nx.CostModel(
+    per_descriptor_by_size=((1 << 10, 2.5e-6), (8 << 10, 2.2e-6), (32 << 10, 2.3e-6), (64 << 10, 3.1e-6),
+                            (128 << 10, 4.3e-6), (512 << 10, 10.1e-6)),
+    bandwidth=2.41e9, per_transfer_s=1.01e-3, copy_per_run_s=0.033e-6, copy_bandwidth=9.5e9,
+    scatter_per_run_s=0.021e-6, scatter_bandwidth=9.8e9, staged_plan_s=118e-6, sort_per_run_s=0.036e-6,
+    unordered_check_per_run_s=0.031e-6,
+)  # fmt: skip
+
+
+def hnd_head_slices(here_whole: bool) -> Map:
+    """TP-resharded HND's READ in shape (64 MiB, 4,096 runs of 16 KiB: 64 blocks of 16
+    tokens, 32 layers, K and V, half of 8 heads of 128 bf16): on the side that holds
+    every head each run is half a block, a run apart from the next; on the other the
+    runs of a tensor follow one another (a stretch of 1 MiB each of its 64 tensors).
+    ``here_whole``: this side (the destination, which READs) holds every head (TP 2 ->
+    1), else the peer does (TP 1 -> 2). Addresses only (nothing is allocated)."""
+    run, per, tensors = 16 << 10, 64, 64
+    i = np.arange(per * tensors, dtype=U64)
+    t, k = i // U64(per), i % U64(per)
+    packed = U64(1 << 40) + t * U64(2 << 20) + k * U64(run)  # 1 MiB a tensor, tensors 2 MiB apart
+    apart = U64(1 << 41) + t * U64(4 << 20) + k * U64(2 * run)  # a run, then the other heads' half
+    src, dst = (packed, apart) if here_whole else (apart, packed)
+    runs = np.stack([src, dst, np.full(len(i), run, U64)], axis=1)
+    spans = {
+        "packed": np.stack([U64(1 << 40) + np.arange(tensors, dtype=U64) * U64(2 << 20),
+                            np.full(tensors, 1 << 20, U64)], axis=1),
+        "apart": np.stack([U64(1 << 41) + np.arange(tensors, dtype=U64) * U64(4 << 20),
+                           np.full(tensors, 2 << 20, U64)], axis=1),
+    }  # fmt: skip
+    src_spans, dst_spans = (
+        (spans["packed"], spans["apart"]) if here_whole else (spans["apart"], spans["packed"])
+    )
+    return Map(runs, Side(src_spans, False), Side(dst_spans, True))
+
+
+def test_a_read_s_copy_is_priced_at_the_read_copy_factor() -> None:
+    """A READ's copy (a staged READ's scatter once it landed, the peer's gather before a
+    peer-staged READ) costs ``read_copy_factor`` times its own price, a WRITE's its own:
+    in a quiet ``make bench-pd`` the READs' copies took a median 1.35x (0.96-2.6x over 21
+    rows) their calibrated price. Priced at 1 with that run's READ calibration, TP 1 -> 2
+    HND's READ went peer-staged (38-39 ms; direct took 35 ms) and TP 2 -> 1's staged (39
+    ms against 35 ms); priced at the factor, both go direct."""
+    for here_whole, unpriced in ((False, "peer-staged"), (True, "staged")):
+        m = hnd_head_slices(here_whole)
+        e = nx.estimate(m, poster="dst", cost=PD3_READ)
+        assert (e.op, e.num_runs, e.num_bytes, e.choice) == ("READ", 4096, 64 << 20, unpriced)
+        other = "staged" if unpriced == "peer-staged" else "peer-staged"
+        assert e.descriptors == {"direct": 4096, unpriced: 64, other: 4096}
+        priced = nx.estimate(m, poster="dst", cost=dataclasses.replace(PD3_READ, read_copy_factor=1.35))
+        assert priced.choice == "direct"
+        scatters = unpriced == "staged"
+        copy = PD3_READ.copy_s(4096, 64 << 20, scatters=scatters)
+        assert priced.predicted_s[unpriced] == pytest.approx(e.predicted_s[unpriced] + 0.35 * copy)
+        assert priced.predicted_s["direct"] == e.predicted_s["direct"]
+    assert nx.DEFAULT_COST.read_copy_factor == 1.35
+    # a WRITE's copy is priced at its own figures, whatever the factor
+    m, buf = scattered_map(64, 1 << 16)
+    slow = dataclasses.replace(PD3_READ, read_copy_factor=3.0)
+    for op in ("WRITE", "READ"):
+        mp = m if op == "WRITE" else Map(m.runs[:, [1, 0, 2]], m.dst, m.src)
+        p = nx.plan(mp, staging=staging_at(buf), cost=slow, strategy="staged")
+        copy = slow.copy_s(64, 64 << 16, scatters=op == "READ") * (3.0 if op == "READ" else 1.0)
+        own = slow.staged_plan_s + slow.order_s(64, sorts=1)  # the runs descend on the remote side
+        assert p.predicted_s["staged"] == pytest.approx(slow.direct_s(1, 64 << 16) + copy + own)
 
 
 @pytest.mark.parametrize("pair", ["NHD -> HND", "same layout"])

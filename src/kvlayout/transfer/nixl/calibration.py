@@ -20,7 +20,7 @@ from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.nixl.copies import _KEPT, Staging, _check_copies, _copy, _staging_device
 from kvlayout.transfer.nixl.direct import _mem_type, _rows
-from kvlayout.transfer.nixl.plans import CostModel, plan
+from kvlayout.transfer.nixl.plans import DEFAULT_COST, CostModel, plan
 from kvlayout.transfer.nixl.regions import (
     Region,
     _intervals,
@@ -135,7 +135,8 @@ def calibrate(
     of 256 B runs).
     ``copy_device`` is where this side's staging buffer is: a GPU's, for a cache there.
     Every descriptor lies inside that tensor: one of fewer than ``3 * small`` bytes (the
-    small descriptors' reach) is refused.
+    small descriptors' reach) is refused. A READ's copy's factor (``read_copy_factor``)
+    is not measured: the model carries :data:`DEFAULT_COST`'s.
 
     ``"READ"`` leaves the peer's memory as it is; ``"WRITE"`` (the op a prefill side
     posts) overwrites its first ``2 * nbytes`` bytes (the sized descriptors leave gaps):
@@ -243,6 +244,7 @@ def calibrate(
         sort_per_run_s=sort,
         unordered_check_per_run_s=unordered_check,
         staged_plan_s=planning,
+        read_copy_factor=DEFAULT_COST.read_copy_factor,  # not measured here (CostModel)
     )
 
 

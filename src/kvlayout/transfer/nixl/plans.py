@@ -102,6 +102,18 @@ class CostModel:
     order it needs (:meth:`order_s`: ``sort_per_run_s``, ``unordered_check_per_run_s``).
     Unpriced, a staged READ of NHD -> HND predicted alike with the peer-staged READ took
     1.5x it end to end (its plan sorting and checking 524,224 runs in 60-90 ms).
+
+    A READ's copy (a staged READ's scatter once the READ landed, the peer's gather before
+    a peer-staged READ) costs ``read_copy_factor`` times its own price (:meth:`staged_s`;
+    None: 1): in a quiet ``make bench-pd`` (2026-12-07, 20 scenarios a side) the staged
+    and peer-staged READs each took over the one-descriptor limit 0.96-2.6x the copy's
+    calibrated price (past their own descriptors'), the median of 21 such rows 1.35
+    (staged 1.40, peer-staged 1.34), where the WRITEs' gathers took 0.06-1.8x, median 0.5.
+    Priced at 1, a TP 1 -> 2 HND READ of 4,096 runs of 16 KiB went peer-staged, predicted
+    36.8 ms against direct's 38.1 ms, and took 38-39 ms against direct's 35 ms; TP 2 -> 1
+    went staged, 39 ms against 35 ms. The default is that median; :func:`calibrate` does
+    not measure it (a scatter timed right after a READ landed, against alone, took
+    0.7-3.1x, median 1.15, under other load) and carries the default.
     """
 
     per_descriptor_s: float = 1.6e-6
@@ -124,6 +136,9 @@ class CostModel:
     unordered_check_per_run_s: float = 0.0
     # A staged (or peer-staged) plan's own work beyond a direct plan's, whatever its runs; 0: unpriced.
     staged_plan_s: float = 0.0
+    # A READ's copy (a staged READ's scatter, the peer's gather before a peer-staged READ)
+    # over the copy's own price (copy_s), as it runs on the READ's path; None: 1.
+    read_copy_factor: float | None = None
 
     def __post_init__(self) -> None:
         # A zero or NaN here would surface as a ZeroDivisionError or a NaN prediction later.
@@ -132,6 +147,7 @@ class CostModel:
             "scatter_bandwidth",
             "transposed_factor",
             "transposed_scatter_factor",
+            "read_copy_factor",
         )
         seconds = ("per_descriptor_s", "per_transfer_s", "copy_per_run_s", "scatter_per_run_s")
         for name in (*seconds, "sort_per_run_s", "unordered_check_per_run_s", "staged_plan_s"):
@@ -140,7 +156,7 @@ class CostModel:
         for name in ("bandwidth", "copy_bandwidth", "scatter_bandwidth"):
             if getattr(self, name) is not None or name not in optional:
                 _finite(f"CostModel.{name}", getattr(self, name), "a positive number of bytes a second", None)
-        for name in ("transposed_factor", "transposed_scatter_factor"):
+        for name in ("transposed_factor", "transposed_scatter_factor", "read_copy_factor"):
             if getattr(self, name) is not None:
                 _finite(
                     f"CostModel.{name}",
@@ -229,6 +245,7 @@ class CostModel:
         transposed: bool = False,
         sorts: int = 0,
         unordered_check: bool = False,
+        reads: bool = False,
     ) -> float:
         """In ``stages`` the local copy of one stage overlaps the wire time of another:
         the slower of the two, plus one stage of the faster (the first gather before a
@@ -238,8 +255,11 @@ class CostModel:
         posts overlaps nothing: ``staged_plan_s`` beyond a direct plan's (laying out its
         stretches and stages, checking its copy: 150-160 us to a direct plan's 45 us for
         2 runs), and with ``sorts`` and ``unordered_check`` its ordering work
-        (:meth:`order_s`)."""
+        (:meth:`order_s`). ``reads``: the plan is a READ's, whose copy costs
+        ``read_copy_factor`` times its own price (None: 1)."""
         copy = self.copy_s(runs, nbytes, scatters=scatters, transposed=transposed)
+        if reads and self.read_copy_factor is not None:
+            copy *= self.read_copy_factor
         wire = self.direct_s(descriptors, nbytes)
         own = self.staged_plan_s + self.order_s(runs, sorts=sorts, unordered_check=unordered_check)
         return max(wire, copy) + min(wire, copy) / stages + own
@@ -270,6 +290,7 @@ DEFAULT_COST = CostModel(
     sort_per_run_s=0.03e-6,
     unordered_check_per_run_s=0.07e-6,
     staged_plan_s=120e-6,
+    read_copy_factor=1.35,
 )
 
 
@@ -727,6 +748,7 @@ def _staged(
         transposed=_transposed(s.block_map),
         sorts=sorts,
         unordered_check=unordered,
+        reads=s.op == "READ",
     )
     held, staged = s.local.tensor_spans, np.array([[staging.address, staging.nbytes]], dtype=_U64)
 
@@ -778,6 +800,7 @@ def _peer_staged(
         scatters=_scatters("peer-staged", s.op),
         transposed=_transposed(s.block_map),
         sorts=sorts,
+        reads=s.op == "READ",
     )
 
     def build() -> Plan:
@@ -831,14 +854,20 @@ def estimate(
     sorts, unordered = _ordering(runs, "staged", op, col)
     predicted["staged"] = model.staged_s(
         staged, num_runs, num_bytes, scatters=_scatters("staged", op), transposed=transposed,
-        sorts=sorts, unordered_check=unordered,
+        sorts=sorts, unordered_check=unordered, reads=op == "READ",
     )  # fmt: skip
     own_side, own_col = (block_map.src, 0) if poster == "src" else (block_map.dst, 1)
     own = _stretch_count(block_map, runs, own_col, own_side)  # the poster's, to or from the peer's staging
     descriptors["peer-staged"] = own
     sorts, _ = _ordering(runs, "peer-staged", op, col)
     predicted["peer-staged"] = model.staged_s(
-        own, num_runs, num_bytes, scatters=_scatters("peer-staged", op), transposed=transposed, sorts=sorts
+        own,
+        num_runs,
+        num_bytes,
+        scatters=_scatters("peer-staged", op),
+        transposed=transposed,
+        sorts=sorts,
+        reads=op == "READ",
     )
     choice = min(predicted, key=lambda k: predicted[k])
     stages = {k: max(1, min(_default_stages(k, op, num_bytes), n)) for k, n in descriptors.items()}
