@@ -451,7 +451,7 @@ def test_plan_json_matches_a_map_of_real_tensors(capsys: pytest.CaptureFixture[s
 
     from kvlayout.registration.registration import bind
     from kvlayout.transfer import Shard, block_map
-    from kvlayout.transfer.nixl import DEFAULT_COST
+    from kvlayout.transfer.nixl import DEFAULT_READ_COST, default_cost
 
     code, out, _ = run(capsys, "plan", *PLAN_NHD_TP2, *PLAN_HND_TP4, "--tokens", "10", "--json")
     assert code == 0
@@ -467,8 +467,11 @@ def test_plan_json_matches_a_map_of_real_tensors(capsys: pytest.CaptureFixture[s
                       dst_shard=Shard(p["dst_rank"], 4, 4))  # fmt: skip
         assert (p["runs"], p["bytes"], p["kind"]) == (m.num_runs, m.num_bytes, m.kind)
         if m.num_runs:
-            assert p["predicted_s"]["direct"] == pytest.approx(DEFAULT_COST.direct_s(m.num_runs, m.num_bytes))
             assert p["descriptors"]["direct"] == m.num_runs and p["op"] == "READ"
+            assert default_cost(p["op"]) is DEFAULT_READ_COST  # a READ is priced by the READs' figures
+            assert p["predicted_s"]["direct"] == pytest.approx(
+                DEFAULT_READ_COST.direct_s(m.num_runs, m.num_bytes)
+            )
 
 
 SGLANG_MHA = ["--src-engine", "sglang", "--src-shape", "2x2x[144,8,16]", "--src-hint", "tokens_per_block=16"]

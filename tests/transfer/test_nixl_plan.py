@@ -1356,30 +1356,58 @@ PD3_READ = nx.CostModel(
 )  # fmt: skip
 
 
-def hnd_head_slices(here_whole: bool) -> Map:
+def hnd_head_slices(here_whole: bool, scattered: bool = False) -> Map:
     """TP-resharded HND's READ in shape (64 MiB, 4,096 runs of 16 KiB: 64 blocks of 16
     tokens, 32 layers, K and V, half of 8 heads of 128 bf16): on the side that holds
     every head each run is half a block, a run apart from the next; on the other the
-    runs of a tensor follow one another (a stretch of 1 MiB each of its 64 tensors).
-    ``here_whole``: this side (the destination, which READs) holds every head (TP 2 ->
-    1), else the peer does (TP 1 -> 2). Addresses only (nothing is allocated)."""
-    run, per, tensors = 16 << 10, 64, 64
+    runs of a tensor follow one another (a stretch of 1 MiB each of its 64 tensors), or
+    with ``scattered`` lie in 64 of its 72 blocks drawn at random (as bench-pd draws a
+    request's blocks). ``here_whole``: this side (the destination, which READs) holds
+    every head (TP 2 -> 1), else the peer does (TP 1 -> 2). The runs in destination
+    order, as a map lists them; addresses only (nothing is allocated)."""
+    run, per, tensors, blocks = 16 << 10, 64, 64, 72
     i = np.arange(per * tensors, dtype=U64)
     t, k = i // U64(per), i % U64(per)
-    packed = U64(1 << 40) + t * U64(2 << 20) + k * U64(run)  # 1 MiB a tensor, tensors 2 MiB apart
-    apart = U64(1 << 41) + t * U64(4 << 20) + k * U64(2 * run)  # a run, then the other heads' half
+    slot = np.random.default_rng(7).permutation(blocks)[:per] if scattered else np.arange(per)
+    at = slot.astype(U64)[k]
+    packed = U64(1 << 40) + t * U64(2 << 20) + at * U64(run)  # tensors 2 MiB apart
+    apart = U64(1 << 41) + t * U64(4 << 20) + at * U64(2 * run)  # a run, then the other heads' half
     src, dst = (packed, apart) if here_whole else (apart, packed)
-    runs = np.stack([src, dst, np.full(len(i), run, U64)], axis=1)
+    runs = np.stack([src, dst, np.full(len(i), run, U64)], axis=1)[np.argsort(dst, kind="stable")]
+    first = np.arange(tensors, dtype=U64)
     spans = {
-        "packed": np.stack([U64(1 << 40) + np.arange(tensors, dtype=U64) * U64(2 << 20),
-                            np.full(tensors, 1 << 20, U64)], axis=1),
-        "apart": np.stack([U64(1 << 41) + np.arange(tensors, dtype=U64) * U64(4 << 20),
-                           np.full(tensors, 2 << 20, U64)], axis=1),
-    }  # fmt: skip
+        "packed": np.stack(
+            [U64(1 << 40) + first * U64(2 << 20), np.full(tensors, blocks * run, U64)], axis=1
+        ),
+        "apart": np.stack(
+            [U64(1 << 41) + first * U64(4 << 20), np.full(tensors, 2 * blocks * run, U64)], axis=1
+        ),
+    }
     src_spans, dst_spans = (
         (spans["packed"], spans["apart"]) if here_whole else (spans["apart"], spans["packed"])
     )
     return Map(runs, Side(src_spans, False), Side(dst_spans, True))
+
+
+def test_a_request_is_priced_by_its_op_s_default_figures() -> None:
+    """Given no model, a READ is priced by the READs' own medians (DEFAULT_READ_COST), a
+    WRITE by DEFAULT_COST. Priced by both ops' (a descriptor of 16 KiB at 4.2 us, a READ's
+    2.7 us), TP 1 -> 2 HND's scattered READ went peer-staged (bench-pd: 0.042 s against
+    direct's 0.037 s) and TP 2 -> 1's staged (0.040 s against 0.036 s)."""
+    both_ops = dataclasses.replace(nx.DEFAULT_COST, read_copy_factor=None)
+    for here_whole, before in ((False, "peer-staged"), (True, "staged")):
+        m = hnd_head_slices(here_whole, scattered=True)
+        assert nx.estimate(m, poster="dst", cost=both_ops).choice == before
+        e = nx.estimate(m, poster="dst")
+        assert e.choice == "direct" and e.descriptors[before] < 4096
+        assert e.predicted_s["direct"] == pytest.approx(nx.DEFAULT_READ_COST.direct_s(4096, 64 << 20))
+    assert nx.default_cost("READ") is nx.DEFAULT_READ_COST and nx.default_cost("WRITE") is nx.DEFAULT_COST
+    assert nx.DEFAULT_READ_COST.descriptor_s(16 << 10) < nx.DEFAULT_COST.descriptor_s(16 << 10)
+    m, _ = scattered_map(64, 1 << 16)
+    write, read = nx.plan(m), nx.plan(Map(m.runs[:, [1, 0, 2]], m.dst, m.src))
+    assert (write.op, read.op) == ("WRITE", "READ")
+    assert write.predicted_s["direct"] == pytest.approx(nx.DEFAULT_COST.direct_s(64, 64 << 16))
+    assert read.predicted_s["direct"] == pytest.approx(nx.DEFAULT_READ_COST.direct_s(64, 64 << 16))
 
 
 def test_a_read_s_copy_is_priced_at_the_read_copy_factor() -> None:

@@ -64,12 +64,14 @@ from kvlayout.transfer.nixl.peer_staging import (
 from kvlayout.transfer.nixl.plans import (
     AUTO_STAGES,
     DEFAULT_COST,
+    DEFAULT_READ_COST,
     CostModel,
     Estimate,
     PeerStaging,
     Plan,
     Stage,
     auto_stages,
+    default_cost,
     estimate,
     plan,
 )
@@ -92,6 +94,7 @@ from kvlayout.transfer.nixl.sides import (
 __all__ = [
     "AUTO_STAGES",
     "DEFAULT_COST",
+    "DEFAULT_READ_COST",
     "Agent",
     "CostModel",
     "Descriptors",
@@ -119,6 +122,7 @@ __all__ = [
     "auto_stages",
     "calibrate",
     "copy_byte_runs",
+    "default_cost",
     "descriptors",
     "drain",
     "estimate",

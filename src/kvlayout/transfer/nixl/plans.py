@@ -3,6 +3,7 @@ peer-staged; a pipeline's stages) and the estimate made from descriptions alone.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 from collections.abc import Callable
@@ -59,16 +60,22 @@ class CostModel:
     and clamped to the ends (:meth:`descriptor_s`). Without them, ``per_descriptor_s``
     at every size.
 
-    The defaults (:data:`DEFAULT_COST`, which ``plan`` and ``estimate`` use when given no
-    model) are this project's measurement of NIXL over UCX's TCP transport on
-    loopback (2 cores), as :func:`calibrate` measures it (16 MiB transfers, as bench-pd
-    asks): the medians of 128 calls, 64 WRITE and 64 READ taking turns, under other load
-    (a 1-minute load average of 1.8-4.0; 2026-12-07): a descriptor of 1 KiB 1.6 us, 8 KiB
-    2.8 us, 32 KiB 5.5 us, 64 KiB 5.7 us, 128 KiB 8.6 us, 512 KiB 1.1 us; 1.9 GB/s; 0.6 ms
-    a transfer. One set prices both ops, which differ: the WRITEs' medians 1.8, 3.6, 7.8,
-    7.9, 11.4 and 0 us, 2.8 GB/s, 0.8 ms; the READs' 1.4, 2.0, 3.4, 2.9, 5.4 and 8.4 us,
-    1.7 GB/s, 0.5 ms. A call's figure is noisy past 8 KiB (interquartile 2-9 us at 32 KiB,
-    0-26 us at 512 KiB, over the 128): :func:`calibrate` the live pair where strategies
+    The defaults (:data:`DEFAULT_COST`, which ``plan`` and ``estimate`` use for a WRITE
+    when given no model, and :data:`DEFAULT_READ_COST` for a READ) are this project's
+    measurement of NIXL over UCX's TCP transport on loopback (2 cores), as
+    :func:`calibrate` measures it (16 MiB transfers, as bench-pd asks): the medians of
+    128 calls, 64 WRITE and 64 READ taking turns, under other load (a 1-minute load
+    average of 1.8-4.0; 2026-12-07): a descriptor of 1 KiB 1.6 us, 8 KiB 2.8 us, 32 KiB
+    5.5 us, 64 KiB 5.7 us, 128 KiB 8.6 us, 512 KiB 1.1 us; 1.9 GB/s; 0.6 ms a transfer.
+    The ops differ: the WRITEs' medians 1.8, 3.6, 7.8, 7.9, 11.4 and 0 us, 2.8 GB/s,
+    0.8 ms; the READs' 1.4, 2.0, 3.4, 2.9, 5.4 and 8.4 us, 1.7 GB/s, 0.5 ms, which price
+    a READ (:data:`DEFAULT_READ_COST`; both ops' price a WRITE). Priced by both ops' (a
+    descriptor of 8-32 KiB near twice a READ's), every scattered READ of ``make
+    bench-pd`` of 4,032-4,096 runs of 16-32 KiB went staged or peer-staged where direct
+    measured fastest, by 1.1-1.25x (same layout NHD, TP 1 -> 2 and 2 -> 1 HND, block
+    16 -> 64 and 64 -> 16, vLLM -> SGLang); priced by the READs' they go direct. A call's
+    figure is noisy past 8 KiB (interquartile 2-9 us at 32 KiB, 0-26 us at 512 KiB, over
+    the 128): :func:`calibrate` the live pair where strategies
     come close. They had been 18 us a descriptor at every size (9.6 s for 524,288 of
     256 B), 0.65 GB/s and 0.2 ms, measured before the loopback got faster; priced so, a
     map of 976 descriptors of 72 KiB (MLA TP 1 -> 4, scattered) went staged by 2 %, where
@@ -292,6 +299,27 @@ DEFAULT_COST = CostModel(
     staged_plan_s=120e-6,
     read_copy_factor=1.35,
 )
+
+# The same, with the READs' own medians of those calls for the wire (the class's docstring).
+DEFAULT_READ_COST = dataclasses.replace(
+    DEFAULT_COST,
+    per_descriptor_by_size=(
+        (1 << 10, 1.4e-6),
+        (8 << 10, 2.0e-6),
+        (32 << 10, 3.4e-6),
+        (64 << 10, 2.9e-6),
+        (128 << 10, 5.4e-6),
+        (512 << 10, 8.4e-6),
+    ),
+    bandwidth=1.7e9,
+    per_transfer_s=5e-4,
+)
+
+
+def default_cost(op: Op) -> CostModel:
+    """The model ``plan`` and ``estimate`` price an ``op`` request by when given none:
+    :data:`DEFAULT_READ_COST` for a READ, :data:`DEFAULT_COST` for a WRITE."""
+    return DEFAULT_READ_COST if op == "READ" else DEFAULT_COST
 
 
 def _transposed(block_map: NixlMap) -> bool:
@@ -540,7 +568,7 @@ def plan(
     s = _sides(block_map)
     local_mem, remote_mem = _mem_type(s.local, "local"), _mem_type(s.remote, "remote")
     num_runs, num_bytes = len(s.lengths), s.num_bytes
-    model = cost or DEFAULT_COST
+    model = cost or default_cost(s.op)
     predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     if num_runs == 0:  # a rank pair with no heads in common: nothing to post, whatever the strategy
         none = np.empty((0, 3), _U64)
@@ -843,11 +871,11 @@ def estimate(
     runs = _checked_runs(block_map)  # both sides may be descriptions here: no local side asked for
     lengths = runs[:, 2]
     num_runs, num_bytes = len(lengths), int(lengths.sum(dtype=_U64))
-    model = cost or DEFAULT_COST
-    descriptors = {"direct": num_runs}
-    predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     remote, col = (block_map.dst, 1) if poster == "src" else (block_map.src, 0)
     op: Op = "WRITE" if poster == "src" else "READ"
+    model = cost or default_cost(op)
+    descriptors = {"direct": num_runs}
+    predicted = {"direct": model.direct_s(num_runs, num_bytes)}
     staged = _stretch_count(block_map, runs, col, remote)
     descriptors["staged"] = staged
     transposed = _transposed(block_map)
