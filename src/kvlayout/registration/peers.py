@@ -13,17 +13,20 @@ KV cache whole, its addresses repeated), so every run a block map plans against 
 description lies inside tensors the peer said it has. Counts are checked against each
 other before any list is built, and the overlap check is bounded (O(n log n) time and O(n)
 memory for tensors of one shape, at most MAX_INTERLEAVED pairs of different shapes), so
-no description costs much more than its size.
+no description costs much more than its size. ``group(i)`` and ``for_layers(ids)`` take
+part of a description after the handshake (one kernel group; some layers, as a pipeline
+stage maps them), naming only memory the peer described.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -40,6 +43,7 @@ from kvlayout.layout.algebra import (
     size_symbols,
     split_pages,
     symbol_of,
+    with_size,
 )
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.dtypes import DTYPE_SIZES
@@ -181,6 +185,49 @@ class RegistrationDescription:
             self.whole or self,
         )  # fmt: skip
 
+    def for_layers(self, layer_ids: Iterable[int]) -> RegistrationDescription:
+        """The description of the layers ``layer_ids`` alone, by the numbers it gives its
+        layers (those a block map pairs: the peer's ``numbered`` ids, else positions from
+        0), which the cut keeps. What a map from a registration holding only some of the
+        peer's layers takes (a pipeline stage against a peer holding every layer): made
+        here after the handshake, from what the peer described, it names only memory of
+        the peer's tensors. A layer list keeps those layers' tensors (a layer sharing
+        another's KV cache keeps its address); a tensor holding a layer axis is cut to the
+        range, its address moved by the layer stride, as a view ``pool[:, a:b]`` of it
+        would be described, and refused where that view is not contiguous but for padding
+        between blocks (layers inside another axis). Kernel groups holding none of the
+        layers are left out; ``whole`` is the description it was cut from (a peer's
+        staging buffer lies apart from every tensor the peer described)."""
+        taken = tuple(itertools.islice(layer_ids, MAX_LAYERS + 1))  # a range(10**9) is not built
+        if len(taken) > MAX_LAYERS:
+            raise PeerDescriptionError(
+                f"for_layers: more than {MAX_LAYERS} layer ids, past any description's"
+            )
+        ids = [as_int(i, f"layer_ids[{k}]") for k, i in enumerate(taken)]
+        if not ids:
+            raise PeerDescriptionError("for_layers: layer_ids names no layer")
+        held = sorted(i for g in self.groups for i in g.layers)
+        wanted = set(ids)
+        if len(wanted) != len(ids):
+            again = sorted({i for i in ids if ids.count(i) > 1})
+            raise PeerDescriptionError(f"for_layers: layer_ids names layer(s) {index_ranges(again)} twice")
+        missing = sorted(wanted.difference(held))
+        if missing:
+            raise PeerDescriptionError(
+                f"for_layers: layer(s) {index_ranges(missing)} are not in the description, which holds "
+                f"layers {index_ranges(held)} (a cut keeps the description's layer numbers)"
+            )
+        if len(wanted) == len(held):
+            return self
+        groups = tuple(
+            _group_for_layers(f"kernel group {k}", g, wanted)
+            for k, g in enumerate(self.groups)
+            if wanted.intersection(g.layers)
+        )
+        return RegistrationDescription(
+            groups, self.device_type, self.device_index, self.shard, self.engine, self.whole or self
+        )
+
     @functools.cached_property
     def tensor_spans(self) -> np.ndarray:
         """``(K, 2)`` uint64, read-only: every described tensor's first byte and byte
@@ -235,6 +282,82 @@ class RegistrationDescription:
         except (ValueError, RecursionError) as exc:
             raise PeerDescriptionError(f"the description is not valid JSON: {exc}") from None
         return from_data(data)
+
+
+# -- cut by layers ------------------------------------------------------------------------
+
+
+def _layers_resized(layout: Layout, plane: PlaneDescription, layers: int) -> tuple[tuple[str, int], ...]:
+    """The plane's sizes, the layer role's set to ``layers`` (in its place)."""
+    return tuple(with_size(layout, plane.sizes_dict(), Role.LAYER, layers).items())
+
+
+def _group_for_layers(where: str, group: GroupDescription, wanted: set[int]) -> GroupDescription:
+    """``group`` holding only its layers in ``wanted`` (one at least), numbered as before."""
+    positions = [k for k, i in enumerate(group.layers) if i in wanted]
+    if len(positions) == len(group.layers):
+        return group
+    layers = tuple(group.layers[k] for k in positions)
+    layout = group.layout
+    level = level_of(layout, Role.LAYER)
+    if level is not None:  # a list of layers: their tensors, in pointer order
+        kept = set(positions)
+        planes = []
+        for p in group.planes:
+            paths = layout.pointer_order(p.sizes_dict())
+            addresses = tuple(a for a, path in zip(p.addresses, paths, strict=True) if path[level] in kept)
+            planes.append(replace(p, sizes=_layers_resized(layout, p, len(kept)), addresses=addresses))
+        return replace(group, layers=layers, planes=tuple(planes))
+    label = f"{where} ({group.label()}, layers {index_ranges(group.layers)})"
+    first, n = positions[0], len(positions)
+    if positions != list(range(first, first + n)):
+        raise PeerDescriptionError(
+            f"for_layers: {label}: layers {index_ranges(layers)} are not consecutive in its tensors' layer "
+            f"axis ({symbol_of(layout, Role.LAYER)}); a tensor's layers are cut as one range, as a view "
+            "pool[:, a:b] holds them"
+        )
+    if group.opaque_pages is not None:
+        raise PeerDescriptionError(
+            f"for_layers: {label}: its rows are opaque pages ({group.opaque_pages.layout}), whose bytes "
+            "the kernel orders, so no layer range of them is known"
+        )
+    cut = f"{label}: layers {index_ranges(layers)} are" if n > 1 else f"{label}: layer {layers[0]} is"
+    return replace(
+        group, layers=layers, planes=tuple(_plane_cut(cut, layout, p, first, n) for p in group.planes)
+    )
+
+
+def _plane_cut(cut: str, layout: Layout, plane: PlaneDescription, first: int, n: int) -> PlaneDescription:
+    """Layers ``[first, first + n)`` of a plane whose tensors hold a layer axis: the view
+    that keeps the tensors' strides, refused where those are not the layout's for the
+    smaller layer extent (contiguous but for padding between blocks, dim 0)."""
+    axis = layout.axis_of(Role.LAYER)
+    assert axis is not None  # a layout's layers are a list level or an axis (REQUIRED_ROLES)
+    sizes = _layers_resized(layout, plane, n)
+    resolved = resolve_sizes(layout, dict(sizes))
+    shape = layout.tensor_shape(resolved)
+    block_stride = None
+    if layout.has_leading_block_axis:  # as binding reads a view: dim 0's stride, or tight for one block
+        block_stride = plane.strides[0] if shape[0] > 1 else layout.tensor_strides(resolved)[0]
+    want = layout.tensor_strides(resolved, block_stride)
+    wrong = [
+        a for a, (m, got, w) in enumerate(zip(shape, plane.strides, want, strict=True)) if m > 1 and got != w
+    ]
+    if wrong:  # axes outside the layer axis (dim 0 but a block axis): a range of layers is pieces apart
+        # (tokens map 1:1 to axes there: only element regions, innermost, take two)
+        names = " and ".join(f"{layout.tensor[a].name} (size {shape[a]})" for a in wrong)
+        pieces = math.prod(shape[a] for a in wrong)
+        per = " a block" if layout.has_leading_block_axis else ""
+        raise PeerDescriptionError(
+            f"for_layers: {cut} {pieces} strided pieces{per} of its tensors, not one tensor a "
+            f"description holds: {layout} keeps its layer axis ({layout.tensor[axis].name}) inside {names}, "
+            "and a description's tensors are contiguous but for padding between blocks; map every layer of "
+            "it, or have the peer register those layers apart"
+        )
+    shift = first * plane.strides[axis] * plane.element_size
+    return PlaneDescription(
+        plane.dtype, sizes, shape, want, block_stride, tuple(a + shift for a in plane.addresses)
+    )
 
 
 # -- JSON ------------------------------------------------------------------------------
