@@ -112,15 +112,20 @@ def _check_same_data(src: Side, dst: Side) -> None:
             )
         elif set(src.layers) < set(dst.layers) or set(dst.layers) < set(src.layers):
             more, fewer = ("src", "dst") if len(src.layers) > len(dst.layers) else ("dst", "src")
-            # a peer's description is not cut by layers here: its owner describes the part
-            owner = " by the peer that holds it, which describes it for you at the handshake"
-            peer = owner if (src if more == "src" else dst).described is not None else ""
-            hint = (
-                f" ({fewer} holds only some of {more}'s layers: map them from a registration of those layers "
-                f"alone, detected from that part of {more}'s cache{peer} (a list's entries, or a view of a "
-                "pool's layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
-                "registration.numbered(layer_ids))"
-            )
+            few = index_ranges(src.layers if fewer == "src" else dst.layers)
+            if (src if more == "src" else dst).described is not None:  # a peer's: cut it here
+                hint = (
+                    f" ({fewer} holds only some of {more}'s layers: map them against {more}'s description "
+                    f"cut to them, description.for_layers(layer_ids) ({few}), both sides numbering the "
+                    "layers alike (the model's layer ids: registration.numbered(layer_ids)))"
+                )
+            else:
+                hint = (
+                    f" ({fewer} holds only some of {more}'s layers: map them from a registration of "
+                    f"those layers alone, detected from that part of {more}'s cache (a list's entries, or a "
+                    "view of a pool's layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their "
+                    "layer ids: registration.numbered(layer_ids))"
+                )
         raise BlockMapError(
             f"src holds layers {index_ranges(src.layers)} and dst layers "
             f"{index_ranges(dst.layers)}; a map moves layer i to layer i{hint}"

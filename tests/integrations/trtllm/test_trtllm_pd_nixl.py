@@ -309,10 +309,38 @@ def test_context_pp2_into_generation_pp1(pair: AgentPair, numbered: bool) -> Non
         assert torch.equal(gen_bytes(pair, shape), want), stage
 
 
-def test_a_stage_into_a_whole_description_says_the_peer_describes_the_part() -> None:
+@pytest.mark.parametrize("strategy", ["direct", "staged"])
+def test_context_pp2_cuts_the_one_description_of_generation_pp1(
+    pair: AgentPair, strategy: nx.Strategy
+) -> None:
+    """Context PP 2 into generation PP 1, the generation rank sending ONE description (its
+    whole pool, layers 0-3 by position, which at PP 1 are the model's): each context stage,
+    numbered with its layers (``mAttentionLayerNumPerPP``'s contiguous range), cuts it to
+    them (``description.for_layers``) and writes its layers into the generation pool's
+    slice, as ``targetIRanks`` pairs overlapping layer ranges."""
+    ctx = context_ranks(1, 2, HEADS, 2)
+    shape = (GEN_BLOCKS, LAYERS, 2, HEADS * HEAD_DIM * TPB)
+    there = handshake(pair, Shard(0, 1, HEADS), heads=HEADS, kv_factor=2, layers=LAYERS)
+    for stage in range(2):
+        layers = stage_layers(stage, 2)
+        reg = kvlayout.detect(ctx[stage, 0], "trtllm", hints(HEADS, 2)).numbered(layers)
+        held = nx.register(pair.agent, reg)
+        try:
+            cut = there.for_layers(layers)
+            assert cut.whole is there and cut.groups[0].layers == tuple(layers)
+            m = block_map(reg, cut, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=Shard(0, 1, HEADS))
+            write(pair, {stage: m}, strategy)
+        finally:
+            held.deregister()
+        # the stages so far have arrived, and nothing else of the pool was written
+        want = expected(ctx, 1, 2, shape, 0, 1, list(range(LAYERS)), HEADS, stages=range(stage + 1))
+        assert torch.equal(gen_bytes(pair, shape), want), stage
+
+
+def test_a_stage_into_a_whole_description_says_to_cut_it() -> None:
     """A context stage (layers 2-3, numbered) against the generation rank's description of
-    its whole pool (layers 0-3) is refused; the poster cannot cut a peer's description by
-    layers, so the message says the peer describes that part at the handshake."""
+    its whole pool (layers 0-3) is refused, the message naming the cut; against the whole
+    pool in this process, a registration of its slice."""
     stage = kvlayout.detect(primary_pool(CTX_BLOCKS, 2, HEADS, HEAD_DIM, 2, 1), "trtllm", hints(HEADS, 2))
     whole, _ = generation_pool(HEADS, 2, LAYERS)
     there = RegistrationDescription.from_json(whole.describe().to_json())
@@ -320,10 +348,8 @@ def test_a_stage_into_a_whole_description_says_the_peer_describes_the_part() -> 
         block_map(stage.numbered([2, 3]), there, CTX_IDS, GEN_IDS, num_tokens=TOKENS)
     assert str(err.value) == (
         "src holds layers 2-3 and dst layers 0-3; a map moves layer i to layer i (src holds only some of "
-        "dst's layers: map them from a registration of those layers alone, detected from that part of dst's "
-        "cache by the peer that holds it, which describes it for you at the handshake (a list's entries, or "
-        "a view of a pool's layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
-        "registration.numbered(layer_ids))"
+        "dst's layers: map them against dst's description cut to them, description.for_layers(layer_ids) "
+        "(2-3), both sides numbering the layers alike (the model's layer ids: registration.numbered(layer_ids)))"
     )
     # the same pools in one process: the poster holds dst's cache and cuts it itself
     with pytest.raises(BlockMapError, match="part of dst's cache \\(a list's entries"):
