@@ -20,6 +20,7 @@ import torch
 
 import kvlayout
 from kvlayout.registration.peers import PeerDescriptionError
+from kvlayout.registration.registration import RegistrationError
 from kvlayout.transfer import BlockMapError, RegistrationDescription, block_map
 
 TRT_HINTS = {"num_kv_heads": 2, "tokens_per_block": 4, "head_dim": 8}
@@ -240,3 +241,86 @@ def test_layers_inside_another_axis_are_refused_naming_it() -> None:
     cut = whole.for_layers([3])
     assert inside(cut, whole) and RegistrationDescription.from_json(cut.to_json()) == cut
     assert cut.groups[0].planes[0].addresses == (mla.data_ptr() + 3 * 4 * 576 * 2,)
+
+
+# -- a local registration's cut --------------------------------------------------------------
+
+
+def registrations() -> dict[str, tuple[Any, list[int]]]:
+    """Each structure a registration holds layers in, with a part of its layers."""
+    own = [torch.zeros(2, 5, 4, 2, 8, dtype=torch.bfloat16) for _ in range(3)]
+    k = [torch.zeros(4 * 6, 2, 8, dtype=torch.bfloat16) for _ in range(3)]
+    v = [torch.zeros(4 * 6, 2, 8, dtype=torch.bfloat16) for _ in range(3)]
+    mla = [torch.zeros(5, 4, 576, dtype=torch.bfloat16) for _ in range(3)]
+    cross = torch.zeros(5, 4, 2, 2, 4, 8, dtype=torch.bfloat16).transpose(3, 4)
+    trt_mla = {"tokens_per_block": 4, "head_dim": 48}
+    return {
+        "vllm list": (kvlayout.detect(own, "vllm", {"kv_layout": "NHD"}).numbered([0, 4, 7]), [0, 7]),
+        "kv shared": (kvlayout.detect([*own, own[1]], "vllm", {"kv_layout": "NHD"}), [2, 3]),
+        "sglang k, v": (kvlayout.detect([k, v], "sglang", {"tokens_per_block": 4}), [0, 2]),
+        "vllm mla": (kvlayout.detect(mla, "vllm", {"kv_dim": 1}), [1]),
+        "trtllm pool": (kvlayout.detect(trt_pool(), "trtllm", TRT_HINTS).numbered([4, 5, 6, 7]), [5, 6]),
+        "trtllm mla": (kvlayout.detect(trt_pool(kv_factor=1, row=4 * 48), "trtllm", trt_mla), [3]),
+        "vllm cross-layer": (kvlayout.detect(cross, "vllm", {"kv_layout": "HND"}), [0, 1]),
+        "hybrid": (
+            kvlayout.detect(own + own[:1], "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 1], [2, 3]]),
+            [1, 2, 3],
+        ),
+    }
+
+
+@pytest.mark.parametrize("case", list(registrations()))
+def test_a_registration_cut_describes_as_the_description_cut(case: str) -> None:
+    """``registration.for_layers(ids)`` binds the same memory again, its layers ``ids``:
+    its description is the whole description's cut, and it maps as that part does."""
+    reg, ids = registrations()[case]
+    part = reg.for_layers(ids)
+    assert part.layer_ids == tuple(ids) and part.engine is reg.engine
+    assert part.describe() == reg.describe().for_layers(ids)
+    assert reg.for_layers(reg.layer_ids) is reg
+
+
+def test_a_registration_cut_maps_a_stage() -> None:
+    """Context PP 1 into a generation stage of layers 2-3 (its own pool): the context pool
+    cut to them maps as a detected view of it, byte-exact against ``BlockInfo``'s offsets."""
+    ctx = torch.randn(5, 4, 2, 64).to(torch.bfloat16)
+    gen = trt_pool(layers=2, blocks=6)
+    whole = kvlayout.detect(ctx, "trtllm", TRT_HINTS)
+    stage = kvlayout.detect(gen, "trtllm", TRT_HINTS).numbered([2, 3])
+    block_map(whole.for_layers([2, 3]), stage, [4, 1], [0, 5], num_tokens=6).copy()
+    flat_src, flat_gen = ctx.reshape(-1), gen.reshape(-1)
+    want = torch.zeros_like(flat_gen)
+    for t in range(6):
+        sb, db, slot = [4, 1][t // 4], [0, 5][t // 4], t % 4
+        for layer in range(2):
+            for kv in range(2):
+                for h in range(2):
+                    s = ((sb * 4 + 2 + layer) * 2 + kv) * 64 + h * 32 + slot * 8
+                    d = ((db * 2 + layer) * 2 + kv) * 64 + h * 32 + slot * 8
+                    want[d : d + 8] = flat_src[s : s + 8]
+    assert torch.equal(flat_gen, want)
+
+
+def test_a_registration_cut_refuses() -> None:
+    pool = kvlayout.detect(trt_pool(), "trtllm", TRT_HINTS).numbered([4, 5, 6, 7])
+    with pytest.raises(RegistrationError) as err:
+        pool.for_layers([4, 6])
+    assert str(err.value) == (
+        "layers 4,6 are not consecutive in kv_caches's layer axis (NL, layers 4-7): a tensor's layers are cut "
+        "as one range, as a view pool[:, a:b] holds them"
+    )
+    with pytest.raises(
+        RegistrationError, match=re.escape("layer 1 is not one of this registration's layers (4-7)")
+    ):
+        pool.for_layers([1, 4])
+    with pytest.raises(RegistrationError, match=re.escape("layer_ids [5, 5] must name distinct layers")):
+        pool.for_layers([5, 5])
+    with pytest.raises(RegistrationError, match=re.escape("layer_ids [] must name distinct layers")):
+        pool.for_layers([])
+    host = kvlayout.detect(torch.zeros(2, 3, 32, 2, 8), "sglang", {"hicache_layout": "layer_first"})
+    with pytest.raises(RegistrationError) as err:
+        host.for_layers([1])
+    assert str(err.value).startswith(
+        "layer 1 of kv_caches is not a view TWO_NL_NBBS_NH_HS reads (kv_caches has dim-0 padding"
+    )
+    assert str(err.value).endswith("a range of its layers lies inside another axis; map every layer of it")

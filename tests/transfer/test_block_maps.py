@@ -1490,11 +1490,13 @@ def test_some_of_a_pools_layers_map_from_a_view_of_its_layer_axis() -> None:
         block_map(trt, group, [5, 2], [7, 1, 4, 3], num_tokens=13)
     assert str(err.value) == (
         "src holds layers 0-1,3-4 and dst layers 3-4; a map moves layer i to layer i (dst holds only some of "
-        "src's layers: map them from a registration of those layers alone, detected from that part of src's "
-        "cache (a list's entries, or a view of a pool's layer axis such as TRT-LLM's pool[:, a:b]) and "
-        "numbered with their layer ids: registration.numbered(layer_ids))"
+        "src's layers: map them from a registration of those layers alone, registration.for_layers(layer_ids) "
+        "(3-4) of src's, or one detected from that part of src's cache (a list's entries, or a view of a "
+        "pool's layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
+        "registration.numbered(layer_ids))"
     )
     part = kvlayout.detect(pool[:, 2:4], "trtllm", hints).numbered([3, 4])
+    assert trt.for_layers([3, 4]).describe() == part.describe()  # the cut the hint names: the same view
     assert block_map(part, group, [5, 2], [7, 1, 4, 3], num_tokens=13).copy() == 1
     flat = pool.reshape(-1)
     for layer in (2, 3):  # the pool's layers 3 and 4

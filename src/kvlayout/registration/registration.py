@@ -29,8 +29,8 @@ import torch
 from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.catalog.registry import FormatLike, as_format, get_spec, is_one_format
 from kvlayout.catalog.spec import UndefinedSizeError
-from kvlayout.errors import KVLayoutError, as_int, index_ranges
-from kvlayout.layout.algebra import with_size
+from kvlayout.errors import KVLayoutError, abbreviated, as_int, index_ranges
+from kvlayout.layout.algebra import level_of, with_size
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.binding import (
     Bound,
@@ -217,6 +217,73 @@ class Registration(HoldsAddresses):
             self.kv, self.formats, self.engine_groups, self._layers, self._shared, self.engine, self.root,
             self._sources, ids,
         )  # fmt: skip
+
+    def for_layers(self, layer_ids: Iterable[int]) -> Registration:
+        """This registration's layers ``layer_ids`` alone (its layer numbers, as
+        :meth:`numbered` gives them, which the part keeps): what a map from a pipeline
+        stage's cache against this one takes, bound again over the same memory, as a
+        registration detected from that part of the cache would be. A layer list keeps
+        those entries; a structure holding every layer is cut on its layer list level
+        (SGLang's ``[K layers, V layers]``) or narrowed on its tensors' layer axis (a
+        consecutive range: TRT-LLM's ``pool[:, a:b]``), refused where that view is not
+        the format's (layers inside another axis). ``describe()`` of it is
+        ``describe().for_layers(layer_ids)``."""
+        taken = tuple(itertools.islice(layer_ids, self.num_layers + 1))
+        ids = [as_int(i, f"layer_ids[{k}]") for k, i in enumerate(taken)]
+        if not ids or len(set(ids)) != len(ids) or len(ids) > self.num_layers:
+            raise RegistrationError(
+                f"layer_ids {abbreviated(repr(ids))} must name distinct layers of the registration's "
+                f"{self.num_layers} ({index_ranges(self.layer_ids)}), one at least"
+            )
+        positions = sorted(self.position(i) for i in ids)
+        if len(positions) == self.num_layers:
+            return self
+        kept = tuple(self.layer_ids[p] for p in positions)
+        formats = [self.formats[p] for p in positions]
+        groups = [self.engine_groups[p] for p in positions]
+        if self._shared is None:  # a layer list: its entries
+            part = bind(
+                [self.kv[p] for p in positions], formats, engine_groups=groups, engine=self.engine,
+                root=self.root, trusted=True,
+            )  # fmt: skip
+            part._sources = _sources_at(self._sources, 0, positions)
+            return part.numbered(kept)
+        layout = LAYOUTS[self._shared.format]
+        level = level_of(layout, Role.LAYER)
+        if level is not None:  # a list level of layers inside the structure
+            part = bind(
+                _entries_at(self.kv, level, positions), formats, engine_groups=groups, engine=self.engine,
+                root=self.root, trusted=True,
+            )  # fmt: skip
+            part._sources = _sources_at(self._sources, level, positions)
+            return part.numbered(kept)
+        # a tensor holding the layer axis: a view of a consecutive range of it (a view's
+        # memory is the narrowed tensor's: nothing re-viewed to watch)
+        first, n = positions[0], len(positions)
+        if positions != list(range(first, first + n)):
+            raise RegistrationError(
+                f"layers {index_ranges(kept)} are not consecutive in {self.root}'s layer axis "
+                f"({layout.symbol_of(Role.LAYER)}, layers {index_ranges(self.layer_ids)}): a tensor's "
+                "layers are cut as one range, as a view pool[:, a:b] holds them"
+            )
+        axis = layout.axis_of(Role.LAYER)
+        assert axis is not None  # a layout's layers are a list level or an axis
+        try:
+            part = bind(
+                _narrowed(self.kv, axis, first, n), formats, engine_groups=groups, engine=self.engine,
+                root=self.root,
+            )  # fmt: skip
+        except RegistrationError as e:  # the view's strides: layers inside another axis
+            what = (
+                f"layers {index_ranges(kept)} of {self.root} are"
+                if n > 1
+                else f"layer {kept[0]} of {self.root} is"
+            )
+            raise RegistrationError(
+                f"{what} not a view {layout} reads ({e}): a range of its layers lies inside another axis; "
+                "map every layer of it"
+            ) from None
+        return part.numbered(kept)
 
     def position(self, layer_id: int) -> int:
         """The position of the engine's layer ``layer_id`` (:meth:`numbered`; the layer
@@ -445,6 +512,35 @@ class Registration(HoldsAddresses):
         for i in layers:
             out.extend(self.group(i).layer_ptrs(i))
         return out
+
+
+def _entries_at(kv: Any, depth: int, positions: Sequence[int]) -> Any:
+    """``kv`` with only the entries ``positions`` of its lists ``depth`` levels down."""
+    if depth == 0:
+        return type(kv)(kv[p] for p in positions) if isinstance(kv, tuple) else [kv[p] for p in positions]
+    entries = (_entries_at(e, depth - 1, positions) for e in kv)
+    return type(kv)(entries) if isinstance(kv, tuple) else list(entries)
+
+
+def _sources_at(
+    sources: Mapping[Path, torch.Tensor], depth: int, positions: Sequence[int]
+) -> dict[Path, torch.Tensor]:
+    """``sources`` (the caller's tensors behind re-viewed leaves) of the entries
+    ``positions`` of the lists ``depth`` levels down, keyed by their paths in the part."""
+    new = {p: k for k, p in enumerate(positions)}
+    return {
+        (*path[:depth], new[path[depth]], *path[depth + 1 :]): t
+        for path, t in sources.items()
+        if path[depth] in new
+    }
+
+
+def _narrowed(kv: Any, axis: int, first: int, n: int) -> Any:
+    """Every tensor of ``kv`` narrowed to ``[first, first + n)`` on ``axis`` (a view)."""
+    if isinstance(kv, torch.Tensor):
+        return kv.narrow(axis, first, n)
+    entries = (_narrowed(e, axis, first, n) for e in kv)
+    return type(kv)(entries) if isinstance(kv, tuple) else list(entries)
 
 
 def _interleave(plane_ptrs: Sequence[Sequence[int]], num_layers: int) -> list[int]:

@@ -122,9 +122,10 @@ def _check_same_data(src: Side, dst: Side) -> None:
             else:
                 hint = (
                     f" ({fewer} holds only some of {more}'s layers: map them from a registration of "
-                    f"those layers alone, detected from that part of {more}'s cache (a list's entries, or a "
-                    "view of a pool's layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their "
-                    "layer ids: registration.numbered(layer_ids))"
+                    f"those layers alone, registration.for_layers(layer_ids) ({few}) of {more}'s, or one "
+                    f"detected from that part of {more}'s cache (a list's entries, or a view of a pool's "
+                    "layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
+                    "registration.numbered(layer_ids))"
                 )
         raise BlockMapError(
             f"src holds layers {index_ranges(src.layers)} and dst layers "
