@@ -1748,6 +1748,108 @@ def test_prepped_lists_dropped_are_released_on_the_caller_s_thread_or_by_drain(p
     agent.remove_remote_agent(name)
 
 
+def test_prepped_lists_serve_only_the_agent_that_prepared_them(pair: Pair) -> None:
+    """A prepared list is NIXL's record on the agent that made it, naming that agent's
+    memory keys: another agent given it made a request from it and moved the bytes (NIXL
+    does not check), which the first agent's release or end would have left dangling. A
+    list of no handle (the indexing alone) was an AttributeError inside NIXL, and one list
+    given as both sides hung the request on its own lock. Each is now refused by name,
+    nothing posted, and a timeout past any float waits for good, as inf does."""
+    threads = len(os.listdir("/proc/self/task"))
+    other = nx.make_agent("kvl-prepped-other", progress_thread=False)
+    name = other.add_remote_agent(pair.peer.metadata)
+    there = pair.peer.side([0, 1])
+    rows = [(pair.peer.address(1, k * UNIT), pair.local[0].data_ptr() + k * SLOT, UNIT) for k in range(4)]
+    m = Map(np.array(rows, U64), there, nx.local_side(pair.local))
+    before = pair.local[0][: 4 * SLOT].clone()
+    try:
+        with nx.register(other, pair.local):
+            with pytest.raises(
+                TransferError,
+                match=r"^the local prepped list PreppedList\(\d+ units of 256 bytes, DRAM\) was prepared by agent "
+                "'kvl-local', not by 'kvl-prepped-other', which posts this request: prepare the lists on it",
+            ):
+                nx.transfer(other, name, m, strategy="direct", prepped=pair.prepped)
+            bare = nx.PreppedList(None, UNIT, pair.prepped.local.starts, pair.prepped.local.counts, "DRAM")
+            with pytest.raises(TransferError, match=r"^the local prepped list .* is the indexing alone"):
+                nx.transfer(pair.agent, pair.name, m, strategy="direct",
+                            prepped=nx.Prepped(pair.prepped.peer, bare, pair.prepped.remote))  # fmt: skip
+            with pytest.raises(TypeError, match=r"^Prepped's local and remote lists are one list"):
+                nx.Prepped(pair.prepped.peer, pair.prepped.remote, pair.prepped.remote)
+            assert torch.equal(pair.local[0][: 4 * SLOT], before)  # nothing moved
+            assert nx.drain(other, timeout=10**400) == 0  # nothing left: returns at once
+        other.remove_remote_agent(name)
+    finally:
+        ref = weakref.ref(other)
+        del other
+        gc.collect()
+    assert ref() is None and len(os.listdir("/proc/self/task")) == threads
+
+
+class _Gated(_Recording):
+    """A recording agent whose ``make_prepped_xfer`` waits for ``go`` once it has begun."""
+
+    def __init__(self, agent: nx.Agent) -> None:
+        super().__init__(agent)
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        call = super().__getattr__(name)
+        if name != "make_prepped_xfer":
+            return call
+
+        def gated(*args: Any) -> Any:
+            self.entered.set()
+            assert self.go.wait(timeout=30)
+            return call(*args)
+
+        return gated
+
+
+def test_prepped_lists_released_while_a_request_is_made_from_them_wait_for_it(pair: Pair) -> None:
+    """release() on another thread while a request is being made from the lists waits
+    until it is made (NIXL reads the list then), then releases each list once, whichever
+    of several threads releasing at once does it."""
+    agent = _Gated(nx.make_agent("kvl-prepped-race", progress_thread=False))
+    threads = len(os.listdir("/proc/self/task"))
+    name = agent.add_remote_agent(pair.peer.metadata)
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    there = pair.peer.side([0, 1])
+    rows = [(pair.peer.address(1, k * UNIT), local.data_ptr() + k * SLOT, UNIT) for k in range(8)]
+    m = Map(np.array(rows, U64), there, nx.local_side(local))
+    with nx.register(agent, local):
+        lists = nx.prep_lists(agent, name, local, there, UNIT)
+        made: list[Any] = []
+        maker = threading.Thread(
+            target=lambda: made.append(nx.prepare_transfer(agent, name, m, strategy="direct", prepped=lists))
+        )
+        maker.start()
+        assert agent.entered.wait(timeout=30)
+        start = threading.Barrier(4)
+        releasers = [threading.Thread(target=lambda: (start.wait(timeout=30), lists.release())) for _ in range(4)]
+        for t in releasers:
+            t.start()
+        time.sleep(0.2)
+        assert not agent.called("release_dlist_handle") and not lists.released  # waiting for the request
+        agent.go.set()
+        for t in (maker, *releasers):
+            t.join(timeout=30)
+            assert not t.is_alive()
+        names = [n for n, _, _ in agent.calls]
+        assert names.count("release_dlist_handle") == 2 and lists.released
+        assert names.index("make_prepped_xfer") < names.index("release_dlist_handle")
+        made[0].start()  # made before the release: still moves its bytes
+        made[0].wait(timeout=30)
+        theirs = pair.peer.read(1)
+        for k in range(8):
+            assert np.array_equal(local[k * SLOT : k * SLOT + UNIT].numpy(), theirs[k * UNIT : (k + 1) * UNIT])
+        assert nx.drain(agent) == 0
+    agent.remove_remote_agent(name)
+    del made, lists, agent
+    gc.collect()
+    assert len(os.listdir("/proc/self/task")) <= threads
+
+
 def test_stage_announcing_to_a_poster_never_loaded_is_refused_before_copying(pair: Pair) -> None:
     """The peer's gather, paced by notifications to a poster whose metadata it never
     loaded: a NixlError naming both agents, nothing copied (it was a bare

@@ -587,6 +587,15 @@ def _checked_transfer(
     p.check_copy()
     if prepped is not None and prepped.peer != peer:
         raise TransferError(f"the lists were prepared for peer {prepped.peer!r}, not {peer!r}")
+    for side, lst in (("local", prepped.local), ("remote", prepped.remote)) if prepped is not None else ():
+        if lst.agent is not agent:  # a list is the preparing agent's: another's would name its memory keys
+            how = "is the indexing alone (no NIXL list)" if lst.agent is None else (
+                f"was prepared by agent {lst.agent.name!r}"
+            )  # fmt: skip
+            raise TransferError(
+                f"the {side} prepped list {lst!r} {how}, not by {agent.name!r}, which posts this request: "
+                "prepare the lists on it (prep_lists); nothing was posted"
+            )
     if peer == getattr(agent, "name", None):  # posting to itself: the remote rows are its own memory,
         _check_local_rows(agent, p.remote, p.remote_mem, "remote descriptor")  # which prepped lists hold
     # An empty map (a rank pair with no heads in common) makes no NIXL request: notif goes alone.

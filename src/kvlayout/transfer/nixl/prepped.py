@@ -133,6 +133,11 @@ class PreppedList:
     def released(self) -> bool:
         return self._dlist is not None and self._dlist.released
 
+    @property
+    def agent(self) -> Agent | None:
+        """The agent that prepared the list (None for a list of no handle)."""
+        return None if self._dlist is None else self._dlist.agent
+
     def release(self) -> None:
         """Release the list NIXL prepared (``release_dlist_handle``), once: a second
         call does nothing, and a request given it after is refused. Requests made from it
@@ -192,6 +197,14 @@ class Prepped:
     peer: str
     local: PreppedList
     remote: PreppedList
+
+    def __post_init__(self) -> None:
+        # a request holds each list while it is made from them: one list twice would wait on itself
+        if self.local is self.remote:
+            raise TypeError(
+                "Prepped's local and remote lists are one list: the local list holds this side's memory, "
+                "the remote one the peer's (prep_lists makes both)"
+            )
 
     @property
     def released(self) -> bool:

@@ -226,7 +226,10 @@ def _seconds(timeout: object) -> float:
     """A caller's timeout: a non-negative number of seconds (inf waits for good)."""
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
         raise TypeError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
-    return float(timeout)
+    try:
+        return float(timeout)
+    except OverflowError:  # an int past any float: longer than anything waits
+        return float("inf")
 
 
 def _message(value: object, what: str) -> bytes:
