@@ -1312,6 +1312,8 @@ def test_plan_of_mamba_state_is_the_map_of_vllm_s_edited_pages(
         ),
         (("--dst-dcp", "2"), "--dst-dcp 2: vLLM never shards Mamba state by CP rank"),
         (("--first-token", "3"), "--first-token 3: a Mamba state page holds no tokens"),
+        # the default dtype read PAGE as bf16 elements: a page twice vLLM's, moved whole between ranks alike
+        (("--dtype", "bf16"), "--dtype bf16 with --src-state: vLLM 0.33 registers a Mamba layer as int8"),
     ],
 )
 def test_plan_of_mamba_state_refuses_what_it_cannot_plan(

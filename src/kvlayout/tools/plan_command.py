@@ -128,6 +128,11 @@ def _state_side(
             f"--{where}-shape {_shown(spec.text)}: with {flag}, a list of one tensor a Mamba layer, as vLLM "
             "0.33 registers them: NLx[NB,1,1,PAGE] (PAGE the spec's page_size_bytes, with --dtype int8)"
         )
+    if kv[0].dtype != torch.int8:  # PAGE counts bytes: in another dtype the page would be a multiple
+        raise KVLayoutError(
+            f"--dtype {a['dtype']} with {flag}: vLLM 0.33 registers a Mamba layer as int8 [NB,1,1,PAGE], PAGE "
+            "the spec's page_size_bytes; give --dtype int8"
+        )
     kind, shapes, dtypes = _state_fields(flag, a[f"{where}_state"])
     rows = a[f"{where}_block_size"] or 1
     try:
