@@ -554,18 +554,31 @@ def test_a_decode_that_reads_takes_state_from_every_rank_holding_its_slices_atte
     assert kinds[2][1:] == kinds[3][1:] == ("empty", {True})
 
 
+@pytest.mark.parametrize("mode", ["none", "align"])
 @pytest.mark.parametrize("conv_layout", ["DS", "SD"])
-def test_declared_state_rows_mark_a_page_as_the_edits_do(conv_layout: str) -> None:
+def test_declared_state_rows_mark_a_page_as_the_edits_do(conv_layout: str, mode: str) -> None:
     """A registered Mamba layer read from its spec's fields alone (``kvlayout plan``'s state
     sides) is marked with the arrays and page layout the edits give it from the spec."""
     from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
-    from kvlayout.integrations.vllm.rules import declared_state_rows
+    from kvlayout.integrations.vllm.rules import MambaStateRowsEdit, declared_state_rows
     from kvlayout.registration.opaque import opaque_pages_of
 
-    rank = Rank(2, 1, conv_layout, "none", seed=1)
+    rank = Rank(2, 1, conv_layout, mode, seed=1)
     name = rank.names[0]
-    view = declared_state_rows(rank.raw[name], "gdn_attn", rank.spec.shapes, rank.spec.dtypes, 1)
-    assert opaque_pages_of(view) == rank.group.opaque_pages
-    assert view.shape == (4, 1, rank.raw[name].shape[-1]) and view.stride(0) == rank.raw[name].stride(0)
+    # vLLM's MambaSpec: one state a block in 'none' mode, block_size rows (its checkpoints) in align mode
+    rows = rank.spec.block_size if mode == "align" else 1
+    raw, page = rank.raw[name], rank.spec.page_size_bytes
+    # vLLM registers the unpadded state as the row (state_content_size_bytes), the padding past it
+    assert raw.dtype == torch.int8 and raw.shape[-1] == rank.spec.real_page_size_bytes < page
+    view = declared_state_rows(raw, "gdn_attn", rank.spec.shapes, rank.spec.dtypes, rows, page)
+    edited = MambaStateRowsEdit().apply(rank.spec, raw)
+    assert opaque_pages_of(view) == rank.group.opaque_pages and rank.group.geometry.block_size == rows
+    assert (view.shape, view.stride(), view.data_ptr()) == (edited.shape, edited.stride(), edited.data_ptr())
+    assert view.shape == (4, rows, page // rows)
+    if mode == "align":  # the row alone does not split into the spec's rows: only the page does
+        with pytest.raises(KVCacheGroupEditError, match=r"does not split into block_size"):
+            declared_state_rows(raw, "gdn_attn", rank.spec.shapes, rank.spec.dtypes, rows)
+    with pytest.raises(KVCacheGroupEditError, match=rf"the registered state row is {raw.shape[-1]} bytes, more"):
+        declared_state_rows(raw, "gdn_attn", rank.spec.shapes, rank.spec.dtypes, 1, raw.shape[-1] - 1)
     with pytest.raises(KVCacheGroupEditError, match=r"a 'mamba1' state of .* does not split over TP"):
         declared_state_rows(rank.raw[name], "mamba1", rank.spec.shapes, rank.spec.dtypes, 1)

@@ -144,6 +144,7 @@ def declared_state_rows(
     shapes: Sequence[tuple[int, ...]],
     dtypes: Sequence[torch.dtype],
     rows: int,
+    page_bytes: int | None = None,
 ) -> torch.Tensor:
     """A Mamba layer as vLLM 0.33+ registers it (``value``: ``[NB, 1, 1, page]``, each
     block one contiguous run) re-viewed and marked as :class:`MambaStateRowsEdit` and
@@ -151,8 +152,10 @@ def declared_state_rows(
     fields, where there is no spec to read (``kvlayout plan``'s state sides, given on
     the command line): ``kind`` its ``mamba_type`` (``"gdn_attn"``), ``shapes`` and
     ``dtypes`` its states, ``rows`` its slots per block (1 in 'none' mode, ``block_size``
-    in 'align' mode). The page is ``value``'s row, its padding included. States that do
-    not split as ``kind`` says, or that do not fit the page, raise
+    in 'align' mode). The page is ``page_bytes`` (the spec's ``page_size_bytes``, padded),
+    as the edit reads it: vLLM registers the unpadded state as the row, the padding past
+    it; None: ``value``'s row (``kvlayout plan``'s, given as the padded page). States that
+    do not split as ``kind`` says, or that do not fit the page, raise
     :class:`KVCacheGroupEditError`: a page without its arrays moves only between ranks alike."""
     names = [str(d).removeprefix("torch.") for d in dtypes]
     arrays = declared_state_arrays(kind, [tuple(s) for s in shapes], names)
@@ -164,15 +167,20 @@ def declared_state_rows(
             "...]; mamba1, mamba2, gdn_attn, kda, linear, short_conv)"
         )
     runs = page_runs(value)
+    page = runs.page_bytes if page_bytes is None else page_bytes
+    if runs.page_bytes > page:
+        raise KVCacheGroupEditError(
+            f"the registered state row is {runs.page_bytes} bytes, more than the {page}-byte page"
+        )
     layout = f"{MambaStateRowsEdit.name}: {page_of(value)}; shapes {tuple(shapes)}; dtypes {tuple(dtypes)}"
     pages = OpaquePages(layout[:MAX_PAGE_LAYOUT], False, arrays)
-    if pages.arrays_end > runs.page_bytes:
+    if pages.arrays_end > page:
         raise KVCacheGroupEditError(
-            f"the states ({states}) take {pages.arrays_end} bytes, more than the {runs.page_bytes}-byte page "
+            f"the states ({states}) take {pages.arrays_end} bytes, more than the {page}-byte page "
             f"{page_of(value)}"
         )
     view = opaque_page_view(
-        value, num_blocks=runs.num_pages, block_size=rows, page_bytes=runs.page_bytes,
+        value, num_blocks=runs.num_pages, block_size=rows, page_bytes=page,
         block_stride_bytes=runs.stride_bytes, offset_bytes=runs.offset_bytes,
     )  # fmt: skip
     mark_opaque_pages(view, pages, [value])
