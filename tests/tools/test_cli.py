@@ -1312,6 +1312,15 @@ def test_plan_of_mamba_state_is_the_map_of_vllm_s_edited_pages(
         ),
         (("--dst-dcp", "2"), "--dst-dcp 2: vLLM never shards Mamba state by CP rank"),
         (("--first-token", "3"), "--first-token 3: a Mamba state page holds no tokens"),
+        # the parser's own refusals, before any rule reads the states: a zero dim, a third state
+        (
+            ("--dst-state", "gdn_attn:0x3:bf16,8x128x128:bf16"),
+            "--dst-state 'gdn_attn:0x3:bf16,8x128x128:bf16' is not TYPE:DIMS:DTYPE[,DIMS:DTYPE]",
+        ),
+        (
+            ("--dst-state", "gdn_attn:2048x3:bf16,8x128x128:bf16,4x4:bf16"),
+            "a 'gdn_attn' state of [2048, 3] bfloat16, [8, 128, 128] bfloat16, [4, 4] bfloat16 does not split",
+        ),
         # the default dtype read PAGE as bf16 elements: a page twice vLLM's, moved whole between ranks alike
         (("--dtype", "bf16"), "--dtype bf16 with --src-state: vLLM 0.33 registers a Mamba layer as int8"),
     ],
@@ -1356,3 +1365,47 @@ def test_plan_of_mamba_state_as_the_docs_show(capsys: pytest.CaptureFixture[str]
     code, out, _ = run(capsys, *bare[:-1], "64")  # --tokens: 64 blocks of one token
     assert "2 KV heads" in out.splitlines()[0]
     assert "give --src-state (the MambaSpec's mamba_type, shapes and dtypes) for them" in out.splitlines()[1]
+
+
+def test_plan_of_mamba_state_between_tp_degrees_neither_divides(capsys: pytest.CaptureFixture[str]) -> None:
+    """TP 2 -> TP 3 (a GDN of 6 key and 6 value heads of 128, conv kernel 4, DS): each pair
+    moves the conv columns and SSM heads both ranks hold by vLLM's split
+    (``gated_delta_net_state_shape``: Q | K | V each split over TP, value heads split), the
+    row budget counts a state block's one row, not --tokens."""
+    key = value = 6 * 128
+
+    def side(where: str, tp: int) -> list[str]:
+        conv, heads = ((2 * key + value) // tp, 3), 6 // tp
+        page = conv[0] * 3 * 2 + heads * 128 * 128 * 2
+        return [f"--{where}-engine", "vllm", f"--{where}-shape", f"4x[8,1,1,{page}]", f"--{where}-tp", str(tp),
+                f"--{where}-state", f"gdn_attn:{conv[0]}x3:bf16,{heads}x128x128:bf16"]  # fmt: skip
+
+    def held(tp: int, rank: int) -> tuple[set[int], set[int]]:
+        columns, start = set(), 0
+        for size in (key, key, value):
+            columns |= set(range(start + rank * size // tp, start + (rank + 1) * size // tp))
+            start += size
+        return columns, set(range(rank * 6 // tp, (rank + 1) * 6 // tp))
+
+    code, out, err = run(capsys, "plan", *side("src", 2), *side("dst", 3), "--dtype", "int8", "--tokens",
+                         str(2**24), "--json")  # fmt: skip
+    assert (code, err) == (0, "")
+    pairs = json.loads(out)["pairs"]
+    assert len(pairs) == 6
+    for p in pairs:
+        (sc, sh), (dc, dh) = held(2, p["src_rank"]), held(3, p["dst_rank"])
+        assert p["bytes"] == 4 * (len(sc & dc) * 3 * 2 + len(sh & dh) * 128 * 128 * 2), p
+
+
+def test_plan_says_to_give_state_only_of_a_vllm_side(capsys: pytest.CaptureFixture[str]) -> None:
+    """The one-head int8 side in one-token blocks is a Mamba layer's shape in vLLM alone: an
+    SGLang side of that shape gets no word of --*-state."""
+    argv = ["plan", "--dtype", "int8", "--tokens", "10", "--json"]
+    for where in ("src", "dst"):
+        argv += [f"--{where}-engine", "sglang", f"--{where}-shape", "4x[64,1,1,1024]"]
+    code, out, _ = run(capsys, *argv)
+    plan = json.loads(out)
+    assert code == 0 and plan["src"]["note"] is None and plan["dst"]["note"] is None
+    argv = [a.replace("sglang", "vllm") for a in argv]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "give --src-state" in json.loads(out)["src"]["note"]
