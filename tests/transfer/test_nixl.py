@@ -531,6 +531,34 @@ def test_drain_lets_an_agent_left_with_deferred_work_go() -> None:
         nx.drain("kvl-local")
 
 
+def test_drain_counts_the_work_it_could_not_do_yet() -> None:
+    """drain() says how much is left: a deferred attempt whose lock is held stays queued
+    and counts, through a timeout too, until its lock is free; work whose ``pending`` says
+    it was let go of already queues nothing."""
+    from kvlayout.transfer.nixl.regions import _DEFERRED, defer, locks_free
+
+    threads = len(os.listdir("/proc/self/task"))
+    agent = nx.make_agent("kvl-drain-count", progress_thread=False)
+    lock, done = threading.Lock(), []
+
+    def attempt() -> bool:
+        if not locks_free(lock):
+            return False
+        done.append(True)
+        return True
+
+    with lock:
+        assert defer(agent, attempt, lambda: False)  # nothing to do: not queued
+        assert not defer(agent, attempt) and not done  # never registered: left for its next call
+        assert nx.drain(agent) == 1 and nx.drain(agent, timeout=0.05) == 1 and not done
+    assert nx.drain(agent) == 0 and done == [True]
+    assert not [a for a, _ in _DEFERRED if a is agent]
+    ref = weakref.ref(agent)
+    del agent
+    gc.collect()
+    assert ref() is None and len(os.listdir("/proc/self/task")) == threads
+
+
 def locks_free_or_fail(lock: Any, then: Callable[[], bool]) -> bool:
     """An attempt that waits while ``lock`` is held, then runs ``then``."""
     from kvlayout.transfer.nixl.regions import locks_free
@@ -1786,6 +1814,74 @@ def test_prepped_lists_serve_only_the_agent_that_prepared_them(pair: Pair) -> No
     assert ref() is None and len(os.listdir("/proc/self/task")) == threads
 
 
+def test_prepped_lists_released_in_part_are_refused_and_queue_nothing_dropped(pair: Pair) -> None:
+    """One list released (PreppedList.release()) makes the pair released: a request is
+    refused before any is made. Released lists dropped where the collector runs on another
+    thread (kvlayout's copy thread) queue nothing: there is nothing left to release, and an
+    entry would hold the agent, and its progress thread, until its next call."""
+    from kvlayout.transfer.nixl.copies import _copier
+    from kvlayout.transfer.nixl.regions import _DEFERRED
+
+    agent = _Recording(nx.make_agent("kvl-prepped-part", progress_thread=False))
+    name = agent.add_remote_agent(pair.peer.metadata)
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    there = pair.peer.side([0, 1])
+    rows = [(pair.peer.address(1, k * UNIT), local.data_ptr() + k * SLOT, UNIT) for k in range(4)]
+    m = Map(np.array(rows, U64), there, nx.local_side(local))
+    with nx.register(agent, local):
+        lists = nx.prep_lists(agent, name, local, there, UNIT)
+        lists.remote.release()
+        assert lists.released and not lists.local.released
+        with pytest.raises(TransferError, match=r"^the lists prepared for peer .* were released \(Prepped"):
+            nx.prepare_transfer(agent, name, m, strategy="direct", prepped=lists)
+        assert not agent.called("make_prepped_xfer")
+        lists.release()
+        gc.disable()  # collected below on the copy thread, not by an allocation here
+        try:
+            cycle: list[Any] = [lists]
+            cycle.append(cycle)  # freed only by the cyclic collector
+            del lists, cycle
+            _copier().submit(gc.collect).result(timeout=30)
+        finally:
+            gc.enable()
+        assert not [a for a, _ in _DEFERRED if a is agent]
+        assert len(agent.called("release_dlist_handle")) == 2
+    agent.remove_remote_agent(name)
+
+
+class _RefusingPeerList(_Recording):
+    """A recording agent whose ``prep_xfer_dlist`` refuses the peer's list."""
+
+    def __getattr__(self, name: str) -> Any:
+        call = super().__getattr__(name)
+        if name != "prep_xfer_dlist":
+            return call
+
+        def refusing(list_name: Any, *args: Any) -> Any:
+            if list_name != "NIXL_INIT_AGENT":
+                raise RuntimeError("the peer's list refused")
+            return call(list_name, *args)
+
+        return refusing
+
+
+def test_prep_lists_leaves_no_list_prepared_when_the_peer_s_is_refused(pair: Pair) -> None:
+    """The local list is prepared first: the peer's refused after it, the local one is
+    released at once (not left to NIXL until the agent ends), and the error is the peer's."""
+    agent = _RefusingPeerList(nx.make_agent("kvl-prepped-refused", progress_thread=False))
+    name = agent.add_remote_agent(pair.peer.metadata)
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    with nx.register(agent, local):
+        with pytest.raises(RuntimeError, match=r"^the peer's list refused$") as refused:
+            nx.prep_lists(agent, name, local, pair.peer.side([0, 1]), UNIT)
+        # released by prep_lists, not by the list's finalizer: the traceback still holds the list
+        made = [c for c in agent.calls if c[0] == "prep_xfer_dlist"]
+        assert len(made) == 1 and len(agent.called("release_dlist_handle")) == 1
+        assert "released=True" in repr(agent.called("release_dlist_handle")[0])
+        del refused
+    agent.remove_remote_agent(name)
+
+
 class _Gated(_Recording):
     """A recording agent whose ``make_prepped_xfer`` waits for ``go`` once it has begun."""
 
@@ -1826,7 +1922,9 @@ def test_prepped_lists_released_while_a_request_is_made_from_them_wait_for_it(pa
         maker.start()
         assert agent.entered.wait(timeout=30)
         start = threading.Barrier(4)
-        releasers = [threading.Thread(target=lambda: (start.wait(timeout=30), lists.release())) for _ in range(4)]
+        releasers = [
+            threading.Thread(target=lambda: (start.wait(timeout=30), lists.release())) for _ in range(4)
+        ]
         for t in releasers:
             t.start()
         time.sleep(0.2)
@@ -1842,12 +1940,12 @@ def test_prepped_lists_released_while_a_request_is_made_from_them_wait_for_it(pa
         made[0].wait(timeout=30)
         theirs = pair.peer.read(1)
         for k in range(8):
-            assert np.array_equal(local[k * SLOT : k * SLOT + UNIT].numpy(), theirs[k * UNIT : (k + 1) * UNIT])
+            assert np.array_equal(
+                local[k * SLOT : k * SLOT + UNIT].numpy(), theirs[k * UNIT : (k + 1) * UNIT]
+            )
         assert nx.drain(agent) == 0
     agent.remove_remote_agent(name)
-    del made, lists, agent
-    gc.collect()
-    assert len(os.listdir("/proc/self/task")) <= threads
+    assert len(os.listdir("/proc/self/task")) == threads  # the threads made here are gone
 
 
 def test_stage_announcing_to_a_poster_never_loaded_is_refused_before_copying(pair: Pair) -> None:
