@@ -12,8 +12,10 @@ from typing import Any, Literal
 from kvlayout.errors import KVLayoutError, abbreviated
 from kvlayout.layout.dtypes import SHORT_NAMES
 from kvlayout.tools.registrations import (
+    MAX_DIM,
     _detect_kv,
     _hints,
+    _natural,
     _registration,
     _registration_spec,
     _shown,
@@ -86,8 +88,6 @@ STATE_EXAMPLE = "gdn_attn:4096x3:bf16,16x128x128:bf16"
 def _state_fields(flag: str, text: str) -> tuple[str, list[tuple[int, ...]], list[Any]]:
     """``--*-state TYPE:DIMS:DTYPE[,DIMS:DTYPE]``: a ``MambaSpec``'s ``mamba_type``,
     ``shapes`` and ``dtypes`` (torch dtypes), or the command line's error."""
-    from kvlayout.tools.registrations import MAX_DIM, _natural
-
     kind, _, rest = text.partition(":")
     fields: tuple[list[tuple[int, ...]], list[Any]] = ([], [])
     for item in rest.split(",") if rest else []:
@@ -130,8 +130,8 @@ def _state_side(
         )
     if kv[0].dtype != torch.int8:  # PAGE counts bytes: in another dtype the page would be a multiple
         raise KVLayoutError(
-            f"--dtype {a['dtype']} with {flag}: vLLM 0.33 registers a Mamba layer as int8 [NB,1,1,PAGE], PAGE "
-            "the spec's page_size_bytes; give --dtype int8"
+            f"--dtype {a['dtype']} with {flag}: vLLM 0.33 registers a Mamba layer as int8 [NB,1,1,PAGE], "
+            "PAGE the spec's page_size_bytes; give --dtype int8"
         )
     kind, shapes, dtypes = _state_fields(flag, a[f"{where}_state"])
     rows = a[f"{where}_block_size"] or 1

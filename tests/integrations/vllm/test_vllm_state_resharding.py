@@ -578,7 +578,9 @@ def test_declared_state_rows_mark_a_page_as_the_edits_do(conv_layout: str, mode:
     if mode == "align":  # the row alone does not split into the spec's rows: only the page does
         with pytest.raises(KVCacheGroupEditError, match=r"does not split into block_size"):
             declared_state_rows(raw, "gdn_attn", rank.spec.shapes, rank.spec.dtypes, rows)
-    with pytest.raises(KVCacheGroupEditError, match=rf"the registered state row is {raw.shape[-1]} bytes, more"):
+    with pytest.raises(
+        KVCacheGroupEditError, match=rf"the registered state row is {raw.shape[-1]} bytes, more"
+    ):
         declared_state_rows(raw, "gdn_attn", rank.spec.shapes, rank.spec.dtypes, 1, raw.shape[-1] - 1)
     with pytest.raises(KVCacheGroupEditError, match=r"a 'mamba1' state of .* does not split over TP"):
         declared_state_rows(rank.raw[name], "mamba1", rank.spec.shapes, rank.spec.dtypes, 1)
