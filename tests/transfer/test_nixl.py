@@ -559,6 +559,32 @@ def test_drain_counts_the_work_it_could_not_do_yet() -> None:
     assert ref() is None and len(os.listdir("/proc/self/task")) == threads
 
 
+def test_take_notif_and_a_list_s_release_do_first_what_dropped_objects_left(pair: Pair) -> None:
+    """take_notif() and PreppedList.release() are calls on the agent: the work a finalizer
+    left it (defer) is done first, on this thread, as a request's is."""
+    from kvlayout.transfer.nixl.regions import _DEFERRED, defer
+
+    agent = nx.make_agent("kvl-drain-calls", progress_thread=False)
+    name = agent.add_remote_agent(pair.peer.metadata)
+    local = torch.zeros(BUF, dtype=torch.uint8)
+    done: list[str] = []
+    with nx.register(agent, local):
+        lists = nx.prep_lists(agent, name, local, pair.peer.side([0, 1]), UNIT)
+        for call in ("take_notif", "release"):
+            threading.Thread(target=defer, args=(agent, lambda call=call: done.append(call) is None)).start()
+            deadline = time.monotonic() + 30
+            while not [a for a, _ in _DEFERRED if a is agent]:  # queued: not the caller's thread
+                assert time.monotonic() < deadline
+                time.sleep(0.01)
+            if call == "take_notif":
+                assert not nx.take_notif(agent, name, b"none-sent")
+            else:
+                lists.local.release()
+            assert done[-1] == call and not [a for a, _ in _DEFERRED if a is agent]
+        lists.release()
+    agent.remove_remote_agent(name)
+
+
 def locks_free_or_fail(lock: Any, then: Callable[[], bool]) -> bool:
     """An attempt that waits while ``lock`` is held, then runs ``then``."""
     from kvlayout.transfer.nixl.regions import locks_free
