@@ -571,7 +571,12 @@ def test_take_notif_and_a_list_s_release_do_first_what_dropped_objects_left(pair
     with nx.register(agent, local):
         lists = nx.prep_lists(agent, name, local, pair.peer.side([0, 1]), UNIT)
         for call in ("take_notif", "release"):
-            threading.Thread(target=defer, args=(agent, lambda call=call: done.append(call) is None)).start()
+
+            def attempt(call: str = call) -> bool:
+                done.append(call)
+                return True
+
+            threading.Thread(target=defer, args=(agent, attempt)).start()
             deadline = time.monotonic() + 30
             while not [a for a, _ in _DEFERRED if a is agent]:  # queued: not the caller's thread
                 assert time.monotonic() < deadline
@@ -1948,9 +1953,12 @@ def test_prepped_lists_released_while_a_request_is_made_from_them_wait_for_it(pa
         maker.start()
         assert agent.entered.wait(timeout=30)
         start = threading.Barrier(4)
-        releasers = [
-            threading.Thread(target=lambda: (start.wait(timeout=30), lists.release())) for _ in range(4)
-        ]
+
+        def release() -> None:
+            start.wait(timeout=30)
+            lists.release()
+
+        releasers = [threading.Thread(target=release) for _ in range(4)]
         for t in releasers:
             t.start()
         time.sleep(0.2)
