@@ -452,6 +452,46 @@ def test_a_peer_s_copy_collected_while_the_agent_s_lock_is_held_lets_go_after() 
         assert not staging.busy
 
 
+def test_a_peer_s_copy_run_drains_first_and_dropped_after_queues_nothing() -> None:
+    """PeerCopy.run() is a call on the agent: work a finalizer left it is done first, on
+    this thread. Run, its buffer is let go of: dropped after where the collector runs on
+    another thread (kvlayout's copy thread), it queues nothing that would hold the agent."""
+    from kvlayout.transfer.nixl.copies import _copier
+    from kvlayout.transfer.nixl.regions import _DEFERRED, defer
+
+    agent = nx.make_agent("kvl-peer-copy-run", progress_thread=False)
+    local, theirs = torch.zeros(BUF, dtype=torch.uint8), torch.zeros(BUF, dtype=torch.uint8)
+    there = nx.LocalSide("cpu", 0, nx.local_side(theirs).tensor_spans, is_local=False)
+    runs = np.array(
+        [(theirs.data_ptr() + k * UNIT, local.data_ptr() + k * SLOT, UNIT) for k in range(8)], U64
+    )
+    done: list[bool] = []
+
+    def attempt() -> bool:
+        done.append(True)
+        return True
+
+    with nx.register(agent, local):
+        staging = nx.Staging(agent, BUF)
+        copy = nx.prepare_unstage(Map(runs, there, nx.local_side(local)), staging)
+        queuer = threading.Thread(target=defer, args=(agent, attempt))
+        queuer.start()
+        queuer.join(timeout=30)
+        assert [a for a, _ in _DEFERRED if a is agent] and not done  # queued: not the caller's thread
+        copy.run(timeout=30)
+        assert done == [True] and not staging.busy
+        gc.disable()  # collected below on the copy thread, not by an allocation here
+        try:
+            cycle: list[Any] = [copy]
+            cycle.append(cycle)  # freed only by the cyclic collector
+            del copy, cycle
+            _copier().submit(gc.collect).result(timeout=30)
+        finally:
+            gc.enable()
+        assert not [a for a, _ in _DEFERRED if a is agent]
+        staging.close()
+
+
 def test_many_deferred_releases_drain_in_one_pass_and_a_failing_one_is_a_warning() -> None:
     """Each deferred release deregisters, which drained the queue again from inside
     itself: 400 buffers collected under the agent's lock made the next register() raise
