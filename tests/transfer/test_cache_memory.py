@@ -356,7 +356,7 @@ def test_a_storage_swapped_at_the_same_address_after_a_copy_is_caught_by_its_siz
 def test_what_the_first_copy_keeps_watches_each_tensor_and_storage_once() -> None:
     """A map within one cache watches its tensors once, not once a side; a tensor whose
     class became a subclass since takes the checks with subclasses' hooks disabled."""
-    from kvlayout.registration.memory import MemoryWatch
+    from kvlayout.transfer.memory_watch import MemoryWatch
 
     kv = cache(3)
     reg = kvlayout.detect(kv, "vllm", HINTS)
@@ -386,7 +386,7 @@ def test_a_watch_answers_false_under_a_torch_function_mode_and_never_calls_its_h
     mode's hook, which could free what was just checked, never runs."""
     from torch.overrides import TorchFunctionMode
 
-    from kvlayout.registration.memory import MemoryWatch
+    from kvlayout.transfer.memory_watch import MemoryWatch
 
     calls: list[str] = []
 
@@ -416,7 +416,7 @@ def test_a_native_watch_refuses_expected_values_that_do_not_fit_its_tensors() ->
     storage: a list of another length is a clear error, not a read past its end."""
     from kvlayout import _native
     from kvlayout.registration.backing import _DATA_PTR, _STORAGE, _STORAGE_BYTES, _STORAGE_PTR
-    from kvlayout.registration.memory import _FUNCTION_MODE_ON
+    from kvlayout.transfer.memory_watch import _FUNCTION_MODE_ON
 
     t = torch.zeros(4)
     accessors = (_FUNCTION_MODE_ON, _DATA_PTR, _STORAGE, _STORAGE_PTR, _STORAGE_BYTES)

@@ -30,7 +30,7 @@ import torch
 
 from kvlayout import _native
 from kvlayout.errors import index_ranges
-from kvlayout.registration.memory import HoldsAddresses, MemoryWatch
+from kvlayout.registration.memory import HoldsAddresses
 from kvlayout.registration.opaque import OpaquePages
 from kvlayout.registration.shards import Shard, ShardError
 from kvlayout.transfer.arguments import (
@@ -57,6 +57,7 @@ from kvlayout.transfer.map_sides import (
     chunk_side,
     moved_tokens,
 )
+from kvlayout.transfer.memory_watch import MemoryWatch
 from kvlayout.transfer.sharded_pages import page_sides, structure_problem
 from kvlayout.transfer.slot_maps import block_rows, check_rows_written_once, slots_arg, token_pages
 
