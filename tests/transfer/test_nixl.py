@@ -2290,3 +2290,26 @@ def test_memory_of_a_storage_resized_under_its_registration_is_not_counted_as_re
     assert list(_REGIONS[agent].count.values()) == [1]  # refused whole: nothing counted
     held.deregister()
     assert _REGIONS[agent].count == {} and _REGIONS[agent].owners == {}
+
+
+def test_a_prepped_pair_whose_local_list_nixl_refuses_still_releases_the_remote_one() -> None:
+    """NIXL's refusal to release one list is raised, and the other is released all the
+    same (a list left held would pile up in NIXL as peers come and go)."""
+    nixl_error = type("nixlBackendError", (RuntimeError,), {"__module__": "nixl._bindings"})
+
+    class Agent:
+        def __init__(self) -> None:
+            self.released: list[str] = []
+
+        def release_dlist_handle(self, handle: str) -> None:
+            if handle == "local":
+                raise nixl_error("NIXL_ERR_BACKEND")
+            self.released.append(handle)
+
+    agent = Agent()
+    starts, counts = np.array([0], dtype=np.uint64), np.array([1], dtype=np.int64)
+    local = nx.PreppedList("local", UNIT, starts, counts, "DRAM", agent=agent)
+    remote = nx.PreppedList("remote", UNIT, starts, counts, "DRAM", agent=agent)
+    with pytest.raises(nx.NixlError, match="NIXL refused to release a prepared list"):
+        nx.Prepped("peer", local, remote).release()
+    assert agent.released == ["remote"] and remote.released and not local.released

@@ -635,11 +635,17 @@ def _requests(
     none is left made if one is refused."""
     handles: list[Any] = []
     try:
-        if prepped is not None:  # held while requests are made: released on another thread, it waits
+        if prepped is not None:
+            indices = [  # worked out before the lists are held: a release elsewhere waits only for NIXL
+                (
+                    prepped.local.indices(p.local[lo:hi], "local descriptor"),
+                    prepped.remote.indices(p.remote[lo:hi], "remote descriptor"),
+                )
+                for lo, hi in parts
+            ]
+            # held while requests are made: released on another thread, it waits
             with prepped.local._held() as local_list, prepped.remote._held() as remote_list:
-                for (lo, hi), one_notif in zip(parts, stage_notifs, strict=True):
-                    local_idx = prepped.local.indices(p.local[lo:hi], "local descriptor")
-                    remote_idx = prepped.remote.indices(p.remote[lo:hi], "remote descriptor")
+                for (local_idx, remote_idx), one_notif in zip(indices, stage_notifs, strict=True):
                     handles.append(
                         agent.make_prepped_xfer(
                             p.op, local_list, local_idx, remote_list, remote_idx, one_notif

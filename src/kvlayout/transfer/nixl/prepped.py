@@ -215,9 +215,12 @@ class Prepped:
         """Release both lists NIXL prepared (``release_dlist_handle``), once: when the
         peer leaves (before ``remove_remote_agent``, as vLLM's connector does; after it
         is safe too) or at shutdown. A request given them after is refused; requests
-        made from them before are not touched. Also a ``with`` block's end."""
-        self.local.release()
-        self.remote.release()
+        made from them before are not touched. Also a ``with`` block's end. NIXL's
+        refusal of one list leaves the other released all the same."""
+        try:
+            self.local.release()
+        finally:
+            self.remote.release()
 
     def __enter__(self) -> Prepped:
         return self
