@@ -59,8 +59,9 @@ def _state_note(where: str, engine: str, group: Any, state: bool) -> str | None:
     """What ``plan`` says of a vLLM side read as one head of K and V in blocks of one token
     of int8: the shape vLLM 0.33 registers a Mamba layer as (``[NB, 1, 1, page]``, int8:
     a ``MambaSpec`` has no one dtype), which only ``--*-state`` reads as state."""
-    g = group.geometry
-    if state or engine != "vllm" or (g.block_size, g.num_heads, str(g.dtype)) != (1, 1, "torch.int8"):
+    from kvlayout.integrations.vllm.rules import reads_as_state_rows
+
+    if state or engine != "vllm" or not reads_as_state_rows(group.geometry):
         return None
     return (
         f"--{where}-shape read as one KV head of K and V a rank in blocks of one token, int8 "
@@ -118,7 +119,7 @@ def _state_side(
 
     import kvlayout
     from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
-    from kvlayout.integrations.vllm.rules import declared_state_rows
+    from kvlayout.integrations.vllm.rules import STATE_ROWS_DTYPE, declared_state_rows
 
     flag = f"--{where}-state"
     if engine.value != "vllm":
@@ -128,7 +129,7 @@ def _state_side(
             f"--{where}-shape {_shown(spec.text)}: with {flag}, a list of one tensor a Mamba layer, as vLLM "
             "0.33 registers them: NLx[NB,1,1,PAGE] (PAGE the spec's page_size_bytes, with --dtype int8)"
         )
-    if kv[0].dtype != torch.int8:  # PAGE counts bytes: in another dtype the page would be a multiple
+    if kv[0].dtype != STATE_ROWS_DTYPE:  # PAGE counts bytes: in another dtype, a multiple of the page
         raise KVLayoutError(
             f"--dtype {a['dtype']} with {flag}: vLLM 0.33 registers a Mamba layer as int8 [NB,1,1,PAGE], "
             "PAGE the spec's page_size_bytes; give --dtype int8"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -125,6 +126,13 @@ def opaque_page_view(
     )
 
 
+def page_text(rule: str, tensors: Sequence[Any], declared: Mapping[str, Any]) -> str:
+    """An edit's opaque pages' layout text: the rule, each registered tensor's page, then
+    the spec's declared fields (``shapes``, ``dtypes``) it has (None: one it has not)."""
+    parts = [page_of(t) for t in tensors] + [f"{k} {v}" for k, v in declared.items() if v is not None]
+    return f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT]
+
+
 def page_layout(
     rule: str, spec: Any, value: Any, token_axis: int | None, *, kernel_pages: int | None = None
 ) -> OpaquePages:
@@ -136,11 +144,7 @@ def page_layout(
     ``kernel_pages``: the edited block is that many of ``value``'s pages, each whole; an
     MLA spec's such block is then one KV head every TP rank holds (:func:`latent_pages`)."""
     tensors = [value] if isinstance(value, torch.Tensor) else list(value)
-    parts = [page_of(t) for t in tensors]
-    for name in ("shapes", "dtypes"):
-        declared = spec_field(spec, name, None)
-        if declared is not None:
-            parts.append(f"{name} {declared}")
+    text = page_text(rule, tensors, {name: spec_field(spec, name, None) for name in ("shapes", "dtypes")})
     first = tensors[0]
     order = [d for d in physical_order(first.shape, first.stride()) if first.shape[d] != 1]
     inner = order[order.index(0) + 1 :] if 0 in order else order[1:]  # inside a page (heads may be outside)
@@ -148,7 +152,7 @@ def page_layout(
     # a Mamba page's TP-sharded states, or an MLA page every rank holds: either may then
     # move between ranks of any TP degrees
     arrays = state_arrays(spec) or latent_pages(spec, value, kernel_pages)
-    pages = OpaquePages(f"{rule}: {'; '.join(parts)}"[:MAX_PAGE_LAYOUT], rows_are_tokens, arrays)
+    pages = OpaquePages(text, rows_are_tokens, arrays)
     page = spec_size(spec, "page_size_bytes")
     if pages.arrays and (rows_are_tokens or page is None or pages.arrays_end > page):
         return dataclasses.replace(pages, arrays=())

@@ -24,7 +24,13 @@ from kvlayout.detection.vllm import (
 )
 from kvlayout.errors import KVLayoutError
 from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
-from kvlayout.integrations.vllm.pages import OPAQUE_PAGE_FORMAT, opaque_page_view, page_layout, page_runs
+from kvlayout.integrations.vllm.pages import (
+    OPAQUE_PAGE_FORMAT,
+    opaque_page_view,
+    page_layout,
+    page_runs,
+    page_text,
+)
 from kvlayout.integrations.vllm.specs import (
     MLA_KINDS,
     PAGED_ATTENTION_KINDS,
@@ -38,10 +44,11 @@ from kvlayout.integrations.vllm.specs import (
 )
 from kvlayout.integrations.vllm.states import declared_state_arrays
 from kvlayout.registration.contiguity import physical_order
-from kvlayout.registration.opaque import MAX_PAGE_LAYOUT, OpaquePages, mark_opaque_pages, page_of
+from kvlayout.registration.opaque import OpaquePages, mark_opaque_pages, page_of
 from kvlayout.types import HintsLike, LayoutHints
 
 __all__ = [
+    "STATE_ROWS_DTYPE",
     "CPUAttentionPagesEdit",
     "HeadSlotPagesEdit",
     "KVCacheGroupEdit",
@@ -53,6 +60,7 @@ __all__ = [
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
     "declared_state_rows",
+    "reads_as_state_rows",
 ]
 
 
@@ -106,6 +114,18 @@ class KVCacheGroupEdit(ABC):
 
     def __repr__(self) -> str:
         return f"<KVCacheGroupEdit {self.name}>"
+
+
+STATE_ROWS_DTYPE = torch.int8
+"""The dtype vLLM 0.33+ registers a Mamba layer's state in (:class:`MambaStateRowsEdit`:
+``[NB, 1, 1, page]``, the page's bytes; a ``MambaSpec`` has no one dtype)."""
+
+
+def reads_as_state_rows(geometry: Any) -> bool:
+    """Whether a kernel group's geometry, detected from a vLLM registration without its
+    spec, is what vLLM 0.33+ registers a Mamba layer as: one head of K and V in blocks of
+    one token, of :data:`STATE_ROWS_DTYPE` (only the spec, or its fields, reads it as state)."""
+    return (geometry.block_size, geometry.num_heads, geometry.dtype) == (1, 1, STATE_ROWS_DTYPE)
 
 
 class MambaStateRowsEdit(KVCacheGroupEdit):
@@ -172,8 +192,8 @@ def declared_state_rows(
         raise KVCacheGroupEditError(
             f"the registered state row is {runs.page_bytes} bytes, more than the {page}-byte page"
         )
-    layout = f"{MambaStateRowsEdit.name}: {page_of(value)}; shapes {tuple(shapes)}; dtypes {tuple(dtypes)}"
-    pages = OpaquePages(layout[:MAX_PAGE_LAYOUT], False, arrays)
+    layout = page_text(MambaStateRowsEdit.name, [value], {"shapes": tuple(shapes), "dtypes": tuple(dtypes)})
+    pages = OpaquePages(layout, False, arrays)
     if pages.arrays_end > page:
         raise KVCacheGroupEditError(
             f"the states ({states}) take {pages.arrays_end} bytes, more than the {page}-byte page "
