@@ -56,7 +56,7 @@ from kvlayout.registration.memory import (
     check_disjoint,
     run_of,
 )
-from kvlayout.registration.nesting import Path, at, first_leaf, leaves
+from kvlayout.registration.nesting import Path, at, first_leaf, leaves, map_leaves
 from kvlayout.registration.peers import MAX_LAYERS, RegistrationDescription
 from kvlayout.types import EngineType
 
@@ -241,16 +241,9 @@ class Registration(HoldsAddresses):
         kept = tuple(self.layer_ids[p] for p in positions)
         formats = [self.formats[p] for p in positions]
         groups = [self.engine_groups[p] for p in positions]
-        if self._shared is None:  # a layer list: its entries
-            part = bind(
-                [self.kv[p] for p in positions], formats, engine_groups=groups, engine=self.engine,
-                root=self.root, trusted=True,
-            )  # fmt: skip
-            part._sources = _sources_at(self._sources, 0, positions)
-            return part.numbered(kept)
-        layout = LAYOUTS[self._shared.format]
-        level = level_of(layout, Role.LAYER)
-        if level is not None:  # a list level of layers inside the structure
+        layout = None if self._shared is None else LAYOUTS[self._shared.format]
+        level = 0 if layout is None else level_of(layout, Role.LAYER)
+        if level is not None:  # a layer list, or a list level of layers inside the structure
             part = bind(
                 _entries_at(self.kv, level, positions), formats, engine_groups=groups, engine=self.engine,
                 root=self.root, trusted=True,
@@ -259,6 +252,7 @@ class Registration(HoldsAddresses):
             return part.numbered(kept)
         # a tensor holding the layer axis: a view of a consecutive range of it (a view's
         # memory is the narrowed tensor's: nothing re-viewed to watch)
+        assert layout is not None  # a layer list has its layers at level 0
         first, n = positions[0], len(positions)
         if positions != list(range(first, first + n)):
             raise RegistrationError(
@@ -268,11 +262,9 @@ class Registration(HoldsAddresses):
             )
         axis = layout.axis_of(Role.LAYER)
         assert axis is not None  # a layout's layers are a list level or an axis
+        narrowed = map_leaves(self.kv, lambda t: t.narrow(axis, first, n), root=self.root)
         try:
-            part = bind(
-                _narrowed(self.kv, axis, first, n), formats, engine_groups=groups, engine=self.engine,
-                root=self.root,
-            )  # fmt: skip
+            part = bind(narrowed, formats, engine_groups=groups, engine=self.engine, root=self.root)
         except RegistrationError as e:  # the view's strides: layers inside another axis
             what = (
                 f"layers {index_ranges(kept)} of {self.root} are"
@@ -533,14 +525,6 @@ def _sources_at(
         for path, t in sources.items()
         if path[depth] in new
     }
-
-
-def _narrowed(kv: Any, axis: int, first: int, n: int) -> Any:
-    """Every tensor of ``kv`` narrowed to ``[first, first + n)`` on ``axis`` (a view)."""
-    if isinstance(kv, torch.Tensor):
-        return kv.narrow(axis, first, n)
-    entries = (_narrowed(e, axis, first, n) for e in kv)
-    return type(kv)(entries) if isinstance(kv, tuple) else list(entries)
 
 
 def _interleave(plane_ptrs: Sequence[Sequence[int]], num_layers: int) -> list[int]:
