@@ -239,6 +239,23 @@ def entry_keys(
     return keys
 
 
+def entries_at(kv: Any, depth: int, positions: Sequence[int]) -> Any:
+    """``kv`` with only the entries ``positions`` of each list ``depth`` levels down (a
+    registration's layer list level: :meth:`Registration.for_layers`); the levels above
+    are rebuilt as they were (a tuple stays a tuple), the tensors are the same objects.
+    ``kv`` is a bound registration's, so its depth is already checked."""
+
+    def rebuild(node: Any, entries: Iterable[Any]) -> Any:
+        return type(node)(entries) if isinstance(node, tuple) else list(entries)
+
+    def visit(node: Any, level: int) -> Any:
+        if level == depth:
+            return rebuild(node, (node[p] for p in positions))
+        return rebuild(node, (visit(e, level + 1) for e in node))
+
+    return visit(kv, 0)
+
+
 def first_leaf(kv: Any, *, root: str = "kv_caches") -> torch.Tensor:
     """The first tensor of a registration (entry 0 at every level)."""
     node, depth = kv, 0

@@ -56,7 +56,7 @@ from kvlayout.registration.memory import (
     check_disjoint,
     run_of,
 )
-from kvlayout.registration.nesting import Path, at, first_leaf, leaves, map_leaves
+from kvlayout.registration.nesting import Path, at, entries_at, first_leaf, leaves, map_leaves
 from kvlayout.registration.peers import MAX_LAYERS, RegistrationDescription
 from kvlayout.types import EngineType
 
@@ -245,7 +245,7 @@ class Registration(HoldsAddresses):
         level = 0 if layout is None else level_of(layout, Role.LAYER)
         if level is not None:  # a layer list, or a list level of layers inside the structure
             part = bind(
-                _entries_at(self.kv, level, positions), formats, engine_groups=groups, engine=self.engine,
+                entries_at(self.kv, level, positions), formats, engine_groups=groups, engine=self.engine,
                 root=self.root, trusted=True,
             )  # fmt: skip
             part._sources = _sources_at(self._sources, level, positions)
@@ -504,14 +504,6 @@ class Registration(HoldsAddresses):
         for i in layers:
             out.extend(self.group(i).layer_ptrs(i))
         return out
-
-
-def _entries_at(kv: Any, depth: int, positions: Sequence[int]) -> Any:
-    """``kv`` with only the entries ``positions`` of its lists ``depth`` levels down."""
-    if depth == 0:
-        return type(kv)(kv[p] for p in positions) if isinstance(kv, tuple) else [kv[p] for p in positions]
-    entries = (_entries_at(e, depth - 1, positions) for e in kv)
-    return type(kv)(entries) if isinstance(kv, tuple) else list(entries)
 
 
 def _sources_at(
