@@ -34,6 +34,15 @@ What SGLang does (read in sgl-project/sglang):
   must use the same page size. Whole pages move, the last page's slots past the prompt
   included.
 
+- Pipeline parallelism (``common/conn.py``): decode's PP size is prefill's or 1; a
+  stage's pool holds layers ``[start_layer, end_layer)`` and ``get_mha_kv_ptrs_with_pp`` /
+  ``get_mla_kv_ptrs_with_pp`` pair its entry ``i`` with decode's layer
+  ``prefill_start_layer + i``. Speculative decoding (``prefill.py`` / ``decode.py``
+  ``_init_kv_manager``): the draft pool's buffers follow the target's in
+  ``kv_data_ptrs``, moved with the same page ids. Decode's radix cache:
+  ``decode_prefix_len`` (page-aligned) skips the pages decode holds
+  (``req.start_send_idx``).
+
 kvlayout moves the request's tokens only (a partly filled last page moves its tokens), and
 also between page sizes. The oracle below is SGLang's: decode ``buffer[layer][slot, head, :]``
 for each token and head the decode rank holds equals the prefill rank's that holds the head,
@@ -54,7 +63,7 @@ import torch
 pytest.importorskip("nixl")
 
 import kvlayout
-from kvlayout.transfer import RegistrationDescription, Shard, block_map, join_maps
+from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map, join_maps
 from kvlayout.transfer import nixl as nx
 
 LAYERS, HEAD_DIM, LATENT = 2, 16, 48  # LATENT: kv_lora_rank 32 + qk_rope_head_dim 16
@@ -82,25 +91,26 @@ def agents() -> Iterator[tuple[Any, Any]]:
 # --- SGLang's side: pools, rank heads, slots, rank pairs ---------------------------------
 
 
-def mha_pool(pages: int, page: int, heads: int, seed: int | None) -> list[torch.Tensor]:
+def mha_pool(pages: int, page: int, heads: int, seed: int | None, layers: int = LAYERS) -> list[torch.Tensor]:
     """``MHATokenToKVPool``'s ``k_buffer + v_buffer`` (every K layer, then every V layer, as
     ``get_contiguous_buf_infos`` lists them): per layer ``[size + page_size, head_num,
-    head_dim]`` (``size = pages * page``), seeded noise or zeros."""
+    head_dim]`` (``size = pages * page``), seeded noise or zeros. ``layers``: the pool's
+    ``layer_num`` (a pipeline stage's ``end_layer - start_layer``, an EAGLE draft's 1)."""
     shape = (pages * page + page, heads, HEAD_DIM)
     if seed is None:
-        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * LAYERS)]
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(2 * layers)]
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2 * LAYERS)]
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(2 * layers)]
 
 
-def mla_pool(pages: int, page: int, seed: int | None) -> list[torch.Tensor]:
+def mla_pool(pages: int, page: int, seed: int | None, layers: int = LAYERS) -> list[torch.Tensor]:
     """``MLATokenToKVPool.kv_buffer``: per layer ``[size + page_size, 1, kv_lora_rank +
     qk_rope_head_dim]``."""
     shape = (pages * page + page, 1, LATENT)
     if seed is None:
-        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(LAYERS)]
+        return [torch.zeros(shape, dtype=torch.bfloat16) for _ in range(layers)]
     gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(LAYERS)]
+    return [torch.randn(shape, generator=gen).to(torch.bfloat16) for _ in range(layers)]
 
 
 def rank_heads(rank: int, tp: int, heads: int) -> list[int]:
@@ -674,4 +684,291 @@ def test_mamba_hybrid_pool(agents: tuple[Any, Any], ptp: int, dtp: int) -> None:
                 h_src = rank_heads(src, ptp, heads).index(hd)
                 for tok in range(TOKENS):
                     want[d_slots[tok], h_local] = prefill[src][0].tensors[i][p_slots[tok], h_src]
+            assert torch.equal(t, want), (d, i)
+
+
+# --- (e) pipeline parallelism: a stage's layers into decode's -----------------------------
+
+PP_LAYERS = 4  # the model's layers, two a stage at PP 2 (SGLang's even split, layers 0-1 and 2-3)
+
+
+def stage_layers(stage: int, pp: int) -> range:
+    """The layers PP rank ``stage`` holds: its pool's ``[start_layer, end_layer)``."""
+    per = PP_LAYERS // pp
+    return range(stage * per, (stage + 1) * per)
+
+
+@pytest.mark.parametrize(
+    ("kind", "ptp", "dtp", "dpp"), [("mha", 2, 4, 1), ("mha", 2, 2, 2), ("mla", 1, 2, 1)]
+)
+def test_pipeline_stages(agents: tuple[Any, Any], kind: str, ptp: int, dtp: int, dpp: int) -> None:
+    """Prefill at PP 2 into decode at PP 1 or 2 (``CommonKVReceiver``: decode's PP size is
+    prefill's or 1). Each prefill stage's pool holds its layers only (``MHATokenToKVPool``
+    of ``start_layer``/``end_layer``: ``end_layer - start_layer`` K and V buffers, layer
+    ``l`` at ``k_buffer[l - start_layer]``), its ``get_contiguous_buf_infos`` lists them,
+    and ``get_mha_kv_ptrs_with_pp`` / ``get_mla_kv_ptrs_with_pp`` pair its layer ``i`` with
+    decode's entry ``prefill_start_layer + i`` (K and V) where decode holds every layer
+    (``target_pp_ranks``: every prefill stage), with decode's same stage where PP sizes
+    match. As a connector: each stage numbers its registration with its layers, decode
+    describes its pool (at PP 2 numbered alike), and each stage maps into the description
+    cut to its layers (``for_layers``), each stage with its own ``req_to_token`` pages."""
+    heads, ppp = 8, 2
+    mla = kind == "mla"
+    pages = -(-TOKENS // PAGE)
+
+    def rank(stage: int, pp: int, r: int, tp: int, seed: int | None, total: int) -> Rank:
+        layers = stage_layers(stage, pp)
+        if mla:
+            tensors = mla_pool(total, PAGE, seed, layers=len(layers))
+            got = detect_rank(tensors, PAGE, Shard(r, tp, heads), mha=False)
+        else:
+            h = rank_heads(r, tp, heads)
+            tensors = mha_pool(total, PAGE, len(h), seed, layers=len(layers))
+            got = detect_rank(tensors, PAGE, Shard(r, tp, heads))
+        got.registration = got.registration.numbered(layers)
+        got.extra["layers"] = layers
+        return got
+
+    prefill = {(s, p): rank(s, ppp, p, ptp, 80 + 10 * s + p, 12) for s in range(ppp) for p in range(ptp)}
+    decode = {(s, d): rank(s, dpp, d, dtp, None, 14) for s in range(dpp) for d in range(dtp)}
+    p_slots = {s: slots_of(scattered_pages(pages, 12, 20 + s), PAGE, TOKENS) for s in range(ppp)}
+    d_slots = {s: slots_of(scattered_pages(pages, 14, 30 + s), PAGE, TOKENS) for s in range(dpp)}
+
+    # a stage's registration as detected (layers from 0) is refused against decode's whole pool
+    unnumbered = kvlayout.detect(
+        prefill[1, 0].tensors,
+        "sglang",
+        {"tokens_per_block": PAGE} | ({} if mla else {"kv_list_layout": "k_v"}),
+    )
+    if dpp == 1:
+        with pytest.raises(BlockMapError, match=r"for_layers"):
+            block_map(unnumbered, handshake(decode[0, 0]), [1] * pages, [1] * pages, num_tokens=TOKENS)
+
+    link = Link(agents, list(prefill.values()), list(decode.values()))
+    try:
+        maps = {}
+        for (ds, d), dr in decode.items():
+            there = handshake(dr)
+            for (s, p), pr in prefill.items():
+                if not set(pr.extra["layers"]) & set(dr.extra["layers"]):
+                    continue  # SGLang pairs equal PP sizes stage to stage
+                m = block_map(
+                    pr.registration,
+                    there.for_layers(pr.extra["layers"]),
+                    kv_to_page_indices(p_slots[s], PAGE),
+                    kv_to_page_indices(d_slots[ds], PAGE),
+                    num_tokens=TOKENS,
+                    src_shard=pr.shard,
+                )
+                if m.kind != "empty" and pr.shard.sends_to(shard_of(there), latents=m.latents):
+                    maps[s * ptp + p, ds * dtp + d] = m
+        for p, d in maps:
+            assert p % ptp in sglang_targets(d % dtp, dtp, ptp, mla), (p, d)
+        assert {p // ptp for p, _ in maps} == set(range(ppp))
+        post(link, maps, "direct", 0)
+    finally:
+        link.close([*prefill.values(), *decode.values()])
+
+    # SGLang's oracle: decode layer g (entry g - its start_layer, K then V) holds, for each
+    # token and head, the prefill stage's layer g (entry g - that stage's start_layer)
+    for (ds, d), dr in decode.items():
+        nl = len(dr.extra["layers"])
+        for i, t in enumerate(dr.tensors):
+            g = dr.extra["layers"][i % nl]
+            s = g // (PP_LAYERS // ppp)
+            j = (i // nl) * (PP_LAYERS // ppp) + g - stage_layers(s, ppp).start  # the stage's entry
+            want = torch.zeros_like(t)
+            if mla:
+                (src,) = sglang_targets(d, dtp, ptp, mla=True)
+                for tok in range(TOKENS):
+                    want[d_slots[ds][tok]] = prefill[s, src].tensors[j][p_slots[s][tok]]
+            else:
+                for h_local, h in enumerate(rank_heads(d, dtp, heads)):
+                    src = next(
+                        p for p in sglang_targets(d, dtp, ptp, False) if h in rank_heads(p, ptp, heads)
+                    )
+                    h_src = rank_heads(src, ptp, heads).index(h)
+                    for tok in range(TOKENS):
+                        want[d_slots[ds][tok], h_local] = prefill[s, src].tensors[j][p_slots[s][tok], h_src]
+            assert torch.equal(t, want), (ds, d, i)
+
+
+# --- (f) speculative decoding: the draft model's KV pool beside the target's ---------------
+
+
+@pytest.mark.parametrize(
+    ("kind", "ptp", "dtp", "prefill_draft"),
+    [("mha", 2, 4, True), ("mha", 4, 2, True), ("mla", 1, 2, True), ("mha", 2, 2, False)],
+)
+def test_speculative_draft_pool(
+    agents: tuple[Any, Any], kind: str, ptp: int, dtp: int, prefill_draft: bool
+) -> None:
+    """EAGLE / MTP (``prefill.py`` and ``decode.py`` ``_init_kv_manager``): where the
+    worker has a ``draft_token_to_kv_pool``, its ``get_contiguous_buf_infos()`` is appended
+    to the target's in ``kv_data_ptrs`` (MHA ``[K..., V..., draft K..., draft V...]``,
+    MLA ``[kv..., draft kv...]``), "the indices are always shared with a target model":
+    the request's one page list moves the target's pages and the draft's. (EAGLE's hidden
+    states travel in the metadata buffers, one row a request, not in a KV pool.) Here
+    the draft is one layer (an EAGLE head over Llama: the target's 8 KV heads, sharded
+    alike; DeepSeek's NextN: one MLA layer). As a connector: detect the target's pool and
+    the draft's apart, map both with the same page ids, ``join_maps`` them into one WRITE.
+    Decode with a draft pool facing a prefill without one (``get_mha_kv_ptrs_with_pp``'s
+    "Decode has draft model KV while Prefill is deployed without speculative decoding")
+    moves the target alone and leaves decode's draft pool as it was."""
+    heads, mla = 8, kind == "mla"
+    pages = -(-TOKENS // PAGE)
+    p_slots = slots_of(scattered_pages(pages, 12, 41), PAGE, TOKENS)
+    d_slots = slots_of(scattered_pages(pages, 14, 42), PAGE, TOKENS)
+
+    def rank(r: int, tp: int, seed: int | None, total: int, layers: int) -> Rank:
+        if mla:
+            return detect_rank(mla_pool(total, PAGE, seed, layers), PAGE, Shard(r, tp, heads), mha=False)
+        h = rank_heads(r, tp, heads)
+        return detect_rank(mha_pool(total, PAGE, len(h), seed, layers), PAGE, Shard(r, tp, heads))
+
+    def side(tp: int, seeded: bool, total: int, draft: bool) -> list[tuple[Rank, Rank | None]]:
+        out = []
+        for r in range(tp):
+            seed = 90 + 2 * (rank_heads(r, tp, heads)[0] if not mla else r) if seeded else None
+            target = rank(r, tp, seed, total, LAYERS)
+            out.append((target, rank(r, tp, None if seed is None else seed + 1, total, 1) if draft else None))
+        return out
+
+    prefill, decode = side(ptp, True, 12, prefill_draft), side(dtp, False, 14, True)
+    every = [r for pair in prefill + decode for r in pair if r is not None]
+    # decode's draft pool holds what it held before (here noise): a map writes only its pages
+    for _, dd in decode:
+        assert dd is not None
+        for i, t in enumerate(dd.tensors):
+            t.copy_(torch.randn(t.shape, generator=torch.Generator().manual_seed(i)).to(t.dtype))
+    before = [t.clone() for _, dd in decode if dd is not None for t in dd.tensors]
+    src_pages, dst_pages = kv_to_page_indices(p_slots, PAGE), kv_to_page_indices(d_slots, PAGE)
+    link = Link(
+        agents,
+        [r for pair in prefill for r in pair if r is not None],
+        [r for pair in decode for r in pair if r is not None],
+    )
+    try:
+        maps = {}
+        for d, (dt, dd) in enumerate(decode):
+            assert dd is not None
+            target_there, draft_there = handshake(dt), handshake(dd)
+            for p, (pt, pd) in enumerate(prefill):
+                kv = block_map(
+                    pt.registration, target_there, src_pages, dst_pages, num_tokens=TOKENS, src_shard=pt.shard
+                )
+                if kv.kind == "empty" or not pt.shard.sends_to(shard_of(target_there), latents=kv.latents):
+                    continue
+                parts = [kv]
+                if pd is not None:  # the draft's pages are the target's page ids
+                    parts.append(
+                        block_map(
+                            pd.registration,
+                            draft_there,
+                            src_pages,
+                            dst_pages,
+                            num_tokens=TOKENS,
+                            src_shard=pd.shard,
+                        )
+                    )
+                maps[p, d] = join_maps(parts)
+        for p, d in maps:
+            assert p in sglang_targets(d, dtp, ptp, mla), (p, d)
+        post(link, maps, "direct", 0)
+    finally:
+        link.close(every)
+
+    def sources(d: int) -> list[tuple[int | slice, int, int | slice]]:
+        """Decode rank ``d``'s heads (MLA: its latents), each with the prefill rank SGLang
+        takes it from and that rank's head."""
+        if mla:
+            return [(slice(None), sglang_targets(d, dtp, ptp, mla=True)[0], slice(None))]
+        out: list[tuple[int | slice, int, int | slice]] = []
+        for h_local, h in enumerate(rank_heads(d, dtp, heads)):
+            src = next(p for p in sglang_targets(d, dtp, ptp, False) if h in rank_heads(p, ptp, heads))
+            out.append((h_local, src, rank_heads(src, ptp, heads).index(h)))
+        return out
+
+    def expect(d: int, pool: int, i: int, base: torch.Tensor) -> torch.Tensor:
+        """SGLang's indexing: decode ``buffer[i][slot, head]`` of each token and head it
+        holds is its source rank's ``buffer[i][slot, head]``; every other byte ``base``'s."""
+        want = base.clone()
+        for h_local, src, h_src in sources(d):
+            source = prefill[src][pool]
+            assert source is not None
+            for tok in range(TOKENS):
+                want[d_slots[tok], h_local] = source.tensors[i][p_slots[tok], h_src]
+        return want
+
+    k = 0
+    for d, (dt, dd) in enumerate(decode):
+        assert dd is not None
+        for i, t in enumerate(dt.tensors):
+            assert torch.equal(t, expect(d, 0, i, torch.zeros_like(t))), ("target", d, i)
+        for i, t in enumerate(dd.tensors):
+            want = expect(d, 1, i, before[k]) if prefill_draft else before[k]
+            k += 1
+            assert torch.equal(t, want), ("draft", d, i)
+
+
+# --- (g) decode's radix cache: the pages it holds already are not sent ---------------------
+
+
+@pytest.mark.parametrize(("prefix", "tokens"), [(64, TOKENS), (144, 144)])
+def test_decode_radix_cache_prefix(agents: tuple[Any, Any], prefix: int, tokens: int) -> None:
+    """``--disaggregation-decode-enable-radix-cache``: decode matches the prompt in its
+    radix cache (page-aligned), its receiver sends prefill ``decode_prefix_len`` with the
+    page list of the tokens after it (``kv_to_page_indices(req_to_token[prefix:len])``),
+    and prefill starts its sender there (``req.start_send_idx = decode_prefix_len``,
+    ``send_kv_chunk``'s ``req_to_token[start_send_idx:end_idx]``). A full hit sends no page
+    (``TransferInfo.is_dummy``: not a dummy, its aux and state still go). As a connector:
+    map the pages after the prefix on both sides (tokens counted from it), or the whole
+    rows with ``first_token=decode_prefix_len``: the same runs; the prefix's pages, shared
+    with other requests in decode's radix tree, are neither read nor written."""
+    heads, ptp, dtp = 8, 2, 4
+    pages = -(-tokens // PAGE)
+    p_slots = slots_of(scattered_pages(pages, 12, 51), PAGE, tokens)
+    d_slots = slots_of(scattered_pages(pages, 14, 52), PAGE, tokens)
+    prefill = [detect_rank(mha_pool(12, PAGE, 4, 95 + p), PAGE, Shard(p, ptp, heads)) for p in range(ptp)]
+    decode = [detect_rank(mha_pool(14, PAGE, 2, 99 + d), PAGE, Shard(d, dtp, heads)) for d in range(dtp)]
+    before = [[t.clone() for t in dr.tensors] for dr in decode]
+    skip = prefix // PAGE
+    link = Link(agents, prefill, decode)
+    try:
+        maps = {}
+        for d, dr in enumerate(decode):
+            there = handshake(dr)
+            p = d * ptp // dtp
+            sent = block_map(
+                prefill[p].registration,
+                there,
+                kv_to_page_indices(p_slots[prefix:], PAGE),  # what prefill's sender gets
+                kv_to_page_indices(d_slots[prefix:], PAGE),  # what decode's receiver sent
+                num_tokens=tokens - prefix,
+                src_shard=prefill[p].shard,
+            )
+            whole = block_map(
+                prefill[p].registration,
+                there,
+                kv_to_page_indices(p_slots, PAGE),
+                kv_to_page_indices(d_slots, PAGE),
+                num_tokens=tokens,
+                first_token=prefix,
+                src_shard=prefill[p].shard,
+            )
+            assert whole.fingerprint == sent.fingerprint
+            assert len(kv_to_page_indices(d_slots[prefix:], PAGE)) == pages - skip
+            if sent.num_bytes:
+                maps[p, d] = sent
+            else:  # a full hit: nothing of the KV to post
+                assert prefix == tokens and sent.num_runs == 0
+        post(link, maps, "direct", 0)
+    finally:
+        link.close(prefill + decode)
+    for d, dr in enumerate(decode):
+        p = d * ptp // dtp
+        for i, t in enumerate(dr.tensors):
+            want = before[d][i].clone()
+            for tok in range(prefix, tokens):
+                want[d_slots[tok]] = prefill[p].tensors[i][p_slots[tok], 2 * (d % 2) : 2 * (d % 2) + 2]
             assert torch.equal(t, want), (d, i)
