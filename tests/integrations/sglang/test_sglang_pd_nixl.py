@@ -41,7 +41,9 @@ What SGLang does (read in sgl-project/sglang):
   ``_init_kv_manager``): the draft pool's buffers follow the target's in
   ``kv_data_ptrs``, moved with the same page ids. Decode's radix cache:
   ``decode_prefix_len`` (page-aligned) skips the pages decode holds
-  (``req.start_send_idx``).
+  (``req.start_send_idx``). NSA (DeepSeek-V3.2, ``NSATokenToKVPool``): the indexer's
+  ``index_k_with_scale_buffer`` in ``state_data_ptrs`` (state type ``"nsa"``), a page per
+  KV page.
 
 kvlayout moves the request's tokens only (a partly filled last page moves its tokens), and
 also between page sizes. The oracle below is SGLang's: decode ``buffer[layer][slot, head, :]``
@@ -972,3 +974,99 @@ def test_decode_radix_cache_prefix(agents: tuple[Any, Any], prefix: int, tokens:
             for tok in range(prefix, tokens):
                 want[d_slots[tok]] = prefill[p].tensors[i][p_slots[tok], 2 * (d % 2) : 2 * (d % 2) + 2]
             assert torch.equal(t, want), (d, i)
+
+
+# --- (h) NSA (DeepSeek-V3.2): FP8 latents and the indexer's key pages ----------------------
+
+NSA_PAGE, NSA_RECORD, INDEX_DIM = 64, 656, 128  # SGLang asserts page_size 64 for NSA on CUDA
+
+
+def nsa_pool(pages: int, seed: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """``NSATokenToKVPool`` under ``fp8_e4m3``: per layer ``kv_buffer`` uint8 ``[size +
+    page_size, 1, 656]`` (``get_contiguous_buf_infos``) and ``index_k_with_scale_buffer``
+    uint8 ``[(size + page_size + 1) // page_size, page_size * (128 + 4)]``
+    (``get_state_buf_infos``, state type ``"nsa"``): page ``i``'s fp8 keys
+    ``buf[i, :page_size * 128]``, then their float32 scales."""
+    size = pages * NSA_PAGE
+    kv_shape = (size + NSA_PAGE, 1, NSA_RECORD)
+    index_shape = ((size + NSA_PAGE + 1) // NSA_PAGE, NSA_PAGE * (INDEX_DIM + INDEX_DIM // 128 * 4))
+    if seed is None:
+        return (
+            [torch.zeros(kv_shape, dtype=torch.uint8) for _ in range(LAYERS)],
+            [torch.zeros(index_shape, dtype=torch.uint8) for _ in range(LAYERS)],
+        )
+    gen = torch.Generator().manual_seed(seed)
+    return (
+        [torch.randint(0, 256, kv_shape, dtype=torch.uint8, generator=gen) for _ in range(LAYERS)],
+        [torch.randint(0, 256, index_shape, dtype=torch.uint8, generator=gen) for _ in range(LAYERS)],
+    )
+
+
+@pytest.mark.parametrize(("ptp", "dtp"), [(1, 2), (2, 1)])
+def test_nsa_pool_with_indexer(agents: tuple[Any, Any], ptp: int, dtp: int) -> None:
+    """DeepSeek-V3.2's ``NSATokenToKVPool``: the latents by the request's KV pages, the
+    indexer's key pages (``state_data_ptrs``) by the same page ids (the indexer's page
+    ``p`` holds the keys of KV page ``p``'s tokens: ``get_cpu_copy`` takes both by
+    ``indices[::page_size] // page_size``), both whole on every rank, so each decode rank
+    takes them from the one prefill rank SGLang picks (MLA), joined into one WRITE."""
+    model_heads = 16
+    pages = -(-TOKENS // NSA_PAGE)
+    p_slots = slots_of(scattered_pages(pages, 5, 61), NSA_PAGE, TOKENS)
+    d_slots = slots_of(scattered_pages(pages, 6, 62), NSA_PAGE, TOKENS)
+    src_pages, dst_pages = kv_to_page_indices(p_slots, NSA_PAGE), kv_to_page_indices(d_slots, NSA_PAGE)
+
+    def ranks(tp: int, total: int, seeded: bool) -> list[tuple[Rank, Rank]]:
+        out = []
+        for r in range(tp):
+            kv, index = nsa_pool(total, 70 + r if seeded else None)
+            shard = Shard(r, tp, model_heads)
+            out.append(
+                (detect_rank(kv, NSA_PAGE, shard, mha=False), detect_rank(index, NSA_PAGE, shard, mha=False))
+            )
+        return out
+
+    prefill, decode = ranks(ptp, 5, True), ranks(dtp, 6, False)
+    assert prefill[0][1].registration.kernel_groups[0].format.name == "NL_X_NB_BSV_BSS"
+    link = Link(agents, [r for pair in prefill for r in pair], [r for pair in decode for r in pair])
+    try:
+        maps = {}
+        for d, (dkv, dindex) in enumerate(decode):
+            kv_there, index_there = handshake(dkv), handshake(dindex)
+            for p, (pkv, pindex) in enumerate(prefill):
+                kv = block_map(
+                    pkv.registration, kv_there, src_pages, dst_pages, num_tokens=TOKENS, src_shard=pkv.shard
+                )
+                index = block_map(
+                    pindex.registration,
+                    index_there,
+                    src_pages,
+                    dst_pages,
+                    num_tokens=TOKENS,
+                    src_shard=pindex.shard,
+                )
+                assert kv.latents and index.latents
+                if pkv.shard.sends_to(shard_of(kv_there), latents=kv.latents):
+                    maps[p, d] = join_maps([kv, index])
+        assert sorted(maps) == sorted(
+            (p, d) for d in range(dtp) for p in sglang_targets(d, dtp, ptp, mla=True)
+        )
+        post(link, maps, "direct", 0)
+    finally:
+        link.close([r for pair in prefill + decode for r in pair])
+
+    keys = NSA_PAGE * INDEX_DIM  # where a page's scales start
+    for d, (dkv, dindex) in enumerate(decode):
+        (src,) = sglang_targets(d, dtp, ptp, mla=True)
+        skv, sindex = prefill[src]
+        for i, t in enumerate(dkv.tensors):
+            want = torch.zeros_like(t)
+            for tok in range(TOKENS):
+                want[d_slots[tok], 0] = skv.tensors[i][p_slots[tok], 0]
+            assert torch.equal(t, want), ("latents", d, i)
+        for i, t in enumerate(dindex.tensors):
+            want = torch.zeros_like(t)
+            for tok in range(TOKENS):
+                a, b, r = src_pages[tok // NSA_PAGE], dst_pages[tok // NSA_PAGE], tok % NSA_PAGE
+                k, s = slice(r * INDEX_DIM, (r + 1) * INDEX_DIM), slice(keys + 4 * r, keys + 4 * r + 4)
+                want[b, k], want[b, s] = sindex.tensors[i][a, k], sindex.tensors[i][a, s]
+            assert torch.equal(t, want), ("indexer", d, i)
