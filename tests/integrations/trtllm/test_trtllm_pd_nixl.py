@@ -135,13 +135,19 @@ def hints(heads: int, kv_factor: int) -> dict[str, Any]:
 
 
 def generation_pool(
-    heads: int, kv_factor: int, layers: int, part: list[int] | None = None, ids: list[int] | None = None
+    heads: int,
+    kv_factor: int,
+    layers: int,
+    part: list[int] | None = None,
+    ids: list[int] | None = None,
+    seed: int | None = None,
 ) -> tuple[Any, list[torch.Tensor]]:
-    """The peer's builder: a generation rank's zeroed primary pool, detected as the docs say;
-    ``part`` ``[a, b)`` describes only those layers of it (``pool[:, a:b]``, the side with
-    more layers under PP), numbered ``ids`` (the model's layer ids) where given."""
+    """The peer's builder: a generation rank's primary pool, detected as the docs say, zeroed
+    (or random from ``seed``: blocks that already hold other KV); ``part`` ``[a, b)``
+    describes only those layers of it (``pool[:, a:b]``, the side with more layers under PP),
+    numbered ``ids`` (the model's layer ids) where given."""
     dim = LATENT if kv_factor == 1 else HEAD_DIM
-    pool = primary_pool(GEN_BLOCKS, layers, heads, dim, kv_factor, None)
+    pool = primary_pool(GEN_BLOCKS, layers, heads, dim, kv_factor, seed)
     view = pool if part is None else pool[:, part[0] : part[1]]
     reg = kvlayout.detect(view, "trtllm", hints(heads, kv_factor))
     if ids is not None:
@@ -486,3 +492,158 @@ def test_variable_sliding_window_pools(pair: AgentPair, ctx_tp: int, gen_tp: int
         finally:
             for h in held:
                 h.deregister()
+
+
+# --- (e) attention DP: each DP group a TP group of its own -----------------------------------
+
+
+def dp_targets(rank: int, tp: int, dp: int, peer_tp: int, peer_dp: int, peer_dp_rank: int) -> list[int]:
+    """``TargetRanksInfoForDP`` at PP 1 and CP 1: the peer ranks a rank of ``tp`` ranks in
+    ``dp`` attention-DP groups (``mTensorParallelism / mDPsize`` ranks a group; ``dp`` 1:
+    attention DP off) pairs with, in the peer's DP group ``peer_dp_rank`` (the peer state's
+    ``mDPrank``, 0 where the peer has attention DP off)."""
+    group, peer_group = tp // dp, peer_tp // peer_dp
+    in_group = rank % group
+    if group <= peer_group:
+        k = peer_group // group
+        start = in_group * k + peer_dp_rank * peer_group
+        return list(range(start, start + k))
+    return [in_group // (group // peer_group) + peer_dp_rank * peer_group]
+
+
+def dp_need_send(rank: int, tp: int, dp: int, peer_tp: int, peer_dp: int, heads: int) -> bool:
+    """``CacheFormatter::needSendCache``: ``mDupHeadFactor`` (this side's heads a rank times
+    ranks a DP group over the peer's) replicas hold each head; the first of them sends
+    (``selfTpRankInDpGroup % mDupHeadFactor == 0``)."""
+    group, peer_group = tp // dp, peer_tp // peer_dp
+    mine, theirs = len(rank_heads(0, group, heads)), len(rank_heads(0, peer_group, heads))
+    dup = max(1, mine * group // (theirs * peer_group))
+    return (rank % group) % dup == 0
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen", "heads"),
+    [
+        ((2, 2, 1), (2, 1, 0), 8),  # context attention DP 2 (every head on a rank) -> generation TP 2
+        ((2, 1, 0), (2, 2, 1), 8),  # context TP 2 -> generation attention DP 2, the request on DP rank 1
+        ((4, 2, 1), (2, 2, 0), 8),  # TP 4 in 2 DP groups (4 heads a rank) -> 2 DP groups of one rank
+        ((4, 2, 1), (4, 1, 0), 2),  # 2 heads, a head a rank in a DP group -> TP 4, each head on 2 ranks
+        ((4, 1, 0), (2, 2, 1), 2),  # context TP 4 (each head on 2 ranks) -> a DP group of one rank
+    ],
+    ids=["dp2-tp2", "tp2-dp2", "tp4dp2-tp2dp2", "tp4dp2-tp4-replicated", "tp4-replicated-tp2dp2"],
+)
+def test_attention_dp(
+    pair: AgentPair, ctx: tuple[int, int, int], gen: tuple[int, int, int], heads: int
+) -> None:
+    """Attention DP (``mEnableAttentionDP``): ``tp`` ranks in ``dp`` groups of ``tp / dp``
+    ranks, each group its own requests and its heads split over its ranks alone (a group of
+    one rank holds every head). ``ctx`` and ``gen`` are ``(tp, dp, the DP rank that holds the
+    request)``. As the docs say, a rank's shard is its place in its DP group,
+    ``Shard(rank % (tp // dp), tp // dp, heads)``, and only the two groups that hold the
+    request pair; the senders are TRT-LLM's (``dp_targets``, ``dp_need_send``)."""
+    (ctx_tp, ctx_dp, ctx_dp_rank), (gen_tp, gen_dp, gen_dp_rank) = ctx, gen
+    ctx_group, gen_group = ctx_tp // ctx_dp, gen_tp // gen_dp
+    ctx_ranks = range(ctx_dp_rank * ctx_group, (ctx_dp_rank + 1) * ctx_group)
+    pools = {
+        r: primary_pool(
+            CTX_BLOCKS, LAYERS, len(rank_heads(r % ctx_group, ctx_group, heads)), HEAD_DIM, 2,
+            seed(0, r % ctx_group, ctx_group, heads),
+        )
+        for r in ctx_ranks
+    }  # fmt: skip
+    shards = {r: Shard(r % ctx_group, ctx_group, heads) for r in ctx_ranks}
+    regs = {
+        r: kvlayout.detect(p, "trtllm", hints(p.shape[3] // (HEAD_DIM * TPB), 2)) for r, p in pools.items()
+    }
+    held = [nx.register(pair.agent, reg) for reg in regs.values()]
+    try:
+        for g in range(gen_dp_rank * gen_group, (gen_dp_rank + 1) * gen_group):
+            mine = rank_heads(g % gen_group, gen_group, heads)
+            dst = Shard(g % gen_group, gen_group, heads)
+            there = handshake(pair, dst, heads=len(mine), kv_factor=2, layers=LAYERS)
+            maps = {}
+            for r, reg in regs.items():
+                m = block_map(reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=shards[r])
+                if m.kind != "empty" and shards[r].sends_to(dst):
+                    maps[r] = m
+            senders = [
+                r
+                for r in dp_targets(g, gen_tp, gen_dp, ctx_tp, ctx_dp, ctx_dp_rank if ctx_dp > 1 else 0)
+                if dp_need_send(r, ctx_tp, ctx_dp, gen_tp, gen_dp, heads)
+            ]
+            for r in senders:  # the context side pairs the same way round
+                assert g in dp_targets(r, ctx_tp, ctx_dp, gen_tp, gen_dp, gen_dp_rank if gen_dp > 1 else 0)
+            assert sorted(maps) == senders, (g, sorted(maps))
+            write(pair, maps, "direct")
+            shape = (GEN_BLOCKS, LAYERS, 2, len(mine) * HEAD_DIM * TPB)
+            want = torch.zeros(shape, dtype=torch.bfloat16)
+            for gh, head in enumerate(mine):
+                (r,) = (x for x in senders if head in rank_heads(x % ctx_group, ctx_group, heads))
+                ch = rank_heads(r % ctx_group, ctx_group, heads).index(head)
+                for layer in range(LAYERS):
+                    for kv in range(2):
+                        for t in range(TOKENS):
+                            src = trt_row(pools[r], CTX_IDS[t // TPB], layer, kv, ch, t % TPB)
+                            trt_row(want, GEN_IDS[t // TPB], layer, kv, gh, t % TPB).copy_(src)
+            assert torch.equal(gen_bytes(pair, shape), want), g
+    finally:
+        for h in held:
+            h.deregister()
+
+
+# --- (f) block reuse on the generation side ----------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("ctx_tp", "gen_tp", "reused", "strategy"),
+    [(1, 1, 2, "direct"), (2, 4, 1, "direct"), (4, 2, 3, "staged"), (2, 2, 0, "direct")],
+)
+def test_generation_block_reuse(
+    pair: AgentPair, ctx_tp: int, gen_tp: int, reused: int, strategy: nx.Strategy
+) -> None:
+    """The generation rank's prefix cache already holds the request's first ``reused``
+    blocks (shared with other requests: they hold KV that must not change). TRT-LLM's
+    receiver fills only the blocks it newly allocated (``getBlockRangeForReceiving``:
+    ``fromNewlyAllocatedBlockIds``, the blocks not in its radix tree) and asks for them by
+    their hashes; the sender sends its last that many blocks (``getBlockRangeForSending``:
+    ``ids.end() - requestBlockNum``). A connector passes both sides' every block id and
+    ``first_token`` the reused blocks' tokens (docs/pd-connectors.md)."""
+    ctx = context_ranks(ctx_tp, 1, HEADS, 2)
+    regs = {r: kvlayout.detect(ctx[0, r], "trtllm", hints(HEADS // ctx_tp, 2)) for r in range(ctx_tp)}
+    held = [nx.register(pair.agent, reg) for reg in regs.values()]
+    new_ids = GEN_IDS[reused:]  # getNewlyAllocatedBlockIds: the request's blocks not reused
+    try:
+        for d in range(gen_tp):
+            base = 200 + d  # the generation pool's KV before the request
+            dst = Shard(d, gen_tp, HEADS)
+            there = handshake(pair, dst, heads=HEADS // gen_tp, kv_factor=2, layers=LAYERS, seed=base)
+            first = (len(GEN_IDS) - len(new_ids)) * TPB
+            maps = {}
+            for r, reg in regs.items():
+                src = Shard(r, ctx_tp, HEADS)
+                m = block_map(
+                    reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, first_token=first, src_shard=src
+                )
+                if m.kind != "empty" and src.sends_to(dst):
+                    maps[r] = m
+            assert sorted(maps) == trt_senders(d, ctx_tp, gen_tp, HEADS)
+            write(pair, maps, strategy)
+            shape = (GEN_BLOCKS, LAYERS, 2, HEADS // gen_tp * HEAD_DIM * TPB)
+            want = primary_pool(GEN_BLOCKS, LAYERS, HEADS // gen_tp, HEAD_DIM, 2, base)
+            sent = CTX_IDS[len(CTX_IDS) - len(new_ids) :]  # the sender's last len(new_ids) blocks
+            for i, (cb, gb) in enumerate(zip(sent, new_ids, strict=True)):
+                block = len(CTX_IDS) - len(new_ids) + i  # the request's block both are
+                for gh, head in enumerate(rank_heads(d, gen_tp, HEADS)):
+                    r = next(x for x in range(ctx_tp) if head in rank_heads(x, ctx_tp, HEADS))
+                    ch = rank_heads(r, ctx_tp, HEADS).index(head)
+                    for layer in range(LAYERS):
+                        for kv in range(2):
+                            for slot in range(min(TPB, TOKENS - block * TPB)):
+                                src_row = trt_row(ctx[0, r], cb, layer, kv, ch, slot)
+                                trt_row(want, gb, layer, kv, gh, slot).copy_(src_row)
+            got = gen_bytes(pair, shape)
+            assert torch.equal(got[GEN_IDS[:reused]], want[GEN_IDS[:reused]]), "a reused block changed"
+            assert torch.equal(got, want), d
+    finally:
+        for h in held:
+            h.deregister()
