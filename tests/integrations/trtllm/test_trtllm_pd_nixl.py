@@ -199,9 +199,9 @@ def expected(
 # --- the connector ----------------------------------------------------------------------
 
 
-def handshake(pair: AgentPair, shard: Shard, **args: Any) -> RegistrationDescription:
+def handshake(pair: AgentPair, shard: Shard, builder: str = BUILDER, **args: Any) -> RegistrationDescription:
     """The generation rank builds and describes its pool; its NIXL metadata is loaded again."""
-    text = pair.peer.built_cache(BUILDER, (shard.tp_rank, shard.tp_size, shard.num_kv_heads), **args)
+    text = pair.peer.built_cache(builder, (shard.tp_rank, shard.tp_size, shard.num_kv_heads), **args)
     pair.agent.remove_remote_agent(pair.name)
     assert pair.agent.add_remote_agent(pair.peer.metadata) == pair.name.encode()
     there = RegistrationDescription.from_json(text)
@@ -643,6 +643,92 @@ def test_generation_block_reuse(
                                 trt_row(want, gb, layer, kv, gh, slot).copy_(src_row)
             got = gen_bytes(pair, shape)
             assert torch.equal(got[GEN_IDS[:reused]], want[GEN_IDS[:reused]]), "a reused block changed"
+            assert torch.equal(got, want), d
+    finally:
+        for h in held:
+            h.deregister()
+
+
+# --- (g) DSA (DeepSeek-V3.2): the indexer K pool beside the latents ----------------------------
+
+INDEX_VALUES, INDEX_SCALES = 128, 4  # index_head_dim fp8 bytes, then a float32 scale (quant block 128)
+INDEXER_BUILDER = "tests.integrations.trtllm.test_trtllm_pd_nixl:indexer_pool"
+
+
+def indexer_pool(
+    layers: int, blocks: int = GEN_BLOCKS, seed: int | None = None
+) -> tuple[Any, list[torch.Tensor]]:
+    """``DSACacheManager``'s indexer K pool (``get_indexer_k_cache_pool()``): uint8
+    ``[NB, NL, 1, TPB * (128 + 4)]``, each block's layer row its tokens' fp8 values, then their
+    scales (``get_indexer_k_cache_buffers``' non-interleaved layout), detected as the docs say;
+    the peer's builder (zeroed) and the context's (random from ``seed``)."""
+    shape = (blocks, layers, 1, TPB * (INDEX_VALUES + INDEX_SCALES))
+    if seed is None:
+        pool = torch.zeros(shape, dtype=torch.uint8)
+    else:
+        pool = torch.randint(0, 256, shape, dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    return kvlayout.detect(pool, "trtllm", {"tokens_per_block": TPB}), [pool]
+
+
+def index_key(pool: torch.Tensor, block: int, layer: int, tok: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token's indexer key, read from the pool's flat bytes: its 128 value bytes at
+    ``tok * 128`` of the block's layer row, its 4 scale bytes at ``TPB * 128 + tok * 4``."""
+    row = (block * pool.shape[1] + layer) * TPB * (INDEX_VALUES + INDEX_SCALES)
+    flat = pool.reshape(-1)
+    values = row + tok * INDEX_VALUES
+    scale = row + TPB * INDEX_VALUES + tok * INDEX_SCALES
+    return flat[values : values + INDEX_VALUES], flat[scale : scale + INDEX_SCALES]
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(2, 1), (1, 2), (4, 2)])
+def test_dsa_indexer_pool_beside_the_latents(pair: AgentPair, ctx_tp: int, gen_tp: int) -> None:
+    """A DSA model's context rank holds the latents (``[NB, NL, 1, TPB * 576]``; 48 here) and
+    the indexer K pool, both whole on every rank, under the same block ids
+    (``BlockRange::getBlockRangeForWindow(window, useIndexerKCache)``: the request's block ids
+    in the indexer pool). ``MLACacheFormatter::format`` sends both from the one context rank
+    ``needSendCache`` picks, the KV pass then the indexer pass; here each pool is its own
+    registration and map, the indexer map's ``latents`` picking the same sender."""
+    latents = context_ranks(ctx_tp, 1, 1, 1)
+    index = {r: indexer_pool(LAYERS, CTX_BLOCKS, seed=300 + r)[1][0] for r in range(ctx_tp)}
+    regs = {r: kvlayout.detect(latents[0, r], "trtllm", hints(1, 1)) for r in range(ctx_tp)}
+    index_regs = {r: kvlayout.detect(p, "trtllm", {"tokens_per_block": TPB}) for r, p in index.items()}
+    assert index_regs[0].kernel_groups[0].format.name == "NB_NL_BSV_BSS"
+    held = [nx.register(pair.agent, reg) for reg in [*regs.values(), *index_regs.values()]]
+    try:
+        for d in range(gen_tp):
+            dst = Shard(d, gen_tp, 1)
+            for pools, builder, args in (
+                (regs, BUILDER, {"heads": 1, "kv_factor": 1, "layers": LAYERS}),
+                (index_regs, INDEXER_BUILDER, {"layers": LAYERS}),
+            ):
+                there = handshake(pair, dst, builder, **args)
+                maps = {}
+                for r, reg in pools.items():
+                    m = block_map(
+                        reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=Shard(r, ctx_tp, 1)
+                    )
+                    assert m.latents
+                    if Shard(r, ctx_tp, 1).sends_to(dst, latents=m.latents):
+                        maps[r] = m
+                assert list(maps) == [mla_sender(d, ctx_tp, gen_tp)]
+                write(pair, maps, "direct")
+                if pools is regs:  # the latents, before the peer's cache is the indexer pool
+                    shape = (GEN_BLOCKS, LAYERS, 1, LATENT * TPB)
+                    want = expected(latents, ctx_tp, 1, shape, d, gen_tp, list(range(LAYERS)), 1)
+                    assert torch.equal(gen_bytes(pair, shape), want), d
+            # the indexer pass: its pool is the peer's cache now
+            (raw,) = pair.peer.cache_bytes()
+            got = torch.from_numpy(np.array(raw)).reshape(GEN_BLOCKS, LAYERS, 1, -1)
+            want = torch.zeros_like(got)
+            src = index[mla_sender(d, ctx_tp, gen_tp)]
+            for layer in range(LAYERS):
+                for t in range(TOKENS):
+                    for w, s in zip(
+                        index_key(want, GEN_IDS[t // TPB], layer, t % TPB),
+                        index_key(src, CTX_IDS[t // TPB], layer, t % TPB),
+                        strict=True,
+                    ):
+                        w.copy_(s)
             assert torch.equal(got, want), d
     finally:
         for h in held:
