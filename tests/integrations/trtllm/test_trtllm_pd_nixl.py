@@ -31,6 +31,15 @@ What TRT-LLM does (read in NVIDIA/TensorRT-LLM):
   ``impl.get_primary_pool_data(layer)`` (``pool[:, layer's place in its pool]``) viewed as
   ``[NB, kv_factor, ...]``: a per-layer view of the same pool.
 
+- Attention DP (``TargetRanksInfoForDP``): ranks pair inside the DP groups that hold the
+  request (``mDPrank``), ``tp / dp`` ranks a group; ``needSendCache`` tests the rank's place
+  in its group. Block reuse: ``getBlockRangeForReceiving`` fills the generation rank's newly
+  allocated blocks (``fromNewlyAllocatedBlockIds``), ``getBlockRangeForSending`` sends the
+  context's last that many (one pool only). DSA: ``MLACacheFormatter::format`` sends the
+  indexer K pool (``BlockRange::getBlockRangeForWindow(window, true)``: the same block ids)
+  after the latents, from the same rank. Context CP is not supported
+  (``MLACacheFormatter::pickRecvConnections`` checks ``mDomainCPSize == 1``).
+
 The oracle below reads both pools flat with ``BlockInfo``'s offsets: for each token of the
 request, each layer the generation rank holds and each head it holds, the generation row
 equals the row of the context rank that holds that layer (its PP stage) and head (its first
