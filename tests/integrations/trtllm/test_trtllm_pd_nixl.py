@@ -88,13 +88,19 @@ def pair() -> Iterator[AgentPair]:
 
 
 def primary_pool(
-    blocks: int, layers: int, heads: int, dim: int, kv_factor: int, seed: int | None
+    blocks: int,
+    layers: int,
+    heads: int,
+    dim: int,
+    kv_factor: int,
+    seed: int | None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """``BlockManager::allocatePools``: ``[blocks, layers, kv_factor, heads * dim * TPB]``."""
     shape = (blocks, layers, kv_factor, heads * dim * TPB)
     if seed is None:
-        return torch.zeros(shape, dtype=torch.bfloat16)
-    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(torch.bfloat16)
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
 def rank_heads(tp_rank: int, tp: int, heads: int) -> list[int]:
@@ -150,13 +156,14 @@ def generation_pool(
     part: list[int] | None = None,
     ids: list[int] | None = None,
     seed: int | None = None,
+    dtype: str = "bfloat16",
 ) -> tuple[Any, list[torch.Tensor]]:
-    """The peer's builder: a generation rank's primary pool, detected as the docs say, zeroed
-    (or random from ``seed``: blocks that already hold other KV); ``part`` ``[a, b)``
-    describes only those layers of it (``pool[:, a:b]``, the side with more layers under PP),
-    numbered ``ids`` (the model's layer ids) where given."""
+    """The peer's builder: a generation rank's primary pool of ``dtype`` (torch's name),
+    detected as the docs say, zeroed (or random from ``seed``: blocks that already hold other
+    KV); ``part`` ``[a, b)`` describes only those layers of it (``pool[:, a:b]``, the side with
+    more layers under PP), numbered ``ids`` (the model's layer ids) where given."""
     dim = LATENT if kv_factor == 1 else HEAD_DIM
-    pool = primary_pool(GEN_BLOCKS, layers, heads, dim, kv_factor, seed)
+    pool = primary_pool(GEN_BLOCKS, layers, heads, dim, kv_factor, seed, getattr(torch, dtype))
     view = pool if part is None else pool[:, part[0] : part[1]]
     reg = kvlayout.detect(view, "trtllm", hints(heads, kv_factor))
     if ids is not None:
@@ -184,11 +191,12 @@ def expected(
     gen_layers: list[int],
     model_heads: int,
     stages: Sequence[int] | None = None,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> torch.Tensor:
     """The generation rank's pool after the request, from TRT-LLM's indexing: ``ctx`` maps
     (pp_rank, tp_rank) to that context rank's pool; only the layers of context PP stages
     ``stages`` (None: all) have arrived."""
-    want = torch.zeros(tuple(gen_shape), dtype=torch.bfloat16)
+    want = torch.zeros(tuple(gen_shape), dtype=dtype)
     kvf = gen_shape[2]
     for gl, layer in enumerate(gen_layers):
         pp = next(p for p in range(ctx_pp) if layer in stage_layers(p, ctx_pp))
@@ -227,16 +235,24 @@ def write(pair: AgentPair, maps: dict[Any, Any], strategy: nx.Strategy) -> None:
         assert pair.peer.notifs(expect=1, wait=30) == [tag]
 
 
-def gen_bytes(pair: AgentPair, shape: Sequence[int]) -> torch.Tensor:
+def gen_bytes(pair: AgentPair, shape: Sequence[int], dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
     (raw,) = pair.peer.cache_bytes()
-    return torch.from_numpy(np.array(raw)).view(torch.bfloat16).reshape(tuple(shape))
+    return torch.from_numpy(np.array(raw)).view(dtype).reshape(tuple(shape))
 
 
-def context_ranks(tp: int, pp: int, heads: int, kv_factor: int) -> dict[tuple[int, int], torch.Tensor]:
+def context_ranks(
+    tp: int, pp: int, heads: int, kv_factor: int, dtype: torch.dtype = torch.bfloat16
+) -> dict[tuple[int, int], torch.Tensor]:
     dim = LATENT if kv_factor == 1 else HEAD_DIM
     return {
         (p, r): primary_pool(
-            CTX_BLOCKS, LAYERS // pp, len(rank_heads(r, tp, heads)), dim, kv_factor, seed(p, r, tp, heads)
+            CTX_BLOCKS,
+            LAYERS // pp,
+            len(rank_heads(r, tp, heads)),
+            dim,
+            kv_factor,
+            seed(p, r, tp, heads),
+            dtype,
         )
         for p in range(pp)
         for r in range(tp)
@@ -739,6 +755,54 @@ def test_dsa_indexer_pool_beside_the_latents(pair: AgentPair, ctx_tp: int, gen_t
                     ):
                         w.copy_(s)
             assert torch.equal(got, want), d
+    finally:
+        for h in held:
+            h.deregister()
+
+
+# --- (h) FP8 KV: one float8 pool, its scales the model's ----------------------------------------
+
+
+@pytest.mark.parametrize(("ctx_tp", "gen_tp"), [(2, 4), (4, 2)])
+def test_fp8_kv_between_tp_degrees(pair: AgentPair, ctx_tp: int, gen_tp: int) -> None:
+    """FP8 KV (``kv_cache_dtype="fp8"``): the primary pool is float8_e4m3fn, of the same
+    shape; its dequantization scales are per tensor (the checkpoint's
+    ``kv_cache_scaling_factor``), in no pool, so the pool alone moves (``inquireSupport``
+    wants the same data type on both sides). Byte-exact, as TRT-LLM's split/concat copies it."""
+    fp8 = torch.float8_e4m3fn
+    ctx = context_ranks(ctx_tp, 1, HEADS, 2, fp8)
+    regs = {r: kvlayout.detect(ctx[0, r], "trtllm", hints(HEADS // ctx_tp, 2)) for r in range(ctx_tp)}
+    held = [nx.register(pair.agent, reg) for reg in regs.values()]
+    try:
+        for d in range(gen_tp):
+            dst = Shard(d, gen_tp, HEADS)
+            there = handshake(
+                pair, dst, heads=HEADS // gen_tp, kv_factor=2, layers=LAYERS, dtype="float8_e4m3fn"
+            )
+            assert there.groups[0].planes[0].dtype == "float8_e4m3fn"
+            maps = {}
+            for r, reg in regs.items():
+                m = block_map(
+                    reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=Shard(r, ctx_tp, HEADS)
+                )
+                if m.kind != "empty" and Shard(r, ctx_tp, HEADS).sends_to(dst):
+                    maps[r] = m
+            assert sorted(maps) == trt_senders(d, ctx_tp, gen_tp, HEADS)
+            write(pair, maps, "direct")
+            shape = (GEN_BLOCKS, LAYERS, 2, HEADS // gen_tp * HEAD_DIM * TPB)
+            want = expected(ctx, ctx_tp, 1, shape, d, gen_tp, list(range(LAYERS)), HEADS, dtype=fp8)
+            assert torch.equal(gen_bytes(pair, shape, fp8).view(torch.uint8), want.view(torch.uint8)), d
+        # a bf16 peer is refused, as TRT-LLM's inquireSupport refuses another data type
+        bf16, _ = generation_pool(HEADS // gen_tp, 2, LAYERS)
+        with pytest.raises(BlockMapError, match="src is float8_e4m3fn and dst is bfloat16"):
+            block_map(
+                regs[0],
+                bf16.describe(shard=Shard(0, gen_tp, HEADS)),
+                CTX_IDS,
+                GEN_IDS,
+                num_tokens=TOKENS,
+                src_shard=Shard(0, ctx_tp, HEADS),
+            )
     finally:
         for h in held:
             h.deregister()
