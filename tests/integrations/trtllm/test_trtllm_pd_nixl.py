@@ -38,7 +38,9 @@ What TRT-LLM does (read in NVIDIA/TensorRT-LLM):
   context's last that many (one pool only). DSA: ``MLACacheFormatter::format`` sends the
   indexer K pool (``BlockRange::getBlockRangeForWindow(window, true)``: the same block ids)
   after the latents, from the same rank. Context CP is not supported
-  (``MLACacheFormatter::pickRecvConnections`` checks ``mDomainCPSize == 1``).
+  (``MLACacheFormatter::pickRecvConnections`` checks ``mDomainCPSize == 1``). FP8 KV is the
+  same pool in float8 (``inquireSupport``: one data type both sides). A V2 context rank's
+  ``KvCacheLayout`` region (``kv_cache_layout_pools``) is mapped by page slots like a pool.
 
 The oracle below reads both pools flat with ``BlockInfo``'s offsets: for each token of the
 request, each layer the generation rank holds and each head it holds, the generation row
@@ -60,6 +62,7 @@ import torch
 pytest.importorskip("nixl")
 
 import kvlayout
+from kvlayout.integrations.trtllm import kv_cache_layout_pools
 from kvlayout.testing.nixl_peer import AgentPair, agent_pair, tcp_tls
 from kvlayout.transfer import BlockMapError, RegistrationDescription, Shard, block_map
 from kvlayout.transfer import nixl as nx
@@ -806,3 +809,53 @@ def test_fp8_kv_between_tp_degrees(pair: AgentPair, ctx_tp: int, gen_tp: int) ->
     finally:
         for h in held:
             h.deregister()
+
+
+# --- (i) KVCacheManagerV2 on the context side ---------------------------------------------------
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_v2_context_into_v1_generation(pair: AgentPair, gen_tp: int) -> None:
+    """A context rank on ``KVCacheManagerV2``: its connector gets a ``KvCacheLayout``, a region
+    of page slots ``stride`` bytes apart, each every layer's K then V (HND) and then bytes
+    of other buffers the stride steps over (block scales here). ``kv_cache_layout_pools``
+    reads ``"group0"``; registered with NIXL (the region's storage) and mapped by page slots
+    (``get_aggregated_page_indices``) into a V1 generation pool of each TP rank. Each byte is
+    checked against V2's addressing, ``base + stride * slot + (2 * layer + role) * buffer``."""
+    from tests.integrations.trtllm.test_trtllm_v2_layout import Group, Layout, Region, kv_refs
+
+    buf = HEADS * TPB * HEAD_DIM * 2  # one layer's K (or V) of one slot, bf16 bytes
+    extra = 96
+    slot = LAYERS * 2 * buf + extra
+    storage = torch.randint(
+        0, 256, (CTX_BLOCKS * slot,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7)
+    )
+    kv = Region(storage, 0, LAYERS * 2 * buf, slot, CTX_BLOCKS, kv_refs(range(LAYERS)))
+    scales = Region(
+        storage, LAYERS * 2 * buf, extra, slot, CTX_BLOCKS, kv_refs(range(LAYERS), ("key_block_scale",))
+    )
+    layout = Layout(TPB, (Group(0, tuple(range(LAYERS)), None, (kv, scales)),))
+    pools = kv_cache_layout_pools(layout, torch.bfloat16, {"num_kv_heads": HEADS, "head_dim": HEAD_DIM})
+    reg = pools["group0"]
+    held = nx.register(pair.agent, reg)
+    try:
+        for d in range(gen_tp):
+            mine = rank_heads(d, gen_tp, HEADS)
+            dst = Shard(d, gen_tp, HEADS)
+            there = handshake(pair, dst, heads=len(mine), kv_factor=2, layers=LAYERS)
+            m = block_map(reg, there, CTX_IDS, GEN_IDS, num_tokens=TOKENS, src_shard=Shard(0, 1, HEADS))
+            write(pair, {d: m}, "direct")
+            shape = (GEN_BLOCKS, LAYERS, 2, len(mine) * HEAD_DIM * TPB)
+            want = torch.zeros(shape, dtype=torch.bfloat16)
+            row = HEAD_DIM * 2  # one head's token row, bytes
+            for gh, head in enumerate(mine):
+                for layer in range(LAYERS):
+                    for r in range(2):
+                        for t in range(TOKENS):
+                            at = (2 * layer + r) * buf + (head * TPB + t % TPB) * row
+                            src = kv.bytes_of(CTX_IDS[t // TPB], at, row).view(torch.bfloat16)
+                            trt_row(want, GEN_IDS[t // TPB], layer, r, gh, t % TPB).copy_(src)
+            # random bytes read as bf16 hold NaNs: compare the bytes
+            assert torch.equal(gen_bytes(pair, shape).view(torch.uint8), want.view(torch.uint8)), d
+    finally:
+        held.deregister()
