@@ -38,7 +38,8 @@ What TRT-LLM does (read in NVIDIA/TensorRT-LLM):
   context's last that many (one pool only). DSA: ``MLACacheFormatter::format`` sends the
   indexer K pool (``BlockRange::getBlockRangeForWindow(window, true)``: the same block ids)
   after the latents, from the same rank. Context CP is not supported
-  (``MLACacheFormatter::pickRecvConnections`` checks ``mDomainCPSize == 1``). FP8 KV is the
+  (``MLACacheFormatter::pickRecvConnections`` checks ``mDomainCPSize == 1``); generation CP
+  (Helix, MLA) splits the request by whole blocks (``splitKVCacheForMLAKernel``). FP8 KV is the
   same pool in float8 (``inquireSupport``: one data type both sides). A V2 context rank's
   ``KvCacheLayout`` region (``kv_cache_layout_pools``) is mapped by page slots like a pool.
 
@@ -857,5 +858,75 @@ def test_v2_context_into_v1_generation(pair: AgentPair, gen_tp: int) -> None:
                             trt_row(want, GEN_IDS[t // TPB], layer, r, gh, t % TPB).copy_(src)
             # random bytes read as bf16 hold NaNs: compare the bytes
             assert torch.equal(gen_bytes(pair, shape).view(torch.uint8), want.view(torch.uint8)), d
+    finally:
+        held.deregister()
+
+
+# --- (j) Helix: context parallelism on the generation side (MLA) --------------------------------
+
+
+def helix_blocks(cp_rank: int, cp_size: int, blocks: int, round_robin: bool) -> list[int]:
+    """The request's blocks a generation CP rank holds, in its own order:
+    ``getBlockNumAccountingForCP`` of them (the first ``blocks % cp_size`` ranks one more),
+    local block ``i`` being the request's ``getGlobalBlockIdAccountingForCP(i, ...)``: a
+    contiguous run, or every ``cp_size``-th from ``cp_rank`` under
+    ``TRTLLM_USE_ROUND_ROBIN_BLOCK_DIST_FOR_CP``."""
+    count = blocks // cp_size + (1 if blocks % cp_size > cp_rank else 0)
+    if round_robin:
+        return [i * cp_size + cp_rank for i in range(count)]
+    first = blocks // cp_size * cp_rank + min(cp_rank, blocks % cp_size)
+    return list(range(first, first + count))
+
+
+def split_place(block: int, cp_size: int, blocks: int, round_robin: bool) -> tuple[int, int]:
+    """Where ``splitKVCacheForMLAKernel`` puts the request's block ``block``: (the CP rank,
+    its local block there), ``block % cp`` and ``block / cp`` round robin, else by the
+    prefix sums of ``getBlockNumAccountingForCP`` (``getBlockIdInDomainCPandRankInDomainCP``)."""
+    if round_robin:
+        return block % cp_size, block // cp_size
+    start = 0
+    for rank in range(cp_size):
+        count = blocks // cp_size + (1 if blocks % cp_size > rank else 0)
+        if block < start + count:
+            return rank, block - start
+        start += count
+    raise AssertionError(block)
+
+
+@pytest.mark.parametrize(("cp", "round_robin"), [(2, False), (2, True), (4, False), (8, False), (3, True)])
+def test_helix_generation_cp(pair: AgentPair, cp: int, round_robin: bool) -> None:
+    """Helix (``mContextParallelism`` on the generation side; the context side's is 1): the
+    context rank's latents split by whole blocks over the generation CP ranks
+    (``MLACacheFormatter::format``, ``getBlockNumAccountingForCP``), each rank's share in
+    its own blocks; a rank that holds none is skipped. Each CP rank maps the context's ids
+    of its blocks onto its own, the request's tokens in them (``num_tokens`` short only where
+    it holds the request's last block): a plain block map, each side's block lists as its
+    blocks (kvlayout's ``Shard`` CP is vLLM's token interleave, not this)."""
+    blocks = -(-TOKENS // TPB)
+    ctx = context_ranks(1, 1, 1, 1)
+    reg = kvlayout.detect(ctx[0, 0], "trtllm", hints(1, 1))
+    held = nx.register(pair.agent, reg)
+    try:
+        for c in range(cp):
+            mine = helix_blocks(c, cp, blocks, round_robin)
+            there = handshake(pair, Shard(0, 1, 1), heads=1, kv_factor=1, layers=LAYERS)
+            shape = (GEN_BLOCKS, LAYERS, 1, LATENT * TPB)
+            if not mine:
+                assert not gen_bytes(pair, shape).any()
+                continue
+            own = GEN_IDS[: len(mine)]  # this rank's blocks for the request
+            tokens = sum(min(TPB, TOKENS - b * TPB) for b in mine)
+            m = block_map(reg, there, [CTX_IDS[b] for b in mine], own, num_tokens=tokens)
+            write(pair, {c: m}, "direct")
+            want = torch.zeros(shape, dtype=torch.bfloat16)  # the kernel's placement, block by block
+            for b in range(blocks):
+                rank, local = split_place(b, cp, blocks, round_robin)
+                if rank != c:
+                    continue
+                for layer in range(LAYERS):
+                    for t in range(min(TPB, TOKENS - b * TPB)):
+                        src = trt_row(ctx[0, 0], CTX_IDS[b], layer, 0, 0, t)
+                        trt_row(want, own[local], layer, 0, 0, t).copy_(src)
+            assert torch.equal(gen_bytes(pair, shape), want), c
     finally:
         held.deregister()
