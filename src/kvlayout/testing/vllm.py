@@ -689,6 +689,7 @@ def _state_spec(
     page: int,
     mamba_cache_mode: str,
     max_model_len: int,
+    tp_replicated: bool = False,
 ) -> Any:
     """A hybrid's ``MambaSpec`` as vLLM 0.33 plans it: padded to ``page`` bytes (the
     attention page), a ``max_model_len`` block in 'none' mode (one running state a
@@ -702,6 +703,7 @@ def _state_spec(
         page_size_padded=page if page != own else None,
         mamba_cache_mode=mamba_cache_mode,
         mamba_type=getattr(_mamba_backends(), mamba_type),
+        tp_replicated=tp_replicated,
     )
 
 
@@ -765,19 +767,21 @@ def state_hybrid_engine(
     max_model_len: int = 8192,
     min_alignment: int = 1,
     num_blocks: int = NUM_BLOCKS,
+    tp_replicated: bool = False,
 ) -> Engine:
     """A hybrid of attention layers (``attn_1``: their spec at one token a block) and
     Mamba layers of one state kind (``states``: this rank's shapes and dtypes, as
     ``MambaStateShapeCalculator`` gives them; ``mamba_type``: a
     ``MambaAttentionBackendEnum`` member's name), as vLLM 0.33 plans it: the block size
     unified, the Mamba page padded to the attention page, a ``max_model_len`` Mamba block
-    in 'none' mode. ``layers``: each layer's name and whether it is attention."""
+    in 'none' mode. ``layers``: each layer's name and whether it is attention.
+    ``tp_replicated``: the spec's (every rank holds the whole state: Qwen4's PLE conv)."""
     shapes, dtypes = states
     mamba_page = kvi.MambaSpec(block_size=-1, shapes=shapes, dtypes=dtypes).page_size_bytes
     block = hybrid_block_size(attn_1.page_size_bytes, mamba_page, backend, min_alignment=min_alignment)
     attn = dataclasses.replace(attn_1, block_size=block)
     padded = attn.page_size_bytes
-    mamba = _state_spec(states, mamba_type, block, padded, mamba_cache_mode, max_model_len)
+    mamba = _state_spec(states, mamba_type, block, padded, mamba_cache_mode, max_model_len, tp_replicated)
     specs = {name: attn if is_attention else mamba for name, is_attention in layers}
     return make_engine(specs, group_layers(specs), _kernel_blocks(backend), num_blocks=num_blocks)
 

@@ -743,7 +743,9 @@ def _state_ranks(
         if a != b or ranks[0] != ranks[1]:
             return ranks[0], ranks[1]
         return None
-    if a != b:  # the same arrays, laid in other views (or other padding): rank to the same rank
+    if a != b or src.row_bytes != dst.row_bytes:
+        # the same arrays, laid in other views or padded to other pages (a state every rank holds
+        # whole, each TP degree padding it to its own attention page): rank to the same rank
         heads = next((x.parts[0] for x in a.arrays if x.kv_heads), 1)  # KV heads: all the page's
         return _whole(heads), _whole(heads)
     return None

@@ -81,6 +81,7 @@ class Family:
     backend: vx.Backend
     layers: tuple[tuple[str, bool], ...]
     min_alignment: int = 1
+    tp_replicated: bool = False  # the spec's: every rank holds the whole state, its shapes TP 1's
 
 
 def _gqa(heads: int, head_dim: int) -> Callable[[int], Any]:
@@ -137,6 +138,15 @@ NEMOTRON_H = Family(
     8, vx.FLASH_ATTN, _layers(12, {3, 7, 11}, "mixer"),
 )  # fmt: skip
 # Mamba2 of one group, which every rank holds whole (mamba_mixer2: n_groups 1 at any TP).
+# Qwen4's PLE short convolution (vllm/models/qwen4_exp/nvidia/ple_layer.py): is_kv_cache_tp_replicated,
+# its shape short_conv_state_shape(tp_world_size=1, ...) at any TP (hidden 1024, kernel 3 here)
+PLE = Family(
+    "Qwen4-PLE", "SHORT_CONV", _gqa(8, 64),
+    lambda calc, tp: calc.short_conv_state_shape(1, 1024, 3),
+    (torch.bfloat16,),
+    lambda layout: ((_conv_axis(layout), (1024,)),),
+    8, vx.FLASHINFER, _layers(8, {2, 5}, "ple"), tp_replicated=True,
+)  # fmt: skip
 MAMBA2_ONE_GROUP = Family(
     "Mamba2-one-group", "MAMBA2", _gqa(8, 128),
     lambda calc, tp: calc.mamba2_state_shape(tp, 1024, 1, 16, 64, 32, 4),
@@ -156,7 +166,7 @@ class Rank:
         shapes = family.states(_calculator(layout), tp)
         self.engine = vx.state_hybrid_engine(
             family.attn_1(tp), (shapes, family.dtypes), family.mamba_type, family.backend, family.layers,
-            mamba_cache_mode=mode, min_alignment=family.min_alignment,
+            mamba_cache_mode=mode, min_alignment=family.min_alignment, tp_replicated=family.tp_replicated,
         )  # fmt: skip
         self.buf, self.raw = vx.allocate_v033(self.engine)
         vx.fill_random(self.buf, seed)
@@ -185,6 +195,8 @@ class Rank:
     def held(self, state: int) -> tuple[int, torch.Tensor]:
         """State ``state``'s split axis and the model's indices this rank holds on it."""
         axis, parts = self.family.splits(self.layout)[state]
+        if self.family.tp_replicated:  # every rank holds every index
+            return axis, _slices(parts, 1, 0)
         return axis, _slices(parts, self.tp, self.rank)
 
 
@@ -201,10 +213,10 @@ def expected_after(
 ) -> torch.Tensor:
     """dst's buffer once group ``index``'s state both ranks hold moved from src's blocks
     into dst's; every other byte as it was (between ranks alike, the page's padding moves
-    too: the page moves whole)."""
+    too: the page moves whole; a TP-replicated state's ranks of one degree are alike)."""
     out = dst.buf.clone()
     for name in dst.names(index):
-        if (src.tp, src.rank) == (dst.tp, dst.rank):
+        if (src.tp, src.rank) == (dst.tp, dst.rank) or (src.family.tp_replicated and src.tp == dst.tp):
             for b, c in zip(src_blocks, dst_blocks, strict=True):
                 out.view(-1)[_page(dst, name, c)] = src.buf.view(-1)[_page(src, name, b)]
             continue
@@ -253,6 +265,26 @@ def test_state_moves_between_tp_degrees_byte_exactly(
         assert m.kind == ("same layout" if src_at == dst_at else "resharded state")
         m.copy()
         assert torch.equal(dst.buf, expected)
+
+
+@pytest.mark.parametrize("layout", ["SD", "DS"])
+@pytest.mark.parametrize(("src_at", "dst_at"), [*PAIRS, ((2, 0), (2, 1))])
+def test_a_tp_replicated_state_moves_whole_between_any_ranks(
+    layout: str, src_at: tuple[int, int], dst_at: tuple[int, int], monkeypatch: Any
+) -> None:
+    """A ``tp_replicated`` spec (Qwen4's PLE conv: every rank holds the whole state) moves
+    whole between ranks of any TP degrees, as vLLM's NixlConnector copies its pages whole;
+    each degree pads it to its own attention page, so between degrees it is re-laid. It
+    was read as a page of no known split: refused between ranks of two TP degrees."""
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", layout)
+    src, dst = Rank(PLE, *src_at, layout, seed=1), Rank(PLE, *dst_at, layout, seed=2)
+    arrays = dst.groups[0].opaque_pages.arrays
+    assert arrays and all(x.replicated for x in arrays)
+    expected = expected_after(src, dst, 0, [2], [1])
+    m = block_map(src.groups[0], dst.groups[0], [2], [1], src_shard=src.shard, dst_shard=dst.shard)
+    assert m.kind == ("re-laid" if src_at[0] != dst_at[0] else "same layout") and m.latents
+    m.copy()
+    assert torch.equal(dst.buf, expected)
 
 
 def test_align_mode_pages_move_block_by_block(monkeypatch: Any) -> None:

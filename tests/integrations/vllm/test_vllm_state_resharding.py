@@ -466,14 +466,18 @@ def test_replicated_groups_are_refused_in_both_directions() -> None:
 
 def test_what_declares_no_arrays() -> None:
     """Specs whose split no rule gives keep their pages whole: a replay ring's extra
-    states, a TP-replicated state, shapes that fit the model's split on both axes."""
+    states, shapes that fit the model's split on both axes; a TP-replicated state declares
+    arrays every rank holds whole."""
     backends = importlib.import_module("vllm.v1.attention.backends.registry").MambaAttentionBackendEnum
     spec = mamba2_spec(2, 8)
     ring = vx.kvi.MambaSpec(block_size=16, shapes=(*spec.shapes, (4, 8)), dtypes=(*spec.dtypes, torch.float32),
                             mamba_type=backends.MAMBA2)  # fmt: skip
     assert state_arrays(ring) == ()
-    replicated = dataclasses.replace(spec, tp_replicated=True)
-    assert state_arrays(replicated) == ()
+    replicated = dataclasses.replace(spec, tp_replicated=True)  # every rank's whole: test_vllm_state_kinds
+    assert [(x.offset, x.shape, x.replicated) for x in state_arrays(replicated)] == [
+        (0, spec.shapes[0], True),
+        (math.prod(spec.shapes[0]) * 2, spec.shapes[1], True),
+    ]
     # Mamba1: conv (intermediate, rows), SSM (intermediate, state): the dim is the SSM's first axis
     mamba1 = vx.kvi.MambaSpec(block_size=16, shapes=((1024, 3), (1024, 16)), dtypes=(torch.bfloat16, torch.float32),
                               mamba_type=backends.MAMBA1)  # fmt: skip

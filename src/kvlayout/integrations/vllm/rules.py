@@ -42,7 +42,7 @@ from kvlayout.integrations.vllm.specs import (
     spec_size,
     tokens_per_slot,
 )
-from kvlayout.integrations.vllm.states import declared_state_arrays
+from kvlayout.integrations.vllm.states import declared_state_arrays, replicated_state_arrays
 from kvlayout.registration.contiguity import physical_order
 from kvlayout.registration.opaque import OpaquePages, mark_opaque_pages, page_of
 from kvlayout.types import HintsLike, LayoutHints
@@ -165,6 +165,8 @@ def declared_state_rows(
     dtypes: Sequence[torch.dtype],
     rows: int,
     page_bytes: int | None = None,
+    *,
+    tp_replicated: bool = False,
 ) -> torch.Tensor:
     """A Mamba layer as vLLM 0.33+ registers it (``value``: ``[NB, 1, 1, page]``, each
     block one contiguous run) re-viewed and marked as :class:`MambaStateRowsEdit` and
@@ -174,11 +176,15 @@ def declared_state_rows(
     ``dtypes`` its states, ``rows`` its slots per block (1 in 'none' mode, ``block_size``
     in 'align' mode). The page is ``page_bytes`` (the spec's ``page_size_bytes``, padded),
     as the edit reads it: vLLM registers the unpadded state as the row, the padding past
-    it; None: ``value``'s row (``kvlayout plan``'s, given as the padded page). States that
-    do not split as ``kind`` says, or that do not fit the page, raise
+    it; None: ``value``'s row (``kvlayout plan``'s, given as the padded page).
+    ``tp_replicated``: the spec's (every rank holds the whole state, whatever ``kind``). States
+    that do not split as ``kind`` says, or that do not fit the page, raise
     :class:`KVCacheGroupEditError`: a page without its arrays moves only between ranks alike."""
     names = [str(d).removeprefix("torch.") for d in dtypes]
-    arrays = declared_state_arrays(kind, [tuple(s) for s in shapes], names)
+    given = [tuple(s) for s in shapes]
+    arrays = (
+        replicated_state_arrays(given, names) if tp_replicated else declared_state_arrays(kind, given, names)
+    )
     states = ", ".join(f"{list(s)} {n}" for s, n in zip(shapes, names, strict=True))
     if not arrays:
         raise KVCacheGroupEditError(

@@ -29,7 +29,7 @@ from kvlayout.integrations.vllm.specs import SpecKind, spec_field, spec_kind
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.opaque import PageArray
 
-__all__ = ["conv_dim_first", "declared_state_arrays", "mamba_type", "state_arrays"]
+__all__ = ["conv_dim_first", "declared_state_arrays", "mamba_type", "replicated_state_arrays", "state_arrays"]
 
 
 def mamba_type(spec: Any) -> str | None:
@@ -52,15 +52,40 @@ def conv_dim_first() -> bool | None:
 
 def state_arrays(spec: Any) -> tuple[PageArray, ...]:
     """The TP-sharded arrays of a Mamba1, Mamba2, GDN, linear-attention or short-conv
-    spec's page; empty for any other spec, or where the shapes do not split as the model
-    type says (a block map then moves the page only between ranks alike)."""
-    if spec_kind(spec) is not SpecKind.MAMBA or spec_field(spec, "tp_replicated", False):
+    spec's page, or a ``tp_replicated`` spec's arrays every rank holds whole
+    (:func:`replicated_state_arrays`); empty for any other spec, or where the shapes do
+    not split as the model type says (a block map then moves the page only between ranks
+    alike)."""
+    if spec_kind(spec) is not SpecKind.MAMBA:
         return ()
     shapes, dtypes = spec_field(spec, "shapes", ()), spec_field(spec, "dtypes", ())
-    if not 0 < len(shapes) == len(dtypes) <= 2 or not all(isinstance(d, torch.dtype) for d in dtypes):
-        return ()  # a replay ring or other extra state: no rule says how TP splits it
+    if not all(isinstance(d, torch.dtype) for d in dtypes):
+        return ()
     names = [str(d).removeprefix("torch.") for d in dtypes]
-    return declared_state_arrays(mamba_type(spec), [tuple(int(n) for n in shape) for shape in shapes], names)
+    states = [tuple(int(n) for n in shape) for shape in shapes]
+    if spec_field(spec, "tp_replicated", False) is True:
+        return replicated_state_arrays(states, names)
+    if not 0 < len(shapes) == len(dtypes) <= 2:
+        return ()  # a replay ring or other extra state: no rule says how TP splits it
+    return declared_state_arrays(mamba_type(spec), states, names)
+
+
+def replicated_state_arrays(states: list[tuple[int, ...]], names: list[str]) -> tuple[PageArray, ...]:
+    """The arrays of a ``tp_replicated`` ``MambaSpec``'s page (vLLM 0.33: "every TP rank
+    holds the full state", Qwen4's PLE short convolution, whose shape its layer computes at
+    ``tp_world_size=1``): each state laid after the last (``MambaBase.bind_kv_cache``),
+    held whole, so it moves whole between ranks of any TP degrees (as vLLM's NixlConnector
+    copies the PLE pages whole); empty where a state or dtype is none."""
+    if not 0 < len(states) == len(names) or any(name not in DTYPE_SIZES for name in names):
+        return ()
+    if any(not state or min(state) <= 0 for state in states):
+        return ()
+    arrays, offset = [], 0
+    for state, name in zip(states, names, strict=True):
+        array = PageArray(offset, state, name, 0, (state[0],), replicated=True)
+        arrays.append(array)
+        offset += array.nbytes
+    return tuple(arrays)
 
 
 def declared_state_arrays(
