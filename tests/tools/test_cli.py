@@ -1310,8 +1310,16 @@ def test_plan_of_mamba_state_is_the_map_of_vllm_s_edited_pages(
             ("--dst-engine", "sglang"),
             "--dst-state reads vLLM's Mamba layers (a MambaSpec's page), not sglang's",
         ),
-        (("--dst-dcp", "2"), "--dst-dcp 2: vLLM never shards Mamba state by CP rank"),
         (("--first-token", "3"), "--first-token 3: a Mamba state page holds no tokens"),
+        # --kv-heads counted for nothing here: it was checked against the TP degrees and dropped
+        (
+            ("--kv-heads", "2"),
+            "--kv-heads 2: it counts attention KV heads, and a Mamba state page holds none",
+        ),
+        (
+            ("--dst-state-shape", "36x[64,1,1,278528]"),
+            "--dst-state-shape is given and --src-state-shape is not: a state group maps into a state group",
+        ),
         # the parser's own refusals, before any rule reads the states: a zero dim, a third state
         (
             ("--dst-state", "gdn_attn:0x3:bf16,8x128x128:bf16"),
@@ -1409,3 +1417,211 @@ def test_plan_says_to_give_state_only_of_a_vllm_side(capsys: pytest.CaptureFixtu
     argv = [a.replace("sglang", "vllm") for a in argv]
     code, out, _ = run(capsys, *argv)
     assert code == 0 and "give --src-state" in json.loads(out)["src"]["note"]
+
+
+# -- plan: a hybrid's request whole ------------------------------------------------------------
+def _hybrid_side(where: str, tp: int) -> list[str]:
+    """Qwen3-Next-80B at ``tp`` as vLLM 0.33 registers it in 'none' mode, conv state "DS":
+    12 full-attention layers of FlashInfer pages ``[8*17, 1, 544/17, 512]`` (its 2 KV heads,
+    replicated at TP 4; K | V of 256), blocks of 544 tokens at TP 2, 272 at TP 4; 36 GDN
+    layers of int8 ``[8, 1, 1, PAGE]``."""
+    conv, ssm = _vllm_gdn_shapes(tp, True)
+    state = f"gdn_attn:{'x'.join(map(str, conv))}:bf16,{'x'.join(map(str, ssm))}:bf16"
+    block = 544 * 2 // tp
+    return [f"--{where}-engine", "vllm", f"--{where}-shape", f"12x[136,1,{block // 17},512]",
+            f"--{where}-hint", "kv_layout=NHD", f"--{where}-block-size", str(block), f"--{where}-tp", str(tp),
+            f"--{where}-state-shape", f"36x[8,1,1,{557056 * 2 // tp}]", f"--{where}-state", state]  # fmt: skip
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 4), (4, 2)])
+def test_plan_of_a_hybrid_is_its_groups_maps_posted_as_one_transfer(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, src_tp: int, dst_tp: int
+) -> None:
+    """A hybrid (attention and Mamba state groups, as vLLM registers Qwen3-Next) planned
+    whole: each rank pair's attention map, sent by one replica of its heads, and its state
+    map, from every rank holding slices of the pair's, joined as vLLM's NixlConnector
+    posts a request (one transfer). The numbers are those of vLLM's own registrations
+    (its engine's groups, read through the edits) mapped and joined as a decode posts
+    them, and the bytes the model's: 700 tokens x 12 layers of the head both ranks hold
+    (from one of the ranks holding it), and the conv columns and SSM heads both hold.
+    Before, plan refused the second shape and planned each group on its own."""
+    import kvlayout.testing.vllm as vx
+    from kvlayout.transfer import Shard, block_map, join_maps
+    from kvlayout.transfer.nixl import estimate
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    argv = ["plan", *_hybrid_side("src", src_tp), *_hybrid_side("dst", dst_tp), "--kv-heads", "2", "--tokens",
+            "700", "--blocks", "consecutive"]  # fmt: skip
+    code, out, err = run(capsys, *argv, "--json")
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["hybrid"] and plan["kv_heads"] == 2 and plan["src"]["state"]["layers"] == 36
+    groups, ids = {}, {}
+    for tp in (src_tp, dst_tp):
+        engine = vx.hybrid_engine(vx.QWEN3_NEXT_80B_A3B, vx.FLASHINFER, num_blocks=8, tp=tp, mamba_cache_mode="none",
+                                  max_model_len=40960, conv_layout="DS")  # fmt: skip
+        raw = vx.allocate_v033(engine)[1]
+        reg = vx.detect_registered(engine, raw, {"kv_layout": "NHD"}, edited=True, prefix_reuse=False)
+        groups[tp] = (
+            next(g for g in reg.kernel_groups if g.opaque_pages is None),
+            [g for g in reg.kernel_groups if g.opaque_pages is not None],
+        )
+        ids[tp] = list(range(-(-700 // (544 * 2 // tp))))  # the request's blocks of 544 * 2 / TP tokens
+    (s_attn, s_states), (d_attn, d_states) = groups[src_tp], groups[dst_tp]
+    assert (s_attn.geometry.block_size, len(s_states)) == (544 * 2 // src_tp, 3)
+    assert len(plan["pairs"]) == src_tp * dst_tp
+    senders: dict[int, list[int]] = {d: [] for d in range(dst_tp)}
+    for p in plan["pairs"]:
+        r, d = p["src_rank"], p["dst_rank"]
+        src, dst = Shard(r, src_tp, 2), Shard(d, dst_tp, 2)
+        # a decode reads attention from the one rank sends_to names, each state group from every rank;
+        # vLLM lays every group's layer i over one buffer, so each group has blocks of its own
+        maps = [
+            block_map(s_attn, d_attn, ids[src_tp], ids[dst_tp], num_tokens=700, src_shard=src, dst_shard=dst)
+        ]
+        maps = [m for m in maps if src.sends_to(dst) and m.kind != "empty"]
+        states = [
+            block_map(s, t, [3 + k], [3 + k], src_shard=src, dst_shard=dst)
+            for k, (s, t) in enumerate(zip(s_states, d_states, strict=True))
+        ]
+        maps += [m for m in states if m.num_runs]
+        attention = 700 * 12 * 512 * 2 if p["attention"]["bytes"] else 0
+        if attention:  # model head r * 2 // TP: both ranks hold it
+            assert r * 2 // src_tp == d * 2 // dst_tp
+            senders[d].append(r)
+        state = 36 * _gdn_bytes((src_tp, r), (dst_tp, d))
+        assert (p["attention"]["bytes"], p["state"]["bytes"], p["bytes"]) == (
+            attention,
+            state,
+            attention + state,
+        )
+        assert p["runs"] == sum(m.num_runs for m in maps) and p["bytes"] == sum(m.num_bytes for m in maps)
+        assert p["state"]["kind"] == ("resharded state" if state else "empty")
+        if maps:
+            assert p["descriptors"]["direct"] == estimate(join_maps(maps)).descriptors["direct"]
+        else:
+            assert "descriptors" not in p
+    assert all(len(s) == 1 for s in senders.values())  # each decode rank's head from one rank
+    code, out, _ = run(capsys, *argv)
+    lines = out.splitlines()
+    assert lines[1].startswith("  and the running Mamba state, one block id a side: src 36 layers")
+    if src_tp == 2:
+        assert (
+            "  src rank 1 -> dst rank 3: attention re-blocked, 12 runs, 8601600 bytes; state resharded state, 144 "
+            "runs, 9879552 bytes; together 156 runs, 18481152 bytes, mean run 118469 B"
+        ) in lines
+    else:  # rank 1 holds rank 0's head: it sends its state alone
+        assert (
+            "  src rank 1 -> dst rank 0: attention none (src rank 0 holds the same heads and sends them: one "
+            "replica sends each head, as Shard.sends_to says); state resharded state, 144 runs, 9879552 bytes; "
+            "together 144 runs"
+        ) in out
+
+
+def test_plan_holds_mamba_state_whole_on_every_dcp_rank(capsys: pytest.CaptureFixture[str]) -> None:
+    """vLLM never shards Mamba state by CP rank (``MambaSpec.max_num_blocks_per_req``: "Mamba
+    state is replicated across DCP/PCP ranks"): each DCP rank holds its TP rank's slices.
+    A state plan under DCP is the plan without it; a hybrid's attention is cut by CP rank
+    (decode CP rank r of 2 holds the request's tokens t with t % 2 == r: 350 of 700) and
+    its state moves whole. Before, plan refused --*-dcp with --*-state."""
+    dcp = ["--dst-dcp", "2"]
+    state = ["plan", *_state_side("src", 2, True), *_state_side("dst", 4, True), "--dtype", "int8",
+             "--tokens", "700", "--json"]  # fmt: skip
+    code, out, err = run(capsys, *state, *dcp)
+    assert (code, err) == (0, "")
+    under, bare = json.loads(out), json.loads(run(capsys, *state)[1])
+    assert under["dst"]["dcp"] == 2 and under["pairs"] == bare["pairs"]
+    hybrid = ["plan", *_hybrid_side("src", 2), *_hybrid_side("dst", 4), "--kv-heads", "2", "--tokens", "700",
+              "--json"]  # fmt: skip
+    code, out, err = run(capsys, *hybrid, *dcp)
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    for p, alone in zip(plan["pairs"], bare["pairs"], strict=True):
+        assert {k: p["state"][k] for k in ("kind", "runs", "bytes")} == {
+            k: alone[k] for k in ("kind", "runs", "bytes")
+        }
+        same_head = p["src_rank"] == p["dst_rank"] // 2
+        assert p["attention"]["bytes"] == (350 * 12 * 512 * 2 if same_head else 0)
+        assert p["bytes"] == p["attention"]["bytes"] + p["state"]["bytes"]
+
+
+def test_plan_of_a_hybrid_refuses_a_state_shape_without_its_spec(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["plan", *_hybrid_side("src", 2), *_hybrid_side("dst", 4), "--tokens", "700"]
+    for flag in ("--src-state", "--dst-state"):
+        at = argv.index(flag)
+        del argv[at : at + 2]
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "")
+    assert "--src-state-shape and --dst-state-shape without --src-state and --dst-state" in err
+    argv = ["plan", *_hybrid_side("src", 2), *_hybrid_side("dst", 4), "--tokens", "700"]
+    at = argv.index("--dst-state-shape")
+    argv[at + 1] = "36x[8,1,1,4096]"  # a page the states do not fit: named by its flag
+    code, out, err = run(capsys, *argv)
+    assert (code, out) == (2, "") and "--dst-state on --dst-state-shape 36x[8,1,1,4096]: the states" in err, (
+        err
+    )
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(1, 2), (2, 1), (2, 2)])
+def test_plan_of_a_tp_replicated_state_sends_it_whole_from_one_rank(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, src_tp: int, dst_tp: int
+) -> None:
+    """A ``tp_replicated`` MambaSpec (Qwen4's PLE short convolution, ``ple_layer.py``:
+    ``is_kv_cache_tp_replicated``, its shape ``short_conv_state_shape(tp_world_size=1,
+    ...)`` at any TP) given as ``--*-state ...,tp_replicated``: every rank holds the whole
+    state, so each dst rank gets it whole from one src rank. The numbers are the maps of
+    vLLM's own registrations of such a spec (read through the edits). Before, the state
+    read as TP-sharded: refused between degrees ("replicated rather than sharded"), and
+    sent to a dst rank from no rank but its own index's at one degree."""
+    import kvlayout.testing.vllm as vx
+    from kvlayout.transfer import Shard, block_map
+
+    monkeypatch.setenv("VLLM_SSM_CONV_STATE_LAYOUT", "DS")
+    layers = tuple((f"model.layers.{i}.self_attn.attn" if i in (2, 5) else f"model.layers.{i}.ple", i in (2, 5))
+                   for i in range(8))  # fmt: skip
+    groups, pages, argv = {}, {}, ["plan", "--dtype", "int8", "--tokens", "10", "--json"]
+    for where, tp in (("src", src_tp), ("dst", dst_tp)):
+        attn = vx.kvi.FullAttentionSpec(
+            block_size=1, num_kv_heads=8 // tp, head_size=64, dtype=torch.bfloat16
+        )
+        engine = vx.state_hybrid_engine(attn, (((1024, 2),), (torch.bfloat16,)), "SHORT_CONV", vx.FLASHINFER,
+                                        layers, mamba_cache_mode="none", tp_replicated=True)  # fmt: skip
+        raw = vx.allocate_v033(engine)[1]
+        reg = vx.detect_registered(engine, raw, {"kv_layout": "NHD"}, edited=True, prefix_reuse=False)
+        groups[where] = next(g for g in reg.kernel_groups if g.opaque_pages is not None)
+        spec = engine.spec_of(engine.config.kv_cache_groups[groups[where].engine_group].layer_names[0])
+        pages[where] = spec.page_size_bytes
+        shape = f"{len(groups[where].layers)}x[4,1,1,{spec.page_size_bytes}]"
+        argv += [f"--{where}-engine", "vllm", f"--{where}-shape", shape, f"--{where}-tp", str(tp),
+                 f"--{where}-state", "short_conv:1024x2:bf16,tp_replicated"]  # fmt: skip
+    code, out, err = run(capsys, *argv)
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    senders: dict[int, list[int]] = {d: [] for d in range(dst_tp)}
+    for p in plan["pairs"]:
+        m = block_map(groups["src"], groups["dst"], [0], [0], src_shard=Shard(p["src_rank"], src_tp, 8),
+                      dst_shard=Shard(p["dst_rank"], dst_tp, 8))  # fmt: skip
+        # each layer's whole state, any ranks; between ranks alike its whole page (padding too)
+        page = 1024 * 2 * 2 if src_tp != dst_tp else pages["src"]
+        assert m.num_bytes == len(m.src.layers) * page
+        if p["bytes"]:
+            senders[p["dst_rank"]].append(p["src_rank"])
+            assert (p["kind"], p["runs"], p["bytes"]) == (m.kind, m.num_runs, m.num_bytes)
+        else:
+            assert p["kind"] == "replica" and "tp_replicated" in p["reason"]
+    assert all(len(s) == 1 for s in senders.values()), senders  # each dst rank's state from one rank
+
+
+def test_plan_of_a_hybrid_as_the_docs_show(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/pd-connectors.md's hybrid line is the plan the hybrid test checks against vLLM's
+    registrations (prefill TP 2 into decode TP 4), its flags in another order and its
+    block ids scattered, and it runs."""
+    docs = (Path(__file__).parents[2] / "docs" / "pd-connectors.md").read_text()
+    line = next(x for x in docs.splitlines() if "kvlayout plan" in x and "--src-state-shape" in x)
+    argv = [a.strip("'") for a in line.split("$ kvlayout ", 1)[1].split()]
+    checked = [*_hybrid_side("src", 2), *_hybrid_side("dst", 4), "--kv-heads", "2", "--tokens", "700"]
+    assert argv[0] == "plan" and sorted(zip(argv[1::2], argv[2::2], strict=True)) == sorted(
+        zip(checked[::2], checked[1::2], strict=True)
+    )
+    code, out, err = run(capsys, *argv)
+    assert (code, err) == (0, "") and "together 180 runs, 18481152 bytes" in out

@@ -295,11 +295,19 @@ def build_parser() -> argparse.ArgumentParser:
                             f"--{where}-shape reads in (vLLM's scheduler blocks over a group its "
                             "attention kernel pages finer: FlashInfer's pages of a hybrid's 544-token "
                             "blocks); default: those")  # fmt: skip
-        p.add_argument(f"--{where}-state", default=None, metavar="TYPE:DIMS:DTYPE[,DIMS:DTYPE]",
+        p.add_argument(f"--{where}-state", default=None,
+                       metavar="TYPE:DIMS:DTYPE[,DIMS:DTYPE][,tp_replicated]",
                        help=f"--{where}-shape is vLLM's Mamba layers (NLx[NB,1,1,PAGE] int8, as vLLM 0.33 "
                             "registers them) of a MambaSpec of this mamba_type, shapes and dtypes, e.g. "
                             f"{STATE_EXAMPLE}; plans the running state, one block id a side ('none' "
-                            f"mode; align mode: --{where}-block-size, the spec's block_size)")  # fmt: skip
+                            f"mode; align mode: --{where}-block-size, the spec's block_size); a last "
+                            "item tp_replicated where the spec's is True (every rank holds the whole "
+                            "state)")  # fmt: skip
+        p.add_argument(f"--{where}-state-shape", default=None, metavar="NLx[NB,1,1,PAGE]",
+                       help=f"a hybrid's Mamba layers beside the attention group --{where}-shape (int8, as "
+                            f"vLLM 0.33 registers them; --{where}-state gives their MambaSpec): one plan "
+                            "of the request, each rank pair's attention and state maps posted as one "
+                            "transfer")  # fmt: skip
     p.add_argument(
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )

@@ -86,12 +86,15 @@ STATE_EXAMPLE = "gdn_attn:4096x3:bf16,16x128x128:bf16"
 ``MambaSpec``: ``mamba_type``, then each of ``shapes`` with its ``dtypes`` entry)."""
 
 
-def _state_fields(flag: str, text: str) -> tuple[str, list[tuple[int, ...]], list[Any]]:
-    """``--*-state TYPE:DIMS:DTYPE[,DIMS:DTYPE]``: a ``MambaSpec``'s ``mamba_type``,
-    ``shapes`` and ``dtypes`` (torch dtypes), or the command line's error."""
+def _state_fields(flag: str, text: str) -> tuple[str, list[tuple[int, ...]], list[Any], bool]:
+    """``--*-state TYPE:DIMS:DTYPE[,DIMS:DTYPE][,tp_replicated]``: a ``MambaSpec``'s
+    ``mamba_type``, ``shapes``, ``dtypes`` (torch dtypes) and ``tp_replicated``, or the
+    command line's error."""
     kind, _, rest = text.partition(":")
+    items = rest.split(",") if rest else []
+    replicated = items[-1:] == ["tp_replicated"]
     fields: tuple[list[tuple[int, ...]], list[Any]] = ([], [])
-    for item in rest.split(",") if rest else []:
+    for item in items[:-1] if replicated else items:
         dims, _, dtype = item.rpartition(":")
         sizes = [_natural(d) for d in dims.split("x")]
         if dtype not in SHORT_NAMES or not dims or any(n is None or not 0 < n <= MAX_DIM for n in sizes):
@@ -101,20 +104,23 @@ def _state_fields(flag: str, text: str) -> tuple[str, list[tuple[int, ...]], lis
         fields[1].append(_torch_dtype(dtype))
     if not kind or not fields[0]:  # a count of states no rule splits is declared_state_rows' to refuse
         raise KVLayoutError(
-            f"{flag} {abbreviated(text, limit=120)!r} is not TYPE:DIMS:DTYPE[,DIMS:DTYPE]: vLLM's MambaSpec "
-            f"mamba_type, then each state shape (dims 1 to 2**32 - 1, joined by x) and its dtype (one of "
-            f"{', '.join(SHORT_NAMES)}), conv state then SSM state: {STATE_EXAMPLE} for Qwen3-Next at TP 2"
+            f"{flag} {abbreviated(text, limit=120)!r} is not TYPE:DIMS:DTYPE[,DIMS:DTYPE][,tp_replicated]: "
+            "vLLM's MambaSpec mamba_type, then each state shape (dims 1 to 2**32 - 1, joined by x) and its "
+            f"dtype (one of {', '.join(SHORT_NAMES)}), conv state then SSM state, and tp_replicated where "
+            f"the spec's is True (every rank holds the whole state): {STATE_EXAMPLE} for Qwen3-Next at TP 2"
         )
-    return kind.lower(), *fields
+    return kind.lower(), *fields, replicated
 
 
 def _state_side(
-    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object]
+    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object], shape_flag: str
 ) -> tuple[Any, Any]:
     """A side given with ``--{where}-state``: vLLM 0.33's Mamba layers as it registers them
-    (``--{where}-shape NLx[NB,1,1,PAGE]``, the page padded as vLLM pads it), read as the
-    group edits read them for a ``MambaSpec`` of the state's fields, in blocks of
-    ``--{where}-block-size`` rows (align mode) or one ('none' mode)."""
+    (``shape_flag NLx[NB,1,1,PAGE]``: ``--{where}-shape``, or ``--{where}-state-shape``
+    beside the attention group; the page padded as vLLM pads it), read as the group
+    edits read them for a ``MambaSpec`` of the state's fields, in blocks of
+    ``--{where}-block-size`` rows (align mode; state alone) or one ('none' mode, or beside
+    attention, whose block size that flag then is)."""
     import torch
 
     import kvlayout
@@ -126,7 +132,7 @@ def _state_side(
         raise KVLayoutError(f"{flag} reads vLLM's Mamba layers (a MambaSpec's page), not {engine.value}'s")
     if not isinstance(kv, list) or len(spec.parts) > 1 or not all(isinstance(t, torch.Tensor) for t in kv):
         raise KVLayoutError(
-            f"--{where}-shape {_shown(spec.text)}: with {flag}, a list of one tensor a Mamba layer, as vLLM "
+            f"{shape_flag} {_shown(spec.text)}: with {flag}, a list of one tensor a Mamba layer, as vLLM "
             "0.33 registers them: NLx[NB,1,1,PAGE] (PAGE the spec's page_size_bytes, with --dtype int8)"
         )
     if kv[0].dtype != STATE_ROWS_DTYPE:  # PAGE counts bytes: in another dtype, a multiple of the page
@@ -134,43 +140,59 @@ def _state_side(
             f"--dtype {a['dtype']} with {flag}: vLLM 0.33 registers a Mamba layer as int8 [NB,1,1,PAGE], "
             "PAGE the spec's page_size_bytes; give --dtype int8"
         )
-    kind, shapes, dtypes = _state_fields(flag, a[f"{where}_state"])
-    rows = a[f"{where}_block_size"] or 1
+    kind, shapes, dtypes, replicated = _state_fields(flag, a[f"{where}_state"])
+    # beside attention, --*-block-size is the attention's: the running state is one page whatever
+    # its rows (align mode's block_size rows move the same bytes), so it is read as one row
+    rows = 1 if shape_flag.endswith("-state-shape") else a[f"{where}_block_size"] or 1
     try:
-        views = [declared_state_rows(t, kind, shapes, dtypes, rows) for t in kv]
+        views = [declared_state_rows(t, kind, shapes, dtypes, rows, tp_replicated=replicated) for t in kv]
     except KVCacheGroupEditError as e:
-        raise KVLayoutError(f"{flag} on --{where}-shape {_shown(spec.text)}: {e}") from None
+        raise KVLayoutError(f"{flag} on {shape_flag} {_shown(spec.text)}: {e}") from None
     try:
         reg = kvlayout.detect(views, engine, hints)
     except (KVLayoutError, TypeError) as e:
-        raise KVLayoutError(f"--{where}-shape: detection refuses its state pages: {e}") from None
+        raise KVLayoutError(f"{shape_flag}: detection refuses its state pages: {e}") from None
     return reg, reg.kernel_groups[0]
 
 
-def _state_plan(args: argparse.Namespace, sides: dict[str, Any]) -> bool:
-    """Whether both sides are Mamba state (``--*-state``); a state side against attention,
-    or state under DCP or from a first token, is the command line's error."""
-    given = {w: vars(args)[f"{w}_state"] is not None for w in sides}
-    if not any(given.values()):
-        return False
-    if not all(given.values()):
-        w, o = ("src", "dst") if given["src"] else ("dst", "src")
-        raise KVLayoutError(
-            f"--{w}-state is given and --{o}-state is not: a state group maps into a state group (give "
-            f"--{o}-state), and an attention group into an attention group, each planned on its own"
-        )
+def _state_plan(args: argparse.Namespace) -> Literal["attention", "state", "hybrid"]:
+    """What the plan moves: attention alone; Mamba state alone (``--*-state`` on both
+    sides, ``--*-shape`` the state's layers); or a hybrid's request whole, an attention
+    group (``--*-shape``) and its state group (``--*-state-shape`` with ``--*-state``) on
+    both sides. Given on one side only, or state alone with ``--first-token`` or
+    ``--kv-heads``, is the command line's error."""
+    a = vars(args)
+    for flag in ("state-shape", "state"):
+        key = flag.replace("-", "_")
+        given = {w: a[f"{w}_{key}"] is not None for w in ("src", "dst")}
+        if given["src"] != given["dst"]:
+            w, o = ("src", "dst") if given["src"] else ("dst", "src")
+            raise KVLayoutError(
+                f"--{w}-{flag} is given and --{o}-{flag} is not: a state group maps into a state group (give "
+                f"--{o}-{flag}), and an attention group into an attention group"
+            )
+    if a["src_state_shape"] is not None:
+        if a["src_state"] is None:
+            raise KVLayoutError(
+                "--src-state-shape and --dst-state-shape without --src-state and --dst-state: a Mamba page's "
+                f"shape does not say its states; give each side's MambaSpec fields ({STATE_EXAMPLE})"
+            )
+        return "hybrid"
+    if a["src_state"] is None:
+        return "attention"
     if args.first_token:
         raise KVLayoutError(
             f"--first-token {args.first_token}: a Mamba state page holds no tokens (the request's running "
-            "state moves whole); plan it without --first-token"
+            "state moves whole); plan it without --first-token, or with the attention group beside it "
+            "(--src-shape, the state as --src-state-shape), which --first-token then cuts"
         )
-    for w in sides:
-        if vars(args)[f"{w}_dcp"] > 1:
-            raise KVLayoutError(
-                f"--{w}-dcp {vars(args)[f'{w}_dcp']}: vLLM never shards Mamba state by CP rank (MambaSpec: "
-                "each TP rank holds its slices whole); plan the state without --*-dcp"
-            )
-    return True
+    if args.kv_heads is not None:  # a state page's slices follow the rank and the degree alone
+        raise KVLayoutError(
+            f"--kv-heads {args.kv_heads}: it counts attention KV heads, and a Mamba state page holds none "
+            "(each rank's slices follow its TP rank and degree alone); plan the state without it, or with "
+            "the attention group beside it (--src-shape, the state as --src-state-shape)"
+        )
+    return "state"
 
 
 MAX_TP = 1024
@@ -256,14 +278,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     when a pair cannot be served (the plan says why)."""
     import torch
 
+    from kvlayout.integrations.vllm.rules import STATE_ROWS_DTYPE
     from kvlayout.registration.shards import Shard, ShardError
     from kvlayout.transfer.nixl import DEFAULT_COST
     from kvlayout.types import LayoutHints, as_engine
 
     dtype = _torch_dtype(args.dtype)
     _plan_bounds(args)
+    what = _state_plan(args)
+    state = what == "state"
     meta = torch.device("meta")
     sides: dict[str, tuple[Any, Any]] = {}
+    state_sides: dict[str, tuple[Any, Any]] = {}  # a hybrid's state group, beside its attention's
     notes: dict[str, str | None] = {}
     a = vars(args)
     for where in ("src", "dst"):
@@ -278,10 +304,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise KVLayoutError(f"--{where}-hint: {e}") from None
         spec = _registration_spec(f"--{where}-shape", a[f"{where}_shape"], args.dtype)
         kv = _registration(spec, dtype, meta, a[f"{where}_share"], f"--{where}-share")  # refused as given
-        if a[f"{where}_state"] is not None:
-            sides[where] = _state_side(where, a, kv, spec, engine, hints)
+        if state:
+            sides[where] = _state_side(where, a, kv, spec, engine, hints, f"--{where}-shape")
             notes[where] = None
             continue
+        if what == "hybrid":  # vLLM registers a Mamba layer as int8 whatever --dtype (the attention's)
+            flag = f"--{where}-state-shape"
+            state_spec = _registration_spec(flag, a[f"{where}_state_shape"], "int8")
+            state_kv = _registration(state_spec, STATE_ROWS_DTYPE, meta, [], f"--{where}-share")
+            state_sides[where] = _state_side(where, a, state_kv, state_spec, engine, hints, flag)
         try:
             reg = _detect_kv(kv, spec, engine, hints)
         except (KVLayoutError, TypeError) as e:
@@ -316,7 +347,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
             )
         sides[where] = (reg, group)
         notes[where] = _one_head_note(where, kv, spec, engine, hints, reg)
-    state = _state_plan(args, sides)
     heads = {w: None if state else _side_heads(r) for w, (r, _) in sides.items()}
     notes = _latent_notes(notes, heads)
     for where, (_, group) in sides.items():
@@ -393,8 +423,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
             group.geometry.num_blocks // (per // bs),
             where,
         )
+    record["hybrid"] = what == "hybrid"
     try:
-        _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None, state=state)
+        if what == "hybrid":  # both groups' maps of each pair, posted as one transfer
+            state_heads = model_heads if heads["src"] is not None else None
+            _hybrid_pairs(
+                args, record, (descs, ids, model_heads, heads["src"] is None), state_sides, state_heads
+            )
+        else:
+            _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None, state=state)
     except MemoryError:  # numpy's and the native maps' allocations: bounded above, not by the machine
         raise KVLayoutError(
             f"--tokens {args.tokens}: the block maps of this plan need more memory than this machine gives; "
@@ -405,6 +442,58 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         _print_plan(record)
     return 1 if any("refused" in p for p in record["pairs"]) else 0
+
+
+def _hybrid_pairs(
+    args: argparse.Namespace, record: dict[str, Any], attention: tuple[Any, Any, int | None, bool],
+    state_sides: dict[str, tuple[Any, Any]], model_heads: int | None,
+) -> None:  # fmt: skip
+    """A hybrid's request whole into ``record``: each rank pair's attention map (sent by
+    one replica, as :func:`_plan_pairs` plans it) and state map (from every rank holding
+    slices of the pair's), joined as vLLM's NixlConnector posts them (one transfer), its
+    descriptors and predicted times those of the joined map. ``attention``: its
+    descriptions, block ids, model heads and whether it is latents; ``model_heads``:
+    the state's shards' heads (the model's attention KV heads, None for latents: a state
+    shard reads only the rank and the degree)."""
+    from kvlayout.transfer import join_maps
+
+    heads = model_heads or math.lcm(args.src_tp, args.dst_tp)
+    _plan_work(
+        args, None, {w: len(g.layers) for w, (_, g) in state_sides.items()}, 1, "state blocks of 1 row"
+    )
+    descs, ids = {}, {}
+    for where, (reg, group) in state_sides.items():
+        g = group.geometry
+        try:  # apart from the attention's memory (vLLM lays both over one buffer, other block ids)
+            descs[where] = reg.describe(block_size=g.block_size, at=1 << 47 if where == "src" else 1 << 48)
+        except KVLayoutError as e:
+            raise KVLayoutError(
+                f"--{where}-state-shape: plan describes it as a peer would, and cannot: {e}"
+            ) from None
+        ids[where] = _block_ids(args.blocks, 1, g.num_blocks, f"{where} state")
+        record[where]["state"] = {"format": group.format.name, "block_size": g.block_size,
+                                  "num_blocks": g.num_blocks, "layers": len(group.layers)}  # fmt: skip
+    parts: dict[str, dict[str, Any]] = {"attention": {"pairs": []}, "state": {"pairs": []}}
+    maps: dict[str, dict[tuple[int, int], Any]] = {"attention": {}, "state": {}}
+    a_descs, a_ids, a_heads, latent = attention
+    _plan_pairs(args, parts["attention"], a_descs, a_ids, a_heads, latent=latent, maps=maps["attention"])
+    _plan_pairs(args, parts["state"], descs, ids, heads, latent=False, state=True, maps=maps["state"])
+    for at, st in zip(parts["attention"]["pairs"], parts["state"]["pairs"], strict=True):
+        key = (at["src_rank"], at["dst_rank"])
+        pair: dict[str, Any] = {"src_rank": key[0], "dst_rank": key[1]}
+        for name, part in (("attention", at), ("state", st)):
+            pair[name] = {k: part[k] for k in ("refused", "kind", "reason", "runs", "bytes") if k in part}
+        refused = [
+            f"{name}: {pair[name]['refused']}" for name in ("attention", "state") if "refused" in pair[name]
+        ]
+        if refused:
+            pair["refused"] = "; ".join(refused)
+        else:
+            sent = [maps[name][key] for name in ("attention", "state") if key in maps[name]]
+            pair |= {"runs": sum(m.num_runs for m in sent), "bytes": sum(m.num_bytes for m in sent)}
+            if sent:
+                _estimated(pair, join_maps(sent), args.poster)
+        record["pairs"].append(pair)
 
 
 def _plan_work(
@@ -444,16 +533,21 @@ def _plan_work(
 def _plan_pairs(
     args: argparse.Namespace, record: dict[str, Any], descs: dict[str, Any], ids: dict[str, Any],
     model_heads: int | None, *, latent: bool, state: bool = False,
+    maps: dict[tuple[int, int], Any] | None = None,
 ) -> None:  # fmt: skip
     """Each rank pair's block map and cost, or why it cannot be served, into ``record``
     (``latent``: the src holds MLA latents, which every rank holds whole; ``state``: Mamba
     state pages, each rank's slices its own, so every pair sends what both hold, as vLLM's
-    NixlConnector reads a Mamba group from every prefill rank)."""
+    NixlConnector reads a Mamba group from every prefill rank, and held whatever the DCP
+    size: vLLM never shards Mamba state by CP rank). ``maps``: where given, each pair
+    that sends runs gets its map there, by ``(src rank, dst rank)``, and no estimate."""
     from kvlayout.registration.shards import Shard
     from kvlayout.transfer import block_map
 
     def shard(where: str, rank: int) -> Shard | None:
         tp, dcp, interleave = (vars(args)[f"{where}_{k}"] for k in ("tp", "dcp", "cp_interleave"))
+        if state:  # each DCP rank holds its TP rank's slices whole (MambaSpec.max_num_blocks_per_req)
+            return Shard(rank, tp, model_heads or 1)
         if model_heads is None and dcp == 1:
             return None
         return Shard(rank, tp, model_heads or 1, rank % dcp, dcp, interleave if dcp > 1 else 1)
@@ -478,8 +572,19 @@ def _plan_pairs(
                 continue
             pair |= {"kind": m.kind, "reason": m.reason, "runs": m.num_runs, "bytes": m.num_bytes}
             if state:
-                if m.num_runs:
-                    _estimated(pair, m, args.poster)
+                # a state every rank holds whole (tp_replicated) is sent by one rank, as latents are
+                if (
+                    m.num_runs
+                    and m.latents
+                    and _sender(Shard(r, args.src_tp, 1), Shard(d, args.dst_tp, 1)) != r
+                ):
+                    sender = _sender(Shard(r, args.src_tp, 1), Shard(d, args.dst_tp, 1))
+                    pair |= {"kind": "replica", "runs": 0, "bytes": 0, "reason": (
+                        f"src rank {sender} holds the same state (every rank holds it whole: tp_replicated) "
+                        "and sends it: one replica sends it, as Shard.sends_to says"
+                    )}  # fmt: skip
+                if pair["runs"]:
+                    _keep(pair, m, args.poster, maps)
                 record["pairs"].append(pair)
                 continue
             # several src ranks hold these heads (or, for latents, all of them): one sends
@@ -499,8 +604,18 @@ def _plan_pairs(
                     f"{how}"
                 )}  # fmt: skip
             if pair["runs"]:
-                _estimated(pair, m, args.poster)
+                _keep(pair, m, args.poster, maps)
             record["pairs"].append(pair)
+
+
+def _keep(
+    pair: dict[str, Any], m: Any, poster: Literal["src", "dst"], maps: dict[tuple[int, int], Any] | None
+) -> None:
+    """A pair that sends ``m``: estimated, or its map kept in ``maps`` (a hybrid's group)."""
+    if maps is None:
+        _estimated(pair, m, poster)
+    else:
+        maps[pair["src_rank"], pair["dst_rank"]] = m
 
 
 def _estimated(pair: dict[str, Any], m: Any, poster: Literal["src", "dst"]) -> None:
@@ -550,6 +665,12 @@ def _print_plan(r: dict[str, Any]) -> None:
             f"dst {d['format']} TP {d['tp']}{_dcp(d)} (blocks of {d['block_size']}); "
             f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
         )
+    if r["hybrid"]:
+        print(
+            f"  and the running Mamba state, one block id a side: src {s['state']['layers']} layers "
+            f"({s['state']['format']}), dst {d['state']['layers']} layers ({d['state']['format']}); "
+            "each pair's maps posted as one transfer"
+        )
     for side in (s, d):
         if side["note"]:
             print(f"  note: {side['note']}")
@@ -558,10 +679,26 @@ def _print_plan(r: dict[str, Any]) -> None:
         if "refused" in p:
             print(f"{head} cannot be served: {p['refused']}")
         elif not p["runs"]:
-            print(f"{head} nothing to send ({p['reason']})")
+            why = (
+                "; ".join(f"{k}: {p[k]['reason']}" for k in ("attention", "state"))
+                if r["hybrid"]
+                else p["reason"]
+            )
+            print(f"{head} nothing to send ({why})")
         else:
             n, t = p["descriptors"], p["predicted_s"]
-            print(f"{head} {p['kind']}; {p['runs']} runs, {p['bytes']} bytes, mean run {p['mean_run']:.0f} B")
+            if r["hybrid"]:
+                each_group = "; ".join(
+                    f"{k} {g['kind']}, {g['runs']} runs, {g['bytes']} bytes"
+                    if g["runs"]
+                    else f"{k} none ({g['reason']})"
+                    for k, g in ((k, p[k]) for k in ("attention", "state"))
+                )
+                print(f"{head} {each_group}; together {p['runs']} runs, {p['bytes']} bytes, "
+                      f"mean run {p['mean_run']:.0f} B")  # fmt: skip
+            else:
+                mean = f"mean run {p['mean_run']:.0f} B"
+                print(f"{head} {p['kind']}; {p['runs']} runs, {p['bytes']} bytes, {mean}")
             each = "; ".join(f"{k} {n[k]} descriptors, {t[k] * 1e3:.2f} ms" for k in n)
             stages = p["stages"][p["choice"]]
             print(
