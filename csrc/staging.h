@@ -140,11 +140,14 @@ inline std::vector<std::int64_t> address_order(const ByteRun* runs, std::size_t 
   return order;
 }
 
-// Whether a stretch of `runs` runs at [at, at + bytes) goes as one: where it would cross
-// from one interval into the next, it goes as its runs.
-inline bool stretch_holds(const std::vector<block_map::Span>& intervals, std::uint64_t at, std::uint64_t bytes,
-                          std::size_t runs, std::size_t& hint) {
-  return runs <= 1 || block_map::detail::inside(intervals, at, bytes, hint);
+// Whether a run at `next` of `len` bytes extends the stretch at [at, at + bytes): it
+// starts where the stretch ends and the two lie inside one interval. A stretch ends where
+// the next run would take it from one interval into the next (two tensors that touch:
+// vLLM's layers, one after another in one allocation), so it is one descriptor inside one
+// registered region, and the runs on each side of the boundary still go as stretches.
+inline bool extends(const std::vector<block_map::Span>& intervals, std::uint64_t at, std::uint64_t bytes,
+                    std::uint64_t next, std::uint64_t len, std::size_t& hint) {
+  return next == at + bytes && block_map::detail::inside(intervals, at, bytes + len, hint);
 }
 
 // What the staged layout holds per stretch.
@@ -160,46 +163,32 @@ struct Stretches {
 enum class Copies : int { kNone = 0, kToStaging = 1, kFromStaging = 2 };
 
 // `order` (n positions, or null for the runs' own order) lists the runs by address on
-// side `col`; `intervals` are that side's memory. A stretch that would cross from one
-// interval into the next is cut into its runs. `copies_out` (n rows, or null) gets the
-// copies.
+// side `col`; `intervals` are that side's memory (sorted, disjoint). A stretch never
+// crosses from one interval into the next (extends). `copies_out` (n rows, or null) gets
+// the copies.
 inline Stretches stretches(const ByteRun* runs, std::size_t n, const std::int64_t* order, int col,
                            const std::vector<block_map::Span>& intervals, std::uint64_t base, Copies copies,
                            ByteRun* copies_out) {
   Stretches out;
   const auto run = [&](std::size_t k) -> const ByteRun& { return runs[order ? order[k] : k]; };
   std::size_t hint = 0;
-  const auto open = [&](std::size_t k, std::uint64_t offset) {
-    out.first.push_back(static_cast<std::int64_t>(k));
-    out.at.push_back(on(run(k), col));
-    out.staged_at.push_back(base + offset);
-    out.bytes.push_back(run(k).len);
-  };
   std::uint64_t offset = 0;
-  std::size_t begin = 0;  // the current stretch's first position
-  // The stretch [begin, end) is done: where it crosses intervals, its runs go alone.
-  const auto close = [&](std::size_t end) {
-    if (stretch_holds(intervals, out.at.back(), out.bytes.back(), end - begin, hint)) return;
-    const std::uint64_t staged = out.staged_at.back() - base;
-    out.first.pop_back(), out.at.pop_back(), out.staged_at.pop_back(), out.bytes.pop_back();
-    for (std::size_t j = begin, o = 0; j < end; o += run(j).len, ++j) open(j, staged + o);
-  };
   for (std::size_t k = 0; k < n; ++k) {
     const ByteRun& r = run(k);
     if (copies_out != nullptr) {
       copies_out[k] = copies == Copies::kToStaging ? ByteRun{off(r, col), base + offset, r.len}
                                                    : ByteRun{base + offset, off(r, col), r.len};
     }
-    if (k > 0 && on(r, col) == out.at.back() + out.bytes.back()) {
+    if (k > 0 && extends(intervals, out.at.back(), out.bytes.back(), on(r, col), r.len, hint)) {
       out.bytes.back() += r.len;
     } else {
-      if (k > 0) close(k);
-      open(k, offset);
-      begin = k;
+      out.first.push_back(static_cast<std::int64_t>(k));
+      out.at.push_back(on(r, col));
+      out.staged_at.push_back(base + offset);
+      out.bytes.push_back(r.len);
     }
     offset += r.len;
   }
-  if (n > 0) close(n);
   return out;
 }
 
@@ -207,21 +196,16 @@ inline Stretches stretches(const ByteRun* runs, std::size_t n, const std::int64_
 // without laying them out or listing the order: what pricing a staged layout needs.
 inline std::size_t stretch_count(const ByteRun* runs, std::size_t n, int col,
                                  const std::vector<block_map::Span>& intervals) {
-  std::size_t count = 0, hint = 0, k = 0;  // k: the current stretch's runs
+  std::size_t count = 0, hint = 0;
   std::uint64_t at = 0, bytes = 0;
-  const auto close = [&] {
-    count += stretch_holds(intervals, at, bytes, k, hint) ? 1 : k;
-  };
   in_address_order(runs, n, col, [&](std::size_t i) {
     const ByteRun& r = runs[i];
-    if (k != 0 && on(r, col) == at + bytes) {
-      bytes += r.len, ++k;
+    if (count != 0 && extends(intervals, at, bytes, on(r, col), r.len, hint)) {
+      bytes += r.len;
       return;
     }
-    if (k != 0) close();
-    at = on(r, col), bytes = r.len, k = 1;
+    ++count, at = on(r, col), bytes = r.len;
   });
-  if (k != 0) close();
   return count;
 }
 

@@ -1131,9 +1131,9 @@ def test_a_block_map_counts_its_stretches_without_sorting_its_runs(
     """Pricing a staged or peer-staged candidate counts the stretches of one side's
     memory; for a block map whose side's tensors lie apart they are the runs of the map
     from that side to itself, counted without sorting this map's runs, and as many as the
-    sort counts. Where tensors touch (every layer a slice of one pool), a stretch may run
-    from one into the next, which the sort cuts into its runs: those are counted by the
-    sort."""
+    sort counts. Where tensors touch (every layer a slice of one pool), the sort counts
+    them, a stretch ending at each tensor's end (one descriptor inside one tensor), so the
+    whole pool is a stretch a layer there too, not its runs."""
     import random
 
     import torch
@@ -1166,11 +1166,45 @@ def test_a_block_map_counts_its_stretches_without_sorting_its_runs(
     sorted_counts = [plans._stretch_count(None, runs, col, side) for col, side in ((0, m.src), (1, m.dst))]
     if pair != "layers of one pool":  # no sort: the native count of sorted runs is not reached
         monkeypatch.setattr(_native, "stretch_count", None)
-    elif ids == "whole pool":  # one stretch over three touching layers, which the sort counts as its runs
-        assert (m._side_runs(0), sorted_counts[0]) == (3, m.num_runs)
+    elif ids == "whole pool":  # three touching layers: a stretch each, cut where one ends
+        assert (m._side_runs(0), sorted_counts[0]) == (3, 3) and m.num_runs == 72
     assert [
         plans._stretch_count(m, runs, col, side) for col, side in ((0, m.src), (1, m.dst))
     ] == sorted_counts
+
+
+def test_a_stretch_ends_where_a_touching_tensor_does_and_its_runs_still_go_as_stretches() -> None:
+    """An HND cache into an NHD one (vLLM's LBHNC prefill into an LBNHC decode), every
+    layer a view of one allocation, so layer 0's last block touches layer 1's block 0: the
+    request's blocks of layer 0 and of layer 1 are consecutive in memory across that
+    boundary. A staged READ's stretches of the source are cut at the boundary (a
+    descriptor inside one tensor, which NIXL needs), not into the stretch's runs: 2
+    layers x 10 blocks, 8 consecutive (0-7), are 2 x 3 stretches, not the 1,200 runs a
+    permuting map has (a token and head each). The staging layout is the runs' in address
+    order, whatever the cut: each stretch starts where its first run's copy does."""
+    import torch
+
+    from kvlayout import EngineKVFormat as F
+    from kvlayout.registration.registration import bind
+    from kvlayout.transfer import block_map
+
+    pool = torch.zeros(2, 12, 4, 16, 32, dtype=torch.bfloat16)  # [L, B, H, N, C]: layers touch
+    nhd = [torch.zeros(12, 64, 4, 32, dtype=torch.bfloat16) for _ in range(2)]
+    src = bind(list(pool), F.NL_X_NB_NH_BS_CS)
+    dst = bind(nhd, F.NL_X_NB_BS_NH_CS)
+    m = block_map(src, dst, [3, 1, 7, 0, 5, 9, 2, 11, 4, 6], [8, 5, 2], num_tokens=160)
+    runs = np.ascontiguousarray(m.runs)
+    st = plans._stretches(runs, 0, m.src, copies=1)
+    layer = pool[0].numel() * 2
+    base = pool.data_ptr()
+    assert m.num_runs == 2 * 160 * 4 and len(st.first) == plans._stretch_count(m, runs, 0, m.src) == 2 * 3
+    assert all(
+        (a - base) // layer == (a + n - 1 - base) // layer for a, n in zip(st.addr, st.nbytes, strict=True)
+    )
+    assert int(st.nbytes.sum()) == m.num_bytes
+    order = st.order if len(st.order) else np.arange(len(runs))
+    assert (runs[order[st.first], 0] == st.addr).all()
+    assert (st.copies[st.first, 1] == st.staged).all()  # the gather's copies land where each stretch starts
 
 
 def test_calibration_charges_a_copied_run_its_own_cost_not_its_bytes_or_the_call(

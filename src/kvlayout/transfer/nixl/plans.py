@@ -474,8 +474,8 @@ def _stretches(
     runs: np.ndarray, col: int, side: MapSide, base: int = 0, copies: int = 0, order: np.ndarray | None = None
 ) -> _Stretches:
     """The runs by their address on side ``col`` (0 source, 1 destination) cut into
-    stretches (consecutive there, inside one tensor of ``side``; a stretch that would
-    cross from one into the next goes as its runs), laid out stretch after stretch in a
+    stretches (consecutive there, inside one tensor of ``side``: where two tensors touch,
+    a stretch ends at the boundary and the next begins there), laid out stretch after stretch in a
     staging buffer at ``base``; with ``copies`` 1 (2), each run's copy from the other
     side into (out of) its staging bytes, in that order (``csrc/staging.h``). ``order``
     is an earlier call's, to skip the sort."""
