@@ -1,6 +1,7 @@
 """Parity with the connector vLLM 0.33 ships (``kv_connector/v1/nixl``): every request its
 decode worker READs (heterogeneous TP either way, prefill blocks smaller than decode's, a
-prefill LBHNC cache into a decode LBNHC one under ``enable_permute_local_kv``, a prefix the
+prefill LBHNC cache into a decode LBNHC one under ``enable_permute_local_kv``, MLA latents
+read whole from the one prefill rank ``compute_tp_mapping`` picks, a prefix the
 decode's cache already holds, a partly filled last block), mapped by kvlayout as
 docs/pd-connectors.md says, lands byte-exact, and a decode READ of it posts no more
 descriptors than the connector's READs.
@@ -54,6 +55,11 @@ class Pair:
     decode_tp: int
     decode_bs: int
     decode_layout: Any
+    mla: bool = False  # DeepSeek's latents, [B, 1, N, 576], whole on every rank
+
+    @property
+    def kv_heads(self) -> int:
+        return 1 if self.mla else HEADS
 
     @property
     def permute(self) -> bool:  # enable_permute_local_kv: LBHNC prefill into an LBNHC decode
@@ -70,6 +76,8 @@ PAIRS = {
     "LBHNC -> LBNHC": Pair(1, 16, HND, 1, 16, NHD),
     "LBHNC -> LBNHC, blocks 16 -> 64": Pair(1, 16, HND, 1, 64, NHD),
     "LBNHC": Pair(1, 16, NHD, 1, 16, NHD),
+    "MLA TP 2 -> 4": Pair(2, 64, HND, 4, 64, HND, mla=True),
+    "MLA TP 4 -> 2": Pair(4, 64, HND, 2, 64, HND, mla=True),
 }
 # (prompt tokens, tokens decode's prefix cache holds: whole decode blocks)
 REQUESTS = [(150, 0), (160, 64), (150, 128), (128, 128)]
@@ -81,19 +89,25 @@ def rank(pair: Pair, side: str, r: int, seed: int) -> Any:
         if side == "prefill"
         else (pair.decode_tp, pair.decode_bs, pair.decode_layout)
     )
-    engine = vx.attention_engine(MODEL, vx.FLASH_ATTN, block_size=bs, num_blocks=12, layout=layout, tp=tp)
+    if pair.mla:  # FlashMLA's blocks of 64
+        spec = vx.kvi.MLAAttentionSpec(block_size=bs, num_kv_heads=1, head_size=576, dtype=torch.bfloat16)
+        engine = vx.uniform_engine(spec, vx.FLASHMLA, num_layers=2, num_blocks=12)
+    else:
+        engine = vx.attention_engine(MODEL, vx.FLASH_ATTN, block_size=bs, num_blocks=12, layout=layout, tp=tp)
     buf, views = vx.allocate_v033(engine)
     vx.fill_random(buf, seed)
-    return nc.Rank(tp, r, bs, layout, buf, views)
+    return nc.Rank(tp, r, bs, layout, buf, views, mla=pair.mla)
 
 
 def registration(r: Any) -> Any:
-    return kvlayout.detect([r.views[n] for n in r.names], "vllm", vx.hints(r.layout is HND))
+    hints = {"kv_dim": 1} if r.mla else vx.hints(r.layout is HND)  # detected without the group edits
+    return kvlayout.detect([r.views[n] for n in r.names], "vllm", hints)
 
 
-def heads(tp: int, r: int) -> list[int]:
-    """``get_num_kv_heads``: rank ``r``'s KV heads (one, replicated, past ``HEADS`` ranks)."""
-    return list(range(r * HEADS // tp, (r + 1) * HEADS // tp)) if tp <= HEADS else [r * HEADS // tp]
+def heads(tp: int, r: int, n: int = HEADS) -> list[int]:
+    """``get_num_kv_heads``: rank ``r``'s KV heads (one, replicated, past ``n`` ranks;
+    MLA's latents are one head every rank holds)."""
+    return list(range(r * n // tp, (r + 1) * n // tp)) if tp <= n else [r * n // tp]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -113,9 +127,10 @@ def expected(
     out: torch.Tensor = decode.buf.clone()
     for name in decode.names:
         view = rebased(decode.views[name], decode.buf, out)
-        for j, head in enumerate(heads(decode.tp, decode.rank)):
-            src = next(p for p in prefill if head in heads(p.tp, p.rank))
-            k = heads(src.tp, src.rank).index(head)
+        n = 1 if decode.mla else HEADS
+        for j, head in enumerate(heads(decode.tp, decode.rank, n)):
+            src = next(p for p in prefill if head in heads(p.tp, p.rank, n))  # replicas hold the same bytes
+            k = heads(src.tp, src.rank, n).index(head)
             for t in range(first, end):
                 slot = src.views[name][pids[t // src.block_size], k, t % src.block_size]
                 view[dids[t // decode.block_size], j, t % decode.block_size] = slot
@@ -141,7 +156,8 @@ def tokens_agree(
 @pytest.mark.parametrize("name", list(PAIRS))
 def test_a_decode_read_lands_what_vllm_s_connector_lands(name: str, num_tokens: int, cached: int) -> None:
     pair = PAIRS[name]
-    prefill = [rank(pair, "prefill", r, 10 + r) for r in range(pair.prefill_tp)]
+    # each rank's heads; MLA's ranks hold the same latents
+    prefill = [rank(pair, "prefill", r, 10 + (0 if pair.mla else r)) for r in range(pair.prefill_tp)]
     pids = PREFILL_IDS[: -(-num_tokens // pair.prefill_bs)]
     dids = DECODE_IDS[: -(-num_tokens // pair.decode_bs)]
     computed = cached // pair.decode_bs  # local_num_computed_blocks
@@ -151,15 +167,17 @@ def test_a_decode_read_lands_what_vllm_s_connector_lands(name: str, num_tokens: 
     whole = len(pids) * pair.prefill_bs  # the slots the prefill blocks hold, as the connector moves them
     for d in range(pair.decode_tp):
         ours, theirs, blocks = (rank(pair, "decode", d, 5) for _ in range(3))
-        reads = nc.decode_read(theirs, prefill, unhashed, pids, HEADS, enable_permute_local_kv=pair.permute)
-        dst_shard, dst = Shard(d, pair.decode_tp, HEADS), registration(ours)
-        senders = [p for p in prefill if Shard(p.rank, p.tp, HEADS).sends_to(dst_shard)]
+        reads = nc.decode_read(
+            theirs, prefill, unhashed, pids, pair.kv_heads, enable_permute_local_kv=pair.permute
+        )
+        dst_shard, dst = Shard(d, pair.decode_tp, pair.kv_heads), registration(ours)
+        senders = [p for p in prefill if Shard(p.rank, p.tp, pair.kv_heads).sends_to(dst_shard)]
         if cached == num_tokens:  # a full hit: the connector notifies, posts nothing
             assert reads == []
         else:
             assert [r.remote_rank for r in reads] == [p.rank for p in senders]  # compute_tp_mapping
         for p, read in zip(senders, reads or [None] * len(senders), strict=True):
-            src_shard, src = Shard(p.rank, p.tp, HEADS), registration(p)
+            src_shard, src = Shard(p.rank, p.tp, pair.kv_heads), registration(p)
             m = block_map(src, dst, pids, kv_dids, num_tokens=num_tokens, first_token=cached,
                           src_shard=src_shard, dst_shard=dst_shard)  # fmt: skip
             assert m.copy() == (1 if m.num_runs else 0)
