@@ -502,3 +502,54 @@ def test_12_the_lmcache_named_readers_name_a_nested_tensor_and_never_print_a_ten
     assert kvlayout.get_engine_kv_shape_description([freed]) == "Unknown (a list)"  # type: ignore[arg-type]
     assert kvlayout.get_attention_backend(freed, "vllm") == "Unknown (a Tensor)"  # type: ignore[arg-type]
     assert kvlayout.get_engine_kv_shape_description(np.int64(999)) == "Unknown (999)"  # type: ignore[arg-type]
+
+
+# -- round 13: a hostile user of what holds addresses across calls ---------------------------
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        "t.resize_(0)",
+        "t.untyped_storage().resize_(0)",
+        "t.set_(torch.zeros(2, 8, 4, 2, 16))",
+        "t.data = torch.zeros(2, 8, 4, 2, 16)",
+    ],
+)
+@pytest.mark.parametrize("before", [False, True])
+def test_13_a_pointer_table_of_a_cache_re_allocated_since_detection_is_refused(change: str, before: bool) -> None:
+    """``get_group_data_ptrs`` (the LMCache flow: detect once, then ask for the table),
+    ``Registration.data_ptrs`` and ``KernelGroup.layer_ptrs`` handed out the pointers
+    detection read after the engine had re-allocated or freed a layer: a kernel given them
+    writes freed memory. ``before``: the table was asked for once while the cache was in
+    place (the later call compares with what the first read)."""
+    kv = [torch.randn(2, 8, 4, 2, 16) for _ in range(2)]
+    fmt, registered = kvlayout.normalize_kv_and_discover_format(kv, "vllm", {"kv_layout": "NHD"})
+    reg = registered.registration  # type: ignore[union-attr]  # a RegisteredKV
+    if before:
+        assert kvlayout.get_group_data_ptrs(registered, fmt, [0, 1]) == [x.data_ptr() for x in kv]
+        assert reg.data_ptrs([1]) == [kv[1].data_ptr()]
+        assert reg.only_group().layer_ptrs(1) == [kv[1].data_ptr()]
+    t = kv[1]
+    exec(change)
+    moved = r"kv_caches\[1\]('s storage)? was re-allocated"
+    for call, label in (
+        (lambda: kvlayout.get_group_data_ptrs(registered, fmt, [0, 1]), "data_ptrs()"),
+        (lambda: reg.data_ptrs([1]), "data_ptrs()"),
+        (lambda: reg.data_ptrs([0]), "data_ptrs()"),  # one group: any of its tensors moved
+        (lambda: reg.only_group().layer_ptrs(1), "layer_ptrs(1)"),
+    ):
+        with pytest.raises(kvlayout.RegistrationError, match=rf"^{re.escape(label)}: (the storage of )?"):
+            call()
+        with pytest.raises(kvlayout.RegistrationError, match=rf"{moved}.*detect the registration again$"):
+            call()
+
+
+def test_13_a_pointer_table_of_a_cross_layer_pool_re_allocated_since_detection_is_refused() -> None:
+    """A cross-layer pool's table was read from the live tensor: a freed pool gave 0."""
+    pool = torch.randn(8, 2, 2, 4, 2, 16)
+    fmt, registered = kvlayout.normalize_kv_and_discover_format(pool, "vllm", {"kv_layout": "NHD"})
+    assert kvlayout.get_group_data_ptrs(registered, fmt, [0, 1]) == [pool.data_ptr()]
+    pool.untyped_storage().resize_(0)
+    with pytest.raises(kvlayout.RegistrationError, match=r"^data_ptrs\(\): kv_caches was re-allocated \(data pointer 0x0, "):
+        kvlayout.get_group_data_ptrs(registered, fmt, [0, 1])

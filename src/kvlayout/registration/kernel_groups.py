@@ -27,6 +27,7 @@ from kvlayout.registration.memory import (
     SHARE_WHOLE,
     HoldsAddresses,
     alias_refusal,
+    check_in_place,
     memory_keys,
     partly_shared,
 )
@@ -272,8 +273,14 @@ class KernelGroup(HoldsAddresses):
         ]
 
     def layer_ptrs(self, layer: int) -> list[int]:
-        """One layer's part of the pointer table (a layer list's entry, in kernel order)."""
+        """One layer's part of the pointer table (a layer list's entry, in kernel order);
+        refused once a tensor of the group was re-allocated or freed since detection."""
         position = self._own_layer(layer)
+        check_in_place(self, RegistrationError, f"layer_ptrs({layer})")
+        return self._layer_ptrs(position)
+
+    def _layer_ptrs(self, position: int) -> list[int]:
+        """:meth:`layer_ptrs` of the layer at ``position`` in the group, unchecked."""
         per = len(self.data_ptrs) // len(self.layers)
         return list(self.data_ptrs[position * per : (position + 1) * per])
 

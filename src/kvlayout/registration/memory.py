@@ -26,7 +26,7 @@ import heapq
 import itertools
 import operator
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn
+from typing import TYPE_CHECKING, Any, NamedTuple, NoReturn, cast
 
 import numpy as np
 import torch
@@ -57,6 +57,7 @@ __all__ = [
     "apart",
     "backed_pointers",
     "check_disjoint",
+    "check_in_place",
     "first_without_memory",
     "group_placement",
     "is_fake",
@@ -645,3 +646,27 @@ def group_placement(group: KernelGroup, error: type[KVLayoutError], where: str =
                 tensors[id(watched)] = watched
                 names.append(name)
     return Placement(list(tensors.values()), names)
+
+
+_PLACEMENT = object()  # a kernel group's memo key: the Placement check_in_place compares with
+
+
+def check_in_place(group: KernelGroup, error: type[KVLayoutError], use: str) -> None:
+    """Raise ``error`` where a kernel group's tensors are no longer where detection read
+    them (or have lost their memory): what hands out the group's detected addresses (a
+    pointer table) asks first, so a caller never gets addresses that were freed or that
+    another tensor now holds. The first call checks in full (:func:`group_placement`) and
+    keeps the placement in the group's memo; each later one compares with it (C loops,
+    microseconds). ``use`` says what was asked (``data_ptrs()``)."""
+    placement = group.memo.get(_PLACEMENT)
+    if placement is None:
+        made = group_placement(group, error, f"{use}: ")
+        group.memo[_PLACEMENT] = made if made is not None else False  # False: a meta group
+        return
+    if placement is not False:
+        moved = cast(Placement, placement).moved()
+        if moved is not None:
+            raise error(
+                f"{use}: {moved} after detection; its addresses would name the old memory: detect the "
+                "registration again"
+            )

@@ -54,6 +54,7 @@ from kvlayout.registration.memory import (
     apart,
     backed_pointers,
     check_disjoint,
+    check_in_place,
     run_of,
 )
 from kvlayout.registration.nesting import Path, at, entries_at, first_leaf, leaves, map_leaves
@@ -481,7 +482,9 @@ class Registration(HoldsAddresses):
 
     def data_ptrs(self, layer_indices: Iterable[int], fmt: FormatLike | None = None) -> list[int]:
         """The pointer table of some layers in kernel order: one per layer; ``[K...,
-        V...]`` for K/V lists; each layer's tuple in turn; one base for cross-layer."""
+        V...]`` for K/V lists; each layer's tuple in turn; one base for cross-layer.
+        Refused once a tensor of their kernel groups was re-allocated or freed since
+        detection (the table would name the old memory)."""
         want = None if fmt is None else as_format(fmt)
         # a table lists each layer at most once: an iterable longer than the registration is
         # refused before it is built (a range(10**9) would take its 36 GB first)
@@ -494,15 +497,18 @@ class Registration(HoldsAddresses):
         if layers and type(layers[0]) is int and 0 <= layers[0] < self.num_layers:
             g = self._group_of[layers[0]]
             if g is not None and g.layers == layers and (want is None or g.format is want):
+                check_in_place(g, RegistrationError, "data_ptrs()")
                 return list(g.data_ptrs)  # a whole kernel group: its table as built
         layers = tuple(as_int(i, f"layer_indices[{k}]") for k, i in enumerate(layers))  # torch ints too
-        for i in layers:
-            self.group(i, want)
+        groups = {id(g): g for g in (self.group(i, want) for i in layers)}
+        for g in groups.values():
+            check_in_place(g, RegistrationError, "data_ptrs()")
         if self._shared is not None:
             return self._shared_ptrs(layers)
         out: list[int] = []
         for i in layers:
-            out.extend(self.group(i).layer_ptrs(i))
+            g = self.group(i)
+            out.extend(g._layer_ptrs(g._own_layer(i)))
         return out
 
 
