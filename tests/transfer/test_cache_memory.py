@@ -700,3 +700,66 @@ def test_an_agent_posting_to_itself_refuses_its_own_memory_deregistered_or_resiz
         "resized, prepped " + resized.format("prepped"),
         "resized, prepped nothing landed",
     ]
+
+
+def test_a_peer_agent_of_this_process_whose_memory_was_freed_is_refused_not_written() -> None:
+    """Two agents of one process (a test harness, an engine with several workers in one
+    process): the remote rows are this process's memory, which no map side watches, and
+    the metadata loaded at the handshake still names what the peer deregistered or
+    resized. NIXL wrote through the freed memory (SIGSEGV, every run); now refused, nothing
+    posted, as for an agent posting to itself."""
+    code = """
+    import gc, logging, re, numpy as np, torch
+    from dataclasses import dataclass
+    from kvlayout.transfer import TransferError
+    from kvlayout.transfer import nixl as nx
+    import nixl._api
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+    @dataclass(frozen=True)
+    class Map:
+        runs: np.ndarray
+        src: object
+        dst: object
+
+    for case in ("resized", "deregistered, freed", "deregistered after prepare"):
+        name = "kvl-peer-" + case.replace(", ", "-").replace(" ", "-")
+        prefill, decode = nx.make_agent(name + "-p", progress_thread=False), nx.make_agent(name)
+        kv = torch.ones(32768, dtype=torch.uint8)
+        dst = torch.zeros(32768, dtype=torch.uint8)
+        ours, theirs = nx.register(prefill, kv), nx.register(decode, dst)
+        peer = prefill.add_remote_agent(decode.get_agent_metadata())
+        there = nx.LocalSide("cpu", 0, nx.local_side(dst).tensor_spans, is_local=False)
+        rows = [[kv.data_ptr() + 4096 * i, dst.data_ptr() + 1024 * i, 1024] for i in range(8)]
+        request = Map(np.array(rows, np.uint64), nx.local_side(kv), there)
+        try:
+            if case == "resized":
+                dst.untyped_storage().resize_(0)
+                nx.transfer(prefill, peer, request, strategy="direct").wait(timeout=30)
+            elif case == "deregistered, freed":
+                theirs.deregister()
+                dst.untyped_storage().resize_(0)
+                nx.transfer(prefill, peer, request, strategy="direct").wait(timeout=30)
+            else:
+                ahead = nx.prepare_transfer(prefill, peer, request, strategy="direct")
+                theirs.deregister()
+                dst.untyped_storage().resize_(0)
+                ahead.start()
+            print(case, "| posted")
+        except TransferError as e:
+            print(case, "|", type(e).__name__, re.sub("0x[0-9a-f]+", "ADDR", str(e)))
+        gc.collect()
+    """
+    lines = isolated(code)
+    assert lines == [
+        "resized | TransferError the remote descriptors reach the 32768 bytes at ADDR registered on agent "
+        "'kvl-peer-resized', whose storage was resized in place since (it now holds 0 bytes at ADDR): NIXL "
+        "would move bytes through freed memory; nothing was posted (never resize a registered cache)",
+        "deregistered, freed | RefusedDescriptorError remote descriptor 0 (ADDR, 1024 bytes) is outside every "
+        "region registered on agent 'kvl-peer-deregistered-freed' (0 DRAM regions on device 0): register the "
+        "registration (and staging) first",
+        "deregistered after prepare | RefusedDescriptorError remote descriptor 0 (ADDR, 1024 bytes) is outside "
+        "every region registered on agent 'kvl-peer-deregistered-after-prepare' (0 DRAM regions on device 0): "
+        "register the registration (and staging) first; peer 'kvl-peer-deregistered-after-prepare' (an agent "
+        "of this process) deregistered it after the request was prepared: nothing was posted",
+    ], lines

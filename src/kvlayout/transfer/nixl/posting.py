@@ -27,6 +27,7 @@ from kvlayout.transfer.nixl.regions import (
     _check_described,
     _check_local,
     _check_local_rows,
+    _in_process,
     _pin,
     _reach,
     _refuse_resized,
@@ -121,11 +122,19 @@ class Transfer:
         self._lock = threading.RLock()
         own = self._own_rows()
         self._reach = [_reach(rows, mem) for _, rows, mem in own]  # what start() pins
-        # Posting to itself, the remote rows are this process's memory, which no map side
-        # watches (the peer's is a description): start() asks the regions they reach.
-        self._unwatched = [
-            (what, reach) for (what, _, _), reach in zip(own[1:], self._reach[1:], strict=True)
-        ]
+        # Posting to itself or to another agent of this process, the remote rows are this
+        # process's memory, which no map side watches (the peer's is a description): start()
+        # asks the regions they reach on that agent, and whether it deregistered any since.
+        owner = _in_process(agent, peer)
+        self._peer_agent = owner if owner is not agent else None
+        self._peer_removals = _removals(owner) if self._peer_agent is not None else 0
+        if self._peer_agent is not None:
+            # NIXL accepted these rows by the metadata loaded here, which still names what the
+            # peer deregistered since: they must be inside what it registers now
+            _check_local_rows(owner, plan.remote, plan.remote_mem, "remote descriptor")
+        self._unwatched = (
+            [] if owner is None else [(owner, "remote descriptor", _reach(plan.remote, plan.remote_mem))]
+        )
         # What the request holds until released; dropped, the agent's next call lets go of it.
         self._hold = _Hold(agent, handles, staging)
         weakref.finalize(self, _abandon, self._hold, self._what()).atexit = False
@@ -170,6 +179,17 @@ class Transfer:
             except RefusedDescriptorError as exc:
                 raise RefusedDescriptorError(f"{exc}{after}") from None
 
+    def _check_peer_registered(self, peer: Agent) -> None:
+        """Every remote descriptor still inside a region registered on the peer, an agent
+        of this process (the metadata loaded here still names what it deregistered)."""
+        try:
+            _check_local_rows(peer, self.plan.remote, self.plan.remote_mem, "remote descriptor")
+        except RefusedDescriptorError as exc:
+            raise RefusedDescriptorError(
+                f"{exc}; peer {self.peer!r} (an agent of this process) deregistered it after the request "
+                "was prepared: nothing was posted"
+            ) from None
+
     def _own_rows(self) -> list[tuple[str, Any, str]]:
         """The descriptor rows in this agent's registered memory: the local ones and,
         posting to itself, the remote ones."""
@@ -210,8 +230,10 @@ class Transfer:
             self.plan._refuse_moved("nothing was posted")
             if _removals(self.agent) != self._removals:
                 self._check_registered()
-            for what, reach in self._unwatched:
-                _refuse_resized(self.agent, reach, what)
+            if self._peer_agent is not None and _removals(self._peer_agent) != self._peer_removals:
+                self._check_peer_registered(self._peer_agent)
+            for owner, what, reach in self._unwatched:
+                _refuse_resized(owner, reach, what)
             self._stream = _copy_stream(self.plan.copy_device)
             p = self.plan
             if self._gathers:

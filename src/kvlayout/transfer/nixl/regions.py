@@ -416,6 +416,16 @@ def _check_local_rows(agent: Agent, rows: np.ndarray, mem: str, what: str) -> No
         _check_local(agent, rows[on, 0], rows[on, 1], mem, int(device), what)
 
 
+def _in_process(agent: Agent, peer: str) -> Agent | None:
+    """The agent of this process named ``peer`` (``agent`` itself, posting to itself; or
+    another that registered memory through :func:`register`), or None: its memory is this
+    process's, which no map side watches (the peer's side is a description), so what it
+    registered is asked instead."""
+    if peer == getattr(agent, "name", None):
+        return agent
+    return next((a for a in list(_REGIONS.keys()) if getattr(a, "name", None) == peer), None)
+
+
 def _removals(agent: Agent) -> int:
     """How many regions were deregistered on ``agent`` so far."""
     held = _REGIONS.get(agent)
