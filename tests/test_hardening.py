@@ -517,7 +517,9 @@ def test_12_the_lmcache_named_readers_name_a_nested_tensor_and_never_print_a_ten
     ],
 )
 @pytest.mark.parametrize("before", [False, True])
-def test_13_a_pointer_table_of_a_cache_re_allocated_since_detection_is_refused(change: str, before: bool) -> None:
+def test_13_a_pointer_table_of_a_cache_re_allocated_since_detection_is_refused(
+    change: str, before: bool
+) -> None:
     """``get_group_data_ptrs`` (the LMCache flow: detect once, then ask for the table),
     ``Registration.data_ptrs`` and ``KernelGroup.layer_ptrs`` handed out the pointers
     detection read after the engine had re-allocated or freed a layer: a kernel given them
@@ -530,8 +532,7 @@ def test_13_a_pointer_table_of_a_cache_re_allocated_since_detection_is_refused(c
         assert kvlayout.get_group_data_ptrs(registered, fmt, [0, 1]) == [x.data_ptr() for x in kv]
         assert reg.data_ptrs([1]) == [kv[1].data_ptr()]
         assert reg.only_group().layer_ptrs(1) == [kv[1].data_ptr()]
-    t = kv[1]
-    exec(change)
+    exec(change, {"torch": torch, "t": kv[1]})
     moved = r"kv_caches\[1\]('s storage)? was re-allocated"
     for call, label in (
         (lambda: kvlayout.get_group_data_ptrs(registered, fmt, [0, 1]), "data_ptrs()"),
@@ -551,5 +552,25 @@ def test_13_a_pointer_table_of_a_cross_layer_pool_re_allocated_since_detection_i
     fmt, registered = kvlayout.normalize_kv_and_discover_format(pool, "vllm", {"kv_layout": "NHD"})
     assert kvlayout.get_group_data_ptrs(registered, fmt, [0, 1]) == [pool.data_ptr()]
     pool.untyped_storage().resize_(0)
-    with pytest.raises(kvlayout.RegistrationError, match=r"^data_ptrs\(\): kv_caches was re-allocated \(data pointer 0x0, "):
+    with pytest.raises(
+        kvlayout.RegistrationError, match=r"^data_ptrs\(\): kv_caches was re-allocated \(data pointer 0x0, "
+    ):
         kvlayout.get_group_data_ptrs(registered, fmt, [0, 1])
+
+
+def test_13_a_chunk_past_any_tensor_s_size_is_refused_when_its_shape_is_asked() -> None:
+    """``chunk_shape(2**62)`` answered a shape whose bytes overflow int64: torch's "Storage
+    size calculation overflowed" came later, from the caller's ``torch.empty``."""
+    from kvlayout.transfer import BlockMapError
+    from kvlayout.transfer.block_maps import chunk_shape_for
+
+    group = kvlayout.detect(_flash(), "vllm", {"kv_layout": "NHD"}).only_group()
+    plan = prepare(group, F.NL_X_TWO_NB_BS_NH_HS)
+    too_many = 2**62  # 2 x 2 layers x 2**62 tokens x 128 bytes
+    with pytest.raises(TransferError, match=rf"^num_tokens={too_many} makes a chunk of {2**71} bytes, more"):
+        plan.chunk_shape(too_many)
+    with pytest.raises(BlockMapError, match=rf"^num_tokens={too_many} makes a chunk of {2**71} bytes, more"):
+        chunk_shape_for(group, too_many)
+    largest = (2**63 - 1) // 512 // 4 * 4  # still a tensor's size: answered
+    assert plan.chunk_shape(largest)[0] == (2, 2, largest, 32)
+    assert chunk_shape_for(group, largest)[0] == (2, 2, largest, 32)

@@ -439,7 +439,13 @@ def chunk_shape_for(
     kv_size, row_bytes = _chunk_geometry(cache)
     dtype = getattr(torch, cache.piece_dtypes[0])
     itemsize = torch.empty((), dtype=dtype).element_size()
-    return (kv_size, len(cache.layers), moved_tokens(cache, tokens), row_bytes // itemsize), dtype
+    rows = moved_tokens(cache, tokens)
+    nbytes = kv_size * len(cache.layers) * rows * row_bytes
+    if nbytes >= 1 << 63:  # torch's "Storage size calculation overflowed" otherwise, later
+        raise BlockMapError(
+            f"num_tokens={tokens} makes a chunk of {nbytes} bytes, more than any tensor holds (2**63 - 1)"
+        )
+    return (kv_size, len(cache.layers), rows, row_bytes // itemsize), dtype
 
 
 def _check_block_size(caller: str, block_size: object) -> None:

@@ -224,6 +224,11 @@ class TransferPlan(HoldsAddresses):
             raise TransferError(
                 f"num_tokens={tokens} is not a whole number of blocks of {self.block_size} tokens"
             )
+        nbytes = self.kv_size * self.num_layers * tokens * self.row_bytes
+        if nbytes >= 1 << 63:  # torch's "Storage size calculation overflowed" otherwise, later
+            raise TransferError(
+                f"num_tokens={tokens} makes a chunk of {nbytes} bytes, more than any tensor holds (2**63 - 1)"
+            )
         return (self.kv_size, self.num_layers, tokens, self.row), self.dtype
 
     def chunks_for(
