@@ -39,7 +39,9 @@ What TRT-LLM does (read in NVIDIA/TensorRT-LLM):
   indexer K pool (``BlockRange::getBlockRangeForWindow(window, true)``: the same block ids)
   after the latents, from the same rank. Context CP is not supported
   (``MLACacheFormatter::pickRecvConnections`` checks ``mDomainCPSize == 1``); generation CP
-  (Helix, MLA) splits the request by whole blocks (``splitKVCacheForMLAKernel``). FP8 KV is the
+  (Helix, MLA) splits the request by whole blocks (``splitKVCacheForMLAKernel``), beside
+  generation TP and PP (the same split to every TP rank of the domain, layers by PP stage).
+  FP8 KV is the
   same pool in float8 (``inquireSupport``: one data type both sides). A V2 context rank's
   ``KvCacheLayout`` region (``kv_cache_layout_pools``) is mapped by page slots like a pool.
 
@@ -930,3 +932,126 @@ def test_helix_generation_cp(pair: AgentPair, cp: int, round_robin: bool) -> Non
             assert torch.equal(gen_bytes(pair, shape), want), c
     finally:
         held.deregister()
+
+
+# --- (k) Helix under generation TP and PP -------------------------------------------------------
+
+
+def trt_targets(
+    rank: int, mine: tuple[int, int, int], peer: tuple[int, int, int]
+) -> tuple[list[int], int, int]:
+    """``TargetRanksInfoForDPImpl`` without attention DP, for sides ``(tp, pp, cp)`` of even
+    stages (``mAttentionLayerNumPerPP``: ``LAYERS // pp`` each): the peer ranks a rank pairs
+    with, CP-major then TP then PP (``pp * tp * cp + tp_rank * cp + cp_rank``), and the
+    domain's TP and PP sizes. Both sizes powers of two, as TRT-LLM checks."""
+    (tp, pp, cp), (peer_tp, peer_pp, peer_cp) = mine, peer
+    cp_rank, tp_rank, pp_rank = rank % cp, rank % (tp * cp) // cp, rank // (tp * cp)
+    layers = set(stage_layers(pp_rank, pp))
+    pps = [p for p in range(peer_pp) if layers.intersection(stage_layers(p, peer_pp))]
+    if tp <= peer_tp:
+        domain_tp = peer_tp // tp
+        tps = list(range(tp_rank * domain_tp, (tp_rank + 1) * domain_tp))
+    else:
+        domain_tp, tps = 1, [tp_rank // (tp // peer_tp)]
+    cps = (
+        list(range(cp_rank * (peer_cp // cp), (cp_rank + 1) * (peer_cp // cp)))
+        if cp <= peer_cp
+        else [cp_rank // (cp // peer_cp)]
+    )
+    ranks = [k * peer_tp * peer_cp + j * peer_cp + i for i in cps for j in tps for k in pps]
+    return ranks, domain_tp, len(pps)
+
+
+def helix_senders(gen_rank: int, ctx: tuple[int, int], gen: tuple[int, int, int]) -> list[int]:
+    """The context ranks that send generation rank ``gen_rank`` its latents:
+    ``MLACacheFormatter::pickRecvConnections`` takes ``mIRanks[i + (dp_rank % domain_tp) *
+    domain_pp]`` for each PP domain rank ``i`` (DP rank 0: the domain's first TP rank), and
+    each is checked against the context side: ``needSendCache`` (a context of more TP ranks
+    sends from ``tp_rank % (ctx_tp / gen_tp) == 0``) and its own ``targetIRanks``."""
+    (ctx_tp, ctx_pp), gen_tp = ctx, gen[0]
+    ranks, _, domain_pp = trt_targets(gen_rank, gen, (ctx_tp, ctx_pp, 1))
+    picked = ranks[:domain_pp]
+    for r in picked:
+        assert ctx_tp <= gen_tp or r % ctx_tp % (ctx_tp // gen_tp) == 0, r
+        assert gen_rank in trt_targets(r, (ctx_tp, ctx_pp, 1), gen)[0], (r, gen_rank)
+    return picked
+
+
+@pytest.mark.parametrize(
+    ("ctx", "gen", "round_robin"),
+    [
+        ((1, 1), (2, 1, 2), False),  # TP 2 x CP 2: context rank 0 sends all four
+        ((2, 1), (2, 1, 2), True),  # TP 2 -> TP 2 x CP 2: each context rank its TP rank's CP ranks
+        ((4, 1), (2, 1, 2), False),  # context TP 4 -> TP 2 x CP 2: context ranks 0 and 2 send
+        ((1, 1), (1, 2, 2), False),  # generation PP 2 x CP 2: each stage's layers of each CP share
+        ((1, 2), (2, 1, 4), True),  # context PP 2 -> TP 2 x CP 4: both stages into every rank
+        ((2, 2), (1, 2, 2), False),  # context TP 2 x PP 2 -> PP 2 x CP 2: TP rank 0 of each stage
+    ],
+    ids=["tp1-tp2cp2", "tp2-tp2cp2-rr", "tp4-tp2cp2", "pp1-pp2cp2", "pp2-tp2cp4-rr", "tp2pp2-pp2cp2"],
+)
+def test_helix_with_generation_tp_and_pp(
+    pair: AgentPair, ctx: tuple[int, int], gen: tuple[int, int, int], round_robin: bool
+) -> None:
+    """Helix beside TP and PP: generation rank ``pp * tp * cp + tp_rank * cp + cp_rank``
+    holds its stage's layers of the latents (whole on every TP rank) for its CP share of the
+    request's blocks (``helix_blocks``). TRT-LLM's context rank (CP 1) splits its blocks over
+    the CP domain and its layers over the PP domain (``splitKVCacheForMLAKernel``: output
+    ``cp_rank * domain_pp + pp_rank``, block ``block_in_cp`` of it, layer ``layer_in_pp``)
+    and sends each TP rank of the domain the same split (``MLACacheFormatter::format``).
+    The connector: ``sends_to(..., latents=True)`` picks the context TP rank, both sides
+    numbered with the model's layers cut to the layers they share (``for_layers``), and the
+    CP rank's blocks as a plain block map. Context ranks hold different bytes here (seeded
+    by rank) so a wrong sender shows."""
+    (ctx_tp, ctx_pp), (gen_tp, gen_pp, cp) = ctx, gen
+    blocks = -(-TOKENS // TPB)
+    pools = {
+        (p, r): primary_pool(CTX_BLOCKS, LAYERS // ctx_pp, 1, LATENT, 1, 500 + 10 * p + r)
+        for p in range(ctx_pp)
+        for r in range(ctx_tp)
+    }
+    regs = {
+        k: kvlayout.detect(pool, "trtllm", hints(1, 1)).numbered(stage_layers(k[0], ctx_pp))
+        for k, pool in pools.items()
+    }
+    held = [nx.register(pair.agent, reg) for reg in regs.values()]
+    try:
+        for g in range(gen_tp * gen_pp * cp):
+            c, t, p = g % cp, g % (gen_tp * cp) // cp, g // (gen_tp * cp)
+            layers = stage_layers(p, gen_pp)
+            shape = (GEN_BLOCKS, len(layers), 1, LATENT * TPB)
+            dst = Shard(t, gen_tp, 1)
+            there = handshake(pair, dst, heads=1, kv_factor=1, layers=len(layers), ids=layers)
+            mine = helix_blocks(c, cp, blocks, round_robin)
+            senders = helix_senders(g, ctx, gen)
+            if not mine:
+                assert not gen_bytes(pair, shape).any()
+                continue
+            own = GEN_IDS[: len(mine)]
+            tokens = sum(min(TPB, TOKENS - b * TPB) for b in mine)
+            maps = {}
+            for (cp_stage, r), reg in regs.items():
+                shared = [i for i in stage_layers(cp_stage, ctx_pp) if i in layers]
+                if not shared or not Shard(r, ctx_tp, 1).sends_to(dst, latents=True):
+                    continue
+                m = block_map(
+                    reg.for_layers(shared), there.for_layers(shared), [CTX_IDS[b] for b in mine], own,
+                    num_tokens=tokens, src_shard=Shard(r, ctx_tp, 1),
+                )  # fmt: skip
+                maps[cp_stage * ctx_tp + r] = m  # TRT-LLM's context rank number (CP 1)
+            assert sorted(maps) == sorted(senders), (g, sorted(maps), senders)
+            write(pair, maps, "direct")
+            want = torch.zeros(shape, dtype=torch.bfloat16)  # the kernel's placement
+            for b in range(blocks):
+                rank, local = split_place(b, cp, blocks, round_robin)
+                if rank != c:
+                    continue
+                for gl, layer in enumerate(layers):
+                    (r,) = (s for s in senders if layer in stage_layers(s // ctx_tp, ctx_pp))
+                    cl = stage_layers(r // ctx_tp, ctx_pp).index(layer)
+                    for tok in range(min(TPB, TOKENS - b * TPB)):
+                        src = trt_row(pools[r // ctx_tp, r % ctx_tp], CTX_IDS[b], cl, 0, 0, tok)
+                        trt_row(want, own[local], gl, 0, 0, tok).copy_(src)
+            assert torch.equal(gen_bytes(pair, shape), want), g
+    finally:
+        for h in held:
+            h.deregister()
