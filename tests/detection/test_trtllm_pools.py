@@ -86,6 +86,25 @@ def test_indexer_pool_hints_are_checked() -> None:
         kvlayout.detect(padded, "trtllm", {"tokens_per_block": BS})
 
 
+def test_masked_indexer_pool_rows_are_its_full_indexer_layers() -> None:
+    """GLM-5.2's masked pool (``indexer_k_cache_layer_mask``): only full-indexer layers own a
+    row, row ``k`` the rank's ``k``-th of them (``get_indexer_k_cache_pool_layer_idx``: layers
+    0, 1, 5 of 6 -> rows 0, 1, 2). Nothing in the pool says so: it detects as any indexer
+    pool of that many layers, numbered with those layers' ids, and a pipeline stage holding
+    layer 5 alone takes row 2 (``for_layers``), not row 0, as by position it would."""
+    whole = torch.randint(
+        0, 256, (NB, 3, 1, BS * 132), dtype=torch.uint8, generator=torch.Generator().manual_seed(9)
+    )
+    src = kvlayout.detect(whole, "trtllm", {"tokens_per_block": BS}).numbered([0, 1, 5])
+    assert src.format is F.NB_NL_BSV_BSS and src.num_layers == 3
+    stage = torch.zeros(NB, 1, 1, BS * 132, dtype=torch.uint8)  # layers 3-5: layer 5's row alone
+    dst = kvlayout.detect(stage, "trtllm", {"tokens_per_block": BS}).numbered([5])
+    with pytest.raises(BlockMapError, match=r"for_layers\(layer_ids\) \(5\)"):
+        block_map(src, dst, [3], [1], num_tokens=BS)
+    block_map(src.for_layers([5]), dst, [3], [1], num_tokens=BS).copy()
+    assert torch.equal(stage[1, 0], whole[3, 2]) and not stage[[0, 2, 3, 4]].any()
+
+
 FP4_VALUES, FP4_SCALES = 64, 4  # index_head_dim // 2 packed e2m1 bytes, one int32 of four ue8m0 exponents
 
 

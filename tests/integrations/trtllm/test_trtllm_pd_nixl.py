@@ -41,7 +41,8 @@ What TRT-LLM does (read in NVIDIA/TensorRT-LLM):
   (``MLACacheFormatter::pickRecvConnections`` checks ``mDomainCPSize == 1``); generation CP
   (Helix, MLA) splits the request by whole blocks (``splitKVCacheForMLAKernel``), beside
   generation TP and PP (the same split to every TP rank of the domain, layers by PP stage).
-  FP8 KV is the
+  A masked indexer pool (GLM-5.2's cross-layer indexer sharing) holds rows for its
+  full-indexer layers alone, split in that layer space (``targetIRanksForIndexerKCache``). FP8 KV is the
   same pool in float8 (``inquireSupport``: one data type both sides). A V2 context rank's
   ``KvCacheLayout`` region (``kv_cache_layout_pools``) is mapped by page slots like a pool.
 
@@ -1052,6 +1053,91 @@ def test_helix_with_generation_tp_and_pp(
                         src = trt_row(pools[r // ctx_tp, r % ctx_tp], CTX_IDS[b], cl, 0, 0, tok)
                         trt_row(want, own[local], gl, 0, 0, tok).copy_(src)
             assert torch.equal(gen_bytes(pair, shape), want), g
+    finally:
+        for h in held:
+            h.deregister()
+
+
+# --- (l) the masked indexer K pool: only full-indexer layers own a row -------------------------
+
+MASKED_LAYERS = 6
+FULL_INDEXER = [0, 1, 5]  # GLM-5.2's schedule (index_topk_freq 4, index_skip_topk_offset 2) on 6 layers
+MASKED_BUILDER = "tests.integrations.trtllm.test_trtllm_pd_nixl:masked_indexer_pool"
+
+
+def masked_stage(pp_rank: int, pp: int) -> list[int]:
+    """The model's layers of PP stage ``pp_rank`` of ``MASKED_LAYERS`` (even stages)."""
+    per = MASKED_LAYERS // pp
+    return list(range(pp_rank * per, (pp_rank + 1) * per))
+
+
+def masked_indexer_pool(
+    layer_ids: list[int], blocks: int = GEN_BLOCKS, seed: int | None = None
+) -> tuple[Any, list[torch.Tensor]]:
+    """A masked indexer K pool (``DSACacheManager`` with ``indexer_k_cache_layer_mask``):
+    ``[NB, full-indexer layers of the rank, 1, TPB * 132]``, row ``k`` the rank's ``k``-th
+    full-indexer layer (``get_indexer_k_cache_pool_layer_idx``); detected as any indexer
+    pool and numbered with those layers' model ids."""
+    reg, tensors = indexer_pool(len(layer_ids), blocks, seed)
+    return reg.numbered(layer_ids), tensors
+
+
+def indexer_space(pp: int) -> list[int]:
+    """``getIndexerLayerNumPerPP``: each stage's full-indexer layer count."""
+    return [sum(1 for i in masked_stage(s, pp) if i in FULL_INDEXER) for s in range(pp)]
+
+
+@pytest.mark.parametrize(("ctx_pp", "gen_pp"), [(1, 1), (1, 2), (2, 1), (3, 2), (1, 3)])
+def test_masked_indexer_pool_between_pp_layouts(pair: AgentPair, ctx_pp: int, gen_pp: int) -> None:
+    """GLM-5.2's cross-layer indexer sharing: only full-indexer layers (``is_full_indexer_layer``)
+    own a row of the indexer K pool, so a stage's pool holds its full-indexer layers alone,
+    and a stage without one has no pool. TRT-LLM's indexer pass pairs the attention pass's
+    ranks but splits rows in "indexer layer space" (``targetIRanksForIndexerKCache``: each
+    peer's share is the overlap of the prefix sums of ``getIndexerLayerNumPerPP``); a peer
+    whose share is empty is skipped on both sides. The connector numbers each pool with its
+    full-indexer layers' model ids and maps the layers the two sides share (``for_layers``);
+    the oracle follows TRT-LLM's row arithmetic, not the ids."""
+    ctx_counts, gen_counts = indexer_space(ctx_pp), indexer_space(gen_pp)
+    ctx_full = {s: [i for i in masked_stage(s, ctx_pp) if i in FULL_INDEXER] for s in range(ctx_pp)}
+    pools = {s: masked_indexer_pool(ids, CTX_BLOCKS, 700 + s) for s, ids in ctx_full.items() if ids}
+    held = [nx.register(pair.agent, reg) for reg, _ in pools.values()]
+    try:
+        for g in range(gen_pp):
+            ids = [i for i in masked_stage(g, gen_pp) if i in FULL_INDEXER]
+            if not ids:  # no pool on this rank: TRT-LLM's manager makes none, its peers send it nothing
+                assert gen_counts[g] == 0
+                continue
+            there = handshake(pair, Shard(0, 1, 1), MASKED_BUILDER, layer_ids=ids)
+            maps = {}
+            for s, (reg, _) in pools.items():
+                shared = [i for i in ctx_full[s] if i in ids]
+                if shared:
+                    maps[s] = block_map(
+                        reg.for_layers(shared), there.for_layers(shared), CTX_IDS, GEN_IDS, num_tokens=TOKENS
+                    )
+            write(pair, maps, "direct")
+            (raw,) = pair.peer.cache_bytes()
+            got = torch.from_numpy(np.array(raw)).reshape(GEN_BLOCKS, len(ids), 1, -1)
+            want = torch.zeros_like(got)
+            start = sum(gen_counts[:g])  # this stage's first row in indexer layer space
+            for row in range(gen_counts[g]):
+                at = start + row
+                s = next(x for x in range(ctx_pp) if sum(ctx_counts[:x]) <= at < sum(ctx_counts[: x + 1]))
+                src = pools[s][1][0]
+                for t in range(TOKENS):
+                    for w, v in zip(
+                        index_key(want, GEN_IDS[t // TPB], row, t % TPB),
+                        index_key(src, CTX_IDS[t // TPB], at - sum(ctx_counts[:s]), t % TPB),
+                        strict=True,
+                    ):
+                        w.copy_(v)
+            assert sorted(maps) == sorted(
+                s
+                for s in range(ctx_pp)
+                if set(range(sum(ctx_counts[:s]), sum(ctx_counts[: s + 1])))
+                & set(range(start, start + gen_counts[g]))
+            ), (g, sorted(maps))  # the context stages TRT-LLM's indexer pass sends (a non-empty share)
+            assert torch.equal(got, want), g
     finally:
         for h in held:
             h.deregister()
