@@ -1491,7 +1491,9 @@ def test_some_of_a_pools_layers_map_from_a_view_of_its_layer_axis() -> None:
     assert str(err.value) == (
         "src holds layers 0-1,3-4 and dst layers 3-4; a map moves layer i to layer i (dst holds only some of "
         "src's layers: map them from a registration of those layers alone, registration.for_layers(layer_ids) "
-        "(3-4) of src's, or one detected from that part of src's cache (a list's entries, or a view of a "
+        "(3-4) of src's (both sides numbered with the model's layer ids first: a side detected alone numbers "
+        "its layers from 0, so a part of the model pairs by position until numbered), or one detected from "
+        "that part of src's cache (a list's entries, or a view of a "
         "pool's layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
         "registration.numbered(layer_ids))"
     )

@@ -122,7 +122,9 @@ def _check_same_data(src: Side, dst: Side) -> None:
             else:
                 hint = (
                     f" ({fewer} holds only some of {more}'s layers: map them from a registration of "
-                    f"those layers alone, registration.for_layers(layer_ids) ({few}) of {more}'s, or one "
+                    f"those layers alone, registration.for_layers(layer_ids) ({few}) of {more}'s (both sides "
+                    "numbered with the model's layer ids first: a side detected alone numbers its layers "
+                    "from 0, so a part of the model pairs by position until numbered), or one "
                     f"detected from that part of {more}'s cache (a list's entries, or a view of a pool's "
                     "layer axis such as TRT-LLM's pool[:, a:b]) and numbered with their layer ids: "
                     "registration.numbered(layer_ids))"
