@@ -522,7 +522,7 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
             tokens_given = (
                 f": a block of {'state' if pages.arrays else 'opaque'} pages ({pages.layout}) is {what}, not "
                 "tokens: map it by its block ids alone, without num_tokens"
-            )
+            ) + _advice(pages)  # what its reading says besides (a ring's: one block a request)
         elif pages is not None and not pages.rows_are_tokens and pages.advice and told != _TOLD_BY_BLOCKS:
             tokens_given = _advice(pages)  # what its reading says of mapping its pages (a ring's)
         elif not tokens_given and told != _TOLD_BY_BLOCKS and side.layout is not None and cp.size == 1:

@@ -21,7 +21,7 @@ from kvlayout.integrations.vllm import (
 )
 from kvlayout.integrations.vllm import transfer_layers as vllm_transfer_layers
 from kvlayout.testing.vllm import Backend, allocate_v033, fill_random, make_engine, uniform_engine
-from kvlayout.transfer import BlockMapError, block_map
+from kvlayout.transfer import BlockMapError, Shard, block_map
 
 pytest.importorskip("vllm.v1.kv_cache_interface")
 import vllm.v1.kv_cache_interface as kvi
@@ -117,6 +117,33 @@ def test_a_request_s_ring_moves_whole_rows_by_its_position(hints: dict[str, str]
         assert same(view[4], prefill_kv[name][3])
 
 
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 4), (4, 2), (2, 2), (1, 8)])
+def test_a_ring_moves_whole_between_ranks_of_any_tp_degrees(src_tp: int, dst_tp: int) -> None:
+    """vLLM holds the ring whole on every rank (``CompressorStateCache``: one head at any
+    TP degree, written from ``DeepseekCompressor``'s ``disable_tp=True`` linear), so a
+    decode rank takes it from any prefill rank. It was refused between ranks of other
+    indices ("maps only to the same rank's"), and so between TP degrees for most pairs."""
+    hints = {"kv_layout": "NHD"}
+    prefill_kv, prefill = registered(ring_spec(), 1, hints)
+    for view in prefill_kv.values():
+        write_positions(view, 3, range(11))
+    for r in range(src_tp):
+        for d in range(dst_tp):
+            decode_kv, decode = registered(ring_spec(), 2 + d, hints)
+            before = {name: view.clone() for name, view in decode_kv.items()}
+            m = block_map(
+                prefill.kernel_groups[0], decode.kernel_groups[0], [3], [1],
+                src_shard=Shard(r, src_tp, 8), dst_shard=Shard(d, dst_tp, 8),
+            )  # fmt: skip
+            assert m.num_bytes == NL * CAPACITY * 2 * HEAD_DIM * 4  # each layer's ring whole
+            m.copy()
+            for name, view in decode_kv.items():
+                rows, sent = ring_rows(view), ring_rows(prefill_kv[name])
+                for p in range(11 - CAPACITY, 11):  # where the next step reads each position
+                    assert same(rows[1 * CAPACITY + p % CAPACITY], sent[3 * CAPACITY + p % CAPACITY])
+                assert same(view[0], before[name][0]) and same(view[2:], before[name][2:])
+
+
 def test_a_ring_maps_only_to_rings() -> None:
     """A plain one-head fp32 attention cache has the ring's very shape; read as its K | V
     halves, the ring's kv_state went into K and its score_state into V without a word."""
@@ -192,8 +219,11 @@ def test_a_ring_mapped_by_its_tokens_is_told_to_map_it_by_its_block_ids() -> Non
         block_map(src.kernel_groups[0], dst.kernel_groups[0], [3], [0], num_tokens=13)
     assert str(info.value) == (
         "src_blocks has 1 block ids; the request's 16 tokens (num_tokens=13 rounded up to whole opaque "
-        f"pages) fill 2 blocks of {CAPACITY}. A ring (vLLM's CircularBufferSpec) is one block a request, "
-        f"position p in row p % {CAPACITY}, whatever tokens the request holds: map a ring by its block ids, "
+        f"pages) fill 2 blocks of {CAPACITY}: a block of state pages (ring-buffer-pages: float32 "
+        f"[1, {CAPACITY}, {2 * HEAD_DIM}] in memory order [2, 3]) is a snapshot of the request's state at "
+        "its last token, not tokens: map it by its block ids alone, without num_tokens. A ring (vLLM's "
+        f"CircularBufferSpec) is one block a request, position p in row p % {CAPACITY}, whatever tokens the "
+        "request holds: map a ring by its block ids, "
         "without num_tokens, and only to a ring alike"
     )
     # by its block ids alone it maps, into a peer's description too

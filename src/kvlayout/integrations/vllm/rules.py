@@ -44,7 +44,7 @@ from kvlayout.integrations.vllm.specs import (
 )
 from kvlayout.integrations.vllm.states import declared_state_arrays, replicated_state_arrays
 from kvlayout.registration.contiguity import physical_order
-from kvlayout.registration.opaque import OpaquePages, mark_opaque_pages, page_of
+from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pages, page_of
 from kvlayout.types import HintsLike, LayoutHints
 
 __all__ = [
@@ -460,7 +460,11 @@ class RingBufferPagesEdit(KVCacheGroupEdit):
     position ``p`` in row ``p % N`` (``CompressorMetadata.ring_write_slots``: ``block * N +
     p % N``) and nothing there is K or V. Read as a block of tokens of ``K | V`` halves, a
     request's partly filled ring moved its first rows and left the rest. Its pages move
-    whole, between registrations that page alike.
+    whole, between registrations that page alike, and between any two TP ranks: vLLM
+    computes the ring whole on every rank (``CompressorStateCache`` registers one head,
+    ``num_kv_heads=1``, whatever the TP degree, filled from ``DeepseekCompressor``'s
+    ``fused_wkv_wgate``, a ``disable_tp=True`` linear), so a page declares its rows as
+    one array every rank holds whole (:func:`ring_array`), as an MLA page does.
     """
 
     name = "ring-buffer-pages"
@@ -484,7 +488,22 @@ class RingBufferPagesEdit(KVCacheGroupEdit):
             f"{slots_per_block(spec)}, whatever tokens the request holds: map a ring by its block ids, "
             "without num_tokens, and only to a ring alike"
         )
-        return dataclasses.replace(super().opaque_pages(spec, value, layout_hints), advice=advice)
+        pages = super().opaque_pages(spec, value, layout_hints)
+        arrays = () if pages.rows_are_tokens else ring_array(value, slots_per_block(spec))
+        return dataclasses.replace(pages, advice=advice, arrays=arrays)
+
+
+def ring_array(value: torch.Tensor, capacity: int | None) -> tuple[PageArray, ...]:
+    """A ring's block (``value`` as vLLM 0.33 registers it, ``[pages, 1, N, C]``, kernel
+    pages of ``N`` rows that make blocks of ``capacity``) as the one array every TP rank
+    holds whole: its kernel pages, their rows and each row's ``C`` values, in the
+    registered dtype (float32: the ring's own, which no MLA page's uint8 bytes are, so a
+    ring maps only to a ring). Empty where the pages do not make whole blocks."""
+    rows = int(value.shape[_TOKEN_AXIS])
+    if capacity is None or rows <= 0 or capacity % rows or value.numel() == 0:
+        return ()
+    shape = (capacity // rows, rows, int(value.shape[-1]))
+    return (PageArray(0, shape, str(value.dtype).removeprefix("torch."), 0, (shape[0],), replicated=True),)
 
 
 class CPUAttentionPagesEdit(KVCacheGroupEdit):
