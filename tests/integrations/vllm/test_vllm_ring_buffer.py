@@ -144,6 +144,30 @@ def test_a_ring_moves_whole_between_ranks_of_any_tp_degrees(src_tp: int, dst_tp:
                 assert same(view[0], before[name][0]) and same(view[2:], before[name][2:])
 
 
+def test_a_ring_declared_by_its_shape_reads_as_its_spec_reads_it() -> None:
+    """``declared_ring_pages`` (``kvlayout plan --src-ring``: no spec to read) makes of
+    vLLM's registered view the pages the edit makes of it with its ``CircularBufferSpec``:
+    the same layout and array, so one maps into the other byte for byte. A view that is
+    no ring (two heads; bf16, where vLLM asserts float32) is refused, saying what a ring is."""
+    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+    from kvlayout.integrations.vllm.rules import declared_ring_pages
+
+    hints = {"kv_layout": "NHD"}
+    prefill_kv, prefill = registered(ring_spec(), 1, hints)
+    decode_kv, _ = registered(ring_spec(), 2, hints)
+    declared = kvlayout.detect([declared_ring_pages(v, hints) for v in decode_kv.values()], "vllm", hints)
+    assert declared.kernel_groups[0].opaque_pages == prefill.kernel_groups[0].opaque_pages
+    for view in prefill_kv.values():
+        write_positions(view, 2, range(9))
+    block_map(prefill.kernel_groups[0], declared.kernel_groups[0], [2], [3]).copy()
+    for name, view in decode_kv.items():
+        assert same(view[3], prefill_kv[name][2])
+    view = next(iter(decode_kv.values()))
+    for bad in (view.expand(NB, 2, CAPACITY, 2 * HEAD_DIM), view.to(torch.bfloat16)):
+        with pytest.raises(KVCacheGroupEditError, match=r"registers as float32 \[NB, 1, N, C\]"):
+            declared_ring_pages(bad)
+
+
 def test_a_ring_maps_only_to_rings() -> None:
     """A plain one-head fp32 attention cache has the ring's very shape; read as its K | V
     halves, the ring's kv_state went into K and its score_state into V without a word."""

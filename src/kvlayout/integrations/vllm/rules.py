@@ -59,7 +59,9 @@ __all__ = [
     "RingBufferPagesEdit",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
+    "declared_ring_pages",
     "declared_state_rows",
+    "reads_as_ring",
     "reads_as_state_rows",
 ]
 
@@ -126,6 +128,21 @@ def reads_as_state_rows(geometry: Any) -> bool:
     spec, is what vLLM 0.33+ registers a Mamba layer as: one head of K and V in blocks of
     one token, of :data:`STATE_ROWS_DTYPE` (only the spec, or its fields, reads it as state)."""
     return (geometry.block_size, geometry.num_heads, geometry.dtype) == (1, 1, STATE_ROWS_DTYPE)
+
+
+def reads_as_ring(geometry: Any) -> bool:
+    """Whether a kernel group's geometry, detected from a vLLM registration without its
+    spec, is what vLLM 0.33 registers a ``CircularBufferSpec`` ring as: one head of
+    float32 in blocks of the ring's capacity, a power of two of 8 or more
+    (``CompressorStateCache``: ``max(8, ...)`` rounded up to a power of two). Only the
+    spec, or a declaration of it, tells such a ring from one fp32 head of attention."""
+    bs = geometry.block_size
+    return (
+        (geometry.num_heads, geometry.dtype) == (1, torch.float32)
+        and isinstance(bs, int)
+        and bs >= 8
+        and bs & (bs - 1) == 0
+    )
 
 
 class MambaStateRowsEdit(KVCacheGroupEdit):
@@ -504,6 +521,44 @@ def ring_array(value: torch.Tensor, capacity: int | None) -> tuple[PageArray, ..
         return ()
     shape = (capacity // rows, rows, int(value.shape[-1]))
     return (PageArray(0, shape, str(value.dtype).removeprefix("torch."), 0, (shape[0],), replicated=True),)
+
+
+@dataclasses.dataclass(frozen=True)
+class _RingFields:
+    """The ``CircularBufferSpec`` of a ring given by its registered shape, as
+    ``CompressorStateCache.get_kv_cache_spec`` fills it (vLLM 0.33): one head, its
+    capacity the block, its row the head, no V; vLLM computes it no slot mapping."""
+
+    block_size: int
+    head_size: int
+    dtype: torch.dtype
+    num_kv_heads: int = 1
+    head_size_v: int = 0
+    uses_slot_mapping: bool = False
+
+    @property
+    def page_size_bytes(self) -> int:
+        return self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
+
+
+def declared_ring_pages(value: torch.Tensor, layout_hints: HintsLike = None) -> torch.Tensor:
+    """A ring as vLLM 0.33 registers it (``value``: ``[NB, 1, N, C]``, DeepSeek-V4.1's
+    ``CompressorStateCache``, paged whole by ``CompressorBackend``) re-viewed and marked as
+    :class:`RingBufferPagesEdit` does for the ``CircularBufferSpec`` of its shape, where
+    there is no spec to read (``kvlayout plan``'s ring sides, given on the command line):
+    its capacity ``N``, its row ``C`` values of its dtype. A tensor of another shape, or
+    of a dtype the ring is not (vLLM asserts float32), raises
+    :class:`KVCacheGroupEditError`."""
+    if value.dim() != 4 or value.shape[1] != 1 or value.dtype != torch.float32:
+        raise KVCacheGroupEditError(
+            f"a ring (vLLM's CircularBufferSpec) registers as float32 [NB, 1, N, C] (one head, N its "
+            f"capacity, C its [kv_state | score_state] row), not {value.dtype} {list(value.shape)}"
+        )
+    spec = _RingFields(int(value.shape[_TOKEN_AXIS]), int(value.shape[-1]), value.dtype)
+    edit = RingBufferPagesEdit()
+    view = edit.apply(spec, value, layout_hints)
+    mark_opaque_pages(view, edit.opaque_pages(spec, value, layout_hints), [value])
+    return view
 
 
 class CPUAttentionPagesEdit(KVCacheGroupEdit):
