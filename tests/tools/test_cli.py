@@ -9,6 +9,7 @@ import subprocess
 import sys
 import xml.etree.ElementTree as ET
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -1625,3 +1626,131 @@ def test_plan_of_a_hybrid_as_the_docs_show(capsys: pytest.CaptureFixture[str]) -
     )
     code, out, err = run(capsys, *argv)
     assert (code, err) == (0, "") and "together 180 runs, 18481152 bytes" in out
+
+
+def _vllm_rings(capacity: int, num_layers: int) -> Any:
+    """DeepSeek-V4.1's compressor rings as vLLM 0.33 registers them and a P/D connector
+    detects them (``CompressorStateCache.get_kv_cache_spec``: ``CircularBufferSpec`` of one
+    head, ``state_dim = 2 * head_dim`` = 1024 fp32 values a row, ``capacity`` rows; through
+    the group edits with ``prefix_reuse=False``): the kernel group, and the registered view's
+    shape."""
+    import kvlayout.testing.vllm as vx
+
+    spec = vx.kvi.CircularBufferSpec(
+        block_size=capacity, num_kv_heads=1, head_size=1024, head_size_v=0, dtype=torch.float32
+    )
+    engine = vx.uniform_engine(
+        spec, vx.Backend("CompressorBackend", multiple_of=1), num_layers=num_layers, num_blocks=6,
+        layer_name="model.layers.{}.self_attn.compressor.state_cache",
+    )  # fmt: skip
+    raw = vx.allocate_v033(engine)[1]
+    reg = vx.detect_registered(engine, raw, {"kv_layout": "NHD"}, edited=True, prefix_reuse=False)
+    return reg.kernel_groups[0], tuple(next(iter(raw.values())).shape), spec.page_size_bytes
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp", "capacity"), [(2, 4, 8), (4, 2, 8), (1, 2, 16), (2, 2, 8)])
+def test_plan_of_vllm_s_rings_moves_each_request_s_ring_whole_from_one_rank(
+    capsys: pytest.CaptureFixture[str], src_tp: int, dst_tp: int, capacity: int
+) -> None:
+    """``--src-ring`` / ``--dst-ring``: DeepSeek-V4.1's compressor rings (vLLM's
+    ``CircularBufferSpec``) planned as the library maps them: one block a request whatever
+    its tokens, every layer's page whole, and each decode rank's ring from one prefill rank
+    (vLLM computes the ring whole on every rank). The numbers are the block maps of vLLM's
+    own registrations. Before, the shape planned as one fp32 head of K | V tokens."""
+    from kvlayout.transfer import Shard, block_map
+    from kvlayout.transfer.nixl import estimate
+
+    layers = 5
+    group, shape, page = _vllm_rings(capacity, layers)
+    assert shape == (6, 1, capacity, 1024)  # what the plan is given: vLLM's view, as registered
+    argv = ["plan", "--dtype", "fp32", "--tokens", "700", "--json", "--src-ring", "--dst-ring"]
+    for where, tp in (("src", src_tp), ("dst", dst_tp)):
+        argv += [f"--{where}-engine", "vllm", f"--{where}-shape", f"{layers}x[6,1,{capacity},1024]",
+                 f"--{where}-tp", str(tp)]  # fmt: skip
+    code, out, err = run(capsys, *argv)
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["ring"] and plan["src"]["block_size"] == plan["dst"]["block_size"] == capacity
+    senders: dict[int, list[int]] = {d: [] for d in range(dst_tp)}
+    for p in plan["pairs"]:
+        m = block_map(group, group, [0], [0], src_shard=Shard(p["src_rank"], src_tp, 8),
+                      dst_shard=Shard(p["dst_rank"], dst_tp, 8))  # fmt: skip
+        assert m.num_bytes == layers * page == layers * capacity * 1024 * 4  # each layer's ring whole
+        if p["bytes"]:
+            senders[p["dst_rank"]].append(p["src_rank"])
+            assert (p["kind"], p["runs"], p["bytes"]) == (m.kind, m.num_runs, m.num_bytes)
+            assert p["descriptors"] == estimate(m, poster="dst").descriptors
+        else:
+            assert p["kind"] == "replica" and "a ring, which vLLM computes on every rank" in p["reason"]
+    assert all(len(s) == 1 for s in senders.values()), senders  # each dst rank's ring from one rank
+
+
+def test_plan_says_a_one_head_fp32_vllm_side_may_be_a_ring(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without ``--*-ring``, vLLM's ring shape ``[NB,1,N,C]`` fp32 is one fp32 head of
+    attention too, and is planned as one: the plan says so, naming the flag, on each side
+    of that shape (not on an fp32 side of two heads a rank, nor on bf16)."""
+    base = ["plan", "--src-engine", "vllm", "--dst-engine", "vllm", "--tokens", "40", "--src-tp", "2",
+            "--dst-tp", "4"]  # fmt: skip
+    code, out, err = run(capsys, *base, "--dtype", "fp32", "--src-shape", "3x[6,1,8,1024]",
+                         "--dst-shape", "3x[6,1,8,1024]", "--json")  # fmt: skip
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    for where in ("src", "dst"):
+        assert "CircularBufferSpec rings" in plan[where]["note"] and f"--{where}-ring" in plan[where]["note"]
+    assert not plan["ring"] and all(p["bytes"] % (40 * 3 * 1024 * 4) == 0 for p in plan["pairs"])
+    for dtype, shape in (("fp32", "[6,8,2,1024]"), ("bf16", "[6,1,8,1024]")):  # NHD: 2 heads, blocks of 8
+        code, out, err = run(capsys, *base[:-1], "2", "--dtype", dtype, "--src-shape", f"3x{shape}",
+                             "--dst-shape", f"3x{shape}", "--json")  # fmt: skip
+        notes = [json.loads(out)[w]["note"] or "" for w in ("src", "dst")]
+        assert (code, err) == (0, "") and not any("-ring" in n for n in notes), (dtype, notes)
+
+
+_RINGS = ["--src-ring", "--dst-ring"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--src-ring"], "--src-ring is given and --dst-ring is not: a ring maps only into a ring"),
+        ([*_RINGS, "--dtype", "bf16"],
+         "--dtype bf16 with --src-ring: vLLM 0.33's rings are float32 (CompressorStateCache asserts it); "
+         "give --dtype fp32"),
+        ([*_RINGS, "--first-token", "8"], "--first-token 8: a ring holds its request's latest"),
+        ([*_RINGS, "--kv-heads", "2"], "--kv-heads 2: a ring holds"),
+        ([*_RINGS, "--dst-block-size", "16"], "--dst-block-size with --src-ring and --dst-ring"),
+        ([*_RINGS, "--src-state", "gdn_attn:4096x3:bf16", "--dst-state", "gdn_attn:4096x3:bf16"],
+         "--src-state with --src-ring and --dst-ring: a ring is a group of its own"),
+        ([*_RINGS, "--src-engine", "sglang"], "--src-ring reads vLLM's rings"),
+        ([*_RINGS, "--src-shape", "3x[6,2,8,1024]"],
+         "--src-ring on --src-shape 3x[6,2,8,1024]: a ring (vLLM's CircularBufferSpec) registers as float32 "
+         "[NB, 1, N, C]"),
+    ],
+)  # fmt: skip
+def test_plan_of_rings_refuses_what_it_cannot_plan(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    flags = {"--src-engine": "vllm", "--dst-engine": "vllm", "--tokens": "40", "--dtype": "fp32",
+             "--src-shape": "3x[6,1,8,1024]", "--dst-shape": "3x[6,1,8,1024]"}  # fmt: skip
+    rings = [a for a in extra if a in ("--src-ring", "--dst-ring")]
+    given = {
+        k: v for k, v in zip(extra, [*extra[1:], ""], strict=True) if k.startswith("--") and k not in rings
+    }
+    argv = ["plan", *rings, *(x for k, v in (flags | given).items() for x in (k, v))]
+    code, out, err = run(capsys, *argv)
+    assert code == 2 and out == "", (out, err)
+    assert message in err, err
+
+
+def test_plan_of_rings_as_the_docs_show(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/pd-connectors.md's ring line runs: 16 layers' rings of 8 rows of 1024 fp32
+    values, each decode rank's from one prefill rank, the rest replicas."""
+    docs = (Path(__file__).parents[2] / "docs" / "pd-connectors.md").read_text()
+    line = next(x for x in docs.splitlines() if "kvlayout plan" in x and "--src-ring" in x)
+    argv = [a.strip("'") for a in line.split("$ kvlayout ", 1)[1].split()]
+    code, out, err = run(capsys, *argv, "--json")
+    assert (code, err) == (0, "")
+    pairs = json.loads(out)["pairs"]
+    sent = [p for p in pairs if p["bytes"]]
+    assert sorted(p["dst_rank"] for p in sent) == [0, 1, 2, 3]
+    assert all(p["bytes"] == 16 * 8 * 1024 * 4 for p in sent)
+    assert all(p["kind"] == "replica" for p in pairs if not p["bytes"])

@@ -303,6 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
                             f"mode; align mode: --{where}-block-size, the spec's block_size); a last "
                             "item tp_replicated where the spec's is True (every rank holds the whole "
                             "state)")  # fmt: skip
+        p.add_argument(f"--{where}-ring", action="store_true",
+                       help=f"--{where}-shape is vLLM's CircularBufferSpec rings (NLx[NB,1,N,C] float32, "
+                            "as vLLM 0.33 registers DeepSeek-V4.1's compressor state: N the ring's "
+                            "capacity, C its row); plans the request's ring, one block id a side, which "
+                            "every rank holds whole")  # fmt: skip
         p.add_argument(f"--{where}-state-shape", default=None, metavar="NLx[NB,1,1,PAGE]",
                        help=f"a hybrid's Mamba layers beside the attention group --{where}-shape (int8, as "
                             f"vLLM 0.33 registers them; --{where}-state gives their MambaSpec): one plan "

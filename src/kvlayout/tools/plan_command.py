@@ -71,6 +71,22 @@ def _state_note(where: str, engine: str, group: Any, state: bool) -> str | None:
     )
 
 
+def _ring_note(where: str, engine: str, group: Any, ring: bool) -> str | None:
+    """What ``plan`` says of a vLLM side read as one float32 head of K and V in blocks of
+    a power of two of 8 or more: the shape vLLM 0.33 registers a ``CircularBufferSpec``
+    ring as (DeepSeek-V4.1's compressor state, ``[NB, 1, N, C]``), which only
+    ``--*-ring`` reads as a ring."""
+    from kvlayout.integrations.vllm.rules import reads_as_ring
+
+    if ring or engine != "vllm" or not reads_as_ring(group.geometry):
+        return None
+    return (
+        f"--{where}-shape read as one KV head of K and V a rank, float32 ({group.format.name}), planned by "
+        "heads and tokens; vLLM's CircularBufferSpec rings (DeepSeek-V4.1's compressor state) have this "
+        f"shape ([NB,1,N,C] float32, N the ring's capacity): give --{where}-ring for them"
+    )
+
+
 def _latent_notes(notes: dict[str, str | None], heads: dict[str, int | None]) -> dict[str, str | None]:
     """Each side's :func:`_one_head_note`, kept only where the other side could hold MLA
     latents too (read as latents, or one head that ``kv_dim=1`` reads as latents): both
@@ -155,13 +171,54 @@ def _state_side(
     return reg, reg.kernel_groups[0]
 
 
-def _state_plan(args: argparse.Namespace) -> Literal["attention", "state", "hybrid"]:
+def _ring_side(
+    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object]
+) -> tuple[Any, Any]:
+    """A side given with ``--{where}-ring``: vLLM 0.33's ``CircularBufferSpec`` rings as it
+    registers them (``--{where}-shape NLx[NB,1,N,C]`` float32: DeepSeek-V4.1's
+    ``CompressorStateCache``, ``N`` its capacity, ``C`` its ``[kv_state | score_state]``
+    row), read as the group edits read them: one block a request, moved whole, held whole
+    on every rank."""
+    import torch
+
+    import kvlayout
+    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+    from kvlayout.integrations.vllm.rules import declared_ring_pages
+
+    flag, shape_flag = f"--{where}-ring", f"--{where}-shape"
+    if engine.value != "vllm":
+        raise KVLayoutError(f"{flag} reads vLLM's rings (a CircularBufferSpec's pages), not {engine.value}'s")
+    if not isinstance(kv, list) or len(spec.parts) > 1 or not all(isinstance(t, torch.Tensor) for t in kv):
+        raise KVLayoutError(
+            f"{shape_flag} {_shown(spec.text)}: with {flag}, a list of one tensor a ring, as vLLM 0.33 "
+            "registers them: NLx[NB,1,N,C] (N the ring's capacity, C its row, with --dtype fp32)"
+        )
+    if kv[0].dtype != torch.float32:  # CompressorStateCache asserts float32
+        raise KVLayoutError(
+            f"--dtype {a['dtype']} with {flag}: vLLM 0.33's rings are float32 (CompressorStateCache "
+            "asserts it); give --dtype fp32"
+        )
+    try:
+        views = [declared_ring_pages(t, hints) for t in kv]
+    except KVCacheGroupEditError as e:
+        raise KVLayoutError(f"{flag} on {shape_flag} {_shown(spec.text)}: {e}") from None
+    try:
+        reg = kvlayout.detect(views, engine, hints)
+    except (KVLayoutError, TypeError) as e:
+        raise KVLayoutError(f"{shape_flag}: detection refuses its ring pages: {e}") from None
+    return reg, reg.kernel_groups[0]
+
+
+def _state_plan(args: argparse.Namespace) -> Literal["attention", "state", "hybrid", "ring"]:
     """What the plan moves: attention alone; Mamba state alone (``--*-state`` on both
-    sides, ``--*-shape`` the state's layers); or a hybrid's request whole, an attention
+    sides, ``--*-shape`` the state's layers); a hybrid's request whole, an attention
     group (``--*-shape``) and its state group (``--*-state-shape`` with ``--*-state``) on
-    both sides. Given on one side only, or state alone with ``--first-token`` or
-    ``--kv-heads``, is the command line's error."""
+    both sides; or vLLM's rings (``--*-ring`` on both sides). Given on one side only, or
+    state or rings alone with ``--first-token`` or ``--kv-heads``, is the command line's
+    error."""
     a = vars(args)
+    if a["src_ring"] or a["dst_ring"]:
+        return _ring_plan(args)
     for flag in ("state-shape", "state"):
         key = flag.replace("-", "_")
         given = {w: a[f"{w}_{key}"] is not None for w in ("src", "dst")}
@@ -193,6 +250,34 @@ def _state_plan(args: argparse.Namespace) -> Literal["attention", "state", "hybr
             "the attention group beside it (--src-shape, the state as --src-state-shape)"
         )
     return "state"
+
+
+def _ring_plan(args: argparse.Namespace) -> Literal["ring"]:
+    """A plan of vLLM's rings (``--src-ring`` and ``--dst-ring``), or the command line's
+    error: a ring maps only into a ring, holds no tokens and no KV heads, and is its own
+    group (no Mamba state with it)."""
+    a = vars(args)
+    if a["src_ring"] != a["dst_ring"]:
+        w, o = ("src", "dst") if a["src_ring"] else ("dst", "src")
+        raise KVLayoutError(
+            f"--{w}-ring is given and --{o}-ring is not: a ring maps only into a ring (vLLM's "
+            f"CircularBufferSpec, DeepSeek-V4.1's compressor state); give --{o}-ring"
+        )
+    given = [f"--{w}-{f}" for f in ("state", "state-shape", "block-size") for w in ("src", "dst")
+             if a[f"{w}_{f.replace('-', '_')}"] is not None]  # fmt: skip
+    if given:
+        raise KVLayoutError(
+            f"{given[0]} with --src-ring and --dst-ring: a ring is a group of its own, one block a request "
+            "whose rows are its capacity (the shape's N), no Mamba state and no scheduler's blocks; plan "
+            "the other groups apart"
+        )
+    for flag, value in (("--first-token", args.first_token), ("--kv-heads", args.kv_heads)):
+        if value:
+            raise KVLayoutError(
+                f"{flag} {value}: a ring holds its request's latest positions, one block moved whole, and no "
+                "KV heads (every rank holds it whole); plan the ring without it"
+            )
+    return "ring"
 
 
 MAX_TP = 1024
@@ -286,7 +371,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     dtype = _torch_dtype(args.dtype)
     _plan_bounds(args)
     what = _state_plan(args)
-    state = what == "state"
+    ring = what == "ring"
+    state = what in ("state", "ring")  # one block a side, whatever the request's tokens
     meta = torch.device("meta")
     sides: dict[str, tuple[Any, Any]] = {}
     state_sides: dict[str, tuple[Any, Any]] = {}  # a hybrid's state group, beside its attention's
@@ -304,6 +390,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise KVLayoutError(f"--{where}-hint: {e}") from None
         spec = _registration_spec(f"--{where}-shape", a[f"{where}_shape"], args.dtype)
         kv = _registration(spec, dtype, meta, a[f"{where}_share"], f"--{where}-share")  # refused as given
+        if ring:
+            sides[where] = _ring_side(where, a, kv, spec, engine, hints)
+            notes[where] = None
+            continue
         if state:
             sides[where] = _state_side(where, a, kv, spec, engine, hints, f"--{where}-shape")
             notes[where] = None
@@ -350,7 +440,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     heads = {w: None if state else _side_heads(r) for w, (r, _) in sides.items()}
     notes = _latent_notes(notes, heads)
     for where, (_, group) in sides.items():
-        notes[where] = _state_note(where, a[f"{where}_engine"], group, state) or notes[where]
+        engine_name = a[f"{where}_engine"]
+        said = (_ring_note(where, engine_name, group, state), notes[where])  # fp32 latents are one head too
+        notes[where] = _state_note(where, engine_name, group, state) or "; ".join(filter(None, said)) or None
     model_heads = args.kv_heads
     if state and model_heads is None:  # a state page reads only its rank and TP degree
         model_heads = math.lcm(args.src_tp, args.dst_tp)
@@ -392,7 +484,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     record: dict[str, Any] = {
         "tokens": args.tokens, "first_token": args.first_token, "blocks": args.blocks, "poster": args.poster,
         "cost_model": DEFAULT_COST.source, "kv_heads": args.kv_heads if state else model_heads,
-        "state": state, "pairs": [],
+        "state": state, "ring": ring, "pairs": [],
     }  # fmt: skip
     for where, (_, group) in sides.items():
         g = group.geometry
@@ -579,8 +671,9 @@ def _plan_pairs(
                     and _sender(Shard(r, args.src_tp, 1), Shard(d, args.dst_tp, 1)) != r
                 ):
                     sender = _sender(Shard(r, args.src_tp, 1), Shard(d, args.dst_tp, 1))
+                    whole = "a ring, which vLLM computes on every rank" if args.src_ring else "tp_replicated"
                     pair |= {"kind": "replica", "runs": 0, "bytes": 0, "reason": (
-                        f"src rank {sender} holds the same state (every rank holds it whole: tp_replicated) "
+                        f"src rank {sender} holds the same state (every rank holds it whole: {whole}) "
                         "and sends it: one replica sends it, as Shard.sends_to says"
                     )}  # fmt: skip
                 if pair["runs"]:
@@ -651,7 +744,14 @@ def _cp_sender(tp: int, dcp: int, heads: int, r: int, d: int) -> int:
 def _print_plan(r: dict[str, Any]) -> None:
     s, d = r["src"], r["dst"]
     moved = f" (moving {r['first_token']} on)" if r["first_token"] else ""
-    if r["state"]:  # Mamba state: one block a side, its rows no tokens
+    if r["ring"]:  # vLLM's rings: one block a request, held whole on every rank
+        print(
+            f"plan: the request's ring (vLLM's CircularBufferSpec), one block id a side ({r['blocks']}); "
+            f"src TP {s['tp']} (rings of {s['block_size']} rows), dst TP {d['tp']} (rings of "
+            f"{d['block_size']} rows), every rank's ring whole; posted by {r['poster']}; "
+            f"cost model: {r['cost_model']}"
+        )
+    elif r["state"]:  # Mamba state: one block a side, its rows no tokens
         print(
             f"plan: the running Mamba state, one block id a side ({r['blocks']}); "
             f"src state TP {s['tp']} ({s['block_size']} row(s) a block), "
