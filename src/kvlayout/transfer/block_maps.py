@@ -715,7 +715,7 @@ def _state_ranks(
             "the same size, but for a request's running state: one block id a side without num_tokens, "
             "of the cache's own blocks (no other src_block_size or dst_block_size), each of several rows "
             "(vLLM's align mode at two TP degrees whose hybrid blocks differ; a 'none'-mode state is one "
-            f"row) ({how})"
+            f"row) ({how})" + _advices(a, b)  # what their reading says besides (rings of two capacities)
         )
     problem = structure_problem(a, b)
     if problem is not None:

@@ -168,6 +168,26 @@ def test_a_ring_declared_by_its_shape_reads_as_its_spec_reads_it() -> None:
             declared_ring_pages(bad)
 
 
+def test_rings_of_two_capacities_are_refused_as_rings() -> None:
+    """A decode ring of 16 rows (vLLM sizes it by the speculative tokens:
+    ``CompressorStateCache.block_size``) keeps position ``p`` in row ``p % 16``, the
+    prefill's of 8 in row ``p % 8``: whole pages would put them in the wrong rows, so
+    the map is refused, at any ranks, with what a ring is."""
+    hints = {"kv_layout": "NHD"}
+    wide = kvi.CircularBufferSpec(
+        block_size=2 * CAPACITY, num_kv_heads=1, head_size=2 * HEAD_DIM, head_size_v=0, dtype=torch.float32
+    )
+    _, src = registered(ring_spec(), 1, hints)
+    _, dst = registered(wide, 2, hints)
+    for src_shard, dst_shard in ((None, None), (Shard(0, 2, 2), Shard(1, 4, 4))):
+        with pytest.raises(BlockMapError) as info:
+            block_map(
+                src.kernel_groups[0], dst.kernel_groups[0], [1], [1], src_shard=src_shard, dst_shard=dst_shard
+            )
+        assert f"blocks of {CAPACITY} and {2 * CAPACITY} rows" in str(info.value)
+        assert f"position p in row p % {2 * CAPACITY}, whatever tokens" in str(info.value)
+
+
 def test_a_ring_maps_only_to_rings() -> None:
     """A plain one-head fp32 attention cache has the ring's very shape; read as its K | V
     halves, the ring's kv_state went into K and its score_state into V without a word."""
