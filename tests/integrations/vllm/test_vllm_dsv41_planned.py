@@ -235,3 +235,44 @@ def test_deepseek_v4_specs_name_a_block_size_or_ratio_that_is_no_count(spec: Any
     for block_size in (0, -256, 2.0):
         with pytest.raises(TypeError, match=rf"^block_size must be an int of at least 1, got {block_size}$"):
             spec(block_size)
+
+
+@pytest.mark.parametrize("layout", PACKED, ids=lambda layout: layout.name)
+def test_a_p_d_connector_moves_the_packed_rings_whole(layout: Any) -> None:
+    """A P/D connector (``prefix_reuse=False``) registers the rings too. vLLM packs them
+    beside each other in its blocks (``_get_packed_kv_cache_groups``), so a ring's
+    ``[NB, 1, 8, C]`` view is one page a block at the packed block's stride: it was refused
+    ("kernel pages are 228864 bytes apart but 32768 bytes long"), though its block is that
+    one page. Each ring moves whole, into the decode rank's block, from any prefill rank
+    (vLLM computes it on every rank), each row where ``bind_kv_cache``'s ``[NB, N, C]``
+    view has it."""
+    from kvlayout.transfer import Shard, block_map
+
+    specs = MODELS["c4-c128"]
+    hints = {"kv_layout": layout.name}
+    sides = []
+    for seed in (5, 6):
+        engine = vx.planned_engine(specs, vx.FLASHMLA, layout=layout, num_blocks=NB)
+        buf, kv = vx.allocate_v033(engine)
+        vx.fill_random(buf, seed)
+        edited = apply_kv_cache_group_edits(engine.config, kv, hints, prefix_reuse=False)
+        layers, groups = transfer_layers(engine.config, edited)
+        names = [n for n in kv if n in edited]
+        sides.append((kv, names, kvlayout.detect(layers, "vllm", hints, layer_groups=groups)))
+    (src_kv, src_names, src), (dst_kv, dst_names, dst) = sides
+    rings = [n for n in src_names if isinstance(specs[n], kvi.CircularBufferSpec)]
+    assert len(rings) == 9  # 3 C4 layers' two rings, 3 C128 layers' one
+    before = {n: dst_kv[n].clone() for n in rings}
+    moved: list[str] = []
+    for g, h in zip(src.kernel_groups, dst.kernel_groups, strict=True):
+        if g.opaque_pages is None or not g.opaque_pages.layout.startswith("ring-buffer-pages"):
+            continue
+        block_map(g, h, [3], [1], src_shard=Shard(1, 2, 2), dst_shard=Shard(3, 4, 4)).copy()
+        assert [src_names[i] for i in g.layers] == [dst_names[i] for i in h.layers]
+        moved += [src_names[i] for i in g.layers]
+    assert sorted(moved) == sorted(rings)
+    for n in rings:
+        sent, got, was = src_kv[n].squeeze(1), dst_kv[n].squeeze(1), before[n].squeeze(1)
+        assert torch.equal(got[1].view(torch.int32), sent[3].view(torch.int32))
+        for b in (0, 2, 3, 4):
+            assert torch.equal(got[b].view(torch.int32), was[b].view(torch.int32))

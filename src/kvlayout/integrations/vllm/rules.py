@@ -362,7 +362,7 @@ def _group_kernel_pages(
         )
     if runs.num_pages % k:
         raise KVCacheGroupEditError(f"{runs.num_pages} kernel pages do not make whole blocks of {k} pages")
-    if runs.stride_bytes != runs.page_bytes:
+    if k > 1 and runs.stride_bytes != runs.page_bytes:  # one page a block is its block, whatever its stride
         raise KVCacheGroupEditError(
             f"kernel pages are {runs.stride_bytes} bytes apart but {runs.page_bytes} bytes long, "
             f"so {k} of them are not one contiguous {k * runs.page_bytes}-byte block"
