@@ -1754,3 +1754,44 @@ def test_plan_of_rings_as_the_docs_show(capsys: pytest.CaptureFixture[str]) -> N
     assert sorted(p["dst_rank"] for p in sent) == [0, 1, 2, 3]
     assert all(p["bytes"] == 16 * 8 * 1024 * 4 for p in sent)
     assert all(p["kind"] == "replica" for p in pairs if not p["bytes"])
+
+
+def test_plan_of_rings_is_block_map_of_deepseek_v41_s_packed_rings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """DeepSeek-V4.1's rings as vLLM packs them (``planned_engine`` under BLHNC, the
+    layouts its indexer requires: each ring one page a block at the packed block's
+    stride, rings of three widths in kernel groups of their own): each group's plan,
+    from the rings' shapes, moves what ``block_map`` moves of the packed registration,
+    prefill TP 2 into decode TP 4."""
+    import kvlayout.testing.vllm as vx
+    from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+    from kvlayout.transfer import Shard, block_map
+    from tests.integrations.vllm.test_vllm_dsv41_planned import MODELS
+
+    specs, layout = MODELS["c4-c128"], vx.KVCacheLayout.BLHNC
+    engine = vx.planned_engine(specs, vx.FLASHMLA, layout=layout, num_blocks=5)
+    kv = vx.allocate_v033(engine)[1]
+    hints = {"kv_layout": layout.name}
+    edited = apply_kv_cache_group_edits(engine.config, kv, hints, prefix_reuse=False)
+    layers, groups = transfer_layers(engine.config, edited)
+    names = [n for n in kv if n in edited]
+    reg = kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+    rings = [
+        g for g in reg.kernel_groups if g.opaque_pages and g.opaque_pages.layout.startswith("ring-buffer")
+    ]
+    assert len(rings) == 6
+    for g in rings:
+        shape = tuple(kv[names[g.layers[0]]].shape)
+        assert shape[:3] == (5, 1, 8) and kv[names[g.layers[0]]].stride(0) * 4 > 8 * shape[3] * 4  # packed
+        given = f"{len(g.layers)}x{list(shape)}".replace(" ", "")
+        code, out, err = run(capsys, "plan", "--dtype", "fp32", "--tokens", "300", "--json", "--src-ring",
+                             "--dst-ring", "--src-engine", "vllm", "--dst-engine", "vllm", "--src-tp", "2",
+                             "--dst-tp", "4", "--src-shape", given, "--dst-shape", given)  # fmt: skip
+        assert (code, err) == (0, "")
+        for p in json.loads(out)["pairs"]:
+            if p["bytes"]:
+                m = block_map(g, g, [0], [0], src_shard=Shard(p["src_rank"], 2, 4),
+                              dst_shard=Shard(p["dst_rank"], 4, 4))  # fmt: skip
+                assert (p["kind"], p["runs"], p["bytes"]) == (m.kind, m.num_runs, m.num_bytes)
+                assert m.num_bytes == len(g.layers) * 8 * shape[3] * 4
