@@ -574,3 +574,13 @@ def test_13_a_chunk_past_any_tensor_s_size_is_refused_when_its_shape_is_asked() 
     largest = (2**63 - 1) // 512 // 4 * 4  # still a tensor's size: answered
     assert plan.chunk_shape(largest)[0] == (2, 2, largest, 32)
     assert chunk_shape_for(group, largest)[0] == (2, 2, largest, 32)
+    # the bound is torch's: a chunk of exactly 2**63 bytes overflows, one block fewer does not
+    exact = 2**63 // 512  # 2**54 tokens, 1 << 63 bytes
+    with pytest.raises(TransferError, match=rf"^num_tokens={exact} makes a chunk of {2**63} bytes, more"):
+        plan.chunk_shape(exact)
+    with pytest.raises(BlockMapError, match=rf"^num_tokens={exact} makes a chunk of {2**63} bytes, more"):
+        chunk_shape_for(group, exact)
+    with pytest.raises(RuntimeError, match="Storage size calculation overflowed"):
+        torch.empty((2, 2, exact, 32), device="meta")
+    for shape, dtype in (plan.chunk_shape(exact - 4), chunk_shape_for(group, exact - 4)):
+        assert torch.empty(shape, dtype=dtype, device="meta").nbytes == 2**63 - 4 * 512
