@@ -763,3 +763,44 @@ def test_a_peer_agent_of_this_process_whose_memory_was_freed_is_refused_not_writ
         "register the registration (and staging) first; peer 'kvl-peer-deregistered-after-prepare' (an agent "
         "of this process) deregistered it after the request was prepared: nothing was posted",
     ], lines
+
+
+def test_an_agent_of_this_process_merely_named_like_the_peer_is_not_taken_for_it() -> None:
+    """The peer is found among this process's agents by its name: an agent here that shares
+    the name (a loopback agent, an example's "decode") while the real peer is another (in
+    practice another process; here a second agent of that name, its cache registered by
+    NIXL directly) had its regions taken for the peer's and the request refused, though
+    NIXL accepted the rows and the peer's memory is in place. An agent that never
+    deregistered a region never held the rows: the request posts and the bytes land."""
+    code = """
+    import logging, re, numpy as np, torch
+    from dataclasses import dataclass
+    from kvlayout.transfer import TransferError
+    from kvlayout.transfer import nixl as nx
+    import nixl._api
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+    @dataclass(frozen=True)
+    class Map:
+        runs: np.ndarray
+        src: object
+        dst: object
+
+    bystander = nx.make_agent("kvl-named-decode", progress_thread=False)
+    keep = nx.register(bystander, torch.zeros(4096, dtype=torch.uint8))
+    prefill = nx.make_agent("kvl-named-prefill", progress_thread=False)
+    decode = nx.make_agent("kvl-named-decode")
+    kv, dst = torch.ones(32768, dtype=torch.uint8), torch.zeros(32768, dtype=torch.uint8)
+    ours = nx.register(prefill, kv)
+    decode.register_memory(decode.get_reg_descs(dst))
+    peer = prefill.add_remote_agent(decode.get_agent_metadata())
+    there = nx.LocalSide("cpu", 0, nx.local_side(dst).tensor_spans, is_local=False)
+    rows = [[kv.data_ptr() + 4096 * i, dst.data_ptr() + 1024 * i, 1024] for i in range(8)]
+    request = Map(np.array(rows, np.uint64), nx.local_side(kv), there)
+    try:
+        nx.transfer(prefill, peer, request, strategy="direct").wait(timeout=30)
+        print("posted", bool((dst[:8192] == 1).all()), bool((dst[8192:] == 0).all()))
+    except TransferError as e:
+        print(type(e).__name__, re.sub("0x[0-9a-f]+", "ADDR", str(e)))
+    """
+    assert isolated(code) == ["posted True True"]

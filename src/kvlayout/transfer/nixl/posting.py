@@ -126,12 +126,10 @@ class Transfer:
         # process's memory, which no map side watches (the peer's is a description): start()
         # asks the regions they reach on that agent, and whether it deregistered any since.
         owner = _in_process(agent, peer)
+        if owner is not None and owner is not agent and not _holds_peer_rows(owner, plan):
+            owner = None
         self._peer_agent = owner if owner is not agent else None
         self._peer_removals = _removals(owner) if self._peer_agent is not None else 0
-        if self._peer_agent is not None:
-            # NIXL accepted these rows by the metadata loaded here, which still names what the
-            # peer deregistered since: they must be inside what it registers now
-            _check_local_rows(owner, plan.remote, plan.remote_mem, "remote descriptor")
         self._unwatched = (
             [] if owner is None else [(owner, "remote descriptor", _reach(plan.remote, plan.remote_mem))]
         )
@@ -562,6 +560,24 @@ def _prepare(
         raise
     xfer._hold.peer_claim = claim  # until the request is done (let go of in flight, too)
     return xfer
+
+
+def _holds_peer_rows(owner: Agent, plan: Plan) -> bool:
+    """Whether ``owner``, an agent of this process named as the peer, is the peer whose
+    registered memory a request's remote rows are. NIXL accepted them by the metadata
+    loaded at the handshake, which still names what the peer deregistered since: inside
+    what ``owner`` registers now, or outside it once ``owner`` deregistered a region
+    (refused: stale metadata, the memory maybe freed). Outside it while ``owner`` never
+    deregistered one, the rows were never its regions: they are registered otherwise
+    (NIXL's own ``register_memory``, or a peer of another process that shares the name),
+    and no agent here answers for them, as before any agent of this process did."""
+    try:
+        _check_local_rows(owner, plan.remote, plan.remote_mem, "remote descriptor")
+    except RefusedDescriptorError:
+        if _removals(owner) == 0:
+            return False
+        raise
+    return True
 
 
 def _checked_transfer(
