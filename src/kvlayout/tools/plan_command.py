@@ -139,8 +139,6 @@ def _state_side(
     attention, whose block size that flag then is)."""
     import torch
 
-    import kvlayout
-    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
     from kvlayout.integrations.vllm.rules import STATE_ROWS_DTYPE, declared_state_rows
 
     flag = f"--{where}-state"
@@ -160,15 +158,10 @@ def _state_side(
     # beside attention, --*-block-size is the attention's: the running state is one page whatever
     # its rows (align mode's block_size rows move the same bytes), so it is read as one row
     rows = 1 if shape_flag.endswith("-state-shape") else a[f"{where}_block_size"] or 1
-    try:
-        views = [declared_state_rows(t, kind, shapes, dtypes, rows, tp_replicated=replicated) for t in kv]
-    except KVCacheGroupEditError as e:
-        raise KVLayoutError(f"{flag} on {shape_flag} {_shown(spec.text)}: {e}") from None
-    try:
-        reg = kvlayout.detect(views, engine, hints)
-    except (KVLayoutError, TypeError) as e:
-        raise KVLayoutError(f"{shape_flag}: detection refuses its state pages: {e}") from None
-    return reg, reg.kernel_groups[0]
+    return _declared(
+        lambda t: declared_state_rows(t, kind, shapes, dtypes, rows, tp_replicated=replicated),
+        kv, (flag, shape_flag, spec), "state", engine, hints,
+    )  # fmt: skip
 
 
 def _ring_side(
@@ -181,8 +174,6 @@ def _ring_side(
     on every rank."""
     import torch
 
-    import kvlayout
-    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
     from kvlayout.integrations.vllm.rules import declared_ring_pages
 
     flag, shape_flag = f"--{where}-ring", f"--{where}-shape"
@@ -198,14 +189,30 @@ def _ring_side(
             f"--dtype {a['dtype']} with {flag}: vLLM 0.33's rings are float32 (CompressorStateCache "
             "asserts it); give --dtype fp32"
         )
+    return _declared(
+        lambda t: declared_ring_pages(t, hints), kv, (flag, shape_flag, spec), "ring", engine, hints
+    )
+
+
+def _declared(
+    read: Any, kv: list[Any], flags: tuple[str, str, Any], what: str, engine: Any, hints: dict[str, object]
+) -> tuple[Any, Any]:
+    """A side's tensors read as a vLLM edit reads them (``read``: each tensor's view, as
+    the spec ``--*-state`` / ``--*-ring`` declares), detected: the registration and its
+    one kernel group. ``flags``: the declaring flag, the shape flag and its spec, for the
+    messages."""
+    import kvlayout
+    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+
+    flag, shape_flag, spec = flags
     try:
-        views = [declared_ring_pages(t, hints) for t in kv]
+        views = [read(t) for t in kv]
     except KVCacheGroupEditError as e:
         raise KVLayoutError(f"{flag} on {shape_flag} {_shown(spec.text)}: {e}") from None
     try:
         reg = kvlayout.detect(views, engine, hints)
     except (KVLayoutError, TypeError) as e:
-        raise KVLayoutError(f"{shape_flag}: detection refuses its ring pages: {e}") from None
+        raise KVLayoutError(f"{shape_flag}: detection refuses its {what} pages: {e}") from None
     return reg, reg.kernel_groups[0]
 
 

@@ -21,7 +21,6 @@ prefill has more ranks), moves each descriptor's bytes as NIXL's READ would, and
 """
 
 from __future__ import annotations
-import __future__
 
 import ast
 import functools
@@ -32,12 +31,13 @@ import math
 import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
+
+from tests.integrations.vllm.vllm_source import definitions, run, vllm_source
 
 kvi: Any = importlib.import_module("vllm.v1.kv_cache_interface")
 KVCacheLayout: Any = importlib.import_module("vllm.v1.kv_cache_layout").KVCacheLayout
@@ -59,25 +59,6 @@ _WORKER_METHODS = (
 )
 
 
-def _source(relative: str) -> tuple[Path, ast.Module]:
-    path = Path(importlib.import_module("vllm").__file__ or "").parent / relative
-    return path, ast.parse(path.read_text())
-
-
-def _run(path: Path, nodes: list[ast.stmt], namespace: dict[str, Any]) -> None:
-    flags = __future__.annotations.compiler_flag  # the annotations name vLLM's runtime classes
-    exec(compile(ast.Module(nodes, []), str(path), "exec", flags=flags, dont_inherit=True), namespace)
-
-
-def _top_level(path: Path, tree: ast.Module, names: Sequence[str]) -> list[ast.stmt]:
-    found = {
-        n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef) and n.name in names
-    }
-    missing = set(names) - set(found)
-    assert not missing, f"{path} has no {sorted(missing)}: not vLLM 0.33's NixlConnector"
-    return [found[name] for name in names]
-
-
 @functools.cache
 def connector() -> dict[str, Any]:
     """The connector's functions and a class of the worker's methods, ``ConnectorMath``."""
@@ -97,20 +78,20 @@ def connector() -> dict[str, Any]:
         "async_tensor_h2d": lambda data, device, dtype: torch.tensor(data, device=device, dtype=dtype),
         "KVCacheLayout": KVCacheLayout,
     }
-    path, tree = _source("distributed/kv_transfer/kv_connector/utils.py")
-    _run(
-        path,
-        _top_level(
-            path, tree, ("kv_postprocess_blksize_on_receive", "kv_postprocess_blksize_and_layout_on_receive")
-        ),
-        namespace,
+    path, tree = vllm_source("distributed/kv_transfer/kv_connector/utils.py")
+    names: tuple[str, ...] = (
+        "kv_postprocess_blksize_on_receive",
+        "kv_postprocess_blksize_and_layout_on_receive",
     )
-    path, tree = _source("distributed/kv_transfer/kv_connector/v1/nixl/tp_mapping.py")
+    run(path, definitions(path, tree, names, "NixlConnector"), namespace)
+    path, tree = vllm_source("distributed/kv_transfer/kv_connector/v1/nixl/tp_mapping.py")
     names = ("_is_attention_spec", "_is_ssm_spec", "TPMapping", "compute_head_offset", "compute_tp_mapping")
-    _run(path, _top_level(path, tree, names), namespace)
-    path, tree = _source("distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py")
-    sort_key, worker = _top_level(path, tree, ("_region_sort_key", "NixlBaseConnectorWorker"))
-    _run(path, [sort_key], namespace)
+    run(path, definitions(path, tree, names, "NixlConnector"), namespace)
+    path, tree = vllm_source("distributed/kv_transfer/kv_connector/v1/nixl/base_worker.py")
+    sort_key, worker = definitions(
+        path, tree, ("_region_sort_key", "NixlBaseConnectorWorker"), "NixlConnector"
+    )
+    run(path, [sort_key], namespace)
     assert isinstance(worker, ast.ClassDef)
     methods = {n.name: n for n in worker.body if isinstance(n, ast.FunctionDef)}
     missing = set(_WORKER_METHODS) - set(methods)
@@ -122,7 +103,7 @@ def connector() -> dict[str, Any]:
         body=[methods[name] for name in _WORKER_METHODS],
         decorator_list=[],
     )
-    _run(path, [ast.fix_missing_locations(cls)], namespace)
+    run(path, [ast.fix_missing_locations(cls)], namespace)
     return namespace
 
 

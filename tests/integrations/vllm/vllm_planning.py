@@ -17,7 +17,6 @@ dataclass), the class the specs under test carry.
 """
 
 from __future__ import annotations
-import __future__
 
 import ast
 import functools
@@ -26,12 +25,12 @@ import math
 import sys
 from collections import Counter, defaultdict
 from dataclasses import replace
-from pathlib import Path
 from types import ModuleType, SimpleNamespace
 from typing import Any
 from unittest import mock
 
 from kvlayout.testing import vllm as vx
+from tests.integrations.vllm.vllm_source import definitions, run, vllm_source
 
 kvi: Any = importlib.import_module("vllm.v1.kv_cache_interface")
 registry: Any = importlib.import_module("vllm.v1.kv_cache_spec_registry")
@@ -60,23 +59,6 @@ _CONFIG = (
 )
 
 
-def _vllm_source(relative: str) -> tuple[Path, ast.Module]:
-    path = Path(importlib.import_module("vllm").__file__ or "").parent / relative
-    return path, ast.parse(path.read_text())
-
-
-def _run(path: Path, nodes: list[ast.stmt], namespace: dict[str, Any]) -> None:
-    flags = __future__.annotations.compiler_flag  # vLLM's annotations name its config classes
-    exec(compile(ast.Module(nodes, []), str(path), "exec", flags=flags, dont_inherit=True), namespace)
-
-
-def _functions(path: Path, tree: ast.Module, names: tuple[str, ...]) -> list[ast.stmt]:
-    found = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in names}
-    missing = set(names) - set(found)
-    assert not missing, f"{path} has no {sorted(missing)}: not vLLM 0.33's planning"
-    return [found[name] for name in names]
-
-
 def _spec_classes() -> dict[str, Any]:
     return {name: getattr(kvi, name) for name in dir(kvi) if name.endswith(("Spec", "Specs"))}
 
@@ -84,8 +66,8 @@ def _spec_classes() -> dict[str, Any]:
 @functools.cache
 def _register_specs() -> None:
     """vLLM's ``register_all_kvcache_specs`` (its built-in registrations), once."""
-    path, tree = _vllm_source("v1/core/single_type_kv_cache_manager.py")
-    (register,) = _functions(path, tree, ("register_all_kvcache_specs",))
+    path, tree = vllm_source("v1/core/single_type_kv_cache_manager.py")
+    (register,) = definitions(path, tree, ("register_all_kvcache_specs",), "planning")
     assert isinstance(register, ast.FunctionDef)
     body = register.body
     # the last two statements import vLLM's platform and register its custom specs
@@ -101,7 +83,7 @@ def _register_specs() -> None:
         "KVCacheSpecRegistry": registry.KVCacheSpecRegistry,
         "KVCacheGroupRole": kvi.KVCacheGroupRole,
     }
-    _run(path, [register], namespace)
+    run(path, [register], namespace)
     if not registry._REGISTRY_KVCACHESPEC_LIST:
         namespace["register_all_kvcache_specs"](None)
 
@@ -109,7 +91,7 @@ def _register_specs() -> None:
 @functools.cache
 def _planning() -> dict[str, Any]:
     _register_specs()
-    path, tree = _vllm_source("v1/core/kv_cache_planning.py")
+    path, tree = vllm_source("v1/core/kv_cache_planning.py")
     namespace: dict[str, Any] = {
         **_spec_classes(),
         "KVCacheSpecRegistry": registry.KVCacheSpecRegistry,
@@ -123,7 +105,7 @@ def _planning() -> dict[str, Any]:
         # vLLM's own returns None without a HiSparse config, which these configs never have
         "get_hisparse_kv_cache_groups": lambda vllm_config, specs: None,
     }
-    _run(path, _functions(path, tree, _PLANNING + _CONFIG), namespace)
+    run(path, definitions(path, tree, _PLANNING + _CONFIG, "planning"), namespace)
     namespace |= {
         "round_up": lambda x, y: -(-x // y) * y,
         "compute_layout_strides": kvi.compute_layout_strides,
