@@ -137,18 +137,14 @@ def _state_side(
     edits read them for a ``MambaSpec`` of the state's fields, in blocks of
     ``--{where}-block-size`` rows (align mode; state alone) or one ('none' mode, or beside
     attention, whose block size that flag then is)."""
-    import torch
 
     from kvlayout.integrations.vllm.rules import STATE_ROWS_DTYPE, declared_state_rows
 
     flag = f"--{where}-state"
-    if engine.value != "vllm":
-        raise KVLayoutError(f"{flag} reads vLLM's Mamba layers (a MambaSpec's page), not {engine.value}'s")
-    if not isinstance(kv, list) or len(spec.parts) > 1 or not all(isinstance(t, torch.Tensor) for t in kv):
-        raise KVLayoutError(
-            f"{shape_flag} {_shown(spec.text)}: with {flag}, a list of one tensor a Mamba layer, as vLLM "
-            "0.33 registers them: NLx[NB,1,1,PAGE] (PAGE the spec's page_size_bytes, with --dtype int8)"
-        )
+    _check_vllm_layers(
+        kv, spec, engine, (flag, shape_flag), "Mamba layers (a MambaSpec's page)", "a Mamba layer",
+        "NLx[NB,1,1,PAGE] (PAGE the spec's page_size_bytes, with --dtype int8)",
+    )  # fmt: skip
     if kv[0].dtype != STATE_ROWS_DTYPE:  # PAGE counts bytes: in another dtype, a multiple of the page
         raise KVLayoutError(
             f"--dtype {a['dtype']} with {flag}: vLLM 0.33 registers a Mamba layer as int8 [NB,1,1,PAGE], "
@@ -177,13 +173,10 @@ def _ring_side(
     from kvlayout.integrations.vllm.rules import declared_ring_pages
 
     flag, shape_flag = f"--{where}-ring", f"--{where}-shape"
-    if engine.value != "vllm":
-        raise KVLayoutError(f"{flag} reads vLLM's rings (a CircularBufferSpec's pages), not {engine.value}'s")
-    if not isinstance(kv, list) or len(spec.parts) > 1 or not all(isinstance(t, torch.Tensor) for t in kv):
-        raise KVLayoutError(
-            f"{shape_flag} {_shown(spec.text)}: with {flag}, a list of one tensor a ring, as vLLM 0.33 "
-            "registers them: NLx[NB,1,N,C] (N the ring's capacity, C its row, with --dtype fp32)"
-        )
+    _check_vllm_layers(
+        kv, spec, engine, (flag, shape_flag), "rings (a CircularBufferSpec's pages)", "a ring",
+        "NLx[NB,1,N,C] (N the ring's capacity, C its row, with --dtype fp32)",
+    )  # fmt: skip
     if kv[0].dtype != torch.float32:  # CompressorStateCache asserts float32
         raise KVLayoutError(
             f"--dtype {a['dtype']} with {flag}: vLLM 0.33's rings are float32 (CompressorStateCache "
@@ -192,6 +185,24 @@ def _ring_side(
     return _declared(
         lambda t: declared_ring_pages(t, hints), kv, (flag, shape_flag, spec), "ring", engine, hints
     )
+
+
+def _check_vllm_layers(
+    kv: Any, spec: Any, engine: Any, flags: tuple[str, str], reads: str, one: str, registered: str
+) -> None:
+    """Refuse a side declared with ``flags[0]`` (``--*-state``, ``--*-ring``) that is not
+    vLLM's, or whose ``flags[1]`` shape is not a list of one tensor a layer as vLLM 0.33
+    registers them (``registered``); ``reads`` and ``one`` name what the flag reads."""
+    import torch
+
+    flag, shape_flag = flags
+    if engine.value != "vllm":
+        raise KVLayoutError(f"{flag} reads vLLM's {reads}, not {engine.value}'s")
+    if not isinstance(kv, list) or len(spec.parts) > 1 or not all(isinstance(t, torch.Tensor) for t in kv):
+        raise KVLayoutError(
+            f"{shape_flag} {_shown(spec.text)}: with {flag}, a list of one tensor {one}, as vLLM 0.33 "
+            f"registers them: {registered}"
+        )
 
 
 def _declared(
