@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import kvlayout
-from kvlayout import DetectionError, LayoutHintError
+from kvlayout import DetectionError, LayoutHintError, StridedViewError
 from kvlayout import EngineKVFormat as F
 from kvlayout.transfer import BlockMapError, block_map
 
@@ -81,9 +81,33 @@ def test_indexer_pool_hints_are_checked() -> None:
         kvlayout.detect(
             torch.zeros(NB, NL, 1, BS * 140, dtype=torch.uint8), "trtllm", {"tokens_per_block": BS}
         )
-    padded = torch.zeros(NB, NL + 1, 1, BS * 132, dtype=torch.uint8)[:, :NL]  # blocks a layer apart
-    with pytest.raises(DetectionError, match="with padded rows cannot be split into its tokens' records"):
-        kvlayout.detect(padded, "trtllm", {"tokens_per_block": BS})
+    apart = torch.zeros(NB, NL, 1, BS * 132 * 2, dtype=torch.uint8)[..., ::2]  # a row's bytes apart
+    with pytest.raises(
+        StridedViewError, match=r"innermost dim 3 has stride 2 != 1 \(elements are not contiguous\)"
+    ):
+        kvlayout.detect(apart, "trtllm", {"tokens_per_block": BS})
+
+
+def test_indexer_pool_blocks_apart_move_each_tokens_values_and_scale() -> None:
+    """Blocks a layer's row apart (a ``KVCacheManagerV2`` slot holds other buffers after its
+    index keys, the view ``[num_slots, NL, 1, BS * 132]`` steps over them): each row is still
+    its tokens' values, then their scales, and maps to a pool without the gaps token by
+    token; the gaps are never read."""
+    whole = torch.randint(
+        0, 256, (NB, NL + 1, 1, BS * 132), dtype=torch.uint8, generator=torch.Generator().manual_seed(8)
+    )
+    padded = whole[:, :NL]
+    dst = torch.zeros(NB, NL, 1, BS * 132, dtype=torch.uint8)
+    a = kvlayout.detect(padded, "trtllm", {"tokens_per_block": BS})
+    b = kvlayout.detect(dst, "trtllm", {"tokens_per_block": BS})
+    assert a.kernel_groups[0].format is F.NB_NL_BSV_BSS
+    block_map(a, b, [4, 1], [0, 2], num_tokens=BS + 3).copy()
+    for (s, d), tokens in zip(((4, 0), (1, 2)), (BS, 3), strict=True):
+        for layer in range(NL):
+            for t in range(tokens):
+                assert torch.equal(_values(dst, d, layer, t), _values(padded, s, layer, t))
+                assert torch.equal(_scale(dst, d, layer, t), _scale(padded, s, layer, t))
+    assert not dst[2, :, :, 3 * 128 : BS * 128].any() and not dst[[1, 3, 4]].any()
 
 
 def test_masked_indexer_pool_rows_are_its_full_indexer_layers() -> None:

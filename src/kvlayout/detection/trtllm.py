@@ -17,7 +17,8 @@ the DSA indexer's K pool (``get_indexer_k_cache_pool()``, each block its tokens'
 then their scales), read given ``tokens_per_block`` by its bytes a token: 132 (fp8: 128
 values and a float32 scale) as ``[NB, NL, BSxVALS, BSxSCALES]``, 68 (``DSACacheManager``
 under ``indexer_k_dtype="fp4"``: ``index_head_dim // 2`` bytes of packed e2m1 values and
-one int32 of four ue8m0 exponents) as ``[NB, NL, BSxVALS4, BSxSCALES4]``. NVFP4 KV is
+one int32 of four ue8m0 exponents) as ``[NB, NL, BSxVALS4, BSxSCALES4]``, its blocks any
+distance apart (a ``KVCacheManagerV2`` slot's index keys, other buffers between). NVFP4 KV is
 two pools of the primary pool's shape (``createBlockScalePools``), each read on its own by
 its bytes per head and token: the int8 data with ``head_dim`` half the model's (two e2m1
 values a byte), the e4m3 block scales with a sixteenth of it (a scale per 16 values).
@@ -177,8 +178,6 @@ def _indexer(pool: Any, hints: LayoutHints) -> tuple[EngineKVFormat, Discoverabl
             f"contradict its one head of {values} value bytes and {scales} scale bytes a token "
             f"(head_dim {_either(sorted(heads))})"
         )
-    if not pool.is_contiguous():
-        raise DetectionError(f"{where} with padded rows cannot be split into its tokens' records")
     layout = LAYOUTS[fmt]
     sizes = sizes_by_role(layout, {Role.BLOCK: shape[0], Role.LAYER: shape[1], Role.TOKEN: bs})
     return fmt, pool.view(layout.tensor_shape(sizes))
@@ -189,6 +188,12 @@ _INDEX_HEAD_DIM = 128  # DeepSeek-V3.2's index_head_dim, the indexer keys' value
 
 def _either(items: Iterable[object]) -> str:
     return " or ".join(str(item) for item in items)
+
+
+def indexer_record_bytes() -> tuple[int, ...]:
+    """The bytes a token of each DSA indexer K pool TRT-LLM writes (values, then scale):
+    the widths :func:`discover` reads a uint8 K-only pool's rows by."""
+    return tuple(sum(_record(f)) for f in engine_formats(ENGINE) if LAYOUTS[f].is_indexer)
 
 
 def _record(fmt: EngineKVFormat) -> tuple[int, int]:

@@ -7,7 +7,7 @@ against that addressing."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 
@@ -67,7 +67,7 @@ SLOTS, NH, BS, HD = 6, 2, 4, 8
 BUF = NH * BS * HD * 2  # one layer's K (or V) of one slot, bf16
 
 
-def kv_refs(layers: range | list[int], roles: tuple[str, ...] = ("key", "value")) -> tuple[BufferRef, ...]:
+def kv_refs(layers: Sequence[int], roles: tuple[str, ...] = ("key", "value")) -> tuple[BufferRef, ...]:
     return tuple(BufferRef(layer, role) for layer in layers for role in roles)
 
 
@@ -256,6 +256,40 @@ def test_other_regions_move_whole_slots_to_regions_of_the_same_bytes() -> None:
     # the request's num_tokens, as its K/V map takes them: a slot is a page, not a token
     with pytest.raises(BlockMapError, match=r"fill 40 blocks of 1: a block of opaque pages .* whole page"):
         block_map(src["group0.replicated0"], dst["group0.replicated0"], [5, 1], [0, 3], num_tokens=40)
+
+
+@pytest.mark.parametrize(("record", "fmt"), [(132, F.NB_NL_BSV_BSS), (68, F.NB_NL_BSV4_BSS4)])
+def test_dsa_index_keys_read_as_the_indexer_pool_of_their_layers(record: int, fmt: F) -> None:
+    """``DSACacheManagerV2`` (GLM-5.2: full-indexer layers 0, 1 and 5 of 6) keeps one
+    ``index_key`` buffer of ``tokens_per_block`` records a full-indexer layer (fp8: 128
+    values and a float32 scale a token; ``indexer_k_dtype="fp4"``: 64 and 4), coalesced in
+    a slot: its replicated region reads as TRT-LLM's indexer K pool numbered with those
+    layers, so a pipeline stage holding layer 5 (a V1 masked pool of one row) takes that
+    layer's keys token by token. Index keys whose buffers are no indexer record (MiniMax-M3's)
+    stay opaque slots; DSA's keys out of layer order are refused by name."""
+    page, full, tail = BS * record, (0, 1, 5), 40
+    slot = len(full) * page + tail
+    storage = pool_bytes(SLOTS * slot, 30)
+    keys = Region(storage, 0, len(full) * page, slot, SLOTS, kv_refs(full, ("index_key",)))
+    pools = kv_cache_layout_pools(Layout(BS, (Group(0, tuple(range(6)), None, (), (keys,)),)), torch.bfloat16)
+    index = pools["group0.replicated0"]
+    assert index.kernel_groups[0].format is fmt and index.layer_ids == full
+    stage = torch.zeros(4, 1, 1, page, dtype=torch.uint8)
+    dst = kvlayout.detect(stage, "trtllm", {"tokens_per_block": BS}).numbered([5])
+    block_map(index.for_layers([5]), dst, [5, 2], [3, 0], num_tokens=BS + 1).copy()
+    values = record - 4
+    for (s, d), tokens in zip(((5, 3), (2, 0)), (BS, 1), strict=True):
+        held = keys.bytes_of(s, 2 * page, page)
+        for t in range(tokens):
+            assert torch.equal(
+                stage[d, 0, 0, t * values : (t + 1) * values], held[t * values : (t + 1) * values]
+            )
+            at = BS * values + t * 4
+            assert torch.equal(stage[d, 0, 0, at : at + 4], held[at : at + 4])
+    assert not stage[0, 0, 0, values : BS * values].any() and not stage[1:3].any()
+    with pytest.raises(KvCacheLayoutError, match=r"holds the index keys of layers \[1, 0, 5\]: .* ascending"):
+        shuffled = Region(storage, 0, len(full) * page, slot, SLOTS, kv_refs((1, 0, 5), ("index_key",)))
+        kv_cache_layout_pools(Layout(BS, (Group(0, tuple(range(6)), None, (), (shuffled,)),)), torch.bfloat16)
 
 
 def test_mamba_state_regions_read_whole_and_point_to_the_state_reader_across_tp() -> None:

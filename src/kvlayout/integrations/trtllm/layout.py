@@ -24,8 +24,10 @@ numbered with TRT-LLM's own ids (``KvCacheBufferRef.layer_id``, the global model
 index): a map pairs a group only with a cache of the same layers (another group's, or a
 peer's group of other layers, is refused naming both), and a cache numbered otherwise
 (V1's pool, a pipeline stage's list, both from 0) is paired on purpose with
-``registration.numbered(layer_ids)``. Any other region (NVFP4 block scales, a sparse
-model's index keys, a replicated side cache), or run of other buffers in a region of
+``registration.numbered(layer_ids)``. A region of DSA's index keys (``DSACacheManagerV2``:
+an ``index_key`` buffer of the indexer's records a full-indexer layer) is read as
+TRT-LLM's indexer K pool, numbered with its layers. Any other region (NVFP4 block scales,
+MiniMax-M3's index keys, a replicated side cache), or run of other buffers in a region of
 K/V, is read as opaque pages, whole slots of its bytes, that map only to a region of the
 same bytes (its label names its layers).
 """
@@ -42,6 +44,7 @@ from kvlayout._generated.engines import EngineType
 from kvlayout._generated.formats import LAYOUTS
 from kvlayout.detection.base import DetectionError
 from kvlayout.detection.discovery import detect
+from kvlayout.detection.trtllm import indexer_record_bytes
 from kvlayout.errors import as_int
 from kvlayout.integrations.page_lists import listed_pages
 from kvlayout.layout.algebra import axis_of
@@ -198,6 +201,32 @@ def _kv_runs(
     return detect(views, EngineType.VLLM, order).labelled(EngineType.TRTLLM).numbered(layers)
 
 
+def _index_key_pool(
+    region: Any, where: str, refs: list[tuple[int, str, int]], bs: int
+) -> Registration | None:
+    """A region of DSA's index keys (``DSACacheManagerV2``: one ``index_key`` buffer of
+    ``tokens_per_block`` records a full-indexer layer, coalesced in a slot in layer order)
+    as TRT-LLM's indexer K pool ``[num_slots, NL, 1, BS * record]`` uint8, numbered with its
+    layers: V2's index pages hold the bytes V1's ``get_indexer_k_cache_pool()`` rows do (the
+    same indexer kernels write both), so it maps token by token to V1's pool and to another
+    stage's layers. None where the buffers are not index keys of an indexer record's width
+    (MiniMax-M3's bf16 index keys: opaque slots)."""
+    if any(role != "index_key" or expansion != 1 for _, role, expansion in refs):
+        return None
+    rows = _rows(region, where)
+    width, rest = divmod(rows.shape[1], len(refs))
+    if rest or width not in {bs * record for record in indexer_record_bytes()}:
+        return None
+    layers = [layer for layer, _, _ in refs]
+    if layers != sorted(set(layers)):
+        raise KvCacheLayoutError(
+            f"{where} holds the index keys of layers {layers}: DSA's index keys are read as each "
+            "full-indexer layer's, layers ascending"
+        )
+    pool = rows.view(rows.shape[0], len(layers), 1, width)
+    return detect(pool, EngineType.TRTLLM, {"tokens_per_block": bs}).numbered(layers)
+
+
 @dataclasses.dataclass(frozen=True)
 class _Run:
     """Some adjacent buffers of a region, a narrower region of the same slots: V2
@@ -262,8 +291,10 @@ def kv_cache_layout_pools(
     where other buffers of K's size lie between its layers, as the list of each layer's
     ``[num_slots, 2, ...]`` K/V view; its layers numbered with the group's TRT-LLM layer
     ids (``Registration.numbered``); ``"group{g}.region{i}"``
-    (``"group{g}.replicated{i}"``) any other region, opaque pages of whole slots (a
-    ``V2MambaHybridCacheManager``'s ``ssm_state`` and ``conv_state`` regions too, which
+    (``"group{g}.replicated{i}"``) any other region: DSA's index keys as TRT-LLM's indexer
+    K pool ``[num_slots, NL, 1, BS * record]`` numbered with their layers, any other opaque
+    pages of whole slots (a ``V2MambaHybridCacheManager``'s ``ssm_state`` and
+    ``conv_state`` regions too, which
     :func:`mamba_state_pools` reads with their TP splits), and ``"group{g}.region{i}.run{k}"``
     the runs of other buffers in a region that also holds K/V (RocketKV's ``kt_cache``),
     opaque pages of those bytes of each slot. Block ids are group ``g``'s page slots
@@ -311,6 +342,10 @@ def kv_cache_layout_pools(
         for kind, held in pieces.items():
             for region, where, name, refs, kv in held:
                 if kv:
+                    continue
+                index_keys = _index_key_pool(region, where, refs, bs)
+                if index_keys is not None:
+                    pools[name] = index_keys
                     continue
                 rows = _rows(region, where)
                 named = ", ".join(f"{layer}:{role}" for layer, role, _ in refs)
