@@ -13,6 +13,7 @@ pinned.
 from __future__ import annotations
 
 import re
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -127,6 +128,36 @@ def test_layers_sharing_a_kv_cache() -> None:
     assert both.groups[0].planes[0].repeats == (2,)
     alone = check_cut(whole, [2, 3], kvlayout.detect(kv[2:], "vllm", {"kv_layout": "NHD"}).numbered([2, 3]))
     assert alone.groups[0].planes[0].addresses == (own[2].data_ptr(), own[1].data_ptr())
+
+
+def test_opaque_state_rows_are_cut_with_their_page_arrays() -> None:
+    """SGLang's Mamba state under pipeline parallelism: newer SGLang pairs a stage's state
+    entries with the decode's by model layer id (``build_transfer_entry_pairs`` of
+    ``get_state_layer_ids``), so a decode pool of every Mamba layer is cut to a stage's.
+    Its rows are opaque pages declaring their TP split: the cut keeps them, both ways (a
+    peer's description, a local registration), as a pool of the stage's layers alone
+    describes itself."""
+    from kvlayout.integrations.sglang import mamba_state_pools
+    from kvlayout.testing.sglang import LinearModel, device_pool
+
+    model = LinearModel("gdn_attn", num_layers=6, num_heads=8, head_dim=4, state_size=4, n_groups=4)
+    pool = device_pool(model, 2, 3)
+    ids = [0, 1, 2, 4, 5, 6]  # the model's Mamba layers (full attention at 3 and 7)
+    for name, reg in mamba_state_pools(pool, "gdn_attn").items():
+        whole = reg.numbered(ids)
+        stage = SimpleNamespace(
+            mamba_cache=SimpleNamespace(
+                conv=[c[3:] for c in pool.mamba_cache.conv], temporal=pool.mamba_cache.temporal[3:]
+            ),
+            num_mamba_layers=3,
+        )
+        view = mamba_state_pools(stage, "gdn_attn")[name].numbered([4, 5, 6])
+        assert view.kernel_groups[0].opaque_pages is not None
+        cut = check_cut(whole.describe(), [4, 5, 6], view)
+        assert cut.groups[0].opaque_pages == whole.describe().groups[0].opaque_pages
+        part = whole.for_layers([4, 5, 6])
+        assert part.kernel_groups[0].opaque_pages == whole.kernel_groups[0].opaque_pages
+        assert part.describe() == cut
 
 
 def test_kernel_groups_without_the_layers_are_left_out() -> None:

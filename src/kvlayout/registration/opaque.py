@@ -32,6 +32,7 @@ __all__ = [
     "OpaquePages",
     "PageArray",
     "is_marked",
+    "mark_like",
     "mark_opaque_pages",
     "opaque_pages_of",
     "page_bytes_view",
@@ -257,6 +258,16 @@ def _mark_of(t: torch.Tensor) -> _Mark | None:
             del _BY_GEOMETRY[key]  # its memory is gone: these addresses may be another tensor's now
             return None
     return mark
+
+
+def mark_like(part: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``part``, a view of whole rows of ``t``'s (some of its layers), marked as ``t`` is,
+    if it is: its rows hold the same pages, and it watches the tensors ``t`` was made
+    over. Returns ``part``."""
+    mark = _mark_of(t)
+    if mark is not None:
+        mark_opaque_pages(part, mark.pages, [x for x, _ in viewed_over(t)])
+    return part
 
 
 def opaque_pages_of(t: torch.Tensor) -> OpaquePages | None:

@@ -316,11 +316,6 @@ def _group_for_layers(where: str, group: GroupDescription, wanted: set[int]) -> 
             f"axis ({symbol_of(layout, Role.LAYER)}); a tensor's layers are cut as one range, as a view "
             "pool[:, a:b] holds them"
         )
-    if group.opaque_pages is not None:
-        raise PeerDescriptionError(
-            f"for_layers: {label}: its rows are opaque pages ({group.opaque_pages.layout}), whose bytes "
-            "the kernel orders, so no layer range of them is known"
-        )
     cut = f"{label}: layers {index_ranges(layers)} are" if n > 1 else f"{label}: layer {layers[0]} is"
     return replace(
         group, layers=layers, planes=tuple(_plane_cut(cut, layout, p, first, n) for p in group.planes)

@@ -58,6 +58,7 @@ from kvlayout.registration.memory import (
     run_of,
 )
 from kvlayout.registration.nesting import Path, at, entries_at, first_leaf, leaves, map_leaves
+from kvlayout.registration.opaque import mark_like
 from kvlayout.registration.peers import MAX_LAYERS, RegistrationDescription
 from kvlayout.types import EngineType
 
@@ -263,7 +264,14 @@ class Registration(HoldsAddresses):
             )
         axis = layout.axis_of(Role.LAYER)
         assert axis is not None  # a layout's layers are a list level or an axis
-        narrowed = map_leaves(self.kv, lambda t: t.narrow(axis, first, n), root=self.root)
+        # the view's rows are the tensor's: opaque pages (a Mamba state's) stay marked as the
+        # caller's tensor behind the leaf is
+        narrowed = map_leaves(
+            self.kv,
+            lambda t: t,
+            root=self.root,
+            at_path=lambda path, t: mark_like(t.narrow(axis, first, n), self._sources.get(path, t)),
+        )
         try:
             part = bind(narrowed, formats, engine_groups=groups, engine=self.engine, root=self.root)
         except RegistrationError as e:  # the view's strides: layers inside another axis
