@@ -340,35 +340,42 @@ def test_sglang_kv_and_mamba_state_go_as_one_nixl_transfer() -> None:
         h.deregister()
 
 
-def test_join_names_one_rank_described_with_two_head_counts() -> None:
-    """A decode rank's SGLang KV pool described with the model's 2 KV heads and its Mamba
-    state with the state's own 4 heads: one peer, two shards. The refusal says what to
-    describe them with, not that they are two peers."""
+def test_join_takes_one_rank_described_with_two_head_counts() -> None:
+    """A decode rank's pools described with their own head counts go to one peer: an
+    SGLang KV pool with the model's 2 KV heads and its Mamba state with the state's 4
+    (a state reads only the rank and the degree), or an SWA pool whose sliding layers
+    have KV heads of their own (MiMo-V2-Flash's ``swa_num_key_value_heads``, 4 beside
+    the full layers' 2)."""
     from kvlayout.integrations.sglang import mamba_state_pools
     from kvlayout.testing.sglang import LinearModel, device_pool
 
     model = LinearModel("gdn_attn", num_layers=2, num_heads=4, head_dim=8, state_size=8, n_groups=2)
 
-    def side(tp: int) -> tuple[Any, Any]:
+    def side(tp: int) -> tuple[Any, Any, Any]:
         kv = [[torch.zeros(64, 2 // tp, 16, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+        swa = [[torch.zeros(64, 4 // tp, 16, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
         state = mamba_state_pools(device_pool(model, tp, 4), "gdn_attn")["temporal"]
-        return kvlayout.detect(kv, "sglang", {"tokens_per_block": 16}), state
+        hints = {"tokens_per_block": 16}
+        return kvlayout.detect(kv, "sglang", hints), kvlayout.detect(swa, "sglang", hints), state
 
-    (kv, state), (d_kv, d_state) = side(1), side(2)
+    (kv, swa, state), (d_kv, d_swa, d_state) = side(1), side(2)
     kv_there = RegistrationDescription.from_json(d_kv.describe(shard=Shard(1, 2, 2)).to_json())
+    swa_there = RegistrationDescription.from_json(d_swa.describe(shard=Shard(1, 2, 4)).to_json())
     state_there = RegistrationDescription.from_json(d_state.describe(shard=Shard(1, 2, 4)).to_json())
     parts = [
         block_map(kv, kv_there, [3, 1], [0, 2], num_tokens=20, src_shard=Shard(0, 1, 2)),
+        block_map(swa, swa_there, [3, 1], [0, 2], num_tokens=20, src_shard=Shard(0, 1, 4)),
         block_map(state, state_there, [2], [1], src_shard=Shard(0, 1, 4)),
     ]
-    with pytest.raises(
-        BlockMapError,
-        match=r"TP rank 1 of 2 with 2 and 4 model KV heads; describe every pool of one rank with one Shard",
-    ):
-        join_maps(parts)
-    state_there = RegistrationDescription.from_json(d_state.describe(shard=Shard(1, 2, 2)).to_json())
-    parts[1] = block_map(state, state_there, [2], [1], src_shard=Shard(0, 1, 2))
+    assert [m.kind for m in parts] == ["head slice", "head slice", "resharded state"]
     assert join_maps(parts).num_bytes == sum(m.num_bytes for m in parts)
+    cp = RegistrationDescription.from_json(
+        d_swa.describe(shard=Shard(1, 2, 4, cp_rank=1, cp_size=2)).to_json()
+    )
+    with pytest.raises(
+        BlockMapError, match=r"a joined map goes to one peer"
+    ):  # another CP rank: another peer
+        join_maps([parts[0], block_map(swa, cp, [3, 1], [0], num_tokens=20, src_shard=Shard(0, 1, 4))])
 
 
 def test_join_of_one_rank_number_at_two_tp_degrees_names_two_peers() -> None:

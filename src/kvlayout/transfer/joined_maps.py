@@ -11,6 +11,7 @@ the joined map as it reads one (its runs, one side local and one a peer's).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Iterable
 
@@ -20,6 +21,7 @@ import torch
 from kvlayout import _native
 from kvlayout.registration.memory import HoldsAddresses
 from kvlayout.registration.peers import RegistrationDescription
+from kvlayout.registration.shards import Shard
 from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.block_maps import _PROBLEMS, BlockMap, fingerprint
 from kvlayout.transfer.map_sides import BlockMapError, Side
@@ -131,13 +133,14 @@ class JoinedMap(HoldsAddresses):
 
 def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
     """The block maps of one request (``maps``: one per kernel group, or per SGLang pool)
-    as one :class:`JoinedMap`, which ``nx.transfer`` posts as one transfer (one
-    notification) and ``copy()`` copies. Every part must have its sources on one end
-    (all in this process or all a peer's) and its destinations on the other, each end on
-    one device, and a peer's end the descriptions of one peer (one TP rank); no two parts
-    may write the same bytes, and between two live ends no part may read bytes another
-    writes (the parts would then depend on their order). Refused otherwise, naming the
-    parts."""
+        as one :class:`JoinedMap`, which ``nx.transfer`` posts as one transfer (one
+        notification) and ``copy()`` copies. Every part must have its sources on one end
+        (all in this process or all a peer's) and its destinations on the other, each end on
+        one device, and a peer's end the descriptions of one peer (one TP rank, its pools
+    described with their own head counts where they differ); no two parts
+        may write the same bytes, and between two live ends no part may read bytes another
+        writes (the parts would then depend on their order). Refused otherwise, naming the
+        parts."""
     if not isinstance(maps, (BlockMap, Iterable)):
         raise TypeError(f"join_maps takes an iterable of block maps (block_map's), not {type(maps).__name__}")
     parts = tuple(maps) if not isinstance(maps, BlockMap) else (maps,)
@@ -156,17 +159,7 @@ def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
                     f"join_maps: maps[0]'s {end} is {where[first.live]} but maps[{i}]'s is "
                     f"{where[side.live]}; a joined map has one end here and the other a peer's (or both here)"
                 )
-            if not side.live and side.shard != first.shard:  # two peers' descriptions (two TP ranks)
-                a, b = first.shard, side.shard
-                if a is not None and b is not None and (a.tp_rank, a.tp_size) == (b.tp_rank, b.tp_size):
-                    # one rank's pools described with two head counts: a state's own heads, say
-                    raise BlockMapError(
-                        f"join_maps: maps[0]'s {end} is described at {a} but maps[{i}]'s at {b}: TP "
-                        f"rank {a.tp_rank} of {a.tp_size} with {a.num_kv_heads} and {b.num_kv_heads} "
-                        "model KV heads; "
-                        "describe every pool of one rank with one Shard, num_kv_heads the model's attention "
-                        "KV heads (a Mamba state's shard too: a state reads only the rank and the degree)"
-                    )
+            if not side.live and not _one_peer(first.shard, side.shard):  # two TP ranks' descriptions
                 raise BlockMapError(
                     f"join_maps: maps[0]'s {end} is the description of a peer at {first.shard} but "
                     f"maps[{i}]'s of one at {side.shard}; a joined map goes to one peer (join each peer's "
@@ -180,6 +173,15 @@ def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
     joined = JoinedMap(parts)
     _check_parts(joined)
     return joined
+
+
+def _one_peer(a: Shard | None, b: Shard | None) -> bool:
+    """Whether two descriptions' shards name one peer: the same TP (and CP) rank and
+    degree. Its pools may be described with other head counts: an SWA pool's sliding
+    layers have KV heads of their own (MiMo-V2-Flash, Inkling), a Mamba state none."""
+    if a == b:
+        return True
+    return a is not None and b is not None and dataclasses.replace(b, num_kv_heads=a.num_kv_heads) == a
 
 
 def _device(side: Side) -> str:
