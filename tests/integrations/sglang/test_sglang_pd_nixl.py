@@ -74,10 +74,10 @@ MODULE_LIMIT_S = 300
 WINDOW = 40  # the sliding window (gpt-oss-like: sliding layers 0 and 2, full 1 and 3)
 
 
-@pytest.fixture(scope="module")
-def agents() -> Iterator[tuple[Any, Any]]:
+def agent_pair(prefix: str) -> Iterator[tuple[Any, Any]]:
     """Prefill's and decode's NIXL agents (progress threads on, as the docs have them),
-    under a hard limit on the module (every wait has its own deadline too)."""
+    named ``prefix``-prefill and -decode, under a hard limit on the module using them
+    (every wait has its own deadline too)."""
     import logging
 
     import nixl._api  # noqa: F401  (importing it sets NIXL's logger to INFO)
@@ -85,9 +85,14 @@ def agents() -> Iterator[tuple[Any, Any]]:
     logging.getLogger("nixl").setLevel(logging.WARNING)
     faulthandler.dump_traceback_later(MODULE_LIMIT_S, exit=True)
     try:
-        yield nx.make_agent("sgl-pd-prefill"), nx.make_agent("sgl-pd-decode")
+        yield nx.make_agent(f"{prefix}-prefill"), nx.make_agent(f"{prefix}-decode")
     finally:
         faulthandler.cancel_dump_traceback_later()
+
+
+@pytest.fixture(scope="module")
+def agents() -> Iterator[tuple[Any, Any]]:
+    yield from agent_pair("sgl-pd")
 
 
 # --- SGLang's side: pools, rank heads, slots, rank pairs ---------------------------------
@@ -981,7 +986,9 @@ def test_decode_radix_cache_prefix(agents: tuple[Any, Any], prefix: int, tokens:
 NSA_PAGE, NSA_RECORD, INDEX_DIM = 64, 656, 128  # SGLang asserts page_size 64 for NSA on CUDA
 
 
-def nsa_pool(pages: int, seed: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def nsa_pool(
+    pages: int, seed: int | None, layers: int = LAYERS
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """``NSATokenToKVPool`` under ``fp8_e4m3``: per layer ``kv_buffer`` uint8 ``[size +
     page_size, 1, 656]`` (``get_contiguous_buf_infos``) and ``index_k_with_scale_buffer``
     uint8 ``[(size + page_size + 1) // page_size, page_size * (128 + 4)]``
@@ -992,13 +999,13 @@ def nsa_pool(pages: int, seed: int | None) -> tuple[list[torch.Tensor], list[tor
     index_shape = ((size + NSA_PAGE + 1) // NSA_PAGE, NSA_PAGE * (INDEX_DIM + INDEX_DIM // 128 * 4))
     if seed is None:
         return (
-            [torch.zeros(kv_shape, dtype=torch.uint8) for _ in range(LAYERS)],
-            [torch.zeros(index_shape, dtype=torch.uint8) for _ in range(LAYERS)],
+            [torch.zeros(kv_shape, dtype=torch.uint8) for _ in range(layers)],
+            [torch.zeros(index_shape, dtype=torch.uint8) for _ in range(layers)],
         )
     gen = torch.Generator().manual_seed(seed)
     return (
-        [torch.randint(0, 256, kv_shape, dtype=torch.uint8, generator=gen) for _ in range(LAYERS)],
-        [torch.randint(0, 256, index_shape, dtype=torch.uint8, generator=gen) for _ in range(LAYERS)],
+        [torch.randint(0, 256, kv_shape, dtype=torch.uint8, generator=gen) for _ in range(layers)],
+        [torch.randint(0, 256, index_shape, dtype=torch.uint8, generator=gen) for _ in range(layers)],
     )
 
 
