@@ -21,16 +21,19 @@ from typing import NamedTuple
 
 import torch
 
+from kvlayout._generated.formats import EngineKVFormat
 from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.contiguity import physical_order
 
 __all__ = [
+    "HEAD_PAGES_FORMAT",
     "MAX_ARRAY_DIMS",
     "MAX_PAGE_ARRAYS",
     "MAX_PAGE_LAYOUT",
     "OPAQUE_PAGE_DTYPE",
     "OpaquePages",
     "PageArray",
+    "head_pages",
     "is_marked",
     "mark_like",
     "mark_opaque_pages",
@@ -99,7 +102,11 @@ class PageArray:
 
     ``replicated``: every TP rank holds the whole array (MLA latents, a DSA indexer's one
     key head), one part: it moves whole between any two ranks, whatever their shards say
-    of the model's KV heads (as an MLA cache's latents do)."""
+    of the model's KV heads (as an MLA cache's latents do).
+
+    A page's one array of KV heads of four axes on axis 1, from its first byte, is an
+    attention kernel's pages of heads: ``(kernel pages, heads, tokens, row)``, each head's
+    tokens in a run of rows inside its kernel page (:func:`head_pages`)."""
 
     offset: int
     shape: tuple[int, ...]
@@ -153,6 +160,25 @@ class PageArray:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
+
+
+HEAD_PAGES_FORMAT = EngineKVFormat.NL_X_NB_NH_BS_CS
+"""How the kernel pages of a :func:`head_pages` array read: a list of layers of
+``[kernel pages, heads, tokens, row]`` tensors, the row a head's K and V side by side
+(the array's axes in order, as vLLM 0.33 registers an attention layer)."""
+
+
+def head_pages(pages: OpaquePages | None) -> PageArray | None:
+    """The array of pages that are an attention kernel's pages of KV heads, ``(kernel
+    pages, heads, tokens, row)`` (heads outside their tokens in a page: vLLM's HND pages a
+    block holds several of), or None. Such a block reads as its kernel pages
+    (:data:`HEAD_PAGES_FORMAT`), a cache of heads whose tokens are rows, so a block map
+    can slice it by heads and tokens as it slices any cache
+    (:func:`kvlayout.transfer.map_sides.kernel_page_side`)."""
+    if pages is None or len(pages.arrays) != 1:
+        return None
+    x = pages.arrays[0]
+    return x if x.kv_heads and len(x.shape) == 4 and x.axis == 1 and x.offset == 0 else None
 
 
 def replicated_page(shape: tuple[int, ...]) -> tuple[PageArray, ...]:

@@ -31,7 +31,7 @@ import torch
 from kvlayout import _native
 from kvlayout.errors import index_ranges
 from kvlayout.registration.memory import HoldsAddresses
-from kvlayout.registration.opaque import OpaquePages
+from kvlayout.registration.opaque import OpaquePages, head_pages
 from kvlayout.registration.shards import Shard, ShardError
 from kvlayout.transfer.arguments import (
     block_ids_arg,
@@ -55,6 +55,7 @@ from kvlayout.transfer.map_sides import (
     _as_side,
     chunk_shape_for,
     chunk_side,
+    kernel_page_side,
     moved_tokens,
 )
 from kvlayout.transfer.memory_watch import MemoryWatch
@@ -675,6 +676,29 @@ def _check_opaque_pages(
     return None
 
 
+def _kernel_pages(
+    src: tuple[Side, int | None, Shard | None], dst: tuple[Side, int | None, Shard | None]
+) -> tuple[tuple[Side, int | None], tuple[Side, int | None]]:
+    """Each side and the caller's block size for it, a side whose pages are an attention
+    kernel's pages of KV heads (:func:`~kvlayout.registration.opaque.head_pages`: vLLM's
+    HND kernel pages through its edits) read as those kernel pages, each of its blocks
+    ``k`` of theirs, where it maps to a cache that is not the same rank's pages alike (one
+    of another TP degree, layout or paging, as vLLM's NixlConnector slices every kernel
+    page by heads); pages alike of one rank, or a chunk of their own rows, still move whole."""
+    (a, a_size, a_shard), (b, b_size, b_shard) = src, dst
+    arrays = head_pages(a.opaque_pages), head_pages(b.opaque_pages)
+    if arrays == (None, None) or a.layout is None or b.layout is None:
+        return (a, a_size), (b, b_size)
+    same_rank = given_shard(a, a_shard, "src") == given_shard(b, b_shard, "dst")
+    if a.opaque_pages == b.opaque_pages and same_rank:
+        return (a, a_size), (b, b_size)  # pages alike of one rank: whole
+    read = [
+        (side, size) if array is None else (kernel_page_side(side, array, where), size or side.block_size)
+        for side, size, array, where in ((a, a_size, arrays[0], "src"), (b, b_size, arrays[1], "dst"))
+    ]
+    return read[0], read[1]
+
+
 def _state_pages(side: Side) -> bool:
     """The side is blocks of TP-sharded state of several rows (vLLM's Mamba pages in align
     mode, through its edits): arrays none of which are KV heads, not all held whole (an
@@ -829,6 +853,9 @@ def block_map(
     src_block_size, dst_block_size = _block_size("src", src_block_size), _block_size("dst", dst_block_size)
     a = _as_side(src, src_block_size, "src")
     b = _as_side(dst, dst_block_size, "dst")
+    (a, src_block_size), (b, dst_block_size) = _kernel_pages(
+        (a, src_block_size, src_shard), (b, dst_block_size, dst_shard)
+    )
     # a request's running state between Mamba blocks of other sizes: one page a side, by id alone
     # (ids of the cache's own blocks: a scheduler's block of several state pages is no one state)
     running = (

@@ -18,18 +18,32 @@ from kvlayout.errors import KVLayoutError, SizeError, as_int, index_ranges
 from kvlayout.layout import algebra
 from kvlayout.layout.ast import Layout
 from kvlayout.layout.dtypes import same_bytes
+from kvlayout.layout.formats import layout_of
 from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.describing import describe_group
 from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import HoldsAddresses, Placement, group_placement, no_memory
 from kvlayout.registration.nesting import not_strided
-from kvlayout.registration.opaque import OpaquePages
-from kvlayout.registration.peers import GroupDescription, PeerDescriptionError, RegistrationDescription
+from kvlayout.registration.opaque import HEAD_PAGES_FORMAT, OpaquePages, PageArray
+from kvlayout.registration.peers import (
+    GroupDescription,
+    PeerDescriptionError,
+    PlaneDescription,
+    RegistrationDescription,
+)
 from kvlayout.registration.registration import RegisteredKV, Registration, RegistrationError
 from kvlayout.registration.shards import Shard
 from kvlayout.transfer.arguments import lmcache_object_hint
 
-__all__ = ["BlockMapError", "Side", "chunk_shape_for", "chunk_side", "moved_tokens", "side_of_group"]
+__all__ = [
+    "BlockMapError",
+    "Side",
+    "chunk_shape_for",
+    "chunk_side",
+    "kernel_page_side",
+    "moved_tokens",
+    "side_of_group",
+]
 
 _LEVEL_NAMES = ("slab", "block", "slot", "head")
 
@@ -335,6 +349,51 @@ def side_of_group(
         opaque_pages=group.opaque_pages,
         described=described,
     )
+
+
+_KERNEL_PAGE_SIDES: weakref.WeakKeyDictionary[Side, Side] = weakref.WeakKeyDictionary()
+
+
+def kernel_page_side(side: Side, array: PageArray, where: str) -> Side:
+    """An opaque side whose pages are an attention kernel's pages of KV heads
+    (:func:`~kvlayout.registration.opaque.head_pages`: ``array`` is ``(k, heads, tokens,
+    row)``) read as those kernel pages, ``k`` blocks of ``tokens`` for each of its blocks,
+    in :data:`~kvlayout.registration.opaque.HEAD_PAGES_FORMAT` over the same tensors (the
+    side's memory, shard and owner), built once per side."""
+    known = _KERNEL_PAGE_SIDES.get(side)
+    if known is not None:
+        return known
+    k, heads, tokens, row = array.shape
+    page = heads * tokens * row * array.itemsize
+    block_stride = int(side.strides[0, 0])
+    # k kernel pages back to back a block (one page a block may be padded), in whole elements
+    packed = (k == 1 and block_stride >= page) or block_stride == k * page
+    if side.row_bytes * side.block_size != k * page or not packed or block_stride // k % array.itemsize:
+        raise BlockMapError(
+            f"{where}: its pages of {side.row_bytes * side.block_size} bytes, {block_stride} apart, are not "
+            f"the {k} kernel pages of {page} bytes back to back its array {array} says"
+        )
+    layout = layout_of(HEAD_PAGES_FORMAT)
+    roles = {
+        Role.LAYER: len(side.layers),
+        Role.BLOCK: side.num_blocks * k,
+        Role.HEAD: heads,
+        Role.TOKEN: tokens,
+    }
+    per_element = algebra.tensor_shape(layout, algebra.sizes_by_role(layout, {**roles, Role.ELEMENT: 1}))[-1]
+    sizes = algebra.sizes_by_role(layout, {**roles, Role.ELEMENT: row // per_element})  # K and V in a row
+    shape = algebra.tensor_shape(layout, sizes)
+    if shape != (side.num_blocks * k, heads, tokens, row):
+        raise BlockMapError(f"{where}: its kernel pages {array} do not read as {layout} (a row of K and V)")
+    stride = block_stride // k // array.itemsize
+    strides = algebra.tensor_strides(layout, sizes, stride)
+    addresses = tuple(int(a) for a in side.addresses)
+    plane = PlaneDescription(array.dtype, tuple(sorted(sizes.items())), shape, strides, stride, addresses)
+    group = GroupDescription(HEAD_PAGES_FORMAT, side.layers, 0, tokens, (plane,))
+    pages = side_of_group(group, side.device, side.shard, side.owner, where, side._placement, side.described)
+    pages.label = f"{pages.label}, the kernel pages of {side.label}"
+    _KERNEL_PAGE_SIDES[side] = pages
+    return pages
 
 
 @functools.lru_cache(maxsize=64)

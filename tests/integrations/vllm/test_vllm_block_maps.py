@@ -1,6 +1,7 @@
-"""Block maps between vLLM registrations after the group edits: opaque pages move only
-between caches paged alike, and whole where a row is not a token (HND kernel pages, Mamba
-state); NHD kernel pages read as their blocks. Built with vLLM 0.33's own view functions."""
+"""Block maps between vLLM registrations after the group edits: opaque pages move whole
+between caches paged alike where a row is not a token (HND kernel pages, Mamba state), and
+HND kernel pages read as their kernel pages to any other cache; NHD kernel pages read as
+their blocks. Built with vLLM 0.33's own view functions."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import torch
 import kvlayout
 from kvlayout.integrations.vllm import apply_kv_cache_group_edits
 from kvlayout.registration.peers import PeerDescriptionError, RegistrationDescription
+from kvlayout.registration.shards import ShardError
 from kvlayout.transfer import BlockMapError, Shard, block_map
 
 vx = pytest.importorskip("kvlayout.testing.vllm")  # vLLM's spec classes
@@ -101,37 +103,54 @@ def test_nhd_kernel_pages_read_as_their_blocks() -> None:
     assert block_map(wire, dst, [4], [0]).kind == "permuted"
 
 
-def test_pages_edited_from_other_memory_orders_are_refused() -> None:
-    """HND kernel pages (Hopper) interleave heads per page: only whole pages of a cache
-    paged alike mean anything, so NHD blocks (Blackwell) are refused, not scrambled."""
-    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
-    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
-    message = r"dst is opaque pages \(subpaged-attention: bfloat16 \[4, 64, 32\] in memory order \[1, 2, 3\]\) and src is not"
-    with pytest.raises(BlockMapError, match=message):
-        block_map(src, dst, [1], [2])
+def test_hnd_kernel_pages_map_to_other_memory_orders_as_their_kernel_pages() -> None:
+    """HND kernel pages (Hopper) interleave heads per page, so their edited blocks declare
+    it (an array of KV heads): a map to NHD blocks (Blackwell) reads them as their kernel
+    pages, token ``p`` of block ``b`` slot ``p % 64`` of page ``2b + p // 64`` on both
+    sides, as vLLM's kernels index them (a permute, not a scramble), from here or from a
+    peer's description, which carries the array."""
+    raw_src, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
+    raw_dst, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
     wire = RegistrationDescription.from_json(dst.describe().to_json())
-    assert wire.groups[0].opaque_pages == dst.only_group().opaque_pages
-    with pytest.raises(BlockMapError, match=message):
-        block_map(src, wire, [1], [2])
+    pages = wire.groups[0].opaque_pages
+    assert pages is not None and pages == dst.only_group().opaque_pages
+    assert [str(a) for a in pages.arrays] == ["bfloat16 [2, 4, 64, 32] (axis 1 in KV heads)"]
+    assert "permuted" in block_map(src, wire, [4, 1], [0, 5], num_tokens=200).kind
+    before = {name: t.clone() for name, t in raw_dst.items()}
+    block_map(src, dst, [4, 1], [0, 5], num_tokens=200).copy()
+    for name, view in raw_src.items():  # [B * 2, H, 64, C]: token p of block b is page 2b + p // 64
+        sent = torch.stack([view[2 * b + p // 64, :, p % 64] for b in (4, 1) for p in range(128)])
+        got = torch.stack([raw_dst[name][2 * b + p // 64, :, p % 64] for b in (0, 5) for p in range(128)])
+        old = torch.stack([before[name][2 * b + p // 64, :, p % 64] for b in (0, 5) for p in range(128)])
+        assert torch.equal(
+            got[:200].view(torch.int16), sent[:200].view(torch.int16)
+        )  # random bytes hold NaNs
+        assert torch.equal(got[200:].view(torch.int16), old[200:].view(torch.int16))  # past the request: kept
+        rest = [page for page in range(12) if page // 2 not in (0, 5)]
+        assert torch.equal(raw_dst[name][rest].view(torch.int16), before[name][rest].view(torch.int16))
 
 
-def test_opaque_pages_map_only_to_opaque_pages_of_the_same_rank() -> None:
+def test_opaque_pages_map_whole_only_to_opaque_pages_alike_of_the_same_rank() -> None:
+    """Pages alike of one rank move whole; HND kernel pages between ranks move the heads
+    both hold, read as their kernel pages (none in common: nothing); a cache that is no
+    attention stays refused."""
     _, src, _ = edited_cache(vx.KVCacheLayout.LBHNC, 1)
     _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
     plain = json.loads(dst.describe().to_json())
-    # pages without state arrays are written as before state arrays were (readers before them read them)
-    assert plain["version"] == 1 and set(plain["groups"][0]["opaque_pages"]) == {"layout", "rows_are_tokens"}
+    assert plain["version"] == 2 and plain["groups"][0]["opaque_pages"]["arrays"][0]["kv_heads"] is True
     plain["groups"][0]["opaque_pages"] = None  # the same tensors, as if an engine registered them so
     with pytest.raises(
-        BlockMapError, match=r"^src is opaque pages \(subpaged-attention: .*\) and dst is not"
+        BlockMapError, match=r"^src holds K and V rows per head \(MHA\) and dst one latent row per token"
     ):
         block_map(src, RegistrationDescription.from_json(json.dumps(plain)), [1], [2])
+    other = block_map(src, dst, [1], [2], src_shard=Shard(0, 2, 8), dst_shard=Shard(1, 2, 8))
+    assert (other.kind, other.num_runs) == ("empty", 0)
+    same = block_map(src, dst, [1], [2], src_shard=Shard(1, 2, 8), dst_shard=Shard(1, 2, 8))
+    assert same.num_runs == 2 and "opaque pages" in same.reason  # whole pages, a layer each
     with pytest.raises(
-        BlockMapError,
-        match=r"opaque pages of Shard\(tp_rank=0, tp_size=2, num_kv_heads=8\) and Shard\(tp_rank=1,",
+        ShardError, match=r"^dst_shard Shard\(tp_rank=0, tp_size=4, num_kv_heads=8\) holds 2 KV"
     ):
-        block_map(src, dst, [1], [2], src_shard=Shard(0, 2, 8), dst_shard=Shard(1, 2, 8))
-    assert block_map(src, dst, [1], [2], src_shard=Shard(1, 2, 8), dst_shard=Shard(1, 2, 8)).num_runs == 2
+        block_map(src, dst, [1], [2], src_shard=Shard(0, 2, 8), dst_shard=Shard(0, 4, 8))
 
 
 @pytest.mark.parametrize(

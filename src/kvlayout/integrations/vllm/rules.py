@@ -43,6 +43,7 @@ from kvlayout.integrations.vllm.specs import (
     tokens_per_slot,
 )
 from kvlayout.integrations.vllm.states import declared_state_arrays, replicated_state_arrays
+from kvlayout.layout.dtypes import DTYPE_SIZES
 from kvlayout.registration.contiguity import physical_order
 from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pages, page_of
 from kvlayout.types import HintsLike, LayoutHints
@@ -668,6 +669,29 @@ class SubpagedAttentionEdit(KVCacheGroupEdit):
         # 0.33's [pages, H, N, C] (rank 5 is an older FlashInfer or FlashAttention page,
         # whose K/V axis is outside its tokens)
         return _token_major_blocks(spec, value, _TOKEN_AXIS) if value.dim() == 4 else None
+
+    def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
+        pages = super().opaque_pages(spec, value, layout_hints)
+        heads = _kernel_head_pages(spec, value)
+        return dataclasses.replace(pages, arrays=heads) if heads and not pages.arrays else pages
+
+
+def _kernel_head_pages(spec: Any, value: Any) -> tuple[PageArray, ...]:
+    """0.33's ``[pages, H, N, C]`` in HND memory (every head inside a page, its ``N`` token
+    rows a run: LBHNC, what vLLM's NixlConnector asks of a model without MLA), a block
+    ``k`` such kernel pages: declared as an array of the model's KV heads ``(k, H, N, C)``
+    (:func:`~kvlayout.registration.opaque.head_pages`), so that the block reads as its
+    kernel pages between ranks of other TP degrees, as vLLM's connector slices each kernel
+    page by heads. Empty for other orders (NHD pages are whole blocks already) or dtypes
+    no array names."""
+    if value.dim() != 4 or _head_slots(spec) or _packed_heads(spec):
+        return ()
+    order = [d for d in physical_order(value.shape, value.stride()) if value.shape[d] != 1]
+    slots, dtype = slots_per_block(spec), str(value.dtype).removeprefix("torch.")
+    if order != [0, 1, 2, 3] or dtype not in DTYPE_SIZES or not slots or slots % int(value.shape[2]):
+        return ()
+    k, heads, tokens, row = slots // int(value.shape[2]), *(int(n) for n in value.shape[1:])
+    return (PageArray(0, (k, heads, tokens, row), dtype, 1, (heads,), kv_heads=True),)
 
 
 def _mla_kernel_states(value: torch.Tensor) -> int | None:
