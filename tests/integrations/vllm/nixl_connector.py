@@ -44,6 +44,9 @@ KVCacheLayout: Any = importlib.import_module("vllm.v1.kv_cache_layout").KVCacheL
 
 _WORKER_METHODS = (
     "_compute_desc_ids",
+    "_logical_to_kernel_block_ids",
+    "_build_mamba_local",
+    "_build_mamba_remote",
     "_build_local_splits_from_plan",
     "_fa_desc_replicated",
     "_is_region_replicated",
@@ -84,6 +87,18 @@ def connector() -> dict[str, Any]:
         "kv_postprocess_blksize_and_layout_on_receive",
     )
     run(path, definitions(path, tree, names, "NixlConnector"), namespace)
+    path, tree = vllm_source("distributed/kv_transfer/kv_connector/v1/ssm_conv_transfer_utils.py")
+    namespace |= {  # the "DS" conv order the connector asserts at start-up (VLLM_SSM_CONV_STATE_LAYOUT)
+        "is_conv_state_dim_first": lambda: True,
+        "MambaAttentionBackendEnum": importlib.import_module(
+            "vllm.v1.attention.backends.registry"
+        ).MambaAttentionBackendEnum,
+    }
+    names = ("MambaConvSplitInfo", "derive_mamba_conv_split")
+    run(path, definitions(path, tree, names, "NixlConnector"), namespace)
+    path, tree = vllm_source("distributed/kv_transfer/kv_connector/v1/nixl/utils.py")
+    namespace["UniformTypeKVCacheSpecs"] = kvi.UniformTypeKVCacheSpecs
+    run(path, definitions(path, tree, ("get_representative_spec_type",), "NixlConnector"), namespace)
     path, tree = vllm_source("distributed/kv_transfer/kv_connector/v1/nixl/tp_mapping.py")
     names = ("_is_attention_spec", "_is_ssm_spec", "TPMapping", "compute_head_offset", "compute_tp_mapping")
     run(path, definitions(path, tree, names, "NixlConnector"), namespace)
@@ -189,6 +204,7 @@ class Read:
 
     remote_rank: int
     descriptors: int
+    groups: tuple[int, ...] = ()  # a hybrid's: the KV cache groups read from that rank
 
 
 def _memory(ranks: Sequence[Rank]) -> Any:
@@ -262,4 +278,181 @@ def decode_read(
         covered = min(len(local_ids) * ratio, len(remote_ids))
         if local_ids:
             w.post_process_device_kv_on_receive(ratio, [(0, list(local_ids), covered)])
+    return reads
+
+
+# -- a hybrid model's rank: Mamba state groups beside attention --------------------------
+
+
+def _hybrid_regions(r: Any) -> tuple[list[int], list[int], list[int], list[int]]:
+    """``register_kv_caches``' regions of hybrid rank ``r`` (an ``engine`` and the ``kv``
+    dict vLLM 0.33 hands the connector): layers in ``_region_sort_key`` order, one region
+    per base address (vLLM overlays one layer of every group there), its block length and
+    stride those of the layer registered first (a Mamba layer: its page split into the
+    attention's kernel pages; an attention layer: its kernel page); and the regions that
+    hold Mamba state (``_ssm_region_indices``). ``(bases, block_lens, strides, ssm)``."""
+    ns = connector()
+    ratio = _physical_per_logical(r.engine)
+    bases: list[int] = []
+    lens: list[int] = []
+    strides: list[int] = []
+    ssm: list[int] = []
+    for name in sorted(r.kv, key=ns["_region_sort_key"]):
+        cache, spec = r.kv[name], r.engine.spec_of(name)
+        mamba = isinstance(spec, kvi.MambaSpec)
+        page = spec.page_size_bytes if mamba else spec.page_size_bytes // ratio
+        block_len, stride = (
+            (page // ratio, page // ratio) if mamba else (page, cache.stride(0) * cache.element_size())
+        )
+        if cache.data_ptr() not in bases:
+            bases.append(cache.data_ptr())
+            lens.append(block_len)
+            strides.append(stride)
+        region = bases.index(cache.data_ptr())
+        if mamba and region not in ssm:
+            ssm.append(region)
+    return bases, lens, strides, ssm
+
+
+def _physical_per_logical(engine: Any) -> int:
+    """``_physical_blocks_per_logical_kv_block``: the attention's block over its kernel's
+    (``_sync_block_size_with_kernel``; Mamba groups keep their block)."""
+    attention = [
+        (g.kv_cache_spec.block_size, kernel)
+        for g, kernel in zip(engine.config.kv_cache_groups, engine.kernel_block_sizes, strict=True)
+        if not isinstance(g.kv_cache_spec, kvi.MambaSpec)
+    ]
+    block, kernel = attention[0]
+    return int(block // kernel)
+
+
+def _kernel_block_size(engine: Any) -> int:
+    return int(next(
+        kernel for g, kernel in zip(engine.config.kv_cache_groups, engine.kernel_block_sizes, strict=True)
+        if not isinstance(g.kv_cache_spec, kvi.MambaSpec)
+    ))  # fmt: skip
+
+
+def _hybrid_math(r: Any, num_kv_heads: int, remote_tp: int) -> Any:
+    """A ``ConnectorMath`` holding what hybrid rank ``r`` set up in ``__init__`` and
+    ``register_kv_caches`` (no PLE, no ring, no DCP, no pipeline stages)."""
+    ns = connector()
+    w = ns["ConnectorMath"]()
+    config = r.engine.config
+    bases, lens, strides, ssm = _hybrid_regions(r)
+    ratio = _physical_per_logical(r.engine)
+    w.tp_rank = r.rank
+    w.transfer_topo = SimpleNamespace(
+        tp_rank=r.rank, tp_size=r.tp, is_mla=False, total_num_kv_heads=num_kv_heads,
+        dcp_consumer_count=lambda remote_tp_size, remote_dcp_size: max(1, r.tp // remote_tp_size),
+    )  # fmt: skip
+    w.kv_cache_config = config
+    w._group_spec_types = tuple(
+        ns["get_representative_spec_type"](g.kv_cache_spec) for g in config.transfer_groups
+    )
+    w._has_mamba = True
+    mamba = next(
+        g.kv_cache_spec for g in config.transfer_groups if isinstance(g.kv_cache_spec, kvi.MambaSpec)
+    )
+    w._conv_decomp = ns["derive_mamba_conv_split"](mamba, r.tp)
+    w._mamba_ssm_size = w._conv_decomp.ssm_sizes
+    w._physical_blocks_per_logical_kv_block = ratio
+    w._logical_num_blocks = config.num_blocks
+    w.num_blocks = config.num_blocks * ratio
+    w.block_size = _kernel_block_size(r.engine)
+    w.kv_caches_base_addr = bases
+    w.block_len_per_layer = lens
+    w.block_stride_per_layer = strides
+    w.num_regions = len(bases)
+    w.region_num_blocks = [w.num_blocks] * len(bases)  # every region's, under Mamba
+    w.num_descs = sum(w.region_num_blocks)
+    w.region_group_ids = [-1] * len(bases)  # each region is every group's (_SHARED_REGION_GROUP_ID)
+    w._uses_region_group_mapping = len(bases) > 1
+    w._ssm_region_indices = ssm
+    w._scratch_region_indices = []
+    w._ple_region_index = w._ple_group_index = None
+    w._region_is_mla = [False] * len(bases)
+    w._transfer_layer_region_indices = []
+    w._transfer_layer_group_ids = []
+    w._head_sharded_draft_regions = set()
+    w.device_id = 0
+    w.use_mla = False
+    w.plan = ns["compute_tp_mapping"](w.transfer_topo, remote_tp, w._group_spec_types)
+    return w
+
+
+def hybrid_read(
+    local: Any, remotes: Sequence[Any], local_ids: Sequence[list[int]], remote_ids: Sequence[list[int]],
+    num_kv_heads: int,
+) -> list[Read]:  # fmt: skip
+    """What vLLM 0.33's decode worker does for one request of a Mamba hybrid (a GDN model
+    beside its attention, conv state ``"DS"``): ``local`` and ``remotes`` hybrid ranks
+    (an ``engine``, the ``kv`` dict handed to the connector, its ``buf``, ``tp`` and
+    ``rank``; ``remotes`` every prefill rank, by rank), ``local_ids`` / ``remote_ids`` the
+    request's logical block ids per KV cache group as the scheduler hands them (a Mamba
+    group's the running state alone: ``clip_ssm_state_blocks``). The handshake's lists
+    (``register_local_xfer_handler``: ``_build_fa_local`` and ``_build_mamba_local``; per
+    prefill rank ``_build_fa_remote`` and ``_build_mamba_remote``; where prefill has more
+    ranks ``_build_local_splits_from_plan``), then ``_read_blocks_for_req`` and
+    ``_read_blocks``: each source rank's groups (``source_ranks_per_group``), kernel block
+    ids (``_logical_to_kernel_block_ids``), ``_apply_prefix_caching``,
+    ``_compute_desc_ids`` on both sides; each descriptor's bytes moved as NIXL's READ
+    moves them. Returns the READs posted."""
+    remote_tp = remotes[0].tp
+    w = _hybrid_math(local, num_kv_heads, remote_tp)
+    plan = w.plan
+    tp_ratio = local.tp // remote_tp if local.tp >= remote_tp else -(remote_tp // local.tp)
+    ratio = w.block_size // _kernel_block_size(remotes[0].engine)  # block_size_ratio, kernel blocks
+    at = _memory([local, *remotes])
+    local_data = np.concatenate(
+        [w._build_fa_local(w.kv_caches_base_addr, ratio), w._build_mamba_local(w.kv_caches_base_addr)]
+    )
+    if tp_ratio < 0:  # _needs_split_local_xfer_handles (not MLA)
+        local_lists = list(w._build_local_splits_from_plan(plan, local_data, w.num_descs * ratio, ratio))
+    else:
+        local_lists = [local_data] * len(plan.all_source_ranks)
+    mine_all = w._logical_to_kernel_block_ids(
+        [list(g) for g in local_ids], w._physical_blocks_per_logical_kv_block
+    )
+    reads: list[Read] = []
+    for i, rank in enumerate(plan.all_source_ranks):
+        remote = remotes[rank]
+        rw = _hybrid_math(remote, num_kv_heads, local.tp)  # what its handshake metadata says
+        meta = SimpleNamespace(
+            engine_id="prefill", kv_caches_base_addr=rw.kv_caches_base_addr, region_num_blocks=rw.region_num_blocks,
+            num_blocks=rw.num_blocks, device_id=0, block_strides=rw.block_stride_per_layer,
+            ssm_sizes=rw._mamba_ssm_size,
+        )  # fmt: skip
+        info = SimpleNamespace(remote_physical_blocks_per_logical=rw._physical_blocks_per_logical_kv_block)
+        remote_list = _flat(np.concatenate([
+            w._build_fa_remote(plan, meta, ratio), w._build_mamba_remote(meta, tp_ratio, info)
+        ]))  # fmt: skip
+        local_list = _flat(local_lists[i])
+        theirs_all = rw._logical_to_kernel_block_ids(
+            [list(g) for g in remote_ids], rw._physical_blocks_per_logical_kv_block
+        )
+        groups = range(len(local_ids))
+        mine = [list(mine_all[g]) if rank in plan.source_ranks_per_group[g] else [] for g in groups]
+        theirs = [list(theirs_all[g]) if rank in plan.source_ranks_per_group[g] else [] for g in groups]
+        if not any(mine):
+            continue  # a full prefix hit: send_notif alone
+        mine, theirs = w._apply_prefix_caching(
+            mine, theirs, w._physical_blocks_per_logical_kv_block, rw._physical_blocks_per_logical_kv_block
+        )
+        remote_descs = w._compute_desc_ids(
+            theirs, rw.num_blocks, None, rw._physical_blocks_per_logical_kv_block,
+            region_num_blocks=rw.region_num_blocks, region_group_ids=rw.region_group_ids,
+            uses_region_group_mapping=rw._uses_region_group_mapping,
+        )  # fmt: skip
+        local_descs = w._compute_desc_ids(
+            mine, w.num_blocks, ratio, w._physical_blocks_per_logical_kv_block,
+            region_num_blocks=w.region_num_blocks, region_group_ids=w.region_group_ids,
+            uses_region_group_mapping=w._uses_region_group_mapping,
+        )  # fmt: skip
+        assert len(local_descs) == len(remote_descs)
+        for lid, rid in zip(local_descs.tolist(), remote_descs.tolist(), strict=True):
+            (la, ln), (ra, rn) = local_list[lid], remote_list[rid]
+            assert ln == rn, f"descriptor lengths differ: local {ln}, remote {rn}"
+            at(la, ln).copy_(at(ra, rn))
+        reads.append(Read(rank, len(local_descs), tuple(g for g in groups if mine[g])))
     return reads

@@ -13,7 +13,11 @@ block sizing, ``create_kv_cache_views``) and read by a connector as the docs say
   replicates them), FlashInfer kernel pages, Mamba ``'none'`` mode (prefix caching off);
   ``"gdn-align"`` the same in ``'align'`` mode (prefix caching on), a state page a block;
   ``"qwen3-next-align"`` Qwen3-Next-80B-A3B's own sizes (8 of its layers) in ``'align'``
-  mode, whose blocks are 544 tokens at TP 2 and 272 at TP 4.
+  mode, whose blocks are 544 tokens at TP 2 and 272 at TP 4; ``"gdn-hnd"`` in the
+  ``LBHNC`` layout vLLM's NixlConnector asks of a model without MLA (FlashInfer's HND kernel
+  pages of 16, three a block of 48 at TP 1 and 2), ``"gdn-fa-hnd"`` the same on
+  FlashAttention (blocks whole), ``"small-gdn-hnd"`` a model whose state pages are small
+  beside its attention's (blocks of 16 at TP 1, 2 and 4: vLLM pairs TP 2 and 4 alike).
 
 The oracle (:func:`expected`) never asks kvlayout: it reads both sides through vLLM's
 views (FlashAttention/FlashInfer's ``kv_cache.transpose(1, 2).split(head_size, -1)``, the
@@ -42,8 +46,12 @@ from kvlayout.testing import vllm as vx
 SWA_HEADS, SWA_HEAD_SIZE, WINDOW, SWA_BLOCK, SWA_LAYERS = 8, 64, 128, 16, 4
 GDN = vx.HybridModel("Qwen3-Next-like", 8, 4, 2, 64, 4, 8, 32, 32, 4, torch.bfloat16, torch.bfloat16)
 QWEN3_NEXT_8 = dataclasses.replace(vx.QWEN3_NEXT_80B_A3B, num_hidden_layers=8)  # its sizes, 8 layers
-MODELS = {"gdn": GDN, "gdn-align": GDN, "qwen3-next-align": QWEN3_NEXT_8}
-NUM_BLOCKS = {"swa": 48, "gdn": 24, "gdn-align": 24, "qwen3-next-align": 6}
+# state pages small beside the attention's: blocks of 16 at TP 1, 2 and 4 alike
+SMALL_GDN = vx.HybridModel("small-GDN", 8, 4, 2, 64, 4, 4, 16, 16, 4, torch.bfloat16, torch.bfloat16)
+MODELS = {"gdn": GDN, "gdn-align": GDN, "qwen3-next-align": QWEN3_NEXT_8, "gdn-hnd": GDN, "gdn-fa-hnd": GDN,
+          "small-gdn-hnd": SMALL_GDN}  # fmt: skip
+NUM_BLOCKS = {"swa": 48, "gdn": 24, "gdn-align": 24, "qwen3-next-align": 6, "gdn-hnd": 24, "gdn-fa-hnd": 24,
+              "small-gdn-hnd": 24}  # fmt: skip
 HEADS = {"swa": SWA_HEADS, **{k: m.num_key_value_heads for k, m in MODELS.items()}}
 
 
@@ -57,10 +65,14 @@ def swa_specs(tp: int) -> dict[str, Any]:
 def engine_of(kind: str, tp: int) -> vx.Engine:
     if kind == "swa":
         return vx.planned_engine(swa_specs(tp), vx.FLASH_ATTN, num_blocks=NUM_BLOCKS[kind])
-    mode = "none" if kind == "gdn" else "align"
+    mode = "align" if kind.endswith("align") else "none"
+    backend = vx.FLASH_ATTN if kind == "gdn-fa-hnd" else vx.FLASHINFER
+    layout = (
+        vx.KVCacheLayout.LBHNC if kind.endswith("-hnd") else None
+    )  # NixlConnector's (LBNHC: vLLM's default)
     return vx.hybrid_engine(
-        MODELS[kind], vx.FLASHINFER, tp=tp, num_blocks=NUM_BLOCKS[kind], mamba_cache_mode=mode, max_model_len=4096,
-        conv_layout="DS",
+        MODELS[kind], backend, tp=tp, num_blocks=NUM_BLOCKS[kind], mamba_cache_mode=mode, max_model_len=4096,
+        conv_layout="DS", layout=layout,
     )  # fmt: skip
 
 

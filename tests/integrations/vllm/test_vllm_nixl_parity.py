@@ -2,9 +2,10 @@
 decode worker READs (heterogeneous TP either way, prefill blocks smaller than decode's, a
 prefill LBHNC cache into a decode LBNHC one under ``enable_permute_local_kv``, MLA latents
 read whole from the one prefill rank ``compute_tp_mapping`` picks, a prefix the
-decode's cache already holds, a partly filled last block), mapped by kvlayout as
-docs/pd-connectors.md says, lands byte-exact, and a decode READ of it posts no more
-descriptors than the connector's READs.
+decode's cache already holds, a partly filled last block; a Mamba hybrid's state groups
+beside its attention, at TP 1 <-> 2 and 2 <-> 4), mapped by kvlayout as
+docs/pd-connectors.md says, lands byte-exact, from the prefill ranks the connector reads,
+and a decode READ of it posts no more descriptors than the connector's READs.
 
 Three things are compared, on caches vLLM 0.33 allocates (``kvlayout.testing.vllm``:
 ``allocate_v033``'s per-layer ``[B, H, N, C]`` views, K and V packed in ``C``):
@@ -30,15 +31,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 
 import kvlayout
-from kvlayout.transfer import Shard, block_map
+from kvlayout.transfer import Shard, block_map, join_maps
 from kvlayout.transfer import nixl as nx
 
 vx = pytest.importorskip("kvlayout.testing.vllm")
 nc = pytest.importorskip("tests.integrations.vllm.nixl_connector")
+ph = pytest.importorskip("tests.integrations.vllm.pd_hybrid")
 
 HEADS = 4
 MODEL = vx.AttentionModel("tiny", 2, HEADS, 16, torch.bfloat16)
@@ -203,3 +206,95 @@ def test_a_decode_read_lands_what_vllm_s_connector_lands(name: str, num_tokens: 
             ratio > 1 and computed > 0 and len(unhashed) * ratio != len(pids) - cached // pair.prefill_bs
         )
         assert tokens_agree(theirs, prefill, dids, pids, cached, num_tokens) is not misaligned, name
+
+
+# -- hybrids: Mamba state groups beside the attention of one model -----------------------
+
+# vLLM 0.33's NixlConnector serves a hybrid between TP degrees whose kernel blocks agree (a
+# block-size ratio is attention's alone, and "HMA does not support block size post
+# processing"): the Qwen3-Next-like GDN model at TP 1 <-> 2 (blocks of 48: FlashInfer's HND
+# kernel pages of 16, or FlashAttention's whole), and one whose blocks are 16 at TP 2 and 4,
+# its 2 KV heads replicated at TP 4 (decode reads attention from one replica, state from all)
+HYBRID_PAIRS = [
+    ("gdn-hnd", 1, 2), ("gdn-hnd", 2, 1), ("gdn-fa-hnd", 1, 2), ("gdn-fa-hnd", 2, 1),
+    ("small-gdn-hnd", 2, 4), ("small-gdn-hnd", 4, 2),
+]  # fmt: skip
+HYBRID_TOKENS = 150  # a partly filled last block in every pair
+
+
+def hybrid_maps(
+    p: Any, d: Any, tables: tuple[list[list[int]], list[list[int]]], num_tokens: int
+) -> list[Any]:
+    """One rank pair's maps, as docs/pd-connectors.md says: each kernel group with its KV
+    cache group's block ids, a state group's running state from every rank, an attention
+    group only where ``sends_to`` picks the pair; empty maps left out."""
+    heads = ph.HEADS[p.kind]
+    ps, ds = Shard(p.rank, p.tp, heads), Shard(d.rank, d.tp, heads)
+    maps = []
+    for s, g in zip(p.registration.kernel_groups, d.registration.kernel_groups, strict=True):
+        spec = d.engine.config.kv_cache_groups[g.engine_group].kv_cache_spec
+        src, dst = tables[0][g.engine_group], tables[1][g.engine_group]
+        if ph.is_state(spec):
+            m = block_map(
+                s, g, ph.running_state(src, spec), ph.running_state(dst, spec), src_shard=ps, dst_shard=ds
+            )
+        elif ps.sends_to(ds):
+            m = block_map(s, g, src, dst, num_tokens=num_tokens, src_shard=ps, dst_shard=ds)
+        else:
+            continue
+        if m.num_runs:
+            maps.append(m)
+    return maps
+
+
+@pytest.mark.parametrize(
+    ("kind", "ptp", "dtp"), HYBRID_PAIRS, ids=[f"{k} TP {p}->{d}" for k, p, d in HYBRID_PAIRS]
+)
+def test_a_hybrid_decode_read_lands_what_vllm_s_connector_lands(kind: str, ptp: int, dtp: int) -> None:
+    """A GDN hybrid's request (three state groups, one attention group) read by each decode
+    rank as vLLM 0.33's NixlConnector reads it (``nixl_connector.hybrid_read``: its own
+    descriptor math run from its source) and as kvlayout maps it: the same prefill ranks
+    (attention from the one replica ``compute_tp_mapping`` picks, which ``sends_to``
+    picks; state from every rank that holds a slice), byte-exact with vLLM's connector
+    where the maps move whole prefill blocks as it does, the request's tokens alone by
+    the engine's indexing (``pd_hybrid.expected``), in no more descriptors than its READs."""
+    prefill = [ph.rank_of(kind, ptp, r, 100 + r) for r in range(ptp)]
+    decode = ph.engine_of(kind, dtp)
+    rng = np.random.default_rng(3)
+    tables = (
+        ph.block_tables(prefill[0].engine, HYBRID_TOKENS, rng),
+        ph.block_tables(decode, HYBRID_TOKENS, rng),
+    )
+    specs = [g.kv_cache_spec for g in decode.config.kv_cache_groups]
+    attention = next(i for i, s in enumerate(specs) if not ph.is_state(s))
+    clipped = [  # what the scheduler hands the connector: a state group's running state alone
+        [ph.running_state(t, s) if ph.is_state(s) else t for t, s in zip(table, specs, strict=True)]
+        for table in tables
+    ]
+    whole = len(tables[0][attention]) * specs[attention].block_size  # the prefill blocks' slots
+    for d in range(dtp):
+        theirs, ours, blocks = (ph.rank_of(kind, dtp, d, 5) for _ in range(3))
+        before = ours.buf.clone()
+        reads = nc.hybrid_read(theirs, prefill, clipped[1], clipped[0], ph.HEADS[kind])
+        heads = ph.HEADS[kind]
+        senders, attention_from = [], []
+        for p in prefill:
+            maps = hybrid_maps(p, ours, tables, HYBRID_TOKENS)
+            if not maps:
+                continue
+            senders.append(p.rank)
+            if Shard(p.rank, ptp, heads).sends_to(Shard(d, dtp, heads)):
+                attention_from.append(p.rank)
+            request = join_maps(maps)
+            assert request.copy() == 1
+            join_maps(hybrid_maps(p, blocks, tables, whole)).copy()
+            e = nx.estimate(request, poster="dst")
+            read = next(r for r in reads if r.remote_rank == p.rank)
+            assert min(e.descriptors["direct"], e.descriptors["staged"]) <= read.descriptors, (
+                p.rank,
+                e.descriptors,
+            )
+        assert [r.remote_rank for r in reads] == senders  # compute_tp_mapping's all_source_ranks
+        assert [r.remote_rank for r in reads if attention in r.groups] == attention_from
+        assert torch.equal(blocks.buf, theirs.buf), f"{int((blocks.buf != theirs.buf).sum())} bytes differ"
+        assert torch.equal(ours.buf, ph.expected(ours, before, prefill, tables, HYBRID_TOKENS))

@@ -5,8 +5,9 @@ against an oracle from vLLM's own indexing (``pd_hybrid.expected``).
 Each rank's cache is what vLLM 0.33 allocates (``pd_hybrid``): a gpt-oss-like model of
 sliding-window and full attention (two KV cache groups, the window's dropped blocks vLLM's
 null block 0) and a Qwen3-Next-like Gated DeltaNet hybrid (three state groups beside full
-attention, Mamba ``'none'`` mode; ``'align'`` mode at TP 1 <-> 2), at prefill TP 2 -> decode
-TP 4 and TP 4 -> TP 2. One
+attention, Mamba ``'none'`` mode; ``'align'`` mode at TP 1 <-> 2; in ``LBHNC``, the layout
+vLLM's NixlConnector asks for, FlashInfer's HND kernel pages at TP 1 <-> 2), at prefill TP 2
+-> decode TP 4 and TP 4 -> TP 2. One
 request of 300 tokens on scattered block ids moves as the docs say: per rank pair, each
 kernel group mapped with its KV cache group's block ids (the sliding window from its first
 kept block with ``first_token``, a state by its one block id), an attention group only
@@ -109,7 +110,9 @@ def wait_notif(pair: Pair, tag: bytes) -> None:
 # 'align' mode: the small model's blocks are 48 tokens at TP 1 and 2; Qwen3-Next's 544 at TP 2
 # and 272 at TP 4, where its 2 KV heads replicate and the attention page per token stops
 # shrinking while the state's halves (the running state moves between the two)
-PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2), ("gdn-align", 1, 2), ("gdn-align", 2, 1)]
+PAIRS = [("swa", 2, 4), ("swa", 4, 2), ("gdn", 2, 4), ("gdn", 4, 2), ("gdn-align", 1, 2), ("gdn-align", 2, 1),
+         ("gdn-hnd", 1, 2), ("gdn-hnd", 2, 1)]  # fmt: skip
+# gdn-hnd: LBHNC, FlashInfer's HND kernel pages read as their kernel pages between the degrees
 READ_PAIRS = [*PAIRS, ("qwen3-next-align", 2, 4), ("qwen3-next-align", 4, 2)]  # 6 MiB a rank: READs only
 
 
