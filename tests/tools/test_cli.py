@@ -1795,3 +1795,140 @@ def test_plan_of_rings_is_block_map_of_deepseek_v41_s_packed_rings(
                               dst_shard=Shard(p["dst_rank"], 4, 4))  # fmt: skip
                 assert (p["kind"], p["runs"], p["bytes"]) == (m.kind, m.num_runs, m.num_bytes)
                 assert m.num_bytes == len(g.layers) * 8 * shape[3] * 4
+
+
+def _packed_dsv41(num_blocks: int = 5) -> tuple[Any, dict[str, Any]]:
+    """DeepSeek-V4.1's C4 layers as vLLM packs them (``planned_engine`` under BLHNC, the
+    layouts its indexer requires), allocated and detected as a P/D connector does: the
+    registration and the registered views, by layer name."""
+    import kvlayout.testing.vllm as vx
+    from kvlayout.integrations.vllm import apply_kv_cache_group_edits, transfer_layers
+    from tests.integrations.vllm.test_vllm_dsv41_planned import MODELS
+
+    layout = vx.KVCacheLayout.BLHNC
+    engine = vx.planned_engine(MODELS["c4"], vx.FLASHMLA, layout=layout, num_blocks=num_blocks)
+    buf, kv = vx.allocate_v033(engine)
+    vx.fill_random(buf, 0)
+    hints = {"kv_layout": layout.name}
+    edited = apply_kv_cache_group_edits(engine.config, kv, hints, prefix_reuse=False)
+    layers, groups = transfer_layers(engine.config, edited)
+    reg = kvlayout.detect(layers, "vllm", hints, layer_groups=groups)
+    return reg, {n: kv[n] for n in kv if n in edited}
+
+
+@pytest.mark.parametrize(("src_tp", "dst_tp"), [(2, 4), (4, 2)])
+def test_plan_of_latents_beside_their_rings_is_the_joined_map_of_deepseek_v41_s_packed_groups(
+    capsys: pytest.CaptureFixture[str], src_tp: int, dst_tp: int
+) -> None:
+    """``--src-ring-shape`` / ``--dst-ring-shape`` beside the latents: a DeepSeek-V4.1 rank's
+    compressed latents and their compressor's rings (as vLLM packs them) planned as one
+    request, each rank pair's two maps joined as a connector posts them. Each pair equals
+    ``join_maps`` of the library's own block maps of the packed registration (kinds, runs,
+    bytes, direct descriptors; staged ones no fewer: the plan's shapes cannot say that a
+    packed block's layers lie side by side): each decode rank's latents and ring from the one prefill rank
+    ``sends_to`` picks (vLLM's ``compute_tp_mapping``: ``tp_rank * remote_tp // tp``), the
+    other pairs replicas. Before, a plan held the rings alone (``--src-ring``)."""
+    from kvlayout.tools.plan_command import _block_ids
+    from kvlayout.transfer import Shard, block_map, join_maps
+    from kvlayout.transfer.nixl import estimate
+
+    (reg, kv), (there, _) = _packed_dsv41(), _packed_dsv41()  # a prefill rank's, a decode rank's
+    names = list(kv)
+    at = {g: i for i, g in enumerate(reg.kernel_groups)}
+    latents = next(g for g in reg.kernel_groups if names[g.layers[0]].endswith(".attn"))
+    ring = next(
+        g for g in reg.kernel_groups if names[g.layers[0]].endswith("self_attn.compressor.state_cache")
+    )
+    shapes = {
+        g: f"{len(g.layers)}x{list(kv[names[g.layers[0]]].shape)}".replace(" ", "") for g in (latents, ring)
+    }
+    # a request of 400 tokens at C4's ratio: 100 latents in 2 blocks of 64, the plan's scattered
+    # ids 2 and 4 on both sides (packed pages never abut, the plan's shapes do: ids 2, 3 would
+    # join there in one run)
+    slots = 100
+    argv = ["plan", "--tokens", str(slots), "--json"]
+    for where, tp in (("src", src_tp), ("dst", dst_tp)):
+        argv += [f"--{where}-engine", "vllm", f"--{where}-shape", shapes[latents], f"--{where}-hint", "kv_dim=1",
+                 f"--{where}-ring-shape", shapes[ring], f"--{where}-tp", str(tp)]  # fmt: skip
+    code, out, err = run(capsys, *argv)
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["hybrid"] and plan["beside"] == "ring"
+    assert plan["src"]["ring"] == {"format": "NL_X_NB_BS_HS", "block_size": 8, "num_blocks": 5, "layers": 3}
+    ids = _block_ids("scattered", 2, 5, "src")
+    assert list(ids) == [2, 4]
+    ring_ids = [0]  # the plan's is 4, apart there; vLLM's groups share one pool: a request's differ
+    senders: dict[int, list[int]] = {d: [] for d in range(dst_tp)}
+    for p in plan["pairs"]:
+        ps, ds = Shard(p["src_rank"], src_tp, 1), Shard(p["dst_rank"], dst_tp, 1)
+        if not ps.sends_to(ds, latents=True):
+            assert p["bytes"] == 0 and p["attention"]["kind"] == p["ring"]["kind"] == "replica"
+            continue
+        senders[p["dst_rank"]].append(p["src_rank"])
+        maps = [
+            block_map(
+                latents,
+                there.kernel_groups[at[latents]],
+                ids,
+                ids,
+                num_tokens=slots,
+                src_shard=ps,
+                dst_shard=ds,
+            ),
+            block_map(ring, there.kernel_groups[at[ring]], ring_ids, ring_ids, src_shard=ps, dst_shard=ds),
+        ]
+        assert maps[0].latents and maps[1].latents  # every rank holds both whole
+        for name, m in zip(("attention", "ring"), maps, strict=True):
+            assert (p[name]["kind"], p[name]["runs"], p[name]["bytes"]) == (m.kind, m.num_runs, m.num_bytes)
+        joined = join_maps(maps)
+        assert (p["runs"], p["bytes"]) == (joined.num_runs, joined.num_bytes)
+        # direct posts a descriptor a run; a staged gather's reads of packed rows (BLHNC: a block's
+        # layers side by side) join where the plan's layer-by-layer shapes cannot say so
+        library = estimate(joined, poster="dst").descriptors
+        assert p["descriptors"]["direct"] == library["direct"]
+        assert all(p["descriptors"][k] >= library[k] for k in library)
+    assert senders == {d: [d * src_tp // dst_tp] for d in range(dst_tp)}
+    code, text, err = run(capsys, *[a for a in argv if a != "--json"])
+    assert (code, err) == (0, "")
+    assert "and the request's ring (vLLM's CircularBufferSpec), one block id a side: src 3 layers" in text
+    assert "ring: src rank" in text and "a ring, which vLLM computes on every rank" in text
+
+
+_LATENTS = ["--src-engine", "vllm", "--dst-engine", "vllm", "--tokens", "40", "--src-shape", "3x[5,1,64,512]",
+            "--dst-shape", "3x[5,1,64,512]", "--src-hint", "kv_dim=1", "--dst-hint", "kv_dim=1"]  # fmt: skip
+_RING_SHAPES = ["--src-ring-shape", "3x[5,1,8,1024]", "--dst-ring-shape", "3x[5,1,8,1024]"]
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (_RING_SHAPES[:2], "--src-ring-shape is given and --dst-ring-shape is not: a ring maps only into a ring"),
+        (_RING_SHAPES[2:], "--dst-ring-shape is given and --src-ring-shape is not"),
+        ([*_RING_SHAPES, "--src-state-shape", "3x[5,1,1,8192]", "--dst-state-shape", "3x[5,1,1,8192]"],
+         "--src-state-shape with --src-ring-shape and --dst-ring-shape: a plan holds one group beside the "
+         "attention group"),
+        ([*_RING_SHAPES, "--src-ring", "--dst-ring"], "--src-ring-shape with --src-ring and --dst-ring"),
+        (["--src-ring-shape", "3x[5,2,8,1024]", *_RING_SHAPES[2:]],
+         "--src-ring-shape on --src-ring-shape 3x[5,2,8,1024]: a ring (vLLM's CircularBufferSpec) registers"),
+    ],
+)  # fmt: skip
+def test_plan_of_rings_beside_attention_refuses_what_it_cannot_plan(
+    capsys: pytest.CaptureFixture[str], extra: list[str], message: str
+) -> None:
+    code, out, err = run(capsys, "plan", *_LATENTS, *extra)
+    assert (code, out) == (2, ""), (out, err)
+    assert message in err, err
+
+
+def test_plan_of_latents_beside_their_rings_as_the_docs_show(capsys: pytest.CaptureFixture[str]) -> None:
+    """docs/pd-connectors.md's line of latents with their rings runs: each decode rank's
+    100 latents of 3 layers and their 3 rings from one prefill rank, in one transfer."""
+    docs = (Path(__file__).parents[2] / "docs" / "pd-connectors.md").read_text()
+    line = next(x for x in docs.splitlines() if "kvlayout plan" in x and "--src-ring-shape" in x)
+    argv = [a.strip("'") for a in line.split("$ kvlayout ", 1)[1].split()]
+    code, out, err = run(capsys, *argv, "--json")
+    assert (code, err) == (0, "")
+    sent = [p for p in json.loads(out)["pairs"] if p["bytes"]]
+    assert sorted(p["dst_rank"] for p in sent) == [0, 1, 2, 3]
+    assert all(p["bytes"] == 100 * 3 * 512 * 2 + 3 * 8 * 1024 * 4 for p in sent)
+    assert all((p["attention"]["bytes"], p["ring"]["bytes"]) == (307200, 98304) for p in sent)

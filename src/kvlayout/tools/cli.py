@@ -313,6 +313,11 @@ def build_parser() -> argparse.ArgumentParser:
                             f"vLLM 0.33 registers them; --{where}-state gives their MambaSpec): one plan "
                             "of the request, each rank pair's attention and state maps posted as one "
                             "transfer")  # fmt: skip
+        p.add_argument(f"--{where}-ring-shape", default=None, metavar="NLx[NB,1,N,C]",
+                       help=f"vLLM's CircularBufferSpec rings beside the attention group --{where}-shape "
+                            "(float32, as vLLM 0.33 registers DeepSeek-V4.1's compressor state): one plan "
+                            "of the request, each rank pair's attention map and ring posted as one "
+                            "transfer")  # fmt: skip
     p.add_argument(
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )

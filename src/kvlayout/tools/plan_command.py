@@ -161,10 +161,11 @@ def _state_side(
 
 
 def _ring_side(
-    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object]
+    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object], shape_flag: str
 ) -> tuple[Any, Any]:
     """A side given with ``--{where}-ring``: vLLM 0.33's ``CircularBufferSpec`` rings as it
-    registers them (``--{where}-shape NLx[NB,1,N,C]`` float32: DeepSeek-V4.1's
+    registers them (``shape_flag NLx[NB,1,N,C]`` float32: ``--{where}-shape``, or
+    ``--{where}-ring-shape`` beside the attention group; DeepSeek-V4.1's
     ``CompressorStateCache``, ``N`` its capacity, ``C`` its ``[kv_state | score_state]``
     row), read as the group edits read them: one block a request, moved whole, held whole
     on every rank."""
@@ -172,7 +173,7 @@ def _ring_side(
 
     from kvlayout.integrations.vllm.rules import declared_ring_pages
 
-    flag, shape_flag = f"--{where}-ring", f"--{where}-shape"
+    flag = shape_flag if shape_flag.endswith("-ring-shape") else f"--{where}-ring"  # what says: rings
     _check_vllm_layers(
         kv, spec, engine, (flag, shape_flag), "rings (a CircularBufferSpec's pages)", "a ring",
         "NLx[NB,1,N,C] (N the ring's capacity, C its row, with --dtype fp32)",
@@ -227,16 +228,23 @@ def _declared(
     return reg, reg.kernel_groups[0]
 
 
-def _state_plan(args: argparse.Namespace) -> Literal["attention", "state", "hybrid", "ring"]:
+Plan = Literal["attention", "state", "hybrid", "ring", "ringed"]
+"""What a plan moves (:func:`_state_plan`)."""
+
+
+def _state_plan(args: argparse.Namespace) -> Plan:
     """What the plan moves: attention alone; Mamba state alone (``--*-state`` on both
     sides, ``--*-shape`` the state's layers); a hybrid's request whole, an attention
     group (``--*-shape``) and its state group (``--*-state-shape`` with ``--*-state``) on
-    both sides; or vLLM's rings (``--*-ring`` on both sides). Given on one side only, or
-    state or rings alone with ``--first-token`` or ``--kv-heads``, is the command line's
-    error."""
+    both sides; vLLM's rings (``--*-ring`` on both sides); or an attention group with its
+    rings beside it (``--*-ring-shape`` on both sides: DeepSeek-V4.1's latents and
+    compressor rings, ``ringed``). Given on one side only, or state or rings alone with
+    ``--first-token`` or ``--kv-heads``, is the command line's error."""
     a = vars(args)
     if a["src_ring"] or a["dst_ring"]:
         return _ring_plan(args)
+    if a["src_ring_shape"] is not None or a["dst_ring_shape"] is not None:
+        return _ringed_plan(args)
     for flag in ("state-shape", "state"):
         key = flag.replace("-", "_")
         given = {w: a[f"{w}_{key}"] is not None for w in ("src", "dst")}
@@ -270,6 +278,27 @@ def _state_plan(args: argparse.Namespace) -> Literal["attention", "state", "hybr
     return "state"
 
 
+def _ringed_plan(args: argparse.Namespace) -> Literal["ringed"]:
+    """A plan of an attention group with vLLM's rings beside it (``--src-ring-shape`` and
+    ``--dst-ring-shape``), or the command line's error: a ring maps only into a ring, and
+    the plan holds one group beside the attention (no Mamba state with it)."""
+    a = vars(args)
+    if (a["src_ring_shape"] is None) != (a["dst_ring_shape"] is None):
+        w, o = ("src", "dst") if a["src_ring_shape"] is not None else ("dst", "src")
+        raise KVLayoutError(
+            f"--{w}-ring-shape is given and --{o}-ring-shape is not: a ring maps only into a ring (vLLM's "
+            f"CircularBufferSpec, DeepSeek-V4.1's compressor state); give --{o}-ring-shape"
+        )
+    given = [f"--{w}-{f}" for f in ("state", "state-shape") for w in ("src", "dst")
+             if a[f"{w}_{f.replace('-', '_')}"] is not None]  # fmt: skip
+    if given:
+        raise KVLayoutError(
+            f"{given[0]} with --src-ring-shape and --dst-ring-shape: a plan holds one group beside the "
+            "attention group, its rings or its Mamba state; plan the other apart"
+        )
+    return "ringed"
+
+
 def _ring_plan(args: argparse.Namespace) -> Literal["ring"]:
     """A plan of vLLM's rings (``--src-ring`` and ``--dst-ring``), or the command line's
     error: a ring maps only into a ring, holds no tokens and no KV heads, and is its own
@@ -281,8 +310,10 @@ def _ring_plan(args: argparse.Namespace) -> Literal["ring"]:
             f"--{w}-ring is given and --{o}-ring is not: a ring maps only into a ring (vLLM's "
             f"CircularBufferSpec, DeepSeek-V4.1's compressor state); give --{o}-ring"
         )
-    given = [f"--{w}-{f}" for f in ("state", "state-shape", "block-size") for w in ("src", "dst")
-             if a[f"{w}_{f.replace('-', '_')}"] is not None]  # fmt: skip
+    flags = ("state", "state-shape", "ring-shape", "block-size")
+    given = [
+        f"--{w}-{f}" for f in flags for w in ("src", "dst") if a[f"{w}_{f.replace('-', '_')}"] is not None
+    ]
     if given:
         raise KVLayoutError(
             f"{given[0]} with --src-ring and --dst-ring: a ring is a group of its own, one block a request "
@@ -393,7 +424,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     state = what in ("state", "ring")  # one block a side, whatever the request's tokens
     meta = torch.device("meta")
     sides: dict[str, tuple[Any, Any]] = {}
-    state_sides: dict[str, tuple[Any, Any]] = {}  # a hybrid's state group, beside its attention's
+    beside: dict[str, tuple[Any, Any]] = {}  # a hybrid's state group or the rings, beside the attention
     notes: dict[str, str | None] = {}
     a = vars(args)
     for where in ("src", "dst"):
@@ -409,7 +440,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         spec = _registration_spec(f"--{where}-shape", a[f"{where}_shape"], args.dtype)
         kv = _registration(spec, dtype, meta, a[f"{where}_share"], f"--{where}-share")  # refused as given
         if ring:
-            sides[where] = _ring_side(where, a, kv, spec, engine, hints)
+            sides[where] = _ring_side(where, a, kv, spec, engine, hints, f"--{where}-shape")
             notes[where] = None
             continue
         if state:
@@ -420,7 +451,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             flag = f"--{where}-state-shape"
             state_spec = _registration_spec(flag, a[f"{where}_state_shape"], "int8")
             state_kv = _registration(state_spec, STATE_ROWS_DTYPE, meta, [], f"--{where}-share")
-            state_sides[where] = _state_side(where, a, state_kv, state_spec, engine, hints, flag)
+            beside[where] = _state_side(where, a, state_kv, state_spec, engine, hints, flag)
+        if what == "ringed":  # vLLM's rings are float32 whatever --dtype (the attention's)
+            flag = f"--{where}-ring-shape"
+            ring_spec = _registration_spec(flag, a[f"{where}_ring_shape"], "fp32")
+            ring_kv = _registration(ring_spec, torch.float32, meta, [], f"--{where}-share")
+            beside[where] = _ring_side(where, a, ring_kv, ring_spec, engine, hints, flag)
         try:
             reg = _detect_kv(kv, spec, engine, hints)
         except (KVLayoutError, TypeError) as e:
@@ -533,13 +569,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
             group.geometry.num_blocks // (per // bs),
             where,
         )
-    record["hybrid"] = what == "hybrid"
+    record["hybrid"] = what in ("hybrid", "ringed")
+    record["beside"] = {"hybrid": "state", "ringed": "ring"}.get(what)
     try:
-        if what == "hybrid":  # both groups' maps of each pair, posted as one transfer
+        if record["beside"]:  # both groups' maps of each pair, posted as one transfer
             state_heads = model_heads if heads["src"] is not None else None
-            _hybrid_pairs(
-                args, record, (descs, ids, model_heads, heads["src"] is None), state_sides, state_heads
-            )
+            _hybrid_pairs(args, record, (descs, ids, model_heads, heads["src"] is None), beside, state_heads)
         else:
             _plan_pairs(args, record, descs, ids, model_heads, latent=heads["src"] is None, state=state)
     except MemoryError:  # numpy's and the native maps' allocations: bounded above, not by the machine
@@ -556,50 +591,59 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 def _hybrid_pairs(
     args: argparse.Namespace, record: dict[str, Any], attention: tuple[Any, Any, int | None, bool],
-    state_sides: dict[str, tuple[Any, Any]], model_heads: int | None,
+    beside: dict[str, tuple[Any, Any]], model_heads: int | None,
 ) -> None:  # fmt: skip
-    """A hybrid's request whole into ``record``: each rank pair's attention map (sent by
-    one replica, as :func:`_plan_pairs` plans it) and state map (from every rank holding
-    slices of the pair's), joined as vLLM's NixlConnector posts them (one transfer), its
-    descriptors and predicted times those of the joined map. ``attention``: its
-    descriptions, block ids, model heads and whether it is latents; ``model_heads``:
-    the state's shards' heads (the model's attention KV heads, None for latents: a state
-    shard reads only the rank and the degree)."""
+    """A request whole into ``record``: each rank pair's attention map (sent by one
+    replica, as :func:`_plan_pairs` plans it) and the map of the group beside it
+    (``record["beside"]``: a hybrid's Mamba state, from every rank holding slices of the
+    pair's; or the rings, which every rank holds whole, from one), joined as vLLM's
+    NixlConnector posts them (one transfer), its descriptors and predicted times those
+    of the joined map. ``attention``: its descriptions, block ids, model heads and
+    whether it is latents; ``model_heads``: the beside group's shards' heads (the
+    model's attention KV heads, None for latents: a state shard reads only the rank and
+    the degree, a ring none of it)."""
     from kvlayout.transfer import join_maps
 
+    name = record["beside"]
     heads = model_heads or math.lcm(args.src_tp, args.dst_tp)
+    rows = max(g.geometry.block_size for _, g in beside.values()) if name == "ring" else 1
     _plan_work(
-        args, None, {w: len(g.layers) for w, (_, g) in state_sides.items()}, 1, "state blocks of 1 row"
+        args,
+        None,
+        {w: len(g.layers) for w, (_, g) in beside.items()},
+        rows,
+        f"{name} blocks of {rows} row(s)",
     )
     descs, ids = {}, {}
-    for where, (reg, group) in state_sides.items():
+    for where, (reg, group) in beside.items():
         g = group.geometry
         try:  # apart from the attention's memory (vLLM lays both over one buffer, other block ids)
             descs[where] = reg.describe(block_size=g.block_size, at=1 << 47 if where == "src" else 1 << 48)
         except KVLayoutError as e:
             raise KVLayoutError(
-                f"--{where}-state-shape: plan describes it as a peer would, and cannot: {e}"
+                f"--{where}-{name}-shape: plan describes it as a peer would, and cannot: {e}"
             ) from None
-        ids[where] = _block_ids(args.blocks, 1, g.num_blocks, f"{where} state")
-        record[where]["state"] = {"format": group.format.name, "block_size": g.block_size,
-                                  "num_blocks": g.num_blocks, "layers": len(group.layers)}  # fmt: skip
-    parts: dict[str, dict[str, Any]] = {"attention": {"pairs": []}, "state": {"pairs": []}}
-    maps: dict[str, dict[tuple[int, int], Any]] = {"attention": {}, "state": {}}
+        ids[where] = _block_ids(args.blocks, 1, g.num_blocks, f"{where} {name}")
+        record[where][name] = {"format": group.format.name, "block_size": g.block_size,
+                               "num_blocks": g.num_blocks, "layers": len(group.layers)}  # fmt: skip
+    groups = ("attention", name)
+    parts: dict[str, dict[str, Any]] = {k: {"pairs": []} for k in groups}
+    maps: dict[str, dict[tuple[int, int], Any]] = {k: {} for k in groups}
     a_descs, a_ids, a_heads, latent = attention
     _plan_pairs(args, parts["attention"], a_descs, a_ids, a_heads, latent=latent, maps=maps["attention"])
-    _plan_pairs(args, parts["state"], descs, ids, heads, latent=False, state=True, maps=maps["state"])
-    for at, st in zip(parts["attention"]["pairs"], parts["state"]["pairs"], strict=True):
+    _plan_pairs(args, parts[name], descs, ids, heads, latent=False, state=True, maps=maps[name])
+    for at, other in zip(parts["attention"]["pairs"], parts[name]["pairs"], strict=True):
         key = (at["src_rank"], at["dst_rank"])
         pair: dict[str, Any] = {"src_rank": key[0], "dst_rank": key[1]}
-        for name, part in (("attention", at), ("state", st)):
-            pair[name] = {k: part[k] for k in ("refused", "kind", "reason", "runs", "bytes") if k in part}
-        refused = [
-            f"{name}: {pair[name]['refused']}" for name in ("attention", "state") if "refused" in pair[name]
-        ]
+        for group_name, part in zip(groups, (at, other), strict=True):
+            pair[group_name] = {
+                k: part[k] for k in ("refused", "kind", "reason", "runs", "bytes") if k in part
+            }
+        refused = [f"{k}: {pair[k]['refused']}" for k in groups if "refused" in pair[k]]
         if refused:
             pair["refused"] = "; ".join(refused)
         else:
-            sent = [maps[name][key] for name in ("attention", "state") if key in maps[name]]
+            sent = [maps[k][key] for k in groups if key in maps[k]]
             pair |= {"runs": sum(m.num_runs for m in sent), "bytes": sum(m.num_bytes for m in sent)}
             if sent:
                 _estimated(pair, join_maps(sent), args.poster)
@@ -689,7 +733,8 @@ def _plan_pairs(
                     and _sender(Shard(r, args.src_tp, 1), Shard(d, args.dst_tp, 1)) != r
                 ):
                     sender = _sender(Shard(r, args.src_tp, 1), Shard(d, args.dst_tp, 1))
-                    whole = "a ring, which vLLM computes on every rank" if args.src_ring else "tp_replicated"
+                    rings = args.src_ring or args.src_ring_shape is not None
+                    whole = "a ring, which vLLM computes on every rank" if rings else "tp_replicated"
                     pair |= {"kind": "replica", "runs": 0, "bytes": 0, "reason": (
                         f"src rank {sender} holds the same state (every rank holds it whole: {whole}) "
                         "and sends it: one replica sends it, as Shard.sends_to says"
@@ -783,11 +828,17 @@ def _print_plan(r: dict[str, Any]) -> None:
             f"dst {d['format']} TP {d['tp']}{_dcp(d)} (blocks of {d['block_size']}); "
             f"{r['kv_heads'] or 'latent'} KV heads; posted by {r['poster']}; cost model: {r['cost_model']}"
         )
-    if r["hybrid"]:
+    beside = r["beside"]
+    if beside:
+        what = (
+            "the running Mamba state"
+            if beside == "state"
+            else "the request's ring (vLLM's CircularBufferSpec)"
+        )
         print(
-            f"  and the running Mamba state, one block id a side: src {s['state']['layers']} layers "
-            f"({s['state']['format']}), dst {d['state']['layers']} layers ({d['state']['format']}); "
-            "each pair's maps posted as one transfer"
+            f"  and {what}, one block id a side: src {s[beside]['layers']} layers ({s[beside]['format']}), "
+            f"dst {d[beside]['layers']} layers ({d[beside]['format']}); each pair's maps posted as one "
+            "transfer"
         )
     for side in (s, d):
         if side["note"]:
@@ -798,19 +849,17 @@ def _print_plan(r: dict[str, Any]) -> None:
             print(f"{head} cannot be served: {p['refused']}")
         elif not p["runs"]:
             why = (
-                "; ".join(f"{k}: {p[k]['reason']}" for k in ("attention", "state"))
-                if r["hybrid"]
-                else p["reason"]
+                "; ".join(f"{k}: {p[k]['reason']}" for k in ("attention", beside)) if beside else p["reason"]
             )
             print(f"{head} nothing to send ({why})")
         else:
             n, t = p["descriptors"], p["predicted_s"]
-            if r["hybrid"]:
+            if beside:
                 each_group = "; ".join(
                     f"{k} {g['kind']}, {g['runs']} runs, {g['bytes']} bytes"
                     if g["runs"]
                     else f"{k} none ({g['reason']})"
-                    for k, g in ((k, p[k]) for k in ("attention", "state"))
+                    for k, g in ((k, p[k]) for k in ("attention", beside))
                 )
                 print(f"{head} {each_group}; together {p['runs']} runs, {p['bytes']} bytes, "
                       f"mean run {p['mean_run']:.0f} B")  # fmt: skip
