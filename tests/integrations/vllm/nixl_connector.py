@@ -219,6 +219,22 @@ def _memory(ranks: Sequence[Rank]) -> Any:
     return at
 
 
+def _move(
+    at: Any,
+    local: list[tuple[int, int]],
+    local_ids: np.ndarray,
+    remote: list[tuple[int, int]],
+    remote_ids: np.ndarray,
+) -> None:
+    """A READ's bytes, descriptor pair by pair (``make_prepped_xfer``'s index arrays into
+    both prepped lists), as NIXL moves them."""
+    assert len(local_ids) == len(remote_ids)
+    for lid, rid in zip(local_ids.tolist(), remote_ids.tolist(), strict=True):
+        (la, ln), (ra, rn) = local[lid], remote[rid]
+        assert ln == rn, f"descriptor lengths differ: local {ln}, remote {rn}"
+        at(la, ln).copy_(at(ra, rn))
+
+
 def decode_read(
     local: Rank,
     remotes: Sequence[Rank],
@@ -268,11 +284,7 @@ def decode_read(
         mine, theirs = w._apply_prefix_caching(mine, theirs, 1, 1)
         remote_descs = w._compute_desc_ids(theirs, remote.num_blocks, None, 1)
         local_descs = w._compute_desc_ids(mine, local.num_blocks, ratio, 1)
-        assert len(local_descs) == len(remote_descs)
-        for lid, rid in zip(local_descs.tolist(), remote_descs.tolist(), strict=True):
-            (la, ln), (ra, rn) = local_list[lid], remote_list[rid]
-            assert ln == rn, f"descriptor lengths differ: local {ln}, remote {rn}"
-            at(la, ln).copy_(at(ra, rn))
+        _move(at, local_list, local_descs, remote_list, remote_descs)
         reads.append(Read(rank, len(local_descs)))
     if ratio > 1 or enable_permute_local_kv:  # get_transfer_results
         covered = min(len(local_ids) * ratio, len(remote_ids))
@@ -449,10 +461,6 @@ def hybrid_read(
             region_num_blocks=w.region_num_blocks, region_group_ids=w.region_group_ids,
             uses_region_group_mapping=w._uses_region_group_mapping,
         )  # fmt: skip
-        assert len(local_descs) == len(remote_descs)
-        for lid, rid in zip(local_descs.tolist(), remote_descs.tolist(), strict=True):
-            (la, ln), (ra, rn) = local_list[lid], remote_list[rid]
-            assert ln == rn, f"descriptor lengths differ: local {ln}, remote {rn}"
-            at(la, ln).copy_(at(ra, rn))
+        _move(at, local_list, local_descs, remote_list, remote_descs)
         reads.append(Read(rank, len(local_descs), tuple(g for g in groups if mine[g])))
     return reads

@@ -150,6 +150,43 @@ def block_tables(engine: vx.Engine, num_tokens: int, rng: np.random.Generator) -
     return tables
 
 
+def pair_maps(
+    src: Any, dst: Any, src_rank: Rank, dst_rank: Rank, tables: tuple[list[list[int]], list[list[int]]],
+    num_tokens: int,
+) -> list[tuple[int, tuple[list[int], list[int]], dict[str, Any], Any]]:  # fmt: skip
+    """One rank pair's maps of a request of ``num_tokens``, group by group, as
+    docs/pd-connectors.md says (``src`` and ``dst`` a registration or a description,
+    either side; ``src_rank`` / ``dst_rank`` the engines the connector knows): each
+    kernel group with its KV cache group's block ids (a sliding window from its first
+    kept block with ``first_token``, a state by its one block id), an attention group only
+    where ``sends_to`` picks the pair, a state group from every pair. Each map that is not
+    empty: its kernel group's index, block ids, keywords and the map."""
+    from kvlayout.transfer import RegistrationDescription, Shard, block_map
+
+    heads = HEADS[src_rank.kind]
+    ps, ds = Shard(src_rank.rank, src_rank.tp, heads), Shard(dst_rank.rank, dst_rank.tp, heads)
+    groups = dst_rank.engine.config.kv_cache_groups
+    out = []
+    for i, g in enumerate(dst_rank.registration.kernel_groups):
+        eg = g.engine_group
+        spec = groups[eg].kv_cache_spec
+        s = src.group(i) if isinstance(src, RegistrationDescription) else src.kernel_groups[i]
+        d = dst.group(i) if isinstance(dst, RegistrationDescription) else dst.kernel_groups[i]
+        if is_state(spec):  # the request's running state, one block id a side, from every rank
+            src_spec = src_rank.engine.config.kv_cache_groups[eg].kv_cache_spec
+            ids = running_state(tables[0][eg], src_spec), running_state(tables[1][eg], spec)
+            kw: dict[str, Any] = {}
+        elif ps.sends_to(ds):
+            ids = tables[0][eg], tables[1][eg]
+            kw = {"num_tokens": num_tokens, "first_token": skipped_blocks(spec, num_tokens) * spec.block_size}
+        else:
+            continue
+        m = block_map(s, d, *ids, src_shard=ps, dst_shard=ds, **kw)
+        if m.kind != "empty":
+            out.append((i, ids, kw, m))
+    return out
+
+
 def heads_of(rank: int, tp: int, heads: int) -> list[int]:
     """The model's KV heads a rank holds (``QKVParallelLinear``)."""
     if tp >= heads:

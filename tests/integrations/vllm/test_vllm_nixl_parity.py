@@ -225,26 +225,8 @@ HYBRID_TOKENS = 150  # a partly filled last block in every pair
 def hybrid_maps(
     p: Any, d: Any, tables: tuple[list[list[int]], list[list[int]]], num_tokens: int
 ) -> list[Any]:
-    """One rank pair's maps, as docs/pd-connectors.md says: each kernel group with its KV
-    cache group's block ids, a state group's running state from every rank, an attention
-    group only where ``sends_to`` picks the pair; empty maps left out."""
-    heads = ph.HEADS[p.kind]
-    ps, ds = Shard(p.rank, p.tp, heads), Shard(d.rank, d.tp, heads)
-    maps = []
-    for s, g in zip(p.registration.kernel_groups, d.registration.kernel_groups, strict=True):
-        spec = d.engine.config.kv_cache_groups[g.engine_group].kv_cache_spec
-        src, dst = tables[0][g.engine_group], tables[1][g.engine_group]
-        if ph.is_state(spec):
-            m = block_map(
-                s, g, ph.running_state(src, spec), ph.running_state(dst, spec), src_shard=ps, dst_shard=ds
-            )
-        elif ps.sends_to(ds):
-            m = block_map(s, g, src, dst, num_tokens=num_tokens, src_shard=ps, dst_shard=ds)
-        else:
-            continue
-        if m.num_runs:
-            maps.append(m)
-    return maps
+    """One rank pair's maps, as docs/pd-connectors.md says (``pd_hybrid.pair_maps``)."""
+    return [m for *_, m in ph.pair_maps(p.registration, d.registration, p, d, tables, num_tokens)]
 
 
 @pytest.mark.parametrize(

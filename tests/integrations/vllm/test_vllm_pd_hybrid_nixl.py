@@ -73,33 +73,10 @@ def hold(pair: Pair, kind: str, role: str, tp: int, rank: int, staging: bool) ->
 def request_maps(
     src: Any, dst: Any, src_rank: ph.Rank, dst_rank: ph.Rank, tables: Any
 ) -> tuple[list[Any], list[Part]]:
-    """One rank pair's maps, group by group, as docs/pd-connectors.md says (``src`` and
-    ``dst`` a registration or a description, either side; ``src_rank``/``dst_rank`` the
-    engines the connector knows: its own, and the peer's TP degree and rank), and the same
-    as the peer maps its half of them (the shards in the descriptions)."""
-    heads = ph.HEADS[src_rank.kind]
-    ps, ds = Shard(src_rank.rank, src_rank.tp, heads), Shard(dst_rank.rank, dst_rank.tp, heads)
-    groups = dst_rank.engine.config.kv_cache_groups
-    maps, parts = [], []
-    for i, g in enumerate(dst_rank.registration.kernel_groups):
-        eg = g.engine_group
-        spec = groups[eg].kv_cache_spec
-        s = src.group(i) if isinstance(src, RegistrationDescription) else src.kernel_groups[i]
-        d = dst.group(i) if isinstance(dst, RegistrationDescription) else dst.kernel_groups[i]
-        if ph.is_state(spec):  # the request's running state, one block id a side, from every rank
-            src_spec = src_rank.engine.config.kv_cache_groups[eg].kv_cache_spec
-            ids = ph.running_state(tables[0][eg], src_spec), ph.running_state(tables[1][eg], spec)
-            kw: dict[str, Any] = {}
-        elif ps.sends_to(ds):
-            ids = tables[0][eg], tables[1][eg]
-            kw = {"num_tokens": TOKENS, "first_token": ph.skipped_blocks(spec, TOKENS) * spec.block_size}
-        else:
-            continue
-        m = block_map(s, d, *ids, src_shard=ps, dst_shard=ds, **kw)
-        if m.kind != "empty":
-            maps.append(m)
-            parts.append(Part(i, *ids, kw))
-    return maps, parts
+    """One rank pair's maps (``pd_hybrid.pair_maps``), and the same as the peer maps its
+    half of them (the shards in the descriptions)."""
+    maps = ph.pair_maps(src, dst, src_rank, dst_rank, tables, TOKENS)
+    return [m for *_, m in maps], [Part(i, *ids, kw) for i, ids, kw, _ in maps]
 
 
 def wait_notif(pair: Pair, tag: bytes) -> None:
