@@ -423,3 +423,18 @@ def test_a_hybrid_without_prefix_caching_moves_each_request_s_state_page_for_p_d
             for layer in src.layers:
                 assert torch.equal(d_layers[layer][0], p_layers[layer][2])  # its whole page
                 assert not torch.equal(d_layers[layer][1], p_layers[layer][2])  # no other block
+
+
+def test_a_peer_s_kernel_pages_that_are_not_its_pages_are_refused() -> None:
+    """A description whose array of kernel pages does not tile its pages (a peer's is
+    untrusted) is refused when the map reads it as its kernel pages, naming both."""
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
+    wire = json.loads(dst.describe().to_json())
+    wire["groups"][0]["opaque_pages"]["arrays"][0]["shape"] = [1, 4, 64, 32]  # one kernel page of two
+    with pytest.raises(
+        BlockMapError,
+        match=r"^dst: its pages of 32768 bytes, 32768 apart, are not the 1 kernel pages of 16384 bytes back to "
+        r"back its array bfloat16 \[1, 4, 64, 32\] \(axis 1 in KV heads\) says",
+    ):
+        block_map(src, RegistrationDescription.from_json(json.dumps(wire)), [1], [2])
