@@ -12,6 +12,7 @@ between caches paged alike, and whole pages where a row is not a token.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import weakref
@@ -21,12 +22,12 @@ from typing import NamedTuple
 
 import torch
 
-from kvlayout._generated.formats import EngineKVFormat
+from kvlayout._generated.formats import LAYOUTS, EngineKVFormat
 from kvlayout.layout.dtypes import DTYPE_SIZES
+from kvlayout.layout.vocabulary import Role
 from kvlayout.registration.contiguity import physical_order
 
 __all__ = [
-    "HEAD_PAGES_FORMAT",
     "MAX_ARRAY_DIMS",
     "MAX_PAGE_ARRAYS",
     "MAX_PAGE_LAYOUT",
@@ -34,6 +35,7 @@ __all__ = [
     "OpaquePages",
     "PageArray",
     "head_pages",
+    "head_pages_format",
     "is_marked",
     "mark_like",
     "mark_opaque_pages",
@@ -162,17 +164,26 @@ class PageArray:
         return math.prod(self.shape) * self.itemsize
 
 
-HEAD_PAGES_FORMAT = EngineKVFormat.NL_X_NB_NH_BS_CS
-"""How the kernel pages of a :func:`head_pages` array read: a list of layers of
-``[kernel pages, heads, tokens, row]`` tensors, the row a head's K and V side by side
-(the array's axes in order, as vLLM 0.33 registers an attention layer)."""
+@functools.cache
+def head_pages_format() -> EngineKVFormat:
+    """How the kernel pages of a :func:`head_pages` array read, asked of the catalog by
+    role: a list of layers of ``[kernel pages, heads, tokens, row]`` tensors, the row a
+    head's K and V side by side (the array's axes in order, as vLLM 0.33 registers an
+    attention layer)."""
+    axes = (Role.BLOCK, Role.HEAD, Role.TOKEN)
+    return next(
+        fmt
+        for fmt, layout in LAYOUTS.items()
+        if layout.is_layer_list and layout.list_depth == 1 and layout.tensor_rank == 4
+        and layout.is_fused_packed and tuple(layout.axis_of(r) for r in axes) == (0, 1, 2)
+    )  # fmt: skip
 
 
 def head_pages(pages: OpaquePages | None) -> PageArray | None:
     """The array of pages that are an attention kernel's pages of KV heads, ``(kernel
     pages, heads, tokens, row)`` (heads outside their tokens in a page: vLLM's HND pages a
     block holds several of), or None. Such a block reads as its kernel pages
-    (:data:`HEAD_PAGES_FORMAT`), a cache of heads whose tokens are rows, so a block map
+    (:func:`head_pages_format`), a cache of heads whose tokens are rows, so a block map
     can slice it by heads and tokens as it slices any cache
     (:func:`kvlayout.transfer.map_sides.kernel_page_side`)."""
     if pages is None or len(pages.arrays) != 1:

@@ -24,7 +24,7 @@ from kvlayout.registration.describing import describe_group
 from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import HoldsAddresses, Placement, group_placement, no_memory
 from kvlayout.registration.nesting import not_strided
-from kvlayout.registration.opaque import HEAD_PAGES_FORMAT, OpaquePages, PageArray
+from kvlayout.registration.opaque import OpaquePages, PageArray, head_pages_format
 from kvlayout.registration.peers import (
     GroupDescription,
     PeerDescriptionError,
@@ -358,7 +358,7 @@ def kernel_page_side(side: Side, array: PageArray, where: str) -> Side:
     """An opaque side whose pages are an attention kernel's pages of KV heads
     (:func:`~kvlayout.registration.opaque.head_pages`: ``array`` is ``(k, heads, tokens,
     row)``) read as those kernel pages, ``k`` blocks of ``tokens`` for each of its blocks,
-    in :data:`~kvlayout.registration.opaque.HEAD_PAGES_FORMAT` over the same tensors (the
+    in :func:`~kvlayout.registration.opaque.head_pages_format` over the same tensors (the
     side's memory, shard and owner), built once per side."""
     known = _KERNEL_PAGE_SIDES.get(side)
     if known is not None:
@@ -373,7 +373,8 @@ def kernel_page_side(side: Side, array: PageArray, where: str) -> Side:
             f"{where}: its pages of {side.row_bytes * side.block_size} bytes, {block_stride} apart, are not "
             f"the {k} kernel pages of {page} bytes back to back its array {array} says"
         )
-    layout = layout_of(HEAD_PAGES_FORMAT)
+    fmt = head_pages_format()
+    layout = layout_of(fmt)
     roles = {
         Role.LAYER: len(side.layers),
         Role.BLOCK: side.num_blocks * k,
@@ -389,7 +390,7 @@ def kernel_page_side(side: Side, array: PageArray, where: str) -> Side:
     strides = algebra.tensor_strides(layout, sizes, stride)
     addresses = tuple(int(a) for a in side.addresses)
     plane = PlaneDescription(array.dtype, tuple(sorted(sizes.items())), shape, strides, stride, addresses)
-    group = GroupDescription(HEAD_PAGES_FORMAT, side.layers, 0, tokens, (plane,))
+    group = GroupDescription(fmt, side.layers, 0, tokens, (plane,))
     pages = side_of_group(group, side.device, side.shard, side.owner, where, side._placement, side.described)
     pages.label = f"{pages.label}, the kernel pages of {side.label}"
     _KERNEL_PAGE_SIDES[side] = pages

@@ -202,25 +202,25 @@ def test_nixl_host_buffer(layout: str, host_layout: str, permuted: bool) -> None
 
 
 def test_nixl_host_buffer_in_kernel_pages() -> None:
-    """FlashInfer's 64-token kernel pages of 128-token blocks in an HND host buffer are
-    opaque pages to the group edits (a block's heads are not one run of its tokens); the
-    host buffer read as it is, kernel pages as blocks, maps from the NHD device cache by
-    scheduler block ids (``dst_block_size``)."""
+    """FlashInfer's 64-token kernel pages of 128-token blocks in an HND host buffer: the
+    group edits' opaque pages declare their heads and tokens, so the host buffer through
+    the edits reads as its kernel pages and maps from the NHD device cache by block ids;
+    read as it is (kernel pages as blocks), by scheduler block ids (``dst_block_size``).
+    Both land the same bytes. Before, the edited host buffer was refused."""
     engine, _, kv = engine_cache("LBNHC", 1, FLASHINFER, 128)
-    host = {n: torch.zeros(v.shape, dtype=v.dtype) for n, v in kv.items()}
-    want = {n: torch.zeros_like(h) for n, h in host.items()}
     src_ids, dst_ids = [5, 0], [1, 4]
+    want = {n: torch.zeros_like(v) for n, v in kv.items()}
     for n, v in kv.items():  # kernel pages 2b, 2b + 1 of block b
         want[n][[2 * b + i for b in dst_ids for i in (0, 1)]] = v[
             [2 * b + i for b in src_ids for i in (0, 1)]
         ]
-    edited = detected(engine, host, "LBHNC")
-    with pytest.raises(kvlayout.transfer.BlockMapError, match="opaque pages"):
-        block_map(detected(engine, kv, "LBNHC"), edited, src_ids, dst_ids)
-    raw = kvlayout.detect(list(host.values()), "vllm", {"kv_layout": "LBHNC"})
+    hosts = [{n: torch.zeros(v.shape, dtype=v.dtype) for n, v in kv.items()} for _ in range(2)]
+    block_map(detected(engine, kv, "LBNHC"), detected(engine, hosts[0], "LBHNC"), src_ids, dst_ids).copy()
+    raw = kvlayout.detect(list(hosts[1].values()), "vllm", {"kv_layout": "LBHNC"})
     block_map(detected(engine, kv, "LBNHC"), raw, src_ids, dst_ids, dst_block_size=128).copy()
-    for n in kv:
-        assert torch.equal(host[n].view(torch.int16), want[n].view(torch.int16)), n
+    for host in hosts:
+        for n in kv:
+            assert torch.equal(host[n].view(torch.int16), want[n].view(torch.int16)), n
 
 
 # -- Mooncake store, TP-sharded objects -----------------------------------------------
