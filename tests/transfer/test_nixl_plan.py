@@ -1667,13 +1667,22 @@ def test_make_agent_takes_whichever_nixl_build_is_there(monkeypatch: pytest.Monk
     cu13 = types.ModuleType("nixl_cu13._api")
     cu13.nixl_agent_config = lambda **kw: kw  # type: ignore[attr-defined]
     cu13.nixl_agent = agent  # type: ignore[attr-defined]
+    cu13.nixl_thread_sync_t = {"NIXL_THREAD_SYNC_STRICT": "strict-sync"}  # type: ignore[attr-defined]
     for name in ("nixl", "nixl._api", "nixl_cu12", "nixl_cu12._api"):
         monkeypatch.setitem(sys.modules, name, None)  # an import of it raises ImportError
     monkeypatch.setitem(sys.modules, "nixl_cu13", types.ModuleType("nixl_cu13"))
     monkeypatch.setitem(sys.modules, "nixl_cu13._api", cu13)
     assert nx.make_agent("cu13-agent", progress_thread=False) == "agent"
     assert made == [
-        ("cu13-agent", {"enable_prog_thread": False, "backends": ["UCX"], "capture_telemetry": True})
+        (
+            "cu13-agent",
+            {
+                "enable_prog_thread": False,
+                "backends": ["UCX"],
+                "capture_telemetry": True,
+                "sync_mode": "strict-sync",
+            },
+        )
     ]
     monkeypatch.setitem(sys.modules, "nixl_cu13._api", None)
     with pytest.raises(

@@ -471,7 +471,7 @@ def make_agent(
     telemetry: bool = True,
     progress_thread: bool = True,
     backends: Iterable[str] = ("UCX",),
-    sync_mode: SyncMode | None = None,
+    sync_mode: SyncMode | None = "strict",
 ) -> Agent:
     """A NIXL agent (``nixl._api.nixl_agent``; the only place this module imports NIXL)
     with telemetry on, so :class:`TransferResult` reports NIXL's merged descriptor count.
@@ -482,11 +482,12 @@ def make_agent(
     thread, or must call into NIXL regularly (``update_notifs``, as
     :mod:`kvlayout.testing.nixl_peer` does).
 
-    ``sync_mode`` is NIXL's thread synchronization (``NIXL_THREAD_SYNC_<MODE>``): None
-    keeps NIXL's default, which takes no lock (an agent without a listener thread), so
-    such an agent is called from one thread at a time (two threads posting and polling
-    on it crash NIXL); ``"strict"`` (every call serialized) or ``"rw"`` (a reader-writer
-    lock) let several threads post and wait on one agent.
+    ``sync_mode`` is NIXL's thread synchronization (``NIXL_THREAD_SYNC_<MODE>``):
+    ``"strict"`` (the default: every call serialized) or ``"rw"`` (a reader-writer lock)
+    let several threads post and wait on one agent. None keeps NIXL's own default, which
+    takes no lock (an agent without a listener thread), as ``"none"`` does: such an agent
+    is called from one thread at a time, or NIXL crashes (two threads posting and polling
+    on one without a progress thread took the process down with SIGSEGV, 3 runs in 3).
     """
     api = _nixl_api()
     if isinstance(backends, str):  # one backend's name, not its letters

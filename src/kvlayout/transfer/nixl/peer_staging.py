@@ -56,9 +56,12 @@ def take_notif(agent: Agent, peer: str | bytes, message: bytes | str) -> bool:
     peer, message = _peer_name(peer), _message(message, "message")
     _drain_deferred(agent)  # a call on the agent: what dropped objects left it goes first
     messages = agent.update_notifs().get(peer)
-    if messages is None or message not in messages:
+    if messages is None:
         return False
-    messages.remove(message)
+    try:  # one step (the GIL's): of two threads taking one message, one gets it
+        messages.remove(message)
+    except ValueError:
+        return False
     return True
 
 
