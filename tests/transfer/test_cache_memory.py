@@ -804,3 +804,39 @@ def test_an_agent_of_this_process_merely_named_like_the_peer_is_not_taken_for_it
         print(type(e).__name__, re.sub("0x[0-9a-f]+", "ADDR", str(e)))
     """
     assert isolated(code) == ["posted True True"]
+
+
+def test_a_peer_made_again_under_its_name_in_this_process_is_the_one_holding_the_rows() -> None:
+    """A decode agent shut down (its cache deregistered) and made again under its name in
+    this process, the old agent not yet collected: the peer was the first agent of that
+    name found, the old one, and the request to the new one was refused as stale ("outside
+    every region registered on agent ...: register the registration first"). The agent
+    whose registered memory holds the rows is the peer: the request posts, the bytes land."""
+    code = """
+    import logging, re, numpy as np, torch
+    from kvlayout.transfer import TransferError
+    from kvlayout.transfer import nixl as nx
+    import nixl._api
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+    class Map:
+        def __init__(self, runs, src, dst):
+            self.runs, self.src, self.dst = runs, src, dst
+
+    old = nx.make_agent("kvl-again-decode")
+    nx.register(old, torch.zeros(32768, dtype=torch.uint8)).deregister()  # shut down, still referenced
+    prefill = nx.make_agent("kvl-again-prefill", progress_thread=False)
+    decode = nx.make_agent("kvl-again-decode")  # made again under its name
+    kv, dst = torch.ones(32768, dtype=torch.uint8), torch.zeros(32768, dtype=torch.uint8)
+    ours, theirs = nx.register(prefill, kv), nx.register(decode, dst)
+    peer = prefill.add_remote_agent(decode.get_agent_metadata())
+    there = nx.LocalSide("cpu", 0, nx.local_side(dst).tensor_spans, is_local=False)
+    rows = [[kv.data_ptr() + 4096 * i, dst.data_ptr() + 1024 * i, 1024] for i in range(8)]
+    request = Map(np.array(rows, np.uint64), nx.local_side(kv), there)
+    try:
+        nx.transfer(prefill, peer, request, strategy="direct").wait(timeout=30)
+        print("posted", bool((dst[:8192] == 1).all()), bool((dst[8192:] == 0).all()))
+    except TransferError as e:
+        print(type(e).__name__, re.sub("0x[0-9a-f]+", "ADDR", str(e)))
+    """
+    assert isolated(code) == ["posted True True"]

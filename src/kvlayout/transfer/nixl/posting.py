@@ -125,9 +125,7 @@ class Transfer:
         # Posting to itself or to another agent of this process, the remote rows are this
         # process's memory, which no map side watches (the peer's is a description): start()
         # asks the regions they reach on that agent, and whether it deregistered any since.
-        owner = _in_process(agent, peer)
-        if owner is not None and owner is not agent and not _holds_peer_rows(owner, plan):
-            owner = None
+        owner = _peer_owner(agent, peer, plan)
         self._peer_agent = owner if owner is not agent else None
         self._peer_removals = _removals(owner) if self._peer_agent is not None else 0
         self._unwatched = (
@@ -562,22 +560,31 @@ def _prepare(
     return xfer
 
 
-def _holds_peer_rows(owner: Agent, plan: Plan) -> bool:
-    """Whether ``owner``, an agent of this process named as the peer, is the peer whose
-    registered memory a request's remote rows are. NIXL accepted them by the metadata
-    loaded at the handshake, which still names what the peer deregistered since: inside
-    what ``owner`` registers now, or outside it once ``owner`` deregistered a region
-    (refused: stale metadata, the memory maybe freed). Outside it while ``owner`` never
-    deregistered one, the rows were never its regions: they are registered otherwise
-    (NIXL's own ``register_memory``, or a peer of another process that shares the name),
-    and no agent here answers for them, as before any agent of this process did."""
-    try:
-        _check_local_rows(owner, plan.remote, plan.remote_mem, "remote descriptor")
-    except RefusedDescriptorError:
-        if _removals(owner) == 0:
-            return False
-        raise
-    return True
+def _peer_owner(agent: Agent, peer: str, plan: Plan) -> Agent | None:
+    """The agent of this process whose registered memory a request's remote rows are:
+    ``agent`` itself, posting to itself, or one named as the peer (several may be: a peer
+    shut down and made again under its name, the old agent not yet collected). NIXL
+    accepted the rows by the metadata loaded at the handshake, which still names what the
+    peer deregistered since: the owner is the one whose registered memory holds them now;
+    outside all of them, where one of them deregistered a region, they are refused (stale
+    metadata, the memory maybe freed). Outside them while none deregistered one, the rows
+    were never theirs: they are registered otherwise (NIXL's own ``register_memory``, or a
+    peer of another process that shares the name), and no agent here answers for them."""
+    named = _in_process(agent, peer)
+    if agent in named:
+        return agent
+    stale = None
+    for owner in named:
+        try:
+            _check_local_rows(owner, plan.remote, plan.remote_mem, "remote descriptor")
+        except RefusedDescriptorError as refused:
+            if stale is None and _removals(owner) > 0:
+                stale = refused
+            continue
+        return owner
+    if stale is not None:
+        raise stale
+    return None
 
 
 def _checked_transfer(

@@ -416,14 +416,15 @@ def _check_local_rows(agent: Agent, rows: np.ndarray, mem: str, what: str) -> No
         _check_local(agent, rows[on, 0], rows[on, 1], mem, int(device), what)
 
 
-def _in_process(agent: Agent, peer: str) -> Agent | None:
-    """The agent of this process named ``peer`` (``agent`` itself, posting to itself; or
-    another that registered memory through :func:`register`), or None: its memory is this
-    process's, which no map side watches (the peer's side is a description), so what it
-    registered is asked instead."""
+def _in_process(agent: Agent, peer: str) -> list[Agent]:
+    """The agents of this process named ``peer`` (``agent`` itself, posting to itself; or
+    others that registered memory through :func:`register`: an agent made again under the
+    name of one not yet collected makes two): their memory is this process's, which no map
+    side watches (the peer's side is a description), so what they registered is asked
+    instead."""
     if peer == getattr(agent, "name", None):
-        return agent
-    return next((a for a in list(_REGIONS.keys()) if getattr(a, "name", None) == peer), None)
+        return [agent]
+    return [a for a in list(_REGIONS.keys()) if getattr(a, "name", None) == peer]
 
 
 def _removals(agent: Agent) -> int:
