@@ -325,6 +325,34 @@ def test_the_peer_s_half_refuses_a_map_other_than_the_poster_s() -> None:
         nx.prepare_unstage(landed, staging, expect=fingerprint(runs)).run()
 
 
+def test_numpy_numbers_serve_where_ints_and_seconds_go_and_other_values_are_named(pair: Pair) -> None:
+    """A prepped list's unit and a timeout read from NumPy (np.int64, np.float32) were
+    refused as "not a positive int" / "not a non-negative number of seconds", which they
+    are; auto_stages took -1 bytes (1 stage) and 1e7 bytes (2.0 stages, a float that
+    stages= then refuses)."""
+    unit: Any = np.int64(UNIT)  # NumPy's numbers, where the signatures say int and float
+    lists = nx.prep_lists(pair.agent, pair.name, nx.local_side(pair.local), pair.peer.side([0, 1]), unit)
+    try:
+        assert lists.local.size == lists.remote.size == 2 * BUF // UNIT and type(lists.local.unit) is int
+    finally:
+        lists.release()
+    seconds: list[Any] = [np.float32(0.0), np.int64(0)]
+    assert [nx.drain(pair.agent, s) for s in seconds] == [0, 0]
+    truth: Any = np.True_
+    with pytest.raises(TypeError, match=r"^timeout must be a non-negative number of seconds, got np.True_$"):
+        nx.drain(pair.agent, truth)
+    with pytest.raises(TypeError, match=r"^unit must be a positive int, got 256.0$"):
+        nx.prep_lists(pair.agent, pair.name, nx.local_side(pair.local), pair.peer.side([0, 1]), 256.0)  # type: ignore[arg-type]
+    many: Any = np.int64(16 << 20)
+    assert nx.auto_stages("WRITE", many) == 4 and type(nx.auto_stages("WRITE", 1 << 30)) is int
+    with pytest.raises(TypeError, match=r"^num_bytes must be an int of at least 0, got -1$"):
+        nx.auto_stages("WRITE", -1)
+    with pytest.raises(TypeError, match=r"^num_bytes must be an int of at least 0, got 10000000.0$"):
+        nx.auto_stages("WRITE", 1e7)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^op must be 'READ' or 'WRITE', not 'write'$"):
+        nx.auto_stages("write", 1 << 20)  # type: ignore[arg-type]
+
+
 def test_a_transfer_through_a_staging_buffer_whose_memory_changed_posts_nothing(pair: Pair) -> None:
     staging = nx.Staging(pair.agent, BUF)
     m = make_map(pair, "WRITE", [(0, k * SLOT, 0, 8 * SLOT + k * UNIT, UNIT) for k in range(64)])

@@ -14,13 +14,13 @@ import numpy as np
 import torch
 
 from kvlayout import _native
-from kvlayout.errors import KVLayoutError, as_int
-from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT, unownable
+from kvlayout.errors import KVLayoutError
+from kvlayout.registration.address_space import MAX_END, unownable
 from kvlayout.registration.memory import Placement
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.arguments import threads_arg
 from kvlayout.transfer.nixl.regions import _REGIONS, _drain_deferred, _intervals, defer, register
-from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError
+from kvlayout.transfer.nixl.sides import _U64, Agent, MapSide, NixlError, RefusedDescriptorError, _byte_count
 
 _HOST = torch.device("cpu")
 
@@ -167,14 +167,7 @@ class Staging:
     one under way): the buffer then stays busy, registered and allocated for good."""
 
     def __init__(self, agent: Agent, nbytes: int, *, device: str | torch.device = "cpu") -> None:
-        try:
-            nbytes = as_int(nbytes, "nbytes")
-        except TypeError:
-            raise TypeError(f"nbytes must be a positive int, got {nbytes!r}") from None
-        if not 0 < nbytes < MAX_END:
-            raise TypeError(
-                f"nbytes must be a positive int below {MAX_END_TEXT} (no memory reaches it), got {nbytes!r}"
-            )
+        nbytes = _byte_count(nbytes, "nbytes")
         dev = _staging_device(device)
         self.agent = agent
         self.device = dev

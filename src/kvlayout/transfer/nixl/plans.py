@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from kvlayout import _native
-from kvlayout.errors import as_int
+from kvlayout.errors import as_int, at_least
 from kvlayout.registration.address_space import MAX_END_TEXT, NULL_PAGE, unownable
 from kvlayout.transfer import TransferError
 from kvlayout.transfer.arguments import threads_arg
@@ -642,6 +642,9 @@ def auto_stages(op: Op, num_bytes: int) -> int:
     in stages on loopback, in one. A peer-staged plan takes the peer's: its staged plan of
     the same map has the other op (a peer-staged READ is the peer's gather), so both sides
     cut it alike without naming ``stages``."""
+    if op not in ("READ", "WRITE"):
+        raise TypeError(f"op must be 'READ' or 'WRITE', not {op!r}")
+    num_bytes = at_least(num_bytes, "num_bytes", 0)  # an int, NumPy's too: what stages= takes
     return max(1, min(AUTO_STAGES, num_bytes // _STAGE_BYTES)) if op == "WRITE" else 1
 
 

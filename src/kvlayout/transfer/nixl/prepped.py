@@ -14,7 +14,6 @@ from typing import Any, cast
 import numpy as np
 import torch
 
-from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT
 from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.peers import RegistrationDescription
 from kvlayout.registration.registration import Registration
@@ -36,6 +35,7 @@ from kvlayout.transfer.nixl.sides import (
     MapSide,
     NixlError,
     RefusedDescriptorError,
+    _byte_count,
     _described_side,
     _is_nixl_error,
     _peer_name,
@@ -273,10 +273,7 @@ def prep_lists(
     at unit-aligned offsets (vLLM's: one layer's K or V of a block). NIXL checks the
     remote list against what the peer registered; a description that lies is refused
     here, naming the tensor."""
-    if isinstance(unit, bool) or not isinstance(unit, int) or not 0 < unit < MAX_END:
-        raise TypeError(
-            f"unit must be a positive int below {MAX_END_TEXT} (no memory reaches it), got {unit!r}"
-        )
+    unit = _byte_count(unit, "unit")  # NumPy integers too
     peer = _peer_name(peer)
     local, remote = _map_side(local, "local"), _map_side(remote, "remote")
     if not local.is_local or remote.is_local:

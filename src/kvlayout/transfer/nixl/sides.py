@@ -3,6 +3,8 @@ process), the names it types loosely, and its errors."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -10,6 +12,8 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
+from kvlayout.errors import as_int
+from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT
 from kvlayout.registration.backing import no_memory
 from kvlayout.registration.kernel_groups import KernelGroup
 from kvlayout.registration.memory import Placement, group_placement
@@ -223,13 +227,30 @@ def _peer_name(peer: str | bytes) -> str:
 
 
 def _seconds(timeout: object) -> float:
-    """A caller's timeout: a non-negative number of seconds (inf waits for good)."""
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout >= 0:
-        raise TypeError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+    """A caller's timeout: a non-negative number of seconds (inf waits for good), NumPy's
+    numbers too (a float32 read from a config array), never a bool."""
+    if not isinstance(timeout, (bool, np.bool_)) and isinstance(timeout, numbers.Real):
+        try:
+            seconds = float(timeout)
+        except OverflowError:  # an int past any float: longer than anything waits, or negative
+            seconds = -math.inf if isinstance(timeout, int) and timeout < 0 else math.inf
+        if seconds >= 0:
+            return seconds
+    raise TypeError(f"timeout must be a non-negative number of seconds, got {timeout!r}")
+
+
+def _byte_count(value: object, what: str) -> int:
+    """A caller's count of bytes (a staging buffer's, a prepped list's unit): a positive
+    int (NumPy and torch integers too, never a bool) below where any memory ends."""
     try:
-        return float(timeout)
-    except OverflowError:  # an int past any float: longer than anything waits
-        return float("inf")
+        n = as_int(value, what)
+    except TypeError:
+        raise TypeError(f"{what} must be a positive int, got {value!r}") from None
+    if not 0 < n < MAX_END:
+        raise TypeError(
+            f"{what} must be a positive int below {MAX_END_TEXT} (no memory reaches it), got {value!r}"
+        )
+    return n
 
 
 def _message(value: object, what: str) -> bytes:
