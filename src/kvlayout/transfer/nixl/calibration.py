@@ -203,6 +203,9 @@ def calibrate(
     mems = (_MEM_TYPES[copy_on.type], rmem)
     rounds: dict[str | tuple[str, int], list[float]] = {name: [] for name in theirs}
     with register(agent, scratch):
+        # untimed: the first transfer to a peer connects (UCX connects on first use: 84 ms
+        # where the same descriptor took 75 us after), which with repeats=1 was every "one"
+        _timed_xfer(agent, op, peer, (ours["one"], theirs["one"]), mems, timeout)
         for _ in range(repeats):  # rounds of every measurement: a burst of load spoils one of each at most
             for name, rows in theirs.items():
                 rounds[name].append(_timed_xfer(agent, op, peer, (ours[name], rows), mems, timeout))
@@ -212,8 +215,7 @@ def calibrate(
     t = {name: min(times) for name, times in rounds.items()}
     gather, scatter, transposed = _calibrate_copy(repeats, copy_on)
     sort, unordered_check = _calibrate_order(repeats)
-    per_descriptor = max((t["many"] - t["one"]) / (count - 1), 1e-9)
-    bandwidth = nbytes / max(t["big"] - t["one"], 1e-9)
+    per_descriptor, bandwidth, unseen = _wire_figures(t, nbytes, count)
     by_size = [(small, per_descriptor)] + [
         (size, _added_per_descriptor(rounds["cut", size], rounds["whole", size], n))
         for size, n in sizes.items()
@@ -229,6 +231,7 @@ def calibrate(
         sizes_text = ", ".join(f"{size >> 10} KiB" for size in unmeasured)
         limits.append(f"no descriptors of {sizes_text} priced (8, spaced, do not fit)")
     limited = f" (its largest described tensor holds {span} bytes: {'; '.join(limits)})" if limits else ""
+    limited += "".join(f" ({note})" for note in unseen)
     return CostModel(
         per_descriptor_s=per_descriptor,
         bandwidth=bandwidth,
@@ -246,6 +249,33 @@ def calibrate(
         staged_plan_s=planning,
         read_copy_factor=DEFAULT_COST.read_copy_factor,  # not measured here (CostModel)
     )
+
+
+def _wire_figures(t: dict[Any, float], nbytes: int, count: int) -> tuple[float, float, list[str]]:
+    """A descriptor's cost and the bandwidth, each the difference of two timings (of
+    ``count`` small descriptors and of ``nbytes`` in one, against one small descriptor).
+    Where the larger took no longer than the smaller (a burst of load on the one), the
+    difference says nothing: it had priced a descriptor at 1 ns and the wire at 3 PB/s.
+    The larger's time alone then bounds the figure (the dearest it can be), and a note
+    says so."""
+    notes = []
+    if t["many"] > t["one"]:
+        per_descriptor = max((t["many"] - t["one"]) / (count - 1), 1e-9)
+    else:
+        per_descriptor = t["many"] / count
+        notes.append(
+            f"{count} small descriptors took no longer than one ({t['many'] * 1e6:.0f} us, one "
+            f"{t['one'] * 1e6:.0f} us): a descriptor priced at their time over their count"
+        )
+    if t["big"] > t["one"]:
+        bandwidth = nbytes / max(t["big"] - t["one"], 1e-9)
+    else:
+        bandwidth = nbytes / t["big"]
+        notes.append(
+            f"{nbytes} bytes took no longer than one small descriptor ({t['big'] * 1e6:.0f} us, one "
+            f"{t['one'] * 1e6:.0f} us): the bandwidth is their bytes over that time"
+        )
+    return per_descriptor, bandwidth, notes
 
 
 class _Runs(NamedTuple):
