@@ -2196,6 +2196,32 @@ def run_child(code: str) -> str:
     return done.stdout
 
 
+def test_an_interrupt_while_the_copy_thread_starts_leaves_nothing_to_wait_for_at_exit() -> None:
+    """Ctrl-C landing while a staged request's submit started the copy thread (in
+    Thread.start, before the pool listed the thread) left a thread nothing at exit would
+    wake: the interpreter waited for it for good (1 run in 21 of SIGINT at random times
+    during a staged WRITE). The thread starts when the pool is made; interrupted there,
+    the pool is shut down, and the next request makes another."""
+    run_child(
+        """
+        import threading
+        from kvlayout.transfer.nixl import copies
+        start = threading.Thread.start
+        def interrupted(self):
+            start(self)
+            if self.name.startswith("kvlayout-nixl-copy"):
+                raise KeyboardInterrupt  # as if SIGINT landed in its _started.wait()
+        threading.Thread.start = interrupted
+        try:
+            copies._copier().submit(int).result()
+        except KeyboardInterrupt:
+            pass
+        threading.Thread.start = start
+        assert copies._copier().submit(int, "7").result() == 7
+        """
+    )
+
+
 def test_a_request_released_or_failed_never_hands_nixl_its_freed_requests() -> None:
     """Once released (prepared or in flight) or failed, start(), done() and wait() raise
     why. They handed NIXL the freed requests: start() after release() crashed, wait()

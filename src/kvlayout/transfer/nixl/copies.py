@@ -327,7 +327,16 @@ def _copier() -> ThreadPoolExecutor:
     drives NIXL (every NIXL call stays on the caller's thread)."""
     with _copier_lock:
         if not _copier_pool:
-            _copier_pool.append(ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlayout-nixl-copy"))
+            pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvlayout-nixl-copy")
+            try:
+                pool.submit(int)  # its one thread starts here, not inside a request's submit
+            except BaseException:
+                # Interrupted (Ctrl-C) while the thread started, before the pool listed it:
+                # nothing at exit would wake it, and the interpreter waited for it for good.
+                # Shut down, the pool's queue wakes it to end.
+                pool.shutdown(wait=False)
+                raise
+            _copier_pool.append(pool)
         return _copier_pool[0]
 
 
