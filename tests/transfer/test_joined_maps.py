@@ -393,3 +393,33 @@ def test_join_of_one_rank_number_at_two_tp_degrees_names_two_peers() -> None:
         join_maps(parts)
     assert "a joined map goes to one peer" in str(err.value)
     assert "model KV heads; describe every pool" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (Shard(1, 2, 4, cp_rank=0, cp_size=2), Shard(1, 2, 4, cp_rank=1, cp_size=2)),  # two CP ranks
+        (Shard(1, 2, 4, cp_rank=1, cp_size=2), Shard(1, 2, 4, cp_rank=1, cp_size=2, cp_interleave=16)),
+        (None, Shard(1, 2, 4)),  # a description that names no rank beside one rank's
+        (Shard(1, 2, 4), None),
+    ],
+    ids=["two-cp-ranks", "two-cp-interleaves", "no-shard-then-shard", "shard-then-no-shard"],
+)
+def test_join_of_one_tp_rank_goes_to_one_peer_heads_aside(first: Shard | None, second: Shard | None) -> None:
+    """Only the head counts of one peer's descriptions may differ: two CP ranks of one TP
+    rank are two peers, a rank described at two CP interleaves contradicts itself, and a
+    description that names no rank is not known to be that rank's."""
+
+    def pool(heads: int) -> Any:
+        kv = [[torch.zeros(64, heads, 16, dtype=torch.bfloat16) for _ in range(3)] for _ in range(2)]
+        return kvlayout.detect(kv, "sglang", {"tokens_per_block": 16})
+
+    src = pool(4)
+    parts = [
+        block_map(src, pool(4).describe(), [1], [dst])
+        if shard is None
+        else block_map(src, pool(2).describe(shard=shard), [1], [dst], src_shard=Shard(0, 1, 4))
+        for shard, dst in ((first, 2), (second, 3))
+    ]
+    with pytest.raises(BlockMapError, match=r"maps\[1\]'s of one at .*; a joined map goes to one peer"):
+        join_maps(parts)

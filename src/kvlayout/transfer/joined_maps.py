@@ -133,14 +133,13 @@ class JoinedMap(HoldsAddresses):
 
 def join_maps(maps: Iterable[BlockMap]) -> JoinedMap:
     """The block maps of one request (``maps``: one per kernel group, or per SGLang pool)
-        as one :class:`JoinedMap`, which ``nx.transfer`` posts as one transfer (one
-        notification) and ``copy()`` copies. Every part must have its sources on one end
-        (all in this process or all a peer's) and its destinations on the other, each end on
-        one device, and a peer's end the descriptions of one peer (one TP rank, its pools
-    described with their own head counts where they differ); no two parts
-        may write the same bytes, and between two live ends no part may read bytes another
-        writes (the parts would then depend on their order). Refused otherwise, naming the
-        parts."""
+    as one :class:`JoinedMap`, which ``nx.transfer`` posts as one transfer (one
+    notification) and ``copy()`` copies. Every part must have its sources on one end
+    (all in this process or all a peer's) and its destinations on the other, each end on
+    one device, and a peer's end the descriptions of one peer (one TP and CP rank, its
+    pools described with their own head counts where they differ); no two parts may write
+    the same bytes, and between two live ends no part may read bytes another writes (the
+    parts would then depend on their order). Refused otherwise, naming the parts."""
     if not isinstance(maps, (BlockMap, Iterable)):
         raise TypeError(f"join_maps takes an iterable of block maps (block_map's), not {type(maps).__name__}")
     parts = tuple(maps) if not isinstance(maps, BlockMap) else (maps,)
