@@ -160,6 +160,24 @@ def test_opaque_state_rows_are_cut_with_their_page_arrays() -> None:
         assert part.describe() == cut
 
 
+def test_a_cut_of_opaque_state_rows_watches_the_engines_state_tensor() -> None:
+    """A stage's cut of SGLang's Mamba state reads the engine's state tensor through
+    kvlayout's view of its rows: where the engine re-allocates that tensor, the cut (as
+    the whole registration) is refused, never described with the freed addresses."""
+    from kvlayout.integrations.sglang import mamba_state_pools
+    from kvlayout.testing.sglang import LinearModel, device_pool
+
+    model = LinearModel("gdn_attn", num_layers=6, num_heads=8, head_dim=4, state_size=4, n_groups=4)
+    pool = device_pool(model, 2, 3)
+    part = mamba_state_pools(pool, "gdn_attn")["temporal"].for_layers([3, 4, 5])
+    part.describe()
+    pool.mamba_cache.temporal.data = torch.zeros_like(pool.mamba_cache.temporal)
+    with pytest.raises(
+        PeerDescriptionError, match=r"tensor before the group edits was re-allocated after detection"
+    ):
+        part.describe()
+
+
 def test_kernel_groups_without_the_layers_are_left_out() -> None:
     kv = [torch.zeros(2, 5, 4, 2, 8, dtype=torch.bfloat16) for _ in range(4)]
     reg = kvlayout.detect(kv, "vllm", {"kv_layout": "NHD"}, layer_groups=[[0, 1], [2, 3]])
