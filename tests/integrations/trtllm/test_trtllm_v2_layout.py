@@ -292,6 +292,27 @@ def test_dsa_index_keys_read_as_the_indexer_pool_of_their_layers(record: int, fm
         kv_cache_layout_pools(Layout(BS, (Group(0, tuple(range(6)), None, (), (shuffled,)),)), torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    ("role", "expansion", "tail"),
+    [("key_block_scale", 1, 0), ("index_key", 2, 0), ("index_key", 1, 1)],
+    ids=["another-role", "expanded", "bytes-past-the-buffers"],
+)
+def test_regions_of_indexer_record_width_but_no_dsa_index_keys_stay_opaque(
+    role: str, expansion: int, tail: int
+) -> None:
+    """Only a region of ``index_key`` buffers at one tokens_per_block (expansion 1), each
+    ``BS * record`` bytes, reads as the indexer pool: buffers of another role, expanded
+    ones, or a region with bytes past its buffers, of that width, stay opaque whole slots
+    (and never fail to be read)."""
+    page, layers = BS * 132, (0, 1)
+    size = len(layers) * page + tail
+    refs = tuple(BufferRef(layer, role, expansion) for layer in layers)
+    region = Region(pool_bytes(SLOTS * size, 31), 0, size, size, SLOTS, refs)
+    pools = kv_cache_layout_pools(Layout(BS, (Group(0, layers, None, (), (region,)),)), torch.bfloat16)
+    group = pools["group0.replicated0"].kernel_groups[0]
+    assert group.opaque_pages is not None and group.opaque_pages.layout.endswith(f"({size} bytes)")
+
+
 def test_mamba_state_regions_read_whole_and_point_to_the_state_reader_across_tp() -> None:
     """V2MambaHybridCacheManager's MambaRole buffers are regions of the layout: read as
     whole slots, they map at one TP degree, and a map between TP degrees says which
