@@ -185,7 +185,7 @@ def test_rings_of_two_capacities_are_refused_as_rings() -> None:
                 src.kernel_groups[0], dst.kernel_groups[0], [1], [1], src_shard=src_shard, dst_shard=dst_shard
             )
         assert f"blocks of {CAPACITY} and {2 * CAPACITY} rows" in str(info.value)
-        assert f"position p in row p % {2 * CAPACITY}, whatever tokens" in str(info.value)
+        assert f"position p in row p % its capacity (the block's {2 * CAPACITY} rows" in str(info.value)
 
 
 def test_a_ring_maps_only_to_rings() -> None:
@@ -266,9 +266,10 @@ def test_a_ring_mapped_by_its_tokens_is_told_to_map_it_by_its_block_ids() -> Non
         f"pages) fill 2 blocks of {CAPACITY}: a block of state pages (ring-buffer-pages: float32 "
         f"[1, {CAPACITY}, {2 * HEAD_DIM}] in memory order [2, 3]) is a snapshot of the request's state at "
         "its last token, not tokens: map it by its block ids alone, without num_tokens. A ring (vLLM's "
-        f"CircularBufferSpec) is one block a request, position p in row p % {CAPACITY}, whatever tokens the "
-        "request holds: map a ring by its block ids, "
-        "without num_tokens, and only to a ring alike"
+        f"CircularBufferSpec) is one block a request, position p in row p % its capacity (the block's {CAPACITY} "
+        "rows; Step5's CSA tail ring: its page's 1 KiB rows, the page its rank's attention page), whatever "
+        "tokens the request holds: map a ring by its block ids, without num_tokens, and only to a ring alike "
+        "(the same page, which every TP rank holds whole)"
     )
     # by its block ids alone it maps, into a peer's description too
     assert (

@@ -482,7 +482,11 @@ class RingBufferPagesEdit(KVCacheGroupEdit):
     computes the ring whole on every rank (``CompressorStateCache`` registers one head,
     ``num_kv_heads=1``, whatever the TP degree, filled from ``DeepseekCompressor``'s
     ``fused_wkv_wgate``, a ``disable_tp=True`` linear), so a page declares its rows as
-    one array every rank holds whole (:func:`ring_array`), as an MLA page does.
+    one array every rank holds whole (:func:`ring_array`), as an MLA page does. So do
+    vLLM 0.33's other rings: GLM5-Next's tail ring (``H`` = 2 slots, K and gate score,
+    both from unsharded weights), Qwen4's QSA raw keys (a ``ReplicatedLinear``) and
+    Step5's CSA tail ring (its one index K head, every rank's; its page is the rank's
+    attention page, so rings of ranks holding other KV heads differ and are refused).
     """
 
     name = "ring-buffer-pages"
@@ -501,10 +505,12 @@ class RingBufferPagesEdit(KVCacheGroupEdit):
         return _whole_pages(spec, value)
 
     def opaque_pages(self, spec: Any, value: Any, layout_hints: HintsLike = None) -> OpaquePages:
-        advice = (  # the ring's capacity is its spec's block, whatever pages a kernel cuts it in
-            f"a ring (vLLM's CircularBufferSpec) is one block a request, position p in row p % "
-            f"{slots_per_block(spec)}, whatever tokens the request holds: map a ring by its block ids, "
-            "without num_tokens, and only to a ring alike"
+        advice = (  # the capacity: the spec's block (whatever pages a kernel cuts it in), or its writer's
+            f"a ring (vLLM's CircularBufferSpec) is one block a request, position p in row p % its capacity "
+            f"(the block's {slots_per_block(spec)} rows; Step5's CSA tail ring: its page's 1 KiB rows, the "
+            "page its rank's attention page), whatever tokens the request holds: map a ring by its block "
+            "ids, without num_tokens, and only to a ring alike (the same page, which every TP rank holds "
+            "whole)"
         )
         pages = super().opaque_pages(spec, value, layout_hints)
         arrays = () if pages.rows_are_tokens else ring_array(value, slots_per_block(spec))
@@ -512,15 +518,25 @@ class RingBufferPagesEdit(KVCacheGroupEdit):
 
 
 def ring_array(value: torch.Tensor, capacity: int | None) -> tuple[PageArray, ...]:
-    """A ring's block (``value`` as vLLM 0.33 registers it, ``[pages, 1, N, C]``, kernel
+    """A ring's block (``value`` as vLLM 0.33 registers it, ``[pages, H, N, C]``, kernel
     pages of ``N`` rows that make blocks of ``capacity``) as the one array every TP rank
-    holds whole: its kernel pages, their rows and each row's ``C`` values, in the
-    registered dtype (float32: the ring's own, which no MLA page's uint8 bytes are, so a
-    ring maps only to a ring). Empty where the pages do not make whole blocks."""
-    rows = int(value.shape[_TOKEN_AXIS])
+    holds whole: its kernel pages and each page's ``H`` slots, rows and ``C`` values in
+    memory order (``H`` 1: ``(pages, N, C)``; GLM5-Next's tail ring, slots ``[K, gate
+    score]`` under BLHNC: ``(pages, H, N, C)``; under BLNHC ``(pages, N, H, C)``), in the
+    registered dtype (float32 or bf16: the ring's own, which no MLA page's uint8 bytes
+    are, so a ring maps only to a ring). Empty where the pages do not make whole blocks,
+    or where a block's slots are not inside its pages (heads outermost), so no array ever
+    declares part of a page."""
+    rows, heads, width = int(value.shape[_TOKEN_AXIS]), int(value.shape[1]), int(value.shape[-1])
     if capacity is None or rows <= 0 or capacity % rows or value.numel() == 0:
         return ()
-    shape = (capacity // rows, rows, int(value.shape[-1]))
+    page: tuple[int, ...] = (rows, width)
+    if heads > 1:
+        if _heads_outside_pages(value) is not False:
+            return ()
+        order = [d for d in physical_order(value.shape, value.stride()) if d in (1, _TOKEN_AXIS)]
+        page = (heads, rows, width) if order[0] == 1 else (rows, heads, width)
+    shape = (capacity // rows, *page)
     return (PageArray(0, shape, str(value.dtype).removeprefix("torch."), 0, (shape[0],), replicated=True),)
 
 
