@@ -44,7 +44,7 @@ ANY = vx.Backend("any", multiple_of=1)  # KpoolTailBackend, QSAStateBackend: Mul
 
 def glm5_next(tp: int) -> dict[str, Any]:
     """MLA latents, the kpool indexer's keys (``Glm5NextIndexerCache``: ``tokens_per_state``
-    the pool, 4) and the tail ring (``index_kpool`` 4, no speculative tokens: 8 slots),
+    the pool, 4) and the tail ring (``index_kpool`` 4, one speculative token: 8 slots),
     the same at every TP degree."""
     mla = kvi.MLAAttentionSpec(block_size=128, num_kv_heads=1, head_size=576, dtype=BF16)
     keys = kvi.MLAAttentionSpec(
@@ -229,7 +229,7 @@ def test_a_ring_moves_whole_or_is_refused_naming_the_ring(
 @pytest.mark.parametrize("model", list(MODELS))
 def test_each_ring_declares_its_whole_page_as_every_rank_s(model: str) -> None:
     """The array every rank holds whole is the ring's page, every head slot of it: the
-    tail ring's declared ``[8, 128]`` of its ``[2, 8, 128]`` page, its K slot alone."""
+    tail ring declared ``[8, 128]`` of its ``[2, 8, 128]`` page, its K slot alone."""
     make, layouts, _, _ = MODELS[model]
     w = worker(make(1), layouts[0], 1, 0, 1)
     pages = w.ring.opaque_pages
