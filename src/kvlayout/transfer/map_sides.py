@@ -373,6 +373,11 @@ def kernel_page_side(side: Side, array: PageArray, where: str) -> Side:
             f"{where}: its pages of {side.row_bytes * side.block_size} bytes, {block_stride} apart, are not "
             f"the {k} kernel pages of {page} bytes back to back its array {array} says"
         )
+    if k * tokens != side.block_size:  # bytes alike, but heads traded for tokens: a block is its k pages
+        raise BlockMapError(
+            f"{where}: its blocks of {side.block_size} tokens are not the {k} kernel pages of {tokens} "
+            f"tokens its array {array} says"
+        )
     fmt = head_pages_format()
     layout = layout_of(fmt)
     roles = {

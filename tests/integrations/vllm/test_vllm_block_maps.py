@@ -438,3 +438,39 @@ def test_a_peer_s_kernel_pages_that_are_not_its_pages_are_refused() -> None:
         r"back its array bfloat16 \[1, 4, 64, 32\] \(axis 1 in KV heads\) says",
     ):
         block_map(src, RegistrationDescription.from_json(json.dumps(wire)), [1], [2])
+
+
+def test_a_peer_s_kernel_pages_of_other_tokens_than_its_blocks_are_refused() -> None:
+    """A description whose kernel pages fill its pages' bytes with heads traded for
+    tokens (4 pages of 64 tokens in a block of 128) is refused, not read as blocks of 256."""
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
+    wire = json.loads(dst.describe().to_json())
+    wire["groups"][0]["opaque_pages"]["arrays"][0].update(shape=[4, 2, 64, 32], parts=[2])
+    with pytest.raises(
+        BlockMapError,
+        match=r"^dst: its blocks of 128 tokens are not the 4 kernel pages of 64 tokens its array bfloat16 "
+        r"\[4, 2, 64, 32\] \(axis 1 in KV heads\) says",
+    ):
+        block_map(
+            src,
+            RegistrationDescription.from_json(json.dumps(wire)),
+            [1],
+            [2],
+            src_shard=Shard(0, 1, 4),
+            dst_shard=Shard(0, 2, 4),
+        )
+
+
+@pytest.mark.parametrize(
+    "edit", [{"kv_heads": False}, {"axis": 0, "parts": [2]}], ids=["not-heads", "heads-on-axis-0"]
+)
+def test_a_peer_s_page_array_that_is_no_kernel_pages_of_heads_stays_opaque(edit: dict[str, Any]) -> None:
+    """Only an array of KV heads on axis 1 reads as kernel pages: another array of the same
+    shape leaves the pages opaque, refused against a cache of blocks."""
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
+    wire = json.loads(dst.describe().to_json())
+    wire["groups"][0]["opaque_pages"]["arrays"][0].update(edit)
+    with pytest.raises(BlockMapError, match=r"dst is opaque pages \(subpaged-attention: .*\) and src is not"):
+        block_map(src, RegistrationDescription.from_json(json.dumps(wire)), [1], [2])
