@@ -25,7 +25,7 @@ and ``executor/cache_transmission/cacheSplitConcat.cu``):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import pytest
 import torch
@@ -33,8 +33,9 @@ import torch
 pytest.importorskip("nixl")
 
 import kvlayout
+from kvlayout.registration.registration import Registration
 from kvlayout.testing.nixl_peer import AgentPair
-from kvlayout.transfer import Shard, block_map
+from kvlayout.transfer import BlockMap, RegistrationDescription, Shard, block_map
 from kvlayout.transfer import nixl as nx
 from tests.integrations.trtllm.test_trtllm_pd_nixl import (
     CTX_BLOCKS,
@@ -141,6 +142,32 @@ def head_pairs(gen_rank: int, gen_tp: int, ctx_rank: int, ctx_tp: int) -> list[t
 # --- (m) VSWA across a PP change: alternating windows split by layers -------------------------
 
 
+def stage_maps(
+    regs: Mapping[tuple[int, int], Registration],
+    there: RegistrationDescription,
+    layers: list[int],
+    ctx_tp: int,
+    dst: Shard,
+    ids: tuple[Sequence[int], Sequence[int]],
+    first: int,
+) -> dict[tuple[int, int], BlockMap]:
+    """What each context (stage, rank) sends one generation rank: the layers the two share,
+    from block ``first`` on; nothing where it holds none of them or none of the rank's heads."""
+    maps = {}
+    for (p, r), reg in regs.items():
+        shared = [i for i in reg.layer_ids if i in layers]
+        src = Shard(r, ctx_tp, HEADS)
+        if not shared or not src.sends_to(dst):
+            continue
+        m = block_map(
+            reg.for_layers(shared), there.for_layers(shared), *ids,
+            num_tokens=TOKENS, first_token=first * TPB, src_shard=src,
+        )  # fmt: skip
+        if m.kind != "empty":
+            maps[p, r] = m
+    return maps
+
+
 @pytest.mark.parametrize(
     ("ctx", "gen"),
     [((1, 1), (1, 2)), ((1, 2), (1, 1)), ((2, 1), (1, 2)), ((2, 2), (4, 1))],
@@ -173,18 +200,9 @@ def test_vswa_across_a_pp_change(pair: AgentPair, ctx: tuple[int, int], gen: tup
                     pair, Shard(d, gen_tp, HEADS), heads=HEADS // gen_tp, kv_factor=2,
                     layers=len(layers), ids=layers,
                 )  # fmt: skip
-                maps = {}
-                for (p, r), reg in regs.items():
-                    shared = [i for i in reg.layer_ids if i in layers]
-                    src = Shard(r, ctx_tp, HEADS)
-                    if not shared or not src.sends_to(Shard(d, gen_tp, HEADS)):
-                        continue
-                    m = block_map(
-                        reg.for_layers(shared), there.for_layers(shared), ctx_ids, gen_ids,
-                        num_tokens=TOKENS, first_token=first * TPB, src_shard=src,
-                    )  # fmt: skip
-                    if m.kind != "empty":
-                        maps[p, r] = m
+                maps = stage_maps(
+                    regs, there, layers, ctx_tp, Shard(d, gen_tp, HEADS), (ctx_ids, gen_ids), first
+                )
                 senders = trt_senders(d, ctx_tp, gen_tp, HEADS)
                 assert sorted(maps) == [(p, r) for p in domain(stage, gen_pp, ctx_pp) for r in senders]
                 write(pair, maps, "direct")
@@ -240,18 +258,7 @@ def test_generation_block_reuse_under_pp(
                 pair, Shard(d, gen_tp, HEADS), heads=HEADS // gen_tp, kv_factor=2, layers=len(layers),
                 ids=layers, seed=base,
             )  # fmt: skip
-            maps = {}
-            for (p, r), reg in regs.items():
-                shared = [i for i in reg.layer_ids if i in layers]
-                src = Shard(r, ctx_tp, HEADS)
-                if not shared or not src.sends_to(Shard(d, gen_tp, HEADS)):
-                    continue
-                m = block_map(
-                    reg.for_layers(shared), there.for_layers(shared), CTX_IDS, GEN_IDS,
-                    num_tokens=TOKENS, first_token=start * TPB, src_shard=src,
-                )  # fmt: skip
-                if m.kind != "empty":
-                    maps[p, r] = m
+            maps = stage_maps(regs, there, layers, ctx_tp, Shard(d, gen_tp, HEADS), (CTX_IDS, GEN_IDS), start)
             senders = trt_senders(d, ctx_tp, gen_tp, HEADS)
             assert sorted(maps) == [(p, r) for p in domain(stage, gen_pp, ctx_pp) for r in senders]
             write(pair, maps, "direct")
