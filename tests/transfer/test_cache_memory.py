@@ -30,6 +30,23 @@ from kvlayout.transfer.block_maps import chunk_side
 HINTS = {"kv_layout": "NHD"}
 
 
+# The start of a script that posts a hand-built map between two agents of one process: its
+# imports, NIXL's logger quieted, and ``Map`` (runs and two sides: what ``transfer`` takes).
+_MAP_SCRIPT_HEAD = """
+    import gc, logging, re, numpy as np, torch
+    from dataclasses import dataclass
+    from kvlayout.transfer import TransferError
+    from kvlayout.transfer import nixl as nx
+    import nixl._api
+    logging.getLogger("nixl").setLevel(logging.WARNING)
+
+    @dataclass(frozen=True)
+    class Map:
+        runs: np.ndarray
+        src: object
+        dst: object
+"""
+
 # The end of a script that posts 8 rows of 1 KiB from ``kv`` (ones) to ``dst`` (zeros) through
 # ``prefill`` to ``peer``, and prints whether exactly those bytes landed or the refusal.
 _POST_EIGHT_ROWS = """
@@ -722,20 +739,9 @@ def test_a_peer_agent_of_this_process_whose_memory_was_freed_is_refused_not_writ
     the metadata loaded at the handshake still names what the peer deregistered or
     resized. NIXL wrote through the freed memory (SIGSEGV, every run); now refused, nothing
     posted, as for an agent posting to itself."""
-    code = """
-    import gc, logging, re, numpy as np, torch
-    from dataclasses import dataclass
-    from kvlayout.transfer import TransferError
-    from kvlayout.transfer import nixl as nx
-    import nixl._api
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
-    @dataclass(frozen=True)
-    class Map:
-        runs: np.ndarray
-        src: object
-        dst: object
-
+    code = (
+        _MAP_SCRIPT_HEAD
+        + """
     for case in ("resized", "deregistered, freed", "deregistered after prepare"):
         name = "kvl-peer-" + case.replace(", ", "-").replace(" ", "-")
         prefill, decode = nx.make_agent(name + "-p", progress_thread=False), nx.make_agent(name)
@@ -764,6 +770,7 @@ def test_a_peer_agent_of_this_process_whose_memory_was_freed_is_refused_not_writ
             print(case, "|", type(e).__name__, re.sub("0x[0-9a-f]+", "ADDR", str(e)))
         gc.collect()
     """
+    )
     lines = isolated(code)
     assert lines == [
         "resized | TransferError the remote descriptors reach the 32768 bytes at ADDR registered on agent "
@@ -786,20 +793,9 @@ def test_an_agent_of_this_process_merely_named_like_the_peer_is_not_taken_for_it
     NIXL directly) had its regions taken for the peer's and the request refused, though
     NIXL accepted the rows and the peer's memory is in place. An agent that never
     deregistered a region never held the rows: the request posts and the bytes land."""
-    code = """
-    import logging, re, numpy as np, torch
-    from dataclasses import dataclass
-    from kvlayout.transfer import TransferError
-    from kvlayout.transfer import nixl as nx
-    import nixl._api
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
-    @dataclass(frozen=True)
-    class Map:
-        runs: np.ndarray
-        src: object
-        dst: object
-
+    code = (
+        _MAP_SCRIPT_HEAD
+        + """
     bystander = nx.make_agent("kvl-named-decode", progress_thread=False)
     keep = nx.register(bystander, torch.zeros(4096, dtype=torch.uint8))
     prefill = nx.make_agent("kvl-named-prefill", progress_thread=False)
@@ -809,6 +805,7 @@ def test_an_agent_of_this_process_merely_named_like_the_peer_is_not_taken_for_it
     decode.register_memory(decode.get_reg_descs(dst))
     peer = prefill.add_remote_agent(decode.get_agent_metadata())
     """
+    )
     assert isolated(code + _POST_EIGHT_ROWS) == ["posted True True"]
 
 
@@ -818,17 +815,9 @@ def test_a_peer_made_again_under_its_name_in_this_process_is_the_one_holding_the
     name found, the old one, and the request to the new one was refused as stale ("outside
     every region registered on agent ...: register the registration first"). The agent
     whose registered memory holds the rows is the peer: the request posts, the bytes land."""
-    code = """
-    import logging, re, numpy as np, torch
-    from kvlayout.transfer import TransferError
-    from kvlayout.transfer import nixl as nx
-    import nixl._api
-    logging.getLogger("nixl").setLevel(logging.WARNING)
-
-    class Map:
-        def __init__(self, runs, src, dst):
-            self.runs, self.src, self.dst = runs, src, dst
-
+    code = (
+        _MAP_SCRIPT_HEAD
+        + """
     old = nx.make_agent("kvl-again-decode")
     nx.register(old, torch.zeros(32768, dtype=torch.uint8)).deregister()  # shut down, still referenced
     prefill = nx.make_agent("kvl-again-prefill", progress_thread=False)
@@ -837,4 +826,5 @@ def test_a_peer_made_again_under_its_name_in_this_process_is_the_one_holding_the
     ours, theirs = nx.register(prefill, kv), nx.register(decode, dst)
     peer = prefill.add_remote_agent(decode.get_agent_metadata())
     """
+    )
     assert isolated(code + _POST_EIGHT_ROWS) == ["posted True True"]

@@ -56,7 +56,7 @@ pytest.importorskip("nixl")
 
 from kvlayout.integrations.sglang import mamba_state_pools
 from kvlayout.testing.sglang import LinearModel, device_pool, shard
-from kvlayout.transfer import Shard, block_map, join_maps
+from kvlayout.transfer import BlockMap, Shard, block_map, join_maps
 from tests.integrations.sglang.test_sglang_pd_nixl import (
     HEAD_DIM,
     INDEX_DIM,
@@ -108,6 +108,35 @@ def stages_into(ds: int, dpp: int) -> list[int]:
     into a decode at PP 1, stage to stage at equal PP (``CommonKVReceiver``: decode's PP
     size is prefill's or 1)."""
     return [s for s in range(PP) if dpp == 1 or s == ds]
+
+
+def full_and_sliding(
+    src: Any, dst: Any, there: tuple[Any, Any], stage: int, skipped: int, start: int
+) -> tuple[BlockMap, BlockMap] | None:
+    """A prefill stage rank's maps into one decode rank (``there``: its full and SWA pools'
+    descriptions): the full layers the stage ran, every token, and its sliding layers from
+    ``start`` (``skipped`` pages before the window); None where it sends that rank nothing."""
+    full_there, swa_there = there
+    kv = block_map(
+        src.full.registration.for_layers(own(FULL, stage, PP)),
+        full_there.for_layers(own(FULL, stage, PP)),
+        kv_to_page_indices(src.full_slots, PAGE),
+        kv_to_page_indices(dst.full_slots, PAGE),
+        num_tokens=TOKENS,
+        src_shard=src.full.shard,
+    )
+    if kv.kind == "empty" or not src.full.shard.sends_to(shard_of(full_there)):
+        return None
+    swa = block_map(
+        src.swa.registration.for_layers(own(SLIDING, stage, PP)),
+        swa_there.for_layers(own(SLIDING, stage, PP)),
+        [0] * skipped + kv_to_page_indices(src.swa_slots, PAGE),
+        [0] * skipped + kv_to_page_indices(dst.swa_slots, PAGE),
+        num_tokens=TOKENS,
+        first_token=start,
+        src_shard=src.swa.shard,
+    )
+    return kv, swa
 
 
 def head_sources(d: int, dtp: int, ptp: int, heads: int) -> list[tuple[int, int, int]]:
@@ -175,25 +204,10 @@ def test_swa_pool_under_pipeline_stages(agents: tuple[Any, Any], ptp: int, dtp: 
             for s in stages_into(ds, dpp):
                 for p in range(ptp):
                     pr = prefill[s, p]
-                    kv = block_map(
-                        pr.full.registration.for_layers(own(FULL, s, PP)),
-                        full_there.for_layers(own(FULL, s, PP)),
-                        kv_to_page_indices(pr.full_slots, PAGE),
-                        kv_to_page_indices(dr.full_slots, PAGE),
-                        num_tokens=TOKENS,
-                        src_shard=pr.full.shard,
-                    )
-                    if kv.kind == "empty" or not pr.full.shard.sends_to(shard_of(full_there)):
+                    pair = full_and_sliding(pr, dr, (full_there, swa_there), s, skipped, start)
+                    if pair is None:
                         continue
-                    swa = block_map(
-                        pr.swa.registration.for_layers(own(SLIDING, s, PP)),
-                        swa_there.for_layers(own(SLIDING, s, PP)),
-                        [0] * skipped + kv_to_page_indices(pr.swa_slots, PAGE),
-                        [0] * skipped + kv_to_page_indices(dr.swa_slots, PAGE),
-                        num_tokens=TOKENS,
-                        first_token=start,
-                        src_shard=pr.swa.shard,
-                    )
+                    kv, swa = pair
                     maps[s * ptp + p, ds * dtp + d] = join_maps([kv, swa])
         for p, d in maps:
             assert p % ptp in sglang_targets(d % dtp, dtp, ptp, mla=False), (p, d)
@@ -597,25 +611,10 @@ def test_inkling_sliding_window_and_conv_states_under_pipeline_stages(
             for s in stages_into(ds, dpp):
                 for p in range(tp):
                     px, pstates, _ = prefill[s, p]
-                    kv = block_map(
-                        px.full.registration.for_layers(own(FULL, s, PP)),
-                        full_there.for_layers(own(FULL, s, PP)),
-                        kv_to_page_indices(px.full_slots, PAGE),
-                        kv_to_page_indices(dx.full_slots, PAGE),
-                        num_tokens=TOKENS,
-                        src_shard=px.full.shard,
-                    )
-                    if kv.kind == "empty" or not px.full.shard.sends_to(shard_of(full_there)):
+                    pair = full_and_sliding(px, dx, (full_there, swa_there), s, skipped, start)
+                    if pair is None:
                         continue
-                    swa = block_map(
-                        px.swa.registration.for_layers(own(SLIDING, s, PP)),
-                        swa_there.for_layers(own(SLIDING, s, PP)),
-                        [0] * skipped + kv_to_page_indices(px.swa_slots, PAGE),
-                        [0] * skipped + kv_to_page_indices(dx.swa_slots, PAGE),
-                        num_tokens=TOKENS,
-                        first_token=start,
-                        src_shard=px.swa.shard,
-                    )
+                    kv, swa = pair
                     states = [
                         block_map(
                             pstates[n].registration,
