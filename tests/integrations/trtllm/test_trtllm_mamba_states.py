@@ -26,13 +26,14 @@ def sections(tp: int, model: str = "nemotron_hybrid") -> list[int]:
     return [ngds, ngds, x] if model == "qwen3_next" else [x, ngds, ngds]
 
 
-def v1_manager(tp: int, seed: int, model: str = "nemotron_hybrid") -> SimpleNamespace:
+def v1_manager(tp: int, seed: int, model: str = "nemotron_hybrid", layers: int = NL) -> SimpleNamespace:
     """A ``MixedMambaHybridCacheManager``: its ``_impl`` (a ``PythonMambaCacheManager``)
-    holds ``mamba_cache.conv`` and ``mamba_cache.temporal``."""
+    holds ``mamba_cache.conv`` and ``mamba_cache.temporal``, ``layers`` Mamba layers (a PP
+    stage's ``local_num_mamba_layers``)."""
     g = torch.Generator().manual_seed(seed)
     sec = sections(tp, model)
-    conv = torch.randn(NL, SLOTS, sum(sec), D_CONV - 1, generator=g).to(torch.bfloat16)
-    ssm = torch.randn(NL, SLOTS, NHEADS // tp, HEAD_DIM, D_STATE, generator=g)
+    conv = torch.randn(layers, SLOTS, sum(sec), D_CONV - 1, generator=g).to(torch.bfloat16)
+    ssm = torch.randn(layers, SLOTS, NHEADS // tp, HEAD_DIM, D_STATE, generator=g)
     impl = SimpleNamespace(mamba_cache=SimpleNamespace(conv=conv, temporal=ssm), conv_section_dims=sec)
     return SimpleNamespace(_impl=impl)
 

@@ -26,6 +26,7 @@ and ``executor/cache_transmission/cacheSplitConcat.cu``):
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -149,20 +150,19 @@ def stage_maps(
     ctx_tp: int,
     dst: Shard,
     ids: tuple[Sequence[int], Sequence[int]],
-    first: int,
+    first: int | None,
 ) -> dict[tuple[int, int], BlockMap]:
     """What each context (stage, rank) sends one generation rank: the layers the two share,
-    from block ``first`` on; nothing where it holds none of them or none of the rank's heads."""
+    from block ``first`` on (None: state pages, a request's slot mapped by its id alone);
+    nothing where it holds none of them or none of the rank's heads."""
     maps = {}
+    tokens: dict[str, Any] = {} if first is None else {"num_tokens": TOKENS, "first_token": first * TPB}
     for (p, r), reg in regs.items():
         shared = [i for i in reg.layer_ids if i in layers]
         src = Shard(r, ctx_tp, HEADS)
         if not shared or not src.sends_to(dst):
             continue
-        m = block_map(
-            reg.for_layers(shared), there.for_layers(shared), *ids,
-            num_tokens=TOKENS, first_token=first * TPB, src_shard=src,
-        )  # fmt: skip
+        m = block_map(reg.for_layers(shared), there.for_layers(shared), *ids, src_shard=src, **tokens)
         if m.kind != "empty":
             maps[p, r] = m
     return maps
