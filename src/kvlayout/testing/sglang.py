@@ -102,26 +102,40 @@ def device_pool(
 def unified_device_pool(
     model: LinearModel,
     tp: int,
-    slots: int,
+    slots: int | None,
     *,
     pad: int = 0,
     conv_dtype: torch.dtype = torch.bfloat16,
     ssm_dtype: torch.dtype = torch.float32,
     generator: torch.Generator | None = None,
+    raw: torch.Tensor | None = None,
 ) -> Any:
     """The Mamba views of SGLang's unified memory pool (``layout/page_major.py``): one
     byte buffer of ``slots`` envelopes, each every layer of conv state 0 (1, 2), then every
     layer of the SSM state, then ``pad`` bytes (other states of the envelope, random
     where ``generator`` is given), the states ``[NL, slots, *state]`` strided views over
-    it, a slot's envelope apart. ``raw`` is the buffer."""
+    it, a slot's envelope apart. ``raw`` is the buffer: given (a uint8 buffer the KV
+    sub-pool's views share, ``UnifiedKVPool._raw``), the views cover as many envelopes as
+    it holds (``max_slots``; ``slots`` None) and its bytes are left as they are."""
     convs, temporal = model.state_shapes(tp)
     layers = model.num_layers
     shapes = [(c, conv_dtype) for c in convs] + [(temporal, ssm_dtype)]
     items = [math.prod(shape) * dtype.itemsize for shape, dtype in shapes]
     entry = layers * sum(items) + pad
-    raw = torch.zeros(slots * entry, dtype=torch.uint8)
-    if generator is not None:
-        raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+    shared = raw is not None
+    if raw is None:
+        if slots is None:
+            raise ValueError("slots: the envelopes of the pool's own buffer (None only with raw)")
+        raw = torch.zeros(slots * entry, dtype=torch.uint8)
+        if generator is not None:
+            raw.copy_(torch.randint(0, 256, raw.shape, dtype=torch.uint8, generator=generator))
+    else:
+        if slots is not None or raw.dtype != torch.uint8 or raw.dim() != 1:
+            raise ValueError(
+                f"raw: a 1-D uint8 buffer whose envelopes the views cover, slots None (got {raw.dtype} "
+                f"{list(raw.shape)}, slots {slots})"
+            )
+        slots = raw.numel() // entry
     views, offset = [], 0
     for (shape, dtype), item in zip(shapes, items, strict=True):
         strides = torch.empty(shape).stride()
@@ -131,7 +145,8 @@ def unified_device_pool(
             (item // dtype.itemsize, entry // dtype.itemsize, *strides),
             offset // dtype.itemsize,
         )
-        view.copy_(_fill(view.shape, dtype, generator))
+        if not shared:
+            view.copy_(_fill(view.shape, dtype, generator))
         views.append(view)
         offset += layers * item
     cache = SimpleNamespace(conv=views[:-1], temporal=views[-1])
