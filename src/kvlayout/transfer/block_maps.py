@@ -670,8 +670,8 @@ def _check_opaque_pages(
         )
     if None not in ranks and ranks[0] != ranks[1]:
         raise BlockMapError(
-            f"src and dst are opaque pages of {ranks[0]} and {ranks[1]}: a page holds its rank's heads in "
-            f"the kernel's order, so it maps only to the same rank's ({how})"
+            f"src and dst are opaque pages of {ranks[0]} and {ranks[1]} ({a.layout}): a page holds its "
+            f"rank's heads in the kernel's order, so it maps only to the same rank's ({how})"
         )
     return None
 

@@ -56,7 +56,7 @@ pytest.importorskip("nixl")
 
 from kvlayout.integrations.sglang import mamba_state_pools
 from kvlayout.testing.sglang import LinearModel, device_pool, shard
-from kvlayout.transfer import BlockMap, Shard, block_map, join_maps
+from kvlayout.transfer import BlockMap, BlockMapError, Shard, block_map, join_maps
 from tests.integrations.sglang.test_sglang_pd_nixl import (
     HEAD_DIM,
     INDEX_DIM,
@@ -657,3 +657,26 @@ def test_inkling_sliding_window_and_conv_states_under_pipeline_stages(
                     g,
                 )
             assert not got[:, [i for i in range(slots + 1) if i != d_idx[ds]]].any(), (ds, d, c)
+
+
+@pytest.mark.parametrize("dtp", [1, 4])
+def test_inkling_conv_states_between_tp_degrees_are_refused_by_name(dtp: int) -> None:
+    """SGLang moves Inkling between equal TP sizes only: ``maybe_send_extra``
+    (``disaggregation/nixl/conn.py``, ``mooncake/conn.py``) raises "PD Disaggregation does
+    NOT support PD different TP sizes for non-MLA SWA hybrid models yet" for its ``"swa"``
+    state, and its Mamba slice path (``_send_mamba_state_slice``) cuts each state on axis 2
+    (``MambaPool.get_state_dim_per_tensor``: ``shape[2]``), for a conv state ``(K - 1,
+    dim)`` the kernel, no TP split. The states declare none (not Mamba2's, GDN's or KDA's),
+    so between TP degrees each conv state's map is refused, naming the state, whether its
+    width differs (the K and V streams) or not (the attention and MLP streams: one rank's
+    item); the attention pools map by head slices (``test_swa_pool_under_pipeline_stages``)."""
+    ptp = 2
+    src = mamba_state_pools(sconv_pool(2, ptp, 3, 5))
+    dst = mamba_state_pools(sconv_pool(2, dtp, 3, None))
+    assert sorted(src) == sorted(dst) == [f"conv{i}" for i in range(6)]
+    for name, reg in src.items():
+        there = handshake(Rank([], dst[name], Shard(0, dtp, 4)))
+        with pytest.raises(
+            BlockMapError, match=rf"^src and dst are opaque pages .*\(.*SGLang Mamba {name}: bfloat16"
+        ):
+            block_map(reg, there, [1], [2], src_shard=Shard(0, ptp, 4))
