@@ -26,12 +26,19 @@ NIXL notifications to the poster (:class:`Paced`; :meth:`NixlPeer.add_remote` lo
 poster's metadata, so the peer can send them). :meth:`NixlPeer.stage_joined` and
 :meth:`NixlPeer.unstage_joined` do the same for a joined request (a hybrid's kernel groups,
 one :class:`Part` each).
+
+What kvlayout keeps between requests (:func:`kept`: its registries, caches and live
+objects, counted) is asked of the child with :meth:`NixlPeer.kept`, and its Python
+allocations' growth (tracemalloc) with :meth:`NixlPeer.trace`: a connector's memory must
+not grow with the requests it moves.
 """
 
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -41,6 +48,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -59,6 +68,7 @@ __all__ = [
     "build_cache",
     "cache_sizes",
     "contents",
+    "kept",
     "tcp_tls",
 ]
 
@@ -66,6 +76,36 @@ __all__ = [
 def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
     """The bytes a peer fills buffer ``buffer`` with for ``seed``."""
     return np.random.default_rng((seed, buffer)).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def kept(agent: Any) -> dict[str, int]:
+    """The size of everything kvlayout keeps between calls, by name: each container and
+    cache at module level in its modules (registries such as the peers' staging buffers
+    in use or the releases left for later, lru caches), ``agent``'s regions' tables, and
+    the live objects of each of its classes (requests, holds, plans, maps). A loop of
+    requests that leaves these as it found them keeps nothing per request."""
+    from kvlayout.transfer.nixl.regions import _REGIONS
+
+    containers = (dict, list, set, collections.deque, weakref.WeakKeyDictionary, weakref.WeakValueDictionary)
+    sizes: dict[str, int] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module_name.split(".")[0] != "kvlayout":
+            continue
+        for attr, value in list(vars(module).items()):
+            info = getattr(value, "cache_info", None)
+            if isinstance(value, containers) and not attr.startswith("__"):
+                sizes[f"{module_name}.{attr}"] = len(value)
+            elif callable(info) and getattr(value, "__module__", None) == module_name:
+                sizes[f"{module_name}.{attr}()"] = info().currsize
+    tables = vars(_REGIONS[agent]) if agent in _REGIONS else {}
+    sizes |= {f"regions.{k}": len(v) for k, v in tables.items() if hasattr(v, "__len__")}
+    gc.collect()
+    alive = collections.Counter(type(o).__qualname__ for o in gc.get_objects() if _of_kvlayout(o))
+    return sizes | {f"alive {k}": n for k, n in alive.items()}
+
+
+def _of_kvlayout(o: object) -> bool:
+    return str(getattr(type(o), "__module__", "")).split(".")[0] == "kvlayout"
 
 
 @dataclass(frozen=True)
@@ -453,6 +493,18 @@ class NixlPeer:
         answer = self.call("notifs", expect=expect, wait=wait)
         return [base64.b64decode(m) for m in answer["notifs"]]
 
+    def kept(self) -> dict[str, int]:
+        """:func:`kept` of the peer's agent, in the peer."""
+        sizes: dict[str, int] = self.call("kept")["sizes"]
+        return sizes
+
+    def trace(self, keep: str, since: str | None = None, top: int = 10) -> list[str]:
+        """The peer's Python allocations (tracemalloc, started by the first call): a
+        snapshot taken now and kept as ``keep``, and the ``top`` lines that grew most
+        since the snapshot kept as ``since`` (none without it)."""
+        lines: list[str] = self.call("trace", keep=keep, since=since, top=top)["top"]
+        return lines
+
     def pause(self) -> None:
         """Stop the child, returning once it is stopped (a signal lands asynchronously)."""
         os.kill(self.pid, signal.SIGSTOP)
@@ -598,6 +650,7 @@ def _serve() -> None:
     cache: Any = None  # (spec or None where built, leaves, Registered, registration, Shard or None)
     staging: Any = None  # a Staging, for peer-staged requests
     prepared: Any = None  # a PeerCopy: the request the parent said is coming
+    snapshots: dict[str, tracemalloc.Snapshot] = {}  # the trace command's, by name
 
     def progress() -> None:  # drives NIXL (the agent has no progress thread), keeping notifications
         if agent is not None:  # in agent.notifs, where unstage's take_notif finds them too
@@ -715,6 +768,16 @@ def _serve() -> None:
                     raise ValueError("a built cache is not refilled: build it again")
                 refill(cache[0], cache[1])
                 answer = {}
+            elif cmd == "kept":
+                answer = {"sizes": kept(agent)}
+            elif cmd == "trace":
+                if not tracemalloc.is_tracing():
+                    tracemalloc.start(8)
+                own = tracemalloc.Filter(False, tracemalloc.__file__)  # the snapshots themselves
+                snapshot = snapshots[msg["keep"]] = tracemalloc.take_snapshot().filter_traces([own])
+                since = snapshots.get(msg["since"]) if msg["since"] else None
+                grown = [] if since is None else snapshot.compare_to(since, "lineno")[: msg["top"]]
+                answer = {"top": [str(line) for line in grown]}
             elif cmd == "stop":
                 out.write("{}\n")
                 out.flush()
