@@ -22,7 +22,7 @@ CUDA_KERNELS := csrc/cuda/transfer_kernels.cu csrc/cuda/run_kernels.cu
 # errors still print, and pipefail keeps pip's exit status.
 QUIET_PIP := 2>&1 | { grep -v -e "is ignored: it is neither a file nor a directory" -e "^vllm 0.33.0 requires " -e "^ERROR: pip's dependency resolver does not currently take into account" || true; }
 
-.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer bench-maps bench-pd clean
+.PHONY: test demo setup build lint typecheck codegen codegen-check pytest nvcc-check bench bench-core bench-detection bench-transfer bench-maps bench-pd bench-soak clean
 
 test: build lint typecheck codegen-check pytest nvcc-check
 
@@ -107,6 +107,11 @@ bench-pd: build
 	$(PY) benchmarks/bench_pd.py $(BENCH_ARGS)
 bench-maps: build
 	$(PY) benchmarks/bench_maps.py
+
+# A connector's loop of requests between two processes, both sides' RSS every 100
+# (BENCH_ARGS="--trace": tracemalloc's growth too): does memory grow with the requests?
+bench-soak: build
+	$(PY) benchmarks/soak_pd.py $(BENCH_ARGS)
 
 clean:
 	rm -rf build $(VENV) .pytest_cache .mypy_cache .ruff_cache .hypothesis
