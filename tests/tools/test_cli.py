@@ -1713,8 +1713,8 @@ _RINGS = ["--src-ring", "--dst-ring"]
     [
         (["--src-ring"], "--src-ring is given and --dst-ring is not: a ring maps only into a ring"),
         ([*_RINGS, "--dtype", "bf16"],
-         "--dtype bf16 with --src-ring: vLLM 0.33's rings are float32 (CompressorStateCache asserts it); "
-         "give --dtype fp32"),
+         "--dtype bf16 with --src-ring: DeepSeek-V4.1's compressor state is float32 (CompressorStateCache "
+         "registers it so); give --dtype fp32, or another --ring-kind"),
         ([*_RINGS, "--first-token", "8"], "--first-token 8: a ring holds its request's latest"),
         ([*_RINGS, "--kv-heads", "2"], "--kv-heads 2: a ring holds"),
         ([*_RINGS, "--dst-block-size", "16"], "--dst-block-size with --src-ring and --dst-ring"),
@@ -1722,8 +1722,8 @@ _RINGS = ["--src-ring", "--dst-ring"]
          "--src-state with --src-ring and --dst-ring: a ring is a group of its own"),
         ([*_RINGS, "--src-engine", "sglang"], "--src-ring reads vLLM's rings"),
         ([*_RINGS, "--src-shape", "3x[6,2,8,1024]"],
-         "--src-ring on --src-shape 3x[6,2,8,1024]: a ring (vLLM's CircularBufferSpec) registers as float32 "
-         "[NB, 1, N, C]"),
+         "--src-ring on --src-shape 3x[6,2,8,1024]: DeepSeek-V4.1's compressor state (vLLM's "
+         "CircularBufferSpec, CompressorStateCache) registers as [NB,1,N,C] float32"),
     ],
 )  # fmt: skip
 def test_plan_of_rings_refuses_what_it_cannot_plan(
@@ -1890,7 +1890,10 @@ def test_plan_of_latents_beside_their_rings_is_the_joined_map_of_deepseek_v41_s_
     assert senders == {d: [d * src_tp // dst_tp] for d in range(dst_tp)}
     code, text, err = run(capsys, *[a for a in argv if a != "--json"])
     assert (code, err) == (0, "")
-    assert "and the request's ring (vLLM's CircularBufferSpec), one block id a side: src 3 layers" in text
+    assert (
+        "and the request's ring (vLLM's CircularBufferSpec: DeepSeek-V4.1's compressor state), one block id a "
+        "side: src 3 layers" in text
+    )
     assert "ring: src rank" in text and "a ring, which vLLM computes on every rank" in text
 
 
@@ -1909,7 +1912,8 @@ _RING_SHAPES = ["--src-ring-shape", "3x[5,1,8,1024]", "--dst-ring-shape", "3x[5,
          "attention group"),
         ([*_RING_SHAPES, "--src-ring", "--dst-ring"], "--src-ring-shape with --src-ring and --dst-ring"),
         (["--src-ring-shape", "3x[5,2,8,1024]", *_RING_SHAPES[2:]],
-         "--src-ring-shape on --src-ring-shape 3x[5,2,8,1024]: a ring (vLLM's CircularBufferSpec) registers"),
+         "--src-ring-shape on --src-ring-shape 3x[5,2,8,1024]: DeepSeek-V4.1's compressor state (vLLM's "
+         "CircularBufferSpec, CompressorStateCache) registers as [NB,1,N,C] float32"),
     ],
 )  # fmt: skip
 def test_plan_of_rings_beside_attention_refuses_what_it_cannot_plan(

@@ -304,23 +304,30 @@ def build_parser() -> argparse.ArgumentParser:
                             "item tp_replicated where the spec's is True (every rank holds the whole "
                             "state)")  # fmt: skip
         p.add_argument(f"--{where}-ring", action="store_true",
-                       help=f"--{where}-shape is vLLM's CircularBufferSpec rings (NLx[NB,1,N,C] float32, "
-                            "as vLLM 0.33 registers DeepSeek-V4.1's compressor state: N the ring's "
-                            "capacity, C its row); plans the request's ring, one block id a side, which "
-                            "every rank holds whole")  # fmt: skip
+                       help=f"--{where}-shape is vLLM's CircularBufferSpec rings (NLx[NB,H,N,C], as vLLM "
+                            "0.33 registers the ring --ring-kind names: N the ring's capacity, C its row); "
+                            "plans the request's ring, one block id a side, which every rank holds "
+                            "whole")  # fmt: skip
         p.add_argument(f"--{where}-state-shape", default=None, metavar="NLx[NB,1,1,PAGE]",
                        help=f"a hybrid's Mamba layers beside the attention group --{where}-shape (int8, as "
                             f"vLLM 0.33 registers them; --{where}-state gives their MambaSpec): one plan "
                             "of the request, each rank pair's attention and state maps posted as one "
                             "transfer")  # fmt: skip
-        p.add_argument(f"--{where}-ring-shape", default=None, metavar="NLx[NB,1,N,C]",
+        p.add_argument(f"--{where}-ring-shape", default=None, metavar="NLx[NB,H,N,C]",
                        help=f"vLLM's CircularBufferSpec rings beside the attention group --{where}-shape "
-                            "(float32, as vLLM 0.33 registers DeepSeek-V4.1's compressor state): one plan "
-                            "of the request, each rank pair's attention map and ring posted as one "
+                            "(in the dtype of the ring --ring-kind names, as vLLM 0.33 registers it): one "
+                            "plan of the request, each rank pair's attention map and ring posted as one "
                             "transfer")  # fmt: skip
     p.add_argument(
         "--dtype", default="bf16", help=f"both sides' dtype, one of {', '.join(SHORT_NAMES)} (default: bf16)"
     )
+    p.add_argument("--ring-kind", default=None, metavar="KIND",
+                   help="which of vLLM 0.33's CircularBufferSpec rings --*-ring and --*-ring-shape give, "
+                        "each as its producer registers it (its head slots and dtype, from the library): "
+                        "deepseek-v4.1 (the default: the compressor state), glm5-next-tail (the indexer's "
+                        "tail ring), qwen4-qsa (the QSA raw keys) or step5-csa-tail (the CSA tail ring, the "
+                        "rank's attention page); beside attention the ring's dtype is its kind's, alone "
+                        "--dtype gives it")  # fmt: skip
     p.add_argument("--tokens", type=int, required=True, help="the request's tokens (1 to 2**24)")
     p.add_argument("--first-token", type=int, default=0,
                    help="the first token to move (default: 0): those before it are on dst already (a "

@@ -160,31 +160,51 @@ def _state_side(
     )  # fmt: skip
 
 
-def _ring_side(
-    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object], shape_flag: str
-) -> tuple[Any, Any]:
-    """A side given with ``--{where}-ring``: vLLM 0.33's ``CircularBufferSpec`` rings as it
-    registers them (``shape_flag NLx[NB,1,N,C]`` float32: ``--{where}-shape``, or
-    ``--{where}-ring-shape`` beside the attention group; DeepSeek-V4.1's
-    ``CompressorStateCache``, ``N`` its capacity, ``C`` its ``[kv_state | score_state]``
-    row), read as the group edits read them: one block a request, moved whole, held whole
-    on every rank."""
-    import torch
+DEFAULT_RING_KIND = "deepseek-v4.1"
+"""``--ring-kind`` unless given: the ring ``plan`` first read (a key of ``RING_KINDS``)."""
 
+
+def _ring_kind(args: argparse.Namespace) -> tuple[str, Any]:
+    """The ring ``--ring-kind`` names (:data:`DEFAULT_RING_KIND` unless given) and how
+    vLLM 0.33 registers it (``RING_KINDS``), or the command line's error listing them."""
+    from kvlayout.integrations.vllm.rules import RING_KINDS
+
+    name = args.ring_kind or DEFAULT_RING_KIND
+    if name not in RING_KINDS:
+        kinds = "; ".join(f"{k} ({r.what}, {r.registered})" for k, r in RING_KINDS.items())
+        raise KVLayoutError(f"--ring-kind {abbreviated(name, limit=60)!r}: vLLM 0.33's rings are {kinds}")
+    return name, RING_KINDS[name]
+
+
+def ring_dtype_name(kind: Any) -> str:
+    """The command line's name (a key of SHORT_NAMES) of a ring kind's dtype."""
+    return next(k for k, v in SHORT_NAMES.items() if f"torch.{v}" == str(kind.dtype))
+
+
+def _ring_side(
+    where: str, a: dict[str, Any], kv: Any, spec: Any, engine: Any, hints: dict[str, object], shape_flag: str,
+    kind: tuple[str, Any],
+) -> tuple[Any, Any]:  # fmt: skip
+    """A side given with ``--{where}-ring``: vLLM 0.33's ``CircularBufferSpec`` rings of
+    ``kind`` (``--ring-kind``: its name and ``RingKind``) as it registers them
+    (``shape_flag NLx[NB,H,N,C]``: ``--{where}-shape``, or ``--{where}-ring-shape`` beside
+    the attention group; ``N`` the ring's capacity, ``C`` its row), read as the group edits
+    read them: one block a request, moved whole, held whole on every rank."""
     from kvlayout.integrations.vllm.rules import declared_ring_pages
 
+    name, ring = kind
     flag = shape_flag if shape_flag.endswith("-ring-shape") else f"--{where}-ring"  # what says: rings
     _check_vllm_layers(
         kv, spec, engine, (flag, shape_flag), "rings (a CircularBufferSpec's pages)", "a ring",
-        "NLx[NB,1,N,C] (N the ring's capacity, C its row, with --dtype fp32)",
+        f"NLx{ring.registered} for --ring-kind {name} (N the ring's capacity, C its row)",
     )  # fmt: skip
-    if kv[0].dtype != torch.float32:  # CompressorStateCache asserts float32
+    if kv[0].dtype != ring.dtype:  # beside attention, the ring's shape is read in the ring's dtype
         raise KVLayoutError(
-            f"--dtype {a['dtype']} with {flag}: vLLM 0.33's rings are float32 (CompressorStateCache "
-            "asserts it); give --dtype fp32"
+            f"--dtype {a['dtype']} with {flag}: {ring.what} is {str(ring.dtype).removeprefix('torch.')} "
+            f"({ring.producer} registers it so); give --dtype {ring_dtype_name(ring)}, or another --ring-kind"
         )
     return _declared(
-        lambda t: declared_ring_pages(t, hints), kv, (flag, shape_flag, spec), "ring", engine, hints
+        lambda t: declared_ring_pages(t, hints, name), kv, (flag, shape_flag, spec), "ring", engine, hints
     )
 
 
@@ -245,6 +265,11 @@ def _state_plan(args: argparse.Namespace) -> Plan:
         return _ring_plan(args)
     if a["src_ring_shape"] is not None or a["dst_ring_shape"] is not None:
         return _ringed_plan(args)
+    if a["ring_kind"] is not None:
+        raise KVLayoutError(
+            f"--ring-kind {abbreviated(a['ring_kind'], limit=60)} without rings: it says which ring "
+            "--src-ring and --dst-ring (or --src-ring-shape and --dst-ring-shape) give; give them"
+        )
     for flag in ("state-shape", "state"):
         key = flag.replace("-", "_")
         given = {w: a[f"{w}_{key}"] is not None for w in ("src", "dst")}
@@ -421,6 +446,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _plan_bounds(args)
     what = _state_plan(args)
     ring = what == "ring"
+    kind = _ring_kind(args) if what in ("ring", "ringed") else None
     state = what in ("state", "ring")  # one block a side, whatever the request's tokens
     meta = torch.device("meta")
     sides: dict[str, tuple[Any, Any]] = {}
@@ -439,8 +465,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             raise KVLayoutError(f"--{where}-hint: {e}") from None
         spec = _registration_spec(f"--{where}-shape", a[f"{where}_shape"], args.dtype)
         kv = _registration(spec, dtype, meta, a[f"{where}_share"], f"--{where}-share")  # refused as given
-        if ring:
-            sides[where] = _ring_side(where, a, kv, spec, engine, hints, f"--{where}-shape")
+        if kind and ring:
+            sides[where] = _ring_side(where, a, kv, spec, engine, hints, f"--{where}-shape", kind)
             notes[where] = None
             continue
         if state:
@@ -452,11 +478,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             state_spec = _registration_spec(flag, a[f"{where}_state_shape"], "int8")
             state_kv = _registration(state_spec, STATE_ROWS_DTYPE, meta, [], f"--{where}-share")
             beside[where] = _state_side(where, a, state_kv, state_spec, engine, hints, flag)
-        if what == "ringed":  # vLLM's rings are float32 whatever --dtype (the attention's)
+        if kind and what == "ringed":  # the ring's dtype is its kind's whatever --dtype (the attention's)
             flag = f"--{where}-ring-shape"
-            ring_spec = _registration_spec(flag, a[f"{where}_ring_shape"], "fp32")
-            ring_kv = _registration(ring_spec, torch.float32, meta, [], f"--{where}-share")
-            beside[where] = _ring_side(where, a, ring_kv, ring_spec, engine, hints, flag)
+            ring_spec = _registration_spec(flag, a[f"{where}_ring_shape"], ring_dtype_name(kind[1]))
+            ring_kv = _registration(ring_spec, kind[1].dtype, meta, [], f"--{where}-share")
+            beside[where] = _ring_side(where, a, ring_kv, ring_spec, engine, hints, flag, kind)
         try:
             reg = _detect_kv(kv, spec, engine, hints)
         except (KVLayoutError, TypeError) as e:
@@ -538,7 +564,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     record: dict[str, Any] = {
         "tokens": args.tokens, "first_token": args.first_token, "blocks": args.blocks, "poster": args.poster,
         "cost_model": DEFAULT_COST.source, "kv_heads": args.kv_heads if state else model_heads,
-        "state": state, "ring": ring, "pairs": [],
+        "state": state, "ring": ring, "ring_kind": kind and kind[0], "pairs": [],
     }  # fmt: skip
     for where, (_, group) in sides.items():
         g = group.geometry
@@ -805,11 +831,18 @@ def _cp_sender(tp: int, dcp: int, heads: int, r: int, d: int) -> int:
 
 
 def _print_plan(r: dict[str, Any]) -> None:
+    from kvlayout.integrations.vllm.rules import RING_KINDS
+
     s, d = r["src"], r["dst"]
+    rings = (
+        f"the request's ring (vLLM's CircularBufferSpec: {RING_KINDS[r['ring_kind']].what})"
+        if r["ring_kind"]
+        else ""
+    )
     moved = f" (moving {r['first_token']} on)" if r["first_token"] else ""
     if r["ring"]:  # vLLM's rings: one block a request, held whole on every rank
         print(
-            f"plan: the request's ring (vLLM's CircularBufferSpec), one block id a side ({r['blocks']}); "
+            f"plan: {rings}, one block id a side ({r['blocks']}); "
             f"src TP {s['tp']} (rings of {s['block_size']} rows), dst TP {d['tp']} (rings of "
             f"{d['block_size']} rows), every rank's ring whole; posted by {r['poster']}; "
             f"cost model: {r['cost_model']}"
@@ -830,11 +863,7 @@ def _print_plan(r: dict[str, Any]) -> None:
         )
     beside = r["beside"]
     if beside:
-        what = (
-            "the running Mamba state"
-            if beside == "state"
-            else "the request's ring (vLLM's CircularBufferSpec)"
-        )
+        what = "the running Mamba state" if beside == "state" else rings
         print(
             f"  and {what}, one block id a side: src {s[beside]['layers']} layers ({s[beside]['format']}), "
             f"dst {d[beside]['layers']} layers ({d[beside]['format']}); each pair's maps posted as one "

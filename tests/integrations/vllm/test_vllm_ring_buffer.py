@@ -164,7 +164,7 @@ def test_a_ring_declared_by_its_shape_reads_as_its_spec_reads_it() -> None:
         assert same(view[3], prefill_kv[name][2])
     view = next(iter(decode_kv.values()))
     for bad in (view.expand(NB, 2, CAPACITY, 2 * HEAD_DIM), view.to(torch.bfloat16)):
-        with pytest.raises(KVCacheGroupEditError, match=r"registers as float32 \[NB, 1, N, C\]"):
+        with pytest.raises(KVCacheGroupEditError, match=r"registers as \[NB,1,N,C\] float32"):
             declared_ring_pages(bad)
 
 

@@ -49,6 +49,7 @@ from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pag
 from kvlayout.types import HintsLike, LayoutHints
 
 __all__ = [
+    "RING_KINDS",
     "STATE_ROWS_DTYPE",
     "CPUAttentionPagesEdit",
     "HeadSlotPagesEdit",
@@ -58,6 +59,7 @@ __all__ = [
     "PackedHeadRowsEdit",
     "PagedScaleMLAEdit",
     "RingBufferPagesEdit",
+    "RingKind",
     "SubpagedAttentionEdit",
     "SubpagedMLAEdit",
     "declared_ring_pages",
@@ -541,9 +543,51 @@ def ring_array(value: torch.Tensor, capacity: int | None) -> tuple[PageArray, ..
 
 
 @dataclasses.dataclass(frozen=True)
+class RingKind:
+    """How one of vLLM 0.33's ``CircularBufferSpec`` producers registers its ring,
+    ``[NB, H, N, C]`` (``get_kv_cache_spec``): what the ring is, the class that makes
+    it, its head slots ``H`` (and what they hold), its dtype, and where its page is
+    rows of its writer's own (Step5: 1 KiB rows, ``N`` the main block size), their bytes
+    and the fewest rows its writer takes; ``pow2_capacity``: where the capacity ``N`` is
+    a power of two, its least; ``rows_are``: what ``N`` is."""
+
+    what: str
+    producer: str
+    slots: int
+    holds: str
+    dtype: torch.dtype
+    row_bytes: int = 0
+    min_rows: int = 0
+    pow2_capacity: int = 0
+    rows_are: str = "its capacity"
+
+    @property
+    def registered(self) -> str:
+        """The registered shape as ``kvlayout plan`` writes it, with its dtype."""
+        return f"[NB,{self.slots},N,C] {_dtype_name(self.dtype)}"
+
+
+RING_KINDS: dict[str, RingKind] = {
+    "deepseek-v4.1": RingKind(
+        "DeepSeek-V4.1's compressor state", "CompressorStateCache", 1, "[kv_state | score_state]",
+        torch.float32, pow2_capacity=8,
+    ),  # compressor.py: float32 asserted, block_size max(8, ...) a power of two
+    "glm5-next-tail": RingKind(
+        "GLM5-Next's indexer tail ring", "Glm5NextTailCache", 2, "[K, gate score]", torch.bfloat16
+    ),  # glm5next/common/attention.py: num_kv_heads=2, dtype=torch.bfloat16
+    "qwen4-qsa": RingKind("Qwen4's QSA raw-key ring", "QSAKeyStateCache", 1, "raw keys", torch.bfloat16),
+    "step5-csa-tail": RingKind(
+        "Step5's CSA tail ring", "Step5CSATailRing", 1, "[index_k | index_z] rows", torch.bfloat16,
+        row_bytes=1024, min_rows=7, rows_are="the main block size, its capacity the page's 1 KiB rows",
+    ),  # csa_tail_ring.py: the main page in _ROW_BYTES rows, 7 + speculative tokens of them
+}  # fmt: skip
+"""vLLM 0.33's rings by the name ``kvlayout plan --ring-kind`` takes."""
+
+
+@dataclasses.dataclass(frozen=True)
 class _RingFields:
-    """The ``CircularBufferSpec`` of a ring given by its registered shape, as
-    ``CompressorStateCache.get_kv_cache_spec`` fills it (vLLM 0.33): one head, its
+    """The ``CircularBufferSpec`` of a ring given by its registered shape, as its
+    producer's ``get_kv_cache_spec`` fills it (vLLM 0.33): its head slots, its
     capacity the block, its row the head, no V; vLLM computes it no slot mapping."""
 
     block_size: int
@@ -558,20 +602,51 @@ class _RingFields:
         return self.block_size * self.num_kv_heads * self.head_size * self.dtype.itemsize
 
 
-def declared_ring_pages(value: torch.Tensor, layout_hints: HintsLike = None) -> torch.Tensor:
-    """A ring as vLLM 0.33 registers it (``value``: ``[NB, 1, N, C]``, DeepSeek-V4.1's
-    ``CompressorStateCache``, paged whole by ``CompressorBackend``) re-viewed and marked as
-    :class:`RingBufferPagesEdit` does for the ``CircularBufferSpec`` of its shape, where
-    there is no spec to read (``kvlayout plan``'s ring sides, given on the command line):
-    its capacity ``N``, its row ``C`` values of its dtype. A tensor of another shape, or
-    of a dtype the ring is not (vLLM asserts float32), raises
-    :class:`KVCacheGroupEditError`."""
-    if value.dim() != 4 or value.shape[1] != 1 or value.dtype != torch.float32:
-        raise KVCacheGroupEditError(
-            f"a ring (vLLM's CircularBufferSpec) registers as float32 [NB, 1, N, C] (one head, N its "
-            f"capacity, C its [kv_state | score_state] row), not {value.dtype} {list(value.shape)}"
+def _ring_shape_error(value: torch.Tensor, kind: RingKind) -> str | None:
+    """Why ``value`` is not a ring of ``kind`` as vLLM 0.33 registers it, naming the axis
+    (or the dtype); None where it is."""
+    if value.dim() != 4:
+        return f"a tensor of {value.dim()} dims, not 4"
+    rows, width = int(value.shape[_TOKEN_AXIS]), int(value.shape[-1])
+    if value.shape[1] != kind.slots:
+        return f"axis 1 (H) is {value.shape[1]}, not {kind.slots}"
+    if value.dtype != kind.dtype:
+        return f"its dtype is {_dtype_name(value.dtype)}, not {_dtype_name(kind.dtype)}"
+    if kind.pow2_capacity and (rows < kind.pow2_capacity or rows & (rows - 1)):
+        return f"axis 2 (N) is {rows}, not a power of two of {kind.pow2_capacity} or more"
+    page = rows * width * value.element_size()
+    if kind.row_bytes and (page % kind.row_bytes or page // kind.row_bytes < kind.min_rows):
+        return (
+            f"axis 3 (C) is {width}: N x C is {page} bytes, not {kind.min_rows} or more rows of "
+            f"{kind.row_bytes} bytes (the page is its rank's attention page)"
         )
-    spec = _RingFields(int(value.shape[_TOKEN_AXIS]), int(value.shape[-1]), value.dtype)
+    return None
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def declared_ring_pages(
+    value: torch.Tensor, layout_hints: HintsLike = None, kind: str = "deepseek-v4.1"
+) -> torch.Tensor:
+    """A ring as vLLM 0.33 registers it (``value``: ``[NB, H, N, C]``, a
+    :data:`RING_KINDS` ``kind``: DeepSeek-V4.1's ``CompressorStateCache`` by default)
+    re-viewed and marked as :class:`RingBufferPagesEdit` does for the
+    ``CircularBufferSpec`` of its shape, where there is no spec to read (``kvlayout
+    plan``'s ring sides, given on the command line): its head slots, its capacity ``N``,
+    its row ``C`` values of its dtype. A tensor that is not such a ring (an axis or a
+    dtype the kind's producer does not register) raises :class:`KVCacheGroupEditError`
+    naming the axis."""
+    ring = RING_KINDS[kind]
+    why = _ring_shape_error(value, ring)
+    if why is not None:
+        raise KVCacheGroupEditError(
+            f"{ring.what} (vLLM's CircularBufferSpec, {ring.producer}) registers as {ring.registered} (H its "
+            f"head slots, {ring.holds}; N {ring.rows_are}; C its row), not {_dtype_name(value.dtype)} "
+            f"{list(value.shape)}: {why}"
+        )
+    spec = _RingFields(int(value.shape[_TOKEN_AXIS]), int(value.shape[-1]), value.dtype, ring.slots)
     edit = RingBufferPagesEdit()
     view = edit.apply(spec, value, layout_hints)
     mark_opaque_pages(view, edit.opaque_pages(spec, value, layout_hints), [value])
