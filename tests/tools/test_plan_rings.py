@@ -6,6 +6,7 @@ them (tests/integrations/vllm/test_vllm_ring_producers.py's models)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -239,3 +240,23 @@ def test_help_names_every_ring_kind(capsys: pytest.CaptureFixture[str]) -> None:
     text = " ".join(capsys.readouterr().out.split())
     said = text.rsplit("--ring-kind KIND", 1)[1].split("--tokens", 1)[0]
     assert all(k in said for k in RING_KINDS), said
+
+
+def test_plan_of_a_qwen4_ring_beside_its_attention_as_the_docs_show(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """docs/pd-connectors.md's ``--ring-kind`` line runs: each decode rank's KV head of 2
+    layers (100 tokens) and their QSA rings from one prefill rank, in one transfer."""
+    docs = (Path(__file__).parents[2] / "docs" / "pd-connectors.md").read_text()
+    line = next(x for x in docs.splitlines() if "kvlayout plan" in x and "--ring-kind" in x)
+    argv = [a.strip("'") for a in line.split("$ kvlayout ", 1)[1].split()]
+    code, out, err = run(capsys, *argv, "--json")
+    assert (code, err) == (0, "")
+    plan = json.loads(out)
+    assert plan["ring_kind"] == "qwen4-qsa"
+    sent = [p for p in plan["pairs"] if p["bytes"]]
+    assert sorted((p["src_rank"], p["dst_rank"]) for p in sent) == [(0, 0), (0, 1), (1, 2), (1, 3)]
+    assert all(
+        (p["attention"]["bytes"], p["ring"]["bytes"]) == (100 * 2 * 256 * 2, 2 * 4 * 128 * 2) for p in sent
+    )
+    assert all((p["runs"], p["bytes"]) == (6, 104448) for p in sent)
