@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,7 +18,7 @@ import torch
 import kvlayout
 from kvlayout import EngineKVFormat as F
 from kvlayout.catalog.registry import as_format
-from kvlayout.transfer import TransferError, prepare
+from kvlayout.transfer import BlockMapError, TransferError, block_map, prepare
 
 
 def layers(n: int = 3) -> list[torch.Tensor]:
@@ -183,3 +184,40 @@ def test_a_kv_cache_where_the_format_goes_says_which_function_returns_which_orde
             kvlayout.KVLayoutError, match=r"a KV cache went where the format goes \(normalize_kv"
         ):
             kvlayout.get_num_blocks(kv, wrong)  # type: ignore[arg-type]
+
+
+BOOL_IDS = [  # (ids, where the message says the bool is)
+    ([True, 1], "[0]"),
+    ((0, np.True_), "[1]"),
+    ([2, torch.tensor(True)], "[1]"),
+    (np.array([0, 1], dtype=bool), ""),  # refused by dtype
+    (torch.tensor([False, True]), ""),
+]
+
+
+@pytest.mark.parametrize(("ids", "named"), BOOL_IDS, ids=["list", "tuple", "torch-in-list", "numpy", "torch"])
+def test_a_bool_among_block_ids_or_slots_is_refused_not_read_as_0_or_1(ids: Any, named: str) -> None:
+    """``[True, 1]`` read as blocks ``[1, 1]``: a silent wrong answer at every entry point
+    that takes block ids (a map's blocks or slot mappings, a plan's calls)."""
+    kv = [torch.zeros(2, 8, 4, 2, 8) for _ in range(2)]
+    cache = kvlayout.bind(kv, F.NL_X_TWO_NB_BS_NH_HS)
+    calls: list[tuple[str, Callable[[], object]]] = [
+        ("src_blocks", lambda: block_map(cache, cache, ids, [2, 3])),
+        ("dst_blocks", lambda: block_map(cache, cache, [2, 3], ids)),
+        ("src_slots", lambda: block_map(cache, cache, src_slots=ids, dst_blocks=[2])),
+        ("dst_slots", lambda: block_map(cache, cache, [2], dst_slots=ids)),
+    ]
+    for name, call in calls:
+        with pytest.raises(BlockMapError, match=f"^{re.escape(name + named)}.*bool"):
+            call()
+    plan = prepare([torch.zeros(7, 3, 16)], F.NL_X_NB_BS_HS)
+    chunk = torch.zeros(plan.chunk_shape(6)[0])
+    with pytest.raises(TransferError, match=f"^{re.escape('block_ids' + named)}.*bool"):
+        plan.store_blocks(ids, [chunk])
+
+
+def test_a_torch_bool_scalar_is_no_int() -> None:
+    """``operator.index(torch.tensor(True))`` is 1: a count or token given so read silently."""
+    cache = kvlayout.bind([torch.zeros(2, 8, 4, 2, 8) for _ in range(2)], F.NL_X_TWO_NB_BS_NH_HS)
+    with pytest.raises(BlockMapError, match=r"^num_tokens must be an int, got tensor\(True\)$"):
+        block_map(cache, cache, [0], [1], num_tokens=torch.tensor(True))  # type: ignore[arg-type]

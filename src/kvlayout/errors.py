@@ -7,6 +7,7 @@ catch ``ValueError`` (as LMCache's do) keep working.
 from __future__ import annotations
 
 import operator
+import sys
 from collections.abc import Sequence
 
 __all__ = [
@@ -37,12 +38,19 @@ def as_int(value: object, what: str) -> int:
     ``operator.index`` themselves)."""
     if type(value) is int:
         return value
-    if not isinstance(value, bool):
+    if not isinstance(value, bool) and not _bool_tensor(value):
         try:
             return operator.index(value)  # type: ignore[arg-type]
         except TypeError:
             pass
     raise TypeError(f"{what} must be an int, not {type(value).__name__} ({value!r})")
+
+
+def _bool_tensor(value: object) -> bool:
+    """A torch bool scalar, which ``operator.index`` reads as 0 or 1. (torch is looked up,
+    not imported: a tensor exists only once it is.)"""
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor) and value.dtype == torch.bool
 
 
 def at_least(value: object, what: str, least: int) -> int:

@@ -56,6 +56,7 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError], count: int 
         ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
     else:
         _refuse_masked(name, value, error)
+        _refuse_bools(name, value, error)
         try:
             ids = np.asarray(value)
         except ValueError:  # NumPy's "inhomogeneous shape": a list holding lists of other lengths
@@ -85,6 +86,18 @@ def _refuse_masked(name: str, value: Any, error: type[KVLayoutError]) -> None:
         at = np.argwhere(ma.getmaskarray(value))[0]
         where = "".join(f"[{int(i)}]" for i in at)
         raise error(f"{name}{where} is masked, which is no block id: fill or compress the masked array first")
+
+
+def _refuse_bools(name: str, value: Any, error: type[KVLayoutError]) -> None:
+    """A bool among a list's ints: NumPy reads ``[True, 1]`` as ``[1, 1]``, block 1 twice.
+    (An array or tensor of bools is refused by its dtype.)"""
+    if isinstance(value, (list, tuple)) and not _INT_ONLY.issuperset(map(type, value)):
+        for i, v in enumerate(value):
+            if isinstance(v, (bool, np.bool_)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+                raise error(f"{name}[{i}] is a bool ({v!r}), not an int: {_ONE_D}")
+
+
+_INT_ONLY = frozenset({int})  # a list of Python ints, the common case, is not walked in Python
 
 
 def _ragged(name: str, value: Any) -> str:
