@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import gc
 import json
+import re
 import threading
 import time
 from collections.abc import Iterator
@@ -467,6 +468,25 @@ PACED = [c for c in CASES if c[0] in ("TP 1->2 NHD", "TP 2->1 NHD", "NHD->HND", 
 def poster_name(pair: Pair) -> str:
     """This agent's name in the peer, which sends it stage notifications."""
     return pair.peer.add_remote(pair.agent.get_agent_metadata())
+
+
+def test_a_poster_restarted_under_its_name_is_refused_by_name_until_the_peer_drops_the_old(
+    pair: Pair, poster_name: str
+) -> None:
+    """NIXL takes an agent's metadata again, but refuses another agent of a loaded name
+    (one restarted under it) with its raw ``nixlNotAllowedError``, naming no agent."""
+    assert pair.peer.add_remote(pair.agent.get_agent_metadata()) == poster_name  # the same agent: taken
+    restarted = nx.make_agent(poster_name, progress_thread=False)
+    with pytest.raises(nx.NixlError, match=re.escape(
+        f"agent {pair.peer.name!r} could not load the metadata (nixlNotAllowedError: "
+    )) as refused:  # fmt: skip
+        pair.peer.add_remote(restarted.get_agent_metadata())
+    assert str(refused.value).endswith("(one restarted under its name), or it is its own; remove_remote_agent(that "
+                                       "name) first")  # fmt: skip
+    pair.peer.remove_remote(poster_name)
+    assert pair.peer.add_remote(restarted.get_agent_metadata()) == poster_name
+    pair.peer.remove_remote(poster_name)  # the module's poster again, for the paced tests
+    assert pair.peer.add_remote(pair.agent.get_agent_metadata()) == poster_name
 
 
 @pytest.mark.parametrize("stages", [1, 3])

@@ -343,9 +343,24 @@ class NixlPeer:
 
     def add_remote(self, metadata: bytes) -> str:
         """Load another agent's NIXL metadata in the peer (so it can send that agent
-        notifications); the agent's name."""
-        name: str = self.call("remote", metadata=base64.b64encode(metadata).decode())["name"]
+        notifications); the agent's name. The same agent's metadata again is taken; an
+        agent NIXL refuses (another of that name loaded: :meth:`remove_remote` it first) is a
+        ``NixlError``."""
+        from kvlayout.transfer.nixl import NixlError
+
+        self.send("remote", metadata=base64.b64encode(metadata).decode())
+        answer: dict[str, Any] = json.loads(self._line(self.timeout))
+        if answer.get("error", "").startswith("NixlError: "):  # _load_remote's, in the child
+            raise NixlError(answer["error"].removeprefix("NixlError: "))
+        if "error" in answer:
+            raise RuntimeError(f"peer {self.name!r} failed remote: {answer['error']}")
+        name: str = answer["name"]
         return name
+
+    def remove_remote(self, name: str) -> None:
+        """Drop the metadata of agent ``name`` that the peer loaded (NIXL's
+        ``remove_remote_agent``)."""
+        self.call("unremote", name=name)
 
     def read(self, buffer: int, offset: int = 0, nbytes: int | None = None) -> np.ndarray:
         """Bytes of one of the peer's buffers, as it holds them now."""
@@ -691,7 +706,10 @@ def _serve() -> None:
                 answer = {"notifs": [base64.b64encode(m).decode() for m in notifs()]}
                 agent.notifs = {}
             elif cmd == "remote":
-                answer = {"name": _peer_name(agent.add_remote_agent(base64.b64decode(msg["metadata"])))}
+                answer = {"name": _peer_name(_load_remote(agent, base64.b64decode(msg["metadata"])))}
+            elif cmd == "unremote":
+                agent.remove_remote_agent(msg["name"])
+                answer = {}
             elif cmd == "cache":
                 if cache is not None:
                     cache[2].deregister()
@@ -788,6 +806,25 @@ def _serve() -> None:
             answer = {"error": f"{type(exc).__name__}: {exc}"}
         out.write(json.dumps(answer) + "\n")
         out.flush()
+
+
+def _load_remote(agent: Any, metadata: bytes) -> bytes:
+    """``agent.add_remote_agent(metadata)``, NIXL's refusal a ``NixlError`` saying why.
+    NIXL takes an agent's metadata again (adding the regions it registered since, keeping
+    those it deregistered), but refuses an agent of a name it holds whose connections
+    differ (another agent, as one restarted under its name) and its own metadata; its
+    error names neither agent."""
+    from kvlayout.transfer.nixl import NixlError
+
+    try:
+        name: bytes = agent.add_remote_agent(metadata)
+    except Exception as exc:  # NIXL's bindings' classes (nixlNotAllowedError, ...), raw
+        raise NixlError(
+            f"agent {agent.name!r} could not load the metadata ({type(exc).__name__}: {exc}): "
+            "it holds an agent of that name already, loaded from another agent's metadata (one "
+            "restarted under its name), or it is its own; remove_remote_agent(that name) first"
+        ) from exc
+    return name
 
 
 def _host_bytes(t: Any) -> Any:
