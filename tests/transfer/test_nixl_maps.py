@@ -785,6 +785,39 @@ def test_the_peer_s_copy_holds_its_staging_buffer_from_prepared_until_run(pair: 
         assert isinstance(failed[0], nx.NixlTimeoutError) and staging.busy and staging.kept
 
 
+def test_a_peer_s_copy_runs_once_its_buffer_holding_another_request_s_bytes_after(pair: Pair) -> None:
+    """A PeerCopy is one request's half, as a prepared request posts once: its run lets go
+    of the staging buffer, which the next request's bytes may fill; a second run would
+    scatter those into this request's blocks (or gather over them), so it is refused."""
+    s_spec, d_spec = spec(NHD, (1, 2), 16, seed=113), spec(NHD, (0, 1), 16, seed=114)
+    source = RegistrationDescription.from_json(handshake(pair, s_spec))
+    local, leaves = build_cache(d_spec)
+    scatter = block_map(source, local, [0, 1, 2], [3, 4, 5], num_tokens=TOKENS, src_shard=s_spec.the_shard)
+    gather = block_map(local, source, [3, 4, 5], [0, 1, 2], num_tokens=TOKENS, dst_shard=s_spec.the_shard)
+    with nx.register(pair.agent, local), nx.Staging(pair.agent, 1 << 16) as staging:
+        for prepare, m in ((nx.prepare_unstage, scatter), (nx.prepare_stage, gather)):
+            copy = prepare(m, staging)
+            copy.run()
+            staging.tensor.fill_(0xA5)  # the next request's bytes
+            before = [t.clone() for t in leaves]
+            with pytest.raises(TransferError, match=re.escape(
+                f"this peer's copy through {staging!r} ran already: a PeerCopy copies one request, and its "
+                "staging buffer, let go when that run returned, may hold another request's bytes now; "
+                "prepare the request again"
+            )):  # fmt: skip
+                copy.run()
+            assert all(
+                torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                for a, b in zip(leaves, before, strict=True)
+            )
+            assert bool((staging.tensor == 0xA5).all()) and not staging.busy  # none gathered, nothing held
+        copy = nx.prepare_stage(gather, staging)  # a run refused before it copied may run again
+        with pytest.raises(nx.NixlError, match="holds no metadata of peer 'nobody', the poster"):
+            copy.run(notifs=nx.StageNotifs(pair.agent, "nobody", b"t"))
+        copy.run()
+        assert not bool((staging.tensor == 0xA5).all())  # gathered
+
+
 def test_stage_notifications_name_the_tag_the_stage_and_the_count() -> None:
     assert nx.stage_notif(b"req-7", 0, 1) == b"req-7"  # one stage: the request's own notification
     assert [nx.stage_notif(b"req-7", i, 3) for i in range(3)] == [b"req-7#0/3", b"req-7#1/3", b"req-7#2/3"]

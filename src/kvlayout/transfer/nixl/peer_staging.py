@@ -118,35 +118,45 @@ def _progress_until(fut: Future[None], agent: Agent, deadline: float, what: str)
 
 
 class _Taken:
-    """The staging buffer one :class:`PeerCopy` holds (from prepared until a run ends),
-    and whether a run is under way: one at a time, so that no run lets go of the buffer
-    while another still copies through it."""
+    """The staging buffer one :class:`PeerCopy` holds (from prepared until its run ends),
+    whether the run is under way (no second one lets go of the buffer while it still
+    copies through it) and whether it copied (then the buffer may hold another request's
+    bytes: no second run)."""
 
     def __init__(self, staging: Staging) -> None:
         self.staging = staging
         self.held = True
         self.running = False
+        self.copied = False
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        """A run begins: the buffer held (taken again after an earlier run let it go)."""
+        """A run begins: the buffer held (taken again after a run that copied nothing let
+        it go)."""
         with self._lock:
             if self.running:
                 raise TransferError(
                     f"this peer's copy through {self.staging!r} is running already (on another thread): "
                     "a PeerCopy runs once at a time"
                 )
+            if self.copied:
+                raise TransferError(
+                    f"this peer's copy through {self.staging!r} ran already: a PeerCopy copies one request, "
+                    "and its staging buffer, let go when that run returned, may hold another request's bytes "
+                    "now; prepare the request again"
+                )
             if not self.held:
                 self.staging._take_or_refuse("a peer's copy")
                 self.held = True
             self.running = True
 
-    def let_go(self, *, run_ended: bool = False) -> None:
-        """A run ended (``run_ended``), or the copy was dropped: the buffer is free again,
-        unless kept for good (bytes may still move through it)."""
+    def let_go(self, *, run_ended: bool = False, copied: bool = False) -> None:
+        """A run ended (``run_ended``; ``copied``: it began copying), or the copy was dropped:
+        the buffer is free again, unless kept for good (bytes may still move through it)."""
         with self._lock:
             if run_ended:
                 self.running = False
+                self.copied = self.copied or copied
             if self.held and not self.running:
                 self.held = False
                 if not self.staging.kept:
@@ -174,7 +184,10 @@ class PeerCopy:
     is asked for a request a READ will take), so that only the copy is left for when the
     bytes move. Its staging buffer is the request's from then until :meth:`run` returns
     (taken as a transfer takes one: another request through it is refused meanwhile), or
-    until the copy is dropped; a second run takes it again."""
+    until the copy is dropped. It runs once, as a prepared request posts once: a second
+    run, once one began copying, is refused (the buffer may hold another request's bytes
+    by then); a run refused before it copied (a closed buffer, a poster's metadata not
+    loaded) may be run again."""
 
     plan: Plan  # this side's staged plan: a gather (op WRITE) or a scatter (op READ)
     # Held so that the memory the checked copies address outlives them: the staging
@@ -193,7 +206,8 @@ class PeerCopy:
         scatter whose stages have not all landed in ``timeout`` keeps its staging buffer
         for good (the WRITE may still land there: :class:`NixlTimeoutError` says so), as
         does a paced gather that fails after announcing a stage (the READ may be reading
-        it). One run at a time: a second, on another thread, is a :class:`TransferError`."""
+        it). A second run, on another thread meanwhile or once this one began copying, is
+        a :class:`TransferError`."""
         timeout = _seconds(timeout)
         _drain_deferred(self.staging.agent)  # a call on the agent: what dropped objects left it goes first
         if notifs is not None:
@@ -206,10 +220,12 @@ class PeerCopy:
             self._taken.let_go()  # held and not running: closed, it is deregistered now
             raise NixlError(f"{self.staging!r} was closed after this copy was prepared; nothing was copied")
         self._taken.start()
+        copied = False
         try:
             if notifs is not None and self.plan.op == "WRITE":
                 _check_poster(notifs)
             stream = _copy_stream(self.plan.copy_device)
+            copied = True  # from here the buffer's bytes are this request's, read or written
             if notifs is None:
                 self.plan.copy(num_threads, stream)
             elif self.plan.op == "WRITE":
@@ -217,7 +233,7 @@ class PeerCopy:
             else:
                 self._scatter(notifs, timeout, stream)
         finally:
-            self._taken.let_go(run_ended=True)
+            self._taken.let_go(run_ended=True, copied=copied)
 
     def _gather(self, notifs: StageNotifs, timeout: float, stream: torch.cuda.Stream | None) -> None:
         p, n, deadline = self.plan, self.stages, time.perf_counter() + timeout
