@@ -22,11 +22,15 @@ vx = pytest.importorskip("kvlayout.testing.vllm")  # vLLM's spec classes
 pytest.importorskip("vllm")
 
 
-def edited_cache(layout: Any, seed: int, block_size: int = 128) -> tuple[dict[str, Any], Any, dict[str, Any]]:
+def edited_cache(
+    layout: Any, seed: int, block_size: int = 128, heads: int = 4, head_size: int = 16
+) -> tuple[dict[str, Any], Any, dict[str, Any]]:
     """A 2-layer model on FlashInfer with ``--block-size 128``: 64-token kernel pages,
     edited into 128-row opaque pages. Returns the raw views, the registration and the
     edited views."""
-    spec = vx.kvi.FullAttentionSpec(block_size=block_size, num_kv_heads=4, head_size=16, dtype=torch.bfloat16)
+    spec = vx.kvi.FullAttentionSpec(
+        block_size=block_size, num_kv_heads=heads, head_size=head_size, dtype=torch.bfloat16
+    )
     engine = vx.uniform_engine(spec, vx.FLASHINFER, num_layers=2, num_blocks=6, layout=layout)
     buf, raw = vx.allocate_v033(engine)
     buf.copy_(
@@ -128,6 +132,23 @@ def test_hnd_kernel_pages_map_to_other_memory_orders_as_their_kernel_pages() -> 
         assert torch.equal(got[200:].view(torch.int16), old[200:].view(torch.int16))  # past the request: kept
         rest = [page for page in range(12) if page // 2 not in (0, 5)]
         assert torch.equal(raw_dst[name][rest].view(torch.int16), before[name][rest].view(torch.int16))
+
+
+def test_hnd_kernel_pages_of_heads_and_rows_that_divide_no_block_declare_them() -> None:
+    """Only the kernel page's tokens divide a block (its 128 slots into 2 pages of 64):
+    Phi-3-medium's 10 KV heads of 128 (rows of 256), and the 12 pages, divide none of it,
+    and the HND pages still declare their kernel pages of heads, which map as such."""
+    raw_src, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1, heads=10, head_size=128)
+    raw_dst, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2, heads=10, head_size=128)
+    pages = dst.only_group().opaque_pages
+    assert pages is not None and [str(a) for a in pages.arrays] == [
+        "bfloat16 [2, 10, 64, 256] (axis 1 in KV heads)"
+    ]
+    block_map(src, dst, [4], [5], num_tokens=100).copy()
+    for name, view in raw_src.items():  # token p of block b: slot p % 64 of page 2b + p // 64
+        sent = torch.stack([view[8 + p // 64, :, p % 64] for p in range(100)])
+        got = torch.stack([raw_dst[name][10 + p // 64, :, p % 64] for p in range(100)])
+        assert torch.equal(got.view(torch.int16), sent.view(torch.int16))
 
 
 def test_opaque_pages_map_whole_only_to_opaque_pages_alike_of_the_same_rank() -> None:
@@ -438,6 +459,40 @@ def test_a_peer_s_kernel_pages_that_are_not_its_pages_are_refused() -> None:
         r"back its array bfloat16 \[1, 4, 64, 32\] \(axis 1 in KV heads\) says",
     ):
         block_map(src, RegistrationDescription.from_json(json.dumps(wire)), [1], [2])
+
+
+def padded_peer(pages: int, tokens: int) -> RegistrationDescription:
+    """The HND cache's description as a peer that pads each 32 KiB block to 36 KiB
+    (4 KiB between blocks), its pages ``pages`` kernel pages of ``tokens`` tokens."""
+    _, dst, _ = edited_cache(vx.KVCacheLayout.LBHNC, 2)
+    wire = json.loads(dst.describe().to_json())
+    plane = wire["groups"][0]["planes"][0]
+    plane["block_stride"] = plane["strides"][0] = 36864
+    plane["addresses"][1] = plane["addresses"][0] + 6 * 36864  # the layers' padded tensors apart
+    wire["groups"][0]["opaque_pages"]["arrays"][0]["shape"] = [pages, 4, tokens, 32]
+    return RegistrationDescription.from_json(json.dumps(wire))
+
+
+def test_a_peer_s_padded_blocks_of_kernel_pages_are_refused_and_a_padded_page_maps() -> None:
+    """Two kernel pages a block must be back to back (kernel page ``2b + 1`` is read at
+    half the block stride: padding between blocks would put it in the padding); one page
+    a block may be padded, each block read at its own stride."""
+    _, src, _ = edited_cache(vx.KVCacheLayout.LBNHC, 1)
+    with pytest.raises(
+        BlockMapError,
+        match=r"^dst: its pages of 32768 bytes, 36864 apart, are not the 2 kernel pages of 16384 bytes back to "
+        r"back its array bfloat16 \[2, 4, 64, 32\] \(axis 1 in KV heads\) says",
+    ):
+        block_map(src, padded_peer(2, 64), [1], [2])
+    peer = padded_peer(1, 128)
+    m = block_map(src, peer, [1, 4], [2, 5])
+    bases = peer.groups[0].planes[0].addresses  # a layer's tensor each
+    landed = set()
+    for at, n in m.runs[:, 1:].tolist():
+        offset = next(at - b for b in bases if 0 <= at - b < 6 * 36864)
+        landed.add(offset // 36864)
+        assert offset % 36864 + n <= 32768  # inside its block's page, never in the padding
+    assert landed == {2, 5} and m.num_bytes == 2 * 2 * 32768
 
 
 def test_a_peer_s_kernel_pages_of_other_tokens_than_its_blocks_are_refused() -> None:
