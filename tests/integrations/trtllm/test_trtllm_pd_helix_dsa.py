@@ -40,6 +40,7 @@ from kvlayout.testing.nixl_peer import AgentPair
 from kvlayout.transfer import Shard, block_map
 from kvlayout.transfer import nixl as nx
 from tests.integrations.trtllm.test_trtllm_pd_nixl import (
+    BLOCKS,
     BUILDER,
     CTX_BLOCKS,
     CTX_IDS,
@@ -72,8 +73,6 @@ from tests.integrations.trtllm.test_trtllm_pd_nixl import (
 from tests.integrations.trtllm.test_trtllm_v2_layout import Group, Layout, Region, kv_refs
 
 __all__ = ["pair"]  # the module's agent pair (a fixture of its own per module)
-
-BLOCKS = -(-TOKENS // TPB)  # the request's blocks: 4 of 32 tokens for 100 tokens
 
 
 def request_tokens(blocks: list[int]) -> int:

@@ -74,6 +74,7 @@ from kvlayout.transfer import nixl as nx
 LAYERS, HEADS, HEAD_DIM, LATENT = 4, 8, 16, 48  # LATENT: kv_lora_rank 32 + qk_rope_head_dim 16
 TPB = 32  # tokens_per_block, the same on both sides (TRT-LLM's inquireSupport requires it)
 TOKENS = 100  # three whole blocks and 4 tokens of a fourth
+BLOCKS = -(-TOKENS // TPB)  # the request's blocks: 4 of 32 tokens for 100 tokens
 CTX_BLOCKS, GEN_BLOCKS = 6, 8
 CTX_IDS, GEN_IDS = [4, 1, 5, 2], [7, 0, 3, 5]  # pool indices (get_memory_pool_block_indices)
 BUILDER = "tests.integrations.trtllm.test_trtllm_pd_nixl:generation_pool"
@@ -476,7 +477,7 @@ def test_variable_sliding_window_pools(pair: AgentPair, ctx_tp: int, gen_tp: int
     detector refuses a list of them) and numbered with its layers' model ids; the sliding
     window's dropped blocks are left out with ``first_token`` (block ``window_start_block``),
     its block list still the request's every block id in that window's pool."""
-    blocks = -(-TOKENS // TPB)
+    blocks = BLOCKS
     for window, (layers, ctx_ids, gen_ids) in POOLS.items():
         first = window_start_block(window, blocks) * TPB
         ctx = {
@@ -905,7 +906,7 @@ def test_helix_generation_cp(pair: AgentPair, cp: int, round_robin: bool) -> Non
     of its blocks onto its own, the request's tokens in them (``num_tokens`` short only where
     it holds the request's last block): a plain block map, each side's block lists as its
     blocks (kvlayout's ``Shard`` CP is vLLM's token interleave, not this)."""
-    blocks = -(-TOKENS // TPB)
+    blocks = BLOCKS
     ctx = context_ranks(1, 1, 1, 1)
     reg = kvlayout.detect(ctx[0, 0], "trtllm", hints(1, 1))
     held = nx.register(pair.agent, reg)
@@ -1004,7 +1005,7 @@ def test_helix_with_generation_tp_and_pp(
     CP rank's blocks as a plain block map. Context ranks hold different bytes here (seeded
     by rank) so a wrong sender shows."""
     (ctx_tp, ctx_pp), (gen_tp, gen_pp, cp) = ctx, gen
-    blocks = -(-TOKENS // TPB)
+    blocks = BLOCKS
     pools = {
         (p, r): primary_pool(CTX_BLOCKS, LAYERS // ctx_pp, 1, LATENT, 1, 500 + 10 * p + r)
         for p in range(ctx_pp)

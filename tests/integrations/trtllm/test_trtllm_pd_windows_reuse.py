@@ -39,6 +39,7 @@ from kvlayout.testing.nixl_peer import AgentPair
 from kvlayout.transfer import BlockMap, RegistrationDescription, Shard, block_map
 from kvlayout.transfer import nixl as nx
 from tests.integrations.trtllm.test_trtllm_pd_nixl import (
+    BLOCKS,
     CTX_BLOCKS,
     CTX_IDS,
     GEN_BLOCKS,
@@ -63,8 +64,6 @@ from tests.integrations.trtllm.test_trtllm_pd_nixl import (
 )
 
 __all__ = ["pair"]  # the module's agent pair (a fixture of its own per module)
-
-BLOCKS = -(-TOKENS // TPB)  # the request's blocks: 4 of 32 tokens for 100 tokens
 
 
 def window_layers(layers: Sequence[int], window: int) -> list[int]:
