@@ -639,6 +639,26 @@ def test_a_chunk_shorter_than_the_request_says_so() -> None:
     assert block_map(group, short, [3, 1], [0], num_tokens=5).num_tokens == 5  # it holds 5
 
 
+def test_a_chunks_block_list_is_zero() -> None:
+    """A chunk is one block of its tokens, ``[0]``: a block id or count meant as the cache's
+    blocks (the chunk's tokens taken for several blocks of the cache's size) said only
+    "out of range for 1 blocks" or "fill 1 block of 8", not what the chunk's list is."""
+    from kvlayout.transfer.block_maps import chunk_side
+
+    group = vllm(2, 8, 4, 2, 16)  # blocks of 4 tokens
+    chunk = chunk_side(group, torch.zeros(2, 2, 8, 2 * 16))  # [kv_size, layers, tokens, row]
+    one = r"the chunk \(dst\) is one block, of its 8 tokens: give \[0\]$"
+    with pytest.raises(BlockMapError, match=r"^dst_blocks\[0\] = 1, but " + one):
+        block_map(group, chunk, [3, 1], [1])
+    with pytest.raises(
+        BlockMapError, match=r"^dst_blocks has 2 block ids; the request's 8 tokens .*: " + one
+    ):
+        block_map(group, chunk, [3, 1], [0, 1], num_tokens=8)
+    with pytest.raises(BlockMapError, match=r"^src_blocks\[0\] = 2, but the chunk \(src\) is one block"):
+        block_map(chunk, group, [2], [3, 1])
+    assert block_map(chunk, group, [0], [3, 1]).num_tokens == 8
+
+
 def test_chunk_shape_for_is_the_shape_chunk_side_takes() -> None:
     from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
 

@@ -528,6 +528,8 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
             tokens_given = _advice(pages)  # what its reading says of mapping its pages (a ring's)
         elif not tokens_given and told != _TOLD_BY_BLOCKS and side.layout is not None and cp.size == 1:
             tokens_given = _slots_advice(size, given, needed)
+        elif side.layout is None and needed == 1:
+            tokens_given = f": {_one_chunk(name, side)}"
         if own != needed:
             tokens_given = (
                 f" (or {own}, the blocks of {side.block_size * per} its CP rank's own {held(cp, tokens)} "
@@ -549,8 +551,17 @@ def _ids(name: str, blocks: Any, side: Side, tokens: int, per: int, told: str, c
         )
     if len(ids) not in (needed, own):
         refuse(len(ids))
+    if side.layout is None and len(ids) and ids[0] != 0:  # the cache's block ids, given for a chunk's
+        raise BlockMapError(f"{name}[0] = {int(ids[0])}, but {_one_chunk(name, side)}")
     check_ids_in_range(name, ids, count, BlockMapError)
     return ids
+
+
+def _one_chunk(name: str, side: Side) -> str:
+    """What a chunk side's block list is (``name`` its ``src_blocks``/``dst_blocks``)."""
+    return (
+        f"the chunk ({name.removesuffix('_blocks')}) is one block, of its {side.block_size} tokens: give [0]"
+    )
 
 
 def _slots_advice(size: int, given: int, needed: int) -> str:
