@@ -659,6 +659,22 @@ def test_a_chunks_block_list_is_zero() -> None:
     assert block_map(chunk, group, [0], [3, 1]).num_tokens == 8
 
 
+def test_chunk_side_refuses_a_block_size_the_cache_does_not_count_in() -> None:
+    """A block size neither the cache's nor a multiple of it is an error in block_map; in
+    chunk_side and chunk_shape_for, for a cache of blocks of its own, it was ignored
+    (block_size=6 over blocks of 4 read as blocks of 4)."""
+    from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
+
+    group = vllm(2, 8, 4, 2, 16)  # blocks of 4 tokens
+    chunk = torch.zeros(2, 2, 8, 2 * 16)
+    told = r"block_size=6, but the cache's blocks hold 4 tokens: give its block size or a multiple of it"
+    with pytest.raises(BlockMapError, match=r"^chunk_side: " + told):
+        chunk_side(group, chunk, block_size=6)
+    with pytest.raises(BlockMapError, match=r"^chunk_shape_for: " + told):
+        chunk_shape_for(group, 8, block_size=6)
+    assert chunk_shape_for(group, 8, block_size=8) == chunk_shape_for(group, 8)  # a multiple: fine
+
+
 def test_chunk_shape_for_is_the_shape_chunk_side_takes() -> None:
     from kvlayout.transfer.block_maps import chunk_shape_for, chunk_side
 

@@ -57,6 +57,7 @@ from kvlayout.transfer.map_sides import (
     chunk_side,
     kernel_page_side,
     moved_tokens,
+    pages_per_block,
 )
 from kvlayout.transfer.memory_watch import MemoryWatch
 from kvlayout.transfer.sharded_pages import page_sides, structure_problem
@@ -470,28 +471,6 @@ def _length(blocks: Any) -> int | None:
         return None
 
 
-def _pages_per_block(side: Side, block_size: int | None, where: str) -> int:
-    """How many of ``side``'s blocks one of the caller's blocks of ``block_size`` tokens is:
-    1 for its own size (or none given); k for a multiple, a block ``b`` of the caller's
-    being the side's blocks ``b*k .. b*k + k-1`` (vLLM pages a cache for its attention
-    kernel in blocks k times finer than its scheduler's, the k pages of a scheduler
-    block contiguous and in order)."""
-    if block_size is None or block_size == side.block_size:
-        return 1
-    if block_size % side.block_size:
-        raise BlockMapError(
-            f"{where}_block_size={block_size}, but the {where} cache's blocks hold {side.block_size} tokens: "
-            f"give its block size or a multiple of it (a block of k of its blocks, in order)"
-        )
-    per = block_size // side.block_size
-    if per > side.num_blocks:
-        raise BlockMapError(
-            f"{where}_block_size={block_size} is {per} of the {where} cache's blocks, but it has "
-            f"{side.num_blocks} ({side.block_size} tokens each)"
-        )
-    return per
-
-
 _TOLD_BY_BLOCKS = "what the shorter block list holds"  # no num_tokens given
 
 
@@ -875,7 +854,10 @@ def block_map(
         and a.block_size != b.block_size and _state_pages(a) and _state_pages(b)
     )  # fmt: skip
     state = _check_opaque_pages(a, b, src_shard, dst_shard, running_state=running)
-    a_per, b_per = _pages_per_block(a, src_block_size, "src"), _pages_per_block(b, dst_block_size, "dst")
+    a_per, b_per = (
+        pages_per_block(a, src_block_size, "src_block_size", "the src cache"),
+        pages_per_block(b, dst_block_size, "dst_block_size", "the dst cache"),
+    )
     a_cp, b_cp = token_slice(given_shard(a, src_shard, "src")), token_slice(given_shard(b, dst_shard, "dst"))
     any_pages = a.opaque_pages is not None or b.opaque_pages is not None
     check_servable(a_cp, b_cp, a.block_size * a_per, b.block_size * b_per, any_pages)

@@ -491,6 +491,29 @@ def moved_tokens(side: Side, num_tokens: int) -> int:
     return -(-num_tokens // side.block_size) * side.block_size
 
 
+def pages_per_block(side: Side, block_size: int | None, arg: str, cache: str) -> int:
+    """How many of ``side``'s blocks one of the caller's blocks of ``block_size`` tokens is
+    (``arg`` names the argument, ``cache`` the side, for the message): 1 for its own size
+    (or none given); k for a multiple, a block ``b`` of the caller's being the side's blocks
+    ``b*k .. b*k + k-1`` (vLLM pages a cache for its attention kernel in blocks k times
+    finer than its scheduler's, the k pages of a scheduler block contiguous and in order).
+    Any other size is refused, never ignored."""
+    if block_size is None or block_size == side.block_size:
+        return 1
+    if block_size % side.block_size:
+        raise BlockMapError(
+            f"{arg}={block_size}, but {cache}'s blocks hold {side.block_size} tokens: "
+            f"give its block size or a multiple of it (a block of k of its blocks, in order)"
+        )
+    per = block_size // side.block_size
+    if per > side.num_blocks:
+        raise BlockMapError(
+            f"{arg}={block_size} is {per} of {cache}'s blocks, but it has "
+            f"{side.num_blocks} ({side.block_size} tokens each)"
+        )
+    return per
+
+
 def chunk_shape_for(
     group: Any, num_tokens: int, *, block_size: int | None = None
 ) -> tuple[tuple[int, int, int, int], torch.dtype]:
@@ -501,6 +524,7 @@ def chunk_shape_for(
     tokens = _count_tokens(num_tokens)
     _check_block_size("chunk_shape_for", block_size)
     cache = _as_side(group, block_size, "the cache")
+    pages_per_block(cache, block_size, "chunk_shape_for: block_size", "the cache")
     kv_size, row_bytes = _chunk_geometry(cache)
     dtype = getattr(torch, cache.piece_dtypes[0])
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -541,6 +565,7 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
     is ``store_blocks`` of those ids into the chunk."""
     _check_block_size("chunk_side", block_size)
     cache = _as_side(group, block_size, "the cache")
+    pages_per_block(cache, block_size, "chunk_side: block_size", "the cache")  # checked, never ignored
     if not isinstance(chunk, torch.Tensor):
         raise TypeError(f"chunk must be a tensor, not {type(chunk).__name__}")
     kv_size, row_bytes = _chunk_geometry(cache)
