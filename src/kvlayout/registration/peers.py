@@ -279,7 +279,12 @@ class RegistrationDescription:
             )
         except PeerDescriptionError:
             raise
-        except (ValueError, RecursionError) as exc:
+        except RecursionError:  # a real description nests a few levels; this one, thousands
+            raise PeerDescriptionError(
+                "the description nests its JSON arrays or objects deeper than the parser reaches "
+                "(a description nests a few levels)"
+            ) from None
+        except ValueError as exc:
             raise PeerDescriptionError(f"the description is not valid JSON: {exc}") from None
         return from_data(data)
 

@@ -134,7 +134,7 @@ def check_ids_in_range(name: str, ids: np.ndarray, count: int, error: type[KVLay
     """Refuse the first of ``ids`` (:func:`block_ids_arg`'s) not below ``count``."""
     bad = _native.first_bad_block_id(ids, count)
     if bad >= 0:
-        raise error(f"{name}[{bad}] = {int(ids[bad])} is out of range for {count} blocks")
+        raise error(f"{name}[{bad}] = {int(ids[bad])} is out of range for {_blocks(count)}")
 
 
 def check_range_in_range(name: str, ids: range, count: int, error: type[KVLayoutError]) -> None:
@@ -150,7 +150,11 @@ def check_range_in_range(name: str, ids: range, count: int, error: type[KVLayout
     else:
         bad = start // -step + 1  # the first index whose id is negative
     if bad < len(ids):
-        raise error(f"{name}[{bad}] = {ids[bad]} is out of range for {count} blocks")
+        raise error(f"{name}[{bad}] = {ids[bad]} is out of range for {_blocks(count)}")
+
+
+def _blocks(count: int) -> str:
+    return "1 block" if count == 1 else f"{count} blocks"
 
 
 def lmcache_object_hint(name: str, shape: Sequence[int], kv_size: int, layers: int, row: int) -> str:
