@@ -75,3 +75,41 @@ def test_a_connector_s_requests_leave_nothing_behind_round_after_round(conn: Con
         assert not any(conn.agent.notifs.values()), conn.agent.notifs
         assert conn.peer.notifs(expect=0, wait=0) == []
         assert not conn.staging.busy
+
+
+def _changed(was: dict[str, int], now: dict[str, int]) -> dict[str, tuple[int, int]]:
+    """Each count that differs, as (was, now)."""
+    return {
+        k: (was.get(k, 0), now.get(k, 0)) for k in was.keys() | now.keys() if was.get(k, 0) != now.get(k, 0)
+    }
+
+
+def test_kept_counts_what_a_request_holds(conn: Connector) -> None:
+    """What the rounds compare sees a request's hold: a peer-staged request started and
+    not yet waited for keeps its claim on the peer's buffer, pins the regions it posts
+    through and lives, here; the peer's copy prepared and not yet run lives in the peer.
+    Each is let go of once the request is over."""
+    from kvlayout.transfer import block_map
+    from kvlayout.transfer import nixl as nx
+
+    src_ids, dst_ids = [0, 1, 2], [5, 6, 7]
+    m = block_map(conn.here, conn.there, src_ids, dst_ids, num_tokens=conn.tokens)
+    before, peer_before = kept(conn.agent), conn.peer.kept()
+    x = nx.prepare_transfer(
+        conn.agent, conn.name, m, strategy="peer-staged", peer_staging=conn.peer_staging, notif=b"held"
+    )
+    conn.peer.prepare(
+        "unstage", conn.description, src_ids, dst_ids, expect=m.fingerprint, num_tokens=conn.tokens
+    )
+    x.start()
+    held = _changed(before, kept(conn.agent))
+    assert held["kvlayout.transfer.nixl.holds._PEER_STAGINGS"] == (0, 1), held
+    assert held["regions.pins"][0] < held["regions.pins"][1], held  # a region's count, not only the region
+    assert held["alive Transfer"][1] - held["alive Transfer"][0] == 1, held
+    assert conn.peer.kept().get("alive PeerCopy", 0) >= 1
+    x.wait(timeout=30)
+    assert conn.peer.notifs(expect=1) == [b"held"]
+    conn.peer.run_prepared()
+    del x
+    assert _changed(before, kept(conn.agent)) == {}
+    assert _changed(peer_before, conn.peer.kept()) == {}

@@ -81,7 +81,8 @@ def contents(seed: int, buffer: int, nbytes: int) -> np.ndarray:
 def kept(agent: Any) -> dict[str, int]:
     """The size of everything kvlayout keeps between calls, by name: each container and
     cache at module level in its modules (registries such as the peers' staging buffers
-    in use or the releases left for later, lru caches), ``agent``'s regions' tables, and
+    in use or the releases left for later, lru caches), ``agent``'s regions' tables (a
+    table of counts, such as the requests pinning each region, by its total), and
     the live objects of each of its classes (requests, holds, plans, maps). A loop of
     requests that leaves these as it found them keeps nothing per request."""
     from kvlayout.transfer.nixl.regions import _REGIONS
@@ -98,7 +99,11 @@ def kept(agent: Any) -> dict[str, int]:
             elif callable(info) and getattr(value, "__module__", None) == module_name:
                 sizes[f"{module_name}.{attr}()"] = info().currsize
     tables = vars(_REGIONS[agent]) if agent in _REGIONS else {}
-    sizes |= {f"regions.{k}": len(v) for k, v in tables.items() if hasattr(v, "__len__")}
+    for k, v in tables.items():
+        if isinstance(v, dict) and all(isinstance(n, int) for n in v.values()):
+            sizes[f"regions.{k}"] = sum(v.values())  # a count per region (pins) grows in place
+        elif hasattr(v, "__len__"):
+            sizes[f"regions.{k}"] = len(v)
     gc.collect()
     alive = collections.Counter(type(o).__qualname__ for o in gc.get_objects() if _of_kvlayout(o))
     return sizes | {f"alive {k}": n for k, n in alive.items()}
