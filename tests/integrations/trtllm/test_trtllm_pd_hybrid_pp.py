@@ -73,8 +73,15 @@ from tests.integrations.trtllm.test_trtllm_pd_windows_reuse import domain, stage
 __all__ = ["pair"]  # the module's agent pair (a fixture of its own per module)
 
 STATE_BUILDER = "tests.integrations.trtllm.test_trtllm_pd_hybrid_pp:state_pool"
-MAMBA = LAYERS  # the model's Mamba layers (their own space), split evenly as its attention layers
+MAMBA = LAYERS + 1  # the model's Mamba layers, in their own space: not split as its attention layers
 CTX_SLOT, GEN_SLOT = 3, 1  # the request's slot (get_state_indices) on each side
+
+
+def mamba_layers(pp_rank: int, pp: int) -> list[int]:
+    """The model's Mamba layers PP stage ``pp_rank`` holds (``mRnnLayerNumPerPP``, counted
+    on its own: the first stage of two holds one more here, as a hybrid's pattern may)."""
+    cut = [0, MAMBA // 2 + 1, MAMBA] if pp == 2 else [0, MAMBA]
+    return list(range(cut[pp_rank], cut[pp_rank + 1]))
 
 
 def state_pool(name: str, tp: int, ids: list[int]) -> tuple[Registration, list[torch.Tensor]]:
@@ -109,7 +116,7 @@ def context_states(whole: dict[str, torch.Tensor], tp: int, pp: int) -> dict[str
     bytes its TP share of its layers."""
     out: dict[str, dict[Any, Registration]] = {"conv": {}, "ssm": {}}
     for p in range(pp):
-        layers = stage_layers(p, pp)
+        layers = mamba_layers(p, pp)
         for r in range(tp):
             manager = v1_manager(tp, 0, layers=len(layers))
             cache = manager._impl.mamba_cache
@@ -160,6 +167,7 @@ def test_hybrid_attention_and_mamba_states_under_pp(
             want = expected(kv, ctx_tp, ctx_pp, shape, d, gen_tp, layers, HEADS)
             assert torch.equal(gen_bytes(pair, shape), want), ("kv", g)
             # the Mamba layers' states, slot to slot
+            layers = mamba_layers(stage, gen_pp)
             for name, dtype in (("conv", torch.bfloat16), ("ssm", torch.float32)):
                 there = handshake(pair, dst, STATE_BUILDER, name=name, tp=gen_tp, ids=layers)
                 maps = stage_maps(states[name], there, layers, ctx_tp, dst, ([CTX_SLOT], [GEN_SLOT]), None)
