@@ -55,7 +55,10 @@ from tests.integrations.sglang.test_sglang_pd_nixl import (
 SPEC = MODELS["kda"]  # Kimi Linear: MLA latents beside Kimi Delta Attention states
 PAGES, TOKENS, MODEL_HEADS = 8, 10, 16  # 10 tokens: two whole pages of 4 and 2 tokens of a third
 P_PAGES, D_PAGES = [1, 3, 2], [2, 1, 4]  # the KV sub-pool grows from the buffer's start
-P_SLOT, D_SLOT = 40, 38  # the Mamba sub-pool from its end
+P_BACK, D_BACK = (
+    2,
+    4,
+)  # the request's slot, counted back from the buffer's end: the Mamba sub-pool grows from there
 
 
 @pytest.fixture(scope="module")
@@ -67,20 +70,26 @@ def unified_rank(
     rank: int, tp: int, mamba_type: str | None, whole: list[torch.Tensor] | None
 ) -> dict[str, Any]:
     """A rank's ``UnifiedKVPool``: random latents (or zeros), its views, and its TP share of
-    the whole model's states in ``P_SLOT`` (``whole`` given) as registrations; ``raw`` the
-    buffer."""
+    the whole model's states in its ``P_BACK`` slot from the end (``whole`` given) as
+    registrations; ``raw`` the buffer, ``slot`` the rank's slot ``back`` from the end, past
+    every page the request uses (the sub-pools do not meet)."""
     raw, views = page_major_mla(PAGES)
     raw = raw.view(torch.uint8)
     if whole is None:
         raw.zero_()
     pool = unified_device_pool(SPEC, tp, None, raw=raw)
+    ssm = pool.mamba_cache.temporal
+    slot = ssm.shape[1] - (D_BACK if whole is None else P_BACK)
+    page = views[0].stride(0) * views[0].element_size()
+    assert slot * ssm.stride(1) * ssm.element_size() >= (max(P_PAGES + D_PAGES) + 1) * page
     if whole is not None:
         for t, part in zip(states(pool), shard(SPEC, whole, tp, rank), strict=True):
-            t[:, P_SLOT] = part[:, 1]
+            t[:, slot] = part[:, 1]
     at = Shard(rank, tp, MODEL_HEADS)
     regs = {n: Rank([raw], r, at) for n, r in mamba_state_pools(pool, mamba_type).items()}
     return {
         "raw": raw,
+        "slot": slot,
         "views": views,
         "pool": pool,
         "latents": detect_rank(views, PS, at, mha=False),
@@ -114,7 +123,9 @@ def test_unified_pool_latents_and_state_envelopes(agents: tuple[Any, Any], ptp: 
                 )
                 parts = [kv] if src.shard.sends_to(shard_of(there), latents=kv.latents) else []
                 for n, r in px["states"].items():
-                    m = block_map(r.registration, state_there[n], [P_SLOT], [D_SLOT], src_shard=r.shard)
+                    m = block_map(
+                        r.registration, state_there[n], [px["slot"]], [dx["slot"]], src_shard=r.shard
+                    )
                     assert m.kind == ("same layout" if ptp == dtp else "resharded state"), (n, m.kind)
                     parts.append(m)
                 if parts:
@@ -136,21 +147,22 @@ def test_unified_pool_latents_and_state_envelopes(agents: tuple[Any, Any], ptp: 
         for state, part in zip(
             states(unified_device_pool(SPEC, dtp, None, raw=want)), shard(SPEC, whole, dtp, d), strict=True
         ):
-            state[:, D_SLOT] = part[:, 1]
+            state[:, dx["slot"]] = part[:, 1]
         assert torch.equal(dx["raw"], want), d
         if ptp == dtp:  # SGLang's item: the slot's whole envelope
             ssm = dx["pool"].mamba_cache.temporal
             entry = ssm.stride(1) * ssm.element_size()  # a slot's envelope: its views' slot stride
-            got = dx["raw"][D_SLOT * entry : (D_SLOT + 1) * entry]
-            assert torch.equal(got, prefill[d]["raw"][P_SLOT * entry : (P_SLOT + 1) * entry]), d
+            ds, ps = dx["slot"], prefill[d]["slot"]
+            got = dx["raw"][ds * entry : (ds + 1) * entry]
+            assert torch.equal(got, prefill[d]["raw"][ps * entry : (ps + 1) * entry]), d
 
 
 def test_unified_states_between_tp_degrees_need_the_mamba_type() -> None:
     """Without the Mamba type (what SGLang's unified pool publishes: no per-tensor
     metadata) a state page is one rank's whole item: between TP degrees it is refused,
     naming the state and both shapes."""
-    a = mamba_state_pools(unified_rank(0, 1, None, None)["pool"])
-    b = mamba_state_pools(unified_rank(1, 2, None, None)["pool"])
+    src, dst = unified_rank(0, 1, None, None), unified_rank(1, 2, None, None)
+    a, b = mamba_state_pools(src["pool"]), mamba_state_pools(dst["pool"])
     with pytest.raises(
         BlockMapError,
         match=re.escape(
@@ -160,8 +172,8 @@ def test_unified_states_between_tp_degrees_need_the_mamba_type() -> None:
         block_map(
             a["conv0"],
             b["conv0"],
-            [P_SLOT],
-            [D_SLOT],
+            [src["slot"]],
+            [dst["slot"]],
             src_shard=Shard(0, 1, MODEL_HEADS),
             dst_shard=Shard(1, 2, MODEL_HEADS),
         )
