@@ -77,7 +77,9 @@ def unified_rank(
     raw = raw.view(torch.uint8)
     if whole is None:
         raw.zero_()
+    latents = raw.clone()
     pool = unified_device_pool(SPEC, tp, None, raw=raw)
+    assert torch.equal(raw, latents)  # views over the shared buffer leave the KV sub-pool's bytes
     ssm = pool.mamba_cache.temporal
     slot = ssm.shape[1] - (D_BACK if whole is None else P_BACK)
     page = views[0].stride(0) * views[0].element_size()
