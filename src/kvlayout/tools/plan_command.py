@@ -160,14 +160,10 @@ def _state_side(
     )  # fmt: skip
 
 
-DEFAULT_RING_KIND = "deepseek-v4.1"
-"""``--ring-kind`` unless given: the ring ``plan`` first read (a key of ``RING_KINDS``)."""
-
-
 def _ring_kind(args: argparse.Namespace) -> tuple[str, Any]:
-    """The ring ``--ring-kind`` names (:data:`DEFAULT_RING_KIND` unless given) and how
-    vLLM 0.33 registers it (``RING_KINDS``), or the command line's error listing them."""
-    from kvlayout.integrations.vllm.rules import RING_KINDS
+    """The ring ``--ring-kind`` names (``DEFAULT_RING_KIND`` unless given) and how vLLM
+    0.33 registers it (``RING_KINDS``), or the command line's error listing them."""
+    from kvlayout.integrations.vllm.rules import DEFAULT_RING_KIND, RING_KINDS
 
     name = args.ring_kind or DEFAULT_RING_KIND
     if name not in RING_KINDS:

@@ -49,6 +49,7 @@ from kvlayout.registration.opaque import OpaquePages, PageArray, mark_opaque_pag
 from kvlayout.types import HintsLike, LayoutHints
 
 __all__ = [
+    "DEFAULT_RING_KIND",
     "RING_KINDS",
     "STATE_ROWS_DTYPE",
     "CPUAttentionPagesEdit",
@@ -135,16 +136,15 @@ def reads_as_state_rows(geometry: Any) -> bool:
 
 def reads_as_ring(geometry: Any) -> bool:
     """Whether a kernel group's geometry, detected from a vLLM registration without its
-    spec, is what vLLM 0.33 registers a ``CircularBufferSpec`` ring as: one head of
-    float32 in blocks of the ring's capacity, a power of two of 8 or more
-    (``CompressorStateCache``: ``max(8, ...)`` rounded up to a power of two). Only the
-    spec, or a declaration of it, tells such a ring from one fp32 head of attention."""
-    bs = geometry.block_size
+    spec, is what vLLM 0.33 registers DeepSeek-V4.1's ``CircularBufferSpec`` ring as
+    (:data:`RING_KINDS`' :data:`DEFAULT_RING_KIND`): its head slots of its dtype in blocks
+    of the ring's capacity. Only the spec, or a declaration of it, tells such a ring from
+    one fp32 head of attention."""
+    ring, bs = RING_KINDS[DEFAULT_RING_KIND], geometry.block_size
     return (
-        (geometry.num_heads, geometry.dtype) == (1, torch.float32)
+        (geometry.num_heads, geometry.dtype) == (ring.slots, ring.dtype)
         and isinstance(bs, int)
-        and bs >= 8
-        and bs & (bs - 1) == 0
+        and ring.capacity_error(bs) is None
     )
 
 
@@ -561,6 +561,13 @@ class RingKind:
     pow2_capacity: int = 0
     rows_are: str = "its capacity"
 
+    def capacity_error(self, rows: int) -> str | None:
+        """Why a ring of ``rows`` rows (its ``N``) is not one of this kind's capacities; None
+        where it is."""
+        if self.pow2_capacity and (rows < self.pow2_capacity or rows & (rows - 1)):
+            return f"axis 2 (N) is {rows}, not a power of two of {self.pow2_capacity} or more"
+        return None
+
     @property
     def registered(self) -> str:
         """The registered shape as ``kvlayout plan`` writes it, with its dtype."""
@@ -582,6 +589,10 @@ RING_KINDS: dict[str, RingKind] = {
     ),  # csa_tail_ring.py: the main page in _ROW_BYTES rows, 7 + speculative tokens of them
 }  # fmt: skip
 """vLLM 0.33's rings by the name ``kvlayout plan --ring-kind`` takes."""
+
+DEFAULT_RING_KIND = "deepseek-v4.1"
+"""The ring a shape declares unless its kind is named (``--ring-kind``): the first that
+:func:`declared_ring_pages` read, and the one whose shape no attention registers."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -612,8 +623,8 @@ def _ring_shape_error(value: torch.Tensor, kind: RingKind) -> str | None:
         return f"axis 1 (H) is {value.shape[1]}, not {kind.slots}"
     if value.dtype != kind.dtype:
         return f"its dtype is {_dtype_name(value.dtype)}, not {_dtype_name(kind.dtype)}"
-    if kind.pow2_capacity and (rows < kind.pow2_capacity or rows & (rows - 1)):
-        return f"axis 2 (N) is {rows}, not a power of two of {kind.pow2_capacity} or more"
+    if (capacity := kind.capacity_error(rows)) is not None:
+        return capacity
     page = rows * width * value.element_size()
     if kind.row_bytes and (page % kind.row_bytes or page // kind.row_bytes < kind.min_rows):
         return (
@@ -628,7 +639,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def declared_ring_pages(
-    value: torch.Tensor, layout_hints: HintsLike = None, kind: str = "deepseek-v4.1"
+    value: torch.Tensor, layout_hints: HintsLike = None, kind: str = DEFAULT_RING_KIND
 ) -> torch.Tensor:
     """A ring as vLLM 0.33 registers it (``value``: ``[NB, H, N, C]``, a
     :data:`RING_KINDS` ``kind``: DeepSeek-V4.1's ``CompressorStateCache`` by default)
