@@ -7,6 +7,7 @@ and a partly filled ring moved only its first rows."""
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import pytest
@@ -166,6 +167,40 @@ def test_a_ring_declared_by_its_shape_reads_as_its_spec_reads_it() -> None:
     for bad in (view.expand(NB, 2, CAPACITY, 2 * HEAD_DIM), view.to(torch.bfloat16)):
         with pytest.raises(KVCacheGroupEditError, match=r"registers as \[NB,1,N,C\] float32"):
             declared_ring_pages(bad)
+
+
+@pytest.mark.parametrize(
+    ("kind", "shape", "dtype", "why"),
+    [
+        ("deepseek-v4.1", (NB, 1, 8, 2 * HEAD_DIM, 1), torch.float32, "a tensor of 5 dims, not 4"),
+        ("deepseek-v4.1", (NB, 1, 12, 2 * HEAD_DIM), torch.float32, "axis 2 (N) is 12, not a power of two of 8"),
+        ("deepseek-v4.1", (NB, 1, 4, 2 * HEAD_DIM), torch.float32, "axis 2 (N) is 4, not a power of two of 8"),
+        ("step5-csa-tail", (NB, 1, 64, 48), torch.bfloat16, "N x C is 6144 bytes, not 7 or more rows of 1024"),
+    ],
+)  # fmt: skip
+def test_a_declared_ring_of_a_capacity_its_producer_never_sizes_is_refused(
+    kind: str, shape: tuple[int, ...], dtype: torch.dtype, why: str
+) -> None:
+    """DeepSeek-V4.1's ring holds a power of two of 8 or more rows (``CompressorStateCache``:
+    ``max(8, ...)`` rounded up), Step5's at least 7 rows of 1 KiB (``Step5CSATailRing``: 7 +
+    the speculative tokens); the least of each is a ring, and a geometry read without a spec
+    is taken for DeepSeek-V4.1's ring only at its capacities."""
+    from types import SimpleNamespace
+
+    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+    from kvlayout.integrations.vllm.rules import declared_ring_pages, reads_as_ring
+
+    with pytest.raises(KVCacheGroupEditError, match=re.escape(why)):
+        declared_ring_pages(torch.zeros(shape, dtype=dtype), kind=kind)
+    least = (NB, 1, 8, 2 * HEAD_DIM) if kind == "deepseek-v4.1" else (NB, 1, 64, 56)  # Step5: 7 KiB
+    pages = declared_ring_pages(torch.zeros(least, dtype=dtype), kind=kind)
+    assert (
+        pages.shape[0] == NB
+        and pages[0].numel() * pages.element_size() == least[2] * least[3] * dtype.itemsize
+    )
+    one_head = {"num_heads": 1, "dtype": torch.float32}
+    assert reads_as_ring(SimpleNamespace(block_size=8, **one_head))
+    assert not any(reads_as_ring(SimpleNamespace(block_size=n, **one_head)) for n in (4, 12))
 
 
 def test_rings_of_two_capacities_are_refused_as_rings() -> None:
