@@ -4,6 +4,7 @@ binding's signature dump, a ``KeyError`` or a value read with the wrong sign."""
 
 from __future__ import annotations
 
+import collections
 import re
 import subprocess
 import sys
@@ -190,12 +191,18 @@ BOOL_IDS = [  # (ids, where the message says the bool is)
     ([True, 1], "[0]"),
     ((0, np.True_), "[1]"),
     ([2, torch.tensor(True)], "[1]"),
+    ([3, np.array(False)], "[1]"),  # a 0-d NumPy bool array
+    (collections.deque([5, True]), "[1]"),  # a sequence that is no list, NumPy reads as one
     (np.array([0, 1], dtype=bool), ""),  # refused by dtype
     (torch.tensor([False, True]), ""),
 ]
 
 
-@pytest.mark.parametrize(("ids", "named"), BOOL_IDS, ids=["list", "tuple", "torch-in-list", "numpy", "torch"])
+@pytest.mark.parametrize(
+    ("ids", "named"),
+    BOOL_IDS,
+    ids=["list", "tuple", "torch-in-list", "numpy-0d-in-list", "deque", "numpy", "torch"],
+)
 def test_a_bool_among_block_ids_or_slots_is_refused_not_read_as_0_or_1(ids: Any, named: str) -> None:
     """``[True, 1]`` read as blocks ``[1, 1]``: a silent wrong answer at every entry point
     that takes block ids (a map's blocks or slot mappings, a plan's calls)."""

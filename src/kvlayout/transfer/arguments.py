@@ -56,7 +56,6 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError], count: int 
         ids = host.numpy() if host.dtype == torch.uint64 else host.to(torch.int64).numpy()
     else:
         _refuse_masked(name, value, error)
-        _refuse_bools(name, value, error)
         try:
             ids = np.asarray(value)
         except ValueError:  # NumPy's "inhomogeneous shape": a list holding lists of other lengths
@@ -67,6 +66,7 @@ def block_ids_arg(name: str, value: Any, error: type[KVLayoutError], count: int 
             raise error(
                 f"{name} must be a 1-D sequence of ints, got {ids.dtype} with shape {list(ids.shape)}"
             )
+        _refuse_bools(name, value, ids, error)
     if ids.ndim != 1:
         raise error(f"{name} must be a 1-D sequence of ints, got shape {list(ids.shape)}")
     if ids.size and ids.dtype.kind == "u" and int(ids.max()) > np.iinfo(np.int64).max:
@@ -88,16 +88,17 @@ def _refuse_masked(name: str, value: Any, error: type[KVLayoutError]) -> None:
         raise error(f"{name}{where} is masked, which is no block id: fill or compress the masked array first")
 
 
-def _refuse_bools(name: str, value: Any, error: type[KVLayoutError]) -> None:
-    """A bool among a list's ints: NumPy reads ``[True, 1]`` as ``[1, 1]``, block 1 twice.
-    (An array or tensor of bools is refused by its dtype.)"""
-    if isinstance(value, (list, tuple)) and not _INT_ONLY.issuperset(map(type, value)):
-        for i, v in enumerate(value):
-            if isinstance(v, (bool, np.bool_)) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
-                raise error(f"{name}[{i}] is a bool ({v!r}), not an int: {_ONE_D}")
-
-
-_INT_ONLY = frozenset({int})  # a list of Python ints, the common case, is not walked in Python
+def _refuse_bools(name: str, value: Any, ids: np.ndarray, error: type[KVLayoutError]) -> None:
+    """A bool among a sequence's ints (``ids``, NumPy's reading of ``value``): NumPy reads
+    ``[True, 1]`` as ``[1, 1]``, block 1 twice. Only an entry read as 0 or 1 can be one, so
+    only those are looked at: a list of ids is not walked per request. (An array or tensor
+    of bools is refused by its dtype.)"""
+    if not isinstance(value, Sequence) or isinstance(value, range) or ids.ndim != 1:
+        return
+    for i in np.flatnonzero((ids == 0) | (ids == 1)).tolist():
+        v = value[i]
+        if isinstance(v, (bool, np.bool_)) or getattr(v, "dtype", None) in (np.bool_, torch.bool):
+            raise error(f"{name}[{i}] is a bool ({v!r}), not an int: {_ONE_D}")
 
 
 def _ragged(name: str, value: Any) -> str:
