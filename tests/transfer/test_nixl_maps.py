@@ -483,6 +483,9 @@ def test_a_poster_restarted_under_its_name_is_refused_by_name_until_the_peer_dro
         pair.peer.add_remote(restarted.get_agent_metadata())
     assert str(refused.value).endswith("(one restarted under its name), or it is its own; remove_remote_agent(that "
                                        "name) first")  # fmt: skip
+    with pytest.raises(nx.NixlError) as garbled:  # not metadata at all: no restart to blame
+        pair.peer.add_remote(b"not an agent's metadata")
+    assert str(garbled.value).endswith("could not load the metadata (nixlMismatchError: NIXL_ERR_MISMATCH)")
     pair.peer.remove_remote(poster_name)
     assert pair.peer.add_remote(restarted.get_agent_metadata()) == poster_name
     pair.peer.remove_remote(poster_name)  # the module's poster again, for the paced tests

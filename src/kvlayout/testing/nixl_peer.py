@@ -824,10 +824,14 @@ def _load_remote(agent: Any, metadata: bytes) -> bytes:
     try:
         name: bytes = agent.add_remote_agent(metadata)
     except Exception as exc:  # NIXL's bindings' classes (nixlNotAllowedError, ...), raw
+        why = ""
+        if type(exc).__name__ in ("nixlNotAllowedError", "nixlInvalidParamError"):  # what either case raises
+            why = (
+                ": it holds an agent of that name already, loaded from another agent's metadata (one "
+                "restarted under its name), or it is its own; remove_remote_agent(that name) first"
+            )
         raise NixlError(
-            f"agent {agent.name!r} could not load the metadata ({type(exc).__name__}: {exc}): "
-            "it holds an agent of that name already, loaded from another agent's metadata (one "
-            "restarted under its name), or it is its own; remove_remote_agent(that name) first"
+            f"agent {agent.name!r} could not load the metadata ({type(exc).__name__}: {exc}){why}"
         ) from exc
     return name
 
