@@ -340,3 +340,12 @@ def test_a_bounded_replay_window_is_left_out_of_a_prefix_reusing_tier_as_vllm_le
     assert sorted(edited) == sorted(full + ([] if bounded_replay else window))
     _, groups = vllm_transfer_layers(engine.config, edited)
     assert groups is not None and [bool(g) for g in groups] == [g in kept for g in range(2)]
+
+
+def test_a_ring_kind_vllm_does_not_have_is_refused_naming_the_kinds() -> None:
+    from kvlayout.integrations.vllm.errors import KVCacheGroupEditError
+    from kvlayout.integrations.vllm.rules import RING_KINDS, declared_ring_pages
+
+    with pytest.raises(KVCacheGroupEditError) as refused:
+        declared_ring_pages(torch.zeros(2, 1, 8, 4), kind="deepseek-v4")
+    assert str(refused.value) == f"no vLLM 0.33 ring kind 'deepseek-v4': one of {', '.join(RING_KINDS)}"

@@ -648,7 +648,9 @@ def declared_ring_pages(
     plan``'s ring sides, given on the command line): its head slots, its capacity ``N``,
     its row ``C`` values of its dtype. A tensor that is not such a ring (an axis or a
     dtype the kind's producer does not register) raises :class:`KVCacheGroupEditError`
-    naming the axis."""
+    naming the axis; a ``kind`` not in :data:`RING_KINDS` raises it naming the kinds."""
+    if kind not in RING_KINDS:
+        raise KVCacheGroupEditError(f"no vLLM 0.33 ring kind {kind!r}: one of {', '.join(RING_KINDS)}")
     ring = RING_KINDS[kind]
     why = _ring_shape_error(value, ring)
     if why is not None:
