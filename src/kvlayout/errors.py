@@ -22,6 +22,7 @@ __all__ = [
     "as_int",
     "at_least",
     "index_ranges",
+    "is_bool",
     "or_list",
     "positive",
 ]
@@ -38,7 +39,7 @@ def as_int(value: object, what: str) -> int:
     ``operator.index`` themselves)."""
     if type(value) is int:
         return value
-    if not isinstance(value, bool) and not _bool_tensor(value):
+    if not is_bool(value):
         try:
             return operator.index(value)  # type: ignore[arg-type]
         except TypeError:
@@ -46,11 +47,18 @@ def as_int(value: object, what: str) -> int:
     raise TypeError(f"{what} must be an int, not {type(value).__name__} ({value!r})")
 
 
-def _bool_tensor(value: object) -> bool:
-    """A torch bool scalar, which ``operator.index`` reads as 0 or 1. (torch is looked up,
-    not imported: a tensor exists only once it is.)"""
-    torch = sys.modules.get("torch")
-    return torch is not None and isinstance(value, torch.Tensor) and value.dtype == torch.bool
+def is_bool(value: object) -> bool:
+    """A bool: Python's, or anything of a NumPy or torch bool dtype (a scalar, a 0-d array
+    or tensor), which ``operator.index`` or NumPy read as 0 or 1. (NumPy and torch are
+    looked up, not imported: their values exist only once they are.)"""
+    if isinstance(value, bool):
+        return True
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:
+        return False
+    np, torch = sys.modules.get("numpy"), sys.modules.get("torch")
+    numpy_bool = np is not None and isinstance(dtype, np.dtype) and dtype == np.bool_
+    return numpy_bool or (torch is not None and dtype is torch.bool)
 
 
 def at_least(value: object, what: str, least: int) -> int:

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from kvlayout import _native
-from kvlayout.errors import KVLayoutError, as_int
+from kvlayout.errors import KVLayoutError, as_int, is_bool
 from kvlayout.registration.nesting import not_strided
 
 
@@ -97,7 +97,7 @@ def _refuse_bools(name: str, value: Any, ids: np.ndarray, error: type[KVLayoutEr
         return
     for i in np.flatnonzero((ids == 0) | (ids == 1)).tolist():
         v = value[i]
-        if isinstance(v, (bool, np.bool_)) or getattr(v, "dtype", None) in (np.bool_, torch.bool):
+        if is_bool(v):
             raise error(f"{name}[{i}] is a bool ({v!r}), not an int: {_ONE_D}")
 
 

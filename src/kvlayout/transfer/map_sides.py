@@ -522,9 +522,7 @@ def chunk_shape_for(
     dtype, ``tokens`` being ``num_tokens`` (a request's tokens exactly), or whole pages
     where the group's rows are no tokens (opaque pages move whole)."""
     tokens = _count_tokens(num_tokens)
-    _check_block_size("chunk_shape_for", block_size)
-    cache = _as_side(group, block_size, "the cache")
-    pages_per_block(cache, block_size, "chunk_shape_for: block_size", "the cache")
+    cache = _chunk_cache("chunk_shape_for", group, block_size)
     kv_size, row_bytes = _chunk_geometry(cache)
     dtype = getattr(torch, cache.piece_dtypes[0])
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -537,10 +535,14 @@ def chunk_shape_for(
     return (kv_size, len(cache.layers), rows, row_bytes // itemsize), dtype
 
 
-def _check_block_size(caller: str, block_size: object) -> None:
-    """Checked here too: a cache of blocks of its own never reads the block size."""
+def _chunk_cache(caller: str, group: Any, block_size: int | None) -> Side:
+    """The cache a chunk is of, as a side, its ``block_size`` checked here too (a cache of
+    blocks of its own never reads it): its own or a multiple, never ignored."""
     if block_size is not None:
         _positive(block_size, "block_size", f"{caller}: block_size must be None or a positive int")
+    cache = _as_side(group, block_size, "the cache")
+    pages_per_block(cache, block_size, f"{caller}: block_size", "the cache")
+    return cache
 
 
 def _count_tokens(num_tokens: object) -> int:
@@ -563,9 +565,7 @@ def chunk_side(group: Any, chunk: torch.Tensor, *, block_size: int | None = None
     side: one block of ``T`` tokens whose (layer, K/V) slabs hold token rows of the
     group's planes back to back. ``block_map(group, chunk_side(group, chunk), ids, [0])``
     is ``store_blocks`` of those ids into the chunk."""
-    _check_block_size("chunk_side", block_size)
-    cache = _as_side(group, block_size, "the cache")
-    pages_per_block(cache, block_size, "chunk_side: block_size", "the cache")  # checked, never ignored
+    cache = _chunk_cache("chunk_side", group, block_size)
     if not isinstance(chunk, torch.Tensor):
         raise TypeError(f"chunk must be a tensor, not {type(chunk).__name__}")
     kv_size, row_bytes = _chunk_geometry(cache)
