@@ -12,7 +12,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 import torch
 
-from kvlayout.errors import as_int
+from kvlayout.errors import as_int, is_bool
 from kvlayout.registration.address_space import MAX_END, MAX_END_TEXT
 from kvlayout.registration.backing import no_memory
 from kvlayout.registration.kernel_groups import KernelGroup
@@ -229,7 +229,7 @@ def _peer_name(peer: str | bytes) -> str:
 def _seconds(timeout: object) -> float:
     """A caller's timeout: a non-negative number of seconds (inf waits for good), NumPy's
     numbers too (a float32 read from a config array), never a bool."""
-    if not isinstance(timeout, (bool, np.bool_)) and isinstance(timeout, numbers.Real):
+    if not is_bool(timeout) and isinstance(timeout, numbers.Real):
         try:
             seconds = float(timeout)
         except OverflowError:  # an int past any float: longer than anything waits, or negative
